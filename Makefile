@@ -1,0 +1,176 @@
+# kvmesh — the one entry point: deps, build, test, demo, bench, fmt, lint, clean.
+#
+# Plain GNU make, no generator: every component directory is a static library, every
+# tests/unit/test_*.c a Criterion binary. SIMD files are named *_avx2.c / *_avx512.c and get
+# their own -m flags; which one runs is decided at run time (kernels/kernels.h).
+# `make SAN=1` builds everything with AddressSanitizer + UBSan under build/san/.
+
+SHELL := /bin/bash
+CC ?= cc
+ifeq ($(CC),cc)
+CC := gcc
+endif
+
+SAN ?= 0
+ifeq ($(SAN),1)
+BUILD ?= build/san
+SANFLAGS := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
+OPT ?= -O1 -g
+else
+BUILD ?= build
+SANFLAGS :=
+OPT ?= -O2 -g
+endif
+
+WARN := -Wall -Wextra -Wno-unused-parameter -Wshadow -Wvla
+CFLAGS_BASE := -std=gnu11 $(OPT) $(WARN) -I. -pthread -fPIC -MMD -MP $(SANFLAGS) $(EXTRA_CFLAGS)
+AVX2_FLAGS := -mavx2 -mfma -mf16c
+AVX512_FLAGS := -mavx2 -mfma -mf16c -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vnni -mavx512bf16
+LDLIBS := -lm -pthread
+LDFLAGS := $(SANFLAGS)
+
+OBJ := $(BUILD)/obj
+BIN := build/bin
+ifeq ($(SAN),1)
+BIN := $(BUILD)/bin
+endif
+TESTBIN := $(BUILD)/tests
+
+# ------------------------------------------------------------------ sources
+COMMON_SRC  := $(wildcard common/*.c)
+KERNELS_SRC := $(wildcard kernels/*.c kernels/cpu/*.c)
+KVSHARD_SRC := $(filter-out kvshard/main.c,$(wildcard kvshard/*.c))
+ENGINE_SRC  := $(filter-out worker/main.c,$(wildcard worker/*.c))
+CLIENT_SRC  := $(filter-out client/main.c,$(wildcard client/*.c))
+
+LIB_COMMON  := $(BUILD)/lib/libkmcommon.a
+LIB_KERNELS := $(BUILD)/lib/libkmkernels.a
+LIB_KVSHARD := $(BUILD)/lib/libkvshard.a
+LIB_ENGINE  := $(BUILD)/lib/libkmworker.a
+LIB_CLIENT  := $(BUILD)/lib/libkvmesh.a
+# Link order: dependents first.
+ALL_LIBS := $(LIB_CLIENT) $(LIB_ENGINE) $(LIB_KVSHARD) $(LIB_KERNELS) $(LIB_COMMON)
+
+objs = $(patsubst %.c,$(OBJ)/%.o,$(1))
+
+UNIT_SRC := $(wildcard tests/unit/test_*.c)
+UNIT_BIN := $(patsubst tests/unit/%.c,$(TESTBIN)/%,$(UNIT_SRC))
+
+PROGRAMS := $(BIN)/kvmesh
+ifneq ($(wildcard worker/main.c),)
+PROGRAMS += $(BIN)/kvmesh-worker
+endif
+
+.PHONY: all build deps test unit-tests unit-tests-san integration fuzz fuzz-run demo bench \
+        bench-engine fixtures fmt lint clean help
+
+all: build
+build: $(PROGRAMS)
+
+help:
+	@echo "make deps          install Debian packages and fetch the default model (idempotent)"
+	@echo "make [build]       build everything into build/bin"
+	@echo "make test          deps + build + unit tests (plain and ASan/UBSan) + fuzz regression"
+	@echo "make demo          deps + build + the default model answering real prompts"
+	@echo "make bench-engine  engine speed side by side with llama.cpp (docs/benchmarks.md)"
+	@echo "make fixtures      regenerate tests/fixtures from llama.cpp (needs its build)"
+	@echo "make fmt | lint | clean"
+
+# ------------------------------------------------------------------ compile rules
+$(OBJ)/%_avx2.o: %_avx2.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_BASE) $(AVX2_FLAGS) -c $< -o $@
+
+$(OBJ)/%_avx512.o: %_avx512.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_BASE) $(AVX512_FLAGS) -c $< -o $@
+
+$(OBJ)/%.o: %.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_BASE) -c $< -o $@
+
+$(LIB_COMMON): $(call objs,$(COMMON_SRC))
+$(LIB_KERNELS): $(call objs,$(KERNELS_SRC))
+$(LIB_KVSHARD): $(call objs,$(KVSHARD_SRC))
+$(LIB_ENGINE): $(call objs,$(ENGINE_SRC))
+$(LIB_CLIENT): $(call objs,$(CLIENT_SRC))
+$(BUILD)/lib/%.a:
+	@mkdir -p $(dir $@)
+	@rm -f $@
+	ar rcs $@ $^
+
+$(BIN)/kvmesh: $(OBJ)/client/main.o $(ALL_LIBS)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+
+$(BIN)/kvmesh-worker: $(OBJ)/worker/main.o $(ALL_LIBS)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+
+$(TESTBIN)/%: $(OBJ)/tests/unit/%.o $(ALL_LIBS)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $^ -lcriterion $(LDLIBS)
+
+-include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)
+
+# ------------------------------------------------------------------ set-up
+deps:
+	@bash deploy/deps.sh
+
+# ------------------------------------------------------------------ tests
+# Unit tests run from the repository root (fixtures are found by relative path).
+unit-tests: $(UNIT_BIN)
+	@set -e; for t in $(UNIT_BIN); do echo "== $$t"; $$t --jobs 2; done
+
+unit-tests-san:
+	@$(MAKE) --no-print-directory SAN=1 unit-tests
+
+test: deps
+	@$(MAKE) --no-print-directory build
+	@$(MAKE) --no-print-directory unit-tests
+	@$(MAKE) --no-print-directory unit-tests-san
+	@$(MAKE) --no-print-directory fuzz-run
+	@echo "make test: all suites passed"
+
+# ------------------------------------------------------------------ fuzzing (clang libFuzzer)
+FUZZ_SRC := $(wildcard tests/fuzz/fuzz_*.c)
+FUZZ_BIN := $(patsubst tests/fuzz/%.c,build/fuzz/%,$(FUZZ_SRC))
+FUZZ_LIB_SRC := $(COMMON_SRC)
+build/fuzz/%: tests/fuzz/%.c $(FUZZ_LIB_SRC) common/km.h
+	@mkdir -p $(dir $@)
+	clang -std=gnu11 -g -O1 -I. -fsanitize=fuzzer,address,undefined $< $(FUZZ_LIB_SRC) -o $@ -lm -pthread
+
+fuzz: $(FUZZ_BIN)
+
+# Replays the committed corpus, then fuzzes each target briefly.
+FUZZ_SECONDS ?= 20
+fuzz-run: $(FUZZ_BIN)
+	@set -e; for f in $(FUZZ_BIN); do n=$$(basename $$f); \
+	  mkdir -p build/fuzz/corpus/$$n; cp -n tests/fuzz/corpus/$$n/* build/fuzz/corpus/$$n/ 2>/dev/null || true; \
+	  echo "== $$n ($(FUZZ_SECONDS)s)"; \
+	  $$f -max_total_time=$(FUZZ_SECONDS) -max_len=65536 -print_final_stats=0 build/fuzz/corpus/$$n 2>&1 | tail -2; done
+
+# ------------------------------------------------------------------ demo and benchmarks
+demo: deps build
+	@bash deploy/demo.sh
+
+bench: bench-engine
+
+bench-engine: build
+	@bash bench/bench_engine.sh
+
+fixtures: build
+	@bash tests/fixtures/gen_fixtures.sh
+
+# ------------------------------------------------------------------ hygiene
+SRC_ALL = $(shell git ls-files '*.c' '*.h' 2>/dev/null)
+fmt:
+	clang-format -i $(SRC_ALL)
+
+lint:
+	@clang-format --dry-run --Werror $(SRC_ALL)
+	@cppcheck --quiet --error-exitcode=1 --enable=warning,performance,portability \
+	  --inline-suppr --suppress=missingIncludeSystem -I. $(SRC_ALL) 2>&1
+
+clean:
+	rm -rf build

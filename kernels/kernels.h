@@ -1,0 +1,141 @@
+/*
+ * kernels.h — every compute kernel kvmesh runs, behind one table of function pointers per
+ * instruction set, plus the thread pool that drives them.
+ *
+ * Contract:
+ *  - Each kernel exists as a plain scalar reference (kn_ops_get(KN_ISA_SCALAR)) and, where it
+ *    pays, as AVX2 and AVX-512 versions. tests/unit/test_kernels.c holds every fast path to the
+ *    reference. The best table the CPU supports is picked at run time (kn_ops_best); the build
+ *    never assumes the machine it runs on.
+ *  - Numerics follow llama.cpp's CPU back end where it matters for agreement: activations are
+ *    quantized to the weight type's "dot type" (Q8_0 for Q4_0/Q8_0, Q8_1 for Q4_1, Q8_K for the
+ *    K-quants) and dotted with integer arithmetic, exactly as ggml does.
+ *  - Kernels never allocate and never fail: shapes are the caller's responsibility (asserted).
+ *  - Matrices are row-major; a weight matrix W has `rows` rows of `k` elements (ggml's ne[1] and
+ *    ne[0]); activations X have m rows of k elements; Y[i][r] = dot(W[r], X[i]).
+ */
+#ifndef KN_KERNELS_H
+#define KN_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/km.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum kn_isa { KN_ISA_SCALAR = 0, KN_ISA_AVX2 = 1, KN_ISA_AVX512 = 2, KN_ISA_COUNT } kn_isa;
+
+/* Block layouts (identical to ggml's). QK_K = 256. */
+#define KN_QK4_0 32
+#define KN_QK4_1 32
+#define KN_QK8_0 32
+#define KN_QK8_1 32
+#define KN_QK_K  256
+
+typedef uint16_t kn_f16;  /* IEEE half, bit pattern */
+typedef uint16_t kn_bf16; /* bfloat16, bit pattern */
+
+/* The KV-page formats the attention kernel reads (see kvshard/kvshard.h). */
+typedef enum kn_kv_format {
+    KN_KV_F16 = 0,
+    KN_KV_BF16 = 1,
+    KN_KV_FP8 = 2,  /* E4M3, scale per page and head */
+    KN_KV_INT8 = 3, /* symmetric, scale per page and head */
+    KN_KV_INT4 = 4, /* asymmetric; keys grouped per channel, values per token (KIVI) */
+} kn_kv_format;
+
+/* What attention needs to read one (sequence, layer, kv head): the sequence's pages in order and
+ * where, inside every page, this layer's and head's K and V blocks start. In f16/bf16 a block is
+ * [page_tokens][head_dim] elements. */
+typedef struct kn_kv_view {
+    const uint8_t *const *pages;
+    size_t k_off, v_off;
+    size_t k_scale_off, v_scale_off; /* quantized formats: where the block's scales live */
+    int page_tokens;
+    int n_ctx; /* attend to positions [0, n_ctx) */
+    kn_kv_format format;
+} kn_kv_view;
+
+typedef struct kn_ops {
+    kn_isa isa;
+    const char *name;
+
+    /* Activation (dot-type) quantization of one row: t is Q8_0, Q8_1, Q8_K, F16, BF16 or F32. */
+    void (*quantize_row)(km_type t, const float *x, void *y, int64_t n);
+    /* Any weight type to f32 (embedding lookup). */
+    void (*dequantize_row)(km_type t, const void *x, float *y, int64_t n);
+    /* Y[i*y_stride + r] = dot(W row r, X row i) for i in [0,m), r in [r0,r1). X is already in
+     * kn_dot_type(wt); strides are in bytes for W and X, in floats for Y. */
+    void (*matmul)(km_type wt, const void *w, size_t w_stride, const void *x, size_t x_stride,
+                   int64_t k, int m, float *y, size_t y_stride, int64_t r0, int64_t r1);
+
+    /* y = x / rms(x) * w (llama.cpp's ggml_rms_norm then mul). y may alias x. */
+    void (*rmsnorm)(float *y, const float *x, const float *w, int n, float eps);
+    /* Rotates n_heads heads of head_dim in place with the cos/sin cache of kn_rope_cache;
+     * neox pairs (i, i+n_rot/2), normal pairs (2i, 2i+1). */
+    void (*rope)(float *x, int n_heads, int head_dim, int n_rot, const float *cs, int neox);
+    /* y[i] = silu(g[i]) * u[i] */
+    void (*silu_mul)(float *y, const float *g, const float *u, int n);
+    /* y[i] += x[i] */
+    void (*add)(float *y, const float *x, int n);
+    void (*f32_to_f16)(const float *x, kn_f16 *y, int64_t n);
+    void (*f16_to_f32)(const kn_f16 *x, float *y, int64_t n);
+
+    /* Attention of n_q query heads (that share one kv head) of one token over kv->n_ctx
+     * positions: out[h] = softmax(scale * q[h]·K^T) · V, online softmax over pages. q and out
+     * are [n_q][head_dim]. */
+    void (*attention)(const kn_kv_view *kv, int head_dim, const float *q, int n_q, float scale,
+                      float *out);
+} kn_ops;
+
+/* The table for an instruction set, or NULL when this CPU (or build) lacks it. */
+const kn_ops *kn_ops_get(kn_isa isa);
+/* The fastest supported table; KVMESH_ISA=scalar|avx2|avx512 in the environment caps it. */
+const kn_ops *kn_ops_best(void);
+
+/* Activation type a weight type is dotted against. */
+km_type kn_dot_type(km_type weight_type);
+/* 1 when matmul supports the weight type. */
+int kn_weight_type_supported(km_type t);
+
+/* RoPE cache for one position, llama.cpp-exact: theta_i = pos * base^(-2i/n_rot), computed
+ * iteratively in float; cs[2i] = cos, cs[2i+1] = sin, for i < n_rot/2. */
+void kn_rope_cache(float *cs, int n_rot, int pos, float freq_base);
+
+/* Scalar conversions. */
+float kn_f16_to_f32(kn_f16 h);
+kn_f16 kn_f32_to_f16(float f);
+float kn_bf16_to_f32(kn_bf16 h);
+kn_bf16 kn_f32_to_bf16(float f);
+
+/* ---------------------------------------------------------------- thread pool */
+
+/* A fixed set of threads that spin briefly, then sleep, between jobs. The calling thread is
+ * worker 0 of every job. */
+typedef struct kn_pool kn_pool;
+typedef void (*kn_pool_fn)(void *ctx, int ith, int nth);
+
+int kn_pool_create(int n_threads, kn_pool **out);
+void kn_pool_destroy(kn_pool *p);
+int kn_pool_size(const kn_pool *p);
+/* Runs fn(ctx, ith, nth) on every thread and returns when all have finished. */
+void kn_pool_run(kn_pool *p, kn_pool_fn fn, void *ctx);
+/* Inside a job: waits until every thread of the job has reached it. */
+void kn_pool_barrier(kn_pool *p);
+
+/* Splits [0, n) evenly: thread ith gets [*lo, *hi). */
+static inline void kn_split(int64_t n, int ith, int nth, int64_t *lo, int64_t *hi)
+{
+    int64_t per = (n + nth - 1) / nth;
+    int64_t a = per * ith, b = a + per;
+    *lo = a < n ? a : n;
+    *hi = b < n ? b : n;
+}
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KN_KERNELS_H */
