@@ -76,18 +76,19 @@ int kv_store_create(const kv_config *cfg, kv_store **out, km_errbuf *err)
     s->page_bytes = s->block_bytes * 2 * c.n_kv_heads * c.n_layers;
     size_t n = c.hot_bytes / s->page_bytes;
     if (n < 1 || n > INT32_MAX / 2) {
+        size_t pb = s->page_bytes;
         free(s);
         return km_errf(err, KM_EINVAL, "hot_bytes=%zu gives %zu pages of %zu bytes", c.hot_bytes,
-                       n, s->page_bytes);
+                       n, pb);
     }
     s->n_pages = (int)n;
     s->arena = aligned_alloc(64, s->page_bytes * n);
     s->free_stack = malloc(sizeof(int32_t) * n);
     s->refs = calloc(n, sizeof(uint16_t));
     if (!s->arena || !s->free_stack || !s->refs) {
+        size_t pb = s->page_bytes;
         kv_store_destroy(s);
-        return km_errf(err, KM_ENOMEM, "kv store: cannot allocate %zu pages of %zu bytes", n,
-                       s->page_bytes);
+        return km_errf(err, KM_ENOMEM, "kv store: cannot allocate %zu pages of %zu bytes", n, pb);
     }
     for (int i = 0; i < s->n_pages; i++) s->free_stack[i] = s->n_pages - 1 - i;
     s->n_free = s->n_pages;

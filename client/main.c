@@ -1,0 +1,609 @@
+/*
+ * main.c — the `kvmesh` command-line tool.
+ *
+ * Local engine commands (they load the model in-process; no cluster needed):
+ *   kvmesh run        -m MODEL -p PROMPT -n N     generate text, print speeds
+ *   kvmesh perplexity -m MODEL -f FILE --ctx 512  llama.cpp-compatible perplexity
+ *   kvmesh bench      -m MODEL --prompt 512 ...   engine speed (make bench-engine)
+ *   kvmesh tokenize   -m MODEL -p TEXT            token ids
+ * Every option has an environment twin (KVMESH_MODEL, KVMESH_THREADS, ...); `kvmesh CMD --help`
+ * lists them with defaults.
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "worker/worker.h"
+
+typedef struct km_cli {
+    const char *model;
+    const char *prompt;
+    const char *file;
+    const char *system;
+    const char *kv_format;
+    const char *batches;
+    int n_predict;
+    int threads;
+    int ctx;
+    int n_batch;
+    int prompt_tokens;
+    int gen_tokens;
+    int reps;
+    int chat;
+    int ignore_eos;
+    int show_ids;
+    int raw;
+    wk_sample_params sp;
+} km_cli;
+
+static void km_cli_usage(const char *cmd)
+{
+    printf("usage: kvmesh %s [options]\n\n", cmd ? cmd : "COMMAND");
+    if (!cmd) {
+        printf("commands:\n"
+               "  run         generate from a prompt with the local engine\n"
+               "  perplexity  perplexity of a text file (llama.cpp's method)\n"
+               "  bench       engine speed: prefill and decode at several batch sizes\n"
+               "  tokenize    print the token ids of a text\n\n"
+               "`kvmesh COMMAND --help` lists the command's options.\n");
+        return;
+    }
+    printf("options (environment twin in brackets):\n"
+           "  -m, --model PATH        GGUF model [KVMESH_MODEL] (default %s)\n"
+           "  -t, --threads N         threads [KVMESH_THREADS] (default: all cores)\n"
+           "      --kv-format F       f16|bf16 [KVMESH_KV_FORMAT] (default f16)\n",
+           wk_default_model_path());
+    if (!strcmp(cmd, "run") || !strcmp(cmd, "tokenize"))
+        printf("  -p, --prompt TEXT       the prompt (or -f FILE)\n"
+               "  -f, --file PATH         read the prompt from a file\n");
+    if (!strcmp(cmd, "run"))
+        printf("  -n, --n-predict N       tokens to generate (default 128)\n"
+               "      --chat              wrap the prompt in the model's chat template\n"
+               "      --system TEXT       system message for --chat\n"
+               "      --temperature T     0 = greedy (default 0.8)\n"
+               "      --top-k K           (default 40, 0 = off)\n"
+               "      --top-p P           (default 0.95, 1 = off)\n"
+               "      --min-p P           (default 0.05, 0 = off)\n"
+               "      --repeat-penalty R  (default 1.0 = off)\n"
+               "      --repeat-last-n N   (default 64)\n"
+               "      --presence-penalty P, --frequency-penalty P (default 0)\n"
+               "      --seed S            (default fixed; same seed and prompt, same text)\n"
+               "      --ignore-eos        keep generating past end-of-generation tokens\n"
+               "      --ids               print the generated token ids too\n");
+    if (!strcmp(cmd, "perplexity"))
+        printf("  -f, --file PATH         text to score (required)\n"
+               "  -c, --ctx N             context per chunk (default 512)\n"
+               "  -b, --batch N           tokens per forward step (default = ctx)\n");
+    if (!strcmp(cmd, "bench"))
+        printf("      --prompt N          prefill length (default 512)\n"
+               "      --gen N             decode steps (default 128)\n"
+               "      --batch LIST        decode batch sizes (default 1,8,32)\n"
+               "      --reps N            repetitions, median reported (default 3)\n");
+    if (!strcmp(cmd, "tokenize"))
+        printf("      --raw               do not parse special-token texts\n");
+}
+
+static int km_cli_int(const char *s, int *out)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || *end || end == s || v < -2147483647L || v > 2147483647L) return -1;
+    *out = (int)v;
+    return 0;
+}
+
+static int km_cli_float(const char *s, float *out)
+{
+    char *end;
+    errno = 0;
+    float v = strtof(s, &end);
+    if (errno || *end || end == s) return -1;
+    *out = v;
+    return 0;
+}
+
+static int km_cli_parse(const char *cmd, int argc, char **argv, km_cli *c)
+{
+    memset(c, 0, sizeof *c);
+    c->model = wk_default_model_path();
+    c->n_predict = 128;
+    c->ctx = 512;
+    c->prompt_tokens = 512;
+    c->gen_tokens = 128;
+    c->reps = 3;
+    c->batches = "1,8,32";
+    wk_sample_params_default(&c->sp);
+    const char *env;
+    if ((env = getenv("KVMESH_THREADS")) && km_cli_int(env, &c->threads)) {
+        fprintf(stderr, "kvmesh: KVMESH_THREADS=%s is not an integer\n", env);
+        return -1;
+    }
+    if ((env = getenv("KVMESH_KV_FORMAT"))) c->kv_format = env;
+    for (int i = 0; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        int bad = 0, used = 1;
+#define KM_IS(s1, s2) (!strcmp(a, s1) || !strcmp(a, s2))
+        if (KM_IS("-h", "--help")) {
+            km_cli_usage(cmd);
+            exit(0);
+        } else if (KM_IS("--chat", "--chat")) c->chat = 1, used = 0;
+        else if (KM_IS("--ignore-eos", "--ignore-eos")) c->ignore_eos = 1, used = 0;
+        else if (KM_IS("--ids", "--ids")) c->show_ids = 1, used = 0;
+        else if (KM_IS("--raw", "--raw")) c->raw = 1, used = 0;
+        else if (!v) {
+            fprintf(stderr, "kvmesh %s: unknown option or missing value: %s (see --help)\n", cmd,
+                    a);
+            return -1;
+        } else if (KM_IS("-m", "--model")) c->model = v;
+        else if (KM_IS("-p", "--prompt")) c->prompt = v;
+        else if (KM_IS("-f", "--file")) c->file = v;
+        else if (KM_IS("--system", "--system")) c->system = v;
+        else if (KM_IS("--kv-format", "--kv-format")) c->kv_format = v;
+        else if (KM_IS("--batch", "--batch") && !strcmp(cmd, "bench")) c->batches = v;
+        else if (KM_IS("-n", "--n-predict")) bad = km_cli_int(v, &c->n_predict);
+        else if (KM_IS("-t", "--threads")) bad = km_cli_int(v, &c->threads);
+        else if (KM_IS("-c", "--ctx")) bad = km_cli_int(v, &c->ctx);
+        else if (KM_IS("-b", "--batch")) bad = km_cli_int(v, &c->n_batch);
+        else if (KM_IS("--prompt", "--prompt")) bad = km_cli_int(v, &c->prompt_tokens);
+        else if (KM_IS("--gen", "--gen")) bad = km_cli_int(v, &c->gen_tokens);
+        else if (KM_IS("--reps", "--reps")) bad = km_cli_int(v, &c->reps);
+        else if (KM_IS("--temperature", "--temp")) bad = km_cli_float(v, &c->sp.temperature);
+        else if (KM_IS("--top-k", "--top-k")) bad = km_cli_int(v, &c->sp.top_k);
+        else if (KM_IS("--top-p", "--top-p")) bad = km_cli_float(v, &c->sp.top_p);
+        else if (KM_IS("--min-p", "--min-p")) bad = km_cli_float(v, &c->sp.min_p);
+        else if (KM_IS("--repeat-penalty", "--repeat-penalty")) bad = km_cli_float(v, &c->sp.repeat_penalty);
+        else if (KM_IS("--repeat-last-n", "--repeat-last-n")) bad = km_cli_int(v, &c->sp.repeat_last_n);
+        else if (KM_IS("--presence-penalty", "--presence-penalty"))
+            bad = km_cli_float(v, &c->sp.presence_penalty);
+        else if (KM_IS("--frequency-penalty", "--frequency-penalty"))
+            bad = km_cli_float(v, &c->sp.frequency_penalty);
+        else if (KM_IS("--seed", "--seed")) {
+            char *end;
+            c->sp.seed = strtoull(v, &end, 10);
+            bad = *end != 0;
+        } else {
+            fprintf(stderr, "kvmesh %s: unknown option %s (see --help)\n", cmd, a);
+            return -1;
+        }
+#undef KM_IS
+        if (bad) {
+            fprintf(stderr, "kvmesh %s: bad value for %s: %s\n", cmd, a, v);
+            return -1;
+        }
+        i += used;
+    }
+    return 0;
+}
+
+static char *km_read_file(const char *path, size_t *len)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        fprintf(stderr, "kvmesh: cannot open %s: %s\n", path, strerror(errno));
+        return NULL;
+    }
+    size_t cap = 1 << 16, n = 0;
+    char *buf = malloc(cap + 1);
+    size_t r;
+    while (buf && (r = fread(buf + n, 1, cap - n, f)) > 0) {
+        n += r;
+        if (n == cap) {
+            char *nb = realloc(buf, (cap *= 2) + 1);
+            if (!nb) free(buf);
+            buf = nb;
+        }
+    }
+    fclose(f);
+    if (!buf) return NULL;
+    buf[n] = 0;
+    *len = n;
+    return buf;
+}
+
+/* Loads the model and builds an engine; prints the reason and returns -1 on failure. */
+static int km_open_engine(const km_cli *c, int max_batch, wk_model **m, wk_engine **e)
+{
+    km_errbuf err = {{0}};
+    int rc = wk_model_load(c->model, m, &err);
+    if (rc) {
+        fprintf(stderr, "kvmesh: %s\n", err.msg);
+        if (rc == KM_EIO) fprintf(stderr, "kvmesh: hint: `make deps` fetches the default model\n");
+        return -1;
+    }
+    wk_engine_opts o = {.n_threads = c->threads, .max_batch_tokens = max_batch};
+    if (c->kv_format && kv_format_parse(c->kv_format, &o.kv_format)) {
+        fprintf(stderr, "kvmesh: unknown --kv-format %s\n", c->kv_format);
+        return -1;
+    }
+    if ((rc = wk_engine_create(*m, &o, e, &err))) {
+        fprintf(stderr, "kvmesh: %s\n", err.msg);
+        return -1;
+    }
+    return 0;
+}
+
+static int32_t *km_tokenize(const km_tokenizer *tok, const char *text, size_t len, int parse_special,
+                            int *n_out)
+{
+    int n = km_tok_encode(tok, text, len, 1, parse_special, NULL, 0);
+    if (n < 0) return NULL;
+    int32_t *ids = malloc(sizeof(int32_t) * (n + 1));
+    if (!ids) return NULL;
+    *n_out = km_tok_encode(tok, text, len, 1, parse_special, ids, n + 1);
+    return ids;
+}
+
+/* Feeds tokens [0, n) of one sequence through the engine in chunks; leaves the logits of the
+ * last token in *last. */
+static int km_prefill(wk_engine *e, kv_seq *seq, const int32_t *ids, int n, int chunk,
+                      const float **last)
+{
+    int32_t pos[4096];
+    kv_seq *seqs[4096];
+    if (chunk > 4096) chunk = 4096;
+    for (int start = 0; start < n; start += chunk) {
+        int len = n - start < chunk ? n - start : chunk;
+        for (int i = 0; i < len; i++) pos[i] = start + i, seqs[i] = seq;
+        wk_batch b = {.n_tokens = len, .tokens = ids + start, .pos = pos, .seqs = seqs};
+        int rc = wk_engine_step(e, &b, last);
+        if (rc < 0) return rc;
+    }
+    return 0;
+}
+
+static int km_cmd_run(int argc, char **argv)
+{
+    km_cli c;
+    if (km_cli_parse("run", argc, argv, &c)) return 2;
+    size_t plen = 0;
+    char *owned = NULL;
+    const char *prompt = c.prompt;
+    if (c.file) {
+        if (!(owned = km_read_file(c.file, &plen))) return 1;
+        prompt = owned;
+    }
+    if (!prompt) {
+        fprintf(stderr, "kvmesh run: give a prompt with -p TEXT or -f FILE\n");
+        return 2;
+    }
+    wk_model *m = NULL;
+    wk_engine *e = NULL;
+    if (km_open_engine(&c, 512, &m, &e)) return 1;
+    const km_tokenizer *tok = wk_model_tokenizer(m);
+    char *templated = NULL;
+    if (c.chat) {
+        km_chat_kind kind = wk_model_chat_kind(m);
+        if (kind == KM_CHAT_NONE) kind = KM_CHAT_CHATML;
+        km_chat_msg msgs[2];
+        int nm = 0;
+        if (c.system) msgs[nm++] = (km_chat_msg){"system", c.system};
+        msgs[nm++] = (km_chat_msg){"user", prompt};
+        const char *defsys = "You are a helpful AI assistant named SmolLM, trained by Hugging Face";
+        int need = km_chat_apply(kind, msgs, nm, 1, defsys, NULL, 0);
+        templated = malloc(need + 1);
+        km_chat_apply(kind, msgs, nm, 1, defsys, templated, need + 1);
+        prompt = templated;
+    }
+    int n_prompt = 0;
+    int32_t *ids = km_tokenize(tok, prompt, strlen(prompt), 1, &n_prompt);
+    if (!ids || n_prompt <= 0) {
+        fprintf(stderr, "kvmesh run: the prompt tokenizes to nothing\n");
+        return 1;
+    }
+    wk_sampler *smp = NULL;
+    kv_seq *seq = NULL;
+    wk_sampler_create(&c.sp, wk_model_hparams(m)->n_vocab, &smp);
+    kv_seq_create(wk_engine_kv(e), &seq);
+    for (int i = 0; i < n_prompt; i++) wk_sampler_accept(smp, ids[i]);
+
+    const float *logits;
+    uint64_t t0 = km_now_ns();
+    int rc = km_prefill(e, seq, ids, n_prompt, 512, &logits);
+    uint64_t t1 = km_now_ns();
+    if (rc < 0) {
+        fprintf(stderr, "kvmesh run: forward failed: %s\n", km_strerror(rc));
+        return 1;
+    }
+    km_detok dt;
+    km_detok_init(&dt);
+    char piece[1024];
+    int n_gen = 0, pos = n_prompt;
+    int32_t *gen = malloc(sizeof(int32_t) * (c.n_predict + 1));
+    if (!c.chat) fwrite(prompt, 1, strlen(prompt), stdout);
+    for (; n_gen < c.n_predict; n_gen++) {
+        int32_t id = wk_sampler_sample(smp, logits);
+        if (!c.ignore_eos && km_tok_is_eog(tok, id)) break;
+        gen[n_gen] = id;
+        wk_sampler_accept(smp, id);
+        int w = km_detok_push(tok, &dt, id, piece, sizeof piece);
+        if (w > 0) fwrite(piece, 1, w, stdout), fflush(stdout);
+        if (n_gen + 1 == c.n_predict) {
+            n_gen++;
+            break;
+        }
+        wk_batch b = {.n_tokens = 1, .tokens = &id, .pos = &pos, .seqs = &seq};
+        if ((rc = wk_engine_step(e, &b, &logits)) < 0) {
+            fprintf(stderr, "\nkvmesh run: forward failed at position %d: %s\n", pos,
+                    km_strerror(rc));
+            break;
+        }
+        pos++;
+    }
+    uint64_t t2 = km_now_ns();
+    int w = km_detok_flush(&dt, piece, sizeof piece);
+    if (w > 0) fwrite(piece, 1, w, stdout);
+    printf("\n");
+    if (c.show_ids) {
+        printf("ids:");
+        for (int i = 0; i < n_gen; i++) printf(" %d", gen[i]);
+        printf("\n");
+    }
+    double pp = (t1 - t0) / 1e9, tg = (t2 - t1) / 1e9;
+    fprintf(stderr,
+            "kvmesh run: model=%s threads=%d isa=%s prompt=%d tokens %.1f tok/s, "
+            "generation=%d tokens %.1f tok/s\n",
+            wk_model_name(m), wk_engine_threads(e), wk_engine_isa(e), n_prompt,
+            n_prompt / (pp > 0 ? pp : 1e-9), n_gen, n_gen / (tg > 0 ? tg : 1e-9));
+    kv_seq_destroy(wk_engine_kv(e), seq);
+    wk_sampler_destroy(smp);
+    wk_engine_destroy(e);
+    wk_model_free(m);
+    free(ids);
+    free(gen);
+    free(templated);
+    free(owned);
+    return rc < 0 ? 1 : 0;
+}
+
+/* llama.cpp's perplexity: the text is cut into n_ctx-token chunks (BOS first when the model adds
+ * one); each chunk is evaluated from an empty cache and only its second half is scored, so every
+ * scored token sees at least n_ctx/2 tokens of context. */
+static int km_cmd_perplexity(int argc, char **argv)
+{
+    km_cli c;
+    if (km_cli_parse("perplexity", argc, argv, &c)) return 2;
+    if (!c.file) {
+        fprintf(stderr, "kvmesh perplexity: give the text with -f FILE\n");
+        return 2;
+    }
+    if (c.ctx < 8 || c.ctx > 4096) {
+        fprintf(stderr, "kvmesh perplexity: --ctx must be in [8, 4096]\n");
+        return 2;
+    }
+    int n_batch = c.n_batch > 0 && c.n_batch < c.ctx ? c.n_batch : c.ctx;
+    size_t len;
+    char *text = km_read_file(c.file, &len);
+    if (!text) return 1;
+    wk_model *m = NULL;
+    wk_engine *e = NULL;
+    if (km_open_engine(&c, n_batch, &m, &e)) return 1;
+    const km_tokenizer *tok = wk_model_tokenizer(m);
+    int n_tok = 0;
+    int32_t *ids = km_tokenize(tok, text, len, 0, &n_tok);
+    int n_ctx = c.ctx, n_chunk = n_tok / n_ctx, n_vocab = wk_model_hparams(m)->n_vocab;
+    if (n_chunk < 1) {
+        fprintf(stderr, "kvmesh perplexity: %d tokens is less than one context of %d\n", n_tok,
+                n_ctx);
+        return 1;
+    }
+    fprintf(stderr, "kvmesh perplexity: %d tokens, %d chunks of %d, batch %d, kv %s\n", n_tok,
+            n_chunk, n_ctx, n_batch, c.kv_format ? c.kv_format : "f16");
+    int first = n_ctx / 2;
+    double nll = 0, nll2 = 0;
+    long count = 0;
+    int32_t *chunk = malloc(sizeof(int32_t) * n_ctx), *pos = malloc(sizeof(int32_t) * n_ctx);
+    kv_seq **seqs = malloc(sizeof(kv_seq *) * n_ctx);
+    uint8_t *want = malloc(n_ctx);
+    uint64_t t0 = km_now_ns();
+    for (int ch = 0; ch < n_chunk; ch++) {
+        memcpy(chunk, ids + (size_t)ch * n_ctx, sizeof(int32_t) * n_ctx);
+        if (km_tok_adds_bos(tok) && km_tok_bos(tok) >= 0) chunk[0] = km_tok_bos(tok);
+        kv_seq *seq;
+        kv_seq_create(wk_engine_kv(e), &seq);
+        for (int s = 0; s < n_ctx; s += n_batch) {
+            int nb = n_ctx - s < n_batch ? n_ctx - s : n_batch;
+            for (int i = 0; i < nb; i++) {
+                pos[i] = s + i;
+                seqs[i] = seq;
+                want[i] = s + i >= first && s + i < n_ctx - 1;
+            }
+            wk_batch b = {.n_tokens = nb, .tokens = chunk + s, .pos = pos, .seqs = seqs,
+                          .logits = want};
+            const float *lg;
+            int n_out = wk_engine_step(e, &b, &lg);
+            if (n_out < 0) {
+                fprintf(stderr, "kvmesh perplexity: forward failed: %s\n", km_strerror(n_out));
+                return 1;
+            }
+            int r = 0;
+            for (int i = 0; i < nb; i++) {
+                if (!want[i]) continue;
+                const float *row = lg + (size_t)r++ * n_vocab;
+                float mx = row[0];
+                for (int v = 1; v < n_vocab; v++) mx = row[v] > mx ? row[v] : mx;
+                double z = 0;
+                for (int v = 0; v < n_vocab; v++) z += exp((double)row[v] - mx);
+                double l = -((double)row[chunk[s + i + 1]] - mx - log(z));
+                nll += l;
+                nll2 += l * l;
+                count++;
+            }
+        }
+        kv_seq_destroy(wk_engine_kv(e), seq);
+        printf("[%d]%.4f%s", ch + 1, exp(nll / count), ch + 1 < n_chunk ? "," : "\n");
+        fflush(stdout);
+    }
+    double secs = (km_now_ns() - t0) / 1e9;
+    double mean = nll / count, var = nll2 / count - mean * mean;
+    double ppl = exp(mean), err = var > 0 ? ppl * sqrt(var / (count - 1)) : 0;
+    printf("Final estimate: PPL = %.4f +/- %.5f\n", ppl, err);
+    fprintf(stderr, "kvmesh perplexity: %.1f s, %.1f tok/s\n", secs, n_chunk * n_ctx / secs);
+    free(chunk);
+    free(pos);
+    free(seqs);
+    free(want);
+    free(ids);
+    free(text);
+    wk_engine_destroy(e);
+    wk_model_free(m);
+    return 0;
+}
+
+static int km_cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static double km_median(double *v, int n)
+{
+    qsort(v, n, sizeof *v, km_cmp_double);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/* Speed of the engine alone, shaped like llama.cpp's benchmarks so the figures compare:
+ * prefill = llama-bench pp (random tokens, one sequence, from an empty cache); decode batch 1 =
+ * llama-bench tg (one token per step from position 0); decode batch B > 1 = llama-batched-bench
+ * S_TG (B sequences, each with a 128-token prompt, then `gen` steps of B tokens). */
+static int km_cmd_bench(int argc, char **argv)
+{
+    km_cli c;
+    if (km_cli_parse("bench", argc, argv, &c)) return 2;
+    int batches[16], nb = 0;
+    for (const char *p = c.batches; *p && nb < 16;) {
+        batches[nb++] = atoi(p);
+        while (*p && *p != ',') p++;
+        if (*p == ',') p++;
+    }
+    int maxb = c.prompt_tokens > 128 ? c.prompt_tokens : 128;
+    for (int i = 0; i < nb; i++) {
+        if (batches[i] < 1 || batches[i] > 256) {
+            fprintf(stderr, "kvmesh bench: batch sizes must be in [1, 256]\n");
+            return 2;
+        }
+        if (batches[i] > maxb) maxb = batches[i];
+    }
+    wk_model *m = NULL;
+    wk_engine *e = NULL;
+    if (km_open_engine(&c, maxb, &m, &e)) return 1;
+    int n_vocab = wk_model_hparams(m)->n_vocab;
+    kv_store *kv = wk_engine_kv(e);
+    int32_t *tok = malloc(sizeof(int32_t) * maxb), *pos = malloc(sizeof(int32_t) * maxb);
+    kv_seq **seqs = malloc(sizeof(kv_seq *) * maxb);
+    uint64_t rng = 42;
+    for (int i = 0; i < maxb; i++) {
+        rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+        tok[i] = (int32_t)((rng >> 33) % n_vocab);
+    }
+    double times[32];
+    int reps = c.reps < 1 ? 1 : c.reps > 32 ? 32 : c.reps;
+    const float *lg;
+    fprintf(stderr, "kvmesh bench: model=%s threads=%d isa=%s\n", wk_model_name(m),
+            wk_engine_threads(e), wk_engine_isa(e));
+    /* prefill */
+    for (int r = -1; r < reps; r++) {
+        kv_seq *s;
+        kv_seq_create(kv, &s);
+        for (int i = 0; i < c.prompt_tokens; i++) pos[i] = i, seqs[i] = s;
+        wk_batch b = {.n_tokens = c.prompt_tokens, .tokens = tok, .pos = pos, .seqs = seqs};
+        uint64_t t0 = km_now_ns();
+        if (wk_engine_step(e, &b, &lg) < 0) return 1;
+        if (r >= 0) times[r] = (km_now_ns() - t0) / 1e9;
+        kv_seq_destroy(kv, s);
+    }
+    printf("bench prefill tokens=%d tok_s=%.1f\n", c.prompt_tokens,
+           c.prompt_tokens / km_median(times, reps));
+    fflush(stdout);
+    /* decode */
+    for (int bi = 0; bi < nb; bi++) {
+        int B = batches[bi], npp = B == 1 ? 0 : 128;
+        for (int r = -1; r < reps; r++) {
+            kv_seq *ss[256];
+            for (int j = 0; j < B; j++) {
+                kv_seq_create(kv, &ss[j]);
+                if (npp) {
+                    for (int i = 0; i < npp; i++) pos[i] = i, seqs[i] = ss[j];
+                    wk_batch b = {.n_tokens = npp, .tokens = tok, .pos = pos, .seqs = seqs};
+                    if (wk_engine_step(e, &b, &lg) < 0) return 1;
+                }
+            }
+            uint64_t t0 = km_now_ns();
+            for (int g = 0; g < c.gen_tokens; g++) {
+                for (int j = 0; j < B; j++) pos[j] = npp + g, seqs[j] = ss[j];
+                uint8_t want[256];
+                memset(want, 1, sizeof want);
+                wk_batch b = {.n_tokens = B, .tokens = tok, .pos = pos, .seqs = seqs,
+                              .logits = want};
+                int rc = wk_engine_step(e, &b, &lg);
+                if (rc < 0) {
+                    fprintf(stderr, "kvmesh bench: step failed: %s\n", km_strerror(rc));
+                    return 1;
+                }
+            }
+            if (r >= 0) times[r] = (km_now_ns() - t0) / 1e9;
+            for (int j = 0; j < B; j++) kv_seq_destroy(kv, ss[j]);
+        }
+        printf("bench decode batch=%d tok_s=%.1f\n", B,
+               (double)B * c.gen_tokens / km_median(times, reps));
+        fflush(stdout);
+    }
+    free(tok);
+    free(pos);
+    free(seqs);
+    wk_engine_destroy(e);
+    wk_model_free(m);
+    return 0;
+}
+
+static int km_cmd_tokenize(int argc, char **argv)
+{
+    km_cli c;
+    if (km_cli_parse("tokenize", argc, argv, &c)) return 2;
+    size_t len = 0;
+    char *owned = NULL;
+    const char *text = c.prompt;
+    if (c.file) {
+        if (!(owned = km_read_file(c.file, &len))) return 1;
+        text = owned;
+    } else if (text) {
+        len = strlen(text);
+    } else {
+        fprintf(stderr, "kvmesh tokenize: give the text with -p TEXT or -f FILE\n");
+        return 2;
+    }
+    km_errbuf err = {{0}};
+    km_gguf *g = NULL;
+    km_tokenizer *tok = NULL;
+    if (km_gguf_open(c.model, &g, &err) || km_tok_create(g, &tok, &err)) {
+        fprintf(stderr, "kvmesh tokenize: %s\n", err.msg);
+        return 1;
+    }
+    int n = 0;
+    int32_t *ids = km_tokenize(tok, text, len, !c.raw, &n);
+    for (int i = 0; i < n; i++) printf("%d%s", ids[i], i + 1 < n ? " " : "\n");
+    free(ids);
+    free(owned);
+    km_tok_destroy(tok);
+    km_gguf_close(g);
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 2 || !strcmp(argv[1], "-h") || !strcmp(argv[1], "--help") ||
+        !strcmp(argv[1], "help")) {
+        km_cli_usage(NULL);
+        return argc < 2 ? 2 : 0;
+    }
+    const char *cmd = argv[1];
+    if (!strcmp(cmd, "run")) return km_cmd_run(argc - 2, argv + 2);
+    if (!strcmp(cmd, "perplexity")) return km_cmd_perplexity(argc - 2, argv + 2);
+    if (!strcmp(cmd, "bench")) return km_cmd_bench(argc - 2, argv + 2);
+    if (!strcmp(cmd, "tokenize")) return km_cmd_tokenize(argc - 2, argv + 2);
+    fprintf(stderr, "kvmesh: unknown command '%s' (kvmesh --help lists them)\n", cmd);
+    return 2;
+}

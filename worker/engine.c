@@ -1,0 +1,343 @@
+/*
+ * engine.c — the forward pass of a Llama-family model over a batch that mixes sequences.
+ *
+ * One step is one thread-pool job: every thread walks the same list of phases, separated by
+ * barriers, and takes its share of each phase. Per layer (shapes for T batch tokens):
+ *
+ *   P1 tokens  x[T][embd] -> rmsnorm -> xn -> quantize to the dot type of Wq -> xq
+ *   P2 rows    q[T][n_head*hd], k[T][n_kv*hd], v[T][n_kv*hd] = xq · {Wq,Wk,Wv}^T (+ bias)
+ *   P3 tokens  rope(q), rope(k); K and V of each token into its sequence's kvshard page
+ *   P4 pairs   (token, kv head): attention of the head group over the sequence's pages -> att
+ *   P5 tokens  quantize att -> xq
+ *   P6 rows    tmp = xq · Wo^T
+ *   P7 tokens  x += tmp; rmsnorm -> xn; quantize -> xq
+ *   P8 rows    gate, up = xq · {Wgate,Wup}^T
+ *   P9 tokens  gate = silu(gate) * up; quantize -> xq
+ *   P10 rows   tmp = xq · Wdown^T
+ *   P11 tokens x += tmp   (fused with the next layer's P1: same token split, no barrier)
+ *
+ * "rows" phases split the output rows of the weight matrices (so each thread streams its own
+ * part of the weights once for the whole batch); "tokens" phases split batch rows. Activations
+ * are quantized exactly as ggml does before each matrix product (kernels.h), which is what makes
+ * our logits track llama.cpp's. Buffers are sized at create for max_batch_tokens; a step
+ * allocates nothing.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "worker/model_internal.h"
+
+struct wk_engine {
+    const wk_model *m;
+    const kn_ops *ops;
+    kn_pool *pool;
+    kv_store *kv;
+    int max_tokens;
+    size_t xq_row_bytes; /* stride of xq rows: the largest dot-type row any weight needs */
+    float *x, *xn, *q, *k, *v, *att, *tmp, *gate, *up, *rope_cs, *logits;
+    uint8_t *xq;
+    int32_t *out_idx;
+};
+
+/* What one step's job needs; lives on the caller's stack for the duration of kn_pool_run. */
+typedef struct wk_step {
+    wk_engine *e;
+    const wk_batch *b;
+    int n_out;
+} wk_step;
+
+static void *wk_alloc(size_t n)
+{
+    void *p = NULL;
+    if (posix_memalign(&p, 64, n ? n : 64)) return NULL;
+    return p;
+}
+
+static size_t wk_dot_row_bytes(const wk_weight *w)
+{
+    return km_type_row_bytes(kn_dot_type(w->type), w->k);
+}
+
+int wk_engine_create(const wk_model *m, const wk_engine_opts *opts, wk_engine **out,
+                     km_errbuf *err)
+{
+    *out = NULL;
+    const wk_hparams *hp = &m->hp;
+    wk_engine_opts o = opts ? *opts : (wk_engine_opts){0};
+    if (o.max_batch_tokens <= 0) o.max_batch_tokens = 512;
+    if (o.n_threads <= 0) {
+        long n = sysconf(_SC_NPROCESSORS_ONLN);
+        o.n_threads = n > 0 ? (int)n : 1;
+    }
+    wk_engine *e = calloc(1, sizeof *e);
+    if (!e) return km_errf(err, KM_ENOMEM, "engine: out of memory");
+    e->m = m;
+    e->ops = kn_ops_best();
+    e->max_tokens = o.max_batch_tokens;
+
+    kv_config kc = {
+        .n_layers = hp->n_layers,
+        .n_kv_heads = hp->n_head_kv,
+        .head_dim = hp->head_dim,
+        .page_tokens = o.page_tokens,
+        .format = o.kv_format,
+        .hot_bytes = o.kv_bytes,
+    };
+    if (!kc.hot_bytes)
+        kc.hot_bytes = (size_t)4 * 4096 * hp->n_layers * hp->n_head_kv * hp->head_dim * 2 * 2;
+    int rc = kv_store_create(&kc, &e->kv, err);
+    if (rc) goto fail;
+    if ((rc = kn_pool_create(o.n_threads, &e->pool))) {
+        km_errf(err, rc, "engine: cannot start %d threads", o.n_threads);
+        goto fail;
+    }
+
+    size_t T = (size_t)e->max_tokens;
+    size_t embd = hp->n_embd, qd = (size_t)hp->n_head * hp->head_dim;
+    size_t kvd = (size_t)hp->n_head_kv * hp->head_dim, ff = hp->n_ff;
+    size_t xq = wk_dot_row_bytes(&m->output);
+    for (int l = 0; l < hp->n_layers; l++) {
+        const wk_layer *L = &m->layers[l];
+        const wk_weight *ws[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
+        for (size_t i = 0; i < sizeof ws / sizeof ws[0]; i++) {
+            size_t b = wk_dot_row_bytes(ws[i]);
+            if (!b) {
+                rc = km_errf(err, KM_EUNSUPPORTED, "engine: layer %d: no dot type for %s", l,
+                             km_type_name(ws[i]->type));
+                goto fail;
+            }
+            if (b > xq) xq = b;
+        }
+    }
+    e->xq_row_bytes = (xq + 63) & ~(size_t)63;
+    e->x = wk_alloc(T * embd * 4);
+    e->xn = wk_alloc(T * embd * 4);
+    e->q = wk_alloc(T * qd * 4);
+    e->k = wk_alloc(T * kvd * 4);
+    e->v = wk_alloc(T * kvd * 4);
+    e->att = wk_alloc(T * qd * 4);
+    e->tmp = wk_alloc(T * embd * 4);
+    e->gate = wk_alloc(T * ff * 4);
+    e->up = wk_alloc(T * ff * 4);
+    e->rope_cs = wk_alloc(T * hp->n_rot * 4);
+    e->logits = wk_alloc(T * (size_t)hp->n_vocab * 4);
+    e->xq = wk_alloc(T * e->xq_row_bytes);
+    e->out_idx = wk_alloc(T * sizeof(int32_t));
+    if (!e->x || !e->xn || !e->q || !e->k || !e->v || !e->att || !e->tmp || !e->gate || !e->up ||
+        !e->rope_cs || !e->logits || !e->xq || !e->out_idx) {
+        rc = km_errf(err, KM_ENOMEM, "engine: cannot allocate buffers for %d tokens", e->max_tokens);
+        goto fail;
+    }
+    *out = e;
+    return 0;
+fail:
+    wk_engine_destroy(e);
+    return rc;
+}
+
+void wk_engine_destroy(wk_engine *e)
+{
+    if (!e) return;
+    kn_pool_destroy(e->pool);
+    kv_store_destroy(e->kv);
+    float *bufs[] = {e->x, e->xn, e->q, e->k, e->v, e->att, e->tmp, e->gate, e->up, e->rope_cs,
+                     e->logits};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
+    free(e->xq);
+    free(e->out_idx);
+    free(e);
+}
+
+kv_store *wk_engine_kv(wk_engine *e) { return e->kv; }
+int wk_engine_threads(const wk_engine *e) { return kn_pool_size(e->pool); }
+const char *wk_engine_isa(const wk_engine *e) { return e->ops->name; }
+
+/* ------------------------------------------------------------------ phases */
+
+/* Quantizes rows [lo, hi) of src (row length k) into xq for the given weight's dot type. */
+static void wk_quantize_rows(wk_engine *e, const wk_weight *w, const float *src, int64_t lo,
+                             int64_t hi)
+{
+    km_type dt = kn_dot_type(w->type);
+    for (int64_t i = lo; i < hi; i++)
+        e->ops->quantize_row(dt, src + i * w->k, e->xq + i * e->xq_row_bytes, w->k);
+}
+
+/* Output rows of several matrices sharing one input are split as one range across threads, in
+ * chunks of 16 rows so the kernels' tiles stay whole. */
+typedef struct wk_mm {
+    const wk_weight *w;
+    float *y;
+    size_t y_stride;
+    const wk_weight *bias;
+} wk_mm;
+
+static void wk_matmul_group(wk_engine *e, const wk_mm *mm, int n_mm, int m, int ith, int nth)
+{
+    int64_t total = 0;
+    for (int i = 0; i < n_mm; i++) total += mm[i].w->rows;
+    int64_t chunks = (total + 15) / 16, c0, c1;
+    kn_split(chunks, ith, nth, &c0, &c1);
+    int64_t lo = c0 * 16, hi = c1 * 16 < total ? c1 * 16 : total;
+    int64_t base = 0;
+    for (int i = 0; i < n_mm && lo < hi; i++) {
+        const wk_weight *w = mm[i].w;
+        int64_t a = lo - base, b = hi - base;
+        if (a < 0) a = 0;
+        if (b > w->rows) b = w->rows;
+        if (a < b) {
+            e->ops->matmul(w->type, w->data, w->row_bytes, e->xq, e->xq_row_bytes, w->k, m,
+                           mm[i].y, mm[i].y_stride, a, b);
+            if (mm[i].bias && mm[i].bias->data) {
+                const float *bv = mm[i].bias->data;
+                for (int t = 0; t < m; t++)
+                    for (int64_t r = a; r < b; r++) mm[i].y[t * mm[i].y_stride + r] += bv[r];
+            }
+        }
+        base += w->rows;
+    }
+}
+
+static void wk_step_job(void *ctx, int ith, int nth)
+{
+    wk_step *st = ctx;
+    wk_engine *e = st->e;
+    const wk_model *m = e->m;
+    const wk_hparams *hp = &m->hp;
+    const kn_ops *ops = e->ops;
+    const wk_batch *b = st->b;
+    int n = b->n_tokens;
+    int embd = hp->n_embd, hd = hp->head_dim, ff = hp->n_ff;
+    int qd = hp->n_head * hd, kvd = hp->n_head_kv * hd, group = hp->n_head / hp->n_head_kv;
+    float scale = 1.0f / sqrtf((float)hd);
+    int64_t t0, t1;
+    kn_split(n, ith, nth, &t0, &t1);
+
+    /* Embeddings and rope caches. */
+    for (int64_t i = t0; i < t1; i++) {
+        const uint8_t *row = (const uint8_t *)m->tok_embd.data +
+                             (size_t)b->tokens[i] * m->tok_embd.row_bytes;
+        ops->dequantize_row(m->tok_embd.type, row, e->x + i * embd, embd);
+        kn_rope_cache(e->rope_cs + i * hp->n_rot, hp->n_rot, b->pos[i], hp->rope_base);
+    }
+
+    for (int l = 0; l < hp->n_layers; l++) {
+        const wk_layer *L = &m->layers[l];
+        /* P1 */
+        for (int64_t i = t0; i < t1; i++)
+            ops->rmsnorm(e->xn + i * embd, e->x + i * embd, L->attn_norm.data, embd,
+                         hp->norm_eps);
+        wk_quantize_rows(e, &L->wq, e->xn, t0, t1);
+        kn_pool_barrier(e->pool);
+        /* P2 */
+        wk_mm qkv[3] = {{&L->wq, e->q, qd, &L->bq}, {&L->wk, e->k, kvd, &L->bk},
+                        {&L->wv, e->v, kvd, &L->bv}};
+        int same = kn_dot_type(L->wk.type) == kn_dot_type(L->wq.type) &&
+                   kn_dot_type(L->wv.type) == kn_dot_type(L->wq.type);
+        if (same) {
+            wk_matmul_group(e, qkv, 3, n, ith, nth);
+        } else {
+            /* Mixed dot types (some K-quant mixes): one matrix at a time. */
+            for (int j = 0; j < 3; j++) {
+                if (j) {
+                    kn_pool_barrier(e->pool);
+                    wk_quantize_rows(e, qkv[j].w, e->xn, t0, t1);
+                    kn_pool_barrier(e->pool);
+                }
+                wk_matmul_group(e, &qkv[j], 1, n, ith, nth);
+            }
+        }
+        kn_pool_barrier(e->pool);
+        /* P3 */
+        for (int64_t i = t0; i < t1; i++) {
+            const float *cs = e->rope_cs + i * hp->n_rot;
+            ops->rope(e->q + i * qd, hp->n_head, hd, hp->n_rot, cs, hp->rope_neox);
+            ops->rope(e->k + i * kvd, hp->n_head_kv, hd, hp->n_rot, cs, hp->rope_neox);
+            kv_seq_write(e->kv, b->seqs[i], l, b->pos[i], e->k + i * kvd, e->v + i * kvd);
+        }
+        kn_pool_barrier(e->pool);
+        /* P4: pairs interleaved so that early (cheap) and late (expensive) prompt positions
+         * spread over the threads. */
+        for (int64_t p = ith; p < (int64_t)n * hp->n_head_kv; p += nth) {
+            int64_t i = p / hp->n_head_kv;
+            int h = (int)(p % hp->n_head_kv);
+            kn_kv_view view;
+            kv_seq_view(e->kv, b->seqs[i], l, h, b->pos[i] + 1, &view);
+            size_t off = (size_t)i * qd + (size_t)h * group * hd;
+            ops->attention(&view, hd, e->q + off, group, scale, e->att + off);
+        }
+        kn_pool_barrier(e->pool);
+        /* P5 */
+        wk_quantize_rows(e, &L->wo, e->att, t0, t1);
+        kn_pool_barrier(e->pool);
+        /* P6 */
+        wk_mm o = {&L->wo, e->tmp, embd, NULL};
+        wk_matmul_group(e, &o, 1, n, ith, nth);
+        kn_pool_barrier(e->pool);
+        /* P7 */
+        for (int64_t i = t0; i < t1; i++) {
+            ops->add(e->x + i * embd, e->tmp + i * embd, embd);
+            ops->rmsnorm(e->xn + i * embd, e->x + i * embd, L->ffn_norm.data, embd, hp->norm_eps);
+        }
+        wk_quantize_rows(e, &L->w_gate, e->xn, t0, t1);
+        kn_pool_barrier(e->pool);
+        /* P8 */
+        if (kn_dot_type(L->w_up.type) == kn_dot_type(L->w_gate.type)) {
+            wk_mm gu[2] = {{&L->w_gate, e->gate, ff, NULL}, {&L->w_up, e->up, ff, NULL}};
+            wk_matmul_group(e, gu, 2, n, ith, nth);
+        } else {
+            wk_mm g1 = {&L->w_gate, e->gate, ff, NULL}, u1 = {&L->w_up, e->up, ff, NULL};
+            wk_matmul_group(e, &g1, 1, n, ith, nth);
+            kn_pool_barrier(e->pool);
+            wk_quantize_rows(e, &L->w_up, e->xn, t0, t1);
+            kn_pool_barrier(e->pool);
+            wk_matmul_group(e, &u1, 1, n, ith, nth);
+        }
+        kn_pool_barrier(e->pool);
+        /* P9 */
+        for (int64_t i = t0; i < t1; i++)
+            ops->silu_mul(e->gate + i * ff, e->gate + i * ff, e->up + i * ff, ff);
+        wk_quantize_rows(e, &L->w_down, e->gate, t0, t1);
+        kn_pool_barrier(e->pool);
+        /* P10 */
+        wk_mm d = {&L->w_down, e->tmp, embd, NULL};
+        wk_matmul_group(e, &d, 1, n, ith, nth);
+        kn_pool_barrier(e->pool);
+        /* P11 */
+        for (int64_t i = t0; i < t1; i++) ops->add(e->x + i * embd, e->tmp + i * embd, embd);
+    }
+
+    /* Output: only the rows that asked for logits, gathered to the front of xn. */
+    int64_t o0, o1;
+    kn_split(st->n_out, ith, nth, &o0, &o1);
+    kn_pool_barrier(e->pool);
+    for (int64_t j = o0; j < o1; j++)
+        ops->rmsnorm(e->xn + j * embd, e->x + (size_t)e->out_idx[j] * embd, m->output_norm.data,
+                     embd, hp->norm_eps);
+    wk_quantize_rows(e, &m->output, e->xn, o0, o1);
+    kn_pool_barrier(e->pool);
+    wk_mm out = {&m->output, e->logits, hp->n_vocab, NULL};
+    wk_matmul_group(e, &out, 1, st->n_out, ith, nth);
+}
+
+int wk_engine_step(wk_engine *e, const wk_batch *b, const float **logits)
+{
+    const wk_hparams *hp = &e->m->hp;
+    if (b->n_tokens < 1 || b->n_tokens > e->max_tokens) return KM_EINVAL;
+    int n_out = 0;
+    for (int i = 0; i < b->n_tokens; i++) {
+        if (b->tokens[i] < 0 || b->tokens[i] >= hp->n_vocab || b->pos[i] < 0 || !b->seqs[i])
+            return KM_EINVAL;
+        if (b->logits ? b->logits[i] : i == b->n_tokens - 1) e->out_idx[n_out++] = i;
+    }
+    for (int i = 0; i < b->n_tokens; i++) {
+        int rc = kv_seq_reserve(e->kv, b->seqs[i], b->pos[i] + 1);
+        if (rc) return rc;
+    }
+    wk_step st = {.e = e, .b = b, .n_out = n_out};
+    kn_pool_run(e->pool, wk_step_job, &st);
+    if (logits) *logits = e->logits;
+    return n_out;
+}

@@ -1,0 +1,234 @@
+/*
+ * model.c — loads a Llama-family GGUF into a wk_model: hyper-parameters from the `{arch}.*`
+ * metadata, every tensor looked up and checked (type supported by the kernels, shape consistent
+ * with the hyper-parameters), and the tokenizer. Weights stay in the GGUF's read-only map.
+ *
+ * Supported architectures: llama (Llama 1/2/3, Mistral, SmolLM), qwen2 (adds q/k/v biases and
+ * NeoX rope). Anything else is KM_EUNSUPPORTED with the architecture's name in the message.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <xxhash.h>
+
+#include "worker/model_internal.h"
+
+const char *wk_default_model_path(void)
+{
+    const char *env = getenv("KVMESH_MODEL");
+    return env && *env ? env : "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+}
+
+static int wk_get_u32(const km_gguf *g, const char *arch, const char *key, uint32_t *out,
+                      int required, km_errbuf *err)
+{
+    char full[128];
+    snprintf(full, sizeof full, "%s.%s", arch, key);
+    int rc = km_gguf_get_u32(g, full, out);
+    if (rc == KM_ENOTFOUND && !required) return 0;
+    if (rc) return km_errf(err, rc == KM_ENOTFOUND ? KM_EFORMAT : rc,
+                           "model: metadata %s is %s", full,
+                           rc == KM_ENOTFOUND ? "missing" : "not an unsigned integer");
+    return 0;
+}
+
+static int wk_get_f32(const km_gguf *g, const char *arch, const char *key, float *out)
+{
+    char full[128];
+    snprintf(full, sizeof full, "%s.%s", arch, key);
+    int rc = km_gguf_get_f32(g, full, out);
+    return rc == KM_ENOTFOUND ? 0 : rc;
+}
+
+/* Finds a tensor and checks its type and shape; expect ne1 = 0 for a 1-D tensor. */
+static int wk_tensor(const km_gguf *g, const char *name, int64_t ne0, int64_t ne1, int optional,
+                     wk_weight *out, km_errbuf *err)
+{
+    memset(out, 0, sizeof *out);
+    const km_gguf_tensor *t = km_gguf_find_tensor(g, name);
+    if (!t) {
+        if (optional) return 0;
+        return km_errf(err, KM_EFORMAT, "model: tensor %s is missing", name);
+    }
+    int want_dims = ne1 ? 2 : 1;
+    if (t->n_dims != want_dims || t->ne[0] != ne0 || (ne1 && t->ne[1] != ne1))
+        return km_errf(err, KM_EFORMAT,
+                       "model: tensor %s has shape [%lld, %lld] (%d dims), expected [%lld, %lld]",
+                       name, (long long)t->ne[0], (long long)t->ne[1], t->n_dims,
+                       (long long)ne0, (long long)ne1);
+    if (ne1) {
+        if (!kn_weight_type_supported((km_type)t->type))
+            return km_errf(err, KM_EUNSUPPORTED, "model: tensor %s has type %s, not supported",
+                           name, km_type_name(t->type));
+    } else if (t->type != KM_TYPE_F32) {
+        return km_errf(err, KM_EUNSUPPORTED, "model: vector %s has type %s, expected F32", name,
+                       km_type_name(t->type));
+    }
+    out->data = t->data;
+    out->type = (km_type)t->type;
+    out->rows = ne1 ? ne1 : 1;
+    out->k = ne0;
+    out->row_bytes = km_type_row_bytes(t->type, ne0);
+    return 0;
+}
+
+static int wk_load_hparams(wk_model *m, km_errbuf *err)
+{
+    const km_gguf *g = m->gguf;
+    wk_hparams *hp = &m->hp;
+    km_str arch;
+    if (km_gguf_get_str(g, "general.architecture", &arch))
+        return km_errf(err, KM_EFORMAT, "model: general.architecture is missing");
+    if (arch.len >= sizeof hp->arch) arch.len = sizeof hp->arch - 1;
+    memcpy(hp->arch, arch.ptr, arch.len);
+    hp->arch[arch.len] = 0;
+    if (strcmp(hp->arch, "llama") && strcmp(hp->arch, "qwen2") && strcmp(hp->arch, "mistral"))
+        return km_errf(err, KM_EUNSUPPORTED,
+                       "model: architecture '%s' is not supported (llama, qwen2, mistral are)",
+                       hp->arch);
+    uint32_t v;
+    int rc;
+#define WK_U32(key, field, req)                                                                    \
+    v = 0;                                                                                         \
+    if ((rc = wk_get_u32(g, hp->arch, key, &v, req, err))) return rc;                              \
+    hp->field = (int)v;
+    WK_U32("block_count", n_layers, 1);
+    WK_U32("embedding_length", n_embd, 1);
+    WK_U32("feed_forward_length", n_ff, 1);
+    WK_U32("attention.head_count", n_head, 1);
+    WK_U32("attention.head_count_kv", n_head_kv, 0);
+    WK_U32("context_length", n_ctx_train, 0);
+    WK_U32("rope.dimension_count", n_rot, 0);
+    WK_U32("vocab_size", n_vocab, 0);
+#undef WK_U32
+    if (!hp->n_head_kv) hp->n_head_kv = hp->n_head;
+    hp->norm_eps = 1e-5f;
+    hp->rope_base = 10000.0f;
+    if ((rc = wk_get_f32(g, hp->arch, "attention.layer_norm_rms_epsilon", &hp->norm_eps)) ||
+        (rc = wk_get_f32(g, hp->arch, "rope.freq_base", &hp->rope_base)))
+        return km_errf(err, rc, "model: rope/norm metadata has the wrong type");
+    if (hp->n_layers < 1 || hp->n_layers > 1024 || hp->n_embd < 1 || hp->n_embd > 65536 ||
+        hp->n_head < 1 || hp->n_head > 1024 || hp->n_ff < 1 || hp->n_ff > 1 << 20 ||
+        hp->n_embd % hp->n_head || hp->n_head % hp->n_head_kv)
+        return km_errf(err, KM_EFORMAT,
+                       "model: inconsistent shape layers=%d embd=%d ff=%d heads=%d kv_heads=%d",
+                       hp->n_layers, hp->n_embd, hp->n_ff, hp->n_head, hp->n_head_kv);
+    hp->head_dim = hp->n_embd / hp->n_head;
+    if (!hp->n_rot) hp->n_rot = hp->head_dim;
+    if (hp->n_rot > hp->head_dim || hp->n_rot % 2)
+        return km_errf(err, KM_EFORMAT, "model: rope.dimension_count %d does not fit head dim %d",
+                       hp->n_rot, hp->head_dim);
+    hp->rope_neox = !strcmp(hp->arch, "qwen2");
+    if (!(hp->norm_eps > 0 && hp->norm_eps < 1) || !(hp->rope_base > 0))
+        return km_errf(err, KM_EFORMAT, "model: bad norm epsilon %g or rope base %g",
+                       hp->norm_eps, hp->rope_base);
+    return 0;
+}
+
+static int wk_load_weights(wk_model *m, km_errbuf *err)
+{
+    const km_gguf *g = m->gguf;
+    wk_hparams *hp = &m->hp;
+    const km_gguf_tensor *emb = km_gguf_find_tensor(g, "token_embd.weight");
+    if (!emb) return km_errf(err, KM_EFORMAT, "model: tensor token_embd.weight is missing");
+    if (!hp->n_vocab) hp->n_vocab = (int)emb->ne[1];
+    int rc;
+    if ((rc = wk_tensor(g, "token_embd.weight", hp->n_embd, hp->n_vocab, 0, &m->tok_embd, err)))
+        return rc;
+    if ((rc = wk_tensor(g, "output_norm.weight", hp->n_embd, 0, 0, &m->output_norm, err)))
+        return rc;
+    if ((rc = wk_tensor(g, "output.weight", hp->n_embd, hp->n_vocab, 1, &m->output, err)))
+        return rc;
+    hp->tied_output = m->output.data == NULL;
+    if (hp->tied_output) m->output = m->tok_embd;
+
+    int qd = hp->n_head * hp->head_dim, kvd = hp->n_head_kv * hp->head_dim;
+    m->layers = calloc(hp->n_layers, sizeof(wk_layer));
+    if (!m->layers) return km_errf(err, KM_ENOMEM, "model: out of memory");
+    for (int l = 0; l < hp->n_layers; l++) {
+        wk_layer *L = &m->layers[l];
+        char name[96];
+#define WK_T(field, suffix, ne0, ne1, opt)                                                         \
+    snprintf(name, sizeof name, "blk.%d.%s", l, suffix);                                           \
+    if ((rc = wk_tensor(g, name, ne0, ne1, opt, &L->field, err))) return rc;
+        WK_T(attn_norm, "attn_norm.weight", hp->n_embd, 0, 0);
+        WK_T(wq, "attn_q.weight", hp->n_embd, qd, 0);
+        WK_T(wk, "attn_k.weight", hp->n_embd, kvd, 0);
+        WK_T(wv, "attn_v.weight", hp->n_embd, kvd, 0);
+        WK_T(wo, "attn_output.weight", qd, hp->n_embd, 0);
+        WK_T(bq, "attn_q.bias", qd, 0, 1);
+        WK_T(bk, "attn_k.bias", kvd, 0, 1);
+        WK_T(bv, "attn_v.bias", kvd, 0, 1);
+        WK_T(ffn_norm, "ffn_norm.weight", hp->n_embd, 0, 0);
+        WK_T(w_gate, "ffn_gate.weight", hp->n_embd, hp->n_ff, 0);
+        WK_T(w_up, "ffn_up.weight", hp->n_embd, hp->n_ff, 0);
+        WK_T(w_down, "ffn_down.weight", hp->n_ff, hp->n_embd, 0);
+#undef WK_T
+    }
+    return 0;
+}
+
+static void wk_fingerprint(wk_model *m)
+{
+    size_t size;
+    const uint8_t *p = km_gguf_file_data(m->gguf, &size);
+    /* The header and metadata (first MiB) plus 64 KiB samples every 1/64 of the file: cheap,
+     * and any re-quantization or fine-tune changes it. */
+    XXH3_state_t *st = XXH3_createState();
+    XXH3_128bits_reset(st);
+    size_t head = size < (1u << 20) ? size : (1u << 20);
+    XXH3_128bits_update(st, p, head);
+    for (int i = 1; i < 64; i++) {
+        size_t off = size / 64 * i, n = 65536;
+        if (off + n > size) n = size - off;
+        XXH3_128bits_update(st, p + off, n);
+    }
+    XXH3_128bits_update(st, &size, sizeof size);
+    XXH128_hash_t h = XXH3_128bits_digest(st);
+    XXH3_freeState(st);
+    snprintf(m->fingerprint, sizeof m->fingerprint, "%016llx%016llx",
+             (unsigned long long)h.high64, (unsigned long long)h.low64);
+}
+
+int wk_model_load(const char *path, wk_model **out, km_errbuf *err)
+{
+    *out = NULL;
+    wk_model *m = calloc(1, sizeof *m);
+    if (!m) return km_errf(err, KM_ENOMEM, "model: out of memory");
+    int rc = km_gguf_open(path, &m->gguf, err);
+    if (!rc) rc = wk_load_hparams(m, err);
+    if (!rc) rc = wk_load_weights(m, err);
+    if (!rc) rc = km_tok_create(m->gguf, &m->tok, err);
+    if (!rc && km_tok_n_vocab(m->tok) != m->hp.n_vocab)
+        rc = km_errf(err, KM_EFORMAT, "model: tokenizer has %d tokens but the model %d",
+                     km_tok_n_vocab(m->tok), m->hp.n_vocab);
+    if (rc) {
+        wk_model_free(m);
+        return rc;
+    }
+    const char *base = strrchr(path, '/');
+    base = base ? base + 1 : path;
+    snprintf(m->name, sizeof m->name, "%s", base);
+    char *dot = strstr(m->name, ".gguf");
+    if (dot) *dot = 0;
+    m->chat = km_chat_detect(m->gguf);
+    wk_fingerprint(m);
+    *out = m;
+    return 0;
+}
+
+void wk_model_free(wk_model *m)
+{
+    if (!m) return;
+    km_tok_destroy(m->tok);
+    km_gguf_close(m->gguf);
+    free(m->layers);
+    free(m);
+}
+
+const wk_hparams *wk_model_hparams(const wk_model *m) { return &m->hp; }
+const km_tokenizer *wk_model_tokenizer(const wk_model *m) { return m->tok; }
+const km_gguf *wk_model_gguf(const wk_model *m) { return m->gguf; }
+const char *wk_model_name(const wk_model *m) { return m->name; }
+km_chat_kind wk_model_chat_kind(const wk_model *m) { return m->chat; }
+void wk_model_fingerprint_hex(const wk_model *m, char out[33]) { memcpy(out, m->fingerprint, 33); }

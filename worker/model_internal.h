@@ -1,0 +1,35 @@
+/*
+ * model_internal.h — the inside of wk_model, shared by model.c (loading) and engine.c (the
+ * forward pass). Private to worker/.
+ */
+#ifndef WK_MODEL_INTERNAL_H
+#define WK_MODEL_INTERNAL_H
+
+#include "worker/worker.h"
+
+/* A weight matrix in place in the GGUF map: `rows` rows of `k` elements of `type`. A 1-D
+ * vector (norms, biases) has rows = 1 and type F32. data == NULL: absent (optional tensor). */
+typedef struct wk_weight {
+    const void *data;
+    km_type type;
+    int64_t rows, k;
+    size_t row_bytes;
+} wk_weight;
+
+typedef struct wk_layer {
+    wk_weight attn_norm, wq, wk, wv, wo, bq, bk, bv;
+    wk_weight ffn_norm, w_gate, w_up, w_down;
+} wk_layer;
+
+struct wk_model {
+    km_gguf *gguf;
+    km_tokenizer *tok;
+    wk_hparams hp;
+    wk_weight tok_embd, output_norm, output;
+    wk_layer *layers;
+    km_chat_kind chat;
+    char name[128];
+    char fingerprint[33];
+};
+
+#endif

@@ -1,0 +1,243 @@
+/*
+ * sampler.c — picks the next token from a row of logits.
+ *
+ * Order (llama.cpp's default chain): repetition/presence/frequency penalties over the last
+ * repeat_last_n tokens, top-k, top-p and min-p (on probabilities at temperature 1), temperature,
+ * then a draw from the sequence's own xoshiro256** stream. Each sequence owns its sampler, so its
+ * tokens depend only on its logits, history and seed, never on the rest of the batch.
+ *
+ * Nothing allocates per token: the candidate arrays are sized for the vocabulary at create.
+ * top-p without top-k avoids sorting the whole vocabulary: it selects the best 64, 512, 4096, …
+ * candidates until their mass reaches p, then sorts only those.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "worker/worker.h"
+
+typedef struct wk_cand {
+    float logit;
+    int32_t id;
+} wk_cand;
+
+struct wk_sampler {
+    wk_sample_params p;
+    int n_vocab;
+    wk_cand *cand;
+    float *row;
+    uint16_t *counts;  /* occurrences of each id in the history window */
+    int32_t *history;  /* ring of the last repeat_last_n tokens */
+    int n_hist, hist_head;
+    uint64_t rng[4];
+};
+
+void wk_sample_params_default(wk_sample_params *p)
+{
+    memset(p, 0, sizeof *p);
+    p->temperature = 0.8f;
+    p->top_k = 40;
+    p->top_p = 0.95f;
+    p->min_p = 0.05f;
+    p->repeat_penalty = 1.0f;
+    p->repeat_last_n = 64;
+    p->seed = 0x6b766d657368ull;
+}
+
+static uint64_t wk_splitmix(uint64_t *x)
+{
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static inline uint64_t wk_rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+
+static uint64_t wk_rng_next(uint64_t *s)
+{
+    uint64_t r = wk_rotl(s[1] * 5, 7) * 9, t = s[1] << 17;
+    s[2] ^= s[0];
+    s[3] ^= s[1];
+    s[1] ^= s[2];
+    s[0] ^= s[3];
+    s[2] ^= t;
+    s[3] = wk_rotl(s[3], 45);
+    return r;
+}
+
+int wk_sampler_create(const wk_sample_params *p, int n_vocab, wk_sampler **out)
+{
+    *out = NULL;
+    if (n_vocab <= 0 || !p) return KM_EINVAL;
+    wk_sampler *s = calloc(1, sizeof *s);
+    if (!s) return KM_ENOMEM;
+    s->p = *p;
+    if (s->p.repeat_last_n <= 0) s->p.repeat_last_n = 64;
+    s->n_vocab = n_vocab;
+    s->cand = malloc(sizeof(wk_cand) * n_vocab);
+    s->row = malloc(sizeof(float) * n_vocab);
+    s->counts = calloc(n_vocab, sizeof(uint16_t));
+    s->history = calloc(s->p.repeat_last_n, sizeof(int32_t));
+    if (!s->cand || !s->row || !s->counts || !s->history) {
+        wk_sampler_destroy(s);
+        return KM_ENOMEM;
+    }
+    uint64_t x = p->seed;
+    for (int i = 0; i < 4; i++) s->rng[i] = wk_splitmix(&x);
+    *out = s;
+    return 0;
+}
+
+void wk_sampler_destroy(wk_sampler *s)
+{
+    if (!s) return;
+    free(s->cand);
+    free(s->row);
+    free(s->counts);
+    free(s->history);
+    free(s);
+}
+
+void wk_sampler_accept(wk_sampler *s, int32_t token)
+{
+    if (token < 0 || token >= s->n_vocab) return;
+    int cap = s->p.repeat_last_n;
+    if (s->n_hist == cap) {
+        int32_t old = s->history[s->hist_head];
+        s->counts[old]--;
+    } else {
+        s->n_hist++;
+    }
+    s->history[s->hist_head] = token;
+    s->hist_head = (s->hist_head + 1) % cap;
+    if (s->counts[token] < UINT16_MAX) s->counts[token]++;
+}
+
+int32_t wk_argmax(const float *x, int n)
+{
+    int32_t best = 0;
+    for (int i = 1; i < n; i++)
+        if (x[i] > x[best]) best = i;
+    return best;
+}
+
+static int wk_cand_desc(const void *a, const void *b)
+{
+    const wk_cand *x = a, *y = b;
+    if (x->logit != y->logit) return x->logit < y->logit ? 1 : -1;
+    return x->id - y->id;
+}
+
+/* Moves the k largest candidates to the front (unordered), quickselect. */
+static void wk_select_top(wk_cand *c, int n, int k)
+{
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+        float pivot = c[(lo + hi) / 2].logit;
+        int i = lo, j = hi;
+        while (i <= j) {
+            while (c[i].logit > pivot) i++;
+            while (c[j].logit < pivot) j--;
+            if (i <= j) {
+                wk_cand t = c[i];
+                c[i++] = c[j];
+                c[j--] = t;
+            }
+        }
+        if (k - 1 <= j) hi = j;
+        else if (k - 1 >= i) lo = i;
+        else break;
+    }
+}
+
+static void wk_apply_penalties(wk_sampler *s, float *row)
+{
+    const wk_sample_params *p = &s->p;
+    if (p->repeat_penalty == 1.0f && p->presence_penalty == 0.0f && p->frequency_penalty == 0.0f)
+        return;
+    int cap = p->repeat_last_n;
+    for (int j = 0; j < s->n_hist; j++) {
+        int32_t id = s->history[(s->hist_head - 1 - j + cap) % cap];
+        if (row[id] != row[id]) continue; /* already penalised: marked below */
+        float l = s->cand[id].logit;
+        if (p->repeat_penalty != 1.0f) l = l > 0 ? l / p->repeat_penalty : l * p->repeat_penalty;
+        l -= p->presence_penalty + p->frequency_penalty * (float)s->counts[id];
+        s->cand[id].logit = l;
+        row[id] = NAN; /* mark as done */
+    }
+}
+
+int32_t wk_sampler_sample(wk_sampler *s, const float *logits)
+{
+    const wk_sample_params *p = &s->p;
+    int n = s->n_vocab;
+    for (int i = 0; i < n; i++) s->cand[i] = (wk_cand){logits[i], i};
+    if (s->n_hist) {
+        memcpy(s->row, logits, sizeof(float) * n);
+        wk_apply_penalties(s, s->row);
+    }
+    if (p->temperature <= 0.0f) {
+        int32_t best = 0;
+        for (int i = 1; i < n; i++)
+            if (s->cand[i].logit > s->cand[best].logit) best = i;
+        return best;
+    }
+    /* Softmax normaliser at temperature 1 over everything (for top-p / min-p). */
+    float mx = -INFINITY;
+    for (int i = 0; i < n; i++)
+        if (s->cand[i].logit > mx) mx = s->cand[i].logit;
+    double z = 0;
+    for (int i = 0; i < n; i++) z += exp((double)(s->cand[i].logit - mx));
+
+    int k = p->top_k > 0 && p->top_k < n ? p->top_k : n;
+    int use_p = p->top_p > 0.0f && p->top_p < 1.0f;
+    int m = k;
+    if (k == n && use_p) {
+        /* Grow the selected head until it holds top_p of the mass. */
+        for (m = 64; m < n; m *= 8) {
+            wk_select_top(s->cand, n, m);
+            double mass = 0;
+            for (int i = 0; i < m; i++) mass += exp((double)(s->cand[i].logit - mx));
+            if (mass / z >= p->top_p) break;
+        }
+        if (m > n) m = n;
+    } else if (k < n) {
+        wk_select_top(s->cand, n, k);
+    }
+    qsort(s->cand, m, sizeof(wk_cand), wk_cand_desc);
+    if (use_p) {
+        double cum = 0;
+        int keep = m;
+        for (int i = 0; i < m; i++) {
+            cum += exp((double)(s->cand[i].logit - mx)) / z;
+            if (cum >= p->top_p) {
+                keep = i + 1;
+                break;
+            }
+        }
+        m = keep;
+    }
+    if (p->min_p > 0.0f) {
+        /* Keep candidates whose probability is at least min_p times the best one's. */
+        float cut = s->cand[0].logit + logf(p->min_p);
+        int keep = 1;
+        while (keep < m && s->cand[keep].logit >= cut) keep++;
+        m = keep;
+    }
+    /* Temperature and the draw. */
+    double total = 0;
+    float top = s->cand[0].logit;
+    for (int i = 0; i < m; i++) {
+        double w = exp((double)(s->cand[i].logit - top) / p->temperature);
+        s->row[i] = (float)w;
+        total += w;
+    }
+    double u = (double)(wk_rng_next(s->rng) >> 11) * (1.0 / 9007199254740992.0) * total;
+    double acc = 0;
+    for (int i = 0; i < m; i++) {
+        acc += s->row[i];
+        if (u < acc) return s->cand[i].id;
+    }
+    return s->cand[m - 1].id;
+}
