@@ -1,0 +1,842 @@
+/*
+ * tokenizer.c — the tokenizer of km.h: the vocabulary read from a GGUF's tokenizer.* keys, the
+ * special-token rules, encoding (special texts cut out first, then byte-level BPE in tok_bpe.c or
+ * SentencePiece BPE in tok_spm.c), token pieces and the streaming detokenizer.
+ *
+ * The reference is llama.cpp (src/llama-vocab.cpp): the same bytes must give the same ids, so
+ * its load-time rules are repeated here — default special ids per model type, the end-of-turn
+ * and end-of-generation tokens recognised by their text, control-type overrides, special tokens
+ * cut out longest first. Where llama.cpp leaves an order to an unordered_map (which text becomes
+ * the EOT token when several qualify), the first in its list of names wins here.
+ *
+ * Everything the encoder needs is built at create and read-only afterwards: token text -> id
+ * and merge pair -> rank hash tables, and every token's decoded piece.
+ */
+#define _GNU_SOURCE /* memmem */
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/tok_internal.h"
+
+/* ---------------------------------------------------------------- small shared helpers */
+
+int tok_grow(void **p, size_t *cap, size_t n, size_t elem)
+{
+    if (n <= *cap && *p) return 0;
+    size_t c = *cap ? *cap : 16;
+    while (c < n) {
+        if (c > SIZE_MAX / 2 / elem) return KM_ENOMEM;
+        c *= 2;
+    }
+    void *q = realloc(*p, c * elem);
+    if (!q) return KM_ENOMEM;
+    *p = q;
+    *cap = c;
+    return 0;
+}
+
+int tok_push_id(tok_ids *out, int32_t id)
+{
+    if (out->n == out->cap) {
+        int rc = tok_grow((void **)&out->v, &out->cap, out->n + 1, sizeof *out->v);
+        if (rc) return rc;
+    }
+    out->v[out->n++] = id;
+    return 0;
+}
+
+/* ---------------------------------------------------------------- interned strings */
+
+static uint32_t tok_hash(const char *p, size_t n)
+{
+    uint64_t h = 0xcbf29ce484222325ULL; /* FNV-1a */
+    for (size_t i = 0; i < n; i++) h = (h ^ (unsigned char)p[i]) * 0x100000001b3ULL;
+    return (uint32_t)(h ^ h >> 32);
+}
+
+int32_t tok_str_find(const tok_strings *s, const char *p, size_t n)
+{
+    if (!s->slots) return -1;
+    uint32_t hash = tok_hash(p, n);
+    for (uint32_t h = hash & s->mask;; h = (h + 1) & s->mask) {
+        int32_t sid = s->slots[h].sid;
+        if (sid < 0) return -1;
+        if (s->slots[h].hash == hash && s->len[sid] == n &&
+            memcmp(s->pool + s->off[sid], p, n) == 0)
+            return sid;
+    }
+}
+
+/* The slot holding this text, or the empty slot where it belongs. */
+static uint32_t tok_str_slot(const tok_strings *s, const char *p, size_t n, uint32_t hash)
+{
+    for (uint32_t h = hash & s->mask;; h = (h + 1) & s->mask) {
+        int32_t sid = s->slots[h].sid;
+        if (sid < 0 || (s->slots[h].hash == hash && s->len[sid] == n &&
+                        memcmp(s->pool + s->off[sid], p, n) == 0))
+            return h;
+    }
+}
+
+static int tok_str_rehash(tok_strings *s, uint32_t cap)
+{
+    struct tok_slot *old = s->slots;
+    uint32_t old_cap = old ? s->mask + 1 : 0;
+    s->slots = malloc((size_t)cap * sizeof *s->slots);
+    if (!s->slots) {
+        s->slots = old;
+        return KM_ENOMEM;
+    }
+    for (uint32_t i = 0; i < cap; i++) s->slots[i].sid = -1;
+    s->mask = cap - 1;
+    for (uint32_t i = 0; i < old_cap; i++) {
+        if (old[i].sid < 0) continue;
+        uint32_t h = old[i].hash & s->mask;
+        while (s->slots[h].sid >= 0) h = (h + 1) & s->mask; /* texts are distinct */
+        s->slots[h] = old[i];
+    }
+    free(old);
+    return 0;
+}
+
+/* Appends a text to the pool as a new sid (not hashed). */
+static int32_t tok_str_append(tok_strings *s, const char *p, size_t n)
+{
+    if (s->pool_len + n > UINT32_MAX || s->n == INT32_MAX) return KM_ERANGE;
+    if (tok_grow((void **)&s->pool, &s->pool_cap, s->pool_len + n + 1, 1)) return KM_ENOMEM;
+    size_t cap = (size_t)s->cap;
+    if (tok_grow((void **)&s->off, &cap, (size_t)s->n + 1, sizeof *s->off)) return KM_ENOMEM;
+    cap = (size_t)s->cap;
+    if (tok_grow((void **)&s->len, &cap, (size_t)s->n + 1, sizeof *s->len)) return KM_ENOMEM;
+    s->cap = (int32_t)(cap > INT32_MAX ? INT32_MAX : cap);
+    memcpy(s->pool + s->pool_len, p, n);
+    s->pool[s->pool_len + n] = 0;
+    s->off[s->n] = (uint32_t)s->pool_len;
+    s->len[s->n] = (uint32_t)n;
+    s->pool_len += n + 1;
+    return s->n++;
+}
+
+/* Makes sid findable by its text; an existing entry with the same text is replaced (the last id
+ * of a repeated token text wins, as in llama.cpp's token_to_id). */
+static int tok_str_index(tok_strings *s, int32_t sid)
+{
+    if ((uint32_t)(s->n_slots_used + 1) * 2 > s->mask + 1) {
+        int rc = tok_str_rehash(s, (s->mask + 1) * 2);
+        if (rc) return rc;
+    }
+    const char *p = s->pool + s->off[sid];
+    uint32_t hash = tok_hash(p, s->len[sid]);
+    uint32_t h = tok_str_slot(s, p, s->len[sid], hash);
+    if (s->slots[h].sid < 0) s->n_slots_used++;
+    s->slots[h] = (struct tok_slot){sid, hash};
+    return 0;
+}
+
+int32_t tok_str_intern(tok_strings *s, const char *p, size_t n)
+{
+    int32_t sid = tok_str_find(s, p, n);
+    if (sid >= 0) return sid;
+    sid = tok_str_append(s, p, n);
+    if (sid < 0) return sid;
+    int rc = tok_str_index(s, sid);
+    return rc ? rc : sid;
+}
+
+/* ---------------------------------------------------------------- create */
+
+static int32_t find_token(const km_tokenizer *t, const char *text)
+{
+    int32_t sid = tok_str_find(&t->str, text, strlen(text));
+    return sid < t->n_vocab ? sid : -1;
+}
+
+/* The first of these texts that is a token (llama.cpp tries them in hash order). Its type
+ * becomes control, as llama.cpp forces. */
+static int32_t find_named(km_tokenizer *t, const char *const *names)
+{
+    for (; *names; names++) {
+        int32_t id = find_token(t, *names);
+        if (id >= 0) {
+            t->attr[id] |= TOK_ATTR_CONTROL;
+            return id;
+        }
+    }
+    return -1;
+}
+
+/* Reads an optional id key; ids outside the vocabulary are ignored (llama.cpp warns and keeps
+ * the default). */
+static void read_id(const km_gguf *g, const char *key, int32_t n_vocab, int32_t *id)
+{
+    uint32_t v;
+    if (km_gguf_get_u32(g, key, &v) == 0 && v < (uint32_t)n_vocab) *id = (int32_t)v;
+}
+
+static void read_flag(const km_gguf *g, const char *key, int *flag)
+{
+    int v;
+    if (km_gguf_get_bool(g, key, &v) == 0) *flag = v;
+}
+
+/* Reads element i of a little-endian int32 or float32 array that may sit unaligned. */
+static int32_t le_i32(const void *base, uint64_t i)
+{
+    const unsigned char *p = (const unsigned char *)base + 4 * i;
+    return (int32_t)((uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
+                     (uint32_t)p[3] << 24);
+}
+
+static float le_f32(const void *base, uint64_t i)
+{
+    int32_t bits = le_i32(base, i);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static int read_vocab(km_tokenizer *t, const km_gguf *g, km_errbuf *err)
+{
+    static const char *k_tokens = "tokenizer.ggml.tokens", *k_scores = "tokenizer.ggml.scores",
+                      *k_types = "tokenizer.ggml.token_type";
+    km_gguf_type elem;
+    uint64_t n;
+    int rc = km_gguf_get_arr(g, k_tokens, &elem, &n);
+    if (rc || elem != KM_GGUF_STRING)
+        return km_errf(err, KM_EFORMAT, "tokenizer: %s %s", k_tokens,
+                       rc == KM_ENOTFOUND ? "missing" : "is not an array of strings");
+    if (n == 0 || n > INT32_MAX / 2)
+        return km_errf(err, KM_EFORMAT, "tokenizer: %llu tokens", (unsigned long long)n);
+    t->n_vocab = (int32_t)n;
+
+    const void *scores = NULL, *types = NULL;
+    int scores_int = 0;
+    uint64_t m;
+    if (km_gguf_get_arr(g, k_scores, &elem, &m) == 0) {
+        if ((elem != KM_GGUF_FLOAT32 && elem != KM_GGUF_INT32) || m < n)
+            return km_errf(err, KM_EFORMAT, "tokenizer: bad %s", k_scores);
+        scores = km_gguf_arr_data(g, k_scores);
+        scores_int = elem == KM_GGUF_INT32;
+    }
+    if (km_gguf_get_arr(g, k_types, &elem, &m) == 0) {
+        if (elem != KM_GGUF_INT32 || m < n)
+            return km_errf(err, KM_EFORMAT, "tokenizer: bad %s", k_types);
+        types = km_gguf_arr_data(g, k_types);
+    }
+
+    t->score = malloc(n * sizeof *t->score);
+    t->attr = malloc(n * sizeof *t->attr);
+    if (!t->score || !t->attr) return km_errf(err, KM_ENOMEM, "tokenizer: vocab");
+    for (uint64_t i = 0; i < n; i++) {
+        km_str s;
+        if ((rc = km_gguf_arr_str(g, k_tokens, i, &s)))
+            return km_errf(err, rc, "tokenizer: token %llu", (unsigned long long)i);
+        char empty[32];
+        if (s.len == 0) { /* as llama.cpp: an empty text would make lookups ambiguous */
+            s.len = (uint64_t)snprintf(empty, sizeof empty, "[EMPTY_%llu]", (unsigned long long)i);
+            s.ptr = empty;
+        }
+        if (s.len > UINT32_MAX / 2 || tok_str_append(&t->str, s.ptr, s.len) < 0)
+            return km_errf(err, KM_ENOMEM, "tokenizer: token %llu", (unsigned long long)i);
+        t->score[i] = scores ? (scores_int ? (float)le_i32(scores, i) : le_f32(scores, i)) : 0.0f;
+        uint16_t a = TOK_ATTR_NORMAL;
+        if (types) {
+            switch (le_i32(types, i)) {
+            case 1:
+                a = TOK_ATTR_NORMAL;
+                break;
+            case 2:
+                a = TOK_ATTR_UNKNOWN;
+                break;
+            case 3:
+                a = TOK_ATTR_CONTROL;
+                break;
+            case 4:
+                a = TOK_ATTR_USER_DEFINED;
+                break;
+            case 5:
+                a = TOK_ATTR_UNUSED;
+                break;
+            case 6:
+                a = TOK_ATTR_BYTE;
+                break;
+            default:
+                a = 0;
+                break; /* undefined */
+            }
+        }
+        t->attr[i] = a;
+    }
+    uint32_t cap = 16;
+    while (cap < 2 * n) cap *= 2;
+    if (tok_str_rehash(&t->str, cap)) return km_errf(err, KM_ENOMEM, "tokenizer: vocab");
+    for (int32_t i = 0; i < t->n_vocab; i++)
+        if (tok_str_index(&t->str, i)) return km_errf(err, KM_ENOMEM, "tokenizer: vocab");
+    return 0;
+}
+
+/* The end-of-generation and special-id rules of llama_vocab::impl::load. */
+static void find_special_ids(km_tokenizer *t, const km_gguf *g)
+{
+    /* The texts llama.cpp recognises, in its order (UTF-8 literals: DeepSeek's use U+FF5C and
+     * U+2581). */
+    static const char *const eot_names[] = {
+        "<|eot_id|>",         "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+        "<|end_of_text|>",    "<EOT>",      "_<EOT>",  "[EOT]",         "<｜end▁of▁sentence｜>",
+        "<end_of_utterance>", NULL};
+    static const char *const eom_names[] = {"<|eom_id|>", NULL};
+    static const char *const fim_pre_names[] = {"<|fim_prefix|>",  "<fim-prefix>", "<fim_prefix>",
+                                                "<｜fim▁begin｜>", "<PRE>",        "▁<PRE>",
+                                                "<|code_prefix|>", "<|prefix|>",   NULL};
+    static const char *const fim_suf_names[] = {"<|fim_suffix|>",  "<fim-suffix>", "<fim_suffix>",
+                                                "<｜fim▁hole｜>",  "<SUF>",        "▁<SUF>",
+                                                "<|code_suffix|>", "<|suffix|>",   NULL};
+    static const char *const fim_mid_names[] = {"<|fim_middle|>",  "<fim-middle>", "<fim_middle>",
+                                                "<｜fim▁end｜>",   "<MID>",        "▁<MID>",
+                                                "<|code_middle|>", "<|middle|>",   NULL};
+    static const char *const fim_pad_names[] = {"<|fim_pad|>", "<fim-pad>", "<fim_pad>",
+                                                "<PAD>",       "[PAD]",     NULL};
+    static const char *const fim_rep_names[] = {"<|fim_repo|>", "<|repo_name|>", "<fim-repo>",
+                                                "<REPO>",       "<reponame>",    NULL};
+    static const char *const fim_sep_names[] = {"<|file_sep|>", NULL};
+    static const char *const eog_names[] = {"<|eot_id|>",
+                                            "<|im_end|>",
+                                            "<|end|>",
+                                            "<|return|>",
+                                            "<|call|>",
+                                            "<|flush|>",
+                                            "<|calls|>",
+                                            "<end_of_turn>",
+                                            "<|endoftext|>",
+                                            "</s>",
+                                            "<|eom_id|>",
+                                            "<EOT>",
+                                            "_<EOT>",
+                                            "[EOT]",
+                                            "[EOS]",
+                                            "<|end_of_text|>",
+                                            "<end_of_utterance>",
+                                            "<eos>",
+                                            "<turn|>",
+                                            "<|tool_response>",
+                                            "<｜end▁of▁sentence｜>",
+                                            "[e~[",
+                                            NULL};
+
+    int32_t n = t->n_vocab;
+    int32_t fim_pre = -1, fim_suf = -1, fim_mid = -1, fim_pad = -1, fim_rep = -1, fim_sep = -1;
+    int32_t *const slots[] = {&t->bos,  &t->eos,  &t->eot,  &t->eom,  &t->unk, &fim_pre,
+                              &fim_suf, &fim_mid, &fim_pad, &fim_rep, &fim_sep};
+    for (size_t i = 0; i < sizeof slots / sizeof slots[0]; i++)
+        if (*slots[i] >= n) *slots[i] = -1; /* a default beyond the vocabulary */
+    read_id(g, "tokenizer.ggml.bos_token_id", n, &t->bos);
+    read_id(g, "tokenizer.ggml.eos_token_id", n, &t->eos);
+    read_id(g, "tokenizer.ggml.eot_token_id", n, &t->eot);
+    read_id(g, "tokenizer.ggml.eom_token_id", n, &t->eom);
+    read_id(g, "tokenizer.ggml.unknown_token_id", n, &t->unk);
+    read_id(g, "tokenizer.ggml.fim_pre_token_id", n, &fim_pre);
+    read_id(g, "tokenizer.ggml.fim_suf_token_id", n, &fim_suf);
+    read_id(g, "tokenizer.ggml.fim_mid_token_id", n, &fim_mid);
+    read_id(g, "tokenizer.ggml.fim_pad_token_id", n, &fim_pad);
+    read_id(g, "tokenizer.ggml.fim_rep_token_id", n, &fim_rep);
+    read_id(g, "tokenizer.ggml.fim_sep_token_id", n, &fim_sep);
+    read_id(g, "tokenizer.ggml.prefix_token_id", n, &fim_pre); /* deprecated names */
+    read_id(g, "tokenizer.ggml.suffix_token_id", n, &fim_suf);
+    read_id(g, "tokenizer.ggml.middle_token_id", n, &fim_mid);
+    read_flag(g, "tokenizer.ggml.add_bos_token", &t->add_bos);
+    read_flag(g, "tokenizer.ggml.add_eos_token", &t->add_eos);
+
+    if (t->eot < 0) t->eot = find_named(t, eot_names);
+    if (t->eom < 0) t->eom = find_named(t, eom_names);
+    if (fim_pre < 0) fim_pre = find_named(t, fim_pre_names);
+    if (fim_suf < 0) fim_suf = find_named(t, fim_suf_names);
+    if (fim_mid < 0) fim_mid = find_named(t, fim_mid_names);
+    if (fim_pad < 0) fim_pad = find_named(t, fim_pad_names);
+    if (fim_rep < 0) fim_rep = find_named(t, fim_rep_names);
+    if (fim_sep < 0) fim_sep = find_named(t, fim_sep_names);
+
+    /* End of generation: the FIM pad/repo/file-separator tokens, every token named like an end
+     * (forced to control type), and eos, eot, eom. */
+    int32_t eog[] = {fim_pad, fim_rep, fim_sep, t->eos, t->eot, t->eom};
+    for (size_t i = 0; i < sizeof eog / sizeof eog[0]; i++)
+        if (eog[i] >= 0) t->attr[eog[i]] |= TOK_ATTR_EOG;
+    for (const char *const *name = eog_names; *name; name++) {
+        int32_t id = find_token(t, *name);
+        if (id >= 0) t->attr[id] |= TOK_ATTR_EOG | TOK_ATTR_CONTROL;
+    }
+}
+
+static int cmp_special(const void *a, const void *b, void *arg)
+{
+    const km_tokenizer *t = arg;
+    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    uint32_t lx = t->str.len[x], ly = t->str.len[y];
+    if (lx != ly) return lx > ly ? -1 : 1;
+    return x < y ? -1 : x > y;
+}
+
+/* llama_decode_text: GPT-2 characters back to bytes; a character outside that alphabet becomes
+ * "[UNK_BYTE_0x<its utf-8 in hex><the whole token text>]", as llama.cpp writes it. Returns the
+ * length; writes only when out is not NULL. */
+static size_t decode_byte_level(const int16_t *cpt_byte, const char *text, size_t n, char *out)
+{
+    size_t m = 0;
+    for (size_t i = 0; i < n;) {
+        size_t used;
+        uint32_t cpt = tok_utf8_decode((const unsigned char *)text + i, n - i, &used);
+        i += used;
+        if (cpt < 0x144 && cpt_byte[cpt] >= 0) {
+            if (out) out[m] = (char)cpt_byte[cpt];
+            m++;
+            continue;
+        }
+        char u[4];
+        int k = tok_utf8_encode(cpt, u);
+        if (out) memcpy(out + m, "[UNK_BYTE_0x", 12);
+        m += 12;
+        for (int j = 0; j < k; j++) {
+            static const char hex[] = "0123456789abcdef";
+            if (out) {
+                out[m] = hex[(unsigned char)u[j] >> 4];
+                out[m + 1] = hex[u[j] & 15];
+            }
+            m += 2;
+        }
+        if (out) memcpy(out + m, text, n);
+        m += n;
+        if (out) out[m] = ']';
+        m++;
+    }
+    return m;
+}
+
+/* The byte of a <0xXX> token (strtol of the two characters after "<0x", as llama.cpp). */
+static char byte_of_token(const char *text, size_t n)
+{
+    int v = 0;
+    for (size_t i = 3; i < 5 && i < n; i++) {
+        char c = text[i];
+        int d = c >= '0' && c <= '9'   ? c - '0'
+                : c >= 'a' && c <= 'f' ? c - 'a' + 10
+                : c >= 'A' && c <= 'F' ? c - 'A' + 10
+                                       : -1;
+        if (d < 0) break;
+        v = v * 16 + d;
+    }
+    return (char)v;
+}
+
+/* Every token's piece as llama_token_to_piece(special = true) gives it. */
+static int build_pieces(km_tokenizer *t, km_errbuf *err)
+{
+    int16_t cpt_byte[0x144];
+    memset(cpt_byte, 0xFF, sizeof cpt_byte);
+    for (int b = 0; b < 256; b++) cpt_byte[t->byte_cpt[b]] = (int16_t)b;
+
+    t->piece_off = malloc((size_t)t->n_vocab * sizeof *t->piece_off);
+    t->piece_len = malloc((size_t)t->n_vocab * sizeof *t->piece_len);
+    if (!t->piece_off || !t->piece_len) return km_errf(err, KM_ENOMEM, "tokenizer: pieces");
+
+    size_t total = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        size_t m = 0;
+        for (int32_t id = 0; id < t->n_vocab; id++) {
+            const char *text = tok_str_ptr(&t->str, id);
+            size_t n = t->str.len[id];
+            uint16_t a = t->attr[id];
+            char *dst = pass ? t->piece_pool + m : NULL;
+            size_t k = 0;
+            if (a & (TOK_ATTR_UNKNOWN | TOK_ATTR_CONTROL | TOK_ATTR_USER_DEFINED)) {
+                k = n;
+                if (dst) memcpy(dst, text, n);
+            } else if (a & TOK_ATTR_NORMAL) {
+                if (t->model == TOK_MODEL_BPE) {
+                    k = decode_byte_level(cpt_byte, text, n, dst);
+                } else { /* SPM: U+2581 back to a space */
+                    for (size_t i = 0; i < n; i++, k++) {
+                        if (i + 2 < n && memcmp(text + i, "\xe2\x96\x81", 3) == 0) {
+                            if (dst) dst[k] = ' ';
+                            i += 2;
+                        } else if (dst) {
+                            dst[k] = text[i];
+                        }
+                    }
+                }
+            } else if (a & TOK_ATTR_BYTE) {
+                k = 1;
+                if (dst) dst[0] = byte_of_token(text, n);
+            }
+            if (pass) {
+                t->piece_off[id] = (uint32_t)m;
+                t->piece_len[id] = (uint32_t)k;
+            }
+            m += k;
+            /* Repeated UNK_BYTE expansions of a hostile vocabulary could grow without bound. */
+            if (k > (1u << 20) || m > (1u << 28))
+                return km_errf(err, KM_ERANGE, "tokenizer: token %d decodes to a huge piece", id);
+        }
+        if (!pass) {
+            total = m;
+            t->piece_pool = malloc(total ? total : 1);
+            if (!t->piece_pool) return km_errf(err, KM_ENOMEM, "tokenizer: pieces");
+        }
+    }
+    return 0;
+}
+
+static int build_specials(km_tokenizer *t, km_errbuf *err)
+{
+    t->special = malloc((size_t)t->n_vocab * sizeof *t->special);
+    if (!t->special) return km_errf(err, KM_ENOMEM, "tokenizer: specials");
+    for (int32_t id = 0; id < t->n_vocab; id++)
+        if (t->attr[id] & (TOK_ATTR_CONTROL | TOK_ATTR_USER_DEFINED | TOK_ATTR_UNKNOWN))
+            t->special[t->n_special++] = id;
+    qsort_r(t->special, (size_t)t->n_special, sizeof *t->special, cmp_special, t);
+    return 0;
+}
+
+static int tok_create(const km_gguf *g, km_tokenizer *t, km_errbuf *err)
+{
+    km_str model, pre = {NULL, 0};
+    int rc = km_gguf_get_str(g, "tokenizer.ggml.model", &model);
+    if (rc) return km_errf(err, KM_EFORMAT, "tokenizer: tokenizer.ggml.model missing");
+    int has_pre = km_gguf_get_str(g, "tokenizer.ggml.pre", &pre) == 0;
+
+    if (model.len == 4 && memcmp(model.ptr, "gpt2", 4) == 0) {
+        t->model = TOK_MODEL_BPE;
+        t->bos = 11, t->eos = 11, t->unk = -1; /* llama.cpp's defaults for "gpt2" */
+        t->pre = TOK_PRE_DEFAULT;
+        if (has_pre) {
+            int p = tok_bpe_pre_from_name(pre.ptr, pre.len, &t->ignore_merges, &t->add_bos);
+            if (p < 0)
+                return km_errf(err, KM_EUNSUPPORTED, "tokenizer: pre-tokenizer '%.*s' unsupported",
+                               (int)(pre.len > 64 ? 64 : pre.len), pre.ptr);
+            t->pre = (tok_pre)p;
+        }
+    } else if (model.len == 5 && memcmp(model.ptr, "llama", 5) == 0) {
+        t->model = TOK_MODEL_SPM;
+        t->bos = 1, t->eos = 2, t->unk = 0;
+        t->add_bos = 1;
+        t->add_space_prefix = 1;
+    } else {
+        return km_errf(err, KM_EUNSUPPORTED, "tokenizer: model '%.*s' unsupported",
+                       (int)(model.len > 64 ? 64 : model.len), model.ptr);
+    }
+    read_flag(g, "tokenizer.ggml.add_space_prefix", &t->add_space_prefix);
+
+    if ((rc = read_vocab(t, g, err))) return rc;
+    if (t->model == TOK_MODEL_BPE && (rc = tok_bpe_load_merges(t, g, err))) return rc;
+
+    tok_byte_map(t->byte_cpt);
+    for (int b = 0; b < 256; b++) {
+        char u[4], c = (char)b;
+        if (t->model == TOK_MODEL_BPE) {
+            int32_t sid = tok_str_find(&t->str, u, (size_t)tok_utf8_encode(t->byte_cpt[b], u));
+            t->byte_sid[b] = sid;
+            sid = tok_str_find(&t->str, &c, 1);
+            t->byte_tok[b] = sid < t->n_vocab ? sid : -1;
+        } else { /* llama.cpp's byte_to_token: <0xXX>, else the byte itself */
+            char hex[8];
+            snprintf(hex, sizeof hex, "<0x%02X>", b);
+            int32_t id = find_token(t, hex);
+            t->byte_tok[b] = id >= 0 ? id : find_token(t, (char[2]){c, 0});
+            t->byte_sid[b] = -1;
+        }
+    }
+
+    t->eot = t->eom = -1;
+    find_special_ids(t, g);
+    if ((rc = build_specials(t, err))) return rc;
+    return build_pieces(t, err);
+}
+
+int km_tok_create(const km_gguf *g, km_tokenizer **out, km_errbuf *err)
+{
+    if (!g || !out) return km_errf(err, KM_EINVAL, "tokenizer: no GGUF");
+    *out = NULL;
+    km_tokenizer *t = calloc(1, sizeof *t);
+    if (!t) return km_errf(err, KM_ENOMEM, "tokenizer: create");
+    int rc = tok_create(g, t, err);
+    if (rc) {
+        km_tok_destroy(t);
+        return rc;
+    }
+    *out = t;
+    return 0;
+}
+
+void km_tok_destroy(km_tokenizer *t)
+{
+    if (!t) return;
+    free(t->str.pool);
+    free(t->str.off);
+    free(t->str.len);
+    free(t->str.slots);
+    free(t->score);
+    free(t->attr);
+    free(t->merges.slots);
+    free(t->piece_pool);
+    free(t->piece_off);
+    free(t->piece_len);
+    free(t->special);
+    free(t);
+}
+
+/* ---------------------------------------------------------------- queries */
+
+int km_tok_n_vocab(const km_tokenizer *t)
+{
+    return t->n_vocab;
+}
+
+int32_t km_tok_bos(const km_tokenizer *t)
+{
+    return t->bos;
+}
+
+int32_t km_tok_eos(const km_tokenizer *t)
+{
+    return t->eos;
+}
+
+int32_t km_tok_eot(const km_tokenizer *t)
+{
+    return t->eot;
+}
+
+int km_tok_adds_bos(const km_tokenizer *t)
+{
+    return t->add_bos && t->bos >= 0;
+}
+
+int km_tok_is_eog(const km_tokenizer *t, int32_t id)
+{
+    return id >= 0 && id < t->n_vocab && (t->attr[id] & TOK_ATTR_EOG);
+}
+
+int32_t km_tok_find(const km_tokenizer *t, const char *text)
+{
+    return text ? find_token(t, text) : -1;
+}
+
+/* ---------------------------------------------------------------- encode */
+
+/* A piece of the input: raw text, or a special token cut out of it. */
+typedef struct tok_frag {
+    int32_t id; /* -1: raw text */
+    size_t off, len;
+} tok_frag;
+
+typedef struct tok_frags {
+    tok_frag *v;
+    size_t n, cap;
+} tok_frags;
+
+static int frag_push(tok_frags *f, int32_t id, size_t off, size_t len)
+{
+    int rc = tok_grow((void **)&f->v, &f->cap, f->n + 1, sizeof *f->v);
+    if (rc) return rc;
+    f->v[f->n++] = (tok_frag){id, off, len};
+    return 0;
+}
+
+/* llama.cpp's tokenizer_st_partition: special tokens longest first, each cut out of every raw
+ * fragment at all its non-overlapping occurrences, left to right. Without parse_special only
+ * user-defined tokens are cut (control and unknown texts stay text). */
+static int partition(const km_tokenizer *t, const char *text, size_t len, int parse_special,
+                     tok_frags *cur, tok_frags *next)
+{
+    int rc;
+    cur->n = 0;
+    if (len == 0) return 0;
+    if ((rc = frag_push(cur, -1, 0, len))) return rc;
+    for (int32_t k = 0; k < t->n_special; k++) {
+        int32_t id = t->special[k];
+        if (!parse_special && (t->attr[id] & (TOK_ATTR_CONTROL | TOK_ATTR_UNKNOWN))) continue;
+        const char *st = tok_str_ptr(&t->str, id);
+        size_t sn = t->str.len[id];
+        next->n = 0;
+        int found = 0;
+        for (size_t i = 0; i < cur->n; i++) {
+            tok_frag f = cur->v[i];
+            if (f.id >= 0 || f.len < sn) {
+                if ((rc = frag_push(next, f.id, f.off, f.len))) return rc;
+                continue;
+            }
+            size_t at = f.off, end = f.off + f.len;
+            const char *hit;
+            while (end - at >= sn && (hit = memmem(text + at, end - at, st, sn))) {
+                size_t pos = (size_t)(hit - text);
+                if (pos > at && (rc = frag_push(next, -1, at, pos - at))) return rc;
+                if ((rc = frag_push(next, id, pos, sn))) return rc;
+                at = pos + sn;
+                found = 1;
+            }
+            if (at < end && (rc = frag_push(next, -1, at, end - at))) return rc;
+        }
+        if (found) {
+            tok_frags tmp = *cur;
+            *cur = *next;
+            *next = tmp;
+        }
+    }
+    return 0;
+}
+
+static int encode(const km_tokenizer *t, const char *text, size_t len, int add_special,
+                  int parse_special, tok_ids *ids)
+{
+    tok_frags cur = {0}, next = {0};
+    int rc = partition(t, text, len, parse_special, &cur, &next);
+    if (!rc && add_special && t->add_bos && t->bos >= 0) rc = tok_push_id(ids, t->bos);
+    int prev_special = 1; /* SPM: a space is prepended to text at the start or after a token */
+    for (size_t i = 0; !rc && i < cur.n; i++) {
+        const tok_frag *f = &cur.v[i];
+        if (f->id >= 0) {
+            rc = tok_push_id(ids, f->id);
+            prev_special = 1;
+        } else if (t->model == TOK_MODEL_BPE) {
+            rc = tok_bpe_encode(t, ids, text + f->off, f->len);
+        } else {
+            rc = tok_spm_encode(t, ids, text + f->off, f->len, t->add_space_prefix && prev_special);
+            prev_special = 0;
+        }
+    }
+    if (!rc && add_special && t->add_eos && t->eos >= 0) rc = tok_push_id(ids, t->eos);
+    free(cur.v);
+    free(next.v);
+    return rc;
+}
+
+int km_tok_encode(const km_tokenizer *t, const char *text, size_t len, int add_special,
+                  int parse_special, int32_t *out, int max_out)
+{
+    if (!t || (!text && len) || max_out < 0 || (max_out > 0 && !out)) return KM_EINVAL;
+    tok_ids ids = {0};
+    int rc = encode(t, text, len, add_special, parse_special, &ids);
+    if (!rc && ids.n > INT_MAX) rc = KM_ERANGE;
+    if (rc) {
+        free(ids.v);
+        return rc;
+    }
+    size_t n = ids.n < (size_t)max_out ? ids.n : (size_t)max_out;
+    if (n) memcpy(out, ids.v, n * sizeof *out);
+    free(ids.v);
+    return (int)ids.n;
+}
+
+/* ---------------------------------------------------------------- pieces and streaming */
+
+/* The piece of a valid id; NULL length 0 for control/unknown tokens unless special. */
+static const char *piece_of(const km_tokenizer *t, int32_t id, int special, size_t *n)
+{
+    if (!special && (t->attr[id] & (TOK_ATTR_UNKNOWN | TOK_ATTR_CONTROL))) {
+        *n = 0;
+        return "";
+    }
+    *n = t->piece_len[id];
+    return t->piece_pool + t->piece_off[id];
+}
+
+int km_tok_piece(const km_tokenizer *t, int32_t id, int special, char *buf, int cap)
+{
+    if (!t || id < 0 || id >= t->n_vocab || cap < 0 || (cap > 0 && !buf)) return KM_EINVAL;
+    size_t n;
+    const char *p = piece_of(t, id, special, &n);
+    if (n > 0 && n <= (size_t)cap) memcpy(buf, p, n);
+    return (int)n;
+}
+
+void km_detok_init(km_detok *d)
+{
+    memset(d, 0, sizeof *d);
+}
+
+/* Appends bytes to out, or reports that cap is too small. */
+typedef struct tok_sink {
+    char *out;
+    size_t n, cap;
+    int full;
+} tok_sink;
+
+static void sink_put(tok_sink *s, const void *p, size_t n)
+{
+    if (s->n + n > s->cap) {
+        s->full = 1;
+        return;
+    }
+    if (n) memcpy(s->out + s->n, p, n);
+    s->n += n;
+}
+
+/* Emits complete sequences of s[0..n) (bad ones as U+FFFD) and returns the length of a trailing
+ * unfinished sequence that must wait for more bytes (0 when at_end: it is bad then). */
+static size_t emit_utf8(tok_sink *k, const unsigned char *s, size_t n, int at_end)
+{
+    for (size_t i = 0; i < n;) {
+        size_t len;
+        int r = tok_utf8_check(s + i, n - i, &len);
+        if (r == TOK_UTF8_PARTIAL && !at_end) return n - i;
+        if (r == TOK_UTF8_OK)
+            sink_put(k, s + i, len);
+        else
+            sink_put(k, "\xef\xbf\xbd", 3);
+        i += len;
+    }
+    return 0;
+}
+
+int km_detok_push(const km_tokenizer *t, km_detok *d, int32_t id, char *out, int cap)
+{
+    if (!t || !d || id < 0 || id >= t->n_vocab || cap < 0 || (cap > 0 && !out)) return KM_EINVAL;
+    if (d->n_pending < 0 || d->n_pending > 3) return KM_EINVAL;
+    size_t n;
+    const unsigned char *p = (const unsigned char *)piece_of(t, id, 0, &n);
+    tok_sink k = {out, 0, (size_t)cap, 0};
+
+    /* The held-back bytes first, joined with enough of the piece to finish their sequence; then
+     * the rest of the piece in place. */
+    unsigned char head[8];
+    size_t np = (size_t)d->n_pending, nh = n < 4 ? n : 4, i = 0;
+    memcpy(head, d->pending, np);
+    memcpy(head + np, p, nh);
+    size_t keep = 0, from = 0;
+    const unsigned char *keep_src = NULL;
+    while (i < np) {
+        size_t len;
+        int r = tok_utf8_check(head + i, np + nh - i, &len);
+        if (r == TOK_UTF8_PARTIAL) { /* the whole piece was too short to finish it */
+            keep = np + nh - i;
+            keep_src = head + i;
+            from = n;
+            break;
+        }
+        if (r == TOK_UTF8_OK)
+            sink_put(&k, head + i, len);
+        else
+            sink_put(&k, "\xef\xbf\xbd", 3);
+        i += len;
+    }
+    if (!keep_src) {
+        from = i - np;
+        keep = emit_utf8(&k, p + from, n - from, 0);
+        keep_src = p + n - keep;
+    }
+    if (k.full) return KM_ENOSPC;
+    memmove(d->pending, keep_src, keep);
+    d->n_pending = (int)keep;
+    return (int)k.n;
+}
+
+int km_detok_flush(km_detok *d, char *out, int cap)
+{
+    if (!d || cap < 0 || (cap > 0 && !out) || d->n_pending < 0 || d->n_pending > 3)
+        return KM_EINVAL;
+    tok_sink k = {out, 0, (size_t)cap, 0};
+    emit_utf8(&k, (const unsigned char *)d->pending, (size_t)d->n_pending, 1);
+    if (k.full) return KM_ENOSPC;
+    d->n_pending = 0;
+    return (int)k.n;
+}
