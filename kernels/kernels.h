@@ -57,6 +57,14 @@ typedef struct kn_kv_view {
     int page_tokens;
     int n_ctx; /* attend to positions [0, n_ctx) */
     kn_kv_format format;
+    /* Quantized and mixed-format views (kvshard; read by kernels/cpu/attn_kv_*.c, layouts in
+     * kernels/cpu/attn_kv.h). When page_formats is not NULL, page i is in page_formats[i] and its
+     * blocks start at fmt_offs[4*f + {0,1,2,3}] = k, v, k_scale, v_scale offsets for format f;
+     * format is then any non-f16/bf16 value. attn_mass, when not NULL, gets += each page's share
+     * of the softmax summed over the n_q heads (the h2o eviction policy's statistic). */
+    const uint8_t *page_formats;
+    const size_t *fmt_offs;
+    float *attn_mass;
 } kn_kv_view;
 
 typedef struct kn_ops {
