@@ -246,3 +246,45 @@ int km_chat_apply(km_chat_kind kind, const km_chat_msg *msgs, int n, int add_ass
 }
 #endif
 #endif /* KM_H */
+
+/* ---------------------------------------------------------------- page-hash chain
+ * (appended as its own guarded section so that other sections of km.h stay untouched)
+ *
+ * The identity of a KV page, shared by router and worker (common/pagehash.c):
+ *   h[-1] = XXH3_128("kvmesh-pagehash-v1" ‖ u64le(len fp) ‖ fp ‖ u64le(cluster_seed)
+ *                    ‖ u64le(len salt) ‖ salt)
+ *   h[i]  = XXH3_128(canonical(h[i-1]) ‖ i32le(tokens of page i))
+ * where fp is the model fingerprint, salt the request's cache_salt (tenant isolation: different
+ * salts give unrelated chains) and canonical() the 16-byte big-endian form (XXH128 canonical),
+ * which is also how hashes travel in KV events. Only full pages are hashed.
+ */
+#ifndef KM_PAGEHASH_H
+#define KM_PAGEHASH_H
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct km_pagehash {
+    uint64_t lo, hi; /* XXH128_hash_t low64 / high64 */
+} km_pagehash;
+
+/* h[-1]: fp may be NULL (len 0), salt may be NULL (same as ""). */
+km_pagehash km_pagehash_seed(const void *model_fp, size_t fp_len, uint64_t cluster_seed,
+                             const char *salt, size_t salt_len);
+/* h[i] from h[i-1] and the n tokens of page i. */
+km_pagehash km_pagehash_next(km_pagehash prev, const int32_t *tokens, int n);
+/* Hashes of the full pages of tokens[0, n_tokens): writes min(n_tokens / page_tokens, max_out)
+ * hashes and returns that count (KM_EINVAL on bad arguments). */
+int km_pagehash_chain(km_pagehash seed, const int32_t *tokens, int n_tokens, int page_tokens,
+                      km_pagehash *out, int max_out);
+int km_pagehash_eq(km_pagehash a, km_pagehash b);
+/* 16-byte big-endian form and back; 32 hex digits + NUL. */
+void km_pagehash_canonical(km_pagehash h, uint8_t out[16]);
+km_pagehash km_pagehash_from_canonical(const uint8_t in[16]);
+void km_pagehash_hex(km_pagehash h, char out[33]);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KM_PAGEHASH_H */

@@ -1,16 +1,29 @@
 /*
- * kvshard.h — the KV store: a pool of fixed-size pages holding the K and V of `page_tokens`
- * consecutive tokens for every layer, and the page tables of the sequences that use them.
+ * kvshard.h — the KV store: pages holding the K and V of `page_tokens` consecutive tokens for
+ * every layer, the page tables of the sequences that use them, a prefix index that lets a new
+ * request reuse the pages of an earlier one, shards, tiers (hot, host RAM, disk), eviction and
+ * an event stream for the router. Design notes: docs/kvshard.md.
  *
  * Contract:
  *  - A page holds, for every layer l and kv head h, a K block and a V block of
- *    [page_tokens][head_dim] elements in the store's format. Pages are reference counted: a full
- *    page may be shared by many sequences; a partial page belongs to one sequence.
- *  - Running out of pages is KM_ENOSPC, an ordinary result the scheduler acts on (preempt,
- *    demote); the store never aborts on it.
- *  - kv_seq_reserve allocates; kv_seq_write and kv_seq_view never allocate and may be called
- *    from many threads at once for distinct positions.
- *  - The attention kernels read pages in place through kn_kv_view (kernels/kernels.h).
+ *    [page_tokens][head_dim] elements in the page's format (f16, bf16, fp8, int8, int4), plus the
+ *    format's scales. Pages are reference counted: a full page may be shared by many sequences;
+ *    a partial page belongs to one sequence and is copied before a second one writes to it.
+ *  - Running out of memory for pages is KM_ENOSPC, an ordinary result the scheduler acts on
+ *    (preempt, demote, evict); the store never aborts on it, and a failed call leaves the
+ *    sequence as it was.
+ *  - kv_seq_write and kv_seq_view never allocate and may be called from many threads at once for
+ *    distinct (sequence, position) pairs. Every other call changes structure and must not run
+ *    concurrently with any call on the same store (the worker calls them between steps).
+ *  - The attention kernels read pages in place through kn_kv_view (kernels/kernels.h); f16 is
+ *    the default format and its pages and views are bit-for-bit what the engine has always read.
+ *  - Prefix reuse is verified: a page is reused only when its stored token ids equal the
+ *    request's, so a hash collision can never serve another prompt's KV. Pages hashed under
+ *    different seeds (model, cluster seed, cache_salt) never meet.
+ *  - Pages on disk are written atomically (temporary file, fsync, rename) with a checksum that
+ *    is verified on every read; a page that fails is dropped (and counted), never served.
+ *  - Every page the index gains, loses or moves between tiers yields a kv_event with a
+ *    per-store sequence number (a gap means events were dropped: ask for a snapshot).
  */
 #ifndef KVSHARD_H
 #define KVSHARD_H
@@ -26,6 +39,42 @@ extern "C" {
 #endif
 
 typedef kn_kv_format kv_format;
+#define KV_FORMAT_COUNT 5
+
+/* Same values as km_tier of common/svc.h. */
+typedef enum kv_tier { KV_TIER_HOT = 0, KV_TIER_HOST = 1, KV_TIER_DISK = 2, KV_TIER_COUNT } kv_tier;
+
+typedef enum kv_shard_key {
+    KV_SHARD_KEY_HASH = 0,   /* hash of (sequence, page index): uniform, for dense models */
+    KV_SHARD_KEY_EXPERT = 1, /* PiKV: (page index mod N_tok) xor (expert mod N_exp) */
+} kv_shard_key;
+
+typedef enum kv_evict_policy {
+    KV_EVICT_LRU = 0,          /* idle longest first */
+    KV_EVICT_LRU_PRIORITY = 1, /* recency plus frequency; shared prefix pages last */
+} kv_evict_policy;
+
+/* Lossy policies inside one running sequence: off unless asked for. */
+typedef enum kv_seq_policy_kind {
+    KV_SEQ_KEEP_ALL = 0,
+    KV_SEQ_STREAMING = 1, /* keep the first sink_pages and the last window_pages */
+    KV_SEQ_H2O = 2,       /* keep the window and the pages with the most accumulated attention */
+} kv_seq_policy_kind;
+
+typedef struct kv_seq_policy {
+    kv_seq_policy_kind kind;
+    int sink_pages;   /* streaming: pages kept from the start */
+    int window_pages; /* pages kept from the end (the partial page not counted) */
+    int budget_pages; /* h2o: full pages kept in all (heavy hitters + window) */
+} kv_seq_policy;
+
+/* One shard's settings; when kv_config.shards is NULL every shard gets an equal share of
+ * hot_bytes/host_bytes/disk_bytes and the store's format and evict policy. */
+typedef struct kv_shard_config {
+    size_t hot_bytes, host_bytes, disk_bytes;
+    kv_format format;
+    kv_evict_policy evict;
+} kv_shard_config;
 
 typedef struct kv_config {
     int n_layers;
@@ -33,40 +82,181 @@ typedef struct kv_config {
     int head_dim;
     int page_tokens;  /* power of two; 0 means 16 */
     kv_format format; /* KN_KV_F16 by default */
-    size_t hot_bytes; /* byte budget of the hot tier; the pool holds hot_bytes / page bytes */
+    size_t hot_bytes; /* byte budget of the hot tier (all shards together) */
+    /* Everything below is optional: zero means the default. */
+    int n_shards;                  /* 0: 1 */
+    kv_shard_key shard_key;        /* hash */
+    int n_tok_groups;              /* PiKV N_tok; 0: n_shards */
+    int n_expert_groups;           /* PiKV N_exp; 0: n_shards */
+    kv_evict_policy evict;         /* lru */
+    const kv_shard_config *shards; /* [n_shards] or NULL */
+    size_t host_bytes;             /* host-RAM tier budget; 0: no host tier */
+    const char *disk_dir; /* disk tier directory (created if missing); NULL: no disk tier */
+    size_t disk_bytes;    /* disk tier budget; 0 with a disk_dir: 1 GiB */
+    float high_watermark; /* fraction of a tier's budget that triggers demotion; 0: 0.8 */
+    int event_capacity;   /* events kept until drained; 0: 65536 */
+    int sync_promote;     /* 1: promotion completes inside kv_seq_attach (no thread) */
 } kv_config;
 
 typedef struct kv_store kv_store;
 typedef struct kv_seq kv_seq;
 
 int kv_store_create(const kv_config *cfg, kv_store **out, km_errbuf *err);
+/* Waits for background promotions, then frees everything (disk pages stay on disk). */
 void kv_store_destroy(kv_store *s);
 
+/* Bytes of a page in the store's format (kv_format_page_bytes for others). */
 size_t kv_store_page_bytes(const kv_store *s);
+size_t kv_store_format_page_bytes(const kv_store *s, kv_format f);
 int kv_store_page_tokens(const kv_store *s);
+/* Hot-tier capacity and free room, in pages of the store's format. */
 int kv_store_pages_total(const kv_store *s);
 int kv_store_pages_free(const kv_store *s);
 const char *kv_format_name(kv_format f);
 /* Parses "f16", "bf16", "fp8", "int8", "int4". */
 int kv_format_parse(const char *s, kv_format *out);
+const char *kv_tier_name(kv_tier t);
+const char *kv_evict_policy_name(kv_evict_policy p);
+
+/* ---------------------------------------------------------------- sequences */
 
 /* A new, empty sequence. */
 int kv_seq_create(kv_store *s, kv_seq **out);
-/* Releases the sequence's references to its pages. */
+/* Releases the sequence's references to its pages; indexed pages stay cached for reuse. */
 void kv_seq_destroy(kv_store *s, kv_seq *q);
+/* A new sequence sharing every page of src (the partial last page is copied on first write). */
+int kv_seq_fork(kv_store *s, const kv_seq *src, kv_seq **out);
 /* Number of positions the sequence has pages for (a multiple of page_tokens). */
 int kv_seq_capacity(const kv_seq *q);
-/* Ensures pages exist for positions [0, n_tokens). KM_ENOSPC when the pool is exhausted (the
- * sequence keeps what it had). */
+/* Ensures pages exist for positions [0, n_tokens) and that the pages holding the positions
+ * from the end of the previous reserve (or n_tokens-1) up to n_tokens-1 are private and
+ * writable (copy-on-write when shared or published): reserve before writing, as the engine does.
+ * Also seals the sequence's completed int4 pages and applies its lossy policy. KM_ENOSPC when
+ * the shard cannot make room (the sequence keeps what it had). */
 int kv_seq_reserve(kv_store *s, kv_seq *q, int n_tokens);
+/* Same, placing new pages by the caller's expert id (shard key `expert`; MoE engines). */
+int kv_seq_reserve_expert(kv_store *s, kv_seq *q, int n_tokens, int expert);
 /* Drops the pages past the one holding position n_tokens-1. */
 void kv_seq_truncate(kv_store *s, kv_seq *q, int n_tokens);
+/* Lossy in-sequence policy (default: keep all). */
+int kv_seq_set_policy(kv_store *s, kv_seq *q, const kv_seq_policy *p);
+/* Pages dropped by the lossy policy so far. */
+int kv_seq_dropped_pages(const kv_seq *q);
 
-/* Stores token `pos`'s K and V of one layer ([n_kv_heads][head_dim] each) into its page. */
+/* Stores token `pos`'s K and V of one layer ([n_kv_heads][head_dim] each) into its page,
+ * quantizing to the page's format. */
 void kv_seq_write(kv_store *s, kv_seq *q, int layer, int pos, const float *k, const float *v);
-/* Describes (layer, kv_head) of the sequence's first n_ctx positions for the attention kernel. */
+/* Describes (layer, kv_head) of the sequence's first n_ctx positions for the attention kernel.
+ * Waits, when the sequence's prefix is being promoted, until that layer has arrived. */
 void kv_seq_view(const kv_store *s, const kv_seq *q, int layer, int kv_head, int n_ctx,
                  kn_kv_view *out);
+/* Reads back token pos of (layer, kv_head) as floats (dequantized): k and v of head_dim. */
+int kv_seq_read(const kv_store *s, const kv_seq *q, int layer, int kv_head, int pos, float *k,
+                float *v);
+
+/* ---------------------------------------------------------------- prefix reuse */
+
+/* Publishes the sequence's full pages among positions [0, n_tokens) (already written) in the
+ * prefix index: page i under hashes[i] with tokens[i*pt, (i+1)*pt). hashes come from
+ * km_pagehash_chain. Pages already published are skipped; a hash already held by another page
+ * keeps the older page. Returns the number of pages newly indexed. */
+int kv_seq_publish(kv_store *s, kv_seq *q, const km_pagehash *hashes, const int32_t *tokens,
+                   int n_tokens);
+
+/* The longest cached prefix: how many leading pages of the chain are held, each verified
+ * against its token ids; tiers[i] (may be NULL) receives each page's tier. */
+int kv_store_lookup(kv_store *s, const km_pagehash *hashes, const int32_t *tokens, int n_pages,
+                    kv_tier *tiers);
+
+/* Gives an empty sequence the longest cached, verified prefix (at most n_pages pages): pages on
+ * host or disk are promoted to the hot tier, host ones asynchronously layer by layer (views wait
+ * for their layer). Returns the number of pages attached (0 is a miss), KM_ENOSPC when the hot
+ * tier has no room. */
+int kv_seq_attach(kv_store *s, kv_seq *q, const km_pagehash *hashes, const int32_t *tokens,
+                  int n_pages);
+/* Blocks until the sequence's pending promotion has finished. */
+void kv_seq_wait_ready(const kv_store *s, const kv_seq *q);
+
+/* ---------------------------------------------------------------- formats, eviction, tiers */
+
+/* Converts every page in RAM to format f (f16 <-> fp8/int8/bf16, and int4 for full pages) and
+ * makes f the format of new pages: recovery level 2 and its revert. Sequences keep running;
+ * views see the new format. Returns the number of pages converted, or KM_ENOSPC (pages converted
+ * so far stay converted). */
+int kv_store_convert(kv_store *s, kv_format f);
+
+/* Recovery level 1: takes the oldest `fraction` of the hot pages no sequence uses, demotes each
+ * to a lower tier with room, drops it otherwise. Returns the number of pages moved or dropped. */
+int kv_store_evict_oldest_fraction(kv_store *s, double fraction);
+/* Brings every tier of every shard below its high watermark (also done by reserve and destroy). */
+int kv_store_maintain(kv_store *s);
+
+typedef struct kv_tier_stats {
+    uint64_t pages, bytes, budget;
+} kv_tier_stats;
+
+typedef struct kv_shard_stats {
+    kv_format format;
+    kv_evict_policy evict;
+    kv_tier_stats tier[KV_TIER_COUNT];
+    uint64_t allocs, alloc_failures, evictions, demotions, promotions, hits, misses;
+} kv_shard_stats;
+
+typedef struct kv_store_stats {
+    int n_shards;
+    kv_tier_stats tier[KV_TIER_COUNT];
+    uint64_t pages_indexed, hits, misses, collisions, corrupt_pages, converted_pages,
+        disk_write_errors, events_dropped, cow_copies, sealed_pages, dropped_seq_pages;
+} kv_store_stats;
+
+void kv_store_stats_get(const kv_store *s, kv_store_stats *out);
+int kv_store_shard_stats(const kv_store *s, int shard, kv_shard_stats *out);
+int kv_store_n_shards(const kv_store *s);
+/* The shard a page lands in under the store's shard key. */
+int kv_store_shard_of(const kv_store *s, uint64_t seq_uid, int page_index, int expert);
+uint64_t kv_seq_uid(const kv_seq *q);
+
+/* ---------------------------------------------------------------- events */
+
+typedef enum kv_event_kind {
+    KV_EVENT_STORED = 0,  /* the page is now indexed, in `tier` */
+    KV_EVENT_REMOVED = 1, /* the page is gone from every tier */
+    KV_EVENT_TIER = 2,    /* the page moved from `from_tier` to `tier` */
+} kv_event_kind;
+
+typedef struct kv_event {
+    uint64_t seq; /* per store, +1 per event */
+    kv_event_kind kind;
+    kv_tier tier, from_tier;
+    int shard;
+    km_pagehash hash;
+} kv_event;
+
+/* Moves up to max pending events, oldest first, into out; returns how many. */
+int kv_store_events_drain(kv_store *s, kv_event *out, int max);
+/* The sequence number the next event will carry. */
+uint64_t kv_store_events_next_seq(const kv_store *s);
+
+/* ---------------------------------------------------------------- disk pages */
+
+/* A disk page file: header, token ids, payload, trailing checksum (docs/kvshard.md). */
+typedef struct kv_disk_page {
+    kv_format format;
+    int page_tokens, n_layers, n_kv_heads, head_dim;
+    km_pagehash hash, parent; /* the page's chain link and the previous one */
+    int index;                /* position of the page in its chain */
+    const uint8_t *tokens;    /* page_tokens little-endian int32, into the buffer */
+    const uint8_t *payload;   /* into the buffer */
+    size_t payload_bytes;
+} kv_disk_page;
+
+/* Validates a whole page file held in memory (header fields, sizes, checksum, that the hash
+ * matches its tokens' chain link is NOT checkable here). 0, KM_EFORMAT or KM_ECORRUPT; never
+ * reads outside [buf, buf+len). */
+int kv_disk_page_parse(const void *buf, size_t len, kv_disk_page *out);
+/* Serialises a page into buf (size from kv_disk_page_size); returns bytes written. */
+size_t kv_disk_page_size(size_t payload_bytes, int page_tokens);
+size_t kv_disk_page_encode(const kv_disk_page *p, void *buf, size_t cap);
 
 #ifdef __cplusplus
 }

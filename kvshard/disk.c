@@ -1,0 +1,287 @@
+/*
+ * disk.c — the disk tier: one file per page, named by its hash, in the store's directory.
+ *
+ * A write goes to a temporary file in the same directory, is fsync'ed, and is renamed over the
+ * final name, so a reader (or a store re-opened after SIGKILL) sees either the whole page or no
+ * page. Every read re-checks the checksum and that the header names the page the index expects
+ * (hash, tokens, format, shape): a page that fails is deleted and counted, never served. At open
+ * the directory is re-indexed: temporaries are removed, every page file is verified, pages whose
+ * chain parent is not on disk are dropped (they could never be reached), and the survivors
+ * become disk-tier pages of the prefix index, so a restarted worker comes back warm.
+ */
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "kvshard/internal.h"
+
+int kv_disk_enabled(const kv_store *s)
+{
+    return s->disk_dir != NULL;
+}
+
+static void kv_disk_path(const kv_store *s, km_pagehash h, char *out, size_t cap)
+{
+    char hex[33];
+    km_pagehash_hex(h, hex);
+    snprintf(out, cap, "%s/%s.kvp", s->disk_dir, hex);
+}
+
+static int kv_write_all(int fd, const uint8_t *b, size_t n)
+{
+    while (n) {
+        ssize_t w = write(fd, b, n);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) return KM_EIO;
+        b += w;
+        n -= (size_t)w;
+    }
+    return 0;
+}
+
+static int kv_read_all(int fd, uint8_t *b, size_t n)
+{
+    while (n) {
+        ssize_t r = read(fd, b, n);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) return KM_EIO;
+        b += r;
+        n -= (size_t)r;
+    }
+    return 0;
+}
+
+int kv_disk_write(kv_store *s, kv_page *p)
+{
+    const size_t pb = s->lay[p->format].page_bytes;
+    kv_disk_page d = {
+        .format = p->format,
+        .page_tokens = s->pt,
+        .n_layers = s->n_layers,
+        .n_kv_heads = s->n_heads,
+        .head_dim = s->hd,
+        .hash = p->hash,
+        .parent = p->parent,
+        .index = p->index,
+        .tokens = (const uint8_t *)p->tokens,
+        .payload = p->buf,
+        .payload_bytes = pb,
+    };
+    size_t n = kv_disk_page_size(pb, s->pt);
+    uint8_t *b = malloc(n);
+    if (!b) return KM_ENOMEM;
+    kv_disk_page_encode(&d, b, n);
+    char path[PATH_MAX], tmp[PATH_MAX];
+    kv_disk_path(s, p->hash, path, sizeof path);
+    char hex[33];
+    km_pagehash_hex(p->hash, hex);
+    snprintf(tmp, sizeof tmp, "%s/.tmp-%s-%d-%llu", s->disk_dir, hex, (int)getpid(),
+             (unsigned long long)++s->tmp_ctr);
+    int rc = KM_EIO;
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (fd >= 0) {
+        rc = kv_write_all(fd, b, n);
+        if (!rc && fsync(fd)) rc = KM_EIO;
+        if (close(fd)) rc = KM_EIO;
+        if (!rc && rename(tmp, path)) rc = KM_EIO;
+        if (rc) unlink(tmp);
+    }
+    free(b);
+    if (rc) {
+        s->st.disk_write_errors++;
+        KM_WARN("kv_disk_write_failed", "path=%s errno=%d", path, errno);
+        return rc;
+    }
+    p->flags |= KV_PAGE_ON_DISK;
+    kv_acct_add(s, p->shard, KV_TIER_DISK, p->format, 1);
+    return 0;
+}
+
+/* Reads and verifies a whole page file; *buf is the caller's to free. */
+static int kv_disk_load(const char *path, size_t expect, uint8_t **buf, size_t *len)
+{
+    *buf = NULL;
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return KM_EIO;
+    struct stat st;
+    int rc = 0;
+    if (fstat(fd, &st) || st.st_size < 0 || (expect && (size_t)st.st_size != expect) ||
+        st.st_size > ((off_t)1 << 34)) {
+        close(fd);
+        return KM_ECORRUPT;
+    }
+    size_t n = (size_t)st.st_size;
+    uint8_t *b = malloc(n ? n : 1);
+    if (!b)
+        rc = KM_ENOMEM;
+    else if (kv_read_all(fd, b, n))
+        rc = KM_ECORRUPT;
+    close(fd);
+    if (rc) {
+        free(b);
+        return rc;
+    }
+    *buf = b;
+    *len = n;
+    return 0;
+}
+
+static int kv_disk_matches(const kv_store *s, const kv_disk_page *d)
+{
+    return d->page_tokens == s->pt && d->n_layers == s->n_layers && d->n_kv_heads == s->n_heads &&
+           d->head_dim == s->hd;
+}
+
+int kv_disk_read(kv_store *s, kv_page *p, uint8_t *dst)
+{
+    char path[PATH_MAX];
+    kv_disk_path(s, p->hash, path, sizeof path);
+    uint8_t *b;
+    size_t n;
+    int rc = kv_disk_load(path, kv_disk_page_size(s->lay[p->format].page_bytes, s->pt), &b, &n);
+    kv_disk_page d;
+    if (!rc) rc = kv_disk_page_parse(b, n, &d);
+    if (!rc && (!kv_disk_matches(s, &d) || d.format != p->format ||
+                !km_pagehash_eq(d.hash, p->hash) || memcmp(d.tokens, p->tokens, (size_t)s->pt * 4)))
+        rc = KM_ECORRUPT;
+    if (!rc) memcpy(dst, d.payload, d.payload_bytes);
+    free(b);
+    if (rc && rc != KM_ENOMEM) {
+        s->st.corrupt_pages++;
+        KM_WARN("kv_disk_page_rejected", "path=%s err=%s", path, km_strerror(rc));
+        return KM_ECORRUPT;
+    }
+    return rc;
+}
+
+void kv_disk_unlink(kv_store *s, kv_page *p)
+{
+    char path[PATH_MAX];
+    kv_disk_path(s, p->hash, path, sizeof path);
+    unlink(path);
+    kv_acct_sub(s, p->shard, KV_TIER_DISK, p->format);
+    p->flags &= ~KV_PAGE_ON_DISK;
+}
+
+static int kv_by_index(const void *a, const void *b)
+{
+    const kv_page *x = *(kv_page *const *)a, *y = *(kv_page *const *)b;
+    return (x->index > y->index) - (x->index < y->index);
+}
+
+int kv_disk_open(kv_store *s, km_errbuf *err)
+{
+    if (mkdir(s->disk_dir, 0755) && errno != EEXIST)
+        return km_errf(err, KM_EIO, "kv disk tier: cannot create %s: %s", s->disk_dir,
+                       strerror(errno));
+    DIR *dir = opendir(s->disk_dir);
+    if (!dir)
+        return km_errf(err, KM_EIO, "kv disk tier: cannot open %s: %s", s->disk_dir,
+                       strerror(errno));
+    kv_page **found = NULL;
+    size_t n_found = 0, cap = 0;
+    struct dirent *de;
+    char path[PATH_MAX];
+    while ((de = readdir(dir))) {
+        const char *name = de->d_name;
+        size_t len = strlen(name);
+        snprintf(path, sizeof path, "%s/%s", s->disk_dir, name);
+        if (!strncmp(name, ".tmp-", 5)) { /* a write that never reached its rename */
+            unlink(path);
+            continue;
+        }
+        if (len != 36 || strcmp(name + 32, ".kvp")) continue;
+        uint8_t *b;
+        size_t n;
+        kv_disk_page d;
+        int rc = kv_disk_load(path, 0, &b, &n);
+        if (rc == KM_ENOMEM) {
+            closedir(dir);
+            free(found);
+            return km_errf(err, rc, "kv disk tier: out of memory");
+        }
+        if (!rc) rc = kv_disk_page_parse(b, n, &d);
+        if (!rc && !kv_disk_matches(s, &d)) { /* another model's page: not ours to judge */
+            free(b);
+            continue;
+        }
+        char hex[33];
+        if (!rc) {
+            km_pagehash_hex(d.hash, hex);
+            if (strncmp(name, hex, 32) || kv_index_find(s, d.hash) || !s->lay[d.format].unit)
+                rc = KM_ECORRUPT;
+        }
+        kv_page *p = NULL;
+        if (!rc && n_found == cap) {
+            cap = cap ? cap * 2 : 64;
+            kv_page **nf = realloc(found, sizeof *nf * cap);
+            if (!nf)
+                rc = KM_ENOMEM;
+            else
+                found = nf;
+        }
+        if (!rc && !(p = kv_page_new(s))) rc = KM_ENOMEM;
+        if (!rc && !(p->tokens = malloc((size_t)s->pt * 4))) rc = KM_ENOMEM;
+        if (rc) {
+            free(b);
+            if (p) free(p);
+            if (rc == KM_ENOMEM) {
+                closedir(dir);
+                for (size_t i = 0; i < n_found; i++) { /* forget them; the files stay */
+                    kv_index_remove(s, found[i]);
+                    free(found[i]->tokens);
+                    free(found[i]);
+                }
+                free(found);
+                return km_errf(err, rc, "kv disk tier: out of memory");
+            }
+            s->st.corrupt_pages++;
+            KM_WARN("kv_disk_page_rejected", "path=%s err=%s", path, km_strerror(rc));
+            unlink(path);
+            continue;
+        }
+        memcpy(p->tokens, d.tokens, (size_t)s->pt * 4);
+        p->hash = d.hash;
+        p->parent = d.parent;
+        p->index = d.index;
+        p->format = d.format;
+        p->tier = KV_TIER_DISK;
+        p->flags = KV_PAGE_ON_DISK;
+        p->shard = (int)(d.hash.lo % (uint64_t)s->n_shards);
+        atomic_store_explicit(&p->rows, s->rows_full, memory_order_relaxed);
+        free(b);
+        kv_index_insert(s, p);
+        kv_acct_add(s, p->shard, KV_TIER_DISK, p->format, 1);
+        found[n_found++] = p;
+    }
+    closedir(dir);
+    /* Parents before children: a page is kept only when its parent was kept. */
+    if (n_found) qsort(found, n_found, sizeof *found, kv_by_index);
+    size_t kept = 0;
+    for (size_t i = 0; i < n_found; i++) {
+        kv_page *p = found[i], *par = p->index ? kv_index_find(s, p->parent) : NULL;
+        if (p->index && (!par || par->index != p->index - 1)) {
+            kv_index_remove(s, p); /* never announced, so no REMOVED event */
+            kv_page_free(s, p);    /* deletes the unreachable file */
+            continue;
+        }
+        p->parent_id = par ? par->id : 0;
+        p->last_use = ++s->clock;
+        kv_list_push(s, p);
+        kv_event_emit(s, KV_EVENT_STORED, p, KV_TIER_DISK, KV_TIER_DISK);
+        kept++;
+    }
+    free(found);
+    for (int i = 0; i < s->n_shards; i++) {
+        kv_tier_acct *a = &s->shards[i].t[KV_TIER_DISK];
+        while (a->used > a->budget && a->head) kv_demote(s, a->head);
+    }
+    KM_INFO("kv_disk_reindexed", "dir=%s pages=%zu dropped=%zu", s->disk_dir, kept, n_found - kept);
+    return 0;
+}

@@ -1,0 +1,267 @@
+/*
+ * evict.c — what the store does under memory pressure: pick victims among the pages no sequence
+ * holds (lru, lru-priority), demote them a tier down (hot -> host -> disk) or drop them when no
+ * lower tier has room, keep each tier under its high watermark, recovery level 1
+ * (evict_oldest_fraction) and level 2 (convert the live store to fp8 in place, and back), and
+ * the lossy in-sequence policies (streaming, h2o).
+ *
+ * Pages in use are never victims: they are not in the cached lists at all. lru-priority scores a
+ * page by recency plus frequency (each reuse counts as a quarter of the cached population of
+ * recency), and pages that served more than one sequence come last, so a shared system prompt
+ * outlives one-off prompts. A tier is kept under its watermark only when a lower tier exists:
+ * without one, demotion is a loss, so cached pages stay until room is actually needed.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvshard/internal.h"
+
+typedef struct kv_cand {
+    double score;
+    kv_page *p;
+} kv_cand;
+
+static int kv_cand_cmp(const void *a, const void *b)
+{
+    double x = ((const kv_cand *)a)->score, y = ((const kv_cand *)b)->score;
+    return x < y ? -1 : x > y;
+}
+
+static double kv_score(const kv_store *s, const kv_shard *sh, const kv_page *p, uint64_t n)
+{
+    if (sh->evict == KV_EVICT_LRU) return (double)p->last_use;
+    double w = n / 4.0 > 1.0 ? n / 4.0 : 1.0;
+    double sc = (double)p->last_use + w * (double)(p->hits < 64 ? p->hits : 64);
+    if ((p->flags & KV_PAGE_SHARED) || p->hits) sc += 1e15;
+    return sc;
+}
+
+static int kv_tier_enabled(const kv_store *s, int shard, kv_tier t)
+{
+    if (t == KV_TIER_DISK) return kv_disk_enabled(s) && s->shards[shard].t[t].budget > 0;
+    return s->shards[shard].t[t].budget > 0;
+}
+
+/* Moves a cached page one tier down (or further), or drops it. 1 when dropped. */
+int kv_demote(kv_store *s, kv_page *p)
+{
+    const kv_tier from = p->tier;
+    const int sh = p->shard;
+    const size_t pb = s->lay[p->format].page_bytes;
+    if (from == KV_TIER_HOT && kv_tier_enabled(s, sh, KV_TIER_HOST)) {
+        kv_tier_acct *h = &s->shards[sh].t[KV_TIER_HOST];
+        kv_make_room(s, sh, KV_TIER_HOST, pb, h->budget);
+        uint8_t *nb = h->used + pb <= h->budget ? kv_buf_get(s, p->format) : NULL;
+        if (nb) {
+            memcpy(nb, p->buf, pb);
+            kv_list_remove(s, p);
+            kv_acct_sub(s, sh, KV_TIER_HOT, p->format);
+            kv_buf_put(s, p->buf, p->format);
+            p->buf = nb;
+            p->tier = KV_TIER_HOST;
+            kv_acct_add(s, sh, KV_TIER_HOST, p->format, 1);
+            kv_list_push(s, p);
+            s->shards[sh].demotions++;
+            kv_event_emit(s, KV_EVENT_TIER, p, from, KV_TIER_HOST);
+            return 0;
+        }
+    }
+    if (from != KV_TIER_DISK && kv_tier_enabled(s, sh, KV_TIER_DISK)) {
+        if (!(p->flags & KV_PAGE_ON_DISK)) {
+            kv_tier_acct *d = &s->shards[sh].t[KV_TIER_DISK];
+            size_t fb = kv_disk_page_size(pb, s->pt);
+            int in = p->in_list;
+            if (in) kv_list_remove(s, p); /* not a victim of its own room-making */
+            kv_make_room(s, sh, KV_TIER_DISK, fb, d->budget);
+            if (in) kv_list_push(s, p);
+            if (d->used + fb <= d->budget) kv_disk_write(s, p);
+        }
+        if (p->flags & KV_PAGE_ON_DISK) {
+            kv_list_remove(s, p);
+            kv_acct_sub(s, sh, from, p->format);
+            kv_buf_put(s, p->buf, p->format);
+            p->buf = NULL;
+            p->tier = KV_TIER_DISK;
+            kv_list_push(s, p);
+            s->shards[sh].demotions++;
+            kv_event_emit(s, KV_EVENT_TIER, p, from, KV_TIER_DISK);
+            return 0;
+        }
+    }
+    s->shards[sh].evictions++;
+    kv_page_free(s, p);
+    return 1;
+}
+
+int kv_make_room(kv_store *s, int shard, kv_tier t, size_t need, size_t limit)
+{
+    kv_shard *sh = &s->shards[shard];
+    kv_tier_acct *a = &sh->t[t];
+    int moved = 0;
+    if (a->used + need <= limit) return 0;
+    if (sh->evict == KV_EVICT_LRU) {
+        while (a->used + need > limit && a->head) {
+            kv_demote(s, a->head);
+            moved++;
+        }
+        return moved;
+    }
+    size_t n = a->n_cached, k = 0;
+    if (!n) return 0;
+    kv_cand *c = malloc(sizeof *c * n);
+    if (!c) { /* fall back to plain lru rather than fail */
+        while (a->used + need > limit && a->head) {
+            kv_demote(s, a->head);
+            moved++;
+        }
+        return moved;
+    }
+    for (kv_page *p = a->head; p && k < n; p = p->lnext)
+        c[k++] = (kv_cand){kv_score(s, sh, p, n), p};
+    qsort(c, k, sizeof *c, kv_cand_cmp);
+    /* Victims leave this tier's list only through kv_demote, and nothing else frees pages of
+     * this (shard, tier) meanwhile, so every candidate is still valid when its turn comes. */
+    for (size_t i = 0; i < k && a->used + need > limit; i++) {
+        if (!c[i].p->in_list || c[i].p->tier != t) continue;
+        kv_demote(s, c[i].p);
+        moved++;
+    }
+    free(c);
+    return moved;
+}
+
+void kv_enforce_watermarks(kv_store *s, int shard)
+{
+    kv_shard *sh = &s->shards[shard];
+    for (int t = KV_TIER_HOT; t <= KV_TIER_HOST; t++) {
+        kv_tier_acct *a = &sh->t[t];
+        if (!a->budget || a->used <= (size_t)(s->high_wm * a->budget)) continue;
+        int lower = 0;
+        for (int u = t + 1; u < KV_TIER_COUNT; u++) lower |= kv_tier_enabled(s, shard, u);
+        if (!lower) continue;
+        kv_make_room(s, shard, (kv_tier)t, 0, (size_t)(s->low_wm * a->budget));
+    }
+}
+
+int kv_store_maintain(kv_store *s)
+{
+    kv_promo_reap(s);
+    for (int i = 0; i < s->n_shards; i++) kv_enforce_watermarks(s, i);
+    return 0;
+}
+
+int kv_store_evict_oldest_fraction(kv_store *s, double fraction)
+{
+    if (!(fraction >= 0.0) || fraction > 1.0) return KM_EINVAL;
+    kv_promo_reap(s);
+    int total = 0;
+    for (int i = 0; i < s->n_shards; i++) {
+        kv_tier_acct *a = &s->shards[i].t[KV_TIER_HOT];
+        size_t k = (size_t)ceil(fraction * (double)a->n_cached);
+        /* The cached list is ordered by last use, oldest first, whatever the policy. */
+        while (k-- && a->head) {
+            kv_demote(s, a->head);
+            total++;
+        }
+    }
+    return total;
+}
+
+/* ---------------------------------------------------------------- recovery level 2 */
+
+int kv_store_convert(kv_store *s, kv_format f)
+{
+    if ((unsigned)f >= KV_FORMAT_COUNT || !s->lay[f].unit) return KM_EINVAL;
+    for (kv_seq *q = s->seqs; q; q = q->next) kv_seq_wait_promo(s, q);
+    kv_promo_reap(s);
+    for (int i = 0; i < s->n_shards; i++) s->shards[i].format = f;
+    int converted = 0, rc = 0;
+    /* Every page in RAM is reachable either from a sequence or from a cached list. */
+    for (int pass = 0; pass < 2 && !rc; pass++) {
+        for (kv_seq *q = s->seqs; q && !rc && pass == 0; q = q->next)
+            for (int i = 0; i < q->n_pages && !rc; i++) {
+                kv_page *p = q->pg[i];
+                if (p->format == f) continue;
+                uint32_t rows = atomic_load_explicit(&p->rows, memory_order_relaxed);
+                if (f == KN_KV_INT4 && rows < s->rows_full) continue; /* sealed when full */
+                uint8_t *nb;
+                size_t nbytes = s->lay[f].page_bytes, obytes = s->lay[p->format].page_bytes;
+                if (nbytes > obytes) {
+                    if ((rc = kv_hot_alloc(s, p->shard, f, &nb))) break;
+                } else {
+                    if (!(nb = kv_buf_get(s, f))) {
+                        rc = KM_ENOMEM;
+                        break;
+                    }
+                    kv_acct_add(s, p->shard, KV_TIER_HOT, f, 1);
+                }
+                kv_page_convert(s, p->buf, p->format, nb, f);
+                kv_acct_sub(s, p->shard, KV_TIER_HOT, p->format);
+                kv_buf_put(s, p->buf, p->format);
+                if (p->flags & KV_PAGE_ON_DISK) kv_disk_unlink(s, p);
+                p->buf = nb;
+                p->format = f;
+                converted++;
+            }
+        for (int sh = 0; sh < s->n_shards && !rc && pass == 1; sh++)
+            for (int t = KV_TIER_HOT; t <= KV_TIER_HOST && !rc; t++) {
+                kv_tier_acct *a = &s->shards[sh].t[t];
+                for (kv_page *p = a->head; p && !rc; p = p->lnext) {
+                    if (p->format == f) continue;
+                    uint8_t *nb = kv_buf_get(s, f);
+                    if (!nb) {
+                        rc = KM_ENOMEM;
+                        break;
+                    }
+                    if (s->lay[f].page_bytes > s->lay[p->format].page_bytes &&
+                        a->used - s->lay[p->format].page_bytes + s->lay[f].page_bytes > a->budget) {
+                        kv_buf_put(s, nb, f);
+                        rc = KM_ENOSPC;
+                        break;
+                    }
+                    kv_page_convert(s, p->buf, p->format, nb, f);
+                    kv_acct_sub(s, sh, (kv_tier)t, p->format);
+                    kv_acct_add(s, sh, (kv_tier)t, f, 1);
+                    kv_buf_put(s, p->buf, p->format);
+                    if (p->flags & KV_PAGE_ON_DISK) kv_disk_unlink(s, p);
+                    p->buf = nb;
+                    p->format = f;
+                    converted++;
+                }
+            }
+    }
+    kv_refresh_all(s);
+    s->st.converted_pages += (uint64_t)converted;
+    return rc ? rc : converted;
+}
+
+/* ---------------------------------------------------------------- lossy sequence policies */
+
+int kv_seq_apply_policy(kv_store *s, kv_seq *q)
+{
+    const kv_seq_policy *po = &q->policy;
+    int complete = 0;
+    while (complete < q->n_pages && !q->pg[complete]->promoting &&
+           atomic_load_explicit(&q->pg[complete]->rows, memory_order_relaxed) >= s->rows_full)
+        complete++;
+    int dropped = 0;
+    if (po->kind == KV_SEQ_STREAMING) {
+        int n_drop = complete - po->sink_pages - po->window_pages;
+        for (int j = 0; j < n_drop; j++) {
+            kv_seq_drop_page(s, q, po->sink_pages);
+            dropped++;
+        }
+    } else if (po->kind == KV_SEQ_H2O) {
+        while (complete > po->budget_pages) {
+            int lim = complete - po->window_pages, best = -1;
+            for (int i = 0; i < lim; i++)
+                if (best < 0 || q->mass[i] < q->mass[best]) best = i;
+            if (best < 0) break;
+            kv_seq_drop_page(s, q, best);
+            complete--;
+            dropped++;
+        }
+    }
+    return dropped;
+}

@@ -1,0 +1,295 @@
+/*
+ * format.c — how a page is laid out and encoded in each KV format, and the conversions between
+ * formats (writing a token, sealing an int4 page, converting a live page in place).
+ *
+ * A page is n_layers * n_kv_heads units, unit (l, h) at (l * n_kv_heads + h) * unit bytes, each
+ * unit [K data][V data][K scales][V scales]. f16/bf16 units have no scales, so an f16 page is
+ * byte for byte the layout the engine always had. The element encodings are the ones
+ * kernels/cpu/attn_kv.h decodes (tests/unit/test_kvshard_format.c holds the two together):
+ *
+ *   fp8  E4M3 (bias 7, max 448, no infinities), one f16 scale per token row of each (page, head)
+ *        block: x ~= e4m3(q) * scale, scale = absmax(row) / 448.
+ *   int8 symmetric, one f16 scale per 16 channels of a token row: x ~= q * scale,
+ *        scale = absmax(group) / 127 (a key's outlier channel then blurs only its group).
+ *   int4 KIVI: keys are grouped per channel over the page's tokens (f16 scale[hd] then min[hd]),
+ *        values per token in groups of 32 channels (f16 (scale, min) pairs per group);
+ *        x ~= n * scale + min, n in [0, 15], two channels per byte (low nibble = even channel).
+ *
+ * Why per-row scales for fp8/int8: a page fills one token at a time while the engine runs, and
+ * a row scale is final the moment the row is written, so quantization happens on kv_seq_write
+ * with nothing to revisit. It costs 2 bytes per 64 values (3%). Keys of int4 need the whole
+ * page (per-channel statistics), so int4 pages are written in f16 and sealed into int4 when they
+ * are complete (seq.c); the open page stays f16, which is also KIVI's full-precision residual.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "kvshard/internal.h"
+
+static int kv_int4_vgroup(int hd)
+{
+    return hd % 32 == 0 ? 32 : hd;
+}
+
+/* ---------------------------------------------------------------- fp8 E4M3 */
+
+uint8_t kv_fp8_from_f32(float x)
+{
+    uint8_t sign = signbit(x) ? 0x80 : 0;
+    float a = fabsf(x);
+    if (isnan(a) || a >= 464.0f) return sign | 0x7e; /* saturate to 448: E4M3 has no inf */
+    if (a < 0.015625f) {                             /* below 2^-6: subnormal steps of 2^-9 */
+        int q = (int)nearbyintf(a * 512.0f);         /* 8 carries into the smallest normal */
+        return sign | (uint8_t)q;
+    }
+    uint32_t u;
+    memcpy(&u, &a, 4);
+    u += 0x7ffffu + ((u >> 20) & 1); /* round the mantissa to 3 bits, nearest even */
+    int e = (int)(u >> 23) - 127;
+    uint32_t m = (u >> 20) & 7;
+    if (e > 8 || (e == 8 && m == 7)) return sign | 0x7e;
+    return sign | (uint8_t)((e + 7) << 3) | (uint8_t)m;
+}
+
+float kv_fp8_to_f32(uint8_t b)
+{
+    int e = (b >> 3) & 15, m = b & 7;
+    float v = e ? ldexpf(1.0f + m / 8.0f, e - 7) : ldexpf((float)m, -9);
+    return b & 0x80 ? -v : v;
+}
+
+/* ---------------------------------------------------------------- rows */
+
+static inline uint8_t *kv_unit(const kv_store *s, const uint8_t *page, kv_format f, int layer,
+                               int head)
+{
+    return (uint8_t *)page + ((size_t)layer * s->n_heads + head) * s->lay[f].unit;
+}
+
+static float kv_get_f16(const uint8_t *p)
+{
+    kn_f16 h;
+    memcpy(&h, p, 2);
+    return kn_f16_to_f32(h);
+}
+
+static int kv_int8_group(int hd)
+{
+    return hd % 16 == 0 ? 16 : hd;
+}
+
+/* n values of fp8 or int8 with their one scale. */
+static void kv_quant_group(const float *x, int hd, kv_format f, uint8_t *q, uint8_t *scale)
+{
+    float amax = 0.0f;
+    for (int c = 0; c < hd; c++) {
+        float a = fabsf(x[c]);
+        if (a > amax) amax = a; /* NaN never wins: the comparison is false */
+    }
+    const float qmax = f == KN_KV_FP8 ? 448.0f : 127.0f;
+    kn_f16 sh = kn_f32_to_f16(amax / qmax);
+    float sc = kn_f16_to_f32(sh);
+    if (!(sc > 0.0f) || isinf(sc)) { /* all zero, underflow or overflow: store exact zeros */
+        sh = kn_f32_to_f16(sc > 0.0f ? 65504.0f : 0.0f);
+        sc = kn_f16_to_f32(sh);
+    }
+    memcpy(scale, &sh, 2);
+    const float inv = sc > 0.0f ? 1.0f / sc : 0.0f;
+    if (f == KN_KV_FP8) {
+        for (int c = 0; c < hd; c++) q[c] = kv_fp8_from_f32(x[c] * inv);
+    } else {
+        for (int c = 0; c < hd; c++) {
+            float r = nearbyintf(x[c] * inv);
+            r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
+            q[c] = (uint8_t)(int8_t)(isnan(r) ? 0 : r);
+        }
+    }
+}
+
+/* One row: fp8 with one scale, int8 with one scale per group of 16 channels (so that an outlier
+ * channel of a key, which RoPE'd keys have, costs precision only to its own group). */
+static void kv_quant_row(const float *x, int hd, kv_format f, uint8_t *q, uint8_t *scales)
+{
+    if (f == KN_KV_FP8) {
+        kv_quant_group(x, hd, f, q, scales);
+        return;
+    }
+    const int g = kv_int8_group(hd);
+    for (int c = 0; c < hd; c += g) kv_quant_group(x + c, g, f, q + c, scales + (c / g) * 2);
+}
+
+void kv_page_write_row(const kv_store *s, uint8_t *page, kv_format f, int layer, int head, int row,
+                       const float *k, const float *v)
+{
+    const kv_layout *L = &s->lay[f];
+    const int hd = s->hd;
+    uint8_t *u = kv_unit(s, page, f, layer, head);
+    switch (f) {
+    case KN_KV_F16:
+        s->ops->f32_to_f16(k, (kn_f16 *)(u + (size_t)row * hd * 2), hd);
+        s->ops->f32_to_f16(v, (kn_f16 *)(u + L->kd + (size_t)row * hd * 2), hd);
+        break;
+    case KN_KV_BF16:
+        for (int c = 0; c < hd; c++) {
+            kn_bf16 a = kn_f32_to_bf16(k[c]), b = kn_f32_to_bf16(v[c]);
+            memcpy(u + ((size_t)row * hd + c) * 2, &a, 2);
+            memcpy(u + L->kd + ((size_t)row * hd + c) * 2, &b, 2);
+        }
+        break;
+    case KN_KV_FP8:
+    case KN_KV_INT8: {
+        const size_t ns = f == KN_KV_FP8 ? 1 : (size_t)(hd / kv_int8_group(hd));
+        kv_quant_row(k, hd, f, u + (size_t)row * hd, u + L->kd + L->vd + row * ns * 2);
+        kv_quant_row(v, hd, f, u + L->kd + (size_t)row * hd,
+                     u + L->kd + L->vd + L->ks + row * ns * 2);
+    } break;
+    case KN_KV_INT4:
+        break; /* never written by row: sealed from f16 (kv_page_convert) */
+    }
+}
+
+void kv_page_read_row(const kv_store *s, const uint8_t *page, kv_format f, int layer, int head,
+                      int row, float *k, float *v)
+{
+    const kv_layout *L = &s->lay[f];
+    const int hd = s->hd;
+    const uint8_t *u = kv_unit(s, page, f, layer, head);
+    switch (f) {
+    case KN_KV_F16:
+        for (int c = 0; c < hd; c++) {
+            k[c] = kv_get_f16(u + ((size_t)row * hd + c) * 2);
+            v[c] = kv_get_f16(u + L->kd + ((size_t)row * hd + c) * 2);
+        }
+        break;
+    case KN_KV_BF16:
+        for (int c = 0; c < hd; c++) {
+            kn_bf16 a, b;
+            memcpy(&a, u + ((size_t)row * hd + c) * 2, 2);
+            memcpy(&b, u + L->kd + ((size_t)row * hd + c) * 2, 2);
+            k[c] = kn_bf16_to_f32(a);
+            v[c] = kn_bf16_to_f32(b);
+        }
+        break;
+    case KN_KV_FP8:
+    case KN_KV_INT8: {
+        const int g = f == KN_KV_FP8 ? hd : kv_int8_group(hd);
+        const size_t ns = (size_t)(hd / g);
+        const uint8_t *kq = u + (size_t)row * hd, *vq = u + L->kd + (size_t)row * hd;
+        for (int c = 0; c < hd; c++) {
+            float ks = kv_get_f16(u + L->kd + L->vd + (row * ns + c / g) * 2);
+            float vs = kv_get_f16(u + L->kd + L->vd + L->ks + (row * ns + c / g) * 2);
+            if (f == KN_KV_FP8) {
+                k[c] = kv_fp8_to_f32(kq[c]) * ks;
+                v[c] = kv_fp8_to_f32(vq[c]) * vs;
+            } else {
+                k[c] = (float)(int8_t)kq[c] * ks;
+                v[c] = (float)(int8_t)vq[c] * vs;
+            }
+        }
+        break;
+    }
+    case KN_KV_INT4: {
+        const int vg = kv_int4_vgroup(hd), ng = hd / vg;
+        const uint8_t *kq = u + (size_t)row * (hd / 2), *vq = u + L->kd + (size_t)row * (hd / 2);
+        const uint8_t *ksc = u + L->kd + L->vd, *vsc = ksc + L->ks + (size_t)row * ng * 4;
+        for (int c = 0; c < hd; c++) {
+            int nk = c & 1 ? kq[c / 2] >> 4 : kq[c / 2] & 15;
+            int nv = c & 1 ? vq[c / 2] >> 4 : vq[c / 2] & 15;
+            k[c] = nk * kv_get_f16(ksc + (size_t)c * 2) + kv_get_f16(ksc + (size_t)(hd + c) * 2);
+            int g = c / vg;
+            v[c] = nv * kv_get_f16(vsc + (size_t)g * 4) + kv_get_f16(vsc + (size_t)g * 4 + 2);
+        }
+        break;
+    }
+    }
+}
+
+/* ---------------------------------------------------------------- int4 */
+
+/* Asymmetric 4-bit parameters of values x[i*stride], i < n: f16 scale and min, rounded first
+ * so that quantization uses exactly what the kernel will multiply by. */
+static void kv_int4_params(const float *x, int n, size_t stride, float *scale, float *mn,
+                           uint8_t out[4])
+{
+    float lo = INFINITY, hi = -INFINITY;
+    for (int i = 0; i < n; i++) {
+        float a = x[(size_t)i * stride];
+        if (isnan(a)) continue;
+        lo = a < lo ? a : lo;
+        hi = a > hi ? a : hi;
+    }
+    if (!(lo <= hi)) lo = hi = 0.0f;
+    kn_f16 mh = kn_f32_to_f16(lo);
+    float m = kn_f16_to_f32(mh);
+    if (isinf(m)) {
+        mh = kn_f32_to_f16(lo < 0 ? -65504.0f : 65504.0f);
+        m = kn_f16_to_f32(mh);
+    }
+    kn_f16 sh = kn_f32_to_f16((hi - m) / 15.0f);
+    float sc = kn_f16_to_f32(sh);
+    if (isinf(sc) || !(sc >= 0.0f)) {
+        sh = kn_f32_to_f16(65504.0f);
+        sc = kn_f16_to_f32(sh);
+    }
+    memcpy(out, &sh, 2);
+    memcpy(out + 2, &mh, 2);
+    *scale = sc;
+    *mn = m;
+}
+
+static inline uint8_t kv_int4_q(float x, float sc, float mn)
+{
+    if (!(sc > 0.0f)) return 0;
+    float r = nearbyintf((x - mn) / sc);
+    return (uint8_t)(r > 15.0f ? 15 : r < 0.0f || isnan(r) ? 0 : (int)r);
+}
+
+/* K and V [pt][hd] floats of one (layer, head) into an int4 unit. */
+static void kv_int4_encode_unit(const kv_store *s, const float *K, const float *V, uint8_t *u)
+{
+    const kv_layout *L = &s->lay[KN_KV_INT4];
+    const int pt = s->pt, hd = s->hd, vg = kv_int4_vgroup(hd), ng = hd / vg;
+    uint8_t *kq = u, *vq = u + L->kd, *ksc = u + L->kd + L->vd, *vsc = ksc + L->ks;
+    memset(kq, 0, L->kd);
+    memset(vq, 0, L->vd);
+    for (int c = 0; c < hd; c++) {
+        uint8_t p[4];
+        float sc, mn;
+        kv_int4_params(K + c, pt, hd, &sc, &mn, p);
+        memcpy(ksc + (size_t)c * 2, p, 2);
+        memcpy(ksc + (size_t)(hd + c) * 2, p + 2, 2);
+        for (int t = 0; t < pt; t++) {
+            uint8_t n = kv_int4_q(K[(size_t)t * hd + c], sc, mn);
+            kq[(size_t)t * (hd / 2) + c / 2] |= c & 1 ? n << 4 : n;
+        }
+    }
+    for (int t = 0; t < pt; t++) {
+        for (int g = 0; g < ng; g++) {
+            float sc, mn;
+            const float *x = V + (size_t)t * hd + (size_t)g * vg;
+            kv_int4_params(x, vg, 1, &sc, &mn, vsc + ((size_t)t * ng + g) * 4);
+            for (int i = 0; i < vg; i++) {
+                int c = g * vg + i;
+                uint8_t n = kv_int4_q(x[i], sc, mn);
+                vq[(size_t)t * (hd / 2) + c / 2] |= c & 1 ? n << 4 : n;
+            }
+        }
+    }
+}
+
+void kv_page_convert(kv_store *s, const uint8_t *src, kv_format a, uint8_t *dst, kv_format b)
+{
+    const int pt = s->pt, hd = s->hd;
+    float *K = s->fscratch, *V = s->fscratch + (size_t)pt * hd;
+    for (int l = 0; l < s->n_layers; l++)
+        for (int h = 0; h < s->n_heads; h++) {
+            for (int t = 0; t < pt; t++)
+                kv_page_read_row(s, src, a, l, h, t, K + (size_t)t * hd, V + (size_t)t * hd);
+            if (b == KN_KV_INT4) {
+                kv_int4_encode_unit(s, K, V, kv_unit(s, dst, b, l, h));
+            } else {
+                for (int t = 0; t < pt; t++)
+                    kv_page_write_row(s, dst, b, l, h, t, K + (size_t)t * hd, V + (size_t)t * hd);
+            }
+        }
+}

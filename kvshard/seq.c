@@ -1,0 +1,401 @@
+/*
+ * seq.c — sequences: a page table (page objects, and the parallel arrays of buffer pointers and
+ * formats that kn_kv_view hands to the attention kernel, so a view costs nothing to build),
+ * reserve with copy-on-write and int4 sealing, the hot-path write and view, and fork/truncate.
+ *
+ * A page is written in place only while it is private, unpublished and in a row-writable format;
+ * reserve(n) makes the page holding position n-1 so (copying it when it is shared, published, or
+ * sealed int4), which is all the engine needs because it reserves every position it writes.
+ * Completion of a page is counted by its writers (one atomic add per (layer, row)), so an int4
+ * shard can seal full pages at the next reserve without being told.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvshard/internal.h"
+
+int kv_seq_create(kv_store *s, kv_seq **out)
+{
+    kv_seq *q = calloc(1, sizeof *q);
+    *out = q;
+    if (!q) return KM_ENOMEM;
+    q->uid = s->next_uid++;
+    atomic_init(&q->ready_layers, 0);
+    q->next = s->seqs;
+    if (s->seqs) s->seqs->prev = q;
+    s->seqs = q;
+    return 0;
+}
+
+void kv_seq_destroy(kv_store *s, kv_seq *q)
+{
+    if (!q) return;
+    kv_seq_wait_promo(s, q);
+    for (int i = 0; i < q->n_pages; i++) kv_page_unref(s, q->pg[i]);
+    if (q->prev)
+        q->prev->next = q->next;
+    else
+        s->seqs = q->next;
+    if (q->next) q->next->prev = q->prev;
+    free(q->pg);
+    free(q->ptrs);
+    free(q->fmts);
+    free(q->mass);
+    free(q->pidx);
+    free(q);
+    kv_promo_reap(s);
+    for (int i = 0; i < s->n_shards; i++) kv_enforce_watermarks(s, i);
+}
+
+int kv_seq_capacity(const kv_seq *q)
+{
+    return q->n_pages;
+}
+int kv_seq_dropped_pages(const kv_seq *q)
+{
+    return q->n_dropped;
+}
+uint64_t kv_seq_uid(const kv_seq *q)
+{
+    return q->uid;
+}
+
+int kv_seq_grow(kv_seq *q, int need)
+{
+    if (need <= q->cap) return 0;
+    int cap = q->cap ? q->cap : 8;
+    while (cap < need) cap *= 2;
+    kv_page **pg = realloc(q->pg, sizeof(kv_page *) * cap);
+    if (!pg) return KM_ENOMEM;
+    q->pg = pg;
+    const uint8_t **ptrs = realloc(q->ptrs, sizeof(uint8_t *) * cap);
+    if (!ptrs) return KM_ENOMEM;
+    q->ptrs = ptrs;
+    uint8_t *fmts = realloc(q->fmts, (size_t)cap);
+    if (!fmts) return KM_ENOMEM;
+    q->fmts = fmts;
+    float *mass = realloc(q->mass, sizeof(float) * cap);
+    if (!mass) return KM_ENOMEM;
+    q->mass = mass;
+    int32_t *pidx = realloc(q->pidx, sizeof(int32_t) * cap);
+    if (!pidx) return KM_ENOMEM;
+    q->pidx = pidx;
+    q->cap = cap;
+    return 0;
+}
+
+/* Puts page p at index i of the table (the slot's previous page, if any, is the caller's). */
+static void kv_seq_set(kv_seq *q, int i, kv_page *p, int was_set)
+{
+    if (was_set) q->fmt_count[q->fmts[i]]--;
+    q->pg[i] = p;
+    q->ptrs[i] = p->buf;
+    q->fmts[i] = (uint8_t)p->format;
+    q->fmt_count[p->format]++;
+}
+
+int kv_seq_fork(kv_store *s, const kv_seq *src, kv_seq **out)
+{
+    kv_seq_wait_promo(s, (kv_seq *)src);
+    int rc = kv_seq_create(s, out);
+    if (rc) return rc;
+    kv_seq *q = *out;
+    if ((rc = kv_seq_grow(q, src->n_pages))) {
+        kv_seq_destroy(s, q);
+        *out = NULL;
+        return rc;
+    }
+    for (int i = 0; i < src->n_pages; i++) {
+        kv_page_ref(s, src->pg[i]);
+        kv_seq_set(q, i, src->pg[i], 0);
+        q->mass[i] = src->mass[i];
+        q->pidx[i] = src->pidx[i];
+    }
+    q->n_pages = src->n_pages;
+    q->n_dropped = src->n_dropped;
+    q->seal_from = src->seal_from;
+    q->policy = src->policy;
+    q->reserved = src->reserved;
+    return 0;
+}
+
+/* The format new pages of a shard are written in (int4 pages are written in f16, then sealed). */
+static kv_format kv_write_format(const kv_store *s, int shard)
+{
+    kv_format f = s->shards[shard].format;
+    return f == KN_KV_INT4 ? KN_KV_F16 : f;
+}
+
+/* Re-encodes a hot page as int4 (its shard's format). Sealing shrinks the page, so it may pass
+ * the budget for the moment it takes. The caller refreshes the tables that point at it. */
+int kv_page_seal(kv_store *s, kv_page *p)
+{
+    uint8_t *nb = kv_buf_get(s, KN_KV_INT4);
+    if (!nb) return KM_ENOMEM;
+    kv_acct_add(s, p->shard, KV_TIER_HOT, KN_KV_INT4, 1);
+    kv_page_convert(s, p->buf, p->format, nb, KN_KV_INT4);
+    kv_acct_sub(s, p->shard, KV_TIER_HOT, p->format);
+    kv_buf_put(s, p->buf, p->format);
+    p->buf = nb;
+    p->format = KN_KV_INT4;
+    s->st.sealed_pages++;
+    return 0;
+}
+
+/* Seals the sequence's complete pages of int4 shards (all but index `keep`). */
+static void kv_seq_seal(kv_store *s, kv_seq *q, int keep)
+{
+    while (q->seal_from < q->n_pages) {
+        int i = q->seal_from;
+        kv_page *p = q->pg[i];
+        if (p->format == KN_KV_INT4 || s->shards[p->shard].format != KN_KV_INT4) {
+            q->seal_from++;
+            continue;
+        }
+        if (i == keep || atomic_load_explicit(&p->rows, memory_order_relaxed) < s->rows_full ||
+            p->promoting)
+            return;
+        if (kv_page_seal(s, p)) return;
+        if (p->refs > 1)
+            kv_refresh_all(s);
+        else
+            kv_seq_set(q, i, p, 1);
+        q->seal_from++;
+    }
+}
+
+/* A private, writable copy of page i (rows before `row` are taken as written). */
+static int kv_seq_cow(kv_store *s, kv_seq *q, int i, int row)
+{
+    kv_page *p = q->pg[i];
+    kv_format f = kv_format_row_writable(p->format) ? p->format : KN_KV_F16;
+    kv_page *np = kv_page_new(s);
+    if (!np) return KM_ENOMEM;
+    np->shard = p->shard;
+    np->format = f;
+    np->tier = KV_TIER_HOT;
+    np->refs = 1;
+    int rc = kv_hot_alloc(s, np->shard, f, &np->buf);
+    if (rc) {
+        free(np);
+        return rc;
+    }
+    if (f == p->format)
+        memcpy(np->buf, p->buf, s->lay[f].page_bytes);
+    else
+        kv_page_convert(s, p->buf, p->format, np->buf, f);
+    atomic_store_explicit(&np->rows, (uint32_t)row * (uint32_t)s->n_layers, memory_order_relaxed);
+    kv_page_unref(s, p);
+    kv_seq_set(q, i, np, 1);
+    if (q->seal_from > i) q->seal_from = i;
+    s->st.cow_copies++;
+    return 0;
+}
+
+static inline int kv_page_writable(const kv_page *p)
+{
+    return p->refs == 1 && !(p->flags & KV_PAGE_INDEXED) && kv_format_row_writable(p->format);
+}
+
+int kv_seq_reserve_expert(kv_store *s, kv_seq *q, int n_tokens, int expert)
+{
+    const int pt = s->pt;
+    if (n_tokens <= 0) return n_tokens < 0 ? KM_EINVAL : 0;
+    /* Positions [first, n_tokens) may be written after this call: every page holding one of
+     * them must be private and writable. */
+    const int first = q->reserved < n_tokens - 1 ? q->reserved : n_tokens - 1;
+    const int need = (n_tokens + pt - 1) / pt - q->n_dropped;
+    const int lo = first / pt - q->n_dropped, last = (n_tokens - 1) / pt - q->n_dropped;
+    if (lo < 0) return KM_ERANGE; /* inside a part the lossy policy dropped */
+    if (q->seal_from < q->n_pages) kv_seq_seal(s, q, lo);
+    if (need <= q->n_pages) {
+        int ok = 1;
+        for (int i = lo; i <= last && ok; i++) ok = kv_page_writable(q->pg[i]);
+        if (ok) { /* the hot path of a running sequence */
+            if (n_tokens > q->reserved) q->reserved = n_tokens;
+            return 0;
+        }
+    }
+    kv_promo_reap(s);
+    int rc = kv_seq_grow(q, need);
+    if (rc) return rc;
+    const int old = q->n_pages;
+    for (int i = old; i < need; i++) {
+        kv_page *p = kv_page_new(s);
+        if (!p) {
+            rc = KM_ENOMEM;
+            break;
+        }
+        p->shard = kv_store_shard_of(s, q->uid, i + q->n_dropped, expert);
+        p->format = kv_write_format(s, p->shard);
+        p->tier = KV_TIER_HOT;
+        p->refs = 1;
+        if ((rc = kv_hot_alloc(s, p->shard, p->format, &p->buf))) {
+            free(p);
+            break;
+        }
+        kv_seq_set(q, i, p, 0);
+        q->mass[i] = 0.0f;
+        q->pidx[i] = i + q->n_dropped;
+        q->n_pages = i + 1;
+    }
+    for (int i = lo; !rc && i <= last && i < old; i++) {
+        if (kv_page_writable(q->pg[i])) continue;
+        kv_seq_wait_promo(s, q);
+        const int start = q->pidx[i] * pt;
+        rc = kv_seq_cow(s, q, i, first > start ? first - start : 0);
+    }
+    if (rc) { /* leave the sequence as it was (pages copied so far stay copied: same content) */
+        while (q->n_pages > old) {
+            q->n_pages--;
+            q->fmt_count[q->fmts[q->n_pages]]--;
+            kv_page_unref(s, q->pg[q->n_pages]);
+        }
+        return rc;
+    }
+    if (n_tokens > q->reserved) q->reserved = n_tokens;
+    if (q->policy.kind != KV_SEQ_KEEP_ALL) kv_seq_apply_policy(s, q);
+    for (int i = old; i < q->n_pages; i++) kv_enforce_watermarks(s, q->pg[i]->shard);
+    return 0;
+}
+
+int kv_seq_reserve(kv_store *s, kv_seq *q, int n_tokens)
+{
+    return kv_seq_reserve_expert(s, q, n_tokens, -1);
+}
+
+/* Index in the table of the page holding position pos, or -1. */
+static int kv_seq_find(const kv_seq *q, int page_index)
+{
+    if (!q->n_dropped) return page_index < q->n_pages ? page_index : -1;
+    int lo = 0, hi = q->n_pages - 1;
+    while (lo <= hi) {
+        int mid = (lo + hi) / 2;
+        if (q->pidx[mid] == page_index) return mid;
+        if (q->pidx[mid] < page_index)
+            lo = mid + 1;
+        else
+            hi = mid - 1;
+    }
+    return -1;
+}
+
+void kv_seq_drop_page(kv_store *s, kv_seq *q, int i)
+{
+    kv_page *p = q->pg[i];
+    q->fmt_count[q->fmts[i]]--;
+    int n = q->n_pages - i - 1;
+    memmove(q->pg + i, q->pg + i + 1, sizeof(*q->pg) * n);
+    memmove(q->ptrs + i, q->ptrs + i + 1, sizeof(*q->ptrs) * n);
+    memmove(q->fmts + i, q->fmts + i + 1, sizeof(*q->fmts) * n);
+    memmove(q->mass + i, q->mass + i + 1, sizeof(*q->mass) * n);
+    memmove(q->pidx + i, q->pidx + i + 1, sizeof(*q->pidx) * n);
+    q->n_pages--;
+    q->n_dropped++;
+    if (q->seal_from > i) q->seal_from--;
+    s->st.dropped_seq_pages++;
+    kv_page_unref(s, p);
+}
+
+void kv_seq_truncate(kv_store *s, kv_seq *q, int n_tokens)
+{
+    const int pt = s->pt;
+    if (n_tokens < 0) n_tokens = 0;
+    kv_seq_wait_promo(s, q);
+    const int keep_index = (n_tokens + pt - 1) / pt; /* pages with a smaller index stay */
+    while (q->n_pages && q->pidx[q->n_pages - 1] >= keep_index) {
+        q->n_pages--;
+        q->fmt_count[q->fmts[q->n_pages]]--;
+        kv_page_unref(s, q->pg[q->n_pages]);
+    }
+    if (q->seal_from > q->n_pages) q->seal_from = q->n_pages;
+    if (q->reserved > n_tokens) q->reserved = n_tokens;
+    if (q->n_pages && n_tokens % pt && q->pidx[q->n_pages - 1] == keep_index - 1) {
+        kv_page *p = q->pg[q->n_pages - 1];
+        if (p->refs == 1 && !(p->flags & KV_PAGE_INDEXED) && kv_format_row_writable(p->format))
+            atomic_store_explicit(&p->rows, (uint32_t)(n_tokens % pt) * (uint32_t)s->n_layers,
+                                  memory_order_relaxed);
+    }
+    /* Dropped pages past the cut are forgotten: positions map one to one again if none stay. */
+    if (q->n_dropped && (!q->n_pages || q->pidx[q->n_pages - 1] == q->n_pages - 1))
+        q->n_dropped = 0;
+}
+
+int kv_seq_set_policy(kv_store *s, kv_seq *q, const kv_seq_policy *p)
+{
+    if (!p || (unsigned)p->kind > KV_SEQ_H2O || p->sink_pages < 0 || p->window_pages < 0 ||
+        p->budget_pages < 0)
+        return KM_EINVAL;
+    if (p->kind == KV_SEQ_STREAMING && p->sink_pages + p->window_pages < 1) return KM_EINVAL;
+    if (p->kind == KV_SEQ_H2O && p->budget_pages < p->window_pages + 1) return KM_EINVAL;
+    q->policy = *p;
+    for (int i = 0; i < q->n_pages; i++) q->mass[i] = 0.0f;
+    return 0;
+}
+
+/* ---------------------------------------------------------------- hot path */
+
+void kv_seq_write(kv_store *s, kv_seq *q, int layer, int pos, const float *k, const float *v)
+{
+    const int pt = s->pt, hd = s->hd;
+    const int i = pos / pt - q->n_dropped;
+    if (i < 0 || i >= q->n_pages || layer < 0 || layer >= s->n_layers) return;
+    kv_page *p = q->pg[i];
+    for (int h = 0; h < s->n_heads; h++)
+        kv_page_write_row(s, p->buf, p->format, layer, h, pos % pt, k + (size_t)h * hd,
+                          v + (size_t)h * hd);
+    atomic_fetch_add_explicit(&p->rows, 1, memory_order_relaxed);
+}
+
+void kv_seq_view(const kv_store *s, const kv_seq *q, int layer, int kv_head, int n_ctx,
+                 kn_kv_view *out)
+{
+    memset(out, 0, sizeof *out);
+    if (q->promo_pending &&
+        atomic_load_explicit(&((kv_seq *)q)->ready_layers, memory_order_acquire) <= layer) {
+        kv_store *ms = (kv_store *)s;
+        pthread_mutex_lock(&ms->mu);
+        while (atomic_load_explicit(&((kv_seq *)q)->ready_layers, memory_order_acquire) <= layer)
+            pthread_cond_wait(&ms->cv_done, &ms->mu);
+        pthread_mutex_unlock(&ms->mu);
+    }
+    const size_t lh = (size_t)layer * s->n_heads + kv_head;
+    const size_t *offs = s->view_offs + lh * KV_FORMAT_COUNT * 4;
+    kv_format f = s->cfg.format;
+    int single = 1;
+    if (q->n_pages) {
+        f = (kv_format)q->fmts[0];
+        if (q->fmt_count[f] != q->n_pages) {
+            single = 0;
+            for (int g = KN_KV_FP8; g < KV_FORMAT_COUNT; g++)
+                if (q->fmt_count[g]) f = (kv_format)g;
+            if (f < KN_KV_FP8) f = KN_KV_FP8; /* f16 + bf16 mixes go to attn_kv too */
+        }
+    }
+    out->pages = q->ptrs;
+    out->k_off = offs[4 * f + 0];
+    out->v_off = offs[4 * f + 1];
+    out->k_scale_off = offs[4 * f + 2];
+    out->v_scale_off = offs[4 * f + 3];
+    out->page_tokens = s->pt;
+    n_ctx -= q->n_dropped * s->pt;
+    out->n_ctx = n_ctx < 0 ? 0 : n_ctx;
+    out->format = f;
+    if (!single) {
+        out->page_formats = q->fmts;
+        out->fmt_offs = offs;
+    }
+    if (q->policy.kind == KV_SEQ_H2O) out->attn_mass = q->mass;
+}
+
+int kv_seq_read(const kv_store *s, const kv_seq *q, int layer, int kv_head, int pos, float *k,
+                float *v)
+{
+    const int i = pos < 0 ? -1 : kv_seq_find(q, pos / s->pt);
+    if (i < 0 || layer < 0 || layer >= s->n_layers || kv_head < 0 || kv_head >= s->n_heads)
+        return KM_ERANGE;
+    kv_seq_wait_ready(s, q);
+    const kv_page *p = q->pg[i];
+    kv_page_read_row(s, p->buf, p->format, layer, kv_head, pos % s->pt, k, v);
+    return 0;
+}
