@@ -1,0 +1,499 @@
+/*
+ * svc.h — the service plumbing every kvmesh daemon shares: the msgpack wire protocol, ZeroMQ
+ * socket helpers, the declarative option table (flags, environment, config file), the metrics
+ * registry, and the admin HTTP server (/metrics, /healthz, /readyz).
+ *
+ * Contract:
+ *  - Every function that can fail returns 0 (or a count) on success and a negative km_err on
+ *    failure, with a one-line message in the caller's km_errbuf when one is passed.
+ *  - Nothing here aborts or exits on input from outside: a malformed frame, an unknown option, a
+ *    bad value, a broken HTTP request are error codes and messages (the decoder is fuzzed).
+ *  - This header includes no third-party header: sockets are `void *` (libzmq's own handles),
+ *    buffers are km_buf, the admin server and registries are opaque.
+ *  - Ownership: whoever creates, destroys. A decoded km_msg owns its strings and arrays until
+ *    km_msg_clear; an encoded frame lives in the caller's km_buf.
+ *  - Thread safety: metric updates (km_counter_add, km_gauge_*, km_hist_observe) and rendering are
+ *    safe from any thread; sockets, configs and messages belong to one thread at a time.
+ *
+ * The wire format is specified in docs/protocol.md; that page and proto.c change together.
+ */
+#ifndef KM_SVC_H
+#define KM_SVC_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/km.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---------------------------------------------------------------- growable byte buffer */
+
+/* Zero-initialise ({0}) before first use; km_buf_free releases the bytes. */
+typedef struct km_buf {
+    uint8_t *data;
+    size_t len, cap;
+} km_buf;
+
+int km_buf_reserve(km_buf *b, size_t extra); /* room for `extra` more bytes */
+int km_buf_append(km_buf *b, const void *p, size_t n);
+int km_buf_printf(km_buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void km_buf_reset(km_buf *b); /* len = 0, keeps the allocation */
+void km_buf_free(km_buf *b);
+
+/* ---------------------------------------------------------------- protocol (proto.c) */
+
+#define KM_PROTO_VERSION          1
+#define KM_PROTO_MAX_FRAME        (1u << 20) /* default max frame bytes */
+#define KM_PROTO_MAX_NAME         256        /* model, worker id, cache_salt, stop, format, ... */
+#define KM_PROTO_MAX_MESSAGE      1024       /* error and admin reply messages */
+#define KM_PROTO_MAX_PIECE        1024       /* text of one token frame */
+#define KM_PROTO_MAX_STOP         16         /* stop strings per request */
+#define KM_PROTO_MAX_PROMPT_TOK   (1u << 18) /* default max prompt token ids */
+#define KM_PROTO_MAX_EVENT_HASHES 8192       /* default max page hashes per KV event */
+#define KM_PROTO_MAX_ENDPOINTS    16
+#define KM_PROTO_MAX_KV_ENTRIES   256
+#define KM_PROTO_MAX_QUANTILES    16
+#define KM_PROTO_MAX_ERROR_KINDS  64
+
+/* What a decoder accepts; km_proto_limits_default fills the defaults above. */
+typedef struct km_proto_limits {
+    size_t max_frame;          /* whole frame bytes */
+    uint32_t max_prompt_tok;   /* request.tokens length */
+    uint32_t max_event_hashes; /* kv_event.hashes length */
+} km_proto_limits;
+
+void km_proto_limits_default(km_proto_limits *l);
+
+typedef enum km_msg_type {
+    KM_MSG_NONE = 0,
+    KM_MSG_REQUEST,     /* "req"         client/router -> worker */
+    KM_MSG_TOKEN,       /* "tok"         worker -> router/client, one per generated token */
+    KM_MSG_DONE,        /* "done"        worker -> router/client, ends a stream */
+    KM_MSG_ERROR,       /* "err"         any -> peer, ends a request (or reports a bad frame) */
+    KM_MSG_CANCEL,      /* "cancel"      client/router -> worker */
+    KM_MSG_ADMIN,       /* "admin"       controller/operator -> worker */
+    KM_MSG_ADMIN_REPLY, /* "admin_reply" worker -> controller/operator */
+    KM_MSG_HEARTBEAT,   /* "hb"          worker -> controller */
+    KM_MSG_KV_EVENT,    /* "kv"          worker -> routers (PUB) */
+    KM_MSG_TYPE_COUNT
+} km_msg_type;
+
+const char *km_msg_type_name(km_msg_type t); /* the wire "t" value; "?" when unknown */
+
+/* Error codes carried in error frames and failed admin replies (docs/protocol.md). Any value in
+ * 1..999 decodes, so a newer peer's codes pass through; these are the ones defined today. */
+typedef enum km_proto_code {
+    KM_CODE_BAD_REQUEST = 400, /* malformed frame or invalid field */
+    KM_CODE_NOT_FOUND = 404,   /* unknown model or request id */
+    KM_CODE_TOO_LARGE = 413,   /* frame, prompt or context too large */
+    KM_CODE_VERSION = 426,     /* unsupported protocol version */
+    KM_CODE_CANCELED = 499,    /* canceled by the client */
+    KM_CODE_INTERNAL = 500,    /* bug or unexpected failure in the server */
+    KM_CODE_UNAVAILABLE = 503, /* draining, shutting down or not ready: retry elsewhere */
+    KM_CODE_OVERLOADED = 529,  /* queue full: retry after retry_after_ms */
+    KM_CODE_DEADLINE = 504,    /* deadline_ms passed before completion */
+} km_proto_code;
+
+const char *km_proto_code_name(int code); /* "bad_request", ...; "unknown" */
+/* The error code a peer should see for a local km_err (KM_EFORMAT -> BAD_REQUEST, ...). */
+int km_proto_code_from_err(int err);
+
+typedef enum km_finish {
+    KM_FINISH_STOP = 0, /* "stop": end-of-generation token or a stop string */
+    KM_FINISH_LENGTH,   /* "length": max_tokens or the context limit */
+    KM_FINISH_CANCELED, /* "canceled" */
+    KM_FINISH_DEADLINE, /* "deadline" */
+    KM_FINISH_COUNT
+} km_finish;
+
+const char *km_finish_name(km_finish f);
+
+typedef enum km_tier { KM_TIER_HOT = 0, KM_TIER_HOST = 1, KM_TIER_DISK = 2, KM_TIER_COUNT } km_tier;
+
+typedef enum km_kv_event_kind {
+    KM_KV_STORED = 0, /* "stored": pages now held in `tier` */
+    KM_KV_REMOVED,    /* "removed": pages gone from the worker */
+    KM_KV_TIER,       /* "tier": pages moved from `from_tier` to `tier` */
+    KM_KV_KIND_COUNT
+} km_kv_event_kind;
+
+typedef enum km_admin_cmd {
+    KM_ADMIN_STATUS = 0,    /* "status" */
+    KM_ADMIN_EVICT,         /* "evict": evict the oldest `fraction` of unpinned pages */
+    KM_ADMIN_SET_KV_FORMAT, /* "set_kv_format": switch KV pages to `format` */
+    KM_ADMIN_DRAIN,         /* "drain": take no new requests, finish or migrate in-flight ones */
+    KM_ADMIN_SHUTDOWN,      /* "shutdown": exit (with the restart code when `restart`) */
+    KM_ADMIN_CMD_COUNT
+} km_admin_cmd;
+
+const char *km_admin_cmd_name(km_admin_cmd c);
+
+typedef enum km_worker_state {
+    KM_STATE_STARTING = 0, /* "starting" */
+    KM_STATE_READY,        /* "ready" */
+    KM_STATE_DRAINING,     /* "draining" */
+    KM_STATE_STOPPING,     /* "stopping" */
+    KM_STATE_COUNT
+} km_worker_state;
+
+const char *km_worker_state_name(km_worker_state s);
+
+/* Strings are NUL-terminated; a NULL optional string means "absent". */
+typedef struct km_msg_request {
+    uint64_t id;        /* chosen by the sender, unique among its in-flight requests */
+    const char *model;  /* required, 1..KM_PROTO_MAX_NAME bytes */
+    const char *prompt; /* text prompt, or NULL when tokens are given (exactly one of the two) */
+    size_t prompt_len;  /* encoding: 0 = strlen(prompt); same for the other text/text_len pairs */
+    const int32_t *tokens; /* token ids, 0..2^31-1 */
+    uint32_t n_tokens;
+    /* sampling */
+    float temperature;       /* [0, 100], 0 = greedy; default 1 */
+    int32_t top_k;           /* [0, 2^20], 0 = off */
+    float top_p;             /* [0, 1], 1 = off */
+    float min_p;             /* [0, 1], 0 = off */
+    float repeat_penalty;    /* (0, 100], 1 = off */
+    int32_t repeat_last_n;   /* [0, 2^20], 0 = the server's default */
+    float presence_penalty;  /* [-2, 2] */
+    float frequency_penalty; /* [-2, 2] */
+    bool has_seed;
+    uint64_t seed;
+    uint32_t max_tokens;     /* [0, 2^20], 0 = the server's default */
+    const char *const *stop; /* up to KM_PROTO_MAX_STOP strings, each 1..KM_PROTO_MAX_NAME bytes */
+    uint32_t n_stop;
+    const char *cache_salt; /* tenant isolation of cached pages; NULL = none */
+    int32_t priority;       /* [-100, 100], higher first; default 0 */
+    uint32_t deadline_ms;   /* budget from receipt; 0 = none */
+    bool stream;            /* send token frames (otherwise only done, with the whole text) */
+} km_msg_request;
+
+typedef struct km_msg_token {
+    uint64_t id;      /* request id */
+    uint32_t index;   /* 0-based position in the completion */
+    int32_t token;    /* token id */
+    const char *text; /* UTF-8 piece (may be empty while a character is incomplete) */
+    size_t text_len;
+} km_msg_token;
+
+typedef struct km_msg_done {
+    uint64_t id;
+    km_finish finish;
+    const char *text; /* whole completion for non-streaming requests; NULL otherwise */
+    size_t text_len;
+    uint32_t prompt_tokens, cached_tokens, completion_tokens; /* usage */
+    double queue_ms, ttft_ms, total_ms;                       /* timings, >= 0 */
+} km_msg_done;
+
+typedef struct km_msg_error {
+    uint64_t id;             /* request id; 0 when the frame could not be attributed */
+    int32_t code;            /* km_proto_code, 1..999 */
+    const char *message;     /* required, up to KM_PROTO_MAX_MESSAGE bytes */
+    uint32_t retry_after_ms; /* 0 = do not retry here */
+} km_msg_error;
+
+typedef struct km_msg_cancel {
+    uint64_t id;
+} km_msg_cancel;
+
+typedef struct km_msg_admin {
+    uint64_t id; /* correlation id echoed in the reply */
+    km_admin_cmd cmd;
+    double fraction;     /* evict: (0, 1] */
+    const char *format;  /* set_kv_format: "f16", "bf16", "fp8", "int8" or "int4" */
+    uint32_t timeout_ms; /* drain: grace before in-flight requests are migrated; 0 = default */
+    bool restart;        /* shutdown: exit with the restart code */
+} km_msg_admin;
+
+typedef struct km_msg_admin_reply {
+    uint64_t id;
+    km_admin_cmd cmd;
+    bool ok;
+    int32_t code;        /* when !ok: km_proto_code */
+    const char *message; /* optional, up to KM_PROTO_MAX_MESSAGE bytes */
+    /* results; zero when not applicable */
+    km_worker_state state;
+    const char *kv_format; /* optional */
+    uint32_t inflight, queued;
+    uint64_t kv_pages, kv_bytes;
+    uint64_t evicted_pages, freed_bytes, converted_pages;
+} km_msg_admin_reply;
+
+typedef struct km_endpoint {
+    const char *name; /* "requests", "events", "admin", "peer", ... */
+    const char *url;
+} km_endpoint;
+
+typedef struct km_kv_usage {
+    uint32_t shard;
+    km_tier tier;
+    const char *format;
+    uint64_t pages, bytes, capacity_bytes;
+} km_kv_usage;
+
+typedef struct km_latency_q {
+    double q;       /* quantile, (0, 1] */
+    double ttft_ms; /* time to first token */
+    double tpot_ms; /* time per output token */
+} km_latency_q;
+
+typedef struct km_error_count {
+    const char *name; /* "bad_frame", "oom", ... */
+    uint64_t count;
+} km_error_count;
+
+typedef struct km_msg_heartbeat {
+    const char *worker; /* required worker id */
+    uint64_t seq;       /* increases by one per heartbeat of this process */
+    uint64_t uptime_ms;
+    km_worker_state state;
+    const km_endpoint *endpoints;
+    uint32_t n_endpoints;
+    const char *model;       /* model name */
+    const char *fingerprint; /* model fingerprint (hex) */
+    uint32_t slots;          /* capacity: concurrent sequences */
+    uint32_t max_ctx;        /* capacity: context tokens per sequence */
+    uint32_t page_tokens;
+    const km_kv_usage *kv;
+    uint32_t n_kv;
+    uint64_t rss_bytes, gpu_bytes;
+    uint32_t queue_depth, running;
+    double decode_tps, prefill_tps;
+    const km_latency_q *latency;
+    uint32_t n_latency;
+    const km_error_count *errors;
+    uint32_t n_errors;
+} km_msg_heartbeat;
+
+typedef struct km_msg_kv_event {
+    const char *worker;
+    uint64_t seq; /* per worker, +1 per event; a gap means events were lost */
+    km_kv_event_kind kind;
+    km_tier tier;          /* stored: where; tier: destination */
+    km_tier from_tier;     /* tier: source */
+    const uint8_t *hashes; /* n_hashes * 16 bytes, each an XXH128 canonical (big-endian) hash */
+    uint32_t n_hashes;
+} km_msg_kv_event;
+
+typedef struct km_msg {
+    km_msg_type type;
+    union {
+        km_msg_request req;
+        km_msg_token tok;
+        km_msg_done done;
+        km_msg_error error;
+        km_msg_cancel cancel;
+        km_msg_admin admin;
+        km_msg_admin_reply admin_reply;
+        km_msg_heartbeat hb;
+        km_msg_kv_event kv;
+    };
+    void *mem_; /* decoder-owned allocations; private */
+} km_msg;
+
+/* Zeroes m and sets the type's defaults (temperature 1, top_p 1, repeat_penalty 1, ...). */
+void km_msg_init(km_msg *m, km_msg_type type);
+/* Frees what the decoder allocated and zeroes m; safe on any initialised message. */
+void km_msg_clear(km_msg *m);
+
+/* Checks every field's range and the required fields (what the decoder enforces after types). */
+int km_msg_validate(const km_msg *m, const km_proto_limits *lim, km_errbuf *err);
+/* Validates, then writes one frame into out (out->len is reset first). lim NULL = defaults. */
+int km_msg_encode(const km_msg *m, const km_proto_limits *lim, km_buf *out, km_errbuf *err);
+/* Decodes one whole frame into out (initialised by the call; km_msg_clear it when done; after a
+ * failure it is already cleared). Errors: KM_ERANGE (too large), KM_EFORMAT (not msgpack, wrong
+ * types, missing fields, out-of-range values), KM_EUNSUPPORTED (version or type unknown). */
+int km_msg_decode(const void *data, size_t len, const km_proto_limits *lim, km_msg *out,
+                  km_errbuf *err);
+
+/* ---------------------------------------------------------------- ZeroMQ (zmqx.c) */
+
+typedef enum km_zsock_type { KM_ZROUTER = 0, KM_ZDEALER, KM_ZPUB, KM_ZSUB } km_zsock_type;
+
+typedef struct km_zsock_opts {
+    int sndhwm, rcvhwm;   /* messages; default 10000 */
+    int linger_ms;        /* on close; default 0 (drop unsent) */
+    int64_t max_msg_size; /* ZMQ_MAXMSGSIZE, bytes of one frame; default 1 MiB + 4 KiB, -1 off */
+    int heartbeat_ivl_ms; /* ZMTP ping interval; default 1000, 0 off */
+    int heartbeat_timeout_ms; /* default 3 * ivl */
+    const char *routing_id;   /* DEALER: identity seen by the ROUTER; NULL = random */
+    bool router_mandatory;    /* ROUTER: sending to an unknown peer fails (KM_ENOTFOUND) */
+} km_zsock_opts;
+
+void km_zsock_opts_default(km_zsock_opts *o);
+
+/* A libzmq context (zmq_ctx_new); destroy after every socket is closed. */
+void *km_zctx_create(void);
+void km_zctx_destroy(void *zctx);
+
+/* Opens a socket of `type` with o (NULL = defaults) applied. */
+int km_zsock_open(void *zctx, km_zsock_type type, const km_zsock_opts *o, void **out,
+                  km_errbuf *err);
+void km_zsock_close(void *s);
+int km_zsock_bind(void *s, const char *endpoint, km_errbuf *err);
+int km_zsock_connect(void *s, const char *endpoint, km_errbuf *err);
+/* The endpoint last bound (resolves tcp://127.0.0.1:* to the real port). */
+int km_zsock_last_endpoint(void *s, char *buf, size_t cap, km_errbuf *err);
+/* SUB: subscribe to a prefix (len 0 = everything). */
+int km_zsock_subscribe(void *s, const void *prefix, size_t len, km_errbuf *err);
+/* The file descriptor to watch from another event loop (edge-triggered: after it fires, call
+ * km_zsock_readable until it returns 0). */
+int km_zsock_fd(void *s, int *fd, km_errbuf *err);
+int km_zsock_readable(void *s); /* 1 when a message can be received now, 0 otherwise */
+
+typedef struct km_zframe {
+    const void *data;
+    size_t len;
+} km_zframe;
+
+#define KM_ZMSG_MAX_PARTS 8
+
+/* A received multipart message: the parts are copies owned by the message. By convention the
+ * last part is the body (one msgpack frame) and the parts before it are the routing envelope
+ * (a ROUTER sees the peer's identity first). */
+typedef struct km_zmsg {
+    km_zframe part[KM_ZMSG_MAX_PARTS];
+    int n;
+    km_buf mem_;
+} km_zmsg;
+
+enum { KM_ZDONTWAIT = 1 };
+
+/* Sends n parts as one message. With KM_ZDONTWAIT a full queue gives KM_EAGAIN. A ROUTER with
+ * router_mandatory gives KM_ENOTFOUND for an unknown identity. */
+int km_zsend(void *s, const km_zframe *parts, int n, int flags, km_errbuf *err);
+/* Receives one whole message, waiting at most timeout_ms (-1 forever, 0 not at all): 0 and the
+ * message, KM_EAGAIN on timeout, KM_EPROTO when it has more than KM_ZMSG_MAX_PARTS parts (the
+ * message is consumed and dropped). m is reset first; km_zmsg_clear it when done. */
+int km_zrecv(void *s, km_zmsg *m, int timeout_ms, km_errbuf *err);
+void km_zmsg_clear(km_zmsg *m);
+/* The last part, or NULL when the message is empty. */
+const km_zframe *km_zmsg_body(const km_zmsg *m);
+
+enum { KM_ZPOLLIN = 1, KM_ZPOLLOUT = 2 };
+
+typedef struct km_zpollitem {
+    void *sock; /* a zmq socket, or NULL to watch fd */
+    int fd;
+    short events, revents;
+} km_zpollitem;
+
+/* Waits up to timeout_ms (-1 forever) for any item: the number ready (0 on timeout), or KM_EAGAIN
+ * when a signal interrupted the wait. */
+int km_zpoll(km_zpollitem *items, int n, int timeout_ms, km_errbuf *err);
+
+/* ---------------------------------------------------------------- options (config.c) */
+
+typedef enum km_opt_type {
+    KM_OPT_STR = 0, /* dest: const char ** (owned by the km_config) */
+    KM_OPT_INT,     /* dest: int64_t * */
+    KM_OPT_FLOAT,   /* dest: double * */
+    KM_OPT_BOOL,    /* dest: bool *; --name, --no-name, --name=true|false|1|0|yes|no|on|off
+                     * (a bool flag never takes the next argument as its value) */
+    KM_OPT_SIZE,    /* dest: uint64_t *, bytes; 512, 64K, 1.5M, 2G, 1T (powers of 1024; B, iB ok) */
+    KM_OPT_DURATION /* dest: int64_t *, milliseconds; 250ms, 2s, 1.5m, 1h; a bare number is ms */
+} km_opt_type;
+
+typedef struct km_opt {
+    const char *name; /* long name: "admin-port" -> --admin-port, file key admin-port/admin_port */
+    const char *env;  /* environment twin; NULL = KVMESH_ + NAME with '-' as '_' */
+    km_opt_type type;
+    const char *def; /* default, written as on the command line; NULL = unset: a string dest
+                      * becomes NULL, other dests keep what the caller put there */
+    const char *help;
+    void *dest;
+    double min, max; /* numeric range, checked when min < max */
+} km_opt;
+
+typedef struct km_config km_config;
+
+/* The table must outlive the config. Besides the table's options every program accepts --help
+ * (-h) and --config PATH (env KVMESH_CONFIG): a file of `name = value` lines, '#' comments. */
+int km_config_create(const char *prog, const char *summary, const km_opt *opts, size_t n_opts,
+                     km_config **out, km_errbuf *err);
+void km_config_destroy(km_config *c);
+/* Fills every dest with precedence flags > environment > file > default. envp NULL = environ.
+ * Positional arguments (and everything after "--") are kept for km_config_args. */
+int km_config_parse(km_config *c, int argc, char *const *argv, char *const *envp, km_errbuf *err);
+bool km_config_help_requested(const km_config *c);
+/* The --help text: usage, summary and every option with its type, default and env twin. */
+int km_config_help(const km_config *c, km_buf *out);
+/* Where an option's value came from: "flag", "env", "file", "default" or "unset"; NULL if no such
+ * option. */
+const char *km_config_source(const km_config *c, const char *name);
+char *const *km_config_args(const km_config *c, int *n);
+
+/* Value parsers the table uses, exposed for other text inputs. */
+int km_parse_size(const char *s, uint64_t *out);
+int km_parse_duration_ms(const char *s, int64_t *out);
+int km_parse_bool(const char *s, bool *out);
+
+/* ---------------------------------------------------------------- metrics (metrics.c) */
+
+typedef enum km_metric_kind { KM_COUNTER = 0, KM_GAUGE, KM_HISTOGRAM } km_metric_kind;
+
+typedef struct km_metrics km_metrics; /* a registry */
+typedef struct km_metric km_metric;   /* a family: name, help, label names */
+typedef struct km_series km_series;   /* one time series: a family plus label values */
+
+#define KM_METRIC_MAX_LABELS  8
+#define KM_METRIC_MAX_BUCKETS 32
+#define KM_METRIC_MAX_SERIES  4096 /* per family; more label combinations give NULL series */
+
+int km_metrics_create(km_metrics **out);
+void km_metrics_destroy(km_metrics *r);
+
+/* Registers a family. name gets the "kvmesh_" prefix unless it has it; label_names is a
+ * comma-separated list ("tier,shard") or NULL. Registering the same name again with the same
+ * kind and labels returns the existing family; anything else is KM_EINVAL. Histogram bounds are
+ * strictly increasing upper bounds (+Inf is implicit); NULL for the others. */
+int km_metric_register(km_metrics *r, km_metric_kind kind, const char *name, const char *help,
+                       const char *label_names, const double *bounds, int n_bounds, km_metric **out,
+                       km_errbuf *err);
+/* The series for these label values (as many as the family has labels; NULL when it has none),
+ * created on first use. NULL on a bad argument, at the series limit or out of memory; every
+ * update below ignores a NULL series, so a failure costs a metric, never the process. Lookup
+ * takes a lock: keep the pointer for hot paths. */
+km_series *km_metric_series(km_metric *m, const char *const *label_values);
+
+void km_counter_add(km_series *s, uint64_t n);
+void km_counter_inc(km_series *s);
+void km_gauge_set(km_series *s, double v);
+void km_gauge_add(km_series *s, double d);
+void km_hist_observe(km_series *s, double v);
+
+/* Reads for tests and health logic. */
+uint64_t km_counter_value(const km_series *s);
+double km_gauge_value(const km_series *s);
+uint64_t km_hist_count(const km_series *s);
+
+/* Appends the Prometheus text exposition (format 0.0.4) of every family in registration order,
+ * series in creation order. */
+int km_metrics_render(km_metrics *r, km_buf *out);
+
+/* ---------------------------------------------------------------- admin HTTP (admin_http.c) */
+
+typedef struct km_admin km_admin;
+
+typedef struct km_admin_opts {
+    const char *host;    /* default "127.0.0.1" */
+    int port;            /* 0 = an ephemeral port (see km_admin_port) */
+    km_metrics *metrics; /* rendered on /metrics; NULL = empty */
+    /* /readyz: 200 when it returns true, 503 otherwise; NULL = always ready. Called on the admin
+     * thread. */
+    bool (*ready)(void *user);
+    void *user;
+} km_admin_opts;
+
+/* Binds and listens (errors come back here), then serves on a thread with its own uv loop. */
+int km_admin_start(const km_admin_opts *o, km_admin **out, km_errbuf *err);
+int km_admin_port(const km_admin *a);
+/* Closes every connection, stops the loop, joins the thread and frees a (NULL is fine). */
+void km_admin_stop(km_admin *a);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KM_SVC_H */
