@@ -10,6 +10,7 @@
  * shuffle tree, V accumulated with several independent FMA chains, next pages prefetched.
  * expf is a Cephes-style polynomial (about 1 ulp); 2^n is applied as two exact power-of-two
  * factors so that subnormal and overflowing results come out as expf's do.
+ * Quantized, mixed-format and attn_mass views are handed to attn_kv_avx2.c.
  */
 #include <assert.h>
 #include <immintrin.h>
@@ -352,18 +353,15 @@ static void kn_prefetch_block(const uint8_t *p, size_t bytes)
 void kn_attention_avx2(const kn_kv_view *kv, int head_dim, const float *q, int n_q, float scale,
                        float *out)
 {
+    /* fp8/int8/int4 pages, mixed-format views and views that want attn_mass: attn_kv_avx2.c */
     if (kn_attention_kv_wants(kv)) {
         kn_attention_kv_avx2(kv, head_dim, q, n_q, scale, out);
         return;
-    } /* fp8/int8/int4/mixed: kvshard */
+    }
     const int pt = kv->page_tokens, hd = head_dim, n_ctx = kv->n_ctx;
     assert(pt > 0 && hd > 0 && n_q > 0 && n_ctx >= 0);
     assert(q != out);
-    if (kv->format != KN_KV_F16 && kv->format != KN_KV_BF16) {
-        assert(!"attention: kv format not supported yet");
-        memset(out, 0, sizeof(float) * (size_t)n_q * hd);
-        return;
-    }
+    assert(kv->format == KN_KV_F16 || kv->format == KN_KV_BF16);
     if (hd % 8) {
         /* Head sizes that are not a multiple of 8 do not occur in the models we serve. */
         kn_attention_ref(kv, head_dim, q, n_q, scale, out);

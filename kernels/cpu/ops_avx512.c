@@ -14,6 +14,7 @@
  *  - the next pages' K and V blocks are prefetched, since pages are scattered in memory and the
  *    hardware prefetcher cannot follow a page table.
  * expf is a Cephes-style polynomial (about 1 ulp) with AVX-512 scalef for the exponent.
+ * Quantized, mixed-format and attn_mass views are handed to attn_kv_avx512.c.
  */
 #include <assert.h>
 #include <immintrin.h>
@@ -354,18 +355,15 @@ static void kn_prefetch_block(const uint8_t *p, size_t bytes)
 void kn_attention_avx512(const kn_kv_view *kv, int head_dim, const float *q, int n_q, float scale,
                          float *out)
 {
+    /* fp8/int8/int4 pages, mixed-format views and views that want attn_mass: attn_kv_avx512.c */
     if (kn_attention_kv_wants(kv)) {
         kn_attention_kv_avx512(kv, head_dim, q, n_q, scale, out);
         return;
-    } /* fp8/int8/int4/mixed: kvshard */
+    }
     const int pt = kv->page_tokens, hd = head_dim, n_ctx = kv->n_ctx;
     assert(pt > 0 && hd > 0 && n_q > 0 && n_ctx >= 0);
     assert(q != out);
-    if (kv->format != KN_KV_F16 && kv->format != KN_KV_BF16) {
-        assert(!"attention: kv format not supported yet");
-        memset(out, 0, sizeof(float) * (size_t)n_q * hd);
-        return;
-    }
+    assert(kv->format == KN_KV_F16 || kv->format == KN_KV_BF16);
     if (hd % 16) {
         /* Head sizes that are not a multiple of 16 do not occur in the models we serve; the
          * AVX2 build covers multiples of 8, the reference everything else. */

@@ -163,19 +163,17 @@ static inline float kn_kv_elem(const uint8_t *blk, size_t i, kn_kv_format f)
 void kn_attention_ref(const kn_kv_view *kv, int head_dim, const float *q, int n_q, float scale,
                       float *out)
 {
+    /* fp8/int8/int4 pages, mixed-format views and views that want attn_mass: attn_kv_ref.c */
     if (kn_attention_kv_wants(kv)) {
         kn_attention_kv_ref(kv, head_dim, q, n_q, scale, out);
         return;
-    } /* fp8/int8/int4/mixed: kvshard */
+    }
     const kn_kv_format fmt = kv->format;
     const int pt = kv->page_tokens, hd = head_dim;
     assert(pt > 0 && hd > 0 && n_q > 0 && kv->n_ctx >= 0);
     assert(q != out);
+    assert(fmt == KN_KV_F16 || fmt == KN_KV_BF16);
     memset(out, 0, sizeof(float) * (size_t)n_q * hd);
-    if (fmt != KN_KV_F16 && fmt != KN_KV_BF16) {
-        assert(!"attention: kv format not supported yet");
-        return;
-    }
     if (kv->n_ctx == 0) return;
 
     for (int h = 0; h < n_q; h++) {

@@ -28,10 +28,10 @@
 
 #define KN_INLINE static inline __attribute__((always_inline))
 
-#define KN2_PR 8   /* weight rows per panel */
-#define KN2_NT 4   /* activation rows per micro-tile */
-#define KN2_NC 64  /* activation rows per column chunk */
-#define KN2_KC 32  /* 32-element blocks per k-chunk */
+#define KN2_PR  8  /* weight rows per panel */
+#define KN2_NT  4  /* activation rows per micro-tile */
+#define KN2_NC  64 /* activation rows per column chunk */
+#define KN2_KC  32 /* 32-element blocks per k-chunk */
 #define KN2_KCK 4  /* super-blocks per k-chunk */
 
 KN_INLINE uint32_t kn2_ld32(const void *p)
@@ -48,7 +48,10 @@ KN_INLINE uint16_t kn2_ld16(const void *p)
     return v;
 }
 
-KN_INLINE __m256i kn2_bcast32(const void *p) { return _mm256_set1_epi32((int)kn2_ld32(p)); }
+KN_INLINE __m256i kn2_bcast32(const void *p)
+{
+    return _mm256_set1_epi32((int)kn2_ld32(p));
+}
 
 /* Z[j] lane r = bytes [4j, 4j+4) of the 16 bytes at rp[r] + off, r = 0..7 (A[g] holds rows g and
  * g+4 in its two lanes, so the in-lane transposes leave the rows in natural order). */
@@ -99,13 +102,22 @@ KN_INLINE int kn2_panel_rows(const uint8_t *w, size_t w_stride, int64_t p0, int6
     return nr;
 }
 
-KN_INLINE int kn2_tile_width(int left) { return left >= 4 ? 4 : left >= 2 ? 2 : 1; }
+KN_INLINE int kn2_tile_width(int left)
+{
+    return left >= 4 ? 4 : left >= 2 ? 2 : 1;
+}
 
 #define KN2_SWITCH(N, CALL)                                                                        \
     switch (N) {                                                                                   \
-    case 1: CALL(1); break;                                                                        \
-    case 2: CALL(2); break;                                                                        \
-    default: CALL(4); break;                                                                       \
+    case 1:                                                                                        \
+        CALL(1);                                                                                   \
+        break;                                                                                     \
+    case 2:                                                                                        \
+        CALL(2);                                                                                   \
+        break;                                                                                     \
+    default:                                                                                       \
+        CALL(4);                                                                                   \
+        break;                                                                                     \
     }
 
 /* ------------------------------------------------------------------ Q4_0, Q4_1, Q8_0 */
@@ -123,9 +135,9 @@ typedef struct kn2_x32 {
 
 typedef struct kn2_fmt32 {
     int wbytes, wq, xbytes, xq;
-    int q8;       /* s8 weights (Q8_0) */
-    int offset;   /* Q4_0: quants are stored + 8 */
-    int has_min;  /* Q4_1 */
+    int q8;      /* s8 weights (Q8_0) */
+    int offset;  /* Q4_0: quants are stored + 8 */
+    int has_min; /* Q4_1 */
 } kn2_fmt32;
 
 static const kn2_fmt32 kn2_fmt_q4_0 = {sizeof(kn_block_q4_0), 2, sizeof(kn_block_q8_0), 2, 0, 8, 0};
@@ -167,8 +179,8 @@ static void kn2_pack32(const kn2_fmt32 *f, const uint8_t *const rp[KN2_PR], int6
         /* the low and high halves of each dword, packed to 8 x u16 */
         const __m256i lo16 = _mm256_blend_epi16(v, _mm256_setzero_si256(), 0xAA);
         const __m256i hi16 = _mm256_srli_epi32(v, 16);
-        P[b].d = _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(lo16),
-                                                   _mm256_extracti128_si256(lo16, 1)));
+        P[b].d = _mm256_cvtph_ps(
+            _mm_packus_epi32(_mm256_castsi256_si128(lo16), _mm256_extracti128_si256(lo16, 1)));
         P[b].m = f->has_min ? _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(hi16),
                                                                _mm256_extracti128_si256(hi16, 1)))
                             : _mm256_setzero_ps();
@@ -187,7 +199,8 @@ static void kn2_xprep32(const kn2_fmt32 *f, const uint8_t *x, size_t x_stride, i
             xp->c[i][b] = 0;
             if (f->offset) {
                 const __m256i q = _mm256_loadu_si256((const __m256i *)(xb + f->xq));
-                const __m256i s = _mm256_sad_epu8(_mm256_xor_si256(q, sign), _mm256_setzero_si256());
+                const __m256i s =
+                    _mm256_sad_epu8(_mm256_xor_si256(q, sign), _mm256_setzero_si256());
                 const __m128i s2 =
                     _mm_add_epi64(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
                 const int sum = (int)(_mm_cvtsi128_si64(s2) + _mm_extract_epi64(s2, 1)) - 4096;
@@ -238,9 +251,9 @@ KN_INLINE void kn2_tile32(const kn2_fmt32 *f, const kn2_p32 *P, int nb, const ui
     for (int i = 0; i < N; i++) kn2_store_rows(yp + (size_t)i * y_stride, nr, acc[i], first);
 }
 
-KN_INLINE void kn2_matmul32(const kn2_fmt32 *f, const uint8_t *w, size_t w_stride,
-                            const uint8_t *x, size_t x_stride, int64_t k, int m, float *y,
-                            size_t y_stride, int64_t r0, int64_t r1)
+KN_INLINE void kn2_matmul32(const kn2_fmt32 *f, const uint8_t *w, size_t w_stride, const uint8_t *x,
+                            size_t x_stride, int64_t k, int m, float *y, size_t y_stride,
+                            int64_t r0, int64_t r1)
 {
     kn2_x32 xp;
     kn2_p32 panel[KN2_KC] __attribute__((aligned(32)));
@@ -379,7 +392,8 @@ static void kn2_pack_q4K(const uint8_t *const rp[KN2_PR], int64_t blk, kn2_p4K *
     for (int t = 0; t < 4; t++) {
         const __m256i z = Z[2 + t / 2];
         const int u = 2 * (t % 2);
-        P->mn[t] = _mm256_or_si256(kn2_byte_lane(z, u), _mm256_slli_epi32(kn2_byte_lane(z, u + 1), 16));
+        P->mn[t] =
+            _mm256_or_si256(kn2_byte_lane(z, u), _mm256_slli_epi32(kn2_byte_lane(z, u + 1), 16));
     }
 }
 
@@ -494,7 +508,8 @@ KN_INLINE void kn2_tile6K(const kn2_p6K *P, int nb, const uint8_t *xb, size_t x_
                                                    _mm256_maddubs_epi16(w1, kn2_bcast32(xj + 4)));
                 const __m256i c = _mm256_add_epi16(_mm256_maddubs_epi16(w2, kn2_bcast32(xj + 8)),
                                                    _mm256_maddubs_epi16(w3, kn2_bcast32(xj + 12)));
-                __m256i s = _mm256_add_epi32(_mm256_madd_epi16(a, ones), _mm256_madd_epi16(c, ones));
+                __m256i s =
+                    _mm256_add_epi32(_mm256_madd_epi16(a, ones), _mm256_madd_epi16(c, ones));
                 s = _mm256_add_epi32(s, _mm256_set1_epi32(xp->c[xi + i][b][j]));
                 g[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), P[b].dsc[j], g[i]);
             }
@@ -530,8 +545,10 @@ static void kn2_matmulK(int is_q6, const uint8_t *w, size_t w_stride, const uint
                 const int nr = kn2_panel_rows(w, w_stride, p0, r1, rp);
                 float *yp = y + (size_t)c0 * y_stride + (size_t)p0;
                 for (int b = 0; b < nb; b++) {
-                    if (is_q6) kn2_pack_q6K(rp, b0 + b, &panel.q6[b]);
-                    else kn2_pack_q4K(rp, b0 + b, &panel.q4[b]);
+                    if (is_q6)
+                        kn2_pack_q6K(rp, b0 + b, &panel.q6[b]);
+                    else
+                        kn2_pack_q4K(rp, b0 + b, &panel.q4[b]);
                 }
                 for (int t = 0; t < nc;) {
                     const int n = kn2_tile_width(nc - t);
@@ -637,10 +654,14 @@ static void kn2_matmulf(int ft, const uint8_t *w, size_t w_stride, const uint8_t
             const int N = m - i >= 2 ? 2 : 1;
             const uint8_t *wr = w + (size_t)r * w_stride, *xi = x + (size_t)i * x_stride;
             float *yo = y + (size_t)i * y_stride + (size_t)r;
-            if (R == 4 && N == 2) kn2_tilef(ft, wr, w_stride, xi, x_stride, k, 4, 2, yo, y_stride);
-            else if (R == 4) kn2_tilef(ft, wr, w_stride, xi, x_stride, k, 4, 1, yo, y_stride);
-            else if (N == 2) kn2_tilef(ft, wr, w_stride, xi, x_stride, k, 1, 2, yo, y_stride);
-            else kn2_tilef(ft, wr, w_stride, xi, x_stride, k, 1, 1, yo, y_stride);
+            if (R == 4 && N == 2)
+                kn2_tilef(ft, wr, w_stride, xi, x_stride, k, 4, 2, yo, y_stride);
+            else if (R == 4)
+                kn2_tilef(ft, wr, w_stride, xi, x_stride, k, 4, 1, yo, y_stride);
+            else if (N == 2)
+                kn2_tilef(ft, wr, w_stride, xi, x_stride, k, 1, 2, yo, y_stride);
+            else
+                kn2_tilef(ft, wr, w_stride, xi, x_stride, k, 1, 1, yo, y_stride);
             i += N;
         }
         r += R;
@@ -726,8 +747,8 @@ KN_INLINE int kn2_q8_block(const float *x, int8_t *qs, kn_f16 *dout, float *dval
     *dout = _cvtss_sh(d, 0);
     *dval = d;
     /* sum of the stored int8: sad of (q + 128) against 0, less 32 * 128 */
-    const __m256i s = _mm256_sad_epu8(_mm256_xor_si256(i0, _mm256_set1_epi8((char)0x80)),
-                                      _mm256_setzero_si256());
+    const __m256i s =
+        _mm256_sad_epu8(_mm256_xor_si256(i0, _mm256_set1_epi8((char)0x80)), _mm256_setzero_si256());
     return kn2_hsum_i32(s) - 4096;
 }
 
@@ -765,7 +786,8 @@ void kn_quantize_row_avx2(km_type t, const float *x, void *vy, int64_t n)
         for (int64_t i = 0; i < n / KN_QK_K; i++, x += KN_QK_K, y += sizeof(kn_block_q8_K)) {
             kn_block_q8_K blk;
             __m256 a = _mm256_setzero_ps();
-            for (int j = 0; j < 32; j++) a = _mm256_max_ps(a, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8 * j)));
+            for (int j = 0; j < 32; j++)
+                a = _mm256_max_ps(a, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8 * j)));
             const float amax = kn2_hmax(a);
             memset(&blk, 0, sizeof blk);
             if (amax == 0.0f) {
@@ -775,8 +797,8 @@ void kn_quantize_row_avx2(km_type t, const float *x, void *vy, int64_t n)
             float max = 0;
             const __m256 va = _mm256_set1_ps(amax);
             for (int j = 0; j < 32; j++) {
-                const int hit = _mm256_movemask_ps(
-                    _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8 * j)), va, _CMP_EQ_OQ));
+                const int hit = _mm256_movemask_ps(_mm256_cmp_ps(
+                    _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8 * j)), va, _CMP_EQ_OQ));
                 if (hit) {
                     max = x[8 * j + __builtin_ctz((unsigned)hit)];
                     break;
@@ -798,10 +820,10 @@ void kn_quantize_row_avx2(km_type t, const float *x, void *vy, int64_t n)
                 q0 = _mm256_min_epi32(q0, _mm256_set1_epi32(127));
                 q1 = _mm256_min_epi32(q1, _mm256_set1_epi32(127));
                 blk.bsums[j] = (int16_t)kn2_hsum_i32(_mm256_add_epi32(q0, q1));
-                __m256i p = _mm256_packs_epi32(q0, q1);                  /* 0..3 8..11 4..7 12..15 */
-                p = _mm256_permute4x64_epi64(p, 0xD8);                   /* 0..15 as int16 */
-                const __m128i b8 = _mm_packs_epi16(_mm256_castsi256_si128(p),
-                                                   _mm256_extracti128_si256(p, 1));
+                __m256i p = _mm256_packs_epi32(q0, q1); /* 0..3 8..11 4..7 12..15 */
+                p = _mm256_permute4x64_epi64(p, 0xD8);  /* 0..15 as int16 */
+                const __m128i b8 =
+                    _mm_packs_epi16(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
                 _mm_storeu_si128((__m128i *)(blk.qs + 16 * j), b8);
             }
             memcpy(y, &blk, sizeof blk);
@@ -828,7 +850,8 @@ void kn_quantize_row_avx2(km_type t, const float *x, void *vy, int64_t n)
                 _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
             r = _mm256_blendv_epi8(
                 r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(64)), nan);
-            const __m128i p = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+            const __m128i p =
+                _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
             _mm_storeu_si128((__m128i *)(y + j), p);
         }
         if (j < n) kn_quantize_row_ref(t, x + j, y + j, n - j);

@@ -34,11 +34,11 @@
 
 #define KN_INLINE static inline __attribute__((always_inline))
 
-#define KN_PR 16   /* weight rows per panel: one int32 lane each */
-#define KN_NT 8    /* activation rows per micro-tile */
-#define KN_NC 64   /* activation rows per column chunk (X-side table) */
-#define KN_KC 32   /* 32-element blocks per k-chunk */
-#define KN_KCK 4   /* 256-element super-blocks per k-chunk */
+#define KN_PR  16 /* weight rows per panel: one int32 lane each */
+#define KN_NT  8  /* activation rows per micro-tile */
+#define KN_NC  64 /* activation rows per column chunk (X-side table) */
+#define KN_KC  32 /* 32-element blocks per k-chunk */
+#define KN_KCK 4  /* 256-element super-blocks per k-chunk */
 
 KN_INLINE uint32_t kn_ld32(const void *p)
 {
@@ -54,7 +54,10 @@ KN_INLINE uint16_t kn_ld16(const void *p)
     return v;
 }
 
-KN_INLINE __m512i kn_bcast32(const void *p) { return _mm512_set1_epi32((int)kn_ld32(p)); }
+KN_INLINE __m512i kn_bcast32(const void *p)
+{
+    return _mm512_set1_epi32((int)kn_ld32(p));
+}
 
 /* Z[j] lane r = bytes [4j, 4j+4) of the 16 bytes at rp[r] + off, r = 0..15. Each A[g] holds rows
  * g, g+4, g+8, g+12 in its 128-bit lanes, so the 4x4 dword transposes inside the lanes leave the
@@ -62,7 +65,7 @@ KN_INLINE __m512i kn_bcast32(const void *p) { return _mm512_set1_epi32((int)kn_l
 KN_INLINE void kn_tr16x4(const uint8_t *const rp[KN_PR], size_t off, __m512i Z[4])
 {
     __m512i A[4];
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int g = 0; g < 4; g++) {
         __m512i a = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(rp[g] + off)));
         a = _mm512_inserti32x4(a, _mm_loadu_si128((const __m128i *)(rp[g + 4] + off)), 1);
@@ -81,7 +84,7 @@ KN_INLINE void kn_tr16x4(const uint8_t *const rp[KN_PR], size_t off, __m512i Z[4
 KN_INLINE __m512 kn_gather_f16(const uint8_t *const rp[KN_PR], size_t off)
 {
     uint16_t h[KN_PR];
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int r = 0; r < KN_PR; r++) h[r] = kn_ld16(rp[r] + off);
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
 }
@@ -120,8 +123,9 @@ static const kn_fmt32 kn_fmt_q8_0 = {sizeof(kn_block_q8_0), 2, sizeof(kn_block_q
  * vpgatherdd: one gather fetches a per-row dword (the block scales) in a few cycles. */
 KN_INLINE __m512i kn_row_offsets(size_t w_stride, int nr)
 {
-    const __m512i r = _mm512_min_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                       _mm512_set1_epi32(nr - 1));
+    const __m512i r =
+        _mm512_min_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                         _mm512_set1_epi32(nr - 1));
     return _mm512_mullo_epi32(r, _mm512_set1_epi32((int)w_stride));
 }
 
@@ -134,14 +138,14 @@ KN_INLINE void kn_pack32_q(const kn_fmt32 *f, const uint8_t *const rp[KN_PR], in
     kn_tr16x4(rp, off, Z);
     if (f->bias == 128) {
         const __m512i sign = _mm512_set1_epi8((char)0x80);
-        #pragma GCC unroll 16
+#pragma GCC unroll 16
         for (int j = 0; j < 4; j++) q[j] = _mm512_xor_si512(Z[j], sign);
         kn_tr16x4(rp, off + 16, Z);
-        #pragma GCC unroll 16
+#pragma GCC unroll 16
         for (int j = 0; j < 4; j++) q[j + 4] = _mm512_xor_si512(Z[j], sign);
     } else {
         const __m512i lo = _mm512_set1_epi8(0x0F);
-        #pragma GCC unroll 16
+#pragma GCC unroll 16
         for (int j = 0; j < 4; j++) {
             q[j] = _mm512_and_si512(Z[j], lo);
             q[j + 4] = _mm512_and_si512(_mm512_srli_epi32(Z[j], 4), lo);
@@ -153,8 +157,7 @@ KN_INLINE void kn_pack32_q(const kn_fmt32 *f, const uint8_t *const rp[KN_PR], in
 KN_INLINE void kn_pack32_dm(const kn_fmt32 *f, const uint8_t *row0, __m512i roff, int64_t blk,
                             __m512 *d, __m512 *m)
 {
-    const __m512i v =
-        _mm512_i32gather_epi32(roff, row0 + (size_t)blk * (size_t)f->wbytes, 1);
+    const __m512i v = _mm512_i32gather_epi32(roff, row0 + (size_t)blk * (size_t)f->wbytes, 1);
     *d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v));
     *m = f->has_min ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16)))
                     : _mm512_setzero_ps();
@@ -175,7 +178,8 @@ static void kn_xprep32(const kn_fmt32 *f, const uint8_t *x, size_t x_stride, int
             } else {
                 /* sum of the int8 quants: sad of (q + 128) against 0, less 32 * 128 */
                 const __m256i q = _mm256_loadu_si256((const __m256i *)(xb + f->xq));
-                const __m256i s = _mm256_sad_epu8(_mm256_xor_si256(q, sign), _mm256_setzero_si256());
+                const __m256i s =
+                    _mm256_sad_epu8(_mm256_xor_si256(q, sign), _mm256_setzero_si256());
                 const __m128i s2 =
                     _mm_add_epi64(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
                 const int sum = (int)(_mm_cvtsi128_si64(s2) + _mm_extract_epi64(s2, 1)) - 4096;
@@ -196,11 +200,11 @@ KN_INLINE void kn_block32(const kn_fmt32 *f, const __m512i q[8], __m512 d, __m51
 {
     const int split = N <= 2;
     __m512i s[KN_NT], s2[2];
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int i = 0; i < N; i++)
         s[i] = f->bias ? _mm512_set1_epi32(xp->c[xi + i][b]) : _mm512_setzero_si512();
     if (split)
-        #pragma GCC unroll 16
+#pragma GCC unroll 16
         for (int i = 0; i < N; i++) s2[i] = _mm512_setzero_si512();
     const uint8_t *xq = xb + (size_t)b * (size_t)f->xbytes + (size_t)f->xq;
 #pragma GCC unroll 8
@@ -208,8 +212,10 @@ KN_INLINE void kn_block32(const kn_fmt32 *f, const __m512i q[8], __m512 d, __m51
 #pragma GCC unroll 8
         for (int i = 0; i < N; i++) {
             const __m512i xv = kn_bcast32(xq + (size_t)i * x_stride + 4 * j);
-            if (split && (j & 1)) s2[i] = _mm512_dpbusd_epi32(s2[i], q[j], xv);
-            else s[i] = _mm512_dpbusd_epi32(s[i], q[j], xv);
+            if (split && (j & 1))
+                s2[i] = _mm512_dpbusd_epi32(s2[i], q[j], xv);
+            else
+                s[i] = _mm512_dpbusd_epi32(s[i], q[j], xv);
         }
     }
 #pragma GCC unroll 8
@@ -223,10 +229,9 @@ KN_INLINE void kn_block32(const kn_fmt32 *f, const __m512i q[8], __m512 d, __m51
 
 /* Few activation rows: each panel block is built in registers and used at once. */
 KN_INLINE void kn_fused32(const kn_fmt32 *f, const uint8_t *const rp[KN_PR], size_t w_stride,
-                          int nr, int64_t b0, int nb,
-                          const uint8_t *xb, size_t x_stride, const kn_x32 *xp, int N, float *yp,
-                          size_t y_stride, __mmask16 mask, int first, const uint8_t *pf,
-                          size_t pf_step)
+                          int nr, int64_t b0, int nb, const uint8_t *xb, size_t x_stride,
+                          const kn_x32 *xp, int N, float *yp, size_t y_stride, __mmask16 mask,
+                          int first, const uint8_t *pf, size_t pf_step)
 {
     const __m512i roff = kn_row_offsets(w_stride, nr);
     __m512 acc[KN_NT], accm[KN_NT];
@@ -264,8 +269,8 @@ KN_INLINE void kn_tile32(const kn_fmt32 *f, const kn_p32 *P, int nb, const uint8
 }
 
 /* Packs the whole panel for k-chunk [b0, b0+nb). */
-KN_INLINE void kn_pack32(const kn_fmt32 *f, const uint8_t *const rp[KN_PR], size_t w_stride,
-                         int nr, int64_t b0, int nb, kn_p32 *P, const uint8_t *pf, size_t pf_step)
+KN_INLINE void kn_pack32(const kn_fmt32 *f, const uint8_t *const rp[KN_PR], size_t w_stride, int nr,
+                         int64_t b0, int nb, kn_p32 *P, const uint8_t *pf, size_t pf_step)
 {
     const __m512i roff = kn_row_offsets(w_stride, nr);
     for (int b = 0; b < nb; b++) {
@@ -280,22 +285,46 @@ KN_INLINE void kn_pack32(const kn_fmt32 *f, const uint8_t *const rp[KN_PR], size
  * keeps the number of instantiations, and the compile time, down. */
 #define KN_SWITCH_P2(N, CALL)                                                                      \
     switch (N) {                                                                                   \
-    case 1: CALL(1); break;                                                                        \
-    case 2: CALL(2); break;                                                                        \
-    case 4: CALL(4); break;                                                                        \
-    default: CALL(8); break;                                                                       \
+    case 1:                                                                                        \
+        CALL(1);                                                                                   \
+        break;                                                                                     \
+    case 2:                                                                                        \
+        CALL(2);                                                                                   \
+        break;                                                                                     \
+    case 4:                                                                                        \
+        CALL(4);                                                                                   \
+        break;                                                                                     \
+    default:                                                                                       \
+        CALL(8);                                                                                   \
+        break;                                                                                     \
     }
 
 #define KN_SWITCH_N(N, CALL)                                                                       \
     switch (N) {                                                                                   \
-    case 1: CALL(1); break;                                                                        \
-    case 2: CALL(2); break;                                                                        \
-    case 3: CALL(3); break;                                                                        \
-    case 4: CALL(4); break;                                                                        \
-    case 5: CALL(5); break;                                                                        \
-    case 6: CALL(6); break;                                                                        \
-    case 7: CALL(7); break;                                                                        \
-    default: CALL(8); break;                                                                       \
+    case 1:                                                                                        \
+        CALL(1);                                                                                   \
+        break;                                                                                     \
+    case 2:                                                                                        \
+        CALL(2);                                                                                   \
+        break;                                                                                     \
+    case 3:                                                                                        \
+        CALL(3);                                                                                   \
+        break;                                                                                     \
+    case 4:                                                                                        \
+        CALL(4);                                                                                   \
+        break;                                                                                     \
+    case 5:                                                                                        \
+        CALL(5);                                                                                   \
+        break;                                                                                     \
+    case 6:                                                                                        \
+        CALL(6);                                                                                   \
+        break;                                                                                     \
+    case 7:                                                                                        \
+        CALL(7);                                                                                   \
+        break;                                                                                     \
+    default:                                                                                       \
+        CALL(8);                                                                                   \
+        break;                                                                                     \
     }
 
 /* Row pointers of the panel at p0 with nr valid rows; missing rows repeat the last one (their
@@ -337,7 +366,7 @@ KN_INLINE void kn_matmul32(const kn_fmt32 *f, const uint8_t *w, size_t w_stride,
                     pf_step = ((size_t)pf_rows * w_stride / (size_t)nb + 63) & ~(size_t)63;
                 if (nc <= KN_NT) {
 #define KN_CALL(N)                                                                                 \
-    kn_fused32(f, rp, w_stride, nr, b0, nb, xb, x_stride, &xp, N, yp, y_stride, mask, first, pf,     \
+    kn_fused32(f, rp, w_stride, nr, b0, nb, xb, x_stride, &xp, N, yp, y_stride, mask, first, pf,   \
                pf_step)
                     KN_SWITCH_N(nc, KN_CALL)
 #undef KN_CALL
@@ -408,7 +437,7 @@ static void kn_xprepK(int is_q6, const uint8_t *x, size_t x_stride, int nc, int6
             memcpy(bs, xb->bsums, sizeof bs);
             xp->d[i][b] = d;
             if (is_q6) {
-                #pragma GCC unroll 16
+#pragma GCC unroll 16
                 for (int j = 0; j < 16; j++) xp->c[i][b][j] = -32 * bs[j];
             } else {
                 for (int t = 0; t < 4; t++) {
@@ -446,7 +475,7 @@ static void kn_pack_q4K(const uint8_t *const rp[KN_PR], int64_t blk, kn_p4K *P)
         __m512i Z[4];
         for (int h = 0; h < 2; h++) {
             kn_tr16x4(rp, off + 16 + 32 * (size_t)t + 16 * (size_t)h, Z);
-            #pragma GCC unroll 16
+#pragma GCC unroll 16
             for (int j = 0; j < 4; j++) {
                 P->q[2 * t][4 * h + j] = _mm512_and_si512(Z[j], lo);
                 P->q[2 * t + 1][4 * h + j] = _mm512_and_si512(_mm512_srli_epi32(Z[j], 4), lo);
@@ -463,14 +492,15 @@ static void kn_pack_q4K(const uint8_t *const rp[KN_PR], int64_t blk, kn_p4K *P)
     kn_tr16x4(sp, 0, Z);
     const __m512 d = kn_gather_f16(rp, off);
     P->dmin = kn_gather_f16(rp, off + 2);
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int j = 0; j < 8; j++)
         P->dsc[j] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(kn_byte_lane(Z[j / 4], j % 4)));
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int t = 0; t < 4; t++) {
         const __m512i z = Z[2 + t / 2];
         const int u = 2 * (t % 2);
-        P->mn[t] = _mm512_or_si512(kn_byte_lane(z, u), _mm512_slli_epi32(kn_byte_lane(z, u + 1), 16));
+        P->mn[t] =
+            _mm512_or_si512(kn_byte_lane(z, u), _mm512_slli_epi32(kn_byte_lane(z, u + 1), 16));
     }
 }
 
@@ -509,7 +539,7 @@ static void kn_pack_q6K(const uint8_t *const rp[KN_PR], int64_t blk, kn_p6K *P)
     __m512i Z[4];
     kn_tr16x4(sp, 0, Z);
     const __m512 d = kn_gather_f16(rp, off + offsetof(kn_block_q6_K, d));
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int j = 0; j < 16; j++) {
         const __m512i s = _mm512_srai_epi32(_mm512_slli_epi32(Z[j / 4], 24 - 8 * (j % 4)), 24);
         P->dsc[j] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(s));
@@ -517,20 +547,20 @@ static void kn_pack_q6K(const uint8_t *const rp[KN_PR], int64_t blk, kn_p6K *P)
 }
 
 KN_INLINE void kn_tile4K(const kn_p4K *P, int nb, const uint8_t *xb, size_t x_stride,
-                         const kn_xK *xp, int xi, int N, float *yp, size_t y_stride,
-                         __mmask16 mask, int first)
+                         const kn_xK *xp, int xi, int N, float *yp, size_t y_stride, __mmask16 mask,
+                         int first)
 {
     __m512 acc[KN_NT];
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int i = 0; i < N; i++) acc[i] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const uint8_t *xq = xb + (size_t)b * sizeof(kn_block_q8_K) + offsetof(kn_block_q8_K, qs);
         __m512 g[KN_NT];
-        #pragma GCC unroll 16
+#pragma GCC unroll 16
         for (int i = 0; i < N; i++) g[i] = _mm512_setzero_ps();
         for (int j = 0; j < 8; j++) {
             __m512i s[KN_NT];
-            #pragma GCC unroll 16
+#pragma GCC unroll 16
             for (int i = 0; i < N; i++) s[i] = _mm512_setzero_si512();
 #pragma GCC unroll 8
             for (int jj = 0; jj < 8; jj++) {
@@ -547,7 +577,7 @@ KN_INLINE void kn_tile4K(const kn_p4K *P, int nb, const uint8_t *xb, size_t x_st
 #pragma GCC unroll 8
         for (int i = 0; i < N; i++) {
             __m512i ms = _mm512_madd_epi16(P[b].mn[0], _mm512_set1_epi32(xp->c[xi + i][b][0]));
-            #pragma GCC unroll 16
+#pragma GCC unroll 16
             for (int t = 1; t < 4; t++)
                 ms = _mm512_add_epi32(
                     ms, _mm512_madd_epi16(P[b].mn[t], _mm512_set1_epi32(xp->c[xi + i][b][t])));
@@ -555,25 +585,25 @@ KN_INLINE void kn_tile4K(const kn_p4K *P, int nb, const uint8_t *xb, size_t x_st
             acc[i] = _mm512_fmadd_ps(g[i], _mm512_set1_ps(xp->d[xi + i][b]), acc[i]);
         }
     }
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int i = 0; i < N; i++) kn_store_rows(yp + (size_t)i * y_stride, mask, acc[i], first);
 }
 
 KN_INLINE void kn_tile6K(const kn_p6K *P, int nb, const uint8_t *xb, size_t x_stride,
-                         const kn_xK *xp, int xi, int N, float *yp, size_t y_stride,
-                         __mmask16 mask, int first)
+                         const kn_xK *xp, int xi, int N, float *yp, size_t y_stride, __mmask16 mask,
+                         int first)
 {
     __m512 acc[KN_NT];
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int i = 0; i < N; i++) acc[i] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const uint8_t *xq = xb + (size_t)b * sizeof(kn_block_q8_K) + offsetof(kn_block_q8_K, qs);
         __m512 g[KN_NT];
-        #pragma GCC unroll 16
+#pragma GCC unroll 16
         for (int i = 0; i < N; i++) g[i] = _mm512_setzero_ps();
         for (int j = 0; j < 16; j++) {
             __m512i s[KN_NT];
-            #pragma GCC unroll 16
+#pragma GCC unroll 16
             for (int i = 0; i < N; i++) s[i] = _mm512_set1_epi32(xp->c[xi + i][b][j]);
 #pragma GCC unroll 4
             for (int jj = 0; jj < 4; jj++) {
@@ -591,7 +621,7 @@ KN_INLINE void kn_tile6K(const kn_p6K *P, int nb, const uint8_t *xb, size_t x_st
         for (int i = 0; i < N; i++)
             acc[i] = _mm512_fmadd_ps(g[i], _mm512_set1_ps(xp->d[xi + i][b]), acc[i]);
     }
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int i = 0; i < N; i++) kn_store_rows(yp + (size_t)i * y_stride, mask, acc[i], first);
 }
 
@@ -618,8 +648,10 @@ static void kn_matmulK(int is_q6, const uint8_t *w, size_t w_stride, const uint8
                 const __mmask16 mask = kn_panel_rows(w, w_stride, p0, r1, rp);
                 float *yp = y + (size_t)c0 * y_stride + (size_t)p0;
                 for (int b = 0; b < nb; b++) {
-                    if (is_q6) kn_pack_q6K(rp, b0 + b, &panel.q6[b]);
-                    else kn_pack_q4K(rp, b0 + b, &panel.q4[b]);
+                    if (is_q6)
+                        kn_pack_q6K(rp, b0 + b, &panel.q6[b]);
+                    else
+                        kn_pack_q4K(rp, b0 + b, &panel.q4[b]);
                 }
                 for (int t = 0; t < nc;) {
                     const int n = nc - t >= 8 ? 8 : nc - t >= 4 ? 4 : nc - t >= 2 ? 2 : 1;
@@ -652,8 +684,8 @@ KN_INLINE __m512 kn_loadf(int ft, const void *p, int64_t j, __mmask16 mask)
     case KN_F16:
         return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, (const kn_f16 *)p + j));
     case KN_BF16:
-        return _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, (const kn_bf16 *)p + j)), 16));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, (const kn_bf16 *)p + j)), 16));
     default:
         return _mm512_maskz_loadu_ps(mask, (const float *)p + j);
     }
@@ -664,38 +696,39 @@ KN_INLINE void kn_tilef(int ft, const uint8_t *w, size_t w_stride, const uint8_t
                         size_t x_stride, int64_t k, int R, int N, float *y, size_t y_stride)
 {
     __m512 acc[4][4];
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int r = 0; r < R; r++)
-        #pragma GCC unroll 16
+#pragma GCC unroll 16
         for (int i = 0; i < N; i++) acc[r][i] = _mm512_setzero_ps();
     int64_t j = 0;
     for (; j + 16 <= k; j += 16) {
         __m512 xv[4];
-        #pragma GCC unroll 16
+#pragma GCC unroll 16
         for (int i = 0; i < N; i++) xv[i] = kn_loadf(ft, x + (size_t)i * x_stride, j, 0xFFFF);
-        #pragma GCC unroll 16
+#pragma GCC unroll 16
         for (int r = 0; r < R; r++) {
             const __m512 wv = kn_loadf(ft, w + (size_t)r * w_stride, j, 0xFFFF);
-            #pragma GCC unroll 16
+#pragma GCC unroll 16
             for (int i = 0; i < N; i++) acc[r][i] = _mm512_fmadd_ps(wv, xv[i], acc[r][i]);
         }
     }
     if (j < k) {
         const __mmask16 mask = (__mmask16)((1u << (k - j)) - 1);
         __m512 xv[4];
-        #pragma GCC unroll 16
+#pragma GCC unroll 16
         for (int i = 0; i < N; i++) xv[i] = kn_loadf(ft, x + (size_t)i * x_stride, j, mask);
-        #pragma GCC unroll 16
+#pragma GCC unroll 16
         for (int r = 0; r < R; r++) {
             const __m512 wv = kn_loadf(ft, w + (size_t)r * w_stride, j, mask);
-            #pragma GCC unroll 16
+#pragma GCC unroll 16
             for (int i = 0; i < N; i++) acc[r][i] = _mm512_fmadd_ps(wv, xv[i], acc[r][i]);
         }
     }
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int r = 0; r < R; r++)
-        #pragma GCC unroll 16
-        for (int i = 0; i < N; i++) y[(size_t)i * y_stride + (size_t)r] = _mm512_reduce_add_ps(acc[r][i]);
+#pragma GCC unroll 16
+        for (int i = 0; i < N; i++)
+            y[(size_t)i * y_stride + (size_t)r] = _mm512_reduce_add_ps(acc[r][i]);
 }
 
 /* BF16 pairs through vdpbf16ps (products exact, sums in f32 with denormals flushed). */
@@ -704,28 +737,30 @@ kn_tile_bf16dp(const uint8_t *w, size_t w_stride, const uint8_t *x, size_t x_str
                int R, int N, float *y, size_t y_stride)
 {
     __m512 acc[4][4];
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int r = 0; r < R; r++)
-        #pragma GCC unroll 16
+#pragma GCC unroll 16
         for (int i = 0; i < N; i++) acc[r][i] = _mm512_setzero_ps();
     for (int64_t j = 0; j < k; j += 32) {
         const __mmask32 mask = k - j >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << (k - j)) - 1);
         __m512bh xv[4];
-        #pragma GCC unroll 16
+#pragma GCC unroll 16
         for (int i = 0; i < N; i++)
-            xv[i] = (__m512bh)_mm512_maskz_loadu_epi16(mask, (const kn_bf16 *)(x + (size_t)i * x_stride) + j);
-        #pragma GCC unroll 16
+            xv[i] = (__m512bh)_mm512_maskz_loadu_epi16(
+                mask, (const kn_bf16 *)(x + (size_t)i * x_stride) + j);
+#pragma GCC unroll 16
         for (int r = 0; r < R; r++) {
-            const __m512bh wv =
-                (__m512bh)_mm512_maskz_loadu_epi16(mask, (const kn_bf16 *)(w + (size_t)r * w_stride) + j);
-            #pragma GCC unroll 16
+            const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(
+                mask, (const kn_bf16 *)(w + (size_t)r * w_stride) + j);
+#pragma GCC unroll 16
             for (int i = 0; i < N; i++) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], wv, xv[i]);
         }
     }
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int r = 0; r < R; r++)
-        #pragma GCC unroll 16
-        for (int i = 0; i < N; i++) y[(size_t)i * y_stride + (size_t)r] = _mm512_reduce_add_ps(acc[r][i]);
+#pragma GCC unroll 16
+        for (int i = 0; i < N; i++)
+            y[(size_t)i * y_stride + (size_t)r] = _mm512_reduce_add_ps(acc[r][i]);
 }
 
 static int kn_has_bf16dp(void)
@@ -739,9 +774,8 @@ static int kn_has_bf16dp(void)
 }
 
 /* 4 x 4 tiles; the row and column remainders run as 1-wide tiles. */
-static void kn_matmulf(int ft, const uint8_t *w, size_t w_stride, const uint8_t *x,
-                       size_t x_stride, int64_t k, int m, float *y, size_t y_stride, int64_t r0,
-                       int64_t r1)
+static void kn_matmulf(int ft, const uint8_t *w, size_t w_stride, const uint8_t *x, size_t x_stride,
+                       int64_t k, int m, float *y, size_t y_stride, int64_t r0, int64_t r1)
 {
     const int dp = ft == KN_BF16 && kn_has_bf16dp();
     for (int64_t r = r0; r < r1;) {
@@ -751,15 +785,23 @@ static void kn_matmulf(int ft, const uint8_t *w, size_t w_stride, const uint8_t 
             const uint8_t *wr = w + (size_t)r * w_stride, *xi = x + (size_t)i * x_stride;
             float *yo = y + (size_t)i * y_stride + (size_t)r;
             if (dp) {
-                if (R == 4 && N == 4) kn_tile_bf16dp(wr, w_stride, xi, x_stride, k, 4, 4, yo, y_stride);
-                else if (R == 4) kn_tile_bf16dp(wr, w_stride, xi, x_stride, k, 4, 1, yo, y_stride);
-                else if (N == 4) kn_tile_bf16dp(wr, w_stride, xi, x_stride, k, 1, 4, yo, y_stride);
-                else kn_tile_bf16dp(wr, w_stride, xi, x_stride, k, 1, 1, yo, y_stride);
+                if (R == 4 && N == 4)
+                    kn_tile_bf16dp(wr, w_stride, xi, x_stride, k, 4, 4, yo, y_stride);
+                else if (R == 4)
+                    kn_tile_bf16dp(wr, w_stride, xi, x_stride, k, 4, 1, yo, y_stride);
+                else if (N == 4)
+                    kn_tile_bf16dp(wr, w_stride, xi, x_stride, k, 1, 4, yo, y_stride);
+                else
+                    kn_tile_bf16dp(wr, w_stride, xi, x_stride, k, 1, 1, yo, y_stride);
             } else {
-                if (R == 4 && N == 4) kn_tilef(ft, wr, w_stride, xi, x_stride, k, 4, 4, yo, y_stride);
-                else if (R == 4) kn_tilef(ft, wr, w_stride, xi, x_stride, k, 4, 1, yo, y_stride);
-                else if (N == 4) kn_tilef(ft, wr, w_stride, xi, x_stride, k, 1, 4, yo, y_stride);
-                else kn_tilef(ft, wr, w_stride, xi, x_stride, k, 1, 1, yo, y_stride);
+                if (R == 4 && N == 4)
+                    kn_tilef(ft, wr, w_stride, xi, x_stride, k, 4, 4, yo, y_stride);
+                else if (R == 4)
+                    kn_tilef(ft, wr, w_stride, xi, x_stride, k, 4, 1, yo, y_stride);
+                else if (N == 4)
+                    kn_tilef(ft, wr, w_stride, xi, x_stride, k, 1, 4, yo, y_stride);
+                else
+                    kn_tilef(ft, wr, w_stride, xi, x_stride, k, 1, 1, yo, y_stride);
             }
             i += N;
         }
@@ -858,7 +900,7 @@ void kn_quantize_row_avx512(km_type t, const float *x, void *vy, int64_t n)
         for (int64_t i = 0; i < n / KN_QK_K; i++, x += KN_QK_K, y += sizeof(kn_block_q8_K)) {
             kn_block_q8_K blk;
             __m512 v[16], a = _mm512_setzero_ps();
-            #pragma GCC unroll 16
+#pragma GCC unroll 16
             for (int j = 0; j < 16; j++) {
                 v[j] = _mm512_loadu_ps(x + 16 * j);
                 a = _mm512_max_ps(a, _mm512_abs_ps(v[j]));
@@ -872,7 +914,7 @@ void kn_quantize_row_avx512(km_type t, const float *x, void *vy, int64_t n)
             /* the signed value of the first element of largest magnitude */
             float max = 0;
             const __m512 va = _mm512_set1_ps(amax);
-            #pragma GCC unroll 16
+#pragma GCC unroll 16
             for (int j = 0; j < 16; j++) {
                 const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_abs_ps(v[j]), va, _CMP_EQ_OQ);
                 if (hit) {
@@ -884,8 +926,9 @@ void kn_quantize_row_avx512(km_type t, const float *x, void *vy, int64_t n)
             /* ggml's nearest_int through the float adder, then MIN(127, v) and an int8 store;
              * the _round forms keep the compiler from fusing the multiply and the add. */
             const __m512 vs = _mm512_set1_ps(iscale), magic = _mm512_set1_ps(12582912.f);
-            const __m512i mant = _mm512_set1_epi32(0x007fffff), bias = _mm512_set1_epi32(0x00400000);
-            #pragma GCC unroll 16
+            const __m512i mant = _mm512_set1_epi32(0x007fffff),
+                          bias = _mm512_set1_epi32(0x00400000);
+#pragma GCC unroll 16
             for (int j = 0; j < 16; j++) {
                 const int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
                 const __m512 tv = _mm512_add_round_ps(_mm512_mul_round_ps(v[j], vs, rn), magic, rn);
@@ -905,8 +948,8 @@ void kn_quantize_row_avx512(km_type t, const float *x, void *vy, int64_t n)
         for (int64_t j = 0; j < n; j += 16) {
             const __mmask16 mask = n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1);
             const __m512 v = _mm512_maskz_loadu_ps(mask, x + j);
-            _mm256_mask_storeu_epi16(y + j, mask,
-                                     _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            _mm256_mask_storeu_epi16(
+                y + j, mask, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
         }
         break;
     }

@@ -79,7 +79,10 @@ km_type kn_dot_type(km_type wt)
     }
 }
 
-int kn_weight_type_supported(km_type t) { return kn_dot_type(t) != KM_TYPE_COUNT; }
+int kn_weight_type_supported(km_type t)
+{
+    return kn_dot_type(t) != KM_TYPE_COUNT;
+}
 
 /* ------------------------------------------------------------------ activation quantization */
 
@@ -391,7 +394,8 @@ static float kn_ref_dot_q6_K(const kn_block_q6_K *w, const kn_block_q8_K *x, int
         int32_t aux32[8] = {0};
         for (int j = 0; j < KN_QK_K / 16; j++) {
             const int scale = w[b].scales[j];
-            for (int l = 0; l < 16; l++) aux32[l % 8] += scale * (a[16 * j + l] * x[b].qs[16 * j + l]);
+            for (int l = 0; l < 16; l++)
+                aux32[l % 8] += scale * (a[16 * j + l] * x[b].qs[16 * j + l]);
         }
         const float d = kn_f16_to_f32(w[b].d) * x[b].d;
         for (int l = 0; l < 8; l++) sums[l] += d * (float)aux32[l];
