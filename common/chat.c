@@ -46,7 +46,7 @@ typedef struct chat_out {
     size_t cap, n;
 } chat_out;
 
-static void put(chat_out *o, const char *s, size_t n)
+static void chat_put(chat_out *o, const char *s, size_t n)
 {
     if (o->n < o->cap) {
         size_t room = o->cap - o->n;
@@ -55,12 +55,12 @@ static void put(chat_out *o, const char *s, size_t n)
     o->n += n;
 }
 
-static void puts_(chat_out *o, const char *s)
+static void chat_puts(chat_out *o, const char *s)
 {
-    put(o, s, strlen(s));
+    chat_put(o, s, strlen(s));
 }
 
-static int is_space(char c)
+static int chat_is_space(char c)
 {
     return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f';
 }
@@ -78,33 +78,33 @@ int km_chat_apply(km_chat_kind kind, const km_chat_msg *msgs, int n, int add_ass
     if (kind == KM_CHAT_CHATML) {
         /* {% if loop.first and messages[0]['role'] != 'system' %} the default system turn */
         if (n > 0 && default_system && strcmp(msgs[0].role, "system") != 0) {
-            puts_(&o, "<|im_start|>system\n");
-            puts_(&o, default_system);
-            puts_(&o, "<|im_end|>\n");
+            chat_puts(&o, "<|im_start|>system\n");
+            chat_puts(&o, default_system);
+            chat_puts(&o, "<|im_end|>\n");
         }
         for (int i = 0; i < n; i++) {
-            puts_(&o, "<|im_start|>");
-            puts_(&o, msgs[i].role);
-            puts_(&o, "\n");
-            puts_(&o, msgs[i].content);
-            puts_(&o, "<|im_end|>\n");
+            chat_puts(&o, "<|im_start|>");
+            chat_puts(&o, msgs[i].role);
+            chat_puts(&o, "\n");
+            chat_puts(&o, msgs[i].content);
+            chat_puts(&o, "<|im_end|>\n");
         }
-        if (add_assistant) puts_(&o, "<|im_start|>assistant\n");
+        if (add_assistant) chat_puts(&o, "<|im_start|>assistant\n");
     } else {
         /* Meta-Llama-3-Instruct: bos_token before the first turn, each content | trim. */
         for (int i = 0; i < n; i++) {
-            if (i == 0) puts_(&o, "<|begin_of_text|>");
-            puts_(&o, "<|start_header_id|>");
-            puts_(&o, msgs[i].role);
-            puts_(&o, "<|end_header_id|>\n\n");
+            if (i == 0) chat_puts(&o, "<|begin_of_text|>");
+            chat_puts(&o, "<|start_header_id|>");
+            chat_puts(&o, msgs[i].role);
+            chat_puts(&o, "<|end_header_id|>\n\n");
             const char *c = msgs[i].content;
             size_t len = strlen(c);
-            while (len > 0 && is_space(*c)) c++, len--;
-            while (len > 0 && is_space(c[len - 1])) len--;
-            put(&o, c, len);
-            puts_(&o, "<|eot_id|>");
+            while (len > 0 && chat_is_space(*c)) c++, len--;
+            while (len > 0 && chat_is_space(c[len - 1])) len--;
+            chat_put(&o, c, len);
+            chat_puts(&o, "<|eot_id|>");
         }
-        if (add_assistant) puts_(&o, "<|start_header_id|>assistant<|end_header_id|>\n\n");
+        if (add_assistant) chat_puts(&o, "<|start_header_id|>assistant<|end_header_id|>\n\n");
     }
     if (cap > 0) out[o.n < o.cap ? o.n : o.cap] = 0;
     if (o.n > INT_MAX) return KM_ERANGE;

@@ -174,26 +174,26 @@ int tok_bpe_load_merges(km_tokenizer *t, const km_gguf *g, km_errbuf *err)
 /* ---------------------------------------------------------------- pre-tokenizers */
 
 /* One range [ini, end) of code points being cut into pieces; piece lengths go to out. */
-typedef struct tok_split {
+typedef struct bpe_split {
     const uint32_t *cpt;
     const uint16_t *fl;
     size_t ini, end, prev;
     uint32_t *out;
     size_t n_out;
-} tok_split;
+} bpe_split;
 
-static inline uint32_t sp_cpt(const tok_split *c, size_t pos)
+static inline uint32_t bpe_at(const bpe_split *c, size_t pos)
 {
     return pos < c->end ? c->cpt[pos] : TOK_OOR;
 }
 
-static inline uint16_t sp_fl(const tok_split *c, size_t pos)
+static inline uint16_t bpe_flags_at(const bpe_split *c, size_t pos)
 {
     return pos < c->end ? c->fl[pos] : 0;
 }
 
 /* Ends a piece at `end` (nothing when empty); returns its length. */
-static size_t sp_add(tok_split *c, size_t end)
+static size_t bpe_cut(bpe_split *c, size_t end)
 {
     size_t len = end - c->prev;
     if (len) c->out[c->n_out++] = (uint32_t)len;
@@ -201,71 +201,71 @@ static size_t sp_add(tok_split *c, size_t end)
     return len;
 }
 
-#define F_WS  TOK_UCD_WHITESPACE
-#define F_L   TOK_UCD_LETTER
-#define F_N   TOK_UCD_NUMBER
-#define F_WLN (F_WS | F_L | F_N)
+#define BPE_WS  TOK_UCD_WHITESPACE
+#define BPE_L   TOK_UCD_LETTER
+#define BPE_N   TOK_UCD_NUMBER
+#define BPE_WLN (BPE_WS | BPE_L | BPE_N)
 
 /* 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S) */
-static void split_gpt2(tok_split *c)
+static void bpe_split_gpt2(bpe_split *c)
 {
     for (size_t pos = c->ini; pos < c->end;) {
-        uint32_t cpt = sp_cpt(c, pos);
-        uint16_t f = sp_fl(c, pos);
+        uint32_t cpt = bpe_at(c, pos);
+        uint16_t f = bpe_flags_at(c, pos);
 
         if (cpt == '\'' && pos + 1 < c->end) {
-            uint32_t nx = sp_cpt(c, pos + 1);
+            uint32_t nx = bpe_at(c, pos + 1);
             if (nx == 's' || nx == 't' || nx == 'm' || nx == 'd') {
-                pos += sp_add(c, pos + 2);
+                pos += bpe_cut(c, pos + 2);
                 continue;
             }
             if (pos + 2 < c->end) {
-                uint32_t nn = sp_cpt(c, pos + 2);
+                uint32_t nn = bpe_at(c, pos + 2);
                 if ((nx == 'r' && nn == 'e') || (nx == 'v' && nn == 'e') ||
                     (nx == 'l' && nn == 'l')) {
-                    pos += sp_add(c, pos + 3);
+                    pos += bpe_cut(c, pos + 3);
                     continue;
                 }
             }
         }
 
-        uint16_t f2 = cpt == ' ' ? sp_fl(c, pos + 1) : f;
-        if (f2 & F_L) { /* ' ?\p{L}+' */
+        uint16_t f2 = cpt == ' ' ? bpe_flags_at(c, pos + 1) : f;
+        if (f2 & BPE_L) { /* ' ?\p{L}+' */
             pos += cpt == ' ';
-            while (f2 & F_L) f2 = sp_fl(c, ++pos);
-            sp_add(c, pos);
+            while (f2 & BPE_L) f2 = bpe_flags_at(c, ++pos);
+            bpe_cut(c, pos);
             continue;
         }
-        if (f2 & F_N) { /* ' ?\p{N}+' */
+        if (f2 & BPE_N) { /* ' ?\p{N}+' */
             pos += cpt == ' ';
-            while (f2 & F_N) f2 = sp_fl(c, ++pos);
-            sp_add(c, pos);
+            while (f2 & BPE_N) f2 = bpe_flags_at(c, ++pos);
+            bpe_cut(c, pos);
             continue;
         }
-        if (!(f2 & F_WLN) && f2) { /* ' ?[^\s\p{L}\p{N}]+' */
+        if (!(f2 & BPE_WLN) && f2) { /* ' ?[^\s\p{L}\p{N}]+' */
             pos += cpt == ' ';
-            while (!(f2 & F_WLN) && f2) f2 = sp_fl(c, ++pos);
-            sp_add(c, pos);
+            while (!(f2 & BPE_WLN) && f2) f2 = bpe_flags_at(c, ++pos);
+            bpe_cut(c, pos);
             continue;
         }
 
         size_t nws = 0;
-        while (sp_fl(c, pos + nws) & F_WS) nws++;
-        if (nws > 1 && sp_cpt(c, pos + nws) != TOK_OOR) { /* '\s+(?!\S)' */
+        while (bpe_flags_at(c, pos + nws) & BPE_WS) nws++;
+        if (nws > 1 && bpe_at(c, pos + nws) != TOK_OOR) { /* '\s+(?!\S)' */
             pos += nws - 1;
-            sp_add(c, pos);
+            bpe_cut(c, pos);
             continue;
         }
         if (nws > 0) { /* '\s+' */
             pos += nws;
-            sp_add(c, pos);
+            bpe_cut(c, pos);
             continue;
         }
-        sp_add(c, ++pos); /* nothing matched: one code point alone */
+        bpe_cut(c, ++pos); /* nothing matched: one code point alone */
     }
 }
 
-static inline uint32_t ascii_lower(uint32_t c)
+static inline uint32_t bpe_ascii_lower(uint32_t c)
 {
     return c >= 'A' && c <= 'Z' ? c + 32 : c;
 }
@@ -274,96 +274,96 @@ static inline uint32_t ascii_lower(uint32_t c)
  *   (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|
  *   \s*[\r\n]+|\s+(?!\S)|\s+
  * qwen2 is the same with \p{N} (max_digits 1). */
-static void split_llama3(tok_split *c, size_t max_digits)
+static void bpe_split_llama3(bpe_split *c, size_t max_digits)
 {
     for (size_t pos = c->ini; pos < c->end;) {
-        uint32_t cpt = sp_cpt(c, pos);
-        uint16_t f = sp_fl(c, pos);
+        uint32_t cpt = bpe_at(c, pos);
+        uint16_t f = bpe_flags_at(c, pos);
 
         if (cpt == '\'' && pos + 1 < c->end) {
-            uint32_t nx = ascii_lower(sp_cpt(c, pos + 1));
+            uint32_t nx = bpe_ascii_lower(bpe_at(c, pos + 1));
             if (nx == 's' || nx == 't' || nx == 'm' || nx == 'd') {
-                pos += sp_add(c, pos + 2);
+                pos += bpe_cut(c, pos + 2);
                 continue;
             }
             if (pos + 2 < c->end) {
-                uint32_t nn = ascii_lower(sp_cpt(c, pos + 2));
+                uint32_t nn = bpe_ascii_lower(bpe_at(c, pos + 2));
                 if ((nx == 'r' && nn == 'e') || (nx == 'v' && nn == 'e') ||
                     (nx == 'l' && nn == 'l')) {
-                    pos += sp_add(c, pos + 3);
+                    pos += bpe_cut(c, pos + 3);
                     continue;
                 }
             }
         }
 
-        if (!(cpt == '\r' || cpt == '\n' || (f & F_N))) { /* '[^\r\n\p{L}\p{N}]?\p{L}+' */
-            if ((f & F_L) || (sp_fl(c, pos + 1) & F_L)) {
+        if (!(cpt == '\r' || cpt == '\n' || (f & BPE_N))) { /* '[^\r\n\p{L}\p{N}]?\p{L}+' */
+            if ((f & BPE_L) || (bpe_flags_at(c, pos + 1) & BPE_L)) {
                 pos++;
-                while (sp_fl(c, pos) & F_L) pos++;
-                sp_add(c, pos);
+                while (bpe_flags_at(c, pos) & BPE_L) pos++;
+                bpe_cut(c, pos);
                 continue;
             }
         }
 
-        if (f & F_N) { /* '\p{N}{1,max_digits}', repeatedly */
+        if (f & BPE_N) { /* '\p{N}{1,max_digits}', repeatedly */
             size_t ini = pos;
-            while (sp_fl(c, pos) & F_N) {
+            while (bpe_flags_at(c, pos) & BPE_N) {
                 if (++pos - ini >= max_digits) {
-                    sp_add(c, pos);
+                    bpe_cut(c, pos);
                     ini = pos;
                 }
             }
-            sp_add(c, pos);
+            bpe_cut(c, pos);
             continue;
         }
 
         /* ' ?[^\s\p{L}\p{N}]+[\r\n]*'. llama.cpp tests the flags of cpt itself (not of the code
          * point after the space) for "is anything": kept, it decides a lone trailing space. */
-        uint16_t f2 = cpt == ' ' ? sp_fl(c, pos + 1) : f;
-        if (!(f2 & F_WLN) && f) {
+        uint16_t f2 = cpt == ' ' ? bpe_flags_at(c, pos + 1) : f;
+        if (!(f2 & BPE_WLN) && f) {
             pos += cpt == ' ';
-            while (!(f2 & F_WLN) && f2) f2 = sp_fl(c, ++pos);
-            uint32_t c2 = sp_cpt(c, pos);
-            while (c2 == '\r' || c2 == '\n') c2 = sp_cpt(c, ++pos);
-            sp_add(c, pos);
+            while (!(f2 & BPE_WLN) && f2) f2 = bpe_flags_at(c, ++pos);
+            uint32_t c2 = bpe_at(c, pos);
+            while (c2 == '\r' || c2 == '\n') c2 = bpe_at(c, ++pos);
+            bpe_cut(c, pos);
             continue;
         }
 
         size_t nws = 0, last_rn = 0;
-        while (sp_fl(c, pos + nws) & F_WS) {
-            uint32_t c2 = sp_cpt(c, pos + nws);
+        while (bpe_flags_at(c, pos + nws) & BPE_WS) {
+            uint32_t c2 = bpe_at(c, pos + nws);
             if (c2 == '\r' || c2 == '\n') last_rn = pos + nws + 1;
             nws++;
         }
         if (last_rn > 0) { /* '\s*[\r\n]+' */
             pos = last_rn;
-            sp_add(c, pos);
+            bpe_cut(c, pos);
             continue;
         }
-        if (nws > 1 && sp_cpt(c, pos + nws) != TOK_OOR) { /* '\s+(?!\S)' */
+        if (nws > 1 && bpe_at(c, pos + nws) != TOK_OOR) { /* '\s+(?!\S)' */
             pos += nws - 1;
-            sp_add(c, pos);
+            bpe_cut(c, pos);
             continue;
         }
         if (nws > 0) { /* '\s+' */
             pos += nws;
-            sp_add(c, pos);
+            bpe_cut(c, pos);
             continue;
         }
-        sp_add(c, ++pos);
+        bpe_cut(c, ++pos);
     }
 }
 
 /* llama.cpp runs the other regexes with std::regex over a "collapsed" text (one byte per code
  * point: ASCII as is, other code points by category), so \p{N} there is exactly the NUMBER
  * flag and \p{P} the PUNCT flag. */
-static inline int is_number(const tok_split *c, size_t pos)
+static inline int bpe_is_number(const bpe_split *c, size_t pos)
 {
-    return (c->fl[pos] & F_N) != 0;
+    return (c->fl[pos] & BPE_N) != 0;
 }
 
 /* [\p{P}\$\+<=>\^~\|] */
-static inline int is_default_punct(const tok_split *c, size_t pos)
+static inline int bpe_is_default_punct(const bpe_split *c, size_t pos)
 {
     uint32_t cpt = c->cpt[pos];
     return (c->fl[pos] & TOK_UCD_PUNCT) || cpt == '$' || cpt == '+' || cpt == '<' || cpt == '=' ||
@@ -371,84 +371,93 @@ static inline int is_default_punct(const tok_split *c, size_t pos)
 }
 
 /* \p{N}: every number code point alone, the text between as pieces. */
-static void split_each_number(tok_split *c)
+static void bpe_split_each_number(bpe_split *c)
 {
     for (size_t pos = c->ini; pos < c->end; pos++) {
-        if (is_number(c, pos)) {
-            sp_add(c, pos);
-            sp_add(c, pos + 1);
+        if (bpe_is_number(c, pos)) {
+            bpe_cut(c, pos);
+            bpe_cut(c, pos + 1);
         }
     }
-    sp_add(c, c->end);
+    bpe_cut(c, c->end);
 }
 
 /* X+ for a class X: maximal runs, the text between as pieces. */
-static void split_runs(tok_split *c, int (*in_class)(const tok_split *, size_t))
+static void bpe_split_runs(bpe_split *c, int (*in_class)(const bpe_split *, size_t))
 {
     for (size_t pos = c->ini; pos < c->end;) {
         if (!in_class(c, pos)) {
             pos++;
             continue;
         }
-        sp_add(c, pos);
+        bpe_cut(c, pos);
         while (pos < c->end && in_class(c, pos)) pos++;
-        sp_add(c, pos);
+        bpe_cut(c, pos);
     }
-    sp_add(c, c->end);
+    bpe_cut(c, c->end);
 }
 
-static inline int is_ascii_digit(const tok_split *c, size_t pos)
+static inline int bpe_is_ascii_digit(const bpe_split *c, size_t pos)
 {
     return c->cpt[pos] >= '0' && c->cpt[pos] <= '9';
 }
 
 /* [0-9][0-9][0-9]: leftmost non-overlapping triples. */
-static void split_digit_triples(tok_split *c)
+static void bpe_split_digit_triples(bpe_split *c)
 {
     for (size_t pos = c->ini; pos + 3 <= c->end;) {
-        if (is_ascii_digit(c, pos) && is_ascii_digit(c, pos + 1) && is_ascii_digit(c, pos + 2)) {
-            sp_add(c, pos);
-            sp_add(c, pos + 3);
+        if (bpe_is_ascii_digit(c, pos) && bpe_is_ascii_digit(c, pos + 1) &&
+            bpe_is_ascii_digit(c, pos + 2)) {
+            bpe_cut(c, pos);
+            bpe_cut(c, pos + 3);
             pos += 3;
         } else {
             pos++;
         }
     }
-    sp_add(c, c->end);
+    bpe_cut(c, c->end);
 }
 
-enum { ST_GPT2, ST_LLAMA3, ST_QWEN2, ST_EACH_NUMBER, ST_NUMBER_RUNS, ST_PUNCT_RUNS, ST_TRIPLES };
+enum {
+    BPE_ST_GPT2,
+    BPE_ST_LLAMA3,
+    BPE_ST_QWEN2,
+    BPE_ST_EACH_NUMBER,
+    BPE_ST_NUMBER_RUNS,
+    BPE_ST_PUNCT_RUNS,
+    BPE_ST_TRIPLES
+};
 
 /* Applies one stage to every piece of the previous one (in -> out, lengths in code points). */
-static size_t split_stage(int stage, const uint32_t *cpt, const uint16_t *fl, const uint32_t *in,
-                          size_t n_in, uint32_t *out)
+static size_t bpe_split_stage(int stage, const uint32_t *cpt, const uint16_t *fl,
+                              const uint32_t *in, size_t n_in, uint32_t *out)
 {
-    tok_split c = {.cpt = cpt, .fl = fl, .out = out};
+    bpe_split c = {.cpt = cpt, .fl = fl, .out = out};
     size_t start = 0;
     for (size_t i = 0; i < n_in; i++) {
         c.ini = c.prev = start;
         c.end = start + in[i];
         switch (stage) {
-        case ST_GPT2:
-            split_gpt2(&c);
+        case BPE_ST_GPT2:
+            bpe_split_gpt2(&c);
             break;
-        case ST_LLAMA3:
-            split_llama3(&c, 3);
+        case BPE_ST_LLAMA3:
+            bpe_split_llama3(&c, 3);
             break;
-        case ST_QWEN2:
-            split_llama3(&c, 1);
+        case BPE_ST_QWEN2:
+            bpe_split_llama3(&c, 1);
             break;
-        case ST_EACH_NUMBER:
-            split_each_number(&c);
+        case BPE_ST_EACH_NUMBER:
+            bpe_split_each_number(&c);
             break;
-        case ST_NUMBER_RUNS:
-            split_runs(&c, is_number);
+        case BPE_ST_NUMBER_RUNS:
+            bpe_split_runs(&c, bpe_is_number);
             break;
-        case ST_PUNCT_RUNS:
-            split_runs(&c, is_default_punct);
+        case BPE_ST_PUNCT_RUNS:
+            bpe_split_runs(&c, bpe_is_default_punct);
             break;
         default:
-            split_digit_triples(&c);
+            bpe_split_digit_triples(&c);
             break;
         }
         start = c.end;
@@ -483,19 +492,19 @@ typedef struct bpe_work {
     size_t n_heap;
 } bpe_work;
 
-static inline int pair_less(const bpe_pair *a, const bpe_pair *b)
+static inline int bpe_pair_less(const bpe_pair *a, const bpe_pair *b)
 {
     return a->rank < b->rank || (a->rank == b->rank && a->left < b->left);
 }
 
-static int heap_push(bpe_work *w, bpe_pair p)
+static int bpe_heap_push(bpe_work *w, bpe_pair p)
 {
     int rc = tok_grow((void **)&w->heap, &w->cap_heap, w->n_heap + 1, sizeof *w->heap);
     if (rc) return rc;
     size_t i = w->n_heap++;
     while (i > 0) {
         size_t parent = (i - 1) / 2;
-        if (!pair_less(&p, &w->heap[parent])) break;
+        if (!bpe_pair_less(&p, &w->heap[parent])) break;
         w->heap[i] = w->heap[parent];
         i = parent;
     }
@@ -503,7 +512,7 @@ static int heap_push(bpe_work *w, bpe_pair p)
     return 0;
 }
 
-static bpe_pair heap_pop(bpe_work *w)
+static bpe_pair bpe_heap_pop(bpe_work *w)
 {
     bpe_pair top = w->heap[0];
     bpe_pair last = w->heap[--w->n_heap];
@@ -511,8 +520,8 @@ static bpe_pair heap_pop(bpe_work *w)
     for (;;) {
         size_t l = 2 * i + 1, r = l + 1, m = i;
         const bpe_pair *best = &last;
-        if (l < n && pair_less(&w->heap[l], best)) m = l, best = &w->heap[l];
-        if (r < n && pair_less(&w->heap[r], best)) m = r;
+        if (l < n && bpe_pair_less(&w->heap[l], best)) m = l, best = &w->heap[l];
+        if (r < n && bpe_pair_less(&w->heap[r], best)) m = r;
         if (m == i) break;
         w->heap[i] = w->heap[m];
         i = m;
@@ -521,14 +530,14 @@ static bpe_pair heap_pop(bpe_work *w)
     return top;
 }
 
-static int try_pair(const km_tokenizer *t, bpe_work *w, int32_t left, int32_t right)
+static int bpe_try_pair(const km_tokenizer *t, bpe_work *w, int32_t left, int32_t right)
 {
     if (left < 0 || right < 0) return 0;
     int32_t result;
     int32_t rank = tok_merge_find(&t->merges, w->sym[left].sid, w->sym[right].sid, &result);
     if (rank < 0) return 0;
     bpe_pair p = {rank, left, right, result, w->sym[left].n + w->sym[right].n};
-    return heap_push(w, p);
+    return bpe_heap_push(w, p);
 }
 
 static int bpe_word(const km_tokenizer *t, bpe_work *w, tok_ids *out, const unsigned char *word,
@@ -554,10 +563,10 @@ static int bpe_word(const km_tokenizer *t, bpe_work *w, tok_ids *out, const unsi
     }
     w->n_heap = 0;
     for (size_t i = 1; i < n; i++)
-        if ((rc = try_pair(t, w, (int32_t)i - 1, (int32_t)i))) return rc;
+        if ((rc = bpe_try_pair(t, w, (int32_t)i - 1, (int32_t)i))) return rc;
 
     while (w->n_heap > 0) {
-        bpe_pair p = heap_pop(w);
+        bpe_pair p = bpe_heap_pop(w);
         bpe_sym *l = &w->sym[p.left], *r = &w->sym[p.right];
         if (l->n == 0 || r->n == 0 || l->n + r->n != p.size) continue; /* stale */
         l->n += r->n;
@@ -565,8 +574,8 @@ static int bpe_word(const km_tokenizer *t, bpe_work *w, tok_ids *out, const unsi
         l->sid = p.result;
         l->next = r->next;
         if (r->next >= 0) w->sym[r->next].prev = p.left;
-        if ((rc = try_pair(t, w, l->prev, p.left))) return rc;
-        if ((rc = try_pair(t, w, p.left, w->sym[p.left].next))) return rc;
+        if ((rc = bpe_try_pair(t, w, l->prev, p.left))) return rc;
+        if ((rc = bpe_try_pair(t, w, p.left, w->sym[p.left].next))) return rc;
     }
 
     for (int32_t i = 0; i >= 0 && (size_t)i < n; i = w->sym[i].next) {
@@ -619,17 +628,18 @@ static int bpe_fragment(const km_tokenizer *t, bpe_work *w, tok_ids *out, const 
 
     /* 2. Words. */
     static const int stages[][5] = {
-        [TOK_PRE_DEFAULT] = {ST_PUNCT_RUNS, ST_GPT2, ST_NUMBER_RUNS, ST_TRIPLES, -1},
-        [TOK_PRE_GPT2] = {ST_GPT2, -1},
-        [TOK_PRE_SMOLLM] = {ST_EACH_NUMBER, ST_GPT2, -1},
-        [TOK_PRE_LLAMA3] = {ST_LLAMA3, -1},
-        [TOK_PRE_QWEN2] = {ST_QWEN2, -1},
+        [TOK_PRE_DEFAULT] = {BPE_ST_PUNCT_RUNS, BPE_ST_GPT2, BPE_ST_NUMBER_RUNS, BPE_ST_TRIPLES,
+                             -1},
+        [TOK_PRE_GPT2] = {BPE_ST_GPT2, -1},
+        [TOK_PRE_SMOLLM] = {BPE_ST_EACH_NUMBER, BPE_ST_GPT2, -1},
+        [TOK_PRE_LLAMA3] = {BPE_ST_LLAMA3, -1},
+        [TOK_PRE_QWEN2] = {BPE_ST_QWEN2, -1},
     };
     uint32_t *in = w->span[0], *next = w->span[1];
     size_t n_spans = 1;
     in[0] = (uint32_t)n;
     for (const int *st = stages[t->pre]; *st >= 0; st++) {
-        n_spans = split_stage(*st, w->cpt, w->fl, in, n_spans, next);
+        n_spans = bpe_split_stage(*st, w->cpt, w->fl, in, n_spans, next);
         uint32_t *tmp = in;
         in = next;
         next = tmp;

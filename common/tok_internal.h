@@ -95,9 +95,9 @@ typedef struct tok_strings {
     uint32_t *off, *len; /* per sid */
     int32_t n, cap;
     struct tok_slot {
-        int32_t sid; /* -1: empty */
-        uint32_t hash;
-    } * slots; /* open addressing over hashes of the text */
+        int32_t sid;             /* -1: empty */
+        uint32_t hash, off, len; /* copies, so that a probe touches one cache line */
+    } * slots;                   /* open addressing over hashes of the text */
     uint32_t mask;
     int32_t n_slots_used;
 } tok_strings;

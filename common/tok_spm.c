@@ -30,19 +30,19 @@ typedef struct spm_work {
 } spm_work;
 
 /* Higher score first, then the leftmost pair. */
-static inline int pair_before(const spm_pair *a, const spm_pair *b)
+static inline int spm_pair_before(const spm_pair *a, const spm_pair *b)
 {
     return a->score > b->score || (a->score == b->score && a->left < b->left);
 }
 
-static int heap_push(spm_work *w, spm_pair p)
+static int spm_heap_push(spm_work *w, spm_pair p)
 {
     int rc = tok_grow((void **)&w->heap, &w->cap_heap, w->n_heap + 1, sizeof *w->heap);
     if (rc) return rc;
     size_t i = w->n_heap++;
     while (i > 0) {
         size_t parent = (i - 1) / 2;
-        if (!pair_before(&p, &w->heap[parent])) break;
+        if (!spm_pair_before(&p, &w->heap[parent])) break;
         w->heap[i] = w->heap[parent];
         i = parent;
     }
@@ -50,7 +50,7 @@ static int heap_push(spm_work *w, spm_pair p)
     return 0;
 }
 
-static spm_pair heap_pop(spm_work *w)
+static spm_pair spm_heap_pop(spm_work *w)
 {
     spm_pair top = w->heap[0];
     spm_pair last = w->heap[--w->n_heap];
@@ -58,8 +58,8 @@ static spm_pair heap_pop(spm_work *w)
     for (;;) {
         size_t l = 2 * i + 1, r = l + 1, m = i;
         const spm_pair *best = &last;
-        if (l < n && pair_before(&w->heap[l], best)) m = l, best = &w->heap[l];
-        if (r < n && pair_before(&w->heap[r], best)) m = r;
+        if (l < n && spm_pair_before(&w->heap[l], best)) m = l, best = &w->heap[l];
+        if (r < n && spm_pair_before(&w->heap[r], best)) m = r;
         if (m == i) break;
         w->heap[i] = w->heap[m];
         i = m;
@@ -68,14 +68,14 @@ static spm_pair heap_pop(spm_work *w)
     return top;
 }
 
-static int try_pair(const km_tokenizer *t, spm_work *w, int32_t left, int32_t right)
+static int spm_try_pair(const km_tokenizer *t, spm_work *w, int32_t left, int32_t right)
 {
     if (left < 0 || right < 0) return 0;
     const spm_sym *l = &w->sym[left], *r = &w->sym[right];
     int32_t id = tok_str_find(&t->str, w->text + l->start, l->n + r->n);
     if (id < 0 || id >= t->n_vocab) return 0;
     spm_pair p = {t->score[id], left, right, l->n + r->n};
-    return heap_push(w, p);
+    return spm_heap_push(w, p);
 }
 
 static int spm_fragment(const km_tokenizer *t, spm_work *w, tok_ids *out, const char *raw,
@@ -108,17 +108,17 @@ static int spm_fragment(const km_tokenizer *t, spm_work *w, tok_ids *out, const 
 
     w->n_heap = 0;
     for (int32_t i = 1; i < n; i++)
-        if ((rc = try_pair(t, w, i - 1, i))) return rc;
+        if ((rc = spm_try_pair(t, w, i - 1, i))) return rc;
     while (w->n_heap > 0) {
-        spm_pair p = heap_pop(w);
+        spm_pair p = spm_heap_pop(w);
         spm_sym *l = &w->sym[p.left], *r = &w->sym[p.right];
         if (l->n == 0 || r->n == 0 || l->n + r->n != p.size) continue; /* stale */
         l->n += r->n;
         r->n = 0;
         l->next = r->next;
         if (r->next >= 0) w->sym[r->next].prev = p.left;
-        if ((rc = try_pair(t, w, l->prev, p.left))) return rc;
-        if ((rc = try_pair(t, w, p.left, w->sym[p.left].next))) return rc;
+        if ((rc = spm_try_pair(t, w, l->prev, p.left))) return rc;
+        if ((rc = spm_try_pair(t, w, p.left, w->sym[p.left].next))) return rc;
     }
 
     for (int32_t i = 0; i >= 0 && i < n; i = w->sym[i].next) {

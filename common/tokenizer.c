@@ -61,11 +61,9 @@ int32_t tok_str_find(const tok_strings *s, const char *p, size_t n)
     if (!s->slots) return -1;
     uint32_t hash = tok_hash(p, n);
     for (uint32_t h = hash & s->mask;; h = (h + 1) & s->mask) {
-        int32_t sid = s->slots[h].sid;
-        if (sid < 0) return -1;
-        if (s->slots[h].hash == hash && s->len[sid] == n &&
-            memcmp(s->pool + s->off[sid], p, n) == 0)
-            return sid;
+        const struct tok_slot *e = &s->slots[h];
+        if (e->sid < 0) return -1;
+        if (e->hash == hash && e->len == n && memcmp(s->pool + e->off, p, n) == 0) return e->sid;
     }
 }
 
@@ -73,9 +71,8 @@ int32_t tok_str_find(const tok_strings *s, const char *p, size_t n)
 static uint32_t tok_str_slot(const tok_strings *s, const char *p, size_t n, uint32_t hash)
 {
     for (uint32_t h = hash & s->mask;; h = (h + 1) & s->mask) {
-        int32_t sid = s->slots[h].sid;
-        if (sid < 0 || (s->slots[h].hash == hash && s->len[sid] == n &&
-                        memcmp(s->pool + s->off[sid], p, n) == 0))
+        const struct tok_slot *e = &s->slots[h];
+        if (e->sid < 0 || (e->hash == hash && e->len == n && memcmp(s->pool + e->off, p, n) == 0))
             return h;
     }
 }
@@ -131,7 +128,7 @@ static int tok_str_index(tok_strings *s, int32_t sid)
     uint32_t hash = tok_hash(p, s->len[sid]);
     uint32_t h = tok_str_slot(s, p, s->len[sid], hash);
     if (s->slots[h].sid < 0) s->n_slots_used++;
-    s->slots[h] = (struct tok_slot){sid, hash};
+    s->slots[h] = (struct tok_slot){sid, hash, s->off[sid], s->len[sid]};
     return 0;
 }
 
@@ -147,7 +144,7 @@ int32_t tok_str_intern(tok_strings *s, const char *p, size_t n)
 
 /* ---------------------------------------------------------------- create */
 
-static int32_t find_token(const km_tokenizer *t, const char *text)
+static int32_t tok_find_token(const km_tokenizer *t, const char *text)
 {
     int32_t sid = tok_str_find(&t->str, text, strlen(text));
     return sid < t->n_vocab ? sid : -1;
@@ -155,10 +152,10 @@ static int32_t find_token(const km_tokenizer *t, const char *text)
 
 /* The first of these texts that is a token (llama.cpp tries them in hash order). Its type
  * becomes control, as llama.cpp forces. */
-static int32_t find_named(km_tokenizer *t, const char *const *names)
+static int32_t tok_find_named(km_tokenizer *t, const char *const *names)
 {
     for (; *names; names++) {
-        int32_t id = find_token(t, *names);
+        int32_t id = tok_find_token(t, *names);
         if (id >= 0) {
             t->attr[id] |= TOK_ATTR_CONTROL;
             return id;
@@ -169,35 +166,35 @@ static int32_t find_named(km_tokenizer *t, const char *const *names)
 
 /* Reads an optional id key; ids outside the vocabulary are ignored (llama.cpp warns and keeps
  * the default). */
-static void read_id(const km_gguf *g, const char *key, int32_t n_vocab, int32_t *id)
+static void tok_read_id(const km_gguf *g, const char *key, int32_t n_vocab, int32_t *id)
 {
     uint32_t v;
     if (km_gguf_get_u32(g, key, &v) == 0 && v < (uint32_t)n_vocab) *id = (int32_t)v;
 }
 
-static void read_flag(const km_gguf *g, const char *key, int *flag)
+static void tok_read_flag(const km_gguf *g, const char *key, int *flag)
 {
     int v;
     if (km_gguf_get_bool(g, key, &v) == 0) *flag = v;
 }
 
 /* Reads element i of a little-endian int32 or float32 array that may sit unaligned. */
-static int32_t le_i32(const void *base, uint64_t i)
+static int32_t tok_le_i32(const void *base, uint64_t i)
 {
     const unsigned char *p = (const unsigned char *)base + 4 * i;
     return (int32_t)((uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
                      (uint32_t)p[3] << 24);
 }
 
-static float le_f32(const void *base, uint64_t i)
+static float tok_le_f32(const void *base, uint64_t i)
 {
-    int32_t bits = le_i32(base, i);
+    int32_t bits = tok_le_i32(base, i);
     float f;
     memcpy(&f, &bits, 4);
     return f;
 }
 
-static int read_vocab(km_tokenizer *t, const km_gguf *g, km_errbuf *err)
+static int tok_read_vocab(km_tokenizer *t, const km_gguf *g, km_errbuf *err)
 {
     static const char *k_tokens = "tokenizer.ggml.tokens", *k_scores = "tokenizer.ggml.scores",
                       *k_types = "tokenizer.ggml.token_type";
@@ -240,33 +237,20 @@ static int read_vocab(km_tokenizer *t, const km_gguf *g, km_errbuf *err)
         }
         if (s.len > UINT32_MAX / 2 || tok_str_append(&t->str, s.ptr, s.len) < 0)
             return km_errf(err, KM_ENOMEM, "tokenizer: token %llu", (unsigned long long)i);
-        t->score[i] = scores ? (scores_int ? (float)le_i32(scores, i) : le_f32(scores, i)) : 0.0f;
-        uint16_t a = TOK_ATTR_NORMAL;
-        if (types) {
-            switch (le_i32(types, i)) {
-            case 1:
-                a = TOK_ATTR_NORMAL;
-                break;
-            case 2:
-                a = TOK_ATTR_UNKNOWN;
-                break;
-            case 3:
-                a = TOK_ATTR_CONTROL;
-                break;
-            case 4:
-                a = TOK_ATTR_USER_DEFINED;
-                break;
-            case 5:
-                a = TOK_ATTR_UNUSED;
-                break;
-            case 6:
-                a = TOK_ATTR_BYTE;
-                break;
-            default:
-                a = 0;
-                break; /* undefined */
-            }
-        }
+        t->score[i] =
+            scores ? (scores_int ? (float)tok_le_i32(scores, i) : tok_le_f32(scores, i)) : 0.0f;
+        /* tokenizer.ggml.token_type: 0 undefined, 1 normal, 2 unknown, 3 control,
+         * 4 user-defined, 5 unused, 6 byte; anything else is undefined. Without the array every
+         * token is normal. */
+        static const uint16_t attr_of_type[7] = {0,
+                                                 TOK_ATTR_NORMAL,
+                                                 TOK_ATTR_UNKNOWN,
+                                                 TOK_ATTR_CONTROL,
+                                                 TOK_ATTR_USER_DEFINED,
+                                                 TOK_ATTR_UNUSED,
+                                                 TOK_ATTR_BYTE};
+        int32_t type = types ? tok_le_i32(types, i) : 1;
+        uint16_t a = type >= 0 && type < 7 ? attr_of_type[type] : 0;
         t->attr[i] = a;
     }
     uint32_t cap = 16;
@@ -278,7 +262,7 @@ static int read_vocab(km_tokenizer *t, const km_gguf *g, km_errbuf *err)
 }
 
 /* The end-of-generation and special-id rules of llama_vocab::impl::load. */
-static void find_special_ids(km_tokenizer *t, const km_gguf *g)
+static void tok_find_special_ids(km_tokenizer *t, const km_gguf *g)
 {
     /* The texts llama.cpp recognises, in its order (UTF-8 literals: DeepSeek's use U+FF5C and
      * U+2581). */
@@ -331,31 +315,31 @@ static void find_special_ids(km_tokenizer *t, const km_gguf *g)
                               &fim_suf, &fim_mid, &fim_pad, &fim_rep, &fim_sep};
     for (size_t i = 0; i < sizeof slots / sizeof slots[0]; i++)
         if (*slots[i] >= n) *slots[i] = -1; /* a default beyond the vocabulary */
-    read_id(g, "tokenizer.ggml.bos_token_id", n, &t->bos);
-    read_id(g, "tokenizer.ggml.eos_token_id", n, &t->eos);
-    read_id(g, "tokenizer.ggml.eot_token_id", n, &t->eot);
-    read_id(g, "tokenizer.ggml.eom_token_id", n, &t->eom);
-    read_id(g, "tokenizer.ggml.unknown_token_id", n, &t->unk);
-    read_id(g, "tokenizer.ggml.fim_pre_token_id", n, &fim_pre);
-    read_id(g, "tokenizer.ggml.fim_suf_token_id", n, &fim_suf);
-    read_id(g, "tokenizer.ggml.fim_mid_token_id", n, &fim_mid);
-    read_id(g, "tokenizer.ggml.fim_pad_token_id", n, &fim_pad);
-    read_id(g, "tokenizer.ggml.fim_rep_token_id", n, &fim_rep);
-    read_id(g, "tokenizer.ggml.fim_sep_token_id", n, &fim_sep);
-    read_id(g, "tokenizer.ggml.prefix_token_id", n, &fim_pre); /* deprecated names */
-    read_id(g, "tokenizer.ggml.suffix_token_id", n, &fim_suf);
-    read_id(g, "tokenizer.ggml.middle_token_id", n, &fim_mid);
-    read_flag(g, "tokenizer.ggml.add_bos_token", &t->add_bos);
-    read_flag(g, "tokenizer.ggml.add_eos_token", &t->add_eos);
+    tok_read_id(g, "tokenizer.ggml.bos_token_id", n, &t->bos);
+    tok_read_id(g, "tokenizer.ggml.eos_token_id", n, &t->eos);
+    tok_read_id(g, "tokenizer.ggml.eot_token_id", n, &t->eot);
+    tok_read_id(g, "tokenizer.ggml.eom_token_id", n, &t->eom);
+    tok_read_id(g, "tokenizer.ggml.unknown_token_id", n, &t->unk);
+    tok_read_id(g, "tokenizer.ggml.fim_pre_token_id", n, &fim_pre);
+    tok_read_id(g, "tokenizer.ggml.fim_suf_token_id", n, &fim_suf);
+    tok_read_id(g, "tokenizer.ggml.fim_mid_token_id", n, &fim_mid);
+    tok_read_id(g, "tokenizer.ggml.fim_pad_token_id", n, &fim_pad);
+    tok_read_id(g, "tokenizer.ggml.fim_rep_token_id", n, &fim_rep);
+    tok_read_id(g, "tokenizer.ggml.fim_sep_token_id", n, &fim_sep);
+    tok_read_id(g, "tokenizer.ggml.prefix_token_id", n, &fim_pre); /* deprecated names */
+    tok_read_id(g, "tokenizer.ggml.suffix_token_id", n, &fim_suf);
+    tok_read_id(g, "tokenizer.ggml.middle_token_id", n, &fim_mid);
+    tok_read_flag(g, "tokenizer.ggml.add_bos_token", &t->add_bos);
+    tok_read_flag(g, "tokenizer.ggml.add_eos_token", &t->add_eos);
 
-    if (t->eot < 0) t->eot = find_named(t, eot_names);
-    if (t->eom < 0) t->eom = find_named(t, eom_names);
-    if (fim_pre < 0) fim_pre = find_named(t, fim_pre_names);
-    if (fim_suf < 0) fim_suf = find_named(t, fim_suf_names);
-    if (fim_mid < 0) fim_mid = find_named(t, fim_mid_names);
-    if (fim_pad < 0) fim_pad = find_named(t, fim_pad_names);
-    if (fim_rep < 0) fim_rep = find_named(t, fim_rep_names);
-    if (fim_sep < 0) fim_sep = find_named(t, fim_sep_names);
+    if (t->eot < 0) t->eot = tok_find_named(t, eot_names);
+    if (t->eom < 0) t->eom = tok_find_named(t, eom_names);
+    if (fim_pre < 0) fim_pre = tok_find_named(t, fim_pre_names);
+    if (fim_suf < 0) fim_suf = tok_find_named(t, fim_suf_names);
+    if (fim_mid < 0) fim_mid = tok_find_named(t, fim_mid_names);
+    if (fim_pad < 0) fim_pad = tok_find_named(t, fim_pad_names);
+    if (fim_rep < 0) fim_rep = tok_find_named(t, fim_rep_names);
+    if (fim_sep < 0) fim_sep = tok_find_named(t, fim_sep_names);
 
     /* End of generation: the FIM pad/repo/file-separator tokens, every token named like an end
      * (forced to control type), and eos, eot, eom. */
@@ -363,12 +347,12 @@ static void find_special_ids(km_tokenizer *t, const km_gguf *g)
     for (size_t i = 0; i < sizeof eog / sizeof eog[0]; i++)
         if (eog[i] >= 0) t->attr[eog[i]] |= TOK_ATTR_EOG;
     for (const char *const *name = eog_names; *name; name++) {
-        int32_t id = find_token(t, *name);
+        int32_t id = tok_find_token(t, *name);
         if (id >= 0) t->attr[id] |= TOK_ATTR_EOG | TOK_ATTR_CONTROL;
     }
 }
 
-static int cmp_special(const void *a, const void *b, void *arg)
+static int tok_cmp_special(const void *a, const void *b, void *arg)
 {
     const km_tokenizer *t = arg;
     int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
@@ -378,42 +362,50 @@ static int cmp_special(const void *a, const void *b, void *arg)
 }
 
 /* llama_decode_text: GPT-2 characters back to bytes; a character outside that alphabet becomes
- * "[UNK_BYTE_0x<its utf-8 in hex><the whole token text>]", as llama.cpp writes it. Returns the
- * length; writes only when out is not NULL. */
-static size_t decode_byte_level(const int16_t *cpt_byte, const char *text, size_t n, char *out)
+ * "[UNK_BYTE_0x<its utf-8 in hex><the whole token text>]", as llama.cpp writes it. Writes at most
+ * cap bytes to out and returns the full length. */
+static size_t tok_decode_byte_level(const int16_t *cpt_byte, const char *text, size_t n, char *out,
+                                    size_t cap)
 {
     size_t m = 0;
+#define TOK_PUT(c)                                                                                 \
+    do {                                                                                           \
+        if (m < cap) out[m] = (char)(c);                                                           \
+        m++;                                                                                       \
+    } while (0)
     for (size_t i = 0; i < n;) {
+        const unsigned char *p = (const unsigned char *)text + i;
+        uint32_t cpt;
         size_t used;
-        uint32_t cpt = tok_utf8_decode((const unsigned char *)text + i, n - i, &used);
+        if (p[0] < 0x80) { /* the common cases inline: ASCII and two-byte characters */
+            cpt = p[0], used = 1;
+        } else if ((p[0] & 0xE0) == 0xC0 && i + 1 < n && (p[1] & 0xC0) == 0x80) {
+            cpt = (uint32_t)(p[0] & 0x1F) << 6 | (p[1] & 0x3F), used = 2;
+        } else {
+            cpt = tok_utf8_decode(p, n - i, &used);
+        }
         i += used;
         if (cpt < 0x144 && cpt_byte[cpt] >= 0) {
-            if (out) out[m] = (char)cpt_byte[cpt];
-            m++;
+            TOK_PUT(cpt_byte[cpt]);
             continue;
         }
+        static const char hex[] = "0123456789abcdef";
         char u[4];
         int k = tok_utf8_encode(cpt, u);
-        if (out) memcpy(out + m, "[UNK_BYTE_0x", 12);
-        m += 12;
+        for (const char *q = "[UNK_BYTE_0x"; *q; q++) TOK_PUT(*q);
         for (int j = 0; j < k; j++) {
-            static const char hex[] = "0123456789abcdef";
-            if (out) {
-                out[m] = hex[(unsigned char)u[j] >> 4];
-                out[m + 1] = hex[u[j] & 15];
-            }
-            m += 2;
+            TOK_PUT(hex[(unsigned char)u[j] >> 4]);
+            TOK_PUT(hex[u[j] & 15]);
         }
-        if (out) memcpy(out + m, text, n);
-        m += n;
-        if (out) out[m] = ']';
-        m++;
+        for (size_t j = 0; j < n; j++) TOK_PUT(text[j]);
+        TOK_PUT(']');
     }
+#undef TOK_PUT
     return m;
 }
 
 /* The byte of a <0xXX> token (strtol of the two characters after "<0x", as llama.cpp). */
-static char byte_of_token(const char *text, size_t n)
+static char tok_byte_of_token(const char *text, size_t n)
 {
     int v = 0;
     for (size_t i = 3; i < 5 && i < n; i++) {
@@ -428,8 +420,37 @@ static char byte_of_token(const char *text, size_t n)
     return (char)v;
 }
 
-/* Every token's piece as llama_token_to_piece(special = true) gives it. */
-static int build_pieces(km_tokenizer *t, km_errbuf *err)
+/* The piece of one token (llama_token_to_piece with special = true): writes at most cap bytes
+ * to dst and returns the full length. Only llama.cpp's [UNK_BYTE_...] spelling of characters
+ * outside GPT-2's alphabet makes a piece longer than the token's text. */
+static size_t tok_piece_text(const km_tokenizer *t, const int16_t *cpt_byte, int32_t id, char *dst,
+                             size_t cap)
+{
+    const char *text = tok_str_ptr(&t->str, id);
+    size_t n = t->str.len[id], k = 0;
+    uint16_t a = t->attr[id];
+    if (a & (TOK_ATTR_UNKNOWN | TOK_ATTR_CONTROL | TOK_ATTR_USER_DEFINED)) {
+        memcpy(dst, text, n < cap ? n : cap);
+        return n;
+    }
+    if (a & TOK_ATTR_NORMAL) {
+        if (t->model == TOK_MODEL_BPE) return tok_decode_byte_level(cpt_byte, text, n, dst, cap);
+        for (size_t i = 0; i < n; i++, k++) { /* SPM: U+2581 back to a space */
+            int space = i + 2 < n && memcmp(text + i, "\xe2\x96\x81", 3) == 0;
+            dst[k] = space ? ' ' : text[i]; /* k <= i < n <= cap */
+            i += space ? 2 : 0;
+        }
+        return k;
+    }
+    if (a & TOK_ATTR_BYTE) {
+        if (cap) dst[0] = tok_byte_of_token(text, n);
+        return 1;
+    }
+    return 0; /* unused and undefined tokens have no text */
+}
+
+/* Every token's piece, computed once. */
+static int tok_build_pieces(km_tokenizer *t, km_errbuf *err)
 {
     int16_t cpt_byte[0x144];
     memset(cpt_byte, 0xFF, sizeof cpt_byte);
@@ -438,62 +459,35 @@ static int build_pieces(km_tokenizer *t, km_errbuf *err)
     t->piece_off = malloc((size_t)t->n_vocab * sizeof *t->piece_off);
     t->piece_len = malloc((size_t)t->n_vocab * sizeof *t->piece_len);
     if (!t->piece_off || !t->piece_len) return km_errf(err, KM_ENOMEM, "tokenizer: pieces");
-
-    size_t total = 0;
-    for (int pass = 0; pass < 2; pass++) {
-        size_t m = 0;
-        for (int32_t id = 0; id < t->n_vocab; id++) {
-            const char *text = tok_str_ptr(&t->str, id);
-            size_t n = t->str.len[id];
-            uint16_t a = t->attr[id];
-            char *dst = pass ? t->piece_pool + m : NULL;
-            size_t k = 0;
-            if (a & (TOK_ATTR_UNKNOWN | TOK_ATTR_CONTROL | TOK_ATTR_USER_DEFINED)) {
-                k = n;
-                if (dst) memcpy(dst, text, n);
-            } else if (a & TOK_ATTR_NORMAL) {
-                if (t->model == TOK_MODEL_BPE) {
-                    k = decode_byte_level(cpt_byte, text, n, dst);
-                } else { /* SPM: U+2581 back to a space */
-                    for (size_t i = 0; i < n; i++, k++) {
-                        if (i + 2 < n && memcmp(text + i, "\xe2\x96\x81", 3) == 0) {
-                            if (dst) dst[k] = ' ';
-                            i += 2;
-                        } else if (dst) {
-                            dst[k] = text[i];
-                        }
-                    }
-                }
-            } else if (a & TOK_ATTR_BYTE) {
-                k = 1;
-                if (dst) dst[0] = byte_of_token(text, n);
-            }
-            if (pass) {
-                t->piece_off[id] = (uint32_t)m;
-                t->piece_len[id] = (uint32_t)k;
-            }
-            m += k;
-            /* Repeated UNK_BYTE expansions of a hostile vocabulary could grow without bound. */
-            if (k > (1u << 20) || m > (1u << 28))
+    size_t cap = 0, m = 0;
+    for (int32_t id = 0; id < t->n_vocab; id++) {
+        size_t room = t->str.len[id] + 1; /* + 1: a byte token's piece from an empty text */
+        if (tok_grow((void **)&t->piece_pool, &cap, m + room, 1))
+            return km_errf(err, KM_ENOMEM, "tokenizer: pieces");
+        size_t k = tok_piece_text(t, cpt_byte, id, t->piece_pool + m, room);
+        if (k > room) {
+            /* A hostile vocabulary's UNK_BYTE expansions could grow without bound. */
+            if (k > (1u << 20) || m + k > (1u << 28))
                 return km_errf(err, KM_ERANGE, "tokenizer: token %d decodes to a huge piece", id);
+            if (tok_grow((void **)&t->piece_pool, &cap, m + k, 1))
+                return km_errf(err, KM_ENOMEM, "tokenizer: pieces");
+            tok_piece_text(t, cpt_byte, id, t->piece_pool + m, k);
         }
-        if (!pass) {
-            total = m;
-            t->piece_pool = malloc(total ? total : 1);
-            if (!t->piece_pool) return km_errf(err, KM_ENOMEM, "tokenizer: pieces");
-        }
+        t->piece_off[id] = (uint32_t)m;
+        t->piece_len[id] = (uint32_t)k;
+        m += k;
     }
     return 0;
 }
 
-static int build_specials(km_tokenizer *t, km_errbuf *err)
+static int tok_build_specials(km_tokenizer *t, km_errbuf *err)
 {
     t->special = malloc((size_t)t->n_vocab * sizeof *t->special);
     if (!t->special) return km_errf(err, KM_ENOMEM, "tokenizer: specials");
     for (int32_t id = 0; id < t->n_vocab; id++)
         if (t->attr[id] & (TOK_ATTR_CONTROL | TOK_ATTR_USER_DEFINED | TOK_ATTR_UNKNOWN))
             t->special[t->n_special++] = id;
-    qsort_r(t->special, (size_t)t->n_special, sizeof *t->special, cmp_special, t);
+    qsort_r(t->special, (size_t)t->n_special, sizeof *t->special, tok_cmp_special, t);
     return 0;
 }
 
@@ -501,7 +495,9 @@ static int tok_create(const km_gguf *g, km_tokenizer *t, km_errbuf *err)
 {
     km_str model, pre = {NULL, 0};
     int rc = km_gguf_get_str(g, "tokenizer.ggml.model", &model);
-    if (rc) return km_errf(err, KM_EFORMAT, "tokenizer: tokenizer.ggml.model missing");
+    if (rc)
+        return km_errf(err, KM_EFORMAT, "tokenizer: tokenizer.ggml.model %s",
+                       rc == KM_ENOTFOUND ? "missing" : "is not a string");
     int has_pre = km_gguf_get_str(g, "tokenizer.ggml.pre", &pre) == 0;
 
     if (model.len == 4 && memcmp(model.ptr, "gpt2", 4) == 0) {
@@ -524,9 +520,9 @@ static int tok_create(const km_gguf *g, km_tokenizer *t, km_errbuf *err)
         return km_errf(err, KM_EUNSUPPORTED, "tokenizer: model '%.*s' unsupported",
                        (int)(model.len > 64 ? 64 : model.len), model.ptr);
     }
-    read_flag(g, "tokenizer.ggml.add_space_prefix", &t->add_space_prefix);
+    tok_read_flag(g, "tokenizer.ggml.add_space_prefix", &t->add_space_prefix);
 
-    if ((rc = read_vocab(t, g, err))) return rc;
+    if ((rc = tok_read_vocab(t, g, err))) return rc;
     if (t->model == TOK_MODEL_BPE && (rc = tok_bpe_load_merges(t, g, err))) return rc;
 
     tok_byte_map(t->byte_cpt);
@@ -540,16 +536,16 @@ static int tok_create(const km_gguf *g, km_tokenizer *t, km_errbuf *err)
         } else { /* llama.cpp's byte_to_token: <0xXX>, else the byte itself */
             char hex[8];
             snprintf(hex, sizeof hex, "<0x%02X>", b);
-            int32_t id = find_token(t, hex);
-            t->byte_tok[b] = id >= 0 ? id : find_token(t, (char[2]){c, 0});
+            int32_t id = tok_find_token(t, hex);
+            t->byte_tok[b] = id >= 0 ? id : tok_find_token(t, (char[2]){c, 0});
             t->byte_sid[b] = -1;
         }
     }
 
     t->eot = t->eom = -1;
-    find_special_ids(t, g);
-    if ((rc = build_specials(t, err))) return rc;
-    return build_pieces(t, err);
+    tok_find_special_ids(t, g);
+    if ((rc = tok_build_specials(t, err))) return rc;
+    return tok_build_pieces(t, err);
 }
 
 int km_tok_create(const km_gguf *g, km_tokenizer **out, km_errbuf *err)
@@ -618,7 +614,7 @@ int km_tok_is_eog(const km_tokenizer *t, int32_t id)
 
 int32_t km_tok_find(const km_tokenizer *t, const char *text)
 {
-    return text ? find_token(t, text) : -1;
+    return text ? tok_find_token(t, text) : -1;
 }
 
 /* ---------------------------------------------------------------- encode */
@@ -634,7 +630,7 @@ typedef struct tok_frags {
     size_t n, cap;
 } tok_frags;
 
-static int frag_push(tok_frags *f, int32_t id, size_t off, size_t len)
+static int tok_frag_push(tok_frags *f, int32_t id, size_t off, size_t len)
 {
     int rc = tok_grow((void **)&f->v, &f->cap, f->n + 1, sizeof *f->v);
     if (rc) return rc;
@@ -645,13 +641,13 @@ static int frag_push(tok_frags *f, int32_t id, size_t off, size_t len)
 /* llama.cpp's tokenizer_st_partition: special tokens longest first, each cut out of every raw
  * fragment at all its non-overlapping occurrences, left to right. Without parse_special only
  * user-defined tokens are cut (control and unknown texts stay text). */
-static int partition(const km_tokenizer *t, const char *text, size_t len, int parse_special,
-                     tok_frags *cur, tok_frags *next)
+static int tok_partition(const km_tokenizer *t, const char *text, size_t len, int parse_special,
+                         tok_frags *cur, tok_frags *next)
 {
     int rc;
     cur->n = 0;
     if (len == 0) return 0;
-    if ((rc = frag_push(cur, -1, 0, len))) return rc;
+    if ((rc = tok_frag_push(cur, -1, 0, len))) return rc;
     for (int32_t k = 0; k < t->n_special; k++) {
         int32_t id = t->special[k];
         if (!parse_special && (t->attr[id] & (TOK_ATTR_CONTROL | TOK_ATTR_UNKNOWN))) continue;
@@ -662,19 +658,19 @@ static int partition(const km_tokenizer *t, const char *text, size_t len, int pa
         for (size_t i = 0; i < cur->n; i++) {
             tok_frag f = cur->v[i];
             if (f.id >= 0 || f.len < sn) {
-                if ((rc = frag_push(next, f.id, f.off, f.len))) return rc;
+                if ((rc = tok_frag_push(next, f.id, f.off, f.len))) return rc;
                 continue;
             }
             size_t at = f.off, end = f.off + f.len;
             const char *hit;
             while (end - at >= sn && (hit = memmem(text + at, end - at, st, sn))) {
                 size_t pos = (size_t)(hit - text);
-                if (pos > at && (rc = frag_push(next, -1, at, pos - at))) return rc;
-                if ((rc = frag_push(next, id, pos, sn))) return rc;
+                if (pos > at && (rc = tok_frag_push(next, -1, at, pos - at))) return rc;
+                if ((rc = tok_frag_push(next, id, pos, sn))) return rc;
                 at = pos + sn;
                 found = 1;
             }
-            if (at < end && (rc = frag_push(next, -1, at, end - at))) return rc;
+            if (at < end && (rc = tok_frag_push(next, -1, at, end - at))) return rc;
         }
         if (found) {
             tok_frags tmp = *cur;
@@ -685,11 +681,11 @@ static int partition(const km_tokenizer *t, const char *text, size_t len, int pa
     return 0;
 }
 
-static int encode(const km_tokenizer *t, const char *text, size_t len, int add_special,
-                  int parse_special, tok_ids *ids)
+static int tok_encode_all(const km_tokenizer *t, const char *text, size_t len, int add_special,
+                          int parse_special, tok_ids *ids)
 {
     tok_frags cur = {0}, next = {0};
-    int rc = partition(t, text, len, parse_special, &cur, &next);
+    int rc = tok_partition(t, text, len, parse_special, &cur, &next);
     if (!rc && add_special && t->add_bos && t->bos >= 0) rc = tok_push_id(ids, t->bos);
     int prev_special = 1; /* SPM: a space is prepended to text at the start or after a token */
     for (size_t i = 0; !rc && i < cur.n; i++) {
@@ -715,7 +711,7 @@ int km_tok_encode(const km_tokenizer *t, const char *text, size_t len, int add_s
 {
     if (!t || (!text && len) || max_out < 0 || (max_out > 0 && !out)) return KM_EINVAL;
     tok_ids ids = {0};
-    int rc = encode(t, text, len, add_special, parse_special, &ids);
+    int rc = tok_encode_all(t, text, len, add_special, parse_special, &ids);
     if (!rc && ids.n > INT_MAX) rc = KM_ERANGE;
     if (rc) {
         free(ids.v);
@@ -730,7 +726,7 @@ int km_tok_encode(const km_tokenizer *t, const char *text, size_t len, int add_s
 /* ---------------------------------------------------------------- pieces and streaming */
 
 /* The piece of a valid id; NULL length 0 for control/unknown tokens unless special. */
-static const char *piece_of(const km_tokenizer *t, int32_t id, int special, size_t *n)
+static const char *tok_piece_of(const km_tokenizer *t, int32_t id, int special, size_t *n)
 {
     if (!special && (t->attr[id] & (TOK_ATTR_UNKNOWN | TOK_ATTR_CONTROL))) {
         *n = 0;
@@ -744,7 +740,7 @@ int km_tok_piece(const km_tokenizer *t, int32_t id, int special, char *buf, int 
 {
     if (!t || id < 0 || id >= t->n_vocab || cap < 0 || (cap > 0 && !buf)) return KM_EINVAL;
     size_t n;
-    const char *p = piece_of(t, id, special, &n);
+    const char *p = tok_piece_of(t, id, special, &n);
     if (n > 0 && n <= (size_t)cap) memcpy(buf, p, n);
     return (int)n;
 }
@@ -761,7 +757,7 @@ typedef struct tok_sink {
     int full;
 } tok_sink;
 
-static void sink_put(tok_sink *s, const void *p, size_t n)
+static void tok_sink_put(tok_sink *s, const void *p, size_t n)
 {
     if (s->n + n > s->cap) {
         s->full = 1;
@@ -773,16 +769,16 @@ static void sink_put(tok_sink *s, const void *p, size_t n)
 
 /* Emits complete sequences of s[0..n) (bad ones as U+FFFD) and returns the length of a trailing
  * unfinished sequence that must wait for more bytes (0 when at_end: it is bad then). */
-static size_t emit_utf8(tok_sink *k, const unsigned char *s, size_t n, int at_end)
+static size_t tok_emit_utf8(tok_sink *k, const unsigned char *s, size_t n, int at_end)
 {
     for (size_t i = 0; i < n;) {
         size_t len;
         int r = tok_utf8_check(s + i, n - i, &len);
         if (r == TOK_UTF8_PARTIAL && !at_end) return n - i;
         if (r == TOK_UTF8_OK)
-            sink_put(k, s + i, len);
+            tok_sink_put(k, s + i, len);
         else
-            sink_put(k, "\xef\xbf\xbd", 3);
+            tok_sink_put(k, "\xef\xbf\xbd", 3);
         i += len;
     }
     return 0;
@@ -793,7 +789,7 @@ int km_detok_push(const km_tokenizer *t, km_detok *d, int32_t id, char *out, int
     if (!t || !d || id < 0 || id >= t->n_vocab || cap < 0 || (cap > 0 && !out)) return KM_EINVAL;
     if (d->n_pending < 0 || d->n_pending > 3) return KM_EINVAL;
     size_t n;
-    const unsigned char *p = (const unsigned char *)piece_of(t, id, 0, &n);
+    const unsigned char *p = (const unsigned char *)tok_piece_of(t, id, 0, &n);
     tok_sink k = {out, 0, (size_t)cap, 0};
 
     /* The held-back bytes first, joined with enough of the piece to finish their sequence; then
@@ -814,14 +810,14 @@ int km_detok_push(const km_tokenizer *t, km_detok *d, int32_t id, char *out, int
             break;
         }
         if (r == TOK_UTF8_OK)
-            sink_put(&k, head + i, len);
+            tok_sink_put(&k, head + i, len);
         else
-            sink_put(&k, "\xef\xbf\xbd", 3);
+            tok_sink_put(&k, "\xef\xbf\xbd", 3);
         i += len;
     }
     if (!keep_src) {
         from = i - np;
-        keep = emit_utf8(&k, p + from, n - from, 0);
+        keep = tok_emit_utf8(&k, p + from, n - from, 0);
         keep_src = p + n - keep;
     }
     if (k.full) return KM_ENOSPC;
@@ -835,7 +831,7 @@ int km_detok_flush(km_detok *d, char *out, int cap)
     if (!d || cap < 0 || (cap > 0 && !out) || d->n_pending < 0 || d->n_pending > 3)
         return KM_EINVAL;
     tok_sink k = {out, 0, (size_t)cap, 0};
-    emit_utf8(&k, (const unsigned char *)d->pending, (size_t)d->n_pending, 1);
+    tok_emit_utf8(&k, (const unsigned char *)d->pending, (size_t)d->n_pending, 1);
     if (k.full) return KM_ENOSPC;
     d->n_pending = 0;
     return (int)k.n;

@@ -15,6 +15,7 @@
 #include "common/km.h"
 
 #include <criterion/criterion.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -669,6 +670,45 @@ Test(robust, random_bytes_encode_and_valid_text_round_trips)
             cr_assert(back == m && memcmp(out, text, m) == 0, "iteration %d", iter);
         }
     }
+    unload(&l);
+}
+
+typedef struct encode_job {
+    const km_tokenizer *t;
+    const row *rows;
+    int n_rows, mismatches;
+} encode_job;
+
+static void *encode_all_rows(void *arg)
+{
+    encode_job *j = arg;
+    static _Thread_local int32_t ids[MAX_IDS];
+    for (int rep = 0; rep < 5; rep++) {
+        for (int i = 0; i < j->n_rows; i++) {
+            const row *r = &j->rows[i];
+            int n = km_tok_encode(j->t, r->text, r->len, 1, r->special, ids, MAX_IDS);
+            if (n != r->n_ids || memcmp(ids, r->ids, (size_t)n * sizeof *ids) != 0) j->mismatches++;
+        }
+    }
+    return NULL;
+}
+
+Test(robust, one_tokenizer_encodes_from_several_threads_at_once)
+{
+    loaded l = load_smollm2();
+    int n_rows;
+    row *rows = read_smollm2_rows(&n_rows);
+    encode_job jobs[4];
+    pthread_t th[4];
+    for (int i = 0; i < 4; i++) {
+        jobs[i] = (encode_job){l.t, rows, n_rows, 0};
+        cr_assert_eq(pthread_create(&th[i], NULL, encode_all_rows, &jobs[i]), 0);
+    }
+    for (int i = 0; i < 4; i++) {
+        pthread_join(th[i], NULL);
+        cr_expect_eq(jobs[i].mismatches, 0, "thread %d", i);
+    }
+    free(rows);
     unload(&l);
 }
 
