@@ -1,0 +1,381 @@
+/*
+ * bench_kernels.c — single-thread micro-benchmark of the quantized matmul (and activation
+ * quantization) of every instruction set this CPU has, on the shapes of the default model
+ * (SmolLM2-135M: k = 576 / 1536, Q4_1 linear layers, Q8_0 tied output of 49152 rows).
+ *
+ * Prints GFLOP/s = 2 * m * rows * k / time (the best of 15 timed runs, each at least 10 ms of
+ * this thread's CPU time, which is what holds up on a shared machine) and asserts nothing about
+ * time. Weights are random block bytes with sane scales: speed does not depend on the values.
+ *
+ *   bench_kernels [-i scalar|avx2|avx512|ggml] [-t Q4_1|Q4_0|Q8_0|Q4_K|Q6_K|F16|BF16|F32]
+ *                 [-m 1,8,32] [-s rows,k] [-q]
+ *   -q also times quantize_row of the activations.
+ *
+ * Build by hand: gcc -O2 -I. bench/bench_kernels.c build/lib/libkmkernels.a \
+ *                    build/lib/libkmcommon.a -lm -pthread -o build/bin/bench_kernels
+ *
+ * With -DKN_BENCH_GGML, and llama.cpp's static libraries linked in (L=third_party/llama.cpp/build/
+ * ggml/src; add $L/libggml-cpu.a $L/libggml-base.a -lstdc++ -fopenmp), it also times ggml's
+ * ggml_vec_dot_* in the loop order of ggml's mul_mat (one output at a time, 16 x 16 blocks), and
+ * checks that our activation quantization is byte-identical to ggml's quantize_row_q8_* and that
+ * our matmul agrees with ggml's dot products.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "kernels/cpu/internal.h"
+
+static double bk_now(void)
+{
+    /* CPU time of this thread: the figures hold up on a machine shared with other work */
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static uint64_t bk_rng = 88172645463325252ull;
+static uint32_t bk_u32(void)
+{
+    bk_rng ^= bk_rng << 13;
+    bk_rng ^= bk_rng >> 7;
+    bk_rng ^= bk_rng << 17;
+    return (uint32_t)(bk_rng >> 16);
+}
+static float bk_unif(void)
+{
+    return (float)(bk_u32() >> 8) / 16777216.f * 2.f - 1.f;
+}
+
+static const struct {
+    const char *name;
+    km_type t;
+    int blk, bytes;
+} bk_types[] = {
+    {"F32", KM_TYPE_F32, 1, 4},
+    {"F16", KM_TYPE_F16, 1, 2},
+    {"BF16", KM_TYPE_BF16, 1, 2},
+    {"Q4_0", KM_TYPE_Q4_0, 32, sizeof(kn_block_q4_0)},
+    {"Q4_1", KM_TYPE_Q4_1, 32, sizeof(kn_block_q4_1)},
+    {"Q8_0", KM_TYPE_Q8_0, 32, sizeof(kn_block_q8_0)},
+    {"Q8_1", KM_TYPE_Q8_1, 32, sizeof(kn_block_q8_1)},
+    {"Q4_K", KM_TYPE_Q4_K, 256, sizeof(kn_block_q4_K)},
+    {"Q6_K", KM_TYPE_Q6_K, 256, sizeof(kn_block_q6_K)},
+    {"Q8_K", KM_TYPE_Q8_K, 256, sizeof(kn_block_q8_K)},
+};
+#define BK_NTYPES (int)(sizeof bk_types / sizeof bk_types[0])
+
+static int bk_type_index(km_type t)
+{
+    for (int i = 0; i < BK_NTYPES; i++)
+        if (bk_types[i].t == t) return i;
+    return -1;
+}
+
+static size_t bk_row_bytes(km_type t, int64_t k)
+{
+    const int i = bk_type_index(t);
+    return (size_t)(k / bk_types[i].blk) * (size_t)bk_types[i].bytes;
+}
+
+/* Random weight bytes; every fp16 in the row is then overwritten with a small normal value. */
+static void bk_fill_weights(km_type t, uint8_t *w, size_t n_bytes, int64_t rows, size_t stride)
+{
+    for (size_t i = 0; i < n_bytes; i++) w[i] = (uint8_t)bk_u32();
+    const kn_ops *ref = kn_ops_get(KN_ISA_SCALAR);
+    float f[2];
+    kn_f16 h[2];
+    for (int64_t r = 0; r < rows; r++) {
+        uint8_t *row = w + (size_t)r * stride;
+        const size_t nb = stride;
+        switch (t) {
+        case KM_TYPE_F32:
+            for (size_t j = 0; j < nb / 4; j++) ((float *)row)[j] = bk_unif();
+            break;
+        case KM_TYPE_F16:
+        case KM_TYPE_BF16:
+            for (size_t j = 0; j < nb / 2; j++) {
+                f[0] = bk_unif();
+                ref->quantize_row(t, f, &h[0], 1);
+                memcpy(row + 2 * j, &h[0], 2);
+            }
+            break;
+        case KM_TYPE_Q4_0:
+        case KM_TYPE_Q4_1:
+        case KM_TYPE_Q8_0:
+        case KM_TYPE_Q4_K: { /* d (and m / dmin) lead the block */
+            const size_t bb = (size_t)bk_types[bk_type_index(t)].bytes;
+            for (size_t b = 0; b + bb <= nb; b += bb) {
+                f[0] = 0.01f * (1 + bk_unif());
+                f[1] = 0.01f * bk_unif();
+                ref->quantize_row(KM_TYPE_F16, f, h, 2);
+                memcpy(row + b, h, t == KM_TYPE_Q4_1 || t == KM_TYPE_Q4_K ? 4 : 2);
+            }
+            break;
+        }
+        case KM_TYPE_Q6_K:
+            for (size_t b = 0; b + sizeof(kn_block_q6_K) <= nb; b += sizeof(kn_block_q6_K)) {
+                f[0] = 0.001f;
+                ref->quantize_row(KM_TYPE_F16, f, h, 1);
+                memcpy(row + b + offsetof(kn_block_q6_K, d), h, 2);
+            }
+            break;
+        default:
+            break;
+        }
+    }
+}
+
+/* Best time of one call, over repeated batches of calls lasting at least min_s each. */
+static double bk_time(const kn_ops *ops, km_type wt, const void *w, size_t ws, const void *x,
+                      size_t xs, int64_t k, int m, float *y, int64_t r0, int64_t r1, double min_s)
+{
+    ops->matmul(wt, w, ws, x, xs, k, m, y, (size_t)r1, r0, r1); /* warm up */
+    double best = 1e30;
+    for (int rep = 0; rep < 15; rep++) {
+        int n = 0;
+        const double t0 = bk_now();
+        double t1;
+        do {
+            ops->matmul(wt, w, ws, x, xs, k, m, y, (size_t)r1, r0, r1);
+            n++;
+            t1 = bk_now();
+        } while (t1 - t0 < min_s);
+        if ((t1 - t0) / n < best) best = (t1 - t0) / n;
+    }
+    return best;
+}
+
+#ifdef KN_BENCH_GGML
+void ggml_cpu_init(void);
+void quantize_row_q8_0(const float *x, void *y, int64_t k);
+void quantize_row_q8_1(const float *x, void *y, int64_t k);
+void quantize_row_q8_K(const float *x, void *y, int64_t k);
+typedef void (*bk_vec_dot_fn)(int n, float *s, size_t bs, const void *x, size_t bx, const void *y,
+                              size_t by, int nrc);
+void ggml_vec_dot_q4_0_q8_0(int, float *, size_t, const void *, size_t, const void *, size_t, int);
+void ggml_vec_dot_q4_1_q8_1(int, float *, size_t, const void *, size_t, const void *, size_t, int);
+void ggml_vec_dot_q8_0_q8_0(int, float *, size_t, const void *, size_t, const void *, size_t, int);
+void ggml_vec_dot_q4_K_q8_K(int, float *, size_t, const void *, size_t, const void *, size_t, int);
+void ggml_vec_dot_q6_K_q8_K(int, float *, size_t, const void *, size_t, const void *, size_t, int);
+
+static bk_vec_dot_fn bk_ggml_dot(km_type wt)
+{
+    switch (wt) {
+    case KM_TYPE_Q4_0:
+        return ggml_vec_dot_q4_0_q8_0;
+    case KM_TYPE_Q4_1:
+        return ggml_vec_dot_q4_1_q8_1;
+    case KM_TYPE_Q8_0:
+        return ggml_vec_dot_q8_0_q8_0;
+    case KM_TYPE_Q4_K:
+        return ggml_vec_dot_q4_K_q8_K;
+    case KM_TYPE_Q6_K:
+        return ggml_vec_dot_q6_K_q8_K;
+    default:
+        return NULL;
+    }
+}
+
+/* ggml's mul_mat loop for a vec_dot type: 16 x 16 blocks of (activation row, weight row). */
+static void bk_ggml_matmul(bk_vec_dot_fn dot, const uint8_t *w, size_t ws, const uint8_t *x,
+                           size_t xs, int64_t k, int m, float *y, int64_t rows)
+{
+    for (int c0 = 0; c0 < m; c0 += 16)
+        for (int64_t r0 = 0; r0 < rows; r0 += 16)
+            for (int c = c0; c < c0 + 16 && c < m; c++)
+                for (int64_t r = r0; r < r0 + 16 && r < rows; r++)
+                    dot((int)k, &y[(size_t)c * (size_t)rows + (size_t)r], 0, w + (size_t)r * ws, 0,
+                        x + (size_t)c * xs, 0, 1);
+}
+
+/* Our quantization against ggml's, our best matmul against ggml's dots; then ggml's speed. */
+static void bk_ggml_compare(km_type wt, const uint8_t *w, size_t ws, uint8_t *x, size_t xs,
+                            const float *xf, int64_t k, int max_m, int64_t rows, const int *ms,
+                            int n_ms)
+{
+    bk_vec_dot_fn dot = bk_ggml_dot(wt);
+    if (!dot) return;
+    const km_type dt = kn_dot_type(wt);
+    void (*gq)(const float *, void *, int64_t) = dt == KM_TYPE_Q8_0   ? quantize_row_q8_0
+                                                 : dt == KM_TYPE_Q8_1 ? quantize_row_q8_1
+                                                                      : quantize_row_q8_K;
+    uint8_t *gx = malloc(xs * (size_t)max_m);
+    int diff_rows = 0;
+    for (int i = 0; i < max_m; i++) {
+        gq(xf + (int64_t)i * k, gx + (size_t)i * xs, k);
+        diff_rows += memcmp(gx + (size_t)i * xs, x + (size_t)i * xs, xs) != 0;
+    }
+    printf("ggml    quantize_row %s: %d of %d rows differ from ours\n",
+           bk_types[bk_type_index(dt)].name, diff_rows, max_m);
+    const int mc = max_m < 8 ? max_m : 8;
+    float *yg = malloc(sizeof(float) * (size_t)(rows * mc));
+    float *yo = malloc(sizeof(float) * (size_t)(rows * mc));
+    bk_ggml_matmul(dot, w, ws, x, xs, k, mc, yg, rows);
+    kn_ops_best()->matmul(wt, w, ws, x, xs, k, mc, yo, (size_t)rows, 0, rows);
+    double worst = 0, scale = 0;
+    for (int64_t i = 0; i < rows * mc; i++) {
+        const double e = yg[i] > yo[i] ? yg[i] - yo[i] : yo[i] - yg[i];
+        const double a = yg[i] > 0 ? yg[i] : -yg[i];
+        worst = e > worst ? e : worst;
+        scale = a > scale ? a : scale;
+    }
+    printf("ggml    dot vs %s matmul: max |diff| %.3g (max |y| %.3g)\n", kn_ops_best()->name, worst,
+           scale);
+    float *y = malloc(sizeof(float) * (size_t)(rows * max_m));
+    for (int mi = 0; mi < n_ms; mi++) {
+        const int m = ms[mi];
+        double best = 1e30;
+        for (int rep = 0; rep < 15; rep++) {
+            int n = 0;
+            const double t0 = bk_now();
+            double t1;
+            do {
+                bk_ggml_matmul(dot, w, ws, x, xs, k, m, y, rows);
+                n++;
+                t1 = bk_now();
+            } while (t1 - t0 < 0.01);
+            if ((t1 - t0) / n < best) best = (t1 - t0) / n;
+        }
+        printf("%-7s %-5s %6lld %5lld %4d %10.1f %10.2f\n", "ggml",
+               bk_types[bk_type_index(wt)].name, (long long)rows, (long long)k, m, best * 1e6,
+               2.0 * m * (double)rows * (double)k / best * 1e-9);
+        fflush(stdout);
+    }
+    free(gx);
+    free(yg);
+    free(yo);
+    free(y);
+}
+#endif
+
+static int bk_parse_list(const char *s, int *out, int max)
+{
+    int n = 0;
+    while (*s && n < max) {
+        out[n++] = atoi(s);
+        while (*s && *s != ',') s++;
+        if (*s == ',') s++;
+    }
+    return n;
+}
+
+int main(int argc, char **argv)
+{
+    int isa_only = -1, type_only = -1, quant = 0;
+    int ms[16] = {1, 8, 32, 128, 512}, n_ms = 5;
+    struct {
+        km_type t;
+        int64_t rows, k;
+    } shapes[16] = {{KM_TYPE_Q4_1, 576, 576},
+                    {KM_TYPE_Q4_1, 1536, 576},
+                    {KM_TYPE_Q4_1, 576, 1536},
+                    {KM_TYPE_Q8_0, 49152, 576}};
+    int n_shapes = 4, custom_shape = 0;
+    int64_t cs_rows = 0, cs_k = 0;
+    for (int a = 1; a < argc; a++) {
+        if (!strcmp(argv[a], "-i") && a + 1 < argc) {
+            const char *v = argv[++a];
+            isa_only = !strcmp(v, "scalar") ? 0
+                       : !strcmp(v, "avx2") ? 1
+                       : !strcmp(v, "ggml") ? KN_ISA_COUNT
+                                            : 2;
+        } else if (!strcmp(argv[a], "-t") && a + 1 < argc) {
+            const char *v = argv[++a];
+            for (int i = 0; i < BK_NTYPES; i++)
+                if (!strcmp(v, bk_types[i].name)) type_only = (int)bk_types[i].t;
+        } else if (!strcmp(argv[a], "-m") && a + 1 < argc) {
+            n_ms = bk_parse_list(argv[++a], ms, 16);
+        } else if (!strcmp(argv[a], "-s") && a + 1 < argc) {
+            int v[2] = {0, 0};
+            bk_parse_list(argv[++a], v, 2);
+            cs_rows = v[0];
+            cs_k = v[1];
+            custom_shape = 1;
+        } else if (!strcmp(argv[a], "-q")) {
+            quant = 1;
+        } else {
+            fprintf(stderr, "usage: %s [-i isa] [-t type] [-m 1,8,..] [-s rows,k] [-q]\n", argv[0]);
+            return 2;
+        }
+    }
+    if (type_only >= 0) {
+        if (custom_shape) {
+            shapes[0].t = (km_type)type_only;
+            shapes[0].rows = cs_rows;
+            shapes[0].k = cs_k;
+            n_shapes = 1;
+        } else {
+            for (int s = 0; s < n_shapes; s++) shapes[s].t = (km_type)type_only;
+        }
+    } else if (custom_shape) {
+        shapes[0].rows = cs_rows;
+        shapes[0].k = cs_k;
+        n_shapes = 1;
+    }
+
+#ifdef KN_BENCH_GGML
+    ggml_cpu_init();
+#endif
+    printf("%-7s %-5s %6s %5s %4s %10s %10s\n", "isa", "type", "rows", "k", "m", "us/call",
+           "GFLOP/s");
+    for (int s = 0; s < n_shapes; s++) {
+        const km_type wt = shapes[s].t, dt = kn_dot_type(wt);
+        const int64_t rows = shapes[s].rows, k = shapes[s].k;
+        int max_m = 1;
+        for (int i = 0; i < n_ms; i++) max_m = ms[i] > max_m ? ms[i] : max_m;
+        const size_t ws = bk_row_bytes(wt, k), xs = bk_row_bytes(dt, k);
+        uint8_t *w = malloc(ws * (size_t)rows), *x = malloc(xs * (size_t)max_m);
+        float *xf = malloc(sizeof(float) * (size_t)(k * max_m));
+        float *y = malloc(sizeof(float) * (size_t)(rows * max_m));
+        bk_fill_weights(wt, w, ws * (size_t)rows, rows, ws);
+        for (int64_t j = 0; j < k * max_m; j++) xf[j] = bk_unif();
+        for (int i = 0; i < max_m; i++)
+            kn_ops_get(KN_ISA_SCALAR)->quantize_row(dt, xf + (int64_t)i * k, x + (size_t)i * xs, k);
+        for (int isa = 0; isa < KN_ISA_COUNT; isa++) {
+            const kn_ops *ops = kn_ops_get((kn_isa)isa);
+            if (!ops || (isa_only >= 0 && isa != isa_only)) continue;
+            for (int mi = 0; mi < n_ms; mi++) {
+                const int m = ms[mi];
+                /* the scalar reference is slow: time it on a slice of the rows */
+                int64_t r1 = rows;
+                if (isa == KN_ISA_SCALAR) {
+                    const double est = 2.0 * (double)m * (double)rows * (double)k / 1.5e9;
+                    if (est > 0.05) r1 = (int64_t)((double)rows * 0.05 / est) / 16 * 16 + 16;
+                    if (r1 > rows) r1 = rows;
+                }
+                const double t = bk_time(ops, wt, w, ws, x, xs, k, m, y, 0, r1, 0.01);
+                printf("%-7s %-5s %6lld %5lld %4d %10.1f %10.2f%s\n", ops->name,
+                       bk_types[bk_type_index(wt)].name, (long long)rows, (long long)k, m, t * 1e6,
+                       2.0 * m * (double)r1 * (double)k / t * 1e-9,
+                       r1 < rows ? " (row slice)" : "");
+                fflush(stdout);
+            }
+            if (quant) {
+                const int m = max_m;
+                ops->quantize_row(dt, xf, x, k);
+                double best = 1e30;
+                for (int rep = 0; rep < 5; rep++) {
+                    const double t0 = bk_now();
+                    for (int i = 0; i < m; i++)
+                        ops->quantize_row(dt, xf + (int64_t)i * k, x + (size_t)i * xs, k);
+                    const double t1 = bk_now() - t0;
+                    best = t1 < best ? t1 : best;
+                }
+                printf("%-7s quantize %s: %d rows of %lld in %.1f us (%.2f Gelem/s)\n", ops->name,
+                       bk_types[bk_type_index(dt)].name, m, (long long)k, best * 1e6,
+                       (double)m * (double)k / best * 1e-9);
+            }
+        }
+#ifdef KN_BENCH_GGML
+        if (isa_only < 0 || isa_only == KN_ISA_COUNT) /* -i ggml */
+            bk_ggml_compare(wt, w, ws, x, xs, xf, k, max_m, rows, ms, n_ms);
+#endif
+        free(w);
+        free(x);
+        free(xf);
+        free(y);
+    }
+    return 0;
+}
