@@ -26,7 +26,7 @@ WARN := -Wall -Wextra -Wno-unused-parameter -Wshadow -Wvla
 CFLAGS_BASE := -std=gnu11 $(OPT) $(WARN) -I. -pthread -fPIC -MMD -MP $(SANFLAGS) $(EXTRA_CFLAGS)
 AVX2_FLAGS := -mavx2 -mfma -mf16c
 AVX512_FLAGS := -mavx2 -mfma -mf16c -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vnni -mavx512bf16
-LDLIBS := -lzmq -lmsgpackc -luv -lh2o -lxxhash -lm -pthread
+LDLIBS := -lzmq -lmsgpackc -luv -lh2o -ljansson -lxxhash -lm -pthread
 LDFLAGS := $(SANFLAGS)
 
 OBJ := $(BUILD)/obj
@@ -42,14 +42,16 @@ KERNELS_SRC := $(wildcard kernels/*.c kernels/cpu/*.c)
 KVSHARD_SRC := $(filter-out kvshard/main.c,$(wildcard kvshard/*.c))
 ENGINE_SRC  := $(filter-out worker/main.c,$(wildcard worker/*.c))
 CLIENT_SRC  := $(filter-out client/main.c,$(wildcard client/*.c))
+ROUTER_SRC  := $(filter-out router/main.c,$(wildcard router/*.c))
 
 LIB_COMMON  := $(BUILD)/lib/libkmcommon.a
 LIB_KERNELS := $(BUILD)/lib/libkmkernels.a
 LIB_KVSHARD := $(BUILD)/lib/libkvshard.a
 LIB_ENGINE  := $(BUILD)/lib/libkmworker.a
 LIB_CLIENT  := $(BUILD)/lib/libkvmesh.a
+LIB_ROUTER  := $(BUILD)/lib/libkmrouter.a
 # Link order: dependents first.
-ALL_LIBS := $(LIB_CLIENT) $(LIB_ENGINE) $(LIB_KVSHARD) $(LIB_KERNELS) $(LIB_COMMON)
+ALL_LIBS := $(LIB_CLIENT) $(LIB_ROUTER) $(LIB_ENGINE) $(LIB_KVSHARD) $(LIB_KERNELS) $(LIB_COMMON)
 
 objs = $(patsubst %.c,$(OBJ)/%.o,$(1))
 
@@ -59,6 +61,9 @@ UNIT_BIN := $(patsubst tests/unit/%.c,$(TESTBIN)/%,$(UNIT_SRC))
 PROGRAMS := $(BIN)/kvmesh
 ifneq ($(wildcard worker/main.c),)
 PROGRAMS += $(BIN)/kvmesh-worker
+endif
+ifneq ($(wildcard router/main.c),)
+PROGRAMS += $(BIN)/kvmesh-router
 endif
 
 .PHONY: all build deps test unit-tests unit-tests-san integration fuzz fuzz-run demo bench \
@@ -94,6 +99,7 @@ $(LIB_KERNELS): $(call objs,$(KERNELS_SRC))
 $(LIB_KVSHARD): $(call objs,$(KVSHARD_SRC))
 $(LIB_ENGINE): $(call objs,$(ENGINE_SRC))
 $(LIB_CLIENT): $(call objs,$(CLIENT_SRC))
+$(LIB_ROUTER): $(call objs,$(ROUTER_SRC))
 $(BUILD)/lib/%.a:
 	@mkdir -p $(dir $@)
 	@rm -f $@
@@ -104,6 +110,10 @@ $(BIN)/kvmesh: $(OBJ)/client/main.o $(ALL_LIBS)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 
 $(BIN)/kvmesh-worker: $(OBJ)/worker/main.o $(ALL_LIBS)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+
+$(BIN)/kvmesh-router: $(OBJ)/router/main.o $(ALL_LIBS)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 
@@ -130,7 +140,17 @@ test: deps
 	@$(MAKE) --no-print-directory unit-tests
 	@$(MAKE) --no-print-directory unit-tests-san
 	@$(MAKE) --no-print-directory fuzz-run
+	@$(MAKE) --no-print-directory integration
 	@echo "make test: all suites passed"
+
+# Multi-process tests: real kvmesh-worker processes on 127.0.0.1 (tests/integration/).
+IT_SRC := $(wildcard tests/integration/test_*.c)
+IT_BIN := $(patsubst tests/integration/%.c,$(TESTBIN)/integration/%,$(IT_SRC))
+$(TESTBIN)/integration/%: $(OBJ)/tests/integration/%.o $(ALL_LIBS)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $^ -lcriterion $(LDLIBS)
+integration: build $(IT_BIN)
+	@set -e; for t in $(IT_BIN); do echo "== $$t"; $$t --jobs 1; done
 
 # ------------------------------------------------------------------ fuzzing (clang libFuzzer)
 FUZZ_SRC := $(wildcard tests/fuzz/fuzz_*.c)
@@ -164,6 +184,12 @@ bench: bench-engine
 bench-engine: build
 	@bash bench/bench_engine.sh
 
+# Worker serving figures side by side with llama-server (docs/benchmarks.md).
+.PHONY: bench-worker
+bench-worker: build
+	@test -f bench/bench_worker.sh || { echo "bench-worker: not written yet (issue 4, point 8)"; exit 1; }
+	@bash bench/bench_worker.sh
+
 # KV store figures (docs/kvshard.md): lookup/insert ops/s, tier bandwidth, attention per format.
 BENCH_KV := $(BUILD)/bench/bench_kv
 $(BENCH_KV): $(OBJ)/bench/bench_kv.o $(ALL_LIBS)
@@ -172,6 +198,16 @@ $(BENCH_KV): $(OBJ)/bench/bench_kv.o $(ALL_LIBS)
 .PHONY: bench-kv
 bench-kv: $(BENCH_KV)
 	@$(BENCH_KV)
+
+# Router figures (docs/router.md): decisions/s, latency the router adds, and kv-aware vs
+# round-robin vs random on a shared-prefix workload over `kvmesh up` clusters.
+BENCH_ROUTER := $(BUILD)/bench/bench_router
+$(BENCH_ROUTER): $(OBJ)/bench/bench_router.o $(ALL_LIBS)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+.PHONY: bench-router
+bench-router: build $(BENCH_ROUTER)
+	@bash bench/bench_router.sh
 
 fixtures: build
 	@bash tests/fixtures/gen_fixtures.sh

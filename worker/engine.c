@@ -84,6 +84,10 @@ int wk_engine_create(const wk_model *m, const wk_engine_opts *opts, wk_engine **
         .page_tokens = o.page_tokens,
         .format = o.kv_format,
         .hot_bytes = o.kv_bytes,
+        .n_shards = o.kv_shards,
+        .host_bytes = o.kv_host_bytes,
+        .disk_dir = o.kv_disk_dir,
+        .disk_bytes = o.kv_disk_bytes,
     };
     if (!kc.hot_bytes)
         kc.hot_bytes = (size_t)4 * 4096 * hp->n_layers * hp->n_head_kv * hp->head_dim * 2 * 2;

@@ -74,6 +74,11 @@ typedef struct wk_engine_opts {
     size_t kv_bytes;       /* hot-tier KV budget; 0: enough for 4 x n_ctx 4096 */
     kv_format kv_format;   /* KN_KV_F16 by default */
     int page_tokens;       /* 0: 16 */
+    /* Lower KV tiers and shards (kvshard/kvshard.h); zero/NULL: none, one shard. */
+    size_t kv_host_bytes;    /* host-RAM tier budget */
+    const char *kv_disk_dir; /* disk tier directory: pages survive restarts there */
+    size_t kv_disk_bytes;    /* disk tier budget; 0 with a dir: 1 GiB */
+    int kv_shards;
 } wk_engine_opts;
 
 typedef struct wk_engine wk_engine;
@@ -131,3 +136,136 @@ int32_t wk_argmax(const float *x, int n);
 }
 #endif
 #endif /* WK_WORKER_H */
+
+/* ---------------------------------------------------------------- scheduler and service
+ * (appended as its own guarded section: worker/scheduler.c, worker/service.c, worker/main.c)
+ *
+ * wk_sched_*: iteration-level continuous batching over one engine. Every step mixes the decode
+ * token of each running sequence with prefill chunks of the others under a per-step token
+ * budget. At admission only the prompt tokens kvshard does not already hold (verified prefix
+ * hit) are computed. When the KV store is full the scheduler preempts the lowest-priority,
+ * most recently admitted sequence: its full pages are published (so they stay cached, and the
+ * store demotes them to a lower tier when it needs room) and it is requeued to be recomputed from
+ * what is still cached; a lone sequence that cannot fit fails with an error, nothing crashes.
+ * Requests are admitted by priority plus an aging credit for time waited (no starvation), can
+ * carry a deadline, and can be canceled. Outputs leave through callbacks called from
+ * wk_sched_step on the caller's thread. A step allocates nothing.
+ *
+ * wk_service_*: the daemon around it (ZeroMQ requests, KV events, admin commands, heartbeats,
+ * metrics, /healthz, /readyz). docs/protocol.md is the wire contract, docs/operations.md the
+ * operator's page.
+ */
+#ifndef WK_SCHED_H
+#define WK_SCHED_H
+
+#include "common/svc.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Exit status that asks the supervisor for a restart (drain, shutdown with restart). */
+#define WK_EXIT_RESTART 75
+
+typedef struct wk_sched wk_sched;
+
+typedef struct wk_sched_opts {
+    int max_running;        /* sequences in flight at once; 0: 64 */
+    int max_queue;          /* requests waiting for a slot; 0: 1024 */
+    int max_batch_tokens;   /* tokens per step; must not exceed the engine's; 0: 512 */
+    int prefill_chunk;      /* most prompt tokens of one sequence per step; 0: max_batch_tokens */
+    int max_ctx;            /* prompt + completion per sequence; 0: 4096 */
+    int default_max_tokens; /* when a request says 0; 0: 256 */
+    double aging_per_s;     /* priority points a waiting request gains per second; 0: 20 */
+    uint64_t cluster_seed;  /* page-hash chain seed (with the model fingerprint and cache_salt) */
+} wk_sched_opts;
+
+typedef struct wk_sched_req {
+    const int32_t *tokens; /* the prompt (copied) */
+    int n_tokens;
+    wk_sample_params sample;
+    int max_tokens;         /* 0: default_max_tokens; clipped to max_ctx */
+    int priority;           /* higher first */
+    uint64_t deadline_ns;   /* absolute km_now_ns(); 0: none */
+    uint64_t arrival_ns;    /* when the request arrived; 0: now */
+    const char *cache_salt; /* NULL: none */
+    size_t cache_salt_len;
+    int ignore_eos; /* keep going past end-of-generation tokens */
+    void *user;     /* handed back to every callback */
+} wk_sched_req;
+
+typedef struct wk_sched_usage {
+    int prompt_tokens, cached_tokens, completion_tokens, preemptions;
+    double queue_ms, ttft_ms, total_ms;
+} wk_sched_usage;
+
+typedef struct wk_sched_cb {
+    /* A new token (index counts from 0). Return 1 to end the request with KM_FINISH_STOP (a stop
+     * string matched), 0 to go on. */
+    int (*on_token)(void *ctx, void *user, int index, int32_t token);
+    /* The request ended normally; user is not used again. */
+    void (*on_done)(void *ctx, void *user, km_finish finish, const wk_sched_usage *u);
+    /* The request failed (code: km_proto_code) or was handed back; user is not used again. */
+    void (*on_error)(void *ctx, void *user, int code, const char *message, const wk_sched_usage *u);
+    void *ctx;
+} wk_sched_cb;
+
+typedef struct wk_sched_stats {
+    int running, queued;
+    uint64_t steps, prefill_tokens, decode_tokens, prompt_tokens, cached_tokens, preemptions,
+        recomputed_tokens, completed, canceled, deadline, failed, engine_errors;
+} wk_sched_stats;
+
+int wk_sched_create(wk_engine *e, const wk_model *m, const wk_sched_opts *o, const wk_sched_cb *cb,
+                    wk_sched **out, km_errbuf *err);
+/* Frees everything; requests still held get no callback. */
+void wk_sched_destroy(wk_sched *s);
+/* Queues a request; *rid (may be NULL) identifies it for wk_sched_cancel. KM_EOVERLOAD when the
+ * queue is full, KM_ERANGE when the prompt leaves no room in max_ctx, KM_EINVAL on a token
+ * outside the vocabulary. No callback is called for a refused request. */
+int wk_sched_submit(wk_sched *s, const wk_sched_req *r, uint64_t *rid);
+/* Ends the request with KM_FINISH_CANCELED at the next step; KM_ENOTFOUND if it is not held. */
+int wk_sched_cancel(wk_sched *s, uint64_t rid);
+/* One iteration: expiries and cancellations, admission, one engine step, sampling, callbacks.
+ * Returns the number of tokens computed (0: nothing to do) or a negative km_err. */
+int wk_sched_step(wk_sched *s);
+/* Requests held (running + queued). */
+int wk_sched_pending(const wk_sched *s);
+/* Ends every held request with on_error(code, message) after publishing its computed pages, so
+ * whoever retries it elsewhere or later finds them cached (drain, shutdown). */
+void wk_sched_abort_all(wk_sched *s, int code, const char *message);
+void wk_sched_stats_get(const wk_sched *s, wk_sched_stats *out);
+
+/* ---------------------------------------------------------------- service */
+
+typedef struct wk_service wk_service;
+
+typedef struct wk_service_opts {
+    const char *worker_id;   /* NULL: "worker-<pid>" */
+    const char *listen;      /* requests/admin ROUTER endpoint; e.g. tcp://127.0.0.1:7100 */
+    const char *events;      /* KV events PUB endpoint; NULL: none */
+    const char *controller;  /* controller ROUTER to send heartbeats to; NULL: none */
+    const char *admin_host;  /* admin HTTP host; NULL: 127.0.0.1 */
+    int admin_port;          /* 0: ephemeral; -1: no admin HTTP */
+    const char *model_alias; /* extra model name requests may use; NULL: none */
+    const char *ports_file;  /* write the bound endpoints here once ready; NULL: none */
+    int heartbeat_ms;        /* 0: 1000 */
+    int drain_timeout_ms;    /* grace before in-flight requests are handed back; 0: 30000 */
+    int event_replay;        /* KV events kept for replay; 0: 65536 */
+    int max_frame;           /* bytes; 0: KM_PROTO_MAX_FRAME */
+    wk_sched_opts sched;
+} wk_service_opts;
+
+int wk_service_create(wk_model *m, wk_engine *e, const wk_service_opts *o, wk_service **out,
+                      km_errbuf *err);
+void wk_service_destroy(wk_service *s);
+/* Serves until shutdown or the end of a drain; returns the process exit status (0, or
+ * WK_EXIT_RESTART). */
+int wk_service_run(wk_service *s);
+/* Async-signal-safe: SIGTERM/SIGINT begin a drain, a second one stops at once. */
+void wk_service_signal(wk_service *s, int signo);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* WK_SCHED_H */

@@ -1,0 +1,882 @@
+/*
+ * test_worker.c — kvmesh-worker as real processes on 127.0.0.1 (ephemeral ports), driven over
+ * ZeroMQ like a router would: concurrent mixed requests against single-request references,
+ * a drain under load with migration of what was handed back, malformed frames, KV events and
+ * their replay, admin commands, cancellation and deadlines, SIGTERM.
+ *
+ * The reference for "the same request run alone" is the engine in this process, one sequence,
+ * greedy: the worker's continuous batching, chunked prefill, prefix reuse and preemption must
+ * not change a single token. Run from the repository root after `make build` (make
+ * integration); without the default model every test skips and says so.
+ */
+#include <arpa/inet.h>
+#include <criterion/criterion.h>
+#include <msgpack.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "worker/worker.h"
+
+#define MODEL  "models/SmolLM2-135M-Instruct.Q4_1.gguf"
+#define WORKER "build/bin/kvmesh-worker"
+
+typedef struct wproc {
+    pid_t pid;
+    char dir[64];
+    char req[512], ev[512];
+    int admin_port;
+} wproc;
+
+static void *g_ctx;
+static pid_t g_pids[8]; /* killed by the suite's fini when a test fails half way */
+static int g_npids;
+
+static bool have_model(void)
+{
+    if (access(MODEL, R_OK) || access(WORKER, X_OK)) {
+        cr_skip_test("needs %s (make deps) and %s (make build)", MODEL, WORKER);
+        return false;
+    }
+    return true;
+}
+
+static void start_worker(wproc *w, const char *const *extra)
+{
+    memset(w, 0, sizeof *w);
+    snprintf(w->dir, sizeof w->dir, "/tmp/kvmesh-it-XXXXXX");
+    cr_assert(mkdtemp(w->dir));
+    char ports[128], log[128];
+    snprintf(ports, sizeof ports, "%s/ports", w->dir);
+    snprintf(log, sizeof log, "%s/worker.log", w->dir);
+    const char *argv[64] = {WORKER,
+                            "--listen",
+                            "tcp://127.0.0.1:*",
+                            "--events",
+                            "tcp://127.0.0.1:*",
+                            "--admin-port",
+                            "0",
+                            "--ports-file",
+                            ports,
+                            "--threads",
+                            "2",
+                            "--log-level",
+                            "warn"};
+    int n = 13;
+    for (int i = 0; extra && extra[i] && n < 62; i++) argv[n++] = extra[i];
+    argv[n] = NULL;
+    w->pid = fork();
+    cr_assert(w->pid >= 0);
+    if (w->pid > 0 && g_npids < 8) g_pids[g_npids++] = w->pid;
+    if (w->pid == 0) {
+        FILE *f = freopen(log, "w", stderr);
+        (void)f;
+        execv(WORKER, (char *const *)argv);
+        _exit(127);
+    }
+    for (int i = 0; i < 600; i++) {
+        FILE *f = fopen(ports, "r");
+        if (f) {
+            char line[512];
+            while (fgets(line, sizeof line, f)) {
+                line[strcspn(line, "\n")] = 0;
+                if (!strncmp(line, "requests=", 9)) snprintf(w->req, sizeof w->req, "%s", line + 9);
+                if (!strncmp(line, "events=", 7)) snprintf(w->ev, sizeof w->ev, "%s", line + 7);
+                if (!strncmp(line, "admin=", 6)) {
+                    const char *c = strrchr(line, ':');
+                    w->admin_port = c ? atoi(c + 1) : 0;
+                }
+            }
+            fclose(f);
+            return;
+        }
+        int st;
+        if (waitpid(w->pid, &st, WNOHANG) == w->pid) cr_assert_fail("worker exited at start");
+        usleep(50000);
+    }
+    cr_assert_fail("worker did not start in 30 s");
+}
+
+/* Waits for the worker to exit (up to timeout_ms), killing it after that; returns its status. */
+static int stop_worker(wproc *w, int timeout_ms)
+{
+    int st = -1;
+    for (int i = 0; i < timeout_ms / 20; i++) {
+        if (waitpid(w->pid, &st, WNOHANG) == w->pid) return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+        usleep(20000);
+    }
+    kill(w->pid, SIGKILL);
+    waitpid(w->pid, &st, 0);
+    return -1;
+}
+
+static void *dealer(const char *ep)
+{
+    void *s = NULL;
+    km_errbuf err = {{0}};
+    cr_assert_eq(km_zsock_open(g_ctx, KM_ZDEALER, NULL, &s, &err), 0, "%s", err.msg);
+    cr_assert_eq(km_zsock_connect(s, ep, &err), 0, "%s", err.msg);
+    return s;
+}
+
+static void send_body(void *s, const void *p, size_t n)
+{
+    km_zframe f = {p, n};
+    cr_assert_eq(km_zsend(s, &f, 1, 0, NULL), 0);
+}
+
+static void send_msg(void *s, const km_msg *m)
+{
+    km_buf b = {0};
+    km_errbuf err = {{0}};
+    cr_assert_eq(km_msg_encode(m, NULL, &b, &err), 0, "%s", err.msg);
+    send_body(s, b.data, b.len);
+    km_buf_free(&b);
+}
+
+static void send_req(void *s, uint64_t id, const int32_t *toks, int n, int max_tokens)
+{
+    km_msg m;
+    km_msg_init(&m, KM_MSG_REQUEST);
+    m.req.id = id;
+    m.req.model = "SmolLM2-135M-Instruct";
+    m.req.tokens = toks;
+    m.req.n_tokens = (uint32_t)n;
+    m.req.temperature = 0;
+    m.req.max_tokens = (uint32_t)max_tokens;
+    m.req.stream = true;
+    send_msg(s, &m);
+}
+
+static void send_admin(void *s, uint64_t id, km_admin_cmd cmd, double fraction, const char *fmt,
+                       uint32_t timeout_ms)
+{
+    km_msg m;
+    km_msg_init(&m, KM_MSG_ADMIN);
+    m.admin.id = id;
+    m.admin.cmd = cmd;
+    m.admin.fraction = fraction;
+    m.admin.format = fmt;
+    m.admin.timeout_ms = timeout_ms;
+    send_msg(s, &m);
+}
+
+/* Receives one frame (decoded into m) within timeout_ms; false on timeout. */
+static bool recv_msg(void *s, km_msg *m, int timeout_ms)
+{
+    km_zmsg z = {0};
+    if (km_zrecv(s, &z, timeout_ms, NULL)) {
+        km_zmsg_clear(&z);
+        return false;
+    }
+    const km_zframe *b = km_zmsg_body(&z);
+    km_errbuf err = {{0}};
+    int rc = km_msg_decode(b->data, b->len, NULL, m, &err);
+    km_zmsg_clear(&z);
+    cr_assert_eq(rc, 0, "worker sent an undecodable frame: %s", err.msg);
+    return true;
+}
+
+/* ---------------------------------------------------------------- reference: one sequence */
+
+static wk_model *g_model;
+static wk_engine *g_engine;
+
+static void load_reference(void)
+{
+    km_errbuf err = {{0}};
+    if (!g_model) cr_assert_eq(wk_model_load(MODEL, &g_model, &err), 0, "%s", err.msg);
+    wk_engine_opts o = {.n_threads = 2, .max_batch_tokens = 256};
+    if (!g_engine) cr_assert_eq(wk_engine_create(g_model, &o, &g_engine, &err), 0, "%s", err.msg);
+}
+
+static void fini_reference(void)
+{
+    for (int i = 0; i < g_npids; i++) {
+        int st;
+        if (waitpid(g_pids[i], &st, WNOHANG) == 0) {
+            kill(g_pids[i], SIGKILL);
+            waitpid(g_pids[i], &st, 0);
+        }
+    }
+    g_npids = 0;
+    wk_engine_destroy(g_engine);
+    wk_model_free(g_model);
+    g_engine = NULL;
+    g_model = NULL;
+}
+
+/* Greedy tokens of the prompt alone, stopping at end-of-generation; returns how many. */
+static int greedy_alone(const int32_t *prompt, int n, int max_new, int32_t *out)
+{
+    kv_store *kv = wk_engine_kv(g_engine);
+    kv_seq *q;
+    cr_assert_eq(kv_seq_create(kv, &q), 0);
+    int n_vocab = wk_model_hparams(g_model)->n_vocab;
+    const km_tokenizer *tok = wk_model_tokenizer(g_model);
+    int32_t pos[256];
+    kv_seq *seqs[256];
+    const float *lg = NULL;
+    for (int off = 0; off < n; off += 256) {
+        int c = n - off < 256 ? n - off : 256;
+        for (int i = 0; i < c; i++) pos[i] = off + i, seqs[i] = q;
+        wk_batch b = {.n_tokens = c, .tokens = prompt + off, .pos = pos, .seqs = seqs};
+        cr_assert_geq(wk_engine_step(g_engine, &b, &lg), 0);
+    }
+    int k = 0;
+    for (; k < max_new; k++) {
+        int32_t t = wk_argmax(lg, n_vocab);
+        if (km_tok_is_eog(tok, t)) break;
+        out[k] = t;
+        if (k + 1 == max_new) {
+            k++;
+            break;
+        }
+        int32_t p = n + k;
+        wk_batch b = {.n_tokens = 1, .tokens = &t, .pos = &p, .seqs = &q};
+        cr_assert_geq(wk_engine_step(g_engine, &b, &lg), 0);
+    }
+    kv_seq_destroy(kv, q);
+    return k;
+}
+
+/* ---------------------------------------------------------------- workloads */
+
+enum { NREQ = 64, MAXP = 200, MAXG = 48 };
+
+typedef struct job {
+    int32_t prompt[MAXP + MAXG];
+    int n_prompt, max_tokens;
+    int32_t ref[MAXG];
+    int n_ref;
+    int32_t got[MAXG];
+    int n_got;
+    bool done, failed;
+    int err_code;
+    km_finish finish;
+} job;
+
+static uint64_t g_lcg = 12345;
+static int32_t rnd_token(void)
+{
+    g_lcg = g_lcg * 6364136223846793005ull + 1442695040888963407ull;
+    return 200 + (int32_t)((g_lcg >> 33) % 40000);
+}
+
+/* Mixed lengths; groups of 8 share a 48-token prefix (exercising prefix reuse under load). */
+static void make_jobs(job *jobs, int n, int base_len, int span, int max_gen)
+{
+    int32_t shared[8][48];
+    for (int g = 0; g < 8; g++)
+        for (int i = 0; i < 48; i++) shared[g][i] = rnd_token();
+    for (int j = 0; j < n; j++) {
+        job *b = &jobs[j];
+        memset(b, 0, sizeof *b);
+        b->n_prompt = base_len + (j * 37) % span;
+        for (int i = 0; i < b->n_prompt; i++)
+            b->prompt[i] = i < 48 && j % 2 == 0 ? shared[j % 8][i] : rnd_token();
+        b->max_tokens = max_gen > 8 ? max_gen - j % 7 : 2 + j % max_gen;
+        b->n_ref = greedy_alone(b->prompt, b->n_prompt, b->max_tokens, b->ref);
+    }
+}
+
+/* Collects frames for jobs (ids 1..n) until all ended or timeout. */
+static void collect(void *s, job *jobs, int n, int timeout_ms)
+{
+    int ended = 0;
+    uint64_t t0 = km_now_ns();
+    while (ended < n && (km_now_ns() - t0) / 1000000 < (uint64_t)timeout_ms) {
+        km_msg m;
+        if (!recv_msg(s, &m, 200)) continue;
+        uint64_t id = m.type == KM_MSG_TOKEN   ? m.tok.id
+                      : m.type == KM_MSG_DONE  ? m.done.id
+                      : m.type == KM_MSG_ERROR ? m.error.id
+                                               : 0;
+        cr_assert(id >= 1 && id <= (uint64_t)n, "frame for unknown id %llu (type %s)",
+                  (unsigned long long)id, km_msg_type_name(m.type));
+        job *b = &jobs[id - 1];
+        if (m.type == KM_MSG_TOKEN) {
+            cr_assert_eq(m.tok.index, (uint32_t)b->n_got, "token indexes are consecutive");
+            b->got[b->n_got++] = m.tok.token;
+        } else if (m.type == KM_MSG_DONE) {
+            b->done = true;
+            b->finish = m.done.finish;
+            cr_assert_eq(m.done.completion_tokens, (uint32_t)b->n_got);
+            ended++;
+        } else {
+            b->failed = true;
+            b->err_code = m.error.code;
+            ended++;
+        }
+        km_msg_clear(&m);
+    }
+}
+
+/* GET path on 127.0.0.1:port; the body into out (NUL-terminated); returns the status code. */
+static int http_get(int port, const char *path, char *out, size_t cap)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (connect(fd, (struct sockaddr *)&a, sizeof a)) {
+        close(fd);
+        return -1;
+    }
+    char req[256];
+    int n =
+        snprintf(req, sizeof req, "GET %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", path);
+    if (write(fd, req, (size_t)n) != n) {
+        close(fd);
+        return -1;
+    }
+    size_t len = 0;
+    ssize_t r;
+    while (len + 1 < cap && (r = read(fd, out + len, cap - 1 - len)) > 0) len += (size_t)r;
+    out[len] = 0;
+    close(fd);
+    int code = 0;
+    sscanf(out, "HTTP/1.%*d %d", &code);
+    return code;
+}
+
+static double metric(const char *text, const char *series)
+{
+    const char *p = text;
+    size_t sl = strlen(series);
+    while ((p = strstr(p, series))) {
+        if ((p == text || p[-1] == '\n') && p[sl] == ' ') return atof(p + sl + 1);
+        p += sl;
+    }
+    return -1;
+}
+
+TestSuite(worker, .init = NULL, .fini = fini_reference, .timeout = 240);
+
+Test(worker, sixty_four_concurrent_requests_match_each_request_run_alone)
+{
+    if (!have_model()) return;
+    load_reference();
+    g_ctx = km_zctx_create();
+    static job jobs[NREQ];
+    make_jobs(jobs, NREQ, 8, 120, 12);
+    wproc w;
+    /* A small KV budget (about 55 pages): 32 running sequences cannot all fit, so admission
+     * control and preemption are exercised. */
+    const char *extra[] = {
+        "--max-running",   "32", "--kv-bytes", "20M", "--max-batch-tokens", "256",
+        "--prefill-chunk", "64", NULL};
+    start_worker(&w, extra);
+    void *s = dealer(w.req);
+    for (int j = 0; j < NREQ; j++)
+        send_req(s, (uint64_t)j + 1, jobs[j].prompt, jobs[j].n_prompt, jobs[j].max_tokens);
+    collect(s, jobs, NREQ, 120000);
+    for (int j = 0; j < NREQ; j++) {
+        job *b = &jobs[j];
+        cr_assert(b->done, "request %d did not complete (failed=%d code=%d)", j, b->failed,
+                  b->err_code);
+        cr_assert_eq(b->n_got, b->n_ref, "request %d: %d tokens, alone %d", j, b->n_got, b->n_ref);
+        cr_assert_arr_eq(b->got, b->ref, sizeof(int32_t) * b->n_ref,
+                         "request %d differs from the same request run alone", j);
+    }
+    static char text[1 << 16];
+    cr_assert_eq(http_get(w.admin_port, "/metrics", text, sizeof text), 200);
+    cr_assert_eq(metric(text, "kvmesh_worker_requests_total{outcome=\"ok\"}"), NREQ);
+    cr_assert_gt(metric(text, "kvmesh_worker_tokens_total{kind=\"cached\"}"), 0,
+                 "shared prefixes are reused");
+    fprintf(stderr, "64 concurrent: preemptions=%.0f prefix_hit_ratio=%.3f\n",
+            metric(text, "kvmesh_worker_preemptions_total"),
+            metric(text, "kvmesh_worker_prefix_hit_ratio"));
+    km_zsock_close(s);
+    kill(w.pid, SIGTERM);
+    cr_assert_eq(stop_worker(&w, 10000), WK_EXIT_RESTART, "SIGTERM drains and asks a restart");
+    km_zctx_destroy(g_ctx);
+}
+
+Test(worker, drain_under_load_loses_no_request)
+{
+    if (!have_model()) return;
+    load_reference();
+    g_ctx = km_zctx_create();
+    enum { N = 12 };
+    static job jobs[N];
+    make_jobs(jobs, N, 16, 100, 32);
+    wproc a, b;
+    start_worker(&a, NULL);
+    start_worker(&b, NULL);
+    void *sa = dealer(a.req), *sb = dealer(b.req);
+    for (int j = 0; j < N; j++)
+        send_req(sa, (uint64_t)j + 1, jobs[j].prompt, jobs[j].n_prompt, jobs[j].max_tokens);
+    /* Let generation start, then drain with a short grace: some requests finish, the rest are
+     * handed back and migrated to b with their prompt plus the tokens already streamed. */
+    int seen = 0;
+    while (seen < 3) {
+        km_msg m;
+        cr_assert(recv_msg(sa, &m, 30000), "no tokens before the drain");
+        if (m.type == KM_MSG_TOKEN) {
+            job *jb = &jobs[m.tok.id - 1];
+            jb->got[jb->n_got++] = m.tok.token;
+            seen++;
+        } else if (m.type == KM_MSG_DONE) {
+            jobs[m.done.id - 1].done = true;
+        }
+        km_msg_clear(&m);
+    }
+    send_admin(sa, 9001, KM_ADMIN_DRAIN, 0, NULL, 150);
+    int ended = 0, handed = 0;
+    for (int j = 0; j < N; j++) ended += jobs[j].done;
+    bool replied = false;
+    uint64_t t0 = km_now_ns();
+    while ((ended < N || !replied) && km_now_ns() - t0 < 60000000000ull) {
+        km_msg m;
+        if (!recv_msg(sa, &m, 200)) continue;
+        if (m.type == KM_MSG_ADMIN_REPLY) {
+            cr_assert(m.admin_reply.ok);
+            cr_assert_eq(m.admin_reply.state, KM_STATE_DRAINING);
+            replied = true;
+            /* a new request during the drain is refused with 503 */
+            send_req(sa, 5000, jobs[0].prompt, 4, 2);
+        } else if (m.type == KM_MSG_TOKEN) {
+            job *jb = &jobs[m.tok.id - 1];
+            cr_assert_eq(m.tok.index, (uint32_t)jb->n_got);
+            jb->got[jb->n_got++] = m.tok.token;
+        } else if (m.type == KM_MSG_DONE) {
+            jobs[m.done.id - 1].done = true;
+            ended++;
+        } else if (m.type == KM_MSG_ERROR) {
+            if (m.error.id == 5000) {
+                cr_assert_eq(m.error.code, KM_CODE_UNAVAILABLE);
+            } else {
+                cr_assert_eq(m.error.code, KM_CODE_UNAVAILABLE, "handed back with 503");
+                job *jb = &jobs[m.error.id - 1];
+                jb->failed = true;
+                ended++;
+                handed++;
+                /* migrate: prompt + streamed tokens to the other worker */
+                int32_t toks[MAXP + MAXG];
+                memcpy(toks, jb->prompt, sizeof(int32_t) * jb->n_prompt);
+                memcpy(toks + jb->n_prompt, jb->got, sizeof(int32_t) * jb->n_got);
+                send_req(sb, m.error.id, toks, jb->n_prompt + jb->n_got,
+                         jb->max_tokens - jb->n_got);
+            }
+        }
+        km_msg_clear(&m);
+    }
+    cr_assert_eq(ended, N, "every request ended on the draining worker");
+    cr_assert_eq(stop_worker(&a, 15000), WK_EXIT_RESTART, "a drain exits with the restart code");
+    /* the migrated ones complete on b, continuing the same stream */
+    int migrated_done = 0;
+    t0 = km_now_ns();
+    while (migrated_done < handed && km_now_ns() - t0 < 60000000000ull) {
+        km_msg m;
+        if (!recv_msg(sb, &m, 200)) continue;
+        cr_assert_neq(m.type, KM_MSG_ERROR, "migrated request failed");
+        job *jb = &jobs[(m.type == KM_MSG_TOKEN ? m.tok.id : m.done.id) - 1];
+        if (m.type == KM_MSG_TOKEN) jb->got[jb->n_got++] = m.tok.token;
+        if (m.type == KM_MSG_DONE) migrated_done++, jb->done = true;
+        km_msg_clear(&m);
+    }
+    for (int j = 0; j < N; j++) {
+        cr_assert(jobs[j].done, "request %d lost", j);
+        cr_assert_eq(jobs[j].n_got, jobs[j].n_ref, "request %d: %d tokens, alone %d", j,
+                     jobs[j].n_got, jobs[j].n_ref);
+        cr_assert_arr_eq(jobs[j].got, jobs[j].ref, sizeof(int32_t) * jobs[j].n_ref,
+                         "request %d differs after migration", j);
+    }
+    fprintf(stderr, "drain: %d of %d requests handed back and migrated\n", handed, N);
+    send_admin(sb, 1, KM_ADMIN_SHUTDOWN, 0, NULL, 0);
+    cr_assert_eq(stop_worker(&b, 10000), 0, "shutdown without restart exits 0");
+    km_zsock_close(sa);
+    km_zsock_close(sb);
+    km_zctx_destroy(g_ctx);
+}
+
+static int g_bg_tokens; /* frames of the request in flight across the bad ones */
+static bool g_bg_done;
+
+static void expect_error(void *s, int code, uint64_t id)
+{
+    km_msg m;
+    for (;;) {
+        cr_assert(recv_msg(s, &m, 10000), "no reply to a bad frame");
+        if (m.type == KM_MSG_TOKEN && m.tok.id == 77)
+            g_bg_tokens++;
+        else if (m.type == KM_MSG_DONE && m.done.id == 77)
+            g_bg_done = true;
+        else
+            break;
+        km_msg_clear(&m);
+    }
+    cr_assert_eq(m.type, KM_MSG_ERROR, "got %s", km_msg_type_name(m.type));
+    cr_assert_eq(m.error.code, code, "code %d, expected %d (%s)", m.error.code, code,
+                 m.error.message);
+    cr_assert_eq(m.error.id, id, "id %llu, expected %llu (%s)", (unsigned long long)m.error.id,
+                 (unsigned long long)id, m.error.message);
+    km_msg_clear(&m);
+}
+
+Test(worker, malformed_frames_get_errors_and_the_worker_keeps_serving)
+{
+    if (!have_model()) return;
+    g_ctx = km_zctx_create();
+    wproc w;
+    start_worker(&w, NULL);
+    void *s = dealer(w.req);
+    /* a good request in flight across the bad frames */
+    int32_t toks[40];
+    for (int i = 0; i < 40; i++) toks[i] = 300 + i * 7;
+    send_req(s, 77, toks, 40, 24);
+    send_body(s, "\xc1garbage", 8);
+    expect_error(s, KM_CODE_BAD_REQUEST, 0);
+    send_body(s, "\x93\x01\x02\x03", 4); /* an array, not a map */
+    expect_error(s, KM_CODE_BAD_REQUEST, 0);
+    /* {"v":9,"t":"req","id":5} */
+    send_body(s, "\x83\xa1v\x09\xa1t\xa3req\xa2id\x05", 14);
+    expect_error(s, KM_CODE_VERSION, 5);
+    /* {"v":1,"t":"req","id":6,"model":"x","prompt":7}: wrong type, id still echoed */
+    send_body(s, "\x85\xa1v\x01\xa1t\xa3req\xa2id\x06\xa5model\xa1x\xa6prompt\x07", 30);
+    expect_error(s, KM_CODE_BAD_REQUEST, 6);
+    /* a frame the worker never takes */
+    km_msg m;
+    km_msg_init(&m, KM_MSG_TOKEN);
+    m.tok.id = 8;
+    m.tok.text = "x";
+    send_msg(s, &m);
+    expect_error(s, KM_CODE_BAD_REQUEST, 0);
+    /* oversized: over 1 MiB but under the transport cap */
+    size_t big = (1u << 20) + 100;
+    char *p = calloc(1, big);
+    send_body(s, p, big);
+    free(p);
+    expect_error(s, KM_CODE_TOO_LARGE, 0);
+    /* unknown model */
+    km_msg_init(&m, KM_MSG_REQUEST);
+    m.req.id = 9;
+    m.req.model = "gpt-17";
+    m.req.tokens = toks;
+    m.req.n_tokens = 4;
+    send_msg(s, &m);
+    expect_error(s, KM_CODE_NOT_FOUND, 9);
+    /* a token outside the vocabulary */
+    int32_t bad[2] = {1, 1 << 30};
+    send_req(s, 10, bad, 2, 2);
+    expect_error(s, KM_CODE_BAD_REQUEST, 10);
+    /* the good request completes, unharmed */
+    int n_tok = g_bg_tokens;
+    for (; !g_bg_done;) {
+        cr_assert(recv_msg(s, &m, 30000), "request 77 never completed");
+        cr_assert_neq(m.type, KM_MSG_ERROR, "%s", m.error.message);
+        if (m.type == KM_MSG_TOKEN) n_tok++;
+        bool end = m.type == KM_MSG_DONE;
+        if (end) cr_assert_eq(m.done.completion_tokens, (uint32_t)n_tok);
+        km_msg_clear(&m);
+        if (end) break;
+    }
+    static char text[1 << 16];
+    cr_assert_eq(http_get(w.admin_port, "/metrics", text, sizeof text), 200);
+    cr_assert_eq(metric(text, "kvmesh_worker_bad_frames_total{reason=\"malformed\"}"), 3);
+    cr_assert_eq(metric(text, "kvmesh_worker_bad_frames_total{reason=\"unsupported_version\"}"), 1);
+    cr_assert_eq(metric(text, "kvmesh_worker_bad_frames_total{reason=\"too_large\"}"), 1);
+    cr_assert_eq(metric(text, "kvmesh_worker_bad_frames_total{reason=\"unexpected_type\"}"), 1);
+    cr_assert_eq(http_get(w.admin_port, "/readyz", text, sizeof text), 200);
+    cr_assert_eq(http_get(w.admin_port, "/healthz", text, sizeof text), 200);
+    km_zsock_close(s);
+    kill(w.pid, SIGKILL);
+    stop_worker(&w, 5000);
+    km_zctx_destroy(g_ctx);
+}
+
+/* Encodes admin status with the replay keys of docs/protocol.md section 9. */
+static void send_replay(void *s, uint64_t id, uint64_t since, bool snapshot)
+{
+    msgpack_sbuffer sb;
+    msgpack_sbuffer_init(&sb);
+    msgpack_packer pk;
+    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+    msgpack_pack_map(&pk, 5);
+    msgpack_pack_str_with_body(&pk, "v", 1);
+    msgpack_pack_uint8(&pk, 1);
+    msgpack_pack_str_with_body(&pk, "t", 1);
+    msgpack_pack_str_with_body(&pk, "admin", 5);
+    msgpack_pack_str_with_body(&pk, "id", 2);
+    msgpack_pack_uint64(&pk, id);
+    msgpack_pack_str_with_body(&pk, "cmd", 3);
+    msgpack_pack_str_with_body(&pk, "status", 6);
+    if (snapshot) {
+        msgpack_pack_str_with_body(&pk, "events_snapshot", 15);
+        msgpack_pack_true(&pk);
+    } else {
+        msgpack_pack_str_with_body(&pk, "events_since", 12);
+        msgpack_pack_uint64(&pk, since);
+    }
+    send_body(s, sb.data, sb.size);
+    msgpack_sbuffer_destroy(&sb);
+}
+
+Test(worker, kv_events_are_numbered_and_can_be_replayed_or_snapshotted)
+{
+    if (!have_model()) return;
+    g_ctx = km_zctx_create();
+    wproc w;
+    start_worker(&w, NULL);
+    void *sub = NULL;
+    km_errbuf err = {{0}};
+    cr_assert_eq(km_zsock_open(g_ctx, KM_ZSUB, NULL, &sub, &err), 0);
+    cr_assert_eq(km_zsock_subscribe(sub, "kv.", 3, &err), 0);
+    cr_assert_eq(km_zsock_connect(sub, w.ev, &err), 0);
+    usleep(300000); /* the subscription reaches the PUB */
+    void *s = dealer(w.req);
+    int32_t toks[70];
+    for (int i = 0; i < 70; i++) toks[i] = 500 + i;
+    send_req(s, 1, toks, 70, 3);
+    km_msg m;
+    do {
+        cr_assert(recv_msg(s, &m, 30000));
+        bool end = m.type == KM_MSG_DONE;
+        km_msg_clear(&m);
+        if (end) break;
+    } while (1);
+    /* 70 prompt tokens = 4 full pages stored (+ maybe more from the completion) */
+    uint64_t expect_seq = 1;
+    int hashes = 0;
+    km_zmsg z = {0};
+    while (!km_zrecv(sub, &z, 1000, NULL)) {
+        cr_assert_eq(z.n, 2, "topic + body");
+        cr_assert(!memcmp(z.part[0].data, "kv.", 3));
+        km_msg e;
+        cr_assert_eq(km_msg_decode(z.part[1].data, z.part[1].len, NULL, &e, NULL), 0);
+        cr_assert_eq(e.type, KM_MSG_KV_EVENT);
+        cr_assert_eq(e.kv.seq, expect_seq, "no gap in per-worker event numbers");
+        expect_seq++;
+        if (e.kv.kind == KM_KV_STORED) hashes += (int)e.kv.n_hashes;
+        km_msg_clear(&e);
+    }
+    km_zmsg_clear(&z);
+    cr_assert_geq(hashes, 4);
+    /* replay from 1: the same frames again on the DEALER, then the reply */
+    send_replay(s, 42, 1, false);
+    uint64_t next = expect_seq;
+    int replayed = 0;
+    for (;;) {
+        cr_assert(recv_msg(s, &m, 10000));
+        if (m.type == KM_MSG_KV_EVENT) {
+            cr_assert_eq(m.kv.seq, (uint64_t)replayed + 1);
+            replayed++;
+        }
+        bool end = m.type == KM_MSG_ADMIN_REPLY;
+        if (end) cr_assert(m.admin_reply.ok);
+        km_msg_clear(&m);
+        if (end) break;
+    }
+    cr_assert_eq(replayed, (int)(next - 1));
+    /* a snapshot: every page held, as stored frames */
+    send_replay(s, 43, 0, true);
+    int snap = 0;
+    for (;;) {
+        cr_assert(recv_msg(s, &m, 10000));
+        if (m.type == KM_MSG_KV_EVENT) {
+            cr_assert_eq(m.kv.kind, KM_KV_STORED);
+            snap += (int)m.kv.n_hashes;
+        }
+        bool end = m.type == KM_MSG_ADMIN_REPLY;
+        km_msg_clear(&m);
+        if (end) break;
+    }
+    cr_assert_eq(snap, hashes);
+    km_zsock_close(sub);
+    km_zsock_close(s);
+    kill(w.pid, SIGKILL);
+    stop_worker(&w, 5000);
+    km_zctx_destroy(g_ctx);
+}
+
+Test(worker, admin_commands_evict_convert_and_shut_down)
+{
+    if (!have_model()) return;
+    g_ctx = km_zctx_create();
+    wproc w;
+    start_worker(&w, NULL);
+    void *s = dealer(w.req);
+    int32_t toks[100];
+    for (int i = 0; i < 100; i++) toks[i] = 700 + i * 3;
+    send_req(s, 1, toks, 100, 4);
+    km_msg m;
+    do {
+        cr_assert(recv_msg(s, &m, 30000));
+        bool end = m.type == KM_MSG_DONE;
+        km_msg_clear(&m);
+        if (end) break;
+    } while (1);
+    send_admin(s, 2, KM_ADMIN_STATUS, 0, NULL, 0);
+    cr_assert(recv_msg(s, &m, 10000));
+    cr_assert_eq(m.type, KM_MSG_ADMIN_REPLY);
+    cr_assert_eq(m.admin_reply.state, KM_STATE_READY);
+    cr_assert_str_eq(m.admin_reply.kv_format, "f16");
+    cr_assert_geq(m.admin_reply.kv_pages, 6);
+    km_msg_clear(&m);
+    send_admin(s, 3, KM_ADMIN_SET_KV_FORMAT, 0, "fp8", 0);
+    cr_assert(recv_msg(s, &m, 10000));
+    cr_assert(m.admin_reply.ok);
+    cr_assert_geq(m.admin_reply.converted_pages, 6);
+    cr_assert_str_eq(m.admin_reply.kv_format, "fp8");
+    km_msg_clear(&m);
+    /* serving goes on in fp8, reusing the converted prefix */
+    send_req(s, 4, toks, 100, 4);
+    for (;;) {
+        cr_assert(recv_msg(s, &m, 30000));
+        cr_assert_neq(m.type, KM_MSG_ERROR);
+        bool end = m.type == KM_MSG_DONE;
+        if (end) cr_assert_geq(m.done.cached_tokens, 96);
+        km_msg_clear(&m);
+        if (end) break;
+    }
+    send_admin(s, 5, KM_ADMIN_SET_KV_FORMAT, 0, "f16", 0);
+    cr_assert(recv_msg(s, &m, 10000));
+    cr_assert(m.admin_reply.ok);
+    cr_assert_str_eq(m.admin_reply.kv_format, "f16");
+    km_msg_clear(&m);
+    /* {"v":1,"t":"admin","id":6,"cmd":"set_kv_format","format":"f7"}: the client library
+     * refuses to encode it, so raw bytes */
+    send_body(s,
+              "\x85\xa1v\x01\xa1t\xa5"
+              "admin\xa2id\x06\xa3"
+              "cmd\xadset_kv_format\xa6"
+              "format\xa2"
+              "f7",
+              45);
+    cr_assert(recv_msg(s, &m, 10000));
+    cr_assert(m.type == KM_MSG_ERROR || (m.type == KM_MSG_ADMIN_REPLY && !m.admin_reply.ok),
+              "an unknown format is refused");
+    km_msg_clear(&m);
+    send_admin(s, 7, KM_ADMIN_EVICT, 1.0, NULL, 0);
+    cr_assert(recv_msg(s, &m, 10000));
+    cr_assert(m.admin_reply.ok);
+    cr_assert_geq(m.admin_reply.evicted_pages, 6);
+    km_msg_clear(&m);
+    static char text[1 << 16];
+    cr_assert_eq(http_get(w.admin_port, "/metrics", text, sizeof text), 200);
+    cr_assert_eq(metric(text, "kvmesh_worker_recovery_actions_total{action=\"evict\"}"), 1);
+    cr_assert_eq(metric(text, "kvmesh_worker_recovery_actions_total{action=\"set_kv_format\"}"), 2);
+    m.type = KM_MSG_NONE;
+    km_msg_init(&m, KM_MSG_ADMIN);
+    m.admin.id = 8;
+    m.admin.cmd = KM_ADMIN_SHUTDOWN;
+    m.admin.restart = true;
+    send_msg(s, &m);
+    cr_assert(recv_msg(s, &m, 10000));
+    cr_assert_eq(m.admin_reply.state, KM_STATE_STOPPING);
+    km_msg_clear(&m);
+    cr_assert_eq(stop_worker(&w, 10000), WK_EXIT_RESTART);
+    km_zsock_close(s);
+    km_zctx_destroy(g_ctx);
+}
+
+Test(worker, cancel_and_deadline_end_requests_early)
+{
+    if (!have_model()) return;
+    g_ctx = km_zctx_create();
+    wproc w;
+    start_worker(&w, NULL);
+    void *s = dealer(w.req);
+    int32_t toks[20];
+    for (int i = 0; i < 20; i++) toks[i] = 900 + i;
+    km_msg m;
+    km_msg_init(&m, KM_MSG_REQUEST);
+    m.req.id = 1;
+    m.req.model = "SmolLM2-135M-Instruct";
+    m.req.tokens = toks;
+    m.req.n_tokens = 20;
+    m.req.max_tokens = 4000;
+    m.req.stream = true;
+    send_msg(s, &m);
+    m.req.id = 2;
+    m.req.deadline_ms = 300;
+    m.req.stream = false;
+    send_msg(s, &m);
+    bool canceled = false, expired = false, sent_cancel = false;
+    while (!canceled || !expired) {
+        cr_assert(recv_msg(s, &m, 30000), "canceled=%d expired=%d", canceled, expired);
+        if (m.type == KM_MSG_TOKEN && !sent_cancel) {
+            km_msg c;
+            km_msg_init(&c, KM_MSG_CANCEL);
+            c.cancel.id = 1;
+            send_msg(s, &c);
+            sent_cancel = true;
+        } else if (m.type == KM_MSG_DONE) {
+            if (m.done.id == 1) {
+                cr_assert_eq(m.done.finish, KM_FINISH_CANCELED);
+                canceled = true;
+            } else {
+                cr_assert_eq(m.done.finish, KM_FINISH_DEADLINE);
+                cr_assert_not_null(m.done.text, "non-streaming done carries the text");
+                expired = true;
+            }
+        }
+        km_msg_clear(&m);
+    }
+    km_zsock_close(s);
+    kill(w.pid, SIGKILL);
+    stop_worker(&w, 5000);
+    km_zctx_destroy(g_ctx);
+}
+
+Test(worker, heartbeats_reach_the_controller_and_serving_survives_its_absence)
+{
+    if (!have_model()) return;
+    g_ctx = km_zctx_create();
+    void *ctl = NULL;
+    km_errbuf err = {{0}};
+    cr_assert_eq(km_zsock_open(g_ctx, KM_ZROUTER, NULL, &ctl, &err), 0);
+    cr_assert_eq(km_zsock_bind(ctl, "tcp://127.0.0.1:*", &err), 0);
+    char ep[256];
+    cr_assert_eq(km_zsock_last_endpoint(ctl, ep, sizeof ep, &err), 0);
+    wproc w;
+    const char *extra[] = {"--controller", ep, "--heartbeat", "100ms", "--worker-id", "w-hb", NULL};
+    start_worker(&w, extra);
+    km_zmsg z = {0};
+    uint64_t last = 0;
+    for (int i = 0; i < 3; i++) {
+        cr_assert_eq(km_zrecv(ctl, &z, 5000, NULL), 0, "no heartbeat");
+        cr_assert_eq(z.n, 2);
+        cr_assert(z.part[0].len == 4 && !memcmp(z.part[0].data, "w-hb", 4), "routing id");
+        km_msg m;
+        cr_assert_eq(km_msg_decode(z.part[1].data, z.part[1].len, NULL, &m, &err), 0, "%s",
+                     err.msg);
+        cr_assert_eq(m.type, KM_MSG_HEARTBEAT);
+        cr_assert_str_eq(m.hb.worker, "w-hb");
+        cr_assert_gt(m.hb.seq, last);
+        last = m.hb.seq;
+        cr_assert_eq(m.hb.state, KM_STATE_READY);
+        cr_assert_geq(m.hb.n_endpoints, 3);
+        cr_assert_eq(strlen(m.hb.fingerprint), 32);
+        cr_assert_geq(m.hb.n_kv, 1);
+        cr_assert_eq(m.hb.n_latency, 3);
+        cr_assert_gt(m.hb.rss_bytes, 0);
+        km_msg_clear(&m);
+    }
+    km_zmsg_clear(&z);
+    /* the controller goes away: requests are still served */
+    km_zsock_close(ctl);
+    void *s = dealer(w.req);
+    int32_t toks[12];
+    for (int i = 0; i < 12; i++) toks[i] = 1000 + i;
+    usleep(300000);
+    send_req(s, 1, toks, 12, 3);
+    km_msg m;
+    for (;;) {
+        cr_assert(recv_msg(s, &m, 30000), "request not served without a controller");
+        bool end = m.type == KM_MSG_DONE;
+        cr_assert_neq(m.type, KM_MSG_ERROR);
+        km_msg_clear(&m);
+        if (end) break;
+    }
+    km_zsock_close(s);
+    kill(w.pid, SIGKILL);
+    stop_worker(&w, 5000);
+    km_zctx_destroy(g_ctx);
+}

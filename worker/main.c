@@ -1,0 +1,179 @@
+/*
+ * main.c — kvmesh-worker: one model replica serving requests over ZeroMQ (docs/operations.md).
+ *
+ * Parses the options (flags, KVMESH_* environment twins, --config file), loads the model,
+ * creates the engine and the service, installs the signal handlers (SIGTERM and SIGINT drain,
+ * a second one stops at once) and runs the service loop on this thread. The exit status is 0
+ * after a plain shutdown, WK_EXIT_RESTART (75) after a drain or a shutdown that asks for a
+ * restart, 1 when the worker could not start, 2 on bad options.
+ */
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "worker/worker.h"
+
+static wk_service *g_svc; /* for the signal handler only */
+
+static void wk_on_signal(int signo)
+{
+    if (g_svc) wk_service_signal(g_svc, signo);
+}
+
+typedef struct wk_args {
+    const char *model, *listen, *events, *controller, *admin_host, *worker_id, *kv_format;
+    const char *alias, *ports_file, *log_level, *log_format;
+    int64_t threads, admin_port, page_tokens, max_batch, prefill_chunk, max_running, max_queue;
+    int64_t max_ctx, default_max_tokens, heartbeat_ms, drain_ms, event_replay, cluster_seed;
+    uint64_t kv_bytes, max_frame;
+} wk_args;
+
+int main(int argc, char **argv)
+{
+    wk_args a = {0};
+    const km_opt opts[] = {
+        {"model", NULL, KM_OPT_STR, NULL, "GGUF model (default: $KVMESH_MODEL or the SmolLM2 file)",
+         &a.model, 0, 0},
+        {"threads", NULL, KM_OPT_INT, "0", "engine threads; 0 = all cores", &a.threads, 0, 1024},
+        {"listen", NULL, KM_OPT_STR, "tcp://127.0.0.1:7100",
+         "requests/admin ROUTER endpoint (tcp://HOST:* picks a free port)", &a.listen, 0, 0},
+        {"events", NULL, KM_OPT_STR, "tcp://127.0.0.1:7101", "KV events PUB endpoint; empty = none",
+         &a.events, 0, 0},
+        {"controller", NULL, KM_OPT_STR, NULL, "controller endpoint for heartbeats; unset = none",
+         &a.controller, 0, 0},
+        {"admin-host", NULL, KM_OPT_STR, "127.0.0.1", "admin HTTP host", &a.admin_host, 0, 0},
+        {"admin-port", NULL, KM_OPT_INT, "9100", "admin HTTP port; 0 = ephemeral, -1 = off",
+         &a.admin_port, -1, 65535},
+        {"worker-id", NULL, KM_OPT_STR, NULL, "worker id; unset = worker-<pid>", &a.worker_id, 0,
+         0},
+        {"model-alias", NULL, KM_OPT_STR, NULL, "another model name requests may use", &a.alias, 0,
+         0},
+        {"kv-bytes", NULL, KM_OPT_SIZE, "0", "hot-tier KV budget; 0 = the engine default",
+         &a.kv_bytes, 0, 0},
+        {"kv-format", NULL, KM_OPT_STR, "f16", "KV page format: f16, bf16, fp8, int8, int4",
+         &a.kv_format, 0, 0},
+        {"page-tokens", NULL, KM_OPT_INT, "16", "tokens per KV page (power of two)", &a.page_tokens,
+         1, 4096},
+        {"max-batch-tokens", NULL, KM_OPT_INT, "512", "tokens per engine step", &a.max_batch, 1,
+         65536},
+        {"prefill-chunk", NULL, KM_OPT_INT, "256", "most prompt tokens of one sequence per step",
+         &a.prefill_chunk, 1, 65536},
+        {"max-running", NULL, KM_OPT_INT, "64", "sequences decoded together", &a.max_running, 1,
+         4096},
+        {"max-queue", NULL, KM_OPT_INT, "1024", "requests waiting for a slot", &a.max_queue, 1,
+         1 << 20},
+        {"max-ctx", NULL, KM_OPT_INT, "4096", "prompt + completion tokens per request", &a.max_ctx,
+         2, 1 << 20},
+        {"default-max-tokens", NULL, KM_OPT_INT, "256", "completion length when a request says 0",
+         &a.default_max_tokens, 1, 1 << 20},
+        {"heartbeat", NULL, KM_OPT_DURATION, "1s", "heartbeat interval", &a.heartbeat_ms, 10,
+         3600000},
+        {"drain-timeout", NULL, KM_OPT_DURATION, "30s",
+         "grace before in-flight requests are handed back on drain", &a.drain_ms, 1, 86400000},
+        {"event-replay", NULL, KM_OPT_INT, "65536", "KV events kept for replay", &a.event_replay,
+         16, 1 << 24},
+        {"cluster-seed", NULL, KM_OPT_INT, "0", "page-hash seed shared by the cluster",
+         &a.cluster_seed, 0, 0},
+        {"max-frame", NULL, KM_OPT_SIZE, "1M", "largest frame accepted", &a.max_frame, 0, 0},
+        {"ports-file", NULL, KM_OPT_STR, NULL, "write the bound endpoints here once ready",
+         &a.ports_file, 0, 0},
+        {"log-level", NULL, KM_OPT_STR, "info", "debug, info, warn, error", &a.log_level, 0, 0},
+        {"log-format", NULL, KM_OPT_STR, "text", "text or json", &a.log_format, 0, 0},
+    };
+    km_errbuf err = {{0}};
+    km_config *cfg = NULL;
+    if (km_config_create("kvmesh-worker", "serve one model replica over ZeroMQ (kvmesh)", opts,
+                         sizeof opts / sizeof opts[0], &cfg, &err) ||
+        km_config_parse(cfg, argc, argv, NULL, &err)) {
+        fprintf(stderr, "kvmesh-worker: %s\n", err.msg);
+        km_config_destroy(cfg);
+        return 2;
+    }
+    if (km_config_help_requested(cfg)) {
+        km_buf h = {0};
+        km_config_help(cfg, &h);
+        fwrite(h.data, 1, h.len, stdout);
+        km_buf_free(&h);
+        km_config_destroy(cfg);
+        return 0;
+    }
+    km_log_level lvl;
+    if (km_log_parse_level(a.log_level, &lvl) || km_log_set_format(a.log_format)) {
+        fprintf(stderr, "kvmesh-worker: bad --log-level or --log-format\n");
+        km_config_destroy(cfg);
+        return 2;
+    }
+    km_log_set_level(lvl);
+    kv_format fmt;
+    if (kv_format_parse(a.kv_format, &fmt)) {
+        fprintf(stderr, "kvmesh-worker: unknown --kv-format %s\n", a.kv_format);
+        km_config_destroy(cfg);
+        return 2;
+    }
+
+    int status = 1;
+    wk_model *m = NULL;
+    wk_engine *e = NULL;
+    const char *path = a.model ? a.model : wk_default_model_path();
+    if (wk_model_load(path, &m, &err)) {
+        KM_ERROR("model_load", "path=%s msg=\"%s\"", path, err.msg);
+        goto out;
+    }
+    wk_engine_opts eo = {.n_threads = (int)a.threads,
+                         .max_batch_tokens = (int)a.max_batch,
+                         .kv_bytes = (size_t)a.kv_bytes,
+                         .kv_format = fmt,
+                         .page_tokens = (int)a.page_tokens};
+    if (wk_engine_create(m, &eo, &e, &err)) {
+        KM_ERROR("engine_create", "msg=\"%s\"", err.msg);
+        goto out;
+    }
+    wk_service_opts so = {
+        .worker_id = a.worker_id,
+        .listen = a.listen,
+        .events = a.events,
+        .controller = a.controller,
+        .admin_host = a.admin_host,
+        .admin_port = (int)a.admin_port,
+        .model_alias = a.alias,
+        .ports_file = a.ports_file,
+        .heartbeat_ms = (int)a.heartbeat_ms,
+        .drain_timeout_ms = (int)a.drain_ms,
+        .event_replay = (int)a.event_replay,
+        .max_frame = (int)(a.max_frame > (1u << 30) ? (1u << 30) : a.max_frame),
+        .sched = {.max_running = (int)a.max_running,
+                  .max_queue = (int)a.max_queue,
+                  .max_batch_tokens = (int)a.max_batch,
+                  .prefill_chunk = (int)a.prefill_chunk,
+                  .max_ctx = (int)a.max_ctx,
+                  .default_max_tokens = (int)a.default_max_tokens,
+                  .cluster_seed = (uint64_t)a.cluster_seed},
+    };
+    if (wk_service_create(m, e, &so, &g_svc, &err)) {
+        KM_ERROR("service_create", "msg=\"%s\"", err.msg);
+        goto out;
+    }
+    KM_INFO("worker_start", "model=%s threads=%d isa=%s kv_format=%s kv_pages=%d", path,
+            wk_engine_threads(e), wk_engine_isa(e), kv_format_name(fmt),
+            kv_store_pages_total(wk_engine_kv(e)));
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = wk_on_signal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    status = wk_service_run(g_svc);
+    KM_INFO("worker_exit", "status=%d", status);
+out:
+    if (g_svc) {
+        wk_service *s = g_svc;
+        g_svc = NULL;
+        wk_service_destroy(s);
+    }
+    wk_engine_destroy(e);
+    wk_model_free(m);
+    km_config_destroy(cfg);
+    return status;
+}

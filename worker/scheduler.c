@@ -1,0 +1,511 @@
+/*
+ * scheduler.c — iteration-level continuous batching over one engine (wk_sched_*, worker.h).
+ *
+ * Each wk_sched_step is one engine forward pass. The batch is built fresh every step: first one
+ * decode token for every running sequence that is generating, then prefill chunks of the
+ * sequences still reading their prompt, oldest admission first, until the step's token budget
+ * is spent. So a long prompt never stalls the decodes of the others (chunked prefill), and a new
+ * request joins the very next step (continuous batching).
+ *
+ * Why these choices:
+ *  - Admission asks kvshard for the longest verified cached prefix (kv_seq_attach) and only the
+ *    rest is prefilled; the last prompt token is always computed, since its logits are needed.
+ *  - Out of pages (KM_ENOSPC from the engine, nothing computed) preempts the lowest-priority,
+ *    most recently admitted sequence (vLLM's recompute policy): its full pages are published
+ *    first, so they stay in the store as cached pages (demoted to a lower tier by the store when
+ *    it needs the room) and the requeued sequence usually re-attaches most of them instead of
+ *    recomputing. Until a sequence finishes, no new request is admitted after a preemption, so
+ *    the scheduler does not thrash. A sequence that cannot fit even alone fails with 413.
+ *  - Waiting requests are ordered by priority plus an aging credit per second waited, so a low
+ *    priority request is eventually admitted however many high priority ones arrive.
+ *  - Every per-step buffer is sized at create; requests allocate only at submit and admission.
+ *  - Outputs do not depend on batch composition: the engine's forward is batch-invariant and
+ *    each sequence has its own sampler.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "worker/worker.h"
+
+typedef struct wk_rq {
+    uint64_t rid;
+    void *user;
+    int32_t *tokens; /* prompt, then the completion; capacity n_prompt + max_gen */
+    int n_tok, n_prompt, n_done, n_gen, max_gen;
+    km_pagehash *hashes; /* chain of the full pages among tokens */
+    int n_hashed;
+    km_pagehash seed;
+    kv_seq *seq; /* NULL while queued */
+    wk_sampler *smp;
+    int priority, ignore_eos, canceled, admitted, preemptions, cached_tokens;
+    uint64_t arrival_ns, deadline_ns, admit_ns, first_ns;
+} wk_rq;
+
+/* One sequence's part of the current batch. */
+typedef struct wk_part {
+    wk_rq *rq;
+    int n;    /* tokens of this step */
+    int want; /* the last of them produces logits */
+} wk_part;
+
+struct wk_sched {
+    wk_engine *e;
+    const wk_model *m;
+    kv_store *kv;
+    const km_tokenizer *tok;
+    wk_sched_opts o;
+    wk_sched_cb cb;
+    int n_vocab, pt;
+    char fp[33];
+    wk_rq **run, **queue;
+    int n_run, n_queue, queue_cap;
+    int admit_blocked; /* set by a preemption, cleared when a sequence ends */
+    uint64_t next_rid;
+    /* per-step buffers, max_batch_tokens each */
+    int32_t *b_tok, *b_pos;
+    kv_seq **b_seq;
+    uint8_t *b_want;
+    wk_part *parts;
+    wk_sched_stats st;
+};
+
+int wk_sched_create(wk_engine *e, const wk_model *m, const wk_sched_opts *o, const wk_sched_cb *cb,
+                    wk_sched **out, km_errbuf *err)
+{
+    *out = NULL;
+    if (!e || !m || !cb)
+        return km_errf(err, KM_EINVAL, "sched: engine, model and callbacks needed");
+    wk_sched *s = calloc(1, sizeof *s);
+    if (!s) return km_errf(err, KM_ENOMEM, "sched: out of memory");
+    s->e = e;
+    s->m = m;
+    s->kv = wk_engine_kv(e);
+    s->tok = wk_model_tokenizer(m);
+    s->cb = *cb;
+    s->o = o ? *o : (wk_sched_opts){0};
+    if (s->o.max_running <= 0) s->o.max_running = 64;
+    if (s->o.max_queue <= 0) s->o.max_queue = 1024;
+    if (s->o.max_batch_tokens <= 0) s->o.max_batch_tokens = 512;
+    if (s->o.prefill_chunk <= 0 || s->o.prefill_chunk > s->o.max_batch_tokens)
+        s->o.prefill_chunk = s->o.max_batch_tokens;
+    if (s->o.max_ctx <= 0) s->o.max_ctx = 4096;
+    if (s->o.default_max_tokens <= 0) s->o.default_max_tokens = 256;
+    if (s->o.aging_per_s <= 0) s->o.aging_per_s = 20;
+    s->n_vocab = wk_model_hparams(m)->n_vocab;
+    s->pt = kv_store_page_tokens(s->kv);
+    wk_model_fingerprint_hex(m, s->fp);
+    s->next_rid = 1;
+    /* Preempted sequences go back to the queue, so it holds room for every running one too. */
+    s->queue_cap = s->o.max_queue + s->o.max_running;
+    int T = s->o.max_batch_tokens;
+    s->run = calloc(s->o.max_running, sizeof *s->run);
+    s->queue = calloc(s->queue_cap, sizeof *s->queue);
+    s->b_tok = calloc(T, sizeof *s->b_tok);
+    s->b_pos = calloc(T, sizeof *s->b_pos);
+    s->b_seq = calloc(T, sizeof *s->b_seq);
+    s->b_want = calloc(T, sizeof *s->b_want);
+    s->parts = calloc(T, sizeof *s->parts);
+    if (!s->run || !s->queue || !s->b_tok || !s->b_pos || !s->b_seq || !s->b_want || !s->parts) {
+        wk_sched_destroy(s);
+        return km_errf(err, KM_ENOMEM, "sched: out of memory");
+    }
+    *out = s;
+    return 0;
+}
+
+static void wk_rq_free(wk_sched *s, wk_rq *r)
+{
+    if (!r) return;
+    if (r->seq) kv_seq_destroy(s->kv, r->seq);
+    wk_sampler_destroy(r->smp);
+    free(r->tokens);
+    free(r->hashes);
+    free(r);
+}
+
+void wk_sched_destroy(wk_sched *s)
+{
+    if (!s) return;
+    for (int i = 0; i < s->n_run; i++) wk_rq_free(s, s->run[i]);
+    for (int i = 0; i < s->n_queue; i++) wk_rq_free(s, s->queue[i]);
+    free(s->run);
+    free(s->queue);
+    free(s->b_tok);
+    free(s->b_pos);
+    free(s->b_seq);
+    free(s->b_want);
+    free(s->parts);
+    free(s);
+}
+
+/* Extends the page-hash chain over every full page of tokens[0, n_tok). */
+static void wk_rq_hash(wk_sched *s, wk_rq *r)
+{
+    while ((r->n_hashed + 1) * s->pt <= r->n_tok) {
+        km_pagehash prev = r->n_hashed ? r->hashes[r->n_hashed - 1] : r->seed;
+        r->hashes[r->n_hashed] = km_pagehash_next(prev, r->tokens + r->n_hashed * s->pt, s->pt);
+        r->n_hashed++;
+    }
+}
+
+/* Publishes the full pages whose KV is computed, so later requests (and this one after a
+ * preemption) can reuse them. */
+static void wk_rq_publish(wk_sched *s, wk_rq *r)
+{
+    if (!r->seq || r->n_done < s->pt) return;
+    int n = r->n_done;
+    if (n / s->pt > r->n_hashed) n = r->n_hashed * s->pt;
+    kv_seq_publish(s->kv, r->seq, r->hashes, r->tokens, n);
+}
+
+int wk_sched_submit(wk_sched *s, const wk_sched_req *q, uint64_t *rid)
+{
+    if (!q || !q->tokens || q->n_tokens < 1) return KM_EINVAL;
+    if (s->n_queue >= s->o.max_queue) return KM_EOVERLOAD;
+    if (q->n_tokens >= s->o.max_ctx) return KM_ERANGE;
+    for (int i = 0; i < q->n_tokens; i++)
+        if (q->tokens[i] < 0 || q->tokens[i] >= s->n_vocab) return KM_EINVAL;
+    int max_gen = q->max_tokens > 0 ? q->max_tokens : s->o.default_max_tokens;
+    if (max_gen > s->o.max_ctx - q->n_tokens) max_gen = s->o.max_ctx - q->n_tokens;
+    wk_rq *r = calloc(1, sizeof *r);
+    if (!r) return KM_ENOMEM;
+    int cap = q->n_tokens + max_gen;
+    r->tokens = malloc(sizeof *r->tokens * cap);
+    r->hashes = malloc(sizeof *r->hashes * (cap / s->pt + 1));
+    int rc = r->tokens && r->hashes ? 0 : KM_ENOMEM;
+    if (!rc) rc = wk_sampler_create(&q->sample, s->n_vocab, &r->smp);
+    if (rc) {
+        wk_rq_free(s, r);
+        return rc;
+    }
+    memcpy(r->tokens, q->tokens, sizeof *r->tokens * q->n_tokens);
+    r->n_tok = r->n_prompt = q->n_tokens;
+    r->max_gen = max_gen;
+    for (int i = 0; i < q->n_tokens; i++) wk_sampler_accept(r->smp, q->tokens[i]);
+    r->seed = km_pagehash_seed(s->fp, strlen(s->fp), s->o.cluster_seed, q->cache_salt,
+                               q->cache_salt ? q->cache_salt_len : 0);
+    wk_rq_hash(s, r);
+    r->rid = s->next_rid++;
+    r->user = q->user;
+    r->priority = q->priority;
+    r->ignore_eos = q->ignore_eos;
+    r->deadline_ns = q->deadline_ns;
+    r->arrival_ns = q->arrival_ns ? q->arrival_ns : km_now_ns();
+    s->queue[s->n_queue++] = r;
+    if (rid) *rid = r->rid;
+    return 0;
+}
+
+int wk_sched_cancel(wk_sched *s, uint64_t rid)
+{
+    for (int i = 0; i < s->n_run; i++)
+        if (s->run[i]->rid == rid) return s->run[i]->canceled = 1, 0;
+    for (int i = 0; i < s->n_queue; i++)
+        if (s->queue[i]->rid == rid) return s->queue[i]->canceled = 1, 0;
+    return KM_ENOTFOUND;
+}
+
+int wk_sched_pending(const wk_sched *s)
+{
+    return s->n_run + s->n_queue;
+}
+
+void wk_sched_stats_get(const wk_sched *s, wk_sched_stats *out)
+{
+    *out = s->st;
+    out->running = s->n_run;
+    out->queued = s->n_queue;
+}
+
+static double wk_ms(uint64_t from, uint64_t to)
+{
+    return to > from ? (to - from) / 1e6 : 0.0;
+}
+
+static void wk_rq_usage(const wk_rq *r, uint64_t now, wk_sched_usage *u)
+{
+    *u = (wk_sched_usage){
+        .prompt_tokens = r->n_prompt,
+        .cached_tokens = r->cached_tokens,
+        .completion_tokens = r->n_gen,
+        .preemptions = r->preemptions,
+        .queue_ms = r->admitted ? wk_ms(r->arrival_ns, r->admit_ns) : wk_ms(r->arrival_ns, now),
+        .ttft_ms = r->first_ns ? wk_ms(r->arrival_ns, r->first_ns) : 0.0,
+        .total_ms = wk_ms(r->arrival_ns, now),
+    };
+}
+
+/* Removes element i keeping the order (run order is admission order). */
+static void wk_remove_at(wk_rq **a, int *n, int i)
+{
+    memmove(a + i, a + i + 1, sizeof *a * (*n - i - 1));
+    (*n)--;
+}
+
+/* Ends a request: publish its pages, release its KV, report, free. code 0: done with finish. */
+static void wk_rq_end(wk_sched *s, wk_rq *r, km_finish finish, int code, const char *msg)
+{
+    uint64_t now = km_now_ns();
+    wk_sched_usage u;
+    wk_rq_usage(r, now, &u);
+    wk_rq_publish(s, r);
+    if (r->seq) {
+        kv_seq_destroy(s->kv, r->seq);
+        r->seq = NULL;
+    }
+    s->admit_blocked = 0;
+    if (code) {
+        s->st.failed++;
+        if (s->cb.on_error) s->cb.on_error(s->cb.ctx, r->user, code, msg, &u);
+    } else {
+        if (finish == KM_FINISH_CANCELED)
+            s->st.canceled++;
+        else if (finish == KM_FINISH_DEADLINE)
+            s->st.deadline++;
+        else
+            s->st.completed++;
+        if (s->cb.on_done) s->cb.on_done(s->cb.ctx, r->user, finish, &u);
+    }
+    wk_rq_free(s, r);
+}
+
+void wk_sched_abort_all(wk_sched *s, int code, const char *message)
+{
+    while (s->n_run) {
+        wk_rq *r = s->run[s->n_run - 1];
+        s->n_run--;
+        wk_rq_end(s, r, KM_FINISH_STOP, code, message);
+    }
+    while (s->n_queue) {
+        wk_rq *r = s->queue[s->n_queue - 1];
+        s->n_queue--;
+        wk_rq_end(s, r, KM_FINISH_STOP, code, message);
+    }
+}
+
+/* Gives a queued request a sequence and its longest cached prefix. */
+static int wk_rq_admit(wk_sched *s, wk_rq *r, uint64_t now)
+{
+    int rc = kv_seq_create(s->kv, &r->seq);
+    if (rc) return rc;
+    /* The last token is always computed: its logits pick the next one. */
+    int max_pages = (r->n_tok - 1) / s->pt;
+    if (max_pages > r->n_hashed) max_pages = r->n_hashed;
+    int got = max_pages ? kv_seq_attach(s->kv, r->seq, r->hashes, r->tokens, max_pages) : 0;
+    if (got < 0) {
+        kv_seq_destroy(s->kv, r->seq);
+        r->seq = NULL;
+        return got;
+    }
+    r->n_done = got * s->pt;
+    if (!r->admitted) {
+        r->admitted = 1;
+        r->admit_ns = now;
+        r->cached_tokens = r->n_done < r->n_prompt ? r->n_done : r->n_prompt;
+        s->st.prompt_tokens += r->n_prompt;
+        s->st.cached_tokens += r->cached_tokens;
+    } else {
+        s->st.recomputed_tokens += r->n_tok - 1 - r->n_done;
+    }
+    return 0;
+}
+
+/* Sends a running sequence back to the queue; its published pages stay cached. */
+static void wk_rq_preempt(wk_sched *s, int i)
+{
+    wk_rq *r = s->run[i];
+    wk_rq_publish(s, r);
+    kv_seq_destroy(s->kv, r->seq);
+    r->seq = NULL;
+    r->n_done = 0;
+    r->preemptions++;
+    s->st.preemptions++;
+    wk_remove_at(s->run, &s->n_run, i);
+    s->queue[s->n_queue++] = r;
+    s->admit_blocked = 1;
+    KM_INFO("sched_preempt", "rid=%llu tokens=%d priority=%d running=%d",
+            (unsigned long long)r->rid, r->n_tok, r->priority, s->n_run);
+}
+
+/* Expired and canceled requests end before anything else happens in a step. */
+static void wk_sched_expire(wk_sched *s, uint64_t now)
+{
+    for (int i = 0; i < s->n_queue;) {
+        wk_rq *r = s->queue[i];
+        if (r->canceled || (r->deadline_ns && now >= r->deadline_ns)) {
+            wk_remove_at(s->queue, &s->n_queue, i);
+            wk_rq_end(s, r, r->canceled ? KM_FINISH_CANCELED : KM_FINISH_DEADLINE, 0, NULL);
+        } else {
+            i++;
+        }
+    }
+    for (int i = 0; i < s->n_run;) {
+        wk_rq *r = s->run[i];
+        if (r->canceled || (r->deadline_ns && now >= r->deadline_ns)) {
+            wk_remove_at(s->run, &s->n_run, i);
+            wk_rq_end(s, r, r->canceled ? KM_FINISH_CANCELED : KM_FINISH_DEADLINE, 0, NULL);
+        } else {
+            i++;
+        }
+    }
+}
+
+/* Pages the running sequences hold or are about to (their tokens so far, plus one). */
+static int wk_sched_pages_held(const wk_sched *s)
+{
+    int n = 0;
+    for (int i = 0; i < s->n_run; i++) n += (s->run[i]->n_tok + 1 + s->pt - 1) / s->pt;
+    return n;
+}
+
+static void wk_sched_admit(wk_sched *s, uint64_t now)
+{
+    while (s->n_queue && s->n_run < s->o.max_running && (!s->admit_blocked || !s->n_run)) {
+        int best = 0;
+        double best_score = 0;
+        for (int i = 0; i < s->n_queue; i++) {
+            const wk_rq *r = s->queue[i];
+            double waited = now > r->arrival_ns ? (now - r->arrival_ns) / 1e9 : 0;
+            double score = r->priority + s->o.aging_per_s * waited;
+            if (i == 0 || score > best_score ||
+                (score == best_score && r->arrival_ns < s->queue[best]->arrival_ns)) {
+                best = i;
+                best_score = score;
+            }
+        }
+        wk_rq *r = s->queue[best];
+        /* Admit only what the hot tier can hold next to the running sequences' pages (cached
+         * pages nobody uses do not count: the store evicts them on demand). Decode growth can
+         * still overflow it; that is what preemption is for. */
+        int need = (r->n_tok + 1 + s->pt - 1) / s->pt;
+        if (s->n_run && wk_sched_pages_held(s) + need > kv_store_pages_total(s->kv)) return;
+        int rc = wk_rq_admit(s, r, now);
+        if (rc == KM_ENOSPC && s->n_run) return; /* room comes back as sequences end */
+        wk_remove_at(s->queue, &s->n_queue, best);
+        if (rc) {
+            wk_rq_end(s, r, KM_FINISH_STOP, km_proto_code_from_err(rc),
+                      rc == KM_ENOSPC ? "prompt does not fit in the KV cache"
+                                      : "cannot admit the request");
+            continue;
+        }
+        s->admit_blocked = 0;
+        s->run[s->n_run++] = r;
+    }
+}
+
+/* Fills the batch: decodes first, then prefill chunks in admission order. */
+static int wk_sched_build(wk_sched *s, int *n_parts)
+{
+    int n = 0, np = 0, budget = s->o.max_batch_tokens;
+    for (int pass = 0; pass < 2; pass++) {
+        for (int i = 0; i < s->n_run && n < budget; i++) {
+            wk_rq *r = s->run[i];
+            int left = r->n_tok - r->n_done;
+            if (left <= 0 || (pass == 0) != (left == 1)) continue;
+            int take = left;
+            if (take > s->o.prefill_chunk) take = s->o.prefill_chunk;
+            if (take > budget - n) take = budget - n;
+            for (int j = 0; j < take; j++) {
+                int p = r->n_done + j;
+                s->b_tok[n + j] = r->tokens[p];
+                s->b_pos[n + j] = p;
+                s->b_seq[n + j] = r->seq;
+                s->b_want[n + j] = p == r->n_tok - 1;
+            }
+            s->parts[np++] = (wk_part){.rq = r, .n = take, .want = r->n_done + take == r->n_tok};
+            n += take;
+        }
+    }
+    *n_parts = np;
+    return n;
+}
+
+/* The victim of a preemption: lowest priority, then the most recently admitted. */
+static int wk_sched_victim(const wk_sched *s)
+{
+    int v = s->n_run - 1;
+    for (int i = s->n_run - 1; i >= 0; i--)
+        if (s->run[i]->priority < s->run[v]->priority) v = i;
+    return v;
+}
+
+static int wk_index_of(wk_rq **a, int n, const wk_rq *r)
+{
+    for (int i = 0; i < n; i++)
+        if (a[i] == r) return i;
+    return -1;
+}
+
+/* One sampled token: record it, report it, and decide whether the request is over. */
+static void wk_rq_take_token(wk_sched *s, wk_rq *r, int32_t t, uint64_t now)
+{
+    if (!r->first_ns) r->first_ns = now;
+    int idx = wk_index_of(s->run, s->n_run, r);
+    if (!r->ignore_eos && km_tok_is_eog(s->tok, t)) {
+        wk_remove_at(s->run, &s->n_run, idx);
+        wk_rq_end(s, r, KM_FINISH_STOP, 0, NULL);
+        return;
+    }
+    r->tokens[r->n_tok++] = t;
+    r->n_gen++;
+    wk_sampler_accept(r->smp, t);
+    wk_rq_hash(s, r);
+    int stop = s->cb.on_token ? s->cb.on_token(s->cb.ctx, r->user, r->n_gen - 1, t) : 0;
+    if (stop || r->n_gen >= r->max_gen) {
+        wk_remove_at(s->run, &s->n_run, idx);
+        wk_rq_end(s, r, stop ? KM_FINISH_STOP : KM_FINISH_LENGTH, 0, NULL);
+    }
+}
+
+int wk_sched_step(wk_sched *s)
+{
+    uint64_t now = km_now_ns();
+    wk_sched_expire(s, now);
+    wk_sched_admit(s, now);
+
+    int n, np;
+    const float *logits = NULL;
+    for (;;) {
+        n = wk_sched_build(s, &np);
+        if (!n) return 0;
+        wk_batch b = {.n_tokens = n,
+                      .tokens = s->b_tok,
+                      .pos = s->b_pos,
+                      .seqs = s->b_seq,
+                      .logits = s->b_want};
+        int rc = wk_engine_step(s->e, &b, &logits);
+        if (rc >= 0) break;
+        if (rc == KM_ENOSPC && s->n_run > 1) {
+            wk_rq_preempt(s, wk_sched_victim(s));
+            continue;
+        }
+        /* A lone sequence that does not fit, or an engine failure: end what was in the batch. */
+        s->st.engine_errors += rc != KM_ENOSPC;
+        for (int i = 0; i < np; i++) {
+            wk_rq *r = s->parts[i].rq;
+            wk_remove_at(s->run, &s->n_run, wk_index_of(s->run, s->n_run, r));
+            wk_rq_end(s, r, KM_FINISH_STOP, km_proto_code_from_err(rc),
+                      rc == KM_ENOSPC ? "sequence does not fit in the KV cache"
+                                      : "engine step failed");
+        }
+        return rc == KM_ENOSPC ? 0 : rc;
+    }
+    s->st.steps++;
+    now = km_now_ns();
+    int row = 0;
+    for (int i = 0; i < np; i++) {
+        wk_part *p = &s->parts[i];
+        wk_rq *r = p->rq;
+        int before = r->n_done / s->pt;
+        r->n_done += p->n;
+        if (p->n == 1 && r->n_gen > 0)
+            s->st.decode_tokens++;
+        else
+            s->st.prefill_tokens += p->n;
+        if (r->n_done / s->pt > before) wk_rq_publish(s, r);
+        if (!p->want) continue;
+        const float *row_logits = logits + (size_t)row++ * s->n_vocab;
+        wk_rq_take_token(s, r, wk_sampler_sample(r->smp, row_logits), now);
+    }
+    return n;
+}
