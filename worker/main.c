@@ -23,10 +23,10 @@ static void wk_on_signal(int signo)
 
 typedef struct wk_args {
     const char *model, *listen, *events, *controller, *admin_host, *worker_id, *kv_format;
-    const char *alias, *ports_file, *log_level, *log_format;
+    const char *alias, *ports_file, *log_level, *log_format, *kv_disk_dir;
     int64_t threads, admin_port, page_tokens, max_batch, prefill_chunk, max_running, max_queue;
     int64_t max_ctx, default_max_tokens, heartbeat_ms, drain_ms, event_replay, cluster_seed;
-    uint64_t kv_bytes, max_frame;
+    uint64_t kv_bytes, max_frame, kv_host_bytes, kv_disk_bytes;
 } wk_args;
 
 int main(int argc, char **argv)
@@ -51,6 +51,13 @@ int main(int argc, char **argv)
          0},
         {"kv-bytes", NULL, KM_OPT_SIZE, "0", "hot-tier KV budget; 0 = the engine default",
          &a.kv_bytes, 0, 0},
+        {"kv-host-bytes", NULL, KM_OPT_SIZE, "0", "host-RAM KV tier budget; 0 = no host tier",
+         &a.kv_host_bytes, 0, 0},
+        {"kv-disk-dir", NULL, KM_OPT_STR, NULL,
+         "disk KV tier directory (pages survive restarts); unset = no disk tier", &a.kv_disk_dir,
+         0, 0},
+        {"kv-disk-bytes", NULL, KM_OPT_SIZE, "0", "disk KV tier budget; 0 = 1G when a dir is set",
+         &a.kv_disk_bytes, 0, 0},
         {"kv-format", NULL, KM_OPT_STR, "f16", "KV page format: f16, bf16, fp8, int8, int4",
          &a.kv_format, 0, 0},
         {"page-tokens", NULL, KM_OPT_INT, "16", "tokens per KV page (power of two)", &a.page_tokens,
@@ -124,7 +131,10 @@ int main(int argc, char **argv)
                          .max_batch_tokens = (int)a.max_batch,
                          .kv_bytes = (size_t)a.kv_bytes,
                          .kv_format = fmt,
-                         .page_tokens = (int)a.page_tokens};
+                         .page_tokens = (int)a.page_tokens,
+                         .kv_host_bytes = (size_t)a.kv_host_bytes,
+                         .kv_disk_dir = a.kv_disk_dir,
+                         .kv_disk_bytes = (size_t)a.kv_disk_bytes};
     if (wk_engine_create(m, &eo, &e, &err)) {
         KM_ERROR("engine_create", "msg=\"%s\"", err.msg);
         goto out;
