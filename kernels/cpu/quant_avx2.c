@@ -13,7 +13,8 @@
  *   Q8_0            s8 x s8 through ggml's sign trick: |w| (u8) x sign(x, w), widened per step
  * Integer block sums are exact; offsets (-8, -32) are integer corrections from the activation
  * sums, as in quant_avx512.c. The panel for a k-chunk is built once into a stack buffer (about
- * 40 KB of stack in all) and swept by every column tile.
+ * 40 KB of stack in all) and swept by every column tile; scales come by vpgatherdd, and the next
+ * panel of a 32-element-block type is prefetched while this one is built.
  *
  * Float weights use direct 4 x 2 register tiles reduced at the end. Activation quantization is
  * bit-identical to the reference (its Q8_0/Q8_1 are ggml's AVX2 code's results). Dequantization
@@ -71,14 +72,6 @@ KN_INLINE void kn2_tr8x4(const uint8_t *const rp[KN2_PR], size_t off, __m256i Z[
     Z[3] = _mm256_unpackhi_epi64(t1, t3);
 }
 
-/* 8 fp16 values, one per row, read at rp[r] + off. */
-KN_INLINE __m256 kn2_gather_f16(const uint8_t *const rp[KN2_PR], size_t off)
-{
-    uint16_t h[KN2_PR];
-    for (int r = 0; r < KN2_PR; r++) h[r] = kn2_ld16(rp[r] + off);
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
-}
-
 static const int32_t kn2_mask_tab[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
 
 /* Writes (first k-chunk) or adds (later ones) the first nr lanes of an 8-row accumulator. */
@@ -100,6 +93,16 @@ KN_INLINE int kn2_panel_rows(const uint8_t *w, size_t w_stride, int64_t p0, int6
     const int nr = r1 - p0 < KN2_PR ? (int)(r1 - p0) : KN2_PR;
     for (int r = 0; r < KN2_PR; r++) rp[r] = w + (size_t)(p0 + (r < nr ? r : nr - 1)) * w_stride;
     return nr;
+}
+
+/* Byte offsets of the panel's rows from its first (missing rows repeat the last), for
+ * vpgatherdd. */
+KN_INLINE __m256i kn2_row_offsets(size_t w_stride, int nr)
+{
+    assert(w_stride <= (size_t)INT32_MAX / KN2_PR);
+    return _mm256_mullo_epi32(
+        _mm256_min_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(nr - 1)),
+        _mm256_set1_epi32((int)w_stride));
 }
 
 KN_INLINE int kn2_tile_width(int left)
@@ -144,15 +147,48 @@ static const kn2_fmt32 kn2_fmt_q4_0 = {sizeof(kn_block_q4_0), 2, sizeof(kn_block
 static const kn2_fmt32 kn2_fmt_q4_1 = {sizeof(kn_block_q4_1), 4, sizeof(kn_block_q8_1), 4, 0, 0, 1};
 static const kn2_fmt32 kn2_fmt_q8_0 = {sizeof(kn_block_q8_0), 2, sizeof(kn_block_q8_0), 2, 1, 0, 0};
 
-static void kn2_pack32(const kn2_fmt32 *f, const uint8_t *const rp[KN2_PR], int64_t b0, int nb,
-                       kn2_p32 *P)
+/* Software prefetch of the next panel while this one is built: exactly the k-chunk's bytes of
+ * its rows, a few lines per block (see quant_avx512.c). */
+typedef struct kn2_pf {
+    const uint8_t *row; /* next panel row, at the k-chunk's first block */
+    size_t stride, len; /* row stride; bytes of the k-chunk in a row */
+    size_t off;
+    int rows_left, per_block;
+} kn2_pf;
+
+KN_INLINE void kn2_pf_init(kn2_pf *pf, const uint8_t *row, size_t stride, size_t len, int rows,
+                           int nb)
 {
-    uint32_t dm[KN2_KC][KN2_PR];
-    for (int r = 0; r < KN2_PR; r++)
-        for (int b = 0; b < nb; b++)
-            dm[b][r] = kn2_ld32(rp[r] + (size_t)(b0 + b) * (size_t)f->wbytes);
+    pf->row = row;
+    pf->stride = stride;
+    pf->len = len;
+    pf->off = 0;
+    pf->rows_left = rows > 0 ? rows : 0;
+    const size_t lines = (size_t)pf->rows_left * ((len + 63) / 64);
+    pf->per_block = (int)((lines + (size_t)nb - 1) / (size_t)nb);
+}
+
+KN_INLINE void kn2_pf_step(kn2_pf *pf)
+{
+    for (int u = 0; u < pf->per_block && pf->rows_left > 0; u++) {
+        _mm_prefetch((const char *)pf->row + pf->off, _MM_HINT_T0);
+        pf->off += 64;
+        if (pf->off >= pf->len) {
+            pf->off = 0;
+            pf->row += pf->stride;
+            pf->rows_left--;
+        }
+    }
+}
+
+static void kn2_pack32(const kn2_fmt32 *f, const uint8_t *const rp[KN2_PR], size_t w_stride, int nr,
+                       int64_t b0, int nb, kn2_p32 *P, kn2_pf *pf)
+{
+    /* vpgatherdd fetches the 8 rows' leading block dword (the scales) */
+    const __m256i roff = kn2_row_offsets(w_stride, nr);
     const __m256i lo = _mm256_set1_epi8(0x0F);
     for (int b = 0; b < nb; b++) {
+        kn2_pf_step(pf);
         const size_t off = (size_t)(b0 + b) * (size_t)f->wbytes + (size_t)f->wq;
         __m256i Z[4];
         kn2_tr8x4(rp, off, Z);
@@ -175,7 +211,8 @@ static void kn2_pack32(const kn2_fmt32 *f, const uint8_t *const rp[KN2_PR], int6
                 P[b].q[j + 4] = _mm256_and_si256(_mm256_srli_epi32(Z[j], 4), lo);
             }
         }
-        const __m256i v = _mm256_loadu_si256((const __m256i *)dm[b]);
+        const __m256i v = _mm256_i32gather_epi32(
+            (const int *)(rp[0] + (size_t)(b0 + b) * (size_t)f->wbytes), roff, 1);
         /* the low and high halves of each dword, packed to 8 x u16 */
         const __m256i lo16 = _mm256_blend_epi16(v, _mm256_setzero_si256(), 0xAA);
         const __m256i hi16 = _mm256_srli_epi32(v, 16);
@@ -270,7 +307,11 @@ KN_INLINE void kn2_matmul32(const kn2_fmt32 *f, const uint8_t *w, size_t w_strid
                 const uint8_t *rp[KN2_PR];
                 const int nr = kn2_panel_rows(w, w_stride, p0, r1, rp);
                 float *yp = y + (size_t)c0 * y_stride + (size_t)p0;
-                kn2_pack32(f, rp, b0, nb, panel);
+                kn2_pf pf;
+                kn2_pf_init(&pf, rp[0] + KN2_PR * w_stride + (size_t)b0 * (size_t)f->wbytes,
+                            w_stride, (size_t)nb * (size_t)f->wbytes,
+                            (int)(r1 - p0 - KN2_PR < KN2_PR ? r1 - p0 - KN2_PR : KN2_PR), nb);
+                kn2_pack32(f, rp, w_stride, nr, b0, nb, panel, &pf);
                 for (int t = 0; t < nc;) {
                     const int n = kn2_tile_width(nc - t);
                     const uint8_t *xt = xb + (size_t)t * x_stride;
@@ -345,25 +386,26 @@ static void kn2_xprepK(int is_q6, const uint8_t *x, size_t x_stride, int nc, int
         }
 }
 
-KN_INLINE void kn2_q4K_scales(const uint8_t *s12, uint8_t out[16])
-{
-    uint32_t u[4];
-    memcpy(u, s12, 12);
-    const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
-    u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
-    const uint32_t uaux = u[1] & k1;
-    u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
-    u[2] = uaux;
-    u[0] &= k1;
-    memcpy(out, u, 16);
-}
-
 KN_INLINE __m256i kn2_byte_lane(__m256i z, int u)
 {
     return _mm256_and_si256(_mm256_srli_epi32(z, 8 * u), _mm256_set1_epi32(0xFF));
 }
 
-static void kn2_pack_q4K(const uint8_t *const rp[KN2_PR], int64_t blk, kn2_p4K *P)
+/* Two fp16 per row from the dword at row0 + off: low half to *a, high half to *b. */
+KN_INLINE void kn2_gather_2f16(const uint8_t *row0, __m256i roff, size_t off, __m256 *a, __m256 *b)
+{
+    const __m256i v = _mm256_i32gather_epi32((const int *)(row0 + off), roff, 1);
+    const __m256i lo16 = _mm256_blend_epi16(v, _mm256_setzero_si256(), 0xAA);
+    const __m256i hi16 = _mm256_srli_epi32(v, 16);
+    *a = _mm256_cvtph_ps(
+        _mm_packus_epi32(_mm256_castsi256_si128(lo16), _mm256_extracti128_si256(lo16, 1)));
+    *b = _mm256_cvtph_ps(
+        _mm_packus_epi32(_mm256_castsi256_si128(hi16), _mm256_extracti128_si256(hi16, 1)));
+}
+
+/* As kn_pack_q4K in quant_avx512.c: ggml's utmp scale unpacking done lane-wise on transposed
+ * dwords. */
+static void kn2_pack_q4K(const uint8_t *const rp[KN2_PR], __m256i roff, int64_t blk, kn2_p4K *P)
 {
     const size_t off = (size_t)blk * sizeof(kn_block_q4_K);
     const __m256i lo = _mm256_set1_epi8(0x0F);
@@ -377,64 +419,64 @@ static void kn2_pack_q4K(const uint8_t *const rp[KN2_PR], int64_t blk, kn2_p4K *
                 P->q[2 * t + 1][4 * h + j] = _mm256_and_si256(_mm256_srli_epi32(Z[j], 4), lo);
             }
         }
-    uint8_t sm[KN2_PR][16];
-    const uint8_t *sp[KN2_PR];
-    for (int r = 0; r < KN2_PR; r++) {
-        kn2_q4K_scales(rp[r] + off + 4, sm[r]);
-        sp[r] = sm[r];
-    }
-    __m256i Z[4];
-    kn2_tr8x4(sp, 0, Z);
-    const __m256 d = kn2_gather_f16(rp, off);
-    P->dmin = kn2_gather_f16(rp, off + 2);
+    __m256i U[4];
+    kn2_tr8x4(rp, off + 4, U);
+    const __m256i k1 = _mm256_set1_epi32(0x3f3f3f3f), k2 = _mm256_set1_epi32(0x0f0f0f0f),
+                  k3 = _mm256_set1_epi32(0x03030303);
+    const __m256i sc0 = _mm256_and_si256(U[0], k1);
+    const __m256i sc1 =
+        _mm256_or_si256(_mm256_and_si256(U[2], k2),
+                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(U[0], 6), k3), 4));
+    const __m256i mn0 = _mm256_and_si256(U[1], k1);
+    const __m256i mn1 =
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(U[2], 4), k2),
+                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(U[1], 6), k3), 4));
+    __m256 d;
+    kn2_gather_2f16(rp[0], roff, off, &d, &P->dmin);
+#pragma GCC unroll 8
     for (int j = 0; j < 8; j++)
-        P->dsc[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(kn2_byte_lane(Z[j / 4], j % 4)));
+        P->dsc[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(kn2_byte_lane(j < 4 ? sc0 : sc1, j % 4)));
+#pragma GCC unroll 4
     for (int t = 0; t < 4; t++) {
-        const __m256i z = Z[2 + t / 2];
+        const __m256i z = t < 2 ? mn0 : mn1;
         const int u = 2 * (t % 2);
         P->mn[t] =
             _mm256_or_si256(kn2_byte_lane(z, u), _mm256_slli_epi32(kn2_byte_lane(z, u + 1), 16));
     }
 }
 
-static void kn2_pack_q6K(const uint8_t *const rp[KN2_PR], int64_t blk, kn2_p6K *P)
+/* As kn_pack_q6K in quant_avx512.c: 6-bit quants assembled in the transposed domain. */
+static void kn2_pack_q6K(const uint8_t *const rp[KN2_PR], __m256i roff, int64_t blk, kn2_p6K *P)
 {
     const size_t off = (size_t)blk * sizeof(kn_block_q6_K);
-    uint8_t q[KN2_PR][KN_QK_K] __attribute__((aligned(32)));
-    int8_t sc[KN2_PR][16];
-    const uint8_t *qp[KN2_PR], *sp[KN2_PR];
     const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30);
-    for (int r = 0; r < KN2_PR; r++) {
-        const kn_block_q6_K *b = (const kn_block_q6_K *)(rp[r] + off);
-        for (int h = 0; h < 2; h++) {
-            const __m256i a = _mm256_loadu_si256((const __m256i *)(b->ql + 64 * h));
-            const __m256i c = _mm256_loadu_si256((const __m256i *)(b->ql + 64 * h + 32));
-            const __m256i e = _mm256_loadu_si256((const __m256i *)(b->qh + 32 * h));
-            uint8_t *o = q[r] + 128 * h;
-            _mm256_store_si256((__m256i *)(o + 0),
-                               _mm256_or_si256(_mm256_and_si256(a, m4),
-                                               _mm256_and_si256(_mm256_slli_epi16(e, 4), m2)));
-            _mm256_store_si256((__m256i *)(o + 32),
-                               _mm256_or_si256(_mm256_and_si256(c, m4),
-                                               _mm256_and_si256(_mm256_slli_epi16(e, 2), m2)));
-            _mm256_store_si256((__m256i *)(o + 64),
-                               _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4),
-                                               _mm256_and_si256(e, m2)));
-            _mm256_store_si256((__m256i *)(o + 96),
-                               _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), m4),
-                                               _mm256_and_si256(_mm256_srli_epi16(e, 2), m2)));
+    for (int h = 0; h < 2; h++)
+        for (int c = 0; c < 2; c++) {
+            __m256i L0[4], L1[4], H[4];
+            kn2_tr8x4(rp, off + 64 * (size_t)h + 16 * (size_t)c, L0);
+            kn2_tr8x4(rp, off + 64 * (size_t)h + 32 + 16 * (size_t)c, L1);
+            kn2_tr8x4(rp, off + 128 + 32 * (size_t)h + 16 * (size_t)c, H);
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                const int jj = 4 * c + j, sb = 8 * h + jj / 4, q = jj % 4;
+                P->q[sb + 0][q] = _mm256_or_si256(_mm256_and_si256(L0[j], m4),
+                                                  _mm256_and_si256(_mm256_slli_epi32(H[j], 4), m2));
+                P->q[sb + 2][q] = _mm256_or_si256(_mm256_and_si256(L1[j], m4),
+                                                  _mm256_and_si256(_mm256_slli_epi32(H[j], 2), m2));
+                P->q[sb + 4][q] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(L0[j], 4), m4),
+                                                  _mm256_and_si256(H[j], m2));
+                P->q[sb + 6][q] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(L1[j], 4), m4),
+                                                  _mm256_and_si256(_mm256_srli_epi32(H[j], 2), m2));
+            }
         }
-        memcpy(sc[r], b->scales, 16);
-        qp[r] = q[r];
-        sp[r] = (const uint8_t *)sc[r];
-    }
-    for (int j = 0; j < 16; j++) kn2_tr8x4(qp, 16 * (size_t)j, P->q[j]);
     __m256i Z[4];
-    kn2_tr8x4(sp, 0, Z);
-    const __m256 d = kn2_gather_f16(rp, off + offsetof(kn_block_q6_K, d));
+    kn2_tr8x4(rp, off + offsetof(kn_block_q6_K, scales), Z);
+    __m256 unused, d; /* the dword ending with d starts at scales[14]: inside the block */
+    kn2_gather_2f16(rp[0], roff, off + offsetof(kn_block_q6_K, d) - 2, &unused, &d);
+#pragma GCC unroll 16
     for (int j = 0; j < 16; j++) {
-        const __m256i s = _mm256_srai_epi32(_mm256_slli_epi32(Z[j / 4], 24 - 8 * (j % 4)), 24);
-        P->dsc[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(s));
+        const __m256i sc = _mm256_srai_epi32(_mm256_slli_epi32(Z[j / 4], 24 - 8 * (j % 4)), 24);
+        P->dsc[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
     }
 }
 
@@ -544,11 +586,12 @@ static void kn2_matmulK(int is_q6, const uint8_t *w, size_t w_stride, const uint
                 const uint8_t *rp[KN2_PR];
                 const int nr = kn2_panel_rows(w, w_stride, p0, r1, rp);
                 float *yp = y + (size_t)c0 * y_stride + (size_t)p0;
+                const __m256i roff = kn2_row_offsets(w_stride, nr);
                 for (int b = 0; b < nb; b++) {
                     if (is_q6)
-                        kn2_pack_q6K(rp, b0 + b, &panel.q6[b]);
+                        kn2_pack_q6K(rp, roff, b0 + b, &panel.q6[b]);
                     else
-                        kn2_pack_q4K(rp, b0 + b, &panel.q4[b]);
+                        kn2_pack_q4K(rp, roff, b0 + b, &panel.q4[b]);
                 }
                 for (int t = 0; t < nc;) {
                     const int n = kn2_tile_width(nc - t);
@@ -672,6 +715,13 @@ void kn_matmul_avx2(km_type wt, const void *w, size_t w_stride, const void *x, s
                     int64_t k, int m, float *y, size_t y_stride, int64_t r0, int64_t r1)
 {
     if (r0 >= r1 || m <= 0) return;
+    assert(k % (wt == KM_TYPE_Q4_K || wt == KM_TYPE_Q6_K ? KN_QK_K : 32) == 0 ||
+           wt == KM_TYPE_F32 || wt == KM_TYPE_F16 || wt == KM_TYPE_BF16);
+    if (k <= 0) { /* an empty dot: zeros, as the reference writes */
+        for (int i = 0; i < m; i++)
+            for (int64_t r = r0; r < r1; r++) y[(size_t)i * y_stride + (size_t)r] = 0.0f;
+        return;
+    }
     switch (wt) {
     case KM_TYPE_Q4_0:
         kn2_matmul_q4_0(w, w_stride, x, x_stride, k, m, y, y_stride, r0, r1);

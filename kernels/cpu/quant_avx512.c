@@ -15,9 +15,16 @@
  *   Q4_K:  per super-block g = sum_j (d*sc_j) * isum_j - dmin * sum_j m_j * bsum_j, acc += d_x*g
  *   Q6_K:  isum_j starts at -32 * bsum_j (Q8_K's own 16-sums), g = sum_j (d*sc_j) * isum_j
  * The X-side numbers a tile needs per block (d_x, s_x, the offset corrections) are converted once
- * per column chunk into a small table. For up to 8 activation rows the panel is built block by
- * block in registers and used at once; for more it is built once per k-chunk into a stack buffer
- * (about 45 KB of stack in all) and swept by every column tile.
+ * per column chunk into a small table. For up to 8 activation rows (decode) the panel is built
+ * block by block in registers and used at once, with k unsplit up to 8192 so the weights stream
+ * in one pass; for more activation rows it is built once per k-chunk into a
+ * stack buffer (about 45 KB of stack in all) and swept by every column tile, so its cost is
+ * shared by all of them. Building a panel block: 16 row loads and an in-lane 4x4 dword transpose
+ * for the quants, one vpgatherdd for the 16 rows' fp16 scales. While a panel is built the next
+ * one is software-prefetched a slice per block: 16 interleaved row streams otherwise leave DRAM
+ * bandwidth unused (measured 1.8x on the 49152 x 576 output matrix at m = 1). The k-quants get no
+ * such prefetch: theirs came in bursts and measured slower. (An AMX-INT8 path was built and
+ * measured no faster on this hardware; docs/kernels.md says why.)
  *
  * Float weights (F32, F16, BF16) use a direct 4 x 4 register tile of row-by-column dot products
  * reduced at the end; BF16 uses vdpbf16ps when the CPU has AVX512_BF16 (checked at run time,
@@ -80,15 +87,6 @@ KN_INLINE void kn_tr16x4(const uint8_t *const rp[KN_PR], size_t off, __m512i Z[4
     Z[3] = _mm512_unpackhi_epi64(t1, t3);
 }
 
-/* 16 fp16 values, one per row, read at rp[r] + off. */
-KN_INLINE __m512 kn_gather_f16(const uint8_t *const rp[KN_PR], size_t off)
-{
-    uint16_t h[KN_PR];
-#pragma GCC unroll 16
-    for (int r = 0; r < KN_PR; r++) h[r] = kn_ld16(rp[r] + off);
-    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
-}
-
 /* Writes (first k-chunk) or adds (later ones) a 16-row accumulator to Y. */
 KN_INLINE void kn_store_rows(float *yp, __mmask16 mask, __m512 acc, int first)
 {
@@ -103,9 +101,12 @@ typedef struct kn_p32 {
     __m512 d, m;  /* per row: block scale; block min (Q4_1) */
 } kn_p32;
 
+/* Entry (i, b) at [i * ld + b]: ld is the k-chunk's block count, so a few activation rows can
+ * take a long chunk (decode needs no k-chunking) and many rows a short one. */
 typedef struct kn_x32 {
-    float d[KN_NC][KN_KC], s[KN_NC][KN_KC]; /* d_x; s_x (Q8_1) */
-    int32_t c[KN_NC][KN_KC];                /* integer offset correction */
+    int ld;
+    float d[KN_NC * KN_KC], s[KN_NC * KN_KC]; /* d_x; s_x (Q8_1) */
+    int32_t c[KN_NC * KN_KC];                 /* integer offset correction */
 } kn_x32;
 
 typedef struct kn_fmt32 {
@@ -126,6 +127,7 @@ KN_INLINE __m512i kn_row_offsets(size_t w_stride, int nr)
     const __m512i r =
         _mm512_min_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                          _mm512_set1_epi32(nr - 1));
+    assert(w_stride <= (size_t)INT32_MAX / KN_PR);
     return _mm512_mullo_epi32(r, _mm512_set1_epi32((int)w_stride));
 }
 
@@ -168,13 +170,14 @@ static void kn_xprep32(const kn_fmt32 *f, const uint8_t *x, size_t x_stride, int
                        int nb, kn_x32 *xp)
 {
     const __m256i sign = _mm256_set1_epi8((char)0x80);
+    xp->ld = nb;
     for (int i = 0; i < nc; i++) {
         const uint8_t *xb = x + (size_t)i * x_stride + (size_t)b0 * (size_t)f->xbytes;
         for (int b = 0; b < nb; b++, xb += f->xbytes) {
-            xp->d[i][b] = _cvtsh_ss(kn_ld16(xb));
+            xp->d[(i)*xp->ld + (b)] = _cvtsh_ss(kn_ld16(xb));
             if (f->has_min) {
-                xp->s[i][b] = _cvtsh_ss(kn_ld16(xb + 2));
-                xp->c[i][b] = 0;
+                xp->s[(i)*xp->ld + (b)] = _cvtsh_ss(kn_ld16(xb + 2));
+                xp->c[(i)*xp->ld + (b)] = 0;
             } else {
                 /* sum of the int8 quants: sad of (q + 128) against 0, less 32 * 128 */
                 const __m256i q = _mm256_loadu_si256((const __m256i *)(xb + f->xq));
@@ -183,9 +186,44 @@ static void kn_xprep32(const kn_fmt32 *f, const uint8_t *x, size_t x_stride, int
                 const __m128i s2 =
                     _mm_add_epi64(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
                 const int sum = (int)(_mm_cvtsi128_si64(s2) + _mm_extract_epi64(s2, 1)) - 4096;
-                xp->c[i][b] = -f->bias * sum;
-                xp->s[i][b] = 0;
+                xp->c[(i)*xp->ld + (b)] = -f->bias * sum;
+                xp->s[(i)*xp->ld + (b)] = 0;
             }
+        }
+    }
+}
+
+/* Software prefetch of the next panel while this one is built: exactly the k-chunk's bytes of
+ * its rows, a few lines per block. 16 interleaved row streams otherwise leave DRAM bandwidth
+ * unused (1.8x on the 49152 x 576 output matrix at m = 1). */
+typedef struct kn_pf {
+    const uint8_t *row; /* next panel row, at the k-chunk's first block */
+    size_t stride, len; /* row stride; bytes of the k-chunk in a row */
+    size_t off;
+    int rows_left, per_block;
+} kn_pf;
+
+KN_INLINE void kn_pf_init(kn_pf *pf, const uint8_t *row, size_t stride, size_t len, int rows,
+                          int nb)
+{
+    pf->row = row;
+    pf->stride = stride;
+    pf->len = len;
+    pf->off = 0;
+    pf->rows_left = rows > 0 ? rows : 0;
+    const size_t lines = (size_t)pf->rows_left * ((len + 63) / 64);
+    pf->per_block = (int)((lines + (size_t)nb - 1) / (size_t)nb);
+}
+
+KN_INLINE void kn_pf_step(kn_pf *pf)
+{
+    for (int u = 0; u < pf->per_block && pf->rows_left > 0; u++) {
+        _mm_prefetch((const char *)pf->row + pf->off, _MM_HINT_T0);
+        pf->off += 64;
+        if (pf->off >= pf->len) {
+            pf->off = 0;
+            pf->row += pf->stride;
+            pf->rows_left--;
         }
     }
 }
@@ -202,7 +240,7 @@ KN_INLINE void kn_block32(const kn_fmt32 *f, const __m512i q[8], __m512 d, __m51
     __m512i s[KN_NT], s2[2];
 #pragma GCC unroll 16
     for (int i = 0; i < N; i++)
-        s[i] = f->bias ? _mm512_set1_epi32(xp->c[xi + i][b]) : _mm512_setzero_si512();
+        s[i] = f->bias ? _mm512_set1_epi32(xp->c[(xi + i) * xp->ld + (b)]) : _mm512_setzero_si512();
     if (split)
 #pragma GCC unroll 16
         for (int i = 0; i < N; i++) s2[i] = _mm512_setzero_si512();
@@ -221,9 +259,10 @@ KN_INLINE void kn_block32(const kn_fmt32 *f, const __m512i q[8], __m512 d, __m51
 #pragma GCC unroll 8
     for (int i = 0; i < N; i++) {
         if (split) s[i] = _mm512_add_epi32(s[i], s2[i]);
-        const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xp->d[xi + i][b]));
+        const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xp->d[(xi + i) * xp->ld + (b)]));
         acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i]), scale, acc[i]);
-        if (f->has_min) accm[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xp->s[xi + i][b]), accm[i]);
+        if (f->has_min)
+            accm[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xp->s[(xi + i) * xp->ld + (b)]), accm[i]);
     }
 }
 
@@ -231,17 +270,14 @@ KN_INLINE void kn_block32(const kn_fmt32 *f, const __m512i q[8], __m512 d, __m51
 KN_INLINE void kn_fused32(const kn_fmt32 *f, const uint8_t *const rp[KN_PR], size_t w_stride,
                           int nr, int64_t b0, int nb, const uint8_t *xb, size_t x_stride,
                           const kn_x32 *xp, int N, float *yp, size_t y_stride, __mmask16 mask,
-                          int first, const uint8_t *pf, size_t pf_step)
+                          int first, kn_pf *pf)
 {
     const __m512i roff = kn_row_offsets(w_stride, nr);
     __m512 acc[KN_NT], accm[KN_NT];
 #pragma GCC unroll 16
     for (int i = 0; i < N; i++) acc[i] = accm[i] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        /* the next panel, a stretch per block: 16 interleaved row streams defeat the hardware
-         * prefetchers when the weights come from DRAM */
-        for (size_t o = 0; o < pf_step; o += 64) _mm_prefetch((const char *)pf + o, _MM_HINT_T0);
-        pf += pf_step;
+        kn_pf_step(pf);
         __m512i q[8];
         __m512 d, mw;
         kn_pack32_q(f, rp, b0 + b, q);
@@ -270,12 +306,11 @@ KN_INLINE void kn_tile32(const kn_fmt32 *f, const kn_p32 *P, int nb, const uint8
 
 /* Packs the whole panel for k-chunk [b0, b0+nb). */
 KN_INLINE void kn_pack32(const kn_fmt32 *f, const uint8_t *const rp[KN_PR], size_t w_stride, int nr,
-                         int64_t b0, int nb, kn_p32 *P, const uint8_t *pf, size_t pf_step)
+                         int64_t b0, int nb, kn_p32 *P, kn_pf *pf)
 {
     const __m512i roff = kn_row_offsets(w_stride, nr);
     for (int b = 0; b < nb; b++) {
-        for (size_t o = 0; o < pf_step; o += 64) _mm_prefetch((const char *)pf + o, _MM_HINT_T0);
-        pf += pf_step;
+        kn_pf_step(pf);
         kn_pack32_q(f, rp, b0 + b, P[b].q);
         kn_pack32_dm(f, rp[0], roff, b0 + b, &P[b].d, &P[b].m);
     }
@@ -344,8 +379,11 @@ KN_INLINE void kn_matmul32(const kn_fmt32 *f, const uint8_t *w, size_t w_stride,
     kn_x32 xp;
     kn_p32 panel[KN_KC] __attribute__((aligned(64)));
     const int64_t nb_all = k / 32;
-    for (int64_t b0 = 0; b0 < nb_all; b0 += KN_KC) {
-        const int nb = nb_all - b0 < KN_KC ? (int)(nb_all - b0) : KN_KC;
+    /* Few activation rows need no panel buffer: then only the X-side table bounds the k-chunk,
+     * and one chunk spans k up to 8192, so the weights stream in a single pass. */
+    const int64_t kc = m <= KN_NT ? KN_NC * KN_KC / KN_NT : KN_KC;
+    for (int64_t b0 = 0; b0 < nb_all; b0 += kc) {
+        const int nb = nb_all - b0 < kc ? (int)(nb_all - b0) : (int)kc;
         const int first = b0 == 0;
         for (int c0 = 0; c0 < m; c0 += KN_NC) {
             const int nc = m - c0 < KN_NC ? m - c0 : KN_NC;
@@ -357,23 +395,20 @@ KN_INLINE void kn_matmul32(const kn_fmt32 *f, const uint8_t *w, size_t w_stride,
                 const __mmask16 mask = kn_panel_rows(w, w_stride, p0, r1, rp);
                 const int nr = __builtin_popcount(mask);
                 float *yp = y + (size_t)c0 * y_stride + (size_t)p0;
-                /* prefetch the next panel's rows, spread over the blocks (when rows are about
-                 * contiguous, as in a weight tensor) */
-                const uint8_t *pf = rp[0] + KN_PR * w_stride + (size_t)b0 * (size_t)f->wbytes;
-                const int64_t pf_rows = r1 - p0 - KN_PR < KN_PR ? r1 - p0 - KN_PR : KN_PR;
-                size_t pf_step = 0;
-                if (pf_rows > 0 && w_stride <= 2 * (size_t)(nb_all * f->wbytes))
-                    pf_step = ((size_t)pf_rows * w_stride / (size_t)nb + 63) & ~(size_t)63;
+                kn_pf pf;
+                kn_pf_init(&pf, rp[0] + KN_PR * w_stride + (size_t)b0 * (size_t)f->wbytes, w_stride,
+                           (size_t)nb * (size_t)f->wbytes,
+                           (int)(r1 - p0 - KN_PR < KN_PR ? r1 - p0 - KN_PR : KN_PR), nb);
                 if (nc <= KN_NT) {
 #define KN_CALL(N)                                                                                 \
-    kn_fused32(f, rp, w_stride, nr, b0, nb, xb, x_stride, &xp, N, yp, y_stride, mask, first, pf,   \
-               pf_step)
+    kn_fused32(f, rp, w_stride, nr, b0, nb, xb, x_stride, &xp, N, yp, y_stride, mask, first, &pf)
                     KN_SWITCH_N(nc, KN_CALL)
 #undef KN_CALL
                     continue;
                 }
-                kn_pack32(f, rp, w_stride, nr, b0, nb, panel, pf, pf_step);
-                for (int t = 0; t < nc;) {
+                kn_pack32(f, rp, w_stride, nr, b0, nb, panel, &pf);
+                int t = 0;
+                while (t < nc) {
                     const int n = nc - t >= 8 ? 8 : nc - t >= 4 ? 4 : nc - t >= 2 ? 2 : 1;
                     const uint8_t *xt = xb + (size_t)t * x_stride;
                     float *yt = yp + (size_t)t * y_stride;
@@ -448,26 +483,20 @@ static void kn_xprepK(int is_q6, const uint8_t *x, size_t x_stride, int nc, int6
         }
 }
 
-/* The 8 scales and 8 mins of a Q4_K super-block as bytes (ggml's utmp unpacking). */
-KN_INLINE void kn_q4K_scales(const uint8_t *s12, uint8_t out[16])
-{
-    uint32_t u[4];
-    memcpy(u, s12, 12);
-    const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
-    u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
-    const uint32_t uaux = u[1] & k1;
-    u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
-    u[2] = uaux;
-    u[0] &= k1;
-    memcpy(out, u, 16);
-}
-
 KN_INLINE __m512i kn_byte_lane(__m512i z, int u) /* byte u of each dword, zero-extended */
 {
     return _mm512_and_si512(_mm512_srli_epi32(z, 8 * u), _mm512_set1_epi32(0xFF));
 }
 
-static void kn_pack_q4K(const uint8_t *const rp[KN_PR], int64_t blk, kn_p4K *P)
+/* Two fp16 per row from the dword at row0 + off: low half to *a, high half to *b. */
+KN_INLINE void kn_gather_2f16(const uint8_t *row0, __m512i roff, size_t off, __m512 *a, __m512 *b)
+{
+    const __m512i v = _mm512_i32gather_epi32(roff, row0 + off, 1);
+    *a = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v));
+    *b = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16)));
+}
+
+static void kn_pack_q4K(const uint8_t *const rp[KN_PR], __m512i roff, int64_t blk, kn_p4K *P)
 {
     const size_t off = (size_t)blk * sizeof(kn_block_q4_K);
     const __m512i lo = _mm512_set1_epi8(0x0F);
@@ -482,67 +511,70 @@ static void kn_pack_q4K(const uint8_t *const rp[KN_PR], int64_t blk, kn_p4K *P)
             }
         }
     }
-    uint8_t sm[KN_PR][16];
-    const uint8_t *sp[KN_PR];
-    for (int r = 0; r < KN_PR; r++) {
-        kn_q4K_scales(rp[r] + off + 4, sm[r]);
-        sp[r] = sm[r];
-    }
-    __m512i Z[4]; /* Z[0..1]: scales 0..7, Z[2..3]: mins 0..7, 4 per dword */
-    kn_tr16x4(sp, 0, Z);
-    const __m512 d = kn_gather_f16(rp, off);
-    P->dmin = kn_gather_f16(rp, off + 2);
+    /* The 12 scale bytes of the 16 rows as dwords u0..u2 per lane, then ggml's utmp unpacking
+     * lane-wise: scales are the bytes of (u0 & k1, u1'), mins the bytes of (u1 & k1, u3'). */
+    __m512i U[4];
+    kn_tr16x4(rp, off + 4, U);
+    const __m512i k1 = _mm512_set1_epi32(0x3f3f3f3f), k2 = _mm512_set1_epi32(0x0f0f0f0f),
+                  k3 = _mm512_set1_epi32(0x03030303);
+    const __m512i sc0 = _mm512_and_si512(U[0], k1);
+    const __m512i sc1 =
+        _mm512_or_si512(_mm512_and_si512(U[2], k2),
+                        _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(U[0], 6), k3), 4));
+    const __m512i mn0 = _mm512_and_si512(U[1], k1);
+    const __m512i mn1 =
+        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(U[2], 4), k2),
+                        _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(U[1], 6), k3), 4));
+    __m512 d;
+    kn_gather_2f16(rp[0], roff, off, &d, &P->dmin);
 #pragma GCC unroll 16
     for (int j = 0; j < 8; j++)
-        P->dsc[j] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(kn_byte_lane(Z[j / 4], j % 4)));
+        P->dsc[j] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(kn_byte_lane(j < 4 ? sc0 : sc1, j % 4)));
 #pragma GCC unroll 16
     for (int t = 0; t < 4; t++) {
-        const __m512i z = Z[2 + t / 2];
+        const __m512i z = t < 2 ? mn0 : mn1;
         const int u = 2 * (t % 2);
         P->mn[t] =
             _mm512_or_si512(kn_byte_lane(z, u), _mm512_slli_epi32(kn_byte_lane(z, u + 1), 16));
     }
 }
 
-static void kn_pack_q6K(const uint8_t *const rp[KN_PR], int64_t blk, kn_p6K *P)
+/* Q6_K assembled in the transposed domain: a dword lane of ql (bytes l..l+3 of a 32-byte half)
+ * and the same dword of qh hold every bit of elements l.., 32+l.., 64+l.., 96+l.. of the row. */
+static void kn_pack_q6K(const uint8_t *const rp[KN_PR], __m512i roff, int64_t blk, kn_p6K *P)
 {
     const size_t off = (size_t)blk * sizeof(kn_block_q6_K);
-    uint8_t q[KN_PR][KN_QK_K] __attribute__((aligned(32)));
-    int8_t sc[KN_PR][16];
-    const uint8_t *qp[KN_PR], *sp[KN_PR];
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30);
-    for (int r = 0; r < KN_PR; r++) {
-        const kn_block_q6_K *b = (const kn_block_q6_K *)(rp[r] + off);
-        for (int h = 0; h < 2; h++) {
-            const __m256i a = _mm256_loadu_si256((const __m256i *)(b->ql + 64 * h));
-            const __m256i c = _mm256_loadu_si256((const __m256i *)(b->ql + 64 * h + 32));
-            const __m256i e = _mm256_loadu_si256((const __m256i *)(b->qh + 32 * h));
-            uint8_t *o = q[r] + 128 * h;
-            _mm256_store_si256((__m256i *)(o + 0),
-                               _mm256_or_si256(_mm256_and_si256(a, m4),
-                                               _mm256_and_si256(_mm256_slli_epi16(e, 4), m2)));
-            _mm256_store_si256((__m256i *)(o + 32),
-                               _mm256_or_si256(_mm256_and_si256(c, m4),
-                                               _mm256_and_si256(_mm256_slli_epi16(e, 2), m2)));
-            _mm256_store_si256((__m256i *)(o + 64),
-                               _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4),
-                                               _mm256_and_si256(e, m2)));
-            _mm256_store_si256((__m256i *)(o + 96),
-                               _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), m4),
-                                               _mm256_and_si256(_mm256_srli_epi16(e, 2), m2)));
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x30);
+    for (int h = 0; h < 2; h++) {     /* 128 elements each */
+        for (int c = 0; c < 2; c++) { /* dwords 0..3, then 4..7, of each 32 bytes */
+            __m512i L0[4], L1[4], H[4];
+            kn_tr16x4(rp, off + 64 * (size_t)h + 16 * (size_t)c, L0);      /* ql[l] */
+            kn_tr16x4(rp, off + 64 * (size_t)h + 32 + 16 * (size_t)c, L1); /* ql[32+l] */
+            kn_tr16x4(rp, off + 128 + 32 * (size_t)h + 16 * (size_t)c, H); /* qh[l] */
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                const int jj = 4 * c + j;      /* dword of the 32 elements l = 4jj.. */
+                const int sb = 8 * h + jj / 4; /* their 16-element sub-block */
+                const int q = jj % 4;
+                P->q[sb + 0][q] = _mm512_or_si512(_mm512_and_si512(L0[j], m4),
+                                                  _mm512_and_si512(_mm512_slli_epi32(H[j], 4), m2));
+                P->q[sb + 2][q] = _mm512_or_si512(_mm512_and_si512(L1[j], m4),
+                                                  _mm512_and_si512(_mm512_slli_epi32(H[j], 2), m2));
+                P->q[sb + 4][q] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(L0[j], 4), m4),
+                                                  _mm512_and_si512(H[j], m2));
+                P->q[sb + 6][q] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(L1[j], 4), m4),
+                                                  _mm512_and_si512(_mm512_srli_epi32(H[j], 2), m2));
+            }
         }
-        memcpy(sc[r], b->scales, 16);
-        qp[r] = q[r];
-        sp[r] = (const uint8_t *)sc[r];
     }
-    for (int j = 0; j < 16; j++) kn_tr16x4(qp, 16 * (size_t)j, P->q[j]);
     __m512i Z[4];
-    kn_tr16x4(sp, 0, Z);
-    const __m512 d = kn_gather_f16(rp, off + offsetof(kn_block_q6_K, d));
+    kn_tr16x4(rp, off + offsetof(kn_block_q6_K, scales), Z);
+    __m512 unused, d; /* the dword ending with d starts at scales[14]: inside the block */
+    kn_gather_2f16(rp[0], roff, off + offsetof(kn_block_q6_K, d) - 2, &unused, &d);
 #pragma GCC unroll 16
     for (int j = 0; j < 16; j++) {
-        const __m512i s = _mm512_srai_epi32(_mm512_slli_epi32(Z[j / 4], 24 - 8 * (j % 4)), 24);
-        P->dsc[j] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(s));
+        const __m512i sc = _mm512_srai_epi32(_mm512_slli_epi32(Z[j / 4], 24 - 8 * (j % 4)), 24);
+        P->dsc[j] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
     }
 }
 
@@ -647,11 +679,14 @@ static void kn_matmulK(int is_q6, const uint8_t *w, size_t w_stride, const uint8
                 const uint8_t *rp[KN_PR];
                 const __mmask16 mask = kn_panel_rows(w, w_stride, p0, r1, rp);
                 float *yp = y + (size_t)c0 * y_stride + (size_t)p0;
+                /* no software prefetch here: ~50 lines a super-block come in bursts that
+                 * measured slower than the hardware prefetchers alone */
+                const __m512i roff = kn_row_offsets(w_stride, __builtin_popcount(mask));
                 for (int b = 0; b < nb; b++) {
                     if (is_q6)
-                        kn_pack_q6K(rp, b0 + b, &panel.q6[b]);
+                        kn_pack_q6K(rp, roff, b0 + b, &panel.q6[b]);
                     else
-                        kn_pack_q4K(rp, b0 + b, &panel.q4[b]);
+                        kn_pack_q4K(rp, roff, b0 + b, &panel.q4[b]);
                 }
                 for (int t = 0; t < nc;) {
                     const int n = nc - t >= 8 ? 8 : nc - t >= 4 ? 4 : nc - t >= 2 ? 2 : 1;
@@ -813,6 +848,13 @@ void kn_matmul_avx512(km_type wt, const void *w, size_t w_stride, const void *x,
                       int64_t k, int m, float *y, size_t y_stride, int64_t r0, int64_t r1)
 {
     if (r0 >= r1 || m <= 0) return;
+    assert(k % (wt == KM_TYPE_Q4_K || wt == KM_TYPE_Q6_K ? KN_QK_K : 32) == 0 ||
+           wt == KM_TYPE_F32 || wt == KM_TYPE_F16 || wt == KM_TYPE_BF16);
+    if (k <= 0) { /* an empty dot: zeros, as the reference writes */
+        for (int i = 0; i < m; i++)
+            for (int64_t r = r0; r < r1; r++) y[(size_t)i * y_stride + (size_t)r] = 0.0f;
+        return;
+    }
     switch (wt) {
     case KM_TYPE_Q4_0:
         kn_matmul_q4_0(w, w_stride, x, x_stride, k, m, y, y_stride, r0, r1);

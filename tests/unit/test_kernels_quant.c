@@ -32,7 +32,10 @@ static uint32_t rnd_u32(void)
     return (uint32_t)(rng >> 16);
 }
 
-static float rnd_unif(void) { return (float)((rnd_u32() >> 8) * (1.0 / 16777216.0)) * 2.f - 1.f; }
+static float rnd_unif(void)
+{
+    return (float)((rnd_u32() >> 8) * (1.0 / 16777216.0)) * 2.f - 1.f;
+}
 
 static float rnd_gauss(void)
 {
@@ -41,7 +44,10 @@ static float rnd_gauss(void)
     return s * 0.866f;
 }
 
-static const kn_ops *ref(void) { return kn_ops_get(KN_ISA_SCALAR); }
+static const kn_ops *ref(void)
+{
+    return kn_ops_get(KN_ISA_SCALAR);
+}
 
 static kn_f16 f2h(float f)
 {
@@ -103,17 +109,28 @@ static int block_elems(km_type t)
 static const char *tname(km_type t)
 {
     switch (t) {
-    case KM_TYPE_F32: return "F32";
-    case KM_TYPE_F16: return "F16";
-    case KM_TYPE_BF16: return "BF16";
-    case KM_TYPE_Q4_0: return "Q4_0";
-    case KM_TYPE_Q4_1: return "Q4_1";
-    case KM_TYPE_Q8_0: return "Q8_0";
-    case KM_TYPE_Q8_1: return "Q8_1";
-    case KM_TYPE_Q4_K: return "Q4_K";
-    case KM_TYPE_Q6_K: return "Q6_K";
-    case KM_TYPE_Q8_K: return "Q8_K";
-    default: return "?";
+    case KM_TYPE_F32:
+        return "F32";
+    case KM_TYPE_F16:
+        return "F16";
+    case KM_TYPE_BF16:
+        return "BF16";
+    case KM_TYPE_Q4_0:
+        return "Q4_0";
+    case KM_TYPE_Q4_1:
+        return "Q4_1";
+    case KM_TYPE_Q8_0:
+        return "Q8_0";
+    case KM_TYPE_Q8_1:
+        return "Q8_1";
+    case KM_TYPE_Q4_K:
+        return "Q4_K";
+    case KM_TYPE_Q6_K:
+        return "Q6_K";
+    case KM_TYPE_Q8_K:
+        return "Q8_K";
+    default:
+        return "?";
     }
 }
 
@@ -125,7 +142,10 @@ static const char *isa_names[KN_ISA_COUNT] = {"scalar", "avx2", "avx512"};
 
 /* ------------------------------------------------------------------ reference weight quantizers */
 
-static int nearest(float f) { return (int)lrintf(f); }
+static int nearest(float f)
+{
+    return (int)lrintf(f);
+}
 
 /* ggml quantize_row_q4_0_ref */
 static void quant_q4_0(const float *x, kn_block_q4_0 *y, int64_t k)
@@ -370,7 +390,7 @@ typedef struct mm_case {
 typedef struct mm_data {
     size_t w_stride, x_stride, y_stride;
     uint8_t *w, *x;
-    float *wf, *xf; /* float originals (quantized cases) */
+    float *wf, *xf;          /* float originals (quantized cases) */
     float *wdq, *wmin, *xdq; /* dequantized rows; wmin: the min term part (Q4_1, Q4_K) */
 } mm_data;
 
@@ -394,8 +414,10 @@ static void mm_data_make(const mm_case *c, mm_data *d)
         const float scale = 0.05f + 0.5f * fabsf(rnd_unif()), off = 0.02f * rnd_unif();
         for (int64_t j = 0; j < c->k; j++) wr[j] = rnd_gauss() * scale + off;
         uint8_t *wq = d->w + (size_t)r * d->w_stride;
-        if (c->random_bytes) random_weight_row(c->wt, wq, c->k);
-        else quant_weight_row(c->wt, wr, wq, c->k);
+        if (c->random_bytes)
+            random_weight_row(c->wt, wq, c->k);
+        else
+            quant_weight_row(c->wt, wr, wq, c->k);
         ref()->dequantize_row(c->wt, wq, d->wdq + r * c->k, c->k);
         if (c->wt == KM_TYPE_Q4_1 || c->wt == KM_TYPE_Q4_K) {
             memcpy(tmp, wq, d->w_stride);
@@ -542,7 +564,10 @@ Test(kernels_quant, matmul_scalar_matches_itself_on_subranges)
     mm_data_free(&d);
 }
 
-Test(kernels_quant, matmul_avx2_matches_reference, .timeout = 300) { matmul_sweep(KN_ISA_AVX2); }
+Test(kernels_quant, matmul_avx2_matches_reference, .timeout = 300)
+{
+    matmul_sweep(KN_ISA_AVX2);
+}
 Test(kernels_quant, matmul_avx512_matches_reference, .timeout = 300)
 {
     matmul_sweep(KN_ISA_AVX512);
@@ -556,15 +581,15 @@ static void matmul_model_shapes(kn_isa isa)
     static const struct {
         km_type wt;
         int64_t rows, k;
-    } shapes[] = {{KM_TYPE_Q4_1, 576, 576},  {KM_TYPE_Q4_1, 192, 576}, {KM_TYPE_Q4_1, 1536, 576},
+    } shapes[] = {{KM_TYPE_Q4_1, 576, 576},  {KM_TYPE_Q4_1, 192, 576},  {KM_TYPE_Q4_1, 1536, 576},
                   {KM_TYPE_Q4_1, 576, 1536}, {KM_TYPE_Q8_0, 1000, 576}, {KM_TYPE_Q4_0, 288, 576},
                   {KM_TYPE_Q4_K, 96, 1536},  {KM_TYPE_Q6_K, 96, 1536}};
     static const int ms[] = {1, 8, 70};
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
         for (int mi = 0; mi < 3; mi++)
             for (int part = 0; part < 2; part++) {
-                mm_case c = {.wt = shapes[s].wt, .rows = shapes[s].rows, .k = shapes[s].k,
-                             .m = ms[mi]};
+                mm_case c = {
+                    .wt = shapes[s].wt, .rows = shapes[s].rows, .k = shapes[s].k, .m = ms[mi]};
                 c.r0 = part ? shapes[s].rows / 2 : 0; /* the two halves of a 2-thread split */
                 c.r1 = part ? shapes[s].rows : shapes[s].rows / 2;
                 c.random_bytes = 0;
@@ -572,10 +597,40 @@ static void matmul_model_shapes(kn_isa isa)
             }
 }
 
-Test(kernels_quant, matmul_avx2_model_shapes, .timeout = 300) { matmul_model_shapes(KN_ISA_AVX2); }
+Test(kernels_quant, matmul_avx2_model_shapes, .timeout = 300)
+{
+    matmul_model_shapes(KN_ISA_AVX2);
+}
 Test(kernels_quant, matmul_avx512_model_shapes, .timeout = 300)
 {
     matmul_model_shapes(KN_ISA_AVX512);
+}
+
+/* Rows longer than any k-chunk of the SIMD builds (8192 elements for few activation rows, 1024
+ * for many): the chunks' partial sums must add up. */
+static void matmul_long_rows(kn_isa isa)
+{
+    const kn_ops *ops = kn_ops_get(isa);
+    if (!ops) cr_skip_test("this CPU lacks %s", isa_names[isa]);
+    static const km_type types[] = {KM_TYPE_Q4_0, KM_TYPE_Q4_1, KM_TYPE_Q8_0, KM_TYPE_Q4_K,
+                                    KM_TYPE_Q6_K};
+    static const int ms[] = {1, 3, 9};
+    for (size_t t = 0; t < sizeof types / sizeof types[0]; t++)
+        for (int mi = 0; mi < 3; mi++) {
+            mm_case c = {.wt = types[t], .rows = 20, .m = ms[mi], .r0 = 3, .r1 = 19};
+            c.k = block_elems(types[t]) == 256 ? 256 * 37 : 32 * 300;
+            c.random_bytes = mi % 2;
+            mm_check(ops, &c);
+        }
+}
+
+Test(kernels_quant, matmul_avx2_long_rows, .timeout = 300)
+{
+    matmul_long_rows(KN_ISA_AVX2);
+}
+Test(kernels_quant, matmul_avx512_long_rows, .timeout = 300)
+{
+    matmul_long_rows(KN_ISA_AVX512);
 }
 
 /* The reference equals the double-precision dot of the dequantized operands up to float rounding
@@ -623,11 +678,11 @@ Test(kernels_quant, reference_matches_dequantized_dot_and_float_dot)
             }
         /* and the quantizers are as good as their bit widths */
         const double max_rel_w = wt == KM_TYPE_F32    ? 0
-                                  : wt == KM_TYPE_F16 ? 1e-3
-                                  : wt == KM_TYPE_BF16 ? 4e-3
-                                  : wt == KM_TYPE_Q8_0 ? 0.01
-                                  : wt == KM_TYPE_Q6_K ? 0.04
-                                                       : 0.15;
+                                 : wt == KM_TYPE_F16  ? 1e-3
+                                 : wt == KM_TYPE_BF16 ? 4e-3
+                                 : wt == KM_TYPE_Q8_0 ? 0.01
+                                 : wt == KM_TYPE_Q6_K ? 0.04
+                                                      : 0.15;
         cr_assert(rel_w <= max_rel_w, "%s: weight quantization error %.3g", tname(wt), rel_w);
         cr_assert(rel_x <= 0.02, "%s: activation quantization error %.3g", tname(wt), rel_x);
         free(y);
@@ -703,8 +758,14 @@ static void quantize_bit_identical(kn_isa isa)
             }
 }
 
-Test(kernels_quant, quantize_row_avx2_bit_identical) { quantize_bit_identical(KN_ISA_AVX2); }
-Test(kernels_quant, quantize_row_avx512_bit_identical) { quantize_bit_identical(KN_ISA_AVX512); }
+Test(kernels_quant, quantize_row_avx2_bit_identical)
+{
+    quantize_bit_identical(KN_ISA_AVX2);
+}
+Test(kernels_quant, quantize_row_avx512_bit_identical)
+{
+    quantize_bit_identical(KN_ISA_AVX512);
+}
 
 Test(kernels_quant, quantize_q8_0_is_ggml_x86)
 {
@@ -754,8 +815,14 @@ Test(kernels_quant, quantize_q8_K_is_ggml)
     }
 }
 
-__attribute__((target("f16c"))) static kn_f16 hw_f2h(float f) { return _cvtss_sh(f, 0); }
-__attribute__((target("f16c"))) static float hw_h2f(kn_f16 h) { return _cvtsh_ss(h); }
+__attribute__((target("f16c"))) static kn_f16 hw_f2h(float f)
+{
+    return _cvtss_sh(f, 0);
+}
+__attribute__((target("f16c"))) static float hw_h2f(kn_f16 h)
+{
+    return _cvtsh_ss(h);
+}
 
 Test(kernels_quant, f16_conversion_matches_f16c)
 {
@@ -768,7 +835,7 @@ Test(kernels_quant, f16_conversion_matches_f16c)
     for (int i = 0; i < 2000000; i++) {
         uint32_t u = rnd_u32() ^ (rnd_u32() << 16);
         if (i % 4 == 1) u = (u & 0x80000000u) | (0x33000000u + (u % 0x14800000u)); /* near half */
-        if (i % 4 == 2) u = (u & 0x8000e000u) | 0x38001000u | (u & 0x07fe0000u); /* ties */
+        if (i % 4 == 2) u = (u & 0x8000e000u) | 0x38001000u | (u & 0x07fe0000u);   /* ties */
         float f;
         memcpy(&f, &u, 4);
         cr_assert_eq(f2h(f), hw_f2h(f), "f2h(%08x)", u);
@@ -785,8 +852,12 @@ Test(kernels_quant, f16_conversion_matches_f16c)
 
 Test(kernels_quant, bf16_conversion_rounds_to_nearest_even)
 {
-    const float in[] = {1.0f, 1.00390625f /* tie, even down */, 1.01171875f /* tie, up */,
-                        0x1.010002p+0f /* just above a tie */, -2.5f, 0.0f};
+    const float in[] = {1.0f,
+                        1.00390625f /* tie, even down */,
+                        1.01171875f /* tie, up */,
+                        0x1.010002p+0f /* just above a tie */,
+                        -2.5f,
+                        0.0f};
     const kn_bf16 want[] = {0x3f80, 0x3f80, 0x3f82, 0x3f81, 0xc020, 0x0000};
     kn_bf16 got[6];
     ref()->quantize_row(KM_TYPE_BF16, in, got, 6);
@@ -867,8 +938,33 @@ static void dequantize_identical(kn_isa isa)
     }
 }
 
-Test(kernels_quant, dequantize_row_avx2_identical) { dequantize_identical(KN_ISA_AVX2); }
-Test(kernels_quant, dequantize_row_avx512_identical) { dequantize_identical(KN_ISA_AVX512); }
+Test(kernels_quant, dequantize_row_avx2_identical)
+{
+    dequantize_identical(KN_ISA_AVX2);
+}
+Test(kernels_quant, dequantize_row_avx512_identical)
+{
+    dequantize_identical(KN_ISA_AVX512);
+}
+
+/* k = 0 is an empty dot: every ISA writes zeros over [r0, r1) and nothing else. */
+Test(kernels_quant, matmul_empty_k_writes_zeros)
+{
+    for (int isa = 0; isa < KN_ISA_COUNT; isa++) {
+        const kn_ops *ops = kn_ops_get((kn_isa)isa);
+        if (!ops) continue;
+        for (int t = 0; t < N_WEIGHT_TYPES; t++) {
+            uint8_t w[64] = {0}, x[64] = {0};
+            float y[2 * 8];
+            for (int i = 0; i < 16; i++) y[i] = 7.0f;
+            ops->matmul(weight_types[t], w, 0, x, 0, 0, 2, y, 8, 2, 5);
+            for (int i = 0; i < 2; i++)
+                for (int r = 0; r < 8; r++)
+                    cr_assert_eq(y[i * 8 + r], r >= 2 && r < 5 ? 0.0f : 7.0f, "%s %s", ops->name,
+                                 tname(weight_types[t]));
+        }
+    }
+}
 
 Test(kernels_quant, dot_types)
 {
