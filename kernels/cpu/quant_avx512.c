@@ -377,16 +377,23 @@ KN_INLINE void kn_matmul32(const kn_fmt32 *f, const uint8_t *w, size_t w_stride,
                            int64_t r1)
 {
     kn_x32 xp;
-    kn_p32 panel[KN_KC] __attribute__((aligned(64)));
+    static __thread kn_p32 panel[KN_NC * KN_KC / KN_NT] __attribute__((aligned(64)));
     const int64_t nb_all = k / 32;
-    /* Few activation rows need no panel buffer: then only the X-side table bounds the k-chunk,
-     * and one chunk spans k up to 8192, so the weights stream in a single pass. */
-    const int64_t kc = m <= KN_NT ? KN_NC * KN_KC / KN_NT : KN_KC;
+    /* The k-chunk is the same for every m (k up to 8192 in one pass): partial sums of a chunk are
+     * added to Y, so a chunking that depended on m would make an output's float order, and thus
+     * its last bits, depend on how many rows share the call — and the engine promises that a
+     * token's logits do not depend on the batch. Many activation rows take fewer columns per
+     * chunk instead, so the X-side table still fits. */
+    const int64_t kc = KN_NC * KN_KC / KN_NT;
+    const int64_t kc_used = nb_all < kc ? nb_all : kc;
+    int ncmax = (int)((KN_NC * KN_KC) / (kc_used > 0 ? kc_used : 1)) & ~(KN_NT - 1);
+    if (ncmax > KN_NC) ncmax = KN_NC;
+    if (ncmax < KN_NT) ncmax = KN_NT;
     for (int64_t b0 = 0; b0 < nb_all; b0 += kc) {
         const int nb = nb_all - b0 < kc ? (int)(nb_all - b0) : (int)kc;
         const int first = b0 == 0;
-        for (int c0 = 0; c0 < m; c0 += KN_NC) {
-            const int nc = m - c0 < KN_NC ? m - c0 : KN_NC;
+        for (int c0 = 0; c0 < m; c0 += ncmax) {
+            const int nc = m - c0 < ncmax ? m - c0 : ncmax;
             const uint8_t *xc = x + (size_t)c0 * x_stride;
             kn_xprep32(f, xc, x_stride, nc, b0, nb, &xp);
             const uint8_t *xb = xc + (size_t)b0 * (size_t)f->xbytes;
