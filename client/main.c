@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "client/kvmesh.h"
 #include "worker/worker.h"
 
 typedef struct km_cli {
@@ -226,14 +227,14 @@ static int km_open_engine(const km_cli *c, int max_batch, wk_model **m, wk_engin
     return 0;
 }
 
-static int32_t *km_tokenize(const km_tokenizer *tok, const char *text, size_t len, int parse_special,
-                            int *n_out)
+static int32_t *km_tokenize(const km_tokenizer *tok, const char *text, size_t len, int add_special,
+                            int parse_special, int *n_out)
 {
-    int n = km_tok_encode(tok, text, len, 1, parse_special, NULL, 0);
+    int n = km_tok_encode(tok, text, len, add_special, parse_special, NULL, 0);
     if (n < 0) return NULL;
     int32_t *ids = malloc(sizeof(int32_t) * (n + 1));
     if (!ids) return NULL;
-    *n_out = km_tok_encode(tok, text, len, 1, parse_special, ids, n + 1);
+    *n_out = km_tok_encode(tok, text, len, add_special, parse_special, ids, n + 1);
     return ids;
 }
 
@@ -289,7 +290,8 @@ static int km_cmd_run(int argc, char **argv)
         prompt = templated;
     }
     int n_prompt = 0;
-    int32_t *ids = km_tokenize(tok, prompt, strlen(prompt), 1, &n_prompt);
+    /* A rendered chat template already carries its BOS (Llama 3 writes <|begin_of_text|>). */
+    int32_t *ids = km_tokenize(tok, prompt, strlen(prompt), !c.chat, 1, &n_prompt);
     if (!ids || n_prompt <= 0) {
         fprintf(stderr, "kvmesh run: the prompt tokenizes to nothing\n");
         return 1;
@@ -383,7 +385,7 @@ static int km_cmd_perplexity(int argc, char **argv)
     if (km_open_engine(&c, n_batch, &m, &e)) return 1;
     const km_tokenizer *tok = wk_model_tokenizer(m);
     int n_tok = 0;
-    int32_t *ids = km_tokenize(tok, text, len, 0, &n_tok);
+    int32_t *ids = km_tokenize(tok, text, len, 1, 0, &n_tok);
     int n_ctx = c.ctx, n_chunk = n_tok / n_ctx, n_vocab = wk_model_hparams(m)->n_vocab;
     if (n_chunk < 1) {
         fprintf(stderr, "kvmesh perplexity: %d tokens is less than one context of %d\n", n_tok,
@@ -583,7 +585,7 @@ static int km_cmd_tokenize(int argc, char **argv)
         return 1;
     }
     int n = 0;
-    int32_t *ids = km_tokenize(tok, text, len, !c.raw, &n);
+    int32_t *ids = km_tokenize(tok, text, len, 1, !c.raw, &n);
     for (int i = 0; i < n; i++) printf("%d%s", ids[i], i + 1 < n ? " " : "\n");
     free(ids);
     free(owned);
@@ -604,6 +606,8 @@ int main(int argc, char **argv)
     if (!strcmp(cmd, "perplexity")) return km_cmd_perplexity(argc - 2, argv + 2);
     if (!strcmp(cmd, "bench")) return km_cmd_bench(argc - 2, argv + 2);
     if (!strcmp(cmd, "tokenize")) return km_cmd_tokenize(argc - 2, argv + 2);
+    int crc = kvm_cli_cluster(cmd, argc - 2, argv + 2); /* generate, chat, status, up */
+    if (crc != KVM_CLI_UNKNOWN) return crc;
     fprintf(stderr, "kvmesh: unknown command '%s' (kvmesh --help lists them)\n", cmd);
     return 2;
 }

@@ -1,19 +1,78 @@
 #!/usr/bin/env bash
-# demo.sh — `make demo`: the default model answering real prompts with the local engine.
-# (The multi-process cluster demo — router, workers, controller — arrives with `kvmesh up`.)
+# demo.sh — `make demo`: a whole kvmesh cluster on this machine (`kvmesh up`: a router and two
+# workers on 127.0.0.1) answering real prompts with the default model. Shows which worker served
+# each request, how much of each prompt came from cached KV (requests of one tenant share a
+# system prompt, and the router sends them to the worker that holds it), TTFT and tokens/s, the
+# OpenAI-compatible API streaming, the cluster status, then stops everything as Ctrl-C would.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BIN=build/bin/kvmesh
-MODEL=${KVMESH_MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}
-echo "== kvmesh demo: $MODEL"
-run() {
+BIN=build/bin
+export KVMESH_MODEL=${KVMESH_MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}
+WORKERS=${KVMESH_DEMO_WORKERS:-2}
+FRONT_PORT=${KVMESH_DEMO_FRONT_PORT:-7000}
+HTTP_PORT=${KVMESH_DEMO_HTTP_PORT:-8080}
+BASE_PORT=${KVMESH_DEMO_BASE_PORT:-7100}
+LOGS=build/demo-logs
+ROUTER=tcp://127.0.0.1:$FRONT_PORT
+HTTP=http://127.0.0.1:$HTTP_PORT
+THREADS=$(( $(nproc) / WORKERS )); [ "$THREADS" -ge 1 ] || THREADS=1
+
+echo "== kvmesh demo: $KVMESH_MODEL, $WORKERS workers x $THREADS threads (logs in $LOGS/)"
+rm -rf "$LOGS"
+"$BIN/kvmesh" up --workers "$WORKERS" --threads "$THREADS" --front-port "$FRONT_PORT" \
+    --http-port "$HTTP_PORT" --base-port "$BASE_PORT" --log-dir "$LOGS" &
+UP=$!
+cleanup() { kill -INT "$UP" 2>/dev/null || true; wait "$UP" 2>/dev/null || true; }
+trap cleanup EXIT
+
+# ready when the router answers and every worker is up behind it
+for _ in $(seq 1 300); do
+    n=$("$BIN/kvmesh" status --http "$HTTP" --json 2>/dev/null | grep -o '"up":true' | wc -l || true)
+    [ "$n" -ge "$WORKERS" ] && break
+    sleep 0.2
+done
+[ "$n" -ge "$WORKERS" ] || { echo "demo: the cluster did not come up (see $LOGS/)"; exit 1; }
+
+ask() { # tenant system-prompt question
     echo
-    echo "-- prompt: $1"
-    "$BIN" run -m "$MODEL" --chat -p "$1" -n 96 --temperature 0 2>&1
+    echo "-- [$1] $3"
+    echo "$3" | "$BIN/kvmesh" chat --router "$ROUTER" --cache-salt "$1" --system "$2" \
+        --max-tokens 48 --temperature 0
 }
-run "What is the capital of France?"
-run "Write a haiku about caches."
-run "Explain in two sentences why a KV cache speeds up text generation."
+SYS_A="You are the support assistant of Acme Rockets. Acme sells model rockets, launch pads and \
+engines. Be concise and friendly. Never promise delivery dates. Answer in one or two sentences. \
+Refunds are possible within 30 days. Engines must be shipped by ground. Our office is in Tucson."
+SYS_B="You are a geography tutor for school children. Explain simply, give one fact per answer, \
+and end with a short question that checks understanding. Use metric units."
+ask acme "$SYS_A" "Can I get a refund for a broken launch pad?"
+ask school "$SYS_B" "What is the capital of France?"
+ask acme "$SYS_A" "How are rocket engines shipped?"
+ask school "$SYS_B" "Which river flows through Paris?"
+ask acme "$SYS_A" "Where is your office?"
+
 echo
-echo "-- raw completion, sampled (temperature 0.7, seed 7)"
-"$BIN" run -m "$MODEL" -p "Once upon a time, in a data center far away," -n 64 --temperature 0.7 --seed 7 2>&1
+echo "-- the same cluster through the OpenAI-compatible API (streamed, SSE):"
+curl -sN "$HTTP/v1/chat/completions" -H 'Content-Type: application/json' -d '{
+  "messages":[{"role":"user","content":"Write a haiku about caches."}],
+  "max_tokens":32,"temperature":0,"stream":true,"stream_options":{"include_usage":true}}' |
+    sed -n 's/^data: //p' | head -c 100000 | python3 -c '
+import json, sys
+text, usage = "", None
+for line in sys.stdin:
+    line = line.strip()
+    if not line or line == "[DONE]": continue
+    o = json.loads(line)
+    for c in o.get("choices", []):
+        text += c.get("delta", {}).get("content") or ""
+    usage = o.get("usage") or usage
+print(text.strip())
+print("usage:", json.dumps(usage))' 2>/dev/null || echo "(python3 not found: skipped)"
+
+echo
+echo "-- kvmesh status"
+"$BIN/kvmesh" status --http "$HTTP"
+echo
+echo "-- stopping the cluster (what Ctrl-C on kvmesh up does)"
+cleanup
+trap - EXIT
+echo "demo: done"

@@ -1,0 +1,91 @@
+/*
+ * kvmesh.h — libkvmesh, the C client of a kvmesh cluster: one DEALER connection to a router (or
+ * straight to a worker) speaking docs/protocol.md, synchronous generation with a per-token
+ * callback, an asynchronous submit/next pair for many requests in flight, and a small HTTP GET
+ * for the router's status page.
+ *
+ * Contract:
+ *  - Prefix: kvm_ (km_ is the common layer's; the wire types km_msg_* come from common/svc.h).
+ *  - Every call returns 0 or a negative km_err; an error frame from the server is not a crash
+ *    but a result: kvm_generate fills kvm_result.error_code/error and returns KM_EOVERLOAD (529,
+ *    retry after result.retry_after_ms), KM_EAGAIN (503), KM_EINVAL (other 4xx) or KM_EIO.
+ *  - A client is one thread's: it owns a ZeroMQ context and socket and is not locked.
+ *  - Nothing here exits or aborts; a server that stays silent longer than timeout_ms gives
+ *    KM_ETIMEDOUT (the request is canceled on the server).
+ */
+#ifndef KVMESH_H
+#define KVMESH_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/svc.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct kvm_client kvm_client;
+
+typedef struct kvm_opts {
+    int timeout_ms;       /* longest silence while waiting for a frame; default 120000 */
+    const char *identity; /* DEALER routing id; NULL = random */
+} kvm_opts;
+
+/* Connects (lazily, as ZeroMQ does) to endpoint, e.g. "tcp://127.0.0.1:7000". */
+int kvm_open(const char *endpoint, const kvm_opts *o, kvm_client **out, km_errbuf *err);
+void kvm_close(kvm_client *c);
+
+/* A request with the protocol's defaults (temperature 1, top_p 1, ...), model "default". */
+void kvm_request_init(km_msg_request *r);
+
+typedef struct kvm_result {
+    int error_code; /* 0 when the request ended with `done` */
+    char error[KM_PROTO_MAX_MESSAGE];
+    uint32_t retry_after_ms;
+    km_finish finish;
+    km_buf text;       /* the whole completion (streamed or not) */
+    uint32_t n_tokens; /* tokens received */
+    uint32_t prompt_tokens, cached_tokens, completion_tokens;
+    double queue_ms, ttft_ms, total_ms;     /* as the server measured */
+    double client_ttft_ms, client_total_ms; /* as this client measured */
+    char worker[KM_PROTO_MAX_NAME + 1];     /* `done.worker`, when a router says it */
+    uint32_t migrations;                    /* `done.migrations` */
+} kvm_result;
+
+void kvm_result_free(kvm_result *r);
+
+/* Called for each `tok` frame in order; return nonzero to cancel the request. */
+typedef int (*kvm_token_fn)(void *user, uint32_t index, int32_t token, const char *text,
+                            size_t len);
+
+/* Sends req (its id is chosen here) and waits for its end. res is initialised by the call. */
+int kvm_generate(kvm_client *c, const km_msg_request *req, kvm_token_fn on_token, void *user,
+                 kvm_result *res, km_errbuf *err);
+
+/* Asynchronous use: submit any number of requests (each with its own req->id, unique among those
+ * in flight), then read frames with kvm_next until each has its `done` or `err`. */
+int kvm_submit(kvm_client *c, const km_msg_request *req, km_errbuf *err);
+int kvm_cancel(kvm_client *c, uint64_t id);
+/* The next frame from the server (km_msg_clear it); raw_body/raw_len, when not NULL, receive the
+ * frame's bytes (valid until the next call) for optional keys such as done.worker.
+ * KM_ETIMEDOUT after timeout_ms without one. */
+int kvm_next(kvm_client *c, int timeout_ms, km_msg *out, const void **raw_body, size_t *raw_len,
+             km_errbuf *err);
+/* done.worker and done.migrations from a raw `done` frame ("" and 0 when absent). */
+void kvm_done_extras(const void *body, size_t len, char *worker, size_t cap, uint32_t *migrations);
+
+/* GET url (http://HOST:PORT/PATH) into body; *status gets the HTTP status. */
+int kvm_http_get(const char *url, int timeout_ms, km_buf *body, int *status, km_errbuf *err);
+
+/* ---------------------------------------------------------------- CLI (client/cli_cluster.c)
+ * The cluster subcommands of the `kvmesh` tool: generate, chat, status, up. Returns the process
+ * exit status, or KVM_CLI_UNKNOWN when cmd is not one of them. argv excludes the command. */
+#define KVM_CLI_UNKNOWN (-1000)
+int kvm_cli_cluster(const char *cmd, int argc, char **argv);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KVMESH_H */

@@ -1,0 +1,225 @@
+/*
+ * main.c — the kvmesh-router binary: flags (each with a KVMESH_ environment twin and an optional
+ * config file, common/svc.h), the worker list, signals, and rt_router_run. Everything else is in
+ * router.c; see router.h for the contract and docs/router.md for operation.
+ *
+ * Workers are given as --workers ID=REQUESTS_URL+EVENTS_URL,... (e.g.
+ * w0=tcp://127.0.0.1:7100+tcp://127.0.0.1:7101); `kvmesh up` writes this list for a local
+ * cluster. SIGINT/SIGTERM stop the loop; requests still held get a 503 so no client hangs.
+ */
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "router/router.h"
+
+static rt_router *g_router;
+
+static void on_signal(int signo)
+{
+    (void)signo;
+    if (g_router) rt_router_stop(g_router); /* uv_async_send: async-signal-safe */
+}
+
+/* Splits "id=req+ev,id=req+ev" in place. */
+static int parse_workers(char *s, rt_worker_cfg *out, int max, km_errbuf *err)
+{
+    int n = 0;
+    for (char *save = NULL, *tok = strtok_r(s, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+        while (*tok == ' ') tok++;
+        if (!*tok) continue;
+        if (n == max) return km_errf(err, KM_ERANGE, "--workers: more than %d workers", max);
+        char *eq = strchr(tok, '=');
+        if (!eq || eq == tok)
+            return km_errf(err, KM_EINVAL, "--workers: '%s' is not ID=REQUESTS_URL+EVENTS_URL",
+                           tok);
+        *eq = 0;
+        char *plus = strchr(eq + 1, '+');
+        if (plus) *plus = 0;
+        out[n].id = tok;
+        out[n].requests_url = eq + 1;
+        out[n].events_url = plus ? plus + 1 : NULL;
+        if (!*out[n].requests_url)
+            return km_errf(err, KM_EINVAL, "--workers: worker '%s' has no requests URL", tok);
+        n++;
+    }
+    if (!n) return km_errf(err, KM_EINVAL, "--workers: no worker given");
+    return n;
+}
+
+int main(int argc, char **argv)
+{
+    rt_config c;
+    rt_config_default(&c);
+    const char *workers = NULL, *mode = NULL, *log_level = NULL, *log_format = NULL;
+    const char *ports_file = NULL;
+    int64_t http_port, admin_port, page_tokens, slots, max_inflight, max_queue, attempts, dmax;
+    int64_t sync_ms, ttl_ms, queue_ms, cluster_seed, index_pages;
+    uint64_t max_body;
+    const km_opt opts[] = {
+        {"model", NULL, KM_OPT_STR, NULL,
+         "GGUF model: tokenizer, chat template, fingerprint (default: $KVMESH_MODEL or the SmolLM2 "
+         "file)",
+         &c.model_path, 0, 0},
+        {"model-name", NULL, KM_OPT_STR, NULL, "another model name clients may use", &c.model_name,
+         0, 0},
+        {"fingerprint", NULL, KM_OPT_STR, NULL,
+         "model fingerprint override (hex); default: computed like the workers", &c.fingerprint, 0,
+         0},
+        {"cluster-seed", NULL, KM_OPT_INT, "0", "page-hash seed; must equal the workers'",
+         &cluster_seed, 0, 0},
+        {"page-tokens", NULL, KM_OPT_INT, "16", "tokens per KV page; must equal the workers'",
+         &page_tokens, 1, 4096},
+        {"front", NULL, KM_OPT_STR, "tcp://127.0.0.1:7000", "ZeroMQ ROUTER endpoint for clients",
+         &c.front_url, 0, 0},
+        {"http-host", NULL, KM_OPT_STR, "127.0.0.1", "OpenAI-compatible HTTP host", &c.http_host, 0,
+         0},
+        {"http-port", NULL, KM_OPT_INT, "8080", "HTTP port; 0 = ephemeral, -1 = off", &http_port,
+         -1, 65535},
+        {"admin-port", NULL, KM_OPT_INT, "-1",
+         "separate admin HTTP port (/metrics, /healthz, /readyz); -1 = off (the HTTP port serves "
+         "them too)",
+         &admin_port, -1, 65535},
+        {"workers", NULL, KM_OPT_STR, NULL, "workers: ID=REQUESTS_URL+EVENTS_URL,... (required)",
+         &workers, 0, 0},
+        {"mode", NULL, KM_OPT_STR, "kv", "routing: kv, round-robin or random", &mode, 0, 0},
+        {"w-prefill", NULL, KM_OPT_FLOAT, "1", "cost of one uncached prompt token",
+         &c.policy.w_prefill, 0, 1e9},
+        {"w-decode", NULL, KM_OPT_FLOAT, "32", "cost of one running request on a worker",
+         &c.policy.w_decode, 0, 1e9},
+        {"w-queue", NULL, KM_OPT_FLOAT, "256", "cost of one request waiting on a worker",
+         &c.policy.w_queue, 0, 1e9},
+        {"tie-band", NULL, KM_OPT_FLOAT, "16", "costs within this are ties (rendezvous decides)",
+         &c.policy.tie_band, 0, 1e9},
+        {"credit-host", NULL, KM_OPT_FLOAT, "0.8", "fraction of a host-RAM page counted cached",
+         &c.policy.tier_credit[KM_TIER_HOST], 0, 1},
+        {"credit-disk", NULL, KM_OPT_FLOAT, "0.5", "fraction of a disk page counted cached",
+         &c.policy.tier_credit[KM_TIER_DISK], 0, 1},
+        {"worker-slots", NULL, KM_OPT_INT, "8", "requests a worker runs at once (cost model)",
+         &slots, 1, 1 << 20},
+        {"max-inflight", NULL, KM_OPT_INT, "64",
+         "requests this router sends one worker; more wait in the router", &max_inflight, 1,
+         1 << 20},
+        {"max-queue", NULL, KM_OPT_INT, "1024", "router queue; beyond it: 529 overloaded",
+         &max_queue, 0, 1 << 24},
+        {"max-attempts", NULL, KM_OPT_INT, "3", "workers tried per request (migrations + 1)",
+         &attempts, 1, 100},
+        {"default-max-tokens", NULL, KM_OPT_INT, "256", "completion length when a request says 0",
+         &dmax, 1, 1 << 20},
+        {"sync-timeout", NULL, KM_OPT_DURATION, "3s",
+         "wait for a KV event replay before forgetting the worker's pages", &sync_ms, 1, 3600000},
+        {"pending-ttl", NULL, KM_OPT_DURATION, "30s",
+         "how long a routed, unconfirmed prefix counts as cached", &ttl_ms, 1, 86400000},
+        {"queue-timeout", NULL, KM_OPT_DURATION, "60s",
+         "a request waiting longer in the router queue gets 503", &queue_ms, 1, 86400000},
+        {"migrate-replay", NULL, KM_OPT_BOOL, "true",
+         "migrate greedy/seeded requests by regenerating the streamed tokens (exact output); "
+         "--no-migrate-replay continues from prompt + streamed tokens (faster)",
+         &c.migrate_replay, 0, 0},
+        {"index-pages", NULL, KM_OPT_INT, "262144", "pages the prefix index holds (64 B each)",
+         &index_pages, 16, 1 << 28},
+        {"max-body", NULL, KM_OPT_SIZE, "4M", "largest HTTP request body", &max_body, 0, 0},
+        {"ports-file", NULL, KM_OPT_STR, NULL, "write the bound endpoints here once ready",
+         &ports_file, 0, 0},
+        {"log-level", NULL, KM_OPT_STR, "info", "debug, info, warn, error", &log_level, 0, 0},
+        {"log-format", NULL, KM_OPT_STR, "text", "text or json", &log_format, 0, 0},
+    };
+    km_errbuf err = {{0}};
+    km_config *cfg = NULL;
+    if (km_config_create("kvmesh-router", "KV-aware request router of a kvmesh cluster", opts,
+                         sizeof opts / sizeof opts[0], &cfg, &err) ||
+        km_config_parse(cfg, argc, argv, NULL, &err)) {
+        fprintf(stderr, "kvmesh-router: %s\n", err.msg);
+        km_config_destroy(cfg);
+        return 2;
+    }
+    if (km_config_help_requested(cfg)) {
+        km_buf h = {0};
+        km_config_help(cfg, &h);
+        fwrite(h.data, 1, h.len, stdout);
+        km_buf_free(&h);
+        km_config_destroy(cfg);
+        return 0;
+    }
+    km_log_level lvl;
+    if (km_log_parse_level(log_level, &lvl) || km_log_set_format(log_format)) {
+        fprintf(stderr, "kvmesh-router: bad --log-level or --log-format\n");
+        km_config_destroy(cfg);
+        return 2;
+    }
+    km_log_set_level(lvl);
+    if (rt_mode_parse(mode, &c.policy.mode)) {
+        fprintf(stderr, "kvmesh-router: --mode must be kv, round-robin or random\n");
+        km_config_destroy(cfg);
+        return 2;
+    }
+    if (!workers) {
+        fprintf(stderr, "kvmesh-router: --workers is required (ID=REQUESTS_URL+EVENTS_URL,...)\n");
+        km_config_destroy(cfg);
+        return 2;
+    }
+    char *wl = strdup(workers);
+    rt_worker_cfg wc[RT_MAX_WORKERS];
+    int nw = wl ? parse_workers(wl, wc, RT_MAX_WORKERS, &err) : KM_ENOMEM;
+    if (nw < 0) {
+        fprintf(stderr, "kvmesh-router: %s\n", err.msg);
+        free(wl);
+        km_config_destroy(cfg);
+        return 2;
+    }
+    c.workers = wc;
+    c.n_workers = nw;
+    c.cluster_seed = (uint64_t)cluster_seed;
+    c.page_tokens = (int)page_tokens;
+    c.http_port = (int)http_port;
+    c.admin_port = (int)admin_port;
+    c.worker_slots = (int)slots;
+    c.max_inflight = (int)max_inflight;
+    c.max_queue = (int)max_queue;
+    c.max_attempts = (int)attempts;
+    c.default_max_tokens = (uint32_t)dmax;
+    c.sync_timeout_ms = (uint32_t)sync_ms;
+    c.pending_ttl_ms = (uint32_t)ttl_ms;
+    c.queue_timeout_ms = (uint32_t)queue_ms;
+    c.index_pages = (size_t)index_pages;
+    c.max_http_body = (size_t)max_body;
+
+    int status = 1;
+    if (rt_router_create(&c, &g_router, &err)) {
+        KM_ERROR("router_create", "msg=\"%s\"", err.msg);
+        goto out;
+    }
+    if (ports_file) {
+        char ep[256] = "";
+        rt_router_front_endpoint(g_router, ep, sizeof ep);
+        char tmp[1024];
+        snprintf(tmp, sizeof tmp, "%s.tmp", ports_file);
+        FILE *f = fopen(tmp, "w");
+        if (f) {
+            fprintf(f, "front=%s\nhttp=%d\nadmin=%d\n", ep, rt_router_http_port(g_router),
+                    rt_router_admin_port(g_router));
+            fclose(f);
+            rename(tmp, ports_file);
+        }
+    }
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    rt_router_run(g_router);
+    status = 0;
+    KM_INFO("router_exit", "status=%d", status);
+out:
+    if (g_router) {
+        rt_router *r = g_router;
+        g_router = NULL;
+        rt_router_destroy(r);
+    }
+    free(wl);
+    km_config_destroy(cfg);
+    return status;
+}

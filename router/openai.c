@@ -1,0 +1,490 @@
+/*
+ * openai.c — the JSON of the router's OpenAI-compatible API (router.h, "OpenAI layer";
+ * docs/openai.md): request bodies of /v1/completions and /v1/chat/completions into a generation
+ * spec, and the response objects back: whole responses, SSE chunks, usage (with cached prompt
+ * tokens), /v1/models and errors in OpenAI's shape.
+ *
+ * Why it is built this way: JSON goes through jansson (a maintained library, Debian's
+ * libjansson-dev), never string pasting, so escaping is always right; this file knows nothing of
+ * sockets, so its tests are plain input/output checks. Model text is UTF-8 from the tokenizer,
+ * but a byte-level vocabulary can produce invalid sequences (a stream cut inside a character),
+ * and jansson refuses those: text is sanitised here (invalid bytes become U+FFFD) before it is
+ * put in JSON. Unknown request fields are ignored, as OpenAI does; fields that ask for something
+ * the server cannot do (n > 1, logprobs, echo, tools) are a 400 that names the field.
+ */
+#include <jansson.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "router/router.h"
+
+/* ---------------------------------------------------------------- helpers */
+
+static int fail(rt_oai_err *e, const char *param, const char *fmt, const char *arg)
+{
+    e->status = 400;
+    e->type = "invalid_request_error";
+    e->param = param;
+    e->code = NULL;
+    snprintf(e->message, sizeof e->message, fmt, arg ? arg : "");
+    return KM_EFORMAT;
+}
+
+/* Copies s (n bytes) replacing invalid UTF-8 with U+FFFD; NULL on out of memory. */
+static char *utf8_clean(const char *s, size_t n, size_t *out_len)
+{
+    char *o = malloc(n * 3 + 1);
+    if (!o) return NULL;
+    size_t j = 0;
+    const unsigned char *p = (const unsigned char *)s;
+    for (size_t i = 0; i < n;) {
+        unsigned c = p[i];
+        int len = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
+        bool ok = len > 0 && i + (size_t)len <= n && c != 0;
+        for (int k = 1; ok && k < len; k++) ok = (p[i + k] & 0xc0) == 0x80;
+        if (ok && len == 2) ok = c >= 0xc2;
+        if (ok && len == 3) {
+            unsigned v = ((c & 0x0f) << 12) | ((p[i + 1] & 0x3f) << 6) | (p[i + 2] & 0x3f);
+            ok = v >= 0x800 && (v < 0xd800 || v > 0xdfff);
+        }
+        if (ok && len == 4) {
+            unsigned v = ((c & 0x07) << 18) | ((p[i + 1] & 0x3f) << 12) | ((p[i + 2] & 0x3f) << 6) |
+                         (p[i + 3] & 0x3f);
+            ok = v >= 0x10000 && v <= 0x10ffff;
+        }
+        if (ok) {
+            memcpy(o + j, p + i, (size_t)len);
+            j += (size_t)len;
+            i += (size_t)len;
+        } else {
+            memcpy(o + j, "\xef\xbf\xbd", 3);
+            j += 3;
+            i++;
+        }
+    }
+    o[j] = 0;
+    *out_len = j;
+    return o;
+}
+
+static json_t *jstr(const char *s, size_t n)
+{
+    size_t m;
+    char *c = utf8_clean(s ? s : "", s ? n : 0, &m);
+    if (!c) return NULL;
+    json_t *j = json_stringn(c, m);
+    free(c);
+    return j;
+}
+
+static char *dup_str(const json_t *v)
+{
+    return strndup(json_string_value(v), json_string_length(v));
+}
+
+static bool is_num(const json_t *v)
+{
+    return json_is_integer(v) || json_is_real(v);
+}
+
+static int get_float(json_t *o, const char *key, double lo, double hi, float *out, rt_oai_err *e)
+{
+    json_t *v = json_object_get(o, key);
+    if (!v || json_is_null(v)) return 0;
+    if (!is_num(v)) return fail(e, key, "'%s' must be a number", key);
+    double x = json_number_value(v);
+    if (!isfinite(x) || x < lo || x > hi) {
+        char m[160];
+        snprintf(m, sizeof m, "'%s' must be in [%g, %g]", key, lo, hi);
+        return fail(e, key, "%s", m);
+    }
+    *out = (float)x;
+    return 0;
+}
+
+static int get_int(json_t *o, const char *key, long long lo, long long hi, long long *out,
+                   bool *present, rt_oai_err *e)
+{
+    json_t *v = json_object_get(o, key);
+    if (present) *present = false;
+    if (!v || json_is_null(v)) return 0;
+    if (!json_is_integer(v)) return fail(e, key, "'%s' must be an integer", key);
+    long long x = json_integer_value(v);
+    if (x < lo || x > hi) {
+        char m[160];
+        snprintf(m, sizeof m, "'%s' must be in [%lld, %lld]", key, lo, hi);
+        return fail(e, key, "%s", m);
+    }
+    *out = x;
+    if (present) *present = true;
+    return 0;
+}
+
+/* A message's content: a string, or an array of {"type":"text","text":...} parts. */
+static char *content_text(json_t *c, rt_oai_err *e)
+{
+    if (json_is_string(c)) return dup_str(c);
+    if (json_is_null(c)) return strdup("");
+    if (!json_is_array(c)) {
+        fail(e, "messages", "message content must be a string or an array of text parts", NULL);
+        return NULL;
+    }
+    km_buf b = {0};
+    size_t i;
+    json_t *part;
+    json_array_foreach(c, i, part)
+    {
+        json_t *type = json_object_get(part, "type"), *text = json_object_get(part, "text");
+        if (!json_is_string(type) || strcmp(json_string_value(type), "text") ||
+            !json_is_string(text)) {
+            km_buf_free(&b);
+            fail(e, "messages", "only text content parts are supported", NULL);
+            return NULL;
+        }
+        if (km_buf_append(&b, json_string_value(text), json_string_length(text))) {
+            km_buf_free(&b);
+            return NULL;
+        }
+    }
+    char *s = strndup(b.data ? (const char *)b.data : "", b.len);
+    km_buf_free(&b);
+    return s;
+}
+
+/* ---------------------------------------------------------------- requests */
+
+void rt_oai_req_free(rt_oai_req *r)
+{
+    if (!r) return;
+    free(r->model);
+    free(r->prompt);
+    for (int i = 0; i < r->n_msgs; i++) {
+        free(r->msgs[i].role);
+        free(r->msgs[i].content);
+    }
+    free(r->msgs);
+    for (int i = 0; i < r->n_stop; i++) free(r->stop[i]);
+    free(r->cache_salt);
+    memset(r, 0, sizeof *r);
+}
+
+static int parse_obj(json_t *o, bool chat, rt_oai_req *r, rt_oai_err *e)
+{
+    json_t *v;
+    v = json_object_get(o, "model");
+    if (v && !json_is_null(v)) {
+        if (!json_is_string(v)) return fail(e, "model", "'model' must be a string", NULL);
+        if (!(r->model = dup_str(v))) return KM_ENOMEM;
+    }
+    if (chat) {
+        v = json_object_get(o, "messages");
+        if (!json_is_array(v) || json_array_size(v) == 0)
+            return fail(e, "messages", "'messages' must be a non-empty array", NULL);
+        if (json_array_size(v) > 1024)
+            return fail(e, "messages", "too many messages (limit 1024)", NULL);
+        r->msgs = calloc(json_array_size(v), sizeof *r->msgs);
+        if (!r->msgs) return KM_ENOMEM;
+        size_t i;
+        json_t *m;
+        json_array_foreach(v, i, m)
+        {
+            json_t *role = json_object_get(m, "role");
+            if (!json_is_object(m) || !json_is_string(role))
+                return fail(e, "messages", "every message needs a string 'role'", NULL);
+            const char *rs = json_string_value(role);
+            if (!strcmp(rs, "developer")) rs = "system";
+            if (strcmp(rs, "system") && strcmp(rs, "user") && strcmp(rs, "assistant"))
+                return fail(e, "messages", "unsupported message role '%s'", rs);
+            r->msgs[i].role = strdup(rs);
+            r->n_msgs = (int)i + 1;
+            r->msgs[i].content = content_text(json_object_get(m, "content"), e);
+            if (!r->msgs[i].content) return e->status ? KM_EFORMAT : KM_ENOMEM;
+            if (!r->msgs[i].role) return KM_ENOMEM;
+        }
+    } else {
+        v = json_object_get(o, "prompt");
+        if (json_is_array(v) && json_array_size(v) == 1 && json_is_string(json_array_get(v, 0)))
+            v = json_array_get(v, 0);
+        if (!json_is_string(v))
+            return fail(e, "prompt", "'prompt' must be a string (or an array of one string)", NULL);
+        if (!(r->prompt = dup_str(v))) return KM_ENOMEM;
+    }
+    long long x = 0;
+    bool has = false;
+    int rc;
+    if ((rc = get_int(o, "max_tokens", 0, 1 << 20, &x, &has, e))) return rc;
+    if (has) r->max_tokens = (uint32_t)x;
+    if ((rc = get_int(o, "max_completion_tokens", 0, 1 << 20, &x, &has, e))) return rc;
+    if (has) r->max_tokens = (uint32_t)x;
+    if ((rc = get_float(o, "temperature", 0, 100, &r->temperature, e))) return rc;
+    if ((rc = get_float(o, "top_p", 0, 1, &r->top_p, e))) return rc;
+    if ((rc = get_float(o, "min_p", 0, 1, &r->min_p, e))) return rc;
+    if ((rc = get_float(o, "presence_penalty", -2, 2, &r->presence_penalty, e))) return rc;
+    if ((rc = get_float(o, "frequency_penalty", -2, 2, &r->frequency_penalty, e))) return rc;
+    if ((rc = get_float(o, "repetition_penalty", 0.01, 100, &r->repeat_penalty, e))) return rc;
+    if ((rc = get_int(o, "top_k", 0, 1 << 20, &x, &has, e))) return rc;
+    if (has) r->top_k = (int32_t)x;
+    if ((rc = get_int(o, "priority", -100, 100, &x, &has, e))) return rc;
+    if (has) r->priority = (int32_t)x;
+    v = json_object_get(o, "seed");
+    if (v && !json_is_null(v)) {
+        if (!json_is_integer(v)) return fail(e, "seed", "'seed' must be an integer", NULL);
+        r->has_seed = true;
+        r->seed = (uint64_t)json_integer_value(v);
+    }
+    if ((rc = get_int(o, "n", 1, 1, &x, NULL, e))) {
+        snprintf(e->message, sizeof e->message, "only n = 1 is supported");
+        return rc;
+    }
+    v = json_object_get(o, "stream");
+    if (v && !json_is_null(v)) {
+        if (!json_is_boolean(v)) return fail(e, "stream", "'stream' must be a boolean", NULL);
+        r->stream = json_is_true(v);
+    }
+    v = json_object_get(o, "stream_options");
+    if (json_is_object(v)) r->include_usage = json_is_true(json_object_get(v, "include_usage"));
+    v = json_object_get(o, "stop");
+    if (json_is_string(v)) {
+        if (json_string_length(v) == 0 || json_string_length(v) > KM_PROTO_MAX_NAME)
+            return fail(e, "stop", "stop strings must be 1-256 bytes", NULL);
+        if (!(r->stop[r->n_stop++] = dup_str(v))) return KM_ENOMEM;
+    } else if (json_is_array(v)) {
+        if (json_array_size(v) > KM_PROTO_MAX_STOP)
+            return fail(e, "stop", "at most 16 stop strings", NULL);
+        size_t i;
+        json_t *s;
+        json_array_foreach(v, i, s)
+        {
+            if (!json_is_string(s) || json_string_length(s) == 0 ||
+                json_string_length(s) > KM_PROTO_MAX_NAME ||
+                memchr(json_string_value(s), 0, json_string_length(s)))
+                return fail(e, "stop", "stop strings must be strings of 1-256 bytes", NULL);
+            if (!(r->stop[r->n_stop++] = dup_str(s))) return KM_ENOMEM;
+        }
+    } else if (v && !json_is_null(v)) {
+        return fail(e, "stop", "'stop' must be a string or an array of strings", NULL);
+    }
+    v = json_object_get(o, "cache_salt");
+    if (v && !json_is_null(v)) {
+        if (!json_is_string(v) || json_string_length(v) > KM_PROTO_MAX_NAME ||
+            memchr(json_string_value(v), 0, json_string_length(v)))
+            return fail(e, "cache_salt", "'cache_salt' must be a string of at most 256 bytes",
+                        NULL);
+        if (!(r->cache_salt = dup_str(v))) return KM_ENOMEM;
+    }
+    /* Asked-for features this server does not have: say so rather than silently ignore. */
+    static const char *const unsupported[] = {"logprobs",   "echo",        "best_of",
+                                              "suffix",     "tools",       "functions",
+                                              "logit_bias", "top_logprobs"};
+    for (size_t i = 0; i < sizeof unsupported / sizeof *unsupported; i++) {
+        v = json_object_get(o, unsupported[i]);
+        if (!v || json_is_null(v) || json_is_false(v)) continue;
+        if (json_is_array(v) && json_array_size(v) == 0) continue;
+        if (json_is_object(v) && json_object_size(v) == 0) continue;
+        if (json_is_integer(v) && json_integer_value(v) <= 1 && strcmp(unsupported[i], "logprobs"))
+            continue; /* best_of 1 */
+        return fail(e, unsupported[i], "'%s' is not supported by this server", unsupported[i]);
+    }
+    return 0;
+}
+
+int rt_oai_parse(const char *body, size_t len, bool chat, rt_oai_req *out, rt_oai_err *e)
+{
+    memset(out, 0, sizeof *out);
+    memset(e, 0, sizeof *e);
+    out->chat = chat;
+    out->temperature = 1.0f;
+    out->top_p = 1.0f;
+    out->repeat_penalty = 1.0f;
+    json_error_t je;
+    json_t *o = json_loadb(body ? body : "", body ? len : 0, JSON_REJECT_DUPLICATES, &je);
+    if (!o) {
+        char m[300];
+        snprintf(m, sizeof m, "request body is not valid JSON: %s (line %d, column %d)", je.text,
+                 je.line, je.column);
+        return fail(e, NULL, "%s", m);
+    }
+    int rc;
+    if (!json_is_object(o))
+        rc = fail(e, NULL, "request body must be a JSON object", NULL);
+    else
+        rc = parse_obj(o, chat, out, e);
+    json_decref(o);
+    if (rc == KM_ENOMEM && !e->status) {
+        e->status = 500;
+        e->type = "server_error";
+        snprintf(e->message, sizeof e->message, "out of memory");
+    }
+    if (rc) rt_oai_req_free(out);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- responses */
+
+const char *rt_oai_finish(km_finish f)
+{
+    return f == KM_FINISH_LENGTH ? "length" : "stop";
+}
+
+static int dump(km_buf *out, json_t *o, const char *prefix, const char *suffix)
+{
+    if (!o) return KM_ENOMEM;
+    char *s = json_dumps(o, JSON_COMPACT);
+    json_decref(o);
+    if (!s) return KM_ENOMEM;
+    int rc = km_buf_printf(out, "%s%s%s", prefix, s, suffix);
+    free(s);
+    return rc;
+}
+
+static json_t *usage_obj(const rt_oai_usage *u)
+{
+    return json_pack("{s:I,s:I,s:I,s:{s:I}}", "prompt_tokens", (json_int_t)u->prompt_tokens,
+                     "completion_tokens", (json_int_t)u->completion_tokens, "total_tokens",
+                     (json_int_t)u->prompt_tokens + u->completion_tokens, "prompt_tokens_details",
+                     "cached_tokens", (json_int_t)u->cached_tokens);
+}
+
+static json_t *base_obj(const rt_oai_meta *m, const char *object)
+{
+    json_t *o = json_pack("{s:s,s:s,s:I,s:s}", "id", m->id ? m->id : "", "object", object,
+                          "created", (json_int_t)m->created, "model", m->model ? m->model : "");
+    if (o && m->worker) json_object_set_new(o, "kvmesh", json_pack("{s:s}", "worker", m->worker));
+    return o;
+}
+
+int rt_oai_sse_chunk(km_buf *out, const rt_oai_meta *m, const char *text, size_t len,
+                     const char *finish)
+{
+    json_t *o = base_obj(m, m->chat ? "chat.completion.chunk" : "text_completion");
+    if (!o) return KM_ENOMEM;
+    json_t *choice = json_pack("{s:i,s:n}", "index", 0, "logprobs");
+    json_t *t = finish ? json_string("") : jstr(text, len);
+    if (!choice || !t) {
+        json_decref(choice);
+        json_decref(t);
+        json_decref(o);
+        return KM_ENOMEM;
+    }
+    if (m->chat) {
+        json_t *delta = json_object();
+        if (!text && !finish) { /* the first chunk announces the role */
+            json_object_set_new(delta, "role", json_string("assistant"));
+            json_object_set_new(delta, "content", t);
+        } else if (finish) {
+            json_decref(t);
+        } else {
+            json_object_set_new(delta, "content", t);
+        }
+        json_object_set_new(choice, "delta", delta);
+    } else {
+        json_object_set_new(choice, "text", t);
+    }
+    json_object_set_new(choice, "finish_reason", finish ? json_string(finish) : json_null());
+    json_object_set_new(o, "choices", json_pack("[o]", choice));
+    return dump(out, o, "data: ", "\n\n");
+}
+
+int rt_oai_sse_usage(km_buf *out, const rt_oai_meta *m, const rt_oai_usage *u)
+{
+    json_t *o = base_obj(m, m->chat ? "chat.completion.chunk" : "text_completion");
+    if (!o) return KM_ENOMEM;
+    json_object_set_new(o, "choices", json_array());
+    json_object_set_new(o, "usage", usage_obj(u));
+    return dump(out, o, "data: ", "\n\n");
+}
+
+int rt_oai_sse_done(km_buf *out)
+{
+    return km_buf_printf(out, "data: [DONE]\n\n");
+}
+
+static json_t *error_obj(const rt_oai_err *e)
+{
+    json_t *msg = jstr(e->message, strlen(e->message));
+    return json_pack("{s:{s:o,s:s,s:s?,s:s?}}", "error", "message", msg, "type",
+                     e->type ? e->type : "server_error", "param", e->param, "code", e->code);
+}
+
+int rt_oai_sse_error(km_buf *out, const rt_oai_err *e)
+{
+    return dump(out, error_obj(e), "data: ", "\n\n");
+}
+
+int rt_oai_error_json(km_buf *out, const rt_oai_err *e)
+{
+    return dump(out, error_obj(e), "", "\n");
+}
+
+int rt_oai_response(km_buf *out, const rt_oai_meta *m, const char *text, size_t len,
+                    const char *finish, const rt_oai_usage *u)
+{
+    json_t *o = base_obj(m, m->chat ? "chat.completion" : "text_completion");
+    json_t *t = jstr(text, len);
+    if (!o || !t) {
+        json_decref(o);
+        json_decref(t);
+        return KM_ENOMEM;
+    }
+    json_t *choice;
+    if (m->chat)
+        choice = json_pack("{s:i,s:{s:s,s:o},s:n,s:s}", "index", 0, "message", "role", "assistant",
+                           "content", t, "logprobs", "finish_reason", finish);
+    else
+        choice = json_pack("{s:i,s:o,s:n,s:s}", "index", 0, "text", t, "logprobs", "finish_reason",
+                           finish);
+    json_object_set_new(o, "choices", json_pack("[o]", choice));
+    json_object_set_new(o, "usage", usage_obj(u));
+    return dump(out, o, "", "\n");
+}
+
+int rt_oai_models(km_buf *out, const char *model, int64_t created)
+{
+    json_t *o = json_pack("{s:s,s:[{s:s,s:s,s:I,s:s}]}", "object", "list", "data", "id", model,
+                          "object", "model", "created", (json_int_t)created, "owned_by", "kvmesh");
+    return dump(out, o, "", "\n");
+}
+
+void rt_oai_err_from_code(int code, const char *message, rt_oai_err *e)
+{
+    memset(e, 0, sizeof *e);
+    snprintf(e->message, sizeof e->message, "%s", message ? message : "");
+    e->param = NULL;
+    switch (code) {
+    case KM_CODE_BAD_REQUEST:
+        e->status = 400;
+        e->type = "invalid_request_error";
+        break;
+    case KM_CODE_NOT_FOUND:
+        e->status = 404;
+        e->type = "invalid_request_error";
+        e->code = "model_not_found";
+        break;
+    case KM_CODE_TOO_LARGE:
+        e->status = 400;
+        e->type = "invalid_request_error";
+        e->code = "context_length_exceeded";
+        break;
+    case KM_CODE_OVERLOADED:
+        e->status = 503;
+        e->type = "server_error";
+        e->code = "overloaded";
+        break;
+    case KM_CODE_UNAVAILABLE:
+        e->status = 503;
+        e->type = "server_error";
+        e->code = "unavailable";
+        break;
+    case KM_CODE_DEADLINE:
+        e->status = 504;
+        e->type = "server_error";
+        e->code = "deadline_exceeded";
+        break;
+    default:
+        e->status = code >= 400 && code < 500 ? 400 : 500;
+        e->type = code >= 400 && code < 500 ? "invalid_request_error" : "server_error";
+        break;
+    }
+}

@@ -1,0 +1,633 @@
+/*
+ * test_router.c — kvmesh-router in front of real kvmesh-worker processes on 127.0.0.1
+ * (ephemeral ports): shared-prefix requests land on the worker that holds the prefix; a worker
+ * SIGKILLed mid-stream gives a migrated stream whose greedy output equals an undisturbed run;
+ * malformed client frames get error frames while the router keeps serving; a full cluster
+ * answers 529 with retry_after_ms; a router started late catches up from the workers' event
+ * replay, and a second router replica routes like the first; the OpenAI HTTP API (streaming
+ * included) driven by curl.
+ *
+ * Run from the repository root after `make build` (make integration); without the default model
+ * every test skips and says so. Workers run one thread each: the machine is small and shared.
+ */
+#include <criterion/criterion.h>
+#include <jansson.h>
+#include <msgpack.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "client/kvmesh.h"
+
+#define MODEL  "models/SmolLM2-135M-Instruct.Q4_1.gguf"
+#define WORKER "build/bin/kvmesh-worker"
+#define ROUTER "build/bin/kvmesh-router"
+
+typedef struct proc {
+    pid_t pid;
+    char dir[64];
+    char req[512], ev[512], front[512];
+    int http_port;
+} proc;
+
+/* Every process a test started, so that a failing test (which leaves by longjmp) leaves none
+ * running: the suite's fini kills what is left. */
+static pid_t g_pids[32];
+static int g_npids;
+
+static void kill_leftovers(void)
+{
+    for (int i = 0; i < g_npids; i++)
+        if (g_pids[i] > 0 && kill(g_pids[i], 0) == 0) {
+            kill(g_pids[i], SIGKILL);
+            waitpid(g_pids[i], NULL, 0);
+        }
+    g_npids = 0;
+}
+
+static bool have_binaries(void)
+{
+    if (access(MODEL, R_OK) || access(WORKER, X_OK) || access(ROUTER, X_OK)) {
+        cr_skip_test("needs %s (make deps), %s and %s (make build)", MODEL, WORKER, ROUTER);
+        return false;
+    }
+    return true;
+}
+
+static void read_ports(proc *p, const char *path)
+{
+    FILE *f = fopen(path, "r");
+    if (!f) return;
+    char line[480];
+    while (fgets(line, sizeof line, f)) {
+        line[strcspn(line, "\n")] = 0;
+        if (!strncmp(line, "requests=", 9)) snprintf(p->req, sizeof p->req, "%s", line + 9);
+        if (!strncmp(line, "events=", 7)) snprintf(p->ev, sizeof p->ev, "%s", line + 7);
+        if (!strncmp(line, "front=", 6)) snprintf(p->front, sizeof p->front, "%s", line + 6);
+        if (!strncmp(line, "http=", 5)) p->http_port = atoi(line + 5);
+    }
+    fclose(f);
+}
+
+static void spawn(proc *p, const char *bin, const char **argv_in, const char *ports)
+{
+    p->pid = fork();
+    cr_assert(p->pid >= 0);
+    if (p->pid == 0) {
+        char log[128];
+        snprintf(log, sizeof log, "%s/log", p->dir);
+        FILE *f = freopen(log, "w", stderr);
+        FILE *o = freopen("/dev/null", "w", stdout);
+        (void)f, (void)o;
+        execv(bin, (char *const *)argv_in);
+        _exit(127);
+    }
+    if (g_npids < 32) g_pids[g_npids++] = p->pid;
+    for (int i = 0; i < 600; i++) {
+        if (!access(ports, R_OK)) {
+            read_ports(p, ports);
+            return;
+        }
+        int st;
+        if (waitpid(p->pid, &st, WNOHANG) == p->pid) cr_assert_fail("%s exited at start", bin);
+        usleep(50000);
+    }
+    cr_assert_fail("%s did not start in 30 s", bin);
+}
+
+static void start_worker(proc *w, const char *id)
+{
+    memset(w, 0, sizeof *w);
+    snprintf(w->dir, sizeof w->dir, "/tmp/kvmesh-rt-XXXXXX");
+    cr_assert(mkdtemp(w->dir));
+    char ports[128], wid[64];
+    snprintf(ports, sizeof ports, "%s/ports", w->dir);
+    snprintf(wid, sizeof wid, "--worker-id=%s", id);
+    const char *argv[] = {WORKER,
+                          "--listen=tcp://127.0.0.1:*",
+                          "--events=tcp://127.0.0.1:*",
+                          "--admin-port=-1",
+                          "--threads=1",
+                          "--log-level=warn",
+                          wid,
+                          "--ports-file",
+                          ports,
+                          NULL};
+    spawn(w, WORKER, argv, ports);
+}
+
+/* A router in front of ws[0..n); extra flags may be NULL-terminated. */
+static void start_router(proc *r, proc *ws, const char **ids, int n, const char **extra)
+{
+    memset(r, 0, sizeof *r);
+    snprintf(r->dir, sizeof r->dir, "/tmp/kvmesh-rt-XXXXXX");
+    cr_assert(mkdtemp(r->dir));
+    char ports[128], workers[4096] = "--workers=";
+    snprintf(ports, sizeof ports, "%s/ports", r->dir);
+    for (int i = 0; i < n; i++)
+        snprintf(workers + strlen(workers), sizeof workers - strlen(workers), "%s%s=%s+%s",
+                 i ? "," : "", ids[i], ws[i].req, ws[i].ev);
+    const char *argv[32] = {ROUTER,
+                            "--front=tcp://127.0.0.1:*",
+                            "--http-port=0",
+                            "--log-level=info",
+                            workers,
+                            "--ports-file",
+                            ports};
+    int k = 7;
+    for (int i = 0; extra && extra[i] && k < 30; i++) argv[k++] = extra[i];
+    argv[k] = NULL;
+    spawn(r, ROUTER, argv, ports);
+}
+
+static void stop_proc(proc *p)
+{
+    if (p->pid <= 0) return;
+    kill(p->pid, SIGTERM);
+    int st;
+    for (int i = 0; i < 150; i++) {
+        if (waitpid(p->pid, &st, WNOHANG) == p->pid) {
+            p->pid = 0;
+            return;
+        }
+        usleep(20000);
+    }
+    kill(p->pid, SIGKILL);
+    waitpid(p->pid, &st, 0);
+    p->pid = 0;
+}
+
+/* The router's /v1/status as JSON. */
+static json_t *status(const proc *r)
+{
+    char url[128];
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/v1/status", r->http_port);
+    km_buf b = {0};
+    int st = 0;
+    km_errbuf err = {{0}};
+    cr_assert_eq(kvm_http_get(url, 5000, &b, &st, &err), 0, "%s", err.msg);
+    cr_assert_eq(st, 200);
+    json_t *o = json_loadb((const char *)b.data, b.len, 0, NULL);
+    km_buf_free(&b);
+    cr_assert_not_null(o);
+    return o;
+}
+
+/* Waits until every worker is up at the router. */
+static void wait_up(const proc *r, int n)
+{
+    for (int i = 0; i < 300; i++) {
+        json_t *o = status(r);
+        int up = 0;
+        size_t k;
+        json_t *w;
+        json_array_foreach(json_object_get(o, "workers"), k, w) up +=
+            json_is_true(json_object_get(w, "up"));
+        json_decref(o);
+        if (up == n) return;
+        usleep(50000);
+    }
+    cr_assert_fail("workers did not come up at the router");
+}
+
+static kvm_client *client(const proc *r)
+{
+    kvm_client *c = NULL;
+    km_errbuf err = {{0}};
+    kvm_opts o = {.timeout_ms = 60000};
+    cr_assert_eq(kvm_open(r->front, &o, &c, &err), 0, "%s", err.msg);
+    return c;
+}
+
+static void greedy(km_msg_request *q, const char *prompt, int n, const char *salt)
+{
+    kvm_request_init(q);
+    q->prompt = prompt;
+    q->temperature = 0;
+    q->max_tokens = (uint32_t)n;
+    q->stream = true;
+    q->cache_salt = salt;
+}
+
+/* A system prompt of about `words` words shared by a tenant's requests. */
+static char *system_prompt(const char *tenant, int words)
+{
+    km_buf b = {0};
+    km_buf_printf(&b, "You are the assistant of %s. Rules:", tenant);
+    for (int i = 0; i < words / 8; i++)
+        km_buf_printf(&b, " rule %d: answer %s questions politely and briefly.", i, tenant);
+    km_buf_append(&b, "", 1);
+    return (char *)b.data;
+}
+
+TestSuite(router, .fini = kill_leftovers, .timeout = 300);
+
+Test(router, shared_prefix_requests_go_to_the_worker_holding_it)
+{
+    if (!have_binaries()) return;
+    const char *ids[3] = {"wa", "wb", "wc"};
+    proc w[3], r;
+    for (int i = 0; i < 3; i++) start_worker(&w[i], ids[i]);
+    start_router(&r, w, ids, 3, NULL);
+    wait_up(&r, 3);
+    kvm_client *c = client(&r);
+    char *sys = system_prompt("tenant-a", 200);
+    char home[KM_PROTO_MAX_NAME + 1] = "";
+    for (int i = 0; i < 4; i++) {
+        char prompt[8192];
+        snprintf(prompt, sizeof prompt, "%s\nQuestion %d: what is %d + %d?\nAnswer:", sys, i, i,
+                 i * 3);
+        km_msg_request q;
+        greedy(&q, prompt, 4, "tenant-a");
+        kvm_result res;
+        km_errbuf err = {{0}};
+        cr_assert_eq(kvm_generate(c, &q, NULL, NULL, &res, &err), 0, "%s", err.msg);
+        cr_assert(res.worker[0]);
+        if (i == 0) {
+            snprintf(home, sizeof home, "%s", res.worker);
+        } else {
+            cr_assert_str_eq(res.worker, home, "request %d left the prefix's worker", i);
+            cr_assert_geq(res.cached_tokens, 200u, "request %d: only %u cached of %u", i,
+                          res.cached_tokens, res.prompt_tokens);
+        }
+        kvm_result_free(&res);
+    }
+    /* the router knows the pages from the worker's events */
+    json_t *o = status(&r);
+    size_t k;
+    json_t *wj;
+    json_array_foreach(json_object_get(o, "workers"), k,
+                       wj) if (!strcmp(json_string_value(json_object_get(wj, "id")), home))
+        cr_assert_gt(json_integer_value(json_object_get(json_object_get(wj, "kv_pages"), "hot")),
+                     10);
+    cr_assert_gt(json_number_value(json_object_get(json_object_get(o, "router"), "hit_ratio")),
+                 0.5);
+    json_decref(o);
+    free(sys);
+    kvm_close(c);
+    stop_proc(&r);
+    for (int i = 0; i < 3; i++) stop_proc(&w[i]);
+}
+
+typedef struct stream_state {
+    int32_t tokens[256];
+    int n;
+} stream_state;
+
+Test(router, sigkill_mid_stream_migrates_with_an_identical_greedy_output)
+{
+    if (!have_binaries()) return;
+    const char *ids[2] = {"w0", "w1"};
+    proc w[2], r;
+    for (int i = 0; i < 2; i++) start_worker(&w[i], ids[i]);
+    start_router(&r, w, ids, 2, NULL);
+    wait_up(&r, 2);
+    kvm_client *c = client(&r);
+    const char *prompt = "Write a long story about a dragon who learns to program computers:";
+    enum { N = 64 };
+    km_msg_request q;
+    greedy(&q, prompt, N, NULL);
+    kvm_result ref;
+    km_errbuf err = {{0}};
+    cr_assert_eq(kvm_generate(c, &q, NULL, NULL, &ref, &err), 0, "%s", err.msg);
+    cr_assert_eq(ref.completion_tokens, (uint32_t)N,
+                 "the reference ended early: pick a prompt "
+                 "that runs to max_tokens");
+
+    /* the same request, asynchronously: kill its worker after 10 tokens */
+    q.id = 4242;
+    cr_assert_eq(kvm_submit(c, &q, &err), 0);
+    km_buf text = {0};
+    int n = 0, killed = -1;
+    char worker[64] = "";
+    uint32_t migrations = 0;
+    for (;;) {
+        km_msg m;
+        const void *raw;
+        size_t len;
+        cr_assert_eq(kvm_next(c, 60000, &m, &raw, &len, &err), 0, "%s", err.msg);
+        if (m.type == KM_MSG_TOKEN) {
+            cr_assert_eq(m.tok.index, (uint32_t)n, "indexes continue across the migration");
+            km_buf_append(&text, m.tok.text, m.tok.text_len);
+            n++;
+            if (n == 10 && killed < 0) {
+                json_t *o = status(&r);
+                size_t k;
+                json_t *wj;
+                json_array_foreach(json_object_get(o, "workers"), k,
+                                   wj) if (json_integer_value(json_object_get(wj, "inflight")) > 0)
+                    killed = (int)k;
+                json_decref(o);
+                cr_assert_geq(killed, 0, "no worker has the request in flight");
+                kill(w[killed].pid, SIGKILL);
+                waitpid(w[killed].pid, NULL, 0);
+                w[killed].pid = 0;
+            }
+        } else if (m.type == KM_MSG_DONE) {
+            kvm_done_extras(raw, len, worker, sizeof worker, &migrations);
+            cr_assert_eq(m.done.completion_tokens, (uint32_t)N);
+            km_msg_clear(&m);
+            break;
+        } else {
+            cr_assert_fail("unexpected frame %s: %s", km_msg_type_name(m.type),
+                           m.type == KM_MSG_ERROR ? m.error.message : "");
+        }
+        km_msg_clear(&m);
+    }
+    cr_assert_eq(n, N);
+    cr_assert_eq(migrations, 1u);
+    cr_assert_str_neq(worker, ids[killed], "finished on the surviving worker");
+    cr_assert(text.len == ref.text.len && memcmp(text.data, ref.text.data, text.len) == 0,
+              "migrated output differs:\n%.*s\n---\n%.*s", (int)text.len, (const char *)text.data,
+              (int)ref.text.len, (const char *)ref.text.data);
+    km_buf_free(&text);
+    kvm_result_free(&ref);
+    kvm_close(c);
+    stop_proc(&r);
+    for (int i = 0; i < 2; i++) stop_proc(&w[i]);
+}
+
+static void send_raw(void *s, const void *p, size_t n)
+{
+    km_zframe f = {p, n};
+    cr_assert_eq(km_zsend(s, &f, 1, 0, NULL), 0);
+}
+
+static int expect_error(void *s, uint64_t *id)
+{
+    km_zmsg z = {0};
+    cr_assert_eq(km_zrecv(s, &z, 10000, NULL), 0, "no answer to a malformed frame");
+    const km_zframe *b = km_zmsg_body(&z);
+    km_msg m;
+    cr_assert_eq(km_msg_decode(b->data, b->len, NULL, &m, NULL), 0);
+    km_zmsg_clear(&z);
+    cr_assert_eq(m.type, KM_MSG_ERROR, "got %s", km_msg_type_name(m.type));
+    int code = m.error.code;
+    if (id) *id = m.error.id;
+    cr_assert(m.error.message && strlen(m.error.message) > 0);
+    km_msg_clear(&m);
+    return code;
+}
+
+Test(router, malformed_client_frames_get_errors_and_the_router_keeps_serving)
+{
+    if (!have_binaries()) return;
+    const char *ids[1] = {"w0"};
+    proc w[1], r;
+    start_worker(&w[0], ids[0]);
+    start_router(&r, w, ids, 1, NULL);
+    wait_up(&r, 1);
+    void *ctx = km_zctx_create();
+    void *s = NULL;
+    cr_assert_eq(km_zsock_open(ctx, KM_ZDEALER, NULL, &s, NULL), 0);
+    cr_assert_eq(km_zsock_connect(s, r.front, NULL), 0);
+
+    send_raw(s, "\xc1garbage", 8);
+    cr_assert_eq(expect_error(s, NULL), KM_CODE_BAD_REQUEST);
+    send_raw(s, "\x93\x01\x02\x03", 4); /* an array, not a map */
+    cr_assert_eq(expect_error(s, NULL), KM_CODE_BAD_REQUEST);
+
+    msgpack_sbuffer sb;
+    msgpack_packer pk;
+    msgpack_sbuffer_init(&sb);
+    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+    msgpack_pack_map(&pk, 3); /* {"v":2,"t":"req","id":5}: a version this router does not speak */
+    msgpack_pack_str_with_body(&pk, "v", 1);
+    msgpack_pack_uint8(&pk, 2);
+    msgpack_pack_str_with_body(&pk, "t", 1);
+    msgpack_pack_str_with_body(&pk, "req", 3);
+    msgpack_pack_str_with_body(&pk, "id", 2);
+    msgpack_pack_uint8(&pk, 5);
+    send_raw(s, sb.data, sb.size);
+    cr_assert_eq(expect_error(s, NULL), KM_CODE_VERSION);
+    msgpack_sbuffer_clear(&sb);
+    msgpack_pack_map(&pk, 5); /* temperature out of range: the id is still attributed */
+    msgpack_pack_str_with_body(&pk, "v", 1);
+    msgpack_pack_uint8(&pk, 1);
+    msgpack_pack_str_with_body(&pk, "t", 1);
+    msgpack_pack_str_with_body(&pk, "req", 3);
+    msgpack_pack_str_with_body(&pk, "id", 2);
+    msgpack_pack_uint8(&pk, 77);
+    msgpack_pack_str_with_body(&pk, "model", 5);
+    msgpack_pack_str_with_body(&pk, "default", 7);
+    msgpack_pack_str_with_body(&pk, "temperature", 11);
+    msgpack_pack_double(&pk, 1000.0);
+    send_raw(s, sb.data, sb.size);
+    uint64_t id = 0;
+    cr_assert_eq(expect_error(s, &id), KM_CODE_BAD_REQUEST);
+    cr_assert_eq(id, 77u);
+    msgpack_sbuffer_destroy(&sb);
+
+    km_msg m;
+    km_msg_init(&m, KM_MSG_HEARTBEAT); /* a frame type clients do not send */
+    m.hb.worker = "me";
+    m.hb.state = KM_STATE_READY;
+    km_buf b = {0};
+    cr_assert_eq(km_msg_encode(&m, NULL, &b, NULL), 0);
+    send_raw(s, b.data, b.len);
+    cr_assert_eq(expect_error(s, NULL), KM_CODE_BAD_REQUEST);
+    km_msg_init(&m, KM_MSG_REQUEST);
+    m.req.id = 9;
+    m.req.model = "no-such-model";
+    m.req.prompt = "hi";
+    cr_assert_eq(km_msg_encode(&m, NULL, &b, NULL), 0);
+    send_raw(s, b.data, b.len);
+    cr_assert_eq(expect_error(s, NULL), KM_CODE_NOT_FOUND);
+    km_buf_free(&b);
+    km_zsock_close(s);
+    km_zctx_destroy(ctx);
+
+    /* still serving */
+    kvm_client *c = client(&r);
+    km_msg_request q;
+    greedy(&q, "The capital of France is", 4, NULL);
+    kvm_result res;
+    km_errbuf err = {{0}};
+    cr_assert_eq(kvm_generate(c, &q, NULL, NULL, &res, &err), 0, "%s", err.msg);
+    cr_assert_gt(res.completion_tokens, 0u);
+    kvm_result_free(&res);
+    json_t *o = status(&r);
+    cr_assert_geq(json_integer_value(json_object_get(json_object_get(o, "router"), "bad_frames")),
+                  5);
+    json_decref(o);
+    kvm_close(c);
+    stop_proc(&r);
+    stop_proc(&w[0]);
+}
+
+Test(router, a_full_cluster_answers_overloaded_with_a_retry_time)
+{
+    if (!have_binaries()) return;
+    const char *ids[1] = {"w0"};
+    proc w[1], r;
+    start_worker(&w[0], ids[0]);
+    const char *extra[] = {"--max-inflight=1", "--max-queue=0", NULL};
+    start_router(&r, w, ids, 1, extra);
+    wait_up(&r, 1);
+    kvm_client *c = client(&r);
+    km_msg_request q;
+    greedy(&q, "Count from one to one hundred:", 64, NULL);
+    q.id = 1;
+    km_errbuf err = {{0}};
+    cr_assert_eq(kvm_submit(c, &q, &err), 0);
+    q.id = 2;
+    cr_assert_eq(kvm_submit(c, &q, &err), 0);
+    bool got_overload = false, got_done = false;
+    while (!(got_overload && got_done)) {
+        km_msg m;
+        cr_assert_eq(kvm_next(c, 60000, &m, NULL, NULL, &err), 0, "%s", err.msg);
+        if (m.type == KM_MSG_ERROR) {
+            cr_assert_eq(m.error.id, 2u);
+            cr_assert_eq(m.error.code, KM_CODE_OVERLOADED);
+            cr_assert_gt(m.error.retry_after_ms, 0u);
+            got_overload = true;
+        } else if (m.type == KM_MSG_DONE) {
+            cr_assert_eq(m.done.id, 1u);
+            got_done = true;
+        }
+        km_msg_clear(&m);
+    }
+    kvm_close(c);
+    stop_proc(&r);
+    stop_proc(&w[0]);
+}
+
+Test(router, a_late_router_catches_up_and_replicas_route_alike)
+{
+    if (!have_binaries()) return;
+    const char *ids[2] = {"w0", "w1"};
+    proc w[2], r1, r2;
+    for (int i = 0; i < 2; i++) start_worker(&w[i], ids[i]);
+    start_router(&r1, w, ids, 2, NULL);
+    wait_up(&r1, 2);
+    kvm_client *c1 = client(&r1);
+    char *sys = system_prompt("tenant-b", 160);
+    char prompt[8192];
+    snprintf(prompt, sizeof prompt, "%s\nQuestion: say hello.\nAnswer:", sys);
+    km_msg_request q;
+    greedy(&q, prompt, 2, "tenant-b");
+    kvm_result a;
+    km_errbuf err = {{0}};
+    cr_assert_eq(kvm_generate(c1, &q, NULL, NULL, &a, &err), 0, "%s", err.msg);
+
+    /* r2 starts after the pages were published: it learns them from the workers' replay */
+    start_router(&r2, w, ids, 2, NULL);
+    wait_up(&r2, 2);
+    int pages = 0;
+    for (int i = 0; i < 100 && pages == 0; i++) {
+        json_t *o = status(&r2);
+        size_t k;
+        json_t *wj;
+        json_array_foreach(json_object_get(o, "workers"), k,
+                           wj) if (!strcmp(json_string_value(json_object_get(wj, "id")), a.worker))
+            pages =
+                (int)json_integer_value(json_object_get(json_object_get(wj, "kv_pages"), "hot"));
+        json_decref(o);
+        if (!pages) usleep(50000);
+    }
+    cr_assert_gt(pages, 5, "the late router does not know the published pages");
+    kvm_client *c2 = client(&r2);
+    snprintf(prompt, sizeof prompt, "%s\nQuestion: say goodbye.\nAnswer:", sys);
+    greedy(&q, prompt, 2, "tenant-b");
+    kvm_result b;
+    cr_assert_eq(kvm_generate(c2, &q, NULL, NULL, &b, &err), 0, "%s", err.msg);
+    cr_assert_str_eq(b.worker, a.worker, "the replica routed elsewhere");
+    cr_assert_gt(b.cached_tokens, 100u);
+    kvm_result_free(&a);
+    kvm_result_free(&b);
+    free(sys);
+    kvm_close(c1);
+    kvm_close(c2);
+    stop_proc(&r1);
+    stop_proc(&r2);
+    for (int i = 0; i < 2; i++) stop_proc(&w[i]);
+}
+
+/* Runs a shell command, returns its stdout. */
+static char *sh(const char *cmd)
+{
+    FILE *f = popen(cmd, "r");
+    cr_assert_not_null(f);
+    km_buf b = {0};
+    char tmp[4096];
+    size_t n;
+    while ((n = fread(tmp, 1, sizeof tmp, f)) > 0) km_buf_append(&b, tmp, n);
+    pclose(f);
+    km_buf_append(&b, "", 1);
+    return (char *)b.data;
+}
+
+Test(router, the_openai_http_api_answers_curl)
+{
+    if (!have_binaries()) return;
+    if (system("command -v curl >/dev/null 2>&1")) {
+        cr_skip_test("curl is not installed");
+        return;
+    }
+    const char *ids[1] = {"w0"};
+    proc w[1], r;
+    start_worker(&w[0], ids[0]);
+    start_router(&r, w, ids, 1, NULL);
+    wait_up(&r, 1);
+    char cmd[2048], base[64];
+    snprintf(base, sizeof base, "http://127.0.0.1:%d", r.http_port);
+
+    snprintf(cmd, sizeof cmd, "curl -s %s/v1/models", base);
+    char *out = sh(cmd);
+    cr_assert(strstr(out, "\"object\":\"list\"") && strstr(out, "SmolLM2"), "%s", out);
+    free(out);
+
+    snprintf(cmd, sizeof cmd,
+             "curl -s %s/v1/completions -H 'Content-Type: application/json' -d "
+             "'{\"prompt\":\"The capital of France is\",\"max_tokens\":4,\"temperature\":0}'",
+             base);
+    out = sh(cmd);
+    json_t *o = json_loads(out, 0, NULL);
+    cr_assert_not_null(o, "%s", out);
+    cr_assert_str_eq(json_string_value(json_object_get(o, "object")), "text_completion");
+    cr_assert(strstr(json_string_value(
+                         json_object_get(json_array_get(json_object_get(o, "choices"), 0), "text")),
+                     "Paris"),
+              "%s", out);
+    cr_assert_eq(
+        json_integer_value(json_object_get(json_object_get(o, "usage"), "completion_tokens")), 4);
+    json_decref(o);
+    free(out);
+
+    snprintf(cmd, sizeof cmd,
+             "curl -sN %s/v1/chat/completions -d '{\"messages\":[{\"role\":\"user\",\"content\":"
+             "\"Say hello.\"}],\"max_tokens\":6,\"temperature\":0,\"stream\":true,"
+             "\"stream_options\":{\"include_usage\":true}}'",
+             base);
+    out = sh(cmd);
+    cr_assert(strstr(out, "data: {") && strstr(out, "chat.completion.chunk"), "%s", out);
+    cr_assert(strstr(out, "\"finish_reason\":\"length\""), "%s", out);
+    cr_assert(strstr(out, "\"cached_tokens\""), "%s", out);
+    cr_assert(strstr(out, "data: [DONE]\n\n"), "%s", out);
+    free(out);
+
+    snprintf(cmd, sizeof cmd,
+             "curl -s -o /dev/null -w '%%{http_code}' %s/v1/completions -d '{\"prompt\":7}'", base);
+    out = sh(cmd);
+    cr_assert_str_eq(out, "400");
+    free(out);
+    snprintf(cmd, sizeof cmd,
+             "curl -s %s/v1/completions -d '{\"model\":\"gpt-9\",\"prompt\":\"x\"}'", base);
+    out = sh(cmd);
+    cr_assert(strstr(out, "\"model_not_found\""), "%s", out);
+    free(out);
+    snprintf(cmd, sizeof cmd, "curl -s %s/metrics", base);
+    out = sh(cmd);
+    cr_assert(strstr(out, "kvmesh_router_requests_total"), "%s", out);
+    free(out);
+    snprintf(cmd, sizeof cmd, "curl -s -o /dev/null -w '%%{http_code}' %s/healthz", base);
+    out = sh(cmd);
+    cr_assert_str_eq(out, "200");
+    free(out);
+    stop_proc(&r);
+    stop_proc(&w[0]);
+}

@@ -1,0 +1,395 @@
+/*
+ * test_router_http.c — the router's OpenAI layer (request parsing, response and SSE shapes,
+ * errors, UTF-8 sanitising) and its HTTP/1.1 server over real loopback sockets (whole and
+ * streamed responses, Content-Length and chunked bodies, 100-continue, pipelining, malformed and
+ * oversized requests, a client leaving mid-stream).
+ */
+#include <arpa/inet.h>
+#include <criterion/criterion.h>
+#include <jansson.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+#include <uv.h>
+
+#include "router/router.h"
+
+/* ---------------------------------------------------------------- OpenAI layer */
+
+static json_t *parse_json(const km_buf *b, size_t skip)
+{
+    json_error_t e;
+    json_t *o = json_loadb((const char *)b->data + skip, b->len - skip, JSON_DISABLE_EOF_CHECK, &e);
+    cr_assert_not_null(o, "bad JSON: %s in %.*s", e.text, (int)b->len, (const char *)b->data);
+    return o;
+}
+
+Test(router_openai, completion_requests_parse_with_defaults_and_extensions)
+{
+    const char *body = "{\"model\":\"m\",\"prompt\":\"hi\",\"max_tokens\":7,\"temperature\":0,"
+                       "\"stop\":[\"\\n\",\"END\"],\"seed\":5,\"stream\":true,"
+                       "\"stream_options\":{\"include_usage\":true},\"cache_salt\":\"t1\","
+                       "\"top_k\":3,\"unknown_field\":{\"x\":1}}";
+    rt_oai_req r;
+    rt_oai_err e;
+    cr_assert_eq(rt_oai_parse(body, strlen(body), false, &r, &e), 0, "%s", e.message);
+    cr_assert_str_eq(r.prompt, "hi");
+    cr_assert_str_eq(r.model, "m");
+    cr_assert_eq(r.max_tokens, 7);
+    cr_assert_float_eq(r.temperature, 0, 1e-9);
+    cr_assert_float_eq(r.top_p, 1, 1e-9);
+    cr_assert_eq(r.n_stop, 2);
+    cr_assert_str_eq(r.stop[1], "END");
+    cr_assert(r.has_seed && r.seed == 5);
+    cr_assert(r.stream && r.include_usage);
+    cr_assert_str_eq(r.cache_salt, "t1");
+    cr_assert_eq(r.top_k, 3);
+    rt_oai_req_free(&r);
+}
+
+Test(router_openai, chat_messages_accept_text_parts_and_developer_role)
+{
+    const char *body = "{\"messages\":[{\"role\":\"developer\",\"content\":\"be brief\"},"
+                       "{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"a\"},"
+                       "{\"type\":\"text\",\"text\":\"b\"}]}],\"max_completion_tokens\":3}";
+    rt_oai_req r;
+    rt_oai_err e;
+    cr_assert_eq(rt_oai_parse(body, strlen(body), true, &r, &e), 0, "%s", e.message);
+    cr_assert_eq(r.n_msgs, 2);
+    cr_assert_str_eq(r.msgs[0].role, "system");
+    cr_assert_str_eq(r.msgs[1].content, "ab");
+    cr_assert_eq(r.max_tokens, 3);
+    rt_oai_req_free(&r);
+}
+
+Test(router_openai, bad_requests_name_the_field)
+{
+    struct {
+        const char *body, *param;
+        bool chat;
+    } cases[] = {
+        {"{\"prompt\":1}", "prompt", false},
+        {"{\"prompt\":\"x\",\"temperature\":-1}", "temperature", false},
+        {"{\"prompt\":\"x\",\"n\":2}", "n", false},
+        {"{\"prompt\":\"x\",\"logprobs\":3}", "logprobs", false},
+        {"{\"prompt\":\"x\",\"stop\":[1]}", "stop", false},
+        {"{\"messages\":[]}", "messages", true},
+        {"{\"messages\":[{\"role\":\"wizard\",\"content\":\"x\"}]}", "messages", true},
+        {"{\"prompt\":\"x\",\"max_tokens\":-5}", "max_tokens", false},
+        {"[1,2]", NULL, false},
+        {"{\"prompt\":\"x\",", NULL, false},
+        {"{\"prompt\":\"a\",\"prompt\":\"b\"}", NULL, false},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        rt_oai_req r;
+        rt_oai_err e;
+        cr_assert_neq(rt_oai_parse(cases[i].body, strlen(cases[i].body), cases[i].chat, &r, &e), 0,
+                      "case %zu accepted", i);
+        cr_assert_eq(e.status, 400);
+        cr_assert_str_eq(e.type, "invalid_request_error");
+        if (cases[i].param) cr_assert_str_eq(e.param, cases[i].param, "case %zu", i);
+        cr_assert(strlen(e.message) > 5);
+    }
+}
+
+Test(router_openai, responses_carry_usage_with_cached_tokens)
+{
+    rt_oai_meta m = {
+        .chat = true, .id = "chatcmpl-1", .model = "smol", .created = 100, .worker = "w3"};
+    rt_oai_usage u = {.prompt_tokens = 1000, .completion_tokens = 8, .cached_tokens = 992};
+    km_buf b = {0};
+    cr_assert_eq(rt_oai_response(&b, &m, "hello", 5, "stop", &u), 0);
+    json_t *o = parse_json(&b, 0);
+    cr_assert_str_eq(json_string_value(json_object_get(o, "object")), "chat.completion");
+    json_t *c0 = json_array_get(json_object_get(o, "choices"), 0);
+    cr_assert_str_eq(json_string_value(json_object_get(json_object_get(c0, "message"), "content")),
+                     "hello");
+    cr_assert_str_eq(json_string_value(json_object_get(c0, "finish_reason")), "stop");
+    json_t *us = json_object_get(o, "usage");
+    cr_assert_eq(json_integer_value(json_object_get(us, "total_tokens")), 1008);
+    cr_assert_eq(json_integer_value(json_object_get(json_object_get(us, "prompt_tokens_details"),
+                                                    "cached_tokens")),
+                 992);
+    cr_assert_str_eq(json_string_value(json_object_get(json_object_get(o, "kvmesh"), "worker")),
+                     "w3");
+    json_decref(o);
+    km_buf_free(&b);
+}
+
+Test(router_openai, sse_chunks_are_data_lines_and_invalid_utf8_is_replaced)
+{
+    rt_oai_meta m = {.chat = false, .id = "cmpl-1", .model = "smol", .created = 1};
+    km_buf b = {0};
+    cr_assert_eq(rt_oai_sse_chunk(&b, &m, "a\xe2\x82", 3, NULL), 0); /* cut inside a char */
+    cr_assert_eq(strncmp((char *)b.data, "data: ", 6), 0);
+    cr_assert_eq(memcmp(b.data + b.len - 2, "\n\n", 2), 0);
+    json_t *o = parse_json(&b, 6);
+    json_t *c0 = json_array_get(json_object_get(o, "choices"), 0);
+    cr_assert_str_eq(json_string_value(json_object_get(c0, "text")), "a\xef\xbf\xbd\xef\xbf\xbd",
+                     "each invalid byte becomes U+FFFD");
+    cr_assert(json_is_null(json_object_get(c0, "finish_reason")));
+    json_decref(o);
+    km_buf_reset(&b);
+    m.chat = true;
+    cr_assert_eq(rt_oai_sse_chunk(&b, &m, NULL, 0, NULL), 0); /* role announcement */
+    o = parse_json(&b, 6);
+    c0 = json_array_get(json_object_get(o, "choices"), 0);
+    cr_assert_str_eq(json_string_value(json_object_get(json_object_get(c0, "delta"), "role")),
+                     "assistant");
+    json_decref(o);
+    km_buf_reset(&b);
+    rt_oai_sse_done(&b);
+    cr_assert_eq(memcmp(b.data, "data: [DONE]\n\n", 14), 0);
+    km_buf_free(&b);
+}
+
+Test(router_openai, protocol_codes_map_to_http_errors)
+{
+    rt_oai_err e;
+    rt_oai_err_from_code(KM_CODE_OVERLOADED, "queue full", &e);
+    cr_assert_eq(e.status, 503);
+    cr_assert_str_eq(e.code, "overloaded");
+    rt_oai_err_from_code(KM_CODE_TOO_LARGE, "too long", &e);
+    cr_assert_eq(e.status, 400);
+    cr_assert_str_eq(e.code, "context_length_exceeded");
+    rt_oai_err_from_code(KM_CODE_NOT_FOUND, "no", &e);
+    cr_assert_eq(e.status, 404);
+    km_buf b = {0};
+    rt_oai_error_json(&b, &e);
+    json_t *o = parse_json(&b, 0);
+    cr_assert_str_eq(json_string_value(json_object_get(json_object_get(o, "error"), "message")),
+                     "no");
+    json_decref(o);
+    km_buf_free(&b);
+}
+
+/* ---------------------------------------------------------------- HTTP server */
+
+typedef struct server {
+    uv_loop_t loop;
+    uv_async_t stop;
+    uv_timer_t stream_timer;
+    rt_http *h;
+    int port;
+    pthread_t th;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool ready;
+    rt_http_req *streaming;
+    int chunks_left;
+    int aborts;
+} server;
+
+static void on_stream_tick(uv_timer_t *t)
+{
+    server *s = t->data;
+    if (!s->streaming) return;
+    char line[32];
+    int n = snprintf(line, sizeof line, "data: %d\n\n", s->chunks_left);
+    rt_http_stream_write(s->streaming, line, (size_t)n);
+    if (--s->chunks_left == 0) {
+        rt_http_stream_end(s->streaming);
+        s->streaming = NULL;
+        uv_timer_stop(t);
+    }
+}
+
+static void on_abort(rt_http_req *r, void *user)
+{
+    server *s = user;
+    s->aborts++;
+    s->streaming = NULL;
+    uv_timer_stop(&s->stream_timer);
+}
+
+static void handler(rt_http_req *r, void *user)
+{
+    server *s = user;
+    const char *path = rt_http_path(r);
+    if (!strcmp(path, "/echo")) {
+        size_t n;
+        const char *b = rt_http_body(r, &n);
+        rt_http_respond(r, 200, "text/plain", b, n);
+    } else if (!strcmp(path, "/stream") || !strcmp(path, "/forever")) {
+        rt_http_stream_begin(r, 200, "text/event-stream");
+        s->streaming = r;
+        s->chunks_left = !strcmp(path, "/stream") ? 3 : 1000000;
+        rt_http_on_abort(r, on_abort, s);
+        uv_timer_start(&s->stream_timer, on_stream_tick, 5, 5);
+    } else if (!strcmp(path, "/header")) {
+        const char *v = rt_http_header(r, "x-test");
+        rt_http_respond(r, 200, "text/plain", v ? v : "none", v ? strlen(v) : 4);
+    } else {
+        rt_http_respond(r, 404, "text/plain", "nope", 4);
+    }
+}
+
+static void on_stop(uv_async_t *a)
+{
+    server *s = a->data;
+    rt_http_stop(s->h);
+    uv_close((uv_handle_t *)&s->stop, NULL);
+    uv_close((uv_handle_t *)&s->stream_timer, NULL);
+}
+
+static void *serve(void *arg)
+{
+    server *s = arg;
+    uv_loop_init(&s->loop);
+    uv_async_init(&s->loop, &s->stop, on_stop);
+    s->stop.data = s;
+    uv_timer_init(&s->loop, &s->stream_timer);
+    s->stream_timer.data = s;
+    rt_http_opts o = {.port = 0, .max_body = 1024, .handler = handler, .user = s};
+    km_errbuf err;
+    cr_assert_eq(rt_http_start(&s->loop, &o, &s->h, &err), 0, "%s", err.msg);
+    pthread_mutex_lock(&s->mu);
+    s->port = rt_http_port(s->h);
+    s->ready = true;
+    pthread_cond_signal(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    uv_run(&s->loop, UV_RUN_DEFAULT);
+    uv_loop_close(&s->loop);
+    return NULL;
+}
+
+static server *start(void)
+{
+    server *s = calloc(1, sizeof *s);
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->cv, NULL);
+    pthread_create(&s->th, NULL, serve, s);
+    pthread_mutex_lock(&s->mu);
+    while (!s->ready) pthread_cond_wait(&s->cv, &s->mu);
+    pthread_mutex_unlock(&s->mu);
+    return s;
+}
+
+static void stop(server *s)
+{
+    uv_async_send(&s->stop);
+    pthread_join(s->th, NULL);
+    free(s);
+}
+
+static int dial(int port)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+    cr_assert_eq(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
+    return fd;
+}
+
+static void say(int fd, const char *s)
+{
+    cr_assert_eq(send(fd, s, strlen(s), MSG_NOSIGNAL), (ssize_t)strlen(s));
+}
+
+/* Reads until `until` appears (or the peer closes / 3 s pass). */
+static char *hear(int fd, const char *until)
+{
+    static char buf[65536];
+    size_t n = 0;
+    buf[0] = 0;
+    for (;;) {
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        if (poll(&p, 1, 3000) <= 0) break;
+        ssize_t k = recv(fd, buf + n, sizeof buf - 1 - n, 0);
+        if (k <= 0) break;
+        n += (size_t)k;
+        buf[n] = 0;
+        if (until && strstr(buf, until)) break;
+    }
+    return buf;
+}
+
+Test(router_http, whole_responses_keep_alive_and_pipeline_in_order)
+{
+    server *s = start();
+    int fd = dial(s->port);
+    say(fd, "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello"
+            "GET /header HTTP/1.1\r\nHost: x\r\nX-Test: yes\r\n\r\n");
+    char *r = hear(fd, "\r\n\r\nyes");
+    char *first = strstr(r, "hello"), *second = strstr(r, "yes");
+    cr_assert(first && second && first < second, "got: %s", r);
+    cr_assert(strstr(r, "Connection: keep-alive"));
+    close(fd);
+    stop(s);
+}
+
+Test(router_http, chunked_bodies_and_100_continue)
+{
+    server *s = start();
+    int fd = dial(s->port);
+    say(fd, "POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+            "3\r\nabc\r\n4\r\ndefg\r\n0\r\n\r\n");
+    char *r = hear(fd, "abcdefg");
+    cr_assert(strstr(r, "Content-Length: 7"), "got: %s", r);
+    say(fd, "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nExpect: 100-continue\r\n\r\n");
+    r = hear(fd, "100 Continue\r\n\r\n");
+    cr_assert(strstr(r, "HTTP/1.1 100 Continue"), "got: %s", r);
+    say(fd, "xyz");
+    r = hear(fd, "xyz");
+    cr_assert(strstr(r, "200 OK"), "got: %s", r);
+    close(fd);
+    stop(s);
+}
+
+Test(router_http, streamed_responses_are_chunked)
+{
+    server *s = start();
+    int fd = dial(s->port);
+    say(fd, "GET /stream HTTP/1.1\r\nHost: x\r\n\r\n");
+    char *r = hear(fd, "0\r\n\r\n");
+    cr_assert(strstr(r, "Transfer-Encoding: chunked"), "got: %s", r);
+    cr_assert(strstr(r, "data: 3\n\n") && strstr(r, "data: 1\n\n"), "got: %s", r);
+    cr_assert(strstr(r, "\r\n0\r\n\r\n"));
+    /* the connection serves the next request after the stream */
+    say(fd, "GET /nothing HTTP/1.1\r\nHost: x\r\n\r\n");
+    r = hear(fd, "nope");
+    cr_assert(strstr(r, "404"), "got: %s", r);
+    close(fd);
+    stop(s);
+}
+
+Test(router_http, malformed_and_oversized_requests_get_errors_and_the_server_keeps_serving)
+{
+    server *s = start();
+    const char *bad[] = {
+        "GARBAGE\r\n\r\n",
+        "POST /echo HTTP/1.1\r\nContent-Length: 99999\r\n\r\n",
+        "POST /echo HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab",
+        "POST /echo HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n",
+        "POST /echo HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    };
+    const char *want[] = {"400", "413", "400", "501", "400"};
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        int fd = dial(s->port);
+        say(fd, bad[i]);
+        char *r = hear(fd, NULL);
+        cr_assert(strstr(r, want[i]), "case %zu got: %s", i, r);
+        cr_assert(strstr(r, "\"error\""), "case %zu: not an error object", i);
+        close(fd);
+    }
+    int fd = dial(s->port);
+    say(fd, "GET /header HTTP/1.1\r\nX-Test: ok\r\n\r\n");
+    cr_assert(strstr(hear(fd, "ok"), "200 OK"));
+    close(fd);
+    stop(s);
+}
+
+Test(router_http, a_client_leaving_mid_stream_aborts_the_request)
+{
+    server *s = start();
+    int fd = dial(s->port);
+    say(fd, "GET /forever HTTP/1.1\r\nHost: x\r\n\r\n");
+    hear(fd, "data:");
+    close(fd);
+    for (int i = 0; i < 100 && !__atomic_load_n(&s->aborts, __ATOMIC_SEQ_CST); i++) usleep(20000);
+    cr_assert_eq(__atomic_load_n(&s->aborts, __ATOMIC_SEQ_CST), 1);
+    stop(s);
+}
