@@ -55,12 +55,14 @@ LOAD_START="$(cut -d' ' -f1-3 /proc/loadavg)"
 # fair comparison is llama.cpp without it (--repack 0 / -nr), and the table says so.
 case "$LLAMA_REPACK" in
     auto)
-        if "$LLBIN/llama-bench" -m "$MODEL" -t "$THREADS" -p 8 -n 1 -r 1 --repack 1 -o json >"$OUT/probe.json" \
-            2>"$OUT/probe.log"; then
+        rc=0
+        "$LLBIN/llama-bench" -m "$MODEL" -t "$THREADS" -p 8 -n 1 -r 1 --repack 1 -o json >"$OUT/probe.json" \
+            2>"$OUT/probe.log" || rc=$?
+        if [ "$rc" = 0 ]; then
             REPACK=1
         else
             REPACK=0
-            say "llama.cpp crashed with weight repacking on (rc $?, see $OUT/probe.log); using --repack 0"
+            say "llama.cpp failed with weight repacking on (exit $rc, see $OUT/probe.log); using --repack 0"
         fi
         ;;
     0 | 1) REPACK="$LLAMA_REPACK" ;;
