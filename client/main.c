@@ -47,7 +47,12 @@ static void km_cli_usage(const char *cmd)
                "  run         generate from a prompt with the local engine\n"
                "  perplexity  perplexity of a text file (llama.cpp's method)\n"
                "  bench       engine speed: prefill and decode at several batch sizes\n"
-               "  tokenize    print the token ids of a text\n\n"
+               "  tokenize    print the token ids of a text\n"
+               "cluster commands (through a router):\n"
+               "  generate    stream a completion from the cluster\n"
+               "  chat        interactive chat through the cluster\n"
+               "  status      workers, KV usage per tier, hit ratio\n"
+               "  up          start a router and N workers on loopback\n\n"
                "`kvmesh COMMAND --help` lists the command's options.\n");
         return;
     }
