@@ -12,7 +12,11 @@
 #
 # The machine is shared and noisy, so the runs are interleaved (kvmesh, llama.cpp, kvmesh,
 # llama.cpp, ...; ROUNDS of each) and each figure is the median over the rounds. Every raw
-# figure is printed too. Nothing here asserts anything about time.
+# figure is printed too, with the load average. Nothing here asserts anything about time.
+# Beware: ggml's threads meet at spinning barriers many times per token, so when other processes
+# compete for the cores (load average above the core count) llama.cpp's multi-threaded figures
+# collapse by up to 10x and vary wildly between rounds; compare only on a quiet machine, or look
+# at THREADS=1 as well.
 #
 # Environment: THREADS (default nproc), MODEL (default models/SmolLM2-135M-Instruct.Q4_1.gguf),
 #   ROUNDS (default 2), LLAMA_REPACK (auto|0|1, default auto: llama.cpp's weight repacking is
