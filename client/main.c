@@ -385,6 +385,8 @@ static int km_cmd_perplexity(int argc, char **argv)
     size_t len;
     char *text = km_read_file(c.file, &len);
     if (!text) return 1;
+    /* As llama-perplexity reads its file: one trailing newline is dropped. */
+    if (len > 0 && text[len - 1] == '\n') text[--len] = 0;
     wk_model *m = NULL;
     wk_engine *e = NULL;
     if (km_open_engine(&c, n_batch, &m, &e)) return 1;
@@ -392,9 +394,9 @@ static int km_cmd_perplexity(int argc, char **argv)
     int n_tok = 0;
     int32_t *ids = km_tokenize(tok, text, len, 1, 0, &n_tok);
     int n_ctx = c.ctx, n_chunk = n_tok / n_ctx, n_vocab = wk_model_hparams(m)->n_vocab;
-    if (n_chunk < 1) {
-        fprintf(stderr, "kvmesh perplexity: %d tokens is less than one context of %d\n", n_tok,
-                n_ctx);
+    if (n_tok < 2 * n_ctx) {
+        fprintf(stderr, "kvmesh perplexity: %d tokens; need at least 2 x ctx = %d (as llama.cpp)\n",
+                n_tok, 2 * n_ctx);
         return 1;
     }
     fprintf(stderr, "kvmesh perplexity: %d tokens, %d chunks of %d, batch %d, kv %s\n", n_tok,
