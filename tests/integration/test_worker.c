@@ -880,3 +880,56 @@ Test(worker, heartbeats_reach_the_controller_and_serving_survives_its_absence)
     stop_worker(&w, 5000);
     km_zctx_destroy(g_ctx);
 }
+
+/* Waits for the DONE of a request and returns its cached prompt tokens. */
+static int wait_done_cached(void *s)
+{
+    km_msg m;
+    for (;;) {
+        cr_assert(recv_msg(s, &m, 30000), "no reply");
+        cr_assert_neq(m.type, KM_MSG_ERROR);
+        if (m.type == KM_MSG_DONE) {
+            int cached = (int)m.done.cached_tokens;
+            km_msg_clear(&m);
+            return cached;
+        }
+        km_msg_clear(&m);
+    }
+}
+
+Test(worker, a_restarted_worker_comes_back_warm_from_its_disk_tier)
+{
+    if (!have_model()) return;
+    g_ctx = km_zctx_create();
+    char disk[64];
+    snprintf(disk, sizeof disk, "/tmp/kvmesh-disk-XXXXXX");
+    cr_assert(mkdtemp(disk));
+    /* No host tier: drain demotes hot pages to the next tier down, which is then the disk. (With
+     * a host tier they stop in host RAM and die with the process: see docs/operations.md.) */
+    const char *extra[] = {"--kv-disk-dir", disk, NULL};
+    int32_t toks[100];
+    for (int i = 0; i < 100; i++) toks[i] = 900 + i * 7;
+
+    wproc w;
+    start_worker(&w, extra);
+    void *s = dealer(w.req);
+    send_req(s, 1, toks, 100, 4);
+    cr_assert_eq(wait_done_cached(s), 0, "a fresh disk tier cannot hold this prompt yet");
+    kill(w.pid, SIGTERM); /* drain: hot pages are persisted to the disk tier */
+    cr_assert_eq(stop_worker(&w, 30000), WK_EXIT_RESTART);
+    km_zsock_close(s);
+
+    wproc w2;
+    start_worker(&w2, extra);
+    s = dealer(w2.req);
+    send_req(s, 2, toks, 100, 4);
+    int cached = wait_done_cached(s);
+    cr_assert_geq(cached, 96, "after a restart only %d of 100 prompt tokens came from disk", cached);
+    kill(w2.pid, SIGTERM);
+    stop_worker(&w2, 30000);
+    km_zsock_close(s);
+    km_zctx_destroy(g_ctx);
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", disk);
+    if (system(cmd)) cr_log_warn("could not remove %s", disk);
+}
