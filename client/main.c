@@ -136,33 +136,56 @@ static int km_cli_parse(const char *cmd, int argc, char **argv, km_cli *c)
         if (KM_IS("-h", "--help")) {
             km_cli_usage(cmd);
             exit(0);
-        } else if (KM_IS("--chat", "--chat")) c->chat = 1, used = 0;
-        else if (KM_IS("--ignore-eos", "--ignore-eos")) c->ignore_eos = 1, used = 0;
-        else if (KM_IS("--ids", "--ids")) c->show_ids = 1, used = 0;
-        else if (KM_IS("--raw", "--raw")) c->raw = 1, used = 0;
+        } else if (KM_IS("--chat", "--chat"))
+            c->chat = 1, used = 0;
+        else if (KM_IS("--ignore-eos", "--ignore-eos"))
+            c->ignore_eos = 1, used = 0;
+        else if (KM_IS("--ids", "--ids"))
+            c->show_ids = 1, used = 0;
+        else if (KM_IS("--raw", "--raw"))
+            c->raw = 1, used = 0;
         else if (!v) {
             fprintf(stderr, "kvmesh %s: unknown option or missing value: %s (see --help)\n", cmd,
                     a);
             return -1;
-        } else if (KM_IS("-m", "--model")) c->model = v;
-        else if (KM_IS("-p", "--prompt")) c->prompt = v;
-        else if (KM_IS("-f", "--file")) c->file = v;
-        else if (KM_IS("--system", "--system")) c->system = v;
-        else if (KM_IS("--kv-format", "--kv-format")) c->kv_format = v;
-        else if (KM_IS("--batch", "--batch") && !strcmp(cmd, "bench")) c->batches = v;
-        else if (KM_IS("-n", "--n-predict")) bad = km_cli_int(v, &c->n_predict);
-        else if (KM_IS("-t", "--threads")) bad = km_cli_int(v, &c->threads);
-        else if (KM_IS("-c", "--ctx")) bad = km_cli_int(v, &c->ctx);
-        else if (KM_IS("-b", "--batch")) bad = km_cli_int(v, &c->n_batch);
-        else if (KM_IS("--prompt", "--prompt")) bad = km_cli_int(v, &c->prompt_tokens);
-        else if (KM_IS("--gen", "--gen")) bad = km_cli_int(v, &c->gen_tokens);
-        else if (KM_IS("--reps", "--reps")) bad = km_cli_int(v, &c->reps);
-        else if (KM_IS("--temperature", "--temp")) bad = km_cli_float(v, &c->sp.temperature);
-        else if (KM_IS("--top-k", "--top-k")) bad = km_cli_int(v, &c->sp.top_k);
-        else if (KM_IS("--top-p", "--top-p")) bad = km_cli_float(v, &c->sp.top_p);
-        else if (KM_IS("--min-p", "--min-p")) bad = km_cli_float(v, &c->sp.min_p);
-        else if (KM_IS("--repeat-penalty", "--repeat-penalty")) bad = km_cli_float(v, &c->sp.repeat_penalty);
-        else if (KM_IS("--repeat-last-n", "--repeat-last-n")) bad = km_cli_int(v, &c->sp.repeat_last_n);
+        } else if (KM_IS("-m", "--model"))
+            c->model = v;
+        else if (KM_IS("-p", "--prompt"))
+            c->prompt = v;
+        else if (KM_IS("-f", "--file"))
+            c->file = v;
+        else if (KM_IS("--system", "--system"))
+            c->system = v;
+        else if (KM_IS("--kv-format", "--kv-format"))
+            c->kv_format = v;
+        else if (KM_IS("--batch", "--batch") && !strcmp(cmd, "bench"))
+            c->batches = v;
+        else if (KM_IS("-n", "--n-predict"))
+            bad = km_cli_int(v, &c->n_predict);
+        else if (KM_IS("-t", "--threads"))
+            bad = km_cli_int(v, &c->threads);
+        else if (KM_IS("-c", "--ctx"))
+            bad = km_cli_int(v, &c->ctx);
+        else if (KM_IS("-b", "--batch"))
+            bad = km_cli_int(v, &c->n_batch);
+        else if (KM_IS("--prompt", "--prompt"))
+            bad = km_cli_int(v, &c->prompt_tokens);
+        else if (KM_IS("--gen", "--gen"))
+            bad = km_cli_int(v, &c->gen_tokens);
+        else if (KM_IS("--reps", "--reps"))
+            bad = km_cli_int(v, &c->reps);
+        else if (KM_IS("--temperature", "--temp"))
+            bad = km_cli_float(v, &c->sp.temperature);
+        else if (KM_IS("--top-k", "--top-k"))
+            bad = km_cli_int(v, &c->sp.top_k);
+        else if (KM_IS("--top-p", "--top-p"))
+            bad = km_cli_float(v, &c->sp.top_p);
+        else if (KM_IS("--min-p", "--min-p"))
+            bad = km_cli_float(v, &c->sp.min_p);
+        else if (KM_IS("--repeat-penalty", "--repeat-penalty"))
+            bad = km_cli_float(v, &c->sp.repeat_penalty);
+        else if (KM_IS("--repeat-last-n", "--repeat-last-n"))
+            bad = km_cli_int(v, &c->sp.repeat_last_n);
         else if (KM_IS("--presence-penalty", "--presence-penalty"))
             bad = km_cli_float(v, &c->sp.presence_penalty);
         else if (KM_IS("--frequency-penalty", "--frequency-penalty"))
@@ -420,8 +443,8 @@ static int km_cmd_perplexity(int argc, char **argv)
                 seqs[i] = seq;
                 want[i] = s + i >= first && s + i < n_ctx - 1;
             }
-            wk_batch b = {.n_tokens = nb, .tokens = chunk + s, .pos = pos, .seqs = seqs,
-                          .logits = want};
+            wk_batch b = {
+                .n_tokens = nb, .tokens = chunk + s, .pos = pos, .seqs = seqs, .logits = want};
             const float *lg;
             int n_out = wk_engine_step(e, &b, &lg);
             if (n_out < 0) {
@@ -545,8 +568,8 @@ static int km_cmd_bench(int argc, char **argv)
                 for (int j = 0; j < B; j++) pos[j] = npp + g, seqs[j] = ss[j];
                 uint8_t want[256];
                 memset(want, 1, sizeof want);
-                wk_batch b = {.n_tokens = B, .tokens = tok, .pos = pos, .seqs = seqs,
-                              .logits = want};
+                wk_batch b = {
+                    .n_tokens = B, .tokens = tok, .pos = pos, .seqs = seqs, .logits = want};
                 int rc = wk_engine_step(e, &b, &lg);
                 if (rc < 0) {
                     fprintf(stderr, "kvmesh bench: step failed: %s\n", km_strerror(rc));

@@ -60,8 +60,7 @@ static size_t wk_dot_row_bytes(const wk_weight *w)
     return km_type_row_bytes(kn_dot_type(w->type), w->k);
 }
 
-int wk_engine_create(const wk_model *m, const wk_engine_opts *opts, wk_engine **out,
-                     km_errbuf *err)
+int wk_engine_create(const wk_model *m, const wk_engine_opts *opts, wk_engine **out, km_errbuf *err)
 {
     *out = NULL;
     const wk_hparams *hp = &m->hp;
@@ -131,7 +130,8 @@ int wk_engine_create(const wk_model *m, const wk_engine_opts *opts, wk_engine **
     e->out_idx = wk_alloc(T * sizeof(int32_t));
     if (!e->x || !e->xn || !e->q || !e->k || !e->v || !e->att || !e->tmp || !e->gate || !e->up ||
         !e->rope_cs || !e->logits || !e->xq || !e->out_idx) {
-        rc = km_errf(err, KM_ENOMEM, "engine: cannot allocate buffers for %d tokens", e->max_tokens);
+        rc =
+            km_errf(err, KM_ENOMEM, "engine: cannot allocate buffers for %d tokens", e->max_tokens);
         goto fail;
     }
     *out = e;
@@ -146,17 +146,26 @@ void wk_engine_destroy(wk_engine *e)
     if (!e) return;
     kn_pool_destroy(e->pool);
     kv_store_destroy(e->kv);
-    float *bufs[] = {e->x, e->xn, e->q, e->k, e->v, e->att, e->tmp, e->gate, e->up, e->rope_cs,
-                     e->logits};
+    float *bufs[] = {e->x,   e->xn,   e->q,  e->k,       e->v,     e->att,
+                     e->tmp, e->gate, e->up, e->rope_cs, e->logits};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
     free(e->xq);
     free(e->out_idx);
     free(e);
 }
 
-kv_store *wk_engine_kv(wk_engine *e) { return e->kv; }
-int wk_engine_threads(const wk_engine *e) { return kn_pool_size(e->pool); }
-const char *wk_engine_isa(const wk_engine *e) { return e->ops->name; }
+kv_store *wk_engine_kv(wk_engine *e)
+{
+    return e->kv;
+}
+int wk_engine_threads(const wk_engine *e)
+{
+    return kn_pool_size(e->pool);
+}
+const char *wk_engine_isa(const wk_engine *e)
+{
+    return e->ops->name;
+}
 
 /* ------------------------------------------------------------------ phases */
 
@@ -192,8 +201,8 @@ static void wk_matmul_group(wk_engine *e, const wk_mm *mm, int n_mm, int m, int 
         if (a < 0) a = 0;
         if (b > w->rows) b = w->rows;
         if (a < b) {
-            e->ops->matmul(w->type, w->data, w->row_bytes, e->xq, e->xq_row_bytes, w->k, m,
-                           mm[i].y, mm[i].y_stride, a, b);
+            e->ops->matmul(w->type, w->data, w->row_bytes, e->xq, e->xq_row_bytes, w->k, m, mm[i].y,
+                           mm[i].y_stride, a, b);
             if (mm[i].bias && mm[i].bias->data) {
                 const float *bv = mm[i].bias->data;
                 for (int t = 0; t < m; t++)
@@ -221,8 +230,8 @@ static void wk_step_job(void *ctx, int ith, int nth)
 
     /* Embeddings and rope caches. */
     for (int64_t i = t0; i < t1; i++) {
-        const uint8_t *row = (const uint8_t *)m->tok_embd.data +
-                             (size_t)b->tokens[i] * m->tok_embd.row_bytes;
+        const uint8_t *row =
+            (const uint8_t *)m->tok_embd.data + (size_t)b->tokens[i] * m->tok_embd.row_bytes;
         ops->dequantize_row(m->tok_embd.type, row, e->x + i * embd, embd);
         kn_rope_cache(e->rope_cs + i * hp->n_rot, hp->n_rot, b->pos[i], hp->rope_base);
     }
@@ -231,13 +240,12 @@ static void wk_step_job(void *ctx, int ith, int nth)
         const wk_layer *L = &m->layers[l];
         /* P1 */
         for (int64_t i = t0; i < t1; i++)
-            ops->rmsnorm(e->xn + i * embd, e->x + i * embd, L->attn_norm.data, embd,
-                         hp->norm_eps);
+            ops->rmsnorm(e->xn + i * embd, e->x + i * embd, L->attn_norm.data, embd, hp->norm_eps);
         wk_quantize_rows(e, &L->wq, e->xn, t0, t1);
         kn_pool_barrier(e->pool);
         /* P2 */
-        wk_mm qkv[3] = {{&L->wq, e->q, qd, &L->bq}, {&L->wk, e->k, kvd, &L->bk},
-                        {&L->wv, e->v, kvd, &L->bv}};
+        wk_mm qkv[3] = {
+            {&L->wq, e->q, qd, &L->bq}, {&L->wk, e->k, kvd, &L->bk}, {&L->wv, e->v, kvd, &L->bv}};
         int same = kn_dot_type(L->wk.type) == kn_dot_type(L->wq.type) &&
                    kn_dot_type(L->wv.type) == kn_dot_type(L->wq.type);
         if (same) {

@@ -26,9 +26,9 @@ static int wk_get_u32(const km_gguf *g, const char *arch, const char *key, uint3
     snprintf(full, sizeof full, "%s.%s", arch, key);
     int rc = km_gguf_get_u32(g, full, out);
     if (rc == KM_ENOTFOUND && !required) return 0;
-    if (rc) return km_errf(err, rc == KM_ENOTFOUND ? KM_EFORMAT : rc,
-                           "model: metadata %s is %s", full,
-                           rc == KM_ENOTFOUND ? "missing" : "not an unsigned integer");
+    if (rc)
+        return km_errf(err, rc == KM_ENOTFOUND ? KM_EFORMAT : rc, "model: metadata %s is %s", full,
+                       rc == KM_ENOTFOUND ? "missing" : "not an unsigned integer");
     return 0;
 }
 
@@ -54,8 +54,8 @@ static int wk_tensor(const km_gguf *g, const char *name, int64_t ne0, int64_t ne
     if (t->n_dims != want_dims || t->ne[0] != ne0 || (ne1 && t->ne[1] != ne1))
         return km_errf(err, KM_EFORMAT,
                        "model: tensor %s has shape [%lld, %lld] (%d dims), expected [%lld, %lld]",
-                       name, (long long)t->ne[0], (long long)t->ne[1], t->n_dims,
-                       (long long)ne0, (long long)ne1);
+                       name, (long long)t->ne[0], (long long)t->ne[1], t->n_dims, (long long)ne0,
+                       (long long)ne1);
     if (ne1) {
         if (!kn_weight_type_supported((km_type)t->type))
             return km_errf(err, KM_EUNSUPPORTED, "model: tensor %s has type %s, not supported",
@@ -120,8 +120,8 @@ static int wk_load_hparams(wk_model *m, km_errbuf *err)
                        hp->n_rot, hp->head_dim);
     hp->rope_neox = !strcmp(hp->arch, "qwen2");
     if (!(hp->norm_eps > 0 && hp->norm_eps < 1) || !(hp->rope_base > 0))
-        return km_errf(err, KM_EFORMAT, "model: bad norm epsilon %g or rope base %g",
-                       hp->norm_eps, hp->rope_base);
+        return km_errf(err, KM_EFORMAT, "model: bad norm epsilon %g or rope base %g", hp->norm_eps,
+                       hp->rope_base);
     return 0;
 }
 
@@ -186,8 +186,8 @@ static void wk_fingerprint(wk_model *m)
     XXH3_128bits_update(st, &size, sizeof size);
     XXH128_hash_t h = XXH3_128bits_digest(st);
     XXH3_freeState(st);
-    snprintf(m->fingerprint, sizeof m->fingerprint, "%016llx%016llx",
-             (unsigned long long)h.high64, (unsigned long long)h.low64);
+    snprintf(m->fingerprint, sizeof m->fingerprint, "%016llx%016llx", (unsigned long long)h.high64,
+             (unsigned long long)h.low64);
 }
 
 int wk_model_load(const char *path, wk_model **out, km_errbuf *err)
@@ -226,9 +226,27 @@ void wk_model_free(wk_model *m)
     free(m);
 }
 
-const wk_hparams *wk_model_hparams(const wk_model *m) { return &m->hp; }
-const km_tokenizer *wk_model_tokenizer(const wk_model *m) { return m->tok; }
-const km_gguf *wk_model_gguf(const wk_model *m) { return m->gguf; }
-const char *wk_model_name(const wk_model *m) { return m->name; }
-km_chat_kind wk_model_chat_kind(const wk_model *m) { return m->chat; }
-void wk_model_fingerprint_hex(const wk_model *m, char out[33]) { memcpy(out, m->fingerprint, 33); }
+const wk_hparams *wk_model_hparams(const wk_model *m)
+{
+    return &m->hp;
+}
+const km_tokenizer *wk_model_tokenizer(const wk_model *m)
+{
+    return m->tok;
+}
+const km_gguf *wk_model_gguf(const wk_model *m)
+{
+    return m->gguf;
+}
+const char *wk_model_name(const wk_model *m)
+{
+    return m->name;
+}
+km_chat_kind wk_model_chat_kind(const wk_model *m)
+{
+    return m->chat;
+}
+void wk_model_fingerprint_hex(const wk_model *m, char out[33])
+{
+    memcpy(out, m->fingerprint, 33);
+}

@@ -26,8 +26,8 @@ struct wk_sampler {
     int n_vocab;
     wk_cand *cand;
     float *row;
-    uint16_t *counts;  /* occurrences of each id in the history window */
-    int32_t *history;  /* ring of the last repeat_last_n tokens */
+    uint16_t *counts; /* occurrences of each id in the history window */
+    int32_t *history; /* ring of the last repeat_last_n tokens */
     int n_hist, hist_head;
     uint64_t rng[4];
 };
@@ -52,7 +52,10 @@ static uint64_t wk_splitmix(uint64_t *x)
     return z ^ (z >> 31);
 }
 
-static inline uint64_t wk_rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+static inline uint64_t wk_rotl(uint64_t x, int k)
+{
+    return (x << k) | (x >> (64 - k));
+}
 
 static uint64_t wk_rng_next(uint64_t *s)
 {
@@ -145,9 +148,12 @@ static void wk_select_top(wk_cand *c, int n, int k)
                 c[j--] = t;
             }
         }
-        if (k - 1 <= j) hi = j;
-        else if (k - 1 >= i) lo = i;
-        else break;
+        if (k - 1 <= j)
+            hi = j;
+        else if (k - 1 >= i)
+            lo = i;
+        else
+            break;
     }
 }
 

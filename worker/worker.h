@@ -33,7 +33,7 @@ extern "C" {
 /* ---------------------------------------------------------------- model */
 
 typedef struct wk_hparams {
-    char arch[32];      /* "llama", "qwen2", ... */
+    char arch[32]; /* "llama", "qwen2", ... */
     int n_layers;
     int n_embd;
     int n_ff;
@@ -45,8 +45,8 @@ typedef struct wk_hparams {
     int n_ctx_train;
     float norm_eps;
     float rope_base;
-    int rope_neox;      /* 1: NeoX pairs (i, i+n/2), 0: normal pairs (2i, 2i+1) */
-    int tied_output;    /* output projection reuses token_embd */
+    int rope_neox;   /* 1: NeoX pairs (i, i+n/2), 0: normal pairs (2i, 2i+1) */
+    int tied_output; /* output projection reuses token_embd */
 } wk_hparams;
 
 typedef struct wk_model wk_model;
@@ -69,11 +69,11 @@ const char *wk_default_model_path(void);
 /* ---------------------------------------------------------------- engine */
 
 typedef struct wk_engine_opts {
-    int n_threads;         /* 0: all cores */
-    int max_batch_tokens;  /* tokens one step may carry; 0: 512 */
-    size_t kv_bytes;       /* hot-tier KV budget; 0: enough for 4 x n_ctx 4096 */
-    kv_format kv_format;   /* KN_KV_F16 by default */
-    int page_tokens;       /* 0: 16 */
+    int n_threads;        /* 0: all cores */
+    int max_batch_tokens; /* tokens one step may carry; 0: 512 */
+    size_t kv_bytes;      /* hot-tier KV budget; 0: enough for 4 x n_ctx 4096 */
+    kv_format kv_format;  /* KN_KV_F16 by default */
+    int page_tokens;      /* 0: 16 */
     /* Lower KV tiers and shards (kvshard/kvshard.h); zero/NULL: none, one shard. */
     size_t kv_host_bytes;    /* host-RAM tier budget */
     const char *kv_disk_dir; /* disk tier directory: pages survive restarts there */
@@ -92,10 +92,10 @@ const char *wk_engine_isa(const wk_engine *e);
 
 typedef struct wk_batch {
     int n_tokens;
-    const int32_t *tokens;     /* [n_tokens] */
-    const int32_t *pos;        /* [n_tokens] position of each token in its sequence */
-    kv_seq *const *seqs;       /* [n_tokens] the sequence each token belongs to */
-    const uint8_t *logits;     /* [n_tokens] 1 where the caller wants logits; NULL: last only */
+    const int32_t *tokens; /* [n_tokens] */
+    const int32_t *pos;    /* [n_tokens] position of each token in its sequence */
+    kv_seq *const *seqs;   /* [n_tokens] the sequence each token belongs to */
+    const uint8_t *logits; /* [n_tokens] 1 where the caller wants logits; NULL: last only */
 } wk_batch;
 
 /* Runs the batch. On success *logits points to n_out rows of n_vocab floats (engine-owned,
@@ -107,12 +107,12 @@ int wk_engine_step(wk_engine *e, const wk_batch *b, const float **logits);
 /* ---------------------------------------------------------------- sampler */
 
 typedef struct wk_sample_params {
-    float temperature;     /* <= 0: greedy */
-    int top_k;             /* <= 0: off */
-    float top_p;           /* >= 1: off */
-    float min_p;           /* <= 0: off */
-    float repeat_penalty;  /* 1: off; divides positive logits, multiplies negative ones */
-    int repeat_last_n;     /* how much history the penalties see; 0: 64 */
+    float temperature;       /* <= 0: greedy */
+    int top_k;               /* <= 0: off */
+    float top_p;             /* >= 1: off */
+    float min_p;             /* <= 0: off */
+    float repeat_penalty;    /* 1: off; divides positive logits, multiplies negative ones */
+    int repeat_last_n;       /* how much history the penalties see; 0: 64 */
     float presence_penalty;  /* subtracted once from every token seen */
     float frequency_penalty; /* subtracted per occurrence */
     uint64_t seed;

@@ -56,9 +56,12 @@ const kn_ops *kn_ops_best(void)
     int cap = KN_ISA_COUNT - 1;
     const char *env = getenv("KVMESH_ISA");
     if (env) {
-        if (!strcmp(env, "scalar")) cap = KN_ISA_SCALAR;
-        else if (!strcmp(env, "avx2")) cap = KN_ISA_AVX2;
-        else if (!strcmp(env, "avx512")) cap = KN_ISA_AVX512;
+        if (!strcmp(env, "scalar"))
+            cap = KN_ISA_SCALAR;
+        else if (!strcmp(env, "avx2"))
+            cap = KN_ISA_AVX2;
+        else if (!strcmp(env, "avx512"))
+            cap = KN_ISA_AVX512;
     }
     for (int i = cap; i > 0; i--)
         if (kn_cpu_has((kn_isa)i)) return &kn_tables[i];

@@ -12,10 +12,22 @@
 #include "kernels/kernels.h"
 
 /* ggml-identical block layouts. */
-typedef struct { kn_f16 d; uint8_t qs[KN_QK4_0 / 2]; } kn_block_q4_0;
-typedef struct { kn_f16 d, m; uint8_t qs[KN_QK4_1 / 2]; } kn_block_q4_1;
-typedef struct { kn_f16 d; int8_t qs[KN_QK8_0]; } kn_block_q8_0;
-typedef struct { kn_f16 d, s; int8_t qs[KN_QK8_1]; } kn_block_q8_1; /* s = d * sum(qs) */
+typedef struct {
+    kn_f16 d;
+    uint8_t qs[KN_QK4_0 / 2];
+} kn_block_q4_0;
+typedef struct {
+    kn_f16 d, m;
+    uint8_t qs[KN_QK4_1 / 2];
+} kn_block_q4_1;
+typedef struct {
+    kn_f16 d;
+    int8_t qs[KN_QK8_0];
+} kn_block_q8_0;
+typedef struct {
+    kn_f16 d, s;
+    int8_t qs[KN_QK8_1];
+} kn_block_q8_1; /* s = d * sum(qs) */
 typedef struct {
     kn_f16 d, dmin;
     uint8_t scales[12];
@@ -36,16 +48,16 @@ typedef struct {
 #define KN_DECLARE_ISA(sfx)                                                                        \
     void kn_quantize_row_##sfx(km_type t, const float *x, void *y, int64_t n);                     \
     void kn_dequantize_row_##sfx(km_type t, const void *x, float *y, int64_t n);                   \
-    void kn_matmul_##sfx(km_type wt, const void *w, size_t w_stride, const void *x,               \
-                         size_t x_stride, int64_t k, int m, float *y, size_t y_stride, int64_t r0,  \
+    void kn_matmul_##sfx(km_type wt, const void *w, size_t w_stride, const void *x,                \
+                         size_t x_stride, int64_t k, int m, float *y, size_t y_stride, int64_t r0, \
                          int64_t r1);                                                              \
-    void kn_rmsnorm_##sfx(float *y, const float *x, const float *w, int n, float eps);            \
+    void kn_rmsnorm_##sfx(float *y, const float *x, const float *w, int n, float eps);             \
     void kn_rope_##sfx(float *x, int n_heads, int head_dim, int n_rot, const float *cs, int neox); \
-    void kn_silu_mul_##sfx(float *y, const float *g, const float *u, int n);                      \
-    void kn_add_##sfx(float *y, const float *x, int n);                                           \
-    void kn_f32_to_f16_##sfx(const float *x, kn_f16 *y, int64_t n);                               \
-    void kn_f16_to_f32_##sfx(const kn_f16 *x, float *y, int64_t n);                               \
-    void kn_attention_##sfx(const kn_kv_view *kv, int head_dim, const float *q, int n_q,          \
+    void kn_silu_mul_##sfx(float *y, const float *g, const float *u, int n);                       \
+    void kn_add_##sfx(float *y, const float *x, int n);                                            \
+    void kn_f32_to_f16_##sfx(const float *x, kn_f16 *y, int64_t n);                                \
+    void kn_f16_to_f32_##sfx(const kn_f16 *x, float *y, int64_t n);                                \
+    void kn_attention_##sfx(const kn_kv_view *kv, int head_dim, const float *q, int n_q,           \
                             float scale, float *out);
 
 KN_DECLARE_ISA(ref)

@@ -924,7 +924,8 @@ Test(worker, a_restarted_worker_comes_back_warm_from_its_disk_tier)
     s = dealer(w2.req);
     send_req(s, 2, toks, 100, 4);
     int cached = wait_done_cached(s);
-    cr_assert_geq(cached, 96, "after a restart only %d of 100 prompt tokens came from disk", cached);
+    cr_assert_geq(cached, 96, "after a restart only %d of 100 prompt tokens came from disk",
+                  cached);
     kill(w2.pid, SIGTERM);
     stop_worker(&w2, 30000);
     km_zsock_close(s);

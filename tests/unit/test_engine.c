@@ -95,7 +95,7 @@ static void teardown(void)
 
 #define NEED_MODEL()                                                                               \
     do {                                                                                           \
-        if (!g_model) cr_skip_test("model %s absent: run `make deps`", MODEL);                    \
+        if (!g_model) cr_skip_test("model %s absent: run `make deps`", MODEL);                     \
     } while (0)
 
 /* Runs ids[0..n) of a fresh sequence; returns argmax at positions want_from..n-1 in out. */
@@ -216,11 +216,14 @@ Test(engine, free_running_greedy_matches_llamacpp_as_often_as_llamacpp_matches_i
         greedy(r->prompt_ids, r->n_prompt, 32, out);
         int same = 0;
         while (same < 32 && out[same] == r->gen_ids[same]) same++;
-        if (same == 32) ok++;
-        else cr_log_info("prompt %d: first difference at token %d", i, same);
+        if (same == 32)
+            ok++;
+        else
+            cr_log_info("prompt %d: first difference at token %d", i, same);
     }
     cr_log_info("free-running: %d/%d prompts identical for 32 tokens (issue target 8; llama.cpp "
-                "with flash attention off reaches 5)", ok, g_n_recs);
+                "with flash attention off reaches 5)",
+                ok, g_n_recs);
     cr_assert_geq(ok, 3, "only %d of %d prompts identical for 32 tokens", ok, g_n_recs);
 }
 
@@ -288,7 +291,8 @@ Test(engine, greedy_output_is_the_same_alone_and_in_a_mixed_batch)
         int r = 0;
         for (int s = 0; s < 2; s++)
             if (cur[s] < G) mixed[s][cur[s]++] = wk_argmax(lg + (size_t)r++ * n_vocab, n_vocab);
-        if (n > first2 && cur[2] < G) mixed[2][cur[2]++] = wk_argmax(lg + (size_t)r * n_vocab, n_vocab);
+        if (n > first2 && cur[2] < G)
+            mixed[2][cur[2]++] = wk_argmax(lg + (size_t)r * n_vocab, n_vocab);
     }
     for (int s = 0; s < N; s++) {
         kv_seq_destroy(kv, seq[s]);
