@@ -531,7 +531,7 @@ static int km_cmd_bench(int argc, char **argv)
         rng = rng * 6364136223846793005ull + 1442695040888963407ull;
         tok[i] = (int32_t)((rng >> 33) % n_vocab);
     }
-    double times[32];
+    double times[32] = {0};
     int reps = c.reps < 1 ? 1 : c.reps > 32 ? 32 : c.reps;
     const float *lg;
     fprintf(stderr, "kvmesh bench: model=%s threads=%d isa=%s\n", wk_model_name(m),
