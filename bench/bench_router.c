@@ -152,17 +152,17 @@ static int latency(int argc, char **argv)
     return 0;
 }
 
-/* ---------------------------------------------------------------- stub worker
+/* ---------------------------------------------------------------- instant worker
  * Answers every `req` at once with one `tok` and a `done`, and every `admin` with an ok reply:
  * a worker that costs nothing, so that latency measured through the router is the router's. */
 
-static int stub(int argc, char **argv)
+static int instant_worker(int argc, char **argv)
 {
     const char *ep = arg(argc, argv, "--listen", "tcp://127.0.0.1:7499");
     void *ctx = km_zctx_create(), *s = NULL;
     km_errbuf err = {{0}};
     if (km_zsock_open(ctx, KM_ZROUTER, NULL, &s, &err) || km_zsock_bind(s, ep, &err)) {
-        fprintf(stderr, "bench_router stub: %s\n", err.msg);
+        fprintf(stderr, "bench_router instant: %s\n", err.msg);
         return 1;
     }
     km_zmsg z = {0};
@@ -366,7 +366,7 @@ int main(int argc, char **argv)
     if (!strcmp(argv[1], "micro")) return micro();
     if (!strcmp(argv[1], "latency")) return latency(argc, argv);
     if (!strcmp(argv[1], "workload")) return workload(argc, argv);
-    if (!strcmp(argv[1], "stub")) return stub(argc, argv);
+    if (!strcmp(argv[1], "instant")) return instant_worker(argc, argv);
     fprintf(stderr, "bench_router: unknown mode %s\n", argv[1]);
     return 2;
 }

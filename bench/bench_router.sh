@@ -55,18 +55,18 @@ echo "-- 1. routing decisions"
 "$BENCH" micro
 echo
 echo "-- 2. latency added by the router"
-echo "  a stub worker that answers at once (the router's own cost: decode, tokenize, hash, route,"
+echo "  a instant worker that answers at once (the router's own cost: decode, tokenize, hash, route,"
 echo "  relay, two extra hops on loopback):"
-"$BENCH" stub --listen "tcp://127.0.0.1:$((PORT + 90))" &
-STUB=$!
-"$BIN/kvmesh-router" --workers "stub=tcp://127.0.0.1:$((PORT + 90))" --front "tcp://127.0.0.1:$((PORT + 91))" \
-    --http-port -1 --log-level error 2>>"$LOGS/stub-router.log" &
+"$BENCH" instant --listen "tcp://127.0.0.1:$((PORT + 90))" &
+INSTANT=$!
+"$BIN/kvmesh-router" --workers "instant=tcp://127.0.0.1:$((PORT + 90))" --front "tcp://127.0.0.1:$((PORT + 91))" \
+    --http-port -1 --log-level error 2>>"$LOGS/instant-router.log" &
 SROUTER=$!
 sleep 1
 "$BENCH" latency --router "tcp://127.0.0.1:$((PORT + 91))" --worker "tcp://127.0.0.1:$((PORT + 90))" \
     -n "$((LAT_N * 10))"
-kill "$SROUTER" "$STUB" 2>/dev/null || true
-wait "$SROUTER" "$STUB" 2>/dev/null || true
+kill "$SROUTER" "$INSTANT" 2>/dev/null || true
+wait "$SROUTER" "$INSTANT" 2>/dev/null || true
 echo "  a real worker (a cached prompt, one token):"
 start_up 1 kv
 "$BENCH" latency --router "tcp://127.0.0.1:$PORT" --worker "tcp://127.0.0.1:$((PORT + 100))" -n "$LAT_N"

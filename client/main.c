@@ -454,12 +454,7 @@ static int km_cmd_perplexity(int argc, char **argv)
             int r = 0;
             for (int i = 0; i < nb; i++) {
                 if (!want[i]) continue;
-                const float *row = lg + (size_t)r++ * n_vocab;
-                float mx = row[0];
-                for (int v = 1; v < n_vocab; v++) mx = row[v] > mx ? row[v] : mx;
-                double z = 0;
-                for (int v = 0; v < n_vocab; v++) z += exp((double)row[v] - mx);
-                double l = -((double)row[chunk[s + i + 1]] - mx - log(z));
+                double l = wk_token_nll(lg + (size_t)r++ * n_vocab, n_vocab, chunk[s + i + 1]);
                 nll += l;
                 nll2 += l * l;
                 count++;

@@ -125,6 +125,15 @@ int32_t wk_argmax(const float *x, int n)
     return best;
 }
 
+double wk_token_nll(const float *logits, int n_vocab, int32_t target)
+{
+    float mx = logits[0];
+    for (int v = 1; v < n_vocab; v++) mx = logits[v] > mx ? logits[v] : mx;
+    double z = 0;
+    for (int v = 0; v < n_vocab; v++) z += exp((double)logits[v] - mx);
+    return -((double)logits[target] - mx - log(z));
+}
+
 static int wk_cand_desc(const void *a, const void *b)
 {
     const wk_cand *x = a, *y = b;

@@ -129,6 +129,9 @@ void wk_sampler_accept(wk_sampler *s, int32_t token);
 /* Picks the next token from one row of logits (the row is not modified). */
 int32_t wk_sampler_sample(wk_sampler *s, const float *logits);
 
+/* Negative log-probability of `target` under softmax(logits), in double precision (perplexity). */
+double wk_token_nll(const float *logits, int n_vocab, int32_t target);
+
 /* Index of the largest value (the lowest index among equals). */
 int32_t wk_argmax(const float *x, int n);
 
