@@ -184,6 +184,11 @@ bench: bench-engine
 bench-engine: build
 	@bash bench/bench_engine.sh
 
+# Perplexity per KV format vs f16 and llama.cpp (docs/benchmarks.md, docs/engine.md).
+.PHONY: bench-quality
+bench-quality: build
+	@bash bench/bench_quality.sh
+
 # Worker serving figures side by side with llama-server (docs/benchmarks.md).
 .PHONY: bench-worker
 bench-worker: build
