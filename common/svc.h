@@ -58,6 +58,8 @@ void km_buf_free(km_buf *b);
 #define KM_PROTO_MAX_KV_ENTRIES   256
 #define KM_PROTO_MAX_QUANTILES    16
 #define KM_PROTO_MAX_ERROR_KINDS  64
+#define KM_PROTO_MAX_VIEW_WORKERS 256 /* workers in one cluster view */
+#define KM_PROTO_MAX_HISTORY      32  /* recovery actions kept per worker in a view */
 
 /* What a decoder accepts; km_proto_limits_default fills the defaults above. */
 typedef struct km_proto_limits {
@@ -79,6 +81,7 @@ typedef enum km_msg_type {
     KM_MSG_ADMIN_REPLY, /* "admin_reply" worker -> controller/operator */
     KM_MSG_HEARTBEAT,   /* "hb"          worker -> controller */
     KM_MSG_KV_EVENT,    /* "kv"          worker -> routers (PUB) */
+    KM_MSG_VIEW,        /* "view"        controller -> routers (PUB), and -> operator (status) */
     KM_MSG_TYPE_COUNT
 } km_msg_type;
 
@@ -127,6 +130,10 @@ typedef enum km_admin_cmd {
     KM_ADMIN_SET_KV_FORMAT, /* "set_kv_format": switch KV pages to `format` */
     KM_ADMIN_DRAIN,         /* "drain": take no new requests, finish or migrate in-flight ones */
     KM_ADMIN_SHUTDOWN,      /* "shutdown": exit (with the restart code when `restart`) */
+    KM_ADMIN_RECOVER,       /* "recover": operator -> controller: force `level` on `worker` */
+    KM_ADMIN_PRESSURE,      /* "pressure": chaos/test only: the worker pins `fraction` of its
+                             * hot-tier budget in ballast pages (0 releases them); refused unless
+                             * the worker runs with --chaos */
     KM_ADMIN_CMD_COUNT
 } km_admin_cmd;
 
@@ -141,6 +148,18 @@ typedef enum km_worker_state {
 } km_worker_state;
 
 const char *km_worker_state_name(km_worker_state s);
+
+/* A worker as the controller sees it (cluster view). */
+typedef enum km_member_state {
+    KM_MEMBER_STARTING = 0, /* "starting": heartbeats say starting, not ready yet */
+    KM_MEMBER_READY,        /* "ready": routable */
+    KM_MEMBER_DRAINING,     /* "draining": send nothing new; in-flight requests finish */
+    KM_MEMBER_RESTARTING,   /* "restarting": level 3 drained it; waiting for it to come back */
+    KM_MEMBER_DEAD,         /* "dead": missed heartbeats; migrate its requests */
+    KM_MEMBER_STATE_COUNT
+} km_member_state;
+
+const char *km_member_state_name(km_member_state s);
 
 /* Strings are NUL-terminated; a NULL optional string means "absent". */
 typedef struct km_msg_request {
@@ -201,10 +220,12 @@ typedef struct km_msg_cancel {
 typedef struct km_msg_admin {
     uint64_t id; /* correlation id echoed in the reply */
     km_admin_cmd cmd;
-    double fraction;     /* evict: (0, 1] */
+    double fraction;     /* evict: (0, 1]; pressure: [0, 1] */
     const char *format;  /* set_kv_format: "f16", "bf16", "fp8", "int8" or "int4" */
     uint32_t timeout_ms; /* drain: grace before in-flight requests are migrated; 0 = default */
     bool restart;        /* shutdown: exit with the restart code */
+    const char *worker;  /* recover: target worker id (required); optional otherwise */
+    uint32_t level;      /* recover: 1..3 */
 } km_msg_admin;
 
 typedef struct km_msg_admin_reply {
@@ -231,6 +252,7 @@ typedef struct km_kv_usage {
     km_tier tier;
     const char *format;
     uint64_t pages, bytes, capacity_bytes;
+    uint64_t pinned_bytes; /* of `bytes`, held by live sequences (not reclaimable); optional, 0 */
 } km_kv_usage;
 
 typedef struct km_latency_q {
@@ -265,6 +287,8 @@ typedef struct km_msg_heartbeat {
     uint32_t n_latency;
     const km_error_count *errors;
     uint32_t n_errors;
+    uint64_t tokens_total; /* prompt + generated tokens computed since start (stall detection);
+                            * optional, 0 */
 } km_msg_heartbeat;
 
 typedef struct km_msg_kv_event {
@@ -276,6 +300,35 @@ typedef struct km_msg_kv_event {
     const uint8_t *hashes; /* n_hashes * 16 bytes, each an XXH128 canonical (big-endian) hash */
     uint32_t n_hashes;
 } km_msg_kv_event;
+
+/* One recovery action in a worker's history (newest last). */
+typedef struct km_recovery_action {
+    uint64_t at_ms;     /* Unix time, ms */
+    uint32_t level;     /* 1..3; 0 = back to normal (level 2 reverted, or re-admitted) */
+    const char *reason; /* "kv_pressure", "rss", "stall", "errors", "operator", ...; required */
+    bool ok;            /* the worker acknowledged it */
+} km_recovery_action;
+
+typedef struct km_view_worker {
+    const char *id; /* required */
+    km_member_state state;
+    uint32_t level;                     /* 0 = normal; 1..3 = the recovery level in effect */
+    const char *requests, *events, *admin; /* endpoints; NULL when unknown */
+    const char *model, *fingerprint, *kv_format; /* optional */
+    double pressure;      /* hot-tier pinned bytes / budget, >= 0 */
+    uint64_t last_seen_ms; /* since its last heartbeat */
+    uint32_t running, queue_depth;
+    const km_recovery_action *history; /* up to KM_PROTO_MAX_HISTORY */
+    uint32_t n_history;
+} km_view_worker;
+
+typedef struct km_msg_view {
+    const char *controller; /* controller id; required */
+    uint64_t epoch;         /* controller start, Unix ms: a new value means it restarted */
+    uint64_t seq;           /* +1 per view published by this controller process */
+    const km_view_worker *workers;
+    uint32_t n_workers; /* up to KM_PROTO_MAX_VIEW_WORKERS */
+} km_msg_view;
 
 typedef struct km_msg {
     km_msg_type type;
@@ -289,6 +342,7 @@ typedef struct km_msg {
         km_msg_admin_reply admin_reply;
         km_msg_heartbeat hb;
         km_msg_kv_event kv;
+        km_msg_view view;
     };
     void *mem_; /* decoder-owned allocations; private */
 } km_msg;
