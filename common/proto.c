@@ -86,12 +86,15 @@ static const char *const type_names[KM_MSG_TYPE_COUNT] = {
     [KM_MSG_ERROR] = "err",    [KM_MSG_CANCEL] = "cancel",
     [KM_MSG_ADMIN] = "admin",  [KM_MSG_ADMIN_REPLY] = "admin_reply",
     [KM_MSG_HEARTBEAT] = "hb", [KM_MSG_KV_EVENT] = "kv",
+    [KM_MSG_VIEW] = "view",
 };
 static const char *const finish_names[KM_FINISH_COUNT] = {"stop", "length", "canceled", "deadline"};
-static const char *const admin_names[KM_ADMIN_CMD_COUNT] = {"status", "evict", "set_kv_format",
-                                                            "drain", "shutdown"};
+static const char *const admin_names[KM_ADMIN_CMD_COUNT] = {
+    "status", "evict", "set_kv_format", "drain", "shutdown", "recover", "pressure"};
 static const char *const state_names[KM_STATE_COUNT] = {"starting", "ready", "draining",
                                                         "stopping"};
+static const char *const member_names[KM_MEMBER_STATE_COUNT] = {"starting", "ready", "draining",
+                                                                "restarting", "dead"};
 static const char *const kind_names[KM_KV_KIND_COUNT] = {"stored", "removed", "tier"};
 static const char *const format_names[] = {"f16", "bf16", "fp8", "int8", "int4"};
 #define N_FORMATS (sizeof format_names / sizeof format_names[0])
@@ -111,6 +114,11 @@ const char *km_admin_cmd_name(km_admin_cmd c)
 const char *km_worker_state_name(km_worker_state s)
 {
     return (unsigned)s < KM_STATE_COUNT ? state_names[s] : "?";
+}
+
+const char *km_member_state_name(km_member_state s)
+{
+    return (unsigned)s < KM_MEMBER_STATE_COUNT ? member_names[s] : "?";
 }
 
 const char *km_proto_code_name(int code)
@@ -338,6 +346,9 @@ static int validate_heartbeat(const km_msg_heartbeat *h, km_errbuf *err)
             VFAIL("hb.kv[%u].tier: unknown tier %d", i, (int)u->tier);
         if (!is_format(u->format))
             VFAIL("hb.kv[%u].format: unknown KV format '%s'", i, u->format ? u->format : "");
+        if (u->pinned_bytes > u->bytes)
+            VFAIL("hb.kv[%u].pinned_bytes: %llu > bytes %llu", i,
+                  (unsigned long long)u->pinned_bytes, (unsigned long long)u->bytes);
     }
     CK(v_nonneg("hb.decode_tps", h->decode_tps, err));
     CK(v_nonneg("hb.prefill_tps", h->prefill_tps, err));
@@ -361,6 +372,53 @@ static int validate_heartbeat(const km_msg_heartbeat *h, km_errbuf *err)
         for (uint32_t j = 0; j < i; j++)
             if (strcmp(h->errors[i].name, h->errors[j].name) == 0)
                 VFAIL("hb.errors: duplicate name '%s'", h->errors[i].name);
+    }
+    return 0;
+}
+
+static int validate_view(const km_msg_view *v, km_errbuf *err)
+{
+    char what[64];
+    CK(v_name("view.controller", v->controller, true, 1, KM_PROTO_MAX_NAME, err));
+    if (v->n_workers > KM_PROTO_MAX_VIEW_WORKERS)
+        VFAIL("view.workers: %u entries, limit %d", v->n_workers, KM_PROTO_MAX_VIEW_WORKERS);
+    if (v->n_workers && !v->workers) VFAIL("view.workers: NULL with n_workers %u", v->n_workers);
+    for (uint32_t i = 0; i < v->n_workers; i++) {
+        const km_view_worker *w = &v->workers[i];
+#define W_NAME(field, required, min)                                                               \
+    do {                                                                                           \
+        snprintf(what, sizeof what, "view.workers[%u]." #field, i);                                \
+        CK(v_name(what, w->field, required, min, KM_PROTO_MAX_NAME, err));                         \
+    } while (0)
+        W_NAME(id, true, 1);
+        W_NAME(requests, false, 0);
+        W_NAME(events, false, 0);
+        W_NAME(admin, false, 0);
+        W_NAME(model, false, 0);
+        W_NAME(fingerprint, false, 0);
+#undef W_NAME
+        for (uint32_t j = 0; j < i; j++)
+            if (strcmp(w->id, v->workers[j].id) == 0)
+                VFAIL("view.workers: duplicate id '%s' (entries %u and %u)", w->id, j, i);
+        if ((unsigned)w->state >= KM_MEMBER_STATE_COUNT)
+            VFAIL("view.workers[%u].state: unknown state %d", i, (int)w->state);
+        if (w->level > 3) VFAIL("view.workers[%u].level: %u outside [0, 3]", i, w->level);
+        if (w->kv_format && !is_format(w->kv_format))
+            VFAIL("view.workers[%u].kv_format: unknown KV format '%s'", i, w->kv_format);
+        snprintf(what, sizeof what, "view.workers[%u].pressure", i);
+        CK(v_nonneg(what, w->pressure, err));
+        if (w->n_history > KM_PROTO_MAX_HISTORY)
+            VFAIL("view.workers[%u].history: %u entries, limit %d", i, w->n_history,
+                  KM_PROTO_MAX_HISTORY);
+        if (w->n_history && !w->history)
+            VFAIL("view.workers[%u].history: NULL with n_history %u", i, w->n_history);
+        for (uint32_t k = 0; k < w->n_history; k++) {
+            const km_recovery_action *a = &w->history[k];
+            if (a->level > 3)
+                VFAIL("view.workers[%u].history[%u].level: %u outside [0, 3]", i, k, a->level);
+            snprintf(what, sizeof what, "view.workers[%u].history[%u].reason", i, k);
+            CK(v_name(what, a->reason, true, 1, KM_PROTO_MAX_NAME, err));
+        }
     }
     return 0;
 }
@@ -406,6 +464,11 @@ int km_msg_validate(const km_msg *m, const km_proto_limits *lim_in, km_errbuf *e
         if (a->cmd == KM_ADMIN_SET_KV_FORMAT && !is_format(a->format))
             VFAIL("admin.format: '%s' is not one of f16, bf16, fp8, int8, int4",
                   a->format ? a->format : "");
+        if (a->cmd == KM_ADMIN_PRESSURE) CK(v_range("admin.fraction", a->fraction, 0, 1, err));
+        CK(v_name("admin.worker", a->worker, a->cmd == KM_ADMIN_RECOVER, 1, KM_PROTO_MAX_NAME,
+                  err));
+        if (a->cmd == KM_ADMIN_RECOVER && !(a->level >= 1 && a->level <= 3))
+            VFAIL("admin.level: %u outside [1, 3]", a->level);
         return 0;
     }
     case KM_MSG_ADMIN_REPLY: {
@@ -422,6 +485,8 @@ int km_msg_validate(const km_msg *m, const km_proto_limits *lim_in, km_errbuf *e
     }
     case KM_MSG_HEARTBEAT:
         return validate_heartbeat(&m->hb, err);
+    case KM_MSG_VIEW:
+        return validate_view(&m->view, err);
     case KM_MSG_KV_EVENT: {
         const km_msg_kv_event *k = &m->kv;
         CK(v_name("kv.worker", k->worker, true, 1, KM_PROTO_MAX_NAME, err));
@@ -549,6 +614,59 @@ static bool kv_begin(enc *e, const char *k)
     return true;
 }
 
+/* A nested map written with the same kv_* helpers: counted first, then written. */
+static void enc_map(enc *e, void (*body)(enc *, const void *), const void *arg)
+{
+    enc sub = {.pk = e->pk, .counting = true};
+    body(&sub, arg);
+    sub.counting = false;
+    sub.rc |= msgpack_pack_map(&sub.pk, sub.n);
+    body(&sub, arg);
+    e->rc |= sub.rc;
+}
+
+static void enc_action(enc *e, const void *arg)
+{
+    const km_recovery_action *a = arg;
+    kv_u64(e, "at_ms", a->at_ms);
+    kv_u64(e, "level", a->level);
+    kv_str(e, "reason", a->reason);
+    kv_bool(e, "ok", a->ok);
+}
+
+static void enc_view_worker(enc *e, const void *arg)
+{
+    const km_view_worker *w = arg;
+    kv_str(e, "id", w->id);
+    kv_str(e, "state", member_names[w->state]);
+    kv_u64(e, "level", w->level);
+    kv_str(e, "requests", w->requests);
+    kv_str(e, "events", w->events);
+    kv_str(e, "admin", w->admin);
+    kv_str(e, "model", w->model);
+    kv_str(e, "fingerprint", w->fingerprint);
+    kv_str(e, "kv_format", w->kv_format);
+    kv_f64(e, "pressure", w->pressure);
+    kv_u64(e, "last_seen_ms", w->last_seen_ms);
+    kv_u64(e, "running", w->running);
+    kv_u64(e, "queue_depth", w->queue_depth);
+    if (kv_begin(e, "history")) {
+        e->rc |= msgpack_pack_array(&e->pk, w->n_history);
+        for (uint32_t i = 0; i < w->n_history; i++) enc_map(e, enc_action, &w->history[i]);
+    }
+}
+
+static void enc_view(enc *e, const km_msg_view *v)
+{
+    kv_str(e, "controller", v->controller);
+    kv_u64(e, "epoch", v->epoch);
+    kv_u64(e, "seq", v->seq);
+    if (kv_begin(e, "workers")) {
+        e->rc |= msgpack_pack_array(&e->pk, v->n_workers);
+        for (uint32_t i = 0; i < v->n_workers; i++) enc_map(e, enc_view_worker, &v->workers[i]);
+    }
+}
+
 static void enc_body(enc *e, const km_msg *m)
 {
     msgpack_packer *pk = &e->pk;
@@ -627,10 +745,13 @@ static void enc_body(enc *e, const km_msg *m)
         const km_msg_admin *a = &m->admin;
         kv_u64(e, "id", a->id);
         kv_str(e, "cmd", admin_names[a->cmd]);
-        if (a->cmd == KM_ADMIN_EVICT) kv_f64(e, "fraction", a->fraction);
+        if (a->cmd == KM_ADMIN_EVICT || a->cmd == KM_ADMIN_PRESSURE)
+            kv_f64(e, "fraction", a->fraction);
         if (a->cmd == KM_ADMIN_SET_KV_FORMAT) kv_str(e, "format", a->format);
         if (a->cmd == KM_ADMIN_DRAIN && a->timeout_ms) kv_u64(e, "timeout_ms", a->timeout_ms);
         if (a->cmd == KM_ADMIN_SHUTDOWN) kv_bool(e, "restart", a->restart);
+        kv_str(e, "worker", a->worker);
+        if (a->cmd == KM_ADMIN_RECOVER) kv_u64(e, "level", a->level);
         break;
     }
     case KM_MSG_ADMIN_REPLY: {
@@ -673,7 +794,7 @@ static void enc_body(enc *e, const km_msg *m)
             e->rc |= msgpack_pack_array(pk, h->n_kv);
             for (uint32_t i = 0; i < h->n_kv; i++) {
                 const km_kv_usage *u = &h->kv[i];
-                e->rc |= msgpack_pack_map(pk, 6);
+                e->rc |= msgpack_pack_map(pk, 7);
                 e_key(e, "shard");
                 e->rc |= msgpack_pack_uint32(pk, u->shard);
                 e_key(e, "tier");
@@ -686,6 +807,8 @@ static void enc_body(enc *e, const km_msg *m)
                 e->rc |= msgpack_pack_uint64(pk, u->bytes);
                 e_key(e, "capacity_bytes");
                 e->rc |= msgpack_pack_uint64(pk, u->capacity_bytes);
+                e_key(e, "pinned_bytes");
+                e->rc |= msgpack_pack_uint64(pk, u->pinned_bytes);
             }
         }
         kv_u64(e, "rss_bytes", h->rss_bytes);
@@ -694,6 +817,7 @@ static void enc_body(enc *e, const km_msg *m)
         kv_u64(e, "running", h->running);
         kv_f64(e, "decode_tps", h->decode_tps);
         kv_f64(e, "prefill_tps", h->prefill_tps);
+        kv_u64(e, "tokens_total", h->tokens_total);
         if (kv_begin(e, "latency")) {
             e->rc |= msgpack_pack_array(pk, h->n_latency);
             for (uint32_t i = 0; i < h->n_latency; i++) {
@@ -728,6 +852,9 @@ static void enc_body(enc *e, const km_msg *m)
         }
         break;
     }
+    case KM_MSG_VIEW:
+        enc_view(e, &m->view);
+        break;
     default:
         break;
     }
@@ -1314,10 +1441,14 @@ static int dec_admin(dec *d, const msgpack_object_map *mp, bool reply)
     CK(get_uint(d, mp, "id", true, UINT64_MAX, &a->id));
     CK(get_enum(d, mp, "cmd", true, admin_names, KM_ADMIN_CMD_COUNT, &cmd));
     a->cmd = (km_admin_cmd)cmd;
-    CK(get_num(d, mp, "fraction", a->cmd == KM_ADMIN_EVICT, &a->fraction));
+    CK(get_num(d, mp, "fraction", a->cmd == KM_ADMIN_EVICT || a->cmd == KM_ADMIN_PRESSURE,
+               &a->fraction));
     CK(get_str(d, mp, "format", a->cmd == KM_ADMIN_SET_KV_FORMAT, KM_PROTO_MAX_NAME, false,
                &a->format, NULL));
     CK(get_u32(d, mp, "timeout_ms", false, &a->timeout_ms));
+    CK(get_str(d, mp, "worker", a->cmd == KM_ADMIN_RECOVER, KM_PROTO_MAX_NAME, false, &a->worker,
+               NULL));
+    if (a->cmd == KM_ADMIN_RECOVER) CK(get_u32(d, mp, "level", true, &a->level));
     return get_bool(d, mp, "restart", false, &a->restart);
 }
 
@@ -1382,9 +1513,8 @@ static int dec_heartbeat(dec *d, const msgpack_object_map *mp)
             CK(get_str(d, em, "format", true, KM_PROTO_MAX_NAME, false, &u[i].format, NULL));
             CK(get_uint(d, em, "pages", false, UINT64_MAX, &u[i].pages));
             CK(get_uint(d, em, "bytes", true, UINT64_MAX, &u[i].bytes));
-            CK(get_uint(d, em, "capacity_bytes", false, UINT64_MAX, &u[i].capacity_bytes) < 0
-                   ? KM_EFORMAT
-                   : 0);
+            CK(get_uint(d, em, "capacity_bytes", false, UINT64_MAX, &u[i].capacity_bytes));
+            CK(get_uint(d, em, "pinned_bytes", false, UINT64_MAX, &u[i].pinned_bytes));
         }
         path_set(d, n0);
         h->kv = u;
@@ -1396,6 +1526,7 @@ static int dec_heartbeat(dec *d, const msgpack_object_map *mp)
     CK(get_u32(d, mp, "running", false, &h->running));
     CK(get_num(d, mp, "decode_tps", false, &h->decode_tps));
     CK(get_num(d, mp, "prefill_tps", false, &h->prefill_tps));
+    CK(get_uint(d, mp, "tokens_total", false, UINT64_MAX, &h->tokens_total));
 
     CK(get_obj(d, mp, "latency", false, MSGPACK_OBJECT_ARRAY, &o));
     if (o && o->via.array.size) {
@@ -1478,6 +1609,90 @@ static int dec_kv_event(dec *d, const msgpack_object_map *mp)
     return 0;
 }
 
+/* The map at a->ptr[i], with the path set to "<path at n0><fmt>" for its messages. */
+static int array_map(dec *d, const msgpack_object_array *a, uint32_t i, size_t n0, const char *what,
+                     const msgpack_object_map **out)
+{
+    path_set(d, n0);
+    path_push(d, "%s[%u]", what, i);
+    if (a->ptr[i].type != MSGPACK_OBJECT_MAP)
+        return DFAIL(d, KM_EFORMAT, "%s: expected a map, got %s", d->path,
+                     obj_type_name(a->ptr[i].type));
+    *out = &a->ptr[i].via.map;
+    return check_map(d, *out);
+}
+
+static int dec_view_worker(dec *d, const msgpack_object_map *mp, km_view_worker *w)
+{
+    const msgpack_object *o;
+    int st = 0;
+    size_t n0 = strlen(d->path);
+    CK(get_str(d, mp, "id", true, KM_PROTO_MAX_NAME, false, &w->id, NULL));
+    CK(get_enum(d, mp, "state", true, member_names, KM_MEMBER_STATE_COUNT, &st));
+    w->state = (km_member_state)st;
+    CK(get_u32(d, mp, "level", false, &w->level));
+    CK(get_str(d, mp, "requests", false, KM_PROTO_MAX_NAME, false, &w->requests, NULL));
+    CK(get_str(d, mp, "events", false, KM_PROTO_MAX_NAME, false, &w->events, NULL));
+    CK(get_str(d, mp, "admin", false, KM_PROTO_MAX_NAME, false, &w->admin, NULL));
+    CK(get_str(d, mp, "model", false, KM_PROTO_MAX_NAME, false, &w->model, NULL));
+    CK(get_str(d, mp, "fingerprint", false, KM_PROTO_MAX_NAME, false, &w->fingerprint, NULL));
+    CK(get_str(d, mp, "kv_format", false, KM_PROTO_MAX_NAME, false, &w->kv_format, NULL));
+    CK(get_num(d, mp, "pressure", false, &w->pressure));
+    CK(get_uint(d, mp, "last_seen_ms", false, UINT64_MAX, &w->last_seen_ms));
+    CK(get_u32(d, mp, "running", false, &w->running));
+    CK(get_u32(d, mp, "queue_depth", false, &w->queue_depth));
+    CK(get_obj(d, mp, "history", false, MSGPACK_OBJECT_ARRAY, &o));
+    if (o && o->via.array.size) {
+        const msgpack_object_array *a = &o->via.array;
+        if (a->size > KM_PROTO_MAX_HISTORY)
+            return DFAIL(d, KM_EFORMAT, "%s.history: %u entries, limit %d", d->path, a->size,
+                         KM_PROTO_MAX_HISTORY);
+        km_recovery_action *h = msg_alloc(d->m, a->size * sizeof *h);
+        if (!h) return DFAIL(d, KM_ENOMEM, "%s.history: out of memory", d->path);
+        memset(h, 0, a->size * sizeof *h);
+        for (uint32_t i = 0; i < a->size; i++) {
+            const msgpack_object_map *em;
+            CK(array_map(d, a, i, n0, ".history", &em));
+            CK(get_uint(d, em, "at_ms", false, UINT64_MAX, &h[i].at_ms));
+            CK(get_u32(d, em, "level", true, &h[i].level));
+            CK(get_str(d, em, "reason", true, KM_PROTO_MAX_NAME, false, &h[i].reason, NULL));
+            CK(get_bool(d, em, "ok", false, &h[i].ok));
+        }
+        path_set(d, n0);
+        w->history = h;
+        w->n_history = a->size;
+    }
+    return 0;
+}
+
+static int dec_view(dec *d, const msgpack_object_map *mp)
+{
+    km_msg_view *v = &d->m->view;
+    const msgpack_object *o;
+    size_t n0 = strlen(d->path);
+    CK(get_str(d, mp, "controller", true, KM_PROTO_MAX_NAME, false, &v->controller, NULL));
+    CK(get_uint(d, mp, "epoch", false, UINT64_MAX, &v->epoch));
+    CK(get_uint(d, mp, "seq", true, UINT64_MAX, &v->seq));
+    CK(get_obj(d, mp, "workers", true, MSGPACK_OBJECT_ARRAY, &o));
+    const msgpack_object_array *a = &o->via.array;
+    if (a->size == 0) return 0;
+    if (a->size > KM_PROTO_MAX_VIEW_WORKERS)
+        return DFAIL(d, KM_EFORMAT, "view.workers: %u entries, limit %d", a->size,
+                     KM_PROTO_MAX_VIEW_WORKERS);
+    km_view_worker *w = msg_alloc(d->m, a->size * sizeof *w);
+    if (!w) return DFAIL(d, KM_ENOMEM, "view.workers: out of memory");
+    memset(w, 0, a->size * sizeof *w);
+    for (uint32_t i = 0; i < a->size; i++) {
+        const msgpack_object_map *em;
+        CK(array_map(d, a, i, n0, ".workers", &em));
+        CK(dec_view_worker(d, em, &w[i]));
+    }
+    path_set(d, n0);
+    v->workers = w;
+    v->n_workers = a->size;
+    return 0;
+}
+
 static int dec_body(dec *d, const msgpack_object_map *mp)
 {
     km_msg *m = d->m;
@@ -1507,6 +1722,8 @@ static int dec_body(dec *d, const msgpack_object_map *mp)
         return dec_heartbeat(d, mp);
     case KM_MSG_KV_EVENT:
         return dec_kv_event(d, mp);
+    case KM_MSG_VIEW:
+        return dec_view(d, mp);
     default:
         return DFAIL(d, KM_EUNSUPPORTED, "unknown message type");
     }

@@ -369,9 +369,9 @@ Test(proto, heartbeat_roundtrips_every_section)
     km_endpoint eps[] = {{"requests", "tcp://10.0.0.5:7100"},
                          {"events", "tcp://10.0.0.5:7101"},
                          {"admin", "http://10.0.0.5:9100"}};
-    km_kv_usage kv[] = {{0, KM_TIER_HOT, "f16", 100, 1 << 20, 4 << 20},
-                        {1, KM_TIER_HOST, "fp8", 50, 1 << 19, 8 << 20},
-                        {1, KM_TIER_DISK, "fp8", 7, 7 << 16, 1ull << 36}};
+    km_kv_usage kv[] = {{0, KM_TIER_HOT, "f16", 100, 1 << 20, 4 << 20, 1 << 18},
+                        {1, KM_TIER_HOST, "fp8", 50, 1 << 19, 8 << 20, 0},
+                        {1, KM_TIER_DISK, "fp8", 7, 7 << 16, 1ull << 36, 7 << 16}};
     km_latency_q lat[] = {{0.5, 12.5, 4.25}, {0.99, 80, 9.5}};
     km_error_count errs[] = {{"bad_frame", 3}, {"oom", 1}};
     km_msg in, out;
@@ -400,6 +400,7 @@ Test(proto, heartbeat_roundtrips_every_section)
     h->n_latency = 2;
     h->errors = errs;
     h->n_errors = 2;
+    h->tokens_total = 1ull << 40;
     roundtrip(&in, &out);
     const km_msg_heartbeat *o = &out.hb;
     cr_assert_str_eq(o->worker, "w-1");
@@ -424,12 +425,14 @@ Test(proto, heartbeat_roundtrips_every_section)
         cr_assert_eq(o->kv[i].pages, kv[i].pages);
         cr_assert_eq(o->kv[i].bytes, kv[i].bytes);
         cr_assert_eq(o->kv[i].capacity_bytes, kv[i].capacity_bytes);
+        cr_assert_eq(o->kv[i].pinned_bytes, kv[i].pinned_bytes);
     }
     cr_assert_eq(o->rss_bytes, 1ull << 31);
     cr_assert_eq(o->queue_depth, 5);
     cr_assert_eq(o->running, 9);
     cr_assert_eq(o->decode_tps, 812.5);
     cr_assert_eq(o->prefill_tps, 12000);
+    cr_assert_eq(o->tokens_total, 1ull << 40);
     cr_assert_eq(o->n_latency, 2);
     cr_assert_eq(o->latency[1].q, 0.99);
     cr_assert_eq(o->latency[1].ttft_ms, 80);
@@ -861,7 +864,7 @@ Test(proto, oversized_frames_are_rejected_by_the_configured_limit)
 Test(proto, every_truncation_of_a_valid_frame_is_an_error)
 {
     km_endpoint eps[] = {{"requests", "tcp://127.0.0.1:7100"}};
-    km_kv_usage kv[] = {{0, KM_TIER_HOT, "f16", 1, 2, 3}};
+    km_kv_usage kv[] = {{0, KM_TIER_HOT, "f16", 1, 2, 3, 1}};
     km_msg in;
     km_msg_init(&in, KM_MSG_HEARTBEAT);
     in.hb.worker = "w";
@@ -974,6 +977,13 @@ Test(proto, names_and_codes_map_both_ways)
     cr_assert_str_eq(km_finish_name(KM_FINISH_DEADLINE), "deadline");
     cr_assert_str_eq(km_admin_cmd_name(KM_ADMIN_SET_KV_FORMAT), "set_kv_format");
     cr_assert_str_eq(km_worker_state_name(KM_STATE_DRAINING), "draining");
+    cr_assert_str_eq(km_msg_type_name(KM_MSG_VIEW), "view");
+    cr_assert_str_eq(km_admin_cmd_name(KM_ADMIN_RECOVER), "recover");
+    cr_assert_str_eq(km_admin_cmd_name(KM_ADMIN_PRESSURE), "pressure");
+    const char *members[] = {"starting", "ready", "draining", "restarting", "dead"};
+    for (int i = 0; i < KM_MEMBER_STATE_COUNT; i++)
+        cr_assert_str_eq(km_member_state_name((km_member_state)i), members[i]);
+    cr_assert_str_eq(km_member_state_name(KM_MEMBER_STATE_COUNT), "?");
     cr_assert_str_eq(km_proto_code_name(KM_CODE_OVERLOADED), "overloaded");
     cr_assert_str_eq(km_proto_code_name(777), "unknown");
     cr_assert_eq(km_proto_code_from_err(KM_EFORMAT), KM_CODE_BAD_REQUEST);
@@ -993,4 +1003,588 @@ Test(proto, buf_grows_and_formats)
     cr_assert_eq(b.len, 0);
     km_buf_free(&b);
     cr_assert_eq(b.data, NULL);
+}
+
+/* ---------------------------------------------------------------- the controller's frames */
+
+/* A two-worker view: one ready with a full history, one dead with nothing optional. */
+static km_recovery_action view_history[] = {
+    {1763700000000ull, 1, "kv_pressure", true},
+    {1763700005000ull, 2, "kv_pressure", true},
+    {1763700035000ull, 0, "kv_pressure", true},
+    {1763700040000ull, 3, "operator", false},
+};
+static km_view_worker view_workers[] = {
+    {.id = "w-0",
+     .state = KM_MEMBER_READY,
+     .level = 2,
+     .requests = "tcp://10.0.0.5:7100",
+     .events = "tcp://10.0.0.5:7101",
+     .admin = "http://10.0.0.5:9100",
+     .model = "SmolLM2-135M-Instruct",
+     .fingerprint = "b179c952",
+     .kv_format = "fp8",
+     .pressure = 0.9375,
+     .last_seen_ms = 412,
+     .running = 7,
+     .queue_depth = 3,
+     .history = view_history,
+     .n_history = 4},
+    {.id = "w-1", .state = KM_MEMBER_DEAD},
+};
+
+static void view_init(km_msg *m)
+{
+    km_msg_init(m, KM_MSG_VIEW);
+    m->view.controller = "ctl-a";
+    m->view.epoch = 1763699999000ull;
+    m->view.seq = 42;
+    m->view.workers = view_workers;
+    m->view.n_workers = 2;
+}
+
+static void expect_encode_fail(const km_msg *in, const char *needle)
+{
+    km_buf b = {0};
+    km_errbuf err = {{0}};
+    int rc = km_msg_encode(in, NULL, &b, &err);
+    cr_assert_eq(rc, KM_EFORMAT, "rc %d (%s)", rc, err.msg);
+    cr_assert(strstr(err.msg, needle), "message '%s' lacks '%s'", err.msg, needle);
+    cr_assert_eq(b.len, 0);
+    km_buf_free(&b);
+}
+
+Test(proto, view_roundtrips_every_worker_and_history_entry)
+{
+    km_msg in, out;
+    view_init(&in);
+    roundtrip(&in, &out);
+    const km_msg_view *v = &out.view;
+    cr_assert_str_eq(v->controller, "ctl-a");
+    cr_assert_eq(v->epoch, 1763699999000ull);
+    cr_assert_eq(v->seq, 42);
+    cr_assert_eq(v->n_workers, 2);
+    const km_view_worker *w = &v->workers[0];
+    cr_assert_str_eq(w->id, "w-0");
+    cr_assert_eq(w->state, KM_MEMBER_READY);
+    cr_assert_eq(w->level, 2);
+    cr_assert_str_eq(w->requests, "tcp://10.0.0.5:7100");
+    cr_assert_str_eq(w->events, "tcp://10.0.0.5:7101");
+    cr_assert_str_eq(w->admin, "http://10.0.0.5:9100");
+    cr_assert_str_eq(w->model, "SmolLM2-135M-Instruct");
+    cr_assert_str_eq(w->fingerprint, "b179c952");
+    cr_assert_str_eq(w->kv_format, "fp8");
+    cr_assert_eq(w->pressure, 0.9375);
+    cr_assert_eq(w->last_seen_ms, 412);
+    cr_assert_eq(w->running, 7);
+    cr_assert_eq(w->queue_depth, 3);
+    cr_assert_eq(w->n_history, 4);
+    for (int i = 0; i < 4; i++) {
+        cr_assert_eq(w->history[i].at_ms, view_history[i].at_ms);
+        cr_assert_eq(w->history[i].level, view_history[i].level);
+        cr_assert_str_eq(w->history[i].reason, view_history[i].reason);
+        cr_assert_eq(w->history[i].ok, view_history[i].ok);
+    }
+    w = &v->workers[1];
+    cr_assert_str_eq(w->id, "w-1");
+    cr_assert_eq(w->state, KM_MEMBER_DEAD);
+    cr_assert_eq(w->level, 0);
+    cr_assert_eq(w->requests, NULL, "an unknown endpoint stays NULL");
+    cr_assert_eq(w->events, NULL);
+    cr_assert_eq(w->admin, NULL);
+    cr_assert_eq(w->kv_format, NULL);
+    cr_assert_eq(w->n_history, 0);
+    cr_assert_eq(w->history, NULL);
+    km_msg_clear(&out);
+
+    /* every member state, and a view with no workers at all */
+    for (int s = 0; s < KM_MEMBER_STATE_COUNT; s++) {
+        km_view_worker one = {.id = "w", .state = (km_member_state)s};
+        km_msg_init(&in, KM_MSG_VIEW);
+        in.view.controller = "c";
+        in.view.workers = &one;
+        in.view.n_workers = 1;
+        roundtrip(&in, &out);
+        cr_assert_eq(out.view.workers[0].state, (km_member_state)s);
+        km_msg_clear(&out);
+    }
+    km_msg_init(&in, KM_MSG_VIEW);
+    in.view.controller = "c";
+    roundtrip(&in, &out);
+    cr_assert_eq(out.view.n_workers, 0);
+    cr_assert_eq(out.view.workers, NULL);
+    km_msg_clear(&out);
+}
+
+Test(proto, largest_view_fits_the_default_frame_and_roundtrips)
+{
+    /* 256 workers with endpoints and a full 32-entry history each */
+    static km_view_worker ws[KM_PROTO_MAX_VIEW_WORKERS];
+    static char ids[KM_PROTO_MAX_VIEW_WORKERS][24];
+    km_recovery_action hist[KM_PROTO_MAX_HISTORY];
+    for (int k = 0; k < KM_PROTO_MAX_HISTORY; k++)
+        hist[k] = (km_recovery_action){1763700000000ull + (uint64_t)k, (uint32_t)(k % 4),
+                                       "kv_pressure", k % 3 != 0};
+    for (int i = 0; i < KM_PROTO_MAX_VIEW_WORKERS; i++) {
+        snprintf(ids[i], sizeof ids[i], "worker-%d", i);
+        ws[i] = (km_view_worker){.id = ids[i],
+                                 .state = (km_member_state)(i % KM_MEMBER_STATE_COUNT),
+                                 .level = (uint32_t)(i % 4),
+                                 .requests = "tcp://10.0.0.5:7100",
+                                 .events = "tcp://10.0.0.5:7101",
+                                 .admin = "http://10.0.0.5:9100",
+                                 .kv_format = "f16",
+                                 .pressure = i / 256.0,
+                                 .history = hist,
+                                 .n_history = KM_PROTO_MAX_HISTORY};
+    }
+    km_msg in, out;
+    km_msg_init(&in, KM_MSG_VIEW);
+    in.view.controller = "c";
+    in.view.workers = ws;
+    in.view.n_workers = KM_PROTO_MAX_VIEW_WORKERS;
+    roundtrip(&in, &out);
+    cr_assert_eq(out.view.n_workers, KM_PROTO_MAX_VIEW_WORKERS);
+    cr_assert_str_eq(out.view.workers[255].id, "worker-255");
+    cr_assert_eq(out.view.workers[255].n_history, KM_PROTO_MAX_HISTORY);
+    cr_assert_eq(out.view.workers[255].history[31].at_ms, 1763700000031ull);
+    cr_assert_eq(out.view.workers[100].pressure, 100 / 256.0);
+    km_msg_clear(&out);
+}
+
+Test(proto, recover_and_pressure_commands_roundtrip_and_worker_is_optional_elsewhere)
+{
+    km_msg in, out;
+    km_msg_init(&in, KM_MSG_ADMIN);
+    in.admin.id = 11;
+    in.admin.cmd = KM_ADMIN_RECOVER;
+    in.admin.worker = "w-3";
+    in.admin.level = 3;
+    roundtrip(&in, &out);
+    cr_assert_eq(out.admin.id, 11);
+    cr_assert_eq(out.admin.cmd, KM_ADMIN_RECOVER);
+    cr_assert_str_eq(out.admin.worker, "w-3");
+    cr_assert_eq(out.admin.level, 3);
+    km_msg_clear(&out);
+
+    double fractions[] = {0, 0.5, 1};
+    for (int i = 0; i < 3; i++) {
+        km_msg_init(&in, KM_MSG_ADMIN);
+        in.admin.cmd = KM_ADMIN_PRESSURE;
+        in.admin.fraction = fractions[i];
+        roundtrip(&in, &out);
+        cr_assert_eq(out.admin.cmd, KM_ADMIN_PRESSURE);
+        cr_assert_eq(out.admin.fraction, fractions[i]);
+        cr_assert_eq(out.admin.worker, NULL);
+        km_msg_clear(&out);
+    }
+
+    /* an operator may name the worker on any command; the controller forwards it */
+    km_msg_init(&in, KM_MSG_ADMIN);
+    in.admin.cmd = KM_ADMIN_EVICT;
+    in.admin.fraction = 0.25;
+    in.admin.worker = "w-0";
+    roundtrip(&in, &out);
+    cr_assert_str_eq(out.admin.worker, "w-0");
+    cr_assert_eq(out.admin.fraction, 0.25);
+    km_msg_clear(&out);
+
+    /* a reply to recover carries the command name back */
+    km_msg_init(&in, KM_MSG_ADMIN_REPLY);
+    in.admin_reply.cmd = KM_ADMIN_RECOVER;
+    in.admin_reply.ok = false;
+    in.admin_reply.code = KM_CODE_NOT_FOUND;
+    in.admin_reply.message = "no worker 'w-9'";
+    roundtrip(&in, &out);
+    cr_assert_eq(out.admin_reply.cmd, KM_ADMIN_RECOVER);
+    cr_assert_eq(out.admin_reply.code, KM_CODE_NOT_FOUND);
+    km_msg_clear(&out);
+}
+
+Test(proto, older_frames_without_the_new_optional_keys_still_decode)
+{
+    /* a heartbeat from before pinned_bytes and tokens_total */
+    fb f;
+    fb_init(&f);
+    p_head(&f, 4, "hb");
+    p_kstr(&f, "worker", "w");
+    p_kuint(&f, "seq", 1);
+    p_kstr(&f, "state", "ready");
+    p_str(&f, "kv");
+    msgpack_pack_array(&f.pk, 1);
+    msgpack_pack_map(&f.pk, 4);
+    p_kuint(&f, "shard", 0);
+    p_kuint(&f, "tier", 0);
+    p_kstr(&f, "format", "f16");
+    p_kuint(&f, "bytes", 4096);
+    km_msg m;
+    km_errbuf err = {{0}};
+    cr_assert_eq(decode_fb(&f, &m, &err), 0, "%s", err.msg);
+    cr_assert_eq(m.hb.n_kv, 1);
+    cr_assert_eq(m.hb.kv[0].bytes, 4096);
+    cr_assert_eq(m.hb.kv[0].pinned_bytes, 0);
+    cr_assert_eq(m.hb.tokens_total, 0);
+    km_msg_clear(&m);
+    fb_free(&f);
+
+    /* an admin command without "worker" */
+    fb_init(&f);
+    p_head(&f, 2, "admin");
+    p_kuint(&f, "id", 1);
+    p_kstr(&f, "cmd", "drain");
+    cr_assert_eq(decode_fb(&f, &m, &err), 0, "%s", err.msg);
+    cr_assert_eq(m.admin.worker, NULL);
+    km_msg_clear(&m);
+    fb_free(&f);
+
+    /* a minimal view: optional worker fields absent, unknown keys ignored */
+    fb_init(&f);
+    p_head(&f, 4, "view");
+    p_kstr(&f, "controller", "c");
+    p_kuint(&f, "seq", 9);
+    p_kstr(&f, "future", "x");
+    p_str(&f, "workers");
+    msgpack_pack_array(&f.pk, 1);
+    msgpack_pack_map(&f.pk, 3);
+    p_kstr(&f, "id", "w");
+    p_kstr(&f, "state", "restarting");
+    p_kstr(&f, "future", "y");
+    cr_assert_eq(decode_fb(&f, &m, &err), 0, "%s", err.msg);
+    cr_assert_eq(m.view.seq, 9);
+    cr_assert_eq(m.view.epoch, 0);
+    cr_assert_eq(m.view.n_workers, 1);
+    cr_assert_eq(m.view.workers[0].state, KM_MEMBER_RESTARTING);
+    cr_assert_eq(m.view.workers[0].level, 0);
+    cr_assert_eq(m.view.workers[0].pressure, 0);
+    cr_assert_eq(m.view.workers[0].requests, NULL);
+    km_msg_clear(&m);
+    fb_free(&f);
+}
+
+Test(proto, recover_and_pressure_arguments_are_validated)
+{
+    fb f;
+    fb_init(&f);
+    p_head(&f, 3, "admin");
+    p_kuint(&f, "id", 1);
+    p_kstr(&f, "cmd", "recover");
+    p_kuint(&f, "level", 1);
+    expect_fail(&f, KM_EFORMAT, "admin.worker: required field missing");
+
+    fb_init(&f);
+    p_head(&f, 3, "admin");
+    p_kuint(&f, "id", 1);
+    p_kstr(&f, "cmd", "recover");
+    p_kstr(&f, "worker", "w");
+    expect_fail(&f, KM_EFORMAT, "admin.level: required field missing");
+
+    fb_init(&f);
+    p_head(&f, 4, "admin");
+    p_kuint(&f, "id", 1);
+    p_kstr(&f, "cmd", "recover");
+    p_kstr(&f, "worker", "w");
+    p_kuint(&f, "level", 4);
+    expect_fail(&f, KM_EFORMAT, "admin.level: 4 outside [1, 3]");
+
+    fb_init(&f);
+    p_head(&f, 4, "admin");
+    p_kuint(&f, "id", 1);
+    p_kstr(&f, "cmd", "recover");
+    p_kstr(&f, "worker", "");
+    p_kuint(&f, "level", 2);
+    expect_fail(&f, KM_EFORMAT, "admin.worker: length 0 outside [1, 256]");
+
+    fb_init(&f);
+    p_head(&f, 2, "admin");
+    p_kuint(&f, "id", 1);
+    p_kstr(&f, "cmd", "pressure");
+    expect_fail(&f, KM_EFORMAT, "admin.fraction: required field missing");
+
+    fb_init(&f);
+    p_head(&f, 3, "admin");
+    p_kuint(&f, "id", 1);
+    p_kstr(&f, "cmd", "pressure");
+    p_str(&f, "fraction");
+    msgpack_pack_double(&f.pk, 1.5);
+    expect_fail(&f, KM_EFORMAT, "admin.fraction: 1.5 outside [0, 1]");
+
+    fb_init(&f);
+    p_head(&f, 3, "admin");
+    p_kuint(&f, "id", 1);
+    p_kstr(&f, "cmd", "status");
+    p_kuint(&f, "worker", 5);
+    expect_fail(&f, KM_EFORMAT, "admin.worker: expected a string, got integer");
+
+    km_msg in;
+    km_msg_init(&in, KM_MSG_ADMIN);
+    in.admin.cmd = KM_ADMIN_RECOVER;
+    in.admin.worker = "w";
+    expect_encode_fail(&in, "admin.level: 0 outside [1, 3]");
+    in.admin.level = 1;
+    in.admin.worker = NULL;
+    expect_encode_fail(&in, "admin.worker: required");
+    km_msg_init(&in, KM_MSG_ADMIN);
+    in.admin.cmd = KM_ADMIN_PRESSURE;
+    in.admin.fraction = -0.1;
+    expect_encode_fail(&in, "admin.fraction: -0.1 outside [0, 1]");
+}
+
+Test(proto, pinned_bytes_above_bytes_are_rejected)
+{
+    fb f;
+    fb_init(&f);
+    p_head(&f, 4, "hb");
+    p_kstr(&f, "worker", "w");
+    p_kuint(&f, "seq", 1);
+    p_kstr(&f, "state", "ready");
+    p_str(&f, "kv");
+    msgpack_pack_array(&f.pk, 1);
+    msgpack_pack_map(&f.pk, 5);
+    p_kuint(&f, "shard", 0);
+    p_kuint(&f, "tier", 0);
+    p_kstr(&f, "format", "f16");
+    p_kuint(&f, "bytes", 8);
+    p_kuint(&f, "pinned_bytes", 9);
+    expect_fail(&f, KM_EFORMAT, "hb.kv[0].pinned_bytes: 9 > bytes 8");
+
+    fb_init(&f);
+    p_head(&f, 4, "hb");
+    p_kstr(&f, "worker", "w");
+    p_kuint(&f, "seq", 1);
+    p_kstr(&f, "state", "ready");
+    p_kstr(&f, "tokens_total", "many");
+    expect_fail(&f, KM_EFORMAT, "hb.tokens_total: expected an unsigned integer, got string");
+}
+
+/* A view frame with one worker whose map gets `extra` more keys written by `fill`. */
+static void view_with(fb *f, uint32_t extra, void (*fill)(fb *))
+{
+    fb_init(f);
+    p_head(f, 3, "view");
+    p_kstr(f, "controller", "c");
+    p_kuint(f, "seq", 1);
+    p_str(f, "workers");
+    msgpack_pack_array(&f->pk, 1);
+    msgpack_pack_map(&f->pk, 2 + extra);
+    p_kstr(f, "id", "w-0");
+    p_kstr(f, "state", "ready");
+    fill(f);
+}
+static void vw_level5(fb *f)
+{
+    p_kuint(f, "level", 5);
+}
+static void vw_neg_pressure(fb *f)
+{
+    p_str(f, "pressure");
+    msgpack_pack_double(&f->pk, -0.5);
+}
+static void vw_bad_format(fb *f)
+{
+    p_kstr(f, "kv_format", "f64");
+}
+static void vw_history_no_reason(fb *f)
+{
+    p_str(f, "history");
+    msgpack_pack_array(&f->pk, 2);
+    msgpack_pack_map(&f->pk, 2);
+    p_kuint(f, "level", 1);
+    p_kstr(f, "reason", "stall");
+    msgpack_pack_map(&f->pk, 1);
+    p_kuint(f, "level", 2);
+}
+static void vw_history_level9(fb *f)
+{
+    p_str(f, "history");
+    msgpack_pack_array(&f->pk, 1);
+    msgpack_pack_map(&f->pk, 2);
+    p_kuint(f, "level", 9);
+    p_kstr(f, "reason", "stall");
+}
+static void vw_history_33(fb *f)
+{
+    p_str(f, "history");
+    msgpack_pack_array(&f->pk, 33);
+    for (int i = 0; i < 33; i++) {
+        msgpack_pack_map(&f->pk, 2);
+        p_kuint(f, "level", 1);
+        p_kstr(f, "reason", "kv_pressure");
+    }
+}
+static void vw_history_not_map(fb *f)
+{
+    p_str(f, "history");
+    msgpack_pack_array(&f->pk, 1);
+    p_str(f, "level 1");
+}
+static void vw_queue_depth_as_str(fb *f)
+{
+    p_kuint(f, "running", 3);
+    p_kstr(f, "queue_depth", "3");
+}
+
+Test(proto, view_fields_are_validated_with_the_worker_named)
+{
+    fb f;
+    view_with(&f, 1, vw_level5);
+    expect_fail(&f, KM_EFORMAT, "view.workers[0].level: 5 outside [0, 3]");
+    view_with(&f, 1, vw_neg_pressure);
+    expect_fail(&f, KM_EFORMAT, "view.workers[0].pressure: -0.5 must be finite and >= 0");
+    view_with(&f, 1, vw_bad_format);
+    expect_fail(&f, KM_EFORMAT, "view.workers[0].kv_format: unknown KV format 'f64'");
+    view_with(&f, 1, vw_history_no_reason);
+    expect_fail(&f, KM_EFORMAT, "view.workers[0].history[1].reason: required field missing");
+    view_with(&f, 1, vw_history_level9);
+    expect_fail(&f, KM_EFORMAT, "view.workers[0].history[0].level: 9 outside [0, 3]");
+    view_with(&f, 1, vw_history_33);
+    expect_fail(&f, KM_EFORMAT, "view.workers[0].history: 33 entries, limit 32");
+    view_with(&f, 1, vw_history_not_map);
+    expect_fail(&f, KM_EFORMAT, "view.workers[0].history[0]: expected a map, got string");
+    view_with(&f, 2, vw_queue_depth_as_str);
+    expect_fail(&f, KM_EFORMAT, "view.workers[0].queue_depth: expected an unsigned integer");
+
+    /* unknown state, missing id, worker not a map, workers not an array, no controller */
+    fb_init(&f);
+    p_head(&f, 3, "view");
+    p_kstr(&f, "controller", "c");
+    p_kuint(&f, "seq", 1);
+    p_str(&f, "workers");
+    msgpack_pack_array(&f.pk, 2);
+    msgpack_pack_map(&f.pk, 2);
+    p_kstr(&f, "id", "w-0");
+    p_kstr(&f, "state", "ready");
+    msgpack_pack_map(&f.pk, 2);
+    p_kstr(&f, "id", "w-1");
+    p_kstr(&f, "state", "zombie");
+    expect_fail(&f, KM_EFORMAT, "view.workers[1].state: unknown value 'zombie'");
+
+    fb_init(&f);
+    p_head(&f, 3, "view");
+    p_kstr(&f, "controller", "c");
+    p_kuint(&f, "seq", 1);
+    p_str(&f, "workers");
+    msgpack_pack_array(&f.pk, 1);
+    msgpack_pack_map(&f.pk, 1);
+    p_kstr(&f, "state", "ready");
+    expect_fail(&f, KM_EFORMAT, "view.workers[0].id: required field missing");
+
+    fb_init(&f);
+    p_head(&f, 3, "view");
+    p_kstr(&f, "controller", "c");
+    p_kuint(&f, "seq", 1);
+    p_str(&f, "workers");
+    msgpack_pack_array(&f.pk, 1);
+    msgpack_pack_int(&f.pk, 7);
+    expect_fail(&f, KM_EFORMAT, "view.workers[0]: expected a map, got integer");
+
+    fb_init(&f);
+    p_head(&f, 3, "view");
+    p_kstr(&f, "controller", "c");
+    p_kuint(&f, "seq", 1);
+    p_str(&f, "workers");
+    msgpack_pack_map(&f.pk, 0);
+    expect_fail(&f, KM_EFORMAT, "view.workers: expected an array, got map");
+
+    fb_init(&f);
+    p_head(&f, 2, "view");
+    p_kuint(&f, "seq", 1);
+    p_str(&f, "workers");
+    msgpack_pack_array(&f.pk, 0);
+    expect_fail(&f, KM_EFORMAT, "view.controller: required field missing");
+
+    fb_init(&f);
+    p_head(&f, 2, "view");
+    p_kstr(&f, "controller", "c");
+    p_kuint(&f, "seq", 1);
+    expect_fail(&f, KM_EFORMAT, "view.workers: required field missing");
+}
+
+Test(proto, view_worker_ids_must_be_unique_and_the_worker_count_is_capped)
+{
+    fb f;
+    fb_init(&f);
+    p_head(&f, 3, "view");
+    p_kstr(&f, "controller", "c");
+    p_kuint(&f, "seq", 1);
+    p_str(&f, "workers");
+    msgpack_pack_array(&f.pk, 3);
+    const char *ids[] = {"w-0", "w-1", "w-0"};
+    for (int i = 0; i < 3; i++) {
+        msgpack_pack_map(&f.pk, 2);
+        p_kstr(&f, "id", ids[i]);
+        p_kstr(&f, "state", "ready");
+    }
+    expect_fail(&f, KM_EFORMAT, "view.workers: duplicate id 'w-0' (entries 0 and 2)");
+
+    fb_init(&f);
+    p_head(&f, 3, "view");
+    p_kstr(&f, "controller", "c");
+    p_kuint(&f, "seq", 1);
+    p_str(&f, "workers");
+    msgpack_pack_array(&f.pk, KM_PROTO_MAX_VIEW_WORKERS + 1);
+    for (int i = 0; i <= KM_PROTO_MAX_VIEW_WORKERS; i++) {
+        char id[16];
+        snprintf(id, sizeof id, "w-%d", i);
+        msgpack_pack_map(&f.pk, 2);
+        p_kstr(&f, "id", id);
+        p_kstr(&f, "state", "ready");
+    }
+    expect_fail(&f, KM_EFORMAT, "view.workers: 257 entries, limit 256");
+
+    /* the encoder refuses the same things */
+    km_msg in;
+    km_view_worker dup[] = {{.id = "a"}, {.id = "a"}};
+    km_msg_init(&in, KM_MSG_VIEW);
+    in.view.controller = "c";
+    in.view.workers = dup;
+    in.view.n_workers = 2;
+    expect_encode_fail(&in, "view.workers: duplicate id 'a'");
+    in.view.n_workers = KM_PROTO_MAX_VIEW_WORKERS + 1;
+    expect_encode_fail(&in, "view.workers: 257 entries, limit 256");
+    km_view_worker noid[] = {{.state = KM_MEMBER_READY}};
+    in.view.workers = noid;
+    in.view.n_workers = 1;
+    expect_encode_fail(&in, "view.workers[0].id: required");
+    km_view_worker badstate[] = {{.id = "a", .state = KM_MEMBER_STATE_COUNT}};
+    in.view.workers = badstate;
+    expect_encode_fail(&in, "view.workers[0].state: unknown state 5");
+    km_recovery_action nores[] = {{.level = 1}};
+    km_view_worker nohist[] = {{.id = "a", .history = nores, .n_history = 1}};
+    in.view.workers = nohist;
+    expect_encode_fail(&in, "view.workers[0].history[0].reason: required");
+    nohist[0].history = NULL;
+    expect_encode_fail(&in, "view.workers[0].history: NULL with n_history 1");
+    nohist[0].n_history = KM_PROTO_MAX_HISTORY + 1;
+    expect_encode_fail(&in, "view.workers[0].history: 33 entries, limit 32");
+    in.view.workers = NULL;
+    expect_encode_fail(&in, "view.workers: NULL with n_workers 1");
+    in.view.controller = NULL;
+    expect_encode_fail(&in, "view.controller: required");
+}
+
+Test(proto, every_truncation_and_bit_flip_of_a_view_frame_is_handled)
+{
+    km_msg in;
+    view_init(&in);
+    km_buf b = {0};
+    km_errbuf err = {{0}};
+    cr_assert_eq(km_msg_encode(&in, NULL, &b, &err), 0, "%s", err.msg);
+    for (size_t n = 0; n < b.len; n++) {
+        uint8_t *p = malloc(n ? n : 1);
+        memcpy(p, b.data, n);
+        km_msg m;
+        int rc = km_msg_decode(p, n, NULL, &m, &err);
+        cr_assert_lt(rc, 0, "prefix of %zu/%zu bytes decoded", n, b.len);
+        km_msg_clear(&m);
+        free(p);
+    }
+    for (size_t i = 0; i < b.len * 8; i++) {
+        uint8_t *p = malloc(b.len);
+        memcpy(p, b.data, b.len);
+        p[i / 8] ^= (uint8_t)(1u << (i % 8));
+        km_msg m;
+        if (km_msg_decode(p, b.len, NULL, &m, &err) == 0) km_msg_clear(&m);
+        free(p);
+    }
+    km_buf_free(&b);
 }
