@@ -5,7 +5,9 @@
  *
  * Workers are given as --workers ID=REQUESTS_URL+EVENTS_URL,... (e.g.
  * w0=tcp://127.0.0.1:7100+tcp://127.0.0.1:7101); `kvmesh up` writes this list for a local
- * cluster. SIGINT/SIGTERM stop the loop; requests still held get a 503 so no client hangs.
+ * cluster. With --controller (the controller's view PUB) the list may be empty: the view names
+ * the workers, and workers it names later are connected as they come (scale-out without a
+ * restart). SIGINT/SIGTERM stop the loop; requests still held get a 503 so no client hangs.
  */
 #include <signal.h>
 #include <stdio.h>
@@ -55,7 +57,7 @@ int main(int argc, char **argv)
     const char *workers = NULL, *mode = NULL, *log_level = NULL, *log_format = NULL;
     const char *ports_file = NULL;
     int64_t http_port, admin_port, page_tokens, slots, max_inflight, max_queue, attempts, dmax;
-    int64_t sync_ms, ttl_ms, queue_ms, cluster_seed, index_pages;
+    int64_t sync_ms, ttl_ms, queue_ms, cluster_seed, index_pages, view_ms;
     uint64_t max_body;
     const km_opt opts[] = {
         {"model", NULL, KM_OPT_STR, NULL,
@@ -81,8 +83,17 @@ int main(int argc, char **argv)
          "separate admin HTTP port (/metrics, /healthz, /readyz); -1 = off (the HTTP port serves "
          "them too)",
          &admin_port, -1, 65535},
-        {"workers", NULL, KM_OPT_STR, NULL, "workers: ID=REQUESTS_URL+EVENTS_URL,... (required)",
+        {"workers", NULL, KM_OPT_STR, NULL,
+         "workers: ID=REQUESTS_URL+EVENTS_URL,... (required unless --controller is given)",
          &workers, 0, 0},
+        {"controller", NULL, KM_OPT_STR, NULL,
+         "the controller's cluster-view PUB endpoint (its --view); unset = no controller: route "
+         "by the router's own liveness checks alone",
+         &c.controller_url, 0, 0},
+        {"view-timeout", NULL, KM_OPT_DURATION, "5s",
+         "a controller view older than this is ignored (the router falls back to its own "
+         "liveness checks)",
+         &view_ms, 1, 3600000},
         {"mode", NULL, KM_OPT_STR, "kv", "routing: kv, round-robin or random", &mode, 0, 0},
         {"w-prefill", NULL, KM_OPT_FLOAT, "1", "cost of one uncached prompt token",
          &c.policy.w_prefill, 0, 1e9},
@@ -154,14 +165,17 @@ int main(int argc, char **argv)
         km_config_destroy(cfg);
         return 2;
     }
-    if (!workers) {
-        fprintf(stderr, "kvmesh-router: --workers is required (ID=REQUESTS_URL+EVENTS_URL,...)\n");
+    if (c.controller_url && !*c.controller_url) c.controller_url = NULL;
+    if (workers && !*workers && c.controller_url) workers = NULL;
+    if (!workers && !c.controller_url) {
+        fprintf(stderr, "kvmesh-router: --workers is required (ID=REQUESTS_URL+EVENTS_URL,...) "
+                        "unless --controller is given\n");
         km_config_destroy(cfg);
         return 2;
     }
-    char *wl = strdup(workers);
+    char *wl = workers ? strdup(workers) : NULL;
     rt_worker_cfg wc[RT_MAX_WORKERS];
-    int nw = wl ? parse_workers(wl, wc, RT_MAX_WORKERS, &err) : KM_ENOMEM;
+    int nw = !workers ? 0 : wl ? parse_workers(wl, wc, RT_MAX_WORKERS, &err) : KM_ENOMEM;
     if (nw < 0) {
         fprintf(stderr, "kvmesh-router: %s\n", err.msg);
         free(wl);
@@ -184,6 +198,7 @@ int main(int argc, char **argv)
     c.queue_timeout_ms = (uint32_t)queue_ms;
     c.index_pages = (size_t)index_pages;
     c.max_http_body = (size_t)max_body;
+    c.view_timeout_ms = (uint32_t)view_ms;
 
     int status = 1;
     if (rt_router_create(&c, &g_router, &err)) {

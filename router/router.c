@@ -30,6 +30,14 @@
  *    (or a snapshot of its whole index) on the request connection, then an `admin_reply` with
  *    `events_next` and `events_snapshot`. Frames of a replay are buffered until that reply says
  *    which of the two it was.
+ *  - With --controller, the controller's cluster view (a SUB socket on the same loop) narrows
+ *    the router's own liveness, never widens it: a worker gets new requests only when its
+ *    connection is up *and* a fresh view calls it "ready"; a view that says "dead" migrates its
+ *    requests through the same path as a disconnect (migrate_all). Members the router does not
+ *    know are connected at run time into spare worker slots (the slot array is allocated whole
+ *    at start: libuv handles live inside it and must not move). A view older than
+ *    --view-timeout is ignored, so a controller outage leaves the router serving on its own
+ *    liveness, as it did before controllers existed. See view.c for the matching rules.
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -128,11 +136,18 @@ struct rt_wk {
     uint64_t routed, served, failed, prompt_tokens, cached_tokens, migrated_away, connects;
     uint64_t resyncs, snapshots;
     km_series *s_inflight, *s_routed, *s_pages[KM_TIER_COUNT], *s_up;
+    /* the controller's view of it */
+    char view_id[KM_PROTO_MAX_NAME + 1]; /* the id the view gives it ("" when never named) */
+    bool in_view;                        /* the last view names it */
+    bool from_view;                      /* added at run time from a view */
+    km_member_state member;              /* its state in that view (when in_view) */
+    uint32_t level;                      /* the recovery level in effect */
+    uint64_t view_migrated;              /* requests migrated away because the view said dead */
+    km_series *s_member, *s_level;
 };
 
 struct rt_router {
     rt_config c;
-    rt_worker_cfg *wcfg;
     char model_name[KM_PROTO_MAX_NAME + 1];
     char fp[65];
     wk_model *model;
@@ -171,6 +186,13 @@ struct rt_router {
         *s_index_pages, *s_http_req;
     bool stopping, running;
     bool pumping;
+    /* the controller's cluster view (--controller) */
+    void *vsub;
+    uv_poll_t p_vsub;
+    bool have_view, view_fresh, slots_full_warned;
+    char ctl_url[256], ctl_id[KM_PROTO_MAX_NAME + 1];
+    uint64_t view_epoch, view_seq, view_at_ms, n_views, n_bad_views;
+    km_series *s_views, *s_bad_views, *s_view_age;
 };
 
 static uint64_t now_ms(void)
@@ -344,6 +366,14 @@ static void worker_release(rt_router *r, rt_rq *q)
 
 /* Ends a request's life in the router (after its final frame went out). */
 static int dispatch(rt_router *r, rt_rq *q, bool from_queue);
+
+/* May w get a new request now: its connection is up, it did not just refuse one (503/529), and a
+ * fresh view, when it names w, says "ready". */
+static bool wk_routable(rt_router *r, rt_wk *w, uint64_t now)
+{
+    if (w->draining && now >= w->draining_until_ms) w->draining = false;
+    return !w->draining && rt_member_routable(w->connected, r->view_fresh, w->in_view, w->member);
+}
 
 /* Takes q off its owner's waiting list. */
 static void unpark(rt_rq *q)
@@ -590,8 +620,7 @@ static int dispatch(rt_router *r, rt_rq *q, bool from_queue)
     uint64_t now = now_ms();
     for (int i = 0; i < r->n_w; i++) {
         rt_wk *w = &r->w[i];
-        if (w->draining && now >= w->draining_until_ms) w->draining = false;
-        bool usable = w->connected && !w->draining;
+        bool usable = wk_routable(r, w, now);
         cand[i] = (rt_candidate){.id = w->id,
                                  .usable = usable,
                                  .inflight = w->inflight,
@@ -1036,6 +1065,9 @@ static rt_wk *worker_by_id(rt_router *r, const char *id)
 {
     for (int i = 0; i < r->n_w; i++)
         if (!strcmp(r->w[i].id, id)) return &r->w[i];
+    /* a --workers name that differs from the worker's own id: the view told us the real one */
+    for (int i = 0; i < r->n_w; i++)
+        if (!strcmp(r->w[i].view_id, id)) return &r->w[i];
     return NULL;
 }
 
@@ -1299,6 +1331,31 @@ static void on_front_message(rt_router *r, const km_zmsg *zm)
 
 /* ---------------------------------------------------------------- worker liveness */
 
+/* Every request at w goes elsewhere (w is already unusable, so none comes back to it). cancel:
+ * tell w to stop them, for a worker that is still connected (the view says dead, but a hung
+ * process may wake up and should not spend its slots on abandoned requests). */
+static void migrate_all(rt_router *r, rt_wk *w, const char *why, bool cancel)
+{
+    for (int b = 0; b < RT_RQ_BUCKETS; b++) {
+        rt_rq *q = r->buckets[b];
+        while (q) {
+            rt_rq *next = q->hnext;
+            if (q->worker == w->idx) {
+                if (cancel) {
+                    km_msg m;
+                    km_msg_init(&m, KM_MSG_CANCEL);
+                    m.cancel.id = q->rid;
+                    if (!km_msg_encode(&m, &r->lim, &r->out, NULL))
+                        km_zsend(w->dealer, &(km_zframe){r->out.data, r->out.len}, 1, KM_ZDONTWAIT,
+                                 NULL);
+                }
+                migrate(r, q, why);
+            }
+            q = next;
+        }
+    }
+}
+
 static void worker_down(rt_router *r, rt_wk *w, const char *why)
 {
     if (!w->connected) return;
@@ -1311,15 +1368,7 @@ static void worker_down(rt_router *r, rt_wk *w, const char *why)
     replay_clear(w);
     update_page_gauges(r);
     KM_WARN("worker_down", "worker=%s why=%s inflight=%d", w->id, why, w->inflight);
-    /* migrate everything it had */
-    for (int b = 0; b < RT_RQ_BUCKETS; b++) {
-        rt_rq *q = r->buckets[b];
-        while (q) {
-            rt_rq *next = q->hnext;
-            if (q->worker == w->idx) migrate(r, q, "worker lost");
-            q = next;
-        }
-    }
+    migrate_all(r, w, "worker lost", false);
 }
 
 static void worker_up(rt_router *r, rt_wk *w)
@@ -1371,6 +1420,10 @@ static void read_monitor(rt_router *r, rt_wk *w)
     }
 }
 
+static void on_view_message(rt_router *r, const km_zmsg *zm);
+static void bad_view(rt_router *r, const char *why);
+static void view_check_age(rt_router *r, uint64_t now);
+
 /* Drains every ZeroMQ socket until none has anything to read. */
 static void pump(rt_router *r)
 {
@@ -1405,6 +1458,14 @@ static void pump(rt_router *r)
             if (b) on_sub_frame(r, b);
             got++;
         }
+        for (int i = 0; r->vsub && i < 64 && km_zsock_readable(r->vsub); i++) {
+            if (km_zrecv(r->vsub, &r->zm, 0, NULL)) {
+                bad_view(r, "unreadable message");
+                continue;
+            }
+            on_view_message(r, &r->zm);
+            got++;
+        }
         if (!got) break;
     }
     r->pumping = false;
@@ -1437,6 +1498,7 @@ static void on_tick(uv_timer_t *t)
                     "no worker could take the request in time");
         q = next;
     }
+    view_check_age(r, now);
     pump_queue(r);
     static uint64_t last_sweep;
     if (now - last_sweep > 5000) {
@@ -1481,7 +1543,8 @@ static void on_http(rt_http_req *h, void *user)
     bool get = !strcmp(method, "GET") || !strcmp(method, "HEAD");
     if (!strcmp(path, "/healthz") || !strcmp(path, "/readyz")) {
         bool ready = false;
-        for (int i = 0; i < r->n_w; i++) ready |= r->w[i].connected;
+        uint64_t now = now_ms();
+        for (int i = 0; i < r->n_w; i++) ready |= wk_routable(r, &r->w[i], now);
         bool ok = !strcmp(path, "/healthz") || ready;
         rt_http_respond(h, ok ? 200 : 503, "text/plain", ok ? "ok\n" : "no worker\n", ok ? 3 : 10);
         return;
@@ -1621,8 +1684,7 @@ static void status_json(rt_router *r, km_buf *out)
                   "\"router\":{\"requests\":%llu,\"completed\":%llu,\"failed\":%llu,"
                   "\"inflight\":%d,\"queued\":%d,\"overloaded\":%llu,\"migrations\":%llu,"
                   "\"bad_frames\":%llu,\"prompt_tokens\":%llu,\"cached_tokens\":%llu,"
-                  "\"predicted_cached_tokens\":%llu,\"hit_ratio\":%.4f,\"index_pages\":%zu},"
-                  "\"workers\":[",
+                  "\"predicted_cached_tokens\":%llu,\"hit_ratio\":%.4f,\"index_pages\":%zu},",
                   r->model_name, r->fp, rt_mode_name(r->c.policy.mode), r->c.page_tokens,
                   (unsigned long long)r->n_requests, (unsigned long long)r->n_ok,
                   (unsigned long long)r->n_err, r->n_inflight, r->n_queued,
@@ -1631,7 +1693,26 @@ static void status_json(rt_router *r, km_buf *out)
                   (unsigned long long)r->cached_tokens, (unsigned long long)r->predicted_tokens,
                   r->prompt_tokens ? (double)r->cached_tokens / (double)r->prompt_tokens : 0.0,
                   rt_index_size(r->index));
+    if (!r->vsub) {
+        km_buf_printf(out, "\"controller\":null,");
+    } else {
+        uint64_t now = now_ms();
+        km_buf_printf(out,
+                      "\"controller\":{\"endpoint\":\"%s\",\"view_timeout_ms\":%u,\"fresh\":%s,"
+                      "\"views\":%llu,\"bad_views\":%llu,",
+                      r->ctl_url, r->c.view_timeout_ms, r->view_fresh ? "true" : "false",
+                      (unsigned long long)r->n_views, (unsigned long long)r->n_bad_views);
+        if (r->have_view)
+            km_buf_printf(out, "\"id\":\"%s\",\"epoch\":%llu,\"seq\":%llu,\"age_ms\":%llu},",
+                          r->ctl_id, (unsigned long long)r->view_epoch,
+                          (unsigned long long)r->view_seq,
+                          (unsigned long long)(now > r->view_at_ms ? now - r->view_at_ms : 0));
+        else
+            km_buf_printf(out, "\"id\":null,\"epoch\":null,\"seq\":null,\"age_ms\":null},");
+    }
+    km_buf_printf(out, "\"workers\":[");
     int ps = 0;
+    uint64_t now = now_ms();
     for (int i = 0; i < r->n_w; i++) {
         rt_wk *w = &r->w[i];
         km_buf_printf(out,
@@ -1641,7 +1722,7 @@ static void status_json(rt_router *r, km_buf *out)
                       "\"cached_tokens\":%llu,\"hit_ratio\":%.4f,"
                       "\"kv_pages\":{\"hot\":%llu,\"host\":%llu,\"disk\":%llu},"
                       "\"page_bytes\":%d,\"event_seq\":%llu,\"event_gaps\":%llu,"
-                      "\"resyncs\":%llu,\"snapshots\":%llu,\"connects\":%llu}",
+                      "\"resyncs\":%llu,\"snapshots\":%llu,\"connects\":%llu,",
                       i ? "," : "", w->id, w->req_url, w->ev_url, w->connected ? "true" : "false",
                       w->draining ? "true" : "false", w->inflight, (unsigned long long)w->routed,
                       (unsigned long long)w->served, (unsigned long long)w->failed,
@@ -1654,8 +1735,213 @@ static void status_json(rt_router *r, km_buf *out)
                       (unsigned long long)rt_evstream_next(w->evs),
                       (unsigned long long)rt_evstream_gaps(w->evs), (unsigned long long)w->resyncs,
                       (unsigned long long)w->snapshots, (unsigned long long)w->connects);
+        if (w->in_view)
+            km_buf_printf(out, "\"member_state\":\"%s\",\"level\":%u,",
+                          km_member_state_name(w->member), w->level);
+        else
+            km_buf_printf(out, "\"member_state\":null,\"level\":null,");
+        if (w->view_id[0])
+            km_buf_printf(out, "\"view_id\":\"%s\",", w->view_id);
+        else
+            km_buf_printf(out, "\"view_id\":null,");
+        km_buf_printf(out, "\"from_view\":%s,\"view_migrated\":%llu,\"routable\":%s}",
+                      w->from_view ? "true" : "false", (unsigned long long)w->view_migrated,
+                      wk_routable(r, w, now) ? "true" : "false");
     }
     km_buf_printf(out, "]}\n");
+}
+
+/* ---------------------------------------------------------------- the controller's view */
+
+static int worker_slot_init(rt_router *r, const char *id, const char *req, const char *ev,
+                            km_errbuf *err);
+static int worker_open(rt_router *r, rt_wk *w, km_errbuf *err);
+static int register_worker_metrics(rt_router *r, rt_wk *w, km_errbuf *err);
+
+static void bad_view(rt_router *r, const char *why)
+{
+    r->n_bad_views++;
+    km_counter_inc(r->s_bad_views);
+    KM_WARN("bad_view", "controller=%s msg=\"%s\"", r->ctl_url, why);
+}
+
+static const char *member_name(const rt_wk *w)
+{
+    return w->in_view ? km_member_state_name(w->member) : "none";
+}
+
+/* The view names w in `state` at `level` (in_view false: the view no longer names it). */
+static void set_member(rt_router *r, rt_wk *w, bool in_view, km_member_state state, uint32_t level)
+{
+    if (w->in_view == in_view && (!in_view || (w->member == state && w->level == level))) return;
+    const char *from = member_name(w);
+    uint32_t from_level = w->level;
+    w->in_view = in_view;
+    if (in_view) {
+        w->member = state;
+        w->level = level;
+    }
+    km_gauge_set(w->s_member, in_view ? (double)state : -1);
+    km_gauge_set(w->s_level, in_view ? (double)level : 0);
+    KM_INFO("member_state",
+            "worker=%s from=%s to=%s level=%u from_level=%u inflight=%d controller=%s epoch=%llu",
+            w->id, from, member_name(w), w->level, from_level, w->inflight, r->ctl_id,
+            (unsigned long long)r->view_epoch);
+}
+
+/* A member whose requests endpoint no slot has: w was its slot under an older endpoint (the same
+ * id; the worker came back on another port) and moves there, or a new slot is connected. */
+static rt_wk *view_adopt(rt_router *r, const km_view_worker *vw, rt_wk *same_id)
+{
+    km_errbuf err = {{0}};
+    if (same_id) {
+        KM_INFO("worker_moved", "worker=%s from=%s to=%s events=%s", same_id->id, same_id->req_url,
+                vw->requests, vw->events ? vw->events : "-");
+        worker_down(r, same_id, "moved"); /* its requests migrate, its pages are forgotten */
+        if (same_id->dealer) zmq_disconnect(same_id->dealer, same_id->req_url);
+        if (same_id->ev_url[0]) zmq_disconnect(r->sub, same_id->ev_url);
+        snprintf(same_id->req_url, sizeof same_id->req_url, "%s", vw->requests);
+        snprintf(same_id->ev_url, sizeof same_id->ev_url, "%s", vw->events ? vw->events : "");
+        if (km_zsock_connect(same_id->dealer, same_id->req_url, &err) ||
+            (same_id->ev_url[0] && km_zsock_connect(r->sub, same_id->ev_url, &err)))
+            KM_WARN("worker_move_failed", "worker=%s msg=\"%s\"", same_id->id, err.msg);
+        return same_id;
+    }
+    if (r->n_w >= RT_MAX_WORKERS) {
+        if (!r->slots_full_warned)
+            KM_WARN("worker_not_added", "worker=%s why=\"all %d worker slots are taken\"", vw->id,
+                    RT_MAX_WORKERS);
+        r->slots_full_warned = true;
+        return NULL;
+    }
+    int rc = worker_slot_init(r, vw->id, vw->requests, vw->events, &err);
+    rt_wk *w = rc ? NULL : &r->w[r->n_w - 1];
+    if (w && (rc = worker_open(r, w, &err))) {
+        rt_evstream_destroy(w->evs);
+        memset(w, 0, sizeof *w);
+        r->n_w--;
+        w = NULL;
+    }
+    if (!w) {
+        KM_WARN("worker_not_added", "worker=%s requests=%s msg=\"%s\"", vw->id, vw->requests,
+                err.msg);
+        return NULL;
+    }
+    w->from_view = true;
+    register_worker_metrics(r, w, &err);
+    km_gauge_set(w->s_up, 0);
+    KM_INFO("worker_added", "worker=%s requests=%s events=%s source=controller", w->id, w->req_url,
+            w->ev_url[0] ? w->ev_url : "-");
+    return w;
+}
+
+static void apply_view(rt_router *r, const km_msg_view *v)
+{
+    uint64_t now = now_ms();
+    bool same_ctl = r->have_view && !strcmp(r->ctl_id, v->controller) && r->view_epoch == v->epoch;
+    if (same_ctl && v->seq < r->view_seq) return; /* an older view overtaken by a newer one */
+    if (!same_ctl)
+        KM_INFO("controller_view", "controller=%s epoch=%llu prev_controller=%s prev_epoch=%llu",
+                v->controller, (unsigned long long)v->epoch, r->have_view ? r->ctl_id : "-",
+                (unsigned long long)r->view_epoch);
+    snprintf(r->ctl_id, sizeof r->ctl_id, "%s", v->controller);
+    r->view_epoch = v->epoch;
+    r->view_seq = v->seq;
+    r->view_at_ms = now;
+    r->have_view = true;
+    r->n_views++;
+    km_counter_inc(r->s_views);
+    km_gauge_set(r->s_view_age, 0);
+    if (!r->view_fresh) {
+        r->view_fresh = true;
+        KM_INFO("view_fresh", "controller=%s epoch=%llu seq=%llu workers=%u", r->ctl_id,
+                (unsigned long long)r->view_epoch, (unsigned long long)r->view_seq, v->n_workers);
+    }
+    bool seen[RT_MAX_WORKERS] = {false};
+    for (uint32_t i = 0; i < v->n_workers; i++) {
+        const km_view_worker *vw = &v->workers[i];
+        bool has_ep = vw->requests && *vw->requests;
+        rt_wk *w = NULL;
+        for (int k = 0; k < r->n_w && !w; k++)
+            if (has_ep ? rt_endpoint_same(r->w[k].req_url, vw->requests)
+                       : !strcmp(r->w[k].id, vw->id) || !strcmp(r->w[k].view_id, vw->id))
+                w = &r->w[k]; /* no endpoint (no heartbeat with one yet): by id, never added */
+        if (!w && (!has_ep || vw->state == KM_MEMBER_DEAD)) continue; /* nothing to connect */
+        if (!w) {
+            /* the same id under an endpoint no member of this view claims: it moved */
+            rt_wk *same_id = NULL;
+            for (int k = 0; k < r->n_w && !same_id; k++)
+                if (!strcmp(r->w[k].id, vw->id) || !strcmp(r->w[k].view_id, vw->id))
+                    same_id = &r->w[k];
+            for (uint32_t j = 0; same_id && j < v->n_workers; j++)
+                if (v->workers[j].requests &&
+                    rt_endpoint_same(same_id->req_url, v->workers[j].requests))
+                    same_id = NULL;
+            w = view_adopt(r, vw, same_id);
+            if (!w) continue;
+        }
+        if (seen[w->idx]) continue; /* two members, one endpoint: the first wins */
+        seen[w->idx] = true;
+        if (strcmp(w->view_id, vw->id)) {
+            if (strcmp(w->id, vw->id))
+                KM_INFO("worker_view_id", "worker=%s view_id=%s requests=%s", w->id, vw->id,
+                        w->req_url);
+            snprintf(w->view_id, sizeof w->view_id, "%s", vw->id);
+        }
+        set_member(r, w, true, vw->state, vw->level);
+    }
+    for (int k = 0; k < r->n_w; k++)
+        if (!seen[k]) set_member(r, &r->w[k], false, KM_MEMBER_STARTING, 0);
+    /* the dead ones' requests go elsewhere, as on a disconnect */
+    for (int k = 0; k < r->n_w; k++) {
+        rt_wk *w = &r->w[k];
+        if (w->inflight > 0 && rt_member_migrates(r->view_fresh, w->in_view, w->member)) {
+            KM_WARN("worker_dead_in_view", "worker=%s inflight=%d controller=%s", w->id,
+                    w->inflight, r->ctl_id);
+            w->view_migrated += (uint64_t)w->inflight;
+            migrate_all(r, w, "the controller says the worker is dead", w->connected);
+        }
+    }
+    pump_queue(r);
+}
+
+static void on_view_message(rt_router *r, const km_zmsg *zm)
+{
+    if (zm->n != 2 || zm->part[0].len != 4 || memcmp(zm->part[0].data, "view", 4)) {
+        bad_view(r, "not a two-part [\"view\", frame] message");
+        return;
+    }
+    km_msg m;
+    km_errbuf err = {{0}};
+    if (km_msg_decode(zm->part[1].data, zm->part[1].len, &r->lim, &m, &err)) {
+        bad_view(r, err.msg);
+        return;
+    }
+    if (m.type != KM_MSG_VIEW) {
+        char why[64];
+        snprintf(why, sizeof why, "a '%s' frame on the view topic", km_msg_type_name(m.type));
+        bad_view(r, why);
+    } else {
+        apply_view(r, &m.view);
+    }
+    km_msg_clear(&m);
+}
+
+/* From the tick: a view older than --view-timeout stops counting (the router's own liveness
+ * decides alone until the next one). */
+static void view_check_age(rt_router *r, uint64_t now)
+{
+    if (!r->have_view) return;
+    uint64_t age = now > r->view_at_ms ? now - r->view_at_ms : 0;
+    km_gauge_set(r->s_view_age, (double)age / 1e3);
+    if (r->view_fresh && age > r->c.view_timeout_ms) {
+        r->view_fresh = false;
+        KM_WARN("view_stale",
+                "controller=%s epoch=%llu age_ms=%llu timeout_ms=%u fallback=own_liveness",
+                r->ctl_id, (unsigned long long)r->view_epoch, (unsigned long long)age,
+                r->c.view_timeout_ms);
+        pump_queue(r); /* workers the view held back may take the queue now */
+    }
 }
 
 /* ---------------------------------------------------------------- life cycle */
@@ -1680,7 +1966,10 @@ void rt_config_default(rt_config *c)
     c->max_http_body = 4u << 20;
     c->queue_timeout_ms = 60000;
     c->migrate_replay = true;
+    c->view_timeout_ms = 5000;
 }
+
+static int register_worker_metrics(rt_router *r, rt_wk *w, km_errbuf *err);
 
 static int register_metrics(rt_router *r, km_errbuf *err)
 {
@@ -1732,8 +2021,34 @@ static int register_metrics(rt_router *r, km_errbuf *err)
         NULL, r->s_index_pages);
     REG(KM_COUNTER, "kvmesh_router_http_requests_total", "HTTP requests received.", NULL, NULL, 0,
         NULL, r->s_http_req);
+    REG(KM_COUNTER, "kvmesh_router_views_total", "Controller views applied.", NULL, NULL, 0, NULL,
+        r->s_views);
+    REG(KM_COUNTER, "kvmesh_router_bad_views_total",
+        "Controller view messages that could not be decoded (ignored).", NULL, NULL, 0, NULL,
+        r->s_bad_views);
+    REG(KM_GAUGE, "kvmesh_router_view_age_seconds",
+        "Seconds since the last controller view (-1: none yet, or no --controller).", NULL, NULL, 0,
+        NULL, r->s_view_age);
+    km_gauge_set(r->s_view_age, -1);
+#undef REG
     for (int i = 0; i < r->n_w; i++) {
-        rt_wk *w = &r->w[i];
+        int rc = register_worker_metrics(r, &r->w[i], err);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
+/* The per-worker series (at start, and for a worker a view adds at run time). */
+static int register_worker_metrics(rt_router *r, rt_wk *w, km_errbuf *err)
+{
+    km_metric *m;
+#define REG(kind, name, help, labels, bounds, nb, lv, dst)                                         \
+    do {                                                                                           \
+        int rc_ = km_metric_register(r->metrics, kind, name, help, labels, bounds, nb, &m, err);   \
+        if (rc_) return rc_;                                                                       \
+        dst = km_metric_series(m, lv);                                                             \
+    } while (0)
+    {
         const char *lv[] = {w->id};
         REG(KM_GAUGE, "kvmesh_router_worker_up", "1 while the worker's connection is up.", "worker",
             NULL, 0, lv, w->s_up);
@@ -1748,6 +2063,14 @@ static int register_metrics(rt_router *r, km_errbuf *err)
                 "KV pages the worker holds, per tier, as its events say.", "worker,tier", NULL, 0,
                 lv2, w->s_pages[t]);
         }
+        REG(KM_GAUGE, "kvmesh_router_worker_member_state",
+            "The worker's state in the controller's view: 0 starting, 1 ready, 2 draining, "
+            "3 restarting, 4 dead; -1 not in the view.",
+            "worker", NULL, 0, lv, w->s_member);
+        REG(KM_GAUGE, "kvmesh_router_worker_recovery_level",
+            "The recovery level in effect on the worker, as the controller's view says.", "worker",
+            NULL, 0, lv, w->s_level);
+        km_gauge_set(w->s_member, w->in_view ? (double)w->member : -1);
     }
 #undef REG
     return 0;
@@ -1770,11 +2093,73 @@ static void on_stop_async(uv_async_t *a)
     uv_stop(&r->loop);
 }
 
+/* Fills the next free worker slot (no sockets yet). */
+static int worker_slot_init(rt_router *r, const char *id, const char *req, const char *ev,
+                            km_errbuf *err)
+{
+    if (r->n_w >= RT_MAX_WORKERS)
+        return km_errf(err, KM_ERANGE, "router: more than %d workers", RT_MAX_WORKERS);
+    rt_wk *w = &r->w[r->n_w];
+    memset(w, 0, sizeof *w);
+    w->r = r;
+    w->idx = r->n_w;
+    w->member = KM_MEMBER_STARTING;
+    snprintf(w->id, sizeof w->id, "%s", id);
+    snprintf(w->req_url, sizeof w->req_url, "%s", req);
+    snprintf(w->ev_url, sizeof w->ev_url, "%s", ev ? ev : "");
+    int rc = rt_evstream_create(4096, &w->evs);
+    if (rc) return km_errf(err, rc, "router: event stream for worker '%s'", id);
+    r->n_w++;
+    return 0;
+}
+
+/* The worker's DEALER (with its socket monitor), the SUB's connection to its events, and their
+ * polls on the loop. The monitor's handshake event makes it usable and asks for its replay. */
+static int worker_open(rt_router *r, rt_wk *w, km_errbuf *err)
+{
+    km_zsock_opts wo;
+    km_zsock_opts_default(&wo);
+    int rc = km_zsock_open(r->zctx, KM_ZDEALER, &wo, &w->dealer, err);
+    if (rc) return rc;
+    int ivl = 100; /* reconnect quickly to a restarted worker */
+    zmq_setsockopt(w->dealer, ZMQ_RECONNECT_IVL, &ivl, sizeof ivl);
+    int ivl_max = 1000;
+    zmq_setsockopt(w->dealer, ZMQ_RECONNECT_IVL_MAX, &ivl_max, sizeof ivl_max);
+    char mon[64];
+    snprintf(mon, sizeof mon, "inproc://rt-mon-%p-%d", (void *)r, w->idx);
+    if (zmq_socket_monitor(w->dealer, mon, ZMQ_EVENT_HANDSHAKE_SUCCEEDED | ZMQ_EVENT_DISCONNECTED))
+        return km_errf(err, KM_EIO, "router: socket monitor: %s", zmq_strerror(zmq_errno()));
+    w->mon = zmq_socket(r->zctx, ZMQ_PAIR);
+    int linger = 0;
+    if (!w->mon || zmq_setsockopt(w->mon, ZMQ_LINGER, &linger, sizeof linger) ||
+        zmq_connect(w->mon, mon))
+        rc = km_errf(err, KM_EIO, "router: monitor socket");
+    if (!rc) rc = km_zsock_connect(w->dealer, w->req_url, err);
+    if (!rc && w->ev_url[0] && (rc = km_zsock_connect(r->sub, w->ev_url, err)))
+        zmq_disconnect(w->dealer, w->req_url);
+    if (rc) { /* nothing of w is on the loop yet: undo the sockets */
+        zmq_socket_monitor(w->dealer, NULL, 0);
+        if (w->mon) zmq_close(w->mon);
+        km_zsock_close(w->dealer);
+        w->mon = w->dealer = NULL;
+        return rc;
+    }
+    if ((rc = open_poll(r, &w->p_dealer, w->dealer, err))) return rc;
+    if ((rc = open_poll(r, &w->p_mon, w->mon, err))) {
+        uv_close((uv_handle_t *)&w->p_dealer, NULL);
+        return rc;
+    }
+    w->polls_open = true;
+    return 0;
+}
+
 int rt_router_create(const rt_config *c, rt_router **out, km_errbuf *err)
 {
     *out = NULL;
-    if (!c->n_workers || c->n_workers > RT_MAX_WORKERS)
-        return km_errf(err, KM_EINVAL, "router: %d workers (1..%d)", c->n_workers, RT_MAX_WORKERS);
+    bool ctl = c->controller_url && *c->controller_url;
+    if ((!ctl && !c->n_workers) || c->n_workers < 0 || c->n_workers > RT_MAX_WORKERS)
+        return km_errf(err, KM_EINVAL, "router: %d workers (%d..%d)", c->n_workers, ctl ? 0 : 1,
+                       RT_MAX_WORKERS);
     if (c->page_tokens <= 0) return km_errf(err, KM_EINVAL, "router: page_tokens must be > 0");
     rt_router *r = calloc(1, sizeof *r);
     if (!r) return km_errf(err, KM_ENOMEM, "router: out of memory");
@@ -1782,6 +2167,10 @@ int rt_router_create(const rt_config *c, rt_router **out, km_errbuf *err)
     if (r->c.worker_slots <= 0) r->c.worker_slots = 8;
     if (r->c.max_attempts <= 0) r->c.max_attempts = 3;
     if (r->c.max_queue < 0) r->c.max_queue = 0;
+    if (!r->c.view_timeout_ms) r->c.view_timeout_ms = 5000;
+    r->c.workers = NULL; /* the caller's list need not outlive create */
+    r->c.controller_url = NULL;
+    if (c->controller_url) snprintf(r->ctl_url, sizeof r->ctl_url, "%s", c->controller_url);
     km_proto_limits_default(&r->lim);
     int rc = uv_loop_init(&r->loop);
     if (rc) {
@@ -1813,27 +2202,22 @@ int rt_router_create(const rt_config *c, rt_router **out, km_errbuf *err)
         goto fail;
     }
     if ((rc = km_metrics_create(&r->metrics))) goto fail;
-    r->w = calloc((size_t)c->n_workers, sizeof *r->w);
-    r->wcfg = calloc((size_t)c->n_workers, sizeof *r->wcfg);
-    if (!r->w || !r->wcfg) {
+    /* every slot at once: a view may add workers later, and their uv handles must not move */
+    r->w = calloc(RT_MAX_WORKERS, sizeof *r->w);
+    if (!r->w) {
         rc = km_errf(err, KM_ENOMEM, "router: out of memory");
         goto fail;
     }
-    r->n_w = c->n_workers;
-    for (int i = 0; i < r->n_w; i++) {
-        rt_wk *w = &r->w[i];
-        w->r = r;
-        w->idx = i;
-        snprintf(w->id, sizeof w->id, "%s", c->workers[i].id);
-        snprintf(w->req_url, sizeof w->req_url, "%s", c->workers[i].requests_url);
-        snprintf(w->ev_url, sizeof w->ev_url, "%s",
-                 c->workers[i].events_url ? c->workers[i].events_url : "");
+    for (int i = 0; i < c->n_workers; i++) {
         for (int j = 0; j < i; j++)
-            if (!strcmp(r->w[j].id, w->id)) {
-                rc = km_errf(err, KM_EINVAL, "router: worker id '%s' given twice", w->id);
+            if (!strcmp(c->workers[j].id, c->workers[i].id)) {
+                rc =
+                    km_errf(err, KM_EINVAL, "router: worker id '%s' given twice", c->workers[i].id);
                 goto fail;
             }
-        if ((rc = rt_evstream_create(4096, &w->evs))) goto fail;
+        if ((rc = worker_slot_init(r, c->workers[i].id, c->workers[i].requests_url,
+                                   c->workers[i].events_url, err)))
+            goto fail;
     }
     if ((rc = register_metrics(r, err))) goto fail;
 
@@ -1851,40 +2235,17 @@ int rt_router_create(const rt_config *c, rt_router **out, km_errbuf *err)
     if ((rc = km_zsock_open(r->zctx, KM_ZSUB, &zo, &r->sub, err)) ||
         (rc = km_zsock_subscribe(r->sub, "kv.", 3, err)))
         goto fail;
-    for (int i = 0; i < r->n_w; i++) {
-        rt_wk *w = &r->w[i];
-        km_zsock_opts wo;
-        km_zsock_opts_default(&wo);
-        if ((rc = km_zsock_open(r->zctx, KM_ZDEALER, &wo, &w->dealer, err))) goto fail;
-        int ivl = 100; /* reconnect quickly to a restarted worker */
-        zmq_setsockopt(w->dealer, ZMQ_RECONNECT_IVL, &ivl, sizeof ivl);
-        int ivl_max = 1000;
-        zmq_setsockopt(w->dealer, ZMQ_RECONNECT_IVL_MAX, &ivl_max, sizeof ivl_max);
-        char mon[64];
-        snprintf(mon, sizeof mon, "inproc://rt-mon-%p-%d", (void *)r, i);
-        if (zmq_socket_monitor(w->dealer, mon,
-                               ZMQ_EVENT_HANDSHAKE_SUCCEEDED | ZMQ_EVENT_DISCONNECTED) != 0) {
-            rc = km_errf(err, KM_EIO, "router: socket monitor: %s", zmq_strerror(zmq_errno()));
-            goto fail;
-        }
-        w->mon = zmq_socket(r->zctx, ZMQ_PAIR);
-        int linger = 0;
-        if (!w->mon || zmq_setsockopt(w->mon, ZMQ_LINGER, &linger, sizeof linger) ||
-            zmq_connect(w->mon, mon)) {
-            rc = km_errf(err, KM_EIO, "router: monitor socket");
-            goto fail;
-        }
-        if ((rc = km_zsock_connect(w->dealer, w->req_url, err))) goto fail;
-        if (w->ev_url[0] && (rc = km_zsock_connect(r->sub, w->ev_url, err))) goto fail;
-    }
     if ((rc = open_poll(r, &r->p_front, r->front, err)) ||
         (rc = open_poll(r, &r->p_sub, r->sub, err)))
         goto fail;
-    for (int i = 0; i < r->n_w; i++) {
-        if ((rc = open_poll(r, &r->w[i].p_dealer, r->w[i].dealer, err)) ||
-            (rc = open_poll(r, &r->w[i].p_mon, r->w[i].mon, err)))
+    for (int i = 0; i < r->n_w; i++)
+        if ((rc = worker_open(r, &r->w[i], err))) goto fail;
+    if (c->controller_url && *c->controller_url) {
+        if ((rc = km_zsock_open(r->zctx, KM_ZSUB, &zo, &r->vsub, err)) ||
+            (rc = km_zsock_subscribe(r->vsub, "view", 4, err)) ||
+            (rc = km_zsock_connect(r->vsub, c->controller_url, err)) ||
+            (rc = open_poll(r, &r->p_vsub, r->vsub, err)))
             goto fail;
-        r->w[i].polls_open = true;
     }
     if (c->http_host && c->http_port >= 0) {
         rt_http_opts ho = {.host = c->http_host,
@@ -1900,9 +2261,11 @@ int rt_router_create(const rt_config *c, rt_router **out, km_errbuf *err)
     }
     uv_check_start(&r->check, on_check);
     uv_timer_start(&r->tick, on_tick, RT_TICK_MS, RT_TICK_MS);
-    KM_INFO("router_start", "model=%s fingerprint=%s front=%s http_port=%d workers=%d mode=%s",
+    KM_INFO("router_start",
+            "model=%s fingerprint=%s front=%s http_port=%d workers=%d mode=%s controller=%s "
+            "view_timeout_ms=%u",
             r->model_name, r->fp, r->front_ep, rt_router_http_port(r), r->n_w,
-            rt_mode_name(r->c.policy.mode));
+            rt_mode_name(r->c.policy.mode), r->vsub ? r->ctl_url : "-", r->c.view_timeout_ms);
     return 0;
 fail:
     *out = NULL;
@@ -1978,6 +2341,7 @@ void rt_router_destroy(rt_router *r)
     }
     km_zsock_close(r->front);
     km_zsock_close(r->sub);
+    km_zsock_close(r->vsub);
     if (r->zctx) km_zctx_destroy(r->zctx);
     rt_index_destroy(r->index);
     km_metrics_destroy(r->metrics);
@@ -1985,7 +2349,6 @@ void rt_router_destroy(rt_router *r)
     km_zmsg_clear(&r->zm);
     free(r->tokbuf);
     free(r->w);
-    free(r->wcfg);
     wk_model_free(r->model);
     free(r);
 }

@@ -278,6 +278,28 @@ int rt_http_stream_end(rt_http_req *r);
 /* Called (once) when the connection goes away before the response ended; r is invalid after. */
 void rt_http_on_abort(rt_http_req *r, void (*fn)(rt_http_req *r, void *user), void *user);
 
+/* ---------------------------------------------------------------- cluster view (view.c)
+ * With --controller the router subscribes to the controller's view (two-part PUB messages
+ * ["view", km_msg_view frame]) and acts on it: only "ready" members get new requests; "starting",
+ * "draining" and "restarting" members keep their in-flight requests but get nothing new; a
+ * "dead" member's in-flight requests migrate as on a disconnect. Members are matched to the
+ * router's workers by requests endpoint (normalised below); a member with an unknown endpoint is
+ * connected at run time. While no view has arrived for view_timeout_ms the view is *stale* and
+ * ignored: the router's own liveness alone decides, so a controller outage never stops serving.
+ * A worker the view does not name is routed by liveness alone, too (a fresh controller's first
+ * views may not list every worker yet). */
+
+/* Canonical form of a ZeroMQ endpoint for comparing: scheme and host lower-cased; loopback and
+ * wildcard hosts (localhost, 0.0.0.0, *, [::1], [::]) become 127.0.0.1. 0 or KM_EINVAL /
+ * KM_ERANGE. */
+int rt_endpoint_norm(const char *url, char *out, size_t cap);
+bool rt_endpoint_same(const char *a, const char *b);
+/* May a worker get new requests? connected: the router's own liveness (a veto); view_fresh: a
+ * view arrived within the timeout; in_view: that view names the worker with `state`. */
+bool rt_member_routable(bool connected, bool view_fresh, bool in_view, km_member_state state);
+/* Must the worker's in-flight requests migrate because the view says it is dead? */
+bool rt_member_migrates(bool view_fresh, bool in_view, km_member_state state);
+
 /* ---------------------------------------------------------------- the router daemon (router.c) */
 
 typedef struct rt_worker_cfg {
@@ -287,16 +309,16 @@ typedef struct rt_worker_cfg {
 } rt_worker_cfg;
 
 typedef struct rt_config {
-    const char *model_path;  /* GGUF: tokenizer, chat template, fingerprint */
-    const char *model_name;  /* name clients use; NULL: from the file name */
-    const char *fingerprint; /* NULL: computed like the worker does */
-    uint64_t cluster_seed;   /* must equal the workers' */
-    int page_tokens;         /* must equal the workers' (16) */
-    const char *front_url;   /* ZeroMQ ROUTER for clients, e.g. tcp://127.0.0.1:7000 */
-    const char *http_host;   /* OpenAI HTTP; NULL or port < 0: off */
-    int http_port;           /* 0: ephemeral */
-    int admin_port;          /* /metrics, /healthz, /readyz; < 0: off */
-    const rt_worker_cfg *workers;
+    const char *model_path;       /* GGUF: tokenizer, chat template, fingerprint */
+    const char *model_name;       /* name clients use; NULL: from the file name */
+    const char *fingerprint;      /* NULL: computed like the worker does */
+    uint64_t cluster_seed;        /* must equal the workers' */
+    int page_tokens;              /* must equal the workers' (16) */
+    const char *front_url;        /* ZeroMQ ROUTER for clients, e.g. tcp://127.0.0.1:7000 */
+    const char *http_host;        /* OpenAI HTTP; NULL or port < 0: off */
+    int http_port;                /* 0: ephemeral */
+    int admin_port;               /* /metrics, /healthz, /readyz; < 0: off */
+    const rt_worker_cfg *workers; /* may be empty with a controller: its view adds workers */
     int n_workers;
     rt_policy policy;
     int worker_slots; /* requests a worker runs at once (cost model) */
@@ -308,8 +330,11 @@ typedef struct rt_config {
     size_t index_pages;
     uint32_t pending_ttl_ms;
     size_t max_http_body;
-    uint32_t queue_timeout_ms; /* a request waiting longer in the router queue gets 503 */
-    bool migrate_replay;       /* greedy/seeded migrations regenerate (exact), else continue */
+    uint32_t queue_timeout_ms;  /* a request waiting longer in the router queue gets 503 */
+    bool migrate_replay;        /* greedy/seeded migrations regenerate (exact), else continue */
+    const char *controller_url; /* the controller's view PUB; NULL: no controller (workers must
+                                 * then be given) */
+    uint32_t view_timeout_ms;   /* a view older than this is ignored (default 5000) */
 } rt_config;
 
 void rt_config_default(rt_config *c);

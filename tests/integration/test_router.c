@@ -5,7 +5,11 @@
  * malformed client frames get error frames while the router keeps serving; a full cluster
  * answers 529 with retry_after_ms; a router started late catches up from the workers' event
  * replay, and a second router replica routes like the first; the OpenAI HTTP API (streaming
- * included) driven by curl.
+ * included) driven by curl. With --controller: the test binds a PUB socket and publishes
+ * hand-made cluster views (standing in for kvmesh-controller, which has its own tests): a
+ * draining member gets nothing new, a dead one's stream migrates with the same greedy output, a
+ * router with no --workers serves the workers a view names, and a router whose views stop falls
+ * back to its own liveness checks.
  *
  * Run from the repository root after `make build` (make integration); without the default model
  * every test skips and says so. Workers run one thread each: the machine is small and shared.
@@ -13,6 +17,7 @@
 #include <criterion/criterion.h>
 #include <jansson.h>
 #include <msgpack.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -630,4 +635,361 @@ Test(router, the_openai_http_api_answers_curl)
     free(out);
     stop_proc(&r);
     stop_proc(&w[0]);
+}
+
+/* ---------------------------------------------------------------- the controller's view */
+
+/* A stand-in for kvmesh-controller's view PUB: a thread republishes the current view every
+ * 100 ms (as the controller does every --view-interval), so the router's SUB, which joins late,
+ * and its view timeout both see what a real controller would give them. */
+typedef struct viewpub {
+    void *ctx, *pub;
+    char ep[256];
+    pthread_t th;
+    pthread_mutex_t mu;
+    bool stop, running;
+    int n;
+    char id[4][64], req[4][512], ev[4][512];
+    km_member_state state[4];
+    uint32_t level[4];
+    uint64_t seq;
+} viewpub;
+
+static void *viewpub_main(void *arg)
+{
+    viewpub *vp = arg;
+    km_buf b = {0};
+    for (;;) {
+        pthread_mutex_lock(&vp->mu);
+        if (vp->stop) {
+            pthread_mutex_unlock(&vp->mu);
+            break;
+        }
+        km_view_worker vw[4];
+        memset(vw, 0, sizeof vw);
+        for (int i = 0; i < vp->n; i++) {
+            vw[i].id = vp->id[i];
+            vw[i].state = vp->state[i];
+            vw[i].level = vp->level[i];
+            vw[i].requests = vp->req[i];
+            vw[i].events = vp->ev[i];
+        }
+        km_msg m;
+        km_msg_init(&m, KM_MSG_VIEW);
+        m.view.controller = "test-ctl";
+        m.view.epoch = 1700000000000ull;
+        m.view.seq = ++vp->seq;
+        m.view.workers = vw;
+        m.view.n_workers = (uint32_t)vp->n;
+        int rc = km_msg_encode(&m, NULL, &b, NULL);
+        pthread_mutex_unlock(&vp->mu);
+        if (!rc) {
+            km_zframe parts[2] = {{"view", 4}, {b.data, b.len}};
+            km_zsend(vp->pub, parts, 2, KM_ZDONTWAIT, NULL);
+        }
+        usleep(100000);
+    }
+    km_buf_free(&b);
+    return NULL;
+}
+
+static void viewpub_start(viewpub *vp)
+{
+    memset(vp, 0, sizeof *vp);
+    pthread_mutex_init(&vp->mu, NULL);
+    vp->ctx = km_zctx_create();
+    cr_assert_not_null(vp->ctx);
+    km_errbuf err = {{0}};
+    cr_assert_eq(km_zsock_open(vp->ctx, KM_ZPUB, NULL, &vp->pub, &err), 0, "%s", err.msg);
+    cr_assert_eq(km_zsock_bind(vp->pub, "tcp://127.0.0.1:*", &err), 0, "%s", err.msg);
+    cr_assert_eq(km_zsock_last_endpoint(vp->pub, vp->ep, sizeof vp->ep, &err), 0, "%s", err.msg);
+    cr_assert_eq(pthread_create(&vp->th, NULL, viewpub_main, vp), 0);
+    vp->running = true;
+}
+
+/* Names worker `id` (at w's endpoints) in `state`; adds it when the view does not have it yet. */
+static void viewpub_set(viewpub *vp, const char *id, const proc *w, km_member_state state)
+{
+    pthread_mutex_lock(&vp->mu);
+    int i = 0;
+    while (i < vp->n && strcmp(vp->id[i], id)) i++;
+    if (i == vp->n) {
+        cr_assert_lt(vp->n, 4);
+        vp->n++;
+        snprintf(vp->id[i], sizeof vp->id[i], "%s", id);
+    }
+    snprintf(vp->req[i], sizeof vp->req[i], "%s", w->req);
+    snprintf(vp->ev[i], sizeof vp->ev[i], "%s", w->ev);
+    vp->state[i] = state;
+    vp->level[i] = state == KM_MEMBER_DRAINING ? 3 : 0;
+    pthread_mutex_unlock(&vp->mu);
+}
+
+/* The controller goes away: no more views (the socket closes). */
+static void viewpub_stop(viewpub *vp)
+{
+    if (!vp->running) return;
+    pthread_mutex_lock(&vp->mu);
+    vp->stop = true;
+    pthread_mutex_unlock(&vp->mu);
+    pthread_join(vp->th, NULL);
+    km_zsock_close(vp->pub);
+    km_zctx_destroy(vp->ctx);
+    vp->running = false;
+}
+
+/* The router's status entry of worker id (a new reference), or NULL. */
+static json_t *worker_status(const proc *r, const char *id)
+{
+    json_t *o = status(r), *found = NULL;
+    size_t k;
+    json_t *wj;
+    json_array_foreach(json_object_get(o, "workers"), k,
+                       wj) if (!strcmp(json_string_value(json_object_get(wj, "id")), id)) found =
+        json_incref(wj);
+    json_decref(o);
+    return found;
+}
+
+/* Waits until the router's status says worker id is in `state` ("none" = not in the view). */
+static void wait_member(const proc *r, const char *id, const char *state)
+{
+    for (int i = 0; i < 200; i++) {
+        json_t *w = worker_status(r, id);
+        const char *st = w ? json_string_value(json_object_get(w, "member_state")) : NULL;
+        bool ok = w && !strcmp(st ? st : "none", state);
+        json_decref(w);
+        if (ok) return;
+        usleep(50000);
+    }
+    cr_assert_fail("worker %s never became %s at the router", id, state);
+}
+
+/* n short greedy requests; counts[i] += requests that ran on ids[i]. */
+static void route_some(kvm_client *c, int n, const char **ids, int nids, int *counts)
+{
+    for (int i = 0; i < n; i++) {
+        char prompt[128];
+        snprintf(prompt, sizeof prompt, "Name a colour, number %d:", i);
+        km_msg_request q;
+        greedy(&q, prompt, 2, NULL);
+        kvm_result res;
+        km_errbuf err = {{0}};
+        cr_assert_eq(kvm_generate(c, &q, NULL, NULL, &res, &err), 0, "%s", err.msg);
+        int k = 0;
+        while (k < nids && strcmp(ids[k], res.worker)) k++;
+        cr_assert_lt(k, nids, "request ran on an unknown worker '%s'", res.worker);
+        counts[k]++;
+        kvm_result_free(&res);
+    }
+}
+
+Test(router, a_member_draining_in_the_view_gets_nothing_new_until_it_is_ready_again)
+{
+    if (!have_binaries()) return;
+    const char *ids[2] = {"w0", "w1"};
+    proc w[2], r;
+    for (int i = 0; i < 2; i++) start_worker(&w[i], ids[i]);
+    viewpub vp;
+    viewpub_start(&vp);
+    viewpub_set(&vp, "w0", &w[0], KM_MEMBER_DRAINING);
+    viewpub_set(&vp, "w1", &w[1], KM_MEMBER_READY);
+    char ctl[300];
+    snprintf(ctl, sizeof ctl, "--controller=%s", vp.ep);
+    /* round-robin: with both workers routable, consecutive requests alternate */
+    const char *extra[] = {ctl, "--mode=round-robin", NULL};
+    start_router(&r, w, ids, 2, extra);
+    wait_up(&r, 2);
+    wait_member(&r, "w0", "draining");
+    wait_member(&r, "w1", "ready");
+    json_t *w0 = worker_status(&r, "w0");
+    cr_assert_eq(json_integer_value(json_object_get(w0, "level")), 3);
+    cr_assert(json_is_false(json_object_get(w0, "routable")));
+    json_decref(w0);
+    kvm_client *c = client(&r);
+    int counts[2] = {0, 0};
+    route_some(c, 4, ids, 2, counts);
+    cr_assert_eq(counts[0], 0, "the draining worker got %d new requests", counts[0]);
+    cr_assert_eq(counts[1], 4);
+
+    viewpub_set(&vp, "w0", &w[0], KM_MEMBER_READY);
+    wait_member(&r, "w0", "ready");
+    counts[0] = counts[1] = 0;
+    route_some(c, 4, ids, 2, counts);
+    cr_assert_eq(counts[0], 2, "the worker back in the view got %d of 4", counts[0]);
+    cr_assert_eq(counts[1], 2);
+
+    json_t *o = status(&r);
+    json_t *ctlj = json_object_get(o, "controller");
+    cr_assert(json_is_true(json_object_get(ctlj, "fresh")));
+    cr_assert_str_eq(json_string_value(json_object_get(ctlj, "id")), "test-ctl");
+    cr_assert_eq(json_integer_value(json_object_get(ctlj, "epoch")), 1700000000000ll);
+    cr_assert_gt(json_integer_value(json_object_get(ctlj, "views")), 1);
+    json_decref(o);
+    char url[128];
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/metrics", r.http_port);
+    km_buf b = {0};
+    int st = 0;
+    cr_assert_eq(kvm_http_get(url, 5000, &b, &st, NULL), 0);
+    km_buf_append(&b, "", 1);
+    cr_assert(
+        strstr((const char *)b.data, "kvmesh_router_views_total ") &&
+            strstr((const char *)b.data, "kvmesh_router_view_age_seconds ") &&
+            strstr((const char *)b.data, "kvmesh_router_worker_member_state{worker=\"w0\"} 1"),
+        "%s", (const char *)b.data);
+    km_buf_free(&b);
+    kvm_close(c);
+    stop_proc(&r);
+    viewpub_stop(&vp);
+    for (int i = 0; i < 2; i++) stop_proc(&w[i]);
+}
+
+Test(router, a_member_dead_in_the_view_has_its_stream_migrated_with_the_same_greedy_output)
+{
+    if (!have_binaries()) return;
+    const char *ids[2] = {"w0", "w1"};
+    proc w[2], r;
+    for (int i = 0; i < 2; i++) start_worker(&w[i], ids[i]);
+    viewpub vp;
+    viewpub_start(&vp);
+    for (int i = 0; i < 2; i++) viewpub_set(&vp, ids[i], &w[i], KM_MEMBER_READY);
+    char ctl[300];
+    snprintf(ctl, sizeof ctl, "--controller=%s", vp.ep);
+    const char *extra[] = {ctl, NULL};
+    start_router(&r, w, ids, 2, extra);
+    wait_up(&r, 2);
+    for (int i = 0; i < 2; i++) wait_member(&r, ids[i], "ready");
+    kvm_client *c = client(&r);
+    const char *prompt = "Write a long story about a dragon who learns to program computers:";
+    enum { N = 48 };
+    km_msg_request q;
+    greedy(&q, prompt, N, NULL);
+    kvm_result ref;
+    km_errbuf err = {{0}};
+    cr_assert_eq(kvm_generate(c, &q, NULL, NULL, &ref, &err), 0, "%s", err.msg);
+    cr_assert_eq(ref.completion_tokens, (uint32_t)N);
+
+    /* the same request; after 10 tokens the view calls its worker dead (the process lives on) */
+    q.id = 77;
+    cr_assert_eq(kvm_submit(c, &q, &err), 0);
+    km_buf text = {0};
+    int n = 0, dead = -1;
+    char worker[64] = "";
+    uint32_t migrations = 0;
+    for (;;) {
+        km_msg m;
+        const void *raw;
+        size_t len;
+        cr_assert_eq(kvm_next(c, 60000, &m, &raw, &len, &err), 0, "%s", err.msg);
+        if (m.type == KM_MSG_TOKEN) {
+            cr_assert_eq(m.tok.index, (uint32_t)n, "indexes continue across the migration");
+            km_buf_append(&text, m.tok.text, m.tok.text_len);
+            n++;
+            if (n == 10 && dead < 0) {
+                for (int i = 0; i < 2 && dead < 0; i++) {
+                    json_t *wj = worker_status(&r, ids[i]);
+                    if (json_integer_value(json_object_get(wj, "inflight")) > 0) dead = i;
+                    json_decref(wj);
+                }
+                cr_assert_geq(dead, 0, "no worker has the request in flight");
+                viewpub_set(&vp, ids[dead], &w[dead], KM_MEMBER_DEAD);
+            }
+        } else if (m.type == KM_MSG_DONE) {
+            kvm_done_extras(raw, len, worker, sizeof worker, &migrations);
+            cr_assert_eq(m.done.completion_tokens, (uint32_t)N);
+            km_msg_clear(&m);
+            break;
+        } else {
+            cr_assert_fail("unexpected frame %s: %s", km_msg_type_name(m.type),
+                           m.type == KM_MSG_ERROR ? m.error.message : "");
+        }
+        km_msg_clear(&m);
+    }
+    cr_assert_eq(n, N);
+    cr_assert_eq(migrations, 1u);
+    cr_assert_str_eq(worker, ids[1 - dead], "finished on the worker the view calls ready");
+    cr_assert(text.len == ref.text.len && memcmp(text.data, ref.text.data, text.len) == 0,
+              "migrated output differs:\n%.*s\n---\n%.*s", (int)text.len, (const char *)text.data,
+              (int)ref.text.len, (const char *)ref.text.data);
+    json_t *wj = worker_status(&r, ids[dead]);
+    cr_assert_str_eq(json_string_value(json_object_get(wj, "member_state")), "dead");
+    cr_assert_eq(json_integer_value(json_object_get(wj, "view_migrated")), 1);
+    cr_assert(json_is_true(json_object_get(wj, "up")), "the process lives: only the view moved it");
+    json_decref(wj);
+    km_buf_free(&text);
+    kvm_result_free(&ref);
+    kvm_close(c);
+    stop_proc(&r);
+    viewpub_stop(&vp);
+    for (int i = 0; i < 2; i++) stop_proc(&w[i]);
+}
+
+Test(router, a_router_with_only_a_controller_serves_the_workers_its_view_names)
+{
+    if (!have_binaries()) return;
+    proc w[1], r;
+    start_worker(&w[0], "w0");
+    viewpub vp;
+    viewpub_start(&vp);
+    char ctl[300];
+    snprintf(ctl, sizeof ctl, "--controller=%s", vp.ep);
+    const char *extra[] = {ctl, NULL};
+    start_router(&r, NULL, NULL, 0, extra); /* no --workers at all */
+    json_t *o = status(&r);
+    cr_assert_eq(json_array_size(json_object_get(o, "workers")), 0);
+    json_decref(o);
+    viewpub_set(&vp, "w0", &w[0], KM_MEMBER_READY);
+    wait_up(&r, 1);
+    wait_member(&r, "w0", "ready");
+    kvm_client *c = client(&r);
+    const char *ids[1] = {"w0"};
+    int counts[1] = {0};
+    route_some(c, 2, ids, 1, counts);
+    cr_assert_eq(counts[0], 2);
+    json_t *wj = worker_status(&r, "w0");
+    cr_assert(json_is_true(json_object_get(wj, "from_view")));
+    json_decref(wj);
+    kvm_close(c);
+    stop_proc(&r);
+    viewpub_stop(&vp);
+    stop_proc(&w[0]);
+}
+
+Test(router, when_the_views_stop_the_router_routes_by_its_own_liveness)
+{
+    if (!have_binaries()) return;
+    const char *ids[2] = {"w0", "w1"};
+    proc w[2], r;
+    for (int i = 0; i < 2; i++) start_worker(&w[i], ids[i]);
+    viewpub vp;
+    viewpub_start(&vp);
+    viewpub_set(&vp, "w0", &w[0], KM_MEMBER_READY);
+    viewpub_set(&vp, "w1", &w[1], KM_MEMBER_DEAD); /* the controller is wrong: w1 is alive */
+    char ctl[300];
+    snprintf(ctl, sizeof ctl, "--controller=%s", vp.ep);
+    const char *extra[] = {ctl, "--view-timeout=1s", "--mode=round-robin", NULL};
+    start_router(&r, w, ids, 2, extra);
+    wait_up(&r, 2);
+    wait_member(&r, "w1", "dead");
+    kvm_client *c = client(&r);
+    int counts[2] = {0, 0};
+    route_some(c, 2, ids, 2, counts);
+    cr_assert_eq(counts[1], 0, "a dead member got new requests");
+
+    viewpub_stop(&vp); /* the controller goes away */
+    bool fresh = true;
+    for (int i = 0; i < 100 && fresh; i++) {
+        json_t *o = status(&r);
+        fresh = json_is_true(json_object_get(json_object_get(o, "controller"), "fresh"));
+        json_decref(o);
+        if (fresh) usleep(50000);
+    }
+    cr_assert(!fresh, "the view never went stale");
+    counts[0] = counts[1] = 0;
+    route_some(c, 4, ids, 2, counts);
+    cr_assert_eq(counts[1], 2, "w1 got %d of 4 requests after the views stopped", counts[1]);
+    cr_assert_eq(counts[0], 2);
+    kvm_close(c);
+    stop_proc(&r);
+    for (int i = 0; i < 2; i++) stop_proc(&w[i]);
 }

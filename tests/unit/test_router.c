@@ -2,7 +2,8 @@
  * test_router.c — the router's routing core without sockets: the prefix index (events, tiers,
  * pending marks, forgetting a worker, a full table), the event-stream ordering (duplicates,
  * gaps, replays, overflow, resync) and the policy (cost model, tier credits, rendezvous ties and
- * cold placement, load, round-robin and random baselines).
+ * cold placement, load, round-robin and random baselines), and the cluster-view rules (endpoint
+ * matching, which members are routable and which migrate).
  */
 #include <criterion/criterion.h>
 #include <stdio.h>
@@ -377,4 +378,49 @@ Test(router_policy, baselines_ignore_the_cache)
     cr_assert_eq(rt_mode_parse("round-robin", &m), 0);
     cr_assert_eq(m, RT_MODE_ROUND_ROBIN);
     cr_assert_eq(rt_mode_parse("bogus", &m), KM_EINVAL);
+}
+
+/* ---------------------------------------------------------------- cluster view (view.c) */
+
+Test(router_view, endpoint_spellings_of_one_worker_match)
+{
+    char out[128];
+    cr_assert_eq(rt_endpoint_norm("tcp://LocalHost:7100", out, sizeof out), 0);
+    cr_assert_str_eq(out, "tcp://127.0.0.1:7100");
+    cr_assert_eq(rt_endpoint_norm("TCP://0.0.0.0:7100", out, sizeof out), 0);
+    cr_assert_str_eq(out, "tcp://127.0.0.1:7100");
+    cr_assert_eq(rt_endpoint_norm("tcp://*:7100", out, sizeof out), 0);
+    cr_assert_str_eq(out, "tcp://127.0.0.1:7100");
+    cr_assert_eq(rt_endpoint_norm("tcp://[::1]:7100", out, sizeof out), 0);
+    cr_assert_str_eq(out, "tcp://127.0.0.1:7100");
+    cr_assert_eq(rt_endpoint_norm("tcp://10.0.0.5:7100", out, sizeof out), 0);
+    cr_assert_str_eq(out, "tcp://10.0.0.5:7100");
+    cr_assert_eq(rt_endpoint_norm("ipc:///tmp/w0", out, sizeof out), 0);
+    cr_assert_str_eq(out, "ipc:///tmp/w0");
+    cr_assert(rt_endpoint_same("tcp://localhost:7100", "tcp://127.0.0.1:7100"));
+    cr_assert(!rt_endpoint_same("tcp://127.0.0.1:7100", "tcp://127.0.0.1:7110"));
+    cr_assert(!rt_endpoint_same("tcp://10.0.0.5:7100", "tcp://10.0.0.6:7100"));
+    cr_assert(!rt_endpoint_same("", "tcp://127.0.0.1:7100"));
+    cr_assert(!rt_endpoint_same(NULL, "tcp://127.0.0.1:7100"));
+    cr_assert_neq(rt_endpoint_norm("tcp://nohostport", out, sizeof out), 0);
+    cr_assert_eq(rt_endpoint_norm("tcp://127.0.0.1:7100", out, 8), KM_ERANGE);
+}
+
+Test(router_view, only_ready_members_of_a_fresh_view_are_routable)
+{
+    for (int s = 0; s < KM_MEMBER_STATE_COUNT; s++) {
+        km_member_state st = (km_member_state)s;
+        /* a fresh view that names the worker decides, but never over a dropped connection */
+        cr_assert_eq(rt_member_routable(true, true, true, st), st == KM_MEMBER_READY, "%s",
+                     km_member_state_name(st));
+        cr_assert(!rt_member_routable(false, true, true, st));
+        /* a stale view, or one that does not name the worker: the router's own liveness */
+        cr_assert(rt_member_routable(true, false, true, st));
+        cr_assert(rt_member_routable(true, true, false, st));
+        cr_assert(!rt_member_routable(false, false, true, st));
+        /* only a fresh "dead" migrates in-flight requests */
+        cr_assert_eq(rt_member_migrates(true, true, st), st == KM_MEMBER_DEAD);
+        cr_assert(!rt_member_migrates(false, true, st));
+        cr_assert(!rt_member_migrates(true, false, st));
+    }
 }
