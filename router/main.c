@@ -79,6 +79,7 @@ int main(int argc, char **argv)
          0},
         {"http-port", NULL, KM_OPT_INT, "8080", "HTTP port; 0 = ephemeral, -1 = off", &http_port,
          -1, 65535},
+        {"admin-host", NULL, KM_OPT_STR, "127.0.0.1", "admin HTTP host", &c.admin_host, 0, 0},
         {"admin-port", NULL, KM_OPT_INT, "-1",
          "separate admin HTTP port (/metrics, /healthz, /readyz); -1 = off (the HTTP port serves "
          "them too)",

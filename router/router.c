@@ -2256,7 +2256,9 @@ int rt_router_create(const rt_config *c, rt_router **out, km_errbuf *err)
         if ((rc = rt_http_start(&r->loop, &ho, &r->http, err))) goto fail;
     }
     if (c->admin_port >= 0) {
-        km_admin_opts ao = {.host = "127.0.0.1", .port = c->admin_port, .metrics = r->metrics};
+        km_admin_opts ao = {.host = c->admin_host ? c->admin_host : "127.0.0.1",
+                            .port = c->admin_port,
+                            .metrics = r->metrics};
         if ((rc = km_admin_start(&ao, &r->admin, err))) goto fail;
     }
     uv_check_start(&r->check, on_check);

@@ -317,6 +317,7 @@ typedef struct rt_config {
     const char *front_url;        /* ZeroMQ ROUTER for clients, e.g. tcp://127.0.0.1:7000 */
     const char *http_host;        /* OpenAI HTTP; NULL or port < 0: off */
     int http_port;                /* 0: ephemeral */
+    const char *admin_host;       /* admin HTTP host; NULL: 127.0.0.1 */
     int admin_port;               /* /metrics, /healthz, /readyz; < 0: off */
     const rt_worker_cfg *workers; /* may be empty with a controller: its view adds workers */
     int n_workers;
