@@ -323,6 +323,8 @@ static int validate_heartbeat(const km_msg_heartbeat *h, km_errbuf *err)
     CK(v_name("hb.worker", h->worker, true, 1, KM_PROTO_MAX_NAME, err));
     if ((unsigned)h->state >= KM_STATE_COUNT) VFAIL("hb.state: unknown state %d", (int)h->state);
     CK(v_name("hb.model", h->model, false, 0, KM_PROTO_MAX_NAME, err));
+    if (h->kv_format_base && !is_format(h->kv_format_base))
+        VFAIL("hb.kv_format_base: unknown KV format '%s'", h->kv_format_base);
     CK(v_name("hb.fingerprint", h->fingerprint, false, 0, KM_PROTO_MAX_NAME, err));
     if (h->n_endpoints > KM_PROTO_MAX_ENDPOINTS)
         VFAIL("hb.endpoints: %u entries, limit %d", h->n_endpoints, KM_PROTO_MAX_ENDPOINTS);
@@ -818,6 +820,7 @@ static void enc_body(enc *e, const km_msg *m)
         kv_f64(e, "decode_tps", h->decode_tps);
         kv_f64(e, "prefill_tps", h->prefill_tps);
         kv_u64(e, "tokens_total", h->tokens_total);
+        kv_str(e, "kv_format_base", h->kv_format_base);
         if (kv_begin(e, "latency")) {
             e->rc |= msgpack_pack_array(pk, h->n_latency);
             for (uint32_t i = 0; i < h->n_latency; i++) {
@@ -1527,6 +1530,7 @@ static int dec_heartbeat(dec *d, const msgpack_object_map *mp)
     CK(get_num(d, mp, "decode_tps", false, &h->decode_tps));
     CK(get_num(d, mp, "prefill_tps", false, &h->prefill_tps));
     CK(get_uint(d, mp, "tokens_total", false, UINT64_MAX, &h->tokens_total));
+    CK(get_str(d, mp, "kv_format_base", false, KM_PROTO_MAX_NAME, false, &h->kv_format_base, NULL));
 
     CK(get_obj(d, mp, "latency", false, MSGPACK_OBJECT_ARRAY, &o));
     if (o && o->via.array.size) {

@@ -287,8 +287,11 @@ typedef struct km_msg_heartbeat {
     uint32_t n_latency;
     const km_error_count *errors;
     uint32_t n_errors;
-    uint64_t tokens_total; /* prompt + generated tokens computed since start (stall detection);
-                            * optional, 0 */
+    uint64_t tokens_total;      /* prompt + generated tokens computed since start (stall detection);
+                                 * optional, 0 */
+    const char *kv_format_base; /* the KV format the worker was started with (--kv-format); a
+                                 * current format other than this one is a recovery level 2 in
+                                 * effect. Optional: NULL = unknown (then f16 is assumed) */
 } km_msg_heartbeat;
 
 typedef struct km_msg_kv_event {
@@ -312,11 +315,11 @@ typedef struct km_recovery_action {
 typedef struct km_view_worker {
     const char *id; /* required */
     km_member_state state;
-    uint32_t level;                     /* 0 = normal; 1..3 = the recovery level in effect */
+    uint32_t level;                        /* 0 = normal; 1..3 = the recovery level in effect */
     const char *requests, *events, *admin; /* endpoints; NULL when unknown */
     const char *model, *fingerprint, *kv_format; /* optional */
-    double pressure;      /* hot-tier pinned bytes / budget, >= 0 */
-    uint64_t last_seen_ms; /* since its last heartbeat */
+    double pressure;                             /* hot-tier pinned bytes / budget, >= 0 */
+    uint64_t last_seen_ms;                       /* since its last heartbeat */
     uint32_t running, queue_depth;
     const km_recovery_action *history; /* up to KM_PROTO_MAX_HISTORY */
     uint32_t n_history;

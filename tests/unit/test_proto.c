@@ -401,6 +401,7 @@ Test(proto, heartbeat_roundtrips_every_section)
     h->errors = errs;
     h->n_errors = 2;
     h->tokens_total = 1ull << 40;
+    h->kv_format_base = "f16";
     roundtrip(&in, &out);
     const km_msg_heartbeat *o = &out.hb;
     cr_assert_str_eq(o->worker, "w-1");
@@ -433,6 +434,7 @@ Test(proto, heartbeat_roundtrips_every_section)
     cr_assert_eq(o->decode_tps, 812.5);
     cr_assert_eq(o->prefill_tps, 12000);
     cr_assert_eq(o->tokens_total, 1ull << 40);
+    cr_assert_str_eq(o->kv_format_base, "f16");
     cr_assert_eq(o->n_latency, 2);
     cr_assert_eq(o->latency[1].q, 0.99);
     cr_assert_eq(o->latency[1].ttft_ms, 80);
@@ -1224,6 +1226,7 @@ Test(proto, older_frames_without_the_new_optional_keys_still_decode)
     cr_assert_eq(m.hb.kv[0].bytes, 4096);
     cr_assert_eq(m.hb.kv[0].pinned_bytes, 0);
     cr_assert_eq(m.hb.tokens_total, 0);
+    cr_assert_null(m.hb.kv_format_base);
     km_msg_clear(&m);
     fb_free(&f);
 
@@ -1354,6 +1357,14 @@ Test(proto, pinned_bytes_above_bytes_are_rejected)
     p_kstr(&f, "state", "ready");
     p_kstr(&f, "tokens_total", "many");
     expect_fail(&f, KM_EFORMAT, "hb.tokens_total: expected an unsigned integer, got string");
+
+    fb_init(&f);
+    p_head(&f, 4, "hb");
+    p_kstr(&f, "worker", "w");
+    p_kuint(&f, "seq", 1);
+    p_kstr(&f, "state", "ready");
+    p_kstr(&f, "kv_format_base", "f17");
+    expect_fail(&f, KM_EFORMAT, "hb.kv_format_base: unknown KV format 'f17'");
 }
 
 /* A view frame with one worker whose map gets `extra` more keys written by `fill`. */
