@@ -43,6 +43,7 @@ KVSHARD_SRC := $(filter-out kvshard/main.c,$(wildcard kvshard/*.c))
 ENGINE_SRC  := $(filter-out worker/main.c,$(wildcard worker/*.c))
 CLIENT_SRC  := $(filter-out client/main.c,$(wildcard client/*.c))
 ROUTER_SRC  := $(filter-out router/main.c,$(wildcard router/*.c))
+CONTROLLER_SRC := $(filter-out controller/main.c,$(wildcard controller/*.c))
 
 LIB_COMMON  := $(BUILD)/lib/libkmcommon.a
 LIB_KERNELS := $(BUILD)/lib/libkmkernels.a
@@ -50,8 +51,9 @@ LIB_KVSHARD := $(BUILD)/lib/libkvshard.a
 LIB_ENGINE  := $(BUILD)/lib/libkmworker.a
 LIB_CLIENT  := $(BUILD)/lib/libkvmesh.a
 LIB_ROUTER  := $(BUILD)/lib/libkmrouter.a
+LIB_CONTROLLER := $(BUILD)/lib/libkmcontroller.a
 # Link order: dependents first.
-ALL_LIBS := $(LIB_CLIENT) $(LIB_ROUTER) $(LIB_ENGINE) $(LIB_KVSHARD) $(LIB_KERNELS) $(LIB_COMMON)
+ALL_LIBS := $(LIB_CLIENT) $(LIB_CONTROLLER) $(LIB_ROUTER) $(LIB_ENGINE) $(LIB_KVSHARD) $(LIB_KERNELS) $(LIB_COMMON)
 
 objs = $(patsubst %.c,$(OBJ)/%.o,$(1))
 
@@ -65,6 +67,9 @@ endif
 ifneq ($(wildcard router/main.c),)
 PROGRAMS += $(BIN)/kvmesh-router
 endif
+ifneq ($(wildcard controller/main.c),)
+PROGRAMS += $(BIN)/kvmesh-controller
+endif
 
 .PHONY: all build deps test unit-tests unit-tests-san integration fuzz fuzz-run demo bench \
         bench-engine fixtures fmt lint clean help
@@ -77,6 +82,7 @@ help:
 	@echo "make [build]       build everything into build/bin"
 	@echo "make test          deps + build + unit tests (plain and ASan/UBSan) + fuzz regression"
 	@echo "make demo          deps + build + the default model answering real prompts"
+	@echo "make chaos         fault-injection scenarios against local clusters (docs/chaos.md)"
 	@echo "make bench-engine  engine speed side by side with llama.cpp (docs/benchmarks.md)"
 	@echo "make fixtures      regenerate tests/fixtures from llama.cpp (needs its build)"
 	@echo "make fmt | lint | clean"
@@ -100,6 +106,7 @@ $(LIB_KVSHARD): $(call objs,$(KVSHARD_SRC))
 $(LIB_ENGINE): $(call objs,$(ENGINE_SRC))
 $(LIB_CLIENT): $(call objs,$(CLIENT_SRC))
 $(LIB_ROUTER): $(call objs,$(ROUTER_SRC))
+$(LIB_CONTROLLER): $(call objs,$(CONTROLLER_SRC))
 $(BUILD)/lib/%.a:
 	@mkdir -p $(dir $@)
 	@rm -f $@
@@ -114,6 +121,10 @@ $(BIN)/kvmesh-worker: $(OBJ)/worker/main.o $(ALL_LIBS)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 
 $(BIN)/kvmesh-router: $(OBJ)/router/main.o $(ALL_LIBS)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+
+$(BIN)/kvmesh-controller: $(OBJ)/controller/main.o $(ALL_LIBS)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 
@@ -141,6 +152,7 @@ test: deps
 	@$(MAKE) --no-print-directory unit-tests-san
 	@$(MAKE) --no-print-directory fuzz-run
 	@$(MAKE) --no-print-directory integration
+	@$(MAKE) --no-print-directory chaos-short
 	@echo "make test: all suites passed"
 
 # Multi-process tests: real kvmesh-worker processes on 127.0.0.1 (tests/integration/).
@@ -151,6 +163,15 @@ $(TESTBIN)/integration/%: $(OBJ)/tests/integration/%.o $(ALL_LIBS)
 	$(CC) $(LDFLAGS) -o $@ $^ -lcriterion $(LDLIBS)
 integration: build $(IT_BIN)
 	@set -e; for t in $(IT_BIN); do echo "== $$t"; $$t --jobs 1; done
+
+# Fault injection against whole local clusters (docs/chaos.md): every scenario starts its own
+# `kvmesh up` on free ports. chaos-short (a few seconds of load each) is part of `make test`.
+.PHONY: chaos chaos-short
+chaos: build
+	@build/bin/kvmesh chaos all
+
+chaos-short: build
+	@build/bin/kvmesh chaos all --short
 
 # ------------------------------------------------------------------ fuzzing (clang libFuzzer)
 FUZZ_SRC := $(wildcard tests/fuzz/fuzz_*.c)
@@ -189,11 +210,15 @@ bench-engine: build
 bench-quality: build
 	@bash bench/bench_quality.sh
 
-# Worker serving figures side by side with llama-server (docs/benchmarks.md).
+# Worker serving figures side by side with llama-server (docs/benchmarks.md): tok/s, TTFT and
+# ITL at 1/8/32 concurrent clients, and TTFT with a 90%-cached prompt vs cold.
+BENCH_WORKER := $(BUILD)/bench/bench_worker
+$(BENCH_WORKER): $(OBJ)/bench/bench_worker.o $(ALL_LIBS)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 .PHONY: bench-worker
-bench-worker: build
-	@test -f bench/bench_worker.sh || { echo "bench-worker: not written yet (issue 4, point 8)"; exit 1; }
-	@bash bench/bench_worker.sh
+bench-worker: build $(BENCH_WORKER)
+	@BENCH_WORKER=$(BENCH_WORKER) bash bench/bench_worker.sh
 
 # KV store figures (docs/kvshard.md): lookup/insert ops/s, tier bandwidth, attention per format.
 BENCH_KV := $(BUILD)/bench/bench_kv

@@ -1,0 +1,518 @@
+/*
+ * controller.c — the kvmesh-controller daemon around the policy (controller.h): one ZeroMQ
+ * ROUTER that takes workers' heartbeats and admin replies and operators' admin frames, one PUB
+ * that publishes the cluster view, the admin HTTP server (/metrics, /healthz, /readyz).
+ *
+ * One thread and one zmq_poll: a heartbeat per worker per second and a handful of operator
+ * frames are far below what needs more, and one thread means the policy needs no lock. Workers
+ * are addressed by routing id = worker id (their heartbeat DEALER sets it); the ROUTER is
+ * router_mandatory so that a command to a worker that is not connected fails at once and is
+ * counted instead of vanishing, and ROUTER_HANDOVER lets a restarted worker's new connection take
+ * its id over from a connection the kernel has not yet reported closed.
+ */
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <zmq.h>
+
+#include "controller/controller.h"
+
+struct ctl_controller {
+    ctl_config cfg;
+    void *zctx, *router, *pub;
+    km_admin *admin;
+    km_metrics *reg;
+    ctl_policy *pol;
+    volatile sig_atomic_t stop;
+    volatile int running;
+    char ep_listen[256], ep_view[256];
+    uint64_t epoch_ms, view_seq, published_version;
+    km_proto_limits lim;
+    km_zmsg in;
+    km_buf out;
+    /* view scratch: every member and its history */
+    km_view_worker *vw;
+    km_recovery_action *vh;
+    km_member_state *logged; /* per member index: the state last logged */
+    int n_logged;
+    /* metrics */
+    km_metric *m_members, *m_actions, *m_bad;
+    km_series *s_heartbeats, *s_send_errors, *s_views, *s_acks;
+};
+
+static uint64_t mono_ms(void)
+{
+    return km_now_ns() / 1000000ull;
+}
+
+static uint64_t wall_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000ull + (uint64_t)ts.tv_nsec / 1000000ull;
+}
+
+void ctl_config_default(ctl_config *c)
+{
+    memset(c, 0, sizeof *c);
+    c->controller_id = "controller";
+    c->listen_url = "tcp://127.0.0.1:7200";
+    c->view_url = "tcp://127.0.0.1:7201";
+    c->view_interval_ms = 1000;
+    c->admin_host = "127.0.0.1";
+    c->admin_port = 9200;
+    ctl_policy_cfg_default(&c->policy);
+}
+
+static void count_bad(ctl_controller *c, const char *reason)
+{
+    const char *lv[1] = {reason};
+    km_counter_inc(km_metric_series(c->m_bad, lv));
+}
+
+/* ---------------------------------------------------------------- replies */
+
+static void send_to(ctl_controller *c, const km_zframe *id, const km_buf *body)
+{
+    km_zframe parts[2] = {*id, {body->data, body->len}};
+    km_errbuf err = {{0}};
+    if (km_zsend(c->router, parts, 2, KM_ZDONTWAIT, &err)) {
+        km_counter_inc(c->s_send_errors);
+        KM_DEBUG("reply_send", "msg=\"%s\"", err.msg);
+    }
+}
+
+static void reply_error(ctl_controller *c, const km_zframe *id, uint64_t req_id, int code,
+                        const char *msg)
+{
+    km_msg m;
+    km_msg_init(&m, KM_MSG_ERROR);
+    m.error.id = req_id;
+    m.error.code = code;
+    m.error.message = msg && msg[0] ? msg : km_proto_code_name(code);
+    if (km_msg_encode(&m, &c->lim, &c->out, NULL) == 0) send_to(c, id, &c->out);
+}
+
+static void reply_admin(ctl_controller *c, const km_zframe *id, const km_msg_admin *a, int code,
+                        const char *msg)
+{
+    km_msg m;
+    km_msg_init(&m, KM_MSG_ADMIN_REPLY);
+    m.admin_reply.id = a->id;
+    m.admin_reply.cmd = a->cmd;
+    m.admin_reply.ok = code == 0;
+    m.admin_reply.code = code;
+    m.admin_reply.message = msg && msg[0] ? msg : NULL;
+    if (km_msg_encode(&m, &c->lim, &c->out, NULL) == 0) send_to(c, id, &c->out);
+}
+
+/* ---------------------------------------------------------------- view */
+
+/* Encodes the view into c->out (history included when asked: status replies). */
+static int encode_view(ctl_controller *c, bool with_history, km_errbuf *err)
+{
+    uint64_t now = mono_ms(), wall = wall_ms();
+    int n = ctl_policy_n_members(c->pol);
+    if (n > KM_PROTO_MAX_VIEW_WORKERS) n = KM_PROTO_MAX_VIEW_WORKERS;
+    for (int i = 0; i < n; i++)
+        ctl_policy_view_worker(c->pol, i, now, wall, with_history, &c->vw[i],
+                               &c->vh[(size_t)i * KM_PROTO_MAX_HISTORY]);
+    km_msg m;
+    km_msg_init(&m, KM_MSG_VIEW);
+    m.view.controller = c->cfg.controller_id;
+    m.view.epoch = c->epoch_ms;
+    m.view.seq = c->view_seq;
+    m.view.workers = c->vw;
+    m.view.n_workers = (uint32_t)n;
+    return km_msg_encode(&m, &c->lim, &c->out, err);
+}
+
+static void publish_view(ctl_controller *c)
+{
+    c->view_seq++;
+    km_errbuf err = {{0}};
+    if (encode_view(c, false, &err)) {
+        KM_WARN("view_encode", "msg=\"%s\"", err.msg);
+        return;
+    }
+    km_zframe parts[2] = {{"view", 4}, {c->out.data, c->out.len}};
+    if (km_zsend(c->pub, parts, 2, KM_ZDONTWAIT, &err) == 0) km_counter_inc(c->s_views);
+    c->published_version = ctl_policy_version(c->pol);
+}
+
+/* Logs member state transitions and refreshes the per-state gauges. */
+static void note_changes(ctl_controller *c)
+{
+    int n = ctl_policy_n_members(c->pol);
+    uint64_t now = mono_ms();
+    for (int i = 0; i < n; i++) {
+        km_view_worker w;
+        ctl_policy_view_worker(c->pol, i, now, 0, false, &w, NULL);
+        if (i >= c->n_logged) {
+            c->logged[i] = w.state;
+            c->n_logged = i + 1;
+            KM_INFO("member_join", "worker=%s state=%s requests=%s", w.id,
+                    km_member_state_name(w.state), w.requests ? w.requests : "-");
+        } else if (c->logged[i] != w.state) {
+            KM_INFO("member_state", "worker=%s from=%s to=%s level=%u", w.id,
+                    km_member_state_name(c->logged[i]), km_member_state_name(w.state), w.level);
+            c->logged[i] = w.state;
+        }
+    }
+    for (int s = 0; s < KM_MEMBER_STATE_COUNT; s++) {
+        const char *lv[1] = {km_member_state_name((km_member_state)s)};
+        km_gauge_set(km_metric_series(c->m_members, lv),
+                     ctl_policy_count(c->pol, (km_member_state)s));
+    }
+}
+
+/* ---------------------------------------------------------------- actions */
+
+/* Sends a policy action to its worker; returns 0, or the send error (the member is restored). */
+static int send_action(ctl_controller *c, const ctl_action *a)
+{
+    km_msg m;
+    km_msg_init(&m, KM_MSG_ADMIN);
+    m.admin.id = a->id;
+    m.admin.cmd = a->cmd;
+    m.admin.fraction = a->fraction;
+    m.admin.format = a->format;
+    km_errbuf err = {{0}};
+    int rc = km_msg_encode(&m, &c->lim, &c->out, &err);
+    if (!rc) {
+        km_zframe parts[2] = {{a->worker, strlen(a->worker)}, {c->out.data, c->out.len}};
+        rc = km_zsend(c->router, parts, 2, KM_ZDONTWAIT, &err);
+    }
+    char level[16];
+    snprintf(level, sizeof level, "%u", a->level);
+    const char *lv[3] = {a->worker, level, a->reason};
+    km_counter_inc(km_metric_series(c->m_actions, lv));
+    if (rc) {
+        km_counter_inc(c->s_send_errors);
+        ctl_policy_send_failed(c->pol, a);
+        KM_WARN("recovery", "worker=%s level=%u reason=%s pressure=%.3f cmd=%s sent=0 msg=\"%s\"",
+                a->worker, a->level, a->reason, a->pressure, km_admin_cmd_name(a->cmd), err.msg);
+        return rc;
+    }
+    KM_INFO("recovery", "worker=%s level=%u reason=%s pressure=%.3f cmd=%s%s%s sent=1 id=%llu",
+            a->worker, a->level, a->reason, a->pressure, km_admin_cmd_name(a->cmd),
+            a->format ? " format=" : "", a->format ? a->format : "", (unsigned long long)a->id);
+    return 0;
+}
+
+/* ---------------------------------------------------------------- frames */
+
+static void handle_operator(ctl_controller *c, const km_zframe *id, const km_msg_admin *a)
+{
+    char msg[KM_PROTO_MAX_MESSAGE];
+    switch (a->cmd) {
+    case KM_ADMIN_STATUS: {
+        km_errbuf err = {{0}};
+        if (encode_view(c, true, &err)) {
+            reply_admin(c, id, a, KM_CODE_INTERNAL, err.msg);
+            return;
+        }
+        send_to(c, id, &c->out);
+        return;
+    }
+    case KM_ADMIN_RECOVER: {
+        ctl_action act;
+        int rc = ctl_policy_force(c->pol, a->worker, a->level, mono_ms(), &act);
+        if (rc == KM_ENOTFOUND) {
+            snprintf(msg, sizeof msg, "unknown worker '%.200s'", a->worker ? a->worker : "");
+            count_bad(c, "unknown_worker");
+            reply_admin(c, id, a, KM_CODE_NOT_FOUND, msg);
+            return;
+        }
+        if (rc) {
+            snprintf(msg, sizeof msg, "recover.level must be 1, 2 or 3 (got %u)", a->level);
+            count_bad(c, "bad_level");
+            reply_admin(c, id, a, KM_CODE_BAD_REQUEST, msg);
+            return;
+        }
+        if (send_action(c, &act)) {
+            snprintf(msg, sizeof msg, "worker '%.200s' is not connected to the controller",
+                     act.worker);
+            reply_admin(c, id, a, KM_CODE_UNAVAILABLE, msg);
+            return;
+        }
+        snprintf(msg, sizeof msg, "level %u sent to %.200s (action %llu)", act.level, act.worker,
+                 (unsigned long long)act.id);
+        reply_admin(c, id, a, 0, msg);
+        return;
+    }
+    default:
+        snprintf(msg, sizeof msg, "the controller takes admin status and recover, not '%s'",
+                 km_admin_cmd_name(a->cmd));
+        count_bad(c, "bad_command");
+        reply_admin(c, id, a, KM_CODE_BAD_REQUEST, msg);
+    }
+}
+
+static void handle_message(ctl_controller *c, const km_zmsg *zm)
+{
+    if (zm->n < 2) {
+        count_bad(c, "parts");
+        return;
+    }
+    const km_zframe *id = &zm->part[0];
+    const km_zframe *body = km_zmsg_body(zm);
+    km_msg m;
+    km_errbuf err = {{0}};
+    int rc = km_msg_decode(body->data, body->len, &c->lim, &m, &err);
+    if (rc) {
+        count_bad(c, rc == KM_ERANGE         ? "too_large"
+                     : rc == KM_EUNSUPPORTED ? "version"
+                                             : "malformed");
+        KM_DEBUG("bad_frame", "bytes=%zu msg=\"%s\"", body->len, err.msg);
+        reply_error(c, id, 0, km_proto_code_from_err(rc), err.msg);
+        return;
+    }
+    /* the peer's routing id as a string (a worker's is its id) */
+    char peer[KM_PROTO_MAX_NAME + 1] = "";
+    if (id->len <= KM_PROTO_MAX_NAME && !memchr(id->data, 0, id->len)) {
+        memcpy(peer, id->data, id->len);
+        peer[id->len] = 0;
+    }
+    switch (m.type) {
+    case KM_MSG_HEARTBEAT: {
+        km_counter_inc(c->s_heartbeats);
+        ctl_action act;
+        rc = ctl_policy_heartbeat(c->pol, &m.hb, mono_ms(), &act);
+        if (rc == 1)
+            send_action(c, &act);
+        else if (rc == KM_ENOSPC) {
+            count_bad(c, "members_full");
+            KM_WARN("members_full", "worker=%s max=%d", m.hb.worker, KM_PROTO_MAX_VIEW_WORKERS);
+        }
+        if (peer[0] && strcmp(peer, m.hb.worker))
+            KM_DEBUG("heartbeat_identity", "worker=%s routing_id=%s", m.hb.worker, peer);
+        break;
+    }
+    case KM_MSG_ADMIN_REPLY: {
+        const km_msg_admin_reply *r = &m.admin_reply;
+        if (ctl_policy_ack(c->pol, peer, r->id, r->ok) == 0) {
+            km_counter_inc(c->s_acks);
+            KM_INFO("recovery_ack", "worker=%s id=%llu ok=%d cmd=%s msg=\"%s\"", peer,
+                    (unsigned long long)r->id, (int)r->ok, km_admin_cmd_name(r->cmd),
+                    r->message ? r->message : "");
+        } else {
+            KM_DEBUG("stray_reply", "peer=%s id=%llu", peer, (unsigned long long)r->id);
+        }
+        break;
+    }
+    case KM_MSG_ADMIN:
+        handle_operator(c, id, &m.admin);
+        break;
+    case KM_MSG_ERROR:
+        /* a worker refusing one of our frames: nothing to answer (answering could loop) */
+        count_bad(c, "peer_error");
+        KM_WARN("peer_error", "peer=%s code=%d msg=\"%s\"", peer, m.error.code,
+                m.error.message ? m.error.message : "");
+        break;
+    default: {
+        char msg[160];
+        snprintf(msg, sizeof msg, "the controller does not take '%s' frames",
+                 km_msg_type_name(m.type));
+        count_bad(c, "type");
+        reply_error(c, id, 0, KM_CODE_BAD_REQUEST, msg);
+    }
+    }
+    km_msg_clear(&m);
+}
+
+/* ---------------------------------------------------------------- create / run */
+
+static bool ctl_ready(void *user)
+{
+    const ctl_controller *c = user;
+    return c->running;
+}
+
+static int metrics_init(ctl_controller *c, km_errbuf *err)
+{
+    int rc = km_metrics_create(&c->reg);
+    if (rc) return km_errf(err, rc, "metrics: cannot create the registry");
+    km_metric *m;
+#define REG(kind, name, help, labels, dst)                                                         \
+    do {                                                                                           \
+        rc = km_metric_register(c->reg, kind, name, help, labels, NULL, 0, &m, err);               \
+        if (rc) return rc;                                                                         \
+        dst;                                                                                       \
+    } while (0)
+    REG(KM_GAUGE, "kvmesh_controller_members", "Cluster members, by state.", "state",
+        c->m_members = m);
+    REG(KM_COUNTER, "kvmesh_recovery_actions_total",
+        "Recovery actions sent (or tried), by worker, level (0 = fp8 reverted) and reason.",
+        "worker,level,reason", c->m_actions = m);
+    REG(KM_COUNTER, "kvmesh_controller_heartbeats_total", "Heartbeats received.", NULL,
+        c->s_heartbeats = km_metric_series(m, NULL));
+    REG(KM_COUNTER, "kvmesh_controller_bad_frames_total",
+        "Frames refused (malformed, too_large, version, type, parts, bad_command, bad_level, "
+        "unknown_worker, members_full, peer_error).",
+        "reason", c->m_bad = m);
+    REG(KM_COUNTER, "kvmesh_controller_send_errors_total",
+        "Frames that could not be sent (worker not connected, queue full).", NULL,
+        c->s_send_errors = km_metric_series(m, NULL));
+    REG(KM_COUNTER, "kvmesh_controller_acks_total", "Workers' replies matched to an action.", NULL,
+        c->s_acks = km_metric_series(m, NULL));
+    REG(KM_COUNTER, "kvmesh_controller_views_total", "Views published.", NULL,
+        c->s_views = km_metric_series(m, NULL));
+#undef REG
+    for (int s = 0; s < KM_MEMBER_STATE_COUNT; s++) {
+        const char *lv[1] = {km_member_state_name((km_member_state)s)};
+        km_gauge_set(km_metric_series(c->m_members, lv), 0);
+    }
+    return 0;
+}
+
+int ctl_controller_create(const ctl_config *cfg, ctl_controller **out, km_errbuf *err)
+{
+    *out = NULL;
+    ctl_controller *c = calloc(1, sizeof *c);
+    if (!c) return km_errf(err, KM_ENOMEM, "controller: out of memory");
+    c->cfg = *cfg;
+    if (!c->cfg.controller_id || !c->cfg.controller_id[0]) c->cfg.controller_id = "controller";
+    if (c->cfg.view_interval_ms <= 0) c->cfg.view_interval_ms = 1000;
+    km_proto_limits_default(&c->lim);
+    c->epoch_ms = wall_ms();
+    int rc;
+    c->vw = calloc(KM_PROTO_MAX_VIEW_WORKERS, sizeof *c->vw);
+    c->vh = calloc((size_t)KM_PROTO_MAX_VIEW_WORKERS * KM_PROTO_MAX_HISTORY, sizeof *c->vh);
+    c->logged = calloc(KM_PROTO_MAX_VIEW_WORKERS, sizeof *c->logged);
+    if (!c->vw || !c->vh || !c->logged) {
+        rc = km_errf(err, KM_ENOMEM, "controller: out of memory");
+        goto fail;
+    }
+    if ((rc = ctl_policy_create(&c->cfg.policy, KM_PROTO_MAX_VIEW_WORKERS, &c->pol))) {
+        km_errf(err, rc, "policy: bad configuration (pressure-low must be <= pressure-high)");
+        goto fail;
+    }
+    if ((rc = metrics_init(c, err))) goto fail;
+    c->zctx = km_zctx_create();
+    if (!c->zctx) {
+        rc = km_errf(err, KM_ENOMEM, "zmq: cannot create a context");
+        goto fail;
+    }
+    km_zsock_opts ro;
+    km_zsock_opts_default(&ro);
+    ro.router_mandatory = true;
+    if ((rc = km_zsock_open(c->zctx, KM_ZROUTER, &ro, &c->router, err))) goto fail;
+    int one = 1;
+    zmq_setsockopt(c->router, ZMQ_ROUTER_HANDOVER, &one, sizeof one);
+    if ((rc = km_zsock_bind(c->router, c->cfg.listen_url, err))) goto fail;
+    if ((rc = km_zsock_last_endpoint(c->router, c->ep_listen, sizeof c->ep_listen, err))) goto fail;
+    if ((rc = km_zsock_open(c->zctx, KM_ZPUB, NULL, &c->pub, err))) goto fail;
+    if ((rc = km_zsock_bind(c->pub, c->cfg.view_url, err))) goto fail;
+    if ((rc = km_zsock_last_endpoint(c->pub, c->ep_view, sizeof c->ep_view, err))) goto fail;
+    if (c->cfg.admin_port >= 0) {
+        km_admin_opts ao = {.host = c->cfg.admin_host,
+                            .port = c->cfg.admin_port,
+                            .metrics = c->reg,
+                            .ready = ctl_ready,
+                            .user = c};
+        if ((rc = km_admin_start(&ao, &c->admin, err))) goto fail;
+    }
+    *out = c;
+    return 0;
+fail:
+    ctl_controller_destroy(c);
+    return rc;
+}
+
+void ctl_controller_stop(ctl_controller *c)
+{
+    if (c) c->stop = 1;
+}
+
+int ctl_controller_run(ctl_controller *c)
+{
+    const ctl_policy_cfg *pc = &c->cfg.policy;
+    int64_t tick_ms = pc->heartbeat_ms / 4;
+    if (tick_ms < 10) tick_ms = 10;
+    if (tick_ms > 250) tick_ms = 250;
+    c->running = 1;
+    KM_INFO("controller_ready",
+            "controller=%s listen=%s view=%s admin=%d recovery=%s pressure_high=%.2f "
+            "pressure_low=%.2f cooldown_ms=%lld heartbeat_ms=%lld dead_after=%u",
+            c->cfg.controller_id, c->ep_listen, c->ep_view, ctl_controller_admin_port(c),
+            pc->recovery ? "on" : "off", pc->pressure_high, pc->pressure_low,
+            (long long)pc->cooldown_ms, (long long)pc->heartbeat_ms, pc->dead_after);
+    uint64_t now = mono_ms();
+    uint64_t next_tick = now + (uint64_t)tick_ms;
+    uint64_t next_view = now; /* an (empty) view at once: routers learn the controller is up */
+    uint64_t noted_version = ~0ull;
+    while (!c->stop) {
+        now = mono_ms();
+        uint64_t wake = next_tick < next_view ? next_tick : next_view;
+        int timeout = wake > now ? (int)(wake - now) : 0;
+        if (timeout > 100) timeout = 100;
+        km_zpollitem items[1] = {{.sock = c->router, .events = KM_ZPOLLIN}};
+        int rc = km_zpoll(items, 1, timeout, NULL);
+        if (rc > 0 && (items[0].revents & KM_ZPOLLIN)) {
+            for (int i = 0; i < 256; i++) {
+                rc = km_zrecv(c->router, &c->in, 0, NULL);
+                if (rc == KM_EAGAIN) break;
+                if (rc == KM_EPROTO) {
+                    count_bad(c, "parts");
+                    continue;
+                }
+                if (rc) break;
+                handle_message(c, &c->in);
+            }
+            km_zmsg_clear(&c->in);
+        }
+        now = mono_ms();
+        if (now >= next_tick) {
+            ctl_policy_tick(c->pol, now);
+            next_tick = now + (uint64_t)tick_ms;
+        }
+        uint64_t v = ctl_policy_version(c->pol);
+        if (v != noted_version) {
+            note_changes(c);
+            noted_version = v;
+        }
+        if (v != c->published_version || now >= next_view) {
+            publish_view(c);
+            next_view = now + (uint64_t)c->cfg.view_interval_ms;
+        }
+    }
+    c->running = 0;
+    KM_INFO("controller_stop", "controller=%s members=%d", c->cfg.controller_id,
+            ctl_policy_n_members(c->pol));
+    return 0;
+}
+
+void ctl_controller_destroy(ctl_controller *c)
+{
+    if (!c) return;
+    km_admin_stop(c->admin);
+    km_zsock_close(c->router);
+    km_zsock_close(c->pub);
+    km_zctx_destroy(c->zctx);
+    ctl_policy_destroy(c->pol);
+    km_metrics_destroy(c->reg);
+    km_zmsg_clear(&c->in);
+    km_buf_free(&c->out);
+    free(c->vw);
+    free(c->vh);
+    free(c->logged);
+    free(c);
+}
+
+int ctl_controller_listen_endpoint(const ctl_controller *c, char *buf, size_t cap)
+{
+    return snprintf(buf, cap, "%s", c->ep_listen) < (int)cap ? 0 : KM_ERANGE;
+}
+
+int ctl_controller_view_endpoint(const ctl_controller *c, char *buf, size_t cap)
+{
+    return snprintf(buf, cap, "%s", c->ep_view) < (int)cap ? 0 : KM_ERANGE;
+}
+
+int ctl_controller_admin_port(const ctl_controller *c)
+{
+    return c->admin ? km_admin_port(c->admin) : -1;
+}

@@ -1,0 +1,160 @@
+/*
+ * main.c — the kvmesh-controller binary: flags (each with a KVMESH_ environment twin and an
+ * optional config file, common/svc.h), the ports file, signals, and ctl_controller_run.
+ * Everything else is in controller.c and policy.c; see controller.h for the contract and
+ * docs/controller.md for operation.
+ *
+ * SIGINT/SIGTERM stop the loop; the controller holds nothing that needs saving (a restarted one
+ * rebuilds its view from the next heartbeats), so stopping is immediate.
+ */
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "controller/controller.h"
+
+static ctl_controller *g_ctl;
+
+static void on_signal(int signo)
+{
+    (void)signo;
+    if (g_ctl) ctl_controller_stop(g_ctl); /* sets a flag: async-signal-safe */
+}
+
+static int write_ports(const char *path, ctl_controller *c)
+{
+    char listen[256] = "", view[256] = "", tmp[1024];
+    ctl_controller_listen_endpoint(c, listen, sizeof listen);
+    ctl_controller_view_endpoint(c, view, sizeof view);
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    FILE *f = fopen(tmp, "w");
+    if (!f) return KM_EIO;
+    fprintf(f, "listen=%s\nview=%s\nadmin=%d\npid=%d\n", listen, view, ctl_controller_admin_port(c),
+            (int)getpid());
+    if (fclose(f) || rename(tmp, path)) return KM_EIO;
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    ctl_config c;
+    ctl_config_default(&c);
+    ctl_policy_cfg *pc = &c.policy;
+    const char *log_level = NULL, *log_format = NULL, *ports_file = NULL, *recovery = NULL;
+    int64_t admin_port, l1_repeat, dead_after;
+    const km_opt opts[] = {
+        {"listen", NULL, KM_OPT_STR, "tcp://127.0.0.1:7200",
+         "ZeroMQ ROUTER: workers' heartbeats (routing id = worker id) and operators' admin frames",
+         &c.listen_url, 0, 0},
+        {"view", NULL, KM_OPT_STR, "tcp://127.0.0.1:7201",
+         "ZeroMQ PUB: [\"view\", frame] on every change and every --view-interval", &c.view_url, 0,
+         0},
+        {"view-interval", NULL, KM_OPT_DURATION, "1s", "publish the view at least this often",
+         &c.view_interval_ms, 10, 3600000},
+        {"admin-host", NULL, KM_OPT_STR, "127.0.0.1", "admin HTTP host", &c.admin_host, 0, 0},
+        {"admin-port", NULL, KM_OPT_INT, "9200",
+         "admin HTTP port (/metrics, /healthz, /readyz); 0 = ephemeral, -1 = off", &admin_port, -1,
+         65535},
+        {"controller-id", NULL, KM_OPT_STR, "controller", "this controller's name in its views",
+         &c.controller_id, 0, 0},
+        {"recovery", NULL, KM_OPT_STR, "on",
+         "on: apply the recovery policy; off: observe and publish only (forced levels still work)",
+         &recovery, 0, 0},
+        {"pressure-high", NULL, KM_OPT_FLOAT, "0.90",
+         "level 1 (evict 25%) at or above this pressure (hot-tier pinned bytes / budget)",
+         &pc->pressure_high, 0, 100},
+        {"pressure-low", NULL, KM_OPT_FLOAT, "0.70",
+         "calm at or below this pressure (level 2 reverts after --revert-after)", &pc->pressure_low,
+         0, 100},
+        {"cooldown", NULL, KM_OPT_DURATION, "5s", "wait between levels 1 -> 2 -> 3",
+         &pc->cooldown_ms, 0, 86400000},
+        {"l1-repeat", NULL, KM_OPT_INT, "3",
+         "level 1 fired this often within --l1-window: level 2 next; 0 = off", &l1_repeat, 0, 64},
+        {"l1-window", NULL, KM_OPT_DURATION, "60s", "window of --l1-repeat", &pc->l1_window_ms, 1,
+         86400000},
+        {"revert-after", NULL, KM_OPT_DURATION, "30s",
+         "level 2 (fp8) reverted to f16 after pressure stayed low this long", &pc->revert_after_ms,
+         0, 86400000},
+        {"stall-timeout", NULL, KM_OPT_DURATION, "15s",
+         "busy with no token computed this long: level 3; 0 = off", &pc->stall_timeout_ms, 0,
+         86400000},
+        {"error-storm", NULL, KM_OPT_FLOAT, "50",
+         "errors rising faster than this per second: level 3; 0 = off", &pc->error_storm, 0, 1e12},
+        {"max-rss", NULL, KM_OPT_SIZE, "0",
+         "worker RSS at or above this: level 3 (and RSS/max counts as pressure); 0 = off",
+         &pc->max_rss, 0, 0},
+        {"heartbeat", NULL, KM_OPT_DURATION, "1s", "the workers' heartbeat interval",
+         &pc->heartbeat_ms, 10, 3600000},
+        {"dead-after", NULL, KM_OPT_INT, "3", "missed heartbeat intervals before a worker is dead",
+         &dead_after, 1, 1000},
+        {"ports-file", NULL, KM_OPT_STR, NULL, "write listen=, view=, admin=, pid= here once ready",
+         &ports_file, 0, 0},
+        {"log-level", NULL, KM_OPT_STR, "info", "debug, info, warn, error", &log_level, 0, 0},
+        {"log-format", NULL, KM_OPT_STR, "text", "text or json", &log_format, 0, 0},
+    };
+    km_errbuf err = {{0}};
+    km_config *cfg = NULL;
+    if (km_config_create("kvmesh-controller",
+                         "membership, health and three-level recovery of a kvmesh cluster", opts,
+                         sizeof opts / sizeof opts[0], &cfg, &err) ||
+        km_config_parse(cfg, argc, argv, NULL, &err)) {
+        fprintf(stderr, "kvmesh-controller: %s\n", err.msg);
+        km_config_destroy(cfg);
+        return 2;
+    }
+    if (km_config_help_requested(cfg)) {
+        km_buf h = {0};
+        km_config_help(cfg, &h);
+        fwrite(h.data, 1, h.len, stdout);
+        km_buf_free(&h);
+        km_config_destroy(cfg);
+        return 0;
+    }
+    km_log_level lvl;
+    if (km_log_parse_level(log_level, &lvl) || km_log_set_format(log_format)) {
+        fprintf(stderr, "kvmesh-controller: bad --log-level or --log-format\n");
+        km_config_destroy(cfg);
+        return 2;
+    }
+    km_log_set_level(lvl);
+    if (km_parse_bool(recovery, &pc->recovery)) {
+        fprintf(stderr, "kvmesh-controller: --recovery must be on or off\n");
+        km_config_destroy(cfg);
+        return 2;
+    }
+    if (pc->pressure_low > pc->pressure_high) {
+        fprintf(stderr, "kvmesh-controller: --pressure-low must not exceed --pressure-high\n");
+        km_config_destroy(cfg);
+        return 2;
+    }
+    pc->l1_repeat = (uint32_t)l1_repeat;
+    pc->dead_after = (uint32_t)dead_after;
+    c.admin_port = (int)admin_port;
+
+    int status = 1;
+    if (ctl_controller_create(&c, &g_ctl, &err)) {
+        KM_ERROR("controller_create", "msg=\"%s\"", err.msg);
+        goto out;
+    }
+    if (ports_file && write_ports(ports_file, g_ctl))
+        KM_WARN("ports_file", "path=%s msg=\"cannot write\"", ports_file);
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    ctl_controller_run(g_ctl);
+    status = 0;
+out:
+    if (g_ctl) {
+        ctl_controller *ctl = g_ctl;
+        g_ctl = NULL;
+        ctl_controller_destroy(ctl);
+    }
+    km_config_destroy(cfg);
+    return status;
+}

@@ -1,0 +1,555 @@
+/*
+ * test_controller.c — kvmesh-controller with real kvmesh-worker processes on 127.0.0.1
+ * (ephemeral ports), driven over ZeroMQ like an operator and a router would: the view lists a
+ * worker ready (status reply and PUB); forced levels 1, 2 and 3 reach the worker (evict
+ * acknowledged, heartbeats showing fp8, a drain that exits 75 and a restart that is re-admitted);
+ * bad operator frames get error replies and are counted; a SIGSTOPped worker goes dead and comes
+ * back on SIGCONT; a restarted controller rebuilds its view from heartbeats; and, with the
+ * worker's --chaos `pressure` command, the controller fires level 1 then level 2 on its own.
+ *
+ * Heartbeats every 200 ms and a 1 s cooldown keep the file short. Run from the repository root
+ * after `make build` (make integration); without the model every test skips and says so.
+ */
+#include <criterion/criterion.h>
+#include <msgpack.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "client/kvmesh.h"
+#include "common/svc.h"
+
+#define MODEL  "models/SmolLM2-135M-Instruct.Q4_1.gguf"
+#define WORKER "build/bin/kvmesh-worker"
+#ifndef CONTROLLER /* -DCONTROLLER=... runs the suite against another build (ASan) */
+#define CONTROLLER "build/bin/kvmesh-controller"
+#endif
+
+typedef struct proc {
+    pid_t pid;
+    char dir[64];
+    char listen[512], view[512], req[512];
+    int admin_port;
+} proc;
+
+static void *g_ctx;
+static pid_t g_pids[16]; /* killed by the suite's fini when a test fails half way */
+static int g_npids;
+
+static void suite_init(void)
+{
+    g_ctx = km_zctx_create();
+}
+
+/* The context is left to the process's exit: a test that failed half way may leave a socket
+ * open, and zmq_ctx_term would wait for it forever. */
+static void suite_fini(void)
+{
+    for (int i = 0; i < g_npids; i++)
+        if (g_pids[i] > 0 && kill(g_pids[i], 0) == 0) {
+            kill(g_pids[i], SIGCONT);
+            kill(g_pids[i], SIGKILL);
+            waitpid(g_pids[i], NULL, 0);
+        }
+    g_npids = 0;
+}
+
+TestSuite(controller, .init = suite_init, .fini = suite_fini, .timeout = 120);
+
+static bool have_binaries(void)
+{
+    if (access(MODEL, R_OK) || access(WORKER, X_OK) || access(CONTROLLER, X_OK)) {
+        cr_skip_test("needs %s (make deps), %s and %s (make build)", MODEL, WORKER, CONTROLLER);
+        return false;
+    }
+    return true;
+}
+
+static void read_ports(proc *p, const char *path)
+{
+    FILE *f = fopen(path, "r");
+    if (!f) return;
+    char line[512];
+    while (fgets(line, sizeof line, f)) {
+        line[strcspn(line, "\n")] = 0;
+        if (!strncmp(line, "listen=", 7)) snprintf(p->listen, sizeof p->listen, "%s", line + 7);
+        if (!strncmp(line, "view=", 5)) snprintf(p->view, sizeof p->view, "%s", line + 5);
+        if (!strncmp(line, "requests=", 9)) snprintf(p->req, sizeof p->req, "%s", line + 9);
+        if (!strncmp(line, "admin=", 6)) p->admin_port = atoi(line + 6);
+    }
+    fclose(f);
+}
+
+/* Starts bin with argv (NULL-terminated) and waits for its ports file (dir must exist). */
+static void spawn(proc *p, const char *bin, const char **argv, const char *logname)
+{
+    char ports[128], log[128];
+    snprintf(ports, sizeof ports, "%s/ports", p->dir);
+    snprintf(log, sizeof log, "%s/%s", p->dir, logname);
+    unlink(ports);
+    p->pid = fork();
+    cr_assert(p->pid >= 0);
+    if (p->pid == 0) {
+        FILE *f = freopen(log, "a", stderr);
+        FILE *o = freopen("/dev/null", "w", stdout);
+        (void)f, (void)o;
+        execv(bin, (char *const *)argv);
+        _exit(127);
+    }
+    if (g_npids < 16) g_pids[g_npids++] = p->pid;
+    for (int i = 0; i < 600; i++) {
+        if (!access(ports, R_OK)) {
+            read_ports(p, ports);
+            return;
+        }
+        int st;
+        if (waitpid(p->pid, &st, WNOHANG) == p->pid) cr_assert_fail("%s exited at start", bin);
+        usleep(50000);
+    }
+    cr_assert_fail("%s did not start in 30 s", bin);
+}
+
+/* A controller; listen NULL = an ephemeral port. extra: NULL-terminated flags. */
+static void start_controller(proc *c, const char *listen, const char **extra)
+{
+    if (!c->dir[0]) {
+        snprintf(c->dir, sizeof c->dir, "/tmp/kvmesh-ctl-XXXXXX");
+        cr_assert(mkdtemp(c->dir));
+    }
+    char ports[128], lflag[600];
+    snprintf(ports, sizeof ports, "%s/ports", c->dir);
+    snprintf(lflag, sizeof lflag, "--listen=%s", listen ? listen : "tcp://127.0.0.1:*");
+    const char *argv[32] = {CONTROLLER,
+                            lflag,
+                            "--view=tcp://127.0.0.1:*",
+                            "--admin-port=0",
+                            "--heartbeat=200ms",
+                            "--view-interval=200ms",
+                            "--log-level=info",
+                            "--ports-file",
+                            ports};
+    int k = 9;
+    for (int i = 0; extra && extra[i] && k < 30; i++) argv[k++] = extra[i];
+    argv[k] = NULL;
+    spawn(c, CONTROLLER, argv, "controller.log");
+}
+
+/* A worker heartbeating to ctl every 200 ms; extra: NULL-terminated flags. */
+static void start_worker(proc *w, const char *id, const proc *ctl, const char **extra)
+{
+    if (!w->dir[0]) {
+        snprintf(w->dir, sizeof w->dir, "/tmp/kvmesh-ctl-XXXXXX");
+        cr_assert(mkdtemp(w->dir));
+    }
+    char ports[128], wid[80], cflag[600];
+    snprintf(ports, sizeof ports, "%s/ports", w->dir);
+    snprintf(wid, sizeof wid, "--worker-id=%s", id);
+    snprintf(cflag, sizeof cflag, "--controller=%s", ctl->listen);
+    const char *argv[32] = {WORKER,
+                            "--listen=tcp://127.0.0.1:*",
+                            "--events=tcp://127.0.0.1:*",
+                            "--admin-port=-1",
+                            "--threads=1",
+                            "--heartbeat=200ms",
+                            "--log-level=info",
+                            wid,
+                            cflag,
+                            "--ports-file",
+                            ports};
+    int k = 11;
+    for (int i = 0; extra && extra[i] && k < 30; i++) argv[k++] = extra[i];
+    argv[k] = NULL;
+    spawn(w, WORKER, argv, "worker.log");
+}
+
+/* Waits up to timeout_ms for p to exit; its exit status, or -1 (then it is killed). */
+static int wait_exit(proc *p, int timeout_ms)
+{
+    int st = 0;
+    for (int i = 0; i < timeout_ms / 20; i++) {
+        if (waitpid(p->pid, &st, WNOHANG) == p->pid) {
+            p->pid = 0;
+            return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+        }
+        usleep(20000);
+    }
+    kill(p->pid, SIGKILL);
+    waitpid(p->pid, &st, 0);
+    p->pid = 0;
+    return -1;
+}
+
+static void stop_proc(proc *p)
+{
+    if (p->pid <= 0) return;
+    kill(p->pid, SIGCONT);
+    kill(p->pid, SIGTERM);
+    wait_exit(p, 5000);
+}
+
+/* ---------------------------------------------------------------- operator side */
+
+static void *dealer(const char *ep)
+{
+    void *s = NULL;
+    km_errbuf err = {{0}};
+    cr_assert_eq(km_zsock_open(g_ctx, KM_ZDEALER, NULL, &s, &err), 0, "%s", err.msg);
+    cr_assert_eq(km_zsock_connect(s, ep, &err), 0, "%s", err.msg);
+    return s;
+}
+
+static void send_raw(void *s, const void *p, size_t n)
+{
+    km_zframe f = {p, n};
+    cr_assert_eq(km_zsend(s, &f, 1, 0, NULL), 0);
+}
+
+static void send_msg(void *s, const km_msg *m)
+{
+    km_buf b = {0};
+    km_errbuf err = {{0}};
+    cr_assert_eq(km_msg_encode(m, NULL, &b, &err), 0, "%s", err.msg);
+    send_raw(s, b.data, b.len);
+    km_buf_free(&b);
+}
+
+/* Receives one frame and decodes it into m (which the caller clears). */
+static void recv_msg(void *s, km_msg *m, int timeout_ms)
+{
+    km_zmsg z = {0};
+    km_errbuf err = {{0}};
+    cr_assert_eq(km_zrecv(s, &z, timeout_ms, &err), 0, "no reply: %s", err.msg);
+    const km_zframe *b = km_zmsg_body(&z);
+    cr_assert_not_null(b);
+    cr_assert_eq(km_msg_decode(b->data, b->len, NULL, m, &err), 0, "%s", err.msg);
+    km_zmsg_clear(&z);
+}
+
+static void send_admin(void *s, km_admin_cmd cmd, const char *worker, uint32_t level,
+                       double fraction)
+{
+    static uint64_t id = 1000;
+    km_msg m;
+    km_msg_init(&m, KM_MSG_ADMIN);
+    m.admin.id = ++id;
+    m.admin.cmd = cmd;
+    m.admin.worker = worker;
+    m.admin.level = level;
+    m.admin.fraction = fraction;
+    send_msg(s, &m);
+}
+
+/* The controller's view by `status` (with histories); the caller clears it. */
+static void status(const proc *ctl, km_msg *view)
+{
+    void *s = dealer(ctl->listen);
+    send_admin(s, KM_ADMIN_STATUS, NULL, 0, 0);
+    recv_msg(s, view, 5000);
+    km_zsock_close(s);
+    cr_assert_eq(view->type, KM_MSG_VIEW, "status answered '%s'", km_msg_type_name(view->type));
+}
+
+static const km_view_worker *member(const km_msg *view, const char *id)
+{
+    for (uint32_t i = 0; i < view->view.n_workers; i++)
+        if (!strcmp(view->view.workers[i].id, id)) return &view->view.workers[i];
+    return NULL;
+}
+
+/* Waits until worker id is in `state` (and at `level` unless level < 0) in the status view. */
+static void wait_member(const proc *ctl, const char *id, km_member_state state, int level,
+                        int timeout_ms)
+{
+    const char *last = "absent";
+    int last_level = -1;
+    for (int i = 0; i < timeout_ms / 100; i++) {
+        km_msg v;
+        status(ctl, &v);
+        const km_view_worker *w = member(&v, id);
+        bool done = w && w->state == state && (level < 0 || (int)w->level == level);
+        if (w) {
+            last = km_member_state_name(w->state);
+            last_level = (int)w->level;
+        }
+        km_msg_clear(&v);
+        if (done) return;
+        usleep(100000);
+    }
+    cr_assert_fail("%s never became %s level %d (last: %s level %d)", id,
+                   km_member_state_name(state), level, last, last_level);
+}
+
+/* Waits for a history entry of `level` with ok (and reason when not NULL). */
+static void wait_history(const proc *ctl, const char *id, uint32_t level, const char *reason,
+                         int timeout_ms)
+{
+    for (int i = 0; i < timeout_ms / 100; i++) {
+        km_msg v;
+        status(ctl, &v);
+        const km_view_worker *w = member(&v, id);
+        bool found = false;
+        for (uint32_t k = 0; w && k < w->n_history && !found; k++)
+            found = w->history[k].level == level && w->history[k].ok &&
+                    (!reason || !strcmp(w->history[k].reason, reason));
+        km_msg_clear(&v);
+        if (found) return;
+        usleep(100000);
+    }
+    cr_assert_fail("%s: no acknowledged level-%u action (%s) in the history", id, level,
+                   reason ? reason : "any reason");
+}
+
+/* Waits until the worker's heartbeats (as the view shows them) say KV format fmt. */
+static void wait_format(const proc *ctl, const char *id, const char *fmt, int timeout_ms)
+{
+    for (int i = 0; i < timeout_ms / 100; i++) {
+        km_msg v;
+        status(ctl, &v);
+        const km_view_worker *w = member(&v, id);
+        bool done = w && w->kv_format && !strcmp(w->kv_format, fmt);
+        km_msg_clear(&v);
+        if (done) return;
+        usleep(100000);
+    }
+    cr_assert_fail("%s never showed KV format %s", id, fmt);
+}
+
+/* Sends `recover` and returns the admin_reply's code (0 when ok). */
+static int recover(const proc *ctl, const char *worker, uint32_t level)
+{
+    void *s = dealer(ctl->listen);
+    send_admin(s, KM_ADMIN_RECOVER, worker, level, 0);
+    km_msg r;
+    recv_msg(s, &r, 5000);
+    km_zsock_close(s);
+    cr_assert_eq(r.type, KM_MSG_ADMIN_REPLY);
+    int code = r.admin_reply.ok ? 0 : r.admin_reply.code;
+    km_msg_clear(&r);
+    return code;
+}
+
+/* A `recover` frame with a level our own encoder would refuse to write; the reply's code. */
+static int recover_raw_level(const proc *ctl, const char *worker, uint64_t level)
+{
+    msgpack_sbuffer sb;
+    msgpack_sbuffer_init(&sb);
+    msgpack_packer pk;
+    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+    msgpack_pack_map(&pk, 6);
+#define KEY(k) (msgpack_pack_str(&pk, strlen(k)), msgpack_pack_str_body(&pk, k, strlen(k)))
+    KEY("v");
+    msgpack_pack_uint64(&pk, KM_PROTO_VERSION);
+    KEY("t");
+    KEY("admin");
+    KEY("id");
+    msgpack_pack_uint64(&pk, 77);
+    KEY("cmd");
+    KEY("recover");
+    KEY("worker");
+    KEY(worker);
+    KEY("level");
+    msgpack_pack_uint64(&pk, level);
+#undef KEY
+    void *s = dealer(ctl->listen);
+    send_raw(s, sb.data, sb.size);
+    msgpack_sbuffer_destroy(&sb);
+    km_msg r;
+    recv_msg(s, &r, 5000);
+    km_zsock_close(s);
+    int code = r.type == KM_MSG_ERROR         ? r.error.code
+               : r.type == KM_MSG_ADMIN_REPLY ? (r.admin_reply.ok ? 0 : r.admin_reply.code)
+                                              : -1;
+    km_msg_clear(&r);
+    return code;
+}
+
+/* The value of a /metrics line that starts with `prefix`, or -1. */
+static double metric(const proc *ctl, const char *prefix)
+{
+    char url[128];
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/metrics", ctl->admin_port);
+    km_buf b = {0};
+    int st = 0;
+    km_errbuf err = {{0}};
+    cr_assert_eq(kvm_http_get(url, 5000, &b, &st, &err), 0, "%s", err.msg);
+    cr_assert_eq(st, 200);
+    km_buf_append(&b, "", 1);
+    double v = -1;
+    char line[256];
+    snprintf(line, sizeof line, "\n%s", prefix); /* a sample line, not the # HELP line */
+    const char *p = strstr((const char *)b.data, line);
+    if (p) v = atof(p + strlen(line));
+    km_buf_free(&b);
+    return v;
+}
+
+/* ---------------------------------------------------------------- tests */
+
+Test(controller, view_lists_the_worker_and_forced_levels_1_2_3_reach_it)
+{
+    if (!have_binaries()) return;
+    proc ctl = {0}, w = {0};
+    start_controller(&ctl, NULL, NULL);
+    /* a router's view of the cluster: the PUB */
+    void *sub = NULL;
+    km_errbuf err = {{0}};
+    cr_assert_eq(km_zsock_open(g_ctx, KM_ZSUB, NULL, &sub, &err), 0);
+    cr_assert_eq(km_zsock_subscribe(sub, "view", 4, &err), 0);
+    cr_assert_eq(km_zsock_connect(sub, ctl.view, &err), 0);
+
+    start_worker(&w, "w0", &ctl, NULL);
+    wait_member(&ctl, "w0", KM_MEMBER_READY, 0, 10000);
+    bool seen = false;
+    for (int i = 0; i < 50 && !seen; i++) {
+        km_zmsg z = {0};
+        if (km_zrecv(sub, &z, 200, NULL)) continue;
+        cr_assert_eq(z.n, 2, "a view is two parts");
+        cr_assert_eq(z.part[0].len, 4);
+        cr_assert(!memcmp(z.part[0].data, "view", 4));
+        km_msg v;
+        cr_assert_eq(km_msg_decode(z.part[1].data, z.part[1].len, NULL, &v, &err), 0, "%s",
+                     err.msg);
+        const km_view_worker *m = member(&v, "w0");
+        if (m && m->state == KM_MEMBER_READY) {
+            seen = true;
+            cr_assert_str_eq(m->requests, w.req);
+            cr_assert_not_null(m->events);
+            cr_assert_str_eq(v.view.controller, "controller");
+        }
+        km_msg_clear(&v);
+        km_zmsg_clear(&z);
+    }
+    cr_assert(seen, "the PUB never showed w0 ready");
+    km_zsock_close(sub);
+
+    /* operator errors: unknown worker, bad level, a command the controller does not take, a
+     * malformed frame; the controller answers each and keeps serving */
+    cr_assert_eq(recover(&ctl, "nobody", 1), KM_CODE_NOT_FOUND);
+    cr_assert_eq(recover_raw_level(&ctl, "w0", 7), KM_CODE_BAD_REQUEST);
+    cr_assert_eq(recover_raw_level(&ctl, "w0", 0), KM_CODE_BAD_REQUEST);
+    void *op = dealer(ctl.listen);
+    send_admin(op, KM_ADMIN_DRAIN, NULL, 0, 0);
+    km_msg r;
+    recv_msg(op, &r, 5000);
+    cr_assert_eq(r.type, KM_MSG_ADMIN_REPLY);
+    cr_assert_not(r.admin_reply.ok);
+    cr_assert_eq(r.admin_reply.code, KM_CODE_BAD_REQUEST);
+    km_msg_clear(&r);
+    send_raw(op, "\xc1garbage", 8);
+    recv_msg(op, &r, 5000);
+    cr_assert_eq(r.type, KM_MSG_ERROR);
+    cr_assert_eq(r.error.code, KM_CODE_BAD_REQUEST);
+    km_msg_clear(&r);
+    km_zsock_close(op);
+    cr_assert_geq(metric(&ctl, "kvmesh_controller_bad_frames_total{reason=\"malformed\"} "), 1);
+    cr_assert_geq(metric(&ctl, "kvmesh_controller_heartbeats_total "), 1);
+
+    /* level 1: the worker evicts and acknowledges */
+    cr_assert_eq(recover(&ctl, "w0", 1), 0);
+    wait_history(&ctl, "w0", 1, "operator", 5000);
+    cr_assert_eq(metric(&ctl, "kvmesh_recovery_actions_total{worker=\"w0\",level=\"1\","
+                              "reason=\"operator\"} "),
+                 1);
+    /* level 2: its heartbeats show fp8 */
+    cr_assert_eq(recover(&ctl, "w0", 2), 0);
+    wait_history(&ctl, "w0", 2, "operator", 5000);
+    wait_format(&ctl, "w0", "fp8", 5000);
+    wait_member(&ctl, "w0", KM_MEMBER_READY, 2, 1000);
+    /* level 3: the worker drains and exits 75; restarted like a supervisor would, it is
+     * re-admitted */
+    cr_assert_eq(recover(&ctl, "w0", 3), 0);
+    cr_assert_eq(wait_exit(&w, 15000), 75, "a drained worker exits with the restart code");
+    wait_member(&ctl, "w0", KM_MEMBER_RESTARTING, 3, 2000);
+    start_worker(&w, "w0", &ctl, NULL);
+    wait_member(&ctl, "w0", KM_MEMBER_READY, 0, 10000);
+    wait_history(&ctl, "w0", 0, "restarted", 2000);
+    wait_history(&ctl, "w0", 3, "operator", 100);
+
+    stop_proc(&w);
+    stop_proc(&ctl);
+}
+
+Test(controller, a_stopped_worker_goes_dead_and_comes_back)
+{
+    if (!have_binaries()) return;
+    proc ctl = {0}, w = {0};
+    start_controller(&ctl, NULL, NULL);
+    start_worker(&w, "w1", &ctl, NULL);
+    wait_member(&ctl, "w1", KM_MEMBER_READY, -1, 10000);
+    kill(w.pid, SIGSTOP);
+    wait_member(&ctl, "w1", KM_MEMBER_DEAD, -1, 5000);
+    cr_assert_eq(metric(&ctl, "kvmesh_controller_members{state=\"dead\"} "), 1);
+    kill(w.pid, SIGCONT);
+    wait_member(&ctl, "w1", KM_MEMBER_READY, -1, 5000);
+    stop_proc(&w);
+    stop_proc(&ctl);
+}
+
+Test(controller, a_restarted_controller_rebuilds_the_view_from_heartbeats)
+{
+    if (!have_binaries()) return;
+    proc ctl = {0}, w = {0};
+    start_controller(&ctl, NULL, NULL);
+    start_worker(&w, "w2", &ctl, NULL);
+    wait_member(&ctl, "w2", KM_MEMBER_READY, 0, 10000);
+    cr_assert_eq(recover(&ctl, "w2", 2), 0);
+    wait_format(&ctl, "w2", "fp8", 5000);
+    /* killed without warning, and started again on the same endpoint the worker knows */
+    char listen[512];
+    snprintf(listen, sizeof listen, "%s", ctl.listen);
+    kill(ctl.pid, SIGKILL);
+    wait_exit(&ctl, 2000);
+    start_controller(&ctl, listen, NULL);
+    wait_member(&ctl, "w2", KM_MEMBER_READY, 2, 5000);
+    km_msg v;
+    status(&ctl, &v);
+    const km_view_worker *m = member(&v, "w2");
+    cr_assert_str_eq(m->kv_format, "fp8");
+    cr_assert_str_eq(m->requests, w.req);
+    cr_assert_eq(m->n_history, 0, "a new controller starts with no history");
+    km_msg_clear(&v);
+    stop_proc(&w);
+    stop_proc(&ctl);
+}
+
+Test(controller, pinned_pressure_fires_level1_then_level2_on_its_own)
+{
+    if (!have_binaries()) return;
+    proc ctl = {0}, w = {0};
+    const char *cflags[] = {"--cooldown=1s", NULL};
+    start_controller(&ctl, NULL, cflags);
+    const char *wflags[] = {"--chaos", NULL};
+    start_worker(&w, "w3", &ctl, wflags);
+    wait_member(&ctl, "w3", KM_MEMBER_READY, 0, 10000);
+    /* the worker pins 95% of its hot budget in ballast pages (chaos command) */
+    void *s = dealer(w.req);
+    send_admin(s, KM_ADMIN_PRESSURE, NULL, 0, 0.95);
+    km_msg r;
+    recv_msg(s, &r, 20000);
+    cr_assert_eq(r.type, KM_MSG_ADMIN_REPLY);
+    cr_assert(r.admin_reply.ok, "pressure refused: %s",
+              r.admin_reply.message ? r.admin_reply.message : "");
+    km_msg_clear(&r);
+    /* level 1 (eviction cannot free pinned pages), then level 2 after the cooldown; fp8 halves
+     * the ballast, so the pressure falls below high and nothing more happens */
+    wait_history(&ctl, "w3", 1, "kv_pressure", 20000);
+    wait_history(&ctl, "w3", 2, "kv_pressure", 30000); /* converting ~1000 pages takes seconds */
+    wait_member(&ctl, "w3", KM_MEMBER_READY, 2, 5000);
+    km_msg v;
+    status(&ctl, &v);
+    const km_view_worker *m = member(&v, "w3");
+    cr_assert_str_eq(m->kv_format, "fp8");
+    cr_assert_lt(m->pressure, 0.9);
+    km_msg_clear(&v);
+    /* release the ballast */
+    send_admin(s, KM_ADMIN_PRESSURE, NULL, 0, 0);
+    recv_msg(s, &r, 20000);
+    km_msg_clear(&r);
+    km_zsock_close(s);
+    stop_proc(&w);
+    stop_proc(&ctl);
+}
