@@ -43,6 +43,7 @@ typedef struct ctl_member {
     char requests[KM_PROTO_MAX_NAME + 1], events[KM_PROTO_MAX_NAME + 1],
         admin[KM_PROTO_MAX_NAME + 1];
     char model[KM_PROTO_MAX_NAME + 1], fingerprint[KM_PROTO_MAX_NAME + 1], kv_format[32];
+    char kv_base[32]; /* the format the worker was started with (hb.kv_format_base; f16) */
     km_member_state state;
     uint32_t level;
     /* last heartbeat */
@@ -243,6 +244,8 @@ static void fire(ctl_policy *p, ctl_member *m, uint32_t level, const char *reaso
                  ctl_action *act)
 {
     memset(act, 0, sizeof *act);
+    /* A worker started with fp8 (or a smaller format) has no level 2 left to take. */
+    if (level == 2 && strcmp(m->kv_base, "f16") && strcmp(m->kv_base, "bf16")) level = 3;
     copy_str(act->worker, sizeof act->worker, m->id);
     act->id = p->next_id++;
     act->level = level;
@@ -256,7 +259,7 @@ static void fire(ctl_policy *p, ctl_member *m, uint32_t level, const char *reaso
     switch (level) {
     case 0:
         act->cmd = KM_ADMIN_SET_KV_FORMAT;
-        act->format = "f16";
+        act->format = m->kv_base;
         set_level(p, m, 0);
         break;
     case 1:
@@ -392,7 +395,9 @@ int ctl_policy_heartbeat(ctl_policy *p, const km_msg_heartbeat *hb, uint64_t now
         copy_str(m->kv_format, sizeof m->kv_format, fmt);
         p->version++;
     }
-    bool fp8 = !strcmp(fmt, "fp8");
+    copy_str(m->kv_base, sizeof m->kv_base, hb->kv_format_base ? hb->kv_format_base : "f16");
+    /* level 2 is in effect when the KV runs in a format other than the one it was started with */
+    bool fp8 = fmt[0] && strcmp(fmt, m->kv_base);
     uint64_t errs = errors_total(hb);
     if (new_process) {
         m->tokens_total = hb->tokens_total;

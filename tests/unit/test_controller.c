@@ -58,6 +58,7 @@ typedef struct fake_worker {
     const char *id;
     uint64_t seq, start_ms;
     const char *fmt;
+    const char *base; /* hb.kv_format_base; NULL = absent (f16 assumed) */
     km_worker_state state;
     uint32_t running;
     uint64_t tokens, errors, rss;
@@ -87,6 +88,7 @@ static int beat(fake_worker *w, uint64_t now, double p, ctl_action *act)
     fake_hb f;
     mk(&f, w->id, ++w->seq, now - w->start_ms, p, w->fmt ? w->fmt : "f16");
     f.hb.state = w->state;
+    f.hb.kv_format_base = w->base;
     f.hb.running = w->running;
     f.hb.tokens_total = w->tokens;
     f.hb.rss_bytes = w->rss ? w->rss : 1 << 20;
@@ -535,4 +537,23 @@ Test(controller_policy, a_process_restarted_behind_our_back_starts_at_its_own_le
     beat(&w2, 5100, 0.5, NULL);
     cr_assert_eq(level_of("w0"), 0, "a new process has evicted nothing");
     cr_assert_eq(state_of("w0"), KM_MEMBER_READY);
+}
+
+Test(controller_policy, a_worker_started_with_fp8_is_not_at_level_2_and_escalates_to_3)
+{
+    cfg.cooldown_ms = 5000;
+    start();
+    fake_worker w = {.id = "w8", .state = KM_STATE_READY, .fmt = "fp8", .base = "fp8"};
+    ctl_action a;
+    cr_assert_eq(beat(&w, 1000, 0.50, &a), 0);
+    cr_assert_eq(level_of("w8"), 0, "fp8 is its configured format, not a recovery");
+    /* low pressure for a long time: nothing to revert */
+    for (uint64_t t = 2000; t <= 70000; t += 1000) cr_assert_eq(beat(&w, t, 0.50, &a), 0);
+    cr_assert_eq(beat(&w, 71000, 0.95, &a), 1);
+    cr_assert_eq(a.level, 1);
+    int fired = 0;
+    for (uint64_t t = 72000; t <= 90000 && !fired; t += 1000) fired = beat(&w, t, 0.95, &a);
+    cr_assert_eq(fired, 1);
+    cr_assert_eq(a.level, 3, "no smaller format to take: level 2 is skipped");
+    cr_assert_eq(a.cmd, KM_ADMIN_DRAIN);
 }
