@@ -89,6 +89,10 @@ int main(int argc, char **argv)
          &pc->heartbeat_ms, 10, 3600000},
         {"dead-after", NULL, KM_OPT_INT, "3", "missed heartbeat intervals before a worker is dead",
          &dead_after, 1, 1000},
+        {"action-timeout", NULL, KM_OPT_DURATION, "30s",
+         "a worker silent while it carries out a command it has not yet acknowledged (e.g. an "
+         "fp8 conversion) is declared dead only after this",
+         &pc->action_timeout_ms, 0, 86400000},
         {"ports-file", NULL, KM_OPT_STR, NULL, "write listen=, view=, admin=, pid= here once ready",
          &ports_file, 0, 0},
         {"log-level", NULL, KM_OPT_STR, "info", "debug, info, warn, error", &log_level, 0, 0},

@@ -90,6 +90,7 @@ void ctl_policy_cfg_default(ctl_policy_cfg *c)
                           .max_rss = 0,
                           .heartbeat_ms = 1000,
                           .dead_after = 3,
+                          .action_timeout_ms = 30000,
                           .evict_fraction = 0.25,
                           .recovery = true};
 }
@@ -509,7 +510,15 @@ int ctl_policy_tick(ctl_policy *p, uint64_t now_ms)
         ctl_member *m = &p->m[i];
         /* restarting is expected to be silent while the process comes back */
         if (m->state == KM_MEMBER_DEAD || m->state == KM_MEMBER_RESTARTING) continue;
-        if (now_ms - m->last_seen_ms >= limit) {
+        uint64_t lim = limit;
+        /* The worker runs admin commands in its loop: a conversion of a large cache is silent
+         * while it lasts. Until the command is acknowledged, give it action_timeout. */
+        const ctl_hist *h = m->undo_id ? hist_find(m, m->undo_id) : NULL;
+        if (h && !h->ok && p->cfg.action_timeout_ms > 0 &&
+            now_ms - m->t_action < (uint64_t)p->cfg.action_timeout_ms)
+            lim = limit > (uint64_t)p->cfg.action_timeout_ms ? limit
+                                                             : (uint64_t)p->cfg.action_timeout_ms;
+        if (now_ms - m->last_seen_ms >= lim) {
             set_state(p, m, KM_MEMBER_DEAD);
             changed++;
         }

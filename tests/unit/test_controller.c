@@ -557,3 +557,34 @@ Test(controller_policy, a_worker_started_with_fp8_is_not_at_level_2_and_escalate
     cr_assert_eq(a.level, 3, "no smaller format to take: level 2 is skipped");
     cr_assert_eq(a.cmd, KM_ADMIN_DRAIN);
 }
+
+Test(controller_policy, a_worker_busy_with_an_unacknowledged_command_is_not_dead_before_the_timeout)
+{
+    start();
+    fake_worker w = {.id = "w0", .state = KM_STATE_READY};
+    ctl_action a;
+    cr_assert_eq(beat(&w, 1000, 0.50, &a), 0);
+    cr_assert_eq(ctl_policy_force(pol, "w0", 2, 1100, &a), 0);
+    uint64_t id = a.id;
+    /* converting a large cache: no heartbeat for 10 s, no reply yet */
+    cr_assert_eq(ctl_policy_tick(pol, 11000), 0);
+    cr_assert_eq(state_of("w0"), KM_MEMBER_READY);
+    /* acknowledged: silence counts as usual again (3 intervals of 1 s) */
+    w.fmt = "fp8";
+    cr_assert_eq(beat(&w, 12000, 0.50, &a), 0);
+    cr_assert_eq(ctl_policy_ack(pol, "w0", id, true), 0);
+    cr_assert_eq(ctl_policy_tick(pol, 15500), 1);
+    cr_assert_eq(state_of("w0"), KM_MEMBER_DEAD);
+}
+
+Test(controller_policy, a_silent_worker_with_a_pending_command_is_dead_after_the_action_timeout)
+{
+    start();
+    fake_worker w = {.id = "w0", .state = KM_STATE_READY};
+    ctl_action a;
+    cr_assert_eq(beat(&w, 1000, 0.50, &a), 0);
+    cr_assert_eq(ctl_policy_force(pol, "w0", 2, 1100, &a), 0);
+    cr_assert_eq(ctl_policy_tick(pol, 1100 + 29000), 0);
+    cr_assert_eq(ctl_policy_tick(pol, 1100 + 30000), 1);
+    cr_assert_eq(state_of("w0"), KM_MEMBER_DEAD);
+}
