@@ -223,6 +223,8 @@ int kv_store_convert(kv_store *s, kv_format f)
                     kv_page_convert(s, p->buf, p->format, nb, f);
                     kv_acct_sub(s, sh, (kv_tier)t, p->format);
                     kv_acct_add(s, sh, (kv_tier)t, f, 1);
+                    a->cached_bytes += kv_list_bytes(s, (kv_tier)t, f);
+                    a->cached_bytes -= kv_list_bytes(s, (kv_tier)t, p->format);
                     kv_buf_put(s, p->buf, p->format);
                     if (p->flags & KV_PAGE_ON_DISK) kv_disk_unlink(s, p);
                     p->buf = nb;

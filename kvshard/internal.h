@@ -57,6 +57,7 @@ typedef struct kv_tier_acct {
     uint64_t pages;
     kv_page *head, *tail; /* cached pages (refs == 0) of this tier, oldest first */
     uint64_t n_cached;
+    size_t cached_bytes; /* RAM bytes of those pages (hot and host tiers; 0 for disk) */
 } kv_tier_acct;
 
 typedef struct kv_shard {
@@ -165,6 +166,8 @@ kv_page *kv_page_new(kv_store *s);
 void kv_page_free(kv_store *s, kv_page *p);
 void kv_list_push(kv_store *s, kv_page *p); /* into its shard/tier cached list by last_use */
 void kv_list_remove(kv_store *s, kv_page *p);
+/* RAM bytes a cached page of format f counts in its tier's cached_bytes (0 on disk). */
+size_t kv_list_bytes(const kv_store *s, kv_tier t, kv_format f);
 void kv_page_ref(kv_store *s, kv_page *p);
 void kv_page_unref(kv_store *s, kv_page *p);
 /* Points every sequence holding p at its current buffer and format. */

@@ -190,9 +190,19 @@ int kv_store_convert(kv_store *s, kv_format f);
 int kv_store_evict_oldest_fraction(kv_store *s, double fraction);
 /* Brings every tier of every shard below its high watermark (also done by reserve and destroy). */
 int kv_store_maintain(kv_store *s);
+/* Writes a disk copy of every indexed page held in RAM (hot or host) that has none, parents
+ * before children and most recently used first, within the disk budget (older disk-only pages
+ * make room) and until deadline_ns (km_now_ns(); 0: none). Pages stay where they are: this is
+ * a drain's last step, so that the next process re-indexes them. Returns the number of pages
+ * written (0 without a disk tier), or KM_ENOMEM. */
+int kv_store_persist(kv_store *s, uint64_t deadline_ns);
 
 typedef struct kv_tier_stats {
     uint64_t pages, bytes, budget;
+    /* Of pages/bytes, those held by at least one live sequence (not on the tier's cached,
+     * reclaimable list): what eviction cannot free. Only hot pages can be held; always 0 on
+     * disk. Recovery measures pressure with these, since a full warm prefix cache is not. */
+    uint64_t pinned_pages, pinned_bytes;
 } kv_tier_stats;
 
 typedef struct kv_shard_stats {

@@ -364,6 +364,12 @@ void kv_list_push(kv_store *s, kv_page *p)
         a->head = p;
     p->in_list = 1;
     a->n_cached++;
+    a->cached_bytes += kv_list_bytes(s, p->tier, p->format);
+}
+
+size_t kv_list_bytes(const kv_store *s, kv_tier t, kv_format f)
+{
+    return t == KV_TIER_DISK ? 0 : s->lay[f].page_bytes;
 }
 
 void kv_list_remove(kv_store *s, kv_page *p)
@@ -380,6 +386,8 @@ void kv_list_remove(kv_store *s, kv_page *p)
     p->lprev = p->lnext = NULL;
     p->in_list = 0;
     a->n_cached--;
+    size_t b = kv_list_bytes(s, p->tier, p->format);
+    a->cached_bytes = a->cached_bytes >= b ? a->cached_bytes - b : 0;
 }
 
 void kv_page_ref(kv_store *s, kv_page *p)
@@ -417,6 +425,16 @@ void kv_refresh_all(kv_store *s)
 
 /* ---------------------------------------------------------------- stats */
 
+/* Pinned = accounted but not in the cached list: held by a sequence (only hot pages can be).
+ * Files on disk are never pinned: any of them can be dropped. */
+static void kv_tier_stats_of(const kv_tier_acct *a, kv_tier t, kv_tier_stats *out)
+{
+    *out = (kv_tier_stats){.pages = a->pages, .bytes = a->used, .budget = a->budget};
+    if (t == KV_TIER_DISK) return;
+    out->pinned_pages = a->pages > a->n_cached ? a->pages - a->n_cached : 0;
+    out->pinned_bytes = a->used > a->cached_bytes ? a->used - a->cached_bytes : 0;
+}
+
 void kv_store_stats_get(const kv_store *s, kv_store_stats *out)
 {
     *out = s->st;
@@ -425,9 +443,13 @@ void kv_store_stats_get(const kv_store *s, kv_store_stats *out)
     for (int t = 0; t < KV_TIER_COUNT; t++) {
         out->tier[t] = (kv_tier_stats){0};
         for (int i = 0; i < s->n_shards; i++) {
-            out->tier[t].pages += s->shards[i].t[t].pages;
-            out->tier[t].bytes += s->shards[i].t[t].used;
-            out->tier[t].budget += s->shards[i].t[t].budget;
+            kv_tier_stats ts;
+            kv_tier_stats_of(&s->shards[i].t[t], (kv_tier)t, &ts);
+            out->tier[t].pages += ts.pages;
+            out->tier[t].bytes += ts.bytes;
+            out->tier[t].budget += ts.budget;
+            out->tier[t].pinned_pages += ts.pinned_pages;
+            out->tier[t].pinned_bytes += ts.pinned_bytes;
         }
     }
 }
@@ -439,11 +461,7 @@ int kv_store_shard_stats(const kv_store *s, int shard, kv_shard_stats *out)
     memset(out, 0, sizeof *out);
     out->format = sh->format;
     out->evict = sh->evict;
-    for (int t = 0; t < KV_TIER_COUNT; t++) {
-        out->tier[t].pages = sh->t[t].pages;
-        out->tier[t].bytes = sh->t[t].used;
-        out->tier[t].budget = sh->t[t].budget;
-    }
+    for (int t = 0; t < KV_TIER_COUNT; t++) kv_tier_stats_of(&sh->t[t], (kv_tier)t, &out->tier[t]);
     out->allocs = sh->allocs;
     out->alloc_failures = sh->alloc_failures;
     out->evictions = sh->evictions;

@@ -27,6 +27,7 @@ typedef struct wk_args {
     int64_t threads, admin_port, page_tokens, max_batch, prefill_chunk, max_running, max_queue;
     int64_t max_ctx, default_max_tokens, heartbeat_ms, drain_ms, event_replay, cluster_seed;
     uint64_t kv_bytes, max_frame, kv_host_bytes, kv_disk_bytes;
+    bool chaos;
 } wk_args;
 
 int main(int argc, char **argv)
@@ -83,6 +84,9 @@ int main(int argc, char **argv)
         {"cluster-seed", NULL, KM_OPT_INT, "0", "page-hash seed shared by the cluster",
          &a.cluster_seed, 0, 0},
         {"max-frame", NULL, KM_OPT_SIZE, "1M", "largest frame accepted", &a.max_frame, 0, 0},
+        {"chaos", NULL, KM_OPT_BOOL, "false",
+         "accept the fault-injection admin command `pressure` (tests, `kvmesh chaos`)", &a.chaos, 0,
+         0},
         {"ports-file", NULL, KM_OPT_STR, NULL, "write the bound endpoints here once ready",
          &a.ports_file, 0, 0},
         {"log-level", NULL, KM_OPT_STR, "info", "debug, info, warn, error", &a.log_level, 0, 0},
@@ -152,6 +156,7 @@ int main(int argc, char **argv)
         .drain_timeout_ms = (int)a.drain_ms,
         .event_replay = (int)a.event_replay,
         .max_frame = (int)(a.max_frame > (1u << 30) ? (1u << 30) : a.max_frame),
+        .chaos = a.chaos,
         .sched = {.max_running = (int)a.max_running,
                   .max_queue = (int)a.max_queue,
                   .max_batch_tokens = (int)a.max_batch,
@@ -164,9 +169,9 @@ int main(int argc, char **argv)
         KM_ERROR("service_create", "msg=\"%s\"", err.msg);
         goto out;
     }
-    KM_INFO("worker_start", "model=%s threads=%d isa=%s kv_format=%s kv_pages=%d", path,
+    KM_INFO("worker_start", "model=%s threads=%d isa=%s kv_format=%s kv_pages=%d chaos=%d", path,
             wk_engine_threads(e), wk_engine_isa(e), kv_format_name(fmt),
-            kv_store_pages_total(wk_engine_kv(e)));
+            kv_store_pages_total(wk_engine_kv(e)), (int)a.chaos);
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = wk_on_signal;

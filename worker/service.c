@@ -37,7 +37,9 @@ typedef struct wk_sreq {
     int n_env;
     bool stream;
     km_detok dt;
-    km_buf text; /* completion text: kept for non-streaming requests and stop strings */
+    km_buf text;  /* completion text: kept for non-streaming requests and stop strings */
+    size_t sent;  /* bytes of text already streamed (stop strings: the rest may begin one) */
+    bool stopped; /* a stop string ended it: nothing after the match belongs to the text */
     char *stop[KM_PROTO_MAX_STOP];
     int n_stop;
     uint64_t arrival_ns, last_ns;
@@ -112,6 +114,12 @@ struct wk_service {
     km_series *s_ttft, *s_itl, *s_queue, *s_e2e, *s_hit, *s_preempt, *s_running, *s_queued;
     km_series *s_steps, *s_events, *s_ready, *s_hb_sent, *s_hb_dropped;
     km_series *s_rec_evict, *s_rec_format, *s_rec_drain, *s_rec_shutdown;
+    km_series *s_rec_level[4]; /* kvmesh_recovery_actions_total{level="0".."3"} */
+    km_metric *m_kv_pinned;
+    km_series *s_ballast;
+    /* chaos: the `pressure` command's ballast, a sequence holding real hot pages */
+    kv_seq *ballast;
+    int ballast_pages;
 };
 
 /* ---------------------------------------------------------------- small helpers */
@@ -332,6 +340,26 @@ static int wk_stop_match(wk_sreq *r, size_t added)
     return 0;
 }
 
+/* Bytes at the end of the text that could still be the beginning of a stop string: the
+ * longest suffix that is a proper prefix of one. They are held back from the stream until the
+ * next tokens show whether the stop string follows (then they are never sent) or not. */
+static size_t wk_stop_holdback(const wk_sreq *r)
+{
+    size_t best = 0;
+    const uint8_t *t = r->text.data;
+    for (int i = 0; i < r->n_stop; i++) {
+        size_t sl = strlen(r->stop[i]);
+        if (!sl) continue;
+        size_t k = sl - 1 < r->text.len ? sl - 1 : r->text.len;
+        for (; k > best; k--)
+            if (t[r->text.len - k] == (uint8_t)r->stop[i][0] &&
+                !memcmp(t + r->text.len - k, r->stop[i], k))
+                break;
+        if (k > best) best = k;
+    }
+    return best;
+}
+
 static int wk_on_token(void *ctx, void *user, int index, int32_t token)
 {
     wk_service *s = ctx;
@@ -348,18 +376,29 @@ static int wk_on_token(void *ctx, void *user, int index, int32_t token)
     int w = km_detok_push(s->tok, &r->dt, token, piece, sizeof piece);
     if (w < 0) w = 0;
     int stop = 0;
+    const char *out = piece;
+    size_t out_len = (size_t)w;
     if (!r->stream || r->n_stop) {
         km_buf_append(&r->text, piece, (size_t)w);
         stop = wk_stop_match(r, (size_t)w);
+        r->stopped = stop;
+        if (r->stream) { /* what is now certain not to be part of a stop string */
+            size_t safe = stop ? r->text.len : r->text.len - wk_stop_holdback(r);
+            if (safe < r->sent) safe = r->sent;
+            out = r->text.data ? (const char *)r->text.data + r->sent : "";
+            out_len = safe - r->sent;
+            r->sent = safe;
+        }
     }
-    if (r->stream && !stop) {
+    if (!out_len) out = ""; /* the encoder reads text_len 0 as strlen(text); piece is no string */
+    if (r->stream) {        /* every token goes out, the one completing a stop string too */
         km_msg m;
         km_msg_init(&m, KM_MSG_TOKEN);
         m.tok.id = r->id;
         m.tok.index = (uint32_t)index;
         m.tok.token = token;
-        m.tok.text = piece;
-        m.tok.text_len = (size_t)w;
+        m.tok.text = out;
+        m.tok.text_len = out_len;
         if (!km_msg_encode(&m, &s->lim, &s->out, NULL)) {
             km_zframe env[WK_ENV_MAX];
             int n = wk_sreq_env(r, env);
@@ -392,13 +431,19 @@ static void wk_on_done(void *ctx, void *user, km_finish finish, const wk_sched_u
     km_msg_init(&m, KM_MSG_DONE);
     m.done.id = r->id;
     m.done.finish = finish;
+    /* The bytes of an incomplete last character, unless a stop string ended the text first. */
+    char tail[16];
+    int w = km_detok_flush(&r->dt, tail, sizeof tail);
+    if (w > 0 && !r->stopped) km_buf_append(&r->text, tail, (size_t)w);
     if (!r->stream) {
-        char tail[16];
-        int w = km_detok_flush(&r->dt, tail, sizeof tail);
-        if (w > 0) km_buf_append(&r->text, tail, (size_t)w);
         m.done.text = r->text.data ? (const char *)r->text.data : "";
         m.done.text_len = r->text.len;
         if (!r->text.len) m.done.text = "";
+    } else if (r->text.len > r->sent) {
+        /* A stream's last bytes that no token frame could carry (held back as the possible
+         * start of a stop string, or an incomplete character): pieces + this = the text. */
+        m.done.text = (const char *)r->text.data + r->sent;
+        m.done.text_len = r->text.len - r->sent;
     }
     m.done.prompt_tokens = (uint32_t)u->prompt_tokens;
     m.done.cached_tokens = (uint32_t)u->cached_tokens;
@@ -586,15 +631,91 @@ static kv_format wk_kv_format(wk_service *s)
     return sh.format;
 }
 
+static void wk_ballast_release(wk_service *s);
+
 static void wk_start_drain(wk_service *s, int64_t timeout_ms, const char *why)
 {
     if (wk_state(s) != KM_STATE_READY) return;
     if (timeout_ms <= 0) timeout_ms = s->o.drain_timeout_ms;
     s->drain_deadline_ns = km_now_ns() + wk_ms_ns(timeout_ms);
     wk_set_state(s, KM_STATE_DRAINING);
+    wk_ballast_release(s); /* in-flight requests get its pages; the next process starts clean */
     km_counter_inc(s->s_rec_drain);
     KM_INFO("drain_start", "worker=%s reason=%s timeout_ms=%lld inflight=%d", s->worker_id, why,
             (long long)timeout_ms, wk_sched_pending(s->sched));
+}
+
+/* Hot-tier bytes held by live sequences over the hot budget, all shards: pressure as the
+ * controller computes it from heartbeats (logged with every recovery action). */
+static double wk_hot_pressure(wk_service *s)
+{
+    kv_store_stats st;
+    kv_store_stats_get(s->kv, &st);
+    const kv_tier_stats *h = &st.tier[KV_TIER_HOT];
+    return h->budget ? (double)h->pinned_bytes / (double)h->budget : 0.0;
+}
+
+/* One recovery action carried out: counted by level and logged as one event=recovery line. */
+static void wk_recovery_log(wk_service *s, int level, const char *action, bool ok,
+                            const char *detail)
+{
+    if (level >= 0 && level <= 3) km_counter_inc(s->s_rec_level[level]);
+    KM_INFO("recovery", "level=%d action=%s worker=%s ok=%d pressure=%.3f %s", level, action,
+            s->worker_id, (int)ok, wk_hot_pressure(s), detail ? detail : "");
+}
+
+/* Bytes of one ballast page: the current format's (int4 pages are written in f16 and only
+ * sealed once full, which ballast pages never are). */
+static size_t wk_ballast_page_bytes(wk_service *s)
+{
+    kv_format f = wk_kv_format(s);
+    return kv_store_format_page_bytes(s->kv, f == KN_KV_INT4 ? KN_KV_F16 : f);
+}
+
+static size_t wk_ballast_bytes(wk_service *s)
+{
+    return (size_t)s->ballast_pages * wk_ballast_page_bytes(s);
+}
+
+static void wk_ballast_release(wk_service *s)
+{
+    if (!s->ballast) return;
+    kv_seq_destroy(s->kv, s->ballast);
+    s->ballast = NULL;
+    s->ballast_pages = 0;
+    km_gauge_set(s->s_ballast, 0);
+}
+
+/* chaos `pressure`: pins round(fraction x hot budget / page bytes) real pages in a ballast
+ * sequence, replacing the previous one (0 only releases it). Pages come from the pool like any
+ * sequence's: room is made from cached pages only, never from running sequences, and when the
+ * pool runs out the ballast keeps what it got. Returns the pages pinned; msg says what. */
+static int wk_ballast_set(wk_service *s, double fraction, char *msg, size_t cap)
+{
+    wk_ballast_release(s);
+    kv_store_stats st;
+    kv_store_stats_get(s->kv, &st);
+    const size_t pb = wk_ballast_page_bytes(s);
+    const int pt = kv_store_page_tokens(s->kv);
+    double want_d = fraction * (double)st.tier[KV_TIER_HOT].budget / (double)pb + 0.5;
+    int want = want_d > (double)(INT32_MAX / pt) ? INT32_MAX / pt : (int)want_d;
+    int got = 0, rc = 0;
+    if (want > 0 && !(rc = kv_seq_create(s->kv, &s->ballast)))
+        while (got < want && !(rc = kv_seq_reserve(s->kv, s->ballast, (got + 1) * pt))) got++;
+    s->ballast_pages = got;
+    if (s->ballast && !got) wk_ballast_release(s);
+    km_gauge_set(s->s_ballast, (double)wk_ballast_bytes(s));
+    if (!want)
+        snprintf(msg, cap, "ballast released");
+    else if (got < want)
+        snprintf(msg, cap, "pinned %d of %d ballast pages (%zu bytes): %s", got, want,
+                 wk_ballast_bytes(s),
+                 rc == KM_ENOSPC ? "the KV pool has no more room" : km_strerror(rc));
+    else
+        snprintf(msg, cap, "pinned %d ballast pages (%zu bytes)", got, wk_ballast_bytes(s));
+    KM_INFO("chaos_pressure", "worker=%s fraction=%.3f wanted=%d pinned=%d bytes=%zu pressure=%.3f",
+            s->worker_id, fraction, want, got, wk_ballast_bytes(s), wk_hot_pressure(s));
+    return got;
 }
 
 static void wk_handle_admin(wk_service *s, void *sock, const km_zframe *env, int n_env,
@@ -610,7 +731,17 @@ static void wk_handle_admin(wk_service *s, void *sock, const km_zframe *env, int
     const char *extra_keys[2];
     uint64_t extra_vals[2];
     int n_extra = 0;
-    switch (a->cmd) {
+    /* `worker` names the target: a frame meant for another worker changes nothing here. */
+    km_admin_cmd cmd = a->cmd;
+    if (a->worker && a->worker[0] && strcmp(a->worker, s->worker_id)) {
+        rp->ok = false;
+        rp->code = KM_CODE_NOT_FOUND;
+        snprintf(msg, sizeof msg, "not this worker");
+        cmd = KM_ADMIN_CMD_COUNT; /* nothing to do */
+    }
+    switch (cmd) {
+    case KM_ADMIN_CMD_COUNT:
+        break;
     case KM_ADMIN_STATUS: {
         uint64_t since = 0;
         bool snap = false;
@@ -641,8 +772,10 @@ static void wk_handle_admin(wk_service *s, void *sock, const km_zframe *env, int
                               ? st0.tier[KV_TIER_HOT].bytes - st1.tier[KV_TIER_HOT].bytes
                               : 0;
         km_counter_inc(s->s_rec_evict);
-        KM_INFO("recovery_evict", "fraction=%.3f pages=%d freed_bytes=%llu", a->fraction, n,
-                (unsigned long long)rp->freed_bytes);
+        char d[128];
+        snprintf(d, sizeof d, "fraction=%.3f pages=%d freed_bytes=%llu", a->fraction, n,
+                 (unsigned long long)rp->freed_bytes);
+        wk_recovery_log(s, 1, "evict", n >= 0, d);
         break;
     }
     case KM_ADMIN_SET_KV_FORMAT: {
@@ -653,7 +786,9 @@ static void wk_handle_admin(wk_service *s, void *sock, const km_zframe *env, int
             snprintf(msg, sizeof msg, "admin.format: unknown KV format '%.64s'", a->format);
             break;
         }
+        kv_format before = wk_kv_format(s);
         int n = kv_store_convert(s->kv, f);
+        km_gauge_set(s->s_ballast, (double)wk_ballast_bytes(s));
         if (n < 0) {
             rp->ok = false;
             rp->code = km_proto_code_from_err(n);
@@ -662,13 +797,29 @@ static void wk_handle_admin(wk_service *s, void *sock, const km_zframe *env, int
             rp->converted_pages = (uint64_t)n;
         }
         km_counter_inc(s->s_rec_format);
-        KM_INFO("recovery_set_kv_format", "format=%s converted=%d", a->format, n);
+        /* Level 2 shrinks the pages; going back to f16 is its revert (level 0). */
+        int level =
+            f == KN_KV_F16 ? 0
+            : kv_store_format_page_bytes(s->kv, f) < kv_store_format_page_bytes(s->kv, KN_KV_F16)
+                ? 2
+                : -1;
+        char d[128];
+        snprintf(d, sizeof d, "from=%s format=%s converted=%d", kv_format_name(before), a->format,
+                 n);
+        if (level >= 0)
+            wk_recovery_log(s, level, "set_kv_format", n >= 0, d);
+        else
+            KM_INFO("set_kv_format", "worker=%s %s", s->worker_id, d);
         break;
     }
     case KM_ADMIN_DRAIN:
-        if (wk_state(s) == KM_STATE_READY)
+        if (wk_state(s) == KM_STATE_READY) {
+            char d[96];
+            snprintf(d, sizeof d, "timeout_ms=%u inflight=%d", a->timeout_ms,
+                     wk_sched_pending(s->sched));
+            wk_recovery_log(s, 3, "drain", true, d);
             wk_start_drain(s, a->timeout_ms, "admin");
-        else
+        } else
             snprintf(msg, sizeof msg, "already %s", km_worker_state_name(wk_state(s)));
         break;
     case KM_ADMIN_SHUTDOWN:
@@ -677,6 +828,22 @@ static void wk_handle_admin(wk_service *s, void *sock, const km_zframe *env, int
         s->exit_code = a->restart ? WK_EXIT_RESTART : 0;
         wk_set_state(s, KM_STATE_STOPPING);
         KM_INFO("shutdown", "worker=%s restart=%d", s->worker_id, (int)a->restart);
+        break;
+    case KM_ADMIN_PRESSURE:
+        if (!s->o.chaos) {
+            rp->ok = false;
+            rp->code = KM_CODE_BAD_REQUEST;
+            snprintf(msg, sizeof msg, "pressure needs --chaos");
+            break;
+        }
+        if (wk_state(s) != KM_STATE_READY) {
+            rp->ok = false;
+            rp->code = KM_CODE_UNAVAILABLE;
+            snprintf(msg, sizeof msg, "worker %s: no ballast now",
+                     km_worker_state_name(wk_state(s)));
+            break;
+        }
+        wk_ballast_set(s, a->fraction, msg, sizeof msg);
         break;
     default:
         rp->ok = false;
@@ -777,12 +944,15 @@ static void wk_update_gauges(wk_service *s)
                              cur ? (double)st.tier[t].pages : 0);
                 km_gauge_set(km_metric_series(s->m_kv_cap, lv),
                              cur ? (double)st.tier[t].budget : 0);
+                km_gauge_set(km_metric_series(s->m_kv_pinned, lv),
+                             cur ? (double)st.tier[t].pinned_bytes : 0);
             }
         }
     }
     wk_sched_stats ss;
     wk_sched_stats_get(s->sched, &ss);
     km_gauge_set(s->s_running, ss.running);
+    km_gauge_set(s->s_ballast, (double)wk_ballast_bytes(s));
     km_gauge_set(s->s_queued, ss.queued);
     km_gauge_set(s->s_hit, ss.prompt_tokens ? (double)ss.cached_tokens / ss.prompt_tokens : 0);
     if (ss.preemptions > s->last_preempt)
@@ -845,7 +1015,8 @@ static void wk_heartbeat(wk_service *s)
                                      .format = kv_format_name(st.format),
                                      .pages = st.tier[t].pages,
                                      .bytes = st.tier[t].bytes,
-                                     .capacity_bytes = st.tier[t].budget};
+                                     .capacity_bytes = st.tier[t].budget,
+                                     .pinned_bytes = st.tier[t].pinned_bytes};
         }
     }
     hb->kv = kv;
@@ -857,6 +1028,7 @@ static void wk_heartbeat(wk_service *s)
     hb->running = (uint32_t)ss.running;
     hb->decode_tps = s->decode_tps;
     hb->prefill_tps = s->prefill_tps;
+    hb->tokens_total = ss.prefill_tokens + ss.decode_tokens;
     double *tmp = s->qtmp;
     const double qs[3] = {0.5, 0.9, 0.99};
     km_latency_q lat[3];
@@ -938,6 +1110,10 @@ static int wk_metrics_init(wk_service *s, km_errbuf *err)
     REG(KM_GAUGE, "kvmesh_worker_kv_capacity_bytes", "KV byte budget, per tier, shard and format.",
         "tier,shard,format", NULL, 0);
     s->m_kv_cap = m;
+    REG(KM_GAUGE, "kvmesh_kv_pinned_bytes",
+        "KV bytes held by live sequences (not reclaimable), per tier, shard and format.",
+        "tier,shard,format", NULL, 0);
+    s->m_kv_pinned = m;
     REG(KM_GAUGE, "kvmesh_worker_prefix_hit_ratio",
         "Prompt tokens served from cached KV over prompt tokens, since start.", NULL, NULL, 0);
     s->s_hit = km_metric_series(m, NULL);
@@ -952,6 +1128,15 @@ static int wk_metrics_init(wk_service *s, km_errbuf *err)
     s->s_rec_format = km_metric_series(m, &ra[1]);
     s->s_rec_drain = km_metric_series(m, &ra[2]);
     s->s_rec_shutdown = km_metric_series(m, &ra[3]);
+    REG(KM_COUNTER, "kvmesh_recovery_actions_total",
+        "Recovery actions carried out by this worker, by level: 1 evict, 2 set_kv_format to a "
+        "smaller format, 3 drain, 0 the revert to f16.",
+        "level", NULL, 0);
+    const char *lv[4] = {"0", "1", "2", "3"};
+    for (int i = 0; i < 4; i++) s->s_rec_level[i] = km_metric_series(m, &lv[i]);
+    REG(KM_GAUGE, "kvmesh_worker_ballast_bytes",
+        "KV bytes pinned by the chaos `pressure` command's ballast (--chaos).", NULL, NULL, 0);
+    s->s_ballast = km_metric_series(m, NULL);
     REG(KM_COUNTER, "kvmesh_worker_bad_frames_total", "Frames rejected, by reason.", "reason", NULL,
         0);
     for (int i = 0; i < WK_BAD_COUNT; i++) s->s_bad[i] = km_metric_series(m, &wk_bad_names[i]);
@@ -1077,6 +1262,7 @@ void wk_service_destroy(wk_service *s)
 {
     if (!s) return;
     km_admin_stop(s->admin);
+    if (s->ballast) kv_seq_destroy(s->kv, s->ballast);
     if (s->sched) wk_sched_destroy(s->sched);
     for (int i = 0; i < s->n_live; i++) wk_sreq_free(s->live[i]);
     free(s->live);
@@ -1101,17 +1287,33 @@ void wk_service_signal(wk_service *s, int signo)
     s->signals = s->signals + 1;
 }
 
-/* End of a drain: hand back what is left, persist hot pages to lower tiers, stop. */
+/* End of a drain: hand back what is left, persist the cached pages, stop. With a disk tier every
+ * page still in RAM (hot or host: both die with the process) gets a disk copy, parents first,
+ * within the disk budget and what is left of the drain's time (at least 2 s more), so the next
+ * process re-indexes them and comes back warm. Without one, hot pages are demoted to host RAM
+ * as before (it only helps a process that is not about to exit, but costs nothing). */
 static void wk_finish_drain(wk_service *s)
 {
     int left = wk_sched_pending(s->sched);
     if (left)
         wk_sched_abort_all(s->sched, KM_CODE_UNAVAILABLE,
                            "worker drained: request handed back for migration");
-    int moved = kv_store_evict_oldest_fraction(s->kv, 1.0);
+    wk_ballast_release(s);
+    kv_store_stats st;
+    kv_store_stats_get(s->kv, &st);
+    int moved, persisted = 0;
+    if (st.tier[KV_TIER_DISK].budget) {
+        uint64_t now = km_now_ns(), until = now + wk_ms_ns(2000);
+        if (s->drain_deadline_ns > until) until = s->drain_deadline_ns;
+        moved = kv_store_persist(s->kv, until);
+        persisted = 1;
+    } else {
+        moved = kv_store_evict_oldest_fraction(s->kv, 1.0);
+    }
     wk_events_pump(s->ev);
     wk_set_state(s, KM_STATE_STOPPING);
-    KM_INFO("drain_done", "worker=%s handed_back=%d pages_demoted=%d", s->worker_id, left, moved);
+    KM_INFO("drain_done", "worker=%s handed_back=%d %s=%d", s->worker_id, left,
+            persisted ? "pages_persisted" : "pages_demoted", moved);
     s->stop_now = true;
     s->exit_code = WK_EXIT_RESTART;
 }

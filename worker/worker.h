@@ -256,6 +256,7 @@ typedef struct wk_service_opts {
     int drain_timeout_ms;    /* grace before in-flight requests are handed back; 0: 30000 */
     int event_replay;        /* KV events kept for replay; 0: 65536 */
     int max_frame;           /* bytes; 0: KM_PROTO_MAX_FRAME */
+    bool chaos;              /* take the `pressure` admin command (fault injection; tests only) */
     wk_sched_opts sched;
 } wk_service_opts;
 

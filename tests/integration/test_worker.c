@@ -2,7 +2,8 @@
  * test_worker.c — kvmesh-worker as real processes on 127.0.0.1 (ephemeral ports), driven over
  * ZeroMQ like a router would: concurrent mixed requests against single-request references,
  * a drain under load with migration of what was handed back, malformed frames, KV events and
- * their replay, admin commands, cancellation and deadlines, SIGTERM.
+ * their replay, admin commands, cancellation and deadlines, SIGTERM, stop strings in streams,
+ * the chaos `pressure` ballast as heartbeats report it, and warm restarts from the disk tier.
  *
  * The reference for "the same request run alone" is the engine in this process, one sequence,
  * greedy: the worker's continuous batching, chunked prefill, prefix reuse and preemption must
@@ -762,6 +763,31 @@ Test(worker, admin_commands_evict_convert_and_shut_down)
     cr_assert_eq(http_get(w.admin_port, "/metrics", text, sizeof text), 200);
     cr_assert_eq(metric(text, "kvmesh_worker_recovery_actions_total{action=\"evict\"}"), 1);
     cr_assert_eq(metric(text, "kvmesh_worker_recovery_actions_total{action=\"set_kv_format\"}"), 2);
+    cr_assert_eq(metric(text, "kvmesh_recovery_actions_total{level=\"1\"}"), 1, "evict");
+    cr_assert_eq(metric(text, "kvmesh_recovery_actions_total{level=\"2\"}"), 1, "to fp8");
+    cr_assert_eq(metric(text, "kvmesh_recovery_actions_total{level=\"0\"}"), 1, "back to f16");
+    /* pressure is refused without --chaos */
+    send_admin(s, 70, KM_ADMIN_PRESSURE, 0.5, NULL, 0);
+    cr_assert(recv_msg(s, &m, 10000));
+    cr_assert_eq(m.type, KM_MSG_ADMIN_REPLY);
+    cr_assert(!m.admin_reply.ok);
+    cr_assert_eq(m.admin_reply.code, KM_CODE_BAD_REQUEST);
+    cr_assert_str_eq(m.admin_reply.message, "pressure needs --chaos");
+    km_msg_clear(&m);
+    /* a command for another worker changes nothing here */
+    km_msg_init(&m, KM_MSG_ADMIN);
+    m.admin.id = 71;
+    m.admin.cmd = KM_ADMIN_EVICT;
+    m.admin.fraction = 1.0;
+    m.admin.worker = "someone-else";
+    send_msg(s, &m);
+    cr_assert(recv_msg(s, &m, 10000));
+    cr_assert(!m.admin_reply.ok);
+    cr_assert_eq(m.admin_reply.code, KM_CODE_NOT_FOUND);
+    cr_assert_str_eq(m.admin_reply.message, "not this worker");
+    km_msg_clear(&m);
+    cr_assert_eq(http_get(w.admin_port, "/metrics", text, sizeof text), 200);
+    cr_assert_eq(metric(text, "kvmesh_recovery_actions_total{level=\"1\"}"), 1);
     m.type = KM_MSG_NONE;
     km_msg_init(&m, KM_MSG_ADMIN);
     m.admin.id = 8;
@@ -897,16 +923,18 @@ static int wait_done_cached(void *s)
     }
 }
 
-Test(worker, a_restarted_worker_comes_back_warm_from_its_disk_tier)
+/* Serves a 100-token prompt, drains (SIGTERM), restarts on the same disk directory and proves
+ * the prompt comes back from disk. host_bytes: a host tier too (NULL: none). */
+static void warm_restart(const char *host_bytes)
 {
-    if (!have_model()) return;
     g_ctx = km_zctx_create();
     char disk[64];
     snprintf(disk, sizeof disk, "/tmp/kvmesh-disk-XXXXXX");
     cr_assert(mkdtemp(disk));
-    /* No host tier: drain demotes hot pages to the next tier down, which is then the disk. (With
-     * a host tier they stop in host RAM and die with the process: see docs/operations.md.) */
-    const char *extra[] = {"--kv-disk-dir", disk, NULL};
+    /* The drain writes every page still in RAM (hot, and host: it dies with the process too)
+     * to the disk tier before exiting. */
+    const char *extra[] = {"--kv-disk-dir", disk, host_bytes ? "--kv-host-bytes" : NULL, host_bytes,
+                           NULL};
     int32_t toks[100];
     for (int i = 0; i < 100; i++) toks[i] = 900 + i * 7;
 
@@ -933,4 +961,281 @@ Test(worker, a_restarted_worker_comes_back_warm_from_its_disk_tier)
     char cmd[128];
     snprintf(cmd, sizeof cmd, "rm -rf %s", disk);
     if (system(cmd)) cr_log_warn("could not remove %s", disk);
+}
+
+Test(worker, a_restarted_worker_comes_back_warm_from_its_disk_tier)
+{
+    if (!have_model()) return;
+    warm_restart(NULL);
+}
+
+Test(worker, a_restarted_worker_with_host_and_disk_tiers_comes_back_warm)
+{
+    if (!have_model()) return;
+    warm_restart("64M");
+}
+
+/* ---------------------------------------------------------------- stop strings */
+
+typedef struct gen_out {
+    char text[4096];
+    size_t len;
+    int n_tok_frames;
+    bool leaked; /* a streamed piece held `leak` */
+    km_finish finish;
+    uint32_t completion_tokens;
+} gen_out;
+
+/* Runs one greedy text request and gathers its text as a client would: the pieces of the
+ * token frames, then the done frame's text. */
+static void gen_text(void *s, uint64_t id, const char *prompt, const char *stop, int max_tokens,
+                     bool stream, const char *leak, gen_out *o)
+{
+    memset(o, 0, sizeof *o);
+    km_msg m;
+    km_msg_init(&m, KM_MSG_REQUEST);
+    m.req.id = id;
+    m.req.model = "SmolLM2-135M-Instruct";
+    m.req.prompt = prompt;
+    m.req.temperature = 0;
+    m.req.max_tokens = (uint32_t)max_tokens;
+    m.req.stream = stream;
+    const char *stops[1] = {stop};
+    m.req.stop = stops;
+    m.req.n_stop = stop ? 1 : 0;
+    send_msg(s, &m);
+    for (;;) {
+        cr_assert(recv_msg(s, &m, 30000), "request %llu: no reply", (unsigned long long)id);
+        cr_assert_neq(m.type, KM_MSG_ERROR, "%s", m.error.message);
+        if (m.type == KM_MSG_TOKEN) {
+            cr_assert_eq(m.tok.id, id);
+            cr_assert_eq(m.tok.index, (uint32_t)o->n_tok_frames);
+            o->n_tok_frames++;
+            cr_assert_lt(o->len + m.tok.text_len, sizeof o->text);
+            memcpy(o->text + o->len, m.tok.text, m.tok.text_len);
+            o->len += m.tok.text_len;
+            for (size_t k = 0, ll = leak ? strlen(leak) : 0; ll && k + ll <= m.tok.text_len; k++)
+                o->leaked |= !memcmp(m.tok.text + k, leak, ll);
+            km_msg_clear(&m);
+            continue;
+        }
+        cr_assert_eq(m.type, KM_MSG_DONE);
+        if (m.done.text) {
+            cr_assert_lt(o->len + m.done.text_len, sizeof o->text);
+            memcpy(o->text + o->len, m.done.text, m.done.text_len);
+            o->len += m.done.text_len;
+        }
+        o->finish = m.done.finish;
+        o->completion_tokens = m.done.completion_tokens;
+        km_msg_clear(&m);
+        break;
+    }
+    o->text[o->len] = 0;
+}
+
+Test(worker, streamed_pieces_never_leak_a_stop_string_and_agree_with_the_whole_text)
+{
+    if (!have_model()) return;
+    g_ctx = km_zctx_create();
+    wproc w;
+    start_worker(&w, NULL);
+    void *s = dealer(w.req);
+    const char *prompt = "The capital of France is";
+    /* Greedy: "Paris.\n\nThe United States has a population of ...": " United" and " States"
+     * are two tokens, so a stream that sent text as it came would leak " United". */
+    gen_out plain, whole, streamed;
+    gen_text(s, 1, prompt, NULL, 40, false, NULL, &plain);
+    cr_assert(strstr(plain.text, "The United States"), "the premise: greedy text is '%s'",
+              plain.text);
+    gen_text(s, 2, prompt, "United States", 40, false, NULL, &whole);
+    gen_text(s, 3, prompt, "United States", 40, true, "United", &streamed);
+    cr_assert_eq(whole.finish, KM_FINISH_STOP);
+    cr_assert_eq(streamed.finish, KM_FINISH_STOP);
+    cr_assert(!strstr(whole.text, "United"), "'%s'", whole.text);
+    cr_assert(!streamed.leaked, "a piece of the stop string was streamed");
+    cr_assert_str_eq(streamed.text, whole.text, "stream and whole text agree");
+    cr_assert_eq(streamed.n_tok_frames, (int)streamed.completion_tokens,
+                 "every token is framed, the one completing the stop string too");
+    /* The same request cut by max_tokens just after " United": the held-back "United" was not
+     * a stop string after all and arrives in the done frame. */
+    const char *uk = "United Kingdom";
+    int n = 0; /* the max_tokens that ends the completion with " United" */
+    for (int mt = 1; mt <= 40 && !n; mt++) {
+        gen_text(s, 100 + (uint64_t)mt, prompt, NULL, mt, false, NULL, &whole);
+        if (whole.len >= 7 && !memcmp(whole.text + whole.len - 7, " United", 7)) n = mt;
+    }
+    cr_assert_gt(n, 0, "no completion ends with ' United'");
+    gen_text(s, 200, prompt, uk, n, false, NULL, &whole);
+    gen_text(s, 201, prompt, uk, n, true, "United", &streamed);
+    cr_assert_eq(streamed.finish, KM_FINISH_LENGTH);
+    cr_assert(!streamed.leaked, "'United' could still begin the stop string: held back");
+    cr_assert_str_eq(streamed.text, whole.text);
+    cr_assert_str_eq(whole.text + whole.len - 7, " United");
+    km_zsock_close(s);
+    kill(w.pid, SIGKILL);
+    stop_worker(&w, 5000);
+    km_zctx_destroy(g_ctx);
+}
+
+/* ---------------------------------------------------------------- chaos pressure */
+
+/* The value of a series once it equals want, or its last value after 3 s. */
+static double wait_metric(int port, const char *series, double want)
+{
+    static char text[1 << 16];
+    double v = -1;
+    for (int i = 0; i < 60 && v != want; i++) {
+        if (i) usleep(50000);
+        cr_assert_eq(http_get(port, "/metrics", text, sizeof text), 200);
+        v = metric(text, series);
+    }
+    return v;
+}
+
+/* Sends admin pressure and returns its reply (skipping other frames); the caller clears it. */
+static void pressure(void *s, uint64_t id, double fraction, km_msg *m)
+{
+    send_admin(s, id, KM_ADMIN_PRESSURE, fraction, NULL, 0);
+    for (;;) {
+        cr_assert(recv_msg(s, m, 10000), "no reply to pressure");
+        if (m->type == KM_MSG_ADMIN_REPLY && m->admin_reply.id == id) return;
+        km_msg_clear(m);
+    }
+}
+
+/* The hot tier's pinned and total bytes in the first heartbeat at least min_seq. */
+static void hb_hot(void *ctl, uint64_t min_seq, uint64_t *pinned, uint64_t *budget,
+                   uint64_t *tokens, uint64_t *seq)
+{
+    km_zmsg z = {0};
+    for (;;) {
+        cr_assert_eq(km_zrecv(ctl, &z, 5000, NULL), 0, "no heartbeat");
+        km_msg m;
+        km_errbuf err = {{0}};
+        cr_assert_eq(km_msg_decode(z.part[1].data, z.part[1].len, NULL, &m, &err), 0, "%s",
+                     err.msg);
+        if (m.hb.seq >= min_seq) {
+            *pinned = *budget = 0;
+            for (uint32_t i = 0; i < m.hb.n_kv; i++)
+                if (m.hb.kv[i].tier == KM_TIER_HOT) {
+                    *pinned += m.hb.kv[i].pinned_bytes;
+                    *budget += m.hb.kv[i].capacity_bytes;
+                }
+            *tokens = m.hb.tokens_total;
+            *seq = m.hb.seq;
+            km_msg_clear(&m);
+            break;
+        }
+        km_msg_clear(&m);
+    }
+    km_zmsg_clear(&z);
+}
+
+Test(worker, pressure_pins_real_pages_that_heartbeats_report_and_fp8_shrinks)
+{
+    if (!have_model()) return;
+    g_ctx = km_zctx_create();
+    void *ctl = NULL;
+    km_errbuf err = {{0}};
+    cr_assert_eq(km_zsock_open(g_ctx, KM_ZROUTER, NULL, &ctl, &err), 0);
+    cr_assert_eq(km_zsock_bind(ctl, "tcp://127.0.0.1:*", &err), 0);
+    char ep[256];
+    cr_assert_eq(km_zsock_last_endpoint(ctl, ep, sizeof ep, &err), 0);
+    wproc w;
+    /* 8 MiB: 22 f16 pages of SmolLM2 (368,640 bytes each) */
+    const char *extra[] = {"--controller", ep,        "--heartbeat", "100ms", "--worker-id",
+                           "w-chaos",      "--chaos", "--kv-bytes",  "8M",    "--log-level",
+                           "info",         NULL};
+    start_worker(&w, extra);
+    void *s = dealer(w.req);
+    uint64_t pinned, budget, tokens, seq;
+    hb_hot(ctl, 1, &pinned, &budget, &tokens, &seq);
+    cr_assert_eq(pinned, 0, "an idle worker pins nothing");
+    cr_assert_eq(tokens, 0);
+    const uint64_t pb = 368640;
+    const uint64_t want = (uint64_t)(0.5 * (double)budget / (double)pb + 0.5);
+    km_msg m;
+    pressure(s, 1, 0.5, &m);
+    cr_assert(m.admin_reply.ok, "%s", m.admin_reply.message);
+    km_msg_clear(&m);
+    hb_hot(ctl, seq + 2, &pinned, &budget, &tokens, &seq);
+    cr_assert_eq(pinned, want * pb, "pinned %llu, want %llu pages", (unsigned long long)pinned,
+                 (unsigned long long)want);
+    /* gauges are refreshed every 250 ms */
+    cr_assert_eq(wait_metric(w.admin_port, "kvmesh_worker_ballast_bytes", (double)(want * pb)),
+                 (double)(want * pb));
+    cr_assert_eq(wait_metric(w.admin_port,
+                             "kvmesh_kv_pinned_bytes{tier=\"hot\",shard=\"0\",format=\"f16\"}",
+                             (double)(want * pb)),
+                 (double)(want * pb));
+    /* a new command replaces the ballast; level 2 converts its pages like any page */
+    pressure(s, 2, 0.25, &m);
+    cr_assert(m.admin_reply.ok);
+    km_msg_clear(&m);
+    const uint64_t want2 = (uint64_t)(0.25 * (double)budget / (double)pb + 0.5);
+    send_admin(s, 3, KM_ADMIN_SET_KV_FORMAT, 0, "fp8", 0);
+    cr_assert(recv_msg(s, &m, 10000));
+    cr_assert(m.admin_reply.ok);
+    cr_assert_geq(m.admin_reply.converted_pages, want2);
+    km_msg_clear(&m);
+    hb_hot(ctl, seq + 2, &pinned, &budget, &tokens, &seq);
+    cr_assert_gt(pinned, 0);
+    cr_assert_lt(pinned, want2 * pb * 6 / 10, "fp8 about halves the ballast: %llu",
+                 (unsigned long long)pinned);
+    send_admin(s, 4, KM_ADMIN_SET_KV_FORMAT, 0, "f16", 0);
+    cr_assert(recv_msg(s, &m, 10000));
+    cr_assert(m.admin_reply.ok);
+    km_msg_clear(&m);
+    /* more than the pool can give while a request holds pages: as many as possible, said so,
+     * and the running request keeps what it has */
+    int32_t toks[120];
+    for (int i = 0; i < 120; i++) toks[i] = 2000 + i * 11;
+    send_req(s, 10, toks, 120, 400);
+    for (;;) { /* wait until it runs */
+        cr_assert(recv_msg(s, &m, 30000));
+        bool tok = m.type == KM_MSG_TOKEN;
+        km_msg_clear(&m);
+        if (tok) break;
+    }
+    pressure(s, 5, 1.0, &m);
+    cr_assert(m.admin_reply.ok);
+    cr_assert_not_null(m.admin_reply.message);
+    cr_assert(strstr(m.admin_reply.message, "no more room"), "%s", m.admin_reply.message);
+    km_msg_clear(&m);
+    pressure(s, 6, 0.0, &m);
+    cr_assert(m.admin_reply.ok);
+    cr_assert_str_eq(m.admin_reply.message, "ballast released");
+    km_msg_clear(&m);
+    send_admin(s, 7, KM_ADMIN_STATUS, 0, NULL, 0);
+    for (;;) { /* the worker still serves: status answers and request 10 ends one way or another */
+        cr_assert(recv_msg(s, &m, 30000));
+        bool end = m.type == KM_MSG_ADMIN_REPLY && m.admin_reply.id == 7;
+        km_msg_clear(&m);
+        if (end) break;
+    }
+    hb_hot(ctl, seq + 2, &pinned, &budget, &tokens, &seq);
+    cr_assert_gt(tokens, 120, "tokens_total counts prompt and generated tokens");
+    /* level 3: a drain drops the ballast and exits for a restart */
+    pressure(s, 8, 0.3, &m);
+    km_msg_clear(&m);
+    send_admin(s, 9, KM_ADMIN_DRAIN, 0, NULL, 100);
+    cr_assert_eq(stop_worker(&w, 30000), WK_EXIT_RESTART);
+    char log[160], line[1024];
+    snprintf(log, sizeof log, "%s/worker.log", w.dir);
+    FILE *f = fopen(log, "r");
+    cr_assert_not_null(f);
+    int levels[4] = {0}, chaos = 0;
+    while (fgets(line, sizeof line, f)) {
+        const char *p = strstr(line, "event=recovery level=");
+        if (p) levels[p[21] - '0']++;
+        chaos += strstr(line, "event=chaos_pressure") != NULL;
+    }
+    fclose(f);
+    cr_assert_eq(levels[2], 1, "fp8 logged as level 2");
+    cr_assert_eq(levels[0], 1, "f16 logged as level 0");
+    cr_assert_eq(levels[3], 1, "drain logged as level 3");
+    cr_assert_eq(chaos, 5);
+    km_zsock_close(s);
+    km_zsock_close(ctl);
+    km_zctx_destroy(g_ctx);
 }

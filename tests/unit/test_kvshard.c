@@ -520,6 +520,57 @@ Test(kvshard, pages_in_use_are_never_evicted)
     kv_store_destroy(s);
 }
 
+Test(kvshard, pinned_counts_pages_held_by_live_sequences_not_cached_ones)
+{
+    kv_config c = base_cfg(16);
+    c.host_bytes = c.hot_bytes;
+    kv_store *s = mk(&c);
+    const uint64_t pb = kv_store_format_page_bytes(s, KN_KV_F16);
+    int32_t t[16];
+    seq_tokens(t, 16, 35);
+    km_pagehash h[4];
+    chain(t, 16, h);
+    kv_seq *a, *b;
+    kv_seq_create(s, &a);
+    fill(s, a, t, 0, 14); /* 4 pages, the last one partial */
+    kv_seq_publish(s, a, h, t, 12);
+    kv_store_stats st;
+    kv_store_stats_get(s, &st);
+    cr_assert_eq(st.tier[KV_TIER_HOT].pinned_pages, 4);
+    cr_assert_eq(st.tier[KV_TIER_HOT].pinned_bytes, 4 * pb);
+    cr_assert_eq(kv_seq_fork(s, a, &b), 0); /* shared pages count once */
+    kv_store_stats_get(s, &st);
+    cr_assert_eq(st.tier[KV_TIER_HOT].pinned_pages, 4);
+    kv_seq_destroy(s, a);
+    kv_store_stats_get(s, &st);
+    cr_assert_eq(st.tier[KV_TIER_HOT].pinned_pages, 4, "still held by the fork");
+    kv_seq_destroy(s, b);
+    kv_store_stats_get(s, &st);
+    cr_assert_eq(st.tier[KV_TIER_HOT].pages, 3, "the published pages stay cached");
+    cr_assert_eq(st.tier[KV_TIER_HOT].pinned_pages, 0, "cached pages are reclaimable");
+    cr_assert_eq(st.tier[KV_TIER_HOT].pinned_bytes, 0);
+    /* attaching pins them again; a conversion changes the bytes of pinned and cached alike */
+    kv_seq *q;
+    kv_seq_create(s, &q);
+    cr_assert_eq(kv_seq_attach(s, q, h, t, 2), 2);
+    cr_assert_eq(kv_store_convert(s, KN_KV_FP8), 3);
+    kv_shard_stats sh;
+    cr_assert_eq(kv_store_shard_stats(s, 0, &sh), 0);
+    const uint64_t pb8 = kv_store_format_page_bytes(s, KN_KV_FP8);
+    cr_assert_eq(sh.tier[KV_TIER_HOT].pinned_pages, 2);
+    cr_assert_eq(sh.tier[KV_TIER_HOT].pinned_bytes, 2 * pb8);
+    cr_assert_eq(sh.tier[KV_TIER_HOT].bytes, 3 * pb8);
+    kv_seq_destroy(s, q);
+    /* demoted pages are never pinned */
+    cr_assert_eq(kv_store_evict_oldest_fraction(s, 1.0), 3);
+    kv_store_stats_get(s, &st);
+    cr_assert_eq(st.tier[KV_TIER_HOST].pages, 3);
+    cr_assert_eq(st.tier[KV_TIER_HOST].pinned_pages, 0);
+    cr_assert_eq(st.tier[KV_TIER_HOST].pinned_bytes, 0);
+    cr_assert_eq(st.tier[KV_TIER_HOT].pinned_bytes, 0);
+    kv_store_destroy(s);
+}
+
 Test(kvshard, evict_oldest_fraction_takes_a_quarter_oldest_first)
 {
     kv_config c = base_cfg(8);

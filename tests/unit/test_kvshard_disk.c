@@ -185,6 +185,94 @@ Test(kvshard_disk, pages_survive_a_restart_and_are_reused)
     rm_dir(d);
 }
 
+/* Writes, publishes and releases a 2-page sequence, leaving it cached in RAM. */
+static void cache_in_ram(kv_store *s, int seed)
+{
+    int32_t t[2 * PT];
+    km_pagehash h[2];
+    tokens_of(seed, t, 2 * PT);
+    chain(t, 2 * PT, h);
+    kv_seq *q;
+    kv_seq_create(s, &q);
+    cr_assert_eq(kv_seq_reserve(s, q, 2 * PT), 0);
+    float k[H * HD];
+    for (int p = 0; p < 2 * PT; p++)
+        for (int l = 0; l < L; l++) {
+            for (int i = 0; i < H * HD; i++) k[i] = kval(t[p], l, i / HD, i % HD);
+            kv_seq_write(s, q, l, p, k, k);
+        }
+    kv_seq_publish(s, q, h, t, 2 * PT);
+    kv_seq_destroy(s, q);
+}
+
+Test(kvshard_disk, persist_writes_hot_and_host_pages_so_a_new_store_is_warm)
+{
+    char *d = mk_dir();
+    kv_config c = {.n_layers = L,
+                   .n_kv_heads = H,
+                   .head_dim = HD,
+                   .page_tokens = PT,
+                   .disk_dir = d,
+                   .sync_promote = 1};
+    c.hot_bytes = 8 * (size_t)PT * HD * 2 * 2 * L * H;
+    c.host_bytes = c.hot_bytes;
+    kv_store *s;
+    km_errbuf err;
+    cr_assert_eq(kv_store_create(&c, &s, &err), 0, "%s", err.msg);
+    cache_in_ram(s, 1);
+    cache_in_ram(s, 2);
+    cr_assert_eq(kv_store_evict_oldest_fraction(s, 0.5), 2); /* seed 1 goes to the host tier */
+    cache_in_ram(s, 3);
+    kv_store_stats st;
+    kv_store_stats_get(s, &st);
+    cr_assert_eq(st.tier[KV_TIER_HOST].pages, 2);
+    cr_assert_eq(st.tier[KV_TIER_HOT].pages, 4);
+    cr_assert_eq(count_files(d, ".kvp"), 0, "nothing reached the disk tier yet");
+    cr_assert_eq(kv_store_persist(s, 0), 6);
+    cr_assert_eq(count_files(d, ".kvp"), 6);
+    kv_store_stats_get(s, &st);
+    cr_assert_eq(st.tier[KV_TIER_HOT].pages, 4, "pages stay where they were");
+    cr_assert_eq(kv_store_persist(s, 0), 0, "and are written once");
+    for (int i = 1; i <= 3; i++) cr_assert_eq(served(s, i), 2);
+    kv_store_destroy(s);
+    s = open_store(d, 4);
+    for (int i = 1; i <= 3; i++) cr_assert_eq(served(s, i), 2, "seed %d came back from disk", i);
+    kv_store_destroy(s);
+    rm_dir(d);
+}
+
+Test(kvshard_disk, persist_stays_within_the_disk_budget_and_keeps_chains_whole)
+{
+    char *d = mk_dir();
+    const size_t page = (size_t)PT * HD * 2 * 2 * L * H;
+    kv_config c = {.n_layers = L,
+                   .n_kv_heads = H,
+                   .head_dim = HD,
+                   .page_tokens = PT,
+                   .disk_dir = d,
+                   .hot_bytes = 8 * page,
+                   .disk_bytes = 3 * kv_disk_page_size(page, PT),
+                   .sync_promote = 1};
+    kv_store *s;
+    km_errbuf err;
+    cr_assert_eq(kv_store_create(&c, &s, &err), 0, "%s", err.msg);
+    for (int i = 1; i <= 3; i++) cache_in_ram(s, i);
+    int n = kv_store_persist(s, 0);
+    cr_assert_eq(n, 3, "three page files fit");
+    kv_store_stats st;
+    kv_store_stats_get(s, &st);
+    cr_assert_leq(st.tier[KV_TIER_DISK].bytes, st.tier[KV_TIER_DISK].budget);
+    kv_store_destroy(s);
+    s = open_store(d, 4);
+    kv_store_stats_get(s, &st);
+    int served_pages = 0;
+    for (int i = 1; i <= 3; i++) served_pages += served(s, i);
+    cr_assert_eq(served_pages, 3, "the first pages of every chain first, no orphan child");
+    cr_assert_eq(st.pages_indexed, 3);
+    kv_store_destroy(s);
+    rm_dir(d);
+}
+
 Test(kvshard_disk, a_corrupt_page_is_dropped_at_open_and_never_served)
 {
     char *d = mk_dir();
