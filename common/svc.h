@@ -200,7 +200,9 @@ typedef struct km_msg_token {
 typedef struct km_msg_done {
     uint64_t id;
     km_finish finish;
-    const char *text; /* whole completion for non-streaming requests; NULL otherwise */
+    const char *text; /* non-streaming: the whole completion; streams: the tail no token frame
+                       * carried (held back for a stop string, an incomplete last character),
+                       * NULL when none; tokens' texts + this tail = the whole text */
     size_t text_len;
     uint32_t prompt_tokens, cached_tokens, completion_tokens; /* usage */
     double queue_ms, ttft_ms, total_ms;                       /* timings, >= 0 */

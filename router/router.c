@@ -513,9 +513,8 @@ static void rq_finish(rt_router *r, rt_rq *q, km_finish finish, uint32_t cached,
         char tail[16];
         int n = km_detok_flush(&q->dt, tail, sizeof tail);
         if (n > 0) {
-            /* the held-back bytes of the last token: deliver as an empty-token continuation */
-            if ((q->origin == RQ_ZMQ && !q->client_stream) || (q->origin == RQ_HTTP))
-                km_buf_append(&q->text, tail, (size_t)n);
+            /* the held-back bytes of the last token (streams: done.text, or one more chunk) */
+            km_buf_append(&q->text, tail, (size_t)n);
         }
     }
     uint32_t cached_out = q->first_cached_set ? q->first_cached : cached;
@@ -533,7 +532,9 @@ static void rq_finish(rt_router *r, rt_rq *q, km_finish finish, uint32_t cached,
         km_msg_init(&m, KM_MSG_DONE);
         m.done.id = q->cid;
         m.done.finish = finish;
-        if (!q->client_stream) {
+        /* A stream's done.text is its tail: bytes no token frame could carry (held back for a
+         * possible stop string, or an incomplete last character); NULL when there are none. */
+        if (!q->client_stream || q->text.len) {
             m.done.text = q->text.data ? (const char *)q->text.data : "";
             m.done.text_len = q->text.len;
         }
@@ -556,7 +557,7 @@ static void rq_finish(rt_router *r, rt_rq *q, km_finish finish, uint32_t cached,
                           .cached_tokens = cached_out};
         km_buf b = {0};
         if (q->http_stream) {
-            if (q->text.len) { /* held-back bytes after a migration */
+            if (q->text.len) { /* the tail: held-back bytes (see rq_finish's ZeroMQ branch) */
                 oai_meta(r, q, &m, NULL);
                 rt_oai_sse_chunk(&b, &m, (const char *)q->text.data, q->text.len, NULL);
                 oai_meta(r, q, &m, wid);
@@ -866,6 +867,9 @@ static void on_worker_done(rt_router *r, rt_wk *w, const km_msg_done *d)
     }
     w->cached_tokens += cached < (uint32_t)q->n_prompt ? cached : (uint32_t)q->n_prompt;
     q->worker_queue_ms += d->queue_ms;
+    /* The worker streams every token; its done.text is the tail no token frame carried. When
+     * the router detokenizes itself (a continuation after migration) its own flush has it. */
+    if (d->text && d->text_len && !q->router_detok) km_buf_append(&q->text, d->text, d->text_len);
     if (d->finish == KM_FINISH_CANCELED && q->origin == RQ_HTTP && !q->http) {
         rq_end(r, q);
         return;

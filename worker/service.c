@@ -92,6 +92,7 @@ struct wk_service {
     int exit_code;
     bool stop_now;
     uint64_t drain_deadline_ns, start_ns;
+    kv_format kv_base; /* the format the worker started with: another one = level 2 in effect */
     /* requests in flight */
     wk_sreq **live;
     int n_live, cap_live;
@@ -989,6 +990,7 @@ static void wk_heartbeat(wk_service *s)
     hb->worker = s->worker_id;
     hb->seq = ++s->hb_seq;
     hb->uptime_ms = (km_now_ns() - s->start_ns) / 1000000ull;
+    hb->kv_format_base = kv_format_name(s->kv_base);
     hb->state = wk_state(s);
     km_endpoint eps[3];
     int ne = 0;
@@ -1191,6 +1193,7 @@ int wk_service_create(wk_model *m, wk_engine *e, const wk_service_opts *o, wk_se
     if (s->o.sched.max_running <= 0) s->o.sched.max_running = 64;
     if (s->o.sched.max_ctx <= 0) s->o.sched.max_ctx = 4096;
     s->start_ns = s->last_rate_ns = km_now_ns();
+    s->kv_base = wk_kv_format(s);
     atomic_init(&s->state, KM_STATE_STARTING);
     if (o->worker_id)
         snprintf(s->worker_id, sizeof s->worker_id, "%s", o->worker_id);
