@@ -993,3 +993,61 @@ Test(router, when_the_views_stop_the_router_routes_by_its_own_liveness)
     stop_proc(&r);
     for (int i = 0; i < 2; i++) stop_proc(&w[i]);
 }
+
+/* ---------------------------------------------------------------- stop strings through the router
+ */
+
+static int collect_piece(void *user, uint32_t index, int32_t token, const char *text, size_t len)
+{
+    km_buf_append(user, text, len);
+    return 0;
+}
+
+Test(router, a_streams_held_back_tail_reaches_the_client_in_done)
+{
+    if (!have_binaries()) return;
+    const char *ids[1] = {"w0"};
+    proc w[1], r;
+    start_worker(&w[0], ids[0]);
+    start_router(&r, w, ids, 1, NULL);
+    wait_up(&r, 1);
+    kvm_client *c = client(&r);
+    km_errbuf err = {{0}};
+    /* Greedy: "Paris.\n\nThe United States ...". Cut by max_tokens right after " United" with
+     * the stop string "United Kingdom": the worker holds " United" back (it could begin the stop
+     * string) and sends it as done.text; the router must pass it on. */
+    const char *prompt = "The capital of France is", *stop[1] = {"United Kingdom"};
+    km_msg_request q;
+    kvm_result res;
+    int n = 0;
+    for (int mt = 1; mt <= 40 && !n; mt++) {
+        greedy(&q, prompt, mt, NULL);
+        q.stream = false;
+        cr_assert_eq(kvm_generate(c, &q, NULL, NULL, &res, &err), 0, "%s", err.msg);
+        if (res.text.len >= 7 && !memcmp(res.text.data + res.text.len - 7, " United", 7)) n = mt;
+        kvm_result_free(&res);
+    }
+    cr_assert_gt(n, 0, "no completion ends with ' United'");
+    greedy(&q, prompt, n, NULL);
+    q.stream = false;
+    q.stop = stop;
+    q.n_stop = 1;
+    kvm_result whole;
+    cr_assert_eq(kvm_generate(c, &q, NULL, NULL, &whole, &err), 0, "%s", err.msg);
+    q.stream = true;
+    km_buf pieces = {0};
+    cr_assert_eq(kvm_generate(c, &q, collect_piece, &pieces, &res, &err), 0, "%s", err.msg);
+    cr_assert_eq(res.finish, KM_FINISH_LENGTH);
+    cr_assert(pieces.len < 7 || memcmp(pieces.data + pieces.len - 7, " United", 7),
+              "' United' could still begin the stop string: it must not be streamed");
+    cr_assert_eq(res.text.len, whole.text.len, "stream + tail '%.*s' vs whole '%.*s'",
+                 (int)res.text.len, (const char *)res.text.data, (int)whole.text.len,
+                 (const char *)whole.text.data);
+    cr_assert(!memcmp(res.text.data, whole.text.data, whole.text.len));
+    km_buf_free(&pieces);
+    kvm_result_free(&res);
+    kvm_result_free(&whole);
+    kvm_close(c);
+    stop_proc(&r);
+    stop_proc(&w[0]);
+}
