@@ -620,3 +620,36 @@ int km_config_help(const km_config *c, km_buf *out)
         rc = km_buf_printf(out, "\nprecedence: flags > environment > config file > defaults\n");
     return rc;
 }
+
+int km_daemon_config(const char *prog, const char *summary, const km_opt *opts, size_t n_opts,
+                     int argc, char *const *argv, const char *const *log_level,
+                     const char *const *log_format, km_config **out)
+{
+    *out = NULL;
+    km_errbuf err = {{0}};
+    km_config *cfg = NULL;
+    if (km_config_create(prog, summary, opts, n_opts, &cfg, &err) ||
+        km_config_parse(cfg, argc, argv, NULL, &err)) {
+        fprintf(stderr, "%s: %s\n", prog, err.msg);
+        km_config_destroy(cfg);
+        return 2;
+    }
+    if (km_config_help_requested(cfg)) {
+        km_buf h = {0};
+        km_config_help(cfg, &h);
+        fwrite(h.data, 1, h.len, stdout);
+        km_buf_free(&h);
+        km_config_destroy(cfg);
+        return 1;
+    }
+    km_log_level lvl = KM_LOG_INFO;
+    if ((log_level && km_log_parse_level(*log_level, &lvl)) ||
+        (log_format && km_log_set_format(*log_format))) {
+        fprintf(stderr, "%s: bad --log-level or --log-format\n", prog);
+        km_config_destroy(cfg);
+        return 2;
+    }
+    if (log_level) km_log_set_level(lvl);
+    *out = cfg;
+    return 0;
+}

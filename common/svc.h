@@ -484,6 +484,14 @@ int km_config_help(const km_config *c, km_buf *out);
 const char *km_config_source(const km_config *c, const char *name);
 char *const *km_config_args(const km_config *c, int *n);
 
+/* The start of every daemon's main: creates the config, parses argv (and the environment), prints
+ * --help, then applies the log level and format from *log_level / *log_format (option dests of
+ * the table; NULL pointers skip that step). Returns 0 with *out to use and destroy, 1 when help
+ * was printed (exit 0), 2 after printing "PROG: reason" to stderr (exit 2). */
+int km_daemon_config(const char *prog, const char *summary, const km_opt *opts, size_t n_opts,
+                     int argc, char *const *argv, const char *const *log_level,
+                     const char *const *log_format, km_config **out);
+
 /* Value parsers the table uses, exposed for other text inputs. */
 int km_parse_size(const char *s, uint64_t *out);
 int km_parse_duration_ms(const char *s, int64_t *out);

@@ -139,28 +139,10 @@ int main(int argc, char **argv)
     };
     km_errbuf err = {{0}};
     km_config *cfg = NULL;
-    if (km_config_create("kvmesh-router", "KV-aware request router of a kvmesh cluster", opts,
-                         sizeof opts / sizeof opts[0], &cfg, &err) ||
-        km_config_parse(cfg, argc, argv, NULL, &err)) {
-        fprintf(stderr, "kvmesh-router: %s\n", err.msg);
-        km_config_destroy(cfg);
-        return 2;
-    }
-    if (km_config_help_requested(cfg)) {
-        km_buf h = {0};
-        km_config_help(cfg, &h);
-        fwrite(h.data, 1, h.len, stdout);
-        km_buf_free(&h);
-        km_config_destroy(cfg);
-        return 0;
-    }
-    km_log_level lvl;
-    if (km_log_parse_level(log_level, &lvl) || km_log_set_format(log_format)) {
-        fprintf(stderr, "kvmesh-router: bad --log-level or --log-format\n");
-        km_config_destroy(cfg);
-        return 2;
-    }
-    km_log_set_level(lvl);
+    int crc =
+        km_daemon_config("kvmesh-router", "KV-aware request router of a kvmesh cluster", opts,
+                         sizeof opts / sizeof opts[0], argc, argv, &log_level, &log_format, &cfg);
+    if (crc) return crc == 1 ? 0 : 2;
     if (rt_mode_parse(mode, &c.policy.mode)) {
         fprintf(stderr, "kvmesh-router: --mode must be kv, round-robin or random\n");
         km_config_destroy(cfg);

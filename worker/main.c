@@ -94,28 +94,10 @@ int main(int argc, char **argv)
     };
     km_errbuf err = {{0}};
     km_config *cfg = NULL;
-    if (km_config_create("kvmesh-worker", "serve one model replica over ZeroMQ (kvmesh)", opts,
-                         sizeof opts / sizeof opts[0], &cfg, &err) ||
-        km_config_parse(cfg, argc, argv, NULL, &err)) {
-        fprintf(stderr, "kvmesh-worker: %s\n", err.msg);
-        km_config_destroy(cfg);
-        return 2;
-    }
-    if (km_config_help_requested(cfg)) {
-        km_buf h = {0};
-        km_config_help(cfg, &h);
-        fwrite(h.data, 1, h.len, stdout);
-        km_buf_free(&h);
-        km_config_destroy(cfg);
-        return 0;
-    }
-    km_log_level lvl;
-    if (km_log_parse_level(a.log_level, &lvl) || km_log_set_format(a.log_format)) {
-        fprintf(stderr, "kvmesh-worker: bad --log-level or --log-format\n");
-        km_config_destroy(cfg);
-        return 2;
-    }
-    km_log_set_level(lvl);
+    int crc = km_daemon_config("kvmesh-worker", "serve one model replica over ZeroMQ (kvmesh)",
+                               opts, sizeof opts / sizeof opts[0], argc, argv, &a.log_level,
+                               &a.log_format, &cfg);
+    if (crc) return crc == 1 ? 0 : 2;
     kv_format fmt;
     if (kv_format_parse(a.kv_format, &fmt)) {
         fprintf(stderr, "kvmesh-worker: unknown --kv-format %s\n", a.kv_format);

@@ -6,6 +6,7 @@
 #include "common/svc.h"
 
 #include <criterion/criterion.h>
+#include <criterion/redirect.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -352,4 +353,27 @@ Test(config, empty_environment_values_count_as_unset)
     cr_assert_eq(parse(c, argv, env, &err), 0, "%s", err.msg);
     cr_assert_eq(C.port, 9100);
     km_config_destroy(c);
+}
+
+Test(config, daemon_config_parses_prints_help_and_refuses_bad_log_options,
+     .init = cr_redirect_stdout)
+{
+    const char *lvl = NULL, *fmt = NULL;
+    int64_t n = 0;
+    km_opt opts[] = {{"n", "KVMESH_TEST_DAEMON_N", KM_OPT_INT, "3", "a number", &n, 0, 10},
+                     {"log-level", "KVMESH_TEST_DAEMON_LL", KM_OPT_STR, "info", "", &lvl, 0, 0},
+                     {"log-format", "KVMESH_TEST_DAEMON_LF", KM_OPT_STR, "text", "", &fmt, 0, 0}};
+    km_config *c = NULL;
+    char *ok[] = {"d", "--n", "7", NULL};
+    cr_assert_eq(km_daemon_config("d", "s", opts, 3, 3, ok, &lvl, &fmt, &c), 0);
+    cr_assert_eq(n, 7);
+    km_config_destroy(c);
+    char *help[] = {"d", "--help", NULL};
+    cr_assert_eq(km_daemon_config("d", "s", opts, 3, 2, help, &lvl, &fmt, &c), 1);
+    cr_assert_null(c);
+    char *bad[] = {"d", "--n", "11", NULL};
+    cr_assert_eq(km_daemon_config("d", "s", opts, 3, 3, bad, &lvl, &fmt, &c), 2);
+    char *badlog[] = {"d", "--log-level", "loud", NULL};
+    cr_assert_eq(km_daemon_config("d", "s", opts, 3, 3, badlog, &lvl, &fmt, &c), 2);
+    cr_assert_null(c);
 }
