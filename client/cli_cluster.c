@@ -3,26 +3,36 @@
  *   kvmesh generate  -p PROMPT [-n N] ...   stream a completion from a router (or a worker)
  *   kvmesh chat      [--system TEXT]        interactive chat, streamed, history kept
  *   kvmesh status    [--http URL]           workers, KV pages per tier, hit ratio
- *   kvmesh up        [--workers N]          a router and N workers on loopback, supervised
+ *   kvmesh status    --controller ENDPOINT  member state, recovery level, pressure, history
+ *   kvmesh recover   --worker W --level N   force a recovery level through the controller
+ *   kvmesh up        [--workers N]          a controller, N workers and a router, supervised
  *
- * Why it is built this way: the commands are thin over libkvmesh (generate, chat) and the
- * router's /v1/status JSON (status), so what they show is what any client sees. `up` is a
- * supervisor on a libuv loop: it spawns the daemons with their flags, restarts one that exits
- * (immediately for the restart exit code 75 of a drained worker, with backoff otherwise), and on
- * SIGINT/SIGTERM sends SIGTERM to all, waits for them, then SIGKILLs stragglers — so Ctrl-C
- * leaves no process behind. Options follow the project's table (common/svc.h): each has a
- * KVMESH_ environment twin; -p, -n, -m, -r are short forms of --prompt, --max-tokens, --model,
- * --router.
+ * Why it is built this way: the commands are thin over libkvmesh (generate, chat), the router's
+ * /v1/status JSON (status) and the controller's view (status --controller; recover sends an admin
+ * frame through kvm_admin_call), so what they show is what any client sees. `up` is a supervisor
+ * on a libuv loop: it spawns the controller, the workers (--controller = its --listen) and the
+ * routers (--controller = its --view), restarts one that exits (immediately for the restart exit
+ * code 75 of a worker drained by recovery level 3, with backoff otherwise), and on SIGINT/SIGTERM
+ * sends SIGTERM to all, waits for them, then SIGKILLs stragglers, so Ctrl-C leaves no process
+ * behind. It keeps <run-dir>/cluster.env (every process's role, id, pid and endpoints, rewritten
+ * on every start and exit) so that tools such as `kvmesh chaos` find the processes; with
+ * --base-port 0 every port is picked free, so clusters can run side by side. Options follow the
+ * project's table (common/svc.h): each has a KVMESH_ environment twin; -p, -n, -m, -r are short
+ * forms of --prompt, --max-tokens, --model, --router.
  */
 #define _GNU_SOURCE
+#include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <jansson.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 #include <uv.h>
 
@@ -316,21 +326,161 @@ static int cmd_chat(int argc, char **argv)
     return status;
 }
 
+/* ---------------------------------------------------------------- controller: status, recover */
+
+static const char *level_name(uint32_t level)
+{
+    static const char *const names[] = {"normal", "evict", "fp8", "drain"};
+    return level < 4 ? names[level] : "?";
+}
+
+void kvm_view_print(FILE *f, const km_msg_view *v)
+{
+    fprintf(f, "controller %s (epoch %llu, view %llu), %u workers\n", v->controller,
+            (unsigned long long)v->epoch, (unsigned long long)v->seq, v->n_workers);
+    fprintf(f, "%-12s %-10s %-12s %8s %-6s %7s %7s %9s  %s\n", "WORKER", "STATE", "LEVEL",
+            "PRESSURE", "KV", "RUNNING", "QUEUED", "SEEN_MS", "REQUESTS");
+    for (uint32_t i = 0; i < v->n_workers; i++) {
+        const km_view_worker *w = &v->workers[i];
+        char lv[32];
+        snprintf(lv, sizeof lv, "%u %s", w->level, level_name(w->level));
+        fprintf(f, "%-12s %-10s %-12s %7.1f%% %-6s %7u %7u %9llu  %s\n", w->id,
+                km_member_state_name(w->state), lv, 100 * w->pressure,
+                w->kv_format ? w->kv_format : "-", w->running, w->queue_depth,
+                (unsigned long long)w->last_seen_ms, w->requests ? w->requests : "-");
+    }
+    bool any = false;
+    for (uint32_t i = 0; i < v->n_workers; i++) {
+        const km_view_worker *w = &v->workers[i];
+        for (uint32_t h = 0; h < w->n_history; h++) {
+            const km_recovery_action *a = &w->history[h];
+            if (!any) fprintf(f, "\nrecovery history (oldest first):\n");
+            any = true;
+            time_t secs = (time_t)(a->at_ms / 1000);
+            struct tm tm;
+            char when[32];
+            strftime(when, sizeof when, "%H:%M:%S", localtime_r(&secs, &tm));
+            fprintf(f, "  %s.%03u  %-12s level %u %-6s %-12s %s\n", when,
+                    (unsigned)(a->at_ms % 1000), w->id, a->level, level_name(a->level), a->reason,
+                    a->ok ? "ok" : "not acknowledged");
+        }
+    }
+    if (!any) fprintf(f, "\nno recovery actions so far\n");
+}
+
+static int status_controller(const char *endpoint, bool json_out)
+{
+    km_msg v;
+    km_errbuf err = {{0}};
+    if (kvm_view_get(endpoint, 5000, &v, &err)) {
+        fprintf(stderr, "kvmesh status: %s\n", err.msg);
+        return 1;
+    }
+    if (json_out) {
+        json_t *ws = json_array();
+        for (uint32_t i = 0; i < v.view.n_workers; i++) {
+            const km_view_worker *w = &v.view.workers[i];
+            json_t *hist = json_array();
+            for (uint32_t h = 0; h < w->n_history; h++)
+                json_array_append_new(
+                    hist, json_pack("{s:I,s:i,s:s,s:b}", "at_ms", (json_int_t)w->history[h].at_ms,
+                                    "level", (int)w->history[h].level, "reason",
+                                    w->history[h].reason, "ok", w->history[h].ok));
+            json_array_append_new(ws, json_pack("{s:s,s:s,s:i,s:f,s:s?,s:i,s:i,s:I,s:s?,s:o}", "id",
+                                                w->id, "state", km_member_state_name(w->state),
+                                                "level", (int)w->level, "pressure", w->pressure,
+                                                "kv_format", w->kv_format, "running",
+                                                (int)w->running, "queued", (int)w->queue_depth,
+                                                "last_seen_ms", (json_int_t)w->last_seen_ms,
+                                                "requests", w->requests, "history", hist));
+        }
+        json_t *o =
+            json_pack("{s:s,s:I,s:I,s:o}", "controller", v.view.controller, "epoch",
+                      (json_int_t)v.view.epoch, "seq", (json_int_t)v.view.seq, "workers", ws);
+        char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
+        printf("%s\n", s ? s : "{}");
+        free(s);
+        json_decref(o);
+    } else {
+        kvm_view_print(stdout, &v.view);
+    }
+    km_msg_clear(&v);
+    return 0;
+}
+
+static int cmd_recover(int argc, char **argv)
+{
+    const char *controller = NULL, *worker = NULL;
+    int64_t level = 0, timeout_ms = 0;
+    const km_opt opts[] = {
+        {"controller", NULL, KM_OPT_STR, "tcp://127.0.0.1:7200", "the controller's --listen",
+         &controller, 0, 0},
+        {"worker", NULL, KM_OPT_STR, NULL, "worker id (required)", &worker, 0, 0},
+        {"level", NULL, KM_OPT_INT, "0",
+         "1 = evict 25% of unpinned pages, 2 = KV to fp8, 3 = drain and restart (required)", &level,
+         0, 3},
+        {"timeout", NULL, KM_OPT_DURATION, "10s", "how long to wait for the controller's answer",
+         &timeout_ms, 1, 600000},
+    };
+    km_config *cfg = NULL;
+    int prc = parse_opts("recover", "apply a recovery level to a worker, through the controller",
+                         opts, sizeof opts / sizeof *opts, argc, argv, &cfg);
+    if (prc) return prc == 1 ? 0 : 2;
+    if (!worker || level < 1) {
+        fprintf(stderr, "kvmesh recover: give --worker ID and --level 1..3\n");
+        km_config_destroy(cfg);
+        return 2;
+    }
+    km_msg_admin a = {.cmd = KM_ADMIN_RECOVER, .worker = worker, .level = (uint32_t)level};
+    km_msg r;
+    km_errbuf err = {{0}};
+    int status = 1;
+    if (kvm_admin_call(controller, &a, (int)timeout_ms, &r, &err)) {
+        fprintf(stderr, "kvmesh recover: %s\n", err.msg);
+    } else if (r.type != KM_MSG_ADMIN_REPLY) {
+        fprintf(stderr, "kvmesh recover: unexpected %s frame from %s\n", km_msg_type_name(r.type),
+                controller);
+    } else if (!r.admin_reply.ok) {
+        fprintf(stderr, "kvmesh recover: %s level %lld refused: %d %s%s%s\n", worker,
+                (long long)level, r.admin_reply.code, km_proto_code_name(r.admin_reply.code),
+                r.admin_reply.message ? ": " : "",
+                r.admin_reply.message ? r.admin_reply.message : "");
+    } else {
+        printf("%s: level %lld (%s) applied%s%s\n", worker, (long long)level,
+               level_name((uint32_t)level), r.admin_reply.message ? ": " : "",
+               r.admin_reply.message ? r.admin_reply.message : "");
+        status = 0;
+    }
+    km_msg_clear(&r);
+    km_config_destroy(cfg);
+    return status;
+}
+
 /* ---------------------------------------------------------------- status */
 
 static int cmd_status(int argc, char **argv)
 {
     const char *http = NULL;
     bool json_out = false;
+    const char *controller = NULL;
     const km_opt opts[] = {
         {"http", NULL, KM_OPT_STR, "http://127.0.0.1:8080", "the router's HTTP address", &http, 0,
          0},
-        {"json", NULL, KM_OPT_BOOL, "false", "print the router's JSON as is", &json_out, 0, 0},
+        {"controller", "KVMESH_STATUS_CONTROLLER", KM_OPT_STR, NULL,
+         "ask the controller (its --listen, e.g. tcp://127.0.0.1:7200) instead: each worker's "
+         "member state, recovery level, pressure and recovery history",
+         &controller, 0, 0},
+        {"json", NULL, KM_OPT_BOOL, "false", "print JSON (the router's as is)", &json_out, 0, 0},
     };
     km_config *cfg = NULL;
     int prc = parse_opts("status", "workers, KV pages per tier and the prefix hit ratio", opts,
                          sizeof opts / sizeof *opts, argc, argv, &cfg);
     if (prc) return prc == 1 ? 0 : 2;
+    if (controller) {
+        int rc = status_controller(controller, json_out);
+        km_config_destroy(cfg);
+        return rc;
+    }
     char url[512];
     snprintf(url, sizeof url, "%s/v1/status", http);
     km_buf body = {0};
@@ -406,18 +556,20 @@ out:
 
 /* ---------------------------------------------------------------- up */
 
-#define UP_MAX 65
+#define UP_MAX 72
 
 typedef struct up_proc {
-    char name[32];
+    char name[32]; /* the id: controller, w0.., router, router1.. */
+    const char *role;
     char **argv;
     int argc;
     uv_process_t proc;
     bool running, closing;
-    int restarts;
+    int restarts, pid;
     uint64_t started_ms;
     uv_timer_t backoff;
     int log_fd;
+    char requests[128], events[128], admin[128], listen[128], view[128], http[128];
     struct up_state *st;
 } up_proc;
 
@@ -429,9 +581,32 @@ typedef struct up_state {
     int running;
     uv_signal_t sigint, sigterm;
     uv_timer_t kill_timer;
+    char state_path[4200]; /* <run-dir>/cluster.env; "" = none */
 } up_state;
 
 static void up_start(up_proc *p);
+
+/* Rewrites <run-dir>/cluster.env (client/kvmesh.h) after every start and exit, atomically, so a
+ * reader never sees half a file. */
+static void up_write_state(up_state *st)
+{
+    if (!st->state_path[0]) return;
+    char tmp[4300];
+    snprintf(tmp, sizeof tmp, "%s.tmp", st->state_path);
+    FILE *f = fopen(tmp, "w");
+    if (!f) return;
+    for (int i = 0; i < st->n; i++) {
+        const up_proc *p = &st->p[i];
+        fprintf(f, "role=%s id=%s pid=%d restarts=%d", p->role, p->name, p->running ? p->pid : 0,
+                p->restarts);
+        const char *keys[] = {"requests", "events", "admin", "listen", "view", "http"};
+        const char *vals[] = {p->requests, p->events, p->admin, p->listen, p->view, p->http};
+        for (int k = 0; k < 6; k++)
+            if (vals[k][0]) fprintf(f, " %s=%s", keys[k], vals[k]);
+        fprintf(f, "\n");
+    }
+    if (fclose(f) == 0) rename(tmp, st->state_path);
+}
 
 static void on_backoff(uv_timer_t *t)
 {
@@ -453,19 +628,22 @@ static void on_exit_cb(uv_process_t *h, int64_t status, int sig)
     st->running--;
     p->closing = true;
     uv_close((uv_handle_t *)h, on_proc_closed);
+    up_write_state(st);
     uint64_t now = uv_now(st->loop);
     if (st->stopping) {
         fprintf(stderr, "kvmesh up: %s stopped (status %lld%s%s)\n", p->name, (long long)status,
                 sig ? ", signal " : "", sig ? strsignal(sig) : "");
-        if (st->running == 0) {
-            uv_stop(st->loop);
-        }
+        if (st->running == 0) uv_stop(st->loop);
         return;
     }
-    /* 75: a drained worker asking to be restarted; anything else is a crash or a kill */
-    uint64_t delay = status == 75 ? 0 : 500;
-    if (now - p->started_ms < 10000) delay = 500u << (p->restarts < 4 ? p->restarts : 4);
+    /* 75: a drained worker asking to be restarted (recovery level 3): at once. Anything else is
+     * a crash or a kill: after 0.5 s, doubling (up to 8 s) while it keeps dying young. */
     if (now - p->started_ms > 30000) p->restarts = 0;
+    uint64_t delay = 500;
+    if (status == 75 && !sig)
+        delay = 0;
+    else if (now - p->started_ms < 10000)
+        delay = 500u << (p->restarts < 4 ? p->restarts : 4);
     fprintf(stderr, "kvmesh up: %s exited (status %lld%s%s); restarting in %llu ms\n", p->name,
             (long long)status, sig ? ", signal " : "", sig ? strsignal(sig) : "",
             (unsigned long long)delay);
@@ -501,8 +679,10 @@ static void up_start(up_proc *p)
         return;
     }
     p->running = true;
+    p->pid = p->proc.pid;
     p->st->running++;
     p->started_ms = uv_now(p->st->loop);
+    up_write_state(p->st);
 }
 
 static void on_kill_timer(uv_timer_t *t)
@@ -557,45 +737,146 @@ static void push_args(char **argv, int *argc, int max, const char *extra)
     free(copy);
 }
 
+/* The flags of `spec` ("ID:FLAGS;ID:FLAGS...") that belong to worker id, appended. */
+static void push_args_for(char **argv, int *argc, int max, const char *spec, const char *id)
+{
+    if (!spec) return;
+    char *copy = strdup(spec);
+    size_t idl = strlen(id);
+    for (char *save = NULL, *t = strtok_r(copy, ";", &save); t; t = strtok_r(NULL, ";", &save)) {
+        while (*t == ' ') t++;
+        if (!strncmp(t, id, idl) && t[idl] == ':') push_args(argv, argc, max, t + idl + 1);
+    }
+    free(copy);
+}
+
+/* A TCP port that nothing on 127.0.0.1 holds now, for --base-port 0. It is drawn below the
+ * kernel's ephemeral range (32768 and up), so the tcp://127.0.0.1:* sockets that tests and other
+ * clusters bind cannot take it between this look and the daemon's bind, and at random, so two
+ * clusters started at once do not pick the same ones. */
+static int up_pick_port(const int *taken, int n_taken)
+{
+    for (int tries = 0; tries < 2000; tries++) {
+        int port = 20000 + (int)(random() % 12000);
+        bool dup = false;
+        for (int i = 0; i < n_taken; i++) dup |= taken[i] == port;
+        if (dup) continue;
+        int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (fd < 0) continue;
+        struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+        a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        int ok = bind(fd, (struct sockaddr *)&a, sizeof a) == 0;
+        close(fd);
+        if (ok) return port;
+    }
+    return -1;
+}
+
+typedef struct up_ports {
+    bool autopick;
+    int taken[256], n;
+} up_ports;
+
+/* fixed when the user gave ports, a free one otherwise */
+static int up_port(up_ports *pp, int fixed)
+{
+    int port = pp->autopick ? up_pick_port(pp->taken, pp->n) : fixed;
+    if (pp->n < 256) pp->taken[pp->n++] = port;
+    return port;
+}
+
+/* --netns ID=NETNS,WORKER_ADDR,HOST_ADDR: worker ID runs inside network namespace NETNS (made by
+ * the caller: `kvmesh chaos partition`), bound to WORKER_ADDR; the controller then listens on
+ * HOST_ADDR (the host end of the namespace's veth pair) so that every worker reaches it. */
+typedef struct up_netns {
+    char worker[64], ns[64], worker_addr[64], host_addr[64];
+} up_netns;
+
+static int parse_netns(const char *spec, up_netns *out)
+{
+    memset(out, 0, sizeof *out);
+    if (!spec) return 0;
+    if (sscanf(spec, "%63[^=]=%63[^,],%63[^,],%63s", out->worker, out->ns, out->worker_addr,
+               out->host_addr) != 4)
+        return -1;
+    return 1;
+}
+
 static int cmd_up(int argc, char **argv)
 {
-    int64_t n_workers, base_port, threads, http_port, cluster_seed, front_port;
+    int64_t n_workers, n_routers, base_port, threads, http_port, cluster_seed, front_port;
+    int64_t ctl_port, ctl_admin_port;
+    bool with_controller = true;
     const char *model = NULL, *bin_dir = NULL, *log_dir = NULL, *mode = NULL, *kv_bytes = NULL;
-    const char *worker_args = NULL, *router_args = NULL;
+    const char *worker_args = NULL, *worker_args_for = NULL, *router_args = NULL;
+    const char *ctl_args = NULL, *run_dir = NULL, *netns_spec = NULL;
     const km_opt opts[] = {
         {"workers", NULL, KM_OPT_INT, "2", "workers to run", &n_workers, 1, 64},
+        {"routers", NULL, KM_OPT_INT, "1", "router replicas (router, router1, ...)", &n_routers, 1,
+         4},
         {"model", NULL, KM_OPT_STR, NULL, "GGUF model (default: the workers' default)", &model, 0,
          0},
         {"threads", NULL, KM_OPT_INT, "0", "threads per worker; 0 = cores / workers", &threads, 0,
          1024},
         {"base-port", NULL, KM_OPT_INT, "7100",
-         "worker i listens on base+10i (requests) and base+10i+1 (events)", &base_port, 1024,
-         65000},
-        {"front-port", NULL, KM_OPT_INT, "7000", "router's ZeroMQ port", &front_port, 1024, 65535},
-        {"http-port", NULL, KM_OPT_INT, "8080", "router's OpenAI-compatible HTTP port", &http_port,
+         "worker i listens on base+10i (requests), base+10i+1 (events), base+10i+2 (admin); 0 = "
+         "every port of the cluster picked free at random (see cluster.env)",
+         &base_port, 0, 65000},
+        {"front-port", NULL, KM_OPT_INT, "7000", "router's ZeroMQ port (router i: +i)", &front_port,
          1024, 65535},
+        {"http-port", NULL, KM_OPT_INT, "8080",
+         "router's OpenAI-compatible HTTP port (router i: +i)", &http_port, 1024, 65535},
+        {"controller", "KVMESH_UP_CONTROLLER", KM_OPT_BOOL, "true",
+         "run a kvmesh-controller (--no-controller: workers and routers without one)",
+         &with_controller, 0, 0},
+        {"controller-port", NULL, KM_OPT_INT, "7200",
+         "controller's --listen port (workers' heartbeats, operators); --view is this + 1",
+         &ctl_port, 1024, 65534},
+        {"controller-admin-port", NULL, KM_OPT_INT, "9200", "controller's admin HTTP port",
+         &ctl_admin_port, 1024, 65535},
+        {"controller-args", NULL, KM_OPT_STR, NULL,
+         "extra controller flags, space-separated (e.g. \"--cooldown=2s\")", &ctl_args, 0, 0},
         {"cluster-seed", NULL, KM_OPT_INT, "0", "page-hash seed of the cluster", &cluster_seed, 0,
          0},
         {"mode", NULL, KM_OPT_STR, "kv", "routing: kv, round-robin, random", &mode, 0, 0},
         {"kv-bytes", NULL, KM_OPT_STR, NULL, "hot-tier KV budget per worker (e.g. 256M)", &kv_bytes,
          0, 0},
         {"bin-dir", NULL, KM_OPT_STR, NULL,
-         "where kvmesh-router and kvmesh-worker are (default: "
-         "next to this kvmesh)",
+         "where kvmesh-router, kvmesh-worker and kvmesh-controller are (default: next to this "
+         "kvmesh)",
          &bin_dir, 0, 0},
+        {"run-dir", NULL, KM_OPT_STR, NULL,
+         "where cluster.env (every process's role, id, pid, endpoints) is kept (default: a new "
+         "/tmp/kvmesh-up-XXXXXX)",
+         &run_dir, 0, 0},
         {"log-dir", NULL, KM_OPT_STR, NULL, "daemon logs go here (default: inherit stderr)",
          &log_dir, 0, 0},
-        {"worker-args", NULL, KM_OPT_STR, NULL, "extra worker flags, space-separated", &worker_args,
-         0, 0},
+        {"worker-args", NULL, KM_OPT_STR, NULL,
+         "extra flags for every worker, space-separated (e.g. \"--chaos --kv-format=fp8\")",
+         &worker_args, 0, 0},
+        {"worker-args-for", NULL, KM_OPT_STR, NULL,
+         "extra flags for some workers: \"ID:FLAGS;ID:FLAGS\" (e.g. \"w1:--chaos\")",
+         &worker_args_for, 0, 0},
         {"router-args", NULL, KM_OPT_STR, NULL, "extra router flags, space-separated", &router_args,
          0, 0},
+        {"netns", NULL, KM_OPT_STR, NULL,
+         "run one worker in a network namespace: ID=NETNS,WORKER_ADDR,HOST_ADDR (kvmesh chaos "
+         "partition makes it)",
+         &netns_spec, 0, 0},
     };
     km_config *cfg = NULL;
     int prc = parse_opts("up",
-                         "a whole local cluster on loopback: a router and N workers, "
+                         "a whole local cluster: a controller, N workers and the router(s), "
                          "restarted when they die, stopped by Ctrl-C",
                          opts, sizeof opts / sizeof *opts, argc, argv, &cfg);
     if (prc) return prc == 1 ? 0 : 2;
+    up_netns nsx;
+    int has_ns = parse_netns(netns_spec, &nsx);
+    if (has_ns < 0) {
+        fprintf(stderr, "kvmesh up: --netns wants ID=NETNS,WORKER_ADDR,HOST_ADDR\n");
+        km_config_destroy(cfg);
+        return 2;
+    }
     char dir[4096];
     if (bin_dir) {
         snprintf(dir, sizeof dir, "%s", bin_dir);
@@ -609,45 +890,111 @@ static int cmd_up(int argc, char **argv)
         else
             snprintf(dir, sizeof dir, ".");
     }
+    char rdir[4096];
+    if (run_dir) {
+        snprintf(rdir, sizeof rdir, "%s", run_dir);
+        mkdir(rdir, 0755);
+    } else {
+        snprintf(rdir, sizeof rdir, "/tmp/kvmesh-up-XXXXXX");
+        if (!mkdtemp(rdir)) {
+            fprintf(stderr, "kvmesh up: cannot make a run directory: %s\n", strerror(errno));
+            km_config_destroy(cfg);
+            return 1;
+        }
+    }
     long cores = sysconf(_SC_NPROCESSORS_ONLN);
     if (!threads) threads = cores / n_workers > 0 ? cores / n_workers : 1;
+    srandom((unsigned)(getpid() ^ (km_now_ns() >> 10)));
+    up_ports pp = {.autopick = base_port == 0};
     up_state st = {0};
+    snprintf(st.state_path, sizeof st.state_path, "%s/%s", rdir, KVM_CLUSTER_FILE);
     uv_loop_t loop;
     uv_loop_init(&loop);
     st.loop = &loop;
     if (log_dir) mkdir(log_dir, 0755);
     km_buf wl = {0};
     int status = 0;
-    for (int i = 0; i <= n_workers; i++) {
+    const char *ctl_host = has_ns ? nsx.host_addr : "127.0.0.1";
+    char ctl_listen[128] = "", ctl_view[128] = "";
+    /* processes: the controller (first, so that workers' first heartbeats find it), the
+     * workers, then the routers (which need the workers' endpoints) */
+    int total = (with_controller ? 1 : 0) + (int)n_workers + (int)n_routers;
+    for (int i = 0; i < total && status == 0; i++) {
+        int wi = i - (with_controller ? 1 : 0);
         up_proc *p = &st.p[st.n++];
         p->st = &st;
-        p->argv = calloc(64, sizeof *p->argv);
+        p->argv = calloc(96, sizeof *p->argv);
         int k = 0;
-        if (i < n_workers) {
-            int rp = (int)base_port + 10 * i;
-            snprintf(p->name, sizeof p->name, "w%d", i);
+        if (wi < 0) {
+            int lp = up_port(&pp, (int)ctl_port), vp = up_port(&pp, (int)ctl_port + 1);
+            int ap = up_port(&pp, (int)ctl_admin_port);
+            p->role = "controller";
+            snprintf(p->name, sizeof p->name, "controller");
+            snprintf(ctl_listen, sizeof ctl_listen, "tcp://%s:%d", ctl_host, lp);
+            snprintf(ctl_view, sizeof ctl_view, "tcp://127.0.0.1:%d", vp);
+            snprintf(p->listen, sizeof p->listen, "%s", ctl_listen);
+            snprintf(p->view, sizeof p->view, "%s", ctl_view);
+            snprintf(p->admin, sizeof p->admin, "http://127.0.0.1:%d", ap);
+            p->argv[k++] = xfmt("%s/kvmesh-controller", dir);
+            p->argv[k++] = xfmt("--listen=%s", ctl_listen);
+            p->argv[k++] = xfmt("--view=%s", ctl_view);
+            p->argv[k++] = xfmt("--admin-port=%d", ap);
+            p->argv[k++] = xfmt("--controller-id=controller");
+            push_args(p->argv, &k, 96, ctl_args);
+        } else if (wi < n_workers) {
+            int rp = up_port(&pp, (int)base_port + 10 * wi);
+            int ep = up_port(&pp, (int)base_port + 10 * wi + 1);
+            int ap = up_port(&pp, (int)base_port + 10 * wi + 2);
+            p->role = "worker";
+            snprintf(p->name, sizeof p->name, "w%d", wi);
+            bool in_ns = has_ns && !strcmp(nsx.worker, p->name);
+            const char *host = in_ns ? nsx.worker_addr : "127.0.0.1";
+            snprintf(p->requests, sizeof p->requests, "tcp://%s:%d", host, rp);
+            snprintf(p->events, sizeof p->events, "tcp://%s:%d", host, ep);
+            snprintf(p->admin, sizeof p->admin, "http://%s:%d", host, ap);
+            if (in_ns) {
+                p->argv[k++] = strdup("/usr/sbin/ip");
+                if (access(p->argv[0], X_OK)) {
+                    free(p->argv[0]);
+                    p->argv[0] = strdup("/sbin/ip");
+                }
+                p->argv[k++] = strdup("netns");
+                p->argv[k++] = strdup("exec");
+                p->argv[k++] = strdup(nsx.ns);
+            }
             p->argv[k++] = xfmt("%s/kvmesh-worker", dir);
-            p->argv[k++] = xfmt("--worker-id=w%d", i);
-            p->argv[k++] = xfmt("--listen=tcp://127.0.0.1:%d", rp);
-            p->argv[k++] = xfmt("--events=tcp://127.0.0.1:%d", rp + 1);
-            p->argv[k++] = xfmt("--admin-port=%d", rp + 2);
+            p->argv[k++] = xfmt("--worker-id=%s", p->name);
+            p->argv[k++] = xfmt("--listen=%s", p->requests);
+            p->argv[k++] = xfmt("--events=%s", p->events);
+            p->argv[k++] = xfmt("--admin-host=%s", host);
+            p->argv[k++] = xfmt("--admin-port=%d", ap);
             p->argv[k++] = xfmt("--threads=%lld", (long long)threads);
             p->argv[k++] = xfmt("--cluster-seed=%lld", (long long)cluster_seed);
+            if (with_controller) p->argv[k++] = xfmt("--controller=%s", ctl_listen);
             if (model) p->argv[k++] = xfmt("--model=%s", model);
             if (kv_bytes) p->argv[k++] = xfmt("--kv-bytes=%s", kv_bytes);
-            push_args(p->argv, &k, 64, worker_args);
-            km_buf_printf(&wl, "%sw%d=tcp://127.0.0.1:%d+tcp://127.0.0.1:%d", i ? "," : "", i, rp,
-                          rp + 1);
+            push_args(p->argv, &k, 96, worker_args);
+            push_args_for(p->argv, &k, 96, worker_args_for, p->name);
+            km_buf_printf(&wl, "%s%s=%s+%s", wi ? "," : "", p->name, p->requests, p->events);
         } else {
-            snprintf(p->name, sizeof p->name, "router");
+            int ri = wi - (int)n_workers;
+            int fp = up_port(&pp, (int)front_port + ri), hp = up_port(&pp, (int)http_port + ri);
+            p->role = "router";
+            if (ri)
+                snprintf(p->name, sizeof p->name, "router%d", ri);
+            else
+                snprintf(p->name, sizeof p->name, "router");
+            snprintf(p->requests, sizeof p->requests, "tcp://127.0.0.1:%d", fp);
+            snprintf(p->http, sizeof p->http, "http://127.0.0.1:%d", hp);
             p->argv[k++] = xfmt("%s/kvmesh-router", dir);
             p->argv[k++] = xfmt("--workers=%s", (const char *)wl.data);
-            p->argv[k++] = xfmt("--front=tcp://127.0.0.1:%lld", (long long)front_port);
-            p->argv[k++] = xfmt("--http-port=%lld", (long long)http_port);
+            p->argv[k++] = xfmt("--front=%s", p->requests);
+            p->argv[k++] = xfmt("--http-port=%d", hp);
             p->argv[k++] = xfmt("--cluster-seed=%lld", (long long)cluster_seed);
             p->argv[k++] = xfmt("--mode=%s", mode);
+            if (with_controller) p->argv[k++] = xfmt("--controller=%s", ctl_view);
             if (model) p->argv[k++] = xfmt("--model=%s", model);
-            push_args(p->argv, &k, 64, router_args);
+            push_args(p->argv, &k, 96, router_args);
         }
         p->argc = k;
         p->log_fd = -1;
@@ -658,10 +1005,19 @@ static int cmd_up(int argc, char **argv)
         }
         uv_timer_init(&loop, &p->backoff);
         p->backoff.data = p;
-        if (access(p->argv[0], X_OK)) {
-            fprintf(stderr, "kvmesh up: %s not found (build it: make)\n", p->argv[0]);
+        const char *bin = p->argv[0];
+        for (int a = 0; a < k; a++)
+            if (strstr(p->argv[a], "/kvmesh-")) bin = p->argv[a];
+        if (access(bin, X_OK)) {
+            fprintf(stderr, "kvmesh up: %s not found (build it: make%s)\n", bin,
+                    wi < 0 ? "; or run without one: --no-controller" : "");
             status = 1;
         }
+        for (int a = 0; a < pp.n; a++)
+            if (pp.taken[a] < 0) {
+                fprintf(stderr, "kvmesh up: no free port found\n");
+                status = 1;
+            }
     }
     if (status) goto out;
     uv_signal_init(&loop, &st.sigint);
@@ -672,14 +1028,18 @@ static int cmd_up(int argc, char **argv)
     uv_timer_init(&loop, &st.kill_timer);
     st.kill_timer.data = &st;
     for (int i = 0; i < st.n; i++) up_start(&st.p[i]);
+    const up_proc *r0 = &st.p[st.n - (int)n_routers];
     fprintf(stderr,
-            "kvmesh up: router tcp://127.0.0.1:%lld, OpenAI API http://127.0.0.1:%lld/v1, %lld "
-            "workers (%lld threads each)%s%s\n"
-            "kvmesh up: try  kvmesh generate -p \"Hello\"   |   kvmesh status   |   Ctrl-C stops "
-            "everything\n",
-            (long long)front_port, (long long)http_port, (long long)n_workers, (long long)threads,
-            log_dir ? ", logs in " : "", log_dir ? log_dir : "");
+            "kvmesh up: router %s, OpenAI API %s/v1, %lld workers (%lld threads each)%s%s%s%s\n"
+            "kvmesh up: processes and endpoints in %s\n"
+            "kvmesh up: try  kvmesh generate -r %s -p \"Hello\"   |   kvmesh status%s%s   |   "
+            "Ctrl-C stops everything\n",
+            r0->requests, r0->http, (long long)n_workers, (long long)threads,
+            with_controller ? ", controller " : "", with_controller ? ctl_listen : "",
+            log_dir ? ", logs in " : "", log_dir ? log_dir : "", st.state_path, r0->requests,
+            with_controller ? " --controller " : "", with_controller ? ctl_listen : "");
     uv_run(&loop, UV_RUN_DEFAULT);
+    up_write_state(&st);
     fprintf(stderr, "kvmesh up: all processes stopped\n");
 out:
     for (int i = 0; i < st.n; i++) {
@@ -715,5 +1075,7 @@ int kvm_cli_cluster(const char *cmd, int argc, char **argv)
     if (!strcmp(cmd, "chat")) return cmd_chat(argc + 1, argv - 1);
     if (!strcmp(cmd, "status")) return cmd_status(argc + 1, argv - 1);
     if (!strcmp(cmd, "up")) return cmd_up(argc + 1, argv - 1);
+    if (!strcmp(cmd, "recover")) return cmd_recover(argc + 1, argv - 1);
+    if (!strcmp(cmd, "chaos")) return kvm_cli_chaos(argc + 1, argv - 1);
     return KVM_CLI_UNKNOWN;
 }

@@ -2,13 +2,17 @@
  * kvmesh.h — libkvmesh, the C client of a kvmesh cluster: one DEALER connection to a router (or
  * straight to a worker) speaking docs/protocol.md, synchronous generation with a per-token
  * callback, an asynchronous submit/next pair for many requests in flight, and a small HTTP GET
- * for the router's status page.
+ * for the router's status page; operator calls (admin frames, the controller's view) and the
+ * reader of `kvmesh up`'s cluster state file, shared by the CLI, the chaos tool and the tests.
  *
  * Contract:
  *  - Prefix: kvm_ (km_ is the common layer's; the wire types km_msg_* come from common/svc.h).
  *  - Every call returns 0 or a negative km_err; an error frame from the server is not a crash
  *    but a result: kvm_generate fills kvm_result.error_code/error and returns KM_EOVERLOAD (529,
  *    retry after result.retry_after_ms), KM_EAGAIN (503), KM_EINVAL (other 4xx) or KM_EIO.
+ *  - A connection that breaks while kvm_generate waits (the router died) ends the request at
+ *    once with KM_EIO and error_code 0: the request may not have run; send it again (the socket
+ *    reconnects by itself, to a restarted router on the same endpoint).
  *  - A client is one thread's: it owns a ZeroMQ context and socket and is not locked.
  *  - Nothing here exits or aborts; a server that stays silent longer than timeout_ms gives
  *    KM_ETIMEDOUT (the request is canceled on the server).
@@ -19,6 +23,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include "common/svc.h"
 
@@ -79,11 +84,65 @@ void kvm_done_extras(const void *body, size_t len, char *worker, size_t cap, uin
 /* GET url (http://HOST:PORT/PATH) into body; *status gets the HTTP status. */
 int kvm_http_get(const char *url, int timeout_ms, km_buf *body, int *status, km_errbuf *err);
 
+/* ---------------------------------------------------------------- operator calls
+ * Admin frames to a worker (its requests endpoint) or to the controller (its --listen). Each call
+ * opens a fresh DEALER, sends one `admin` frame and waits for the answer: an `admin_reply`, or a
+ * `view` frame when a controller answers {cmd: status}. A fresh socket per call means the first
+ * frame back is the answer; the cost (a connect) is nothing next to an operator's pace. */
+
+/* Sends req (its id is chosen here when 0) and fills out (km_msg_clear it) with the reply.
+ * KM_ETIMEDOUT when nothing came back in timeout_ms. A reply with ok=false is not an error of
+ * this call: look at out->admin_reply.ok/code/message. */
+int kvm_admin_call(const char *endpoint, const km_msg_admin *req, int timeout_ms, km_msg *out,
+                   km_errbuf *err);
+
+/* The controller's cluster view with every worker's history ({cmd: status}). */
+int kvm_view_get(const char *controller, int timeout_ms, km_msg *view, km_errbuf *err);
+
+/* A subscription to the controller's --view PUB (two-part ["view", frame] messages). */
+typedef struct kvm_view_sub kvm_view_sub;
+int kvm_view_sub_open(const char *endpoint, kvm_view_sub **out, km_errbuf *err);
+/* The next view (km_msg_clear it); KM_ETIMEDOUT after timeout_ms without one. */
+int kvm_view_sub_next(kvm_view_sub *s, int timeout_ms, km_msg *view, km_errbuf *err);
+void kvm_view_sub_close(kvm_view_sub *s);
+
+/* True when the view lists at least n workers and every one of them is "ready". */
+bool kvm_view_all_ready(const km_msg_view *v, uint32_t n);
+
+/* ---------------------------------------------------------------- cluster state file
+ * `kvmesh up` keeps <run-dir>/cluster.env: one line per process, space-separated key=value pairs,
+ * rewritten (atomically: temp file + rename) whenever a process starts or exits:
+ *   role=controller id=controller pid=123 restarts=0 listen=tcp://.. view=tcp://.. admin=http://..
+ *   role=worker id=w0 pid=124 restarts=1 requests=tcp://.. events=tcp://.. admin=http://..
+ *   role=router id=router pid=125 restarts=0 requests=tcp://.. http=http://..
+ * pid=0 while a process is down (between an exit and its restart). */
+#define KVM_CLUSTER_FILE "cluster.env"
+#define KVM_CLUSTER_MAX  72
+
+typedef struct kvm_cluster_proc {
+    char role[16], id[64];
+    int pid, restarts;
+    char requests[128], events[128], admin[128], listen[128], view[128], http[128];
+} kvm_cluster_proc;
+
+/* Reads a cluster file; returns the number of processes (up to max) or a negative km_err. */
+int kvm_cluster_read(const char *path, kvm_cluster_proc *procs, int max, km_errbuf *err);
+/* The process with this id in procs[0..n), or NULL. */
+const kvm_cluster_proc *kvm_cluster_find(const kvm_cluster_proc *procs, int n, const char *id);
+
 /* ---------------------------------------------------------------- CLI (client/cli_cluster.c)
  * The cluster subcommands of the `kvmesh` tool: generate, chat, status, up. Returns the process
  * exit status, or KVM_CLI_UNKNOWN when cmd is not one of them. argv excludes the command. */
 #define KVM_CLI_UNKNOWN (-1000)
 int kvm_cli_cluster(const char *cmd, int argc, char **argv);
+
+/* Prints a controller's view as `kvmesh status --controller` does: one line per worker, then
+ * every worker's recovery history. */
+void kvm_view_print(FILE *f, const km_msg_view *v);
+
+/* `kvmesh chaos SCENARIO [--short] [--json]` (client/cli_chaos.c): fault injection against a
+ * local cluster it starts itself; argv[0] is "chaos". Returns the exit status. */
+int kvm_cli_chaos(int argc, char **argv);
 
 #ifdef __cplusplus
 }

@@ -19,17 +19,21 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <unistd.h>
+#include <zmq.h>
 
 #include "client/kvmesh.h"
 
 struct kvm_client {
     void *zctx, *sock;
+    void *mon; /* PAIR on the socket's monitor: ZMQ_EVENT_DISCONNECTED (the server went away) */
     kvm_opts o;
     uint64_t next_id;
     km_buf out;
     km_zmsg in;
     km_proto_limits lim;
 };
+
+static int kvm_monitor_open(kvm_client *c, km_errbuf *err);
 
 int kvm_open(const char *endpoint, const kvm_opts *o, kvm_client **out, km_errbuf *err)
 {
@@ -49,6 +53,7 @@ int kvm_open(const char *endpoint, const kvm_opts *o, kvm_client **out, km_errbu
     km_zsock_opts_default(&zo);
     zo.routing_id = c->o.identity;
     int rc = km_zsock_open(c->zctx, KM_ZDEALER, &zo, &c->sock, err);
+    if (!rc) rc = kvm_monitor_open(c, err);
     if (!rc) rc = km_zsock_connect(c->sock, endpoint, err);
     if (rc) {
         kvm_close(c);
@@ -58,9 +63,61 @@ int kvm_open(const char *endpoint, const kvm_opts *o, kvm_client **out, km_errbu
     return 0;
 }
 
+/* libzmq reconnects a DEALER by itself, but says nothing to the caller when the connection
+ * breaks: a request in flight to a router that died would only end by timeout. The socket
+ * monitor reports the break (ZMQ_EVENT_DISCONNECTED) at once, so kvm_generate can end that
+ * request with KM_EIO and the caller retry it on the reconnected socket. */
+static int kvm_monitor_open(kvm_client *c, km_errbuf *err)
+{
+    char addr[64];
+    snprintf(addr, sizeof addr, "inproc://kvm-monitor-%p", (void *)c);
+    if (zmq_socket_monitor(c->sock, addr, ZMQ_EVENT_DISCONNECTED) != 0)
+        return km_errf(err, KM_EIO, "zmq_socket_monitor: %s", zmq_strerror(zmq_errno()));
+    c->mon = zmq_socket(c->zctx, ZMQ_PAIR);
+    if (!c->mon || zmq_connect(c->mon, addr) != 0)
+        return km_errf(err, KM_EIO, "monitor socket: %s", zmq_strerror(zmq_errno()));
+    int linger = 0;
+    zmq_setsockopt(c->mon, ZMQ_LINGER, &linger, sizeof linger);
+    return 0;
+}
+
+/* How many disconnects the monitor reported since the last call (drains its queue). */
+static int kvm_monitor_drain(kvm_client *c)
+{
+    int n = 0;
+    if (!c->mon) return 0;
+    for (;;) {
+        zmq_msg_t m;
+        zmq_msg_init(&m);
+        int r = zmq_msg_recv(&m, c->mon, ZMQ_DONTWAIT);
+        if (r < 0) {
+            zmq_msg_close(&m);
+            return n;
+        }
+        /* frame 1: event (u16) + value (u32); frame 2: the endpoint */
+        if (r >= 2) {
+            uint16_t ev;
+            memcpy(&ev, zmq_msg_data(&m), sizeof ev);
+            if (ev == ZMQ_EVENT_DISCONNECTED) n++;
+        }
+        int more = zmq_msg_more(&m);
+        zmq_msg_close(&m);
+        while (more) {
+            zmq_msg_init(&m);
+            if (zmq_msg_recv(&m, c->mon, ZMQ_DONTWAIT) < 0)
+                more = 0;
+            else
+                more = zmq_msg_more(&m);
+            zmq_msg_close(&m);
+        }
+    }
+}
+
 void kvm_close(kvm_client *c)
 {
     if (!c) return;
+    if (c->sock) zmq_socket_monitor(c->sock, NULL, 0);
+    if (c->mon) zmq_close(c->mon);
     km_zsock_close(c->sock);
     if (c->zctx) km_zctx_destroy(c->zctx);
     km_buf_free(&c->out);
@@ -158,6 +215,7 @@ int kvm_generate(kvm_client *c, const km_msg_request *req, kvm_token_fn on_token
     km_msg_request q = *req;
     q.id = c->next_id++;
     uint64_t t0 = km_now_ns();
+    kvm_monitor_drain(c); /* breaks before this request are not its concern */
     int rc = kvm_submit(c, &q, err);
     if (rc) return rc;
     bool canceled = false;
@@ -165,7 +223,15 @@ int kvm_generate(kvm_client *c, const km_msg_request *req, kvm_token_fn on_token
         km_msg m;
         const void *raw;
         size_t raw_len;
-        rc = kvm_next(c, c->o.timeout_ms, &m, &raw, &raw_len, err);
+        km_zpollitem it[2] = {{.sock = c->sock, .events = KM_ZPOLLIN},
+                              {.sock = c->mon, .events = KM_ZPOLLIN}};
+        int pr = km_zpoll(it, c->mon ? 2 : 1, c->o.timeout_ms, NULL);
+        if (pr > 0 && !(it[0].revents & KM_ZPOLLIN) && kvm_monitor_drain(c) > 0) {
+            res->client_total_ms = (km_now_ns() - t0) / 1e6;
+            return km_errf(err, KM_EIO, "connection lost while waiting for request %llu",
+                           (unsigned long long)q.id);
+        }
+        rc = kvm_next(c, pr == 0 ? 0 : c->o.timeout_ms, &m, &raw, &raw_len, err);
         if (rc == KM_ETIMEDOUT) {
             kvm_cancel(c, q.id);
             return rc;
@@ -301,4 +367,191 @@ int kvm_http_get(const char *url, int timeout_ms, km_buf *body, int *status, km_
     }
     km_buf_free(&resp);
     return 0;
+}
+
+/* ---------------------------------------------------------------- operator calls */
+
+int kvm_admin_call(const char *endpoint, const km_msg_admin *req, int timeout_ms, km_msg *out,
+                   km_errbuf *err)
+{
+    memset(out, 0, sizeof *out);
+    km_msg m;
+    km_msg_init(&m, KM_MSG_ADMIN);
+    m.admin = *req;
+    if (!m.admin.id) m.admin.id = ((uint64_t)getpid() << 20) ^ (km_now_ns() & 0xfffff);
+    km_buf frame = {0};
+    int rc = km_msg_encode(&m, NULL, &frame, err);
+    if (rc) return rc;
+    void *zctx = km_zctx_create(), *sock = NULL;
+    if (!zctx) {
+        km_buf_free(&frame);
+        return km_errf(err, KM_EIO, "cannot create a ZeroMQ context");
+    }
+    rc = km_zsock_open(zctx, KM_ZDEALER, NULL, &sock, err);
+    if (!rc) rc = km_zsock_connect(sock, endpoint, err);
+    if (!rc) rc = km_zsend(sock, &(km_zframe){frame.data, frame.len}, 1, 0, err);
+    km_zmsg in = {0};
+    km_proto_limits lim;
+    km_proto_limits_default(&lim);
+    uint64_t deadline = km_now_ns() + (uint64_t)timeout_ms * 1000000u;
+    while (!rc) {
+        uint64_t now = km_now_ns();
+        if (now >= deadline) {
+            rc = km_errf(err, KM_ETIMEDOUT, "%s: no answer in %d ms", endpoint, timeout_ms);
+            break;
+        }
+        int r = km_zrecv(sock, &in, (int)((deadline - now) / 1000000u) + 1, err);
+        if (r == KM_EAGAIN) continue;
+        if (r) {
+            rc = r;
+            break;
+        }
+        const km_zframe *b = km_zmsg_body(&in);
+        if (!b || km_msg_decode(b->data, b->len, &lim, out, NULL)) continue;
+        if (out->type == KM_MSG_VIEW ||
+            (out->type == KM_MSG_ADMIN_REPLY && out->admin_reply.id == m.admin.id))
+            break;
+        if (out->type == KM_MSG_ERROR) {
+            rc = km_errf(err, KM_EPROTO, "%s answered %d %s: %s", endpoint, out->error.code,
+                         km_proto_code_name(out->error.code), out->error.message);
+            km_msg_clear(out);
+            break;
+        }
+        km_msg_clear(out); /* a frame that is not the answer (status replay, ...) */
+    }
+    km_zmsg_clear(&in);
+    km_zsock_close(sock);
+    km_zctx_destroy(zctx);
+    km_buf_free(&frame);
+    return rc;
+}
+
+int kvm_view_get(const char *controller, int timeout_ms, km_msg *view, km_errbuf *err)
+{
+    km_msg_admin a = {.cmd = KM_ADMIN_STATUS};
+    int rc = kvm_admin_call(controller, &a, timeout_ms, view, err);
+    if (rc) return rc;
+    if (view->type != KM_MSG_VIEW) {
+        int code = view->admin_reply.code;
+        rc = km_errf(err, KM_EPROTO, "%s answered status with %s (%d %s)", controller,
+                     km_msg_type_name(view->type), code,
+                     view->admin_reply.message ? view->admin_reply.message : "");
+        km_msg_clear(view);
+    }
+    return rc;
+}
+
+struct kvm_view_sub {
+    void *zctx, *sock;
+    km_zmsg in;
+    km_proto_limits lim;
+};
+
+int kvm_view_sub_open(const char *endpoint, kvm_view_sub **out, km_errbuf *err)
+{
+    *out = NULL;
+    kvm_view_sub *s = calloc(1, sizeof *s);
+    if (!s) return km_errf(err, KM_ENOMEM, "out of memory");
+    km_proto_limits_default(&s->lim);
+    s->lim.max_frame = 8u << 20; /* a view of many workers with their histories */
+    s->zctx = km_zctx_create();
+    if (!s->zctx) {
+        free(s);
+        return km_errf(err, KM_EIO, "cannot create a ZeroMQ context");
+    }
+    km_zsock_opts zo;
+    km_zsock_opts_default(&zo);
+    zo.max_msg_size = -1;
+    int rc = km_zsock_open(s->zctx, KM_ZSUB, &zo, &s->sock, err);
+    if (!rc) rc = km_zsock_subscribe(s->sock, "view", 4, err);
+    if (!rc) rc = km_zsock_connect(s->sock, endpoint, err);
+    if (rc) {
+        kvm_view_sub_close(s);
+        return rc;
+    }
+    *out = s;
+    return 0;
+}
+
+int kvm_view_sub_next(kvm_view_sub *s, int timeout_ms, km_msg *view, km_errbuf *err)
+{
+    memset(view, 0, sizeof *view);
+    uint64_t deadline = km_now_ns() + (uint64_t)timeout_ms * 1000000u;
+    for (;;) {
+        uint64_t now = km_now_ns();
+        if (now >= deadline) return km_errf(err, KM_ETIMEDOUT, "no view in %d ms", timeout_ms);
+        int rc = km_zrecv(s->sock, &s->in, (int)((deadline - now) / 1000000u) + 1, err);
+        if (rc == KM_EAGAIN) continue;
+        if (rc) return rc;
+        const km_zframe *b = km_zmsg_body(&s->in);
+        if (!b || km_msg_decode(b->data, b->len, &s->lim, view, NULL)) continue;
+        if (view->type == KM_MSG_VIEW) return 0;
+        km_msg_clear(view);
+    }
+}
+
+void kvm_view_sub_close(kvm_view_sub *s)
+{
+    if (!s) return;
+    km_zsock_close(s->sock);
+    if (s->zctx) km_zctx_destroy(s->zctx);
+    km_zmsg_clear(&s->in);
+    free(s);
+}
+
+bool kvm_view_all_ready(const km_msg_view *v, uint32_t n)
+{
+    if (v->n_workers < n) return false;
+    for (uint32_t i = 0; i < v->n_workers; i++)
+        if (v->workers[i].state != KM_MEMBER_READY) return false;
+    return true;
+}
+
+/* ---------------------------------------------------------------- cluster state file */
+
+int kvm_cluster_read(const char *path, kvm_cluster_proc *procs, int max, km_errbuf *err)
+{
+    FILE *f = fopen(path, "r");
+    if (!f) return km_errf(err, KM_EIO, "cannot open %s", path);
+    char line[2048];
+    int n = 0;
+    while (n < max && fgets(line, sizeof line, f)) {
+        kvm_cluster_proc *p = &procs[n];
+        memset(p, 0, sizeof *p);
+        char *save = NULL;
+        for (char *t = strtok_r(line, " \t\r\n", &save); t; t = strtok_r(NULL, " \t\r\n", &save)) {
+            char *eq = strchr(t, '=');
+            if (!eq) continue;
+            *eq = 0;
+            const char *k = t, *v = eq + 1;
+            const struct {
+                const char *key;
+                char *dst;
+                size_t cap;
+            } fields[] = {
+                {"role", p->role, sizeof p->role},
+                {"id", p->id, sizeof p->id},
+                {"requests", p->requests, sizeof p->requests},
+                {"events", p->events, sizeof p->events},
+                {"admin", p->admin, sizeof p->admin},
+                {"listen", p->listen, sizeof p->listen},
+                {"view", p->view, sizeof p->view},
+                {"http", p->http, sizeof p->http},
+            };
+            if (!strcmp(k, "pid")) p->pid = atoi(v);
+            if (!strcmp(k, "restarts")) p->restarts = atoi(v);
+            for (size_t i = 0; i < sizeof fields / sizeof *fields; i++)
+                if (!strcmp(k, fields[i].key)) snprintf(fields[i].dst, fields[i].cap, "%s", v);
+        }
+        if (p->id[0]) n++;
+    }
+    fclose(f);
+    return n;
+}
+
+const kvm_cluster_proc *kvm_cluster_find(const kvm_cluster_proc *procs, int n, const char *id)
+{
+    for (int i = 0; i < n; i++)
+        if (!strcmp(procs[i].id, id)) return &procs[i];
+    return NULL;
 }

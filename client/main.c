@@ -51,8 +51,11 @@ static void km_cli_usage(const char *cmd)
                "cluster commands (through a router):\n"
                "  generate    stream a completion from the cluster\n"
                "  chat        interactive chat through the cluster\n"
-               "  status      workers, KV usage per tier, hit ratio\n"
-               "  up          start a router and N workers on loopback\n\n"
+               "  status      workers, KV usage per tier, hit ratio (--controller: member\n"
+               "              states, recovery levels, pressure, recovery history)\n"
+               "  recover     force a recovery level on a worker, through the controller\n"
+               "  up          start a controller, N workers and a router on loopback\n"
+               "  chaos       fault-injection scenarios against a local cluster\n\n"
                "`kvmesh COMMAND --help` lists the command's options.\n");
         return;
     }
@@ -631,7 +634,8 @@ int main(int argc, char **argv)
     if (!strcmp(cmd, "perplexity")) return km_cmd_perplexity(argc - 2, argv + 2);
     if (!strcmp(cmd, "bench")) return km_cmd_bench(argc - 2, argv + 2);
     if (!strcmp(cmd, "tokenize")) return km_cmd_tokenize(argc - 2, argv + 2);
-    int crc = kvm_cli_cluster(cmd, argc - 2, argv + 2); /* generate, chat, status, up */
+    int crc =
+        kvm_cli_cluster(cmd, argc - 2, argv + 2); /* generate, chat, status, recover, up, chaos */
     if (crc != KVM_CLI_UNKNOWN) return crc;
     fprintf(stderr, "kvmesh: unknown command '%s' (kvmesh --help lists them)\n", cmd);
     return 2;
