@@ -22,6 +22,7 @@
  *  - Outputs do not depend on batch composition: the engine's forward is batch-invariant and
  *    each sequence has its own sampler.
  */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -269,6 +270,28 @@ static void wk_rq_end(wk_sched *s, wk_rq *r, km_finish finish, int code, const c
     wk_rq_free(s, r);
 }
 
+/* Ends r after a failure rc of admission or of a step. Out of KV pages is two cases: a request
+ * larger than the whole hot tier can never run here (413), while one that would fit but finds
+ * the pages pinned by others (a memory-pressure episode) is handed back (503) so the router
+ * sends it to another worker, and counted as kv_full. */
+static void wk_rq_end_nospace(wk_sched *s, wk_rq *r, int rc, const char *what, const char *other)
+{
+    char msg[96];
+    if (rc != KM_ENOSPC) {
+        wk_rq_end(s, r, KM_FINISH_STOP, km_proto_code_from_err(rc), other);
+        return;
+    }
+    int need = (r->n_tok + 1 + s->pt - 1) / s->pt;
+    if (need > kv_store_pages_total(s->kv)) {
+        snprintf(msg, sizeof msg, "%s does not fit in the KV cache", what);
+        wk_rq_end(s, r, KM_FINISH_STOP, KM_CODE_TOO_LARGE, msg);
+        return;
+    }
+    s->st.kv_full++;
+    snprintf(msg, sizeof msg, "KV cache full (pages pinned by others): %s handed back", what);
+    wk_rq_end(s, r, KM_FINISH_STOP, KM_CODE_UNAVAILABLE, msg);
+}
+
 void wk_sched_abort_all(wk_sched *s, int code, const char *message)
 {
     while (s->n_run) {
@@ -383,9 +406,7 @@ static void wk_sched_admit(wk_sched *s, uint64_t now)
         if (rc == KM_ENOSPC && s->n_run) return; /* room comes back as sequences end */
         wk_remove_at(s->queue, &s->n_queue, best);
         if (rc) {
-            wk_rq_end(s, r, KM_FINISH_STOP, km_proto_code_from_err(rc),
-                      rc == KM_ENOSPC ? "prompt does not fit in the KV cache"
-                                      : "cannot admit the request");
+            wk_rq_end_nospace(s, r, rc, "prompt", "cannot admit the request");
             continue;
         }
         s->admit_blocked = 0;
@@ -484,9 +505,7 @@ int wk_sched_step(wk_sched *s)
         for (int i = 0; i < np; i++) {
             wk_rq *r = s->parts[i].rq;
             wk_remove_at(s->run, &s->n_run, wk_index_of(s->run, s->n_run, r));
-            wk_rq_end(s, r, KM_FINISH_STOP, km_proto_code_from_err(rc),
-                      rc == KM_ENOSPC ? "sequence does not fit in the KV cache"
-                                      : "engine step failed");
+            wk_rq_end_nospace(s, r, rc, "sequence", "engine step failed");
         }
         return rc == KM_ENOSPC ? 0 : rc;
     }

@@ -1040,13 +1040,14 @@ static void wk_heartbeat(wk_service *s)
                                 .tpot_ms = wk_quantile(s->tpot_ring, s->n_tpot, qs[i], tmp)};
     hb->latency = lat;
     hb->n_latency = 3;
-    km_error_count errs[WK_BAD_COUNT + 3];
+    km_error_count errs[WK_BAD_COUNT + 4];
     int nerr = 0;
     for (int i = 0; i < WK_BAD_COUNT; i++)
         if (s->errors[i]) errs[nerr++] = (km_error_count){wk_bad_names[i], s->errors[i]};
     if (s->send_errors) errs[nerr++] = (km_error_count){"send", s->send_errors};
     if (s->oom_errors) errs[nerr++] = (km_error_count){"oom", s->oom_errors};
     if (ss.engine_errors) errs[nerr++] = (km_error_count){"engine", ss.engine_errors};
+    if (ss.kv_full) errs[nerr++] = (km_error_count){"kv_full", ss.kv_full};
     hb->errors = errs;
     hb->n_errors = (uint32_t)nerr;
     km_errbuf err = {{0}};

@@ -216,7 +216,8 @@ typedef struct wk_sched_cb {
 typedef struct wk_sched_stats {
     int running, queued;
     uint64_t steps, prefill_tokens, decode_tokens, prompt_tokens, cached_tokens, preemptions,
-        recomputed_tokens, completed, canceled, deadline, failed, engine_errors;
+        recomputed_tokens, completed, canceled, deadline, failed, engine_errors,
+        kv_full; /* requests handed back (503) because pinned pages left no room: transient */
 } wk_sched_stats;
 
 int wk_sched_create(wk_engine *e, const wk_model *m, const wk_sched_opts *o, const wk_sched_cb *cb,

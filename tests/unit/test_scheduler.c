@@ -235,6 +235,36 @@ Test(sched, a_sequence_that_can_never_fit_fails_without_crashing)
     wk_engine_destroy(e);
 }
 
+Test(sched, a_sequence_that_fits_but_finds_the_pages_pinned_is_handed_back_not_refused)
+{
+    if (!need_model()) return;
+    wk_engine *e = engine((size_t)8 * 16 * 23040, 128); /* 8 pages = 128 tokens */
+    wk_sched *s = sched(e, (wk_sched_opts){.max_batch_tokens = 128});
+    /* a memory-pressure episode: another holder pins 6 of the 8 pages */
+    kv_store *kv = wk_engine_kv(e);
+    kv_seq *ballast = NULL;
+    cr_assert_eq(kv_seq_create(kv, &ballast), 0);
+    cr_assert_eq(kv_seq_reserve(kv, ballast, 6 * 16), 0);
+    int32_t p[60];
+    prompt(p, 60, 5);
+    out a = {0};
+    wk_sched_req r = greedy_req(p, 60, 4, &a);
+    cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
+    run_all(s);
+    cr_assert_eq(a.code, KM_CODE_UNAVAILABLE, "4 pages would fit an empty cache: retry elsewhere");
+    wk_sched_stats st;
+    wk_sched_stats_get(s, &st);
+    cr_assert_eq(st.kv_full, 1);
+    kv_seq_destroy(kv, ballast);
+    out b = {0};
+    r = greedy_req(p, 60, 4, &b);
+    cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
+    run_all(s);
+    cr_assert(b.ended && !b.code, "served once the pages are free");
+    wk_sched_destroy(s);
+    wk_engine_destroy(e);
+}
+
 Test(sched, higher_priority_first_and_aging_prevents_starvation)
 {
     if (!need_model()) return;
