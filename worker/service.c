@@ -452,14 +452,15 @@ static void wk_on_done(void *ctx, void *user, km_finish finish, const wk_sched_u
     m.done.queue_ms = u->queue_ms;
     m.done.ttft_ms = u->ttft_ms;
     m.done.total_ms = u->total_ms;
-    km_zframe env[WK_ENV_MAX];
-    int n = wk_sreq_env(r, env);
-    if (!km_msg_encode(&m, &s->lim, &s->out, NULL)) wk_send(s, s->router, env, n, &s->out);
+    /* Metrics first: a client that has its done frame finds the request counted. */
     wk_outcome o = finish == KM_FINISH_CANCELED   ? WK_OUT_CANCELED
                    : finish == KM_FINISH_DEADLINE ? WK_OUT_DEADLINE
                                                   : WK_OUT_OK;
     km_counter_inc(s->s_req[o]);
     wk_observe_end(s, r, u);
+    km_zframe env[WK_ENV_MAX];
+    int n = wk_sreq_env(r, env);
+    if (!km_msg_encode(&m, &s->lim, &s->out, NULL)) wk_send(s, s->router, env, n, &s->out);
     wk_live_remove(s, r);
     wk_sreq_free(r);
 }
@@ -471,11 +472,11 @@ static void wk_on_error(void *ctx, void *user, int code, const char *message,
     wk_sreq *r = user;
     km_zframe env[WK_ENV_MAX];
     int n = wk_sreq_env(r, env);
-    wk_send_error(s, s->router, env, n, r->id, code,
-                  code == KM_CODE_UNAVAILABLE || code == KM_CODE_OVERLOADED ? 250 : 0, message);
     if (code == KM_CODE_TOO_LARGE) s->oom_errors++;
     km_counter_inc(s->s_req[code == KM_CODE_UNAVAILABLE ? WK_OUT_HANDED_BACK : WK_OUT_ERROR]);
     wk_observe_end(s, r, u);
+    wk_send_error(s, s->router, env, n, r->id, code,
+                  code == KM_CODE_UNAVAILABLE || code == KM_CODE_OVERLOADED ? 250 : 0, message);
     wk_live_remove(s, r);
     wk_sreq_free(r);
 }
