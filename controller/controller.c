@@ -29,6 +29,7 @@ struct ctl_controller {
     volatile int running;
     char ep_listen[256], ep_view[256];
     uint64_t epoch_ms, view_seq, published_version;
+    int64_t wall_minus_mono; /* read once, so a history entry's at_ms is the same in every view */
     km_proto_limits lim;
     km_zmsg in;
     km_buf out;
@@ -113,7 +114,7 @@ static void reply_admin(ctl_controller *c, const km_zframe *id, const km_msg_adm
 /* Encodes the view into c->out (history included when asked: status replies). */
 static int encode_view(ctl_controller *c, bool with_history, km_errbuf *err)
 {
-    uint64_t now = mono_ms(), wall = wall_ms();
+    uint64_t now = mono_ms(), wall = (uint64_t)((int64_t)now + c->wall_minus_mono);
     int n = ctl_policy_n_members(c->pol);
     if (n > KM_PROTO_MAX_VIEW_WORKERS) n = KM_PROTO_MAX_VIEW_WORKERS;
     for (int i = 0; i < n; i++)
@@ -378,6 +379,7 @@ int ctl_controller_create(const ctl_config *cfg, ctl_controller **out, km_errbuf
     if (c->cfg.view_interval_ms <= 0) c->cfg.view_interval_ms = 1000;
     km_proto_limits_default(&c->lim);
     c->epoch_ms = wall_ms();
+    c->wall_minus_mono = (int64_t)c->epoch_ms - (int64_t)mono_ms();
     int rc;
     c->vw = calloc(KM_PROTO_MAX_VIEW_WORKERS, sizeof *c->vw);
     c->vh = calloc((size_t)KM_PROTO_MAX_VIEW_WORKERS * KM_PROTO_MAX_HISTORY, sizeof *c->vh);
