@@ -1175,29 +1175,16 @@ int kvm_cli_chaos(int argc, char **argv)
         {"keep", NULL, KM_OPT_BOOL, "false",
          "keep every run directory (logs, cluster.env); failed runs are always kept", &keep, 0, 0},
     };
-    km_errbuf err = {{0}};
     km_config *cfg = NULL;
-    int rc = km_config_create(
+    int rc = km_daemon_config(
         "kvmesh chaos",
         "fault injection against a local cluster it starts itself. SCENARIO: pressure (a), kill "
         "(b), stop (c), controller (d), router (e), partition (f) or all",
-        opts, sizeof opts / sizeof *opts, &cfg, &err);
-    if (!rc) rc = km_config_parse(cfg, argc, argv, NULL, &err);
-    if (rc) {
-        fprintf(stderr, "kvmesh chaos: %s\n", err.msg);
-        km_config_destroy(cfg);
-        return 2;
-    }
-    if (km_config_help_requested(cfg)) {
-        km_buf h = {0};
-        km_config_help(cfg, &h);
-        fwrite(h.data, 1, h.len, stdout);
-        km_buf_free(&h);
+        opts, sizeof opts / sizeof *opts, argc, argv, NULL, NULL, &cfg);
+    if (rc == 1)
         for (int i = 0; i < N_SCENARIOS; i++)
             printf("  %-11s (%s) %s\n", scenarios[i].name, scenarios[i].letter, scenarios[i].what);
-        km_config_destroy(cfg);
-        return 0;
-    }
+    if (rc) return rc == 1 ? 0 : 2;
     int nargs = 0;
     char *const *args = km_config_args(cfg, &nargs);
     const char *which = nargs ? args[0] : NULL;

@@ -57,24 +57,10 @@ static int parse_opts(const char *cmd, const char *summary, const km_opt *opts, 
     }
     char prog[64];
     snprintf(prog, sizeof prog, "kvmesh %s", cmd);
-    km_errbuf err = {{0}};
     km_config *c = NULL;
-    int rc = km_config_create(prog, summary, opts, n, &c, &err);
-    if (!rc) rc = km_config_parse(c, argc, av, NULL, &err);
+    int rc = km_daemon_config(prog, summary, opts, n, argc, av, NULL, NULL, &c);
     free(av);
-    if (rc) {
-        fprintf(stderr, "kvmesh %s: %s\n", cmd, err.msg);
-        km_config_destroy(c);
-        return 2;
-    }
-    if (km_config_help_requested(c)) {
-        km_buf h = {0};
-        km_config_help(c, &h);
-        fwrite(h.data, 1, h.len, stdout);
-        km_buf_free(&h);
-        km_config_destroy(c);
-        return 1;
-    }
+    if (rc) return rc;
     *out = c;
     return 0;
 }
