@@ -42,8 +42,8 @@ typedef uint16_t kn_bf16; /* bfloat16, bit pattern */
 typedef enum kn_kv_format {
     KN_KV_F16 = 0,
     KN_KV_BF16 = 1,
-    KN_KV_FP8 = 2,  /* E4M3, scale per page and head */
-    KN_KV_INT8 = 3, /* symmetric, scale per page and head */
+    KN_KV_FP8 = 2,  /* E4M3, f16 scale per 16 channels of a token row */
+    KN_KV_INT8 = 3, /* symmetric, f16 scale per 16 channels of a token row */
     KN_KV_INT4 = 4, /* asymmetric; keys grouped per channel, values per token (KIVI) */
 } kn_kv_format;
 

@@ -4,7 +4,7 @@
  * target (tests/fuzz/fuzz_kvpage.c) exercises exactly the code that reads files at run time.
  *
  * A file is, little-endian:
- *   0   "KVMPAGE1"                 8   u32 version (1)
+ *   0   "KVMPAGE1"                 8   u32 version (2)
  *   12  u32 format                 16  u32 page_tokens   20 u32 n_layers
  *   24  u32 n_kv_heads             28  u32 head_dim
  *   32  u64 hash.lo, hash.hi       48  u64 parent.lo, parent.hi
@@ -13,6 +13,10 @@
  *   80  i32 tokens[page_tokens]    then the payload (the page as it sits in RAM)
  *   end u64 XXH3_64 of every byte before it
  * The checksum covers the header, so a torn or bit-flipped file of any kind fails it.
+ *
+ * Versions: 2 gave fp8 pages one scale per 16 channels of a row (version 1: one per row). The
+ * other formats' layouts are the same in both, so version 1 files of those are still read;
+ * a version 1 fp8 file is refused (KM_EFORMAT) even where its size would match (head_dim 16).
  */
 #include <string.h>
 
@@ -21,8 +25,9 @@
 
 #include "kvshard/internal.h"
 
-#define KV_DISK_HDR   80
-#define KV_DISK_MAGIC "KVMPAGE1"
+#define KV_DISK_HDR     80
+#define KV_DISK_MAGIC   "KVMPAGE1"
+#define KV_DISK_VERSION 2
 
 static size_t kv_round16(size_t n)
 {
@@ -39,9 +44,6 @@ void kv_layout_init(kv_layout *lay, kv_format f, int pt, int hd, int n_layers, i
         lay->kd = lay->vd = n * 2;
         break;
     case KN_KV_FP8:
-        lay->kd = lay->vd = kv_round16(n);
-        lay->ks = lay->vs = kv_round16((size_t)pt * 2);
-        break;
     case KN_KV_INT8: /* one scale per 16 channels of a row */
         lay->kd = lay->vd = kv_round16(n);
         lay->ks = lay->vs = kv_round16((size_t)pt * (hd % 16 ? 1 : hd / 16) * 2);
@@ -94,7 +96,7 @@ size_t kv_disk_page_encode(const kv_disk_page *p, void *buf, size_t cap)
     uint8_t *b = buf;
     memset(b, 0, KV_DISK_HDR);
     memcpy(b, KV_DISK_MAGIC, 8);
-    kv_set32(b + 8, 1);
+    kv_set32(b + 8, KV_DISK_VERSION);
     kv_set32(b + 12, (uint32_t)p->format);
     kv_set32(b + 16, (uint32_t)p->page_tokens);
     kv_set32(b + 20, (uint32_t)p->n_layers);
@@ -116,9 +118,10 @@ int kv_disk_page_parse(const void *buf, size_t len, kv_disk_page *out)
 {
     const uint8_t *b = buf;
     memset(out, 0, sizeof *out);
-    if (!b || len < KV_DISK_HDR + 8 || memcmp(b, KV_DISK_MAGIC, 8) || kv_get32(b + 8) != 1)
-        return KM_EFORMAT;
+    if (!b || len < KV_DISK_HDR + 8 || memcmp(b, KV_DISK_MAGIC, 8)) return KM_EFORMAT;
+    const uint32_t version = kv_get32(b + 8);
     uint32_t f = kv_get32(b + 12), pt = kv_get32(b + 16), nl = kv_get32(b + 20);
+    if (version != KV_DISK_VERSION && !(version == 1 && f != KN_KV_FP8)) return KM_EFORMAT;
     uint32_t nh = kv_get32(b + 24), hd = kv_get32(b + 28), idx = kv_get32(b + 64);
     uint64_t payload = kv_get64(b + 72);
     if (f >= KV_FORMAT_COUNT || pt < 1 || pt > 4096 || (pt & (pt - 1)) || nl < 1 || nl > 4096 ||

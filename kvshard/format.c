@@ -7,19 +7,23 @@
  * byte for byte the layout the engine always had. The element encodings are the ones
  * kernels/cpu/attn_kv.h decodes (tests/unit/test_kvshard_format.c holds the two together):
  *
- *   fp8  E4M3 (bias 7, max 448, no infinities), one f16 scale per token row of each (page, head)
- *        block: x ~= e4m3(q) * scale, scale = absmax(row) / 448.
+ *   fp8  E4M3 (bias 7, max 448, no infinities), one f16 scale per 16 channels of a token row:
+ *        x ~= e4m3(q) * scale, scale = absmax(group) / 448.
  *   int8 symmetric, one f16 scale per 16 channels of a token row: x ~= q * scale,
- *        scale = absmax(group) / 127 (a key's outlier channel then blurs only its group).
+ *        scale = absmax(group) / 127.
+ *        For both, a key's outlier channel (RoPE'd keys have a few) then sets the step of its own
+ *        group only. fp8 had one scale per row up to disk page version 1 (+2.7% perplexity on
+ *        one text against f16; the figures per group are in docs/kvshard.md).
  *   int4 KIVI: keys are grouped per channel over the page's tokens (f16 scale[hd] then min[hd]),
  *        values per token in groups of 32 channels (f16 (scale, min) pairs per group);
  *        x ~= n * scale + min, n in [0, 15], two channels per byte (low nibble = even channel).
  *
  * Why per-row scales for fp8/int8: a page fills one token at a time while the engine runs, and
- * a row scale is final the moment the row is written, so quantization happens on kv_seq_write
- * with nothing to revisit. It costs 2 bytes per 64 values (3%). Keys of int4 need the whole
- * page (per-channel statistics), so int4 pages are written in f16 and sealed into int4 when they
- * are complete (seq.c); the open page stays f16, which is also KIVI's full-precision residual.
+ * a row's scales are final the moment the row is written, so quantization happens on
+ * kv_seq_write with nothing to revisit. It costs 2 bytes per 16 values (12.5%). Keys of int4 need
+ * the whole page (per-channel statistics), so int4 pages are written in f16 and sealed into int4
+ * when they are complete (seq.c); the open page stays f16, which is also KIVI's full-precision
+ * residual.
  */
 #include <math.h>
 #include <string.h>
@@ -73,7 +77,8 @@ static float kv_get_f16(const uint8_t *p)
     return kn_f16_to_f32(h);
 }
 
-static int kv_int8_group(int hd)
+/* Channels per scale of an fp8 or int8 row (kn_kv_group of attn_kv.h). */
+static int kv_row_group(int hd)
 {
     return hd % 16 == 0 ? 16 : hd;
 }
@@ -106,15 +111,11 @@ static void kv_quant_group(const float *x, int hd, kv_format f, uint8_t *q, uint
     }
 }
 
-/* One row: fp8 with one scale, int8 with one scale per group of 16 channels (so that an outlier
- * channel of a key, which RoPE'd keys have, costs precision only to its own group). */
+/* One row of fp8 or int8, one scale per group of 16 channels (so that an outlier channel of a
+ * key, which RoPE'd keys have, costs precision only to its own group). */
 static void kv_quant_row(const float *x, int hd, kv_format f, uint8_t *q, uint8_t *scales)
 {
-    if (f == KN_KV_FP8) {
-        kv_quant_group(x, hd, f, q, scales);
-        return;
-    }
-    const int g = kv_int8_group(hd);
+    const int g = kv_row_group(hd);
     for (int c = 0; c < hd; c += g) kv_quant_group(x + c, g, f, q + c, scales + (c / g) * 2);
 }
 
@@ -138,7 +139,7 @@ void kv_page_write_row(const kv_store *s, uint8_t *page, kv_format f, int layer,
         break;
     case KN_KV_FP8:
     case KN_KV_INT8: {
-        const size_t ns = f == KN_KV_FP8 ? 1 : (size_t)(hd / kv_int8_group(hd));
+        const size_t ns = (size_t)(hd / kv_row_group(hd));
         kv_quant_row(k, hd, f, u + (size_t)row * hd, u + L->kd + L->vd + row * ns * 2);
         kv_quant_row(v, hd, f, u + L->kd + (size_t)row * hd,
                      u + L->kd + L->vd + L->ks + row * ns * 2);
@@ -172,7 +173,7 @@ void kv_page_read_row(const kv_store *s, const uint8_t *page, kv_format f, int l
         break;
     case KN_KV_FP8:
     case KN_KV_INT8: {
-        const int g = f == KN_KV_FP8 ? hd : kv_int8_group(hd);
+        const int g = kv_row_group(hd);
         const size_t ns = (size_t)(hd / g);
         const uint8_t *kq = u + (size_t)row * hd, *vq = u + L->kd + (size_t)row * hd;
         for (int c = 0; c < hd; c++) {

@@ -8,20 +8,23 @@
  * Block layouts, for one (page, layer, kv head), offsets from the view:
  *   f16/bf16  K and V: [page_tokens][head_dim] 2-byte elements
  *   fp8       K and V: [page_tokens][head_dim] E4M3 bytes (bias 7, max 448, no inf);
- *             k_scale/v_scale: [page_tokens] f16 row scales; x = e4m3(q) * scale
- *   int8      K and V: [page_tokens][head_dim] signed bytes; k_scale/v_scale:
- *             [page_tokens][head_dim / g] f16, g = 16 when head_dim % 16 == 0, else head_dim;
- *             x = q * scale of its group
+ *             k_scale/v_scale: [page_tokens][head_dim / g] f16, g = 16 when head_dim % 16 == 0,
+ *             else head_dim; x = e4m3(q) * scale of its group
+ *   int8      K and V: [page_tokens][head_dim] signed bytes; scales as fp8; x = q * scale of its
+ *             group
  *   int4      K and V: [page_tokens][head_dim / 2] bytes, low nibble = even channel;
  *             k_scale: f16 scale[head_dim] then f16 min[head_dim] (per channel over the page);
  *             v_scale: [page_tokens][head_dim / g] pairs of f16 (scale, min), g = 32 when
  *             head_dim % 32 == 0, else head_dim; x = n * scale + min
  * kvshard/format.c writes exactly these; tests/unit/test_kvshard_format.c checks the two agree.
  *
- * Every kernel decodes one K or V row at a time into a row of floats on the stack (never a copy
- * of the context) and runs the same online softmax as the f16 kernel; the row decoders are the
- * only part that differs between the reference and the SIMD builds, which all share the body
- * below (inlined with their own decoders, dot and axpy).
+ * The general kernel decodes one K or V row at a time into a row of floats on the stack (never
+ * a copy of the context) and runs the same online softmax as the f16 kernel; the row decoders
+ * are the only part that differs between the reference and the SIMD builds, which all share the
+ * body below (inlined with their own decoders, dot and axpy). The SIMD builds also have a fast
+ * path for the common case, single-format fp8 or int8 views with head_dim % 16 == 0 and no
+ * attn_mass: the f16 kernel's blocked structure (several rows per step, vector expf) with the
+ * rows decoded in registers (attn_kv_avx2.c, attn_kv_avx512.c).
  */
 #ifndef KN_CPU_ATTN_KV_H
 #define KN_CPU_ATTN_KV_H
@@ -74,7 +77,8 @@ static inline int kn_kv_int4_vgroup(int hd)
 {
     return hd % 32 == 0 ? 32 : hd;
 }
-static inline int kn_kv_int8_group(int hd)
+/* Channels per scale of an fp8 or int8 row. */
+static inline int kn_kv_group(int hd)
 {
     return hd % 16 == 0 ? 16 : hd;
 }
@@ -90,10 +94,10 @@ static inline float kn_kv_h2f(const uint8_t *p)
 #endif
 }
 
-/* Scale of channel c of row t of an int8 block. */
-static inline float kn_kv_int8_scale(const uint8_t *scales, int t, int hd, int c)
+/* Scale of channel c of row t of an fp8 or int8 block. */
+static inline float kn_kv_group_scale(const uint8_t *scales, int t, int hd, int c)
 {
-    const int g = kn_kv_int8_group(hd);
+    const int g = kn_kv_group(hd);
     return kn_kv_h2f(scales + ((size_t)t * (hd / g) + c / g) * 2);
 }
 
@@ -119,15 +123,15 @@ static inline void kn_kv_row_tail(kn_kv_format f, const kn_kv_blk *b, int t, int
         break;
     }
     case KN_KV_FP8: {
-        const uint8_t *src = (v ? b->v : b->k) + (size_t)t * hd;
-        const float sc = kn_kv_h2f((v ? b->vs : b->ks) + 2 * (size_t)t);
-        for (int c = c0; c < hd; c++) row[c] = kn_kv_e4m3(src[c]) * sc;
+        const uint8_t *src = (v ? b->v : b->k) + (size_t)t * hd, *scs = v ? b->vs : b->ks;
+        for (int c = c0; c < hd; c++)
+            row[c] = kn_kv_e4m3(src[c]) * kn_kv_group_scale(scs, t, hd, c);
         break;
     }
     case KN_KV_INT8: {
         const uint8_t *src = (v ? b->v : b->k) + (size_t)t * hd, *scs = v ? b->vs : b->ks;
         for (int c = c0; c < hd; c++)
-            row[c] = (float)(int8_t)src[c] * kn_kv_int8_scale(scs, t, hd, c);
+            row[c] = (float)(int8_t)src[c] * kn_kv_group_scale(scs, t, hd, c);
         break;
     }
     case KN_KV_INT4: {
