@@ -16,6 +16,7 @@
 #include <immintrin.h>
 
 #include "kernels/cpu/attn_kv.h"
+#include "kernels/cpu/simd_avx2.h"
 
 static inline __m256 kn_kv_fp8x8(const uint8_t *p)
 {
@@ -124,52 +125,10 @@ static inline __attribute__((always_inline)) void kn_kv_axpy_avx2(float *y, floa
 
 /* ---------------------------------------------------------------- fp8/int8 fast path */
 
-#define KN_AI           static inline __attribute__((always_inline))
 #define KN_KVF_MAXQ     32 /* query heads whose softmax state is on the stack at once */
 #define KN_KVF_GROUP    4  /* query heads that share one pass over a K/V row */
 #define KN_KVF_PF_PAGES 2  /* pages prefetched ahead */
 #define KN_KVF_PF_BYTES 4096
-
-/* e^x, the Cephes polynomial of kn_exp256 (ops_avx2.c): about 1 ulp, NaN propagates; 2^n is
- * applied as two exact power-of-two factors. */
-KN_AI __m256 kn_kvf_exp(__m256 x)
-{
-    x = _mm256_min_ps(_mm256_set1_ps(89.0f), x);
-    x = _mm256_max_ps(_mm256_set1_ps(-104.0f), x);
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i ni = _mm256_cvtps_epi32(n);
-    const __m256i n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
-    const __m256i bias = _mm256_set1_epi32(127);
-    const __m256 f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
-    const __m256 f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
-    return _mm256_mul_ps(_mm256_mul_ps(p, f1), f2);
-}
-
-KN_AI float kn_kvf_hsum(__m256 v)
-{
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-KN_AI float kn_kvf_hmax(__m256 v)
-{
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_max_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 /* 16 channels (one scale group) of an fp8 (FP8 = 1) or int8 row times their scale sc (for fp8,
  * sc carries the 2^8 of the f16 trick), as two vectors. Equal, bit for bit, to
@@ -201,32 +160,6 @@ static inline void kn_kvf_scales(const uint8_t *src, int n, float mul, float *ds
             _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 2 * (size_t)i))),
                           _mm256_set1_ps(mul)));
     for (; i < n; i++) dst[i] = kn_kv_h2f(src + 2 * (size_t)i) * mul;
-}
-
-/* All-ones in the first n lanes. */
-KN_AI __m256 kn_kvf_valid8(int n)
-{
-    return _mm256_castsi256_ps(
-        _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-}
-
-/* Two vectors of 8 partial sums -> one whose 128-bit lane j holds 4 partials of a_j. */
-KN_AI __m256 kn_kvf_fold2(__m256 a0, __m256 a1)
-{
-    return _mm256_add_ps(_mm256_permute2f128_ps(a0, a1, 0x20),
-                         _mm256_permute2f128_ps(a0, a1, 0x31));
-}
-
-/* Four kn_kvf_fold2 results (rows 0-1, 2-3, 4-5, 6-7) -> the 8 row sums in row order. */
-KN_AI __m256 kn_kvf_fold8(__m256 c01, __m256 c23, __m256 c45, __m256 c67)
-{
-    const __m256 e0 =
-        _mm256_add_ps(_mm256_shuffle_ps(c01, c23, 0x44), _mm256_shuffle_ps(c01, c23, 0xEE));
-    const __m256 e1 =
-        _mm256_add_ps(_mm256_shuffle_ps(c45, c67, 0x44), _mm256_shuffle_ps(c45, c67, 0xEE));
-    const __m256 f =
-        _mm256_add_ps(_mm256_shuffle_ps(e0, e1, 0x88), _mm256_shuffle_ps(e0, e1, 0xDD));
-    return _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
 /* Scores of nt <= 8 rows of K (hd bytes a row; ks: their float scales, hd/16 a row) against NQ
@@ -266,15 +199,15 @@ KN_AI void kn_kvf_scores(const uint8_t *K, const float *ks, int nt, int hd, cons
             }
         }
 #pragma GCC unroll 4
-        for (int h = 0; h < NQ; h++) d[h][sb] = kn_kvf_fold2(acc[h][0], acc[h][1]);
+        for (int h = 0; h < NQ; h++) d[h][sb] = kn_fold2(acc[h][0], acc[h][1]);
     }
-    const __m256 valid = kn_kvf_valid8(nt);
+    const __m256 valid = kn_valid8(nt);
     const __m256 vscale = _mm256_set1_ps(scale);
 #pragma GCC unroll 4
     for (int h = 0; h < NQ; h++)
-        s[h] = _mm256_blendv_ps(
-            _mm256_set1_ps(-INFINITY),
-            _mm256_mul_ps(kn_kvf_fold8(d[h][0], d[h][1], d[h][2], d[h][3]), vscale), valid);
+        s[h] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY),
+                                _mm256_mul_ps(kn_fold8(d[h][0], d[h][1], d[h][2], d[h][3]), vscale),
+                                valid);
 }
 
 /* One block of nt <= 8 rows for NQ query heads: scores, online-softmax update, out += p·V. */
@@ -285,14 +218,14 @@ KN_AI void kn_kvf_block(const uint8_t *K, const uint8_t *V, const float *ks, con
     const int ng = hd / 16;
     __m256 sc[KN_KVF_GROUP];
     kn_kvf_scores(K, ks, nt, hd, q, scale, sc, NQ, FP8);
-    const __m256 valid = kn_kvf_valid8(nt);
+    const __m256 valid = kn_valid8(nt);
     float pb[KN_KVF_GROUP][8] __attribute__((aligned(32)));
 #pragma GCC unroll 4
     for (int h = 0; h < NQ; h++) {
         const __m256 s = sc[h];
         if (_mm256_movemask_ps(_mm256_cmp_ps(s, _mm256_set1_ps(m[h]), _CMP_GT_OQ))) {
             /* A new maximum: rescale what was accumulated under the old one. */
-            const float bm = kn_kvf_hmax(s);
+            const float bm = kn_hmax256(s);
             const __m256 vc = _mm256_set1_ps(expf(m[h] - bm));
             m[h] = bm;
             l[h] = _mm256_mul_ps(l[h], vc);
@@ -300,7 +233,7 @@ KN_AI void kn_kvf_block(const uint8_t *K, const uint8_t *V, const float *ks, con
             for (int c = 0; c < hd; c += 8)
                 _mm256_storeu_ps(oh + c, _mm256_mul_ps(_mm256_loadu_ps(oh + c), vc));
         }
-        const __m256 p = _mm256_and_ps(valid, kn_kvf_exp(_mm256_sub_ps(s, _mm256_set1_ps(m[h]))));
+        const __m256 p = _mm256_and_ps(valid, kn_exp256(_mm256_sub_ps(s, _mm256_set1_ps(m[h]))));
         l[h] = _mm256_add_ps(l[h], p);
         _mm256_store_ps(pb[h], p);
     }
@@ -446,7 +379,7 @@ static int kn_kvf_attention(const kn_kv_view *kv, int hd, const float *q, int n_
             }
         }
         for (int h = 0; h < nh; h++) {
-            const __m256 inv = _mm256_set1_ps(1.0f / kn_kvf_hsum(l[h]));
+            const __m256 inv = _mm256_set1_ps(1.0f / kn_hsum256(l[h]));
             float *oh = out + (size_t)(h0 + h) * hd;
             for (int c = 0; c < hd; c += 8)
                 _mm256_storeu_ps(oh + c, _mm256_mul_ps(_mm256_loadu_ps(oh + c), inv));

@@ -16,6 +16,7 @@
 #include <immintrin.h>
 
 #include "kernels/cpu/attn_kv.h"
+#include "kernels/cpu/simd_avx512.h"
 
 static inline __m512 kn_kv_fp8x16(const uint8_t *p)
 {
@@ -120,35 +121,10 @@ static inline __attribute__((always_inline)) void kn_kv_axpy_avx512(float *y, fl
 
 /* ---------------------------------------------------------------- fp8/int8 fast path */
 
-#define KN_AI           static inline __attribute__((always_inline))
 #define KN_KVF_MAXQ     32 /* query heads whose softmax state is on the stack at once */
 #define KN_KVF_GROUP    4  /* query heads that share one pass over a K/V row */
 #define KN_KVF_PF_PAGES 2  /* pages prefetched ahead */
 #define KN_KVF_PF_BYTES 4096
-
-static inline __mmask16 kn_kvf_mask16(int n)
-{
-    return n <= 0 ? 0 : n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
-}
-
-/* e^x, the Cephes polynomial of kn_exp512 (ops_avx512.c): about 1 ulp, NaN propagates. */
-KN_AI __m512 kn_kvf_exp(__m512 x)
-{
-    x = _mm512_min_ps(_mm512_set1_ps(89.0f), x);
-    x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
 
 /* 16 channels (one scale group) of an fp8 (FP8 = 1) or int8 row times their scale sc (for fp8,
  * sc carries the 2^8 of the f16 trick). Equal, bit for bit, to kn_kv_row_tail's values. */
@@ -172,34 +148,10 @@ KN_AI __m512 kn_kvf_row16(const uint8_t *p, const float *sc, const int FP8)
 static inline void kn_kvf_scales(const uint8_t *src, int n, float mul, float *dst)
 {
     for (int i = 0; i < n; i += 16) {
-        const __mmask16 k = kn_kvf_mask16(n - i);
+        const __mmask16 k = kn_mask16(n - i);
         const __m512 x = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, src + 2 * (size_t)i));
         _mm512_mask_storeu_ps(dst + i, k, _mm512_mul_ps(x, _mm512_set1_ps(mul)));
     }
-}
-
-/* Four vectors of 16 partial sums -> one vector whose 128-bit lane j holds 4 partials of a_j. */
-KN_AI __m512 kn_kvf_fold4(__m512 a0, __m512 a1, __m512 a2, __m512 a3)
-{
-    const __m512 c01 =
-        _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xEE));
-    const __m512 c23 =
-        _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(c01, c23, 0x88),
-                         _mm512_shuffle_f32x4(c01, c23, 0xDD));
-}
-
-/* Four kn_kvf_fold4 results (rows 0-3, 4-7, 8-11, 12-15) -> the 16 row sums in row order. */
-KN_AI __m512 kn_kvf_fold16(__m512 d0, __m512 d1, __m512 d2, __m512 d3)
-{
-    const __m512 e01 =
-        _mm512_add_ps(_mm512_shuffle_ps(d0, d1, 0x44), _mm512_shuffle_ps(d0, d1, 0xEE));
-    const __m512 e23 =
-        _mm512_add_ps(_mm512_shuffle_ps(d2, d3, 0x44), _mm512_shuffle_ps(d2, d3, 0xEE));
-    const __m512 f =
-        _mm512_add_ps(_mm512_shuffle_ps(e01, e23, 0x88), _mm512_shuffle_ps(e01, e23, 0xDD));
-    const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    return _mm512_permutexvar_ps(idx, f);
 }
 
 /* Scores of nt <= 16 rows of K (hd bytes a row; ks: their float scales, hd/16 a row) against NQ
@@ -243,15 +195,15 @@ KN_AI void kn_kvf_scores(const uint8_t *K, const float *ks, int nt, int hd, cons
         }
 #pragma GCC unroll 4
         for (int h = 0; h < NQ; h++)
-            d[h][sb] = kn_kvf_fold4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
+            d[h][sb] = kn_fold4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
     }
-    const __mmask16 valid = kn_kvf_mask16(nt);
+    const __mmask16 valid = kn_mask16(nt);
     const __m512 vscale = _mm512_set1_ps(scale);
 #pragma GCC unroll 4
     for (int h = 0; h < NQ; h++)
         s[h] = _mm512_mask_blend_ps(
             valid, _mm512_set1_ps(-INFINITY),
-            _mm512_mul_ps(kn_kvf_fold16(d[h][0], d[h][1], d[h][2], d[h][3]), vscale));
+            _mm512_mul_ps(kn_fold16(d[h][0], d[h][1], d[h][2], d[h][3]), vscale));
 }
 
 /* One block of nt <= 16 rows for NQ query heads: scores, online-softmax update of (m, l), and
@@ -263,7 +215,7 @@ KN_AI void kn_kvf_block(const uint8_t *K, const uint8_t *V, const float *ks, con
     const int ng = hd / 16;
     __m512 sc[KN_KVF_GROUP];
     kn_kvf_scores(K, ks, nt, hd, q, scale, sc, NQ, FP8);
-    const __mmask16 valid = kn_kvf_mask16(nt);
+    const __mmask16 valid = kn_mask16(nt);
     float pb[KN_KVF_GROUP][16] __attribute__((aligned(64)));
 #pragma GCC unroll 4
     for (int h = 0; h < NQ; h++) {
@@ -279,7 +231,7 @@ KN_AI void kn_kvf_block(const uint8_t *K, const uint8_t *V, const float *ks, con
                 _mm512_storeu_ps(oh + c, _mm512_mul_ps(_mm512_loadu_ps(oh + c), vc));
         }
         const __m512 p =
-            _mm512_maskz_mov_ps(valid, kn_kvf_exp(_mm512_sub_ps(s, _mm512_set1_ps(m[h]))));
+            _mm512_maskz_mov_ps(valid, kn_exp512(_mm512_sub_ps(s, _mm512_set1_ps(m[h]))));
         l[h] = _mm512_add_ps(l[h], p);
         _mm512_store_ps(pb[h], p);
     }

@@ -19,8 +19,7 @@
 
 #include "kernels/cpu/internal.h"
 #include "kernels/cpu/attn_kv.h"
-
-#define KN_AI static inline __attribute__((always_inline))
+#include "kernels/cpu/simd_avx2.h"
 
 #define KN_ATT_MAXQ     32
 #define KN_ATT_GROUP    4
@@ -28,47 +27,6 @@
 #define KN_ATT_PF_BYTES 4096
 
 /* ---------------------------------------------------------------- expf */
-
-/* e^x for x in [-104, 89] (outside, 0 or inf as expf gives); NaN propagates. */
-KN_AI __m256 kn_exp256(__m256 x)
-{
-    x = _mm256_min_ps(_mm256_set1_ps(89.0f), x); /* min/max return x when it is NaN */
-    x = _mm256_max_ps(_mm256_set1_ps(-104.0f), x);
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    /* n is in [-150, 129]: 2^n = 2^n1 * 2^n2 with both halves representable. */
-    const __m256i ni = _mm256_cvtps_epi32(n);
-    const __m256i n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
-    const __m256i bias = _mm256_set1_epi32(127);
-    const __m256 f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
-    const __m256 f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
-    return _mm256_mul_ps(_mm256_mul_ps(p, f1), f2);
-}
-
-KN_AI float kn_hsum256(__m256 v)
-{
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-KN_AI float kn_hmax256(__m256 v)
-{
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_max_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 /* ---------------------------------------------------------------- element-wise */
 
@@ -182,33 +140,6 @@ KN_AI __m256 kn_kv8(const uint16_t *p, const int bf)
     const __m128i h = _mm_loadu_si128((const __m128i *)p);
     if (bf) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     return _mm256_cvtph_ps(h);
-}
-
-/* All-ones in the first n lanes. */
-KN_AI __m256 kn_valid8(int n)
-{
-    return _mm256_castsi256_ps(
-        _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-}
-
-/* Two vectors of 8 partial sums -> one whose 128-bit lane j holds 4 partials of a_j. */
-KN_AI __m256 kn_fold2(__m256 a0, __m256 a1)
-{
-    return _mm256_add_ps(_mm256_permute2f128_ps(a0, a1, 0x20),
-                         _mm256_permute2f128_ps(a0, a1, 0x31));
-}
-
-/* Four kn_fold2 results (rows 0-1, 2-3, 4-5, 6-7) -> the 8 row sums in row order. */
-KN_AI __m256 kn_fold8(__m256 c01, __m256 c23, __m256 c45, __m256 c67)
-{
-    const __m256 e0 =
-        _mm256_add_ps(_mm256_shuffle_ps(c01, c23, 0x44), _mm256_shuffle_ps(c01, c23, 0xEE));
-    const __m256 e1 =
-        _mm256_add_ps(_mm256_shuffle_ps(c45, c67, 0x44), _mm256_shuffle_ps(c45, c67, 0xEE));
-    /* lane j now holds rows j, j+2, j+4, j+6: element 4j+k is row j+2k */
-    const __m256 f =
-        _mm256_add_ps(_mm256_shuffle_ps(e0, e1, 0x88), _mm256_shuffle_ps(e0, e1, 0xDD));
-    return _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
 /* Scores of a block of nt <= 8 K rows against NQ query heads: s[h] lane t = scale * q[h]·K[t],

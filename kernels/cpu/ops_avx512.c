@@ -23,8 +23,7 @@
 
 #include "kernels/cpu/internal.h"
 #include "kernels/cpu/attn_kv.h"
-
-#define KN_AI static inline __attribute__((always_inline))
+#include "kernels/cpu/simd_avx512.h"
 
 /* Query heads whose softmax state is kept on the stack at once; more are done in further passes. */
 #define KN_ATT_MAXQ 32
@@ -34,34 +33,7 @@
 #define KN_ATT_PF_PAGES 2
 #define KN_ATT_PF_BYTES 4096
 
-/* The first n lanes (n may be <= 0 or >= 16). */
-static inline __mmask16 kn_mask16(int n)
-{
-    return n <= 0 ? 0 : n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
-}
-
 /* ---------------------------------------------------------------- expf */
-
-/* e^x for x in [-104, 89] (outside, 0 or inf as expf gives); NaN propagates. Cephes expf: x =
- * n*ln2 + r, |r| <= ln2/2, e^r by a degree-7 polynomial, 2^n applied with scalef (which also
- * produces the subnormal and overflow results). */
-KN_AI __m512 kn_exp512(__m512 x)
-{
-    x = _mm512_min_ps(_mm512_set1_ps(89.0f), x); /* min/max return x when it is NaN */
-    x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
 
 /* ---------------------------------------------------------------- element-wise */
 
@@ -180,31 +152,6 @@ KN_AI __m512 kn_kv16(const uint16_t *p, const int bf)
     const __m256i h = _mm256_loadu_si256((const __m256i *)p);
     if (bf) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     return _mm512_cvtph_ps(h);
-}
-
-/* Four vectors of 16 partial sums -> one vector whose 128-bit lane j holds 4 partials of a_j. */
-KN_AI __m512 kn_fold4(__m512 a0, __m512 a1, __m512 a2, __m512 a3)
-{
-    const __m512 c01 =
-        _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xEE));
-    const __m512 c23 =
-        _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(c01, c23, 0x88),
-                         _mm512_shuffle_f32x4(c01, c23, 0xDD));
-}
-
-/* Four kn_fold4 results (rows 0-3, 4-7, 8-11, 12-15) -> the 16 row sums in row order. */
-KN_AI __m512 kn_fold16(__m512 d0, __m512 d1, __m512 d2, __m512 d3)
-{
-    const __m512 e01 =
-        _mm512_add_ps(_mm512_shuffle_ps(d0, d1, 0x44), _mm512_shuffle_ps(d0, d1, 0xEE));
-    const __m512 e23 =
-        _mm512_add_ps(_mm512_shuffle_ps(d2, d3, 0x44), _mm512_shuffle_ps(d2, d3, 0xEE));
-    /* lane j now holds rows j, j+4, j+8, j+12: element 4j+k is row j+4k */
-    const __m512 f =
-        _mm512_add_ps(_mm512_shuffle_ps(e01, e23, 0x88), _mm512_shuffle_ps(e01, e23, 0xDD));
-    const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    return _mm512_permutexvar_ps(idx, f);
 }
 
 /* Scores of a block of nt <= 16 K rows (row-major, hd elements a row) against NQ query heads:
