@@ -53,6 +53,8 @@ typedef struct ctl_policy_cfg {
     double error_storm;        /* errors rising faster than this per second -> level 3; 50 */
     uint64_t max_rss;          /* bytes; RSS at or above -> level 3 (and pressure counts RSS/max);
                                 * 0 = off */
+    uint64_t max_gpu;          /* bytes of GPU memory; the same as max_rss for heartbeats'
+                                * gpu_bytes; 0 = off */
     int64_t heartbeat_ms;      /* the workers' heartbeat interval; default 1000 */
     uint32_t dead_after;       /* missed intervals before "dead"; default 3 */
     int64_t action_timeout_ms; /* a worker busy with an unacknowledged command (an fp8 conversion
@@ -115,8 +117,10 @@ int ctl_policy_view_worker(const ctl_policy *p, int i, uint64_t now_ms, uint64_t
                            km_recovery_action hist[KM_PROTO_MAX_HISTORY]);
 
 /* Hot-tier pinned bytes / hot-tier budget summed over shards (cached pages nobody uses do not
- * count: they are reclaimable), and RSS / max_rss when max_rss is set: the larger of the two. */
-double ctl_pressure(const km_msg_heartbeat *hb, uint64_t max_rss, bool *rss_dominates);
+ * count: they are reclaimable), RSS / max_rss and GPU bytes / max_gpu when those are set: the
+ * largest, with *why (when not NULL) naming it: "kv_pressure", "rss" or "gpu". */
+double ctl_pressure(const km_msg_heartbeat *hb, uint64_t max_rss, uint64_t max_gpu,
+                    const char **why);
 
 /* ---------------------------------------------------------------- daemon (controller.c) */
 

@@ -15,7 +15,7 @@
  *   level 1 --pressure <= low--------------------------------> level 0 (quietly: nothing to undo)
  *   level 2 --pressure <= low for revert_after---------------> level 0 (set_kv_format f16)
  *   level 2 --pressure >= high, cooldown since level 2-------> level 3 (drain)
- *   any     --stall / error storm / RSS >= max_rss-----------> level 3 (drain)
+ *   any     --stall / error storm / RSS or GPU >= their max--> level 3 (drain)
  *   level 3: member "restarting" until a new process (uptime or seq went back) says ready.
  * The member state otherwise follows the heartbeat (starting/ready/draining; stopping counts as
  * draining), "dead" after dead_after silent intervals, and back to the heartbeat's state when
@@ -50,8 +50,8 @@ typedef struct ctl_member {
     uint64_t last_seen_ms, seq, uptime_ms;
     km_worker_state hb_state;
     double pressure;
-    bool rss_dominates;
-    uint64_t rss;
+    const char *pressure_why; /* static: what the pressure measures ("kv_pressure", "rss", "gpu") */
+    uint64_t rss, gpu;
     uint32_t running, queue_depth;
     /* timers */
     uint64_t t_l1, t_l2, t_action; /* when level 1 / 2 / any action last fired; 0 = never */
@@ -88,6 +88,7 @@ void ctl_policy_cfg_default(ctl_policy_cfg *c)
                           .stall_timeout_ms = 15000,
                           .error_storm = 50,
                           .max_rss = 0,
+                          .max_gpu = 0,
                           .heartbeat_ms = 1000,
                           .dead_after = 3,
                           .action_timeout_ms = 30000,
@@ -152,7 +153,8 @@ static void copy_str(char *dst, size_t cap, const char *src)
     snprintf(dst, cap, "%s", src ? src : "");
 }
 
-double ctl_pressure(const km_msg_heartbeat *hb, uint64_t max_rss, bool *rss_dominates)
+double ctl_pressure(const km_msg_heartbeat *hb, uint64_t max_rss, uint64_t max_gpu,
+                    const char **why)
 {
     uint64_t pinned = 0, budget = 0;
     for (uint32_t i = 0; i < hb->n_kv; i++) {
@@ -160,10 +162,14 @@ double ctl_pressure(const km_msg_heartbeat *hb, uint64_t max_rss, bool *rss_domi
         pinned += hb->kv[i].pinned_bytes;
         budget += hb->kv[i].capacity_bytes;
     }
-    double kv = budget ? (double)pinned / (double)budget : 0;
+    double pr = budget ? (double)pinned / (double)budget : 0;
+    const char *w = "kv_pressure";
     double rss = max_rss ? (double)hb->rss_bytes / (double)max_rss : 0;
-    if (rss_dominates) *rss_dominates = rss > kv;
-    return rss > kv ? rss : kv;
+    double gpu = max_gpu ? (double)hb->gpu_bytes / (double)max_gpu : 0;
+    if (rss > pr) pr = rss, w = "rss";
+    if (gpu > pr) pr = gpu, w = "gpu";
+    if (why) *why = w;
+    return pr;
 }
 
 /* The hot tier's format (what set_kv_format changes), else the first entry's. */
@@ -301,6 +307,8 @@ static int decide(ctl_policy *p, ctl_member *m, uint64_t now_ms, ctl_action *act
     const char *why3 = NULL;
     if (c->max_rss && m->rss >= c->max_rss)
         why3 = "rss";
+    else if (c->max_gpu && m->gpu >= c->max_gpu)
+        why3 = "gpu";
     else if (c->stall_timeout_ms > 0 && m->tokens_total && m->running + m->queue_depth > 0 &&
              now_ms - m->tokens_changed_ms >= (uint64_t)c->stall_timeout_ms)
         why3 = "stall";
@@ -309,7 +317,7 @@ static int decide(ctl_policy *p, ctl_member *m, uint64_t now_ms, ctl_action *act
         return 1;
     }
     double pr = m->pressure;
-    const char *why = m->rss_dominates ? "rss" : "kv_pressure";
+    const char *why = m->pressure_why ? m->pressure_why : "kv_pressure";
     bool cooled_l1 = !m->t_l1 || now_ms - m->t_l1 >= (uint64_t)c->cooldown_ms;
     bool cooled_l2 = !m->t_l2 || now_ms - m->t_l2 >= (uint64_t)c->cooldown_ms;
     bool cooled_any = !m->t_action || now_ms - m->t_action >= (uint64_t)c->cooldown_ms;
@@ -374,9 +382,10 @@ int ctl_policy_heartbeat(ctl_policy *p, const km_msg_heartbeat *hb, uint64_t now
     m->uptime_ms = hb->uptime_ms;
     m->hb_state = hb->state;
     m->rss = hb->rss_bytes;
+    m->gpu = hb->gpu_bytes;
     m->running = hb->running;
     m->queue_depth = hb->queue_depth;
-    m->pressure = ctl_pressure(hb, p->cfg.max_rss, &m->rss_dominates);
+    m->pressure = ctl_pressure(hb, p->cfg.max_rss, p->cfg.max_gpu, &m->pressure_why);
     for (uint32_t k = 0; k < hb->n_endpoints; k++) {
         const km_endpoint *e = &hb->endpoints[k];
         if (!e->name || !e->url) continue;

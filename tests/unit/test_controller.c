@@ -61,7 +61,7 @@ typedef struct fake_worker {
     const char *base; /* hb.kv_format_base; NULL = absent (f16 assumed) */
     km_worker_state state;
     uint32_t running;
-    uint64_t tokens, errors, rss;
+    uint64_t tokens, errors, rss, gpu;
 } fake_worker;
 
 static ctl_policy *pol;
@@ -92,6 +92,7 @@ static int beat(fake_worker *w, uint64_t now, double p, ctl_action *act)
     f.hb.running = w->running;
     f.hb.tokens_total = w->tokens;
     f.hb.rss_bytes = w->rss ? w->rss : 1 << 20;
+    f.hb.gpu_bytes = w->gpu;
     if (w->errors) {
         f.errs[0] = (km_error_count){"engine", w->errors};
         f.hb.errors = f.errs;
@@ -126,7 +127,7 @@ Test(controller_policy, pressure_counts_pinned_hot_bytes_not_cached_ones)
     fake_hb f;
     mk(&f, "w0", 1, 1, 0.25, "f16");
     /* the hot tier is full of bytes, but only a quarter is pinned; the host tier is ignored */
-    cr_assert_float_eq(ctl_pressure(&f.hb, 0, NULL), 0.25, 1e-9);
+    cr_assert_float_eq(ctl_pressure(&f.hb, 0, 0, NULL), 0.25, 1e-9);
     /* summed over shards */
     f.kv[1] = (km_kv_usage){.shard = 1,
                             .tier = KM_TIER_HOT,
@@ -134,14 +135,20 @@ Test(controller_policy, pressure_counts_pinned_hot_bytes_not_cached_ones)
                             .bytes = BUDGET,
                             .capacity_bytes = BUDGET,
                             .pinned_bytes = BUDGET};
-    cr_assert_float_eq(ctl_pressure(&f.hb, 0, NULL), 0.625, 1e-9);
+    cr_assert_float_eq(ctl_pressure(&f.hb, 0, 0, NULL), 0.625, 1e-9);
     /* RSS against max_rss counts when it is the larger */
-    bool rss = false;
+    const char *why = NULL;
     f.hb.rss_bytes = 950;
-    cr_assert_float_eq(ctl_pressure(&f.hb, 1000, &rss), 0.95, 1e-9);
-    cr_assert(rss);
+    cr_assert_float_eq(ctl_pressure(&f.hb, 1000, 0, &why), 0.95, 1e-9);
+    cr_assert_str_eq(why, "rss");
+    /* and GPU memory against max_gpu */
+    f.hb.gpu_bytes = 980;
+    cr_assert_float_eq(ctl_pressure(&f.hb, 1000, 1000, &why), 0.98, 1e-9);
+    cr_assert_str_eq(why, "gpu");
+    cr_assert_float_eq(ctl_pressure(&f.hb, 0, 0, &why), 0.625, 1e-9);
+    cr_assert_str_eq(why, "kv_pressure");
     f.hb.n_kv = 0;
-    cr_assert_float_eq(ctl_pressure(&f.hb, 0, NULL), 0, 1e-9);
+    cr_assert_float_eq(ctl_pressure(&f.hb, 0, 0, NULL), 0, 1e-9);
 }
 
 Test(controller_policy, level1_fires_at_the_high_threshold_and_is_acknowledged)
@@ -335,6 +342,21 @@ Test(controller_policy, rss_at_the_limit_fires_level3_and_counts_as_pressure)
     cr_assert_eq(beat(&w, 2000, 0.1, &a), 1);
     cr_assert_eq(a.level, 3);
     cr_assert_str_eq(a.reason, "rss");
+}
+
+Test(controller_policy, gpu_memory_at_the_limit_fires_level3_and_counts_as_pressure)
+{
+    cfg.max_gpu = 1000000;
+    start();
+    fake_worker w = {.id = "w0", .state = KM_STATE_READY, .gpu = 950000};
+    ctl_action a;
+    cr_assert_eq(beat(&w, 1000, 0.1, &a), 1);
+    cr_assert_eq(a.level, 1);
+    cr_assert_str_eq(a.reason, "gpu");
+    w.gpu = 1000000;
+    cr_assert_eq(beat(&w, 2000, 0.1, &a), 1);
+    cr_assert_eq(a.level, 3);
+    cr_assert_str_eq(a.reason, "gpu");
 }
 
 Test(controller_policy, missed_beats_make_a_member_dead_and_beats_bring_it_back)
