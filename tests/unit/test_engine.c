@@ -3,7 +3,9 @@
  *
  * Fixtures: tests/fixtures/llamacpp/greedy_smollm2.txt (10 prompts, 64 greedy tokens each, made
  * by llama.cpp; see tests/README.md). Agreement is measured two ways, as the issue asks:
- *  - teacher-forced: our argmax given llama.cpp's prefix, at every generated position (>= 99%);
+ *  - teacher-forced: our argmax given llama.cpp's prefix, at every generated position (the issue
+ *    asks >= 99%; asserted: no miss where llama.cpp leads by >= 0.5 logits, and at least the rate
+ *    at which llama.cpp agrees with itself when only its attention path changes, selfcheck.txt);
  *  - free-running: our own greedy output equals llama.cpp's for >= 32 tokens on >= 8 of 10.
  * The model comes from `make deps`; without it these tests skip and say so.
  */
@@ -175,6 +177,24 @@ Test(engine, tokenizer_matches_llamacpp_on_fixture_prompts)
  * only where llama.cpp itself hesitates between two tokens — and log the rates. */
 #define NEAR_TIE 0.5f /* logit margin below which llama.cpp's own configurations disagree */
 
+/* llama.cpp's teacher-forced agreement with its own greedy fixture when only its attention path
+ * changes (flash attention off), from tests/fixtures/llamacpp/selfcheck.txt; -1 if absent. */
+static double llamacpp_self_agreement(void)
+{
+    FILE *f = fopen("tests/fixtures/llamacpp/selfcheck.txt", "r");
+    if (!f) return -1;
+    char line[4096];
+    double rate = -1;
+    while (fgets(line, sizeof line, f)) {
+        int a, t;
+        const char *p = strstr(line, ": ");
+        if (strstr(line, "(fa=off kv=default)") && p && sscanf(p + 2, "%d/%d", &a, &t) == 2 && t)
+            rate = (double)a / t;
+    }
+    fclose(f);
+    return rate;
+}
+
 Test(engine, teacher_forced_top1_agrees_with_llamacpp)
 {
     NEED_MODEL();
@@ -204,6 +224,12 @@ Test(engine, teacher_forced_top1_agrees_with_llamacpp)
                  "%d disagreements where llama.cpp's top-1 led by >= %.1f logits", confident_misses,
                  NEAR_TIE);
     cr_assert_geq(rate, 0.95, "agreement %.4f fell below the measured 0.97 level", rate);
+    /* The yardstick: llama.cpp agrees with itself, flash attention off vs on, this often. */
+    double self = llamacpp_self_agreement();
+    cr_assert_geq(self, 0, "tests/fixtures/llamacpp/selfcheck.txt is missing");
+    cr_log_info("llama.cpp against itself (flash attention off vs on): %.2f%%", 100 * self);
+    cr_assert_geq(rate, self, "we agree with llama.cpp less (%.4f) than it does with itself (%.4f)",
+                  rate, self);
 }
 
 Test(engine, free_running_greedy_matches_llamacpp_as_often_as_llamacpp_matches_itself)
