@@ -492,6 +492,10 @@ int km_daemon_config(const char *prog, const char *summary, const km_opt *opts, 
                      int argc, char *const *argv, const char *const *log_level,
                      const char *const *log_format, km_config **out);
 
+/* A daemon's signals: SIGTERM and SIGINT call on_stop (async-signal-safe code only: set a flag,
+ * wake a loop), SIGPIPE is ignored (a peer that went away is an error return, not a death). */
+void km_daemon_signals(void (*on_stop)(int));
+
 /* Value parsers the table uses, exposed for other text inputs. */
 int km_parse_size(const char *s, uint64_t *out);
 int km_parse_duration_ms(const char *s, int64_t *out);

@@ -128,13 +128,7 @@ int main(int argc, char **argv)
     }
     if (ports_file && write_ports(ports_file, g_ctl))
         KM_WARN("ports_file", "path=%s msg=\"cannot write\"", ports_file);
-    struct sigaction sa;
-    memset(&sa, 0, sizeof sa);
-    sa.sa_handler = on_signal;
-    sigemptyset(&sa.sa_mask);
-    sigaction(SIGTERM, &sa, NULL);
-    sigaction(SIGINT, &sa, NULL);
-    signal(SIGPIPE, SIG_IGN);
+    km_daemon_signals(on_signal);
     ctl_controller_run(g_ctl);
     status = 0;
 out:

@@ -201,13 +201,7 @@ int main(int argc, char **argv)
             rename(tmp, ports_file);
         }
     }
-    struct sigaction sa;
-    memset(&sa, 0, sizeof sa);
-    sa.sa_handler = on_signal;
-    sigemptyset(&sa.sa_mask);
-    sigaction(SIGTERM, &sa, NULL);
-    sigaction(SIGINT, &sa, NULL);
-    signal(SIGPIPE, SIG_IGN);
+    km_daemon_signals(on_signal);
     rt_router_run(g_router);
     status = 0;
     KM_INFO("router_exit", "status=%d", status);

@@ -154,13 +154,7 @@ int main(int argc, char **argv)
     KM_INFO("worker_start", "model=%s threads=%d isa=%s kv_format=%s kv_pages=%d chaos=%d", path,
             wk_engine_threads(e), wk_engine_isa(e), kv_format_name(fmt),
             kv_store_pages_total(wk_engine_kv(e)), (int)a.chaos);
-    struct sigaction sa;
-    memset(&sa, 0, sizeof sa);
-    sa.sa_handler = wk_on_signal;
-    sigemptyset(&sa.sa_mask);
-    sigaction(SIGTERM, &sa, NULL);
-    sigaction(SIGINT, &sa, NULL);
-    signal(SIGPIPE, SIG_IGN);
+    km_daemon_signals(wk_on_signal);
     status = wk_service_run(g_svc);
     KM_INFO("worker_exit", "status=%d", status);
 out:
