@@ -3,7 +3,9 @@
 # workers on 127.0.0.1) answering real prompts with the default model. Shows which worker served
 # each request, how much of each prompt came from cached KV (requests of one tenant share a
 # system prompt, and the router sends them to the worker that holds it), TTFT and tokens/s, the
-# OpenAI-compatible API streaming, the cluster status, then stops everything as Ctrl-C would.
+# OpenAI-compatible API streaming, the cluster status, a recovery level forced through the
+# controller (w1's KV to fp8, then w1 drained and restarted by `kvmesh up`), then stops everything
+# as Ctrl-C would.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=build/bin
@@ -12,6 +14,8 @@ WORKERS=${KVMESH_DEMO_WORKERS:-2}
 FRONT_PORT=${KVMESH_DEMO_FRONT_PORT:-7000}
 HTTP_PORT=${KVMESH_DEMO_HTTP_PORT:-8080}
 BASE_PORT=${KVMESH_DEMO_BASE_PORT:-7100}
+CTL_PORT=${KVMESH_DEMO_CONTROLLER_PORT:-7200}
+CONTROLLER=tcp://127.0.0.1:$CTL_PORT
 LOGS=build/demo-logs
 ROUTER=tcp://127.0.0.1:$FRONT_PORT
 HTTP=http://127.0.0.1:$HTTP_PORT
@@ -20,7 +24,7 @@ THREADS=$(( $(nproc) / WORKERS )); [ "$THREADS" -ge 1 ] || THREADS=1
 echo "== kvmesh demo: $KVMESH_MODEL, $WORKERS workers x $THREADS threads (logs in $LOGS/)"
 rm -rf "$LOGS"
 "$BIN/kvmesh" up --workers "$WORKERS" --threads "$THREADS" --front-port "$FRONT_PORT" \
-    --http-port "$HTTP_PORT" --base-port "$BASE_PORT" --log-dir "$LOGS" &
+    --http-port "$HTTP_PORT" --base-port "$BASE_PORT" --controller-port "$CTL_PORT" --log-dir "$LOGS" &
 UP=$!
 cleanup() { kill -INT "$UP" 2>/dev/null || true; wait "$UP" 2>/dev/null || true; }
 trap cleanup EXIT
@@ -71,6 +75,20 @@ print("usage:", json.dumps(usage))' 2>/dev/null || echo "(python3 not found: ski
 echo
 echo "-- kvmesh status"
 "$BIN/kvmesh" status --http "$HTTP"
+
+echo
+echo "-- recovery, forced by hand: level 2 (w1's KV to fp8 in place), then level 3 (drain + restart)"
+"$BIN/kvmesh" recover --controller "$CONTROLLER" --worker w1 --level 2 || true
+ask acme "$SYS_A" "Do you ship to Europe?"
+"$BIN/kvmesh" recover --controller "$CONTROLLER" --worker w1 --level 3 || true
+for _ in $(seq 1 150); do # until the controller's view has w1 back: restarted and ready
+    "$BIN/kvmesh" status --controller "$CONTROLLER" --json 2>/dev/null |
+        grep -q '"restarted"' && break
+    sleep 0.2
+done
+echo
+echo "-- kvmesh status --controller (member states, recovery levels and history)"
+"$BIN/kvmesh" status --controller "$CONTROLLER"
 echo
 echo "-- stopping the cluster (what Ctrl-C on kvmesh up does)"
 cleanup
