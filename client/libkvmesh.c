@@ -516,6 +516,14 @@ int kvm_cluster_read(const char *path, kvm_cluster_proc *procs, int max, km_errb
     char line[2048];
     int n = 0;
     while (n < max && fgets(line, sizeof line, f)) {
+        size_t len = strlen(line);
+        if (len == sizeof line - 1 && line[len - 1] != '\n') {
+            /* longer than any line `kvmesh up` writes: skip it whole, never half of it */
+            int c;
+            while ((c = fgetc(f)) != EOF && c != '\n') {
+            }
+            continue;
+        }
         kvm_cluster_proc *p = &procs[n];
         memset(p, 0, sizeof *p);
         char *save = NULL;

@@ -1,0 +1,88 @@
+/*
+ * test_client.c — libkvmesh's local helpers (client/kvmesh.h) that need no server: the cluster
+ * state file `kvmesh up` writes (kvm_cluster_read / kvm_cluster_find) and kvm_view_all_ready.
+ * The network calls are exercised against real daemons by the integration and chaos suites.
+ */
+#include <criterion/criterion.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "client/kvmesh.h"
+
+static char *write_tmp(const char *text)
+{
+    static char path[64];
+    snprintf(path, sizeof path, "/tmp/kvm_cluster_XXXXXX");
+    int fd = mkstemp(path);
+    cr_assert_geq(fd, 0);
+    cr_assert_eq(write(fd, text, strlen(text)), (ssize_t)strlen(text));
+    close(fd);
+    return path;
+}
+
+Test(client, cluster_file_lines_become_processes)
+{
+    char *path = write_tmp(
+        "role=controller id=controller pid=10 restarts=0 listen=tcp://127.0.0.1:7200 "
+        "view=tcp://127.0.0.1:7201 admin=http://127.0.0.1:9200\n"
+        "role=worker id=w0 pid=11 restarts=2 requests=tcp://127.0.0.1:7100 "
+        "events=tcp://127.0.0.1:7101 admin=http://127.0.0.1:9100\n"
+        "garbage without equals signs\n"
+        "role=worker pid=99\n" /* no id: not a process */
+        "role=router id=router pid=0 requests=tcp://127.0.0.1:7000 http=http://127.0.0.1:8080 "
+        "unknown=key\n");
+    kvm_cluster_proc p[8];
+    km_errbuf err = {{0}};
+    int n = kvm_cluster_read(path, p, 8, &err);
+    unlink(path);
+    cr_assert_eq(n, 3, "%s", err.msg);
+    const kvm_cluster_proc *w0 = kvm_cluster_find(p, n, "w0");
+    cr_assert_not_null(w0);
+    cr_assert_str_eq(w0->role, "worker");
+    cr_assert_eq(w0->pid, 11);
+    cr_assert_eq(w0->restarts, 2);
+    cr_assert_str_eq(w0->requests, "tcp://127.0.0.1:7100");
+    const kvm_cluster_proc *c = kvm_cluster_find(p, n, "controller");
+    cr_assert_str_eq(c->view, "tcp://127.0.0.1:7201");
+    cr_assert_eq(kvm_cluster_find(p, n, "router")->pid, 0, "pid=0: down");
+    cr_assert_null(kvm_cluster_find(p, n, "w9"));
+}
+
+Test(client, cluster_file_limits_hold)
+{
+    /* an over-long line is skipped whole; over-long values are cut to the field; max is kept */
+    size_t big = 5000;
+    char *text = malloc(big + 512);
+    strcpy(text, "role=worker id=");
+    size_t k = strlen(text);
+    memset(text + k, 'x', big);
+    strcpy(text + k + big, " pid=1\nrole=worker id=w1 requests=tcp://");
+    k = strlen(text);
+    memset(text + k, 'a', 300);
+    strcpy(text + k + 300, "\nrole=worker id=w2\nrole=worker id=w3\n");
+    char *path = write_tmp(text);
+    free(text);
+    kvm_cluster_proc p[2];
+    km_errbuf err = {{0}};
+    int n = kvm_cluster_read(path, p, 2, &err);
+    unlink(path);
+    cr_assert_eq(n, 2);
+    cr_assert_str_eq(p[0].id, "w1", "the over-long line is not read as a process");
+    cr_assert_eq(strlen(p[0].requests), sizeof p[0].requests - 1);
+    cr_assert_str_eq(p[1].id, "w2");
+    cr_assert_lt(kvm_cluster_read("/nonexistent/cluster.env", p, 2, &err), 0);
+    cr_assert(strstr(err.msg, "cannot open"));
+}
+
+Test(client, a_view_is_all_ready_only_with_enough_ready_workers)
+{
+    km_view_worker w[2] = {{.id = "w0", .state = KM_MEMBER_READY},
+                           {.id = "w1", .state = KM_MEMBER_RESTARTING}};
+    km_msg_view v = {.controller = "c", .workers = w, .n_workers = 2};
+    cr_assert_not(kvm_view_all_ready(&v, 2));
+    w[1].state = KM_MEMBER_READY;
+    cr_assert(kvm_view_all_ready(&v, 2));
+    cr_assert_not(kvm_view_all_ready(&v, 3), "fewer workers than asked");
+}
