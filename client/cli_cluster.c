@@ -511,18 +511,25 @@ static int cmd_status(int argc, char **argv)
            (long long)json_integer_value(json_object_get(rt, "cached_tokens")),
            (long long)json_integer_value(json_object_get(rt, "prompt_tokens")),
            100 * json_number_value(json_object_get(rt, "hit_ratio")));
-    printf("%-12s %-5s %8s %8s %8s %9s %9s %9s %8s\n", "WORKER", "UP", "INFLIGHT", "SERVED", "HIT%",
-           "KV_HOT", "KV_HOST", "KV_DISK", "EV_SEQ");
+    printf("%-12s %-5s %-10s %5s %8s %8s %8s %9s %9s %9s %8s\n", "WORKER", "UP", "MEMBER", "LEVEL",
+           "INFLIGHT", "SERVED", "HIT%", "KV_HOT", "KV_HOST", "KV_DISK", "EV_SEQ");
     size_t i;
     json_t *w;
     json_array_foreach(json_object_get(o, "workers"), i, w)
     {
         json_t *kv = json_object_get(w, "kv_pages");
-        printf("%-12s %-5s %8lld %8lld %7.1f%% %9lld %9lld %9lld %8lld\n",
+        /* the controller's view of it, when the router follows one ("-" otherwise) */
+        const char *member = json_string_value(json_object_get(w, "member_state"));
+        json_t *level = json_object_get(w, "level");
+        char lv[16] = "-";
+        if (member && json_is_integer(level))
+            snprintf(lv, sizeof lv, "%lld", (long long)json_integer_value(level));
+        printf("%-12s %-5s %-10s %5s %8lld %8lld %7.1f%% %9lld %9lld %9lld %8lld\n",
                json_string_value(json_object_get(w, "id")),
                json_is_true(json_object_get(w, "up"))
                    ? (json_is_true(json_object_get(w, "draining")) ? "drain" : "yes")
                    : "no",
+               member ? member : "-", lv,
                (long long)json_integer_value(json_object_get(w, "inflight")),
                (long long)json_integer_value(json_object_get(w, "served")),
                100 * json_number_value(json_object_get(w, "hit_ratio")),
@@ -531,7 +538,8 @@ static int cmd_status(int argc, char **argv)
                (long long)json_integer_value(json_object_get(kv, "disk")),
                (long long)json_integer_value(json_object_get(w, "event_seq")));
     }
-    printf("(KV columns are pages, as the workers' events report them)\n");
+    printf("(KV columns are pages, as the workers' events report them; MEMBER and LEVEL are the "
+           "controller's view: kvmesh status --controller has the recovery history)\n");
     json_decref(o);
     status = 0;
 out:
