@@ -194,7 +194,7 @@ fuzz-run: $(FUZZ_BIN)
 	@set -eo pipefail; for f in $(FUZZ_BIN); do n=$$(basename $$f); \
 	  mkdir -p build/fuzz/corpus/$$n; cp -n tests/fuzz/corpus/$$n/* build/fuzz/corpus/$$n/ 2>/dev/null || true; \
 	  echo "== $$n ($(FUZZ_SECONDS)s)"; \
-	  $$f -max_total_time=$(FUZZ_SECONDS) -max_len=65536 -print_final_stats=0 build/fuzz/corpus/$$n 2>&1 | tail -2; done
+	  $$f -max_total_time=$(FUZZ_SECONDS) -max_len=65536 -print_final_stats=0 -artifact_prefix=build/fuzz/$$n- build/fuzz/corpus/$$n 2>&1 | tail -4; done
 
 # ------------------------------------------------------------------ demo and benchmarks
 demo: deps build
