@@ -43,24 +43,26 @@ extern "C" {
 /* ---------------------------------------------------------------- policy (policy.c) */
 
 typedef struct ctl_policy_cfg {
-    double pressure_high;      /* level 1 at or above this; default 0.90 */
-    double pressure_low;       /* revert / calm at or below this; default 0.70 */
-    int64_t cooldown_ms;       /* between level 1 -> 2 -> 3; default 5000 */
-    uint32_t l1_repeat;        /* level 1 fired this often within l1_window_ms -> level 2; 3 */
-    int64_t l1_window_ms;      /* default 60000 */
-    int64_t revert_after_ms;   /* level 2 reverted after pressure stayed low this long; 30000 */
-    int64_t stall_timeout_ms;  /* busy with tokens_total unchanged this long -> level 3; 15000 */
-    double error_storm;        /* errors rising faster than this per second -> level 3; 50 */
-    uint64_t max_rss;          /* bytes; RSS at or above -> level 3 (and pressure counts RSS/max);
-                                * 0 = off */
-    uint64_t max_gpu;          /* bytes of GPU memory; the same as max_rss for heartbeats'
-                                * gpu_bytes; 0 = off */
-    int64_t heartbeat_ms;      /* the workers' heartbeat interval; default 1000 */
-    uint32_t dead_after;       /* missed intervals before "dead"; default 3 */
-    int64_t action_timeout_ms; /* a worker busy with an unacknowledged command (an fp8 conversion
-                                * of a large cache) is silent this long before "dead"; 30000 */
-    double evict_fraction;     /* level 1's evict fraction; default 0.25 */
-    bool recovery;             /* false: observe and publish only (forced levels still work) */
+    double pressure_high;       /* level 1 at or above this; default 0.90 */
+    double pressure_low;        /* revert / calm at or below this; default 0.70 */
+    int64_t cooldown_ms;        /* between level 1 -> 2 -> 3; default 5000 */
+    uint32_t l1_repeat;         /* level 1 fired this often within l1_window_ms -> level 2; 3 */
+    int64_t l1_window_ms;       /* default 60000 */
+    int64_t revert_after_ms;    /* level 2 reverted after pressure stayed low this long; 30000 */
+    int64_t stall_timeout_ms;   /* busy with tokens_total unchanged this long -> level 3; 15000 */
+    double error_storm;         /* errors rising faster than this per second -> level 3; 50 */
+    uint64_t max_rss;           /* bytes; RSS at or above -> level 3 (and pressure counts RSS/max);
+                                 * 0 = off */
+    uint64_t max_gpu;           /* bytes of GPU memory; the same as max_rss for heartbeats'
+                                 * gpu_bytes; 0 = off */
+    int64_t heartbeat_ms;       /* the workers' heartbeat interval; default 1000 */
+    uint32_t dead_after;        /* missed intervals before "dead"; default 3 */
+    int64_t restart_timeout_ms; /* a member restarting (level 3) and silent this long is dead;
+                                 * default 120000, 0 = never */
+    int64_t action_timeout_ms;  /* a worker busy with an unacknowledged command (an fp8 conversion
+                                 * of a large cache) is silent this long before "dead"; 30000 */
+    double evict_fraction;      /* level 1's evict fraction; default 0.25 */
+    bool recovery;              /* false: observe and publish only (forced levels still work) */
 } ctl_policy_cfg;
 
 void ctl_policy_cfg_default(ctl_policy_cfg *c);

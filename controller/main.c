@@ -92,6 +92,10 @@ int main(int argc, char **argv)
          &pc->heartbeat_ms, 10, 3600000},
         {"dead-after", NULL, KM_OPT_INT, "3", "missed heartbeat intervals before a worker is dead",
          &dead_after, 1, 1000},
+        {"restart-timeout", NULL, KM_OPT_DURATION, "2m",
+         "a worker drained by level 3 and silent this long (no supervisor restarted it) is dead; "
+         "0 = wait forever",
+         &pc->restart_timeout_ms, 0, 86400000},
         {"action-timeout", NULL, KM_OPT_DURATION, "30s",
          "a worker silent while it carries out a command it has not yet acknowledged (e.g. an "
          "fp8 conversion) is declared dead only after this",

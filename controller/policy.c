@@ -92,6 +92,7 @@ void ctl_policy_cfg_default(ctl_policy_cfg *c)
                           .heartbeat_ms = 1000,
                           .dead_after = 3,
                           .action_timeout_ms = 30000,
+                          .restart_timeout_ms = 120000,
                           .evict_fraction = 0.25,
                           .recovery = true};
 }
@@ -517,8 +518,17 @@ int ctl_policy_tick(ctl_policy *p, uint64_t now_ms)
     int changed = 0;
     for (int i = 0; i < p->n; i++) {
         ctl_member *m = &p->m[i];
-        /* restarting is expected to be silent while the process comes back */
-        if (m->state == KM_MEMBER_DEAD || m->state == KM_MEMBER_RESTARTING) continue;
+        if (m->state == KM_MEMBER_DEAD) continue;
+        /* Restarting is expected to be silent while the process comes back, but not forever: a
+         * process with no supervisor (or one that cannot start) is dead after restart_timeout. */
+        if (m->state == KM_MEMBER_RESTARTING) {
+            if (p->cfg.restart_timeout_ms > 0 &&
+                now_ms - m->last_seen_ms >= (uint64_t)p->cfg.restart_timeout_ms) {
+                set_state(p, m, KM_MEMBER_DEAD);
+                changed++;
+            }
+            continue;
+        }
         uint64_t lim = limit;
         /* The worker runs admin commands in its loop: a conversion of a large cache is silent
          * while it lasts. Until the command is acknowledged, give it action_timeout. */

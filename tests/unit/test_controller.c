@@ -610,3 +610,24 @@ Test(controller_policy, a_silent_worker_with_a_pending_command_is_dead_after_the
     cr_assert_eq(ctl_policy_tick(pol, 1100 + 30000), 1);
     cr_assert_eq(state_of("w0"), KM_MEMBER_DEAD);
 }
+
+Test(controller_policy, a_restarting_member_that_never_comes_back_is_dead_after_the_restart_timeout)
+{
+    cfg.restart_timeout_ms = 60000;
+    start();
+    fake_worker w = {.id = "w0", .state = KM_STATE_READY};
+    ctl_action a;
+    cr_assert_eq(beat(&w, 1000, 0.50, &a), 0);
+    cr_assert_eq(ctl_policy_force(pol, "w0", 3, 1100, &a), 0);
+    cr_assert_eq(ctl_policy_ack(pol, "w0", a.id, true), 0);
+    cr_assert_eq(state_of("w0"), KM_MEMBER_RESTARTING);
+    cr_assert_eq(ctl_policy_tick(pol, 30000), 0, "silence is what a restart looks like");
+    cr_assert_eq(state_of("w0"), KM_MEMBER_RESTARTING);
+    cr_assert_eq(ctl_policy_tick(pol, 61000), 1);
+    cr_assert_eq(state_of("w0"), KM_MEMBER_DEAD);
+    /* a new process that turns up later is taken back */
+    fake_worker again = {.id = "w0", .state = KM_STATE_READY, .start_ms = 70000};
+    cr_assert_eq(beat(&again, 70500, 0.10, &a), 0);
+    cr_assert_eq(state_of("w0"), KM_MEMBER_READY);
+    cr_assert_eq(level_of("w0"), 0);
+}
