@@ -25,6 +25,7 @@ typedef struct wk_args {
     const char *model, *listen, *events, *controller, *admin_host, *worker_id, *kv_format;
     const char *alias, *ports_file, *log_level, *log_format, *kv_disk_dir;
     int64_t threads, admin_port, page_tokens, max_batch, prefill_chunk, max_running, max_queue;
+    int64_t decode_prefill;
     int64_t max_ctx, default_max_tokens, heartbeat_ms, drain_ms, event_replay, cluster_seed;
     uint64_t kv_bytes, max_frame, kv_host_bytes, kv_disk_bytes;
     bool chaos;
@@ -67,6 +68,10 @@ int main(int argc, char **argv)
          65536},
         {"prefill-chunk", NULL, KM_OPT_INT, "256", "most prompt tokens of one sequence per step",
          &a.prefill_chunk, 1, 65536},
+        {"decode-prefill", NULL, KM_OPT_INT, "0",
+         "most prompt tokens in a step that also decodes (caps inter-token latency spikes while "
+         "new prompts arrive); 0 = no extra cap",
+         &a.decode_prefill, 0, 65536},
         {"max-running", NULL, KM_OPT_INT, "64", "sequences decoded together", &a.max_running, 1,
          4096},
         {"max-queue", NULL, KM_OPT_INT, "1024", "requests waiting for a slot", &a.max_queue, 1,
@@ -143,6 +148,7 @@ int main(int argc, char **argv)
                   .max_queue = (int)a.max_queue,
                   .max_batch_tokens = (int)a.max_batch,
                   .prefill_chunk = (int)a.prefill_chunk,
+                  .decode_prefill = (int)a.decode_prefill,
                   .max_ctx = (int)a.max_ctx,
                   .default_max_tokens = (int)a.default_max_tokens,
                   .cluster_seed = (uint64_t)a.cluster_seed},

@@ -414,11 +414,15 @@ static void wk_sched_admit(wk_sched *s, uint64_t now)
     }
 }
 
-/* Fills the batch: decodes first, then prefill chunks in admission order. */
+/* Fills the batch: decodes first, then prefill chunks in admission order. When the step decodes
+ * and decode_prefill is set, its prompt tokens are capped there: a long prefill in the same step
+ * is what makes a running sequence wait for its next token (inter-token latency spikes). */
 static int wk_sched_build(wk_sched *s, int *n_parts)
 {
     int n = 0, np = 0, budget = s->o.max_batch_tokens;
     for (int pass = 0; pass < 2; pass++) {
+        if (pass == 1 && n > 0 && s->o.decode_prefill > 0 && n + s->o.decode_prefill < budget)
+            budget = n + s->o.decode_prefill;
         for (int i = 0; i < s->n_run && n < budget; i++) {
             wk_rq *r = s->run[i];
             int left = r->n_tok - r->n_done;

@@ -177,6 +177,8 @@ typedef struct wk_sched_opts {
     int max_queue;          /* requests waiting for a slot; 0: 1024 */
     int max_batch_tokens;   /* tokens per step; must not exceed the engine's; 0: 512 */
     int prefill_chunk;      /* most prompt tokens of one sequence per step; 0: max_batch_tokens */
+    int decode_prefill;     /* most prompt tokens in a step that also decodes (bounds the
+                             * inter-token latency of running sequences); 0: no extra cap */
     int max_ctx;            /* prompt + completion per sequence; 0: 4096 */
     int default_max_tokens; /* when a request says 0; 0: 256 */
     double aging_per_s;     /* priority points a waiting request gains per second; 0: 20 */

@@ -168,6 +168,37 @@ static void check_batched(size_t kv_bytes, int chunk, int expect_preempt)
     wk_engine_destroy(e);
 }
 
+Test(sched, decode_prefill_caps_prompt_tokens_in_steps_that_decode_and_changes_no_token)
+{
+    if (!need_model()) return;
+    make_prompts();
+    int32_t p[100];
+    prompt(p, 100, 9);
+    out ref = {0}, a = {0}, b = {0};
+    alone(p, 100, 6, &ref);
+    wk_engine *e = engine(0, 128);
+    wk_sched *s = sched(e, (wk_sched_opts){.max_batch_tokens = 128, .decode_prefill = 8});
+    wk_sched_req r = greedy_req(g_p[0], g_len[0], 40, &a);
+    cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
+    for (int k = 0; k < 3; k++) wk_sched_step(s); /* a is decoding now */
+    r = greedy_req(p, 100, 6, &b);
+    cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
+    for (int k = 0; k < 5 && !a.ended; k++) {
+        wk_sched_stats s0, s1;
+        wk_sched_stats_get(s, &s0);
+        cr_assert_geq(wk_sched_step(s), 0);
+        wk_sched_stats_get(s, &s1);
+        cr_assert_leq(s1.prefill_tokens - s0.prefill_tokens, 8,
+                      "a step that decodes carries at most 8 prompt tokens");
+    }
+    run_all(s);
+    cr_assert(b.ended && !b.code);
+    cr_assert_eq(b.n, ref.n);
+    cr_assert_arr_eq(b.tok, ref.tok, sizeof(int32_t) * ref.n, "same tokens as alone");
+    wk_sched_destroy(s);
+    wk_engine_destroy(e);
+}
+
 Test(sched, batched_chunked_prefill_gives_the_same_greedy_tokens_as_alone)
 {
     if (!need_model()) return;
