@@ -50,20 +50,6 @@
 #define CHAOS_TARGET  "w1" /* the worker every worker fault hits */
 #define CHAOS_MAX_ACT 256  /* recovery actions remembered per run */
 
-static uint64_t wall_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
-}
-
-static void sleep_ms(int ms)
-{
-    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-    while (nanosleep(&ts, &ts) && errno == EINTR) {
-    }
-}
-
 /* ---------------------------------------------------------------- knobs */
 
 typedef struct chaos_knobs {
@@ -228,7 +214,7 @@ static void *signal_main(void *arg)
         kill(up, SIGTERM);
         for (int i = 0; i < 300 && kill(up, 0) == 0; i++) {
             waitpid(up, NULL, WNOHANG);
-            sleep_ms(50);
+            km_sleep_ms(50);
         }
         kill(up, SIGKILL);
         kvm_cluster_proc procs[KVM_CLUSTER_MAX];
@@ -284,7 +270,7 @@ static int wait_new_pid(chaos_run *r, const char *id, int old, int timeout_ms)
     for (int waited = 0; waited < timeout_ms; waited += 50) {
         int pid = proc_pid(r, id);
         if (pid > 0 && pid != old) return pid;
-        sleep_ms(50);
+        km_sleep_ms(50);
     }
     return 0;
 }
@@ -301,7 +287,7 @@ static bool wait_worker_ready(chaos_run *r, const char *id, int timeout_ms)
         int rc = kvm_http_get(url, 1000, &b, &st, NULL);
         km_buf_free(&b);
         if (!rc && st == 200) return true;
-        sleep_ms(100);
+        km_sleep_ms(100);
     }
     return false;
 }
@@ -351,7 +337,7 @@ static void mon_state(chaos_run *r, const km_view_worker *w, uint64_t now)
 
 static void mon_on_view(chaos_run *r, const km_msg_view *v)
 {
-    uint64_t now = wall_ms();
+    uint64_t now = km_wall_ms();
     pthread_mutex_lock(&r->mu);
     r->views++;
     r->last_view_ms = now;
@@ -436,7 +422,7 @@ static bool wait_level(chaos_run *r, const char *worker, uint32_t level, uint64_
         int n = actions_since(r, since, worker, a, CHAOS_MAX_ACT);
         for (int i = 0; i < n; i++)
             if (a[i].level == level) return true;
-        sleep_ms(100);
+        km_sleep_ms(100);
     }
     return false;
 }
@@ -520,10 +506,10 @@ static void load_one(chaos_load *l, kvm_client **c, int prompt)
             if (kvm_open(l->endpoint, &o, c, NULL)) break;
         } else {
             int wait = res.retry_after_ms ? (int)res.retry_after_ms : 200;
-            sleep_ms(wait > 2000 ? 2000 : wait);
+            km_sleep_ms(wait > 2000 ? 2000 : wait);
         }
     }
-    uint64_t now = wall_ms();
+    uint64_t now = km_wall_ms();
     pthread_mutex_lock(&l->mu);
     if (done) {
         l->completed++;
@@ -665,7 +651,7 @@ static int fault_pressure(chaos_run *r)
     int cooldown = r->k.short_run ? 1000 : 2000;
     uint64_t t0 = r->fault_ms;
     if (send_pressure(r, 0.5)) return -1;
-    sleep_ms(2 * cooldown);
+    km_sleep_ms(2 * cooldown);
     chaos_action early[CHAOS_MAX_ACT];
     if (actions_since(r, t0 + 1000, CHAOS_TARGET, early, CHAOS_MAX_ACT) > 0) {
         snprintf(r->note, sizeof r->note, "level %u fired at pressure 0.5 (%.2f in the view)",
@@ -706,7 +692,7 @@ static int fault_stop(chaos_run *r)
 {
     int pid = proc_pid(r, CHAOS_TARGET);
     if (pid <= 0 || kill(pid, SIGSTOP)) return -1;
-    sleep_ms(r->k.stop_ms);
+    km_sleep_ms(r->k.stop_ms);
     return kill(pid, SIGCONT) ? -1 : 0;
 }
 
@@ -737,7 +723,7 @@ static int ns_link(chaos_run *r, const char *updown)
 static int fault_partition(chaos_run *r)
 {
     if (ns_link(r, "down")) return -1;
-    sleep_ms(r->k.cut_ms);
+    km_sleep_ms(r->k.cut_ms);
     return ns_link(r, "up") ? -1 : 0;
 }
 
@@ -883,7 +869,7 @@ static int cluster_start(chaos_run *r)
         }
         int st;
         if (waitpid(pid, &st, WNOHANG) == pid || waited > 30000) return -1;
-        sleep_ms(100);
+        km_sleep_ms(100);
     }
     /* ... and the controller's view all ready */
     atomic_store(&r->mon_stop, false);
@@ -894,7 +880,7 @@ static int cluster_start(chaos_run *r)
         bool ready = r->all_ready;
         pthread_mutex_unlock(&r->mu);
         if (ready) return 0;
-        sleep_ms(100);
+        km_sleep_ms(100);
     }
     return -1;
 }
@@ -912,7 +898,7 @@ static void cluster_stop(chaos_run *r)
         bool gone = false;
         for (int i = 0; i < 300 && !gone; i++) {
             gone = waitpid(r->up_pid, &st, WNOHANG) == r->up_pid;
-            if (!gone) sleep_ms(50);
+            if (!gone) km_sleep_ms(50);
         }
         if (!gone) {
             kill(r->up_pid, SIGKILL);
@@ -1021,14 +1007,14 @@ static void run_scenario(const chaos_scenario *sc, const chaos_knobs *k, bool ke
     }
     /* 2. the same load with the fault */
     load_start(&load, cls);
-    sleep_ms(k->warmup_ms);
+    km_sleep_ms(k->warmup_ms);
     pthread_mutex_lock(&r->mu);
     r->pre_epoch = r->epoch;
-    r->fault_ms = wall_ms();
+    r->fault_ms = km_wall_ms();
     r->armed = true;
     pthread_mutex_unlock(&r->mu);
     int frc = sc->fault(r);
-    uint64_t fault_end = wall_ms();
+    uint64_t fault_end = km_wall_ms();
     res->fault_s = (fault_end - r->fault_ms) / 1e3;
     pthread_mutex_lock(&r->mu);
     r->fault_end_ms = fault_end;
@@ -1039,7 +1025,7 @@ static void run_scenario(const chaos_scenario *sc, const chaos_knobs *k, bool ke
                  r->note[0] ? ": " : "", r->note);
     } else {
         uint64_t deadline = fault_end + (uint64_t)k->recover_ms;
-        while (wall_ms() < deadline) {
+        while (km_wall_ms() < deadline) {
             pthread_mutex_lock(&r->mu);
             uint64_t ready_at = r->ready_at_ms;
             pthread_mutex_unlock(&r->mu);
@@ -1049,13 +1035,13 @@ static void run_scenario(const chaos_scenario *sc, const chaos_knobs *k, bool ke
                 res->recover_s = (first - r->fault_ms) / 1e3;
                 break;
             }
-            sleep_ms(100);
+            km_sleep_ms(100);
         }
         if (!res->recovered)
             snprintf(res->error, sizeof res->error,
                      "not recovered within %d s of the fault's end (view all ready: %s)",
                      k->recover_ms / 1000, r->all_ready ? "yes" : "no");
-        sleep_ms(k->tail_ms);
+        km_sleep_ms(k->tail_ms);
     }
     load_join(&load, cls);
     format_levels(r, res);

@@ -109,27 +109,45 @@ static void on_written(uv_write_t *req, int status)
     try_requests(c); /* a pipelined request may already be buffered */
 }
 
-static const char *reason(int status)
+const char *km_http_reason(int status)
 {
     switch (status) {
+    case 100:
+        return "Continue";
     case 200:
         return "OK";
     case 400:
         return "Bad Request";
+    case 401:
+        return "Unauthorized";
     case 404:
         return "Not Found";
     case 405:
         return "Method Not Allowed";
+    case 408:
+        return "Request Timeout";
+    case 411:
+        return "Length Required";
     case 413:
         return "Payload Too Large";
+    case 415:
+        return "Unsupported Media Type";
+    case 429:
+        return "Too Many Requests";
     case 431:
         return "Request Header Fields Too Large";
+    case 499:
+        return "Client Closed Request";
+    case 500:
+        return "Internal Server Error";
     case 501:
         return "Not Implemented";
     case 503:
         return "Service Unavailable";
+    case 504:
+        return "Gateway Timeout";
     }
-    return "Internal Server Error";
+    return "Unknown";
 }
 
 /* Queues one response; the body is sent unless head_only. */
@@ -146,7 +164,7 @@ static void respond(conn *c, int status, const char *ctype, const void *body, si
         km_buf_printf(&w->out,
                       "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\n%s"
                       "Connection: %s\r\n\r\n",
-                      status, reason(status), ctype, len,
+                      status, km_http_reason(status), ctype, len,
                       status == 405 ? "Allow: GET, HEAD\r\n" : "", close ? "close" : "keep-alive");
     if (!rc && !head_only) rc = km_buf_append(&w->out, body, len);
     if (rc) {

@@ -73,7 +73,9 @@ void km_log(km_log_level level, const char *event, const char *fmt, ...)
 
 /* ---------------------------------------------------------------- time */
 
-uint64_t km_now_ns(void); /* CLOCK_MONOTONIC */
+uint64_t km_now_ns(void);  /* CLOCK_MONOTONIC */
+uint64_t km_wall_ms(void); /* CLOCK_REALTIME, Unix ms */
+void km_sleep_ms(int ms);  /* sleeps ms milliseconds, resuming after signals */
 
 /* ---------------------------------------------------------------- tensor types (ggml ids) */
 

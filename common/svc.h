@@ -558,6 +558,10 @@ typedef struct km_admin_opts {
     void *user;
 } km_admin_opts;
 
+/* The reason phrase of an HTTP status ("Not Found"); "Unknown" for codes the servers never send.
+ * Shared by the admin server and the router's HTTP front. */
+const char *km_http_reason(int status);
+
 /* Binds and listens (errors come back here), then serves on a thread with its own uv loop. */
 int km_admin_start(const km_admin_opts *o, km_admin **out, km_errbuf *err);
 int km_admin_port(const km_admin *a);

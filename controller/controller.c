@@ -48,13 +48,6 @@ static uint64_t mono_ms(void)
     return km_now_ns() / 1000000ull;
 }
 
-static uint64_t wall_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    return (uint64_t)ts.tv_sec * 1000ull + (uint64_t)ts.tv_nsec / 1000000ull;
-}
-
 void ctl_config_default(ctl_config *c)
 {
     memset(c, 0, sizeof *c);
@@ -378,7 +371,7 @@ int ctl_controller_create(const ctl_config *cfg, ctl_controller **out, km_errbuf
     if (!c->cfg.controller_id || !c->cfg.controller_id[0]) c->cfg.controller_id = "controller";
     if (c->cfg.view_interval_ms <= 0) c->cfg.view_interval_ms = 1000;
     km_proto_limits_default(&c->lim);
-    c->epoch_ms = wall_ms();
+    c->epoch_ms = km_wall_ms();
     c->wall_minus_mono = (int64_t)c->epoch_ms - (int64_t)mono_ms();
     int rc;
     c->vw = calloc(KM_PROTO_MAX_VIEW_WORKERS, sizeof *c->vw);

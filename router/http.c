@@ -215,47 +215,6 @@ static int conn_write(conn *c, km_buf *out)
     return 0;
 }
 
-static const char *reason(int status)
-{
-    switch (status) {
-    case 100:
-        return "Continue";
-    case 200:
-        return "OK";
-    case 400:
-        return "Bad Request";
-    case 401:
-        return "Unauthorized";
-    case 404:
-        return "Not Found";
-    case 405:
-        return "Method Not Allowed";
-    case 408:
-        return "Request Timeout";
-    case 411:
-        return "Length Required";
-    case 413:
-        return "Payload Too Large";
-    case 415:
-        return "Unsupported Media Type";
-    case 429:
-        return "Too Many Requests";
-    case 431:
-        return "Request Header Fields Too Large";
-    case 499:
-        return "Client Closed Request";
-    case 500:
-        return "Internal Server Error";
-    case 501:
-        return "Not Implemented";
-    case 503:
-        return "Service Unavailable";
-    case 504:
-        return "Gateway Timeout";
-    }
-    return "Unknown";
-}
-
 static bool req_usable(rt_http_req *r)
 {
     return r && r->c && !r->c->closing && r->c->cur == r && !r->ended;
@@ -271,7 +230,7 @@ int rt_http_respond_h(rt_http_req *r, int status, const char *ctype, const char 
         km_buf_printf(&out,
                       "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\n%s"
                       "Connection: %s\r\n\r\n",
-                      status, reason(status), ctype ? ctype : "text/plain", len,
+                      status, km_http_reason(status), ctype ? ctype : "text/plain", len,
                       extra_headers ? extra_headers : "", r->keep_alive ? "keep-alive" : "close");
     if (!rc && !r->head_only) rc = km_buf_append(&out, body, len);
     r->answered = r->ended = true;
@@ -298,7 +257,7 @@ int rt_http_stream_begin(rt_http_req *r, int status, const char *ctype)
                            "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nTransfer-Encoding: chunked\r\n"
                            "Cache-Control: no-cache\r\nX-Accel-Buffering: no\r\n"
                            "Connection: %s\r\n\r\n",
-                           status, reason(status), ctype ? ctype : "text/event-stream",
+                           status, km_http_reason(status), ctype ? ctype : "text/event-stream",
                            r->keep_alive ? "keep-alive" : "close");
     r->answered = r->streaming = true;
     if (rc) {
@@ -352,7 +311,7 @@ static void fatal(conn *c, int status, const char *msg)
     if (km_buf_printf(&out,
                       "HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %zu\r\n"
                       "Connection: close\r\n\r\n%s",
-                      status, reason(status), strlen(msg), msg)) {
+                      status, km_http_reason(status), strlen(msg), msg)) {
         km_buf_free(&out);
         conn_close(c);
         return;
