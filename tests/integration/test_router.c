@@ -283,6 +283,62 @@ typedef struct stream_state {
     int n;
 } stream_state;
 
+/* Streams q (N tokens, asynchronously on c), calls fault(ctx) once after 10 tokens, and checks
+ * that indexes continue and the done frame counts N; returns the text, the worker that finished
+ * it and the migrations the router reports. */
+static void stream_with_fault(kvm_client *c, km_msg_request *q, int N, void (*fault)(void *),
+                              void *ctx, km_buf *text, char *worker, size_t wcap,
+                              uint32_t *migrations)
+{
+    km_errbuf err = {{0}};
+    cr_assert_eq(kvm_submit(c, q, &err), 0);
+    int n = 0;
+    for (;;) {
+        km_msg m;
+        const void *raw;
+        size_t len;
+        cr_assert_eq(kvm_next(c, 60000, &m, &raw, &len, &err), 0, "%s", err.msg);
+        if (m.type == KM_MSG_TOKEN) {
+            cr_assert_eq(m.tok.index, (uint32_t)n, "indexes continue across the migration");
+            km_buf_append(text, m.tok.text, m.tok.text_len);
+            if (++n == 10) fault(ctx);
+        } else if (m.type == KM_MSG_DONE) {
+            kvm_done_extras(raw, len, worker, wcap, migrations);
+            cr_assert_eq(m.done.completion_tokens, (uint32_t)N);
+            km_msg_clear(&m);
+            break;
+        } else {
+            cr_assert_fail("unexpected frame %s: %s", km_msg_type_name(m.type),
+                           m.type == KM_MSG_ERROR ? m.error.message : "");
+        }
+        km_msg_clear(&m);
+    }
+    cr_assert_eq(n, N);
+}
+
+typedef struct kill_ctx {
+    const proc *r;
+    proc *w;
+    int killed;
+} kill_ctx;
+
+/* SIGKILLs the worker that has the request in flight. */
+static void kill_busy_worker(void *arg)
+{
+    kill_ctx *k = arg;
+    json_t *o = status(k->r);
+    size_t i;
+    json_t *wj;
+    json_array_foreach(json_object_get(o, "workers"), i,
+                       wj) if (json_integer_value(json_object_get(wj, "inflight")) > 0) k->killed =
+        (int)i;
+    json_decref(o);
+    cr_assert_geq(k->killed, 0, "no worker has the request in flight");
+    kill(k->w[k->killed].pid, SIGKILL);
+    waitpid(k->w[k->killed].pid, NULL, 0);
+    k->w[k->killed].pid = 0;
+}
+
 Test(router, sigkill_mid_stream_migrates_with_an_identical_greedy_output)
 {
     if (!have_binaries()) return;
@@ -305,45 +361,12 @@ Test(router, sigkill_mid_stream_migrates_with_an_identical_greedy_output)
 
     /* the same request, asynchronously: kill its worker after 10 tokens */
     q.id = 4242;
-    cr_assert_eq(kvm_submit(c, &q, &err), 0);
     km_buf text = {0};
-    int n = 0, killed = -1;
     char worker[64] = "";
     uint32_t migrations = 0;
-    for (;;) {
-        km_msg m;
-        const void *raw;
-        size_t len;
-        cr_assert_eq(kvm_next(c, 60000, &m, &raw, &len, &err), 0, "%s", err.msg);
-        if (m.type == KM_MSG_TOKEN) {
-            cr_assert_eq(m.tok.index, (uint32_t)n, "indexes continue across the migration");
-            km_buf_append(&text, m.tok.text, m.tok.text_len);
-            n++;
-            if (n == 10 && killed < 0) {
-                json_t *o = status(&r);
-                size_t k;
-                json_t *wj;
-                json_array_foreach(json_object_get(o, "workers"), k,
-                                   wj) if (json_integer_value(json_object_get(wj, "inflight")) > 0)
-                    killed = (int)k;
-                json_decref(o);
-                cr_assert_geq(killed, 0, "no worker has the request in flight");
-                kill(w[killed].pid, SIGKILL);
-                waitpid(w[killed].pid, NULL, 0);
-                w[killed].pid = 0;
-            }
-        } else if (m.type == KM_MSG_DONE) {
-            kvm_done_extras(raw, len, worker, sizeof worker, &migrations);
-            cr_assert_eq(m.done.completion_tokens, (uint32_t)N);
-            km_msg_clear(&m);
-            break;
-        } else {
-            cr_assert_fail("unexpected frame %s: %s", km_msg_type_name(m.type),
-                           m.type == KM_MSG_ERROR ? m.error.message : "");
-        }
-        km_msg_clear(&m);
-    }
-    cr_assert_eq(n, N);
+    kill_ctx k = {&r, w, -1};
+    stream_with_fault(c, &q, N, kill_busy_worker, &k, &text, worker, sizeof worker, &migrations);
+    int killed = k.killed;
     cr_assert_eq(migrations, 1u);
     cr_assert_str_neq(worker, ids[killed], "finished on the surviving worker");
     cr_assert(text.len == ref.text.len && memcmp(text.data, ref.text.data, text.len) == 0,
@@ -844,6 +867,27 @@ Test(router, a_member_draining_in_the_view_gets_nothing_new_until_it_is_ready_ag
     for (int i = 0; i < 2; i++) stop_proc(&w[i]);
 }
 
+typedef struct dead_ctx {
+    const proc *r;
+    proc *w;
+    const char **ids;
+    viewpub *vp;
+    int dead;
+} dead_ctx;
+
+/* Publishes a view in which the worker that has the request in flight is dead. */
+static void mark_busy_worker_dead(void *arg)
+{
+    dead_ctx *d = arg;
+    for (int i = 0; i < 2 && d->dead < 0; i++) {
+        json_t *wj = worker_status(d->r, d->ids[i]);
+        if (json_integer_value(json_object_get(wj, "inflight")) > 0) d->dead = i;
+        json_decref(wj);
+    }
+    cr_assert_geq(d->dead, 0, "no worker has the request in flight");
+    viewpub_set(d->vp, d->ids[d->dead], &d->w[d->dead], KM_MEMBER_DEAD);
+}
+
 Test(router, a_member_dead_in_the_view_has_its_stream_migrated_with_the_same_greedy_output)
 {
     if (!have_binaries()) return;
@@ -871,41 +915,13 @@ Test(router, a_member_dead_in_the_view_has_its_stream_migrated_with_the_same_gre
 
     /* the same request; after 10 tokens the view calls its worker dead (the process lives on) */
     q.id = 77;
-    cr_assert_eq(kvm_submit(c, &q, &err), 0);
     km_buf text = {0};
-    int n = 0, dead = -1;
     char worker[64] = "";
     uint32_t migrations = 0;
-    for (;;) {
-        km_msg m;
-        const void *raw;
-        size_t len;
-        cr_assert_eq(kvm_next(c, 60000, &m, &raw, &len, &err), 0, "%s", err.msg);
-        if (m.type == KM_MSG_TOKEN) {
-            cr_assert_eq(m.tok.index, (uint32_t)n, "indexes continue across the migration");
-            km_buf_append(&text, m.tok.text, m.tok.text_len);
-            n++;
-            if (n == 10 && dead < 0) {
-                for (int i = 0; i < 2 && dead < 0; i++) {
-                    json_t *wj = worker_status(&r, ids[i]);
-                    if (json_integer_value(json_object_get(wj, "inflight")) > 0) dead = i;
-                    json_decref(wj);
-                }
-                cr_assert_geq(dead, 0, "no worker has the request in flight");
-                viewpub_set(&vp, ids[dead], &w[dead], KM_MEMBER_DEAD);
-            }
-        } else if (m.type == KM_MSG_DONE) {
-            kvm_done_extras(raw, len, worker, sizeof worker, &migrations);
-            cr_assert_eq(m.done.completion_tokens, (uint32_t)N);
-            km_msg_clear(&m);
-            break;
-        } else {
-            cr_assert_fail("unexpected frame %s: %s", km_msg_type_name(m.type),
-                           m.type == KM_MSG_ERROR ? m.error.message : "");
-        }
-        km_msg_clear(&m);
-    }
-    cr_assert_eq(n, N);
+    dead_ctx d = {&r, w, ids, &vp, -1};
+    stream_with_fault(c, &q, N, mark_busy_worker_dead, &d, &text, worker, sizeof worker,
+                      &migrations);
+    int dead = d.dead;
     cr_assert_eq(migrations, 1u);
     cr_assert_str_eq(worker, ids[1 - dead], "finished on the worker the view calls ready");
     cr_assert(text.len == ref.text.len && memcmp(text.data, ref.text.data, text.len) == 0,
