@@ -960,7 +960,7 @@ static void warm_restart(const char *host_bytes)
     km_zctx_destroy(g_ctx);
     char cmd[128];
     snprintf(cmd, sizeof cmd, "rm -rf %s", disk);
-    if (system(cmd)) cr_log_warn("could not remove %s", disk);
+    if (system(cmd)) fprintf(stderr, "warning: could not remove %s\n", disk);
 }
 
 Test(worker, a_restarted_worker_comes_back_warm_from_its_disk_tier)
