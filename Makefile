@@ -41,7 +41,8 @@ COMMON_SRC  := $(wildcard common/*.c)
 KERNELS_SRC := $(wildcard kernels/*.c kernels/cpu/*.c)
 KVSHARD_SRC := $(filter-out kvshard/main.c,$(wildcard kvshard/*.c))
 ENGINE_SRC  := $(filter-out worker/main.c,$(wildcard worker/*.c))
-CLIENT_SRC  := $(filter-out client/main.c,$(wildcard client/*.c))
+CLIENT_SRC  := $(wildcard client/*.c)
+CLI_SRC     := $(wildcard cli/*.c)
 ROUTER_SRC  := $(filter-out router/main.c,$(wildcard router/*.c))
 CONTROLLER_SRC := $(filter-out controller/main.c,$(wildcard controller/*.c))
 
@@ -112,7 +113,9 @@ $(BUILD)/lib/%.a:
 	@rm -f $@
 	ar rcs $@ $^
 
-$(BIN)/kvmesh: $(OBJ)/client/main.o $(ALL_LIBS)
+# The kvmesh command: libkvmesh, and the engine (with kvshard and kernels) for its local commands
+# run, perplexity, bench and tokenize (cli/local.c); no router or controller library.
+$(BIN)/kvmesh: $(call objs,$(CLI_SRC)) $(LIB_CLIENT) $(LIB_ENGINE) $(LIB_KVSHARD) $(LIB_KERNELS) $(LIB_COMMON)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 

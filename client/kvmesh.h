@@ -3,7 +3,8 @@
  * straight to a worker) speaking docs/protocol.md, synchronous generation with a per-token
  * callback, an asynchronous submit/next pair for many requests in flight, and a small HTTP GET
  * for the router's status page; operator calls (admin frames, the controller's view) and the
- * reader of `kvmesh up`'s cluster state file, shared by the CLI, the chaos tool and the tests.
+ * reader of `kvmesh up`'s cluster state file, shared by the kvmesh command (cli/), the chaos tool
+ * and the tests.
  *
  * Contract:
  *  - Prefix: kvm_ (km_ is the common layer's; the wire types km_msg_* come from common/svc.h).
@@ -23,7 +24,6 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
-#include <stdio.h>
 
 #include "common/svc.h"
 
@@ -129,20 +129,6 @@ typedef struct kvm_cluster_proc {
 int kvm_cluster_read(const char *path, kvm_cluster_proc *procs, int max, km_errbuf *err);
 /* The process with this id in procs[0..n), or NULL. */
 const kvm_cluster_proc *kvm_cluster_find(const kvm_cluster_proc *procs, int n, const char *id);
-
-/* ---------------------------------------------------------------- CLI (client/cli_cluster.c)
- * The cluster subcommands of the `kvmesh` tool: generate, chat, status, up. Returns the process
- * exit status, or KVM_CLI_UNKNOWN when cmd is not one of them. argv excludes the command. */
-#define KVM_CLI_UNKNOWN (-1000)
-int kvm_cli_cluster(const char *cmd, int argc, char **argv);
-
-/* Prints a controller's view as `kvmesh status --controller` does: one line per worker, then
- * every worker's recovery history. */
-void kvm_view_print(FILE *f, const km_msg_view *v);
-
-/* `kvmesh chaos SCENARIO [--short] [--json]` (client/cli_chaos.c): fault injection against a
- * local cluster it starts itself; argv[0] is "chaos". Returns the exit status. */
-int kvm_cli_chaos(int argc, char **argv);
 
 #ifdef __cplusplus
 }

@@ -1,13 +1,11 @@
 /*
- * main.c — the `kvmesh` command-line tool.
- *
- * Local engine commands (they load the model in-process; no cluster needed):
+ * local.c — the `kvmesh` commands that load the model in-process and need no cluster:
  *   kvmesh run        -m MODEL -p PROMPT -n N     generate text, print speeds
  *   kvmesh perplexity -m MODEL -f FILE --ctx 512  llama.cpp-compatible perplexity
  *   kvmesh bench      -m MODEL --prompt 512 ...   engine speed (make bench-engine)
  *   kvmesh tokenize   -m MODEL -p TEXT            token ids
  * Every option has an environment twin (KVMESH_MODEL, KVMESH_THREADS, ...); `kvmesh CMD --help`
- * lists them with defaults.
+ * lists them with defaults. These are the only commands that link the engine (worker/worker.h).
  */
 #include <errno.h>
 #include <math.h>
@@ -15,10 +13,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "client/kvmesh.h"
+#include "cli/cli.h"
 #include "worker/worker.h"
 
-typedef struct km_cli {
+typedef struct local_opts {
     const char *model;
     const char *prompt;
     const char *file;
@@ -37,28 +35,11 @@ typedef struct km_cli {
     int show_ids;
     int raw;
     wk_sample_params sp;
-} km_cli;
+} local_opts;
 
-static void km_cli_usage(const char *cmd)
+static void local_usage(const char *cmd)
 {
-    printf("usage: kvmesh %s [options]\n\n", cmd ? cmd : "COMMAND");
-    if (!cmd) {
-        printf("commands:\n"
-               "  run         generate from a prompt with the local engine\n"
-               "  perplexity  perplexity of a text file (llama.cpp's method)\n"
-               "  bench       engine speed: prefill and decode at several batch sizes\n"
-               "  tokenize    print the token ids of a text\n"
-               "cluster commands (through a router):\n"
-               "  generate    stream a completion from the cluster\n"
-               "  chat        interactive chat through the cluster\n"
-               "  status      workers, KV usage per tier, hit ratio (--controller: member\n"
-               "              states, recovery levels, pressure, recovery history)\n"
-               "  recover     force a recovery level on a worker, through the controller\n"
-               "  up          start a controller, N workers and a router on loopback\n"
-               "  chaos       fault-injection scenarios against a local cluster\n\n"
-               "`kvmesh COMMAND --help` lists the command's options.\n");
-        return;
-    }
+    printf("usage: kvmesh %s [options]\n\n", cmd);
     printf("options (environment twin in brackets):\n"
            "  -m, --model PATH        GGUF model [KVMESH_MODEL] (default %s)\n"
            "  -t, --threads N         threads [KVMESH_THREADS] (default: all cores)\n"
@@ -94,7 +75,7 @@ static void km_cli_usage(const char *cmd)
         printf("      --raw               do not parse special-token texts\n");
 }
 
-static int km_cli_int(const char *s, int *out)
+static int local_int(const char *s, int *out)
 {
     char *end;
     errno = 0;
@@ -104,7 +85,7 @@ static int km_cli_int(const char *s, int *out)
     return 0;
 }
 
-static int km_cli_float(const char *s, float *out)
+static int local_float(const char *s, float *out)
 {
     char *end;
     errno = 0;
@@ -114,7 +95,7 @@ static int km_cli_float(const char *s, float *out)
     return 0;
 }
 
-static int km_cli_parse(const char *cmd, int argc, char **argv, km_cli *c)
+static int local_parse(const char *cmd, int argc, char **argv, local_opts *c)
 {
     memset(c, 0, sizeof *c);
     c->model = wk_default_model_path();
@@ -126,7 +107,7 @@ static int km_cli_parse(const char *cmd, int argc, char **argv, km_cli *c)
     c->batches = "1,8,32";
     wk_sample_params_default(&c->sp);
     const char *env;
-    if ((env = getenv("KVMESH_THREADS")) && km_cli_int(env, &c->threads)) {
+    if ((env = getenv("KVMESH_THREADS")) && local_int(env, &c->threads)) {
         fprintf(stderr, "kvmesh: KVMESH_THREADS=%s is not an integer\n", env);
         return -1;
     }
@@ -137,7 +118,7 @@ static int km_cli_parse(const char *cmd, int argc, char **argv, km_cli *c)
         int bad = 0, used = 1;
 #define KM_IS(s1, s2) (!strcmp(a, s1) || !strcmp(a, s2))
         if (KM_IS("-h", "--help")) {
-            km_cli_usage(cmd);
+            local_usage(cmd);
             exit(0);
         } else if (KM_IS("--chat", "--chat"))
             c->chat = 1, used = 0;
@@ -164,35 +145,35 @@ static int km_cli_parse(const char *cmd, int argc, char **argv, km_cli *c)
         else if (KM_IS("--batch", "--batch") && !strcmp(cmd, "bench"))
             c->batches = v;
         else if (KM_IS("-n", "--n-predict"))
-            bad = km_cli_int(v, &c->n_predict);
+            bad = local_int(v, &c->n_predict);
         else if (KM_IS("-t", "--threads"))
-            bad = km_cli_int(v, &c->threads);
+            bad = local_int(v, &c->threads);
         else if (KM_IS("-c", "--ctx"))
-            bad = km_cli_int(v, &c->ctx);
+            bad = local_int(v, &c->ctx);
         else if (KM_IS("-b", "--batch"))
-            bad = km_cli_int(v, &c->n_batch);
+            bad = local_int(v, &c->n_batch);
         else if (KM_IS("--prompt", "--prompt"))
-            bad = km_cli_int(v, &c->prompt_tokens);
+            bad = local_int(v, &c->prompt_tokens);
         else if (KM_IS("--gen", "--gen"))
-            bad = km_cli_int(v, &c->gen_tokens);
+            bad = local_int(v, &c->gen_tokens);
         else if (KM_IS("--reps", "--reps"))
-            bad = km_cli_int(v, &c->reps);
+            bad = local_int(v, &c->reps);
         else if (KM_IS("--temperature", "--temp"))
-            bad = km_cli_float(v, &c->sp.temperature);
+            bad = local_float(v, &c->sp.temperature);
         else if (KM_IS("--top-k", "--top-k"))
-            bad = km_cli_int(v, &c->sp.top_k);
+            bad = local_int(v, &c->sp.top_k);
         else if (KM_IS("--top-p", "--top-p"))
-            bad = km_cli_float(v, &c->sp.top_p);
+            bad = local_float(v, &c->sp.top_p);
         else if (KM_IS("--min-p", "--min-p"))
-            bad = km_cli_float(v, &c->sp.min_p);
+            bad = local_float(v, &c->sp.min_p);
         else if (KM_IS("--repeat-penalty", "--repeat-penalty"))
-            bad = km_cli_float(v, &c->sp.repeat_penalty);
+            bad = local_float(v, &c->sp.repeat_penalty);
         else if (KM_IS("--repeat-last-n", "--repeat-last-n"))
-            bad = km_cli_int(v, &c->sp.repeat_last_n);
+            bad = local_int(v, &c->sp.repeat_last_n);
         else if (KM_IS("--presence-penalty", "--presence-penalty"))
-            bad = km_cli_float(v, &c->sp.presence_penalty);
+            bad = local_float(v, &c->sp.presence_penalty);
         else if (KM_IS("--frequency-penalty", "--frequency-penalty"))
-            bad = km_cli_float(v, &c->sp.frequency_penalty);
+            bad = local_float(v, &c->sp.frequency_penalty);
         else if (KM_IS("--seed", "--seed")) {
             char *end;
             c->sp.seed = strtoull(v, &end, 10);
@@ -211,33 +192,8 @@ static int km_cli_parse(const char *cmd, int argc, char **argv, km_cli *c)
     return 0;
 }
 
-static char *km_read_file(const char *path, size_t *len)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f) {
-        fprintf(stderr, "kvmesh: cannot open %s: %s\n", path, strerror(errno));
-        return NULL;
-    }
-    size_t cap = 1 << 16, n = 0;
-    char *buf = malloc(cap + 1);
-    size_t r;
-    while (buf && (r = fread(buf + n, 1, cap - n, f)) > 0) {
-        n += r;
-        if (n == cap) {
-            char *nb = realloc(buf, (cap *= 2) + 1);
-            if (!nb) free(buf);
-            buf = nb;
-        }
-    }
-    fclose(f);
-    if (!buf) return NULL;
-    buf[n] = 0;
-    *len = n;
-    return buf;
-}
-
 /* Loads the model and builds an engine; prints the reason and returns -1 on failure. */
-static int km_open_engine(const km_cli *c, int max_batch, wk_model **m, wk_engine **e)
+static int local_open_engine(const local_opts *c, int max_batch, wk_model **m, wk_engine **e)
 {
     km_errbuf err = {{0}};
     int rc = wk_model_load(c->model, m, &err);
@@ -258,8 +214,8 @@ static int km_open_engine(const km_cli *c, int max_batch, wk_model **m, wk_engin
     return 0;
 }
 
-static int32_t *km_tokenize(const km_tokenizer *tok, const char *text, size_t len, int add_special,
-                            int parse_special, int *n_out)
+static int32_t *local_tokenize(const km_tokenizer *tok, const char *text, size_t len,
+                               int add_special, int parse_special, int *n_out)
 {
     int n = km_tok_encode(tok, text, len, add_special, parse_special, NULL, 0);
     if (n < 0) return NULL;
@@ -271,8 +227,8 @@ static int32_t *km_tokenize(const km_tokenizer *tok, const char *text, size_t le
 
 /* Feeds tokens [0, n) of one sequence through the engine in chunks; leaves the logits of the
  * last token in *last. */
-static int km_prefill(wk_engine *e, kv_seq *seq, const int32_t *ids, int n, int chunk,
-                      const float **last)
+static int local_prefill(wk_engine *e, kv_seq *seq, const int32_t *ids, int n, int chunk,
+                         const float **last)
 {
     int32_t pos[4096];
     kv_seq *seqs[4096];
@@ -287,15 +243,15 @@ static int km_prefill(wk_engine *e, kv_seq *seq, const int32_t *ids, int n, int 
     return 0;
 }
 
-static int km_cmd_run(int argc, char **argv)
+int cli_cmd_run(int argc, char **argv)
 {
-    km_cli c;
-    if (km_cli_parse("run", argc, argv, &c)) return 2;
+    local_opts c;
+    if (local_parse("run", argc - 1, argv + 1, &c)) return 2;
     size_t plen = 0;
     char *owned = NULL;
     const char *prompt = c.prompt;
     if (c.file) {
-        if (!(owned = km_read_file(c.file, &plen))) return 1;
+        if (!(owned = cli_read_file(c.file, &plen))) return 1;
         prompt = owned;
     }
     if (!prompt) {
@@ -304,7 +260,7 @@ static int km_cmd_run(int argc, char **argv)
     }
     wk_model *m = NULL;
     wk_engine *e = NULL;
-    if (km_open_engine(&c, 512, &m, &e)) return 1;
+    if (local_open_engine(&c, 512, &m, &e)) return 1;
     const km_tokenizer *tok = wk_model_tokenizer(m);
     char *templated = NULL;
     if (c.chat) {
@@ -322,7 +278,7 @@ static int km_cmd_run(int argc, char **argv)
     }
     int n_prompt = 0;
     /* A rendered chat template already carries its BOS (Llama 3 writes <|begin_of_text|>). */
-    int32_t *ids = km_tokenize(tok, prompt, strlen(prompt), !c.chat, 1, &n_prompt);
+    int32_t *ids = local_tokenize(tok, prompt, strlen(prompt), !c.chat, 1, &n_prompt);
     if (!ids || n_prompt <= 0) {
         fprintf(stderr, "kvmesh run: the prompt tokenizes to nothing\n");
         return 1;
@@ -335,7 +291,7 @@ static int km_cmd_run(int argc, char **argv)
 
     const float *logits;
     uint64_t t0 = km_now_ns();
-    int rc = km_prefill(e, seq, ids, n_prompt, 512, &logits);
+    int rc = local_prefill(e, seq, ids, n_prompt, 512, &logits);
     uint64_t t1 = km_now_ns();
     if (rc < 0) {
         fprintf(stderr, "kvmesh run: forward failed: %s\n", km_strerror(rc));
@@ -395,10 +351,10 @@ static int km_cmd_run(int argc, char **argv)
 /* llama.cpp's perplexity: the text is cut into n_ctx-token chunks (BOS first when the model adds
  * one); each chunk is evaluated from an empty cache and only its second half is scored, so every
  * scored token sees at least n_ctx/2 tokens of context. */
-static int km_cmd_perplexity(int argc, char **argv)
+int cli_cmd_perplexity(int argc, char **argv)
 {
-    km_cli c;
-    if (km_cli_parse("perplexity", argc, argv, &c)) return 2;
+    local_opts c;
+    if (local_parse("perplexity", argc - 1, argv + 1, &c)) return 2;
     if (!c.file) {
         fprintf(stderr, "kvmesh perplexity: give the text with -f FILE\n");
         return 2;
@@ -409,16 +365,16 @@ static int km_cmd_perplexity(int argc, char **argv)
     }
     int n_batch = c.n_batch > 0 && c.n_batch < c.ctx ? c.n_batch : c.ctx;
     size_t len;
-    char *text = km_read_file(c.file, &len);
+    char *text = cli_read_file(c.file, &len);
     if (!text) return 1;
     /* As llama-perplexity reads its file: one trailing newline is dropped. */
     if (len > 0 && text[len - 1] == '\n') text[--len] = 0;
     wk_model *m = NULL;
     wk_engine *e = NULL;
-    if (km_open_engine(&c, n_batch, &m, &e)) return 1;
+    if (local_open_engine(&c, n_batch, &m, &e)) return 1;
     const km_tokenizer *tok = wk_model_tokenizer(m);
     int n_tok = 0;
-    int32_t *ids = km_tokenize(tok, text, len, 1, 0, &n_tok);
+    int32_t *ids = local_tokenize(tok, text, len, 1, 0, &n_tok);
     int n_ctx = c.ctx, n_chunk = n_tok / n_ctx, n_vocab = wk_model_hparams(m)->n_vocab;
     if (n_tok < 2 * n_ctx) {
         fprintf(stderr, "kvmesh perplexity: %d tokens; need at least 2 x ctx = %d (as llama.cpp)\n",
@@ -483,15 +439,15 @@ static int km_cmd_perplexity(int argc, char **argv)
     return 0;
 }
 
-static int km_cmp_double(const void *a, const void *b)
+static int local_cmp_double(const void *a, const void *b)
 {
     double x = *(const double *)a, y = *(const double *)b;
     return x < y ? -1 : x > y;
 }
 
-static double km_median(double *v, int n)
+static double local_median(double *v, int n)
 {
-    qsort(v, n, sizeof *v, km_cmp_double);
+    qsort(v, n, sizeof *v, local_cmp_double);
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
@@ -499,10 +455,10 @@ static double km_median(double *v, int n)
  * prefill = llama-bench pp (random tokens, one sequence, from an empty cache); decode batch 1 =
  * llama-bench tg (one token per step from position 0); decode batch B > 1 = llama-batched-bench
  * S_TG (B sequences, each with a 128-token prompt, then `gen` steps of B tokens). */
-static int km_cmd_bench(int argc, char **argv)
+int cli_cmd_bench(int argc, char **argv)
 {
-    km_cli c;
-    if (km_cli_parse("bench", argc, argv, &c)) return 2;
+    local_opts c;
+    if (local_parse("bench", argc - 1, argv + 1, &c)) return 2;
     int batches[16], nb = 0;
     for (const char *p = c.batches; *p && nb < 16;) {
         batches[nb++] = atoi(p);
@@ -519,7 +475,7 @@ static int km_cmd_bench(int argc, char **argv)
     }
     wk_model *m = NULL;
     wk_engine *e = NULL;
-    if (km_open_engine(&c, maxb, &m, &e)) return 1;
+    if (local_open_engine(&c, maxb, &m, &e)) return 1;
     int n_vocab = wk_model_hparams(m)->n_vocab;
     kv_store *kv = wk_engine_kv(e);
     int32_t *tok = malloc(sizeof(int32_t) * maxb), *pos = malloc(sizeof(int32_t) * maxb);
@@ -546,7 +502,7 @@ static int km_cmd_bench(int argc, char **argv)
         kv_seq_destroy(kv, s);
     }
     printf("bench prefill tokens=%d tok_s=%.1f\n", c.prompt_tokens,
-           c.prompt_tokens / km_median(times, reps));
+           c.prompt_tokens / local_median(times, reps));
     fflush(stdout);
     /* decode */
     for (int bi = 0; bi < nb; bi++) {
@@ -578,7 +534,7 @@ static int km_cmd_bench(int argc, char **argv)
             for (int j = 0; j < B; j++) kv_seq_destroy(kv, ss[j]);
         }
         printf("bench decode batch=%d tok_s=%.1f\n", B,
-               (double)B * c.gen_tokens / km_median(times, reps));
+               (double)B * c.gen_tokens / local_median(times, reps));
         fflush(stdout);
     }
     free(tok);
@@ -589,15 +545,15 @@ static int km_cmd_bench(int argc, char **argv)
     return 0;
 }
 
-static int km_cmd_tokenize(int argc, char **argv)
+int cli_cmd_tokenize(int argc, char **argv)
 {
-    km_cli c;
-    if (km_cli_parse("tokenize", argc, argv, &c)) return 2;
+    local_opts c;
+    if (local_parse("tokenize", argc - 1, argv + 1, &c)) return 2;
     size_t len = 0;
     char *owned = NULL;
     const char *text = c.prompt;
     if (c.file) {
-        if (!(owned = km_read_file(c.file, &len))) return 1;
+        if (!(owned = cli_read_file(c.file, &len))) return 1;
         text = owned;
     } else if (text) {
         len = strlen(text);
@@ -613,30 +569,11 @@ static int km_cmd_tokenize(int argc, char **argv)
         return 1;
     }
     int n = 0;
-    int32_t *ids = km_tokenize(tok, text, len, 1, !c.raw, &n);
+    int32_t *ids = local_tokenize(tok, text, len, 1, !c.raw, &n);
     for (int i = 0; i < n; i++) printf("%d%s", ids[i], i + 1 < n ? " " : "\n");
     free(ids);
     free(owned);
     km_tok_destroy(tok);
     km_gguf_close(g);
     return 0;
-}
-
-int main(int argc, char **argv)
-{
-    if (argc < 2 || !strcmp(argv[1], "-h") || !strcmp(argv[1], "--help") ||
-        !strcmp(argv[1], "help")) {
-        km_cli_usage(NULL);
-        return argc < 2 ? 2 : 0;
-    }
-    const char *cmd = argv[1];
-    if (!strcmp(cmd, "run")) return km_cmd_run(argc - 2, argv + 2);
-    if (!strcmp(cmd, "perplexity")) return km_cmd_perplexity(argc - 2, argv + 2);
-    if (!strcmp(cmd, "bench")) return km_cmd_bench(argc - 2, argv + 2);
-    if (!strcmp(cmd, "tokenize")) return km_cmd_tokenize(argc - 2, argv + 2);
-    int crc =
-        kvm_cli_cluster(cmd, argc - 2, argv + 2); /* generate, chat, status, recover, up, chaos */
-    if (crc != KVM_CLI_UNKNOWN) return crc;
-    fprintf(stderr, "kvmesh: unknown command '%s' (kvmesh --help lists them)\n", cmd);
-    return 2;
 }

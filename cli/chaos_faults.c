@@ -1,0 +1,150 @@
+/*
+ * chaos_faults.c — one function per fault, and the scenario table that pairs each with what
+ * recovery means after it.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <jansson.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "cli/chaos.h"
+
+/* ---------------------------------------------------------------- faults */
+
+static int send_pressure(chaos_run *r, double fraction)
+{
+    char ep[128];
+    chaos_proc_field(r, CHAOS_TARGET, "requests", ep, sizeof ep);
+    km_msg_admin a = {.cmd = KM_ADMIN_PRESSURE, .fraction = fraction};
+    km_msg rep;
+    km_errbuf err = {{0}};
+    int rc = kvm_admin_call(ep, &a, 10000, &rep, &err);
+    if (rc) {
+        snprintf(r->note, sizeof r->note, "pressure %.2f: %.400s", fraction, err.msg);
+        return rc;
+    }
+    if (rep.type != KM_MSG_ADMIN_REPLY || !rep.admin_reply.ok) {
+        snprintf(r->note, sizeof r->note, "pressure %.2f refused: %d %s", fraction,
+                 rep.admin_reply.code,
+                 rep.admin_reply.message ? rep.admin_reply.message : "(no message)");
+        km_msg_clear(&rep);
+        return KM_EINVAL;
+    }
+    km_msg_clear(&rep);
+    return 0;
+}
+
+/* (a) 0.5 (below --pressure-high: nothing may fire), 0.95 until level 2 (fp8 halves the ballast's
+ * bytes), 0.95 again (and 0.99 if that is not enough) until level 3 drains the worker. */
+static int fault_pressure(chaos_run *r)
+{
+    int cooldown = r->k.short_run ? 1000 : 2000;
+    uint64_t t0 = r->fault_ms;
+    if (send_pressure(r, 0.5)) return -1;
+    km_sleep_ms(2 * cooldown);
+    chaos_action early[CHAOS_MAX_ACT];
+    if (chaos_actions_since(r, t0 + 1000, CHAOS_TARGET, early, CHAOS_MAX_ACT) > 0) {
+        snprintf(r->note, sizeof r->note, "level %u fired at pressure 0.5 (%.2f in the view)",
+                 early[0].level, r->target_pressure);
+        return -1;
+    }
+    if (send_pressure(r, 0.95)) return -1;
+    if (!chaos_wait_level(r, CHAOS_TARGET, 2, t0, 8 * cooldown + 10000)) {
+        snprintf(r->note, sizeof r->note,
+                 "level 2 did not fire (state %s, level %u, pressure %.2f)", r->target_state,
+                 r->target_level, r->target_pressure);
+        return -1;
+    }
+    if (send_pressure(r, 0.95)) return -1;
+    if (!chaos_wait_level(r, CHAOS_TARGET, 3, t0, 4 * cooldown + 3000)) {
+        if (send_pressure(r, 0.99)) return -1;
+        if (!chaos_wait_level(r, CHAOS_TARGET, 3, t0, 4 * cooldown + 10000)) {
+            snprintf(r->note, sizeof r->note,
+                     "level 3 did not fire (state %s, level %u, pressure %.2f)", r->target_state,
+                     r->target_level, r->target_pressure);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* (b) SIGKILL the target mid-stream; done when `kvmesh up` has it running and ready again. */
+static int fault_kill(chaos_run *r)
+{
+    int pid = chaos_proc_pid(r, CHAOS_TARGET);
+    if (pid <= 0 || kill(pid, SIGKILL)) return -1;
+    if (!chaos_wait_new_pid(r, CHAOS_TARGET, pid, 30000)) return -1;
+    return chaos_wait_worker_ready(r, CHAOS_TARGET, 60000) ? 0 : -1;
+}
+
+/* (c) SIGSTOP the target for stop_ms, then SIGCONT. */
+static int fault_stop(chaos_run *r)
+{
+    int pid = chaos_proc_pid(r, CHAOS_TARGET);
+    if (pid <= 0 || kill(pid, SIGSTOP)) return -1;
+    km_sleep_ms(r->k.stop_ms);
+    return kill(pid, SIGCONT) ? -1 : 0;
+}
+
+/* (d) SIGKILL the controller; done when its successor runs (the view must come back from it). */
+static int fault_controller(chaos_run *r)
+{
+    int pid = chaos_proc_pid(r, "controller");
+    if (pid <= 0 || kill(pid, SIGKILL)) return -1;
+    return chaos_wait_new_pid(r, "controller", pid, 30000) ? 0 : -1;
+}
+
+/* (e) SIGKILL the router while requests stream through it. */
+static int fault_router(chaos_run *r)
+{
+    int pid = chaos_proc_pid(r, "router");
+    if (pid <= 0 || kill(pid, SIGKILL)) return -1;
+    return chaos_wait_new_pid(r, "router", pid, 30000) ? 0 : -1;
+}
+
+static int ns_link(chaos_run *r, const char *updown)
+{
+    const char *a[] = {"ip",   "netns", "exec",     r->netns, "ip",
+                       "link", "set",   r->veth_ns, updown,   NULL};
+    return chaos_run_cmd(a, false);
+}
+
+/* (f) cut the target's namespace off (its end of the veth pair down), then restore it. */
+static int fault_partition(chaos_run *r)
+{
+    if (ns_link(r, "down")) return -1;
+    km_sleep_ms(r->k.cut_ms);
+    return ns_link(r, "up") ? -1 : 0;
+}
+
+/* ---------------------------------------------------------------- the scenario table */
+
+const chaos_scenario chaos_scenarios[] = {
+    {"pressure", "a",
+     "KV pressure ramp on w1 (0.5, 0.95, 0.95 again after fp8): levels 1, 2, 3 in order; the "
+     "drained worker is restarted and comes back ready",
+     fault_pressure, RECOVER_AFTER_DEGRADED, false, false, true},
+    {"kill", "b", "SIGKILL w1 mid-stream; kvmesh up restarts it", fault_kill, RECOVER_ALL_READY,
+     true, false, false},
+    {"stop", "c", "SIGSTOP w1 (10 s; --short 4 s), then SIGCONT", fault_stop,
+     RECOVER_AFTER_DEGRADED, true, false, false},
+    {"controller", "d",
+     "SIGKILL the controller; serving goes on, the restarted one rebuilds the view",
+     fault_controller, RECOVER_NEW_EPOCH, true, false, false},
+    {"router", "e", "SIGKILL the router while clients retry; they reconnect to the restarted one",
+     fault_router, RECOVER_COMPLETION, true, false, false},
+    {"partition", "f",
+     "w1 in its own network namespace, its link cut (10 s; --short 4 s), then restored",
+     fault_partition, RECOVER_AFTER_DEGRADED, true, true, false},
+};

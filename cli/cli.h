@@ -1,0 +1,43 @@
+/*
+ * cli.h — private to the `kvmesh` command (cli/): the subcommands, each in a file of its own, and
+ * the option plumbing they share. The command is built on libkvmesh (client/kvmesh.h) and, for
+ * the local engine commands only (run, perplexity, bench, tokenize: cli/local.c), on the engine.
+ *
+ *   cli/main.c      dispatch and the command list
+ *   cli/opts.c      options (common/svc.h's table, with -p/-n/-m/-r short forms), reading a file
+ *   cli/local.c     run, perplexity, bench, tokenize: the engine in-process, no cluster
+ *   cli/generate.c  generate, chat: through a router with libkvmesh
+ *   cli/status.c    status (router or controller), recover
+ *   cli/up*.c       up: a local cluster, supervised (up.h)
+ *   cli/chaos*.c    chaos: fault scenarios against local clusters (chaos.h)
+ *
+ * Every cli_cmd_* takes argv with the command itself in argv[0] (km_config wants a program name
+ * first) and returns the process's exit status: 0, 1 (failed) or 2 (bad usage).
+ */
+#ifndef KVMESH_CLI_H
+#define KVMESH_CLI_H
+
+#include <stdio.h>
+
+#include "client/kvmesh.h"
+
+/* Parses argv (argv[0] = the command) against opts; returns 0, 1 (help shown) or 2 (error). */
+int cli_parse_opts(const char *cmd, const char *summary, const km_opt *opts, size_t n, int argc,
+                   char **argv, km_config **out);
+
+/* The whole file, NUL-terminated (*len, when not NULL, excludes the NUL); NULL after saying why
+ * on stderr. */
+char *cli_read_file(const char *path, size_t *len);
+
+int cli_cmd_run(int argc, char **argv);
+int cli_cmd_perplexity(int argc, char **argv);
+int cli_cmd_bench(int argc, char **argv);
+int cli_cmd_tokenize(int argc, char **argv);
+int cli_cmd_generate(int argc, char **argv);
+int cli_cmd_chat(int argc, char **argv);
+int cli_cmd_status(int argc, char **argv);
+int cli_cmd_recover(int argc, char **argv);
+int cli_cmd_up(int argc, char **argv);
+int cli_cmd_chaos(int argc, char **argv);
+
+#endif /* KVMESH_CLI_H */

@@ -1,0 +1,172 @@
+/*
+ * up.c — `kvmesh up`: a whole local cluster on one machine, a controller, N workers and the
+ * router(s), restarted when they die, stopped by Ctrl-C. This file is the command: its options,
+ * the directories it uses, and the run; up_plan.c decides what runs where, up_procs.c supervises
+ * the processes and keeps <run-dir>/cluster.env (client/kvmesh.h) so that tools such as
+ * `kvmesh chaos` find them.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "cli/cli.h"
+#include "cli/up.h"
+
+/* The option table; 0, 1 (help shown) or 2 (bad usage). */
+static int up_parse(int argc, char **argv, up_opts *o, km_config **cfg)
+{
+    memset(o, 0, sizeof *o);
+    o->with_controller = true;
+    const km_opt opts[] = {
+        {"workers", NULL, KM_OPT_INT, "2", "workers to run", &o->n_workers, 1, 64},
+        {"routers", NULL, KM_OPT_INT, "1", "router replicas (router, router1, ...)", &o->n_routers,
+         1, 4},
+        {"model", NULL, KM_OPT_STR, NULL, "GGUF model (default: the workers' default)", &o->model,
+         0, 0},
+        {"threads", NULL, KM_OPT_INT, "0", "threads per worker; 0 = cores / workers", &o->threads,
+         0, 1024},
+        {"base-port", NULL, KM_OPT_INT, "7100",
+         "worker i listens on base+10i (requests), base+10i+1 (events), base+10i+2 (admin); 0 = "
+         "every port of the cluster picked free at random (see cluster.env)",
+         &o->base_port, 0, 65000},
+        {"front-port", NULL, KM_OPT_INT, "7000", "router's ZeroMQ port (router i: +i)",
+         &o->front_port, 1024, 65535},
+        {"http-port", NULL, KM_OPT_INT, "8080",
+         "router's OpenAI-compatible HTTP port (router i: +i)", &o->http_port, 1024, 65535},
+        {"controller", "KVMESH_UP_CONTROLLER", KM_OPT_BOOL, "true",
+         "run a kvmesh-controller (--no-controller: workers and routers without one)",
+         &o->with_controller, 0, 0},
+        {"controller-port", NULL, KM_OPT_INT, "7200",
+         "controller's --listen port (workers' heartbeats, operators); --view is this + 1",
+         &o->ctl_port, 1024, 65534},
+        {"controller-admin-port", NULL, KM_OPT_INT, "9200", "controller's admin HTTP port",
+         &o->ctl_admin_port, 1024, 65535},
+        {"controller-args", NULL, KM_OPT_STR, NULL,
+         "extra controller flags, space-separated (e.g. \"--cooldown=2s\")", &o->ctl_args, 0, 0},
+        {"cluster-seed", NULL, KM_OPT_INT, "0", "page-hash seed of the cluster", &o->cluster_seed,
+         0, 0},
+        {"mode", NULL, KM_OPT_STR, "kv", "routing: kv, round-robin, random", &o->mode, 0, 0},
+        {"kv-bytes", NULL, KM_OPT_STR, NULL, "hot-tier KV budget per worker (e.g. 256M)",
+         &o->kv_bytes, 0, 0},
+        {"bin-dir", NULL, KM_OPT_STR, NULL,
+         "where kvmesh-router, kvmesh-worker and kvmesh-controller are (default: next to this "
+         "kvmesh)",
+         &o->bin_dir, 0, 0},
+        {"run-dir", NULL, KM_OPT_STR, NULL,
+         "where cluster.env (every process's role, id, pid, endpoints) is kept (default: a new "
+         "/tmp/kvmesh-up-XXXXXX)",
+         &o->run_dir, 0, 0},
+        {"log-dir", NULL, KM_OPT_STR, NULL, "daemon logs go here (default: inherit stderr)",
+         &o->log_dir, 0, 0},
+        {"worker-args", NULL, KM_OPT_STR, NULL,
+         "extra flags for every worker, space-separated (e.g. \"--chaos --kv-format=fp8\")",
+         &o->worker_args, 0, 0},
+        {"worker-args-for", NULL, KM_OPT_STR, NULL,
+         "extra flags for some workers: \"ID:FLAGS;ID:FLAGS\" (e.g. \"w1:--chaos\")",
+         &o->worker_args_for, 0, 0},
+        {"router-args", NULL, KM_OPT_STR, NULL, "extra router flags, space-separated",
+         &o->router_args, 0, 0},
+        {"netns", NULL, KM_OPT_STR, NULL,
+         "run one worker in a network namespace: ID=NETNS,WORKER_ADDR,HOST_ADDR (kvmesh chaos "
+         "partition makes it)",
+         &o->netns_spec, 0, 0},
+    };
+    int prc = cli_parse_opts("up",
+                             "a whole local cluster: a controller, N workers and the router(s), "
+                             "restarted when they die, stopped by Ctrl-C",
+                             opts, sizeof opts / sizeof *opts, argc, argv, cfg);
+    if (prc) return prc;
+    int ns = up_parse_netns(o->netns_spec, &o->ns);
+    if (ns < 0) {
+        fprintf(stderr, "kvmesh up: --netns wants ID=NETNS,WORKER_ADDR,HOST_ADDR\n");
+        km_config_destroy(*cfg);
+        *cfg = NULL;
+        return 2;
+    }
+    o->has_ns = ns == 1;
+    return 0;
+}
+
+/* The daemons: --bin-dir, or the directory of this kvmesh. */
+static void up_bin_dir(const up_opts *o, char *dir, size_t cap)
+{
+    if (o->bin_dir) {
+        snprintf(dir, cap, "%s", o->bin_dir);
+        return;
+    }
+    ssize_t l = readlink("/proc/self/exe", dir, cap - 1);
+    if (l <= 0) l = 0;
+    dir[l] = 0;
+    char *slash = strrchr(dir, '/');
+    if (slash)
+        *slash = 0;
+    else
+        snprintf(dir, cap, ".");
+}
+
+/* --run-dir (made if missing), or a new /tmp/kvmesh-up-XXXXXX. */
+static int up_run_dir(const up_opts *o, char *dir, size_t cap)
+{
+    if (o->run_dir) {
+        snprintf(dir, cap, "%s", o->run_dir);
+        mkdir(dir, 0755);
+        return 0;
+    }
+    snprintf(dir, cap, "/tmp/kvmesh-up-XXXXXX");
+    if (mkdtemp(dir)) return 0;
+    fprintf(stderr, "kvmesh up: cannot make a run directory: %s\n", strerror(errno));
+    return -1;
+}
+
+static void up_banner(const up_state *st, const up_opts *o)
+{
+    const up_proc *r0 = &st->p[st->n - (int)o->n_routers];
+    const char *ctl_listen = o->with_controller ? st->p[0].listen : "";
+    fprintf(stderr,
+            "kvmesh up: router %s, OpenAI API %s/v1, %lld workers (%lld threads each)%s%s%s%s\n"
+            "kvmesh up: processes and endpoints in %s\n"
+            "kvmesh up: try  kvmesh generate -r %s -p \"Hello\"   |   kvmesh status%s%s   |   "
+            "Ctrl-C stops everything\n",
+            r0->requests, r0->http, (long long)o->n_workers, (long long)o->threads,
+            o->with_controller ? ", controller " : "", ctl_listen, o->log_dir ? ", logs in " : "",
+            o->log_dir ? o->log_dir : "", st->state_path, r0->requests,
+            o->with_controller ? " --controller " : "", ctl_listen);
+}
+
+int cli_cmd_up(int argc, char **argv)
+{
+    up_opts o;
+    km_config *cfg = NULL;
+    int prc = up_parse(argc, argv, &o, &cfg);
+    if (prc) return prc == 1 ? 0 : 2;
+    char dir[4096], rdir[4096];
+    up_bin_dir(&o, dir, sizeof dir);
+    if (up_run_dir(&o, rdir, sizeof rdir)) {
+        km_config_destroy(cfg);
+        return 1;
+    }
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    if (!o.threads) o.threads = cores / o.n_workers > 0 ? cores / o.n_workers : 1;
+    srandom((unsigned)(getpid() ^ (km_now_ns() >> 10)));
+    up_state st = {0};
+    snprintf(st.state_path, sizeof st.state_path, "%s/%s", rdir, KVM_CLUSTER_FILE);
+    uv_loop_t loop;
+    uv_loop_init(&loop);
+    st.loop = &loop;
+    if (o.log_dir) mkdir(o.log_dir, 0755);
+    int status = up_plan(&st, &o, dir);
+    if (status == 0) {
+        up_start_all(&st);
+        up_banner(&st, &o);
+        up_wait(&st);
+        fprintf(stderr, "kvmesh up: all processes stopped\n");
+    }
+    up_cleanup(&st);
+    uv_loop_close(&loop);
+    km_config_destroy(cfg);
+    return status;
+}
