@@ -50,152 +50,9 @@
 #include <uv.h>
 #include <zmq.h>
 
-#include "router/router.h"
-#include "worker/worker.h"
+#include "router/internal.h"
 
-#define RT_MAX_CHAIN  (KM_PROTO_MAX_PROMPT_TOK / 16 + 1)
-#define RT_RQ_BUCKETS 4096
-#define RT_REPLAY_MAX 4096 /* kv frames buffered from one replay */
-#define RT_TICK_MS    50
-
-/* ---------------------------------------------------------------- types */
-
-typedef enum { RQ_ZMQ = 0, RQ_HTTP = 1 } rq_origin;
-
-typedef struct rt_rq rt_rq;
-typedef struct rt_wk rt_wk;
-
-struct rt_rq {
-    rt_router *r;
-    uint64_t rid;         /* toward workers */
-    rt_rq *hnext;         /* rid hash chain */
-    rt_rq *qprev, *qnext; /* router queue, or the in-flight list */
-    bool queued;
-    /* origin */
-    rq_origin origin;
-    km_buf env_mem;
-    km_zframe env[KM_ZMSG_MAX_PARTS];
-    int n_env;
-    uint64_t cid; /* client's id */
-    rt_http_req *http;
-    bool http_stream, http_chat, include_usage, http_began;
-    char oai_id[48];
-    int64_t created;
-    /* request */
-    km_msg_request q; /* strings below owned by the rq */
-    char model[KM_PROTO_MAX_NAME + 1];
-    char *salt;
-    char *stop[KM_PROTO_MAX_STOP];
-    int32_t *tokens; /* prompt, then every generated token */
-    int n_prompt, n_gen, cap;
-    uint32_t max_tokens;
-    bool client_stream;
-    km_pagehash *chain;
-    int n_chain;
-    km_pagehash key;
-    uint64_t deadline_ns; /* absolute; 0 none */
-    /* state */
-    int worker;        /* -1: not at a worker */
-    int attempts;      /* workers tried */
-    int base;          /* n_gen when the current attempt began */
-    bool router_detok; /* continuation after a migration: the router makes the text */
-    bool replay;       /* this attempt regenerates the first n_gen tokens, checked, not sent */
-    int att_next;      /* next `index` expected from the current attempt */
-    int migrations;
-    km_detok dt;
-    km_buf text; /* whole completion (non-streaming clients, HTTP) */
-    double predicted;
-    uint32_t first_cached;
-    bool first_cached_set;
-    uint64_t t_arrive, t_sent, t_first;
-    double worker_queue_ms;
-    /* prefix gating: a request whose prefix is being computed right now by an earlier request
-     * on the chosen worker waits for that request's first token (its pages are then cached) */
-    rt_rq *owner, *waiters, *wnext;
-    bool parked;
-};
-
-struct rt_wk {
-    rt_router *r;
-    int idx;
-    char id[KM_PROTO_MAX_NAME + 1];
-    char req_url[256], ev_url[256];
-    void *dealer, *mon;
-    uv_poll_t p_dealer, p_mon;
-    bool polls_open;
-    bool connected, draining;
-    uint64_t draining_until_ms;
-    int inflight;
-    rt_evstream *evs;
-    /* replay */
-    bool sync_out;
-    uint64_t sync_id, sync_deadline_ms;
-    km_buf *replay;
-    int n_replay;
-    /* stats */
-    uint64_t routed, served, failed, prompt_tokens, cached_tokens, migrated_away, connects;
-    uint64_t resyncs, snapshots;
-    km_series *s_inflight, *s_routed, *s_pages[KM_TIER_COUNT], *s_up;
-    /* the controller's view of it */
-    char view_id[KM_PROTO_MAX_NAME + 1]; /* the id the view gives it ("" when never named) */
-    bool in_view;                        /* the last view names it */
-    bool from_view;                      /* added at run time from a view */
-    km_member_state member;              /* its state in that view (when in_view) */
-    uint32_t level;                      /* the recovery level in effect */
-    uint64_t view_migrated;              /* requests migrated away because the view said dead */
-    km_series *s_member, *s_level;
-};
-
-struct rt_router {
-    rt_config c;
-    char model_name[KM_PROTO_MAX_NAME + 1];
-    char fp[65];
-    wk_model *model;
-    const km_tokenizer *tok;
-    km_chat_kind chat;
-    km_proto_limits lim;
-    uv_loop_t loop;
-    uv_async_t stop_async;
-    uv_check_t check;
-    uv_timer_t tick;
-    uv_poll_t p_front, p_sub;
-    void *zctx, *front, *sub;
-    char front_ep[256];
-    rt_wk *w;
-    int n_w;
-    rt_index *index;
-    rt_http *http;
-    km_admin *admin;
-    km_metrics *metrics;
-    /* requests */
-    rt_rq *buckets[RT_RQ_BUCKETS];
-    rt_rq *qhead, *qtail;
-    int n_queued, n_inflight;
-    uint64_t next_rid, next_admin_id, policy_state;
-    /* scratch */
-    km_buf out;
-    km_zmsg zm;
-    int32_t *tokbuf;
-    int tokcap;
-    /* stats */
-    uint64_t n_requests, n_ok, n_err, n_overloaded, n_migrations, n_bad_frames;
-    uint64_t prompt_tokens, cached_tokens, predicted_tokens;
-    double ewma_total_ms;
-    km_series *s_req_ok, *s_req_err, *s_overloaded, *s_migr, *s_bad, *s_prompt, *s_cached,
-        *s_predicted, *s_queue, *s_inflight_all, *s_decision, *s_ttft, *s_total, *s_gaps, *s_resync,
-        *s_index_pages, *s_http_req;
-    bool stopping, running;
-    bool pumping;
-    /* the controller's cluster view (--controller) */
-    void *vsub;
-    uv_poll_t p_vsub;
-    bool have_view, view_fresh, slots_full_warned;
-    char ctl_url[256], ctl_id[KM_PROTO_MAX_NAME + 1];
-    uint64_t view_epoch, view_seq, view_at_ms, n_views, n_bad_views;
-    km_series *s_views, *s_bad_views, *s_view_age;
-};
-
-static uint64_t now_ms(void)
+uint64_t rt_now_ms(void)
 {
     return km_now_ns() / 1000000ull;
 }
@@ -341,7 +198,7 @@ static void queue_remove(rt_router *r, rt_rq *q)
     km_gauge_set(r->s_queue, r->n_queued);
 }
 
-static void rq_free(rt_rq *q)
+void rt_rq_free(rt_rq *q)
 {
     if (!q) return;
     km_buf_free(&q->env_mem);
@@ -369,7 +226,7 @@ static int dispatch(rt_router *r, rt_rq *q, bool from_queue);
 
 /* May w get a new request now: its connection is up, it did not just refuse one (503/529), and a
  * fresh view, when it names w, says "ready". */
-static bool wk_routable(rt_router *r, rt_wk *w, uint64_t now)
+bool rt_wk_routable(rt_router *r, rt_wk *w, uint64_t now)
 {
     if (w->draining && now >= w->draining_until_ms) w->draining = false;
     return !w->draining && rt_member_routable(w->connected, r->view_fresh, w->in_view, w->member);
@@ -400,7 +257,7 @@ static void release_waiters(rt_router *r, rt_rq *owner)
     }
 }
 
-static void rq_end(rt_router *r, rt_rq *q)
+void rt_rq_end(rt_router *r, rt_rq *q)
 {
     unpark(q);
     queue_remove(r, q);
@@ -408,7 +265,7 @@ static void rq_end(rt_router *r, rt_rq *q)
     release_waiters(r, q);
     rq_unlink(r, q);
     if (q->http) rt_http_on_abort(q->http, NULL, NULL);
-    rq_free(q);
+    rt_rq_free(q);
 }
 
 /* ---------------------------------------------------------------- replies to clients */
@@ -446,7 +303,7 @@ static void rq_fail(rt_router *r, rt_rq *q, int code, uint32_t retry_after, cons
         http_send_error(r, q, code, retry_after, msg);
     KM_INFO("request_failed", "rid=%llu code=%d attempts=%d msg=\"%s\"", (unsigned long long)q->rid,
             code, q->attempts, msg);
-    rq_end(r, q);
+    rt_rq_end(r, q);
 }
 
 static uint32_t retry_after_ms(rt_router *r)
@@ -461,7 +318,7 @@ static uint32_t retry_after_ms(rt_router *r)
     return (uint32_t)est;
 }
 
-static void oai_meta(rt_router *r, rt_rq *q, rt_oai_meta *m, const char *worker)
+void rt_rq_oai_meta(rt_router *r, rt_rq *q, rt_oai_meta *m, const char *worker)
 {
     m->chat = q->http_chat;
     m->id = q->oai_id;
@@ -497,7 +354,7 @@ static void deliver_token(rt_router *r, rt_rq *q, int32_t token, const char *tex
     }
     if (len == 0) return;
     rt_oai_meta m;
-    oai_meta(r, q, &m, NULL);
+    rt_rq_oai_meta(r, q, &m, NULL);
     km_buf b = {0};
     if (!rt_oai_sse_chunk(&b, &m, text, len, NULL)) rt_http_stream_write(q->http, b.data, b.len);
     km_buf_free(&b);
@@ -551,16 +408,16 @@ static void rq_finish(rt_router *r, rt_rq *q, km_finish finish, uint32_t cached,
         }
     } else if (q->http) {
         rt_oai_meta m;
-        oai_meta(r, q, &m, wid);
+        rt_rq_oai_meta(r, q, &m, wid);
         rt_oai_usage u = {.prompt_tokens = (uint32_t)q->n_prompt,
                           .completion_tokens = (uint32_t)q->n_gen,
                           .cached_tokens = cached_out};
         km_buf b = {0};
         if (q->http_stream) {
             if (q->text.len) { /* the tail: held-back bytes (see rq_finish's ZeroMQ branch) */
-                oai_meta(r, q, &m, NULL);
+                rt_rq_oai_meta(r, q, &m, NULL);
                 rt_oai_sse_chunk(&b, &m, (const char *)q->text.data, q->text.len, NULL);
-                oai_meta(r, q, &m, wid);
+                rt_rq_oai_meta(r, q, &m, wid);
             }
             rt_oai_sse_chunk(&b, &m, NULL, 0, rt_oai_finish(finish));
             if (q->include_usage) rt_oai_sse_usage(&b, &m, &u);
@@ -581,7 +438,7 @@ static void rq_finish(rt_router *r, rt_rq *q, km_finish finish, uint32_t cached,
              "ttft_ms=%.1f total_ms=%.1f attempts=%d",
              (unsigned long long)q->rid, wid ? wid : "-", q->n_prompt, cached_out, q->predicted,
              q->n_gen, ttft_ms, total_ms, q->attempts);
-    rq_end(r, q);
+    rt_rq_end(r, q);
 }
 
 /* ---------------------------------------------------------------- dispatch */
@@ -618,10 +475,10 @@ static int dispatch(rt_router *r, rt_rq *q, bool from_queue)
     }
     rt_candidate cand[RT_MAX_WORKERS];
     uint64_t mask = 0;
-    uint64_t now = now_ms();
+    uint64_t now = rt_now_ms();
     for (int i = 0; i < r->n_w; i++) {
         rt_wk *w = &r->w[i];
-        bool usable = wk_routable(r, w, now);
+        bool usable = rt_wk_routable(r, w, now);
         cand[i] = (rt_candidate){.id = w->id,
                                  .usable = usable,
                                  .inflight = w->inflight,
@@ -871,7 +728,7 @@ static void on_worker_done(rt_router *r, rt_wk *w, const km_msg_done *d)
      * the router detokenizes itself (a continuation after migration) its own flush has it. */
     if (d->text && d->text_len && !q->router_detok) km_buf_append(&q->text, d->text, d->text_len);
     if (d->finish == KM_FINISH_CANCELED && q->origin == RQ_HTTP && !q->http) {
-        rq_end(r, q);
+        rt_rq_end(r, q);
         return;
     }
     rq_finish(r, q, d->finish, cached, w->id);
@@ -889,7 +746,7 @@ static void on_worker_error(rt_router *r, rt_wk *w, const km_msg_error *e)
         /* draining / not ready / full: this worker is out for a moment, try another */
         w->draining = true;
         w->draining_until_ms =
-            now_ms() + (e->retry_after_ms ? e->retry_after_ms : (e->code == 503 ? 2000 : 250));
+            rt_now_ms() + (e->retry_after_ms ? e->retry_after_ms : (e->code == 503 ? 2000 : 250));
         migrate(r, q, e->message);
         return;
     }
@@ -912,7 +769,7 @@ static void apply_event(void *user, const km_msg_kv_event *ev)
     }
 }
 
-static void update_page_gauges(rt_router *r)
+void rt_update_page_gauges(rt_router *r)
 {
     for (int i = 0; i < r->n_w; i++)
         for (int t = 0; t < KM_TIER_COUNT; t++)
@@ -940,7 +797,7 @@ static void request_sync(rt_router *r, rt_wk *w, uint64_t since)
     replay_clear(w);
     w->sync_out = true;
     w->sync_id = m.admin.id;
-    w->sync_deadline_ms = now_ms() + r->c.sync_timeout_ms;
+    w->sync_deadline_ms = rt_now_ms() + r->c.sync_timeout_ms;
     rt_evstream_set_waiting(w->evs, true);
     KM_DEBUG("kv_sync", "worker=%s since=%llu", w->id, (unsigned long long)since);
 }
@@ -996,7 +853,7 @@ static void finish_sync(rt_router *r, rt_wk *w, const void *body, size_t len, bo
                 (unsigned long long)(rt_index_pages(r->index, w->idx, KM_TIER_HOT) +
                                      rt_index_pages(r->index, w->idx, KM_TIER_HOST) +
                                      rt_index_pages(r->index, w->idx, KM_TIER_DISK)));
-        update_page_gauges(r);
+        rt_update_page_gauges(r);
         return;
     }
     for (int i = 0; i < w->n_replay; i++)
@@ -1014,7 +871,7 @@ static void finish_sync(rt_router *r, rt_wk *w, const void *body, size_t len, bo
     rt_evstream_jump(w->evs, next, apply_event, w);
     if (rt_evstream_waiting(w->evs)) /* a newer gap opened behind the replay */
         request_sync(r, w, rt_evstream_next(w->evs));
-    update_page_gauges(r);
+    rt_update_page_gauges(r);
 }
 
 /* ---------------------------------------------------------------- socket reading */
@@ -1087,7 +944,7 @@ static void on_sub_frame(rt_router *r, const km_zframe *body)
         rt_wk *w = worker_by_id(r, m.kv.worker);
         if (w) {
             handle_event(r, w, &m.kv);
-            update_page_gauges(r);
+            rt_update_page_gauges(r);
         }
     }
     km_msg_clear(&m);
@@ -1095,7 +952,7 @@ static void on_sub_frame(rt_router *r, const km_zframe *body)
 
 /* ---------------------------------------------------------------- client requests */
 
-static bool model_ok(rt_router *r, const char *model)
+bool rt_model_ok(rt_router *r, const char *model)
 {
     const char *dot = strrchr(r->model_name, '.');
     if (dot && strlen(model) == (size_t)(dot - r->model_name) &&
@@ -1107,7 +964,7 @@ static bool model_ok(rt_router *r, const char *model)
 
 /* Tokenizes text into q->tokens as the worker does (parse_special on; add_special off for a
  * rendered chat template, which carries its own BOS). */
-static int rq_tokenize(rt_router *r, rt_rq *q, const char *text, size_t len, int add_special)
+int rt_rq_tokenize(rt_router *r, rt_rq *q, const char *text, size_t len, int add_special)
 {
     int need = km_tok_encode(r->tok, text, len, add_special, 1, NULL, 0);
     if (need < 0) return need;
@@ -1119,7 +976,7 @@ static int rq_tokenize(rt_router *r, rt_rq *q, const char *text, size_t len, int
 }
 
 /* Everything after the prompt is in q->tokens: the chain, the key, then dispatch. */
-static int rq_start(rt_router *r, rt_rq *q)
+int rt_rq_start(rt_router *r, rt_rq *q)
 {
     if (q->n_prompt <= 0) {
         rq_fail(r, q, KM_CODE_BAD_REQUEST, 0, "the prompt is empty after tokenization");
@@ -1151,7 +1008,7 @@ static int rq_start(rt_router *r, rt_rq *q)
     return dispatch(r, q, false);
 }
 
-static rt_rq *rq_new(rt_router *r, rq_origin origin)
+rt_rq *rt_rq_new(rt_router *r, rq_origin origin)
 {
     rt_rq *q = calloc(1, sizeof *q);
     if (!q) return NULL;
@@ -1185,13 +1042,13 @@ static void on_client_request(rt_router *r, const km_zmsg *zm, const km_msg_requ
 {
     const km_zframe *env = zm->part;
     int n_env = zm->n - 1;
-    if (!model_ok(r, req->model)) {
+    if (!rt_model_ok(r, req->model)) {
         send_error_env(r, env, n_env, req->id, KM_CODE_NOT_FOUND, 0,
                        "req.model: unknown model '%.256s' (this router serves '%s')", req->model,
                        r->model_name);
         return;
     }
-    rt_rq *q = rq_new(r, RQ_ZMQ);
+    rt_rq *q = rt_rq_new(r, RQ_ZMQ);
     if (!q) {
         send_error_env(r, env, n_env, req->id, KM_CODE_INTERNAL, 0, "out of memory");
         return;
@@ -1219,21 +1076,21 @@ static void on_client_request(rt_router *r, const km_zmsg *zm, const km_msg_requ
                     send_error_env(r, env, n_env, req->id, KM_CODE_BAD_REQUEST, 0,
                                    "req.tokens[%d]: id %d outside the vocabulary (%d)", i,
                                    q->tokens[i], nv);
-                    rq_free(q);
+                    rt_rq_free(q);
                     return;
                 }
         }
     } else if (!rc) {
-        rc = rq_tokenize(r, q, req->prompt, req->prompt_len ? req->prompt_len : strlen(req->prompt),
-                         1);
+        rc = rt_rq_tokenize(r, q, req->prompt,
+                            req->prompt_len ? req->prompt_len : strlen(req->prompt), 1);
     }
     if (rc) {
         send_error_env(r, env, n_env, req->id, KM_CODE_INTERNAL, 0, "cannot prepare: %s",
                        km_strerror(rc));
-        rq_free(q);
+        rt_rq_free(q);
         return;
     }
-    rq_start(r, q);
+    rt_rq_start(r, q);
 }
 
 static bool env_eq(const rt_rq *q, const km_zmsg *zm)
@@ -1246,7 +1103,7 @@ static bool env_eq(const rt_rq *q, const km_zmsg *zm)
     return true;
 }
 
-static void cancel_rq(rt_router *r, rt_rq *q)
+void rt_rq_cancel(rt_router *r, rt_rq *q)
 {
     if (q->queued || q->parked) {
         unpark(q);
@@ -1261,7 +1118,7 @@ static void cancel_rq(rt_router *r, rt_rq *q)
             if (!km_msg_encode(&m, &r->lim, &r->out, NULL))
                 zsend_env(r->front, q->env, q->n_env, &r->out);
         }
-        rq_end(r, q);
+        rt_rq_end(r, q);
         return;
     }
     if (q->worker >= 0) {
@@ -1279,7 +1136,7 @@ static void on_client_cancel(rt_router *r, const km_zmsg *zm, uint64_t cid)
     for (int b = 0; b < RT_RQ_BUCKETS; b++)
         for (rt_rq *q = r->buckets[b]; q; q = q->hnext)
             if (q->cid == cid && env_eq(q, zm)) {
-                cancel_rq(r, q);
+                rt_rq_cancel(r, q);
                 return;
             }
 }
@@ -1370,7 +1227,7 @@ static void worker_down(rt_router *r, rt_wk *w, const char *why)
     rt_evstream_reset(w->evs);
     w->sync_out = false;
     replay_clear(w);
-    update_page_gauges(r);
+    rt_update_page_gauges(r);
     KM_WARN("worker_down", "worker=%s why=%s inflight=%d", w->id, why, w->inflight);
     migrate_all(r, w, "worker lost", false);
 }
@@ -1429,7 +1286,7 @@ static void bad_view(rt_router *r, const char *why);
 static void view_check_age(rt_router *r, uint64_t now);
 
 /* Drains every ZeroMQ socket until none has anything to read. */
-static void pump(rt_router *r)
+void rt_pump(rt_router *r)
 {
     if (r->pumping || r->stopping) return;
     r->pumping = true;
@@ -1477,18 +1334,18 @@ static void pump(rt_router *r)
 
 static void on_zpoll(uv_poll_t *p, int status, int events)
 {
-    pump(p->data);
+    rt_pump(p->data);
 }
 
 static void on_check(uv_check_t *c)
 {
-    pump(c->data);
+    rt_pump(c->data);
 }
 
 static void on_tick(uv_timer_t *t)
 {
     rt_router *r = t->data;
-    uint64_t now = now_ms();
+    uint64_t now = rt_now_ms();
     for (int i = 0; i < r->n_w; i++) {
         rt_wk *w = &r->w[i];
         if (w->sync_out && now >= w->sync_deadline_ms)
@@ -1509,250 +1366,7 @@ static void on_tick(uv_timer_t *t)
         last_sweep = now;
         rt_index_sweep(r->index, now);
     }
-    pump(r);
-}
-
-/* ---------------------------------------------------------------- HTTP front */
-
-static void on_http_abort(rt_http_req *h, void *user)
-{
-    rt_rq *q = user;
-    q->http = NULL;
-    rt_router *r = q->r;
-    if (q->queued) {
-        rq_end(r, q);
-        return;
-    }
-    cancel_rq(r, q); /* the worker's done(canceled) ends it */
-}
-
-static void status_json(rt_router *r, km_buf *out);
-
-static void http_error(rt_http_req *h, int status, const char *type, const char *param,
-                       const char *msg)
-{
-    rt_oai_err e = {.status = status, .type = type, .param = param};
-    snprintf(e.message, sizeof e.message, "%s", msg);
-    km_buf b = {0};
-    rt_oai_error_json(&b, &e);
-    rt_http_respond(h, status, "application/json", b.data, b.len);
-    km_buf_free(&b);
-}
-
-static void on_http(rt_http_req *h, void *user)
-{
-    rt_router *r = user;
-    const char *path = rt_http_path(h), *method = rt_http_method(h);
-    km_counter_inc(r->s_http_req);
-    bool get = !strcmp(method, "GET") || !strcmp(method, "HEAD");
-    if (!strcmp(path, "/healthz") || !strcmp(path, "/readyz")) {
-        bool ready = false;
-        uint64_t now = now_ms();
-        for (int i = 0; i < r->n_w; i++) ready |= wk_routable(r, &r->w[i], now);
-        bool ok = !strcmp(path, "/healthz") || ready;
-        rt_http_respond(h, ok ? 200 : 503, "text/plain", ok ? "ok\n" : "no worker\n", ok ? 3 : 10);
-        return;
-    }
-    if (!strcmp(path, "/metrics")) {
-        km_buf b = {0};
-        update_page_gauges(r);
-        km_metrics_render(r->metrics, &b);
-        rt_http_respond(h, 200, "text/plain; version=0.0.4", b.data, b.len);
-        km_buf_free(&b);
-        return;
-    }
-    if (!strcmp(path, "/v1/models")) {
-        if (!get) return http_error(h, 405, "invalid_request_error", NULL, "use GET");
-        km_buf b = {0};
-        rt_oai_models(&b, r->model_name, (int64_t)time(NULL));
-        rt_http_respond(h, 200, "application/json", b.data, b.len);
-        km_buf_free(&b);
-        return;
-    }
-    if (!strcmp(path, "/v1/status") || !strcmp(path, "/status")) {
-        km_buf b = {0};
-        status_json(r, &b);
-        rt_http_respond(h, 200, "application/json", b.data, b.len);
-        km_buf_free(&b);
-        return;
-    }
-    bool chat = !strcmp(path, "/v1/chat/completions");
-    if (!chat && strcmp(path, "/v1/completions"))
-        return http_error(h, 404, "invalid_request_error", NULL, "no such endpoint");
-    if (strcmp(method, "POST"))
-        return http_error(h, 405, "invalid_request_error", NULL, "use POST");
-    size_t blen;
-    const char *body = rt_http_body(h, &blen);
-    rt_oai_req oq;
-    rt_oai_err e;
-    if (rt_oai_parse(body, blen, chat, &oq, &e)) {
-        km_buf b = {0};
-        rt_oai_error_json(&b, &e);
-        rt_http_respond(h, e.status, "application/json", b.data, b.len);
-        km_buf_free(&b);
-        r->n_bad_frames++;
-        km_counter_inc(r->s_bad);
-        return;
-    }
-    if (oq.model && !model_ok(r, oq.model)) {
-        char m[KM_PROTO_MAX_NAME * 2 + 100];
-        snprintf(m, sizeof m, "The model '%.200s' does not exist (this server serves '%s')",
-                 oq.model, r->model_name);
-        rt_oai_req_free(&oq);
-        rt_oai_err ne;
-        rt_oai_err_from_code(KM_CODE_NOT_FOUND, m, &ne);
-        ne.param = "model";
-        km_buf b = {0};
-        rt_oai_error_json(&b, &ne);
-        rt_http_respond(h, ne.status, "application/json", b.data, b.len);
-        km_buf_free(&b);
-        return;
-    }
-    rt_rq *q = rq_new(r, RQ_HTTP);
-    if (!q) {
-        rt_oai_req_free(&oq);
-        return http_error(h, 500, "server_error", NULL, "out of memory");
-    }
-    q->http = h;
-    q->http_chat = chat;
-    q->http_stream = oq.stream;
-    q->include_usage = oq.include_usage;
-    q->created = (int64_t)time(NULL);
-    snprintf(q->oai_id, sizeof q->oai_id, "%s-%llx%06llx", chat ? "chatcmpl" : "cmpl",
-             (unsigned long long)q->created, (unsigned long long)(r->next_rid + 1));
-    km_msg tmp;
-    km_msg_init(&tmp, KM_MSG_REQUEST);
-    q->q = tmp.req;
-    q->q.temperature = oq.temperature;
-    q->q.top_p = oq.top_p;
-    q->q.top_k = oq.top_k;
-    q->q.min_p = oq.min_p;
-    q->q.presence_penalty = oq.presence_penalty;
-    q->q.frequency_penalty = oq.frequency_penalty;
-    q->q.repeat_penalty = oq.repeat_penalty;
-    q->q.has_seed = oq.has_seed;
-    q->q.seed = oq.seed;
-    q->q.priority = oq.priority;
-    q->q.n_stop = (uint32_t)oq.n_stop;
-    for (int i = 0; i < oq.n_stop; i++) {
-        q->stop[i] = oq.stop[i];
-        oq.stop[i] = NULL;
-    }
-    oq.n_stop = 0;
-    q->salt = oq.cache_salt;
-    oq.cache_salt = NULL;
-    q->max_tokens = oq.max_tokens;
-    int rc;
-    if (chat) {
-        km_chat_msg msgs[1024];
-        for (int i = 0; i < oq.n_msgs && i < 1024; i++)
-            msgs[i] = (km_chat_msg){oq.msgs[i].role, oq.msgs[i].content};
-        km_chat_kind kind = r->chat != KM_CHAT_NONE ? r->chat : KM_CHAT_CHATML;
-        const char *defsys = strcasestr(r->model_name, "smollm")
-                                 ? "You are a helpful AI assistant named SmolLM, trained by "
-                                   "Hugging Face"
-                                 : NULL;
-        int need = km_chat_apply(kind, msgs, oq.n_msgs, 1, defsys, NULL, 0);
-        char *txt = need >= 0 ? malloc((size_t)need + 1) : NULL;
-        if (txt) km_chat_apply(kind, msgs, oq.n_msgs, 1, defsys, txt, (size_t)need + 1);
-        rc = txt ? rq_tokenize(r, q, txt, (size_t)need, 0) : KM_ENOMEM;
-        free(txt);
-    } else {
-        rc = rq_tokenize(r, q, oq.prompt, strlen(oq.prompt), 1);
-    }
-    rt_oai_req_free(&oq);
-    if (rc) {
-        rq_free(q);
-        return http_error(h, 500, "server_error", NULL, "cannot tokenize the prompt");
-    }
-    rt_http_on_abort(h, on_http_abort, q);
-    if (q->http_stream) {
-        rt_http_stream_begin(h, 200, "text/event-stream");
-        q->http_began = true;
-        if (chat) {
-            rt_oai_meta m;
-            oai_meta(r, q, &m, NULL);
-            km_buf b = {0};
-            if (!rt_oai_sse_chunk(&b, &m, NULL, 0, NULL)) rt_http_stream_write(h, b.data, b.len);
-            km_buf_free(&b);
-        }
-    }
-    rq_start(r, q);
-    pump(r);
-}
-
-static void status_json(rt_router *r, km_buf *out)
-{
-    km_buf_printf(out,
-                  "{\"model\":\"%s\",\"fingerprint\":\"%s\",\"mode\":\"%s\",\"page_tokens\":%d,"
-                  "\"router\":{\"requests\":%llu,\"completed\":%llu,\"failed\":%llu,"
-                  "\"inflight\":%d,\"queued\":%d,\"overloaded\":%llu,\"migrations\":%llu,"
-                  "\"bad_frames\":%llu,\"prompt_tokens\":%llu,\"cached_tokens\":%llu,"
-                  "\"predicted_cached_tokens\":%llu,\"hit_ratio\":%.4f,\"index_pages\":%zu},",
-                  r->model_name, r->fp, rt_mode_name(r->c.policy.mode), r->c.page_tokens,
-                  (unsigned long long)r->n_requests, (unsigned long long)r->n_ok,
-                  (unsigned long long)r->n_err, r->n_inflight, r->n_queued,
-                  (unsigned long long)r->n_overloaded, (unsigned long long)r->n_migrations,
-                  (unsigned long long)r->n_bad_frames, (unsigned long long)r->prompt_tokens,
-                  (unsigned long long)r->cached_tokens, (unsigned long long)r->predicted_tokens,
-                  r->prompt_tokens ? (double)r->cached_tokens / (double)r->prompt_tokens : 0.0,
-                  rt_index_size(r->index));
-    if (!r->vsub) {
-        km_buf_printf(out, "\"controller\":null,");
-    } else {
-        uint64_t now = now_ms();
-        km_buf_printf(out,
-                      "\"controller\":{\"endpoint\":\"%s\",\"view_timeout_ms\":%u,\"fresh\":%s,"
-                      "\"views\":%llu,\"bad_views\":%llu,",
-                      r->ctl_url, r->c.view_timeout_ms, r->view_fresh ? "true" : "false",
-                      (unsigned long long)r->n_views, (unsigned long long)r->n_bad_views);
-        if (r->have_view)
-            km_buf_printf(out, "\"id\":\"%s\",\"epoch\":%llu,\"seq\":%llu,\"age_ms\":%llu},",
-                          r->ctl_id, (unsigned long long)r->view_epoch,
-                          (unsigned long long)r->view_seq,
-                          (unsigned long long)(now > r->view_at_ms ? now - r->view_at_ms : 0));
-        else
-            km_buf_printf(out, "\"id\":null,\"epoch\":null,\"seq\":null,\"age_ms\":null},");
-    }
-    km_buf_printf(out, "\"workers\":[");
-    int ps = 0;
-    uint64_t now = now_ms();
-    for (int i = 0; i < r->n_w; i++) {
-        rt_wk *w = &r->w[i];
-        km_buf_printf(out,
-                      "%s{\"id\":\"%s\",\"requests\":\"%s\",\"events\":\"%s\",\"up\":%s,"
-                      "\"draining\":%s,\"inflight\":%d,\"routed\":%llu,\"served\":%llu,"
-                      "\"failed\":%llu,\"migrated_away\":%llu,\"prompt_tokens\":%llu,"
-                      "\"cached_tokens\":%llu,\"hit_ratio\":%.4f,"
-                      "\"kv_pages\":{\"hot\":%llu,\"host\":%llu,\"disk\":%llu},"
-                      "\"page_bytes\":%d,\"event_seq\":%llu,\"event_gaps\":%llu,"
-                      "\"resyncs\":%llu,\"snapshots\":%llu,\"connects\":%llu,",
-                      i ? "," : "", w->id, w->req_url, w->ev_url, w->connected ? "true" : "false",
-                      w->draining ? "true" : "false", w->inflight, (unsigned long long)w->routed,
-                      (unsigned long long)w->served, (unsigned long long)w->failed,
-                      (unsigned long long)w->migrated_away, (unsigned long long)w->prompt_tokens,
-                      (unsigned long long)w->cached_tokens,
-                      w->prompt_tokens ? (double)w->cached_tokens / (double)w->prompt_tokens : 0.0,
-                      (unsigned long long)rt_index_pages(r->index, i, KM_TIER_HOT),
-                      (unsigned long long)rt_index_pages(r->index, i, KM_TIER_HOST),
-                      (unsigned long long)rt_index_pages(r->index, i, KM_TIER_DISK), ps,
-                      (unsigned long long)rt_evstream_next(w->evs),
-                      (unsigned long long)rt_evstream_gaps(w->evs), (unsigned long long)w->resyncs,
-                      (unsigned long long)w->snapshots, (unsigned long long)w->connects);
-        if (w->in_view)
-            km_buf_printf(out, "\"member_state\":\"%s\",\"level\":%u,",
-                          km_member_state_name(w->member), w->level);
-        else
-            km_buf_printf(out, "\"member_state\":null,\"level\":null,");
-        if (w->view_id[0])
-            km_buf_printf(out, "\"view_id\":\"%s\",", w->view_id);
-        else
-            km_buf_printf(out, "\"view_id\":null,");
-        km_buf_printf(out, "\"from_view\":%s,\"view_migrated\":%llu,\"routable\":%s}",
-                      w->from_view ? "true" : "false", (unsigned long long)w->view_migrated,
-                      wk_routable(r, w, now) ? "true" : "false");
-    }
-    km_buf_printf(out, "]}\n");
+    rt_pump(r);
 }
 
 /* ---------------------------------------------------------------- the controller's view */
@@ -1841,7 +1455,7 @@ static rt_wk *view_adopt(rt_router *r, const km_view_worker *vw, rt_wk *same_id)
 
 static void apply_view(rt_router *r, const km_msg_view *v)
 {
-    uint64_t now = now_ms();
+    uint64_t now = rt_now_ms();
     bool same_ctl = r->have_view && !strcmp(r->ctl_id, v->controller) && r->view_epoch == v->epoch;
     if (same_ctl && v->seq < r->view_seq) return; /* an older view overtaken by a newer one */
     if (!same_ctl)
@@ -2255,7 +1869,7 @@ int rt_router_create(const rt_config *c, rt_router **out, km_errbuf *err)
         rt_http_opts ho = {.host = c->http_host,
                            .port = c->http_port,
                            .max_body = c->max_http_body,
-                           .handler = on_http,
+                           .handler = rt_front_on_http,
                            .user = r};
         if ((rc = rt_http_start(&r->loop, &ho, &r->http, err))) goto fail;
     }
@@ -2281,7 +1895,7 @@ fail:
 
 int rt_router_run(rt_router *r)
 {
-    pump(r);
+    rt_pump(r);
     uv_run(&r->loop, UV_RUN_DEFAULT);
     return 0;
 }
@@ -2325,9 +1939,9 @@ void rt_router_destroy(rt_router *r)
                                "router shutting down");
             else if (q->http)
                 http_send_error(r, q, KM_CODE_UNAVAILABLE, 0, "router shutting down");
-            rq_end(r, q);
+            rt_rq_end(r, q);
         }
-    while (r->qhead) rq_end(r, r->qhead);
+    while (r->qhead) rt_rq_end(r, r->qhead);
     if (r->admin) km_admin_stop(r->admin);
     if (r->running) {
         if (r->http) rt_http_stop(r->http);
