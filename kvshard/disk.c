@@ -7,11 +7,11 @@
  * (hash, tokens, format, shape): a page that fails is deleted and counted, never served. At open
  * the directory is re-indexed: temporaries are removed, every page file is verified, pages whose
  * chain parent is not on disk are dropped (they could never be reached), and the survivors
- * become disk-tier pages of the prefix index, so a restarted worker comes back warm.
+ * become disk-tier pages of the prefix index, so a restarted worker comes back warm (store.c
+ * then trims them to the disk budget through evict.c).
  *
- * kv_store_persist (a drain's last step) writes a disk copy of every indexed page still in RAM,
- * parents before children (the re-index keeps a page only with its parent), and leaves each
- * page where it is: the copy is what the next process finds; this one is about to exit.
+ * This file is the page files and nothing else: it calls the index, page memory and accounting
+ * below it; choosing what goes to disk and when is evict.c's (demotion) and tier.c's (persist).
  */
 #include <dirent.h>
 #include <errno.h>
@@ -272,7 +272,8 @@ int kv_disk_open(kv_store *s, km_errbuf *err)
         kv_page *p = found[i], *par = p->index ? kv_index_find(s, p->parent) : NULL;
         if (p->index && (!par || par->index != p->index - 1)) {
             kv_index_remove(s, p); /* never announced, so no REMOVED event */
-            kv_page_free(s, p);    /* deletes the unreachable file */
+            kv_disk_unlink(s, p);  /* the unreachable file */
+            kv_page_release(s, p);
             continue;
         }
         p->parent_id = par ? par->id : 0;
@@ -282,71 +283,6 @@ int kv_disk_open(kv_store *s, km_errbuf *err)
         kept++;
     }
     free(found);
-    for (int i = 0; i < s->n_shards; i++) {
-        kv_tier_acct *a = &s->shards[i].t[KV_TIER_DISK];
-        while (a->used > a->budget && a->head) kv_demote(s, a->head);
-    }
     KM_INFO("kv_disk_reindexed", "dir=%s pages=%zu dropped=%zu", s->disk_dir, kept, n_found - kept);
     return 0;
-}
-
-/* Chain position first (parents before children), then the most recently used first. */
-static int kv_by_index_recent(const void *a, const void *b)
-{
-    const kv_page *x = *(kv_page *const *)a, *y = *(kv_page *const *)b;
-    if (x->index != y->index) return (x->index > y->index) - (x->index < y->index);
-    return (x->last_use < y->last_use) - (x->last_use > y->last_use);
-}
-
-int kv_store_persist(kv_store *s, uint64_t deadline_ns)
-{
-    if (!kv_disk_enabled(s)) return 0;
-    for (kv_seq *q = s->seqs; q; q = q->next) kv_seq_wait_promo(s, q);
-    kv_promo_reap(s);
-    size_t n = 0, cap = 0;
-    kv_page **c = NULL;
-    for (size_t b = 0; b < s->n_buckets; b++)
-        for (kv_page *p = s->buckets[b]; p; p = p->hnext) {
-            if (!p->buf || (p->flags & KV_PAGE_ON_DISK) ||
-                !s->shards[p->shard].t[KV_TIER_DISK].budget)
-                continue;
-            if (n == cap) {
-                size_t nc = cap ? cap * 2 : 256;
-                kv_page **nb = realloc(c, sizeof *nb * nc);
-                if (!nb) {
-                    free(c);
-                    return KM_ENOMEM;
-                }
-                c = nb;
-                cap = nc;
-            }
-            c[n++] = p;
-        }
-    if (n) qsort(c, n, sizeof *c, kv_by_index_recent);
-    int written = 0, skipped = 0;
-    for (size_t i = 0; i < n; i++) {
-        kv_page *p = c[i];
-        if (deadline_ns && km_now_ns() >= deadline_ns) {
-            skipped += (int)(n - i);
-            break;
-        }
-        if (p->index) { /* a child whose parent is not on disk could never be re-indexed */
-            const kv_page *par = kv_index_find(s, p->parent);
-            if (!par || par->index != p->index - 1 || !(par->flags & KV_PAGE_ON_DISK)) {
-                skipped++;
-                continue;
-            }
-        }
-        kv_tier_acct *d = &s->shards[p->shard].t[KV_TIER_DISK];
-        size_t fb = kv_disk_page_size(s->lay[p->format].page_bytes, s->pt);
-        if (d->used + fb > d->budget) kv_make_room(s, p->shard, KV_TIER_DISK, fb, d->budget);
-        if (d->used + fb > d->budget || kv_disk_write(s, p)) {
-            skipped++;
-            continue;
-        }
-        written++;
-    }
-    free(c);
-    KM_INFO("kv_persisted", "dir=%s pages=%d skipped=%d", s->disk_dir, written, skipped);
-    return written;
 }

@@ -23,7 +23,7 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
-#include "kvshard/internal.h"
+#include "kvshard/diskfmt.h"
 
 #define KV_DISK_HDR     80
 #define KV_DISK_MAGIC   "KVMPAGE1"

@@ -1,16 +1,20 @@
 /*
  * evict.c — what the store does under memory pressure: pick victims among the pages no sequence
  * holds (lru, lru-priority), demote them a tier down (hot -> host -> disk) or drop them when no
- * lower tier has room, keep each tier under its high watermark, recovery level 1
- * (evict_oldest_fraction) and level 2 (convert the live store to fp8 in place, and back), and
- * the lossy in-sequence policies (streaming, h2o).
+ * lower tier has room, allocate hot buffers making room that way (kv_hot_alloc), keep each tier
+ * under its high watermark, and recovery level 1 (evict_oldest_fraction).
  *
  * Pages in use are never victims: they are not in the cached lists at all. lru-priority scores a
  * page by recency plus frequency (each reuse counts as a quarter of the cached population of
  * recency), and pages that served more than one sequence come last, so a shared system prompt
  * outlives one-off prompts. A tier is kept under its watermark only when a lower tier exists:
  * without one, demotion is a loss, so cached pages stay until room is actually needed.
+ *
+ * Layer: eviction only ever touches pages no sequence holds, so it needs nothing of sequences:
+ * it sits on the disk tier's files, the index, the promoter and page memory, and sequences sit on
+ * it (a reserve that needs room calls kv_hot_alloc).
  */
+#include <assert.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -43,9 +47,21 @@ static int kv_tier_enabled(const kv_store *s, int shard, kv_tier t)
     return s->shards[shard].t[t].budget > 0;
 }
 
+void kv_page_drop(kv_store *s, kv_page *p)
+{
+    assert(p->refs == 0);
+    if (p->flags & KV_PAGE_INDEXED) {
+        kv_event_emit(s, KV_EVENT_REMOVED, p, p->tier, p->tier);
+        kv_index_remove(s, p);
+    }
+    if (p->flags & KV_PAGE_ON_DISK) kv_disk_unlink(s, p);
+    kv_page_release(s, p);
+}
+
 /* Moves a cached page one tier down (or further), or drops it. 1 when dropped. */
 int kv_demote(kv_store *s, kv_page *p)
 {
+    assert(p->in_list && p->refs == 0);
     const kv_tier from = p->tier;
     const int sh = p->shard;
     const size_t pb = s->lay[p->format].page_bytes;
@@ -90,7 +106,7 @@ int kv_demote(kv_store *s, kv_page *p)
         }
     }
     s->shards[sh].evictions++;
-    kv_page_free(s, p);
+    kv_page_drop(s, p);
     return 1;
 }
 
@@ -131,6 +147,22 @@ int kv_make_room(kv_store *s, int shard, kv_tier t, size_t need, size_t limit)
     return moved;
 }
 
+int kv_hot_alloc(kv_store *s, int shard, kv_format f, uint8_t **out)
+{
+    const kv_tier_acct *a = &s->shards[shard].t[KV_TIER_HOT];
+    size_t b = s->lay[f].page_bytes;
+    if (a->used + b > a->budget) kv_make_room(s, shard, KV_TIER_HOT, b, a->budget);
+    return kv_hot_take(s, shard, f, out);
+}
+
+void kv_disk_trim(kv_store *s)
+{
+    for (int i = 0; i < s->n_shards; i++) {
+        kv_tier_acct *a = &s->shards[i].t[KV_TIER_DISK];
+        while (a->used > a->budget && a->head) kv_demote(s, a->head);
+    }
+}
+
 void kv_enforce_watermarks(kv_store *s, int shard)
 {
     kv_shard *sh = &s->shards[shard];
@@ -166,104 +198,4 @@ int kv_store_evict_oldest_fraction(kv_store *s, double fraction)
         }
     }
     return total;
-}
-
-/* ---------------------------------------------------------------- recovery level 2 */
-
-int kv_store_convert(kv_store *s, kv_format f)
-{
-    if ((unsigned)f >= KV_FORMAT_COUNT || !s->lay[f].unit) return KM_EINVAL;
-    for (kv_seq *q = s->seqs; q; q = q->next) kv_seq_wait_promo(s, q);
-    kv_promo_reap(s);
-    for (int i = 0; i < s->n_shards; i++) s->shards[i].format = f;
-    int converted = 0, rc = 0;
-    /* Every page in RAM is reachable either from a sequence or from a cached list. */
-    for (int pass = 0; pass < 2 && !rc; pass++) {
-        for (kv_seq *q = s->seqs; q && !rc && pass == 0; q = q->next)
-            for (int i = 0; i < q->n_pages && !rc; i++) {
-                kv_page *p = q->pg[i];
-                if (p->format == f) continue;
-                uint32_t rows = atomic_load_explicit(&p->rows, memory_order_relaxed);
-                if (f == KN_KV_INT4 && rows < s->rows_full) continue; /* sealed when full */
-                uint8_t *nb;
-                size_t nbytes = s->lay[f].page_bytes, obytes = s->lay[p->format].page_bytes;
-                if (nbytes > obytes) {
-                    if ((rc = kv_hot_alloc(s, p->shard, f, &nb))) break;
-                } else {
-                    if (!(nb = kv_buf_get(s, f))) {
-                        rc = KM_ENOMEM;
-                        break;
-                    }
-                    kv_acct_add(s, p->shard, KV_TIER_HOT, f, 1);
-                }
-                kv_page_convert(s, p->buf, p->format, nb, f);
-                kv_acct_sub(s, p->shard, KV_TIER_HOT, p->format);
-                kv_buf_put(s, p->buf, p->format);
-                if (p->flags & KV_PAGE_ON_DISK) kv_disk_unlink(s, p);
-                p->buf = nb;
-                p->format = f;
-                converted++;
-            }
-        for (int sh = 0; sh < s->n_shards && !rc && pass == 1; sh++)
-            for (int t = KV_TIER_HOT; t <= KV_TIER_HOST && !rc; t++) {
-                kv_tier_acct *a = &s->shards[sh].t[t];
-                for (kv_page *p = a->head; p && !rc; p = p->lnext) {
-                    if (p->format == f) continue;
-                    uint8_t *nb = kv_buf_get(s, f);
-                    if (!nb) {
-                        rc = KM_ENOMEM;
-                        break;
-                    }
-                    if (s->lay[f].page_bytes > s->lay[p->format].page_bytes &&
-                        a->used - s->lay[p->format].page_bytes + s->lay[f].page_bytes > a->budget) {
-                        kv_buf_put(s, nb, f);
-                        rc = KM_ENOSPC;
-                        break;
-                    }
-                    kv_page_convert(s, p->buf, p->format, nb, f);
-                    kv_acct_sub(s, sh, (kv_tier)t, p->format);
-                    kv_acct_add(s, sh, (kv_tier)t, f, 1);
-                    a->cached_bytes += kv_list_bytes(s, (kv_tier)t, f);
-                    a->cached_bytes -= kv_list_bytes(s, (kv_tier)t, p->format);
-                    kv_buf_put(s, p->buf, p->format);
-                    if (p->flags & KV_PAGE_ON_DISK) kv_disk_unlink(s, p);
-                    p->buf = nb;
-                    p->format = f;
-                    converted++;
-                }
-            }
-    }
-    kv_refresh_all(s);
-    s->st.converted_pages += (uint64_t)converted;
-    return rc ? rc : converted;
-}
-
-/* ---------------------------------------------------------------- lossy sequence policies */
-
-int kv_seq_apply_policy(kv_store *s, kv_seq *q)
-{
-    const kv_seq_policy *po = &q->policy;
-    int complete = 0;
-    while (complete < q->n_pages && !q->pg[complete]->promoting &&
-           atomic_load_explicit(&q->pg[complete]->rows, memory_order_relaxed) >= s->rows_full)
-        complete++;
-    int dropped = 0;
-    if (po->kind == KV_SEQ_STREAMING) {
-        int n_drop = complete - po->sink_pages - po->window_pages;
-        for (int j = 0; j < n_drop; j++) {
-            kv_seq_drop_page(s, q, po->sink_pages);
-            dropped++;
-        }
-    } else if (po->kind == KV_SEQ_H2O) {
-        while (complete > po->budget_pages) {
-            int lim = complete - po->window_pages, best = -1;
-            for (int i = 0; i < lim; i++)
-                if (best < 0 || q->mass[i] < q->mass[best]) best = i;
-            if (best < 0) break;
-            kv_seq_drop_page(s, q, best);
-            complete--;
-            dropped++;
-        }
-    }
-    return dropped;
 }

@@ -24,11 +24,44 @@
  * the whole page (per-channel statistics), so int4 pages are written in f16 and sealed into int4
  * when they are complete (seq.c); the open page stays f16, which is also KIVI's full-precision
  * residual.
+ *
+ * Layer: encodings are pure functions of the store's layouts; kv_page_seal (a page re-encoded in
+ * place) also takes a buffer and moves the page's bytes in the accounting, so this file sits on
+ * page.c and nothing else.
  */
+#include <assert.h>
 #include <math.h>
 #include <string.h>
 
 #include "kvshard/internal.h"
+
+const char *kv_format_name(kv_format f)
+{
+    switch (f) {
+    case KN_KV_F16:
+        return "f16";
+    case KN_KV_BF16:
+        return "bf16";
+    case KN_KV_FP8:
+        return "fp8";
+    case KN_KV_INT8:
+        return "int8";
+    case KN_KV_INT4:
+        return "int4";
+    }
+    return "unknown";
+}
+
+int kv_format_parse(const char *s, kv_format *out)
+{
+    static const char *names[] = {"f16", "bf16", "fp8", "int8", "int4"};
+    for (int i = 0; i < KV_FORMAT_COUNT; i++)
+        if (s && !strcmp(s, names[i])) {
+            *out = (kv_format)i;
+            return 0;
+        }
+    return KM_EINVAL;
+}
 
 static int kv_int4_vgroup(int hd)
 {
@@ -293,4 +326,21 @@ void kv_page_convert(kv_store *s, const uint8_t *src, kv_format a, uint8_t *dst,
                     kv_page_write_row(s, dst, b, l, h, t, K + (size_t)t * hd, V + (size_t)t * hd);
             }
         }
+}
+
+/* Re-encodes a hot page as int4 (its shard's format). Sealing shrinks the page, so it may pass
+ * the budget for the moment it takes. The caller refreshes the tables that point at it. */
+int kv_page_seal(kv_store *s, kv_page *p)
+{
+    assert(p->tier == KV_TIER_HOT && p->buf && p->format != KN_KV_INT4);
+    uint8_t *nb = kv_buf_get(s, KN_KV_INT4);
+    if (!nb) return KM_ENOMEM;
+    kv_acct_add(s, p->shard, KV_TIER_HOT, KN_KV_INT4, 1);
+    kv_page_convert(s, p->buf, p->format, nb, KN_KV_INT4);
+    kv_acct_sub(s, p->shard, KV_TIER_HOT, p->format);
+    kv_buf_put(s, p->buf, p->format);
+    p->buf = nb;
+    p->format = KN_KV_INT4;
+    s->st.sealed_pages++;
+    return 0;
 }

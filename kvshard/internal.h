@@ -1,15 +1,26 @@
 /*
- * internal.h — the private structures of kvshard, shared by its files:
- *   format.c  page layouts per format, quantizers, int4 sealing, page conversion
- *   store.c   the store, shards, byte accounting per tier, page objects, shard keys, stats
- *   seq.c     sequences: page tables, reserve (copy-on-write, sealing), write, view, policies
- *   index.c   the prefix index: publish, verified lookup, attach (promotion)
- *   evict.c   victim scoring, demotion between tiers, watermarks, evict_oldest_fraction
- *   tier.c    the promoter thread (asynchronous, layer by layer)
- *   disk.c    the disk tier: atomic page files, re-index at open
- *   diskfmt.c the page file format (pure, fuzzed)
- *   events.c  the event ring
- * Nothing here is visible outside kvshard/.
+ * internal.h — the private structures of kvshard and the functions its files share. Nothing here
+ * is visible outside kvshard/ (tests aside).
+ *
+ * The files are layers, and calls go one way, down this list (docs/kvshard.md, "Layers"; the
+ * order is checked on the objects by `make check-layers`):
+ *   store.c   top: create (every layer set up in order) and destroy
+ *   tier.c    top: attach (a prefix hit promoted), persist (RAM pages copied to disk on a drain)
+ *   convert.c top: recovery level 2 (every page re-encoded, new pages in the new format)
+ *   check.c   top: kv_store_check, every structural invariant over the whole store (tests)
+ *   seq.c     sequences: page tables, reserve (copy-on-write, sealing), fork, truncate, lossy
+ *             policies, publish, and the hot path (write, view, read)
+ *   evict.c   pages no sequence holds: victims, demotion, room-making allocation, watermarks,
+ *             recovery level 1
+ *   disk.c    the disk tier's files: atomic write, verified read, unlink, re-index at open
+ *   index.c   the prefix index: hash table and verified lookup
+ *   promote.c the promoter thread (host -> hot, asynchronous, layer by layer)
+ *   format.c  per-format encodings, quantizers, page conversion and int4 sealing
+ *   page.c    page memory and accounting: buffers, budgets per (shard, tier), page objects and
+ *             their references, cached lists, shard keys, statistics
+ *   events.c  the event ring                      (leaves: they call nothing in kvshard)
+ *   diskfmt.c layouts and the page file format, pure (fuzzed; kvshard/diskfmt.h)
+ * The structures below are shared by all layers; what may call what is the list above.
  */
 #ifndef KVSHARD_INTERNAL_H
 #define KVSHARD_INTERNAL_H
@@ -17,6 +28,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 
+#include "kvshard/diskfmt.h"
 #include "kvshard/kvshard.h"
 
 #define KV_PAGE_INDEXED 1u /* in the prefix index (immutable, has hash and tokens) */
@@ -44,13 +56,6 @@ typedef struct kv_page {
     struct kv_page *hnext;         /* index bucket chain */
     int promoting;                 /* a promotion job is filling buf */
 } kv_page;
-
-/* Page layout of one format: per (layer, head) a unit of [K data][V data][K scales][V scales]. */
-typedef struct kv_layout {
-    size_t kd, vd, ks, vs; /* bytes of each part */
-    size_t unit;           /* kd + vd + ks + vs */
-    size_t page_bytes;     /* unit * n_layers * n_kv_heads */
-} kv_layout;
 
 typedef struct kv_tier_acct {
     size_t used, budget;
@@ -115,9 +120,6 @@ struct kv_store {
     /* prefix index */
     kv_page **buckets;
     size_t n_buckets, n_indexed;
-    /* scratch for victim selection */
-    kv_page **cand;
-    size_t cand_cap;
     float *fscratch; /* 2 * page_tokens * head_dim floats (conversion, sealing) */
     /* events */
     kv_event *ev;
@@ -136,8 +138,37 @@ struct kv_store {
     kv_store_stats st;
 };
 
-/* format.c */
-void kv_layout_init(kv_layout *lay, kv_format f, int pt, int hd, int n_layers, int n_heads);
+static inline int kv_format_valid(kv_format f)
+{
+    return (unsigned)f < KV_FORMAT_COUNT;
+}
+
+/* ---------------------------------------------------------------- events.c (leaf) */
+void kv_event_emit(kv_store *s, kv_event_kind kind, const kv_page *p, kv_tier from, kv_tier to);
+void kv_events_free(kv_store *s);
+
+/* ---------------------------------------------------------------- page.c */
+uint8_t *kv_buf_get(kv_store *s, kv_format f);
+void kv_buf_put(kv_store *s, uint8_t *buf, kv_format f);
+size_t kv_format_bytes(const kv_store *s, kv_format f);
+/* Accounts a page buffer of format f in (shard, tier); with force the budget may be exceeded. */
+int kv_acct_add(kv_store *s, int shard, kv_tier t, kv_format f, int force);
+void kv_acct_sub(kv_store *s, int shard, kv_tier t, kv_format f);
+/* A hot buffer of format f in shard if it fits the budget as it is (KM_ENOSPC otherwise: making
+ * room is evict.c's kv_hot_alloc). */
+int kv_hot_take(kv_store *s, int shard, kv_format f, uint8_t **out);
+kv_page *kv_page_new(kv_store *s);
+/* Frees a page that is neither indexed nor on disk: its RAM buffer and accounting, the object. */
+void kv_page_release(kv_store *s, kv_page *p);
+void kv_page_ref(kv_store *s, kv_page *p);
+/* The last reference gone: an indexed page joins its cached list, any other is released. */
+void kv_page_unref(kv_store *s, kv_page *p);
+void kv_list_push(kv_store *s, kv_page *p); /* into its shard/tier cached list by last_use */
+void kv_list_remove(kv_store *s, kv_page *p);
+/* RAM bytes a cached page of format f counts in its tier's cached_bytes (0 on disk). */
+size_t kv_list_bytes(const kv_store *s, kv_tier t, kv_format f);
+
+/* ---------------------------------------------------------------- format.c */
 uint8_t kv_fp8_from_f32(float x);
 float kv_fp8_to_f32(uint8_t b);
 /* Writes row `row` of (layer, head) of K and V into a page of a row-writable format. */
@@ -148,66 +179,61 @@ void kv_page_read_row(const kv_store *s, const uint8_t *page, kv_format f, int l
                       int row, float *k, float *v);
 /* Re-encodes a whole page from format a (in src) to format b (in dst). */
 void kv_page_convert(kv_store *s, const uint8_t *src, kv_format a, uint8_t *dst, kv_format b);
+/* Re-encodes a hot page as int4 in place (its buffer replaced); callers refresh the tables. */
+int kv_page_seal(kv_store *s, kv_page *p);
 static inline int kv_format_row_writable(kv_format f)
 {
     return f != KN_KV_INT4;
 }
 
-/* store.c */
-uint8_t *kv_buf_get(kv_store *s, kv_format f);
-void kv_buf_put(kv_store *s, uint8_t *buf, kv_format f);
-/* Accounts a page buffer of format f in (shard, tier); with force the budget may be exceeded. */
-int kv_acct_add(kv_store *s, int shard, kv_tier t, kv_format f, int force);
-void kv_acct_sub(kv_store *s, int shard, kv_tier t, kv_format f);
-/* A hot buffer of format f in shard, evicting (demoting) cached pages for room. */
-int kv_hot_alloc(kv_store *s, int shard, kv_format f, uint8_t **out);
-kv_page *kv_page_new(kv_store *s);
-/* Frees the page object and its RAM buffer and file; emits REMOVED when it was indexed. */
-void kv_page_free(kv_store *s, kv_page *p);
-void kv_list_push(kv_store *s, kv_page *p); /* into its shard/tier cached list by last_use */
-void kv_list_remove(kv_store *s, kv_page *p);
-/* RAM bytes a cached page of format f counts in its tier's cached_bytes (0 on disk). */
-size_t kv_list_bytes(const kv_store *s, kv_tier t, kv_format f);
-void kv_page_ref(kv_store *s, kv_page *p);
-void kv_page_unref(kv_store *s, kv_page *p);
-/* Points every sequence holding p at its current buffer and format. */
-void kv_refresh_all(kv_store *s);
-void kv_seq_refresh(kv_store *s, kv_seq *q);
-size_t kv_format_bytes(const kv_store *s, kv_format f);
-
-/* seq.c */
-int kv_page_seal(kv_store *s, kv_page *p);
-int kv_seq_grow(kv_seq *q, int need);
-void kv_seq_drop_page(kv_store *s, kv_seq *q, int i);
-
-/* index.c */
-void kv_index_remove(kv_store *s, kv_page *p);
-int kv_index_insert(kv_store *s, kv_page *p);
-kv_page *kv_index_find(const kv_store *s, km_pagehash h);
-
-/* evict.c */
-/* Moves or drops cached pages of (shard, tier) until `need` more bytes fit under `limit`. */
-int kv_make_room(kv_store *s, int shard, kv_tier t, size_t need, size_t limit);
-int kv_demote(kv_store *s, kv_page *p);
-void kv_enforce_watermarks(kv_store *s, int shard);
-int kv_seq_apply_policy(kv_store *s, kv_seq *q);
-
-/* tier.c */
+/* ---------------------------------------------------------------- promote.c */
 int kv_promoter_start(kv_store *s);
 void kv_promoter_stop(kv_store *s);
+kv_promo *kv_promo_new(int n_pages); /* room for n_pages pairs; NULL when out of memory */
+void kv_promo_free(kv_promo *job);
 void kv_promo_submit(kv_store *s, kv_promo *job);
+/* Frees the host copies of finished jobs and clears their pages' promoting marks. */
 void kv_promo_reap(kv_store *s);
+/* Blocks until q's pending promotion has finished, and reaps it. */
 void kv_seq_wait_promo(kv_store *s, kv_seq *q);
 
-/* disk.c */
+/* ---------------------------------------------------------------- index.c */
+kv_page *kv_index_find(const kv_store *s, km_pagehash h);
+/* The page that may serve chain link h after the page parent_id: tokens and parent agree. */
+kv_page *kv_index_verified(kv_store *s, km_pagehash h, const int32_t *tokens, uint64_t parent_id);
+int kv_index_insert(kv_store *s, kv_page *p);
+void kv_index_remove(kv_store *s, kv_page *p);
+
+/* ---------------------------------------------------------------- disk.c */
+int kv_disk_enabled(const kv_store *s);
+/* Re-indexes the directory's page files (budgets are enforced after, by kv_disk_trim). */
 int kv_disk_open(kv_store *s, km_errbuf *err);
 int kv_disk_write(kv_store *s, kv_page *p);
 int kv_disk_read(kv_store *s, kv_page *p, uint8_t *dst);
 void kv_disk_unlink(kv_store *s, kv_page *p);
-int kv_disk_enabled(const kv_store *s);
 
-/* events.c */
-void kv_event_emit(kv_store *s, kv_event_kind kind, const kv_page *p, kv_tier from, kv_tier to);
-void kv_events_free(kv_store *s);
+/* ---------------------------------------------------------------- evict.c */
+/* A hot buffer of format f in shard, demoting or dropping cached pages for room. */
+int kv_hot_alloc(kv_store *s, int shard, kv_format f, uint8_t **out);
+/* Moves or drops cached pages of (shard, tier) until `need` more bytes fit under `limit`. */
+int kv_make_room(kv_store *s, int shard, kv_tier t, size_t need, size_t limit);
+/* Moves a cached page one tier down (or further), or drops it; 1 when dropped. */
+int kv_demote(kv_store *s, kv_page *p);
+/* A page no sequence holds leaves every tier: index (REMOVED event), file, memory. */
+void kv_page_drop(kv_store *s, kv_page *p);
+void kv_enforce_watermarks(kv_store *s, int shard);
+/* Drops the oldest disk pages of every shard over its disk budget (after a re-index). */
+void kv_disk_trim(kv_store *s);
+
+/* ---------------------------------------------------------------- seq.c */
+int kv_seq_grow(kv_seq *q, int need);
+/* Points the sequence's tables (ptrs, fmts) at its pages' current buffers and formats. */
+void kv_seq_refresh(kv_store *s, kv_seq *q);
+void kv_refresh_all(kv_store *s);
+
+/* ---------------------------------------------------------------- check.c */
+/* Every structural invariant of the store (refs, tiers, accounting, cached lists, index, the
+ * sequences' tables): 0, or KM_ECORRUPT with the first broken one in err. Between calls only. */
+int kv_store_check(const kv_store *s, km_errbuf *err);
 
 #endif

@@ -247,27 +247,6 @@ int kv_store_events_drain(kv_store *s, kv_event *out, int max);
 /* The sequence number the next event will carry. */
 uint64_t kv_store_events_next_seq(const kv_store *s);
 
-/* ---------------------------------------------------------------- disk pages */
-
-/* A disk page file: header, token ids, payload, trailing checksum (docs/kvshard.md). */
-typedef struct kv_disk_page {
-    kv_format format;
-    int page_tokens, n_layers, n_kv_heads, head_dim;
-    km_pagehash hash, parent; /* the page's chain link and the previous one */
-    int index;                /* position of the page in its chain */
-    const uint8_t *tokens;    /* page_tokens little-endian int32, into the buffer */
-    const uint8_t *payload;   /* into the buffer */
-    size_t payload_bytes;
-} kv_disk_page;
-
-/* Validates a whole page file held in memory (header fields, sizes, checksum, that the hash
- * matches its tokens' chain link is NOT checkable here). 0, KM_EFORMAT or KM_ECORRUPT; never
- * reads outside [buf, buf+len). */
-int kv_disk_page_parse(const void *buf, size_t len, kv_disk_page *out);
-/* Serialises a page into buf (size from kv_disk_page_size); returns bytes written. */
-size_t kv_disk_page_size(size_t payload_bytes, int page_tokens);
-size_t kv_disk_page_encode(const kv_disk_page *p, void *buf, size_t cap);
-
 #ifdef __cplusplus
 }
 #endif

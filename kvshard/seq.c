@@ -8,7 +8,12 @@
  * sealed int4), which is all the engine needs because it reserves every position it writes.
  * Completion of a page is counted by its writers (one atomic add per (layer, row)), so an int4
  * shard can seal full pages at the next reserve without being told.
+ *
+ * Layer: sequences sit on eviction (a reserve that needs room gets it from kv_hot_alloc, and a
+ * destroyed sequence's pages bring tiers back under their watermarks), the index (publish), the
+ * promoter (waits) and page memory; only the top files (tier.c, convert.c, store.c) call here.
  */
+#include <assert.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -60,6 +65,8 @@ uint64_t kv_seq_uid(const kv_seq *q)
     return q->uid;
 }
 
+/* ---------------------------------------------------------------- page tables */
+
 int kv_seq_grow(kv_seq *q, int need)
 {
     if (need <= q->cap) return 0;
@@ -87,11 +94,43 @@ int kv_seq_grow(kv_seq *q, int need)
 /* Puts page p at index i of the table (the slot's previous page, if any, is the caller's). */
 static void kv_seq_set(kv_seq *q, int i, kv_page *p, int was_set)
 {
+    assert(p->refs > 0 && p->tier == KV_TIER_HOT && p->buf);
     if (was_set) q->fmt_count[q->fmts[i]]--;
     q->pg[i] = p;
     q->ptrs[i] = p->buf;
     q->fmts[i] = (uint8_t)p->format;
     q->fmt_count[p->format]++;
+}
+
+void kv_seq_refresh(kv_store *s, kv_seq *q)
+{
+    memset(q->fmt_count, 0, sizeof q->fmt_count);
+    for (int i = 0; i < q->n_pages; i++) {
+        q->ptrs[i] = q->pg[i]->buf;
+        q->fmts[i] = (uint8_t)q->pg[i]->format;
+        q->fmt_count[q->pg[i]->format]++;
+    }
+}
+
+void kv_refresh_all(kv_store *s)
+{
+    for (kv_seq *q = s->seqs; q; q = q->next) kv_seq_refresh(s, q);
+}
+
+/* Index in the table of the page holding position pos, or -1. */
+static int kv_seq_find(const kv_seq *q, int page_index)
+{
+    if (!q->n_dropped) return page_index < q->n_pages ? page_index : -1;
+    int lo = 0, hi = q->n_pages - 1;
+    while (lo <= hi) {
+        int mid = (lo + hi) / 2;
+        if (q->pidx[mid] == page_index) return mid;
+        if (q->pidx[mid] < page_index)
+            lo = mid + 1;
+        else
+            hi = mid - 1;
+    }
+    return -1;
 }
 
 int kv_seq_fork(kv_store *s, const kv_seq *src, kv_seq **out)
@@ -119,27 +158,72 @@ int kv_seq_fork(kv_store *s, const kv_seq *src, kv_seq **out)
     return 0;
 }
 
+/* ---------------------------------------------------------------- lossy policies */
+
+static void kv_seq_drop_page(kv_store *s, kv_seq *q, int i)
+{
+    kv_page *p = q->pg[i];
+    q->fmt_count[q->fmts[i]]--;
+    int n = q->n_pages - i - 1;
+    memmove(q->pg + i, q->pg + i + 1, sizeof(*q->pg) * n);
+    memmove(q->ptrs + i, q->ptrs + i + 1, sizeof(*q->ptrs) * n);
+    memmove(q->fmts + i, q->fmts + i + 1, sizeof(*q->fmts) * n);
+    memmove(q->mass + i, q->mass + i + 1, sizeof(*q->mass) * n);
+    memmove(q->pidx + i, q->pidx + i + 1, sizeof(*q->pidx) * n);
+    q->n_pages--;
+    q->n_dropped++;
+    if (q->seal_from > i) q->seal_from--;
+    s->st.dropped_seq_pages++;
+    kv_page_unref(s, p);
+}
+
+int kv_seq_set_policy(kv_store *s, kv_seq *q, const kv_seq_policy *p)
+{
+    if (!p || (unsigned)p->kind > KV_SEQ_H2O || p->sink_pages < 0 || p->window_pages < 0 ||
+        p->budget_pages < 0)
+        return KM_EINVAL;
+    if (p->kind == KV_SEQ_STREAMING && p->sink_pages + p->window_pages < 1) return KM_EINVAL;
+    if (p->kind == KV_SEQ_H2O && p->budget_pages < p->window_pages + 1) return KM_EINVAL;
+    q->policy = *p;
+    for (int i = 0; i < q->n_pages; i++) q->mass[i] = 0.0f;
+    return 0;
+}
+
+static int kv_seq_apply_policy(kv_store *s, kv_seq *q)
+{
+    const kv_seq_policy *po = &q->policy;
+    int complete = 0;
+    while (complete < q->n_pages && !q->pg[complete]->promoting &&
+           atomic_load_explicit(&q->pg[complete]->rows, memory_order_relaxed) >= s->rows_full)
+        complete++;
+    int dropped = 0;
+    if (po->kind == KV_SEQ_STREAMING) {
+        int n_drop = complete - po->sink_pages - po->window_pages;
+        for (int j = 0; j < n_drop; j++) {
+            kv_seq_drop_page(s, q, po->sink_pages);
+            dropped++;
+        }
+    } else if (po->kind == KV_SEQ_H2O) {
+        while (complete > po->budget_pages) {
+            int lim = complete - po->window_pages, best = -1;
+            for (int i = 0; i < lim; i++)
+                if (best < 0 || q->mass[i] < q->mass[best]) best = i;
+            if (best < 0) break;
+            kv_seq_drop_page(s, q, best);
+            complete--;
+            dropped++;
+        }
+    }
+    return dropped;
+}
+
+/* ---------------------------------------------------------------- reserve */
+
 /* The format new pages of a shard are written in (int4 pages are written in f16, then sealed). */
 static kv_format kv_write_format(const kv_store *s, int shard)
 {
     kv_format f = s->shards[shard].format;
     return f == KN_KV_INT4 ? KN_KV_F16 : f;
-}
-
-/* Re-encodes a hot page as int4 (its shard's format). Sealing shrinks the page, so it may pass
- * the budget for the moment it takes. The caller refreshes the tables that point at it. */
-int kv_page_seal(kv_store *s, kv_page *p)
-{
-    uint8_t *nb = kv_buf_get(s, KN_KV_INT4);
-    if (!nb) return KM_ENOMEM;
-    kv_acct_add(s, p->shard, KV_TIER_HOT, KN_KV_INT4, 1);
-    kv_page_convert(s, p->buf, p->format, nb, KN_KV_INT4);
-    kv_acct_sub(s, p->shard, KV_TIER_HOT, p->format);
-    kv_buf_put(s, p->buf, p->format);
-    p->buf = nb;
-    p->format = KN_KV_INT4;
-    s->st.sealed_pages++;
-    return 0;
 }
 
 /* Seals the sequence's complete pages of int4 shards (all but index `keep`). */
@@ -264,39 +348,6 @@ int kv_seq_reserve(kv_store *s, kv_seq *q, int n_tokens)
     return kv_seq_reserve_expert(s, q, n_tokens, -1);
 }
 
-/* Index in the table of the page holding position pos, or -1. */
-static int kv_seq_find(const kv_seq *q, int page_index)
-{
-    if (!q->n_dropped) return page_index < q->n_pages ? page_index : -1;
-    int lo = 0, hi = q->n_pages - 1;
-    while (lo <= hi) {
-        int mid = (lo + hi) / 2;
-        if (q->pidx[mid] == page_index) return mid;
-        if (q->pidx[mid] < page_index)
-            lo = mid + 1;
-        else
-            hi = mid - 1;
-    }
-    return -1;
-}
-
-void kv_seq_drop_page(kv_store *s, kv_seq *q, int i)
-{
-    kv_page *p = q->pg[i];
-    q->fmt_count[q->fmts[i]]--;
-    int n = q->n_pages - i - 1;
-    memmove(q->pg + i, q->pg + i + 1, sizeof(*q->pg) * n);
-    memmove(q->ptrs + i, q->ptrs + i + 1, sizeof(*q->ptrs) * n);
-    memmove(q->fmts + i, q->fmts + i + 1, sizeof(*q->fmts) * n);
-    memmove(q->mass + i, q->mass + i + 1, sizeof(*q->mass) * n);
-    memmove(q->pidx + i, q->pidx + i + 1, sizeof(*q->pidx) * n);
-    q->n_pages--;
-    q->n_dropped++;
-    if (q->seal_from > i) q->seal_from--;
-    s->st.dropped_seq_pages++;
-    kv_page_unref(s, p);
-}
-
 void kv_seq_truncate(kv_store *s, kv_seq *q, int n_tokens)
 {
     const int pt = s->pt;
@@ -321,16 +372,48 @@ void kv_seq_truncate(kv_store *s, kv_seq *q, int n_tokens)
         q->n_dropped = 0;
 }
 
-int kv_seq_set_policy(kv_store *s, kv_seq *q, const kv_seq_policy *p)
+/* ---------------------------------------------------------------- publishing */
+
+int kv_seq_publish(kv_store *s, kv_seq *q, const km_pagehash *hashes, const int32_t *tokens,
+                   int n_tokens)
 {
-    if (!p || (unsigned)p->kind > KV_SEQ_H2O || p->sink_pages < 0 || p->window_pages < 0 ||
-        p->budget_pages < 0)
-        return KM_EINVAL;
-    if (p->kind == KV_SEQ_STREAMING && p->sink_pages + p->window_pages < 1) return KM_EINVAL;
-    if (p->kind == KV_SEQ_H2O && p->budget_pages < p->window_pages + 1) return KM_EINVAL;
-    q->policy = *p;
-    for (int i = 0; i < q->n_pages; i++) q->mass[i] = 0.0f;
-    return 0;
+    if (n_tokens < 0 || (n_tokens && (!hashes || !tokens))) return KM_EINVAL;
+    /* A sequence that dropped pages computed the rest with a partial context: never reusable. */
+    if (q->n_dropped) return 0;
+    kv_seq_wait_promo(s, q);
+    int n = n_tokens / s->pt, added = 0, refresh = 0;
+    if (n > q->n_pages) n = q->n_pages;
+    uint64_t parent_id = 0;
+    for (int i = 0; i < n; i++) {
+        kv_page *p = q->pg[i];
+        if (p->flags & KV_PAGE_INDEXED) {
+            parent_id = p->id;
+            continue;
+        }
+        if (kv_index_find(s, hashes[i])) {
+            /* An identical page is already indexed (or a colliding one): keep the older, and
+             * stop, since the pages after this one have no indexed parent. */
+            break;
+        }
+        int32_t *tk = malloc(sizeof(int32_t) * s->pt);
+        if (!tk) return added ? added : KM_ENOMEM;
+        memcpy(tk, tokens + (size_t)i * s->pt, sizeof(int32_t) * s->pt);
+        if (s->shards[p->shard].format == KN_KV_INT4 && p->format != KN_KV_INT4) {
+            if (kv_page_seal(s, p) == 0) refresh = 1;
+        }
+        atomic_store_explicit(&p->rows, s->rows_full, memory_order_relaxed);
+        p->tokens = tk;
+        p->hash = hashes[i];
+        p->parent = i ? hashes[i - 1] : (km_pagehash){0, 0};
+        p->parent_id = parent_id;
+        p->index = i;
+        kv_index_insert(s, p);
+        kv_event_emit(s, KV_EVENT_STORED, p, KV_TIER_HOT, KV_TIER_HOT);
+        parent_id = p->id;
+        added++;
+    }
+    if (refresh) kv_refresh_all(s);
+    return added;
 }
 
 /* ---------------------------------------------------------------- hot path */
@@ -341,6 +424,7 @@ void kv_seq_write(kv_store *s, kv_seq *q, int layer, int pos, const float *k, co
     const int i = pos / pt - q->n_dropped;
     if (i < 0 || i >= q->n_pages || layer < 0 || layer >= s->n_layers) return;
     kv_page *p = q->pg[i];
+    assert(pos < q->reserved && p->refs == 1 && !(p->flags & KV_PAGE_INDEXED)); /* reserved */
     for (int h = 0; h < s->n_heads; h++)
         kv_page_write_row(s, p->buf, p->format, layer, h, pos % pt, k + (size_t)h * hd,
                           v + (size_t)h * hd);

@@ -1,139 +1,168 @@
 /*
- * tier.c — promotion of pages from the host tier to the hot tier on a prefix hit, done by one
- * background thread per store, layer by layer: a page's layer l is one contiguous range
- * ([l * n_kv_heads * unit, (l+1) * n_kv_heads * unit)), so after copying layer l of every page
- * of the job the thread publishes ready_layers = l + 1 and the engine's views of layer l proceed
- * while layer l + 1 is still on its way (kv_seq_view waits only for the layer it needs).
+ * tier.c — pages moving between tiers because a caller asked: a prefix hit brought up to the hot
+ * tier (kv_seq_attach: host pages handed to the promoter thread, disk pages read and verified
+ * before the sequence can see them) and RAM pages copied down to disk on a drain
+ * (kv_store_persist). Moving down under pressure is eviction's (evict.c). This is the top layer
+ * with convert.c and store.c: it calls sequences, eviction, the disk tier, the index, the
+ * promoter and page memory, and none of them calls it (docs/kvshard.md, "Layers").
  *
- * The thread touches nothing but the job's buffers and the sequence's ready counter; the store's
- * structure (accounting, lists, freeing the host copies) is updated by the owner's next
- * structural call (kv_promo_reap), so the store needs no lock on its hot path.
+ * kv_store_persist (a drain's last step) writes a disk copy of every indexed page still in RAM,
+ * parents before children (the re-index keeps a page only with its parent), and leaves each
+ * page where it is: the copy is what the next process finds; this one is about to exit.
  */
+#include <assert.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "kvshard/internal.h"
 
-static void kv_promo_copy(kv_store *s, kv_promo *job)
+/* Brings a verified page to the hot tier for sequence q; host pages join the async job. */
+static int kv_attach_one(kv_store *s, kv_page *p, kv_promo *job)
 {
-    for (int l = 0; l < s->n_layers; l++) {
-        for (int j = 0; j < job->n; j++) {
-            size_t per = s->lay[job->fmt[j]].unit * s->n_heads, off = per * l;
-            memcpy(job->dst[j] + off, job->src[j] + off, per);
+    if (p->tier == KV_TIER_HOT) return 0;
+    uint8_t *dst;
+    int rc = kv_hot_alloc(s, p->shard, p->format, &dst);
+    if (rc) return rc;
+    kv_tier from = p->tier;
+    if (from == KV_TIER_HOST) {
+        kv_acct_sub(s, p->shard, KV_TIER_HOST, p->format);
+        job->src[job->n] = p->buf;
+        job->dst[job->n] = dst;
+        job->bytes[job->n] = s->lay[p->format].page_bytes;
+        job->fmt[job->n] = p->format;
+        job->pages[job->n] = p;
+        job->n++;
+        p->promoting = 1;
+    } else { /* disk: read and verify now, so nothing unverified ever reaches a view */
+        if ((rc = kv_disk_read(s, p, dst))) {
+            kv_acct_sub(s, p->shard, KV_TIER_HOT, p->format);
+            kv_buf_put(s, dst, p->format);
+            return rc;
         }
-        pthread_mutex_lock(&s->mu);
-        atomic_store_explicit(&job->q->ready_layers, l + 1, memory_order_release);
-        pthread_cond_broadcast(&s->cv_done);
-        pthread_mutex_unlock(&s->mu);
     }
-}
-
-static void *kv_promoter_main(void *arg)
-{
-    kv_store *s = arg;
-    pthread_mutex_lock(&s->mu);
-    for (;;) {
-        while (!s->jobs && !s->promoter_stop) pthread_cond_wait(&s->cv_job, &s->mu);
-        kv_promo *job = s->jobs;
-        if (!job) break;
-        s->jobs = job->next;
-        if (!s->jobs) s->jobs_tail = NULL;
-        pthread_mutex_unlock(&s->mu);
-        kv_promo_copy(s, job);
-        pthread_mutex_lock(&s->mu);
-        job->done = 1;
-        job->next = s->done_jobs;
-        s->done_jobs = job;
-        pthread_cond_broadcast(&s->cv_done);
-    }
-    pthread_mutex_unlock(&s->mu);
-    return NULL;
-}
-
-int kv_promoter_start(kv_store *s)
-{
-    if (pthread_create(&s->promoter, NULL, kv_promoter_main, s)) return KM_ENOMEM;
-    s->promoter_started = 1;
+    p->buf = dst;
+    p->tier = KV_TIER_HOT;
+    s->shards[p->shard].promotions++;
+    kv_event_emit(s, KV_EVENT_TIER, p, from, KV_TIER_HOT);
     return 0;
 }
 
-void kv_promoter_stop(kv_store *s)
+int kv_seq_attach(kv_store *s, kv_seq *q, const km_pagehash *hashes, const int32_t *tokens,
+                  int n_pages)
 {
-    if (!s->promoter_started) return;
-    pthread_mutex_lock(&s->mu);
-    s->promoter_stop = 1; /* queued jobs are finished first */
-    pthread_cond_broadcast(&s->cv_job);
-    pthread_mutex_unlock(&s->mu);
-    pthread_join(s->promoter, NULL);
-    s->promoter_started = 0;
-}
-
-void kv_promo_submit(kv_store *s, kv_promo *job)
-{
-    if (!s->promoter_started) {
-        kv_promo_copy(s, job);
-        job->done = 1;
-        job->next = s->done_jobs;
-        s->done_jobs = job;
-        return;
-    }
-    pthread_mutex_lock(&s->mu);
-    job->next = NULL;
-    if (s->jobs_tail)
-        s->jobs_tail->next = job;
-    else
-        s->jobs = job;
-    s->jobs_tail = job;
-    pthread_cond_signal(&s->cv_job);
-    pthread_mutex_unlock(&s->mu);
-}
-
-void kv_promo_reap(kv_store *s)
-{
-    pthread_mutex_lock(&s->mu);
-    kv_promo *job = s->done_jobs;
-    s->done_jobs = NULL;
-    pthread_mutex_unlock(&s->mu);
-    while (job) {
-        kv_promo *next = job->next;
-        for (int j = 0; j < job->n; j++) {
-            kv_buf_put(s, job->src[j], job->fmt[j]);
-            job->pages[j]->promoting = 0;
-        }
-        job->q->promo_pending = 0;
-        free(job->src);
-        free(job->dst);
-        free(job->bytes);
-        free(job->fmt);
-        free(job->pages);
-        free(job);
-        job = next;
-    }
-}
-
-void kv_seq_wait_promo(kv_store *s, kv_seq *q)
-{
-    if (!q->promo_pending) return;
-    kv_seq_wait_ready(s, q);
-    /* The job is on the done list once ready_layers is final; reap it. */
-    pthread_mutex_lock(&s->mu);
-    for (;;) {
-        int found = 0;
-        for (kv_promo *j = s->done_jobs; j; j = j->next) found |= j->q == q;
-        if (found) break;
-        pthread_cond_wait(&s->cv_done, &s->mu);
-    }
-    pthread_mutex_unlock(&s->mu);
+    if (n_pages < 0 || (n_pages && (!hashes || !tokens))) return KM_EINVAL;
+    if (q->n_pages || q->n_dropped) return KM_EINVAL;
     kv_promo_reap(s);
+    int rc = kv_seq_grow(q, n_pages);
+    if (rc) return rc;
+    kv_promo *job = kv_promo_new(n_pages);
+    if (!job) return KM_ENOMEM;
+    uint64_t parent_id = 0;
+    int i = 0;
+    rc = 0;
+    for (; i < n_pages; i++) {
+        kv_page *p = kv_index_verified(s, hashes[i], tokens + (size_t)i * s->pt, parent_id);
+        if (!p) break;
+        kv_page_ref(s, p); /* out of the cached lists: room-making cannot take it now */
+        int r = kv_attach_one(s, p, job);
+        if (r) {
+            if (r == KM_ECORRUPT || r == KM_EIO || r == KM_EFORMAT) {
+                p->refs--;          /* ours alone: the page was cached, so no sequence held it */
+                kv_page_drop(s, p); /* a page that fails its checksum is gone for good */
+            } else {
+                kv_page_unref(s, p);
+                if (!i) rc = r;
+            }
+            break;
+        }
+        assert(p->tier == KV_TIER_HOT && p->refs > 0);
+        atomic_store_explicit(&p->rows, s->rows_full, memory_order_relaxed);
+        s->shards[p->shard].hits++;
+        p->hits++;
+        parent_id = p->id;
+        q->pg[i] = p;
+        q->mass[i] = 0.0f;
+        q->pidx[i] = i;
+        q->n_pages = i + 1;
+    }
+    q->seal_from = q->n_pages;
+    q->reserved = q->n_pages * s->pt;
+    kv_seq_refresh(s, q);
+    if (q->n_pages)
+        s->st.hits++;
+    else
+        s->st.misses++;
+    if (job->n) {
+        q->promo_pending = 1;
+        atomic_store_explicit(&q->ready_layers, 0, memory_order_release);
+        job->q = q;
+        kv_promo_submit(s, job);
+    } else {
+        kv_promo_free(job);
+    }
+    if (rc) return rc;
+    return q->n_pages;
 }
 
-void kv_seq_wait_ready(const kv_store *s, const kv_seq *q)
+/* ---------------------------------------------------------------- persist */
+
+/* Chain position first (parents before children), then the most recently used first. */
+static int kv_by_index_recent(const void *a, const void *b)
 {
-    if (!q->promo_pending) return;
-    kv_store *ms = (kv_store *)s;
-    kv_seq *mq = (kv_seq *)q;
-    pthread_mutex_lock(&ms->mu);
-    while (atomic_load_explicit(&mq->ready_layers, memory_order_acquire) < s->n_layers)
-        pthread_cond_wait(&ms->cv_done, &ms->mu);
-    pthread_mutex_unlock(&ms->mu);
+    const kv_page *x = *(kv_page *const *)a, *y = *(kv_page *const *)b;
+    if (x->index != y->index) return (x->index > y->index) - (x->index < y->index);
+    return (x->last_use < y->last_use) - (x->last_use > y->last_use);
+}
+
+int kv_store_persist(kv_store *s, uint64_t deadline_ns)
+{
+    if (!kv_disk_enabled(s)) return 0;
+    for (kv_seq *q = s->seqs; q; q = q->next) kv_seq_wait_promo(s, q);
+    kv_promo_reap(s);
+    size_t n = 0, cap = 0;
+    kv_page **c = NULL;
+    for (size_t b = 0; b < s->n_buckets; b++)
+        for (kv_page *p = s->buckets[b]; p; p = p->hnext) {
+            if (!p->buf || (p->flags & KV_PAGE_ON_DISK) ||
+                !s->shards[p->shard].t[KV_TIER_DISK].budget)
+                continue;
+            if (n == cap) {
+                size_t nc = cap ? cap * 2 : 256;
+                kv_page **nb = realloc(c, sizeof *nb * nc);
+                if (!nb) {
+                    free(c);
+                    return KM_ENOMEM;
+                }
+                c = nb;
+                cap = nc;
+            }
+            c[n++] = p;
+        }
+    if (n) qsort(c, n, sizeof *c, kv_by_index_recent);
+    int written = 0, skipped = 0;
+    for (size_t i = 0; i < n; i++) {
+        kv_page *p = c[i];
+        if (deadline_ns && km_now_ns() >= deadline_ns) {
+            skipped += (int)(n - i);
+            break;
+        }
+        if (p->index) { /* a child whose parent is not on disk could never be re-indexed */
+            const kv_page *par = kv_index_find(s, p->parent);
+            if (!par || par->index != p->index - 1 || !(par->flags & KV_PAGE_ON_DISK)) {
+                skipped++;
+                continue;
+            }
+        }
+        kv_tier_acct *d = &s->shards[p->shard].t[KV_TIER_DISK];
+        size_t fb = kv_disk_page_size(s->lay[p->format].page_bytes, s->pt);
+        if (d->used + fb > d->budget) kv_make_room(s, p->shard, KV_TIER_DISK, fb, d->budget);
+        if (d->used + fb > d->budget || kv_disk_write(s, p)) {
+            skipped++;
+            continue;
+        }
+        written++;
+    }
+    free(c);
+    KM_INFO("kv_persisted", "dir=%s pages=%d skipped=%d", s->disk_dir, written, skipped);
+    return written;
 }

@@ -14,7 +14,7 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
-#include "kvshard/kvshard.h"
+#include "kvshard/diskfmt.h"
 
 static void parse_one(uint8_t *buf, size_t size)
 {

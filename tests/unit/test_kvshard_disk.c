@@ -16,6 +16,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "kvshard/diskfmt.h"
 #include "kvshard/kvshard.h"
 
 #define L  2

@@ -6,6 +6,8 @@
  * The K/V of a position is a function of the whole token prefix up to it (as in a real model),
  * so a page reused under the wrong prefix, a torn disk page, a lost copy-on-write or a stale
  * pointer after a move all read back wrong values and fail the check after every operation.
+ * After every operation kv_store_check also holds the store's bookkeeping (references, tiers,
+ * byte accounting, cached lists, index) to its invariants, wrong values read back or not.
  */
 #include <criterion/criterion.h>
 #include <dirent.h>
@@ -15,6 +17,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "kvshard/internal.h"
 #include "kvshard/kvshard.h"
 
 #define L     2
@@ -179,6 +182,7 @@ static void run_model(uint32_t seed, kv_format fmt, int ops, float tol, int with
             tol = 0.13f; /* fp8 from now on: 3 mantissa bits on values below 2 */
         }
         for (int i = 0; i < nq; i++) verify(s, &ms[i], tol, op);
+        cr_assert_eq(kv_store_check(s, &err), 0, "op %d: %s", op, err.msg);
         kv_store_stats st;
         kv_store_stats_get(s, &st);
         cr_assert_eq(st.corrupt_pages, 0);
@@ -186,12 +190,14 @@ static void run_model(uint32_t seed, kv_format fmt, int ops, float tol, int with
     }
     cr_assert_gt(attached, 0, "the workload reused prefixes");
     for (int i = 0; i < nq; i++) kv_seq_destroy(s, ms[i].q);
+    cr_assert_eq(kv_store_check(s, &err), 0, "after the last destroy: %s", err.msg);
     kv_store_stats st;
     kv_store_stats_get(s, &st);
     cr_assert_eq(st.tier[KV_TIER_HOT].bytes > 0, st.tier[KV_TIER_HOT].pages > 0);
     kv_store_destroy(s);
     /* A restart serves what the disk kept, still exactly. */
     cr_assert_eq(kv_store_create(&c, &s, &err), 0, "%s", err.msg);
+    cr_assert_eq(kv_store_check(s, &err), 0, "after the restart: %s", err.msg);
     kv_store_destroy(s);
     DIR *d = opendir(dir);
     struct dirent *de;

@@ -1,0 +1,180 @@
+/*
+ * check.c — kv_store_check: every invariant the store's structure relies on, checked at once
+ * over the whole store (the cheap ones are also assert'ed where they must hold, in page.c, seq.c
+ * and evict.c). Tests call it after every operation (tests/unit/test_kvshard_model.c), so a
+ * change that breaks the bookkeeping fails there, at the operation that broke it, even when the
+ * values read back are still right. It reads everything and calls nothing, so it sits at the top.
+ *
+ * What must hold between two structural calls:
+ *  - a page's refs equals the number of sequence table slots that hold it; a held page is hot,
+ *    has a buffer and is in no cached list; a page no one holds is indexed and in the cached
+ *    list of its (shard, tier) (a private page is freed with its last reference);
+ *  - a page has a RAM buffer exactly when its tier is hot or host; a disk-tier page has a file;
+ *    only indexed pages have files;
+ *  - each (shard, tier) accounts exactly the bytes and pages of the buffers and files it holds;
+ *  - each cached list is ordered by last use, its count and bytes are its members';
+ *  - the index holds n_indexed pages, all flagged indexed;
+ *  - a sequence's pointer and format tables mirror its pages, and its page indices increase.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvshard/internal.h"
+
+static int kv_ptr_cmp(const void *a, const void *b)
+{
+    const kv_page *x = *(kv_page *const *)a, *y = *(kv_page *const *)b;
+    return (x > y) - (x < y);
+}
+
+static int kv_check_seq(const kv_store *s, const kv_seq *q, km_errbuf *err)
+{
+    int fc[KV_FORMAT_COUNT] = {0};
+    if (q->n_pages > q->cap)
+        return km_errf(err, KM_ECORRUPT, "seq %llu: %d pages > cap %d", (unsigned long long)q->uid,
+                       q->n_pages, q->cap);
+    for (int i = 0; i < q->n_pages; i++) {
+        const kv_page *p = q->pg[i];
+        if (q->ptrs[i] != p->buf || q->fmts[i] != (uint8_t)p->format)
+            return km_errf(err, KM_ECORRUPT, "seq %llu page %d: stale pointer or format",
+                           (unsigned long long)q->uid, i);
+        if (i && q->pidx[i] <= q->pidx[i - 1])
+            return km_errf(err, KM_ECORRUPT, "seq %llu: page indices not increasing at %d",
+                           (unsigned long long)q->uid, i);
+        fc[p->format]++;
+    }
+    if (memcmp(fc, q->fmt_count, sizeof fc))
+        return km_errf(err, KM_ECORRUPT, "seq %llu: format counts disagree with its pages",
+                       (unsigned long long)q->uid);
+    return 0;
+}
+
+static int kv_check_page(const kv_store *s, const kv_page *p, int refs, km_errbuf *err)
+{
+    const unsigned long long id = (unsigned long long)p->id;
+    if (p->refs != refs)
+        return km_errf(err, KM_ECORRUPT, "page %llu: refs %d but %d table slots hold it", id,
+                       p->refs, refs);
+    if (p->shard < 0 || p->shard >= s->n_shards)
+        return km_errf(err, KM_ECORRUPT, "page %llu: shard %d", id, p->shard);
+    if ((p->buf != NULL) != (p->tier != KV_TIER_DISK))
+        return km_errf(err, KM_ECORRUPT, "page %llu: tier %s but buffer %p", id,
+                       kv_tier_name(p->tier), (void *)p->buf);
+    if (p->tier == KV_TIER_DISK && !(p->flags & KV_PAGE_ON_DISK))
+        return km_errf(err, KM_ECORRUPT, "page %llu: on the disk tier without a file", id);
+    if ((p->flags & KV_PAGE_ON_DISK) && !(p->flags & KV_PAGE_INDEXED))
+        return km_errf(err, KM_ECORRUPT, "page %llu: a file but not indexed", id);
+    if (refs && (p->tier != KV_TIER_HOT || p->in_list))
+        return km_errf(err, KM_ECORRUPT, "page %llu: held but on tier %s%s", id,
+                       kv_tier_name(p->tier), p->in_list ? ", in a cached list" : "");
+    if (!refs && (!(p->flags & KV_PAGE_INDEXED) || !p->in_list))
+        return km_errf(err, KM_ECORRUPT, "page %llu: held by no one but %s", id,
+                       p->in_list ? "not indexed" : "in no cached list");
+    return 0;
+}
+
+/* Walks one cached list; adds its pages to the accounting sums. */
+static int kv_check_list(const kv_store *s, int sh, int t, km_errbuf *err)
+{
+    const kv_tier_acct *a = &s->shards[sh].t[t];
+    uint64_t n = 0;
+    size_t bytes = 0;
+    const kv_page *prev = NULL;
+    for (const kv_page *p = a->head; p; prev = p, p = p->lnext) {
+        if (!p->in_list || p->shard != sh || (int)p->tier != t || p->lprev != prev || p->refs ||
+            !(p->flags & KV_PAGE_INDEXED))
+            return km_errf(err, KM_ECORRUPT, "cached list of shard %d tier %s: page %llu misplaced",
+                           sh, kv_tier_name((kv_tier)t), (unsigned long long)p->id);
+        if (prev && prev->last_use > p->last_use)
+            return km_errf(err, KM_ECORRUPT, "cached list of shard %d tier %s: not oldest first",
+                           sh, kv_tier_name((kv_tier)t));
+        n++;
+        bytes += kv_list_bytes(s, (kv_tier)t, p->format);
+    }
+    if (a->tail != prev || n != a->n_cached || bytes != a->cached_bytes)
+        return km_errf(
+            err, KM_ECORRUPT,
+            "cached list of shard %d tier %s: %llu pages of %zu bytes, counted %llu of %zu", sh,
+            kv_tier_name((kv_tier)t), (unsigned long long)n, bytes, (unsigned long long)a->n_cached,
+            a->cached_bytes);
+    return 0;
+}
+
+/* Every page once (index buckets, then the sequences' private pages), sorted by address. */
+static int kv_check_collect(const kv_store *s, kv_page ***out, size_t *n_out)
+{
+    size_t n = s->n_indexed, slots = 0;
+    for (const kv_seq *q = s->seqs; q; q = q->next) slots += (size_t)q->n_pages;
+    kv_page **all = malloc(sizeof *all * (n + slots + 1));
+    if (!all) return KM_ENOMEM;
+    size_t k = 0;
+    for (size_t b = 0; b < s->n_buckets; b++)
+        for (kv_page *p = s->buckets[b]; p && k < n + slots; p = p->hnext) all[k++] = p;
+    for (const kv_seq *q = s->seqs; q; q = q->next)
+        for (int i = 0; i < q->n_pages && k < n + slots; i++) all[k++] = q->pg[i];
+    qsort(all, k, sizeof *all, kv_ptr_cmp);
+    *out = all;
+    *n_out = k;
+    return 0;
+}
+
+int kv_store_check(const kv_store *s, km_errbuf *err)
+{
+    size_t n_idx = 0;
+    for (size_t b = 0; b < s->n_buckets; b++)
+        for (const kv_page *p = s->buckets[b]; p; p = p->hnext) {
+            if (!(p->flags & KV_PAGE_INDEXED))
+                return km_errf(err, KM_ECORRUPT, "page %llu in the index is not flagged indexed",
+                               (unsigned long long)p->id);
+            n_idx++;
+        }
+    if (n_idx != s->n_indexed)
+        return km_errf(err, KM_ECORRUPT, "index holds %zu pages, counted %zu", n_idx, s->n_indexed);
+    int rc;
+    for (const kv_seq *q = s->seqs; q; q = q->next)
+        if ((rc = kv_check_seq(s, q, err))) return rc;
+    for (int sh = 0; sh < s->n_shards; sh++)
+        for (int t = 0; t < KV_TIER_COUNT; t++)
+            if ((rc = kv_check_list(s, sh, t, err))) return rc;
+
+    kv_page **all;
+    size_t n;
+    if ((rc = kv_check_collect(s, &all, &n)))
+        return km_errf(err, rc, "kv_store_check: out of memory");
+    size_t *used = calloc((size_t)s->n_shards * KV_TIER_COUNT, sizeof *used);
+    uint64_t *pages = calloc((size_t)s->n_shards * KV_TIER_COUNT, sizeof *pages);
+    if (!used || !pages) rc = km_errf(err, KM_ENOMEM, "kv_store_check: out of memory");
+    /* An indexed page held by sequences appears once from the index and once per slot; a
+     * private page once per slot: refs is the number of slot entries. */
+    for (size_t i = 0; i < n && !rc;) {
+        const kv_page *p = all[i];
+        size_t j = i;
+        while (j < n && all[j] == p) j++;
+        int refs = (int)(j - i) - ((p->flags & KV_PAGE_INDEXED) ? 1 : 0);
+        if ((rc = kv_check_page(s, p, refs, err))) break;
+        size_t at = (size_t)p->shard * KV_TIER_COUNT;
+        if (p->buf) {
+            used[at + p->tier] += s->lay[p->format].page_bytes;
+            pages[at + p->tier]++;
+        }
+        if (p->flags & KV_PAGE_ON_DISK) {
+            used[at + KV_TIER_DISK] += kv_disk_page_size(s->lay[p->format].page_bytes, s->pt);
+            pages[at + KV_TIER_DISK]++;
+        }
+        i = j;
+    }
+    for (int sh = 0; sh < s->n_shards && !rc; sh++)
+        for (int t = 0; t < KV_TIER_COUNT && !rc; t++) {
+            const kv_tier_acct *a = &s->shards[sh].t[t];
+            size_t at = (size_t)sh * KV_TIER_COUNT + t;
+            if (a->used != used[at] || a->pages != pages[at])
+                rc = km_errf(err, KM_ECORRUPT,
+                             "shard %d tier %s accounts %zu bytes in %llu pages, holds %zu in %llu",
+                             sh, kv_tier_name((kv_tier)t), a->used, (unsigned long long)a->pages,
+                             used[at], (unsigned long long)pages[at]);
+        }
+    free(used);
+    free(pages);
+    free(all);
+    return rc;
+}

@@ -1,0 +1,42 @@
+/*
+ * diskfmt.h — private to kvshard (and its tests and fuzz target): the page layout of each format
+ * and the disk tier's page file format. Pure functions over memory (diskfmt.c): no I/O, no
+ * store, so tests/fuzz/fuzz_kvpage.c exercises exactly the code that reads files at run time.
+ */
+#ifndef KVSHARD_DISKFMT_H
+#define KVSHARD_DISKFMT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvshard/kvshard.h"
+
+/* Page layout of one format: per (layer, head) a unit of [K data][V data][K scales][V scales]. */
+typedef struct kv_layout {
+    size_t kd, vd, ks, vs; /* bytes of each part */
+    size_t unit;           /* kd + vd + ks + vs; 0 when the format cannot hold this shape */
+    size_t page_bytes;     /* unit * n_layers * n_kv_heads */
+} kv_layout;
+
+void kv_layout_init(kv_layout *lay, kv_format f, int pt, int hd, int n_layers, int n_heads);
+
+/* A disk page file: header, token ids, payload, trailing checksum (docs/kvshard.md). */
+typedef struct kv_disk_page {
+    kv_format format;
+    int page_tokens, n_layers, n_kv_heads, head_dim;
+    km_pagehash hash, parent; /* the page's chain link and the previous one */
+    int index;                /* position of the page in its chain */
+    const uint8_t *tokens;    /* page_tokens little-endian int32, into the buffer */
+    const uint8_t *payload;   /* into the buffer */
+    size_t payload_bytes;
+} kv_disk_page;
+
+/* Validates a whole page file held in memory (header fields, sizes, checksum, that the hash
+ * matches its tokens' chain link is NOT checkable here). 0, KM_EFORMAT or KM_ECORRUPT; never
+ * reads outside [buf, buf+len). */
+int kv_disk_page_parse(const void *buf, size_t len, kv_disk_page *out);
+/* Serialises a page into buf (size from kv_disk_page_size); returns bytes written. */
+size_t kv_disk_page_size(size_t payload_bytes, int page_tokens);
+size_t kv_disk_page_encode(const kv_disk_page *p, void *buf, size_t cap);
+
+#endif
