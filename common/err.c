@@ -42,6 +42,8 @@ const char *km_strerror(int err)
         return "canceled";
     case KM_ECORRUPT:
         return "checksum or consistency failure";
+    case KM_EACCES:
+        return "permission denied";
     }
     return "unknown error";
 }

@@ -40,6 +40,7 @@ typedef enum km_err {
     KM_EOVERLOAD = -12,   /* refused because of load */
     KM_ECANCELED = -13,   /* canceled by request */
     KM_ECORRUPT = -14,    /* checksum or consistency failure */
+    KM_EACCES = -15,      /* authenticated, but not allowed (wrong role or identity): 403 */
 } km_err;
 
 const char *km_strerror(int err);
