@@ -1,7 +1,8 @@
 /*
  * libkvmesh.c — the C client library (client/kvmesh.h): requests over a ZeroMQ DEALER in the
  * wire format of docs/protocol.md (encoded and decoded by common/proto.c, so the client can never
- * send what a server rejects for its form), and a minimal HTTP/1.1 GET for status pages.
+ * send what a server rejects for its form), and a minimal HTTP/1.1 GET for status pages (its
+ * response parsed by common/http.h, the parser the servers use too).
  *
  * Why it is built this way: kvm_generate is the common case (one request, a callback per token)
  * and is written on top of the asynchronous pair kvm_submit/kvm_next, which benchmarks use to
@@ -22,6 +23,7 @@
 #include <zmq.h>
 
 #include "client/kvmesh.h"
+#include "common/http.h"
 
 struct kvm_client {
     void *zctx, *sock;
@@ -284,7 +286,11 @@ int kvm_generate(kvm_client *c, const km_msg_request *req, kvm_token_fn on_token
     }
 }
 
-/* ---------------------------------------------------------------- HTTP GET */
+/* ---------------------------------------------------------------- HTTP GET
+ * A blocking GET with Connection: close: the whole response is read until the server closes,
+ * then parsed by common/http.h's response parser (picohttpparser). */
+
+#define KVM_HTTP_MAX_RESPONSE (64 << 20)
 
 int kvm_http_get(const char *url, int timeout_ms, km_buf *body, int *status, km_errbuf *err)
 {
@@ -331,41 +337,23 @@ int kvm_http_get(const char *url, int timeout_ms, km_buf *body, int *status, km_
             km_buf_free(&resp);
             return km_errf(err, KM_ETIMEDOUT, "%s: no answer in %d ms", url, timeout_ms);
         }
+        if (resp.len >= KVM_HTTP_MAX_RESPONSE) {
+            close(fd);
+            km_buf_free(&resp);
+            return km_errf(err, KM_EPROTO, "%s: response larger than %d bytes", url,
+                           KVM_HTTP_MAX_RESPONSE);
+        }
         if (km_buf_reserve(&resp, 65536)) break;
         ssize_t n = recv(fd, resp.data + resp.len, resp.cap - resp.len, 0);
         if (n <= 0) break;
         resp.len += (size_t)n;
     }
     close(fd);
-    km_buf_append(&resp, "", 1);
-    const char *s = (const char *)resp.data;
-    if (!s || sscanf(s, "HTTP/1.%*d %d", status) != 1) {
-        km_buf_free(&resp);
-        return km_errf(err, KM_EPROTO, "%s: not an HTTP response", url);
-    }
-    const char *b = strstr(s, "\r\n\r\n");
-    km_buf_reset(body);
-    if (b) {
-        b += 4;
-        bool chunked = strcasestr(s, "transfer-encoding: chunked") != NULL &&
-                       strcasestr(s, "transfer-encoding: chunked") < b;
-        if (!chunked) {
-            km_buf_append(body, b, strlen(b));
-        } else {
-            while (*b) {
-                char *end;
-                unsigned long n = strtoul(b, &end, 16);
-                if (end == b || n == 0) break;
-                b = strstr(end, "\r\n");
-                if (!b) break;
-                b += 2;
-                km_buf_append(body, b, n);
-                b += n;
-                if (!strncmp(b, "\r\n", 2)) b += 2;
-            }
-        }
-    }
+    km_errbuf perr = {{0}};
+    rc = km_http_parse_response(resp.data ? (const char *)resp.data : "", resp.len, status, body,
+                                &perr);
     km_buf_free(&resp);
+    if (rc) return km_errf(err, rc, "%s: %s", url, perr.msg);
     return 0;
 }
 

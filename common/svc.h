@@ -544,7 +544,8 @@ uint64_t km_hist_count(const km_series *s);
  * series in creation order. */
 int km_metrics_render(km_metrics *r, km_buf *out);
 
-/* ---------------------------------------------------------------- admin HTTP (admin_http.c) */
+/* ---------------------------------------------------------------- admin HTTP (admin_http.c)
+ * The common HTTP server (common/http.h) with /metrics, /healthz and /readyz, on a thread. */
 
 typedef struct km_admin km_admin;
 
@@ -557,10 +558,6 @@ typedef struct km_admin_opts {
     bool (*ready)(void *user);
     void *user;
 } km_admin_opts;
-
-/* The reason phrase of an HTTP status ("Not Found"); "Unknown" for codes the servers never send.
- * Shared by the admin server and the router's HTTP front. */
-const char *km_http_reason(int status);
 
 /* Binds and listens (errors come back here), then serves on a thread with its own uv loop. */
 int km_admin_start(const km_admin_opts *o, km_admin **out, km_errbuf *err);

@@ -233,13 +233,14 @@ void rt_oai_err_from_code(int code, const char *message, rt_oai_err *e);
 const char *rt_oai_finish(km_finish f);
 
 /* ---------------------------------------------------------------- HTTP server (http.c)
- * HTTP/1.1 on a libuv loop with picohttpparser (from libh2o) as the parser: keep-alive,
- * pipelining (answered in order), request bodies by Content-Length or chunked, responses either
- * whole or streamed with chunked transfer encoding (SSE). Limits: head 16 KiB, body max_body,
- * max_conns connections, idle timeout. */
+ * kvmesh's one HTTP server (common/http.h) under the router's names: HTTP/1.1 on a libuv loop
+ * with picohttpparser (from libh2o) as the parser: keep-alive, pipelining (answered in order),
+ * request bodies by Content-Length or chunked, responses either whole or streamed with chunked
+ * transfer encoding (SSE). Limits: head 16 KiB, body max_body, max_conns connections, idle
+ * timeout. Errors the server answers itself are OpenAI error objects. */
 
 typedef struct rt_http rt_http;
-typedef struct rt_http_req rt_http_req;
+typedef struct km_http_req rt_http_req; /* common/http.h's request */
 
 typedef struct rt_http_opts {
     const char *host; /* default "127.0.0.1" */

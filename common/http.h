@@ -1,0 +1,149 @@
+/*
+ * http.h — HTTP/1.1 for kvmesh: one server and one response parser, both on picohttpparser (the
+ * maintained HTTP/1 parser of h2o, exported by Debian's libh2o; docs/dependencies.md).
+ *
+ *  - The parser (http_parse.c) is pure: bytes in, a parsed request or response out, no I/O, so
+ *    each has a fuzz driver (tests/fuzz/fuzz_http_request.c, fuzz_http_response.c).
+ *  - The server (http_server.c) runs on a libuv loop the caller owns and routes each request by
+ *    a table of exact paths and methods. It does what a parser does not: buffering, keep-alive,
+ *    pipelining (answered in order, one at a time), request bodies by Content-Length or chunked,
+ *    100-continue, limits, idle timeouts, responses whole or streamed (chunked transfer encoding,
+ *    for SSE), and closing every connection on stop. Its users: the admin port of every daemon
+ *    (admin_http.c, km_admin_* in svc.h) and the router's OpenAI-compatible front.
+ *  - libkvmesh's kvm_http_get reads a response with km_http_parse_response.
+ *
+ * Contract: functions return 0 or a negative km_err; nothing here exits or aborts on what a peer
+ * sent. Everything about one server runs on its loop's thread; a request (km_http_req) belongs to
+ * the server and is valid until its response ended or its abort callback ran.
+ */
+#ifndef KM_HTTP_H
+#define KM_HTTP_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/svc.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The reason phrase of an HTTP status ("Not Found"); "Unknown" for codes the servers never send. */
+const char *km_http_reason(int status);
+
+/* ---------------------------------------------------------------- parsing (http_parse.c) */
+
+#define KM_HTTP_MAX_HEADERS 64
+
+typedef struct km_http_field {
+    const char *name; /* NULL for a continuation line of the previous header */
+    size_t name_len;
+    const char *value;
+    size_t value_len;
+} km_http_field;
+
+/* Limits of one request. max_body 0: the request may carry no body at all (a Content-Length
+ * other than 0 is 413, any Transfer-Encoding 501), as on the admin port. */
+typedef struct km_http_limits {
+    size_t max_head; /* bytes of request line + headers; beyond: 431 */
+    size_t max_body; /* decoded body bytes; beyond: 413 */
+} km_http_limits;
+
+/* A request parsed from the front of a buffer. Pointers point into that buffer (valid while it
+ * is); the body is copied (and de-chunked) into `body`, which the caller frees. */
+typedef struct km_http_request {
+    const char *method, *path; /* path without its query string */
+    size_t method_len, path_len;
+    int minor_version;
+    km_http_field headers[KM_HTTP_MAX_HEADERS];
+    size_t n_headers;
+    bool keep_alive;      /* HTTP/1.1 unless "Connection: close"; 1.0 only with keep-alive */
+    bool expect_continue; /* "Expect: 100-continue" */
+    size_t head_len;      /* bytes of the head */
+    km_buf body;
+    /* on an error: the status to answer (400, 413, 431, 501) and why */
+    int status;
+    const char *message;
+} km_http_request;
+
+/* Parses one request from buf[0, len). Returns the bytes it took (head and body, > 0) when the
+ * request is complete; 0 when more bytes are needed (out->head_len is nonzero once the head is
+ * complete and a body is awaited: the moment to send 100 Continue); KM_EPROTO when it is
+ * malformed or over a limit (out->status and out->message say which; the connection must close).
+ * out->body is reset first and freed on every return but a complete request. */
+int km_http_parse_request(const char *buf, size_t len, const km_http_limits *lim,
+                          km_http_request *out);
+
+/* The value of a header of a parsed request (case-insensitive), or NULL; *len gets its length. */
+const char *km_http_request_header(const km_http_request *r, const char *name, size_t *len);
+
+/* Parses a whole HTTP/1.x response, buf[0, len) being everything read until the server closed:
+ * *status gets the status code, body the body by Content-Length, chunked transfer encoding, or
+ * up to the end. KM_EPROTO (with a reason in err) when it is malformed or cut short. */
+int km_http_parse_response(const char *buf, size_t len, int *status, km_buf *body, km_errbuf *err);
+
+/* ---------------------------------------------------------------- server (http_server.c) */
+
+typedef struct km_http_server km_http_server;
+typedef struct km_http_req km_http_req;
+typedef void (*km_http_fn)(km_http_req *r, void *user);
+
+/* Methods a route takes; GET admits HEAD (answered without the body). 0: any method. */
+enum { KM_HTTP_GET = 1, KM_HTTP_POST = 2 };
+
+/* One row of a route table: an exact path (the query string is not part of it), or NULL for
+ * every path no earlier row took. */
+typedef struct km_http_route {
+    const char *path;
+    unsigned methods;
+    km_http_fn fn;
+} km_http_route;
+
+/* The body of an error the server answers itself (400, 404, 405, 413, 431, 501, ...): fills out
+ * and returns its content type. Default: text/plain, "message\n". */
+typedef const char *(*km_http_error_fn)(int status, const char *message, km_buf *out);
+
+typedef struct km_http_opts {
+    const char *host; /* default "127.0.0.1"; an IPv4 or IPv6 literal */
+    int port;         /* 0: an ephemeral port (km_http_server_port) */
+    const km_http_route *routes;
+    size_t n_routes; /* no match: 404; a match without the method: 405 with Allow */
+    void *user;      /* passed to every route's fn */
+    km_http_error_fn error_body;
+    km_http_limits lim;  /* default max_head 16 KiB; max_body 0 = no bodies */
+    int max_conns;       /* default 1024; beyond, a new connection is closed at once */
+    int idle_ms;         /* default 60000: a silent connection without a response pending closes */
+    km_series *requests; /* a counter incremented per request parsed, or NULL */
+} km_http_opts;
+
+/* Binds and listens on loop (a uv_loop_t *); errors come back here ("HOST:PORT: bind: ..."). */
+int km_http_server_start(void *loop, const km_http_opts *o, km_http_server **out, km_errbuf *err);
+int km_http_server_port(const km_http_server *s);
+uint64_t km_http_server_requests(const km_http_server *s); /* requests parsed */
+/* Closes the listener and every connection (their requests' abort callbacks run); s is freed
+ * once the loop has run the close callbacks. */
+void km_http_server_stop(km_http_server *s);
+
+const char *km_http_method(const km_http_req *r);
+const char *km_http_path(const km_http_req *r); /* without the query string */
+const char *km_http_body(const km_http_req *r, size_t *len);
+/* The value of a header (case-insensitive name), NUL-terminated, or NULL. */
+const char *km_http_header(const km_http_req *r, const char *name);
+
+/* A whole response; ends the request. extra_headers: "Name: value\r\n" lines or NULL. */
+int km_http_respond(km_http_req *r, int status, const char *ctype, const char *extra_headers,
+                    const void *body, size_t len);
+/* An error in the server's error shape (opts.error_body); ends the request. */
+int km_http_respond_error(km_http_req *r, int status, const char *message);
+/* A streamed response (chunked); write any number of times, then end. */
+int km_http_stream_begin(km_http_req *r, int status, const char *ctype);
+int km_http_stream_write(km_http_req *r, const void *data, size_t len);
+int km_http_stream_end(km_http_req *r);
+/* Called (once) when the connection goes away before the response ended; r is invalid after. */
+void km_http_on_abort(km_http_req *r, void (*fn)(km_http_req *r, void *user), void *user);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KM_HTTP_H */

@@ -1,0 +1,603 @@
+/*
+ * http_server.c — the HTTP/1.1 server of every kvmesh daemon (common/http.h, "server"): the admin
+ * port (admin_http.c) and the router's OpenAI-compatible front both run it, each with its own
+ * route table, limits and error shape.
+ *
+ * Why it is built this way:
+ *  - Parsing is km_http_parse_request (http_parse.c, on picohttpparser); this file keeps the I/O:
+ *    connections on a libuv loop the caller owns, buffering, keep-alive, pipelining, 100-continue,
+ *    limits, idle timeouts, streaming, and closing every connection on stop (the reason h2o's own
+ *    server is not used: docs/openai.md).
+ *  - It runs on the caller's loop, not a thread of its own, so a handler calls straight into its
+ *    daemon (no locks) and, in the router, a token arriving from a worker is written to its HTTP
+ *    client in the same callback. The admin port gets a thread by running a loop of its own.
+ *  - One request per connection is answered at a time, in order; while a response is pending the
+ *    connection keeps reading (to notice the client leaving) but stops once a bounded amount of
+ *    pipelined input is buffered, so a client cannot queue unbounded work.
+ *  - A request outlives the handler call when the handler answers later (streaming); the
+ *    connection going away then calls the handler's abort callback, after which the request is
+ *    freed and must not be touched.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <uv.h>
+
+#include "common/http.h"
+
+#define WRITE_MAX (16u << 20) /* bytes queued to a slow client before it is dropped */
+#define BODY_MAX  (1u << 30)  /* the most any server may accept as max_body */
+
+typedef struct conn conn;
+
+struct km_http_req {
+    conn *c;
+    char method[16];
+    char *path;
+    km_buf body;
+    char **hname, **hvalue;
+    int n_headers;
+    bool keep_alive, head_only;
+    bool answered, streaming, ended;
+    void (*on_abort)(km_http_req *r, void *user);
+    void *abort_user;
+};
+
+struct conn {
+    uv_tcp_t tcp;
+    uv_timer_t timer;
+    km_http_server *s;
+    conn *prev, *next;
+    km_buf in;
+    km_http_req *cur;
+    int open_handles, pending_writes;
+    size_t queued_bytes;
+    bool closing, reading, in_handler, sent_continue;
+};
+
+struct km_http_server {
+    uv_loop_t *loop;
+    uv_tcp_t listener;
+    km_http_opts o;
+    char host[64];
+    int port;
+    conn *conns;
+    int n_conns;
+    int open_handles;
+    bool stopping;
+    uint64_t requests;
+};
+
+typedef struct write_req {
+    uv_write_t req;
+    conn *c;
+    km_buf out;
+} write_req;
+
+static void try_requests(conn *c);
+static void start_reading(conn *c);
+
+/* ---------------------------------------------------------------- lifetime */
+
+static void server_release(km_http_server *s)
+{
+    if (s->stopping && s->open_handles == 0 && s->n_conns == 0) free(s);
+}
+
+static void req_free(km_http_req *r)
+{
+    if (!r) return;
+    free(r->path);
+    km_buf_free(&r->body);
+    for (int i = 0; i < r->n_headers; i++) {
+        free(r->hname[i]);
+        free(r->hvalue[i]);
+    }
+    free(r->hname);
+    free(r->hvalue);
+    free(r);
+}
+
+static void on_conn_closed(uv_handle_t *hd)
+{
+    conn *c = hd->data;
+    if (--c->open_handles) return;
+    km_http_server *s = c->s;
+    km_buf_free(&c->in);
+    free(c);
+    s->n_conns--;
+    server_release(s);
+}
+
+static void conn_close(conn *c)
+{
+    if (c->closing) return;
+    c->closing = true;
+    if (c->prev)
+        c->prev->next = c->next;
+    else
+        c->s->conns = c->next;
+    if (c->next) c->next->prev = c->prev;
+    km_http_req *r = c->cur;
+    c->cur = NULL;
+    if (r) {
+        if (!r->ended && r->on_abort) r->on_abort(r, r->abort_user);
+        req_free(r);
+    }
+    uv_close((uv_handle_t *)&c->tcp, on_conn_closed);
+    uv_close((uv_handle_t *)&c->timer, on_conn_closed);
+}
+
+/* The response ended and every byte of it was handed to the kernel: next request. */
+static void req_finish(conn *c)
+{
+    km_http_req *r = c->cur;
+    if (!r || !r->ended || c->pending_writes) return;
+    bool keep = r->keep_alive;
+    c->cur = NULL;
+    req_free(r);
+    if (!keep) {
+        conn_close(c);
+        return;
+    }
+    uv_timer_again(&c->timer);
+    try_requests(c);
+}
+
+/* ---------------------------------------------------------------- writing */
+
+static void on_written(uv_write_t *wr, int status)
+{
+    write_req *w = (write_req *)wr;
+    conn *c = w->c;
+    c->pending_writes--;
+    c->queued_bytes -= w->out.len;
+    km_buf_free(&w->out);
+    free(w);
+    if (c->closing) return;
+    if (status < 0) {
+        conn_close(c);
+        return;
+    }
+    req_finish(c);
+}
+
+/* Takes ownership of out's bytes. */
+static int conn_write(conn *c, km_buf *out)
+{
+    if (c->closing) {
+        km_buf_free(out);
+        return KM_EIO;
+    }
+    if (c->queued_bytes + out->len > WRITE_MAX) {
+        km_buf_free(out);
+        conn_close(c); /* a client that does not read its stream */
+        return KM_EIO;
+    }
+    write_req *w = calloc(1, sizeof *w);
+    if (!w) {
+        km_buf_free(out);
+        conn_close(c);
+        return KM_ENOMEM;
+    }
+    w->c = c;
+    w->out = *out;
+    memset(out, 0, sizeof *out);
+    uv_buf_t b = uv_buf_init((char *)w->out.data, (unsigned)w->out.len);
+    if (uv_write(&w->req, (uv_stream_t *)&c->tcp, &b, 1, on_written) < 0) {
+        km_buf_free(&w->out);
+        free(w);
+        conn_close(c);
+        return KM_EIO;
+    }
+    c->pending_writes++;
+    c->queued_bytes += w->out.len;
+    uv_timer_again(&c->timer);
+    return 0;
+}
+
+static bool req_usable(km_http_req *r)
+{
+    return r && r->c && !r->c->closing && r->c->cur == r && !r->ended;
+}
+
+int km_http_respond(km_http_req *r, int status, const char *ctype, const char *extra_headers,
+                    const void *body, size_t len)
+{
+    if (!req_usable(r) || r->answered) return KM_EINVAL;
+    conn *c = r->c;
+    km_buf out = {0};
+    int rc =
+        km_buf_printf(&out,
+                      "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\n%s"
+                      "Connection: %s\r\n\r\n",
+                      status, km_http_reason(status), ctype ? ctype : "text/plain", len,
+                      extra_headers ? extra_headers : "", r->keep_alive ? "keep-alive" : "close");
+    if (!rc && !r->head_only && len) rc = km_buf_append(&out, body, len);
+    r->answered = r->ended = true;
+    if (rc) {
+        km_buf_free(&out);
+        conn_close(c);
+        return rc;
+    }
+    rc = conn_write(c, &out);
+    if (!rc && !c->in_handler) req_finish(c);
+    return rc;
+}
+
+static const char *text_error(int status, const char *message, km_buf *out)
+{
+    km_buf_printf(out, "%s\n", message);
+    return "text/plain; charset=utf-8";
+}
+
+static int respond_error_h(km_http_req *r, int status, const char *extra_headers,
+                           const char *message)
+{
+    km_http_server *s = r->c->s;
+    km_buf b = {0};
+    const char *ctype = (s->o.error_body ? s->o.error_body : text_error)(status, message, &b);
+    int rc = km_http_respond(r, status, ctype, extra_headers, b.data, b.len);
+    km_buf_free(&b);
+    return rc;
+}
+
+int km_http_respond_error(km_http_req *r, int status, const char *message)
+{
+    if (!req_usable(r)) return KM_EINVAL;
+    return respond_error_h(r, status, NULL, message);
+}
+
+int km_http_stream_begin(km_http_req *r, int status, const char *ctype)
+{
+    if (!req_usable(r) || r->answered) return KM_EINVAL;
+    km_buf out = {0};
+    int rc = km_buf_printf(&out,
+                           "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nTransfer-Encoding: chunked\r\n"
+                           "Cache-Control: no-cache\r\nX-Accel-Buffering: no\r\n"
+                           "Connection: %s\r\n\r\n",
+                           status, km_http_reason(status), ctype ? ctype : "text/event-stream",
+                           r->keep_alive ? "keep-alive" : "close");
+    r->answered = r->streaming = true;
+    if (rc) {
+        km_buf_free(&out);
+        return rc;
+    }
+    return conn_write(r->c, &out);
+}
+
+int km_http_stream_write(km_http_req *r, const void *data, size_t len)
+{
+    if (!req_usable(r) || !r->streaming) return KM_EINVAL;
+    if (len == 0 || r->head_only) return 0;
+    km_buf out = {0};
+    int rc = km_buf_printf(&out, "%zx\r\n", len);
+    if (!rc) rc = km_buf_append(&out, data, len);
+    if (!rc) rc = km_buf_append(&out, "\r\n", 2);
+    if (rc) {
+        km_buf_free(&out);
+        return rc;
+    }
+    return conn_write(r->c, &out);
+}
+
+int km_http_stream_end(km_http_req *r)
+{
+    if (!req_usable(r) || !r->streaming) return KM_EINVAL;
+    conn *c = r->c;
+    r->ended = true;
+    int rc = 0;
+    if (!r->head_only) {
+        km_buf out = {0};
+        rc = km_buf_append(&out, "0\r\n\r\n", 5);
+        rc = rc ? rc : conn_write(c, &out);
+    }
+    if (!rc && !c->closing && !c->in_handler) req_finish(c);
+    return rc;
+}
+
+void km_http_on_abort(km_http_req *r, void (*fn)(km_http_req *r, void *user), void *user)
+{
+    if (!r) return;
+    r->on_abort = fn;
+    r->abort_user = user;
+}
+
+/* An error the server answers before any request exists (malformed, too large): a finished
+ * request that closes the connection after its write. */
+static void fatal(conn *c, int status, const char *message)
+{
+    if (c->reading) {
+        uv_read_stop((uv_stream_t *)&c->tcp);
+        c->reading = false;
+    }
+    km_http_req *r = calloc(1, sizeof *r);
+    if (!r) {
+        conn_close(c);
+        return;
+    }
+    r->c = c;
+    c->cur = r;
+    respond_error_h(r, status, NULL, message);
+}
+
+/* ---------------------------------------------------------------- requests */
+
+const char *km_http_method(const km_http_req *r)
+{
+    return r->method;
+}
+const char *km_http_path(const km_http_req *r)
+{
+    return r->path;
+}
+const char *km_http_body(const km_http_req *r, size_t *len)
+{
+    *len = r->body.len;
+    return r->body.data ? (const char *)r->body.data : "";
+}
+const char *km_http_header(const km_http_req *r, const char *name)
+{
+    for (int i = 0; i < r->n_headers; i++)
+        if (!strcasecmp(r->hname[i], name)) return r->hvalue[i];
+    return NULL;
+}
+
+/* The request as the handler sees it: method, path and headers copied out of the connection's
+ * buffer (which the next request reuses), the body taken over. NULL on out of memory. */
+static km_http_req *req_new(conn *c, km_http_request *p)
+{
+    km_http_req *r = calloc(1, sizeof *r);
+    if (!r) return NULL;
+    r->c = c;
+    r->body = p->body;
+    memset(&p->body, 0, sizeof p->body);
+    r->keep_alive = p->keep_alive;
+    snprintf(r->method, sizeof r->method, "%.*s", (int)(p->method_len < 15 ? p->method_len : 15),
+             p->method);
+    r->head_only = !strcmp(r->method, "HEAD");
+    r->path = strndup(p->path, p->path_len);
+    r->hname = calloc(p->n_headers ? p->n_headers : 1, sizeof *r->hname);
+    r->hvalue = calloc(p->n_headers ? p->n_headers : 1, sizeof *r->hvalue);
+    bool oom = !r->path || !r->hname || !r->hvalue;
+    for (size_t i = 0; !oom && i < p->n_headers; i++) {
+        const km_http_field *f = &p->headers[i];
+        if (!f->name) continue; /* a continuation line */
+        r->hname[r->n_headers] = strndup(f->name, f->name_len);
+        r->hvalue[r->n_headers] = strndup(f->value, f->value_len);
+        r->n_headers++;
+        oom = !r->hname[r->n_headers - 1] || !r->hvalue[r->n_headers - 1];
+    }
+    if (oom) {
+        req_free(r);
+        return NULL;
+    }
+    return r;
+}
+
+/* "GET, HEAD" / "POST" / both: the Allow header of a route's 405. */
+static void allow_list(unsigned methods, char *buf, size_t cap)
+{
+    snprintf(buf, cap, "%s%s%s", methods & KM_HTTP_GET ? "GET, HEAD" : "",
+             (methods & KM_HTTP_GET) && (methods & KM_HTTP_POST) ? ", " : "",
+             methods & KM_HTTP_POST ? "POST" : "");
+}
+
+static bool method_allowed(unsigned methods, const char *m)
+{
+    if (!methods) return true;
+    if ((methods & KM_HTTP_GET) && (!strcmp(m, "GET") || !strcmp(m, "HEAD"))) return true;
+    return (methods & KM_HTTP_POST) && !strcmp(m, "POST");
+}
+
+/* The route table: the handler, or the server's own 404 / 405. */
+static void dispatch(km_http_server *s, km_http_req *r)
+{
+    for (size_t i = 0; i < s->o.n_routes; i++) {
+        const km_http_route *rt = &s->o.routes[i];
+        if (rt->path && strcmp(rt->path, r->path)) continue;
+        if (method_allowed(rt->methods, r->method)) {
+            rt->fn(r, s->o.user);
+            return;
+        }
+        char allow[32], hdr[64], msg[64];
+        allow_list(rt->methods, allow, sizeof allow);
+        snprintf(hdr, sizeof hdr, "Allow: %s\r\n", allow);
+        snprintf(msg, sizeof msg, "method not allowed: use %s", allow);
+        respond_error_h(r, 405, hdr, msg);
+        return;
+    }
+    respond_error_h(r, 404, NULL, "not found");
+}
+
+/* Parses and dispatches buffered requests, one at a time. */
+static void try_requests(conn *c)
+{
+    km_http_server *s = c->s;
+    while (!c->closing && !c->cur && c->in.len) {
+        km_http_request p;
+        int n = km_http_parse_request((const char *)c->in.data, c->in.len, &s->o.lim, &p);
+        if (n < 0) return fatal(c, p.status, p.message);
+        if (n == 0) {
+            if (p.head_len && p.expect_continue && !c->sent_continue) {
+                km_buf out = {0};
+                c->sent_continue = true;
+                if (km_buf_printf(&out, "HTTP/1.1 100 Continue\r\n\r\n") || conn_write(c, &out)) {
+                    km_buf_free(&out);
+                    return;
+                }
+            }
+            break;
+        }
+        km_http_req *r = req_new(c, &p);
+        km_buf_free(&p.body);
+        if (!r) return conn_close(c);
+        memmove(c->in.data, c->in.data + n, c->in.len - (size_t)n);
+        c->in.len -= (size_t)n;
+        c->sent_continue = false;
+        c->cur = r;
+        s->requests++;
+        if (s->o.requests) km_counter_inc(s->o.requests);
+        c->in_handler = true;
+        dispatch(s, r);
+        c->in_handler = false;
+        if (c->closing) return;
+        if (c->cur == r && r->ended) req_finish(c);
+    }
+    if (!c->closing) start_reading(c);
+}
+
+/* ---------------------------------------------------------------- reading */
+
+static void on_alloc(uv_handle_t *hd, size_t suggested, uv_buf_t *buf)
+{
+    conn *c = hd->data;
+    if (km_buf_reserve(&c->in, 65536)) {
+        *buf = uv_buf_init(NULL, 0);
+        return;
+    }
+    *buf = uv_buf_init((char *)c->in.data + c->in.len, (unsigned)(c->in.cap - c->in.len));
+}
+
+static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf)
+{
+    conn *c = st->data;
+    if (nread < 0) {
+        /* EOF or an error: a response still being written finishes first (the client may have
+         * only shut down its side); anything else closes now */
+        if (c->cur && c->cur->ended && c->pending_writes) {
+            c->cur->keep_alive = false;
+            uv_read_stop(st);
+            c->reading = false;
+        } else {
+            conn_close(c);
+        }
+        return;
+    }
+    if (nread == 0) return;
+    c->in.len += (size_t)nread;
+    uv_timer_again(&c->timer);
+    const km_http_limits *lim = &c->s->o.lim;
+    if (c->cur) {
+        /* A response is pending: keep reading (to notice the client leaving) but bound what is
+         * buffered of pipelined requests. */
+        if (c->in.len > lim->max_head + lim->max_body) {
+            uv_read_stop(st);
+            c->reading = false;
+        }
+        return;
+    }
+    try_requests(c);
+}
+
+static void start_reading(conn *c)
+{
+    if (c->reading || c->closing) return;
+    if (uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read) == 0) c->reading = true;
+}
+
+static void on_idle(uv_timer_t *t)
+{
+    conn *c = t->data;
+    if (c->cur && !c->cur->ended) return; /* a response in progress (a slow prefill) */
+    conn_close(c);
+}
+
+static void on_connection(uv_stream_t *server, int status)
+{
+    km_http_server *s = server->data;
+    if (status < 0) return;
+    conn *c = calloc(1, sizeof *c);
+    if (!c) return;
+    c->s = s;
+    uv_tcp_init(s->loop, &c->tcp);
+    uv_timer_init(s->loop, &c->timer);
+    c->tcp.data = c->timer.data = c;
+    c->open_handles = 2;
+    s->n_conns++;
+    c->next = s->conns;
+    if (s->conns) s->conns->prev = c;
+    s->conns = c;
+    if (uv_accept(server, (uv_stream_t *)&c->tcp) < 0 || s->n_conns > s->o.max_conns) {
+        conn_close(c);
+        return;
+    }
+    uv_tcp_nodelay(&c->tcp, 1);
+    uv_timer_start(&c->timer, on_idle, (uint64_t)s->o.idle_ms, (uint64_t)s->o.idle_ms);
+    start_reading(c);
+}
+
+/* ---------------------------------------------------------------- server */
+
+static void on_listener_closed(uv_handle_t *hd)
+{
+    km_http_server *s = hd->data;
+    s->open_handles--;
+    server_release(s);
+}
+
+int km_http_server_start(void *loop, const km_http_opts *o, km_http_server **out, km_errbuf *err)
+{
+    *out = NULL;
+    if (!loop || !o || o->port < 0 || o->port > 65535)
+        return km_errf(err, KM_EINVAL, "no loop, or a bad port");
+    km_http_server *s = calloc(1, sizeof *s);
+    if (!s) return km_errf(err, KM_ENOMEM, "out of memory");
+    s->loop = loop;
+    s->o = *o;
+    if (!s->o.lim.max_head) s->o.lim.max_head = 16384;
+    if (s->o.lim.max_body > BODY_MAX) s->o.lim.max_body = BODY_MAX;
+    if (s->o.max_conns <= 0) s->o.max_conns = 1024;
+    if (s->o.idle_ms <= 0) s->o.idle_ms = 60000;
+    snprintf(s->host, sizeof s->host, "%s", o->host ? o->host : "127.0.0.1");
+    s->o.host = s->host;
+    struct sockaddr_storage sa;
+    int rc = strchr(s->host, ':') ? uv_ip6_addr(s->host, o->port, (struct sockaddr_in6 *)&sa)
+                                  : uv_ip4_addr(s->host, o->port, (struct sockaddr_in *)&sa);
+    if (rc) {
+        km_errf(err, KM_EINVAL, "%s:%d: not an IP address: %s", s->host, o->port, uv_strerror(rc));
+        free(s);
+        return KM_EINVAL;
+    }
+    uv_tcp_init(s->loop, &s->listener);
+    s->listener.data = s;
+    s->open_handles = 1;
+    const char *step = "bind";
+    rc = uv_tcp_bind(&s->listener, (struct sockaddr *)&sa, 0);
+    if (!rc) {
+        step = "listen";
+        rc = uv_listen((uv_stream_t *)&s->listener, 256, on_connection);
+    }
+    if (rc) {
+        km_errf(err, KM_EIO, "%s:%d: %s: %s", s->host, o->port, step, uv_strerror(rc));
+        s->stopping = true;
+        uv_close((uv_handle_t *)&s->listener, on_listener_closed);
+        return KM_EIO;
+    }
+    struct sockaddr_storage bound;
+    int blen = sizeof bound;
+    uv_tcp_getsockname(&s->listener, (struct sockaddr *)&bound, &blen);
+    s->port = ntohs(bound.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&bound)->sin6_port
+                                                : ((struct sockaddr_in *)&bound)->sin_port);
+    *out = s;
+    return 0;
+}
+
+int km_http_server_port(const km_http_server *s)
+{
+    return s ? s->port : -1;
+}
+
+uint64_t km_http_server_requests(const km_http_server *s)
+{
+    return s ? s->requests : 0;
+}
+
+void km_http_server_stop(km_http_server *s)
+{
+    if (!s || s->stopping) return;
+    s->stopping = true;
+    while (s->conns) conn_close(s->conns);
+    uv_close((uv_handle_t *)&s->listener, on_listener_closed);
+}

@@ -1,0 +1,54 @@
+/*
+ * fuzz_http_request.c — libFuzzer target for the HTTP request parser every kvmesh server uses
+ * (km_http_parse_request, common/http_parse.c, on picohttpparser).
+ *
+ * Feeds arbitrary bytes as a connection's buffer under the router's limits, tight ones and the
+ * admin port's (no bodies). Beyond what ASan/UBSan catch, it checks the promises the server
+ * relies on: a complete request takes no more than the buffer and is self-delimiting (parsing
+ * exactly the bytes it took gives the same request), its body is within the limit, its path
+ * within the buffer; a refusal names one of the statuses the server answers and frees the body;
+ * "incomplete" owns nothing.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/http.h"
+
+static void check(const uint8_t *data, size_t size, const km_http_limits *lim)
+{
+    const char *buf = (const char *)data;
+    km_http_request r;
+    int n = km_http_parse_request(buf, size, lim, &r);
+    if (n < 0) {
+        if (r.status != 400 && r.status != 413 && r.status != 431 && r.status != 501 &&
+            r.status != 500)
+            abort();
+        if (!r.message || r.body.data) abort();
+        return;
+    }
+    if (n == 0) {
+        if (r.body.data || r.head_len > size) abort();
+        return;
+    }
+    if ((size_t)n > size || r.head_len > (size_t)n || r.body.len > lim->max_body) abort();
+    if (r.path < buf || r.path + r.path_len > buf + size) abort();
+    if (memchr(r.path, '?', r.path_len)) abort(); /* the query string is cut off */
+    km_http_request again;
+    if (km_http_parse_request(buf, (size_t)n, lim, &again) != n) abort();
+    if (again.body.len != r.body.len ||
+        (r.body.len && memcmp(again.body.data, r.body.data, r.body.len)))
+        abort();
+    km_buf_free(&again.body);
+    km_buf_free(&r.body);
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    const km_http_limits router = {.max_head = 16384, .max_body = 4u << 20};
+    const km_http_limits tight = {.max_head = 64, .max_body = 16};
+    const km_http_limits admin = {.max_head = 8192, .max_body = 0};
+    check(data, size, &router);
+    check(data, size, &tight);
+    check(data, size, &admin);
+    return 0;
+}
