@@ -9,6 +9,8 @@
  * rt_rq_start on; only its replies are written as SSE chunks or one JSON body (rt_oai_*).
  */
 #define _GNU_SOURCE
+#include <jansson.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -40,80 +42,112 @@ static void http_error(rt_http_req *h, int status, const char *type, const char 
     km_buf_free(&b);
 }
 
-/* The /v1/status document: the router's counters, the controller's view as the router last saw it,
- * and one entry per worker slot. */
-static void status_json(rt_router *r, km_buf *out)
+/* A JSON string of s (NULL: null). Names and endpoints come from flags and file names, which need
+ * not be UTF-8; JSON strings must be, so a byte outside ASCII in one that is not becomes '?'. */
+static json_t *jstr(const char *s)
 {
-    km_buf_printf(out,
-                  "{\"model\":\"%s\",\"fingerprint\":\"%s\",\"mode\":\"%s\",\"page_tokens\":%d,"
-                  "\"router\":{\"requests\":%llu,\"completed\":%llu,\"failed\":%llu,"
-                  "\"inflight\":%d,\"queued\":%d,\"overloaded\":%llu,\"migrations\":%llu,"
-                  "\"bad_frames\":%llu,\"prompt_tokens\":%llu,\"cached_tokens\":%llu,"
-                  "\"predicted_cached_tokens\":%llu,\"hit_ratio\":%.4f,\"index_pages\":%zu},",
-                  r->model_name, r->fp, rt_mode_name(r->c.policy.mode), r->c.page_tokens,
-                  (unsigned long long)r->n_requests, (unsigned long long)r->n_ok,
-                  (unsigned long long)r->n_err, r->n_inflight, r->n_queued,
-                  (unsigned long long)r->n_overloaded, (unsigned long long)r->n_migrations,
-                  (unsigned long long)r->n_bad_frames, (unsigned long long)r->prompt_tokens,
-                  (unsigned long long)r->cached_tokens, (unsigned long long)r->predicted_tokens,
-                  r->prompt_tokens ? (double)r->cached_tokens / (double)r->prompt_tokens : 0.0,
-                  rt_index_size(r->index));
-    if (!r->vsub) {
-        km_buf_printf(out, "\"controller\":null,");
-    } else {
-        uint64_t now = rt_now_ms();
-        km_buf_printf(out,
-                      "\"controller\":{\"endpoint\":\"%s\",\"view_timeout_ms\":%u,\"fresh\":%s,"
-                      "\"views\":%llu,\"bad_views\":%llu,",
-                      r->ctl_url, r->c.view_timeout_ms, r->view_fresh ? "true" : "false",
-                      (unsigned long long)r->n_views, (unsigned long long)r->n_bad_views);
-        if (r->have_view)
-            km_buf_printf(out, "\"id\":\"%s\",\"epoch\":%llu,\"seq\":%llu,\"age_ms\":%llu},",
-                          r->ctl_id, (unsigned long long)r->view_epoch,
-                          (unsigned long long)r->view_seq,
-                          (unsigned long long)(now > r->view_at_ms ? now - r->view_at_ms : 0));
-        else
-            km_buf_printf(out, "\"id\":null,\"epoch\":null,\"seq\":null,\"age_ms\":null},");
-    }
-    km_buf_printf(out, "\"workers\":[");
-    int ps = 0;
+    if (!s) return json_null();
+    json_t *j = json_string(s);
+    if (j) return j;
+    char *c = strdup(s);
+    if (!c) return NULL;
+    for (char *p = c; *p; p++)
+        if ((unsigned char)*p >= 0x80) *p = '?';
+    j = json_string(c);
+    free(c);
+    return j;
+}
+
+/* cached / prompt, to 4 decimals (0 when nothing was prompted). */
+static double hit_ratio(uint64_t cached, uint64_t prompt)
+{
+    return prompt ? round(1e4 * (double)cached / (double)prompt) / 1e4 : 0.0;
+}
+
+static json_t *status_router(rt_router *r)
+{
+    return json_pack(
+        "{s:I,s:I,s:I,s:i,s:i,s:I,s:I,s:I,s:I,s:I,s:I,s:f,s:I}", "requests",
+        (json_int_t)r->n_requests, "completed", (json_int_t)r->n_ok, "failed", (json_int_t)r->n_err,
+        "inflight", r->n_inflight, "queued", r->n_queued, "overloaded", (json_int_t)r->n_overloaded,
+        "migrations", (json_int_t)r->n_migrations, "bad_frames", (json_int_t)r->n_bad_frames,
+        "prompt_tokens", (json_int_t)r->prompt_tokens, "cached_tokens",
+        (json_int_t)r->cached_tokens, "predicted_cached_tokens", (json_int_t)r->predicted_tokens,
+        "hit_ratio", hit_ratio(r->cached_tokens, r->prompt_tokens), "index_pages",
+        (json_int_t)rt_index_size(r->index));
+}
+
+/* The controller's view as the router last saw it; null without --controller. */
+static json_t *status_controller(rt_router *r, uint64_t now)
+{
+    if (!r->vsub) return json_null();
+    json_t *o = json_pack("{s:o,s:I,s:b,s:I,s:I}", "endpoint", jstr(r->ctl_url), "view_timeout_ms",
+                          (json_int_t)r->c.view_timeout_ms, "fresh", r->view_fresh, "views",
+                          (json_int_t)r->n_views, "bad_views", (json_int_t)r->n_bad_views);
+    if (!o) return NULL;
+    if (r->have_view)
+        json_object_update_new(
+            o, json_pack("{s:o,s:I,s:I,s:I}", "id", jstr(r->ctl_id), "epoch",
+                         (json_int_t)r->view_epoch, "seq", (json_int_t)r->view_seq, "age_ms",
+                         (json_int_t)(now > r->view_at_ms ? now - r->view_at_ms : 0)));
+    else
+        json_object_update_new(o, json_pack("{s:n,s:n,s:n,s:n}", "id", "epoch", "seq", "age_ms"));
+    return o;
+}
+
+static json_t *status_worker(rt_router *r, int i, uint64_t now)
+{
+    rt_wk *w = &r->w[i];
+    json_t *o = json_pack(
+        "{s:o,s:o,s:o,s:b,s:b,s:i,s:I,s:I,s:I,s:I,s:I,s:I,s:f,s:{s:I,s:I,s:I},s:i,s:I,s:I,s:I,s:I,"
+        "s:I}",
+        "id", jstr(w->id), "requests", jstr(w->req_url), "events", jstr(w->ev_url), "up",
+        w->connected, "draining", w->draining, "inflight", w->inflight, "routed",
+        (json_int_t)w->routed, "served", (json_int_t)w->served, "failed", (json_int_t)w->failed,
+        "migrated_away", (json_int_t)w->migrated_away, "prompt_tokens",
+        (json_int_t)w->prompt_tokens, "cached_tokens", (json_int_t)w->cached_tokens, "hit_ratio",
+        hit_ratio(w->cached_tokens, w->prompt_tokens), "kv_pages", "hot",
+        (json_int_t)rt_index_pages(r->index, i, KM_TIER_HOT), "host",
+        (json_int_t)rt_index_pages(r->index, i, KM_TIER_HOST), "disk",
+        (json_int_t)rt_index_pages(r->index, i, KM_TIER_DISK), "page_bytes", 0, "event_seq",
+        (json_int_t)rt_evstream_next(w->evs), "event_gaps", (json_int_t)rt_evstream_gaps(w->evs),
+        "resyncs", (json_int_t)w->resyncs, "snapshots", (json_int_t)w->snapshots, "connects",
+        (json_int_t)w->connects);
+    if (!o) return NULL;
+    if (w->in_view)
+        json_object_update_new(o,
+                               json_pack("{s:s,s:i}", "member_state",
+                                         km_member_state_name(w->member), "level", (int)w->level));
+    else
+        json_object_update_new(o, json_pack("{s:n,s:n}", "member_state", "level"));
+    json_object_set_new(o, "view_id", w->view_id[0] ? jstr(w->view_id) : json_null());
+    json_object_update_new(o, json_pack("{s:b,s:I,s:b}", "from_view", w->from_view, "view_migrated",
+                                        (json_int_t)w->view_migrated, "routable",
+                                        rt_wk_routable(r, w, now)));
+    return o;
+}
+
+/* The /v1/status document: the router's counters, the controller's view as the router last saw it,
+ * and one entry per worker slot. Built with jansson, so every name is escaped: a model, worker or
+ * endpoint name with a quote in it made the document invalid JSON when it was printed with %s. */
+static int status_json(rt_router *r, km_buf *out)
+{
     uint64_t now = rt_now_ms();
-    for (int i = 0; i < r->n_w; i++) {
-        rt_wk *w = &r->w[i];
-        km_buf_printf(out,
-                      "%s{\"id\":\"%s\",\"requests\":\"%s\",\"events\":\"%s\",\"up\":%s,"
-                      "\"draining\":%s,\"inflight\":%d,\"routed\":%llu,\"served\":%llu,"
-                      "\"failed\":%llu,\"migrated_away\":%llu,\"prompt_tokens\":%llu,"
-                      "\"cached_tokens\":%llu,\"hit_ratio\":%.4f,"
-                      "\"kv_pages\":{\"hot\":%llu,\"host\":%llu,\"disk\":%llu},"
-                      "\"page_bytes\":%d,\"event_seq\":%llu,\"event_gaps\":%llu,"
-                      "\"resyncs\":%llu,\"snapshots\":%llu,\"connects\":%llu,",
-                      i ? "," : "", w->id, w->req_url, w->ev_url, w->connected ? "true" : "false",
-                      w->draining ? "true" : "false", w->inflight, (unsigned long long)w->routed,
-                      (unsigned long long)w->served, (unsigned long long)w->failed,
-                      (unsigned long long)w->migrated_away, (unsigned long long)w->prompt_tokens,
-                      (unsigned long long)w->cached_tokens,
-                      w->prompt_tokens ? (double)w->cached_tokens / (double)w->prompt_tokens : 0.0,
-                      (unsigned long long)rt_index_pages(r->index, i, KM_TIER_HOT),
-                      (unsigned long long)rt_index_pages(r->index, i, KM_TIER_HOST),
-                      (unsigned long long)rt_index_pages(r->index, i, KM_TIER_DISK), ps,
-                      (unsigned long long)rt_evstream_next(w->evs),
-                      (unsigned long long)rt_evstream_gaps(w->evs), (unsigned long long)w->resyncs,
-                      (unsigned long long)w->snapshots, (unsigned long long)w->connects);
-        if (w->in_view)
-            km_buf_printf(out, "\"member_state\":\"%s\",\"level\":%u,",
-                          km_member_state_name(w->member), w->level);
-        else
-            km_buf_printf(out, "\"member_state\":null,\"level\":null,");
-        if (w->view_id[0])
-            km_buf_printf(out, "\"view_id\":\"%s\",", w->view_id);
-        else
-            km_buf_printf(out, "\"view_id\":null,");
-        km_buf_printf(out, "\"from_view\":%s,\"view_migrated\":%llu,\"routable\":%s}",
-                      w->from_view ? "true" : "false", (unsigned long long)w->view_migrated,
-                      rt_wk_routable(r, w, now) ? "true" : "false");
-    }
-    km_buf_printf(out, "]}\n");
+    json_t *workers = json_array();
+    for (int i = 0; workers && i < r->n_w; i++)
+        if (json_array_append_new(workers, status_worker(r, i, now))) {
+            json_decref(workers);
+            workers = NULL;
+        }
+    json_t *o = json_pack("{s:o,s:o,s:s,s:i,s:o,s:o,s:o}", "model", jstr(r->model_name),
+                          "fingerprint", jstr(r->fp), "mode", rt_mode_name(r->c.policy.mode),
+                          "page_tokens", r->c.page_tokens, "router", status_router(r), "controller",
+                          status_controller(r, now), "workers", workers);
+    char *s = o ? json_dumps(o, JSON_COMPACT | JSON_REAL_PRECISION(6)) : NULL;
+    json_decref(o);
+    int rc = s ? km_buf_printf(out, "%s\n", s) : KM_ENOMEM;
+    free(s);
+    return rc;
 }
 
 void rt_front_on_http(rt_http_req *h, void *user)
@@ -148,8 +182,10 @@ void rt_front_on_http(rt_http_req *h, void *user)
     }
     if (!strcmp(path, "/v1/status") || !strcmp(path, "/status")) {
         km_buf b = {0};
-        status_json(r, &b);
-        rt_http_respond(h, 200, "application/json", b.data, b.len);
+        if (status_json(r, &b))
+            http_error(h, 500, "server_error", NULL, "out of memory");
+        else
+            rt_http_respond(h, 200, "application/json", b.data, b.len);
         km_buf_free(&b);
         return;
     }

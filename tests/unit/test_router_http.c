@@ -2,11 +2,13 @@
  * test_router_http.c — the router's OpenAI layer (request parsing, response and SSE shapes,
  * errors, UTF-8 sanitising) and its HTTP/1.1 server over real loopback sockets (whole and
  * streamed responses, Content-Length and chunked bodies, 100-continue, pipelining, malformed and
- * oversized requests, a client leaving mid-stream).
+ * oversized requests, a client leaving mid-stream), and the router's status document (valid JSON
+ * whatever its names hold).
  */
 #include <arpa/inet.h>
 #include <criterion/criterion.h>
 #include <jansson.h>
+#include <limits.h>
 #include <poll.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -15,6 +17,7 @@
 #include <unistd.h>
 #include <uv.h>
 
+#include "client/kvmesh.h"
 #include "router/router.h"
 
 /* ---------------------------------------------------------------- OpenAI layer */
@@ -392,4 +395,60 @@ Test(router_http, a_client_leaving_mid_stream_aborts_the_request)
     for (int i = 0; i < 100 && !__atomic_load_n(&s->aborts, __ATOMIC_SEQ_CST); i++) usleep(20000);
     cr_assert_eq(__atomic_load_n(&s->aborts, __ATOMIC_SEQ_CST), 1);
     stop(s);
+}
+
+/* ---------------------------------------------------------------- the status document */
+
+static void *run_router(void *arg)
+{
+    rt_router_run(arg);
+    return NULL;
+}
+
+Test(router_status, names_with_quotes_and_backslashes_give_valid_json)
+{
+    /* the regression: the document was printed with %s, so a quote in a name broke it */
+    const char *model = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+    if (access(model, R_OK)) cr_skip_test("%s missing (make deps fetches it)", model);
+    char dir[] = "/tmp/kvm_status_XXXXXX", abs[PATH_MAX], link[PATH_MAX + 64];
+    cr_assert_not_null(mkdtemp(dir));
+    cr_assert_not_null(realpath(model, abs));
+    snprintf(link, sizeof link, "%s/smol\"q\\uote.gguf", dir); /* the name is the file's */
+    cr_assert_eq(symlink(abs, link), 0);
+    rt_config c;
+    rt_config_default(&c);
+    c.model_path = link;
+    c.front_url = "tcp://127.0.0.1:*";
+    c.http_host = "127.0.0.1";
+    c.http_port = 0;
+    c.admin_port = -1;
+    rt_worker_cfg w = {"w\"0\\", "tcp://127.0.0.1:9", "tcp://127.0.0.1:9"}; /* nobody there */
+    c.workers = &w;
+    c.n_workers = 1;
+    rt_router *r = NULL;
+    km_errbuf err = {{0}};
+    cr_assert_eq(rt_router_create(&c, &r, &err), 0, "%s", err.msg);
+    pthread_t th;
+    pthread_create(&th, NULL, run_router, r);
+    char url[64];
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/v1/status", rt_router_http_port(r));
+    km_buf body = {0};
+    int status = 0;
+    int rc = kvm_http_get(url, 10000, &body, &status, &err);
+    rt_router_stop(r);
+    pthread_join(th, NULL);
+    rt_router_destroy(r);
+    unlink(link);
+    rmdir(dir);
+    cr_assert_eq(rc, 0, "%s", err.msg);
+    cr_assert_eq(status, 200);
+    json_t *o = parse_json(&body, 0);
+    cr_assert_str_eq(json_string_value(json_object_get(o, "model")), "smol\"q\\uote");
+    json_t *w0 = json_array_get(json_object_get(o, "workers"), 0);
+    cr_assert_str_eq(json_string_value(json_object_get(w0, "id")), "w\"0\\");
+    cr_assert_str_eq(json_string_value(json_object_get(w0, "requests")), "tcp://127.0.0.1:9");
+    cr_assert(json_is_false(json_object_get(w0, "up")));
+    cr_assert(json_is_null(json_object_get(o, "controller")));
+    json_decref(o);
+    km_buf_free(&body);
 }
