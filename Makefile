@@ -192,7 +192,7 @@ build/fuzz/%: tests/fuzz/%.c $(FUZZ_LIB_SRC) $(wildcard common/*.h)
 	clang -std=gnu11 -g -O1 -I. -fsanitize=fuzzer,address,undefined $< $(FUZZ_LIB_SRC) -o $@ $(LDLIBS)
 
 # kvshard's disk page reader (fuzz_kvpage) also needs kvshard/diskfmt.c.
-build/fuzz/fuzz_kvpage: tests/fuzz/fuzz_kvpage.c kvshard/diskfmt.c $(FUZZ_LIB_SRC) common/km.h kvshard/kvshard.h kvshard/diskfmt.h
+build/fuzz/fuzz_kvpage: tests/fuzz/fuzz_kvpage.c kvshard/diskfmt.c $(FUZZ_LIB_SRC) common/km.h common/sec.h kvshard/kvshard.h kvshard/diskfmt.h
 	@mkdir -p $(dir $@)
 	clang -std=gnu11 -g -O1 -I. -fsanitize=fuzzer,address,undefined $< kvshard/diskfmt.c $(FUZZ_LIB_SRC) -o $@ $(LDLIBS)
 

@@ -10,6 +10,13 @@
  * become disk-tier pages of the prefix index, so a restarted worker comes back warm (store.c
  * then trims them to the disk budget through evict.c).
  *
+ * With a cluster secret (kv_config.disk_secret) every page file also carries a keyed MAC, and a
+ * page whose MAC is missing or wrong is dropped (deleted, counted in unauthenticated_pages,
+ * logged as kv_disk_page_unauthenticated) at re-index and on every read: the checksum alone
+ * stops torn pages, not someone with write access to the directory who recomputes it. Without a
+ * secret a page's MAC, if it has one, is not checked (nothing to check it with). The disk budget
+ * counts page files without the MAC's 32 bytes, a rounding error next to a real page.
+ *
  * This file is the page files and nothing else: it calls the index, page memory and accounting
  * below it; choosing what goes to disk and when is evict.c's (demotion) and tier.c's (persist).
  */
@@ -23,6 +30,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "common/sec.h"
+#include "kvshard/diskfmt.h"
 #include "kvshard/internal.h"
 
 int kv_disk_enabled(const kv_store *s)
@@ -77,10 +86,13 @@ int kv_disk_write(kv_store *s, kv_page *p)
         .payload = p->buf,
         .payload_bytes = pb,
     };
-    size_t n = kv_disk_page_size(pb, s->pt);
+    size_t n = kv_disk_page_size(pb, s->pt) + (s->disk_mac ? KV_DISK_MAC_BYTES : 0);
     uint8_t *b = malloc(n);
     if (!b) return KM_ENOMEM;
-    kv_disk_page_encode(&d, b, n);
+    if (s->disk_mac)
+        kv_disk_page_encode_mac(&d, s->disk_mac_key, b, n);
+    else
+        kv_disk_page_encode(&d, b, n);
     char path[PATH_MAX], tmp[PATH_MAX];
     kv_disk_path(s, p->hash, path, sizeof path);
     char hex[33];
@@ -142,18 +154,38 @@ static int kv_disk_matches(const kv_store *s, const kv_disk_page *d)
            d->head_dim == s->hd;
 }
 
+/* With a cluster secret: 0 when the parsed page's MAC verifies; otherwise counts and logs it and
+ * returns KM_ECORRUPT (the caller drops the page). */
+static int kv_disk_authentic(kv_store *s, const uint8_t *b, size_t n, const kv_disk_page *d,
+                             const char *path)
+{
+    if (!s->disk_mac || !kv_disk_page_verify_mac(b, n, d, s->disk_mac_key)) return 0;
+    s->st.unauthenticated_pages++;
+    KM_WARN("kv_disk_page_unauthenticated", "path=%s reason=%s", path,
+            d->mac ? "wrong_mac" : "no_mac");
+    return KM_ECORRUPT;
+}
+
 int kv_disk_read(kv_store *s, kv_page *p, uint8_t *dst)
 {
     char path[PATH_MAX];
     kv_disk_path(s, p->hash, path, sizeof path);
     uint8_t *b;
     size_t n;
-    int rc = kv_disk_load(path, kv_disk_page_size(s->lay[p->format].page_bytes, s->pt), &b, &n);
+    /* without a secret a page may or may not carry a MAC: the parser checks the exact size */
+    size_t expect = s->disk_mac
+                        ? kv_disk_page_size(s->lay[p->format].page_bytes, s->pt) + KV_DISK_MAC_BYTES
+                        : 0;
+    int rc = kv_disk_load(path, expect, &b, &n);
     kv_disk_page d;
     if (!rc) rc = kv_disk_page_parse(b, n, &d);
     if (!rc && (!kv_disk_matches(s, &d) || d.format != p->format ||
                 !km_pagehash_eq(d.hash, p->hash) || memcmp(d.tokens, p->tokens, (size_t)s->pt * 4)))
         rc = KM_ECORRUPT;
+    if (!rc && kv_disk_authentic(s, b, n, &d, path)) {
+        free(b);
+        return KM_ECORRUPT;
+    }
     if (!rc) memcpy(dst, d.payload, d.payload_bytes);
     free(b);
     if (rc && rc != KM_ENOMEM) {
@@ -181,6 +213,12 @@ static int kv_by_index(const void *a, const void *b)
 
 int kv_disk_open(kv_store *s, km_errbuf *err)
 {
+    if (s->cfg.disk_secret) { /* a key for this purpose only, derived once: the secret is not read
+                                 again */
+        km_secret_derive(s->cfg.disk_secret, "kvmpage1", 1, s->disk_mac_key);
+        s->disk_mac = 1;
+        s->cfg.disk_secret = NULL;
+    }
     if (mkdir(s->disk_dir, 0755) && errno != EEXIST)
         return km_errf(err, KM_EIO, "kv disk tier: cannot create %s: %s", s->disk_dir,
                        strerror(errno));
@@ -220,6 +258,11 @@ int kv_disk_open(kv_store *s, km_errbuf *err)
             km_pagehash_hex(d.hash, hex);
             if (strncmp(name, hex, 32) || kv_index_find(s, d.hash) || !s->lay[d.format].unit)
                 rc = KM_ECORRUPT;
+        }
+        if (!rc && kv_disk_authentic(s, b, n, &d, path)) { /* counted there, not as corrupt */
+            free(b);
+            unlink(path);
+            continue;
         }
         kv_page *p = NULL;
         if (!rc && n_found == cap) {

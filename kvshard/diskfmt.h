@@ -20,7 +20,10 @@ typedef struct kv_layout {
 
 void kv_layout_init(kv_layout *lay, kv_format f, int pt, int hd, int n_layers, int n_heads);
 
-/* A disk page file: header, token ids, payload, trailing checksum (docs/kvshard.md). */
+#define KV_DISK_MAC_BYTES 32
+
+/* A disk page file: header, token ids, payload, an optional MAC, trailing checksum
+ * (docs/kvshard.md). */
 typedef struct kv_disk_page {
     kv_format format;
     int page_tokens, n_layers, n_kv_heads, head_dim;
@@ -29,14 +32,24 @@ typedef struct kv_disk_page {
     const uint8_t *tokens;    /* page_tokens little-endian int32, into the buffer */
     const uint8_t *payload;   /* into the buffer */
     size_t payload_bytes;
+    const uint8_t *mac; /* KV_DISK_MAC_BYTES into the buffer when the page carries a MAC, or NULL */
 } kv_disk_page;
 
 /* Validates a whole page file held in memory (header fields, sizes, checksum, that the hash
  * matches its tokens' chain link is NOT checkable here). 0, KM_EFORMAT or KM_ECORRUPT; never
  * reads outside [buf, buf+len). */
 int kv_disk_page_parse(const void *buf, size_t len, kv_disk_page *out);
-/* Serialises a page into buf (size from kv_disk_page_size); returns bytes written. */
+/* Serialises a page into buf (size from kv_disk_page_size, + KV_DISK_MAC_BYTES when p->mac is
+ * set: those bytes are copied as they are); returns bytes written, 0 when cap is too small. */
 size_t kv_disk_page_size(size_t payload_bytes, int page_tokens);
 size_t kv_disk_page_encode(const kv_disk_page *p, void *buf, size_t cap);
+/* The same with a MAC computed under key (a key derived from the cluster secret): keyed
+ * BLAKE2b-256 of every byte before it; cap >= kv_disk_page_size + KV_DISK_MAC_BYTES. */
+size_t kv_disk_page_encode_mac(const kv_disk_page *p, const uint8_t key[KV_DISK_MAC_BYTES],
+                               void *buf, size_t cap);
+/* For a page parse accepted from [buf, buf+len): 0 when it carries a MAC and the MAC verifies
+ * under key (constant-time compare), KM_ECORRUPT otherwise (no MAC, or a wrong one). */
+int kv_disk_page_verify_mac(const void *buf, size_t len, const kv_disk_page *p,
+                            const uint8_t key[KV_DISK_MAC_BYTES]);
 
 #endif

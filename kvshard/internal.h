@@ -128,6 +128,8 @@ struct kv_store {
     /* disk */
     char *disk_dir;
     uint64_t tmp_ctr;
+    int disk_mac;             /* page files carry a MAC under disk_mac_key, and must */
+    uint8_t disk_mac_key[32]; /* derived from kv_config.disk_secret (disk.c) */
     /* promoter */
     pthread_t promoter;
     int promoter_started, promoter_stop;

@@ -21,7 +21,9 @@
  *    request's, so a hash collision can never serve another prompt's KV. Pages hashed under
  *    different seeds (model, cluster seed, cache_salt) never meet.
  *  - Pages on disk are written atomically (temporary file, fsync, rename) with a checksum that
- *    is verified on every read; a page that fails is dropped (and counted), never served.
+ *    is verified on every read; a page that fails is dropped (and counted), never served. With a
+ *    cluster secret (kv_config.disk_secret) they also carry a keyed MAC, so a page written by
+ *    anyone without the secret is dropped (and counted) too.
  *  - Every page the index gains, loses or moves between tiers yields a kv_event with a
  *    per-store sequence number (a gap means events were dropped: ask for a snapshot).
  */
@@ -92,6 +94,9 @@ typedef struct kv_config {
     const kv_shard_config *shards; /* [n_shards] or NULL */
     size_t host_bytes;             /* host-RAM tier budget; 0: no host tier */
     const char *disk_dir; /* disk tier directory (created if missing); NULL: no disk tier */
+    /* The cluster secret (KM_SECRET_BYTES, common/sec.h), read at create only: disk pages carry
+     * a keyed MAC and a page without a valid one is dropped, never served. NULL: checksum only. */
+    const uint8_t *disk_secret;
     size_t disk_bytes;    /* disk tier budget; 0 with a disk_dir: 1 GiB */
     float high_watermark; /* fraction of a tier's budget that triggers demotion; 0: 0.8 */
     int event_capacity;   /* events kept until drained; 0: 65536 */
@@ -216,7 +221,8 @@ typedef struct kv_store_stats {
     int n_shards;
     kv_tier_stats tier[KV_TIER_COUNT];
     uint64_t pages_indexed, hits, misses, collisions, corrupt_pages, converted_pages,
-        disk_write_errors, events_dropped, cow_copies, sealed_pages, dropped_seq_pages;
+        disk_write_errors, events_dropped, cow_copies, sealed_pages, dropped_seq_pages,
+        unauthenticated_pages; /* disk pages dropped for a missing or wrong MAC (disk_secret) */
 } kv_store_stats;
 
 void kv_store_stats_get(const kv_store *s, kv_store_stats *out);

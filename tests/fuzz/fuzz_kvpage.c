@@ -4,8 +4,10 @@
  * lies inside the buffer, and never reads outside it. A parsed page is re-encoded and must
  * round-trip byte for byte (a version 1 page: field for field, as it is re-encoded as version 2).
  * Each input is also tried with its checksum fixed up, so that mutated headers get past the
- * checksum and exercise the field checks behind it. Seeds: tests/fuzz/corpus/fuzz_kvpage/ (valid
- * pages of each format).
+ * checksum and exercise the field checks behind it. A page that parses is also checked against a
+ * MAC key (kv_disk_page_verify_mac), which must never read outside it either; the seeds with a
+ * MAC were made under the key below, so mutations of them reach the MAC comparison. Seeds:
+ * tests/fuzz/corpus/fuzz_kvpage/ (valid pages of each format, two with a MAC).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -14,16 +16,23 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
+#include "common/sec.h"
 #include "kvshard/diskfmt.h"
+
+/* The MAC key of the *_mac seeds: derived from a secret of 1, 0, 0, ... */
+static uint8_t mac_key[KV_DISK_MAC_BYTES];
 
 static void parse_one(uint8_t *buf, size_t size)
 {
     kv_disk_page p;
     if (kv_disk_page_parse(buf, size, &p) != 0) return;
     if (p.tokens < buf || p.payload + p.payload_bytes > buf + size) abort();
+    if (p.mac && (p.mac < p.payload + p.payload_bytes || p.mac + KV_DISK_MAC_BYTES > buf + size))
+        abort();
+    (void)kv_disk_page_verify_mac(buf, size, &p, mac_key);
     volatile uint8_t sink = 0;
     for (size_t i = 0; i < p.payload_bytes; i += 97) sink ^= p.payload[i];
-    size_t n = kv_disk_page_size(p.payload_bytes, p.page_tokens);
+    size_t n = kv_disk_page_size(p.payload_bytes, p.page_tokens) + (p.mac ? KV_DISK_MAC_BYTES : 0);
     uint8_t *out = malloc(n);
     if (out) {
         if (kv_disk_page_encode(&p, out, n) != n || n != size) abort();
@@ -53,6 +62,12 @@ static void parse_one(uint8_t *buf, size_t size)
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
+    static int keyed;
+    if (!keyed) {
+        const uint8_t secret[KM_SECRET_BYTES] = {1};
+        km_secret_derive(secret, "kvmpage1", 1, mac_key);
+        keyed = 1;
+    }
     /* A private copy, exactly sized, so ASan sees any read past the end. */
     uint8_t *buf = malloc(size ? size : 1);
     if (!buf) return 0;

@@ -2,7 +2,10 @@
  * test_kvshard_disk.c — the disk tier: pages survive a restart and are reused; a corrupt or
  * torn page is dropped and never served; leftovers of interrupted writes are cleaned; and a
  * crash test that SIGKILLs a writer many times and then proves every page a fresh store serves
- * is exactly the one that was written.
+ * is exactly the one that was written. With a cluster secret, pages carry a keyed MAC: a page
+ * whose KV was altered and whose checksum was recomputed (what anyone with write access to the
+ * directory can do) is served without a secret and refused with one, as is a page without a
+ * MAC or with another cluster's.
  */
 #include <criterion/criterion.h>
 #include <dirent.h>
@@ -16,6 +19,10 @@
 #include <time.h>
 #include <unistd.h>
 
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+#include "common/sec.h"
 #include "kvshard/diskfmt.h"
 #include "kvshard/kvshard.h"
 
@@ -29,13 +36,14 @@ static float kval(int tok, int l, int h, int c)
     return (float)((tok * 7 + l * 3 + h * 5 + c) % 32 - 16) / 8.0f;
 }
 
-static kv_store *open_store(const char *dir, size_t hot_pages)
+static kv_store *open_store_secret(const char *dir, size_t hot_pages, const uint8_t *secret)
 {
     kv_config c = {.n_layers = L,
                    .n_kv_heads = H,
                    .head_dim = HD,
                    .page_tokens = PT,
                    .disk_dir = dir,
+                   .disk_secret = secret,
                    .sync_promote = 1};
     c.hot_bytes = hot_pages * (size_t)PT * HD * 2 * 2 * L * H;
     kv_store *s;
@@ -43,6 +51,11 @@ static kv_store *open_store(const char *dir, size_t hot_pages)
     int rc = kv_store_create(&c, &s, &err);
     cr_assert_eq(rc, 0, "%s", err.msg);
     return s;
+}
+
+static kv_store *open_store(const char *dir, size_t hot_pages)
+{
+    return open_store_secret(dir, hot_pages, NULL);
 }
 
 static void tokens_of(int seed, int32_t *t, int n)
@@ -77,8 +90,9 @@ static void persist(kv_store *s, int seed)
     kv_store_evict_oldest_fraction(s, 1.0);
 }
 
-/* Pages of `seed` a store serves (0..2); fails the test on any wrong value. */
-static int served(kv_store *s, int seed)
+/* Pages of `seed` a store serves (0..2), with in *wrong how many K/V values differ from what
+ * was written. */
+static int served_values(kv_store *s, int seed, int *wrong)
 {
     int32_t t[2 * PT];
     km_pagehash h[2];
@@ -93,13 +107,18 @@ static int served(kv_store *s, int seed)
         for (int l = 0; l < L; l++)
             for (int hh = 0; hh < H; hh++) {
                 cr_assert_eq(kv_seq_read(s, q, l, hh, p, k, v), 0);
-                for (int c = 0; c < HD; c++) {
-                    cr_assert_eq(k[c], kval(t[p], l, hh, c), "seed %d pos %d: wrong KV served",
-                                 seed, p);
-                    cr_assert_eq(v[c], kval(t[p], l, hh, c));
-                }
+                for (int c = 0; c < HD; c++)
+                    *wrong += (k[c] != kval(t[p], l, hh, c)) + (v[c] != kval(t[p], l, hh, c));
             }
     kv_seq_destroy(s, q);
+    return n;
+}
+
+/* Pages of `seed` a store serves (0..2); fails the test on any wrong value. */
+static int served(kv_store *s, int seed)
+{
+    int wrong = 0, n = served_values(s, seed, &wrong);
+    cr_assert_eq(wrong, 0, "seed %d: %d wrong K/V values served", seed, wrong);
     return n;
 }
 
@@ -394,4 +413,204 @@ Test(kvshard_disk, sigkill_during_writes_never_leaves_a_servable_torn_page, .tim
     cr_assert_gt(survivors, 0, "pages written before a kill are reused after restart");
     cr_assert_lt(written_max, 4999, "the verification window covered every write");
     rm_dir(d);
+}
+
+/* ---------------------------------------------------------------- authenticated pages */
+
+static const uint8_t secret_a[KM_SECRET_BYTES] = {0xa1, 0xa2, 0xa3};
+static const uint8_t secret_b[KM_SECRET_BYTES] = {0xb1};
+
+/* Alters the KV of every page file in d and recomputes its checksum, as anyone with write access
+ * to the directory can; a MAC, when the file has one, stays as it was (computing a new one takes
+ * the secret). Returns how many files were forged. */
+static int forge_all(const char *d)
+{
+    DIR *dir = opendir(d);
+    struct dirent *de;
+    int n = 0;
+    while ((de = readdir(dir))) {
+        if (!strstr(de->d_name, ".kvp")) continue;
+        char p[512];
+        snprintf(p, sizeof p, "%s/%s", d, de->d_name);
+        FILE *f = fopen(p, "r+b");
+        cr_assert_not_null(f);
+        fseek(f, 0, SEEK_END);
+        size_t len = (size_t)ftell(f);
+        rewind(f);
+        uint8_t *b = malloc(len);
+        cr_assert_eq(fread(b, 1, len, f), len);
+        kv_disk_page pg;
+        cr_assert_eq(kv_disk_page_parse(b, len, &pg), 0);
+        for (size_t i = 0; i < pg.payload_bytes; i += 2) b[(pg.payload - b) + i + 1] ^= 0x04;
+        uint64_t h = XXH3_64bits(b, len - 8);
+        for (int i = 0; i < 8; i++) b[len - 8 + i] = (uint8_t)(h >> (8 * i));
+        cr_assert_eq(kv_disk_page_parse(b, len, &pg), 0, "the forged page passes the checksum");
+        rewind(f);
+        cr_assert_eq(fwrite(b, 1, len, f), len);
+        fclose(f);
+        free(b);
+        n++;
+    }
+    closedir(dir);
+    return n;
+}
+
+static uint64_t unauthenticated(kv_store *s)
+{
+    kv_store_stats st;
+    kv_store_stats_get(s, &st);
+    cr_assert_eq(st.corrupt_pages, 0, "an unauthenticated page is not counted as corrupt");
+    return st.unauthenticated_pages;
+}
+
+Test(kvshard_disk, with_a_secret_pages_carry_a_mac_and_are_served_after_a_restart)
+{
+    char *d = mk_dir();
+    kv_store *s = open_store_secret(d, 4, secret_a);
+    persist(s, 1);
+    persist(s, 2);
+    kv_store_destroy(s);
+    DIR *dir = opendir(d);
+    struct dirent *de;
+    while ((de = readdir(dir))) { /* every file carries a MAC */
+        if (!strstr(de->d_name, ".kvp")) continue;
+        char p[512];
+        snprintf(p, sizeof p, "%s/%s", d, de->d_name);
+        FILE *f = fopen(p, "rb");
+        uint8_t b[4096];
+        size_t len = fread(b, 1, sizeof b, f);
+        fclose(f);
+        kv_disk_page pg;
+        cr_assert_eq(kv_disk_page_parse(b, len, &pg), 0);
+        cr_assert_not_null(pg.mac, "%s has no MAC", de->d_name);
+    }
+    closedir(dir);
+    s = open_store_secret(d, 4, secret_a);
+    cr_assert_eq(served(s, 1), 2);
+    cr_assert_eq(served(s, 2), 2);
+    cr_assert_eq(unauthenticated(s), 0);
+    kv_store_destroy(s);
+    /* a store without a secret has nothing to check a MAC with, and reads them as before */
+    s = open_store(d, 4);
+    cr_assert_eq(served(s, 1), 2);
+    kv_store_destroy(s);
+    rm_dir(d);
+}
+
+Test(kvshard_disk, a_forged_page_is_served_without_a_secret_and_refused_with_one)
+{
+    /* the threat: a checksum guards against tearing, not tampering */
+    char *d = mk_dir();
+    kv_store *s = open_store(d, 4);
+    persist(s, 1);
+    kv_store_destroy(s);
+    cr_assert_eq(forge_all(d), 2);
+    s = open_store(d, 4);
+    int wrong = 0;
+    cr_assert_eq(served_values(s, 1, &wrong), 2);
+    cr_assert_gt(wrong, 0, "the forgery changed nothing: the test proves nothing");
+    kv_store_destroy(s);
+    rm_dir(d);
+    /* the same forgery under a cluster secret */
+    d = mk_dir();
+    s = open_store_secret(d, 4, secret_a);
+    persist(s, 1);
+    kv_store_destroy(s);
+    cr_assert_eq(forge_all(d), 2);
+    s = open_store_secret(d, 4, secret_a);
+    cr_assert_eq(unauthenticated(s), 2);
+    cr_assert_eq(served(s, 1), 0, "a forged page was served");
+    cr_assert_eq(count_files(d, ".kvp"), 0, "forged pages are deleted");
+    kv_store_destroy(s);
+    rm_dir(d);
+}
+
+Test(kvshard_disk, pages_without_a_mac_or_under_another_secret_are_refused)
+{
+    char *d = mk_dir();
+    kv_store *s = open_store_secret(d, 4, secret_b); /* another cluster's */
+    persist(s, 2);
+    kv_store_destroy(s);
+    s = open_store(d, 4); /* no secret: keeps seed 2's pages, writes seed 1's without a MAC */
+    persist(s, 1);
+    kv_store_destroy(s);
+    s = open_store_secret(d, 4, secret_a);
+    cr_assert_eq(unauthenticated(s), 4);
+    cr_assert_eq(served(s, 1), 0);
+    cr_assert_eq(served(s, 2), 0);
+    kv_store_destroy(s);
+    rm_dir(d);
+}
+
+Test(kvshard_disk, a_page_forged_after_open_is_refused_on_read)
+{
+    char *d = mk_dir();
+    kv_store *s = open_store_secret(d, 4, secret_a);
+    persist(s, 1);
+    kv_store_destroy(s);
+    s = open_store_secret(d, 4, secret_a); /* indexed on the disk tier, not read yet */
+    cr_assert_eq(unauthenticated(s), 0);
+    cr_assert_eq(forge_all(d), 2);
+    cr_assert_eq(served(s, 1), 0, "a page forged after open was served");
+    cr_assert_geq(unauthenticated(s), 1);
+    cr_assert_eq(served(s, 1), 0, "and it stays gone");
+    kv_store_destroy(s);
+    rm_dir(d);
+}
+
+Test(kvshard_disk, the_mac_covers_header_tokens_and_payload)
+{
+    uint8_t key[KV_DISK_MAC_BYTES], other[KV_DISK_MAC_BYTES], tokens[4 * PT], payload[2048];
+    km_secret_derive(secret_a, "kvmpage1", 1, key);
+    km_secret_derive(secret_b, "kvmpage1", 1, other);
+    for (size_t i = 0; i < sizeof tokens; i++) tokens[i] = (uint8_t)i;
+    for (size_t i = 0; i < sizeof payload; i++) payload[i] = (uint8_t)(i * 7);
+    kv_layout lay;
+    kv_layout_init(&lay, KN_KV_F16, PT, HD, L, H);
+    cr_assert_leq(lay.page_bytes, sizeof payload);
+    kv_disk_page pg = {.format = KN_KV_F16,
+                       .page_tokens = PT,
+                       .n_layers = L,
+                       .n_kv_heads = H,
+                       .head_dim = HD,
+                       .hash = {1, 2},
+                       .parent = {3, 4},
+                       .index = 1,
+                       .tokens = tokens,
+                       .payload = payload,
+                       .payload_bytes = lay.page_bytes};
+    size_t n = kv_disk_page_size(lay.page_bytes, PT) + KV_DISK_MAC_BYTES;
+    uint8_t *b = malloc(n), *copy = malloc(n);
+    cr_assert_eq(kv_disk_page_encode_mac(&pg, key, b, n - 1), 0, "wrote past cap");
+    cr_assert_eq(kv_disk_page_encode_mac(&pg, key, b, n), n);
+    kv_disk_page got;
+    cr_assert_eq(kv_disk_page_parse(b, n, &got), 0);
+    cr_assert_eq(kv_disk_page_verify_mac(b, n, &got, key), 0);
+    cr_assert_eq(kv_disk_page_verify_mac(b, n, &got, other), KM_ECORRUPT);
+    cr_assert_eq(kv_disk_page_encode(&got, copy, n), n, "a parsed page re-encodes with its MAC");
+    cr_assert_arr_eq(copy, b, n);
+    /* any byte before the MAC changed (checksum fixed up) fails it */
+    const size_t offs[] = {12, 32, 64, 80, 80 + 4 * PT, n - 8 - KV_DISK_MAC_BYTES - 1};
+    for (size_t i = 0; i < sizeof offs / sizeof *offs; i++) {
+        memcpy(copy, b, n);
+        copy[offs[i]] ^= 1;
+        uint64_t h = XXH3_64bits(copy, n - 8);
+        for (int j = 0; j < 8; j++) copy[n - 8 + j] = (uint8_t)(h >> (8 * j));
+        if (kv_disk_page_parse(copy, n, &got)) continue; /* a header field now out of range */
+        cr_assert_eq(kv_disk_page_verify_mac(copy, n, &got, key), KM_ECORRUPT, "offset %zu",
+                     offs[i]);
+    }
+    /* a flag bit nobody defined is malformed, and a page without a MAC does not verify */
+    memcpy(copy, b, n);
+    copy[68] |= 2;
+    uint64_t h = XXH3_64bits(copy, n - 8);
+    for (int j = 0; j < 8; j++) copy[n - 8 + j] = (uint8_t)(h >> (8 * j));
+    cr_assert_eq(kv_disk_page_parse(copy, n, &got), KM_EFORMAT);
+    size_t m = kv_disk_page_encode(&pg, copy, n);
+    cr_assert_eq(m, n - KV_DISK_MAC_BYTES);
+    cr_assert_eq(kv_disk_page_parse(copy, m, &got), 0);
+    cr_assert_null(got.mac);
+    cr_assert_eq(kv_disk_page_verify_mac(copy, m, &got, key), KM_ECORRUPT);
+    free(b);
+    free(copy);
 }
