@@ -72,12 +72,14 @@ typedef struct server {
     char ep[256];
 } server;
 
-static void server_start(server *s, bool insecure, km_zsock_type type, unsigned roles, bool zap)
+/* A server with the certificate dir/private/NAME.key in its own context. */
+static void server_start_as(server *s, const char *name, bool insecure, km_zsock_type type,
+                            unsigned roles, bool zap)
 {
     memset(s, 0, sizeof *s);
     km_errbuf err = {{0}};
     char cert[256];
-    cert_path(cert, sizeof cert, dir, "controller");
+    cert_path(cert, sizeof cert, dir, name);
     km_zsec_opts o = {.insecure = insecure, .keydir = dir, .cert = cert};
     must(km_zsec_open(&o, &s->z, &err), &err);
     s->ctx = km_zctx_create();
@@ -87,6 +89,11 @@ static void server_start(server *s, bool insecure, km_zsock_type type, unsigned 
     must(km_zsec_server(s->z, s->sock, roles, &err), &err);
     must(km_zsock_bind(s->sock, "tcp://127.0.0.1:*", &err), &err);
     must(km_zsock_last_endpoint(s->sock, s->ep, sizeof s->ep, &err), &err);
+}
+
+static void server_start(server *s, bool insecure, km_zsock_type type, unsigned roles, bool zap)
+{
+    server_start_as(s, "controller", insecure, type, roles, zap);
 }
 
 static void server_stop(server *s)
@@ -230,7 +237,7 @@ Test(zsec, a_known_member_key_connects_and_its_role_is_on_every_message)
     client c;
     client_open(&c, &s, dir, "w0", KM_ZDEALER);
     for (int i = 0; i < 3; i++) {
-        char b[16];
+        char b[32];
         snprintf(b, sizeof b, "beat-%d", i);
         km_zpeer p = exchange(&s, &c, b);
         cr_assert_eq(p.role, KM_ROLE_MEMBER);
@@ -443,6 +450,48 @@ Test(zsec, pub_sub_with_curve_admits_members_and_refuses_others)
     cr_assert_eq(st.denied_role, 1);
     client_close(&sub);
     server_stop(&s);
+}
+
+Test(zsec, one_sub_socket_pins_each_publishers_own_key)
+{
+    /* A router has one SUB socket for the events of every worker: the server key is an option of
+     * the socket, and libzmq takes it at each connect, so each connection pins its worker. */
+    server w0, w1;
+    server_start_as(&w0, "w0", false, KM_ZPUB, KM_ROLE_MEMBER, true);
+    server_start_as(&w1, "w1", false, KM_ZPUB, KM_ROLE_MEMBER, true);
+    km_errbuf err = {{0}};
+    client c;
+    memset(&c, 0, sizeof c);
+    char cert[256];
+    cert_path(cert, sizeof cert, dir, "controller");
+    km_zsec_opts o = {.cert = cert, .keydir = dir};
+    must(km_zsec_open(&o, &c.z, &err), &err);
+    c.ctx = km_zctx_create();
+    must(km_zsock_open(c.ctx, KM_ZSUB, NULL, &c.sock, &err), &err);
+    must(km_zsock_subscribe(c.sock, "", 0, &err), &err);
+    must(km_zsec_client(c.z, c.sock, "w0", &err), &err);
+    must(km_zsock_connect(c.sock, w0.ep, &err), &err);
+    must(km_zsec_client(c.z, c.sock, "w1", &err), &err);
+    must(km_zsock_connect(c.sock, w1.ep, &err), &err);
+    bool got0 = false, got1 = false;
+    for (int i = 0; i < 400 && !(got0 && got1); i++) {
+        if (!got0) send_str(w0.sock, "kv.w0");
+        if (!got1) send_str(w1.sock, "kv.w1");
+        char got[64];
+        km_zpeer p;
+        int prc;
+        while (recv_peer(c.sock, 25, got, sizeof got, &p, &prc)) {
+            got0 |= !strcmp(got, "kv.w0");
+            got1 |= !strcmp(got, "kv.w1");
+        }
+    }
+    cr_assert(got0 && got1, "events from w0: %d, from w1: %d", got0, got1);
+    km_zap_stats st;
+    km_zap_stats_get(w1.zap, &st);
+    cr_assert_eq(st.denied, 0);
+    client_close(&c);
+    server_stop(&w0);
+    server_stop(&w1);
 }
 
 Test(zsec, insecure_mode_when_asked_for_still_works)
