@@ -10,6 +10,7 @@
  *   cli/status.c    status (router or controller), recover
  *   cli/up*.c       up: a local cluster, supervised (up.h)
  *   cli/chaos*.c    chaos: fault scenarios against local clusters (chaos.h)
+ *   cli/keys.c      keys: the cluster key directory and HTTP API key files (common/sec.h)
  *
  * Every cli_cmd_* takes argv with the command itself in argv[0] (km_config wants a program name
  * first) and returns the process's exit status: 0, 1 (failed) or 2 (bad usage).
@@ -39,5 +40,6 @@ int cli_cmd_status(int argc, char **argv);
 int cli_cmd_recover(int argc, char **argv);
 int cli_cmd_up(int argc, char **argv);
 int cli_cmd_chaos(int argc, char **argv);
+int cli_cmd_keys(int argc, char **argv);
 
 #endif /* KVMESH_CLI_H */

@@ -25,6 +25,7 @@ static const struct {
     {"recover", cli_cmd_recover, "force a recovery level on a worker, through the controller"},
     {"up", cli_cmd_up, "start a controller, N workers and a router on loopback"},
     {"chaos", cli_cmd_chaos, "fault-injection scenarios against a local cluster"},
+    {"keys", cli_cmd_keys, "cluster keys (CURVE certificates with roles) and HTTP API keys"},
 };
 #define N_COMMANDS (sizeof commands / sizeof *commands)
 

@@ -178,6 +178,15 @@ static int mkdir_mode(const char *path, unsigned mode, km_errbuf *err)
 int km_keydir_init(const char *dir, km_errbuf *err)
 {
     char p[PATH_MAX];
+    /* parents as `mkdir -p` would make them; the directory itself 0700 */
+    if (snprintf(p, sizeof p, "%s", dir) >= (int)sizeof p)
+        return km_errf(err, KM_EINVAL, "key directory path too long");
+    for (char *c = p + 1; *c; c++)
+        if (*c == '/') {
+            *c = '\0';
+            mkdir(p, 0755);
+            *c = '/';
+        }
     int rc = mkdir_mode(dir, 0700, err);
     for (int i = 0; i < 3 && !rc; i++)
         if (!(rc = path_of(p, sizeof p, dir, km_role_dir(role_order[i]), NULL, NULL)))
@@ -271,6 +280,37 @@ int km_keydir_new_cert(const char *dir, km_role role, const char *name, const ch
     }
     zcert_destroy(&c);
     return rc;
+}
+
+int km_keydir_init_cluster(const char *dir, const char *const *workers, int n_workers,
+                           km_errbuf *err)
+{
+    typedef struct want_key {
+        km_role role;
+        const char *name, *worker;
+    } want_key;
+    want_key want[4 + 256];
+    if (n_workers < 0 || n_workers > 256)
+        return km_errf(err, KM_ERANGE, "%d workers (at most 256)", n_workers);
+    int rc = km_keydir_init(dir, err), made = 0, n = 0;
+    want[n++] = (want_key){KM_ROLE_MEMBER, "controller", NULL};
+    want[n++] = (want_key){KM_ROLE_MEMBER, "router", NULL};
+    for (int i = 0; i < n_workers; i++)
+        want[n++] = (want_key){KM_ROLE_MEMBER, workers[i], workers[i]};
+    want[n++] = (want_key){KM_ROLE_OPERATOR, "admin", NULL};
+    want[n++] = (want_key){KM_ROLE_CLIENT, "client", NULL};
+    for (int i = 0; i < n && !rc; i++) {
+        km_cert_info have;
+        if (!km_keydir_find(dir, want[i].role, want[i].name, &have, NULL)) {
+            if (want[i].worker && strcmp(have.worker, want[i].worker))
+                rc = km_errf(err, KM_EINVAL, "member key %s exists but is bound to worker '%s'",
+                             want[i].name, have.worker);
+            continue;
+        }
+        rc = km_keydir_new_cert(dir, want[i].role, want[i].name, want[i].worker, err);
+        if (!rc) made++;
+    }
+    return rc ? rc : made;
 }
 
 int km_keydir_add_public(const char *dir, km_role role, const char *name, const char *public_txt,

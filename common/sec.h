@@ -84,6 +84,12 @@ typedef struct km_cert_info {
 
 /* Creates DIR with its layout and cluster.secret; leaves what already exists as it is. */
 int km_keydir_init(const char *dir, km_errbuf *err);
+/* A whole cluster's keys, for `kvmesh keys init` and `kvmesh up`: the layout and cluster.secret,
+ * member keys "controller" and "router", a member key per worker id (named by it and bound to
+ * it), an operator key "admin" and a client key "client". Keys that exist are kept, so it can run
+ * again to add workers. Returns how many keys it made. */
+int km_keydir_init_cluster(const char *dir, const char *const *workers, int n_workers,
+                           km_errbuf *err);
 /* A new key pair NAME: private/NAME.key(_secret) and ROLE/NAME.key. worker: NULL or a worker id
  * (members only). KM_EINVAL when NAME exists under any role. */
 int km_keydir_new_cert(const char *dir, km_role role, const char *name, const char *worker,

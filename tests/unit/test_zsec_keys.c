@@ -82,6 +82,34 @@ Test(keys, the_key_directory_has_its_layout_and_secret_files_are_0600)
     cr_assert_eq(strlen(info.public_txt), 40);
 }
 
+Test(keys, a_cluster_key_directory_is_made_once_and_grows_with_its_workers)
+{
+    km_errbuf err = {{0}};
+    const char *two[] = {"w0", "w1"}, *three[] = {"w0", "w1", "w2"};
+    cr_assert_eq(km_keydir_init_cluster(dir, two, 2, &err), 6, "%s", err.msg);
+    km_cert_info l[16];
+    cr_assert_eq(km_keydir_list(dir, KM_ROLES_ALL, l, 16, &err), 6);
+    const char *names[] = {"controller", "router", "w0", "w1", "admin", "client"};
+    const km_role roles[] = {KM_ROLE_MEMBER, KM_ROLE_MEMBER,   KM_ROLE_MEMBER,
+                             KM_ROLE_MEMBER, KM_ROLE_OPERATOR, KM_ROLE_CLIENT};
+    for (int i = 0; i < 6; i++) {
+        cr_assert_str_eq(l[i].name, names[i]);
+        cr_assert_eq(l[i].role, roles[i]);
+    }
+    cr_assert_str_eq(l[2].worker, "w0");
+    cr_assert_str_eq(l[0].worker, "");
+    char before[41];
+    memcpy(before, l[2].public_txt, 41);
+    cr_assert_eq(km_keydir_init_cluster(dir, three, 3, &err), 1, "only w2 is new");
+    km_cert_info w0;
+    must(km_keydir_find_worker(dir, "w0", &w0, &err), &err);
+    cr_assert_str_eq(w0.public_txt, before, "an existing key was replaced");
+    /* a name taken by a key bound to another worker is an error, not a silent mix-up */
+    must(km_keydir_remove(dir, "w2", &err), &err);
+    must(km_keydir_new_cert(dir, KM_ROLE_MEMBER, "w2", "w7", &err), &err);
+    cr_assert_eq(km_keydir_init_cluster(dir, three, 3, &err), KM_EINVAL);
+}
+
 Test(keys, names_are_unique_checked_and_only_members_bind_worker_ids)
 {
     km_errbuf err = {{0}};
