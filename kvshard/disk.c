@@ -177,7 +177,7 @@ int kv_disk_read(kv_store *s, kv_page *p, uint8_t *dst)
                         ? kv_disk_page_size(s->lay[p->format].page_bytes, s->pt) + KV_DISK_MAC_BYTES
                         : 0;
     int rc = kv_disk_load(path, expect, &b, &n);
-    kv_disk_page d;
+    kv_disk_page d = {0};
     if (!rc) rc = kv_disk_page_parse(b, n, &d);
     if (!rc && (!kv_disk_matches(s, &d) || d.format != p->format ||
                 !km_pagehash_eq(d.hash, p->hash) || memcmp(d.tokens, p->tokens, (size_t)s->pt * 4)))
@@ -241,7 +241,7 @@ int kv_disk_open(kv_store *s, km_errbuf *err)
         if (len != 36 || strcmp(name + 32, ".kvp")) continue;
         uint8_t *b;
         size_t n;
-        kv_disk_page d;
+        kv_disk_page d = {0};
         int rc = kv_disk_load(path, 0, &b, &n);
         if (rc == KM_ENOMEM) {
             closedir(dir);
