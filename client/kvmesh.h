@@ -78,7 +78,9 @@ int kvm_cancel(kvm_client *c, uint64_t id);
  * KM_ETIMEDOUT after timeout_ms without one. */
 int kvm_next(kvm_client *c, int timeout_ms, km_msg *out, const void **raw_body, size_t *raw_len,
              km_errbuf *err);
-/* done.worker and done.migrations from a raw `done` frame ("" and 0 when absent). */
+/* done.worker and done.migrations from a raw `done` frame ("" and 0 when absent). The decoded
+ * frame carries them too (km_msg_done.worker, .migrations); this is for callers that kept the
+ * raw bytes. */
 void kvm_done_extras(const void *body, size_t len, char *worker, size_t cap, uint32_t *migrations);
 
 /* GET url (http://HOST:PORT/PATH) into body; *status gets the HTTP status. */

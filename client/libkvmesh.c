@@ -12,7 +12,6 @@
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
-#include <msgpack.h>
 #include <netdb.h>
 #include <poll.h>
 #include <stdio.h>
@@ -178,26 +177,16 @@ void kvm_done_extras(const void *body, size_t len, char *worker, size_t cap, uin
 {
     if (worker && cap) worker[0] = 0;
     if (migrations) *migrations = 0;
-    msgpack_unpacked u;
-    msgpack_unpacked_init(&u);
-    if (msgpack_unpack_next(&u, body, len, NULL) == MSGPACK_UNPACK_SUCCESS &&
-        u.data.type == MSGPACK_OBJECT_MAP) {
-        const msgpack_object_map *mp = &u.data.via.map;
-        for (uint32_t i = 0; i < mp->size; i++) {
-            const msgpack_object *k = &mp->ptr[i].key, *v = &mp->ptr[i].val;
-            if (k->type != MSGPACK_OBJECT_STR) continue;
-            if (k->via.str.size == 6 && !memcmp(k->via.str.ptr, "worker", 6) &&
-                v->type == MSGPACK_OBJECT_STR && worker && cap) {
-                size_t n = v->via.str.size < cap - 1 ? v->via.str.size : cap - 1;
-                memcpy(worker, v->via.str.ptr, n);
-                worker[n] = 0;
-            } else if (k->via.str.size == 10 && !memcmp(k->via.str.ptr, "migrations", 10) &&
-                       v->type == MSGPACK_OBJECT_POSITIVE_INTEGER && migrations) {
-                *migrations = (uint32_t)v->via.u64;
-            }
-        }
+    km_proto_limits lim;
+    km_proto_limits_default(&lim);
+    lim.max_frame = len; /* the frame was received whole: only its keys matter here */
+    km_msg m;
+    if (km_msg_decode(body, len, &lim, &m, NULL)) return;
+    if (m.type == KM_MSG_DONE) {
+        if (worker && cap && m.done.worker) snprintf(worker, cap, "%s", m.done.worker);
+        if (migrations) *migrations = m.done.migrations;
     }
-    msgpack_unpacked_destroy(&u);
+    km_msg_clear(&m);
 }
 
 static int code_to_err(int code)
@@ -223,8 +212,6 @@ int kvm_generate(kvm_client *c, const km_msg_request *req, kvm_token_fn on_token
     bool canceled = false;
     for (;;) {
         km_msg m;
-        const void *raw;
-        size_t raw_len;
         km_zpollitem it[2] = {{.sock = c->sock, .events = KM_ZPOLLIN},
                               {.sock = c->mon, .events = KM_ZPOLLIN}};
         int pr = km_zpoll(it, c->mon ? 2 : 1, c->o.timeout_ms, NULL);
@@ -233,7 +220,7 @@ int kvm_generate(kvm_client *c, const km_msg_request *req, kvm_token_fn on_token
             return km_errf(err, KM_EIO, "connection lost while waiting for request %llu",
                            (unsigned long long)q.id);
         }
-        rc = kvm_next(c, pr == 0 ? 0 : c->o.timeout_ms, &m, &raw, &raw_len, err);
+        rc = kvm_next(c, pr == 0 ? 0 : c->o.timeout_ms, &m, NULL, NULL, err);
         if (rc == KM_ETIMEDOUT) {
             kvm_cancel(c, q.id);
             return rc;
@@ -270,7 +257,8 @@ int kvm_generate(kvm_client *c, const km_msg_request *req, kvm_token_fn on_token
             res->total_ms = m.done.total_ms;
             res->client_total_ms = now_ms;
             if (!res->n_tokens) res->client_ttft_ms = now_ms;
-            kvm_done_extras(raw, raw_len, res->worker, sizeof res->worker, &res->migrations);
+            if (m.done.worker) snprintf(res->worker, sizeof res->worker, "%s", m.done.worker);
+            res->migrations = m.done.migrations;
             km_msg_clear(&m);
             return 0;
         } else if (m.type == KM_MSG_ERROR) {

@@ -450,7 +450,7 @@ int km_msg_validate(const km_msg *m, const km_proto_limits *lim_in, km_errbuf *e
         CK(v_nonneg("done.timings.queue_ms", d->queue_ms, err));
         CK(v_nonneg("done.timings.ttft_ms", d->ttft_ms, err));
         CK(v_nonneg("done.timings.total_ms", d->total_ms, err));
-        return 0;
+        return v_name("done.worker", d->worker, false, 0, KM_PROTO_MAX_NAME, err);
     }
     case KM_MSG_ERROR:
         CK(v_range("err.code", m->error.code, 1, 999, err));
@@ -732,6 +732,8 @@ static void enc_body(enc *e, const km_msg *m)
             e_key(e, "total_ms");
             e->rc |= msgpack_pack_double(pk, d->total_ms);
         }
+        kv_str(e, "worker", d->worker);
+        if (d->migrations) kv_u64(e, "migrations", d->migrations);
         break;
     }
     case KM_MSG_ERROR:
@@ -754,6 +756,8 @@ static void enc_body(enc *e, const km_msg *m)
         if (a->cmd == KM_ADMIN_SHUTDOWN) kv_bool(e, "restart", a->restart);
         kv_str(e, "worker", a->worker);
         if (a->cmd == KM_ADMIN_RECOVER) kv_u64(e, "level", a->level);
+        if (a->has_events_since) kv_u64(e, "events_since", a->events_since);
+        if (a->events_snapshot) kv_bool(e, "events_snapshot", true);
         break;
     }
     case KM_MSG_ADMIN_REPLY: {
@@ -772,6 +776,10 @@ static void enc_body(enc *e, const km_msg *m)
         if (a->evicted_pages) kv_u64(e, "evicted_pages", a->evicted_pages);
         if (a->freed_bytes) kv_u64(e, "freed_bytes", a->freed_bytes);
         if (a->converted_pages) kv_u64(e, "converted_pages", a->converted_pages);
+        /* events_snapshot is a uint on the wire (0 or 1), as the first workers sent it */
+        if (a->has_events_next) kv_u64(e, "events_next", a->events_next);
+        if (a->has_events_next || a->events_snapshot)
+            kv_u64(e, "events_snapshot", a->events_snapshot);
         break;
     }
     case KM_MSG_HEARTBEAT: {
@@ -906,13 +914,17 @@ static uint64_t be_load(const uint8_t *p, int n)
 
 /* Checks that p[0..len) is exactly one msgpack object whose every length and count fits in the
  * bytes that remain, nested at most SCAN_MAX_DEPTH deep, with arrays of at most max_array
- * elements and maps of at most SCAN_MAX_MAP entries. */
-static int mp_scan(const uint8_t *p, size_t len, uint64_t max_array, km_errbuf *err)
+ * elements and maps of at most SCAN_MAX_MAP entries. On the way it notes the value of the root
+ * map's first "id" key in *id when that is an unsigned integer (left untouched otherwise), so a
+ * frame rejected by the scan or by the decoder can still be attributed to its request. */
+static int mp_scan(const uint8_t *p, size_t len, uint64_t max_array, uint64_t *id, km_errbuf *err)
 {
     uint64_t left[SCAN_MAX_DEPTH + 1]; /* items still to read in each open container */
     int depth = 0;
     size_t pos = 0;
     left[0] = 1;
+    bool root_map = false, id_next = false, id_seen = false;
+    uint64_t root_items = 0; /* items of the root map read so far: keys even, values odd */
     while (depth >= 0) {
         if (left[depth] == 0) {
             depth--;
@@ -920,6 +932,11 @@ static int mp_scan(const uint8_t *p, size_t len, uint64_t max_array, km_errbuf *
         }
         left[depth]--;
         if (pos >= len) return km_errf(err, KM_EFORMAT, "truncated frame at byte %zu", pos);
+        /* an item of the root map: is it a key, and the value that follows the key "id"? */
+        bool in_root = depth == 1 && root_map;
+        bool root_key = in_root && root_items % 2 == 0;
+        bool root_id_value = in_root && !root_key && id_next;
+        if (in_root) root_items++;
         uint8_t b = p[pos++];
         size_t rest = len - pos;
         uint64_t skip = 0, count = 0; /* payload bytes to skip; container items to read */
@@ -1030,6 +1047,8 @@ static int mp_scan(const uint8_t *p, size_t len, uint64_t max_array, km_errbuf *
                     skip += n;
             }
         }
+        if (depth == 0 && container && is_map) root_map = true;
+        if (root_key) id_next = false;
         if (container) {
             if (is_map && count > SCAN_MAX_MAP)
                 return km_errf(err, KM_EFORMAT, "map of %llu entries at byte %zu, limit %d",
@@ -1054,6 +1073,12 @@ static int mp_scan(const uint8_t *p, size_t len, uint64_t max_array, km_errbuf *
                 return km_errf(err, KM_EFORMAT,
                                "truncated frame: value at byte %zu needs %llu bytes, %zu left", pos,
                                (unsigned long long)skip, rest);
+            bool is_str = (b >= 0xa0 && b <= 0xbf) || (b >= 0xd9 && b <= 0xdb);
+            if (root_key && is_str && skip == 2 && !memcmp(p + pos, "id", 2)) id_next = !id_seen;
+            if (root_id_value && (b <= 0x7f || (b >= 0xcc && b <= 0xcf))) {
+                *id = b <= 0x7f ? b : be_load(p + pos, (int)skip);
+                id_seen = true;
+            }
             pos += (size_t)skip;
         }
     }
@@ -1243,6 +1268,20 @@ static int get_bool(dec *d, const msgpack_object_map *mp, const char *key, bool 
     return 0;
 }
 
+/* A flag sent as a bool or as an unsigned integer (nonzero = true). */
+static int get_flag(dec *d, const msgpack_object_map *mp, const char *key, bool *out)
+{
+    const msgpack_object *o = find(mp, key);
+    if (!o) return 0;
+    if (o->type == MSGPACK_OBJECT_BOOLEAN)
+        *out = o->via.boolean;
+    else if (o->type == MSGPACK_OBJECT_POSITIVE_INTEGER)
+        *out = o->via.u64 != 0;
+    else
+        return wrong_type(d, key, "a bool or an unsigned integer", o);
+    return 0;
+}
+
 /* Copies a string value into the message's memory, NUL-terminated. Text that may hold any byte
  * (prompts, pieces) passes binary_ok; names and messages must not contain NUL. */
 static int copy_str(dec *d, const char *what, const msgpack_object *o, size_t max, bool binary_ok,
@@ -1413,7 +1452,8 @@ static int dec_done(dec *d, const msgpack_object_map *mp)
         CK(get_num(d, &o->via.map, "total_ms", false, &dn->total_ms));
         path_set(d, n);
     }
-    return 0;
+    CK(get_str(d, mp, "worker", false, KM_PROTO_MAX_NAME, false, &dn->worker, NULL));
+    return get_u32(d, mp, "migrations", false, &dn->migrations);
 }
 
 static int dec_admin(dec *d, const msgpack_object_map *mp, bool reply)
@@ -1438,7 +1478,9 @@ static int dec_admin(dec *d, const msgpack_object_map *mp, bool reply)
         uint64_t *dst[] = {&a->kv_pages, &a->kv_bytes, &a->evicted_pages, &a->freed_bytes,
                            &a->converted_pages};
         for (int i = 0; i < 5; i++) CK(get_uint(d, mp, keys[i], false, UINT64_MAX, dst[i]));
-        return 0;
+        a->has_events_next = find(mp, "events_next") != NULL;
+        CK(get_uint(d, mp, "events_next", false, UINT64_MAX, &a->events_next));
+        return get_flag(d, mp, "events_snapshot", &a->events_snapshot);
     }
     km_msg_admin *a = &d->m->admin;
     CK(get_uint(d, mp, "id", true, UINT64_MAX, &a->id));
@@ -1452,6 +1494,9 @@ static int dec_admin(dec *d, const msgpack_object_map *mp, bool reply)
     CK(get_str(d, mp, "worker", a->cmd == KM_ADMIN_RECOVER, KM_PROTO_MAX_NAME, false, &a->worker,
                NULL));
     if (a->cmd == KM_ADMIN_RECOVER) CK(get_u32(d, mp, "level", true, &a->level));
+    a->has_events_since = find(mp, "events_since") != NULL;
+    CK(get_uint(d, mp, "events_since", false, UINT64_MAX, &a->events_since));
+    CK(get_flag(d, mp, "events_snapshot", &a->events_snapshot));
     return get_bool(d, mp, "restart", false, &a->restart);
 }
 
@@ -1772,18 +1817,28 @@ int km_msg_decode(const void *data, size_t len, const km_proto_limits *lim_in, k
     memset(out, 0, sizeof *out);
     if (!data && len) return km_errf(err, KM_EINVAL, "NULL frame");
     if (len == 0) return km_errf(err, KM_EFORMAT, "empty frame");
-    if (len > lim->max_frame)
+    if (len > lim->max_frame) {
+        /* The scan allocates nothing and stops at the frame's end, so it may read the id of a
+         * frame too large to decode. */
+        uint64_t id = 0;
+        mp_scan(data, len, UINT64_MAX, &id, NULL);
+        out->rejected_id = id;
         return km_errf(err, KM_ERANGE, "frame of %zu bytes exceeds the limit of %zu", len,
                        lim->max_frame);
+    }
     /* Arrays: the largest legitimate one is the prompt's token ids. */
     uint64_t max_array = lim->max_prompt_tok > 1024 ? lim->max_prompt_tok : 1024;
-    CK(mp_scan(data, len, max_array, err));
+    uint64_t id = 0;
+    int rc = mp_scan(data, len, max_array, &id, err);
+    if (rc) {
+        out->rejected_id = id;
+        return rc;
+    }
 
     msgpack_unpacked up;
     msgpack_unpacked_init(&up);
     size_t off = 0;
     msgpack_unpack_return ur = msgpack_unpack_next(&up, data, len, &off);
-    int rc;
     if (ur != MSGPACK_UNPACK_SUCCESS || off != len) {
         rc = km_errf(err, KM_EFORMAT, "msgpack could not parse the frame (code %d)", (int)ur);
     } else {
@@ -1791,6 +1846,9 @@ int km_msg_decode(const void *data, size_t len, const km_proto_limits *lim_in, k
         rc = decode_root(&d, &up.data);
     }
     msgpack_unpacked_destroy(&up);
-    if (rc) km_msg_clear(out); /* no half-filled message survives a failure */
+    if (rc) {
+        km_msg_clear(out); /* no half-filled message survives a failure */
+        out->rejected_id = id;
+    }
     return rc;
 }

@@ -206,6 +206,9 @@ typedef struct km_msg_done {
     size_t text_len;
     uint32_t prompt_tokens, cached_tokens, completion_tokens; /* usage */
     double queue_ms, ttft_ms, total_ms;                       /* timings, >= 0 */
+    /* set by routers (optional, added within version 1) */
+    const char *worker;  /* the worker that finished the request; NULL = absent */
+    uint32_t migrations; /* times the request moved to another worker; 0 = absent */
 } km_msg_done;
 
 typedef struct km_msg_error {
@@ -228,6 +231,11 @@ typedef struct km_msg_admin {
     bool restart;        /* shutdown: exit with the restart code */
     const char *worker;  /* recover: target worker id (required); optional otherwise */
     uint32_t level;      /* recover: 1..3 */
+    /* status: KV event replay (docs/protocol.md section 9; optional, added within version 1).
+     * A replay is asked for when has_events_since or events_snapshot is set. */
+    bool has_events_since;
+    uint64_t events_since; /* resend every kv frame with seq >= this */
+    bool events_snapshot;  /* send the whole index instead of a replay */
 } km_msg_admin;
 
 typedef struct km_msg_admin_reply {
@@ -242,6 +250,11 @@ typedef struct km_msg_admin_reply {
     uint32_t inflight, queued;
     uint64_t kv_pages, kv_bytes;
     uint64_t evicted_pages, freed_bytes, converted_pages;
+    /* the answer to a status with a replay request (section 9): absent from a worker that does
+     * not replay, which the requester recognises by has_events_next false */
+    bool has_events_next;
+    uint64_t events_next; /* the seq the next published event carries: continue there */
+    bool events_snapshot; /* the kv frames sent were a snapshot, not a replay */
 } km_msg_admin_reply;
 
 typedef struct km_endpoint {
@@ -349,6 +362,10 @@ typedef struct km_msg {
         km_msg_kv_event kv;
         km_msg_view view;
     };
+    /* After a failed km_msg_decode: the rejected frame's top-level `id` (an unsigned integer),
+     * when the frame had one the bounds scan could read, so the error reply can name the request
+     * it answers; 0 otherwise. Never encoded. */
+    uint64_t rejected_id;
     void *mem_; /* decoder-owned allocations; private */
 } km_msg;
 
@@ -362,8 +379,9 @@ int km_msg_validate(const km_msg *m, const km_proto_limits *lim, km_errbuf *err)
 /* Validates, then writes one frame into out (out->len is reset first). lim NULL = defaults. */
 int km_msg_encode(const km_msg *m, const km_proto_limits *lim, km_buf *out, km_errbuf *err);
 /* Decodes one whole frame into out (initialised by the call; km_msg_clear it when done; after a
- * failure it is already cleared). Errors: KM_ERANGE (too large), KM_EFORMAT (not msgpack, wrong
- * types, missing fields, out-of-range values), KM_EUNSUPPORTED (version or type unknown). */
+ * failure it is already cleared but for out->rejected_id). Errors: KM_ERANGE (too large),
+ * KM_EFORMAT (not msgpack, wrong types, missing fields, out-of-range values), KM_EUNSUPPORTED
+ * (version or type unknown). */
 int km_msg_decode(const void *data, size_t len, const km_proto_limits *lim, km_msg *out,
                   km_errbuf *err);
 

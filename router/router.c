@@ -41,7 +41,6 @@
  */
 #define _GNU_SOURCE
 #include <math.h>
-#include <msgpack.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -58,57 +57,6 @@ uint64_t rt_now_ms(void)
 }
 
 /* ---------------------------------------------------------------- frames */
-
-/* Appends `key: value` pairs to an encoded map frame (raising its entry count): for the optional
- * keys km_msg does not model (done.worker, admin.events_since). */
-static int frame_add(km_buf *b, const char *key, const char *sval, uint64_t uval, int is_str)
-{
-    if (b->len < 1) return KM_EINVAL;
-    uint8_t h = b->data[0];
-    if ((h & 0xf0) != 0x80 || (h & 0x0f) == 0x0f) return KM_EUNSUPPORTED; /* fixmap < 15 */
-    msgpack_sbuffer sb;
-    msgpack_sbuffer_init(&sb);
-    msgpack_packer pk;
-    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
-    msgpack_pack_str(&pk, strlen(key));
-    msgpack_pack_str_body(&pk, key, strlen(key));
-    if (is_str) {
-        msgpack_pack_str(&pk, strlen(sval));
-        msgpack_pack_str_body(&pk, sval, strlen(sval));
-    } else {
-        msgpack_pack_uint64(&pk, uval);
-    }
-    int rc = km_buf_append(b, sb.data, sb.size);
-    msgpack_sbuffer_destroy(&sb);
-    if (!rc) b->data[0] = (uint8_t)(h + 1);
-    return rc;
-}
-
-/* events_next / events_snapshot of an admin_reply (raw: km_msg does not model them). */
-static void reply_sync_keys(const void *body, size_t len, uint64_t *next, bool *has_next,
-                            bool *snapshot)
-{
-    *has_next = *snapshot = false;
-    msgpack_unpacked u;
-    msgpack_unpacked_init(&u);
-    if (msgpack_unpack_next(&u, body, len, NULL) == MSGPACK_UNPACK_SUCCESS &&
-        u.data.type == MSGPACK_OBJECT_MAP) {
-        const msgpack_object_map *mp = &u.data.via.map;
-        for (uint32_t i = 0; i < mp->size; i++) {
-            const msgpack_object *k = &mp->ptr[i].key, *v = &mp->ptr[i].val;
-            if (k->type != MSGPACK_OBJECT_STR) continue;
-            if (k->via.str.size == 11 && !memcmp(k->via.str.ptr, "events_next", 11) &&
-                v->type == MSGPACK_OBJECT_POSITIVE_INTEGER) {
-                *next = v->via.u64;
-                *has_next = true;
-            } else if (k->via.str.size == 15 && !memcmp(k->via.str.ptr, "events_snapshot", 15)) {
-                *snapshot = (v->type == MSGPACK_OBJECT_BOOLEAN && v->via.boolean) ||
-                            (v->type == MSGPACK_OBJECT_POSITIVE_INTEGER && v->via.u64);
-            }
-        }
-    }
-    msgpack_unpacked_destroy(&u);
-}
 
 static int zsend_env(void *sock, const km_zframe *env, int n_env, const km_buf *body)
 {
@@ -401,11 +349,10 @@ static void rq_finish(rt_router *r, rt_rq *q, km_finish finish, uint32_t cached,
         m.done.queue_ms = queue_ms;
         m.done.ttft_ms = ttft_ms;
         m.done.total_ms = total_ms;
-        if (!km_msg_encode(&m, &r->lim, &r->out, NULL)) {
-            if (wid) frame_add(&r->out, "worker", wid, 0, 1);
-            if (q->migrations) frame_add(&r->out, "migrations", NULL, (uint64_t)q->migrations, 0);
+        m.done.worker = wid;
+        m.done.migrations = (uint32_t)q->migrations;
+        if (!km_msg_encode(&m, &r->lim, &r->out, NULL))
             zsend_env(r->front, q->env, q->n_env, &r->out);
-        }
     } else if (q->http) {
         rt_oai_meta m;
         rt_rq_oai_meta(r, q, &m, wid);
@@ -791,8 +738,9 @@ static void request_sync(rt_router *r, rt_wk *w, uint64_t since)
     km_msg_init(&m, KM_MSG_ADMIN);
     m.admin.id = ++r->next_admin_id;
     m.admin.cmd = KM_ADMIN_STATUS;
+    m.admin.has_events_since = true;
+    m.admin.events_since = since;
     if (km_msg_encode(&m, &r->lim, &r->out, NULL)) return;
-    if (frame_add(&r->out, "events_since", NULL, since, 0)) return;
     if (km_zsend(w->dealer, &(km_zframe){r->out.data, r->out.len}, 1, KM_ZDONTWAIT, NULL)) return;
     replay_clear(w);
     w->sync_out = true;
@@ -826,17 +774,16 @@ static void handle_event(rt_router *r, rt_wk *w, const km_msg_kv_event *ev)
     }
 }
 
-/* The replay's admin_reply: apply what was buffered. */
-static void finish_sync(rt_router *r, rt_wk *w, const void *body, size_t len, bool ok)
+/* The replay's admin_reply (NULL: an err frame refused it): apply what was buffered. */
+static void finish_sync(rt_router *r, rt_wk *w, const km_msg_admin_reply *rp)
 {
     w->sync_out = false;
-    uint64_t next = 0;
-    bool has_next = false, snapshot = false;
-    if (ok) reply_sync_keys(body, len, &next, &has_next, &snapshot);
-    if (!ok || !has_next) {
-        forget_and_resync(r, w, ok ? "worker does not replay events" : "replay refused");
+    if (!rp || !rp->ok || !rp->has_events_next) {
+        forget_and_resync(r, w, rp && rp->ok ? "worker does not replay events" : "replay refused");
         return;
     }
+    uint64_t next = rp->events_next;
+    bool snapshot = rp->events_snapshot;
     km_msg m;
     if (snapshot) {
         rt_index_forget_worker(r->index, w->idx);
@@ -896,7 +843,7 @@ static void on_worker_frame(rt_router *r, rt_wk *w, const km_zframe *body)
         break;
     case KM_MSG_ERROR:
         if (w->sync_out && m.error.id == w->sync_id) {
-            finish_sync(r, w, NULL, 0, false);
+            finish_sync(r, w, NULL);
             break;
         }
         on_worker_error(r, w, &m.error);
@@ -913,8 +860,7 @@ static void on_worker_frame(rt_router *r, rt_wk *w, const km_zframe *body)
         }
         break;
     case KM_MSG_ADMIN_REPLY:
-        if (w->sync_out && m.admin_reply.id == w->sync_id)
-            finish_sync(r, w, body->data, body->len, m.admin_reply.ok);
+        if (w->sync_out && m.admin_reply.id == w->sync_id) finish_sync(r, w, &m.admin_reply);
         break;
     default:
         break;
@@ -1151,25 +1097,11 @@ static void on_front_message(rt_router *r, const km_zmsg *zm)
     if (rc) {
         r->n_bad_frames++;
         km_counter_inc(r->s_bad);
-        /* the id, if the frame had a readable one, makes the error attributable */
-        uint64_t id = 0;
-        msgpack_unpacked u;
-        msgpack_unpacked_init(&u);
-        if (body->len < r->lim.max_frame &&
-            msgpack_unpack_next(&u, body->data, body->len, NULL) == MSGPACK_UNPACK_SUCCESS &&
-            u.data.type == MSGPACK_OBJECT_MAP)
-            for (uint32_t i = 0; i < u.data.via.map.size; i++) {
-                const msgpack_object_kv *kv = &u.data.via.map.ptr[i];
-                if (kv->key.type == MSGPACK_OBJECT_STR && kv->key.via.str.size == 2 &&
-                    !memcmp(kv->key.via.str.ptr, "id", 2) &&
-                    kv->val.type == MSGPACK_OBJECT_POSITIVE_INTEGER)
-                    id = kv->val.via.u64;
-            }
-        msgpack_unpacked_destroy(&u);
         int code = rc == KM_EUNSUPPORTED ? KM_CODE_VERSION
                    : rc == KM_ERANGE     ? KM_CODE_TOO_LARGE
                                          : KM_CODE_BAD_REQUEST;
-        send_error_env(r, zm->part, zm->n - 1, id, code, 0, "%s", err.msg);
+        /* the id, when the frame had a readable one, makes the error attributable */
+        send_error_env(r, zm->part, zm->n - 1, m.rejected_id, code, 0, "%s", err.msg);
         KM_DEBUG("bad_frame", "code=%d msg=\"%s\"", code, err.msg);
         return;
     }

@@ -15,7 +15,6 @@
  * values) gets an `err` reply with the request id when one can be read, is counted in
  * kvmesh_worker_bad_frames_total, and touches nothing else.
  */
-#include <msgpack.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -188,87 +187,6 @@ static void wk_count_bad(wk_service *s, wk_bad b)
 {
     s->errors[b]++;
     km_counter_inc(s->s_bad[b]);
-}
-
-/* Best effort: the uint `id` of an undecodable frame, so its sender can correlate the error. */
-static uint64_t wk_raw_id(const void *body, size_t len)
-{
-    uint64_t id = 0;
-    msgpack_unpacked u;
-    msgpack_unpacked_init(&u);
-    if (msgpack_unpack_next(&u, body, len, NULL) == MSGPACK_UNPACK_SUCCESS &&
-        u.data.type == MSGPACK_OBJECT_MAP) {
-        const msgpack_object_map *mp = &u.data.via.map;
-        for (uint32_t i = 0; i < mp->size; i++) {
-            const msgpack_object *k = &mp->ptr[i].key, *v = &mp->ptr[i].val;
-            if (k->type == MSGPACK_OBJECT_STR && k->via.str.size == 2 &&
-                !memcmp(k->via.str.ptr, "id", 2) && v->type == MSGPACK_OBJECT_POSITIVE_INTEGER)
-                id = v->via.u64;
-        }
-    }
-    msgpack_unpacked_destroy(&u);
-    return id;
-}
-
-/* Optional keys of `admin` status that km_msg does not model (docs/protocol.md, section 9):
- * events_since (u64) and events_snapshot (bool). Returns 1 when either is present. */
-static int wk_raw_replay_keys(const void *body, size_t len, uint64_t *since, bool *snapshot)
-{
-    int found = 0;
-    msgpack_unpacked u;
-    msgpack_unpacked_init(&u);
-    if (msgpack_unpack_next(&u, body, len, NULL) == MSGPACK_UNPACK_SUCCESS &&
-        u.data.type == MSGPACK_OBJECT_MAP) {
-        const msgpack_object_map *mp = &u.data.via.map;
-        for (uint32_t i = 0; i < mp->size; i++) {
-            const msgpack_object *k = &mp->ptr[i].key, *v = &mp->ptr[i].val;
-            if (k->type != MSGPACK_OBJECT_STR) continue;
-            if (k->via.str.size == 12 && !memcmp(k->via.str.ptr, "events_since", 12) &&
-                v->type == MSGPACK_OBJECT_POSITIVE_INTEGER) {
-                *since = v->via.u64;
-                found = 1;
-            } else if (k->via.str.size == 15 && !memcmp(k->via.str.ptr, "events_snapshot", 15) &&
-                       v->type == MSGPACK_OBJECT_BOOLEAN) {
-                *snapshot = v->via.boolean;
-                found |= v->via.boolean;
-            }
-        }
-    }
-    msgpack_unpacked_destroy(&u);
-    return found;
-}
-
-/* Appends optional key -> u64 pairs to an encoded frame (a map): for keys the reference encoder
- * does not know yet. */
-static int wk_frame_add_u64(km_buf *b, const char *const *keys, const uint64_t *vals, int n)
-{
-    msgpack_unpacked u;
-    msgpack_unpacked_init(&u);
-    int rc = KM_EFORMAT;
-    if (msgpack_unpack_next(&u, (const char *)b->data, b->len, NULL) == MSGPACK_UNPACK_SUCCESS &&
-        u.data.type == MSGPACK_OBJECT_MAP) {
-        msgpack_sbuffer sb;
-        msgpack_sbuffer_init(&sb);
-        msgpack_packer pk;
-        msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
-        const msgpack_object_map *mp = &u.data.via.map;
-        msgpack_pack_map(&pk, mp->size + n);
-        for (uint32_t i = 0; i < mp->size; i++) {
-            msgpack_pack_object(&pk, mp->ptr[i].key);
-            msgpack_pack_object(&pk, mp->ptr[i].val);
-        }
-        for (int i = 0; i < n; i++) {
-            size_t kl = strlen(keys[i]);
-            msgpack_pack_str(&pk, kl);
-            msgpack_pack_str_body(&pk, keys[i], kl);
-            msgpack_pack_uint64(&pk, vals[i]);
-        }
-        km_buf_reset(b);
-        rc = km_buf_append(b, sb.data, sb.size);
-        msgpack_sbuffer_destroy(&sb);
-    }
-    msgpack_unpacked_destroy(&u);
-    return rc;
 }
 
 /* ---------------------------------------------------------------- requests in flight */
@@ -721,7 +639,7 @@ static int wk_ballast_set(wk_service *s, double fraction, char *msg, size_t cap)
 }
 
 static void wk_handle_admin(wk_service *s, void *sock, const km_zframe *env, int n_env,
-                            const km_msg_admin *a, const km_zframe *body)
+                            const km_msg_admin *a)
 {
     km_msg m;
     km_msg_init(&m, KM_MSG_ADMIN_REPLY);
@@ -730,9 +648,6 @@ static void wk_handle_admin(wk_service *s, void *sock, const km_zframe *env, int
     rp->cmd = a->cmd;
     rp->ok = true;
     char msg[KM_PROTO_MAX_MESSAGE] = "";
-    const char *extra_keys[2];
-    uint64_t extra_vals[2];
-    int n_extra = 0;
     /* `worker` names the target: a frame meant for another worker changes nothing here. */
     km_admin_cmd cmd = a->cmd;
     if (a->worker && a->worker[0] && strcmp(a->worker, s->worker_id)) {
@@ -744,22 +659,19 @@ static void wk_handle_admin(wk_service *s, void *sock, const km_zframe *env, int
     switch (cmd) {
     case KM_ADMIN_CMD_COUNT:
         break;
-    case KM_ADMIN_STATUS: {
-        uint64_t since = 0;
-        bool snap = false;
-        if (wk_raw_replay_keys(body->data, body->len, &since, &snap)) {
+    case KM_ADMIN_STATUS:
+        if (a->has_events_since || a->events_snapshot) { /* a KV event replay (section 9) */
             wk_events_pump(s->ev);
             bool was_snap = false;
-            int frames = wk_events_replay(s->ev, sock, env, n_env, since, snap, &was_snap);
+            int frames = wk_events_replay(s->ev, sock, env, n_env, a->events_since,
+                                          a->events_snapshot, &was_snap);
             snprintf(msg, sizeof msg, "%s: %d kv frames sent", was_snap ? "snapshot" : "replay",
                      frames);
-            extra_keys[n_extra] = "events_next";
-            extra_vals[n_extra++] = wk_events_next_seq(s->ev);
-            extra_keys[n_extra] = "events_snapshot";
-            extra_vals[n_extra++] = was_snap;
+            rp->has_events_next = true;
+            rp->events_next = wk_events_next_seq(s->ev);
+            rp->events_snapshot = was_snap;
         }
         break;
-    }
     case KM_ADMIN_EVICT: {
         uint64_t p0, b0, p1, b1;
         kv_store_stats st0, st1;
@@ -861,7 +773,6 @@ static void wk_handle_admin(wk_service *s, void *sock, const km_zframe *env, int
     wk_kv_totals(s, &rp->kv_pages, &rp->kv_bytes);
     if (msg[0]) rp->message = msg;
     if (km_msg_encode(&m, &s->lim, &s->out, NULL)) return;
-    if (n_extra) wk_frame_add_u64(&s->out, extra_keys, extra_vals, n_extra);
     wk_send(s, sock, env, n_env, &s->out);
 }
 
@@ -882,8 +793,7 @@ static void wk_handle_message(wk_service *s, void *sock, const km_zmsg *zm)
         wk_count_bad(s, b);
         KM_DEBUG("bad_frame", "reason=%s bytes=%zu msg=\"%s\"", wk_bad_names[b], body->len,
                  err.msg);
-        wk_send_error(s, sock, env, n_env, wk_raw_id(body->data, body->len),
-                      km_proto_code_from_err(rc), 0, err.msg);
+        wk_send_error(s, sock, env, n_env, m.rejected_id, km_proto_code_from_err(rc), 0, err.msg);
         return;
     }
     switch (m.type) {
@@ -896,7 +806,7 @@ static void wk_handle_message(wk_service *s, void *sock, const km_zmsg *zm)
         break;
     }
     case KM_MSG_ADMIN:
-        wk_handle_admin(s, sock, env, n_env, &m.admin, body);
+        wk_handle_admin(s, sock, env, n_env, &m.admin);
         break;
     default: {
         char msg[128];

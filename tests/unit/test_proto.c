@@ -7,9 +7,11 @@
  *
  * Hand-made frames are built with msgpack-c's packer so each test breaks exactly one thing.
  */
+#define _GNU_SOURCE
 #include "common/svc.h"
 
 #include <criterion/criterion.h>
+#include <dirent.h>
 #include <stdio.h>
 #include <math.h>
 #include <msgpack.h>
@@ -1598,4 +1600,333 @@ Test(proto, every_truncation_and_bit_flip_of_a_view_frame_is_handled)
         free(p);
     }
     km_buf_free(&b);
+}
+
+/* ---------------------------------------------------------------- keys added within version 1:
+ * done.worker/migrations, the KV event replay keys of admin and admin_reply, the id of a
+ * rejected frame */
+
+Test(proto, done_worker_and_migrations_roundtrip_and_are_absent_by_default)
+{
+    km_msg in, out;
+    km_msg_init(&in, KM_MSG_DONE);
+    in.done.id = 3;
+    in.done.worker = "w-2";
+    in.done.migrations = 2;
+    roundtrip(&in, &out);
+    cr_assert_str_eq(out.done.worker, "w-2");
+    cr_assert_eq(out.done.migrations, 2);
+    km_msg_clear(&out);
+
+    /* a worker's done frame carries neither key: both stay absent */
+    km_msg_init(&in, KM_MSG_DONE);
+    km_buf b = {0};
+    cr_assert_eq(km_msg_encode(&in, NULL, &b, NULL), 0);
+    cr_assert_null(memmem(b.data, b.len, "worker", 6));
+    cr_assert_null(memmem(b.data, b.len, "migrations", 10));
+    cr_assert_eq(km_msg_decode(b.data, b.len, NULL, &out, NULL), 0);
+    cr_assert_null(out.done.worker);
+    cr_assert_eq(out.done.migrations, 0);
+    km_msg_clear(&out);
+    km_buf_free(&b);
+
+    char name[KM_PROTO_MAX_NAME + 2];
+    memset(name, 'w', sizeof name - 1);
+    name[sizeof name - 1] = '\0';
+    km_msg_init(&in, KM_MSG_DONE);
+    in.done.worker = name;
+    expect_encode_fail(&in, "done.worker: length 257");
+}
+
+Test(proto, done_frames_of_a_router_decode_with_their_extra_keys)
+{
+    /* what routers before km_msg modelled the keys appended to a worker's done frame */
+    fb f;
+    fb_init(&f);
+    p_head(&f, 5, "done");
+    p_kuint(&f, "id", 4);
+    p_kstr(&f, "finish", "stop");
+    p_str(&f, "usage");
+    msgpack_pack_map(&f.pk, 2);
+    p_kuint(&f, "prompt_tokens", 10);
+    p_kuint(&f, "completion_tokens", 2);
+    p_kstr(&f, "worker", "w0");
+    p_kuint(&f, "migrations", 1);
+    km_msg m;
+    km_errbuf err = {{0}};
+    cr_assert_eq(decode_fb(&f, &m, &err), 0, "%s", err.msg);
+    cr_assert_str_eq(m.done.worker, "w0");
+    cr_assert_eq(m.done.migrations, 1);
+    km_msg_clear(&m);
+    fb_free(&f);
+
+    fb_init(&f);
+    p_head(&f, 4, "done");
+    p_kuint(&f, "id", 4);
+    p_kstr(&f, "finish", "stop");
+    p_str(&f, "usage");
+    msgpack_pack_map(&f.pk, 2);
+    p_kuint(&f, "prompt_tokens", 10);
+    p_kuint(&f, "completion_tokens", 2);
+    p_kstr(&f, "migrations", "one");
+    expect_fail(&f, KM_EFORMAT, "done.migrations: expected an unsigned integer");
+}
+
+Test(proto, status_replay_keys_roundtrip_in_admin_and_admin_reply)
+{
+    km_msg in, out;
+    km_msg_init(&in, KM_MSG_ADMIN);
+    in.admin.id = 11;
+    in.admin.cmd = KM_ADMIN_STATUS;
+    in.admin.has_events_since = true;
+    in.admin.events_since = 0; /* "from the start" is a value, not an absence */
+    roundtrip(&in, &out);
+    cr_assert(out.admin.has_events_since);
+    cr_assert_eq(out.admin.events_since, 0);
+    cr_assert(!out.admin.events_snapshot);
+    km_msg_clear(&out);
+
+    km_msg_init(&in, KM_MSG_ADMIN);
+    in.admin.cmd = KM_ADMIN_STATUS;
+    in.admin.has_events_since = true;
+    in.admin.events_since = 1ull << 40;
+    in.admin.events_snapshot = true;
+    roundtrip(&in, &out);
+    cr_assert_eq(out.admin.events_since, 1ull << 40);
+    cr_assert(out.admin.events_snapshot);
+    km_msg_clear(&out);
+
+    km_msg_init(&in, KM_MSG_ADMIN);
+    in.admin.cmd = KM_ADMIN_STATUS;
+    roundtrip(&in, &out);
+    cr_assert(!out.admin.has_events_since && !out.admin.events_snapshot, "a plain status");
+    km_msg_clear(&out);
+
+    km_msg_init(&in, KM_MSG_ADMIN_REPLY);
+    in.admin_reply.id = 11;
+    in.admin_reply.has_events_next = true;
+    in.admin_reply.events_next = 1042;
+    in.admin_reply.events_snapshot = true;
+    roundtrip(&in, &out);
+    cr_assert(out.admin_reply.has_events_next);
+    cr_assert_eq(out.admin_reply.events_next, 1042);
+    cr_assert(out.admin_reply.events_snapshot);
+    km_msg_clear(&out);
+
+    /* a replay (not a snapshot) still says so: events_snapshot 0 goes on the wire */
+    km_msg_init(&in, KM_MSG_ADMIN_REPLY);
+    in.admin_reply.has_events_next = true;
+    in.admin_reply.events_next = 7;
+    km_buf b = {0};
+    cr_assert_eq(km_msg_encode(&in, NULL, &b, NULL), 0);
+    const uint8_t snap0[] = {0xaf, 'e', 'v', 'e', 'n', 't', 's', '_', 's',
+                             'n',  'a', 'p', 's', 'h', 'o', 't', 0x00};
+    cr_assert_not_null(memmem(b.data, b.len, snap0, sizeof snap0));
+    km_buf_free(&b);
+
+    /* a worker that does not replay answers a plain reply */
+    km_msg_init(&in, KM_MSG_ADMIN_REPLY);
+    roundtrip(&in, &out);
+    cr_assert(!out.admin_reply.has_events_next);
+    km_msg_clear(&out);
+}
+
+Test(proto, replay_flags_decode_as_bool_or_uint_and_nothing_else)
+{
+    /* workers so far send admin_reply.events_snapshot as a uint; a bool means the same */
+    const char *keys[] = {"events_snapshot", "events_snapshot"};
+    for (int form = 0; form < 2; form++) {
+        fb f;
+        fb_init(&f);
+        p_head(&f, 5, "admin_reply");
+        p_kuint(&f, "id", 1);
+        p_kstr(&f, "cmd", "status");
+        p_str(&f, "ok");
+        msgpack_pack_true(&f.pk);
+        p_kuint(&f, "events_next", 99);
+        p_str(&f, keys[form]);
+        if (form)
+            msgpack_pack_true(&f.pk);
+        else
+            msgpack_pack_uint64(&f.pk, 1);
+        km_msg m;
+        km_errbuf err = {{0}};
+        cr_assert_eq(decode_fb(&f, &m, &err), 0, "%s", err.msg);
+        cr_assert(m.admin_reply.has_events_next);
+        cr_assert_eq(m.admin_reply.events_next, 99);
+        cr_assert(m.admin_reply.events_snapshot, "form %d", form);
+        km_msg_clear(&m);
+        fb_free(&f);
+    }
+
+    fb f;
+    fb_init(&f);
+    p_head(&f, 3, "admin");
+    p_kuint(&f, "id", 1);
+    p_kstr(&f, "cmd", "status");
+    p_kstr(&f, "events_snapshot", "yes");
+    expect_fail(&f, KM_EFORMAT, "admin.events_snapshot: expected a bool or an unsigned integer");
+
+    fb_init(&f);
+    p_head(&f, 3, "admin");
+    p_kuint(&f, "id", 1);
+    p_kstr(&f, "cmd", "status");
+    p_str(&f, "events_since");
+    msgpack_pack_int64(&f.pk, -1);
+    expect_fail(&f, KM_EFORMAT, "admin.events_since: negative value -1");
+}
+
+/* Decodes a frame that must fail and returns the id it was attributed to. */
+static uint64_t rejected_id(const void *p, size_t n, int want_rc)
+{
+    km_msg m;
+    km_errbuf err = {{0}};
+    int rc = km_msg_decode(p, n, NULL, &m, &err);
+    cr_assert_eq(rc, want_rc, "rc %d (%s), want %d", rc, err.msg, want_rc);
+    cr_assert_eq(m.mem_, NULL);
+    cr_assert_eq(m.type, KM_MSG_NONE);
+    return m.rejected_id;
+}
+
+Test(proto, a_rejected_frame_names_its_id_when_it_has_a_readable_one)
+{
+    fb f;
+    /* wrong version, wrong field type, unknown type: the id comes back */
+    fb_init(&f);
+    msgpack_pack_map(&f.pk, 3);
+    p_kuint(&f, "v", 9);
+    p_kstr(&f, "t", "req");
+    p_kuint(&f, "id", 5);
+    cr_assert_eq(rejected_id(f.sb.data, f.sb.size, KM_EUNSUPPORTED), 5);
+    fb_free(&f);
+
+    fb_init(&f);
+    p_head(&f, 3, "req");
+    p_kuint(&f, "id", 1ull << 50);
+    p_kstr(&f, "model", "x");
+    p_kuint(&f, "prompt", 7);
+    cr_assert_eq(rejected_id(f.sb.data, f.sb.size, KM_EFORMAT), 1ull << 50);
+    fb_free(&f);
+
+    /* rejected by the bounds scan: a token array past the limit after the id, and a frame cut
+     * short after it (no allocation is made for either) */
+    fb_init(&f);
+    p_head(&f, 3, "req");
+    p_kuint(&f, "id", 300);
+    p_kstr(&f, "model", "x");
+    p_str(&f, "tokens");
+    msgpack_pack_array(&f.pk, KM_PROTO_MAX_PROMPT_TOK + 1);
+    cr_assert_eq(rejected_id(f.sb.data, f.sb.size, KM_ERANGE), 300);
+    cr_assert_eq(rejected_id(f.sb.data, f.sb.size - 3, KM_EFORMAT), 300);
+    fb_free(&f);
+
+    /* trailing bytes after an otherwise good frame */
+    fb_init(&f);
+    p_head(&f, 1, "cancel");
+    p_kuint(&f, "id", 70000);
+    msgpack_pack_nil(&f.pk);
+    cr_assert_eq(rejected_id(f.sb.data, f.sb.size, KM_EFORMAT), 70000);
+    fb_free(&f);
+
+    /* over the frame limit: the scan still reads the id */
+    size_t big = (1u << 20) + 64;
+    fb_init(&f);
+    p_head(&f, 2, "req");
+    p_kuint(&f, "id", 12);
+    p_str(&f, "prompt");
+    char *pad = malloc(big);
+    memset(pad, 'p', big);
+    msgpack_pack_str(&f.pk, big);
+    msgpack_pack_str_body(&f.pk, pad, big);
+    free(pad);
+    cr_assert_eq(rejected_id(f.sb.data, f.sb.size, KM_ERANGE), 12);
+    fb_free(&f);
+}
+
+Test(proto, a_rejected_frame_without_a_readable_id_names_none)
+{
+    cr_assert_eq(rejected_id("\xc1garbage", 8, KM_EFORMAT), 0);
+    cr_assert_eq(rejected_id("\x93\x01\x02\x03", 4, KM_EFORMAT), 0); /* an array, not a map */
+    fb f;
+    /* an id that is negative, a string, or nested below the root is no id */
+    fb_init(&f);
+    p_head(&f, 1, "cancel");
+    p_str(&f, "id");
+    msgpack_pack_int64(&f.pk, -5);
+    cr_assert_eq(rejected_id(f.sb.data, f.sb.size, KM_EFORMAT), 0);
+    fb_free(&f);
+
+    fb_init(&f);
+    p_head(&f, 1, "cancel");
+    p_kstr(&f, "id", "5");
+    cr_assert_eq(rejected_id(f.sb.data, f.sb.size, KM_EFORMAT), 0);
+    fb_free(&f);
+
+    fb_init(&f);
+    p_head(&f, 1, "done");
+    p_str(&f, "usage");
+    msgpack_pack_map(&f.pk, 1);
+    p_kuint(&f, "id", 8);
+    cr_assert_eq(rejected_id(f.sb.data, f.sb.size, KM_EFORMAT), 0);
+    fb_free(&f);
+
+    /* the frame is cut inside the id's value */
+    fb_init(&f);
+    p_head(&f, 1, "cancel");
+    p_kuint(&f, "id", 1ull << 40);
+    cr_assert_eq(rejected_id(f.sb.data, f.sb.size - 2, KM_EFORMAT), 0);
+    fb_free(&f);
+
+    /* a duplicate id: the first one counts, as the rejection names the frame's first id */
+    fb_init(&f);
+    p_head(&f, 2, "cancel");
+    p_kuint(&f, "id", 1);
+    p_kuint(&f, "id", 2);
+    cr_assert_eq(rejected_id(f.sb.data, f.sb.size, KM_EFORMAT), 1);
+    fb_free(&f);
+
+    /* a decoded frame never sets it */
+    km_msg in, out;
+    km_msg_init(&in, KM_MSG_CANCEL);
+    in.cancel.id = 9;
+    roundtrip(&in, &out);
+    cr_assert_eq(out.rejected_id, 0);
+    km_msg_clear(&out);
+}
+
+/* Every seed of the fuzz target decodes as its name says: bad_* fail, the others succeed and
+ * re-encode to a frame that decodes again. */
+Test(proto, fuzz_seed_corpus_decodes_as_named)
+{
+    DIR *dir = opendir("tests/fuzz/corpus/fuzz_proto");
+    if (!dir) cr_skip_test("no fuzz corpus at tests/fuzz/corpus/fuzz_proto");
+    int n = 0;
+    for (struct dirent *e; (e = readdir(dir));) {
+        if (e->d_name[0] == '.') continue;
+        char path[512];
+        snprintf(path, sizeof path, "tests/fuzz/corpus/fuzz_proto/%s", e->d_name);
+        FILE *fp = fopen(path, "rb");
+        cr_assert_not_null(fp, "%s", path);
+        static uint8_t buf[1 << 16];
+        size_t len = fread(buf, 1, sizeof buf, fp);
+        fclose(fp);
+        km_msg m;
+        km_errbuf err = {{0}};
+        int rc = km_msg_decode(buf, len, NULL, &m, &err);
+        if (!strncmp(e->d_name, "bad_", 4)) {
+            cr_assert_lt(rc, 0, "%s decoded", e->d_name);
+        } else {
+            cr_assert_eq(rc, 0, "%s: %s", e->d_name, err.msg);
+            km_buf b = {0};
+            cr_assert_eq(km_msg_encode(&m, NULL, &b, &err), 0, "%s: %s", e->d_name, err.msg);
+            km_msg again;
+            cr_assert_eq(km_msg_decode(b.data, b.len, NULL, &again, &err), 0, "%s", err.msg);
+            km_msg_clear(&again);
+            km_buf_free(&b);
+        }
+        km_msg_clear(&m);
+        n++;
+    }
+    closedir(dir);
+    cr_expect_gt(n, 0, "the seed corpus is empty");
 }
