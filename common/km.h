@@ -53,6 +53,20 @@ typedef struct km_errbuf {
 /* Writes the formatted message into err (when not NULL) and returns code: `return km_errf(...)`. */
 int km_errf(km_errbuf *err, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 
+/* ---------------------------------------------------------------- growable byte buffer (buf.c) */
+
+/* Zero-initialise ({0}) before first use; km_buf_free releases the bytes. */
+typedef struct km_buf {
+    uint8_t *data;
+    size_t len, cap;
+} km_buf;
+
+int km_buf_reserve(km_buf *b, size_t extra); /* room for `extra` more bytes */
+int km_buf_append(km_buf *b, const void *p, size_t n);
+int km_buf_printf(km_buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void km_buf_reset(km_buf *b); /* len = 0, keeps the allocation */
+void km_buf_free(km_buf *b);
+
 /* ---------------------------------------------------------------- logging */
 
 typedef enum km_log_level { KM_LOG_DEBUG = 0, KM_LOG_INFO, KM_LOG_WARN, KM_LOG_ERROR } km_log_level;

@@ -1,0 +1,305 @@
+/*
+ * proto_stream.c — the request path's messages (docs/protocol.md sections 4–8): `req`, the
+ * `tok` frames of its stream, the `done` or `err` that ends it, and `cancel`. One codec per
+ * type (validate, encode, decode), written with the helpers of proto_wire.c.
+ *
+ * A request carries its prompt either as text or as token ids (exactly one); a `done` carries
+ * the keys routers add (worker, migrations) like any other optional key.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "common/proto_internal.h"
+
+/* ---------------------------------------------------------------- req */
+
+static int req_validate(const km_msg *m, const km_proto_limits *lim, km_errbuf *err)
+{
+    const km_msg_request *r = &m->req;
+    CK(km_val_name("req.model", r->model, true, 1, KM_PROTO_MAX_NAME, err));
+    bool has_text = r->prompt != NULL, has_tok = r->n_tokens > 0;
+    if (has_text == has_tok) VFAIL("req: exactly one of prompt and tokens is required");
+    if (has_text && km_text_len(r->prompt, r->prompt_len) > lim->max_frame)
+        VFAIL("req.prompt: longer than the frame limit %zu", lim->max_frame);
+    if (has_tok) {
+        if (!r->tokens) VFAIL("req.tokens: NULL with n_tokens %u", r->n_tokens);
+        if (r->n_tokens > lim->max_prompt_tok)
+            VFAIL("req.tokens: %u ids, limit %u", r->n_tokens, lim->max_prompt_tok);
+        for (uint32_t i = 0; i < r->n_tokens; i++)
+            if (r->tokens[i] < 0) VFAIL("req.tokens[%u]: negative id %d", i, r->tokens[i]);
+    }
+    CK(km_val_range("req.temperature", r->temperature, 0, 100, err));
+    CK(km_val_range("req.top_k", r->top_k, 0, 1 << 20, err));
+    CK(km_val_range("req.top_p", r->top_p, 0, 1, err));
+    CK(km_val_range("req.min_p", r->min_p, 0, 1, err));
+    if (!(r->repeat_penalty > 0 && r->repeat_penalty <= 100))
+        VFAIL("req.repeat_penalty: %g outside (0, 100]", r->repeat_penalty);
+    CK(km_val_range("req.repeat_last_n", r->repeat_last_n, 0, 1 << 20, err));
+    CK(km_val_range("req.presence_penalty", r->presence_penalty, -2, 2, err));
+    CK(km_val_range("req.frequency_penalty", r->frequency_penalty, -2, 2, err));
+    CK(km_val_range("req.max_tokens", r->max_tokens, 0, 1 << 20, err));
+    if (r->n_stop > KM_PROTO_MAX_STOP)
+        VFAIL("req.stop: %u strings, limit %d", r->n_stop, KM_PROTO_MAX_STOP);
+    if (r->n_stop && !r->stop) VFAIL("req.stop: NULL with n_stop %u", r->n_stop);
+    for (uint32_t i = 0; i < r->n_stop; i++) {
+        char what[32];
+        snprintf(what, sizeof what, "req.stop[%u]", i);
+        CK(km_val_name(what, r->stop[i], true, 1, KM_PROTO_MAX_NAME, err));
+    }
+    CK(km_val_name("req.cache_salt", r->cache_salt, false, 0, KM_PROTO_MAX_NAME, err));
+    CK(km_val_range("req.priority", r->priority, -100, 100, err));
+    return 0;
+}
+
+static void req_encode(km_enc *e, const km_msg *m)
+{
+    const km_msg_request *r = &m->req;
+    km_enc_u64(e, "id", r->id);
+    km_enc_str(e, "model", r->model);
+    km_enc_strn(e, "prompt", r->prompt, r->prompt_len);
+    if (r->n_tokens && km_enc_begin(e, "tokens")) {
+        e->rc |= msgpack_pack_array(&e->pk, r->n_tokens);
+        for (uint32_t i = 0; i < r->n_tokens; i++)
+            e->rc |= msgpack_pack_uint32(&e->pk, (uint32_t)r->tokens[i]);
+    }
+    km_enc_f32(e, "temperature", r->temperature);
+    km_enc_i64(e, "top_k", r->top_k);
+    km_enc_f32(e, "top_p", r->top_p);
+    km_enc_f32(e, "min_p", r->min_p);
+    km_enc_f32(e, "repeat_penalty", r->repeat_penalty);
+    km_enc_i64(e, "repeat_last_n", r->repeat_last_n);
+    km_enc_f32(e, "presence_penalty", r->presence_penalty);
+    km_enc_f32(e, "frequency_penalty", r->frequency_penalty);
+    if (r->has_seed) km_enc_u64(e, "seed", r->seed);
+    km_enc_u64(e, "max_tokens", r->max_tokens);
+    if (r->n_stop && km_enc_begin(e, "stop")) {
+        e->rc |= msgpack_pack_array(&e->pk, r->n_stop);
+        for (uint32_t i = 0; i < r->n_stop; i++) km_enc_text(e, r->stop[i], strlen(r->stop[i]));
+    }
+    km_enc_str(e, "cache_salt", r->cache_salt);
+    km_enc_i64(e, "priority", r->priority);
+    km_enc_u64(e, "deadline_ms", r->deadline_ms);
+    km_enc_bool(e, "stream", r->stream);
+}
+
+static int req_decode_tokens(km_dec *d, const msgpack_object_array *a)
+{
+    km_msg_request *r = &d->m->req;
+    if (a->size > d->lim->max_prompt_tok)
+        return DFAIL(d, KM_ERANGE, "req.tokens: %u ids, limit %u", a->size, d->lim->max_prompt_tok);
+    int32_t *t = km_msg_alloc(d->m, (size_t)a->size * sizeof *t);
+    if (!t) return DFAIL(d, KM_ENOMEM, "req.tokens: out of memory");
+    for (uint32_t i = 0; i < a->size; i++) {
+        const msgpack_object *e = &a->ptr[i];
+        if (e->type != MSGPACK_OBJECT_POSITIVE_INTEGER || e->via.u64 > INT32_MAX)
+            return DFAIL(d, KM_EFORMAT, "req.tokens[%u]: expected a token id in [0, %d]", i,
+                         INT32_MAX);
+        t[i] = (int32_t)e->via.u64;
+    }
+    r->tokens = t;
+    r->n_tokens = a->size;
+    if (a->size == 0 && !r->prompt)
+        return DFAIL(d, KM_EFORMAT, "req.tokens: empty (give prompt or at least one id)");
+    return 0;
+}
+
+static int req_decode_stop(km_dec *d, const msgpack_object_array *a)
+{
+    km_msg_request *r = &d->m->req;
+    if (a->size > KM_PROTO_MAX_STOP)
+        return DFAIL(d, KM_EFORMAT, "req.stop: %u strings, limit %d", a->size, KM_PROTO_MAX_STOP);
+    const char **s = km_msg_alloc(d->m, (size_t)a->size * sizeof *s);
+    if (!s) return DFAIL(d, KM_ENOMEM, "req.stop: out of memory");
+    for (uint32_t i = 0; i < a->size; i++) {
+        char what[32];
+        snprintf(what, sizeof what, "req.stop[%u]", i);
+        CK(km_dec_copy_str(d, what, &a->ptr[i], KM_PROTO_MAX_NAME, false, &s[i], NULL));
+    }
+    r->stop = s;
+    r->n_stop = a->size;
+    return 0;
+}
+
+static int req_decode(km_dec *d, const msgpack_object_map *mp)
+{
+    km_msg_request *r = &d->m->req;
+    const msgpack_object *o;
+    CK(km_dec_uint(d, mp, "id", true, UINT64_MAX, &r->id));
+    CK(km_dec_str(d, mp, "model", true, KM_PROTO_MAX_NAME, false, &r->model, NULL));
+    CK(km_dec_str(d, mp, "prompt", false, d->lim->max_frame, true, &r->prompt, &r->prompt_len));
+    CK(km_dec_obj(d, mp, "tokens", false, MSGPACK_OBJECT_ARRAY, &o));
+    if (o) CK(req_decode_tokens(d, &o->via.array));
+    CK(km_dec_f32(d, mp, "temperature", &r->temperature));
+    CK(km_dec_i32(d, mp, "top_k", false, &r->top_k));
+    CK(km_dec_f32(d, mp, "top_p", &r->top_p));
+    CK(km_dec_f32(d, mp, "min_p", &r->min_p));
+    CK(km_dec_f32(d, mp, "repeat_penalty", &r->repeat_penalty));
+    CK(km_dec_i32(d, mp, "repeat_last_n", false, &r->repeat_last_n));
+    CK(km_dec_f32(d, mp, "presence_penalty", &r->presence_penalty));
+    CK(km_dec_f32(d, mp, "frequency_penalty", &r->frequency_penalty));
+    r->has_seed = km_dec_find(mp, "seed") != NULL;
+    CK(km_dec_uint(d, mp, "seed", false, UINT64_MAX, &r->seed));
+    CK(km_dec_u32(d, mp, "max_tokens", false, &r->max_tokens));
+    CK(km_dec_obj(d, mp, "stop", false, MSGPACK_OBJECT_ARRAY, &o));
+    if (o) CK(req_decode_stop(d, &o->via.array));
+    CK(km_dec_str(d, mp, "cache_salt", false, KM_PROTO_MAX_NAME, false, &r->cache_salt, NULL));
+    CK(km_dec_i32(d, mp, "priority", false, &r->priority));
+    CK(km_dec_u32(d, mp, "deadline_ms", false, &r->deadline_ms));
+    return km_dec_bool(d, mp, "stream", false, &r->stream);
+}
+
+const km_proto_codec km_proto_codec_req = {req_validate, req_encode, req_decode};
+
+/* ---------------------------------------------------------------- tok */
+
+static int tok_validate(const km_msg *m, const km_proto_limits *lim, km_errbuf *err)
+{
+    if (!m->tok.text) VFAIL("tok.text: required");
+    if (km_text_len(m->tok.text, m->tok.text_len) > KM_PROTO_MAX_PIECE)
+        VFAIL("tok.text: longer than %d bytes", KM_PROTO_MAX_PIECE);
+    if (m->tok.token < 0) VFAIL("tok.token: negative id %d", m->tok.token);
+    return 0;
+}
+
+static void tok_encode(km_enc *e, const km_msg *m)
+{
+    km_enc_u64(e, "id", m->tok.id);
+    km_enc_u64(e, "index", m->tok.index);
+    km_enc_u64(e, "token", (uint64_t)m->tok.token);
+    km_enc_strn(e, "text", m->tok.text, m->tok.text_len);
+}
+
+static int tok_decode(km_dec *d, const msgpack_object_map *mp)
+{
+    km_msg_token *t = &d->m->tok;
+    CK(km_dec_uint(d, mp, "id", true, UINT64_MAX, &t->id));
+    CK(km_dec_u32(d, mp, "index", true, &t->index));
+    CK(km_dec_i32(d, mp, "token", true, &t->token));
+    return km_dec_str(d, mp, "text", true, KM_PROTO_MAX_PIECE, true, &t->text, &t->text_len);
+}
+
+const km_proto_codec km_proto_codec_tok = {tok_validate, tok_encode, tok_decode};
+
+/* ---------------------------------------------------------------- done */
+
+static int done_validate(const km_msg *m, const km_proto_limits *lim, km_errbuf *err)
+{
+    const km_msg_done *d = &m->done;
+    if ((unsigned)d->finish >= KM_FINISH_COUNT)
+        VFAIL("done.finish: unknown reason %d", (int)d->finish);
+    if (d->text && km_text_len(d->text, d->text_len) > lim->max_frame)
+        VFAIL("done.text: longer than the frame limit %zu", lim->max_frame);
+    if (d->cached_tokens > d->prompt_tokens)
+        VFAIL("done.usage: cached_tokens %u > prompt_tokens %u", d->cached_tokens,
+              d->prompt_tokens);
+    CK(km_val_nonneg("done.timings.queue_ms", d->queue_ms, err));
+    CK(km_val_nonneg("done.timings.ttft_ms", d->ttft_ms, err));
+    CK(km_val_nonneg("done.timings.total_ms", d->total_ms, err));
+    return km_val_name("done.worker", d->worker, false, 0, KM_PROTO_MAX_NAME, err);
+}
+
+static void done_usage(km_enc *e, const void *arg)
+{
+    const km_msg_done *d = arg;
+    km_enc_u64(e, "prompt_tokens", d->prompt_tokens);
+    km_enc_u64(e, "cached_tokens", d->cached_tokens);
+    km_enc_u64(e, "completion_tokens", d->completion_tokens);
+}
+
+static void done_timings(km_enc *e, const void *arg)
+{
+    const km_msg_done *d = arg;
+    km_enc_f64(e, "queue_ms", d->queue_ms);
+    km_enc_f64(e, "ttft_ms", d->ttft_ms);
+    km_enc_f64(e, "total_ms", d->total_ms);
+}
+
+static void done_encode(km_enc *e, const km_msg *m)
+{
+    const km_msg_done *d = &m->done;
+    km_enc_u64(e, "id", d->id);
+    km_enc_str(e, "finish", km_proto_finish_names[d->finish]);
+    km_enc_strn(e, "text", d->text, d->text_len);
+    if (km_enc_begin(e, "usage")) km_enc_map(e, done_usage, d);
+    if (km_enc_begin(e, "timings")) km_enc_map(e, done_timings, d);
+    km_enc_str(e, "worker", d->worker);
+    if (d->migrations) km_enc_u64(e, "migrations", d->migrations);
+}
+
+static int done_decode(km_dec *d, const msgpack_object_map *mp)
+{
+    km_msg_done *dn = &d->m->done;
+    const msgpack_object *o;
+    int f = 0;
+    CK(km_dec_uint(d, mp, "id", true, UINT64_MAX, &dn->id));
+    CK(km_dec_enum(d, mp, "finish", true, km_proto_finish_names, KM_FINISH_COUNT, &f));
+    dn->finish = (km_finish)f;
+    CK(km_dec_str(d, mp, "text", false, d->lim->max_frame, true, &dn->text, &dn->text_len));
+    size_t n = strlen(d->path);
+    CK(km_dec_obj(d, mp, "usage", true, MSGPACK_OBJECT_MAP, &o));
+    km_dec_path_push(d, ".usage");
+    CK(km_dec_check_map(d, &o->via.map));
+    CK(km_dec_u32(d, &o->via.map, "prompt_tokens", true, &dn->prompt_tokens));
+    CK(km_dec_u32(d, &o->via.map, "cached_tokens", false, &dn->cached_tokens));
+    CK(km_dec_u32(d, &o->via.map, "completion_tokens", true, &dn->completion_tokens));
+    km_dec_path_set(d, n);
+    CK(km_dec_obj(d, mp, "timings", false, MSGPACK_OBJECT_MAP, &o));
+    if (o) {
+        km_dec_path_push(d, ".timings");
+        CK(km_dec_check_map(d, &o->via.map));
+        CK(km_dec_num(d, &o->via.map, "queue_ms", false, &dn->queue_ms));
+        CK(km_dec_num(d, &o->via.map, "ttft_ms", false, &dn->ttft_ms));
+        CK(km_dec_num(d, &o->via.map, "total_ms", false, &dn->total_ms));
+        km_dec_path_set(d, n);
+    }
+    CK(km_dec_str(d, mp, "worker", false, KM_PROTO_MAX_NAME, false, &dn->worker, NULL));
+    return km_dec_u32(d, mp, "migrations", false, &dn->migrations);
+}
+
+const km_proto_codec km_proto_codec_done = {done_validate, done_encode, done_decode};
+
+/* ---------------------------------------------------------------- err */
+
+static int err_validate(const km_msg *m, const km_proto_limits *lim, km_errbuf *err)
+{
+    CK(km_val_range("err.code", m->error.code, 1, 999, err));
+    return km_val_name("err.message", m->error.message, true, 0, KM_PROTO_MAX_MESSAGE, err);
+}
+
+static void err_encode(km_enc *e, const km_msg *m)
+{
+    km_enc_u64(e, "id", m->error.id);
+    km_enc_i64(e, "code", m->error.code);
+    km_enc_str(e, "message", m->error.message);
+    if (m->error.retry_after_ms) km_enc_u64(e, "retry_after_ms", m->error.retry_after_ms);
+}
+
+static int err_decode(km_dec *d, const msgpack_object_map *mp)
+{
+    km_msg_error *er = &d->m->error;
+    CK(km_dec_uint(d, mp, "id", false, UINT64_MAX, &er->id));
+    CK(km_dec_i32(d, mp, "code", true, &er->code));
+    CK(km_dec_str(d, mp, "message", true, KM_PROTO_MAX_MESSAGE, false, &er->message, NULL));
+    return km_dec_u32(d, mp, "retry_after_ms", false, &er->retry_after_ms);
+}
+
+const km_proto_codec km_proto_codec_err = {err_validate, err_encode, err_decode};
+
+/* ---------------------------------------------------------------- cancel */
+
+static int cancel_validate(const km_msg *m, const km_proto_limits *lim, km_errbuf *err)
+{
+    return 0;
+}
+
+static void cancel_encode(km_enc *e, const km_msg *m)
+{
+    km_enc_u64(e, "id", m->cancel.id);
+}
+
+static int cancel_decode(km_dec *d, const msgpack_object_map *mp)
+{
+    return km_dec_uint(d, mp, "id", true, UINT64_MAX, &d->m->cancel.id);
+}
+
+const km_proto_codec km_proto_codec_cancel = {cancel_validate, cancel_encode, cancel_decode};
