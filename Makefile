@@ -197,7 +197,7 @@ build/fuzz/fuzz_kvpage: tests/fuzz/fuzz_kvpage.c kvshard/diskfmt.c $(FUZZ_LIB_SR
 	clang -std=gnu11 -g -O1 -I. -fsanitize=fuzzer,address,undefined $< kvshard/diskfmt.c $(FUZZ_LIB_SRC) -o $@ $(LDLIBS)
 
 # The router's OpenAI request parser (fuzz_oai) also needs router/openai.c.
-build/fuzz/fuzz_oai: tests/fuzz/fuzz_oai.c router/openai.c $(FUZZ_LIB_SRC) $(wildcard common/*.h) router/router.h
+build/fuzz/fuzz_oai: tests/fuzz/fuzz_oai.c router/openai.c $(FUZZ_LIB_SRC) $(wildcard common/*.h) router/openai.h
 	@mkdir -p $(dir $@)
 	clang -std=gnu11 -g -O1 -I. -fsanitize=fuzzer,address,undefined $< router/openai.c $(FUZZ_LIB_SRC) -o $@ $(LDLIBS)
 

@@ -20,7 +20,7 @@
 #include <string.h>
 
 #include "client/kvmesh.h"
-#include "router/router.h"
+#include "router/route.h"
 
 static double now_ms(void)
 {

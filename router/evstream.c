@@ -13,7 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "router/router.h"
+#include "router/route.h"
 
 typedef struct held_ev {
     km_msg_kv_event ev;

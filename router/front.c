@@ -150,56 +150,97 @@ static int status_json(rt_router *r, km_buf *out)
     return rc;
 }
 
-void rt_front_on_http(rt_http_req *h, void *user)
+/* The endpoints that are not completions; false when path is none of them. */
+static bool serve_info(rt_router *r, rt_http_req *h, const char *path, bool get)
 {
-    rt_router *r = user;
-    const char *path = rt_http_path(h), *method = rt_http_method(h);
-    km_counter_inc(r->s_http_req);
-    bool get = !strcmp(method, "GET") || !strcmp(method, "HEAD");
+    km_buf b = {0};
     if (!strcmp(path, "/healthz") || !strcmp(path, "/readyz")) {
         bool ready = false;
         uint64_t now = rt_now_ms();
         for (int i = 0; i < r->n_w; i++) ready |= rt_wk_routable(r, &r->w[i], now);
         bool ok = !strcmp(path, "/healthz") || ready;
         rt_http_respond(h, ok ? 200 : 503, "text/plain", ok ? "ok\n" : "no worker\n", ok ? 3 : 10);
-        return;
-    }
-    if (!strcmp(path, "/metrics")) {
-        km_buf b = {0};
+    } else if (!strcmp(path, "/metrics")) {
         rt_update_page_gauges(r);
         km_metrics_render(r->metrics, &b);
         rt_http_respond(h, 200, "text/plain; version=0.0.4", b.data, b.len);
-        km_buf_free(&b);
-        return;
-    }
-    if (!strcmp(path, "/v1/models")) {
-        if (!get) return http_error(h, 405, "invalid_request_error", NULL, "use GET");
-        km_buf b = {0};
+    } else if (!strcmp(path, "/v1/models")) {
+        if (!get) {
+            http_error(h, 405, "invalid_request_error", NULL, "use GET");
+            return true;
+        }
         rt_oai_models(&b, r->model_name, (int64_t)time(NULL));
         rt_http_respond(h, 200, "application/json", b.data, b.len);
-        km_buf_free(&b);
-        return;
-    }
-    if (!strcmp(path, "/v1/status") || !strcmp(path, "/status")) {
-        km_buf b = {0};
+    } else if (!strcmp(path, "/v1/status") || !strcmp(path, "/status")) {
         if (status_json(r, &b))
             http_error(h, 500, "server_error", NULL, "out of memory");
         else
             rt_http_respond(h, 200, "application/json", b.data, b.len);
-        km_buf_free(&b);
-        return;
+    } else {
+        return false;
     }
-    bool chat = !strcmp(path, "/v1/chat/completions");
-    if (!chat && strcmp(path, "/v1/completions"))
-        return http_error(h, 404, "invalid_request_error", NULL, "no such endpoint");
-    if (strcmp(method, "POST"))
-        return http_error(h, 405, "invalid_request_error", NULL, "use POST");
+    km_buf_free(&b);
+    return true;
+}
+
+/* The OpenAI request's sampling parameters, stop strings and salt into q (taken from oq). */
+static void rq_from_oai(rt_rq *q, rt_oai_req *oq)
+{
+    km_msg tmp;
+    km_msg_init(&tmp, KM_MSG_REQUEST);
+    q->q = tmp.req;
+    q->q.temperature = oq->temperature;
+    q->q.top_p = oq->top_p;
+    q->q.top_k = oq->top_k;
+    q->q.min_p = oq->min_p;
+    q->q.presence_penalty = oq->presence_penalty;
+    q->q.frequency_penalty = oq->frequency_penalty;
+    q->q.repeat_penalty = oq->repeat_penalty;
+    q->q.has_seed = oq->has_seed;
+    q->q.seed = oq->seed;
+    q->q.priority = oq->priority;
+    q->q.n_stop = (uint32_t)oq->n_stop;
+    for (int i = 0; i < oq->n_stop; i++) {
+        q->stop[i] = oq->stop[i];
+        oq->stop[i] = NULL;
+    }
+    oq->n_stop = 0;
+    q->salt = oq->cache_salt;
+    oq->cache_salt = NULL;
+    q->max_tokens = oq->max_tokens;
+}
+
+/* The prompt's tokens: a completion's prompt as is, a chat's messages through the model's chat
+ * template (ChatML when the model names none). */
+static int tokenize_oai(rt_router *r, rt_rq *q, const rt_oai_req *oq, bool chat)
+{
+    if (!chat) return rt_rq_tokenize(r, q, oq->prompt, strlen(oq->prompt), 1);
+    km_chat_msg msgs[1024];
+    for (int i = 0; i < oq->n_msgs && i < 1024; i++)
+        msgs[i] = (km_chat_msg){oq->msgs[i].role, oq->msgs[i].content};
+    km_chat_kind kind = r->chat != KM_CHAT_NONE ? r->chat : KM_CHAT_CHATML;
+    const char *defsys = strcasestr(r->model_name, "smollm")
+                             ? "You are a helpful AI assistant named SmolLM, trained by "
+                               "Hugging Face"
+                             : NULL;
+    int need = km_chat_apply(kind, msgs, oq->n_msgs, 1, defsys, NULL, 0);
+    char *txt = need >= 0 ? malloc((size_t)need + 1) : NULL;
+    if (txt) km_chat_apply(kind, msgs, oq->n_msgs, 1, defsys, txt, (size_t)need + 1);
+    int rc = txt ? rt_rq_tokenize(r, q, txt, (size_t)need, 0) : KM_ENOMEM;
+    free(txt);
+    return rc;
+}
+
+/* POST /v1/completions or /v1/chat/completions: a request of the router's table, answered as
+ * SSE chunks or one JSON body. */
+static void on_completion(rt_router *r, rt_http_req *h, bool chat)
+{
     size_t blen;
     const char *body = rt_http_body(h, &blen);
     rt_oai_req oq;
     rt_oai_err e;
+    km_buf b = {0};
     if (rt_oai_parse(body, blen, chat, &oq, &e)) {
-        km_buf b = {0};
         rt_oai_error_json(&b, &e);
         rt_http_respond(h, e.status, "application/json", b.data, b.len);
         km_buf_free(&b);
@@ -215,7 +256,6 @@ void rt_front_on_http(rt_http_req *h, void *user)
         rt_oai_err ne;
         rt_oai_err_from_code(KM_CODE_NOT_FOUND, m, &ne);
         ne.param = "model";
-        km_buf b = {0};
         rt_oai_error_json(&b, &ne);
         rt_http_respond(h, ne.status, "application/json", b.data, b.len);
         km_buf_free(&b);
@@ -233,46 +273,8 @@ void rt_front_on_http(rt_http_req *h, void *user)
     q->created = (int64_t)time(NULL);
     snprintf(q->oai_id, sizeof q->oai_id, "%s-%llx%06llx", chat ? "chatcmpl" : "cmpl",
              (unsigned long long)q->created, (unsigned long long)(r->next_rid + 1));
-    km_msg tmp;
-    km_msg_init(&tmp, KM_MSG_REQUEST);
-    q->q = tmp.req;
-    q->q.temperature = oq.temperature;
-    q->q.top_p = oq.top_p;
-    q->q.top_k = oq.top_k;
-    q->q.min_p = oq.min_p;
-    q->q.presence_penalty = oq.presence_penalty;
-    q->q.frequency_penalty = oq.frequency_penalty;
-    q->q.repeat_penalty = oq.repeat_penalty;
-    q->q.has_seed = oq.has_seed;
-    q->q.seed = oq.seed;
-    q->q.priority = oq.priority;
-    q->q.n_stop = (uint32_t)oq.n_stop;
-    for (int i = 0; i < oq.n_stop; i++) {
-        q->stop[i] = oq.stop[i];
-        oq.stop[i] = NULL;
-    }
-    oq.n_stop = 0;
-    q->salt = oq.cache_salt;
-    oq.cache_salt = NULL;
-    q->max_tokens = oq.max_tokens;
-    int rc;
-    if (chat) {
-        km_chat_msg msgs[1024];
-        for (int i = 0; i < oq.n_msgs && i < 1024; i++)
-            msgs[i] = (km_chat_msg){oq.msgs[i].role, oq.msgs[i].content};
-        km_chat_kind kind = r->chat != KM_CHAT_NONE ? r->chat : KM_CHAT_CHATML;
-        const char *defsys = strcasestr(r->model_name, "smollm")
-                                 ? "You are a helpful AI assistant named SmolLM, trained by "
-                                   "Hugging Face"
-                                 : NULL;
-        int need = km_chat_apply(kind, msgs, oq.n_msgs, 1, defsys, NULL, 0);
-        char *txt = need >= 0 ? malloc((size_t)need + 1) : NULL;
-        if (txt) km_chat_apply(kind, msgs, oq.n_msgs, 1, defsys, txt, (size_t)need + 1);
-        rc = txt ? rt_rq_tokenize(r, q, txt, (size_t)need, 0) : KM_ENOMEM;
-        free(txt);
-    } else {
-        rc = rt_rq_tokenize(r, q, oq.prompt, strlen(oq.prompt), 1);
-    }
+    rq_from_oai(q, &oq);
+    int rc = tokenize_oai(r, q, &oq, chat);
     rt_oai_req_free(&oq);
     if (rc) {
         rt_rq_free(q);
@@ -285,11 +287,25 @@ void rt_front_on_http(rt_http_req *h, void *user)
         if (chat) {
             rt_oai_meta m;
             rt_rq_oai_meta(r, q, &m, NULL);
-            km_buf b = {0};
             if (!rt_oai_sse_chunk(&b, &m, NULL, 0, NULL)) rt_http_stream_write(h, b.data, b.len);
             km_buf_free(&b);
         }
     }
     rt_rq_start(r, q);
     rt_pump(r);
+}
+
+void rt_front_on_http(rt_http_req *h, void *user)
+{
+    rt_router *r = user;
+    const char *path = rt_http_path(h), *method = rt_http_method(h);
+    km_counter_inc(r->s_http_req);
+    bool get = !strcmp(method, "GET") || !strcmp(method, "HEAD");
+    if (serve_info(r, h, path, get)) return;
+    bool chat = !strcmp(path, "/v1/chat/completions");
+    if (!chat && strcmp(path, "/v1/completions"))
+        return http_error(h, 404, "invalid_request_error", NULL, "no such endpoint");
+    if (strcmp(method, "POST"))
+        return http_error(h, 405, "invalid_request_error", NULL, "use POST");
+    on_completion(r, h, chat);
 }

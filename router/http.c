@@ -12,7 +12,8 @@
 #include <string.h>
 
 #include "common/http.h"
-#include "router/router.h"
+#include "router/http.h"
+#include "router/openai.h"
 
 struct rt_http {
     km_http_server *s;

@@ -19,7 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "router/router.h"
+#include "router/route.h"
 
 typedef struct rt_entry {
     km_pagehash key;

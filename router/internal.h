@@ -1,7 +1,18 @@
 /*
- * internal.h — what the router daemon's files share (router.c: life cycle and the loop;
- * front.c: the HTTP handlers and the status document). Private to router/: router.h is the
- * component's contract.
+ * internal.h — the router daemon's state and what its files share. Private to router/: router.h
+ * is the component's contract, route.h the routing core these files drive.
+ *
+ * A request's way through the files, for a newcomer:
+ *   clients.c   a ZeroMQ `req` arrives (front.c: an HTTP completion) -> tokenize, page-hash chain
+ *   dispatch.c  pick a worker by the cost model (route.h) and send it, or queue or park it
+ *   relay.c     the worker's `tok` frames go back to the client; `done` ends it; a dead worker's
+ *               requests migrate (replayed or continued) to another
+ *   requests.c  the request table, the router queue, and every reply a client gets
+ *   workers.c   one DEALER per worker with its socket monitor (liveness), the KV event stream
+ *               and its replay after a gap
+ *   view.c      the controller's view, narrowing which workers get new requests
+ *   metrics.c   the Prometheus series
+ *   router.c    create/run/destroy and the loop that drains every socket
  *
  * Everything here runs on the router's one loop thread, so none of it takes a lock.
  */
@@ -10,7 +21,9 @@
 
 #include <uv.h>
 
-#include "router/router.h"
+#include "router/http.h"
+#include "router/openai.h"
+#include "router/route.h"
 #include "worker/worker.h"
 
 #define RT_RQ_BUCKETS 4096
@@ -132,8 +145,7 @@ struct rt_router {
     /* scratch */
     km_buf out;
     km_zmsg zm;
-    int32_t *tokbuf;
-    int tokcap;
+    uint64_t last_sweep_ms; /* the index's expired pending marks were last cleared */
     /* stats */
     uint64_t n_requests, n_ok, n_err, n_overloaded, n_migrations, n_bad_frames;
     uint64_t prompt_tokens, cached_tokens, predicted_tokens;
@@ -152,43 +164,135 @@ struct rt_router {
     km_series *s_views, *s_bad_views, *s_view_age;
 };
 
-/* ---------------------------------------------------------------- shared by the router's files */
+/* ---------------------------------------------------------------- router.c: the loop */
 
 uint64_t rt_now_ms(void);
-
-/* May w get a new request now: its connection is up, it did not just refuse one (503/529), and a
- * fresh view, when it names w, says "ready". */
-bool rt_wk_routable(rt_router *r, rt_wk *w, uint64_t now);
-/* Does a client's model name mean the router's model (its name with or without the quantization
- * suffix, "default", --model-name or the fingerprint)? */
-bool rt_model_ok(rt_router *r, const char *model);
-/* The per-worker page gauges and the index size, from the prefix index. */
-void rt_update_page_gauges(rt_router *r);
 /* Drains every ZeroMQ socket until none has anything to read. */
 void rt_pump(rt_router *r);
+/* Watches a ZeroMQ socket's descriptor on the loop (readable: rt_pump). */
+int rt_open_poll(rt_router *r, uv_poll_t *p, void *sock, km_errbuf *err);
+
+/* ---------------------------------------------------------------- requests.c: table, replies */
 
 /* A new request from origin (not yet in the table), or NULL. */
 rt_rq *rt_rq_new(rt_router *r, rq_origin origin);
 /* Frees a request that never entered the table (rt_rq_start was not called). */
 void rt_rq_free(rt_rq *q);
+void rt_rq_link(rt_router *r, rt_rq *q); /* into the table under q->rid */
+void rt_rq_unlink(rt_router *r, rt_rq *q);
+rt_rq *rt_rq_find(rt_router *r, uint64_t rid);
+/* The router queue (front: a migrated request goes first). */
+void rt_queue_push(rt_router *r, rt_rq *q, bool front);
+void rt_queue_remove(rt_router *r, rt_rq *q);
+/* q leaves its worker (the worker's and the router's in-flight counts). */
+void rt_rq_release_worker(rt_router *r, rt_rq *q);
+/* Ends a request's life in the router (after its final frame went out). */
+void rt_rq_end(rt_router *r, rt_rq *q);
+/* One `err` to the client (ZeroMQ frame or HTTP error), whichever front it came from. */
+void rt_rq_reply_error(rt_router *r, rt_rq *q, int code, uint32_t retry_after, const char *msg);
+/* The request failed: one `err` to the client, counted and logged, then it is gone. */
+void rt_rq_fail(rt_router *r, rt_rq *q, int code, uint32_t retry_after, const char *msg);
+/* One generated token's text to the client (or to q->text for a non-streaming one). */
+void rt_rq_deliver(rt_router *r, rt_rq *q, int32_t token, const char *text, size_t len);
+/* The request completed: its `done` (or HTTP ending) goes out, then it is gone. wid: the worker
+ * that finished it (NULL: none, e.g. max_tokens reached between attempts). */
+void rt_rq_finish(rt_router *r, rt_rq *q, km_finish finish, uint32_t cached, const char *wid);
+/* What the OpenAI response objects of q say besides the text. */
+void rt_rq_oai_meta(rt_router *r, rt_rq *q, rt_oai_meta *m, const char *worker);
+/* A `cancel` for request rid to worker w. */
+void rt_send_cancel(rt_router *r, rt_wk *w, uint64_t rid);
+/* body behind a routing envelope on sock (the client front). */
+int rt_zsend_env(void *sock, const km_zframe *env, int n_env, const km_buf *body);
+/* An `err` frame to a client's envelope (for frames that never became a request). */
+void rt_send_error_env(rt_router *r, const km_zframe *env, int n_env, uint64_t id, int code,
+                       uint32_t retry_after, const char *fmt, ...)
+    __attribute__((format(printf, 7, 8)));
+
+/* ---------------------------------------------------------------- dispatch.c: choosing a worker */
+
+/* May w get a new request now: its connection is up, it did not just refuse one (503/529), and a
+ * fresh view, when it names w, says "ready". */
+bool rt_wk_routable(rt_router *r, rt_wk *w, uint64_t now);
+/* Sends q to a worker, or queues or parks it. Returns 0, or a negative km_err when q was failed
+ * and freed. */
+int rt_dispatch(rt_router *r, rt_rq *q, bool from_queue);
+/* Dispatches queued requests while workers take them; fails those past their deadline. */
+void rt_pump_queue(rt_router *r);
+/* Takes q off its owner's waiting list (parked behind a prefix being computed). */
+void rt_rq_unpark(rt_rq *q);
+/* The owner's prefix is computed (or the owner is gone): its waiters go on their way. */
+void rt_rq_release_waiters(rt_router *r, rt_rq *owner);
+/* When a refused client may retry: the queue ahead over the cluster's capacity, 0.1..30 s. */
+uint32_t rt_retry_after_ms(rt_router *r);
+
+/* ---------------------------------------------------------------- relay.c: streams, migration */
+
+/* A worker's `tok`, `done`, `err` for one of its requests. */
+void rt_relay_token(rt_router *r, rt_wk *w, const km_msg_token *t);
+void rt_relay_done(rt_router *r, rt_wk *w, const km_msg_done *d);
+void rt_relay_error(rt_router *r, rt_wk *w, const km_msg_error *e);
+/* The worker is gone (or refused): send q elsewhere. */
+void rt_migrate(rt_router *r, rt_rq *q, const char *why);
+/* Every request at w goes elsewhere; cancel: also tell w to stop them. */
+void rt_migrate_all(rt_router *r, rt_wk *w, const char *why, bool cancel);
+
+/* ---------------------------------------------------------------- clients.c: the ZeroMQ front */
+
+/* One message from the client front (envelope + body). */
+void rt_on_front_message(rt_router *r, const km_zmsg *zm);
+/* Does a client's model name mean the router's model (its name with or without the quantization
+ * suffix, "default", --model-name or the fingerprint)? */
+bool rt_model_ok(rt_router *r, const char *model);
 /* Tokenizes text into q->tokens as the worker does (parse_special on; add_special off for a
  * rendered chat template, which carries its own BOS). */
 int rt_rq_tokenize(rt_router *r, rt_rq *q, const char *text, size_t len, int add_special);
 /* Everything after the prompt is in q->tokens: the chain, the key, the table, then dispatch.
  * On failure q has been answered and freed. */
 int rt_rq_start(rt_router *r, rt_rq *q);
-/* Ends a request's life in the router (after its final frame went out). */
-void rt_rq_end(rt_router *r, rt_rq *q);
 /* The client gave up: a queued or parked request ends now (done: canceled); one at a worker is
  * canceled there, and the worker's done(canceled) ends it. */
 void rt_rq_cancel(rt_router *r, rt_rq *q);
-/* What the OpenAI response objects of q say besides the text. */
-void rt_rq_oai_meta(rt_router *r, rt_rq *q, rt_oai_meta *m, const char *worker);
 
-/* ---------------------------------------------------------------- HTTP front (front.c) */
+/* ---------------------------------------------------------------- workers.c: links, KV events */
+
+/* Fills the next free worker slot (no sockets yet). */
+int rt_worker_slot_init(rt_router *r, const char *id, const char *req, const char *ev,
+                        km_errbuf *err);
+/* The worker's DEALER with its socket monitor, the SUB's connection to its events, their polls. */
+int rt_worker_open(rt_router *r, rt_wk *w, km_errbuf *err);
+/* w's connection is gone: its pages are forgotten and its requests migrate. */
+void rt_worker_down(rt_router *r, rt_wk *w, const char *why);
+/* Connection events of w's DEALER (up: ask for a replay; down: rt_worker_down). */
+void rt_read_monitor(rt_router *r, rt_wk *w);
+/* One frame from w's DEALER: a stream frame, or part of a KV event replay. */
+void rt_on_worker_frame(rt_router *r, rt_wk *w, const km_zframe *body);
+/* One frame from the KV events SUB. */
+void rt_on_sub_frame(rt_router *r, const km_zframe *body);
+/* From the tick: a replay that did not answer in time gives up on the worker's pages. */
+void rt_sync_expire(rt_router *r, uint64_t now);
+void rt_replay_clear(rt_wk *w);
+
+/* ---------------------------------------------------------------- view.c: the controller's view */
+
+/* One message from the view SUB (["view", frame]). */
+void rt_on_view_message(rt_router *r, const km_zmsg *zm);
+/* A view message that could not be used (counted and logged). */
+void rt_view_bad(rt_router *r, const char *why);
+/* From the tick: a view older than --view-timeout stops counting. */
+void rt_view_check_age(rt_router *r, uint64_t now);
+
+/* ---------------------------------------------------------------- metrics.c */
+
+int rt_register_metrics(rt_router *r, km_errbuf *err);
+/* The per-worker series (at start, and for a worker a view adds at run time). */
+int rt_register_worker_metrics(rt_router *r, rt_wk *w, km_errbuf *err);
+/* The per-worker page gauges and the index size, from the prefix index. */
+void rt_update_page_gauges(rt_router *r);
+
+/* ---------------------------------------------------------------- front.c: HTTP */
 
 /* The HTTP server's handler (rt_http_opts.handler, user = the router): /healthz, /readyz,
  * /metrics, /v1/models, /v1/status (and /status), /v1/completions, /v1/chat/completions. */
 void rt_front_on_http(rt_http_req *h, void *user);
 
-#endif
+#endif /* RT_INTERNAL_H */

@@ -1,7 +1,8 @@
 /*
  * main.c — the kvmesh-router binary: flags (each with a KVMESH_ environment twin and an optional
  * config file, common/svc.h), the worker list, signals, and rt_router_run. Everything else is in
- * router.c; see router.h for the contract and docs/router.md for operation.
+ * the other files of router/ (internal.h has the map); see router.h for the contract and
+ * docs/router.md for operation.
  *
  * Workers are given as --workers ID=REQUESTS_URL+EVENTS_URL,... (e.g.
  * w0=tcp://127.0.0.1:7100+tcp://127.0.0.1:7101); `kvmesh up` writes this list for a local

@@ -18,7 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "router/router.h"
+#include "router/openai.h"
 
 /* ---------------------------------------------------------------- helpers */
 

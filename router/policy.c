@@ -18,7 +18,7 @@
  */
 #include <string.h>
 
-#include "router/router.h"
+#include "router/route.h"
 
 static const char *const mode_names[RT_MODE_COUNT] = {"kv", "round-robin", "random"};
 

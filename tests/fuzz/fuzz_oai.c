@@ -12,7 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "router/router.h"
+#include "router/openai.h"
 
 static void check(const char *body, size_t len, bool chat)
 {

@@ -9,7 +9,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "router/router.h"
+#include "router/route.h"
 
 static const double CREDIT[3] = {1.0, 0.8, 0.5};
 

@@ -18,6 +18,8 @@
 #include <uv.h>
 
 #include "client/kvmesh.h"
+#include "router/http.h"
+#include "router/openai.h"
 #include "router/router.h"
 
 /* ---------------------------------------------------------------- OpenAI layer */

@@ -1,0 +1,223 @@
+/*
+ * clients.c — the router's ZeroMQ front (internal.h): client `req` frames become requests
+ * (their prompt tokenized, or their token ids checked against the vocabulary), client `cancel`
+ * frames cancel them, and anything else gets an `err` (with the frame's id when it had one,
+ * km_msg.rejected_id). rt_rq_start, shared with the HTTP front, computes the page-hash chain
+ * that routing keys on and hands the request to dispatch.
+ *
+ * The router forwards every request as token ids with stream=true, whatever the client asked:
+ * the worker then never tokenizes differently from the router's page-hash chain, and the router
+ * always knows the tokens generated so far, which is what migration needs.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "router/internal.h"
+
+bool rt_model_ok(rt_router *r, const char *model)
+{
+    const char *dot = strrchr(r->model_name, '.');
+    if (dot && strlen(model) == (size_t)(dot - r->model_name) &&
+        !strncmp(model, r->model_name, (size_t)(dot - r->model_name)))
+        return true;
+    return !strcmp(model, r->model_name) || !strcmp(model, "default") ||
+           (r->c.model_name && !strcmp(model, r->c.model_name)) || !strcmp(model, r->fp);
+}
+
+/* Tokenizes text into q->tokens as the worker does (parse_special on; add_special off for a
+ * rendered chat template, which carries its own BOS). */
+int rt_rq_tokenize(rt_router *r, rt_rq *q, const char *text, size_t len, int add_special)
+{
+    int need = km_tok_encode(r->tok, text, len, add_special, 1, NULL, 0);
+    if (need < 0) return need;
+    q->cap = need + 64;
+    q->tokens = malloc(sizeof *q->tokens * (size_t)q->cap);
+    if (!q->tokens) return KM_ENOMEM;
+    q->n_prompt = km_tok_encode(r->tok, text, len, add_special, 1, q->tokens, q->cap);
+    return q->n_prompt < 0 ? q->n_prompt : 0;
+}
+
+/* Everything after the prompt is in q->tokens: the chain, the key, then dispatch. */
+int rt_rq_start(rt_router *r, rt_rq *q)
+{
+    if (q->n_prompt <= 0) {
+        rt_rq_fail(r, q, KM_CODE_BAD_REQUEST, 0, "the prompt is empty after tokenization");
+        return KM_EINVAL;
+    }
+    if ((uint32_t)q->n_prompt > r->lim.max_prompt_tok) {
+        char m[160];
+        snprintf(m, sizeof m, "prompt of %d tokens exceeds the limit of %u", q->n_prompt,
+                 r->lim.max_prompt_tok);
+        rt_rq_fail(r, q, KM_CODE_TOO_LARGE, 0, m);
+        return KM_ERANGE;
+    }
+    km_pagehash seed = km_pagehash_seed(r->fp, strlen(r->fp), r->c.cluster_seed, q->salt,
+                                        q->salt ? strlen(q->salt) : 0);
+    int np = q->n_prompt / r->c.page_tokens;
+    q->chain = malloc(sizeof *q->chain * (size_t)(np ? np : 1));
+    if (!q->chain) {
+        rt_rq_fail(r, q, KM_CODE_INTERNAL, 0, "out of memory");
+        return KM_ENOMEM;
+    }
+    q->n_chain =
+        np ? km_pagehash_chain(seed, q->tokens, q->n_prompt, r->c.page_tokens, q->chain, np) : 0;
+    /* the rendezvous key: the first page, or (a prompt shorter than a page) its tokens */
+    q->key = q->n_chain > 0 ? q->chain[0] : km_pagehash_next(seed, q->tokens, q->n_prompt);
+    if (!q->max_tokens) q->max_tokens = r->c.default_max_tokens;
+    q->rid = ++r->next_rid;
+    rt_rq_link(r, q);
+    r->n_requests++;
+    return rt_dispatch(r, q, false);
+}
+
+/* Copies the sampling fields and owned strings of a decoded request into q. */
+static int rq_copy_params(rt_rq *q, const km_msg_request *src)
+{
+    q->q = *src;
+    q->q.model = NULL;
+    q->q.prompt = NULL;
+    q->q.tokens = NULL;
+    q->q.stop = NULL;
+    q->q.n_stop = src->n_stop;
+    q->q.cache_salt = NULL;
+    for (uint32_t i = 0; i < src->n_stop && i < KM_PROTO_MAX_STOP; i++)
+        if (!(q->stop[i] = strdup(src->stop[i]))) return KM_ENOMEM;
+    if (src->cache_salt && !(q->salt = strdup(src->cache_salt))) return KM_ENOMEM;
+    q->max_tokens = src->max_tokens;
+    q->client_stream = src->stream;
+    if (src->deadline_ms) q->deadline_ns = q->t_arrive + (uint64_t)src->deadline_ms * 1000000ull;
+    return 0;
+}
+
+static void on_client_request(rt_router *r, const km_zmsg *zm, const km_msg_request *req)
+{
+    const km_zframe *env = zm->part;
+    int n_env = zm->n - 1;
+    if (!rt_model_ok(r, req->model)) {
+        rt_send_error_env(r, env, n_env, req->id, KM_CODE_NOT_FOUND, 0,
+                          "req.model: unknown model '%.256s' (this router serves '%s')", req->model,
+                          r->model_name);
+        return;
+    }
+    rt_rq *q = rt_rq_new(r, RQ_ZMQ);
+    if (!q) {
+        rt_send_error_env(r, env, n_env, req->id, KM_CODE_INTERNAL, 0, "out of memory");
+        return;
+    }
+    q->cid = req->id;
+    for (int i = 0; i < n_env; i++) km_buf_append(&q->env_mem, env[i].data, env[i].len);
+    size_t off = 0;
+    for (int i = 0; i < n_env; i++) {
+        q->env[i] = (km_zframe){q->env_mem.data + off, env[i].len};
+        off += env[i].len;
+    }
+    q->n_env = n_env;
+    int rc = rq_copy_params(q, req);
+    if (!rc && req->tokens && req->n_tokens) {
+        q->cap = (int)req->n_tokens + 64;
+        q->tokens = malloc(sizeof *q->tokens * (size_t)q->cap);
+        if (!q->tokens)
+            rc = KM_ENOMEM;
+        else {
+            memcpy(q->tokens, req->tokens, sizeof *q->tokens * req->n_tokens);
+            q->n_prompt = (int)req->n_tokens;
+            int nv = km_tok_n_vocab(r->tok);
+            for (int i = 0; i < q->n_prompt; i++)
+                if (q->tokens[i] >= nv) {
+                    rt_send_error_env(r, env, n_env, req->id, KM_CODE_BAD_REQUEST, 0,
+                                      "req.tokens[%d]: id %d outside the vocabulary (%d)", i,
+                                      q->tokens[i], nv);
+                    rt_rq_free(q);
+                    return;
+                }
+        }
+    } else if (!rc) {
+        rc = rt_rq_tokenize(r, q, req->prompt,
+                            req->prompt_len ? req->prompt_len : strlen(req->prompt), 1);
+    }
+    if (rc) {
+        rt_send_error_env(r, env, n_env, req->id, KM_CODE_INTERNAL, 0, "cannot prepare: %s",
+                          km_strerror(rc));
+        rt_rq_free(q);
+        return;
+    }
+    rt_rq_start(r, q);
+}
+
+static bool env_eq(const rt_rq *q, const km_zmsg *zm)
+{
+    if (q->origin != RQ_ZMQ || q->n_env != zm->n - 1) return false;
+    for (int i = 0; i < q->n_env; i++)
+        if (q->env[i].len != zm->part[i].len ||
+            memcmp(q->env[i].data, zm->part[i].data, q->env[i].len))
+            return false;
+    return true;
+}
+
+void rt_rq_cancel(rt_router *r, rt_rq *q)
+{
+    if (q->queued || q->parked) {
+        rt_rq_unpark(q);
+        rt_queue_remove(r, q);
+        if (q->origin == RQ_ZMQ) {
+            km_msg m;
+            km_msg_init(&m, KM_MSG_DONE);
+            m.done.id = q->cid;
+            m.done.finish = KM_FINISH_CANCELED;
+            m.done.prompt_tokens = (uint32_t)q->n_prompt;
+            m.done.completion_tokens = (uint32_t)q->n_gen;
+            if (!km_msg_encode(&m, &r->lim, &r->out, NULL))
+                rt_zsend_env(r->front, q->env, q->n_env, &r->out);
+        }
+        rt_rq_end(r, q);
+        return;
+    }
+    if (q->worker >= 0) rt_send_cancel(r, &r->w[q->worker], q->rid);
+}
+
+static void on_client_cancel(rt_router *r, const km_zmsg *zm, uint64_t cid)
+{
+    for (int b = 0; b < RT_RQ_BUCKETS; b++)
+        for (rt_rq *q = r->buckets[b]; q; q = q->hnext)
+            if (q->cid == cid && env_eq(q, zm)) {
+                rt_rq_cancel(r, q);
+                return;
+            }
+}
+
+void rt_on_front_message(rt_router *r, const km_zmsg *zm)
+{
+    const km_zframe *body = km_zmsg_body(zm);
+    if (!body || zm->n < 2) return; /* a ROUTER always sees identity + body */
+    km_msg m;
+    km_errbuf err = {{0}};
+    int rc = km_msg_decode(body->data, body->len, &r->lim, &m, &err);
+    if (rc) {
+        r->n_bad_frames++;
+        km_counter_inc(r->s_bad);
+        int code = rc == KM_EUNSUPPORTED ? KM_CODE_VERSION
+                   : rc == KM_ERANGE     ? KM_CODE_TOO_LARGE
+                                         : KM_CODE_BAD_REQUEST;
+        /* the id, when the frame had a readable one, makes the error attributable */
+        rt_send_error_env(r, zm->part, zm->n - 1, m.rejected_id, code, 0, "%s", err.msg);
+        KM_DEBUG("bad_frame", "code=%d msg=\"%s\"", code, err.msg);
+        return;
+    }
+    switch (m.type) {
+    case KM_MSG_REQUEST:
+        on_client_request(r, zm, &m.req);
+        break;
+    case KM_MSG_CANCEL:
+        on_client_cancel(r, zm, m.cancel.id);
+        break;
+    default:
+        r->n_bad_frames++;
+        km_counter_inc(r->s_bad);
+        rt_send_error_env(r, zm->part, zm->n - 1, 0, KM_CODE_BAD_REQUEST, 0,
+                          "a router does not take '%s' frames from clients",
+                          km_msg_type_name(m.type));
+        break;
+    }
+    km_msg_clear(&m);
+}

@@ -1,0 +1,86 @@
+/*
+ * openai.h — the OpenAI layer of the router's HTTP front, private to router/ (openai.c): JSON in
+ * and out of /v1/completions and /v1/chat/completions with jansson. docs/openai.md is the API.
+ */
+#ifndef RT_OPENAI_H
+#define RT_OPENAI_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/svc.h"
+
+/* ---------------------------------------------------------------- OpenAI layer (openai.c)
+ * JSON in and out of the HTTP API (jansson): request bodies into a generation spec, token
+ * streams into chunk objects and SSE events, errors into OpenAI's error shape. */
+
+typedef struct rt_oai_msg {
+    char *role, *content;
+} rt_oai_msg;
+
+typedef struct rt_oai_req {
+    bool chat;        /* /v1/chat/completions */
+    char *model;      /* NULL: the router's model */
+    char *prompt;     /* completions */
+    rt_oai_msg *msgs; /* chat */
+    int n_msgs;
+    uint32_t max_tokens; /* 0: the router's default */
+    float temperature, top_p, min_p, presence_penalty, frequency_penalty, repeat_penalty;
+    int32_t top_k;
+    bool has_seed;
+    uint64_t seed;
+    char *stop[KM_PROTO_MAX_STOP];
+    int n_stop;
+    bool stream, include_usage;
+    char *cache_salt; /* "user" or the extension "cache_salt" */
+    int32_t priority;
+} rt_oai_req;
+
+typedef struct rt_oai_err {
+    int status; /* HTTP status */
+    char message[512];
+    const char *type;  /* "invalid_request_error", "server_error", ... */
+    const char *param; /* offending field or NULL */
+    const char *code;  /* machine code or NULL */
+} rt_oai_err;
+
+/* Parses a request body. 0 or KM_EFORMAT/KM_EINVAL with e filled (status 400). */
+int rt_oai_parse(const char *body, size_t len, bool chat, rt_oai_req *out, rt_oai_err *e);
+void rt_oai_req_free(rt_oai_req *r);
+
+/* What the response objects say besides the text. */
+typedef struct rt_oai_meta {
+    bool chat;
+    const char *id; /* "cmpl-..." / "chatcmpl-..." */
+    const char *model;
+    int64_t created;    /* unix seconds */
+    const char *worker; /* extension field "kvmesh": {"worker": ...}; NULL = omitted */
+} rt_oai_meta;
+
+typedef struct rt_oai_usage {
+    uint32_t prompt_tokens, completion_tokens, cached_tokens;
+} rt_oai_usage;
+
+/* One SSE event "data: {chunk}\n\n" with a text delta (finish NULL) or a finish reason. */
+int rt_oai_sse_chunk(km_buf *out, const rt_oai_meta *m, const char *text, size_t len,
+                     const char *finish);
+/* The usage chunk of stream_options.include_usage (choices: []). */
+int rt_oai_sse_usage(km_buf *out, const rt_oai_meta *m, const rt_oai_usage *u);
+/* "data: [DONE]\n\n" */
+int rt_oai_sse_done(km_buf *out);
+/* An SSE event carrying an error object (a stream that fails after it began). */
+int rt_oai_sse_error(km_buf *out, const rt_oai_err *e);
+/* The whole non-streaming response. */
+int rt_oai_response(km_buf *out, const rt_oai_meta *m, const char *text, size_t len,
+                    const char *finish, const rt_oai_usage *u);
+/* {"error": {"message", "type", "param", "code"}} */
+int rt_oai_error_json(km_buf *out, const rt_oai_err *e);
+/* /v1/models */
+int rt_oai_models(km_buf *out, const char *model, int64_t created);
+/* The HTTP status and error type for a protocol error code (529 -> 429 rate_limit_exceeded...). */
+void rt_oai_err_from_code(int code, const char *message, rt_oai_err *e);
+/* The OpenAI finish_reason for a km_finish ("stop", "length"). */
+const char *rt_oai_finish(km_finish f);
+
+#endif /* RT_OPENAI_H */

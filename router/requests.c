@@ -1,0 +1,321 @@
+/*
+ * requests.c — the router's request table and every reply a client gets (internal.h): requests
+ * by the router's own id (a hash of chains), the bounded router queue, the end of a request's
+ * life, and the frames that answer it on whichever front it came from — `tok`/`done`/`err` on the
+ * ZeroMQ front, SSE chunks or one JSON body on the HTTP front (openai.h).
+ *
+ * A request has exactly one end: rt_rq_finish (done) or rt_rq_fail (err), both of which end it
+ * with rt_rq_end; rt_rq_end alone is for a request whose client is already gone.
+ */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "router/internal.h"
+
+/* ---------------------------------------------------------------- frames */
+
+int rt_zsend_env(void *sock, const km_zframe *env, int n_env, const km_buf *body)
+{
+    km_zframe parts[KM_ZMSG_MAX_PARTS];
+    int n = 0;
+    for (int i = 0; i < n_env && n < KM_ZMSG_MAX_PARTS - 1; i++) parts[n++] = env[i];
+    parts[n++] = (km_zframe){body->data, body->len};
+    return km_zsend(sock, parts, n, KM_ZDONTWAIT, NULL);
+}
+
+void rt_send_error_env(rt_router *r, const km_zframe *env, int n_env, uint64_t id, int code,
+                       uint32_t retry_after, const char *fmt, ...)
+{
+    char msg[KM_PROTO_MAX_MESSAGE];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    km_msg m;
+    km_msg_init(&m, KM_MSG_ERROR);
+    m.error.id = id;
+    m.error.code = code;
+    m.error.message = msg;
+    m.error.retry_after_ms = retry_after;
+    if (!km_msg_encode(&m, &r->lim, &r->out, NULL)) rt_zsend_env(r->front, env, n_env, &r->out);
+}
+
+void rt_send_cancel(rt_router *r, rt_wk *w, uint64_t rid)
+{
+    km_msg m;
+    km_msg_init(&m, KM_MSG_CANCEL);
+    m.cancel.id = rid;
+    if (!km_msg_encode(&m, &r->lim, &r->out, NULL))
+        km_zsend(w->dealer, &(km_zframe){r->out.data, r->out.len}, 1, KM_ZDONTWAIT, NULL);
+}
+
+/* ---------------------------------------------------------------- request table */
+
+rt_rq *rt_rq_new(rt_router *r, rq_origin origin)
+{
+    rt_rq *q = calloc(1, sizeof *q);
+    if (!q) return NULL;
+    q->r = r;
+    q->origin = origin;
+    q->worker = -1;
+    q->t_arrive = km_now_ns();
+    return q;
+}
+
+void rt_rq_free(rt_rq *q)
+{
+    if (!q) return;
+    km_buf_free(&q->env_mem);
+    free(q->salt);
+    for (int i = 0; i < KM_PROTO_MAX_STOP; i++) free(q->stop[i]);
+    free(q->tokens);
+    free(q->chain);
+    km_buf_free(&q->text);
+    free(q);
+}
+
+void rt_rq_link(rt_router *r, rt_rq *q)
+{
+    size_t b = q->rid % RT_RQ_BUCKETS;
+    q->hnext = r->buckets[b];
+    r->buckets[b] = q;
+}
+
+void rt_rq_unlink(rt_router *r, rt_rq *q)
+{
+    rt_rq **pp = &r->buckets[q->rid % RT_RQ_BUCKETS];
+    while (*pp && *pp != q) pp = &(*pp)->hnext;
+    if (*pp) *pp = q->hnext;
+}
+
+rt_rq *rt_rq_find(rt_router *r, uint64_t rid)
+{
+    for (rt_rq *q = r->buckets[rid % RT_RQ_BUCKETS]; q; q = q->hnext)
+        if (q->rid == rid) return q;
+    return NULL;
+}
+
+void rt_queue_push(rt_router *r, rt_rq *q, bool front)
+{
+    q->queued = true;
+    q->qprev = q->qnext = NULL;
+    if (!r->qhead) {
+        r->qhead = r->qtail = q;
+    } else if (front) {
+        q->qnext = r->qhead;
+        r->qhead->qprev = q;
+        r->qhead = q;
+    } else {
+        q->qprev = r->qtail;
+        r->qtail->qnext = q;
+        r->qtail = q;
+    }
+    r->n_queued++;
+    km_gauge_set(r->s_queue, r->n_queued);
+}
+
+void rt_queue_remove(rt_router *r, rt_rq *q)
+{
+    if (!q->queued) return;
+    if (q->qprev)
+        q->qprev->qnext = q->qnext;
+    else
+        r->qhead = q->qnext;
+    if (q->qnext)
+        q->qnext->qprev = q->qprev;
+    else
+        r->qtail = q->qprev;
+    q->queued = false;
+    q->qprev = q->qnext = NULL;
+    r->n_queued--;
+    km_gauge_set(r->s_queue, r->n_queued);
+}
+
+void rt_rq_release_worker(rt_router *r, rt_rq *q)
+{
+    if (q->worker < 0) return;
+    rt_wk *w = &r->w[q->worker];
+    w->inflight--;
+    km_gauge_set(w->s_inflight, w->inflight);
+    r->n_inflight--;
+    km_gauge_set(r->s_inflight_all, r->n_inflight);
+    q->worker = -1;
+}
+
+void rt_rq_end(rt_router *r, rt_rq *q)
+{
+    rt_rq_unpark(q);
+    rt_queue_remove(r, q);
+    rt_rq_release_worker(r, q); /* first: a released waiter must not find q as an owner again */
+    rt_rq_release_waiters(r, q);
+    rt_rq_unlink(r, q);
+    if (q->http) rt_http_on_abort(q->http, NULL, NULL);
+    rt_rq_free(q);
+}
+
+/* ---------------------------------------------------------------- replies to clients */
+
+static void http_send_error(rt_router *r, rt_rq *q, int code, uint32_t retry_after, const char *msg)
+{
+    rt_oai_err e;
+    rt_oai_err_from_code(code, msg, &e);
+    km_buf b = {0};
+    if (q->http_began) {
+        rt_oai_sse_error(&b, &e);
+        rt_http_stream_write(q->http, b.data, b.len);
+        km_buf_reset(&b);
+        rt_oai_sse_done(&b);
+        rt_http_stream_write(q->http, b.data, b.len);
+        rt_http_stream_end(q->http);
+    } else {
+        rt_oai_error_json(&b, &e);
+        char extra[64] = "";
+        if (retry_after)
+            snprintf(extra, sizeof extra, "Retry-After: %u\r\n", (retry_after + 999) / 1000);
+        rt_http_respond_h(q->http, e.status, "application/json", extra, b.data, b.len);
+    }
+    km_buf_free(&b);
+}
+
+void rt_rq_reply_error(rt_router *r, rt_rq *q, int code, uint32_t retry_after, const char *msg)
+{
+    if (q->origin == RQ_ZMQ)
+        rt_send_error_env(r, q->env, q->n_env, q->cid, code, retry_after, "%s", msg);
+    else if (q->http)
+        http_send_error(r, q, code, retry_after, msg);
+}
+
+/* The request failed: one `err` to the client, then it is gone. */
+void rt_rq_fail(rt_router *r, rt_rq *q, int code, uint32_t retry_after, const char *msg)
+{
+    r->n_err++;
+    km_counter_inc(r->s_req_err);
+    rt_rq_reply_error(r, q, code, retry_after, msg);
+    KM_INFO("request_failed", "rid=%llu code=%d attempts=%d msg=\"%s\"", (unsigned long long)q->rid,
+            code, q->attempts, msg);
+    rt_rq_end(r, q);
+}
+
+void rt_rq_oai_meta(rt_router *r, rt_rq *q, rt_oai_meta *m, const char *worker)
+{
+    m->chat = q->http_chat;
+    m->id = q->oai_id;
+    m->model = r->model_name;
+    m->created = q->created;
+    m->worker = worker;
+}
+
+/* One token's text to the client. */
+void rt_rq_deliver(rt_router *r, rt_rq *q, int32_t token, const char *text, size_t len)
+{
+    uint32_t index = (uint32_t)(q->n_gen - 1);
+    if (q->origin == RQ_ZMQ) {
+        if (q->client_stream) {
+            km_msg m;
+            km_msg_init(&m, KM_MSG_TOKEN);
+            m.tok.id = q->cid;
+            m.tok.index = index;
+            m.tok.token = token;
+            m.tok.text = text;
+            m.tok.text_len = len;
+            if (!km_msg_encode(&m, &r->lim, &r->out, NULL))
+                rt_zsend_env(r->front, q->env, q->n_env, &r->out);
+        } else {
+            km_buf_append(&q->text, text, len);
+        }
+        return;
+    }
+    if (!q->http) return;
+    if (!q->http_stream) {
+        km_buf_append(&q->text, text, len);
+        return;
+    }
+    if (len == 0) return;
+    rt_oai_meta m;
+    rt_rq_oai_meta(r, q, &m, NULL);
+    km_buf b = {0};
+    if (!rt_oai_sse_chunk(&b, &m, text, len, NULL)) rt_http_stream_write(q->http, b.data, b.len);
+    km_buf_free(&b);
+}
+
+void rt_rq_finish(rt_router *r, rt_rq *q, km_finish finish, uint32_t cached, const char *wid)
+{
+    uint64_t now = km_now_ns();
+    double total_ms = (now - q->t_arrive) / 1e6;
+    double ttft_ms = q->t_first ? (q->t_first - q->t_arrive) / 1e6 : total_ms;
+    double queue_ms = q->t_sent ? (q->t_sent - q->t_arrive) / 1e6 + q->worker_queue_ms : total_ms;
+    if (q->router_detok) {
+        char tail[16];
+        int n = km_detok_flush(&q->dt, tail, sizeof tail);
+        if (n > 0) {
+            /* the held-back bytes of the last token (streams: done.text, or one more chunk) */
+            km_buf_append(&q->text, tail, (size_t)n);
+        }
+    }
+    uint32_t cached_out = q->first_cached_set ? q->first_cached : cached;
+    if (cached_out > (uint32_t)q->n_prompt) cached_out = (uint32_t)q->n_prompt;
+    r->n_ok++;
+    km_counter_inc(r->s_req_ok);
+    r->prompt_tokens += (uint64_t)q->n_prompt;
+    r->cached_tokens += cached_out;
+    km_counter_add(r->s_prompt, (uint64_t)q->n_prompt);
+    km_counter_add(r->s_cached, cached_out);
+    km_hist_observe(r->s_total, total_ms / 1e3);
+    r->ewma_total_ms = r->ewma_total_ms > 0 ? 0.9 * r->ewma_total_ms + 0.1 * total_ms : total_ms;
+    if (q->origin == RQ_ZMQ) {
+        km_msg m;
+        km_msg_init(&m, KM_MSG_DONE);
+        m.done.id = q->cid;
+        m.done.finish = finish;
+        /* A stream's done.text is its tail: bytes no token frame could carry (held back for a
+         * possible stop string, or an incomplete last character); NULL when there are none. */
+        if (!q->client_stream || q->text.len) {
+            m.done.text = q->text.data ? (const char *)q->text.data : "";
+            m.done.text_len = q->text.len;
+        }
+        m.done.prompt_tokens = (uint32_t)q->n_prompt;
+        m.done.cached_tokens = cached_out;
+        m.done.completion_tokens = (uint32_t)q->n_gen;
+        m.done.queue_ms = queue_ms;
+        m.done.ttft_ms = ttft_ms;
+        m.done.total_ms = total_ms;
+        m.done.worker = wid;
+        m.done.migrations = (uint32_t)q->migrations;
+        if (!km_msg_encode(&m, &r->lim, &r->out, NULL))
+            rt_zsend_env(r->front, q->env, q->n_env, &r->out);
+    } else if (q->http) {
+        rt_oai_meta m;
+        rt_rq_oai_meta(r, q, &m, wid);
+        rt_oai_usage u = {.prompt_tokens = (uint32_t)q->n_prompt,
+                          .completion_tokens = (uint32_t)q->n_gen,
+                          .cached_tokens = cached_out};
+        km_buf b = {0};
+        if (q->http_stream) {
+            if (q->text.len) { /* the tail: held-back bytes (see rq_finish's ZeroMQ branch) */
+                rt_rq_oai_meta(r, q, &m, NULL);
+                rt_oai_sse_chunk(&b, &m, (const char *)q->text.data, q->text.len, NULL);
+                rt_rq_oai_meta(r, q, &m, wid);
+            }
+            rt_oai_sse_chunk(&b, &m, NULL, 0, rt_oai_finish(finish));
+            if (q->include_usage) rt_oai_sse_usage(&b, &m, &u);
+            rt_oai_sse_done(&b);
+            rt_http_stream_write(q->http, b.data, b.len);
+            rt_http_stream_end(q->http);
+        } else {
+            rt_oai_response(&b, &m, q->text.data ? (const char *)q->text.data : "", q->text.len,
+                            rt_oai_finish(finish), &u);
+            char extra[KM_PROTO_MAX_NAME + 64];
+            snprintf(extra, sizeof extra, "X-Kvmesh-Worker: %s\r\n", wid ? wid : "");
+            rt_http_respond_h(q->http, 200, "application/json", extra, b.data, b.len);
+        }
+        km_buf_free(&b);
+    }
+    KM_DEBUG("request_done",
+             "rid=%llu worker=%s prompt=%d cached=%u predicted=%.0f gen=%d "
+             "ttft_ms=%.1f total_ms=%.1f attempts=%d",
+             (unsigned long long)q->rid, wid ? wid : "-", q->n_prompt, cached_out, q->predicted,
+             q->n_gen, ttft_ms, total_ms, q->attempts);
+    rt_rq_end(r, q);
+}
