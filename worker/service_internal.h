@@ -1,11 +1,168 @@
 /*
- * service_internal.h — what the worker daemon's files share (service.c: the loop, requests and
- * admin commands; events.c: KV events, replay and snapshots). Private to worker/.
+ * service_internal.h — what the worker daemon's files share. Private to worker/: worker.h
+ * ("service") is the contract.
+ *
+ *   service.c            create/destroy, the loop, frames in, drain and shutdown
+ *   service_requests.c   requests in flight: `req` to the scheduler, tokens and ends back out
+ *   service_admin.c      admin commands: status (and KV event replay), evict, set_kv_format,
+ *                        drain, shutdown, pressure
+ *   service_heartbeat.c  what the worker reports: metrics, gauges, heartbeats to the controller
+ *   events.c             KV events, their replay and snapshots
+ *
+ * Everything here runs on the service's one thread (the admin HTTP thread reads only the metrics
+ * registry and the atomic state).
  */
 #ifndef WK_SERVICE_INTERNAL_H
 #define WK_SERVICE_INTERNAL_H
 
 #include "worker/worker.h"
+
+#include <signal.h>
+#include <stdatomic.h>
+
+typedef struct wk_events wk_events; /* events.c, below */
+
+enum { WK_ENV_MAX = KM_ZMSG_MAX_PARTS - 1, WK_ENV_BYTES = 1024, WK_LAT_RING = 1024 };
+
+/* One request in flight, from its `req` frame to its `done` or `err`. */
+typedef struct wk_sreq {
+    struct wk_service *svc;
+    uint64_t id, rid;
+    uint8_t env[WK_ENV_BYTES]; /* routing envelope, copied */
+    size_t env_len[WK_ENV_MAX];
+    int n_env;
+    bool stream;
+    km_detok dt;
+    km_buf text;  /* completion text: kept for non-streaming requests and stop strings */
+    size_t sent;  /* bytes of text already streamed (stop strings: the rest may begin one) */
+    bool stopped; /* a stop string ended it: nothing after the match belongs to the text */
+    char *stop[KM_PROTO_MAX_STOP];
+    int n_stop;
+    uint64_t arrival_ns, last_ns;
+    int live_idx;
+} wk_sreq;
+
+typedef enum {
+    WK_BAD_MALFORMED = 0,
+    WK_BAD_TOO_LARGE,
+    WK_BAD_VERSION,
+    WK_BAD_TYPE,
+    WK_BAD_PARTS,
+    WK_BAD_FIELD,
+    WK_BAD_COUNT
+} wk_bad;
+extern const char *const wk_bad_names[WK_BAD_COUNT]; /* metric labels, heartbeat error kinds */
+
+typedef enum {
+    WK_OUT_OK = 0,
+    WK_OUT_CANCELED,
+    WK_OUT_DEADLINE,
+    WK_OUT_ERROR,
+    WK_OUT_REJECTED,
+    WK_OUT_HANDED_BACK,
+    WK_OUT_COUNT
+} wk_outcome;
+extern const char *const wk_out_names[WK_OUT_COUNT]; /* metric labels */
+
+struct wk_service {
+    wk_model *m;
+    wk_engine *e;
+    kv_store *kv;
+    const km_tokenizer *tok;
+    wk_sched *sched;
+    wk_events *ev;
+    wk_service_opts o;
+    char worker_id[KM_PROTO_MAX_NAME + 1];
+    char model_name[KM_PROTO_MAX_NAME + 1], model_base[KM_PROTO_MAX_NAME + 1];
+    char fp[33];
+    char ep_requests[256], ep_events[256], ep_admin[256];
+    km_proto_limits lim;
+    void *zctx, *router, *pub, *ctl;
+    km_admin *admin;
+    km_metrics *reg;
+    atomic_int state; /* km_worker_state */
+    volatile sig_atomic_t signals;
+    int exit_code;
+    bool stop_now;
+    uint64_t drain_deadline_ns, start_ns;
+    kv_format kv_base; /* the format the worker started with: another one = level 2 in effect */
+    /* requests in flight */
+    wk_sreq **live;
+    int n_live, cap_live;
+    /* scratch, reused */
+    km_buf out;
+    int32_t *tokbuf;
+    int tokcap;
+    km_zmsg in;
+    /* heartbeats and rates */
+    uint64_t hb_seq, next_hb_ns, next_gauge_ns, last_rate_ns;
+    uint64_t last_prefill, last_decode, last_preempt;
+    double decode_tps, prefill_tps;
+    double ttft_ring[WK_LAT_RING], tpot_ring[WK_LAT_RING], qtmp[WK_LAT_RING];
+    int n_ttft, n_tpot;
+    uint64_t errors[WK_BAD_COUNT], send_errors, oom_errors;
+    /* metrics */
+    km_metric *m_kv_bytes, *m_kv_pages, *m_kv_cap;
+    km_series *s_req[WK_OUT_COUNT], *s_bad[WK_BAD_COUNT];
+    km_series *s_tok_prompt, *s_tok_cached, *s_tok_gen, *s_tok_prefill;
+    km_series *s_ttft, *s_itl, *s_queue, *s_e2e, *s_hit, *s_preempt, *s_running, *s_queued;
+    km_series *s_steps, *s_events, *s_ready, *s_hb_sent, *s_hb_dropped;
+    km_series *s_rec_evict, *s_rec_format, *s_rec_drain, *s_rec_shutdown;
+    km_series *s_rec_level[4]; /* kvmesh_recovery_actions_total{level="0".."3"} */
+    km_metric *m_kv_pinned;
+    km_series *s_ballast;
+    /* chaos: the `pressure` command's ballast, a sequence holding real hot pages */
+    kv_seq *ballast;
+    int ballast_pages;
+};
+
+static inline uint64_t wk_ms_ns(int64_t ms)
+{
+    return (uint64_t)ms * 1000000ull;
+}
+
+/* ---------------------------------------------------------------- service.c */
+
+void wk_svc_set_state(wk_service *s, km_worker_state st);
+km_worker_state wk_svc_state(wk_service *s);
+
+/* ---------------------------------------------------------------- service_requests.c */
+
+/* body behind an envelope on sock (the ROUTER, or the controller DEALER with no envelope);
+ * a failed send is counted. */
+int wk_svc_send(wk_service *s, void *sock, const km_zframe *env, int n_env, const km_buf *body);
+/* An `err` frame (msg NULL: the code's name). */
+int wk_svc_send_error(wk_service *s, void *sock, const km_zframe *env, int n_env, uint64_t id,
+                      int code, uint32_t retry_ms, const char *msg);
+void wk_svc_count_bad(wk_service *s, wk_bad b);
+/* A `req` from the ROUTER: checked, tokenized when it carries text, and queued. */
+void wk_svc_handle_request(wk_service *s, const km_zframe *env, int n_env, const km_msg_request *q);
+/* The request in flight with this id from this envelope, or NULL. */
+wk_sreq *wk_svc_live_find(wk_service *s, const km_zframe *env, int n_env, uint64_t id);
+void wk_svc_sreq_free(wk_sreq *r);
+/* The scheduler's callbacks (tokens, ends) that stream requests back to their senders. */
+void wk_svc_callbacks(wk_service *s, wk_sched_cb *out);
+
+/* ---------------------------------------------------------------- service_admin.c */
+
+/* An `admin` from the ROUTER or the controller: carried out and answered with `admin_reply`. */
+void wk_svc_handle_admin(wk_service *s, void *sock, const km_zframe *env, int n_env,
+                         const km_msg_admin *a);
+/* From ready to draining: no new requests; in-flight ones finish until the deadline. */
+void wk_svc_start_drain(wk_service *s, int64_t timeout_ms, const char *why);
+kv_format wk_svc_kv_format(wk_service *s); /* the current KV format (shard 0's) */
+void wk_svc_ballast_release(wk_service *s);
+size_t wk_svc_ballast_bytes(wk_service *s);
+
+/* ---------------------------------------------------------------- service_heartbeat.c */
+
+int wk_svc_metrics_init(wk_service *s, km_errbuf *err);
+/* KV, scheduler and rate gauges from the store's and scheduler's statistics. */
+void wk_svc_update_gauges(wk_service *s);
+/* One heartbeat to the controller (dropped, and counted, when it cannot leave now). */
+void wk_svc_heartbeat(wk_service *s);
+/* A request ended (done or error): its latencies into the metrics and the heartbeat's rings. */
+void wk_svc_observe_end(wk_service *s, const wk_sched_usage *u);
 
 /* ---------------------------------------------------------------- KV events (events.c)
  *
@@ -13,7 +170,6 @@
  * tiers share a frame) numbered per worker from 1; a ring of recent events keeps their frame
  * numbers for replay, and a mirror of the store's index (page hash -> tier, fed by the same
  * events) answers snapshots. */
-typedef struct wk_events wk_events;
 
 /* pub may be NULL (no events endpoint): events are still numbered, mirrored and replayable. */
 int wk_events_create(kv_store *kv, void *pub, const char *worker, int replay_cap, wk_events **out);

@@ -1,0 +1,297 @@
+/*
+ * service_admin.c — the worker's admin commands (service_internal.h; docs/protocol.md section
+ * 9): status (with the KV event replay a router asks for after a gap), evict, set_kv_format,
+ * drain, shutdown, and the chaos-only pressure. The controller's recovery levels are these
+ * commands: 1 evict, 2 set_kv_format to a smaller format (f16 again is its revert, level 0),
+ * 3 drain; each is counted by level and logged as one event=recovery line.
+ *
+ * Every command gets exactly one `admin_reply`, carrying the worker's state, KV format, load and
+ * KV totals whatever the command was; a command naming another worker changes nothing here.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "worker/service_internal.h"
+
+/* ---------------------------------------------------------------- KV store facts */
+
+static void wk_kv_totals(wk_service *s, uint64_t *pages, uint64_t *bytes)
+{
+    kv_store_stats st;
+    kv_store_stats_get(s->kv, &st);
+    *pages = *bytes = 0;
+    for (int t = 0; t < KV_TIER_COUNT; t++) {
+        *pages += st.tier[t].pages;
+        *bytes += st.tier[t].bytes;
+    }
+}
+
+kv_format wk_svc_kv_format(wk_service *s)
+{
+    kv_shard_stats sh;
+    if (kv_store_shard_stats(s->kv, 0, &sh)) return KN_KV_F16;
+    return sh.format;
+}
+
+/* Hot-tier bytes held by live sequences over the hot budget, all shards: pressure as the
+ * controller computes it from heartbeats (logged with every recovery action). */
+static double wk_hot_pressure(wk_service *s)
+{
+    kv_store_stats st;
+    kv_store_stats_get(s->kv, &st);
+    const kv_tier_stats *h = &st.tier[KV_TIER_HOT];
+    return h->budget ? (double)h->pinned_bytes / (double)h->budget : 0.0;
+}
+
+/* One recovery action carried out: counted by level and logged as one event=recovery line. */
+static void wk_recovery_log(wk_service *s, int level, const char *action, bool ok,
+                            const char *detail)
+{
+    if (level >= 0 && level <= 3) km_counter_inc(s->s_rec_level[level]);
+    KM_INFO("recovery", "level=%d action=%s worker=%s ok=%d pressure=%.3f %s", level, action,
+            s->worker_id, (int)ok, wk_hot_pressure(s), detail ? detail : "");
+}
+
+void wk_svc_start_drain(wk_service *s, int64_t timeout_ms, const char *why)
+{
+    if (wk_svc_state(s) != KM_STATE_READY) return;
+    if (timeout_ms <= 0) timeout_ms = s->o.drain_timeout_ms;
+    s->drain_deadline_ns = km_now_ns() + wk_ms_ns(timeout_ms);
+    wk_svc_set_state(s, KM_STATE_DRAINING);
+    wk_svc_ballast_release(s); /* in-flight requests get its pages; the next process starts clean */
+    km_counter_inc(s->s_rec_drain);
+    KM_INFO("drain_start", "worker=%s reason=%s timeout_ms=%lld inflight=%d", s->worker_id, why,
+            (long long)timeout_ms, wk_sched_pending(s->sched));
+}
+
+/* ---------------------------------------------------------------- chaos: ballast */
+
+/* Bytes of one ballast page: the current format's (int4 pages are written in f16 and only
+ * sealed once full, which ballast pages never are). */
+static size_t wk_ballast_page_bytes(wk_service *s)
+{
+    kv_format f = wk_svc_kv_format(s);
+    return kv_store_format_page_bytes(s->kv, f == KN_KV_INT4 ? KN_KV_F16 : f);
+}
+
+size_t wk_svc_ballast_bytes(wk_service *s)
+{
+    return (size_t)s->ballast_pages * wk_ballast_page_bytes(s);
+}
+
+void wk_svc_ballast_release(wk_service *s)
+{
+    if (!s->ballast) return;
+    kv_seq_destroy(s->kv, s->ballast);
+    s->ballast = NULL;
+    s->ballast_pages = 0;
+    km_gauge_set(s->s_ballast, 0);
+}
+
+/* chaos `pressure`: pins round(fraction x hot budget / page bytes) real pages in a ballast
+ * sequence, replacing the previous one (0 only releases it). Pages come from the pool like any
+ * sequence's: room is made from cached pages only, never from running sequences, and when the
+ * pool runs out the ballast keeps what it got. Returns the pages pinned; msg says what. */
+static int wk_ballast_set(wk_service *s, double fraction, char *msg, size_t cap)
+{
+    wk_svc_ballast_release(s);
+    kv_store_stats st;
+    kv_store_stats_get(s->kv, &st);
+    const size_t pb = wk_ballast_page_bytes(s);
+    const int pt = kv_store_page_tokens(s->kv);
+    double want_d = fraction * (double)st.tier[KV_TIER_HOT].budget / (double)pb + 0.5;
+    int want = want_d > (double)(INT32_MAX / pt) ? INT32_MAX / pt : (int)want_d;
+    int got = 0, rc = 0;
+    if (want > 0 && !(rc = kv_seq_create(s->kv, &s->ballast)))
+        while (got < want && !(rc = kv_seq_reserve(s->kv, s->ballast, (got + 1) * pt))) got++;
+    s->ballast_pages = got;
+    if (s->ballast && !got) wk_svc_ballast_release(s);
+    km_gauge_set(s->s_ballast, (double)wk_svc_ballast_bytes(s));
+    if (!want)
+        snprintf(msg, cap, "ballast released");
+    else if (got < want)
+        snprintf(msg, cap, "pinned %d of %d ballast pages (%zu bytes): %s", got, want,
+                 wk_svc_ballast_bytes(s),
+                 rc == KM_ENOSPC ? "the KV pool has no more room" : km_strerror(rc));
+    else
+        snprintf(msg, cap, "pinned %d ballast pages (%zu bytes)", got, wk_svc_ballast_bytes(s));
+    KM_INFO("chaos_pressure", "worker=%s fraction=%.3f wanted=%d pinned=%d bytes=%zu pressure=%.3f",
+            s->worker_id, fraction, want, got, wk_svc_ballast_bytes(s), wk_hot_pressure(s));
+    return got;
+}
+
+/* ---------------------------------------------------------------- commands */
+
+/* Each command fills rp (ok, code, results) and msg (the reply's message; empty: none). */
+typedef struct admin_ctx {
+    wk_service *s;
+    const km_msg_admin *a;
+    km_msg_admin_reply *rp;
+    char msg[KM_PROTO_MAX_MESSAGE];
+} admin_ctx;
+
+static void admin_fail(admin_ctx *c, int code, const char *msg)
+{
+    c->rp->ok = false;
+    c->rp->code = code;
+    snprintf(c->msg, sizeof c->msg, "%s", msg);
+}
+
+/* status: the reply itself; with events_since or events_snapshot, a KV event replay (or a
+ * snapshot) first, on the same connection (docs/protocol.md section 9). */
+static void admin_status(admin_ctx *c, void *sock, const km_zframe *env, int n_env)
+{
+    wk_service *s = c->s;
+    const km_msg_admin *a = c->a;
+    if (!a->has_events_since && !a->events_snapshot) return;
+    wk_events_pump(s->ev);
+    bool was_snap = false;
+    int frames =
+        wk_events_replay(s->ev, sock, env, n_env, a->events_since, a->events_snapshot, &was_snap);
+    snprintf(c->msg, sizeof c->msg, "%s: %d kv frames sent", was_snap ? "snapshot" : "replay",
+             frames);
+    c->rp->has_events_next = true;
+    c->rp->events_next = wk_events_next_seq(s->ev);
+    c->rp->events_snapshot = was_snap;
+}
+
+/* evict (recovery level 1): the oldest fraction of unpinned pages leave the hot tier. */
+static void admin_evict(admin_ctx *c)
+{
+    wk_service *s = c->s;
+    kv_store_stats st0, st1;
+    kv_store_stats_get(s->kv, &st0);
+    int n = kv_store_evict_oldest_fraction(s->kv, c->a->fraction);
+    kv_store_stats_get(s->kv, &st1);
+    c->rp->evicted_pages = n > 0 ? (uint64_t)n : 0;
+    c->rp->freed_bytes = st0.tier[KV_TIER_HOT].bytes > st1.tier[KV_TIER_HOT].bytes
+                             ? st0.tier[KV_TIER_HOT].bytes - st1.tier[KV_TIER_HOT].bytes
+                             : 0;
+    km_counter_inc(s->s_rec_evict);
+    char d[128];
+    snprintf(d, sizeof d, "fraction=%.3f pages=%d freed_bytes=%llu", c->a->fraction, n,
+             (unsigned long long)c->rp->freed_bytes);
+    wk_recovery_log(s, 1, "evict", n >= 0, d);
+}
+
+/* set_kv_format: every page converted in place; a smaller format is recovery level 2, f16 again
+ * its revert (level 0). */
+static void admin_set_kv_format(admin_ctx *c)
+{
+    wk_service *s = c->s;
+    const char *format = c->a->format;
+    kv_format f;
+    if (kv_format_parse(format, &f)) {
+        snprintf(c->msg, sizeof c->msg, "admin.format: unknown KV format '%.64s'", format);
+        c->rp->ok = false;
+        c->rp->code = KM_CODE_BAD_REQUEST;
+        return;
+    }
+    kv_format before = wk_svc_kv_format(s);
+    int n = kv_store_convert(s->kv, f);
+    km_gauge_set(s->s_ballast, (double)wk_svc_ballast_bytes(s));
+    if (n < 0) {
+        c->rp->ok = false;
+        c->rp->code = km_proto_code_from_err(n);
+        snprintf(c->msg, sizeof c->msg, "conversion to %s stopped: %s", format, km_strerror(n));
+    } else {
+        c->rp->converted_pages = (uint64_t)n;
+    }
+    km_counter_inc(s->s_rec_format);
+    int level =
+        f == KN_KV_F16                                                                        ? 0
+        : kv_store_format_page_bytes(s->kv, f) < kv_store_format_page_bytes(s->kv, KN_KV_F16) ? 2
+                                                                                              : -1;
+    char d[128];
+    snprintf(d, sizeof d, "from=%s format=%s converted=%d", kv_format_name(before), format, n);
+    if (level >= 0)
+        wk_recovery_log(s, level, "set_kv_format", n >= 0, d);
+    else
+        KM_INFO("set_kv_format", "worker=%s %s", s->worker_id, d);
+}
+
+/* drain (recovery level 3) */
+static void admin_drain(admin_ctx *c)
+{
+    wk_service *s = c->s;
+    if (wk_svc_state(s) != KM_STATE_READY) {
+        snprintf(c->msg, sizeof c->msg, "already %s", km_worker_state_name(wk_svc_state(s)));
+        return;
+    }
+    char d[96];
+    snprintf(d, sizeof d, "timeout_ms=%u inflight=%d", c->a->timeout_ms,
+             wk_sched_pending(s->sched));
+    wk_recovery_log(s, 3, "drain", true, d);
+    wk_svc_start_drain(s, c->a->timeout_ms, "admin");
+}
+
+static void admin_shutdown(admin_ctx *c)
+{
+    wk_service *s = c->s;
+    km_counter_inc(s->s_rec_shutdown);
+    s->stop_now = true;
+    s->exit_code = c->a->restart ? WK_EXIT_RESTART : 0;
+    wk_svc_set_state(s, KM_STATE_STOPPING);
+    KM_INFO("shutdown", "worker=%s restart=%d", s->worker_id, (int)c->a->restart);
+}
+
+/* pressure (chaos tests only): ballast pages pinned in the hot tier */
+static void admin_pressure(admin_ctx *c)
+{
+    wk_service *s = c->s;
+    if (!s->o.chaos) return admin_fail(c, KM_CODE_BAD_REQUEST, "pressure needs --chaos");
+    if (wk_svc_state(s) != KM_STATE_READY) {
+        char m[64];
+        snprintf(m, sizeof m, "worker %s: no ballast now", km_worker_state_name(wk_svc_state(s)));
+        return admin_fail(c, KM_CODE_UNAVAILABLE, m);
+    }
+    wk_ballast_set(s, c->a->fraction, c->msg, sizeof c->msg);
+}
+
+void wk_svc_handle_admin(wk_service *s, void *sock, const km_zframe *env, int n_env,
+                         const km_msg_admin *a)
+{
+    km_msg m;
+    km_msg_init(&m, KM_MSG_ADMIN_REPLY);
+    admin_ctx c = {.s = s, .a = a, .rp = &m.admin_reply};
+    c.rp->id = a->id;
+    c.rp->cmd = a->cmd;
+    c.rp->ok = true;
+    /* `worker` names the target: a frame meant for another worker changes nothing here. */
+    if (a->worker && a->worker[0] && strcmp(a->worker, s->worker_id)) {
+        admin_fail(&c, KM_CODE_NOT_FOUND, "not this worker");
+    } else {
+        switch (a->cmd) {
+        case KM_ADMIN_STATUS:
+            admin_status(&c, sock, env, n_env);
+            break;
+        case KM_ADMIN_EVICT:
+            admin_evict(&c);
+            break;
+        case KM_ADMIN_SET_KV_FORMAT:
+            admin_set_kv_format(&c);
+            break;
+        case KM_ADMIN_DRAIN:
+            admin_drain(&c);
+            break;
+        case KM_ADMIN_SHUTDOWN:
+            admin_shutdown(&c);
+            break;
+        case KM_ADMIN_PRESSURE:
+            admin_pressure(&c);
+            break;
+        default:
+            admin_fail(&c, KM_CODE_BAD_REQUEST, "unknown admin command");
+        }
+    }
+    wk_sched_stats st;
+    wk_sched_stats_get(s->sched, &st);
+    c.rp->state = wk_svc_state(s);
+    c.rp->kv_format = kv_format_name(wk_svc_kv_format(s));
+    c.rp->inflight = (uint32_t)st.running;
+    c.rp->queued = (uint32_t)st.queued;
+    wk_kv_totals(s, &c.rp->kv_pages, &c.rp->kv_bytes);
+    if (c.msg[0]) c.rp->message = c.msg;
+    if (km_msg_encode(&m, &s->lim, &s->out, NULL)) return;
+    wk_svc_send(s, sock, env, n_env, &s->out);
+}

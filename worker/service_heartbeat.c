@@ -1,0 +1,285 @@
+/*
+ * service_heartbeat.c — what the worker reports (service_internal.h): its Prometheus series
+ * (registered once, updated by the loop; docs/operations.md lists them) and its heartbeat to the
+ * controller once a --heartbeat interval (docs/protocol.md section 11): state, endpoints,
+ * capacity, KV use per shard and tier, load, rates, latency quantiles and error counts.
+ *
+ * The heartbeat is sent from the service's loop between scheduler steps; a step is bounded in
+ * time, so heartbeats keep their rhythm while the worker is busy (the controller counts a missed
+ * one as a symptom, not a step that took long).
+ */
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "worker/service_internal.h"
+
+/* ---------------------------------------------------------------- metrics */
+
+int wk_svc_metrics_init(wk_service *s, km_errbuf *err)
+{
+    int rc = km_metrics_create(&s->reg);
+    if (rc) return km_errf(err, rc, "metrics: cannot create the registry");
+    km_metric *m;
+#define REG(kind, name, help, labels, bounds, nb)                                                  \
+    do {                                                                                           \
+        rc = km_metric_register(s->reg, kind, name, help, labels, bounds, nb, &m, err);            \
+        if (rc) return rc;                                                                         \
+    } while (0)
+    static const double lat_b[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                                   0.25,  0.5,    1,     2.5,  5,     10,   30};
+    static const double itl_b[] = {0.0005, 0.001, 0.002, 0.005, 0.01, 0.02,
+                                   0.05,   0.1,   0.2,   0.5,   1,    2.5};
+    int nlat = sizeof lat_b / sizeof lat_b[0], nitl = sizeof itl_b / sizeof itl_b[0];
+    REG(KM_COUNTER, "kvmesh_worker_requests_total",
+        "Requests ended, by outcome (ok, canceled, deadline, error, rejected, handed_back).",
+        "outcome", NULL, 0);
+    for (int i = 0; i < WK_OUT_COUNT; i++) s->s_req[i] = km_metric_series(m, &wk_out_names[i]);
+    REG(KM_COUNTER, "kvmesh_worker_tokens_total",
+        "Tokens by kind: prompt (received), cached (prompt tokens served from cached KV), "
+        "prefill (computed prompt tokens), generated.",
+        "kind", NULL, 0);
+    const char *k[4] = {"prompt", "cached", "prefill", "generated"};
+    s->s_tok_prompt = km_metric_series(m, &k[0]);
+    s->s_tok_cached = km_metric_series(m, &k[1]);
+    s->s_tok_prefill = km_metric_series(m, &k[2]);
+    s->s_tok_gen = km_metric_series(m, &k[3]);
+    REG(KM_HISTOGRAM, "kvmesh_worker_ttft_seconds", "Time from arrival to the first token.", NULL,
+        lat_b, nlat);
+    s->s_ttft = km_metric_series(m, NULL);
+    REG(KM_HISTOGRAM, "kvmesh_worker_itl_seconds", "Time between consecutive tokens of a stream.",
+        NULL, itl_b, nitl);
+    s->s_itl = km_metric_series(m, NULL);
+    REG(KM_HISTOGRAM, "kvmesh_worker_queue_seconds", "Time from arrival to admission.", NULL, lat_b,
+        nlat);
+    s->s_queue = km_metric_series(m, NULL);
+    REG(KM_HISTOGRAM, "kvmesh_worker_request_seconds", "Time from arrival to the end.", NULL, lat_b,
+        nlat);
+    s->s_e2e = km_metric_series(m, NULL);
+    REG(KM_GAUGE, "kvmesh_worker_kv_bytes", "KV bytes held, per tier, shard and format.",
+        "tier,shard,format", NULL, 0);
+    s->m_kv_bytes = m;
+    REG(KM_GAUGE, "kvmesh_worker_kv_pages", "KV pages held, per tier, shard and format.",
+        "tier,shard,format", NULL, 0);
+    s->m_kv_pages = m;
+    REG(KM_GAUGE, "kvmesh_worker_kv_capacity_bytes", "KV byte budget, per tier, shard and format.",
+        "tier,shard,format", NULL, 0);
+    s->m_kv_cap = m;
+    REG(KM_GAUGE, "kvmesh_kv_pinned_bytes",
+        "KV bytes held by live sequences (not reclaimable), per tier, shard and format.",
+        "tier,shard,format", NULL, 0);
+    s->m_kv_pinned = m;
+    REG(KM_GAUGE, "kvmesh_worker_prefix_hit_ratio",
+        "Prompt tokens served from cached KV over prompt tokens, since start.", NULL, NULL, 0);
+    s->s_hit = km_metric_series(m, NULL);
+    REG(KM_COUNTER, "kvmesh_worker_preemptions_total",
+        "Sequences preempted because KV pages ran out.", NULL, NULL, 0);
+    s->s_preempt = km_metric_series(m, NULL);
+    REG(KM_COUNTER, "kvmesh_worker_recovery_actions_total",
+        "Recovery actions taken, by action (evict, set_kv_format, drain, shutdown).", "action",
+        NULL, 0);
+    const char *ra[4] = {"evict", "set_kv_format", "drain", "shutdown"};
+    s->s_rec_evict = km_metric_series(m, &ra[0]);
+    s->s_rec_format = km_metric_series(m, &ra[1]);
+    s->s_rec_drain = km_metric_series(m, &ra[2]);
+    s->s_rec_shutdown = km_metric_series(m, &ra[3]);
+    REG(KM_COUNTER, "kvmesh_recovery_actions_total",
+        "Recovery actions carried out by this worker, by level: 1 evict, 2 set_kv_format to a "
+        "smaller format, 3 drain, 0 the revert to f16.",
+        "level", NULL, 0);
+    const char *lv[4] = {"0", "1", "2", "3"};
+    for (int i = 0; i < 4; i++) s->s_rec_level[i] = km_metric_series(m, &lv[i]);
+    REG(KM_GAUGE, "kvmesh_worker_ballast_bytes",
+        "KV bytes pinned by the chaos `pressure` command's ballast (--chaos).", NULL, NULL, 0);
+    s->s_ballast = km_metric_series(m, NULL);
+    REG(KM_COUNTER, "kvmesh_worker_bad_frames_total", "Frames rejected, by reason.", "reason", NULL,
+        0);
+    for (int i = 0; i < WK_BAD_COUNT; i++) s->s_bad[i] = km_metric_series(m, &wk_bad_names[i]);
+    REG(KM_GAUGE, "kvmesh_worker_running", "Sequences running.", NULL, NULL, 0);
+    s->s_running = km_metric_series(m, NULL);
+    REG(KM_GAUGE, "kvmesh_worker_queue_depth", "Requests waiting for a slot.", NULL, NULL, 0);
+    s->s_queued = km_metric_series(m, NULL);
+    REG(KM_COUNTER, "kvmesh_worker_steps_total", "Engine steps run.", NULL, NULL, 0);
+    s->s_steps = km_metric_series(m, NULL);
+    REG(KM_COUNTER, "kvmesh_worker_kv_event_frames_total", "KV event frames published.", NULL, NULL,
+        0);
+    s->s_events = km_metric_series(m, NULL);
+    REG(KM_GAUGE, "kvmesh_worker_ready", "1 while the worker takes new requests.", NULL, NULL, 0);
+    s->s_ready = km_metric_series(m, NULL);
+    REG(KM_COUNTER, "kvmesh_worker_heartbeats_total", "Heartbeats, by result (sent, dropped).",
+        "result", NULL, 0);
+    const char *hr[2] = {"sent", "dropped"};
+    s->s_hb_sent = km_metric_series(m, &hr[0]);
+    s->s_hb_dropped = km_metric_series(m, &hr[1]);
+#undef REG
+    return 0;
+}
+
+void wk_svc_observe_end(wk_service *s, const wk_sched_usage *u)
+{
+    km_counter_add(s->s_tok_prompt, (uint64_t)u->prompt_tokens);
+    km_counter_add(s->s_tok_cached, (uint64_t)u->cached_tokens);
+    km_hist_observe(s->s_queue, u->queue_ms / 1e3);
+    km_hist_observe(s->s_e2e, u->total_ms / 1e3);
+    if (u->completion_tokens > 0) {
+        s->ttft_ring[s->n_ttft++ % WK_LAT_RING] = u->ttft_ms;
+        if (u->completion_tokens > 1)
+            s->tpot_ring[s->n_tpot++ % WK_LAT_RING] =
+                (u->total_ms - u->ttft_ms) / (u->completion_tokens - 1);
+    }
+}
+
+void wk_svc_update_gauges(wk_service *s)
+{
+    int n_shards = kv_store_n_shards(s->kv);
+    for (int sh = 0; sh < n_shards; sh++) {
+        kv_shard_stats st;
+        if (kv_store_shard_stats(s->kv, sh, &st)) continue;
+        char shard[16];
+        snprintf(shard, sizeof shard, "%d", sh);
+        for (int t = 0; t < KV_TIER_COUNT; t++) {
+            if (!st.tier[t].budget && !st.tier[t].pages) continue;
+            for (int f = 0; f < KV_FORMAT_COUNT; f++) {
+                const char *lv[3] = {kv_tier_name((kv_tier)t), shard, kv_format_name(f)};
+                bool cur = (kv_format)f == st.format;
+                km_series *b = km_metric_series(s->m_kv_bytes, lv);
+                if (!cur && !km_gauge_value(b)) continue; /* never had that format */
+                km_gauge_set(b, cur ? (double)st.tier[t].bytes : 0);
+                km_gauge_set(km_metric_series(s->m_kv_pages, lv),
+                             cur ? (double)st.tier[t].pages : 0);
+                km_gauge_set(km_metric_series(s->m_kv_cap, lv),
+                             cur ? (double)st.tier[t].budget : 0);
+                km_gauge_set(km_metric_series(s->m_kv_pinned, lv),
+                             cur ? (double)st.tier[t].pinned_bytes : 0);
+            }
+        }
+    }
+    wk_sched_stats ss;
+    wk_sched_stats_get(s->sched, &ss);
+    km_gauge_set(s->s_running, ss.running);
+    km_gauge_set(s->s_ballast, (double)wk_svc_ballast_bytes(s));
+    km_gauge_set(s->s_queued, ss.queued);
+    km_gauge_set(s->s_hit, ss.prompt_tokens ? (double)ss.cached_tokens / ss.prompt_tokens : 0);
+    if (ss.preemptions > s->last_preempt)
+        km_counter_add(s->s_preempt, ss.preemptions - s->last_preempt);
+    s->last_preempt = ss.preemptions;
+    uint64_t now = km_now_ns();
+    double dt = (now - s->last_rate_ns) / 1e9;
+    if (dt >= 0.5) {
+        s->decode_tps = (ss.decode_tokens - s->last_decode) / dt;
+        s->prefill_tps = (ss.prefill_tokens - s->last_prefill) / dt;
+        km_counter_add(s->s_tok_prefill, ss.prefill_tokens - s->last_prefill);
+        s->last_decode = ss.decode_tokens;
+        s->last_prefill = ss.prefill_tokens;
+        s->last_rate_ns = now;
+    }
+}
+
+/* ---------------------------------------------------------------- heartbeats */
+
+static double wk_quantile(const double *ring, int n, double q, double *tmp)
+{
+    if (n <= 0) return 0;
+    if (n > WK_LAT_RING) n = WK_LAT_RING;
+    memcpy(tmp, ring, sizeof *tmp * n);
+    /* insertion sort: at most WK_LAT_RING values, once per heartbeat */
+    for (int i = 1; i < n; i++) {
+        double v = tmp[i];
+        int j = i - 1;
+        while (j >= 0 && tmp[j] > v) tmp[j + 1] = tmp[j], j--;
+        tmp[j + 1] = v;
+    }
+    int k = (int)(q * (n - 1) + 0.5);
+    return tmp[k];
+}
+
+static uint64_t wk_rss_bytes(void)
+{
+    FILE *f = fopen("/proc/self/statm", "r");
+    if (!f) return 0;
+    unsigned long pages = 0, rss = 0;
+    int n = fscanf(f, "%lu %lu", &pages, &rss);
+    fclose(f);
+    return n == 2 ? (uint64_t)rss * (uint64_t)sysconf(_SC_PAGESIZE) : 0;
+}
+
+void wk_svc_heartbeat(wk_service *s)
+{
+    if (!s->ctl) return;
+    km_msg m;
+    km_msg_init(&m, KM_MSG_HEARTBEAT);
+    km_msg_heartbeat *hb = &m.hb;
+    hb->worker = s->worker_id;
+    hb->seq = ++s->hb_seq;
+    hb->uptime_ms = (km_now_ns() - s->start_ns) / 1000000ull;
+    hb->kv_format_base = kv_format_name(s->kv_base);
+    hb->state = wk_svc_state(s);
+    km_endpoint eps[3];
+    int ne = 0;
+    eps[ne++] = (km_endpoint){"requests", s->ep_requests};
+    if (s->ep_events[0]) eps[ne++] = (km_endpoint){"events", s->ep_events};
+    if (s->ep_admin[0]) eps[ne++] = (km_endpoint){"admin", s->ep_admin};
+    hb->endpoints = eps;
+    hb->n_endpoints = (uint32_t)ne;
+    hb->model = s->model_base;
+    hb->fingerprint = s->fp;
+    hb->slots = (uint32_t)s->o.sched.max_running;
+    hb->max_ctx = (uint32_t)s->o.sched.max_ctx;
+    hb->page_tokens = (uint32_t)kv_store_page_tokens(s->kv);
+    km_kv_usage kv[KM_PROTO_MAX_KV_ENTRIES];
+    int nk = 0;
+    int n_shards = kv_store_n_shards(s->kv);
+    for (int sh = 0; sh < n_shards && nk < KM_PROTO_MAX_KV_ENTRIES - KV_TIER_COUNT; sh++) {
+        kv_shard_stats st;
+        if (kv_store_shard_stats(s->kv, sh, &st)) continue;
+        for (int t = 0; t < KV_TIER_COUNT; t++) {
+            if (!st.tier[t].budget && !st.tier[t].pages) continue;
+            kv[nk++] = (km_kv_usage){.shard = (uint32_t)sh,
+                                     .tier = (km_tier)t,
+                                     .format = kv_format_name(st.format),
+                                     .pages = st.tier[t].pages,
+                                     .bytes = st.tier[t].bytes,
+                                     .capacity_bytes = st.tier[t].budget,
+                                     .pinned_bytes = st.tier[t].pinned_bytes};
+        }
+    }
+    hb->kv = kv;
+    hb->n_kv = (uint32_t)nk;
+    hb->rss_bytes = wk_rss_bytes();
+    wk_sched_stats ss;
+    wk_sched_stats_get(s->sched, &ss);
+    hb->queue_depth = (uint32_t)ss.queued;
+    hb->running = (uint32_t)ss.running;
+    hb->decode_tps = s->decode_tps;
+    hb->prefill_tps = s->prefill_tps;
+    hb->tokens_total = ss.prefill_tokens + ss.decode_tokens;
+    double *tmp = s->qtmp;
+    const double qs[3] = {0.5, 0.9, 0.99};
+    km_latency_q lat[3];
+    for (int i = 0; i < 3; i++)
+        lat[i] = (km_latency_q){.q = qs[i],
+                                .ttft_ms = wk_quantile(s->ttft_ring, s->n_ttft, qs[i], tmp),
+                                .tpot_ms = wk_quantile(s->tpot_ring, s->n_tpot, qs[i], tmp)};
+    hb->latency = lat;
+    hb->n_latency = 3;
+    km_error_count errs[WK_BAD_COUNT + 4];
+    int nerr = 0;
+    for (int i = 0; i < WK_BAD_COUNT; i++)
+        if (s->errors[i]) errs[nerr++] = (km_error_count){wk_bad_names[i], s->errors[i]};
+    if (s->send_errors) errs[nerr++] = (km_error_count){"send", s->send_errors};
+    if (s->oom_errors) errs[nerr++] = (km_error_count){"oom", s->oom_errors};
+    if (ss.engine_errors) errs[nerr++] = (km_error_count){"engine", ss.engine_errors};
+    if (ss.kv_full) errs[nerr++] = (km_error_count){"kv_full", ss.kv_full};
+    hb->errors = errs;
+    hb->n_errors = (uint32_t)nerr;
+    km_errbuf err = {{0}};
+    if (km_msg_encode(&m, &s->lim, &s->out, &err)) {
+        KM_WARN("heartbeat_encode", "msg=\"%s\"", err.msg);
+        return;
+    }
+    km_zframe f = {s->out.data, s->out.len};
+    if (km_zsend(s->ctl, &f, 1, KM_ZDONTWAIT, NULL))
+        km_counter_inc(s->s_hb_dropped);
+    else
+        km_counter_inc(s->s_hb_sent);
+}
