@@ -53,8 +53,13 @@ LIB_ENGINE  := $(BUILD)/lib/libkmworker.a
 LIB_CLIENT  := $(BUILD)/lib/libkvmesh.a
 LIB_ROUTER  := $(BUILD)/lib/libkmrouter.a
 LIB_CONTROLLER := $(BUILD)/lib/libkmcontroller.a
-# Link order: dependents first.
+# Link order: dependents first. Tests and benchmarks link everything; each daemon links only what
+# DESIGN.md's arrows allow (common <- kernels <- kvshard <- worker; common <- router, controller,
+# client <- cli), so a call against the arrows fails its link (and `make layers` below).
 ALL_LIBS := $(LIB_CLIENT) $(LIB_CONTROLLER) $(LIB_ROUTER) $(LIB_ENGINE) $(LIB_KVSHARD) $(LIB_KERNELS) $(LIB_COMMON)
+WORKER_LIBS     := $(LIB_ENGINE) $(LIB_KVSHARD) $(LIB_KERNELS) $(LIB_COMMON)
+ROUTER_LIBS     := $(LIB_ROUTER) $(LIB_COMMON)
+CONTROLLER_LIBS := $(LIB_CONTROLLER) $(LIB_COMMON)
 
 objs = $(patsubst %.c,$(OBJ)/%.o,$(1))
 
@@ -76,7 +81,7 @@ endif
         bench-engine fixtures fmt lint clean help
 
 all: build
-build: $(PROGRAMS)
+build: $(PROGRAMS) layers
 
 help:
 	@echo "make deps          install Debian packages and fetch the default model (idempotent)"
@@ -119,17 +124,39 @@ $(BIN)/kvmesh: $(call objs,$(CLI_SRC)) $(LIB_CLIENT) $(LIB_ENGINE) $(LIB_KVSHARD
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 
-$(BIN)/kvmesh-worker: $(OBJ)/worker/main.o $(ALL_LIBS)
+$(BIN)/kvmesh-worker: $(OBJ)/worker/main.o $(WORKER_LIBS)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 
-$(BIN)/kvmesh-router: $(OBJ)/router/main.o $(ALL_LIBS)
+$(BIN)/kvmesh-router: $(OBJ)/router/main.o $(ROUTER_LIBS)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 
-$(BIN)/kvmesh-controller: $(OBJ)/controller/main.o $(ALL_LIBS)
+$(BIN)/kvmesh-controller: $(OBJ)/controller/main.o $(CONTROLLER_LIBS)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+
+# ------------------------------------------------------------------ layering
+# Each library is linked alone into a shared object, with only the libraries DESIGN.md's arrows
+# put below it and --no-undefined: a call from a library into one above it (a back-edge) fails
+# here even where no daemon's link would notice. Part of `make build`.
+LAYERS := $(BUILD)/layers
+define layer_rule
+$(LAYERS)/$(1).ok: $(BUILD)/lib/lib$(1).a $(2)
+	@mkdir -p $$(dir $$@)
+	$$(CC) $$(LDFLAGS) -shared -o $$(@:.ok=.so) -Wl,--whole-archive $$< -Wl,--no-whole-archive \
+	  $(2) $$(LDLIBS) -Wl,--no-undefined
+	@rm -f $$(@:.ok=.so) && touch $$@
+endef
+$(eval $(call layer_rule,kmcommon,))
+$(eval $(call layer_rule,kmkernels,$(LIB_COMMON)))
+$(eval $(call layer_rule,kvshard,$(LIB_KERNELS) $(LIB_COMMON)))
+$(eval $(call layer_rule,kmworker,$(LIB_KVSHARD) $(LIB_KERNELS) $(LIB_COMMON)))
+$(eval $(call layer_rule,kmrouter,$(LIB_COMMON)))
+$(eval $(call layer_rule,kmcontroller,$(LIB_COMMON)))
+$(eval $(call layer_rule,kvmesh,$(LIB_COMMON)))
+.PHONY: layers
+layers: $(patsubst %,$(LAYERS)/%.ok,kmcommon kmkernels kvshard kmworker kmrouter kmcontroller kvmesh)
 
 $(TESTBIN)/%: $(OBJ)/tests/unit/%.o $(ALL_LIBS)
 	@mkdir -p $(dir $@)

@@ -305,3 +305,44 @@ void km_pagehash_hex(km_pagehash h, char out[33]);
 }
 #endif
 #endif /* KM_PAGEHASH_H */
+
+/* ---------------------------------------------------------------- model metadata
+ * (appended as its own guarded section; common/modelinfo.c)
+ *
+ * What a process that does not run a model needs of it (the router): its tokenizer, chat format,
+ * display name and fingerprint, read from the GGUF's metadata and a sample of its bytes — never
+ * its weight tensors, which are neither read nor checked. The worker's loader (worker/model.c)
+ * names and fingerprints a model with the same functions, so a router's page-hash chain seeds
+ * from the workers' fingerprint to the bit.
+ */
+#ifndef KM_MODELINFO_H
+#define KM_MODELINFO_H
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct km_model_info km_model_info;
+
+/* Opens the GGUF at path (memory-mapped) and builds its tokenizer. */
+int km_model_info_open(const char *path, km_model_info **out, km_errbuf *err);
+void km_model_info_close(km_model_info *m);
+const km_tokenizer *km_model_info_tokenizer(const km_model_info *m);
+km_chat_kind km_model_info_chat(const km_model_info *m); /* km_chat_detect of the file */
+const char *km_model_info_name(const km_model_info *m);  /* km_model_display_name of the path */
+const char *km_model_info_fingerprint(const km_model_info *m); /* 32 hex digits */
+
+/* 128-bit fingerprint of a GGUF file (XXH3 over its first MiB and 64 KiB samples every 1/64 of
+ * it, and its size), hex-encoded into out[33]. Seeds the page-hash chain, so KV of one model
+ * never serves another. */
+void km_model_fingerprint_hex(const km_gguf *g, char out[33]);
+/* "SmolLM2-135M-Instruct.Q4_1" for ".../SmolLM2-135M-Instruct.Q4_1.gguf": the file name without
+ * its directory and its ".gguf". */
+void km_model_display_name(const char *path, char *out, size_t cap);
+/* $KVMESH_MODEL, else models/SmolLM2-135M-Instruct.Q4_1.gguf. */
+const char *km_default_model_path(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KM_MODELINFO_H */

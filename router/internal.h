@@ -24,7 +24,6 @@
 #include "router/http.h"
 #include "router/openai.h"
 #include "router/route.h"
-#include "worker/worker.h"
 
 #define RT_RQ_BUCKETS 4096
 #define RT_REPLAY_MAX 4096 /* kv frames buffered from one replay */
@@ -120,7 +119,7 @@ struct rt_router {
     rt_config c;
     char model_name[KM_PROTO_MAX_NAME + 1];
     char fp[65];
-    wk_model *model;
+    km_model_info *model; /* tokenizer, chat format, name, fingerprint: no weights */
     const km_tokenizer *tok;
     km_chat_kind chat;
     km_proto_limits lim;

@@ -159,15 +159,13 @@ void rt_config_default(rt_config *c)
 static int open_state(rt_router *r, const rt_config *c, km_errbuf *err)
 {
     int rc;
-    const char *path = c->model_path ? c->model_path : wk_default_model_path();
-    if ((rc = wk_model_load(path, &r->model, err))) return rc;
-    r->tok = wk_model_tokenizer(r->model);
-    r->chat = wk_model_chat_kind(r->model);
-    snprintf(r->model_name, sizeof r->model_name, "%s", wk_model_name(r->model));
-    if (c->fingerprint)
-        snprintf(r->fp, sizeof r->fp, "%s", c->fingerprint);
-    else
-        wk_model_fingerprint_hex(r->model, r->fp);
+    const char *path = c->model_path ? c->model_path : km_default_model_path();
+    if ((rc = km_model_info_open(path, &r->model, err))) return rc;
+    r->tok = km_model_info_tokenizer(r->model);
+    r->chat = km_model_info_chat(r->model);
+    snprintf(r->model_name, sizeof r->model_name, "%s", km_model_info_name(r->model));
+    snprintf(r->fp, sizeof r->fp, "%s",
+             c->fingerprint ? c->fingerprint : km_model_info_fingerprint(r->model));
     if ((rc = rt_index_create(c->index_pages ? c->index_pages : (1u << 18),
                               c->pending_ttl_ms ? c->pending_ttl_ms : 30000, &r->index)))
         return km_errf(err, rc, "router: prefix index of %zu pages", c->index_pages);
@@ -349,6 +347,6 @@ void rt_router_destroy(rt_router *r)
     km_buf_free(&r->out);
     km_zmsg_clear(&r->zm);
     free(r->w);
-    wk_model_free(r->model);
+    km_model_info_close(r->model);
     free(r);
 }

@@ -9,14 +9,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <xxhash.h>
 
 #include "worker/model_internal.h"
 
 const char *wk_default_model_path(void)
 {
-    const char *env = getenv("KVMESH_MODEL");
-    return env && *env ? env : "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+    return km_default_model_path();
 }
 
 static int wk_get_u32(const km_gguf *g, const char *arch, const char *key, uint32_t *out,
@@ -168,28 +166,6 @@ static int wk_load_weights(wk_model *m, km_errbuf *err)
     return 0;
 }
 
-static void wk_fingerprint(wk_model *m)
-{
-    size_t size;
-    const uint8_t *p = km_gguf_file_data(m->gguf, &size);
-    /* The header and metadata (first MiB) plus 64 KiB samples every 1/64 of the file: cheap,
-     * and any re-quantization or fine-tune changes it. */
-    XXH3_state_t *st = XXH3_createState();
-    XXH3_128bits_reset(st);
-    size_t head = size < (1u << 20) ? size : (1u << 20);
-    XXH3_128bits_update(st, p, head);
-    for (int i = 1; i < 64; i++) {
-        size_t off = size / 64 * i, n = 65536;
-        if (off + n > size) n = size - off;
-        XXH3_128bits_update(st, p + off, n);
-    }
-    XXH3_128bits_update(st, &size, sizeof size);
-    XXH128_hash_t h = XXH3_128bits_digest(st);
-    XXH3_freeState(st);
-    snprintf(m->fingerprint, sizeof m->fingerprint, "%016llx%016llx", (unsigned long long)h.high64,
-             (unsigned long long)h.low64);
-}
-
 int wk_model_load(const char *path, wk_model **out, km_errbuf *err)
 {
     *out = NULL;
@@ -206,13 +182,10 @@ int wk_model_load(const char *path, wk_model **out, km_errbuf *err)
         wk_model_free(m);
         return rc;
     }
-    const char *base = strrchr(path, '/');
-    base = base ? base + 1 : path;
-    snprintf(m->name, sizeof m->name, "%s", base);
-    char *dot = strstr(m->name, ".gguf");
-    if (dot) *dot = 0;
+    /* name and fingerprint as common/modelinfo.c gives them to the router */
+    km_model_display_name(path, m->name, sizeof m->name);
     m->chat = km_chat_detect(m->gguf);
-    wk_fingerprint(m);
+    km_model_fingerprint_hex(m->gguf, m->fingerprint);
     *out = m;
     return 0;
 }
