@@ -165,17 +165,12 @@ static void hb_encode(km_enc *e, const km_msg *m)
 static int hb_decode_endpoints(km_dec *d, const msgpack_object_map *mp, size_t n0)
 {
     km_msg_heartbeat *h = &d->m->hb;
-    const msgpack_object *o;
-    CK(km_dec_obj(d, mp, "endpoints", false, MSGPACK_OBJECT_MAP, &o));
-    if (!o || !o->via.map.size) return 0;
-    const msgpack_object_map *em = &o->via.map;
-    km_dec_path_push(d, ".endpoints");
-    CK(km_dec_check_map(d, em));
-    if (em->size > KM_PROTO_MAX_ENDPOINTS)
-        return DFAIL(d, KM_EFORMAT, "hb.endpoints: %u entries, limit %d", em->size,
-                     KM_PROTO_MAX_ENDPOINTS);
-    km_endpoint *ep = km_msg_alloc(d->m, em->size * sizeof *ep);
-    if (!ep) return DFAIL(d, KM_ENOMEM, "hb.endpoints: out of memory");
+    const msgpack_object_map *em;
+    void *mem;
+    CK(km_dec_named_map(d, mp, "endpoints", KM_PROTO_MAX_ENDPOINTS, sizeof(km_endpoint), &em,
+                        &mem));
+    if (!em) return 0;
+    km_endpoint *ep = mem;
     for (uint32_t i = 0; i < em->size; i++) {
         CK(km_dec_copy_str(d, "hb.endpoints key", &em->ptr[i].key, KM_PROTO_MAX_NAME, false,
                            &ep[i].name, NULL));
@@ -238,17 +233,12 @@ static int hb_decode_latency(km_dec *d, const msgpack_object_map *mp, size_t n0)
 static int hb_decode_errors(km_dec *d, const msgpack_object_map *mp, size_t n0)
 {
     km_msg_heartbeat *h = &d->m->hb;
-    const msgpack_object *o;
-    CK(km_dec_obj(d, mp, "errors", false, MSGPACK_OBJECT_MAP, &o));
-    if (!o || !o->via.map.size) return 0;
-    const msgpack_object_map *em = &o->via.map;
-    km_dec_path_push(d, ".errors");
-    CK(km_dec_check_map(d, em));
-    if (em->size > KM_PROTO_MAX_ERROR_KINDS)
-        return DFAIL(d, KM_EFORMAT, "hb.errors: %u entries, limit %d", em->size,
-                     KM_PROTO_MAX_ERROR_KINDS);
-    km_error_count *ec = km_msg_alloc(d->m, em->size * sizeof *ec);
-    if (!ec) return DFAIL(d, KM_ENOMEM, "hb.errors: out of memory");
+    const msgpack_object_map *em;
+    void *mem;
+    CK(km_dec_named_map(d, mp, "errors", KM_PROTO_MAX_ERROR_KINDS, sizeof(km_error_count), &em,
+                        &mem));
+    if (!em) return 0;
+    km_error_count *ec = mem;
     for (uint32_t i = 0; i < em->size; i++) {
         CK(km_dec_copy_str(d, "hb.errors key", &em->ptr[i].key, KM_PROTO_MAX_NAME, false,
                            &ec[i].name, NULL));

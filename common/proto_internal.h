@@ -164,6 +164,12 @@ int km_dec_array_map(km_dec *d, const msgpack_object_array *a, uint32_t i, size_
  * elem_size-byte entries in the message's memory; *a and *out NULL when absent or empty. */
 int km_dec_array(km_dec *d, const msgpack_object_map *mp, const char *key, bool required,
                  uint32_t max, size_t elem_size, const msgpack_object_array **a, void **out);
+/* The map under key (optional) whose keys are names: its keys checked (strings, none twice) with
+ * the path pushed to "<path>.<key>" (left there for the caller's messages; the caller sets it
+ * back), its size against max, and zeroed room for that many elem_size-byte entries; *em and
+ * *out NULL when absent or empty. */
+int km_dec_named_map(km_dec *d, const msgpack_object_map *mp, const char *key, uint32_t max,
+                     size_t elem_size, const msgpack_object_map **em, void **out);
 void km_dec_path_push(km_dec *d, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 void km_dec_path_set(km_dec *d, size_t n);
 

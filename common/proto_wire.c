@@ -396,6 +396,27 @@ int km_dec_array(km_dec *d, const msgpack_object_map *mp, const char *key, bool 
     return 0;
 }
 
+int km_dec_named_map(km_dec *d, const msgpack_object_map *mp, const char *key, uint32_t max,
+                     size_t elem_size, const msgpack_object_map **em, void **out)
+{
+    const msgpack_object *o;
+    *em = NULL;
+    *out = NULL;
+    CK(km_dec_obj(d, mp, key, false, MSGPACK_OBJECT_MAP, &o));
+    if (!o || !o->via.map.size) return 0;
+    const msgpack_object_map *m = &o->via.map;
+    km_dec_path_push(d, ".%s", key);
+    CK(km_dec_check_map(d, m));
+    if (m->size > max)
+        return DFAIL(d, KM_EFORMAT, "%s: %u entries, limit %u", d->path, m->size, max);
+    void *p = km_msg_alloc(d->m, m->size * elem_size);
+    if (!p) return DFAIL(d, KM_ENOMEM, "%s: out of memory", d->path);
+    memset(p, 0, m->size * elem_size);
+    *em = m;
+    *out = p;
+    return 0;
+}
+
 void km_dec_path_push(km_dec *d, const char *fmt, ...)
 {
     size_t n = strlen(d->path);

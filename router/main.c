@@ -51,6 +51,39 @@ static int parse_workers(char *s, rt_worker_cfg *out, int max, km_errbuf *err)
     return n;
 }
 
+/* The bound endpoints, for whoever started the router on ephemeral ports (written atomically). */
+static void write_ports(const rt_router *r, const char *path)
+{
+    char ep[256] = "";
+    rt_router_front_endpoint(r, ep, sizeof ep);
+    char tmp[1024];
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    FILE *f = fopen(tmp, "w");
+    if (!f) return;
+    fprintf(f, "front=%s\nhttp=%d\nadmin=%d\n", ep, rt_router_http_port(r),
+            rt_router_admin_port(r));
+    fclose(f);
+    rename(tmp, path);
+}
+
+/* Creates the router, runs it until a signal stops it, destroys it: the exit status. */
+static int serve(const rt_config *c, const char *ports_file)
+{
+    km_errbuf err = {{0}};
+    if (rt_router_create(c, &g_router, &err)) {
+        KM_ERROR("router_create", "msg=\"%s\"", err.msg);
+        return 1;
+    }
+    if (ports_file) write_ports(g_router, ports_file);
+    km_daemon_signals(on_signal);
+    rt_router_run(g_router);
+    KM_INFO("router_exit", "status=%d", 0);
+    rt_router *r = g_router;
+    g_router = NULL;
+    rt_router_destroy(r);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     rt_config c;
@@ -183,35 +216,7 @@ int main(int argc, char **argv)
     c.index_pages = (size_t)index_pages;
     c.max_http_body = (size_t)max_body;
     c.view_timeout_ms = (uint32_t)view_ms;
-
-    int status = 1;
-    if (rt_router_create(&c, &g_router, &err)) {
-        KM_ERROR("router_create", "msg=\"%s\"", err.msg);
-        goto out;
-    }
-    if (ports_file) {
-        char ep[256] = "";
-        rt_router_front_endpoint(g_router, ep, sizeof ep);
-        char tmp[1024];
-        snprintf(tmp, sizeof tmp, "%s.tmp", ports_file);
-        FILE *f = fopen(tmp, "w");
-        if (f) {
-            fprintf(f, "front=%s\nhttp=%d\nadmin=%d\n", ep, rt_router_http_port(g_router),
-                    rt_router_admin_port(g_router));
-            fclose(f);
-            rename(tmp, ports_file);
-        }
-    }
-    km_daemon_signals(on_signal);
-    rt_router_run(g_router);
-    status = 0;
-    KM_INFO("router_exit", "status=%d", status);
-out:
-    if (g_router) {
-        rt_router *r = g_router;
-        g_router = NULL;
-        rt_router_destroy(r);
-    }
+    int status = serve(&c, ports_file);
     free(wl);
     km_config_destroy(cfg);
     return status;
