@@ -55,7 +55,7 @@ LIB_ROUTER  := $(BUILD)/lib/libkmrouter.a
 LIB_CONTROLLER := $(BUILD)/lib/libkmcontroller.a
 # Link order: dependents first. Tests and benchmarks link everything; each daemon links only what
 # DESIGN.md's arrows allow (common <- kernels <- kvshard <- worker; common <- router, controller,
-# client <- cli), so a call against the arrows fails its link (and `make layers` below).
+# client <- cli), so a call against the arrows fails its link (and `make check-links` below).
 ALL_LIBS := $(LIB_CLIENT) $(LIB_CONTROLLER) $(LIB_ROUTER) $(LIB_ENGINE) $(LIB_KVSHARD) $(LIB_KERNELS) $(LIB_COMMON)
 WORKER_LIBS     := $(LIB_ENGINE) $(LIB_KVSHARD) $(LIB_KERNELS) $(LIB_COMMON)
 ROUTER_LIBS     := $(LIB_ROUTER) $(LIB_COMMON)
@@ -81,7 +81,7 @@ endif
         bench-engine fixtures fmt lint clean help
 
 all: build
-build: $(PROGRAMS) layers
+build: $(PROGRAMS) check-links
 
 help:
 	@echo "make deps          install Debian packages and fetch the default model (idempotent)"
@@ -136,27 +136,28 @@ $(BIN)/kvmesh-controller: $(OBJ)/controller/main.o $(CONTROLLER_LIBS)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 
-# ------------------------------------------------------------------ layering
+# ------------------------------------------------------------------ component layering
 # Each library is linked alone into a shared object, with only the libraries DESIGN.md's arrows
 # put below it and --no-undefined: a call from a library into one above it (a back-edge) fails
-# here even where no daemon's link would notice. Part of `make build`.
-LAYERS := $(BUILD)/layers
-define layer_rule
-$(LAYERS)/$(1).ok: $(BUILD)/lib/lib$(1).a $(2)
+# here even where no daemon's link would notice. Part of `make build`. (check-layers, below, is
+# kvshard's own file layering.)
+LINKS := $(BUILD)/links
+define link_rule
+$(LINKS)/$(1).ok: $(BUILD)/lib/lib$(1).a $(2)
 	@mkdir -p $$(dir $$@)
 	$$(CC) $$(LDFLAGS) -shared -o $$(@:.ok=.so) -Wl,--whole-archive $$< -Wl,--no-whole-archive \
 	  $(2) $$(LDLIBS) -Wl,--no-undefined
 	@rm -f $$(@:.ok=.so) && touch $$@
 endef
-$(eval $(call layer_rule,kmcommon,))
-$(eval $(call layer_rule,kmkernels,$(LIB_COMMON)))
-$(eval $(call layer_rule,kvshard,$(LIB_KERNELS) $(LIB_COMMON)))
-$(eval $(call layer_rule,kmworker,$(LIB_KVSHARD) $(LIB_KERNELS) $(LIB_COMMON)))
-$(eval $(call layer_rule,kmrouter,$(LIB_COMMON)))
-$(eval $(call layer_rule,kmcontroller,$(LIB_COMMON)))
-$(eval $(call layer_rule,kvmesh,$(LIB_COMMON)))
-.PHONY: layers
-layers: $(patsubst %,$(LAYERS)/%.ok,kmcommon kmkernels kvshard kmworker kmrouter kmcontroller kvmesh)
+$(eval $(call link_rule,kmcommon,))
+$(eval $(call link_rule,kmkernels,$(LIB_COMMON)))
+$(eval $(call link_rule,kvshard,$(LIB_KERNELS) $(LIB_COMMON)))
+$(eval $(call link_rule,kmworker,$(LIB_KVSHARD) $(LIB_KERNELS) $(LIB_COMMON)))
+$(eval $(call link_rule,kmrouter,$(LIB_COMMON)))
+$(eval $(call link_rule,kmcontroller,$(LIB_COMMON)))
+$(eval $(call link_rule,kvmesh,$(LIB_COMMON)))
+.PHONY: check-links
+check-links: $(patsubst %,$(LINKS)/%.ok,kmcommon kmkernels kvshard kmworker kmrouter kmcontroller kvmesh)
 
 $(TESTBIN)/%: $(OBJ)/tests/unit/%.o $(ALL_LIBS)
 	@mkdir -p $(dir $@)
