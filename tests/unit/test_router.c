@@ -3,13 +3,15 @@
  * pending marks, forgetting a worker, a full table), the event-stream ordering (duplicates,
  * gaps, replays, overflow, resync) and the policy (cost model, tier credits, rendezvous ties and
  * cold placement, load, round-robin and random baselines), and the cluster-view rules (endpoint
- * matching, which members are routable and which migrate).
+ * matching, which members are routable and which migrate), and the router's model metadata
+ * (common/) agreeing with the worker's loader.
  */
 #include <criterion/criterion.h>
 #include <stdio.h>
 #include <string.h>
 
 #include "router/route.h"
+#include "worker/worker.h"
 
 static const double CREDIT[3] = {1.0, 0.8, 0.5};
 
@@ -423,4 +425,45 @@ Test(router_view, only_ready_members_of_a_fresh_view_are_routable)
         cr_assert(!rt_member_migrates(false, true, st));
         cr_assert(!rt_member_migrates(true, false, st));
     }
+}
+
+/* The router reads the model's metadata with common/'s km_model_info, never loading its weights;
+ * the workers load it with wk_model_load. The page-hash chain seeds from the fingerprint, so the
+ * two must agree to the bit, and so must the name clients use and the tokenizer. */
+Test(router_model, metadata_from_common_equals_the_workers_loader)
+{
+    const char *path = km_default_model_path();
+    FILE *f = fopen(path, "rb");
+    if (!f) cr_skip_test("no model at %s", path);
+    fclose(f);
+    km_errbuf err = {{0}};
+    km_model_info *info = NULL;
+    cr_assert_eq(km_model_info_open(path, &info, &err), 0, "%s", err.msg);
+    wk_model *m = NULL;
+    cr_assert_eq(wk_model_load(path, &m, &err), 0, "%s", err.msg);
+    char fp[33];
+    wk_model_fingerprint_hex(m, fp);
+    cr_assert_str_eq(km_model_info_fingerprint(info), fp);
+    cr_assert_eq(strlen(fp), 32);
+    cr_assert_str_eq(km_model_info_name(info), wk_model_name(m));
+    cr_assert_eq(km_model_info_chat(info), wk_model_chat_kind(m));
+    const km_tokenizer *a = km_model_info_tokenizer(info), *b = wk_model_tokenizer(m);
+    cr_assert_eq(km_tok_n_vocab(a), km_tok_n_vocab(b));
+    const char *text = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n";
+    int32_t ta[64], tb[64];
+    int na = km_tok_encode(a, text, strlen(text), 1, 1, ta, 64);
+    int nb = km_tok_encode(b, text, strlen(text), 1, 1, tb, 64);
+    cr_assert_gt(na, 0);
+    cr_assert_eq(na, nb);
+    cr_assert_arr_eq(ta, tb, sizeof(int32_t) * (size_t)na);
+    wk_model_free(m);
+    km_model_info_close(info);
+
+    char name[64];
+    km_model_display_name("/a/b/SmolLM2-135M-Instruct.Q4_1.gguf", name, sizeof name);
+    cr_assert_str_eq(name, "SmolLM2-135M-Instruct.Q4_1");
+    km_model_display_name("plain", name, sizeof name);
+    cr_assert_str_eq(name, "plain");
+    cr_assert_neq(km_model_info_open("/nonexistent.gguf", &info, &err), 0);
+    cr_assert_null(info);
 }
