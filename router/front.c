@@ -3,8 +3,9 @@
  * /metrics, the status document, and the OpenAI-compatible completions endpoints, which turn a
  * JSON body into a request of the same table the ZeroMQ front fills (internal.h).
  *
- * Why it is its own file: the HTTP server (http.c) is transport, this is what the router answers;
- * the two change for different reasons. A completion request here is tokenized (a chat request
+ * Why it is its own file: the HTTP server (common/http.h, the one every daemon runs) is transport,
+ * this is what the router answers, one handler per row of the route table at the end; the two
+ * change for different reasons. A completion request here is tokenized (a chat request
  * through the model's chat template first) and then follows the same path as a ZeroMQ one from
  * rt_rq_start on; only its replies are written as SSE chunks or one JSON body (rt_oai_*).
  */
@@ -19,7 +20,7 @@
 
 #include "router/internal.h"
 
-static void on_http_abort(rt_http_req *h, void *user)
+static void on_http_abort(km_http_req *h, void *user)
 {
     rt_rq *q = user;
     q->http = NULL;
@@ -31,14 +32,14 @@ static void on_http_abort(rt_http_req *h, void *user)
     rt_rq_cancel(r, q); /* the worker's done(canceled) ends it */
 }
 
-static void http_error(rt_http_req *h, int status, const char *type, const char *param,
+static void http_error(km_http_req *h, int status, const char *type, const char *param,
                        const char *msg)
 {
     rt_oai_err e = {.status = status, .type = type, .param = param};
     snprintf(e.message, sizeof e.message, "%s", msg);
     km_buf b = {0};
     rt_oai_error_json(&b, &e);
-    rt_http_respond(h, status, "application/json", b.data, b.len);
+    km_http_respond(h, status, "application/json", NULL, b.data, b.len);
     km_buf_free(&b);
 }
 
@@ -150,37 +151,52 @@ static int status_json(rt_router *r, km_buf *out)
     return rc;
 }
 
-/* The endpoints that are not completions; false when path is none of them. */
-static bool serve_info(rt_router *r, rt_http_req *h, const char *path, bool get)
+/* ---------------------------------------------------------------- the routes */
+
+static void on_healthz(km_http_req *h, void *user)
 {
+    km_http_respond(h, 200, "text/plain", NULL, "ok\n", 3);
+}
+
+/* Ready while at least one worker may get new requests. */
+static void on_readyz(km_http_req *h, void *user)
+{
+    rt_router *r = user;
+    bool ready = false;
+    uint64_t now = rt_now_ms();
+    for (int i = 0; i < r->n_w; i++) ready |= rt_wk_routable(r, &r->w[i], now);
+    km_http_respond(h, ready ? 200 : 503, "text/plain", NULL, ready ? "ok\n" : "no worker\n",
+                    ready ? 3 : 10);
+}
+
+static void on_metrics(km_http_req *h, void *user)
+{
+    rt_router *r = user;
     km_buf b = {0};
-    if (!strcmp(path, "/healthz") || !strcmp(path, "/readyz")) {
-        bool ready = false;
-        uint64_t now = rt_now_ms();
-        for (int i = 0; i < r->n_w; i++) ready |= rt_wk_routable(r, &r->w[i], now);
-        bool ok = !strcmp(path, "/healthz") || ready;
-        rt_http_respond(h, ok ? 200 : 503, "text/plain", ok ? "ok\n" : "no worker\n", ok ? 3 : 10);
-    } else if (!strcmp(path, "/metrics")) {
-        rt_update_page_gauges(r);
-        km_metrics_render(r->metrics, &b);
-        rt_http_respond(h, 200, "text/plain; version=0.0.4", b.data, b.len);
-    } else if (!strcmp(path, "/v1/models")) {
-        if (!get) {
-            http_error(h, 405, "invalid_request_error", NULL, "use GET");
-            return true;
-        }
-        rt_oai_models(&b, r->model_name, (int64_t)time(NULL));
-        rt_http_respond(h, 200, "application/json", b.data, b.len);
-    } else if (!strcmp(path, "/v1/status") || !strcmp(path, "/status")) {
-        if (status_json(r, &b))
-            http_error(h, 500, "server_error", NULL, "out of memory");
-        else
-            rt_http_respond(h, 200, "application/json", b.data, b.len);
-    } else {
-        return false;
-    }
+    rt_update_page_gauges(r);
+    km_metrics_render(r->metrics, &b);
+    km_http_respond(h, 200, "text/plain; version=0.0.4", NULL, b.data, b.len);
     km_buf_free(&b);
-    return true;
+}
+
+static void on_models(km_http_req *h, void *user)
+{
+    rt_router *r = user;
+    km_buf b = {0};
+    rt_oai_models(&b, r->model_name, (int64_t)time(NULL));
+    km_http_respond(h, 200, "application/json", NULL, b.data, b.len);
+    km_buf_free(&b);
+}
+
+static void on_status(km_http_req *h, void *user)
+{
+    rt_router *r = user;
+    km_buf b = {0};
+    if (status_json(r, &b))
+        http_error(h, 500, "server_error", NULL, "out of memory");
+    else
+        km_http_respond(h, 200, "application/json", NULL, b.data, b.len);
+    km_buf_free(&b);
 }
 
 /* The OpenAI request's sampling parameters, stop strings and salt into q (taken from oq). */
@@ -233,16 +249,16 @@ static int tokenize_oai(rt_router *r, rt_rq *q, const rt_oai_req *oq, bool chat)
 
 /* POST /v1/completions or /v1/chat/completions: a request of the router's table, answered as
  * SSE chunks or one JSON body. */
-static void on_completion(rt_router *r, rt_http_req *h, bool chat)
+static void on_completion(rt_router *r, km_http_req *h, bool chat)
 {
     size_t blen;
-    const char *body = rt_http_body(h, &blen);
+    const char *body = km_http_body(h, &blen);
     rt_oai_req oq;
     rt_oai_err e;
     km_buf b = {0};
     if (rt_oai_parse(body, blen, chat, &oq, &e)) {
         rt_oai_error_json(&b, &e);
-        rt_http_respond(h, e.status, "application/json", b.data, b.len);
+        km_http_respond(h, e.status, "application/json", NULL, b.data, b.len);
         km_buf_free(&b);
         r->n_bad_frames++;
         km_counter_inc(r->s_bad);
@@ -257,7 +273,7 @@ static void on_completion(rt_router *r, rt_http_req *h, bool chat)
         rt_oai_err_from_code(KM_CODE_NOT_FOUND, m, &ne);
         ne.param = "model";
         rt_oai_error_json(&b, &ne);
-        rt_http_respond(h, ne.status, "application/json", b.data, b.len);
+        km_http_respond(h, ne.status, "application/json", NULL, b.data, b.len);
         km_buf_free(&b);
         return;
     }
@@ -280,14 +296,14 @@ static void on_completion(rt_router *r, rt_http_req *h, bool chat)
         rt_rq_free(q);
         return http_error(h, 500, "server_error", NULL, "cannot tokenize the prompt");
     }
-    rt_http_on_abort(h, on_http_abort, q);
+    km_http_on_abort(h, on_http_abort, q);
     if (q->http_stream) {
-        rt_http_stream_begin(h, 200, "text/event-stream");
+        km_http_stream_begin(h, 200, "text/event-stream");
         q->http_began = true;
         if (chat) {
             rt_oai_meta m;
             rt_rq_oai_meta(r, q, &m, NULL);
-            if (!rt_oai_sse_chunk(&b, &m, NULL, 0, NULL)) rt_http_stream_write(h, b.data, b.len);
+            if (!rt_oai_sse_chunk(&b, &m, NULL, 0, NULL)) km_http_stream_write(h, b.data, b.len);
             km_buf_free(&b);
         }
     }
@@ -295,17 +311,44 @@ static void on_completion(rt_router *r, rt_http_req *h, bool chat)
     rt_pump(r);
 }
 
-void rt_front_on_http(rt_http_req *h, void *user)
+static void on_completions(km_http_req *h, void *user)
 {
-    rt_router *r = user;
-    const char *path = rt_http_path(h), *method = rt_http_method(h);
-    km_counter_inc(r->s_http_req);
-    bool get = !strcmp(method, "GET") || !strcmp(method, "HEAD");
-    if (serve_info(r, h, path, get)) return;
-    bool chat = !strcmp(path, "/v1/chat/completions");
-    if (!chat && strcmp(path, "/v1/completions"))
-        return http_error(h, 404, "invalid_request_error", NULL, "no such endpoint");
-    if (strcmp(method, "POST"))
-        return http_error(h, 405, "invalid_request_error", NULL, "use POST");
-    on_completion(r, h, chat);
+    on_completion(user, h, false);
+}
+
+static void on_chat_completions(km_http_req *h, void *user)
+{
+    on_completion(user, h, true);
+}
+
+/* The router's HTTP API. GET admits HEAD; a path not here is 404, a method not listed 405 (with
+ * Allow), both as OpenAI error objects. */
+static const km_http_route front_routes[] = {
+    {"/healthz", 0, on_healthz},
+    {"/readyz", 0, on_readyz},
+    {"/metrics", 0, on_metrics},
+    {"/v1/models", KM_HTTP_GET, on_models},
+    {"/v1/status", 0, on_status},
+    {"/status", 0, on_status},
+    {"/v1/completions", KM_HTTP_POST, on_completions},
+    {"/v1/chat/completions", KM_HTTP_POST, on_chat_completions},
+};
+
+int rt_front_start(rt_router *r, km_errbuf *err)
+{
+    const rt_config *c = &r->c;
+    if (!c->http_host || c->http_port < 0) return 0;
+    km_http_opts o = {
+        .host = c->http_host,
+        .port = c->http_port,
+        .routes = front_routes,
+        .n_routes = sizeof front_routes / sizeof *front_routes,
+        .user = r,
+        .error_body = rt_oai_http_error,
+        .lim = {.max_head = 16384, .max_body = c->max_http_body ? c->max_http_body : 4u << 20},
+        .requests = r->s_http_req};
+    km_errbuf herr = {{0}};
+    int rc = km_http_server_start(&r->loop, &o, &r->http, &herr);
+    if (rc) return km_errf(err, rc, "http: cannot listen on %s", herr.msg);
+    return 0;
 }

@@ -21,7 +21,7 @@
 
 #include <uv.h>
 
-#include "router/http.h"
+#include "common/http.h"
 #include "router/openai.h"
 #include "router/route.h"
 
@@ -45,8 +45,8 @@ struct rt_rq {
     km_buf env_mem;
     km_zframe env[KM_ZMSG_MAX_PARTS];
     int n_env;
-    uint64_t cid; /* client's id */
-    rt_http_req *http;
+    uint64_t cid;      /* client's id */
+    km_http_req *http; /* the HTTP request (common/http.h) of an OpenAI request */
     bool http_stream, http_chat, include_usage, http_began;
     char oai_id[48];
     int64_t created;
@@ -133,7 +133,7 @@ struct rt_router {
     rt_wk *w;
     int n_w;
     rt_index *index;
-    rt_http *http;
+    km_http_server *http;
     km_admin *admin;
     km_metrics *metrics;
     /* requests */
@@ -290,8 +290,9 @@ void rt_update_page_gauges(rt_router *r);
 
 /* ---------------------------------------------------------------- front.c: HTTP */
 
-/* The HTTP server's handler (rt_http_opts.handler, user = the router): /healthz, /readyz,
- * /metrics, /v1/models, /v1/status (and /status), /v1/completions, /v1/chat/completions. */
-void rt_front_on_http(rt_http_req *h, void *user);
+/* Starts the HTTP front on the router's loop (nothing when the config turns it off): /healthz,
+ * /readyz, /metrics, /v1/models, /v1/status (and /status), /v1/completions,
+ * /v1/chat/completions, by front.c's route table. */
+int rt_front_start(rt_router *r, km_errbuf *err);
 
 #endif /* RT_INTERNAL_H */

@@ -418,6 +418,15 @@ int rt_oai_error_json(km_buf *out, const rt_oai_err *e)
     return dump(out, error_obj(e), "", "\n");
 }
 
+const char *rt_oai_http_error(int status, const char *message, km_buf *out)
+{
+    rt_oai_err e = {.status = status,
+                    .type = status >= 500 ? "server_error" : "invalid_request_error"};
+    snprintf(e.message, sizeof e.message, "%s", message);
+    rt_oai_error_json(out, &e);
+    return "application/json";
+}
+
 int rt_oai_response(km_buf *out, const rt_oai_meta *m, const char *text, size_t len,
                     const char *finish, const rt_oai_usage *u)
 {

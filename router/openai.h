@@ -76,6 +76,10 @@ int rt_oai_response(km_buf *out, const rt_oai_meta *m, const char *text, size_t 
                     const char *finish, const rt_oai_usage *u);
 /* {"error": {"message", "type", "param", "code"}} */
 int rt_oai_error_json(km_buf *out, const rt_oai_err *e);
+/* An error the HTTP server answers by itself (404, 405, 413, ...) as OpenAI's error object
+ * (type invalid_request_error, or server_error from 500 on); a km_http_error_fn (common/http.h):
+ * returns the content type. */
+const char *rt_oai_http_error(int status, const char *message, km_buf *out);
 /* /v1/models */
 int rt_oai_models(km_buf *out, const char *model, int64_t created);
 /* The HTTP status and error type for a protocol error code (529 -> 429 rate_limit_exceeded...). */

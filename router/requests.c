@@ -151,7 +151,7 @@ void rt_rq_end(rt_router *r, rt_rq *q)
     rt_rq_release_worker(r, q); /* first: a released waiter must not find q as an owner again */
     rt_rq_release_waiters(r, q);
     rt_rq_unlink(r, q);
-    if (q->http) rt_http_on_abort(q->http, NULL, NULL);
+    if (q->http) km_http_on_abort(q->http, NULL, NULL);
     rt_rq_free(q);
 }
 
@@ -164,17 +164,17 @@ static void http_send_error(rt_router *r, rt_rq *q, int code, uint32_t retry_aft
     km_buf b = {0};
     if (q->http_began) {
         rt_oai_sse_error(&b, &e);
-        rt_http_stream_write(q->http, b.data, b.len);
+        km_http_stream_write(q->http, b.data, b.len);
         km_buf_reset(&b);
         rt_oai_sse_done(&b);
-        rt_http_stream_write(q->http, b.data, b.len);
-        rt_http_stream_end(q->http);
+        km_http_stream_write(q->http, b.data, b.len);
+        km_http_stream_end(q->http);
     } else {
         rt_oai_error_json(&b, &e);
         char extra[64] = "";
         if (retry_after)
             snprintf(extra, sizeof extra, "Retry-After: %u\r\n", (retry_after + 999) / 1000);
-        rt_http_respond_h(q->http, e.status, "application/json", extra, b.data, b.len);
+        km_http_respond(q->http, e.status, "application/json", extra, b.data, b.len);
     }
     km_buf_free(&b);
 }
@@ -236,7 +236,7 @@ void rt_rq_deliver(rt_router *r, rt_rq *q, int32_t token, const char *text, size
     rt_oai_meta m;
     rt_rq_oai_meta(r, q, &m, NULL);
     km_buf b = {0};
-    if (!rt_oai_sse_chunk(&b, &m, text, len, NULL)) rt_http_stream_write(q->http, b.data, b.len);
+    if (!rt_oai_sse_chunk(&b, &m, text, len, NULL)) km_http_stream_write(q->http, b.data, b.len);
     km_buf_free(&b);
 }
 
@@ -301,14 +301,14 @@ void rt_rq_finish(rt_router *r, rt_rq *q, km_finish finish, uint32_t cached, con
             rt_oai_sse_chunk(&b, &m, NULL, 0, rt_oai_finish(finish));
             if (q->include_usage) rt_oai_sse_usage(&b, &m, &u);
             rt_oai_sse_done(&b);
-            rt_http_stream_write(q->http, b.data, b.len);
-            rt_http_stream_end(q->http);
+            km_http_stream_write(q->http, b.data, b.len);
+            km_http_stream_end(q->http);
         } else {
             rt_oai_response(&b, &m, q->text.data ? (const char *)q->text.data : "", q->text.len,
                             rt_oai_finish(finish), &u);
             char extra[KM_PROTO_MAX_NAME + 64];
             snprintf(extra, sizeof extra, "X-Kvmesh-Worker: %s\r\n", wid ? wid : "");
-            rt_http_respond_h(q->http, 200, "application/json", extra, b.data, b.len);
+            km_http_respond(q->http, 200, "application/json", extra, b.data, b.len);
         }
         km_buf_free(&b);
     }

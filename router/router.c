@@ -212,14 +212,7 @@ static int open_sockets(rt_router *r, const rt_config *c, km_errbuf *err)
             (rc = rt_open_poll(r, &r->p_vsub, r->vsub, err)))
             return rc;
     }
-    if (c->http_host && c->http_port >= 0) {
-        rt_http_opts ho = {.host = c->http_host,
-                           .port = c->http_port,
-                           .max_body = c->max_http_body,
-                           .handler = rt_front_on_http,
-                           .user = r};
-        if ((rc = rt_http_start(&r->loop, &ho, &r->http, err))) return rc;
-    }
+    if ((rc = rt_front_start(r, err))) return rc;
     if (c->admin_port >= 0) {
         km_admin_opts ao = {.host = c->admin_host ? c->admin_host : "127.0.0.1",
                             .port = c->admin_port,
@@ -295,7 +288,7 @@ int rt_router_front_endpoint(const rt_router *r, char *buf, size_t cap)
 
 int rt_router_http_port(const rt_router *r)
 {
-    return r && r->http ? rt_http_port(r->http) : -1;
+    return r && r->http ? km_http_server_port(r->http) : -1;
 }
 
 int rt_router_admin_port(const rt_router *r)
@@ -323,7 +316,7 @@ void rt_router_destroy(rt_router *r)
     while (r->qhead) rt_rq_end(r, r->qhead);
     if (r->admin) km_admin_stop(r->admin);
     if (r->running) {
-        if (r->http) rt_http_stop(r->http);
+        if (r->http) km_http_server_stop(r->http);
         r->http = NULL;
         uv_walk(&r->loop, close_walk, NULL);
         uv_run(&r->loop, UV_RUN_DEFAULT);

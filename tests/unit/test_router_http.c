@@ -18,7 +18,7 @@
 #include <uv.h>
 
 #include "client/kvmesh.h"
-#include "router/http.h"
+#include "common/http.h"
 #include "router/openai.h"
 #include "router/router.h"
 
@@ -177,13 +177,13 @@ typedef struct server {
     uv_loop_t loop;
     uv_async_t stop;
     uv_timer_t stream_timer;
-    rt_http *h;
+    km_http_server *h;
     int port;
     pthread_t th;
     pthread_mutex_t mu;
     pthread_cond_t cv;
     bool ready;
-    rt_http_req *streaming;
+    km_http_req *streaming;
     int chunks_left;
     int aborts;
 } server;
@@ -194,15 +194,15 @@ static void on_stream_tick(uv_timer_t *t)
     if (!s->streaming) return;
     char line[32];
     int n = snprintf(line, sizeof line, "data: %d\n\n", s->chunks_left);
-    rt_http_stream_write(s->streaming, line, (size_t)n);
+    km_http_stream_write(s->streaming, line, (size_t)n);
     if (--s->chunks_left == 0) {
-        rt_http_stream_end(s->streaming);
+        km_http_stream_end(s->streaming);
         s->streaming = NULL;
         uv_timer_stop(t);
     }
 }
 
-static void on_abort(rt_http_req *r, void *user)
+static void on_abort(km_http_req *r, void *user)
 {
     server *s = user;
     s->aborts++;
@@ -210,32 +210,32 @@ static void on_abort(rt_http_req *r, void *user)
     uv_timer_stop(&s->stream_timer);
 }
 
-static void handler(rt_http_req *r, void *user)
+static void handler(km_http_req *r, void *user)
 {
     server *s = user;
-    const char *path = rt_http_path(r);
+    const char *path = km_http_path(r);
     if (!strcmp(path, "/echo")) {
         size_t n;
-        const char *b = rt_http_body(r, &n);
-        rt_http_respond(r, 200, "text/plain", b, n);
+        const char *b = km_http_body(r, &n);
+        km_http_respond(r, 200, "text/plain", NULL, b, n);
     } else if (!strcmp(path, "/stream") || !strcmp(path, "/forever")) {
-        rt_http_stream_begin(r, 200, "text/event-stream");
+        km_http_stream_begin(r, 200, "text/event-stream");
         s->streaming = r;
         s->chunks_left = !strcmp(path, "/stream") ? 3 : 1000000;
-        rt_http_on_abort(r, on_abort, s);
+        km_http_on_abort(r, on_abort, s);
         uv_timer_start(&s->stream_timer, on_stream_tick, 5, 5);
     } else if (!strcmp(path, "/header")) {
-        const char *v = rt_http_header(r, "x-test");
-        rt_http_respond(r, 200, "text/plain", v ? v : "none", v ? strlen(v) : 4);
+        const char *v = km_http_header(r, "x-test");
+        km_http_respond(r, 200, "text/plain", NULL, v ? v : "none", v ? strlen(v) : 4);
     } else {
-        rt_http_respond(r, 404, "text/plain", "nope", 4);
+        km_http_respond(r, 404, "text/plain", NULL, "nope", 4);
     }
 }
 
 static void on_stop(uv_async_t *a)
 {
     server *s = a->data;
-    rt_http_stop(s->h);
+    km_http_server_stop(s->h);
     uv_close((uv_handle_t *)&s->stop, NULL);
     uv_close((uv_handle_t *)&s->stream_timer, NULL);
 }
@@ -248,11 +248,18 @@ static void *serve(void *arg)
     s->stop.data = s;
     uv_timer_init(&s->loop, &s->stream_timer);
     s->stream_timer.data = s;
-    rt_http_opts o = {.port = 0, .max_body = 1024, .handler = handler, .user = s};
+    /* the router's shape: a body limit, OpenAI error objects for what the server refuses */
+    static const km_http_route every_path[] = {{NULL, 0, handler}};
+    km_http_opts o = {.port = 0,
+                      .routes = every_path,
+                      .n_routes = 1,
+                      .user = s,
+                      .error_body = rt_oai_http_error,
+                      .lim = {.max_head = 16384, .max_body = 1024}};
     km_errbuf err;
-    cr_assert_eq(rt_http_start(&s->loop, &o, &s->h, &err), 0, "%s", err.msg);
+    cr_assert_eq(km_http_server_start(&s->loop, &o, &s->h, &err), 0, "%s", err.msg);
     pthread_mutex_lock(&s->mu);
-    s->port = rt_http_port(s->h);
+    s->port = km_http_server_port(s->h);
     s->ready = true;
     pthread_cond_signal(&s->cv);
     pthread_mutex_unlock(&s->mu);
@@ -399,7 +406,7 @@ Test(router_http, a_client_leaving_mid_stream_aborts_the_request)
     stop(s);
 }
 
-/* ---------------------------------------------------------------- the status document */
+/* ---------------------------------------------------------------- the router's front */
 
 static void *run_router(void *arg)
 {
@@ -407,19 +414,27 @@ static void *run_router(void *arg)
     return NULL;
 }
 
-Test(router_status, names_with_quotes_and_backslashes_give_valid_json)
+/* A router on ephemeral ports in front of one worker that is not there, its model file named
+ * with a quote and a backslash (the model's name is the file's), its worker id too. */
+typedef struct router_fx {
+    rt_router *r;
+    pthread_t th;
+    char dir[32], link[PATH_MAX + 64];
+} router_fx;
+
+static void router_up(router_fx *f)
 {
-    /* the regression: the document was printed with %s, so a quote in a name broke it */
     const char *model = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
     if (access(model, R_OK)) cr_skip_test("%s missing (make deps fetches it)", model);
-    char dir[] = "/tmp/kvm_status_XXXXXX", abs[PATH_MAX], link[PATH_MAX + 64];
-    cr_assert_not_null(mkdtemp(dir));
+    char abs[PATH_MAX];
+    snprintf(f->dir, sizeof f->dir, "/tmp/kvm_front_XXXXXX");
+    cr_assert_not_null(mkdtemp(f->dir));
     cr_assert_not_null(realpath(model, abs));
-    snprintf(link, sizeof link, "%s/smol\"q\\uote.gguf", dir); /* the name is the file's */
-    cr_assert_eq(symlink(abs, link), 0);
+    snprintf(f->link, sizeof f->link, "%s/smol\"q\\uote.gguf", f->dir);
+    cr_assert_eq(symlink(abs, f->link), 0);
     rt_config c;
     rt_config_default(&c);
-    c.model_path = link;
+    c.model_path = f->link;
     c.front_url = "tcp://127.0.0.1:*";
     c.http_host = "127.0.0.1";
     c.http_port = 0;
@@ -427,21 +442,32 @@ Test(router_status, names_with_quotes_and_backslashes_give_valid_json)
     rt_worker_cfg w = {"w\"0\\", "tcp://127.0.0.1:9", "tcp://127.0.0.1:9"}; /* nobody there */
     c.workers = &w;
     c.n_workers = 1;
-    rt_router *r = NULL;
     km_errbuf err = {{0}};
-    cr_assert_eq(rt_router_create(&c, &r, &err), 0, "%s", err.msg);
-    pthread_t th;
-    pthread_create(&th, NULL, run_router, r);
+    cr_assert_eq(rt_router_create(&c, &f->r, &err), 0, "%s", err.msg);
+    pthread_create(&f->th, NULL, run_router, f->r);
+}
+
+static void router_down(router_fx *f)
+{
+    rt_router_stop(f->r);
+    pthread_join(f->th, NULL);
+    rt_router_destroy(f->r);
+    unlink(f->link);
+    rmdir(f->dir);
+}
+
+Test(router_status, names_with_quotes_and_backslashes_give_valid_json)
+{
+    /* the regression: the document was printed with %s, so a quote in a name broke it */
+    router_fx f;
+    router_up(&f);
     char url[64];
-    snprintf(url, sizeof url, "http://127.0.0.1:%d/v1/status", rt_router_http_port(r));
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/v1/status", rt_router_http_port(f.r));
     km_buf body = {0};
     int status = 0;
+    km_errbuf err = {{0}};
     int rc = kvm_http_get(url, 10000, &body, &status, &err);
-    rt_router_stop(r);
-    pthread_join(th, NULL);
-    rt_router_destroy(r);
-    unlink(link);
-    rmdir(dir);
+    router_down(&f);
     cr_assert_eq(rc, 0, "%s", err.msg);
     cr_assert_eq(status, 200);
     json_t *o = parse_json(&body, 0);
@@ -453,4 +479,27 @@ Test(router_status, names_with_quotes_and_backslashes_give_valid_json)
     cr_assert(json_is_null(json_object_get(o, "controller")));
     json_decref(o);
     km_buf_free(&body);
+}
+
+Test(router_front, the_route_table_answers_other_paths_and_methods_with_openai_errors)
+{
+    router_fx f;
+    router_up(&f);
+    int fd = dial(rt_router_http_port(f.r));
+    say(fd, "GET /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n");
+    char *r = hear(fd, "}\n");
+    cr_assert(strstr(r, "HTTP/1.1 405 Method Not Allowed\r\n"), "got: %s", r);
+    cr_assert(strstr(r, "Allow: POST\r\n"), "got: %s", r);
+    cr_assert(strstr(r, "\"type\":\"invalid_request_error\""), "got: %s", r);
+    say(fd, "GET /v2/nothing HTTP/1.1\r\nHost: x\r\n\r\n");
+    r = hear(fd, "}\n");
+    cr_assert(strstr(r, "HTTP/1.1 404 Not Found\r\n") && strstr(r, "\"error\""), "got: %s", r);
+    say(fd, "POST /v1/models HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n");
+    r = hear(fd, "}\n");
+    cr_assert(strstr(r, "405") && strstr(r, "Allow: GET, HEAD\r\n"), "got: %s", r);
+    say(fd, "GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    r = hear(fd, NULL);
+    cr_assert(strstr(r, "HTTP/1.1 200 OK\r\n") && strstr(r, "\r\n\r\nok\n"), "got: %s", r);
+    close(fd);
+    router_down(&f);
 }
