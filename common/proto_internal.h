@@ -105,8 +105,16 @@ int km_val_nonneg(const char *what, double x, km_errbuf *err); /* finite and >= 
 void km_enc_key(km_enc *e, const char *k);
 void km_enc_text(km_enc *e, const char *s, size_t n);
 /* Starts the value of key k: counts it and returns false, or writes the key and returns true
- * (the caller then writes the value). */
-bool km_enc_begin(km_enc *e, const char *k);
+ * (the caller then writes the value). Inline: every key of every frame goes through it. */
+static inline bool km_enc_begin(km_enc *e, const char *k)
+{
+    if (e->counting) {
+        e->n++;
+        return false;
+    }
+    km_enc_key(e, k);
+    return true;
+}
 /* One key/value pair each. */
 void km_enc_u64(km_enc *e, const char *k, uint64_t v);
 void km_enc_i64(km_enc *e, const char *k, int64_t v);

@@ -65,16 +65,6 @@ void km_enc_text(km_enc *e, const char *s, size_t n)
     e->rc |= msgpack_pack_str_body(&e->pk, s, n);
 }
 
-bool km_enc_begin(km_enc *e, const char *k)
-{
-    if (e->counting) {
-        e->n++;
-        return false;
-    }
-    km_enc_key(e, k);
-    return true;
-}
-
 void km_enc_u64(km_enc *e, const char *k, uint64_t v)
 {
     if (km_enc_begin(e, k)) e->rc |= msgpack_pack_uint64(&e->pk, v);
@@ -149,9 +139,8 @@ const char *km_dec_type_name(msgpack_object_type t)
     return "?";
 }
 
-static bool key_is(const msgpack_object *k, const char *s)
+static bool key_is(const msgpack_object *k, const char *s, size_t n)
 {
-    size_t n = strlen(s);
     return k->type == MSGPACK_OBJECT_STR && k->via.str.size == n &&
            memcmp(k->via.str.ptr, s, n) == 0;
 }
@@ -176,8 +165,9 @@ int km_dec_check_map(km_dec *d, const msgpack_object_map *mp)
 
 const msgpack_object *km_dec_find(const msgpack_object_map *mp, const char *key)
 {
+    size_t n = strlen(key);
     for (uint32_t i = 0; i < mp->size; i++)
-        if (key_is(&mp->ptr[i].key, key))
+        if (key_is(&mp->ptr[i].key, key, n))
             return mp->ptr[i].val.type == MSGPACK_OBJECT_NIL ? NULL : &mp->ptr[i].val;
     return NULL;
 }
