@@ -68,7 +68,7 @@ int kv_store_convert(kv_store *s, kv_format f)
     int converted = 0, rc = 0;
     /* Every page in RAM is reachable either from a sequence or from a cached list. */
     for (kv_seq *q = s->seqs; q && !rc; q = q->next)
-        for (int i = 0; i < q->n_pages && !rc; i++) {
+        for (int i = 0; i < q->n_pages && !rc && !q->lent; i++) { /* lent: a NIC has them */
             kv_page *p = q->pg[i];
             if (p->format == f) continue;
             uint32_t rows = atomic_load_explicit(&p->rows, memory_order_relaxed);

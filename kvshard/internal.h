@@ -5,6 +5,7 @@
  * The files are layers, and calls go one way, down this list (docs/kvshard.md, "Layers"; the
  * order is checked on the objects by `make check-layers`):
  *   store.c   top: create (every layer set up in order) and destroy
+ *   xfer.c    page transfer support: exports (pinned for a reader), imports, page checksums
  *   tier.c    top: attach (a prefix hit promoted), persist (RAM pages copied to disk on a drain)
  *   convert.c top: recovery level 2 (every page re-encoded, new pages in the new format)
  *   check.c   top: kv_store_check, every structural invariant over the whole store (tests)
@@ -18,6 +19,7 @@
  *   format.c  per-format encodings, quantizers, page conversion and int4 sealing
  *   page.c    page memory and accounting: buffers, budgets per (shard, tier), page objects and
  *             their references, cached lists, shard keys, statistics
+ *   arena.c   the page-memory arena (kv_config.arena): one region, slabs per format
  *   events.c  the event ring                      (leaves: they call nothing in kvshard)
  *   diskfmt.c layouts and the page file format, pure (fuzzed; kvshard/diskfmt.h)
  * The structures below are shared by all layers; what may call what is the list above.
@@ -55,6 +57,10 @@ typedef struct kv_page {
     int in_list;                   /* 1 while in that list */
     struct kv_page *hnext;         /* index bucket chain */
     int promoting;                 /* a promotion job is filling buf */
+    /* kv_xfer_checksum, cached: valid while the format is xsum_fmt - 1 and no page has been
+     * converted since (st.converted_pages == xsum_epoch), the only ways content changes */
+    uint64_t xsum, xsum_epoch;
+    int xsum_fmt;
 } kv_page;
 
 typedef struct kv_tier_acct {
@@ -99,6 +105,9 @@ struct kv_seq {
     kv_seq_policy policy;
     _Atomic int ready_layers; /* layers of a pending promotion already copied */
     int promo_pending;
+    /* Its pages' buffers are lent to a transfer (xfer.c: a NIC may be reading or writing them):
+     * nothing may move them, so recovery level 2 leaves this sequence's pages as they are. */
+    int lent;
     kv_seq *prev, *next; /* the store's list of sequences */
 };
 
@@ -138,6 +147,8 @@ struct kv_store {
     kv_promo *jobs, *jobs_tail, *done_jobs;
     /* stats */
     kv_store_stats st;
+    struct kv_arena *arena; /* NULL unless cfg.arena */
+    struct kv_xfer *xfer;   /* exports and imports; NULL until the first */
 };
 
 static inline int kv_format_valid(kv_format f)
@@ -148,6 +159,16 @@ static inline int kv_format_valid(kv_format f)
 /* ---------------------------------------------------------------- events.c (leaf) */
 void kv_event_emit(kv_store *s, kv_event_kind kind, const kv_page *p, kv_tier from, kv_tier to);
 void kv_events_free(kv_store *s);
+
+/* ---------------------------------------------------------------- arena.c */
+int kv_arena_create(kv_store *s, km_errbuf *err);
+void kv_arena_destroy(kv_store *s);
+/* A zeroed-or-recycled buffer of format f from the arena, or NULL when it is full. */
+uint8_t *kv_arena_get(kv_store *s, kv_format f);
+/* 1 when buf came from the arena (and is now back in it), 0 when it is not the arena's. */
+int kv_arena_put(kv_store *s, uint8_t *buf, kv_format f);
+/* The region index holding buf, or -1. */
+int kv_arena_region_of(const kv_store *s, const void *buf);
 
 /* ---------------------------------------------------------------- page.c */
 uint8_t *kv_buf_get(kv_store *s, kv_format f);
@@ -232,6 +253,9 @@ int kv_seq_grow(kv_seq *q, int need);
 /* Points the sequence's tables (ptrs, fmts) at its pages' current buffers and formats. */
 void kv_seq_refresh(kv_store *s, kv_seq *q);
 void kv_refresh_all(kv_store *s);
+
+/* ---------------------------------------------------------------- xfer.c */
+void kv_xfer_free(kv_store *s); /* aborts every import and ends every export */
 
 /* ---------------------------------------------------------------- check.c */
 /* Every structural invariant of the store (refs, tiers, accounting, cached lists, index, the

@@ -101,6 +101,10 @@ typedef struct kv_config {
     float high_watermark; /* fraction of a tier's budget that triggers demotion; 0: 0.8 */
     int event_capacity;   /* events kept until drained; 0: 65536 */
     int sync_promote;     /* 1: promotion completes inside kv_seq_attach (no thread) */
+    /* 1: every RAM page buffer (hot and host tiers) is cut from one region reserved at create,
+     * which a transfer layer registers once (kv_store_mem_regions); 0: buffers from malloc. */
+    int arena;
+    size_t arena_bytes; /* region size; 0: 1.25 x (hot + host budgets) + a few slabs */
 } kv_config;
 
 typedef struct kv_store kv_store;
@@ -223,6 +227,7 @@ typedef struct kv_store_stats {
     uint64_t pages_indexed, hits, misses, collisions, corrupt_pages, converted_pages,
         disk_write_errors, events_dropped, cow_copies, sealed_pages, dropped_seq_pages,
         unauthenticated_pages; /* disk pages dropped for a missing or wrong MAC (disk_secret) */
+    uint64_t arena_fallbacks;  /* page buffers that did not fit the arena (taken from malloc) */
 } kv_store_stats;
 
 void kv_store_stats_get(const kv_store *s, kv_store_stats *out);
@@ -252,6 +257,79 @@ typedef struct kv_event {
 int kv_store_events_drain(kv_store *s, kv_event *out, int max);
 /* The sequence number the next event will carry. */
 uint64_t kv_store_events_next_seq(const kv_store *s);
+
+/* ---------------------------------------------------------------- page transfer support
+ * What a transfer layer between stores (peer/peer.h) needs, and nothing about networks:
+ *  - the memory to register once: with kv_config.arena every RAM page buffer lies inside one of
+ *    kv_store_mem_regions, which stay mapped until kv_store_destroy;
+ *  - export: the longest verified prefix of a chain pinned for a reader until kv_export_end or
+ *    its lease deadline (kv_export_expire), whichever comes first; pages on host or disk are
+ *    promoted to the hot tier (a page a peer asks for is hot by definition), and the export
+ *    counts as a prefix hit of this store;
+ *  - import: destination buffers for pages that will arrive (in the store's memory, in the
+ *    format they travel in), then, for those the caller verified, indexing as if computed
+ *    locally (converted to the store's format, a STORED event each);
+ *  - the page checksum both sides compute (kv_xfer_checksum), covering identity and payload.
+ * All of these are structural calls (the store's owner thread, between steps). The bytes of a
+ * pinned or reserved page may be read or written by another thread or a NIC meanwhile, so
+ * recovery level 2 leaves them where they are (a page also held by a running sequence is still
+ * converted through it; its reader then gets bytes that fail the checksum). */
+
+typedef struct kv_mem_region {
+    void *base;
+    size_t bytes;
+} kv_mem_region;
+
+/* Writes up to max regions; returns how many the store has (0 without kv_config.arena). */
+int kv_store_mem_regions(const kv_store *s, kv_mem_region *out, int max);
+
+/* One page as it leaves or enters a store. */
+typedef struct kv_xfer_page {
+    kv_format format;
+    int index; /* position in its chain */
+    km_pagehash hash, parent;
+    const int32_t *tokens; /* page_tokens ids (valid while the export lives) */
+    uint8_t *buf;          /* the payload in the store's memory */
+    size_t bytes;          /* payload bytes (kv_store_format_page_bytes of format) */
+    int region;            /* index into kv_store_mem_regions holding buf; -1: none */
+    uint64_t checksum;     /* kv_xfer_checksum (export only) */
+} kv_xfer_page;
+
+/* XXH3-64 over a fixed little-endian header (format, page_tokens, index, hash, parent, bytes),
+ * the token ids and the payload: a torn, corrupted or relabelled page fails it. */
+uint64_t kv_xfer_checksum(const kv_xfer_page *p, int page_tokens, const void *payload);
+
+/* Pins the longest verified prefix of the chain (at most n_pages) until kv_export_end or
+ * lease_deadline_ns (km_now_ns clock). Returns the number of pages pinned (0: nothing held, no
+ * id), *id the export's handle; KM_ENOSPC when the hot tier cannot take a promoted page. */
+int kv_export_begin(kv_store *s, const km_pagehash *hashes, const int32_t *tokens, int n_pages,
+                    uint64_t lease_deadline_ns, uint64_t *id);
+/* Describes pages [first, first + n) of the export, with checksums (computed once per page and
+ * format, then cached). KM_EAGAIN while promoted pages are still being copied; KM_ENOTFOUND
+ * when the export ended or expired. */
+int kv_export_pages(kv_store *s, uint64_t id, int first, int n, kv_xfer_page *out);
+/* Unpins; KM_ENOTFOUND when it had already ended or expired. */
+int kv_export_end(kv_store *s, uint64_t id);
+/* Ends every export whose lease passed now_ns; returns how many. */
+int kv_export_expire(kv_store *s, uint64_t now_ns);
+/* Exports and imports alive (for leak checks and metrics). */
+void kv_xfer_counts(const kv_store *s, int *exports, int *imports);
+
+/* Starts an import of a chain: returns how many leading pages the store already holds (k,
+ * verified, attached like a request's: promoted and pinned until commit or abort, not counted
+ * as a hit or a miss). When k < n_pages, *id is the import. */
+int kv_import_begin(kv_store *s, const km_pagehash *hashes, const int32_t *tokens, int n_pages,
+                    uint64_t *id);
+/* Destination buffers for chain pages [k, k + n) arriving in formats wire[0..n): out[i].buf
+ * (bytes, format, region) is where page k + i's payload goes. Returns how many were reserved
+ * (fewer when the hot tier ran out; KM_ENOSPC when none). Call at most once per import. */
+int kv_import_reserve(kv_store *s, uint64_t id, int n, const kv_format *wire, kv_xfer_page *out);
+/* Indexes reserved pages [k, k + n_ok), which the caller has verified, converting those that
+ * arrived in another format; the rest are released. Returns the pages newly indexed (a page
+ * that was computed here meanwhile keeps its place and ends the chain there). */
+int kv_import_commit(kv_store *s, uint64_t id, int n_ok);
+/* Releases everything of the import. */
+void kv_import_abort(kv_store *s, uint64_t id);
 
 #ifdef __cplusplus
 }

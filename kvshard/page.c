@@ -92,6 +92,11 @@ int kv_store_shard_of(const kv_store *s, uint64_t seq_uid, int page_index, int e
 
 uint8_t *kv_buf_get(kv_store *s, kv_format f)
 {
+    if (s->arena) {
+        uint8_t *a = kv_arena_get(s, f);
+        if (a) return a;
+        s->st.arena_fallbacks++;
+    }
     if (s->n_free_bufs[f]) return s->free_bufs[f][--s->n_free_bufs[f]];
     size_t n = (s->lay[f].page_bytes + 63) & ~(size_t)63;
     uint8_t *b = aligned_alloc(64, n);
@@ -101,7 +106,7 @@ uint8_t *kv_buf_get(kv_store *s, kv_format f)
 
 void kv_buf_put(kv_store *s, uint8_t *buf, kv_format f)
 {
-    if (!buf) return;
+    if (!buf || (s->arena && kv_arena_put(s, buf, f))) return;
     if (s->n_free_bufs[f] < KV_FREE_BUFS_MAX) {
         if (!s->free_bufs[f]) s->free_bufs[f] = malloc(sizeof(uint8_t *) * KV_FREE_BUFS_MAX);
         if (s->free_bufs[f]) {

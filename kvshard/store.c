@@ -109,6 +109,7 @@ int kv_store_create(const kv_config *cfg, kv_store **out, km_errbuf *err)
     }
     kv_view_offsets_init(s);
     if ((rc = kv_shards_init(s, &c, err))) goto fail;
+    if (c.arena && (rc = kv_arena_create(s, err))) goto fail;
     if (c.disk_dir) {
         s->disk_dir = strdup(c.disk_dir);
         if (!s->disk_dir) {
@@ -134,6 +135,7 @@ void kv_store_destroy(kv_store *s)
     if (!s) return;
     kv_promoter_stop(s);
     kv_promo_reap(s);
+    kv_xfer_free(s);
     while (s->seqs) kv_seq_destroy(s, s->seqs);
     for (size_t b = 0; b < s->n_buckets && s->buckets; b++) {
         kv_page *p = s->buckets[b];
@@ -154,6 +156,7 @@ void kv_store_destroy(kv_store *s)
     free(s->view_offs);
     free(s->shards);
     free(s->disk_dir);
+    kv_arena_destroy(s);
     kv_events_free(s);
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->cv_job);

@@ -6,7 +6,9 @@
 set -euo pipefail
 lib=${1:-build/lib/libkvshard.a}
 layers=(
-    "store tier convert check" # top: create/destroy; attach, persist; level 2; kv_store_check
+    "store"              # top: create/destroy
+    "xfer"               # page transfer support: exports, imports (on sequences and attach)
+    "tier convert check" # attach, persist; level 2; kv_store_check
     "seq"                # sequences: page tables, reserve, publish, hot path
     "evict"              # pages no sequence holds: victims, demotion, room-making allocation
     "disk"               # the disk tier's page files
@@ -14,6 +16,7 @@ layers=(
     "promote"            # the promoter thread
     "format"             # encodings, conversion, sealing
     "page"               # page memory and accounting
+    "arena"              # the page-memory arena page.c cuts buffers from
     "events diskfmt"     # leaves
 )
 declare -A rank owner

@@ -1,0 +1,430 @@
+/*
+ * test_xfer_store.c — kvshard's side of page transfer, without a network: the page-memory arena
+ * (every page buffer inside the registered region, slabs reused across formats, fallback when
+ * full), exports (pinned verified prefixes, leases, checksums), imports (reserve, commit as if
+ * computed locally, conversion, abort) between two stores in one process, with memcpy standing
+ * in for the transport. The network side is test_xfer_peer.c.
+ */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvshard/internal.h" /* kv_store_check */
+
+#define L  2
+#define H  2
+#define HD 32
+#define PT 4
+
+static float kval(int tok, int pos, int l, int h, int c)
+{
+    return (float)((tok * 7 + pos * 13 + l * 3 + h * 5 + c) % 32 - 16) / 8.0f;
+}
+static float vval(int tok, int pos, int l, int h, int c)
+{
+    return (float)((tok * 5 + pos * 11 + l * 7 + h * 3 + c) % 32 - 16) / 16.0f;
+}
+
+static size_t f16_page(void)
+{
+    return (size_t)PT * HD * 2 * 2 * L * H;
+}
+
+static kv_config cfg(kv_format f, size_t pages, int arena)
+{
+    return (kv_config){.n_layers = L,
+                       .n_kv_heads = H,
+                       .head_dim = HD,
+                       .page_tokens = PT,
+                       .format = f,
+                       .hot_bytes = pages * f16_page(),
+                       .arena = arena};
+}
+
+static kv_store *mk_cfg(const kv_config *c)
+{
+    kv_store *s;
+    km_errbuf err;
+    cr_assert_eq(kv_store_create(c, &s, &err), 0, "create: %s", err.msg);
+    return s;
+}
+
+static kv_store *mk(kv_format f, size_t pages, int arena)
+{
+    kv_config c = cfg(f, pages, arena);
+    return mk_cfg(&c);
+}
+
+/* Computes and publishes n_pages pages of toks in s (the K/V depend on token and position). */
+static void compute(kv_store *s, const int32_t *toks, const km_pagehash *hashes, int n_pages)
+{
+    kv_seq *q;
+    cr_assert_eq(kv_seq_create(s, &q), 0);
+    const int n = n_pages * PT;
+    cr_assert_eq(kv_seq_reserve(s, q, n), 0);
+    float k[H * HD], v[H * HD];
+    for (int p = 0; p < n; p++)
+        for (int l = 0; l < L; l++) {
+            for (int h = 0; h < H; h++)
+                for (int c = 0; c < HD; c++) {
+                    k[h * HD + c] = kval(toks[p], p, l, h, c);
+                    v[h * HD + c] = vval(toks[p], p, l, h, c);
+                }
+            kv_seq_write(s, q, l, p, k, v);
+        }
+    cr_assert_eq(kv_seq_publish(s, q, hashes, toks, n), n_pages);
+    kv_seq_destroy(s, q);
+}
+
+/* Max abs error of s's cached chain against the reference values (attached in a sequence). */
+static float read_back(kv_store *s, const int32_t *toks, const km_pagehash *hashes, int n_pages)
+{
+    kv_seq *q;
+    cr_assert_eq(kv_seq_create(s, &q), 0);
+    cr_assert_eq(kv_seq_attach(s, q, hashes, toks, n_pages), n_pages);
+    float k[HD], v[HD], err = 0;
+    for (int p = 0; p < n_pages * PT; p++)
+        for (int l = 0; l < L; l++)
+            for (int h = 0; h < H; h++) {
+                cr_assert_eq(kv_seq_read(s, q, l, h, p, k, v), 0);
+                for (int c = 0; c < HD; c++) {
+                    err = fmaxf(err, fabsf(k[c] - kval(toks[p], p, l, h, c)));
+                    err = fmaxf(err, fabsf(v[c] - vval(toks[p], p, l, h, c)));
+                }
+            }
+    kv_seq_destroy(s, q);
+    return err;
+}
+
+static void chain(int32_t *toks, km_pagehash *hashes, int n_pages, int salt)
+{
+    for (int i = 0; i < n_pages * PT; i++) toks[i] = 1000 + i * 3 + salt;
+    km_pagehash seed = km_pagehash_seed("model", 5, 42, NULL, 0);
+    cr_assert_eq(km_pagehash_chain(seed, toks, n_pages * PT, PT, hashes, n_pages), n_pages);
+}
+
+/* Moves pages [k, n) of the chain from a to b as a transfer layer would; returns pages indexed. */
+static int transfer(kv_store *a, kv_store *b, const int32_t *toks, const km_pagehash *hashes, int n,
+                    int corrupt_at)
+{
+    uint64_t imp;
+    int k = kv_import_begin(b, hashes, toks, n, &imp);
+    cr_assert(k >= 0);
+    if (k == n) return 0;
+    uint64_t exp;
+    int held = kv_export_begin(a, hashes, toks, n, 0, &exp);
+    cr_assert_eq(held, n);
+    kv_xfer_page src[64], dst[64];
+    int rc;
+    while ((rc = kv_export_pages(a, exp, k, n - k, src)) == KM_EAGAIN) {
+    }
+    cr_assert_eq(rc, 0);
+    kv_format wire[64];
+    for (int i = 0; i < n - k; i++) wire[i] = src[i].format;
+    cr_assert_eq(kv_import_reserve(b, imp, n - k, wire, dst), n - k);
+    int ok = 0;
+    for (int i = 0; i < n - k; i++) {
+        cr_assert_eq(dst[i].bytes, src[i].bytes);
+        cr_assert_eq(dst[i].index, src[i].index);
+        cr_assert(km_pagehash_eq(dst[i].hash, src[i].hash));
+        memcpy(dst[i].buf, src[i].buf, src[i].bytes);
+        if (i == corrupt_at) dst[i].buf[7] ^= 0x10;
+        /* the receiver's own check: its expected identity, the holder's checksum */
+        dst[i].checksum = kv_xfer_checksum(&dst[i], PT, dst[i].buf);
+        if (dst[i].checksum != src[i].checksum) break;
+        ok++;
+    }
+    km_errbuf err;
+    cr_assert_eq(kv_store_check(a, &err), 0, "holder: %s", err.msg);
+    cr_assert_eq(kv_store_check(b, &err), 0, "receiver: %s", err.msg);
+    cr_assert_eq(kv_export_end(a, exp), 0);
+    int got = kv_import_commit(b, imp, ok);
+    cr_assert_eq(kv_store_check(b, &err), 0, "receiver after commit: %s", err.msg);
+    return got;
+}
+
+/* Two arena stores; the holder a has computed the first n pages of a chain. */
+typedef struct pair {
+    kv_store *a, *b;
+    int32_t toks[64 * PT];
+    km_pagehash hs[64];
+} pair;
+
+static void pair_open(pair *p, kv_format fa, kv_format fb, int n)
+{
+    p->a = mk(fa, 64, 1);
+    p->b = mk(fb, 64, 1);
+    chain(p->toks, p->hs, n, 0);
+    compute(p->a, p->toks, p->hs, n);
+}
+
+static void pair_close(pair *p)
+{
+    kv_store_destroy(p->a);
+    kv_store_destroy(p->b);
+}
+
+Test(xfer_store, arena_holds_every_page_buffer)
+{
+    kv_store *s = mk(KN_KV_F16, 64, 1);
+    kv_mem_region r[2];
+    cr_assert_eq(kv_store_mem_regions(s, r, 2), 1);
+    cr_assert(r[0].bytes >= 64 * f16_page());
+    int32_t toks[16 * PT];
+    km_pagehash hs[16];
+    chain(toks, hs, 16, 0);
+    compute(s, toks, hs, 16);
+    uint64_t id;
+    cr_assert_eq(kv_export_begin(s, hs, toks, 16, 0, &id), 16);
+    kv_xfer_page pg[16];
+    cr_assert_eq(kv_export_pages(s, id, 0, 16, pg), 0);
+    for (int i = 0; i < 16; i++) {
+        cr_assert_eq(pg[i].region, 0);
+        cr_assert((uint8_t *)pg[i].buf >= (uint8_t *)r[0].base);
+        cr_assert((uint8_t *)pg[i].buf + pg[i].bytes <= (uint8_t *)r[0].base + r[0].bytes);
+    }
+    kv_export_end(s, id);
+    /* A live conversion frees the f16 slabs and the fp8 pages reuse them. */
+    cr_assert_eq(kv_store_convert(s, KN_KV_FP8), 16);
+    cr_assert_lt(read_back(s, toks, hs, 16), 0.15f);
+    kv_store_stats st;
+    kv_store_stats_get(s, &st);
+    cr_assert_eq(st.arena_fallbacks, 0);
+    kv_store_destroy(s);
+
+    kv_store *plain = mk(KN_KV_F16, 8, 0);
+    cr_assert_eq(kv_store_mem_regions(plain, r, 2), 0);
+    kv_store_destroy(plain);
+}
+
+Test(xfer_store, full_arena_falls_back_and_counts)
+{
+    kv_config c = cfg(KN_KV_F16, 256, 1);
+    c.arena_bytes = 1; /* one slab */
+    kv_store *s = mk_cfg(&c);
+    int32_t toks[200 * PT];
+    km_pagehash hs[200];
+    chain(toks, hs, 200, 0);
+    compute(s, toks, hs, 200);
+    kv_store_stats st;
+    kv_store_stats_get(s, &st);
+    cr_assert_gt(st.arena_fallbacks, 0);
+    cr_assert_lt(read_back(s, toks, hs, 200), 1e-6f);
+    uint64_t id;
+    cr_assert_eq(kv_export_begin(s, hs, toks, 200, 0, &id), 200);
+    kv_xfer_page pg[200];
+    cr_assert_eq(kv_export_pages(s, id, 0, 200, pg), 0);
+    int outside = 0;
+    for (int i = 0; i < 200; i++) outside += pg[i].region < 0;
+    cr_assert_gt(outside, 0, "pages outside the arena say so (a transfer layer refuses them)");
+    kv_store_destroy(s); /* with the export still alive: freed with the store */
+}
+
+Test(xfer_store, pull_between_two_stores_is_exact_and_indexed)
+{
+    pair P;
+    pair_open(&P, KN_KV_F16, KN_KV_F16, 16);
+    kv_store *a = P.a, *b = P.b;
+    const int32_t *toks = P.toks;
+    const km_pagehash *hs = P.hs;
+    kv_event ev[64];
+    kv_store_events_drain(b, ev, 64);
+    cr_assert_eq(transfer(a, b, toks, hs, 16, -1), 16);
+    cr_assert_eq(kv_store_lookup(b, hs, toks, 16, NULL), 16);
+    cr_assert_lt(read_back(b, toks, hs, 16), 1e-6f); /* f16 of these values is exact */
+    int n = kv_store_events_drain(b, ev, 64), stored = 0;
+    for (int i = 0; i < n; i++) stored += ev[i].kind == KV_EVENT_STORED;
+    cr_assert_eq(stored, 16, "one STORED event per imported page");
+    /* the pages are cached, not pinned, and the holder's are unpinned again */
+    kv_store_stats st;
+    kv_store_stats_get(b, &st);
+    cr_assert_eq(st.tier[KV_TIER_HOT].pinned_pages, 0);
+    kv_store_stats_get(a, &st);
+    cr_assert_eq(st.tier[KV_TIER_HOT].pinned_pages, 0);
+    int ne, ni;
+    kv_xfer_counts(a, &ne, &ni);
+    cr_assert_eq(ne + ni, 0);
+    kv_xfer_counts(b, &ne, &ni);
+    cr_assert_eq(ne + ni, 0);
+    pair_close(&P);
+}
+
+Test(xfer_store, only_the_missing_suffix_moves)
+{
+    pair P;
+    pair_open(&P, KN_KV_F16, KN_KV_F16, 12);
+    kv_store *a = P.a, *b = P.b;
+    const int32_t *toks = P.toks;
+    const km_pagehash *hs = P.hs;
+    compute(b, toks, hs, 5);
+    uint64_t imp;
+    cr_assert_eq(kv_import_begin(b, hs, toks, 12, &imp), 5);
+    kv_import_abort(b, imp);
+    cr_assert_eq(transfer(a, b, toks, hs, 12, -1), 7);
+    cr_assert_eq(kv_store_lookup(b, hs, toks, 12, NULL), 12);
+    cr_assert_lt(read_back(b, toks, hs, 12), 1e-6f);
+    pair_close(&P);
+}
+
+Test(xfer_store, a_corrupted_page_ends_the_chain_there)
+{
+    pair P;
+    pair_open(&P, KN_KV_F16, KN_KV_F16, 8);
+    kv_store *a = P.a, *b = P.b;
+    int before = kv_store_pages_free(b);
+    cr_assert_eq(transfer(a, b, P.toks, P.hs, 8, 3), 3);
+    cr_assert_eq(kv_store_lookup(b, P.hs, P.toks, 8, NULL), 3);
+    kv_store_stats st;
+    kv_store_stats_get(b, &st);
+    cr_assert_eq(st.tier[KV_TIER_HOT].pages, 3, "the other reserved pages went back");
+    cr_assert_eq(kv_store_pages_free(b), before - 3);
+    pair_close(&P);
+}
+
+/* Pages travel in the holder's format and are converted into the receiver's. */
+static void convert_case(kv_format from, kv_format to, float tol)
+{
+    pair P;
+    pair_open(&P, from, to, 8);
+    cr_assert_eq(transfer(P.a, P.b, P.toks, P.hs, 8, -1), 8);
+    float ea = read_back(P.a, P.toks, P.hs, 8), eb = read_back(P.b, P.toks, P.hs, 8);
+    cr_assert_lt(eb, tol, "%s -> %s: error %g (holder's own %g)", kv_format_name(from),
+                 kv_format_name(to), eb, ea);
+    if (from == to) cr_assert_eq(ea, eb, "same format: bit-identical values");
+    pair_close(&P);
+}
+
+Test(xfer_store, every_format_and_conversion)
+{
+    const kv_format fs[] = {KN_KV_F16, KN_KV_BF16, KN_KV_FP8, KN_KV_INT8, KN_KV_INT4};
+    const float tol[] = {1e-6f, 0.02f, 0.08f, 0.02f, 0.25f};
+    for (int i = 0; i < 5; i++)
+        for (int j = 0; j < 5; j++) convert_case(fs[i], fs[j], fmaxf(tol[i], tol[j]) * 2);
+}
+
+Test(xfer_store, quantized_pages_move_fewer_bytes)
+{
+    kv_store *s = mk(KN_KV_F16, 8, 0);
+    size_t f16 = kv_store_format_page_bytes(s, KN_KV_F16);
+    cr_assert_lt(kv_store_format_page_bytes(s, KN_KV_FP8), f16 * 6 / 10);
+    cr_assert_lt(kv_store_format_page_bytes(s, KN_KV_INT8), f16 * 6 / 10);
+    cr_assert_lt(kv_store_format_page_bytes(s, KN_KV_INT4),
+                 kv_store_format_page_bytes(s, KN_KV_FP8));
+    kv_store_destroy(s);
+}
+
+Test(xfer_store, leases_expire_and_unpin)
+{
+    kv_store *a = mk(KN_KV_F16, 64, 1);
+    int32_t toks[8 * PT];
+    km_pagehash hs[8];
+    chain(toks, hs, 8, 0);
+    compute(a, toks, hs, 8);
+    uint64_t e1, e2;
+    cr_assert_eq(kv_export_begin(a, hs, toks, 8, 1000, &e1), 8);
+    cr_assert_eq(kv_export_begin(a, hs, toks, 4, 0, &e2), 4);
+    kv_store_stats st;
+    kv_store_stats_get(a, &st);
+    cr_assert_eq(st.tier[KV_TIER_HOT].pinned_pages, 8);
+    cr_assert_eq(kv_export_expire(a, 999), 0);
+    cr_assert_eq(kv_export_expire(a, 1000), 1);
+    kv_xfer_page pg[8];
+    cr_assert_eq(kv_export_pages(a, e1, 0, 8, pg), KM_ENOTFOUND);
+    cr_assert_eq(kv_export_end(a, e1), KM_ENOTFOUND);
+    kv_store_stats_get(a, &st);
+    cr_assert_eq(st.tier[KV_TIER_HOT].pinned_pages, 4);
+    cr_assert_eq(kv_export_end(a, e2), 0);
+    kv_store_stats_get(a, &st);
+    cr_assert_eq(st.tier[KV_TIER_HOT].pinned_pages, 0);
+    /* a chain the store does not hold gives nothing and no handle */
+    int32_t other[8 * PT];
+    km_pagehash oh[8];
+    chain(other, oh, 8, 1);
+    uint64_t e3 = 77;
+    cr_assert_eq(kv_export_begin(a, oh, other, 8, 0, &e3), 0);
+    cr_assert_eq(e3, 0);
+    kv_store_destroy(a);
+}
+
+Test(xfer_store, checksum_covers_identity_tokens_and_payload)
+{
+    int32_t toks[PT] = {1, 2, 3, 4};
+    uint8_t payload[64] = {0};
+    kv_xfer_page p = {.format = KN_KV_F16,
+                      .index = 3,
+                      .hash = {1, 2},
+                      .parent = {3, 4},
+                      .tokens = toks,
+                      .buf = payload,
+                      .bytes = sizeof payload};
+    uint64_t c0 = kv_xfer_checksum(&p, PT, payload);
+    kv_xfer_page q = p;
+    q.index = 4;
+    cr_assert_neq(kv_xfer_checksum(&q, PT, payload), c0);
+    q = p;
+    q.parent.lo ^= 1;
+    cr_assert_neq(kv_xfer_checksum(&q, PT, payload), c0);
+    q = p;
+    q.format = KN_KV_BF16;
+    cr_assert_neq(kv_xfer_checksum(&q, PT, payload), c0);
+    toks[2] = 9;
+    cr_assert_neq(kv_xfer_checksum(&p, PT, payload), c0);
+    toks[2] = 3;
+    payload[63] = 1;
+    cr_assert_neq(kv_xfer_checksum(&p, PT, payload), c0);
+    payload[63] = 0;
+    cr_assert_eq(kv_xfer_checksum(&p, PT, payload), c0);
+}
+
+Test(xfer_store, transfers_in_flight_keep_their_buffers_through_recovery_level_2)
+{
+    pair P;
+    pair_open(&P, KN_KV_F16, KN_KV_F16, 8);
+    compute(P.b, P.toks, P.hs, 2);
+    km_errbuf err;
+    uint64_t imp, exp;
+    cr_assert_eq(kv_import_begin(P.b, P.hs, P.toks, 8, &imp), 2);
+    cr_assert_eq(kv_export_begin(P.a, P.hs, P.toks, 8, 0, &exp), 8);
+    kv_xfer_page src[8], dst[6];
+    cr_assert_eq(kv_export_pages(P.a, exp, 2, 6, src), 0);
+    kv_format wire[6];
+    for (int i = 0; i < 6; i++) wire[i] = src[i].format;
+    cr_assert_eq(kv_import_reserve(P.b, imp, 6, wire, dst), 6);
+    cr_assert_eq(kv_store_check(P.a, &err), 0, "%s", err.msg);
+    cr_assert_eq(kv_store_check(P.b, &err), 0, "%s", err.msg);
+    /* level 2 on both stores while the pages are lent: their buffers stay put */
+    kv_store_convert(P.a, KN_KV_FP8);
+    kv_store_convert(P.b, KN_KV_FP8);
+    kv_xfer_page again[6];
+    cr_assert_eq(kv_export_pages(P.a, exp, 2, 6, again), 0);
+    for (int i = 0; i < 6; i++) {
+        cr_assert_eq(again[i].buf, src[i].buf);
+        cr_assert_eq(again[i].checksum, src[i].checksum);
+        memcpy(dst[i].buf, src[i].buf, src[i].bytes);
+    }
+    cr_assert_eq(kv_store_check(P.b, &err), 0, "%s", err.msg);
+    kv_export_end(P.a, exp);
+    cr_assert_eq(kv_import_commit(P.b, imp, 6), 6);
+    cr_assert_eq(kv_store_check(P.b, &err), 0, "%s", err.msg);
+    cr_assert_lt(read_back(P.b, P.toks, P.hs, 8), 0.15f);
+    int ne, ni;
+    kv_xfer_counts(P.b, &ne, &ni);
+    cr_assert_eq(ne + ni, 0);
+    pair_close(&P);
+}
+
+Test(xfer_store, an_import_is_not_a_hit_or_a_miss)
+{
+    pair P;
+    pair_open(&P, KN_KV_F16, KN_KV_F16, 4);
+    kv_store_stats before, after;
+    kv_store_stats_get(P.b, &before);
+    uint64_t imp;
+    cr_assert_eq(kv_import_begin(P.b, P.hs, P.toks, 4, &imp), 0);
+    kv_import_abort(P.b, imp);
+    kv_store_stats_get(P.b, &after);
+    cr_assert_eq(after.hits, before.hits);
+    cr_assert_eq(after.misses, before.misses);
+    pair_close(&P);
+}
