@@ -40,6 +40,7 @@ TESTBIN := $(BUILD)/tests
 COMMON_SRC  := $(wildcard common/*.c)
 KERNELS_SRC := $(wildcard kernels/*.c kernels/cpu/*.c)
 KVSHARD_SRC := $(filter-out kvshard/main.c,$(wildcard kvshard/*.c))
+PEER_SRC    := $(wildcard peer/*.c)
 ENGINE_SRC  := $(filter-out worker/main.c,$(wildcard worker/*.c))
 CLIENT_SRC  := $(wildcard client/*.c)
 CLI_SRC     := $(wildcard cli/*.c)
@@ -49,17 +50,21 @@ CONTROLLER_SRC := $(filter-out controller/main.c,$(wildcard controller/*.c))
 LIB_COMMON  := $(BUILD)/lib/libkmcommon.a
 LIB_KERNELS := $(BUILD)/lib/libkmkernels.a
 LIB_KVSHARD := $(BUILD)/lib/libkvshard.a
+LIB_PEER    := $(BUILD)/lib/libkmpeer.a
 LIB_ENGINE  := $(BUILD)/lib/libkmworker.a
 LIB_CLIENT  := $(BUILD)/lib/libkvmesh.a
 LIB_ROUTER  := $(BUILD)/lib/libkmrouter.a
 LIB_CONTROLLER := $(BUILD)/lib/libkmcontroller.a
 # Link order: dependents first. Tests and benchmarks link everything; each daemon links only what
-# DESIGN.md's arrows allow (common <- kernels <- kvshard <- worker; common <- router, controller,
-# client <- cli), so a call against the arrows fails its link (and `make check-links` below).
-ALL_LIBS := $(LIB_CLIENT) $(LIB_CONTROLLER) $(LIB_ROUTER) $(LIB_ENGINE) $(LIB_KVSHARD) $(LIB_KERNELS) $(LIB_COMMON)
+# DESIGN.md's arrows allow (common <- kernels <- kvshard <- peer <- worker; common <- router,
+# controller, client <- cli), so a call against the arrows fails its link (and `make check-links`
+# below).
+ALL_LIBS := $(LIB_CLIENT) $(LIB_CONTROLLER) $(LIB_ROUTER) $(LIB_ENGINE) $(LIB_PEER) $(LIB_KVSHARD) $(LIB_KERNELS) $(LIB_COMMON)
 WORKER_LIBS     := $(LIB_ENGINE) $(LIB_KVSHARD) $(LIB_KERNELS) $(LIB_COMMON)
 ROUTER_LIBS     := $(LIB_ROUTER) $(LIB_COMMON)
 CONTROLLER_LIBS := $(LIB_CONTROLLER) $(LIB_COMMON)
+# peer/ (KV page transfer) is the only user of UCX: only what links it gets -lucp -lucs.
+UCX_LIBS := -lucp -lucs
 
 objs = $(patsubst %.c,$(OBJ)/%.o,$(1))
 
@@ -109,6 +114,7 @@ $(OBJ)/%.o: %.c
 $(LIB_COMMON): $(call objs,$(COMMON_SRC))
 $(LIB_KERNELS): $(call objs,$(KERNELS_SRC))
 $(LIB_KVSHARD): $(call objs,$(KVSHARD_SRC))
+$(LIB_PEER): $(call objs,$(PEER_SRC))
 $(LIB_ENGINE): $(call objs,$(ENGINE_SRC))
 $(LIB_CLIENT): $(call objs,$(CLIENT_SRC))
 $(LIB_ROUTER): $(call objs,$(ROUTER_SRC))
@@ -146,22 +152,26 @@ define link_rule
 $(LINKS)/$(1).ok: $(BUILD)/lib/lib$(1).a $(2)
 	@mkdir -p $$(dir $$@)
 	$$(CC) $$(LDFLAGS) -shared -o $$(@:.ok=.so) -Wl,--whole-archive $$< -Wl,--no-whole-archive \
-	  $(2) $$(LDLIBS) -Wl,--no-undefined
+	  $(2) $$(LDLIBS) $(3) -Wl,--no-undefined
 	@rm -f $$(@:.ok=.so) && touch $$@
 endef
 $(eval $(call link_rule,kmcommon,))
 $(eval $(call link_rule,kmkernels,$(LIB_COMMON)))
 $(eval $(call link_rule,kvshard,$(LIB_KERNELS) $(LIB_COMMON)))
+$(eval $(call link_rule,kmpeer,$(LIB_KVSHARD) $(LIB_KERNELS) $(LIB_COMMON),$(UCX_LIBS)))
 $(eval $(call link_rule,kmworker,$(LIB_KVSHARD) $(LIB_KERNELS) $(LIB_COMMON)))
 $(eval $(call link_rule,kmrouter,$(LIB_COMMON)))
 $(eval $(call link_rule,kmcontroller,$(LIB_COMMON)))
 $(eval $(call link_rule,kvmesh,$(LIB_COMMON)))
 .PHONY: check-links
-check-links: $(patsubst %,$(LINKS)/%.ok,kmcommon kmkernels kvshard kmworker kmrouter kmcontroller kvmesh)
+check-links: $(patsubst %,$(LINKS)/%.ok,kmcommon kmkernels kvshard kmpeer kmworker kmrouter kmcontroller kvmesh)
 
 $(TESTBIN)/%: $(OBJ)/tests/unit/%.o $(ALL_LIBS)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS) -o $@ $^ -lcriterion $(LDLIBS)
+
+$(TESTBIN)/test_xfer_peer $(TESTBIN)/test_xfer_proc: $(OBJ)/tests/xfer_harness.o
+$(TESTBIN)/test_xfer_peer $(TESTBIN)/test_xfer_proc: LDLIBS += $(UCX_LIBS)
 
 -include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)
 

@@ -1,0 +1,180 @@
+/*
+ * node.c — the transfer node: picks the back end, collects the store's memory regions for it to
+ * register once, keeps the peers (puller side), and runs the owner's housekeeping
+ * (pr_node_poll): leases that ran out, pulls that were given up while reads were still in
+ * flight and whose reads have now completed, peers whose endpoints are closed.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "peer/internal.h"
+
+static const pr_backend_ops *pr_backend_find(const char *name)
+{
+    if (!name || !strcmp(name, "ucx")) return &pr_ucx_ops;
+    return NULL;
+}
+
+int pr_node_create(const pr_config *cfg, pr_node **out, km_errbuf *err)
+{
+    *out = NULL;
+    if (!cfg || !cfg->store) return km_errf(err, KM_EINVAL, "peer node: no store");
+    const pr_backend_ops *ops = pr_backend_find(cfg->backend);
+    if (!ops) return km_errf(err, KM_EUNSUPPORTED, "peer node: unknown back end %s", cfg->backend);
+    if (cfg->mode != PR_MODE_GET && cfg->mode != PR_MODE_AM)
+        return km_errf(err, KM_EINVAL, "peer node: unknown mode %d", (int)cfg->mode);
+    pr_node *n = calloc(1, sizeof *n);
+    if (!n) return km_errf(err, KM_ENOMEM, "peer node: out of memory");
+    n->cfg = *cfg;
+    if (!n->cfg.listen_host) n->cfg.listen_host = "0.0.0.0";
+    if (!n->cfg.advertise_host) n->cfg.advertise_host = "127.0.0.1";
+    if (n->cfg.lease_ms <= 0) n->cfg.lease_ms = 10000;
+    if (n->cfg.max_inflight <= 0) n->cfg.max_inflight = 32;
+    n->store = cfg->store;
+    n->ops = ops;
+    n->next_pull_id = 1;
+    atomic_init(&n->endpoints, 0);
+    n->n_regions = kv_store_mem_regions(n->store, n->regions, PR_MAX_REGIONS);
+    if (n->n_regions <= 0 || n->n_regions > PR_MAX_REGIONS) {
+        free(n);
+        return km_errf(err, KM_EINVAL,
+                       "peer node: the store has no page arena (create it with arena = 1)");
+    }
+    int rc = ops->open(n, err);
+    if (rc) {
+        free(n);
+        return rc;
+    }
+    *out = n;
+    return 0;
+}
+
+void pr_node_destroy(pr_node *n)
+{
+    if (!n) return;
+    /* The back end cancels every read and closes every endpoint first: only then may the
+     * pages being read into go back to the store. */
+    n->ops->close(n);
+    while (n->pulls) {
+        pr_pull *p = n->pulls;
+        n->pulls = p->next;
+        kv_import_abort(n->store, p->import_id);
+        pr_pull_free(n, p);
+    }
+    while (n->zombies) {
+        pr_pull *p = n->zombies;
+        n->zombies = p->next;
+        kv_import_abort(n->store, p->import_id);
+        pr_pull_free(n, p);
+    }
+    pr_leases_free(n);
+    while (n->peers) {
+        pr_peer *p = n->peers;
+        n->peers = p->next;
+        free(p->addr_buf);
+        free(p);
+    }
+    free(n->addr);
+    free(n);
+}
+
+int pr_node_address(const pr_node *n, const uint8_t **addr, size_t *len)
+{
+    *addr = n->addr;
+    *len = n->addr_len;
+    return n->addr ? 0 : KM_ENOTFOUND;
+}
+
+/* ---------------------------------------------------------------- peers */
+
+int pr_peer_connect(pr_node *n, const uint8_t *addr, size_t len, pr_peer **out, km_errbuf *err)
+{
+    *out = NULL;
+    pr_peer *p = calloc(1, sizeof *p);
+    if (!p || !(p->addr_buf = malloc(len ? len : 1))) {
+        free(p);
+        return km_errf(err, KM_ENOMEM, "peer: out of memory");
+    }
+    memcpy(p->addr_buf, addr, len);
+    int rc = pr_addr_parse(p->addr_buf, len, &p->addr);
+    if (rc) {
+        free(p->addr_buf);
+        free(p);
+        return km_errf(err, rc, "peer: malformed node address (%zu bytes)", len);
+    }
+    atomic_init(&p->failed, 0);
+    atomic_init(&p->closed, 0);
+    p->refs = 1;
+    if ((rc = n->ops->connect(n, p, err))) {
+        free(p->addr_buf);
+        free(p);
+        return rc;
+    }
+    p->next = n->peers;
+    n->peers = p;
+    n->st.peers++;
+    *out = p;
+    return 0;
+}
+
+int pr_peer_failed(const pr_peer *p)
+{
+    return atomic_load_explicit(&p->failed, memory_order_acquire);
+}
+
+void pr_peer_unref(pr_node *n, pr_peer *p)
+{
+    if (--p->refs > 0) return;
+    p->disconnecting = 1;
+    n->ops->disconnect(n, p); /* freed by pr_node_poll once closed */
+}
+
+void pr_peer_release(pr_node *n, pr_peer *p)
+{
+    if (!p || p->released) return;
+    p->released = 1;
+    pr_peer_unref(n, p);
+}
+
+/* ---------------------------------------------------------------- housekeeping */
+
+int pr_node_poll(pr_node *n, pr_offer *out, int max)
+{
+    pr_leases_expire(n, km_now_ns());
+    for (pr_pull **pp = &n->zombies; *pp;) {
+        pr_pull *p = *pp;
+        if (atomic_load_explicit(&p->fetch_done, memory_order_acquire)) {
+            *pp = p->next;
+            pr_pull_reap(n, p);
+        } else {
+            pp = &p->next;
+        }
+    }
+    for (pr_peer **pp = &n->peers; *pp;) {
+        pr_peer *p = *pp;
+        if (!p->failure_seen && atomic_load_explicit(&p->failed, memory_order_acquire)) {
+            p->failure_seen = 1;
+            n->st.peers_failed++;
+        }
+        if (p->disconnecting && atomic_load_explicit(&p->closed, memory_order_acquire)) {
+            *pp = p->next;
+            n->st.peers--;
+            free(p->addr_buf);
+            free(p);
+        } else {
+            pp = &p->next;
+        }
+    }
+    return pr_leases_emit(n, out, max);
+}
+
+void pr_node_stats(const pr_node *n, pr_stats *out)
+{
+    *out = n->st;
+    out->endpoints = atomic_load_explicit(&((pr_node *)n)->endpoints, memory_order_relaxed);
+    out->pulls_active = 0;
+    for (const pr_pull *p = n->pulls; p; p = p->next) out->pulls_active++;
+    for (const pr_pull *p = n->zombies; p; p = p->next) out->pulls_active++;
+    out->leases_active = 0;
+    for (const pr_lease *l = n->leases; l; l = l->next) out->leases_active++;
+}

@@ -1,0 +1,155 @@
+/*
+ * serve.c — the holder side: a puller's request becomes a lease, a kvshard export that pins
+ * the verified prefix of its chain, and an offer describing each pinned page (where it lies in
+ * the registered memory, its format, identity and checksum). The lease ends when the puller
+ * says so or when it runs out, whichever comes first; after that the pages may be evicted or
+ * reused, and a late reader gets bytes that fail their checksum, never a page that passes.
+ *
+ * Offers leave through pr_node_poll rather than from pr_serve itself because a page on the
+ * host tier is first promoted by the store's promoter thread: the owner never waits for it.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "peer/internal.h"
+
+static pr_lease *pr_lease_refuse(pr_node *n, uint64_t pull_id, int status)
+{
+    pr_lease *l = calloc(1, sizeof *l);
+    if (!l) return NULL;
+    l->pull_id = pull_id;
+    l->status = status;
+    l->next = n->leases;
+    n->leases = l;
+    return l;
+}
+
+int pr_serve(pr_node *n, const pr_pull_req *req)
+{
+    const int pt = kv_store_page_tokens(n->store);
+    if (req->page_tokens != pt || req->n_pages < 1 || req->n_pages > PR_MAX_PAGES ||
+        req->first < 0 || req->first >= req->n_pages || !req->hashes || !req->tokens) {
+        pr_lease_refuse(n, req->pull_id, KM_EPROTO);
+        return KM_EPROTO;
+    }
+    pr_lease *l = pr_lease_refuse(n, req->pull_id, 0);
+    if (!l) return KM_ENOMEM;
+    l->deadline_ns = km_now_ns() + (uint64_t)n->cfg.lease_ms * 1000000ull;
+    int held =
+        kv_export_begin(n->store, req->hashes, req->tokens, req->n_pages, l->deadline_ns, &l->id);
+    if (held <= req->first) {
+        if (l->id) kv_export_end(n->store, l->id);
+        l->id = 0;
+        l->status = held < 0 ? held : KM_ENOTFOUND;
+        return 0;
+    }
+    l->first = req->first;
+    l->n = held - req->first;
+    return 0;
+}
+
+static void pr_lease_free(pr_node *n, pr_lease **lp)
+{
+    pr_lease *l = *lp;
+    *lp = l->next;
+    if (l->id) kv_export_end(n->store, l->id);
+    free(l->descs);
+    free(l->tokens);
+    free(l);
+}
+
+void pr_serve_done(pr_node *n, const pr_pull_done *done)
+{
+    for (pr_lease **lp = &n->leases; *lp; lp = &(*lp)->next)
+        if ((*lp)->id && (*lp)->id == done->lease_id) {
+            pr_lease_free(n, lp);
+            return;
+        }
+}
+
+void pr_leases_expire(pr_node *n, uint64_t now_ns)
+{
+    for (pr_lease **lp = &n->leases; *lp;) {
+        pr_lease *l = *lp;
+        if (l->emitted && !l->id) { /* a refusal, sent */
+            pr_lease_free(n, lp);
+        } else if (l->id && l->deadline_ns <= now_ns) {
+            n->st.leases_expired++;
+            pr_lease_free(n, lp);
+        } else {
+            lp = &l->next;
+        }
+    }
+}
+
+/* Describes the lease's pages; KM_EAGAIN while some are still being promoted. */
+static int pr_lease_describe(pr_node *n, pr_lease *l)
+{
+    const int pt = kv_store_page_tokens(n->store);
+    kv_xfer_page *xp = malloc(sizeof *xp * l->n);
+    if (!xp) return KM_ENOMEM;
+    int rc = kv_export_pages(n->store, l->id, l->first, l->n, xp);
+    if (rc) {
+        free(xp);
+        return rc;
+    }
+    l->descs = calloc((size_t)l->n, sizeof *l->descs);
+    l->tokens = malloc(sizeof(int32_t) * (size_t)l->n * pt);
+    if (!l->descs || !l->tokens) {
+        free(xp);
+        return KM_ENOMEM;
+    }
+    int m = 0;
+    for (; m < l->n && xp[m].region >= 0; m++) { /* a page outside the arena cannot be read */
+        pr_page_desc *d = &l->descs[m];
+        d->index = xp[m].index;
+        d->format = (int32_t)xp[m].format;
+        d->hash = xp[m].hash;
+        d->parent = xp[m].parent;
+        d->region = (uint32_t)xp[m].region;
+        d->addr = (uint64_t)(uintptr_t)xp[m].buf;
+        d->bytes = xp[m].bytes;
+        d->checksum = xp[m].checksum;
+        memcpy(l->tokens + (size_t)m * pt, xp[m].tokens, sizeof(int32_t) * pt);
+        n->st.bytes_out += xp[m].bytes;
+    }
+    free(xp);
+    l->n = m;
+    return m ? 0 : KM_ENOTFOUND;
+}
+
+int pr_leases_emit(pr_node *n, pr_offer *out, int max)
+{
+    int k = 0;
+    for (pr_lease *l = n->leases; l && k < max; l = l->next) {
+        if (l->emitted) continue;
+        if (l->id && !l->descs) {
+            int rc = pr_lease_describe(n, l);
+            if (rc == KM_EAGAIN) continue;
+            if (rc) {
+                kv_export_end(n->store, l->id);
+                l->id = 0;
+                l->status = rc;
+            }
+        }
+        l->emitted = 1;
+        out[k++] = (pr_offer){
+            .pull_id = l->pull_id,
+            .lease_id = l->id,
+            .status = l->id ? 0 : l->status,
+            .lease_ms = n->cfg.lease_ms,
+            .n = l->id ? l->n : 0,
+            .page_tokens = kv_store_page_tokens(n->store),
+            .pages = l->descs,
+            .tokens = l->tokens,
+        };
+        n->st.offers++;
+        if (l->id) n->st.pages_out += (uint64_t)l->n;
+    }
+    return k;
+}
+
+void pr_leases_free(pr_node *n)
+{
+    while (n->leases) pr_lease_free(n, &n->leases);
+}

@@ -1,0 +1,875 @@
+/*
+ * ucx.c — the UCX back end: one ucp_context and one ucp_worker per node, driven by one progress
+ * thread that is the only thread calling into the worker (UCS_THREAD_MODE_SINGLE, no locks on
+ * the data path). The owner thread talks to it through a small command queue and an eventfd;
+ * the progress thread answers through atomics in the pull and peer objects.
+ *
+ * Memory: the store's regions are mapped with ucp_mem_map once in open and their remote keys
+ * packed into the node address; they are unmapped only in close. Endpoints: a listener accepts
+ * pullers (an endpoint per connection request, with our own error handler) and a puller
+ * connects to a holder's listening address, so every endpoint on both sides is ours, created
+ * with UCP_ERR_HANDLING_MODE_PEER and closed when it fails (UCP_EP_CLOSE_FLAG_FORCE: all its
+ * outstanding operations complete as canceled; only then are the remote keys destroyed and the
+ * buffers of those operations handed back).
+ *
+ * Reads: PR_MODE_GET issues ucp_get_nbx from the holder's registered memory into the
+ * destination page (the holder's CPU is not involved where the transport reads remote memory
+ * itself; over TCP UCX emulates it with messages its progress thread answers). PR_MODE_AM
+ * sends a small fetch message; the holder's progress thread answers with ucp_am_send_nbx of the
+ * page from its registered memory, forced to rendezvous, and the reader receives it with
+ * ucp_am_recv_data_nbx straight into the destination page. Both keep max_inflight pages of a
+ * pull in flight. Deadlines are checked here: a pull still reading at its deadline has its
+ * peer's endpoint closed (a slow or stopped peer is a failed peer).
+ *
+ * Wake-ups: after work the thread keeps polling for a short while, then arms the worker and
+ * sleeps in epoll on the worker's event fd and the command eventfd, with a timeout at the next
+ * deadline, so an idle node costs no CPU.
+ */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netdb.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <ucp/api/ucp.h>
+
+#include "peer/internal.h"
+
+#define PR_AM_FETCH 21
+#define PR_AM_DATA  22
+#define PR_SPINS    2000                        /* empty progress rounds before sleeping */
+#define PR_CLOSE_NS (5ull * 1000 * 1000 * 1000) /* longest wait for endpoints at close */
+
+enum { PR_CMD_CONNECT, PR_CMD_DISCONNECT, PR_CMD_FETCH };
+enum { PR_EP_CONNECTING, PR_EP_READY, PR_EP_CLOSING, PR_EP_CLOSED };
+enum { PR_OP_IDLE, PR_OP_FETCH_SENT, PR_OP_RECEIVING, PR_OP_GETTING, PR_OP_DONE };
+
+typedef struct pr_ucx pr_ucx;
+
+typedef struct pr_cmd {
+    struct pr_cmd *next;
+    int kind;
+    pr_peer *peer;
+    pr_pull *pull;
+} pr_cmd;
+
+/* An endpoint, either ours to a holder (peer != NULL) or a puller's connection to us. */
+typedef struct pr_uep {
+    struct pr_uep *next;
+    pr_ucx *u;
+    pr_peer *peer; /* NULL for an accepted connection */
+    ucp_ep_h ep;
+    int state, failed, want_close, counted;
+    void *flush_req, *close_req;
+    ucp_rkey_h rkey[PR_MAX_REGIONS];
+} pr_uep;
+
+typedef struct pr_op {
+    struct pr_upull *up;
+    int index, phase;
+    struct {
+        uint64_t pull_id;
+        uint32_t index, region;
+        uint64_t addr, bytes;
+    } fetch; /* the fetch message header (stable until sent) */
+} pr_op;
+
+typedef struct pr_upull {
+    struct pr_upull *next;
+    pr_pull *p;
+    pr_uep *ep;
+    pr_op *ops;
+    int next_op, inflight;
+} pr_upull;
+
+/* An answer to a fetch, waiting to be sent or in flight (holder side). */
+typedef struct pr_reply {
+    struct pr_reply *next;
+    pr_ucx *u;
+    pr_uep *conn;
+    struct {
+        uint64_t pull_id;
+        uint32_t index, status;
+    } hdr;
+    uint64_t addr, bytes;
+    uint32_t region;
+} pr_reply;
+
+struct pr_ucx {
+    pr_node *node;
+    ucp_context_h ctx;
+    ucp_worker_h w;
+    ucp_listener_h listener;
+    ucp_mem_h memh[PR_MAX_REGIONS];
+    void *rkey_buf[PR_MAX_REGIONS];
+    size_t rkey_len[PR_MAX_REGIONS];
+    int n_regions, wfd, evfd, epfd;
+    pthread_t thr;
+    int thr_started;
+    pthread_mutex_t mu;
+    pr_cmd *cmds, *cmds_tail;
+    int stop;
+    /* progress thread only */
+    pr_uep *eps;
+    pr_upull *pulls;
+    pr_reply *replies;
+    int sends; /* replies in flight */
+};
+
+static void pr_ucx_wake(pr_ucx *u)
+{
+    uint64_t one = 1;
+    ssize_t r = write(u->evfd, &one, sizeof one);
+    (void)r;
+}
+
+static int pr_ucx_push(pr_ucx *u, int kind, pr_peer *peer, pr_pull *pull)
+{
+    pr_cmd *c = calloc(1, sizeof *c);
+    if (!c) return KM_ENOMEM;
+    c->kind = kind;
+    c->peer = peer;
+    c->pull = pull;
+    pthread_mutex_lock(&u->mu);
+    if (u->cmds_tail)
+        u->cmds_tail->next = c;
+    else
+        u->cmds = c;
+    u->cmds_tail = c;
+    pthread_mutex_unlock(&u->mu);
+    pr_ucx_wake(u);
+    return 0;
+}
+
+/* ---------------------------------------------------------------- endpoints */
+
+static void pr_ep_fail(pr_uep *e)
+{
+    if (e->failed) return;
+    e->failed = 1;
+    if (e->peer) atomic_store_explicit(&e->peer->failed, 1, memory_order_release);
+}
+
+static void pr_ep_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
+{
+    pr_uep *e = arg;
+    KM_INFO("peer_endpoint_failed", "role=%s status=%s", e->peer ? "puller" : "holder",
+            ucs_status_string(status));
+    pr_ep_fail(e); /* closed by the loop, not inside UCX's callback */
+}
+
+static void pr_ep_flushed(void *req, ucs_status_t status, void *arg)
+{
+    pr_uep *e = arg;
+    e->flush_req = NULL;
+    ucp_request_free(req);
+    if (status != UCS_OK) pr_ep_fail(e);
+}
+
+/* The endpoint is closed and every operation on it has completed: its remote keys go now. */
+static void pr_ep_closed(pr_ucx *u, pr_uep *e)
+{
+    e->state = PR_EP_CLOSED;
+    for (int i = 0; i < PR_MAX_REGIONS; i++)
+        if (e->rkey[i]) {
+            ucp_rkey_destroy(e->rkey[i]);
+            e->rkey[i] = NULL;
+        }
+    if (e->counted) atomic_fetch_sub_explicit(&u->node->endpoints, 1, memory_order_relaxed);
+    e->counted = 0;
+}
+
+/* Starts closing e (force: outstanding operations complete as canceled). */
+static void pr_ep_close(pr_ucx *u, pr_uep *e)
+{
+    if (e->state == PR_EP_CLOSING || e->state == PR_EP_CLOSED) return;
+    pr_ep_fail(e);
+    e->state = PR_EP_CLOSING;
+    if (!e->ep) {
+        pr_ep_closed(u, e);
+        return;
+    }
+    ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
+                               .flags = UCP_EP_CLOSE_FLAG_FORCE};
+    void *r = ucp_ep_close_nbx(e->ep, &prm);
+    if (UCS_PTR_IS_PTR(r))
+        e->close_req = r;
+    else
+        pr_ep_closed(u, e);
+}
+
+/* Nobody refers to the closed endpoint any more: the owner may free its peer. */
+static void pr_ep_reap(pr_ucx *u, pr_uep *e)
+{
+    if (e->peer) atomic_store_explicit(&e->peer->closed, 1, memory_order_release);
+    free(e);
+}
+
+static void pr_ep_ready(pr_ucx *u, pr_uep *e)
+{
+    const pr_addr *a = &e->peer->addr;
+    for (int i = 0; i < a->n_regions; i++)
+        if (ucp_ep_rkey_unpack(e->ep, a->region[i].rkey, &e->rkey[i]) != UCS_OK) {
+            KM_WARN("peer_rkey_unpack_failed", "region=%d", i);
+            pr_ep_close(u, e);
+            return;
+        }
+    e->state = PR_EP_READY;
+}
+
+static int pr_sockaddr(const char *host, int port, struct sockaddr_storage *ss, socklen_t *len)
+{
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM}, *res;
+    char ps[16];
+    snprintf(ps, sizeof ps, "%d", port);
+    if (getaddrinfo(host, ps, &hints, &res) || !res) return KM_EINVAL;
+    memcpy(ss, res->ai_addr, res->ai_addrlen);
+    *len = res->ai_addrlen;
+    freeaddrinfo(res);
+    return 0;
+}
+
+static void pr_do_connect(pr_ucx *u, pr_peer *p)
+{
+    pr_uep *e = p->be;
+    struct sockaddr_storage ss;
+    socklen_t sl;
+    e->next = u->eps;
+    u->eps = e;
+    ucp_ep_params_t ep = {
+        .field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
+                      UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER,
+        .flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER,
+        .err_mode = UCP_ERR_HANDLING_MODE_PEER,
+        .err_handler = {pr_ep_err_cb, e},
+    };
+    ucs_status_t st = UCS_ERR_INVALID_ADDR;
+    if (!pr_sockaddr(p->addr.host, p->addr.port, &ss, &sl)) {
+        ep.sockaddr = (ucs_sock_addr_t){(struct sockaddr *)&ss, sl};
+        st = ucp_ep_create(u->w, &ep, &e->ep);
+    }
+    if (st != UCS_OK) {
+        KM_WARN("peer_connect_failed", "host=%s port=%d status=%s", p->addr.host, p->addr.port,
+                ucs_status_string(st));
+        e->ep = NULL;
+        pr_ep_fail(e);
+        pr_ep_closed(u, e);
+        return;
+    }
+    e->counted = 1;
+    atomic_fetch_add_explicit(&u->node->endpoints, 1, memory_order_relaxed);
+    /* A flush completes once the connection is wired up; only then are keys unpacked. */
+    ucp_request_param_t prm = {.op_attr_mask =
+                                   UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
+                               .cb.send = pr_ep_flushed,
+                               .user_data = e};
+    void *r = ucp_ep_flush_nbx(e->ep, &prm);
+    if (UCS_PTR_IS_PTR(r))
+        e->flush_req = r;
+    else if (UCS_PTR_IS_ERR(r))
+        pr_ep_fail(e);
+}
+
+static void pr_conn_cb(ucp_conn_request_h req, void *arg)
+{
+    pr_ucx *u = arg;
+    pr_uep *e = calloc(1, sizeof *e);
+    if (!e) {
+        ucp_listener_reject(u->listener, req);
+        return;
+    }
+    e->u = u;
+    ucp_ep_params_t ep = {
+        .field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                      UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_USER_DATA,
+        .conn_request = req,
+        .err_mode = UCP_ERR_HANDLING_MODE_PEER,
+        .err_handler = {pr_ep_err_cb, e},
+        .user_data = e,
+    };
+    if (ucp_ep_create(u->w, &ep, &e->ep) != UCS_OK) {
+        free(e);
+        return;
+    }
+    e->counted = 1;
+    atomic_fetch_add_explicit(&u->node->endpoints, 1, memory_order_relaxed);
+    e->state = PR_EP_READY;
+    e->next = u->eps;
+    u->eps = e;
+}
+
+/* ---------------------------------------------------------------- reads (puller side) */
+
+static void pr_op_settle(pr_op *o, int ok)
+{
+    if (o->phase == PR_OP_DONE) return;
+    if (o->phase != PR_OP_IDLE) o->up->inflight--;
+    o->phase = PR_OP_DONE;
+    pr_page_arrived(o->up->p, o->index, ok);
+}
+
+static void pr_get_done(void *req, ucs_status_t status, void *arg)
+{
+    ucp_request_free(req);
+    pr_op_settle(arg, status == UCS_OK);
+}
+
+static void pr_recv_done(void *req, ucs_status_t status, size_t length, void *arg)
+{
+    pr_op *o = arg;
+    ucp_request_free(req);
+    pr_op_settle(o, status == UCS_OK && length == o->up->p->pages[o->index].dst.bytes);
+}
+
+static void pr_fetch_sent(void *req, ucs_status_t status, void *arg)
+{
+    ucp_request_free(req);
+    /* a fetch that could not be sent never gets an answer */
+    if (status != UCS_OK) pr_op_settle(arg, 0);
+}
+
+static ucp_mem_h pr_local_memh(pr_ucx *u, const kv_xfer_page *d)
+{
+    return d->region >= 0 && d->region < u->n_regions ? u->memh[d->region] : NULL;
+}
+
+static void pr_issue(pr_ucx *u, pr_upull *up, pr_op *o)
+{
+    pr_pull *p = up->p;
+    const pr_xpage *x = &p->pages[o->index];
+    ucp_mem_h mh = pr_local_memh(u, &x->dst);
+    up->inflight++;
+    void *r;
+    if (u->node->cfg.mode == PR_MODE_GET) {
+        o->phase = PR_OP_GETTING;
+        ucp_request_param_t prm = {.op_attr_mask =
+                                       UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
+                                   .cb.send = pr_get_done,
+                                   .user_data = o};
+        if (mh) {
+            prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+            prm.memh = mh;
+        }
+        r = ucp_get_nbx(up->ep->ep, x->dst.buf, x->src.bytes, x->src.addr,
+                        up->ep->rkey[x->src.region], &prm);
+        if (!UCS_PTR_IS_PTR(r)) pr_op_settle(o, !UCS_PTR_IS_ERR(r));
+        return;
+    }
+    o->phase = PR_OP_FETCH_SENT;
+    o->fetch.pull_id = p->id;
+    o->fetch.index = (uint32_t)o->index;
+    o->fetch.region = x->src.region;
+    o->fetch.addr = x->src.addr;
+    o->fetch.bytes = x->src.bytes;
+    ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
+                                               UCP_OP_ATTR_FIELD_USER_DATA |
+                                               UCP_OP_ATTR_FIELD_FLAGS,
+                               .flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER,
+                               .cb.send = pr_fetch_sent,
+                               .user_data = o};
+    r = ucp_am_send_nbx(up->ep->ep, PR_AM_FETCH, &o->fetch, sizeof o->fetch, NULL, 0, &prm);
+    if (UCS_PTR_IS_ERR(r)) pr_op_settle(o, 0);
+}
+
+static pr_upull *pr_upull_find(pr_ucx *u, uint64_t pull_id)
+{
+    for (pr_upull *up = u->pulls; up; up = up->next)
+        if (up->p->id == pull_id) return up;
+    return NULL;
+}
+
+/* Puller: a page answering one of our fetches. */
+static ucs_status_t pr_am_data_cb(void *arg, const void *header, size_t hlen, void *data,
+                                  size_t len, const ucp_am_recv_param_t *param)
+{
+    pr_ucx *u = arg;
+    pr_reply h;
+    if (hlen != sizeof h.hdr) return UCS_OK;
+    memcpy(&h.hdr, header, sizeof h.hdr);
+    pr_upull *up = pr_upull_find(u, h.hdr.pull_id);
+    if (!up || h.hdr.index >= (uint32_t)up->p->n) return UCS_OK; /* given up: dropped */
+    pr_op *o = &up->ops[h.hdr.index];
+    if (o->phase != PR_OP_FETCH_SENT) return UCS_OK;
+    const kv_xfer_page *d = &up->p->pages[o->index].dst;
+    if (h.hdr.status || len != d->bytes) {
+        pr_op_settle(o, 0);
+        return UCS_OK;
+    }
+    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
+        memcpy(d->buf, data, len);
+        pr_op_settle(o, 1);
+        return UCS_OK;
+    }
+    o->phase = PR_OP_RECEIVING;
+    ucp_request_param_t prm = {.op_attr_mask =
+                                   UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
+                               .cb.recv_am = pr_recv_done,
+                               .user_data = o};
+    ucp_mem_h mh = pr_local_memh(u, d);
+    if (mh) {
+        prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+        prm.memh = mh;
+    }
+    void *r = ucp_am_recv_data_nbx(u->w, data, d->buf, len, &prm);
+    if (!UCS_PTR_IS_PTR(r)) pr_op_settle(o, !UCS_PTR_IS_ERR(r));
+    return UCS_INPROGRESS; /* the descriptor is UCX's again (ucp_am_recv_data_nbx took it) */
+}
+
+/* Issues what the window allows, settles what can no longer arrive, and finishes pulls. */
+static void pr_pulls_service(pr_ucx *u, uint64_t now, uint64_t *next_deadline)
+{
+    for (pr_upull **pp = &u->pulls; *pp;) {
+        pr_upull *up = *pp;
+        pr_pull *p = up->p;
+        pr_uep *e = up->ep;
+        int dead = e->failed || e->state == PR_EP_CLOSING || e->state == PR_EP_CLOSED;
+        if (!dead && now >= p->deadline_ns) {
+            atomic_store_explicit(&p->timed_out, 1, memory_order_release);
+            KM_INFO("peer_pull_timeout", "pull=%llu inflight=%d", (unsigned long long)p->id,
+                    up->inflight);
+            pr_ep_close(u, e); /* a peer that missed a deadline is a failed peer */
+            dead = 1;
+        }
+        int stop = dead || atomic_load_explicit(&p->stop, memory_order_acquire);
+        if (stop) { /* nothing more is issued; what waits for an answer that cannot come ends */
+            for (int i = up->next_op; i < p->n; i++) pr_op_settle(&up->ops[i], 0);
+            up->next_op = p->n;
+            if (dead)
+                for (int i = 0; i < p->n; i++)
+                    if (up->ops[i].phase == PR_OP_FETCH_SENT) pr_op_settle(&up->ops[i], 0);
+        } else if (e->state == PR_EP_READY) {
+            while (up->next_op < p->n && up->inflight < u->node->cfg.max_inflight)
+                pr_issue(u, up, &up->ops[up->next_op++]);
+        }
+        if (up->next_op == p->n && up->inflight == 0) {
+            *pp = up->next;
+            free(up->ops);
+            free(up);
+            atomic_store_explicit(&p->fetch_done, 1, memory_order_release); /* last touch */
+            continue;
+        }
+        if (p->deadline_ns < *next_deadline) *next_deadline = p->deadline_ns;
+        pp = &up->next;
+    }
+}
+
+/* ---------------------------------------------------------------- answers (holder side) */
+
+static int pr_range_ok(pr_ucx *u, uint32_t region, uint64_t addr, uint64_t bytes)
+{
+    if (region >= (uint32_t)u->n_regions) return 0;
+    const kv_mem_region *r = &u->node->regions[region];
+    uint64_t b = (uint64_t)(uintptr_t)r->base;
+    return addr >= b && bytes <= r->bytes && addr - b <= r->bytes - bytes;
+}
+
+static pr_uep *pr_conn_of(pr_ucx *u, ucp_ep_h ep)
+{
+    for (pr_uep *e = u->eps; e; e = e->next)
+        if (e->ep == ep && !e->peer) return e;
+    return NULL;
+}
+
+static ucs_status_t pr_am_fetch_cb(void *arg, const void *header, size_t hlen, void *data,
+                                   size_t len, const ucp_am_recv_param_t *param)
+{
+    pr_ucx *u = arg;
+    pr_op o;
+    if (hlen != sizeof o.fetch || !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP))
+        return UCS_OK;
+    memcpy(&o.fetch, header, sizeof o.fetch);
+    pr_uep *conn = pr_conn_of(u, param->reply_ep);
+    pr_reply *r = conn && !conn->failed ? calloc(1, sizeof *r) : NULL;
+    if (!r) return UCS_OK;
+    r->u = u;
+    r->conn = conn;
+    r->hdr.pull_id = o.fetch.pull_id;
+    r->hdr.index = o.fetch.index;
+    r->addr = o.fetch.addr;
+    r->bytes = o.fetch.bytes;
+    r->region = o.fetch.region;
+    r->hdr.status = pr_range_ok(u, r->region, r->addr, r->bytes) ? 0 : 1;
+    r->next = u->replies; /* sent by the loop, outside UCX's callback */
+    u->replies = r;
+    return UCS_OK;
+}
+
+static void pr_reply_sent(void *req, ucs_status_t status, void *arg)
+{
+    pr_reply *r = arg;
+    ucp_request_free(req);
+    r->u->sends--;
+    free(r);
+}
+
+static void pr_replies_send(pr_ucx *u)
+{
+    while (u->replies) {
+        pr_reply *r = u->replies;
+        u->replies = r->next;
+        if (r->conn->failed || r->conn->state != PR_EP_READY) {
+            free(r);
+            continue;
+        }
+        ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
+                                                   UCP_OP_ATTR_FIELD_USER_DATA |
+                                                   UCP_OP_ATTR_FIELD_FLAGS,
+                                   .flags = UCP_AM_SEND_FLAG_RNDV,
+                                   .cb.send = pr_reply_sent,
+                                   .user_data = r};
+        size_t bytes = r->hdr.status ? 0 : r->bytes;
+        if (bytes) {
+            prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+            prm.memh = u->memh[r->region];
+        }
+        u->sends++;
+        void *q = ucp_am_send_nbx(r->conn->ep, PR_AM_DATA, &r->hdr, sizeof r->hdr,
+                                  bytes ? (void *)(uintptr_t)r->addr : NULL, bytes, &prm);
+        if (!UCS_PTR_IS_PTR(q)) {
+            u->sends--;
+            free(r);
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- the progress thread */
+
+static void pr_cmds_run(pr_ucx *u)
+{
+    pthread_mutex_lock(&u->mu);
+    pr_cmd *c = u->cmds;
+    u->cmds = u->cmds_tail = NULL;
+    pthread_mutex_unlock(&u->mu);
+    while (c) {
+        pr_cmd *next = c->next;
+        if (c->kind == PR_CMD_CONNECT) {
+            pr_do_connect(u, c->peer);
+        } else if (c->kind == PR_CMD_DISCONNECT) {
+            pr_uep *e = c->peer->be;
+            e->want_close = 1;
+        } else { /* PR_CMD_FETCH */
+            pr_upull *up = c->pull->be;
+            up->next = u->pulls;
+            u->pulls = up;
+        }
+        free(c);
+        c = next;
+    }
+}
+
+/* Closes failed endpoints and those the owner let go of once no pull uses them; reaps those
+ * whose close has completed. */
+static void pr_eps_service(pr_ucx *u)
+{
+    for (pr_uep **pp = &u->eps; *pp;) {
+        pr_uep *e = *pp;
+        if (e->state == PR_EP_CONNECTING && !e->flush_req && !e->failed) pr_ep_ready(u, e);
+        if (e->failed || e->want_close) {
+            int used = 0;
+            for (pr_upull *up = u->pulls; up && !used; up = up->next) used = up->ep == e;
+            if (e->failed || !used) pr_ep_close(u, e);
+        }
+        if (e->state == PR_EP_CLOSING && e->close_req &&
+            ucp_request_check_status(e->close_req) != UCS_INPROGRESS) {
+            ucp_request_free(e->close_req);
+            e->close_req = NULL;
+            pr_ep_closed(u, e);
+        }
+        int in_use = 0;
+        for (pr_upull *up = u->pulls; up && !in_use; up = up->next) in_use = up->ep == e;
+        if (e->state == PR_EP_CLOSED && !in_use && !e->flush_req && (!e->peer || e->want_close)) {
+            *pp = e->next;
+            pr_ep_reap(u, e);
+            continue;
+        }
+        pp = &e->next;
+    }
+}
+
+static void *pr_progress_main(void *arg)
+{
+    pr_ucx *u = arg;
+    int idle = 0;
+    for (;;) {
+        pr_cmds_run(u);
+        int work = 0;
+        while (ucp_worker_progress(u->w)) work = 1;
+        pr_replies_send(u);
+        uint64_t now = km_now_ns(), next = UINT64_MAX;
+        pr_pulls_service(u, now, &next);
+        pr_eps_service(u);
+        pthread_mutex_lock(&u->mu);
+        int stop = u->stop && !u->cmds;
+        pthread_mutex_unlock(&u->mu);
+        if (stop) break;
+        if (work || u->replies) {
+            idle = 0;
+            continue;
+        }
+        if (++idle < PR_SPINS) continue;
+        idle = 0;
+        if (ucp_worker_arm(u->w) == UCS_ERR_BUSY) continue;
+        int ms = 1000;
+        if (next != UINT64_MAX) ms = next > now ? (int)((next - now) / 1000000 + 1) : 0;
+        if (ms > 1000) ms = 1000;
+        struct epoll_event ev[4];
+        int k = epoll_wait(u->epfd, ev, 4, ms);
+        for (int i = 0; i < k; i++)
+            if (ev[i].data.fd == u->evfd) {
+                uint64_t v;
+                ssize_t r = read(u->evfd, &v, sizeof v);
+                (void)r;
+            }
+    }
+    /* Close: fail every pull, close every endpoint, and wait (bounded) for the closes. */
+    for (pr_upull *up = u->pulls; up; up = up->next) atomic_store(&up->p->stop, 1);
+    for (pr_uep *e = u->eps; e; e = e->next) {
+        e->want_close = 1;
+        pr_ep_fail(e);
+    }
+    uint64_t until = km_now_ns() + PR_CLOSE_NS;
+    while ((u->eps || u->pulls) && km_now_ns() < until) {
+        ucp_worker_progress(u->w);
+        uint64_t next = UINT64_MAX;
+        pr_pulls_service(u, km_now_ns(), &next);
+        pr_eps_service(u);
+    }
+    while (u->replies) {
+        pr_reply *r = u->replies;
+        u->replies = r->next;
+        free(r);
+    }
+    return NULL;
+}
+
+/* ---------------------------------------------------------------- open and close */
+
+static int pr_ucx_fail(pr_node *n, pr_ucx *u, km_errbuf *err, const char *what, ucs_status_t st)
+{
+    n->be = u;
+    pr_ucx_ops.close(n);
+    return km_errf(err, KM_EIO, "peer ucx: %s: %s", what, ucs_status_string(st));
+}
+
+static int pr_ucx_open(pr_node *n, km_errbuf *err)
+{
+    pr_ucx *u = calloc(1, sizeof *u);
+    if (!u) return km_errf(err, KM_ENOMEM, "peer ucx: out of memory");
+    u->node = n;
+    u->wfd = u->evfd = u->epfd = -1;
+    pthread_mutex_init(&u->mu, NULL);
+    ucp_params_t prm = {.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME,
+                        .features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP,
+                        .name = "kvmesh-peer"};
+    ucp_config_t *cfg;
+    ucs_status_t st = ucp_config_read(NULL, NULL, &cfg);
+    if (st != UCS_OK) return pr_ucx_fail(n, u, err, "config", st);
+    st = ucp_init(&prm, cfg, &u->ctx);
+    ucp_config_release(cfg);
+    if (st != UCS_OK) return pr_ucx_fail(n, u, err, "init", st);
+    ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
+                              .thread_mode = UCS_THREAD_MODE_SINGLE};
+    if ((st = ucp_worker_create(u->ctx, &wp, &u->w)) != UCS_OK)
+        return pr_ucx_fail(n, u, err, "worker", st);
+    /* The store's page memory, once. */
+    pr_addr a = {0};
+    for (int i = 0; i < n->n_regions; i++) {
+        ucp_mem_map_params_t mp = {.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS |
+                                                 UCP_MEM_MAP_PARAM_FIELD_LENGTH,
+                                   .address = n->regions[i].base,
+                                   .length = n->regions[i].bytes};
+        if ((st = ucp_mem_map(u->ctx, &mp, &u->memh[i])) != UCS_OK)
+            return pr_ucx_fail(n, u, err, "mem_map", st);
+        u->n_regions = i + 1;
+        if ((st = ucp_rkey_pack(u->ctx, u->memh[i], &u->rkey_buf[i], &u->rkey_len[i])) != UCS_OK)
+            return pr_ucx_fail(n, u, err, "rkey_pack", st);
+        a.region[i].base = (uint64_t)(uintptr_t)n->regions[i].base;
+        a.region[i].bytes = n->regions[i].bytes;
+        a.region[i].rkey = u->rkey_buf[i];
+        a.region[i].rkey_len = u->rkey_len[i];
+    }
+    a.n_regions = n->n_regions;
+    ucp_am_handler_param_t hp = {.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID |
+                                               UCP_AM_HANDLER_PARAM_FIELD_CB |
+                                               UCP_AM_HANDLER_PARAM_FIELD_ARG,
+                                 .id = PR_AM_FETCH,
+                                 .cb = pr_am_fetch_cb,
+                                 .arg = u};
+    if ((st = ucp_worker_set_am_recv_handler(u->w, &hp)) != UCS_OK)
+        return pr_ucx_fail(n, u, err, "am handler", st);
+    hp.id = PR_AM_DATA;
+    hp.cb = pr_am_data_cb;
+    if ((st = ucp_worker_set_am_recv_handler(u->w, &hp)) != UCS_OK)
+        return pr_ucx_fail(n, u, err, "am handler", st);
+    struct sockaddr_storage ss;
+    socklen_t sl;
+    if (pr_sockaddr(n->cfg.listen_host, n->cfg.listen_port, &ss, &sl)) {
+        n->be = u;
+        pr_ucx_ops.close(n);
+        return km_errf(err, KM_EINVAL, "peer ucx: bad listen address %s", n->cfg.listen_host);
+    }
+    ucp_listener_params_t lp = {.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR |
+                                              UCP_LISTENER_PARAM_FIELD_CONN_HANDLER,
+                                .sockaddr = {(struct sockaddr *)&ss, sl},
+                                .conn_handler = {pr_conn_cb, u}};
+    if ((st = ucp_listener_create(u->w, &lp, &u->listener)) != UCS_OK)
+        return pr_ucx_fail(n, u, err, "listen", st);
+    ucp_listener_attr_t la = {.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR};
+    if ((st = ucp_listener_query(u->listener, &la)) != UCS_OK)
+        return pr_ucx_fail(n, u, err, "listener query", st);
+    a.port =
+        ntohs(la.sockaddr.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&la.sockaddr)->sin6_port
+                                                : ((struct sockaddr_in *)&la.sockaddr)->sin_port);
+    snprintf(a.host, sizeof a.host, "%s", n->cfg.advertise_host);
+    n->addr_len = pr_addr_size(&a);
+    if (!n->addr_len || !(n->addr = malloc(n->addr_len)) ||
+        pr_addr_encode(&a, n->addr, n->addr_len) != n->addr_len) {
+        n->be = u;
+        pr_ucx_ops.close(n);
+        return km_errf(err, KM_EINVAL, "peer ucx: cannot encode the node address");
+    }
+    /* Wake-ups: the worker's event fd and our command eventfd. */
+    if ((st = ucp_worker_get_efd(u->w, &u->wfd)) != UCS_OK)
+        return pr_ucx_fail(n, u, err, "event fd", st);
+    u->evfd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    u->epfd = epoll_create1(EPOLL_CLOEXEC);
+    struct epoll_event e1 = {.events = EPOLLIN, .data.fd = u->wfd};
+    struct epoll_event e2 = {.events = EPOLLIN, .data.fd = u->evfd};
+    if (u->evfd < 0 || u->epfd < 0 || epoll_ctl(u->epfd, EPOLL_CTL_ADD, u->wfd, &e1) ||
+        epoll_ctl(u->epfd, EPOLL_CTL_ADD, u->evfd, &e2)) {
+        n->be = u;
+        pr_ucx_ops.close(n);
+        return km_errf(err, KM_EIO, "peer ucx: epoll: %s", strerror(errno));
+    }
+    if (pthread_create(&u->thr, NULL, pr_progress_main, u)) {
+        n->be = u;
+        pr_ucx_ops.close(n);
+        return km_errf(err, KM_ENOMEM, "peer ucx: cannot start the progress thread");
+    }
+    u->thr_started = 1;
+    n->be = u;
+    KM_INFO("peer_node_open", "backend=ucx host=%s port=%d regions=%d mode=%s", a.host, a.port,
+            a.n_regions, n->cfg.mode == PR_MODE_GET ? "get" : "am");
+    return 0;
+}
+
+static void pr_ucx_close(pr_node *n)
+{
+    pr_ucx *u = n->be;
+    if (!u) return;
+    if (u->thr_started) {
+        pthread_mutex_lock(&u->mu);
+        u->stop = 1;
+        pthread_mutex_unlock(&u->mu);
+        pr_ucx_wake(u);
+        pthread_join(u->thr, NULL);
+    }
+    if (u->listener) ucp_listener_destroy(u->listener);
+    /* What the bounded wait left (a close UCX never completed) goes with the worker. */
+    while (u->pulls) {
+        pr_upull *up = u->pulls;
+        u->pulls = up->next;
+        free(up->ops);
+        atomic_store(&up->p->fetch_done, 1);
+        free(up);
+    }
+    for (int i = 0; i < u->n_regions; i++) {
+        if (u->rkey_buf[i]) ucp_rkey_buffer_release(u->rkey_buf[i]);
+        ucp_mem_unmap(u->ctx, u->memh[i]);
+    }
+    for (pr_uep *e = u->eps; e; e = e->next)
+        for (int i = 0; i < PR_MAX_REGIONS; i++)
+            if (e->rkey[i]) ucp_rkey_destroy(e->rkey[i]);
+    if (u->w) ucp_worker_destroy(u->w);
+    while (u->eps) { /* the worker destroyed them */
+        pr_uep *e = u->eps;
+        u->eps = e->next;
+        if (e->counted) atomic_fetch_sub(&n->endpoints, 1);
+        if (e->peer) atomic_store(&e->peer->closed, 1);
+        free(e);
+    }
+    if (u->ctx) ucp_cleanup(u->ctx);
+    while (u->cmds) { /* commands sent after the thread stopped */
+        pr_cmd *c = u->cmds;
+        u->cmds = c->next;
+        if (c->kind == PR_CMD_FETCH) {
+            pr_upull *up = c->pull->be;
+            free(up->ops);
+            free(up);
+            atomic_store(&c->pull->fetch_done, 1);
+        } else if (c->kind == PR_CMD_CONNECT) {
+            free(c->peer->be);
+            atomic_store(&c->peer->closed, 1);
+        }
+        free(c);
+    }
+    if (u->epfd >= 0) close(u->epfd);
+    if (u->evfd >= 0) close(u->evfd);
+    pthread_mutex_destroy(&u->mu);
+    free(u);
+    n->be = NULL;
+}
+
+static int pr_ucx_connect(pr_node *n, pr_peer *p, km_errbuf *err)
+{
+    pr_uep *e = calloc(1, sizeof *e);
+    if (!e) return km_errf(err, KM_ENOMEM, "peer ucx: out of memory");
+    e->u = n->be;
+    e->peer = p;
+    e->state = PR_EP_CONNECTING;
+    p->be = e;
+    int rc = pr_ucx_push(n->be, PR_CMD_CONNECT, p, NULL);
+    if (rc) {
+        free(e);
+        return km_errf(err, rc, "peer ucx: out of memory");
+    }
+    return 0;
+}
+
+static void pr_ucx_disconnect(pr_node *n, pr_peer *p)
+{
+    if (pr_ucx_push(n->be, PR_CMD_DISCONNECT, p, NULL))
+        KM_ERROR("peer_disconnect_lost", "reason=out_of_memory");
+}
+
+static int pr_ucx_fetch(pr_node *n, pr_pull *p)
+{
+    pr_upull *up = calloc(1, sizeof *up);
+    if (up) up->ops = calloc((size_t)p->n, sizeof *up->ops);
+    if (!up || !up->ops) {
+        if (up) free(up);
+        return KM_ENOMEM;
+    }
+    up->p = p;
+    up->ep = p->peer->be;
+    for (int i = 0; i < p->n; i++) {
+        up->ops[i].up = up;
+        up->ops[i].index = i;
+    }
+    p->be = up;
+    int rc = pr_ucx_push(n->be, PR_CMD_FETCH, NULL, p);
+    if (rc) {
+        free(up->ops);
+        free(up);
+    }
+    return rc;
+}
+
+static void pr_ucx_cancel(pr_node *n, pr_pull *p)
+{
+    pr_ucx_wake(n->be);
+}
+
+const pr_backend_ops pr_ucx_ops = {
+    .name = "ucx",
+    .open = pr_ucx_open,
+    .close = pr_ucx_close,
+    .connect = pr_ucx_connect,
+    .disconnect = pr_ucx_disconnect,
+    .fetch = pr_ucx_fetch,
+    .cancel = pr_ucx_cancel,
+};

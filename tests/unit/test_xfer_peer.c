@@ -1,0 +1,663 @@
+/*
+ * test_xfer_peer.c — the transfer layer (peer/) with two stores and two nodes in one process,
+ * over real UCX endpoints: pulls of 1, 16 and 256 pages compared byte for byte with the
+ * holder's, both read modes, every format and conversion, pages that are corrupted, carry
+ * other tokens, break the chain, are foreign or lie outside the region (dropped and counted,
+ * the chain ending before them), leases that run out, deadlines, a holder that disappears, and
+ * that nothing is left behind (endpoints, imports, pins). Two processes and killed or stopped
+ * peers: test_xfer_proc.c. Waits are bounded; nothing asserts on time.
+ */
+#include <criterion/criterion.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "tests/xfer_harness.h"
+
+#define PT 4
+
+typedef xh_shape shape;
+
+static const shape SMALL = {2, 2, 32, PT};
+static const shape SMOL = {30, 3, 64, PT}; /* the default model's KV: 368,640-byte f16 pages */
+
+static kv_store *mk_store(shape sh, kv_format f, int pages)
+{
+    kv_store *s = xh_store(sh, f, pages);
+    cr_assert_not_null(s);
+    return s;
+}
+
+static void mk_chain(int32_t *toks, km_pagehash *hs, int n, int salt)
+{
+    xh_chain(toks, hs, n, PT, salt);
+}
+
+static void compute(kv_store *s, shape sh, const int32_t *toks, const km_pagehash *hs, int n)
+{
+    cr_assert_eq(xh_compute(s, sh, toks, hs, n), 0);
+}
+
+static pr_node *mk_node(kv_store *s, pr_mode mode, int lease_ms)
+{
+    pr_config c = {.store = s, .mode = mode, .lease_ms = lease_ms};
+    pr_node *n;
+    km_errbuf err;
+    cr_assert_eq(pr_node_create(&c, &n, &err), 0, "node: %s", err.msg);
+    return n;
+}
+
+static pr_peer *connect_to(pr_node *from, pr_node *to)
+{
+    const uint8_t *a;
+    size_t len;
+    cr_assert_eq(pr_node_address(to, &a, &len), 0);
+    pr_peer *p;
+    km_errbuf err;
+    cr_assert_eq(pr_peer_connect(from, a, len, &p, &err), 0, "%s", err.msg);
+    return p;
+}
+
+static uint64_t secs(double s)
+{
+    return xh_after(s);
+}
+
+/* A place to change an offer before the puller sees it (the holder stays honest). */
+typedef void (*tamper_fn)(pr_offer *o, pr_page_desc *descs, int32_t *tokens);
+
+/* Runs one pull from `holder` into `puller` with the control messages carried here. */
+static int pull(pr_node *holder, pr_node *puller, pr_peer *peer, const int32_t *toks,
+                const km_pagehash *hs, int n, uint64_t deadline, tamper_fn tamper,
+                pr_pull_result *res)
+{
+    pr_pull *p;
+    pr_pull_req req;
+    int k = pr_pull_start(puller, peer, hs, toks, n, deadline, &p, &req);
+    cr_assert_geq(k, 0, "pull_start: %s", km_strerror(k));
+    if (!p) {
+        memset(res, 0, sizeof *res);
+        res->pages_local = k;
+        return 0;
+    }
+    pr_serve(holder, &req);
+    pr_offer o;
+    uint64_t guard = secs(60);
+    while (pr_node_poll(holder, &o, 1) == 0) {
+        cr_assert_lt(km_now_ns(), guard, "no offer");
+        km_sleep_ms(1);
+    }
+    pr_page_desc *descs = malloc(sizeof *descs * (o.n ? o.n : 1));
+    int32_t *tokens = malloc(sizeof(int32_t) * PT * (o.n ? o.n : 1));
+    if (o.n) {
+        memcpy(descs, o.pages, sizeof *descs * o.n);
+        memcpy(tokens, o.tokens, sizeof(int32_t) * PT * o.n);
+    }
+    o.pages = descs;
+    o.tokens = tokens;
+    if (tamper) tamper(&o, descs, tokens);
+    pr_pull_offer(puller, p, &o);
+    while (!pr_pull_done_yet(puller, p)) {
+        cr_assert_lt(km_now_ns(), guard, "the pull never ended");
+        pr_offer none[1];
+        pr_node_poll(holder, none, 1);
+        pr_node_poll(puller, none, 1);
+        km_sleep_ms(1);
+    }
+    pr_pull_done done;
+    int got = pr_pull_finish(puller, p, res, &done);
+    if (done.lease_id) pr_serve_done(holder, &done);
+    free(descs);
+    free(tokens);
+    return got;
+}
+
+/* The first n pages of the chain hold the same bytes in a and b. */
+static void same_bytes(kv_store *a, kv_store *b, const int32_t *toks, const km_pagehash *hs, int n)
+{
+    int d = xh_same_bytes(a, b, toks, hs, n);
+    cr_assert_eq(d, -1, "page %d differs (-2: missing)", d);
+}
+
+/* Nothing left: no pull, lease, import, export or pin; the peer's endpoint closed. */
+static void release_and_check(pr_node *puller, pr_peer *peer, pr_node *holder, kv_store *ps,
+                              kv_store *hs)
+{
+    pr_peer_release(puller, peer);
+    pr_stats st;
+    uint64_t guard = secs(30);
+    pr_offer none[1];
+    do {
+        pr_node_poll(puller, none, 1);
+        pr_node_poll(holder, none, 1);
+        pr_node_stats(puller, &st);
+        if (st.peers == 0 && st.endpoints == 0 && st.pulls_active == 0) break;
+        km_sleep_ms(2);
+    } while (km_now_ns() < guard);
+    cr_assert_eq(st.peers, 0);
+    cr_assert_eq(st.endpoints, 0, "the puller's endpoint is closed");
+    cr_assert_eq(st.pulls_active, 0);
+    pr_node_stats(holder, &st);
+    cr_assert_eq(st.leases_active, 0);
+    int ne, ni;
+    kv_xfer_counts(ps, &ne, &ni);
+    cr_assert_eq(ne + ni, 0);
+    kv_xfer_counts(hs, &ne, &ni);
+    cr_assert_eq(ne + ni, 0);
+    kv_store_stats s1, s2;
+    kv_store_stats_get(ps, &s1);
+    kv_store_stats_get(hs, &s2);
+    cr_assert_eq(s1.tier[KV_TIER_HOT].pinned_pages, 0);
+    cr_assert_eq(s2.tier[KV_TIER_HOT].pinned_pages, 0);
+}
+
+/* Two stores and two nodes; the holder has computed the first `computed` pages of the chain. */
+typedef struct duo {
+    kv_store *a, *b;
+    pr_node *na, *nb;
+    pr_peer *peer;
+    int32_t toks[256 * PT];
+    km_pagehash hs[256];
+} duo;
+
+static duo *duo_open(shape sh, int pages, int computed, pr_mode mode)
+{
+    duo *d = calloc(1, sizeof *d);
+    d->a = mk_store(sh, KN_KV_F16, pages);
+    d->b = mk_store(sh, KN_KV_F16, pages);
+    d->na = mk_node(d->a, mode, 0);
+    d->nb = mk_node(d->b, mode, 0);
+    mk_chain(d->toks, d->hs, pages, 0);
+    compute(d->a, sh, d->toks, d->hs, computed);
+    d->peer = connect_to(d->nb, d->na);
+    return d;
+}
+
+/* A pull of the first n pages, offered and reading. */
+static pr_pull *duo_start(duo *d, int n, uint64_t deadline)
+{
+    pr_pull *p;
+    pr_pull_req req;
+    cr_assert_eq(pr_pull_start(d->nb, d->peer, d->hs, d->toks, n, deadline, &p, &req), 0);
+    pr_serve(d->na, &req);
+    pr_offer o;
+    while (pr_node_poll(d->na, &o, 1) == 0) km_sleep_ms(1);
+    cr_assert_eq(pr_pull_offer(d->nb, p, &o), 0);
+    return p;
+}
+
+static void duo_close(duo *d)
+{
+    if (d->nb) pr_node_destroy(d->nb);
+    if (d->na) pr_node_destroy(d->na);
+    kv_store_destroy(d->a);
+    kv_store_destroy(d->b);
+    free(d);
+}
+
+static void pull_pages(pr_mode mode, shape sh, int n)
+{
+    kv_store *a = mk_store(sh, KN_KV_F16, n + 8), *b = mk_store(sh, KN_KV_F16, n + 8);
+    pr_node *na = mk_node(a, mode, 0), *nb = mk_node(b, mode, 0);
+    int32_t *toks = malloc(sizeof(int32_t) * PT * n);
+    km_pagehash *hs = malloc(sizeof(km_pagehash) * n);
+    mk_chain(toks, hs, n, 0);
+    compute(a, sh, toks, hs, n);
+    pr_peer *peer = connect_to(nb, na);
+    kv_event ev[8];
+    while (kv_store_events_drain(b, ev, 8)) {
+    }
+    pr_pull_result r;
+    cr_assert_eq(pull(na, nb, peer, toks, hs, n, secs(60), NULL, &r), n, "status %s",
+                 km_strerror(r.status));
+    cr_assert_eq(r.status, 0);
+    cr_assert_eq(r.pages_imported, n);
+    cr_assert_eq(r.bytes, (uint64_t)n * kv_store_page_bytes(a));
+    same_bytes(a, b, toks, hs, n);
+    int stored = 0, got;
+    while ((got = kv_store_events_drain(b, ev, 8)) > 0)
+        for (int i = 0; i < got; i++) stored += ev[i].kind == KV_EVENT_STORED;
+    cr_assert_eq(stored, n, "a STORED event per pulled page");
+    /* a second pull finds everything local: nothing moves */
+    cr_assert_eq(pull(na, nb, peer, toks, hs, n, secs(60), NULL, &r), 0);
+    cr_assert_eq(r.pages_local, n);
+    release_and_check(nb, peer, na, b, a);
+    pr_node_destroy(nb);
+    pr_node_destroy(na);
+    kv_store_destroy(a);
+    kv_store_destroy(b);
+    free(toks);
+    free(hs);
+}
+
+Test(xfer_peer, get_1_16_256_pages_arrive_byte_for_byte, .timeout = 300)
+{
+    pull_pages(PR_MODE_GET, SMALL, 1);
+    pull_pages(PR_MODE_GET, SMALL, 16);
+    pull_pages(PR_MODE_GET, SMALL, 256);
+}
+
+Test(xfer_peer, am_1_16_256_pages_arrive_byte_for_byte, .timeout = 300)
+{
+    pull_pages(PR_MODE_AM, SMALL, 1);
+    pull_pages(PR_MODE_AM, SMALL, 16);
+    pull_pages(PR_MODE_AM, SMALL, 256);
+}
+
+Test(xfer_peer, default_model_sized_pages_in_both_modes, .timeout = 300)
+{
+    pull_pages(PR_MODE_GET, SMOL, 16);
+    pull_pages(PR_MODE_AM, SMOL, 16);
+}
+
+/* ---------------------------------------------------------------- formats */
+
+static float max_err(kv_store *s, shape sh, const int32_t *toks, const km_pagehash *hs, int n,
+                     kv_store *ref)
+{
+    kv_seq *q, *r;
+    cr_assert_eq(kv_seq_create(s, &q), 0);
+    cr_assert_eq(kv_seq_create(ref, &r), 0);
+    cr_assert_eq(kv_seq_attach(s, q, hs, toks, n), n);
+    cr_assert_eq(kv_seq_attach(ref, r, hs, toks, n), n);
+    float *k = malloc(sizeof(float) * sh.hd * 4), *v = k + sh.hd, *k2 = v + sh.hd, *v2 = k2 + sh.hd,
+          e = 0;
+    for (int p = 0; p < n * PT; p++)
+        for (int l = 0; l < sh.layers; l++)
+            for (int h = 0; h < sh.heads; h++) {
+                cr_assert_eq(kv_seq_read(s, q, l, h, p, k, v), 0);
+                cr_assert_eq(kv_seq_read(ref, r, l, h, p, k2, v2), 0);
+                for (int c = 0; c < sh.hd; c++) {
+                    float d1 = k[c] - k2[c], d2 = v[c] - v2[c];
+                    if (d1 < 0) d1 = -d1;
+                    if (d2 < 0) d2 = -d2;
+                    if (d1 > e) e = d1;
+                    if (d2 > e) e = d2;
+                }
+            }
+    free(k);
+    kv_seq_destroy(s, q);
+    kv_seq_destroy(ref, r);
+    return e;
+}
+
+Test(xfer_peer, every_format_travels_stored_and_is_converted_on_arrival, .timeout = 300)
+{
+    const kv_format fs[] = {KN_KV_F16, KN_KV_BF16, KN_KV_FP8, KN_KV_INT8, KN_KV_INT4};
+    const int n = 6;
+    int32_t toks[6 * PT];
+    km_pagehash hs[6];
+    mk_chain(toks, hs, n, 0);
+    for (int i = 0; i < 5; i++) {
+        kv_store *a = mk_store(SMALL, fs[i], 16);
+        compute(a, SMALL, toks, hs, n);
+        pr_node *na = mk_node(a, PR_MODE_GET, 0);
+        for (int j = 0; j < 5; j++) {
+            kv_store *b = mk_store(SMALL, fs[j], 16);
+            pr_node *nb = mk_node(b, PR_MODE_GET, 0);
+            pr_peer *peer = connect_to(nb, na);
+            pr_pull_result r;
+            cr_assert_eq(pull(na, nb, peer, toks, hs, n, secs(60), NULL, &r), n);
+            /* the bytes that moved are the holder's format: fewer for quantized pages */
+            cr_assert_eq(r.bytes, (uint64_t)n * kv_store_page_bytes(a));
+            if (i == j) {
+                same_bytes(a, b, toks, hs, n);
+            } else {
+                /* converted on arrival: as close to the holder's values as one re-encoding */
+                float e = max_err(b, SMALL, toks, hs, n, a);
+                cr_assert_lt(e, 0.3f, "%s -> %s: %g", kv_format_name(fs[i]), kv_format_name(fs[j]),
+                             e);
+            }
+            release_and_check(nb, peer, na, b, a);
+            pr_node_destroy(nb);
+            kv_store_destroy(b);
+        }
+        pr_node_destroy(na);
+        kv_store_destroy(a);
+    }
+}
+
+/* ---------------------------------------------------------------- correct or nothing */
+
+static int g_bad = 3; /* the page a tamper function spoils */
+
+static void tamper_payload(pr_offer *o, pr_page_desc *d, int32_t *t)
+{
+    /* the holder's memory changes after it described the page (a torn read) */
+    ((uint8_t *)(uintptr_t)d[g_bad].addr)[17] ^= 0x40;
+}
+static void tamper_tokens(pr_offer *o, pr_page_desc *d, int32_t *t)
+{
+    t[g_bad * PT + 1] += 1;
+}
+static void tamper_parent(pr_offer *o, pr_page_desc *d, int32_t *t)
+{
+    d[g_bad].parent.lo ^= 1;
+}
+static void tamper_foreign(pr_offer *o, pr_page_desc *d, int32_t *t)
+{
+    int32_t other[8 * PT];
+    km_pagehash oh[8];
+    mk_chain(other, oh, 8, 1); /* another tenant's chain over the same tokens: another salt */
+    d[g_bad].hash = oh[g_bad];
+}
+static void tamper_size(pr_offer *o, pr_page_desc *d, int32_t *t)
+{
+    d[g_bad].bytes -= 16;
+}
+static void tamper_address(pr_offer *o, pr_page_desc *d, int32_t *t)
+{
+    d[g_bad].addr += (uint64_t)1 << 40;
+}
+static void tamper_index(pr_offer *o, pr_page_desc *d, int32_t *t)
+{
+    pr_page_desc x = d[g_bad];
+    d[g_bad] = d[g_bad + 1];
+    d[g_bad + 1] = x;
+}
+
+static void bad_page(pr_mode mode, tamper_fn f, pr_drop why)
+{
+    const int n = 8;
+    duo *d = duo_open(SMALL, 16, n, mode);
+    pr_pull_result r;
+    int got = pull(d->na, d->nb, d->peer, d->toks, d->hs, n, secs(60), f, &r);
+    cr_assert_eq(got, g_bad, "%s: %d pages imported", pr_drop_name(why), got);
+    cr_assert_eq(r.dropped[why], 1, "%s counted", pr_drop_name(why));
+    cr_assert_lt(r.status, 0);
+    for (int k = 0; k < PR_DROP_COUNT; k++)
+        if (k != (int)why) cr_assert_eq(r.dropped[k], 0, "%s", pr_drop_name((pr_drop)k));
+    pr_stats st;
+    pr_node_stats(d->nb, &st);
+    cr_assert_eq(st.dropped[why], 1);
+    /* the pages before the bad one are in the index and right; none after it */
+    cr_assert_eq(kv_store_lookup(d->b, d->hs, d->toks, n, NULL), g_bad);
+    if (f != tamper_payload) same_bytes(d->a, d->b, d->toks, d->hs, g_bad);
+    release_and_check(d->nb, d->peer, d->na, d->b, d->a);
+    duo_close(d);
+}
+
+Test(xfer_peer, corrupted_payload_is_dropped_and_counted, .timeout = 120)
+{
+    bad_page(PR_MODE_GET, tamper_payload, PR_DROP_CHECKSUM);
+    bad_page(PR_MODE_AM, tamper_payload, PR_DROP_CHECKSUM);
+}
+
+Test(xfer_peer, wrong_tokens_are_dropped_and_counted, .timeout = 120)
+{
+    bad_page(PR_MODE_GET, tamper_tokens, PR_DROP_TOKENS);
+}
+
+Test(xfer_peer, a_broken_chain_link_is_dropped_and_counted, .timeout = 120)
+{
+    bad_page(PR_MODE_GET, tamper_parent, PR_DROP_CHAIN);
+    bad_page(PR_MODE_GET, tamper_index, PR_DROP_CHAIN);
+}
+
+Test(xfer_peer, a_foreign_page_is_dropped_and_counted, .timeout = 120)
+{
+    bad_page(PR_MODE_GET, tamper_foreign, PR_DROP_CHAIN);
+}
+
+Test(xfer_peer, bad_sizes_and_addresses_are_dropped_before_any_read, .timeout = 120)
+{
+    bad_page(PR_MODE_GET, tamper_size, PR_DROP_FORMAT);
+    bad_page(PR_MODE_GET, tamper_address, PR_DROP_FORMAT);
+    bad_page(PR_MODE_AM, tamper_address, PR_DROP_FORMAT);
+}
+
+Test(xfer_peer, the_first_page_bad_means_nothing_imported, .timeout = 120)
+{
+    g_bad = 0;
+    bad_page(PR_MODE_GET, tamper_payload, PR_DROP_CHECKSUM);
+    bad_page(PR_MODE_GET, tamper_tokens, PR_DROP_TOKENS);
+    g_bad = 3;
+}
+
+/* ---------------------------------------------------------------- partial, leases, deadlines */
+
+Test(xfer_peer, a_holder_with_part_of_the_chain_offers_that_part, .timeout = 120)
+{
+    duo *d = duo_open(SMALL, 32, 7, PR_MODE_GET);
+    kv_store *a = d->a, *b = d->b;
+    pr_node *na = d->na, *nb = d->nb;
+    pr_peer *peer = d->peer;
+    const int32_t *toks = d->toks;
+    const km_pagehash *hs = d->hs;
+    compute(b, SMALL, toks, hs, 3);
+    pr_pull_result r;
+    cr_assert_eq(pull(na, nb, peer, toks, hs, 12, secs(60), NULL, &r), 4);
+    cr_assert_eq(r.pages_local, 3);
+    cr_assert_eq(r.pages_wanted, 9);
+    cr_assert_eq(r.pages_offered, 4);
+    cr_assert_eq(kv_store_lookup(b, hs, toks, 12, NULL), 7);
+    same_bytes(a, b, toks, hs, 7);
+    /* a chain the holder does not have: an empty offer, nothing reserved */
+    int32_t other[4 * PT];
+    km_pagehash oh[4];
+    mk_chain(other, oh, 4, 1);
+    cr_assert_eq(pull(na, nb, peer, other, oh, 4, secs(60), NULL, &r), 0);
+    cr_assert_eq(r.pages_offered, 0);
+    cr_assert_eq(r.status, KM_ENOTFOUND);
+    release_and_check(nb, peer, na, b, a);
+    duo_close(d);
+}
+
+Test(xfer_peer, a_lease_nobody_ends_runs_out_and_unpins, .timeout = 120)
+{
+    kv_store *a = mk_store(SMALL, KN_KV_F16, 16);
+    pr_node *na = mk_node(a, PR_MODE_GET, 50);
+    int32_t toks[4 * PT];
+    km_pagehash hs[4];
+    mk_chain(toks, hs, 4, 0);
+    compute(a, SMALL, toks, hs, 4);
+    pr_pull_req req = {
+        .pull_id = 1, .first = 0, .n_pages = 4, .page_tokens = PT, .hashes = hs, .tokens = toks};
+    cr_assert_eq(pr_serve(na, &req), 0);
+    pr_offer o;
+    while (pr_node_poll(na, &o, 1) == 0) km_sleep_ms(1);
+    cr_assert_eq(o.n, 4);
+    kv_store_stats st;
+    kv_store_stats_get(a, &st);
+    cr_assert_eq(st.tier[KV_TIER_HOT].pinned_pages, 4);
+    pr_stats ps;
+    uint64_t guard = secs(30);
+    do {
+        km_sleep_ms(10);
+        pr_node_poll(na, &o, 1);
+        pr_node_stats(na, &ps);
+    } while (ps.leases_active && km_now_ns() < guard);
+    cr_assert_eq(ps.leases_expired, 1);
+    kv_store_stats_get(a, &st);
+    cr_assert_eq(st.tier[KV_TIER_HOT].pinned_pages, 0);
+    /* a bad request gets a refusal, not silence */
+    req.page_tokens = PT * 2;
+    cr_assert_eq(pr_serve(na, &req), KM_EPROTO);
+    cr_assert_eq(pr_node_poll(na, &o, 1), 1);
+    cr_assert_eq(o.status, KM_EPROTO);
+    cr_assert_eq(o.n, 0);
+    pr_node_destroy(na);
+    kv_store_destroy(a);
+}
+
+Test(xfer_peer, a_pull_past_its_deadline_fails_the_peer_and_leaves_nothing, .timeout = 120)
+{
+    duo *d = duo_open(SMALL, 32, 8, PR_MODE_GET);
+    kv_store *a = d->a, *b = d->b;
+    pr_node *na = d->na, *nb = d->nb;
+    pr_peer *peer = d->peer;
+    const int32_t *toks = d->toks;
+    const km_pagehash *hs = d->hs;
+    pr_pull_result r;
+    cr_assert_eq(pull(na, nb, peer, toks, hs, 8, km_now_ns(), NULL, &r), 0);
+    cr_assert_eq(r.status, KM_ETIMEDOUT);
+    cr_assert_eq(r.dropped[PR_DROP_TIMEOUT], 1);
+    cr_assert(pr_peer_failed(peer), "a peer that missed a deadline is failed");
+    cr_assert_eq(kv_store_lookup(b, hs, toks, 8, NULL), 0);
+    release_and_check(nb, peer, na, b, a);
+    /* a fresh connection works again */
+    peer = connect_to(nb, na);
+    cr_assert_eq(pull(na, nb, peer, toks, hs, 8, secs(60), NULL, &r), 8);
+    release_and_check(nb, peer, na, b, a);
+    duo_close(d);
+}
+
+Test(xfer_peer, finishing_early_cancels_and_reclaims_later, .timeout = 120)
+{
+    duo *d = duo_open(SMOL, 40, 32, PR_MODE_GET);
+    pr_pull *p = duo_start(d, 32, secs(60));
+    pr_pull_result r;
+    pr_pull_done done;
+    int got = pr_pull_finish(d->nb, p, &r, &done); /* at once: most reads still in flight */
+    cr_assert_geq(got, 0);
+    pr_serve_done(d->na, &done);
+    /* whatever arrived intact is indexed when the reads complete; never a wrong page */
+    release_and_check(d->nb, d->peer, d->na, d->b, d->a);
+    int held = kv_store_lookup(d->b, d->hs, d->toks, 32, NULL);
+    if (held) same_bytes(d->a, d->b, d->toks, d->hs, held);
+    duo_close(d);
+}
+
+Test(xfer_peer, a_holder_that_goes_away_mid_pull_costs_the_pull_only, .timeout = 120)
+{
+    duo *d = duo_open(SMOL, 72, 64, PR_MODE_GET);
+    pr_pull *p = duo_start(d, 64, secs(30));
+    pr_node_destroy(d->na); /* the holder's node closes every endpoint and unregisters */
+    d->na = NULL;
+    uint64_t guard = secs(60);
+    while (!pr_pull_done_yet(d->nb, p)) {
+        cr_assert_lt(km_now_ns(), guard);
+        km_sleep_ms(2);
+    }
+    pr_pull_result r;
+    pr_pull_done done;
+    int got = pr_pull_finish(d->nb, p, &r, &done);
+    cr_assert_geq(got, 0);
+    if (got < 64) cr_assert_lt(r.status, 0);
+    int held = kv_store_lookup(d->b, d->hs, d->toks, 64, NULL);
+    cr_assert_eq(held, got);
+    if (held) same_bytes(d->a, d->b, d->toks, d->hs, held);
+    pr_peer_release(d->nb, d->peer);
+    pr_stats st;
+    pr_offer o;
+    guard = secs(30);
+    do {
+        pr_node_poll(d->nb, &o, 1);
+        pr_node_stats(d->nb, &st);
+        km_sleep_ms(2);
+    } while ((st.endpoints || st.peers) && km_now_ns() < guard);
+    cr_assert_eq(st.endpoints, 0);
+    int ne, ni;
+    kv_xfer_counts(d->b, &ne, &ni);
+    cr_assert_eq(ni, 0);
+    kv_xfer_counts(d->a, &ne, &ni);
+    cr_assert_eq(ne, 0, "the holder's node ended its leases when it closed");
+    duo_close(d);
+}
+
+Test(xfer_peer, a_store_without_an_arena_is_refused)
+{
+    kv_config c = {.n_layers = 2, .n_kv_heads = 2, .head_dim = 32, .hot_bytes = 1 << 20};
+    kv_store *s;
+    km_errbuf err;
+    cr_assert_eq(kv_store_create(&c, &s, &err), 0);
+    pr_config pc = {.store = s};
+    pr_node *n;
+    cr_assert_eq(pr_node_create(&pc, &n, &err), KM_EINVAL);
+    cr_assert(strstr(err.msg, "arena"));
+    pc.backend = "carrier-pigeon";
+    cr_assert_eq(pr_node_create(&pc, &n, &err), KM_EUNSUPPORTED);
+    kv_store_destroy(s);
+}
+
+Test(xfer_peer, a_malformed_address_is_refused)
+{
+    kv_store *a = mk_store(SMALL, KN_KV_F16, 8);
+    pr_node *na = mk_node(a, PR_MODE_GET, 0);
+    const uint8_t *addr;
+    size_t len;
+    cr_assert_eq(pr_node_address(na, &addr, &len), 0);
+    uint8_t buf[4096];
+    memcpy(buf, addr, len);
+    pr_peer *p;
+    km_errbuf err;
+    for (size_t cut = 0; cut < len; cut++)
+        cr_assert_eq(pr_peer_connect(na, buf, cut, &p, &err), KM_EFORMAT, "cut %zu", cut);
+    buf[0] = 'X';
+    cr_assert_eq(pr_peer_connect(na, buf, len, &p, &err), KM_EFORMAT);
+    pr_node_destroy(na);
+    kv_store_destroy(a);
+}
+
+/* ---------------------------------------------------------------- many pulls with faults */
+
+static uint8_t *g_flipped; /* the holder byte tamper_payload_once changed, restored after */
+
+static void tamper_payload_once(pr_offer *o, pr_page_desc *d, int32_t *t)
+{
+    g_flipped = (uint8_t *)(uintptr_t)d[g_bad].addr + 5;
+    *g_flipped ^= 0x08;
+}
+
+Test(xfer_peer, a_thousand_pulls_with_faults_leave_nothing_behind, .timeout = 900)
+{
+    const int n = 8, rounds = 1000;
+    km_log_set_level(KM_LOG_ERROR); /* a rejected page is a warning each: 800 of them here */
+    kv_store *a = mk_store(SMALL, KN_KV_F16, 16), *b = mk_store(SMALL, KN_KV_F16, 16);
+    pr_node *na = mk_node(a, PR_MODE_GET, 0), *nb = mk_node(b, PR_MODE_GET, 0);
+    int32_t toks[8 * PT];
+    km_pagehash hs[8];
+    mk_chain(toks, hs, n, 0);
+    compute(a, SMALL, toks, hs, n);
+    pr_peer *peer = connect_to(nb, na);
+    const tamper_fn faults[] = {NULL,        tamper_payload_once, tamper_tokens, tamper_parent,
+                                tamper_size, tamper_address,      tamper_foreign};
+    const pr_drop why[] = {PR_DROP_COUNT,  PR_DROP_CHECKSUM, PR_DROP_TOKENS, PR_DROP_CHAIN,
+                           PR_DROP_FORMAT, PR_DROP_FORMAT,   PR_DROP_CHAIN};
+    uint64_t expect[PR_DROP_COUNT] = {0}, rng = 12345;
+    int clean = 0;
+    for (int i = 0; i < rounds; i++) {
+        rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+        int f = (int)((rng >> 33) % 8); /* 7: a deadline that has already passed */
+        g_bad = (int)((rng >> 40) % n);
+        if (pr_peer_failed(peer)) {
+            pr_peer_release(nb, peer);
+            peer = connect_to(nb, na);
+        }
+        pr_pull_result r;
+        int got = pull(na, nb, peer, toks, hs, n, f == 7 ? km_now_ns() : secs(60),
+                       f == 7 ? NULL : faults[f], &r);
+        if (g_flipped) {
+            *g_flipped ^= 0x08;
+            g_flipped = NULL;
+        }
+        if (f == 7) {
+            expect[PR_DROP_TIMEOUT]++;
+            cr_assert_eq(got, 0);
+        } else if (f == 0) {
+            cr_assert_eq(got, n, "round %d: %s", i, km_strerror(r.status));
+            clean++;
+        } else {
+            expect[why[f]]++;
+            cr_assert_eq(got, g_bad, "round %d fault %d at %d: %d imported", i, f, g_bad, got);
+        }
+        if (got) same_bytes(a, b, toks, hs, got);
+        kv_store_evict_oldest_fraction(b, 1.0); /* so that the next round moves pages again */
+        cr_assert_eq(kv_store_lookup(b, hs, toks, n, NULL), 0);
+    }
+    pr_stats st;
+    pr_node_stats(nb, &st);
+    for (int d = 0; d < PR_DROP_COUNT; d++)
+        cr_assert_eq(st.dropped[d], expect[d], "%s: %llu counted, %llu caused",
+                     pr_drop_name((pr_drop)d), (unsigned long long)st.dropped[d],
+                     (unsigned long long)expect[d]);
+    cr_assert_eq(st.pulls_ok, (uint64_t)clean);
+    release_and_check(nb, peer, na, b, a);
+    kv_store_stats ks;
+    kv_store_stats_get(b, &ks);
+    cr_assert_eq(ks.tier[KV_TIER_HOT].pages, 0, "every reserved page went back");
+    cr_assert_eq(ks.arena_fallbacks, 0);
+    pr_node_destroy(nb);
+    pr_node_destroy(na);
+    kv_store_destroy(a);
+    kv_store_destroy(b);
+}
