@@ -95,6 +95,7 @@ help:
 	@echo "make demo          deps + build + the default model answering real prompts"
 	@echo "make chaos         fault-injection scenarios against local clusters (docs/chaos.md)"
 	@echo "make bench-engine  engine speed side by side with llama.cpp (docs/benchmarks.md)"
+	@echo "make bench-transfer  KV page transfer between processes next to ucx_perftest"
 	@echo "make fixtures      regenerate tests/fixtures from llama.cpp (needs its build)"
 	@echo "make fmt | lint | clean"
 
@@ -291,6 +292,16 @@ $(BENCH_ROUTER): $(OBJ)/bench/bench_router.o $(ALL_LIBS)
 .PHONY: bench-router
 bench-router: build $(BENCH_ROUTER)
 	@bash bench/bench_router.sh
+
+# Page transfer between two processes next to ucx_perftest (docs/transfer.md, docs/benchmarks.md):
+# GB/s and pages/s for 1, 16 and 256 pages, UCX_TLS=tcp and the default transports, in one run.
+BENCH_TRANSFER := $(BUILD)/bench/bench_transfer
+$(BENCH_TRANSFER): $(OBJ)/bench/bench_transfer.o $(OBJ)/tests/xfer_harness.o $(ALL_LIBS)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS) $(UCX_LIBS)
+.PHONY: bench-transfer
+bench-transfer: $(BENCH_TRANSFER)
+	@$(BENCH_TRANSFER) $(BENCH_ARGS)
 
 fixtures: build
 	@bash tests/fixtures/gen_fixtures.sh

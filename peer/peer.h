@@ -48,16 +48,18 @@ typedef struct pr_node pr_node;
 typedef struct pr_peer pr_peer;
 typedef struct pr_pull pr_pull;
 
-/* How the receiver reads a page. docs/transfer.md has the figures behind the default. */
+/* How the receiver reads a page. docs/transfer.md has the figures and the failure behind the
+ * default. A node in AM mode publishes no remote keys: a reader in GET mode reads from it with
+ * AM fetches, so a holder decides whether it serves one-sided reads. */
 typedef enum pr_mode {
-    PR_MODE_GET = 0, /* one-sided ucp_get_nbx from the holder's registered memory */
-    PR_MODE_AM = 1,  /* an active-message fetch, answered by a rendezvous send */
+    PR_MODE_AM = 0,  /* an active-message fetch, answered by a rendezvous send (default) */
+    PR_MODE_GET = 1, /* one-sided ucp_get_nbx from the holder's registered memory */
 } pr_mode;
 
 typedef struct pr_config {
     kv_store *store;            /* created with kv_config.arena = 1 */
     const char *backend;        /* "ucx"; NULL: "ucx" */
-    pr_mode mode;               /* default PR_MODE_GET */
+    pr_mode mode;               /* default PR_MODE_AM */
     const char *listen_host;    /* address the node listens on; NULL: "0.0.0.0" */
     int listen_port;            /* 0: an ephemeral port */
     const char *advertise_host; /* what peers connect to; NULL: "127.0.0.1" */

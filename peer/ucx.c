@@ -29,6 +29,7 @@
 #include <errno.h>
 #include <netdb.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
@@ -42,6 +43,7 @@
 #define PR_AM_FETCH 21
 #define PR_AM_DATA  22
 #define PR_SPINS    2000                        /* empty progress rounds before sleeping */
+#define PR_SPIN_NS  (200ull * 1000)             /* and at least this long after the last work */
 #define PR_CLOSE_NS (5ull * 1000 * 1000 * 1000) /* longest wait for endpoints at close */
 
 enum { PR_CMD_CONNECT, PR_CMD_DISCONNECT, PR_CMD_FETCH };
@@ -212,8 +214,9 @@ static void pr_ep_reap(pr_ucx *u, pr_uep *e)
 static void pr_ep_ready(pr_ucx *u, pr_uep *e)
 {
     const pr_addr *a = &e->peer->addr;
-    for (int i = 0; i < a->n_regions; i++)
-        if (ucp_ep_rkey_unpack(e->ep, a->region[i].rkey, &e->rkey[i]) != UCS_OK) {
+    for (int i = 0; i < a->n_regions && u->node->cfg.mode == PR_MODE_GET; i++)
+        if (a->region[i].rkey_len &&
+            ucp_ep_rkey_unpack(e->ep, a->region[i].rkey, &e->rkey[i]) != UCS_OK) {
             KM_WARN("peer_rkey_unpack_failed", "region=%d", i);
             pr_ep_close(u, e);
             return;
@@ -344,7 +347,7 @@ static void pr_issue(pr_ucx *u, pr_upull *up, pr_op *o)
     ucp_mem_h mh = pr_local_memh(u, &x->dst);
     up->inflight++;
     void *r;
-    if (u->node->cfg.mode == PR_MODE_GET) {
+    if (up->ep->rkey[x->src.region]) { /* one-sided, where the holder publishes keys */
         o->phase = PR_OP_GETTING;
         ucp_request_param_t prm = {.op_attr_mask =
                                        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
@@ -594,6 +597,7 @@ static void *pr_progress_main(void *arg)
 {
     pr_ucx *u = arg;
     int idle = 0;
+    uint64_t last_work = 0;
     for (;;) {
         pr_cmds_run(u);
         int work = 0;
@@ -608,9 +612,15 @@ static void *pr_progress_main(void *arg)
         if (stop) break;
         if (work || u->replies) {
             idle = 0;
+            last_work = now;
             continue;
         }
-        if (++idle < PR_SPINS) continue;
+        /* Poll while reads are ours to drive or work came lately (a reader's next request is
+         * usually on its way); sleep only when idle for a while. */
+        if (u->pulls || now - last_work < PR_SPIN_NS || ++idle < PR_SPINS) {
+            if (!(++idle & 63)) sched_yield();
+            continue;
+        }
         idle = 0;
         if (ucp_worker_arm(u->w) == UCS_ERR_BUSY) continue;
         int ms = 1000;
@@ -662,10 +672,18 @@ static int pr_ucx_open(pr_node *n, km_errbuf *err)
     u->node = n;
     u->wfd = u->evfd = u->epfd = -1;
     pthread_mutex_init(&u->mu, NULL);
+    const int get = n->cfg.mode == PR_MODE_GET;
     ucp_params_t prm = {.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME,
-                        .features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP,
+                        .features =
+                            (get ? UCP_FEATURE_RMA : 0) | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP,
                         .name = "kvmesh-peer"};
     ucp_config_t *cfg;
+    /* UCX 1.13's TCP put-zcopy (its rendezvous over TCP) hits a fatal assertion in
+     * uct_tcp_ep (PUT_TX_WAITING_ACK) when the peer dies in the middle of one, taking this
+     * process down with it (seen in test_xfer_proc): off unless the environment says otherwise.
+     * A transport setting, read from the environment when the interface opens (ucp_config_modify
+     * only takes UCP's own keys in 1.13). */
+    setenv("UCX_TCP_PUT_ENABLE", "n", 0);
     ucs_status_t st = ucp_config_read(NULL, NULL, &cfg);
     if (st != UCS_OK) return pr_ucx_fail(n, u, err, "config", st);
     st = ucp_init(&prm, cfg, &u->ctx);
@@ -685,7 +703,9 @@ static int pr_ucx_open(pr_node *n, km_errbuf *err)
         if ((st = ucp_mem_map(u->ctx, &mp, &u->memh[i])) != UCS_OK)
             return pr_ucx_fail(n, u, err, "mem_map", st);
         u->n_regions = i + 1;
-        if ((st = ucp_rkey_pack(u->ctx, u->memh[i], &u->rkey_buf[i], &u->rkey_len[i])) != UCS_OK)
+        /* remote keys only for one-sided readers (the memory handle serves rendezvous sends) */
+        if (get &&
+            (st = ucp_rkey_pack(u->ctx, u->memh[i], &u->rkey_buf[i], &u->rkey_len[i])) != UCS_OK)
             return pr_ucx_fail(n, u, err, "rkey_pack", st);
         a.region[i].base = (uint64_t)(uintptr_t)n->regions[i].base;
         a.region[i].bytes = n->regions[i].bytes;

@@ -1,0 +1,339 @@
+/*
+ * bench_transfer.c — page transfer between two processes on this host (peer/), next to
+ * ucx_perftest on the same transport and message size, in one run (make bench-transfer;
+ * figures in docs/benchmarks.md and docs/transfer.md).
+ *
+ * For each transport setting (UCX_TLS=tcp, the default, the default with UCX's shared-memory
+ * error handling on) and each pull size (1, 16, 256 pages of the default model: 30 layers x 3
+ * kv heads x 64 x 16 tokens, 368,640 bytes in f16), interleaved: a pull in GET mode, the same
+ * size as ucx_perftest ucp_get with as many reads outstanding as the pull keeps in flight, a
+ * pull in AM mode, ucx_perftest ucp_am_bw. A pull is timed end to end (request, the holder's
+ * lease and offer, the reads, the checksum of every page, the import into the store: what a
+ * worker waits for) and also from the offer to the last byte (the read phase, what
+ * ucx_perftest measures). The load average is printed with every row: the machine is shared.
+ * Prints figures; asserts nothing.
+ */
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <ucp/api/ucp.h>
+
+#include "tests/xfer_harness.h"
+
+static const xh_shape SMOL = {30, 3, 64, 16};
+#define MAX_PAGES 256
+#define INFLIGHT  32
+
+typedef struct tls_setting {
+    const char *name, *tls, *mm_err;
+} tls_setting;
+
+static const tls_setting SETTINGS[] = {
+    {"tcp", "tcp", NULL},
+    {"default", NULL, NULL},
+    {"default, UCX_MM_ERROR_HANDLING=y", NULL, "y"},
+};
+
+static void apply(const tls_setting *t)
+{
+    if (t->tls)
+        setenv("UCX_TLS", t->tls, 1);
+    else
+        unsetenv("UCX_TLS");
+    if (t->mm_err)
+        setenv("UCX_MM_ERROR_HANDLING", t->mm_err, 1);
+    else
+        unsetenv("UCX_MM_ERROR_HANDLING");
+}
+
+static double load1(void)
+{
+    double l = -1;
+    FILE *f = fopen("/proc/loadavg", "r");
+    if (f) {
+        if (fscanf(f, "%lf", &l) != 1) l = -1;
+        fclose(f);
+    }
+    return l;
+}
+
+static int cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* ---------------------------------------------------------------- our pulls */
+
+typedef struct side {
+    xh_child holder;
+    kv_store *s;
+    pr_node *n;
+    pr_peer *peer;
+    int32_t toks[MAX_PAGES * 16];
+    km_pagehash hs[MAX_PAGES];
+    uint8_t *buf;
+} side;
+
+/* Holders are forked before this process starts any UCX context (a child forked from a
+ * process with a live context cannot use UCX reliably). */
+static void side_spawn(side *x, pr_mode mode)
+{
+    xh_role r = {SMOL, KN_KV_F16, MAX_PAGES, mode, 0};
+    x->holder = xh_spawn_holder(&r);
+}
+
+static int side_open(side *x, pr_mode mode)
+{
+    xh_role r = {SMOL, KN_KV_F16, MAX_PAGES, mode, 0};
+    x->buf = malloc(XH_MSGCAP);
+    ssize_t len = x->holder.fd >= 0 ? xh_recv(x->holder.fd, x->buf, 120000) : -1;
+    if (len <= 8 || xh_type(x->buf) != XH_ADDR) return -1;
+    x->s = xh_store(SMOL, KN_KV_F16, MAX_PAGES + 8);
+    x->n = x->s ? xh_node(x->s, &r) : NULL;
+    km_errbuf err;
+    if (!x->n || pr_peer_connect(x->n, x->buf + 8, (size_t)len - 8, &x->peer, &err)) return -1;
+    xh_chain(x->toks, x->hs, MAX_PAGES, SMOL.pt, 0);
+    return 0;
+}
+
+static void side_close(side *x)
+{
+    if (x->n) {
+        if (x->peer) pr_peer_release(x->n, x->peer);
+        pr_node_destroy(x->n);
+    }
+    if (x->s) kv_store_destroy(x->s);
+    xh_reap(&x->holder, 0);
+    free(x->buf);
+}
+
+/* One pull of the first n pages: end-to-end and read-phase nanoseconds; pages imported. */
+static int one_pull(side *x, int n, uint64_t *e2e, uint64_t *read)
+{
+    kv_store_evict_oldest_fraction(x->s, 1.0); /* the pages must move again */
+    uint64_t t0 = km_now_ns();
+    pr_pull *p;
+    pr_pull_req req;
+    int k = pr_pull_start(x->n, x->peer, x->hs, x->toks, n, xh_after(60), &p, &req);
+    if (k != 0 || !p) {
+        fprintf(stderr, "bench_transfer: cannot start a pull: %s\n",
+                k < 0 ? km_strerror(k) : "pages already here");
+        return -1;
+    }
+    xh_send_req(x->holder.fd, &req);
+    ssize_t len;
+    do {
+        len = xh_recv(x->holder.fd, x->buf, 60000);
+    } while (len > 0 && xh_type(x->buf) != XH_OFFER);
+    if (len <= 0) return -1;
+    pr_offer o;
+    xh_parse_offer(x->buf, &o);
+    uint64_t t1 = km_now_ns();
+    pr_pull_offer(x->n, p, &o);
+    while (!pr_pull_done_yet(x->n, p)) km_sleep_ms(0); /* yield: the progress thread works */
+    uint64_t t2 = km_now_ns();
+    pr_pull_done done;
+    pr_pull_result res;
+    int got = pr_pull_finish(x->n, p, &res, &done);
+    if (got != n)
+        fprintf(stderr, "bench_transfer: pull of %d pages: %d imported (%s, offered %d)\n", n, got,
+                km_strerror(res.status), res.pages_offered);
+    *e2e = km_now_ns() - t0;
+    *read = t2 - t1;
+    if (done.lease_id) xh_send(x->holder.fd, XH_DONE, &done, sizeof done, NULL, 0, NULL, 0);
+    return got;
+}
+
+typedef struct figures {
+    double gbps, pages_s, read_gbps, best_gbps;
+    int ok;
+} figures;
+
+static figures measure(side *x, int n, int reps, size_t page_bytes)
+{
+    figures f = {0};
+    uint64_t e[256], r[256], a, b;
+    for (int w = 0; w < 2; w++)
+        if (one_pull(x, n, &a, &b) != n) return f;
+    for (int i = 0; i < reps; i++)
+        if (one_pull(x, n, &e[i], &r[i]) != n) return f;
+    qsort(e, reps, sizeof *e, cmp_u64);
+    qsort(r, reps, sizeof *r, cmp_u64);
+    double bytes = (double)n * (double)page_bytes;
+    f.gbps = bytes / (double)e[reps / 2];
+    f.best_gbps = bytes / (double)e[0];
+    f.read_gbps = bytes / (double)r[reps / 2];
+    f.pages_s = n * 1e9 / (double)e[reps / 2];
+    f.ok = 1;
+    return f;
+}
+
+/* ---------------------------------------------------------------- ucx_perftest */
+
+static int free_port(void)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t l = sizeof a;
+    int port = 0;
+    if (fd >= 0 && !bind(fd, (struct sockaddr *)&a, sizeof a) &&
+        !getsockname(fd, (struct sockaddr *)&a, &l))
+        port = ntohs(a.sin_port);
+    if (fd >= 0) close(fd);
+    return port;
+}
+
+/* ucx_perftest's overall bandwidth (GB/s) and message rate, or 0 when it could not run. */
+static int perftest(const char *test, size_t bytes, int outstanding, int iters, double *gbps,
+                    double *rate)
+{
+    char size[32], out[16], it[16], warm[16], port[16];
+    snprintf(size, sizeof size, "%zu", bytes);
+    snprintf(out, sizeof out, "%d", outstanding);
+    snprintf(it, sizeof it, "%d", iters);
+    snprintf(warm, sizeof warm, "%d", iters / 10 + 1);
+    for (int attempt = 0; attempt < 3; attempt++) {
+        snprintf(port, sizeof port, "%d", free_port());
+        pid_t srv = fork();
+        if (srv == 0) {
+            int devnull = open("/dev/null", 1);
+            dup2(devnull, 1);
+            dup2(devnull, 2);
+            execlp("ucx_perftest", "ucx_perftest", "-p", port, "-t", test, "-s", size, "-n", it,
+                   "-w", warm, "-O", out, (char *)NULL);
+            _exit(127);
+        }
+        km_sleep_ms(300);
+        char cmd[512];
+        snprintf(cmd, sizeof cmd,
+                 "timeout 120 ucx_perftest 127.0.0.1 -p %s -t %s -s %s -n %s -w %s -O %s -v "
+                 "2>/dev/null | tail -1",
+                 port, test, size, it, warm, out);
+        FILE *f = popen(cmd, "r");
+        char line[512] = "";
+        if (f) {
+            if (!fgets(line, sizeof line, f)) line[0] = 0;
+            pclose(f);
+        }
+        kill(srv, SIGKILL);
+        waitpid(srv, NULL, 0);
+        double v[8];
+        if (sscanf(line, " %lf,%lf,%lf,%lf,%lf,%lf,%lf,%lf", &v[0], &v[1], &v[2], &v[3], &v[4],
+                   &v[5], &v[6], &v[7]) == 8) {
+            *gbps = v[5] * 1048576.0 / 1e9; /* its MB/s are MiB/s */
+            *rate = v[7];
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------- the run */
+
+static void usage(void)
+{
+    fprintf(stderr, "usage: bench_transfer [--quick] [--only-tls tcp|default|mm] [--only-pages N]"
+                    " [--only-mode get|am] [--no-perftest]\n");
+    exit(2);
+}
+
+int main(int argc, char **argv)
+{
+    int quick = 0, only_pages = 0, only_mode = -1, no_ref = 0;
+    const char *only_tls = NULL;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--quick"))
+            quick = 1;
+        else if (!strcmp(argv[i], "--no-perftest"))
+            no_ref = 1;
+        else if (!strcmp(argv[i], "--only-tls") && i + 1 < argc)
+            only_tls = argv[++i];
+        else if (!strcmp(argv[i], "--only-pages") && i + 1 < argc)
+            only_pages = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--only-mode") && i + 1 < argc)
+            only_mode = !strcmp(argv[++i], "am");
+        else
+            usage();
+    }
+    km_log_set_level(KM_LOG_WARN);
+    char model[512] = "unknown";
+    FILE *f = fopen("/proc/cpuinfo", "r");
+    char line[512];
+    while (f && fgets(line, sizeof line, f))
+        if (!strncmp(line, "model name", 10)) {
+            char *c = strchr(line, ':');
+            snprintf(model, sizeof model, "%s", c ? c + 2 : line);
+            model[strcspn(model, "\n")] = 0;
+            break;
+        }
+    if (f) fclose(f);
+    const size_t page_bytes = (size_t)SMOL.layers * SMOL.heads * SMOL.hd * SMOL.pt * 2 * 2;
+    printf("# bench-transfer: %s, %ld CPUs, UCX %s, load average %.2f at start\n", model,
+           sysconf(_SC_NPROCESSORS_ONLN), ucp_get_version_string(), load1());
+    printf("# pages of the default model's KV in f16: %zu bytes; %d reads in flight per pull;"
+           " median of the timed pulls\n\n",
+           page_bytes, INFLIGHT);
+    printf("| transport | pages | mode | pull GB/s | pages/s | read phase GB/s | ucx_perftest "
+           "GB/s | ucx_perftest msgs/s | pull / perftest | read phase / perftest | load |\n");
+    printf("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    fflush(stdout);
+    const int sizes[] = {1, 16, 256};
+    static const char *short_names[] = {"tcp", "default", "mm"};
+    for (size_t t = 0; t < sizeof SETTINGS / sizeof *SETTINGS; t++) {
+        if (only_tls && strcmp(only_tls, short_names[t])) continue;
+        apply(&SETTINGS[t]);
+        side sides[2];
+        memset(sides, 0, sizeof sides);
+        side_spawn(&sides[0], PR_MODE_GET);
+        side_spawn(&sides[1], PR_MODE_AM);
+        if (side_open(&sides[0], PR_MODE_GET) || side_open(&sides[1], PR_MODE_AM)) {
+            printf("| %s | – | – | could not set up | | | | | | | |\n", SETTINGS[t].name);
+            side_close(&sides[0]);
+            side_close(&sides[1]);
+            continue;
+        }
+        for (int s = 0; s < 3; s++) {
+            int n = sizes[s];
+            if (only_pages && n != only_pages) continue;
+            int reps = quick ? 3 : n == 1 ? 200 : n == 16 ? 40 : 8;
+            int iters = quick ? 50 : n == 1 ? 2000 : n == 16 ? 2000 : 1500;
+            int outstanding = n < INFLIGHT ? n : INFLIGHT;
+            for (int m = 0; m < 2; m++) {
+                if (only_mode >= 0 && m != only_mode) continue;
+                double ld = load1();
+                figures fg = measure(&sides[m], n, reps, page_bytes);
+                double pg = 0, pr = 0;
+                int have = !no_ref && perftest(m == 0 ? "ucp_get" : "ucp_am_bw", page_bytes,
+                                               outstanding, iters, &pg, &pr);
+                char ours[96] = "failed", ref[64] = "n/a", ratio[48] = "", rratio[48] = "";
+                if (fg.ok)
+                    snprintf(ours, sizeof ours, "%.2f | %.0f | %.2f", fg.gbps, fg.pages_s,
+                             fg.read_gbps);
+                else
+                    snprintf(ours, sizeof ours, "failed | | ");
+                if (have) snprintf(ref, sizeof ref, "%.2f | %.0f", pg, pr);
+                if (have && fg.ok && pg > 0) {
+                    snprintf(ratio, sizeof ratio, "%.0f%%", 100.0 * fg.gbps / pg);
+                    snprintf(rratio, sizeof rratio, "%.0f%%", 100.0 * fg.read_gbps / pg);
+                }
+                printf("| %s | %d | %s | %s | %s | %s | %s | %.1f–%.1f |\n", SETTINGS[t].name, n,
+                       m == 0 ? "get" : "am", ours, have ? ref : "n/a | n/a", ratio, rratio, ld,
+                       load1());
+                fflush(stdout);
+            }
+        }
+        side_close(&sides[0]);
+        side_close(&sides[1]);
+    }
+    printf("\n# load average %.2f at the end\n", load1());
+    return 0;
+}
