@@ -135,6 +135,7 @@ struct pr_node {
     uint64_t next_pull_id;
     pr_stats st;
     _Atomic int endpoints; /* server and client endpoints alive (back end) */
+    int closed;            /* the back end is gone (pr_node_destroy): nothing more to tell it */
 };
 
 /* pull.c — called by the back end's progress thread when page i's read completed (ok) or

@@ -55,6 +55,7 @@ void pr_node_destroy(pr_node *n)
     /* The back end cancels every read and closes every endpoint first: only then may the
      * pages being read into go back to the store. */
     n->ops->close(n);
+    n->closed = 1;
     while (n->pulls) {
         pr_pull *p = n->pulls;
         n->pulls = p->next;
@@ -126,7 +127,7 @@ void pr_peer_unref(pr_node *n, pr_peer *p)
 {
     if (--p->refs > 0) return;
     p->disconnecting = 1;
-    n->ops->disconnect(n, p); /* freed by pr_node_poll once closed */
+    if (!n->closed) n->ops->disconnect(n, p); /* freed by pr_node_poll once closed */
 }
 
 void pr_peer_release(pr_node *n, pr_peer *p)

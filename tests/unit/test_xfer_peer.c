@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kvshard/internal.h" /* kv_store_check */
 #include "tests/xfer_harness.h"
 
 #define PT 4
@@ -148,6 +149,9 @@ static void release_and_check(pr_node *puller, pr_peer *peer, pr_node *holder, k
     kv_store_stats_get(hs, &s2);
     cr_assert_eq(s1.tier[KV_TIER_HOT].pinned_pages, 0);
     cr_assert_eq(s2.tier[KV_TIER_HOT].pinned_pages, 0);
+    km_errbuf err;
+    cr_assert_eq(kv_store_check(ps, &err), 0, "puller: %s", err.msg);
+    cr_assert_eq(kv_store_check(hs, &err), 0, "holder: %s", err.msg);
 }
 
 /* Two stores and two nodes; the holder has computed the first `computed` pages of the chain. */
@@ -660,4 +664,19 @@ Test(xfer_peer, a_thousand_pulls_with_faults_leave_nothing_behind, .timeout = 90
     pr_node_destroy(na);
     kv_store_destroy(a);
     kv_store_destroy(b);
+}
+
+Test(xfer_peer, destroying_a_node_with_pulls_in_flight_releases_everything, .timeout = 120)
+{
+    duo *d = duo_open(SMOL, 40, 32, PR_MODE_AM);
+    pr_pull *p = duo_start(d, 32, secs(60));
+    (void)p;
+    pr_node_destroy(d->nb); /* the pull, its peer and its pages go with it */
+    d->nb = NULL;
+    int ne, ni;
+    kv_xfer_counts(d->b, &ne, &ni);
+    cr_assert_eq(ni, 0);
+    km_errbuf err;
+    cr_assert_eq(kv_store_check(d->b, &err), 0, "%s", err.msg);
+    duo_close(d);
 }
