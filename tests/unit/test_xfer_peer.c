@@ -602,12 +602,12 @@ static void tamper_payload_once(pr_offer *o, pr_page_desc *d, int32_t *t)
     *g_flipped ^= 0x08;
 }
 
-Test(xfer_peer, a_thousand_pulls_with_faults_leave_nothing_behind, .timeout = 900)
+static void pulls_with_faults(pr_mode mode, int rounds)
 {
-    const int n = 8, rounds = 1000;
+    const int n = 8;
     km_log_set_level(KM_LOG_ERROR); /* a rejected page is a warning each: 800 of them here */
     kv_store *a = mk_store(SMALL, KN_KV_F16, 16), *b = mk_store(SMALL, KN_KV_F16, 16);
-    pr_node *na = mk_node(a, PR_MODE_GET, 0), *nb = mk_node(b, PR_MODE_GET, 0);
+    pr_node *na = mk_node(a, mode, 0), *nb = mk_node(b, mode, 0);
     int32_t toks[8 * PT];
     km_pagehash hs[8];
     mk_chain(toks, hs, n, 0);
@@ -664,6 +664,12 @@ Test(xfer_peer, a_thousand_pulls_with_faults_leave_nothing_behind, .timeout = 90
     pr_node_destroy(na);
     kv_store_destroy(a);
     kv_store_destroy(b);
+}
+
+Test(xfer_peer, a_thousand_pulls_with_faults_leave_nothing_behind, .timeout = 900)
+{
+    pulls_with_faults(PR_MODE_GET, 500);
+    pulls_with_faults(PR_MODE_AM, 500);
 }
 
 Test(xfer_peer, destroying_a_node_with_pulls_in_flight_releases_everything, .timeout = 120)
