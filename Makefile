@@ -240,6 +240,11 @@ build/fuzz/fuzz_oai: tests/fuzz/fuzz_oai.c router/openai.c $(FUZZ_LIB_SRC) $(wil
 	@mkdir -p $(dir $@)
 	clang -std=gnu11 -g -O1 -I. -fsanitize=fuzzer,address,undefined $< router/openai.c $(FUZZ_LIB_SRC) -o $@ $(LDLIBS)
 
+# The peer node address (fuzz_peeraddr) needs peer/addr.c.
+build/fuzz/fuzz_peeraddr: tests/fuzz/fuzz_peeraddr.c peer/addr.c $(FUZZ_LIB_SRC) common/km.h peer/peer.h peer/internal.h
+	@mkdir -p $(dir $@)
+	clang -std=gnu11 -g -O1 -I. -fsanitize=fuzzer,address,undefined $< peer/addr.c $(FUZZ_LIB_SRC) -o $@ $(LDLIBS)
+
 fuzz: $(FUZZ_BIN)
 
 # Replays the committed corpus, then fuzzes each target briefly.
