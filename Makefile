@@ -182,8 +182,12 @@ deps:
 
 # ------------------------------------------------------------------ tests
 # Unit tests run from the repository root (fixtures are found by relative path).
+# The transfer tests (test_xfer_peer, test_xfer_proc) run one test at a time: they fork and
+# start UCX threads, and with two at once Criterion's own runner leaks 48 bytes that
+# LeakSanitizer reports under SAN=1 (the tests themselves are clean).
 unit-tests: $(UNIT_BIN)
-	@set -e; for t in $(UNIT_BIN); do echo "== $$t"; $$t --jobs 2; done
+	@set -e; for t in $(UNIT_BIN); do echo "== $$t"; \
+	  case $$t in */test_xfer_pe*|*/test_xfer_pr*) j=1;; *) j=2;; esac; $$t --jobs $$j; done
 
 unit-tests-san:
 	@$(MAKE) --no-print-directory SAN=1 unit-tests

@@ -69,7 +69,7 @@ size_t pr_addr_encode(const pr_addr *a, uint8_t *buf, size_t cap)
         pr_put64(p, a->region[i].base);
         pr_put64(p + 8, a->region[i].bytes);
         pr_put32(p + 16, (uint32_t)a->region[i].rkey_len);
-        memcpy(p + 20, a->region[i].rkey, a->region[i].rkey_len);
+        if (a->region[i].rkey_len) memcpy(p + 20, a->region[i].rkey, a->region[i].rkey_len);
         p += 20 + a->region[i].rkey_len;
     }
     return n;
