@@ -74,6 +74,8 @@ const char *km_proto_code_name(int code)
     switch (code) {
     case KM_CODE_BAD_REQUEST:
         return "bad_request";
+    case KM_CODE_FORBIDDEN:
+        return "forbidden";
     case KM_CODE_NOT_FOUND:
         return "not_found";
     case KM_CODE_TOO_LARGE:
@@ -115,6 +117,8 @@ int km_proto_code_from_err(int err)
         return KM_CODE_DEADLINE;
     case KM_ECANCELED:
         return KM_CODE_CANCELED;
+    case KM_EACCES:
+        return KM_CODE_FORBIDDEN;
     }
     return KM_CODE_INTERNAL;
 }

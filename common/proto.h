@@ -81,6 +81,7 @@ const char *km_msg_type_name(km_msg_type t); /* the wire "t" value; "?" when unk
  * 1..999 decodes, so a newer peer's codes pass through; these are the ones defined today. */
 typedef enum km_proto_code {
     KM_CODE_BAD_REQUEST = 400, /* malformed frame or invalid field */
+    KM_CODE_FORBIDDEN = 403,   /* the sender's key may not do this (docs/security.md) */
     KM_CODE_NOT_FOUND = 404,   /* unknown model or request id */
     KM_CODE_TOO_LARGE = 413,   /* frame, prompt or context too large */
     KM_CODE_VERSION = 426,     /* unsupported protocol version */

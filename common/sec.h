@@ -40,6 +40,7 @@ extern "C" {
 #endif
 
 typedef struct km_metrics km_metrics; /* common/svc.h */
+typedef struct km_zap km_zap;         /* the ZAP handler, below */
 
 /* ---------------------------------------------------------------- roles */
 
@@ -175,6 +176,56 @@ int km_zsec_authorize(const km_zsec *z, const km_zpeer *p, unsigned roles, km_er
 int km_zsec_check_worker(const km_zsec *z, const km_zpeer *p, const char *worker_id,
                          km_errbuf *err);
 
+/* ---------------------------------------------------------------- a daemon's security
+ * (zsec.c): the same three options and the same start-up in every daemon.
+ *
+ *   --keydir DIR   the cluster key directory (env KVMESH_KEYDIR)
+ *   --cert C       this daemon's certificate: a path to NAME.key (its NAME.key_secret beside
+ *                  it), or a NAME meaning DIR/private/NAME.key; default: the daemon's own
+ *                  name ("controller", "router", the worker id) (env KVMESH_CERT)
+ *   --insecure     no CURVE, no ZAP: anyone who reaches a port is admitted (env
+ *                  KVMESH_INSECURE)
+ * Neither --keydir nor --insecure is an error: security is never off by accident. */
+typedef struct km_sec_args {
+    const char *keydir, *cert;
+    bool insecure;
+} km_sec_args;
+
+/* The three option-table rows (common/svc.h km_opt) for a km_sec_args *a. */
+#define KM_SEC_OPT_ROWS(a)                                                                         \
+    {"keydir",                                                                                     \
+     NULL,                                                                                         \
+     KM_OPT_STR,                                                                                   \
+     NULL,                                                                                         \
+     "cluster key directory (docs/security.md); required unless --insecure",                       \
+     &(a)->keydir,                                                                                 \
+     0,                                                                                            \
+     0},                                                                                           \
+        {"cert",                                                                                   \
+         NULL,                                                                                     \
+         KM_OPT_STR,                                                                               \
+         NULL,                                                                                     \
+         "this daemon's certificate: PATH/NAME.key or a NAME in KEYDIR/private (default: the "     \
+         "daemon's own name)",                                                                     \
+         &(a)->cert,                                                                               \
+         0,                                                                                        \
+         0},                                                                                       \
+    {                                                                                              \
+        "insecure", NULL, KM_OPT_BOOL, "false",                                                    \
+            "no CURVE encryption or authentication: anyone who reaches a port is admitted",        \
+            &(a)->insecure, 0, 0                                                                   \
+    }
+
+/* Opens a daemon's security from its options: insecure (one warning line, event=insecure) or
+ * the key directory and certificate (default_name: the certificate's NAME when --cert is
+ * unset). KM_EINVAL, with a message naming both choices, when neither was given. */
+int km_sec_daemon_open(const km_sec_args *a, const char *prog, const char *default_name,
+                       km_zsec **out, km_errbuf *err);
+/* The daemon's ZAP handler in zctx (start it before any bind; *zap stays NULL when insecure)
+ * and the gauge kvmesh_insecure (1 when insecure, 0 otherwise) in metrics. */
+int km_sec_daemon_start(void *zctx, const km_zsec *z, km_metrics *metrics, km_zap **zap,
+                        km_errbuf *err);
+
 /* ---------------------------------------------------------------- ZAP handler (zap.c) */
 
 /* The ZAP handler (RFC 27) of a libzmq context: a thread with a REP socket on
@@ -185,7 +236,6 @@ int km_zsec_check_worker(const km_zsec *z, const km_zpeer *p, const char *worker
  * the properties X-Kvmesh-Role, X-Kvmesh-Name and X-Kvmesh-Worker (always all three, so a peer
  * cannot supply its own). Start it before any server socket binds; stop it before the context
  * is destroyed. In insecure mode it starts nothing (*out = NULL). metrics may be NULL. */
-typedef struct km_zap km_zap;
 
 typedef struct km_zap_stats {
     uint64_t allowed, denied;

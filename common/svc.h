@@ -24,6 +24,7 @@
 
 #include "common/km.h"
 #include "common/proto.h"
+#include "common/sec.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -73,10 +74,13 @@ typedef struct km_zframe {
 
 /* A received multipart message: the parts are copies owned by the message. By convention the
  * last part is the body (one msgpack frame) and the parts before it are the routing envelope
- * (a ROUTER sees the peer's identity first). */
+ * (a ROUTER sees the peer's identity first). peer is who sent it as the ZAP handler admitted it
+ * (read from the body part: common/sec.h); role KM_ROLE_NONE on an insecure socket, a CURVE
+ * client socket (the server was pinned by its key instead) or a socket with no ZAP handler. */
 typedef struct km_zmsg {
     km_zframe part[KM_ZMSG_MAX_PARTS];
     int n;
+    km_zpeer peer;
     km_buf mem_;
 } km_zmsg;
 

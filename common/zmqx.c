@@ -200,6 +200,7 @@ int km_zrecv(void *s, km_zmsg *m, int timeout_ms, km_errbuf *err)
 {
     m->n = 0;
     m->mem_.len = 0;
+    memset(&m->peer, 0, sizeof m->peer);
     if (timeout_ms >= 0) {
         zmq_pollitem_t it = {.socket = s, .events = ZMQ_POLLIN};
         int r = zmq_poll(&it, 1, timeout_ms);
@@ -229,6 +230,7 @@ int km_zrecv(void *s, km_zmsg *m, int timeout_ms, km_errbuf *err)
         }
         total++;
         int more = zmq_msg_more(&zm);
+        if (!more) km_zpeer_from_msg(&zm, &m->peer); /* the body carries the ZAP properties */
         zmq_msg_close(&zm);
         if (!more) break;
     }

@@ -19,6 +19,7 @@
  *    lacked would show through, which is why the handler never leaves it out).
  */
 #include "common/sec.h"
+#include "common/svc.h"
 
 #include <czmq.h>
 #include <errno.h>
@@ -241,4 +242,57 @@ int km_zsec_check_worker(const km_zsec *z, const km_zpeer *p, const char *worker
     return km_errf(err, KM_EACCES, "key %s (%s, worker '%s') may not act as worker %s",
                    p && p->name[0] ? p->name : "(unknown)", km_role_name(p ? p->role : 0),
                    p ? p->worker : "", worker_id ? worker_id : "(none)");
+}
+
+/* ---------------------------------------------------------------- a daemon's security */
+
+int km_sec_daemon_open(const km_sec_args *a, const char *prog, const char *default_name,
+                       km_zsec **out, km_errbuf *err)
+{
+    *out = NULL;
+    bool have_keys = a->keydir && a->keydir[0];
+    if (a->insecure) {
+        if (have_keys)
+            return km_errf(err, KM_EINVAL, "--insecure and --keydir %s: choose one", a->keydir);
+        km_zsec_opts o = {.insecure = true};
+        int rc = km_zsec_open(&o, out, err);
+        if (!rc)
+            KM_WARN("insecure",
+                    "prog=%s msg=\"no CURVE and no ZAP: anyone who reaches a port is "
+                    "admitted (docs/security.md)\"",
+                    prog);
+        return rc;
+    }
+    if (!have_keys)
+        return km_errf(err, KM_EINVAL,
+                       "no --keydir: give the cluster key directory (kvmesh keys init DIR), or "
+                       "run without security on purpose with --insecure");
+    const char *cert = a->cert && a->cert[0] ? a->cert : default_name;
+    if (!cert || !cert[0]) return km_errf(err, KM_EINVAL, "no --cert and no default name");
+    char path[PATH_MAX];
+    size_t n = strlen(cert);
+    bool is_path = strchr(cert, '/') || (n > 4 && !strcmp(cert + n - 4, ".key")) ||
+                   (n > 11 && !strcmp(cert + n - 11, ".key_secret"));
+    if (!is_path && !km_sec_name_ok(cert))
+        return km_errf(err, KM_EINVAL, "--cert '%s' is neither a file nor a key name", cert);
+    int w = is_path ? snprintf(path, sizeof path, "%s", cert)
+                    : snprintf(path, sizeof path, "%s/private/%s.key", a->keydir, cert);
+    if (w < 0 || w >= (int)sizeof path) return km_errf(err, KM_EINVAL, "--cert path too long");
+    km_zsec_opts o = {.keydir = a->keydir, .cert = path};
+    return km_zsec_open(&o, out, err);
+}
+
+int km_sec_daemon_start(void *zctx, const km_zsec *z, km_metrics *metrics, km_zap **zap,
+                        km_errbuf *err)
+{
+    *zap = NULL;
+    if (metrics) {
+        km_metric *g = NULL;
+        int rc = km_metric_register(metrics, KM_GAUGE, "insecure",
+                                    "1 when the daemon runs without CURVE (--insecure)", NULL, NULL,
+                                    0, &g, err);
+        if (rc) return rc;
+        km_gauge_set(km_metric_series(g, NULL), km_zsec_insecure(z) ? 1 : 0);
+    }
+    return km_zap_start(zctx, z, metrics, zap, err);
 }
