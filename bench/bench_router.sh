@@ -35,7 +35,8 @@ trap stop_up EXIT
 # start_up N MODE: a cluster of N workers routed by MODE; waits until every worker is up
 start_up() {
     rm -rf "$LOGS/$2"
-    "$BIN/kvmesh" up --workers "$1" --threads "$THREADS" --mode "$2" --base-port $((PORT + 100)) \
+    # insecure on purpose: this measures routing, and the load generator speaks plain ZeroMQ
+    "$BIN/kvmesh" up --insecure --workers "$1" --threads "$THREADS" --mode "$2" --base-port $((PORT + 100)) \
         --front-port "$PORT" --http-port $((PORT + 1)) --log-dir "$LOGS/$2" \
         --router-args "--max-queue=100000" 2>>"$LOGS/up.log" &
     UP=$!
@@ -60,7 +61,7 @@ echo "  relay, two extra hops on loopback):"
 "$BENCH" instant --listen "tcp://127.0.0.1:$((PORT + 90))" &
 INSTANT=$!
 "$BIN/kvmesh-router" --workers "instant=tcp://127.0.0.1:$((PORT + 90))" --front "tcp://127.0.0.1:$((PORT + 91))" \
-    --http-port -1 --log-level error 2>>"$LOGS/instant-router.log" &
+    --insecure --http-port -1 --log-level error 2>>"$LOGS/instant-router.log" &
 SROUTER=$!
 sleep 1
 "$BENCH" latency --router "tcp://127.0.0.1:$((PORT + 91))" --worker "tcp://127.0.0.1:$((PORT + 90))" \

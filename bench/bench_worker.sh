@@ -91,7 +91,7 @@ start_kvmesh() { # log
     rm -f "$OUT/worker.ports"
     # shellcheck disable=SC2086 # WORKER_ARGS is a list of flags
     "$WORKER" --model "$MODEL" --threads "$THREADS" --listen "tcp://127.0.0.1:$PORT" --events "" \
-        --admin-port -1 --ports-file "$OUT/worker.ports" --log-level warn ${WORKER_ARGS:-} >>"$1" 2>&1 &
+        --admin-port -1 --ports-file "$OUT/worker.ports" --log-level warn --insecure ${WORKER_ARGS:-} >>"$1" 2>&1 &
     SERVER_PID=$!
     for _ in $(seq 1 600); do
         [ -s "$OUT/worker.ports" ] && return 0

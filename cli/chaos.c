@@ -180,6 +180,7 @@ static void run_scenario(const chaos_scenario *sc, const chaos_knobs *k, bool ke
     }
     /* 1. fault-free reference */
     ref.endpoint = load.endpoint = r->router;
+    ref.sec = load.sec = (kvm_sec){.cert = r->client_cert};
     ref.k = load.k = k;
     ref.prompts = load.prompts = chaos_prompts;
     ref.n_prompts = load.n_prompts = CHAOS_N_PROMPTS;

@@ -69,6 +69,9 @@ struct chaos_run {
     char netns[32], veth_host[16], veth_ns[16], addr_host[32], addr_ns[32];
     bool netns_made;
     char ctl_listen[128], ctl_view[128], router[128];
+    /* `kvmesh up` made the cluster's keys in dir/keys: the operator key for admin calls, the
+     * client key for the load */
+    char op_cert[128], client_cert[128];
     /* the view monitor (a thread on the controller's PUB) */
     pthread_t mon;
     atomic_bool mon_stop;
@@ -95,6 +98,7 @@ struct chaos_run {
 
 typedef struct chaos_load {
     const char *endpoint;
+    kvm_sec sec; /* the client key of the cluster under test */
     const chaos_knobs *k;
     const char *const *prompts;
     int n_prompts;

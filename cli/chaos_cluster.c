@@ -278,6 +278,8 @@ int chaos_cluster_start(chaos_run *r)
         _exit(127);
     }
     r->up_pid = g_up_pid = pid;
+    snprintf(r->op_cert, sizeof r->op_cert, "%s/keys/private/admin.key", r->dir);
+    snprintf(r->client_cert, sizeof r->client_cert, "%s/keys/private/client.key", r->dir);
     snprintf(g_cluster_file, sizeof g_cluster_file, "%s", r->cluster_file);
     /* every process running ... */
     for (int waited = 0;; waited += 100) {

@@ -29,7 +29,8 @@ static int send_pressure(chaos_run *r, double fraction)
     km_msg_admin a = {.cmd = KM_ADMIN_PRESSURE, .fraction = fraction};
     km_msg rep;
     km_errbuf err = {{0}};
-    int rc = kvm_admin_call(ep, &a, 10000, &rep, &err);
+    kvm_sec sec = {.cert = r->op_cert, .server = CHAOS_TARGET};
+    int rc = kvm_admin_call(ep, &sec, &a, 10000, &rep, &err);
     if (rc) {
         snprintf(r->note, sizeof r->note, "pressure %.2f: %.400s", fraction, err.msg);
         return rc;

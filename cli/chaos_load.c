@@ -72,7 +72,7 @@ static void load_one(chaos_load *l, kvm_client **c, int prompt)
         if (rc == KM_ETIMEDOUT) { /* a new connection: the old one may be to a dead router */
             kvm_close(*c);
             *c = NULL;
-            kvm_opts o = {.timeout_ms = k->timeout_ms};
+            kvm_opts o = {.timeout_ms = k->timeout_ms, .sec = l->sec};
             if (kvm_open(l->endpoint, &o, c, NULL)) break;
         } else {
             int wait = res.retry_after_ms ? (int)res.retry_after_ms : 200;
@@ -121,7 +121,7 @@ static void *client_main(void *arg)
     chaos_client *cl = arg;
     chaos_load *l = cl->load;
     kvm_client *c = NULL;
-    kvm_opts o = {.timeout_ms = l->k->timeout_ms};
+    kvm_opts o = {.timeout_ms = l->k->timeout_ms, .sec = l->sec};
     if (kvm_open(l->endpoint, &o, &c, NULL)) return NULL;
     if (l->reference) {
         for (int p = cl->index; p < l->n_prompts && c; p += l->k->clients) {

@@ -96,7 +96,8 @@ void *chaos_monitor_main(void *arg)
     chaos_run *r = arg;
     kvm_view_sub *sub = NULL;
     km_errbuf err = {{0}};
-    if (kvm_view_sub_open(r->ctl_view, &sub, &err)) {
+    kvm_sec sec = {.cert = r->op_cert};
+    if (kvm_view_sub_open(r->ctl_view, &sec, &sub, &err)) {
         fprintf(stderr, "kvmesh chaos: view subscription: %s\n", err.msg);
         return NULL;
     }
@@ -110,7 +111,7 @@ void *chaos_monitor_main(void *arg)
         /* published views may leave the histories out; the status reply carries them */
         if (km_now_ns() - last_poll > 250000000u) {
             last_poll = km_now_ns();
-            if (!kvm_view_get(r->ctl_listen, 1000, &v, NULL)) {
+            if (!kvm_view_get(r->ctl_listen, &sec, 1000, &v, NULL)) {
                 pthread_mutex_lock(&r->mu);
                 for (uint32_t i = 0; i < v.view.n_workers; i++) mon_merge(r, &v.view.workers[i]);
                 pthread_mutex_unlock(&r->mu);

@@ -26,6 +26,25 @@
 int cli_parse_opts(const char *cmd, const char *summary, const km_opt *opts, size_t n, int argc,
                    char **argv, km_config **out);
 
+/* The two option-table rows of a client's CURVE settings (client/kvmesh.h kvm_sec *s): --cert
+ * (KVMESH_CERT) and --server-key (KVMESH_SERVER_KEY). */
+#define CLI_SEC_ROWS(s)                                                                            \
+    {"cert",                                                                                       \
+     NULL,                                                                                         \
+     KM_OPT_STR,                                                                                   \
+     NULL,                                                                                         \
+     "client certificate (NAME.key beside NAME.key_secret) for a secure cluster "                  \
+     "(docs/security.md); unset = plain",                                                          \
+     &(s)->cert,                                                                                   \
+     0,                                                                                            \
+     0},                                                                                           \
+    {                                                                                              \
+        "server-key", NULL, KM_OPT_STR, NULL,                                                      \
+            "the server's public key (Z85 or .key file), or a member name in the key directory "   \
+            "that holds --cert (default: router or controller)",                                   \
+            &(s)->server, 0, 0                                                                     \
+    }
+
 /* The whole file, NUL-terminated (*len, when not NULL, excludes the NUL); NULL after saying why
  * on stderr. */
 char *cli_read_file(const char *path, size_t *len);

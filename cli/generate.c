@@ -18,6 +18,7 @@ typedef struct gen_args {
     int64_t max_tokens, top_k, seed, timeout_ms, priority;
     double temperature, top_p, min_p, repeat_penalty;
     bool stream, quiet, json, raw;
+    kvm_sec sec;
 } gen_args;
 
 #define GEN_OPTS(a)                                                                                  \
@@ -37,6 +38,7 @@ typedef struct gen_args {
         {"priority", NULL, KM_OPT_INT, "0", "-100..100, higher first", &(a).priority, -100, 100},    \
         {"timeout",       NULL, KM_OPT_DURATION, "120s", "longest silence from the server",          \
          &(a).timeout_ms, 1,    86400000},                                                           \
+        CLI_SEC_ROWS(&(a).sec),                                                                      \
     {                                                                                                \
         "quiet", NULL, KM_OPT_BOOL, "false", "no statistics line", &(a).quiet, 0, 0                  \
     }
@@ -115,7 +117,7 @@ int cli_cmd_generate(int argc, char **argv)
     }
     km_errbuf err = {{0}};
     kvm_client *c = NULL;
-    kvm_opts ko = {.timeout_ms = (int)a.timeout_ms};
+    kvm_opts ko = {.timeout_ms = (int)a.timeout_ms, .sec = a.sec};
     if (kvm_open(a.router, &ko, &c, &err)) {
         fprintf(stderr, "kvmesh generate: %s\n", err.msg);
         free(file_text);
@@ -185,7 +187,7 @@ int cli_cmd_chat(int argc, char **argv)
     }
     km_errbuf err = {{0}};
     kvm_client *c = NULL;
-    kvm_opts ko = {.timeout_ms = (int)a.timeout_ms};
+    kvm_opts ko = {.timeout_ms = (int)a.timeout_ms, .sec = a.sec};
     if (kvm_open(a.router, &ko, &c, &err)) {
         fprintf(stderr, "kvmesh chat: %s\n", err.msg);
         km_config_destroy(cfg);

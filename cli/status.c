@@ -54,11 +54,11 @@ static void view_print(FILE *f, const km_msg_view *v)
     if (!any) fprintf(f, "\nno recovery actions so far\n");
 }
 
-static int status_controller(const char *endpoint, bool json_out)
+static int status_controller(const char *endpoint, const kvm_sec *sec, bool json_out)
 {
     km_msg v;
     km_errbuf err = {{0}};
-    if (kvm_view_get(endpoint, 5000, &v, &err)) {
+    if (kvm_view_get(endpoint, sec, 5000, &v, &err)) {
         fprintf(stderr, "kvmesh status: %s\n", err.msg);
         return 1;
     }
@@ -98,6 +98,7 @@ int cli_cmd_recover(int argc, char **argv)
 {
     const char *controller = NULL, *worker = NULL;
     int64_t level = 0, timeout_ms = 0;
+    kvm_sec sec = {0};
     const km_opt opts[] = {
         {"controller", NULL, KM_OPT_STR, "tcp://127.0.0.1:7200", "the controller's --listen",
          &controller, 0, 0},
@@ -107,6 +108,7 @@ int cli_cmd_recover(int argc, char **argv)
          0, 3},
         {"timeout", NULL, KM_OPT_DURATION, "10s", "how long to wait for the controller's answer",
          &timeout_ms, 1, 600000},
+        CLI_SEC_ROWS(&sec),
     };
     km_config *cfg = NULL;
     int prc =
@@ -122,7 +124,7 @@ int cli_cmd_recover(int argc, char **argv)
     km_msg r;
     km_errbuf err = {{0}};
     int status = 1;
-    if (kvm_admin_call(controller, &a, (int)timeout_ms, &r, &err)) {
+    if (kvm_admin_call(controller, &sec, &a, (int)timeout_ms, &r, &err)) {
         fprintf(stderr, "kvmesh recover: %s\n", err.msg);
     } else if (r.type != KM_MSG_ADMIN_REPLY) {
         fprintf(stderr, "kvmesh recover: unexpected %s frame from %s\n", km_msg_type_name(r.type),
@@ -150,6 +152,7 @@ int cli_cmd_status(int argc, char **argv)
     const char *http = NULL;
     bool json_out = false;
     const char *controller = NULL;
+    kvm_sec sec = {0};
     const km_opt opts[] = {
         {"http", NULL, KM_OPT_STR, "http://127.0.0.1:8080", "the router's HTTP address", &http, 0,
          0},
@@ -158,13 +161,14 @@ int cli_cmd_status(int argc, char **argv)
          "member state, recovery level, pressure and recovery history",
          &controller, 0, 0},
         {"json", NULL, KM_OPT_BOOL, "false", "print JSON (the router's as is)", &json_out, 0, 0},
+        CLI_SEC_ROWS(&sec),
     };
     km_config *cfg = NULL;
     int prc = cli_parse_opts("status", "workers, KV pages per tier and the prefix hit ratio", opts,
                              sizeof opts / sizeof *opts, argc, argv, &cfg);
     if (prc) return prc == 1 ? 0 : 2;
     if (controller) {
-        int rc = status_controller(controller, json_out);
+        int rc = status_controller(controller, &sec, json_out);
         km_config_destroy(cfg);
         return rc;
     }

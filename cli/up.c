@@ -70,6 +70,10 @@ static int up_parse(int argc, char **argv, up_opts *o, km_config **cfg)
          &o->worker_args_for, 0, 0},
         {"router-args", NULL, KM_OPT_STR, NULL, "extra router flags, space-separated",
          &o->router_args, 0, 0},
+        {"insecure", "KVMESH_UP_INSECURE", KM_OPT_BOOL, "false",
+         "run every daemon without CURVE (anyone who reaches a port is admitted); by default the "
+         "cluster's keys are made in <run-dir>/keys and every socket is CURVE",
+         &o->insecure, 0, 0},
         {"netns", NULL, KM_OPT_STR, NULL,
          "run one worker in a network namespace: ID=NETNS,WORKER_ADDR,HOST_ADDR (kvmesh chaos "
          "partition makes it)",
@@ -129,12 +133,41 @@ static void up_banner(const up_state *st, const up_opts *o)
     fprintf(stderr,
             "kvmesh up: router %s, OpenAI API %s/v1, %lld workers (%lld threads each)%s%s%s%s\n"
             "kvmesh up: processes and endpoints in %s\n"
-            "kvmesh up: try  kvmesh generate -r %s -p \"Hello\"   |   kvmesh status%s%s   |   "
-            "Ctrl-C stops everything\n",
+            "kvmesh up: try  kvmesh generate -r %s%s%s%s -p \"Hello\"   |   kvmesh status%s%s%s%s%s"
+            "   |   Ctrl-C stops everything\n",
             r0->requests, r0->http, (long long)o->n_workers, (long long)o->threads,
             o->with_controller ? ", controller " : "", ctl_listen, o->log_dir ? ", logs in " : "",
-            o->log_dir ? o->log_dir : "", st->state_path, r0->requests,
-            o->with_controller ? " --controller " : "", ctl_listen);
+            o->log_dir ? o->log_dir : "", st->state_path, r0->requests, o->keydir ? " --cert " : "",
+            o->keydir ? o->keydir : "", o->keydir ? "/private/client.key" : "",
+            o->with_controller ? " --controller " : "", ctl_listen,
+            o->keydir && o->with_controller ? " --cert " : "",
+            o->keydir && o->with_controller ? o->keydir : "",
+            o->keydir && o->with_controller ? "/private/admin.key" : "");
+}
+
+/* Security on by default: the cluster's keys in <run-dir>/keys (kept when they exist, so a
+ * restarted `kvmesh up` with the same --run-dir keeps its keys; workers are added), or one
+ * warning with --insecure. */
+static int up_keys(up_opts *o, const char *keydir)
+{
+    if (o->insecure) {
+        fprintf(stderr, "kvmesh up: WARNING: --insecure: no CURVE and no keys, anyone who reaches "
+                        "a port is admitted\n");
+        return 0;
+    }
+    char names[64][8];
+    const char *ids[64];
+    for (int i = 0; i < o->n_workers && i < 64; i++) {
+        snprintf(names[i], sizeof names[i], "w%d", i);
+        ids[i] = names[i];
+    }
+    km_errbuf err = {{0}};
+    if (km_keydir_init_cluster(keydir, ids, (int)o->n_workers, &err) < 0) {
+        fprintf(stderr, "kvmesh up: cannot make the cluster's keys in %s: %s\n", keydir, err.msg);
+        return -1;
+    }
+    o->keydir = keydir;
+    return 0;
 }
 
 int cli_cmd_up(int argc, char **argv)
@@ -158,6 +191,13 @@ int cli_cmd_up(int argc, char **argv)
     uv_loop_init(&loop);
     st.loop = &loop;
     if (o.log_dir) mkdir(o.log_dir, 0755);
+    char keydir[4200];
+    snprintf(keydir, sizeof keydir, "%s/keys", rdir);
+    if (up_keys(&o, keydir)) {
+        uv_loop_close(&loop);
+        km_config_destroy(cfg);
+        return 1;
+    }
     int status = up_plan(&st, &o, dir);
     if (status == 0) {
         up_start_all(&st);

@@ -110,6 +110,13 @@ typedef struct up_planner {
     km_buf workers; /* --workers of the routers: id=requests+events,... */
 } up_planner;
 
+/* Every daemon's security: the cluster's key directory (each daemon's own certificate is the
+ * one named after it there), or --insecure when asked for. */
+static void plan_security(const up_opts *o, up_proc *p, int *k)
+{
+    p->argv[(*k)++] = o->insecure ? strdup("--insecure") : xfmt("--keydir=%s", o->keydir);
+}
+
 static void plan_controller(up_planner *pl, up_proc *p, int *k)
 {
     const up_opts *o = pl->o;
@@ -128,6 +135,7 @@ static void plan_controller(up_planner *pl, up_proc *p, int *k)
     p->argv[(*k)++] = xfmt("--view=%s", pl->ctl_view);
     p->argv[(*k)++] = xfmt("--admin-port=%d", ap);
     p->argv[(*k)++] = xfmt("--controller-id=controller");
+    plan_security(o, p, k);
     push_args(p->argv, k, UP_ARGV_MAX, o->ctl_args);
 }
 
@@ -162,6 +170,7 @@ static void plan_worker(up_planner *pl, up_proc *p, int wi, int *k)
     p->argv[(*k)++] = xfmt("--admin-port=%d", ap);
     p->argv[(*k)++] = xfmt("--threads=%lld", (long long)o->threads);
     p->argv[(*k)++] = xfmt("--cluster-seed=%lld", (long long)o->cluster_seed);
+    plan_security(o, p, k);
     if (o->with_controller) p->argv[(*k)++] = xfmt("--controller=%s", pl->ctl_listen);
     if (o->model) p->argv[(*k)++] = xfmt("--model=%s", o->model);
     if (o->kv_bytes) p->argv[(*k)++] = xfmt("--kv-bytes=%s", o->kv_bytes);
@@ -188,6 +197,7 @@ static void plan_router(up_planner *pl, up_proc *p, int ri, int *k)
     p->argv[(*k)++] = xfmt("--http-port=%d", hp);
     p->argv[(*k)++] = xfmt("--cluster-seed=%lld", (long long)o->cluster_seed);
     p->argv[(*k)++] = xfmt("--mode=%s", o->mode);
+    plan_security(o, p, k);
     if (o->with_controller) p->argv[(*k)++] = xfmt("--controller=%s", pl->ctl_view);
     if (o->model) p->argv[(*k)++] = xfmt("--model=%s", o->model);
     push_args(p->argv, k, UP_ARGV_MAX, o->router_args);

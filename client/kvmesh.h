@@ -33,9 +33,24 @@ extern "C" {
 
 typedef struct kvm_client kvm_client;
 
+/* A client's CURVE settings (docs/security.md). cert: this client's certificate, NAME.key with
+ * NAME.key_secret beside it (KVMESH_CERT in the CLI); NULL: a plain connection, which a secure
+ * cluster refuses. server: the server's public key: Z85 (40 characters), a .key file, or a member
+ * name ("router", "controller", a worker id) looked up in the key directory that holds cert
+ * (DIR/private/NAME.key -> DIR); NULL: the call's usual server ("router" for kvm_open,
+ * "controller" for the operator calls). */
+typedef struct kvm_sec {
+    const char *cert;
+    const char *server;
+} kvm_sec;
+
+/* Makes sock (before its connect) a CURVE client as s says; nothing when s or s->cert is NULL. */
+int kvm_sec_apply(const kvm_sec *s, void *sock, const char *default_server, km_errbuf *err);
+
 typedef struct kvm_opts {
     int timeout_ms;       /* longest silence while waiting for a frame; default 120000 */
     const char *identity; /* DEALER routing id; NULL = random */
+    kvm_sec sec;          /* CURVE; {0}: plain */
 } kvm_opts;
 
 /* Connects (lazily, as ZeroMQ does) to endpoint, e.g. "tcp://127.0.0.1:7000". */
@@ -95,15 +110,16 @@ int kvm_http_get(const char *url, int timeout_ms, km_buf *body, int *status, km_
 /* Sends req (its id is chosen here when 0) and fills out (km_msg_clear it) with the reply.
  * KM_ETIMEDOUT when nothing came back in timeout_ms. A reply with ok=false is not an error of
  * this call: look at out->admin_reply.ok/code/message. */
-int kvm_admin_call(const char *endpoint, const km_msg_admin *req, int timeout_ms, km_msg *out,
-                   km_errbuf *err);
+int kvm_admin_call(const char *endpoint, const kvm_sec *sec, const km_msg_admin *req,
+                   int timeout_ms, km_msg *out, km_errbuf *err);
 
 /* The controller's cluster view with every worker's history ({cmd: status}). */
-int kvm_view_get(const char *controller, int timeout_ms, km_msg *view, km_errbuf *err);
+int kvm_view_get(const char *controller, const kvm_sec *sec, int timeout_ms, km_msg *view,
+                 km_errbuf *err);
 
 /* A subscription to the controller's --view PUB (two-part ["view", frame] messages). */
 typedef struct kvm_view_sub kvm_view_sub;
-int kvm_view_sub_open(const char *endpoint, kvm_view_sub **out, km_errbuf *err);
+int kvm_view_sub_open(const char *endpoint, const kvm_sec *sec, kvm_view_sub **out, km_errbuf *err);
 /* The next view (km_msg_clear it); KM_ETIMEDOUT after timeout_ms without one. */
 int kvm_view_sub_next(kvm_view_sub *s, int timeout_ms, km_msg *view, km_errbuf *err);
 void kvm_view_sub_close(kvm_view_sub *s);

@@ -36,6 +36,35 @@ struct kvm_client {
 
 static int kvm_monitor_open(kvm_client *c, km_errbuf *err);
 
+int kvm_sec_apply(const kvm_sec *s, void *sock, const char *default_server, km_errbuf *err)
+{
+    if (!s || !s->cert || !s->cert[0]) return 0;
+    /* DIR/private/NAME.key: DIR is the key directory, where member names are looked up */
+    char keydir[4096];
+    snprintf(keydir, sizeof keydir, "%s", s->cert);
+    char *slash = strrchr(keydir, '/');
+    bool have_dir = false;
+    if (slash) {
+        *slash = 0;
+        char *up = strrchr(keydir, '/');
+        const char *base = up ? up + 1 : keydir;
+        if (!strcmp(base, "private")) {
+            if (up)
+                *up = 0;
+            else
+                snprintf(keydir, sizeof keydir, ".");
+            have_dir = true;
+        }
+    }
+    km_zsec_opts o = {.cert = s->cert, .keydir = have_dir ? keydir : NULL};
+    km_zsec *z = NULL;
+    int rc = km_zsec_open(&o, &z, err);
+    if (!rc)
+        rc = km_zsec_client(z, sock, s->server && s->server[0] ? s->server : default_server, err);
+    km_zsec_close(z);
+    return rc;
+}
+
 int kvm_open(const char *endpoint, const kvm_opts *o, kvm_client **out, km_errbuf *err)
 {
     *out = NULL;
@@ -54,6 +83,7 @@ int kvm_open(const char *endpoint, const kvm_opts *o, kvm_client **out, km_errbu
     km_zsock_opts_default(&zo);
     zo.routing_id = c->o.identity;
     int rc = km_zsock_open(c->zctx, KM_ZDEALER, &zo, &c->sock, err);
+    if (!rc) rc = kvm_sec_apply(&c->o.sec, c->sock, "router", err);
     if (!rc) rc = kvm_monitor_open(c, err);
     if (!rc) rc = km_zsock_connect(c->sock, endpoint, err);
     if (rc) {
@@ -347,8 +377,8 @@ int kvm_http_get(const char *url, int timeout_ms, km_buf *body, int *status, km_
 
 /* ---------------------------------------------------------------- operator calls */
 
-int kvm_admin_call(const char *endpoint, const km_msg_admin *req, int timeout_ms, km_msg *out,
-                   km_errbuf *err)
+int kvm_admin_call(const char *endpoint, const kvm_sec *sec, const km_msg_admin *req,
+                   int timeout_ms, km_msg *out, km_errbuf *err)
 {
     memset(out, 0, sizeof *out);
     km_msg m;
@@ -364,6 +394,7 @@ int kvm_admin_call(const char *endpoint, const km_msg_admin *req, int timeout_ms
         return km_errf(err, KM_EIO, "cannot create a ZeroMQ context");
     }
     rc = km_zsock_open(zctx, KM_ZDEALER, NULL, &sock, err);
+    if (!rc) rc = kvm_sec_apply(sec, sock, "controller", err);
     if (!rc) rc = km_zsock_connect(sock, endpoint, err);
     if (!rc) rc = km_zsend(sock, &(km_zframe){frame.data, frame.len}, 1, 0, err);
     km_zmsg in = {0};
@@ -402,10 +433,11 @@ int kvm_admin_call(const char *endpoint, const km_msg_admin *req, int timeout_ms
     return rc;
 }
 
-int kvm_view_get(const char *controller, int timeout_ms, km_msg *view, km_errbuf *err)
+int kvm_view_get(const char *controller, const kvm_sec *sec, int timeout_ms, km_msg *view,
+                 km_errbuf *err)
 {
     km_msg_admin a = {.cmd = KM_ADMIN_STATUS};
-    int rc = kvm_admin_call(controller, &a, timeout_ms, view, err);
+    int rc = kvm_admin_call(controller, sec, &a, timeout_ms, view, err);
     if (rc) return rc;
     if (view->type != KM_MSG_VIEW) {
         int code = view->admin_reply.code;
@@ -423,7 +455,7 @@ struct kvm_view_sub {
     km_proto_limits lim;
 };
 
-int kvm_view_sub_open(const char *endpoint, kvm_view_sub **out, km_errbuf *err)
+int kvm_view_sub_open(const char *endpoint, const kvm_sec *sec, kvm_view_sub **out, km_errbuf *err)
 {
     *out = NULL;
     kvm_view_sub *s = calloc(1, sizeof *s);
@@ -440,6 +472,7 @@ int kvm_view_sub_open(const char *endpoint, kvm_view_sub **out, km_errbuf *err)
     zo.max_msg_size = -1;
     int rc = km_zsock_open(s->zctx, KM_ZSUB, &zo, &s->sock, err);
     if (!rc) rc = km_zsock_subscribe(s->sock, "view", 4, err);
+    if (!rc) rc = kvm_sec_apply(sec, s->sock, "controller", err);
     if (!rc) rc = km_zsock_connect(s->sock, endpoint, err);
     if (rc) {
         kvm_view_sub_close(s);

@@ -22,6 +22,7 @@
 struct ctl_controller {
     ctl_config cfg;
     void *zctx, *router, *pub;
+    km_zap *zap; /* the ZAP handler of zctx; NULL when insecure */
     km_admin *admin;
     km_metrics *reg;
     ctl_policy *pol;
@@ -245,6 +246,43 @@ static void handle_operator(ctl_controller *c, const km_zframe *id, const km_msg
     }
 }
 
+/* True when the sender's key may not send m (docs/security.md): counted, logged and, for an
+ * admin command, answered 403. A heartbeat needs the member key bound to its worker id, sent
+ * under that id as routing id (recovery commands go back by routing id); an admin_reply the
+ * member key of the worker it comes from; recover an operator. */
+static bool forbidden(ctl_controller *c, const km_zframe *id, const char *peer_id,
+                      const km_zpeer *peer, const km_msg *m)
+{
+    const km_zsec *z = c->cfg.sec;
+    km_errbuf err = {{0}};
+    int rc = 0;
+    switch (m->type) {
+    case KM_MSG_HEARTBEAT:
+        rc = km_zsec_check_worker(z, peer, m->hb.worker, &err);
+        if (!rc && !km_zsec_insecure(z) && strcmp(peer_id, m->hb.worker))
+            rc = km_errf(&err, KM_EACCES, "heartbeat for %s under routing id '%s'", m->hb.worker,
+                         peer_id);
+        break;
+    case KM_MSG_ADMIN_REPLY:
+        rc = km_zsec_check_worker(z, peer, peer_id, &err);
+        break;
+    case KM_MSG_ADMIN:
+        rc = km_zsec_authorize(z, peer,
+                               m->admin.cmd == KM_ADMIN_STATUS ? KM_ROLE_MEMBER | KM_ROLE_OPERATOR
+                                                               : KM_ROLE_OPERATOR,
+                               &err);
+        break;
+    default:
+        break;
+    }
+    if (!rc) return false;
+    count_bad(c, "forbidden");
+    KM_WARN("forbidden", "type=%s role=%s key=%s routing_id=%s msg=\"%s\"",
+            km_msg_type_name(m->type), km_role_name(peer->role), peer->name, peer_id, err.msg);
+    if (m->type == KM_MSG_ADMIN) reply_admin(c, id, &m->admin, KM_CODE_FORBIDDEN, err.msg);
+    return true;
+}
+
 static void handle_message(ctl_controller *c, const km_zmsg *zm)
 {
     if (zm->n < 2) {
@@ -269,6 +307,10 @@ static void handle_message(ctl_controller *c, const km_zmsg *zm)
     if (id->len <= KM_PROTO_MAX_NAME && !memchr(id->data, 0, id->len)) {
         memcpy(peer, id->data, id->len);
         peer[id->len] = 0;
+    }
+    if (forbidden(c, id, peer, &zm->peer, &m)) {
+        km_msg_clear(&m);
+        return;
     }
     switch (m.type) {
     case KM_MSG_HEARTBEAT: {
@@ -345,7 +387,8 @@ static int metrics_init(ctl_controller *c, km_errbuf *err)
         c->s_heartbeats = km_metric_series(m, NULL));
     REG(KM_COUNTER, "kvmesh_controller_bad_frames_total",
         "Frames refused (malformed, too_large, version, type, parts, bad_command, bad_level, "
-        "unknown_worker, members_full, peer_error).",
+        "unknown_worker, members_full, peer_error, forbidden: a key whose role or worker binding "
+        "may not send it).",
         "reason", c->m_bad = m);
     REG(KM_COUNTER, "kvmesh_controller_send_errors_total",
         "Frames that could not be sent (worker not connected, queue full).", NULL,
@@ -394,12 +437,17 @@ int ctl_controller_create(const ctl_config *cfg, ctl_controller **out, km_errbuf
     km_zsock_opts ro;
     km_zsock_opts_default(&ro);
     ro.router_mandatory = true;
+    if ((rc = km_sec_daemon_start(c->zctx, c->cfg.sec, c->reg, &c->zap, err))) goto fail;
     if ((rc = km_zsock_open(c->zctx, KM_ZROUTER, &ro, &c->router, err))) goto fail;
+    if ((rc = km_zsec_server(c->cfg.sec, c->router, KM_ROLE_MEMBER | KM_ROLE_OPERATOR, err)))
+        goto fail;
     int one = 1;
     zmq_setsockopt(c->router, ZMQ_ROUTER_HANDOVER, &one, sizeof one);
     if ((rc = km_zsock_bind(c->router, c->cfg.listen_url, err))) goto fail;
     if ((rc = km_zsock_last_endpoint(c->router, c->ep_listen, sizeof c->ep_listen, err))) goto fail;
     if ((rc = km_zsock_open(c->zctx, KM_ZPUB, NULL, &c->pub, err))) goto fail;
+    if ((rc = km_zsec_server(c->cfg.sec, c->pub, KM_ROLE_MEMBER | KM_ROLE_OPERATOR, err)))
+        goto fail;
     if ((rc = km_zsock_bind(c->pub, c->cfg.view_url, err))) goto fail;
     if ((rc = km_zsock_last_endpoint(c->pub, c->ep_view, sizeof c->ep_view, err))) goto fail;
     if (c->cfg.admin_port >= 0) {
@@ -486,6 +534,7 @@ void ctl_controller_destroy(ctl_controller *c)
     km_admin_stop(c->admin);
     km_zsock_close(c->router);
     km_zsock_close(c->pub);
+    km_zap_stop(c->zap);
     km_zctx_destroy(c->zctx);
     ctl_policy_destroy(c->pol);
     km_metrics_destroy(c->reg);

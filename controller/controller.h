@@ -133,6 +133,10 @@ typedef struct ctl_config {
     int64_t view_interval_ms;  /* publish at least this often; default 1000 */
     const char *admin_host;    /* default 127.0.0.1 */
     int admin_port;            /* 0 ephemeral, -1 off */
+    /* CURVE (docs/security.md): the ROUTER admits members and operators (a heartbeat only from
+     * the member key bound to its worker id, recover only from an operator), the view PUB
+     * members and operators; NULL or insecure: none. Owned by the caller. */
+    const km_zsec *sec;
     ctl_policy_cfg policy;
 } ctl_config;
 

@@ -44,6 +44,7 @@ int main(int argc, char **argv)
     ctl_policy_cfg *pc = &c.policy;
     const char *log_level = NULL, *log_format = NULL, *ports_file = NULL, *recovery = NULL;
     int64_t admin_port, l1_repeat, dead_after;
+    km_sec_args sec_args = {0};
     const km_opt opts[] = {
         {"listen", NULL, KM_OPT_STR, "tcp://127.0.0.1:7200",
          "ZeroMQ ROUTER: workers' heartbeats (routing id = worker id) and operators' admin frames",
@@ -102,6 +103,7 @@ int main(int argc, char **argv)
          &pc->action_timeout_ms, 0, 86400000},
         {"ports-file", NULL, KM_OPT_STR, NULL, "write listen=, view=, admin=, pid= here once ready",
          &ports_file, 0, 0},
+        KM_SEC_OPT_ROWS(&sec_args),
         {"log-level", NULL, KM_OPT_STR, "info", "debug, info, warn, error", &log_level, 0, 0},
         {"log-format", NULL, KM_OPT_STR, "text", "text or json", &log_format, 0, 0},
     };
@@ -125,6 +127,13 @@ int main(int argc, char **argv)
     pc->dead_after = (uint32_t)dead_after;
     c.admin_port = (int)admin_port;
 
+    km_zsec *sec = NULL;
+    if (km_sec_daemon_open(&sec_args, "kvmesh-controller", "controller", &sec, &err)) {
+        fprintf(stderr, "kvmesh-controller: %s\n", err.msg);
+        km_config_destroy(cfg);
+        return 2;
+    }
+    c.sec = sec;
     int status = 1;
     if (ctl_controller_create(&c, &g_ctl, &err)) {
         KM_ERROR("controller_create", "msg=\"%s\"", err.msg);
@@ -141,6 +150,7 @@ out:
         g_ctl = NULL;
         ctl_controller_destroy(ctl);
     }
+    km_zsec_close(sec);
     km_config_destroy(cfg);
     return status;
 }

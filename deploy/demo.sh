@@ -23,8 +23,14 @@ THREADS=$(( $(nproc) / WORKERS )); [ "$THREADS" -ge 1 ] || THREADS=1
 
 echo "== kvmesh demo: $KVMESH_MODEL, $WORKERS workers x $THREADS threads (logs in $LOGS/)"
 rm -rf "$LOGS"
+# `kvmesh up` makes the cluster's keys in RUN/keys (docs/security.md): the demo's chat uses the
+# client key, recover and status --controller the operator key
+RUN=$(mktemp -d /tmp/kvmesh-demo-XXXXXX)
+CLIENT_CERT=$RUN/keys/private/client.key
+ADMIN_CERT=$RUN/keys/private/admin.key
 "$BIN/kvmesh" up --workers "$WORKERS" --threads "$THREADS" --front-port "$FRONT_PORT" \
-    --http-port "$HTTP_PORT" --base-port "$BASE_PORT" --controller-port "$CTL_PORT" --log-dir "$LOGS" &
+    --http-port "$HTTP_PORT" --base-port "$BASE_PORT" --controller-port "$CTL_PORT" --log-dir "$LOGS" \
+    --run-dir "$RUN" &
 UP=$!
 cleanup() { kill -INT "$UP" 2>/dev/null || true; wait "$UP" 2>/dev/null || true; }
 trap cleanup EXIT
@@ -40,7 +46,7 @@ done
 ask() { # tenant system-prompt question
     echo
     echo "-- [$1] $3"
-    echo "$3" | "$BIN/kvmesh" chat --router "$ROUTER" --cache-salt "$1" --system "$2" \
+    echo "$3" | "$BIN/kvmesh" chat --router "$ROUTER" --cert "$CLIENT_CERT" --cache-salt "$1" --system "$2" \
         --max-tokens 48 --temperature 0
 }
 SYS_A="You are the support assistant of Acme Rockets. Acme sells model rockets, launch pads and \
@@ -78,17 +84,17 @@ echo "-- kvmesh status"
 
 echo
 echo "-- recovery, forced by hand: level 2 (w1's KV to fp8 in place), then level 3 (drain + restart)"
-"$BIN/kvmesh" recover --controller "$CONTROLLER" --worker w1 --level 2 || true
+"$BIN/kvmesh" recover --controller "$CONTROLLER" --cert "$ADMIN_CERT" --worker w1 --level 2 || true
 ask acme "$SYS_A" "Do you ship to Europe?"
-"$BIN/kvmesh" recover --controller "$CONTROLLER" --worker w1 --level 3 || true
+"$BIN/kvmesh" recover --controller "$CONTROLLER" --cert "$ADMIN_CERT" --worker w1 --level 3 || true
 for _ in $(seq 1 150); do # until the controller's view has w1 back: restarted and ready
-    "$BIN/kvmesh" status --controller "$CONTROLLER" --json 2>/dev/null |
+    "$BIN/kvmesh" status --controller "$CONTROLLER" --cert "$ADMIN_CERT" --json 2>/dev/null |
         grep -q '"restarted"' && break
     sleep 0.2
 done
 echo
 echo "-- kvmesh status --controller (member states, recovery levels and history)"
-"$BIN/kvmesh" status --controller "$CONTROLLER"
+"$BIN/kvmesh" status --controller "$CONTROLLER" --cert "$ADMIN_CERT"
 echo
 echo "-- stopping the cluster (what Ctrl-C on kvmesh up does)"
 cleanup

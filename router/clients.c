@@ -204,6 +204,16 @@ void rt_on_front_message(rt_router *r, const km_zmsg *zm)
         KM_DEBUG("bad_frame", "code=%d msg=\"%s\"", code, err.msg);
         return;
     }
+    /* admin is for operators (docs/security.md): a client's gets 403 and nothing happens (an
+     * operator's gets the 400 below: a router carries out no admin command itself) */
+    if (m.type == KM_MSG_ADMIN && km_zsec_authorize(r->c.sec, &zm->peer, KM_ROLE_OPERATOR, &err)) {
+        km_counter_inc(r->s_forbidden);
+        KM_WARN("forbidden", "type=admin cmd=%s role=%s key=%s", km_admin_cmd_name(m.admin.cmd),
+                km_role_name(zm->peer.role), zm->peer.name);
+        rt_send_error_env(r, zm->part, zm->n - 1, m.admin.id, KM_CODE_FORBIDDEN, 0, "%s", err.msg);
+        km_msg_clear(&m);
+        return;
+    }
     switch (m.type) {
     case KM_MSG_REQUEST:
         on_client_request(r, zm, &m.req);

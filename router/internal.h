@@ -129,6 +129,7 @@ struct rt_router {
     uv_timer_t tick;
     uv_poll_t p_front, p_sub;
     void *zctx, *front, *sub;
+    km_zap *zap; /* the ZAP handler of zctx; NULL when insecure */
     char front_ep[256];
     rt_wk *w;
     int n_w;
@@ -149,6 +150,7 @@ struct rt_router {
     uint64_t n_requests, n_ok, n_err, n_overloaded, n_migrations, n_bad_frames;
     uint64_t prompt_tokens, cached_tokens, predicted_tokens;
     double ewma_total_ms;
+    km_series *s_forbidden;
     km_series *s_req_ok, *s_req_err, *s_overloaded, *s_migr, *s_bad, *s_prompt, *s_cached,
         *s_predicted, *s_queue, *s_inflight_all, *s_decision, *s_ttft, *s_total, *s_gaps, *s_resync,
         *s_index_pages, *s_http_req;
@@ -259,6 +261,8 @@ int rt_worker_slot_init(rt_router *r, const char *id, const char *req, const cha
                         km_errbuf *err);
 /* The worker's DEALER with its socket monitor, the SUB's connection to its events, their polls. */
 int rt_worker_open(rt_router *r, rt_wk *w, km_errbuf *err);
+/* Connects the events SUB to w's events endpoint, pinning w's member key (CURVE). */
+int rt_sub_connect(rt_router *r, rt_wk *w, km_errbuf *err);
 /* w's connection is gone: its pages are forgotten and its requests migrate. */
 void rt_worker_down(rt_router *r, rt_wk *w, const char *why);
 /* Connection events of w's DEALER (up: ask for a replay; down: rt_worker_down). */

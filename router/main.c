@@ -93,6 +93,7 @@ int main(int argc, char **argv)
     int64_t http_port, admin_port, page_tokens, slots, max_inflight, max_queue, attempts, dmax;
     int64_t sync_ms, ttl_ms, queue_ms, cluster_seed, index_pages, view_ms;
     uint64_t max_body;
+    km_sec_args sec_args = {0};
     const km_opt opts[] = {
         {"model", NULL, KM_OPT_STR, NULL,
          "GGUF model: tokenizer, chat template, fingerprint (default: $KVMESH_MODEL or the SmolLM2 "
@@ -168,6 +169,7 @@ int main(int argc, char **argv)
         {"max-body", NULL, KM_OPT_SIZE, "4M", "largest HTTP request body", &max_body, 0, 0},
         {"ports-file", NULL, KM_OPT_STR, NULL, "write the bound endpoints here once ready",
          &ports_file, 0, 0},
+        KM_SEC_OPT_ROWS(&sec_args),
         {"log-level", NULL, KM_OPT_STR, "info", "debug, info, warn, error", &log_level, 0, 0},
         {"log-format", NULL, KM_OPT_STR, "text", "text or json", &log_format, 0, 0},
     };
@@ -190,11 +192,19 @@ int main(int argc, char **argv)
         km_config_destroy(cfg);
         return 2;
     }
+    km_zsec *sec = NULL;
+    if (km_sec_daemon_open(&sec_args, "kvmesh-router", "router", &sec, &err)) {
+        fprintf(stderr, "kvmesh-router: %s\n", err.msg);
+        km_config_destroy(cfg);
+        return 2;
+    }
+    c.sec = sec;
     char *wl = workers ? strdup(workers) : NULL;
     rt_worker_cfg wc[RT_MAX_WORKERS];
     int nw = !workers ? 0 : wl ? parse_workers(wl, wc, RT_MAX_WORKERS, &err) : KM_ENOMEM;
     if (nw < 0) {
         fprintf(stderr, "kvmesh-router: %s\n", err.msg);
+        km_zsec_close(sec);
         free(wl);
         km_config_destroy(cfg);
         return 2;
@@ -217,6 +227,7 @@ int main(int argc, char **argv)
     c.max_http_body = (size_t)max_body;
     c.view_timeout_ms = (uint32_t)view_ms;
     int status = serve(&c, ports_file);
+    km_zsec_close(sec);
     free(wl);
     km_config_destroy(cfg);
     return status;

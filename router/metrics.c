@@ -34,6 +34,9 @@ int rt_register_metrics(rt_router *r, km_errbuf *err)
     REG(KM_COUNTER, "kvmesh_router_bad_frames_total",
         "Malformed client frames and HTTP bodies answered with an error.", NULL, NULL, 0, NULL,
         r->s_bad);
+    REG(KM_COUNTER, "kvmesh_router_forbidden_total",
+        "Client frames refused with 403: the sender's key has a role that may not send them.", NULL,
+        NULL, 0, NULL, r->s_forbidden);
     REG(KM_COUNTER, "kvmesh_router_prompt_tokens_total", "Prompt tokens of completed requests.",
         NULL, NULL, 0, NULL, r->s_prompt);
     REG(KM_COUNTER, "kvmesh_router_cached_tokens_total",

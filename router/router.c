@@ -193,7 +193,9 @@ static int open_sockets(rt_router *r, const rt_config *c, km_errbuf *err)
     if (!r->zctx) return km_errf(err, KM_EIO, "router: zmq context");
     km_zsock_opts zo;
     km_zsock_opts_default(&zo);
-    if ((rc = km_zsock_open(r->zctx, KM_ZROUTER, &zo, &r->front, err)) ||
+    if ((rc = km_sec_daemon_start(r->zctx, c->sec, r->metrics, &r->zap, err)) ||
+        (rc = km_zsock_open(r->zctx, KM_ZROUTER, &zo, &r->front, err)) ||
+        (rc = km_zsec_server(c->sec, r->front, KM_ROLE_CLIENT | KM_ROLE_OPERATOR, err)) ||
         (rc = km_zsock_bind(r->front, c->front_url, err)) ||
         (rc = km_zsock_last_endpoint(r->front, r->front_ep, sizeof r->front_ep, err)))
         return rc;
@@ -208,6 +210,7 @@ static int open_sockets(rt_router *r, const rt_config *c, km_errbuf *err)
     if (c->controller_url && *c->controller_url) {
         if ((rc = km_zsock_open(r->zctx, KM_ZSUB, &zo, &r->vsub, err)) ||
             (rc = km_zsock_subscribe(r->vsub, "view", 4, err)) ||
+            (rc = km_zsec_client(c->sec, r->vsub, "controller", err)) ||
             (rc = km_zsock_connect(r->vsub, c->controller_url, err)) ||
             (rc = rt_open_poll(r, &r->p_vsub, r->vsub, err)))
             return rc;
@@ -334,6 +337,7 @@ void rt_router_destroy(rt_router *r)
     km_zsock_close(r->front);
     km_zsock_close(r->sub);
     km_zsock_close(r->vsub);
+    km_zap_stop(r->zap);
     if (r->zctx) km_zctx_destroy(r->zctx);
     rt_index_destroy(r->index);
     km_metrics_destroy(r->metrics);

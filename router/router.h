@@ -102,6 +102,10 @@ typedef struct rt_config {
     const char *controller_url; /* the controller's view PUB; NULL: no controller (workers must
                                  * then be given) */
     uint32_t view_timeout_ms;   /* a view older than this is ignored (default 5000) */
+    /* CURVE (docs/security.md): the front admits clients and operators, each worker's DEALER
+     * and events connection pins that worker id's member key, the view SUB the key
+     * "controller"; NULL or insecure: none. Owned by the caller, outlives the router. */
+    const km_zsec *sec;
 } rt_config;
 
 void rt_config_default(rt_config *c);

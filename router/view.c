@@ -131,7 +131,7 @@ static rt_wk *view_adopt(rt_router *r, const km_view_worker *vw, rt_wk *same_id)
         snprintf(same_id->req_url, sizeof same_id->req_url, "%s", vw->requests);
         snprintf(same_id->ev_url, sizeof same_id->ev_url, "%s", vw->events ? vw->events : "");
         if (km_zsock_connect(same_id->dealer, same_id->req_url, &err) ||
-            (same_id->ev_url[0] && km_zsock_connect(r->sub, same_id->ev_url, &err)))
+            (same_id->ev_url[0] && rt_sub_connect(r, same_id, &err)))
             KM_WARN("worker_move_failed", "worker=%s msg=\"%s\"", same_id->id, err.msg);
         return same_id;
     }

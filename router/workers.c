@@ -45,6 +45,13 @@ int rt_worker_slot_init(rt_router *r, const char *id, const char *req, const cha
     return 0;
 }
 
+int rt_sub_connect(rt_router *r, rt_wk *w, km_errbuf *err)
+{
+    /* libzmq takes the CURVE server key at each connect: one SUB pins each worker's own key */
+    int rc = km_zsec_client(r->c.sec, r->sub, w->id, err);
+    return rc ? rc : km_zsock_connect(r->sub, w->ev_url, err);
+}
+
 /* The worker's DEALER (with its socket monitor), the SUB's connection to its events, and their
  * polls on the loop. The monitor's handshake event makes it usable and asks for its replay. */
 int rt_worker_open(rt_router *r, rt_wk *w, km_errbuf *err)
@@ -53,6 +60,12 @@ int rt_worker_open(rt_router *r, rt_wk *w, km_errbuf *err)
     km_zsock_opts_default(&wo);
     int rc = km_zsock_open(r->zctx, KM_ZDEALER, &wo, &w->dealer, err);
     if (rc) return rc;
+    /* the worker id's member key: only the holder of its secret can answer (docs/security.md) */
+    if ((rc = km_zsec_client(r->c.sec, w->dealer, w->id, err))) {
+        km_zsock_close(w->dealer);
+        w->dealer = NULL;
+        return rc;
+    }
     int ivl = 100; /* reconnect quickly to a restarted worker */
     zmq_setsockopt(w->dealer, ZMQ_RECONNECT_IVL, &ivl, sizeof ivl);
     int ivl_max = 1000;
@@ -67,7 +80,7 @@ int rt_worker_open(rt_router *r, rt_wk *w, km_errbuf *err)
         zmq_connect(w->mon, mon))
         rc = km_errf(err, KM_EIO, "router: monitor socket");
     if (!rc) rc = km_zsock_connect(w->dealer, w->req_url, err);
-    if (!rc && w->ev_url[0] && (rc = km_zsock_connect(r->sub, w->ev_url, err)))
+    if (!rc && w->ev_url[0] && (rc = rt_sub_connect(r, w, err)))
         zmq_disconnect(w->dealer, w->req_url);
     if (rc) { /* nothing of w is on the loop yet: undo the sockets */
         zmq_socket_monitor(w->dealer, NULL, 0);

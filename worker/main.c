@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "worker/worker.h"
 
@@ -29,6 +30,7 @@ typedef struct wk_args {
     int64_t max_ctx, default_max_tokens, heartbeat_ms, drain_ms, event_replay, cluster_seed;
     uint64_t kv_bytes, max_frame, kv_host_bytes, kv_disk_bytes;
     bool chaos;
+    km_sec_args sec;
 } wk_args;
 
 int main(int argc, char **argv)
@@ -94,6 +96,7 @@ int main(int argc, char **argv)
          0},
         {"ports-file", NULL, KM_OPT_STR, NULL, "write the bound endpoints here once ready",
          &a.ports_file, 0, 0},
+        KM_SEC_OPT_ROWS(&a.sec),
         {"log-level", NULL, KM_OPT_STR, "info", "debug, info, warn, error", &a.log_level, 0, 0},
         {"log-format", NULL, KM_OPT_STR, "text", "text or json", &a.log_format, 0, 0},
     };
@@ -113,6 +116,15 @@ int main(int argc, char **argv)
     int status = 1;
     wk_model *m = NULL;
     wk_engine *e = NULL;
+    km_zsec *sec = NULL;
+    char default_id[32];
+    snprintf(default_id, sizeof default_id, "worker-%d", (int)getpid());
+    if (km_sec_daemon_open(&a.sec, "kvmesh-worker", a.worker_id ? a.worker_id : default_id, &sec,
+                           &err)) {
+        fprintf(stderr, "kvmesh-worker: %s\n", err.msg);
+        km_config_destroy(cfg);
+        return 2;
+    }
     const char *path = a.model ? a.model : wk_default_model_path();
     if (wk_model_load(path, &m, &err)) {
         KM_ERROR("model_load", "path=%s msg=\"%s\"", path, err.msg);
@@ -144,6 +156,7 @@ int main(int argc, char **argv)
         .event_replay = (int)a.event_replay,
         .max_frame = (int)(a.max_frame > (1u << 30) ? (1u << 30) : a.max_frame),
         .chaos = a.chaos,
+        .sec = sec,
         .sched = {.max_running = (int)a.max_running,
                   .max_queue = (int)a.max_queue,
                   .max_batch_tokens = (int)a.max_batch,
@@ -171,6 +184,7 @@ out:
     }
     wk_engine_destroy(e);
     wk_model_free(m);
+    km_zsec_close(sec);
     km_config_destroy(cfg);
     return status;
 }

@@ -51,6 +51,30 @@ static bool wk_ready_cb(void *user)
 
 /* ---------------------------------------------------------------- frames in */
 
+/* True when the peer's role may not send m on the ROUTER: it was answered 403 and counted. */
+static bool wk_forbidden(wk_service *s, void *sock, const km_zframe *env, int n_env,
+                         const km_zpeer *peer, const km_msg *m)
+{
+    unsigned roles = KM_ROLE_MEMBER;
+    uint64_t id = 0;
+    if (m->type == KM_MSG_ADMIN) {
+        id = m->admin.id;
+        roles =
+            m->admin.cmd == KM_ADMIN_STATUS ? KM_ROLE_MEMBER | KM_ROLE_OPERATOR : KM_ROLE_OPERATOR;
+    } else if (m->type == KM_MSG_REQUEST) {
+        id = m->req.id;
+    } else if (m->type == KM_MSG_CANCEL) {
+        id = m->cancel.id;
+    }
+    km_errbuf err = {{0}};
+    if (!km_zsec_authorize(s->o.sec, peer, roles, &err)) return false;
+    km_counter_inc(s->s_forbidden);
+    KM_WARN("forbidden", "type=%s role=%s key=%s", km_msg_type_name(m->type),
+            km_role_name(peer->role), peer->name);
+    wk_svc_send_error(s, sock, env, n_env, id, KM_CODE_FORBIDDEN, 0, err.msg);
+    return true;
+}
+
 /* One message from the ROUTER (envelope + body) or from the controller DEALER (body only). */
 static void wk_handle_message(wk_service *s, void *sock, const km_zmsg *zm)
 {
@@ -65,11 +89,18 @@ static void wk_handle_message(wk_service *s, void *sock, const km_zmsg *zm)
         wk_bad b = rc == KM_ERANGE         ? WK_BAD_TOO_LARGE
                    : rc == KM_EUNSUPPORTED ? WK_BAD_VERSION
                                            : WK_BAD_MALFORMED;
-        wk_svc_count_bad(s, b);
+        wk_svc_count_bad_from(s, b, sock == s->router ? &zm->peer : NULL);
         KM_DEBUG("bad_frame", "reason=%s bytes=%zu msg=\"%s\"", wk_bad_names[b], body->len,
                  err.msg);
         wk_svc_send_error(s, sock, env, n_env, m.rejected_id, km_proto_code_from_err(rc), 0,
                           err.msg);
+        return;
+    }
+    /* Roles (docs/security.md): the controller's DEALER is pinned to its key; on the ROUTER,
+     * requests come from members (routers), status from members and operators, and the other
+     * admin commands from operators only. */
+    if (sock == s->router && wk_forbidden(s, sock, env, n_env, &zm->peer, &m)) {
+        km_msg_clear(&m);
         return;
     }
     switch (m.type) {
@@ -87,7 +118,7 @@ static void wk_handle_message(wk_service *s, void *sock, const km_zmsg *zm)
     default: {
         char msg[128];
         snprintf(msg, sizeof msg, "a worker does not take '%s' frames", km_msg_type_name(m.type));
-        wk_svc_count_bad(s, WK_BAD_TYPE);
+        wk_svc_count_bad_from(s, WK_BAD_TYPE, sock == s->router ? &zm->peer : NULL);
         wk_svc_send_error(s, sock, env, n_env, 0, KM_CODE_BAD_REQUEST, 0, msg);
     }
     }
@@ -101,7 +132,7 @@ static void wk_pump_socket(wk_service *s, void *sock, int max)
         int rc = km_zrecv(sock, &s->in, 0, NULL);
         if (rc == KM_EAGAIN) break;
         if (rc == KM_EPROTO) {
-            wk_svc_count_bad(s, WK_BAD_PARTS);
+            wk_svc_count_bad_from(s, WK_BAD_PARTS, sock == s->router ? &s->in.peer : NULL);
             continue;
         }
         if (rc) break;
@@ -169,7 +200,9 @@ int wk_service_create(wk_model *m, wk_engine *e, const wk_service_opts *o, wk_se
     km_zsock_opts zo;
     km_zsock_opts_default(&zo);
     zo.max_msg_size = (int64_t)s->lim.max_frame + 4096;
+    if ((rc = km_sec_daemon_start(s->zctx, o->sec, s->reg, &s->zap, err))) goto fail;
     if ((rc = km_zsock_open(s->zctx, KM_ZROUTER, &zo, &s->router, err))) goto fail;
+    if ((rc = km_zsec_server(o->sec, s->router, KM_ROLE_MEMBER | KM_ROLE_OPERATOR, err))) goto fail;
     if ((rc = km_zsock_bind(s->router, o->listen ? o->listen : "tcp://127.0.0.1:7100", err)))
         goto fail;
     if ((rc = km_zsock_last_endpoint(s->router, s->ep_requests, sizeof s->ep_requests, err)))
@@ -177,6 +210,7 @@ int wk_service_create(wk_model *m, wk_engine *e, const wk_service_opts *o, wk_se
     void *pub = NULL;
     if (o->events && o->events[0]) {
         if ((rc = km_zsock_open(s->zctx, KM_ZPUB, NULL, &s->pub, err))) goto fail;
+        if ((rc = km_zsec_server(o->sec, s->pub, KM_ROLE_MEMBER, err))) goto fail;
         if ((rc = km_zsock_bind(s->pub, o->events, err))) goto fail;
         if ((rc = km_zsock_last_endpoint(s->pub, s->ep_events, sizeof s->ep_events, err)))
             goto fail;
@@ -192,6 +226,7 @@ int wk_service_create(wk_model *m, wk_engine *e, const wk_service_opts *o, wk_se
         co.routing_id = s->worker_id;
         co.sndhwm = 8; /* a heartbeat that cannot leave soon is stale: drop it */
         if ((rc = km_zsock_open(s->zctx, KM_ZDEALER, &co, &s->ctl, err))) goto fail;
+        if ((rc = km_zsec_client(o->sec, s->ctl, "controller", err))) goto fail;
         if ((rc = km_zsock_connect(s->ctl, o->controller, err))) goto fail;
     }
     if (o->admin_port >= 0) {
@@ -226,6 +261,7 @@ void wk_service_destroy(wk_service *s)
     km_zsock_close(s->router);
     km_zsock_close(s->pub);
     km_zsock_close(s->ctl);
+    km_zap_stop(s->zap);
     if (s->zctx) km_zctx_destroy(s->zctx);
     km_metrics_destroy(s->reg);
     km_buf_free(&s->out);

@@ -95,6 +95,10 @@ int wk_svc_metrics_init(wk_service *s, km_errbuf *err)
     REG(KM_COUNTER, "kvmesh_worker_bad_frames_total", "Frames rejected, by reason.", "reason", NULL,
         0);
     for (int i = 0; i < WK_BAD_COUNT; i++) s->s_bad[i] = km_metric_series(m, &wk_bad_names[i]);
+    REG(KM_COUNTER, "kvmesh_worker_forbidden_total",
+        "Frames refused with 403: the sender's key has a role that may not send them.", NULL, NULL,
+        0);
+    s->s_forbidden = km_metric_series(m, NULL);
     REG(KM_GAUGE, "kvmesh_worker_running", "Sequences running.", NULL, NULL, 0);
     s->s_running = km_metric_series(m, NULL);
     REG(KM_GAUGE, "kvmesh_worker_queue_depth", "Requests waiting for a slot.", NULL, NULL, 0);

@@ -78,6 +78,8 @@ struct wk_service {
     char ep_requests[256], ep_events[256], ep_admin[256];
     km_proto_limits lim;
     void *zctx, *router, *pub, *ctl;
+    km_zap *zap;            /* the ZAP handler of zctx; NULL when insecure */
+    km_series *s_forbidden; /* kvmesh_worker_forbidden_total: frames refused with 403 */
     km_admin *admin;
     km_metrics *reg;
     atomic_int state; /* km_worker_state */
@@ -135,6 +137,9 @@ int wk_svc_send(wk_service *s, void *sock, const km_zframe *env, int n_env, cons
 int wk_svc_send_error(wk_service *s, void *sock, const km_zframe *env, int n_env, uint64_t id,
                       int code, uint32_t retry_ms, const char *msg);
 void wk_svc_count_bad(wk_service *s, wk_bad b);
+/* The same for a frame from peer (NULL: the controller): only a member's, or any when insecure,
+ * counts in heartbeats. */
+void wk_svc_count_bad_from(wk_service *s, wk_bad b, const km_zpeer *peer);
 /* A `req` from the ROUTER: checked, tokenized when it carries text, and queued. */
 void wk_svc_handle_request(wk_service *s, const km_zframe *env, int n_env, const km_msg_request *q);
 /* The request in flight with this id from this envelope, or NULL. */

@@ -59,6 +59,18 @@ void wk_svc_count_bad(wk_service *s, wk_bad b)
     km_counter_inc(s->s_bad[b]);
 }
 
+void wk_svc_count_bad_from(wk_service *s, wk_bad b, const km_zpeer *peer)
+{
+    /* Only members' frames feed the heartbeat's error counts (the controller's error-storm
+     * rule): an operator's typo is counted in the metric, never a reason to restart. peer NULL:
+     * the controller's pinned connection. */
+    if (peer && !km_zsec_insecure(s->o.sec) && peer->role != KM_ROLE_MEMBER) {
+        km_counter_inc(s->s_bad[b]);
+        return;
+    }
+    wk_svc_count_bad(s, b);
+}
+
 /* ---------------------------------------------------------------- requests in flight */
 
 void wk_svc_sreq_free(wk_sreq *r)
