@@ -1,0 +1,630 @@
+/*
+ * test_security.c — a secure cluster (kvmesh-controller, one kvmesh-worker "w0" and a
+ * kvmesh-router, all started with --keydir) attacked the way issue 13 describes, over ZeroMQ on
+ * 127.0.0.1 (ephemeral ports):
+ *  - every ZeroMQ endpoint (router front, worker requests, worker events PUB, controller ROUTER,
+ *    controller view PUB) tried with no key, an unknown key and a key of the wrong role: nothing
+ *    comes back and the daemons count the refusals; the right key works;
+ *  - a key of an admitted role sending a command its role may not send gets 403 and nothing
+ *    happens (a client's admin on the router front, a member's evict on a worker, a member's
+ *    recover on the controller);
+ *  - a rogue kvmesh-worker (a key the cluster does not know) never joins; a member key bound to
+ *    w1 cannot beat for w0 or register a new id, while it can beat for w1;
+ *  - a daemon started with neither --keydir nor --insecure refuses to start.
+ * Run from the repository root after `make build` (make integration); without the model every
+ * test skips and says so.
+ */
+#include <criterion/criterion.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "client/kvmesh.h"
+#include "common/sec.h"
+#include "common/svc.h"
+#include "tests/unit/sec_fixture.h"
+
+#define MODEL      "models/SmolLM2-135M-Instruct.Q4_1.gguf"
+#define WORKER     "build/bin/kvmesh-worker"
+#define ROUTER     "build/bin/kvmesh-router"
+#define CONTROLLER "build/bin/kvmesh-controller"
+
+typedef struct proc {
+    pid_t pid;
+    char ports[256], log[256];
+    char a[512], b[512], admin[512]; /* worker: requests, events; controller: listen, view;
+                                      * router: front */
+} proc;
+
+static char g_tmp[64], g_keys[128], g_rogue[128];
+static void *g_ctx;
+static pid_t g_pids[8]; /* killed by the suite's fini, also when a test fails half way */
+static int g_npids;
+static proc g_ctl, g_w0, g_rt;
+
+static bool have_model(void)
+{
+    if (access(MODEL, R_OK) == 0) return true;
+    cr_skip_test("model %s not found (make deps)", MODEL);
+    return false;
+}
+
+/* ---------------------------------------------------------------- processes */
+
+static void read_ports(proc *p)
+{
+    FILE *f = fopen(p->ports, "r");
+    cr_assert_not_null(f);
+    char line[600];
+    while (fgets(line, sizeof line, f)) {
+        line[strcspn(line, "\n")] = 0;
+        char *eq = strchr(line, '=');
+        if (!eq) continue;
+        *eq = 0;
+        const char *k = line, *v = eq + 1;
+        if (!strcmp(k, "requests") || !strcmp(k, "listen") || !strcmp(k, "front"))
+            snprintf(p->a, sizeof p->a, "%s", v);
+        else if (!strcmp(k, "events") || !strcmp(k, "view"))
+            snprintf(p->b, sizeof p->b, "%s", v);
+        else if (!strcmp(k, "admin"))
+            snprintf(p->admin, sizeof p->admin, "%s", v);
+    }
+    fclose(f);
+}
+
+/* Starts argv (NULL-terminated) and waits for its ports file; returns false when it exited. */
+static bool spawn(proc *p, const char *name, const char **argv)
+{
+    snprintf(p->ports, sizeof p->ports, "%s/%s.ports", g_tmp, name);
+    snprintf(p->log, sizeof p->log, "%s/%s.log", g_tmp, name);
+    p->pid = fork();
+    cr_assert(p->pid >= 0);
+    if (p->pid == 0) {
+        FILE *f = freopen(p->log, "a", stderr);
+        FILE *o = freopen("/dev/null", "w", stdout);
+        (void)f, (void)o;
+        unsetenv("KVMESH_INSECURE");
+        execv(argv[0], (char *const *)argv);
+        _exit(127);
+    }
+    if (g_npids < 8) g_pids[g_npids++] = p->pid;
+    for (int i = 0; i < 1200; i++) { /* 60 s: a loaded machine */
+        if (!access(p->ports, R_OK)) {
+            read_ports(p);
+            return true;
+        }
+        int st;
+        if (waitpid(p->pid, &st, WNOHANG) == p->pid) {
+            p->pid = 0;
+            return false;
+        }
+        usleep(50000);
+    }
+    cr_assert_fail("%s did not start in 60 s (see %s)", argv[0], p->log);
+    return false;
+}
+
+static void start_controller(void)
+{
+    char kd[200], pf[300];
+    snprintf(kd, sizeof kd, "--keydir=%s", g_keys);
+    snprintf(pf, sizeof pf, "--ports-file=%s/controller.ports", g_tmp);
+    const char *argv[] = {CONTROLLER,
+                          "--listen=tcp://127.0.0.1:*",
+                          "--view=tcp://127.0.0.1:*",
+                          "--admin-port=0",
+                          "--heartbeat=200ms",
+                          "--view-interval=200ms",
+                          kd,
+                          pf,
+                          NULL};
+    cr_assert(spawn(&g_ctl, "controller", argv), "the controller exited at start");
+    int port = atoi(g_ctl.admin);
+    snprintf(g_ctl.admin, sizeof g_ctl.admin, "http://127.0.0.1:%d", port);
+}
+
+/* A worker with id `id`, key directory `keys` and certificate `cert` (NULL: its id's). */
+static bool start_worker(proc *w, const char *name, const char *id, const char *keys,
+                         const char *cert)
+{
+    char kd[200], pf[300], wid[100], ct[300], cf[600];
+    snprintf(kd, sizeof kd, "--keydir=%s", keys);
+    snprintf(pf, sizeof pf, "--ports-file=%s/%s.ports", g_tmp, name);
+    snprintf(wid, sizeof wid, "--worker-id=%s", id);
+    snprintf(ct, sizeof ct, "--cert=%s", cert ? cert : id);
+    snprintf(cf, sizeof cf, "--controller=%s", g_ctl.a);
+    const char *argv[] = {WORKER,
+                          "--listen=tcp://127.0.0.1:*",
+                          "--events=tcp://127.0.0.1:*",
+                          "--threads=1",
+                          "--admin-port=0",
+                          "--heartbeat=200ms",
+                          kd,
+                          ct,
+                          wid,
+                          cf,
+                          pf,
+                          NULL};
+    return spawn(w, name, argv);
+}
+
+static void start_router(void)
+{
+    char kd[200], pf[300], cf[600];
+    snprintf(kd, sizeof kd, "--keydir=%s", g_keys);
+    snprintf(pf, sizeof pf, "--ports-file=%s/router.ports", g_tmp);
+    snprintf(cf, sizeof cf, "--controller=%s", g_ctl.b);
+    const char *argv[] = {ROUTER, "--front=tcp://127.0.0.1:*", "--http-port=0", kd, cf, pf, NULL};
+    cr_assert(spawn(&g_rt, "router", argv), "the router exited at start");
+}
+
+static void stop_proc(proc *p)
+{
+    if (p->pid <= 0) return;
+    kill(p->pid, SIGTERM);
+    for (int i = 0; i < 250; i++) {
+        if (waitpid(p->pid, NULL, WNOHANG) == p->pid) {
+            p->pid = 0;
+            return;
+        }
+        usleep(20000);
+    }
+    kill(p->pid, SIGKILL);
+    waitpid(p->pid, NULL, 0);
+    p->pid = 0;
+}
+
+static void setup(void)
+{
+    km_log_set_level(KM_LOG_ERROR);
+    snprintf(g_tmp, sizeof g_tmp, "/tmp/kvmesh-sec-it-XXXXXX");
+    cr_assert_not_null(mkdtemp(g_tmp));
+    snprintf(g_keys, sizeof g_keys, "%s/keys", g_tmp);
+    snprintf(g_rogue, sizeof g_rogue, "%s/rogue", g_tmp);
+    km_errbuf err = {{0}};
+    const char *ids[] = {"w0", "w1"};
+    cr_assert_geq(km_keydir_init_cluster(g_keys, ids, 2, &err), 0, "%s", err.msg);
+    /* another cluster's keys: a rogue worker "evil" and an outsider client, unknown here */
+    const char *rogue_ids[] = {"evil"};
+    cr_assert_geq(km_keydir_init_cluster(g_rogue, rogue_ids, 1, &err), 0, "%s", err.msg);
+    g_ctx = km_zctx_create();
+}
+
+/* The context is left to the process's exit: a test that failed half way may leave a socket
+ * open, and zmq_ctx_term would wait for it forever. */
+static void teardown(void)
+{
+    for (int i = 0; i < g_npids; i++)
+        if (g_pids[i] > 0 && kill(g_pids[i], 0) == 0) {
+            kill(g_pids[i], SIGKILL);
+            waitpid(g_pids[i], NULL, 0);
+        }
+    g_npids = 0;
+    rm_tree(g_tmp);
+}
+
+/* cppcheck-suppress unknownMacro ; criterion macros are unknown to cppcheck */
+TestSuite(security, .init = setup, .fini = teardown, .timeout = 240);
+
+/* ---------------------------------------------------------------- peers */
+
+typedef enum { KEY_NONE = 0, KEY_UNKNOWN, KEY_NAMED } key_kind;
+
+/* A socket of type t to ep: no CURVE (KEY_NONE), an outsider's key (KEY_UNKNOWN: the rogue
+ * directory's "client"), or private/NAME.key of the cluster; the server is pinned by its member
+ * name (a worker id, "controller", "router"); routing_id NULL: random. */
+static void *peer_as(km_zsock_type t, const char *ep, key_kind k, const char *name,
+                     const char *server, const char *routing_id)
+{
+    void *s = NULL;
+    km_errbuf err = {{0}};
+    km_zsock_opts o;
+    km_zsock_opts_default(&o);
+    o.max_msg_size = -1;
+    o.routing_id = routing_id;
+    cr_assert_eq(km_zsock_open(g_ctx, t, &o, &s, &err), 0, "%s", err.msg);
+    if (k != KEY_NONE) {
+        char cert[300];
+        snprintf(cert, sizeof cert, "%s/private/%s.key", k == KEY_UNKNOWN ? g_rogue : g_keys,
+                 k == KEY_UNKNOWN ? "client" : name);
+        km_zsec_opts zo = {.keydir = g_keys, .cert = cert};
+        km_zsec *z = NULL;
+        cr_assert_eq(km_zsec_open(&zo, &z, &err), 0, "%s", err.msg);
+        cr_assert_eq(km_zsec_client(z, s, server, &err), 0, "%s", err.msg);
+        km_zsec_close(z);
+    }
+    if (t == KM_ZSUB) cr_assert_eq(km_zsock_subscribe(s, "", 0, &err), 0);
+    cr_assert_eq(km_zsock_connect(s, ep, &err), 0, "%s", err.msg);
+    return s;
+}
+
+static void *peer(km_zsock_type t, const char *ep, key_kind k, const char *name, const char *server)
+{
+    return peer_as(t, ep, k, name, server, NULL);
+}
+
+static void send_msg(void *s, const km_msg *m)
+{
+    km_buf b = {0};
+    km_errbuf err = {{0}};
+    cr_assert_eq(km_msg_encode(m, NULL, &b, &err), 0, "%s", err.msg);
+    km_zframe f = {b.data, b.len};
+    cr_assert_eq(km_zsend(s, &f, 1, KM_ZDONTWAIT, NULL), 0);
+    km_buf_free(&b);
+}
+
+/* The next frame of type `type` within timeout_ms (others are skipped): 0, or KM_EAGAIN. */
+static int recv_type(void *s, km_msg_type type, km_msg *m, int timeout_ms)
+{
+    uint64_t end = km_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+    km_zmsg z = {0};
+    for (;;) {
+        uint64_t now = km_now_ns();
+        if (now >= end) break;
+        if (km_zrecv(s, &z, (int)((end - now) / 1000000ull) + 1, NULL)) continue;
+        const km_zframe *b = km_zmsg_body(&z);
+        if (b && !km_msg_decode(b->data, b->len, NULL, m, NULL)) {
+            if (m->type == type) {
+                km_zmsg_clear(&z);
+                return 0;
+            }
+            if (m->type == KM_MSG_ERROR) { /* not what was expected: say why at once */
+                cr_log_info("error frame %d: %s", m->error.code,
+                            m->error.message ? m->error.message : "");
+                km_msg_clear(m);
+                km_zmsg_clear(&z);
+                return KM_EPROTO;
+            }
+            km_msg_clear(m);
+        }
+    }
+    km_zmsg_clear(&z);
+    return KM_EAGAIN;
+}
+
+/* True when anything at all arrives on s within timeout_ms. */
+static bool anything(void *s, int timeout_ms)
+{
+    km_zmsg z = {0};
+    bool got = km_zrecv(s, &z, timeout_ms, NULL) == 0;
+    km_zmsg_clear(&z);
+    return got;
+}
+
+/* A short greedy request; the model name is the one both a router and a worker serve. */
+static void msg_request(km_msg *m, uint64_t id)
+{
+    km_msg_init(m, KM_MSG_REQUEST);
+    m->req.id = id;
+    m->req.model = "SmolLM2-135M-Instruct";
+    /* over 16 tokens: a full KV page, so the worker publishes a `stored` event */
+    m->req.prompt = "Paris is the capital and largest city of France. It lies on the Seine, in the "
+                    "north of the country, and has been a centre of finance, diplomacy, commerce, "
+                    "fashion and science for centuries. The capital of France is";
+    m->req.max_tokens = 4;
+    m->req.temperature = 0;
+}
+
+static void msg_admin(km_msg *m, uint64_t id, km_admin_cmd cmd)
+{
+    km_msg_init(m, KM_MSG_ADMIN);
+    m->admin.id = id;
+    m->admin.cmd = cmd;
+    m->admin.fraction = 0.5;
+    m->admin.worker = "w0";
+    m->admin.level = 1;
+}
+
+static void msg_heartbeat(km_msg *m, const char *worker, uint64_t seq)
+{
+    km_msg_init(m, KM_MSG_HEARTBEAT);
+    m->hb.worker = worker;
+    m->hb.seq = seq;
+    m->hb.state = KM_STATE_READY;
+}
+
+/* The value of the first /metrics line that starts with `prefix` (0 when none). */
+static double metric(const char *admin_url, const char *prefix)
+{
+    char url[700];
+    snprintf(url, sizeof url, "%s/metrics", admin_url);
+    km_buf body = {0};
+    int st = 0;
+    double v = 0;
+    if (kvm_http_get(url, 5000, &body, &st, NULL) == 0 && st == 200) {
+        km_buf_append(&body, "", 1);
+        const char *p = strstr((const char *)body.data, prefix);
+        while (p && p != (const char *)body.data && p[-1] != '\n') p = strstr(p + 1, prefix);
+        if (p) {
+            const char *sp = strchr(p, ' ');
+            if (sp) v = strtod(sp + 1, NULL);
+        }
+    }
+    km_buf_free(&body);
+    return v;
+}
+
+/* The controller's view as the operator sees it: whether it lists `id`, and its state. */
+static bool view_lists(const char *id, km_member_state *state)
+{
+    void *s = peer(KM_ZDEALER, g_ctl.a, KEY_NAMED, "admin", "controller");
+    km_msg m;
+    msg_admin(&m, 4242, KM_ADMIN_STATUS);
+    send_msg(s, &m);
+    cr_assert_eq(recv_type(s, KM_MSG_VIEW, &m, 10000), 0, "the operator got no view");
+    bool found = false;
+    for (uint32_t i = 0; i < m.view.n_workers; i++)
+        if (!strcmp(m.view.workers[i].id, id)) {
+            found = true;
+            if (state) *state = m.view.workers[i].state;
+        }
+    km_msg_clear(&m);
+    km_zsock_close(s);
+    return found;
+}
+
+/* Waits (up to 60 s) until the controller's view has w0 ready. */
+static void wait_w0_ready(void)
+{
+    for (int i = 0; i < 300; i++) {
+        km_member_state st = 0;
+        if (view_lists("w0", &st) && st == KM_MEMBER_READY) return;
+        usleep(200000);
+    }
+    cr_assert_fail("w0 never became ready in the controller's view (see %s)", g_w0.log);
+}
+
+static void start_cluster(void)
+{
+    start_controller();
+    cr_assert(start_worker(&g_w0, "w0", "w0", g_keys, NULL), "w0 exited at start (see %s)",
+              g_w0.log);
+    start_router();
+    wait_w0_ready();
+}
+
+/* ---------------------------------------------------------------- tests */
+
+Test(security, every_zeromq_endpoint_refuses_no_key_an_unknown_key_and_a_wrong_role)
+{
+    if (!have_model()) return;
+    start_cluster();
+    /* endpoint, its server's member name, the wrong role's key */
+    struct {
+        const char *what, *ep, *server, *wrong;
+        km_zsock_type t;
+    } ep[] = {
+        {"router front", g_rt.a, "router", "controller", KM_ZDEALER},
+        {"worker requests", g_w0.a, "w0", "client", KM_ZDEALER},
+        {"worker events", g_w0.b, "w0", "admin", KM_ZSUB},
+        {"controller", g_ctl.a, "controller", "client", KM_ZDEALER},
+        {"controller view", g_ctl.b, "controller", "client", KM_ZSUB},
+    };
+    enum { N_EP = sizeof ep / sizeof ep[0] };
+    void *bad[N_EP][3];
+    for (int i = 0; i < N_EP; i++)
+        for (int k = 0; k < 3; k++) {
+            bad[i][k] = peer(ep[i].t, ep[i].ep,
+                             k == 0   ? KEY_NONE
+                             : k == 1 ? KEY_UNKNOWN
+                                      : KEY_NAMED,
+                             ep[i].wrong, ep[i].server);
+            if (ep[i].t == KM_ZDEALER) { /* something each endpoint would answer */
+                km_msg m;
+                if (!strcmp(ep[i].server, "controller"))
+                    msg_admin(&m, 7, KM_ADMIN_STATUS);
+                else
+                    msg_request(&m, 7);
+                send_msg(bad[i][k], &m);
+            }
+        }
+    /* the right keys work, and make the worker publish KV events meanwhile */
+    void *ev = peer(KM_ZSUB, g_w0.b, KEY_NAMED, "router", "w0");
+    void *view = peer(KM_ZSUB, g_ctl.b, KEY_NAMED, "admin", "controller");
+    usleep(300000); /* the subscriptions reach the publishers */
+    void *cl = peer(KM_ZDEALER, g_rt.a, KEY_NAMED, "client", "router");
+    km_msg m;
+    msg_request(&m, 11);
+    send_msg(cl, &m);
+    cr_assert_eq(recv_type(cl, KM_MSG_DONE, &m, 60000), 0, "the client key got no answer");
+    km_msg_clear(&m);
+    void *mem = peer(KM_ZDEALER, g_w0.a, KEY_NAMED, "router", "w0");
+    msg_request(&m, 12);
+    send_msg(mem, &m);
+    cr_assert_eq(recv_type(mem, KM_MSG_DONE, &m, 60000), 0, "a member key got no answer");
+    km_msg_clear(&m);
+    void *op = peer(KM_ZDEALER, g_w0.a, KEY_NAMED, "admin", "w0");
+    msg_admin(&m, 13, KM_ADMIN_STATUS);
+    send_msg(op, &m);
+    cr_assert_eq(recv_type(op, KM_MSG_ADMIN_REPLY, &m, 10000), 0, "the operator got no status");
+    cr_assert(m.admin_reply.ok);
+    km_msg_clear(&m);
+    cr_assert(view_lists("w0", NULL));
+    cr_assert_eq(recv_type(ev, KM_MSG_KV_EVENT, &m, 10000), 0, "a member got no KV events");
+    km_msg_clear(&m);
+    cr_assert_eq(recv_type(view, KM_MSG_VIEW, &m, 10000), 0, "the operator got no view PUB");
+    km_msg_clear(&m);
+    /* ... while nothing ever reached the others */
+    for (int i = 0; i < N_EP; i++)
+        for (int k = 0; k < 3; k++) {
+            cr_assert_not(anything(bad[i][k], k == 0 && i == 0 ? 1000 : 50),
+                          "%s answered a peer with %s", ep[i].what,
+                          k == 0   ? "no key"
+                          : k == 1 ? "an unknown key"
+                                   : "a key of the wrong role");
+            km_zsock_close(bad[i][k]);
+        }
+    /* refused at the handshake and counted, on every daemon */
+    cr_assert_geq(metric(g_w0.admin, "kvmesh_zap_decisions_total{decision=\"deny\",role=\"none\","
+                                     "reason=\"unknown_key\"}"),
+                  2);
+    cr_assert_geq(
+        metric(g_w0.admin, "kvmesh_zap_decisions_total{decision=\"deny\",role=\"client\""), 1);
+    cr_assert_geq(
+        metric(g_w0.admin, "kvmesh_zap_decisions_total{decision=\"deny\",role=\"operator\""), 1);
+    cr_assert_geq(
+        metric(g_ctl.admin, "kvmesh_zap_decisions_total{decision=\"deny\",role=\"client\""), 2);
+    cr_assert_eq(metric(g_w0.admin, "kvmesh_insecure "), 0);
+    km_zsock_close(cl);
+    km_zsock_close(mem);
+    km_zsock_close(op);
+    km_zsock_close(ev);
+    km_zsock_close(view);
+    stop_proc(&g_rt);
+    stop_proc(&g_w0);
+    stop_proc(&g_ctl);
+}
+
+Test(security, a_command_outside_the_keys_role_gets_403_and_nothing_happens)
+{
+    if (!have_model()) return;
+    start_cluster();
+    km_msg m;
+    /* a client's admin on the router front */
+    void *cl = peer(KM_ZDEALER, g_rt.a, KEY_NAMED, "client", "router");
+    msg_admin(&m, 21, KM_ADMIN_SHUTDOWN);
+    send_msg(cl, &m);
+    cr_assert_eq(recv_type(cl, KM_MSG_ERROR, &m, 10000), 0);
+    cr_assert_eq(m.error.code, KM_CODE_FORBIDDEN);
+    cr_assert_eq(m.error.id, 21u);
+    km_msg_clear(&m);
+    /* a member (a router's key) may send requests to a worker, not commands */
+    void *mem = peer(KM_ZDEALER, g_w0.a, KEY_NAMED, "router", "w0");
+    const km_admin_cmd cmds[] = {KM_ADMIN_SHUTDOWN, KM_ADMIN_DRAIN, KM_ADMIN_EVICT};
+    for (int i = 0; i < 3; i++) {
+        msg_admin(&m, (uint64_t)(30 + i), cmds[i]);
+        send_msg(mem, &m);
+        cr_assert_eq(recv_type(mem, KM_MSG_ERROR, &m, 10000), 0);
+        cr_assert_eq(m.error.code, KM_CODE_FORBIDDEN, "%s", km_admin_cmd_name(cmds[i]));
+        km_msg_clear(&m);
+    }
+    /* an operator's request is not a router's either */
+    void *op = peer(KM_ZDEALER, g_w0.a, KEY_NAMED, "admin", "w0");
+    msg_request(&m, 40);
+    send_msg(op, &m);
+    cr_assert_eq(recv_type(op, KM_MSG_ERROR, &m, 10000), 0);
+    cr_assert_eq(m.error.code, KM_CODE_FORBIDDEN);
+    km_msg_clear(&m);
+    /* a member's recover on the controller */
+    void *cm = peer(KM_ZDEALER, g_ctl.a, KEY_NAMED, "router", "controller");
+    msg_admin(&m, 50, KM_ADMIN_RECOVER);
+    m.admin.level = 3;
+    send_msg(cm, &m);
+    cr_assert_eq(recv_type(cm, KM_MSG_ADMIN_REPLY, &m, 10000), 0);
+    cr_assert_not(m.admin_reply.ok);
+    cr_assert_eq(m.admin_reply.code, KM_CODE_FORBIDDEN);
+    km_msg_clear(&m);
+    /* nothing happened: the worker is alive, ready and serving, and was never drained */
+    usleep(600000);
+    cr_assert_eq(waitpid(g_w0.pid, NULL, WNOHANG), 0, "w0 exited");
+    km_member_state st = 0;
+    cr_assert(view_lists("w0", &st));
+    cr_assert_eq(st, KM_MEMBER_READY);
+    msg_request(&m, 60);
+    send_msg(mem, &m);
+    cr_assert_eq(recv_type(mem, KM_MSG_DONE, &m, 60000), 0);
+    km_msg_clear(&m);
+    cr_assert_geq(metric(g_w0.admin, "kvmesh_worker_forbidden_total"), 4);
+    cr_assert_eq(metric(g_w0.admin, "kvmesh_recovery_actions_total{level=\"3\"}"), 0);
+    /* the operator's own command does happen */
+    msg_admin(&m, 70, KM_ADMIN_EVICT);
+    send_msg(op, &m);
+    cr_assert_eq(recv_type(op, KM_MSG_ADMIN_REPLY, &m, 10000), 0);
+    cr_assert(m.admin_reply.ok, "%s", m.admin_reply.message ? m.admin_reply.message : "");
+    km_msg_clear(&m);
+    km_zsock_close(cl);
+    km_zsock_close(mem);
+    km_zsock_close(op);
+    km_zsock_close(cm);
+    stop_proc(&g_rt);
+    stop_proc(&g_w0);
+    stop_proc(&g_ctl);
+}
+
+Test(security, a_rogue_worker_cannot_join_and_no_one_beats_for_another_id)
+{
+    if (!have_model()) return;
+    start_controller();
+    cr_assert(start_worker(&g_w0, "w0", "w0", g_keys, NULL));
+    wait_w0_ready();
+    /* a real worker process with another cluster's key */
+    proc evil = {0};
+    char evil_cert[300];
+    snprintf(evil_cert, sizeof evil_cert, "%s/private/evil.key", g_rogue);
+    /* public keys are no secret: it knows the cluster's, but holds a key the cluster does not */
+    cr_assert(start_worker(&evil, "evil", "evil", g_keys, evil_cert),
+              "the rogue worker did not start");
+    /* w1's member key, bound to w1: forged heartbeats for w0 (pressure, a dead state) and for a
+     * new id, each under that id's routing id */
+    km_msg m;
+    for (int round = 0; round < 10; round++) {
+        const char *ids[] = {"w0", "evil2"};
+        for (int i = 0; i < 2; i++) {
+            /* under its own routing id: taking over w0's (ROUTER_HANDOVER) is a member's power
+             * the controller cannot tell from a restart (docs/security.md, not protected) */
+            void *s = peer_as(KM_ZDEALER, g_ctl.a, KEY_NAMED, "w1", "controller", "w1");
+            msg_heartbeat(&m, ids[i], 1000 + (uint64_t)round);
+            m.hb.state = KM_STATE_DRAINING;
+            m.hb.rss_bytes = 1ull << 40;
+            send_msg(s, &m);
+            usleep(100000);
+            km_zsock_close(s);
+        }
+    }
+    /* the same key beating for its own id is admitted */
+    {
+        void *s = peer_as(KM_ZDEALER, g_ctl.a, KEY_NAMED, "w1", "controller", "w1");
+        msg_heartbeat(&m, "w1", 1);
+        send_msg(s, &m);
+        bool listed = false;
+        for (int i = 0; i < 50 && !listed; i++) {
+            usleep(100000);
+            listed = view_lists("w1", NULL);
+        }
+        cr_assert(listed, "w1's own key could not register w1");
+        km_zsock_close(s);
+    }
+    /* w0 was never disturbed, evil and evil2 never joined; the refusals were counted */
+    km_member_state st = 0;
+    cr_assert(view_lists("w0", &st));
+    cr_assert_eq(st, KM_MEMBER_READY);
+    cr_assert_not(view_lists("evil", NULL), "a worker with an unknown key joined");
+    cr_assert_not(view_lists("evil2", NULL), "w1's key registered another id");
+    cr_assert_geq(metric(g_ctl.admin, "kvmesh_controller_bad_frames_total{reason=\"forbidden\"}"),
+                  20);
+    cr_assert_geq(metric(g_ctl.admin, "kvmesh_zap_decisions_total{decision=\"deny\",role=\"none\","
+                                      "reason=\"unknown_key\"}"),
+                  1);
+    cr_assert_eq(metric(g_ctl.admin, "kvmesh_recovery_actions_total"), 0);
+    stop_proc(&evil);
+    stop_proc(&g_w0);
+    stop_proc(&g_ctl);
+}
+
+Test(security, a_daemon_without_keys_or_insecure_refuses_to_start)
+{
+    const char *bins[] = {WORKER, ROUTER, CONTROLLER};
+    for (int i = 0; i < 3; i++) {
+        pid_t pid = fork();
+        cr_assert(pid >= 0);
+        if (pid == 0) {
+            FILE *f = freopen("/dev/null", "w", stderr);
+            (void)f;
+            unsetenv("KVMESH_INSECURE");
+            unsetenv("KVMESH_KEYDIR");
+            if (i == 1)
+                execl(bins[i], bins[i], "--workers=w0=tcp://127.0.0.1:1", (char *)NULL);
+            else
+                execl(bins[i], bins[i], (char *)NULL);
+            _exit(127);
+        }
+        int st = 0;
+        cr_assert_eq(waitpid(pid, &st, 0), pid);
+        cr_assert(WIFEXITED(st));
+        cr_assert_eq(WEXITSTATUS(st), 2, "%s exited %d", bins[i], WEXITSTATUS(st));
+    }
+}
