@@ -230,8 +230,11 @@ int up_plan(up_state *st, const up_opts *o, const char *bin_dir)
         uv_timer_init(st->loop, &p->backoff);
         p->backoff.data = p;
         const char *bin = p->argv[0];
-        for (int a = 0; a < k; a++)
-            if (strstr(p->argv[a], "/kvmesh-")) bin = p->argv[a];
+        for (int a = 0; a < k; a++) /* the daemon, not a flag whose path has "kvmesh-" in it */
+            if (p->argv[a][0] != '-' && strstr(p->argv[a], "/kvmesh-")) {
+                bin = p->argv[a];
+                break;
+            }
         if (access(bin, X_OK)) {
             fprintf(stderr, "kvmesh up: %s not found (build it: make%s)\n", bin,
                     wi < 0 ? "; or run without one: --no-controller" : "");
