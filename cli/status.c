@@ -151,7 +151,7 @@ int cli_cmd_status(int argc, char **argv)
 {
     const char *http = NULL;
     bool json_out = false;
-    const char *controller = NULL;
+    const char *controller = NULL, *api_key = NULL;
     kvm_sec sec = {0};
     const km_opt opts[] = {
         {"http", NULL, KM_OPT_STR, "http://127.0.0.1:8080", "the router's HTTP address", &http, 0,
@@ -161,6 +161,10 @@ int cli_cmd_status(int argc, char **argv)
          "member state, recovery level, pressure and recovery history",
          &controller, 0, 0},
         {"json", NULL, KM_OPT_BOOL, "false", "print JSON (the router's as is)", &json_out, 0, 0},
+        {"api-key", NULL, KM_OPT_STR, NULL,
+         "an operator's HTTP API key, for a router with --api-keys (kvmesh up: "
+         "RUN/keys/private/api_key.admin)",
+         &api_key, 0, 0},
         CLI_SEC_ROWS(&sec),
     };
     km_config *cfg = NULL;
@@ -178,7 +182,7 @@ int cli_cmd_status(int argc, char **argv)
     int st = 0;
     km_errbuf err = {{0}};
     int status = 1;
-    if (kvm_http_get(url, 5000, &body, &st, &err)) {
+    if (kvm_http_get_bearer(url, api_key, 5000, &body, &st, &err)) {
         fprintf(stderr, "kvmesh status: %s\n", err.msg);
         goto out;
     }

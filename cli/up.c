@@ -143,6 +143,11 @@ static void up_banner(const up_state *st, const up_opts *o)
             o->keydir && o->with_controller ? " --cert " : "",
             o->keydir && o->with_controller ? o->keydir : "",
             o->keydir && o->with_controller ? "/private/admin.key" : "");
+    if (o->keydir)
+        fprintf(stderr,
+                "kvmesh up: keys in %s; HTTP API keys in %s/private/api_key.client (completions) "
+                "and api_key.admin (also /v1/status: kvmesh status --api-key)\n",
+                o->keydir, o->keydir);
 }
 
 /* Security on by default: the cluster's keys in <run-dir>/keys (kept when they exist, so a
@@ -167,6 +172,24 @@ static int up_keys(up_opts *o, const char *keydir)
         return -1;
     }
     o->keydir = keydir;
+    /* HTTP API keys for the OpenAI front: a client's and an operator's (for /v1/status), the
+     * keys themselves in private/api_key.NAME (0600) since they are shown only once */
+    snprintf(o->api_keys, sizeof o->api_keys, "%s/api_keys", keydir);
+    if (access(o->api_keys, F_OK) == 0) return 0;
+    const struct {
+        const char *tenant;
+        km_role role;
+    } keys[] = {{"client", KM_ROLE_CLIENT}, {"admin", KM_ROLE_OPERATOR}};
+    for (int i = 0; i < 2; i++) {
+        char tok[KM_APIKEY_TOKEN_MAX], path[4300];
+        snprintf(path, sizeof path, "%s/private/api_key.%s", keydir, keys[i].tenant);
+        if (km_apikeys_add(o->api_keys, keys[i].tenant, keys[i].role, NULL, tok, sizeof tok,
+                           &err) ||
+            km_write_file_atomic(path, tok, strlen(tok), 0600, &err)) {
+            fprintf(stderr, "kvmesh up: cannot make the HTTP API keys: %s\n", err.msg);
+            return -1;
+        }
+    }
     return 0;
 }
 

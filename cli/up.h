@@ -52,8 +52,9 @@ typedef struct up_opts {
     int64_t n_workers, n_routers, base_port, threads, http_port, cluster_seed, front_port;
     int64_t ctl_port, ctl_admin_port;
     bool with_controller;
-    bool insecure;      /* --insecure: no keys, daemons run without CURVE */
-    const char *keydir; /* <run-dir>/keys (made by `kvmesh up`) unless insecure */
+    bool insecure;       /* --insecure: no keys, daemons run without CURVE */
+    const char *keydir;  /* <run-dir>/keys (made by `kvmesh up`) unless insecure */
+    char api_keys[4300]; /* keydir/api_keys: the routers' --api-keys; "" when insecure */
     const char *model, *bin_dir, *log_dir, *mode, *kv_bytes;
     const char *worker_args, *worker_args_for, *router_args;
     const char *ctl_args, *run_dir, *netns_spec;

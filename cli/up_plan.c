@@ -115,6 +115,8 @@ typedef struct up_planner {
 static void plan_security(const up_opts *o, up_proc *p, int *k)
 {
     p->argv[(*k)++] = o->insecure ? strdup("--insecure") : xfmt("--keydir=%s", o->keydir);
+    if (!o->insecure && !strcmp(p->role, "router"))
+        p->argv[(*k)++] = xfmt("--api-keys=%s", o->api_keys);
 }
 
 static void plan_controller(up_planner *pl, up_proc *p, int *k)

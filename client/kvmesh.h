@@ -100,6 +100,9 @@ void kvm_done_extras(const void *body, size_t len, char *worker, size_t cap, uin
 
 /* GET url (http://HOST:PORT/PATH) into body; *status gets the HTTP status. */
 int kvm_http_get(const char *url, int timeout_ms, km_buf *body, int *status, km_errbuf *err);
+/* The same with "Authorization: Bearer API_KEY" (a router front with --api-keys); NULL: none. */
+int kvm_http_get_bearer(const char *url, const char *api_key, int timeout_ms, km_buf *body,
+                        int *status, km_errbuf *err);
 
 /* ---------------------------------------------------------------- operator calls
  * Admin frames to a worker (its requests endpoint) or to the controller (its --listen). Each call

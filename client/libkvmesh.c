@@ -312,6 +312,14 @@ int kvm_generate(kvm_client *c, const km_msg_request *req, kvm_token_fn on_token
 
 int kvm_http_get(const char *url, int timeout_ms, km_buf *body, int *status, km_errbuf *err)
 {
+    return kvm_http_get_bearer(url, NULL, timeout_ms, body, status, err);
+}
+
+int kvm_http_get_bearer(const char *url, const char *api_key, int timeout_ms, km_buf *body,
+                        int *status, km_errbuf *err)
+{
+    if (api_key && strpbrk(api_key, "\r\n"))
+        return km_errf(err, KM_EINVAL, "an API key cannot hold a line break");
     char host[256], path[1024] = "/";
     int port = 80;
     if (strncmp(url, "http://", 7)) return km_errf(err, KM_EINVAL, "not an http:// URL: %s", url);
@@ -339,8 +347,10 @@ int kvm_http_get(const char *url, int timeout_ms, km_buf *body, int *status, km_
         return km_errf(err, KM_EIO, "cannot connect to %s:%d", host, port);
     }
     km_buf req = {0}, resp = {0};
-    km_buf_printf(&req, "GET %s HTTP/1.1\r\nHost: %s:%d\r\nConnection: close\r\n\r\n", path, host,
+    km_buf_printf(&req, "GET %s HTTP/1.1\r\nHost: %s:%d\r\nConnection: close\r\n", path, host,
                   port);
+    if (api_key && *api_key) km_buf_printf(&req, "Authorization: Bearer %s\r\n", api_key);
+    km_buf_printf(&req, "\r\n");
     size_t off = 0;
     while (off < req.len) {
         ssize_t n = send(fd, req.data + off, req.len - off, MSG_NOSIGNAL);

@@ -28,6 +28,8 @@ rm -rf "$LOGS"
 RUN=$(mktemp -d /tmp/kvmesh-demo-XXXXXX)
 CLIENT_CERT=$RUN/keys/private/client.key
 ADMIN_CERT=$RUN/keys/private/admin.key
+# and HTTP API keys for the OpenAI front: the client's for completions, the operator's for status
+api_key() { cat "$RUN/keys/private/api_key.$1" 2>/dev/null || true; }
 "$BIN/kvmesh" up --workers "$WORKERS" --threads "$THREADS" --front-port "$FRONT_PORT" \
     --http-port "$HTTP_PORT" --base-port "$BASE_PORT" --controller-port "$CTL_PORT" --log-dir "$LOGS" \
     --run-dir "$RUN" &
@@ -37,7 +39,8 @@ trap cleanup EXIT
 
 # ready when the router answers and every worker is up behind it
 for _ in $(seq 1 300); do
-    n=$("$BIN/kvmesh" status --http "$HTTP" --json 2>/dev/null | grep -o '"up":true' | wc -l || true)
+    n=$("$BIN/kvmesh" status --http "$HTTP" --api-key "$(api_key admin)" --json 2>/dev/null |
+        grep -o '"up":true' | wc -l || true)
     [ "$n" -ge "$WORKERS" ] && break
     sleep 0.2
 done
@@ -62,7 +65,8 @@ ask acme "$SYS_A" "Where is your office?"
 
 echo
 echo "-- the same cluster through the OpenAI-compatible API (streamed, SSE):"
-curl -sN "$HTTP/v1/chat/completions" -H 'Content-Type: application/json' -d '{
+curl -sN "$HTTP/v1/chat/completions" -H 'Content-Type: application/json' \
+    -H "Authorization: Bearer $(api_key client)" -d '{
   "messages":[{"role":"user","content":"Write a haiku about caches."}],
   "max_tokens":32,"temperature":0,"stream":true,"stream_options":{"include_usage":true}}' |
     sed -n 's/^data: //p' | head -c 100000 | python3 -c '
@@ -80,7 +84,7 @@ print("usage:", json.dumps(usage))' 2>/dev/null || echo "(python3 not found: ski
 
 echo
 echo "-- kvmesh status"
-"$BIN/kvmesh" status --http "$HTTP"
+"$BIN/kvmesh" status --http "$HTTP" --api-key "$(api_key admin)"
 
 echo
 echo "-- recovery, forced by hand: level 2 (w1's KV to fp8 in place), then level 3 (drain + restart)"

@@ -71,6 +71,19 @@ int rt_rq_start(rt_router *r, rt_rq *q)
     return rt_dispatch(r, q, false);
 }
 
+int rt_rq_compose_salt(rt_rq *q, const km_apikey_match *key)
+{
+    if (!key && (!q->salt || strncmp(q->salt, "kvmesh:", 7))) return 0; /* as it came */
+    char buf[KM_PROTO_MAX_NAME + 1];
+    int n = km_cache_salt_compose(key, q->salt, buf, sizeof buf);
+    if (n < 0 || n > KM_PROTO_MAX_NAME) return KM_ERANGE;
+    char *s = strdup(buf);
+    if (!s) return KM_ENOMEM;
+    free(q->salt);
+    q->salt = s;
+    return 0;
+}
+
 /* Copies the sampling fields and owned strings of a decoded request into q. */
 static int rq_copy_params(rt_rq *q, const km_msg_request *src)
 {
@@ -84,6 +97,8 @@ static int rq_copy_params(rt_rq *q, const km_msg_request *src)
     for (uint32_t i = 0; i < src->n_stop && i < KM_PROTO_MAX_STOP; i++)
         if (!(q->stop[i] = strdup(src->stop[i]))) return KM_ENOMEM;
     if (src->cache_salt && !(q->salt = strdup(src->cache_salt))) return KM_ENOMEM;
+    int rc = rt_rq_compose_salt(q, NULL); /* no ZeroMQ request names an API key's cache */
+    if (rc) return rc;
     q->max_tokens = src->max_tokens;
     q->client_stream = src->stream;
     if (src->deadline_ms) q->deadline_ns = q->t_arrive + (uint64_t)src->deadline_ms * 1000000ull;
@@ -114,6 +129,14 @@ static void on_client_request(rt_router *r, const km_zmsg *zm, const km_msg_requ
     }
     q->n_env = n_env;
     int rc = rq_copy_params(q, req);
+    if (rc == KM_ERANGE) {
+        rt_send_error_env(r, env, n_env, req->id, KM_CODE_BAD_REQUEST, 0,
+                          "req.cache_salt: a salt starting with 'kvmesh:' is reserved and must "
+                          "be at most %d bytes",
+                          KM_PROTO_MAX_NAME - 9);
+        rt_rq_free(q);
+        return;
+    }
     if (!rc && req->tokens && req->n_tokens) {
         q->cap = (int)req->n_tokens + 64;
         q->tokens = malloc(sizeof *q->tokens * (size_t)q->cap);

@@ -151,6 +151,44 @@ static int status_json(rt_router *r, km_buf *out)
     return rc;
 }
 
+/* ---------------------------------------------------------------- API keys */
+
+/* The caller's API key when the front has a key file (docs/security.md, "HTTP API keys"): true
+ * with *m filled (*keyed says whether there was a file at all), or false after answering 401
+ * (no valid key: OpenAI's invalid_api_key) or 403 (a key of a role not in `roles`). */
+static bool http_auth(rt_router *r, km_http_req *h, unsigned roles, km_apikey_match *m, bool *keyed)
+{
+    memset(m, 0, sizeof *m);
+    *keyed = r->apikeys != NULL;
+    if (!r->apikeys) return true;
+    const char *hv = km_http_header(h, "Authorization");
+    int rc = km_apikeys_check_header(r->apikeys, hv ? hv : "", hv ? strlen(hv) : 0, m);
+    rt_oai_err e = {.type = "invalid_request_error"};
+    if (rc) {
+        e.status = 401;
+        e.code = "invalid_api_key";
+        snprintf(e.message, sizeof e.message, "%s",
+                 hv ? "Incorrect API key provided."
+                    : "You didn't provide an API key. Provide it in the Authorization header as "
+                      "Bearer KEY.");
+        km_counter_inc(r->s_http_unauthorized);
+    } else if (!(m->role & roles)) {
+        e.status = 403;
+        e.code = "insufficient_permissions";
+        snprintf(e.message, sizeof e.message, "This API key (tenant %s, role %s) may not use %s.",
+                 m->tenant, km_role_name(m->role), km_http_path(h));
+        km_counter_inc(r->s_http_forbidden);
+    } else {
+        return true;
+    }
+    km_buf b = {0};
+    rt_oai_error_json(&b, &e);
+    km_http_respond(h, e.status, "application/json",
+                    e.status == 401 ? "WWW-Authenticate: Bearer\r\n" : NULL, b.data, b.len);
+    km_buf_free(&b);
+    return false;
+}
+
 /* ---------------------------------------------------------------- the routes */
 
 static void on_healthz(km_http_req *h, void *user)
@@ -172,6 +210,9 @@ static void on_readyz(km_http_req *h, void *user)
 static void on_metrics(km_http_req *h, void *user)
 {
     rt_router *r = user;
+    km_apikey_match m;
+    bool keyed;
+    if (!http_auth(r, h, KM_ROLE_OPERATOR, &m, &keyed)) return;
     km_buf b = {0};
     rt_update_page_gauges(r);
     km_metrics_render(r->metrics, &b);
@@ -182,15 +223,22 @@ static void on_metrics(km_http_req *h, void *user)
 static void on_models(km_http_req *h, void *user)
 {
     rt_router *r = user;
+    km_apikey_match m;
+    bool keyed;
+    if (!http_auth(r, h, KM_ROLE_CLIENT | KM_ROLE_OPERATOR, &m, &keyed)) return;
     km_buf b = {0};
     rt_oai_models(&b, r->model_name, (int64_t)time(NULL));
     km_http_respond(h, 200, "application/json", NULL, b.data, b.len);
     km_buf_free(&b);
 }
 
+/* The cluster's topology (every worker's endpoints): operators only when keys are on. */
 static void on_status(km_http_req *h, void *user)
 {
     rt_router *r = user;
+    km_apikey_match m;
+    bool keyed;
+    if (!http_auth(r, h, KM_ROLE_OPERATOR, &m, &keyed)) return;
     km_buf b = {0};
     if (status_json(r, &b))
         http_error(h, 500, "server_error", NULL, "out of memory");
@@ -251,6 +299,9 @@ static int tokenize_oai(rt_router *r, rt_rq *q, const rt_oai_req *oq, bool chat)
  * SSE chunks or one JSON body. */
 static void on_completion(rt_router *r, km_http_req *h, bool chat)
 {
+    km_apikey_match key;
+    bool keyed;
+    if (!http_auth(r, h, KM_ROLE_CLIENT | KM_ROLE_OPERATOR, &key, &keyed)) return;
     size_t blen;
     const char *body = km_http_body(h, &blen);
     rt_oai_req oq;
@@ -290,7 +341,14 @@ static void on_completion(rt_router *r, km_http_req *h, bool chat)
     snprintf(q->oai_id, sizeof q->oai_id, "%s-%llx%06llx", chat ? "chatcmpl" : "cmpl",
              (unsigned long long)q->created, (unsigned long long)(r->next_rid + 1));
     rq_from_oai(q, &oq);
-    int rc = tokenize_oai(r, q, &oq, chat);
+    int rc = rt_rq_compose_salt(q, keyed ? &key : NULL);
+    if (rc == KM_ERANGE) {
+        rt_oai_req_free(&oq);
+        rt_rq_free(q);
+        return http_error(h, 400, "invalid_request_error", "cache_salt",
+                          "'cache_salt' is too long for this API key's tenant salt");
+    }
+    if (!rc) rc = tokenize_oai(r, q, &oq, chat);
     rt_oai_req_free(&oq);
     if (rc) {
         rt_rq_free(q);

@@ -135,6 +135,7 @@ struct rt_router {
     int n_w;
     rt_index *index;
     km_http_server *http;
+    km_apikeys *apikeys; /* NULL: the HTTP front takes no API keys */
     km_admin *admin;
     km_metrics *metrics;
     /* requests */
@@ -151,6 +152,7 @@ struct rt_router {
     uint64_t prompt_tokens, cached_tokens, predicted_tokens;
     double ewma_total_ms;
     km_series *s_forbidden;
+    km_series *s_http_unauthorized, *s_http_forbidden;
     km_series *s_req_ok, *s_req_err, *s_overloaded, *s_migr, *s_bad, *s_prompt, *s_cached,
         *s_predicted, *s_queue, *s_inflight_all, *s_decision, *s_ttft, *s_total, *s_gaps, *s_resync,
         *s_index_pages, *s_http_req;
@@ -247,6 +249,10 @@ bool rt_model_ok(rt_router *r, const char *model);
 /* Tokenizes text into q->tokens as the worker does (parse_special on; add_special off for a
  * rendered chat template, which carries its own BOS). */
 int rt_rq_tokenize(rt_router *r, rt_rq *q, const char *text, size_t len, int add_special);
+/* The cache salt q is hashed under (common/sec.h km_cache_salt_compose): a keyed request's in its
+ * tenant's namespace, an unkeyed one's as it came unless it names that namespace. KM_ERANGE
+ * when the result is longer than a protocol salt (256 bytes). */
+int rt_rq_compose_salt(rt_rq *q, const km_apikey_match *key);
 /* Everything after the prompt is in q->tokens: the chain, the key, the table, then dispatch.
  * On failure q has been answered and freed. */
 int rt_rq_start(rt_router *r, rt_rq *q);

@@ -170,6 +170,10 @@ int main(int argc, char **argv)
         {"ports-file", NULL, KM_OPT_STR, NULL, "write the bound endpoints here once ready",
          &ports_file, 0, 0},
         KM_SEC_OPT_ROWS(&sec_args),
+        {"api-keys", NULL, KM_OPT_STR, NULL,
+         "HTTP API key file (kvmesh keys api-add): every HTTP request but /healthz and /readyz "
+         "needs a Bearer key; required for the HTTP front unless --insecure",
+         &c.api_keys, 0, 0},
         {"log-level", NULL, KM_OPT_STR, "info", "debug, info, warn, error", &log_level, 0, 0},
         {"log-format", NULL, KM_OPT_STR, "text", "text or json", &log_format, 0, 0},
     };
@@ -189,6 +193,13 @@ int main(int argc, char **argv)
     if (!workers && !c.controller_url) {
         fprintf(stderr, "kvmesh-router: --workers is required (ID=REQUESTS_URL+EVENTS_URL,...) "
                         "unless --controller is given\n");
+        km_config_destroy(cfg);
+        return 2;
+    }
+    if (c.api_keys && !*c.api_keys) c.api_keys = NULL;
+    if (!sec_args.insecure && http_port >= 0 && !c.api_keys) {
+        fprintf(stderr, "kvmesh-router: the OpenAI HTTP front needs --api-keys FILE (kvmesh keys "
+                        "api-add FILE TENANT), or --http-port -1, or --insecure\n");
         km_config_destroy(cfg);
         return 2;
     }

@@ -34,6 +34,15 @@ int rt_register_metrics(rt_router *r, km_errbuf *err)
     REG(KM_COUNTER, "kvmesh_router_bad_frames_total",
         "Malformed client frames and HTTP bodies answered with an error.", NULL, NULL, 0, NULL,
         r->s_bad);
+    const char *h401[] = {"401"}, *h403[] = {"403"};
+    REG(KM_COUNTER, "kvmesh_router_http_auth_refused_total",
+        "HTTP requests refused by API key: 401 without a valid key, 403 for a key whose role may "
+        "not (--api-keys).",
+        "status", NULL, 0, h401, r->s_http_unauthorized);
+    REG(KM_COUNTER, "kvmesh_router_http_auth_refused_total",
+        "HTTP requests refused by API key: 401 without a valid key, 403 for a key whose role may "
+        "not (--api-keys).",
+        "status", NULL, 0, h403, r->s_http_forbidden);
     REG(KM_COUNTER, "kvmesh_router_forbidden_total",
         "Client frames refused with 403: the sender's key has a role that may not send them.", NULL,
         NULL, 0, NULL, r->s_forbidden);

@@ -106,6 +106,11 @@ typedef struct rt_config {
      * and events connection pins that worker id's member key, the view SUB the key
      * "controller"; NULL or insecure: none. Owned by the caller, outlives the router. */
     const km_zsec *sec;
+    /* HTTP API keys (common/sec.h: `b2:HASH TENANT ROLE [salt=S]` lines, re-read when changed):
+     * every HTTP request but /healthz and /readyz needs a Bearer key, /v1/status and /metrics an
+     * operator's, and each key's requests are hashed under its tenant's cache salt. NULL: the
+     * HTTP front is open (only with --insecure or without an HTTP port, main.c decides). */
+    const char *api_keys;
 } rt_config;
 
 void rt_config_default(rt_config *c);
