@@ -15,6 +15,7 @@
  * test skips and says so.
  */
 #include <criterion/criterion.h>
+#include <jansson.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -37,10 +38,12 @@ typedef struct proc {
     pid_t pid;
     char ports[256], log[256];
     char a[512], b[512], admin[512]; /* worker: requests, events; controller: listen, view;
-                                      * router: front */
+                                      * router: front, HTTP port */
 } proc;
 
-static char g_tmp[64], g_keys[128], g_rogue[128];
+static char g_tmp[64], g_keys[128], g_rogue[128], g_api[160];
+/* HTTP API keys: two client tenants and an operator */
+static char g_acme[KM_APIKEY_TOKEN_MAX], g_globex[KM_APIKEY_TOKEN_MAX], g_ops[KM_APIKEY_TOKEN_MAX];
 static void *g_ctx;
 static pid_t g_pids[8]; /* killed by the suite's fini, also when a test fails half way */
 static int g_npids;
@@ -68,7 +71,7 @@ static void read_ports(proc *p)
         const char *k = line, *v = eq + 1;
         if (!strcmp(k, "requests") || !strcmp(k, "listen") || !strcmp(k, "front"))
             snprintf(p->a, sizeof p->a, "%s", v);
-        else if (!strcmp(k, "events") || !strcmp(k, "view"))
+        else if (!strcmp(k, "events") || !strcmp(k, "view") || !strcmp(k, "http"))
             snprintf(p->b, sizeof p->b, "%s", v);
         else if (!strcmp(k, "admin"))
             snprintf(p->admin, sizeof p->admin, "%s", v);
@@ -113,15 +116,10 @@ static void start_controller(void)
     char kd[200], pf[300];
     snprintf(kd, sizeof kd, "--keydir=%s", g_keys);
     snprintf(pf, sizeof pf, "--ports-file=%s/controller.ports", g_tmp);
-    const char *argv[] = {CONTROLLER,
-                          "--listen=tcp://127.0.0.1:*",
-                          "--view=tcp://127.0.0.1:*",
-                          "--admin-port=0",
-                          "--heartbeat=200ms",
-                          "--view-interval=200ms",
-                          kd,
-                          pf,
-                          NULL};
+    const char *argv[] = {CONTROLLER, "--listen=tcp://127.0.0.1:*", "--view=tcp://127.0.0.1:*",
+                          "--admin-port=0", "--heartbeat=200ms",
+                          /* a worker busy with a prefill on a loaded machine is not dead */
+                          "--dead-after=25", "--view-interval=200ms", kd, pf, NULL};
     cr_assert(spawn(&g_ctl, "controller", argv), "the controller exited at start");
     int port = atoi(g_ctl.admin);
     snprintf(g_ctl.admin, sizeof g_ctl.admin, "http://127.0.0.1:%d", port);
@@ -154,11 +152,13 @@ static bool start_worker(proc *w, const char *name, const char *id, const char *
 
 static void start_router(void)
 {
-    char kd[200], pf[300], cf[600];
+    char kd[200], pf[300], cf[600], ak[200];
     snprintf(kd, sizeof kd, "--keydir=%s", g_keys);
     snprintf(pf, sizeof pf, "--ports-file=%s/router.ports", g_tmp);
     snprintf(cf, sizeof cf, "--controller=%s", g_ctl.b);
-    const char *argv[] = {ROUTER, "--front=tcp://127.0.0.1:*", "--http-port=0", kd, cf, pf, NULL};
+    snprintf(ak, sizeof ak, "--api-keys=%s", g_api);
+    const char *argv[] = {ROUTER, "--front=tcp://127.0.0.1:*", "--http-port=0", kd, cf, pf, ak,
+                          NULL};
     cr_assert(spawn(&g_rt, "router", argv), "the router exited at start");
 }
 
@@ -191,6 +191,13 @@ static void setup(void)
     /* another cluster's keys: a rogue worker "evil" and an outsider client, unknown here */
     const char *rogue_ids[] = {"evil"};
     cr_assert_geq(km_keydir_init_cluster(g_rogue, rogue_ids, 1, &err), 0, "%s", err.msg);
+    snprintf(g_api, sizeof g_api, "%s/api_keys", g_tmp);
+    cr_assert_eq(km_apikeys_add(g_api, "acme", KM_ROLE_CLIENT, NULL, g_acme, sizeof g_acme, &err),
+                 0, "%s", err.msg);
+    cr_assert_eq(
+        km_apikeys_add(g_api, "globex", KM_ROLE_CLIENT, NULL, g_globex, sizeof g_globex, &err), 0);
+    cr_assert_eq(km_apikeys_add(g_api, "ops", KM_ROLE_OPERATOR, NULL, g_ops, sizeof g_ops, &err),
+                 0);
     g_ctx = km_zctx_create();
 }
 
@@ -627,4 +634,148 @@ Test(security, a_daemon_without_keys_or_insecure_refuses_to_start)
         cr_assert(WIFEXITED(st));
         cr_assert_eq(WEXITSTATUS(st), 2, "%s exited %d", bins[i], WEXITSTATUS(st));
     }
+}
+
+/* ---------------------------------------------------------------- HTTP (the OpenAI front) */
+
+/* METHOD path on the router's HTTP port with curl, with "Authorization: Bearer key" when key is
+ * not NULL and a JSON body when body is not NULL: the HTTP status, the response body in out. */
+static int http(const char *method, const char *path, const char *key, const char *body, char *out,
+                size_t cap)
+{
+    char bodyfile[200] = "", cmd[2000];
+    if (body) {
+        snprintf(bodyfile, sizeof bodyfile, "%s/body.json", g_tmp);
+        FILE *f = fopen(bodyfile, "w");
+        cr_assert_not_null(f);
+        fputs(body, f);
+        fclose(f);
+    }
+    snprintf(cmd, sizeof cmd,
+             "curl -s -m 120 -X %s -w '\\n%%{http_code}' %s%s%s %s%s%s 'http://127.0.0.1:%s%s'",
+             method, key ? "-H 'Authorization: Bearer " : "", key ? key : "", key ? "'" : "",
+             body ? "-H 'Content-Type: application/json' --data-binary @" : "",
+             body ? bodyfile : "", "", g_rt.b, path);
+    FILE *p = popen(cmd, "r");
+    cr_assert_not_null(p);
+    size_t n = fread(out, 1, cap - 1, p);
+    out[n] = 0;
+    pclose(p);
+    char *nl = strrchr(out, '\n');
+    cr_assert_not_null(nl, "no status from curl: %s", cmd);
+    *nl = 0;
+    return atoi(nl + 1);
+}
+
+/* The OpenAI error object's code in a response body ("" when none). */
+static void error_code(const char *body, char *code, size_t cap)
+{
+    json_t *o = json_loads(body, 0, NULL);
+    const char *c = json_string_value(json_object_get(json_object_get(o, "error"), "code"));
+    snprintf(code, cap, "%s", c ? c : "");
+    json_decref(o);
+}
+
+static const char *completion_body(void)
+{
+    return "{\"model\":\"default\",\"max_tokens\":2,\"temperature\":0,\"prompt\":\"Paris is the "
+           "capital and largest city of France. It lies on the Seine, in the north of the "
+           "country, and has been a centre of finance, diplomacy, commerce, fashion and science "
+           "for centuries. Its museums, the Louvre first among them, draw millions of visitors "
+           "every year, and its cafes, parks and bridges are known across the world. The capital "
+           "of France is\"}";
+}
+
+Test(security, every_http_endpoint_needs_the_right_api_key)
+{
+    if (!have_model()) return;
+    if (system("command -v curl >/dev/null 2>&1")) {
+        cr_skip_test("curl is not installed");
+        return;
+    }
+    start_cluster();
+    char unknown[KM_APIKEY_TOKEN_MAX];
+    cr_assert_eq(km_apikey_generate(unknown, sizeof unknown), 0);
+    const char *chat = "{\"model\":\"default\",\"max_tokens\":2,\"temperature\":0,"
+                       "\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}]}";
+    struct {
+        const char *method, *path, *body;
+        bool operator_only;
+    } ep[] = {
+        {"POST", "/v1/completions", completion_body(), false},
+        {"POST", "/v1/chat/completions", chat, false},
+        {"GET", "/v1/models", NULL, false},
+        {"GET", "/v1/status", NULL, true},
+        {"GET", "/status", NULL, true},
+        {"GET", "/metrics", NULL, true},
+    };
+    char out[1 << 16], code[64];
+    for (size_t i = 0; i < sizeof ep / sizeof ep[0]; i++) {
+        const char *what = ep[i].path;
+        int st = http(ep[i].method, ep[i].path, NULL, ep[i].body, out, sizeof out);
+        error_code(out, code, sizeof code);
+        cr_assert_eq(st, 401, "%s without a key: %d", what, st);
+        cr_assert_str_eq(code, "invalid_api_key", "%s: %s", what, out);
+        st = http(ep[i].method, ep[i].path, unknown, ep[i].body, out, sizeof out);
+        error_code(out, code, sizeof code);
+        cr_assert_eq(st, 401, "%s with an unknown key: %d", what, st);
+        cr_assert_str_eq(code, "invalid_api_key");
+        if (ep[i].operator_only) {
+            st = http(ep[i].method, ep[i].path, g_acme, ep[i].body, out, sizeof out);
+            cr_assert_eq(st, 403, "%s with a client key: %d", what, st);
+            cr_assert_null(strstr(out, "tcp://"), "%s leaked an endpoint to a client", what);
+        }
+        st = http(ep[i].method, ep[i].path, ep[i].operator_only ? g_ops : g_acme, ep[i].body, out,
+                  sizeof out);
+        cr_assert_eq(st, 200, "%s with the right key: %d %s", what, st, out);
+    }
+    /* health stays open (probes) */
+    cr_assert_eq(http("GET", "/healthz", NULL, NULL, out, sizeof out), 200);
+    cr_assert_eq(http("GET", "/readyz", NULL, NULL, out, sizeof out), 200);
+    cr_assert_geq(metric(g_w0.admin, "kvmesh_worker_ready"), 1); /* the admin port: open */
+    stop_proc(&g_rt);
+    stop_proc(&g_w0);
+    stop_proc(&g_ctl);
+}
+
+/* prompt_tokens_details.cached_tokens of a completion response (-1 when absent). */
+static long cached_tokens(const char *body)
+{
+    json_t *o = json_loads(body, 0, NULL);
+    json_t *d = json_object_get(json_object_get(o, "usage"), "prompt_tokens_details");
+    json_t *c = json_object_get(d, "cached_tokens");
+    long v = json_is_integer(c) ? (long)json_integer_value(c) : -1;
+    json_decref(o);
+    return v;
+}
+
+Test(security, two_api_keys_never_share_cached_prefixes)
+{
+    if (!have_model()) return;
+    if (system("command -v curl >/dev/null 2>&1")) {
+        cr_skip_test("curl is not installed");
+        return;
+    }
+    start_cluster();
+    char out[1 << 16];
+    cr_assert_eq(http("POST", "/v1/completions", g_acme, completion_body(), out, sizeof out), 200,
+                 "%s", out);
+    cr_assert_eq(cached_tokens(out), 0, "a cold cache: %s", out);
+    cr_assert_eq(http("POST", "/v1/completions", g_acme, completion_body(), out, sizeof out), 200);
+    long warm = cached_tokens(out);
+    cr_assert_gt(warm, 0, "the same key's second request found nothing cached: %s", out);
+    cr_assert_eq(http("POST", "/v1/completions", g_globex, completion_body(), out, sizeof out),
+                 200);
+    cr_assert_eq(cached_tokens(out), 0, "another key shared acme's prefix: %s", out);
+    /* naming acme's salt namespace by hand does not reach it either */
+    char body[4096];
+    snprintf(body, sizeof body, "%.*s,\"cache_salt\":\"kvmesh:t:k:0\"}",
+             (int)strlen(completion_body()) - 1, completion_body());
+    cr_assert_eq(http("POST", "/v1/completions", g_globex, body, out, sizeof out), 200, "%s", out);
+    cr_assert_eq(cached_tokens(out), 0);
+    cr_assert_eq(http("POST", "/v1/completions", g_acme, completion_body(), out, sizeof out), 200);
+    cr_assert_gt(cached_tokens(out), 0);
+    stop_proc(&g_rt);
+    stop_proc(&g_w0);
+    stop_proc(&g_ctl);
 }
