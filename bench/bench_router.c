@@ -6,6 +6,14 @@
  *                                           what the router adds: the same cached one-token
  *                                           request sent to a worker directly and through the
  *                                           router, p50/p99 of each and the difference
+ *   bench_router curve --router EP --worker EP --curve-router EP --curve-worker EP --keydir K
+ *                                           the cost of CURVE (issue 13): a plain and a CURVE
+ *                                           pair (instant worker + router) side by side, one-token
+ *                                           requests alternating between them (p50/p99, direct and
+ *                                           through the router), then pipelined throughput
+ *                                           (requests/s with 64 in flight) in alternating rounds
+ *   bench_router instant --listen EP [--keydir K]   the instant worker (CURVE with a key
+ *                                           directory: its certificate is K/private/instant.key)
  *   bench_router workload --router EP [--tenants 16 --per-tenant 8 --prefix-tokens 1000 ...]
  *                                           a shared-prefix workload: every tenant has a long
  *                                           system prompt (its own cache_salt) and asks short
@@ -20,6 +28,7 @@
 #include <string.h>
 
 #include "client/kvmesh.h"
+#include "common/sec.h"
 #include "router/route.h"
 
 static double now_ms(void)
@@ -152,6 +161,110 @@ static int latency(int argc, char **argv)
     return 0;
 }
 
+/* ---------------------------------------------------------------- the cost of CURVE */
+
+/* n one-token requests with `depth` in flight on c: requests per second. */
+static double pipelined(kvm_client *c, const char *prompt, int n, int depth, uint64_t *next_id)
+{
+    km_msg_request q;
+    kvm_request_init(&q);
+    q.model = g_model;
+    q.prompt = prompt;
+    q.temperature = 0;
+    q.max_tokens = 1;
+    int sent = 0, done = 0;
+    double t0 = now_ms();
+    while (done < n) {
+        while (sent < n && sent - done < depth) {
+            q.id = ++*next_id;
+            if (kvm_submit(c, &q, NULL)) return 0;
+            sent++;
+        }
+        km_msg m;
+        if (kvm_next(c, 10000, &m, NULL, NULL, NULL)) return 0;
+        if (m.type == KM_MSG_DONE || m.type == KM_MSG_ERROR) done++;
+        km_msg_clear(&m);
+    }
+    return n / ((now_ms() - t0) / 1e3);
+}
+
+static int curve(int argc, char **argv)
+{
+    const char *keydir = arg(argc, argv, "--keydir", NULL);
+    int n = atoi(arg(argc, argv, "-n", "2000"));
+    if (!keydir) {
+        fprintf(stderr, "bench_router curve: --keydir is required\n");
+        return 2;
+    }
+    char client_cert[4200], member_cert[4200];
+    snprintf(client_cert, sizeof client_cert, "%s/private/client.key", keydir);
+    snprintf(member_cert, sizeof member_cert, "%s/private/router.key", keydir);
+    /* 0: plain router, 1: plain worker, 2: CURVE router (a client key), 3: CURVE worker (a
+     * member key, as a router connects) */
+    const char *ep[4] = {arg(argc, argv, "--router", "tcp://127.0.0.1:7000"),
+                         arg(argc, argv, "--worker", "tcp://127.0.0.1:7100"),
+                         arg(argc, argv, "--curve-router", "tcp://127.0.0.1:7001"),
+                         arg(argc, argv, "--curve-worker", "tcp://127.0.0.1:7101")};
+    kvm_opts o[4] = {{0}, {0}, {.sec = {client_cert, "router"}}, {.sec = {member_cert, "instant"}}};
+    kvm_client *c[4] = {0};
+    km_errbuf err = {{0}};
+    for (int i = 0; i < 4; i++)
+        if (kvm_open(ep[i], &o[i], &c[i], &err)) {
+            fprintf(stderr, "bench_router curve: %s: %s\n", ep[i], err.msg);
+            return 1;
+        }
+    const char *prompt = "The quick brown fox jumps over the lazy dog. The capital of France is";
+    double *v[4];
+    for (int i = 0; i < 4; i++) v[i] = calloc((size_t)n, sizeof *v[i]);
+    kvm_result res;
+    for (int k = 0; k < 20; k++) /* warm: connections, handshakes */
+        for (int i = 0; i < 4; i++) {
+            if (one(c[i], prompt, &res)) return 1;
+            kvm_result_free(&res);
+        }
+    for (int k = 0; k < n; k++) /* alternating, so drift and load hit all four alike */
+        for (int i = 0; i < 4; i++) {
+            if (one(c[i], prompt, &res)) return 1;
+            v[i][k] = res.client_total_ms;
+            kvm_result_free(&res);
+        }
+    double p50[4], p99[4];
+    for (int i = 0; i < 4; i++) {
+        p50[i] = pct(v[i], n, 0.5);
+        p99[i] = pct(v[i], n, 0.99);
+        free(v[i]);
+    }
+    printf("  %d one-token requests to an instant worker, the four paths alternating:\n", n);
+    printf("    %-26s %10s %10s %10s %10s\n", "", "p50 ms", "p99 ms", "CURVE p50", "CURVE p99");
+    printf("    %-26s %10.3f %10.3f %10.3f %10.3f\n", "worker directly (1 hop)", p50[1], p99[1],
+           p50[3], p99[3]);
+    printf("    %-26s %10.3f %10.3f %10.3f %10.3f\n", "through the router (2 hops)", p50[0], p99[0],
+           p50[2], p99[2]);
+    printf("    CURVE adds, p50: %.3f ms directly, %.3f ms through the router\n", p50[3] - p50[1],
+           p50[2] - p50[0]);
+    /* throughput: rounds alternate between the plain and the CURVE router; the median round
+     * of each (a loaded machine makes single rounds swing) */
+    enum { ROUNDS = 9, DEPTH = 64 };
+    double rps[2][ROUNDS];
+    uint64_t next_id = 1u << 20;
+    for (int r = 0; r < ROUNDS; r++)
+        for (int i = 0; i < 2; i++) {
+            rps[i][r] = pipelined(c[2 * i], prompt, n / 2, DEPTH, &next_id);
+            if (rps[i][r] <= 0) {
+                fprintf(stderr, "bench_router curve: a pipelined round failed\n");
+                return 1;
+            }
+        }
+    double m0 = pct(rps[0], ROUNDS, 0.5), m1 = pct(rps[1], ROUNDS, 0.5);
+    printf(
+        "  throughput through the router, %d in flight, median of %d alternating rounds of %d:\n",
+        DEPTH, ROUNDS, n / 2);
+    printf("    plain %.0f req/s, CURVE %.0f req/s: CURVE costs %.1f%%\n", m0, m1,
+           100.0 * (m0 - m1) / m0);
+    for (int i = 0; i < 4; i++) kvm_close(c[i]);
+    return 0;
+}
+
 /* ---------------------------------------------------------------- instant worker
  * Answers every `req` at once with one `tok` and a `done`, and every `admin` with an ok reply:
  * a worker that costs nothing, so that latency measured through the router is the router's. */
@@ -159,9 +272,17 @@ static int latency(int argc, char **argv)
 static int instant_worker(int argc, char **argv)
 {
     const char *ep = arg(argc, argv, "--listen", "tcp://127.0.0.1:7499");
+    const char *keydir = arg(argc, argv, "--keydir", NULL);
     void *ctx = km_zctx_create(), *s = NULL;
     km_errbuf err = {{0}};
-    if (km_zsock_open(ctx, KM_ZROUTER, NULL, &s, &err) || km_zsock_bind(s, ep, &err)) {
+    km_sec_args sa = {.keydir = keydir, .insecure = keydir == NULL};
+    km_zsec *sec = NULL;
+    km_zap *zap = NULL;
+    if (km_sec_daemon_open(&sa, "bench_router instant", "instant", &sec, &err) ||
+        km_zap_start(ctx, sec, NULL, &zap, &err) ||
+        km_zsock_open(ctx, KM_ZROUTER, NULL, &s, &err) ||
+        km_zsec_server(sec, s, KM_ROLE_MEMBER | KM_ROLE_OPERATOR, &err) ||
+        km_zsock_bind(s, ep, &err)) {
         fprintf(stderr, "bench_router instant: %s\n", err.msg);
         return 1;
     }
@@ -367,6 +488,7 @@ int main(int argc, char **argv)
     if (!strcmp(argv[1], "latency")) return latency(argc, argv);
     if (!strcmp(argv[1], "workload")) return workload(argc, argv);
     if (!strcmp(argv[1], "instant")) return instant_worker(argc, argv);
+    if (!strcmp(argv[1], "curve")) return curve(argc, argv);
     fprintf(stderr, "bench_router: unknown mode %s\n", argv[1]);
     return 2;
 }

@@ -68,6 +68,31 @@ sleep 1
     -n "$((LAT_N * 10))"
 kill "$SROUTER" "$INSTANT" 2>/dev/null || true
 wait "$SROUTER" "$INSTANT" 2>/dev/null || true
+echo
+echo "-- 2b. the cost of CURVE (docs/security.md): a plain and a CURVE pair (instant worker + router)"
+echo "  side by side, requests alternating between them; CPU seconds of each router from /proc"
+KEYS="$LOGS/curve-keys"
+rm -rf "$KEYS"
+"$BIN/kvmesh" keys init "$KEYS" --workers instant >/dev/null
+"$BENCH" instant --listen "tcp://127.0.0.1:$((PORT + 92))" 2>>"$LOGS/instant.log" &
+I1=$!
+"$BENCH" instant --listen "tcp://127.0.0.1:$((PORT + 93))" --keydir "$KEYS" 2>>"$LOGS/instant.log" &
+I2=$!
+"$BIN/kvmesh-router" --workers "instant=tcp://127.0.0.1:$((PORT + 92))" --front "tcp://127.0.0.1:$((PORT + 94))" \
+    --insecure --http-port -1 --log-level error 2>>"$LOGS/instant-router.log" &
+R1=$!
+"$BIN/kvmesh-router" --workers "instant=tcp://127.0.0.1:$((PORT + 93))" --front "tcp://127.0.0.1:$((PORT + 95))" \
+    --keydir "$KEYS" --http-port -1 --log-level error 2>>"$LOGS/instant-router.log" &
+R2=$!
+sleep 1
+cpu() { awk '{printf "%.2f", ($14 + $15) / '"$(getconf CLK_TCK)"'}' "/proc/$1/stat"; }
+C1=$(cpu $R1); C2=$(cpu $R2)
+"$BENCH" curve --router "tcp://127.0.0.1:$((PORT + 94))" --worker "tcp://127.0.0.1:$((PORT + 92))" \
+    --curve-router "tcp://127.0.0.1:$((PORT + 95))" --curve-worker "tcp://127.0.0.1:$((PORT + 93))" \
+    --keydir "$KEYS" -n "$((LAT_N * 10))"
+echo "  router CPU during the run: plain $(echo "$(cpu $R1) - $C1" | bc) s, CURVE $(echo "$(cpu $R2) - $C2" | bc) s"
+kill "$R1" "$R2" "$I1" "$I2" 2>/dev/null || true
+wait "$R1" "$R2" "$I1" "$I2" 2>/dev/null || true
 echo "  a real worker (a cached prompt, one token):"
 start_up 1 kv
 "$BENCH" latency --router "tcp://127.0.0.1:$PORT" --worker "tcp://127.0.0.1:$((PORT + 100))" -n "$LAT_N"
