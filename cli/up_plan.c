@@ -117,6 +117,8 @@ static void plan_security(const up_opts *o, up_proc *p, int *k)
     p->argv[(*k)++] = o->insecure ? strdup("--insecure") : xfmt("--keydir=%s", o->keydir);
     if (!o->insecure && !strcmp(p->role, "router"))
         p->argv[(*k)++] = xfmt("--api-keys=%s", o->api_keys);
+    if (!o->insecure && !strcmp(p->role, "worker")) /* disk pages with a MAC, when on disk */
+        p->argv[(*k)++] = xfmt("--cluster-secret=%s/cluster.secret", o->keydir);
 }
 
 static void plan_controller(up_planner *pl, up_proc *p, int *k)

@@ -86,6 +86,7 @@ int wk_engine_create(const wk_model *m, const wk_engine_opts *opts, wk_engine **
         .n_shards = o.kv_shards,
         .host_bytes = o.kv_host_bytes,
         .disk_dir = o.kv_disk_dir,
+        .disk_secret = o.kv_disk_secret,
         .disk_bytes = o.kv_disk_bytes,
     };
     if (!kc.hot_bytes)

@@ -24,7 +24,7 @@ static void wk_on_signal(int signo)
 
 typedef struct wk_args {
     const char *model, *listen, *events, *controller, *admin_host, *worker_id, *kv_format;
-    const char *alias, *ports_file, *log_level, *log_format, *kv_disk_dir;
+    const char *alias, *ports_file, *log_level, *log_format, *kv_disk_dir, *cluster_secret;
     int64_t threads, admin_port, page_tokens, max_batch, prefill_chunk, max_running, max_queue;
     int64_t decode_prefill;
     int64_t max_ctx, default_max_tokens, heartbeat_ms, drain_ms, event_replay, cluster_seed;
@@ -62,6 +62,10 @@ int main(int argc, char **argv)
          0},
         {"kv-disk-bytes", NULL, KM_OPT_SIZE, "0", "disk KV tier budget; 0 = 1G when a dir is set",
          &a.kv_disk_bytes, 0, 0},
+        {"cluster-secret", NULL, KM_OPT_STR, NULL,
+         "the cluster secret file (KEYDIR/cluster.secret, mode 0600): disk pages carry a keyed "
+         "MAC and a page without a valid one is dropped, never served; unset = checksum only",
+         &a.cluster_secret, 0, 0},
         {"kv-format", NULL, KM_OPT_STR, "f16", "KV page format: f16, bf16, fp8, int8, int4",
          &a.kv_format, 0, 0},
         {"page-tokens", NULL, KM_OPT_INT, "16", "tokens per KV page (power of two)", &a.page_tokens,
@@ -125,6 +129,13 @@ int main(int argc, char **argv)
         km_config_destroy(cfg);
         return 2;
     }
+    uint8_t secret[KM_SECRET_BYTES];
+    if (a.cluster_secret && *a.cluster_secret && km_secret_load(a.cluster_secret, secret, &err)) {
+        fprintf(stderr, "kvmesh-worker: --cluster-secret: %s\n", err.msg);
+        km_zsec_close(sec);
+        km_config_destroy(cfg);
+        return 2;
+    }
     const char *path = a.model ? a.model : wk_default_model_path();
     if (wk_model_load(path, &m, &err)) {
         KM_ERROR("model_load", "path=%s msg=\"%s\"", path, err.msg);
@@ -137,8 +148,11 @@ int main(int argc, char **argv)
                          .page_tokens = (int)a.page_tokens,
                          .kv_host_bytes = (size_t)a.kv_host_bytes,
                          .kv_disk_dir = a.kv_disk_dir,
-                         .kv_disk_bytes = (size_t)a.kv_disk_bytes};
-    if (wk_engine_create(m, &eo, &e, &err)) {
+                         .kv_disk_bytes = (size_t)a.kv_disk_bytes,
+                         .kv_disk_secret = a.cluster_secret && *a.cluster_secret ? secret : NULL};
+    int erc = wk_engine_create(m, &eo, &e, &err);
+    explicit_bzero(secret, sizeof secret); /* the store derived its page key at create */
+    if (erc) {
         KM_ERROR("engine_create", "msg=\"%s\"", err.msg);
         goto out;
     }
@@ -177,6 +191,7 @@ int main(int argc, char **argv)
     status = wk_service_run(g_svc);
     KM_INFO("worker_exit", "status=%d", status);
 out:
+    explicit_bzero(secret, sizeof secret);
     if (g_svc) {
         wk_service *s = g_svc;
         g_svc = NULL;

@@ -99,6 +99,10 @@ int wk_svc_metrics_init(wk_service *s, km_errbuf *err)
         "Frames refused with 403: the sender's key has a role that may not send them.", NULL, NULL,
         0);
     s->s_forbidden = km_metric_series(m, NULL);
+    REG(KM_COUNTER, "kvmesh_kv_unauthenticated_pages_total",
+        "Disk KV pages dropped, never served, for a missing or wrong MAC (--cluster-secret).", NULL,
+        NULL, 0);
+    s->s_unauth = km_metric_series(m, NULL);
     REG(KM_GAUGE, "kvmesh_worker_running", "Sequences running.", NULL, NULL, 0);
     s->s_running = km_metric_series(m, NULL);
     REG(KM_GAUGE, "kvmesh_worker_queue_depth", "Requests waiting for a slot.", NULL, NULL, 0);
@@ -158,6 +162,11 @@ void wk_svc_update_gauges(wk_service *s)
             }
         }
     }
+    kv_store_stats ks;
+    kv_store_stats_get(s->kv, &ks);
+    if (ks.unauthenticated_pages > s->last_unauth)
+        km_counter_add(s->s_unauth, ks.unauthenticated_pages - s->last_unauth);
+    s->last_unauth = ks.unauthenticated_pages;
     wk_sched_stats ss;
     wk_sched_stats_get(s->sched, &ss);
     km_gauge_set(s->s_running, ss.running);

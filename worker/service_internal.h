@@ -80,6 +80,8 @@ struct wk_service {
     void *zctx, *router, *pub, *ctl;
     km_zap *zap;            /* the ZAP handler of zctx; NULL when insecure */
     km_series *s_forbidden; /* kvmesh_worker_forbidden_total: frames refused with 403 */
+    km_series *s_unauth;    /* disk pages dropped for a missing or wrong MAC */
+    uint64_t last_unauth;
     km_admin *admin;
     km_metrics *reg;
     atomic_int state; /* km_worker_state */

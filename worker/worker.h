@@ -78,6 +78,9 @@ typedef struct wk_engine_opts {
     size_t kv_host_bytes;    /* host-RAM tier budget */
     const char *kv_disk_dir; /* disk tier directory: pages survive restarts there */
     size_t kv_disk_bytes;    /* disk tier budget; 0 with a dir: 1 GiB */
+    /* The cluster secret (KM_SECRET_BYTES, common/sec.h): disk pages carry a keyed MAC and one
+     * without a valid MAC is dropped, never served (kv_config.disk_secret). NULL: checksum only. */
+    const uint8_t *kv_disk_secret;
     int kv_shards;
 } wk_engine_opts;
 

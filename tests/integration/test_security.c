@@ -10,12 +10,17 @@
  *    recover on the controller);
  *  - a rogue kvmesh-worker (a key the cluster does not know) never joins; a member key bound to
  *    w1 cannot beat for w0 or register a new id, while it can beat for w1;
- *  - a daemon started with neither --keydir nor --insecure refuses to start.
+ *  - a daemon started with neither --keydir nor --insecure refuses to start;
+ *  - every HTTP endpoint wants the right API key, and two API keys never share cached prefixes;
+ *  - a disk-tier page forged while a worker was down (KV altered, checksum recomputed) is
+ *    dropped and counted by the restarted worker (--cluster-secret), never served.
  * Run from the repository root after `make build` (make integration); without the model every
  * test skips and says so.
  */
 #include <criterion/criterion.h>
+#include <dirent.h>
 #include <jansson.h>
+#include <xxhash.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -27,6 +32,7 @@
 #include "client/kvmesh.h"
 #include "common/sec.h"
 #include "common/svc.h"
+#include "kvshard/diskfmt.h"
 #include "tests/unit/sec_fixture.h"
 
 #define MODEL      "models/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -776,6 +782,110 @@ Test(security, two_api_keys_never_share_cached_prefixes)
     cr_assert_eq(http("POST", "/v1/completions", g_acme, completion_body(), out, sizeof out), 200);
     cr_assert_gt(cached_tokens(out), 0);
     stop_proc(&g_rt);
+    stop_proc(&g_w0);
+    stop_proc(&g_ctl);
+}
+
+/* ---------------------------------------------------------------- disk pages */
+
+/* Alters the KV of every page file in d and recomputes its checksum, as anyone with write access
+ * to the directory can (its MAC stays: a new one takes the cluster secret). How many. */
+static int forge_pages(const char *d)
+{
+    DIR *dir = opendir(d);
+    cr_assert_not_null(dir);
+    struct dirent *de;
+    int n = 0;
+    while ((de = readdir(dir))) {
+        if (!strstr(de->d_name, ".kvp")) continue;
+        char p[600];
+        snprintf(p, sizeof p, "%s/%s", d, de->d_name);
+        FILE *f = fopen(p, "r+b");
+        cr_assert_not_null(f);
+        fseek(f, 0, SEEK_END);
+        size_t len = (size_t)ftell(f);
+        rewind(f);
+        uint8_t *b = malloc(len);
+        cr_assert_eq(fread(b, 1, len, f), len);
+        kv_disk_page pg;
+        cr_assert_eq(kv_disk_page_parse(b, len, &pg), 0);
+        for (size_t i = 0; i < pg.payload_bytes; i += 2) b[(pg.payload - b) + i + 1] ^= 0x04;
+        uint64_t h = XXH3_64bits(b, len - 8);
+        for (int i = 0; i < 8; i++) b[len - 8 + i] = (uint8_t)(h >> (8 * i));
+        cr_assert_eq(kv_disk_page_parse(b, len, &pg), 0, "the forgery passes the checksum");
+        rewind(f);
+        cr_assert_eq(fwrite(b, 1, len, f), len);
+        fclose(f);
+        free(b);
+        n++;
+    }
+    closedir(dir);
+    return n;
+}
+
+/* A worker with a disk tier in disk and the cluster's secret, heartbeating to g_ctl. */
+static void start_disk_worker(const char *disk)
+{
+    char kd[200], pf[300], dd[300], cs[300], cf[600];
+    snprintf(kd, sizeof kd, "--keydir=%s", g_keys);
+    snprintf(pf, sizeof pf, "--ports-file=%s/w0.ports", g_tmp);
+    snprintf(dd, sizeof dd, "--kv-disk-dir=%s", disk);
+    snprintf(cs, sizeof cs, "--cluster-secret=%s/cluster.secret", g_keys);
+    snprintf(cf, sizeof cf, "--controller=%s", g_ctl.a);
+    unlink(strchr(pf, '=') + 1);
+    const char *argv[] = {WORKER,
+                          "--listen=tcp://127.0.0.1:*",
+                          "--events=tcp://127.0.0.1:*",
+                          "--threads=1",
+                          "--admin-port=0",
+                          "--heartbeat=200ms",
+                          "--worker-id=w0",
+                          kd,
+                          dd,
+                          cs,
+                          cf,
+                          pf,
+                          NULL};
+    cr_assert(spawn(&g_w0, "w0", argv), "w0 exited at start (see %s)", g_w0.log);
+}
+
+/* The text of a greedy request sent to w0 as a router would (a member key). */
+static void ask_w0(char *text, size_t cap, uint32_t *cached)
+{
+    void *s = peer(KM_ZDEALER, g_w0.a, KEY_NAMED, "router", "w0");
+    km_msg m;
+    msg_request(&m, 99);
+    m.req.max_tokens = 8;
+    send_msg(s, &m);
+    cr_assert_eq(recv_type(s, KM_MSG_DONE, &m, 60000), 0, "w0 did not answer");
+    snprintf(text, cap, "%.*s", (int)m.done.text_len, m.done.text ? m.done.text : "");
+    *cached = m.done.cached_tokens;
+    km_msg_clear(&m);
+    km_zsock_close(s);
+}
+
+Test(security, a_disk_page_forged_while_the_worker_was_down_is_never_served)
+{
+    if (!have_model()) return;
+    start_controller();
+    char disk[200], before[512], after[512];
+    snprintf(disk, sizeof disk, "%s/kv", g_tmp);
+    start_disk_worker(disk);
+    uint32_t cached = 0;
+    ask_w0(before, sizeof before, &cached);
+    stop_proc(&g_w0); /* the drain persists the hot pages to disk, with their MACs */
+    int forged = forge_pages(disk);
+    cr_assert_gt(forged, 0, "no page reached the disk: the test proves nothing");
+    start_disk_worker(disk);
+    ask_w0(after, sizeof after, &cached);
+    cr_assert_str_eq(after, before, "a forged page changed the output");
+    cr_assert_eq(cached, 0, "a forged page was served from the cache");
+    double dropped = 0;
+    for (int i = 0; i < 50 && dropped < forged; i++) { /* gauges refresh every so often */
+        usleep(100000);
+        dropped = metric(g_w0.admin, "kvmesh_kv_unauthenticated_pages_total");
+    }
+    cr_assert_geq(dropped, forged, "forged pages were not dropped and counted");
     stop_proc(&g_w0);
     stop_proc(&g_ctl);
 }
