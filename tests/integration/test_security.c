@@ -889,3 +889,37 @@ Test(security, a_disk_page_forged_while_the_worker_was_down_is_never_served)
     stop_proc(&g_w0);
     stop_proc(&g_ctl);
 }
+
+Test(security, a_garbage_flood_from_a_non_member_never_feeds_the_error_storm_rule)
+{
+    if (!have_model()) return;
+    start_cluster();
+    /* clients cannot reach a worker at all; an operator's garbage is counted, not reported */
+    void *op = peer(KM_ZDEALER, g_w0.a, KEY_NAMED, "admin", "w0");
+    void *cl = peer(KM_ZDEALER, g_w0.a, KEY_NAMED, "client", "w0");
+    static const char junk[] = "\xc1 not msgpack";
+    for (int i = 0; i < 1500; i++) {
+        km_zframe f = {junk, sizeof junk - 1};
+        km_zsend(op, &f, 1, KM_ZDONTWAIT, NULL);
+        km_zsend(cl, &f, 1, KM_ZDONTWAIT, NULL);
+        if (i % 100 == 99) usleep(20000);
+    }
+    double bad = 0;
+    for (int i = 0; i < 100 && bad < 1500; i++) {
+        usleep(100000);
+        bad = metric(g_w0.admin, "kvmesh_worker_bad_frames_total{reason=\"malformed\"}");
+    }
+    cr_assert_geq(bad, 1500, "the operator's garbage did not arrive (%g)", bad);
+    usleep(1500000); /* several heartbeats and controller ticks */
+    km_member_state st = 0;
+    cr_assert(view_lists("w0", &st));
+    cr_assert_eq(st, KM_MEMBER_READY);
+    cr_assert_eq(metric(g_ctl.admin, "kvmesh_recovery_actions_total"), 0,
+                 "the controller acted on a flood that no member sent");
+    cr_assert_eq(metric(g_w0.admin, "kvmesh_recovery_actions_total{level=\"3\"}"), 0);
+    km_zsock_close(op);
+    km_zsock_close(cl);
+    stop_proc(&g_rt);
+    stop_proc(&g_w0);
+    stop_proc(&g_ctl);
+}
