@@ -574,44 +574,49 @@ Test(security, a_rogue_worker_cannot_join_and_no_one_beats_for_another_id)
     /* w1's member key, bound to w1: forged heartbeats for w0 (pressure, a dead state) and for a
      * new id, each under that id's routing id */
     km_msg m;
+    /* under its own routing id: taking over w0's (ROUTER_HANDOVER) is a member's power the
+     * controller cannot tell from a restart (docs/security.md, not protected) */
+    void *forger = peer_as(KM_ZDEALER, g_ctl.a, KEY_NAMED, "w1", "controller", "w1");
     for (int round = 0; round < 10; round++) {
         const char *ids[] = {"w0", "evil2"};
         for (int i = 0; i < 2; i++) {
-            /* under its own routing id: taking over w0's (ROUTER_HANDOVER) is a member's power
-             * the controller cannot tell from a restart (docs/security.md, not protected) */
-            void *s = peer_as(KM_ZDEALER, g_ctl.a, KEY_NAMED, "w1", "controller", "w1");
             msg_heartbeat(&m, ids[i], 1000 + (uint64_t)round);
             m.hb.state = KM_STATE_DRAINING;
             m.hb.rss_bytes = 1ull << 40;
-            send_msg(s, &m);
-            usleep(100000);
-            km_zsock_close(s);
+            send_msg(forger, &m);
+            usleep(50000);
         }
     }
+    /* every one refused and counted (polled: the machine may be loaded) */
+    double refused = 0;
+    for (int i = 0; i < 300 && refused < 20; i++) {
+        usleep(100000);
+        refused = metric(g_ctl.admin, "kvmesh_controller_bad_frames_total{reason=\"forbidden\"}");
+    }
+    cr_assert_geq(refused, 20, "forged heartbeats refused: %g of 20", refused);
     /* the same key beating for its own id is admitted */
-    {
-        void *s = peer_as(KM_ZDEALER, g_ctl.a, KEY_NAMED, "w1", "controller", "w1");
-        msg_heartbeat(&m, "w1", 1);
-        send_msg(s, &m);
-        bool listed = false;
-        for (int i = 0; i < 50 && !listed; i++) {
-            usleep(100000);
-            listed = view_lists("w1", NULL);
-        }
-        cr_assert(listed, "w1's own key could not register w1");
-        km_zsock_close(s);
+    msg_heartbeat(&m, "w1", 1);
+    send_msg(forger, &m);
+    bool listed = false;
+    for (int i = 0; i < 300 && !listed; i++) {
+        usleep(100000);
+        listed = view_lists("w1", NULL);
     }
+    cr_assert(listed, "w1's own key could not register w1");
+    km_zsock_close(forger);
     /* w0 was never disturbed, evil and evil2 never joined; the refusals were counted */
     km_member_state st = 0;
     cr_assert(view_lists("w0", &st));
     cr_assert_eq(st, KM_MEMBER_READY);
     cr_assert_not(view_lists("evil", NULL), "a worker with an unknown key joined");
     cr_assert_not(view_lists("evil2", NULL), "w1's key registered another id");
-    cr_assert_geq(metric(g_ctl.admin, "kvmesh_controller_bad_frames_total{reason=\"forbidden\"}"),
-                  20);
-    cr_assert_geq(metric(g_ctl.admin, "kvmesh_zap_decisions_total{decision=\"deny\",role=\"none\","
-                                      "reason=\"unknown_key\"}"),
-                  1);
+    double denied = 0;
+    for (int i = 0; i < 300 && denied < 1; i++) {
+        denied = metric(g_ctl.admin, "kvmesh_zap_decisions_total{decision=\"deny\",role=\"none\","
+                                     "reason=\"unknown_key\"}");
+        if (denied < 1) usleep(100000);
+    }
+    cr_assert_geq(denied, 1, "the rogue worker's key was never refused");
     cr_assert_eq(metric(g_ctl.admin, "kvmesh_recovery_actions_total"), 0);
     stop_proc(&evil);
     stop_proc(&g_w0);
@@ -905,7 +910,7 @@ Test(security, a_garbage_flood_from_a_non_member_never_feeds_the_error_storm_rul
         if (i % 100 == 99) usleep(20000);
     }
     double bad = 0;
-    for (int i = 0; i < 100 && bad < 1500; i++) {
+    for (int i = 0; i < 300 && bad < 1500; i++) {
         usleep(100000);
         bad = metric(g_w0.admin, "kvmesh_worker_bad_frames_total{reason=\"malformed\"}");
     }
