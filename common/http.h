@@ -111,9 +111,20 @@ typedef struct km_http_opts {
     size_t n_routes; /* no match: 404; a match without the method: 405 with Allow */
     void *user;      /* passed to every route's fn */
     km_http_error_fn error_body;
-    km_http_limits lim;  /* default max_head 16 KiB; max_body 0 = no bodies */
-    int max_conns;       /* default 1024; beyond, a new connection is closed at once */
-    int idle_ms;         /* default 60000: a silent connection without a response pending closes */
+    km_http_limits lim; /* default max_head 16 KiB; max_body 0 = no bodies */
+    /* Open connections. At the limit a new connection takes the place of the one that has waited
+     * longest without a request being answered (idle, or still sending its head or body); only
+     * when every connection has a request in progress is the new one closed at once. A few
+     * clients holding connections open therefore cannot lock others out. Default 1024; the
+     * server raises the process's descriptor limit to its hard limit and keeps max_conns 256
+     * below it (half of it under 512), so descriptors never run out first. */
+    int max_conns;
+    int idle_ms; /* default 60000: a connection waiting for its next request closes after this */
+    /* Deadlines for a request to arrive, counted from its first byte (the head; on a new
+     * connection from the accept) or from the end of its head (the body), never extended by
+     * later bytes: a client sending a byte now and then (slowloris) gets 408 and is closed.
+     * Defaults 10000 and 60000. */
+    int head_ms, body_ms;
     km_series *requests; /* a counter incremented per request parsed, or NULL */
 } km_http_opts;
 
@@ -121,6 +132,9 @@ typedef struct km_http_opts {
 int km_http_server_start(void *loop, const km_http_opts *o, km_http_server **out, km_errbuf *err);
 int km_http_server_port(const km_http_server *s);
 uint64_t km_http_server_requests(const km_http_server *s); /* requests parsed */
+/* Requests that missed their head or body deadline; connections evicted at max_conns. */
+uint64_t km_http_server_timeouts(const km_http_server *s);
+uint64_t km_http_server_evictions(const km_http_server *s);
 /* Closes the listener and every connection (their requests' abort callbacks run); s is freed
  * once the loop has run the close callbacks. */
 void km_http_server_stop(km_http_server *s);

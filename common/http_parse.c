@@ -83,6 +83,34 @@ static bool field_has(const struct phr_header *h, const char *token)
     return false;
 }
 
+/* Transfer-Encoding (RFC 9112 §6.1), over all its header lines: a comma-separated list of
+ * codings, the last applied last. A body is chunked only when chunked is the final coding; kvmesh
+ * decodes no other coding. Elements are compared whole (no substring: "notchunked" is not
+ * chunked), empty ones skipped as RFC 9110 §5.6.1 asks. */
+typedef struct te_list {
+    int codings, chunked; /* how many, how many of them chunked */
+    bool last_chunked, unknown;
+} te_list;
+
+static void te_scan(const struct phr_header *h, te_list *te)
+{
+    const char *p = h->value, *end = h->value + h->value_len;
+    while (p < end) {
+        const char *comma = memchr(p, ',', (size_t)(end - p)), *e = comma ? comma : end;
+        const char *a = p, *b = e;
+        while (a < b && (*a == ' ' || *a == '\t')) a++;
+        while (b > a && (b[-1] == ' ' || b[-1] == '\t')) b--;
+        if (b > a) {
+            bool is_chunked = b - a == 7 && !strncasecmp(a, "chunked", 7);
+            te->codings++;
+            te->chunked += is_chunked;
+            te->unknown |= !is_chunked;
+            te->last_chunked = is_chunked;
+        }
+        p = comma ? comma + 1 : end;
+    }
+}
+
 /* A Content-Length value: digits only, at most 19 of them. */
 static int parse_length(const struct phr_header *h, size_t *out)
 {
@@ -131,6 +159,23 @@ static int chunked_body(const char *buf, size_t len, const km_http_limits *lim,
     return (int)(len - (size_t)left);
 }
 
+/* Whether a head picohttpparser refused failed only for having more than KM_HTTP_MAX_HEADERS
+ * fields (431, not 400): parsed again with room for one field per line. Only on that error path. */
+static bool too_many_headers(const char *buf, size_t len, const km_http_limits *lim)
+{
+    size_t scan = len < lim->max_head ? len : lim->max_head, lines = 0;
+    for (size_t i = 0; i < scan; i++) lines += buf[i] == '\n';
+    if (lines <= KM_HTTP_MAX_HEADERS) return false;
+    struct phr_header *hs = malloc(lines * sizeof *hs);
+    if (!hs) return false;
+    const char *m, *p;
+    size_t ml, pl, nh = lines;
+    int minor;
+    int rc = phr_parse_request(buf, scan, &m, &ml, &p, &pl, &minor, hs, &nh, 0);
+    free(hs);
+    return rc != -1;
+}
+
 int km_http_parse_request(const char *buf, size_t len, const km_http_limits *limits,
                           km_http_request *out)
 {
@@ -143,14 +188,17 @@ int km_http_parse_request(const char *buf, size_t len, const km_http_limits *lim
     size_t nh = KM_HTTP_MAX_HEADERS;
     int hl = phr_parse_request(buf, len, &out->method, &out->method_len, &out->path, &out->path_len,
                                &out->minor_version, hs, &nh, 0);
-    if (hl == -1) return refuse(out, 400, "malformed HTTP request");
+    if (hl == -1)
+        return too_many_headers(buf, len, lim) ? refuse(out, 431, "too many header fields")
+                                               : refuse(out, 400, "malformed HTTP request");
     if (hl == -2 || (size_t)hl > lim->max_head) {
         if (hl == -2 && len < lim->max_head) return 0;
         return refuse(out, 431, "request head too large");
     }
     const char *q = memchr(out->path, '?', out->path_len);
     if (q) out->path_len = (size_t)(q - out->path);
-    bool chunked = false, has_len = false;
+    bool has_len = false;
+    te_list te = {0};
     size_t clen = 0;
     out->keep_alive = out->minor_version >= 1;
     for (size_t i = 0; i < nh; i++) {
@@ -163,9 +211,8 @@ int km_http_parse_request(const char *buf, size_t len, const km_http_limits *lim
             has_len = true;
         } else if (field_is(&hs[i], "transfer-encoding")) {
             if (lim->max_body == 0) return refuse(out, 501, "request bodies are not supported");
-            if (!field_has(&hs[i], "chunked"))
-                return refuse(out, 501, "unsupported Transfer-Encoding");
-            chunked = true;
+            te_scan(&hs[i], &te);
+            te.codings += !te.codings; /* a header line, even an empty one, announces a coding */
         } else if (field_is(&hs[i], "connection")) {
             if (field_has(&hs[i], "close")) out->keep_alive = false;
             if (field_has(&hs[i], "keep-alive")) out->keep_alive = true;
@@ -175,6 +222,15 @@ int km_http_parse_request(const char *buf, size_t len, const km_http_limits *lim
     }
     out->n_headers = nh;
     out->head_len = (size_t)hl;
+    bool chunked = te.codings > 0;
+    if (chunked) {
+        /* RFC 9112 §6.1: unknown codings 501; chunked other than once and last 400; and a
+         * Transfer-Encoding in HTTP/1.0 means faulty framing */
+        if (te.unknown) return refuse(out, 501, "unsupported Transfer-Encoding (only chunked)");
+        if (te.chunked != 1 || !te.last_chunked)
+            return refuse(out, 400, "chunked must be the final transfer coding, once");
+        if (out->minor_version == 0) return refuse(out, 400, "Transfer-Encoding in HTTP/1.0");
+    }
     if (chunked && has_len) return refuse(out, 400, "both Content-Length and chunked");
     if (clen > lim->max_body)
         return refuse(out, 413,
@@ -212,17 +268,21 @@ int km_http_parse_response(const char *buf, size_t len, int *status, km_buf *bod
     if (hl == -1) return km_errf(err, KM_EPROTO, "not an HTTP response");
     if (hl == -2) return km_errf(err, KM_EPROTO, "the response ended inside its head");
     if (*status < 100) return km_errf(err, KM_EPROTO, "no HTTP status has %03d", *status);
-    bool chunked = false, has_len = false;
+    bool has_len = false;
+    te_list te = {0};
     size_t clen = 0;
     for (size_t i = 0; i < nh; i++) {
-        if (field_is(&hs[i], "transfer-encoding") && field_has(&hs[i], "chunked")) {
-            chunked = true;
+        if (field_is(&hs[i], "transfer-encoding")) {
+            te_scan(&hs[i], &te);
         } else if (field_is(&hs[i], "content-length")) {
             if (parse_length(&hs[i], &clen)) return km_errf(err, KM_EPROTO, "bad Content-Length");
             has_len = true;
         }
     }
     size_t rest = len - (size_t)hl;
+    /* RFC 9112 §6.3: chunked only as the final coding; any other coding is read to the end */
+    bool chunked = te.last_chunked;
+    if (te.codings) has_len = false;
     if (chunked) {
         if (km_buf_append(body, buf + hl, rest)) return km_errf(err, KM_ENOMEM, "out of memory");
         struct phr_chunked_decoder dec;

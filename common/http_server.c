@@ -17,11 +17,18 @@
  *  - A request outlives the handler call when the handler answers later (streaming); the
  *    connection going away then calls the handler's abort callback, after which the request is
  *    freed and must not be touched.
+ *  - Bounded against clients that hold connections without finishing requests (slowloris): each
+ *    connection is in one phase with one deadline (waiting for a request, its head, its body, or
+ *    its response being written), set when the phase begins and not moved by the bytes that
+ *    trickle in; and at max_conns a new connection evicts the one waiting longest without a
+ *    request in progress, so connections cannot be hoarded either.
  */
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/resource.h>
 #include <uv.h>
 
 #include "common/http.h"
@@ -30,6 +37,14 @@
 #define BODY_MAX  (1u << 30)  /* the most any server may accept as max_body */
 
 typedef struct conn conn;
+
+/* What a connection waits for; each phase has its own deadline (km_http_opts). */
+typedef enum phase {
+    PH_IDLE, /* the first byte of the next request (idle_ms) */
+    PH_HEAD, /* the rest of a request's head (head_ms from its first byte) */
+    PH_BODY, /* the rest of its body (body_ms from the end of the head) */
+    PH_BUSY, /* a request in progress: the handler, then the response's writes */
+} phase;
 
 struct km_http_req {
     conn *c;
@@ -53,6 +68,8 @@ struct conn {
     km_http_req *cur;
     int open_handles, pending_writes;
     size_t queued_bytes;
+    phase ph;
+    uint64_t waiting_since; /* loop time the connection last had no request in progress */
     bool closing, reading, in_handler, sent_continue;
 };
 
@@ -66,7 +83,7 @@ struct km_http_server {
     int n_conns;
     int open_handles;
     bool stopping;
-    uint64_t requests;
+    uint64_t requests, timeouts, evictions;
 };
 
 typedef struct write_req {
@@ -77,6 +94,20 @@ typedef struct write_req {
 
 static void try_requests(conn *c);
 static void start_reading(conn *c);
+static void on_deadline(uv_timer_t *t);
+
+/* Enters a phase and starts its deadline (a phase's bytes never move it). */
+static void set_phase(conn *c, phase ph)
+{
+    const km_http_opts *o = &c->s->o;
+    int ms = ph == PH_IDLE   ? o->idle_ms
+             : ph == PH_HEAD ? o->head_ms
+             : ph == PH_BODY ? o->body_ms
+                             : o->idle_ms;
+    if (ph != PH_BUSY && c->ph == PH_BUSY) c->waiting_since = uv_now(c->s->loop);
+    c->ph = ph;
+    uv_timer_start(&c->timer, on_deadline, (uint64_t)ms, 0);
+}
 
 /* ---------------------------------------------------------------- lifetime */
 
@@ -141,7 +172,7 @@ static void req_finish(conn *c)
         conn_close(c);
         return;
     }
-    uv_timer_again(&c->timer);
+    set_phase(c, c->in.len ? PH_HEAD : PH_IDLE);
     try_requests(c);
 }
 
@@ -160,6 +191,7 @@ static void on_written(uv_write_t *wr, int status)
         conn_close(c);
         return;
     }
+    if (c->ph == PH_BUSY) set_phase(c, PH_BUSY); /* the client reads: the stall clock restarts */
     req_finish(c);
 }
 
@@ -193,7 +225,7 @@ static int conn_write(conn *c, km_buf *out)
     }
     c->pending_writes++;
     c->queued_bytes += w->out.len;
-    uv_timer_again(&c->timer);
+    if (c->ph == PH_BUSY) set_phase(c, PH_BUSY);
     return 0;
 }
 
@@ -319,6 +351,7 @@ static void fatal(conn *c, int status, const char *message)
     }
     r->c = c;
     c->cur = r;
+    set_phase(c, PH_BUSY);
     respond_error_h(r, status, NULL, message);
 }
 
@@ -420,6 +453,8 @@ static void try_requests(conn *c)
         int n = km_http_parse_request((const char *)c->in.data, c->in.len, &s->o.lim, &p);
         if (n < 0) return fatal(c, p.status, p.message);
         if (n == 0) {
+            if (c->ph == PH_IDLE) set_phase(c, PH_HEAD);
+            if (p.head_len && c->ph == PH_HEAD) set_phase(c, PH_BODY);
             if (p.head_len && p.expect_continue && !c->sent_continue) {
                 km_buf out = {0};
                 c->sent_continue = true;
@@ -437,6 +472,7 @@ static void try_requests(conn *c)
         c->in.len -= (size_t)n;
         c->sent_continue = false;
         c->cur = r;
+        set_phase(c, PH_BUSY);
         s->requests++;
         if (s->o.requests) km_counter_inc(s->o.requests);
         c->in_handler = true;
@@ -477,7 +513,6 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf)
     }
     if (nread == 0) return;
     c->in.len += (size_t)nread;
-    uv_timer_again(&c->timer);
     const km_http_limits *lim = &c->s->o.lim;
     if (c->cur) {
         /* A response is pending: keep reading (to notice the client leaving) but bound what is
@@ -497,11 +532,37 @@ static void start_reading(conn *c)
     if (uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read) == 0) c->reading = true;
 }
 
-static void on_idle(uv_timer_t *t)
+/* A phase ran out of time. Waiting for a request: close. Inside one: 408, then close. Busy: a
+ * response being produced (a slow prefill) may take its time; one produced but not read by the
+ * client for idle_ms closes. */
+static void on_deadline(uv_timer_t *t)
 {
     conn *c = t->data;
-    if (c->cur && !c->cur->ended) return; /* a response in progress (a slow prefill) */
-    conn_close(c);
+    if (c->closing) return;
+    if (c->ph == PH_BUSY) {
+        if (c->cur && !c->cur->ended) return;
+        conn_close(c);
+        return;
+    }
+    c->s->timeouts++;
+    if (c->ph == PH_IDLE || c->in.len == 0) {
+        conn_close(c);
+        return;
+    }
+    fatal(c, 408,
+          c->ph == PH_HEAD ? "the request head did not arrive in time"
+                           : "the request body did not arrive in time");
+}
+
+/* The connection that has waited longest without a request in progress, or NULL. */
+static conn *oldest_waiting(km_http_server *s, const conn *except)
+{
+    conn *best = NULL;
+    for (conn *c = s->conns; c; c = c->next)
+        if (c != except && !c->closing && !c->cur &&
+            (!best || c->waiting_since <= best->waiting_since))
+            best = c;
+    return best;
 }
 
 static void on_connection(uv_stream_t *server, int status)
@@ -519,16 +580,43 @@ static void on_connection(uv_stream_t *server, int status)
     c->next = s->conns;
     if (s->conns) s->conns->prev = c;
     s->conns = c;
-    if (uv_accept(server, (uv_stream_t *)&c->tcp) < 0 || s->n_conns > s->o.max_conns) {
+    if (uv_accept(server, (uv_stream_t *)&c->tcp) < 0) {
         conn_close(c);
         return;
     }
+    if (s->n_conns > s->o.max_conns) {
+        conn *victim = oldest_waiting(s, c);
+        if (!victim) {
+            conn_close(c);
+            return;
+        }
+        s->evictions++;
+        conn_close(victim);
+    }
     uv_tcp_nodelay(&c->tcp, 1);
-    uv_timer_start(&c->timer, on_idle, (uint64_t)s->o.idle_ms, (uint64_t)s->o.idle_ms);
+    c->ph = PH_BUSY; /* so that set_phase stamps waiting_since */
+    set_phase(c, PH_HEAD);
     start_reading(c);
 }
 
 /* ---------------------------------------------------------------- server */
+
+/* Connections need descriptors, and a process out of them fails every accept (new clients and
+ * /healthz included) before max_conns, whose eviction keeps them served, is ever reached. So
+ * the soft limit is raised to the hard one, and max_conns kept a margin below what is left. */
+static int conns_fd_cap(int max_conns)
+{
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl)) return max_conns;
+    if (rl.rlim_cur < rl.rlim_max) {
+        rlim_t want = rl.rlim_max;
+        rl.rlim_cur = want;
+        if (setrlimit(RLIMIT_NOFILE, &rl)) getrlimit(RLIMIT_NOFILE, &rl);
+    }
+    if (rl.rlim_cur == RLIM_INFINITY || rl.rlim_cur > INT_MAX) return max_conns;
+    int fds = (int)rl.rlim_cur, cap = fds > 512 ? fds - 256 : fds / 2;
+    return max_conns < cap ? max_conns : cap;
+}
 
 static void on_listener_closed(uv_handle_t *hd)
 {
@@ -549,7 +637,10 @@ int km_http_server_start(void *loop, const km_http_opts *o, km_http_server **out
     if (!s->o.lim.max_head) s->o.lim.max_head = 16384;
     if (s->o.lim.max_body > BODY_MAX) s->o.lim.max_body = BODY_MAX;
     if (s->o.max_conns <= 0) s->o.max_conns = 1024;
+    s->o.max_conns = conns_fd_cap(s->o.max_conns);
     if (s->o.idle_ms <= 0) s->o.idle_ms = 60000;
+    if (s->o.head_ms <= 0) s->o.head_ms = 10000;
+    if (s->o.body_ms <= 0) s->o.body_ms = 60000;
     snprintf(s->host, sizeof s->host, "%s", o->host ? o->host : "127.0.0.1");
     s->o.host = s->host;
     struct sockaddr_storage sa;
@@ -592,6 +683,16 @@ int km_http_server_port(const km_http_server *s)
 uint64_t km_http_server_requests(const km_http_server *s)
 {
     return s ? s->requests : 0;
+}
+
+uint64_t km_http_server_timeouts(const km_http_server *s)
+{
+    return s ? s->timeouts : 0;
+}
+
+uint64_t km_http_server_evictions(const km_http_server *s)
+{
+    return s ? s->evictions : 0;
 }
 
 void km_http_server_stop(km_http_server *s)

@@ -14,7 +14,10 @@
  * Run from the repository root after `make build` (make integration); without the default model
  * every test skips and says so. Workers run one thread each: the machine is small and shared.
  */
+#include <arpa/inet.h>
 #include <criterion/criterion.h>
+#include <errno.h>
+#include <fcntl.h>
 #include <jansson.h>
 #include <msgpack.h>
 #include <pthread.h>
@@ -22,6 +25,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -592,18 +597,25 @@ static char *sh(const char *cmd)
     return (char *)b.data;
 }
 
-Test(router, the_openai_http_api_answers_curl)
+/* One worker and a router in front of it, for tests driven by curl: false (skipped) without. */
+static bool curl_and_a_router(proc *w, proc *r)
 {
-    if (!have_binaries()) return;
+    if (!have_binaries()) return false;
     if (system("command -v curl >/dev/null 2>&1")) {
         cr_skip_test("curl is not installed");
-        return;
+        return false;
     }
     const char *ids[1] = {"w0"};
-    proc w[1], r;
     start_worker(&w[0], ids[0]);
-    start_router(&r, w, ids, 1, NULL);
-    wait_up(&r, 1);
+    start_router(r, w, ids, 1, NULL);
+    wait_up(r, 1);
+    return true;
+}
+
+Test(router, the_openai_http_api_answers_curl)
+{
+    proc w[1], r;
+    if (!curl_and_a_router(w, &r)) return;
     char cmd[2048], base[64];
     snprintf(base, sizeof base, "http://127.0.0.1:%d", r.http_port);
 
@@ -659,6 +671,84 @@ Test(router, the_openai_http_api_answers_curl)
     out = sh(cmd);
     cr_assert_str_eq(out, "200");
     free(out);
+    stop_proc(&r);
+    stop_proc(&w[0]);
+}
+
+/* Opens n connections to port, each sending a request head it never finishes. */
+static int *slow_clients(int port, int n)
+{
+    int *fds = calloc((size_t)n, sizeof *fds);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+    for (int i = 0; i < n; i++) {
+        fds[i] = socket(AF_INET, SOCK_STREAM, 0);
+        cr_assert(fds[i] >= 0);
+        cr_assert_eq(connect(fds[i], (struct sockaddr *)&a, sizeof a), 0, "%s", strerror(errno));
+        fcntl(fds[i], F_SETFL, O_NONBLOCK);
+        if (i % 128 == 127) usleep(100000); /* the listen backlog is 256: let it accept */
+    }
+    return fds;
+}
+
+/* One more byte of a never-ending header on every slow connection still open. */
+static void slow_drip(int *fds, int n, int round)
+{
+    const char *head = "POST /v1/completions HTTP/1.1\r\nX-Slow: ";
+    for (int i = 0; i < n; i++) {
+        if (fds[i] < 0) continue;
+        char c = round < (int)strlen(head) ? head[round] : 'a';
+        if (send(fds[i], &c, 1, MSG_NOSIGNAL) < 0 && errno != EAGAIN && errno != ENOTCONN) {
+            close(fds[i]); /* evicted or timed out: the attacker would reconnect */
+            fds[i] = -1;
+        }
+    }
+}
+
+Test(router, slowloris_connections_do_not_lock_out_new_http_clients)
+{
+    proc w[1], r;
+    if (!curl_and_a_router(w, &r)) return;
+    /* more slow connections than the front's 1,024 (fewer where descriptors are scarce: the
+     * router then keeps its max_conns 256 below its limit), each trickling its head (the issue's
+     * attack sent a byte every 15 s; here every round) */
+    struct rlimit rl;
+    getrlimit(RLIMIT_NOFILE, &rl);
+    rl.rlim_cur = rl.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &rl);
+    getrlimit(RLIMIT_NOFILE, &rl);
+    int N = rl.rlim_cur > 1300 ? 1100 : (int)rl.rlim_cur - 200;
+    int *fds = slow_clients(r.http_port, N);
+    char cmd[1024], *out;
+    for (int round = 0; round < 40; round++) {
+        slow_drip(fds, N, round);
+        usleep(50000);
+    }
+    int open_ = 0;
+    for (int i = 0; i < N; i++) open_ += fds[i] >= 0;
+    cr_assert_geq(open_, N - 76, "only %d slow connections are open", open_);
+    for (int probe = 0; probe < 3; probe++) {
+        slow_drip(fds, N, 40 + probe);
+        snprintf(cmd, sizeof cmd,
+                 "curl -s --max-time 60 -o /dev/null -w '%%{http_code}' "
+                 "http://127.0.0.1:%d/healthz",
+                 r.http_port);
+        out = sh(cmd);
+        cr_assert_str_eq(out, "200", "probe %d: /healthz during the attack", probe);
+        free(out);
+        snprintf(cmd, sizeof cmd,
+                 "curl -s --max-time 60 http://127.0.0.1:%d/v1/completions -d "
+                 "'{\"prompt\":\"The capital of France is\",\"max_tokens\":2,"
+                 "\"temperature\":0}'",
+                 r.http_port);
+        out = sh(cmd);
+        cr_assert(strstr(out, "\"text_completion\""),
+                  "probe %d: a completion during the attack: %s", probe, out);
+        free(out);
+    }
+    for (int i = 0; i < N; i++)
+        if (fds[i] >= 0) close(fds[i]);
+    free(fds);
     stop_proc(&r);
     stop_proc(&w[0]);
 }

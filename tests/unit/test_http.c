@@ -142,6 +142,73 @@ Test(http_parse, no_bodies_means_no_bodies)
     cr_assert_eq(r.status, 501);
 }
 
+Test(http_parse, transfer_encoding_is_chunked_only_as_the_final_coding_rfc9112)
+{
+    struct {
+        const char *te;
+        int status; /* 0: accepted as chunked */
+    } cases[] = {
+        {"Transfer-Encoding: chunked\r\n", 0},
+        {"Transfer-Encoding: CHUNKED\r\n", 0},
+        {"Transfer-Encoding: , chunked ,\r\n", 0}, /* empty list elements are skipped */
+        {"Transfer-Encoding: notchunked\r\n", 501},
+        {"Transfer-Encoding: chunkedx\r\n", 501},
+        {"Transfer-Encoding: gzip, chunked\r\n", 501},
+        {"Transfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n", 501},
+        {"Transfer-Encoding: chunked;q=1\r\n", 501},
+        {"Transfer-Encoding: chunked, gzip\r\n", 501},
+        {"Transfer-Encoding: chunked, chunked\r\n", 400},
+        {"Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n", 400},
+        {"Transfer-Encoding: \r\n", 400},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        char req[256];
+        snprintf(req, sizeof req, "POST /e HTTP/1.1\r\n%s\r\n3\r\nabc\r\n0\r\n\r\n", cases[i].te);
+        km_http_request r;
+        int n = parse(req, &r);
+        if (cases[i].status == 0) {
+            cr_assert_eq(n, (int)strlen(req), "case %zu: %d %s", i, r.status, r.message);
+            cr_assert_eq(r.body.len, 3, "case %zu", i);
+            km_buf_free(&r.body);
+        } else {
+            cr_assert_eq(n, KM_EPROTO, "case %zu accepted", i);
+            cr_assert_eq(r.status, cases[i].status, "case %zu: %d %s", i, r.status, r.message);
+        }
+    }
+    km_http_request r;
+    cr_assert_eq(parse("POST /e HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", &r),
+                 KM_EPROTO, "HTTP/1.0 has no transfer codings");
+    cr_assert_eq(r.status, 400);
+}
+
+/* "GET / HTTP/1.1" and n "X-i: v" fields, complete or not. */
+static char *many_fields(int n, bool complete)
+{
+    km_buf b = {0};
+    km_buf_printf(&b, "GET / HTTP/1.1\r\n");
+    for (int i = 0; i < n; i++) km_buf_printf(&b, "X-%d: v\r\n", i);
+    if (complete) km_buf_printf(&b, "\r\n");
+    km_buf_append(&b, "", 1);
+    return (char *)b.data;
+}
+
+Test(http_parse, too_many_header_fields_is_431_not_400)
+{
+    km_http_request r;
+    char *ok = many_fields(KM_HTTP_MAX_HEADERS, true);
+    cr_assert_eq(parse(ok, &r), (int)strlen(ok), "%d header fields are allowed",
+                 KM_HTTP_MAX_HEADERS);
+    free(ok);
+    for (int complete = 0; complete < 2; complete++) {
+        char *many = many_fields(KM_HTTP_MAX_HEADERS + 1, complete);
+        cr_assert_eq(parse(many, &r), KM_EPROTO);
+        cr_assert_eq(r.status, 431, "complete %d: %d %s", complete, r.status, r.message);
+        free(many);
+    }
+    cr_assert_eq(parse("GET / HTTP/1.1\r\nX: a\r\n\x01bad\r\n\r\n", &r), KM_EPROTO);
+    cr_assert_eq(r.status, 400, "a malformed field is still 400");
+}
+
 /* ---------------------------------------------------------------- responses */
 
 static int parse_resp(const char *s, int *status, km_buf *body, km_errbuf *err)
@@ -169,6 +236,28 @@ Test(http_parse, responses_by_length_chunked_and_to_the_end)
     cr_assert_eq(parse_resp("HTTP/1.0 404 Not Found\r\n\r\nthe rest", &st, &b, &err), 0);
     cr_assert_eq(st, 404);
     cr_assert_eq(b.len, 8);
+    km_buf_free(&b);
+}
+
+Test(http_parse, a_response_is_dechunked_only_when_chunked_is_its_final_coding)
+{
+    km_buf b = {0};
+    km_errbuf err = {{0}};
+    int st = 0;
+    const char *raw = "3\r\nabc\r\n0\r\n\r\n";
+    const char *not_final[] = {"notchunked", "chunked, gzip"};
+    for (size_t i = 0; i < 2; i++) {
+        char resp[256];
+        snprintf(resp, sizeof resp, "HTTP/1.1 200 OK\r\nTransfer-Encoding: %s\r\n\r\n%s",
+                 not_final[i], raw);
+        cr_assert_eq(parse_resp(resp, &st, &b, &err), 0, "%s", err.msg);
+        cr_assert_eq(b.len, strlen(raw), "%s: read to the end, as it came", not_final[i]);
+    }
+    cr_assert_eq(parse_resp("HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"
+                            "3\r\nabc\r\n0\r\n\r\n",
+                            &st, &b, &err),
+                 0, "%s", err.msg);
+    cr_assert_eq(b.len, 3, "chunked last: de-chunked");
     km_buf_free(&b);
 }
 

@@ -186,6 +186,8 @@ typedef struct server {
     km_http_req *streaming;
     int chunks_left;
     int aborts;
+    int head_ms, body_ms, max_conns; /* 0: the server's defaults */
+    uint64_t timeouts, evictions;    /* read after stop */
 } server;
 
 static void on_stream_tick(uv_timer_t *t)
@@ -235,6 +237,8 @@ static void handler(km_http_req *r, void *user)
 static void on_stop(uv_async_t *a)
 {
     server *s = a->data;
+    s->timeouts = km_http_server_timeouts(s->h);
+    s->evictions = km_http_server_evictions(s->h);
     km_http_server_stop(s->h);
     uv_close((uv_handle_t *)&s->stop, NULL);
     uv_close((uv_handle_t *)&s->stream_timer, NULL);
@@ -255,7 +259,10 @@ static void *serve(void *arg)
                       .n_routes = 1,
                       .user = s,
                       .error_body = rt_oai_http_error,
-                      .lim = {.max_head = 16384, .max_body = 1024}};
+                      .lim = {.max_head = 16384, .max_body = 1024},
+                      .head_ms = s->head_ms,
+                      .body_ms = s->body_ms,
+                      .max_conns = s->max_conns};
     km_errbuf err;
     cr_assert_eq(km_http_server_start(&s->loop, &o, &s->h, &err), 0, "%s", err.msg);
     pthread_mutex_lock(&s->mu);
@@ -268,9 +275,12 @@ static void *serve(void *arg)
     return NULL;
 }
 
-static server *start(void)
+static server *start_with(int head_ms, int body_ms, int max_conns)
 {
     server *s = calloc(1, sizeof *s);
+    s->head_ms = head_ms;
+    s->body_ms = body_ms;
+    s->max_conns = max_conns;
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
     pthread_create(&s->th, NULL, serve, s);
@@ -280,10 +290,21 @@ static server *start(void)
     return s;
 }
 
-static void stop(server *s)
+static server *start(void)
+{
+    return start_with(0, 0, 0);
+}
+
+/* Stops the server; s stays readable (its counters) until freed. */
+static void stop_only(server *s)
 {
     uv_async_send(&s->stop);
     pthread_join(s->th, NULL);
+}
+
+static void stop(server *s)
+{
+    stop_only(s);
     free(s);
 }
 
@@ -404,6 +425,85 @@ Test(router_http, a_client_leaving_mid_stream_aborts_the_request)
     for (int i = 0; i < 100 && !__atomic_load_n(&s->aborts, __ATOMIC_SEQ_CST); i++) usleep(20000);
     cr_assert_eq(__atomic_load_n(&s->aborts, __ATOMIC_SEQ_CST), 1);
     stop(s);
+}
+
+/* Sends s one byte at a time, pause_ms apart, until the server answers or closes (returns what
+ * it said, "" if it closed silently) or everything was sent (NULL). */
+static char *trickle(int fd, const char *s, int pause_ms)
+{
+    static char buf[4096];
+    for (size_t i = 0; s[i]; i++) {
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        if (poll(&p, 1, pause_ms) > 0) {
+            ssize_t k = recv(fd, buf, sizeof buf - 1, 0);
+            buf[k > 0 ? k : 0] = 0;
+            return buf;
+        }
+        if (send(fd, s + i, 1, MSG_NOSIGNAL) != 1) return "";
+    }
+    return NULL;
+}
+
+Test(router_http, a_head_or_body_trickling_in_gets_408_at_its_deadline_not_one_per_byte)
+{
+    /* a byte every 50 ms would re-arm any idle timer forever; the deadlines are 400 ms */
+    server *s = start_with(400, 400, 0);
+    char slow_head[512], slow_body[512];
+    snprintf(slow_head, sizeof slow_head, "GET /header HTTP/1.1\r\nX-Test: %0400d\r\n\r\n", 0);
+    snprintf(slow_body, sizeof slow_body, "%0400d", 0);
+    int fd = dial(s->port);
+    char *got = trickle(fd, slow_head, 50);
+    cr_assert_not_null(got, "the whole head trickled in and was served");
+    cr_assert(strstr(got, "408"), "got: %s", got);
+    close(fd);
+    fd = dial(s->port);
+    say(fd, "POST /echo HTTP/1.1\r\nContent-Length: 400\r\n\r\n");
+    got = trickle(fd, slow_body, 50);
+    cr_assert_not_null(got, "the whole body trickled in and was served");
+    cr_assert(strstr(got, "408"), "got: %s", got);
+    close(fd);
+    fd = dial(s->port); /* in time: served */
+    say(fd, "GET /header HTTP/1.1\r\nX-Test: ok\r\n\r\n");
+    cr_assert(strstr(hear(fd, "ok"), "200 OK"));
+    close(fd);
+    stop_only(s);
+    cr_assert_eq(s->timeouts, 2);
+    free(s);
+}
+
+Test(router_http, slowloris_connections_cannot_lock_new_clients_out)
+{
+    /* 64 connections holding partial heads on a server of 16; deadlines long enough that only
+     * eviction can make room */
+    server *s = start_with(60000, 60000, 16);
+    enum { N = 64 };
+    int slow[N];
+    for (int i = 0; i < N; i++) {
+        slow[i] = dial(s->port);
+        say(slow[i], "GET /header HTTP/1.1\r\nX-Slow: ");
+    }
+    for (int round = 0; round < 3; round++) {
+        int fd = dial(s->port);
+        say(fd, "GET /header HTTP/1.1\r\nX-Test: served\r\n\r\n");
+        char *got = hear(fd, "served");
+        cr_assert(strstr(got, "200 OK") && strstr(got, "served"), "round %d got: %s", round, got);
+        close(fd);
+    }
+    /* a connection with its request in progress is never the one evicted */
+    int busy = dial(s->port);
+    say(busy, "GET /forever HTTP/1.1\r\n\r\n");
+    hear(busy, "data:");
+    for (int i = 0; i < 20; i++) {
+        int fd = dial(s->port);
+        say(fd, "GET /header HTTP/1.1\r\nX-Slow: ");
+        close(fd);
+    }
+    cr_assert(strstr(hear(busy, "data:"), "data:"), "the streaming client was evicted");
+    close(busy);
+    for (int i = 0; i < N; i++) close(slow[i]);
+    stop_only(s);
+    cr_assert_geq(s->evictions, N - 16 + 3, "evictions %lu", (unsigned long)s->evictions);
+    free(s);
 }
 
 /* ---------------------------------------------------------------- the router's front */
