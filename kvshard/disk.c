@@ -119,16 +119,29 @@ int kv_disk_write(kv_store *s, kv_page *p)
     return 0;
 }
 
-/* Reads and verifies a whole page file; *buf is the caller's to free. */
-static int kv_disk_load(const char *path, size_t expect, uint8_t **buf, size_t *len)
+/* Reads a whole page file of lo..hi bytes; *buf is the caller's to free. Only a regular file is
+ * read, and only after its size is checked: the open neither follows a symlink nor waits (a FIFO
+ * named like a page would otherwise block the worker's start forever), and a file of the wrong
+ * size is never read (a sparse file of gigabytes would otherwise be read into memory).
+ * KM_EUNSUPPORTED: not a regular file (*why says what it is); KM_ECORRUPT: the wrong size. */
+static int kv_disk_load(const char *path, size_t lo, size_t hi, uint8_t **buf, size_t *len,
+                        const char **why)
 {
     *buf = NULL;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return KM_EIO;
+    *why = "size";
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOFOLLOW);
+    if (fd < 0) {
+        *why = errno == ELOOP ? "symlink" : "open";
+        return errno == ELOOP ? KM_EUNSUPPORTED : KM_EIO;
+    }
     struct stat st;
     int rc = 0;
-    if (fstat(fd, &st) || st.st_size < 0 || (expect && (size_t)st.st_size != expect) ||
-        st.st_size > ((off_t)1 << 34)) {
+    if (fstat(fd, &st) || !S_ISREG(st.st_mode)) {
+        close(fd);
+        *why = "not_a_regular_file";
+        return KM_EUNSUPPORTED;
+    }
+    if (st.st_size < 0 || (size_t)st.st_size < lo || (size_t)st.st_size > hi) {
         close(fd);
         return KM_ECORRUPT;
     }
@@ -173,10 +186,10 @@ int kv_disk_read(kv_store *s, kv_page *p, uint8_t *dst)
     uint8_t *b;
     size_t n;
     /* without a secret a page may or may not carry a MAC: the parser checks the exact size */
-    size_t expect = s->disk_mac
-                        ? kv_disk_page_size(s->lay[p->format].page_bytes, s->pt) + KV_DISK_MAC_BYTES
-                        : 0;
-    int rc = kv_disk_load(path, expect, &b, &n);
+    size_t size = kv_disk_page_size(s->lay[p->format].page_bytes, s->pt);
+    const char *why;
+    int rc = kv_disk_load(path, s->disk_mac ? size + KV_DISK_MAC_BYTES : size,
+                          size + KV_DISK_MAC_BYTES, &b, &n, &why);
     kv_disk_page d = {0};
     if (!rc) rc = kv_disk_page_parse(b, n, &d);
     if (!rc && (!kv_disk_matches(s, &d) || d.format != p->format ||
@@ -190,10 +203,23 @@ int kv_disk_read(kv_store *s, kv_page *p, uint8_t *dst)
     free(b);
     if (rc && rc != KM_ENOMEM) {
         s->st.corrupt_pages++;
-        KM_WARN("kv_disk_page_rejected", "path=%s err=%s", path, km_strerror(rc));
+        KM_WARN("kv_disk_page_rejected", "path=%s err=%s", path,
+                rc == KM_EUNSUPPORTED ? why : km_strerror(rc));
         return KM_ECORRUPT;
     }
     return rc;
+}
+
+/* The largest page file this store could have written (any of its formats, with a MAC). */
+static size_t kv_disk_max_file(const kv_store *s)
+{
+    size_t max = 0;
+    for (int f = 0; f < KV_FORMAT_COUNT; f++) {
+        if (!s->lay[f].unit) continue;
+        size_t n = kv_disk_page_size(s->lay[f].page_bytes, s->pt) + KV_DISK_MAC_BYTES;
+        if (n > max) max = n;
+    }
+    return max;
 }
 
 void kv_disk_unlink(kv_store *s, kv_page *p)
@@ -227,7 +253,7 @@ int kv_disk_open(kv_store *s, km_errbuf *err)
         return km_errf(err, KM_EIO, "kv disk tier: cannot open %s: %s", s->disk_dir,
                        strerror(errno));
     kv_page **found = NULL;
-    size_t n_found = 0, cap = 0;
+    size_t n_found = 0, cap = 0, max_file = kv_disk_max_file(s);
     struct dirent *de;
     char path[PATH_MAX];
     while ((de = readdir(dir))) {
@@ -242,7 +268,16 @@ int kv_disk_open(kv_store *s, km_errbuf *err)
         uint8_t *b;
         size_t n;
         kv_disk_page d = {0};
-        int rc = kv_disk_load(path, 0, &b, &n);
+        const char *why;
+        int rc = kv_disk_load(path, 0, max_file, &b, &n, &why);
+        if (rc == KM_EUNSUPPORTED || (rc == KM_ECORRUPT && !strcmp(why, "size"))) {
+            /* not a file this store wrote (a FIFO, a symlink, something larger than any of its
+             * pages): left alone, never read, and said so */
+            s->st.skipped_files++;
+            KM_WARN("kv_disk_file_skipped", "path=%s reason=%s", path,
+                    rc == KM_EUNSUPPORTED ? why : "larger_than_any_page");
+            continue;
+        }
         if (rc == KM_ENOMEM) {
             closedir(dir);
             free(found);

@@ -226,8 +226,9 @@ typedef struct kv_store_stats {
     kv_tier_stats tier[KV_TIER_COUNT];
     uint64_t pages_indexed, hits, misses, collisions, corrupt_pages, converted_pages,
         disk_write_errors, events_dropped, cow_copies, sealed_pages, dropped_seq_pages,
-        unauthenticated_pages; /* disk pages dropped for a missing or wrong MAC (disk_secret) */
-    uint64_t arena_fallbacks;  /* page buffers that did not fit the arena (taken from malloc) */
+        unauthenticated_pages, /* disk pages dropped for a missing or wrong MAC (disk_secret) */
+        skipped_files; /* named like a page at open but not one: not a regular file, too large */
+    uint64_t arena_fallbacks; /* page buffers that did not fit the arena (taken from malloc) */
 } kv_store_stats;
 
 void kv_store_stats_get(const kv_store *s, kv_store_stats *out);

@@ -15,6 +15,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -348,6 +350,97 @@ Test(kvshard_disk, leftover_temporaries_and_foreign_files_are_handled_at_open)
     cr_assert_eq(st.corrupt_pages, 1);
     kv_store_destroy(s);
     rm_dir(d);
+}
+
+/* Replaces every page file in d by a FIFO ('f'), a sparse 3 GiB file ('g') or a symlink to the
+ * same name in `target` ('l'). */
+static int replace_pages(const char *d, char kind, const char *target)
+{
+    DIR *dir = opendir(d);
+    struct dirent *de;
+    int n = 0;
+    while ((de = readdir(dir))) {
+        if (!strstr(de->d_name, ".kvp")) continue;
+        char p[512], t[512];
+        snprintf(p, sizeof p, "%s/%s", d, de->d_name);
+        if (kind != 'l') cr_assert_eq(unlink(p), 0);
+        if (kind == 'f') cr_assert_eq(mkfifo(p, 0644), 0);
+        if (kind == 'g') {
+            int fd = open(p, O_WRONLY | O_CREAT, 0644);
+            cr_assert_eq(ftruncate(fd, (off_t)3 << 30), 0);
+            close(fd);
+        }
+        if (kind == 'l') {
+            snprintf(t, sizeof t, "%s/%s", target, de->d_name);
+            cr_assert_eq(symlink(p, t), 0);
+        }
+        n++;
+    }
+    closedir(dir);
+    return n;
+}
+
+static long max_rss_mib(void)
+{
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    return ru.ru_maxrss / 1024;
+}
+
+Test(kvshard_disk, only_regular_files_of_a_page_size_are_read_at_open, .timeout = 60)
+{
+    /* a FIFO named like a page used to block the open forever, a sparse 3 GiB one was read
+     * whole into memory, a symlink was followed: now each is skipped, left alone and counted */
+    char *real = mk_dir(), *d = mk_dir();
+    kv_store *s = open_store(real, 4);
+    persist(s, 1);
+    kv_store_destroy(s);
+    cr_assert_eq(replace_pages(real, 'l', d), 2, "symlinks in d to real pages");
+    char p[512];
+    snprintf(p, sizeof p, "%s/11111111111111111111111111111111.kvp", d);
+    cr_assert_eq(mkfifo(p, 0644), 0);
+    snprintf(p, sizeof p, "%s/22222222222222222222222222222222.kvp", d);
+    int fd = open(p, O_WRONLY | O_CREAT, 0644);
+    cr_assert_eq(ftruncate(fd, (off_t)3 << 30), 0);
+    close(fd);
+    long rss0 = max_rss_mib();
+    s = open_store(d, 4);
+    cr_assert_lt(max_rss_mib() - rss0, 512, "the sparse file was read: %ld MiB more",
+                 max_rss_mib() - rss0);
+    kv_store_stats st;
+    kv_store_stats_get(s, &st);
+    cr_assert_eq(st.skipped_files, 4, "two symlinks, a FIFO, a giant file");
+    cr_assert_eq(st.corrupt_pages, 0);
+    cr_assert_eq(served(s, 1), 0, "a symlinked page is not served");
+    cr_assert_eq(count_files(d, ".kvp"), 4, "none of them deleted");
+    kv_store_destroy(s);
+    s = open_store(real, 4);
+    cr_assert_eq(served(s, 1), 2, "the symlinks' targets are untouched");
+    kv_store_destroy(s);
+    rm_dir(d);
+    rm_dir(real);
+}
+
+Test(kvshard_disk, a_page_file_replaced_after_open_by_a_fifo_or_a_giant_file_is_refused_on_read,
+     .timeout = 60)
+{
+    const char kinds[] = {'f', 'g'};
+    for (int k = 0; k < 2; k++) {
+        char *d = mk_dir();
+        kv_store *s = open_store(d, 4);
+        persist(s, 1);
+        kv_store_destroy(s);
+        s = open_store(d, 4);
+        cr_assert_eq(replace_pages(d, kinds[k], NULL), 2);
+        long rss0 = max_rss_mib();
+        cr_assert_eq(served(s, 1), 0, "kind %c", kinds[k]);
+        cr_assert_lt(max_rss_mib() - rss0, 512, "kind %c: read whole", kinds[k]);
+        kv_store_stats st;
+        kv_store_stats_get(s, &st);
+        cr_assert_geq(st.corrupt_pages, 1, "kind %c", kinds[k]);
+        kv_store_destroy(s);
+        rm_dir(d);
+    }
 }
 
 /* The writer: re-opens the directory (re-indexing what earlier rounds left), then persists
