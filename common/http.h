@@ -92,8 +92,9 @@ typedef void (*km_http_fn)(km_http_req *r, void *user);
 /* Methods a route takes; GET admits HEAD (answered without the body). 0: any method. */
 enum { KM_HTTP_GET = 1, KM_HTTP_POST = 2 };
 
-/* One row of a route table: an exact path (the query string is not part of it), or NULL for
- * every path no earlier row took. */
+/* One row of a route table: an exact path (the query string is not part of it); a path ending in
+ * '/' for every path below it ("/v1/models/": "/v1/models/x", not "/v1/models/" itself); or NULL
+ * for every path no earlier row took. */
 typedef struct km_http_route {
     const char *path;
     unsigned methods;

@@ -424,12 +424,20 @@ static bool method_allowed(unsigned methods, const char *m)
     return (methods & KM_HTTP_POST) && !strcmp(m, "POST");
 }
 
+/* A route's path against a request's: exact, or (ending in '/') anything below it. */
+static bool path_matches(const char *route, const char *path)
+{
+    size_t n = strlen(route);
+    if (n && route[n - 1] == '/') return !strncmp(route, path, n) && path[n];
+    return !strcmp(route, path);
+}
+
 /* The route table: the handler, or the server's own 404 / 405. */
 static void dispatch(km_http_server *s, km_http_req *r)
 {
     for (size_t i = 0; i < s->o.n_routes; i++) {
         const km_http_route *rt = &s->o.routes[i];
-        if (rt->path && strcmp(rt->path, r->path)) continue;
+        if (rt->path && !path_matches(rt->path, r->path)) continue;
         if (method_allowed(rt->methods, r->method)) {
             rt->fn(r, s->o.user);
             return;

@@ -232,6 +232,44 @@ static void on_models(km_http_req *h, void *user)
     km_buf_free(&b);
 }
 
+/* GET /v1/models/{id} (the SDKs' models.retrieve): the model when id names it, else 404
+ * model_not_found. The id is percent-decoded ("org%2Fname"). */
+static void on_model(km_http_req *h, void *user)
+{
+    rt_router *r = user;
+    km_apikey_match am;
+    bool keyed;
+    if (!http_auth(r, h, KM_ROLE_CLIENT | KM_ROLE_OPERATOR, &am, &keyed)) return;
+    const char *p = km_http_path(h) + strlen("/v1/models/");
+    char id[KM_PROTO_MAX_NAME + 1];
+    size_t n = 0;
+    for (; *p && n < sizeof id - 1; n++) {
+        unsigned hex;
+        if (p[0] == '%' && sscanf(p + 1, "%2x", &hex) == 1 && p[1] && p[2]) {
+            id[n] = (char)hex;
+            p += 3;
+        } else {
+            id[n] = *p++;
+        }
+    }
+    id[n] = 0;
+    km_buf b = {0};
+    if (*p || memchr(id, 0, n) || !rt_model_ok(r, id)) {
+        char m[KM_PROTO_MAX_NAME * 2 + 100];
+        snprintf(m, sizeof m, "The model '%.200s' does not exist (this server serves '%s')", id,
+                 r->model_name);
+        rt_oai_err e;
+        rt_oai_err_from_code(KM_CODE_NOT_FOUND, m, &e);
+        e.param = "model";
+        rt_oai_error_json(&b, &e);
+        km_http_respond(h, e.status, "application/json", NULL, b.data, b.len);
+    } else {
+        rt_oai_model(&b, r->model_name, (int64_t)time(NULL));
+        km_http_respond(h, 200, "application/json", NULL, b.data, b.len);
+    }
+    km_buf_free(&b);
+}
+
 /* The cluster's topology (every worker's endpoints): operators only when keys are on. */
 static void on_status(km_http_req *h, void *user)
 {
@@ -295,6 +333,36 @@ static int tokenize_oai(rt_router *r, rt_rq *q, const rt_oai_req *oq, bool chat)
     return rc;
 }
 
+/* OpenAI's context check, with its counts: a prompt that leaves no room in the context, or one
+ * whose max_tokens asked for more than is left, is 400 context_length_exceeded (the workers
+ * would otherwise cap the completion silently). True when it answered. */
+static bool over_context(rt_router *r, km_http_req *h, const rt_rq *q, uint32_t asked, bool chat)
+{
+    uint32_t ctx = r->c.max_ctx, np = (uint32_t)q->n_prompt;
+    if (!ctx || (np < ctx && (uint64_t)np + asked <= ctx)) return false;
+    const char *what = chat ? "messages" : "prompt";
+    char m[400];
+    if (np >= ctx)
+        snprintf(m, sizeof m,
+                 "This model's maximum context length is %u tokens. However, your %s resulted "
+                 "in %u tokens. Please reduce the length of the %s.",
+                 ctx, what, np, what);
+    else
+        snprintf(m, sizeof m,
+                 "This model's maximum context length is %u tokens. However, you requested %llu "
+                 "tokens (%u in the %s, %u in the completion). Please reduce the length of the "
+                 "%s or completion.",
+                 ctx, (unsigned long long)np + asked, np, what, asked, what);
+    rt_oai_err e;
+    rt_oai_err_from_code(KM_CODE_TOO_LARGE, m, &e);
+    e.param = what;
+    km_buf b = {0};
+    rt_oai_error_json(&b, &e);
+    km_http_respond(h, e.status, "application/json", NULL, b.data, b.len);
+    km_buf_free(&b);
+    return true;
+}
+
 /* POST /v1/completions or /v1/chat/completions: a request of the router's table, answered as
  * SSE chunks or one JSON body. */
 static void on_completion(rt_router *r, km_http_req *h, bool chat)
@@ -354,6 +422,10 @@ static void on_completion(rt_router *r, km_http_req *h, bool chat)
         rt_rq_free(q);
         return http_error(h, 500, "server_error", NULL, "cannot tokenize the prompt");
     }
+    if (over_context(r, h, q, q->max_tokens, chat)) {
+        rt_rq_free(q);
+        return;
+    }
     km_http_on_abort(h, on_http_abort, q);
     if (q->http_stream) {
         km_http_stream_begin(h, 200, "text/event-stream");
@@ -386,6 +458,7 @@ static const km_http_route front_routes[] = {
     {"/readyz", 0, on_readyz},
     {"/metrics", 0, on_metrics},
     {"/v1/models", KM_HTTP_GET, on_models},
+    {"/v1/models/", KM_HTTP_GET, on_model},
     {"/v1/status", 0, on_status},
     {"/status", 0, on_status},
     {"/v1/completions", KM_HTTP_POST, on_completions},

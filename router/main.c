@@ -90,7 +90,8 @@ int main(int argc, char **argv)
     rt_config_default(&c);
     const char *workers = NULL, *mode = NULL, *log_level = NULL, *log_format = NULL;
     const char *ports_file = NULL;
-    int64_t http_port, admin_port, page_tokens, slots, max_inflight, max_queue, attempts, dmax;
+    int64_t http_port, admin_port, page_tokens, slots, max_inflight, max_queue, attempts, dmax,
+        max_ctx;
     int64_t sync_ms, ttl_ms, queue_ms, cluster_seed, index_pages, view_ms;
     uint64_t max_body;
     km_sec_args sec_args = {0};
@@ -154,6 +155,10 @@ int main(int argc, char **argv)
          &attempts, 1, 100},
         {"default-max-tokens", NULL, KM_OPT_INT, "256", "completion length when a request says 0",
          &dmax, 1, 1 << 20},
+        {"max-ctx", NULL, KM_OPT_INT, "4096",
+         "prompt + completion tokens per request, as the workers' --max-ctx (HTTP requests "
+         "asking for more get 400; 0: not checked)",
+         &max_ctx, 0, 1 << 24},
         {"sync-timeout", NULL, KM_OPT_DURATION, "3s",
          "wait for a KV event replay before forgetting the worker's pages", &sync_ms, 1, 3600000},
         {"pending-ttl", NULL, KM_OPT_DURATION, "30s",
@@ -231,6 +236,7 @@ int main(int argc, char **argv)
     c.max_queue = (int)max_queue;
     c.max_attempts = (int)attempts;
     c.default_max_tokens = (uint32_t)dmax;
+    c.max_ctx = (uint32_t)max_ctx;
     c.sync_timeout_ms = (uint32_t)sync_ms;
     c.pending_ttl_ms = (uint32_t)ttl_ms;
     c.queue_timeout_ms = (uint32_t)queue_ms;

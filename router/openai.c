@@ -214,10 +214,29 @@ static int parse_obj(json_t *o, bool chat, rt_oai_req *r, rt_oai_err *e)
     long long x = 0;
     bool has = false;
     int rc;
-    if ((rc = get_int(o, "max_tokens", 0, 1 << 20, &x, &has, e))) return rc;
-    if (has) r->max_tokens = (uint32_t)x;
-    if ((rc = get_int(o, "max_completion_tokens", 0, 1 << 20, &x, &has, e))) return rc;
-    if (has) r->max_tokens = (uint32_t)x;
+    /* no JSON mode or structured outputs: only the default, plain text */
+    v = json_object_get(o, "response_format");
+    if (v && !json_is_null(v)) {
+        json_t *type = json_object_get(v, "type");
+        if (!json_is_object(v) || !json_is_string(type))
+            return fail(e, "response_format", "'response_format' must be an object with a 'type'",
+                        NULL);
+        if (strcmp(json_string_value(type), "text"))
+            return fail(e, "response_format",
+                        "response_format type '%s' is not supported by this server (only 'text')",
+                        json_string_value(type));
+    }
+    /* OpenAI refuses 0 (integer_below_min_value); absent is the router's default */
+    static const char *const max_keys[] = {"max_tokens", "max_completion_tokens"};
+    for (int i = 0; i < 2; i++) {
+        if ((rc = get_int(o, max_keys[i], 1, 1 << 20, &x, &has, e))) {
+            if (json_is_integer(json_object_get(o, max_keys[i])) &&
+                json_integer_value(json_object_get(o, max_keys[i])) < 1)
+                e->code = "integer_below_min_value";
+            return rc;
+        }
+        if (has) r->max_tokens = (uint32_t)x;
+    }
     if ((rc = get_float(o, "temperature", 0, 100, &r->temperature, e))) return rc;
     if ((rc = get_float(o, "top_p", 0, 1, &r->top_p, e))) return rc;
     if ((rc = get_float(o, "min_p", 0, 1, &r->min_p, e))) return rc;
@@ -449,11 +468,21 @@ int rt_oai_response(km_buf *out, const rt_oai_meta *m, const char *text, size_t 
     return dump(out, o, "", "\n");
 }
 
+static json_t *model_obj(const char *model, int64_t created)
+{
+    return json_pack("{s:o,s:s,s:I,s:s}", "id", jstr(model, strlen(model)), "object", "model",
+                     "created", (json_int_t)created, "owned_by", "kvmesh");
+}
+
 int rt_oai_models(km_buf *out, const char *model, int64_t created)
 {
-    json_t *o = json_pack("{s:s,s:[{s:s,s:s,s:I,s:s}]}", "object", "list", "data", "id", model,
-                          "object", "model", "created", (json_int_t)created, "owned_by", "kvmesh");
+    json_t *o = json_pack("{s:s,s:[o]}", "object", "list", "data", model_obj(model, created));
     return dump(out, o, "", "\n");
+}
+
+int rt_oai_model(km_buf *out, const char *model, int64_t created)
+{
+    return dump(out, model_obj(model, created), "", "\n");
 }
 
 void rt_oai_err_from_code(int code, const char *message, rt_oai_err *e)

@@ -25,7 +25,7 @@ typedef struct rt_oai_req {
     char *prompt;     /* completions */
     rt_oai_msg *msgs; /* chat */
     int n_msgs;
-    uint32_t max_tokens; /* 0: the router's default */
+    uint32_t max_tokens; /* 0: absent, the router's default (an explicit 0 is refused) */
     float temperature, top_p, min_p, presence_penalty, frequency_penalty, repeat_penalty;
     int32_t top_k;
     bool has_seed;
@@ -80,8 +80,9 @@ int rt_oai_error_json(km_buf *out, const rt_oai_err *e);
  * (type invalid_request_error, or server_error from 500 on); a km_http_error_fn (common/http.h):
  * returns the content type. */
 const char *rt_oai_http_error(int status, const char *message, km_buf *out);
-/* /v1/models */
+/* /v1/models, and one model's object (/v1/models/{id}) */
 int rt_oai_models(km_buf *out, const char *model, int64_t created);
+int rt_oai_model(km_buf *out, const char *model, int64_t created);
 /* The HTTP status and error type for a protocol error code (529 -> 429 rate_limit_exceeded...). */
 void rt_oai_err_from_code(int code, const char *message, rt_oai_err *e);
 /* The OpenAI finish_reason for a km_finish ("stop", "length"). */

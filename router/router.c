@@ -146,6 +146,7 @@ void rt_config_default(rt_config *c)
     c->max_queue = 1024;
     c->max_attempts = 3;
     c->default_max_tokens = 256;
+    c->max_ctx = 4096;
     c->sync_timeout_ms = 3000;
     c->index_pages = 1u << 18;
     c->pending_ttl_ms = 30000;

@@ -93,6 +93,8 @@ typedef struct rt_config {
     int max_queue;    /* router queue; beyond it: 529 */
     int max_attempts; /* worker tries per request (migrations + 1) */
     uint32_t default_max_tokens;
+    uint32_t max_ctx; /* prompt + completion tokens, as the workers' --max-ctx: an HTTP request
+                       * asking for more is 400 context_length_exceeded; 0: not checked here */
     uint32_t sync_timeout_ms; /* replay wait before forgetting a worker's pages */
     size_t index_pages;
     uint32_t pending_ttl_ms;

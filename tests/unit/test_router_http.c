@@ -55,6 +55,20 @@ Test(router_openai, completion_requests_parse_with_defaults_and_extensions)
     rt_oai_req_free(&r);
 }
 
+Test(router_openai, max_tokens_zero_is_refused_like_openai_and_text_format_is_accepted)
+{
+    rt_oai_req r;
+    rt_oai_err e;
+    const char *zero = "{\"prompt\":\"x\",\"max_tokens\":0}";
+    cr_assert_neq(rt_oai_parse(zero, strlen(zero), false, &r, &e), 0, "0 used to mean 256 tokens");
+    cr_assert_str_eq(e.code, "integer_below_min_value");
+    const char *text =
+        "{\"prompt\":\"x\",\"max_tokens\":1,\"response_format\":{\"type\":\"text\"}}";
+    cr_assert_eq(rt_oai_parse(text, strlen(text), false, &r, &e), 0, "%s", e.message);
+    cr_assert_eq(r.max_tokens, 1);
+    rt_oai_req_free(&r);
+}
+
 Test(router_openai, chat_messages_accept_text_parts_and_developer_role)
 {
     const char *body = "{\"messages\":[{\"role\":\"developer\",\"content\":\"be brief\"},"
@@ -84,6 +98,15 @@ Test(router_openai, bad_requests_name_the_field)
         {"{\"messages\":[]}", "messages", true},
         {"{\"messages\":[{\"role\":\"wizard\",\"content\":\"x\"}]}", "messages", true},
         {"{\"prompt\":\"x\",\"max_tokens\":-5}", "max_tokens", false},
+        {"{\"prompt\":\"x\",\"max_tokens\":0}", "max_tokens", false},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"max_completion_tokens\":0}",
+         "max_completion_tokens", true},
+        {"{\"prompt\":\"x\",\"response_format\":{\"type\":\"json_object\"}}", "response_format",
+         false},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"response_format\":{\"type\":"
+         "\"json_schema\",\"json_schema\":{}}}",
+         "response_format", true},
+        {"{\"prompt\":\"x\",\"response_format\":\"text\"}", "response_format", false},
         {"[1,2]", NULL, false},
         {"{\"prompt\":\"x\",", NULL, false},
         {"{\"prompt\":\"a\",\"prompt\":\"b\"}", NULL, false},
@@ -601,5 +624,71 @@ Test(router_front, the_route_table_answers_other_paths_and_methods_with_openai_e
     r = hear(fd, NULL);
     cr_assert(strstr(r, "HTTP/1.1 200 OK\r\n") && strstr(r, "\r\n\r\nok\n"), "got: %s", r);
     close(fd);
+    router_down(&f);
+}
+
+/* GET path on fd (keep-alive); the response up to the end of its JSON body. */
+static char *get_json(int fd, const char *path)
+{
+    char req[256];
+    snprintf(req, sizeof req, "GET %s HTTP/1.1\r\nHost: x\r\n\r\n", path);
+    say(fd, req);
+    return hear(fd, "}\n");
+}
+
+Test(router_front, models_retrieve_answers_the_served_model_and_404_for_others)
+{
+    router_fx f;
+    router_up(&f);
+    int fd = dial(rt_router_http_port(f.r));
+    /* the model is named after its file, here smol"q\uote: percent-encoded in the path */
+    char *r = get_json(fd, "/v1/models/smol%22q%5Cuote");
+    cr_assert(strstr(r, "HTTP/1.1 200 OK\r\n"), "got: %s", r);
+    cr_assert(strstr(r, "{\"id\":\"smol\\\"q\\\\uote\",\"object\":\"model\""), "got: %s", r);
+    r = get_json(fd, "/v1/models/default");
+    cr_assert(strstr(r, "HTTP/1.1 200 OK\r\n") && strstr(r, "\"object\":\"model\""), "got: %s", r);
+    r = get_json(fd, "/v1/models/gpt-9");
+    cr_assert(strstr(r, "HTTP/1.1 404 Not Found\r\n") && strstr(r, "\"model_not_found\""),
+              "got: %s", r);
+    close(fd);
+    router_down(&f);
+}
+
+/* POSTs body to path and returns the response (static buffer). */
+static char *post(int port, const char *path, const char *body)
+{
+    int fd = dial(port);
+    char head[256];
+    snprintf(head, sizeof head, "POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %zu\r\n\r\n", path,
+             strlen(body));
+    say(fd, head);
+    say(fd, body);
+    char *r = hear(fd, "}\n");
+    close(fd);
+    return r;
+}
+
+Test(router_front, a_request_over_the_context_is_400_with_its_counts_like_openai)
+{
+    router_fx f;
+    router_up(&f); /* --max-ctx 4096, as the workers' default */
+    int port = rt_router_http_port(f.r);
+    char *r = post(port, "/v1/completions", "{\"prompt\":\"Hello\",\"max_tokens\":4096}");
+    cr_assert(strstr(r, "HTTP/1.1 400 "), "got: %s", r);
+    cr_assert(strstr(r, "\"code\":\"context_length_exceeded\"") &&
+                  strstr(r, "\"param\":\"prompt\""),
+              "got: %s", r);
+    cr_assert(strstr(r, "maximum context length is 4096 tokens") &&
+                  strstr(r, "in the prompt, 4096 in the completion"),
+              "got: %s", r);
+    km_buf big = {0};
+    km_buf_printf(&big, "{\"messages\":[{\"role\":\"user\",\"content\":\"");
+    for (int i = 0; i < 5000; i++) km_buf_printf(&big, "word ");
+    km_buf_printf(&big, "\"}]}");
+    km_buf_append(&big, "", 1);
+    r = post(port, "/v1/chat/completions", (const char *)big.data);
+    km_buf_free(&big);
+    cr_assert(strstr(r, "HTTP/1.1 400 ") && strstr(r, "\"param\":\"messages\""), "got: %s", r);
+    cr_assert(strstr(r, "However, your messages resulted in "), "got: %s", r);
     router_down(&f);
 }
