@@ -49,6 +49,19 @@ int cli_parse_opts(const char *cmd, const char *summary, const km_opt *opts, siz
  * on stderr. */
 char *cli_read_file(const char *path, size_t *len);
 
+/* A time-out flag's value in ms: a bare number is seconds ("5", "0.5"), or with a unit ("250ms",
+ * "2s", "1.5m", "1h"). 0, or 2 after saying why on stderr. */
+int cli_parse_seconds(const char *cmd, const char *flag, const char *text, int64_t *ms);
+/* A --seed value: "random" or -1 (none), or any integer 0..2^64-1. 0, or 2 after saying why. */
+int cli_parse_seed(const char *cmd, const char *text, bool *has, uint64_t *seed);
+/* Every value of a repeatable flag ("--stop A --stop B", "--stop=A") in argv order, at most max;
+ * the km_config table keeps only the last. Returns how many, or -1 when more than max. */
+int cli_repeated(int argc, char **argv, const char *flag, const char **out, int max);
+/* A ZeroMQ endpoint from what a user typed: "HOST:PORT" becomes "tcp://HOST:PORT". */
+void cli_endpoint(const char *in, char *out, size_t cap);
+/* What to tell a user whose endpoint ZeroMQ refused. */
+const char *cli_endpoint_hint(const char *endpoint);
+
 int cli_cmd_run(int argc, char **argv);
 int cli_cmd_perplexity(int argc, char **argv);
 int cli_cmd_bench(int argc, char **argv);

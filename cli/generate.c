@@ -6,6 +6,8 @@
  */
 #define _GNU_SOURCE
 #include <jansson.h>
+#include <math.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,12 +16,36 @@
 #include "cli/cli.h"
 
 typedef struct gen_args {
-    const char *router, *model, *prompt, *file, *salt, *stop, *system;
-    int64_t max_tokens, top_k, seed, timeout_ms, priority;
+    const char *router, *model, *prompt, *file, *salt, *stop, *system, *seed_text, *timeout_text;
+    int64_t max_tokens, top_k, timeout_ms, priority;
     double temperature, top_p, min_p, repeat_penalty;
     bool stream, quiet, json, raw;
     kvm_sec sec;
+    /* from the table's strings and argv (gen_finish) */
+    bool has_seed;
+    uint64_t seed;
+    const char *stops[KM_PROTO_MAX_STOP];
+    int n_stop;
+    char endpoint[512];
 } gen_args;
+
+/* Ctrl-C: the request in flight is canceled on the server (kvm_opts.cancel), not abandoned. */
+static volatile int g_interrupted;
+
+static void on_sigint(int sig)
+{
+    (void)sig;
+    g_interrupted = 1;
+}
+
+static void catch_sigint(void)
+{
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_sigint; /* no SA_RESTART: a blocking read returns */
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+}
 
 #define GEN_OPTS(a)                                                                                  \
     {"router",    NULL, KM_OPT_STR, "tcp://127.0.0.1:7000", "router (or worker) endpoint",           \
@@ -32,18 +58,56 @@ typedef struct gen_args {
         {"top-p", NULL, KM_OPT_FLOAT, "1", "1 = off", &(a).top_p, 0, 1},                             \
         {"min-p", NULL, KM_OPT_FLOAT, "0", "0 = off", &(a).min_p, 0, 1},                             \
         {"repeat-penalty", NULL, KM_OPT_FLOAT, "1", "1 = off", &(a).repeat_penalty, 0.01, 100},      \
-        {"seed", NULL, KM_OPT_INT, "-1", "sampling seed; -1 = random", &(a).seed, -1, 0},            \
+        {"seed",         NULL, KM_OPT_STR, "-1", "sampling seed 0..2^64-1; -1 = random",             \
+         &(a).seed_text, 0,    0},                                                                   \
         {"cache-salt", NULL, KM_OPT_STR, NULL, "tenant isolation of cached pages", &(a).salt, 0, 0}, \
-        {"stop", NULL, KM_OPT_STR, NULL, "a stop string", &(a).stop, 0, 0},                          \
+        {"stop", NULL, KM_OPT_STR, NULL, "a stop string (repeatable, up to 16)", &(a).stop, 0, 0},   \
         {"priority", NULL, KM_OPT_INT, "0", "-100..100, higher first", &(a).priority, -100, 100},    \
-        {"timeout",       NULL, KM_OPT_DURATION, "120s", "longest silence from the server",          \
-         &(a).timeout_ms, 1,    86400000},                                                           \
+        {"timeout",                                                                                  \
+         NULL,                                                                                       \
+         KM_OPT_STR,                                                                                 \
+         "120",                                                                                      \
+         "seconds of silence from the server before giving up (or 500ms, 2m)",                       \
+         &(a).timeout_text,                                                                          \
+         0,                                                                                          \
+         0},                                                                                         \
         CLI_SEC_ROWS(&(a).sec),                                                                      \
     {                                                                                                \
         "quiet", NULL, KM_OPT_BOOL, "false", "no statistics line", &(a).quiet, 0, 0                  \
     }
 
-static void fill_request(const gen_args *a, km_msg_request *q, const char **stop)
+/* What the option table cannot say: seed and time-out parsed, every --stop, the endpoint. 0, or
+ * 2 after saying why. */
+static int gen_finish(const char *cmd, gen_args *a, int argc, char **argv)
+{
+    if (cli_parse_seed(cmd, a->seed_text, &a->has_seed, &a->seed)) return 2;
+    if (cli_parse_seconds(cmd, "timeout", a->timeout_text, &a->timeout_ms)) return 2;
+    a->n_stop = cli_repeated(argc, argv, "--stop", a->stops, KM_PROTO_MAX_STOP);
+    if (a->n_stop < 0) {
+        fprintf(stderr, "kvmesh %s: at most %d --stop strings\n", cmd, KM_PROTO_MAX_STOP);
+        return 2;
+    }
+    if (a->n_stop == 0 && a->stop) a->stops[a->n_stop++] = a->stop; /* from KVMESH_STOP */
+    cli_endpoint(a->router, a->endpoint, sizeof a->endpoint);
+    return 0;
+}
+
+/* kvm_open with the user's endpoint explained when ZeroMQ refuses it. */
+static kvm_client *gen_open(const char *cmd, const gen_args *a)
+{
+    km_errbuf err = {{0}};
+    kvm_client *c = NULL;
+    kvm_opts ko = {.timeout_ms = (int)a->timeout_ms, .sec = a->sec, .cancel = &g_interrupted};
+    if (kvm_open(a->endpoint, &ko, &c, &err)) {
+        fprintf(stderr, "kvmesh %s: --router %s: %s (%s)\n", cmd, a->router, err.msg,
+                cli_endpoint_hint(a->endpoint));
+        return NULL;
+    }
+    catch_sigint();
+    return c;
+}
+
+static void fill_request(const gen_args *a, km_msg_request *q)
 {
     kvm_request_init(q);
     q->model = a->model;
@@ -53,18 +117,13 @@ static void fill_request(const gen_args *a, km_msg_request *q, const char **stop
     q->top_p = (float)a->top_p;
     q->min_p = (float)a->min_p;
     q->repeat_penalty = (float)a->repeat_penalty;
-    if (a->seed >= 0) {
-        q->has_seed = true;
-        q->seed = (uint64_t)a->seed;
-    }
+    q->has_seed = a->has_seed;
+    q->seed = a->seed;
     q->cache_salt = a->salt;
     q->priority = (int32_t)a->priority;
     q->stream = a->stream;
-    if (a->stop) {
-        stop[0] = a->stop;
-        q->stop = stop;
-        q->n_stop = 1;
-    }
+    q->stop = a->n_stop ? a->stops : NULL;
+    q->n_stop = (uint32_t)a->n_stop;
 }
 
 static int print_token(void *user, uint32_t index, int32_t token, const char *text, size_t len)
@@ -105,6 +164,10 @@ int cli_cmd_generate(int argc, char **argv)
     int prc = cli_parse_opts("generate", "stream a completion from a kvmesh router", opts,
                              sizeof opts / sizeof *opts, argc, argv, &cfg);
     if (prc) return prc == 1 ? 0 : 2;
+    if (gen_finish("generate", &a, argc, argv)) {
+        km_config_destroy(cfg);
+        return 2;
+    }
     int nargs = 0;
     char *const *args = km_config_args(cfg, &nargs);
     char *file_text = a.file ? cli_read_file(a.file, NULL) : NULL;
@@ -116,34 +179,37 @@ int cli_cmd_generate(int argc, char **argv)
         return 2;
     }
     km_errbuf err = {{0}};
-    kvm_client *c = NULL;
-    kvm_opts ko = {.timeout_ms = (int)a.timeout_ms, .sec = a.sec};
-    if (kvm_open(a.router, &ko, &c, &err)) {
-        fprintf(stderr, "kvmesh generate: %s\n", err.msg);
+    kvm_client *c = gen_open("generate", &a);
+    if (!c) {
         free(file_text);
         km_config_destroy(cfg);
         return 1;
     }
     km_msg_request q;
-    const char *stop[1];
-    fill_request(&a, &q, stop);
+    fill_request(&a, &q);
     q.prompt = prompt;
     kvm_result res;
     int rc = kvm_generate(c, &q, a.json || !a.stream ? NULL : print_token, NULL, &res, &err);
     int status = 0;
-    if (rc) {
+    if (rc == KM_ECANCELED && g_interrupted) {
+        fflush(stdout);
+        fprintf(stderr, "\nkvmesh generate: interrupted; the request was canceled\n");
+        status = 130;
+    } else if (rc) {
+        fflush(stdout);
         fprintf(stderr, "\nkvmesh generate: %s\n", err.msg);
         if (res.retry_after_ms) fprintf(stderr, "retry after %u ms\n", res.retry_after_ms);
         status = 1;
     } else if (a.json) {
-        json_t *o = json_pack("{s:s%,s:s,s:s,s:i,s:i,s:i,s:f,s:f,s:i}", "text",
-                              res.text.data ? (const char *)res.text.data : "", res.text.len,
-                              "finish", km_finish_name(res.finish), "worker", res.worker,
-                              "prompt_tokens", (int)res.prompt_tokens, "cached_tokens",
-                              (int)res.cached_tokens, "completion_tokens",
-                              (int)res.completion_tokens, "ttft_ms", res.client_ttft_ms, "total_ms",
-                              res.client_total_ms, "migrations", (int)res.migrations);
-        char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
+        /* times to the microsecond, printed short (888.901, not 888.90060300000005) */
+        json_t *o = json_pack(
+            "{s:s%,s:s,s:s,s:i,s:i,s:i,s:f,s:f,s:i}", "text",
+            res.text.data ? (const char *)res.text.data : "", res.text.len, "finish",
+            km_finish_name(res.finish), "worker", res.worker, "prompt_tokens",
+            (int)res.prompt_tokens, "cached_tokens", (int)res.cached_tokens, "completion_tokens",
+            (int)res.completion_tokens, "ttft_ms", round(res.client_ttft_ms * 1e3) / 1e3,
+            "total_ms", round(res.client_total_ms * 1e3) / 1e3, "migrations", (int)res.migrations);
+        char *s = o ? json_dumps(o, JSON_COMPACT | JSON_REAL_PRECISION(12)) : NULL;
         printf("%s\n", s ? s : "{}");
         free(s);
         json_decref(o);
@@ -162,15 +228,55 @@ int cli_cmd_generate(int argc, char **argv)
 
 /* ---------------------------------------------------------------- chat */
 
+/* The template chat renders with: the model file's, as the router applies it to OpenAI chat
+ * requests (with SmolLM2's default system message), unless --template says otherwise, which is
+ * warned about when it differs from the model's. KM_CHAT_NONE after saying why. */
+static km_chat_kind chat_template(const char *name, const char *model_file, const char **defsys)
+{
+    km_chat_kind asked = name ? km_chat_parse(name) : KM_CHAT_NONE, model = KM_CHAT_NONE;
+    if (name && asked == KM_CHAT_NONE) {
+        fprintf(stderr, "kvmesh chat: unknown --template %s (chatml or llama3)\n", name);
+        return KM_CHAT_NONE;
+    }
+    const char *path = model_file ? model_file : km_default_model_path();
+    km_model_info *mi = NULL;
+    km_errbuf err = {{0}};
+    if (km_model_info_open(path, &mi, &err) == 0) {
+        model = km_model_info_chat(mi);
+        if (model == KM_CHAT_NONE) model = KM_CHAT_CHATML; /* the router's fallback */
+        if (strcasestr(km_model_info_name(mi), "smollm"))
+            *defsys = "You are a helpful AI assistant named SmolLM, trained by Hugging Face";
+        km_model_info_close(mi);
+    }
+    if (asked == KM_CHAT_NONE && model == KM_CHAT_NONE) {
+        fprintf(stderr,
+                "kvmesh chat: warning: cannot read the model's chat template (%s); using chatml "
+                "(--model-file PATH or --template NAME)\n",
+                err.msg);
+        return KM_CHAT_CHATML;
+    }
+    if (asked != KM_CHAT_NONE && model != KM_CHAT_NONE && asked != model)
+        fprintf(stderr,
+                "kvmesh chat: warning: --template %s differs from the model's (%s): the model "
+                "may answer badly\n",
+                name, model == KM_CHAT_LLAMA3 ? "llama3" : "chatml");
+    return asked != KM_CHAT_NONE ? asked : model;
+}
+
 int cli_cmd_chat(int argc, char **argv)
 {
     gen_args a = {0};
-    const char *template_name = NULL;
+    const char *template_name = NULL, *model_file = NULL;
     const km_opt opts[] = {
         GEN_OPTS(a),
         {"system", NULL, KM_OPT_STR, NULL, "system message", &a.system, 0, 0},
-        {"template", NULL, KM_OPT_STR, "chatml", "chat template: chatml or llama3", &template_name,
-         0, 0},
+        {"template", NULL, KM_OPT_STR, NULL,
+         "chat template: chatml or llama3 (default: the model file's, as the router uses)",
+         &template_name, 0, 0},
+        {"model-file", "KVMESH_MODEL", KM_OPT_STR, NULL,
+         "the cluster's GGUF, read for its chat template (default: "
+         "models/SmolLM2-135M-Instruct.Q4_1.gguf)",
+         &model_file, 0, 0},
         {"stream", NULL, KM_OPT_BOOL, "true", "stream tokens", &a.stream, 0, 0},
     };
     km_config *cfg = NULL;
@@ -179,17 +285,17 @@ int cli_cmd_chat(int argc, char **argv)
                              "ends)",
                              opts, sizeof opts / sizeof *opts, argc, argv, &cfg);
     if (prc) return prc == 1 ? 0 : 2;
-    km_chat_kind kind = km_chat_parse(template_name);
+    const char *defsys = NULL;
+    km_chat_kind kind = gen_finish("chat", &a, argc, argv)
+                            ? KM_CHAT_NONE
+                            : chat_template(template_name, model_file, &defsys);
     if (kind == KM_CHAT_NONE) {
-        fprintf(stderr, "kvmesh chat: unknown --template %s\n", template_name);
         km_config_destroy(cfg);
         return 2;
     }
     km_errbuf err = {{0}};
-    kvm_client *c = NULL;
-    kvm_opts ko = {.timeout_ms = (int)a.timeout_ms, .sec = a.sec};
-    if (kvm_open(a.router, &ko, &c, &err)) {
-        fprintf(stderr, "kvmesh chat: %s\n", err.msg);
+    kvm_client *c = gen_open("chat", &a);
+    if (!c) {
         km_config_destroy(cfg);
         return 1;
     }
@@ -217,19 +323,27 @@ int cli_cmd_chat(int argc, char **argv)
         }
         owned[n_owned] = strdup(line);
         msgs[n++] = (km_chat_msg){"user", owned[n_owned++]};
-        int need = km_chat_apply(kind, msgs, n, 1, NULL, NULL, 0);
+        int need = km_chat_apply(kind, msgs, n, 1, defsys, NULL, 0);
         char *prompt = malloc((size_t)need + 1);
         if (!prompt) break;
-        km_chat_apply(kind, msgs, n, 1, NULL, prompt, (size_t)need + 1);
+        km_chat_apply(kind, msgs, n, 1, defsys, prompt, (size_t)need + 1);
         km_msg_request q;
-        const char *stop[1];
-        fill_request(&a, &q, stop);
+        fill_request(&a, &q);
         q.prompt = prompt;
         kvm_result res;
+        g_interrupted = 0;
         int rc = kvm_generate(c, &q, print_token, NULL, &res, &err);
         free(prompt);
         printf("\n");
         fflush(stdout);
+        if (rc == KM_ECANCELED && g_interrupted) { /* Ctrl-C ends the turn, not the chat */
+            fprintf(stderr, "kvmesh chat: interrupted; the request was canceled\n");
+            g_interrupted = 0;
+            kvm_result_free(&res);
+            free(owned[--n_owned]);
+            n--;
+            continue;
+        }
         if (rc) {
             fprintf(stderr, "kvmesh chat: %s\n", err.msg);
             kvm_result_free(&res);

@@ -326,6 +326,7 @@ int cli_cmd_run(int argc, char **argv)
     int w = km_detok_flush(&dt, piece, sizeof piece);
     if (w > 0) fwrite(piece, 1, w, stdout);
     printf("\n");
+    fflush(stdout); /* the text ends before the statistics line starts (stderr is unbuffered) */
     if (c.show_ids) {
         printf("ids:");
         for (int i = 0; i < n_gen; i++) printf(" %d", gen[i]);

@@ -5,6 +5,7 @@
  * and reading a whole file (a prompt, a text to score).
  */
 #include <errno.h>
+#include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -51,4 +52,84 @@ char *cli_read_file(const char *path, size_t *len)
     if (len) *len = b.len;
     km_buf_append(&b, "", 1);
     return (char *)b.data;
+}
+
+int cli_parse_seconds(const char *cmd, const char *flag, const char *text, int64_t *ms)
+{
+    char *end;
+    errno = 0;
+    double s = strtod(text, &end);
+    if (end != text && !*end && !errno) {
+        if (!(s > 0) || s > 86400 * 365) {
+            fprintf(stderr, "kvmesh %s: --%s %s: give seconds above 0 (or 250ms, 2s, 1.5m, 1h)\n",
+                    cmd, flag, text);
+            return 2;
+        }
+        *ms = (int64_t)(s * 1000 + 0.5);
+        if (*ms < 1) *ms = 1;
+        return 0;
+    }
+    if (km_parse_duration_ms(text, ms) || *ms <= 0) {
+        fprintf(stderr,
+                "kvmesh %s: --%s %s: not a duration (seconds such as 5 or 0.5, or 250ms, "
+                "2s, 1.5m, 1h)\n",
+                cmd, flag, text);
+        return 2;
+    }
+    return 0;
+}
+
+int cli_parse_seed(const char *cmd, const char *text, bool *has, uint64_t *seed)
+{
+    *has = false;
+    if (!text || !strcmp(text, "random") || !strcmp(text, "-1")) return 0;
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(text, &end, 0);
+    if (end == text || *end || errno || text[0] == '-' || text[0] == '+') {
+        fprintf(stderr,
+                "kvmesh %s: --seed %s: give an integer from 0 to %" PRIu64 " (or -1 / random)\n",
+                cmd, text, UINT64_MAX);
+        return 2;
+    }
+    *has = true;
+    *seed = (uint64_t)v;
+    return 0;
+}
+
+int cli_repeated(int argc, char **argv, const char *flag, const char **out, int max)
+{
+    size_t fl = strlen(flag);
+    int n = 0;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--")) break;
+        const char *v = NULL;
+        if (!strcmp(argv[i], flag) && i + 1 < argc)
+            v = argv[++i];
+        else if (!strncmp(argv[i], flag, fl) && argv[i][fl] == '=')
+            v = argv[i] + fl + 1;
+        if (!v) continue;
+        if (n == max) return -1;
+        out[n++] = v;
+    }
+    return n;
+}
+
+void cli_endpoint(const char *in, char *out, size_t cap)
+{
+    if (in && !strstr(in, "://") && strchr(in, ':'))
+        snprintf(out, cap, "tcp://%s", in);
+    else
+        snprintf(out, cap, "%s", in ? in : "");
+}
+
+const char *cli_endpoint_hint(const char *endpoint)
+{
+    if (!strstr(endpoint, "://"))
+        return "an endpoint is tcp://HOST:PORT (e.g. tcp://127.0.0.1:7000) or ipc://PATH";
+    if (!strncmp(endpoint, "tcp://", 6) && !strrchr(endpoint + 6, ':'))
+        return "a tcp endpoint needs a port: tcp://HOST:PORT";
+    if (!strncmp(endpoint, "tcp://", 6))
+        return "HOST must be an IP address or a resolvable name, PORT a number (1-65535)";
+    return "an endpoint is tcp://HOST:PORT or ipc://PATH";
 }

@@ -96,7 +96,7 @@ static int status_controller(const char *endpoint, const kvm_sec *sec, bool json
 
 int cli_cmd_recover(int argc, char **argv)
 {
-    const char *controller = NULL, *worker = NULL;
+    const char *controller = NULL, *worker = NULL, *timeout_text = NULL;
     int64_t level = 0, timeout_ms = 0;
     kvm_sec sec = {0};
     const km_opt opts[] = {
@@ -106,8 +106,8 @@ int cli_cmd_recover(int argc, char **argv)
         {"level", NULL, KM_OPT_INT, "0",
          "1 = evict 25% of unpinned pages, 2 = KV to fp8, 3 = drain and restart (required)", &level,
          0, 3},
-        {"timeout", NULL, KM_OPT_DURATION, "10s", "how long to wait for the controller's answer",
-         &timeout_ms, 1, 600000},
+        {"timeout", NULL, KM_OPT_STR, "10",
+         "seconds to wait for the controller's answer (or 500ms, 2m)", &timeout_text, 0, 0},
         CLI_SEC_ROWS(&sec),
     };
     km_config *cfg = NULL;
@@ -115,6 +115,10 @@ int cli_cmd_recover(int argc, char **argv)
         cli_parse_opts("recover", "apply a recovery level to a worker, through the controller",
                        opts, sizeof opts / sizeof *opts, argc, argv, &cfg);
     if (prc) return prc == 1 ? 0 : 2;
+    if (cli_parse_seconds("recover", "timeout", timeout_text, &timeout_ms)) {
+        km_config_destroy(cfg);
+        return 2;
+    }
     if (!worker || level < 1) {
         fprintf(stderr, "kvmesh recover: give --worker ID and --level 1..3\n");
         km_config_destroy(cfg);

@@ -92,7 +92,34 @@ static int up_parse(int argc, char **argv, up_opts *o, km_config **cfg)
         return 2;
     }
     o->has_ns = ns == 1;
+    /* a model that is not there would only show as workers restarting forever */
+    const char *model = o->model ? o->model : km_default_model_path();
+    bool own_model = (o->worker_args && strstr(o->worker_args, "--model")) ||
+                     (o->worker_args_for && strstr(o->worker_args_for, "--model"));
+    if (!own_model && access(model, R_OK)) {
+        fprintf(stderr, "kvmesh up: model %s: %s (give --model PATH or set KVMESH_MODEL)\n", model,
+                strerror(errno));
+        km_config_destroy(*cfg);
+        *cfg = NULL;
+        return 2;
+    }
     return 0;
+}
+
+/* How long Ctrl-C waits before SIGKILL: the workers' drain time-out (--drain-timeout in
+ * --worker-args or --worker-args-for, else the workers' default 30 s), plus 5 s. */
+static int64_t up_stop_ms(const up_opts *o)
+{
+    int64_t drain = -1;
+    const char *lists[] = {o->worker_args, o->worker_args_for};
+    for (int i = 0; i < 2; i++)
+        for (const char *p = lists[i]; p && (p = strstr(p, "--drain-timeout")); p++) {
+            char v[32] = "";
+            sscanf(p + strlen("--drain-timeout"), "%*[= ]%31[^ ;]", v);
+            int64_t ms;
+            if (!km_parse_duration_ms(v, &ms) && ms > drain) drain = ms;
+        }
+    return (drain < 0 ? 30000 : drain) + 5000;
 }
 
 /* The daemons: --bin-dir, or the directory of this kvmesh. */
@@ -209,6 +236,7 @@ int cli_cmd_up(int argc, char **argv)
     if (!o.threads) o.threads = cores / o.n_workers > 0 ? cores / o.n_workers : 1;
     srandom((unsigned)(getpid() ^ (km_now_ns() >> 10)));
     up_state st = {0};
+    st.stop_ms = up_stop_ms(&o);
     snprintf(st.state_path, sizeof st.state_path, "%s/%s", rdir, KVM_CLUSTER_FILE);
     uv_loop_t loop;
     uv_loop_init(&loop);

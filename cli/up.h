@@ -37,6 +37,7 @@ typedef struct up_state {
     int running;
     uv_signal_t sigint, sigterm;
     uv_timer_t kill_timer;
+    int64_t stop_ms;       /* Ctrl-C: SIGKILL what still runs after this (the drain + 5 s) */
     char state_path[4200]; /* <run-dir>/cluster.env; "" = none */
 } up_state;
 

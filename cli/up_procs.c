@@ -143,7 +143,8 @@ static void on_stop_signal(uv_signal_t *s, int signo)
         uv_stop(st->loop);
         return;
     }
-    uv_timer_start(&st->kill_timer, on_kill_timer, 10000, 0);
+    uv_timer_start(&st->kill_timer, on_kill_timer,
+                   (uint64_t)(st->stop_ms > 0 ? st->stop_ms : 10000), 0);
 }
 
 void up_start_all(up_state *st)

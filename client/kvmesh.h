@@ -51,6 +51,9 @@ typedef struct kvm_opts {
     int timeout_ms;       /* longest silence while waiting for a frame; default 120000 */
     const char *identity; /* DEALER routing id; NULL = random */
     kvm_sec sec;          /* CURVE; {0}: plain */
+    /* When not NULL: once *cancel is nonzero (a SIGINT handler sets it), kvm_generate cancels
+     * its request on the server and returns KM_ECANCELED within ~100 ms. */
+    const volatile int *cancel;
 } kvm_opts;
 
 /* Connects (lazily, as ZeroMQ does) to endpoint, e.g. "tcp://127.0.0.1:7000". */

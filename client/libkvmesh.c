@@ -194,7 +194,7 @@ int kvm_next(kvm_client *c, int timeout_ms, km_msg *out, const void **raw_body, 
 {
     memset(out, 0, sizeof *out);
     int rc = km_zrecv(c->sock, &c->in, timeout_ms, err);
-    if (rc == KM_EAGAIN) return km_errf(err, KM_ETIMEDOUT, "no answer in %d ms", timeout_ms);
+    if (rc == KM_EAGAIN) return km_errf(err, KM_ETIMEDOUT, "no answer in %.3g s", timeout_ms / 1e3);
     if (rc) return rc;
     const km_zframe *b = km_zmsg_body(&c->in);
     if (!b) return km_errf(err, KM_EPROTO, "empty message");
@@ -240,22 +240,42 @@ int kvm_generate(kvm_client *c, const km_msg_request *req, kvm_token_fn on_token
     int rc = kvm_submit(c, &q, err);
     if (rc) return rc;
     bool canceled = false;
+    uint64_t heard = t0; /* the last frame of this request: silence is counted from it */
     for (;;) {
         km_msg m;
+        uint64_t now = km_now_ns();
+        if (c->o.cancel && *c->o.cancel) {
+            kvm_cancel(c, q.id);
+            res->client_total_ms = (now - t0) / 1e6;
+            return km_errf(err, KM_ECANCELED, "request %llu canceled", (unsigned long long)q.id);
+        }
+        int64_t left_ms = c->o.timeout_ms - (int64_t)((now - heard) / 1000000u);
+        if (left_ms <= 0) {
+            kvm_cancel(c, q.id);
+            res->client_total_ms = (now - t0) / 1e6;
+            return km_errf(err, KM_ETIMEDOUT,
+                           "no answer from the server for %.3g s (the client's time-out); the "
+                           "request was canceled",
+                           c->o.timeout_ms / 1e3);
+        }
+        if (c->o.cancel && left_ms > 100) left_ms = 100; /* look at the flag now and then */
         km_zpollitem it[2] = {{.sock = c->sock, .events = KM_ZPOLLIN},
                               {.sock = c->mon, .events = KM_ZPOLLIN}};
-        int pr = km_zpoll(it, c->mon ? 2 : 1, c->o.timeout_ms, NULL);
-        if (pr > 0 && !(it[0].revents & KM_ZPOLLIN) && kvm_monitor_drain(c) > 0) {
-            res->client_total_ms = (km_now_ns() - t0) / 1e6;
-            return km_errf(err, KM_EIO, "connection lost while waiting for request %llu",
+        int pr = km_zpoll(it, c->mon ? 2 : 1, (int)left_ms, NULL);
+        if (pr == KM_EAGAIN || pr == 0) continue; /* a signal, or a slice of silence */
+        if (pr < 0)
+            return km_errf(err, pr, "poll failed while waiting for request %llu",
                            (unsigned long long)q.id);
+        if (!(it[0].revents & KM_ZPOLLIN)) {
+            if (kvm_monitor_drain(c) > 0) {
+                res->client_total_ms = (km_now_ns() - t0) / 1e6;
+                return km_errf(err, KM_EIO, "connection lost while waiting for request %llu",
+                               (unsigned long long)q.id);
+            }
+            continue;
         }
-        rc = kvm_next(c, pr == 0 ? 0 : c->o.timeout_ms, &m, NULL, NULL, err);
-        if (rc == KM_ETIMEDOUT) {
-            kvm_cancel(c, q.id);
-            return rc;
-        }
-        if (rc) continue; /* a frame we cannot read: not ours to fail on */
+        rc = kvm_next(c, 0, &m, NULL, NULL, err);
+        if (rc) continue; /* a frame we cannot read, or none after all: not ours to fail on */
         uint64_t id = m.type == KM_MSG_TOKEN   ? m.tok.id
                       : m.type == KM_MSG_DONE  ? m.done.id
                       : m.type == KM_MSG_ERROR ? m.error.id
@@ -264,7 +284,8 @@ int kvm_generate(kvm_client *c, const km_msg_request *req, kvm_token_fn on_token
             km_msg_clear(&m);
             continue;
         }
-        double now_ms = (km_now_ns() - t0) / 1e6;
+        heard = km_now_ns();
+        double now_ms = (heard - t0) / 1e6;
         if (m.type == KM_MSG_TOKEN) {
             if (res->n_tokens == 0) res->client_ttft_ms = now_ms;
             if (m.tok.index == res->n_tokens) { /* indexes are consecutive; drop a repeat */

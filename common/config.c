@@ -264,7 +264,8 @@ static int set_value(km_config *c, size_t i, const char *text, int src, const ch
     }
     }
     if (rc == KM_ERANGE && o->min < o->max)
-        return km_errf(err, KM_ERANGE, "%s: '%s' is outside [%g, %g]", where, text, o->min, o->max);
+        return km_errf(err, KM_ERANGE, "%s: '%s' is outside [%.15g, %.15g]", where, text, o->min,
+                       o->max);
     if (rc == KM_ERANGE) return km_errf(err, KM_ERANGE, "%s: '%s' is out of range", where, text);
     if (rc) return km_errf(err, KM_EINVAL, "%s: '%s' is not %s", where, text, type_hint(o->type));
     c->src[i] = src;

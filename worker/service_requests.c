@@ -258,10 +258,11 @@ void wk_svc_callbacks(wk_service *s, wk_sched_cb *out)
 
 /* ---------------------------------------------------------------- requests in */
 
+/* The names a router accepts too ("default": what kvm_request_init and the CLI send). */
 static bool wk_model_matches(const wk_service *s, const char *name)
 {
     return !strcmp(name, s->model_name) || !strcmp(name, s->model_base) ||
-           (s->o.model_alias && !strcmp(name, s->o.model_alias));
+           !strcmp(name, "default") || (s->o.model_alias && !strcmp(name, s->o.model_alias));
 }
 
 /* The prompt's token ids: q's own, or its text tokenized into the service's buffer. Returns 0,

@@ -1,0 +1,237 @@
+/*
+ * test_cli.c — the `kvmesh` command as a user types it (issue 12's CLI defects, one test each):
+ * --seed takes any 64-bit value, --timeout is seconds and its message says how long it waited,
+ * -r HOST:PORT works and a bad endpoint says what is wrong, option ranges print as integers,
+ * `up` refuses a missing model at once, `generate` against a worker works with the default
+ * --model, --stop is repeatable, Ctrl-C cancels the request on the server, `run` prints its
+ * statistics on a line of their own, and `chat` warns when --template is not the model's.
+ *
+ * Run from the repository root after `make build` (make integration); the tests that need a
+ * worker skip without the default model.
+ */
+#define _GNU_SOURCE
+#include <criterion/criterion.h>
+#include <jansson.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "client/kvmesh.h"
+
+#define MODEL  "models/SmolLM2-135M-Instruct.Q4_1.gguf"
+#define WORKER "build/bin/kvmesh-worker"
+#define KVMESH "build/bin/kvmesh"
+
+static pid_t g_worker;
+
+static void kill_worker(void)
+{
+    if (g_worker > 0) {
+        kill(g_worker, SIGKILL);
+        waitpid(g_worker, NULL, 0);
+        g_worker = 0;
+    }
+}
+
+TestSuite(cli, .fini = kill_worker, .timeout = 240);
+
+/* Runs a shell command; its exit status, and stdout+stderr (the caller frees). */
+static int run(const char *cmd, char **out)
+{
+    char full[4096];
+    snprintf(full, sizeof full, "%s 2>&1", cmd);
+    FILE *f = popen(full, "r");
+    cr_assert_not_null(f);
+    size_t cap = 0;
+    *out = NULL;
+    if (getdelim(out, &cap, 0, f) < 0) { /* the output has no NUL: all of it at once */
+        free(*out);
+        *out = strdup("");
+    }
+    int st = pclose(f);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+static void expect(const char *cmd, int status, const char *says)
+{
+    char *out;
+    int rc = run(cmd, &out);
+    cr_assert_eq(rc, status, "%s: exit %d, want %d:\n%s", cmd, rc, status, out);
+    cr_assert(strstr(out, says), "%s: no '%s' in:\n%s", cmd, says, out);
+    free(out);
+}
+
+Test(cli, flags_parse_as_documented_or_say_what_is_wrong)
+{
+    if (access(KVMESH, X_OK)) cr_skip_test("needs %s (make build)", KVMESH);
+    expect(KVMESH " generate -p x --seed abc", 2, "--seed abc: give an integer from 0 to");
+    expect(KVMESH " generate -p x --timeout 5x", 2, "--timeout 5x: not a duration");
+    /* any u64 seed; HOST:PORT is tcp://HOST:PORT; --timeout 0.5 is half a second (it was 0.5 ms,
+     * then "no answer in 0 ms"); nothing listens on port 9 */
+    expect(KVMESH " generate -p x --seed 18446744073709551615 -r 127.0.0.1:9 --timeout 0.5", 1,
+           "no answer from the server for 0.5 s");
+    expect(KVMESH " generate -p x -r tcp://127.0.0.1 --timeout 1", 1, "needs a port");
+    expect(KVMESH " generate -p x --max-tokens 99999999", 2, "outside [0, 1048576]");
+    expect(KVMESH " up --model /missing.gguf --run-dir /tmp/kvmesh-cli-test-up", 2,
+           "model /missing.gguf: No such file or directory");
+    rmdir("/tmp/kvmesh-cli-test-up");
+}
+
+/* Starts a worker (one thread, its admin port for metrics) and returns its request endpoint. */
+static void start_worker(char *req, size_t cap, int *admin_port)
+{
+    char dir[] = "/tmp/kvmesh-cli-XXXXXX", ports[128];
+    cr_assert(mkdtemp(dir));
+    snprintf(ports, sizeof ports, "%s/ports", dir);
+    g_worker = fork();
+    cr_assert(g_worker >= 0);
+    if (g_worker == 0) {
+        FILE *f = freopen("/dev/null", "w", stderr);
+        (void)f;
+        setenv("KVMESH_INSECURE", "1", 1); /* a plain worker on loopback, as the other tests */
+        execl(WORKER, WORKER, "--listen=tcp://127.0.0.1:*", "--events=tcp://127.0.0.1:*",
+              "--admin-port=0", "--threads=1", "--log-level=warn", "--ports-file", ports, NULL);
+        _exit(127);
+    }
+    for (int i = 0; i < 600; i++, usleep(50000)) {
+        FILE *f = fopen(ports, "r");
+        if (!f) continue;
+        char line[512];
+        while (fgets(line, sizeof line, f)) {
+            line[strcspn(line, "\n")] = 0;
+            if (!strncmp(line, "requests=", 9)) snprintf(req, cap, "%s", line + 9);
+            if (!strncmp(line, "admin=", 6)) *admin_port = atoi(strrchr(line, ':') + 1);
+        }
+        fclose(f);
+        unlink(ports);
+        rmdir(dir);
+        return;
+    }
+    cr_assert_fail("worker did not start in 30 s");
+}
+
+static double canceled_requests(int admin_port)
+{
+    char url[128];
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/metrics", admin_port);
+    km_buf b = {0};
+    int st = 0;
+    if (kvm_http_get(url, 5000, &b, &st, NULL) || st != 200) return -1;
+    km_buf_append(&b, "", 1);
+    const char *p =
+        strstr((const char *)b.data, "kvmesh_worker_requests_total{outcome=\"canceled\"}");
+    double v = p ? atof(strchr(p, '}') + 1) : 0;
+    km_buf_free(&b);
+    return v;
+}
+
+static bool have_worker_binaries(void)
+{
+    if (access(MODEL, R_OK) || access(WORKER, X_OK) || access(KVMESH, X_OK)) {
+        cr_skip_test("needs %s (make deps), %s and %s (make build)", MODEL, WORKER, KVMESH);
+        return false;
+    }
+    return true;
+}
+
+Test(cli, generate_against_a_worker_with_default_model_repeated_stops_and_short_floats)
+{
+    if (!have_worker_binaries()) return;
+    char req[512], cmd[2048], *out;
+    int admin = 0;
+    start_worker(req, sizeof req, &admin);
+    snprintf(cmd, sizeof cmd,
+             KVMESH " generate -r %s --json -n 24 -p 'The capital of France is' 2>/dev/null", req);
+    cr_assert_eq(run(cmd, &out), 0, "generate against a worker, --model default: %s", out);
+    json_t *o = json_loads(out, 0, NULL);
+    cr_assert_not_null(o, "%s", out);
+    const char *text = json_string_value(json_object_get(o, "text"));
+    cr_assert(text && strlen(text) > 20, "%s", out);
+    /* floats as a person writes them: no 17-digit tails */
+    const char *ttft = strstr(out, "\"ttft_ms\":");
+    cr_assert(ttft && strcspn(ttft + 10, ",}") <= 12, "%s", out);
+    /* two stop strings, the earlier one first: generation ends at the first to appear (only the
+     * last --stop used to be kept) */
+    size_t len = strlen(text);
+    char a[8], b[8];
+    snprintf(a, sizeof a, "%.4s", text + len / 3);
+    snprintf(b, sizeof b, "%.4s", text + 2 * len / 3);
+    size_t want = (size_t)(strstr(text, a) - text);
+    snprintf(cmd, sizeof cmd,
+             KVMESH " generate -r %s --json -n 24 -p 'The capital of France is' --stop '%s' "
+                    "--stop '%s' 2>/dev/null",
+             req, a, b);
+    free(out);
+    cr_assert_eq(run(cmd, &out), 0, "%s", out);
+    json_t *o2 = json_loads(out, 0, NULL);
+    cr_assert_not_null(o2, "%s", out);
+    const char *cut = json_string_value(json_object_get(o2, "text"));
+    cr_assert(cut && strlen(cut) == want && !strncmp(cut, text, want),
+              "stops '%s' then '%s' on '%s' gave '%s'", a, b, text, cut);
+    json_decref(o);
+    json_decref(o2);
+    free(out);
+    /* chat says when --template is not the model's (SmolLM2 is ChatML) */
+    snprintf(cmd, sizeof cmd, "echo hi | " KVMESH " chat -r %s -n 2 --template llama3", req);
+    expect(cmd, 0, "--template llama3 differs from the model's (chatml)");
+    kill_worker();
+}
+
+Test(cli, ctrl_c_on_generate_cancels_the_request_on_the_server)
+{
+    if (!have_worker_binaries()) return;
+    char req[512];
+    int admin = 0;
+    start_worker(req, sizeof req, &admin);
+    cr_assert_eq(canceled_requests(admin), 0);
+    int pipe_out[2], pipe_err[2];
+    cr_assert_eq(pipe(pipe_out), 0);
+    cr_assert_eq(pipe(pipe_err), 0);
+    pid_t pid = fork();
+    if (pid == 0) {
+        dup2(pipe_out[1], 1);
+        dup2(pipe_err[1], 2);
+        execl(KVMESH, KVMESH, "generate", "-r", req, "-n", "3000", "-p",
+              "Count from 1 to 10000: 1, 2, 3, 4, 5,", NULL);
+        _exit(127);
+    }
+    close(pipe_out[1]);
+    close(pipe_err[1]);
+    struct pollfd p = {.fd = pipe_out[0], .events = POLLIN};
+    cr_assert_eq(poll(&p, 1, 120000), 1, "no token in 120 s");
+    char buf[4096];
+    cr_assert_gt(read(pipe_out[0], buf, sizeof buf), 0);
+    kill(pid, SIGINT); /* tokens are streaming: Ctrl-C */
+    int st = 0;
+    for (int i = 0; i < 600 && waitpid(pid, &st, WNOHANG) != pid; i++) usleep(50000);
+    if (!WIFEXITED(st)) {
+        kill(pid, SIGKILL);
+        waitpid(pid, &st, 0);
+        cr_assert_fail("generate did not end on SIGINT");
+    }
+    cr_assert_eq(WEXITSTATUS(st), 130);
+    ssize_t n = read(pipe_err[0], buf, sizeof buf - 1);
+    buf[n > 0 ? n : 0] = 0;
+    cr_assert(strstr(buf, "interrupted; the request was canceled"), "stderr: %s", buf);
+    double c = 0;
+    for (int i = 0; i < 300 && (c = canceled_requests(admin)) < 1; i++) usleep(100000);
+    cr_assert_eq(c, 1, "the worker did not see the request canceled");
+    close(pipe_out[0]);
+    close(pipe_err[0]);
+    kill_worker();
+}
+
+Test(cli, run_prints_its_statistics_on_a_line_of_their_own)
+{
+    if (!have_worker_binaries()) return;
+    char *out;
+    /* stdout to a pipe is block-buffered, stderr not: the text used to come after the stats */
+    cr_assert_eq(run(KVMESH " run -t 1 -n 4 -p 'Hello' 2>&1 | cat", &out), 0, "%s", out);
+    const char *stats = strstr(out, "kvmesh run: model="), *text = strstr(out, "Hello");
+    cr_assert(stats && text && text < stats && stats[-1] == '\n', "got:\n%s", out);
+    free(out);
+}
