@@ -12,6 +12,8 @@
  *   router     (e) SIGKILL the router while clients retry; they reconnect to the restarted one
  *   partition  (f) w1 runs in its own network namespace (veth pair, 10.x addresses); its link is
  *                  cut, then restored (skipped, and said so, where `ip netns` is not permitted)
+ *   slowloris  (g) 1,100 slow HTTP connections at the router, 80 at each worker's admin port,
+ *                  for 10 s (--short: 4 s); every probe of a new HTTP client must be answered
  *
  * Why it is built this way: each scenario starts its own cluster with the same code as `kvmesh up`
  * (this very binary, `up --base-port 0` in a temporary run directory: free ports, so it never
@@ -87,6 +89,7 @@ static void fault_and_recover(chaos_run *r, chaos_load *load, chaos_result *res)
         snprintf(res->error, sizeof res->error, "the fault could not be injected%s%.400s",
                  r->note[0] ? ": " : "", r->note);
     } else {
+        snprintf(res->fault_note, sizeof res->fault_note, "%s", r->note);
         uint64_t deadline = fault_end + (uint64_t)r->k.recover_ms;
         while (km_wall_ms() < deadline) {
             pthread_mutex_lock(&r->mu);
@@ -247,6 +250,7 @@ static void print_result(const chaos_result *res)
                    res->recover_s, res->recover_s - res->fault_s, res->fault_s);
         for (int i = 0; i < res->n_errors; i++) printf("  error seen: %s\n", res->errors[i]);
     }
+    if (res->fault_note[0]) printf("  fault: %s\n", res->fault_note);
     if (res->error[0]) printf("  problem: %s\n", res->error);
     if (res->dir[0]) printf("  logs: %s\n", res->dir);
     printf("  result: %s\n\n", res->passed ? "PASS" : "FAIL");

@@ -179,6 +179,7 @@ typedef struct chaos_result {
     char levels[512], states[512];
     char errors[4][200];
     int n_errors;
+    char fault_note[512]; /* what an injected fault saw (r->note), when it says something */
     char dir[64];
 } chaos_result;
 
@@ -188,7 +189,10 @@ void chaos_format_levels(chaos_run *r, chaos_result *res);
 /* ---------------------------------------------------------------- chaos_scenarios (chaos_faults.c)
  */
 
-#define CHAOS_N_SCENARIOS 6
+#define CHAOS_N_SCENARIOS 7
 extern const chaos_scenario chaos_scenarios[CHAOS_N_SCENARIOS];
+
+/* (g) slow HTTP clients against the router's and the workers' ports (chaos_slowloris.c). */
+int chaos_fault_slowloris(chaos_run *r);
 
 #endif /* KVMESH_CLI_CHAOS_H */

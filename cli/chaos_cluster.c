@@ -157,6 +157,7 @@ const char *chaos_proc_field(chaos_run *r, const char *id, const char *field, ch
                     : !strcmp(field, "admin")  ? p->admin
                     : !strcmp(field, "listen") ? p->listen
                     : !strcmp(field, "view")   ? p->view
+                    : !strcmp(field, "http")   ? p->http
                                                : "";
     snprintf(buf, cap, "%s", v);
     return buf;

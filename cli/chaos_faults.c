@@ -148,4 +148,8 @@ const chaos_scenario chaos_scenarios[] = {
     {"partition", "f",
      "w1 in its own network namespace, its link cut (10 s; --short 4 s), then restored",
      fault_partition, RECOVER_AFTER_DEGRADED, true, true, false},
+    {"slowloris", "g",
+     "1,100 HTTP connections trickling request heads at the router, 80 at each worker's admin "
+     "port (10 s; --short 4 s): new HTTP clients (/healthz, /v1/models) are served throughout",
+     chaos_fault_slowloris, RECOVER_COMPLETION, true, false, false},
 };
