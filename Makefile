@@ -251,10 +251,13 @@ build/fuzz/fuzz_peeraddr: tests/fuzz/fuzz_peeraddr.c peer/addr.c $(FUZZ_LIB_SRC)
 
 fuzz: $(FUZZ_BIN)
 
-# Replays the committed corpus, then fuzzes each target briefly.
+# Replays the committed corpus, then fuzzes each target briefly. A target without its seed corpus
+# fails the run: fuzzing from nothing would pass while testing little.
 FUZZ_SECONDS ?= 20
 fuzz-run: $(FUZZ_BIN)
 	@set -eo pipefail; for f in $(FUZZ_BIN); do n=$$(basename $$f); \
+	  if [ -z "$$(ls -A tests/fuzz/corpus/$$n 2>/dev/null)" ]; then \
+	    echo "fuzz-run: tests/fuzz/corpus/$$n is missing or empty" >&2; exit 1; fi; \
 	  mkdir -p build/fuzz/corpus/$$n; cp -n tests/fuzz/corpus/$$n/* build/fuzz/corpus/$$n/ 2>/dev/null || true; \
 	  echo "== $$n ($(FUZZ_SECONDS)s)"; \
 	  $$f -max_total_time=$(FUZZ_SECONDS) -max_len=65536 -print_final_stats=0 -artifact_prefix=build/fuzz/$$n- build/fuzz/corpus/$$n 2>&1 | tail -4; done

@@ -5,8 +5,10 @@
  * included, with and without special-token parsing); the ids must be in the vocabulary; the
  * streaming detokenizer must emit only whole UTF-8; and text that is valid UTF-8 made of bytes
  * the vocabulary can spell must decode back to itself. The first input byte picks the flags, the
- * rest is the text. Needs models/SmolLM2-135M-Instruct.Q4_1.gguf (make deps), run from the
- * repository root; without it every input is accepted untested. Seeds: tests/fuzz/corpus.
+ * rest is the text. Needs models/SmolLM2-135M-Instruct.Q4_1.gguf (make deps), found from the
+ * repository root, from the binary's place in build/fuzz/, or by $KVMESH_MODEL, so the target runs
+ * from any directory; without a vocabulary it exits 1 at start (it used to accept every input
+ * untested and exit 0). Seeds: tests/fuzz/corpus.
  *
  * KM_FUZZ_TOKENIZER_GGUF=path fuzzes another vocabulary (e.g. the SPM and Llama 3 ones in
  * tests/fixtures/tokenizer); the round-trip check is then off, since BOS and SPM's space prefix
@@ -14,8 +16,11 @@
  */
 #include "common/km.h"
 
+#include <limits.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #define MODEL "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -30,11 +35,28 @@ static int fuzz_load(void)
 {
     if (g_tried) return g_tok != NULL;
     g_tried = 1;
-    km_errbuf e;
+    km_errbuf e = {{0}};
     const char *path = getenv("KM_FUZZ_TOKENIZER_GGUF");
     g_roundtrip = path == NULL;
-    if (km_gguf_open(path ? path : MODEL, &g_gguf, &e) || km_tok_create(g_gguf, &g_tok, &e))
-        return 0;
+    char beside[PATH_MAX + 64] = MODEL; /* build/fuzz/fuzz_tokenizer -> ../../models/... */
+    ssize_t l = readlink("/proc/self/exe", beside, PATH_MAX);
+    if (l > 0) {
+        beside[l] = 0;
+        for (int up = 0; up < 3; up++) {
+            char *slash = strrchr(beside, '/');
+            if (slash) *slash = 0;
+        }
+        strcat(beside, "/" MODEL);
+    }
+    const char *tries[] = {path, path ? NULL : MODEL, path ? NULL : beside,
+                           path ? NULL : getenv("KVMESH_MODEL")};
+    for (size_t i = 0; i < sizeof tries / sizeof *tries && !g_tok; i++) {
+        if (!tries[i]) continue;
+        if (g_gguf) km_gguf_close(g_gguf);
+        g_gguf = NULL;
+        if (km_gguf_open(tries[i], &g_gguf, &e) == 0) km_tok_create(g_gguf, &g_tok, &e);
+    }
+    if (!g_tok) return 0;
     /* GPT-2's bytes_to_unicode: printable Latin-1 stays, the rest counts up from U+0100. */
     unsigned next = 256;
     for (int b = 0; b < 256; b++) {
@@ -77,6 +99,17 @@ static int fuzz_utf8_valid(const unsigned char *s, size_t n)
         i += k;
     }
     return 1;
+}
+
+/* A fuzzer that cannot load its vocabulary tests nothing: say so and fail. */
+int LLVMFuzzerInitialize(int *argc, char ***argv)
+{
+    (void)argc, (void)argv;
+    if (fuzz_load()) return 0;
+    fprintf(stderr,
+            "fuzz_tokenizer: no vocabulary: %s (make deps, or KM_FUZZ_TOKENIZER_GGUF=path)\n",
+            getenv("KM_FUZZ_TOKENIZER_GGUF") ? getenv("KM_FUZZ_TOKENIZER_GGUF") : MODEL);
+    exit(1);
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
