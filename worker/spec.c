@@ -1,0 +1,397 @@
+/*
+ * spec.c — the drafting policy around the suffix index (spec.h): where proposals come from, how
+ * long they may be, which of them a step can afford, and what a request learns from its
+ * verifications.
+ *
+ *  - Proposals: the request's own index (its prompt and output: summaries that quote the input,
+ *    code rewritten with one change, loops) and the worker's global index (earlier outputs of the
+ *    same tenant: repeated JSON and tool calls); the one with the larger expected accepted length
+ *    wins, as in SuffixDecoding.
+ *  - Length: factor x match length, capped (SuffixDecoding's max_spec_factor): a two-token match
+ *    proposes two tokens, a long quotation up to the cap.
+ *  - Probabilities: token j of a proposal is accepted with the product over i <= j of
+ *    min(share_i, c), share_i its share among the earlier occurrences and c the conditional
+ *    acceptance learned so far — the request's own record blended with the worker's record for
+ *    that match length (a new request starts from the worker's).
+ *  - Budget: wk_spec_budget with the step-cost model measured on the engine's own steps. At batch
+ *    1 a step is dominated by reading the weights and a likely token is nearly free; at 32 the
+ *    step is compute-bound and only near-certain tokens pay, so drafts shrink as the batch fills.
+ *  - Back-off: fail_limit verifications in a row with nothing accepted stop a request's drafting
+ *    until it finds a longer match than the one that failed; then its own record starts over.
+ *
+ * Nothing allocates per step: proposals live in buffers sized when the request is created.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "worker/spec.h"
+
+/* ---------------------------------------------------------------- step cost */
+
+#define WK_COST_DECAY 0.98 /* per observed step: the fit follows load and context growth */
+#define WK_COST_PRIOR 2.0  /* weight of each of the prior's two pseudo-steps */
+
+void wk_spec_cost_init(wk_spec_cost *c, double prior_ratio)
+{
+    *c = (wk_spec_cost){.prior_ratio = prior_ratio > 0 ? prior_ratio : 0.25};
+}
+
+void wk_spec_cost_observe(wk_spec_cost *c, int n_tokens, double t)
+{
+    if (n_tokens < 1 || !(t >= 0)) return;
+    double n = n_tokens, d = WK_COST_DECAY;
+    c->w = c->w * d + 1;
+    c->sn = c->sn * d + n;
+    c->st = c->st * d + t;
+    c->snn = c->snn * d + n * n;
+    c->snt = c->snt * d + n * t;
+    /* Least squares over the data plus two pseudo-steps (n = 1 and n = 32) on the prior's line
+     * through the data's mean: with spread-out data they hardly matter, without it they give the
+     * slope. */
+    double mn = c->sn / c->w, mt = c->st / c->w, r = c->prior_ratio;
+    double ap = mt / (1 + r * mn), bp = r * ap, k = WK_COST_PRIOR;
+    double t1 = ap + bp, t32 = ap + 32 * bp;
+    double s0 = c->w + 2 * k, s1 = c->sn + k * 33, s11 = c->snn + k * 1025;
+    double sy = c->st + k * (t1 + t32), s1y = c->snt + k * (t1 + 32 * t32);
+    double det = s0 * s11 - s1 * s1;
+    double b = det > 0 ? (s0 * s1y - s1 * sy) / det : bp;
+    double a = (sy - b * s1) / s0;
+    if (a < 0) a = 0;
+    if (b < 0.01 * a) b = 0.01 * a;
+    c->base = a;
+    c->per_token = b;
+}
+
+double wk_spec_cost_base_tokens(const wk_spec_cost *c)
+{
+    if (c->per_token > 1e-12 && c->base > 0) return c->base / c->per_token;
+    return 1.0 / c->prior_ratio;
+}
+
+/* ---------------------------------------------------------------- budget */
+
+int wk_spec_budget(double base_over_token, int base_tokens, int room, const float *const *prob,
+                   const int *n, int n_req, int *take)
+{
+    for (int i = 0; i < n_req; i++) take[i] = 0;
+    if (base_over_token < 0) base_over_token = 0;
+    double yield = base_tokens, step = base_tokens;
+    int taken = 0;
+    while (taken < room) {
+        /* The most likely next token over all requests (each request's are non-increasing). */
+        int best = -1;
+        float bp = 0;
+        for (int i = 0; i < n_req; i++)
+            if (take[i] < n[i] && (best < 0 || prob[i][take[i]] > bp)) {
+                best = i;
+                bp = prob[i][take[i]];
+            }
+        if (best < 0) break;
+        /* Worth it when it raises the step's expected yield per unit of cost. */
+        if (!(bp * (base_over_token + step) > yield)) break;
+        take[best]++;
+        yield += bp;
+        step += 1;
+        taken++;
+    }
+    return taken;
+}
+
+int wk_spec_draft_len(int match_len, float factor, int cap)
+{
+    if (match_len <= 0 || cap <= 0) return 0;
+    int n = (int)(factor * (float)match_len + 1e-4f);
+    if (n < 1) n = 1;
+    return n < cap ? n : cap;
+}
+
+/* ---------------------------------------------------------------- drafting */
+
+#define WK_ACC_BUCKETS 7     /* match length 1, 2-3, 4-7, 8-15, 16-31, 32-63, 64+ */
+#define WK_ACC_PRIOR   0.5f  /* conditional acceptance assumed before any verification */
+#define WK_ACC_OWN     0.3f  /* EWMA step of a request's own record */
+#define WK_ACC_GLOBAL  0.05f /* EWMA step of the worker's record per match length */
+#define WK_ACC_BLEND   4.0f  /* the worker's record weighs as this many of the request's */
+
+struct wk_spec {
+    wk_spec_opts o;
+    wk_suffix *global;
+    wk_spec_cost cost;
+    float acc[WK_ACC_BUCKETS];
+    int32_t *tok2;           /* [max_draft] a second proposal */
+    float *share2;           /* [max_draft] */
+    const float **plan_prob; /* [max_requests] */
+    int *plan_n, *plan_take, max_requests;
+    wk_spec_stats st;
+};
+
+struct wk_spec_seq {
+    wk_spec *sp;
+    km_pagehash tenant;
+    wk_suffix *own;
+    int max_draft;
+    int32_t *tok; /* [max_draft] the proposal */
+    float *share, *prob;
+    int n, match_len;
+    float acc; /* the request's conditional acceptance (EWMA) */
+    int obs;   /* verifications in its record (capped) */
+    int fails, backoff_match, accepted;
+};
+
+void wk_spec_opts_default(wk_spec_opts *o)
+{
+    *o = (wk_spec_opts){.mode = WK_SPEC_AUTO,
+                        .max_draft = 16,
+                        .factor = 1.0f,
+                        .min_share = 0.1f,
+                        .index_bytes = (size_t)32 << 20,
+                        .fail_limit = 3,
+                        .token_cost = 0.25f,
+                        .lead_in = 32};
+}
+
+static void wk_spec_fill_defaults(wk_spec_opts *o)
+{
+    wk_spec_opts d;
+    wk_spec_opts_default(&d);
+    if (o->mode != WK_SPEC_OFF && o->mode != WK_SPEC_AUTO) o->mode = d.mode;
+    if (o->max_draft <= 0) o->max_draft = d.max_draft;
+    if (o->max_draft > 64) o->max_draft = 64;
+    if (!(o->factor > 0)) o->factor = d.factor;
+    if (!(o->min_share > 0)) o->min_share = d.min_share;
+    if (o->index_bytes < 4096) o->index_bytes = d.index_bytes;
+    if (o->fail_limit <= 0) o->fail_limit = d.fail_limit;
+    if (!(o->token_cost > 0)) o->token_cost = d.token_cost;
+    if (o->lead_in <= 0) o->lead_in = d.lead_in;
+}
+
+int wk_spec_create(const wk_spec_opts *opts, int max_requests, wk_spec **out)
+{
+    *out = NULL;
+    if (max_requests < 1) return KM_EINVAL;
+    wk_spec *sp = calloc(1, sizeof *sp);
+    if (!sp) return KM_ENOMEM;
+    if (opts) sp->o = *opts;
+    wk_spec_fill_defaults(&sp->o);
+    wk_spec_cost_init(&sp->cost, sp->o.token_cost);
+    for (int i = 0; i < WK_ACC_BUCKETS; i++) sp->acc[i] = WK_ACC_PRIOR;
+    sp->max_requests = max_requests;
+    int md = sp->o.max_draft;
+    sp->tok2 = malloc(sizeof *sp->tok2 * md);
+    sp->share2 = malloc(sizeof *sp->share2 * md);
+    sp->plan_prob = malloc(sizeof *sp->plan_prob * max_requests);
+    sp->plan_n = malloc(sizeof *sp->plan_n * max_requests);
+    sp->plan_take = malloc(sizeof *sp->plan_take * max_requests);
+    int rc = sp->tok2 && sp->share2 && sp->plan_prob && sp->plan_n && sp->plan_take ? 0 : KM_ENOMEM;
+    if (!rc) rc = wk_suffix_create(&(wk_suffix_opts){.bytes = sp->o.index_bytes}, &sp->global);
+    if (rc) {
+        wk_spec_destroy(sp);
+        return rc;
+    }
+    *out = sp;
+    return 0;
+}
+
+void wk_spec_destroy(wk_spec *sp)
+{
+    if (!sp) return;
+    wk_suffix_destroy(sp->global);
+    free(sp->tok2);
+    free(sp->share2);
+    free(sp->plan_prob);
+    free(sp->plan_n);
+    free(sp->plan_take);
+    free(sp);
+}
+
+const wk_spec_opts *wk_spec_options(const wk_spec *sp)
+{
+    return &sp->o;
+}
+
+void wk_spec_stats_get(const wk_spec *sp, wk_spec_stats *out)
+{
+    *out = sp->st;
+    wk_suffix_stats_get(sp->global, &out->index);
+}
+
+void wk_spec_observe_step(wk_spec *sp, int n_tokens, double ms)
+{
+    wk_spec_cost_observe(&sp->cost, n_tokens, ms);
+}
+
+int wk_spec_seq_create(wk_spec *sp, km_pagehash tenant, int capacity, int max_draft,
+                       wk_spec_seq **out)
+{
+    *out = NULL;
+    wk_spec_seq *q = calloc(1, sizeof *q);
+    if (!q) return KM_ENOMEM;
+    q->sp = sp;
+    q->tenant = tenant;
+    q->max_draft = max_draft > 0 && max_draft < sp->o.max_draft ? max_draft : sp->o.max_draft;
+    q->acc = WK_ACC_PRIOR;
+    q->tok = malloc(sizeof *q->tok * sp->o.max_draft);
+    q->share = malloc(sizeof *q->share * sp->o.max_draft);
+    q->prob = malloc(sizeof *q->prob * sp->o.max_draft);
+    int rc = q->tok && q->share && q->prob ? 0 : KM_ENOMEM;
+    if (!rc)
+        rc = wk_suffix_create(&(wk_suffix_opts){.bytes = wk_suffix_bytes_for(capacity + 2)},
+                              &q->own);
+    if (rc) {
+        wk_spec_seq_destroy(q);
+        return rc;
+    }
+    *out = q;
+    return 0;
+}
+
+void wk_spec_seq_destroy(wk_spec_seq *q)
+{
+    if (!q) return;
+    wk_suffix_destroy(q->own);
+    free(q->tok);
+    free(q->share);
+    free(q->prob);
+    free(q);
+}
+
+void wk_spec_seq_append(wk_spec_seq *q, const int32_t *tokens, int n)
+{
+    wk_suffix_append(q->own, q->tenant, tokens, n);
+}
+
+void wk_spec_learn(wk_spec *sp, km_pagehash tenant, const int32_t *tokens, int n_prompt, int n)
+{
+    if (n <= n_prompt) return;
+    int from = n_prompt > sp->o.lead_in ? n_prompt - sp->o.lead_in : 0;
+    wk_suffix_append(sp->global, tenant, tokens + from, n - from);
+    wk_suffix_close(sp->global);
+}
+
+static int wk_acc_bucket(int match_len)
+{
+    int b = 0;
+    while (match_len > 1 && b < WK_ACC_BUCKETS - 1) {
+        match_len >>= 1;
+        b++;
+    }
+    return b;
+}
+
+/* The conditional acceptance expected of a proposal with this match length. */
+static float wk_spec_expect(const wk_spec_seq *q, int match_len)
+{
+    float g = q->sp->acc[wk_acc_bucket(match_len)];
+    return ((float)q->obs * q->acc + WK_ACC_BLEND * g) / ((float)q->obs + WK_ACC_BLEND);
+}
+
+/* Trims a proposal to its allowed length and fills prob; returns its expected accepted length. */
+static float wk_spec_score(const wk_spec_seq *q, const wk_draft *d, float *prob, int max)
+{
+    if (!d->n || d->match_len < q->backoff_match) return 0;
+    int n = wk_spec_draft_len(d->match_len, q->sp->o.factor, max);
+    if (n > d->n) n = d->n;
+    float c = wk_spec_expect(q, d->match_len), p = 1, score = 0;
+    for (int j = 0; j < n; j++) {
+        p *= d->share[j] < c ? d->share[j] : c;
+        prob[j] = p;
+        score += p;
+    }
+    return score;
+}
+
+int wk_spec_propose(wk_spec *sp, wk_spec_seq *q, const int32_t *ctx, int n_ctx, int max)
+{
+    q->n = 0;
+    q->match_len = 0;
+    if (max > q->max_draft) max = q->max_draft;
+    if (max <= 0) return 0;
+    float min_share = sp->o.min_share;
+    wk_draft own = {.tok = q->tok, .share = q->share};
+    wk_draft glob = {.tok = sp->tok2, .share = sp->share2};
+    wk_suffix_propose(q->own, q->tenant, ctx, n_ctx, max, min_share, 1, &own);
+    wk_suffix_propose(sp->global, q->tenant, ctx, n_ctx, max, min_share, 0, &glob);
+    /* prob of the global proposal goes to the end of q->prob's room only after it wins. */
+    float s_own = wk_spec_score(q, &own, q->prob, max);
+    float s_glob = 0;
+    if (glob.n) {
+        float tmp[64];
+        s_glob = wk_spec_score(q, &glob, tmp, max);
+        if (s_glob > s_own) {
+            int n = wk_spec_draft_len(glob.match_len, sp->o.factor, max);
+            if (n > glob.n) n = glob.n;
+            memcpy(q->tok, glob.tok, sizeof *q->tok * n);
+            memcpy(q->share, glob.share, sizeof *q->share * n);
+            memcpy(q->prob, tmp, sizeof *q->prob * n);
+            q->n = n;
+            q->match_len = glob.match_len;
+        }
+    }
+    if (!q->n && s_own > 0) {
+        int n = wk_spec_draft_len(own.match_len, sp->o.factor, max);
+        q->n = n < own.n ? n : own.n;
+        q->match_len = own.match_len;
+    }
+    if (q->n) sp->st.proposed++;
+    return q->n;
+}
+
+int wk_spec_plan(wk_spec *sp, wk_spec_seq *const *qs, int n, int base_tokens, int room)
+{
+    if (n > sp->max_requests) n = sp->max_requests;
+    for (int i = 0; i < n; i++) {
+        sp->plan_prob[i] = qs[i]->prob;
+        sp->plan_n[i] = qs[i]->n;
+    }
+    int total = wk_spec_budget(wk_spec_cost_base_tokens(&sp->cost), base_tokens, room,
+                               sp->plan_prob, sp->plan_n, n, sp->plan_take);
+    for (int i = 0; i < n; i++) qs[i]->n = sp->plan_take[i];
+    return total;
+}
+
+const int32_t *wk_spec_seq_draft(const wk_spec_seq *q, int *n)
+{
+    *n = q->n;
+    return q->tok;
+}
+
+void wk_spec_seq_clear(wk_spec_seq *q)
+{
+    q->n = 0;
+}
+
+int wk_spec_seq_accepted(const wk_spec_seq *q)
+{
+    return q->accepted;
+}
+
+void wk_spec_verified(wk_spec *sp, wk_spec_seq *q, int n, int accepted)
+{
+    if (n <= 0) return;
+    sp->st.verifies++;
+    sp->st.drafted += n;
+    sp->st.accepted += accepted;
+    sp->st.rejected += n - accepted;
+    q->accepted += accepted;
+    /* Each position up to the first rejection is one outcome of the conditional acceptance. */
+    float *g = &sp->acc[wk_acc_bucket(q->match_len)];
+    for (int j = 0; j <= accepted && j < n; j++) {
+        float x = j < accepted ? 1.0f : 0.0f;
+        q->acc += WK_ACC_OWN * (x - q->acc);
+        *g += WK_ACC_GLOBAL * (x - *g);
+    }
+    if (q->obs < 16) q->obs++;
+    if (accepted) {
+        q->fails = 0;
+        q->backoff_match = 0;
+    } else if (++q->fails >= sp->o.fail_limit) {
+        /* Drafting stops until a match longer than this one turns up; then a fresh record. */
+        q->backoff_match = q->match_len + 1;
+        q->fails = 0;
+        q->obs = 0;
+        q->acc = WK_ACC_PRIOR;
+        sp->st.backoffs++;
+    }
+    q->n = 0;
+}
