@@ -21,11 +21,18 @@
  *  - Every per-step buffer is sized at create; requests allocate only at submit and admission.
  *  - Outputs do not depend on batch composition: the engine's forward is batch-invariant and
  *    each sequence has its own sampler.
+ *  - Speculative decoding (spec.h): a decoding sequence may carry draft tokens after its token;
+ *    every position yields logits, the sampler picks each position's token as it would have one
+ *    step at a time, drafts equal to the picks are kept, and the KV past the last kept one is
+ *    truncated. Drafts only use room prefill leaves, the step-cost budget decides how many, and a
+ *    step that finds the KV store full drops its drafts before anything is preempted.
  */
+#include <assert.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "worker/spec.h"
 #include "worker/worker.h"
 
 typedef struct wk_rq {
@@ -38,6 +45,7 @@ typedef struct wk_rq {
     km_pagehash seed;
     kv_seq *seq; /* NULL while queued */
     wk_sampler *smp;
+    wk_spec_seq *spec; /* NULL: no speculation */
     int priority, ignore_eos, canceled, admitted, preemptions, cached_tokens;
     uint64_t arrival_ns, deadline_ns, admit_ns, first_ns;
 } wk_rq;
@@ -45,8 +53,9 @@ typedef struct wk_rq {
 /* One sequence's part of the current batch. */
 typedef struct wk_part {
     wk_rq *rq;
-    int n;    /* tokens of this step */
-    int want; /* the last of them produces logits */
+    int n;     /* tokens of this step */
+    int want;  /* the last of them produces logits */
+    int draft; /* of n, draft tokens after the sequence's token (all n produce logits) */
 } wk_part;
 
 struct wk_sched {
@@ -67,6 +76,8 @@ struct wk_sched {
     kv_seq **b_seq;
     uint8_t *b_want;
     wk_part *parts;
+    wk_spec *spec;
+    wk_spec_seq **b_spec; /* [max_running] this step's proposals */
     wk_sched_stats st;
 };
 
@@ -106,10 +117,13 @@ int wk_sched_create(wk_engine *e, const wk_model *m, const wk_sched_opts *o, con
     s->b_seq = calloc(T, sizeof *s->b_seq);
     s->b_want = calloc(T, sizeof *s->b_want);
     s->parts = calloc(T, sizeof *s->parts);
-    if (!s->run || !s->queue || !s->b_tok || !s->b_pos || !s->b_seq || !s->b_want || !s->parts) {
+    s->b_spec = calloc(s->o.max_running, sizeof *s->b_spec);
+    if (!s->run || !s->queue || !s->b_tok || !s->b_pos || !s->b_seq || !s->b_want || !s->parts ||
+        !s->b_spec || wk_spec_create(&s->o.spec, s->o.max_running, &s->spec)) {
         wk_sched_destroy(s);
         return km_errf(err, KM_ENOMEM, "sched: out of memory");
     }
+    s->o.spec = *wk_spec_options(s->spec);
     *out = s;
     return 0;
 }
@@ -119,6 +133,7 @@ static void wk_rq_free(wk_sched *s, wk_rq *r)
     if (!r) return;
     if (r->seq) kv_seq_destroy(s->kv, r->seq);
     wk_sampler_destroy(r->smp);
+    wk_spec_seq_destroy(r->spec);
     free(r->tokens);
     free(r->hashes);
     free(r);
@@ -136,6 +151,8 @@ void wk_sched_destroy(wk_sched *s)
     free(s->b_seq);
     free(s->b_want);
     free(s->parts);
+    free(s->b_spec);
+    wk_spec_destroy(s->spec);
     free(s);
 }
 
@@ -185,6 +202,16 @@ int wk_sched_submit(wk_sched *s, const wk_sched_req *q, uint64_t *rid)
     for (int i = 0; i < q->n_tokens; i++) wk_sampler_accept(r->smp, q->tokens[i]);
     r->seed = km_pagehash_seed(s->fp, strlen(s->fp), s->o.cluster_seed, q->cache_salt,
                                q->cache_salt ? q->cache_salt_len : 0);
+    int mode = q->speculate ? q->speculate : s->o.spec.mode;
+    if (mode == WK_SPEC_AUTO) {
+        /* The request's tenant key is its page-hash seed: model, cluster seed and cache_salt. */
+        rc = wk_spec_seq_create(s->spec, r->seed, cap, q->max_draft, &r->spec);
+        if (rc) {
+            wk_rq_free(s, r);
+            return rc;
+        }
+        wk_spec_seq_append(r->spec, r->tokens, r->n_tok);
+    }
     wk_rq_hash(s, r);
     r->rid = s->next_rid++;
     r->user = q->user;
@@ -214,6 +241,13 @@ int wk_sched_pending(const wk_sched *s)
 void wk_sched_stats_get(const wk_sched *s, wk_sched_stats *out)
 {
     *out = s->st;
+    wk_spec_stats sp;
+    wk_spec_stats_get(s->spec, &sp);
+    out->spec_drafted = sp.drafted;
+    out->spec_accepted = sp.accepted;
+    out->spec_rejected = sp.rejected;
+    out->spec_verifies = sp.verifies;
+    out->spec_backoffs = sp.backoffs;
     out->running = s->n_run;
     out->queued = s->n_queue;
 }
@@ -225,7 +259,11 @@ static double wk_ms(uint64_t from, uint64_t to)
 
 static void wk_rq_usage(const wk_rq *r, uint64_t now, wk_sched_usage *u)
 {
+    int drafted = 0, accepted = 0;
+    if (r->spec) wk_spec_seq_counts(r->spec, &drafted, &accepted);
     *u = (wk_sched_usage){
+        .draft_tokens = drafted,
+        .accepted_draft_tokens = accepted,
         .prompt_tokens = r->n_prompt,
         .cached_tokens = r->cached_tokens,
         .completion_tokens = r->n_gen,
@@ -250,6 +288,8 @@ static void wk_rq_end(wk_sched *s, wk_rq *r, km_finish finish, int code, const c
     wk_sched_usage u;
     wk_rq_usage(r, now, &u);
     wk_rq_publish(s, r);
+    /* What it wrote becomes draft material for the same tenant's later requests. */
+    if (!code && r->n_gen > 0) wk_spec_learn(s->spec, r->seed, r->tokens, r->n_prompt, r->n_tok);
     if (r->seq) {
         kv_seq_destroy(s->kv, r->seq);
         r->seq = NULL;
@@ -414,9 +454,55 @@ static void wk_sched_admit(wk_sched *s, uint64_t now)
     }
 }
 
-/* Fills the batch: decodes first, then prefill chunks in admission order. When the step decodes
- * and decode_prefill is set, its prompt tokens are capped there: a long prefill in the same step
- * is what makes a running sequence wait for its next token (inter-token latency spikes). */
+/* Whether a shard keeps int4 pages: those are sealed when they fill, so a verification must stay
+ * inside one page there (a later token of the step would read the filled page unsealed, where
+ * one token at a time reads it sealed). */
+static int wk_sched_int4(const wk_sched *s)
+{
+    kv_shard_stats st;
+    for (int i = 0; i < kv_store_n_shards(s->kv); i++)
+        if (!kv_store_shard_stats(s->kv, i, &st) && st.format == KN_KV_INT4) return 1;
+    return 0;
+}
+
+/* Proposes drafts for the decoding sequences and lets the budget grant them room, out of what
+ * this step's decodes and prefill leave (drafts never displace a prompt token). */
+static void wk_sched_plan(wk_sched *s)
+{
+    int budget = s->o.max_batch_tokens, n_dec = 0, n_pre = 0, nq = 0;
+    for (int i = 0; i < s->n_run; i++) {
+        if (s->run[i]->spec) wk_spec_seq_clear(s->run[i]->spec);
+        n_dec += s->run[i]->n_tok - s->run[i]->n_done == 1;
+    }
+    if (!n_dec) return;
+    /* The prompt tokens wk_sched_build will take. */
+    int pre_budget = budget - n_dec;
+    if (s->o.decode_prefill > 0 && s->o.decode_prefill < pre_budget)
+        pre_budget = s->o.decode_prefill;
+    for (int i = 0; i < s->n_run && n_pre < pre_budget; i++) {
+        int left = s->run[i]->n_tok - s->run[i]->n_done;
+        if (left <= 1) continue;
+        int take = left < s->o.prefill_chunk ? left : s->o.prefill_chunk;
+        n_pre += take < pre_budget - n_pre ? take : pre_budget - n_pre;
+    }
+    int room = budget - n_dec - n_pre, int4 = -1;
+    if (room <= 0) return;
+    for (int i = 0; i < s->n_run; i++) {
+        wk_rq *r = s->run[i];
+        if (!r->spec || r->n_tok - r->n_done != 1) continue;
+        int cap = r->max_gen - r->n_gen - 1; /* the token after the drafts counts too */
+        if (cap > 0 && int4 < 0) int4 = wk_sched_int4(s);
+        if (int4 > 0 && cap > s->pt - 1 - r->n_done % s->pt) cap = s->pt - 1 - r->n_done % s->pt;
+        if (cap > 0 && wk_spec_propose(s->spec, r->spec, r->tokens, r->n_tok, cap) > 0)
+            s->b_spec[nq++] = r->spec;
+    }
+    if (nq) wk_spec_plan(s->spec, s->b_spec, nq, n_dec + n_pre, room);
+}
+
+/* Fills the batch: decodes (each with its granted drafts) first, then prefill chunks in
+ * admission order. When the step decodes and decode_prefill is set, its prompt tokens are capped
+ * there: a long prefill in the same step is what makes a running sequence wait for its next
+ * token (inter-token latency spikes). */
 static int wk_sched_build(wk_sched *s, int *n_parts)
 {
     int n = 0, np = 0, budget = s->o.max_batch_tokens;
@@ -425,8 +511,10 @@ static int wk_sched_build(wk_sched *s, int *n_parts)
             budget = n + s->o.decode_prefill;
         for (int i = 0; i < s->n_run && n < budget; i++) {
             wk_rq *r = s->run[i];
-            int left = r->n_tok - r->n_done;
+            int left = r->n_tok - r->n_done, nd = 0;
             if (left <= 0 || (pass == 0) != (left == 1)) continue;
+            const int32_t *d = r->spec && pass == 0 ? wk_spec_seq_draft(r->spec, &nd) : NULL;
+            if (nd > budget - n - 1) nd = 0; /* the plan left room; never overflow the batch */
             int take = left;
             if (take > s->o.prefill_chunk) take = s->o.prefill_chunk;
             if (take > budget - n) take = budget - n;
@@ -437,8 +525,15 @@ static int wk_sched_build(wk_sched *s, int *n_parts)
                 s->b_seq[n + j] = r->seq;
                 s->b_want[n + j] = p == r->n_tok - 1;
             }
-            s->parts[np++] = (wk_part){.rq = r, .n = take, .want = r->n_done + take == r->n_tok};
-            n += take;
+            for (int j = 0; j < nd; j++) {
+                s->b_tok[n + take + j] = d[j];
+                s->b_pos[n + take + j] = r->n_done + take + j;
+                s->b_seq[n + take + j] = r->seq;
+                s->b_want[n + take + j] = 1;
+            }
+            s->parts[np++] = (wk_part){
+                .rq = r, .n = take + nd, .want = r->n_done + take == r->n_tok, .draft = nd};
+            n += take + nd;
         }
     }
     *n_parts = np;
@@ -461,25 +556,65 @@ static int wk_index_of(wk_rq **a, int n, const wk_rq *r)
     return -1;
 }
 
-/* One sampled token: record it, report it, and decide whether the request is over. */
-static void wk_rq_take_token(wk_sched *s, wk_rq *r, int32_t t, uint64_t now)
+/* One sampled token: record it and report it. Returns 1 when the request is over (*fin says
+ * why; the caller ends it), 0 to go on. */
+static int wk_rq_push(wk_sched *s, wk_rq *r, int32_t t, uint64_t now, km_finish *fin)
 {
     if (!r->first_ns) r->first_ns = now;
-    int idx = wk_index_of(s->run, s->n_run, r);
     if (!r->ignore_eos && km_tok_is_eog(s->tok, t)) {
-        wk_remove_at(s->run, &s->n_run, idx);
-        wk_rq_end(s, r, KM_FINISH_STOP, 0, NULL);
-        return;
+        *fin = KM_FINISH_STOP;
+        return 1;
     }
     r->tokens[r->n_tok++] = t;
     r->n_gen++;
     wk_sampler_accept(r->smp, t);
+    if (r->spec) wk_spec_seq_append(r->spec, &t, 1);
     wk_rq_hash(s, r);
     int stop = s->cb.on_token ? s->cb.on_token(s->cb.ctx, r->user, r->n_gen - 1, t) : 0;
     if (stop || r->n_gen >= r->max_gen) {
-        wk_remove_at(s->run, &s->n_run, idx);
-        wk_rq_end(s, r, stop ? KM_FINISH_STOP : KM_FINISH_LENGTH, 0, NULL);
+        *fin = stop ? KM_FINISH_STOP : KM_FINISH_LENGTH;
+        return 1;
     }
+    return 0;
+}
+
+static void wk_rq_finish(wk_sched *s, wk_rq *r, km_finish fin)
+{
+    wk_remove_at(s->run, &s->n_run, wk_index_of(s->run, s->n_run, r));
+    wk_rq_end(s, r, fin, 0, NULL);
+}
+
+/* A sequence's token and its drafts came back with logits at every position: the sampler picks
+ * each position's token exactly as one step at a time would (same logits, same history, same
+ * RNG draws), drafts equal to the picks are kept, and the KV past the last kept one is dropped.
+ * For a single-proposal draft this is standard speculative sampling (spec.h). */
+static void wk_sched_verify(wk_sched *s, const wk_part *p, const float *rows, uint64_t now)
+{
+    wk_rq *r = p->rq;
+    int k = p->draft, acc = 0, nd, ended = 0, before = r->n_done / s->pt;
+    const int32_t *d = wk_spec_seq_draft(r->spec, &nd);
+    assert(nd == k && p->n == k + 1 && r->n_tok - r->n_done == 1);
+    km_finish fin = KM_FINISH_STOP;
+    r->n_done++;
+    for (int j = 0; j <= k; j++) {
+        int32_t t = wk_sampler_sample(r->smp, rows + (size_t)j * s->n_vocab);
+        int match = j < k && t == d[j];
+        ended = wk_rq_push(s, r, t, now, &fin);
+        acc += match;
+        if (ended || !match) break;
+        r->n_done++; /* the draft's KV, written by this step, is the token's */
+    }
+    KM_DEBUG("spec_verify", "rid=%llu pos=%d drafted=%d accepted=%d", (unsigned long long)r->rid,
+             r->n_done - 1 - acc, k, acc);
+    wk_spec_verified(s->spec, r->spec, k, acc);
+    s->st.decode_tokens += 1 + acc;
+    if (ended) {
+        wk_rq_finish(s, r, fin);
+        return;
+    }
+    assert(r->n_done == r->n_tok - 1);
+    if (acc < k) kv_seq_truncate(s->kv, r->seq, r->n_done);
+    if (r->n_done / s->pt > before) wk_rq_publish(s, r);
 }
 
 int wk_sched_step(wk_sched *s)
@@ -487,19 +622,31 @@ int wk_sched_step(wk_sched *s)
     uint64_t now = km_now_ns();
     wk_sched_expire(s, now);
     wk_sched_admit(s, now);
+    wk_sched_plan(s);
 
-    int n, np;
+    int n, np, drafts;
     const float *logits = NULL;
     for (;;) {
         n = wk_sched_build(s, &np);
         if (!n) return 0;
+        drafts = 0;
+        for (int i = 0; i < np; i++) drafts += s->parts[i].draft;
         wk_batch b = {.n_tokens = n,
                       .tokens = s->b_tok,
                       .pos = s->b_pos,
                       .seqs = s->b_seq,
                       .logits = s->b_want};
+        uint64_t t0 = km_now_ns();
         int rc = wk_engine_step(s->e, &b, &logits);
-        if (rc >= 0) break;
+        if (rc >= 0) {
+            wk_spec_observe_step(s->spec, n, (km_now_ns() - t0) / 1e6);
+            break;
+        }
+        if (rc == KM_ENOSPC && drafts) { /* drafts are the first thing to give up */
+            for (int i = 0; i < s->n_run; i++)
+                if (s->run[i]->spec) wk_spec_seq_clear(s->run[i]->spec);
+            continue;
+        }
         if (rc == KM_ENOSPC && s->n_run > 1) {
             wk_rq_preempt(s, wk_sched_victim(s));
             continue;
@@ -519,6 +666,11 @@ int wk_sched_step(wk_sched *s)
     for (int i = 0; i < np; i++) {
         wk_part *p = &s->parts[i];
         wk_rq *r = p->rq;
+        if (p->draft) {
+            wk_sched_verify(s, p, logits + (size_t)row * s->n_vocab, now);
+            row += p->n;
+            continue;
+        }
         int before = r->n_done / s->pt;
         r->n_done += p->n;
         if (p->n == 1 && r->n_gen > 0)
@@ -528,7 +680,9 @@ int wk_sched_step(wk_sched *s)
         if (r->n_done / s->pt > before) wk_rq_publish(s, r);
         if (!p->want) continue;
         const float *row_logits = logits + (size_t)row++ * s->n_vocab;
-        wk_rq_take_token(s, r, wk_sampler_sample(r->smp, row_logits), now);
+        km_finish fin;
+        if (wk_rq_push(s, r, wk_sampler_sample(r->smp, row_logits), now, &fin))
+            wk_rq_finish(s, r, fin);
     }
     return n;
 }

@@ -108,11 +108,11 @@ int wk_spec_draft_len(int match_len, float factor, int cap)
 
 /* ---------------------------------------------------------------- drafting */
 
-#define WK_ACC_BUCKETS 7     /* match length 1, 2-3, 4-7, 8-15, 16-31, 32-63, 64+ */
-#define WK_ACC_PRIOR   0.5f  /* conditional acceptance assumed before any verification */
-#define WK_ACC_OWN     0.3f  /* EWMA step of a request's own record */
-#define WK_ACC_GLOBAL  0.05f /* EWMA step of the worker's record per match length */
-#define WK_ACC_BLEND   4.0f  /* the worker's record weighs as this many of the request's */
+#define WK_ACC_BUCKETS 7    /* match length 1, 2-3, 4-7, 8-15, 16-31, 32-63, 64+ */
+#define WK_ACC_PRIOR   0.5f /* conditional acceptance assumed before any verification */
+#define WK_ACC_OWN     0.3f /* EWMA step of a request's own record */
+#define WK_ACC_GLOBAL  0.1f /* EWMA step of the worker's record per match length */
+#define WK_ACC_BLEND   2.0f /* the worker's record weighs as this many of the request's */
 
 struct wk_spec {
     wk_spec_opts o;
@@ -136,7 +136,7 @@ struct wk_spec_seq {
     int n, match_len;
     float acc; /* the request's conditional acceptance (EWMA) */
     int obs;   /* verifications in its record (capped) */
-    int fails, backoff_match, accepted;
+    int fails, backoff_match, drafted, accepted;
 };
 
 void wk_spec_opts_default(wk_spec_opts *o)
@@ -361,9 +361,10 @@ void wk_spec_seq_clear(wk_spec_seq *q)
     q->n = 0;
 }
 
-int wk_spec_seq_accepted(const wk_spec_seq *q)
+void wk_spec_seq_counts(const wk_spec_seq *q, int *drafted, int *accepted)
 {
-    return q->accepted;
+    *drafted = q->drafted;
+    *accepted = q->accepted;
 }
 
 void wk_spec_verified(wk_spec *sp, wk_spec_seq *q, int n, int accepted)
@@ -373,6 +374,7 @@ void wk_spec_verified(wk_spec *sp, wk_spec_seq *q, int n, int accepted)
     sp->st.drafted += n;
     sp->st.accepted += accepted;
     sp->st.rejected += n - accepted;
+    q->drafted += n;
     q->accepted += accepted;
     /* Each position up to the first rejection is one outcome of the conditional acceptance. */
     float *g = &sp->acc[wk_acc_bucket(q->match_len)];

@@ -114,23 +114,6 @@ int wk_spec_draft_len(int match_len, float factor, int cap);
 
 /* ---------------------------------------------------------------- drafting (spec.c) */
 
-typedef enum wk_spec_mode {
-    WK_SPEC_DEFAULT = 0, /* a request that does not say: the worker's mode */
-    WK_SPEC_OFF = 1,
-    WK_SPEC_AUTO = 2, /* draft when the budget says it pays */
-} wk_spec_mode;
-
-typedef struct wk_spec_opts {
-    int mode;           /* the worker's default: WK_SPEC_OFF or WK_SPEC_AUTO (0: auto) */
-    int max_draft;      /* draft tokens per request and step; 0: 16 */
-    float factor;       /* draft length <= factor x match length; 0: 1.0 */
-    float min_share;    /* a proposal stops at a token with a smaller share; 0: 0.1 */
-    size_t index_bytes; /* the global suffix index's budget; 0: 32 MiB */
-    int fail_limit;     /* verifications in a row with nothing accepted before backing off; 0: 3 */
-    float token_cost;   /* per-token / base cost of a step assumed before measuring; 0: 0.25 */
-    int lead_in;        /* prompt tokens indexed with an output in the global index; 0: 32 */
-} wk_spec_opts;
-
 void wk_spec_opts_default(wk_spec_opts *o);
 
 typedef struct wk_spec_stats {
@@ -174,8 +157,8 @@ const int32_t *wk_spec_seq_draft(const wk_spec_seq *q, int *n);
 void wk_spec_seq_clear(wk_spec_seq *q);
 /* Records a verification: of the n drafted tokens, the first `accepted` were kept. */
 void wk_spec_verified(wk_spec *sp, wk_spec_seq *q, int n, int accepted);
-/* Draft tokens of this request accepted so far. */
-int wk_spec_seq_accepted(const wk_spec_seq *q);
+/* Draft tokens of this request verified and accepted so far. */
+void wk_spec_seq_counts(const wk_spec_seq *q, int *drafted, int *accepted);
 
 #ifdef __cplusplus
 }

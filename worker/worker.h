@@ -175,6 +175,26 @@ extern "C" {
 
 typedef struct wk_sched wk_sched;
 
+/* Speculative decoding without a draft model (worker/spec.h, docs/speculative.md): drafts from
+ * suffix matches over the request's own text and the tenant's earlier outputs, verified in one
+ * step; the output is token for token what decoding without drafts gives. */
+typedef enum wk_spec_mode {
+    WK_SPEC_DEFAULT = 0, /* a request that does not say: the worker's mode */
+    WK_SPEC_OFF = 1,
+    WK_SPEC_AUTO = 2, /* draft when the step-cost budget says it pays */
+} wk_spec_mode;
+
+typedef struct wk_spec_opts {
+    int mode;           /* the worker's default: WK_SPEC_OFF or WK_SPEC_AUTO (0: auto) */
+    int max_draft;      /* draft tokens per request and step; 0: 16 (at most 64) */
+    float factor;       /* draft length <= factor x match length; 0: 1.0 */
+    float min_share;    /* a proposal stops at a token with a smaller share; 0: 0.1 */
+    size_t index_bytes; /* the global suffix index's budget; 0: 32 MiB */
+    int fail_limit;     /* verifications in a row with nothing accepted before backing off; 0: 3 */
+    float token_cost;   /* per-token / base cost of a step assumed before measuring; 0: 0.25 */
+    int lead_in;        /* prompt tokens indexed with an output in the global index; 0: 32 */
+} wk_spec_opts;
+
 typedef struct wk_sched_opts {
     int max_running;        /* sequences in flight at once; 0: 64 */
     int max_queue;          /* requests waiting for a slot; 0: 1024 */
@@ -186,6 +206,7 @@ typedef struct wk_sched_opts {
     int default_max_tokens; /* when a request says 0; 0: 256 */
     double aging_per_s;     /* priority points a waiting request gains per second; 0: 20 */
     uint64_t cluster_seed;  /* page-hash chain seed (with the model fingerprint and cache_salt) */
+    wk_spec_opts spec;      /* speculative decoding */
 } wk_sched_opts;
 
 typedef struct wk_sched_req {
@@ -199,11 +220,14 @@ typedef struct wk_sched_req {
     const char *cache_salt; /* NULL: none */
     size_t cache_salt_len;
     int ignore_eos; /* keep going past end-of-generation tokens */
+    int speculate;  /* wk_spec_mode; 0: the worker's */
+    int max_draft;  /* draft tokens per step at most; 0: the worker's (never more) */
     void *user;     /* handed back to every callback */
 } wk_sched_req;
 
 typedef struct wk_sched_usage {
     int prompt_tokens, cached_tokens, completion_tokens, preemptions;
+    int draft_tokens, accepted_draft_tokens; /* drafted and verified / kept (of completion) */
     double queue_ms, ttft_ms, total_ms;
 } wk_sched_usage;
 
@@ -223,6 +247,9 @@ typedef struct wk_sched_stats {
     uint64_t steps, prefill_tokens, decode_tokens, prompt_tokens, cached_tokens, preemptions,
         recomputed_tokens, completed, canceled, deadline, failed, engine_errors,
         kv_full; /* requests handed back (503) because pinned pages left no room: transient */
+    /* Speculative decoding: draft tokens verified, kept and thrown away; verification steps of
+     * a request (mean accepted length = spec_accepted / spec_verifies); back-offs. */
+    uint64_t spec_drafted, spec_accepted, spec_rejected, spec_verifies, spec_backoffs;
 } wk_sched_stats;
 
 int wk_sched_create(wk_engine *e, const wk_model *m, const wk_sched_opts *o, const wk_sched_cb *cb,
