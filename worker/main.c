@@ -25,10 +25,12 @@ static void wk_on_signal(int signo)
 typedef struct wk_args {
     const char *model, *listen, *events, *controller, *admin_host, *worker_id, *kv_format;
     const char *alias, *ports_file, *log_level, *log_format, *kv_disk_dir, *cluster_secret;
+    const char *speculate;
     int64_t threads, admin_port, page_tokens, max_batch, prefill_chunk, max_running, max_queue;
-    int64_t decode_prefill;
+    int64_t decode_prefill, spec_max_draft;
+    double spec_factor;
     int64_t max_ctx, default_max_tokens, heartbeat_ms, drain_ms, event_replay, cluster_seed;
-    uint64_t kv_bytes, max_frame, kv_host_bytes, kv_disk_bytes;
+    uint64_t kv_bytes, max_frame, kv_host_bytes, kv_disk_bytes, spec_index_bytes;
     bool chaos;
     km_sec_args sec;
 } wk_args;
@@ -86,6 +88,18 @@ int main(int argc, char **argv)
          2, 1 << 20},
         {"default-max-tokens", NULL, KM_OPT_INT, "256", "completion length when a request says 0",
          &a.default_max_tokens, 1, 1 << 20},
+        {"speculate", NULL, KM_OPT_STR, "auto",
+         "speculative decoding for requests that do not say: auto (suffix drafts where the "
+         "step-cost budget says they pay; output unchanged) or off",
+         &a.speculate, 0, 0},
+        {"spec-max-draft", NULL, KM_OPT_INT, "16", "draft tokens per request and step at most",
+         &a.spec_max_draft, 1, 64},
+        {"spec-factor", NULL, KM_OPT_FLOAT, "1", "draft length at most this times the match length",
+         &a.spec_factor, 0, 0},
+        {"spec-index-bytes", NULL, KM_OPT_SIZE, "32M",
+         "memory of the index over earlier outputs that drafts come from (all tenants; each sees "
+         "only its own)",
+         &a.spec_index_bytes, 0, 0},
         {"heartbeat", NULL, KM_OPT_DURATION, "1s", "heartbeat interval", &a.heartbeat_ms, 10,
          3600000},
         {"drain-timeout", NULL, KM_OPT_DURATION, "30s",
@@ -113,6 +127,15 @@ int main(int argc, char **argv)
     kv_format fmt;
     if (kv_format_parse(a.kv_format, &fmt)) {
         fprintf(stderr, "kvmesh-worker: unknown --kv-format %s\n", a.kv_format);
+        km_config_destroy(cfg);
+        return 2;
+    }
+    int spec_mode = !strcmp(a.speculate, "auto")  ? WK_SPEC_AUTO
+                    : !strcmp(a.speculate, "off") ? WK_SPEC_OFF
+                                                  : 0;
+    if (!spec_mode || !(a.spec_factor > 0) || a.spec_index_bytes < 4096) {
+        fprintf(stderr, "kvmesh-worker: --speculate is auto or off, --spec-factor > 0, "
+                        "--spec-index-bytes >= 4K\n");
         km_config_destroy(cfg);
         return 2;
     }
@@ -178,15 +201,20 @@ int main(int argc, char **argv)
                   .decode_prefill = (int)a.decode_prefill,
                   .max_ctx = (int)a.max_ctx,
                   .default_max_tokens = (int)a.default_max_tokens,
-                  .cluster_seed = (uint64_t)a.cluster_seed},
+                  .cluster_seed = (uint64_t)a.cluster_seed,
+                  .spec = {.mode = spec_mode,
+                           .max_draft = (int)a.spec_max_draft,
+                           .factor = (float)a.spec_factor,
+                           .index_bytes = (size_t)a.spec_index_bytes}},
     };
     if (wk_service_create(m, e, &so, &g_svc, &err)) {
         KM_ERROR("service_create", "msg=\"%s\"", err.msg);
         goto out;
     }
-    KM_INFO("worker_start", "model=%s threads=%d isa=%s kv_format=%s kv_pages=%d chaos=%d", path,
+    KM_INFO("worker_start",
+            "model=%s threads=%d isa=%s kv_format=%s kv_pages=%d speculate=%s chaos=%d", path,
             wk_engine_threads(e), wk_engine_isa(e), kv_format_name(fmt),
-            kv_store_pages_total(wk_engine_kv(e)), (int)a.chaos);
+            kv_store_pages_total(wk_engine_kv(e)), a.speculate, (int)a.chaos);
     km_daemon_signals(wk_on_signal);
     status = wk_service_run(g_svc);
     KM_INFO("worker_exit", "status=%d", status);
