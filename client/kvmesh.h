@@ -71,10 +71,11 @@ typedef struct kvm_result {
     km_buf text;       /* the whole completion (streamed or not) */
     uint32_t n_tokens; /* tokens received */
     uint32_t prompt_tokens, cached_tokens, completion_tokens;
-    double queue_ms, ttft_ms, total_ms;     /* as the server measured */
-    double client_ttft_ms, client_total_ms; /* as this client measured */
-    char worker[KM_PROTO_MAX_NAME + 1];     /* `done.worker`, when a router says it */
-    uint32_t migrations;                    /* `done.migrations` */
+    uint32_t draft_tokens, accepted_draft_tokens; /* speculative decoding (done.usage) */
+    double queue_ms, ttft_ms, total_ms;           /* as the server measured */
+    double client_ttft_ms, client_total_ms;       /* as this client measured */
+    char worker[KM_PROTO_MAX_NAME + 1];           /* `done.worker`, when a router says it */
+    uint32_t migrations;                          /* `done.migrations` */
 } kvm_result;
 
 void kvm_result_free(kvm_result *r);

@@ -303,6 +303,8 @@ int kvm_generate(kvm_client *c, const km_msg_request *req, kvm_token_fn on_token
             res->prompt_tokens = m.done.prompt_tokens;
             res->cached_tokens = m.done.cached_tokens;
             res->completion_tokens = m.done.completion_tokens;
+            res->draft_tokens = m.done.draft_tokens;
+            res->accepted_draft_tokens = m.done.accepted_draft_tokens;
             res->queue_ms = m.done.queue_ms;
             res->ttft_ms = m.done.ttft_ms;
             res->total_ms = m.done.total_ms;

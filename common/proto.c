@@ -34,6 +34,8 @@ const char *const km_proto_type_names[KM_MSG_TYPE_COUNT] = {
 const char *const km_proto_finish_names[KM_FINISH_COUNT] = {"stop", "length", "canceled",
                                                             "deadline"};
 
+const char *const km_proto_speculate_names[KM_SPECULATE_COUNT] = {"default", "off", "auto"};
+
 const char *const km_proto_admin_names[KM_ADMIN_CMD_COUNT] = {
     "status", "evict", "set_kv_format", "drain", "shutdown", "recover", "pressure"};
 const char *const km_proto_state_names[KM_STATE_COUNT] = {"starting", "ready", "draining",
@@ -52,6 +54,11 @@ const char *km_msg_type_name(km_msg_type t)
 const char *km_finish_name(km_finish f)
 {
     return (unsigned)f < KM_FINISH_COUNT ? km_proto_finish_names[f] : "?";
+}
+
+const char *km_speculate_name(km_speculate s)
+{
+    return (unsigned)s < KM_SPECULATE_COUNT ? km_proto_speculate_names[s] : "?";
 }
 
 const char *km_admin_cmd_name(km_admin_cmd c)

@@ -42,6 +42,7 @@ extern "C" {
 #define KM_PROTO_MAX_MESSAGE      1024       /* error and admin reply messages */
 #define KM_PROTO_MAX_PIECE        1024       /* text of one token frame */
 #define KM_PROTO_MAX_STOP         16         /* stop strings per request */
+#define KM_PROTO_MAX_DRAFT        256        /* req.max_draft_tokens */
 #define KM_PROTO_MAX_PROMPT_TOK   (1u << 18) /* default max prompt token ids */
 #define KM_PROTO_MAX_EVENT_HASHES 8192       /* default max page hashes per KV event */
 #define KM_PROTO_MAX_ENDPOINTS    16
@@ -105,6 +106,16 @@ typedef enum km_finish {
 } km_finish;
 
 const char *km_finish_name(km_finish f);
+
+/* Speculative decoding a request asks for (docs/speculative.md). */
+typedef enum km_speculate {
+    KM_SPECULATE_DEFAULT = 0, /* "default" (or the key absent): the worker's --speculate */
+    KM_SPECULATE_OFF,         /* "off": no drafts */
+    KM_SPECULATE_AUTO,        /* "auto": drafts where the worker's step-cost budget says they pay */
+    KM_SPECULATE_COUNT
+} km_speculate;
+
+const char *km_speculate_name(km_speculate s);
 
 typedef enum km_tier { KM_TIER_HOT = 0, KM_TIER_HOST = 1, KM_TIER_DISK = 2, KM_TIER_COUNT } km_tier;
 
@@ -178,6 +189,9 @@ typedef struct km_msg_request {
     int32_t priority;       /* [-100, 100], higher first; default 0 */
     uint32_t deadline_ms;   /* budget from receipt; 0 = none */
     bool stream;            /* send token frames (otherwise only done, with the whole text) */
+    /* speculative decoding (optional, added within version 1); never changes the output */
+    km_speculate speculate;
+    uint32_t max_draft_tokens; /* [0, KM_PROTO_MAX_DRAFT] per step; 0 = the worker's default */
 } km_msg_request;
 
 typedef struct km_msg_token {
@@ -196,7 +210,10 @@ typedef struct km_msg_done {
                        * NULL when none; tokens' texts + this tail = the whole text */
     size_t text_len;
     uint32_t prompt_tokens, cached_tokens, completion_tokens; /* usage */
-    double queue_ms, ttft_ms, total_ms;                       /* timings, >= 0 */
+    /* usage: draft tokens verified, and of them accepted (part of completion_tokens); optional,
+     * added within version 1, absent = 0 */
+    uint32_t draft_tokens, accepted_draft_tokens;
+    double queue_ms, ttft_ms, total_ms; /* timings, >= 0 */
     /* set by routers (optional, added within version 1) */
     const char *worker;  /* the worker that finished the request; NULL = absent */
     uint32_t migrations; /* times the request moved to another worker; 0 = absent */

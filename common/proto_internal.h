@@ -27,6 +27,7 @@
 
 extern const char *const km_proto_type_names[KM_MSG_TYPE_COUNT];
 extern const char *const km_proto_finish_names[KM_FINISH_COUNT];
+extern const char *const km_proto_speculate_names[KM_SPECULATE_COUNT];
 extern const char *const km_proto_admin_names[KM_ADMIN_CMD_COUNT];
 extern const char *const km_proto_state_names[KM_STATE_COUNT];
 extern const char *const km_proto_member_names[KM_MEMBER_STATE_COUNT];

@@ -48,6 +48,9 @@ static int req_validate(const km_msg *m, const km_proto_limits *lim, km_errbuf *
     }
     CK(km_val_name("req.cache_salt", r->cache_salt, false, 0, KM_PROTO_MAX_NAME, err));
     CK(km_val_range("req.priority", r->priority, -100, 100, err));
+    if ((unsigned)r->speculate >= KM_SPECULATE_COUNT)
+        VFAIL("req.speculate: unknown value %d", (int)r->speculate);
+    CK(km_val_range("req.max_draft_tokens", r->max_draft_tokens, 0, KM_PROTO_MAX_DRAFT, err));
     return 0;
 }
 
@@ -80,6 +83,8 @@ static void req_encode(km_enc *e, const km_msg *m)
     km_enc_i64(e, "priority", r->priority);
     km_enc_u64(e, "deadline_ms", r->deadline_ms);
     km_enc_bool(e, "stream", r->stream);
+    if (r->speculate) km_enc_str(e, "speculate", km_proto_speculate_names[r->speculate]);
+    if (r->max_draft_tokens) km_enc_u64(e, "max_draft_tokens", r->max_draft_tokens);
 }
 
 static int req_decode_tokens(km_dec *d, const msgpack_object_array *a)
@@ -145,7 +150,11 @@ static int req_decode(km_dec *d, const msgpack_object_map *mp)
     CK(km_dec_str(d, mp, "cache_salt", false, KM_PROTO_MAX_NAME, false, &r->cache_salt, NULL));
     CK(km_dec_i32(d, mp, "priority", false, &r->priority));
     CK(km_dec_u32(d, mp, "deadline_ms", false, &r->deadline_ms));
-    return km_dec_bool(d, mp, "stream", false, &r->stream);
+    CK(km_dec_bool(d, mp, "stream", false, &r->stream));
+    int sp = 0;
+    CK(km_dec_enum(d, mp, "speculate", false, km_proto_speculate_names, KM_SPECULATE_COUNT, &sp));
+    r->speculate = (km_speculate)sp;
+    return km_dec_u32(d, mp, "max_draft_tokens", false, &r->max_draft_tokens);
 }
 
 const km_proto_codec km_proto_codec_req = {req_validate, req_encode, req_decode};
@@ -192,6 +201,9 @@ static int done_validate(const km_msg *m, const km_proto_limits *lim, km_errbuf 
     if (d->cached_tokens > d->prompt_tokens)
         VFAIL("done.usage: cached_tokens %u > prompt_tokens %u", d->cached_tokens,
               d->prompt_tokens);
+    if (d->accepted_draft_tokens > d->draft_tokens)
+        VFAIL("done.usage: accepted_draft_tokens %u > draft_tokens %u", d->accepted_draft_tokens,
+              d->draft_tokens);
     CK(km_val_nonneg("done.timings.queue_ms", d->queue_ms, err));
     CK(km_val_nonneg("done.timings.ttft_ms", d->ttft_ms, err));
     CK(km_val_nonneg("done.timings.total_ms", d->total_ms, err));
@@ -204,6 +216,8 @@ static void done_usage(km_enc *e, const void *arg)
     km_enc_u64(e, "prompt_tokens", d->prompt_tokens);
     km_enc_u64(e, "cached_tokens", d->cached_tokens);
     km_enc_u64(e, "completion_tokens", d->completion_tokens);
+    if (d->draft_tokens) km_enc_u64(e, "draft_tokens", d->draft_tokens);
+    if (d->accepted_draft_tokens) km_enc_u64(e, "accepted_draft_tokens", d->accepted_draft_tokens);
 }
 
 static void done_timings(km_enc *e, const void *arg)
@@ -242,6 +256,8 @@ static int done_decode(km_dec *d, const msgpack_object_map *mp)
     CK(km_dec_u32(d, &o->via.map, "prompt_tokens", true, &dn->prompt_tokens));
     CK(km_dec_u32(d, &o->via.map, "cached_tokens", false, &dn->cached_tokens));
     CK(km_dec_u32(d, &o->via.map, "completion_tokens", true, &dn->completion_tokens));
+    CK(km_dec_u32(d, &o->via.map, "draft_tokens", false, &dn->draft_tokens));
+    CK(km_dec_u32(d, &o->via.map, "accepted_draft_tokens", false, &dn->accepted_draft_tokens));
     km_dec_path_set(d, n);
     CK(km_dec_obj(d, mp, "timings", false, MSGPACK_OBJECT_MAP, &o));
     if (o) {

@@ -301,6 +301,8 @@ static void rq_from_oai(rt_rq *q, rt_oai_req *oq)
     q->q.has_seed = oq->has_seed;
     q->q.seed = oq->seed;
     q->q.priority = oq->priority;
+    q->q.speculate = oq->speculate;
+    q->q.max_draft_tokens = oq->max_draft_tokens;
     q->q.n_stop = (uint32_t)oq->n_stop;
     for (int i = 0; i < oq->n_stop; i++) {
         q->stop[i] = oq->stop[i];

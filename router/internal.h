@@ -76,6 +76,7 @@ struct rt_rq {
     double predicted;
     uint32_t first_cached;
     bool first_cached_set;
+    uint32_t draft_tokens, accepted_draft_tokens; /* the finishing worker's done.usage */
     uint64_t t_arrive, t_sent, t_first;
     double worker_queue_ms;
     /* prefix gating: a request whose prefix is being computed right now by an earlier request

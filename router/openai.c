@@ -247,6 +247,18 @@ static int parse_obj(json_t *o, bool chat, rt_oai_req *r, rt_oai_err *e)
     if (has) r->top_k = (int32_t)x;
     if ((rc = get_int(o, "priority", -100, 100, &x, &has, e))) return rc;
     if (has) r->priority = (int32_t)x;
+    if ((rc = get_int(o, "max_draft_tokens", 0, KM_PROTO_MAX_DRAFT, &x, &has, e))) return rc;
+    if (has) r->max_draft_tokens = (uint32_t)x;
+    v = json_object_get(o, "speculate");
+    if (v && !json_is_null(v)) {
+        const char *sv = json_is_string(v) ? json_string_value(v) : "";
+        if (!strcmp(sv, "auto"))
+            r->speculate = KM_SPECULATE_AUTO;
+        else if (!strcmp(sv, "off"))
+            r->speculate = KM_SPECULATE_OFF;
+        else
+            return fail(e, "speculate", "'speculate' must be \"auto\" or \"off\"", NULL);
+    }
     v = json_object_get(o, "seed");
     if (v && !json_is_null(v)) {
         if (!json_is_integer(v)) return fail(e, "seed", "'seed' must be an integer", NULL);
@@ -360,10 +372,19 @@ static int dump(km_buf *out, json_t *o, const char *prefix, const char *suffix)
 
 static json_t *usage_obj(const rt_oai_usage *u)
 {
-    return json_pack("{s:I,s:I,s:I,s:{s:I}}", "prompt_tokens", (json_int_t)u->prompt_tokens,
-                     "completion_tokens", (json_int_t)u->completion_tokens, "total_tokens",
-                     (json_int_t)u->prompt_tokens + u->completion_tokens, "prompt_tokens_details",
-                     "cached_tokens", (json_int_t)u->cached_tokens);
+    json_t *o = json_pack("{s:I,s:I,s:I,s:{s:I}}", "prompt_tokens", (json_int_t)u->prompt_tokens,
+                          "completion_tokens", (json_int_t)u->completion_tokens, "total_tokens",
+                          (json_int_t)u->prompt_tokens + u->completion_tokens,
+                          "prompt_tokens_details", "cached_tokens", (json_int_t)u->cached_tokens);
+    /* Drafts verified by speculative decoding, in the fields OpenAI gives predicted outputs:
+     * accepted ones are part of the completion, rejected ones cost compute only. */
+    if (o && u->draft_tokens)
+        json_object_set_new(o, "completion_tokens_details",
+                            json_pack("{s:I,s:I}", "accepted_prediction_tokens",
+                                      (json_int_t)u->accepted_draft_tokens,
+                                      "rejected_prediction_tokens",
+                                      (json_int_t)(u->draft_tokens - u->accepted_draft_tokens)));
+    return o;
 }
 
 static json_t *base_obj(const rt_oai_meta *m, const char *object)

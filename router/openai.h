@@ -35,6 +35,8 @@ typedef struct rt_oai_req {
     bool stream, include_usage;
     char *cache_salt; /* "user" or the extension "cache_salt" */
     int32_t priority;
+    km_speculate speculate;    /* extension "speculate": "auto" or "off" (docs/speculative.md) */
+    uint32_t max_draft_tokens; /* extension "max_draft_tokens"; 0: the worker's */
 } rt_oai_req;
 
 typedef struct rt_oai_err {
@@ -60,6 +62,7 @@ typedef struct rt_oai_meta {
 
 typedef struct rt_oai_usage {
     uint32_t prompt_tokens, completion_tokens, cached_tokens;
+    uint32_t draft_tokens, accepted_draft_tokens; /* speculative decoding; 0: none drafted */
 } rt_oai_usage;
 
 /* One SSE event "data: {chunk}\n\n" with a text delta (finish NULL) or a finish reason. */

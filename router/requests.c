@@ -278,6 +278,8 @@ void rt_rq_finish(rt_router *r, rt_rq *q, km_finish finish, uint32_t cached, con
         m.done.prompt_tokens = (uint32_t)q->n_prompt;
         m.done.cached_tokens = cached_out;
         m.done.completion_tokens = (uint32_t)q->n_gen;
+        m.done.draft_tokens = q->draft_tokens;
+        m.done.accepted_draft_tokens = q->accepted_draft_tokens;
         m.done.queue_ms = queue_ms;
         m.done.ttft_ms = ttft_ms;
         m.done.total_ms = total_ms;
@@ -290,7 +292,9 @@ void rt_rq_finish(rt_router *r, rt_rq *q, km_finish finish, uint32_t cached, con
         rt_rq_oai_meta(r, q, &m, wid);
         rt_oai_usage u = {.prompt_tokens = (uint32_t)q->n_prompt,
                           .completion_tokens = (uint32_t)q->n_gen,
-                          .cached_tokens = cached_out};
+                          .cached_tokens = cached_out,
+                          .draft_tokens = q->draft_tokens,
+                          .accepted_draft_tokens = q->accepted_draft_tokens};
         km_buf b = {0};
         if (q->http_stream) {
             if (q->text.len) { /* the tail: held-back bytes (see rq_finish's ZeroMQ branch) */

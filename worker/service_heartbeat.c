@@ -114,6 +114,21 @@ int wk_svc_metrics_init(wk_service *s, km_errbuf *err)
     s->s_events = km_metric_series(m, NULL);
     REG(KM_GAUGE, "kvmesh_worker_ready", "1 while the worker takes new requests.", NULL, NULL, 0);
     s->s_ready = km_metric_series(m, NULL);
+    REG(KM_COUNTER, "kvmesh_worker_spec_tokens_total",
+        "Speculative decoding: draft tokens verified, by result (drafted = accepted + rejected).",
+        "kind", NULL, 0);
+    const char *sk[3] = {"drafted", "accepted", "rejected"};
+    for (int i = 0; i < 3; i++) s->s_spec[i] = km_metric_series(m, &sk[i]);
+    REG(KM_COUNTER, "kvmesh_worker_spec_verifications_total",
+        "Steps in which a request verified draft tokens.", NULL, NULL, 0);
+    s->s_spec[3] = km_metric_series(m, NULL);
+    REG(KM_COUNTER, "kvmesh_worker_spec_backoffs_total",
+        "Requests that stopped drafting after drafts kept failing (until a longer match).", NULL,
+        NULL, 0);
+    s->s_spec[4] = km_metric_series(m, NULL);
+    REG(KM_GAUGE, "kvmesh_worker_spec_accepted_length",
+        "Mean draft tokens accepted per verification since start.", NULL, NULL, 0);
+    s->s_spec_len = km_metric_series(m, NULL);
     REG(KM_COUNTER, "kvmesh_worker_heartbeats_total", "Heartbeats, by result (sent, dropped).",
         "result", NULL, 0);
     const char *hr[2] = {"sent", "dropped"};
@@ -176,6 +191,14 @@ void wk_svc_update_gauges(wk_service *s)
     if (ss.preemptions > s->last_preempt)
         km_counter_add(s->s_preempt, ss.preemptions - s->last_preempt);
     s->last_preempt = ss.preemptions;
+    const uint64_t spec[5] = {ss.spec_drafted, ss.spec_accepted, ss.spec_rejected, ss.spec_verifies,
+                              ss.spec_backoffs};
+    for (int i = 0; i < 5; i++) {
+        if (spec[i] > s->last_spec[i]) km_counter_add(s->s_spec[i], spec[i] - s->last_spec[i]);
+        s->last_spec[i] = spec[i];
+    }
+    km_gauge_set(s->s_spec_len,
+                 ss.spec_verifies ? (double)ss.spec_accepted / (double)ss.spec_verifies : 0);
     uint64_t now = km_now_ns();
     double dt = (now - s->last_rate_ns) / 1e9;
     if (dt >= 0.5) {

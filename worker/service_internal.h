@@ -115,6 +115,10 @@ struct wk_service {
     km_series *s_rec_level[4]; /* kvmesh_recovery_actions_total{level="0".."3"} */
     km_metric *m_kv_pinned;
     km_series *s_ballast;
+    /* speculative decoding: drafted, accepted, rejected tokens, verifications, back-offs (the
+     * scheduler's totals, added as they grow), and the mean accepted length */
+    km_series *s_spec[5], *s_spec_len;
+    uint64_t last_spec[5];
     /* chaos: the `pressure` command's ballast, a sequence holding real hot pages */
     kv_seq *ballast;
     int ballast_pages;

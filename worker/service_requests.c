@@ -218,6 +218,8 @@ static void wk_on_done(void *ctx, void *user, km_finish finish, const wk_sched_u
     m.done.prompt_tokens = (uint32_t)u->prompt_tokens;
     m.done.cached_tokens = (uint32_t)u->cached_tokens;
     m.done.completion_tokens = (uint32_t)u->completion_tokens;
+    m.done.draft_tokens = (uint32_t)u->draft_tokens;
+    m.done.accepted_draft_tokens = (uint32_t)u->accepted_draft_tokens;
     m.done.queue_ms = u->queue_ms;
     m.done.ttft_ms = u->ttft_ms;
     m.done.total_ms = u->total_ms;
@@ -377,6 +379,10 @@ void wk_svc_handle_request(wk_service *s, const km_zframe *env, int n_env, const
         .arrival_ns = now,
         .cache_salt = q->cache_salt,
         .cache_salt_len = q->cache_salt ? strlen(q->cache_salt) : 0,
+        .speculate = q->speculate == KM_SPECULATE_OFF    ? WK_SPEC_OFF
+                     : q->speculate == KM_SPECULATE_AUTO ? WK_SPEC_AUTO
+                                                         : WK_SPEC_DEFAULT,
+        .max_draft = (int)q->max_draft_tokens,
         .user = r,
     };
     wk_sample_params_default(&sq.sample);

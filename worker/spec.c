@@ -109,7 +109,6 @@ int wk_spec_draft_len(int match_len, float factor, int cap)
 /* ---------------------------------------------------------------- drafting */
 
 #define WK_ACC_BUCKETS 7    /* match length 1, 2-3, 4-7, 8-15, 16-31, 32-63, 64+ */
-#define WK_ACC_PRIOR   0.5f /* conditional acceptance assumed before any verification */
 #define WK_ACC_OWN     0.3f /* EWMA step of a request's own record */
 #define WK_ACC_GLOBAL  0.1f /* EWMA step of the worker's record per match length */
 #define WK_ACC_BLEND   2.0f /* the worker's record weighs as this many of the request's */
@@ -175,7 +174,10 @@ int wk_spec_create(const wk_spec_opts *opts, int max_requests, wk_spec **out)
     if (opts) sp->o = *opts;
     wk_spec_fill_defaults(&sp->o);
     wk_spec_cost_init(&sp->cost, sp->o.token_cost);
-    for (int i = 0; i < WK_ACC_BUCKETS; i++) sp->acc[i] = WK_ACC_PRIOR;
+    /* Before any verification a longer match is trusted more: 0.5 for one token, 0.75 for 2-3,
+     * ... 0.93 for 64 and more. Long matches are rare in open text and right when they happen
+     * (copies, loops); without some trust a busy worker would never try them and never learn. */
+    for (int i = 0; i < WK_ACC_BUCKETS; i++) sp->acc[i] = 1.0f - 0.5f / (float)(1 + i);
     sp->max_requests = max_requests;
     int md = sp->o.max_draft;
     sp->tok2 = malloc(sizeof *sp->tok2 * md);
@@ -230,7 +232,6 @@ int wk_spec_seq_create(wk_spec *sp, km_pagehash tenant, int capacity, int max_dr
     q->sp = sp;
     q->tenant = tenant;
     q->max_draft = max_draft > 0 && max_draft < sp->o.max_draft ? max_draft : sp->o.max_draft;
-    q->acc = WK_ACC_PRIOR;
     q->tok = malloc(sizeof *q->tok * sp->o.max_draft);
     q->share = malloc(sizeof *q->share * sp->o.max_draft);
     q->prob = malloc(sizeof *q->prob * sp->o.max_draft);
@@ -378,6 +379,7 @@ void wk_spec_verified(wk_spec *sp, wk_spec_seq *q, int n, int accepted)
     q->accepted += accepted;
     /* Each position up to the first rejection is one outcome of the conditional acceptance. */
     float *g = &sp->acc[wk_acc_bucket(q->match_len)];
+    if (!q->obs) q->acc = *g; /* a fresh record starts from the worker's */
     for (int j = 0; j <= accepted && j < n; j++) {
         float x = j < accepted ? 1.0f : 0.0f;
         q->acc += WK_ACC_OWN * (x - q->acc);
@@ -392,7 +394,6 @@ void wk_spec_verified(wk_spec *sp, wk_spec_seq *q, int n, int accepted)
         q->backoff_match = q->match_len + 1;
         q->fails = 0;
         q->obs = 0;
-        q->acc = WK_ACC_PRIOR;
         sp->st.backoffs++;
     }
     q->n = 0;

@@ -1930,3 +1930,80 @@ Test(proto, fuzz_seed_corpus_decodes_as_named)
     closedir(dir);
     cr_expect_gt(n, 0, "the seed corpus is empty");
 }
+
+static void val_str_sometimes(fb *f)
+{
+    p_str(f, "sometimes");
+}
+
+static void val_u32_257(fb *f)
+{
+    msgpack_pack_uint32(&f->pk, 257);
+}
+
+Test(proto, speculation_keys_roundtrip_and_are_absent_by_default)
+{
+    km_msg in, out;
+    for (int s = 0; s < KM_SPECULATE_COUNT; s++) {
+        km_msg_init(&in, KM_MSG_REQUEST);
+        in.req.model = "smol";
+        in.req.prompt = "hi";
+        in.req.speculate = (km_speculate)s;
+        in.req.max_draft_tokens = s == KM_SPECULATE_AUTO ? 8 : 0;
+        roundtrip(&in, &out);
+        cr_assert_eq(out.req.speculate, (km_speculate)s);
+        cr_assert_eq(out.req.max_draft_tokens, s == KM_SPECULATE_AUTO ? 8u : 0u);
+        km_msg_clear(&out);
+    }
+    cr_assert_str_eq(km_speculate_name(KM_SPECULATE_OFF), "off");
+    /* A request that says nothing carries neither key (older workers see the same bytes). */
+    km_msg_init(&in, KM_MSG_REQUEST);
+    in.req.model = "smol";
+    in.req.prompt = "hi";
+    km_buf b = {0};
+    cr_assert_eq(km_msg_encode(&in, NULL, &b, NULL), 0);
+    cr_assert_null(memmem(b.data, b.len, "speculate", 9));
+    cr_assert_null(memmem(b.data, b.len, "max_draft", 9));
+    km_buf_free(&b);
+
+    km_msg_init(&in, KM_MSG_DONE);
+    in.done.prompt_tokens = 10;
+    in.done.completion_tokens = 40;
+    in.done.draft_tokens = 36;
+    in.done.accepted_draft_tokens = 30;
+    roundtrip(&in, &out);
+    cr_assert_eq(out.done.draft_tokens, 36);
+    cr_assert_eq(out.done.accepted_draft_tokens, 30);
+    km_msg_clear(&out);
+    km_msg_init(&in, KM_MSG_DONE);
+    cr_assert_eq(km_msg_encode(&in, NULL, &b, NULL), 0);
+    cr_assert_null(memmem(b.data, b.len, "draft_tokens", 12));
+    cr_assert_eq(km_msg_decode(b.data, b.len, NULL, &out, NULL), 0);
+    cr_assert_eq(out.done.draft_tokens, 0);
+    cr_assert_eq(out.done.accepted_draft_tokens, 0);
+    km_msg_clear(&out);
+    km_buf_free(&b);
+}
+
+Test(proto, speculation_keys_are_validated)
+{
+    fb f;
+    request_with(&f, "speculate", val_str_sometimes);
+    expect_fail(&f, KM_EFORMAT, "req.speculate: unknown value 'sometimes'");
+    request_with(&f, "speculate", val_int_one);
+    expect_fail(&f, KM_EFORMAT, "req.speculate: expected a string");
+    request_with(&f, "max_draft_tokens", val_u32_257);
+    expect_fail(&f, KM_EFORMAT, "req.max_draft_tokens: 257 outside [0, 256]");
+    request_with(&f, "max_draft_tokens", val_neg);
+    expect_fail(&f, KM_EFORMAT, "req.max_draft_tokens: negative value -5");
+    km_msg in;
+    km_msg_init(&in, KM_MSG_DONE);
+    in.done.draft_tokens = 3;
+    in.done.accepted_draft_tokens = 4;
+    expect_encode_fail(&in, "done.usage: accepted_draft_tokens 4 > draft_tokens 3");
+    km_msg_init(&in, KM_MSG_REQUEST);
+    in.req.model = "smol";
+    in.req.prompt = "hi";
+    in.req.speculate = KM_SPECULATE_COUNT;
+    expect_encode_fail(&in, "req.speculate: unknown value 3");
+}

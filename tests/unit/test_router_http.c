@@ -147,6 +147,49 @@ Test(router_openai, responses_carry_usage_with_cached_tokens)
     km_buf_free(&b);
 }
 
+Test(router_openai, speculation_extension_parses_and_usage_reports_predictions)
+{
+    const char *body = "{\"prompt\":\"hi\",\"speculate\":\"off\",\"max_draft_tokens\":4}";
+    rt_oai_req r;
+    rt_oai_err e;
+    cr_assert_eq(rt_oai_parse(body, strlen(body), false, &r, &e), 0, "%s", e.message);
+    cr_assert_eq(r.speculate, KM_SPECULATE_OFF);
+    cr_assert_eq(r.max_draft_tokens, 4);
+    rt_oai_req_free(&r);
+    body = "{\"prompt\":\"hi\",\"speculate\":\"auto\"}";
+    cr_assert_eq(rt_oai_parse(body, strlen(body), false, &r, &e), 0, "%s", e.message);
+    cr_assert_eq(r.speculate, KM_SPECULATE_AUTO);
+    rt_oai_req_free(&r);
+    const char *bad[] = {"{\"prompt\":\"hi\",\"speculate\":\"always\"}",
+                         "{\"prompt\":\"hi\",\"speculate\":true}",
+                         "{\"prompt\":\"hi\",\"max_draft_tokens\":1000}"};
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        cr_assert_neq(rt_oai_parse(bad[i], strlen(bad[i]), false, &r, &e), 0, "%s", bad[i]);
+        cr_assert_eq(e.status, 400);
+        cr_assert_str_eq(e.param, i < 2 ? "speculate" : "max_draft_tokens");
+    }
+    /* Drafts in usage: OpenAI's predicted-output fields; absent when nothing was drafted. */
+    rt_oai_meta m = {.chat = false, .id = "cmpl-1", .model = "smol", .created = 1};
+    rt_oai_usage u = {.prompt_tokens = 10,
+                      .completion_tokens = 40,
+                      .draft_tokens = 36,
+                      .accepted_draft_tokens = 30};
+    km_buf b = {0};
+    cr_assert_eq(rt_oai_response(&b, &m, "x", 1, "length", &u), 0);
+    json_t *o = parse_json(&b, 0);
+    json_t *d = json_object_get(json_object_get(o, "usage"), "completion_tokens_details");
+    cr_assert_eq(json_integer_value(json_object_get(d, "accepted_prediction_tokens")), 30);
+    cr_assert_eq(json_integer_value(json_object_get(d, "rejected_prediction_tokens")), 6);
+    json_decref(o);
+    km_buf_reset(&b);
+    u.draft_tokens = u.accepted_draft_tokens = 0;
+    cr_assert_eq(rt_oai_response(&b, &m, "x", 1, "length", &u), 0);
+    o = parse_json(&b, 0);
+    cr_assert_null(json_object_get(json_object_get(o, "usage"), "completion_tokens_details"));
+    json_decref(o);
+    km_buf_free(&b);
+}
+
 Test(router_openai, sse_chunks_are_data_lines_and_invalid_utf8_is_replaced)
 {
     rt_oai_meta m = {.chat = false, .id = "cmpl-1", .model = "smol", .created = 1};
