@@ -286,6 +286,16 @@ $(BENCH_WORKER): $(OBJ)/bench/bench_worker.o $(ALL_LIBS)
 bench-worker: build $(BENCH_WORKER)
 	@BENCH_WORKER=$(BENCH_WORKER) bash bench/bench_worker.sh
 
+# Speculative decoding off vs auto on one worker (docs/speculative.md): tokens/s, drafts
+# accepted, and outputs identical in both modes, on a repetitive and an open-ended workload.
+BENCH_SPEC := $(BUILD)/bench/bench_spec
+$(BENCH_SPEC): $(OBJ)/bench/bench_spec.o $(ALL_LIBS)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+.PHONY: bench-spec
+bench-spec: build $(BENCH_SPEC)
+	@BENCH_SPEC=$(BENCH_SPEC) bash bench/bench_spec.sh
+
 # KV store figures (docs/kvshard.md): lookup/insert ops/s, tier bandwidth, attention per format.
 BENCH_KV := $(BUILD)/bench/bench_kv
 $(BENCH_KV): $(OBJ)/bench/bench_kv.o $(ALL_LIBS)
