@@ -160,8 +160,12 @@ static int bs_level(const bs_args *a, char **prompts, int n_prompts, int conc)
     pthread_t th[BS_MAX_CONC];
     pthread_barrier_init(&bs_bar, NULL, (unsigned)conc + 1);
     for (int i = 0; i < conc; i++) {
-        cl[i] = (bs_client){.a = a, .prompts = prompts, .n_prompts = n_prompts, .first = i,
-                            .reps = n_prompts, .conc = conc}; /* every client sends every prompt once */
+        cl[i] = (bs_client){.a = a,
+                            .prompts = prompts,
+                            .n_prompts = n_prompts,
+                            .first = i,
+                            .reps = n_prompts,
+                            .conc = conc}; /* every client sends every prompt once */
         pthread_create(&th[i], NULL, bs_client_run, &cl[i]);
     }
     double wall[2];
@@ -203,14 +207,20 @@ static int bs_level(const bs_args *a, char **prompts, int n_prompts, int conc)
 static void bs_usage(FILE *f)
 {
     fprintf(f, "usage: bench_spec --kvmesh EP --prompts FILE [--label NAME] [--max-tokens 128]\n"
-               "                  [--concurrency 1,8] [--temperature 0] [--seed 7] [--model SmolLM2-135M-Instruct]\n"
+               "                  [--concurrency 1,8] [--temperature 0] [--seed 7] [--model "
+               "SmolLM2-135M-Instruct]\n"
                "Sends every prompt with speculation off and on, interleaved; prints tokens/s of\n"
                "both, the draft acceptance and how many outputs were identical (all must be).\n");
 }
 
 int main(int argc, char **argv)
 {
-    bs_args a = {.label = "prompts", .model = "SmolLM2-135M-Instruct", .max_tokens = 128, .seed = 7, .conc = {1, 8}, .n_conc = 2};
+    bs_args a = {.label = "prompts",
+                 .model = "SmolLM2-135M-Instruct",
+                 .max_tokens = 128,
+                 .seed = 7,
+                 .conc = {1, 8},
+                 .n_conc = 2};
     for (int i = 1; i < argc; i++) {
         const char *o = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(o, "-h") || !strcmp(o, "--help")) {

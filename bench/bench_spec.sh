@@ -10,6 +10,7 @@
 # speculation is exact; a mismatch makes the run fail). No llama.cpp column: llama.cpp's server has
 # no draft-model-free speculation to compare with.
 #
+# The worker runs --insecure: this measures decoding, and bench_spec speaks plain ZeroMQ.
 # Environment: THREADS (2), MODEL, CONCURRENCY ("1,8"), MAX_TOKENS (128), BENCH_PORT (7670),
 #   WORKER_ARGS (extra worker flags), BENCH_OUT (build/bench-spec/<time>).
 #   Nothing here asserts anything about time.
@@ -46,7 +47,7 @@ trap stop EXIT
 
 # shellcheck disable=SC2086 # WORKER_ARGS is a list of flags
 "$WORKER" --model "$MODEL" --threads "$THREADS" --listen "tcp://127.0.0.1:$PORT" --events "" \
-    --admin-port -1 --ports-file "$OUT/worker.ports" --log-level warn ${WORKER_ARGS:-} \
+    --admin-port -1 --ports-file "$OUT/worker.ports" --log-level warn --insecure ${WORKER_ARGS:-} \
     >>"$OUT/worker.log" 2>&1 &
 PID=$!
 for _ in $(seq 1 600); do
