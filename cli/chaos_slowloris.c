@@ -4,10 +4,10 @@
  * than its 1,024 connections) and every worker's admin port (more than its 64), reopened as soon
  * as the server drops them, as an attacker would. Meanwhile new clients must be served: the
  * router's /healthz and /v1/models (401 counts as served when the cluster runs with API keys)
- * and each worker's /healthz are probed twice a second, and one failed probe fails the scenario (the ZeroMQ load runs beside it, lost 0 and failed 0 as for
- * every fault). What keeps them served is common/http_server.c: a deadline per request head that
- * trickling bytes do not move, and a full server evicting its longest-waiting idle connection
- * rather than refusing the new one.
+ * and each worker's /healthz are probed twice a second, and one failed probe fails the scenario
+ * (the ZeroMQ load runs beside it, lost 0 and failed 0 as for every fault). What keeps them served
+ * is common/http_server.c: a deadline per request head that trickling bytes do not move, and a full
+ * server evicting its longest-waiting idle connection rather than refusing the new one.
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
