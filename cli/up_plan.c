@@ -183,6 +183,22 @@ static void plan_worker(up_planner *pl, up_proc *p, int wi, int *k)
     km_buf_printf(&pl->workers, "%s%s=%s+%s", wi ? "," : "", p->name, p->requests, p->events);
 }
 
+/* The smallest --max-ctx given to any worker (--worker-args, --worker-args-for), or 0: the router
+ * refuses HTTP requests over it (its --max-ctx), and a request may land on any worker. */
+static long long workers_max_ctx(const up_opts *o)
+{
+    long long min = 0;
+    const char *lists[] = {o->worker_args, o->worker_args_for};
+    for (int i = 0; i < 2; i++)
+        for (const char *p = lists[i]; p && (p = strstr(p, "--max-ctx")); p++) {
+            long long v = 0;
+            if (sscanf(p + strlen("--max-ctx"), "%*[= ]%lld", &v) == 1 && v > 0 &&
+                (!min || v < min))
+                min = v;
+        }
+    return min;
+}
+
 static void plan_router(up_planner *pl, up_proc *p, int ri, int *k)
 {
     const up_opts *o = pl->o;
@@ -204,6 +220,8 @@ static void plan_router(up_planner *pl, up_proc *p, int ri, int *k)
     plan_security(o, p, k);
     if (o->with_controller) p->argv[(*k)++] = xfmt("--controller=%s", pl->ctl_view);
     if (o->model) p->argv[(*k)++] = xfmt("--model=%s", o->model);
+    long long ctx = workers_max_ctx(o);
+    if (ctx) p->argv[(*k)++] = xfmt("--max-ctx=%lld", ctx);
     push_args(p->argv, k, UP_ARGV_MAX, o->router_args);
 }
 
