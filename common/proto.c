@@ -23,12 +23,20 @@
 /* ---------------------------------------------------------------- names */
 
 const char *const km_proto_type_names[KM_MSG_TYPE_COUNT] = {
-    [KM_MSG_NONE] = "?",       [KM_MSG_REQUEST] = "req",
-    [KM_MSG_TOKEN] = "tok",    [KM_MSG_DONE] = "done",
-    [KM_MSG_ERROR] = "err",    [KM_MSG_CANCEL] = "cancel",
-    [KM_MSG_ADMIN] = "admin",  [KM_MSG_ADMIN_REPLY] = "admin_reply",
-    [KM_MSG_HEARTBEAT] = "hb", [KM_MSG_KV_EVENT] = "kv",
+    [KM_MSG_NONE] = "?",
+    [KM_MSG_REQUEST] = "req",
+    [KM_MSG_TOKEN] = "tok",
+    [KM_MSG_DONE] = "done",
+    [KM_MSG_ERROR] = "err",
+    [KM_MSG_CANCEL] = "cancel",
+    [KM_MSG_ADMIN] = "admin",
+    [KM_MSG_ADMIN_REPLY] = "admin_reply",
+    [KM_MSG_HEARTBEAT] = "hb",
+    [KM_MSG_KV_EVENT] = "kv",
     [KM_MSG_VIEW] = "view",
+    [KM_MSG_KV_PULL] = "kv_pull",
+    [KM_MSG_KV_OFFER] = "kv_offer",
+    [KM_MSG_KV_PULL_DONE] = "kv_pull_done",
 };
 
 const char *const km_proto_finish_names[KM_FINISH_COUNT] = {"stop", "length", "canceled",
@@ -43,8 +51,8 @@ const char *const km_proto_state_names[KM_STATE_COUNT] = {"starting", "ready", "
 const char *const km_proto_member_names[KM_MEMBER_STATE_COUNT] = {"starting", "ready", "draining",
                                                                   "restarting", "dead"};
 const char *const km_proto_kind_names[KM_KV_KIND_COUNT] = {"stored", "removed", "tier"};
-static const char *const format_names[] = {"f16", "bf16", "fp8", "int8", "int4"};
-#define N_FORMATS (sizeof format_names / sizeof format_names[0])
+const char *const km_proto_format_names[KM_PROTO_N_FORMATS] = {"f16", "bf16", "fp8", "int8",
+                                                               "int4"};
 
 const char *km_msg_type_name(km_msg_type t)
 {
@@ -139,7 +147,7 @@ int km_proto_name_index(const char *const *names, int n, const char *s, size_t l
 
 bool km_proto_is_format(const char *s)
 {
-    return s && km_proto_name_index(format_names, (int)N_FORMATS, s, strlen(s)) >= 0;
+    return s && km_proto_name_index(km_proto_format_names, KM_PROTO_N_FORMATS, s, strlen(s)) >= 0;
 }
 
 /* ---------------------------------------------------------------- codecs */
@@ -155,6 +163,9 @@ static const km_proto_codec *const codecs[KM_MSG_TYPE_COUNT] = {
     [KM_MSG_HEARTBEAT] = &km_proto_codec_hb,
     [KM_MSG_KV_EVENT] = &km_proto_codec_kv,
     [KM_MSG_VIEW] = &km_proto_codec_view,
+    [KM_MSG_KV_PULL] = &km_proto_codec_kv_pull,
+    [KM_MSG_KV_OFFER] = &km_proto_codec_kv_offer,
+    [KM_MSG_KV_PULL_DONE] = &km_proto_codec_kv_pull_done,
 };
 
 static const km_proto_codec *codec_of(km_msg_type t)

@@ -21,7 +21,7 @@
  * Behind it: proto.c (the entry points, names, limits), proto_wire.c (msgpack helpers),
  * proto_scan.c (the bounds scan) and one file per message family: proto_stream.c (req, tok,
  * done, err, cancel), proto_admin.c (admin, admin_reply), proto_hb.c (hb), proto_kv.c (kv),
- * proto_view.c (view).
+ * proto_view.c (view), proto_pull.c (kv_pull, kv_offer, kv_pull_done).
  */
 #ifndef KM_PROTO_H
 #define KM_PROTO_H
@@ -49,8 +49,11 @@ extern "C" {
 #define KM_PROTO_MAX_KV_ENTRIES   256
 #define KM_PROTO_MAX_QUANTILES    16
 #define KM_PROTO_MAX_ERROR_KINDS  64
-#define KM_PROTO_MAX_VIEW_WORKERS 256 /* workers in one cluster view */
-#define KM_PROTO_MAX_HISTORY      32  /* recovery actions kept per worker in a view */
+#define KM_PROTO_MAX_VIEW_WORKERS 256  /* workers in one cluster view */
+#define KM_PROTO_MAX_HISTORY      32   /* recovery actions kept per worker in a view */
+#define KM_PROTO_MAX_PULL_PAGES   4096 /* pages in one kv_pull / kv_offer (peer.h PR_MAX_PAGES) */
+#define KM_PROTO_MAX_PAGE_TOKENS  1024 /* tokens per KV page in kv_pull / kv_offer */
+#define KM_PROTO_MAX_PEER_ADDR    4096 /* bytes of a transfer node's address (hb, view, req) */
 
 /* What a decoder accepts; km_proto_limits_default fills the defaults above. */
 typedef struct km_proto_limits {
@@ -63,16 +66,19 @@ void km_proto_limits_default(km_proto_limits *l);
 
 typedef enum km_msg_type {
     KM_MSG_NONE = 0,
-    KM_MSG_REQUEST,     /* "req"         client/router -> worker */
-    KM_MSG_TOKEN,       /* "tok"         worker -> router/client, one per generated token */
-    KM_MSG_DONE,        /* "done"        worker -> router/client, ends a stream */
-    KM_MSG_ERROR,       /* "err"         any -> peer, ends a request (or reports a bad frame) */
-    KM_MSG_CANCEL,      /* "cancel"      client/router -> worker */
-    KM_MSG_ADMIN,       /* "admin"       controller/operator -> worker */
-    KM_MSG_ADMIN_REPLY, /* "admin_reply" worker -> controller/operator */
-    KM_MSG_HEARTBEAT,   /* "hb"          worker -> controller */
-    KM_MSG_KV_EVENT,    /* "kv"          worker -> routers (PUB) */
-    KM_MSG_VIEW,        /* "view"        controller -> routers (PUB), and -> operator (status) */
+    KM_MSG_REQUEST,      /* "req"         client/router -> worker */
+    KM_MSG_TOKEN,        /* "tok"         worker -> router/client, one per generated token */
+    KM_MSG_DONE,         /* "done"        worker -> router/client, ends a stream */
+    KM_MSG_ERROR,        /* "err"         any -> peer, ends a request (or reports a bad frame) */
+    KM_MSG_CANCEL,       /* "cancel"      client/router -> worker */
+    KM_MSG_ADMIN,        /* "admin"       controller/operator -> worker */
+    KM_MSG_ADMIN_REPLY,  /* "admin_reply" worker -> controller/operator */
+    KM_MSG_HEARTBEAT,    /* "hb"          worker -> controller */
+    KM_MSG_KV_EVENT,     /* "kv"          worker -> routers (PUB) */
+    KM_MSG_VIEW,         /* "view"        controller -> routers (PUB), and -> operator (status) */
+    KM_MSG_KV_PULL,      /* "kv_pull"      worker -> worker: pin these pages of a chain for me */
+    KM_MSG_KV_OFFER,     /* "kv_offer"     worker -> worker: the pages pinned, where they lie */
+    KM_MSG_KV_PULL_DONE, /* "kv_pull_done" worker -> worker: the lease can end */
     KM_MSG_TYPE_COUNT
 } km_msg_type;
 
@@ -192,6 +198,16 @@ typedef struct km_msg_request {
     /* speculative decoding (optional, added within version 1); never changes the output */
     km_speculate speculate;
     uint32_t max_draft_tokens; /* [0, KM_PROTO_MAX_DRAFT] per step; 0 = the worker's default */
+    /* Pull hint (a router's, optional, added within version 1): before computing the prompt,
+     * pull its first pull_pages KV pages from worker pull_from, whose requests endpoint is
+     * pull_endpoint and transfer node address pull_addr, spending at most pull_ms on it; a
+     * failed or slow pull means the pages are recomputed. Absent when pull_from is NULL. */
+    const char *pull_from;     /* worker id */
+    const char *pull_endpoint; /* required with pull_from */
+    const uint8_t *pull_addr;  /* required with pull_from: 1..KM_PROTO_MAX_PEER_ADDR bytes */
+    uint32_t pull_addr_len;
+    uint32_t pull_pages; /* 1..KM_PROTO_MAX_PULL_PAGES with pull_from */
+    uint32_t pull_ms;    /* budget; 0 = the worker's default */
 } km_msg_request;
 
 typedef struct km_msg_token {
@@ -289,6 +305,14 @@ typedef struct km_error_count {
     uint64_t count;
 } km_error_count;
 
+/* A worker's page transfer statistics since start (hb.xfer). */
+typedef struct km_xfer_stats {
+    uint64_t bytes_in, bytes_out, pages_in, pages_out;
+    uint64_t pulls_ok, pulls_failed, offers;
+    double rate_bps;   /* measured pull rate, payload bytes/s (recent pulls); 0 = not measured */
+    double latency_ms; /* measured per-pull fixed cost (request to first page), ms; >= 0 */
+} km_xfer_stats;
+
 typedef struct km_msg_heartbeat {
     const char *worker; /* required worker id */
     uint64_t seq;       /* increases by one per heartbeat of this process */
@@ -315,6 +339,11 @@ typedef struct km_msg_heartbeat {
     const char *kv_format_base; /* the KV format the worker was started with (--kv-format); a
                                  * current format other than this one is a recovery level 2 in
                                  * effect. Optional: NULL = unknown (then f16 is assumed) */
+    /* KV page transfer (docs/transfer.md; optional, added within version 1) */
+    const uint8_t *peer_addr; /* the worker's transfer node address; NULL = no node */
+    uint32_t peer_addr_len;
+    bool has_xfer; /* the statistics below are present */
+    km_xfer_stats xfer;
 } km_msg_heartbeat;
 
 typedef struct km_msg_kv_event {
@@ -346,6 +375,12 @@ typedef struct km_view_worker {
     uint32_t running, queue_depth;
     const km_recovery_action *history; /* up to KM_PROTO_MAX_HISTORY */
     uint32_t n_history;
+    /* KV page transfer, from its heartbeats (optional, added within version 1) */
+    const uint8_t *peer_addr; /* NULL = no transfer node */
+    uint32_t peer_addr_len;
+    double prefill_tps;   /* measured prefill tokens/s; 0 = unknown */
+    double xfer_rate_bps; /* measured pull rate into this worker, bytes/s; 0 = unknown */
+    double xfer_lat_ms;   /* measured per-pull fixed cost, ms */
 } km_view_worker;
 
 typedef struct km_msg_view {
@@ -355,6 +390,45 @@ typedef struct km_msg_view {
     const km_view_worker *workers;
     uint32_t n_workers; /* up to KM_PROTO_MAX_VIEW_WORKERS */
 } km_msg_view;
+
+/* kv_pull (puller -> holder, on the holder's requests endpoint): pin chain pages [first,
+ * n_pages) for me; the holder verifies the whole chain [0, n_pages) against its index. The
+ * frame's id is the puller's pull id, echoed by the offer. */
+typedef struct km_msg_kv_pull {
+    uint64_t id;
+    uint32_t first, n_pages; /* first < n_pages <= KM_PROTO_MAX_PULL_PAGES */
+    uint32_t page_tokens;    /* 1..KM_PROTO_MAX_PAGE_TOKENS */
+    const uint8_t *hashes;   /* n_pages * 16 bytes, canonical (km_pagehash_canonical) */
+    const int32_t *tokens;   /* n_pages * page_tokens ids */
+} km_msg_kv_pull;
+
+/* One offered page: its identity and where it lies in the holder's registered memory. */
+typedef struct km_kv_page_desc {
+    uint32_t index;  /* chain index */
+    uint32_t format; /* the KV format it travels in: 0 f16, 1 bf16, 2 fp8, 3 int8, 4 int4 */
+    uint8_t hash[16], parent[16]; /* canonical */
+    uint32_t region;
+    uint64_t addr, bytes, checksum;
+} km_kv_page_desc;
+
+/* kv_offer (holder -> puller): the pages pinned for the pull (none, with status < 0, when the
+ * holder has nothing or refused). */
+typedef struct km_msg_kv_offer {
+    uint64_t id;       /* the pull id */
+    uint64_t lease_id; /* 0: nothing pinned */
+    int32_t status;    /* 0 or a negative km_err */
+    uint32_t lease_ms;
+    uint32_t page_tokens;
+    const km_kv_page_desc *pages; /* n_pages, consecutive chain indexes */
+    uint32_t n_pages;
+    const int32_t *tokens; /* n_pages * page_tokens: the holder's stored ids */
+} km_msg_kv_offer;
+
+/* kv_pull_done (puller -> holder): the lease can end. */
+typedef struct km_msg_kv_pull_done {
+    uint64_t lease_id; /* >= 1 */
+    uint32_t pages_ok;
+} km_msg_kv_pull_done;
 
 typedef struct km_msg {
     km_msg_type type;
@@ -369,6 +443,9 @@ typedef struct km_msg {
         km_msg_heartbeat hb;
         km_msg_kv_event kv;
         km_msg_view view;
+        km_msg_kv_pull kv_pull;
+        km_msg_kv_offer kv_offer;
+        km_msg_kv_pull_done kv_pull_done;
     };
     /* After a failed km_msg_decode: the rejected frame's top-level `id` (an unsigned integer),
      * when the frame had one the bounds scan could read, so the error reply can name the request

@@ -90,6 +90,12 @@ static int hb_validate(const km_msg *m, const km_proto_limits *lim, km_errbuf *e
     CK(hb_validate_kv(h, err));
     CK(km_val_nonneg("hb.decode_tps", h->decode_tps, err));
     CK(km_val_nonneg("hb.prefill_tps", h->prefill_tps, err));
+    if (h->peer_addr && (h->peer_addr_len < 1 || h->peer_addr_len > KM_PROTO_MAX_PEER_ADDR))
+        VFAIL("hb.peer_addr: %u bytes outside [1, %d]", h->peer_addr_len, KM_PROTO_MAX_PEER_ADDR);
+    if (h->has_xfer) {
+        CK(km_val_nonneg("hb.xfer.rate_bps", h->xfer.rate_bps, err));
+        CK(km_val_nonneg("hb.xfer.latency_ms", h->xfer.latency_ms, err));
+    }
     return hb_validate_latency_errors(h, err);
 }
 
@@ -113,6 +119,20 @@ static void hb_latency(km_enc *e, const void *arg)
     km_enc_f64(e, "q", q->q);
     km_enc_f64(e, "ttft_ms", q->ttft_ms);
     km_enc_f64(e, "tpot_ms", q->tpot_ms);
+}
+
+static void hb_xfer(km_enc *e, const void *arg)
+{
+    const km_xfer_stats *x = arg;
+    km_enc_u64(e, "bytes_in", x->bytes_in);
+    km_enc_u64(e, "bytes_out", x->bytes_out);
+    km_enc_u64(e, "pages_in", x->pages_in);
+    km_enc_u64(e, "pages_out", x->pages_out);
+    km_enc_u64(e, "pulls_ok", x->pulls_ok);
+    km_enc_u64(e, "pulls_failed", x->pulls_failed);
+    km_enc_u64(e, "offers", x->offers);
+    km_enc_f64(e, "rate_bps", x->rate_bps);
+    km_enc_f64(e, "latency_ms", x->latency_ms);
 }
 
 static void hb_encode(km_enc *e, const km_msg *m)
@@ -146,6 +166,8 @@ static void hb_encode(km_enc *e, const km_msg *m)
     km_enc_f64(e, "prefill_tps", h->prefill_tps);
     km_enc_u64(e, "tokens_total", h->tokens_total);
     km_enc_str(e, "kv_format_base", h->kv_format_base);
+    km_enc_bin(e, "peer_addr", h->peer_addr, h->peer_addr_len);
+    if (h->has_xfer && km_enc_begin(e, "xfer")) km_enc_map(e, hb_xfer, &h->xfer);
     if (km_enc_begin(e, "latency")) {
         e->rc |= msgpack_pack_array(&e->pk, h->n_latency);
         for (uint32_t i = 0; i < h->n_latency; i++) km_enc_map(e, hb_latency, &h->latency[i]);
@@ -254,6 +276,30 @@ static int hb_decode_errors(km_dec *d, const msgpack_object_map *mp, size_t n0)
     return 0;
 }
 
+/* xfer: a map of transfer statistics */
+static int hb_decode_xfer(km_dec *d, const msgpack_object_map *mp, size_t n0)
+{
+    km_xfer_stats *x = &d->m->hb.xfer;
+    const msgpack_object *o;
+    CK(km_dec_obj(d, mp, "xfer", false, MSGPACK_OBJECT_MAP, &o));
+    if (!o) return 0;
+    const msgpack_object_map *xm = &o->via.map;
+    km_dec_path_push(d, ".xfer");
+    CK(km_dec_check_map(d, xm));
+    CK(km_dec_uint(d, xm, "bytes_in", false, UINT64_MAX, &x->bytes_in));
+    CK(km_dec_uint(d, xm, "bytes_out", false, UINT64_MAX, &x->bytes_out));
+    CK(km_dec_uint(d, xm, "pages_in", false, UINT64_MAX, &x->pages_in));
+    CK(km_dec_uint(d, xm, "pages_out", false, UINT64_MAX, &x->pages_out));
+    CK(km_dec_uint(d, xm, "pulls_ok", false, UINT64_MAX, &x->pulls_ok));
+    CK(km_dec_uint(d, xm, "pulls_failed", false, UINT64_MAX, &x->pulls_failed));
+    CK(km_dec_uint(d, xm, "offers", false, UINT64_MAX, &x->offers));
+    CK(km_dec_num(d, xm, "rate_bps", false, &x->rate_bps));
+    CK(km_dec_num(d, xm, "latency_ms", false, &x->latency_ms));
+    km_dec_path_set(d, n0);
+    d->m->hb.has_xfer = true;
+    return 0;
+}
+
 static int hb_decode(km_dec *d, const msgpack_object_map *mp)
 {
     km_msg_heartbeat *h = &d->m->hb;
@@ -280,6 +326,9 @@ static int hb_decode(km_dec *d, const msgpack_object_map *mp)
     CK(km_dec_uint(d, mp, "tokens_total", false, UINT64_MAX, &h->tokens_total));
     CK(km_dec_str(d, mp, "kv_format_base", false, KM_PROTO_MAX_NAME, false, &h->kv_format_base,
                   NULL));
+    CK(km_dec_bin(d, mp, "peer_addr", false, KM_PROTO_MAX_PEER_ADDR, &h->peer_addr,
+                  &h->peer_addr_len));
+    CK(hb_decode_xfer(d, mp, n0));
     CK(hb_decode_latency(d, mp, n0));
     return hb_decode_errors(d, mp, n0);
 }

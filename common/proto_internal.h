@@ -6,7 +6,8 @@
  * Files: proto.c (entry points, names, limits, message memory), proto_wire.c (validation,
  * encoding and decoding helpers), proto_scan.c (the bounds scan), and one file per message
  * family: proto_stream.c (req, tok, done, err, cancel), proto_admin.c (admin, admin_reply),
- * proto_hb.c (hb), proto_kv.c (kv), proto_view.c (view). These files and this header are the
+ * proto_hb.c (hb), proto_kv.c (kv), proto_view.c (view), proto_pull.c (kv_pull, kv_offer,
+ * kv_pull_done). These files and this header are the
  * only product code that includes <msgpack.h>.
  *
  * How a message file reads: km_enc_* write one key/value pair of a map (or count it: every map
@@ -32,6 +33,8 @@ extern const char *const km_proto_admin_names[KM_ADMIN_CMD_COUNT];
 extern const char *const km_proto_state_names[KM_STATE_COUNT];
 extern const char *const km_proto_member_names[KM_MEMBER_STATE_COUNT];
 extern const char *const km_proto_kind_names[KM_KV_KIND_COUNT];
+#define KM_PROTO_N_FORMATS 5 /* the KV formats, in kv_format order */
+extern const char *const km_proto_format_names[KM_PROTO_N_FORMATS];
 
 /* The index of s[0..len) in names[0..n), or -1. */
 int km_proto_name_index(const char *const *names, int n, const char *s, size_t len);
@@ -73,6 +76,12 @@ extern const km_proto_codec km_proto_codec_admin, km_proto_codec_admin_reply; /*
 extern const km_proto_codec km_proto_codec_hb;                                /* proto_hb.c */
 extern const km_proto_codec km_proto_codec_kv;                                /* proto_kv.c */
 extern const km_proto_codec km_proto_codec_view;                              /* proto_view.c */
+extern const km_proto_codec km_proto_codec_kv_pull, km_proto_codec_kv_offer,
+    km_proto_codec_kv_pull_done; /* proto_pull.c */
+/* A bin value of 1..max bytes copied into the message's memory (peer addresses). */
+int km_dec_bin(km_dec *d, const msgpack_object_map *mp, const char *key, bool required,
+               uint32_t max, const uint8_t **out, uint32_t *len);
+void km_enc_bin(km_enc *e, const char *k, const uint8_t *p, size_t len); /* NULL p: left out */
 
 /* ---------------------------------------------------------------- the bounds scan (proto_scan.c)
  * Checks that p[0..len) is exactly one msgpack object whose every length and count fits in the

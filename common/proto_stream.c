@@ -13,6 +13,20 @@
 
 /* ---------------------------------------------------------------- req */
 
+/* The pull hint: all of it with pull_from, none of it counted without. */
+static int req_validate_pull(const km_msg_request *r, km_errbuf *err)
+{
+    if (!r->pull_from) return 0;
+    CK(km_val_name("req.pull_from", r->pull_from, true, 1, KM_PROTO_MAX_NAME, err));
+    CK(km_val_name("req.pull_endpoint", r->pull_endpoint, true, 1, KM_PROTO_MAX_NAME, err));
+    if (!r->pull_addr || r->pull_addr_len < 1 || r->pull_addr_len > KM_PROTO_MAX_PEER_ADDR)
+        VFAIL("req.pull_addr: %u bytes outside [1, %d]", r->pull_addr ? r->pull_addr_len : 0,
+              KM_PROTO_MAX_PEER_ADDR);
+    if (r->pull_pages < 1 || r->pull_pages > KM_PROTO_MAX_PULL_PAGES)
+        VFAIL("req.pull_pages: %u outside [1, %d]", r->pull_pages, KM_PROTO_MAX_PULL_PAGES);
+    return 0;
+}
+
 static int req_validate(const km_msg *m, const km_proto_limits *lim, km_errbuf *err)
 {
     const km_msg_request *r = &m->req;
@@ -51,7 +65,7 @@ static int req_validate(const km_msg *m, const km_proto_limits *lim, km_errbuf *
     if ((unsigned)r->speculate >= KM_SPECULATE_COUNT)
         VFAIL("req.speculate: unknown value %d", (int)r->speculate);
     CK(km_val_range("req.max_draft_tokens", r->max_draft_tokens, 0, KM_PROTO_MAX_DRAFT, err));
-    return 0;
+    return req_validate_pull(r, err);
 }
 
 static void req_encode(km_enc *e, const km_msg *m)
@@ -85,6 +99,13 @@ static void req_encode(km_enc *e, const km_msg *m)
     km_enc_bool(e, "stream", r->stream);
     if (r->speculate) km_enc_str(e, "speculate", km_proto_speculate_names[r->speculate]);
     if (r->max_draft_tokens) km_enc_u64(e, "max_draft_tokens", r->max_draft_tokens);
+    if (r->pull_from) {
+        km_enc_str(e, "pull_from", r->pull_from);
+        km_enc_str(e, "pull_endpoint", r->pull_endpoint);
+        km_enc_bin(e, "pull_addr", r->pull_addr, r->pull_addr_len);
+        km_enc_u64(e, "pull_pages", r->pull_pages);
+        km_enc_u64(e, "pull_ms", r->pull_ms);
+    }
 }
 
 static int req_decode_tokens(km_dec *d, const msgpack_object_array *a)
@@ -154,7 +175,14 @@ static int req_decode(km_dec *d, const msgpack_object_map *mp)
     int sp = 0;
     CK(km_dec_enum(d, mp, "speculate", false, km_proto_speculate_names, KM_SPECULATE_COUNT, &sp));
     r->speculate = (km_speculate)sp;
-    return km_dec_u32(d, mp, "max_draft_tokens", false, &r->max_draft_tokens);
+    CK(km_dec_u32(d, mp, "max_draft_tokens", false, &r->max_draft_tokens));
+    CK(km_dec_str(d, mp, "pull_from", false, KM_PROTO_MAX_NAME, false, &r->pull_from, NULL));
+    if (!r->pull_from) return 0; /* the rest of a hint means nothing without it */
+    CK(km_dec_str(d, mp, "pull_endpoint", true, KM_PROTO_MAX_NAME, false, &r->pull_endpoint, NULL));
+    CK(km_dec_bin(d, mp, "pull_addr", true, KM_PROTO_MAX_PEER_ADDR, &r->pull_addr,
+                  &r->pull_addr_len));
+    CK(km_dec_u32(d, mp, "pull_pages", true, &r->pull_pages));
+    return km_dec_u32(d, mp, "pull_ms", false, &r->pull_ms);
 }
 
 const km_proto_codec km_proto_codec_req = {req_validate, req_encode, req_decode};

@@ -39,6 +39,19 @@ static int view_validate_worker(const km_msg_view *v, uint32_t i, km_errbuf *err
         VFAIL("view.workers[%u].kv_format: unknown KV format '%s'", i, w->kv_format);
     snprintf(what, sizeof what, "view.workers[%u].pressure", i);
     CK(km_val_nonneg(what, w->pressure, err));
+    if (w->peer_addr && (w->peer_addr_len < 1 || w->peer_addr_len > KM_PROTO_MAX_PEER_ADDR))
+        VFAIL("view.workers[%u].peer_addr: %u bytes outside [1, %d]", i, w->peer_addr_len,
+              KM_PROTO_MAX_PEER_ADDR);
+    const struct {
+        const char *field;
+        double value;
+    } rates[] = {{"prefill_tps", w->prefill_tps},
+                 {"xfer_rate_bps", w->xfer_rate_bps},
+                 {"xfer_lat_ms", w->xfer_lat_ms}};
+    for (size_t k = 0; k < sizeof rates / sizeof rates[0]; k++) {
+        snprintf(what, sizeof what, "view.workers[%u].%s", i, rates[k].field);
+        CK(km_val_nonneg(what, rates[k].value, err));
+    }
     if (w->n_history > KM_PROTO_MAX_HISTORY)
         VFAIL("view.workers[%u].history: %u entries, limit %d", i, w->n_history,
               KM_PROTO_MAX_HISTORY);
@@ -92,6 +105,10 @@ static void view_worker(km_enc *e, const void *arg)
     km_enc_u64(e, "last_seen_ms", w->last_seen_ms);
     km_enc_u64(e, "running", w->running);
     km_enc_u64(e, "queue_depth", w->queue_depth);
+    km_enc_bin(e, "peer_addr", w->peer_addr, w->peer_addr_len);
+    if (w->prefill_tps > 0) km_enc_f64(e, "prefill_tps", w->prefill_tps);
+    if (w->xfer_rate_bps > 0) km_enc_f64(e, "xfer_rate_bps", w->xfer_rate_bps);
+    if (w->xfer_lat_ms > 0) km_enc_f64(e, "xfer_lat_ms", w->xfer_lat_ms);
     if (km_enc_begin(e, "history")) {
         e->rc |= msgpack_pack_array(&e->pk, w->n_history);
         for (uint32_t i = 0; i < w->n_history; i++) km_enc_map(e, view_action, &w->history[i]);
@@ -130,6 +147,11 @@ static int view_decode_worker(km_dec *d, const msgpack_object_map *mp, km_view_w
     CK(km_dec_uint(d, mp, "last_seen_ms", false, UINT64_MAX, &w->last_seen_ms));
     CK(km_dec_u32(d, mp, "running", false, &w->running));
     CK(km_dec_u32(d, mp, "queue_depth", false, &w->queue_depth));
+    CK(km_dec_bin(d, mp, "peer_addr", false, KM_PROTO_MAX_PEER_ADDR, &w->peer_addr,
+                  &w->peer_addr_len));
+    CK(km_dec_num(d, mp, "prefill_tps", false, &w->prefill_tps));
+    CK(km_dec_num(d, mp, "xfer_rate_bps", false, &w->xfer_rate_bps));
+    CK(km_dec_num(d, mp, "xfer_lat_ms", false, &w->xfer_lat_ms));
     const msgpack_object_array *a;
     void *mem;
     CK(km_dec_array(d, mp, "history", false, KM_PROTO_MAX_HISTORY, sizeof(km_recovery_action), &a,

@@ -100,6 +100,14 @@ void km_enc_str(km_enc *e, const char *k, const char *s)
     km_enc_strn(e, k, s, 0);
 }
 
+void km_enc_bin(km_enc *e, const char *k, const uint8_t *p, size_t len)
+{
+    if (p && km_enc_begin(e, k)) {
+        e->rc |= msgpack_pack_bin(&e->pk, len);
+        e->rc |= msgpack_pack_bin_body(&e->pk, p, len);
+    }
+}
+
 void km_enc_map(km_enc *e, void (*body)(km_enc *, const void *), const void *arg)
 {
     km_enc sub = {.pk = e->pk, .counting = true};
@@ -316,6 +324,23 @@ int km_dec_str(km_dec *d, const msgpack_object_map *mp, const char *key, bool re
     char what[96];
     snprintf(what, sizeof what, "%s.%s", d->path, key);
     return km_dec_copy_str(d, what, o, max, binary_ok, out, len);
+}
+
+int km_dec_bin(km_dec *d, const msgpack_object_map *mp, const char *key, bool required,
+               uint32_t max, const uint8_t **out, uint32_t *len)
+{
+    const msgpack_object *o = km_dec_find(mp, key);
+    if (!o) return km_dec_absent(d, key, required);
+    if (o->type != MSGPACK_OBJECT_BIN) return km_dec_wrong_type(d, key, "binary", o);
+    uint32_t n = o->via.bin.size;
+    if (n == 0 || n > max)
+        return DFAIL(d, KM_EFORMAT, "%s.%s: %u bytes outside [1, %u]", d->path, key, n, max);
+    uint8_t *p = km_msg_alloc(d->m, n);
+    if (!p) return DFAIL(d, KM_ENOMEM, "%s.%s: out of memory", d->path, key);
+    memcpy(p, o->via.bin.ptr, n);
+    *out = p;
+    *len = n;
+    return 0;
 }
 
 int km_dec_enum(km_dec *d, const msgpack_object_map *mp, const char *key, bool required,

@@ -53,6 +53,10 @@ typedef struct ctl_member {
     const char *pressure_why; /* static: what the pressure measures ("kv_pressure", "rss", "gpu") */
     uint64_t rss, gpu;
     uint32_t running, queue_depth;
+    /* page transfer (hb.peer_addr, hb.xfer): carried into the view for routers' cost model */
+    uint8_t peer_addr[KM_PROTO_MAX_PEER_ADDR];
+    uint32_t peer_addr_len;
+    double prefill_tps, xfer_rate_bps, xfer_lat_ms;
     /* timers */
     uint64_t t_l1, t_l2, t_action; /* when level 1 / 2 / any action last fired; 0 = never */
     uint64_t low_since;            /* pressure <= low since (level 2 revert); 0 = not low */
@@ -191,6 +195,21 @@ static km_member_state from_worker_state(km_worker_state s)
     default: /* draining, stopping: route nothing new to it */
         return KM_MEMBER_DRAINING;
     }
+}
+
+/* The worker's transfer node address and measured rates; a new address (a restarted worker's
+ * node) changes the view, rates ride along with the next one. */
+static void ctl_member_transfer(ctl_policy *p, ctl_member *m, const km_msg_heartbeat *hb)
+{
+    uint32_t n = hb->peer_addr && hb->peer_addr_len <= sizeof m->peer_addr ? hb->peer_addr_len : 0;
+    if (n != m->peer_addr_len || (n && memcmp(m->peer_addr, hb->peer_addr, n))) {
+        if (n) memcpy(m->peer_addr, hb->peer_addr, n);
+        m->peer_addr_len = n;
+        p->version++;
+    }
+    m->prefill_tps = hb->prefill_tps;
+    m->xfer_rate_bps = hb->has_xfer ? hb->xfer.rate_bps : 0;
+    m->xfer_lat_ms = hb->has_xfer ? hb->xfer.latency_ms : 0;
 }
 
 static uint64_t errors_total(const km_msg_heartbeat *hb)
@@ -399,6 +418,7 @@ int ctl_policy_heartbeat(ctl_policy *p, const km_msg_heartbeat *hb, uint64_t now
             p->version++;
         }
     }
+    ctl_member_transfer(p, m, hb);
     copy_str(m->model, sizeof m->model, hb->model);
     copy_str(m->fingerprint, sizeof m->fingerprint, hb->fingerprint);
     const char *fmt = hb_kv_format(hb);
@@ -565,6 +585,11 @@ int ctl_policy_view_worker(const ctl_policy *p, int i, uint64_t now_ms, uint64_t
     out->last_seen_ms = now_ms >= m->last_seen_ms ? now_ms - m->last_seen_ms : 0;
     out->running = m->running;
     out->queue_depth = m->queue_depth;
+    out->peer_addr = m->peer_addr_len ? m->peer_addr : NULL;
+    out->peer_addr_len = m->peer_addr_len;
+    out->prefill_tps = m->prefill_tps;
+    out->xfer_rate_bps = m->xfer_rate_bps;
+    out->xfer_lat_ms = m->xfer_lat_ms;
     if (with_history && hist) {
         for (uint32_t k = 0; k < m->n_hist; k++) {
             const ctl_hist *h = &m->hist[(m->hist_head + k) % KM_PROTO_MAX_HISTORY];

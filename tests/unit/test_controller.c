@@ -631,3 +631,32 @@ Test(controller_policy, a_restarting_member_that_never_comes_back_is_dead_after_
     cr_assert_eq(state_of("w0"), KM_MEMBER_READY);
     cr_assert_eq(level_of("w0"), 0);
 }
+
+Test(controller_policy, the_view_carries_a_workers_peer_address_and_measured_rates)
+{
+    start();
+    static const uint8_t addr[24] = {'K', 'V', 'M', 'P', 'E', 'E', 'R', '1', 1};
+    fake_hb f;
+    ctl_action a;
+    mk(&f, "w0", 1, 1000, 0.1, "f16");
+    cr_assert_eq(ctl_policy_heartbeat(pol, &f.hb, 1000, &a), 0);
+    km_view_worker v = view("w0", 1000, NULL);
+    cr_assert_null(v.peer_addr, "no transfer node, no address");
+    cr_assert_eq(v.xfer_rate_bps, 0);
+    uint64_t before = ctl_policy_version(pol);
+    mk(&f, "w0", 2, 2000, 0.1, "f16");
+    f.hb.peer_addr = addr;
+    f.hb.peer_addr_len = sizeof addr;
+    f.hb.prefill_tps = 900;
+    f.hb.has_xfer = true;
+    f.hb.xfer.rate_bps = 1.25e9;
+    f.hb.xfer.latency_ms = 0.5;
+    cr_assert_eq(ctl_policy_heartbeat(pol, &f.hb, 2000, &a), 0);
+    cr_assert_gt(ctl_policy_version(pol), before, "a new address changes the view");
+    v = view("w0", 2000, NULL);
+    cr_assert_eq(v.peer_addr_len, sizeof addr);
+    cr_assert_eq(memcmp(v.peer_addr, addr, sizeof addr), 0);
+    cr_assert_eq(v.prefill_tps, 900);
+    cr_assert_eq(v.xfer_rate_bps, 1.25e9);
+    cr_assert_eq(v.xfer_lat_ms, 0.5);
+}

@@ -1,0 +1,246 @@
+/*
+ * proto_pull.c — the page transfer's control frames (docs/protocol.md section 17; the design is
+ * docs/transfer.md): `kv_pull` (puller -> holder: pin these pages of a chain), `kv_offer`
+ * (holder -> puller: the pages pinned and where they lie in the holder's registered memory) and
+ * `kv_pull_done` (puller -> holder: the lease can end). They travel on the holder's requests
+ * endpoint like requests; the page bytes themselves move over UCX (peer/), never here. One codec
+ * per type.
+ *
+ * Hashes travel as 16-byte canonical bins (like kv events); token ids as arrays of uints (like
+ * req.tokens). The frame's `id` is the puller's pull id, so a rejected pull is answered with an
+ * `err` naming it. What a frame claims is checked here for shape only (counts agree, indexes
+ * consecutive, sizes bounded): whether a page is what it claims is the puller's check in peer/
+ * before a byte moves.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "common/proto_internal.h"
+
+/* ---------------------------------------------------------------- shared */
+
+static int tokens_validate(const char *what, const int32_t *t, uint64_t n,
+                           const km_proto_limits *lim, km_errbuf *err)
+{
+    if (n > lim->max_prompt_tok)
+        VFAIL("%s: %llu ids, limit %u", what, (unsigned long long)n, lim->max_prompt_tok);
+    if (n && !t) VFAIL("%s: NULL", what);
+    for (uint64_t i = 0; i < n; i++)
+        if (t[i] < 0) VFAIL("%s[%llu]: negative id %d", what, (unsigned long long)i, t[i]);
+    return 0;
+}
+
+static void tokens_encode(km_enc *e, const char *key, const int32_t *t, uint64_t n)
+{
+    if (km_enc_begin(e, key)) {
+        e->rc |= msgpack_pack_array(&e->pk, (size_t)n);
+        for (uint64_t i = 0; i < n; i++) e->rc |= msgpack_pack_uint32(&e->pk, (uint32_t)t[i]);
+    }
+}
+
+/* The array under key, exactly n token ids (n already bounded by the caller). */
+static int tokens_decode(km_dec *d, const msgpack_object_map *mp, const char *key, uint64_t n,
+                         const int32_t **out)
+{
+    const msgpack_object *o;
+    CK(km_dec_obj(d, mp, key, true, MSGPACK_OBJECT_ARRAY, &o));
+    const msgpack_object_array *a = &o->via.array;
+    if (n > d->lim->max_prompt_tok)
+        return DFAIL(d, KM_ERANGE, "%s.%s: %llu ids, limit %u", d->path, key, (unsigned long long)n,
+                     d->lim->max_prompt_tok);
+    if (a->size != n)
+        return DFAIL(d, KM_EFORMAT, "%s.%s: %u ids, expected pages x page_tokens = %llu", d->path,
+                     key, a->size, (unsigned long long)n);
+    int32_t *t = km_msg_alloc(d->m, (size_t)n * sizeof *t);
+    if (!t) return DFAIL(d, KM_ENOMEM, "%s.%s: out of memory", d->path, key);
+    for (uint32_t i = 0; i < a->size; i++) {
+        const msgpack_object *e = &a->ptr[i];
+        if (e->type != MSGPACK_OBJECT_POSITIVE_INTEGER || e->via.u64 > INT32_MAX)
+            return DFAIL(d, KM_EFORMAT, "%s.%s[%u]: expected a token id in [0, %d]", d->path, key,
+                         i, INT32_MAX);
+        t[i] = (int32_t)e->via.u64;
+    }
+    *out = t;
+    return 0;
+}
+
+/* A 16-byte hash under key into out. */
+static int hash_decode(km_dec *d, const msgpack_object_map *mp, const char *key, uint8_t out[16])
+{
+    const msgpack_object *o = km_dec_find(mp, key);
+    if (!o) return km_dec_absent(d, key, true);
+    if (o->type != MSGPACK_OBJECT_BIN) return km_dec_wrong_type(d, key, "binary", o);
+    if (o->via.bin.size != 16)
+        return DFAIL(d, KM_EFORMAT, "%s.%s: %u bytes, a hash is 16", d->path, key, o->via.bin.size);
+    memcpy(out, o->via.bin.ptr, 16);
+    return 0;
+}
+
+/* ---------------------------------------------------------------- kv_pull */
+
+static int pull_validate(const km_msg *m, const km_proto_limits *lim, km_errbuf *err)
+{
+    const km_msg_kv_pull *p = &m->kv_pull;
+    if (p->n_pages < 1 || p->n_pages > KM_PROTO_MAX_PULL_PAGES)
+        VFAIL("kv_pull.n_pages: %u outside [1, %d]", p->n_pages, KM_PROTO_MAX_PULL_PAGES);
+    if (p->first >= p->n_pages)
+        VFAIL("kv_pull.first: %u, not below n_pages %u", p->first, p->n_pages);
+    if (p->page_tokens < 1 || p->page_tokens > KM_PROTO_MAX_PAGE_TOKENS)
+        VFAIL("kv_pull.page_tokens: %u outside [1, %d]", p->page_tokens, KM_PROTO_MAX_PAGE_TOKENS);
+    if (!p->hashes) VFAIL("kv_pull.hashes: NULL");
+    return tokens_validate("kv_pull.tokens", p->tokens, (uint64_t)p->n_pages * p->page_tokens, lim,
+                           err);
+}
+
+static void pull_encode(km_enc *e, const km_msg *m)
+{
+    const km_msg_kv_pull *p = &m->kv_pull;
+    km_enc_u64(e, "id", p->id);
+    km_enc_u64(e, "first", p->first);
+    km_enc_u64(e, "n_pages", p->n_pages);
+    km_enc_u64(e, "page_tokens", p->page_tokens);
+    km_enc_bin(e, "hashes", p->hashes, (size_t)p->n_pages * 16);
+    tokens_encode(e, "tokens", p->tokens, (uint64_t)p->n_pages * p->page_tokens);
+}
+
+static int pull_decode(km_dec *d, const msgpack_object_map *mp)
+{
+    km_msg_kv_pull *p = &d->m->kv_pull;
+    CK(km_dec_uint(d, mp, "id", true, UINT64_MAX, &p->id));
+    CK(km_dec_u32(d, mp, "first", true, &p->first));
+    CK(km_dec_u32(d, mp, "n_pages", true, &p->n_pages));
+    CK(km_dec_u32(d, mp, "page_tokens", true, &p->page_tokens));
+    if (p->n_pages < 1 || p->n_pages > KM_PROTO_MAX_PULL_PAGES)
+        return DFAIL(d, KM_EFORMAT, "kv_pull.n_pages: %u outside [1, %d]", p->n_pages,
+                     KM_PROTO_MAX_PULL_PAGES);
+    if (p->page_tokens < 1 || p->page_tokens > KM_PROTO_MAX_PAGE_TOKENS)
+        return DFAIL(d, KM_EFORMAT, "kv_pull.page_tokens: %u outside [1, %d]", p->page_tokens,
+                     KM_PROTO_MAX_PAGE_TOKENS);
+    uint32_t len = 0;
+    CK(km_dec_bin(d, mp, "hashes", true, KM_PROTO_MAX_PULL_PAGES * 16, &p->hashes, &len));
+    if (len != p->n_pages * 16)
+        return DFAIL(d, KM_EFORMAT, "kv_pull.hashes: %u bytes, expected 16 x n_pages = %u", len,
+                     p->n_pages * 16);
+    return tokens_decode(d, mp, "tokens", (uint64_t)p->n_pages * p->page_tokens, &p->tokens);
+}
+
+/* ---------------------------------------------------------------- kv_offer */
+
+static int offer_validate(const km_msg *m, const km_proto_limits *lim, km_errbuf *err)
+{
+    const km_msg_kv_offer *o = &m->kv_offer;
+    if (o->status > 0) VFAIL("kv_offer.status: %d, expected 0 or a negative error", o->status);
+    if (o->n_pages > KM_PROTO_MAX_PULL_PAGES)
+        VFAIL("kv_offer.pages: %u entries, limit %d", o->n_pages, KM_PROTO_MAX_PULL_PAGES);
+    if (o->n_pages && (o->status != 0 || o->lease_id == 0))
+        VFAIL("kv_offer: %u pages offered without a lease (status %d)", o->n_pages, o->status);
+    if (o->n_pages && !o->pages) VFAIL("kv_offer.pages: NULL with n_pages %u", o->n_pages);
+    if (o->page_tokens > KM_PROTO_MAX_PAGE_TOKENS)
+        VFAIL("kv_offer.page_tokens: %u, limit %d", o->page_tokens, KM_PROTO_MAX_PAGE_TOKENS);
+    if (o->n_pages && o->page_tokens == 0) VFAIL("kv_offer.page_tokens: 0 with pages offered");
+    for (uint32_t i = 0; i < o->n_pages; i++) {
+        const km_kv_page_desc *p = &o->pages[i];
+        if (p->format >= KM_PROTO_N_FORMATS)
+            VFAIL("kv_offer.pages[%u].format: unknown format %u", i, p->format);
+        if (i && p->index != o->pages[i - 1].index + 1)
+            VFAIL("kv_offer.pages[%u].index: %u does not follow %u", i, p->index,
+                  o->pages[i - 1].index);
+        if (p->index >= KM_PROTO_MAX_PULL_PAGES)
+            VFAIL("kv_offer.pages[%u].index: %u, limit %d", i, p->index,
+                  KM_PROTO_MAX_PULL_PAGES - 1);
+    }
+    return tokens_validate("kv_offer.tokens", o->tokens, (uint64_t)o->n_pages * o->page_tokens, lim,
+                           err);
+}
+
+static void offer_page(km_enc *e, const void *arg)
+{
+    const km_kv_page_desc *p = arg;
+    km_enc_u64(e, "index", p->index);
+    km_enc_str(e, "format", km_proto_format_names[p->format]);
+    km_enc_bin(e, "hash", p->hash, 16);
+    km_enc_bin(e, "parent", p->parent, 16);
+    km_enc_u64(e, "region", p->region);
+    km_enc_u64(e, "addr", p->addr);
+    km_enc_u64(e, "bytes", p->bytes);
+    km_enc_u64(e, "checksum", p->checksum);
+}
+
+static void offer_encode(km_enc *e, const km_msg *m)
+{
+    const km_msg_kv_offer *o = &m->kv_offer;
+    km_enc_u64(e, "id", o->id);
+    km_enc_u64(e, "lease_id", o->lease_id);
+    km_enc_i64(e, "status", o->status);
+    km_enc_u64(e, "lease_ms", o->lease_ms);
+    km_enc_u64(e, "page_tokens", o->page_tokens);
+    if (km_enc_begin(e, "pages")) {
+        e->rc |= msgpack_pack_array(&e->pk, o->n_pages);
+        for (uint32_t i = 0; i < o->n_pages; i++) km_enc_map(e, offer_page, &o->pages[i]);
+    }
+    tokens_encode(e, "tokens", o->tokens, (uint64_t)o->n_pages * o->page_tokens);
+}
+
+static int offer_decode(km_dec *d, const msgpack_object_map *mp)
+{
+    km_msg_kv_offer *o = &d->m->kv_offer;
+    size_t n0 = strlen(d->path);
+    CK(km_dec_uint(d, mp, "id", true, UINT64_MAX, &o->id));
+    CK(km_dec_uint(d, mp, "lease_id", false, UINT64_MAX, &o->lease_id));
+    CK(km_dec_i32(d, mp, "status", false, &o->status));
+    CK(km_dec_u32(d, mp, "lease_ms", false, &o->lease_ms));
+    CK(km_dec_u32(d, mp, "page_tokens", false, &o->page_tokens));
+    if (o->page_tokens > KM_PROTO_MAX_PAGE_TOKENS)
+        return DFAIL(d, KM_EFORMAT, "kv_offer.page_tokens: %u, limit %d", o->page_tokens,
+                     KM_PROTO_MAX_PAGE_TOKENS);
+    const msgpack_object_array *a;
+    void *mem;
+    CK(km_dec_array(d, mp, "pages", false, KM_PROTO_MAX_PULL_PAGES, sizeof(km_kv_page_desc), &a,
+                    &mem));
+    km_kv_page_desc *pg = mem;
+    for (uint32_t i = 0; a && i < a->size; i++) {
+        const msgpack_object_map *em;
+        int fmt = 0;
+        CK(km_dec_array_map(d, a, i, n0, ".pages", &em));
+        CK(km_dec_u32(d, em, "index", true, &pg[i].index));
+        CK(km_dec_enum(d, em, "format", true, km_proto_format_names, KM_PROTO_N_FORMATS, &fmt));
+        pg[i].format = (uint32_t)fmt;
+        CK(hash_decode(d, em, "hash", pg[i].hash));
+        CK(hash_decode(d, em, "parent", pg[i].parent));
+        CK(km_dec_u32(d, em, "region", false, &pg[i].region));
+        CK(km_dec_uint(d, em, "addr", true, UINT64_MAX, &pg[i].addr));
+        CK(km_dec_uint(d, em, "bytes", true, UINT64_MAX, &pg[i].bytes));
+        CK(km_dec_uint(d, em, "checksum", true, UINT64_MAX, &pg[i].checksum));
+    }
+    km_dec_path_set(d, n0);
+    o->pages = pg;
+    o->n_pages = a ? a->size : 0;
+    if (!o->n_pages) return 0;
+    return tokens_decode(d, mp, "tokens", (uint64_t)o->n_pages * o->page_tokens, &o->tokens);
+}
+
+/* ---------------------------------------------------------------- kv_pull_done */
+
+static int done_validate(const km_msg *m, const km_proto_limits *lim, km_errbuf *err)
+{
+    (void)lim;
+    if (m->kv_pull_done.lease_id == 0) VFAIL("kv_pull_done.lease_id: 0 (no lease)");
+    return 0;
+}
+
+static void done_encode(km_enc *e, const km_msg *m)
+{
+    km_enc_u64(e, "lease_id", m->kv_pull_done.lease_id);
+    km_enc_u64(e, "pages_ok", m->kv_pull_done.pages_ok);
+}
+
+static int done_decode(km_dec *d, const msgpack_object_map *mp)
+{
+    km_msg_kv_pull_done *p = &d->m->kv_pull_done;
+    CK(km_dec_uint(d, mp, "lease_id", true, UINT64_MAX, &p->lease_id));
+    return km_dec_u32(d, mp, "pages_ok", false, &p->pages_ok);
+}
+
+const km_proto_codec km_proto_codec_kv_pull = {pull_validate, pull_encode, pull_decode};
+const km_proto_codec km_proto_codec_kv_offer = {offer_validate, offer_encode, offer_decode};
+const km_proto_codec km_proto_codec_kv_pull_done = {done_validate, done_encode, done_decode};
