@@ -96,6 +96,7 @@ help:
 	@echo "make chaos         fault-injection scenarios against local clusters (docs/chaos.md)"
 	@echo "make bench-engine  engine speed side by side with llama.cpp (docs/benchmarks.md)"
 	@echo "make bench-transfer  KV page transfer between processes next to ucx_perftest"
+	@echo "make bench-kernels matmul, attention and thread-pool figures (docs/kernels*.md)"
 	@echo "make fixtures      regenerate tests/fixtures from llama.cpp (needs its build)"
 	@echo "make fmt | lint | clean"
 
@@ -268,8 +269,20 @@ demo: deps build
 
 bench: bench-engine
 
-bench-engine: build
-	@bash bench/bench_engine.sh
+# Kernel figures (docs/kernels.md, docs/kernels_ops.md): matmul GFLOP/s per instruction set,
+# attention GB/s, pool barrier latency; also the memory bandwidth bench-engine reports.
+BENCH_KERNELS := $(BUILD)/bench/bench_kernels
+$(BENCH_KERNELS): $(OBJ)/bench/bench_kernels.o $(ALL_LIBS)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+.PHONY: bench-kernels
+bench-kernels: $(BENCH_KERNELS)
+	@$(BENCH_KERNELS)
+	@$(BENCH_KERNELS) -a
+	@$(BENCH_KERNELS) -p
+
+bench-engine: build $(BENCH_KERNELS)
+	@BENCH_KERNELS=$(BENCH_KERNELS) bash bench/bench_engine.sh
 
 # Perplexity per KV format vs f16 and llama.cpp (docs/benchmarks.md, docs/engine.md).
 .PHONY: bench-quality

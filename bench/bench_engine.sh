@@ -18,6 +18,12 @@
 # collapse by up to 10x and vary wildly between rounds; compare only on a quiet machine, or look
 # at THREADS=1 as well.
 #
+# The physical limit of batch-1 decode is the memory bandwidth over the weight bytes a token
+# reads: each round also measures the machine's read bandwidth with THREADS threads
+# (bench_kernels -b), and the table gives every decode figure as a fraction of
+# B x bandwidth / (weight bytes per token) — at batch B one pass over the weights serves B tokens
+# (the KV cache reads, ~1.5 MB per token at tg128's average context, are left out).
+#
 # Environment: THREADS (default nproc), MODEL (default models/SmolLM2-135M-Instruct.Q4_1.gguf),
 #   ROUNDS (default 2), LLAMA_REPACK (auto|0|1, default auto: llama.cpp's weight repacking is
 #   used unless a probe run crashes, which the AMX path does on some machines; see
@@ -33,6 +39,7 @@ ROUNDS="${ROUNDS:-2}"
 LLAMA_REPACK="${LLAMA_REPACK:-auto}"
 LLBIN=third_party/llama.cpp/build/bin
 KVMESH=build/bin/kvmesh
+BENCH_KERNELS="${BENCH_KERNELS:-build/bench/bench_kernels}"
 STAMP="$(date -u +%Y%m%dT%H%M%SZ)"
 OUT="${BENCH_OUT:-build/bench/$STAMP}"
 
@@ -50,7 +57,9 @@ if [ ! -x "$LLBIN/llama-bench" ] || [ ! -x "$LLBIN/llama-batched-bench" ]; then
     say "llama.cpp is not built; running bench/build_llamacpp.sh"
     bash bench/build_llamacpp.sh || die "bench/build_llamacpp.sh failed"
 fi
+[ -x "$BENCH_KERNELS" ] || die "$BENCH_KERNELS is not built (make bench-kernels builds it)"
 mkdir -p "$OUT"
+"$BENCH_KERNELS" -w "$MODEL" >"$OUT/weights.txt" || die "bench_kernels -w $MODEL failed"
 LOAD_START="$(cut -d' ' -f1-3 /proc/loadavg)"
 
 # ------------------------------------------------------------------ llama.cpp weight repacking
@@ -113,7 +122,13 @@ run_kvmesh() { # round
     return 0
 }
 
+run_membw() { # round
+    say "round $1: memory read bandwidth, $THREADS threads"
+    "$BENCH_KERNELS" -b "$THREADS" >"$OUT/membw.$1.txt" || die "bench_kernels -b failed"
+}
+
 for r in $(seq 1 "$ROUNDS"); do
+    run_membw "$r"
     [ -n "$KVMESH_STATUS" ] || run_kvmesh "$r"
     run_llamacpp "$r"
 done
@@ -122,6 +137,8 @@ done
 # ------------------------------------------------------------------ table
 LLVER="$(bash bench/build_llamacpp.sh --version)"
 CPU="$(grep -m1 'model name' /proc/cpuinfo | sed 's/.*: //')"
+CPU="$CPU (family $(grep -m1 'cpu family' /proc/cpuinfo | sed 's/.*: //'), model $(grep -m1 '^model[[:space:]]' /proc/cpuinfo | sed 's/.*: //'); $(grep -m1 '^flags' /proc/cpuinfo | grep -o -w -E 'avx2|fma|f16c|avx512f|avx512_vnni|amx_int8' | tr '\n' ' ' | sed 's/ $//'))"
+ISA="$(grep -h -o 'isa=[a-z0-9]*' "$OUT"/kvmesh.*.log 2>/dev/null | head -1 | cut -d= -f2)"
 MODEL_SHA="$(sha256sum "$MODEL" | cut -d' ' -f1)"
 
 python3 - "$OUT" "$ROUNDS" "$KVMESH_STATUS" <<'PY'
@@ -164,33 +181,64 @@ for r in range(1, rounds + 1):
 if "batch1" in kv:
     kv["tg128"] = kv["batch1"]
 
-rows = [
-    ("prefill tok/s (512-token prompt)", "prefill", "llama-bench pp512"),
-    ("decode tok/s, batch 1 (128 tokens)", "tg128", "llama-bench tg128"),
-    ("decode tok/s, batch 1 (aggregate)", "batch1", "batched-bench S_TG, npl 1"),
-    ("decode tok/s, batch 8 (aggregate)", "batch8", "batched-bench S_TG, npl 8"),
-    ("decode tok/s, batch 32 (aggregate)", "batch32", "batched-bench S_TG, npl 32"),
+bw = []
+for r in range(1, rounds + 1):
+    for line in open(f"{out}/membw.{r}.txt"):
+        m = re.match(r"membw threads=\d+ read_gb_s=([0-9.]+)", line)
+        if m:
+            bw.append(float(m.group(1)))
+wbytes = None
+for line in open(f"{out}/weights.txt"):
+    m = re.match(r"model weight_bytes_per_token=(\d+)", line)
+    if m:
+        wbytes = int(m.group(1))
+isa = "?"
+for r in range(1, rounds + 1):
+    p = f"{out}/kvmesh.{r}.log"
+    if os.path.exists(p):
+        for line in open(p):
+            m = re.search(r"isa=(\S+)", line)
+            if m:
+                isa = m.group(1)
+bw_med = median(bw)
+limit1 = bw_med * 1e9 / wbytes if bw_med and wbytes else None
+
+rows = [  # (name, key, llama.cpp source, batch size for the bandwidth limit or 0)
+    ("prefill tok/s (512-token prompt)", "prefill", "llama-bench pp512", 0),
+    ("decode tok/s, batch 1 (128 tokens)", "tg128", "llama-bench tg128", 1),
+    ("decode tok/s, batch 1 (aggregate)", "batch1", "batched-bench S_TG, npl 1", 1),
+    ("decode tok/s, batch 8 (aggregate)", "batch8", "batched-bench S_TG, npl 8", 8),
+    ("decode tok/s, batch 32 (aggregate)", "batch32", "batched-bench S_TG, npl 32", 32),
 ]
 
 def fmt(x):
     return "—" if x is None else f"{x:.1f}"
 
-print("| metric | kvmesh | llama.cpp | ratio (kvmesh/llama.cpp) | llama.cpp source |")
-print("|---|---:|---:|---:|---|")
-for name, key, src in rows:
+def frac(x, B):
+    return f"{100 * x / (B * limit1):.0f}%" if x is not None and B and limit1 else "—"
+
+print("| metric | kvmesh | llama.cpp | ratio (kvmesh/llama.cpp) | kvmesh / llama.cpp of the bandwidth limit | llama.cpp source |")
+print("|---|---:|---:|---:|---:|---|")
+for name, key, src, B in rows:
     a, b = median(kv.get(key, [])), median(ll.get(key, []))
     kcell = fmt(a) if a is not None else ("not built" if kv_status else "—")
     ratio = f"{a / b:.2f}" if a is not None and b else "—"
-    print(f"| {name} | {kcell} | {fmt(b)} | {ratio} | {src} |")
+    lim = f"{frac(a, B)} / {frac(b, B)}" if B else "—"
+    print(f"| {name} | {kcell} | {fmt(b)} | {ratio} | {lim} | {src} |")
+print()
+if limit1:
+    print(f"Bandwidth limit: {bw_med:.2f} GB/s measured read bandwidth (median over rounds, "
+          f"{[round(x, 2) for x in bw]}) / {wbytes / 1e6:.1f} MB of weights per token = "
+          f"**{limit1:.1f} tok/s at batch 1** (B times that at batch B). kvmesh ISA path: {isa}.")
 print()
 print(f"Medians over {rounds} interleaved round(s). Raw figures per round:")
-for name, key, _ in rows:
+for name, key, _, _ in rows:
     print(f"- {key}: kvmesh {[round(x, 1) for x in kv.get(key, [])]}, llama.cpp {[round(x, 1) for x in ll.get(key, [])]}")
 PY
 
 echo
 echo "- date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-echo "- machine: $CPU, $(nproc) cores visible, threads = $THREADS; load average $LOAD_START at start, $(cut -d' ' -f1-3 /proc/loadavg) at end"
+echo "- machine: $CPU, $(nproc) cores visible, threads = $THREADS; kvmesh kernels: ${ISA:-?}; load average $LOAD_START at start, $(cut -d' ' -f1-3 /proc/loadavg) at end"
 echo "- model: $MODEL (sha256 $MODEL_SHA)"
 echo "- llama.cpp: $LLVER; weight repacking $([ "$REPACK" = 1 ] && echo on || echo 'off (--repack 0 / -nr)'); flash attention auto; KV f16"
 [ -z "$KVMESH_STATUS" ] || echo "- kvmesh: $KVMESH_STATUS"

@@ -1,18 +1,30 @@
 /*
- * bench_kernels.c — single-thread micro-benchmark of the quantized matmul (and activation
- * quantization) of every instruction set this CPU has, on the shapes of the default model
- * (SmolLM2-135M: k = 576 / 1536, Q4_1 linear layers, Q8_0 tied output of 49152 rows).
- *
- * Prints GFLOP/s = 2 * m * rows * k / time (the best of 15 timed runs, each at least 10 ms of
- * this thread's CPU time, which is what holds up on a shared machine) and asserts nothing about
- * time. Weights are random block bytes with sane scales: speed does not depend on the values.
+ * bench_kernels.c — single-thread micro-benchmarks of the kernels of kernels.h, plus the two
+ * machine figures the engine benchmark needs. Prints figures and asserts nothing about time.
  *
  *   bench_kernels [-i scalar|avx2|avx512|ggml] [-t Q4_1|Q4_0|Q8_0|Q4_K|Q6_K|F16|BF16|F32]
  *                 [-m 1,8,32] [-s rows,k] [-q]
- *   -q also times quantize_row of the activations.
+ *       the quantized matmul of every instruction set this CPU has, on the shapes of the default
+ *       model (SmolLM2-135M: k = 576 / 1536, Q4_1 linear layers, Q8_0 tied output of 49152
+ *       rows): GFLOP/s = 2 * m * rows * k / time, the best of 15 timed runs, each at least 10 ms
+ *       of this thread's CPU time (which is what holds up on a shared machine). Weights are
+ *       random block bytes with sane scales: speed does not depend on the values. -q also times
+ *       quantize_row of the activations.
+ *   bench_kernels -a [-c]
+ *       attention throughput, GB/s of K+V read per CPU-second, SmolLM2's shape (n_q 3, head_dim
+ *       64, f16, 16-token pages scattered in memory). Hot: the same context again and again;
+ *       -c (cold): rotating over contexts that together exceed the last-level cache, as the 30
+ *       layers x 3 kv heads of a real step do.
+ *   bench_kernels -p
+ *       the thread pool: ns per kn_pool_barrier and per empty kn_pool_run with 2 threads, best and
+ *       median batch (the median includes batches where a thread was preempted).
+ *   bench_kernels -b THREADS
+ *       memory read bandwidth: THREADS threads stream a 512 MiB buffer (wall time, best of 5).
+ *   bench_kernels -w MODEL.gguf
+ *       bytes of weights one decode step reads per token (every tensor but the embedding table,
+ *       which is read one row per token, unless the output projection is tied to it).
  *
- * Build by hand: gcc -O2 -I. bench/bench_kernels.c build/lib/libkmkernels.a \
- *                    build/lib/libkmcommon.a -lm -pthread -o build/bin/bench_kernels
+ * Build: make bench-kernels (build/bench/bench_kernels).
  *
  * With -DKN_BENCH_GGML, and llama.cpp's static libraries linked in (L=third_party/llama.cpp/build/
  * ggml/src; add $L/libggml-cpu.a $L/libggml-base.a -lstdc++ -fopenmp), it also times ggml's
@@ -20,12 +32,20 @@
  * checks that our activation quantization is byte-identical to ggml's quantize_row_q8_* and that
  * our matmul agrees with ggml's dot products.
  */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
 #include "kernels/cpu/internal.h"
+
+static double bk_wall(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
 
 static double bk_now(void)
 {
@@ -250,6 +270,196 @@ static void bk_ggml_compare(km_type wt, const uint8_t *w, size_t ws, uint8_t *x,
 }
 #endif
 
+/* ------------------------------------------------------------------ attention (-a) */
+
+/* One f16 context of n_ctx tokens in pages allocated in shuffled order (addresses not monotonic,
+ * as kvshard's are), K and V blocks of one kv head in each page. */
+typedef struct bk_att {
+    uint8_t **pages;
+    int n_pages;
+    kn_kv_view view;
+} bk_att;
+
+static void bk_att_build(bk_att *c, int n_ctx, int hd, int pt)
+{
+    const size_t blk = (size_t)pt * (size_t)hd * 2;
+    c->n_pages = (n_ctx + pt - 1) / pt;
+    c->pages = calloc((size_t)c->n_pages, sizeof *c->pages);
+    for (int i = 0; i < c->n_pages; i++) {
+        const int j = (int)(bk_u32() % (uint32_t)(i + 1)); /* insert at a random place */
+        c->pages[i] = c->pages[j];
+        c->pages[j] = malloc(2 * blk);
+        for (size_t e = 0; e < 2 * blk / 2; e++) {
+            const kn_f16 h = kn_f32_to_f16(bk_unif());
+            memcpy(c->pages[j] + 2 * e, &h, 2);
+        }
+    }
+    memset(&c->view, 0, sizeof c->view);
+    c->view.pages = (const uint8_t *const *)c->pages;
+    c->view.k_off = 0;
+    c->view.v_off = blk;
+    c->view.page_tokens = pt;
+    c->view.n_ctx = n_ctx;
+    c->view.format = KN_KV_F16;
+}
+
+static void bk_att_free(bk_att *c)
+{
+    for (int i = 0; i < c->n_pages; i++) free(c->pages[i]);
+    free(c->pages);
+}
+
+static int bk_attention(int cold)
+{
+    const int ctxs[] = {1024, 4096, 16384};
+    float q[3 * 64], out[3 * 64];
+    for (int i = 0; i < 3 * 64; i++) q[i] = bk_unif();
+    for (int a = 0; a < 3; a++) {
+        const int n_ctx = ctxs[a];
+        /* cold: enough contexts for ~256 MB of K+V */
+        const int n_views = cold ? (int)((256u << 20) / ((size_t)n_ctx * 64 * 2 * 2)) : 1;
+        bk_att *cs = malloc(sizeof(bk_att) * (size_t)n_views);
+        for (int i = 0; i < n_views; i++) bk_att_build(&cs[i], n_ctx, 64, 16);
+        const double bytes = (double)n_ctx * 64 * 2 * 2;
+        printf("attention %s n_ctx=%5d n_q=3 hd=64 f16:", cold ? "cold" : "hot ", n_ctx);
+        for (int isa = 0; isa < KN_ISA_COUNT; isa++) {
+            const kn_ops *o = kn_ops_get((kn_isa)isa);
+            if (!o) continue;
+            o->attention(&cs[0].view, 64, q, 3, 0.125f, out); /* warm up */
+            int iters = 0;
+            const double t0 = bk_now();
+            double t;
+            do {
+                o->attention(&cs[iters % n_views].view, 64, q, 3, 0.125f, out);
+                iters++;
+            } while ((t = bk_now() - t0) < (isa ? 0.3 : 0.1));
+            printf("  %s %.1f GB/s (%.1f us)", o->name, bytes * iters / t / 1e9, t / iters * 1e6);
+        }
+        printf("\n");
+        fflush(stdout);
+        for (int i = 0; i < n_views; i++) bk_att_free(&cs[i]);
+        free(cs);
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ thread pool (-p) */
+
+typedef struct bk_bar {
+    kn_pool *p;
+    int n;
+} bk_bar;
+
+static void bk_bar_job(void *ctx, int ith, int nth)
+{
+    bk_bar *b = ctx;
+    (void)ith, (void)nth;
+    for (int i = 0; i < b->n; i++) kn_pool_barrier(b->p);
+}
+
+static void bk_nop_job(void *ctx, int ith, int nth)
+{
+    (void)ctx, (void)ith, (void)nth;
+}
+
+static int bk_cmp_double(const void *a, const void *b)
+{
+    const double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static int bk_pool(void)
+{
+    kn_pool *p;
+    if (kn_pool_create(2, &p)) return 1;
+    bk_bar b = {p, 1000};
+    kn_pool_run(p, bk_bar_job, &b); /* warm up: both threads awake */
+    enum { BATCHES = 1000 };
+    static double bar[BATCHES], run[BATCHES];
+    b.n = 100;
+    for (int i = 0; i < BATCHES; i++) {
+        const double t0 = bk_wall();
+        kn_pool_run(p, bk_bar_job, &b);
+        bar[i] = (bk_wall() - t0) / b.n;
+    }
+    for (int i = 0; i < BATCHES; i++) {
+        const double t0 = bk_wall();
+        for (int j = 0; j < 100; j++) kn_pool_run(p, bk_nop_job, NULL);
+        run[i] = (bk_wall() - t0) / 100;
+    }
+    qsort(bar, BATCHES, sizeof(double), bk_cmp_double);
+    qsort(run, BATCHES, sizeof(double), bk_cmp_double);
+    printf("pool 2 threads: barrier %.0f ns best, %.0f ns median; empty run %.0f ns best, %.0f ns "
+           "median\n",
+           bar[0] * 1e9, bar[BATCHES / 2] * 1e9, run[0] * 1e9, run[BATCHES / 2] * 1e9);
+    kn_pool_destroy(p);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ memory bandwidth (-b) */
+
+typedef struct bk_bw {
+    const uint64_t *buf;
+    size_t n; /* uint64 words */
+    uint64_t sink[64];
+} bk_bw;
+
+static void bk_bw_job(void *ctx, int ith, int nth)
+{
+    bk_bw *b = ctx;
+    int64_t lo, hi;
+    kn_split((int64_t)b->n / 8, ith, nth, &lo, &hi);
+    uint64_t a[8] = {0};
+    for (int64_t i = lo * 8; i < hi * 8; i += 8)
+        for (int j = 0; j < 8; j++) a[j] += b->buf[i + j];
+    b->sink[ith % 64] = a[0] + a[1] + a[2] + a[3] + a[4] + a[5] + a[6] + a[7];
+}
+
+static int bk_bandwidth(int threads)
+{
+    const size_t bytes = (size_t)512 << 20;
+    bk_bw b = {.n = bytes / 8};
+    uint64_t *buf = malloc(bytes);
+    kn_pool *p;
+    if (!buf || threads < 1 || kn_pool_create(threads, &p)) return 1;
+    for (size_t i = 0; i < b.n; i++) buf[i] = i * 0x9E3779B97F4A7C15ull;
+    b.buf = buf;
+    kn_pool_run(p, bk_bw_job, &b); /* warm up: pages touched, threads awake */
+    double best = 1e30;
+    for (int rep = 0; rep < 5; rep++) {
+        const double t0 = bk_wall();
+        kn_pool_run(p, bk_bw_job, &b);
+        const double t = bk_wall() - t0;
+        best = t < best ? t : best;
+    }
+    printf("membw threads=%d read_gb_s=%.2f\n", threads, (double)bytes / best / 1e9);
+    kn_pool_destroy(p);
+    free(buf);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ weight bytes (-w) */
+
+static int bk_weight_bytes(const char *path)
+{
+    km_gguf *g;
+    km_errbuf err;
+    if (km_gguf_open(path, &g, &err)) {
+        fprintf(stderr, "bench_kernels: %s\n", err.msg);
+        return 1;
+    }
+    const int tied = km_gguf_find_tensor(g, "output.weight") == NULL;
+    uint64_t bytes = 0;
+    for (int64_t i = 0; i < km_gguf_n_tensors(g); i++) {
+        const km_gguf_tensor *t = km_gguf_tensor_at(g, i);
+        const int embd = t->name.len == 17 && !memcmp(t->name.ptr, "token_embd.weight", 17);
+        if (!embd || tied) bytes += t->size;
+    }
+    printf("model weight_bytes_per_token=%llu tied_output=%d\n", (unsigned long long)bytes, tied);
+    km_gguf_close(g);
+    return 0;
+}
+
 static int bk_parse_list(const char *s, int *out, int max)
 {
     int n = 0;
@@ -295,8 +505,19 @@ int main(int argc, char **argv)
             custom_shape = 1;
         } else if (!strcmp(argv[a], "-q")) {
             quant = 1;
+        } else if (!strcmp(argv[a], "-a")) {
+            return bk_attention(a + 1 < argc && !strcmp(argv[a + 1], "-c"));
+        } else if (!strcmp(argv[a], "-p")) {
+            return bk_pool();
+        } else if (!strcmp(argv[a], "-b") && a + 1 < argc) {
+            return bk_bandwidth(atoi(argv[a + 1]));
+        } else if (!strcmp(argv[a], "-w") && a + 1 < argc) {
+            return bk_weight_bytes(argv[a + 1]);
         } else {
-            fprintf(stderr, "usage: %s [-i isa] [-t type] [-m 1,8,..] [-s rows,k] [-q]\n", argv[0]);
+            fprintf(stderr,
+                    "usage: %s [-i isa] [-t type] [-m 1,8,..] [-s rows,k] [-q] | -a [-c] | -p | "
+                    "-b THREADS | -w MODEL\n",
+                    argv[0]);
             return 2;
         }
     }

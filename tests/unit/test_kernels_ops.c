@@ -5,16 +5,14 @@
  * softmax over a contiguous copy of the context, with pages scattered in memory, partial last
  * pages poisoned with NaN, and every head/format/page-size combination the kernels branch on.
  *
- * An instruction set this CPU lacks is skipped with a message. The attention_throughput test
- * prints GB/s of K+V read per CPU-second (hot cache; KVMESH_BENCH=1 uses a working set larger
- * than the last-level cache instead) and asserts nothing about time.
+ * An instruction set this CPU lacks is skipped with a message. Attention's throughput is a
+ * benchmark, not a test: `build/bench/bench_kernels -a` prints it.
  */
 #include <criterion/criterion.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "kernels/kernels.h"
 
@@ -712,56 +710,4 @@ Test(attention, empty_context_gives_zeros)
         for (int d = 0; d < 64; d++) cr_assert_eq(out[d], 0.0f, "%s", o->name);
     }
     att_free(&c);
-}
-
-/* CPU time of this thread: on a shared host wall time mostly measures the neighbours. */
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-/* GB/s of K+V bytes read, SmolLM2's shape (n_q 3, head_dim 64, f16, 16-token pages). Hot: the
- * same context again and again (L2/L3). Cold (KVMESH_BENCH=1): rotating over contexts that
- * together exceed the last-level cache, as the 30 layers x 3 kv heads of a real step do. */
-Test(attention, throughput)
-{
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-    cr_skip_test("timing is meaningless under sanitizers");
-#endif
-    const int ctxs[] = {1024, 4096, 16384};
-    const int cold = getenv("KVMESH_BENCH") != NULL;
-    rng_seed(14);
-    float q[3 * 64], out[3 * 64];
-    for (int i = 0; i < 3 * 64; i++) q[i] = rng_f(-1, 1);
-    for (int a = 0; a < 3; a++) {
-        const int n_ctx = ctxs[a];
-        /* cold: enough contexts for ~256 MB of K+V */
-        const int n_views = cold ? (int)((256u << 20) / ((size_t)n_ctx * 64 * 2 * 2)) : 1;
-        att_ctx *cs = malloc(sizeof(att_ctx) * n_views);
-        for (int i = 0; i < n_views; i++) att_build(&cs[i], n_ctx, 64, 16, KN_KV_F16, 1.0f);
-        const double bytes = (double)n_ctx * 64 * 2 * 2;
-        char line[256];
-        int len =
-            snprintf(line, sizeof line,
-                     "attention %s n_ctx=%5d n_q=3 hd=64 f16:", cold ? "cold" : "hot ", n_ctx);
-        for (int isa = 0; isa < KN_ISA_COUNT; isa++) {
-            const kn_ops *o = kn_ops_get((kn_isa)isa);
-            if (!o) continue;
-            o->attention(&cs[0].view, 64, q, 3, 0.125f, out); /* warm up */
-            int iters = 0;
-            double t0 = now_s(), t;
-            do {
-                o->attention(&cs[iters % n_views].view, 64, q, 3, 0.125f, out);
-                iters++;
-            } while ((t = now_s() - t0) < (isa ? 0.3 : 0.1));
-            len += snprintf(line + len, sizeof line - len, "  %s %.1f GB/s (%.1f us)", o->name,
-                            bytes * iters / t / 1e9, t / iters * 1e6);
-        }
-        printf("%s\n", line);
-        fflush(stdout);
-        for (int i = 0; i < n_views; i++) att_free(&cs[i]);
-        free(cs);
-    }
 }

@@ -4,8 +4,8 @@
  * earlier phase's late), jobs can be run many times back to back and after the workers went to
  * sleep, a pool of one thread needs no other thread, and an idle pool burns no CPU.
  *
- * Two figures are printed (nothing is asserted about time): ns per kn_pool_barrier and per empty
- * kn_pool_run with 2 threads while the workers are spinning.
+ * The pool's latency figures (ns per barrier and per empty job) are a benchmark, not a test:
+ * `build/bench/bench_kernels -p` prints them.
  *
  * Only barriers_order_phases carries a .timeout (a deadlocked barrier would hang there): with
  * Criterion 2.4, two tests with timeouts that overlap under --jobs 2 make its runner leak 48
@@ -232,54 +232,5 @@ Test(pool, idle_pool_uses_no_cpu)
     /* Spinning workers would burn about 2 * wall; sleeping ones next to nothing. */
     cr_assert_lt(cpu, 0.25 * wall, "idle pool used %.1f ms of CPU in %.1f ms", cpu * 1e3,
                  wall * 1e3);
-    kn_pool_destroy(p);
-}
-
-typedef struct bar_bench {
-    kn_pool *p;
-    int n;
-} bar_bench;
-
-static void bar_job(void *ctx, int ith, int nth)
-{
-    bar_bench *b = ctx;
-    (void)ith, (void)nth;
-    for (int i = 0; i < b->n; i++) kn_pool_barrier(b->p);
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
-/* Figures for a pool of 2 over many short batches: the best batch (both threads on CPU and
- * spinning, which is what a busy engine sees) and the median (on a shared host it includes
- * batches where one thread was preempted). */
-Test(pool, latency_figures)
-{
-    kn_pool *p;
-    cr_assert_eq(kn_pool_create(2, &p), 0);
-    bar_bench b = {p, 1000};
-    kn_pool_run(p, bar_job, &b); /* warm up: both threads awake */
-    enum { BATCHES = 1000 };
-    static double bar[BATCHES], run[BATCHES];
-    b.n = 100;
-    for (int i = 0; i < BATCHES; i++) {
-        double t0 = now_s(CLOCK_MONOTONIC);
-        kn_pool_run(p, bar_job, &b);
-        bar[i] = (now_s(CLOCK_MONOTONIC) - t0) / b.n;
-    }
-    for (int i = 0; i < BATCHES; i++) {
-        double t0 = now_s(CLOCK_MONOTONIC);
-        for (int j = 0; j < 100; j++) kn_pool_run(p, nop_job, NULL);
-        run[i] = (now_s(CLOCK_MONOTONIC) - t0) / 100;
-    }
-    qsort(bar, BATCHES, sizeof(double), cmp_double);
-    qsort(run, BATCHES, sizeof(double), cmp_double);
-    printf("pool 2 threads: barrier %.0f ns best, %.0f ns median; empty run %.0f ns best, %.0f ns "
-           "median\n",
-           bar[0] * 1e9, bar[BATCHES / 2] * 1e9, run[0] * 1e9, run[BATCHES / 2] * 1e9);
-    fflush(stdout);
     kn_pool_destroy(p);
 }
