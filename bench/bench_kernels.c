@@ -3,13 +3,15 @@
  * machine figures the engine benchmark needs. Prints figures and asserts nothing about time.
  *
  *   bench_kernels [-i scalar|avx2|avx512|ggml] [-t Q4_1|Q4_0|Q8_0|Q4_K|Q6_K|F16|BF16|F32]
- *                 [-m 1,8,32] [-s rows,k] [-q]
+ *                 [-m 1,8,32] [-s rows,k] [-q] [-u]
  *       the quantized matmul of every instruction set this CPU has, on the shapes of the default
  *       model (SmolLM2-135M: k = 576 / 1536, Q4_1 linear layers, Q8_0 tied output of 49152
  *       rows): GFLOP/s = 2 * m * rows * k / time, the best of 15 timed runs, each at least 10 ms
  *       of this thread's CPU time (which is what holds up on a shared machine). Weights are
- *       random block bytes with sane scales: speed does not depend on the values. -q also times
- *       quantize_row of the activations.
+ *       random block bytes with sane scales: speed does not depend on the values. The SIMD
+ *       builds run on the weights packed once (kn_ops.pack, what the engine does at load); -u
+ *       also times them on the GGUF rows ("avx2-rows": matmul packs each panel on the fly). -q
+ *       also times quantize_row of the activations.
  *   bench_kernels -a [-c]
  *       attention throughput, GB/s of K+V read per CPU-second, SmolLM2's shape (n_q 3, head_dim
  *       64, f16, 16-token pages scattered in memory). Hot: the same context again and again;
@@ -19,10 +21,16 @@
  *       the thread pool: ns per kn_pool_barrier and per empty kn_pool_run with 2 threads, best and
  *       median batch (the median includes batches where a thread was preempted).
  *   bench_kernels -b THREADS
- *       memory read bandwidth: THREADS threads stream a 512 MiB buffer (wall time, best of 5).
+ *       memory read bandwidth: THREADS threads stream a 512 MiB buffer (best of 5; read_gb_s by
+ *       wall time, cpu_gb_s by the slowest thread's CPU time).
  *   bench_kernels -w MODEL.gguf
  *       bytes of weights one decode step reads per token (every tensor but the embedding table,
  *       which is read one row per token, unless the output projection is tied to it).
+ *   bench_kernels -e MODEL.gguf THREADS [p183]
+ *       engine steps with wall time and CPU time (all threads) per token or step: a 512-token
+ *       prefill (p), 128 decode steps at batch 1 (1), 64 at batch 8 and 32 at batch 32 after
+ *       128-token prompts (8, 3). On a shared machine the CPU time of a 1-thread engine is the
+ *       figure that holds up; `make bench-engine` gives the comparable ones.
  *
  * Build: make bench-kernels (build/bench/bench_kernels).
  *
@@ -39,6 +47,7 @@
 #include <time.h>
 
 #include "kernels/cpu/internal.h"
+#include "worker/worker.h"
 
 static double bk_wall(void)
 {
@@ -148,17 +157,29 @@ static void bk_fill_weights(km_type t, uint8_t *w, size_t n_bytes, int64_t rows,
 }
 
 /* Best time of one call, over repeated batches of calls lasting at least min_s each. */
-static double bk_time(const kn_ops *ops, km_type wt, const void *w, size_t ws, const void *x,
-                      size_t xs, int64_t k, int m, float *y, int64_t r0, int64_t r1, double min_s)
+/* One matmul call: over the packed matrix when there is one, else over the rows. */
+static void bk_call(const kn_ops *ops, km_type wt, const void *w, size_t ws, const void *packed,
+                    int64_t rows, const void *x, size_t xs, int64_t k, int m, float *y, int64_t r0,
+                    int64_t r1)
 {
-    ops->matmul(wt, w, ws, x, xs, k, m, y, (size_t)r1, r0, r1); /* warm up */
+    if (packed)
+        ops->matmul_packed(wt, packed, rows, x, xs, k, m, y, (size_t)r1, r0, r1);
+    else
+        ops->matmul(wt, w, ws, x, xs, k, m, y, (size_t)r1, r0, r1);
+}
+
+static double bk_time(const kn_ops *ops, km_type wt, const void *w, size_t ws, const void *packed,
+                      int64_t rows, const void *x, size_t xs, int64_t k, int m, float *y,
+                      int64_t r0, int64_t r1, double min_s)
+{
+    bk_call(ops, wt, w, ws, packed, rows, x, xs, k, m, y, r0, r1); /* warm up */
     double best = 1e30;
     for (int rep = 0; rep < 15; rep++) {
         int n = 0;
         const double t0 = bk_now();
         double t1;
         do {
-            ops->matmul(wt, w, ws, x, xs, k, m, y, (size_t)r1, r0, r1);
+            bk_call(ops, wt, w, ws, packed, rows, x, xs, k, m, y, r0, r1);
             n++;
             t1 = bk_now();
         } while (t1 - t0 < min_s);
@@ -402,6 +423,7 @@ typedef struct bk_bw {
     const uint64_t *buf;
     size_t n; /* uint64 words */
     uint64_t sink[64];
+    double cpu[64]; /* each thread's CPU time for its share */
 } bk_bw;
 
 static void bk_bw_job(void *ctx, int ith, int nth)
@@ -409,10 +431,12 @@ static void bk_bw_job(void *ctx, int ith, int nth)
     bk_bw *b = ctx;
     int64_t lo, hi;
     kn_split((int64_t)b->n / 8, ith, nth, &lo, &hi);
+    const double t0 = bk_now();
     uint64_t a[8] = {0};
     for (int64_t i = lo * 8; i < hi * 8; i += 8)
         for (int j = 0; j < 8; j++) a[j] += b->buf[i + j];
     b->sink[ith % 64] = a[0] + a[1] + a[2] + a[3] + a[4] + a[5] + a[6] + a[7];
+    b->cpu[ith % 64] = bk_now() - t0;
 }
 
 static int bk_bandwidth(int threads)
@@ -425,14 +449,20 @@ static int bk_bandwidth(int threads)
     for (size_t i = 0; i < b.n; i++) buf[i] = i * 0x9E3779B97F4A7C15ull;
     b.buf = buf;
     kn_pool_run(p, bk_bw_job, &b); /* warm up: pages touched, threads awake */
-    double best = 1e30;
+    double best = 1e30, best_cpu = 1e30;
     for (int rep = 0; rep < 5; rep++) {
         const double t0 = bk_wall();
         kn_pool_run(p, bk_bw_job, &b);
         const double t = bk_wall() - t0;
         best = t < best ? t : best;
+        double c = 0; /* the slowest thread's CPU time */
+        for (int i = 0; i < threads && i < 64; i++) c = b.cpu[i] > c ? b.cpu[i] : c;
+        best_cpu = c < best_cpu ? c : best_cpu;
     }
-    printf("membw threads=%d read_gb_s=%.2f\n", threads, (double)bytes / best / 1e9);
+    /* On a busy machine the wall figure measures the neighbours too; cpu_gb_s is the rate while
+     * the threads ran (the two agree on a quiet machine). */
+    printf("membw threads=%d read_gb_s=%.2f cpu_gb_s=%.2f\n", threads, (double)bytes / best / 1e9,
+           (double)bytes / best_cpu / 1e9);
     kn_pool_destroy(p);
     free(buf);
     return 0;
@@ -460,6 +490,83 @@ static int bk_weight_bytes(const char *path)
     return 0;
 }
 
+/* ------------------------------------------------------------------ engine steps (-e) */
+
+static double bk_proc_cpu(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Runs B sequences through a prompt of npp tokens each, then gen decode steps of B tokens, and
+ * prints wall and CPU time (all threads) per step: on a machine shared with other work the CPU
+ * time of a one-thread engine is the figure that holds up. */
+static int bk_engine_phase(wk_engine *e, int n_vocab, int B, int npp, int gen)
+{
+    kv_store *kv = wk_engine_kv(e);
+    kv_seq *ss[64];
+    int32_t tok[512], pos[512];
+    kv_seq *seqs[512];
+    uint8_t want[512];
+    memset(want, 1, sizeof want);
+    for (int i = 0; i < 512; i++) tok[i] = (int32_t)(bk_u32() % (uint32_t)n_vocab);
+    for (int j = 0; j < B; j++)
+        if (kv_seq_create(kv, &ss[j])) return 1;
+    const float *lg;
+    const double w0 = bk_wall(), c0 = bk_proc_cpu();
+    for (int j = 0; j < B && npp; j++) {
+        for (int i = 0; i < npp; i++) pos[i] = i, seqs[i] = ss[j];
+        wk_batch b = {.n_tokens = npp, .tokens = tok, .pos = pos, .seqs = seqs};
+        if (wk_engine_step(e, &b, &lg) < 0) return 1;
+    }
+    const double w1 = bk_wall(), c1 = bk_proc_cpu();
+    for (int g = 0; g < gen; g++) {
+        for (int j = 0; j < B; j++) pos[j] = npp + g, seqs[j] = ss[j];
+        wk_batch b = {.n_tokens = B, .tokens = tok, .pos = pos, .seqs = seqs, .logits = want};
+        if (wk_engine_step(e, &b, &lg) < 0) return 1;
+    }
+    const double w2 = bk_wall(), c2 = bk_proc_cpu();
+    if (npp)
+        printf("engine prefill %d x %d tokens: %.1f tok/s wall, %.3f ms cpu per token\n", B, npp,
+               B * npp / (w1 - w0), (c1 - c0) * 1e3 / (B * npp));
+    if (gen)
+        printf("engine decode batch=%d (%d steps from position %d): %.1f tok/s wall, %.3f ms cpu "
+               "per step\n",
+               B, gen, npp, B * gen / (w2 - w1), (c2 - c1) * 1e3 / gen);
+    fflush(stdout);
+    for (int j = 0; j < B; j++) kv_seq_destroy(kv, ss[j]);
+    return 0;
+}
+
+static int bk_engine(const char *path, int threads, const char *what)
+{
+    wk_model *m;
+    wk_engine *e;
+    km_errbuf err;
+    const double t0 = bk_wall();
+    if (wk_model_load(path, &m, &err)) {
+        fprintf(stderr, "bench_kernels: %s\n", err.msg);
+        return 1;
+    }
+    wk_engine_opts o = {.n_threads = threads};
+    if (wk_engine_create(m, &o, &e, &err)) {
+        fprintf(stderr, "bench_kernels: %s\n", err.msg);
+        return 1;
+    }
+    printf("engine %s threads=%d isa=%s: load and pack %.0f ms\n", wk_model_name(m), threads,
+           wk_engine_isa(e), (bk_wall() - t0) * 1e3);
+    const int n_vocab = wk_model_hparams(m)->n_vocab;
+    int rc = 0;
+    if (strchr(what, 'p')) rc |= bk_engine_phase(e, n_vocab, 1, 512, 0);
+    if (strchr(what, '1')) rc |= bk_engine_phase(e, n_vocab, 1, 0, 128);
+    if (strchr(what, '8')) rc |= bk_engine_phase(e, n_vocab, 8, 128, 64);
+    if (strchr(what, '3')) rc |= bk_engine_phase(e, n_vocab, 32, 128, 32);
+    wk_engine_destroy(e);
+    wk_model_free(m);
+    return rc;
+}
+
 static int bk_parse_list(const char *s, int *out, int max)
 {
     int n = 0;
@@ -473,7 +580,7 @@ static int bk_parse_list(const char *s, int *out, int max)
 
 int main(int argc, char **argv)
 {
-    int isa_only = -1, type_only = -1, quant = 0;
+    int isa_only = -1, type_only = -1, quant = 0, unpacked = 0;
     int ms[16] = {1, 8, 32, 128, 512}, n_ms = 5;
     struct {
         km_type t;
@@ -505,6 +612,8 @@ int main(int argc, char **argv)
             custom_shape = 1;
         } else if (!strcmp(argv[a], "-q")) {
             quant = 1;
+        } else if (!strcmp(argv[a], "-u")) {
+            unpacked = 1;
         } else if (!strcmp(argv[a], "-a")) {
             return bk_attention(a + 1 < argc && !strcmp(argv[a + 1], "-c"));
         } else if (!strcmp(argv[a], "-p")) {
@@ -513,11 +622,14 @@ int main(int argc, char **argv)
             return bk_bandwidth(atoi(argv[a + 1]));
         } else if (!strcmp(argv[a], "-w") && a + 1 < argc) {
             return bk_weight_bytes(argv[a + 1]);
+        } else if (!strcmp(argv[a], "-e") && a + 2 < argc) {
+            return bk_engine(argv[a + 1], atoi(argv[a + 2]), a + 3 < argc ? argv[a + 3] : "p183");
         } else {
-            fprintf(stderr,
-                    "usage: %s [-i isa] [-t type] [-m 1,8,..] [-s rows,k] [-q] | -a [-c] | -p | "
-                    "-b THREADS | -w MODEL\n",
-                    argv[0]);
+            fprintf(
+                stderr,
+                "usage: %s [-i isa] [-t type] [-m 1,8,..] [-s rows,k] [-q] [-u] | -a [-c] | -p | "
+                "-b THREADS | -w MODEL | -e MODEL THREADS [p183]\n",
+                argv[0]);
             return 2;
         }
     }
@@ -539,7 +651,7 @@ int main(int argc, char **argv)
 #ifdef KN_BENCH_GGML
     ggml_cpu_init();
 #endif
-    printf("%-7s %-5s %6s %5s %4s %10s %10s\n", "isa", "type", "rows", "k", "m", "us/call",
+    printf("%-11s %-5s %6s %5s %4s %10s %10s\n", "isa", "type", "rows", "k", "m", "us/call",
            "GFLOP/s");
     for (int s = 0; s < n_shapes; s++) {
         const km_type wt = shapes[s].t, dt = kn_dot_type(wt);
@@ -557,22 +669,37 @@ int main(int argc, char **argv)
         for (int isa = 0; isa < KN_ISA_COUNT; isa++) {
             const kn_ops *ops = kn_ops_get((kn_isa)isa);
             if (!ops || (isa_only >= 0 && isa != isa_only)) continue;
-            for (int mi = 0; mi < n_ms; mi++) {
-                const int m = ms[mi];
-                /* the scalar reference is slow: time it on a slice of the rows */
-                int64_t r1 = rows;
-                if (isa == KN_ISA_SCALAR) {
-                    const double est = 2.0 * (double)m * (double)rows * (double)k / 1.5e9;
-                    if (est > 0.05) r1 = (int64_t)((double)rows * 0.05 / est) / 16 * 16 + 16;
-                    if (r1 > rows) r1 = rows;
-                }
-                const double t = bk_time(ops, wt, w, ws, x, xs, k, m, y, 0, r1, 0.01);
-                printf("%-7s %-5s %6lld %5lld %4d %10.1f %10.2f%s\n", ops->name,
-                       bk_types[bk_type_index(wt)].name, (long long)rows, (long long)k, m, t * 1e6,
-                       2.0 * m * (double)r1 * (double)k / t * 1e-9,
-                       r1 < rows ? " (row slice)" : "");
-                fflush(stdout);
+            /* the packed matrix is what the engine runs; -u also times matmul on the rows */
+            const size_t psize = ops->pack_size(wt, rows, k);
+            void *packed = NULL;
+            if (psize) {
+                packed = aligned_alloc(64, (psize + 63) & ~(size_t)63);
+                ops->pack(wt, w, ws, rows, k, packed);
             }
+            for (int pass = 0; pass < 2; pass++) {
+                const void *pk = pass == 0 ? packed : NULL;
+                if (pass == 0 && !packed) continue;
+                if (pass == 1 && packed && !unpacked) continue;
+                char label[32];
+                snprintf(label, sizeof label, "%s%s", ops->name, pk || !psize ? "" : "-rows");
+                for (int mi = 0; mi < n_ms; mi++) {
+                    const int m = ms[mi];
+                    /* the scalar reference is slow: time it on a slice of the rows */
+                    int64_t r1 = rows;
+                    if (isa == KN_ISA_SCALAR) {
+                        const double est = 2.0 * (double)m * (double)rows * (double)k / 1.5e9;
+                        if (est > 0.05) r1 = (int64_t)((double)rows * 0.05 / est) / 16 * 16 + 16;
+                        if (r1 > rows) r1 = rows;
+                    }
+                    const double t = bk_time(ops, wt, w, ws, pk, rows, x, xs, k, m, y, 0, r1, 0.01);
+                    printf("%-11s %-5s %6lld %5lld %4d %10.1f %10.2f%s\n", label,
+                           bk_types[bk_type_index(wt)].name, (long long)rows, (long long)k, m,
+                           t * 1e6, 2.0 * m * (double)r1 * (double)k / t * 1e-9,
+                           r1 < rows ? " (row slice)" : "");
+                    fflush(stdout);
+                }
+            }
+            free(packed);
             if (quant) {
                 const int m = max_m;
                 ops->quantize_row(dt, xf, x, k);

@@ -35,6 +35,10 @@ typedef enum kn_isa { KN_ISA_SCALAR = 0, KN_ISA_AVX2 = 1, KN_ISA_AVX512 = 2, KN_
 #define KN_QK8_1 32
 #define KN_QK_K  256
 
+/* Row ranges handed to matmul_packed start at a multiple of this (every table's panel height
+ * divides it). */
+#define KN_PACK_ALIGN 16
+
 typedef uint16_t kn_f16;  /* IEEE half, bit pattern */
 typedef uint16_t kn_bf16; /* bfloat16, bit pattern */
 
@@ -79,6 +83,18 @@ typedef struct kn_ops {
      * kn_dot_type(wt); strides are in bytes for W and X, in floats for Y. */
     void (*matmul)(km_type wt, const void *w, size_t w_stride, const void *x, size_t x_stride,
                    int64_t k, int m, float *y, size_t y_stride, int64_t r0, int64_t r1);
+    /* Weight repacking, done once at model load: the rows rearranged into the panel layout this
+     * table's matmul streams without transposing anything per call (kernels/cpu/packed.h; the
+     * layout differs between tables). pack_size is the bytes `pack` writes, or 0 when this table
+     * does not repack the type (the scalar table never does; float types are never repacked):
+     * then use matmul on the rows. `out` must be 64-byte aligned. */
+    size_t (*pack_size)(km_type wt, int64_t rows, int64_t k);
+    void (*pack)(km_type wt, const void *w, size_t w_stride, int64_t rows, int64_t k, void *out);
+    /* matmul over a packed matrix of `rows` rows: the same Y, bit for bit, as matmul on the rows
+     * it was packed from. r0 must be a multiple of KN_PACK_ALIGN. */
+    void (*matmul_packed)(km_type wt, const void *packed, int64_t rows, const void *x,
+                          size_t x_stride, int64_t k, int m, float *y, size_t y_stride, int64_t r0,
+                          int64_t r1);
 
     /* y = x / rms(x) * w (llama.cpp's ggml_rms_norm then mul). y may alias x. */
     void (*rmsnorm)(float *y, const float *x, const float *w, int n, float eps);

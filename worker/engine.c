@@ -32,6 +32,7 @@
 struct wk_engine {
     const wk_model *m;
     const kn_ops *ops;
+    int packed; /* the model's matrices are packed for ops: multiply by the packed copies */
     kn_pool *pool;
     kv_store *kv;
     int max_tokens;
@@ -97,6 +98,9 @@ int wk_engine_create(const wk_model *m, const wk_engine_opts *opts, wk_engine **
         km_errf(err, rc, "engine: cannot start %d threads", o.n_threads);
         goto fail;
     }
+    /* The packed weights are a cache of the model built once, by its first engine. */
+    if ((rc = wk_model_pack((wk_model *)m, e->ops, e->pool, err))) goto fail;
+    e->packed = m->packed_isa == (int)e->ops->isa;
 
     size_t T = (size_t)e->max_tokens;
     size_t embd = hp->n_embd, qd = (size_t)hp->n_head * hp->head_dim;
@@ -180,7 +184,8 @@ static void wk_quantize_rows(wk_engine *e, const wk_weight *w, const float *src,
 }
 
 /* Output rows of several matrices sharing one input are split as one range across threads, in
- * chunks of 16 rows so the kernels' tiles stay whole. */
+ * chunks of KN_PACK_ALIGN rows of each matrix, so that every range starts where a kernel panel
+ * does (matmul_packed requires it) and a thread's rows of one matrix are contiguous. */
 typedef struct wk_mm {
     const wk_weight *w;
     float *y;
@@ -190,27 +195,30 @@ typedef struct wk_mm {
 
 static void wk_matmul_group(wk_engine *e, const wk_mm *mm, int n_mm, int m, int ith, int nth)
 {
+    const int64_t A = KN_PACK_ALIGN;
     int64_t total = 0;
-    for (int i = 0; i < n_mm; i++) total += mm[i].w->rows;
-    int64_t chunks = (total + 15) / 16, c0, c1;
-    kn_split(chunks, ith, nth, &c0, &c1);
-    int64_t lo = c0 * 16, hi = c1 * 16 < total ? c1 * 16 : total;
-    int64_t base = 0;
-    for (int i = 0; i < n_mm && lo < hi; i++) {
+    for (int i = 0; i < n_mm; i++) total += (mm[i].w->rows + A - 1) / A;
+    int64_t c0, c1;
+    kn_split(total, ith, nth, &c0, &c1);
+    int64_t base = 0; /* chunks of the matrices before this one */
+    for (int i = 0; i < n_mm && c0 < c1; i++) {
         const wk_weight *w = mm[i].w;
-        int64_t a = lo - base, b = hi - base;
-        if (a < 0) a = 0;
-        if (b > w->rows) b = w->rows;
-        if (a < b) {
+        const int64_t chunks = (w->rows + A - 1) / A;
+        const int64_t lo = c0 > base ? c0 - base : 0, hi = c1 - base < chunks ? c1 - base : chunks;
+        base += chunks;
+        if (lo >= hi) continue;
+        const int64_t a = lo * A, b = hi * A < w->rows ? hi * A : w->rows;
+        if (e->packed && w->packed)
+            e->ops->matmul_packed(w->type, w->packed, w->rows, e->xq, e->xq_row_bytes, w->k, m,
+                                  mm[i].y, mm[i].y_stride, a, b);
+        else
             e->ops->matmul(w->type, w->data, w->row_bytes, e->xq, e->xq_row_bytes, w->k, m, mm[i].y,
                            mm[i].y_stride, a, b);
-            if (mm[i].bias && mm[i].bias->data) {
-                const float *bv = mm[i].bias->data;
-                for (int t = 0; t < m; t++)
-                    for (int64_t r = a; r < b; r++) mm[i].y[t * mm[i].y_stride + r] += bv[r];
-            }
+        if (mm[i].bias && mm[i].bias->data) {
+            const float *bv = mm[i].bias->data;
+            for (int t = 0; t < m; t++)
+                for (int64_t r = a; r < b; r++) mm[i].y[t * mm[i].y_stride + r] += bv[r];
         }
-        base += w->rows;
     }
 }
 

@@ -5,10 +5,17 @@
  *
  * Supported architectures: llama (Llama 1/2/3, Mistral, SmolLM), qwen2 (adds q/k/v biases and
  * NeoX rope). Anything else is KM_EUNSUPPORTED with the architecture's name in the message.
+ *
+ * The first engine over a model repacks its matrices once into the panel layout its kernels
+ * stream (wk_model_pack; kernels/cpu/packed.h), so that no matmul transposes weights per call.
+ * The packed copy is the model's, shared by every engine on it; the GGUF pages it replaces are
+ * given back to the page cache.
  */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "worker/model_internal.h"
 
@@ -166,11 +173,111 @@ static int wk_load_weights(wk_model *m, km_errbuf *err)
     return 0;
 }
 
+/* ------------------------------------------------------------------ packing */
+
+/* The matrices the engine multiplies, in a fixed order; returns how many (at most 7 per layer
+ * plus the output). */
+static int wk_matrices(wk_model *m, wk_weight **ws)
+{
+    int n = 0;
+    for (int l = 0; l < m->hp.n_layers; l++) {
+        wk_layer *L = &m->layers[l];
+        wk_weight *lw[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
+        for (size_t i = 0; i < sizeof lw / sizeof lw[0]; i++) ws[n++] = lw[i];
+    }
+    ws[n++] = &m->output;
+    return n;
+}
+
+typedef struct wk_pack_job {
+    const kn_ops *ops;
+    wk_weight **ws;
+    void **dst;
+    int n;
+} wk_pack_job;
+
+#define WK_PACK_ROWS (64 * KN_PACK_ALIGN)
+
+static void wk_pack_run(void *ctx, int ith, int nth)
+{
+    const wk_pack_job *j = ctx;
+    int64_t c = 0;
+    for (int i = 0; i < j->n; i++) {
+        const wk_weight *w = j->ws[i];
+        if (!j->dst[i]) continue;
+        for (int64_t r0 = 0; r0 < w->rows; r0 += WK_PACK_ROWS, c++) { /* chunks round-robin */
+            if (c % nth != ith) continue;
+            const int64_t n = w->rows - r0 < WK_PACK_ROWS ? w->rows - r0 : WK_PACK_ROWS;
+            /* rows from a multiple of KN_PACK_ALIGN start a panel, pack_size(r0) bytes in */
+            j->ops->pack(w->type, (const uint8_t *)w->data + (size_t)r0 * w->row_bytes,
+                         w->row_bytes, n, w->k,
+                         (uint8_t *)j->dst[i] + j->ops->pack_size(w->type, r0, w->k));
+        }
+    }
+}
+
+int wk_model_pack(wk_model *m, const kn_ops *ops, kn_pool *pool, km_errbuf *err)
+{
+    if (m->packed_isa >= 0) return 0; /* one layout per model */
+    const int cap = 7 * m->hp.n_layers + 1;
+    wk_weight **ws = calloc((size_t)cap, sizeof *ws);
+    void **dst = calloc((size_t)cap, sizeof *dst);
+    size_t *sz = calloc((size_t)cap, sizeof *sz);
+    if (!ws || !dst || !sz) {
+        free(ws), free(dst), free(sz);
+        return km_errf(err, KM_ENOMEM, "model: out of memory");
+    }
+    const int n = wk_matrices(m, ws);
+    size_t total = 0;
+    for (int i = 0; i < n; i++) {
+        sz[i] = (ops->pack_size(ws[i]->type, ws[i]->rows, ws[i]->k) + 63) & ~(size_t)63;
+        total += sz[i];
+    }
+    if (total) {
+        /* 2 MiB aligned and advised huge: the decode step streams all of it per token */
+        const size_t huge = (size_t)2 << 20, bytes = (total + huge - 1) & ~(huge - 1);
+        if (posix_memalign(&m->packed_arena, huge, bytes)) {
+            m->packed_arena = NULL;
+            free(ws), free(dst), free(sz);
+            return km_errf(err, KM_ENOMEM, "model: cannot allocate %zu bytes of packed weights",
+                           bytes);
+        }
+#ifdef MADV_HUGEPAGE
+        madvise(m->packed_arena, bytes, MADV_HUGEPAGE);
+#endif
+        m->packed_bytes = bytes;
+        uint8_t *at = m->packed_arena;
+        for (int i = 0; i < n; i++) {
+            dst[i] = sz[i] ? at : NULL;
+            at += sz[i];
+        }
+        wk_pack_job job = {.ops = ops, .ws = ws, .dst = dst, .n = n};
+        kn_pool_run(pool, wk_pack_run, &job);
+        const long page = sysconf(_SC_PAGESIZE);
+        for (int i = 0; i < n; i++) {
+            if (!dst[i]) continue;
+            const void *rows = ws[i]->data;
+            ws[i]->packed = dst[i];
+            /* The packed copy replaces the rows, except where the embedding lookup still reads
+             * them (a tied output): let the kernel drop their pages (a read re-faults them). */
+            if (rows == m->tok_embd.data || page <= 0) continue;
+            const uintptr_t a = ((uintptr_t)rows + (uintptr_t)page - 1) & ~(uintptr_t)(page - 1);
+            const uintptr_t b = ((uintptr_t)rows + (uintptr_t)ws[i]->rows * ws[i]->row_bytes) &
+                                ~(uintptr_t)(page - 1);
+            if (b > a) madvise((void *)a, b - a, MADV_DONTNEED);
+        }
+        m->packed_isa = (int)ops->isa;
+    }
+    free(ws), free(dst), free(sz);
+    return 0;
+}
+
 int wk_model_load(const char *path, wk_model **out, km_errbuf *err)
 {
     *out = NULL;
     wk_model *m = calloc(1, sizeof *m);
     if (!m) return km_errf(err, KM_ENOMEM, "model: out of memory");
+    m->packed_isa = -1;
     int rc = km_gguf_open(path, &m->gguf, err);
     if (!rc) rc = wk_load_hparams(m, err);
     if (!rc) rc = wk_load_weights(m, err);
@@ -196,6 +303,7 @@ void wk_model_free(wk_model *m)
     km_tok_destroy(m->tok);
     km_gguf_close(m->gguf);
     free(m->layers);
+    free(m->packed_arena);
     free(m);
 }
 

@@ -8,12 +8,15 @@
 #include "worker/worker.h"
 
 /* A weight matrix in place in the GGUF map: `rows` rows of `k` elements of `type`. A 1-D
- * vector (norms, biases) has rows = 1 and type F32. data == NULL: absent (optional tensor). */
+ * vector (norms, biases) has rows = 1 and type F32. data == NULL: absent (optional tensor).
+ * packed: the same matrix in the panel layout of the kernels of wk_model.packed_isa (kn_ops.pack),
+ * or NULL; the engine multiplies by it when it runs those kernels. */
 typedef struct wk_weight {
     const void *data;
     km_type type;
     int64_t rows, k;
     size_t row_bytes;
+    const void *packed;
 } wk_weight;
 
 typedef struct wk_layer {
@@ -30,6 +33,15 @@ struct wk_model {
     km_chat_kind chat;
     char name[128];
     char fingerprint[33];
+    /* The packed copies of the matrices, built by the first engine (wk_model_pack). */
+    void *packed_arena;
+    size_t packed_bytes;
+    int packed_isa; /* kn_isa of the layout; -1 before packing */
 };
+
+/* Repacks every matrix the engine multiplies into the layout `ops` streams (once per model: later
+ * calls with the same table do nothing; ops without packing leave the rows alone). The threads
+ * of `pool` share the work. */
+int wk_model_pack(wk_model *m, const kn_ops *ops, kn_pool *pool, km_errbuf *err);
 
 #endif

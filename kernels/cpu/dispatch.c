@@ -12,8 +12,10 @@
     {                                                                                              \
         .isa = id, .name = nm, .quantize_row = kn_quantize_row_##sfx,                              \
         .dequantize_row = kn_dequantize_row_##sfx, .matmul = kn_matmul_##sfx,                      \
-        .rmsnorm = kn_rmsnorm_##sfx, .rope = kn_rope_##sfx, .silu_mul = kn_silu_mul_##sfx,         \
-        .add = kn_add_##sfx, .f32_to_f16 = kn_f32_to_f16_##sfx, .f16_to_f32 = kn_f16_to_f32_##sfx, \
+        .pack_size = kn_pack_size_##sfx, .pack = kn_pack_##sfx,                                    \
+        .matmul_packed = kn_matmul_packed_##sfx, .rmsnorm = kn_rmsnorm_##sfx,                      \
+        .rope = kn_rope_##sfx, .silu_mul = kn_silu_mul_##sfx, .add = kn_add_##sfx,                 \
+        .f32_to_f16 = kn_f32_to_f16_##sfx, .f16_to_f32 = kn_f16_to_f32_##sfx,                      \
         .attention = kn_attention_##sfx,                                                           \
     }
 

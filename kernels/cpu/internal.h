@@ -4,7 +4,9 @@
  *   _ref    plain C, the reference every other build is tested against (quant_ref.c, ops_ref.c)
  *   _avx2   compiled with -mavx2 -mfma -mf16c (quant_avx2.c, ops_avx2.c)
  *   _avx512 compiled with AVX-512 F/BW/VL/DQ/VNNI/BF16 (quant_avx512.c, ops_avx512.c)
- * A build may forward to another where it gains nothing; it must then say so in a comment.
+ * A build may forward to another where it gains nothing; it must then say so in a comment. The
+ * SIMD builds' matmul and quantization drivers are one body, quant_simd.h, over per-build
+ * primitives.
  */
 #ifndef KN_CPU_INTERNAL_H
 #define KN_CPU_INTERNAL_H
@@ -51,6 +53,12 @@ typedef struct {
     void kn_matmul_##sfx(km_type wt, const void *w, size_t w_stride, const void *x,                \
                          size_t x_stride, int64_t k, int m, float *y, size_t y_stride, int64_t r0, \
                          int64_t r1);                                                              \
+    size_t kn_pack_size_##sfx(km_type wt, int64_t rows, int64_t k);                                \
+    void kn_pack_##sfx(km_type wt, const void *w, size_t w_stride, int64_t rows, int64_t k,        \
+                       void *out);                                                                 \
+    void kn_matmul_packed_##sfx(km_type wt, const void *packed, int64_t rows, const void *x,       \
+                                size_t x_stride, int64_t k, int m, float *y, size_t y_stride,      \
+                                int64_t r0, int64_t r1);                                           \
     void kn_rmsnorm_##sfx(float *y, const float *x, const float *w, int n, float eps);             \
     void kn_rope_##sfx(float *x, int n_heads, int head_dim, int n_rot, const float *cs, int neox); \
     void kn_silu_mul_##sfx(float *y, const float *g, const float *u, int n);                       \

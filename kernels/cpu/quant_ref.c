@@ -446,3 +446,26 @@ void kn_matmul_ref(km_type wt, const void *w, size_t w_stride, const void *x, si
         }
     }
 }
+
+/* The reference reads GGUF rows only: it repacks nothing (pack_size 0), so pack and matmul_packed
+ * are never called on it. */
+size_t kn_pack_size_ref(km_type wt, int64_t rows, int64_t k)
+{
+    (void)wt, (void)rows, (void)k;
+    return 0;
+}
+
+void kn_pack_ref(km_type wt, const void *w, size_t w_stride, int64_t rows, int64_t k, void *out)
+{
+    (void)wt, (void)w, (void)w_stride, (void)rows, (void)k, (void)out;
+    assert(!"kn_pack: the scalar table packs nothing (pack_size is 0)");
+}
+
+void kn_matmul_packed_ref(km_type wt, const void *packed, int64_t rows, const void *x,
+                          size_t x_stride, int64_t k, int m, float *y, size_t y_stride, int64_t r0,
+                          int64_t r1)
+{
+    (void)wt, (void)packed, (void)rows, (void)x, (void)x_stride, (void)k, (void)m, (void)y;
+    (void)y_stride, (void)r0, (void)r1;
+    assert(!"kn_matmul_packed: the scalar table packs nothing (pack_size is 0)");
+}

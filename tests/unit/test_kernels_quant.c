@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "kernels/cpu/internal.h"
+#include "kernels/cpu/packed.h"
 
 /* ------------------------------------------------------------------ helpers */
 
@@ -468,6 +469,20 @@ static float *mm_run(const kn_ops *ops, const mm_case *c, const mm_data *d)
     return y;
 }
 
+/* The same product over the matrix packed by ops->pack (psize bytes). */
+static float *mm_run_packed(const kn_ops *ops, const mm_case *c, const mm_data *d, size_t psize)
+{
+    void *packed = aligned_alloc(64, (psize + 63) & ~(size_t)63);
+    ops->pack(c->wt, d->w, d->w_stride, c->rows, c->k, packed);
+    size_t ny = (size_t)c->m * d->y_stride;
+    float *y = malloc(ny * sizeof(float));
+    for (size_t i = 0; i < ny; i++) y[i] = -12345.0f;
+    ops->matmul_packed(c->wt, packed, c->rows, d->x, d->x_stride, c->k, c->m, y, d->y_stride, c->r0,
+                       c->r1);
+    free(packed);
+    return y;
+}
+
 static double worst_ratio[KN_ISA_COUNT][KM_TYPE_COUNT];
 
 /* Runs one case on ops and on the reference; asserts they agree and that nothing outside
@@ -495,6 +510,24 @@ static void mm_check(const kn_ops *ops, const mm_case *c)
                       ops->name, tname(c->wt), (long long)c->rows, (long long)c->k, c->m,
                       (long long)c->r0, (long long)c->r1, i, (long long)r, yo[at], yr[at], tol);
         }
+    /* Weights packed once give the same Y, bit for bit, as the rows (the engine packs at load),
+     * on a range starting at a multiple of KN_PACK_ALIGN. */
+    const size_t psize = ops->pack_size(c->wt, c->rows, c->k);
+    if (psize) {
+        mm_case ca = *c;
+        ca.r0 = c->r0 / KN_PACK_ALIGN * KN_PACK_ALIGN;
+        float *yu = mm_run(ops, &ca, &d), *yp = mm_run_packed(ops, &ca, &d, psize);
+        for (size_t e = 0; e < (size_t)c->m * d.y_stride; e++)
+            cr_assert(!memcmp(&yu[e], &yp[e], sizeof(float)),
+                      "%s %s packed rows=%lld k=%lld m=%d [%lld,%lld) at %zu: %.9g vs rows %.9g",
+                      ops->name, tname(c->wt), (long long)c->rows, (long long)c->k, c->m,
+                      (long long)ca.r0, (long long)ca.r1, e, yp[e], yu[e]);
+        free(yu);
+        free(yp);
+    } else {
+        cr_assert(ops->isa == KN_ISA_SCALAR || block_elems(c->wt) == 1, "%s packs no %s weights",
+                  ops->name, tname(c->wt));
+    }
     free(yr);
     free(yo);
     mm_data_free(&d);
@@ -508,6 +541,77 @@ static int64_t k_for(km_type wt, int variant)
     if (block_elems(wt) == 256) return k256[variant % 6];
     if (block_elems(wt) == 32) return k32[variant % 6];
     return kf[variant % 6];
+}
+
+/* The packed layout is packed.h's, for both panel heights: a lane of group g of block b of panel
+ * p holds the 4 bytes of row p*PR + r at the documented offset of its GGUF block; the f16 fields
+ * follow all the groups; missing rows are zeros. The offsets are written out here, apart from
+ * pack.c's table. */
+static size_t layout_group_src(km_type t, int g)
+{
+    switch (t) {
+    case KM_TYPE_Q4_0:
+    case KM_TYPE_Q8_0:
+        return 2 + 4 * (size_t)g;
+    case KM_TYPE_Q4_1:
+        return 4 + 4 * (size_t)g;
+    case KM_TYPE_Q4_K:
+        return g < 32 ? 16 + 4 * (size_t)g : 4 + 4 * (size_t)(g - 32);
+    default: /* Q6_K: ql, qh, scales */
+        return g < 32   ? 4 * (size_t)g
+               : g < 48 ? 128 + 4 * (size_t)(g - 32)
+                        : 192 + 4 * (size_t)(g - 48);
+    }
+}
+
+Test(kernels_quant, packed_layout_is_the_documented_permutation)
+{
+    static const km_type types[] = {KM_TYPE_Q4_0, KM_TYPE_Q4_1, KM_TYPE_Q8_0, KM_TYPE_Q4_K,
+                                    KM_TYPE_Q6_K};
+    static const int groups[] = {4, 4, 8, 35, 52},
+                     halves[][2] = {{0, -1}, {0, 2}, {0, -1}, {0, 2}, {208, -1}};
+    static const int prs[] = {8, 16};
+    for (size_t ti = 0; ti < 5; ti++)
+        for (int pi = 0; pi < 2; pi++) {
+            const km_type t = types[ti];
+            const int pr = prs[pi], G = groups[ti], F = halves[ti][1] < 0 ? 1 : 2;
+            const int64_t rows = 2 * pr + 5, k = 3 * block_elems(t);
+            const int nb = 3, bb = (int)row_bytes(t, block_elems(t));
+            const size_t ws = row_bytes(t, k);
+            uint8_t *w = malloc(ws * (size_t)rows);
+            for (size_t i = 0; i < ws * (size_t)rows; i++) w[i] = (uint8_t)rnd_u32();
+            const size_t size = kn_packed_size(t, pr, rows, k);
+            const size_t pb = (size_t)nb * (size_t)pr * (4 * (size_t)G + 2 * (size_t)F);
+            cr_assert_eq(size, 3 * ((pb + 63) & ~(size_t)63), "%s pr %d", tname(t), pr);
+            uint8_t *pk = aligned_alloc(64, size);
+            memset(pk, 0xA5, size);
+            kn_pack_matrix(t, pr, w, ws, rows, k, pk);
+            for (int64_t row = 0; row < 3 * pr; row++) {
+                const uint8_t *panel = pk + (size_t)(row / pr) * (size / 3);
+                const int r = (int)(row % pr);
+                for (int b = 0; b < nb; b++) {
+                    const uint8_t *src = w + (size_t)row * ws + (size_t)b * (size_t)bb;
+                    for (int g = 0; g < G; g++) {
+                        const uint8_t *at = panel + ((size_t)b * G + g) * 4 * pr + 4 * (size_t)r;
+                        uint8_t want[4] = {0, 0, 0, 0};
+                        if (row < rows) memcpy(want, src + layout_group_src(t, g), 4);
+                        cr_assert(!memcmp(at, want, 4), "%s pr %d row %lld block %d group %d",
+                                  tname(t), pr, (long long)row, b, g);
+                    }
+                    for (int h = 0; h < F; h++) {
+                        const uint8_t *at = panel + (size_t)nb * G * 4 * pr +
+                                            ((size_t)b * F + h) * 2 * pr + 2 * (size_t)r;
+                        uint8_t want[2] = {0, 0};
+                        if (row < rows) memcpy(want, src + halves[ti][h], 2);
+                        cr_assert(!memcmp(at, want, 2), "%s pr %d row %lld block %d half %d",
+                                  tname(t), pr, (long long)row, b, h);
+                    }
+                }
+            }
+            free(w);
+            free(pk);
+        }
+    cr_assert_eq(kn_packed_size(KM_TYPE_F16, 8, 16, 64), 0);
 }
 
 static void matmul_sweep(kn_isa isa)
@@ -571,6 +675,63 @@ Test(kernels_quant, matmul_avx2_matches_reference, .timeout = 300)
 Test(kernels_quant, matmul_avx512_matches_reference, .timeout = 300)
 {
     matmul_sweep(KN_ISA_AVX512);
+}
+
+/* Batch invariance, the engine's promise that a token's logits do not depend on the batch: an
+ * activation row's outputs are the same bits whether it is multiplied alone, in a small tile or
+ * in a call of many rows (another code path: a panel unpacked once and swept by column tiles),
+ * packed or not. */
+static void matmul_batch_invariance(kn_isa isa)
+{
+    const kn_ops *ops = kn_ops_get(isa);
+    if (!ops) cr_skip_test("this CPU lacks %s", isa_names[isa]);
+    for (int t = 0; t < N_WEIGHT_TYPES; t++) {
+        const km_type wt = weight_types[t];
+        mm_case c = {.wt = wt, .rows = 40, .m = 70, .r0 = 0, .r1 = 40, .random_bytes = t % 2};
+        c.k = block_elems(wt) == 256 ? 1536 : block_elems(wt) == 32 ? 1536 : 200;
+        mm_data d;
+        mm_data_make(&c, &d);
+        const size_t psize = ops->pack_size(wt, c.rows, c.k);
+        void *packed = psize ? aligned_alloc(64, (psize + 63) & ~(size_t)63) : NULL;
+        if (packed) ops->pack(wt, d.w, d.w_stride, c.rows, c.k, packed);
+        float *all = mm_run(ops, &c, &d);
+        static const int ms[] = {1, 3, 8};
+        for (int mi = 0; mi < 3; mi++)
+            for (int i0 = 0; i0 + ms[mi] <= c.m; i0 += 11) {
+                float *y = malloc(sizeof(float) * (size_t)ms[mi] * d.y_stride);
+                const uint8_t *x = d.x + (size_t)i0 * d.x_stride;
+                for (int pass = 0; pass < (packed ? 2 : 1); pass++) {
+                    if (pass)
+                        ops->matmul_packed(wt, packed, c.rows, x, d.x_stride, c.k, ms[mi], y,
+                                           d.y_stride, 0, c.rows);
+                    else
+                        ops->matmul(wt, d.w, d.w_stride, x, d.x_stride, c.k, ms[mi], y, d.y_stride,
+                                    0, c.rows);
+                    for (int i = 0; i < ms[mi]; i++)
+                        for (int64_t r = 0; r < c.rows; r++) {
+                            const size_t a = (size_t)i * d.y_stride + (size_t)r;
+                            const size_t b = (size_t)(i0 + i) * d.y_stride + (size_t)r;
+                            cr_assert(!memcmp(&y[a], &all[b], sizeof(float)),
+                                      "%s %s%s: row %d alone in %d: %.9g vs %.9g in 70", ops->name,
+                                      tname(wt), pass ? " packed" : "", i0 + i, ms[mi], y[a],
+                                      all[b]);
+                        }
+                }
+                free(y);
+            }
+        free(all);
+        free(packed);
+        mm_data_free(&d);
+    }
+}
+
+Test(kernels_quant, matmul_avx2_rows_do_not_depend_on_the_batch, .timeout = 300)
+{
+    matmul_batch_invariance(KN_ISA_AVX2);
+}
+Test(kernels_quant, matmul_avx512_rows_do_not_depend_on_the_batch, .timeout = 300)
+{
+    matmul_batch_invariance(KN_ISA_AVX512);
 }
 
 /* Shapes of the default model (k = 576, 1536; Q8_0 output rows), with thread-like row splits. */
