@@ -26,11 +26,12 @@
  *   bench_kernels -w MODEL.gguf
  *       bytes of weights one decode step reads per token (every tensor but the embedding table,
  *       which is read one row per token, unless the output projection is tied to it).
- *   bench_kernels -e MODEL.gguf THREADS [p183]
+ *   bench_kernels -e MODEL.gguf THREADS [p183D]
  *       engine steps with wall time and CPU time (all threads) per token or step: a 512-token
  *       prefill (p), 128 decode steps at batch 1 (1), 64 at batch 8 and 32 at batch 32 after
- *       128-token prompts (8, 3). On a shared machine the CPU time of a 1-thread engine is the
- *       figure that holds up; `make bench-engine` gives the comparable ones.
+ *       128-token prompts (8, 3); D: 512 steps at batch 8, for a profile of batched decode. On a
+ * shared machine the CPU time of a 1-thread engine is the figure that holds up; `make bench-engine`
+ * gives the comparable ones.
  *
  * Build: make bench-kernels (build/bench/bench_kernels).
  *
@@ -562,6 +563,7 @@ static int bk_engine(const char *path, int threads, const char *what)
     if (strchr(what, '1')) rc |= bk_engine_phase(e, n_vocab, 1, 0, 128);
     if (strchr(what, '8')) rc |= bk_engine_phase(e, n_vocab, 8, 128, 64);
     if (strchr(what, '3')) rc |= bk_engine_phase(e, n_vocab, 32, 128, 32);
+    if (strchr(what, 'D')) rc |= bk_engine_phase(e, n_vocab, 8, 128, 512); /* for profiles */
     wk_engine_destroy(e);
     wk_model_free(m);
     return rc;

@@ -460,16 +460,17 @@ Test(engine, logits_are_bit_identical_whether_a_prompt_runs_in_one_step_or_token
     kv_seq_create(kv, &b);
     int32_t pos[512];
     kv_seq *seqs[512];
-    for (int i = 0; i < n; i++) pos[i] = i, seqs[i] = a;
-    wk_batch ba = {.n_tokens = n, .tokens = r->prompt_ids, .pos = pos, .seqs = seqs};
     const float *lg;
-    cr_assert_eq(wk_engine_step(g_engine, &ba, &lg), 1);
-    memcpy(one, lg, sizeof(float) * n_vocab);
+    /* token by token first, so that a step that wrote no logits cannot pass on stale ones */
     for (int i = 0; i < n; i++) {
         int32_t p = i;
         wk_batch bb = {.n_tokens = 1, .tokens = &r->prompt_ids[i], .pos = &p, .seqs = &b};
         cr_assert_eq(wk_engine_step(g_engine, &bb, &lg), 1);
     }
+    memcpy(one, lg, sizeof(float) * n_vocab);
+    for (int i = 0; i < n; i++) pos[i] = i, seqs[i] = a;
+    wk_batch ba = {.n_tokens = n, .tokens = r->prompt_ids, .pos = pos, .seqs = seqs};
+    cr_assert_eq(wk_engine_step(g_engine, &ba, &lg), 1);
     int diff = 0;
     for (int v = 0; v < n_vocab; v++) diff += memcmp(&one[v], &lg[v], sizeof(float)) != 0;
     kv_seq_destroy(kv, a);
