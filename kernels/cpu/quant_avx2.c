@@ -126,6 +126,14 @@ KN_AI void kn_store_rows(float *yp, int nr, kn_vf acc, int first)
     _mm256_maskstore_ps(yp, mask, acc);
 }
 
+/* v, opaque to the optimizer: keeps GCC from re-associating an accumulation chain into a tree
+ * (which computes every product first and spills them: 16 ymm registers are few). */
+KN_AI __m256i kn_keep(__m256i v)
+{
+    __asm__("" : "+x"(v));
+    return v;
+}
+
 KN_AI kn_vi kn_bcast32(const uint8_t *p)
 {
     uint32_t v;
@@ -158,9 +166,9 @@ KN_AI void kn_dot_u8(const kn_vi *w, const int n, const int lim, const uint8_t *
                 const __m256i p =
                     _mm256_maddubs_epi16(wj, kn_bcast32(x + (size_t)i * x_stride + 4 * j));
                 if (split && (j & 1))
-                    u[i] = _mm256_add_epi16(u[i], p);
+                    u[i] = kn_keep(_mm256_add_epi16(u[i], p));
                 else
-                    t[i] = _mm256_add_epi16(t[i], p);
+                    t[i] = kn_keep(_mm256_add_epi16(t[i], p));
             }
         }
 #pragma GCC unroll 4
@@ -226,9 +234,9 @@ KN_AI void kn_w32_dot(int q8, const kn_w32 *w, const uint8_t *xq, size_t x_strid
             const __m256i p =
                 _mm256_madd_epi16(_mm256_maddubs_epi16(q, _mm256_sign_epi8(xv, sg)), ones);
             if (split && (j & 1))
-                s2[i] = _mm256_add_epi32(s2[i], p);
+                s2[i] = kn_keep(_mm256_add_epi32(s2[i], p));
             else
-                s[i] = _mm256_add_epi32(s[i], p);
+                s[i] = kn_keep(_mm256_add_epi32(s[i], p));
         }
     }
     if (split)
