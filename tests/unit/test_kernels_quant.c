@@ -50,6 +50,23 @@ static const kn_ops *ref(void)
     return kn_ops_get(KN_ISA_SCALAR);
 }
 
+/* The AVX-512 driver configuration emulated on AVX2 (emu512_avx2.c), or NULL without AVX2. */
+KN_DECLARE_ISA(emu512)
+static const kn_ops *emu512(void)
+{
+    static kn_ops t;
+    if (!kn_ops_get(KN_ISA_AVX2)) return NULL;
+    t = *kn_ops_get(KN_ISA_AVX2);
+    t.isa = KN_ISA_AVX512; /* indexes the worst-ratio table */
+    t.name = "avx512-emulated";
+    t.quantize_row = kn_quantize_row_emu512;
+    t.matmul = kn_matmul_emu512;
+    t.pack_size = kn_pack_size_emu512;
+    t.pack = kn_pack_emu512;
+    t.matmul_packed = kn_matmul_packed_emu512;
+    return &t;
+}
+
 static kn_f16 f2h(float f)
 {
     kn_f16 h;
@@ -614,10 +631,9 @@ Test(kernels_quant, packed_layout_is_the_documented_permutation)
     cr_assert_eq(kn_packed_size(KM_TYPE_F16, 8, 16, 64), 0);
 }
 
-static void matmul_sweep(kn_isa isa)
+static void matmul_sweep(const kn_ops *ops, const char *lacks)
 {
-    const kn_ops *ops = kn_ops_get(isa);
-    if (!ops) cr_skip_test("this CPU lacks %s", isa_names[isa]);
+    if (!ops) cr_skip_test("this CPU lacks %s", lacks);
     static const int ms[] = {1, 2, 3, 5, 8, 13, 32, 33};
     static const int64_t rowss[] = {1, 7, 16, 17, 33, 50, 64};
     for (int t = 0; t < N_WEIGHT_TYPES; t++) {
@@ -643,7 +659,7 @@ static void matmul_sweep(kn_isa isa)
     }
     for (int t = 0; t < N_WEIGHT_TYPES; t++)
         cr_log_info("%s %-4s: worst |err|/tol = %.3g", ops->name, tname(weight_types[t]),
-                    worst_ratio[isa][weight_types[t]]);
+                    worst_ratio[ops->isa][weight_types[t]]);
 }
 
 Test(kernels_quant, matmul_scalar_matches_itself_on_subranges)
@@ -670,21 +686,20 @@ Test(kernels_quant, matmul_scalar_matches_itself_on_subranges)
 
 Test(kernels_quant, matmul_avx2_matches_reference, .timeout = 300)
 {
-    matmul_sweep(KN_ISA_AVX2);
+    matmul_sweep(kn_ops_get(KN_ISA_AVX2), "avx2");
 }
 Test(kernels_quant, matmul_avx512_matches_reference, .timeout = 300)
 {
-    matmul_sweep(KN_ISA_AVX512);
+    matmul_sweep(kn_ops_get(KN_ISA_AVX512), "avx512");
 }
 
 /* Batch invariance, the engine's promise that a token's logits do not depend on the batch: an
  * activation row's outputs are the same bits whether it is multiplied alone, in a small tile or
  * in a call of many rows (another code path: a panel unpacked once and swept by column tiles),
  * packed or not. */
-static void matmul_batch_invariance(kn_isa isa)
+static void matmul_batch_invariance(const kn_ops *ops, const char *lacks)
 {
-    const kn_ops *ops = kn_ops_get(isa);
-    if (!ops) cr_skip_test("this CPU lacks %s", isa_names[isa]);
+    if (!ops) cr_skip_test("this CPU lacks %s", lacks);
     for (int t = 0; t < N_WEIGHT_TYPES; t++) {
         const km_type wt = weight_types[t];
         mm_case c = {.wt = wt, .rows = 40, .m = 70, .r0 = 0, .r1 = 40, .random_bytes = t % 2};
@@ -727,18 +742,17 @@ static void matmul_batch_invariance(kn_isa isa)
 
 Test(kernels_quant, matmul_avx2_rows_do_not_depend_on_the_batch, .timeout = 300)
 {
-    matmul_batch_invariance(KN_ISA_AVX2);
+    matmul_batch_invariance(kn_ops_get(KN_ISA_AVX2), "avx2");
 }
 Test(kernels_quant, matmul_avx512_rows_do_not_depend_on_the_batch, .timeout = 300)
 {
-    matmul_batch_invariance(KN_ISA_AVX512);
+    matmul_batch_invariance(kn_ops_get(KN_ISA_AVX512), "avx512");
 }
 
 /* Shapes of the default model (k = 576, 1536; Q8_0 output rows), with thread-like row splits. */
-static void matmul_model_shapes(kn_isa isa)
+static void matmul_model_shapes(const kn_ops *ops, const char *lacks)
 {
-    const kn_ops *ops = kn_ops_get(isa);
-    if (!ops) cr_skip_test("this CPU lacks %s", isa_names[isa]);
+    if (!ops) cr_skip_test("this CPU lacks %s", lacks);
     static const struct {
         km_type wt;
         int64_t rows, k;
@@ -760,19 +774,18 @@ static void matmul_model_shapes(kn_isa isa)
 
 Test(kernels_quant, matmul_avx2_model_shapes, .timeout = 300)
 {
-    matmul_model_shapes(KN_ISA_AVX2);
+    matmul_model_shapes(kn_ops_get(KN_ISA_AVX2), "avx2");
 }
 Test(kernels_quant, matmul_avx512_model_shapes, .timeout = 300)
 {
-    matmul_model_shapes(KN_ISA_AVX512);
+    matmul_model_shapes(kn_ops_get(KN_ISA_AVX512), "avx512");
 }
 
 /* Rows longer than any k-chunk of the SIMD builds (8192 elements for few activation rows, 1024
  * for many): the chunks' partial sums must add up. */
-static void matmul_long_rows(kn_isa isa)
+static void matmul_long_rows(const kn_ops *ops, const char *lacks)
 {
-    const kn_ops *ops = kn_ops_get(isa);
-    if (!ops) cr_skip_test("this CPU lacks %s", isa_names[isa]);
+    if (!ops) cr_skip_test("this CPU lacks %s", lacks);
     static const km_type types[] = {KM_TYPE_Q4_0, KM_TYPE_Q4_1, KM_TYPE_Q8_0, KM_TYPE_Q4_K,
                                     KM_TYPE_Q6_K};
     static const int ms[] = {1, 3, 9};
@@ -787,11 +800,28 @@ static void matmul_long_rows(kn_isa isa)
 
 Test(kernels_quant, matmul_avx2_long_rows, .timeout = 300)
 {
-    matmul_long_rows(KN_ISA_AVX2);
+    matmul_long_rows(kn_ops_get(KN_ISA_AVX2), "avx2");
 }
 Test(kernels_quant, matmul_avx512_long_rows, .timeout = 300)
 {
-    matmul_long_rows(KN_ISA_AVX512);
+    matmul_long_rows(kn_ops_get(KN_ISA_AVX512), "avx512");
+}
+
+/* The AVX-512 build's driver configuration (16-row panels, 8-column tiles, 256-block k-chunks,
+ * Q8_0 biased to u8) on any AVX2 machine, its primitives emulated lane by lane (emu512_avx2.c):
+ * the same checks as the real builds get. */
+Test(kernels_quant, matmul_avx512_emulated_matches_reference, .timeout = 300)
+{
+    matmul_sweep(emu512(), "avx2 to emulate avx512");
+}
+Test(kernels_quant, matmul_avx512_emulated_model_shapes_and_long_rows, .timeout = 300)
+{
+    matmul_model_shapes(emu512(), "avx2 to emulate avx512");
+    matmul_long_rows(emu512(), "avx2 to emulate avx512");
+}
+Test(kernels_quant, matmul_avx512_emulated_rows_do_not_depend_on_the_batch, .timeout = 300)
+{
+    matmul_batch_invariance(emu512(), "avx2 to emulate avx512");
 }
 
 /* The reference equals the double-precision dot of the dequantized operands up to float rounding
