@@ -168,9 +168,10 @@ $(eval $(call link_rule,kvmesh,$(LIB_COMMON)))
 .PHONY: check-links
 check-links: $(patsubst %,$(LINKS)/%.ok,kmcommon kmkernels kvshard kmpeer kmworker kmrouter kmcontroller kvmesh)
 
-# test_kernels_quant also runs the AVX-512 matmul driver emulated on AVX2 (tests/unit/emu512_avx2.c;
-# its 64-byte vectors are never passed across a call, so GCC's ABI note does not apply).
-$(TESTBIN)/test_kernels_quant: $(OBJ)/tests/unit/emu512_avx2.o
+# The kernel tests also run the AVX-512 matmul and attention drivers emulated on AVX2
+# (tests/unit/emu512_avx2.c; its 64-byte vectors are never passed across a call, so GCC's ABI
+# note does not apply).
+$(TESTBIN)/test_kernels_quant $(TESTBIN)/test_kernels_ops: $(OBJ)/tests/unit/emu512_avx2.o
 $(OBJ)/tests/unit/emu512_avx2.o: CFLAGS_BASE += -Wno-psabi
 
 $(TESTBIN)/%: $(OBJ)/tests/unit/%.o $(ALL_LIBS)

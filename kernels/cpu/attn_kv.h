@@ -47,6 +47,12 @@ void kn_attention_kv_avx2(const kn_kv_view *kv, int head_dim, const float *q, in
                           float *out);
 void kn_attention_kv_avx512(const kn_kv_view *kv, int head_dim, const float *q, int n_q,
                             float scale, float *out);
+/* The SIMD builds' blocked attention (attn_simd.h): serves single-format f16, bf16, fp8 and int8
+ * views without attn_mass whose head_dim it takes, and returns 0 for any other. */
+int kn_att_fast_avx2(const kn_kv_view *kv, int head_dim, const float *q, int n_q, float scale,
+                     float *out);
+int kn_att_fast_avx512(const kn_kv_view *kv, int head_dim, const float *q, int n_q, float scale,
+                       float *out);
 
 /* Views the f16/bf16 kernels must hand here. */
 static inline int kn_attention_kv_wants(const kn_kv_view *kv)

@@ -4,13 +4,11 @@
  * elements go through the same scalar expressions as ops_ref.c. Held to the reference by
  * tests/unit/test_kernels_ops.c.
  *
- * Attention follows the AVX-512 design (see ops_avx512.c) at half the width: 8-token blocks (one
- * ymm of scores per head) with an online softmax over the pages, each K row converted once for a
- * group of up to 4 query heads, 2 rows at a time, partial sums folded into a score vector with a
- * shuffle tree, V accumulated with several independent FMA chains, next pages prefetched.
- * expf is a Cephes-style polynomial (about 1 ulp); 2^n is applied as two exact power-of-two
- * factors so that subnormal and overflowing results come out as expf's do.
- * Quantized, mixed-format and attn_mass views are handed to attn_kv_avx2.c.
+ * Paged attention is attn_simd.h's body, shared with ops_avx512.c, over the primitives at the end
+ * of this file: 8-token blocks (one ymm of scores per head), K rows scored 2 at a time. expf is a
+ * Cephes-style polynomial (about 1 ulp); 2^n is applied as two exact power-of-two factors so that
+ * subnormal and overflowing results come out as expf's do. Quantized, mixed-format and attn_mass
+ * views are handed to attn_kv_avx2.c.
  */
 #include <assert.h>
 #include <immintrin.h>
@@ -20,11 +18,6 @@
 #include "kernels/cpu/internal.h"
 #include "kernels/cpu/attn_kv.h"
 #include "kernels/cpu/simd_avx2.h"
-
-#define KN_ATT_MAXQ     32
-#define KN_ATT_GROUP    4
-#define KN_ATT_PF_PAGES 2
-#define KN_ATT_PF_BYTES 4096
 
 /* ---------------------------------------------------------------- expf */
 
@@ -135,210 +128,116 @@ void kn_f16_to_f32_avx2(const kn_f16 *x, float *y, int64_t n)
 
 /* ---------------------------------------------------------------- attention */
 
-KN_AI __m256 kn_kv8(const uint16_t *p, const int bf)
+/* The primitives of attn_simd.h's attention: 8-token blocks (one ymm of scores per head), K rows
+ * scored 2 at a time, V accumulated 4 vectors (32 dimensions) at a time for up to 2 heads, 2 for
+ * more. */
+#define KN_SFX        avx2
+#define KN_AL         8
+#define KN_AR         2
+#define KN_ATT_VW(NQ) ((NQ) <= 2 ? 4 : 2)
+
+typedef __m256 kn_af;
+
+KN_AI kn_af kn_af_zero(void)
 {
-    const __m128i h = _mm_loadu_si128((const __m128i *)p);
-    if (bf) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    return _mm256_cvtph_ps(h);
+    return _mm256_setzero_ps();
+}
+KN_AI kn_af kn_af_set1(float x)
+{
+    return _mm256_set1_ps(x);
+}
+KN_AI kn_af kn_af_ld(const float *p)
+{
+    return _mm256_loadu_ps(p);
+}
+KN_AI void kn_af_st(float *p, kn_af v)
+{
+    _mm256_storeu_ps(p, v);
+}
+KN_AI kn_af kn_af_add(kn_af a, kn_af b)
+{
+    return _mm256_add_ps(a, b);
+}
+KN_AI kn_af kn_af_sub(kn_af a, kn_af b)
+{
+    return _mm256_sub_ps(a, b);
+}
+KN_AI kn_af kn_af_mul(kn_af a, kn_af b)
+{
+    return _mm256_mul_ps(a, b);
+}
+KN_AI kn_af kn_af_fma(kn_af a, kn_af b, kn_af c)
+{
+    return _mm256_fmadd_ps(a, b, c);
+}
+KN_AI kn_af kn_af_exp(kn_af x)
+{
+    return kn_exp256(x);
+}
+KN_AI float kn_af_hmax(kn_af v)
+{
+    return kn_hmax256(v);
+}
+KN_AI float kn_af_hsum(kn_af v)
+{
+    return kn_hsum256(v);
+}
+KN_AI int kn_af_any_gt(kn_af v, float x)
+{
+    return _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(x), _CMP_GT_OQ));
+}
+/* lanes >= n replaced by fill */
+KN_AI kn_af kn_af_first(kn_af v, int n, float fill)
+{
+    return _mm256_blendv_ps(_mm256_set1_ps(fill), v, kn_valid8(n));
+}
+KN_AI kn_af kn_af_fold_rows(const kn_af acc[KN_AR])
+{
+    return kn_fold2(acc[0], acc[1]);
+}
+KN_AI kn_af kn_af_fold_groups(kn_af d0, kn_af d1, kn_af d2, kn_af d3)
+{
+    return kn_fold8(d0, d1, d2, d3);
 }
 
-/* Scores of a block of nt <= 8 K rows against NQ query heads: s[h] lane t = scale * q[h]·K[t],
- * lanes >= nt = -inf. */
-KN_AI void kn_att_scores(const uint16_t *K, int nt, int hd, const float *q, float scale, __m256 *s,
-                         const int NQ, const int BF)
+/* Channels [c, c+8) of row t of a block: f16/bf16 converted; fp8/int8 decoded (kn_kv_fp8x8's
+ * f16 trick: the value times 2^-8, which the scale carries back) times the row's scale of
+ * their 16-channel group. Equal, bit for bit, to kn_kv_row_tail's values. */
+KN_AI kn_af kn_att_row(const int FMT, const uint8_t *blk, int t, int hd, int c, const float *sc)
 {
-    __m256 d[KN_ATT_GROUP][4];
-#pragma GCC unroll 4
-    for (int sb = 0; sb < 4; sb++) {
-        const int r0 = 2 * sb;
-        if (r0 >= nt) {
-#pragma GCC unroll 4
-            for (int h = 0; h < NQ; h++) d[h][sb] = _mm256_setzero_ps();
-            continue;
-        }
-        /* A row past nt re-reads the last valid row (never past the block); masked out below. */
-        const uint16_t *k0 = K + (size_t)r0 * hd;
-        const uint16_t *k1 = K + (size_t)(r0 + 1 < nt ? r0 + 1 : nt - 1) * hd;
-        __m256 acc[KN_ATT_GROUP][2];
-#pragma GCC unroll 4
-        for (int h = 0; h < NQ; h++) acc[h][0] = acc[h][1] = _mm256_setzero_ps();
-        for (int c = 0; c < hd; c += 8) {
-            const __m256 x0 = kn_kv8(k0 + c, BF), x1 = kn_kv8(k1 + c, BF);
-#pragma GCC unroll 4
-            for (int h = 0; h < NQ; h++) {
-                const __m256 qv = _mm256_loadu_ps(q + (size_t)h * hd + c);
-                acc[h][0] = _mm256_fmadd_ps(x0, qv, acc[h][0]);
-                acc[h][1] = _mm256_fmadd_ps(x1, qv, acc[h][1]);
-            }
-        }
-#pragma GCC unroll 4
-        for (int h = 0; h < NQ; h++) d[h][sb] = kn_fold2(acc[h][0], acc[h][1]);
+    if (FMT == KN_KV_F16 || FMT == KN_KV_BF16) {
+        const __m128i h = _mm_loadu_si128((const __m128i *)(blk + 2 * ((size_t)t * hd + c)));
+        if (FMT == KN_KV_BF16)
+            return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        return _mm256_cvtph_ps(h);
     }
-    const __m256 valid = kn_valid8(nt);
-    const __m256 vscale = _mm256_set1_ps(scale);
-#pragma GCC unroll 4
-    for (int h = 0; h < NQ; h++)
-        s[h] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY),
-                                _mm256_mul_ps(kn_fold8(d[h][0], d[h][1], d[h][2], d[h][3]), vscale),
-                                valid);
+    const __m128i b = _mm_loadl_epi64((const __m128i *)(blk + (size_t)t * hd + c));
+    kn_af x;
+    if (FMT == KN_KV_FP8) /* the sign-extended byte << 7 with bit 14 cleared: e4m3(b) * 2^-8 */
+        x = _mm256_cvtph_ps(
+            _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(b), 7), _mm_set1_epi16((short)0xbf80)));
+    else
+        x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    return _mm256_mul_ps(x, _mm256_set1_ps(sc[c / 16]));
 }
 
-/* One block of nt <= 8 rows for NQ query heads: scores, online-softmax update, out += p·V. */
-KN_AI void kn_att_block(const uint16_t *K, const uint16_t *V, int nt, int hd, const float *q,
-                        float scale, float *o, float *m, __m256 *l, const int NQ, const int BF)
+/* n f16 scales to floats times mul. */
+KN_AI void kn_att_scales(const uint8_t *src, int n, float mul, float *dst)
 {
-    __m256 sc[KN_ATT_GROUP];
-    kn_att_scores(K, nt, hd, q, scale, sc, NQ, BF);
-    const __m256 valid = kn_valid8(nt);
-    float pb[KN_ATT_GROUP][8] __attribute__((aligned(32)));
-#pragma GCC unroll 4
-    for (int h = 0; h < NQ; h++) {
-        const __m256 s = sc[h];
-        if (_mm256_movemask_ps(_mm256_cmp_ps(s, _mm256_set1_ps(m[h]), _CMP_GT_OQ))) {
-            /* A new maximum: rescale what was accumulated under the old one. */
-            const float bm = kn_hmax256(s);
-            const float corr = expf(m[h] - bm);
-            const __m256 vc = _mm256_set1_ps(corr);
-            m[h] = bm;
-            l[h] = _mm256_mul_ps(l[h], vc);
-            float *oh = o + (size_t)h * hd;
-            for (int c = 0; c < hd; c += 8)
-                _mm256_storeu_ps(oh + c, _mm256_mul_ps(_mm256_loadu_ps(oh + c), vc));
-        }
-        const __m256 p = _mm256_and_ps(valid, kn_exp256(_mm256_sub_ps(s, _mm256_set1_ps(m[h]))));
-        l[h] = _mm256_add_ps(l[h], p);
-        _mm256_store_ps(pb[h], p);
-    }
-
-    /* out[h] += sum_t p[h][t] * V[t]; W*8 dimensions at a time keep W*NQ FMA chains in flight. */
-    const int W = NQ <= 2 ? 4 : 2;
-    int c = 0;
-    for (; c + 8 * W <= hd; c += 8 * W) {
-        __m256 a[KN_ATT_GROUP][4];
-#pragma GCC unroll 4
-        for (int h = 0; h < NQ; h++)
-#pragma GCC unroll 4
-            for (int w = 0; w < W; w++) a[h][w] = _mm256_loadu_ps(o + (size_t)h * hd + c + 8 * w);
-        for (int t = 0; t < nt; t++) {
-            const uint16_t *vr = V + (size_t)t * hd + c;
-            __m256 v[4];
-#pragma GCC unroll 4
-            for (int w = 0; w < W; w++) v[w] = kn_kv8(vr + 8 * w, BF);
-#pragma GCC unroll 4
-            for (int h = 0; h < NQ; h++) {
-                const __m256 ph = _mm256_broadcast_ss(&pb[h][t]);
-#pragma GCC unroll 4
-                for (int w = 0; w < W; w++) a[h][w] = _mm256_fmadd_ps(ph, v[w], a[h][w]);
-            }
-        }
-#pragma GCC unroll 4
-        for (int h = 0; h < NQ; h++)
-#pragma GCC unroll 4
-            for (int w = 0; w < W; w++) _mm256_storeu_ps(o + (size_t)h * hd + c + 8 * w, a[h][w]);
-    }
-    for (; c < hd; c += 8) {
-        __m256 a[KN_ATT_GROUP];
-#pragma GCC unroll 4
-        for (int h = 0; h < NQ; h++) a[h] = _mm256_loadu_ps(o + (size_t)h * hd + c);
-        for (int t = 0; t < nt; t++) {
-            const __m256 v0 = kn_kv8(V + (size_t)t * hd + c, BF);
-#pragma GCC unroll 4
-            for (int h = 0; h < NQ; h++)
-                a[h] = _mm256_fmadd_ps(_mm256_broadcast_ss(&pb[h][t]), v0, a[h]);
-        }
-#pragma GCC unroll 4
-        for (int h = 0; h < NQ; h++) _mm256_storeu_ps(o + (size_t)h * hd + c, a[h]);
-    }
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(
+            dst + i,
+            _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 2 * (size_t)i))),
+                          _mm256_set1_ps(mul)));
+    for (; i < n; i++) dst[i] = kn_kv_h2f(src + 2 * (size_t)i) * mul;
 }
 
-typedef void (*kn_att_block_fn)(const uint16_t *K, const uint16_t *V, int nt, int hd,
-                                const float *q, float scale, float *o, float *m, __m256 *l);
-
-#define KN_ATT_INST(nq, bf)                                                                        \
-    static void kn_att_block_##nq##_##bf(const uint16_t *K, const uint16_t *V, int nt, int hd,     \
-                                         const float *q, float scale, float *o, float *m,          \
-                                         __m256 *l)                                                \
-    {                                                                                              \
-        kn_att_block(K, V, nt, hd, q, scale, o, m, l, nq, bf);                                     \
-    }
-KN_ATT_INST(1, 0)
-KN_ATT_INST(2, 0)
-KN_ATT_INST(3, 0)
-KN_ATT_INST(4, 0)
-KN_ATT_INST(1, 1)
-KN_ATT_INST(2, 1)
-KN_ATT_INST(3, 1)
-KN_ATT_INST(4, 1)
-
-static const kn_att_block_fn kn_att_blocks[2][KN_ATT_GROUP] = {
-    {kn_att_block_1_0, kn_att_block_2_0, kn_att_block_3_0, kn_att_block_4_0},
-    {kn_att_block_1_1, kn_att_block_2_1, kn_att_block_3_1, kn_att_block_4_1},
-};
-
-static void kn_prefetch_block(const uint8_t *p, size_t bytes)
+/* Head sizes that are not a multiple of 8 do not occur in the models we serve. */
+KN_AI void kn_att_narrow(const kn_kv_view *kv, int hd, const float *q, int n_q, float scale,
+                         float *out)
 {
-    if (bytes > KN_ATT_PF_BYTES) bytes = KN_ATT_PF_BYTES;
-    for (size_t i = 0; i < bytes; i += 64) _mm_prefetch((const char *)p + i, _MM_HINT_T0);
+    kn_attention_ref(kv, hd, q, n_q, scale, out);
 }
 
-void kn_attention_avx2(const kn_kv_view *kv, int head_dim, const float *q, int n_q, float scale,
-                       float *out)
-{
-    /* fp8/int8/int4 pages, mixed-format views and views that want attn_mass: attn_kv_avx2.c */
-    if (kn_attention_kv_wants(kv)) {
-        kn_attention_kv_avx2(kv, head_dim, q, n_q, scale, out);
-        return;
-    }
-    const int pt = kv->page_tokens, hd = head_dim, n_ctx = kv->n_ctx;
-    assert(pt > 0 && hd > 0 && n_q > 0 && n_ctx >= 0);
-    assert(q != out);
-    assert(kv->format == KN_KV_F16 || kv->format == KN_KV_BF16);
-    if (hd % 8) {
-        /* Head sizes that are not a multiple of 8 do not occur in the models we serve. */
-        kn_attention_ref(kv, head_dim, q, n_q, scale, out);
-        return;
-    }
-    memset(out, 0, sizeof(float) * (size_t)n_q * hd);
-    if (n_ctx == 0) return;
-
-    const int bf = kv->format == KN_KV_BF16;
-    const size_t blk_bytes = (size_t)pt * hd * 2;
-    const int n_pages = (n_ctx + pt - 1) / pt;
-    for (int h0 = 0; h0 < n_q; h0 += KN_ATT_MAXQ) {
-        const int nh = n_q - h0 < KN_ATT_MAXQ ? n_q - h0 : KN_ATT_MAXQ;
-        float m[KN_ATT_MAXQ];
-        __m256 l[KN_ATT_MAXQ];
-        for (int h = 0; h < nh; h++) {
-            m[h] = -INFINITY;
-            l[h] = _mm256_setzero_ps();
-        }
-        for (int pg = 0; pg < KN_ATT_PF_PAGES && pg < n_pages; pg++) {
-            kn_prefetch_block(kv->pages[pg] + kv->k_off, blk_bytes);
-            kn_prefetch_block(kv->pages[pg] + kv->v_off, blk_bytes);
-        }
-        for (int pg = 0; pg < n_pages; pg++) {
-            if (pg + KN_ATT_PF_PAGES < n_pages) {
-                kn_prefetch_block(kv->pages[pg + KN_ATT_PF_PAGES] + kv->k_off, blk_bytes);
-                kn_prefetch_block(kv->pages[pg + KN_ATT_PF_PAGES] + kv->v_off, blk_bytes);
-            }
-            const uint16_t *K = (const uint16_t *)(kv->pages[pg] + kv->k_off);
-            const uint16_t *V = (const uint16_t *)(kv->pages[pg] + kv->v_off);
-            const int np = n_ctx - pg * pt < pt ? n_ctx - pg * pt : pt;
-            for (int b = 0; b < np; b += 8) {
-                const int nt = np - b < 8 ? np - b : 8;
-                for (int g = 0; g < nh; g += KN_ATT_GROUP) {
-                    const int gn = nh - g < KN_ATT_GROUP ? nh - g : KN_ATT_GROUP;
-                    const size_t qo = (size_t)(h0 + g) * hd;
-                    kn_att_blocks[bf][gn - 1](K + (size_t)b * hd, V + (size_t)b * hd, nt, hd,
-                                              q + qo, scale, out + qo, m + g, l + g);
-                }
-            }
-        }
-        for (int h = 0; h < nh; h++) {
-            const __m256 inv = _mm256_set1_ps(1.0f / kn_hsum256(l[h]));
-            float *oh = out + (size_t)(h0 + h) * hd;
-            for (int c = 0; c < hd; c += 8)
-                _mm256_storeu_ps(oh + c, _mm256_mul_ps(_mm256_loadu_ps(oh + c), inv));
-        }
-    }
-}
+#include "kernels/cpu/attn_simd.h"

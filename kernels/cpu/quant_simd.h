@@ -90,8 +90,8 @@
     switch (N) {                                                                                   \
         KN_CASE(1, CALL)                                                                           \
         KN_CASE(2, CALL)                                                                           \
-        KN_CASE(3, CALL) KN_CASE(4, CALL) KN_CASE(5, CALL) KN_CASE(6, CALL)                        \
-            KN_CASE(7, CALL) default : CALL(8);                                                    \
+        KN_CASE(3, CALL)                                                                           \
+        KN_CASE(4, CALL) KN_CASE(5, CALL) KN_CASE(6, CALL) KN_CASE(7, CALL) default : CALL(8);     \
     }
 #define KN_P2(n) ((n) >= 8 ? 8 : (n) >= 4 ? 4 : (n) >= 2 ? 2 : 1)
 #define KN_SWITCH_P2(N, CALL)                                                                      \

@@ -1,17 +1,20 @@
 /*
- * emu512_avx2.c — the AVX-512 build's matmul driver, in its own configuration (16-row panels,
+ * emu512_avx2.c — the AVX-512 build's matmul and attention drivers, in their own configuration
+ * (matmul: 16-row panels,
  * 8-column tiles, 256-block k-chunks, Q8_0 biased to u8 with a -128 * sum(x) correction, Q4_1's
- * min term in its own accumulator), run on any AVX2 machine: kernels/cpu/quant_simd.h
- * instantiated over primitives that do lane by lane, with GCC vector extensions, what the
- * AVX-512 primitives of kernels/cpu/quant_avx512.c do with one instruction each (vpdpbusd,
- * vpmaddwd, vcvtph2ps, masked stores). test_kernels_quant.c holds it to the reference exactly as
- * it holds the real builds, so the driver logic the AVX-512 build runs is tested on machines that
- * lack AVX-512. Test-only: linked into test_kernels_quant (Makefile).
+ * min term in its own accumulator; attention: 16-token blocks, K rows scored 4 at a time), run
+ * on any AVX2 machine: kernels/cpu/quant_simd.h and attn_simd.h instantiated over primitives that
+ * do lane by lane, with GCC vector extensions, what the AVX-512 primitives of quant_avx512.c and
+ * ops_avx512.c do with one instruction each (vpdpbusd, vpmaddwd, vcvtph2ps, masked stores).
+ * test_kernels_quant.c and test_kernels_ops.c hold it to the reference as they hold the real
+ * builds, so the driver logic the AVX-512 build runs is tested on machines that lack AVX-512.
+ * Test-only: linked into those two tests (Makefile).
  */
 #include <immintrin.h>
 #include <math.h>
 #include <string.h>
 
+#include "kernels/cpu/attn_kv.h"
 #include "kernels/cpu/internal.h"
 
 #define KN_AI static inline __attribute__((always_inline))
@@ -226,3 +229,137 @@ KN_AI void kn_bf16_row(const float *x, kn_bf16 *y, int64_t n)
 }
 
 #include "kernels/cpu/quant_simd.h"
+
+/* ------------------------------------------------------------------ attention (attn_simd.h) */
+
+/* ops_avx512.c's attention configuration: 16-token blocks, K rows scored 4 at a time, V 4
+ * vectors at a time. The fold primitives here sum each row's partials plainly (the real ones use
+ * shuffle trees with the same meaning). */
+#define KN_AL         16
+#define KN_AR         4
+#define KN_ATT_VW(NQ) 4
+
+typedef kn_vf kn_af;
+
+KN_AI kn_af kn_af_zero(void)
+{
+    return (kn_af){0};
+}
+KN_AI kn_af kn_af_set1(float x)
+{
+    return (kn_af){0} + x;
+}
+KN_AI kn_af kn_af_ld(const float *p)
+{
+    kn_af v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+KN_AI void kn_af_st(float *p, kn_af v)
+{
+    memcpy(p, &v, sizeof v);
+}
+KN_AI kn_af kn_af_add(kn_af a, kn_af b)
+{
+    return a + b;
+}
+KN_AI kn_af kn_af_sub(kn_af a, kn_af b)
+{
+    return a - b;
+}
+KN_AI kn_af kn_af_mul(kn_af a, kn_af b)
+{
+    return a * b;
+}
+KN_AI kn_af kn_af_fma(kn_af a, kn_af b, kn_af c)
+{
+    return kn_vf_fma(a, b, c);
+}
+KN_AI kn_af kn_af_exp(kn_af x)
+{
+    for (int l = 0; l < KN_AL; l++) x[l] = expf(x[l]);
+    return x;
+}
+KN_AI float kn_af_hmax(kn_af v)
+{
+    float m = v[0];
+    for (int l = 1; l < KN_AL; l++) m = v[l] > m ? v[l] : m;
+    return m;
+}
+KN_AI float kn_af_hsum(kn_af v)
+{
+    float s = 0.0f;
+    for (int l = 0; l < KN_AL; l++) s += v[l];
+    return s;
+}
+KN_AI int kn_af_any_gt(kn_af v, float x)
+{
+    for (int l = 0; l < KN_AL; l++)
+        if (v[l] > x) return 1;
+    return 0;
+}
+KN_AI kn_af kn_af_first(kn_af v, int n, float fill)
+{
+    for (int l = n < 0 ? 0 : n; l < KN_AL; l++) v[l] = fill;
+    return v;
+}
+/* lane r: row r's sum (r < 4) */
+KN_AI kn_af kn_af_fold_rows(const kn_af acc[KN_AR])
+{
+    kn_af d = {0};
+    for (int r = 0; r < KN_AR; r++) d[r] = kn_af_hsum(acc[r]);
+    return d;
+}
+KN_AI kn_af kn_af_fold_groups(kn_af d0, kn_af d1, kn_af d2, kn_af d3)
+{
+    kn_af s;
+    for (int r = 0; r < 4; r++) s[r] = d0[r], s[4 + r] = d1[r], s[8 + r] = d2[r], s[12 + r] = d3[r];
+    return s;
+}
+
+KN_AI kn_af kn_att_row(const int FMT, const uint8_t *blk, int t, int hd, int c, const float *sc)
+{
+    kn_af x;
+    for (int l = 0; l < KN_AL; l++) {
+        const size_t e = (size_t)t * hd + (size_t)(c + l);
+        kn_f16 h;
+        if (FMT == KN_KV_F16 || FMT == KN_KV_BF16) {
+            memcpy(&h, blk + 2 * e, 2);
+            x[l] = FMT == KN_KV_F16 ? _cvtsh_ss(h) : kn_bf16_to_f32(h);
+        } else if (FMT == KN_KV_FP8) { /* e4m3(b) * 2^-8 through f16; the scale has the 2^8 */
+            h = (kn_f16)(((unsigned)(uint16_t)(int8_t)blk[e] << 7) & 0xbf80); /* s-ext'd, shifted */
+            x[l] = _cvtsh_ss(h) * sc[c / 16];
+        } else {
+            x[l] = (float)(int8_t)blk[e] * sc[c / 16];
+        }
+    }
+    return x;
+}
+
+KN_AI void kn_att_scales(const uint8_t *src, int n, float mul, float *dst)
+{
+    for (int i = 0; i < n; i++) {
+        kn_f16 h;
+        memcpy(&h, src + 2 * (size_t)i, 2);
+        dst[i] = _cvtsh_ss(h) * mul;
+    }
+}
+
+KN_AI void kn_att_narrow(const kn_kv_view *kv, int hd, const float *q, int n_q, float scale,
+                         float *out)
+{
+    kn_attention_ref(kv, hd, q, n_q, scale, out);
+}
+
+int kn_att_fast_emu512(const kn_kv_view *kv, int head_dim, const float *q, int n_q, float scale,
+                       float *out);
+
+/* As attn_kv_avx512.c's entry, with the reference's row-at-a-time body for the rest. */
+void kn_attention_kv_emu512(const kn_kv_view *kv, int head_dim, const float *q, int n_q,
+                            float scale, float *out)
+{
+    if (kn_att_fast_emu512(kv, head_dim, q, n_q, scale, out)) return;
+    kn_attention_kv_ref(kv, head_dim, q, n_q, scale, out);
+}
+
+#include "kernels/cpu/attn_simd.h"

@@ -473,6 +473,25 @@ Test(ref, bf16_conversions_match_ggml)
 
 /* ---------------------------------------------------------------- attention */
 
+/* The AVX-512 build's attention driver (16-token blocks, 4 K rows at a time) with its primitives
+ * emulated on AVX2 (emu512_avx2.c), so that machines without AVX-512 test its logic too. */
+void kn_attention_emu512(const kn_kv_view *kv, int head_dim, const float *q, int n_q, float scale,
+                         float *out);
+
+/* Every table to hold to the reference: scalar (i = 0), AVX2, AVX-512, the emulated AVX-512
+ * driver; NULL where this CPU lacks the instructions. */
+enum { ATT_TABLES = 4 };
+static const kn_ops *att_table(int i)
+{
+    static kn_ops emu;
+    if (i < KN_ISA_COUNT) return kn_ops_get((kn_isa)i);
+    if (!kn_ops_get(KN_ISA_AVX2)) return NULL;
+    emu = *kn_ops_get(KN_ISA_AVX2);
+    emu.name = "avx512-emulated";
+    emu.attention = kn_attention_emu512;
+    return &emu;
+}
+
 /* A paged context: n_pages separately allocated pages in shuffled order, each holding other
  * blocks around the one under test (filled with NaN so that a stray read shows), the rows past
  * n_ctx of the last page poisoned with NaN too. */
@@ -590,8 +609,8 @@ static void att_check(int n_ctx, int hd, int pt, int n_q, kn_kv_format fmt)
         cr_assert_leq(fabs(o0[i] - want[i]), 2e-5 * 2.0,
                       "ref: n_ctx=%d hd=%d pt=%d n_q=%d fmt=%d i=%d: %.8g vs %.8g", n_ctx, hd, pt,
                       n_q, fmt, i, o0[i], want[i]);
-    for (int isa = KN_ISA_AVX2; isa < KN_ISA_COUNT; isa++) {
-        const kn_ops *o = kn_ops_get((kn_isa)isa);
+    for (int isa = KN_ISA_AVX2; isa < ATT_TABLES; isa++) {
+        const kn_ops *o = att_table(isa);
         if (!o) continue;
         memset(o1, 0xff, sizeof(float) * n_q * hd);
         o->attention(&c.view, hd, q, n_q, scale, o1);
@@ -602,8 +621,8 @@ static void att_check(int n_ctx, int hd, int pt, int n_q, kn_kv_format fmt)
     }
     /* attn_mass (h2o's statistic; such views are served by attn_kv_*.c): += each page's share of
      * the softmax summed over the heads, and the same output. */
-    for (int isa = 0; isa < KN_ISA_COUNT; isa++) {
-        const kn_ops *o = kn_ops_get((kn_isa)isa);
+    for (int isa = 0; isa < ATT_TABLES; isa++) {
+        const kn_ops *o = att_table(isa);
         if (!o) continue;
         for (int p = 0; p < c.n_pages; p++) mass[p] = 0.5f;
         c.view.attn_mass = mass;
@@ -686,8 +705,8 @@ Test(attention, peaked_and_flat_scores_are_stable)
         kn_ops_get(KN_ISA_SCALAR)->attention(&c.view, 64, q, 1, 0.125f, o0);
         for (int d = 0; d < 64; d++)
             cr_assert_leq(fabs(o0[d] - want[d]), 4e-5, "ref pass %d d=%d", pass, d);
-        for (int isa = KN_ISA_AVX2; isa < KN_ISA_COUNT; isa++) {
-            const kn_ops *o = kn_ops_get((kn_isa)isa);
+        for (int isa = KN_ISA_AVX2; isa < ATT_TABLES; isa++) {
+            const kn_ops *o = att_table(isa);
             if (!o) continue;
             o->attention(&c.view, 64, q, 1, 0.125f, o1);
             for (int d = 0; d < 64; d++)
@@ -697,13 +716,74 @@ Test(attention, peaked_and_flat_scores_are_stable)
     att_free(&c);
 }
 
+/* fp8 and int8 pages (attn_kv.h's layout: bytes, then an f16 scale per 16 channels of a row) with
+ * random codes and scales: every table, the emulated AVX-512 driver included, agrees with the
+ * reference, whose agreement with the definition test_kvshard_format.c checks. */
+static void att_check_quant(kn_kv_format fmt, int n_ctx, int hd, int pt, int n_q)
+{
+    const int ng = hd / 16, n_pages = (n_ctx + pt - 1) / pt;
+    const size_t blk = (size_t)pt * hd, sblk = (size_t)pt * ng * 2;
+    uint8_t **pages = malloc(sizeof(uint8_t *) * (size_t)n_pages);
+    for (int p = 0; p < n_pages; p++) {
+        pages[p] = malloc(2 * blk + 2 * sblk);
+        for (size_t b = 0; b < 2 * blk; b++) {
+            uint8_t v = (uint8_t)rng_u64();
+            if (fmt == KN_KV_FP8 && (v & 0x7f) == 0x7f) v ^= 1; /* no NaN code */
+            pages[p][b] = v;
+        }
+        for (size_t b = 0; b < 2 * sblk; b += 2) {
+            const kn_f16 h = kn_f32_to_f16(rng_f(0.001f, 0.01f));
+            memcpy(pages[p] + 2 * blk + b, &h, 2);
+        }
+    }
+    kn_kv_view v = {.pages = (const uint8_t *const *)pages,
+                    .k_off = 0,
+                    .v_off = blk,
+                    .k_scale_off = 2 * blk,
+                    .v_scale_off = 2 * blk + sblk,
+                    .page_tokens = pt,
+                    .n_ctx = n_ctx,
+                    .format = fmt};
+    float *q = malloc(sizeof(float) * n_q * hd), *o0 = malloc(sizeof(float) * n_q * hd);
+    float *o1 = malloc(sizeof(float) * n_q * hd);
+    for (int i = 0; i < n_q * hd; i++) q[i] = rng_f(-3, 3);
+    kn_ops_get(KN_ISA_SCALAR)->attention(&v, hd, q, n_q, 0.125f, o0);
+    /* |V| <= 448 * 0.01 (fp8) or 127 * 0.01 (int8): errors against that */
+    const float tol = 1e-5f * (fmt == KN_KV_FP8 ? 4.48f : 1.27f);
+    for (int isa = KN_ISA_AVX2; isa < ATT_TABLES; isa++) {
+        const kn_ops *o = att_table(isa);
+        if (!o) continue;
+        memset(o1, 0xff, sizeof(float) * n_q * hd);
+        o->attention(&v, hd, q, n_q, 0.125f, o1);
+        for (int i = 0; i < n_q * hd; i++)
+            cr_assert_leq(fabsf(o1[i] - o0[i]), tol,
+                          "%s fmt=%d n_ctx=%d hd=%d pt=%d n_q=%d i=%d: %.8g vs ref %.8g", o->name,
+                          fmt, n_ctx, hd, pt, n_q, i, o1[i], o0[i]);
+    }
+    for (int p = 0; p < n_pages; p++) free(pages[p]);
+    free(pages), free(q), free(o0), free(o1);
+}
+
+Test(attention, fp8_and_int8_pages_match_the_reference)
+{
+    rng_seed(15);
+    const int ctxs[] = {1, 15, 17, 100, 300};
+    const int hds[] = {64, 128, 96};
+    const int nqs[] = {1, 3, 5};
+    for (int f = 0; f < 2; f++)
+        for (int a = 0; a < 5; a++)
+            for (int b = 0; b < 3; b++)
+                att_check_quant(f ? KN_KV_INT8 : KN_KV_FP8, ctxs[a], hds[b], a % 2 ? 16 : 32,
+                                nqs[(a + b) % 3]);
+}
+
 Test(attention, empty_context_gives_zeros)
 {
     att_ctx c;
     att_build(&c, 0, 64, 16, KN_KV_F16, 1.0f);
     float q[64] = {1}, out[64];
-    for (int isa = 0; isa < KN_ISA_COUNT; isa++) {
-        const kn_ops *o = kn_ops_get((kn_isa)isa);
+    for (int isa = 0; isa < ATT_TABLES; isa++) {
+        const kn_ops *o = att_table(isa);
         if (!o) continue;
         memset(out, 0xff, sizeof out);
         o->attention(&c.view, 64, q, 1, 0.125f, out);
