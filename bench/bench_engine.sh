@@ -27,7 +27,9 @@
 # Environment: THREADS (default nproc), MODEL (default models/SmolLM2-135M-Instruct.Q4_1.gguf),
 #   ROUNDS (default 2), LLAMA_REPACK (auto|0|1, default auto: llama.cpp's weight repacking is
 #   used unless a probe run crashes, which the AMX path does on some machines; see
-#   tests/README.md), BENCH_OUT (directory for the raw outputs; default build/bench/<time>).
+#   tests/README.md), BENCH_OUT (directory for the raw outputs; default build/bench/<time>),
+#   KVMESH_BASE (another build's kvmesh binary, e.g. of an older commit: it runs in every round
+#   too and the table gets a "before" column with the ratio after/before).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -39,6 +41,7 @@ ROUNDS="${ROUNDS:-2}"
 LLAMA_REPACK="${LLAMA_REPACK:-auto}"
 LLBIN=third_party/llama.cpp/build/bin
 KVMESH=build/bin/kvmesh
+KVMESH_BASE="${KVMESH_BASE:-}"
 BENCH_KERNELS="${BENCH_KERNELS:-build/bench/bench_kernels}"
 STAMP="$(date -u +%Y%m%dT%H%M%SZ)"
 OUT="${BENCH_OUT:-build/bench/$STAMP}"
@@ -127,9 +130,17 @@ run_membw() { # round
     "$BENCH_KERNELS" -b "$THREADS" >"$OUT/membw.$1.txt" || die "bench_kernels -b failed"
 }
 
+run_base() { # round
+    [ -n "$KVMESH_BASE" ] || return 0
+    say "round $1: kvmesh bench ($KVMESH_BASE)"
+    "$KVMESH_BASE" bench -m "$MODEL" --threads "$THREADS" --prompt 512 --gen 128 --batch 1,8,32 \
+        >"$OUT/base.$1.txt" 2>"$OUT/base.$1.log" || die "$KVMESH_BASE bench failed (log: $OUT/base.$1.log)"
+}
+
 for r in $(seq 1 "$ROUNDS"); do
     run_membw "$r"
     [ -n "$KVMESH_STATUS" ] || run_kvmesh "$r"
+    run_base "$r"
     run_llamacpp "$r"
 done
 [ -z "$KVMESH_STATUS" ] || say "$KVMESH_STATUS"
@@ -166,20 +177,24 @@ for r in range(1, rounds + 1):
             t = json.loads(line)
             ll.setdefault(f"batch{t['pl']}", []).append(t["speed_tg"])
 
-kv = {}
-for r in range(1, rounds + 1):
-    p = f"{out}/kvmesh.{r}.txt"
-    if not os.path.exists(p):
-        continue
-    for line in open(p):
-        m = re.match(r"bench prefill tokens=512 tok_s=([0-9.eE+-]+)", line)
-        if m:
-            kv.setdefault("prefill", []).append(float(m.group(1)))
-        m = re.match(r"bench decode batch=(\d+) tok_s=([0-9.eE+-]+)", line)
-        if m:
-            kv.setdefault(f"batch{m.group(1)}", []).append(float(m.group(2)))
-if "batch1" in kv:
-    kv["tg128"] = kv["batch1"]
+def read_kvmesh(prefix):
+    got = {}
+    for r in range(1, rounds + 1):
+        p = f"{out}/{prefix}.{r}.txt"
+        if not os.path.exists(p):
+            continue
+        for line in open(p):
+            m = re.match(r"bench prefill tokens=512 tok_s=([0-9.eE+-]+)", line)
+            if m:
+                got.setdefault("prefill", []).append(float(m.group(1)))
+            m = re.match(r"bench decode batch=(\d+) tok_s=([0-9.eE+-]+)", line)
+            if m:
+                got.setdefault(f"batch{m.group(1)}", []).append(float(m.group(2)))
+    if "batch1" in got:
+        got["tg128"] = got["batch1"]
+    return got
+
+kv, base = read_kvmesh("kvmesh"), read_kvmesh("base")
 
 bw = []
 for r in range(1, rounds + 1):
@@ -217,14 +232,19 @@ def fmt(x):
 def frac(x, B):
     return f"{100 * x / (B * limit1):.0f}%" if x is not None and B and limit1 else "—"
 
-print("| metric | kvmesh | llama.cpp | ratio (kvmesh/llama.cpp) | kvmesh / llama.cpp of the bandwidth limit | llama.cpp source |")
-print("|---|---:|---:|---:|---:|---|")
+bh = " kvmesh before | after / before |" if base else ""
+print(f"| metric | kvmesh | llama.cpp | ratio (kvmesh/llama.cpp) | kvmesh / llama.cpp of the bandwidth limit |{bh} llama.cpp source |")
+print("|---|---:|---:|---:|---:|" + ("---:|---:|" if base else "") + "---|")
 for name, key, src, B in rows:
     a, b = median(kv.get(key, [])), median(ll.get(key, []))
     kcell = fmt(a) if a is not None else ("not built" if kv_status else "—")
     ratio = f"{a / b:.2f}" if a is not None and b else "—"
     lim = f"{frac(a, B)} / {frac(b, B)}" if B else "—"
-    print(f"| {name} | {kcell} | {fmt(b)} | {ratio} | {lim} | {src} |")
+    bc = ""
+    if base:
+        z = median(base.get(key, []))
+        bc = f" {fmt(z)} | {a / z:.2f} |" if a is not None and z else " — | — |"
+    print(f"| {name} | {kcell} | {fmt(b)} | {ratio} | {lim} |{bc} {src} |")
 print()
 if limit1:
     print(f"Bandwidth limit: {bw_med:.2f} GB/s measured read bandwidth (median over rounds, "
@@ -233,7 +253,8 @@ if limit1:
 print()
 print(f"Medians over {rounds} interleaved round(s). Raw figures per round:")
 for name, key, _, _ in rows:
-    print(f"- {key}: kvmesh {[round(x, 1) for x in kv.get(key, [])]}, llama.cpp {[round(x, 1) for x in ll.get(key, [])]}")
+    extra = f", kvmesh before {[round(x, 1) for x in base.get(key, [])]}" if base else ""
+    print(f"- {key}: kvmesh {[round(x, 1) for x in kv.get(key, [])]}, llama.cpp {[round(x, 1) for x in ll.get(key, [])]}{extra}")
 PY
 
 echo
@@ -242,4 +263,5 @@ echo "- machine: $CPU, $(nproc) cores visible, threads = $THREADS; kvmesh kernel
 echo "- model: $MODEL (sha256 $MODEL_SHA)"
 echo "- llama.cpp: $LLVER; weight repacking $([ "$REPACK" = 1 ] && echo on || echo 'off (--repack 0 / -nr)'); flash attention auto; KV f16"
 [ -z "$KVMESH_STATUS" ] || echo "- kvmesh: $KVMESH_STATUS"
+[ -z "$KVMESH_BASE" ] || echo "- kvmesh before: $KVMESH_BASE"
 echo "- raw outputs: $OUT"
