@@ -126,25 +126,16 @@ KN_AI float kn_h2f(const void *p)
     return _cvtsh_ss(h); /* F16C, which every SIMD build has: bit-identical to kn_f16_to_f32 */
 }
 
-/* Software prefetch of a contiguous range (the next panel's k-chunk) a slice per step, while the
- * current panel is computed: the hardware prefetcher alone leaves DRAM bandwidth unused at
- * m = 1 (docs/kernels.md). */
-typedef struct kn_pf {
-    const char *p, *end;
-    int per_step;
-} kn_pf;
-
-KN_AI void kn_pf_init(kn_pf *pf, const void *p, size_t len, int steps)
+/* Software prefetch of the next panel's k-chunk while the current panel is computed (the
+ * hardware prefetcher alone leaves DRAM bandwidth unused at m = 1; docs/kernels.md): at block b
+ * of this panel, block b of the next one (gs bytes, a multiple of 64; a compile-time constant
+ * where this is inlined, so it costs the prefetches and no loop). next is NULL for the last
+ * panel of a range. */
+KN_AI void kn_pf_block(const uint8_t *next, size_t gs, int b)
 {
-    pf->p = p;
-    pf->end = pf->p + len;
-    pf->per_step = (int)((len + 63) / 64 + (size_t)steps - 1) / (steps > 0 ? steps : 1);
-}
-
-KN_AI void kn_pf_step(kn_pf *pf)
-{
-    for (int u = 0; u < pf->per_step && pf->p < pf->end; u++, pf->p += 64)
-        _mm_prefetch(pf->p, _MM_HINT_T0);
+    if (!next) return;
+    for (size_t o = 0; o < gs; o += 64)
+        _mm_prefetch((const char *)next + (size_t)b * gs + o, _MM_HINT_T0);
 }
 
 /* ------------------------------------------------------------------ Q4_0, Q4_1, Q8_0 */
@@ -196,7 +187,7 @@ static void kn_xprep32(const kn_fmt32 *f, const uint8_t *x, size_t x_stride, int
 KN_AI void kn_tile32(const kn_fmt32 *f, const kn_w32 *P, const int prepped, const uint8_t *qg,
                      const uint8_t *qf, int nb, const uint8_t *xb, size_t x_stride,
                      const kn_x32 *xp, int xi, const int N, float *yp, size_t y_stride, int nr,
-                     int first, kn_pf *pf)
+                     int first, const uint8_t *next)
 {
     const size_t gs = (size_t)f->G * KN_VB, fs = (size_t)f->F * 2 * KN_PR;
     const int split = N <= 2;
@@ -205,7 +196,7 @@ KN_AI void kn_tile32(const kn_fmt32 *f, const kn_w32 *P, const int prepped, cons
     for (int i = 0; i < N; i++) acc[i] = accm[i] = kn_vf_zero();
     const int32_t *c0 = f->bias ? xp->c + (size_t)xi * (size_t)xp->ld : NULL;
     for (int b = 0; b < nb; b++) {
-        if (pf) kn_pf_step(pf);
+        kn_pf_block(next, gs, b);
         kn_w32 wl;
         const kn_w32 *w = &wl;
         if (prepped)
@@ -236,8 +227,7 @@ KN_AI void kn_tile32(const kn_fmt32 *f, const kn_w32 *P, const int prepped, cons
 /* Where a panel's k-chunk lies: in the packed matrix, or packed now into the thread's buffer. */
 typedef struct kn_src {
     const uint8_t *qg, *qf;
-    kn_pf pf;
-    int has_pf;
+    const uint8_t *next; /* the next panel's groups of this k-chunk, to prefetch; or NULL */
 } kn_src;
 
 /* Room for one panel k-chunk of any type, packed on the fly when matmul gets GGUF rows (one
@@ -252,16 +242,15 @@ static void kn_panel_src(const kn_pfmt *pf, const uint8_t *w, size_t w_stride,
 {
     const size_t gs = (size_t)pf->G * KN_VB, fs = (size_t)pf->F * 2 * KN_PR;
     const int nr = r1 - p0 < KN_PR ? (int)(r1 - p0) : KN_PR;
-    src->has_pf = 0;
+    src->next = NULL;
     if (packed) {
         const uint8_t *panel = packed + (size_t)(p0 / KN_PR) * panel_bytes;
         src->qg = panel + (size_t)b0 * gs;
         src->qf = panel + (size_t)nb_all * gs + (size_t)b0 * fs;
         if (p0 + KN_PR < r1) { /* the next panel's groups of this k-chunk, and its scales */
-            kn_pf_init(&src->pf, src->qg + panel_bytes, (size_t)nb * gs, nb);
+            src->next = src->qg + panel_bytes;
             for (size_t o = 0; o < (size_t)nb * fs; o += 64)
                 _mm_prefetch((const char *)src->qf + panel_bytes + o, _MM_HINT_T0);
-            src->has_pf = 1;
         }
     } else {
         kn_pack_panel(pf, KN_PR, w, w_stride, p0, nr, b0, nb, raw, raw + (size_t)nb * gs);
@@ -301,16 +290,15 @@ KN_AI void kn_matmul32(const kn_fmt32 *f, const uint8_t *w, size_t w_stride, con
                 kn_src s;
                 kn_panel_src(pf, w, w_stride, packed, panel_bytes, p0, r1, nb_all, b0, nb, kn_raw,
                              &s);
-                kn_pf *pfp = s.has_pf ? &s.pf : NULL;
                 if (nc <= KN_NT) {
 #define KN_CALL(N)                                                                                 \
-    kn_tile32(f, NULL, 0, s.qg, s.qf, nb, xb, x_stride, &xp, 0, N, yp, y_stride, nr, first, pfp)
+    kn_tile32(f, NULL, 0, s.qg, s.qf, nb, xb, x_stride, &xp, 0, N, yp, y_stride, nr, first, s.next)
                     KN_SWITCH_N(nc, KN_CALL)
 #undef KN_CALL
                     continue;
                 }
                 for (int b = 0; b < nb; b++) {
-                    if (pfp) kn_pf_step(pfp);
+                    kn_pf_block(s.next, gs, b);
                     kn_w32_prep(f->q8, s.qg + (size_t)b * gs, &prep[b]);
                 }
                 for (int t = 0; t < nc;) {
