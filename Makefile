@@ -60,7 +60,7 @@ LIB_CONTROLLER := $(BUILD)/lib/libkmcontroller.a
 # controller, client <- cli), so a call against the arrows fails its link (and `make check-links`
 # below).
 ALL_LIBS := $(LIB_CLIENT) $(LIB_CONTROLLER) $(LIB_ROUTER) $(LIB_ENGINE) $(LIB_PEER) $(LIB_KVSHARD) $(LIB_KERNELS) $(LIB_COMMON)
-WORKER_LIBS     := $(LIB_ENGINE) $(LIB_KVSHARD) $(LIB_KERNELS) $(LIB_COMMON)
+WORKER_LIBS     := $(LIB_ENGINE) $(LIB_PEER) $(LIB_KVSHARD) $(LIB_KERNELS) $(LIB_COMMON)
 ROUTER_LIBS     := $(LIB_ROUTER) $(LIB_COMMON)
 CONTROLLER_LIBS := $(LIB_CONTROLLER) $(LIB_COMMON)
 # peer/ (KV page transfer) is the only user of UCX: only what links it gets -lucp -lucs.
@@ -134,7 +134,7 @@ $(BIN)/kvmesh: $(call objs,$(CLI_SRC)) $(LIB_CLIENT) $(LIB_ENGINE) $(LIB_KVSHARD
 
 $(BIN)/kvmesh-worker: $(OBJ)/worker/main.o $(WORKER_LIBS)
 	@mkdir -p $(dir $@)
-	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS) $(UCX_LIBS)
 
 $(BIN)/kvmesh-router: $(OBJ)/router/main.o $(ROUTER_LIBS)
 	@mkdir -p $(dir $@)
@@ -161,7 +161,7 @@ $(eval $(call link_rule,kmcommon,))
 $(eval $(call link_rule,kmkernels,$(LIB_COMMON)))
 $(eval $(call link_rule,kvshard,$(LIB_KERNELS) $(LIB_COMMON)))
 $(eval $(call link_rule,kmpeer,$(LIB_KVSHARD) $(LIB_KERNELS) $(LIB_COMMON),$(UCX_LIBS)))
-$(eval $(call link_rule,kmworker,$(LIB_KVSHARD) $(LIB_KERNELS) $(LIB_COMMON)))
+$(eval $(call link_rule,kmworker,$(LIB_PEER) $(LIB_KVSHARD) $(LIB_KERNELS) $(LIB_COMMON),$(UCX_LIBS)))
 $(eval $(call link_rule,kmrouter,$(LIB_COMMON)))
 $(eval $(call link_rule,kmcontroller,$(LIB_COMMON)))
 $(eval $(call link_rule,kvmesh,$(LIB_COMMON)))

@@ -109,6 +109,7 @@ int wk_engine_create(const wk_model *m, const wk_engine_opts *opts, wk_engine **
         .disk_dir = o.kv_disk_dir,
         .disk_secret = o.kv_disk_secret,
         .disk_bytes = o.kv_disk_bytes,
+        .arena = o.kv_arena,
     };
     if (!kc.hot_bytes)
         kc.hot_bytes = (size_t)4 * 4096 * hp->n_layers * hp->n_head_kv * hp->head_dim * 2 * 2;

@@ -26,6 +26,8 @@ typedef struct wk_args {
     const char *model, *listen, *events, *controller, *admin_host, *worker_id, *kv_format;
     const char *alias, *ports_file, *log_level, *log_format, *kv_disk_dir, *cluster_secret;
     const char *speculate;
+    const char *peer_listen, *peer_advertise, *peer_mode;
+    int64_t peer_lease_ms, peer_pull_ms;
     int64_t threads, admin_port, page_tokens, max_batch, prefill_chunk, max_running, max_queue;
     int64_t decode_prefill, spec_max_draft;
     double spec_factor;
@@ -112,6 +114,23 @@ int main(int argc, char **argv)
         {"chaos", NULL, KM_OPT_BOOL, "false",
          "accept the fault-injection admin command `pressure` (tests, `kvmesh chaos`)", &a.chaos, 0,
          0},
+        {"peer-listen", NULL, KM_OPT_STR, NULL,
+         "KV page transfer: listen for peers on HOST:PORT (port 0 = ephemeral); unset = no "
+         "transfer node (pull hints are ignored)",
+         &a.peer_listen, 0, 0},
+        {"peer-advertise", NULL, KM_OPT_STR, "127.0.0.1",
+         "KV page transfer: the host peers connect to (this worker's address on their network)",
+         &a.peer_advertise, 0, 0},
+        {"peer-mode", NULL, KM_OPT_STR, "am",
+         "KV page transfer: am (active messages, default) or get (one-sided reads; RDMA)",
+         &a.peer_mode, 0, 0},
+        {"peer-lease-ms", NULL, KM_OPT_DURATION, "10s",
+         "KV page transfer: how long pages offered to a peer stay pinned", &a.peer_lease_ms, 1,
+         3600000},
+        {"peer-pull-ms", NULL, KM_OPT_DURATION, "2s",
+         "KV page transfer: a pull's budget when its hint names none (then the pages are "
+         "computed)",
+         &a.peer_pull_ms, 1, 3600000},
         {"ports-file", NULL, KM_OPT_STR, NULL, "write the bound endpoints here once ready",
          &a.ports_file, 0, 0},
         KM_SEC_OPT_ROWS(&a.sec),
@@ -172,7 +191,8 @@ int main(int argc, char **argv)
                          .kv_host_bytes = (size_t)a.kv_host_bytes,
                          .kv_disk_dir = a.kv_disk_dir,
                          .kv_disk_bytes = (size_t)a.kv_disk_bytes,
-                         .kv_disk_secret = a.cluster_secret && *a.cluster_secret ? secret : NULL};
+                         .kv_disk_secret = a.cluster_secret && *a.cluster_secret ? secret : NULL,
+                         .kv_arena = a.peer_listen && a.peer_listen[0]};
     int erc = wk_engine_create(m, &eo, &e, &err);
     explicit_bzero(secret, sizeof secret); /* the store derived its page key at create */
     if (erc) {
@@ -194,6 +214,11 @@ int main(int argc, char **argv)
         .max_frame = (int)(a.max_frame > (1u << 30) ? (1u << 30) : a.max_frame),
         .chaos = a.chaos,
         .sec = sec,
+        .peer_listen = a.peer_listen,
+        .peer_advertise = a.peer_advertise,
+        .peer_mode = a.peer_mode,
+        .peer_lease_ms = (int)a.peer_lease_ms,
+        .peer_pull_ms = (int)a.peer_pull_ms,
         .sched = {.max_running = (int)a.max_running,
                   .max_queue = (int)a.max_queue,
                   .max_batch_tokens = (int)a.max_batch,

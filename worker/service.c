@@ -109,11 +109,18 @@ static void wk_handle_message(wk_service *s, void *sock, const km_zmsg *zm)
         break;
     case KM_MSG_CANCEL: {
         wk_sreq *r = wk_svc_live_find(s, env, n_env, m.cancel.id);
-        if (r) wk_sched_cancel(s->sched, r->rid);
+        if (r)
+            wk_sched_cancel(s->sched, r->rid);
+        else
+            wk_peer_cancel(s, env, n_env, m.cancel.id); /* held for a pull */
         break;
     }
     case KM_MSG_ADMIN:
         wk_svc_handle_admin(s, sock, env, n_env, &m.admin);
+        break;
+    case KM_MSG_KV_PULL:
+    case KM_MSG_KV_PULL_DONE:
+        wk_peer_handle(s, sock, env, n_env, &m);
         break;
     default: {
         char msg[128];
@@ -220,6 +227,7 @@ int wk_service_create(wk_model *m, wk_engine *e, const wk_service_opts *o, wk_se
         km_errf(err, rc, "events: cannot allocate");
         goto fail;
     }
+    if ((rc = wk_peer_create(s, err))) goto fail;
     if (o->controller && o->controller[0]) {
         km_zsock_opts co;
         km_zsock_opts_default(&co);
@@ -254,6 +262,7 @@ void wk_service_destroy(wk_service *s)
     if (s->sched) wk_sched_destroy(s->sched);
     for (int i = 0; i < s->n_live; i++) wk_svc_sreq_free(s->live[i]);
     free(s->live);
+    wk_peer_destroy(s);
     wk_events_destroy(s->ev);
     int linger = 500; /* let the last replies leave */
     if (s->router) zmq_setsockopt(s->router, ZMQ_LINGER, &linger, sizeof linger);
@@ -285,6 +294,7 @@ void wk_service_signal(wk_service *s, int signo)
  * as before (it only helps a process that is not about to exit, but costs nothing). */
 static void wk_finish_drain(wk_service *s)
 {
+    wk_peer_admit_all(s); /* held for a pull: handed back below like every other request */
     int left = wk_sched_pending(s->sched);
     if (left)
         wk_sched_abort_all(s->sched, KM_CODE_UNAVAILABLE,
@@ -337,6 +347,7 @@ int wk_service_run(wk_service *s)
         if (!pending) {
             int64_t to_hb = s->ctl ? (int64_t)(s->next_hb_ns - now) / 1000000 : 100;
             timeout = to_hb < 0 ? 0 : to_hb > 100 ? 100 : (int)to_hb;
+            if (wk_peer_held(s) && timeout > 1) timeout = 1; /* pulls in flight */
         }
         km_zpollitem items[2] = {{.sock = s->router, .events = KM_ZPOLLIN},
                                  {.sock = s->ctl, .events = KM_ZPOLLIN}};
@@ -347,6 +358,7 @@ int wk_service_run(wk_service *s)
             if (n_items > 1 && (items[1].revents & KM_ZPOLLIN)) wk_pump_socket(s, s->ctl, 64);
         }
         if (s->stop_now) break;
+        wk_peer_poll(s);
         if (wk_sched_pending(s->sched)) {
             rc = wk_sched_step(s->sched);
             if (rc > 0)
@@ -358,7 +370,7 @@ int wk_service_run(wk_service *s)
         if (frames) km_counter_add(s->s_events, (uint64_t)frames);
         now = km_now_ns();
         if (wk_svc_state(s) == KM_STATE_DRAINING &&
-            (!wk_sched_pending(s->sched) || now >= s->drain_deadline_ns))
+            (!(wk_sched_pending(s->sched) + wk_peer_held(s)) || now >= s->drain_deadline_ns))
             wk_finish_drain(s);
         if (now >= s->next_gauge_ns) {
             wk_svc_update_gauges(s);
@@ -369,6 +381,7 @@ int wk_service_run(wk_service *s)
             s->next_hb_ns = now + wk_ms_ns(s->o.heartbeat_ms);
         }
     }
+    wk_peer_admit_all(s);
     if (wk_sched_pending(s->sched))
         wk_sched_abort_all(s->sched, KM_CODE_UNAVAILABLE, "worker stopping");
     wk_svc_set_state(s, KM_STATE_STOPPING);

@@ -308,6 +308,7 @@ void wk_svc_heartbeat(wk_service *s)
     if (ss.kv_full) errs[nerr++] = (km_error_count){"kv_full", ss.kv_full};
     hb->errors = errs;
     hb->n_errors = (uint32_t)nerr;
+    wk_peer_heartbeat(s, hb); /* peer_addr, xfer (service_peer.c) */
     km_errbuf err = {{0}};
     if (km_msg_encode(&m, &s->lim, &s->out, &err)) {
         KM_WARN("heartbeat_encode", "msg=\"%s\"", err.msg);

@@ -7,6 +7,8 @@
  *   service_admin.c      admin commands: status (and KV event replay), evict, set_kv_format,
  *                        drain, shutdown, pressure
  *   service_heartbeat.c  what the worker reports: metrics, gauges, heartbeats to the controller
+ *   service_peer.c       KV pages between workers: the transfer node, kv_pull served, requests
+ *                        with a pull hint held while their pages are pulled
  *   events.c             KV events, their replay and snapshots
  *
  * Everything here runs on the service's one thread (the admin HTTP thread reads only the metrics
@@ -21,6 +23,7 @@
 #include <stdatomic.h>
 
 typedef struct wk_events wk_events; /* events.c, below */
+typedef struct wk_peer wk_peer;     /* service_peer.c, below */
 
 enum { WK_ENV_MAX = KM_ZMSG_MAX_PARTS - 1, WK_ENV_BYTES = 1024, WK_LAT_RING = 1024 };
 
@@ -71,6 +74,7 @@ struct wk_service {
     const km_tokenizer *tok;
     wk_sched *sched;
     wk_events *ev;
+    wk_peer *peer; /* NULL: no transfer node (--peer-listen unset) */
     wk_service_opts o;
     char worker_id[KM_PROTO_MAX_NAME + 1];
     char model_name[KM_PROTO_MAX_NAME + 1], model_base[KM_PROTO_MAX_NAME + 1];
@@ -146,8 +150,13 @@ void wk_svc_count_bad(wk_service *s, wk_bad b);
 /* The same for a frame from peer (NULL: the controller): only a member's, or any when insecure,
  * counts in heartbeats. */
 void wk_svc_count_bad_from(wk_service *s, wk_bad b, const km_zpeer *peer);
-/* A `req` from the ROUTER: checked, tokenized when it carries text, and queued. */
+/* A `req` from the ROUTER: checked, tokenized when it carries text, and queued (or held while
+ * its pull hint's pages are pulled: service_peer.c). */
 void wk_svc_handle_request(wk_service *s, const km_zframe *env, int n_env, const km_msg_request *q);
+/* Queues q with its prompt's token ids; arrival_ns is when it arrived (its deadline counts from
+ * there). Answers the sender itself when the scheduler refuses it. */
+void wk_svc_admit(wk_service *s, const km_zframe *env, int n_env, const km_msg_request *q,
+                  const int32_t *toks, int n_tok, uint64_t arrival_ns);
 /* The request in flight with this id from this envelope, or NULL. */
 wk_sreq *wk_svc_live_find(wk_service *s, const km_zframe *env, int n_env, uint64_t id);
 void wk_svc_sreq_free(wk_sreq *r);
@@ -174,6 +183,34 @@ void wk_svc_update_gauges(wk_service *s);
 void wk_svc_heartbeat(wk_service *s);
 /* A request ended (done or error): its latencies into the metrics and the heartbeat's rings. */
 void wk_svc_observe_end(wk_service *s, const wk_sched_usage *u);
+
+/* ---------------------------------------------------------------- service_peer.c
+ *
+ * With a transfer node (docs/transfer.md): kv_pull frames from peers are served (pr_serve, the
+ * offer sent back behind the puller's envelope), and a request with a pull hint is held while
+ * this worker pulls the hinted pages from the holder, then admitted: a pull that fails or
+ * misses its deadline only means those pages are computed. Without one (s->peer NULL) hints
+ * are ignored and kv_pull is refused with an offer of status KM_EUNSUPPORTED. */
+
+int wk_peer_create(wk_service *s, km_errbuf *err);
+/* Held requests get no reply (the service is going away). */
+void wk_peer_destroy(wk_service *s);
+/* kv_pull and kv_pull_done from a peer on the ROUTER. */
+void wk_peer_handle(wk_service *s, void *sock, const km_zframe *env, int n_env, const km_msg *m);
+/* 1 when q is now held for its pull (0: admit it now: no node, nothing to pull, a failure). */
+int wk_peer_park(wk_service *s, const km_zframe *env, int n_env, const km_msg_request *q,
+                 const int32_t *toks, int n_tok, uint64_t now);
+/* The loop's call: answers from holders, offers to send, held requests whose pull ended (or
+ * whose deadline passed) admitted. */
+void wk_peer_poll(wk_service *s);
+/* Requests held for a pull. */
+int wk_peer_held(const wk_service *s);
+/* A cancel for a held request: admitted and canceled (1), or not held here (0). */
+int wk_peer_cancel(wk_service *s, const km_zframe *env, int n_env, uint64_t id);
+/* Every held request admitted now, its pull given up (stop, end of drain). */
+void wk_peer_admit_all(wk_service *s);
+/* The heartbeat's peer_addr and xfer statistics. */
+void wk_peer_heartbeat(wk_service *s, km_msg_heartbeat *hb);
 
 /* ---------------------------------------------------------------- KV events (events.c)
  *

@@ -365,6 +365,14 @@ void wk_svc_handle_request(wk_service *s, const km_zframe *env, int n_env, const
     const int32_t *toks;
     int n_tok;
     if (refused(s, env, n_env, q) || prompt_tokens(s, env, n_env, q, &toks, &n_tok)) return;
+    /* a pull hint: held while its pages are pulled (service_peer.c), admitted after */
+    if (q->pull_from && wk_peer_park(s, env, n_env, q, toks, n_tok, now)) return;
+    wk_svc_admit(s, env, n_env, q, toks, n_tok, now);
+}
+
+void wk_svc_admit(wk_service *s, const km_zframe *env, int n_env, const km_msg_request *q,
+                  const int32_t *toks, int n_tok, uint64_t now)
+{
     wk_sreq *r = sreq_new(s, env, n_env, q, now);
     if (!r) {
         wk_svc_send_error(s, s->router, env, n_env, q->id, KM_CODE_INTERNAL, 0, "out of memory");

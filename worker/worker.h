@@ -82,6 +82,7 @@ typedef struct wk_engine_opts {
      * without a valid MAC is dropped, never served (kv_config.disk_secret). NULL: checksum only. */
     const uint8_t *kv_disk_secret;
     int kv_shards;
+    int kv_arena; /* page memory in one arena (kv_config.arena): needed by a transfer node */
 } wk_engine_opts;
 
 typedef struct wk_engine wk_engine;
@@ -294,6 +295,12 @@ typedef struct wk_service_opts {
      * members, the controller DEALER pins the key "controller"; NULL or insecure: none. Owned by
      * the caller, outlives the service. */
     const km_zsec *sec;
+    /* KV page transfer (docs/transfer.md); the engine's store needs kv_arena */
+    const char *peer_listen;    /* "HOST:PORT" (port 0: ephemeral); NULL/empty: no transfer node */
+    const char *peer_advertise; /* host peers connect to; NULL: 127.0.0.1 */
+    const char *peer_mode;      /* "am" (default) or "get" */
+    int peer_lease_ms;          /* how long offered pages stay pinned; 0: 10000 */
+    int peer_pull_ms;           /* a pull's budget when the hint names none; 0: 2000 */
     wk_sched_opts sched;
 } wk_service_opts;
 

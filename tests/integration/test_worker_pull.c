@@ -1,0 +1,371 @@
+/*
+ * test_worker_pull.c — KV pages pulled between two kvmesh-worker processes (issue 14, phase 2):
+ * worker A computes a prompt; the same prompt sent to worker B with a pull hint naming A is
+ * served from pages B pulled from A over UCX (done.cached_tokens > 0, B's
+ * kvmesh_kv_transfer_bytes_total{direction="in"} grows), and its greedy tokens are those A
+ * computed. A holder that is stopped (SIGSTOP) or killed costs at most the pull's budget: B
+ * computes the prompt itself and the request completes, with the same tokens.
+ *
+ * The test plays the controller (a ROUTER the workers send heartbeats to), which is where it
+ * learns A's transfer node address (hb.peer_addr), as a router would from the view. Workers run
+ * on ephemeral ports with UCX_TLS=tcp; every wait has a deadline. Run from the repository root
+ * after `make build` (make integration); without the default model the tests skip.
+ */
+#include <arpa/inet.h>
+#include <criterion/criterion.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "common/svc.h"
+
+#define MODEL  "models/SmolLM2-135M-Instruct.Q4_1.gguf"
+#define WORKER "build/bin/kvmesh-worker"
+
+typedef struct wproc {
+    pid_t pid;
+    char dir[64], id[32];
+    char req[512];
+    int admin_port;
+} wproc;
+
+static void *g_ctx;
+static pid_t g_pids[4];
+static int g_npids;
+
+static void kill_all(void)
+{
+    for (int i = 0; i < g_npids; i++) {
+        int st;
+        kill(g_pids[i], SIGCONT);
+        if (waitpid(g_pids[i], &st, WNOHANG) == 0) {
+            kill(g_pids[i], SIGKILL);
+            waitpid(g_pids[i], &st, 0);
+        }
+    }
+    g_npids = 0;
+}
+
+TestSuite(worker_pull, .fini = kill_all, .timeout = 300);
+
+static bool have_model(void)
+{
+    if (access(MODEL, R_OK) || access(WORKER, X_OK)) {
+        cr_skip_test("needs %s (make deps) and %s (make build)", MODEL, WORKER);
+        return false;
+    }
+    return true;
+}
+
+static void start_worker(wproc *w, const char *id, const char *controller)
+{
+    memset(w, 0, sizeof *w);
+    snprintf(w->id, sizeof w->id, "%s", id);
+    snprintf(w->dir, sizeof w->dir, "/tmp/kvmesh-pull-XXXXXX");
+    cr_assert(mkdtemp(w->dir));
+    char ports[128], log[128];
+    snprintf(ports, sizeof ports, "%s/ports", w->dir);
+    snprintf(log, sizeof log, "%s/worker.log", w->dir);
+    const char *argv[] = {WORKER,
+                          "--listen",
+                          "tcp://127.0.0.1:*",
+                          "--events",
+                          "",
+                          "--admin-port",
+                          "0",
+                          "--ports-file",
+                          ports,
+                          "--threads",
+                          "1",
+                          "--log-level",
+                          "info",
+                          "--worker-id",
+                          id,
+                          "--controller",
+                          controller,
+                          "--heartbeat",
+                          "100",
+                          "--peer-listen",
+                          "127.0.0.1:0",
+                          NULL};
+    w->pid = fork();
+    cr_assert(w->pid >= 0);
+    if (w->pid > 0 && g_npids < 4) g_pids[g_npids++] = w->pid;
+    if (w->pid == 0) {
+        FILE *f = freopen(log, "w", stderr);
+        (void)f;
+        setenv("UCX_TLS", "tcp", 1);
+        execv(WORKER, (char *const *)argv);
+        _exit(127);
+    }
+    for (int i = 0; i < 1200; i++) {
+        FILE *f = fopen(ports, "r");
+        if (f) {
+            char line[512];
+            while (fgets(line, sizeof line, f)) {
+                line[strcspn(line, "\n")] = 0;
+                if (!strncmp(line, "requests=", 9)) snprintf(w->req, sizeof w->req, "%s", line + 9);
+                if (!strncmp(line, "admin=", 6)) {
+                    const char *c = strrchr(line, ':');
+                    w->admin_port = c ? atoi(c + 1) : 0;
+                }
+            }
+            fclose(f);
+            return;
+        }
+        int st;
+        if (waitpid(w->pid, &st, WNOHANG) == w->pid)
+            cr_assert_fail("worker %s exited at start", id);
+        usleep(50000);
+    }
+    cr_assert_fail("worker %s did not start in 60 s", id);
+}
+
+static void *sock_open(int type, const char *ep, bool bind)
+{
+    void *s = NULL;
+    km_errbuf err = {{0}};
+    if (!g_ctx) g_ctx = km_zctx_create();
+    cr_assert_eq(km_zsock_open(g_ctx, type, NULL, &s, &err), 0, "%s", err.msg);
+    if (bind)
+        cr_assert_eq(km_zsock_bind(s, ep, &err), 0, "%s", err.msg);
+    else
+        cr_assert_eq(km_zsock_connect(s, ep, &err), 0, "%s", err.msg);
+    return s;
+}
+
+/* Reads heartbeats on ctl until worker id has sent one with a transfer address (30 s). */
+static uint32_t peer_addr_of(void *ctl, const char *id, uint8_t *addr, size_t cap)
+{
+    uint64_t t0 = km_now_ns();
+    while (km_now_ns() - t0 < 30000000000ull) {
+        km_zmsg z = {0};
+        if (km_zrecv(ctl, &z, 200, NULL)) {
+            km_zmsg_clear(&z);
+            continue;
+        }
+        const km_zframe *b = km_zmsg_body(&z);
+        km_msg m;
+        uint32_t n = 0;
+        if (b && !km_msg_decode(b->data, b->len, NULL, &m, NULL)) {
+            if (m.type == KM_MSG_HEARTBEAT && !strcmp(m.hb.worker, id) && m.hb.peer_addr &&
+                m.hb.peer_addr_len <= cap) {
+                n = m.hb.peer_addr_len;
+                memcpy(addr, m.hb.peer_addr, n);
+            }
+            km_msg_clear(&m);
+        }
+        km_zmsg_clear(&z);
+        if (n) return n;
+    }
+    cr_assert_fail("no heartbeat with a peer address from %s in 30 s", id);
+    return 0;
+}
+
+typedef struct hint {
+    const char *from, *endpoint;
+    const uint8_t *addr;
+    uint32_t addr_len, pages, ms;
+} hint;
+
+typedef struct result {
+    int32_t tok[64];
+    int n;
+    bool done;
+    int err_code;
+    km_finish finish;
+    uint32_t cached;
+    double total_ms;
+} result;
+
+/* One greedy request on a fresh DEALER to ep; waits for its end (timeout_ms). */
+static result run(const char *ep, uint64_t id, const int32_t *prompt, int n, int max_tokens,
+                  const hint *h, int timeout_ms)
+{
+    void *s = sock_open(KM_ZDEALER, ep, false);
+    km_msg m;
+    km_msg_init(&m, KM_MSG_REQUEST);
+    m.req.id = id;
+    m.req.model = "SmolLM2-135M-Instruct";
+    m.req.tokens = prompt;
+    m.req.n_tokens = (uint32_t)n;
+    m.req.temperature = 0;
+    m.req.max_tokens = (uint32_t)max_tokens;
+    m.req.stream = true;
+    m.req.deadline_ms = 120000;
+    if (h) {
+        m.req.pull_from = h->from;
+        m.req.pull_endpoint = h->endpoint;
+        m.req.pull_addr = h->addr;
+        m.req.pull_addr_len = h->addr_len;
+        m.req.pull_pages = h->pages;
+        m.req.pull_ms = h->ms;
+    }
+    km_buf b = {0};
+    km_errbuf err = {{0}};
+    cr_assert_eq(km_msg_encode(&m, NULL, &b, &err), 0, "%s", err.msg);
+    km_zframe f = {b.data, b.len};
+    cr_assert_eq(km_zsend(s, &f, 1, 0, NULL), 0);
+    km_buf_free(&b);
+    result r = {0};
+    uint64_t t0 = km_now_ns();
+    while (!r.done && !r.err_code && (km_now_ns() - t0) / 1000000 < (uint64_t)timeout_ms) {
+        km_zmsg z = {0};
+        if (km_zrecv(s, &z, 200, NULL)) {
+            km_zmsg_clear(&z);
+            continue;
+        }
+        const km_zframe *body = km_zmsg_body(&z);
+        km_msg a;
+        cr_assert_eq(km_msg_decode(body->data, body->len, NULL, &a, &err), 0, "%s", err.msg);
+        km_zmsg_clear(&z);
+        if (a.type == KM_MSG_TOKEN && r.n < 64) {
+            r.tok[r.n++] = a.tok.token;
+        } else if (a.type == KM_MSG_DONE) {
+            r.done = true;
+            r.finish = a.done.finish;
+            r.cached = a.done.cached_tokens;
+            r.total_ms = a.done.total_ms;
+        } else if (a.type == KM_MSG_ERROR) {
+            r.err_code = a.error.code;
+            cr_log_error("request %llu failed: %d %s", (unsigned long long)id, a.error.code,
+                         a.error.message);
+        }
+        km_msg_clear(&a);
+    }
+    km_zsock_close(s);
+    cr_assert(r.done, "request %llu did not end with done within %d ms (err %d)",
+              (unsigned long long)id, timeout_ms, r.err_code);
+    return r;
+}
+
+/* A counter from the admin port's /metrics (-1 when absent). */
+static double metric(int port, const char *series)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    cr_assert_eq(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+    const char *q = "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+    cr_assert_eq(write(fd, q, strlen(q)), (ssize_t)strlen(q));
+    static char buf[1 << 18];
+    size_t len = 0;
+    ssize_t k;
+    while (len < sizeof buf - 1 && (k = read(fd, buf + len, sizeof buf - 1 - len)) > 0)
+        len += (size_t)k;
+    buf[len] = 0;
+    close(fd);
+    const char *p = buf;
+    size_t sl = strlen(series);
+    while ((p = strstr(p, series))) {
+        if ((p == buf || p[-1] == '\n') && p[sl] == ' ') return atof(p + sl + 1);
+        p += sl;
+    }
+    return -1;
+}
+
+static void make_prompt(int32_t *p, int n, uint64_t seed)
+{
+    for (int i = 0; i < n; i++) {
+        seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+        p[i] = 200 + (int32_t)((seed >> 33) % 40000);
+    }
+}
+
+static void expect_same(const result *a, const result *b, const char *what)
+{
+    cr_assert_eq(a->n, b->n, "%s: %d tokens, reference %d", what, b->n, a->n);
+    for (int i = 0; i < a->n; i++)
+        cr_assert_eq(a->tok[i], b->tok[i], "%s: token %d is %d, reference %d", what, i, b->tok[i],
+                     a->tok[i]);
+}
+
+enum { NP = 200, GEN = 12, PAGES = NP / 16 };
+
+Test(worker_pull, a_prefix_pulled_from_a_peer_is_served_and_equals_computing_it)
+{
+    if (!have_model()) return;
+    void *ctl = sock_open(KM_ZROUTER, "tcp://127.0.0.1:*", true);
+    char ctl_ep[256];
+    km_errbuf err = {{0}};
+    cr_assert_eq(km_zsock_last_endpoint(ctl, ctl_ep, sizeof ctl_ep, &err), 0, "%s", err.msg);
+    wproc a, b;
+    start_worker(&a, "wa", ctl_ep);
+    start_worker(&b, "wb", ctl_ep);
+    static uint8_t addr[KM_PROTO_MAX_PEER_ADDR];
+    uint32_t addr_len = peer_addr_of(ctl, "wa", addr, sizeof addr);
+
+    int32_t prompt[NP];
+    make_prompt(prompt, NP, 42);
+    result ref = run(a.req, 1, prompt, NP, GEN, NULL, 120000);
+    cr_assert_gt(ref.n, 0);
+    cr_assert_eq(ref.cached, 0, "A computed the prompt");
+
+    double in0 = metric(b.admin_port, "kvmesh_kv_transfer_bytes_total{direction=\"in\"}");
+    hint h = {"wa", a.req, addr, addr_len, PAGES, 20000};
+    result got = run(b.req, 2, prompt, NP, GEN, &h, 120000);
+    cr_assert_geq(got.cached, 16 * (PAGES - 1),
+                  "B served %u prompt tokens from cached KV: the pages were not pulled",
+                  got.cached);
+    expect_same(&ref, &got, "pulled prefix");
+    double in1 = metric(b.admin_port, "kvmesh_kv_transfer_bytes_total{direction=\"in\"}");
+    cr_assert_gt(in1, in0, "B counts the pulled bytes (%g -> %g)", in0, in1);
+    cr_assert_gt(metric(b.admin_port, "kvmesh_kv_transfer_pulls_total{outcome=\"ok\"}"), 0);
+    cr_assert_gt(metric(a.admin_port, "kvmesh_kv_transfer_bytes_total{direction=\"out\"}"), 0);
+
+    /* a hint for pages B already holds costs nothing: no second pull */
+    result again = run(b.req, 3, prompt, NP, GEN, &h, 120000);
+    expect_same(&ref, &again, "held prefix");
+    cr_assert_eq(metric(b.admin_port, "kvmesh_kv_transfer_pulls_total{outcome=\"ok\"}"), 1);
+    kill_all();
+    km_zsock_close(ctl);
+}
+
+Test(worker_pull, a_stopped_or_killed_holder_costs_the_budget_and_the_request_recomputes)
+{
+    if (!have_model()) return;
+    void *ctl = sock_open(KM_ZROUTER, "tcp://127.0.0.1:*", true);
+    char ctl_ep[256];
+    km_errbuf err = {{0}};
+    cr_assert_eq(km_zsock_last_endpoint(ctl, ctl_ep, sizeof ctl_ep, &err), 0, "%s", err.msg);
+    wproc a, b;
+    start_worker(&a, "wa", ctl_ep);
+    start_worker(&b, "wb", ctl_ep);
+    static uint8_t addr[KM_PROTO_MAX_PEER_ADDR];
+    uint32_t addr_len = peer_addr_of(ctl, "wa", addr, sizeof addr);
+    int32_t p1[NP], p2[NP];
+    make_prompt(p1, NP, 7);
+    make_prompt(p2, NP, 8);
+    result r1 = run(a.req, 1, p1, NP, GEN, NULL, 120000);
+    result r2 = run(a.req, 2, p2, NP, GEN, NULL, 120000);
+
+    /* stopped: nothing answers; the pull ends at its 1.5 s budget and B computes */
+    cr_assert_eq(kill(a.pid, SIGSTOP), 0);
+    hint h = {"wa", a.req, addr, addr_len, PAGES, 1500};
+    result g1 = run(b.req, 3, p1, NP, GEN, &h, 120000);
+    cr_assert_eq(g1.cached, 0, "nothing could be pulled from a stopped holder");
+    cr_assert_neq(g1.finish, KM_FINISH_DEADLINE);
+    expect_same(&r1, &g1, "recomputed after a stopped holder");
+    double failed = metric(b.admin_port, "kvmesh_kv_transfer_pulls_total{outcome=\"failed\"}");
+    cr_assert_geq(failed, 1);
+    cr_assert_geq(metric(b.admin_port, "kvmesh_kv_transfer_failures_total{reason=\"no_offer\"}"), 1,
+                  "the holder never answered");
+
+    /* killed: the connection is gone; the pull fails (at the latest at its budget) */
+    cr_assert_eq(kill(a.pid, SIGKILL), 0);
+    int st;
+    waitpid(a.pid, &st, 0);
+    result g2 = run(b.req, 4, p2, NP, GEN, &h, 120000);
+    cr_assert_eq(g2.cached, 0);
+    expect_same(&r2, &g2, "recomputed after a killed holder");
+    cr_assert_geq(metric(b.admin_port, "kvmesh_kv_transfer_pulls_total{outcome=\"failed\"}"),
+                  failed + 1);
+    kill_all();
+    km_zsock_close(ctl);
+}

@@ -1,0 +1,736 @@
+/*
+ * service_peer.c — KV pages between workers, the worker's side (service_internal.h; the design
+ * is docs/transfer.md, the frames docs/protocol.md section 17). With --peer-listen the worker
+ * runs one transfer node (peer/peer.h) over its store, created with the page arena:
+ *
+ *  - As a holder: a `kv_pull` on the requests ROUTER pins the pages it holds (pr_serve); the
+ *    `kv_offer` leaves behind the puller's envelope when the node yields it (pr_node_poll, after
+ *    any host-tier promotion); `kv_pull_done` ends the lease.
+ *  - As a puller: a `req` with a pull hint is held, not scheduled. Its prompt's page chain is
+ *    computed exactly as the scheduler will (same seed: model fingerprint, cluster seed,
+ *    cache_salt), the pull starts against the hinted holder (a DEALER to its requests endpoint,
+ *    a node peer to its address, both kept per holder), and `kv_pull` goes out. When the pull
+ *    ends (every page read, a refusal, a failure, or its deadline: the hint's pull_ms, within the
+ *    request's own deadline) it is finished, the pages that passed every check are in the store
+ *    as if computed here, and the request is admitted: the scheduler's prefix lookup finds them.
+ *    A failed pull is a slower request, never a failed one.
+ *
+ * Everything runs on the service's thread, between engine steps; nothing here waits for the
+ * network (the node's own thread moves the bytes). The loop polls at most 1 ms apart while a
+ * request is held, so an offer or a finished pull is acted on without spinning a core.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "peer/peer.h"
+#include "worker/service_internal.h"
+
+enum {
+    WK_PEER_LINKS = 16,   /* holders this worker keeps a connection to */
+    WK_PEER_HELD = 256,   /* requests held for a pull at once */
+    WK_PEER_SERVES = 256, /* kv_pull frames waiting for their offer */
+    WK_PEER_OFFERS = 16,  /* offers taken from the node per poll */
+};
+
+/* A holder: a DEALER to its requests endpoint and a node peer to its transfer address. */
+typedef struct wk_link {
+    char endpoint[KM_PROTO_MAX_NAME + 1];
+    uint8_t addr[KM_PROTO_MAX_PEER_ADDR];
+    uint32_t addr_len;
+    void *sock;
+    pr_peer *peer;
+    uint64_t used_ns;
+    int pulls; /* held requests pulling through it */
+} wk_link;
+
+/* A request held while its pull runs. */
+typedef struct wk_held {
+    uint64_t id, pull_id;
+    wk_link *link;
+    pr_pull *pull;
+    km_buf frame; /* the request without its hint, decoded again when admitted */
+    uint8_t env[WK_ENV_BYTES];
+    size_t env_len[WK_ENV_MAX];
+    int n_env;
+    int32_t *tokens;
+    int n_tokens, n_pages;
+    uint64_t arrival_ns, start_ns, offer_ns, deadline_ns;
+    bool end_now; /* refused or answered with an error: finish at the next poll */
+} wk_held;
+
+/* A kv_pull whose offer the node has not yielded yet. */
+typedef struct wk_serve {
+    uint64_t pull_id, at_ns;
+    uint8_t env[WK_ENV_BYTES];
+    size_t env_len[WK_ENV_MAX];
+    int n_env;
+} wk_serve;
+
+struct wk_peer {
+    pr_node *node;
+    char listen_host[128], advertise_host[128];
+    const uint8_t *addr;
+    size_t addr_len;
+    wk_link links[WK_PEER_LINKS];
+    int n_links;
+    wk_held *held[WK_PEER_HELD];
+    int n_held;
+    wk_serve serves[WK_PEER_SERVES];
+    int n_serves;
+    pr_offer offers[WK_PEER_OFFERS];
+    km_zmsg in;
+    km_buf out;
+    /* measured: EWMA of the pull rate (payload bytes/s after the offer) and of the fixed cost
+     * (request to offer), for the heartbeat and the routers' cost model */
+    double rate_bps, lat_ms;
+    uint64_t pulls_ok, pulls_failed;
+    km_series *s_bytes_in, *s_bytes_out, *s_seconds, *s_pulls[3], *s_fail[PR_DROP_COUNT + 2];
+    uint64_t seen_out; /* bytes_out already counted */
+};
+
+static const char *const wk_pull_outcomes[3] = {"ok", "partial", "failed"};
+
+/* ---------------------------------------------------------------- create / destroy */
+
+static int wk_peer_metrics(wk_service *s, wk_peer *p, km_errbuf *err)
+{
+    km_metric *m;
+    int rc;
+#define PREG(kind, name, help, labels, bounds, nb)                                                 \
+    do {                                                                                           \
+        rc = km_metric_register(s->reg, kind, name, help, labels, bounds, nb, &m, err);            \
+        if (rc) return rc;                                                                         \
+    } while (0)
+    static const double sec_b[] = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                                   0.1,    0.25,  0.5,    1,     2.5,  5,     10};
+    PREG(KM_COUNTER, "kvmesh_kv_transfer_bytes_total",
+         "KV page payload moved between workers, by direction (in: pulled here, out: read from "
+         "here).",
+         "direction", NULL, 0);
+    const char *dir[2] = {"in", "out"};
+    p->s_bytes_in = km_metric_series(m, &dir[0]);
+    p->s_bytes_out = km_metric_series(m, &dir[1]);
+    PREG(KM_HISTOGRAM, "kvmesh_kv_transfer_seconds",
+         "Time a pull held its request: from the pull's start to its end.", NULL, sec_b,
+         (int)(sizeof sec_b / sizeof sec_b[0]));
+    p->s_seconds = km_metric_series(m, NULL);
+    PREG(KM_COUNTER, "kvmesh_kv_transfer_pulls_total",
+         "Pulls this worker made, by outcome (ok: every wanted page, partial: some, failed: "
+         "none).",
+         "outcome", NULL, 0);
+    for (int i = 0; i < 3; i++) p->s_pulls[i] = km_metric_series(m, &wk_pull_outcomes[i]);
+    PREG(KM_COUNTER, "kvmesh_kv_transfer_failures_total",
+         "Pages dropped by a pull, by reason (tokens, chain, format, checksum, transfer, timeout), "
+         "and pulls refused by the holder (refused) or never answered (no_offer).",
+         "reason", NULL, 0);
+    for (int i = 0; i < PR_DROP_COUNT; i++) {
+        const char *r = pr_drop_name((pr_drop)i);
+        p->s_fail[i] = km_metric_series(m, &r);
+    }
+    const char *refused = "refused", *no_offer = "no_offer";
+    p->s_fail[PR_DROP_COUNT] = km_metric_series(m, &refused);
+    p->s_fail[PR_DROP_COUNT + 1] = km_metric_series(m, &no_offer);
+#undef PREG
+    return 0;
+}
+
+/* "HOST:PORT", "HOST" or ":PORT" into the node's listening host and port. */
+static int wk_peer_listen_parse(const char *spec, char *host, size_t cap, int *port)
+{
+    const char *colon = strrchr(spec, ':');
+    size_t hl = colon ? (size_t)(colon - spec) : strlen(spec);
+    if (hl >= cap) return KM_EINVAL;
+    memcpy(host, spec, hl);
+    host[hl] = 0;
+    if (!hl) snprintf(host, cap, "0.0.0.0");
+    *port = 0;
+    if (colon) {
+        char *end;
+        long v = strtol(colon + 1, &end, 10);
+        if (*end || v < 0 || v > 65535) return KM_EINVAL;
+        *port = (int)v;
+    }
+    return 0;
+}
+
+int wk_peer_create(wk_service *s, km_errbuf *err)
+{
+    const wk_service_opts *o = &s->o;
+    if (!o->peer_listen || !o->peer_listen[0]) return 0;
+    wk_peer *p = calloc(1, sizeof *p);
+    if (!p) return km_errf(err, KM_ENOMEM, "peer: out of memory");
+    s->peer = p;
+    int port = 0, rc;
+    if (wk_peer_listen_parse(o->peer_listen, p->listen_host, sizeof p->listen_host, &port))
+        return km_errf(err, KM_EINVAL, "--peer-listen %s: expected HOST:PORT", o->peer_listen);
+    snprintf(p->advertise_host, sizeof p->advertise_host, "%s",
+             o->peer_advertise && o->peer_advertise[0] ? o->peer_advertise : "127.0.0.1");
+    pr_mode mode = PR_MODE_AM;
+    if (o->peer_mode && !strcmp(o->peer_mode, "get"))
+        mode = PR_MODE_GET;
+    else if (o->peer_mode && o->peer_mode[0] && strcmp(o->peer_mode, "am"))
+        return km_errf(err, KM_EINVAL, "--peer-mode %s: expected am or get", o->peer_mode);
+    pr_config pc = {.store = s->kv,
+                    .mode = mode,
+                    .listen_host = p->listen_host,
+                    .listen_port = port,
+                    .advertise_host = p->advertise_host,
+                    .lease_ms = o->peer_lease_ms};
+    if ((rc = pr_node_create(&pc, &p->node, err))) return rc;
+    if ((rc = pr_node_address(p->node, &p->addr, &p->addr_len))) {
+        km_errf(err, rc, "peer: no node address");
+        return rc;
+    }
+    if ((rc = wk_peer_metrics(s, p, err))) return rc;
+    KM_INFO("peer_ready", "worker=%s listen=%s:%d advertise=%s mode=%s addr_bytes=%zu",
+            s->worker_id, p->listen_host, port, p->advertise_host,
+            mode == PR_MODE_GET ? "get" : "am", p->addr_len);
+    return 0;
+}
+
+static void wk_held_free(wk_held *h)
+{
+    if (!h) return;
+    km_buf_free(&h->frame);
+    free(h->tokens);
+    free(h);
+}
+
+static void wk_link_close(wk_peer *p, wk_link *l)
+{
+    if (l->peer) pr_peer_release(p->node, l->peer);
+    l->peer = NULL;
+    km_zsock_close(l->sock);
+    l->sock = NULL;
+}
+
+void wk_peer_destroy(wk_service *s)
+{
+    wk_peer *p = s->peer;
+    if (!p) return;
+    for (int i = 0; i < p->n_held; i++) {
+        if (p->held[i]->pull) pr_pull_finish(p->node, p->held[i]->pull, NULL, NULL);
+        wk_held_free(p->held[i]);
+    }
+    for (int i = 0; i < p->n_links; i++) wk_link_close(p, &p->links[i]);
+    pr_node_destroy(p->node);
+    km_zmsg_clear(&p->in);
+    km_buf_free(&p->out);
+    free(p);
+    s->peer = NULL;
+}
+
+/* ---------------------------------------------------------------- envelopes */
+
+static int wk_env_copy(uint8_t *dst, size_t *lens, const km_zframe *env, int n_env)
+{
+    size_t total = 0;
+    for (int i = 0; i < n_env; i++) total += env[i].len;
+    if (n_env > WK_ENV_MAX || total > WK_ENV_BYTES) return KM_ERANGE;
+    size_t off = 0;
+    for (int i = 0; i < n_env; i++) {
+        memcpy(dst + off, env[i].data, env[i].len);
+        lens[i] = env[i].len;
+        off += env[i].len;
+    }
+    return 0;
+}
+
+static int wk_env_view(const uint8_t *src, const size_t *lens, int n_env, km_zframe *env)
+{
+    size_t off = 0;
+    for (int i = 0; i < n_env; i++) {
+        env[i] = (km_zframe){src + off, lens[i]};
+        off += lens[i];
+    }
+    return n_env;
+}
+
+/* ---------------------------------------------------------------- holder side */
+
+static void wk_peer_send_offer(wk_service *s, const km_zframe *env, int n_env, const pr_offer *o)
+{
+    wk_peer *p = s->peer;
+    km_kv_page_desc *pages = o->n ? calloc((size_t)o->n, sizeof *pages) : NULL;
+    if (o->n && !pages) return; /* the puller's deadline covers it */
+    for (int i = 0; i < o->n; i++) {
+        const pr_page_desc *d = &o->pages[i];
+        pages[i] = (km_kv_page_desc){.index = (uint32_t)d->index,
+                                     .format = (uint32_t)d->format,
+                                     .region = d->region,
+                                     .addr = d->addr,
+                                     .bytes = d->bytes,
+                                     .checksum = d->checksum};
+        km_pagehash_canonical(d->hash, pages[i].hash);
+        km_pagehash_canonical(d->parent, pages[i].parent);
+    }
+    km_msg m;
+    km_msg_init(&m, KM_MSG_KV_OFFER);
+    m.kv_offer = (km_msg_kv_offer){.id = o->pull_id,
+                                   .lease_id = o->n ? o->lease_id : 0,
+                                   .status = o->n ? 0 : (o->status < 0 ? o->status : KM_ENOTFOUND),
+                                   .lease_ms = (uint32_t)(o->lease_ms > 0 ? o->lease_ms : 0),
+                                   .page_tokens = (uint32_t)o->page_tokens,
+                                   .pages = pages,
+                                   .n_pages = (uint32_t)o->n,
+                                   .tokens = o->tokens};
+    km_errbuf err = {{0}};
+    if (km_msg_encode(&m, &s->lim, &p->out, &err))
+        KM_WARN("peer_offer_encode", "pull=%llu msg=\"%s\"", (unsigned long long)o->pull_id,
+                err.msg);
+    else
+        wk_svc_send(s, s->router, env, n_env, &p->out);
+    free(pages);
+}
+
+static void wk_peer_serve(wk_service *s, const km_zframe *env, int n_env, const km_msg_kv_pull *q)
+{
+    wk_peer *p = s->peer;
+    pr_offer refuse = {.pull_id = q->id, .status = KM_EOVERLOAD};
+    if (p->n_serves == WK_PEER_SERVES) {
+        wk_peer_send_offer(s, env, n_env, &refuse);
+        return;
+    }
+    wk_serve *sv = &p->serves[p->n_serves];
+    if (wk_env_copy(sv->env, sv->env_len, env, n_env)) return;
+    km_pagehash *hs = malloc(sizeof *hs * q->n_pages);
+    if (!hs) {
+        refuse.status = KM_ENOMEM;
+        wk_peer_send_offer(s, env, n_env, &refuse);
+        return;
+    }
+    for (uint32_t i = 0; i < q->n_pages; i++) hs[i] = km_pagehash_from_canonical(q->hashes + 16 * i);
+    sv->pull_id = q->id;
+    sv->n_env = n_env;
+    sv->at_ns = km_now_ns();
+    p->n_serves++;
+    pr_pull_req req = {.pull_id = q->id,
+                       .first = (int)q->first,
+                       .n_pages = (int)q->n_pages,
+                       .page_tokens = (int)q->page_tokens,
+                       .hashes = hs,
+                       .tokens = q->tokens};
+    pr_serve(p->node, &req); /* a refusal comes out of pr_node_poll like an offer */
+    free(hs);
+}
+
+void wk_peer_handle(wk_service *s, void *sock, const km_zframe *env, int n_env, const km_msg *m)
+{
+    (void)sock;
+    wk_peer *p = s->peer;
+    if (m->type == KM_MSG_KV_PULL) {
+        if (!p) { /* no node here: a refusal the puller understands */
+            km_msg r;
+            km_msg_init(&r, KM_MSG_KV_OFFER);
+            r.kv_offer.id = m->kv_pull.id;
+            r.kv_offer.status = KM_EUNSUPPORTED;
+            if (!km_msg_encode(&r, &s->lim, &s->out, NULL))
+                wk_svc_send(s, s->router, env, n_env, &s->out);
+            return;
+        }
+        wk_peer_serve(s, env, n_env, &m->kv_pull);
+    } else if (m->type == KM_MSG_KV_PULL_DONE && p) {
+        pr_pull_done d = {.lease_id = m->kv_pull_done.lease_id,
+                          .pages_ok = (int)m->kv_pull_done.pages_ok};
+        pr_serve_done(p->node, &d);
+    }
+}
+
+/* Offers the node has ready go back to their pullers. */
+static void wk_peer_offers_out(wk_service *s)
+{
+    wk_peer *p = s->peer;
+    int n;
+    do {
+        n = pr_node_poll(p->node, p->offers, WK_PEER_OFFERS);
+        for (int i = 0; i < n; i++) {
+            const pr_offer *o = &p->offers[i];
+            for (int k = 0; k < p->n_serves; k++) {
+                wk_serve *sv = &p->serves[k];
+                if (sv->pull_id != o->pull_id) continue;
+                km_zframe env[WK_ENV_MAX];
+                int ne = wk_env_view(sv->env, sv->env_len, sv->n_env, env);
+                wk_peer_send_offer(s, env, ne, o);
+                p->serves[k] = p->serves[--p->n_serves];
+                break;
+            }
+        }
+    } while (n == WK_PEER_OFFERS);
+    /* a serve whose offer never came (cannot happen with a node that answers every pr_serve;
+     * kept bounded anyway) */
+    uint64_t now = km_now_ns();
+    for (int k = 0; k < p->n_serves;)
+        if (now - p->serves[k].at_ns > wk_ms_ns(120000))
+            p->serves[k] = p->serves[--p->n_serves];
+        else
+            k++;
+}
+
+/* ---------------------------------------------------------------- puller side */
+
+/* The link to the holder at endpoint/addr: reused, its peer reconnected when it failed or its
+ * address changed (a restarted holder), or a new one (the least recently used idle one goes
+ * when all are taken). NULL when none can be had. */
+static wk_link *wk_peer_link(wk_service *s, const char *endpoint, const uint8_t *addr,
+                             uint32_t addr_len)
+{
+    wk_peer *p = s->peer;
+    km_errbuf err = {{0}};
+    wk_link *l = NULL;
+    for (int i = 0; i < p->n_links && !l; i++)
+        if (!strcmp(p->links[i].endpoint, endpoint)) l = &p->links[i];
+    if (!l) {
+        if (p->n_links < WK_PEER_LINKS) {
+            l = &p->links[p->n_links++];
+        } else {
+            for (int i = 0; i < p->n_links; i++)
+                if (!p->links[i].pulls && (!l || p->links[i].used_ns < l->used_ns))
+                    l = &p->links[i];
+            if (!l) return NULL;
+            wk_link_close(p, l);
+        }
+        memset(l, 0, sizeof *l);
+        snprintf(l->endpoint, sizeof l->endpoint, "%s", endpoint);
+        km_zsock_opts zo;
+        km_zsock_opts_default(&zo);
+        zo.max_msg_size = (int64_t)s->lim.max_frame + 4096;
+        if (km_zsock_open(s->zctx, KM_ZDEALER, &zo, &l->sock, &err) ||
+            km_zsock_connect(l->sock, endpoint, &err)) {
+            KM_WARN("peer_link", "endpoint=%s msg=\"%s\"", endpoint, err.msg);
+            km_zsock_close(l->sock);
+            l->sock = NULL;
+            l->endpoint[0] = 0;
+            return NULL;
+        }
+    }
+    bool moved = l->addr_len != addr_len || memcmp(l->addr, addr, addr_len);
+    if (l->peer && (moved || pr_peer_failed(l->peer)) && !l->pulls) {
+        pr_peer_release(p->node, l->peer);
+        l->peer = NULL;
+    }
+    if (!l->peer) {
+        if (pr_peer_connect(p->node, addr, addr_len, &l->peer, &err)) {
+            KM_WARN("peer_connect", "endpoint=%s msg=\"%s\"", endpoint, err.msg);
+            l->peer = NULL;
+            return NULL;
+        }
+        memcpy(l->addr, addr, addr_len);
+        l->addr_len = addr_len;
+    } else if (moved || pr_peer_failed(l->peer)) {
+        return NULL; /* its old peer is still in use by another pull */
+    }
+    l->used_ns = km_now_ns();
+    return l;
+}
+
+/* The request q again, without its hint, in h->frame (decoded again when admitted). */
+static int wk_held_keep(wk_service *s, wk_held *h, const km_msg_request *q, const int32_t *toks,
+                        int n_tok)
+{
+    km_msg m;
+    km_msg_init(&m, KM_MSG_REQUEST);
+    m.req = *q;
+    m.req.pull_from = NULL;
+    m.req.prompt = NULL; /* its token ids are kept instead: no second tokenization */
+    m.req.prompt_len = 0;
+    m.req.tokens = toks;
+    m.req.n_tokens = (uint32_t)n_tok;
+    h->tokens = malloc(sizeof *h->tokens * (size_t)n_tok);
+    if (!h->tokens) return KM_ENOMEM;
+    memcpy(h->tokens, toks, sizeof *h->tokens * (size_t)n_tok);
+    h->n_tokens = n_tok;
+    km_proto_limits big = s->lim;
+    big.max_frame = (size_t)-1;
+    big.max_prompt_tok = UINT32_MAX;
+    return km_msg_encode(&m, &big, &h->frame, NULL);
+}
+
+int wk_peer_park(wk_service *s, const km_zframe *env, int n_env, const km_msg_request *q,
+                 const int32_t *toks, int n_tok, uint64_t now)
+{
+    wk_peer *p = s->peer;
+    if (!p || p->n_held == WK_PEER_HELD) return 0;
+    const int pt = kv_store_page_tokens(s->kv);
+    int n_pages = (int)q->pull_pages;
+    if (n_pages > n_tok / pt) n_pages = n_tok / pt;
+    if (n_pages > PR_MAX_PAGES) n_pages = PR_MAX_PAGES;
+    if (n_pages < 1) return 0;
+    wk_link *l = wk_peer_link(s, q->pull_endpoint, q->pull_addr, q->pull_addr_len);
+    if (!l) return 0;
+    wk_held *h = calloc(1, sizeof *h);
+    km_pagehash *hs = malloc(sizeof *hs * (size_t)n_pages);
+    uint8_t *canon = malloc((size_t)n_pages * 16);
+    if (!h || !hs || !canon || wk_env_copy(h->env, h->env_len, env, n_env) ||
+        wk_held_keep(s, h, q, toks, n_tok))
+        goto admit_now;
+    h->n_env = n_env;
+    km_pagehash seed = km_pagehash_seed(s->fp, strlen(s->fp), s->o.sched.cluster_seed,
+                                        q->cache_salt, q->cache_salt ? strlen(q->cache_salt) : 0);
+    km_pagehash_chain(seed, toks, n_pages * pt, pt, hs, n_pages);
+    /* the budget: the hint's, else the worker's default, and never more than half of what is
+     * left of the request's own deadline (the rest is for computing what the pull missed) */
+    uint64_t budget_ms = q->pull_ms ? q->pull_ms : (uint64_t)s->o.peer_pull_ms;
+    if (!budget_ms) budget_ms = 2000;
+    if (q->deadline_ms && budget_ms > q->deadline_ms / 2) budget_ms = q->deadline_ms / 2;
+    h->deadline_ns = now + wk_ms_ns((int64_t)budget_ms);
+    pr_pull_req req;
+    int held = pr_pull_start(p->node, l->peer, hs, toks, n_pages, h->deadline_ns, &h->pull, &req);
+    if (held < 0 || !h->pull) goto admit_now; /* a failure, or every page already here */
+    for (int i = 0; i < req.n_pages; i++) km_pagehash_canonical(req.hashes[i], canon + 16 * i);
+    km_msg m;
+    km_msg_init(&m, KM_MSG_KV_PULL);
+    m.kv_pull = (km_msg_kv_pull){.id = req.pull_id,
+                                 .first = (uint32_t)req.first,
+                                 .n_pages = (uint32_t)req.n_pages,
+                                 .page_tokens = (uint32_t)req.page_tokens,
+                                 .hashes = canon,
+                                 .tokens = req.tokens};
+    km_zframe f;
+    if (km_msg_encode(&m, &s->lim, &p->out, NULL) ||
+        (f = (km_zframe){p->out.data, p->out.len}, km_zsend(l->sock, &f, 1, KM_ZDONTWAIT, NULL))) {
+        pr_pull_finish(p->node, h->pull, NULL, NULL);
+        h->pull = NULL;
+        goto admit_now;
+    }
+    h->id = q->id;
+    h->pull_id = req.pull_id;
+    h->link = l;
+    h->n_pages = n_pages;
+    h->arrival_ns = now;
+    h->start_ns = km_now_ns();
+    l->pulls++;
+    p->held[p->n_held++] = h;
+    KM_DEBUG("pull_start", "id=%llu from=%s pages=%d held_here=%d budget_ms=%llu",
+             (unsigned long long)q->id, q->pull_from, n_pages, held,
+             (unsigned long long)budget_ms);
+    free(hs);
+    free(canon);
+    return 1;
+admit_now:
+    wk_held_free(h);
+    free(hs);
+    free(canon);
+    return 0;
+}
+
+int wk_peer_held(const wk_service *s)
+{
+    return s->peer ? s->peer->n_held : 0;
+}
+
+/* The measured rates: an exponentially weighted mean over recent pulls that brought pages. */
+static void wk_peer_measure(wk_peer *p, const wk_held *h, const pr_pull_result *res, uint64_t now)
+{
+    if (!h->offer_ns || !res->pages_imported || !res->bytes) return;
+    double lat = (double)(h->offer_ns - h->start_ns) / 1e6;
+    double t = (double)(now > h->offer_ns ? now - h->offer_ns : 1) / 1e9;
+    double rate = (double)res->bytes / t;
+    const double a = 0.3;
+    p->rate_bps = p->rate_bps > 0 ? (1 - a) * p->rate_bps + a * rate : rate;
+    p->lat_ms = p->lat_ms > 0 ? (1 - a) * p->lat_ms + a * lat : lat;
+}
+
+/* The pull of held request i has ended (or is given up): finished, the holder told, the request
+ * admitted. */
+static void wk_peer_release(wk_service *s, int i)
+{
+    wk_peer *p = s->peer;
+    wk_held *h = p->held[i];
+    p->held[i] = p->held[--p->n_held];
+    uint64_t now = km_now_ns();
+    pr_pull_result res = {0};
+    pr_pull_done done = {0};
+    if (h->pull) pr_pull_finish(p->node, h->pull, &res, &done);
+    wk_link *l = h->link;
+    l->pulls--;
+    if (done.lease_id && l->sock) {
+        km_msg m;
+        km_msg_init(&m, KM_MSG_KV_PULL_DONE);
+        m.kv_pull_done = (km_msg_kv_pull_done){.lease_id = done.lease_id,
+                                               .pages_ok = (uint32_t)done.pages_ok};
+        if (!km_msg_encode(&m, &s->lim, &p->out, NULL)) {
+            km_zframe f = {p->out.data, p->out.len};
+            km_zsend(l->sock, &f, 1, KM_ZDONTWAIT, NULL);
+        }
+    }
+    int wanted = res.pages_wanted;
+    int outcome = res.pages_imported && res.pages_imported >= wanted ? 0
+                  : res.pages_imported                               ? 1
+                                                                     : 2;
+    if (outcome < 2)
+        p->pulls_ok++;
+    else
+        p->pulls_failed++;
+    km_counter_inc(p->s_pulls[outcome]);
+    km_counter_add(p->s_bytes_in, res.bytes);
+    km_hist_observe(p->s_seconds, (double)(now - h->start_ns) / 1e9);
+    for (int d = 0; d < PR_DROP_COUNT; d++)
+        if (res.dropped[d]) km_counter_add(p->s_fail[d], (uint64_t)res.dropped[d]);
+    if (!h->offer_ns) km_counter_inc(p->s_fail[h->end_now ? PR_DROP_COUNT : PR_DROP_COUNT + 1]);
+    else if (!res.pages_offered) km_counter_inc(p->s_fail[PR_DROP_COUNT]);
+    wk_peer_measure(p, h, &res, now);
+    KM_INFO("pull_done",
+            "id=%llu pages=%d local=%d wanted=%d offered=%d imported=%d bytes=%llu ms=%.1f "
+            "status=%s",
+            (unsigned long long)h->id, h->n_pages, res.pages_local, wanted, res.pages_offered,
+            res.pages_imported, (unsigned long long)res.bytes, (double)(now - h->start_ns) / 1e6,
+            res.status ? km_strerror(res.status) : "ok");
+    if (l->peer && pr_peer_failed(l->peer) && !l->pulls) {
+        pr_peer_release(p->node, l->peer); /* the next pull connects again */
+        l->peer = NULL;
+    }
+    km_msg q;
+    km_zframe env[WK_ENV_MAX];
+    int ne = wk_env_view(h->env, h->env_len, h->n_env, env);
+    km_proto_limits big = s->lim;
+    big.max_frame = (size_t)-1;
+    big.max_prompt_tok = UINT32_MAX;
+    if (km_msg_decode(h->frame.data, h->frame.len, &big, &q, NULL) == 0) {
+        wk_svc_admit(s, env, ne, &q.req, h->tokens, h->n_tokens, h->arrival_ns);
+        km_msg_clear(&q);
+    } else {
+        wk_svc_send_error(s, s->router, env, ne, h->id, KM_CODE_INTERNAL, 0,
+                          "held request lost");
+    }
+    wk_held_free(h);
+}
+
+static wk_held *wk_peer_find(wk_peer *p, const wk_link *l, uint64_t pull_id)
+{
+    for (int i = 0; i < p->n_held; i++)
+        if (p->held[i]->pull_id == pull_id && p->held[i]->link == l) return p->held[i];
+    return NULL;
+}
+
+/* A holder's answer on link l. */
+static void wk_peer_answer(wk_service *s, wk_link *l, const km_zmsg *zm)
+{
+    wk_peer *p = s->peer;
+    const km_zframe *body = km_zmsg_body(zm);
+    if (!body) return;
+    km_msg m;
+    km_errbuf err = {{0}};
+    if (km_msg_decode(body->data, body->len, &s->lim, &m, &err)) {
+        wk_held *h = wk_peer_find(p, l, m.rejected_id);
+        if (h) h->end_now = true;
+        KM_WARN("peer_bad_answer", "endpoint=%s msg=\"%s\"", l->endpoint, err.msg);
+        return;
+    }
+    if (m.type == KM_MSG_KV_OFFER) {
+        const km_msg_kv_offer *o = &m.kv_offer;
+        wk_held *h = wk_peer_find(p, l, o->id);
+        if (h && !h->offer_ns) {
+            h->offer_ns = km_now_ns();
+            pr_page_desc *pd = o->n_pages ? calloc(o->n_pages, sizeof *pd) : NULL;
+            for (uint32_t i = 0; pd && i < o->n_pages; i++) {
+                const km_kv_page_desc *d = &o->pages[i];
+                pd[i] = (pr_page_desc){.index = (int32_t)d->index,
+                                       .format = (int32_t)d->format,
+                                       .hash = km_pagehash_from_canonical(d->hash),
+                                       .parent = km_pagehash_from_canonical(d->parent),
+                                       .region = d->region,
+                                       .addr = d->addr,
+                                       .bytes = d->bytes,
+                                       .checksum = d->checksum};
+            }
+            pr_offer po = {.pull_id = o->id,
+                           .lease_id = o->lease_id,
+                           .status = o->status,
+                           .lease_ms = (int)o->lease_ms,
+                           .n = pd ? (int)o->n_pages : 0,
+                           .page_tokens = (int)o->page_tokens,
+                           .pages = pd,
+                           .tokens = o->tokens};
+            if (!po.n && !po.status) po.status = KM_ENOTFOUND;
+            pr_pull_offer(p->node, h->pull, &po);
+            if (po.status || !po.n) h->end_now = true;
+            free(pd);
+        }
+    } else if (m.type == KM_MSG_ERROR) { /* a worker without page transfer */
+        wk_held *h = wk_peer_find(p, l, m.error.id);
+        if (h) h->end_now = true;
+        for (int i = 0; !h && m.error.id == 0 && i < p->n_held; i++)
+            if (p->held[i]->link == l && !p->held[i]->offer_ns) p->held[i]->end_now = true;
+    }
+    km_msg_clear(&m);
+}
+
+void wk_peer_poll(wk_service *s)
+{
+    wk_peer *p = s->peer;
+    if (!p) return;
+    for (int i = 0; i < p->n_links; i++) {
+        wk_link *l = &p->links[i];
+        for (int k = 0; l->sock && k < 64; k++) {
+            int rc = km_zrecv(l->sock, &p->in, 0, NULL);
+            if (rc == KM_EAGAIN) break;
+            if (rc) continue;
+            wk_peer_answer(s, l, &p->in);
+        }
+    }
+    km_zmsg_clear(&p->in);
+    wk_peer_offers_out(s);
+    pr_stats st;
+    pr_node_stats(p->node, &st);
+    if (st.bytes_out > p->seen_out) {
+        km_counter_add(p->s_bytes_out, st.bytes_out - p->seen_out);
+        p->seen_out = st.bytes_out;
+    }
+    uint64_t now = km_now_ns();
+    for (int i = 0; i < p->n_held;) {
+        wk_held *h = p->held[i];
+        /* a holder whose endpoint failed before it offered anything will not offer */
+        bool dead = !h->offer_ns && h->link->peer && pr_peer_failed(h->link->peer);
+        if (h->end_now || dead || now >= h->deadline_ns || pr_pull_done_yet(p->node, h->pull))
+            wk_peer_release(s, i); /* moves the last one into i */
+        else
+            i++;
+    }
+}
+
+int wk_peer_cancel(wk_service *s, const km_zframe *env, int n_env, uint64_t id)
+{
+    wk_peer *p = s->peer;
+    for (int i = 0; p && i < p->n_held; i++) {
+        wk_held *h = p->held[i];
+        if (h->id != id || h->n_env != n_env) continue;
+        size_t off = 0;
+        int same = 1;
+        for (int j = 0; j < n_env && same; j++) {
+            same = h->env_len[j] == env[j].len && !memcmp(h->env + off, env[j].data, env[j].len);
+            off += h->env_len[j];
+        }
+        if (!same) continue;
+        wk_peer_release(s, i);
+        wk_sreq *r = wk_svc_live_find(s, env, n_env, id);
+        if (r) wk_sched_cancel(s->sched, r->rid);
+        return 1;
+    }
+    return 0;
+}
+
+void wk_peer_admit_all(wk_service *s)
+{
+    while (s->peer && s->peer->n_held) wk_peer_release(s, s->peer->n_held - 1);
+}
+
+void wk_peer_heartbeat(wk_service *s, km_msg_heartbeat *hb)
+{
+    wk_peer *p = s->peer;
+    if (!p) return;
+    pr_stats st;
+    pr_node_stats(p->node, &st);
+    hb->peer_addr = p->addr;
+    hb->peer_addr_len = (uint32_t)p->addr_len;
+    hb->has_xfer = true;
+    hb->xfer = (km_xfer_stats){.bytes_in = st.bytes_in,
+                               .bytes_out = st.bytes_out,
+                               .pages_in = st.pages_in,
+                               .pages_out = st.pages_out,
+                               .pulls_ok = p->pulls_ok,
+                               .pulls_failed = p->pulls_failed,
+                               .offers = st.offers,
+                               .rate_bps = p->rate_bps,
+                               .latency_ms = p->lat_ms};
+}
