@@ -309,8 +309,9 @@ typedef struct km_error_count {
 typedef struct km_xfer_stats {
     uint64_t bytes_in, bytes_out, pages_in, pages_out;
     uint64_t pulls_ok, pulls_failed, offers;
-    double rate_bps;   /* measured pull rate, payload bytes/s (recent pulls); 0 = not measured */
-    double latency_ms; /* measured per-pull fixed cost (request to first page), ms; >= 0 */
+    double rate_bps;     /* measured pull rate, payload bytes/s (recent pulls); 0 = not measured */
+    double latency_ms;   /* measured per-pull fixed cost (request to first page), ms; >= 0 */
+    uint64_t page_bytes; /* bytes of one KV page in the worker's current format */
 } km_xfer_stats;
 
 typedef struct km_msg_heartbeat {
@@ -381,6 +382,7 @@ typedef struct km_view_worker {
     double prefill_tps;   /* measured prefill tokens/s; 0 = unknown */
     double xfer_rate_bps; /* measured pull rate into this worker, bytes/s; 0 = unknown */
     double xfer_lat_ms;   /* measured per-pull fixed cost, ms */
+    uint64_t page_bytes;  /* bytes of one of its KV pages (what a pull from it moves); 0 unknown */
 } km_view_worker;
 
 typedef struct km_msg_view {

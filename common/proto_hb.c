@@ -133,6 +133,7 @@ static void hb_xfer(km_enc *e, const void *arg)
     km_enc_u64(e, "offers", x->offers);
     km_enc_f64(e, "rate_bps", x->rate_bps);
     km_enc_f64(e, "latency_ms", x->latency_ms);
+    km_enc_u64(e, "page_bytes", x->page_bytes);
 }
 
 static void hb_encode(km_enc *e, const km_msg *m)
@@ -295,6 +296,7 @@ static int hb_decode_xfer(km_dec *d, const msgpack_object_map *mp, size_t n0)
     CK(km_dec_uint(d, xm, "offers", false, UINT64_MAX, &x->offers));
     CK(km_dec_num(d, xm, "rate_bps", false, &x->rate_bps));
     CK(km_dec_num(d, xm, "latency_ms", false, &x->latency_ms));
+    CK(km_dec_uint(d, xm, "page_bytes", false, UINT64_MAX, &x->page_bytes));
     km_dec_path_set(d, n0);
     d->m->hb.has_xfer = true;
     return 0;

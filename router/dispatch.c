@@ -96,6 +96,7 @@ static int send_to(rt_router *r, rt_rq *q, int pick, int n_ctx, uint32_t remaini
     msg.req.stream = true;
     msg.req.cache_salt = q->salt;
     msg.req.stop = (const char *const *)q->stop;
+    rt_pull_hint(r, q, &msg.req); /* pull.c: pull the prefix another worker holds */
     if (q->deadline_ns) {
         uint64_t left = (q->deadline_ns - km_now_ns()) / 1000000ull;
         msg.req.deadline_ms = left ? (uint32_t)(left > UINT32_MAX ? UINT32_MAX : left) : 1;
@@ -202,6 +203,7 @@ int rt_dispatch(rt_router *r, rt_rq *q, bool from_queue)
         }
     }
     q->predicted = m.credit[pick];
+    rt_pull_advise(r, q, pick, &m, now);
     return send_to(r, q, pick, n_ctx, remaining, from_queue, now);
 }
 

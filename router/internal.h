@@ -11,6 +11,7 @@
  *   workers.c   one DEALER per worker with its socket monitor (liveness), the KV event stream
  *               and its replay after a gap
  *   view.c      the controller's view, narrowing which workers get new requests
+ *   pull.c      pull or recompute: a pull hint when another worker holds more of the prefix
  *   metrics.c   the Prometheus series
  *   router.c    create/run/destroy and the loop that drains every socket
  *
@@ -79,11 +80,21 @@ struct rt_rq {
     uint32_t draft_tokens, accepted_draft_tokens; /* the finishing worker's done.usage */
     uint64_t t_arrive, t_sent, t_first;
     double worker_queue_ms;
+    /* pull hint (pull.c): holder index + 1 (0: none), its pages and the pull's budget */
+    int pull_w;
+    uint32_t pull_pages, pull_ms;
     /* prefix gating: a request whose prefix is being computed right now by an earlier request
      * on the chosen worker waits for that request's first token (its pages are then cached) */
     rt_rq *owner, *waiters, *wnext;
     bool parked;
 };
+
+/* What the controller's view says about a worker's page transfer (pull.c). */
+typedef struct rt_wk_xfer {
+    uint8_t addr[KM_PROTO_MAX_PEER_ADDR]; /* its transfer node address; addr_len 0: none */
+    uint32_t addr_len;
+    double rate_bps, lat_ms, prefill_tps, page_bytes;
+} rt_wk_xfer;
 
 struct rt_wk {
     rt_router *r;
@@ -114,6 +125,7 @@ struct rt_wk {
     uint32_t level;                      /* the recovery level in effect */
     uint64_t view_migrated;              /* requests migrated away because the view said dead */
     km_series *s_member, *s_level;
+    rt_wk_xfer xfer;
 };
 
 struct rt_router {
@@ -166,6 +178,7 @@ struct rt_router {
     char ctl_url[256], ctl_id[KM_PROTO_MAX_NAME + 1];
     uint64_t view_epoch, view_seq, view_at_ms, n_views, n_bad_views;
     km_series *s_views, *s_bad_views, *s_view_age;
+    km_series *s_pulls[RT_PULL_DECISIONS]; /* kvmesh_router_pulls_total{decision} */
 };
 
 /* ---------------------------------------------------------------- router.c: the loop */
@@ -298,6 +311,17 @@ int rt_register_metrics(rt_router *r, km_errbuf *err);
 int rt_register_worker_metrics(rt_router *r, rt_wk *w, km_errbuf *err);
 /* The per-worker page gauges and the index size, from the prefix index. */
 void rt_update_page_gauges(rt_router *r);
+
+/* ---------------------------------------------------------------- pull.c: pull or recompute */
+
+/* A view's figures for w (its transfer address, measured rates, page size). */
+void rt_pull_view(rt_wk *w, const km_view_worker *vw);
+/* After the pick: does another worker hold more of q's chain, and is pulling it cheaper? Sets
+ * q's hint (or clears it) and counts the decision. */
+void rt_pull_advise(rt_router *r, rt_rq *q, int pick, const rt_match *m, uint64_t now);
+/* q's hint, if any, into the request frame to the chosen worker. */
+void rt_pull_hint(rt_router *r, const rt_rq *q, km_msg_request *out);
+int rt_pull_metrics(rt_router *r, km_errbuf *err);
 
 /* ---------------------------------------------------------------- front.c: HTTP */
 

@@ -142,6 +142,14 @@ int main(int argc, char **argv)
          &c.policy.tie_band, 0, 1e9},
         {"credit-host", NULL, KM_OPT_FLOAT, "0.8", "fraction of a host-RAM page counted cached",
          &c.policy.tier_credit[KM_TIER_HOST], 0, 1},
+        {"pull-margin", NULL, KM_OPT_FLOAT, "0.8",
+         "tell a worker to pull a prefix another holds when pulling costs less than recomputing "
+         "times this (docs/transfer.md)",
+         &c.policy.pull_margin, 0, 10},
+        {"pull-default-rate", NULL, KM_OPT_FLOAT, "0",
+         "pull rate in bytes/s assumed until workers have measured one; 0 = none (recompute "
+         "until measured)",
+         &c.policy.pull_default_bps, 0, 1e12},
         {"credit-disk", NULL, KM_OPT_FLOAT, "0.5", "fraction of a disk page counted cached",
          &c.policy.tier_credit[KM_TIER_DISK], 0, 1},
         {"worker-slots", NULL, KM_OPT_INT, "8", "requests a worker runs at once (cost model)",

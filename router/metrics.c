@@ -81,6 +81,8 @@ int rt_register_metrics(rt_router *r, km_errbuf *err)
         "Seconds since the last controller view (-1: none yet, or no --controller).", NULL, NULL, 0,
         NULL, r->s_view_age);
     km_gauge_set(r->s_view_age, -1);
+    int prc = rt_pull_metrics(r, err); /* kvmesh_router_pulls_total (pull.c) */
+    if (prc) return prc;
     for (int i = 0; i < r->n_w; i++) {
         int rc = rt_register_worker_metrics(r, &r->w[i], err);
         if (rc) return rc;

@@ -53,6 +53,7 @@ void rt_policy_default(rt_policy *p)
     p->tier_credit[KM_TIER_HOST] = 0.8;
     p->tier_credit[KM_TIER_DISK] = 0.5;
     p->tie_band = 16.0;
+    p->pull_margin = 0.8;
 }
 
 static uint64_t mix64(uint64_t z)

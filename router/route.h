@@ -132,4 +132,39 @@ bool rt_member_routable(bool connected, bool view_fresh, bool in_view, km_member
 /* Must the worker's in-flight requests migrate because the view says it is dead? */
 bool rt_member_migrates(bool view_fresh, bool in_view, km_member_state state);
 
+/* ---------------------------------------------------------------- pull or recompute (pull.c)
+ * When another worker holds a longer prefix of the chain than the chosen one, should the chosen
+ * worker pull the difference or compute it? docs/transfer.md has the rule; every figure is
+ * measured by the workers (heartbeats, then the controller's view). */
+
+typedef enum rt_pull_decision {
+    RT_PULL_NONE = -1,      /* nobody that can serve holds more than the chosen worker */
+    RT_PULL_PULL = 0,       /* pulling is cheaper: hint the chosen worker */
+    RT_PULL_RECOMPUTE = 1,  /* computing is cheaper (or pulling not cheaper by the margin) */
+    RT_PULL_UNMEASURED = 2, /* no measured rate, prefill rate or page size: compute */
+    RT_PULL_DECISIONS = 3
+} rt_pull_decision;
+
+extern const char *const rt_pull_decision_names[RT_PULL_DECISIONS];
+
+typedef struct rt_pull_in {
+    int pages;          /* leading pages of the chain it holds (rt_match.pages) */
+    bool serves;        /* may be pulled from: routable, with a transfer node address */
+    double rate_bps;    /* its measured pull rate (bytes/s); 0: not measured */
+    double lat_ms;      /* its measured per-pull latency */
+    double prefill_tps; /* its measured prefill rate (tokens/s); 0: not measured */
+    double page_bytes;  /* bytes of one of its pages; 0: unknown */
+} rt_pull_in;
+
+typedef struct rt_pull_choice {
+    int decision; /* rt_pull_decision */
+    int holder;   /* -1 with RT_PULL_NONE */
+    int pages;    /* the holder's pages (the hint's pull_pages) */
+    double pull_ms, recompute_ms;
+} rt_pull_choice;
+
+/* Decides for candidate pick among c[0..n); returns the decision (also in out). */
+int rt_pull_decide(const rt_policy *pol, const rt_pull_in *c, int n, int pick, int page_tokens,
+                   rt_pull_choice *out);
+
 #endif /* RT_ROUTE_H */

@@ -62,6 +62,9 @@ typedef struct rt_policy {
     double w_queue;                    /* cost of one request waiting at the worker (256) */
     double tier_credit[KM_TIER_COUNT]; /* fraction of a cached page's tokens saved: 1, .8, .5 */
     double tie_band;                   /* costs within this of the best tie (16) */
+    /* pull or recompute (router/pull.c, docs/transfer.md) */
+    double pull_margin;      /* pull when its cost < recompute's x this (0.8) */
+    double pull_default_bps; /* pull rate assumed before any is measured; 0: none (recompute) */
 } rt_policy;
 
 void rt_policy_default(rt_policy *p);

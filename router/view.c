@@ -217,6 +217,7 @@ static void apply_view(rt_router *r, const km_msg_view *v)
             snprintf(w->view_id, sizeof w->view_id, "%s", vw->id);
         }
         set_member(r, w, true, vw->state, vw->level);
+        rt_pull_view(w, vw);
     }
     for (int k = 0; k < r->n_w; k++)
         if (!seen[k]) set_member(r, &r->w[k], false, KM_MEMBER_STARTING, 0);

@@ -300,7 +300,8 @@ static void wk_peer_serve(wk_service *s, const km_zframe *env, int n_env, const 
         wk_peer_send_offer(s, env, n_env, &refuse);
         return;
     }
-    for (uint32_t i = 0; i < q->n_pages; i++) hs[i] = km_pagehash_from_canonical(q->hashes + 16 * i);
+    for (uint32_t i = 0; i < q->n_pages; i++)
+        hs[i] = km_pagehash_from_canonical(q->hashes + 16 * i);
     sv->pull_id = q->id;
     sv->n_env = n_env;
     sv->at_ns = km_now_ns();
@@ -502,8 +503,7 @@ int wk_peer_park(wk_service *s, const km_zframe *env, int n_env, const km_msg_re
     l->pulls++;
     p->held[p->n_held++] = h;
     KM_DEBUG("pull_start", "id=%llu from=%s pages=%d held_here=%d budget_ms=%llu",
-             (unsigned long long)q->id, q->pull_from, n_pages, held,
-             (unsigned long long)budget_ms);
+             (unsigned long long)q->id, q->pull_from, n_pages, held, (unsigned long long)budget_ms);
     free(hs);
     free(canon);
     return 1;
@@ -547,8 +547,8 @@ static void wk_peer_release(wk_service *s, int i)
     if (done.lease_id && l->sock) {
         km_msg m;
         km_msg_init(&m, KM_MSG_KV_PULL_DONE);
-        m.kv_pull_done = (km_msg_kv_pull_done){.lease_id = done.lease_id,
-                                               .pages_ok = (uint32_t)done.pages_ok};
+        m.kv_pull_done =
+            (km_msg_kv_pull_done){.lease_id = done.lease_id, .pages_ok = (uint32_t)done.pages_ok};
         if (!km_msg_encode(&m, &s->lim, &p->out, NULL)) {
             km_zframe f = {p->out.data, p->out.len};
             km_zsend(l->sock, &f, 1, KM_ZDONTWAIT, NULL);
@@ -567,8 +567,10 @@ static void wk_peer_release(wk_service *s, int i)
     km_hist_observe(p->s_seconds, (double)(now - h->start_ns) / 1e9);
     for (int d = 0; d < PR_DROP_COUNT; d++)
         if (res.dropped[d]) km_counter_add(p->s_fail[d], (uint64_t)res.dropped[d]);
-    if (!h->offer_ns) km_counter_inc(p->s_fail[h->end_now ? PR_DROP_COUNT : PR_DROP_COUNT + 1]);
-    else if (!res.pages_offered) km_counter_inc(p->s_fail[PR_DROP_COUNT]);
+    if (!h->offer_ns)
+        km_counter_inc(p->s_fail[h->end_now ? PR_DROP_COUNT : PR_DROP_COUNT + 1]);
+    else if (!res.pages_offered)
+        km_counter_inc(p->s_fail[PR_DROP_COUNT]);
     wk_peer_measure(p, h, &res, now);
     KM_INFO("pull_done",
             "id=%llu pages=%d local=%d wanted=%d offered=%d imported=%d bytes=%llu ms=%.1f "
@@ -590,8 +592,7 @@ static void wk_peer_release(wk_service *s, int i)
         wk_svc_admit(s, env, ne, &q.req, h->tokens, h->n_tokens, h->arrival_ns);
         km_msg_clear(&q);
     } else {
-        wk_svc_send_error(s, s->router, env, ne, h->id, KM_CODE_INTERNAL, 0,
-                          "held request lost");
+        wk_svc_send_error(s, s->router, env, ne, h->id, KM_CODE_INTERNAL, 0, "held request lost");
     }
     wk_held_free(h);
 }
@@ -732,5 +733,6 @@ void wk_peer_heartbeat(wk_service *s, km_msg_heartbeat *hb)
                                .pulls_failed = p->pulls_failed,
                                .offers = st.offers,
                                .rate_bps = p->rate_bps,
-                               .latency_ms = p->lat_ms};
+                               .latency_ms = p->lat_ms,
+                               .page_bytes = kv_store_page_bytes(s->kv)};
 }

@@ -651,6 +651,7 @@ Test(controller_policy, the_view_carries_a_workers_peer_address_and_measured_rat
     f.hb.has_xfer = true;
     f.hb.xfer.rate_bps = 1.25e9;
     f.hb.xfer.latency_ms = 0.5;
+    f.hb.xfer.page_bytes = 368640;
     cr_assert_eq(ctl_policy_heartbeat(pol, &f.hb, 2000, &a), 0);
     cr_assert_gt(ctl_policy_version(pol), before, "a new address changes the view");
     v = view("w0", 2000, NULL);
@@ -659,4 +660,5 @@ Test(controller_policy, the_view_carries_a_workers_peer_address_and_measured_rat
     cr_assert_eq(v.prefill_tps, 900);
     cr_assert_eq(v.xfer_rate_bps, 1.25e9);
     cr_assert_eq(v.xfer_lat_ms, 0.5);
+    cr_assert_eq(v.page_bytes, 368640);
 }

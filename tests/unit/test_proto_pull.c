@@ -281,7 +281,8 @@ Test(proto_pull, heartbeat_and_view_carry_the_peer_address_and_rates)
                                  .pulls_failed = 2,
                                  .offers = 11,
                                  .rate_bps = 1.5e9,
-                                 .latency_ms = 0.75};
+                                 .latency_ms = 0.75,
+                                 .page_bytes = 368640};
     roundtrip(&in, &out);
     cr_assert_eq(out.hb.peer_addr_len, sizeof addr);
     cr_assert_eq(memcmp(out.hb.peer_addr, addr, sizeof addr), 0);
@@ -297,7 +298,8 @@ Test(proto_pull, heartbeat_and_view_carry_the_peer_address_and_rates)
                         .peer_addr_len = sizeof addr,
                         .prefill_tps = 812.5,
                         .xfer_rate_bps = 2.5e9,
-                        .xfer_lat_ms = 0.4};
+                        .xfer_lat_ms = 0.4,
+                        .page_bytes = 207360};
     km_msg_init(&in, KM_MSG_VIEW);
     in.view.controller = "c";
     in.view.workers = &w;
@@ -309,6 +311,7 @@ Test(proto_pull, heartbeat_and_view_carry_the_peer_address_and_rates)
     cr_assert_eq(o->prefill_tps, 812.5);
     cr_assert_eq(o->xfer_rate_bps, 2.5e9);
     cr_assert_eq(o->xfer_lat_ms, 0.4);
+    cr_assert_eq(o->page_bytes, 207360);
     km_msg_clear(&out);
     w.peer_addr_len = KM_PROTO_MAX_PEER_ADDR + 1;
     expect_encode_fail(&in, "view.workers[0].peer_addr");

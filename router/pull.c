@@ -1,0 +1,141 @@
+/*
+ * pull.c — pull or recompute (docs/transfer.md, "Router"): when a worker other than the chosen
+ * one holds a longer prefix of the request's chain, the chosen worker may pull those pages over
+ * UCX instead of computing them. The rule compares two measured costs:
+ *
+ *   pull_ms      = lat_xfer + p · B / r_xfer            (p pages, B bytes each in the holder's
+ *   recompute_ms = p · page_tokens / r_prefill(chosen)   format)
+ *
+ * and pulls when pull_ms < recompute_ms · margin (0.8: room for the control round trip and
+ * contention). Every figure is measured by the workers and reaches the router in the
+ * controller's view: r_xfer and lat_xfer are the chosen worker's own pull rate and latency (or,
+ * before it has pulled, the mean over the workers that have), r_prefill its prefill rate while
+ * busy, B the holder's page size. Without measured figures the router does not guess: it
+ * recomputes (`unmeasured`), unless --pull-default-rate gives r_xfer a starting value. The hint
+ * carries recompute_ms as the pull's budget, so a pull slower than computing is abandoned.
+ *
+ * rt_pull_decide is plain data in, decision out (tests/unit/test_router_pull.c); the rest reads
+ * the router's workers and writes the request's hint.
+ */
+#include <string.h>
+
+#include "router/internal.h"
+
+const char *const rt_pull_decision_names[RT_PULL_DECISIONS] = {"pull", "recompute", "unmeasured"};
+
+int rt_pull_decide(const rt_policy *pol, const rt_pull_in *c, int n, int pick, int page_tokens,
+                   rt_pull_choice *out)
+{
+    memset(out, 0, sizeof *out);
+    out->holder = -1;
+    if (pick < 0 || pick >= n || page_tokens < 1) return RT_PULL_NONE;
+    int h = -1;
+    for (int i = 0; i < n; i++)
+        if (i != pick && c[i].serves && c[i].pages > c[pick].pages &&
+            (h < 0 || c[i].pages > c[h].pages))
+            h = i;
+    if (h < 0) return RT_PULL_NONE;
+    out->holder = h;
+    out->pages = c[h].pages;
+    int p = c[h].pages - c[pick].pages;
+    double rate = c[pick].rate_bps, lat = c[pick].lat_ms;
+    if (rate <= 0) { /* not measured here yet: the cluster's mean */
+        double sum = 0, lsum = 0;
+        int k = 0;
+        for (int i = 0; i < n; i++)
+            if (c[i].rate_bps > 0) {
+                sum += c[i].rate_bps;
+                lsum += c[i].lat_ms;
+                k++;
+            }
+        if (k) {
+            rate = sum / k;
+            lat = lsum / k;
+        } else {
+            rate = pol->pull_default_bps;
+            lat = 0;
+        }
+    }
+    double prefill = c[pick].prefill_tps, bytes = c[h].page_bytes;
+    if (rate <= 0 || prefill <= 0 || bytes <= 0) return out->decision = RT_PULL_UNMEASURED;
+    out->pull_ms = lat + p * bytes / rate * 1000.0;
+    out->recompute_ms = p * (double)page_tokens / prefill * 1000.0;
+    double margin = pol->pull_margin > 0 ? pol->pull_margin : 0.8;
+    return out->decision =
+               out->pull_ms < out->recompute_ms * margin ? RT_PULL_PULL : RT_PULL_RECOMPUTE;
+}
+
+/* ---------------------------------------------------------------- the daemon's side */
+
+void rt_pull_view(rt_wk *w, const km_view_worker *vw)
+{
+    rt_wk_xfer *x = &w->xfer;
+    x->addr_len = vw->peer_addr && vw->peer_addr_len <= sizeof x->addr ? vw->peer_addr_len : 0;
+    if (x->addr_len) memcpy(x->addr, vw->peer_addr, x->addr_len);
+    x->rate_bps = vw->xfer_rate_bps;
+    x->lat_ms = vw->xfer_lat_ms;
+    x->page_bytes = (double)vw->page_bytes;
+    /* prefill_tps is what the worker computed over its last interval (0 when idle): keep a mean
+     * of the busy intervals, which is what a request landing there will get */
+    if (vw->prefill_tps > 0)
+        x->prefill_tps =
+            x->prefill_tps > 0 ? 0.7 * x->prefill_tps + 0.3 * vw->prefill_tps : vw->prefill_tps;
+}
+
+void rt_pull_advise(rt_router *r, rt_rq *q, int pick, const rt_match *m, uint64_t now)
+{
+    q->pull_w = 0;
+    if (r->c.policy.mode != RT_MODE_KV || pick < 0 || !r->w[pick].xfer.addr_len) return;
+    rt_pull_in in[RT_MAX_WORKERS];
+    for (int i = 0; i < r->n_w; i++) {
+        rt_wk *w = &r->w[i];
+        in[i] = (rt_pull_in){.pages = m->pages[i],
+                             .serves = w->xfer.addr_len > 0 && rt_wk_routable(r, w, now),
+                             .rate_bps = w->xfer.rate_bps,
+                             .lat_ms = w->xfer.lat_ms,
+                             .prefill_tps = w->xfer.prefill_tps,
+                             .page_bytes = w->xfer.page_bytes};
+    }
+    rt_pull_choice ch;
+    int d = rt_pull_decide(&r->c.policy, in, r->n_w, pick, r->c.page_tokens, &ch);
+    if (d == RT_PULL_NONE) return;
+    km_counter_inc(r->s_pulls[d]);
+    KM_DEBUG("pull_choice",
+             "rid=%llu worker=%s holder=%s pages=%d/%d decision=%s pull_ms=%.1f "
+             "recompute_ms=%.1f",
+             (unsigned long long)q->rid, r->w[pick].id, r->w[ch.holder].id, m->pages[pick],
+             ch.pages, rt_pull_decision_names[d], ch.pull_ms, ch.recompute_ms);
+    if (d != RT_PULL_PULL) return;
+    q->pull_w = ch.holder + 1;
+    q->pull_pages = (uint32_t)ch.pages;
+    double budget = ch.recompute_ms < 1 ? 1 : ch.recompute_ms > 60000 ? 60000 : ch.recompute_ms;
+    q->pull_ms = (uint32_t)budget;
+}
+
+void rt_pull_hint(rt_router *r, const rt_rq *q, km_msg_request *out)
+{
+    if (q->pull_w < 1 || q->pull_w > r->n_w) return;
+    const rt_wk *h = &r->w[q->pull_w - 1];
+    if (!h->xfer.addr_len) return;
+    out->pull_from = h->view_id[0] ? h->view_id : h->id;
+    out->pull_endpoint = h->req_url;
+    out->pull_addr = h->xfer.addr;
+    out->pull_addr_len = h->xfer.addr_len;
+    out->pull_pages = q->pull_pages;
+    out->pull_ms = q->pull_ms;
+}
+
+int rt_pull_metrics(rt_router *r, km_errbuf *err)
+{
+    km_metric *m;
+    int rc = km_metric_register(r->metrics, KM_COUNTER, "kvmesh_router_pulls_total",
+                                "Requests for which another worker held a longer prefix than the "
+                                "chosen one, by decision: pull (the chosen worker was told to "
+                                "pull it), recompute (pulling measured slower), unmeasured (no "
+                                "measured rates yet: recompute).",
+                                "decision", NULL, 0, &m, err);
+    if (rc) return rc;
+    for (int d = 0; d < RT_PULL_DECISIONS; d++)
+        r->s_pulls[d] = km_metric_series(m, &rt_pull_decision_names[d]);
+    return 0;
+}

@@ -1,0 +1,110 @@
+/*
+ * test_router_pull.c — the router's pull-or-recompute rule (router/pull.c, docs/transfer.md):
+ * with every figure measured it pulls exactly when pull_ms < recompute_ms x margin, the holder
+ * is the one with the longest prefix that can serve, a worker without measured figures is never
+ * told to pull (unless a default rate is configured), and a chosen worker that holds the most
+ * already gets no hint.
+ */
+#include <criterion/criterion.h>
+#include <string.h>
+
+#include "router/route.h"
+
+static rt_policy pol;
+
+static void setup(void)
+{
+    rt_policy_default(&pol);
+}
+
+TestSuite(router_pull, .init = setup);
+
+/* A 368,640-byte f16 page of the default model, 16 tokens a page. */
+#define PB 368640.0
+#define PT 16
+
+static rt_pull_in measured(int pages)
+{
+    return (rt_pull_in){.pages = pages,
+                        .serves = true,
+                        .rate_bps = 1e9, /* 1 GB/s: 0.37 ms a page */
+                        .lat_ms = 2,
+                        .prefill_tps = 1000, /* 16 ms a page */
+                        .page_bytes = PB};
+}
+
+Test(router_pull, pulls_a_longer_prefix_when_pulling_is_cheaper)
+{
+    rt_pull_in c[3] = {measured(0), measured(100), measured(40)};
+    rt_pull_choice ch;
+    cr_assert_eq(rt_pull_decide(&pol, c, 3, 0, PT, &ch), RT_PULL_PULL);
+    cr_assert_eq(ch.holder, 1, "the longest prefix");
+    cr_assert_eq(ch.pages, 100);
+    cr_assert_float_eq(ch.pull_ms, 2 + 100 * PB / 1e9 * 1000, 1e-9);
+    cr_assert_float_eq(ch.recompute_ms, 100 * 16 / 1000.0 * 1000, 1e-9);
+}
+
+Test(router_pull, recomputes_when_the_transfer_is_slower_than_the_margin_allows)
+{
+    rt_pull_in c[2] = {measured(0), measured(10)};
+    /* pull: 2 + 10 x 0.36864 / r ... make the rate such that pull = 0.9 x recompute */
+    double recompute = 10 * 16 / 1000.0 * 1000; /* 160 ms */
+    c[0].lat_ms = 0;
+    c[0].rate_bps = 10 * PB / (0.9 * recompute / 1000);
+    rt_pull_choice ch;
+    cr_assert_eq(rt_pull_decide(&pol, c, 2, 0, PT, &ch), RT_PULL_RECOMPUTE, "0.9 > margin 0.8");
+    c[0].rate_bps = 10 * PB / (0.7 * recompute / 1000);
+    cr_assert_eq(rt_pull_decide(&pol, c, 2, 0, PT, &ch), RT_PULL_PULL, "0.7 < margin 0.8");
+    pol.pull_margin = 0.5;
+    cr_assert_eq(rt_pull_decide(&pol, c, 2, 0, PT, &ch), RT_PULL_RECOMPUTE, "margin 0.5");
+}
+
+Test(router_pull, nothing_to_decide_when_the_chosen_worker_holds_the_most)
+{
+    rt_pull_in c[3] = {measured(50), measured(50), measured(20)};
+    rt_pull_choice ch;
+    cr_assert_eq(rt_pull_decide(&pol, c, 3, 0, PT, &ch), RT_PULL_NONE);
+    cr_assert_eq(ch.holder, -1);
+}
+
+Test(router_pull, a_holder_that_cannot_serve_is_passed_over)
+{
+    rt_pull_in c[3] = {measured(0), measured(100), measured(30)};
+    c[1].serves = false; /* draining, or no transfer node */
+    rt_pull_choice ch;
+    cr_assert_eq(rt_pull_decide(&pol, c, 3, 0, PT, &ch), RT_PULL_PULL);
+    cr_assert_eq(ch.holder, 2);
+    c[2].serves = false;
+    cr_assert_eq(rt_pull_decide(&pol, c, 3, 0, PT, &ch), RT_PULL_NONE);
+}
+
+Test(router_pull, no_measured_figures_means_recompute_unless_a_default_rate_is_set)
+{
+    rt_pull_in c[2] = {measured(0), measured(100)};
+    c[0].rate_bps = c[1].rate_bps = 0; /* nobody has pulled yet */
+    rt_pull_choice ch;
+    cr_assert_eq(rt_pull_decide(&pol, c, 2, 0, PT, &ch), RT_PULL_UNMEASURED);
+    pol.pull_default_bps = 1e9;
+    cr_assert_eq(rt_pull_decide(&pol, c, 2, 0, PT, &ch), RT_PULL_PULL);
+    pol.pull_default_bps = 0;
+    c[1].rate_bps = 1e9; /* another worker has measured one: the cluster's figure */
+    cr_assert_eq(rt_pull_decide(&pol, c, 2, 0, PT, &ch), RT_PULL_PULL);
+    c[0].prefill_tps = 0; /* the chosen worker's prefill rate is unknown */
+    cr_assert_eq(rt_pull_decide(&pol, c, 2, 0, PT, &ch), RT_PULL_UNMEASURED);
+    c[0].prefill_tps = 1000;
+    c[1].page_bytes = 0; /* the holder's page size is unknown */
+    cr_assert_eq(rt_pull_decide(&pol, c, 2, 0, PT, &ch), RT_PULL_UNMEASURED);
+}
+
+Test(router_pull, smaller_pages_make_pulling_cheaper)
+{
+    /* f16 pages too slow to pull, fp8 pages (0.5625 x) fast enough */
+    rt_pull_in c[2] = {measured(0), measured(10)};
+    double recompute = 160;
+    c[0].lat_ms = 0;
+    c[0].rate_bps = 10 * PB / (0.95 * recompute / 1000);
+    rt_pull_choice ch;
+    cr_assert_eq(rt_pull_decide(&pol, c, 2, 0, PT, &ch), RT_PULL_RECOMPUTE);
+    c[1].page_bytes = PB * 0.5625;
+    cr_assert_eq(rt_pull_decide(&pol, c, 2, 0, PT, &ch), RT_PULL_PULL);
+}
