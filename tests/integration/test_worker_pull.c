@@ -15,6 +15,7 @@
 #include <criterion/criterion.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -39,6 +40,58 @@ static void *g_ctx;
 static pid_t g_pids[4];
 static int g_npids;
 
+/* A network namespace joined to this one by a veth pair (host side hip, namespace side nip). */
+typedef struct netns {
+    char ns[32], vh[16], vn[16], hip[24], nip[24];
+    bool made;
+} netns;
+static netns g_ns;
+
+static int sh(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static int sh(const char *fmt, ...)
+{
+    char cmd[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(cmd, sizeof cmd, fmt, ap);
+    va_end(ap);
+    int rc = system(cmd);
+    return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+}
+
+static void netns_cleanup(void)
+{
+    if (!g_ns.made) return;
+    sh("ip link del %s 2>/dev/null", g_ns.vh);
+    sh("ip netns del %s 2>/dev/null", g_ns.ns);
+    g_ns.made = false;
+}
+
+/* False (and the test skipped) where `ip netns` is not permitted. */
+static bool netns_setup(netns *n)
+{
+    int id = getpid();
+    snprintf(n->ns, sizeof n->ns, "kvmesh-pull-%d", id);
+    snprintf(n->vh, sizeof n->vh, "kvp%dh", id % 10000000);
+    snprintf(n->vn, sizeof n->vn, "kvp%dn", id % 10000000);
+    int a = 200 + id % 50, b = (id / 50) % 256, c = 4 * ((id / 12800) % 64);
+    snprintf(n->hip, sizeof n->hip, "10.%d.%d.%d", a, b, c + 1);
+    snprintf(n->nip, sizeof n->nip, "10.%d.%d.%d", a, b, c + 2);
+    if (sh("ip netns add %s 2>/dev/null", n->ns)) {
+        cr_skip_test("`ip netns add` is not permitted here (needs root or CAP_SYS_ADMIN)");
+        return false;
+    }
+    n->made = true;
+    cr_assert_eq(sh("ip link add %s type veth peer name %s", n->vh, n->vn), 0);
+    cr_assert_eq(sh("ip link set %s netns %s", n->vn, n->ns), 0);
+    cr_assert_eq(sh("ip addr add %s/30 dev %s && ip link set %s up", n->hip, n->vh, n->vh), 0);
+    cr_assert_eq(sh("ip netns exec %s sh -c 'ip addr add %s/30 dev %s && ip link set %s up && "
+                    "ip link set lo up'",
+                    n->ns, n->nip, n->vn, n->vn),
+                 0);
+    return true;
+}
+
 static void kill_all(void)
 {
     for (int i = 0; i < g_npids; i++) {
@@ -50,6 +103,7 @@ static void kill_all(void)
         }
     }
     g_npids = 0;
+    netns_cleanup();
 }
 
 TestSuite(worker_pull, .fini = kill_all, .timeout = 300);
@@ -63,7 +117,10 @@ static bool have_model(void)
     return true;
 }
 
-static void start_worker(wproc *w, const char *id, const char *controller)
+/* A worker on host (its requests endpoint, transfer node and advertised address), inside network
+ * namespace ns when ns is not NULL. */
+static void start_worker_on(wproc *w, const char *id, const char *controller, const char *ns,
+                            const char *host)
 {
     memset(w, 0, sizeof *w);
     snprintf(w->id, sizeof w->id, "%s", id);
@@ -72,28 +129,24 @@ static void start_worker(wproc *w, const char *id, const char *controller)
     char ports[128], log[128];
     snprintf(ports, sizeof ports, "%s/ports", w->dir);
     snprintf(log, sizeof log, "%s/worker.log", w->dir);
-    const char *argv[] = {WORKER,
-                          "--listen",
-                          "tcp://127.0.0.1:*",
-                          "--events",
-                          "",
-                          "--admin-port",
-                          "0",
-                          "--ports-file",
-                          ports,
-                          "--threads",
-                          "1",
-                          "--log-level",
-                          "info",
-                          "--worker-id",
-                          id,
-                          "--controller",
-                          controller,
-                          "--heartbeat",
-                          "100",
-                          "--peer-listen",
-                          "127.0.0.1:0",
-                          NULL};
+    char listen[96], peer[96];
+    snprintf(listen, sizeof listen, "tcp://%s:*", host);
+    snprintf(peer, sizeof peer, "%s:0", host);
+    const char *argv[] = {"ip",       "netns",
+                          "exec",     ns ? ns : "",
+                          WORKER,     "--listen",
+                          listen,     "--events",
+                          "",         "--admin-port",
+                          "0",        "--ports-file",
+                          ports,      "--threads",
+                          "1",        "--log-level",
+                          "info",     "--worker-id",
+                          id,         "--controller",
+                          controller, "--heartbeat",
+                          "100",      "--peer-listen",
+                          peer,       "--peer-advertise",
+                          host,       NULL};
+    const char *const *args = ns ? argv : argv + 4; /* ip netns exec NS, or the worker alone */
     w->pid = fork();
     cr_assert(w->pid >= 0);
     if (w->pid > 0 && g_npids < 4) g_pids[g_npids++] = w->pid;
@@ -101,7 +154,7 @@ static void start_worker(wproc *w, const char *id, const char *controller)
         FILE *f = freopen(log, "w", stderr);
         (void)f;
         setenv("UCX_TLS", "tcp", 1);
-        execv(WORKER, (char *const *)argv);
+        execvp(args[0], (char *const *)args);
         _exit(127);
     }
     for (int i = 0; i < 1200; i++) {
@@ -125,6 +178,11 @@ static void start_worker(wproc *w, const char *id, const char *controller)
         usleep(50000);
     }
     cr_assert_fail("worker %s did not start in 60 s", id);
+}
+
+static void start_worker(wproc *w, const char *id, const char *controller)
+{
+    start_worker_on(w, id, controller, NULL, "127.0.0.1");
 }
 
 static void *sock_open(int type, const char *ep, bool bind)
@@ -185,8 +243,9 @@ typedef struct result {
 } result;
 
 /* One greedy request on a fresh DEALER to ep; waits for its end (timeout_ms). */
-static result run(const char *ep, uint64_t id, const int32_t *prompt, int n, int max_tokens,
-                  const hint *h, int timeout_ms)
+/* Sends one greedy request on a fresh DEALER to ep; returns the socket its answers come on. */
+static void *submit(const char *ep, uint64_t id, const int32_t *prompt, int n, int max_tokens,
+                    const hint *h)
 {
     void *s = sock_open(KM_ZDEALER, ep, false);
     km_msg m;
@@ -213,6 +272,13 @@ static result run(const char *ep, uint64_t id, const int32_t *prompt, int n, int
     km_zframe f = {b.data, b.len};
     cr_assert_eq(km_zsend(s, &f, 1, 0, NULL), 0);
     km_buf_free(&b);
+    return s;
+}
+
+/* The answers to request id on s until its end (timeout_ms); closes s. */
+static result collect(void *s, uint64_t id, int timeout_ms)
+{
+    km_errbuf err = {{0}};
     result r = {0};
     uint64_t t0 = km_now_ns();
     while (!r.done && !r.err_code && (km_now_ns() - t0) / 1000000 < (uint64_t)timeout_ms) {
@@ -243,6 +309,12 @@ static result run(const char *ep, uint64_t id, const int32_t *prompt, int n, int
     cr_assert(r.done, "request %llu did not end with done within %d ms (err %d)",
               (unsigned long long)id, timeout_ms, r.err_code);
     return r;
+}
+
+static result run(const char *ep, uint64_t id, const int32_t *prompt, int n, int max_tokens,
+                  const hint *h, int timeout_ms)
+{
+    return collect(submit(ep, id, prompt, n, max_tokens, h), id, timeout_ms);
 }
 
 /* A counter from the admin port's /metrics (-1 when absent). */
@@ -366,6 +438,60 @@ Test(worker_pull, a_stopped_or_killed_holder_costs_the_budget_and_the_request_re
     expect_same(&r2, &g2, "recomputed after a killed holder");
     cr_assert_geq(metric(b.admin_port, "kvmesh_kv_transfer_pulls_total{outcome=\"failed\"}"),
                   failed + 1);
+    kill_all();
+    km_zsock_close(ctl);
+}
+
+/* Across network namespaces (issue 14, "across hosts"): the holder runs in its own namespace,
+ * joined to the puller's by a veth pair, both advertising their veth address, UCX on TCP: the
+ * page bytes cross the veth. Then the link goes down (a partition: the pull costs its budget and
+ * the request recomputes), comes back, and a holder killed while a pull may be running costs at
+ * most the budget too. */
+Test(worker_pull, pages_cross_network_namespaces_and_partitions_or_kills_only_cost_the_budget)
+{
+    if (!have_model()) return;
+    if (!netns_setup(&g_ns)) return;
+    char ctl_url[96];
+    snprintf(ctl_url, sizeof ctl_url, "tcp://%s:*", g_ns.hip);
+    void *ctl = sock_open(KM_ZROUTER, ctl_url, true);
+    char ctl_ep[256];
+    km_errbuf err = {{0}};
+    cr_assert_eq(km_zsock_last_endpoint(ctl, ctl_ep, sizeof ctl_ep, &err), 0, "%s", err.msg);
+    wproc a, b;
+    start_worker_on(&a, "wa", ctl_ep, g_ns.ns, g_ns.nip);
+    start_worker_on(&b, "wb", ctl_ep, NULL, g_ns.hip);
+    static uint8_t addr[KM_PROTO_MAX_PEER_ADDR];
+    uint32_t addr_len = peer_addr_of(ctl, "wa", addr, sizeof addr);
+    int32_t p1[NP], p2[NP], p3[NP];
+    make_prompt(p1, NP, 21);
+    make_prompt(p2, NP, 22);
+    make_prompt(p3, NP, 23);
+    result r1 = run(a.req, 1, p1, NP, GEN, NULL, 120000);
+    result r2 = run(a.req, 2, p2, NP, GEN, NULL, 120000);
+    result r3 = run(a.req, 3, p3, NP, GEN, NULL, 120000);
+
+    hint h = {"wa", a.req, addr, addr_len, PAGES, 20000};
+    result g1 = run(b.req, 4, p1, NP, GEN, &h, 120000);
+    cr_assert_geq(g1.cached, 16 * (PAGES - 1), "B pulled across the namespaces (cached %u)",
+                  g1.cached);
+    expect_same(&r1, &g1, "pulled across namespaces");
+    cr_assert_gt(metric(b.admin_port, "kvmesh_kv_transfer_bytes_total{direction=\"in\"}"), 0);
+
+    /* partition: nothing crosses the veth; the pull ends at its budget, B computes */
+    cr_assert_eq(sh("ip link set %s down", g_ns.vh), 0);
+    h.ms = 1500;
+    result g2 = run(b.req, 5, p2, NP, GEN, &h, 120000);
+    cr_assert_eq(g2.cached, 0);
+    expect_same(&r2, &g2, "recomputed during a partition");
+    cr_assert_eq(sh("ip link set %s up", g_ns.vh), 0);
+
+    /* the holder killed just after the puller got the request: wherever the pull was, the
+     * request completes with the same tokens */
+    void *s = submit(b.req, 6, p3, NP, GEN, &h);
+    usleep(20000);
+    cr_assert_eq(kill(a.pid, SIGKILL), 0);
+    result g3 = collect(s, 6, 120000);
+    expect_same(&r3, &g3, "holder killed during the pull");
     kill_all();
     km_zsock_close(ctl);
 }
