@@ -32,7 +32,7 @@
 typedef struct wproc {
     pid_t pid;
     char dir[64], id[32];
-    char req[512];
+    char req[512], ev[512];
     int admin_port;
 } wproc;
 
@@ -136,7 +136,7 @@ static void start_worker_on(wproc *w, const char *id, const char *controller, co
                           "exec",     ns ? ns : "",
                           WORKER,     "--listen",
                           listen,     "--events",
-                          "",         "--admin-port",
+                          listen,     "--admin-port",
                           "0",        "--ports-file",
                           ports,      "--threads",
                           "1",        "--log-level",
@@ -164,6 +164,7 @@ static void start_worker_on(wproc *w, const char *id, const char *controller, co
             while (fgets(line, sizeof line, f)) {
                 line[strcspn(line, "\n")] = 0;
                 if (!strncmp(line, "requests=", 9)) snprintf(w->req, sizeof w->req, "%s", line + 9);
+                if (!strncmp(line, "events=", 7)) snprintf(w->ev, sizeof w->ev, "%s", line + 7);
                 if (!strncmp(line, "admin=", 6)) {
                     const char *c = strrchr(line, ':');
                     w->admin_port = c ? atoi(c + 1) : 0;
@@ -493,5 +494,140 @@ Test(worker_pull, pages_cross_network_namespaces_and_partitions_or_kills_only_co
     result g3 = collect(s, 6, 120000);
     expect_same(&r3, &g3, "holder killed during the pull");
     kill_all();
+    km_zsock_close(ctl);
+}
+
+/* ---------------------------------------------------------------- through a router */
+
+/* The view a controller would publish for wa (holder) and wb (puller), with wb's measured
+ * figures making a pull of 12 pages far cheaper than computing them. */
+static void publish_view(void *pub, uint64_t seq, const wproc *a, const wproc *b,
+                         const uint8_t *addr_a, uint32_t la, const uint8_t *addr_b, uint32_t lb)
+{
+    km_view_worker vw[2] = {{.id = "wa",
+                             .state = KM_MEMBER_READY,
+                             .requests = a->req,
+                             .events = a->ev,
+                             .peer_addr = addr_a,
+                             .peer_addr_len = la,
+                             .prefill_tps = 100,
+                             .page_bytes = 368640},
+                            {.id = "wb",
+                             .state = KM_MEMBER_READY,
+                             .requests = b->req,
+                             .events = b->ev,
+                             .peer_addr = addr_b,
+                             .peer_addr_len = lb,
+                             .prefill_tps = 100,   /* 16 prompt pages: 2.6 s to compute */
+                             .xfer_rate_bps = 1e9, /* and 6 ms to pull */
+                             .xfer_lat_ms = 1,
+                             .page_bytes = 368640}};
+    km_msg m;
+    km_msg_init(&m, KM_MSG_VIEW);
+    m.view.controller = "test-ctl";
+    m.view.epoch = 1700000000000ull;
+    m.view.seq = seq;
+    m.view.workers = vw;
+    m.view.n_workers = 2;
+    km_buf buf = {0};
+    cr_assert_eq(km_msg_encode(&m, NULL, &buf, NULL), 0);
+    km_zframe parts[2] = {{"view", 4}, {buf.data, buf.len}};
+    km_zsend(pub, parts, 2, KM_ZDONTWAIT, NULL);
+    km_buf_free(&buf);
+}
+
+/* The router (kvmesh-router, the test standing in for the controller's view with measured
+ * figures) sends a request to wb while wa holds its prefix: wb is told to pull, pulls, and the
+ * tokens are those wa computed. Which worker the router picks is its rendezvous hash's choice
+ * (--w-prefill=0 makes the prefix weigh nothing in the pick), so the test tries prompts until
+ * one lands on wb, and checks every one that lands on wa is served from wa's cache. */
+Test(worker_pull, the_router_tells_the_chosen_worker_to_pull_a_prefix_another_holds)
+{
+    if (!have_model() || access("build/bin/kvmesh-router", X_OK)) return;
+    void *ctl = sock_open(KM_ZROUTER, "tcp://127.0.0.1:*", true);
+    void *pub = sock_open(KM_ZPUB, "tcp://127.0.0.1:*", true);
+    char ctl_ep[256], pub_ep[256];
+    km_errbuf err = {{0}};
+    cr_assert_eq(km_zsock_last_endpoint(ctl, ctl_ep, sizeof ctl_ep, &err), 0, "%s", err.msg);
+    cr_assert_eq(km_zsock_last_endpoint(pub, pub_ep, sizeof pub_ep, &err), 0, "%s", err.msg);
+    wproc a, b, r;
+    start_worker(&a, "wa", ctl_ep);
+    start_worker(&b, "wb", ctl_ep);
+    static uint8_t addr_a[KM_PROTO_MAX_PEER_ADDR], addr_b[KM_PROTO_MAX_PEER_ADDR];
+    uint32_t la = peer_addr_of(ctl, "wa", addr_a, sizeof addr_a);
+    uint32_t lb = peer_addr_of(ctl, "wb", addr_b, sizeof addr_b);
+
+    /* the router, its workers given, its view from us */
+    memset(&r, 0, sizeof r);
+    snprintf(r.dir, sizeof r.dir, "/tmp/kvmesh-pull-XXXXXX");
+    cr_assert(mkdtemp(r.dir));
+    char ports[128], log[128], workers[4200], ctl_flag[300];
+    snprintf(ports, sizeof ports, "%s/ports", r.dir);
+    snprintf(log, sizeof log, "%s/router.log", r.dir);
+    snprintf(workers, sizeof workers, "--workers=wa=%s+%s,wb=%s+%s", a.req, a.ev, b.req, b.ev);
+    snprintf(ctl_flag, sizeof ctl_flag, "--controller=%s", pub_ep);
+    const char *argv[] = {"build/bin/kvmesh-router",
+                          "--front=tcp://127.0.0.1:*",
+                          "--http-port=0",
+                          "--log-level=debug",
+                          workers,
+                          ctl_flag,
+                          "--view-timeout=120s",
+                          "--w-prefill=0",
+                          "--ports-file",
+                          ports,
+                          NULL};
+    r.pid = fork();
+    cr_assert(r.pid >= 0);
+    if (r.pid > 0 && g_npids < 4) g_pids[g_npids++] = r.pid;
+    if (r.pid == 0) {
+        FILE *f = freopen(log, "w", stderr);
+        (void)f;
+        execv(argv[0], (char *const *)argv);
+        _exit(127);
+    }
+    char front[512] = "";
+    int http = 0;
+    for (int i = 0; i < 1200 && !front[0]; i++) {
+        FILE *f = fopen(ports, "r");
+        if (f) {
+            char line[512];
+            while (fgets(line, sizeof line, f)) {
+                line[strcspn(line, "\n")] = 0;
+                if (!strncmp(line, "front=", 6)) snprintf(front, sizeof front, "%s", line + 6);
+                if (!strncmp(line, "http=", 5)) http = atoi(line + 5);
+            }
+            fclose(f);
+        }
+        if (!front[0]) usleep(50000);
+    }
+    cr_assert(front[0], "the router did not start");
+    /* views until the router has surely subscribed and applied one */
+    uint64_t seq = 0;
+    for (int i = 0; i < 20; i++) {
+        publish_view(pub, ++seq, &a, &b, addr_a, la, addr_b, lb);
+        usleep(100000);
+    }
+    bool pulled = false;
+    for (int k = 0; k < 8 && !pulled; k++) {
+        int32_t p[NP];
+        make_prompt(p, NP, 100 + (uint64_t)k);
+        result ref = run(a.req, 10 + (uint64_t)k, p, NP, GEN, NULL, 120000);
+        /* wa's stored events reach the router's index; the view stays fresh meanwhile */
+        for (int i = 0; i < 20; i++) {
+            publish_view(pub, ++seq, &a, &b, addr_a, la, addr_b, lb);
+            usleep(100000);
+        }
+        void *s = submit(front, 100 + (uint64_t)k, p, NP, GEN, NULL);
+        result got = collect(s, 100 + (uint64_t)k, 120000);
+        expect_same(&ref, &got, "through the router");
+        cr_assert_geq(got.cached, 16 * (PAGES - 1), "prompt %d: cached %u (router index: %g pages)",
+                      k, got.cached, metric(http, "kvmesh_router_index_pages"));
+        pulled = metric(b.admin_port, "kvmesh_kv_transfer_pulls_total{outcome=\"ok\"}") > 0;
+    }
+    cr_assert(pulled, "in 8 prompts the router never chose wb while wa held the prefix");
+    cr_assert_geq(metric(http, "kvmesh_router_pulls_total{decision=\"pull\"}"), 1);
+    kill_all();
+    km_zsock_close(pub);
     km_zsock_close(ctl);
 }
