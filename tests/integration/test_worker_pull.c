@@ -540,7 +540,8 @@ static void publish_view(void *pub, uint64_t seq, const wproc *a, const wproc *b
  * figures) sends a request to wb while wa holds its prefix: wb is told to pull, pulls, and the
  * tokens are those wa computed. Which worker the router picks is its rendezvous hash's choice
  * (--w-prefill=0 makes the prefix weigh nothing in the pick), so the test tries prompts until
- * one lands on wb, and checks every one that lands on wa is served from wa's cache. */
+ * one lands on wb, and checks every one that lands on wa is served from wa's cache. The pulled
+ * pages reach the router's index through wb's own KV events, as computed ones do. */
 Test(worker_pull, the_router_tells_the_chosen_worker_to_pull_a_prefix_another_holds)
 {
     if (!have_model() || access("build/bin/kvmesh-router", X_OK)) return;
@@ -627,6 +628,13 @@ Test(worker_pull, the_router_tells_the_chosen_worker_to_pull_a_prefix_another_ho
     }
     cr_assert(pulled, "in 8 prompts the router never chose wb while wa held the prefix");
     cr_assert_geq(metric(http, "kvmesh_router_pulls_total{decision=\"pull\"}"), 1);
+    /* the pulled pages are wb's now, and its KV events say so to every router */
+    double wb_pages = 0;
+    for (int i = 0; i < 50 && wb_pages < PAGES; i++) {
+        wb_pages = metric(http, "kvmesh_router_worker_kv_pages{worker=\"wb\",tier=\"hot\"}");
+        if (wb_pages < PAGES) usleep(100000);
+    }
+    cr_assert_geq(wb_pages, PAGES, "the router's index has %g of wb's pages", wb_pages);
     kill_all();
     km_zsock_close(pub);
     km_zsock_close(ctl);
