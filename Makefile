@@ -97,6 +97,7 @@ help:
 	@echo "make bench-engine  engine speed side by side with llama.cpp (docs/benchmarks.md)"
 	@echo "make bench-transfer  KV page transfer between processes next to ucx_perftest"
 	@echo "make bench-kernels matmul, attention and thread-pool figures (docs/kernels*.md)"
+	@echo "make bench-pull    TTFT of a long prompt pulled from a peer vs computed"
 	@echo "make fixtures      regenerate tests/fixtures from llama.cpp (needs its build)"
 	@echo "make fmt | lint | clean"
 
@@ -343,6 +344,16 @@ $(BENCH_TRANSFER): $(OBJ)/bench/bench_transfer.o $(OBJ)/tests/xfer_harness.o $(A
 .PHONY: bench-transfer
 bench-transfer: $(BENCH_TRANSFER)
 	@$(BENCH_TRANSFER) $(BENCH_ARGS)
+
+# TTFT of a long prompt whose prefix sits on a peer, pulled vs computed (docs/transfer.md):
+# two kvmesh-worker processes with transfer nodes, interleaved rounds.
+BENCH_PULL := $(BUILD)/bench/bench_pull
+$(BENCH_PULL): $(OBJ)/bench/bench_pull.o $(LIB_COMMON)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+.PHONY: bench-pull
+bench-pull: build $(BENCH_PULL)
+	@$(BENCH_PULL) $(BENCH_ARGS)
 
 fixtures: build
 	@bash tests/fixtures/gen_fixtures.sh
