@@ -39,12 +39,31 @@ static int start(bproc *w, const char *id, const char *ctl, const char *threads)
     char ports[128], log[128];
     snprintf(ports, sizeof ports, "%s/ports", w->dir);
     snprintf(log, sizeof log, "%s/worker.log", w->dir);
-    const char *argv[] = {WORKER,        "--listen",      "tcp://127.0.0.1:*", "--events",
-                          "",            "--admin-port",  "-1",                "--ports-file",
-                          ports,         "--threads",     threads,             "--worker-id",
-                          id,            "--controller",  ctl,                 "--heartbeat",
-                          "100",         "--peer-listen", "127.0.0.1:0",       "--max-ctx",
-                          "8192",        "--kv-bytes",    "1G",                NULL};
+    const char *argv[] = {WORKER,
+                          "--listen",
+                          "tcp://127.0.0.1:*",
+                          "--events",
+                          "",
+                          "--admin-port",
+                          "-1",
+                          "--ports-file",
+                          ports,
+                          "--threads",
+                          threads,
+                          "--worker-id",
+                          id,
+                          "--controller",
+                          ctl,
+                          "--heartbeat",
+                          "100",
+                          "--peer-listen",
+                          "127.0.0.1:0",
+                          "--max-ctx",
+                          "8192",
+                          "--kv-bytes",
+                          "1G",
+                          "--insecure",
+                          NULL};
     w->pid = fork();
     if (w->pid < 0) return -1;
     if (w->pid == 0) {
@@ -232,8 +251,8 @@ int main(int argc, char **argv)
     if (addr_len) {
         qsort(tp, (size_t)rounds, sizeof *tp, cmp);
         qsort(tc, (size_t)rounds, sizeof *tc, cmp);
-        printf("median: pull %.1f ms, compute %.1f ms: %.1fx lower with the pull\n",
-               tp[rounds / 2], tc[rounds / 2], tp[rounds / 2] > 0 ? tc[rounds / 2] / tp[rounds / 2] : 0);
+        printf("median: pull %.1f ms, compute %.1f ms: %.1fx lower with the pull\n", tp[rounds / 2],
+               tc[rounds / 2], tp[rounds / 2] > 0 ? tc[rounds / 2] / tp[rounds / 2] : 0);
     }
     kill(a.pid, SIGTERM);
     kill(b.pid, SIGTERM);

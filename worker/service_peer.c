@@ -373,8 +373,8 @@ static void wk_peer_offers_out(wk_service *s)
 /* The link to the holder at endpoint/addr: reused, its peer reconnected when it failed or its
  * address changed (a restarted holder), or a new one (the least recently used idle one goes
  * when all are taken). NULL when none can be had. */
-static wk_link *wk_peer_link(wk_service *s, const char *endpoint, const uint8_t *addr,
-                             uint32_t addr_len)
+static wk_link *wk_peer_link(wk_service *s, const char *holder, const char *endpoint,
+                             const uint8_t *addr, uint32_t addr_len)
 {
     wk_peer *p = s->peer;
     km_errbuf err = {{0}};
@@ -396,7 +396,9 @@ static wk_link *wk_peer_link(wk_service *s, const char *endpoint, const uint8_t 
         km_zsock_opts zo;
         km_zsock_opts_default(&zo);
         zo.max_msg_size = (int64_t)s->lim.max_frame + 4096;
+        /* CURVE (docs/security.md): the holder is a member whose key is bound to its worker id */
         if (km_zsock_open(s->zctx, KM_ZDEALER, &zo, &l->sock, &err) ||
+            km_zsec_client(s->o.sec, l->sock, holder, &err) ||
             km_zsock_connect(l->sock, endpoint, &err)) {
             KM_WARN("peer_link", "endpoint=%s msg=\"%s\"", endpoint, err.msg);
             km_zsock_close(l->sock);
@@ -457,7 +459,7 @@ int wk_peer_park(wk_service *s, const km_zframe *env, int n_env, const km_msg_re
     if (n_pages > n_tok / pt) n_pages = n_tok / pt;
     if (n_pages > PR_MAX_PAGES) n_pages = PR_MAX_PAGES;
     if (n_pages < 1) return 0;
-    wk_link *l = wk_peer_link(s, q->pull_endpoint, q->pull_addr, q->pull_addr_len);
+    wk_link *l = wk_peer_link(s, q->pull_from, q->pull_endpoint, q->pull_addr, q->pull_addr_len);
     if (!l) return 0;
     wk_held *h = calloc(1, sizeof *h);
     km_pagehash *hs = malloc(sizeof *hs * (size_t)n_pages);

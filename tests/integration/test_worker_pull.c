@@ -145,7 +145,8 @@ static void start_worker_on(wproc *w, const char *id, const char *controller, co
                           controller, "--heartbeat",
                           "100",      "--peer-listen",
                           peer,       "--peer-advertise",
-                          host,       NULL};
+                          host,       "--insecure",
+                          NULL};
     const char *const *args = ns ? argv : argv + 4; /* ip netns exec NS, or the worker alone */
     w->pid = fork();
     cr_assert(w->pid >= 0);
@@ -575,6 +576,7 @@ Test(worker_pull, the_router_tells_the_chosen_worker_to_pull_a_prefix_another_ho
                           ctl_flag,
                           "--view-timeout=120s",
                           "--w-prefill=0",
+                          "--insecure",
                           "--ports-file",
                           ports,
                           NULL};
