@@ -216,10 +216,12 @@ test: deps
 check-layers: $(LIB_KVSHARD)
 	@bash tests/check_kvshard_layers.sh $(LIB_KVSHARD)
 
-# Multi-process tests: real kvmesh-worker processes on 127.0.0.1 (tests/integration/).
+# Multi-process tests: real kvmesh-worker processes on 127.0.0.1 (tests/integration/), sharing
+# tests/integration/harness.c (spawn, ports, stop, sockets, metrics).
 IT_SRC := $(wildcard tests/integration/test_*.c)
 IT_BIN := $(patsubst tests/integration/%.c,$(TESTBIN)/integration/%,$(IT_SRC))
-$(TESTBIN)/integration/%: $(OBJ)/tests/integration/%.o $(ALL_LIBS)
+IT_HARNESS := $(OBJ)/tests/integration/harness.o
+$(TESTBIN)/integration/%: $(OBJ)/tests/integration/%.o $(IT_HARNESS) $(ALL_LIBS)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS) -o $@ $^ -lcriterion $(LDLIBS)
 integration: build $(IT_BIN)

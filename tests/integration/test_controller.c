@@ -16,220 +16,69 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
-#include "client/kvmesh.h"
 #include "common/svc.h"
+#include "tests/integration/harness.h"
 
-#define MODEL  "models/SmolLM2-135M-Instruct.Q4_1.gguf"
-#define WORKER "build/bin/kvmesh-worker"
-#ifndef CONTROLLER /* -DCONTROLLER=... runs the suite against another build (ASan) */
-#define CONTROLLER "build/bin/kvmesh-controller"
-#endif
+typedef it_proc proc;
 
-typedef struct proc {
-    pid_t pid;
-    char dir[64];
-    char listen[512], view[512], req[512];
-    int admin_port;
-} proc;
-
-static void *g_ctx;
-static pid_t g_pids[16]; /* killed by the suite's fini when a test fails half way */
-static int g_npids;
-
-static void suite_init(void)
-{
-    g_ctx = km_zctx_create();
-}
-
-/* The context is left to the process's exit: a test that failed half way may leave a socket
- * open, and zmq_ctx_term would wait for it forever. */
-static void suite_fini(void)
-{
-    for (int i = 0; i < g_npids; i++)
-        if (g_pids[i] > 0 && kill(g_pids[i], 0) == 0) {
-            kill(g_pids[i], SIGCONT);
-            kill(g_pids[i], SIGKILL);
-            waitpid(g_pids[i], NULL, 0);
-        }
-    g_npids = 0;
-}
-
-TestSuite(controller, .init = suite_init, .fini = suite_fini, .timeout = 120);
+TestSuite(controller, .fini = it_kill_all, .timeout = 120);
 
 static bool have_binaries(void)
 {
-    if (access(MODEL, R_OK) || access(WORKER, X_OK) || access(CONTROLLER, X_OK)) {
-        cr_skip_test("needs %s (make deps), %s and %s (make build)", MODEL, WORKER, CONTROLLER);
-        return false;
-    }
-    return true;
-}
-
-static void read_ports(proc *p, const char *path)
-{
-    FILE *f = fopen(path, "r");
-    if (!f) return;
-    char line[512];
-    while (fgets(line, sizeof line, f)) {
-        line[strcspn(line, "\n")] = 0;
-        if (!strncmp(line, "listen=", 7)) snprintf(p->listen, sizeof p->listen, "%s", line + 7);
-        if (!strncmp(line, "view=", 5)) snprintf(p->view, sizeof p->view, "%s", line + 5);
-        if (!strncmp(line, "requests=", 9)) snprintf(p->req, sizeof p->req, "%s", line + 9);
-        if (!strncmp(line, "admin=", 6)) p->admin_port = atoi(line + 6);
-    }
-    fclose(f);
-}
-
-/* Starts bin with argv (NULL-terminated) and waits for its ports file (dir must exist). */
-static void spawn(proc *p, const char *bin, const char **argv, const char *logname)
-{
-    char ports[128], log[128];
-    snprintf(ports, sizeof ports, "%s/ports", p->dir);
-    snprintf(log, sizeof log, "%s/%s", p->dir, logname);
-    unlink(ports);
-    p->pid = fork();
-    cr_assert(p->pid >= 0);
-    if (p->pid == 0) {
-        FILE *f = freopen(log, "a", stderr);
-        FILE *o = freopen("/dev/null", "w", stdout);
-        (void)f, (void)o;
-        /* this suite is about other things: the daemons run without CURVE, on purpose (the
-         * security suite, test_security.c, runs them with keys) */
-        setenv("KVMESH_INSECURE", "1", 1);
-        execv(bin, (char *const *)argv);
-        _exit(127);
-    }
-    if (g_npids < 16) g_pids[g_npids++] = p->pid;
-    for (int i = 0; i < 600; i++) {
-        if (!access(ports, R_OK)) {
-            read_ports(p, ports);
-            return;
-        }
-        int st;
-        if (waitpid(p->pid, &st, WNOHANG) == p->pid) cr_assert_fail("%s exited at start", bin);
-        usleep(50000);
-    }
-    cr_assert_fail("%s did not start in 30 s", bin);
+    return it_have((const char *const[]){IT_MODEL, IT_WORKER, IT_CONTROLLER, NULL});
 }
 
 /* A controller; listen NULL = an ephemeral port. extra: NULL-terminated flags. */
 static void start_controller(proc *c, const char *listen, const char **extra)
 {
-    if (!c->dir[0]) {
-        snprintf(c->dir, sizeof c->dir, "/tmp/kvmesh-ctl-XXXXXX");
-        cr_assert(mkdtemp(c->dir));
-    }
+    it_proc_dir(c, "ctl");
     char ports[128], lflag[600];
     snprintf(ports, sizeof ports, "%s/ports", c->dir);
     snprintf(lflag, sizeof lflag, "--listen=%s", listen ? listen : "tcp://127.0.0.1:*");
-    const char *argv[32] = {CONTROLLER,
-                            lflag,
-                            "--view=tcp://127.0.0.1:*",
-                            "--admin-port=0",
-                            "--heartbeat=200ms",
-                            "--view-interval=200ms",
-                            "--log-level=info",
-                            "--ports-file",
-                            ports};
-    int k = 9;
-    for (int i = 0; extra && extra[i] && k < 30; i++) argv[k++] = extra[i];
-    argv[k] = NULL;
-    spawn(c, CONTROLLER, argv, "controller.log");
+    const char *argv[] = {IT_CONTROLLER,
+                          lflag,
+                          "--view=tcp://127.0.0.1:*",
+                          "--admin-port=0",
+                          "--heartbeat=200ms",
+                          "--view-interval=200ms",
+                          "--log-level=info",
+                          "--ports-file",
+                          ports,
+                          NULL};
+    it_spawn(c, argv, extra, "controller.log");
 }
 
 /* A worker heartbeating to ctl every 200 ms; extra: NULL-terminated flags. */
 static void start_worker(proc *w, const char *id, const proc *ctl, const char **extra)
 {
-    if (!w->dir[0]) {
-        snprintf(w->dir, sizeof w->dir, "/tmp/kvmesh-ctl-XXXXXX");
-        cr_assert(mkdtemp(w->dir));
-    }
+    it_proc_dir(w, "ctl");
     char ports[128], wid[80], cflag[600];
     snprintf(ports, sizeof ports, "%s/ports", w->dir);
     snprintf(wid, sizeof wid, "--worker-id=%s", id);
     snprintf(cflag, sizeof cflag, "--controller=%s", ctl->listen);
-    const char *argv[32] = {WORKER,
-                            "--listen=tcp://127.0.0.1:*",
-                            "--events=tcp://127.0.0.1:*",
-                            "--admin-port=-1",
-                            "--threads=1",
-                            "--heartbeat=200ms",
-                            "--log-level=info",
-                            wid,
-                            cflag,
-                            "--ports-file",
-                            ports};
-    int k = 11;
-    for (int i = 0; extra && extra[i] && k < 30; i++) argv[k++] = extra[i];
-    argv[k] = NULL;
-    spawn(w, WORKER, argv, "worker.log");
-}
-
-/* Waits up to timeout_ms for p to exit; its exit status, or -1 (then it is killed). */
-static int wait_exit(proc *p, int timeout_ms)
-{
-    int st = 0;
-    for (int i = 0; i < timeout_ms / 20; i++) {
-        if (waitpid(p->pid, &st, WNOHANG) == p->pid) {
-            p->pid = 0;
-            return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-        }
-        usleep(20000);
-    }
-    kill(p->pid, SIGKILL);
-    waitpid(p->pid, &st, 0);
-    p->pid = 0;
-    return -1;
-}
-
-static void stop_proc(proc *p)
-{
-    if (p->pid <= 0) return;
-    kill(p->pid, SIGCONT);
-    kill(p->pid, SIGTERM);
-    wait_exit(p, 5000);
+    const char *argv[] = {IT_WORKER,
+                          "--listen=tcp://127.0.0.1:*",
+                          "--events=tcp://127.0.0.1:*",
+                          "--admin-port=-1",
+                          "--threads=1",
+                          "--heartbeat=200ms",
+                          "--log-level=info",
+                          wid,
+                          cflag,
+                          "--ports-file",
+                          ports,
+                          NULL};
+    it_spawn(w, argv, extra, "worker.log");
 }
 
 /* ---------------------------------------------------------------- operator side */
 
-static void *dealer(const char *ep)
-{
-    void *s = NULL;
-    km_errbuf err = {{0}};
-    cr_assert_eq(km_zsock_open(g_ctx, KM_ZDEALER, NULL, &s, &err), 0, "%s", err.msg);
-    cr_assert_eq(km_zsock_connect(s, ep, &err), 0, "%s", err.msg);
-    return s;
-}
-
-static void send_raw(void *s, const void *p, size_t n)
-{
-    km_zframe f = {p, n};
-    cr_assert_eq(km_zsend(s, &f, 1, 0, NULL), 0);
-}
-
-static void send_msg(void *s, const km_msg *m)
-{
-    km_buf b = {0};
-    km_errbuf err = {{0}};
-    cr_assert_eq(km_msg_encode(m, NULL, &b, &err), 0, "%s", err.msg);
-    send_raw(s, b.data, b.len);
-    km_buf_free(&b);
-}
-
-/* Receives one frame and decodes it into m (which the caller clears). */
+/* Receives the reply to what was sent on s (within timeout_ms); the caller clears it. */
 static void recv_msg(void *s, km_msg *m, int timeout_ms)
 {
-    km_zmsg z = {0};
-    km_errbuf err = {{0}};
-    cr_assert_eq(km_zrecv(s, &z, timeout_ms, &err), 0, "no reply: %s", err.msg);
-    const km_zframe *b = km_zmsg_body(&z);
-    cr_assert_not_null(b);
-    cr_assert_eq(km_msg_decode(b->data, b->len, NULL, m, &err), 0, "%s", err.msg);
-    km_zmsg_clear(&z);
+    cr_assert(it_recv_msg(s, m, timeout_ms), "no reply in %d ms", timeout_ms);
 }
 
 static void send_admin(void *s, km_admin_cmd cmd, const char *worker, uint32_t level,
@@ -243,13 +92,13 @@ static void send_admin(void *s, km_admin_cmd cmd, const char *worker, uint32_t l
     m.admin.worker = worker;
     m.admin.level = level;
     m.admin.fraction = fraction;
-    send_msg(s, &m);
+    it_send_msg(s, &m);
 }
 
 /* The controller's view by `status` (with histories); the caller clears it. */
 static void status(const proc *ctl, km_msg *view)
 {
-    void *s = dealer(ctl->listen);
+    void *s = it_dealer(ctl->listen);
     send_admin(s, KM_ADMIN_STATUS, NULL, 0, 0);
     recv_msg(s, view, 5000);
     km_zsock_close(s);
@@ -324,7 +173,7 @@ static void wait_format(const proc *ctl, const char *id, const char *fmt, int ti
 /* Sends `recover` and returns the admin_reply's code (0 when ok). */
 static int recover(const proc *ctl, const char *worker, uint32_t level)
 {
-    void *s = dealer(ctl->listen);
+    void *s = it_dealer(ctl->listen);
     send_admin(s, KM_ADMIN_RECOVER, worker, level, 0);
     km_msg r;
     recv_msg(s, &r, 5000);
@@ -357,8 +206,8 @@ static int recover_raw_level(const proc *ctl, const char *worker, uint64_t level
     KEY("level");
     msgpack_pack_uint64(&pk, level);
 #undef KEY
-    void *s = dealer(ctl->listen);
-    send_raw(s, sb.data, sb.size);
+    void *s = it_dealer(ctl->listen);
+    it_send_raw(s, sb.data, sb.size);
     msgpack_sbuffer_destroy(&sb);
     km_msg r;
     recv_msg(s, &r, 5000);
@@ -368,26 +217,6 @@ static int recover_raw_level(const proc *ctl, const char *worker, uint64_t level
                                               : -1;
     km_msg_clear(&r);
     return code;
-}
-
-/* The value of a /metrics line that starts with `prefix`, or -1. */
-static double metric(const proc *ctl, const char *prefix)
-{
-    char url[128];
-    snprintf(url, sizeof url, "http://127.0.0.1:%d/metrics", ctl->admin_port);
-    km_buf b = {0};
-    int st = 0;
-    km_errbuf err = {{0}};
-    cr_assert_eq(kvm_http_get(url, 5000, &b, &st, &err), 0, "%s", err.msg);
-    cr_assert_eq(st, 200);
-    km_buf_append(&b, "", 1);
-    double v = -1;
-    char line[256];
-    snprintf(line, sizeof line, "\n%s", prefix); /* a sample line, not the # HELP line */
-    const char *p = strstr((const char *)b.data, line);
-    if (p) v = atof(p + strlen(line));
-    km_buf_free(&b);
-    return v;
 }
 
 /* ---------------------------------------------------------------- tests */
@@ -400,7 +229,7 @@ Test(controller, view_lists_the_worker_and_forced_levels_1_2_3_reach_it)
     /* a router's view of the cluster: the PUB */
     void *sub = NULL;
     km_errbuf err = {{0}};
-    cr_assert_eq(km_zsock_open(g_ctx, KM_ZSUB, NULL, &sub, &err), 0);
+    cr_assert_eq(km_zsock_open(it_zctx(), KM_ZSUB, NULL, &sub, &err), 0);
     cr_assert_eq(km_zsock_subscribe(sub, "view", 4, &err), 0);
     cr_assert_eq(km_zsock_connect(sub, ctl.view, &err), 0);
 
@@ -434,7 +263,7 @@ Test(controller, view_lists_the_worker_and_forced_levels_1_2_3_reach_it)
     cr_assert_eq(recover(&ctl, "nobody", 1), KM_CODE_NOT_FOUND);
     cr_assert_eq(recover_raw_level(&ctl, "w0", 7), KM_CODE_BAD_REQUEST);
     cr_assert_eq(recover_raw_level(&ctl, "w0", 0), KM_CODE_BAD_REQUEST);
-    void *op = dealer(ctl.listen);
+    void *op = it_dealer(ctl.listen);
     send_admin(op, KM_ADMIN_DRAIN, NULL, 0, 0);
     km_msg r;
     recv_msg(op, &r, 5000);
@@ -442,20 +271,22 @@ Test(controller, view_lists_the_worker_and_forced_levels_1_2_3_reach_it)
     cr_assert_not(r.admin_reply.ok);
     cr_assert_eq(r.admin_reply.code, KM_CODE_BAD_REQUEST);
     km_msg_clear(&r);
-    send_raw(op, "\xc1garbage", 8);
+    it_send_raw(op, "\xc1garbage", 8);
     recv_msg(op, &r, 5000);
     cr_assert_eq(r.type, KM_MSG_ERROR);
     cr_assert_eq(r.error.code, KM_CODE_BAD_REQUEST);
     km_msg_clear(&r);
     km_zsock_close(op);
-    cr_assert_geq(metric(&ctl, "kvmesh_controller_bad_frames_total{reason=\"malformed\"} "), 1);
-    cr_assert_geq(metric(&ctl, "kvmesh_controller_heartbeats_total "), 1);
+    cr_assert_geq(
+        it_metric(ctl.admin_port, "kvmesh_controller_bad_frames_total{reason=\"malformed\"}"), 1);
+    cr_assert_geq(it_metric(ctl.admin_port, "kvmesh_controller_heartbeats_total"), 1);
 
     /* level 1: the worker evicts and acknowledges */
     cr_assert_eq(recover(&ctl, "w0", 1), 0);
     wait_history(&ctl, "w0", 1, "operator", 5000);
-    cr_assert_eq(metric(&ctl, "kvmesh_recovery_actions_total{worker=\"w0\",level=\"1\","
-                              "reason=\"operator\"} "),
+    cr_assert_eq(it_metric(ctl.admin_port,
+                           "kvmesh_recovery_actions_total{worker=\"w0\",level=\"1\","
+                           "reason=\"operator\"}"),
                  1);
     /* level 2: its heartbeats show fp8 */
     cr_assert_eq(recover(&ctl, "w0", 2), 0);
@@ -465,15 +296,15 @@ Test(controller, view_lists_the_worker_and_forced_levels_1_2_3_reach_it)
     /* level 3: the worker drains and exits 75; restarted like a supervisor would, it is
      * re-admitted */
     cr_assert_eq(recover(&ctl, "w0", 3), 0);
-    cr_assert_eq(wait_exit(&w, 15000), 75, "a drained worker exits with the restart code");
+    cr_assert_eq(it_wait_exit(&w, 15000), 75, "a drained worker exits with the restart code");
     wait_member(&ctl, "w0", KM_MEMBER_RESTARTING, 3, 2000);
     start_worker(&w, "w0", &ctl, NULL);
     wait_member(&ctl, "w0", KM_MEMBER_READY, 0, 10000);
     wait_history(&ctl, "w0", 0, "restarted", 2000);
     wait_history(&ctl, "w0", 3, "operator", 100);
 
-    stop_proc(&w);
-    stop_proc(&ctl);
+    it_stop(&w);
+    it_stop(&ctl);
 }
 
 Test(controller, a_stopped_worker_goes_dead_and_comes_back)
@@ -485,11 +316,11 @@ Test(controller, a_stopped_worker_goes_dead_and_comes_back)
     wait_member(&ctl, "w1", KM_MEMBER_READY, -1, 10000);
     kill(w.pid, SIGSTOP);
     wait_member(&ctl, "w1", KM_MEMBER_DEAD, -1, 5000);
-    cr_assert_eq(metric(&ctl, "kvmesh_controller_members{state=\"dead\"} "), 1);
+    cr_assert_eq(it_metric(ctl.admin_port, "kvmesh_controller_members{state=\"dead\"}"), 1);
     kill(w.pid, SIGCONT);
     wait_member(&ctl, "w1", KM_MEMBER_READY, -1, 5000);
-    stop_proc(&w);
-    stop_proc(&ctl);
+    it_stop(&w);
+    it_stop(&ctl);
 }
 
 Test(controller, a_restarted_controller_rebuilds_the_view_from_heartbeats)
@@ -505,7 +336,7 @@ Test(controller, a_restarted_controller_rebuilds_the_view_from_heartbeats)
     char listen[512];
     snprintf(listen, sizeof listen, "%s", ctl.listen);
     kill(ctl.pid, SIGKILL);
-    wait_exit(&ctl, 2000);
+    it_wait_exit(&ctl, 2000);
     start_controller(&ctl, listen, NULL);
     wait_member(&ctl, "w2", KM_MEMBER_READY, 2, 5000);
     km_msg v;
@@ -515,8 +346,8 @@ Test(controller, a_restarted_controller_rebuilds_the_view_from_heartbeats)
     cr_assert_str_eq(m->requests, w.req);
     cr_assert_eq(m->n_history, 0, "a new controller starts with no history");
     km_msg_clear(&v);
-    stop_proc(&w);
-    stop_proc(&ctl);
+    it_stop(&w);
+    it_stop(&ctl);
 }
 
 Test(controller, pinned_pressure_fires_level1_then_level2_on_its_own)
@@ -529,7 +360,7 @@ Test(controller, pinned_pressure_fires_level1_then_level2_on_its_own)
     start_worker(&w, "w3", &ctl, wflags);
     wait_member(&ctl, "w3", KM_MEMBER_READY, 0, 10000);
     /* the worker pins 95% of its hot budget in ballast pages (chaos command) */
-    void *s = dealer(w.req);
+    void *s = it_dealer(w.req);
     send_admin(s, KM_ADMIN_PRESSURE, NULL, 0, 0.95);
     km_msg r;
     recv_msg(s, &r, 20000);
@@ -553,6 +384,6 @@ Test(controller, pinned_pressure_fires_level1_then_level2_on_its_own)
     recv_msg(s, &r, 20000);
     km_msg_clear(&r);
     km_zsock_close(s);
-    stop_proc(&w);
-    stop_proc(&ctl);
+    it_stop(&w);
+    it_stop(&ctl);
 }

@@ -32,95 +32,23 @@
 #include <unistd.h>
 
 #include "client/kvmesh.h"
+#include "tests/integration/harness.h"
 
-#define MODEL  "models/SmolLM2-135M-Instruct.Q4_1.gguf"
-#define WORKER "build/bin/kvmesh-worker"
-#define ROUTER "build/bin/kvmesh-router"
-
-typedef struct proc {
-    pid_t pid;
-    char dir[64];
-    char req[512], ev[512], front[512];
-    int http_port;
-} proc;
-
-/* Every process a test started, so that a failing test (which leaves by longjmp) leaves none
- * running: the suite's fini kills what is left. */
-static pid_t g_pids[32];
-static int g_npids;
-
-static void kill_leftovers(void)
-{
-    for (int i = 0; i < g_npids; i++)
-        if (g_pids[i] > 0 && kill(g_pids[i], 0) == 0) {
-            kill(g_pids[i], SIGKILL);
-            waitpid(g_pids[i], NULL, 0);
-        }
-    g_npids = 0;
-}
+typedef it_proc proc;
 
 static bool have_binaries(void)
 {
-    if (access(MODEL, R_OK) || access(WORKER, X_OK) || access(ROUTER, X_OK)) {
-        cr_skip_test("needs %s (make deps), %s and %s (make build)", MODEL, WORKER, ROUTER);
-        return false;
-    }
-    return true;
-}
-
-static void read_ports(proc *p, const char *path)
-{
-    FILE *f = fopen(path, "r");
-    if (!f) return;
-    char line[480];
-    while (fgets(line, sizeof line, f)) {
-        line[strcspn(line, "\n")] = 0;
-        if (!strncmp(line, "requests=", 9)) snprintf(p->req, sizeof p->req, "%s", line + 9);
-        if (!strncmp(line, "events=", 7)) snprintf(p->ev, sizeof p->ev, "%s", line + 7);
-        if (!strncmp(line, "front=", 6)) snprintf(p->front, sizeof p->front, "%s", line + 6);
-        if (!strncmp(line, "http=", 5)) p->http_port = atoi(line + 5);
-    }
-    fclose(f);
-}
-
-static void spawn(proc *p, const char *bin, const char **argv_in, const char *ports)
-{
-    p->pid = fork();
-    cr_assert(p->pid >= 0);
-    if (p->pid == 0) {
-        char log[128];
-        snprintf(log, sizeof log, "%s/log", p->dir);
-        FILE *f = freopen(log, "w", stderr);
-        FILE *o = freopen("/dev/null", "w", stdout);
-        (void)f, (void)o;
-        /* this suite is about other things: the daemons run without CURVE, on purpose (the
-         * security suite, test_security.c, runs them with keys) */
-        setenv("KVMESH_INSECURE", "1", 1);
-        execv(bin, (char *const *)argv_in);
-        _exit(127);
-    }
-    if (g_npids < 32) g_pids[g_npids++] = p->pid;
-    for (int i = 0; i < 600; i++) {
-        if (!access(ports, R_OK)) {
-            read_ports(p, ports);
-            return;
-        }
-        int st;
-        if (waitpid(p->pid, &st, WNOHANG) == p->pid) cr_assert_fail("%s exited at start", bin);
-        usleep(50000);
-    }
-    cr_assert_fail("%s did not start in 30 s", bin);
+    return it_have((const char *const[]){IT_MODEL, IT_WORKER, IT_ROUTER, NULL});
 }
 
 static void start_worker(proc *w, const char *id)
 {
     memset(w, 0, sizeof *w);
-    snprintf(w->dir, sizeof w->dir, "/tmp/kvmesh-rt-XXXXXX");
-    cr_assert(mkdtemp(w->dir));
+    it_proc_dir(w, "rt");
     char ports[128], wid[64];
     snprintf(ports, sizeof ports, "%s/ports", w->dir);
     snprintf(wid, sizeof wid, "--worker-id=%s", id);
-    const char *argv[] = {WORKER,
+    const char *argv[] = {IT_WORKER,
                           "--listen=tcp://127.0.0.1:*",
                           "--events=tcp://127.0.0.1:*",
                           "--admin-port=-1",
@@ -130,48 +58,24 @@ static void start_worker(proc *w, const char *id)
                           "--ports-file",
                           ports,
                           NULL};
-    spawn(w, WORKER, argv, ports);
+    it_spawn(w, argv, NULL, "log");
 }
 
 /* A router in front of ws[0..n); extra flags may be NULL-terminated. */
 static void start_router(proc *r, proc *ws, const char **ids, int n, const char **extra)
 {
     memset(r, 0, sizeof *r);
-    snprintf(r->dir, sizeof r->dir, "/tmp/kvmesh-rt-XXXXXX");
-    cr_assert(mkdtemp(r->dir));
+    it_proc_dir(r, "rt");
     char ports[128], workers[4096] = "--workers=";
     snprintf(ports, sizeof ports, "%s/ports", r->dir);
     for (int i = 0; i < n; i++)
         snprintf(workers + strlen(workers), sizeof workers - strlen(workers), "%s%s=%s+%s",
                  i ? "," : "", ids[i], ws[i].req, ws[i].ev);
-    const char *argv[32] = {ROUTER,
-                            "--front=tcp://127.0.0.1:*",
-                            "--http-port=0",
-                            "--log-level=info",
-                            workers,
-                            "--ports-file",
-                            ports};
-    int k = 7;
-    for (int i = 0; extra && extra[i] && k < 30; i++) argv[k++] = extra[i];
-    argv[k] = NULL;
-    spawn(r, ROUTER, argv, ports);
-}
-
-static void stop_proc(proc *p)
-{
-    if (p->pid <= 0) return;
-    kill(p->pid, SIGTERM);
-    int st;
-    for (int i = 0; i < 150; i++) {
-        if (waitpid(p->pid, &st, WNOHANG) == p->pid) {
-            p->pid = 0;
-            return;
-        }
-        usleep(20000);
-    }
-    kill(p->pid, SIGKILL);
-    waitpid(p->pid, &st, 0);
-    p->pid = 0;
+    const char *argv[] = {IT_ROUTER,       "--front=tcp://127.0.0.1:*",
+                          "--http-port=0", "--log-level=info",
+                          workers,         "--ports-file",
+                          ports,           NULL};
+    it_spawn(r, argv, extra, "log");
 }
 
 /* The router's /v1/status as JSON. */
@@ -237,7 +141,7 @@ static char *system_prompt(const char *tenant, int words)
     return (char *)b.data;
 }
 
-TestSuite(router, .fini = kill_leftovers, .timeout = 300);
+TestSuite(router, .fini = it_kill_all, .timeout = 300);
 
 Test(router, shared_prefix_requests_go_to_the_worker_holding_it)
 {
@@ -282,8 +186,8 @@ Test(router, shared_prefix_requests_go_to_the_worker_holding_it)
     json_decref(o);
     free(sys);
     kvm_close(c);
-    stop_proc(&r);
-    for (int i = 0; i < 3; i++) stop_proc(&w[i]);
+    it_stop(&r);
+    for (int i = 0; i < 3; i++) it_stop(&w[i]);
 }
 
 typedef struct stream_state {
@@ -343,8 +247,7 @@ static void kill_busy_worker(void *arg)
     json_decref(o);
     cr_assert_geq(k->killed, 0, "no worker has the request in flight");
     kill(k->w[k->killed].pid, SIGKILL);
-    waitpid(k->w[k->killed].pid, NULL, 0);
-    k->w[k->killed].pid = 0;
+    it_wait_exit(&k->w[k->killed], 5000);
 }
 
 Test(router, sigkill_mid_stream_migrates_with_an_identical_greedy_output)
@@ -383,14 +286,8 @@ Test(router, sigkill_mid_stream_migrates_with_an_identical_greedy_output)
     km_buf_free(&text);
     kvm_result_free(&ref);
     kvm_close(c);
-    stop_proc(&r);
-    for (int i = 0; i < 2; i++) stop_proc(&w[i]);
-}
-
-static void send_raw(void *s, const void *p, size_t n)
-{
-    km_zframe f = {p, n};
-    cr_assert_eq(km_zsend(s, &f, 1, 0, NULL), 0);
+    it_stop(&r);
+    for (int i = 0; i < 2; i++) it_stop(&w[i]);
 }
 
 static int expect_error(void *s, uint64_t *id)
@@ -417,14 +314,11 @@ Test(router, malformed_client_frames_get_errors_and_the_router_keeps_serving)
     start_worker(&w[0], ids[0]);
     start_router(&r, w, ids, 1, NULL);
     wait_up(&r, 1);
-    void *ctx = km_zctx_create();
-    void *s = NULL;
-    cr_assert_eq(km_zsock_open(ctx, KM_ZDEALER, NULL, &s, NULL), 0);
-    cr_assert_eq(km_zsock_connect(s, r.front, NULL), 0);
+    void *s = it_dealer(r.front);
 
-    send_raw(s, "\xc1garbage", 8);
+    it_send_raw(s, "\xc1garbage", 8);
     cr_assert_eq(expect_error(s, NULL), KM_CODE_BAD_REQUEST);
-    send_raw(s, "\x93\x01\x02\x03", 4); /* an array, not a map */
+    it_send_raw(s, "\x93\x01\x02\x03", 4); /* an array, not a map */
     cr_assert_eq(expect_error(s, NULL), KM_CODE_BAD_REQUEST);
 
     msgpack_sbuffer sb;
@@ -438,7 +332,7 @@ Test(router, malformed_client_frames_get_errors_and_the_router_keeps_serving)
     msgpack_pack_str_with_body(&pk, "req", 3);
     msgpack_pack_str_with_body(&pk, "id", 2);
     msgpack_pack_uint8(&pk, 5);
-    send_raw(s, sb.data, sb.size);
+    it_send_raw(s, sb.data, sb.size);
     cr_assert_eq(expect_error(s, NULL), KM_CODE_VERSION);
     msgpack_sbuffer_clear(&sb);
     msgpack_pack_map(&pk, 5); /* temperature out of range: the id is still attributed */
@@ -452,7 +346,7 @@ Test(router, malformed_client_frames_get_errors_and_the_router_keeps_serving)
     msgpack_pack_str_with_body(&pk, "default", 7);
     msgpack_pack_str_with_body(&pk, "temperature", 11);
     msgpack_pack_double(&pk, 1000.0);
-    send_raw(s, sb.data, sb.size);
+    it_send_raw(s, sb.data, sb.size);
     uint64_t id = 0;
     cr_assert_eq(expect_error(s, &id), KM_CODE_BAD_REQUEST);
     cr_assert_eq(id, 77u);
@@ -464,18 +358,17 @@ Test(router, malformed_client_frames_get_errors_and_the_router_keeps_serving)
     m.hb.state = KM_STATE_READY;
     km_buf b = {0};
     cr_assert_eq(km_msg_encode(&m, NULL, &b, NULL), 0);
-    send_raw(s, b.data, b.len);
+    it_send_raw(s, b.data, b.len);
     cr_assert_eq(expect_error(s, NULL), KM_CODE_BAD_REQUEST);
     km_msg_init(&m, KM_MSG_REQUEST);
     m.req.id = 9;
     m.req.model = "no-such-model";
     m.req.prompt = "hi";
     cr_assert_eq(km_msg_encode(&m, NULL, &b, NULL), 0);
-    send_raw(s, b.data, b.len);
+    it_send_raw(s, b.data, b.len);
     cr_assert_eq(expect_error(s, NULL), KM_CODE_NOT_FOUND);
     km_buf_free(&b);
     km_zsock_close(s);
-    km_zctx_destroy(ctx);
 
     /* still serving */
     kvm_client *c = client(&r);
@@ -491,8 +384,8 @@ Test(router, malformed_client_frames_get_errors_and_the_router_keeps_serving)
                   5);
     json_decref(o);
     kvm_close(c);
-    stop_proc(&r);
-    stop_proc(&w[0]);
+    it_stop(&r);
+    it_stop(&w[0]);
 }
 
 Test(router, a_full_cluster_answers_overloaded_with_a_retry_time)
@@ -528,8 +421,8 @@ Test(router, a_full_cluster_answers_overloaded_with_a_retry_time)
         km_msg_clear(&m);
     }
     kvm_close(c);
-    stop_proc(&r);
-    stop_proc(&w[0]);
+    it_stop(&r);
+    it_stop(&w[0]);
 }
 
 Test(router, a_late_router_catches_up_and_replicas_route_alike)
@@ -578,9 +471,9 @@ Test(router, a_late_router_catches_up_and_replicas_route_alike)
     free(sys);
     kvm_close(c1);
     kvm_close(c2);
-    stop_proc(&r1);
-    stop_proc(&r2);
-    for (int i = 0; i < 2; i++) stop_proc(&w[i]);
+    it_stop(&r1);
+    it_stop(&r2);
+    for (int i = 0; i < 2; i++) it_stop(&w[i]);
 }
 
 /* Runs a shell command, returns its stdout. */
@@ -671,8 +564,8 @@ Test(router, the_openai_http_api_answers_curl)
     out = sh(cmd);
     cr_assert_str_eq(out, "200");
     free(out);
-    stop_proc(&r);
-    stop_proc(&w[0]);
+    it_stop(&r);
+    it_stop(&w[0]);
 }
 
 /* Opens n connections to port, each sending a request head it never finishes. */
@@ -749,8 +642,8 @@ Test(router, slowloris_connections_do_not_lock_out_new_http_clients)
     for (int i = 0; i < N; i++)
         if (fds[i] >= 0) close(fds[i]);
     free(fds);
-    stop_proc(&r);
-    stop_proc(&w[0]);
+    it_stop(&r);
+    it_stop(&w[0]);
 }
 
 /* ---------------------------------------------------------------- the controller's view */
@@ -955,9 +848,9 @@ Test(router, a_member_draining_in_the_view_gets_nothing_new_until_it_is_ready_ag
         "%s", (const char *)b.data);
     km_buf_free(&b);
     kvm_close(c);
-    stop_proc(&r);
+    it_stop(&r);
     viewpub_stop(&vp);
-    for (int i = 0; i < 2; i++) stop_proc(&w[i]);
+    for (int i = 0; i < 2; i++) it_stop(&w[i]);
 }
 
 typedef struct dead_ctx {
@@ -1028,9 +921,9 @@ Test(router, a_member_dead_in_the_view_has_its_stream_migrated_with_the_same_gre
     km_buf_free(&text);
     kvm_result_free(&ref);
     kvm_close(c);
-    stop_proc(&r);
+    it_stop(&r);
     viewpub_stop(&vp);
-    for (int i = 0; i < 2; i++) stop_proc(&w[i]);
+    for (int i = 0; i < 2; i++) it_stop(&w[i]);
 }
 
 Test(router, a_router_with_only_a_controller_serves_the_workers_its_view_names)
@@ -1059,9 +952,9 @@ Test(router, a_router_with_only_a_controller_serves_the_workers_its_view_names)
     cr_assert(json_is_true(json_object_get(wj, "from_view")));
     json_decref(wj);
     kvm_close(c);
-    stop_proc(&r);
+    it_stop(&r);
     viewpub_stop(&vp);
-    stop_proc(&w[0]);
+    it_stop(&w[0]);
 }
 
 Test(router, when_the_views_stop_the_router_routes_by_its_own_liveness)
@@ -1099,8 +992,8 @@ Test(router, when_the_views_stop_the_router_routes_by_its_own_liveness)
     cr_assert_eq(counts[1], 2, "w1 got %d of 4 requests after the views stopped", counts[1]);
     cr_assert_eq(counts[0], 2);
     kvm_close(c);
-    stop_proc(&r);
-    for (int i = 0; i < 2; i++) stop_proc(&w[i]);
+    it_stop(&r);
+    for (int i = 0; i < 2; i++) it_stop(&w[i]);
 }
 
 /* ---------------------------------------------------------------- stop strings through the router
@@ -1157,6 +1050,6 @@ Test(router, a_streams_held_back_tail_reaches_the_client_in_done)
     kvm_result_free(&res);
     kvm_result_free(&whole);
     kvm_close(c);
-    stop_proc(&r);
-    stop_proc(&w[0]);
+    it_stop(&r);
+    it_stop(&w[0]);
 }

@@ -10,138 +10,45 @@
  * not change a single token. Run from the repository root after `make build` (make
  * integration); without the default model every test skips and says so.
  */
-#include <arpa/inet.h>
 #include <criterion/criterion.h>
 #include <msgpack.h>
-#include <netinet/in.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
-#include <sys/stat.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
+#include "tests/integration/harness.h"
 #include "worker/worker.h"
 
-#define MODEL  "models/SmolLM2-135M-Instruct.Q4_1.gguf"
-#define WORKER "build/bin/kvmesh-worker"
-
-typedef struct wproc {
-    pid_t pid;
-    char dir[64];
-    char req[512], ev[512];
-    int admin_port;
-} wproc;
-
-static void *g_ctx;
-static pid_t g_pids[8]; /* killed by the suite's fini when a test fails half way */
-static int g_npids;
+typedef it_proc wproc;
 
 static bool have_model(void)
 {
-    if (access(MODEL, R_OK) || access(WORKER, X_OK)) {
-        cr_skip_test("needs %s (make deps) and %s (make build)", MODEL, WORKER);
-        return false;
-    }
-    return true;
+    return it_have((const char *const[]){IT_MODEL, IT_WORKER, NULL});
 }
 
 static void start_worker(wproc *w, const char *const *extra)
 {
     memset(w, 0, sizeof *w);
-    snprintf(w->dir, sizeof w->dir, "/tmp/kvmesh-it-XXXXXX");
-    cr_assert(mkdtemp(w->dir));
-    char ports[128], log[128];
+    it_proc_dir(w, "it");
+    char ports[128];
     snprintf(ports, sizeof ports, "%s/ports", w->dir);
-    snprintf(log, sizeof log, "%s/worker.log", w->dir);
-    const char *argv[64] = {WORKER,
-                            "--listen",
-                            "tcp://127.0.0.1:*",
-                            "--events",
-                            "tcp://127.0.0.1:*",
-                            "--admin-port",
-                            "0",
-                            "--ports-file",
-                            ports,
-                            "--threads",
-                            "2",
-                            "--log-level",
-                            "warn"};
-    int n = 13;
-    for (int i = 0; extra && extra[i] && n < 62; i++) argv[n++] = extra[i];
-    argv[n] = NULL;
-    w->pid = fork();
-    cr_assert(w->pid >= 0);
-    if (w->pid > 0 && g_npids < 8) g_pids[g_npids++] = w->pid;
-    if (w->pid == 0) {
-        FILE *f = freopen(log, "w", stderr);
-        (void)f;
-        /* this suite is about other things: the daemons run without CURVE, on purpose (the
-         * security suite, test_security.c, runs them with keys) */
-        setenv("KVMESH_INSECURE", "1", 1);
-        execv(WORKER, (char *const *)argv);
-        _exit(127);
-    }
-    for (int i = 0; i < 600; i++) {
-        FILE *f = fopen(ports, "r");
-        if (f) {
-            char line[512];
-            while (fgets(line, sizeof line, f)) {
-                line[strcspn(line, "\n")] = 0;
-                if (!strncmp(line, "requests=", 9)) snprintf(w->req, sizeof w->req, "%s", line + 9);
-                if (!strncmp(line, "events=", 7)) snprintf(w->ev, sizeof w->ev, "%s", line + 7);
-                if (!strncmp(line, "admin=", 6)) {
-                    const char *c = strrchr(line, ':');
-                    w->admin_port = c ? atoi(c + 1) : 0;
-                }
-            }
-            fclose(f);
-            return;
-        }
-        int st;
-        if (waitpid(w->pid, &st, WNOHANG) == w->pid) cr_assert_fail("worker exited at start");
-        usleep(50000);
-    }
-    cr_assert_fail("worker did not start in 30 s");
-}
-
-/* Waits for the worker to exit (up to timeout_ms), killing it after that; returns its status. */
-static int stop_worker(wproc *w, int timeout_ms)
-{
-    int st = -1;
-    for (int i = 0; i < timeout_ms / 20; i++) {
-        if (waitpid(w->pid, &st, WNOHANG) == w->pid) return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-        usleep(20000);
-    }
-    kill(w->pid, SIGKILL);
-    waitpid(w->pid, &st, 0);
-    return -1;
-}
-
-static void *dealer(const char *ep)
-{
-    void *s = NULL;
-    km_errbuf err = {{0}};
-    cr_assert_eq(km_zsock_open(g_ctx, KM_ZDEALER, NULL, &s, &err), 0, "%s", err.msg);
-    cr_assert_eq(km_zsock_connect(s, ep, &err), 0, "%s", err.msg);
-    return s;
-}
-
-static void send_body(void *s, const void *p, size_t n)
-{
-    km_zframe f = {p, n};
-    cr_assert_eq(km_zsend(s, &f, 1, 0, NULL), 0);
-}
-
-static void send_msg(void *s, const km_msg *m)
-{
-    km_buf b = {0};
-    km_errbuf err = {{0}};
-    cr_assert_eq(km_msg_encode(m, NULL, &b, &err), 0, "%s", err.msg);
-    send_body(s, b.data, b.len);
-    km_buf_free(&b);
+    const char *argv[] = {IT_WORKER,
+                          "--listen",
+                          "tcp://127.0.0.1:*",
+                          "--events",
+                          "tcp://127.0.0.1:*",
+                          "--admin-port",
+                          "0",
+                          "--ports-file",
+                          ports,
+                          "--threads",
+                          "2",
+                          "--log-level",
+                          "warn",
+                          NULL};
+    it_spawn(w, argv, extra, "worker.log");
 }
 
 static void send_req(void *s, uint64_t id, const int32_t *toks, int n, int max_tokens)
@@ -155,7 +62,7 @@ static void send_req(void *s, uint64_t id, const int32_t *toks, int n, int max_t
     m.req.temperature = 0;
     m.req.max_tokens = (uint32_t)max_tokens;
     m.req.stream = true;
-    send_msg(s, &m);
+    it_send_msg(s, &m);
 }
 
 static void send_admin(void *s, uint64_t id, km_admin_cmd cmd, double fraction, const char *fmt,
@@ -168,23 +75,7 @@ static void send_admin(void *s, uint64_t id, km_admin_cmd cmd, double fraction, 
     m.admin.fraction = fraction;
     m.admin.format = fmt;
     m.admin.timeout_ms = timeout_ms;
-    send_msg(s, &m);
-}
-
-/* Receives one frame (decoded into m) within timeout_ms; false on timeout. */
-static bool recv_msg(void *s, km_msg *m, int timeout_ms)
-{
-    km_zmsg z = {0};
-    if (km_zrecv(s, &z, timeout_ms, NULL)) {
-        km_zmsg_clear(&z);
-        return false;
-    }
-    const km_zframe *b = km_zmsg_body(&z);
-    km_errbuf err = {{0}};
-    int rc = km_msg_decode(b->data, b->len, NULL, m, &err);
-    km_zmsg_clear(&z);
-    cr_assert_eq(rc, 0, "worker sent an undecodable frame: %s", err.msg);
-    return true;
+    it_send_msg(s, &m);
 }
 
 /* ---------------------------------------------------------------- reference: one sequence */
@@ -195,21 +86,14 @@ static wk_engine *g_engine;
 static void load_reference(void)
 {
     km_errbuf err = {{0}};
-    if (!g_model) cr_assert_eq(wk_model_load(MODEL, &g_model, &err), 0, "%s", err.msg);
+    if (!g_model) cr_assert_eq(wk_model_load(IT_MODEL, &g_model, &err), 0, "%s", err.msg);
     wk_engine_opts o = {.n_threads = 2, .max_batch_tokens = 256};
     if (!g_engine) cr_assert_eq(wk_engine_create(g_model, &o, &g_engine, &err), 0, "%s", err.msg);
 }
 
 static void fini_reference(void)
 {
-    for (int i = 0; i < g_npids; i++) {
-        int st;
-        if (waitpid(g_pids[i], &st, WNOHANG) == 0) {
-            kill(g_pids[i], SIGKILL);
-            waitpid(g_pids[i], &st, 0);
-        }
-    }
-    g_npids = 0;
+    it_kill_all();
     wk_engine_destroy(g_engine);
     wk_model_free(g_model);
     g_engine = NULL;
@@ -297,7 +181,7 @@ static void collect(void *s, job *jobs, int n, int timeout_ms)
     uint64_t t0 = km_now_ns();
     while (ended < n && (km_now_ns() - t0) / 1000000 < (uint64_t)timeout_ms) {
         km_msg m;
-        if (!recv_msg(s, &m, 200)) continue;
+        if (!it_recv_msg(s, &m, 200)) continue;
         uint64_t id = m.type == KM_MSG_TOKEN   ? m.tok.id
                       : m.type == KM_MSG_DONE  ? m.done.id
                       : m.type == KM_MSG_ERROR ? m.error.id
@@ -322,51 +206,12 @@ static void collect(void *s, job *jobs, int n, int timeout_ms)
     }
 }
 
-/* GET path on 127.0.0.1:port; the body into out (NUL-terminated); returns the status code. */
-static int http_get(int port, const char *path, char *out, size_t cap)
-{
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    if (connect(fd, (struct sockaddr *)&a, sizeof a)) {
-        close(fd);
-        return -1;
-    }
-    char req[256];
-    int n =
-        snprintf(req, sizeof req, "GET %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", path);
-    if (write(fd, req, (size_t)n) != n) {
-        close(fd);
-        return -1;
-    }
-    size_t len = 0;
-    ssize_t r;
-    while (len + 1 < cap && (r = read(fd, out + len, cap - 1 - len)) > 0) len += (size_t)r;
-    out[len] = 0;
-    close(fd);
-    int code = 0;
-    sscanf(out, "HTTP/1.%*d %d", &code);
-    return code;
-}
-
-static double metric(const char *text, const char *series)
-{
-    const char *p = text;
-    size_t sl = strlen(series);
-    while ((p = strstr(p, series))) {
-        if ((p == text || p[-1] == '\n') && p[sl] == ' ') return atof(p + sl + 1);
-        p += sl;
-    }
-    return -1;
-}
-
 TestSuite(worker, .init = NULL, .fini = fini_reference, .timeout = 240);
 
 Test(worker, sixty_four_concurrent_requests_match_each_request_run_alone)
 {
     if (!have_model()) return;
     load_reference();
-    g_ctx = km_zctx_create();
     static job jobs[NREQ];
     make_jobs(jobs, NREQ, 8, 120, 12);
     wproc w;
@@ -376,7 +221,7 @@ Test(worker, sixty_four_concurrent_requests_match_each_request_run_alone)
         "--max-running",   "32", "--kv-bytes", "20M", "--max-batch-tokens", "256",
         "--prefill-chunk", "64", NULL};
     start_worker(&w, extra);
-    void *s = dealer(w.req);
+    void *s = it_dealer(w.req);
     for (int j = 0; j < NREQ; j++)
         send_req(s, (uint64_t)j + 1, jobs[j].prompt, jobs[j].n_prompt, jobs[j].max_tokens);
     collect(s, jobs, NREQ, 120000);
@@ -389,31 +234,29 @@ Test(worker, sixty_four_concurrent_requests_match_each_request_run_alone)
                          "request %d differs from the same request run alone", j);
     }
     static char text[1 << 16];
-    cr_assert_eq(http_get(w.admin_port, "/metrics", text, sizeof text), 200);
-    cr_assert_eq(metric(text, "kvmesh_worker_requests_total{outcome=\"ok\"}"), NREQ);
-    cr_assert_gt(metric(text, "kvmesh_worker_tokens_total{kind=\"cached\"}"), 0,
+    cr_assert_eq(it_http_get(w.admin_port, "/metrics", text, sizeof text), 200);
+    cr_assert_eq(it_metric_in(text, "kvmesh_worker_requests_total{outcome=\"ok\"}"), NREQ);
+    cr_assert_gt(it_metric_in(text, "kvmesh_worker_tokens_total{kind=\"cached\"}"), 0,
                  "shared prefixes are reused");
     fprintf(stderr, "64 concurrent: preemptions=%.0f prefix_hit_ratio=%.3f\n",
-            metric(text, "kvmesh_worker_preemptions_total"),
-            metric(text, "kvmesh_worker_prefix_hit_ratio"));
+            it_metric_in(text, "kvmesh_worker_preemptions_total"),
+            it_metric_in(text, "kvmesh_worker_prefix_hit_ratio"));
     km_zsock_close(s);
     kill(w.pid, SIGTERM);
-    cr_assert_eq(stop_worker(&w, 10000), WK_EXIT_RESTART, "SIGTERM drains and asks a restart");
-    km_zctx_destroy(g_ctx);
+    cr_assert_eq(it_wait_exit(&w, 10000), WK_EXIT_RESTART, "SIGTERM drains and asks a restart");
 }
 
 Test(worker, drain_under_load_loses_no_request)
 {
     if (!have_model()) return;
     load_reference();
-    g_ctx = km_zctx_create();
     enum { N = 12 };
     static job jobs[N];
     make_jobs(jobs, N, 16, 100, 32);
     wproc a, b;
     start_worker(&a, NULL);
     start_worker(&b, NULL);
-    void *sa = dealer(a.req), *sb = dealer(b.req);
+    void *sa = it_dealer(a.req), *sb = it_dealer(b.req);
     for (int j = 0; j < N; j++)
         send_req(sa, (uint64_t)j + 1, jobs[j].prompt, jobs[j].n_prompt, jobs[j].max_tokens);
     /* Let generation start, then drain with a short grace: some requests finish, the rest are
@@ -421,7 +264,7 @@ Test(worker, drain_under_load_loses_no_request)
     int seen = 0;
     while (seen < 3) {
         km_msg m;
-        cr_assert(recv_msg(sa, &m, 30000), "no tokens before the drain");
+        cr_assert(it_recv_msg(sa, &m, 30000), "no tokens before the drain");
         if (m.type == KM_MSG_TOKEN) {
             job *jb = &jobs[m.tok.id - 1];
             jb->got[jb->n_got++] = m.tok.token;
@@ -438,7 +281,7 @@ Test(worker, drain_under_load_loses_no_request)
     uint64_t t0 = km_now_ns();
     while ((ended < N || !replied) && km_now_ns() - t0 < 60000000000ull) {
         km_msg m;
-        if (!recv_msg(sa, &m, 200)) continue;
+        if (!it_recv_msg(sa, &m, 200)) continue;
         if (m.type == KM_MSG_ADMIN_REPLY) {
             cr_assert(m.admin_reply.ok);
             cr_assert_eq(m.admin_reply.state, KM_STATE_DRAINING);
@@ -472,13 +315,13 @@ Test(worker, drain_under_load_loses_no_request)
         km_msg_clear(&m);
     }
     cr_assert_eq(ended, N, "every request ended on the draining worker");
-    cr_assert_eq(stop_worker(&a, 15000), WK_EXIT_RESTART, "a drain exits with the restart code");
+    cr_assert_eq(it_wait_exit(&a, 15000), WK_EXIT_RESTART, "a drain exits with the restart code");
     /* the migrated ones complete on b, continuing the same stream */
     int migrated_done = 0;
     t0 = km_now_ns();
     while (migrated_done < handed && km_now_ns() - t0 < 60000000000ull) {
         km_msg m;
-        if (!recv_msg(sb, &m, 200)) continue;
+        if (!it_recv_msg(sb, &m, 200)) continue;
         cr_assert_neq(m.type, KM_MSG_ERROR, "migrated request failed");
         job *jb = &jobs[(m.type == KM_MSG_TOKEN ? m.tok.id : m.done.id) - 1];
         if (m.type == KM_MSG_TOKEN) jb->got[jb->n_got++] = m.tok.token;
@@ -494,10 +337,9 @@ Test(worker, drain_under_load_loses_no_request)
     }
     fprintf(stderr, "drain: %d of %d requests handed back and migrated\n", handed, N);
     send_admin(sb, 1, KM_ADMIN_SHUTDOWN, 0, NULL, 0);
-    cr_assert_eq(stop_worker(&b, 10000), 0, "shutdown without restart exits 0");
+    cr_assert_eq(it_wait_exit(&b, 10000), 0, "shutdown without restart exits 0");
     km_zsock_close(sa);
     km_zsock_close(sb);
-    km_zctx_destroy(g_ctx);
 }
 
 static int g_bg_tokens; /* frames of the request in flight across the bad ones */
@@ -507,7 +349,7 @@ static void expect_error(void *s, int code, uint64_t id)
 {
     km_msg m;
     for (;;) {
-        cr_assert(recv_msg(s, &m, 10000), "no reply to a bad frame");
+        cr_assert(it_recv_msg(s, &m, 10000), "no reply to a bad frame");
         if (m.type == KM_MSG_TOKEN && m.tok.id == 77)
             g_bg_tokens++;
         else if (m.type == KM_MSG_DONE && m.done.id == 77)
@@ -527,35 +369,34 @@ static void expect_error(void *s, int code, uint64_t id)
 Test(worker, malformed_frames_get_errors_and_the_worker_keeps_serving)
 {
     if (!have_model()) return;
-    g_ctx = km_zctx_create();
     wproc w;
     start_worker(&w, NULL);
-    void *s = dealer(w.req);
+    void *s = it_dealer(w.req);
     /* a good request in flight across the bad frames */
     int32_t toks[40];
     for (int i = 0; i < 40; i++) toks[i] = 300 + i * 7;
     send_req(s, 77, toks, 40, 24);
-    send_body(s, "\xc1garbage", 8);
+    it_send_raw(s, "\xc1garbage", 8);
     expect_error(s, KM_CODE_BAD_REQUEST, 0);
-    send_body(s, "\x93\x01\x02\x03", 4); /* an array, not a map */
+    it_send_raw(s, "\x93\x01\x02\x03", 4); /* an array, not a map */
     expect_error(s, KM_CODE_BAD_REQUEST, 0);
     /* {"v":9,"t":"req","id":5} */
-    send_body(s, "\x83\xa1v\x09\xa1t\xa3req\xa2id\x05", 14);
+    it_send_raw(s, "\x83\xa1v\x09\xa1t\xa3req\xa2id\x05", 14);
     expect_error(s, KM_CODE_VERSION, 5);
     /* {"v":1,"t":"req","id":6,"model":"x","prompt":7}: wrong type, id still echoed */
-    send_body(s, "\x85\xa1v\x01\xa1t\xa3req\xa2id\x06\xa5model\xa1x\xa6prompt\x07", 30);
+    it_send_raw(s, "\x85\xa1v\x01\xa1t\xa3req\xa2id\x06\xa5model\xa1x\xa6prompt\x07", 30);
     expect_error(s, KM_CODE_BAD_REQUEST, 6);
     /* a frame the worker never takes */
     km_msg m;
     km_msg_init(&m, KM_MSG_TOKEN);
     m.tok.id = 8;
     m.tok.text = "x";
-    send_msg(s, &m);
+    it_send_msg(s, &m);
     expect_error(s, KM_CODE_BAD_REQUEST, 0);
     /* oversized: over 1 MiB but under the transport cap */
     size_t big = (1u << 20) + 100;
     char *p = calloc(1, big);
-    send_body(s, p, big);
+    it_send_raw(s, p, big);
     free(p);
     expect_error(s, KM_CODE_TOO_LARGE, 0);
     /* unknown model */
@@ -564,7 +405,7 @@ Test(worker, malformed_frames_get_errors_and_the_worker_keeps_serving)
     m.req.model = "gpt-17";
     m.req.tokens = toks;
     m.req.n_tokens = 4;
-    send_msg(s, &m);
+    it_send_msg(s, &m);
     expect_error(s, KM_CODE_NOT_FOUND, 9);
     /* a token outside the vocabulary */
     int32_t bad[2] = {1, 1 << 30};
@@ -573,7 +414,7 @@ Test(worker, malformed_frames_get_errors_and_the_worker_keeps_serving)
     /* the good request completes, unharmed */
     int n_tok = g_bg_tokens;
     for (; !g_bg_done;) {
-        cr_assert(recv_msg(s, &m, 30000), "request 77 never completed");
+        cr_assert(it_recv_msg(s, &m, 30000), "request 77 never completed");
         cr_assert_neq(m.type, KM_MSG_ERROR, "%s", m.error.message);
         if (m.type == KM_MSG_TOKEN) n_tok++;
         bool end = m.type == KM_MSG_DONE;
@@ -582,17 +423,18 @@ Test(worker, malformed_frames_get_errors_and_the_worker_keeps_serving)
         if (end) break;
     }
     static char text[1 << 16];
-    cr_assert_eq(http_get(w.admin_port, "/metrics", text, sizeof text), 200);
-    cr_assert_eq(metric(text, "kvmesh_worker_bad_frames_total{reason=\"malformed\"}"), 3);
-    cr_assert_eq(metric(text, "kvmesh_worker_bad_frames_total{reason=\"unsupported_version\"}"), 1);
-    cr_assert_eq(metric(text, "kvmesh_worker_bad_frames_total{reason=\"too_large\"}"), 1);
-    cr_assert_eq(metric(text, "kvmesh_worker_bad_frames_total{reason=\"unexpected_type\"}"), 1);
-    cr_assert_eq(http_get(w.admin_port, "/readyz", text, sizeof text), 200);
-    cr_assert_eq(http_get(w.admin_port, "/healthz", text, sizeof text), 200);
+    cr_assert_eq(it_http_get(w.admin_port, "/metrics", text, sizeof text), 200);
+    cr_assert_eq(it_metric_in(text, "kvmesh_worker_bad_frames_total{reason=\"malformed\"}"), 3);
+    cr_assert_eq(
+        it_metric_in(text, "kvmesh_worker_bad_frames_total{reason=\"unsupported_version\"}"), 1);
+    cr_assert_eq(it_metric_in(text, "kvmesh_worker_bad_frames_total{reason=\"too_large\"}"), 1);
+    cr_assert_eq(it_metric_in(text, "kvmesh_worker_bad_frames_total{reason=\"unexpected_type\"}"),
+                 1);
+    cr_assert_eq(it_http_get(w.admin_port, "/readyz", text, sizeof text), 200);
+    cr_assert_eq(it_http_get(w.admin_port, "/healthz", text, sizeof text), 200);
     km_zsock_close(s);
     kill(w.pid, SIGKILL);
-    stop_worker(&w, 5000);
-    km_zctx_destroy(g_ctx);
+    it_wait_exit(&w, 5000);
 }
 
 /* Encodes admin status with the replay keys of docs/protocol.md section 9. */
@@ -618,29 +460,28 @@ static void send_replay(void *s, uint64_t id, uint64_t since, bool snapshot)
         msgpack_pack_str_with_body(&pk, "events_since", 12);
         msgpack_pack_uint64(&pk, since);
     }
-    send_body(s, sb.data, sb.size);
+    it_send_raw(s, sb.data, sb.size);
     msgpack_sbuffer_destroy(&sb);
 }
 
 Test(worker, kv_events_are_numbered_and_can_be_replayed_or_snapshotted)
 {
     if (!have_model()) return;
-    g_ctx = km_zctx_create();
     wproc w;
     start_worker(&w, NULL);
     void *sub = NULL;
     km_errbuf err = {{0}};
-    cr_assert_eq(km_zsock_open(g_ctx, KM_ZSUB, NULL, &sub, &err), 0);
+    cr_assert_eq(km_zsock_open(it_zctx(), KM_ZSUB, NULL, &sub, &err), 0);
     cr_assert_eq(km_zsock_subscribe(sub, "kv.", 3, &err), 0);
     cr_assert_eq(km_zsock_connect(sub, w.ev, &err), 0);
     usleep(300000); /* the subscription reaches the PUB */
-    void *s = dealer(w.req);
+    void *s = it_dealer(w.req);
     int32_t toks[70];
     for (int i = 0; i < 70; i++) toks[i] = 500 + i;
     send_req(s, 1, toks, 70, 3);
     km_msg m;
     do {
-        cr_assert(recv_msg(s, &m, 30000));
+        cr_assert(it_recv_msg(s, &m, 30000));
         bool end = m.type == KM_MSG_DONE;
         km_msg_clear(&m);
         if (end) break;
@@ -667,7 +508,7 @@ Test(worker, kv_events_are_numbered_and_can_be_replayed_or_snapshotted)
     uint64_t next = expect_seq;
     int replayed = 0;
     for (;;) {
-        cr_assert(recv_msg(s, &m, 10000));
+        cr_assert(it_recv_msg(s, &m, 10000));
         if (m.type == KM_MSG_KV_EVENT) {
             cr_assert_eq(m.kv.seq, (uint64_t)replayed + 1);
             replayed++;
@@ -682,7 +523,7 @@ Test(worker, kv_events_are_numbered_and_can_be_replayed_or_snapshotted)
     send_replay(s, 43, 0, true);
     int snap = 0;
     for (;;) {
-        cr_assert(recv_msg(s, &m, 10000));
+        cr_assert(it_recv_msg(s, &m, 10000));
         if (m.type == KM_MSG_KV_EVENT) {
             cr_assert_eq(m.kv.kind, KM_KV_STORED);
             snap += (int)m.kv.n_hashes;
@@ -695,36 +536,34 @@ Test(worker, kv_events_are_numbered_and_can_be_replayed_or_snapshotted)
     km_zsock_close(sub);
     km_zsock_close(s);
     kill(w.pid, SIGKILL);
-    stop_worker(&w, 5000);
-    km_zctx_destroy(g_ctx);
+    it_wait_exit(&w, 5000);
 }
 
 Test(worker, admin_commands_evict_convert_and_shut_down)
 {
     if (!have_model()) return;
-    g_ctx = km_zctx_create();
     wproc w;
     start_worker(&w, NULL);
-    void *s = dealer(w.req);
+    void *s = it_dealer(w.req);
     int32_t toks[100];
     for (int i = 0; i < 100; i++) toks[i] = 700 + i * 3;
     send_req(s, 1, toks, 100, 4);
     km_msg m;
     do {
-        cr_assert(recv_msg(s, &m, 30000));
+        cr_assert(it_recv_msg(s, &m, 30000));
         bool end = m.type == KM_MSG_DONE;
         km_msg_clear(&m);
         if (end) break;
     } while (1);
     send_admin(s, 2, KM_ADMIN_STATUS, 0, NULL, 0);
-    cr_assert(recv_msg(s, &m, 10000));
+    cr_assert(it_recv_msg(s, &m, 10000));
     cr_assert_eq(m.type, KM_MSG_ADMIN_REPLY);
     cr_assert_eq(m.admin_reply.state, KM_STATE_READY);
     cr_assert_str_eq(m.admin_reply.kv_format, "f16");
     cr_assert_geq(m.admin_reply.kv_pages, 6);
     km_msg_clear(&m);
     send_admin(s, 3, KM_ADMIN_SET_KV_FORMAT, 0, "fp8", 0);
-    cr_assert(recv_msg(s, &m, 10000));
+    cr_assert(it_recv_msg(s, &m, 10000));
     cr_assert(m.admin_reply.ok);
     cr_assert_geq(m.admin_reply.converted_pages, 6);
     cr_assert_str_eq(m.admin_reply.kv_format, "fp8");
@@ -732,7 +571,7 @@ Test(worker, admin_commands_evict_convert_and_shut_down)
     /* serving goes on in fp8, reusing the converted prefix */
     send_req(s, 4, toks, 100, 4);
     for (;;) {
-        cr_assert(recv_msg(s, &m, 30000));
+        cr_assert(it_recv_msg(s, &m, 30000));
         cr_assert_neq(m.type, KM_MSG_ERROR);
         bool end = m.type == KM_MSG_DONE;
         if (end) cr_assert_geq(m.done.cached_tokens, 96);
@@ -740,38 +579,40 @@ Test(worker, admin_commands_evict_convert_and_shut_down)
         if (end) break;
     }
     send_admin(s, 5, KM_ADMIN_SET_KV_FORMAT, 0, "f16", 0);
-    cr_assert(recv_msg(s, &m, 10000));
+    cr_assert(it_recv_msg(s, &m, 10000));
     cr_assert(m.admin_reply.ok);
     cr_assert_str_eq(m.admin_reply.kv_format, "f16");
     km_msg_clear(&m);
     /* {"v":1,"t":"admin","id":6,"cmd":"set_kv_format","format":"f7"}: the client library
      * refuses to encode it, so raw bytes */
-    send_body(s,
-              "\x85\xa1v\x01\xa1t\xa5"
-              "admin\xa2id\x06\xa3"
-              "cmd\xadset_kv_format\xa6"
-              "format\xa2"
-              "f7",
-              45);
-    cr_assert(recv_msg(s, &m, 10000));
+    it_send_raw(s,
+                "\x85\xa1v\x01\xa1t\xa5"
+                "admin\xa2id\x06\xa3"
+                "cmd\xadset_kv_format\xa6"
+                "format\xa2"
+                "f7",
+                45);
+    cr_assert(it_recv_msg(s, &m, 10000));
     cr_assert(m.type == KM_MSG_ERROR || (m.type == KM_MSG_ADMIN_REPLY && !m.admin_reply.ok),
               "an unknown format is refused");
     km_msg_clear(&m);
     send_admin(s, 7, KM_ADMIN_EVICT, 1.0, NULL, 0);
-    cr_assert(recv_msg(s, &m, 10000));
+    cr_assert(it_recv_msg(s, &m, 10000));
     cr_assert(m.admin_reply.ok);
     cr_assert_geq(m.admin_reply.evicted_pages, 6);
     km_msg_clear(&m);
     static char text[1 << 16];
-    cr_assert_eq(http_get(w.admin_port, "/metrics", text, sizeof text), 200);
-    cr_assert_eq(metric(text, "kvmesh_worker_recovery_actions_total{action=\"evict\"}"), 1);
-    cr_assert_eq(metric(text, "kvmesh_worker_recovery_actions_total{action=\"set_kv_format\"}"), 2);
-    cr_assert_eq(metric(text, "kvmesh_recovery_actions_total{level=\"1\"}"), 1, "evict");
-    cr_assert_eq(metric(text, "kvmesh_recovery_actions_total{level=\"2\"}"), 1, "to fp8");
-    cr_assert_eq(metric(text, "kvmesh_recovery_actions_total{level=\"0\"}"), 1, "back to f16");
+    cr_assert_eq(it_http_get(w.admin_port, "/metrics", text, sizeof text), 200);
+    cr_assert_eq(it_metric_in(text, "kvmesh_worker_recovery_actions_total{action=\"evict\"}"), 1);
+    cr_assert_eq(
+        it_metric_in(text, "kvmesh_worker_recovery_actions_total{action=\"set_kv_format\"}"), 2);
+    cr_assert_eq(it_metric_in(text, "kvmesh_recovery_actions_total{level=\"1\"}"), 1, "evict");
+    cr_assert_eq(it_metric_in(text, "kvmesh_recovery_actions_total{level=\"2\"}"), 1, "to fp8");
+    cr_assert_eq(it_metric_in(text, "kvmesh_recovery_actions_total{level=\"0\"}"), 1,
+                 "back to f16");
     /* pressure is refused without --chaos */
     send_admin(s, 70, KM_ADMIN_PRESSURE, 0.5, NULL, 0);
-    cr_assert(recv_msg(s, &m, 10000));
+    cr_assert(it_recv_msg(s, &m, 10000));
     cr_assert_eq(m.type, KM_MSG_ADMIN_REPLY);
     cr_assert(!m.admin_reply.ok);
     cr_assert_eq(m.admin_reply.code, KM_CODE_BAD_REQUEST);
@@ -783,35 +624,33 @@ Test(worker, admin_commands_evict_convert_and_shut_down)
     m.admin.cmd = KM_ADMIN_EVICT;
     m.admin.fraction = 1.0;
     m.admin.worker = "someone-else";
-    send_msg(s, &m);
-    cr_assert(recv_msg(s, &m, 10000));
+    it_send_msg(s, &m);
+    cr_assert(it_recv_msg(s, &m, 10000));
     cr_assert(!m.admin_reply.ok);
     cr_assert_eq(m.admin_reply.code, KM_CODE_NOT_FOUND);
     cr_assert_str_eq(m.admin_reply.message, "not this worker");
     km_msg_clear(&m);
-    cr_assert_eq(http_get(w.admin_port, "/metrics", text, sizeof text), 200);
-    cr_assert_eq(metric(text, "kvmesh_recovery_actions_total{level=\"1\"}"), 1);
+    cr_assert_eq(it_http_get(w.admin_port, "/metrics", text, sizeof text), 200);
+    cr_assert_eq(it_metric_in(text, "kvmesh_recovery_actions_total{level=\"1\"}"), 1);
     m.type = KM_MSG_NONE;
     km_msg_init(&m, KM_MSG_ADMIN);
     m.admin.id = 8;
     m.admin.cmd = KM_ADMIN_SHUTDOWN;
     m.admin.restart = true;
-    send_msg(s, &m);
-    cr_assert(recv_msg(s, &m, 10000));
+    it_send_msg(s, &m);
+    cr_assert(it_recv_msg(s, &m, 10000));
     cr_assert_eq(m.admin_reply.state, KM_STATE_STOPPING);
     km_msg_clear(&m);
-    cr_assert_eq(stop_worker(&w, 10000), WK_EXIT_RESTART);
+    cr_assert_eq(it_wait_exit(&w, 10000), WK_EXIT_RESTART);
     km_zsock_close(s);
-    km_zctx_destroy(g_ctx);
 }
 
 Test(worker, cancel_and_deadline_end_requests_early)
 {
     if (!have_model()) return;
-    g_ctx = km_zctx_create();
     wproc w;
     start_worker(&w, NULL);
-    void *s = dealer(w.req);
+    void *s = it_dealer(w.req);
     int32_t toks[20];
     for (int i = 0; i < 20; i++) toks[i] = 900 + i;
     km_msg m;
@@ -822,19 +661,19 @@ Test(worker, cancel_and_deadline_end_requests_early)
     m.req.n_tokens = 20;
     m.req.max_tokens = 4000;
     m.req.stream = true;
-    send_msg(s, &m);
+    it_send_msg(s, &m);
     m.req.id = 2;
     m.req.deadline_ms = 300;
     m.req.stream = false;
-    send_msg(s, &m);
+    it_send_msg(s, &m);
     bool canceled = false, expired = false, sent_cancel = false;
     while (!canceled || !expired) {
-        cr_assert(recv_msg(s, &m, 30000), "canceled=%d expired=%d", canceled, expired);
+        cr_assert(it_recv_msg(s, &m, 30000), "canceled=%d expired=%d", canceled, expired);
         if (m.type == KM_MSG_TOKEN && !sent_cancel) {
             km_msg c;
             km_msg_init(&c, KM_MSG_CANCEL);
             c.cancel.id = 1;
-            send_msg(s, &c);
+            it_send_msg(s, &c);
             sent_cancel = true;
         } else if (m.type == KM_MSG_DONE) {
             if (m.done.id == 1) {
@@ -850,17 +689,15 @@ Test(worker, cancel_and_deadline_end_requests_early)
     }
     km_zsock_close(s);
     kill(w.pid, SIGKILL);
-    stop_worker(&w, 5000);
-    km_zctx_destroy(g_ctx);
+    it_wait_exit(&w, 5000);
 }
 
 Test(worker, heartbeats_reach_the_controller_and_serving_survives_its_absence)
 {
     if (!have_model()) return;
-    g_ctx = km_zctx_create();
     void *ctl = NULL;
     km_errbuf err = {{0}};
-    cr_assert_eq(km_zsock_open(g_ctx, KM_ZROUTER, NULL, &ctl, &err), 0);
+    cr_assert_eq(km_zsock_open(it_zctx(), KM_ZROUTER, NULL, &ctl, &err), 0);
     cr_assert_eq(km_zsock_bind(ctl, "tcp://127.0.0.1:*", &err), 0);
     char ep[256];
     cr_assert_eq(km_zsock_last_endpoint(ctl, ep, sizeof ep, &err), 0);
@@ -891,14 +728,14 @@ Test(worker, heartbeats_reach_the_controller_and_serving_survives_its_absence)
     km_zmsg_clear(&z);
     /* the controller goes away: requests are still served */
     km_zsock_close(ctl);
-    void *s = dealer(w.req);
+    void *s = it_dealer(w.req);
     int32_t toks[12];
     for (int i = 0; i < 12; i++) toks[i] = 1000 + i;
     usleep(300000);
     send_req(s, 1, toks, 12, 3);
     km_msg m;
     for (;;) {
-        cr_assert(recv_msg(s, &m, 30000), "request not served without a controller");
+        cr_assert(it_recv_msg(s, &m, 30000), "request not served without a controller");
         bool end = m.type == KM_MSG_DONE;
         cr_assert_neq(m.type, KM_MSG_ERROR);
         km_msg_clear(&m);
@@ -906,8 +743,7 @@ Test(worker, heartbeats_reach_the_controller_and_serving_survives_its_absence)
     }
     km_zsock_close(s);
     kill(w.pid, SIGKILL);
-    stop_worker(&w, 5000);
-    km_zctx_destroy(g_ctx);
+    it_wait_exit(&w, 5000);
 }
 
 /* Waits for the DONE of a request and returns its cached prompt tokens. */
@@ -915,7 +751,7 @@ static int wait_done_cached(void *s)
 {
     km_msg m;
     for (;;) {
-        cr_assert(recv_msg(s, &m, 30000), "no reply");
+        cr_assert(it_recv_msg(s, &m, 30000), "no reply");
         cr_assert_neq(m.type, KM_MSG_ERROR);
         if (m.type == KM_MSG_DONE) {
             int cached = (int)m.done.cached_tokens;
@@ -930,7 +766,6 @@ static int wait_done_cached(void *s)
  * the prompt comes back from disk. host_bytes: a host tier too (NULL: none). */
 static void warm_restart(const char *host_bytes)
 {
-    g_ctx = km_zctx_create();
     char disk[64];
     snprintf(disk, sizeof disk, "/tmp/kvmesh-disk-XXXXXX");
     cr_assert(mkdtemp(disk));
@@ -943,24 +778,23 @@ static void warm_restart(const char *host_bytes)
 
     wproc w;
     start_worker(&w, extra);
-    void *s = dealer(w.req);
+    void *s = it_dealer(w.req);
     send_req(s, 1, toks, 100, 4);
     cr_assert_eq(wait_done_cached(s), 0, "a fresh disk tier cannot hold this prompt yet");
     kill(w.pid, SIGTERM); /* drain: hot pages are persisted to the disk tier */
-    cr_assert_eq(stop_worker(&w, 30000), WK_EXIT_RESTART);
+    cr_assert_eq(it_wait_exit(&w, 30000), WK_EXIT_RESTART);
     km_zsock_close(s);
 
     wproc w2;
     start_worker(&w2, extra);
-    s = dealer(w2.req);
+    s = it_dealer(w2.req);
     send_req(s, 2, toks, 100, 4);
     int cached = wait_done_cached(s);
     cr_assert_geq(cached, 96, "after a restart only %d of 100 prompt tokens came from disk",
                   cached);
     kill(w2.pid, SIGTERM);
-    stop_worker(&w2, 30000);
+    it_wait_exit(&w2, 30000);
     km_zsock_close(s);
-    km_zctx_destroy(g_ctx);
     char cmd[128];
     snprintf(cmd, sizeof cmd, "rm -rf %s", disk);
     if (system(cmd)) fprintf(stderr, "warning: could not remove %s\n", disk);
@@ -1006,9 +840,9 @@ static void gen_text(void *s, uint64_t id, const char *prompt, const char *stop,
     const char *stops[1] = {stop};
     m.req.stop = stops;
     m.req.n_stop = stop ? 1 : 0;
-    send_msg(s, &m);
+    it_send_msg(s, &m);
     for (;;) {
-        cr_assert(recv_msg(s, &m, 30000), "request %llu: no reply", (unsigned long long)id);
+        cr_assert(it_recv_msg(s, &m, 30000), "request %llu: no reply", (unsigned long long)id);
         cr_assert_neq(m.type, KM_MSG_ERROR, "%s", m.error.message);
         if (m.type == KM_MSG_TOKEN) {
             cr_assert_eq(m.tok.id, id);
@@ -1039,10 +873,9 @@ static void gen_text(void *s, uint64_t id, const char *prompt, const char *stop,
 Test(worker, streamed_pieces_never_leak_a_stop_string_and_agree_with_the_whole_text)
 {
     if (!have_model()) return;
-    g_ctx = km_zctx_create();
     wproc w;
     start_worker(&w, NULL);
-    void *s = dealer(w.req);
+    void *s = it_dealer(w.req);
     const char *prompt = "The capital of France is";
     /* Greedy: "Paris.\n\nThe United States has a population of ...": " United" and " States"
      * are two tokens, so a stream that sent text as it came would leak " United". */
@@ -1076,8 +909,7 @@ Test(worker, streamed_pieces_never_leak_a_stop_string_and_agree_with_the_whole_t
     cr_assert_str_eq(whole.text + whole.len - 7, " United");
     km_zsock_close(s);
     kill(w.pid, SIGKILL);
-    stop_worker(&w, 5000);
-    km_zctx_destroy(g_ctx);
+    it_wait_exit(&w, 5000);
 }
 
 /* ---------------------------------------------------------------- chaos pressure */
@@ -1085,12 +917,10 @@ Test(worker, streamed_pieces_never_leak_a_stop_string_and_agree_with_the_whole_t
 /* The value of a series once it equals want, or its last value after 3 s. */
 static double wait_metric(int port, const char *series, double want)
 {
-    static char text[1 << 16];
     double v = -1;
     for (int i = 0; i < 60 && v != want; i++) {
         if (i) usleep(50000);
-        cr_assert_eq(http_get(port, "/metrics", text, sizeof text), 200);
-        v = metric(text, series);
+        v = it_metric(port, series);
     }
     return v;
 }
@@ -1100,7 +930,7 @@ static void pressure(void *s, uint64_t id, double fraction, km_msg *m)
 {
     send_admin(s, id, KM_ADMIN_PRESSURE, fraction, NULL, 0);
     for (;;) {
-        cr_assert(recv_msg(s, m, 10000), "no reply to pressure");
+        cr_assert(it_recv_msg(s, m, 10000), "no reply to pressure");
         if (m->type == KM_MSG_ADMIN_REPLY && m->admin_reply.id == id) return;
         km_msg_clear(m);
     }
@@ -1137,10 +967,9 @@ static void hb_hot(void *ctl, uint64_t min_seq, uint64_t *pinned, uint64_t *budg
 Test(worker, pressure_pins_real_pages_that_heartbeats_report_and_fp8_shrinks)
 {
     if (!have_model()) return;
-    g_ctx = km_zctx_create();
     void *ctl = NULL;
     km_errbuf err = {{0}};
-    cr_assert_eq(km_zsock_open(g_ctx, KM_ZROUTER, NULL, &ctl, &err), 0);
+    cr_assert_eq(km_zsock_open(it_zctx(), KM_ZROUTER, NULL, &ctl, &err), 0);
     cr_assert_eq(km_zsock_bind(ctl, "tcp://127.0.0.1:*", &err), 0);
     char ep[256];
     cr_assert_eq(km_zsock_last_endpoint(ctl, ep, sizeof ep, &err), 0);
@@ -1150,7 +979,7 @@ Test(worker, pressure_pins_real_pages_that_heartbeats_report_and_fp8_shrinks)
                            "w-chaos",      "--chaos", "--kv-bytes",  "8M",    "--log-level",
                            "info",         NULL};
     start_worker(&w, extra);
-    void *s = dealer(w.req);
+    void *s = it_dealer(w.req);
     uint64_t pinned, budget, tokens, seq;
     hb_hot(ctl, 1, &pinned, &budget, &tokens, &seq);
     cr_assert_eq(pinned, 0, "an idle worker pins nothing");
@@ -1177,7 +1006,7 @@ Test(worker, pressure_pins_real_pages_that_heartbeats_report_and_fp8_shrinks)
     km_msg_clear(&m);
     const uint64_t want2 = (uint64_t)(0.25 * (double)budget / (double)pb + 0.5);
     send_admin(s, 3, KM_ADMIN_SET_KV_FORMAT, 0, "fp8", 0);
-    cr_assert(recv_msg(s, &m, 10000));
+    cr_assert(it_recv_msg(s, &m, 10000));
     cr_assert(m.admin_reply.ok);
     cr_assert_geq(m.admin_reply.converted_pages, want2);
     km_msg_clear(&m);
@@ -1186,7 +1015,7 @@ Test(worker, pressure_pins_real_pages_that_heartbeats_report_and_fp8_shrinks)
     cr_assert_lt(pinned, want2 * pb * 6 / 10, "fp8 about halves the ballast: %llu",
                  (unsigned long long)pinned);
     send_admin(s, 4, KM_ADMIN_SET_KV_FORMAT, 0, "f16", 0);
-    cr_assert(recv_msg(s, &m, 10000));
+    cr_assert(it_recv_msg(s, &m, 10000));
     cr_assert(m.admin_reply.ok);
     km_msg_clear(&m);
     /* more than the pool can give while a request holds pages: as many as possible, said so,
@@ -1195,7 +1024,7 @@ Test(worker, pressure_pins_real_pages_that_heartbeats_report_and_fp8_shrinks)
     for (int i = 0; i < 120; i++) toks[i] = 2000 + i * 11;
     send_req(s, 10, toks, 120, 400);
     for (;;) { /* wait until it runs */
-        cr_assert(recv_msg(s, &m, 30000));
+        cr_assert(it_recv_msg(s, &m, 30000));
         bool tok = m.type == KM_MSG_TOKEN;
         km_msg_clear(&m);
         if (tok) break;
@@ -1211,7 +1040,7 @@ Test(worker, pressure_pins_real_pages_that_heartbeats_report_and_fp8_shrinks)
     km_msg_clear(&m);
     send_admin(s, 7, KM_ADMIN_STATUS, 0, NULL, 0);
     for (;;) { /* the worker still serves: status answers and request 10 ends one way or another */
-        cr_assert(recv_msg(s, &m, 30000));
+        cr_assert(it_recv_msg(s, &m, 30000));
         bool end = m.type == KM_MSG_ADMIN_REPLY && m.admin_reply.id == 7;
         km_msg_clear(&m);
         if (end) break;
@@ -1222,7 +1051,7 @@ Test(worker, pressure_pins_real_pages_that_heartbeats_report_and_fp8_shrinks)
     pressure(s, 8, 0.3, &m);
     km_msg_clear(&m);
     send_admin(s, 9, KM_ADMIN_DRAIN, 0, NULL, 100);
-    cr_assert_eq(stop_worker(&w, 30000), WK_EXIT_RESTART);
+    cr_assert_eq(it_wait_exit(&w, 30000), WK_EXIT_RESTART);
     char log[160], line[1024];
     snprintf(log, sizeof log, "%s/worker.log", w.dir);
     FILE *f = fopen(log, "r");
@@ -1240,5 +1069,4 @@ Test(worker, pressure_pins_real_pages_that_heartbeats_report_and_fp8_shrinks)
     cr_assert_eq(chaos, 5);
     km_zsock_close(s);
     km_zsock_close(ctl);
-    km_zctx_destroy(g_ctx);
 }
