@@ -3,7 +3,9 @@
 # Plain GNU make, no generator: every component directory is a static library, every
 # tests/unit/test_*.c a Criterion binary. SIMD files are named *_avx2.c / *_avx512.c and get
 # their own -m flags; which one runs is decided at run time (kernels/kernels.h).
-# `make SAN=1` builds everything with AddressSanitizer + UBSan under build/san/.
+# `make SAN=1` builds everything with AddressSanitizer + UBSan under build/san/, `make TSAN=1`
+# with ThreadSanitizer under build/tsan/. assert() is on in every build (nothing defines NDEBUG):
+# the invariants it checks are O(1) and never depend on outside input.
 
 SHELL := /bin/bash
 CC ?= cc
@@ -12,10 +14,18 @@ CC := gcc
 endif
 
 SAN ?= 0
+TSAN ?= 0
 ifeq ($(SAN),1)
 BUILD ?= build/san
 SANFLAGS := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
 OPT ?= -O1 -g
+else ifeq ($(TSAN),1)
+BUILD ?= build/tsan
+SANFLAGS := -fsanitize=thread -fno-omit-frame-pointer
+OPT ?= -O1 -g
+# Criterion's runner cannot start under ThreadSanitizer: tests build against tests/tsan's
+# stand-in header and runner instead (tests/tsan/criterion/criterion.h says why).
+SANINC := -Itests/tsan
 else
 BUILD ?= build
 SANFLAGS :=
@@ -23,7 +33,7 @@ OPT ?= -O2 -g
 endif
 
 WARN := -Wall -Wextra -Wno-unused-parameter -Wshadow -Wvla
-CFLAGS_BASE := -std=gnu11 $(OPT) $(WARN) -I. -pthread -fPIC -MMD -MP $(SANFLAGS) $(EXTRA_CFLAGS)
+CFLAGS_BASE := -std=gnu11 $(OPT) $(WARN) -I. $(SANINC) -pthread -fPIC -MMD -MP $(SANFLAGS) $(EXTRA_CFLAGS)
 AVX2_FLAGS := -mavx2 -mfma -mf16c
 AVX512_FLAGS := -mavx2 -mfma -mf16c -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vnni -mavx512bf16
 LDLIBS := -lczmq -lzmq -lsodium -lmsgpackc -luv -lh2o -ljansson -lxxhash -lm -pthread
@@ -31,7 +41,7 @@ LDFLAGS := $(SANFLAGS)
 
 OBJ := $(BUILD)/obj
 BIN := build/bin
-ifeq ($(SAN),1)
+ifneq ($(SAN)$(TSAN),00)
 BIN := $(BUILD)/bin
 endif
 TESTBIN := $(BUILD)/tests
@@ -82,24 +92,17 @@ ifneq ($(wildcard controller/main.c),)
 PROGRAMS += $(BIN)/kvmesh-controller
 endif
 
-.PHONY: all build deps test unit-tests unit-tests-san integration fuzz fuzz-run demo bench \
-        bench-engine fixtures fmt lint clean help
+.PHONY: all build deps test unit-tests unit-tests-san unit-tests-tsan integration fuzz fuzz-run \
+        demo bench bench-engine fixtures fmt lint help-check clean help
 
-all: build
-build: $(PROGRAMS) check-links
+all: build ## = build
+build: $(PROGRAMS) check-links ## the kvmesh command and the daemons into build/bin, every library's link checked
 
-help:
-	@echo "make deps          install Debian packages and fetch the default model (idempotent)"
-	@echo "make [build]       build everything into build/bin"
-	@echo "make test          deps + build + unit tests (plain and ASan/UBSan) + fuzz regression"
-	@echo "make demo          deps + build + the default model answering real prompts"
-	@echo "make chaos         fault-injection scenarios against local clusters (docs/chaos.md)"
-	@echo "make bench-engine  engine speed side by side with llama.cpp (docs/benchmarks.md)"
-	@echo "make bench-transfer  KV page transfer between processes next to ucx_perftest"
-	@echo "make bench-kernels matmul, attention and thread-pool figures (docs/kernels*.md)"
-	@echo "make bench-pull    TTFT of a long prompt pulled from a peer vs computed"
-	@echo "make fixtures      regenerate tests/fixtures from llama.cpp (needs its build)"
-	@echo "make fmt | lint | clean"
+# Every target carries a `## ` note on its rule line: `make help` prints them, and `make lint`
+# fails when a .PHONY target has none.
+help: ## this list
+	@awk '/^[a-zA-Z0-9_.-]+:[^=]*## / { t = $$1; sub(/:.*/, "", t); n = $$0; sub(/^[^#]*## /, "", n); \
+	  printf "make %-16s %s\n", t, n }' $(firstword $(MAKEFILE_LIST))
 
 # ------------------------------------------------------------------ compile rules
 $(OBJ)/%_avx2.o: %_avx2.c
@@ -167,7 +170,7 @@ $(eval $(call link_rule,kmrouter,$(LIB_COMMON)))
 $(eval $(call link_rule,kmcontroller,$(LIB_COMMON)))
 $(eval $(call link_rule,kvmesh,$(LIB_COMMON)))
 .PHONY: check-links
-check-links: $(patsubst %,$(LINKS)/%.ok,kmcommon kmkernels kvshard kmpeer kmworker kmrouter kmcontroller kvmesh)
+check-links: $(patsubst %,$(LINKS)/%.ok,kmcommon kmkernels kvshard kmpeer kmworker kmrouter kmcontroller kvmesh) ## each library links alone with only those DESIGN.md puts below it
 
 # The kernel tests also run the AVX-512 matmul and attention drivers emulated on AVX2
 # (tests/unit/emu512_avx2.c; its 64-byte vectors are never passed across a call, so GCC's ABI
@@ -175,9 +178,19 @@ check-links: $(patsubst %,$(LINKS)/%.ok,kmcommon kmkernels kvshard kmpeer kmwork
 $(TESTBIN)/test_kernels_quant $(TESTBIN)/test_kernels_ops: $(OBJ)/tests/unit/emu512_avx2.o
 $(OBJ)/tests/unit/emu512_avx2.o: CFLAGS_BASE += -Wno-psabi
 
-$(TESTBIN)/%: $(OBJ)/tests/unit/%.o $(ALL_LIBS)
+# Under TSAN=1 only the libraries of the threaded parts are built and linked (TSAN_TESTS below).
+ifeq ($(TSAN),1)
+TEST_RUNNER := $(OBJ)/tests/tsan/runner.o
+TEST_LIBS :=
+TEST_ARCHIVES := $(LIB_KVSHARD) $(LIB_KERNELS) $(LIB_COMMON)
+else
+TEST_RUNNER :=
+TEST_LIBS := -lcriterion
+TEST_ARCHIVES := $(ALL_LIBS)
+endif
+$(TESTBIN)/%: $(OBJ)/tests/unit/%.o $(TEST_RUNNER) $(TEST_ARCHIVES)
 	@mkdir -p $(dir $@)
-	$(CC) $(LDFLAGS) -o $@ $^ -lcriterion $(LDLIBS)
+	$(CC) $(LDFLAGS) -o $@ $^ $(TEST_LIBS) $(LDLIBS)
 
 $(TESTBIN)/test_xfer_peer $(TESTBIN)/test_xfer_proc: $(OBJ)/tests/xfer_harness.o
 $(TESTBIN)/test_xfer_peer $(TESTBIN)/test_xfer_proc: LDLIBS += $(UCX_LIBS)
@@ -185,7 +198,7 @@ $(TESTBIN)/test_xfer_peer $(TESTBIN)/test_xfer_proc: LDLIBS += $(UCX_LIBS)
 -include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)
 
 # ------------------------------------------------------------------ set-up
-deps:
+deps: ## Debian packages and the default model (idempotent)
 	@bash deploy/deps.sh
 
 # ------------------------------------------------------------------ tests
@@ -193,18 +206,30 @@ deps:
 # The transfer tests (test_xfer_peer, test_xfer_proc) run one test at a time: they fork and
 # start UCX threads, and with two at once Criterion's own runner leaks 48 bytes that
 # LeakSanitizer reports under SAN=1 (the tests themselves are clean).
-unit-tests: $(UNIT_BIN)
+unit-tests: $(UNIT_BIN) ## every Criterion unit test (tests/unit)
 	@set -e; for t in $(UNIT_BIN); do echo "== $$t"; \
 	  case $$t in */test_xfer_pe*|*/test_xfer_pr*) j=1;; *) j=2;; esac; $$t --jobs $$j; done
 
-unit-tests-san:
+unit-tests-san: ## the unit tests under AddressSanitizer and UBSan (build/san)
 	@$(MAKE) --no-print-directory SAN=1 unit-tests
 
-test: deps
+# The threaded parts under ThreadSanitizer: the kernel thread pool (test_pool), kvshard's promoter
+# thread (test_kvshard: host tier, asynchronous promotion, views waiting for their layer) and the
+# admin HTTP server's thread (test_admin_http). A data race fails the run (halt_on_error).
+TSAN_TESTS := $(patsubst tests/unit/%.c,%,$(wildcard $(addprefix tests/unit/,test_pool.c test_kvshard.c test_admin_http.c)))
+unit-tests-tsan: ## the threaded parts' unit tests under ThreadSanitizer (build/tsan)
+	@$(MAKE) --no-print-directory TSAN=1 tsan-run
+.PHONY: tsan-run
+tsan-run: $(addprefix $(TESTBIN)/,$(TSAN_TESTS)) ## (with TSAN=1) builds and runs TSAN_TESTS
+	@set -e; for t in $^; do echo "== $$t (ThreadSanitizer)"; \
+	  TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 $(TSAN_OPTIONS)" $$t --jobs 2; done
+
+test: deps ## the gate (`bash .ci/run`): build, layers, unit tests plain/ASan/TSan, fuzz, integration, chaos-short
 	@$(MAKE) --no-print-directory build
 	@$(MAKE) --no-print-directory check-layers
 	@$(MAKE) --no-print-directory unit-tests
 	@$(MAKE) --no-print-directory unit-tests-san
+	@$(MAKE) --no-print-directory unit-tests-tsan
 	@$(MAKE) --no-print-directory fuzz-run
 	@$(MAKE) --no-print-directory integration
 	@$(MAKE) --no-print-directory chaos-short
@@ -213,7 +238,7 @@ test: deps
 # kvshard's files are layers whose calls go one way (docs/kvshard.md, "Layers"): read from the
 # built library, so a call back up fails here.
 .PHONY: check-layers
-check-layers: $(LIB_KVSHARD)
+check-layers: $(LIB_KVSHARD) ## kvshard's calls go one way down its layers
 	@bash tests/check_kvshard_layers.sh $(LIB_KVSHARD)
 
 # Multi-process tests: real kvmesh-worker processes on 127.0.0.1 (tests/integration/), sharing
@@ -224,16 +249,16 @@ IT_HARNESS := $(OBJ)/tests/integration/harness.o
 $(TESTBIN)/integration/%: $(OBJ)/tests/integration/%.o $(IT_HARNESS) $(ALL_LIBS)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS) -o $@ $^ -lcriterion $(LDLIBS)
-integration: build $(IT_BIN)
+integration: build $(IT_BIN) ## multi-process suites: real daemons on 127.0.0.1
 	@set -e; for t in $(IT_BIN); do echo "== $$t"; $$t --jobs 1; done
 
 # Fault injection against whole local clusters (docs/chaos.md): every scenario starts its own
 # `kvmesh up` on free ports. chaos-short (a few seconds of load each) is part of `make test`.
 .PHONY: chaos chaos-short
-chaos: build
+chaos: build ## fault-injection scenarios against local clusters (docs/chaos.md)
 	@build/bin/kvmesh chaos all
 
-chaos-short: build
+chaos-short: build ## the same, a few seconds of load each
 	@build/bin/kvmesh chaos all --short
 
 # ------------------------------------------------------------------ fuzzing (clang libFuzzer)
@@ -259,12 +284,12 @@ build/fuzz/fuzz_peeraddr: tests/fuzz/fuzz_peeraddr.c peer/addr.c $(FUZZ_LIB_SRC)
 	@mkdir -p $(dir $@)
 	clang -std=gnu11 -g -O1 -I. -fsanitize=fuzzer,address,undefined $< peer/addr.c $(FUZZ_LIB_SRC) -o $@ $(LDLIBS)
 
-fuzz: $(FUZZ_BIN)
+fuzz: $(FUZZ_BIN) ## builds the libFuzzer targets (tests/fuzz)
 
 # Replays the committed corpus, then fuzzes each target briefly. A target without its seed corpus
 # fails the run: fuzzing from nothing would pass while testing little.
 FUZZ_SECONDS ?= 20
-fuzz-run: $(FUZZ_BIN)
+fuzz-run: $(FUZZ_BIN) ## replays the corpus, then fuzzes each target for FUZZ_SECONDS
 	@set -eo pipefail; for f in $(FUZZ_BIN); do n=$$(basename $$f); \
 	  if [ -z "$$(ls -A tests/fuzz/corpus/$$n 2>/dev/null)" ]; then \
 	    echo "fuzz-run: tests/fuzz/corpus/$$n is missing or empty" >&2; exit 1; fi; \
@@ -273,10 +298,10 @@ fuzz-run: $(FUZZ_BIN)
 	  $$f -max_total_time=$(FUZZ_SECONDS) -max_len=65536 -print_final_stats=0 -artifact_prefix=build/fuzz/$$n- build/fuzz/corpus/$$n 2>&1 | tail -4; done
 
 # ------------------------------------------------------------------ demo and benchmarks
-demo: deps build
+demo: deps build ## the default model answering prompts
 	@bash deploy/demo.sh
 
-bench: bench-engine
+bench: bench-engine ## = bench-engine
 
 # Kernel figures (docs/kernels.md, docs/kernels_ops.md): matmul GFLOP/s per instruction set,
 # attention GB/s, pool barrier latency; also the memory bandwidth bench-engine reports.
@@ -285,17 +310,17 @@ $(BENCH_KERNELS): $(OBJ)/bench/bench_kernels.o $(ALL_LIBS)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 .PHONY: bench-kernels
-bench-kernels: $(BENCH_KERNELS)
+bench-kernels: $(BENCH_KERNELS) ## matmul, attention and thread-pool figures (docs/kernels*.md)
 	@$(BENCH_KERNELS)
 	@$(BENCH_KERNELS) -a
 	@$(BENCH_KERNELS) -p
 
-bench-engine: build $(BENCH_KERNELS)
+bench-engine: build $(BENCH_KERNELS) ## prefill/decode speed next to llama.cpp (docs/benchmarks.md)
 	@BENCH_KERNELS=$(BENCH_KERNELS) bash bench/bench_engine.sh
 
 # Perplexity per KV format vs f16 and llama.cpp (docs/benchmarks.md, docs/engine.md).
 .PHONY: bench-quality
-bench-quality: build
+bench-quality: build ## perplexity per KV format vs f16 and llama.cpp
 	@bash bench/bench_quality.sh
 
 # Worker serving figures side by side with llama-server (docs/benchmarks.md): tok/s, TTFT and
@@ -305,7 +330,7 @@ $(BENCH_WORKER): $(OBJ)/bench/bench_worker.o $(ALL_LIBS)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 .PHONY: bench-worker
-bench-worker: build $(BENCH_WORKER)
+bench-worker: build $(BENCH_WORKER) ## serving tok/s, TTFT, ITL at 1/8/32 clients next to llama-server
 	@BENCH_WORKER=$(BENCH_WORKER) bash bench/bench_worker.sh
 
 # Speculative decoding off vs auto on one worker (docs/speculative.md): tokens/s, drafts
@@ -324,7 +349,7 @@ $(BENCH_KV): $(OBJ)/bench/bench_kv.o $(ALL_LIBS)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 .PHONY: bench-kv
-bench-kv: $(BENCH_KV)
+bench-kv: $(BENCH_KV) ## KV store: lookup/insert, tier bandwidth, attention per format
 	@$(BENCH_KV)
 
 # Router figures (docs/router.md): decisions/s, latency the router adds, and kv-aware vs
@@ -334,7 +359,7 @@ $(BENCH_ROUTER): $(OBJ)/bench/bench_router.o $(ALL_LIBS)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 .PHONY: bench-router
-bench-router: build $(BENCH_ROUTER)
+bench-router: build $(BENCH_ROUTER) ## routing decisions/s, added latency, kv-aware vs round-robin
 	@bash bench/bench_router.sh
 
 # Page transfer between two processes next to ucx_perftest (docs/transfer.md, docs/benchmarks.md):
@@ -344,7 +369,7 @@ $(BENCH_TRANSFER): $(OBJ)/bench/bench_transfer.o $(OBJ)/tests/xfer_harness.o $(A
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS) $(UCX_LIBS)
 .PHONY: bench-transfer
-bench-transfer: $(BENCH_TRANSFER)
+bench-transfer: $(BENCH_TRANSFER) ## KV page transfer between two processes next to ucx_perftest
 	@$(BENCH_TRANSFER) $(BENCH_ARGS)
 
 # TTFT of a long prompt whose prefix sits on a peer, pulled vs computed (docs/transfer.md):
@@ -354,21 +379,28 @@ $(BENCH_PULL): $(OBJ)/bench/bench_pull.o $(LIB_COMMON)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 .PHONY: bench-pull
-bench-pull: build $(BENCH_PULL)
+bench-pull: build $(BENCH_PULL) ## TTFT of a long prompt pulled from a peer vs computed
 	@$(BENCH_PULL) $(BENCH_ARGS)
 
-fixtures: build
+fixtures: build ## regenerates tests/fixtures from llama.cpp (needs its build)
 	@bash tests/fixtures/gen_fixtures.sh
 
 # ------------------------------------------------------------------ hygiene
 SRC_ALL = $(shell git ls-files '*.c' '*.h' 2>/dev/null)
-fmt:
+fmt: ## clang-format every tracked C file
 	clang-format -i $(SRC_ALL)
 
-lint:
+lint: help-check ## clang-format check, cppcheck, and a help note for every target
 	@clang-format --dry-run --Werror $(SRC_ALL)
 	@cppcheck --quiet --error-exitcode=1 --enable=warning,performance,portability \
 	  --inline-suppr --suppress=missingIncludeSystem --suppress=unknownMacro -I. $(SRC_ALL) 2>&1
 
-clean:
+# Every .PHONY target has a `## ` note on its rule line (so `make help` lists it).
+help-check: ## every .PHONY target has a help note
+	@missing=$$(awk '/^\.PHONY:/ { l = $$0; while (l ~ /\\$$/ && (getline n) > 0) l = substr(l, 1, length(l) - 1) n; \
+	  sub(/^\.PHONY:/, "", l); print l }' $(firstword $(MAKEFILE_LIST)) | tr ' ' '\n' | sort -u | \
+	  while read -r t; do [ -z "$$t" ] || grep -qE "^$$t:[^=]*## " $(firstword $(MAKEFILE_LIST)) || echo "$$t"; done); \
+	  if [ -n "$$missing" ]; then echo "make help: no '## ' note for: "$$missing >&2; exit 1; fi
+
+clean: ## removes build/
 	rm -rf build
