@@ -8,6 +8,7 @@
  * prefix, since the second cannot hit pages the first has not finished. The second waits for the
  * first's first token (its prefix pages are then cached) and is dispatched again.
  */
+#include <assert.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -112,6 +113,7 @@ static int send_to(rt_router *r, rt_rq *q, int pick, int n_ctx, uint32_t remaini
         return rc;
     }
     if (from_queue) rt_queue_remove(r, q);
+    assert(q->worker < 0 && !q->queued && !q->parked); /* at one worker at a time */
     q->worker = pick;
     q->attempts++;
     q->base = q->replay ? 0 : q->n_gen;

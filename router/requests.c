@@ -6,7 +6,13 @@
  *
  * A request has exactly one end: rt_rq_finish (done) or rt_rq_fail (err), both of which end it
  * with rt_rq_end; rt_rq_end alone is for a request whose client is already gone.
+ *
+ * The table's invariants, asserted where they must hold: a request is in the table exactly when
+ * its rid is non-zero (given right before it is linked) and no two share a rid; it is at most one
+ * of queued, parked or at a worker; each worker's inflight count and the router's total count
+ * the requests at it; and it is none of these when it ends.
  */
+#include <assert.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -78,6 +84,7 @@ void rt_rq_free(rt_rq *q)
 
 void rt_rq_link(rt_router *r, rt_rq *q)
 {
+    assert(q->rid && !rt_rq_find(r, q->rid));
     size_t b = q->rid % RT_RQ_BUCKETS;
     q->hnext = r->buckets[b];
     r->buckets[b] = q;
@@ -87,6 +94,7 @@ void rt_rq_unlink(rt_router *r, rt_rq *q)
 {
     rt_rq **pp = &r->buckets[q->rid % RT_RQ_BUCKETS];
     while (*pp && *pp != q) pp = &(*pp)->hnext;
+    assert(*pp || !q->rid); /* linked since it got its rid (fails before that end unlinked) */
     if (*pp) *pp = q->hnext;
 }
 
@@ -99,6 +107,7 @@ rt_rq *rt_rq_find(rt_router *r, uint64_t rid)
 
 void rt_queue_push(rt_router *r, rt_rq *q, bool front)
 {
+    assert(!q->queued && !q->parked && q->worker < 0);
     q->queued = true;
     q->qprev = q->qnext = NULL;
     if (!r->qhead) {
@@ -119,6 +128,7 @@ void rt_queue_push(rt_router *r, rt_rq *q, bool front)
 void rt_queue_remove(rt_router *r, rt_rq *q)
 {
     if (!q->queued) return;
+    assert(r->n_queued > 0);
     if (q->qprev)
         q->qprev->qnext = q->qnext;
     else
@@ -137,6 +147,7 @@ void rt_rq_release_worker(rt_router *r, rt_rq *q)
 {
     if (q->worker < 0) return;
     rt_wk *w = &r->w[q->worker];
+    assert(w->inflight > 0 && r->n_inflight > 0);
     w->inflight--;
     km_gauge_set(w->s_inflight, w->inflight);
     r->n_inflight--;
@@ -151,6 +162,7 @@ void rt_rq_end(rt_router *r, rt_rq *q)
     rt_rq_release_worker(r, q); /* first: a released waiter must not find q as an owner again */
     rt_rq_release_waiters(r, q);
     rt_rq_unlink(r, q);
+    assert(!q->queued && !q->parked && q->worker < 0);
     if (q->http) km_http_on_abort(q->http, NULL, NULL);
     rt_rq_free(q);
 }
