@@ -224,7 +224,8 @@ tsan-run: $(addprefix $(TESTBIN)/,$(TSAN_TESTS)) ## (with TSAN=1) builds and run
 	@set -e; for t in $^; do echo "== $$t (ThreadSanitizer)"; \
 	  TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 $(TSAN_OPTIONS)" $$t --jobs 2; done
 
-test: deps ## the gate (`bash .ci/run`): build, layers, unit tests plain/ASan/TSan, fuzz, integration, chaos-short
+test: deps ## the gate (`bash .ci/run`): lint, build, layers, unit tests plain/ASan/TSan, fuzz, integration, chaos-short
+	@$(MAKE) --no-print-directory lint
 	@$(MAKE) --no-print-directory build
 	@$(MAKE) --no-print-directory check-layers
 	@$(MAKE) --no-print-directory unit-tests
@@ -390,7 +391,8 @@ SRC_ALL = $(shell git ls-files '*.c' '*.h' 2>/dev/null)
 fmt: ## clang-format every tracked C file
 	clang-format -i $(SRC_ALL)
 
-lint: help-check ## clang-format check, cppcheck, and a help note for every target
+lint: help-check ## clang-format check, cppcheck, and a help note for every target (first step of make test)
+	@echo "lint: clang-format --dry-run, cppcheck (about a minute)"
 	@clang-format --dry-run --Werror $(SRC_ALL)
 	@cppcheck --quiet --error-exitcode=1 --enable=warning,performance,portability \
 	  --inline-suppr --suppress=missingIncludeSystem --suppress=unknownMacro -I. $(SRC_ALL) 2>&1

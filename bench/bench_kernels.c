@@ -121,7 +121,10 @@ static void bk_fill_weights(km_type t, uint8_t *w, size_t n_bytes, int64_t rows,
         const size_t nb = stride;
         switch (t) {
         case KM_TYPE_F32:
-            for (size_t j = 0; j < nb / 4; j++) ((float *)row)[j] = bk_unif();
+            for (size_t j = 0; j < nb / 4; j++) {
+                f[0] = bk_unif();
+                memcpy(row + 4 * j, &f[0], sizeof f[0]);
+            }
             break;
         case KM_TYPE_F16:
         case KM_TYPE_BF16:

@@ -10,6 +10,7 @@
  * top-p without top-k avoids sorting the whole vocabulary: it selects the best 64, 512, 4096, …
  * candidates until their mass reaches p, then sorts only those.
  */
+#include <assert.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -127,10 +128,13 @@ int32_t wk_argmax(const float *x, int n)
 
 double wk_token_nll(const float *logits, int n_vocab, int32_t target)
 {
+    assert(n_vocab > 0 && target >= 0 && target < n_vocab);
     float mx = logits[0];
     for (int v = 1; v < n_vocab; v++) mx = logits[v] > mx ? logits[v] : mx;
     double z = 0;
     for (int v = 0; v < n_vocab; v++) z += exp((double)logits[v] - mx);
+    /* z >= 1: the largest logit's term is exp(0) */
+    // cppcheck-suppress invalidFunctionArg
     return -((double)logits[target] - mx - log(z));
 }
 

@@ -625,7 +625,7 @@ static void router_down(router_fx *f)
 Test(router_status, names_with_quotes_and_backslashes_give_valid_json)
 {
     /* the regression: the document was printed with %s, so a quote in a name broke it */
-    router_fx f;
+    router_fx f = {0};
     router_up(&f);
     char url[64];
     snprintf(url, sizeof url, "http://127.0.0.1:%d/v1/status", rt_router_http_port(f.r));
@@ -649,7 +649,7 @@ Test(router_status, names_with_quotes_and_backslashes_give_valid_json)
 
 Test(router_front, the_route_table_answers_other_paths_and_methods_with_openai_errors)
 {
-    router_fx f;
+    router_fx f = {0};
     router_up(&f);
     int fd = dial(rt_router_http_port(f.r));
     say(fd, "GET /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n");
