@@ -1,9 +1,11 @@
 /*
  * check.c — kv_store_check: every invariant the store's structure relies on, checked at once
- * over the whole store (the cheap ones are also assert'ed where they must hold, in page.c, seq.c
- * and evict.c). Tests call it after every operation (tests/unit/test_kvshard_model.c), so a
- * change that breaks the bookkeeping fails there, at the operation that broke it, even when the
- * values read back are still right. It reads everything and calls nothing, so it sits at the top.
+ * over the whole store (the cheap ones are also assert'ed where they must hold: references,
+ * cached lists and budgets in page.c, index membership in index.c, files in disk.c, tiers in
+ * evict.c, tier.c and promote.c, page tables in seq.c). Tests call it after every operation
+ * (tests/unit/test_kvshard_model.c), so a change that breaks the bookkeeping fails there, at the
+ * operation that broke it, even when the values read back are still right. It reads everything and
+ * calls nothing, so it sits at the top.
  *
  * What must hold between two structural calls:
  *  - a page's refs equals the number of sequence table slots that hold it; a held page is hot,

@@ -25,6 +25,7 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <stdio.h>
+#include <assert.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -72,6 +73,9 @@ static int kv_read_all(int fd, uint8_t *b, size_t n)
 
 int kv_disk_write(kv_store *s, kv_page *p)
 {
+    /* one file per indexed page, written from its RAM copy */
+    assert(p->buf && p->tier != KV_TIER_DISK && (p->flags & KV_PAGE_INDEXED) &&
+           !(p->flags & KV_PAGE_ON_DISK));
     const size_t pb = s->lay[p->format].page_bytes;
     kv_disk_page d = {
         .format = p->format,
@@ -224,6 +228,7 @@ static size_t kv_disk_max_file(const kv_store *s)
 
 void kv_disk_unlink(kv_store *s, kv_page *p)
 {
+    assert(p->flags & KV_PAGE_ON_DISK);
     char path[PATH_MAX];
     kv_disk_path(s, p->hash, path, sizeof path);
     unlink(path);

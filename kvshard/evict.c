@@ -78,6 +78,7 @@ int kv_demote(kv_store *s, kv_page *p)
             p->tier = KV_TIER_HOST;
             kv_acct_add(s, sh, KV_TIER_HOST, p->format, 1);
             kv_list_push(s, p);
+            assert(from == KV_TIER_HOT && h->used <= h->budget);
             s->shards[sh].demotions++;
             kv_event_emit(s, KV_EVENT_TIER, p, from, KV_TIER_HOST);
             return 0;

@@ -8,6 +8,7 @@
  * KV computed for other tokens. Publishing a sequence's pages is seq.c's; attaching a hit to a
  * new sequence (promoting it from host or disk) is tier.c's. This file calls nothing else.
  */
+#include <assert.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -49,6 +50,7 @@ static void kv_index_grow(kv_store *s)
 
 int kv_index_insert(kv_store *s, kv_page *p)
 {
+    assert(!(p->flags & KV_PAGE_INDEXED) && p->tokens); /* indexed once, with its token ids */
     if (s->n_indexed >= s->n_buckets) kv_index_grow(s);
     size_t k = kv_bucket(s, p->hash);
     p->hnext = s->buckets[k];
@@ -60,8 +62,10 @@ int kv_index_insert(kv_store *s, kv_page *p)
 
 void kv_index_remove(kv_store *s, kv_page *p)
 {
+    assert(p->flags & KV_PAGE_INDEXED);
     kv_page **pp = &s->buckets[kv_bucket(s, p->hash)];
     while (*pp && *pp != p) pp = &(*pp)->hnext;
+    assert(*pp == p && s->n_indexed > 0); /* an indexed page is in its bucket */
     if (*pp) {
         *pp = p->hnext;
         s->n_indexed--;

@@ -150,6 +150,7 @@ int kv_hot_take(kv_store *s, int shard, kv_format f, uint8_t **out)
     uint8_t *buf = kv_buf_get(s, f);
     if (!buf) return KM_ENOMEM;
     kv_acct_add(s, shard, KV_TIER_HOT, f, 1);
+    assert(a->used <= a->budget); /* a hot buffer is taken only within the shard's budget */
     sh->allocs++;
     *out = buf;
     return 0;
@@ -182,6 +183,7 @@ void kv_page_release(kv_store *s, kv_page *p)
 void kv_list_push(kv_store *s, kv_page *p)
 {
     assert(!p->in_list && p->refs == 0 && (p->buf != NULL) == (p->tier != KV_TIER_DISK));
+    assert(!p->promoting); /* its promotion is reaped before its sequence lets go of it */
     kv_tier_acct *a = &s->shards[p->shard].t[p->tier];
     kv_page *at = a->tail; /* insert after the last page not newer than p */
     while (at && at->last_use > p->last_use) at = at->lprev;

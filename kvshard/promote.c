@@ -13,6 +13,7 @@
  * Layer: a copy engine over page memory (it calls page.c only, to free the host copies), so every
  * layer above may wait for it before it restructures a sequence.
  */
+#include <assert.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -128,6 +129,7 @@ void kv_promo_reap(kv_store *s)
     while (job) {
         kv_promo *next = job->next;
         for (int j = 0; j < job->n; j++) {
+            assert(job->pages[j]->promoting && job->pages[j]->tier == KV_TIER_HOT);
             kv_buf_put(s, job->src[j], job->fmt[j]);
             job->pages[j]->promoting = 0;
         }

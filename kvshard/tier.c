@@ -19,6 +19,7 @@
 /* Brings a verified page to the hot tier for sequence q; host pages join the async job. */
 static int kv_attach_one(kv_store *s, kv_page *p, kv_promo *job)
 {
+    assert(p->refs > 0 && !p->in_list); /* held: room-making cannot take it */
     if (p->tier == KV_TIER_HOT) return 0;
     uint8_t *dst;
     int rc = kv_hot_alloc(s, p->shard, p->format, &dst);
