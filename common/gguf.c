@@ -13,14 +13,14 @@
  * The index: one record per key (its value's position), a hash table over keys and one over
  * tensor names, and for each string array a table of element offsets so km_gguf_arr_str is O(1)
  * (the default model has a 49152-entry vocabulary and 48900 merges). Tensor data is never copied:
- * km_gguf_tensor.data points into the map. Format reference: ggml/docs/gguf.md and gguf.cpp.
- * What is validated and why: docs/gguf.md.
+ * km_gguf_tensor.data points into the map. The lookups and typed getters over that index are
+ * gguf_query.c; the parsed file's structure is gguf_internal.h. Format reference:
+ * ggml/docs/gguf.md and gguf.cpp. What is validated and why: docs/gguf.md.
  */
-#include "common/km.h"
+#include "common/gguf_internal.h"
 
 #include <errno.h>
 #include <fcntl.h>
-#include <float.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,42 +28,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#define GGUF_DEFAULT_ALIGNMENT 32
-#define GGUF_MAX_TENSOR_NAME   256
-#define GGUF_MAX_DIMS          4
-#define GGUF_HEADER_BYTES      24 /* magic, version, tensor_count, kv_count */
+#define GGUF_HEADER_BYTES 24 /* magic, version, tensor_count, kv_count */
 /* The fewest bytes one key/value can take: key length (8) + type (4) + a 1-byte value (the key
  * itself may not be empty, so this is a safe lower bound). */
 #define GGUF_MIN_KV_BYTES 13
 /* The fewest bytes one tensor info can take: name length (8) + n_dims (4) + one ne (8) + type
  * (4) + offset (8). */
 #define GGUF_MIN_TENSOR_BYTES 32
-
-typedef struct gguf_kv {
-    km_str key;
-    uint32_t type;      /* km_gguf_type */
-    uint32_t elem_type; /* arrays: element type */
-    uint64_t n;         /* arrays: element count */
-    const uint8_t *val; /* the value; for arrays, the first element */
-    uint64_t *str_pos;  /* string arrays: file offset of each element's length field */
-} gguf_kv;
-
-struct km_gguf {
-    const uint8_t *base;
-    size_t size;
-    int mapped; /* base came from mmap and is unmapped at close */
-    uint32_t version;
-    uint64_t alignment;
-    uint64_t data_start;
-    int64_t n_kv;
-    gguf_kv *kvs;
-    int64_t n_tensors;
-    km_gguf_tensor *tensors;
-    int64_t *kv_index; /* open-addressing hash table over keys: kv index or -1 */
-    uint64_t kv_mask;
-    int64_t *tensor_index; /* same over tensor names */
-    uint64_t tensor_mask;
-};
 
 /* ---------------------------------------------------------------- helpers */
 
@@ -111,16 +82,6 @@ static gguf_name gguf_printable(const char *p, uint64_t len)
     if (len > max) memcpy(out.s + j, "...", 3), j += 3;
     out.s[j] = '\0';
     return out;
-}
-
-static uint32_t gguf_le32(const uint8_t *p)
-{
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-
-static uint64_t gguf_le64(const uint8_t *p)
-{
-    return (uint64_t)gguf_le32(p) | (uint64_t)gguf_le32(p + 4) << 32;
 }
 
 static uint64_t gguf_remaining(const gguf_rd *r)
@@ -180,41 +141,6 @@ static const char *const gguf_type_names[] = {
 static const char *gguf_type_name(uint32_t t)
 {
     return t < sizeof gguf_type_names / sizeof gguf_type_names[0] ? gguf_type_names[t] : "unknown";
-}
-
-/* Bytes of one scalar of type t; 0 for strings, arrays and unknown types. */
-static uint64_t gguf_scalar_size(uint32_t t)
-{
-    switch (t) {
-    case KM_GGUF_UINT8:
-    case KM_GGUF_INT8:
-    case KM_GGUF_BOOL:
-        return 1;
-    case KM_GGUF_UINT16:
-    case KM_GGUF_INT16:
-        return 2;
-    case KM_GGUF_UINT32:
-    case KM_GGUF_INT32:
-    case KM_GGUF_FLOAT32:
-        return 4;
-    case KM_GGUF_UINT64:
-    case KM_GGUF_INT64:
-    case KM_GGUF_FLOAT64:
-        return 8;
-    }
-    return 0;
-}
-
-static uint64_t gguf_hash(const char *p, uint64_t len)
-{
-    uint64_t h = 1469598103934665603ull; /* FNV-1a */
-    for (uint64_t i = 0; i < len; i++) h = (h ^ (unsigned char)p[i]) * 1099511628211ull;
-    return h;
-}
-
-static int gguf_str_eq(km_str a, const char *p, uint64_t len)
-{
-    return a.len == len && memcmp(a.ptr, p, (size_t)len) == 0;
 }
 
 /* Allocates a table of at least 2n slots (a power of two), all -1. */
@@ -642,217 +568,4 @@ void km_gguf_close(km_gguf *g)
     free(g->tensor_index);
     if (g->mapped) munmap((void *)g->base, g->size);
     free(g);
-}
-
-/* ---------------------------------------------------------------- queries */
-
-uint32_t km_gguf_version(const km_gguf *g)
-{
-    return g->version;
-}
-
-int64_t km_gguf_n_kv(const km_gguf *g)
-{
-    return g->n_kv;
-}
-
-km_str km_gguf_key_at(const km_gguf *g, int64_t i)
-{
-    if (i < 0 || i >= g->n_kv) return (km_str){NULL, 0};
-    return g->kvs[i].key;
-}
-
-int64_t km_gguf_find(const km_gguf *g, const char *key)
-{
-    if (!key || !g->kv_index) return -1;
-    uint64_t len = strlen(key);
-    for (uint64_t h = gguf_hash(key, len) & g->kv_mask; g->kv_index[h] >= 0;
-         h = (h + 1) & g->kv_mask) {
-        if (gguf_str_eq(g->kvs[g->kv_index[h]].key, key, len)) return g->kv_index[h];
-    }
-    return -1;
-}
-
-km_gguf_type km_gguf_kv_type(const km_gguf *g, int64_t i)
-{
-    if (i < 0 || i >= g->n_kv) return (km_gguf_type)-1;
-    return (km_gguf_type)g->kvs[i].type;
-}
-
-static const gguf_kv *gguf_lookup(const km_gguf *g, const char *key)
-{
-    int64_t i = km_gguf_find(g, key);
-    return i < 0 ? NULL : &g->kvs[i];
-}
-
-/* Reads any integer value. *is_neg tells whether it is negative; *u holds it when it is not
- * (0 otherwise) and *s holds it as an int64, saturated at INT64_MAX. KM_EFORMAT for
- * non-integers (bool included: it is not a number). */
-static int gguf_int_value(const gguf_kv *kv, int *is_neg, uint64_t *u, int64_t *s)
-{
-    const uint8_t *v = kv->val;
-    int64_t sv = 0;
-    uint64_t uv = 0;
-    int is_signed = 0;
-    switch (kv->type) {
-    case KM_GGUF_UINT8:
-        uv = v[0];
-        break;
-    case KM_GGUF_UINT16:
-        uv = (uint64_t)v[0] | (uint64_t)v[1] << 8;
-        break;
-    case KM_GGUF_UINT32:
-        uv = gguf_le32(v);
-        break;
-    case KM_GGUF_UINT64:
-        uv = gguf_le64(v);
-        break;
-    case KM_GGUF_INT8:
-        sv = (int8_t)v[0], is_signed = 1;
-        break;
-    case KM_GGUF_INT16:
-        sv = (int16_t)(uint16_t)(v[0] | v[1] << 8), is_signed = 1;
-        break;
-    case KM_GGUF_INT32:
-        sv = (int32_t)gguf_le32(v), is_signed = 1;
-        break;
-    case KM_GGUF_INT64:
-        sv = (int64_t)gguf_le64(v), is_signed = 1;
-        break;
-    default:
-        return KM_EFORMAT;
-    }
-    if (is_signed) {
-        *is_neg = sv < 0;
-        *s = sv;
-        *u = sv < 0 ? 0 : (uint64_t)sv;
-    } else {
-        *is_neg = 0;
-        *u = uv;
-        *s = uv > INT64_MAX ? INT64_MAX : (int64_t)uv;
-    }
-    return 0;
-}
-
-int km_gguf_get_u32(const km_gguf *g, const char *key, uint32_t *out)
-{
-    const gguf_kv *kv = gguf_lookup(g, key);
-    if (!kv) return KM_ENOTFOUND;
-    int neg;
-    uint64_t u;
-    int64_t s;
-    if (gguf_int_value(kv, &neg, &u, &s) || neg || u > UINT32_MAX) return KM_EFORMAT;
-    *out = (uint32_t)u;
-    return 0;
-}
-
-int km_gguf_get_i64(const km_gguf *g, const char *key, int64_t *out)
-{
-    const gguf_kv *kv = gguf_lookup(g, key);
-    if (!kv) return KM_ENOTFOUND;
-    int neg;
-    uint64_t u;
-    int64_t s;
-    if (gguf_int_value(kv, &neg, &u, &s)) return KM_EFORMAT;
-    if (!neg && u > INT64_MAX) return KM_EFORMAT;
-    *out = s;
-    return 0;
-}
-
-int km_gguf_get_f32(const km_gguf *g, const char *key, float *out)
-{
-    const gguf_kv *kv = gguf_lookup(g, key);
-    if (!kv) return KM_ENOTFOUND;
-    if (kv->type == KM_GGUF_FLOAT32) {
-        uint32_t bits = gguf_le32(kv->val);
-        memcpy(out, &bits, 4);
-        return 0;
-    }
-    if (kv->type == KM_GGUF_FLOAT64) {
-        uint64_t bits = gguf_le64(kv->val);
-        double d;
-        memcpy(&d, &bits, 8);
-        /* Converting a finite double beyond float's range is undefined behaviour in C. */
-        if (d == d && (d > FLT_MAX || d < -FLT_MAX) && d - d == 0) return KM_EFORMAT;
-        *out = (float)d;
-        return 0;
-    }
-    return KM_EFORMAT;
-}
-
-int km_gguf_get_bool(const km_gguf *g, const char *key, int *out)
-{
-    const gguf_kv *kv = gguf_lookup(g, key);
-    if (!kv) return KM_ENOTFOUND;
-    if (kv->type != KM_GGUF_BOOL) return KM_EFORMAT;
-    *out = kv->val[0] != 0;
-    return 0;
-}
-
-int km_gguf_get_str(const km_gguf *g, const char *key, km_str *out)
-{
-    const gguf_kv *kv = gguf_lookup(g, key);
-    if (!kv) return KM_ENOTFOUND;
-    if (kv->type != KM_GGUF_STRING) return KM_EFORMAT;
-    out->len = gguf_le64(kv->val);
-    out->ptr = (const char *)kv->val + 8;
-    return 0;
-}
-
-int km_gguf_get_arr(const km_gguf *g, const char *key, km_gguf_type *elem, uint64_t *n)
-{
-    const gguf_kv *kv = gguf_lookup(g, key);
-    if (!kv) return KM_ENOTFOUND;
-    if (kv->type != KM_GGUF_ARRAY) return KM_EFORMAT;
-    if (elem) *elem = (km_gguf_type)kv->elem_type;
-    if (n) *n = kv->n;
-    return 0;
-}
-
-int km_gguf_arr_str(const km_gguf *g, const char *key, uint64_t i, km_str *out)
-{
-    const gguf_kv *kv = gguf_lookup(g, key);
-    if (!kv) return KM_ENOTFOUND;
-    if (kv->type != KM_GGUF_ARRAY || kv->elem_type != KM_GGUF_STRING) return KM_EFORMAT;
-    if (i >= kv->n) return KM_ERANGE;
-    const uint8_t *p = g->base + kv->str_pos[i];
-    out->len = gguf_le64(p);
-    out->ptr = (const char *)p + 8;
-    return 0;
-}
-
-const void *km_gguf_arr_data(const km_gguf *g, const char *key)
-{
-    const gguf_kv *kv = gguf_lookup(g, key);
-    if (!kv || kv->type != KM_GGUF_ARRAY || !gguf_scalar_size(kv->elem_type)) return NULL;
-    return kv->val;
-}
-
-int64_t km_gguf_n_tensors(const km_gguf *g)
-{
-    return g->n_tensors;
-}
-
-const km_gguf_tensor *km_gguf_tensor_at(const km_gguf *g, int64_t i)
-{
-    if (i < 0 || i >= g->n_tensors) return NULL;
-    return &g->tensors[i];
-}
-
-const km_gguf_tensor *km_gguf_find_tensor(const km_gguf *g, const char *name)
-{
-    if (!name || !g->tensor_index) return NULL;
-    uint64_t len = strlen(name);
-    for (uint64_t h = gguf_hash(name, len) & g->tensor_mask; g->tensor_index[h] >= 0;
-         h = (h + 1) & g->tensor_mask) {
-        const km_gguf_tensor *t = &g->tensors[g->tensor_index[h]];
-        if (gguf_str_eq(t->name, name, len)) return t;
-    }
-    return NULL;
-}
-
-const void *km_gguf_file_data(const km_gguf *g, size_t *size)
-{
-    if (size) *size = g->size;
-    return g->base;
 }
