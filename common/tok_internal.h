@@ -1,6 +1,7 @@
 /*
- * tok_internal.h — private to the tokenizer: tokenizer.c (vocabulary, special tokens, encode
- * entry, pieces, streaming detokenizer), tok_bpe.c (pre-tokenizers and byte-level BPE),
+ * tok_internal.h — private to the tokenizer: tokenizer.c (vocabulary, special tokens, pieces,
+ * queries), tok_text.c (encode entry, pieces out, streaming detokenizer), tok_bpe.c
+ * (pre-tokenizers and byte-level BPE),
  * tok_spm.c (SentencePiece-style BPE), unicode.c and unicode_data.c (UTF-8 and categories).
  * Nothing outside those files includes it; the contract is the tokenizer section of km.h.
  *
