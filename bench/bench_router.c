@@ -412,9 +412,7 @@ static int workload(int argc, char **argv)
             inflight++;
         }
         km_msg m;
-        const void *raw;
-        size_t len;
-        if (kvm_next(c, 300000, &m, &raw, &len, &err)) {
+        if (kvm_next(c, 300000, &m, NULL, NULL, &err)) {
             fprintf(stderr, "bench_router: %s\n", err.msg);
             return 1;
         }
@@ -428,7 +426,7 @@ static int workload(int argc, char **argv)
                 if (m.type == KM_MSG_DONE) {
                     j->prompt_tokens = m.done.prompt_tokens;
                     j->cached = m.done.cached_tokens;
-                    kvm_done_extras(raw, len, j->worker, sizeof j->worker, NULL);
+                    snprintf(j->worker, sizeof j->worker, "%s", m.done.worker ? m.done.worker : "");
                     if (j->ttft == 0) j->ttft = now_ms() - j->t0;
                 } else {
                     failed++;

@@ -92,15 +92,11 @@ int kvm_generate(kvm_client *c, const km_msg_request *req, kvm_token_fn on_token
  * in flight), then read frames with kvm_next until each has its `done` or `err`. */
 int kvm_submit(kvm_client *c, const km_msg_request *req, km_errbuf *err);
 int kvm_cancel(kvm_client *c, uint64_t id);
-/* The next frame from the server (km_msg_clear it); raw_body/raw_len, when not NULL, receive the
- * frame's bytes (valid until the next call) for optional keys such as done.worker.
- * KM_ETIMEDOUT after timeout_ms without one. */
+/* The next frame from the server (km_msg_clear it); every key, done.worker and done.migrations
+ * included, is in the decoded km_msg. raw_body/raw_len, when not NULL, receive the frame's bytes
+ * as received (valid until the next call). KM_ETIMEDOUT after timeout_ms without one. */
 int kvm_next(kvm_client *c, int timeout_ms, km_msg *out, const void **raw_body, size_t *raw_len,
              km_errbuf *err);
-/* done.worker and done.migrations from a raw `done` frame ("" and 0 when absent). The decoded
- * frame carries them too (km_msg_done.worker, .migrations); this is for callers that kept the
- * raw bytes. */
-void kvm_done_extras(const void *body, size_t len, char *worker, size_t cap, uint32_t *migrations);
 
 /* GET url (http://HOST:PORT/PATH) into body; *status gets the HTTP status. */
 int kvm_http_get(const char *url, int timeout_ms, km_buf *body, int *status, km_errbuf *err);

@@ -203,22 +203,6 @@ int kvm_next(kvm_client *c, int timeout_ms, km_msg *out, const void **raw_body, 
     return km_msg_decode(b->data, b->len, &c->lim, out, err);
 }
 
-void kvm_done_extras(const void *body, size_t len, char *worker, size_t cap, uint32_t *migrations)
-{
-    if (worker && cap) worker[0] = 0;
-    if (migrations) *migrations = 0;
-    km_proto_limits lim;
-    km_proto_limits_default(&lim);
-    lim.max_frame = len; /* the frame was received whole: only its keys matter here */
-    km_msg m;
-    if (km_msg_decode(body, len, &lim, &m, NULL)) return;
-    if (m.type == KM_MSG_DONE) {
-        if (worker && cap && m.done.worker) snprintf(worker, cap, "%s", m.done.worker);
-        if (migrations) *migrations = m.done.migrations;
-    }
-    km_msg_clear(&m);
-}
-
 static int code_to_err(int code)
 {
     if (code == KM_CODE_OVERLOADED) return KM_EOVERLOAD;

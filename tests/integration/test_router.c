@@ -207,15 +207,14 @@ static void stream_with_fault(kvm_client *c, km_msg_request *q, int N, void (*fa
     int n = 0;
     for (;;) {
         km_msg m;
-        const void *raw;
-        size_t len;
-        cr_assert_eq(kvm_next(c, 60000, &m, &raw, &len, &err), 0, "%s", err.msg);
+        cr_assert_eq(kvm_next(c, 60000, &m, NULL, NULL, &err), 0, "%s", err.msg);
         if (m.type == KM_MSG_TOKEN) {
             cr_assert_eq(m.tok.index, (uint32_t)n, "indexes continue across the migration");
             km_buf_append(text, m.tok.text, m.tok.text_len);
             if (++n == 10) fault(ctx);
         } else if (m.type == KM_MSG_DONE) {
-            kvm_done_extras(raw, len, worker, wcap, migrations);
+            snprintf(worker, wcap, "%s", m.done.worker ? m.done.worker : "");
+            *migrations = m.done.migrations;
             cr_assert_eq(m.done.completion_tokens, (uint32_t)N);
             km_msg_clear(&m);
             break;
