@@ -16,11 +16,31 @@
 
 #include "kvshard/internal.h"
 
+/* A hot page whose bytes another sequence's promotion is still copying in: waits for that
+ * promotion. The attaching sequence has no promotion of its own to wait for, so without this its
+ * views would read the page before its bytes arrive (two requests with one prefix admitted in
+ * the same scheduler step). */
+static void kv_wait_promotion_of(kv_store *s, const kv_page *p)
+{
+    for (kv_seq *o = s->seqs; o && p->promoting; o = o->next) {
+        if (!o->promo_pending) continue;
+        for (int i = 0; i < o->n_pages; i++)
+            if (o->pg[i] == p) {
+                kv_seq_wait_promo(s, o); /* reaps it: p->promoting is 0 after */
+                break;
+            }
+    }
+    assert(!p->promoting); /* a page being promoted is held by the sequence promoting it */
+}
+
 /* Brings a verified page to the hot tier for sequence q; host pages join the async job. */
 static int kv_attach_one(kv_store *s, kv_page *p, kv_promo *job)
 {
     assert(p->refs > 0 && !p->in_list); /* held: room-making cannot take it */
-    if (p->tier == KV_TIER_HOT) return 0;
+    if (p->tier == KV_TIER_HOT) {
+        if (p->promoting) kv_wait_promotion_of(s, p);
+        return 0;
+    }
     uint8_t *dst;
     int rc = kv_hot_alloc(s, p->shard, p->format, &dst);
     if (rc) return rc;

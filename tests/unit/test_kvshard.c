@@ -625,6 +625,71 @@ Test(kvshard, host_tier_demotes_past_the_watermark_and_promotes_asynchronously)
     kv_store_destroy(s);
 }
 
+/* Two sequences attach the same host-tier prefix one right after the other, as two requests
+ * with one system prompt admitted in the same scheduler step do. The first attach queues the
+ * promotion; the second finds the pages already hot but still being copied. It must wait for
+ * that copy: the regression read them before it finished (its own sequence had no promotion to
+ * wait for), i.e. zeros or a recycled buffer's bytes. Pages are the default model's size so the
+ * copy takes long enough for a read to land inside it. */
+Test(kvshard, a_prefix_still_being_promoted_for_one_sequence_is_waited_for_by_the_next)
+{
+    enum { NL = 30, NH = 3, D = 64, P = 16, NP = 48, N = NP * P };
+    kv_config c = {.n_layers = NL,
+                   .n_kv_heads = NH,
+                   .head_dim = D,
+                   .page_tokens = P,
+                   .format = KN_KV_F16,
+                   .sync_promote = 0};
+    c.hot_bytes = (size_t)(NP * 3) * P * D * 2 * 2 * NL * NH;
+    c.host_bytes = c.hot_bytes;
+    kv_store *s = mk(&c);
+    static int32_t t[N];
+    static km_pagehash h[NP];
+    seq_tokens(t, N, 77);
+    km_pagehash_chain(g_seed, t, N, P, h, NP);
+    static float k[NH * D], v[NH * D];
+    kv_seq *a;
+    kv_seq_create(s, &a);
+    cr_assert_eq(kv_seq_reserve(s, a, N), 0);
+    for (int p = 0; p < N; p++)
+        for (int l = 0; l < NL; l++) {
+            for (int i = 0; i < NH * D; i++) {
+                k[i] = kval(t[p], l, i / D, i % D);
+                v[i] = vval(t[p], l, i / D, i % D);
+            }
+            kv_seq_write(s, a, l, p, k, v);
+        }
+    cr_assert_eq(kv_seq_publish(s, a, h, t, N), NP);
+    kv_seq_destroy(s, a);
+    cr_assert_eq(kv_store_evict_oldest_fraction(s, 1.0), NP);
+    kv_store_stats st;
+    kv_store_stats_get(s, &st);
+    cr_assert_eq(st.tier[KV_TIER_HOST].pages, NP);
+    for (int round = 0; round < 3; round++) {
+        kv_seq *q1, *q2;
+        kv_seq_create(s, &q1);
+        kv_seq_create(s, &q2);
+        cr_assert_eq(kv_seq_attach(s, q1, h, t, NP), NP);
+        cr_assert_eq(kv_seq_attach(s, q2, h, t, NP), NP);
+        /* q2 first: the last layer of the last page is the last byte the promoter copies */
+        float kr[D], vr[D];
+        for (int p = N - 1; p >= 0; p -= P - 1)
+            for (int l = NL - 1; l >= 0; l -= NL - 1) {
+                cr_assert_eq(kv_seq_read(s, q2, l, NH - 1, p, kr, vr), 0);
+                for (int ch = 0; ch < D; ch++) {
+                    cr_assert_float_eq(kr[ch], kval(t[p], l, NH - 1, ch), 0.0f,
+                                       "round %d pos %d layer %d: K read before its copy", round, p,
+                                       l);
+                    cr_assert_float_eq(vr[ch], vval(t[p], l, NH - 1, ch), 0.0f);
+                }
+            }
+        kv_seq_destroy(s, q2);
+        kv_seq_destroy(s, q1);
+        cr_assert_eq(kv_store_evict_oldest_fraction(s, 1.0), NP); /* back to host for the next */
+    }
+    kv_store_destroy(s);
+}
+
 Test(kvshard, live_conversion_to_fp8_halves_memory_and_reverts)
 {
     kv_config c = base_cfg(16);
