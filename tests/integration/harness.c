@@ -122,6 +122,20 @@ void it_spawn(it_proc *p, const char *const *argv, const char *const *extra, con
     cr_assert_fail("%s did not start in 30 s (log: %s)", args[0], log);
 }
 
+void it_start_worker(it_proc *p, const char *tag, const char *const *flags,
+                     const char *const *extra)
+{
+    it_proc_dir(p, tag);
+    char ports[128];
+    snprintf(ports, sizeof ports, "%s/ports", p->dir);
+    const char *argv[48] = {IT_WORKER, "--listen=tcp://127.0.0.1:*", "--events=tcp://127.0.0.1:*",
+                            "--ports-file", ports};
+    int n = 5;
+    for (int i = 0; flags && flags[i] && n < 47; i++) argv[n++] = flags[i];
+    argv[n] = NULL;
+    it_spawn(p, argv, extra, "worker.log");
+}
+
 int it_wait_exit(it_proc *p, int timeout_ms)
 {
     if (p->pid <= 0) return -1;

@@ -41,6 +41,12 @@ void it_proc_dir(it_proc *p, const char *tag);
  * to <dir>/<logname>, and waits up to 30 s for <dir>/ports, which argv must name with
  * --ports-file; fails the test if the child exits first. */
 void it_spawn(it_proc *p, const char *const *argv, const char *const *extra, const char *logname);
+/* A kvmesh-worker of the default model: requests and KV events on ephemeral ports, the ports
+ * file in p's dir (it_proc_dir: a p that ran before keeps its dir, as a restart under a
+ * supervisor would), then flags and extra (both NULL-terminated, may be NULL); stderr to
+ * <dir>/worker.log. */
+void it_start_worker(it_proc *p, const char *tag, const char *const *flags,
+                     const char *const *extra);
 /* Waits up to timeout_ms for p to exit: its exit status, or -1 (killed by a signal, or killed
  * after the timeout). */
 int it_wait_exit(it_proc *p, int timeout_ms);

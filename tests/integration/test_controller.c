@@ -53,24 +53,17 @@ static void start_controller(proc *c, const char *listen, const char **extra)
 /* A worker heartbeating to ctl every 200 ms; extra: NULL-terminated flags. */
 static void start_worker(proc *w, const char *id, const proc *ctl, const char **extra)
 {
-    it_proc_dir(w, "ctl");
-    char ports[128], wid[80], cflag[600];
-    snprintf(ports, sizeof ports, "%s/ports", w->dir);
+    char wid[80], cflag[600];
     snprintf(wid, sizeof wid, "--worker-id=%s", id);
     snprintf(cflag, sizeof cflag, "--controller=%s", ctl->listen);
-    const char *argv[] = {IT_WORKER,
-                          "--listen=tcp://127.0.0.1:*",
-                          "--events=tcp://127.0.0.1:*",
-                          "--admin-port=-1",
-                          "--threads=1",
-                          "--heartbeat=200ms",
-                          "--log-level=info",
-                          wid,
-                          cflag,
-                          "--ports-file",
-                          ports,
-                          NULL};
-    it_spawn(w, argv, extra, "worker.log");
+    const char *flags[] = {"--admin-port=-1",
+                           "--threads=1",
+                           "--heartbeat=200ms",
+                           "--log-level=info",
+                           wid,
+                           cflag,
+                           NULL};
+    it_start_worker(w, "ctl", flags, extra);
 }
 
 /* ---------------------------------------------------------------- operator side */

@@ -44,21 +44,10 @@ static bool have_binaries(void)
 static void start_worker(proc *w, const char *id)
 {
     memset(w, 0, sizeof *w);
-    it_proc_dir(w, "rt");
-    char ports[128], wid[64];
-    snprintf(ports, sizeof ports, "%s/ports", w->dir);
+    char wid[64];
     snprintf(wid, sizeof wid, "--worker-id=%s", id);
-    const char *argv[] = {IT_WORKER,
-                          "--listen=tcp://127.0.0.1:*",
-                          "--events=tcp://127.0.0.1:*",
-                          "--admin-port=-1",
-                          "--threads=1",
-                          "--log-level=warn",
-                          wid,
-                          "--ports-file",
-                          ports,
-                          NULL};
-    it_spawn(w, argv, NULL, "log");
+    const char *flags[] = {"--admin-port=-1", "--threads=1", "--log-level=warn", wid, NULL};
+    it_start_worker(w, "rt", flags, NULL);
 }
 
 /* A router in front of ws[0..n); extra flags may be NULL-terminated. */

@@ -31,24 +31,8 @@ static bool have_model(void)
 static void start_worker(wproc *w, const char *const *extra)
 {
     memset(w, 0, sizeof *w);
-    it_proc_dir(w, "it");
-    char ports[128];
-    snprintf(ports, sizeof ports, "%s/ports", w->dir);
-    const char *argv[] = {IT_WORKER,
-                          "--listen",
-                          "tcp://127.0.0.1:*",
-                          "--events",
-                          "tcp://127.0.0.1:*",
-                          "--admin-port",
-                          "0",
-                          "--ports-file",
-                          ports,
-                          "--threads",
-                          "2",
-                          "--log-level",
-                          "warn",
-                          NULL};
-    it_spawn(w, argv, extra, "worker.log");
+    const char *flags[] = {"--admin-port=0", "--threads=2", "--log-level=warn", NULL};
+    it_start_worker(w, "it", flags, extra);
 }
 
 static void send_req(void *s, uint64_t id, const int32_t *toks, int n, int max_tokens)
