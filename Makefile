@@ -341,7 +341,7 @@ $(BENCH_SPEC): $(OBJ)/bench/bench_spec.o $(ALL_LIBS)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 .PHONY: bench-spec
-bench-spec: build $(BENCH_SPEC)
+bench-spec: build $(BENCH_SPEC) ## speculative decoding off vs auto on one worker, outputs compared
 	@BENCH_SPEC=$(BENCH_SPEC) bash bench/bench_spec.sh
 
 # KV store figures (docs/kvshard.md): lookup/insert ops/s, tier bandwidth, attention per format.
