@@ -391,11 +391,13 @@ SRC_ALL = $(shell git ls-files '*.c' '*.h' 2>/dev/null)
 fmt: ## clang-format every tracked C file
 	clang-format -i $(SRC_ALL)
 
+# emu512_avx2.c fills GCC vector locals lane by lane, which cppcheck takes for uninitialised reads.
 lint: help-check ## clang-format check, cppcheck, and a help note for every target (first step of make test)
 	@echo "lint: clang-format --dry-run, cppcheck (about a minute)"
 	@clang-format --dry-run --Werror $(SRC_ALL)
 	@cppcheck --quiet --error-exitcode=1 --enable=warning,performance,portability \
-	  --inline-suppr --suppress=missingIncludeSystem --suppress=unknownMacro -I. $(SRC_ALL) 2>&1
+	  --inline-suppr --suppress=missingIncludeSystem --suppress=unknownMacro \
+	  --suppress=uninitvar:tests/unit/emu512_avx2.c -I. $(SRC_ALL) 2>&1
 
 # Every .PHONY target has a `## ` note on its rule line (so `make help` lists it).
 help-check: ## every .PHONY target has a help note

@@ -681,7 +681,7 @@ static char *get_json(int fd, const char *path)
 
 Test(router_front, models_retrieve_answers_the_served_model_and_404_for_others)
 {
-    router_fx f;
+    router_fx f = {0};
     router_up(&f);
     int fd = dial(rt_router_http_port(f.r));
     /* the model is named after its file, here smol"q\uote: percent-encoded in the path */
@@ -713,7 +713,7 @@ static char *post(int port, const char *path, const char *body)
 
 Test(router_front, a_request_over_the_context_is_400_with_its_counts_like_openai)
 {
-    router_fx f;
+    router_fx f = {0};
     router_up(&f); /* --max-ctx 4096, as the workers' default */
     int port = rt_router_http_port(f.r);
     char *r = post(port, "/v1/completions", "{\"prompt\":\"Hello\",\"max_tokens\":4096}");
