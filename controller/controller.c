@@ -19,6 +19,12 @@
 
 #include "controller/controller.h"
 
+typedef struct ctl_logged {
+    char id[KM_PROTO_MAX_NAME + 1];
+    km_member_state state;
+    bool seen;
+} ctl_logged;
+
 struct ctl_controller {
     ctl_config cfg;
     void *zctx, *router, *pub;
@@ -37,11 +43,11 @@ struct ctl_controller {
     /* view scratch: every member and its history */
     km_view_worker *vw;
     km_recovery_action *vh;
-    km_member_state *logged; /* per member index: the state last logged */
+    ctl_logged *logged; /* every member known at the last note_changes, with the state logged */
     int n_logged;
     /* metrics */
     km_metric *m_members, *m_actions, *m_bad;
-    km_series *s_heartbeats, *s_send_errors, *s_views, *s_acks;
+    km_series *s_heartbeats, *s_send_errors, *s_views, *s_acks, *s_forgotten;
 };
 
 static uint64_t mono_ms(void)
@@ -137,24 +143,42 @@ static void publish_view(ctl_controller *c)
     c->published_version = ctl_policy_version(c->pol);
 }
 
-/* Logs member state transitions and refreshes the per-state gauges. */
+/* Logs member joins, state transitions and members forgotten, and refreshes the per-state
+ * gauges. Members are matched by id: a forgotten one moves the indexes of those after it. */
 static void note_changes(ctl_controller *c)
 {
     int n = ctl_policy_n_members(c->pol);
     uint64_t now = mono_ms();
+    for (int k = 0; k < c->n_logged; k++) c->logged[k].seen = false;
     for (int i = 0; i < n; i++) {
         km_view_worker w;
         ctl_policy_view_worker(c->pol, i, now, 0, false, &w, NULL);
-        if (i >= c->n_logged) {
-            c->logged[i] = w.state;
-            c->n_logged = i + 1;
+        int k = 0;
+        while (k < c->n_logged && strcmp(c->logged[k].id, w.id)) k++;
+        if (k == c->n_logged) {
+            if (k == KM_PROTO_MAX_VIEW_WORKERS) continue;
+            snprintf(c->logged[k].id, sizeof c->logged[k].id, "%s", w.id);
+            c->logged[k].state = w.state;
+            c->n_logged++;
             KM_INFO("member_join", "worker=%s state=%s requests=%s", w.id,
                     km_member_state_name(w.state), w.requests ? w.requests : "-");
-        } else if (c->logged[i] != w.state) {
+        } else if (c->logged[k].state != w.state) {
             KM_INFO("member_state", "worker=%s from=%s to=%s level=%u", w.id,
-                    km_member_state_name(c->logged[i]), km_member_state_name(w.state), w.level);
-            c->logged[i] = w.state;
+                    km_member_state_name(c->logged[k].state), km_member_state_name(w.state),
+                    w.level);
+            c->logged[k].state = w.state;
         }
+        c->logged[k].seen = true;
+    }
+    for (int k = 0; k < c->n_logged;) {
+        if (c->logged[k].seen) {
+            k++;
+            continue;
+        }
+        KM_INFO("member_forgotten", "worker=%s silent_ms>=%lld", c->logged[k].id,
+                (long long)c->cfg.policy.forget_after_ms);
+        km_counter_inc(c->s_forgotten);
+        c->logged[k] = c->logged[--c->n_logged];
     }
     for (int s = 0; s < KM_MEMBER_STATE_COUNT; s++) {
         const char *lv[1] = {km_member_state_name((km_member_state)s)};
@@ -395,6 +419,9 @@ static int metrics_init(ctl_controller *c, km_errbuf *err)
         c->s_send_errors = km_metric_series(m, NULL));
     REG(KM_COUNTER, "kvmesh_controller_acks_total", "Workers' replies matched to an action.", NULL,
         c->s_acks = km_metric_series(m, NULL));
+    REG(KM_COUNTER, "kvmesh_controller_members_forgotten_total",
+        "Members removed after --forget-after without a heartbeat.", NULL,
+        c->s_forgotten = km_metric_series(m, NULL));
     REG(KM_COUNTER, "kvmesh_controller_views_total", "Views published.", NULL,
         c->s_views = km_metric_series(m, NULL));
 #undef REG

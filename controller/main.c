@@ -97,6 +97,10 @@ int main(int argc, char **argv)
          "a worker drained by level 3 and silent this long (no supervisor restarted it) is dead; "
          "0 = wait forever",
          &pc->restart_timeout_ms, 0, 86400000},
+        {"forget-after", NULL, KM_OPT_DURATION, "10m",
+         "a member silent this long is forgotten: removed from the view (routers free its slot); "
+         "0 = never",
+         &pc->forget_after_ms, 0, 86400000 * 30LL},
         {"action-timeout", NULL, KM_OPT_DURATION, "30s",
          "a worker silent while it carries out a command it has not yet acknowledged (e.g. an "
          "fp8 conversion) is declared dead only after this",

@@ -97,6 +97,7 @@ void ctl_policy_cfg_default(ctl_policy_cfg *c)
                           .heartbeat_ms = 1000,
                           .dead_after = 3,
                           .action_timeout_ms = 30000,
+                          .forget_after_ms = 600000,
                           .restart_timeout_ms = 120000,
                           .evict_fraction = 0.25,
                           .recovery = true};
@@ -540,6 +541,17 @@ int ctl_policy_tick(ctl_policy *p, uint64_t now_ms)
     int changed = 0;
     for (int i = 0; i < p->n; i++) {
         ctl_member *m = &p->m[i];
+        /* Forgotten: a member table that only grows fills up (and routers' slots with it) as
+         * workers come and go under new ids. Nothing is lost: a heartbeat re-adds it. */
+        if (m->state == KM_MEMBER_DEAD && p->cfg.forget_after_ms > 0 &&
+            now_ms - m->last_seen_ms >= (uint64_t)p->cfg.forget_after_ms) {
+            memmove(m, m + 1, sizeof *m * (size_t)(p->n - i - 1));
+            p->n--;
+            i--;
+            p->version++;
+            changed++;
+            continue;
+        }
         if (m->state == KM_MEMBER_DEAD) continue;
         /* Restarting is expected to be silent while the process comes back, but not forever: a
          * process with no supervisor (or one that cannot start) is dead after restart_timeout. */

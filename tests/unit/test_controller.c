@@ -379,6 +379,28 @@ Test(controller_policy, missed_beats_make_a_member_dead_and_beats_bring_it_back)
     cr_assert_eq(ctl_policy_count(pol, KM_MEMBER_DEAD), 0);
 }
 
+Test(controller_policy, a_member_silent_for_forget_after_is_removed_and_a_beat_adds_it_again)
+{
+    cfg.heartbeat_ms = 200;
+    cfg.forget_after_ms = 10000;
+    start();
+    fake_worker a = {.id = "a", .state = KM_STATE_READY}, b = {.id = "b", .state = KM_STATE_READY};
+    beat(&a, 1000, 0.1, NULL);
+    beat(&b, 1000, 0.1, NULL);
+    cr_assert_eq(ctl_policy_tick(pol, 2000), 2, "both dead");
+    for (uint64_t t = 2000; t <= 10500; t += 500) beat(&b, t, 0.1, NULL);
+    uint64_t v = ctl_policy_version(pol);
+    cr_assert_eq(ctl_policy_tick(pol, 10999), 0, "not yet");
+    cr_assert_eq(ctl_policy_tick(pol, 11000), 1, "a forgotten");
+    cr_assert_gt(ctl_policy_version(pol), v, "the view changes");
+    cr_assert_eq(ctl_policy_n_members(pol), 1);
+    cr_assert_eq(ctl_policy_find(pol, "a"), KM_ENOTFOUND);
+    cr_assert_eq(state_of("b"), KM_MEMBER_READY, "b is kept (and moved down)");
+    beat(&a, 13000, 0.1, NULL);
+    cr_assert_eq(ctl_policy_n_members(pol), 2);
+    cr_assert_eq(state_of("a"), KM_MEMBER_READY, "a heartbeat adds it again");
+}
+
 Test(controller_policy, level3_is_restarting_until_a_new_process_is_ready)
 {
     cfg.heartbeat_ms = 200;
