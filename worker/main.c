@@ -29,7 +29,7 @@ typedef struct wk_args {
     const char *peer_listen, *peer_advertise, *peer_mode;
     int64_t peer_lease_ms, peer_pull_ms;
     int64_t threads, admin_port, page_tokens, max_batch, prefill_chunk, max_running, max_queue;
-    int64_t decode_prefill, spec_max_draft;
+    int64_t decode_prefill, spec_max_draft, step_budget_ms;
     double spec_factor;
     int64_t max_ctx, default_max_tokens, heartbeat_ms, drain_ms, event_replay, cluster_seed;
     uint64_t kv_bytes, max_frame, kv_host_bytes, kv_disk_bytes, spec_index_bytes;
@@ -82,6 +82,10 @@ int main(int argc, char **argv)
          "most prompt tokens in a step that also decodes (caps inter-token latency spikes while "
          "new prompts arrive); 0 = no extra cap",
          &a.decode_prefill, 0, 65536},
+        {"step-budget", NULL, KM_OPT_DURATION, "1s",
+         "time one engine step should take at most: prefill chunks are sized to it from measured "
+         "step times; 0 = no bound",
+         &a.step_budget_ms, 0, 3600000},
         {"max-running", NULL, KM_OPT_INT, "64", "sequences decoded together", &a.max_running, 1,
          4096},
         {"max-queue", NULL, KM_OPT_INT, "1024", "requests waiting for a slot", &a.max_queue, 1,
@@ -224,6 +228,7 @@ int main(int argc, char **argv)
                   .max_batch_tokens = (int)a.max_batch,
                   .prefill_chunk = (int)a.prefill_chunk,
                   .decode_prefill = (int)a.decode_prefill,
+                  .step_budget_ms = (int)a.step_budget_ms,
                   .max_ctx = (int)a.max_ctx,
                   .default_max_tokens = (int)a.default_max_tokens,
                   .cluster_seed = (uint64_t)a.cluster_seed,

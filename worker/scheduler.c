@@ -18,6 +18,13 @@
  *    the scheduler does not thrash. A sequence that cannot fit even alone fails with 413.
  *  - Waiting requests are ordered by priority plus an aging credit per second waited, so a low
  *    priority request is eventually admitted however many high priority ones arrive.
+ *  - A step budget (opts.step_budget_ms) bounds each step's time: the work of a step is counted in
+ *    units from the model's shapes (per token: the weight matmuls; per token and attended
+ *    position: QK and PV; per logits row: the output projection), every step's time over its
+ *    units updates a measured cost per unit (quick to rise, slow to fall: a loaded machine is
+ *    believed at once), and prefill chunks are cut so the planned work fits the budget (at least
+ *    one page's worth of tokens when the step has nothing else, so a prompt always advances).
+ *    The engine's output does not depend on how a prompt is chunked, so this changes no token.
  *  - Every per-step buffer is sized at create; requests allocate only at submit and admission.
  *  - Outputs do not depend on batch composition: the engine's forward is batch-invariant and
  *    each sequence has its own sampler.
@@ -78,8 +85,40 @@ struct wk_sched {
     wk_part *parts;
     wk_spec *spec;
     wk_spec_seq **b_spec; /* [max_running] this step's proposals */
+    /* step budget: work units per token, per attended position, per logits row */
+    double u_tok, u_att, u_row;
+    double step_units; /* the units of the step being built */
+    int step_prefill;  /* its prompt tokens */
     wk_sched_stats st;
 };
+
+/* Work units of n prompt tokens at positions [pos, pos + n), with one logits row when want. */
+static double wk_units(const wk_sched *s, int pos, int n, int want)
+{
+    double attended = (double)n * (pos + 1) + (double)n * (n - 1) / 2;
+    return n * s->u_tok + attended * s->u_att + (want ? s->u_row : 0);
+}
+
+/* The most tokens (>= 0) of r's prompt this step can still take within its budget. */
+static int wk_budget_take(wk_sched *s, const wk_rq *r, int take)
+{
+    if (s->o.step_budget_ms <= 0 || s->st.ns_per_unit <= 0) return take;
+    double cap = s->o.step_budget_ms * 1e6 / s->st.ns_per_unit - s->step_units;
+    int lo = 0, hi = take;
+    while (lo < hi) { /* the largest n with wk_units(n) <= cap */
+        int mid = lo + (hi - lo + 1) / 2;
+        if (wk_units(s, r->n_done, mid, r->n_done + mid == r->n_tok) <= cap)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    /* the first prefill of a step always advances by a page (or what is left), however many
+     * decodes share the step, so no prompt waits forever behind a budget */
+    int floor = s->pt < take ? s->pt : take;
+    if (s->step_prefill == 0 && lo < floor) lo = floor;
+    if (lo < take) s->st.budget_cut++;
+    return lo;
+}
 
 int wk_sched_create(wk_engine *e, const wk_model *m, const wk_sched_opts *o, const wk_sched_cb *cb,
                     wk_sched **out, km_errbuf *err)
@@ -103,7 +142,13 @@ int wk_sched_create(wk_engine *e, const wk_model *m, const wk_sched_opts *o, con
     if (s->o.max_ctx <= 0) s->o.max_ctx = 4096;
     if (s->o.default_max_tokens <= 0) s->o.default_max_tokens = 256;
     if (s->o.aging_per_s <= 0) s->o.aging_per_s = 20;
-    s->n_vocab = wk_model_hparams(m)->n_vocab;
+    const wk_hparams *hp = wk_model_hparams(m);
+    s->n_vocab = hp->n_vocab;
+    double q_dim = (double)hp->n_head * hp->head_dim, kv_dim = (double)hp->n_head_kv * hp->head_dim;
+    s->u_tok =
+        2.0 * hp->n_layers * (hp->n_embd * (2 * q_dim + 2 * kv_dim) + 3.0 * hp->n_embd * hp->n_ff);
+    s->u_att = 4.0 * hp->n_layers * q_dim;
+    s->u_row = 2.0 * hp->n_embd * hp->n_vocab;
     s->pt = kv_store_page_tokens(s->kv);
     wk_model_fingerprint_hex(m, s->fp);
     s->next_rid = 1;
@@ -506,6 +551,8 @@ static void wk_sched_plan(wk_sched *s)
 static int wk_sched_build(wk_sched *s, int *n_parts)
 {
     int n = 0, np = 0, budget = s->o.max_batch_tokens;
+    s->step_units = 0;
+    s->step_prefill = 0;
     for (int pass = 0; pass < 2; pass++) {
         if (pass == 1 && n > 0 && s->o.decode_prefill > 0 && n + s->o.decode_prefill < budget)
             budget = n + s->o.decode_prefill;
@@ -518,6 +565,10 @@ static int wk_sched_build(wk_sched *s, int *n_parts)
             int take = left;
             if (take > s->o.prefill_chunk) take = s->o.prefill_chunk;
             if (take > budget - n) take = budget - n;
+            if (pass == 1) take = wk_budget_take(s, r, take);
+            if (take <= 0) continue;
+            s->step_units += wk_units(s, r->n_done, take + nd, r->n_done + take == r->n_tok);
+            if (pass == 1) s->step_prefill += take;
             for (int j = 0; j < take; j++) {
                 int p = r->n_done + j;
                 s->b_tok[n + j] = r->tokens[p];
@@ -626,6 +677,7 @@ int wk_sched_step(wk_sched *s)
 
     int n, np, drafts;
     const float *logits = NULL;
+    uint64_t t0 = 0;
     for (;;) {
         n = wk_sched_build(s, &np);
         if (!n) return 0;
@@ -636,7 +688,7 @@ int wk_sched_step(wk_sched *s)
                       .pos = s->b_pos,
                       .seqs = s->b_seq,
                       .logits = s->b_want};
-        uint64_t t0 = km_now_ns();
+        t0 = km_now_ns();
         int rc = wk_engine_step(s->e, &b, &logits);
         if (rc >= 0) {
             wk_spec_observe_step(s->spec, n, (km_now_ns() - t0) / 1e6);
@@ -662,6 +714,14 @@ int wk_sched_step(wk_sched *s)
     }
     s->st.steps++;
     now = km_now_ns();
+    double ms = (now - t0) / 1e6;
+    if (ms > s->st.step_ms_max) s->st.step_ms_max = ms;
+    /* Only steps with a page or more of prompt teach the cost: decode-only steps are slower per
+     * unit (one token per weight read), and they are not what the budget cuts. */
+    if (s->step_units > 0 && s->step_prefill >= s->pt) {
+        double per = (now - t0) / s->step_units, *est = &s->st.ns_per_unit;
+        *est = *est <= 0 ? per : per > *est ? 0.5 * *est + 0.5 * per : 0.9 * *est + 0.1 * per;
+    }
     int row = 0;
     for (int i = 0; i < np; i++) {
         wk_part *p = &s->parts[i];

@@ -4,13 +4,16 @@
  * requests, the admin commands and the heartbeats are in service_requests.c, service_admin.c and
  * service_heartbeat.c (service_internal.h has the map).
  *
- * One thread runs everything that touches the model and the sockets: the loop polls the sockets
- * (not waiting at all while the scheduler has work), handles what arrived, runs one scheduler
- * step, publishes the KV events the step produced, and every so often refreshes gauges and sends
- * a heartbeat. The engine's own thread pool does the heavy lifting inside the step; socket I/O
- * happens between steps, so a step is never interrupted and frames are never read concurrently
- * with the store changing. The admin HTTP server runs on its own libuv thread and reads only the
- * thread-safe metrics registry and an atomic readiness flag, so a scrape never waits for a step.
+ * One thread runs everything that touches the model and the request sockets: the loop polls the
+ * sockets (not waiting at all while the scheduler has work), handles what arrived, runs one
+ * scheduler step, publishes the KV events the step produced, and every so often refreshes gauges
+ * and the heartbeat's snapshot. The engine's own thread pool does the heavy lifting inside the
+ * step; socket I/O happens between steps, so a step is never interrupted and frames are never read
+ * concurrently with the store changing. Two threads never wait for a step: the pulse
+ * (service_heartbeat.c) sends the heartbeats, so a long step never looks like a dead worker, and
+ * the admin HTTP server reads only the thread-safe metrics registry and an atomic readiness flag,
+ * so a scrape or /healthz never waits either. Steps themselves are bounded in time by the
+ * scheduler's step budget (prefill chunks sized from measured step times).
  *
  * Bad input (undecodable, oversized or wrongly typed frames, unknown models, out-of-range
  * values) gets an `err` reply with the request id when one can be read (km_msg.rejected_id), is
@@ -117,6 +120,7 @@ static void wk_handle_message(wk_service *s, void *sock, const km_zmsg *zm)
     }
     case KM_MSG_ADMIN:
         wk_svc_handle_admin(s, sock, env, n_env, &m.admin);
+        if (s->ctl) wk_svc_snapshot(s); /* the next heartbeat shows what it changed */
         break;
     case KM_MSG_KV_PULL:
     case KM_MSG_KV_PULL_DONE:
@@ -183,6 +187,8 @@ int wk_service_create(wk_model *m, wk_engine *e, const wk_service_opts *o, wk_se
     s->start_ns = s->last_rate_ns = km_now_ns();
     s->kv_base = wk_svc_kv_format(s);
     atomic_init(&s->state, KM_STATE_STARTING);
+    atomic_init(&s->hb_stop, 0);
+    pthread_mutex_init(&s->hb_mu, NULL);
     if (o->worker_id)
         snprintf(s->worker_id, sizeof s->worker_id, "%s", o->worker_id);
     else
@@ -257,6 +263,7 @@ fail:
 void wk_service_destroy(wk_service *s)
 {
     if (!s) return;
+    wk_svc_pulse_stop(s);
     km_admin_stop(s->admin);
     if (s->ballast) kv_seq_destroy(s->kv, s->ballast);
     if (s->sched) wk_sched_destroy(s->sched);
@@ -270,12 +277,15 @@ void wk_service_destroy(wk_service *s)
     km_zsock_close(s->router);
     km_zsock_close(s->pub);
     km_zsock_close(s->ctl);
+    if (s->ctl_loop) zmq_close(s->ctl_loop);
+    if (s->ctl_pulse) zmq_close(s->ctl_pulse);
     km_zap_stop(s->zap);
     if (s->zctx) km_zctx_destroy(s->zctx);
     km_metrics_destroy(s->reg);
     km_buf_free(&s->out);
     km_zmsg_clear(&s->in);
     free(s->tokbuf);
+    pthread_mutex_destroy(&s->hb_mu);
     free(s);
 }
 
@@ -324,6 +334,10 @@ int wk_service_run(wk_service *s)
     km_errbuf err = {{0}};
     wk_events_pump(s->ev); /* the disk tier's pages, re-indexed at open */
     wk_svc_set_state(s, KM_STATE_READY);
+    if (wk_svc_pulse_start(s, &err)) {
+        KM_ERROR("heartbeat", "msg=\"%s\"", err.msg);
+        return 1;
+    }
     if (wk_write_ports(s, &err)) KM_WARN("ports_file", "msg=\"%s\"", err.msg);
     KM_INFO("worker_ready", "worker=%s requests=%s events=%s admin=%s model=%s", s->worker_id,
             s->ep_requests, s->ep_events[0] ? s->ep_events : "-",
@@ -345,26 +359,30 @@ int wk_service_run(wk_service *s)
         int pending = wk_sched_pending(s->sched);
         int timeout = 0;
         if (!pending) {
-            int64_t to_hb = s->ctl ? (int64_t)(s->next_hb_ns - now) / 1000000 : 100;
-            timeout = to_hb < 0 ? 0 : to_hb > 100 ? 100 : (int)to_hb;
+            int64_t to_gauge = (int64_t)(s->next_gauge_ns - now) / 1000000;
+            timeout = to_gauge < 0 ? 0 : to_gauge > 100 ? 100 : (int)to_gauge;
             if (wk_peer_held(s) && timeout > 1) timeout = 1; /* pulls in flight */
         }
         km_zpollitem items[2] = {{.sock = s->router, .events = KM_ZPOLLIN},
-                                 {.sock = s->ctl, .events = KM_ZPOLLIN}};
-        int n_items = s->ctl ? 2 : 1;
+                                 {.sock = s->ctl_loop, .events = KM_ZPOLLIN}};
+        int n_items = s->ctl_loop ? 2 : 1;
         int rc = km_zpoll(items, n_items, timeout, NULL);
         if (rc > 0) {
             if (items[0].revents & KM_ZPOLLIN) wk_pump_socket(s, s->router, 256);
-            if (n_items > 1 && (items[1].revents & KM_ZPOLLIN)) wk_pump_socket(s, s->ctl, 64);
+            if (n_items > 1 && (items[1].revents & KM_ZPOLLIN)) wk_pump_socket(s, s->ctl_loop, 64);
         }
         if (s->stop_now) break;
         wk_peer_poll(s);
         if (wk_sched_pending(s->sched)) {
+            uint64_t t0 = km_now_ns();
             rc = wk_sched_step(s->sched);
-            if (rc > 0)
+            if (rc > 0) {
                 km_counter_inc(s->s_steps);
-            else if (rc < 0)
+                km_hist_observe(s->s_step_time, (km_now_ns() - t0) / 1e9);
+                if (s->ctl) wk_svc_snapshot(s); /* progress, for the next heartbeat */
+            } else if (rc < 0) {
                 KM_ERROR("step_failed", "err=%s", km_strerror(rc));
+            }
         }
         int frames = wk_events_pump(s->ev);
         if (frames) km_counter_add(s->s_events, (uint64_t)frames);
@@ -374,11 +392,8 @@ int wk_service_run(wk_service *s)
             wk_finish_drain(s);
         if (now >= s->next_gauge_ns) {
             wk_svc_update_gauges(s);
+            if (s->ctl) wk_svc_snapshot(s);
             s->next_gauge_ns = now + wk_ms_ns(250);
-        }
-        if (s->ctl && now >= s->next_hb_ns) {
-            wk_svc_heartbeat(s);
-            s->next_hb_ns = now + wk_ms_ns(s->o.heartbeat_ms);
         }
     }
     wk_peer_admit_all(s);
@@ -387,6 +402,6 @@ int wk_service_run(wk_service *s)
     wk_svc_set_state(s, KM_STATE_STOPPING);
     wk_events_pump(s->ev);
     wk_svc_update_gauges(s);
-    if (s->ctl) wk_svc_heartbeat(s); /* tells the controller it is stopping */
+    wk_svc_pulse_stop(s); /* its last heartbeat tells the controller it is stopping */
     return s->exit_code;
 }

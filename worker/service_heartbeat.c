@@ -4,13 +4,25 @@
  * controller once a --heartbeat interval (docs/protocol.md section 11): state, endpoints,
  * capacity, KV use per shard and tier, load, rates, latency quantiles and error counts.
  *
- * The heartbeat is sent from the service's loop between scheduler steps; a step is bounded in
- * time, so heartbeats keep their rhythm while the worker is busy (the controller counts a missed
- * one as a symptom, not a step that took long).
+ * Liveness is not progress. Heartbeats leave from a thread of their own (the "pulse"), never from
+ * the loop that runs engine steps: a prefill step at the end of a long context can take seconds on
+ * one thread of a loaded machine, and a heartbeat that waited for it would make the controller
+ * declare a busy worker dead (issue 12). The loop publishes a snapshot of what the heartbeat
+ * reports (KV use, load, rates, tokens computed, errors) after its steps; the pulse sends the
+ * latest snapshot every interval with a fresh seq, uptime, state and RSS. So a heartbeat proves
+ * the process is alive, and its tokens_total proves progress: the controller tells "dead" (no
+ * heartbeat) from "stalled" (heartbeats, busy, tokens_total not moving) by these two signals.
+ *
+ * The pulse also owns the controller DEALER (a ZeroMQ socket belongs to one thread): recovery
+ * commands from the controller are passed to the loop over an inproc PAIR and carried out between
+ * steps (they change the KV store, which a step uses), their replies passed back the same way.
+ * Steps are bounded in time (the scheduler's step budget), so a command waits at most one step.
  */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+#include <zmq.h>
 
 #include "worker/service_internal.h"
 
@@ -109,6 +121,11 @@ int wk_svc_metrics_init(wk_service *s, km_errbuf *err)
     s->s_queued = km_metric_series(m, NULL);
     REG(KM_COUNTER, "kvmesh_worker_steps_total", "Engine steps run.", NULL, NULL, 0);
     s->s_steps = km_metric_series(m, NULL);
+    static const double step_b[] = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8};
+    REG(KM_HISTOGRAM, "kvmesh_worker_step_seconds",
+        "Engine step times (--step-budget bounds the planned ones).", NULL, step_b,
+        (int)(sizeof step_b / sizeof step_b[0]));
+    s->s_step_time = km_metric_series(m, NULL);
     REG(KM_COUNTER, "kvmesh_worker_kv_event_frames_total", "KV event frames published.", NULL, NULL,
         0);
     s->s_events = km_metric_series(m, NULL);
@@ -239,9 +256,66 @@ static uint64_t wk_rss_bytes(void)
     return n == 2 ? (uint64_t)rss * (uint64_t)sysconf(_SC_PAGESIZE) : 0;
 }
 
-void wk_svc_heartbeat(wk_service *s)
+/* ---------------------------------------------------------------- the snapshot (loop thread) */
+
+void wk_svc_snapshot(wk_service *s)
 {
-    if (!s->ctl) return;
+    wk_hb_snap n = {0};
+    int n_shards = kv_store_n_shards(s->kv);
+    for (int sh = 0; sh < n_shards && n.n_kv < KM_PROTO_MAX_KV_ENTRIES - KV_TIER_COUNT; sh++) {
+        kv_shard_stats st;
+        if (kv_store_shard_stats(s->kv, sh, &st)) continue;
+        for (int t = 0; t < KV_TIER_COUNT; t++) {
+            if (!st.tier[t].budget && !st.tier[t].pages) continue;
+            n.kv[n.n_kv++] = (km_kv_usage){.shard = (uint32_t)sh,
+                                           .tier = (km_tier)t,
+                                           .format = kv_format_name(st.format),
+                                           .pages = st.tier[t].pages,
+                                           .bytes = st.tier[t].bytes,
+                                           .capacity_bytes = st.tier[t].budget,
+                                           .pinned_bytes = st.tier[t].pinned_bytes};
+        }
+    }
+    wk_sched_stats ss;
+    wk_sched_stats_get(s->sched, &ss);
+    n.queue_depth = (uint32_t)ss.queued;
+    n.running = (uint32_t)ss.running;
+    n.decode_tps = s->decode_tps;
+    n.prefill_tps = s->prefill_tps;
+    n.tokens_total = ss.prefill_tokens + ss.decode_tokens;
+    /* the quantiles sort up to WK_LAT_RING values: once per heartbeat interval is enough */
+    uint64_t now = km_now_ns();
+    if (now >= s->next_quant_ns) {
+        const double qs[3] = {0.5, 0.9, 0.99};
+        for (int i = 0; i < 3; i++)
+            s->lat[i] =
+                (km_latency_q){.q = qs[i],
+                               .ttft_ms = wk_quantile(s->ttft_ring, s->n_ttft, qs[i], s->qtmp),
+                               .tpot_ms = wk_quantile(s->tpot_ring, s->n_tpot, qs[i], s->qtmp)};
+        s->next_quant_ns = now + wk_ms_ns(s->o.heartbeat_ms);
+    }
+    memcpy(n.lat, s->lat, sizeof n.lat);
+    for (int i = 0; i < WK_BAD_COUNT; i++)
+        if (s->errors[i]) n.errs[n.n_errs++] = (km_error_count){wk_bad_names[i], s->errors[i]};
+    if (s->send_errors) n.errs[n.n_errs++] = (km_error_count){"send", s->send_errors};
+    if (s->oom_errors) n.errs[n.n_errs++] = (km_error_count){"oom", s->oom_errors};
+    if (ss.engine_errors) n.errs[n.n_errs++] = (km_error_count){"engine", ss.engine_errors};
+    if (ss.kv_full) n.errs[n.n_errs++] = (km_error_count){"kv_full", ss.kv_full};
+    wk_peer_heartbeat(s,
+                      &n.peer); /* the transfer node is the loop's: read here, not by the pulse */
+    pthread_mutex_lock(&s->hb_mu);
+    s->snap = n;
+    pthread_mutex_unlock(&s->hb_mu);
+}
+
+/* ---------------------------------------------------------------- the pulse (its own thread) */
+
+/* One heartbeat from the latest snapshot (dropped, and counted, when it cannot leave now). */
+static void wk_pulse_send(wk_service *s, wk_hb_snap *snap, km_buf *out)
+{
+    pthread_mutex_lock(&s->hb_mu);
+    *snap = s->snap;
+    pthread_mutex_unlock(&s->hb_mu);
     km_msg m;
     km_msg_init(&m, KM_MSG_HEARTBEAT);
     km_msg_heartbeat *hb = &m.hb;
@@ -262,61 +336,99 @@ void wk_svc_heartbeat(wk_service *s)
     hb->slots = (uint32_t)s->o.sched.max_running;
     hb->max_ctx = (uint32_t)s->o.sched.max_ctx;
     hb->page_tokens = (uint32_t)kv_store_page_tokens(s->kv);
-    km_kv_usage kv[KM_PROTO_MAX_KV_ENTRIES];
-    int nk = 0;
-    int n_shards = kv_store_n_shards(s->kv);
-    for (int sh = 0; sh < n_shards && nk < KM_PROTO_MAX_KV_ENTRIES - KV_TIER_COUNT; sh++) {
-        kv_shard_stats st;
-        if (kv_store_shard_stats(s->kv, sh, &st)) continue;
-        for (int t = 0; t < KV_TIER_COUNT; t++) {
-            if (!st.tier[t].budget && !st.tier[t].pages) continue;
-            kv[nk++] = (km_kv_usage){.shard = (uint32_t)sh,
-                                     .tier = (km_tier)t,
-                                     .format = kv_format_name(st.format),
-                                     .pages = st.tier[t].pages,
-                                     .bytes = st.tier[t].bytes,
-                                     .capacity_bytes = st.tier[t].budget,
-                                     .pinned_bytes = st.tier[t].pinned_bytes};
-        }
-    }
-    hb->kv = kv;
-    hb->n_kv = (uint32_t)nk;
+    hb->kv = snap->kv;
+    hb->n_kv = (uint32_t)snap->n_kv;
     hb->rss_bytes = wk_rss_bytes();
-    wk_sched_stats ss;
-    wk_sched_stats_get(s->sched, &ss);
-    hb->queue_depth = (uint32_t)ss.queued;
-    hb->running = (uint32_t)ss.running;
-    hb->decode_tps = s->decode_tps;
-    hb->prefill_tps = s->prefill_tps;
-    hb->tokens_total = ss.prefill_tokens + ss.decode_tokens;
-    double *tmp = s->qtmp;
-    const double qs[3] = {0.5, 0.9, 0.99};
-    km_latency_q lat[3];
-    for (int i = 0; i < 3; i++)
-        lat[i] = (km_latency_q){.q = qs[i],
-                                .ttft_ms = wk_quantile(s->ttft_ring, s->n_ttft, qs[i], tmp),
-                                .tpot_ms = wk_quantile(s->tpot_ring, s->n_tpot, qs[i], tmp)};
-    hb->latency = lat;
+    hb->queue_depth = snap->queue_depth;
+    hb->running = snap->running;
+    hb->decode_tps = snap->decode_tps;
+    hb->prefill_tps = snap->prefill_tps;
+    hb->tokens_total = snap->tokens_total;
+    hb->latency = snap->lat;
     hb->n_latency = 3;
-    km_error_count errs[WK_BAD_COUNT + 4];
-    int nerr = 0;
-    for (int i = 0; i < WK_BAD_COUNT; i++)
-        if (s->errors[i]) errs[nerr++] = (km_error_count){wk_bad_names[i], s->errors[i]};
-    if (s->send_errors) errs[nerr++] = (km_error_count){"send", s->send_errors};
-    if (s->oom_errors) errs[nerr++] = (km_error_count){"oom", s->oom_errors};
-    if (ss.engine_errors) errs[nerr++] = (km_error_count){"engine", ss.engine_errors};
-    if (ss.kv_full) errs[nerr++] = (km_error_count){"kv_full", ss.kv_full};
-    hb->errors = errs;
-    hb->n_errors = (uint32_t)nerr;
-    wk_peer_heartbeat(s, hb); /* peer_addr, xfer (service_peer.c) */
+    hb->errors = snap->errs;
+    hb->n_errors = (uint32_t)snap->n_errs;
+    hb->peer_addr = snap->peer.peer_addr; /* peer_addr, xfer: taken by the loop (service_peer.c) */
+    hb->peer_addr_len = snap->peer.peer_addr_len;
+    hb->has_xfer = snap->peer.has_xfer;
+    hb->xfer = snap->peer.xfer;
     km_errbuf err = {{0}};
-    if (km_msg_encode(&m, &s->lim, &s->out, &err)) {
+    if (km_msg_encode(&m, &s->lim, out, &err)) {
         KM_WARN("heartbeat_encode", "msg=\"%s\"", err.msg);
         return;
     }
-    km_zframe f = {s->out.data, s->out.len};
+    km_zframe f = {out->data, out->len};
     if (km_zsend(s->ctl, &f, 1, KM_ZDONTWAIT, NULL))
         km_counter_inc(s->s_hb_dropped);
     else
         km_counter_inc(s->s_hb_sent);
+}
+
+/* Moves what is waiting on from (at most max messages) to to, unchanged. */
+static void wk_pulse_forward(void *from, void *to, km_zmsg *zm, int max)
+{
+    for (int i = 0; i < max; i++) {
+        int rc = km_zrecv(from, zm, 0, NULL);
+        if (rc == KM_EAGAIN) break;
+        if (rc) continue;
+        km_zsend(to, zm->part, zm->n, KM_ZDONTWAIT, NULL);
+    }
+    km_zmsg_clear(zm);
+}
+
+static void *wk_pulse_main(void *arg)
+{
+    wk_service *s = arg;
+    km_buf out = {0};
+    km_zmsg zm = {0};
+    wk_hb_snap *snap = malloc(sizeof *snap);
+    uint64_t next_hb = km_now_ns();
+    while (snap && !atomic_load(&s->hb_stop)) {
+        uint64_t now = km_now_ns();
+        if (now >= next_hb) {
+            wk_pulse_send(s, snap, &out);
+            next_hb = now + wk_ms_ns(s->o.heartbeat_ms);
+        }
+        int64_t left = (int64_t)(next_hb - km_now_ns()) / 1000000;
+        int timeout = left < 0 ? 0 : left > 100 ? 100 : (int)left;
+        km_zpollitem items[2] = {{.sock = s->ctl, .events = KM_ZPOLLIN},
+                                 {.sock = s->ctl_pulse, .events = KM_ZPOLLIN}};
+        if (km_zpoll(items, 2, timeout, NULL) <= 0) continue;
+        if (items[0].revents & KM_ZPOLLIN) wk_pulse_forward(s->ctl, s->ctl_pulse, &zm, 64);
+        if (items[1].revents & KM_ZPOLLIN) wk_pulse_forward(s->ctl_pulse, s->ctl, &zm, 64);
+    }
+    /* the last word: the loop's final replies, then a heartbeat that says "stopping" */
+    if (snap) {
+        wk_pulse_forward(s->ctl_pulse, s->ctl, &zm, 64);
+        wk_pulse_send(s, snap, &out);
+    }
+    free(snap);
+    km_buf_free(&out);
+    km_zmsg_clear(&zm);
+    return NULL;
+}
+
+int wk_svc_pulse_start(wk_service *s, km_errbuf *err)
+{
+    if (!s->ctl) return 0;
+    char ep[64];
+    snprintf(ep, sizeof ep, "inproc://wk-pulse-%p", (void *)s);
+    s->ctl_loop = zmq_socket(s->zctx, ZMQ_PAIR);
+    s->ctl_pulse = zmq_socket(s->zctx, ZMQ_PAIR);
+    if (!s->ctl_loop || !s->ctl_pulse || zmq_bind(s->ctl_pulse, ep) || zmq_connect(s->ctl_loop, ep))
+        return km_errf(err, KM_EIO, "heartbeat: cannot open %s: %s", ep, zmq_strerror(zmq_errno()));
+    wk_svc_snapshot(s);
+    if (pthread_create(&s->hb_thread, NULL, wk_pulse_main, s))
+        return km_errf(err, KM_EIO, "heartbeat: cannot start its thread");
+    s->hb_started = true;
+    return 0;
+}
+
+void wk_svc_pulse_stop(wk_service *s)
+{
+    if (!s->hb_started) return;
+    wk_svc_snapshot(s);
+    atomic_store(&s->hb_stop, 1);
+    pthread_join(s->hb_thread, NULL);
+    s->hb_started = false;
 }

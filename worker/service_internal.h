@@ -11,14 +11,16 @@
  *                        with a pull hint held while their pages are pulled
  *   events.c             KV events, their replay and snapshots
  *
- * Everything here runs on the service's one thread (the admin HTTP thread reads only the metrics
- * registry and the atomic state).
+ * Everything here runs on the service's loop thread, except the pulse (service_heartbeat.c: the
+ * heartbeat thread, which owns the controller socket and reads the snapshot under hb_mu) and the
+ * admin HTTP thread (the metrics registry and the atomic state only).
  */
 #ifndef WK_SERVICE_INTERNAL_H
 #define WK_SERVICE_INTERNAL_H
 
 #include "worker/worker.h"
 
+#include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
 
@@ -67,6 +69,20 @@ typedef enum {
 } wk_outcome;
 extern const char *const wk_out_names[WK_OUT_COUNT]; /* metric labels */
 
+/* What a heartbeat reports besides its seq, uptime, state and RSS: taken by the loop between
+ * steps, sent by the pulse (service_heartbeat.c). Strings are static. */
+typedef struct wk_hb_snap {
+    km_kv_usage kv[KM_PROTO_MAX_KV_ENTRIES];
+    int n_kv;
+    km_latency_q lat[3];
+    km_error_count errs[WK_BAD_COUNT + 4];
+    int n_errs;
+    uint32_t queue_depth, running;
+    double decode_tps, prefill_tps;
+    uint64_t tokens_total;
+    km_msg_heartbeat peer; /* only its peer_addr, peer_addr_len, has_xfer, xfer (service_peer.c) */
+} wk_hb_snap;
+
 struct wk_service {
     wk_model *m;
     wk_engine *e;
@@ -81,10 +97,12 @@ struct wk_service {
     char fp[33];
     char ep_requests[256], ep_events[256], ep_admin[256];
     km_proto_limits lim;
-    void *zctx, *router, *pub, *ctl;
-    km_zap *zap;            /* the ZAP handler of zctx; NULL when insecure */
-    km_series *s_forbidden; /* kvmesh_worker_forbidden_total: frames refused with 403 */
-    km_series *s_unauth;    /* disk pages dropped for a missing or wrong MAC */
+    void *zctx, *router, *pub;
+    void *ctl;                  /* the controller DEALER: the pulse's alone once it runs */
+    void *ctl_loop, *ctl_pulse; /* inproc PAIR between the loop and the pulse */
+    km_zap *zap;                /* the ZAP handler of zctx; NULL when insecure */
+    km_series *s_forbidden;     /* kvmesh_worker_forbidden_total: frames refused with 403 */
+    km_series *s_unauth;        /* disk pages dropped for a missing or wrong MAC */
     uint64_t last_unauth;
     km_admin *admin;
     km_metrics *reg;
@@ -102,8 +120,14 @@ struct wk_service {
     int32_t *tokbuf;
     int tokcap;
     km_zmsg in;
-    /* heartbeats and rates */
-    uint64_t hb_seq, next_hb_ns, next_gauge_ns, last_rate_ns;
+    /* heartbeats (the pulse) and rates */
+    pthread_t hb_thread;
+    bool hb_started;
+    atomic_int hb_stop;
+    pthread_mutex_t hb_mu;
+    wk_hb_snap snap; /* under hb_mu */
+    km_latency_q lat[3];
+    uint64_t hb_seq, next_quant_ns, next_gauge_ns, last_rate_ns;
     uint64_t last_prefill, last_decode, last_preempt;
     double decode_tps, prefill_tps;
     double ttft_ring[WK_LAT_RING], tpot_ring[WK_LAT_RING], qtmp[WK_LAT_RING];
@@ -114,7 +138,7 @@ struct wk_service {
     km_series *s_req[WK_OUT_COUNT], *s_bad[WK_BAD_COUNT];
     km_series *s_tok_prompt, *s_tok_cached, *s_tok_gen, *s_tok_prefill;
     km_series *s_ttft, *s_itl, *s_queue, *s_e2e, *s_hit, *s_preempt, *s_running, *s_queued;
-    km_series *s_steps, *s_events, *s_ready, *s_hb_sent, *s_hb_dropped;
+    km_series *s_steps, *s_step_time, *s_events, *s_ready, *s_hb_sent, *s_hb_dropped;
     km_series *s_rec_evict, *s_rec_format, *s_rec_drain, *s_rec_shutdown;
     km_series *s_rec_level[4]; /* kvmesh_recovery_actions_total{level="0".."3"} */
     km_metric *m_kv_pinned;
@@ -179,8 +203,13 @@ size_t wk_svc_ballast_bytes(wk_service *s);
 int wk_svc_metrics_init(wk_service *s, km_errbuf *err);
 /* KV, scheduler and rate gauges from the store's and scheduler's statistics. */
 void wk_svc_update_gauges(wk_service *s);
-/* One heartbeat to the controller (dropped, and counted, when it cannot leave now). */
-void wk_svc_heartbeat(wk_service *s);
+/* What the next heartbeats report, from the store's and the scheduler's statistics (loop). */
+void wk_svc_snapshot(wk_service *s);
+/* The pulse: the thread that sends heartbeats every interval and relays the controller's
+ * commands to the loop (ctl_loop) and their replies back. Nothing without a controller. */
+int wk_svc_pulse_start(wk_service *s, km_errbuf *err);
+/* Stops it after a last snapshot and a last heartbeat (the state it reports then). */
+void wk_svc_pulse_stop(wk_service *s);
 /* A request ended (done or error): its latencies into the metrics and the heartbeat's rings. */
 void wk_svc_observe_end(wk_service *s, const wk_sched_usage *u);
 

@@ -154,8 +154,11 @@ int32_t wk_argmax(const float *x, int n);
  * most recently admitted sequence: its full pages are published (so they stay cached, and the
  * store demotes them to a lower tier when it needs room) and it is requeued to be recomputed from
  * what is still cached; a lone sequence that cannot fit fails with an error, nothing crashes.
- * Requests are admitted by priority plus an aging credit for time waited (no starvation), can
- * carry a deadline, and can be canceled. Outputs leave through callbacks called from
+ * With a step budget, no step is planned to take longer than it: the scheduler measures what each
+ * step costs and sizes prefill chunks so the next one fits (a long prompt late in its context
+ * costs more per token, since every token attends to all before it). Requests are admitted by
+ * priority plus an aging credit for time waited (no starvation), can carry a deadline, and can
+ * be canceled. Outputs leave through callbacks called from
  * wk_sched_step on the caller's thread. A step allocates nothing.
  *
  * wk_service_*: the daemon around it (ZeroMQ requests, KV events, admin commands, heartbeats,
@@ -203,6 +206,8 @@ typedef struct wk_sched_opts {
     int prefill_chunk;      /* most prompt tokens of one sequence per step; 0: max_batch_tokens */
     int decode_prefill;     /* most prompt tokens in a step that also decodes (bounds the
                              * inter-token latency of running sequences); 0: no extra cap */
+    int step_budget_ms;     /* time one step should take at most: prefill chunks are sized to it
+                             * from the measured cost of earlier steps (below); 0: no bound */
     int max_ctx;            /* prompt + completion per sequence; 0: 4096 */
     int default_max_tokens; /* when a request says 0; 0: 256 */
     double aging_per_s;     /* priority points a waiting request gains per second; 0: 20 */
@@ -245,6 +250,9 @@ typedef struct wk_sched_cb {
 
 typedef struct wk_sched_stats {
     int running, queued;
+    double step_ms_max;  /* the longest step so far */
+    double ns_per_unit;  /* the measured cost of one unit of step work (0: none measured yet) */
+    uint64_t budget_cut; /* prefill chunks the step budget made shorter */
     uint64_t steps, prefill_tokens, decode_tokens, prompt_tokens, cached_tokens, preemptions,
         recomputed_tokens, completed, canceled, deadline, failed, engine_errors,
         kv_full; /* requests handed back (503) because pinned pages left no room: transient */

@@ -199,6 +199,40 @@ Test(sched, decode_prefill_caps_prompt_tokens_in_steps_that_decode_and_changes_n
     wk_engine_destroy(e);
 }
 
+Test(sched, a_step_budget_cuts_prefill_chunks_by_measured_cost_and_changes_no_token)
+{
+    if (!need_model()) return;
+    int32_t p[180];
+    prompt(p, 180, 5);
+    out ref = {0}, a = {0};
+    alone(p, 180, 8, &ref);
+    wk_engine *e = engine(0, 128);
+    /* 1 ms is less than any page of this model's prefill takes: after the first step (nothing
+     * measured yet) every step carries the floor, one page of the prompt */
+    wk_sched *s = sched(e, (wk_sched_opts){.max_batch_tokens = 128, .step_budget_ms = 1});
+    wk_sched_req r = greedy_req(p, 180, 8, &a);
+    cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
+    cr_assert_gt(wk_sched_step(s), 0);
+    while (!a.n) {
+        wk_sched_stats s0, s1;
+        wk_sched_stats_get(s, &s0);
+        cr_assert_gt(s0.ns_per_unit, 0, "the first step taught the cost");
+        cr_assert_gt(wk_sched_step(s), 0);
+        wk_sched_stats_get(s, &s1);
+        cr_assert_leq(s1.prefill_tokens - s0.prefill_tokens, 16, "one page per step");
+    }
+    run_all(s);
+    wk_sched_stats st;
+    wk_sched_stats_get(s, &st);
+    cr_assert_gt(st.budget_cut, 0);
+    cr_assert_geq(st.steps, 1 + (180 - 128) / 16 + 7, "%llu steps", (unsigned long long)st.steps);
+    cr_assert(a.ended && !a.code);
+    cr_assert_eq(a.n, ref.n);
+    cr_assert_arr_eq(a.tok, ref.tok, sizeof(int32_t) * ref.n, "same tokens as one chunk");
+    wk_sched_destroy(s);
+    wk_engine_destroy(e);
+}
+
 Test(sched, batched_chunked_prefill_gives_the_same_greedy_tokens_as_alone)
 {
     if (!need_model()) return;

@@ -1,0 +1,185 @@
+/*
+ * test_liveness.c — liveness is not progress (issue 12): a whole local cluster (`kvmesh up`: a
+ * controller, two workers of one engine thread each, a router) serves a prompt at 95% of the
+ * workers' context limit through the router while a second process keeps both cores busy, with
+ * no ready->dead flap in the controller, no migration in the router and no failure.
+ *
+ * Before the workers sent heartbeats from a thread of their own, a prefill step late in a long
+ * prompt outlasted the dead threshold on a loaded machine: the controller declared the busy worker
+ * dead, the router migrated the request to the next worker, which stalled the same way, and the
+ * request failed after three attempts. Here the heartbeat is 250 ms and "dead" 1 s of silence, so
+ * any step longer than a second would show the old failure; nothing asserts on time, every wait
+ * has a generous deadline, and the context limit is 2048 so the prompt costs ~1/3 of a 4096 one.
+ *
+ * Run from the repository root after `make build` (make integration); without the default model
+ * the test skips and says so.
+ */
+#include <criterion/criterion.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "client/kvmesh.h"
+
+#define MODEL  "models/SmolLM2-135M-Instruct.Q4_1.gguf"
+#define KVMESH "build/bin/kvmesh"
+
+enum { MAX_CTX = 2048, N_HOGS = 2 };
+
+static pid_t g_up, g_hogs[N_HOGS];
+static char g_dir[64];
+
+/* Kills what the test started, each by its own pid: the hogs, `kvmesh up` (which stops its
+ * daemons), and any daemon cluster.env still names. */
+static void stop_all(void)
+{
+    for (int i = 0; i < N_HOGS; i++)
+        if (g_hogs[i] > 0) {
+            kill(g_hogs[i], SIGKILL);
+            waitpid(g_hogs[i], NULL, 0);
+            g_hogs[i] = 0;
+        }
+    if (g_up > 0) {
+        kill(g_up, SIGTERM);
+        for (int i = 0; i < 400 && waitpid(g_up, NULL, WNOHANG) == 0; i++) usleep(50000);
+        kill(g_up, SIGKILL);
+        waitpid(g_up, NULL, 0);
+        g_up = 0;
+    }
+    if (g_dir[0]) {
+        char path[128];
+        snprintf(path, sizeof path, "%s/%s", g_dir, KVM_CLUSTER_FILE);
+        kvm_cluster_proc procs[KVM_CLUSTER_MAX];
+        int n = kvm_cluster_read(path, procs, KVM_CLUSTER_MAX, NULL);
+        for (int i = 0; i < n; i++)
+            if (procs[i].pid > 0 && kill(procs[i].pid, 0) == 0) kill(procs[i].pid, SIGKILL);
+    }
+}
+
+TestSuite(liveness, .fini = stop_all, .timeout = 900);
+
+/* A process that keeps one core busy until killed. */
+static pid_t hog(void)
+{
+    pid_t p = fork();
+    cr_assert(p >= 0);
+    if (p == 0) {
+        volatile unsigned long x = 0;
+        for (;;) x++;
+    }
+    return p;
+}
+
+/* Lines of a log file that contain needle. */
+static int count_lines(const char *path, const char *needle)
+{
+    FILE *f = fopen(path, "r");
+    if (!f) return -1;
+    char line[4096];
+    int n = 0;
+    while (fgets(line, sizeof line, f)) n += strstr(line, needle) != NULL;
+    fclose(f);
+    return n;
+}
+
+Test(liveness, a_prompt_at_95_percent_of_the_context_under_load_no_flap_no_migration_no_failure)
+{
+    if (access(MODEL, R_OK) || access(KVMESH, X_OK)) {
+        cr_skip_test("needs %s (make deps) and %s (make build)", MODEL, KVMESH);
+        return;
+    }
+    snprintf(g_dir, sizeof g_dir, "/tmp/kvmesh-live-XXXXXX");
+    cr_assert(mkdtemp(g_dir));
+    char logs[128], run[128], cluster[128], up_log[160];
+    snprintf(logs, sizeof logs, "--log-dir=%s/logs", g_dir);
+    snprintf(run, sizeof run, "--run-dir=%s", g_dir);
+    snprintf(cluster, sizeof cluster, "%s/%s", g_dir, KVM_CLUSTER_FILE);
+    snprintf(up_log, sizeof up_log, "%s/up.log", g_dir);
+    char wargs[128];
+    snprintf(wargs, sizeof wargs, "--worker-args=--heartbeat=250ms --max-ctx=%d --log-level=info",
+             MAX_CTX);
+    const char *argv[] = {KVMESH,
+                          "up",
+                          "--workers=2",
+                          "--threads=1",
+                          "--base-port=0",
+                          run,
+                          logs,
+                          wargs,
+                          "--controller-args=--heartbeat=250ms --dead-after=4",
+                          "--router-args=--log-level=info",
+                          NULL};
+    g_up = fork();
+    cr_assert(g_up >= 0);
+    if (g_up == 0) {
+        FILE *o = freopen(up_log, "w", stdout);
+        FILE *e = freopen(up_log, "a", stderr);
+        (void)o, (void)e;
+        execv(KVMESH, (char *const *)argv);
+        _exit(127);
+    }
+    /* up: the router's endpoint in cluster.env, and both workers ready in the controller's view */
+    kvm_cluster_proc procs[KVM_CLUSTER_MAX];
+    const kvm_cluster_proc *router = NULL, *ctl = NULL;
+    for (int i = 0; i < 1200 && !(router && ctl); i++) {
+        int n = kvm_cluster_read(cluster, procs, KVM_CLUSTER_MAX, NULL);
+        router = n > 0 ? kvm_cluster_find(procs, n, "router") : NULL;
+        ctl = n > 0 ? kvm_cluster_find(procs, n, "controller") : NULL;
+        if (router && (!router->pid || !router->requests[0])) router = NULL;
+        if (ctl && (!ctl->pid || !ctl->listen[0])) ctl = NULL;
+        cr_assert_eq(waitpid(g_up, NULL, WNOHANG), 0, "kvmesh up exited (%s)", up_log);
+        usleep(50000);
+    }
+    cr_assert(router && ctl, "the cluster did not come up in 60 s (%s)", up_log);
+    bool ready = false;
+    for (int i = 0; i < 120 && !ready; i++) {
+        km_msg v;
+        if (kvm_view_get(ctl->listen, 2000, &v, NULL) == 0) {
+            ready = v.type == KM_MSG_VIEW && kvm_view_all_ready(&v.view, 2);
+            km_msg_clear(&v);
+        }
+        if (!ready) usleep(250000);
+    }
+    cr_assert(ready, "two workers ready in the view");
+
+    for (int i = 0; i < N_HOGS; i++) g_hogs[i] = hog();
+
+    /* 95% of the context: prompt and completion together stay inside it */
+    enum { N_PROMPT = MAX_CTX * 95 / 100, N_GEN = 16 };
+    static int32_t toks[N_PROMPT];
+    for (int i = 0; i < N_PROMPT; i++) toks[i] = 300 + (i * 131) % 30000;
+    kvm_client *c;
+    km_errbuf err = {{0}};
+    kvm_opts o = {.timeout_ms = 600000};
+    cr_assert_eq(kvm_open(router->requests, &o, &c, &err), 0, "%s", err.msg);
+    km_msg_request q;
+    kvm_request_init(&q);
+    q.tokens = toks;
+    q.n_tokens = N_PROMPT;
+    q.max_tokens = N_GEN;
+    q.temperature = 0;
+    kvm_result res;
+    int rc = kvm_generate(c, &q, NULL, NULL, &res, &err);
+    stop_all(); /* the hogs and the cluster; the logs stay */
+    cr_assert_eq(rc, 0, "the request failed: rc=%d code=%d %s %s", rc, res.error_code, res.error,
+                 err.msg);
+    cr_assert_eq(res.error_code, 0, "%s", res.error);
+    cr_assert(res.completion_tokens >= 1 && res.completion_tokens <= N_GEN, "%u tokens",
+              res.completion_tokens);
+    cr_assert_eq(res.prompt_tokens, N_PROMPT);
+    cr_assert_eq(res.migrations, 0, "the request migrated");
+    kvm_result_free(&res);
+    kvm_close(c);
+
+    char path[192];
+    snprintf(path, sizeof path, "%s/logs/controller.log", g_dir);
+    cr_assert_eq(count_lines(path, "to=dead"), 0, "a worker was declared dead (%s)", path);
+    cr_assert_eq(count_lines(path, "reason=stall"), 0, "a worker was declared stalled (%s)", path);
+    snprintf(path, sizeof path, "%s/logs/router.log", g_dir);
+    cr_assert_eq(count_lines(path, "event=migrate"), 0, "the router migrated (%s)", path);
+    cr_assert_eq(count_lines(path, "event=request_failed"), 0, "(%s)", path);
+}
