@@ -81,6 +81,9 @@ typedef struct km_zmsg {
     km_zframe part[KM_ZMSG_MAX_PARTS];
     int n;
     km_zpeer peer;
+    int src_fd; /* the descriptor of the connection it came in on (libzmq's ZMQ_SRCFD), -1 when
+                 * none (inproc): with a socket monitor's DISCONNECTED events, a ROUTER learns
+                 * which of its requests came from a peer that is gone */
     km_buf mem_;
 } km_zmsg;
 

@@ -199,6 +199,7 @@ const km_zframe *km_zmsg_body(const km_zmsg *m)
 int km_zrecv(void *s, km_zmsg *m, int timeout_ms, km_errbuf *err)
 {
     m->n = 0;
+    m->src_fd = -1;
     m->mem_.len = 0;
     memset(&m->peer, 0, sizeof m->peer);
     if (timeout_ms >= 0) {
@@ -222,6 +223,9 @@ int km_zrecv(void *s, km_zmsg *m, int timeout_ms, km_errbuf *err)
             return km_errf(err, KM_EIO, "zmq recv: message ended early after %d parts", total);
         }
         size_t len = zmq_msg_size(&zm);
+        /* a ROUTER makes the identity part itself (no descriptor); the wire parts have one */
+        int fd = zmq_msg_get(&zm, ZMQ_SRCFD);
+        if (fd >= 0) m->src_fd = fd;
         if (total < KM_ZMSG_MAX_PARTS && !rc) {
             offs[total] = m->mem_.len;
             m->part[total].len = len;
