@@ -194,6 +194,9 @@ typedef struct km_msg_request {
     const char *cache_salt; /* tenant isolation of cached pages; NULL = none */
     int32_t priority;       /* [-100, 100], higher first; default 0 */
     uint32_t deadline_ms;   /* budget from receipt; 0 = none */
+    uint32_t generated;     /* the last `generated` ids of tokens were generated for this request
+                             * by an earlier attempt (a migration): the receiver's sampler
+                             * continues its random draws after them; 0 = none */
     bool stream;            /* send token frames (otherwise only done, with the whole text) */
     /* speculative decoding (optional, added within version 1); never changes the output */
     km_speculate speculate;

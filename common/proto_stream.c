@@ -65,6 +65,9 @@ static int req_validate(const km_msg *m, const km_proto_limits *lim, km_errbuf *
     if ((unsigned)r->speculate >= KM_SPECULATE_COUNT)
         VFAIL("req.speculate: unknown value %d", (int)r->speculate);
     CK(km_val_range("req.max_draft_tokens", r->max_draft_tokens, 0, KM_PROTO_MAX_DRAFT, err));
+    if (r->generated && r->generated >= r->n_tokens)
+        VFAIL("req.generated: %u, needs tokens with at least one more id (%u)", r->generated,
+              r->n_tokens);
     return req_validate_pull(r, err);
 }
 
@@ -96,6 +99,7 @@ static void req_encode(km_enc *e, const km_msg *m)
     km_enc_str(e, "cache_salt", r->cache_salt);
     km_enc_i64(e, "priority", r->priority);
     km_enc_u64(e, "deadline_ms", r->deadline_ms);
+    if (r->generated) km_enc_u64(e, "generated", r->generated);
     km_enc_bool(e, "stream", r->stream);
     if (r->speculate) km_enc_str(e, "speculate", km_proto_speculate_names[r->speculate]);
     if (r->max_draft_tokens) km_enc_u64(e, "max_draft_tokens", r->max_draft_tokens);
@@ -175,6 +179,10 @@ static int req_decode(km_dec *d, const msgpack_object_map *mp)
     int sp = 0;
     CK(km_dec_enum(d, mp, "speculate", false, km_proto_speculate_names, KM_SPECULATE_COUNT, &sp));
     r->speculate = (km_speculate)sp;
+    CK(km_dec_u32(d, mp, "generated", false, &r->generated));
+    if (r->generated && r->generated >= r->n_tokens)
+        return DFAIL(d, KM_EFORMAT, "req.generated: %u, needs tokens with at least one more id",
+                     r->generated);
     CK(km_dec_u32(d, mp, "max_draft_tokens", false, &r->max_draft_tokens));
     CK(km_dec_str(d, mp, "pull_from", false, KM_PROTO_MAX_NAME, false, &r->pull_from, NULL));
     if (!r->pull_from) return 0; /* the rest of a hint means nothing without it */

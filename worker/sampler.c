@@ -187,6 +187,13 @@ static void wk_apply_penalties(wk_sampler *s, float *row)
     }
 }
 
+void wk_sampler_skip(wk_sampler *s, int n)
+{
+    /* one draw per sampled token, and none when greedy (wk_sampler_sample) */
+    if (s->p.temperature <= 0.0f) return;
+    for (int i = 0; i < n; i++) wk_rng_next(s->rng);
+}
+
 int32_t wk_sampler_sample(wk_sampler *s, const float *logits)
 {
     const wk_sample_params *p = &s->p;

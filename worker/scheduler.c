@@ -245,6 +245,7 @@ int wk_sched_submit(wk_sched *s, const wk_sched_req *q, uint64_t *rid)
     r->n_tok = r->n_prompt = q->n_tokens;
     r->max_gen = max_gen;
     for (int i = 0; i < q->n_tokens; i++) wk_sampler_accept(r->smp, q->tokens[i]);
+    if (q->n_generated > 0 && q->n_generated < q->n_tokens) wk_sampler_skip(r->smp, q->n_generated);
     r->seed = km_pagehash_seed(s->fp, strlen(s->fp), s->o.cluster_seed, q->cache_salt,
                                q->cache_salt ? q->cache_salt_len : 0);
     int mode = q->speculate ? q->speculate : s->o.spec.mode;

@@ -391,6 +391,7 @@ void wk_svc_admit(wk_service *s, const km_zframe *env, int n_env, const km_msg_r
                      : q->speculate == KM_SPECULATE_AUTO ? WK_SPEC_AUTO
                                                          : WK_SPEC_DEFAULT,
         .max_draft = (int)q->max_draft_tokens,
+        .n_generated = (int)q->generated,
         .user = r,
     };
     wk_sample_params_default(&sq.sample);

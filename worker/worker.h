@@ -130,6 +130,9 @@ int wk_sampler_create(const wk_sample_params *p, int n_vocab, wk_sampler **out);
 void wk_sampler_destroy(wk_sampler *s);
 /* Records a token into the penalty history (prompt tokens and every sampled token). */
 void wk_sampler_accept(wk_sampler *s, int32_t token);
+/* Advances the random draws as if n tokens had been sampled (a request continued after a
+ * migration: its sampled tokens are the same as undisturbed). */
+void wk_sampler_skip(wk_sampler *s, int n);
 /* Picks the next token from one row of logits (the row is not modified). */
 int32_t wk_sampler_sample(wk_sampler *s, const float *logits);
 
@@ -225,10 +228,12 @@ typedef struct wk_sched_req {
     uint64_t arrival_ns;    /* when the request arrived; 0: now */
     const char *cache_salt; /* NULL: none */
     size_t cache_salt_len;
-    int ignore_eos; /* keep going past end-of-generation tokens */
-    int speculate;  /* wk_spec_mode; 0: the worker's */
-    int max_draft;  /* draft tokens per step at most; 0: the worker's (never more) */
-    void *user;     /* handed back to every callback */
+    int ignore_eos;  /* keep going past end-of-generation tokens */
+    int speculate;   /* wk_spec_mode; 0: the worker's */
+    int max_draft;   /* draft tokens per step at most; 0: the worker's (never more) */
+    int n_generated; /* the last n_generated prompt tokens were sampled by an earlier attempt
+                      * (a migration): the sampler's draws continue after them */
+    void *user;      /* handed back to every callback */
 } wk_sched_req;
 
 typedef struct wk_sched_usage {

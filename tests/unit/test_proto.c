@@ -185,7 +185,21 @@ Test(proto, request_with_token_ids_roundtrips_and_keeps_binary_prompt_bytes)
     cr_assert_arr_eq(out.req.tokens, toks, sizeof toks);
     cr_assert(!out.req.has_seed);
     cr_assert(!out.req.stream);
+    cr_assert_eq(out.req.generated, 0);
     km_msg_clear(&out);
+
+    /* a continuation after a migration: the last ids were generated earlier */
+    in.req.generated = 3;
+    roundtrip(&in, &out);
+    cr_assert_eq(out.req.generated, 3);
+    km_msg_clear(&out);
+    in.req.generated = 4; /* the whole prompt: nothing left that the client sent */
+    km_buf b = {0};
+    km_errbuf err = {{0}};
+    cr_assert_eq(km_msg_encode(&in, NULL, &b, &err), KM_EFORMAT);
+    cr_assert(strstr(err.msg, "req.generated"), "%s", err.msg);
+    km_buf_free(&b);
+    in.req.generated = 0;
 
     /* a text prompt with a NUL byte inside keeps its length */
     km_msg_init(&in, KM_MSG_REQUEST);

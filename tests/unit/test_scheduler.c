@@ -233,6 +233,46 @@ Test(sched, a_step_budget_cuts_prefill_chunks_by_measured_cost_and_changes_no_to
     wk_engine_destroy(e);
 }
 
+/* A migration continues a request from its prompt plus the tokens already streamed: a seeded,
+ * sampled request continued that way (n_generated) gives the tokens of the undisturbed run. */
+Test(sched, a_seeded_request_continued_from_its_streamed_tokens_equals_the_undisturbed_run)
+{
+    if (!need_model()) return;
+    enum { N = 60, G = 24, K = 9 };
+    int32_t p[N + G];
+    prompt(p, N, 3);
+    out full = {0}, tail = {0};
+    wk_engine *e = engine(0, 64);
+    wk_sched *s = sched(e, (wk_sched_opts){.max_batch_tokens = 64});
+    wk_sched_req r = greedy_req(p, N, G, &full);
+    r.sample.temperature = 0.9f;
+    r.sample.top_k = 50;
+    r.sample.repeat_penalty = 1.1f;
+    r.sample.seed = 1234;
+    r.ignore_eos = 1;
+    cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
+    run_all(s);
+    cr_assert_eq(full.n, G);
+    /* the "next worker": a fresh engine, the prompt plus the first K tokens */
+    wk_sched_destroy(s);
+    wk_engine_destroy(e);
+    e = engine(0, 64);
+    s = sched(e, (wk_sched_opts){.max_batch_tokens = 64});
+    memcpy(p + N, full.tok, sizeof(int32_t) * K);
+    r.tokens = p;
+    r.n_tokens = N + K;
+    r.max_tokens = G - K;
+    r.n_generated = K;
+    r.user = &tail;
+    cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
+    run_all(s);
+    cr_assert_eq(tail.n, G - K);
+    cr_assert_arr_eq(tail.tok, full.tok + K, sizeof(int32_t) * (G - K),
+                     "the continuation differs from the undisturbed run");
+    wk_sched_destroy(s);
+    wk_engine_destroy(e);
+}
+
 Test(sched, batched_chunked_prefill_gives_the_same_greedy_tokens_as_alone)
 {
     if (!need_model()) return;
