@@ -1,9 +1,9 @@
 /*
  * clients.c — the router's ZeroMQ front (internal.h): client `req` frames become requests
  * (their prompt tokenized, or their token ids checked against the vocabulary), client `cancel`
- * frames cancel them, and anything else gets an `err` (with the frame's id when it had one,
- * km_msg.rejected_id). rt_rq_start, shared with the HTTP front, computes the page-hash chain
- * that routing keys on and hands the request to dispatch.
+ * frames cancel them (text prompts are tokenized by prompt.c), and anything else gets an `err`
+ * (with the frame's id when it had one, km_msg.rejected_id). rt_rq_start, shared with the HTTP
+ * front, computes the page-hash chain that routing keys on and hands the request to dispatch.
  *
  * The router forwards every request as token ids with stream=true, whatever the client asked:
  * the worker then never tokenizes differently from the router's page-hash chain, and the router
@@ -12,8 +12,15 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <zmq.h>
 
 #include "router/internal.h"
+
+/* The generation of the client connection on descriptor fd (0: none known). */
+static uint64_t conn_gen_of(const rt_router *r, int fd)
+{
+    return fd >= 0 && fd < r->n_conn_gen ? r->conn_gen[fd] : 0;
+}
 
 bool rt_model_ok(rt_router *r, const char *model)
 {
@@ -23,19 +30,6 @@ bool rt_model_ok(rt_router *r, const char *model)
         return true;
     return !strcmp(model, r->model_name) || !strcmp(model, "default") ||
            (r->c.model_name && !strcmp(model, r->c.model_name)) || !strcmp(model, r->fp);
-}
-
-/* Tokenizes text into q->tokens as the worker does (parse_special on; add_special off for a
- * rendered chat template, which carries its own BOS). */
-int rt_rq_tokenize(rt_router *r, rt_rq *q, const char *text, size_t len, int add_special)
-{
-    int need = km_tok_encode(r->tok, text, len, add_special, 1, NULL, 0);
-    if (need < 0) return need;
-    q->cap = need + 64;
-    q->tokens = malloc(sizeof *q->tokens * (size_t)q->cap);
-    if (!q->tokens) return KM_ENOMEM;
-    q->n_prompt = km_tok_encode(r->tok, text, len, add_special, 1, q->tokens, q->cap);
-    return q->n_prompt < 0 ? q->n_prompt : 0;
 }
 
 /* Everything after the prompt is in q->tokens: the chain, the key, then dispatch. */
@@ -65,8 +59,10 @@ int rt_rq_start(rt_router *r, rt_rq *q)
     /* the rendezvous key: the first page, or (a prompt shorter than a page) its tokens */
     q->key = q->n_chain > 0 ? q->chain[0] : km_pagehash_next(seed, q->tokens, q->n_prompt);
     if (!q->max_tokens) q->max_tokens = r->c.default_max_tokens;
-    q->rid = ++r->next_rid;
-    rt_rq_link(r, q);
+    if (!q->rid) { /* a prompt tokenized on the thread pool is in the table already */
+        q->rid = ++r->next_rid;
+        rt_rq_link(r, q);
+    }
     r->n_requests++;
     return rt_dispatch(r, q, false);
 }
@@ -121,6 +117,8 @@ static void on_client_request(rt_router *r, const km_zmsg *zm, const km_msg_requ
         return;
     }
     q->cid = req->id;
+    q->src_fd = zm->src_fd;
+    q->src_gen = conn_gen_of(r, zm->src_fd);
     for (int i = 0; i < n_env; i++) km_buf_append(&q->env_mem, env[i].data, env[i].len);
     size_t off = 0;
     for (int i = 0; i < n_env; i++) {
@@ -155,9 +153,6 @@ static void on_client_request(rt_router *r, const km_zmsg *zm, const km_msg_requ
                     return;
                 }
         }
-    } else if (!rc) {
-        rc = rt_rq_tokenize(r, q, req->prompt,
-                            req->prompt_len ? req->prompt_len : strlen(req->prompt), 1);
     }
     if (rc) {
         rt_send_error_env(r, env, n_env, req->id, KM_CODE_INTERNAL, 0, "cannot prepare: %s",
@@ -165,7 +160,20 @@ static void on_client_request(rt_router *r, const km_zmsg *zm, const km_msg_requ
         rt_rq_free(q);
         return;
     }
-    rt_rq_start(r, q);
+    if (q->tokens) {
+        rt_rq_start(r, q);
+        return;
+    }
+    /* a text prompt: its bytes checked, then tokenized on or off the loop (prompt.c) */
+    size_t len = req->prompt_len ? req->prompt_len : strlen(req->prompt);
+    char *text = malloc(len + 1);
+    if (!text) {
+        rt_rq_fail(r, q, KM_CODE_INTERNAL, 0, "out of memory");
+        return;
+    }
+    memcpy(text, req->prompt, len);
+    text[len] = 0;
+    rt_rq_prepare(r, q, text, len, 1);
 }
 
 static bool env_eq(const rt_rq *q, const km_zmsg *zm)
@@ -180,7 +188,7 @@ static bool env_eq(const rt_rq *q, const km_zmsg *zm)
 
 void rt_rq_cancel(rt_router *r, rt_rq *q)
 {
-    if (q->queued || q->parked) {
+    if (q->queued || q->parked || q->tokjob) {
         rt_rq_unpark(q);
         rt_queue_remove(r, q);
         if (q->origin == RQ_ZMQ) {
@@ -196,7 +204,81 @@ void rt_rq_cancel(rt_router *r, rt_rq *q)
         rt_rq_end(r, q);
         return;
     }
+    q->canceled = true; /* should its worker die first, it is not migrated but ends */
     if (q->worker >= 0) rt_send_cancel(r, &r->w[q->worker], q->rid);
+}
+
+void rt_rq_abandon(rt_router *r, rt_rq *q)
+{
+    if (q->worker >= 0) rt_send_cancel(r, &r->w[q->worker], q->rid);
+    km_counter_inc(r->s_abandoned);
+    KM_INFO("request_abandoned", "rid=%llu worker=%s generated=%d origin=%s",
+            (unsigned long long)q->rid, q->worker >= 0 ? r->w[q->worker].id : "-", q->n_gen,
+            q->origin == RQ_ZMQ ? "zmq" : "http");
+    rt_rq_end(r, q);
+}
+
+/* ---------------------------------------------------------------- client connections
+ *
+ * libzmq does not tell a ROUTER which peer left (ZMQ_ROUTER_NOTIFY is a draft API, not in the
+ * libzmq builds we link), but its socket monitor reports each accepted and each lost connection
+ * with its descriptor, and every message carries the descriptor it came in on (ZMQ_SRCFD). A
+ * request remembers its connection as (descriptor, generation): ACCEPTED gives a descriptor a new
+ * generation, DISCONNECTED abandons the requests of the current one. libzmq emits a connection's
+ * DISCONNECTED before its descriptor is closed (so before a new connection can get the number)
+ * and a connection's ACCEPTED before any message of it; the router drains the monitor before
+ * every message it reads from the front, so a request is always recorded under the generation
+ * of the connection it really came on, and a reused descriptor is never mistaken for the
+ * connection that had it before. */
+
+int rt_front_monitor_open(rt_router *r, km_errbuf *err)
+{
+    char ep[64];
+    snprintf(ep, sizeof ep, "inproc://rt-front-mon-%p", (void *)r);
+    int rc = rt_monitor_open(r, r->front, ep, ZMQ_EVENT_ACCEPTED | ZMQ_EVENT_DISCONNECTED, &r->fmon,
+                             err);
+    return rc ? rc : rt_open_poll(r, &r->p_fmon, r->fmon, err);
+}
+
+static void client_disconnected(rt_router *r, int fd)
+{
+    uint64_t gen = conn_gen_of(r, fd);
+    if (!gen) return;
+    r->conn_gen[fd] = 0;
+    /* rids first: abandoning one may dispatch its waiters */
+    enum { MAX = 1024 };
+    uint64_t rids[MAX];
+    int n = 0;
+    for (int b = 0; b < RT_RQ_BUCKETS; b++)
+        for (rt_rq *q = r->buckets[b]; q && n < MAX; q = q->hnext)
+            if (q->origin == RQ_ZMQ && q->src_fd == fd && q->src_gen == gen) rids[n++] = q->rid;
+    for (int i = 0; i < n; i++) {
+        rt_rq *q = rt_rq_find(r, rids[i]);
+        if (q) rt_rq_abandon(r, q);
+    }
+    if (n) KM_INFO("client_gone", "fd=%d requests_abandoned=%d", fd, n);
+}
+
+void rt_read_front_monitor(rt_router *r)
+{
+    uint16_t event;
+    uint32_t value;
+    while (r->fmon && rt_monitor_next(r->fmon, &event, &value)) {
+        int fd = (int)value;
+        if (event == ZMQ_EVENT_ACCEPTED && fd >= 0 && fd < (1 << 24)) {
+            if (fd >= r->n_conn_gen) {
+                int n = fd + 64;
+                uint64_t *g = realloc(r->conn_gen, sizeof *g * (size_t)n);
+                if (!g) continue;
+                memset(g + r->n_conn_gen, 0, sizeof *g * (size_t)(n - r->n_conn_gen));
+                r->conn_gen = g;
+                r->n_conn_gen = n;
+            }
+            r->conn_gen[fd] = ++r->next_conn_gen;
+        } else if (event == ZMQ_EVENT_DISCONNECTED) {
+            client_disconnected(r, fd);
+        }
+    }
 }
 
 static void on_client_cancel(rt_router *r, const km_zmsg *zm, uint64_t cid)

@@ -94,6 +94,8 @@ static int send_to(rt_router *r, rt_rq *q, int pick, int n_ctx, uint32_t remaini
     msg.req.tokens = q->tokens;
     msg.req.n_tokens = (uint32_t)n_ctx;
     msg.req.max_tokens = remaining ? remaining : q->max_tokens;
+    /* a continuation: the sampler's draws go on after the streamed tokens (exact when seeded) */
+    msg.req.generated = n_ctx > q->n_prompt ? (uint32_t)(n_ctx - q->n_prompt) : 0;
     msg.req.stream = true;
     msg.req.cache_salt = q->salt;
     msg.req.stop = (const char *const *)q->stop;
@@ -117,6 +119,7 @@ static int send_to(rt_router *r, rt_rq *q, int pick, int n_ctx, uint32_t remaini
     q->worker = pick;
     q->attempts++;
     q->base = q->replay ? 0 : q->n_gen;
+    q->gen_at_send = q->n_gen;
     q->att_next = 0;
     if (!q->t_sent) q->t_sent = km_now_ns();
     w->inflight++;

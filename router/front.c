@@ -24,12 +24,7 @@ static void on_http_abort(km_http_req *h, void *user)
 {
     rt_rq *q = user;
     q->http = NULL;
-    rt_router *r = q->r;
-    if (q->queued) {
-        rt_rq_end(r, q);
-        return;
-    }
-    rt_rq_cancel(r, q); /* the worker's done(canceled) ends it */
+    rt_rq_abandon(q->r, q); /* ends now: no migration may resurrect it (issue 12) */
 }
 
 static void http_error(km_http_req *h, int status, const char *type, const char *param,
@@ -136,7 +131,7 @@ static int status_json(rt_router *r, km_buf *out)
     uint64_t now = rt_now_ms();
     json_t *workers = json_array();
     for (int i = 0; workers && i < r->n_w; i++)
-        if (json_array_append_new(workers, status_worker(r, i, now))) {
+        if (!r->w[i].free && json_array_append_new(workers, status_worker(r, i, now))) {
             json_decref(workers);
             workers = NULL;
         }
@@ -314,11 +309,14 @@ static void rq_from_oai(rt_rq *q, rt_oai_req *oq)
     q->max_tokens = oq->max_tokens;
 }
 
-/* The prompt's tokens: a completion's prompt as is, a chat's messages through the model's chat
- * template (ChatML when the model names none). */
-static int tokenize_oai(rt_router *r, rt_rq *q, const rt_oai_req *oq, bool chat)
+/* The prompt's text (malloc'd, *len bytes; NULL when out of memory): a completion's prompt as
+ * is, a chat's messages through the model's chat template (ChatML when the model names none). */
+static char *prompt_text(rt_router *r, const rt_oai_req *oq, bool chat, size_t *len)
 {
-    if (!chat) return rt_rq_tokenize(r, q, oq->prompt, strlen(oq->prompt), 1);
+    if (!chat) {
+        *len = strlen(oq->prompt);
+        return strdup(oq->prompt);
+    }
     km_chat_msg msgs[1024];
     for (int i = 0; i < oq->n_msgs && i < 1024; i++)
         msgs[i] = (km_chat_msg){oq->msgs[i].role, oq->msgs[i].content};
@@ -330,9 +328,8 @@ static int tokenize_oai(rt_router *r, rt_rq *q, const rt_oai_req *oq, bool chat)
     int need = km_chat_apply(kind, msgs, oq->n_msgs, 1, defsys, NULL, 0);
     char *txt = need >= 0 ? malloc((size_t)need + 1) : NULL;
     if (txt) km_chat_apply(kind, msgs, oq->n_msgs, 1, defsys, txt, (size_t)need + 1);
-    int rc = txt ? rt_rq_tokenize(r, q, txt, (size_t)need, 0) : KM_ENOMEM;
-    free(txt);
-    return rc;
+    *len = need >= 0 ? (size_t)need : 0;
+    return txt;
 }
 
 /* OpenAI's context check, with its counts: a prompt that leaves no room in the context, or one
@@ -418,29 +415,38 @@ static void on_completion(rt_router *r, km_http_req *h, bool chat)
         return http_error(h, 400, "invalid_request_error", "cache_salt",
                           "'cache_salt' is too long for this API key's tenant salt");
     }
-    if (!rc) rc = tokenize_oai(r, q, &oq, chat);
+    size_t len = 0;
+    char *text = rc ? NULL : prompt_text(r, &oq, chat, &len);
     rt_oai_req_free(&oq);
-    if (rc) {
+    if (!text) {
         rt_rq_free(q);
-        return http_error(h, 500, "server_error", NULL, "cannot tokenize the prompt");
-    }
-    if (over_context(r, h, q, q->max_tokens, chat)) {
-        rt_rq_free(q);
-        return;
+        return http_error(h, 500, "server_error", NULL, "cannot render the prompt");
     }
     km_http_on_abort(h, on_http_abort, q);
+    /* tokenized on or off the loop (prompt.c), then rt_front_tokens_ready, then started */
+    rt_rq_prepare(r, q, text, len, chat ? 0 : 1); /* a rendered template carries its BOS */
+    rt_pump(r);
+}
+
+int rt_front_tokens_ready(rt_router *r, rt_rq *q)
+{
+    if (over_context(r, q->http, q, q->max_tokens, q->http_chat)) {
+        rt_rq_end(r, q);
+        return 1;
+    }
     if (q->http_stream) {
-        km_http_stream_begin(h, 200, "text/event-stream");
+        km_http_stream_begin(q->http, 200, "text/event-stream");
         q->http_began = true;
-        if (chat) {
+        if (q->http_chat) {
             rt_oai_meta m;
+            km_buf b = {0};
             rt_rq_oai_meta(r, q, &m, NULL);
-            if (!rt_oai_sse_chunk(&b, &m, NULL, 0, NULL)) km_http_stream_write(h, b.data, b.len);
+            if (!rt_oai_sse_chunk(&b, &m, NULL, 0, NULL))
+                km_http_stream_write(q->http, b.data, b.len);
             km_buf_free(&b);
         }
     }
-    rt_rq_start(r, q);
-    rt_pump(r);
+    return 0;
 }
 
 static void on_completions(km_http_req *h, void *user)

@@ -34,6 +34,7 @@ typedef enum { RQ_ZMQ = 0, RQ_HTTP = 1 } rq_origin;
 
 typedef struct rt_rq rt_rq;
 typedef struct rt_wk rt_wk;
+typedef struct rt_tokjob rt_tokjob; /* prompt.c */
 
 struct rt_rq {
     rt_router *r;
@@ -47,6 +48,9 @@ struct rt_rq {
     km_zframe env[KM_ZMSG_MAX_PARTS];
     int n_env;
     uint64_t cid;      /* client's id */
+    int src_fd;        /* ZeroMQ: the client connection's descriptor (-1: unknown) ... */
+    uint64_t src_gen;  /* ... and which connection on it (clients.c: disconnects) */
+    bool canceled;     /* the client canceled it: it ends, it is never migrated */
     km_http_req *http; /* the HTTP request (common/http.h) of an OpenAI request */
     bool http_stream, http_chat, include_usage, http_began;
     char oai_id[48];
@@ -64,13 +68,18 @@ struct rt_rq {
     int n_chain;
     km_pagehash key;
     uint64_t deadline_ns; /* absolute; 0 none */
+    uint64_t limit_ns;    /* absolute: --request-timeout after arrival; 0 none */
+    rt_tokjob *tokjob;    /* its prompt is being tokenized on the thread pool (prompt.c) */
     /* state */
-    int worker;        /* -1: not at a worker */
-    int attempts;      /* workers tried */
-    int base;          /* n_gen when the current attempt began */
-    bool router_detok; /* continuation after a migration: the router makes the text */
-    bool replay;       /* this attempt regenerates the first n_gen tokens, checked, not sent */
-    int att_next;      /* next `index` expected from the current attempt */
+    int worker;         /* -1: not at a worker */
+    int attempts;       /* workers tried */
+    uint64_t failed_on; /* slots of the workers that failed it (migrations away) */
+    int fruitless;      /* attempts in a row that ended without a new token */
+    int gen_at_send;    /* n_gen when the current attempt was sent */
+    int base;           /* n_gen when the current attempt began */
+    bool router_detok;  /* continuation after a migration: the router makes the text */
+    bool replay;        /* this attempt regenerates the first n_gen tokens, checked, not sent */
+    int att_next;       /* next `index` expected from the current attempt */
     int migrations;
     km_detok dt;
     km_buf text; /* whole completion (non-streaming clients, HTTP) */
@@ -121,6 +130,9 @@ struct rt_wk {
     char view_id[KM_PROTO_MAX_NAME + 1]; /* the id the view gives it ("" when never named) */
     bool in_view;                        /* the last view names it */
     bool from_view;                      /* added at run time from a view */
+    bool free;                           /* released (workers.c): the slot may be reused */
+    int closing;                         /* polls still closing before the slot is free */
+    uint64_t absent_since_ms;            /* fresh views stopped naming it (0: they name it) */
     km_member_state member;              /* its state in that view (when in_view) */
     uint32_t level;                      /* the recovery level in effect */
     uint64_t view_migrated;              /* requests migrated away because the view said dead */
@@ -140,9 +152,13 @@ struct rt_router {
     uv_async_t stop_async;
     uv_check_t check;
     uv_timer_t tick;
-    uv_poll_t p_front, p_sub;
+    uv_poll_t p_front, p_sub, p_fmon;
     void *zctx, *front, *sub;
-    km_zap *zap; /* the ZAP handler of zctx; NULL when insecure */
+    km_zap *zap;        /* the ZAP handler of zctx; NULL when insecure */
+    void *fmon;         /* the front's socket monitor: client connections come and go */
+    uint64_t *conn_gen; /* per descriptor: the generation of the connection on it (0: none) */
+    int n_conn_gen;     /* entries of conn_gen */
+    uint64_t next_conn_gen;
     char front_ep[256];
     rt_wk *w;
     int n_w;
@@ -159,7 +175,8 @@ struct rt_router {
     /* scratch */
     km_buf out;
     km_zmsg zm;
-    uint64_t last_sweep_ms; /* the index's expired pending marks were last cleared */
+    uint64_t last_sweep_ms;  /* the index's expired pending marks were last cleared */
+    uint64_t last_expire_ms; /* requests past their deadline were last looked for */
     /* stats */
     uint64_t n_requests, n_ok, n_err, n_overloaded, n_migrations, n_bad_frames;
     uint64_t prompt_tokens, cached_tokens, predicted_tokens;
@@ -168,7 +185,7 @@ struct rt_router {
     km_series *s_http_unauthorized, *s_http_forbidden;
     km_series *s_req_ok, *s_req_err, *s_overloaded, *s_migr, *s_bad, *s_prompt, *s_cached,
         *s_predicted, *s_queue, *s_inflight_all, *s_decision, *s_ttft, *s_total, *s_gaps, *s_resync,
-        *s_index_pages, *s_http_req;
+        *s_index_pages, *s_http_req, *s_tok_loop, *s_tok_pool, *s_abandoned;
     bool stopping, running;
     bool pumping;
     /* the controller's cluster view (--controller) */
@@ -203,6 +220,9 @@ void rt_queue_push(rt_router *r, rt_rq *q, bool front);
 void rt_queue_remove(rt_router *r, rt_rq *q);
 /* q leaves its worker (the worker's and the router's in-flight counts). */
 void rt_rq_release_worker(rt_router *r, rt_rq *q);
+/* From the tick: requests past --request-timeout, or past their own deadline with no end from
+ * their worker, end with 504 (and a cancel to the worker). */
+void rt_rq_expire(rt_router *r, uint64_t now_ns);
 /* Ends a request's life in the router (after its final frame went out). */
 void rt_rq_end(rt_router *r, rt_rq *q);
 /* One `err` to the client (ZeroMQ frame or HTTP error), whichever front it came from. */
@@ -260,9 +280,6 @@ void rt_on_front_message(rt_router *r, const km_zmsg *zm);
 /* Does a client's model name mean the router's model (its name with or without the quantization
  * suffix, "default", --model-name or the fingerprint)? */
 bool rt_model_ok(rt_router *r, const char *model);
-/* Tokenizes text into q->tokens as the worker does (parse_special on; add_special off for a
- * rendered chat template, which carries its own BOS). */
-int rt_rq_tokenize(rt_router *r, rt_rq *q, const char *text, size_t len, int add_special);
 /* The cache salt q is hashed under (common/sec.h km_cache_salt_compose): a keyed request's in its
  * tenant's namespace, an unkeyed one's as it came unless it names that namespace. KM_ERANGE
  * when the result is longer than a protocol salt (256 bytes). */
@@ -273,18 +290,44 @@ int rt_rq_start(rt_router *r, rt_rq *q);
 /* The client gave up: a queued or parked request ends now (done: canceled); one at a worker is
  * canceled there, and the worker's done(canceled) ends it. */
 void rt_rq_cancel(rt_router *r, rt_rq *q);
+/* The client is gone (disconnected, HTTP connection closed): q ends now without a reply, and its
+ * worker is told to stop. */
+void rt_rq_abandon(rt_router *r, rt_rq *q);
+/* The front's socket monitor (connections accepted and lost): a lost client's requests are
+ * abandoned. */
+int rt_front_monitor_open(rt_router *r, km_errbuf *err);
+void rt_read_front_monitor(rt_router *r);
+
+/* ---------------------------------------------------------------- prompt.c: text to tokens */
+
+/* A text prompt (text: malloc'd, owned from here) becomes q's tokens, then rt_rq_start: bytes
+ * over --max-prompt-bytes are refused first, short prompts are tokenized on the loop, long ones
+ * on the thread pool (q is in the table meanwhile, with q->tokjob set). On failure q has been
+ * answered and freed. */
+void rt_rq_prepare(rt_router *r, rt_rq *q, char *text, size_t len, int add_special);
+/* q ends while its prompt is on the thread pool: the job's result will be thrown away. */
+void rt_rq_detach_tokjob(rt_rq *q);
 
 /* ---------------------------------------------------------------- workers.c: links, KV events */
 
-/* Fills the next free worker slot (no sockets yet). */
-int rt_worker_slot_init(rt_router *r, const char *id, const char *req, const char *ev,
+/* Fills a free worker slot (a released one first, else the next; no sockets yet). */
+int rt_worker_slot_init(rt_router *r, const char *id, const char *req, const char *ev, rt_wk **out,
                         km_errbuf *err);
 /* The worker's DEALER with its socket monitor, the SUB's connection to its events, their polls. */
 int rt_worker_open(rt_router *r, rt_wk *w, km_errbuf *err);
 /* Connects the events SUB to w's events endpoint, pinning w's member key (CURVE). */
 int rt_sub_connect(rt_router *r, rt_wk *w, km_errbuf *err);
+/* A slot a view added and no longer names, with nothing in flight: its sockets closed, its pages
+ * forgotten, the slot free for the next worker a view adds. */
+void rt_worker_release(rt_router *r, rt_wk *w);
 /* w's connection is gone: its pages are forgotten and its requests migrate. */
 void rt_worker_down(rt_router *r, rt_wk *w, const char *why);
+/* A socket monitor on sock for these events (inproc endpoint ep), read from *mon (a PAIR). */
+int rt_monitor_open(rt_router *r, void *sock, const char *ep, int events, void **mon,
+                    km_errbuf *err);
+/* The next event of a socket monitor (libzmq's two-part event message): 1 and the event and its
+ * value (a descriptor for connection events), 0 when none is waiting. */
+int rt_monitor_next(void *mon, uint16_t *event, uint32_t *value);
 /* Connection events of w's DEALER (up: ask for a replay; down: rt_worker_down). */
 void rt_read_monitor(rt_router *r, rt_wk *w);
 /* One frame from w's DEALER: a stream frame, or part of a KV event replay. */
@@ -325,6 +368,9 @@ int rt_pull_metrics(rt_router *r, km_errbuf *err);
 
 /* ---------------------------------------------------------------- front.c: HTTP */
 
+/* An HTTP request's prompt is tokenized: a prompt + max_tokens over the context is answered 400
+ * here (q ended, 1); otherwise a streaming response begins and 0 (prompt.c starts q). */
+int rt_front_tokens_ready(rt_router *r, rt_rq *q);
 /* Starts the HTTP front on the router's loop (nothing when the config turns it off): /healthz,
  * /readyz, /metrics, /v1/models, /v1/status (and /status), /v1/completions,
  * /v1/chat/completions, by front.c's route table. */

@@ -92,8 +92,8 @@ int main(int argc, char **argv)
     const char *ports_file = NULL;
     int64_t http_port, admin_port, page_tokens, slots, max_inflight, max_queue, attempts, dmax,
         max_ctx;
-    int64_t sync_ms, ttl_ms, queue_ms, cluster_seed, index_pages, view_ms;
-    uint64_t max_body;
+    int64_t sync_ms, ttl_ms, queue_ms, cluster_seed, index_pages, view_ms, request_ms;
+    uint64_t max_body, max_prompt_bytes;
     km_sec_args sec_args = {0};
     const km_opt opts[] = {
         {"model", NULL, KM_OPT_STR, NULL,
@@ -159,7 +159,9 @@ int main(int argc, char **argv)
          1 << 20},
         {"max-queue", NULL, KM_OPT_INT, "1024", "router queue; beyond it: 529 overloaded",
          &max_queue, 0, 1 << 24},
-        {"max-attempts", NULL, KM_OPT_INT, "3", "workers tried per request (migrations + 1)",
+        {"max-attempts", NULL, KM_OPT_INT, "3",
+         "a request fails when this many different workers failed it, or this many attempts in "
+         "a row gave no token",
          &attempts, 1, 100},
         {"default-max-tokens", NULL, KM_OPT_INT, "256", "completion length when a request says 0",
          &dmax, 1, 1 << 20},
@@ -173,13 +175,22 @@ int main(int argc, char **argv)
          "how long a routed, unconfirmed prefix counts as cached", &ttl_ms, 1, 86400000},
         {"queue-timeout", NULL, KM_OPT_DURATION, "60s",
          "a request waiting longer in the router queue gets 503", &queue_ms, 1, 86400000},
-        {"migrate-replay", NULL, KM_OPT_BOOL, "true",
-         "migrate greedy/seeded requests by regenerating the streamed tokens (exact output); "
-         "--no-migrate-replay continues from prompt + streamed tokens (faster)",
+        {"migrate-replay", NULL, KM_OPT_BOOL, "false",
+         "migrate greedy/seeded requests by regenerating the streamed tokens from the prompt; "
+         "off (default): every migration continues from prompt + streamed tokens (the same "
+         "output, without redoing the work)",
          &c.migrate_replay, 0, 0},
         {"index-pages", NULL, KM_OPT_INT, "262144", "pages the prefix index holds (64 B each)",
          &index_pages, 16, 1 << 28},
         {"max-body", NULL, KM_OPT_SIZE, "4M", "largest HTTP request body", &max_body, 0, 0},
+        {"max-prompt-bytes", NULL, KM_OPT_SIZE, "1M",
+         "a text prompt (a chat: its rendered template) longer than this gets 413 before it is "
+         "tokenized; 0 = no limit",
+         &max_prompt_bytes, 0, 0},
+        {"request-timeout", NULL, KM_OPT_DURATION, "10m",
+         "every request ends by then at the latest: 504, and a cancel to its worker (a request's "
+         "own deadline_ms ends it earlier); 0 = none",
+         &request_ms, 0, 86400000},
         {"ports-file", NULL, KM_OPT_STR, NULL, "write the bound endpoints here once ready",
          &ports_file, 0, 0},
         KM_SEC_OPT_ROWS(&sec_args),
@@ -250,6 +261,8 @@ int main(int argc, char **argv)
     c.queue_timeout_ms = (uint32_t)queue_ms;
     c.index_pages = (size_t)index_pages;
     c.max_http_body = (size_t)max_body;
+    c.max_prompt_bytes = (size_t)max_prompt_bytes;
+    c.request_timeout_ms = (uint32_t)request_ms;
     c.view_timeout_ms = (uint32_t)view_ms;
     int status = serve(&c, ports_file);
     km_zsec_close(sec);

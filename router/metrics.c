@@ -72,6 +72,17 @@ int rt_register_metrics(rt_router *r, km_errbuf *err)
         NULL, r->s_index_pages);
     REG(KM_COUNTER, "kvmesh_router_http_requests_total", "HTTP requests received.", NULL, NULL, 0,
         NULL, r->s_http_req);
+    const char *loop[] = {"loop"}, *pool[] = {"pool"};
+    REG(KM_COUNTER, "kvmesh_router_prompts_tokenized_total",
+        "Text prompts tokenized, by where: on the loop (short ones) or on the thread pool.",
+        "where", NULL, 0, loop, r->s_tok_loop);
+    REG(KM_COUNTER, "kvmesh_router_prompts_tokenized_total",
+        "Text prompts tokenized, by where: on the loop (short ones) or on the thread pool.",
+        "where", NULL, 0, pool, r->s_tok_pool);
+    REG(KM_COUNTER, "kvmesh_router_requests_abandoned_total",
+        "Requests ended because their client went away (ZeroMQ disconnect, HTTP connection "
+        "closed); their workers were told to stop.",
+        NULL, NULL, 0, NULL, r->s_abandoned);
     REG(KM_COUNTER, "kvmesh_router_views_total", "Controller views applied.", NULL, NULL, 0, NULL,
         r->s_views);
     REG(KM_COUNTER, "kvmesh_router_bad_views_total",

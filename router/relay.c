@@ -32,10 +32,29 @@ static void migrate_as(rt_router *r, rt_rq *q, const char *why, bool allow_repla
     if (w) w->migrated_away++;
     rt_rq_release_worker(r, q);
     rt_rq_release_waiters(r, q);
-    if (q->attempts >= r->c.max_attempts) {
+    if (q->canceled || (q->origin == RQ_HTTP && !q->http)) {
+        /* nobody wants it any more: it ends here, never on another worker */
+        KM_INFO("migrate_skipped", "rid=%llu from=%s generated=%d why=\"%s\"",
+                (unsigned long long)q->rid, w ? w->id : "-", q->n_gen,
+                q->canceled ? "canceled by its client" : "its client is gone");
+        if (q->canceled && q->origin == RQ_ZMQ)
+            rt_rq_finish(r, q, KM_FINISH_CANCELED, 0, NULL);
+        else
+            rt_rq_end(r, q);
+        return;
+    }
+    /* The limit counts workers that failed the request, not attempts: a request that keeps
+     * making progress while workers come and go is continued (each attempt starts where the last
+     * one stopped), but one that different workers keep failing, or that gets nowhere, ends. */
+    if (w) q->failed_on |= 1ull << w->idx;
+    q->fruitless = q->n_gen > q->gen_at_send ? 0 : q->fruitless + 1;
+    int failed = __builtin_popcountll(q->failed_on);
+    if (failed >= r->c.max_attempts || q->fruitless >= r->c.max_attempts) {
         char msg[KM_PROTO_MAX_MESSAGE];
-        snprintf(msg, sizeof msg, "%s; gave up after %d attempts (%d tokens generated)", why,
-                 q->attempts, q->n_gen);
+        snprintf(msg, sizeof msg,
+                 "%s; gave up after %d attempts: %d workers failed it, the last %d without a "
+                 "token (%d tokens generated)",
+                 why, q->attempts, failed, q->fruitless, q->n_gen);
         rt_rq_fail(r, q, KM_CODE_UNAVAILABLE, 0, msg);
         return;
     }

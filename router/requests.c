@@ -66,7 +66,9 @@ rt_rq *rt_rq_new(rt_router *r, rq_origin origin)
     q->r = r;
     q->origin = origin;
     q->worker = -1;
+    q->src_fd = -1;
     q->t_arrive = km_now_ns();
+    if (r->c.request_timeout_ms) q->limit_ns = q->t_arrive + r->c.request_timeout_ms * 1000000ull;
     return q;
 }
 
@@ -155,8 +157,41 @@ void rt_rq_release_worker(rt_router *r, rt_rq *q)
     q->worker = -1;
 }
 
+/* A worker ends a request at its own deadline (done, finish "deadline"); this is for a worker
+ * that says nothing, so the router gives it this much longer before it answers itself. */
+#define RT_DEADLINE_GRACE_NS 2000000000ull
+
+void rt_rq_expire(rt_router *r, uint64_t now)
+{
+    /* rids first, then each one looked up again: ending one request may dispatch or end others */
+    enum { MAX = 256 };
+    uint64_t rids[MAX];
+    int n = 0;
+    for (int b = 0; b < RT_RQ_BUCKETS && n < MAX; b++)
+        for (rt_rq *q = r->buckets[b]; q && n < MAX; q = q->hnext)
+            if ((q->limit_ns && now >= q->limit_ns) ||
+                (q->deadline_ns && now >= q->deadline_ns + RT_DEADLINE_GRACE_NS))
+                rids[n++] = q->rid;
+    for (int i = 0; i < n; i++) {
+        rt_rq *q = rt_rq_find(r, rids[i]);
+        if (!q) continue;
+        char msg[KM_PROTO_MAX_MESSAGE];
+        const char *wid = q->worker >= 0 ? r->w[q->worker].id : NULL;
+        if (q->limit_ns && now >= q->limit_ns)
+            snprintf(msg, sizeof msg,
+                     "request timed out after %u ms (router --request-timeout)%s%s",
+                     r->c.request_timeout_ms, wid ? "; worker " : "", wid ? wid : "");
+        else
+            snprintf(msg, sizeof msg, "deadline passed and %s%s said nothing", wid ? "worker " : "",
+                     wid ? wid : "no worker");
+        if (q->worker >= 0) rt_send_cancel(r, &r->w[q->worker], q->rid);
+        rt_rq_fail(r, q, KM_CODE_DEADLINE, 0, msg);
+    }
+}
+
 void rt_rq_end(rt_router *r, rt_rq *q)
 {
+    rt_rq_detach_tokjob(q);
     rt_rq_unpark(q);
     rt_queue_remove(r, q);
     rt_rq_release_worker(r, q); /* first: a released waiter must not find q as an owner again */

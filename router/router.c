@@ -41,7 +41,14 @@ void rt_pump(rt_router *r)
     r->pumping = true;
     for (int rounds = 0; rounds < 64; rounds++) {
         int got = 0;
+        if (km_zsock_readable(r->fmon)) {
+            rt_read_front_monitor(r);
+            got++;
+        }
         for (int i = 0; i < 256 && km_zsock_readable(r->front); i++) {
+            /* connection events first, before every message: a request must never be taken
+             * for the connection that had its descriptor before (clients.c) */
+            if (km_zsock_readable(r->fmon)) rt_read_front_monitor(r);
             if (km_zrecv(r->front, &r->zm, 0, NULL)) {
                 r->n_bad_frames++;
                 continue;
@@ -105,6 +112,10 @@ static void on_tick(uv_timer_t *t)
         q = next;
     }
     rt_view_check_age(r, now);
+    if (now - r->last_expire_ms >= 1000) {
+        r->last_expire_ms = now;
+        rt_rq_expire(r, km_now_ns());
+    }
     rt_pump_queue(r);
     if (now - r->last_sweep_ms > 5000) {
         r->last_sweep_ms = now;
@@ -151,8 +162,10 @@ void rt_config_default(rt_config *c)
     c->index_pages = 1u << 18;
     c->pending_ttl_ms = 30000;
     c->max_http_body = 4u << 20;
+    c->max_prompt_bytes = 1u << 20;
+    c->request_timeout_ms = 600000;
     c->queue_timeout_ms = 60000;
-    c->migrate_replay = true;
+    c->migrate_replay = false;
     c->view_timeout_ms = 5000;
 }
 
@@ -180,7 +193,7 @@ static int open_state(rt_router *r, const rt_config *c, km_errbuf *err)
                 return km_errf(err, KM_EINVAL, "router: worker id '%s' given twice",
                                c->workers[i].id);
         if ((rc = rt_worker_slot_init(r, c->workers[i].id, c->workers[i].requests_url,
-                                      c->workers[i].events_url, err)))
+                                      c->workers[i].events_url, NULL, err)))
             return rc;
     }
     return rt_register_metrics(r, err);
@@ -203,7 +216,8 @@ static int open_sockets(rt_router *r, const rt_config *c, km_errbuf *err)
     if ((rc = km_zsock_open(r->zctx, KM_ZSUB, &zo, &r->sub, err)) ||
         (rc = km_zsock_subscribe(r->sub, "kv.", 3, err)))
         return rc;
-    if ((rc = rt_open_poll(r, &r->p_front, r->front, err)) ||
+    if ((rc = rt_front_monitor_open(r, err)) ||
+        (rc = rt_open_poll(r, &r->p_front, r->front, err)) ||
         (rc = rt_open_poll(r, &r->p_sub, r->sub, err)))
         return rc;
     for (int i = 0; i < r->n_w; i++)
@@ -336,6 +350,9 @@ void rt_router_destroy(rt_router *r)
         rt_replay_clear(w);
         free(w->replay);
     }
+    if (r->front && r->fmon) zmq_socket_monitor(r->front, NULL, 0);
+    if (r->fmon) zmq_close(r->fmon);
+    free(r->conn_gen);
     km_zsock_close(r->front);
     km_zsock_close(r->sub);
     km_zsock_close(r->vsub);

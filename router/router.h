@@ -94,7 +94,8 @@ typedef struct rt_config {
     int worker_slots; /* requests a worker runs at once (cost model) */
     int max_inflight; /* per worker, sent by this router; more wait in the router queue */
     int max_queue;    /* router queue; beyond it: 529 */
-    int max_attempts; /* worker tries per request (migrations + 1) */
+    int max_attempts; /* a request fails after this many different workers failed it, or this
+                       * many attempts in a row gave no token */
     uint32_t default_max_tokens;
     uint32_t max_ctx; /* prompt + completion tokens, as the workers' --max-ctx: an HTTP request
                        * asking for more is 400 context_length_exceeded; 0: not checked here */
@@ -102,11 +103,18 @@ typedef struct rt_config {
     size_t index_pages;
     uint32_t pending_ttl_ms;
     size_t max_http_body;
-    uint32_t queue_timeout_ms;  /* a request waiting longer in the router queue gets 503 */
-    bool migrate_replay;        /* greedy/seeded migrations regenerate (exact), else continue */
-    const char *controller_url; /* the controller's view PUB; NULL: no controller (workers must
-                                 * then be given) */
-    uint32_t view_timeout_ms;   /* a view older than this is ignored (default 5000) */
+    size_t max_prompt_bytes;     /* a text prompt longer than this gets 413 before tokenization
+                                  * (default 1 MiB; 0: no limit) */
+    uint32_t request_timeout_ms; /* every request ends by then at the latest (504); default
+                                  * 600000, 0: none */
+    uint32_t queue_timeout_ms;   /* a request waiting longer in the router queue gets 503 */
+    bool migrate_replay;         /* greedy/seeded migrations regenerate the streamed tokens;
+                                  * default false: every migration continues from prompt + streamed
+                                  * tokens (exact too: the engine's prefill equals its decode, and
+                                  * req.generated keeps a seeded sampler's draws in step) */
+    const char *controller_url;  /* the controller's view PUB; NULL: no controller (workers must
+                                  * then be given) */
+    uint32_t view_timeout_ms;    /* a view older than this is ignored (default 5000) */
     /* CURVE (docs/security.md): the front admits clients and operators, each worker's DEALER
      * and events connection pins that worker id's member key, the view SUB the key
      * "controller"; NULL or insecure: none. Owned by the caller, outlives the router. */

@@ -6,11 +6,15 @@
  * time, a dead member's requests migrated, a stale view ignored.
  *
  * With --controller the view narrows the router's own liveness, never widens it: a worker gets
- * new requests only when its connection is up *and* a fresh view calls it "ready"; a view that
- * says "dead" migrates its requests through the same path as a disconnect (rt_migrate_all).
- * Members the router does not know are connected at run time into spare worker slots. A view
- * older than --view-timeout is ignored, so a controller outage leaves the router serving on its
- * own liveness, as it did before controllers existed.
+ * new requests only when its connection is up *and* a fresh view names it "ready" (a slot the
+ * view does not name gets nothing); a view that says "dead" migrates its requests through the
+ * same path as a disconnect (rt_migrate_all). Members the router does not know are connected at
+ * run time into spare worker slots, and a slot a view added is released again (sockets closed,
+ * pages forgotten, the slot reused) once fresh views have not named it for --view-timeout and it
+ * has nothing in flight: a controller forgets members that stay silent (its --forget-after), and
+ * so a router's 64 slots do not fill up with workers that came and went. A view older than
+ * --view-timeout is ignored, so a controller outage leaves the router serving on its own
+ * liveness, as it did before controllers existed.
  *
  * Why it is built this way: the controller names workers by the endpoints their heartbeats
  * report (the worker's bound address, e.g. tcp://127.0.0.1:7100), while the router's --workers
@@ -75,8 +79,10 @@ bool rt_endpoint_same(const char *a, const char *b)
 bool rt_member_routable(bool connected, bool view_fresh, bool in_view, km_member_state state)
 {
     if (!connected) return false; /* the router's own liveness always has a veto */
-    if (!view_fresh || !in_view) return true;
-    return state == KM_MEMBER_READY;
+    if (!view_fresh) return true;
+    /* a fresh view is the membership: a slot it does not name (never joined, or forgotten by
+     * the controller) gets nothing, however alive its connection looks */
+    return in_view && state == KM_MEMBER_READY;
 }
 
 bool rt_member_migrates(bool view_fresh, bool in_view, km_member_state state)
@@ -135,19 +141,24 @@ static rt_wk *view_adopt(rt_router *r, const km_view_worker *vw, rt_wk *same_id)
             KM_WARN("worker_move_failed", "worker=%s msg=\"%s\"", same_id->id, err.msg);
         return same_id;
     }
-    if (r->n_w >= RT_MAX_WORKERS) {
+    int n_free = 0;
+    for (int k = 0; k < r->n_w; k++) n_free += r->w[k].free;
+    if (r->n_w >= RT_MAX_WORKERS && !n_free) {
         if (!r->slots_full_warned)
             KM_WARN("worker_not_added", "worker=%s why=\"all %d worker slots are taken\"", vw->id,
                     RT_MAX_WORKERS);
         r->slots_full_warned = true;
         return NULL;
     }
-    int rc = rt_worker_slot_init(r, vw->id, vw->requests, vw->events, &err);
-    rt_wk *w = rc ? NULL : &r->w[r->n_w - 1];
+    rt_wk *w = NULL;
+    int rc = rt_worker_slot_init(r, vw->id, vw->requests, vw->events, &w, &err);
+    if (rc) w = NULL;
     if (w && (rc = rt_worker_open(r, w, &err))) {
         rt_evstream_destroy(w->evs);
+        bool last = w->idx == r->n_w - 1;
         memset(w, 0, sizeof *w);
-        r->n_w--;
+        w->free = true;
+        if (last) r->n_w--;
         w = NULL;
     }
     if (!w) {
@@ -190,16 +201,19 @@ static void apply_view(rt_router *r, const km_msg_view *v)
         const km_view_worker *vw = &v->workers[i];
         bool has_ep = vw->requests && *vw->requests;
         rt_wk *w = NULL;
-        for (int k = 0; k < r->n_w && !w; k++)
+        for (int k = 0; k < r->n_w && !w; k++) {
+            if (r->w[k].free || r->w[k].closing) continue;
             if (has_ep ? rt_endpoint_same(r->w[k].req_url, vw->requests)
                        : !strcmp(r->w[k].id, vw->id) || !strcmp(r->w[k].view_id, vw->id))
                 w = &r->w[k]; /* no endpoint (no heartbeat with one yet): by id, never added */
+        }
         if (!w && (!has_ep || vw->state == KM_MEMBER_DEAD)) continue; /* nothing to connect */
         if (!w) {
             /* the same id under an endpoint no member of this view claims: it moved */
             rt_wk *same_id = NULL;
             for (int k = 0; k < r->n_w && !same_id; k++)
-                if (!strcmp(r->w[k].id, vw->id) || !strcmp(r->w[k].view_id, vw->id))
+                if (r->w[k].id[0] &&
+                    (!strcmp(r->w[k].id, vw->id) || !strcmp(r->w[k].view_id, vw->id)))
                     same_id = &r->w[k];
             for (uint32_t j = 0; same_id && j < v->n_workers; j++)
                 if (v->workers[j].requests &&
@@ -219,11 +233,22 @@ static void apply_view(rt_router *r, const km_msg_view *v)
         set_member(r, w, true, vw->state, vw->level);
         rt_pull_view(w, vw);
     }
-    for (int k = 0; k < r->n_w; k++)
-        if (!seen[k]) set_member(r, &r->w[k], false, KM_MEMBER_STARTING, 0);
+    for (int k = 0; k < r->n_w; k++) {
+        rt_wk *w = &r->w[k];
+        if (w->free || w->closing) continue;
+        if (seen[k]) {
+            w->absent_since_ms = 0;
+            continue;
+        }
+        set_member(r, w, false, KM_MEMBER_STARTING, 0);
+        if (!w->absent_since_ms) w->absent_since_ms = now;
+        if (w->from_view && !w->inflight && now - w->absent_since_ms >= r->c.view_timeout_ms)
+            rt_worker_release(r, w);
+    }
     /* the dead ones' requests go elsewhere, as on a disconnect */
     for (int k = 0; k < r->n_w; k++) {
         rt_wk *w = &r->w[k];
+        if (w->free || w->closing) continue;
         if (w->inflight > 0 && rt_member_migrates(r->view_fresh, w->in_view, w->member)) {
             KM_WARN("worker_dead_in_view", "worker=%s inflight=%d controller=%s", w->id,
                     w->inflight, r->ctl_id);

@@ -25,23 +25,29 @@ static void request_sync(rt_router *r, rt_wk *w, uint64_t since);
 
 /* ---------------------------------------------------------------- links */
 
-/* Fills the next free worker slot (no sockets yet). */
-int rt_worker_slot_init(rt_router *r, const char *id, const char *req, const char *ev,
+/* Fills a free worker slot (a released one first, else the next; no sockets yet). */
+int rt_worker_slot_init(rt_router *r, const char *id, const char *req, const char *ev, rt_wk **out,
                         km_errbuf *err)
 {
-    if (r->n_w >= RT_MAX_WORKERS)
+    int i = 0;
+    while (i < r->n_w && !r->w[i].free) i++;
+    if (i >= RT_MAX_WORKERS)
         return km_errf(err, KM_ERANGE, "router: more than %d workers", RT_MAX_WORKERS);
-    rt_wk *w = &r->w[r->n_w];
+    rt_wk *w = &r->w[i];
     memset(w, 0, sizeof *w);
     w->r = r;
-    w->idx = r->n_w;
+    w->idx = i;
     w->member = KM_MEMBER_STARTING;
     snprintf(w->id, sizeof w->id, "%s", id);
     snprintf(w->req_url, sizeof w->req_url, "%s", req);
     snprintf(w->ev_url, sizeof w->ev_url, "%s", ev ? ev : "");
     int rc = rt_evstream_create(4096, &w->evs);
-    if (rc) return km_errf(err, rc, "router: event stream for worker '%s'", id);
-    r->n_w++;
+    if (rc) {
+        w->free = true;
+        return km_errf(err, rc, "router: event stream for worker '%s'", id);
+    }
+    if (i == r->n_w) r->n_w++;
+    if (out) *out = w;
     return 0;
 }
 
@@ -50,6 +56,46 @@ int rt_sub_connect(rt_router *r, rt_wk *w, km_errbuf *err)
     /* libzmq takes the CURVE server key at each connect: one SUB pins each worker's own key */
     int rc = km_zsec_client(r->c.sec, r->sub, w->id, err);
     return rc ? rc : km_zsock_connect(r->sub, w->ev_url, err);
+}
+
+static void on_release_closed(uv_handle_t *h)
+{
+    rt_wk *w = h->data;
+    if (--w->closing == 0) w->free = true;
+}
+
+void rt_worker_release(rt_router *r, rt_wk *w)
+{
+    if (w->free || w->closing) return;
+    KM_INFO("worker_released", "worker=%s requests=%s why=\"no longer in the controller's view\"",
+            w->id, w->req_url);
+    rt_index_forget_worker(r->index, w->idx);
+    km_gauge_set(w->s_up, 0);
+    km_gauge_set(w->s_member, -1);
+    km_gauge_set(w->s_inflight, 0);
+    w->connected = false;
+    w->in_view = false;
+    w->sync_out = false;
+    rt_evstream_destroy(w->evs);
+    w->evs = NULL;
+    rt_replay_clear(w);
+    free(w->replay);
+    w->replay = NULL;
+    if (w->ev_url[0]) zmq_disconnect(r->sub, w->ev_url);
+    if (w->polls_open) { /* stop watching the descriptors before their sockets close */
+        w->closing = 2;
+        w->p_dealer.data = w->p_mon.data = w;
+        uv_close((uv_handle_t *)&w->p_dealer, on_release_closed);
+        uv_close((uv_handle_t *)&w->p_mon, on_release_closed);
+        w->polls_open = false;
+    }
+    if (w->dealer) zmq_socket_monitor(w->dealer, NULL, 0);
+    if (w->mon) zmq_close(w->mon);
+    km_zsock_close(w->dealer);
+    w->mon = w->dealer = NULL;
+    w->id[0] = w->view_id[0] = w->req_url[0] = w->ev_url[0] = 0; /* matches nothing any more */
+    if (!w->closing) w->free = true;
+    rt_update_page_gauges(r);
 }
 
 /* The worker's DEALER (with its socket monitor), the SUB's connection to its events, and their
@@ -72,13 +118,8 @@ int rt_worker_open(rt_router *r, rt_wk *w, km_errbuf *err)
     zmq_setsockopt(w->dealer, ZMQ_RECONNECT_IVL_MAX, &ivl_max, sizeof ivl_max);
     char mon[64];
     snprintf(mon, sizeof mon, "inproc://rt-mon-%p-%d", (void *)r, w->idx);
-    if (zmq_socket_monitor(w->dealer, mon, ZMQ_EVENT_HANDSHAKE_SUCCEEDED | ZMQ_EVENT_DISCONNECTED))
-        return km_errf(err, KM_EIO, "router: socket monitor: %s", zmq_strerror(zmq_errno()));
-    w->mon = zmq_socket(r->zctx, ZMQ_PAIR);
-    int linger = 0;
-    if (!w->mon || zmq_setsockopt(w->mon, ZMQ_LINGER, &linger, sizeof linger) ||
-        zmq_connect(w->mon, mon))
-        rc = km_errf(err, KM_EIO, "router: monitor socket");
+    rc = rt_monitor_open(r, w->dealer, mon, ZMQ_EVENT_HANDSHAKE_SUCCEEDED | ZMQ_EVENT_DISCONNECTED,
+                         &w->mon, err);
     if (!rc) rc = km_zsock_connect(w->dealer, w->req_url, err);
     if (!rc && w->ev_url[0] && (rc = rt_sub_connect(r, w, err)))
         zmq_disconnect(w->dealer, w->req_url);
@@ -126,29 +167,53 @@ void rt_worker_down(rt_router *r, rt_wk *w, const char *why)
     rt_migrate_all(r, w, "worker lost", false);
 }
 
+int rt_monitor_open(rt_router *r, void *sock, const char *ep, int events, void **mon,
+                    km_errbuf *err)
+{
+    *mon = NULL;
+    if (zmq_socket_monitor(sock, ep, events))
+        return km_errf(err, KM_EIO, "router: socket monitor: %s", zmq_strerror(zmq_errno()));
+    *mon = zmq_socket(r->zctx, ZMQ_PAIR);
+    int linger = 0;
+    if (!*mon || zmq_setsockopt(*mon, ZMQ_LINGER, &linger, sizeof linger) || zmq_connect(*mon, ep))
+        return km_errf(err, KM_EIO, "router: monitor socket");
+    return 0;
+}
+
+int rt_monitor_next(void *mon, uint16_t *event, uint32_t *value)
+{
+    zmq_msg_t ev;
+    zmq_msg_init(&ev);
+    if (zmq_msg_recv(&ev, mon, ZMQ_DONTWAIT) < 0) {
+        zmq_msg_close(&ev);
+        return 0;
+    }
+    *event = 0;
+    *value = 0;
+    if (zmq_msg_size(&ev) >= 6) {
+        memcpy(event, zmq_msg_data(&ev), 2);
+        memcpy(value, (const char *)zmq_msg_data(&ev) + 2, 4);
+    }
+    bool more = zmq_msg_more(&ev);
+    zmq_msg_close(&ev);
+    while (more) { /* the endpoint part */
+        zmq_msg_t p;
+        zmq_msg_init(&p);
+        if (zmq_msg_recv(&p, mon, ZMQ_DONTWAIT) < 0) {
+            zmq_msg_close(&p);
+            break;
+        }
+        more = zmq_msg_more(&p);
+        zmq_msg_close(&p);
+    }
+    return 1;
+}
+
 void rt_read_monitor(rt_router *r, rt_wk *w)
 {
-    for (;;) {
-        zmq_msg_t ev;
-        zmq_msg_init(&ev);
-        if (zmq_msg_recv(&ev, w->mon, ZMQ_DONTWAIT) < 0) {
-            zmq_msg_close(&ev);
-            return;
-        }
-        uint16_t event = 0;
-        if (zmq_msg_size(&ev) >= 2) memcpy(&event, zmq_msg_data(&ev), 2);
-        bool more = zmq_msg_more(&ev);
-        zmq_msg_close(&ev);
-        while (more) { /* the endpoint part */
-            zmq_msg_t p;
-            zmq_msg_init(&p);
-            if (zmq_msg_recv(&p, w->mon, ZMQ_DONTWAIT) < 0) {
-                zmq_msg_close(&p);
-                break;
-            }
-            more = zmq_msg_more(&p);
-            zmq_msg_close(&p);
-        }
+    uint16_t event;
+    uint32_t value;
+    while (rt_monitor_next(w->mon, &event, &value)) {
         if (event == ZMQ_EVENT_HANDSHAKE_SUCCEEDED) {
             worker_up(r, w);
         } else if (event == ZMQ_EVENT_DISCONNECTED) {

@@ -238,14 +238,20 @@ static void kill_busy_worker(void *arg)
     it_wait_exit(&k->w[k->killed], 5000);
 }
 
+/* Workers ids[0] and ids[1] and a router in front of them, all up. */
+static void two_worker_cluster(proc w[2], proc *r, const char **ids)
+{
+    for (int i = 0; i < 2; i++) start_worker(&w[i], ids[i]);
+    start_router(r, w, ids, 2, NULL);
+    wait_up(r, 2);
+}
+
 Test(router, sigkill_mid_stream_migrates_with_an_identical_greedy_output)
 {
     if (!have_binaries()) return;
     const char *ids[2] = {"w0", "w1"};
     proc w[2], r;
-    for (int i = 0; i < 2; i++) start_worker(&w[i], ids[i]);
-    start_router(&r, w, ids, 2, NULL);
-    wait_up(&r, 2);
+    two_worker_cluster(w, &r, ids);
     kvm_client *c = client(&r);
     const char *prompt = "Write a long story about a dragon who learns to program computers:";
     enum { N = 64 };
@@ -1040,4 +1046,305 @@ Test(router, a_streams_held_back_tail_reaches_the_client_in_done)
     kvm_close(c);
     it_stop(&r);
     it_stop(&w[0]);
+}
+
+/* ---------------------------------------------------------------- bounded (issue 12) */
+
+Test(router, a_seeded_stream_whose_worker_is_killed_continues_with_the_undisturbed_tokens)
+{
+    if (!have_binaries()) return;
+    const char *ids[2] = {"w0", "w1"};
+    proc w[2], r;
+    two_worker_cluster(w, &r, ids);
+    kvm_client *c = client(&r);
+    enum { N = 40 };
+    km_msg_request q;
+    kvm_result ref = {0};
+    km_errbuf err = {{0}};
+    uint64_t seed = 0;
+    for (uint64_t s = 1; s <= 12 && !seed; s++) { /* a seed whose completion runs to N */
+        greedy(&q, "Once upon a time, in a city of glass,", N, NULL);
+        q.temperature = 0.8f;
+        q.top_k = 40;
+        q.has_seed = true;
+        q.seed = s;
+        cr_assert_eq(kvm_generate(c, &q, NULL, NULL, &ref, &err), 0, "%s", err.msg);
+        if (ref.completion_tokens == N)
+            seed = s;
+        else
+            kvm_result_free(&ref);
+    }
+    cr_assert_neq(seed, 0, "no seed ran to %d tokens", N);
+    q.seed = seed;
+    q.id = 777;
+    km_buf text = {0};
+    char worker[64] = "";
+    uint32_t migrations = 0;
+    kill_ctx k = {&r, w, -1};
+    stream_with_fault(c, &q, N, kill_busy_worker, &k, &text, worker, sizeof worker, &migrations);
+    cr_assert_eq(migrations, 1u);
+    cr_assert(text.len == ref.text.len && memcmp(text.data, ref.text.data, text.len) == 0,
+              "the continued seeded output differs:\n%.*s\n---\n%.*s", (int)text.len,
+              (const char *)text.data, (int)ref.text.len, (const char *)ref.text.data);
+    km_buf_free(&text);
+    kvm_result_free(&ref);
+    kvm_close(c);
+    stop_proc(&r);
+    for (int i = 0; i < 2; i++) stop_proc(&w[i]);
+}
+
+/* The value of a counter or gauge line `name` (with its labels) in the router's /metrics. */
+static double router_metric(const proc *r, const char *name)
+{
+    char url[128];
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/metrics", r->http_port);
+    km_buf b = {0};
+    int st = 0;
+    cr_assert_eq(kvm_http_get(url, 5000, &b, &st, NULL), 0);
+    km_buf_append(&b, "", 1);
+    double v = -1;
+    size_t nl = strlen(name);
+    for (const char *p = (const char *)b.data; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : p)
+        if (!strncmp(p, name, nl) && p[nl] == ' ') v = atof(p + nl + 1);
+    km_buf_free(&b);
+    return v;
+}
+
+static double wait_metric_at_least(const proc *r, const char *name, double want)
+{
+    double v = -1;
+    for (int i = 0; i < 600 && (v = router_metric(r, name)) < want; i++) usleep(50000);
+    return v;
+}
+
+/* One worker "w0" and a router in front of it with these extra flags, both up. */
+static void one_worker_cluster(proc *w, proc *r, const char **extra)
+{
+    const char *ids[1] = {"w0"};
+    start_worker(w, ids[0]);
+    start_router(r, w, ids, 1, extra);
+    wait_up(r, 1);
+}
+
+Test(router, a_small_request_is_answered_while_4_MB_prompts_are_tokenized)
+{
+    if (!have_binaries()) return;
+    if (system("command -v curl >/dev/null 2>&1")) {
+        cr_skip_test("curl is not installed");
+        return;
+    }
+    proc w[1], r;
+    const char *extra[] = {"--max-prompt-bytes=8M", "--max-body=8M", NULL};
+    one_worker_cluster(&w[0], &r, extra);
+    /* a 4 MB one-word prompt: the tokenizer's worst case (issue 12: 3.8 s on the loop) */
+    char body[128];
+    snprintf(body, sizeof body, "%s/big.json", r.dir);
+    FILE *f = fopen(body, "w");
+    cr_assert_not_null(f);
+    fputs("{\"prompt\":\"", f);
+    for (int i = 0; i < 4 << 20; i++) fputc('a' + (i >> 20), f);
+    fputs("\",\"max_tokens\":1}", f);
+    fclose(f);
+    enum { BIG = 4 };
+    pid_t big[BIG];
+    for (int i = 0; i < BIG; i++) {
+        big[i] = fork();
+        cr_assert(big[i] >= 0);
+        if (big[i] == 0) {
+            char url[128], data[160];
+            snprintf(url, sizeof url, "http://127.0.0.1:%d/v1/completions", r.http_port);
+            snprintf(data, sizeof data, "@%s", body);
+            FILE *o = freopen("/dev/null", "w", stdout);
+            (void)o;
+            execlp("curl", "curl", "-s", "-m", "300", "-H", "Content-Type: application/json",
+                   "--data-binary", data, url, (char *)NULL);
+            _exit(127);
+        }
+        if (g_npids < 32) g_pids[g_npids++] = big[i];
+    }
+    /* the big prompts are in: on the thread pool */
+    cr_assert_geq(
+        wait_metric_at_least(&r, "kvmesh_router_prompts_tokenized_total{where=\"pool\"}", 1), 1,
+        "no prompt was tokenized off the loop");
+    kvm_client *c = client(&r);
+    km_msg_request q;
+    greedy(&q, "Hi", 2, NULL);
+    kvm_result res;
+    km_errbuf err = {{0}};
+    cr_assert_eq(kvm_generate(c, &q, NULL, NULL, &res, &err), 0, "%s", err.msg);
+    cr_assert_eq(res.error_code, 0, "%s", res.error);
+    /* the order, not a time: the small request was answered while big prompts were in flight */
+    int running = 0;
+    for (int i = 0; i < BIG; i++) running += waitpid(big[i], NULL, WNOHANG) == 0;
+    cr_assert_gt(running, 0, "every 4 MB prompt was answered before the 2-token request");
+    kvm_result_free(&res);
+    for (int i = 0; i < BIG; i++) { /* each gets its answer (413: far over the context) */
+        int st = 0;
+        for (int k = 0; k < 6000 && waitpid(big[i], &st, WNOHANG) == 0; k++) usleep(50000);
+        cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "curl %d did not get an answer", i);
+    }
+    kvm_close(c);
+    stop_proc(&r);
+    stop_proc(&w[0]);
+}
+
+Test(router, a_prompt_over_the_byte_limit_is_refused_before_tokenization)
+{
+    if (!have_binaries()) return;
+    proc w[1], r;
+    const char *extra[] = {"--max-prompt-bytes=64K", NULL};
+    one_worker_cluster(&w[0], &r, extra);
+    char *p = malloc(100000);
+    memset(p, 'x', 99999);
+    p[99999] = 0;
+    kvm_client *c = client(&r);
+    km_msg_request q;
+    greedy(&q, p, 2, NULL);
+    kvm_result res;
+    km_errbuf err = {{0}};
+    kvm_generate(c, &q, NULL, NULL, &res, &err);
+    cr_assert_eq(res.error_code, KM_CODE_TOO_LARGE, "%d %s", res.error_code, res.error);
+    cr_assert(strstr(res.error, "bytes"), "%s", res.error);
+    kvm_result_free(&res);
+    cr_assert_eq(router_metric(&r, "kvmesh_router_prompts_tokenized_total{where=\"pool\"}"), 0);
+    free(p);
+    kvm_close(c);
+    stop_proc(&r);
+    stop_proc(&w[0]);
+}
+
+Test(router, a_request_to_a_silent_worker_ends_with_504_at_the_request_timeout)
+{
+    if (!have_binaries()) return;
+    /* a "worker" that takes connections and requests and never says a word */
+    void *ctx = km_zctx_create();
+    void *silent = NULL;
+    km_errbuf err = {{0}};
+    cr_assert_eq(km_zsock_open(ctx, KM_ZROUTER, NULL, &silent, &err), 0, "%s", err.msg);
+    cr_assert_eq(km_zsock_bind(silent, "tcp://127.0.0.1:*", &err), 0, "%s", err.msg);
+    proc w[1];
+    memset(w, 0, sizeof w);
+    cr_assert_eq(km_zsock_last_endpoint(silent, w[0].req, sizeof w[0].req, &err), 0);
+    snprintf(w[0].ev, sizeof w[0].ev, "tcp://127.0.0.1:1"); /* nothing there */
+    const char *ids[1] = {"mute"};
+    proc r;
+    const char *extra[] = {"--request-timeout=2s", NULL};
+    start_router(&r, w, ids, 1, extra);
+    wait_up(&r, 1);
+    kvm_client *c = client(&r);
+    km_msg_request q;
+    greedy(&q, "Hello", 4, NULL);
+    kvm_result res;
+    kvm_generate(c, &q, NULL, NULL, &res, &err);
+    cr_assert_eq(res.error_code, KM_CODE_DEADLINE, "%d %s", res.error_code, res.error);
+    kvm_result_free(&res);
+    /* the same with a deadline of its own: it ends too, and nothing stays in flight */
+    greedy(&q, "Hello again", 4, NULL);
+    q.deadline_ms = 500;
+    kvm_generate(c, &q, NULL, NULL, &res, &err);
+    cr_assert_eq(res.error_code, KM_CODE_DEADLINE, "%d %s", res.error_code, res.error);
+    kvm_result_free(&res);
+    cr_assert_eq(router_metric(&r, "kvmesh_router_inflight"), 0);
+    kvm_close(c);
+    stop_proc(&r);
+    km_zsock_close(silent);
+    km_zctx_destroy(ctx);
+}
+
+Test(router, a_client_that_disconnects_has_its_request_canceled_and_never_migrated)
+{
+    if (!have_binaries()) return;
+    const char *ids[2] = {"w0", "w1"};
+    proc w[2], r;
+    two_worker_cluster(w, &r, ids);
+    kvm_client *gone = client(&r);
+    km_msg_request q;
+    greedy(&q, "Write a long story about a dragon who learns to program computers:", 2000, NULL);
+    q.id = 1;
+    km_errbuf err = {{0}};
+    cr_assert_eq(kvm_submit(gone, &q, &err), 0, "%s", err.msg);
+    for (int n = 0; n < 3;) { /* it runs */
+        km_msg m;
+        cr_assert_eq(kvm_next(gone, 60000, &m, NULL, NULL, &err), 0, "%s", err.msg);
+        cr_assert_eq(m.type, KM_MSG_TOKEN, "%s", km_msg_type_name(m.type));
+        n++;
+        km_msg_clear(&m);
+    }
+    kvm_close(gone); /* the client goes away without a cancel */
+    cr_assert_geq(wait_metric_at_least(&r, "kvmesh_router_requests_abandoned_total", 1), 1,
+                  "the router never noticed the client left");
+    cr_assert_eq(router_metric(&r, "kvmesh_router_inflight"), 0);
+    /* the workers are free for the next client, and nothing was migrated */
+    kvm_client *c = client(&r);
+    greedy(&q, "Hi", 2, NULL);
+    kvm_result res;
+    cr_assert_eq(kvm_generate(c, &q, NULL, NULL, &res, &err), 0, "%s", err.msg);
+    cr_assert_eq(res.error_code, 0, "%s", res.error);
+    kvm_result_free(&res);
+    cr_assert_eq(router_metric(&r, "kvmesh_router_migrations_total"), 0);
+    kvm_close(c);
+    stop_proc(&r);
+    for (int i = 0; i < 2; i++) stop_proc(&w[i]);
+}
+
+/* The view stops naming id (the controller forgot it). */
+static void viewpub_drop(viewpub *vp, const char *id)
+{
+    pthread_mutex_lock(&vp->mu);
+    for (int i = 0; i < vp->n; i++)
+        if (!strcmp(vp->id[i], id)) {
+            vp->n--;
+            memmove(vp->id[i], vp->id[i + 1], sizeof vp->id[0] * (size_t)(vp->n - i));
+            memmove(vp->req[i], vp->req[i + 1], sizeof vp->req[0] * (size_t)(vp->n - i));
+            memmove(vp->ev[i], vp->ev[i + 1], sizeof vp->ev[0] * (size_t)(vp->n - i));
+            memmove(&vp->state[i], &vp->state[i + 1], sizeof vp->state[0] * (size_t)(vp->n - i));
+            memmove(&vp->level[i], &vp->level[i + 1], sizeof vp->level[0] * (size_t)(vp->n - i));
+            break;
+        }
+    pthread_mutex_unlock(&vp->mu);
+}
+
+Test(router, a_member_the_view_stops_naming_is_not_routable_and_its_slot_is_freed)
+{
+    if (!have_binaries()) return;
+    proc w[3], r;
+    const char *ids[3] = {"w0", "w1", "w2"};
+    for (int i = 0; i < 3; i++) start_worker(&w[i], ids[i]);
+    viewpub vp;
+    viewpub_start(&vp);
+    viewpub_set(&vp, "w0", &w[0], KM_MEMBER_READY);
+    viewpub_set(&vp, "w1", &w[1], KM_MEMBER_READY);
+    char ctl[300];
+    snprintf(ctl, sizeof ctl, "--controller=%s", vp.ep);
+    const char *extra[] = {ctl, "--view-timeout=1s", "--mode=round-robin", NULL};
+    start_router(&r, NULL, NULL, 0, extra);
+    wait_up(&r, 2);
+    wait_member(&r, "w1", "ready");
+    viewpub_drop(&vp, "w1"); /* still connected, but no longer a member */
+    wait_member(&r, "w1", "none");
+    kvm_client *c = client(&r);
+    int counts[2] = {0, 0};
+    route_some(c, 4, ids, 2, counts);
+    cr_assert_eq(counts[1], 0, "a slot the view does not name got %d requests", counts[1]);
+    /* released after --view-timeout: the slot is gone from the status, and a new member the
+     * view adds takes it */
+    json_t *wj = NULL;
+    for (int i = 0; i < 200 && (wj = worker_status(&r, "w1")); i++) {
+        json_decref(wj);
+        usleep(50000);
+    }
+    cr_assert_null(wj, "w1's slot was never released");
+    viewpub_set(&vp, "w2", &w[2], KM_MEMBER_READY);
+    wait_member(&r, "w2", "ready");
+    json_t *o = status(&r);
+    cr_assert_eq(json_array_size(json_object_get(o, "workers")), 2, "w2 reuses the freed slot");
+    json_decref(o);
+    const char *ids2[2] = {"w0", "w2"};
+    counts[0] = counts[1] = 0;
+    for (int i = 0; i < 100 && !counts[1]; i++) route_some(c, 2, ids2, 2, counts);
+    cr_assert_gt(counts[1], 0, "w2 is served");
+    kvm_close(c);
+    stop_proc(&r);
+    viewpub_stop(&vp);
+    for (int i = 0; i < 3; i++) stop_proc(&w[i]);
 }

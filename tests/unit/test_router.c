@@ -416,9 +416,11 @@ Test(router_view, only_ready_members_of_a_fresh_view_are_routable)
         cr_assert_eq(rt_member_routable(true, true, true, st), st == KM_MEMBER_READY, "%s",
                      km_member_state_name(st));
         cr_assert(!rt_member_routable(false, true, true, st));
-        /* a stale view, or one that does not name the worker: the router's own liveness */
+        /* a stale view: the router's own liveness; a fresh view that does not name the worker:
+         * not routable (a slot the controller never admitted or has forgotten) */
         cr_assert(rt_member_routable(true, false, true, st));
-        cr_assert(rt_member_routable(true, true, false, st));
+        cr_assert(rt_member_routable(true, false, false, st));
+        cr_assert(!rt_member_routable(true, true, false, st));
         cr_assert(!rt_member_routable(false, false, true, st));
         /* only a fresh "dead" migrates in-flight requests */
         cr_assert_eq(rt_member_migrates(true, true, st), st == KM_MEMBER_DEAD);
