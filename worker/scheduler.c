@@ -24,7 +24,10 @@
  *    units updates a measured cost per unit (quick to rise, slow to fall: a loaded machine is
  *    believed at once), and prefill chunks are cut so the planned work fits the budget (at least
  *    one page's worth of tokens when the step has nothing else, so a prompt always advances).
- *    The engine's output does not depend on how a prompt is chunked, so this changes no token.
+ *    Under a budget, prefill chunks are taken shortest remaining prompt first, so a short
+ *    request's first token does not wait for a long prompt's whole prefill; every prompt still
+ *    gets at least a page per step. The engine's output does not depend on how a prompt is
+ *    chunked or what shares its step, so none of this changes a token.
  *  - Every per-step buffer is sized at create; requests allocate only at submit and admission.
  *  - Outputs do not depend on batch composition: the engine's forward is batch-invariant and
  *    each sequence has its own sampler.
@@ -85,6 +88,7 @@ struct wk_sched {
     wk_part *parts;
     wk_spec *spec;
     wk_spec_seq **b_spec; /* [max_running] this step's proposals */
+    int *order; /* [max_running]: the order prefill chunks are taken in this step */
     /* step budget: work units per token, per attended position, per logits row */
     double u_tok, u_att, u_row;
     double step_units; /* the units of the step being built */
@@ -99,7 +103,8 @@ static double wk_units(const wk_sched *s, int pos, int n, int want)
     return n * s->u_tok + attended * s->u_att + (want ? s->u_row : 0);
 }
 
-/* The most tokens (>= 0) of r's prompt this step can still take within its budget. */
+/* The most tokens of r's prompt this step can still take within its budget: what the budget
+ * leaves, but at least a page (or what is left of the prompt). */
 static int wk_budget_take(wk_sched *s, const wk_rq *r, int take)
 {
     if (s->o.step_budget_ms <= 0 || s->st.ns_per_unit <= 0) return take;
@@ -112,10 +117,10 @@ static int wk_budget_take(wk_sched *s, const wk_rq *r, int take)
         else
             hi = mid - 1;
     }
-    /* the first prefill of a step always advances by a page (or what is left), however many
-     * decodes share the step, so no prompt waits forever behind a budget */
+    /* every prompt advances by at least a page (or what is left) per step, however many decodes
+     * and shorter prompts share it, so none waits forever behind a budget */
     int floor = s->pt < take ? s->pt : take;
-    if (s->step_prefill == 0 && lo < floor) lo = floor;
+    if (lo < floor) lo = floor;
     if (lo < take) s->st.budget_cut++;
     return lo;
 }
@@ -163,8 +168,9 @@ int wk_sched_create(wk_engine *e, const wk_model *m, const wk_sched_opts *o, con
     s->b_want = calloc(T, sizeof *s->b_want);
     s->parts = calloc(T, sizeof *s->parts);
     s->b_spec = calloc(s->o.max_running, sizeof *s->b_spec);
-    if (!s->run || !s->queue || !s->b_tok || !s->b_pos || !s->b_seq || !s->b_want || !s->parts ||
-        !s->b_spec || wk_spec_create(&s->o.spec, s->o.max_running, &s->spec)) {
+    s->order = calloc(s->o.max_running, sizeof *s->order);
+    if (!s->order || !s->run || !s->queue || !s->b_tok || !s->b_pos || !s->b_seq || !s->b_want ||
+        !s->parts || !s->b_spec || wk_spec_create(&s->o.spec, s->o.max_running, &s->spec)) {
         wk_sched_destroy(s);
         return km_errf(err, KM_ENOMEM, "sched: out of memory");
     }
@@ -198,6 +204,7 @@ void wk_sched_destroy(wk_sched *s)
     free(s->parts);
     free(s->b_spec);
     wk_spec_destroy(s->spec);
+    free(s->order);
     free(s);
 }
 
@@ -554,11 +561,27 @@ static int wk_sched_build(wk_sched *s, int *n_parts)
     int n = 0, np = 0, budget = s->o.max_batch_tokens;
     s->step_units = 0;
     s->step_prefill = 0;
+    for (int i = 0; i < s->n_run; i++) s->order[i] = i;
+    if (s->o.step_budget_ms > 0) {
+        /* Under a step budget a long prompt's prefill spans many steps; shortest remaining
+         * prompt first keeps short requests from waiting behind it (their first token comes in
+         * a step or two), and the long one still advances by at least a page per step. Stable
+         * (insertion sort), so equal prompts keep their admission order. */
+        for (int i = 1; i < s->n_run; i++) {
+            int v = s->order[i], j = i - 1;
+            int left = s->run[v]->n_tok - s->run[v]->n_done;
+            while (j >= 0 && s->run[s->order[j]]->n_tok - s->run[s->order[j]]->n_done > left) {
+                s->order[j + 1] = s->order[j];
+                j--;
+            }
+            s->order[j + 1] = v;
+        }
+    }
     for (int pass = 0; pass < 2; pass++) {
         if (pass == 1 && n > 0 && s->o.decode_prefill > 0 && n + s->o.decode_prefill < budget)
             budget = n + s->o.decode_prefill;
         for (int i = 0; i < s->n_run && n < budget; i++) {
-            wk_rq *r = s->run[i];
+            wk_rq *r = s->run[s->order[i]];
             int left = r->n_tok - r->n_done, nd = 0;
             if (left <= 0 || (pass == 0) != (left == 1)) continue;
             const int32_t *d = r->spec && pass == 0 ? wk_spec_seq_draft(r->spec, &nd) : NULL;

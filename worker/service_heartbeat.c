@@ -278,6 +278,7 @@ void wk_svc_snapshot(wk_service *s)
     }
     wk_sched_stats ss;
     wk_sched_stats_get(s->sched, &ss);
+    n.page_tokens = (uint32_t)kv_store_page_tokens(s->kv);
     n.queue_depth = (uint32_t)ss.queued;
     n.running = (uint32_t)ss.running;
     n.decode_tps = s->decode_tps;
@@ -335,7 +336,7 @@ static void wk_pulse_send(wk_service *s, wk_hb_snap *snap, km_buf *out)
     hb->fingerprint = s->fp;
     hb->slots = (uint32_t)s->o.sched.max_running;
     hb->max_ctx = (uint32_t)s->o.sched.max_ctx;
-    hb->page_tokens = (uint32_t)kv_store_page_tokens(s->kv);
+    hb->page_tokens = snap->page_tokens; /* the pulse never touches the store */
     hb->kv = snap->kv;
     hb->n_kv = (uint32_t)snap->n_kv;
     hb->rss_bytes = wk_rss_bytes();

@@ -77,7 +77,7 @@ typedef struct wk_hb_snap {
     km_latency_q lat[3];
     km_error_count errs[WK_BAD_COUNT + 4];
     int n_errs;
-    uint32_t queue_depth, running;
+    uint32_t queue_depth, running, page_tokens;
     double decode_tps, prefill_tps;
     uint64_t tokens_total;
     km_msg_heartbeat peer; /* only its peer_addr, peer_addr_len, has_xfer, xfer (service_peer.c) */

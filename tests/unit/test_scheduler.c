@@ -233,6 +233,32 @@ Test(sched, a_step_budget_cuts_prefill_chunks_by_measured_cost_and_changes_no_to
     wk_engine_destroy(e);
 }
 
+Test(sched, under_a_step_budget_a_short_prompt_is_not_stuck_behind_a_long_prefill)
+{
+    if (!need_model()) return;
+    int32_t lp[180], sp[20];
+    prompt(lp, 180, 11);
+    prompt(sp, 20, 12);
+    out ref = {0}, lo = {0}, sh = {0};
+    alone(sp, 20, 4, &ref);
+    wk_engine *e = engine(0, 128);
+    wk_sched *s = sched(e, (wk_sched_opts){.max_batch_tokens = 128, .step_budget_ms = 1});
+    wk_sched_req r = greedy_req(lp, 180, 4, &lo);
+    cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
+    cr_assert_gt(wk_sched_step(s), 0); /* the long prompt is admitted and prefilling */
+    r = greedy_req(sp, 20, 4, &sh);
+    cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
+    for (int i = 0; i < 100 && !sh.n; i++) cr_assert_geq(wk_sched_step(s), 0);
+    cr_assert_gt(sh.n, 0);
+    cr_assert_eq(lo.n, 0, "the short prompt's first token came after the long one's");
+    run_all(s);
+    cr_assert_eq(sh.n, ref.n);
+    cr_assert_arr_eq(sh.tok, ref.tok, sizeof(int32_t) * ref.n, "same tokens as alone");
+    cr_assert(lo.ended && !lo.code);
+    wk_sched_destroy(s);
+    wk_engine_destroy(e);
+}
+
 /* A migration continues a request from its prompt plus the tokens already streamed: a seeded,
  * sampled request continued that way (n_generated) gives the tokens of the undisturbed run. */
 Test(sched, a_seeded_request_continued_from_its_streamed_tokens_equals_the_undisturbed_run)
