@@ -14,6 +14,8 @@
  *                  cut, then restored (skipped, and said so, where `ip netns` is not permitted)
  *   slowloris  (g) 1,100 slow HTTP connections at the router, 80 at each worker's admin port,
  *                  for 10 s (--short: 4 s); every probe of a new HTTP client must be answered
+ *   longprompt (h) a prompt at 95% of the workers' context limit through the router under load:
+ *                  it completes with no migration, no member goes dead, no request fails
  *
  * Why it is built this way: each scenario starts its own cluster with the same code as `kvmesh up`
  * (this very binary, `up --base-port 0` in a temporary run directory: free ports, so it never
@@ -127,6 +129,9 @@ static void tally(chaos_run *r, const chaos_load *load, chaos_result *res)
     res->n_errors = load->n_errors;
     memcpy(res->errors, load->first_errors, sizeof res->errors);
     res->outputs_ok = load->differ == 0 || !r->sc->outputs_must_match;
+    if (!res->error[0] && r->sc->no_failures && load->failed)
+        snprintf(res->error, sizeof res->error, "%d requests failed (first: %.300s)", load->failed,
+                 load->n_errors ? load->first_errors[0] : "-");
     if (!res->error[0] && r->sc->drains_target && !res->order_ok)
         snprintf(res->error, sizeof res->error, "recovery levels 1, 2, 3 did not fire in order");
     if (!res->error[0] && r->sc->drains_target) { /* level 3: drained, restarted by up */
@@ -147,6 +152,12 @@ static void run_scenario(const chaos_scenario *sc, const chaos_knobs *k, bool ke
     chaos_run *r = calloc(1, sizeof *r);
     r->sc = sc;
     r->k = *k;
+    char wflags[512];
+    const char *extra = k->short_run ? sc->wflags : sc->wflags_full;
+    if (extra) { /* this scenario's worker flags after the common ones */
+        snprintf(wflags, sizeof wflags, "%s %s", k->wflags, extra);
+        r->k.wflags = wflags;
+    }
     pthread_mutex_init(&r->mu, NULL);
     snprintf(r->dir, sizeof r->dir, "/tmp/kvmesh-chaos-XXXXXX");
     if (!mkdtemp(r->dir)) {
@@ -305,7 +316,8 @@ int cli_cmd_chaos(int argc, char **argv)
     int rc = km_daemon_config(
         "kvmesh chaos",
         "fault injection against a local cluster it starts itself. SCENARIO: pressure (a), kill "
-        "(b), stop (c), controller (d), router (e), partition (f) or all",
+        "(b), stop (c), controller (d), router (e), partition (f), slowloris (g), longprompt "
+        "(h) or all",
         opts, sizeof opts / sizeof *opts, argc, argv, NULL, NULL, &cfg);
     if (rc == 1)
         for (int i = 0; i < CHAOS_N_SCENARIOS; i++)
@@ -323,7 +335,7 @@ int cli_cmd_chaos(int argc, char **argv)
             pick[i] = true, n_pick++;
     if (!n_pick) {
         fprintf(stderr, "kvmesh chaos: give a scenario: pressure, kill, stop, controller, router, "
-                        "partition or all (--help)\n");
+                        "partition, slowloris, longprompt or all (--help)\n");
         km_config_destroy(cfg);
         return 2;
     }

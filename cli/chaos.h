@@ -52,6 +52,9 @@ typedef struct chaos_scenario {
     bool outputs_must_match; /* false where the fault may change outputs (fp8 KV) */
     bool needs_netns;
     bool drains_target; /* levels 1, 2, 3 must fire in order, and up must restart the target */
+    bool no_failures;   /* failed must be 0 too (no request may even be told why it failed) */
+    const char *wflags; /* extra worker flags for this scenario (short run, full run) */
+    const char *wflags_full;
 } chaos_scenario;
 
 typedef struct chaos_action {
@@ -189,7 +192,7 @@ void chaos_format_levels(chaos_run *r, chaos_result *res);
 /* ---------------------------------------------------------------- chaos_scenarios (chaos_faults.c)
  */
 
-#define CHAOS_N_SCENARIOS 7
+#define CHAOS_N_SCENARIOS 8
 extern const chaos_scenario chaos_scenarios[CHAOS_N_SCENARIOS];
 
 /* (g) slow HTTP clients against the router's and the workers' ports (chaos_slowloris.c). */

@@ -129,27 +129,84 @@ static int fault_partition(chaos_run *r)
     return ns_link(r, "up") ? -1 : 0;
 }
 
+/* The context limit the longprompt scenario gives its workers (its wflags below). */
+static int longprompt_ctx(const chaos_run *r)
+{
+    return r->k.short_run ? 1024 : 4096;
+}
+
+/* (h) a prompt at 95% of the context limit through the router while the load runs: one engine
+ * thread spends many seconds on its prefill, and the worker must stay alive in the view (its
+ * heartbeats never wait for a step), so the request completes where it started: no migration,
+ * no member dead (issue 12: such a prompt failed after three "dead" workers). */
+static int fault_longprompt(chaos_run *r)
+{
+    int n = longprompt_ctx(r) * 95 / 100;
+    int32_t *toks = malloc(sizeof *toks * (size_t)n);
+    if (!toks) return -1;
+    for (int i = 0; i < n; i++) toks[i] = 300 + (i * 131) % 30000;
+    kvm_client *c = NULL;
+    km_errbuf err = {{0}};
+    kvm_opts o = {.timeout_ms = 600000};
+    int rc = kvm_open(r->router, &o, &c, &err);
+    kvm_result res = {0};
+    if (!rc) {
+        km_msg_request q;
+        kvm_request_init(&q);
+        q.tokens = toks;
+        q.n_tokens = (uint32_t)n;
+        q.max_tokens = 8;
+        q.temperature = 0;
+        rc = kvm_generate(c, &q, NULL, NULL, &res, &err);
+    }
+    if (rc || res.error_code)
+        snprintf(r->note, sizeof r->note, "the %d-token prompt failed: %d %.200s %.200s", n,
+                 res.error_code, res.error, err.msg);
+    else if (res.migrations)
+        snprintf(r->note, sizeof r->note, "the %d-token prompt migrated %u times", n,
+                 res.migrations);
+    bool bad = rc || res.error_code || res.migrations;
+    kvm_result_free(&res);
+    kvm_close(c);
+    free(toks);
+    pthread_mutex_lock(&r->mu);
+    for (int i = 0; i < r->n_trans && !bad; i++)
+        if (!strcmp(r->trans[i].state, "dead")) {
+            snprintf(r->note, sizeof r->note, "%s went dead %.1f s into the long prompt",
+                     r->trans[i].worker, (r->trans[i].at_ms - r->fault_ms) / 1e3);
+            bad = true;
+        }
+    pthread_mutex_unlock(&r->mu);
+    return bad ? -1 : 0;
+}
+
 /* ---------------------------------------------------------------- the scenario table */
 
 const chaos_scenario chaos_scenarios[] = {
     {"pressure", "a",
      "KV pressure ramp on w1 (0.5, 0.95, 0.95 again after fp8): levels 1, 2, 3 in order; the "
      "drained worker is restarted and comes back ready",
-     fault_pressure, RECOVER_AFTER_DEGRADED, false, false, true},
+     fault_pressure, RECOVER_AFTER_DEGRADED, false, false, true, false, NULL, NULL},
     {"kill", "b", "SIGKILL w1 mid-stream; kvmesh up restarts it", fault_kill, RECOVER_ALL_READY,
-     true, false, false},
+     true, false, false, false, NULL, NULL},
     {"stop", "c", "SIGSTOP w1 (10 s; --short 4 s), then SIGCONT", fault_stop,
-     RECOVER_AFTER_DEGRADED, true, false, false},
+     RECOVER_AFTER_DEGRADED, true, false, false, false, NULL, NULL},
     {"controller", "d",
      "SIGKILL the controller; serving goes on, the restarted one rebuilds the view",
-     fault_controller, RECOVER_NEW_EPOCH, true, false, false},
+     fault_controller, RECOVER_NEW_EPOCH, true, false, false, false, NULL, NULL},
     {"router", "e", "SIGKILL the router while clients retry; they reconnect to the restarted one",
-     fault_router, RECOVER_COMPLETION, true, false, false},
+     fault_router, RECOVER_COMPLETION, true, false, false, false, NULL, NULL},
     {"partition", "f",
      "w1 in its own network namespace, its link cut (10 s; --short 4 s), then restored",
-     fault_partition, RECOVER_AFTER_DEGRADED, true, true, false},
+     fault_partition, RECOVER_AFTER_DEGRADED, true, true, false, false, NULL, NULL},
     {"slowloris", "g",
      "1,100 HTTP connections trickling request heads at the router, 80 at each worker's admin "
      "port (10 s; --short 4 s): new HTTP clients (/healthz, /v1/models) are served throughout",
-     chaos_fault_slowloris, RECOVER_COMPLETION, true, false, false},
+     chaos_fault_slowloris, RECOVER_COMPLETION, true, false, false, false, NULL, NULL},
+    {"longprompt", "h",
+     "a prompt at 95% of the context limit (4096; --short 1024) through the router under load: "
+     "it completes with no migration, no member goes dead, no request fails",
+     /* 3,891 tokens of f16 KV are 90 MB: more hot tier than the other scenarios' 32 MB */
+     fault_longprompt, RECOVER_COMPLETION, true, false, false, true, "--max-ctx=1024",
+     "--max-ctx=4096 --kv-bytes=192M"},
 };
