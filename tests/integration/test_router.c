@@ -9,7 +9,11 @@
  * hand-made cluster views (standing in for kvmesh-controller, which has its own tests): a
  * draining member gets nothing new, a dead one's stream migrates with the same greedy output, a
  * router with no --workers serves the workers a view names, and a router whose views stop falls
- * back to its own liveness checks.
+ * back to its own liveness checks. Bounded (issue 12): a seeded stream whose worker is killed
+ * continues with the undisturbed tokens; a 2-token request is answered while 4 MB prompts are
+ * tokenized off the loop; a prompt over --max-prompt-bytes is refused untokenized; a silent
+ * worker's requests end with 504 at --request-timeout; a client that disconnects has its request
+ * abandoned (never migrated); a member the view stops naming gets nothing and its slot is reused.
  *
  * Run from the repository root after `make build` (make integration); without the default model
  * every test skips and says so. Workers run one thread each: the machine is small and shared.
