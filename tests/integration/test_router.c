@@ -10,10 +10,12 @@
  * draining member gets nothing new, a dead one's stream migrates with the same greedy output, a
  * router with no --workers serves the workers a view names, and a router whose views stop falls
  * back to its own liveness checks. Bounded (issue 12): a seeded stream whose worker is killed
- * continues with the undisturbed tokens; a 2-token request is answered while 4 MB prompts are
- * tokenized off the loop; a prompt over --max-prompt-bytes is refused untokenized; a silent
- * worker's requests end with 504 at --request-timeout; a client that disconnects has its request
- * abandoned (never migrated); a member the view stops naming gets nothing and its slot is reused.
+ * continues with the undisturbed tokens; a stream whose workers are killed four times (more than
+ * --max-attempts, on two workers) completes with the undisturbed output; a 2-token request is
+ * answered while 4 MB prompts are tokenized off the loop; a prompt over --max-prompt-bytes is
+ * refused untokenized; a silent worker's requests end with 504 at --request-timeout; a client that
+ * disconnects has its request abandoned (never migrated); a member the view stops naming gets
+ * nothing and its slot is reused.
  *
  * Run from the repository root after `make build` (make integration); without the default model
  * every test skips and says so. Workers run one thread each: the machine is small and shared.
@@ -45,13 +47,24 @@ static bool have_binaries(void)
     return it_have((const char *const[]){IT_MODEL, IT_WORKER, IT_ROUTER, NULL});
 }
 
-static void start_worker(proc *w, const char *id)
+/* A worker on ephemeral ports, or (req/ev not NULL: a restart) on these endpoints. */
+static void start_worker_at(proc *w, const char *id, const char *req, const char *ev)
 {
+    char listen[600], events[600];
+    snprintf(listen, sizeof listen, "--listen=%s", req ? req : "tcp://127.0.0.1:*");
+    snprintf(events, sizeof events, "--events=%s", ev ? ev : "tcp://127.0.0.1:*");
     memset(w, 0, sizeof *w);
     char wid[64];
     snprintf(wid, sizeof wid, "--worker-id=%s", id);
-    const char *flags[] = {"--admin-port=-1", "--threads=1", "--log-level=warn", wid, NULL};
+    /* listen and events after the harness's ephemeral ones: a restart binds the same ports */
+    const char *flags[] = {
+        "--admin-port=-1", "--threads=1", "--log-level=warn", wid, listen, events, NULL};
     it_start_worker(w, "rt", flags, NULL);
+}
+
+static void start_worker(proc *w, const char *id)
+{
+    start_worker_at(w, id, NULL, NULL);
 }
 
 /* A router in front of ws[0..n); extra flags may be NULL-terminated. */
@@ -1093,8 +1106,8 @@ Test(router, a_seeded_stream_whose_worker_is_killed_continues_with_the_undisturb
     km_buf_free(&text);
     kvm_result_free(&ref);
     kvm_close(c);
-    stop_proc(&r);
-    for (int i = 0; i < 2; i++) stop_proc(&w[i]);
+    it_stop(&r);
+    for (int i = 0; i < 2; i++) it_stop(&w[i]);
 }
 
 /* The value of a counter or gauge line `name` (with its labels) in the router's /metrics. */
@@ -1119,6 +1132,60 @@ static double wait_metric_at_least(const proc *r, const char *name, double want)
     double v = -1;
     for (int i = 0; i < 600 && (v = router_metric(r, name)) < want; i++) usleep(50000);
     return v;
+}
+
+typedef struct kill_many_ctx {
+    const proc *r;
+    proc *w;
+    const char **ids;
+    int kills;
+} kill_many_ctx;
+
+/* Every 8 tokens: SIGKILL the worker that has the request, and start it again on the same
+ * endpoints (as a supervisor would), so the next kill finds another worker with it. */
+static int kill_every_8(void *user, uint32_t index, int32_t token, const char *text, size_t len)
+{
+    kill_many_ctx *k = user;
+    if (index == 0 || index % 8 || k->kills >= 4) return 0;
+    kill_ctx one = {k->r, k->w, -1};
+    kill_busy_worker(&one);
+    char req[512], ev[512];
+    snprintf(req, sizeof req, "%s", k->w[one.killed].req);
+    snprintf(ev, sizeof ev, "%s", k->w[one.killed].ev);
+    start_worker_at(&k->w[one.killed], k->ids[one.killed], req, ev);
+    k->kills++;
+    return 0;
+}
+
+Test(router, a_stream_whose_workers_are_killed_again_and_again_completes_with_the_same_output)
+{
+    if (!have_binaries()) return;
+    const char *ids[2] = {"w0", "w1"};
+    proc w[2], r;
+    two_worker_cluster(w, &r, ids);
+    kvm_client *c = client(&r);
+    enum { N = 48 };
+    km_msg_request q;
+    greedy(&q, "Write a long story about a dragon who learns to program computers:", N, NULL);
+    kvm_result ref, got;
+    km_errbuf err = {{0}};
+    cr_assert_eq(kvm_generate(c, &q, NULL, NULL, &ref, &err), 0, "%s", err.msg);
+    cr_assert_eq(ref.completion_tokens, (uint32_t)N, "the reference ended early");
+    /* four kills of whichever worker has it: more than --max-attempts (3) attempts, but only
+     * two workers, and every attempt makes progress: it completes (issue 12) */
+    kill_many_ctx k = {&r, w, ids, 0};
+    cr_assert_eq(kvm_generate(c, &q, kill_every_8, &k, &got, &err), 0, "%s", err.msg);
+    cr_assert_eq(got.error_code, 0, "%s", got.error);
+    cr_assert_eq(k.kills, 4);
+    cr_assert_eq(got.migrations, 4u);
+    cr_assert(got.text.len == ref.text.len && !memcmp(got.text.data, ref.text.data, got.text.len),
+              "output differs after 4 migrations:\n%.*s\n---\n%.*s", (int)got.text.len,
+              (const char *)got.text.data, (int)ref.text.len, (const char *)ref.text.data);
+    kvm_result_free(&ref);
+    kvm_result_free(&got);
+    kvm_close(c);
+    it_stop(&r);
+    for (int i = 0; i < 2; i++) it_stop(&w[i]);
 }
 
 /* One worker "w0" and a router in front of it with these extra flags, both up. */
@@ -1164,7 +1231,6 @@ Test(router, a_small_request_is_answered_while_4_MB_prompts_are_tokenized)
                    "--data-binary", data, url, (char *)NULL);
             _exit(127);
         }
-        if (g_npids < 32) g_pids[g_npids++] = big[i];
     }
     /* the big prompts are in: on the thread pool */
     cr_assert_geq(
@@ -1188,8 +1254,8 @@ Test(router, a_small_request_is_answered_while_4_MB_prompts_are_tokenized)
         cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "curl %d did not get an answer", i);
     }
     kvm_close(c);
-    stop_proc(&r);
-    stop_proc(&w[0]);
+    it_stop(&r);
+    it_stop(&w[0]);
 }
 
 Test(router, a_prompt_over_the_byte_limit_is_refused_before_tokenization)
@@ -1213,8 +1279,8 @@ Test(router, a_prompt_over_the_byte_limit_is_refused_before_tokenization)
     cr_assert_eq(router_metric(&r, "kvmesh_router_prompts_tokenized_total{where=\"pool\"}"), 0);
     free(p);
     kvm_close(c);
-    stop_proc(&r);
-    stop_proc(&w[0]);
+    it_stop(&r);
+    it_stop(&w[0]);
 }
 
 Test(router, a_request_to_a_silent_worker_ends_with_504_at_the_request_timeout)
@@ -1250,7 +1316,7 @@ Test(router, a_request_to_a_silent_worker_ends_with_504_at_the_request_timeout)
     kvm_result_free(&res);
     cr_assert_eq(router_metric(&r, "kvmesh_router_inflight"), 0);
     kvm_close(c);
-    stop_proc(&r);
+    it_stop(&r);
     km_zsock_close(silent);
     km_zctx_destroy(ctx);
 }
@@ -1287,8 +1353,8 @@ Test(router, a_client_that_disconnects_has_its_request_canceled_and_never_migrat
     kvm_result_free(&res);
     cr_assert_eq(router_metric(&r, "kvmesh_router_migrations_total"), 0);
     kvm_close(c);
-    stop_proc(&r);
-    for (int i = 0; i < 2; i++) stop_proc(&w[i]);
+    it_stop(&r);
+    for (int i = 0; i < 2; i++) it_stop(&w[i]);
 }
 
 /* The view stops naming id (the controller forgot it). */
@@ -1348,7 +1414,7 @@ Test(router, a_member_the_view_stops_naming_is_not_routable_and_its_slot_is_free
     for (int i = 0; i < 100 && !counts[1]; i++) route_some(c, 2, ids2, 2, counts);
     cr_assert_gt(counts[1], 0, "w2 is served");
     kvm_close(c);
-    stop_proc(&r);
+    it_stop(&r);
     viewpub_stop(&vp);
-    for (int i = 0; i < 3; i++) stop_proc(&w[i]);
+    for (int i = 0; i < 3; i++) it_stop(&w[i]);
 }
