@@ -147,7 +147,7 @@ static int fault_longprompt(chaos_run *r)
     for (int i = 0; i < n; i++) toks[i] = 300 + (i * 131) % 30000;
     kvm_client *c = NULL;
     km_errbuf err = {{0}};
-    kvm_opts o = {.timeout_ms = 600000};
+    kvm_opts o = {.timeout_ms = 600000, .sec = {.cert = r->client_cert}};
     int rc = kvm_open(r->router, &o, &c, &err);
     kvm_result res = {0};
     if (!rc) {
