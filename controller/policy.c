@@ -269,6 +269,14 @@ static uint32_t l1_fires_within(const ctl_policy *p, const ctl_member *m, uint64
     return n;
 }
 
+/* Has the member an action it has not acknowledged yet, sent less than action_timeout ago? */
+static bool action_pending(const ctl_policy *p, const ctl_member *m, uint64_t now_ms)
+{
+    const ctl_hist *h = m->undo_id ? hist_find((ctl_member *)m, m->undo_id) : NULL;
+    return h && !h->ok && p->cfg.action_timeout_ms > 0 &&
+           now_ms - m->t_action < (uint64_t)p->cfg.action_timeout_ms;
+}
+
 /* Records the decision: history, timers, the member's new level and state, and *act. */
 static void fire(ctl_policy *p, ctl_member *m, uint32_t level, const char *reason, uint64_t now_ms,
                  ctl_action *act)
@@ -566,9 +574,7 @@ int ctl_policy_tick(ctl_policy *p, uint64_t now_ms)
         uint64_t lim = limit;
         /* The worker runs admin commands in its loop: a conversion of a large cache is silent
          * while it lasts. Until the command is acknowledged, give it action_timeout. */
-        const ctl_hist *h = m->undo_id ? hist_find(m, m->undo_id) : NULL;
-        if (h && !h->ok && p->cfg.action_timeout_ms > 0 &&
-            now_ms - m->t_action < (uint64_t)p->cfg.action_timeout_ms)
+        if (action_pending(p, m, now_ms))
             lim = limit > (uint64_t)p->cfg.action_timeout_ms ? limit
                                                              : (uint64_t)p->cfg.action_timeout_ms;
         if (now_ms - m->last_seen_ms >= lim) {

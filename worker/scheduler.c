@@ -88,7 +88,7 @@ struct wk_sched {
     wk_part *parts;
     wk_spec *spec;
     wk_spec_seq **b_spec; /* [max_running] this step's proposals */
-    int *order; /* [max_running]: the order prefill chunks are taken in this step */
+    int *order;           /* [max_running]: the order prefill chunks are taken in this step */
     /* step budget: work units per token, per attended position, per logits row */
     double u_tok, u_att, u_row;
     double step_units; /* the units of the step being built */

@@ -119,7 +119,13 @@ static void wk_handle_message(wk_service *s, void *sock, const km_zmsg *zm)
         break;
     }
     case KM_MSG_ADMIN:
+        /* A controller's command changes what the heartbeats report (an fp8 conversion of a
+         * large cache takes seconds): no heartbeat from the state before it while it runs, as the
+         * controller expects (its --action-timeout covers the silence); engine steps never hold
+         * heartbeats back. */
+        if (sock == s->ctl_loop) atomic_store(&s->in_command, 1);
         wk_svc_handle_admin(s, sock, env, n_env, &m.admin);
+        atomic_store(&s->in_command, 0);
         if (s->ctl) wk_svc_snapshot(s); /* the next heartbeat shows what it changed */
         break;
     case KM_MSG_KV_PULL:
@@ -188,6 +194,7 @@ int wk_service_create(wk_model *m, wk_engine *e, const wk_service_opts *o, wk_se
     s->kv_base = wk_svc_kv_format(s);
     atomic_init(&s->state, KM_STATE_STARTING);
     atomic_init(&s->hb_stop, 0);
+    atomic_init(&s->in_command, 0);
     pthread_mutex_init(&s->hb_mu, NULL);
     if (o->worker_id)
         snprintf(s->worker_id, sizeof s->worker_id, "%s", o->worker_id);

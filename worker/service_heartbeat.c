@@ -386,7 +386,7 @@ static void *wk_pulse_main(void *arg)
     uint64_t next_hb = km_now_ns();
     while (snap && !atomic_load(&s->hb_stop)) {
         uint64_t now = km_now_ns();
-        if (now >= next_hb) {
+        if (now >= next_hb && !atomic_load(&s->in_command)) {
             wk_pulse_send(s, snap, &out);
             next_hb = now + wk_ms_ns(s->o.heartbeat_ms);
         }

@@ -124,6 +124,7 @@ struct wk_service {
     pthread_t hb_thread;
     bool hb_started;
     atomic_int hb_stop;
+    atomic_int in_command; /* the loop carries out a controller command: the pulse holds beats */
     pthread_mutex_t hb_mu;
     wk_hb_snap snap; /* under hb_mu */
     km_latency_q lat[3];

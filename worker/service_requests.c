@@ -19,6 +19,9 @@
 /* Sends body behind an envelope on sock (the ROUTER, or the controller DEALER with no envelope). */
 int wk_svc_send(wk_service *s, void *sock, const km_zframe *env, int n_env, const km_buf *body)
 {
+    /* a reply to the controller: the heartbeats that follow it must already show what the
+     * command changed (the pulse may forward it and beat before the loop takes a snapshot) */
+    if (sock && sock == s->ctl_loop) wk_svc_snapshot(s);
     km_zframe parts[KM_ZMSG_MAX_PARTS];
     int n = 0;
     for (int i = 0; i < n_env && n < KM_ZMSG_MAX_PARTS - 1; i++) parts[n++] = env[i];
