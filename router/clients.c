@@ -101,10 +101,31 @@ static int rq_copy_params(rt_rq *q, const km_msg_request *src)
     return 0;
 }
 
+static bool env_eq(const rt_rq *q, const km_zmsg *zm);
+
+/* The client's request with this id still in flight, or NULL (ids are unique among a client's
+ * requests in flight: a second one would interleave with the first, docs/protocol.md §15). */
+static rt_rq *client_rq_find(rt_router *r, const km_zmsg *zm, uint64_t cid)
+{
+    for (int b = 0; b < RT_RQ_BUCKETS; b++)
+        for (rt_rq *q = r->buckets[b]; q; q = q->hnext)
+            if (q->cid == cid && env_eq(q, zm)) return q;
+    return NULL;
+}
+
 static void on_client_request(rt_router *r, const km_zmsg *zm, const km_msg_request *req)
 {
     const km_zframe *env = zm->part;
     int n_env = zm->n - 1;
+    if (client_rq_find(r, zm, req->id)) {
+        r->n_bad_frames++;
+        km_counter_inc(r->s_bad);
+        rt_send_error_env(r, env, n_env, req->id, KM_CODE_BAD_REQUEST, 0,
+                          "req.id: %llu is already in flight from this client (ids must be "
+                          "unique among a client's requests in flight)",
+                          (unsigned long long)req->id);
+        return;
+    }
     if (!rt_model_ok(r, req->model)) {
         rt_send_error_env(r, env, n_env, req->id, KM_CODE_NOT_FOUND, 0,
                           "req.model: unknown model '%.256s' (this router serves '%s')", req->model,
@@ -283,12 +304,27 @@ void rt_read_front_monitor(rt_router *r)
 
 static void on_client_cancel(rt_router *r, const km_zmsg *zm, uint64_t cid)
 {
-    for (int b = 0; b < RT_RQ_BUCKETS; b++)
-        for (rt_rq *q = r->buckets[b]; q; q = q->hnext)
-            if (q->cid == cid && env_eq(q, zm)) {
-                rt_rq_cancel(r, q);
-                return;
-            }
+    rt_rq *q = client_rq_find(r, zm, cid);
+    if (q) rt_rq_cancel(r, q);
+}
+
+/* The id a decoded frame carries, for an error that names it (0 for frames without one). */
+static uint64_t msg_id(const km_msg *m)
+{
+    switch (m->type) {
+    case KM_MSG_TOKEN:
+        return m->tok.id;
+    case KM_MSG_DONE:
+        return m->done.id;
+    case KM_MSG_ERROR:
+        return m->error.id;
+    case KM_MSG_ADMIN:
+        return m->admin.id;
+    case KM_MSG_ADMIN_REPLY:
+        return m->admin_reply.id;
+    default:
+        return 0;
+    }
 }
 
 void rt_on_front_message(rt_router *r, const km_zmsg *zm)
@@ -329,7 +365,7 @@ void rt_on_front_message(rt_router *r, const km_zmsg *zm)
     default:
         r->n_bad_frames++;
         km_counter_inc(r->s_bad);
-        rt_send_error_env(r, zm->part, zm->n - 1, 0, KM_CODE_BAD_REQUEST, 0,
+        rt_send_error_env(r, zm->part, zm->n - 1, msg_id(&m), KM_CODE_BAD_REQUEST, 0,
                           "a router does not take '%s' frames from clients",
                           km_msg_type_name(m.type));
         break;

@@ -371,6 +371,13 @@ Test(router, malformed_client_frames_get_errors_and_the_router_keeps_serving)
     cr_assert_eq(km_msg_encode(&m, NULL, &b, NULL), 0);
     it_send_raw(s, b.data, b.len);
     cr_assert_eq(expect_error(s, NULL), KM_CODE_BAD_REQUEST);
+    km_msg_init(&m, KM_MSG_DONE); /* decoded but not a client's: the error still names its id */
+    m.done.id = 42;
+    m.done.prompt_tokens = 1;
+    cr_assert_eq(km_msg_encode(&m, NULL, &b, NULL), 0);
+    it_send_raw(s, b.data, b.len);
+    cr_assert_eq(expect_error(s, &id), KM_CODE_BAD_REQUEST);
+    cr_assert_eq(id, 42u);
     km_msg_init(&m, KM_MSG_REQUEST);
     m.req.id = 9;
     m.req.model = "no-such-model";
@@ -378,6 +385,39 @@ Test(router, malformed_client_frames_get_errors_and_the_router_keeps_serving)
     cr_assert_eq(km_msg_encode(&m, NULL, &b, NULL), 0);
     it_send_raw(s, b.data, b.len);
     cr_assert_eq(expect_error(s, NULL), KM_CODE_NOT_FOUND);
+    /* A second request with the id of one still in flight from the same client is refused
+     * (it would interleave with the first); the first completes. */
+    km_msg_init(&m, KM_MSG_REQUEST);
+    m.req.id = 11;
+    m.req.model = "default";
+    m.req.prompt = "Once upon a time";
+    m.req.temperature = 0;
+    m.req.max_tokens = 48;
+    cr_assert_eq(km_msg_encode(&m, NULL, &b, NULL), 0);
+    it_send_raw(s, b.data, b.len);
+    it_send_raw(s, b.data, b.len);
+    int dup_err = 0, first_done = 0;
+    for (int i = 0; i < 4 && !(dup_err && first_done); i++) {
+        km_zmsg z = {0};
+        cr_assert_eq(km_zrecv(s, &z, 60000, NULL), 0, "no answer to request 11");
+        const km_zframe *bd = km_zmsg_body(&z);
+        km_msg a;
+        cr_assert_eq(km_msg_decode(bd->data, bd->len, NULL, &a, NULL), 0);
+        km_zmsg_clear(&z);
+        if (a.type == KM_MSG_ERROR) {
+            cr_assert_eq(a.error.code, KM_CODE_BAD_REQUEST);
+            cr_assert_eq(a.error.id, 11u);
+            cr_assert_not_null(strstr(a.error.message, "already in flight"), "%s", a.error.message);
+            dup_err++;
+        } else {
+            cr_assert_eq(a.type, KM_MSG_DONE, "got %s", km_msg_type_name(a.type));
+            cr_assert_eq(a.done.id, 11u);
+            first_done++;
+        }
+        km_msg_clear(&a);
+    }
+    cr_assert_eq(dup_err, 1);
+    cr_assert_eq(first_done, 1);
     km_buf_free(&b);
     km_zsock_close(s);
 
@@ -392,7 +432,7 @@ Test(router, malformed_client_frames_get_errors_and_the_router_keeps_serving)
     kvm_result_free(&res);
     json_t *o = status(&r);
     cr_assert_geq(json_integer_value(json_object_get(json_object_get(o, "router"), "bad_frames")),
-                  5);
+                  7);
     json_decref(o);
     kvm_close(c);
     it_stop(&r);
