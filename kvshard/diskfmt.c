@@ -127,9 +127,11 @@ size_t kv_disk_page_encode(const kv_disk_page *p, void *buf, size_t cap)
 size_t kv_disk_page_encode_mac(const kv_disk_page *p, const uint8_t key[KV_DISK_MAC_BYTES],
                                void *buf, size_t cap)
 {
-    static const uint8_t placeholder[KV_DISK_MAC_BYTES];
+    /* Encoded with a zero MAC first, so the layout (and the bytes the MAC covers, all before it)
+     * is fixed; the real MAC is then computed over them and written in its place. */
+    static const uint8_t zero_mac[KV_DISK_MAC_BYTES];
     kv_disk_page q = *p;
-    q.mac = placeholder;
+    q.mac = zero_mac;
     size_t n = kv_disk_page_encode(&q, buf, cap);
     if (!n) return 0;
     uint8_t *b = buf, *mac = b + n - 8 - KV_DISK_MAC_BYTES;
