@@ -209,8 +209,8 @@ deps: ## Debian packages and the default model (idempotent)
 unit-tests: $(UNIT_BIN) ## every Criterion unit test (tests/unit)
 	@set -e; for t in $(UNIT_BIN); do echo "== $$t"; \
 	  case $$t in */test_xfer_pe*|*/test_xfer_pr*) \
-	    for a in 1 2 3 4 5; do $$t --jobs 1 && break; [ $$a -lt 5 ] || exit 1; \
-	      echo "== $$t again (attempt $$a failed; UCX 1.13's TCP connection manager can crash in its own thread when a peer goes away: docs/transfer.md, Known gaps)"; \
+	    for a in 1 2 3; do $$t --jobs 1 && break; [ $$a -lt 3 ] || exit 1; \
+	      echo "== $$t again (attempt $$a failed; UCX 1.13.1's TCP connection manager can crash in its own thread when a listener closes with a connection on its way: docs/transfer.md, Known gaps)"; \
 	    done;; \
 	    *) $$t --jobs 2;; esac; done
 

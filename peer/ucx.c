@@ -788,7 +788,6 @@ static void pr_ucx_close(pr_node *n)
         pr_ucx_wake(u);
         pthread_join(u->thr, NULL);
     }
-    if (u->listener) ucp_listener_destroy(u->listener);
     /* What the bounded wait left (a close UCX never completed) goes with the worker. */
     while (u->pulls) {
         pr_upull *up = u->pulls;
@@ -804,6 +803,12 @@ static void pr_ucx_close(pr_node *n)
     for (pr_uep *e = u->eps; e; e = e->next)
         for (int i = 0; i < PR_MAX_REGIONS; i++)
             if (e->rkey[i]) ucp_rkey_destroy(e->rkey[i]);
+    /* The listener goes right before the worker, nothing in between: UCX 1.13.1's TCP
+     * connection manager keeps a connection it accepted but whose request has not arrived yet
+     * after its listener is freed, and calls that freed listener from its async thread when the
+     * request arrives (docs/transfer.md, Known gaps); the worker's teardown closes those
+     * connections, so the window is what lies between these two calls. */
+    if (u->listener) ucp_listener_destroy(u->listener);
     if (u->w) ucp_worker_destroy(u->w);
     while (u->eps) { /* the worker destroyed them */
         pr_uep *e = u->eps;

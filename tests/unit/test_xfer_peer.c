@@ -525,9 +525,17 @@ Test(xfer_peer, a_holder_that_goes_away_mid_pull_costs_the_pull_only, .timeout =
 {
     duo *d = duo_open(SMOL, 72, 64, PR_MODE_GET);
     pr_pull *p = duo_start(d, 64, secs(30));
+    /* Mid-pull means reading: the connection is up on both sides (a holder destroyed while a
+     * connection request to it is still on its way trips UCX 1.13.1's connection manager in
+     * this same process: docs/transfer.md, Known gaps). */
+    uint64_t guard = secs(60);
+    while (pr_pull_pages_settled(p, NULL) == 0 && !pr_pull_done_yet(d->nb, p)) {
+        cr_assert_lt(km_now_ns(), guard);
+        km_sleep_ms(1);
+    }
     pr_node_destroy(d->na); /* the holder's node closes every endpoint and unregisters */
     d->na = NULL;
-    uint64_t guard = secs(60);
+    guard = secs(60);
     while (!pr_pull_done_yet(d->nb, p)) {
         cr_assert_lt(km_now_ns(), guard);
         km_sleep_ms(2);
