@@ -36,7 +36,7 @@ WARN := -Wall -Wextra -Wno-unused-parameter -Wshadow -Wvla
 CFLAGS_BASE := -std=gnu11 $(OPT) $(WARN) -I. $(SANINC) -pthread -fPIC -MMD -MP $(SANFLAGS) $(EXTRA_CFLAGS)
 AVX2_FLAGS := -mavx2 -mfma -mf16c
 AVX512_FLAGS := -mavx2 -mfma -mf16c -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vnni -mavx512bf16
-LDLIBS := -lczmq -lzmq -lsodium -lmsgpackc -luv -lh2o -ljansson -lxxhash -lm -pthread
+LDLIBS := -lczmq -lzmq -lsodium -lmsgpackc -luv -lh2o -ljansson -lxxhash -lssl -lcrypto -lm -pthread
 LDFLAGS := $(SANFLAGS)
 
 OBJ := $(BUILD)/obj

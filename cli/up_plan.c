@@ -210,7 +210,9 @@ static void plan_router(up_planner *pl, up_proc *p, int ri, int *k)
     else
         snprintf(p->name, sizeof p->name, "router");
     snprintf(p->requests, sizeof p->requests, "tcp://127.0.0.1:%d", fp);
-    snprintf(p->http, sizeof p->http, "http://127.0.0.1:%d", hp);
+    /* --router-args with a certificate: the front is HTTPS (cluster.env says so too) */
+    snprintf(p->http, sizeof p->http, "%s://127.0.0.1:%d",
+             o->router_args && strstr(o->router_args, "--tls-cert") ? "https" : "http", hp);
     p->argv[(*k)++] = xfmt("%s/kvmesh-router", pl->bin_dir);
     p->argv[(*k)++] = xfmt("--workers=%s", (const char *)pl->workers.data);
     p->argv[(*k)++] = xfmt("--front=%s", p->requests);

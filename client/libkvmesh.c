@@ -329,6 +329,11 @@ int kvm_http_get_bearer(const char *url, const char *api_key, int timeout_ms, km
         return km_errf(err, KM_EINVAL, "an API key cannot hold a line break");
     char host[256], path[1024] = "/";
     int port = 80;
+    if (!strncmp(url, "https://", 8))
+        return km_errf(err, KM_EUNSUPPORTED,
+                       "%s: this client speaks plain HTTP only; use the router's admin port, or "
+                       "curl --cacert for its HTTPS front",
+                       url);
     if (strncmp(url, "http://", 7)) return km_errf(err, KM_EINVAL, "not an http:// URL: %s", url);
     const char *h = url + 7, *slash = strchr(h, '/');
     size_t hl = slash ? (size_t)(slash - h) : strlen(h);

@@ -127,6 +127,11 @@ typedef struct km_http_opts {
      * Defaults 10000 and 60000. */
     int head_ms, body_ms;
     km_series *requests; /* a counter incremented per request parsed, or NULL */
+    /* HTTPS: a PEM certificate chain and its key (TLS 1.2 or later, http_tls.h). Both or
+     * neither; read when the server starts, which fails with the file and the reason when they
+     * cannot be used. A client that does not complete the handshake within head_ms is closed. */
+    const char *tls_cert, *tls_key;
+    km_series *tls_failures; /* a counter of km_http_server_tls_failures, or NULL */
 } km_http_opts;
 
 /* Binds and listens on loop (a uv_loop_t *); errors come back here ("HOST:PORT: bind: ..."). */
@@ -136,6 +141,9 @@ uint64_t km_http_server_requests(const km_http_server *s); /* requests parsed */
 /* Requests that missed their head or body deadline; connections evicted at max_conns. */
 uint64_t km_http_server_timeouts(const km_http_server *s);
 uint64_t km_http_server_evictions(const km_http_server *s);
+/* Connections closed for a failed TLS handshake or record; 1 when the server speaks TLS. */
+uint64_t km_http_server_tls_failures(const km_http_server *s);
+int km_http_server_tls(const km_http_server *s);
 /* Closes the listener and every connection (their requests' abort callbacks run); s is freed
  * once the loop has run the close callbacks. */
 void km_http_server_stop(km_http_server *s);

@@ -22,6 +22,10 @@
  *    its response being written), set when the phase begins and not moved by the bytes that
  *    trickle in; and at max_conns a new connection evicts the one waiting longest without a
  *    request in progress, so connections cannot be hoarded either.
+ *  - TLS (opts.tls_cert/tls_key) is a layer between the socket and the rest (http_tls.c): bytes
+ *    read are decrypted into the same input buffer the parser reads, and every write is sealed
+ *    first, so nothing above it knows. The handshake runs inside the head phase: a client that
+ *    does not finish it in head_ms is closed like a slow head.
  */
 #include <limits.h>
 #include <stdio.h>
@@ -32,6 +36,7 @@
 #include <uv.h>
 
 #include "common/http.h"
+#include "common/http_tls.h"
 
 #define WRITE_MAX (16u << 20) /* bytes queued to a slow client before it is dropped */
 #define BODY_MAX  (1u << 30)  /* the most any server may accept as max_body */
@@ -64,7 +69,9 @@ struct conn {
     uv_timer_t timer;
     km_http_server *s;
     conn *prev, *next;
-    km_buf in;
+    km_buf in;  /* plaintext: what the parser reads */
+    km_buf raw; /* TLS only: ciphertext just read */
+    km_tls *tls;
     km_http_req *cur;
     int open_handles, pending_writes;
     size_t queued_bytes;
@@ -83,7 +90,8 @@ struct km_http_server {
     int n_conns;
     int open_handles;
     bool stopping;
-    uint64_t requests, timeouts, evictions;
+    km_tls_ctx *tls;
+    uint64_t requests, timeouts, evictions, tls_failures;
 };
 
 typedef struct write_req {
@@ -113,7 +121,10 @@ static void set_phase(conn *c, phase ph)
 
 static void server_release(km_http_server *s)
 {
-    if (s->stopping && s->open_handles == 0 && s->n_conns == 0) free(s);
+    if (s->stopping && s->open_handles == 0 && s->n_conns == 0) {
+        km_tls_ctx_free(s->tls);
+        free(s);
+    }
 }
 
 static void req_free(km_http_req *r)
@@ -136,6 +147,8 @@ static void on_conn_closed(uv_handle_t *hd)
     if (--c->open_handles) return;
     km_http_server *s = c->s;
     km_buf_free(&c->in);
+    km_buf_free(&c->raw);
+    km_tls_free(c->tls);
     free(c);
     s->n_conns--;
     server_release(s);
@@ -195,8 +208,8 @@ static void on_written(uv_write_t *wr, int status)
     req_finish(c);
 }
 
-/* Takes ownership of out's bytes. */
-static int conn_write(conn *c, km_buf *out)
+/* Takes ownership of out's bytes, which go to the socket as they are. */
+static int conn_write_raw(conn *c, km_buf *out)
 {
     if (c->closing) {
         km_buf_free(out);
@@ -227,6 +240,21 @@ static int conn_write(conn *c, km_buf *out)
     c->queued_bytes += w->out.len;
     if (c->ph == PH_BUSY) set_phase(c, PH_BUSY);
     return 0;
+}
+
+/* Takes ownership of out's bytes: plaintext, sealed first on a TLS connection. */
+static int conn_write(conn *c, km_buf *out)
+{
+    if (!c->tls || c->closing) return conn_write_raw(c, out);
+    km_buf sealed = {0};
+    int rc = km_tls_seal(c->tls, out->data, out->len, &sealed);
+    km_buf_free(out);
+    if (rc) {
+        km_buf_free(&sealed);
+        conn_close(c);
+        return KM_EIO;
+    }
+    return conn_write_raw(c, &sealed);
 }
 
 static bool req_usable(km_http_req *r)
@@ -497,16 +525,51 @@ static void try_requests(conn *c)
 static void on_alloc(uv_handle_t *hd, size_t suggested, uv_buf_t *buf)
 {
     conn *c = hd->data;
-    if (km_buf_reserve(&c->in, 65536)) {
+    km_buf *b = c->tls ? &c->raw : &c->in;
+    if (km_buf_reserve(b, 65536)) {
         *buf = uv_buf_init(NULL, 0);
         return;
     }
-    *buf = uv_buf_init((char *)c->in.data + c->in.len, (unsigned)(c->in.cap - c->in.len));
+    *buf = uv_buf_init((char *)b->data + b->len, (unsigned)(b->cap - b->len));
+}
+
+/* The n bytes just read into raw, through TLS: what they decrypt to is appended to in, what
+ * the handshake answers is written. Returns the plaintext bytes, UV_EOF once the client ended
+ * the session, or UV_EPROTO after a TLS failure (counted; the caller closes). */
+static ssize_t tls_in(conn *c, size_t n)
+{
+    size_t before = c->in.len;
+    km_buf out = {0};
+    const char *why;
+    c->raw.len += n;
+    int rc = km_tls_feed(c->tls, c->raw.data, c->raw.len, &c->in, &out, &why);
+    c->raw.len = 0;
+    if (out.len && rc >= 0)
+        conn_write_raw(c, &out);
+    else
+        km_buf_free(&out);
+    if (rc < 0) {
+        c->s->tls_failures++;
+        if (c->s->o.tls_failures) km_counter_inc(c->s->o.tls_failures);
+        KM_DEBUG("http_tls_failed", "reason=\"%s\"", why ? why : km_strerror(rc));
+        return UV_EPROTO;
+    }
+    if (c->closing) return UV_EPROTO;
+    return rc == 1 && c->in.len == before ? UV_EOF : (ssize_t)(c->in.len - before);
 }
 
 static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf)
 {
     conn *c = st->data;
+    if (nread > 0 && c->tls) {
+        nread = tls_in(c, (size_t)nread);
+        if (nread == UV_EPROTO) {
+            conn_close(c);
+            return;
+        }
+    } else if (nread > 0) {
+        c->in.len += (size_t)nread;
+    }
     if (nread < 0) {
         /* EOF or an error: a response still being written finishes first (the client may have
          * only shut down its side); anything else closes now */
@@ -520,7 +583,6 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf)
         return;
     }
     if (nread == 0) return;
-    c->in.len += (size_t)nread;
     const km_http_limits *lim = &c->s->o.lim;
     if (c->cur) {
         /* A response is pending: keep reading (to notice the client leaving) but bound what is
@@ -588,7 +650,8 @@ static void on_connection(uv_stream_t *server, int status)
     c->next = s->conns;
     if (s->conns) s->conns->prev = c;
     s->conns = c;
-    if (uv_accept(server, (uv_stream_t *)&c->tcp) < 0) {
+    if (uv_accept(server, (uv_stream_t *)&c->tcp) < 0 ||
+        (s->tls && !(c->tls = km_tls_new(s->tls)))) {
         conn_close(c);
         return;
     }
@@ -651,11 +714,20 @@ int km_http_server_start(void *loop, const km_http_opts *o, km_http_server **out
     if (s->o.body_ms <= 0) s->o.body_ms = 60000;
     snprintf(s->host, sizeof s->host, "%s", o->host ? o->host : "127.0.0.1");
     s->o.host = s->host;
+    if ((o->tls_cert && *o->tls_cert) || (o->tls_key && *o->tls_key)) {
+        int trc = km_tls_ctx_new(o->tls_cert, o->tls_key, &s->tls, err);
+        if (trc) {
+            free(s);
+            return trc;
+        }
+    }
+    s->o.tls_cert = s->o.tls_key = NULL; /* read once, here */
     struct sockaddr_storage sa;
     int rc = strchr(s->host, ':') ? uv_ip6_addr(s->host, o->port, (struct sockaddr_in6 *)&sa)
                                   : uv_ip4_addr(s->host, o->port, (struct sockaddr_in *)&sa);
     if (rc) {
         km_errf(err, KM_EINVAL, "%s:%d: not an IP address: %s", s->host, o->port, uv_strerror(rc));
+        km_tls_ctx_free(s->tls);
         free(s);
         return KM_EINVAL;
     }
@@ -701,6 +773,16 @@ uint64_t km_http_server_timeouts(const km_http_server *s)
 uint64_t km_http_server_evictions(const km_http_server *s)
 {
     return s ? s->evictions : 0;
+}
+
+uint64_t km_http_server_tls_failures(const km_http_server *s)
+{
+    return s ? s->tls_failures : 0;
+}
+
+int km_http_server_tls(const km_http_server *s)
+{
+    return s && s->tls;
 }
 
 void km_http_server_stop(km_http_server *s)

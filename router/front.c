@@ -485,7 +485,10 @@ int rt_front_start(rt_router *r, km_errbuf *err)
         .user = r,
         .error_body = rt_oai_http_error,
         .lim = {.max_head = 16384, .max_body = c->max_http_body ? c->max_http_body : 4u << 20},
-        .requests = r->s_http_req};
+        .requests = r->s_http_req,
+        .tls_failures = r->s_tls_fail,
+        .tls_cert = c->tls_cert,
+        .tls_key = c->tls_key};
     km_errbuf herr = {{0}};
     int rc = km_http_server_start(&r->loop, &o, &r->http, &herr);
     if (rc) return km_errf(err, rc, "http: cannot listen on %s", herr.msg);

@@ -185,7 +185,7 @@ struct rt_router {
     km_series *s_http_unauthorized, *s_http_forbidden;
     km_series *s_req_ok, *s_req_err, *s_overloaded, *s_migr, *s_bad, *s_prompt, *s_cached,
         *s_predicted, *s_queue, *s_inflight_all, *s_decision, *s_ttft, *s_total, *s_gaps, *s_resync,
-        *s_index_pages, *s_http_req, *s_tok_loop, *s_tok_pool, *s_abandoned;
+        *s_index_pages, *s_http_req, *s_tls_fail, *s_tok_loop, *s_tok_pool, *s_abandoned;
     bool stopping, running;
     bool pumping;
     /* the controller's cluster view (--controller) */

@@ -198,6 +198,11 @@ int main(int argc, char **argv)
          "HTTP API key file (kvmesh keys api-add): every HTTP request but /healthz and /readyz "
          "needs a Bearer key; required for the HTTP front unless --insecure",
          &c.api_keys, 0, 0},
+        {"tls-cert", NULL, KM_OPT_STR, NULL,
+         "PEM certificate chain: the OpenAI HTTP front speaks HTTPS only (TLS 1.2 or later); "
+         "needs --tls-key",
+         &c.tls_cert, 0, 0},
+        {"tls-key", NULL, KM_OPT_STR, NULL, "PEM private key of --tls-cert", &c.tls_key, 0, 0},
         {"log-level", NULL, KM_OPT_STR, "info", "debug, info, warn, error", &log_level, 0, 0},
         {"log-format", NULL, KM_OPT_STR, "text", "text or json", &log_format, 0, 0},
     };
@@ -221,6 +226,13 @@ int main(int argc, char **argv)
         return 2;
     }
     if (c.api_keys && !*c.api_keys) c.api_keys = NULL;
+    if (c.tls_cert && !*c.tls_cert) c.tls_cert = NULL;
+    if (c.tls_key && !*c.tls_key) c.tls_key = NULL;
+    if (!c.tls_cert != !c.tls_key) {
+        fprintf(stderr, "kvmesh-router: --tls-cert and --tls-key go together\n");
+        km_config_destroy(cfg);
+        return 2;
+    }
     if (!sec_args.insecure && http_port >= 0 && !c.api_keys) {
         fprintf(stderr, "kvmesh-router: the OpenAI HTTP front needs --api-keys FILE (kvmesh keys "
                         "api-add FILE TENANT), or --http-port -1, or --insecure\n");

@@ -72,6 +72,9 @@ int rt_register_metrics(rt_router *r, km_errbuf *err)
         NULL, r->s_index_pages);
     REG(KM_COUNTER, "kvmesh_router_http_requests_total", "HTTP requests received.", NULL, NULL, 0,
         NULL, r->s_http_req);
+    REG(KM_COUNTER, "kvmesh_router_http_tls_failures_total",
+        "HTTPS connections closed for a failed TLS handshake or record (--tls-cert only).", NULL,
+        NULL, 0, NULL, r->s_tls_fail);
     const char *loop[] = {"loop"}, *pool[] = {"pool"};
     REG(KM_COUNTER, "kvmesh_router_prompts_tokenized_total",
         "Text prompts tokenized, by where: on the loop (short ones) or on the thread pool.",

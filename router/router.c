@@ -279,10 +279,11 @@ int rt_router_create(const rt_config *c, rt_router **out, km_errbuf *err)
     uv_check_start(&r->check, on_check);
     uv_timer_start(&r->tick, on_tick, RT_TICK_MS, RT_TICK_MS);
     KM_INFO("router_start",
-            "model=%s fingerprint=%s front=%s http_port=%d workers=%d mode=%s controller=%s "
-            "view_timeout_ms=%u",
-            r->model_name, r->fp, r->front_ep, rt_router_http_port(r), r->n_w,
-            rt_mode_name(r->c.policy.mode), r->vsub ? r->ctl_url : "-", r->c.view_timeout_ms);
+            "model=%s fingerprint=%s front=%s http_port=%d http_tls=%s workers=%d mode=%s "
+            "controller=%s view_timeout_ms=%u",
+            r->model_name, r->fp, r->front_ep, rt_router_http_port(r),
+            km_http_server_tls(r->http) ? "on" : "off", r->n_w, rt_mode_name(r->c.policy.mode),
+            r->vsub ? r->ctl_url : "-", r->c.view_timeout_ms);
     *out = r;
     return 0;
 }

@@ -2,13 +2,19 @@
  * test_router_http.c — the router's OpenAI layer (request parsing, response and SSE shapes,
  * errors, UTF-8 sanitising) and its HTTP/1.1 server over real loopback sockets (whole and
  * streamed responses, Content-Length and chunked bodies, 100-continue, pipelining, malformed and
- * oversized requests, a client leaving mid-stream), and the router's status document (valid JSON
- * whatever its names hold).
+ * oversized requests, a client leaving mid-stream), the same over TLS (--tls-cert/--tls-key:
+ * a certificate made here, an OpenSSL client that verifies it; plaintext and half-done
+ * handshakes refused and counted; unusable files refused at start), and the router's status
+ * document (valid JSON whatever its names hold).
  */
 #include <arpa/inet.h>
 #include <criterion/criterion.h>
 #include <jansson.h>
 #include <limits.h>
+#include <openssl/err.h>
+#include <openssl/pem.h>
+#include <openssl/ssl.h>
+#include <openssl/x509.h>
 #include <poll.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -253,7 +259,9 @@ typedef struct server {
     int chunks_left;
     int aborts;
     int head_ms, body_ms, max_conns; /* 0: the server's defaults */
+    const char *tls_cert, *tls_key;  /* HTTPS when set */
     uint64_t timeouts, evictions;    /* read after stop */
+    uint64_t tls_failures;
 } server;
 
 static void on_stream_tick(uv_timer_t *t)
@@ -305,6 +313,7 @@ static void on_stop(uv_async_t *a)
     server *s = a->data;
     s->timeouts = km_http_server_timeouts(s->h);
     s->evictions = km_http_server_evictions(s->h);
+    s->tls_failures = km_http_server_tls_failures(s->h);
     km_http_server_stop(s->h);
     uv_close((uv_handle_t *)&s->stop, NULL);
     uv_close((uv_handle_t *)&s->stream_timer, NULL);
@@ -328,7 +337,9 @@ static void *serve(void *arg)
                       .lim = {.max_head = 16384, .max_body = 1024},
                       .head_ms = s->head_ms,
                       .body_ms = s->body_ms,
-                      .max_conns = s->max_conns};
+                      .max_conns = s->max_conns,
+                      .tls_cert = s->tls_cert,
+                      .tls_key = s->tls_key};
     km_errbuf err;
     cr_assert_eq(km_http_server_start(&s->loop, &o, &s->h, &err), 0, "%s", err.msg);
     pthread_mutex_lock(&s->mu);
@@ -341,12 +352,14 @@ static void *serve(void *arg)
     return NULL;
 }
 
-static server *start_with(int head_ms, int body_ms, int max_conns)
+static server *start_tls(int head_ms, int body_ms, int max_conns, const char *cert, const char *key)
 {
     server *s = calloc(1, sizeof *s);
     s->head_ms = head_ms;
     s->body_ms = body_ms;
     s->max_conns = max_conns;
+    s->tls_cert = cert;
+    s->tls_key = key;
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
     pthread_create(&s->th, NULL, serve, s);
@@ -354,6 +367,11 @@ static server *start_with(int head_ms, int body_ms, int max_conns)
     while (!s->ready) pthread_cond_wait(&s->cv, &s->mu);
     pthread_mutex_unlock(&s->mu);
     return s;
+}
+
+static server *start_with(int head_ms, int body_ms, int max_conns)
+{
+    return start_tls(head_ms, body_ms, max_conns, NULL, NULL);
 }
 
 static server *start(void)
@@ -570,6 +588,198 @@ Test(router_http, slowloris_connections_cannot_lock_new_clients_out)
     stop_only(s);
     cr_assert_geq(s->evictions, N - 16 + 3, "evictions %lu", (unsigned long)s->evictions);
     free(s);
+}
+
+/* ---------------------------------------------------------------- HTTPS */
+
+/* A self-signed P-256 certificate for 127.0.0.1 and its key, in PEM files under dir. */
+static void make_cert(const char *dir, char *cert, char *key, size_t cap)
+{
+    snprintf(cert, cap, "%s/cert.pem", dir);
+    snprintf(key, cap, "%s/key.pem", dir);
+    EVP_PKEY *k = EVP_EC_gen("P-256");
+    X509 *x = X509_new();
+    cr_assert(k && x);
+    X509_set_version(x, 2);
+    ASN1_INTEGER_set(X509_get_serialNumber(x), 1);
+    X509_gmtime_adj(X509_getm_notBefore(x), -60);
+    X509_gmtime_adj(X509_getm_notAfter(x), 86400);
+    X509_set_pubkey(x, k);
+    X509_NAME *nm = X509_get_subject_name(x);
+    X509_NAME_add_entry_by_txt(nm, "CN", MBSTRING_ASC, (const unsigned char *)"127.0.0.1", -1, -1,
+                               0);
+    X509_set_issuer_name(x, nm);
+    cr_assert(X509_sign(x, k, EVP_sha256()) > 0);
+    FILE *f = fopen(cert, "w"), *g = fopen(key, "w");
+    cr_assert(f && g);
+    cr_assert(PEM_write_X509(f, x) && PEM_write_PrivateKey(g, k, NULL, NULL, 0, NULL, NULL));
+    fclose(f);
+    fclose(g);
+    X509_free(x);
+    EVP_PKEY_free(k);
+}
+
+typedef struct tls_fx {
+    char dir[64], cert[128], key[128];
+    server *s;
+} tls_fx;
+
+static void tls_up(tls_fx *f, int head_ms)
+{
+    snprintf(f->dir, sizeof f->dir, "/tmp/kvmesh-tls-XXXXXX");
+    cr_assert(mkdtemp(f->dir));
+    make_cert(f->dir, f->cert, f->key, sizeof f->cert);
+    f->s = start_tls(head_ms, 0, 0, f->cert, f->key);
+}
+
+static void tls_down(tls_fx *f)
+{
+    stop_only(f->s);
+    unlink(f->cert);
+    unlink(f->key);
+    rmdir(f->dir);
+}
+
+/* An OpenSSL client that trusts only the test's certificate and checks it. */
+static SSL *tls_dial(const tls_fx *f, SSL_CTX **ctx_out)
+{
+    SSL_CTX *ctx = SSL_CTX_new(TLS_client_method());
+    cr_assert_eq(SSL_CTX_load_verify_locations(ctx, f->cert, NULL), 1);
+    SSL_CTX_set_verify(ctx, SSL_VERIFY_PEER, NULL);
+    SSL *ssl = SSL_new(ctx);
+    SSL_set_fd(ssl, dial(f->s->port));
+    cr_assert_eq(SSL_connect(ssl), 1, "handshake: %s",
+                 ERR_reason_error_string(ERR_peek_last_error()));
+    cr_assert_eq(SSL_get_verify_result(ssl), X509_V_OK);
+    *ctx_out = ctx;
+    return ssl;
+}
+
+static void tls_say(SSL *ssl, const char *s)
+{
+    cr_assert_eq(SSL_write(ssl, s, (int)strlen(s)), (int)strlen(s));
+}
+
+/* Reads until `until` appears (or the session ends). */
+static char *tls_hear(SSL *ssl, const char *until)
+{
+    static char buf[65536];
+    size_t n = 0;
+    buf[0] = 0;
+    while (n < sizeof buf - 1) {
+        int k = SSL_read(ssl, buf + n, (int)(sizeof buf - 1 - n));
+        if (k <= 0) break;
+        n += (size_t)k;
+        buf[n] = 0;
+        if (until && strstr(buf, until)) break;
+    }
+    return buf;
+}
+
+static void tls_hangup(SSL *ssl, SSL_CTX *ctx)
+{
+    int fd = SSL_get_fd(ssl);
+    SSL_shutdown(ssl);
+    SSL_free(ssl);
+    SSL_CTX_free(ctx);
+    close(fd);
+}
+
+Test(router_http, https_answers_whole_pipelined_and_streamed_responses)
+{
+    tls_fx f = {0};
+    tls_up(&f, 0);
+    SSL_CTX *ctx;
+    SSL *ssl = tls_dial(&f, &ctx);
+    tls_say(ssl, "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello"
+                 "GET /header HTTP/1.1\r\nHost: x\r\nX-Test: yes\r\n\r\n");
+    char *r = tls_hear(ssl, "\r\n\r\nyes");
+    char *first = strstr(r, "hello"), *second = strstr(r, "yes");
+    cr_assert(first && second && first < second, "got: %s", r);
+    tls_say(ssl, "GET /stream HTTP/1.1\r\nHost: x\r\n\r\n");
+    r = tls_hear(ssl, "0\r\n\r\n");
+    cr_assert(strstr(r, "data: 3\n\n") && strstr(r, "data: 1\n\n"), "got: %s", r);
+    /* a body larger than one TLS record (16 KiB) arrives whole */
+    enum { BIG = 40000 };
+    char *big = malloc(BIG + 128);
+    int h = snprintf(big, 128, "POST /echo HTTP/1.1\r\nContent-Length: %d\r\n\r\n", 1000);
+    memset(big + h, 'k', 1000);
+    big[h + 1000] = 0;
+    tls_say(ssl, big);
+    r = tls_hear(ssl, "kkkkkkkkkk");
+    cr_assert(strstr(r, "200 OK"), "got: %.200s", r);
+    free(big);
+    tls_hangup(ssl, ctx);
+    tls_down(&f);
+    cr_assert_eq(f.s->tls_failures, 0);
+    free(f.s);
+}
+
+Test(router_http, https_refuses_plaintext_and_unfinished_handshakes_and_counts_them)
+{
+    tls_fx f = {0};
+    tls_up(&f, 300); /* the handshake must be done within the head deadline */
+    /* plain HTTP to an HTTPS port: nothing comes back in clear, the connection closes */
+    int fd = dial(f.s->port);
+    say(fd, "GET /header HTTP/1.1\r\nX-Test: leaked\r\n\r\n");
+    char *r = hear(fd, NULL);
+    cr_assert_null(strstr(r, "leaked"), "got: %s", r);
+    cr_assert_null(strstr(r, "HTTP/1.1"), "got: %s", r);
+    close(fd);
+    /* a client that connects and says nothing is closed at the deadline */
+    fd = dial(f.s->port);
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    cr_assert_eq(poll(&p, 1, 5000), 1, "still open after 5 s");
+    char c;
+    cr_assert_leq(recv(fd, &c, 1, 0), 0);
+    close(fd);
+    /* and a real client is still served */
+    SSL_CTX *ctx;
+    SSL *ssl = tls_dial(&f, &ctx);
+    tls_say(ssl, "GET /header HTTP/1.1\r\nX-Test: fine\r\n\r\n");
+    cr_assert(strstr(tls_hear(ssl, "fine"), "fine"));
+    tls_hangup(ssl, ctx);
+    tls_down(&f);
+    cr_assert_eq(f.s->tls_failures, 1, "failures %lu", (unsigned long)f.s->tls_failures);
+    free(f.s);
+}
+
+Test(router_http, https_with_files_it_cannot_use_does_not_start_and_says_which)
+{
+    tls_fx f = {0};
+    snprintf(f.dir, sizeof f.dir, "/tmp/kvmesh-tls-XXXXXX");
+    cr_assert(mkdtemp(f.dir));
+    make_cert(f.dir, f.cert, f.key, sizeof f.cert);
+    char other_dir[64] = "/tmp/kvmesh-tls-XXXXXX", ocert[128], okey[128];
+    cr_assert(mkdtemp(other_dir));
+    make_cert(other_dir, ocert, okey, sizeof ocert);
+    uv_loop_t loop;
+    uv_loop_init(&loop);
+    static const km_http_route none[] = {{NULL, 0, handler}};
+    struct {
+        const char *cert, *key, *says;
+    } cases[] = {
+        {"/nonexistent/cert.pem", f.key, "/nonexistent/cert.pem"},
+        {f.cert, "/nonexistent/key.pem", "/nonexistent/key.pem"},
+        {f.cert, okey, "does not match"},
+        {f.key, f.key, f.key}, /* a key where the certificate should be */
+        {f.cert, NULL, "both"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        km_http_opts o = {
+            .routes = none, .n_routes = 1, .tls_cert = cases[i].cert, .tls_key = cases[i].key};
+        km_http_server *h = NULL;
+        km_errbuf err = {{0}};
+        cr_assert_lt(km_http_server_start(&loop, &o, &h, &err), 0, "case %zu started", i);
+        cr_assert_null(h);
+        cr_assert(strstr(err.msg, cases[i].says), "case %zu: %s", i, err.msg);
+    }
+    uv_run(&loop, UV_RUN_NOWAIT);
+    uv_loop_close(&loop);
+    const char *files[] = {f.cert, f.key, ocert, okey};
+    for (int i = 0; i < 4; i++) unlink(files[i]);
+    rmdir(f.dir);
+    rmdir(other_dir);
 }
 
 /* ---------------------------------------------------------------- the router's front */
