@@ -4,11 +4,16 @@
  * that publishes the cluster view, the admin HTTP server (/metrics, /healthz, /readyz).
  *
  * One thread and one zmq_poll: a heartbeat per worker per second and a handful of operator
- * frames are far below what needs more, and one thread means the policy needs no lock. Workers
- * are addressed by routing id = worker id (their heartbeat DEALER sets it); the ROUTER is
- * router_mandatory so that a command to a worker that is not connected fails at once and is
- * counted instead of vanishing, and ROUTER_HANDOVER lets a restarted worker's new connection take
- * its id over from a connection the kernel has not yet reported closed.
+ * frames are far below what needs more, and one thread means the policy needs no lock.
+ *
+ * Workers are addressed by the routing id of the connection their last admitted heartbeat came
+ * on (ctl_route): the ROUTER gives every connection its own id, and a heartbeat is admitted only
+ * under the member key bound to its worker id, so no other key holder can have a worker's
+ * commands sent to it (a worker-chosen routing id with ROUTER_HANDOVER let any member take a
+ * worker's id over, and made the real worker's next heartbeats arrive under another id). A
+ * restarted worker's first heartbeat moves its route to the new connection. The ROUTER is
+ * router_mandatory so that a command to a connection that is gone fails at once and is counted
+ * instead of vanishing.
  */
 #include <signal.h>
 #include <stdio.h>
@@ -18,6 +23,14 @@
 #include <zmq.h>
 
 #include "controller/controller.h"
+
+/* Where a worker's commands go: the routing id its last admitted heartbeat came under. */
+typedef struct ctl_route {
+    char worker[KM_PROTO_MAX_NAME + 1];
+    uint8_t rid[255]; /* ZeroMQ routing ids are 1..255 bytes */
+    uint8_t len;
+    uint64_t at_ms;
+} ctl_route;
 
 typedef struct ctl_logged {
     char id[KM_PROTO_MAX_NAME + 1];
@@ -45,6 +58,8 @@ struct ctl_controller {
     km_recovery_action *vh;
     ctl_logged *logged; /* every member known at the last note_changes, with the state logged */
     int n_logged;
+    ctl_route *routes; /* [KM_PROTO_MAX_VIEW_WORKERS] */
+    int n_routes;
     /* metrics */
     km_metric *m_members, *m_actions, *m_bad;
     km_series *s_heartbeats, *s_send_errors, *s_views, *s_acks, *s_forgotten;
@@ -187,6 +202,44 @@ static void note_changes(ctl_controller *c)
     }
 }
 
+/* ---------------------------------------------------------------- routes */
+
+static ctl_route *route_of(ctl_controller *c, const char *worker)
+{
+    for (int i = 0; i < c->n_routes; i++)
+        if (!strcmp(c->routes[i].worker, worker)) return &c->routes[i];
+    return NULL;
+}
+
+/* The worker whose commands go to routing id id, or NULL. */
+static const char *route_owner(const ctl_controller *c, const km_zframe *id)
+{
+    for (int i = 0; i < c->n_routes; i++)
+        if (c->routes[i].len == id->len && !memcmp(c->routes[i].rid, id->data, id->len))
+            return c->routes[i].worker;
+    return NULL;
+}
+
+/* An admitted heartbeat: the worker's commands go to the connection it came on. A full table
+ * gives up the route updated longest ago (a member the policy has long forgotten). */
+static void route_learn(ctl_controller *c, const char *worker, const km_zframe *id)
+{
+    if (!id->len || id->len > sizeof c->routes->rid) return;
+    ctl_route *r = route_of(c, worker);
+    if (!r && c->n_routes < KM_PROTO_MAX_VIEW_WORKERS) r = &c->routes[c->n_routes++];
+    if (!r) {
+        r = &c->routes[0];
+        for (int i = 1; i < c->n_routes; i++)
+            if (c->routes[i].at_ms < r->at_ms) r = &c->routes[i];
+    }
+    if (strcmp(r->worker, worker) || r->len != id->len || memcmp(r->rid, id->data, id->len))
+        KM_DEBUG("worker_route", "worker=%s routing_id_bytes=%zu", worker, id->len);
+    snprintf(r->worker, sizeof r->worker, "%s", worker);
+    memcpy(r->rid, id->data, id->len);
+    r->len = (uint8_t)id->len;
+    r->at_ms = mono_ms();
+}
+
 /* ---------------------------------------------------------------- actions */
 
 /* Sends a policy action to its worker; returns 0, or the send error (the member is restored). */
@@ -201,7 +254,11 @@ static int send_action(ctl_controller *c, const ctl_action *a)
     km_errbuf err = {{0}};
     int rc = km_msg_encode(&m, &c->lim, &c->out, &err);
     if (!rc) {
-        km_zframe parts[2] = {{a->worker, strlen(a->worker)}, {c->out.data, c->out.len}};
+        /* no heartbeat admitted yet: the worker's id, which is nobody's routing id */
+        const ctl_route *rt = route_of(c, a->worker);
+        km_zframe parts[2] = {
+            {rt ? rt->rid : (const void *)a->worker, rt ? rt->len : strlen(a->worker)},
+            {c->out.data, c->out.len}};
         rc = km_zsend(c->router, parts, 2, KM_ZDONTWAIT, &err);
     }
     char level[16];
@@ -271,9 +328,9 @@ static void handle_operator(ctl_controller *c, const km_zframe *id, const km_msg
 }
 
 /* True when the sender's key may not send m (docs/security.md): counted, logged and, for an
- * admin command, answered 403. A heartbeat needs the member key bound to its worker id, sent
- * under that id as routing id (recovery commands go back by routing id); an admin_reply the
- * member key of the worker it comes from; recover an operator. */
+ * admin command, answered 403. A heartbeat needs the member key bound to its worker id (its
+ * connection then becomes the worker's route, ctl_route); an admin_reply the member key of the
+ * worker routed to that connection; recover an operator. */
 static bool forbidden(ctl_controller *c, const km_zframe *id, const char *peer_id,
                       const km_zpeer *peer, const km_msg *m)
 {
@@ -283,12 +340,10 @@ static bool forbidden(ctl_controller *c, const km_zframe *id, const char *peer_i
     switch (m->type) {
     case KM_MSG_HEARTBEAT:
         rc = km_zsec_check_worker(z, peer, m->hb.worker, &err);
-        if (!rc && !km_zsec_insecure(z) && strcmp(peer_id, m->hb.worker))
-            rc = km_errf(&err, KM_EACCES, "heartbeat for %s under routing id '%s'", m->hb.worker,
-                         peer_id);
         break;
     case KM_MSG_ADMIN_REPLY:
-        rc = km_zsec_check_worker(z, peer, peer_id, &err);
+        rc = peer_id[0] ? km_zsec_check_worker(z, peer, peer_id, &err)
+                        : km_errf(&err, KM_EACCES, "a reply from a connection no worker beats on");
         break;
     case KM_MSG_ADMIN:
         rc = km_zsec_authorize(z, peer,
@@ -326,12 +381,10 @@ static void handle_message(ctl_controller *c, const km_zmsg *zm)
         reply_error(c, id, 0, km_proto_code_from_err(rc), err.msg);
         return;
     }
-    /* the peer's routing id as a string (a worker's is its id) */
+    /* the worker this connection is the route of ("" for operators and unknown connections) */
     char peer[KM_PROTO_MAX_NAME + 1] = "";
-    if (id->len <= KM_PROTO_MAX_NAME && !memchr(id->data, 0, id->len)) {
-        memcpy(peer, id->data, id->len);
-        peer[id->len] = 0;
-    }
+    const char *owner = route_owner(c, id);
+    if (owner) snprintf(peer, sizeof peer, "%s", owner);
     if (forbidden(c, id, peer, &zm->peer, &m)) {
         km_msg_clear(&m);
         return;
@@ -339,6 +392,7 @@ static void handle_message(ctl_controller *c, const km_zmsg *zm)
     switch (m.type) {
     case KM_MSG_HEARTBEAT: {
         km_counter_inc(c->s_heartbeats);
+        route_learn(c, m.hb.worker, id);
         ctl_action act;
         rc = ctl_policy_heartbeat(c->pol, &m.hb, mono_ms(), &act);
         if (rc == 1)
@@ -347,8 +401,6 @@ static void handle_message(ctl_controller *c, const km_zmsg *zm)
             count_bad(c, "members_full");
             KM_WARN("members_full", "worker=%s max=%d", m.hb.worker, KM_PROTO_MAX_VIEW_WORKERS);
         }
-        if (peer[0] && strcmp(peer, m.hb.worker))
-            KM_DEBUG("heartbeat_identity", "worker=%s routing_id=%s", m.hb.worker, peer);
         break;
     }
     case KM_MSG_ADMIN_REPLY: {
@@ -447,7 +499,8 @@ int ctl_controller_create(const ctl_config *cfg, ctl_controller **out, km_errbuf
     c->vw = calloc(KM_PROTO_MAX_VIEW_WORKERS, sizeof *c->vw);
     c->vh = calloc((size_t)KM_PROTO_MAX_VIEW_WORKERS * KM_PROTO_MAX_HISTORY, sizeof *c->vh);
     c->logged = calloc(KM_PROTO_MAX_VIEW_WORKERS, sizeof *c->logged);
-    if (!c->vw || !c->vh || !c->logged) {
+    c->routes = calloc(KM_PROTO_MAX_VIEW_WORKERS, sizeof *c->routes);
+    if (!c->vw || !c->vh || !c->logged || !c->routes) {
         rc = km_errf(err, KM_ENOMEM, "controller: out of memory");
         goto fail;
     }
@@ -468,8 +521,6 @@ int ctl_controller_create(const ctl_config *cfg, ctl_controller **out, km_errbuf
     if ((rc = km_zsock_open(c->zctx, KM_ZROUTER, &ro, &c->router, err))) goto fail;
     if ((rc = km_zsec_server(c->cfg.sec, c->router, KM_ROLE_MEMBER | KM_ROLE_OPERATOR, err)))
         goto fail;
-    int one = 1;
-    zmq_setsockopt(c->router, ZMQ_ROUTER_HANDOVER, &one, sizeof one);
     if ((rc = km_zsock_bind(c->router, c->cfg.listen_url, err))) goto fail;
     if ((rc = km_zsock_last_endpoint(c->router, c->ep_listen, sizeof c->ep_listen, err))) goto fail;
     if ((rc = km_zsock_open(c->zctx, KM_ZPUB, NULL, &c->pub, err))) goto fail;
@@ -570,6 +621,7 @@ void ctl_controller_destroy(ctl_controller *c)
     free(c->vw);
     free(c->vh);
     free(c->logged);
+    free(c->routes);
     free(c);
 }
 

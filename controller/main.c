@@ -47,7 +47,8 @@ int main(int argc, char **argv)
     km_sec_args sec_args = {0};
     const km_opt opts[] = {
         {"listen", NULL, KM_OPT_STR, "tcp://127.0.0.1:7200",
-         "ZeroMQ ROUTER: workers' heartbeats (routing id = worker id) and operators' admin frames",
+         "ZeroMQ ROUTER: workers' heartbeats (commands go back on the connection a worker's "
+         "heartbeats come on) and operators' admin frames",
          &c.listen_url, 0, 0},
         {"view", NULL, KM_OPT_STR, "tcp://127.0.0.1:7201",
          "ZeroMQ PUB: [\"view\", frame] on every change and every --view-interval", &c.view_url, 0,

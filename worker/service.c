@@ -244,7 +244,8 @@ int wk_service_create(wk_model *m, wk_engine *e, const wk_service_opts *o, wk_se
     if (o->controller && o->controller[0]) {
         km_zsock_opts co;
         km_zsock_opts_default(&co);
-        co.routing_id = s->worker_id;
+        /* no routing id of our own: the controller routes our commands to the connection our
+         * heartbeats arrive on (controller.c, ctl_route) */
         co.sndhwm = 8; /* a heartbeat that cannot leave soon is stale: drop it */
         if ((rc = km_zsock_open(s->zctx, KM_ZDEALER, &co, &s->ctl, err))) goto fail;
         if ((rc = km_zsec_client(o->sec, s->ctl, "controller", err))) goto fail;

@@ -572,11 +572,10 @@ Test(security, a_rogue_worker_cannot_join_and_no_one_beats_for_another_id)
     cr_assert(start_worker(&evil, "evil", "evil", g_keys, evil_cert),
               "the rogue worker did not start");
     /* w1's member key, bound to w1: forged heartbeats for w0 (pressure, a dead state) and for a
-     * new id, each under that id's routing id */
+     * new id, sent under routing id "w0" (once a takeover of w0's commands: the controller now
+     * routes a worker's commands to the connection its admitted heartbeats come on) */
     km_msg m;
-    /* under its own routing id: taking over w0's (ROUTER_HANDOVER) is a member's power the
-     * controller cannot tell from a restart (docs/security.md, not protected) */
-    void *forger = peer_as(KM_ZDEALER, g_ctl.a, KEY_NAMED, "w1", "controller", "w1");
+    void *forger = peer_as(KM_ZDEALER, g_ctl.a, KEY_NAMED, "w1", "controller", "w0");
     for (int round = 0; round < 10; round++) {
         const char *ids[] = {"w0", "evil2"};
         for (int i = 0; i < 2; i++) {
@@ -603,7 +602,6 @@ Test(security, a_rogue_worker_cannot_join_and_no_one_beats_for_another_id)
         listed = view_lists("w1", NULL);
     }
     cr_assert(listed, "w1's own key could not register w1");
-    km_zsock_close(forger);
     /* w0 was never disturbed, evil and evil2 never joined; the refusals were counted */
     km_member_state st = 0;
     cr_assert(view_lists("w0", &st));
@@ -618,6 +616,25 @@ Test(security, a_rogue_worker_cannot_join_and_no_one_beats_for_another_id)
     }
     cr_assert_geq(denied, 1, "the rogue worker's key was never refused");
     cr_assert_eq(metric(g_ctl.admin, "kvmesh_recovery_actions_total"), 0);
+    /* an operator's command for w0 reaches the real w0 (acknowledged by it, w0 still ready),
+     * not the forger that connected as "w0" */
+    void *op = peer(KM_ZDEALER, g_ctl.a, KEY_NAMED, "admin", "controller");
+    msg_admin(&m, 80, KM_ADMIN_RECOVER);
+    m.admin.level = 1;
+    send_msg(op, &m);
+    cr_assert_eq(recv_type(op, KM_MSG_ADMIN_REPLY, &m, 10000), 0);
+    cr_assert(m.admin_reply.ok, "%s", m.admin_reply.message ? m.admin_reply.message : "");
+    km_msg_clear(&m);
+    double acks = 0;
+    for (int i = 0; i < 300 && acks < 1; i++) {
+        acks = metric(g_ctl.admin, "kvmesh_controller_acks_total");
+        if (acks < 1) usleep(100000);
+    }
+    cr_assert_geq(acks, 1, "w0 never acknowledged the operator's command");
+    cr_assert(view_lists("w0", &st));
+    cr_assert_neq(st, KM_MEMBER_DEAD);
+    km_zsock_close(forger);
+    km_zsock_close(op);
     stop_proc(&evil);
     stop_proc(&g_w0);
     stop_proc(&g_ctl);
