@@ -111,7 +111,10 @@ struct rt_wk {
     char id[KM_PROTO_MAX_NAME + 1];
     char req_url[256], ev_url[256];
     void *dealer, *mon;
-    uv_poll_t p_dealer, p_mon;
+    /* its KV events: a SUB of its own, pinned to its member key, so an event is taken only from
+     * the connection of the worker it names (one shared SUB could not say which sent it) */
+    void *sub;
+    uv_poll_t p_dealer, p_mon, p_sub;
     bool polls_open;
     bool connected, draining;
     uint64_t draining_until_ms;
@@ -152,8 +155,8 @@ struct rt_router {
     uv_async_t stop_async;
     uv_check_t check;
     uv_timer_t tick;
-    uv_poll_t p_front, p_sub, p_fmon;
-    void *zctx, *front, *sub;
+    uv_poll_t p_front, p_fmon;
+    void *zctx, *front;
     km_zap *zap;        /* the ZAP handler of zctx; NULL when insecure */
     void *fmon;         /* the front's socket monitor: client connections come and go */
     uint64_t *conn_gen; /* per descriptor: the generation of the connection on it (0: none) */
@@ -185,7 +188,8 @@ struct rt_router {
     km_series *s_http_unauthorized, *s_http_forbidden;
     km_series *s_req_ok, *s_req_err, *s_overloaded, *s_migr, *s_bad, *s_prompt, *s_cached,
         *s_predicted, *s_queue, *s_inflight_all, *s_decision, *s_ttft, *s_total, *s_gaps, *s_resync,
-        *s_index_pages, *s_http_req, *s_tls_fail, *s_tok_loop, *s_tok_pool, *s_abandoned;
+        *s_index_pages, *s_http_req, *s_tls_fail, *s_ev_foreign, *s_tok_loop, *s_tok_pool,
+        *s_abandoned;
     bool stopping, running;
     bool pumping;
     /* the controller's cluster view (--controller) */
@@ -333,7 +337,8 @@ void rt_read_monitor(rt_router *r, rt_wk *w);
 /* One frame from w's DEALER: a stream frame, or part of a KV event replay. */
 void rt_on_worker_frame(rt_router *r, rt_wk *w, const km_zframe *body);
 /* One frame from the KV events SUB. */
-void rt_on_sub_frame(rt_router *r, const km_zframe *body);
+/* A frame from w's events SUB: an event naming another worker is refused and counted. */
+void rt_on_sub_frame(rt_router *r, rt_wk *w, const km_zframe *body);
 /* From the tick: a replay that did not answer in time gives up on the worker's pages. */
 void rt_sync_expire(rt_router *r, uint64_t now);
 void rt_replay_clear(rt_wk *w);

@@ -72,6 +72,10 @@ int rt_register_metrics(rt_router *r, km_errbuf *err)
         NULL, r->s_index_pages);
     REG(KM_COUNTER, "kvmesh_router_http_requests_total", "HTTP requests received.", NULL, NULL, 0,
         NULL, r->s_http_req);
+    REG(KM_COUNTER, "kvmesh_router_events_refused_total",
+        "KV events refused because they name another worker than the one whose events connection "
+        "they came on (a compromised member forging another's pages).",
+        NULL, NULL, 0, NULL, r->s_ev_foreign);
     REG(KM_COUNTER, "kvmesh_router_http_tls_failures_total",
         "HTTPS connections closed for a failed TLS handshake or record (--tls-cert only).", NULL,
         NULL, 0, NULL, r->s_tls_fail);

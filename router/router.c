@@ -69,11 +69,14 @@ void rt_pump(rt_router *r)
                 got++;
             }
         }
-        for (int i = 0; i < 256 && km_zsock_readable(r->sub); i++) {
-            if (km_zrecv(r->sub, &r->zm, 0, NULL)) continue;
-            const km_zframe *b = km_zmsg_body(&r->zm);
-            if (b) rt_on_sub_frame(r, b);
-            got++;
+        for (int k = 0; k < r->n_w; k++) {
+            rt_wk *w = &r->w[k];
+            for (int i = 0; i < 256 && w->sub && km_zsock_readable(w->sub); i++) {
+                if (km_zrecv(w->sub, &r->zm, 0, NULL)) continue;
+                const km_zframe *b = km_zmsg_body(&r->zm);
+                if (b) rt_on_sub_frame(r, w, b);
+                got++;
+            }
         }
         for (int i = 0; r->vsub && i < 64 && km_zsock_readable(r->vsub); i++) {
             if (km_zrecv(r->vsub, &r->zm, 0, NULL)) {
@@ -199,7 +202,7 @@ static int open_state(rt_router *r, const rt_config *c, km_errbuf *err)
     return rt_register_metrics(r, err);
 }
 
-/* The client front, the KV events SUB, every worker's DEALER, the view SUB, HTTP and admin. */
+/* The client front, every worker's DEALER and events SUB, the view SUB, HTTP and admin. */
 static int open_sockets(rt_router *r, const rt_config *c, km_errbuf *err)
 {
     int rc;
@@ -213,12 +216,7 @@ static int open_sockets(rt_router *r, const rt_config *c, km_errbuf *err)
         (rc = km_zsock_bind(r->front, c->front_url, err)) ||
         (rc = km_zsock_last_endpoint(r->front, r->front_ep, sizeof r->front_ep, err)))
         return rc;
-    if ((rc = km_zsock_open(r->zctx, KM_ZSUB, &zo, &r->sub, err)) ||
-        (rc = km_zsock_subscribe(r->sub, "kv.", 3, err)))
-        return rc;
-    if ((rc = rt_front_monitor_open(r, err)) ||
-        (rc = rt_open_poll(r, &r->p_front, r->front, err)) ||
-        (rc = rt_open_poll(r, &r->p_sub, r->sub, err)))
+    if ((rc = rt_front_monitor_open(r, err)) || (rc = rt_open_poll(r, &r->p_front, r->front, err)))
         return rc;
     for (int i = 0; i < r->n_w; i++)
         if ((rc = rt_worker_open(r, &r->w[i], err))) return rc;
@@ -347,6 +345,7 @@ void rt_router_destroy(rt_router *r)
         if (w->dealer) zmq_socket_monitor(w->dealer, NULL, 0);
         if (w->mon) zmq_close(w->mon);
         km_zsock_close(w->dealer);
+        km_zsock_close(w->sub);
         rt_evstream_destroy(w->evs);
         rt_replay_clear(w);
         free(w->replay);
@@ -355,7 +354,6 @@ void rt_router_destroy(rt_router *r)
     if (r->fmon) zmq_close(r->fmon);
     free(r->conn_gen);
     km_zsock_close(r->front);
-    km_zsock_close(r->sub);
     km_zsock_close(r->vsub);
     km_zap_stop(r->zap);
     if (r->zctx) km_zctx_destroy(r->zctx);

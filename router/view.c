@@ -133,7 +133,7 @@ static rt_wk *view_adopt(rt_router *r, const km_view_worker *vw, rt_wk *same_id)
                 vw->requests, vw->events ? vw->events : "-");
         rt_worker_down(r, same_id, "moved"); /* its requests migrate, its pages are forgotten */
         if (same_id->dealer) zmq_disconnect(same_id->dealer, same_id->req_url);
-        if (same_id->ev_url[0]) zmq_disconnect(r->sub, same_id->ev_url);
+        if (same_id->ev_url[0]) zmq_disconnect(same_id->sub, same_id->ev_url);
         snprintf(same_id->req_url, sizeof same_id->req_url, "%s", vw->requests);
         snprintf(same_id->ev_url, sizeof same_id->ev_url, "%s", vw->events ? vw->events : "");
         if (km_zsock_connect(same_id->dealer, same_id->req_url, &err) ||

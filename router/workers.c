@@ -53,9 +53,9 @@ int rt_worker_slot_init(rt_router *r, const char *id, const char *req, const cha
 
 int rt_sub_connect(rt_router *r, rt_wk *w, km_errbuf *err)
 {
-    /* libzmq takes the CURVE server key at each connect: one SUB pins each worker's own key */
-    int rc = km_zsec_client(r->c.sec, r->sub, w->id, err);
-    return rc ? rc : km_zsock_connect(r->sub, w->ev_url, err);
+    /* the worker's own SUB, pinned to its member key (rt_worker_open made it) */
+    int rc = km_zsec_client(r->c.sec, w->sub, w->id, err);
+    return rc ? rc : km_zsock_connect(w->sub, w->ev_url, err);
 }
 
 static void on_release_closed(uv_handle_t *h)
@@ -81,25 +81,26 @@ void rt_worker_release(rt_router *r, rt_wk *w)
     rt_replay_clear(w);
     free(w->replay);
     w->replay = NULL;
-    if (w->ev_url[0]) zmq_disconnect(r->sub, w->ev_url);
     if (w->polls_open) { /* stop watching the descriptors before their sockets close */
-        w->closing = 2;
-        w->p_dealer.data = w->p_mon.data = w;
+        w->closing = 3;
+        w->p_dealer.data = w->p_mon.data = w->p_sub.data = w;
         uv_close((uv_handle_t *)&w->p_dealer, on_release_closed);
         uv_close((uv_handle_t *)&w->p_mon, on_release_closed);
+        uv_close((uv_handle_t *)&w->p_sub, on_release_closed);
         w->polls_open = false;
     }
     if (w->dealer) zmq_socket_monitor(w->dealer, NULL, 0);
     if (w->mon) zmq_close(w->mon);
     km_zsock_close(w->dealer);
-    w->mon = w->dealer = NULL;
+    km_zsock_close(w->sub);
+    w->mon = w->dealer = w->sub = NULL;
     w->id[0] = w->view_id[0] = w->req_url[0] = w->ev_url[0] = 0; /* matches nothing any more */
     if (!w->closing) w->free = true;
     rt_update_page_gauges(r);
 }
 
-/* The worker's DEALER (with its socket monitor), the SUB's connection to its events, and their
- * polls on the loop. The monitor's handshake event makes it usable and asks for its replay. */
+/* The worker's DEALER (with its socket monitor), its events SUB, and their polls on the loop.
+ * The monitor's handshake event makes it usable and asks for its replay. */
 int rt_worker_open(rt_router *r, rt_wk *w, km_errbuf *err)
 {
     km_zsock_opts wo;
@@ -121,18 +122,25 @@ int rt_worker_open(rt_router *r, rt_wk *w, km_errbuf *err)
     rc = rt_monitor_open(r, w->dealer, mon, ZMQ_EVENT_HANDSHAKE_SUCCEEDED | ZMQ_EVENT_DISCONNECTED,
                          &w->mon, err);
     if (!rc) rc = km_zsock_connect(w->dealer, w->req_url, err);
-    if (!rc && w->ev_url[0] && (rc = rt_sub_connect(r, w, err)))
-        zmq_disconnect(w->dealer, w->req_url);
+    if (!rc && !(rc = km_zsock_open(r->zctx, KM_ZSUB, &wo, &w->sub, err)))
+        rc = km_zsock_subscribe(w->sub, "kv.", 3, err);
+    if (!rc && w->ev_url[0]) rc = rt_sub_connect(r, w, err);
     if (rc) { /* nothing of w is on the loop yet: undo the sockets */
         zmq_socket_monitor(w->dealer, NULL, 0);
         if (w->mon) zmq_close(w->mon);
         km_zsock_close(w->dealer);
-        w->mon = w->dealer = NULL;
+        km_zsock_close(w->sub);
+        w->mon = w->dealer = w->sub = NULL;
         return rc;
     }
     if ((rc = rt_open_poll(r, &w->p_dealer, w->dealer, err))) return rc;
     if ((rc = rt_open_poll(r, &w->p_mon, w->mon, err))) {
         uv_close((uv_handle_t *)&w->p_dealer, NULL);
+        return rc;
+    }
+    if ((rc = rt_open_poll(r, &w->p_sub, w->sub, err))) {
+        uv_close((uv_handle_t *)&w->p_dealer, NULL);
+        uv_close((uv_handle_t *)&w->p_mon, NULL);
         return rc;
     }
     w->polls_open = true;
@@ -405,7 +413,7 @@ static rt_wk *worker_by_id(rt_router *r, const char *id)
     return NULL;
 }
 
-void rt_on_sub_frame(rt_router *r, const km_zframe *body)
+void rt_on_sub_frame(rt_router *r, rt_wk *from, const km_zframe *body)
 {
     km_msg m;
     if (km_msg_decode(body->data, body->len, &r->lim, &m, NULL)) {
@@ -415,7 +423,11 @@ void rt_on_sub_frame(rt_router *r, const km_zframe *body)
     }
     if (m.type == KM_MSG_KV_EVENT) {
         rt_wk *w = worker_by_id(r, m.kv.worker);
-        if (w) {
+        if (w && w != from) {
+            km_counter_inc(r->s_ev_foreign);
+            KM_WARN("event_refused", "from=%s names=%s why=\"an event names another worker\"",
+                    from->id, w->id);
+        } else if (w) {
             handle_event(r, w, &m.kv);
             rt_update_page_gauges(r);
         }

@@ -1461,3 +1461,58 @@ Test(router, a_member_the_view_stops_naming_is_not_routable_and_its_slot_is_free
     viewpub_stop(&vp);
     for (int i = 0; i < 3; i++) it_stop(&w[i]);
 }
+
+Test(router, a_kv_event_naming_another_worker_is_refused_and_counted)
+{
+    if (!have_binaries()) return;
+    /* two "workers" the test plays: "honest" says nothing, "liar" publishes on its own events
+     * socket that pages are stored at "honest" (a member forging another's cache) */
+    void *ctx = km_zctx_create();
+    void *req[2] = {NULL, NULL}, *pub[2] = {NULL, NULL};
+    km_errbuf err = {{0}};
+    proc w[2];
+    memset(w, 0, sizeof w);
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(km_zsock_open(ctx, KM_ZROUTER, NULL, &req[i], &err), 0, "%s", err.msg);
+        cr_assert_eq(km_zsock_bind(req[i], "tcp://127.0.0.1:*", &err), 0, "%s", err.msg);
+        cr_assert_eq(km_zsock_last_endpoint(req[i], w[i].req, sizeof w[i].req, &err), 0);
+        cr_assert_eq(km_zsock_open(ctx, KM_ZPUB, NULL, &pub[i], &err), 0, "%s", err.msg);
+        cr_assert_eq(km_zsock_bind(pub[i], "tcp://127.0.0.1:*", &err), 0, "%s", err.msg);
+        cr_assert_eq(km_zsock_last_endpoint(pub[i], w[i].ev, sizeof w[i].ev, &err), 0);
+    }
+    const char *ids[2] = {"honest", "liar"};
+    proc r;
+    start_router(&r, w, ids, 2, NULL);
+    wait_up(&r, 2);
+    uint8_t hashes[16 * 4];
+    for (size_t i = 0; i < sizeof hashes; i++) hashes[i] = (uint8_t)(i * 37 + 1);
+    km_proto_limits lim;
+    km_proto_limits_default(&lim);
+    km_buf out = {0};
+    double refused = 0;
+    for (uint64_t seq = 0; seq < 200 && refused < 1; seq++) {
+        km_msg m;
+        km_msg_init(&m, KM_MSG_KV_EVENT);
+        m.kv.worker = "honest";
+        m.kv.seq = seq;
+        m.kv.kind = KM_KV_STORED;
+        m.kv.tier = KM_TIER_HOT;
+        m.kv.hashes = hashes;
+        m.kv.n_hashes = 4;
+        cr_assert_eq(km_msg_encode(&m, &lim, &out, &err), 0, "%s", err.msg);
+        km_zframe parts[2] = {{"kv.honest", 9}, {out.data, out.len}};
+        km_zsend(pub[1], parts, 2, KM_ZDONTWAIT, &err);
+        usleep(50000); /* the SUB joins late: publish until the router has seen one */
+        refused = router_metric(&r, "kvmesh_router_events_refused_total");
+    }
+    cr_assert_geq(refused, 1, "no forged event was refused");
+    /* the index holds nothing for honest: nothing it did not say itself */
+    cr_assert_eq(router_metric(&r, "kvmesh_router_index_pages"), 0);
+    km_buf_free(&out);
+    it_stop(&r);
+    for (int i = 0; i < 2; i++) {
+        km_zsock_close(req[i]);
+        km_zsock_close(pub[i]);
+    }
+    km_zctx_destroy(ctx);
+}
