@@ -1,8 +1,10 @@
 /*
  * ucx.c — the UCX back end: one ucp_context and one ucp_worker per node, driven by one progress
  * thread that is the only thread calling into the worker (UCS_THREAD_MODE_SINGLE, no locks on
- * the data path). The owner thread talks to it through a small command queue and an eventfd;
- * the progress thread answers through atomics in the pull and peer objects.
+ * the data path). This file holds endpoints, the progress thread, open and close; the data path
+ * is ucx_io.c, and what both share ucx_internal.h. The owner thread talks to it through a small
+ * command queue and an eventfd; the progress thread answers through atomics in the pull and peer
+ * objects.
  *
  * Memory: the store's regions are mapped with ucp_mem_map once in open and their remote keys
  * packed into the node address; they are unmapped only in close. Endpoints: a listener accepts
@@ -12,11 +14,11 @@
  * outstanding operations complete as canceled; only then are the remote keys destroyed and the
  * buffers of those operations handed back).
  *
- * Reads: PR_MODE_GET issues ucp_get_nbx from the holder's registered memory into the
- * destination page (the holder's CPU is not involved where the transport reads remote memory
- * itself; over TCP UCX emulates it with messages its progress thread answers). PR_MODE_AM
- * sends a small fetch message; the holder's progress thread answers with ucp_am_send_nbx of the
- * page from its registered memory, forced to rendezvous, and the reader receives it with
+ * Reads (ucx_io.c, with the holder's answers): PR_MODE_GET issues ucp_get_nbx from the holder's
+ * registered memory into the destination page (the holder's CPU is not involved where the transport
+ * reads remote memory itself; over TCP UCX emulates it with messages its progress thread answers).
+ * PR_MODE_AM sends a small fetch message; the holder's progress thread answers with ucp_am_send_nbx
+ * of the page from its registered memory, forced to rendezvous, and the reader receives it with
  * ucp_am_recv_data_nbx straight into the destination page. Both keep max_inflight pages of a
  * pull in flight. Deadlines are checked here: a pull still reading at its deadline has its
  * peer's endpoint closed (a slow or stopped peer is a failed peer).
@@ -36,91 +38,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
-#include <ucp/api/ucp.h>
-
-#include "peer/internal.h"
-
-#define PR_AM_FETCH 21
-#define PR_AM_DATA  22
-#define PR_SPINS    2000                        /* empty progress rounds before sleeping */
-#define PR_SPIN_NS  (200ull * 1000)             /* and at least this long after the last work */
-#define PR_CLOSE_NS (5ull * 1000 * 1000 * 1000) /* longest wait for endpoints at close */
-
-enum { PR_CMD_CONNECT, PR_CMD_DISCONNECT, PR_CMD_FETCH };
-enum { PR_EP_CONNECTING, PR_EP_READY, PR_EP_CLOSING, PR_EP_CLOSED };
-enum { PR_OP_IDLE, PR_OP_FETCH_SENT, PR_OP_RECEIVING, PR_OP_GETTING, PR_OP_DONE };
-
-typedef struct pr_ucx pr_ucx;
-
-typedef struct pr_cmd {
-    struct pr_cmd *next;
-    int kind;
-    pr_peer *peer;
-    pr_pull *pull;
-} pr_cmd;
-
-/* An endpoint, either ours to a holder (peer != NULL) or a puller's connection to us. */
-typedef struct pr_uep {
-    struct pr_uep *next;
-    pr_ucx *u;
-    pr_peer *peer; /* NULL for an accepted connection */
-    ucp_ep_h ep;
-    int state, failed, want_close, counted;
-    void *flush_req, *close_req;
-    ucp_rkey_h rkey[PR_MAX_REGIONS];
-} pr_uep;
-
-typedef struct pr_op {
-    struct pr_upull *up;
-    int index, phase;
-    struct {
-        uint64_t pull_id;
-        uint32_t index, region;
-        uint64_t addr, bytes;
-    } fetch; /* the fetch message header (stable until sent) */
-} pr_op;
-
-typedef struct pr_upull {
-    struct pr_upull *next;
-    pr_pull *p;
-    pr_uep *ep;
-    pr_op *ops;
-    int next_op, inflight;
-} pr_upull;
-
-/* An answer to a fetch, waiting to be sent or in flight (holder side). */
-typedef struct pr_reply {
-    struct pr_reply *next;
-    pr_ucx *u;
-    pr_uep *conn;
-    struct {
-        uint64_t pull_id;
-        uint32_t index, status;
-    } hdr;
-    uint64_t addr, bytes;
-    uint32_t region;
-} pr_reply;
-
-struct pr_ucx {
-    pr_node *node;
-    ucp_context_h ctx;
-    ucp_worker_h w;
-    ucp_listener_h listener;
-    ucp_mem_h memh[PR_MAX_REGIONS];
-    void *rkey_buf[PR_MAX_REGIONS];
-    size_t rkey_len[PR_MAX_REGIONS];
-    int n_regions, wfd, evfd, epfd;
-    pthread_t thr;
-    int thr_started;
-    pthread_mutex_t mu;
-    pr_cmd *cmds, *cmds_tail;
-    int stop;
-    /* progress thread only */
-    pr_uep *eps;
-    pr_upull *pulls;
-    pr_reply *replies;
-    int sends; /* replies in flight */
-};
+#include "peer/ucx_internal.h"
 
 static void pr_ucx_wake(pr_ucx *u)
 {
@@ -186,7 +104,7 @@ static void pr_ep_closed(pr_ucx *u, pr_uep *e)
 }
 
 /* Starts closing e (force: outstanding operations complete as canceled). */
-static void pr_ep_close(pr_ucx *u, pr_uep *e)
+void pr_ep_close(pr_ucx *u, pr_uep *e)
 {
     if (e->state == PR_EP_CLOSING || e->state == PR_EP_CLOSED) return;
     pr_ep_fail(e);
@@ -303,240 +221,6 @@ static void pr_conn_cb(ucp_conn_request_h req, void *arg)
     e->state = PR_EP_READY;
     e->next = u->eps;
     u->eps = e;
-}
-
-/* ---------------------------------------------------------------- reads (puller side) */
-
-static void pr_op_settle(pr_op *o, int ok)
-{
-    if (o->phase == PR_OP_DONE) return;
-    if (o->phase != PR_OP_IDLE) o->up->inflight--;
-    o->phase = PR_OP_DONE;
-    pr_page_arrived(o->up->p, o->index, ok);
-}
-
-static void pr_get_done(void *req, ucs_status_t status, void *arg)
-{
-    ucp_request_free(req);
-    pr_op_settle(arg, status == UCS_OK);
-}
-
-static void pr_recv_done(void *req, ucs_status_t status, size_t length, void *arg)
-{
-    pr_op *o = arg;
-    ucp_request_free(req);
-    pr_op_settle(o, status == UCS_OK && length == o->up->p->pages[o->index].dst.bytes);
-}
-
-static void pr_fetch_sent(void *req, ucs_status_t status, void *arg)
-{
-    ucp_request_free(req);
-    /* a fetch that could not be sent never gets an answer */
-    if (status != UCS_OK) pr_op_settle(arg, 0);
-}
-
-static ucp_mem_h pr_local_memh(pr_ucx *u, const kv_xfer_page *d)
-{
-    return d->region >= 0 && d->region < u->n_regions ? u->memh[d->region] : NULL;
-}
-
-static void pr_issue(pr_ucx *u, pr_upull *up, pr_op *o)
-{
-    pr_pull *p = up->p;
-    const pr_xpage *x = &p->pages[o->index];
-    ucp_mem_h mh = pr_local_memh(u, &x->dst);
-    up->inflight++;
-    void *r;
-    if (up->ep->rkey[x->src.region]) { /* one-sided, where the holder publishes keys */
-        o->phase = PR_OP_GETTING;
-        ucp_request_param_t prm = {.op_attr_mask =
-                                       UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
-                                   .cb.send = pr_get_done,
-                                   .user_data = o};
-        if (mh) {
-            prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
-            prm.memh = mh;
-        }
-        r = ucp_get_nbx(up->ep->ep, x->dst.buf, x->src.bytes, x->src.addr,
-                        up->ep->rkey[x->src.region], &prm);
-        if (!UCS_PTR_IS_PTR(r)) pr_op_settle(o, !UCS_PTR_IS_ERR(r));
-        return;
-    }
-    o->phase = PR_OP_FETCH_SENT;
-    o->fetch.pull_id = p->id;
-    o->fetch.index = (uint32_t)o->index;
-    o->fetch.region = x->src.region;
-    o->fetch.addr = x->src.addr;
-    o->fetch.bytes = x->src.bytes;
-    ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
-                                               UCP_OP_ATTR_FIELD_USER_DATA |
-                                               UCP_OP_ATTR_FIELD_FLAGS,
-                               .flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER,
-                               .cb.send = pr_fetch_sent,
-                               .user_data = o};
-    r = ucp_am_send_nbx(up->ep->ep, PR_AM_FETCH, &o->fetch, sizeof o->fetch, NULL, 0, &prm);
-    if (UCS_PTR_IS_ERR(r)) pr_op_settle(o, 0);
-}
-
-static pr_upull *pr_upull_find(pr_ucx *u, uint64_t pull_id)
-{
-    for (pr_upull *up = u->pulls; up; up = up->next)
-        if (up->p->id == pull_id) return up;
-    return NULL;
-}
-
-/* Puller: a page answering one of our fetches. */
-static ucs_status_t pr_am_data_cb(void *arg, const void *header, size_t hlen, void *data,
-                                  size_t len, const ucp_am_recv_param_t *param)
-{
-    pr_ucx *u = arg;
-    pr_reply h;
-    if (hlen != sizeof h.hdr) return UCS_OK;
-    memcpy(&h.hdr, header, sizeof h.hdr);
-    pr_upull *up = pr_upull_find(u, h.hdr.pull_id);
-    if (!up || h.hdr.index >= (uint32_t)up->p->n) return UCS_OK; /* given up: dropped */
-    pr_op *o = &up->ops[h.hdr.index];
-    if (o->phase != PR_OP_FETCH_SENT) return UCS_OK;
-    const kv_xfer_page *d = &up->p->pages[o->index].dst;
-    if (h.hdr.status || len != d->bytes) {
-        pr_op_settle(o, 0);
-        return UCS_OK;
-    }
-    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
-        memcpy(d->buf, data, len);
-        pr_op_settle(o, 1);
-        return UCS_OK;
-    }
-    o->phase = PR_OP_RECEIVING;
-    ucp_request_param_t prm = {.op_attr_mask =
-                                   UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
-                               .cb.recv_am = pr_recv_done,
-                               .user_data = o};
-    ucp_mem_h mh = pr_local_memh(u, d);
-    if (mh) {
-        prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
-        prm.memh = mh;
-    }
-    void *r = ucp_am_recv_data_nbx(u->w, data, d->buf, len, &prm);
-    if (!UCS_PTR_IS_PTR(r)) pr_op_settle(o, !UCS_PTR_IS_ERR(r));
-    return UCS_INPROGRESS; /* the descriptor is UCX's again (ucp_am_recv_data_nbx took it) */
-}
-
-/* Issues what the window allows, settles what can no longer arrive, and finishes pulls. */
-static void pr_pulls_service(pr_ucx *u, uint64_t now, uint64_t *next_deadline)
-{
-    for (pr_upull **pp = &u->pulls; *pp;) {
-        pr_upull *up = *pp;
-        pr_pull *p = up->p;
-        pr_uep *e = up->ep;
-        int dead = e->failed || e->state == PR_EP_CLOSING || e->state == PR_EP_CLOSED;
-        if (!dead && now >= p->deadline_ns) {
-            atomic_store_explicit(&p->timed_out, 1, memory_order_release);
-            KM_INFO("peer_pull_timeout", "pull=%llu inflight=%d", (unsigned long long)p->id,
-                    up->inflight);
-            pr_ep_close(u, e); /* a peer that missed a deadline is a failed peer */
-            dead = 1;
-        }
-        int stop = dead || atomic_load_explicit(&p->stop, memory_order_acquire);
-        if (stop) { /* nothing more is issued; what waits for an answer that cannot come ends */
-            for (int i = up->next_op; i < p->n; i++) pr_op_settle(&up->ops[i], 0);
-            up->next_op = p->n;
-            if (dead)
-                for (int i = 0; i < p->n; i++)
-                    if (up->ops[i].phase == PR_OP_FETCH_SENT) pr_op_settle(&up->ops[i], 0);
-        } else if (e->state == PR_EP_READY) {
-            while (up->next_op < p->n && up->inflight < u->node->cfg.max_inflight)
-                pr_issue(u, up, &up->ops[up->next_op++]);
-        }
-        if (up->next_op == p->n && up->inflight == 0) {
-            *pp = up->next;
-            free(up->ops);
-            free(up);
-            atomic_store_explicit(&p->fetch_done, 1, memory_order_release); /* last touch */
-            continue;
-        }
-        if (p->deadline_ns < *next_deadline) *next_deadline = p->deadline_ns;
-        pp = &up->next;
-    }
-}
-
-/* ---------------------------------------------------------------- answers (holder side) */
-
-static int pr_range_ok(pr_ucx *u, uint32_t region, uint64_t addr, uint64_t bytes)
-{
-    if (region >= (uint32_t)u->n_regions) return 0;
-    const kv_mem_region *r = &u->node->regions[region];
-    uint64_t b = (uint64_t)(uintptr_t)r->base;
-    return addr >= b && bytes <= r->bytes && addr - b <= r->bytes - bytes;
-}
-
-static pr_uep *pr_conn_of(pr_ucx *u, ucp_ep_h ep)
-{
-    for (pr_uep *e = u->eps; e; e = e->next)
-        if (e->ep == ep && !e->peer) return e;
-    return NULL;
-}
-
-static ucs_status_t pr_am_fetch_cb(void *arg, const void *header, size_t hlen, void *data,
-                                   size_t len, const ucp_am_recv_param_t *param)
-{
-    pr_ucx *u = arg;
-    pr_op o;
-    if (hlen != sizeof o.fetch || !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP))
-        return UCS_OK;
-    memcpy(&o.fetch, header, sizeof o.fetch);
-    pr_uep *conn = pr_conn_of(u, param->reply_ep);
-    pr_reply *r = conn && !conn->failed ? calloc(1, sizeof *r) : NULL;
-    if (!r) return UCS_OK;
-    r->u = u;
-    r->conn = conn;
-    r->hdr.pull_id = o.fetch.pull_id;
-    r->hdr.index = o.fetch.index;
-    r->addr = o.fetch.addr;
-    r->bytes = o.fetch.bytes;
-    r->region = o.fetch.region;
-    r->hdr.status = pr_range_ok(u, r->region, r->addr, r->bytes) ? 0 : 1;
-    r->next = u->replies; /* sent by the loop, outside UCX's callback */
-    u->replies = r;
-    return UCS_OK;
-}
-
-static void pr_reply_sent(void *req, ucs_status_t status, void *arg)
-{
-    pr_reply *r = arg;
-    ucp_request_free(req);
-    r->u->sends--;
-    free(r);
-}
-
-static void pr_replies_send(pr_ucx *u)
-{
-    while (u->replies) {
-        pr_reply *r = u->replies;
-        u->replies = r->next;
-        if (r->conn->failed || r->conn->state != PR_EP_READY) {
-            free(r);
-            continue;
-        }
-        ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
-                                                   UCP_OP_ATTR_FIELD_USER_DATA |
-                                                   UCP_OP_ATTR_FIELD_FLAGS,
-                                   .flags = UCP_AM_SEND_FLAG_RNDV,
-                                   .cb.send = pr_reply_sent,
-                                   .user_data = r};
-        size_t bytes = r->hdr.status ? 0 : r->bytes;
-        if (bytes) {
-            prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
-            prm.memh = u->memh[r->region];
-        }
-        u->sends++;
-        void *q = ucp_am_send_nbx(r->conn->ep, PR_AM_DATA, &r->hdr, sizeof r->hdr,
-                                  bytes ? (void *)(uintptr_t)r->addr : NULL, bytes, &prm);
-        if (!UCS_PTR_IS_PTR(q)) {
-            u->sends--;
-            free(r);
-        }
-    }
 }
 
 /* ---------------------------------------------------------------- the progress thread */
