@@ -84,171 +84,203 @@ static int serve(const rt_config *c, const char *ports_file)
     return 0;
 }
 
-int main(int argc, char **argv)
-{
+/* Everything the options set (their table below points into g_args: a table, not code). */
+typedef struct rt_args {
     rt_config c;
-    rt_config_default(&c);
-    const char *workers = NULL, *mode = NULL, *log_level = NULL, *log_format = NULL;
-    const char *ports_file = NULL;
+    const char *workers, *mode, *log_level, *log_format, *ports_file;
     int64_t http_port, admin_port, page_tokens, slots, max_inflight, max_queue, attempts, dmax,
         max_ctx;
     int64_t sync_ms, ttl_ms, queue_ms, cluster_seed, index_pages, view_ms, request_ms;
     uint64_t max_body, max_prompt_bytes;
-    km_sec_args sec_args = {0};
-    const km_opt opts[] = {
-        {"model", NULL, KM_OPT_STR, NULL,
-         "GGUF model: tokenizer, chat template, fingerprint (default: $KVMESH_MODEL or the SmolLM2 "
-         "file)",
-         &c.model_path, 0, 0},
-        {"model-name", NULL, KM_OPT_STR, NULL, "another model name clients may use", &c.model_name,
-         0, 0},
-        {"fingerprint", NULL, KM_OPT_STR, NULL,
-         "model fingerprint override (hex); default: computed like the workers", &c.fingerprint, 0,
-         0},
-        {"cluster-seed", NULL, KM_OPT_INT, "0", "page-hash seed; must equal the workers'",
-         &cluster_seed, 0, 0},
-        {"page-tokens", NULL, KM_OPT_INT, "16", "tokens per KV page; must equal the workers'",
-         &page_tokens, 1, 4096},
-        {"front", NULL, KM_OPT_STR, "tcp://127.0.0.1:7000", "ZeroMQ ROUTER endpoint for clients",
-         &c.front_url, 0, 0},
-        {"http-host", NULL, KM_OPT_STR, "127.0.0.1", "OpenAI-compatible HTTP host", &c.http_host, 0,
-         0},
-        {"http-port", NULL, KM_OPT_INT, "8080", "HTTP port; 0 = ephemeral, -1 = off", &http_port,
-         -1, 65535},
-        {"admin-host", NULL, KM_OPT_STR, "127.0.0.1", "admin HTTP host", &c.admin_host, 0, 0},
-        {"admin-port", NULL, KM_OPT_INT, "-1",
-         "separate admin HTTP port (/metrics, /healthz, /readyz); -1 = off (the HTTP port serves "
-         "them too)",
-         &admin_port, -1, 65535},
-        {"workers", NULL, KM_OPT_STR, NULL,
-         "workers: ID=REQUESTS_URL+EVENTS_URL,... (required unless --controller is given)",
-         &workers, 0, 0},
-        {"controller", NULL, KM_OPT_STR, NULL,
-         "the controller's cluster-view PUB endpoint (its --view); unset = no controller: route "
-         "by the router's own liveness checks alone",
-         &c.controller_url, 0, 0},
-        {"view-timeout", NULL, KM_OPT_DURATION, "5s",
-         "a controller view older than this is ignored (the router falls back to its own "
-         "liveness checks)",
-         &view_ms, 1, 3600000},
-        {"mode", NULL, KM_OPT_STR, "kv", "routing: kv, round-robin or random", &mode, 0, 0},
-        {"w-prefill", NULL, KM_OPT_FLOAT, "1", "cost of one uncached prompt token",
-         &c.policy.w_prefill, 0, 1e9},
-        {"w-decode", NULL, KM_OPT_FLOAT, "32", "cost of one running request on a worker",
-         &c.policy.w_decode, 0, 1e9},
-        {"w-queue", NULL, KM_OPT_FLOAT, "256", "cost of one request waiting on a worker",
-         &c.policy.w_queue, 0, 1e9},
-        {"tie-band", NULL, KM_OPT_FLOAT, "16", "costs within this are ties (rendezvous decides)",
-         &c.policy.tie_band, 0, 1e9},
-        {"credit-host", NULL, KM_OPT_FLOAT, "0.8", "fraction of a host-RAM page counted cached",
-         &c.policy.tier_credit[KM_TIER_HOST], 0, 1},
-        {"pull-margin", NULL, KM_OPT_FLOAT, "0.8",
-         "tell a worker to pull a prefix another holds when pulling costs less than recomputing "
-         "times this (docs/transfer.md)",
-         &c.policy.pull_margin, 0, 10},
-        {"pull-default-rate", NULL, KM_OPT_FLOAT, "0",
-         "pull rate in bytes/s assumed until workers have measured one; 0 = none (recompute "
-         "until measured)",
-         &c.policy.pull_default_bps, 0, 1e12},
-        {"credit-disk", NULL, KM_OPT_FLOAT, "0.5", "fraction of a disk page counted cached",
-         &c.policy.tier_credit[KM_TIER_DISK], 0, 1},
-        {"worker-slots", NULL, KM_OPT_INT, "8", "requests a worker runs at once (cost model)",
-         &slots, 1, 1 << 20},
-        {"max-inflight", NULL, KM_OPT_INT, "64",
-         "requests this router sends one worker; more wait in the router", &max_inflight, 1,
-         1 << 20},
-        {"max-queue", NULL, KM_OPT_INT, "1024", "router queue; beyond it: 529 overloaded",
-         &max_queue, 0, 1 << 24},
-        {"max-attempts", NULL, KM_OPT_INT, "3",
-         "a request fails when this many different workers failed it, or this many attempts in "
-         "a row gave no token",
-         &attempts, 1, 100},
-        {"default-max-tokens", NULL, KM_OPT_INT, "256", "completion length when a request says 0",
-         &dmax, 1, 1 << 20},
-        {"max-ctx", NULL, KM_OPT_INT, "4096",
-         "prompt + completion tokens per request, as the workers' --max-ctx (HTTP requests "
-         "asking for more get 400; 0: not checked)",
-         &max_ctx, 0, 1 << 24},
-        {"sync-timeout", NULL, KM_OPT_DURATION, "3s",
-         "wait for a KV event replay before forgetting the worker's pages", &sync_ms, 1, 3600000},
-        {"pending-ttl", NULL, KM_OPT_DURATION, "30s",
-         "how long a routed, unconfirmed prefix counts as cached", &ttl_ms, 1, 86400000},
-        {"queue-timeout", NULL, KM_OPT_DURATION, "60s",
-         "a request waiting longer in the router queue gets 503", &queue_ms, 1, 86400000},
-        {"migrate-replay", NULL, KM_OPT_BOOL, "false",
-         "migrate greedy/seeded requests by regenerating the streamed tokens from the prompt; "
-         "off (default): every migration continues from prompt + streamed tokens (the same "
-         "output, without redoing the work)",
-         &c.migrate_replay, 0, 0},
-        {"index-pages", NULL, KM_OPT_INT, "262144", "pages the prefix index holds (64 B each)",
-         &index_pages, 16, 1 << 28},
-        {"max-body", NULL, KM_OPT_SIZE, "4M", "largest HTTP request body", &max_body, 0, 0},
-        {"max-prompt-bytes", NULL, KM_OPT_SIZE, "1M",
-         "a text prompt (a chat: its rendered template) longer than this gets 413 before it is "
-         "tokenized; 0 = no limit",
-         &max_prompt_bytes, 0, 0},
-        {"request-timeout", NULL, KM_OPT_DURATION, "10m",
-         "every request ends by then at the latest: 504, and a cancel to its worker (a request's "
-         "own deadline_ms ends it earlier); 0 = none",
-         &request_ms, 0, 86400000},
-        {"ports-file", NULL, KM_OPT_STR, NULL, "write the bound endpoints here once ready",
-         &ports_file, 0, 0},
-        KM_SEC_OPT_ROWS(&sec_args),
-        {"api-keys", NULL, KM_OPT_STR, NULL,
-         "HTTP API key file (kvmesh keys api-add): every HTTP request but /healthz and /readyz "
-         "needs a Bearer key; required for the HTTP front unless --insecure",
-         &c.api_keys, 0, 0},
-        {"tls-cert", NULL, KM_OPT_STR, NULL,
-         "PEM certificate chain: the OpenAI HTTP front speaks HTTPS only (TLS 1.2 or later); "
-         "needs --tls-key",
-         &c.tls_cert, 0, 0},
-        {"tls-key", NULL, KM_OPT_STR, NULL, "PEM private key of --tls-cert", &c.tls_key, 0, 0},
-        {"log-level", NULL, KM_OPT_STR, "info", "debug, info, warn, error", &log_level, 0, 0},
-        {"log-format", NULL, KM_OPT_STR, "text", "text or json", &log_format, 0, 0},
-    };
+    km_sec_args sec_args;
+} rt_args;
+
+static rt_args g_args;
+
+static const km_opt g_opts[] = {
+    {"model", NULL, KM_OPT_STR, NULL,
+     "GGUF model: tokenizer, chat template, fingerprint (default: $KVMESH_MODEL or the SmolLM2 "
+     "file)",
+     &g_args.c.model_path, 0, 0},
+    {"model-name", NULL, KM_OPT_STR, NULL, "another model name clients may use",
+     &g_args.c.model_name, 0, 0},
+    {"fingerprint", NULL, KM_OPT_STR, NULL,
+     "model fingerprint override (hex); default: computed like the workers", &g_args.c.fingerprint,
+     0, 0},
+    {"cluster-seed", NULL, KM_OPT_INT, "0", "page-hash seed; must equal the workers'",
+     &g_args.cluster_seed, 0, 0},
+    {"page-tokens", NULL, KM_OPT_INT, "16", "tokens per KV page; must equal the workers'",
+     &g_args.page_tokens, 1, 4096},
+    {"front", NULL, KM_OPT_STR, "tcp://127.0.0.1:7000", "ZeroMQ ROUTER endpoint for clients",
+     &g_args.c.front_url, 0, 0},
+    {"http-host", NULL, KM_OPT_STR, "127.0.0.1", "OpenAI-compatible HTTP host", &g_args.c.http_host,
+     0, 0},
+    {"http-port", NULL, KM_OPT_INT, "8080", "HTTP port; 0 = ephemeral, -1 = off", &g_args.http_port,
+     -1, 65535},
+    {"admin-host", NULL, KM_OPT_STR, "127.0.0.1", "admin HTTP host", &g_args.c.admin_host, 0, 0},
+    {"admin-port", NULL, KM_OPT_INT, "-1",
+     "separate admin HTTP port (/metrics, /healthz, /readyz); -1 = off (the HTTP port serves "
+     "them too)",
+     &g_args.admin_port, -1, 65535},
+    {"workers", NULL, KM_OPT_STR, NULL,
+     "workers: ID=REQUESTS_URL+EVENTS_URL,... (required unless --controller is given)",
+     &g_args.workers, 0, 0},
+    {"controller", NULL, KM_OPT_STR, NULL,
+     "the controller's cluster-view PUB endpoint (its --view); unset = no controller: route "
+     "by the router's own liveness checks alone",
+     &g_args.c.controller_url, 0, 0},
+    {"view-timeout", NULL, KM_OPT_DURATION, "5s",
+     "a controller view older than this is ignored (the router falls back to its own "
+     "liveness checks)",
+     &g_args.view_ms, 1, 3600000},
+    {"mode", NULL, KM_OPT_STR, "kv", "routing: kv, round-robin or random", &g_args.mode, 0, 0},
+    {"w-prefill", NULL, KM_OPT_FLOAT, "1", "cost of one uncached prompt token",
+     &g_args.c.policy.w_prefill, 0, 1e9},
+    {"w-decode", NULL, KM_OPT_FLOAT, "32", "cost of one running request on a worker",
+     &g_args.c.policy.w_decode, 0, 1e9},
+    {"w-queue", NULL, KM_OPT_FLOAT, "256", "cost of one request waiting on a worker",
+     &g_args.c.policy.w_queue, 0, 1e9},
+    {"tie-band", NULL, KM_OPT_FLOAT, "16", "costs within this are ties (rendezvous decides)",
+     &g_args.c.policy.tie_band, 0, 1e9},
+    {"credit-host", NULL, KM_OPT_FLOAT, "0.8", "fraction of a host-RAM page counted cached",
+     &g_args.c.policy.tier_credit[KM_TIER_HOST], 0, 1},
+    {"pull-margin", NULL, KM_OPT_FLOAT, "0.8",
+     "tell a worker to pull a prefix another holds when pulling costs less than recomputing "
+     "times this (docs/transfer.md)",
+     &g_args.c.policy.pull_margin, 0, 10},
+    {"pull-default-rate", NULL, KM_OPT_FLOAT, "0",
+     "pull rate in bytes/s assumed until workers have measured one; 0 = none (recompute "
+     "until measured)",
+     &g_args.c.policy.pull_default_bps, 0, 1e12},
+    {"credit-disk", NULL, KM_OPT_FLOAT, "0.5", "fraction of a disk page counted cached",
+     &g_args.c.policy.tier_credit[KM_TIER_DISK], 0, 1},
+    {"worker-slots", NULL, KM_OPT_INT, "8", "requests a worker runs at once (cost model)",
+     &g_args.slots, 1, 1 << 20},
+    {"max-inflight", NULL, KM_OPT_INT, "64",
+     "requests this router sends one worker; more wait in the router", &g_args.max_inflight, 1,
+     1 << 20},
+    {"max-queue", NULL, KM_OPT_INT, "1024", "router queue; beyond it: 529 overloaded",
+     &g_args.max_queue, 0, 1 << 24},
+    {"max-attempts", NULL, KM_OPT_INT, "3",
+     "a request fails when this many different workers failed it, or this many attempts in "
+     "a row gave no token",
+     &g_args.attempts, 1, 100},
+    {"default-max-tokens", NULL, KM_OPT_INT, "256", "completion length when a request says 0",
+     &g_args.dmax, 1, 1 << 20},
+    {"max-ctx", NULL, KM_OPT_INT, "4096",
+     "prompt + completion tokens per request, as the workers' --max-ctx (HTTP requests "
+     "asking for more get 400; 0: not checked)",
+     &g_args.max_ctx, 0, 1 << 24},
+    {"sync-timeout", NULL, KM_OPT_DURATION, "3s",
+     "wait for a KV event replay before forgetting the worker's pages", &g_args.sync_ms, 1,
+     3600000},
+    {"pending-ttl", NULL, KM_OPT_DURATION, "30s",
+     "how long a routed, unconfirmed prefix counts as cached", &g_args.ttl_ms, 1, 86400000},
+    {"queue-timeout", NULL, KM_OPT_DURATION, "60s",
+     "a request waiting longer in the router queue gets 503", &g_args.queue_ms, 1, 86400000},
+    {"migrate-replay", NULL, KM_OPT_BOOL, "false",
+     "migrate greedy/seeded requests by regenerating the streamed tokens from the prompt; "
+     "off (default): every migration continues from prompt + streamed tokens (the same "
+     "output, without redoing the work)",
+     &g_args.c.migrate_replay, 0, 0},
+    {"index-pages", NULL, KM_OPT_INT, "262144", "pages the prefix index holds (64 B each)",
+     &g_args.index_pages, 16, 1 << 28},
+    {"max-body", NULL, KM_OPT_SIZE, "4M", "largest HTTP request body", &g_args.max_body, 0, 0},
+    {"max-prompt-bytes", NULL, KM_OPT_SIZE, "1M",
+     "a text prompt (a chat: its rendered template) longer than this gets 413 before it is "
+     "tokenized; 0 = no limit",
+     &g_args.max_prompt_bytes, 0, 0},
+    {"request-timeout", NULL, KM_OPT_DURATION, "10m",
+     "every request ends by then at the latest: 504, and a cancel to its worker (a request's "
+     "own deadline_ms ends it earlier); 0 = none",
+     &g_args.request_ms, 0, 86400000},
+    {"ports-file", NULL, KM_OPT_STR, NULL, "write the bound endpoints here once ready",
+     &g_args.ports_file, 0, 0},
+    KM_SEC_OPT_ROWS(&g_args.sec_args),
+    {"api-keys", NULL, KM_OPT_STR, NULL,
+     "HTTP API key file (kvmesh keys api-add): every HTTP request but /healthz and /readyz "
+     "needs a Bearer key; required for the HTTP front unless --insecure",
+     &g_args.c.api_keys, 0, 0},
+    {"tls-cert", NULL, KM_OPT_STR, NULL,
+     "PEM certificate chain: the OpenAI HTTP front speaks HTTPS only (TLS 1.2 or later); "
+     "needs --tls-key",
+     &g_args.c.tls_cert, 0, 0},
+    {"tls-key", NULL, KM_OPT_STR, NULL, "PEM private key of --tls-cert", &g_args.c.tls_key, 0, 0},
+    {"log-level", NULL, KM_OPT_STR, "info", "debug, info, warn, error", &g_args.log_level, 0, 0},
+    {"log-format", NULL, KM_OPT_STR, "text", "text or json", &g_args.log_format, 0, 0},
+};
+
+/* The options' values that rt_config keeps in its own types. */
+static void args_to_config(rt_args *a)
+{
+    rt_config *c = &a->c;
+    c->cluster_seed = (uint64_t)a->cluster_seed;
+    c->page_tokens = (int)a->page_tokens;
+    c->http_port = (int)a->http_port;
+    c->admin_port = (int)a->admin_port;
+    c->worker_slots = (int)a->slots;
+    c->max_inflight = (int)a->max_inflight;
+    c->max_queue = (int)a->max_queue;
+    c->max_attempts = (int)a->attempts;
+    c->default_max_tokens = (uint32_t)a->dmax;
+    c->max_ctx = (uint32_t)a->max_ctx;
+    c->sync_timeout_ms = (uint32_t)a->sync_ms;
+    c->pending_ttl_ms = (uint32_t)a->ttl_ms;
+    c->queue_timeout_ms = (uint32_t)a->queue_ms;
+    c->index_pages = (size_t)a->index_pages;
+    c->max_http_body = (size_t)a->max_body;
+    c->max_prompt_bytes = (size_t)a->max_prompt_bytes;
+    c->request_timeout_ms = (uint32_t)a->request_ms;
+    c->view_timeout_ms = (uint32_t)a->view_ms;
+}
+
+int main(int argc, char **argv)
+{
+    rt_args *a = &g_args;
+    rt_config_default(&a->c);
     km_errbuf err = {{0}};
     km_config *cfg = NULL;
-    int crc =
-        km_daemon_config("kvmesh-router", "KV-aware request router of a kvmesh cluster", opts,
-                         sizeof opts / sizeof opts[0], argc, argv, &log_level, &log_format, &cfg);
+    int crc = km_daemon_config("kvmesh-router", "KV-aware request router of a kvmesh cluster",
+                               g_opts, sizeof g_opts / sizeof g_opts[0], argc, argv, &a->log_level,
+                               &a->log_format, &cfg);
     if (crc) return crc == 1 ? 0 : 2;
-    if (rt_mode_parse(mode, &c.policy.mode)) {
+    if (rt_mode_parse(a->mode, &a->c.policy.mode)) {
         fprintf(stderr, "kvmesh-router: --mode must be kv, round-robin or random\n");
         km_config_destroy(cfg);
         return 2;
     }
-    if (c.controller_url && !*c.controller_url) c.controller_url = NULL;
-    if (workers && !*workers && c.controller_url) workers = NULL;
-    if (!workers && !c.controller_url) {
+    if (a->c.controller_url && !*a->c.controller_url) a->c.controller_url = NULL;
+    if (a->workers && !*a->workers && a->c.controller_url) a->workers = NULL;
+    if (!a->workers && !a->c.controller_url) {
         fprintf(stderr, "kvmesh-router: --workers is required (ID=REQUESTS_URL+EVENTS_URL,...) "
                         "unless --controller is given\n");
         km_config_destroy(cfg);
         return 2;
     }
-    if (c.api_keys && !*c.api_keys) c.api_keys = NULL;
-    if (c.tls_cert && !*c.tls_cert) c.tls_cert = NULL;
-    if (c.tls_key && !*c.tls_key) c.tls_key = NULL;
-    if (!c.tls_cert != !c.tls_key) {
+    if (a->c.api_keys && !*a->c.api_keys) a->c.api_keys = NULL;
+    if (a->c.tls_cert && !*a->c.tls_cert) a->c.tls_cert = NULL;
+    if (a->c.tls_key && !*a->c.tls_key) a->c.tls_key = NULL;
+    if (!a->c.tls_cert != !a->c.tls_key) {
         fprintf(stderr, "kvmesh-router: --tls-cert and --tls-key go together\n");
         km_config_destroy(cfg);
         return 2;
     }
-    if (!sec_args.insecure && http_port >= 0 && !c.api_keys) {
+    if (!a->sec_args.insecure && a->http_port >= 0 && !a->c.api_keys) {
         fprintf(stderr, "kvmesh-router: the OpenAI HTTP front needs --api-keys FILE (kvmesh keys "
                         "api-add FILE TENANT), or --http-port -1, or --insecure\n");
         km_config_destroy(cfg);
         return 2;
     }
     km_zsec *sec = NULL;
-    if (km_sec_daemon_open(&sec_args, "kvmesh-router", "router", &sec, &err)) {
+    if (km_sec_daemon_open(&a->sec_args, "kvmesh-router", "router", &sec, &err)) {
         fprintf(stderr, "kvmesh-router: %s\n", err.msg);
         km_config_destroy(cfg);
         return 2;
     }
-    c.sec = sec;
-    char *wl = workers ? strdup(workers) : NULL;
+    a->c.sec = sec;
+    char *wl = a->workers ? strdup(a->workers) : NULL;
     rt_worker_cfg wc[RT_MAX_WORKERS];
-    int nw = !workers ? 0 : wl ? parse_workers(wl, wc, RT_MAX_WORKERS, &err) : KM_ENOMEM;
+    int nw = !a->workers ? 0 : wl ? parse_workers(wl, wc, RT_MAX_WORKERS, &err) : KM_ENOMEM;
     if (nw < 0) {
         fprintf(stderr, "kvmesh-router: %s\n", err.msg);
         km_zsec_close(sec);
@@ -256,27 +288,10 @@ int main(int argc, char **argv)
         km_config_destroy(cfg);
         return 2;
     }
-    c.workers = wc;
-    c.n_workers = nw;
-    c.cluster_seed = (uint64_t)cluster_seed;
-    c.page_tokens = (int)page_tokens;
-    c.http_port = (int)http_port;
-    c.admin_port = (int)admin_port;
-    c.worker_slots = (int)slots;
-    c.max_inflight = (int)max_inflight;
-    c.max_queue = (int)max_queue;
-    c.max_attempts = (int)attempts;
-    c.default_max_tokens = (uint32_t)dmax;
-    c.max_ctx = (uint32_t)max_ctx;
-    c.sync_timeout_ms = (uint32_t)sync_ms;
-    c.pending_ttl_ms = (uint32_t)ttl_ms;
-    c.queue_timeout_ms = (uint32_t)queue_ms;
-    c.index_pages = (size_t)index_pages;
-    c.max_http_body = (size_t)max_body;
-    c.max_prompt_bytes = (size_t)max_prompt_bytes;
-    c.request_timeout_ms = (uint32_t)request_ms;
-    c.view_timeout_ms = (uint32_t)view_ms;
-    int status = serve(&c, ports_file);
+    a->c.workers = wc;
+    a->c.n_workers = nw;
+    args_to_config(a);
+    int status = serve(&a->c, a->ports_file);
     km_zsec_close(sec);
     free(wl);
     km_config_destroy(cfg);

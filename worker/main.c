@@ -37,126 +37,130 @@ typedef struct wk_args {
     km_sec_args sec;
 } wk_args;
 
+/* The options (their values land in g_args: a table, not code). */
+static wk_args g_args;
+
+static const km_opt g_opts[] = {
+    {"model", NULL, KM_OPT_STR, NULL, "GGUF model (default: $KVMESH_MODEL or the SmolLM2 file)",
+     &g_args.model, 0, 0},
+    {"threads", NULL, KM_OPT_INT, "0", "engine threads; 0 = all cores", &g_args.threads, 0, 1024},
+    {"listen", NULL, KM_OPT_STR, "tcp://127.0.0.1:7100",
+     "requests/admin ROUTER endpoint (tcp://HOST:* picks a free port)", &g_args.listen, 0, 0},
+    {"events", NULL, KM_OPT_STR, "tcp://127.0.0.1:7101", "KV events PUB endpoint; empty = none",
+     &g_args.events, 0, 0},
+    {"controller", NULL, KM_OPT_STR, NULL, "controller endpoint for heartbeats; unset = none",
+     &g_args.controller, 0, 0},
+    {"admin-host", NULL, KM_OPT_STR, "127.0.0.1", "admin HTTP host", &g_args.admin_host, 0, 0},
+    {"admin-port", NULL, KM_OPT_INT, "9100", "admin HTTP port; 0 = ephemeral, -1 = off",
+     &g_args.admin_port, -1, 65535},
+    {"worker-id", NULL, KM_OPT_STR, NULL, "worker id; unset = worker-<pid>", &g_args.worker_id, 0,
+     0},
+    {"model-alias", NULL, KM_OPT_STR, NULL, "another model name requests may use", &g_args.alias, 0,
+     0},
+    {"kv-bytes", NULL, KM_OPT_SIZE, "0", "hot-tier KV budget; 0 = the engine default",
+     &g_args.kv_bytes, 0, 0},
+    {"kv-host-bytes", NULL, KM_OPT_SIZE, "0", "host-RAM KV tier budget; 0 = no host tier",
+     &g_args.kv_host_bytes, 0, 0},
+    {"kv-disk-dir", NULL, KM_OPT_STR, NULL,
+     "disk KV tier directory (pages survive restarts); unset = no disk tier", &g_args.kv_disk_dir,
+     0, 0},
+    {"kv-disk-bytes", NULL, KM_OPT_SIZE, "0", "disk KV tier budget; 0 = 1G when a dir is set",
+     &g_args.kv_disk_bytes, 0, 0},
+    {"cluster-secret", NULL, KM_OPT_STR, NULL,
+     "the cluster secret file (KEYDIR/cluster.secret, mode 0600): disk pages carry a keyed "
+     "MAC and a page without a valid one is dropped, never served; unset = checksum only",
+     &g_args.cluster_secret, 0, 0},
+    {"kv-format", NULL, KM_OPT_STR, "f16", "KV page format: f16, bf16, fp8, int8, int4",
+     &g_args.kv_format, 0, 0},
+    {"page-tokens", NULL, KM_OPT_INT, "16", "tokens per KV page (power of two)",
+     &g_args.page_tokens, 1, 4096},
+    {"max-batch-tokens", NULL, KM_OPT_INT, "512", "tokens per engine step", &g_args.max_batch, 1,
+     65536},
+    {"prefill-chunk", NULL, KM_OPT_INT, "256", "most prompt tokens of one sequence per step",
+     &g_args.prefill_chunk, 1, 65536},
+    {"decode-prefill", NULL, KM_OPT_INT, "0",
+     "most prompt tokens in a step that also decodes (caps inter-token latency spikes while "
+     "new prompts arrive); 0 = no extra cap",
+     &g_args.decode_prefill, 0, 65536},
+    {"step-budget", NULL, KM_OPT_DURATION, "1s",
+     "time one engine step should take at most: prefill chunks are sized to it from measured "
+     "step times; 0 = no bound",
+     &g_args.step_budget_ms, 0, 3600000},
+    {"max-running", NULL, KM_OPT_INT, "64", "sequences decoded together", &g_args.max_running, 1,
+     4096},
+    {"max-queue", NULL, KM_OPT_INT, "1024", "requests waiting for a slot", &g_args.max_queue, 1,
+     1 << 20},
+    {"max-ctx", NULL, KM_OPT_INT, "4096", "prompt + completion tokens per request", &g_args.max_ctx,
+     2, 1 << 20},
+    {"default-max-tokens", NULL, KM_OPT_INT, "256", "completion length when a request says 0",
+     &g_args.default_max_tokens, 1, 1 << 20},
+    {"speculate", NULL, KM_OPT_STR, "auto",
+     "speculative decoding for requests that do not say: auto (suffix drafts where the "
+     "step-cost budget says they pay; output unchanged) or off",
+     &g_args.speculate, 0, 0},
+    {"spec-max-draft", NULL, KM_OPT_INT, "16", "draft tokens per request and step at most",
+     &g_args.spec_max_draft, 1, 64},
+    {"spec-factor", NULL, KM_OPT_FLOAT, "1", "draft length at most this times the match length",
+     &g_args.spec_factor, 0, 0},
+    {"spec-index-bytes", NULL, KM_OPT_SIZE, "32M",
+     "memory of the index over earlier outputs that drafts come from (all tenants; each sees "
+     "only its own)",
+     &g_args.spec_index_bytes, 0, 0},
+    {"heartbeat", NULL, KM_OPT_DURATION, "1s", "heartbeat interval", &g_args.heartbeat_ms, 10,
+     3600000},
+    {"drain-timeout", NULL, KM_OPT_DURATION, "30s",
+     "grace before in-flight requests are handed back on drain", &g_args.drain_ms, 1, 86400000},
+    {"event-replay", NULL, KM_OPT_INT, "65536", "KV events kept for replay", &g_args.event_replay,
+     16, 1 << 24},
+    {"cluster-seed", NULL, KM_OPT_INT, "0", "page-hash seed shared by the cluster",
+     &g_args.cluster_seed, 0, 0},
+    {"max-frame", NULL, KM_OPT_SIZE, "1M", "largest frame accepted", &g_args.max_frame, 0, 0},
+    {"chaos", NULL, KM_OPT_BOOL, "false",
+     "accept the fault-injection admin command `pressure` (tests, `kvmesh chaos`)", &g_args.chaos,
+     0, 0},
+    {"peer-listen", NULL, KM_OPT_STR, NULL,
+     "KV page transfer: listen for peers on HOST:PORT (port 0 = ephemeral); unset = no "
+     "transfer node (pull hints are ignored)",
+     &g_args.peer_listen, 0, 0},
+    {"peer-advertise", NULL, KM_OPT_STR, "127.0.0.1",
+     "KV page transfer: the host peers connect to (this worker's address on their network)",
+     &g_args.peer_advertise, 0, 0},
+    {"peer-mode", NULL, KM_OPT_STR, "am",
+     "KV page transfer: am (active messages, default) or get (one-sided reads; RDMA)",
+     &g_args.peer_mode, 0, 0},
+    {"peer-lease-ms", NULL, KM_OPT_DURATION, "10s",
+     "KV page transfer: how long pages offered to a peer stay pinned", &g_args.peer_lease_ms, 1,
+     3600000},
+    {"peer-pull-ms", NULL, KM_OPT_DURATION, "2s",
+     "KV page transfer: a pull's budget when its hint names none (then the pages are "
+     "computed)",
+     &g_args.peer_pull_ms, 1, 3600000},
+    {"ports-file", NULL, KM_OPT_STR, NULL, "write the bound endpoints here once ready",
+     &g_args.ports_file, 0, 0},
+    KM_SEC_OPT_ROWS(&g_args.sec),
+    {"log-level", NULL, KM_OPT_STR, "info", "debug, info, warn, error", &g_args.log_level, 0, 0},
+    {"log-format", NULL, KM_OPT_STR, "text", "text or json", &g_args.log_format, 0, 0},
+};
+
 int main(int argc, char **argv)
 {
-    wk_args a = {0};
-    const km_opt opts[] = {
-        {"model", NULL, KM_OPT_STR, NULL, "GGUF model (default: $KVMESH_MODEL or the SmolLM2 file)",
-         &a.model, 0, 0},
-        {"threads", NULL, KM_OPT_INT, "0", "engine threads; 0 = all cores", &a.threads, 0, 1024},
-        {"listen", NULL, KM_OPT_STR, "tcp://127.0.0.1:7100",
-         "requests/admin ROUTER endpoint (tcp://HOST:* picks a free port)", &a.listen, 0, 0},
-        {"events", NULL, KM_OPT_STR, "tcp://127.0.0.1:7101", "KV events PUB endpoint; empty = none",
-         &a.events, 0, 0},
-        {"controller", NULL, KM_OPT_STR, NULL, "controller endpoint for heartbeats; unset = none",
-         &a.controller, 0, 0},
-        {"admin-host", NULL, KM_OPT_STR, "127.0.0.1", "admin HTTP host", &a.admin_host, 0, 0},
-        {"admin-port", NULL, KM_OPT_INT, "9100", "admin HTTP port; 0 = ephemeral, -1 = off",
-         &a.admin_port, -1, 65535},
-        {"worker-id", NULL, KM_OPT_STR, NULL, "worker id; unset = worker-<pid>", &a.worker_id, 0,
-         0},
-        {"model-alias", NULL, KM_OPT_STR, NULL, "another model name requests may use", &a.alias, 0,
-         0},
-        {"kv-bytes", NULL, KM_OPT_SIZE, "0", "hot-tier KV budget; 0 = the engine default",
-         &a.kv_bytes, 0, 0},
-        {"kv-host-bytes", NULL, KM_OPT_SIZE, "0", "host-RAM KV tier budget; 0 = no host tier",
-         &a.kv_host_bytes, 0, 0},
-        {"kv-disk-dir", NULL, KM_OPT_STR, NULL,
-         "disk KV tier directory (pages survive restarts); unset = no disk tier", &a.kv_disk_dir, 0,
-         0},
-        {"kv-disk-bytes", NULL, KM_OPT_SIZE, "0", "disk KV tier budget; 0 = 1G when a dir is set",
-         &a.kv_disk_bytes, 0, 0},
-        {"cluster-secret", NULL, KM_OPT_STR, NULL,
-         "the cluster secret file (KEYDIR/cluster.secret, mode 0600): disk pages carry a keyed "
-         "MAC and a page without a valid one is dropped, never served; unset = checksum only",
-         &a.cluster_secret, 0, 0},
-        {"kv-format", NULL, KM_OPT_STR, "f16", "KV page format: f16, bf16, fp8, int8, int4",
-         &a.kv_format, 0, 0},
-        {"page-tokens", NULL, KM_OPT_INT, "16", "tokens per KV page (power of two)", &a.page_tokens,
-         1, 4096},
-        {"max-batch-tokens", NULL, KM_OPT_INT, "512", "tokens per engine step", &a.max_batch, 1,
-         65536},
-        {"prefill-chunk", NULL, KM_OPT_INT, "256", "most prompt tokens of one sequence per step",
-         &a.prefill_chunk, 1, 65536},
-        {"decode-prefill", NULL, KM_OPT_INT, "0",
-         "most prompt tokens in a step that also decodes (caps inter-token latency spikes while "
-         "new prompts arrive); 0 = no extra cap",
-         &a.decode_prefill, 0, 65536},
-        {"step-budget", NULL, KM_OPT_DURATION, "1s",
-         "time one engine step should take at most: prefill chunks are sized to it from measured "
-         "step times; 0 = no bound",
-         &a.step_budget_ms, 0, 3600000},
-        {"max-running", NULL, KM_OPT_INT, "64", "sequences decoded together", &a.max_running, 1,
-         4096},
-        {"max-queue", NULL, KM_OPT_INT, "1024", "requests waiting for a slot", &a.max_queue, 1,
-         1 << 20},
-        {"max-ctx", NULL, KM_OPT_INT, "4096", "prompt + completion tokens per request", &a.max_ctx,
-         2, 1 << 20},
-        {"default-max-tokens", NULL, KM_OPT_INT, "256", "completion length when a request says 0",
-         &a.default_max_tokens, 1, 1 << 20},
-        {"speculate", NULL, KM_OPT_STR, "auto",
-         "speculative decoding for requests that do not say: auto (suffix drafts where the "
-         "step-cost budget says they pay; output unchanged) or off",
-         &a.speculate, 0, 0},
-        {"spec-max-draft", NULL, KM_OPT_INT, "16", "draft tokens per request and step at most",
-         &a.spec_max_draft, 1, 64},
-        {"spec-factor", NULL, KM_OPT_FLOAT, "1", "draft length at most this times the match length",
-         &a.spec_factor, 0, 0},
-        {"spec-index-bytes", NULL, KM_OPT_SIZE, "32M",
-         "memory of the index over earlier outputs that drafts come from (all tenants; each sees "
-         "only its own)",
-         &a.spec_index_bytes, 0, 0},
-        {"heartbeat", NULL, KM_OPT_DURATION, "1s", "heartbeat interval", &a.heartbeat_ms, 10,
-         3600000},
-        {"drain-timeout", NULL, KM_OPT_DURATION, "30s",
-         "grace before in-flight requests are handed back on drain", &a.drain_ms, 1, 86400000},
-        {"event-replay", NULL, KM_OPT_INT, "65536", "KV events kept for replay", &a.event_replay,
-         16, 1 << 24},
-        {"cluster-seed", NULL, KM_OPT_INT, "0", "page-hash seed shared by the cluster",
-         &a.cluster_seed, 0, 0},
-        {"max-frame", NULL, KM_OPT_SIZE, "1M", "largest frame accepted", &a.max_frame, 0, 0},
-        {"chaos", NULL, KM_OPT_BOOL, "false",
-         "accept the fault-injection admin command `pressure` (tests, `kvmesh chaos`)", &a.chaos, 0,
-         0},
-        {"peer-listen", NULL, KM_OPT_STR, NULL,
-         "KV page transfer: listen for peers on HOST:PORT (port 0 = ephemeral); unset = no "
-         "transfer node (pull hints are ignored)",
-         &a.peer_listen, 0, 0},
-        {"peer-advertise", NULL, KM_OPT_STR, "127.0.0.1",
-         "KV page transfer: the host peers connect to (this worker's address on their network)",
-         &a.peer_advertise, 0, 0},
-        {"peer-mode", NULL, KM_OPT_STR, "am",
-         "KV page transfer: am (active messages, default) or get (one-sided reads; RDMA)",
-         &a.peer_mode, 0, 0},
-        {"peer-lease-ms", NULL, KM_OPT_DURATION, "10s",
-         "KV page transfer: how long pages offered to a peer stay pinned", &a.peer_lease_ms, 1,
-         3600000},
-        {"peer-pull-ms", NULL, KM_OPT_DURATION, "2s",
-         "KV page transfer: a pull's budget when its hint names none (then the pages are "
-         "computed)",
-         &a.peer_pull_ms, 1, 3600000},
-        {"ports-file", NULL, KM_OPT_STR, NULL, "write the bound endpoints here once ready",
-         &a.ports_file, 0, 0},
-        KM_SEC_OPT_ROWS(&a.sec),
-        {"log-level", NULL, KM_OPT_STR, "info", "debug, info, warn, error", &a.log_level, 0, 0},
-        {"log-format", NULL, KM_OPT_STR, "text", "text or json", &a.log_format, 0, 0},
-    };
+    wk_args *a = &g_args;
     km_errbuf err = {{0}};
     km_config *cfg = NULL;
     int crc = km_daemon_config("kvmesh-worker", "serve one model replica over ZeroMQ (kvmesh)",
-                               opts, sizeof opts / sizeof opts[0], argc, argv, &a.log_level,
-                               &a.log_format, &cfg);
+                               g_opts, sizeof g_opts / sizeof g_opts[0], argc, argv, &a->log_level,
+                               &a->log_format, &cfg);
     if (crc) return crc == 1 ? 0 : 2;
     kv_format fmt;
-    if (kv_format_parse(a.kv_format, &fmt)) {
-        fprintf(stderr, "kvmesh-worker: unknown --kv-format %s\n", a.kv_format);
+    if (kv_format_parse(a->kv_format, &fmt)) {
+        fprintf(stderr, "kvmesh-worker: unknown --kv-format %s\n", a->kv_format);
         km_config_destroy(cfg);
         return 2;
     }
-    int spec_mode = !strcmp(a.speculate, "auto")  ? WK_SPEC_AUTO
-                    : !strcmp(a.speculate, "off") ? WK_SPEC_OFF
-                                                  : 0;
-    if (!spec_mode || !(a.spec_factor > 0) || a.spec_index_bytes < 4096) {
+    int spec_mode = !strcmp(a->speculate, "auto")  ? WK_SPEC_AUTO
+                    : !strcmp(a->speculate, "off") ? WK_SPEC_OFF
+                                                   : 0;
+    if (!spec_mode || !(a->spec_factor > 0) || a->spec_index_bytes < 4096) {
         fprintf(stderr, "kvmesh-worker: --speculate is auto or off, --spec-factor > 0, "
                         "--spec-index-bytes >= 4K\n");
         km_config_destroy(cfg);
@@ -169,34 +173,35 @@ int main(int argc, char **argv)
     km_zsec *sec = NULL;
     char default_id[32];
     snprintf(default_id, sizeof default_id, "worker-%d", (int)getpid());
-    if (km_sec_daemon_open(&a.sec, "kvmesh-worker", a.worker_id ? a.worker_id : default_id, &sec,
+    if (km_sec_daemon_open(&a->sec, "kvmesh-worker", a->worker_id ? a->worker_id : default_id, &sec,
                            &err)) {
         fprintf(stderr, "kvmesh-worker: %s\n", err.msg);
         km_config_destroy(cfg);
         return 2;
     }
     uint8_t secret[KM_SECRET_BYTES];
-    if (a.cluster_secret && *a.cluster_secret && km_secret_load(a.cluster_secret, secret, &err)) {
+    if (a->cluster_secret && *a->cluster_secret &&
+        km_secret_load(a->cluster_secret, secret, &err)) {
         fprintf(stderr, "kvmesh-worker: --cluster-secret: %s\n", err.msg);
         km_zsec_close(sec);
         km_config_destroy(cfg);
         return 2;
     }
-    const char *path = a.model ? a.model : wk_default_model_path();
+    const char *path = a->model ? a->model : wk_default_model_path();
     if (wk_model_load(path, &m, &err)) {
         KM_ERROR("model_load", "path=%s msg=\"%s\"", path, err.msg);
         goto out;
     }
-    wk_engine_opts eo = {.n_threads = (int)a.threads,
-                         .max_batch_tokens = (int)a.max_batch,
-                         .kv_bytes = (size_t)a.kv_bytes,
+    wk_engine_opts eo = {.n_threads = (int)a->threads,
+                         .max_batch_tokens = (int)a->max_batch,
+                         .kv_bytes = (size_t)a->kv_bytes,
                          .kv_format = fmt,
-                         .page_tokens = (int)a.page_tokens,
-                         .kv_host_bytes = (size_t)a.kv_host_bytes,
-                         .kv_disk_dir = a.kv_disk_dir,
-                         .kv_disk_bytes = (size_t)a.kv_disk_bytes,
-                         .kv_disk_secret = a.cluster_secret && *a.cluster_secret ? secret : NULL,
-                         .kv_arena = a.peer_listen && a.peer_listen[0]};
+                         .page_tokens = (int)a->page_tokens,
+                         .kv_host_bytes = (size_t)a->kv_host_bytes,
+                         .kv_disk_dir = a->kv_disk_dir,
+                         .kv_disk_bytes = (size_t)a->kv_disk_bytes,
+                         .kv_disk_secret = a->cluster_secret && *a->cluster_secret ? secret : NULL,
+                         .kv_arena = a->peer_listen && a->peer_listen[0]};
     int erc = wk_engine_create(m, &eo, &e, &err);
     explicit_bzero(secret, sizeof secret); /* the store derived its page key at create */
     if (erc) {
@@ -204,38 +209,38 @@ int main(int argc, char **argv)
         goto out;
     }
     wk_service_opts so = {
-        .worker_id = a.worker_id,
-        .listen = a.listen,
-        .events = a.events,
-        .controller = a.controller,
-        .admin_host = a.admin_host,
-        .admin_port = (int)a.admin_port,
-        .model_alias = a.alias,
-        .ports_file = a.ports_file,
-        .heartbeat_ms = (int)a.heartbeat_ms,
-        .drain_timeout_ms = (int)a.drain_ms,
-        .event_replay = (int)a.event_replay,
-        .max_frame = (int)(a.max_frame > (1u << 30) ? (1u << 30) : a.max_frame),
-        .chaos = a.chaos,
+        .worker_id = a->worker_id,
+        .listen = a->listen,
+        .events = a->events,
+        .controller = a->controller,
+        .admin_host = a->admin_host,
+        .admin_port = (int)a->admin_port,
+        .model_alias = a->alias,
+        .ports_file = a->ports_file,
+        .heartbeat_ms = (int)a->heartbeat_ms,
+        .drain_timeout_ms = (int)a->drain_ms,
+        .event_replay = (int)a->event_replay,
+        .max_frame = (int)(a->max_frame > (1u << 30) ? (1u << 30) : a->max_frame),
+        .chaos = a->chaos,
         .sec = sec,
-        .peer_listen = a.peer_listen,
-        .peer_advertise = a.peer_advertise,
-        .peer_mode = a.peer_mode,
-        .peer_lease_ms = (int)a.peer_lease_ms,
-        .peer_pull_ms = (int)a.peer_pull_ms,
-        .sched = {.max_running = (int)a.max_running,
-                  .max_queue = (int)a.max_queue,
-                  .max_batch_tokens = (int)a.max_batch,
-                  .prefill_chunk = (int)a.prefill_chunk,
-                  .decode_prefill = (int)a.decode_prefill,
-                  .step_budget_ms = (int)a.step_budget_ms,
-                  .max_ctx = (int)a.max_ctx,
-                  .default_max_tokens = (int)a.default_max_tokens,
-                  .cluster_seed = (uint64_t)a.cluster_seed,
+        .peer_listen = a->peer_listen,
+        .peer_advertise = a->peer_advertise,
+        .peer_mode = a->peer_mode,
+        .peer_lease_ms = (int)a->peer_lease_ms,
+        .peer_pull_ms = (int)a->peer_pull_ms,
+        .sched = {.max_running = (int)a->max_running,
+                  .max_queue = (int)a->max_queue,
+                  .max_batch_tokens = (int)a->max_batch,
+                  .prefill_chunk = (int)a->prefill_chunk,
+                  .decode_prefill = (int)a->decode_prefill,
+                  .step_budget_ms = (int)a->step_budget_ms,
+                  .max_ctx = (int)a->max_ctx,
+                  .default_max_tokens = (int)a->default_max_tokens,
+                  .cluster_seed = (uint64_t)a->cluster_seed,
                   .spec = {.mode = spec_mode,
-                           .max_draft = (int)a.spec_max_draft,
-                           .factor = (float)a.spec_factor,
-                           .index_bytes = (size_t)a.spec_index_bytes}},
+                           .max_draft = (int)a->spec_max_draft,
+                           .factor = (float)a->spec_factor,
+                           .index_bytes = (size_t)a->spec_index_bytes}},
     };
     if (wk_service_create(m, e, &so, &g_svc, &err)) {
         KM_ERROR("service_create", "msg=\"%s\"", err.msg);
@@ -244,7 +249,7 @@ int main(int argc, char **argv)
     KM_INFO("worker_start",
             "model=%s threads=%d isa=%s kv_format=%s kv_pages=%d speculate=%s chaos=%d", path,
             wk_engine_threads(e), wk_engine_isa(e), kv_format_name(fmt),
-            kv_store_pages_total(wk_engine_kv(e)), a.speculate, (int)a.chaos);
+            kv_store_pages_total(wk_engine_kv(e)), a->speculate, (int)a->chaos);
     km_daemon_signals(wk_on_signal);
     status = wk_service_run(g_svc);
     KM_INFO("worker_exit", "status=%d", status);

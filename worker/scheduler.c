@@ -28,6 +28,9 @@
  *    request's first token does not wait for a long prompt's whole prefill; every prompt still
  *    gets at least a page per step. The engine's output does not depend on how a prompt is
  *    chunked or what shares its step, so none of this changes a token.
+ *  - Budgets and capacities are asserted where they must hold (a step's tokens within
+ *    max_batch_tokens, a chunk within prefill_chunk, the queue's room for every preempted
+ *    request, the running set within max_running); nothing defines NDEBUG, so every build checks.
  *  - Every per-step buffer is sized at create; requests allocate only at submit and admission.
  *  - Outputs do not depend on batch composition: the engine's forward is batch-invariant and
  *    each sequence has its own sampler.
@@ -43,7 +46,7 @@
 #include <string.h>
 
 #include "worker/spec.h"
-#include "worker/worker.h"
+#include "worker/scheduler.h"
 
 typedef struct wk_rq {
     uint64_t rid;
@@ -272,6 +275,8 @@ int wk_sched_submit(wk_sched *s, const wk_sched_req *q, uint64_t *rid)
     r->ignore_eos = q->ignore_eos;
     r->deadline_ns = q->deadline_ns;
     r->arrival_ns = q->arrival_ns ? q->arrival_ns : km_now_ns();
+    /* held requests never outnumber the queue's room: a preempted one goes back there */
+    assert(s->n_queue + s->n_run < s->queue_cap);
     s->queue[s->n_queue++] = r;
     if (rid) *rid = r->rid;
     return 0;
@@ -437,6 +442,7 @@ static void wk_rq_preempt(wk_sched *s, int i)
     r->preemptions++;
     s->st.preemptions++;
     wk_remove_at(s->run, &s->n_run, i);
+    assert(s->n_queue + s->n_run < s->queue_cap);
     s->queue[s->n_queue++] = r;
     s->admit_blocked = 1;
     KM_INFO("sched_preempt", "rid=%llu tokens=%d priority=%d running=%d",
@@ -503,6 +509,7 @@ static void wk_sched_admit(wk_sched *s, uint64_t now)
             continue;
         }
         s->admit_blocked = 0;
+        assert(s->n_run < s->o.max_running && r->n_done < r->n_tok); /* its last token computed */
         s->run[s->n_run++] = r;
     }
 }
@@ -591,6 +598,7 @@ static int wk_sched_build(wk_sched *s, int *n_parts)
             if (take > budget - n) take = budget - n;
             if (pass == 1) take = wk_budget_take(s, r, take);
             if (take <= 0) continue;
+            assert(take <= s->o.prefill_chunk && n + take + nd <= s->o.max_batch_tokens);
             s->step_units += wk_units(s, r->n_done, take + nd, r->n_done + take == r->n_tok);
             if (pass == 1) s->step_prefill += take;
             for (int j = 0; j < take; j++) {
@@ -611,6 +619,7 @@ static int wk_sched_build(wk_sched *s, int *n_parts)
             n += take + nd;
         }
     }
+    assert(n <= s->o.max_batch_tokens && np <= s->n_run);
     *n_parts = np;
     return n;
 }

@@ -18,7 +18,7 @@
 #ifndef WK_SERVICE_INTERNAL_H
 #define WK_SERVICE_INTERNAL_H
 
-#include "worker/worker.h"
+#include "worker/scheduler.h"
 
 #include <pthread.h>
 #include <signal.h>

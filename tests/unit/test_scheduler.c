@@ -10,7 +10,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "worker/worker.h"
+#include "worker/scheduler.h"
 
 #define MODEL "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 /* Under the sanitizers the engine is an order of magnitude slower: fewer requests there. */

@@ -11,7 +11,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "worker/worker.h"
+#include "worker/scheduler.h"
 
 #define MODEL   "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 #define FIXTURE "tests/fixtures/llamacpp/greedy_smollm2.txt"
