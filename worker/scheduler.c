@@ -31,6 +31,9 @@
  *  - Budgets and capacities are asserted where they must hold (a step's tokens within
  *    max_batch_tokens, a chunk within prefill_chunk, the queue's room for every preempted
  *    request, the running set within max_running); nothing defines NDEBUG, so every build checks.
+ *  - The engine is reached only through wk_sched_engine (its step, its end-of-generation test,
+ *    its KV store and shapes), so tests/unit/test_scheduler_fake.c runs the scheduler on a fake
+ *    engine that needs no model file.
  *  - Every per-step buffer is sized at create; requests allocate only at submit and admission.
  *  - Outputs do not depend on batch composition: the engine's forward is batch-invariant and
  *    each sequence has its own sampler.
@@ -71,11 +74,16 @@ typedef struct wk_part {
     int draft; /* of n, draft tokens after the sequence's token (all n produce logits) */
 } wk_part;
 
-struct wk_sched {
+/* The real engine behind wk_sched_engine (wk_sched_create). */
+typedef struct wk_real_engine {
     wk_engine *e;
-    const wk_model *m;
-    kv_store *kv;
     const km_tokenizer *tok;
+} wk_real_engine;
+
+struct wk_sched {
+    wk_sched_engine eng;
+    wk_real_engine real; /* eng.ctx points here when created over a wk_engine */
+    kv_store *kv;
     wk_sched_opts o;
     wk_sched_cb cb;
     int n_vocab, pt;
@@ -128,18 +136,47 @@ static int wk_budget_take(wk_sched *s, const wk_rq *r, int take)
     return lo;
 }
 
+static int wk_real_step(void *ctx, const wk_batch *b, const float **logits)
+{
+    return wk_engine_step(((wk_real_engine *)ctx)->e, b, logits);
+}
+
+static int wk_real_is_eog(void *ctx, int32_t token)
+{
+    return km_tok_is_eog(((wk_real_engine *)ctx)->tok, token);
+}
+
 int wk_sched_create(wk_engine *e, const wk_model *m, const wk_sched_opts *o, const wk_sched_cb *cb,
                     wk_sched **out, km_errbuf *err)
 {
     *out = NULL;
     if (!e || !m || !cb)
         return km_errf(err, KM_EINVAL, "sched: engine, model and callbacks needed");
+    char fp[33];
+    wk_model_fingerprint_hex(m, fp);
+    wk_sched_engine eng = {.kv = wk_engine_kv(e),
+                           .hp = wk_model_hparams(m),
+                           .fingerprint = fp,
+                           .step = wk_real_step,
+                           .is_eog = wk_real_is_eog};
+    int rc = wk_sched_create_on(&eng, o, cb, out, err);
+    if (rc) return rc;
+    (*out)->real = (wk_real_engine){e, wk_model_tokenizer(m)};
+    (*out)->eng.ctx = &(*out)->real;
+    return 0;
+}
+
+int wk_sched_create_on(const wk_sched_engine *eng, const wk_sched_opts *o, const wk_sched_cb *cb,
+                       wk_sched **out, km_errbuf *err)
+{
+    *out = NULL;
+    if (!eng || !eng->kv || !eng->hp || eng->hp->n_vocab < 1 || !eng->step || !eng->is_eog || !cb)
+        return km_errf(err, KM_EINVAL, "sched: engine, KV store, shapes and callbacks needed");
     wk_sched *s = calloc(1, sizeof *s);
     if (!s) return km_errf(err, KM_ENOMEM, "sched: out of memory");
-    s->e = e;
-    s->m = m;
-    s->kv = wk_engine_kv(e);
-    s->tok = wk_model_tokenizer(m);
+    s->eng = *eng;
+    s->eng.hp = NULL; /* read below; the caller's copy need not outlive this call */
+    s->kv = eng->kv;
     s->cb = *cb;
     s->o = o ? *o : (wk_sched_opts){0};
     if (s->o.max_running <= 0) s->o.max_running = 64;
@@ -150,7 +187,7 @@ int wk_sched_create(wk_engine *e, const wk_model *m, const wk_sched_opts *o, con
     if (s->o.max_ctx <= 0) s->o.max_ctx = 4096;
     if (s->o.default_max_tokens <= 0) s->o.default_max_tokens = 256;
     if (s->o.aging_per_s <= 0) s->o.aging_per_s = 20;
-    const wk_hparams *hp = wk_model_hparams(m);
+    const wk_hparams *hp = eng->hp;
     s->n_vocab = hp->n_vocab;
     double q_dim = (double)hp->n_head * hp->head_dim, kv_dim = (double)hp->n_head_kv * hp->head_dim;
     s->u_tok =
@@ -158,7 +195,8 @@ int wk_sched_create(wk_engine *e, const wk_model *m, const wk_sched_opts *o, con
     s->u_att = 4.0 * hp->n_layers * q_dim;
     s->u_row = 2.0 * hp->n_embd * hp->n_vocab;
     s->pt = kv_store_page_tokens(s->kv);
-    wk_model_fingerprint_hex(m, s->fp);
+    snprintf(s->fp, sizeof s->fp, "%s", eng->fingerprint ? eng->fingerprint : "");
+    s->eng.fingerprint = s->fp;
     s->next_rid = 1;
     /* Preempted sequences go back to the queue, so it holds room for every running one too. */
     s->queue_cap = s->o.max_queue + s->o.max_running;
@@ -645,7 +683,7 @@ static int wk_index_of(wk_rq **a, int n, const wk_rq *r)
 static int wk_rq_push(wk_sched *s, wk_rq *r, int32_t t, uint64_t now, km_finish *fin)
 {
     if (!r->first_ns) r->first_ns = now;
-    if (!r->ignore_eos && km_tok_is_eog(s->tok, t)) {
+    if (!r->ignore_eos && s->eng.is_eog(s->eng.ctx, t)) {
         *fin = KM_FINISH_STOP;
         return 1;
     }
@@ -722,7 +760,7 @@ int wk_sched_step(wk_sched *s)
                       .seqs = s->b_seq,
                       .logits = s->b_want};
         t0 = km_now_ns();
-        int rc = wk_engine_step(s->e, &b, &logits);
+        int rc = s->eng.step(s->eng.ctx, &b, &logits);
         if (rc >= 0) {
             wk_spec_observe_step(s->spec, n, (km_now_ns() - t0) / 1e6);
             break;

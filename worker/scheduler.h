@@ -71,8 +71,28 @@ typedef struct wk_sched_stats {
     uint64_t spec_drafted, spec_accepted, spec_rejected, spec_verifies, spec_backoffs;
 } wk_sched_stats;
 
+/* What the scheduler needs of an engine and its model. wk_sched_create fills it from a wk_engine
+ * and its wk_model; tests/unit/test_scheduler_fake.c puts a fake engine behind it, so budgets,
+ * chunking and preemption are tested without the model file. */
+typedef struct wk_sched_engine {
+    kv_store *kv;            /* the store the engine keeps the batch's KV in */
+    const wk_hparams *hp;    /* shapes: n_vocab (a logits row's floats) and what a step's work
+                              * is counted in (the step budget's units); read at create */
+    const char *fingerprint; /* the model's, as wk_model_fingerprint_hex: seeds page hashes */
+    /* As wk_engine_step: n_out rows of logits, or a negative km_err (KM_ENOSPC: the KV store is
+     * full and nothing of the batch was computed). */
+    int (*step)(void *ctx, const wk_batch *b, const float **logits);
+    /* Non-zero when `token` ends generation (km_tok_is_eog). */
+    int (*is_eog)(void *ctx, int32_t token);
+    void *ctx;
+} wk_sched_engine;
+
 int wk_sched_create(wk_engine *e, const wk_model *m, const wk_sched_opts *o, const wk_sched_cb *cb,
                     wk_sched **out, km_errbuf *err);
+/* The same over any engine behind the interface above (copied; its ctx must outlive the
+ * scheduler). */
+int wk_sched_create_on(const wk_sched_engine *eng, const wk_sched_opts *o, const wk_sched_cb *cb,
+                       wk_sched **out, km_errbuf *err);
 /* Frees everything; requests still held get no callback. */
 void wk_sched_destroy(wk_sched *s);
 /* Queues a request; *rid (may be NULL) identifies it for wk_sched_cancel. KM_EOVERLOAD when the
