@@ -13,6 +13,7 @@
 #ifndef PEER_INTERNAL_H
 #define PEER_INTERNAL_H
 
+#include <pthread.h>
 #include <stdatomic.h>
 
 #include "peer/peer.h"
@@ -135,7 +136,11 @@ struct pr_node {
     uint64_t next_pull_id;
     pr_stats st;
     _Atomic int endpoints; /* server and client endpoints alive (back end) */
-    int closed;            /* the back end is gone (pr_node_destroy): nothing more to tell it */
+    /* The leases list and what their offers describe, against the back end's lookups
+     * (pr_lease_allows, from its progress thread); the owner thread takes it to change them. */
+    pthread_mutex_t lease_mu;
+    _Atomic uint64_t fetches_refused; /* reads asked of pages no live lease offered */
+    int closed; /* the back end is gone (pr_node_destroy): nothing more to tell it */
 };
 
 /* pull.c — called by the back end's progress thread when page i's read completed (ok) or
@@ -149,6 +154,11 @@ void pr_peer_unref(pr_node *n, pr_peer *p);
 
 /* serve.c */
 void pr_leases_expire(pr_node *n, uint64_t now_ns);
+/* 1 when a live lease of pull pull_id offered exactly this page (region, address, size): what a
+ * holder answering a fetch checks, so that a reader gets only pages offered to that pull while
+ * the lease lasts, never the rest of the registered memory (another tenant's pages). Any
+ * thread. */
+int pr_lease_allows(pr_node *n, uint64_t pull_id, uint32_t region, uint64_t addr, uint64_t bytes);
 int pr_leases_emit(pr_node *n, pr_offer *out, int max);
 void pr_leases_free(pr_node *n);
 

@@ -34,14 +34,18 @@ int pr_node_create(const pr_config *cfg, pr_node **out, km_errbuf *err)
     n->ops = ops;
     n->next_pull_id = 1;
     atomic_init(&n->endpoints, 0);
+    atomic_init(&n->fetches_refused, 0);
+    pthread_mutex_init(&n->lease_mu, NULL);
     n->n_regions = kv_store_mem_regions(n->store, n->regions, PR_MAX_REGIONS);
     if (n->n_regions <= 0 || n->n_regions > PR_MAX_REGIONS) {
+        pthread_mutex_destroy(&n->lease_mu);
         free(n);
         return km_errf(err, KM_EINVAL,
                        "peer node: the store has no page arena (create it with arena = 1)");
     }
     int rc = ops->open(n, err);
     if (rc) {
+        pthread_mutex_destroy(&n->lease_mu);
         free(n);
         return rc;
     }
@@ -76,6 +80,7 @@ void pr_node_destroy(pr_node *n)
         free(p);
     }
     free(n->addr);
+    pthread_mutex_destroy(&n->lease_mu);
     free(n);
 }
 
@@ -173,6 +178,8 @@ void pr_node_stats(const pr_node *n, pr_stats *out)
 {
     *out = n->st;
     out->endpoints = atomic_load_explicit(&((pr_node *)n)->endpoints, memory_order_relaxed);
+    out->fetches_refused =
+        atomic_load_explicit(&((pr_node *)n)->fetches_refused, memory_order_relaxed);
     out->pulls_active = 0;
     for (const pr_pull *p = n->pulls; p; p = p->next) out->pulls_active++;
     for (const pr_pull *p = n->zombies; p; p = p->next) out->pulls_active++;

@@ -186,6 +186,7 @@ int pr_node_poll(pr_node *n, pr_offer *out, int max);
 typedef struct pr_stats {
     uint64_t pulls, pulls_ok, pulls_failed, pages_in, bytes_in;
     uint64_t offers, pages_out, bytes_out, leases_expired;
+    uint64_t fetches_refused; /* reads asked of pages no live lease offered (holder side) */
     uint64_t peers_failed, dropped[PR_DROP_COUNT];
     int peers, pulls_active, leases_active, endpoints; /* alive now */
 } pr_stats;

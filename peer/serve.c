@@ -7,6 +7,12 @@
  *
  * Offers leave through pr_node_poll rather than from pr_serve itself because a page on the
  * host tier is first promoted by the store's promoter thread: the owner never waits for it.
+ *
+ * A holder answering fetches (AM mode) serves only what a live lease of that pull offered
+ * (pr_lease_allows): the registered memory holds every tenant's pages, and neither the pull id
+ * nor UCX's connection says who asks, so the offer is the grant. The owner thread changes the
+ * list and a lease's description under lease_mu; the back end's progress thread reads them
+ * under it.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -19,8 +25,10 @@ static pr_lease *pr_lease_refuse(pr_node *n, uint64_t pull_id, int status)
     if (!l) return NULL;
     l->pull_id = pull_id;
     l->status = status;
+    pthread_mutex_lock(&n->lease_mu);
     l->next = n->leases;
     n->leases = l;
+    pthread_mutex_unlock(&n->lease_mu);
     return l;
 }
 
@@ -34,24 +42,28 @@ int pr_serve(pr_node *n, const pr_pull_req *req)
     }
     pr_lease *l = pr_lease_refuse(n, req->pull_id, 0);
     if (!l) return KM_ENOMEM;
-    l->deadline_ns = km_now_ns() + (uint64_t)n->cfg.lease_ms * 1000000ull;
-    int held =
-        kv_export_begin(n->store, req->hashes, req->tokens, req->n_pages, l->deadline_ns, &l->id);
+    uint64_t deadline = km_now_ns() + (uint64_t)n->cfg.lease_ms * 1000000ull, id = 0;
+    int held = kv_export_begin(n->store, req->hashes, req->tokens, req->n_pages, deadline, &id);
     if (held <= req->first) {
-        if (l->id) kv_export_end(n->store, l->id);
-        l->id = 0;
+        if (id) kv_export_end(n->store, id);
         l->status = held < 0 ? held : KM_ENOTFOUND;
         return 0;
     }
+    pthread_mutex_lock(&n->lease_mu);
+    l->deadline_ns = deadline;
+    l->id = id;
     l->first = req->first;
     l->n = held - req->first;
+    pthread_mutex_unlock(&n->lease_mu);
     return 0;
 }
 
 static void pr_lease_free(pr_node *n, pr_lease **lp)
 {
     pr_lease *l = *lp;
+    pthread_mutex_lock(&n->lease_mu);
     *lp = l->next;
+    pthread_mutex_unlock(&n->lease_mu);
     if (l->id) kv_export_end(n->store, l->id);
     free(l->descs);
     free(l->tokens);
@@ -93,15 +105,17 @@ static int pr_lease_describe(pr_node *n, pr_lease *l)
         free(xp);
         return rc;
     }
-    l->descs = calloc((size_t)l->n, sizeof *l->descs);
-    l->tokens = malloc(sizeof(int32_t) * (size_t)l->n * pt);
-    if (!l->descs || !l->tokens) {
+    pr_page_desc *descs = calloc((size_t)l->n, sizeof *descs);
+    int32_t *tokens = malloc(sizeof(int32_t) * (size_t)l->n * pt);
+    if (!descs || !tokens) {
+        free(descs);
+        free(tokens);
         free(xp);
         return KM_ENOMEM;
     }
     int m = 0;
     for (; m < l->n && xp[m].region >= 0; m++) { /* a page outside the arena cannot be read */
-        pr_page_desc *d = &l->descs[m];
+        pr_page_desc *d = &descs[m];
         d->index = xp[m].index;
         d->format = (int32_t)xp[m].format;
         d->hash = xp[m].hash;
@@ -110,11 +124,15 @@ static int pr_lease_describe(pr_node *n, pr_lease *l)
         d->addr = (uint64_t)(uintptr_t)xp[m].buf;
         d->bytes = xp[m].bytes;
         d->checksum = xp[m].checksum;
-        memcpy(l->tokens + (size_t)m * pt, xp[m].tokens, sizeof(int32_t) * pt);
+        memcpy(tokens + (size_t)m * pt, xp[m].tokens, sizeof(int32_t) * pt);
         n->st.bytes_out += xp[m].bytes;
     }
     free(xp);
+    pthread_mutex_lock(&n->lease_mu); /* published whole: a fetch sees all of it or none */
+    l->descs = descs;
+    l->tokens = tokens;
     l->n = m;
+    pthread_mutex_unlock(&n->lease_mu);
     return m ? 0 : KM_ENOTFOUND;
 }
 
@@ -128,8 +146,10 @@ int pr_leases_emit(pr_node *n, pr_offer *out, int max)
             if (rc == KM_EAGAIN) continue;
             if (rc) {
                 kv_export_end(n->store, l->id);
+                pthread_mutex_lock(&n->lease_mu);
                 l->id = 0;
                 l->status = rc;
+                pthread_mutex_unlock(&n->lease_mu);
             }
         }
         l->emitted = 1;
@@ -147,6 +167,21 @@ int pr_leases_emit(pr_node *n, pr_offer *out, int max)
         if (l->id) n->st.pages_out += (uint64_t)l->n;
     }
     return k;
+}
+
+int pr_lease_allows(pr_node *n, uint64_t pull_id, uint32_t region, uint64_t addr, uint64_t bytes)
+{
+    uint64_t now = km_now_ns();
+    int ok = 0;
+    pthread_mutex_lock(&n->lease_mu);
+    for (const pr_lease *l = n->leases; l && !ok; l = l->next) {
+        if (!l->id || l->pull_id != pull_id || !l->descs || l->deadline_ns <= now) continue;
+        for (int i = 0; i < l->n && !ok; i++)
+            ok = l->descs[i].region == region && l->descs[i].addr == addr &&
+                 l->descs[i].bytes == bytes;
+    }
+    pthread_mutex_unlock(&n->lease_mu);
+    return ok;
 }
 
 void pr_leases_free(pr_node *n)

@@ -86,7 +86,8 @@ struct wk_peer {
     double rate_bps, lat_ms;
     uint64_t pulls_ok, pulls_failed;
     km_series *s_bytes_in, *s_bytes_out, *s_seconds, *s_pulls[3], *s_fail[PR_DROP_COUNT + 2];
-    uint64_t seen_out; /* bytes_out already counted */
+    km_series *s_refused;
+    uint64_t seen_out, seen_refused; /* bytes_out, fetches_refused already counted */
 };
 
 static const char *const wk_pull_outcomes[3] = {"ok", "partial", "failed"};
@@ -131,6 +132,11 @@ static int wk_peer_metrics(wk_service *s, wk_peer *p, km_errbuf *err)
     const char *refused = "refused", *no_offer = "no_offer";
     p->s_fail[PR_DROP_COUNT] = km_metric_series(m, &refused);
     p->s_fail[PR_DROP_COUNT + 1] = km_metric_series(m, &no_offer);
+    PREG(KM_COUNTER, "kvmesh_kv_transfer_reads_refused_total",
+         "Reads of this worker's pages it refused as a holder: the page was not offered by a live "
+         "lease of that pull (a peer probing the KV memory, or a read after its lease ran out).",
+         NULL, NULL, 0);
+    p->s_refused = km_metric_series(m, NULL);
 #undef PREG
     return 0;
 }
@@ -679,6 +685,10 @@ void wk_peer_poll(wk_service *s)
     if (st.bytes_out > p->seen_out) {
         km_counter_add(p->s_bytes_out, st.bytes_out - p->seen_out);
         p->seen_out = st.bytes_out;
+    }
+    if (st.fetches_refused > p->seen_refused) {
+        km_counter_add(p->s_refused, st.fetches_refused - p->seen_refused);
+        p->seen_refused = st.fetches_refused;
     }
     uint64_t now = km_now_ns();
     for (int i = 0; i < p->n_held;) {

@@ -417,6 +417,38 @@ Test(xfer_peer, the_first_page_bad_means_nothing_imported, .timeout = 120)
     g_bad = 3;
 }
 
+/* A holder's page that is inside its registered memory but was never offered: 16 bytes before
+ * the bad page, i.e. the tail of another page (what a reader probing the arena would ask for). */
+static void tamper_unoffered(pr_offer *o, pr_page_desc *d, int32_t *t)
+{
+    d[g_bad].addr -= 16;
+}
+
+Test(xfer_peer, a_holder_answers_only_reads_of_pages_its_lease_offered, .timeout = 120)
+{
+    /* AM mode: the holder checks every fetch against its live leases and refuses this one
+     * (counted), so the page fails as a transfer, not as bytes that arrived and were wrong */
+    const int n = 8;
+    duo *d = duo_open(SMALL, 16, n, PR_MODE_AM);
+    pr_pull_result r;
+    int got = pull(d->na, d->nb, d->peer, d->toks, d->hs, n, secs(60), tamper_unoffered, &r);
+    cr_assert_eq(got, g_bad);
+    cr_assert_eq(r.dropped[PR_DROP_TRANSFER], 1, "checksum %d transfer %d",
+                 r.dropped[PR_DROP_CHECKSUM], r.dropped[PR_DROP_TRANSFER]);
+    cr_assert_eq(r.dropped[PR_DROP_CHECKSUM], 0, "the holder sent bytes it never offered");
+    pr_stats st;
+    pr_node_stats(d->na, &st);
+    cr_assert_eq(st.fetches_refused, 1);
+    /* and an honest pull right after is served whole */
+    kv_store_evict_oldest_fraction(d->b, 1.0);
+    got = pull(d->na, d->nb, d->peer, d->toks, d->hs, n, secs(60), NULL, &r);
+    cr_assert_eq(got, n, "%s", km_strerror(r.status));
+    pr_node_stats(d->na, &st);
+    cr_assert_eq(st.fetches_refused, 1);
+    release_and_check(d->nb, d->peer, d->na, d->b, d->a);
+    duo_close(d);
+}
+
 /* ---------------------------------------------------------------- partial, leases, deadlines */
 
 Test(xfer_peer, a_holder_with_part_of_the_chain_offers_that_part, .timeout = 120)
