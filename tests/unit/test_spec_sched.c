@@ -197,12 +197,19 @@ Test(spec_sched, greedy_output_is_token_for_token_the_output_without_speculation
     same(ref, got, g_np, "batched");
     run_set(1, WK_SPEC_AUTO, 0.0f, one, &st1);
     same(ref, one, g_np, "alone");
-    /* Drafts were made, verified and mostly right on the repetitive prompts. */
-    cr_assert_gt(st1.spec_accepted, (uint64_t)GEN / 2, "accepted %llu",
-                 (unsigned long long)st1.spec_accepted);
+    /* Drafts were made, verified and mostly right on the repetitive prompts. How many the
+     * compute-aware budget grants depends on the measured step costs (on KVMESH_ISA=scalar a
+     * step is compute-bound and it grants fewer), so what is checked is that there were drafts
+     * and that most of them were right, not their number. */
+    cr_assert_gt(st1.spec_accepted, 0, "no draft accepted");
     cr_assert_gt(st.spec_verifies, 0);
-    cr_assert_gt(one[g_np - 2].u.accepted_draft_tokens, GEN / 3, "the copied paragraph");
-    cr_assert_gt(one[g_np - 1].u.accepted_draft_tokens, GEN / 3, "the repeated answer");
+    const char *what[2] = {"the copied paragraph", "the repeated answer"};
+    for (int k = 0; k < 2; k++) {
+        const wk_sched_usage *u = &one[g_np - 2 + k].u;
+        cr_assert_gt(u->draft_tokens, 0, "%s: no drafts", what[k]);
+        cr_assert_geq(2 * u->accepted_draft_tokens, u->draft_tokens, "%s: %d of %d drafts kept",
+                      what[k], u->accepted_draft_tokens, u->draft_tokens);
+    }
     /* Usage and statistics agree. */
     uint64_t drafted = 0, accepted = 0;
     for (int i = 0; i < g_np; i++) {
