@@ -242,17 +242,25 @@ typedef struct kill_ctx {
     int killed;
 } kill_ctx;
 
+/* The index of a worker with a request in flight (the router's status), or -1. */
+static int busy_worker(const proc *r)
+{
+    json_t *o = status(r);
+    size_t i;
+    json_t *wj;
+    int busy = -1;
+    json_array_foreach(json_object_get(o, "workers"), i,
+                       wj) if (json_integer_value(json_object_get(wj, "inflight")) > 0) busy =
+        (int)i;
+    json_decref(o);
+    return busy;
+}
+
 /* SIGKILLs the worker that has the request in flight. */
 static void kill_busy_worker(void *arg)
 {
     kill_ctx *k = arg;
-    json_t *o = status(k->r);
-    size_t i;
-    json_t *wj;
-    json_array_foreach(json_object_get(o, "workers"), i,
-                       wj) if (json_integer_value(json_object_get(wj, "inflight")) > 0) k->killed =
-        (int)i;
-    json_decref(o);
+    k->killed = busy_worker(k->r);
     cr_assert_geq(k->killed, 0, "no worker has the request in flight");
     kill(k->w[k->killed].pid, SIGKILL);
     it_wait_exit(&k->w[k->killed], 5000);
@@ -1192,15 +1200,7 @@ static int kill_every_8(void *user, uint32_t index, int32_t token, const char *t
     if (index == 0 || index % 8 || k->kills >= 4) return 0;
     /* the worker that has it now; none when the tokens read here were buffered while the last
      * kill's restart ran and the stream is between workers or done: the next multiple of 8 */
-    json_t *o = status(k->r);
-    size_t i;
-    json_t *wj;
-    int busy = -1;
-    json_array_foreach(json_object_get(o, "workers"), i,
-                       wj) if (json_integer_value(json_object_get(wj, "inflight")) > 0) busy =
-        (int)i;
-    json_decref(o);
-    if (busy < 0) return 0;
+    if (busy_worker(k->r) < 0) return 0;
     kill_ctx one = {k->r, k->w, -1};
     kill_busy_worker(&one);
     char req[512], ev[512];
