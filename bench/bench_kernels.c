@@ -47,6 +47,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench/bench_util.h"
 #include "kernels/cpu/internal.h"
 #include "worker/worker.h"
 
@@ -387,12 +388,6 @@ static void bk_nop_job(void *ctx, int ith, int nth)
     (void)ctx, (void)ith, (void)nth;
 }
 
-static int bk_cmp_double(const void *a, const void *b)
-{
-    const double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
 static int bk_pool(void)
 {
     kn_pool *p;
@@ -412,8 +407,8 @@ static int bk_pool(void)
         for (int j = 0; j < 100; j++) kn_pool_run(p, bk_nop_job, NULL);
         run[i] = (bk_wall() - t0) / 100;
     }
-    qsort(bar, BATCHES, sizeof(double), bk_cmp_double);
-    qsort(run, BATCHES, sizeof(double), bk_cmp_double);
+    qsort(bar, BATCHES, sizeof(double), bench_cmp_double);
+    qsort(run, BATCHES, sizeof(double), bench_cmp_double);
     printf("pool 2 threads: barrier %.0f ns best, %.0f ns median; empty run %.0f ns best, %.0f ns "
            "median\n",
            bar[0] * 1e9, bar[BATCHES / 2] * 1e9, run[0] * 1e9, run[BATCHES / 2] * 1e9);

@@ -20,6 +20,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "bench/bench_util.h"
 #include "common/svc.h"
 
 #define WORKER "build/bin/kvmesh-worker"
@@ -175,23 +176,6 @@ static double ask(const char *ep, uint64_t id, const int32_t *p, int n, const ch
     return ttft;
 }
 
-static double loadavg(void)
-{
-    double l = -1;
-    FILE *f = fopen("/proc/loadavg", "r");
-    if (f) {
-        if (fscanf(f, "%lf", &l) != 1) l = -1;
-        fclose(f);
-    }
-    return l;
-}
-
-static int cmp(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
 int main(int argc, char **argv)
 {
     int n = 2048, rounds = 3;
@@ -240,17 +224,18 @@ int main(int argc, char **argv)
             p2[i] = 200 + (int32_t)((seed >> 13) % 40000);
         }
         uint32_t c1 = 0, c2 = 0, ca = 0;
-        double l0 = loadavg();
+        double l0 = bench_load1();
         ask(a.req, 1000 + 2 * (uint64_t)r, p1, n, NULL, NULL, NULL, 0, &ca);
         ask(a.req, 1001 + 2 * (uint64_t)r, p2, n, NULL, NULL, NULL, 0, &ca);
         tp[r] = ask(b.req, 2000 + (uint64_t)r, p1, n, "wa", a.req, addr, addr_len, &c1);
         tc[r] = ask(b.req, 3000 + (uint64_t)r, p2, n, NULL, NULL, NULL, 0, &c2);
-        printf("%5d %12.1f %9u %14.1f %9u %5.1f-%-5.1f\n", r, tp[r], c1, tc[r], c2, l0, loadavg());
+        printf("%5d %12.1f %9u %14.1f %9u %5.1f-%-5.1f\n", r, tp[r], c1, tc[r], c2, l0,
+               bench_load1());
         fflush(stdout);
     }
     if (addr_len) {
-        qsort(tp, (size_t)rounds, sizeof *tp, cmp);
-        qsort(tc, (size_t)rounds, sizeof *tc, cmp);
+        qsort(tp, (size_t)rounds, sizeof *tp, bench_cmp_double);
+        qsort(tc, (size_t)rounds, sizeof *tc, bench_cmp_double);
         printf("median: pull %.1f ms, compute %.1f ms: %.1fx lower with the pull\n", tp[rounds / 2],
                tc[rounds / 2], tp[rounds / 2] > 0 ? tc[rounds / 2] / tp[rounds / 2] : 0);
     }

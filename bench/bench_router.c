@@ -27,6 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bench/bench_util.h"
 #include "client/kvmesh.h"
 #include "common/sec.h"
 #include "router/route.h"
@@ -34,27 +35,6 @@
 static double now_ms(void)
 {
     return km_now_ns() / 1e6;
-}
-
-static int cmp_d(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
-static double pct(double *v, int n, double p)
-{
-    if (n <= 0) return 0;
-    qsort(v, (size_t)n, sizeof *v, cmp_d);
-    int i = (int)(p * (n - 1) + 0.5);
-    return v[i];
-}
-
-static const char *arg(int argc, char **argv, const char *name, const char *def)
-{
-    for (int i = 0; i + 1 < argc; i++)
-        if (!strcmp(argv[i], name)) return argv[i + 1];
-    return def;
 }
 
 /* ---------------------------------------------------------------- micro */
@@ -122,10 +102,10 @@ static int one(kvm_client *c, const char *prompt, kvm_result *res)
 
 static int latency(int argc, char **argv)
 {
-    const char *rep = arg(argc, argv, "--router", "tcp://127.0.0.1:7000");
-    const char *wep = arg(argc, argv, "--worker", "tcp://127.0.0.1:7100");
-    int n = atoi(arg(argc, argv, "-n", "200"));
-    g_model = arg(argc, argv, "--model", g_model);
+    const char *rep = bench_arg(argc, argv, "--router", "tcp://127.0.0.1:7000");
+    const char *wep = bench_arg(argc, argv, "--worker", "tcp://127.0.0.1:7100");
+    int n = atoi(bench_arg(argc, argv, "-n", "200"));
+    g_model = bench_arg(argc, argv, "--model", g_model);
     const char *prompt = "The quick brown fox jumps over the lazy dog. The capital of France is";
     kvm_client *cr = NULL, *cw = NULL;
     km_errbuf err = {{0}};
@@ -149,7 +129,8 @@ static int latency(int argc, char **argv)
         r[i] = res.client_total_ms;
         kvm_result_free(&res);
     }
-    double d50 = pct(d, n, 0.5), d99 = pct(d, n, 0.99), r50 = pct(r, n, 0.5), r99 = pct(r, n, 0.99);
+    double d50 = bench_pct(d, n, 0.5), d99 = bench_pct(d, n, 0.99), r50 = bench_pct(r, n, 0.5),
+           r99 = bench_pct(r, n, 0.99);
     printf("  %d one-token requests, alternating:\n", n);
     printf("    worker directly: p50 %8.3f ms  p99 %8.3f ms\n", d50, d99);
     printf("    through router : p50 %8.3f ms  p99 %8.3f ms\n", r50, r99);
@@ -190,8 +171,8 @@ static double pipelined(kvm_client *c, const char *prompt, int n, int depth, uin
 
 static int curve(int argc, char **argv)
 {
-    const char *keydir = arg(argc, argv, "--keydir", NULL);
-    int n = atoi(arg(argc, argv, "-n", "2000"));
+    const char *keydir = bench_arg(argc, argv, "--keydir", NULL);
+    int n = atoi(bench_arg(argc, argv, "-n", "2000"));
     if (!keydir) {
         fprintf(stderr, "bench_router curve: --keydir is required\n");
         return 2;
@@ -201,10 +182,10 @@ static int curve(int argc, char **argv)
     snprintf(member_cert, sizeof member_cert, "%s/private/router.key", keydir);
     /* 0: plain router, 1: plain worker, 2: CURVE router (a client key), 3: CURVE worker (a
      * member key, as a router connects) */
-    const char *ep[4] = {arg(argc, argv, "--router", "tcp://127.0.0.1:7000"),
-                         arg(argc, argv, "--worker", "tcp://127.0.0.1:7100"),
-                         arg(argc, argv, "--curve-router", "tcp://127.0.0.1:7001"),
-                         arg(argc, argv, "--curve-worker", "tcp://127.0.0.1:7101")};
+    const char *ep[4] = {bench_arg(argc, argv, "--router", "tcp://127.0.0.1:7000"),
+                         bench_arg(argc, argv, "--worker", "tcp://127.0.0.1:7100"),
+                         bench_arg(argc, argv, "--curve-router", "tcp://127.0.0.1:7001"),
+                         bench_arg(argc, argv, "--curve-worker", "tcp://127.0.0.1:7101")};
     kvm_opts o[4] = {{0}, {0}, {.sec = {client_cert, "router"}}, {.sec = {member_cert, "instant"}}};
     kvm_client *c[4] = {0};
     km_errbuf err = {{0}};
@@ -230,8 +211,8 @@ static int curve(int argc, char **argv)
         }
     double p50[4], p99[4];
     for (int i = 0; i < 4; i++) {
-        p50[i] = pct(v[i], n, 0.5);
-        p99[i] = pct(v[i], n, 0.99);
+        p50[i] = bench_pct(v[i], n, 0.5);
+        p99[i] = bench_pct(v[i], n, 0.99);
         free(v[i]);
     }
     printf("  %d one-token requests to an instant worker, the four paths alternating:\n", n);
@@ -255,7 +236,7 @@ static int curve(int argc, char **argv)
                 return 1;
             }
         }
-    double m0 = pct(rps[0], ROUNDS, 0.5), m1 = pct(rps[1], ROUNDS, 0.5);
+    double m0 = bench_pct(rps[0], ROUNDS, 0.5), m1 = bench_pct(rps[1], ROUNDS, 0.5);
     printf(
         "  throughput through the router, %d in flight, median of %d alternating rounds of %d:\n",
         DEPTH, ROUNDS, n / 2);
@@ -271,8 +252,8 @@ static int curve(int argc, char **argv)
 
 static int instant_worker(int argc, char **argv)
 {
-    const char *ep = arg(argc, argv, "--listen", "tcp://127.0.0.1:7499");
-    const char *keydir = arg(argc, argv, "--keydir", NULL);
+    const char *ep = bench_arg(argc, argv, "--listen", "tcp://127.0.0.1:7499");
+    const char *keydir = bench_arg(argc, argv, "--keydir", NULL);
     void *ctx = km_zctx_create(), *s = NULL;
     km_errbuf err = {{0}};
     km_sec_args sa = {.keydir = keydir, .insecure = keydir == NULL};
@@ -355,13 +336,13 @@ static char *system_prompt(int tenant, int approx_tokens)
 
 static int workload(int argc, char **argv)
 {
-    const char *ep = arg(argc, argv, "--router", "tcp://127.0.0.1:7000");
-    int tenants = atoi(arg(argc, argv, "--tenants", "16"));
-    int per = atoi(arg(argc, argv, "--per-tenant", "8"));
-    int ptok = atoi(arg(argc, argv, "--prefix-tokens", "1000"));
-    int conc = atoi(arg(argc, argv, "--concurrency", "8"));
-    int max_tokens = atoi(arg(argc, argv, "--max-tokens", "8"));
-    const char *label = arg(argc, argv, "--label", "");
+    const char *ep = bench_arg(argc, argv, "--router", "tcp://127.0.0.1:7000");
+    int tenants = atoi(bench_arg(argc, argv, "--tenants", "16"));
+    int per = atoi(bench_arg(argc, argv, "--per-tenant", "8"));
+    int ptok = atoi(bench_arg(argc, argv, "--prefix-tokens", "1000"));
+    int conc = atoi(bench_arg(argc, argv, "--concurrency", "8"));
+    int max_tokens = atoi(bench_arg(argc, argv, "--max-tokens", "8"));
+    const char *label = bench_arg(argc, argv, "--label", "");
     int n = tenants * per;
     job *jobs = calloc((size_t)n, sizeof *jobs);
     char **sys = calloc((size_t)tenants, sizeof *sys);
@@ -465,8 +446,8 @@ static int workload(int argc, char **argv)
     }
     printf("%-12s requests %d (failed %d)  prompt tokens %llu  hit ratio %5.1f%%  TTFT p50 %8.1f "
            "ms  p90 %8.1f ms  tenants on one worker %d/%d  wall %.1f s\n",
-           label, n, failed, (unsigned long long)pt, pt ? 100.0 * ct / pt : 0, pct(tt, k, 0.5),
-           pct(tt, k, 0.9), sticky, tenants, wall / 1e3);
+           label, n, failed, (unsigned long long)pt, pt ? 100.0 * ct / pt : 0,
+           bench_pct(tt, k, 0.5), bench_pct(tt, k, 0.9), sticky, tenants, wall / 1e3);
     for (int i = 0; i < n; i++) free(jobs[i].prompt);
     for (int t = 0; t < tenants; t++) free(sys[t]);
     free(sys);

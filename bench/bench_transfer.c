@@ -26,6 +26,7 @@
 
 #include <ucp/api/ucp.h>
 
+#include "bench/bench_util.h"
 #include "tests/xfer_harness.h"
 
 static const xh_shape SMOL = {30, 3, 64, 16};
@@ -52,23 +53,6 @@ static void apply(const tls_setting *t)
         setenv("UCX_MM_ERROR_HANDLING", t->mm_err, 1);
     else
         unsetenv("UCX_MM_ERROR_HANDLING");
-}
-
-static double load1(void)
-{
-    double l = -1;
-    FILE *f = fopen("/proc/loadavg", "r");
-    if (f) {
-        if (fscanf(f, "%lf", &l) != 1) l = -1;
-        fclose(f);
-    }
-    return l;
-}
-
-static int cmp_u64(const void *a, const void *b)
-{
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return (x > y) - (x < y);
 }
 
 /* ---------------------------------------------------------------- our pulls */
@@ -166,8 +150,8 @@ static figures measure(side *x, int n, int reps, size_t page_bytes)
         if (one_pull(x, n, &a, &b) != n) return f;
     for (int i = 0; i < reps; i++)
         if (one_pull(x, n, &e[i], &r[i]) != n) return f;
-    qsort(e, reps, sizeof *e, cmp_u64);
-    qsort(r, reps, sizeof *r, cmp_u64);
+    qsort(e, reps, sizeof *e, bench_cmp_u64);
+    qsort(r, reps, sizeof *r, bench_cmp_u64);
     double bytes = (double)n * (double)page_bytes;
     f.gbps = bytes / (double)e[reps / 2];
     f.best_gbps = bytes / (double)e[0];
@@ -278,7 +262,7 @@ int main(int argc, char **argv)
     if (f) fclose(f);
     const size_t page_bytes = (size_t)SMOL.layers * SMOL.heads * SMOL.hd * SMOL.pt * 2 * 2;
     printf("# bench-transfer: %s, %ld CPUs, UCX %s, load average %.2f at start\n", model,
-           sysconf(_SC_NPROCESSORS_ONLN), ucp_get_version_string(), load1());
+           sysconf(_SC_NPROCESSORS_ONLN), ucp_get_version_string(), bench_load1());
     printf("# pages of the default model's KV in f16: %zu bytes; %d reads in flight per pull;"
            " median of the timed pulls\n\n",
            page_bytes, INFLIGHT);
@@ -309,7 +293,7 @@ int main(int argc, char **argv)
             int outstanding = n < INFLIGHT ? n : INFLIGHT;
             for (int m = 0; m < 2; m++) {
                 if (only_mode >= 0 && m != only_mode) continue;
-                double ld = load1();
+                double ld = bench_load1();
                 figures fg = measure(&sides[m], n, reps, page_bytes);
                 double pg = 0, pr = 0;
                 int have = !no_ref && perftest(m == 0 ? "ucp_get" : "ucp_am_bw", page_bytes,
@@ -327,13 +311,13 @@ int main(int argc, char **argv)
                 }
                 printf("| %s | %d | %s | %s | %s | %s | %s | %.1f–%.1f |\n", SETTINGS[t].name, n,
                        m == 0 ? "get" : "am", ours, have ? ref : "n/a | n/a", ratio, rratio, ld,
-                       load1());
+                       bench_load1());
                 fflush(stdout);
             }
         }
         side_close(&sides[0]);
         side_close(&sides[1]);
     }
-    printf("\n# load average %.2f at the end\n", load1());
+    printf("\n# load average %.2f at the end\n", bench_load1());
     return 0;
 }

@@ -47,33 +47,12 @@
 #include <sys/time.h>
 #include <unistd.h>
 
+#include "bench/bench_util.h"
 #include "client/kvmesh.h"
 
 static double bw_now_ms(void)
 {
     return km_now_ns() / 1e6;
-}
-
-static int bw_cmp_d(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
-/* p-quantile of v[0..n) (sorts v), nearest rank. */
-static double bw_pct(double *v, size_t n, double p)
-{
-    if (!n) return 0;
-    qsort(v, n, sizeof *v, bw_cmp_d);
-    size_t i = (size_t)(p * (double)(n - 1) + 0.5);
-    return v[i];
-}
-
-static const char *bw_arg(int argc, char **argv, const char *name, const char *def)
-{
-    for (int i = 0; i + 1 < argc; i++)
-        if (!strcmp(argv[i], name)) return argv[i + 1];
-    return def;
 }
 
 /* ---------------------------------------------------------------- samples */
@@ -480,8 +459,8 @@ static int bw_load_one(const bw_target *t, int conc, int n_req_each, int max_tok
            "wall_s=%.2f tok_s=%.1f ttft_p50=%.1f ttft_p99=%.1f itl_p50=%.2f itl_p99=%.2f\n",
            t->label, conc, done, failed, (unsigned long long)tokens,
            done ? (double)tokens / done : 0.0, wall_s, wall_s > 0 ? tokens / wall_s : 0.0,
-           bw_pct(ttft.v, ttft.n, 0.5), bw_pct(ttft.v, ttft.n, 0.99), bw_pct(itl.v, itl.n, 0.5),
-           bw_pct(itl.v, itl.n, 0.99));
+           bench_pct(ttft.v, ttft.n, 0.5), bench_pct(ttft.v, ttft.n, 0.99),
+           bench_pct(itl.v, itl.n, 0.5), bench_pct(itl.v, itl.n, 0.99));
     fflush(stdout);
     free(ttft.v);
     free(itl.v);
@@ -494,11 +473,11 @@ static int bw_load_one(const bw_target *t, int conc, int n_req_each, int max_tok
 
 static int bw_load(const bw_target *t, int argc, char **argv)
 {
-    const char *levels = bw_arg(argc, argv, "--concurrency", "1,8,32");
-    int per = atoi(bw_arg(argc, argv, "--requests-per-client", "2"));
-    int min_req = atoi(bw_arg(argc, argv, "--min-requests", "8"));
-    int max_tokens = atoi(bw_arg(argc, argv, "--max-tokens", "64"));
-    int words = atoi(bw_arg(argc, argv, "--prompt-words", "48"));
+    const char *levels = bench_arg(argc, argv, "--concurrency", "1,8,32");
+    int per = atoi(bench_arg(argc, argv, "--requests-per-client", "2"));
+    int min_req = atoi(bench_arg(argc, argv, "--min-requests", "8"));
+    int max_tokens = atoi(bench_arg(argc, argv, "--max-tokens", "64"));
+    int words = atoi(bench_arg(argc, argv, "--prompt-words", "48"));
     int rc = 0;
     char *copy = strdup(levels), *save = NULL;
     for (char *s = strtok_r(copy, ",", &save); s; s = strtok_r(NULL, ",", &save)) {
@@ -516,8 +495,8 @@ static int bw_load(const bw_target *t, int argc, char **argv)
 
 static int bw_prefix(const bw_target *t, int argc, char **argv)
 {
-    int words = atoi(bw_arg(argc, argv, "--prompt-words", "1600"));
-    int reps = atoi(bw_arg(argc, argv, "--reps", "5"));
+    int words = atoi(bench_arg(argc, argv, "--prompt-words", "1600"));
+    int reps = atoi(bench_arg(argc, argv, "--reps", "5"));
     int doc_words = words * 9 / 10, q_words = words - doc_words;
     bw_conn c;
     if (bw_conn_open(t, &c)) return 1;
@@ -552,7 +531,7 @@ static int bw_prefix(const bw_target *t, int argc, char **argv)
         km_buf_free(&doc);
     }
     if (!rc) {
-        double c50 = bw_pct(cold, (size_t)reps, 0.5), w50 = bw_pct(warm, (size_t)reps, 0.5);
+        double c50 = bench_pct(cold, (size_t)reps, 0.5), w50 = bench_pct(warm, (size_t)reps, 0.5);
         printf("prefix server=%s prompt_tokens=%u cached_tokens_cold=%u cached_tokens=%u "
                "reps=%d cold_ttft_ms=%.1f cached_ttft_ms=%.1f speedup=%.2f\n",
                t->label, ptok, ctok_cold, ctok_warm, reps, c50, w50, w50 > 0 ? c50 / w50 : 0.0);
@@ -574,9 +553,9 @@ int main(int argc, char **argv)
                         "[options; see bench/bench_worker.c]\n");
         return 2;
     }
-    bw_target t = {.model = bw_arg(argc, argv, "--model", "SmolLM2-135M-Instruct")};
-    const char *kep = bw_arg(argc, argv, "--kvmesh", NULL);
-    const char *hep = bw_arg(argc, argv, "--http", NULL);
+    bw_target t = {.model = bench_arg(argc, argv, "--model", "SmolLM2-135M-Instruct")};
+    const char *kep = bench_arg(argc, argv, "--kvmesh", NULL);
+    const char *hep = bench_arg(argc, argv, "--http", NULL);
     if (!!kep == !!hep) {
         fprintf(stderr, "bench_worker: give exactly one of --kvmesh EP and --http HOST:PORT\n");
         return 2;
@@ -595,7 +574,7 @@ int main(int argc, char **argv)
         t.http = true;
         t.label = "llama-server";
     }
-    t.label = bw_arg(argc, argv, "--label", t.label);
+    t.label = bench_arg(argc, argv, "--label", t.label);
     if (!strcmp(argv[1], "load")) return bw_load(&t, argc, argv);
     return bw_prefix(&t, argc, argv);
 }
