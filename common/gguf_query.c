@@ -100,26 +100,40 @@ static int gguf_int_value(const gguf_kv *kv, int *is_neg, uint64_t *u, int64_t *
     return 0;
 }
 
-int km_gguf_get_u32(const km_gguf *g, const char *key, uint32_t *out)
+/* The value of key as an integer (gguf_int_value): KM_ENOTFOUND without the key. */
+static int gguf_int_of(const km_gguf *g, const char *key, int *is_neg, uint64_t *u, int64_t *s)
 {
     const gguf_kv *kv = gguf_lookup(g, key);
-    if (!kv) return KM_ENOTFOUND;
+    return kv ? gguf_int_value(kv, is_neg, u, s) : KM_ENOTFOUND;
+}
+
+/* key's entry when it has type t: KM_ENOTFOUND without the key, KM_EFORMAT with another type. */
+static int gguf_typed(const km_gguf *g, const char *key, km_gguf_type t, const gguf_kv **kv)
+{
+    *kv = gguf_lookup(g, key);
+    if (!*kv) return KM_ENOTFOUND;
+    return (*kv)->type == (uint32_t)t ? 0 : KM_EFORMAT;
+}
+
+int km_gguf_get_u32(const km_gguf *g, const char *key, uint32_t *out)
+{
     int neg;
     uint64_t u;
     int64_t s;
-    if (gguf_int_value(kv, &neg, &u, &s) || neg || u > UINT32_MAX) return KM_EFORMAT;
+    int rc = gguf_int_of(g, key, &neg, &u, &s);
+    if (rc) return rc;
+    if (neg || u > UINT32_MAX) return KM_EFORMAT;
     *out = (uint32_t)u;
     return 0;
 }
 
 int km_gguf_get_i64(const km_gguf *g, const char *key, int64_t *out)
 {
-    const gguf_kv *kv = gguf_lookup(g, key);
-    if (!kv) return KM_ENOTFOUND;
     int neg;
     uint64_t u;
     int64_t s;
-    if (gguf_int_value(kv, &neg, &u, &s)) return KM_EFORMAT;
+    int rc = gguf_int_of(g, key, &neg, &u, &s);
+    if (rc) return rc;
     if (!neg && u > INT64_MAX) return KM_EFORMAT;
     *out = s;
     return 0;
@@ -148,28 +162,31 @@ int km_gguf_get_f32(const km_gguf *g, const char *key, float *out)
 
 int km_gguf_get_bool(const km_gguf *g, const char *key, int *out)
 {
-    const gguf_kv *kv = gguf_lookup(g, key);
-    if (!kv) return KM_ENOTFOUND;
-    if (kv->type != KM_GGUF_BOOL) return KM_EFORMAT;
-    *out = kv->val[0] != 0;
-    return 0;
+    const gguf_kv *kv;
+    int rc = gguf_typed(g, key, KM_GGUF_BOOL, &kv);
+    if (!rc) *out = kv->val[0] != 0;
+    return rc;
+}
+
+/* A GGUF string at p: its 8-byte little-endian length, then its bytes. */
+static km_str gguf_str_at(const uint8_t *p)
+{
+    return (km_str){(const char *)p + 8, gguf_le64(p)};
 }
 
 int km_gguf_get_str(const km_gguf *g, const char *key, km_str *out)
 {
-    const gguf_kv *kv = gguf_lookup(g, key);
-    if (!kv) return KM_ENOTFOUND;
-    if (kv->type != KM_GGUF_STRING) return KM_EFORMAT;
-    out->len = gguf_le64(kv->val);
-    out->ptr = (const char *)kv->val + 8;
-    return 0;
+    const gguf_kv *kv;
+    int rc = gguf_typed(g, key, KM_GGUF_STRING, &kv);
+    if (!rc) *out = gguf_str_at(kv->val);
+    return rc;
 }
 
 int km_gguf_get_arr(const km_gguf *g, const char *key, km_gguf_type *elem, uint64_t *n)
 {
-    const gguf_kv *kv = gguf_lookup(g, key);
-    if (!kv) return KM_ENOTFOUND;
-    if (kv->type != KM_GGUF_ARRAY) return KM_EFORMAT;
+    const gguf_kv *kv;
+    int rc = gguf_typed(g, key, KM_GGUF_ARRAY, &kv);
+    if (rc) return rc;
     if (elem) *elem = (km_gguf_type)kv->elem_type;
     if (n) *n = kv->n;
     return 0;
@@ -177,13 +194,12 @@ int km_gguf_get_arr(const km_gguf *g, const char *key, km_gguf_type *elem, uint6
 
 int km_gguf_arr_str(const km_gguf *g, const char *key, uint64_t i, km_str *out)
 {
-    const gguf_kv *kv = gguf_lookup(g, key);
-    if (!kv) return KM_ENOTFOUND;
-    if (kv->type != KM_GGUF_ARRAY || kv->elem_type != KM_GGUF_STRING) return KM_EFORMAT;
+    const gguf_kv *kv;
+    int rc = gguf_typed(g, key, KM_GGUF_ARRAY, &kv);
+    if (rc) return rc;
+    if (kv->elem_type != KM_GGUF_STRING) return KM_EFORMAT;
     if (i >= kv->n) return KM_ERANGE;
-    const uint8_t *p = g->base + kv->str_pos[i];
-    out->len = gguf_le64(p);
-    out->ptr = (const char *)p + 8;
+    *out = gguf_str_at(g->base + kv->str_pos[i]);
     return 0;
 }
 

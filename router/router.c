@@ -34,6 +34,30 @@ uint64_t rt_now_ms(void)
 
 /* ---------------------------------------------------------------- the loop */
 
+/* One worker's sockets, in one pass: its answers, its connection events, its KV events (a
+ * handler may release w: a released slot's sockets are NULL and read as empty). */
+static int rt_pump_worker(rt_router *r, rt_wk *w)
+{
+    int got = 0;
+    for (int i = 0; i < 256 && km_zsock_readable(w->dealer); i++) {
+        if (km_zrecv(w->dealer, &r->zm, 0, NULL)) continue;
+        const km_zframe *b = km_zmsg_body(&r->zm);
+        if (b) rt_on_worker_frame(r, w, b);
+        got++;
+    }
+    if (km_zsock_readable(w->mon)) {
+        rt_read_monitor(r, w);
+        got++;
+    }
+    for (int i = 0; i < 256 && w->sub && km_zsock_readable(w->sub); i++) {
+        if (km_zrecv(w->sub, &r->zm, 0, NULL)) continue;
+        const km_zframe *b = km_zmsg_body(&r->zm);
+        if (b) rt_on_sub_frame(r, w, b);
+        got++;
+    }
+    return got;
+}
+
 /* Drains every ZeroMQ socket until none has anything to read. */
 void rt_pump(rt_router *r)
 {
@@ -56,28 +80,7 @@ void rt_pump(rt_router *r)
             rt_on_front_message(r, &r->zm);
             got++;
         }
-        for (int k = 0; k < r->n_w; k++) {
-            rt_wk *w = &r->w[k];
-            for (int i = 0; i < 256 && km_zsock_readable(w->dealer); i++) {
-                if (km_zrecv(w->dealer, &r->zm, 0, NULL)) continue;
-                const km_zframe *b = km_zmsg_body(&r->zm);
-                if (b) rt_on_worker_frame(r, w, b);
-                got++;
-            }
-            if (km_zsock_readable(w->mon)) {
-                rt_read_monitor(r, w);
-                got++;
-            }
-        }
-        for (int k = 0; k < r->n_w; k++) {
-            rt_wk *w = &r->w[k];
-            for (int i = 0; i < 256 && w->sub && km_zsock_readable(w->sub); i++) {
-                if (km_zrecv(w->sub, &r->zm, 0, NULL)) continue;
-                const km_zframe *b = km_zmsg_body(&r->zm);
-                if (b) rt_on_sub_frame(r, w, b);
-                got++;
-            }
-        }
+        for (int k = 0; k < r->n_w; k++) got += rt_pump_worker(r, &r->w[k]);
         for (int i = 0; r->vsub && i < 64 && km_zsock_readable(r->vsub); i++) {
             if (km_zrecv(r->vsub, &r->zm, 0, NULL)) {
                 rt_view_bad(r, "unreadable message");
