@@ -94,7 +94,7 @@ struct pr_pull {
 /* A holder's lease: a kvshard export and the offer that describes it. */
 typedef struct pr_lease {
     struct pr_lease *next;
-    uint64_t id, pull_id, deadline_ns;
+    uint64_t id, pull_id, requester, deadline_ns;
     int first, n, status, emitted;
     pr_page_desc *descs;
     int32_t *tokens;
@@ -158,7 +158,8 @@ void pr_leases_expire(pr_node *n, uint64_t now_ns);
  * holder answering a fetch checks, so that a reader gets only pages offered to that pull while
  * the lease lasts, never the rest of the registered memory (another tenant's pages). Any
  * thread. */
-int pr_lease_allows(pr_node *n, uint64_t pull_id, uint32_t region, uint64_t addr, uint64_t bytes);
+int pr_lease_allows(pr_node *n, uint64_t pull_id, uint32_t index, uint32_t region, uint64_t addr,
+                    uint64_t bytes);
 int pr_leases_emit(pr_node *n, pr_offer *out, int max);
 void pr_leases_free(pr_node *n);
 

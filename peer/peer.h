@@ -81,6 +81,10 @@ int pr_node_address(const pr_node *n, const uint8_t **addr, size_t *len);
  * verifies the whole chain [0, n_pages) against its own index (tokens and parent links). */
 typedef struct pr_pull_req {
     uint64_t pull_id;
+    /* Who asked: the caller's tag for the connection the request came on (the worker: a hash of
+     * the ZeroMQ routing envelope, which the holder's socket assigns and a peer cannot choose).
+     * Only a pr_pull_done with the same tag ends the lease. 0: anyone's. */
+    uint64_t requester;
     int first, n_pages, page_tokens;
     const km_pagehash *hashes; /* [n_pages] */
     const int32_t *tokens;     /* [n_pages * page_tokens] */
@@ -111,6 +115,7 @@ typedef struct pr_offer {
 /* Puller -> holder: the lease can end. */
 typedef struct pr_pull_done {
     uint64_t lease_id;
+    uint64_t requester; /* as in the pr_pull_req: another requester's done is ignored */
     int pages_ok;
 } pr_pull_done;
 
@@ -173,8 +178,10 @@ int pr_pull_finish(pr_node *n, pr_pull *p, pr_pull_result *res, pr_pull_done *do
 /* Pins the pages a puller asked for; the offer comes out of pr_node_poll (at once, or when
  * pages on the host tier have been promoted). Bad requests get an offer with status < 0. */
 int pr_serve(pr_node *n, const pr_pull_req *req);
-/* The puller is done with a lease. */
-void pr_serve_done(pr_node *n, const pr_pull_done *done);
+/* The puller is done with a lease: ends it when done->requester is the lease's requester; 1 when
+ * a lease ended, 0 when none of that id and requester is live (already ended, ran out, or
+ * someone else's: ignored). */
+int pr_serve_done(pr_node *n, const pr_pull_done *done);
 
 /* The owner loop's call: ends leases that ran out, reclaims canceled pulls whose reads have
  * completed, and returns up to max offers ready to send (valid until the next call on the
@@ -187,6 +194,7 @@ typedef struct pr_stats {
     uint64_t pulls, pulls_ok, pulls_failed, pages_in, bytes_in;
     uint64_t offers, pages_out, bytes_out, leases_expired;
     uint64_t fetches_refused; /* reads asked of pages no live lease offered (holder side) */
+    uint64_t dones_ignored;   /* pr_serve_done that ended no lease: late, or not the requester */
     uint64_t peers_failed, dropped[PR_DROP_COUNT];
     int peers, pulls_active, leases_active, endpoints; /* alive now */
 } pr_stats;

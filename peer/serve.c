@@ -19,11 +19,12 @@
 
 #include "peer/internal.h"
 
-static pr_lease *pr_lease_refuse(pr_node *n, uint64_t pull_id, int status)
+static pr_lease *pr_lease_refuse(pr_node *n, const pr_pull_req *req, int status)
 {
     pr_lease *l = calloc(1, sizeof *l);
     if (!l) return NULL;
-    l->pull_id = pull_id;
+    l->pull_id = req->pull_id;
+    l->requester = req->requester;
     l->status = status;
     pthread_mutex_lock(&n->lease_mu);
     l->next = n->leases;
@@ -37,10 +38,10 @@ int pr_serve(pr_node *n, const pr_pull_req *req)
     const int pt = kv_store_page_tokens(n->store);
     if (req->page_tokens != pt || req->n_pages < 1 || req->n_pages > PR_MAX_PAGES ||
         req->first < 0 || req->first >= req->n_pages || !req->hashes || !req->tokens) {
-        pr_lease_refuse(n, req->pull_id, KM_EPROTO);
+        pr_lease_refuse(n, req, KM_EPROTO);
         return KM_EPROTO;
     }
-    pr_lease *l = pr_lease_refuse(n, req->pull_id, 0);
+    pr_lease *l = pr_lease_refuse(n, req, 0);
     if (!l) return KM_ENOMEM;
     uint64_t deadline = km_now_ns() + (uint64_t)n->cfg.lease_ms * 1000000ull, id = 0;
     int held = kv_export_begin(n->store, req->hashes, req->tokens, req->n_pages, deadline, &id);
@@ -70,13 +71,15 @@ static void pr_lease_free(pr_node *n, pr_lease **lp)
     free(l);
 }
 
-void pr_serve_done(pr_node *n, const pr_pull_done *done)
+int pr_serve_done(pr_node *n, const pr_pull_done *done)
 {
     for (pr_lease **lp = &n->leases; *lp; lp = &(*lp)->next)
-        if ((*lp)->id && (*lp)->id == done->lease_id) {
+        if ((*lp)->id && (*lp)->id == done->lease_id && (*lp)->requester == done->requester) {
             pr_lease_free(n, lp);
-            return;
+            return 1;
         }
+    n->st.dones_ignored++;
+    return 0;
 }
 
 void pr_leases_expire(pr_node *n, uint64_t now_ns)
@@ -169,16 +172,18 @@ int pr_leases_emit(pr_node *n, pr_offer *out, int max)
     return k;
 }
 
-int pr_lease_allows(pr_node *n, uint64_t pull_id, uint32_t region, uint64_t addr, uint64_t bytes)
+int pr_lease_allows(pr_node *n, uint64_t pull_id, uint32_t index, uint32_t region, uint64_t addr,
+                    uint64_t bytes)
 {
     uint64_t now = km_now_ns();
     int ok = 0;
     pthread_mutex_lock(&n->lease_mu);
-    for (const pr_lease *l = n->leases; l && !ok; l = l->next) {
+    for (const pr_lease *l = n->leases; l; l = l->next) {
         if (!l->id || l->pull_id != pull_id || !l->descs || l->deadline_ns <= now) continue;
-        for (int i = 0; i < l->n && !ok; i++)
-            ok = l->descs[i].region == region && l->descs[i].addr == addr &&
-                 l->descs[i].bytes == bytes;
+        /* the fetch names its page by its place in the offer: one comparison per lease of that
+         * pull id (two pullers may use the same id), not a scan of its pages */
+        const pr_page_desc *d = index < (uint32_t)l->n ? &l->descs[index] : NULL;
+        if ((ok = d && d->region == region && d->addr == addr && d->bytes == bytes)) break;
     }
     pthread_mutex_unlock(&n->lease_mu);
     return ok;

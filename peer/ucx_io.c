@@ -200,10 +200,11 @@ ucs_status_t pr_am_fetch_cb(void *arg, const void *header, size_t hlen, void *da
     r->bytes = o.fetch.bytes;
     r->region = o.fetch.region;
     /* only a page a live lease of this pull offered: never the rest of the registered memory */
-    r->hdr.status = pr_range_ok(u, r->region, r->addr, r->bytes) &&
-                            pr_lease_allows(u->node, r->hdr.pull_id, r->region, r->addr, r->bytes)
-                        ? 0
-                        : 1;
+    r->hdr.status =
+        pr_range_ok(u, r->region, r->addr, r->bytes) &&
+                pr_lease_allows(u->node, r->hdr.pull_id, r->hdr.index, r->region, r->addr, r->bytes)
+            ? 0
+            : 1;
     if (r->hdr.status)
         atomic_fetch_add_explicit(&u->node->fetches_refused, 1, memory_order_relaxed);
     r->next = u->replies; /* sent by the loop, outside UCX's callback */

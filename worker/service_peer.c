@@ -86,7 +86,7 @@ struct wk_peer {
     double rate_bps, lat_ms;
     uint64_t pulls_ok, pulls_failed;
     km_series *s_bytes_in, *s_bytes_out, *s_seconds, *s_pulls[3], *s_fail[PR_DROP_COUNT + 2];
-    km_series *s_refused;
+    km_series *s_refused, *s_dones_ignored;
     uint64_t seen_out, seen_refused; /* bytes_out, fetches_refused already counted */
 };
 
@@ -137,6 +137,12 @@ static int wk_peer_metrics(wk_service *s, wk_peer *p, km_errbuf *err)
          "lease of that pull (a peer probing the KV memory, or a read after its lease ran out).",
          NULL, NULL, 0);
     p->s_refused = km_metric_series(m, NULL);
+    PREG(KM_COUNTER, "kvmesh_kv_transfer_dones_ignored_total",
+         "kv_pull_done frames that ended no lease here: late (the lease had run out) or sent by "
+         "another connection than the one that asked for the pull (only the requester can end "
+         "it).",
+         NULL, NULL, 0);
+    p->s_dones_ignored = km_metric_series(m, NULL);
 #undef PREG
     return 0;
 }
@@ -290,6 +296,19 @@ static void wk_peer_send_offer(wk_service *s, const km_zframe *env, int n_env, c
     free(pages);
 }
 
+/* The connection a frame came on, as a tag (FNV-1a over its routing envelope): the holder's
+ * ROUTER assigns the routing id, so a peer cannot take another's. */
+static uint64_t wk_peer_requester(const km_zframe *env, int n_env)
+{
+    uint64_t h = 1469598103934665603ull;
+    for (int i = 0; i < n_env; i++) {
+        const uint8_t *b = env[i].data;
+        for (size_t k = 0; k < env[i].len; k++) h = (h ^ b[k]) * 1099511628211ull;
+        h = (h ^ 0xff) * 1099511628211ull; /* frame boundary */
+    }
+    return h ? h : 1; /* 0 would mean "anyone's" */
+}
+
 static void wk_peer_serve(wk_service *s, const km_zframe *env, int n_env, const km_msg_kv_pull *q)
 {
     wk_peer *p = s->peer;
@@ -313,6 +332,7 @@ static void wk_peer_serve(wk_service *s, const km_zframe *env, int n_env, const 
     sv->at_ns = km_now_ns();
     p->n_serves++;
     pr_pull_req req = {.pull_id = q->id,
+                       .requester = wk_peer_requester(env, n_env),
                        .first = (int)q->first,
                        .n_pages = (int)q->n_pages,
                        .page_tokens = (int)q->page_tokens,
@@ -339,8 +359,9 @@ void wk_peer_handle(wk_service *s, void *sock, const km_zframe *env, int n_env, 
         wk_peer_serve(s, env, n_env, &m->kv_pull);
     } else if (m->type == KM_MSG_KV_PULL_DONE && p) {
         pr_pull_done d = {.lease_id = m->kv_pull_done.lease_id,
+                          .requester = wk_peer_requester(env, n_env),
                           .pages_ok = (int)m->kv_pull_done.pages_ok};
-        pr_serve_done(p->node, &d);
+        if (!pr_serve_done(p->node, &d)) km_counter_add(p->s_dones_ignored, 1);
     }
 }
 

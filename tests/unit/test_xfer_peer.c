@@ -424,22 +424,32 @@ static void tamper_unoffered(pr_offer *o, pr_page_desc *d, int32_t *t)
     d[g_bad].addr -= 16;
 }
 
-Test(xfer_peer, a_holder_answers_only_reads_of_pages_its_lease_offered, .timeout = 120)
+/* A page the lease did offer, asked for in another page's place: the holder checks the fetch
+ * against the offer's entry at its index, so this is refused too, not served and caught only by
+ * the puller's checksum. */
+static void tamper_misplaced(pr_offer *o, pr_page_desc *d, int32_t *t)
 {
-    /* AM mode: the holder checks every fetch against its live leases and refuses this one
-     * (counted), so the page fails as a transfer, not as bytes that arrived and were wrong */
+    d[g_bad].addr = d[0].addr;
+    d[g_bad].bytes = d[0].bytes;
+    d[g_bad].region = d[0].region;
+}
+
+/* AM mode: the holder checks every fetch against its live leases and refuses a read the lease
+ * did not offer at that place (counted), so the page fails as a transfer, not as bytes that
+ * arrived and were wrong; an honest pull right after is served whole. */
+static void holder_refuses(void (*tamper)(pr_offer *, pr_page_desc *, int32_t *))
+{
     const int n = 8;
     duo *d = duo_open(SMALL, 16, n, PR_MODE_AM);
     pr_pull_result r;
-    int got = pull(d->na, d->nb, d->peer, d->toks, d->hs, n, secs(60), tamper_unoffered, &r);
+    int got = pull(d->na, d->nb, d->peer, d->toks, d->hs, n, secs(60), tamper, &r);
     cr_assert_eq(got, g_bad);
     cr_assert_eq(r.dropped[PR_DROP_TRANSFER], 1, "checksum %d transfer %d",
                  r.dropped[PR_DROP_CHECKSUM], r.dropped[PR_DROP_TRANSFER]);
-    cr_assert_eq(r.dropped[PR_DROP_CHECKSUM], 0, "the holder sent bytes it never offered");
+    cr_assert_eq(r.dropped[PR_DROP_CHECKSUM], 0, "the holder sent bytes it never offered there");
     pr_stats st;
     pr_node_stats(d->na, &st);
     cr_assert_eq(st.fetches_refused, 1);
-    /* and an honest pull right after is served whole */
     kv_store_evict_oldest_fraction(d->b, 1.0);
     got = pull(d->na, d->nb, d->peer, d->toks, d->hs, n, secs(60), NULL, &r);
     cr_assert_eq(got, n, "%s", km_strerror(r.status));
@@ -447,6 +457,16 @@ Test(xfer_peer, a_holder_answers_only_reads_of_pages_its_lease_offered, .timeout
     cr_assert_eq(st.fetches_refused, 1);
     release_and_check(d->nb, d->peer, d->na, d->b, d->a);
     duo_close(d);
+}
+
+Test(xfer_peer, a_holder_answers_only_reads_of_pages_its_lease_offered, .timeout = 120)
+{
+    holder_refuses(tamper_unoffered);
+}
+
+Test(xfer_peer, a_holder_answers_a_read_only_at_the_place_its_lease_offered_it, .timeout = 120)
+{
+    holder_refuses(tamper_misplaced);
 }
 
 /* ---------------------------------------------------------------- partial, leases, deadlines */
@@ -478,20 +498,44 @@ Test(xfer_peer, a_holder_with_part_of_the_chain_offers_that_part, .timeout = 120
     duo_close(d);
 }
 
-Test(xfer_peer, a_lease_nobody_ends_runs_out_and_unpins, .timeout = 120)
-{
-    kv_store *a = mk_store(SMALL, KN_KV_F16, 16);
-    pr_node *na = mk_node(a, PR_MODE_GET, 50);
+/* A holder alone: a node over a store that computed a 4-page chain, and the offer of a lease on
+ * all of it to `requester`. */
+typedef struct solo {
+    kv_store *a;
+    pr_node *na;
     int32_t toks[4 * PT];
     km_pagehash hs[4];
-    mk_chain(toks, hs, 4, 0);
-    compute(a, SMALL, toks, hs, 4);
-    pr_pull_req req = {
-        .pull_id = 1, .first = 0, .n_pages = 4, .page_tokens = PT, .hashes = hs, .tokens = toks};
-    cr_assert_eq(pr_serve(na, &req), 0);
+    pr_pull_req req;
     pr_offer o;
-    while (pr_node_poll(na, &o, 1) == 0) km_sleep_ms(1);
-    cr_assert_eq(o.n, 4);
+} solo;
+
+static solo *solo_open(int lease_ms, uint64_t requester)
+{
+    static solo x;
+    x.a = mk_store(SMALL, KN_KV_F16, 16);
+    x.na = mk_node(x.a, PR_MODE_GET, lease_ms);
+    mk_chain(x.toks, x.hs, 4, 0);
+    compute(x.a, SMALL, x.toks, x.hs, 4);
+    x.req = (pr_pull_req){.pull_id = 1,
+                          .requester = requester,
+                          .first = 0,
+                          .n_pages = 4,
+                          .page_tokens = PT,
+                          .hashes = x.hs,
+                          .tokens = x.toks};
+    cr_assert_eq(pr_serve(x.na, &x.req), 0);
+    while (pr_node_poll(x.na, &x.o, 1) == 0) km_sleep_ms(1);
+    cr_assert_eq(x.o.n, 4);
+    return &x;
+}
+
+Test(xfer_peer, a_lease_nobody_ends_runs_out_and_unpins, .timeout = 120)
+{
+    solo *x = solo_open(50, 0);
+    kv_store *a = x->a;
+    pr_node *na = x->na;
+    pr_pull_req req = x->req;
+    pr_offer o = x->o;
     kv_store_stats st;
     kv_store_stats_get(a, &st);
     cr_assert_eq(st.tier[KV_TIER_HOT].pinned_pages, 4);
@@ -511,6 +555,35 @@ Test(xfer_peer, a_lease_nobody_ends_runs_out_and_unpins, .timeout = 120)
     cr_assert_eq(pr_node_poll(na, &o, 1), 1);
     cr_assert_eq(o.status, KM_EPROTO);
     cr_assert_eq(o.n, 0);
+    pr_node_destroy(na);
+    kv_store_destroy(a);
+}
+
+Test(xfer_peer, only_the_requester_ends_its_lease, .timeout = 120)
+{
+    /* a member that learns (or guesses) a lease id cannot end another puller's lease early */
+    solo *x = solo_open(60000, 0x1234);
+    kv_store *a = x->a;
+    pr_node *na = x->na;
+    const pr_offer o = x->o;
+    pr_pull_done other = {.lease_id = o.lease_id, .requester = 0x9999, .pages_ok = 4};
+    cr_assert_eq(pr_serve_done(na, &other), 0);
+    pr_pull_done anyone = {.lease_id = o.lease_id, .pages_ok = 4};
+    cr_assert_eq(pr_serve_done(na, &anyone), 0);
+    pr_stats ps;
+    pr_node_stats(na, &ps);
+    cr_assert_eq(ps.leases_active, 1, "another requester's done ended the lease");
+    cr_assert_eq(ps.dones_ignored, 2);
+    kv_store_stats st;
+    kv_store_stats_get(a, &st);
+    cr_assert_eq(st.tier[KV_TIER_HOT].pinned_pages, 4);
+    pr_pull_done mine = {.lease_id = o.lease_id, .requester = 0x1234, .pages_ok = 4};
+    cr_assert_eq(pr_serve_done(na, &mine), 1);
+    pr_node_stats(na, &ps);
+    cr_assert_eq(ps.leases_active, 0);
+    kv_store_stats_get(a, &st);
+    cr_assert_eq(st.tier[KV_TIER_HOT].pinned_pages, 0);
+    cr_assert_eq(pr_serve_done(na, &mine), 0, "a lease ends once");
     pr_node_destroy(na);
     kv_store_destroy(a);
 }
