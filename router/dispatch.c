@@ -22,6 +22,14 @@ bool rt_wk_routable(rt_router *r, rt_wk *w, uint64_t now)
     return !w->draining && rt_member_routable(w->connected, r->view_fresh, w->in_view, w->member);
 }
 
+/* May w be the source of a pull (pull.c): it need not take requests; a draining worker still
+ * serves the pages of the requests migrated off it. */
+bool rt_wk_serves_pages(const rt_router *r, const rt_wk *w)
+{
+    return w->xfer.addr_len > 0 &&
+           rt_member_serves_pages(w->connected, r->view_fresh, w->in_view, w->member);
+}
+
 /* Takes q off its owner's waiting list. */
 void rt_rq_unpark(rt_rq *q)
 {
@@ -157,7 +165,7 @@ int rt_dispatch(rt_router *r, rt_rq *q, bool from_queue)
         return 0;
     }
     rt_candidate cand[RT_MAX_WORKERS];
-    uint64_t mask = 0;
+    uint64_t mask = 0, holders = 0; /* may take it; may only hand over pages of it */
     uint64_t now = rt_now_ms();
     for (int i = 0; i < r->n_w; i++) {
         rt_wk *w = &r->w[i];
@@ -168,13 +176,14 @@ int rt_dispatch(rt_router *r, rt_rq *q, bool from_queue)
                                  .slots = r->c.worker_slots,
                                  .max_inflight = r->c.max_inflight};
         if (usable) mask |= 1ull << i;
+        if (r->c.policy.mode == RT_MODE_KV && rt_wk_serves_pages(r, w)) holders |= 1ull << i;
     }
     /* The chain covers the prompt; after a migration the worker also gets the generated tokens
      * (uncached anywhere but on the dead worker), which costs the same everywhere. */
     rt_match m;
-    rt_index_match(r->index, q->chain, q->n_chain, mask, r->c.policy.tier_credit, r->c.page_tokens,
-                   now, &m);
-    for (int i = 0; i < r->n_w; i++) cand[i].cached_tokens = m.credit[i];
+    rt_index_match(r->index, q->chain, q->n_chain, mask | holders, r->c.policy.tier_credit,
+                   r->c.page_tokens, now, &m);
+    for (int i = 0; i < r->n_w; i++) cand[i].cached_tokens = cand[i].usable ? m.credit[i] : 0;
     int n_ctx = q->replay ? q->n_prompt : q->n_prompt + q->n_gen;
     int pick = rt_pick(&r->c.policy, cand, r->n_w, n_ctx, q->key, &r->policy_state);
     km_hist_observe(r->s_decision, (km_now_ns() - t0) / 1e9);
@@ -208,7 +217,7 @@ int rt_dispatch(rt_router *r, rt_rq *q, bool from_queue)
         }
     }
     q->predicted = m.credit[pick];
-    rt_pull_advise(r, q, pick, &m, now);
+    rt_pull_advise(r, q, pick, &m);
     return send_to(r, q, pick, n_ctx, remaining, from_queue, now);
 }
 

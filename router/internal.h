@@ -254,6 +254,7 @@ void rt_send_error_env(rt_router *r, const km_zframe *env, int n_env, uint64_t i
 /* May w get a new request now: its connection is up, it did not just refuse one (503/529), and a
  * fresh view, when it names w, says "ready". */
 bool rt_wk_routable(rt_router *r, rt_wk *w, uint64_t now);
+bool rt_wk_serves_pages(const rt_router *r, const rt_wk *w);
 /* Sends q to a worker, or queues or parks it. Returns 0, or a negative km_err when q was failed
  * and freed. */
 int rt_dispatch(rt_router *r, rt_rq *q, bool from_queue);
@@ -366,7 +367,7 @@ void rt_update_page_gauges(rt_router *r);
 void rt_pull_view(rt_wk *w, const km_view_worker *vw);
 /* After the pick: does another worker hold more of q's chain, and is pulling it cheaper? Sets
  * q's hint (or clears it) and counts the decision. */
-void rt_pull_advise(rt_router *r, rt_rq *q, int pick, const rt_match *m, uint64_t now);
+void rt_pull_advise(rt_router *r, rt_rq *q, int pick, const rt_match *m);
 /* q's hint, if any, into the request frame to the chosen worker. */
 void rt_pull_hint(rt_router *r, const rt_rq *q, km_msg_request *out);
 int rt_pull_metrics(rt_router *r, km_errbuf *err);

@@ -82,7 +82,7 @@ void rt_pull_view(rt_wk *w, const km_view_worker *vw)
             x->prefill_tps > 0 ? 0.7 * x->prefill_tps + 0.3 * vw->prefill_tps : vw->prefill_tps;
 }
 
-void rt_pull_advise(rt_router *r, rt_rq *q, int pick, const rt_match *m, uint64_t now)
+void rt_pull_advise(rt_router *r, rt_rq *q, int pick, const rt_match *m)
 {
     q->pull_w = 0;
     if (r->c.policy.mode != RT_MODE_KV || pick < 0 || !r->w[pick].xfer.addr_len) return;
@@ -90,7 +90,7 @@ void rt_pull_advise(rt_router *r, rt_rq *q, int pick, const rt_match *m, uint64_
     for (int i = 0; i < r->n_w; i++) {
         rt_wk *w = &r->w[i];
         in[i] = (rt_pull_in){.pages = m->pages[i],
-                             .serves = w->xfer.addr_len > 0 && rt_wk_routable(r, w, now),
+                             .serves = rt_wk_serves_pages(r, w),
                              .rate_bps = w->xfer.rate_bps,
                              .lat_ms = w->xfer.lat_ms,
                              .prefill_tps = w->xfer.prefill_tps,

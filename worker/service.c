@@ -305,11 +305,17 @@ void wk_service_signal(wk_service *s, int signo)
 
 /* ---------------------------------------------------------------- the loop */
 
-/* End of a drain: hand back what is left, persist the cached pages, stop. With a disk tier every
- * page still in RAM (hot or host: both die with the process) gets a disk copy, parents first,
- * within the disk budget and what is left of the drain's time (at least 2 s more), so the next
- * process re-indexes them and comes back warm. Without one, hot pages are demoted to host RAM
- * as before (it only helps a process that is not about to exit, but costs nothing). */
+/* How long a drained worker with a transfer node waits for the first kv_pull of a request it
+ * handed back (the router migrates it, the next worker asks for its pages), and at most how long
+ * it lingers serving them. */
+enum { WK_LINGER_QUIET_MS = 1000, WK_LINGER_MAX_MS = 5000 };
+
+/* End of a drain, step 1: hand back what is left. With a transfer node and requests handed back
+ * the worker lingers (state stopping: nothing new is routed to it) while the workers those
+ * requests migrate to pull their pages, so they continue without recomputing the prompt
+ * (migration with KV, docs/transfer.md); wk_end_drain follows when no pull is left or after
+ * WK_LINGER_MAX_MS. */
+static void wk_end_drain(wk_service *s);
 static void wk_finish_drain(wk_service *s)
 {
     wk_peer_admit_all(s); /* held for a pull: handed back below like every other request */
@@ -317,6 +323,28 @@ static void wk_finish_drain(wk_service *s)
     if (left)
         wk_sched_abort_all(s->sched, KM_CODE_UNAVAILABLE,
                            "worker drained: request handed back for migration");
+    s->handed_back = left;
+    if (left && s->peer) {
+        wk_events_pump(s->ev); /* the pages those requests published, for every router */
+        wk_svc_set_state(s, KM_STATE_STOPPING);
+        s->linger_start_ns = km_now_ns();
+        s->linger_until_ns = s->linger_start_ns + wk_ms_ns(WK_LINGER_MAX_MS);
+        KM_INFO("drain_linger", "worker=%s handed_back=%d max_ms=%d", s->worker_id, left,
+                WK_LINGER_MAX_MS);
+        return;
+    }
+    wk_end_drain(s);
+}
+
+/* End of a drain, step 2: persist the cached pages, stop. With a disk tier every page still in
+ * RAM (hot or host: both die with the process) gets a disk copy, parents first, within the disk
+ * budget and what is left of the drain's time (at least 2 s more), so the next process
+ * re-indexes them and comes back warm. Without one, hot pages are demoted to host RAM as before
+ * (it only helps a process that is not about to exit, but costs nothing). */
+static void wk_end_drain(wk_service *s)
+{
+    int left = s->handed_back;
+    s->linger_until_ns = 0;
     wk_svc_ballast_release(s);
     kv_store_stats st;
     kv_store_stats_get(s->kv, &st);
@@ -369,7 +397,8 @@ int wk_service_run(wk_service *s)
         if (!pending) {
             int64_t to_gauge = (int64_t)(s->next_gauge_ns - now) / 1000000;
             timeout = to_gauge < 0 ? 0 : to_gauge > 100 ? 100 : (int)to_gauge;
-            if (wk_peer_held(s) && timeout > 1) timeout = 1; /* pulls in flight */
+            if ((wk_peer_held(s) || s->linger_until_ns) && timeout > 1)
+                timeout = 1; /* pulls in flight, or pages being handed over */
         }
         km_zpollitem items[2] = {{.sock = s->router, .events = KM_ZPOLLIN},
                                  {.sock = s->ctl_loop, .events = KM_ZPOLLIN}};
@@ -398,6 +427,10 @@ int wk_service_run(wk_service *s)
         if (wk_svc_state(s) == KM_STATE_DRAINING &&
             (!(wk_sched_pending(s->sched) + wk_peer_held(s)) || now >= s->drain_deadline_ns))
             wk_finish_drain(s);
+        else if (s->linger_until_ns && (now >= s->linger_until_ns ||
+                                        (now - s->linger_start_ns >= wk_ms_ns(WK_LINGER_QUIET_MS) &&
+                                         !wk_peer_serving(s, now, wk_ms_ns(WK_LINGER_QUIET_MS)))))
+            wk_end_drain(s);
         if (now >= s->next_gauge_ns) {
             wk_svc_update_gauges(s);
             if (s->ctl) wk_svc_snapshot(s);

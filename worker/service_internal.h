@@ -111,6 +111,10 @@ struct wk_service {
     int exit_code;
     bool stop_now;
     uint64_t drain_deadline_ns, start_ns;
+    /* after a drain handed its requests back: still serving their pages to the workers they
+     * migrated to (wk_peer_serving), until then at the latest (0: not lingering) */
+    uint64_t linger_start_ns, linger_until_ns;
+    int handed_back;
     kv_format kv_base; /* the format the worker started with: another one = level 2 in effect */
     /* requests in flight */
     wk_sreq **live;
@@ -241,6 +245,9 @@ int wk_peer_cancel(wk_service *s, const km_zframe *env, int n_env, uint64_t id);
 void wk_peer_admit_all(wk_service *s);
 /* The heartbeat's peer_addr and xfer statistics. */
 void wk_peer_heartbeat(wk_service *s, km_msg_heartbeat *hb);
+/* True while this worker owes peers pages: kv_pull frames waiting for their offer, live leases,
+ * or a kv_pull within the last quiet_ns (more may follow). False without a transfer node. */
+bool wk_peer_serving(const wk_service *s, uint64_t now, uint64_t quiet_ns);
 
 /* ---------------------------------------------------------------- KV events (events.c)
  *

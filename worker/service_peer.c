@@ -88,6 +88,7 @@ struct wk_peer {
     km_series *s_bytes_in, *s_bytes_out, *s_seconds, *s_pulls[3], *s_fail[PR_DROP_COUNT + 2];
     km_series *s_refused, *s_dones_ignored;
     uint64_t seen_out, seen_refused; /* bytes_out, fetches_refused already counted */
+    uint64_t last_pull_ns;           /* the last kv_pull that came in */
 };
 
 static const char *const wk_pull_outcomes[3] = {"ok", "partial", "failed"};
@@ -317,6 +318,7 @@ static void wk_peer_serve(wk_service *s, const km_zframe *env, int n_env, const 
         wk_peer_send_offer(s, env, n_env, &refuse);
         return;
     }
+    p->last_pull_ns = km_now_ns();
     wk_serve *sv = &p->serves[p->n_serves];
     if (wk_env_copy(sv->env, sv->env_len, env, n_env)) return;
     km_pagehash *hs = malloc(sizeof *hs * q->n_pages);
@@ -546,6 +548,16 @@ admit_now:
 int wk_peer_held(const wk_service *s)
 {
     return s->peer ? s->peer->n_held : 0;
+}
+
+bool wk_peer_serving(const wk_service *s, uint64_t now, uint64_t quiet_ns)
+{
+    const wk_peer *p = s->peer;
+    if (!p) return false;
+    if (p->n_serves || (p->last_pull_ns && now - p->last_pull_ns < quiet_ns)) return true;
+    pr_stats st;
+    pr_node_stats(p->node, &st);
+    return st.leases_active > 0;
 }
 
 /* The measured rates: an exponentially weighted mean over recent pulls that brought pages. */

@@ -102,7 +102,7 @@ void it_spawn(it_proc *p, const char *const *argv, const char *const *extra, con
         /* the suites on this harness are about other things: the daemons run without CURVE, on
          * purpose (the security suite, test_security.c, runs them with keys) */
         setenv("KVMESH_INSECURE", "1", 1);
-        execv(args[0], (char *const *)args);
+        execvp(args[0], (char *const *)args);
         _exit(127);
     }
     it_remember(p->pid);

@@ -37,9 +37,10 @@ typedef struct it_proc {
 bool it_have(const char *const *paths);
 /* Creates p->dir (/tmp/kvmesh-<tag>-XXXXXX) unless it is set already. */
 void it_proc_dir(it_proc *p, const char *tag);
-/* Starts argv[0] with argv (NULL-terminated) then extra (NULL-terminated, may be NULL), stderr
- * to <dir>/<logname>, and waits up to 30 s for <dir>/ports, which argv must name with
- * --ports-file; fails the test if the child exits first. */
+/* Starts argv[0] (looked up in PATH when it has no slash) with argv (NULL-terminated) then extra
+ * (NULL-terminated, may be NULL), stderr to <dir>/<logname>, and waits up to 30 s for
+ * <dir>/ports, which argv must name with --ports-file; fails the test if the child exits
+ * first. */
 void it_spawn(it_proc *p, const char *const *argv, const char *const *extra, const char *logname);
 /* A kvmesh-worker of the default model: requests and KV events on ephemeral ports, the ports
  * file in p's dir (it_proc_dir: a p that ran before keeps its dir, as a restart under a

@@ -11,34 +11,17 @@
  * on ephemeral ports with UCX_TLS=tcp; every wait has a deadline. Run from the repository root
  * after `make build` (make integration); without the default model the tests skip.
  */
-#include <arpa/inet.h>
 #include <criterion/criterion.h>
-#include <netinet/in.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
-#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include "common/svc.h"
-
-#define MODEL  "models/SmolLM2-135M-Instruct.Q4_1.gguf"
-#define WORKER "build/bin/kvmesh-worker"
-
-typedef struct wproc {
-    pid_t pid;
-    char dir[64], id[32];
-    char req[512], ev[512];
-    int admin_port;
-} wproc;
-
-static void *g_ctx;
-static pid_t g_pids[4];
-static int g_npids;
+#include "tests/integration/harness.h"
 
 /* A network namespace joined to this one by a veth pair (host side hip, namespace side nip). */
 typedef struct netns {
@@ -92,49 +75,38 @@ static bool netns_setup(netns *n)
     return true;
 }
 
+static void suite_init(void)
+{
+    setenv("UCX_TLS", "tcp", 1); /* the workers' transfers: TCP, as between hosts */
+}
+
 static void kill_all(void)
 {
-    for (int i = 0; i < g_npids; i++) {
-        int st;
-        kill(g_pids[i], SIGCONT);
-        if (waitpid(g_pids[i], &st, WNOHANG) == 0) {
-            kill(g_pids[i], SIGKILL);
-            waitpid(g_pids[i], &st, 0);
-        }
-    }
-    g_npids = 0;
+    it_kill_all();
     netns_cleanup();
 }
 
-TestSuite(worker_pull, .fini = kill_all, .timeout = 300);
+TestSuite(worker_pull, .init = suite_init, .fini = kill_all, .timeout = 300);
 
 static bool have_model(void)
 {
-    if (access(MODEL, R_OK) || access(WORKER, X_OK)) {
-        cr_skip_test("needs %s (make deps) and %s (make build)", MODEL, WORKER);
-        return false;
-    }
-    return true;
+    return it_have((const char *const[]){IT_MODEL, IT_WORKER, IT_ROUTER, NULL});
 }
 
 /* A worker on host (its requests endpoint, transfer node and advertised address), inside network
  * namespace ns when ns is not NULL. */
-static void start_worker_on(wproc *w, const char *id, const char *controller, const char *ns,
-                            const char *host)
+static void start_worker_on(it_proc *w, const char *id, const char *controller, const char *ns,
+                            const char *host, const char *const *extra)
 {
     memset(w, 0, sizeof *w);
-    snprintf(w->id, sizeof w->id, "%s", id);
-    snprintf(w->dir, sizeof w->dir, "/tmp/kvmesh-pull-XXXXXX");
-    cr_assert(mkdtemp(w->dir));
-    char ports[128], log[128];
+    it_proc_dir(w, "pull");
+    char ports[128], listen[96], peer[96];
     snprintf(ports, sizeof ports, "%s/ports", w->dir);
-    snprintf(log, sizeof log, "%s/worker.log", w->dir);
-    char listen[96], peer[96];
     snprintf(listen, sizeof listen, "tcp://%s:*", host);
     snprintf(peer, sizeof peer, "%s:0", host);
     const char *argv[] = {"ip",       "netns",
                           "exec",     ns ? ns : "",
-                          WORKER,     "--listen",
+                          IT_WORKER,  "--listen",
                           listen,     "--events",
                           listen,     "--admin-port",
                           "0",        "--ports-file",
@@ -145,58 +117,18 @@ static void start_worker_on(wproc *w, const char *id, const char *controller, co
                           controller, "--heartbeat",
                           "100",      "--peer-listen",
                           peer,       "--peer-advertise",
-                          host,       "--insecure",
-                          NULL};
-    const char *const *args = ns ? argv : argv + 4; /* ip netns exec NS, or the worker alone */
-    w->pid = fork();
-    cr_assert(w->pid >= 0);
-    if (w->pid > 0 && g_npids < 4) g_pids[g_npids++] = w->pid;
-    if (w->pid == 0) {
-        FILE *f = freopen(log, "w", stderr);
-        (void)f;
-        setenv("UCX_TLS", "tcp", 1);
-        execvp(args[0], (char *const *)args);
-        _exit(127);
-    }
-    for (int i = 0; i < 1200; i++) {
-        FILE *f = fopen(ports, "r");
-        if (f) {
-            char line[512];
-            while (fgets(line, sizeof line, f)) {
-                line[strcspn(line, "\n")] = 0;
-                if (!strncmp(line, "requests=", 9)) snprintf(w->req, sizeof w->req, "%s", line + 9);
-                if (!strncmp(line, "events=", 7)) snprintf(w->ev, sizeof w->ev, "%s", line + 7);
-                if (!strncmp(line, "admin=", 6)) {
-                    const char *c = strrchr(line, ':');
-                    w->admin_port = c ? atoi(c + 1) : 0;
-                }
-            }
-            fclose(f);
-            return;
-        }
-        int st;
-        if (waitpid(w->pid, &st, WNOHANG) == w->pid)
-            cr_assert_fail("worker %s exited at start", id);
-        usleep(50000);
-    }
-    cr_assert_fail("worker %s did not start in 60 s", id);
+                          host,       NULL};
+    it_spawn(w, ns ? argv : argv + 4, extra, "worker.log"); /* ip netns exec NS, or the worker */
 }
 
-static void start_worker(wproc *w, const char *id, const char *controller)
-{
-    start_worker_on(w, id, controller, NULL, "127.0.0.1");
-}
-
-static void *sock_open(int type, const char *ep, bool bind)
+/* A ZeroMQ socket of type bound to url; its endpoint (the port chosen) into ep. */
+static void *bound(int type, const char *url, char *ep, size_t cap)
 {
     void *s = NULL;
     km_errbuf err = {{0}};
-    if (!g_ctx) g_ctx = km_zctx_create();
-    cr_assert_eq(km_zsock_open(g_ctx, type, NULL, &s, &err), 0, "%s", err.msg);
-    if (bind)
-        cr_assert_eq(km_zsock_bind(s, ep, &err), 0, "%s", err.msg);
-    else
-        cr_assert_eq(km_zsock_connect(s, ep, &err), 0, "%s", err.msg);
+    cr_assert_eq(km_zsock_open(it_zctx(), type, NULL, &s, &err), 0, "%s", err.msg);
+    cr_assert_eq(km_zsock_bind(s, url, &err), 0, "%s", err.msg);
+    cr_assert_eq(km_zsock_last_endpoint(s, ep, cap, &err), 0, "%s", err.msg);
     return s;
 }
 
@@ -235,7 +167,7 @@ typedef struct hint {
 } hint;
 
 typedef struct result {
-    int32_t tok[64];
+    int32_t tok[256];
     int n;
     bool done;
     int err_code;
@@ -244,12 +176,11 @@ typedef struct result {
     double total_ms;
 } result;
 
-/* One greedy request on a fresh DEALER to ep; waits for its end (timeout_ms). */
 /* Sends one greedy request on a fresh DEALER to ep; returns the socket its answers come on. */
 static void *submit(const char *ep, uint64_t id, const int32_t *prompt, int n, int max_tokens,
                     const hint *h)
 {
-    void *s = sock_open(KM_ZDEALER, ep, false);
+    void *s = it_dealer(ep);
     km_msg m;
     km_msg_init(&m, KM_MSG_REQUEST);
     m.req.id = id;
@@ -293,7 +224,7 @@ static result collect(void *s, uint64_t id, int timeout_ms)
         km_msg a;
         cr_assert_eq(km_msg_decode(body->data, body->len, NULL, &a, &err), 0, "%s", err.msg);
         km_zmsg_clear(&z);
-        if (a.type == KM_MSG_TOKEN && r.n < 64) {
+        if (a.type == KM_MSG_TOKEN && r.n < 256) {
             r.tok[r.n++] = a.tok.token;
         } else if (a.type == KM_MSG_DONE) {
             r.done = true;
@@ -319,31 +250,6 @@ static result run(const char *ep, uint64_t id, const int32_t *prompt, int n, int
     return collect(submit(ep, id, prompt, n, max_tokens, h), id, timeout_ms);
 }
 
-/* A counter from the admin port's /metrics (-1 when absent). */
-static double metric(int port, const char *series)
-{
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
-    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    cr_assert_eq(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0);
-    const char *q = "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
-    cr_assert_eq(write(fd, q, strlen(q)), (ssize_t)strlen(q));
-    static char buf[1 << 18];
-    size_t len = 0;
-    ssize_t k;
-    while (len < sizeof buf - 1 && (k = read(fd, buf + len, sizeof buf - 1 - len)) > 0)
-        len += (size_t)k;
-    buf[len] = 0;
-    close(fd);
-    const char *p = buf;
-    size_t sl = strlen(series);
-    while ((p = strstr(p, series))) {
-        if ((p == buf || p[-1] == '\n') && p[sl] == ' ') return atof(p + sl + 1);
-        p += sl;
-    }
-    return -1;
-}
-
 static void make_prompt(int32_t *p, int n, uint64_t seed)
 {
     for (int i = 0; i < n; i++) {
@@ -362,86 +268,102 @@ static void expect_same(const result *a, const result *b, const char *what)
 
 enum { NP = 200, GEN = 12, PAGES = NP / 16 };
 
+/* Two workers, wa (the holder) and wb, sending heartbeats to a ROUTER the test binds (it plays
+ * the controller), and wa's transfer address from its heartbeats. With ns, wa runs inside the
+ * namespace and both advertise their veth address. */
+typedef struct pair {
+    void *ctl;
+    char ctl_ep[256];
+    it_proc a, b;
+    uint8_t addr[KM_PROTO_MAX_PEER_ADDR];
+    uint32_t addr_len;
+} pair;
+
+static pair g_pair; /* 4 KiB of address: not on the stack */
+
+static pair *pair_start(const netns *ns, const char *const *extra)
+{
+    pair *p = &g_pair;
+    memset(p, 0, sizeof *p);
+    char url[96];
+    snprintf(url, sizeof url, "tcp://%s:*", ns ? ns->hip : "127.0.0.1");
+    p->ctl = bound(KM_ZROUTER, url, p->ctl_ep, sizeof p->ctl_ep);
+    start_worker_on(&p->a, "wa", p->ctl_ep, ns ? ns->ns : NULL, ns ? ns->nip : "127.0.0.1", extra);
+    start_worker_on(&p->b, "wb", p->ctl_ep, NULL, ns ? ns->hip : "127.0.0.1", extra);
+    p->addr_len = peer_addr_of(p->ctl, "wa", p->addr, sizeof p->addr);
+    return p;
+}
+
+static void pair_stop(pair *p)
+{
+    kill_all();
+    km_zsock_close(p->ctl);
+}
+
 Test(worker_pull, a_prefix_pulled_from_a_peer_is_served_and_equals_computing_it)
 {
     if (!have_model()) return;
-    void *ctl = sock_open(KM_ZROUTER, "tcp://127.0.0.1:*", true);
-    char ctl_ep[256];
-    km_errbuf err = {{0}};
-    cr_assert_eq(km_zsock_last_endpoint(ctl, ctl_ep, sizeof ctl_ep, &err), 0, "%s", err.msg);
-    wproc a, b;
-    start_worker(&a, "wa", ctl_ep);
-    start_worker(&b, "wb", ctl_ep);
-    static uint8_t addr[KM_PROTO_MAX_PEER_ADDR];
-    uint32_t addr_len = peer_addr_of(ctl, "wa", addr, sizeof addr);
+    pair *w = pair_start(NULL, NULL);
+    const it_proc *a = &w->a, *b = &w->b;
 
     int32_t prompt[NP];
     make_prompt(prompt, NP, 42);
-    result ref = run(a.req, 1, prompt, NP, GEN, NULL, 120000);
+    result ref = run(a->req, 1, prompt, NP, GEN, NULL, 120000);
     cr_assert_gt(ref.n, 0);
     cr_assert_eq(ref.cached, 0, "A computed the prompt");
 
-    double in0 = metric(b.admin_port, "kvmesh_kv_transfer_bytes_total{direction=\"in\"}");
-    hint h = {"wa", a.req, addr, addr_len, PAGES, 20000};
-    result got = run(b.req, 2, prompt, NP, GEN, &h, 120000);
+    double in0 = it_metric(b->admin_port, "kvmesh_kv_transfer_bytes_total{direction=\"in\"}");
+    hint h = {"wa", a->req, w->addr, w->addr_len, PAGES, 20000};
+    result got = run(b->req, 2, prompt, NP, GEN, &h, 120000);
     cr_assert_geq(got.cached, 16 * (PAGES - 1),
                   "B served %u prompt tokens from cached KV: the pages were not pulled",
                   got.cached);
     expect_same(&ref, &got, "pulled prefix");
-    double in1 = metric(b.admin_port, "kvmesh_kv_transfer_bytes_total{direction=\"in\"}");
+    double in1 = it_metric(b->admin_port, "kvmesh_kv_transfer_bytes_total{direction=\"in\"}");
     cr_assert_gt(in1, in0, "B counts the pulled bytes (%g -> %g)", in0, in1);
-    cr_assert_gt(metric(b.admin_port, "kvmesh_kv_transfer_pulls_total{outcome=\"ok\"}"), 0);
-    cr_assert_gt(metric(a.admin_port, "kvmesh_kv_transfer_bytes_total{direction=\"out\"}"), 0);
+    cr_assert_gt(it_metric(b->admin_port, "kvmesh_kv_transfer_pulls_total{outcome=\"ok\"}"), 0);
+    cr_assert_gt(it_metric(a->admin_port, "kvmesh_kv_transfer_bytes_total{direction=\"out\"}"), 0);
 
     /* a hint for pages B already holds costs nothing: no second pull */
-    result again = run(b.req, 3, prompt, NP, GEN, &h, 120000);
+    result again = run(b->req, 3, prompt, NP, GEN, &h, 120000);
     expect_same(&ref, &again, "held prefix");
-    cr_assert_eq(metric(b.admin_port, "kvmesh_kv_transfer_pulls_total{outcome=\"ok\"}"), 1);
-    kill_all();
-    km_zsock_close(ctl);
+    cr_assert_eq(it_metric(b->admin_port, "kvmesh_kv_transfer_pulls_total{outcome=\"ok\"}"), 1);
+    pair_stop(w);
 }
 
 Test(worker_pull, a_stopped_or_killed_holder_costs_the_budget_and_the_request_recomputes)
 {
     if (!have_model()) return;
-    void *ctl = sock_open(KM_ZROUTER, "tcp://127.0.0.1:*", true);
-    char ctl_ep[256];
-    km_errbuf err = {{0}};
-    cr_assert_eq(km_zsock_last_endpoint(ctl, ctl_ep, sizeof ctl_ep, &err), 0, "%s", err.msg);
-    wproc a, b;
-    start_worker(&a, "wa", ctl_ep);
-    start_worker(&b, "wb", ctl_ep);
-    static uint8_t addr[KM_PROTO_MAX_PEER_ADDR];
-    uint32_t addr_len = peer_addr_of(ctl, "wa", addr, sizeof addr);
+    pair *w = pair_start(NULL, NULL);
+    const it_proc *a = &w->a, *b = &w->b;
     int32_t p1[NP], p2[NP];
     make_prompt(p1, NP, 7);
     make_prompt(p2, NP, 8);
-    result r1 = run(a.req, 1, p1, NP, GEN, NULL, 120000);
-    result r2 = run(a.req, 2, p2, NP, GEN, NULL, 120000);
+    result r1 = run(a->req, 1, p1, NP, GEN, NULL, 120000);
+    result r2 = run(a->req, 2, p2, NP, GEN, NULL, 120000);
 
     /* stopped: nothing answers; the pull ends at its 1.5 s budget and B computes */
-    cr_assert_eq(kill(a.pid, SIGSTOP), 0);
-    hint h = {"wa", a.req, addr, addr_len, PAGES, 1500};
-    result g1 = run(b.req, 3, p1, NP, GEN, &h, 120000);
+    cr_assert_eq(kill(a->pid, SIGSTOP), 0);
+    hint h = {"wa", a->req, w->addr, w->addr_len, PAGES, 1500};
+    result g1 = run(b->req, 3, p1, NP, GEN, &h, 120000);
     cr_assert_eq(g1.cached, 0, "nothing could be pulled from a stopped holder");
     cr_assert_neq(g1.finish, KM_FINISH_DEADLINE);
     expect_same(&r1, &g1, "recomputed after a stopped holder");
-    double failed = metric(b.admin_port, "kvmesh_kv_transfer_pulls_total{outcome=\"failed\"}");
+    double failed = it_metric(b->admin_port, "kvmesh_kv_transfer_pulls_total{outcome=\"failed\"}");
     cr_assert_geq(failed, 1);
-    cr_assert_geq(metric(b.admin_port, "kvmesh_kv_transfer_failures_total{reason=\"no_offer\"}"), 1,
-                  "the holder never answered");
+    cr_assert_geq(
+        it_metric(b->admin_port, "kvmesh_kv_transfer_failures_total{reason=\"no_offer\"}"), 1,
+        "the holder never answered");
 
     /* killed: the connection is gone; the pull fails (at the latest at its budget) */
-    cr_assert_eq(kill(a.pid, SIGKILL), 0);
-    int st;
-    waitpid(a.pid, &st, 0);
-    result g2 = run(b.req, 4, p2, NP, GEN, &h, 120000);
+    cr_assert_eq(kill(a->pid, SIGKILL), 0);
+    it_wait_exit(&w->a, 5000);
+    result g2 = run(b->req, 4, p2, NP, GEN, &h, 120000);
     cr_assert_eq(g2.cached, 0);
     expect_same(&r2, &g2, "recomputed after a killed holder");
-    cr_assert_geq(metric(b.admin_port, "kvmesh_kv_transfer_pulls_total{outcome=\"failed\"}"),
+    cr_assert_geq(it_metric(b->admin_port, "kvmesh_kv_transfer_pulls_total{outcome=\"failed\"}"),
                   failed + 1);
-    kill_all();
-    km_zsock_close(ctl);
+    pair_stop(w);
 }
 
 /* Across network namespaces (issue 14, "across hosts"): the holder runs in its own namespace,
@@ -453,56 +375,46 @@ Test(worker_pull, pages_cross_network_namespaces_and_partitions_or_kills_only_co
 {
     if (!have_model()) return;
     if (!netns_setup(&g_ns)) return;
-    char ctl_url[96];
-    snprintf(ctl_url, sizeof ctl_url, "tcp://%s:*", g_ns.hip);
-    void *ctl = sock_open(KM_ZROUTER, ctl_url, true);
-    char ctl_ep[256];
-    km_errbuf err = {{0}};
-    cr_assert_eq(km_zsock_last_endpoint(ctl, ctl_ep, sizeof ctl_ep, &err), 0, "%s", err.msg);
-    wproc a, b;
-    start_worker_on(&a, "wa", ctl_ep, g_ns.ns, g_ns.nip);
-    start_worker_on(&b, "wb", ctl_ep, NULL, g_ns.hip);
-    static uint8_t addr[KM_PROTO_MAX_PEER_ADDR];
-    uint32_t addr_len = peer_addr_of(ctl, "wa", addr, sizeof addr);
+    pair *w = pair_start(&g_ns, NULL);
+    const it_proc *a = &w->a, *b = &w->b;
     int32_t p1[NP], p2[NP], p3[NP];
     make_prompt(p1, NP, 21);
     make_prompt(p2, NP, 22);
     make_prompt(p3, NP, 23);
-    result r1 = run(a.req, 1, p1, NP, GEN, NULL, 120000);
-    result r2 = run(a.req, 2, p2, NP, GEN, NULL, 120000);
-    result r3 = run(a.req, 3, p3, NP, GEN, NULL, 120000);
+    result r1 = run(a->req, 1, p1, NP, GEN, NULL, 120000);
+    result r2 = run(a->req, 2, p2, NP, GEN, NULL, 120000);
+    result r3 = run(a->req, 3, p3, NP, GEN, NULL, 120000);
 
-    hint h = {"wa", a.req, addr, addr_len, PAGES, 20000};
-    result g1 = run(b.req, 4, p1, NP, GEN, &h, 120000);
+    hint h = {"wa", a->req, w->addr, w->addr_len, PAGES, 20000};
+    result g1 = run(b->req, 4, p1, NP, GEN, &h, 120000);
     cr_assert_geq(g1.cached, 16 * (PAGES - 1), "B pulled across the namespaces (cached %u)",
                   g1.cached);
     expect_same(&r1, &g1, "pulled across namespaces");
-    cr_assert_gt(metric(b.admin_port, "kvmesh_kv_transfer_bytes_total{direction=\"in\"}"), 0);
+    cr_assert_gt(it_metric(b->admin_port, "kvmesh_kv_transfer_bytes_total{direction=\"in\"}"), 0);
 
     /* partition: nothing crosses the veth; the pull ends at its budget, B computes */
     cr_assert_eq(sh("ip link set %s down", g_ns.vh), 0);
     h.ms = 1500;
-    result g2 = run(b.req, 5, p2, NP, GEN, &h, 120000);
+    result g2 = run(b->req, 5, p2, NP, GEN, &h, 120000);
     cr_assert_eq(g2.cached, 0);
     expect_same(&r2, &g2, "recomputed during a partition");
     cr_assert_eq(sh("ip link set %s up", g_ns.vh), 0);
 
     /* the holder killed just after the puller got the request: wherever the pull was, the
      * request completes with the same tokens */
-    void *s = submit(b.req, 6, p3, NP, GEN, &h);
+    void *s = submit(b->req, 6, p3, NP, GEN, &h);
     usleep(20000);
-    cr_assert_eq(kill(a.pid, SIGKILL), 0);
+    cr_assert_eq(kill(a->pid, SIGKILL), 0);
     result g3 = collect(s, 6, 120000);
     expect_same(&r3, &g3, "holder killed during the pull");
-    kill_all();
-    km_zsock_close(ctl);
+    pair_stop(w);
 }
 
 /* ---------------------------------------------------------------- through a router */
 
 /* The view a controller would publish for wa (holder) and wb (puller), with wb's measured
  * figures making a pull of 12 pages far cheaper than computing them. */
-static void publish_view(void *pub, uint64_t seq, const wproc *a, const wproc *b,
+static void publish_view(void *pub, uint64_t seq, const it_proc *a, const it_proc *b,
                          const uint8_t *addr_a, uint32_t la, const uint8_t *addr_b, uint32_t lb)
 {
     km_view_worker vw[2] = {{.id = "wa",
@@ -537,6 +449,31 @@ static void publish_view(void *pub, uint64_t seq, const wproc *a, const wproc *b
     km_buf_free(&buf);
 }
 
+/* A kvmesh-router for the pair's workers, its view from the test's PUB at pub_ep (the test
+ * stands in for the controller), with one more flag (or NULL). */
+static void start_router(it_proc *r, const pair *w, const char *pub_ep, const char *flag)
+{
+    it_proc_dir(r, "pull");
+    char ports[128], workers[4200], ctl_flag[300];
+    snprintf(ports, sizeof ports, "%s/ports", r->dir);
+    snprintf(workers, sizeof workers, "--workers=wa=%s+%s,wb=%s+%s", w->a.req, w->a.ev, w->b.req,
+             w->b.ev);
+    snprintf(ctl_flag, sizeof ctl_flag, "--controller=%s", pub_ep);
+    const char *argv[] = {IT_ROUTER,
+                          "--front=tcp://127.0.0.1:*",
+                          "--http-port=0",
+                          "--log-level=debug",
+                          workers,
+                          ctl_flag,
+                          "--view-timeout=120s",
+                          "--ports-file",
+                          ports,
+                          flag,
+                          NULL};
+    it_spawn(r, argv, NULL, "router.log");
+    cr_assert(r->front[0], "the router's ports file names no front endpoint");
+}
+
 /* The router (kvmesh-router, the test standing in for the controller's view with measured
  * figures) sends a request to wb while wa holds its prefix: wb is told to pull, pulls, and the
  * tokens are those wa computed. Which worker the router picks is its rendezvous hash's choice
@@ -545,99 +482,121 @@ static void publish_view(void *pub, uint64_t seq, const wproc *a, const wproc *b
  * pages reach the router's index through wb's own KV events, as computed ones do. */
 Test(worker_pull, the_router_tells_the_chosen_worker_to_pull_a_prefix_another_holds)
 {
-    if (!have_model() || access("build/bin/kvmesh-router", X_OK)) return;
-    void *ctl = sock_open(KM_ZROUTER, "tcp://127.0.0.1:*", true);
-    void *pub = sock_open(KM_ZPUB, "tcp://127.0.0.1:*", true);
-    char ctl_ep[256], pub_ep[256];
-    km_errbuf err = {{0}};
-    cr_assert_eq(km_zsock_last_endpoint(ctl, ctl_ep, sizeof ctl_ep, &err), 0, "%s", err.msg);
-    cr_assert_eq(km_zsock_last_endpoint(pub, pub_ep, sizeof pub_ep, &err), 0, "%s", err.msg);
-    wproc a, b, r;
-    start_worker(&a, "wa", ctl_ep);
-    start_worker(&b, "wb", ctl_ep);
-    static uint8_t addr_a[KM_PROTO_MAX_PEER_ADDR], addr_b[KM_PROTO_MAX_PEER_ADDR];
-    uint32_t la = peer_addr_of(ctl, "wa", addr_a, sizeof addr_a);
-    uint32_t lb = peer_addr_of(ctl, "wb", addr_b, sizeof addr_b);
+    if (!have_model()) return;
+    pair *w = pair_start(NULL, NULL);
+    const it_proc *a = &w->a, *b = &w->b;
+    char pub_ep[256];
+    void *pub = bound(KM_ZPUB, "tcp://127.0.0.1:*", pub_ep, sizeof pub_ep);
+    const uint8_t *addr_a = w->addr;
+    uint32_t la = w->addr_len;
+    static uint8_t addr_b[KM_PROTO_MAX_PEER_ADDR];
+    uint32_t lb = peer_addr_of(w->ctl, "wb", addr_b, sizeof addr_b);
 
     /* the router, its workers given, its view from us */
-    memset(&r, 0, sizeof r);
-    snprintf(r.dir, sizeof r.dir, "/tmp/kvmesh-pull-XXXXXX");
-    cr_assert(mkdtemp(r.dir));
-    char ports[128], log[128], workers[4200], ctl_flag[300];
-    snprintf(ports, sizeof ports, "%s/ports", r.dir);
-    snprintf(log, sizeof log, "%s/router.log", r.dir);
-    snprintf(workers, sizeof workers, "--workers=wa=%s+%s,wb=%s+%s", a.req, a.ev, b.req, b.ev);
-    snprintf(ctl_flag, sizeof ctl_flag, "--controller=%s", pub_ep);
-    const char *argv[] = {"build/bin/kvmesh-router",
-                          "--front=tcp://127.0.0.1:*",
-                          "--http-port=0",
-                          "--log-level=debug",
-                          workers,
-                          ctl_flag,
-                          "--view-timeout=120s",
-                          "--w-prefill=0",
-                          "--insecure",
-                          "--ports-file",
-                          ports,
-                          NULL};
-    r.pid = fork();
-    cr_assert(r.pid >= 0);
-    if (r.pid > 0 && g_npids < 4) g_pids[g_npids++] = r.pid;
-    if (r.pid == 0) {
-        FILE *f = freopen(log, "w", stderr);
-        (void)f;
-        execv(argv[0], (char *const *)argv);
-        _exit(127);
-    }
-    char front[512] = "";
-    int http = 0;
-    for (int i = 0; i < 1200 && !front[0]; i++) {
-        FILE *f = fopen(ports, "r");
-        if (f) {
-            char line[512];
-            while (fgets(line, sizeof line, f)) {
-                line[strcspn(line, "\n")] = 0;
-                if (!strncmp(line, "front=", 6)) snprintf(front, sizeof front, "%s", line + 6);
-                if (!strncmp(line, "http=", 5)) http = atoi(line + 5);
-            }
-            fclose(f);
-        }
-        if (!front[0]) usleep(50000);
-    }
-    cr_assert(front[0], "the router did not start");
+    it_proc r = {0};
+    start_router(&r, w, pub_ep, "--w-prefill=0");
+    const char *front = r.front;
+    int http = r.http_port;
     /* views until the router has surely subscribed and applied one */
     uint64_t seq = 0;
     for (int i = 0; i < 20; i++) {
-        publish_view(pub, ++seq, &a, &b, addr_a, la, addr_b, lb);
+        publish_view(pub, ++seq, a, b, addr_a, la, addr_b, lb);
         usleep(100000);
     }
     bool pulled = false;
     for (int k = 0; k < 8 && !pulled; k++) {
         int32_t p[NP];
         make_prompt(p, NP, 100 + (uint64_t)k);
-        result ref = run(a.req, 10 + (uint64_t)k, p, NP, GEN, NULL, 120000);
+        result ref = run(a->req, 10 + (uint64_t)k, p, NP, GEN, NULL, 120000);
         /* wa's stored events reach the router's index; the view stays fresh meanwhile */
         for (int i = 0; i < 20; i++) {
-            publish_view(pub, ++seq, &a, &b, addr_a, la, addr_b, lb);
+            publish_view(pub, ++seq, a, b, addr_a, la, addr_b, lb);
             usleep(100000);
         }
         void *s = submit(front, 100 + (uint64_t)k, p, NP, GEN, NULL);
         result got = collect(s, 100 + (uint64_t)k, 120000);
         expect_same(&ref, &got, "through the router");
         cr_assert_geq(got.cached, 16 * (PAGES - 1), "prompt %d: cached %u (router index: %g pages)",
-                      k, got.cached, metric(http, "kvmesh_router_index_pages"));
-        pulled = metric(b.admin_port, "kvmesh_kv_transfer_pulls_total{outcome=\"ok\"}") > 0;
+                      k, got.cached, it_metric(http, "kvmesh_router_index_pages"));
+        pulled = it_metric(b->admin_port, "kvmesh_kv_transfer_pulls_total{outcome=\"ok\"}") > 0;
     }
     cr_assert(pulled, "in 8 prompts the router never chose wb while wa held the prefix");
-    cr_assert_geq(metric(http, "kvmesh_router_pulls_total{decision=\"pull\"}"), 1);
+    cr_assert_geq(it_metric(http, "kvmesh_router_pulls_total{decision=\"pull\"}"), 1);
     /* the pulled pages are wb's now, and its KV events say so to every router */
     double wb_pages = 0;
     for (int i = 0; i < 50 && wb_pages < PAGES; i++) {
-        wb_pages = metric(http, "kvmesh_router_worker_kv_pages{worker=\"wb\",tier=\"hot\"}");
+        wb_pages = it_metric(http, "kvmesh_router_worker_kv_pages{worker=\"wb\",tier=\"hot\"}");
         if (wb_pages < PAGES) usleep(100000);
     }
     cr_assert_geq(wb_pages, PAGES, "the router's index has %g of wb's pages", wb_pages);
-    kill_all();
     km_zsock_close(pub);
-    km_zsock_close(ctl);
+    pair_stop(w);
+}
+
+/* Migration with KV (issue 14): a request streaming on a worker that drains (SIGTERM, a short
+ * --drain-timeout) is handed back and migrated; the router tells the next worker to pull the
+ * prompt's pages from the draining one, which lingers to serve them, so the request continues
+ * without recomputing its prompt, and its greedy output is the undisturbed one. */
+Test(worker_pull, a_request_migrated_off_a_draining_worker_pulls_its_prompt_from_it)
+{
+    if (!have_model()) return;
+    static const char *const slow_drain[] = {"--drain-timeout", "300ms", "--speculate", "off",
+                                             NULL};
+    pair *w = pair_start(NULL, slow_drain);
+    it_proc *a = &w->a, *b = &w->b;
+    char pub_ep[256];
+    void *pub = bound(KM_ZPUB, "tcp://127.0.0.1:*", pub_ep, sizeof pub_ep);
+    static uint8_t addr_b[KM_PROTO_MAX_PEER_ADDR];
+    uint32_t lb = peer_addr_of(w->ctl, "wb", addr_b, sizeof addr_b);
+    it_proc r = {0};
+    start_router(&r, w, pub_ep, NULL);
+    enum { LONG = 240 };
+    int32_t p[NP];
+    make_prompt(p, NP, 300);
+    /* the reference, computed on wa, which then holds the prompt's pages: the router sends the
+     * request there (its prefix credit), and its index learns them from wa's KV events */
+    result ref = run(a->req, 1, p, NP, LONG, NULL, 120000);
+    cr_assert_eq(ref.n, LONG, "the reference stream stopped early (%d tokens)", ref.n);
+    uint64_t seq = 0;
+    for (int i = 0; i < 20; i++) {
+        publish_view(pub, ++seq, a, b, w->addr, w->addr_len, addr_b, lb);
+        usleep(100000);
+    }
+    void *s = submit(r.front, 2, p, NP, LONG, NULL);
+    /* the worker streaming it (the router's in-flight gauge), then SIGTERM: it drains */
+    it_proc *from = NULL;
+    for (int i = 0; i < 400 && !from; i++) {
+        if (it_metric(r.http_port, "kvmesh_router_worker_inflight{worker=\"wa\"}") > 0) from = a;
+        if (it_metric(r.http_port, "kvmesh_router_worker_inflight{worker=\"wb\"}") > 0) from = b;
+        if (!from) usleep(5000);
+    }
+    cr_assert_not_null(from, "the request never showed in flight at a worker");
+    const it_proc *to = from == a ? b : a;
+    cr_assert_eq(kill(from->pid, SIGTERM), 0);
+    for (int i = 0; i < 10; i++) { /* the view goes on naming both (the test is the controller) */
+        publish_view(pub, ++seq, a, b, w->addr, w->addr_len, addr_b, lb);
+        usleep(100000);
+    }
+    result got = collect(s, 2, 120000);
+    expect_same(&ref, &got, "migrated off a draining worker");
+    double migrations = it_metric(r.http_port, "kvmesh_router_migrations_total");
+    if (migrations < 1) { /* the stream ended inside the drain's grace: nothing to show */
+        cr_log_warn("the request finished before its worker's drain handed it back");
+        km_zsock_close(pub);
+        pair_stop(w);
+        return;
+    }
+    cr_assert_geq(it_metric(r.http_port, "kvmesh_router_pulls_total{decision=\"pull\"}"), 1,
+                  "the router did not tell the next worker to pull from the draining one");
+    cr_assert_geq(
+        it_metric(to->admin_port, "kvmesh_kv_transfer_pulls_total{outcome=\"ok\"}") +
+            it_metric(to->admin_port, "kvmesh_kv_transfer_pulls_total{outcome=\"partial\"}"),
+        1, "the next worker pulled nothing from the draining one");
+    cr_assert_geq(got.cached, 16 * (PAGES - 1),
+                  "the migrated request recomputed its prompt (cached %u)", got.cached);
+    /* and the drained worker exits by itself once nothing is left to pull */
+    int rc = it_wait_exit(from, 15000);
+    cr_assert_neq(rc, -1, "the drained worker did not exit by itself");
+    km_zsock_close(pub);
+    pair_stop(w);
 }

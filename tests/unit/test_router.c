@@ -429,6 +429,23 @@ Test(router_view, only_ready_members_of_a_fresh_view_are_routable)
     }
 }
 
+Test(router_view, ready_and_draining_members_serve_their_pages_to_pulls)
+{
+    for (int s = 0; s < KM_MEMBER_STATE_COUNT; s++) {
+        km_member_state st = (km_member_state)s;
+        /* a draining worker (or a level-3 drained one: restarting) takes nothing new but hands
+         * its pages to the requests migrated off it; a dead or starting one has none to hand */
+        cr_assert_eq(rt_member_serves_pages(true, true, true, st),
+                     st == KM_MEMBER_READY || st == KM_MEMBER_DRAINING ||
+                         st == KM_MEMBER_RESTARTING,
+                     "%s", km_member_state_name(st));
+        cr_assert(!rt_member_serves_pages(false, true, true, st));
+        cr_assert(!rt_member_serves_pages(false, false, true, st));
+        cr_assert(rt_member_serves_pages(true, false, true, st));
+        cr_assert(!rt_member_serves_pages(true, true, false, st));
+    }
+}
+
 /* The router reads the model's metadata with common/'s km_model_info, never loading its weights;
  * the workers load it with wk_model_load. The page-hash chain seeds from the fingerprint, so the
  * two must agree to the bit, and so must the name clients use and the tokenizer. */
