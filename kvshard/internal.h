@@ -36,6 +36,7 @@
 #define KV_PAGE_INDEXED 1u /* in the prefix index (immutable, has hash and tokens) */
 #define KV_PAGE_SHARED  2u /* has been used by two sequences at once: evicted last */
 #define KV_PAGE_ON_DISK 4u /* a verified page file exists */
+#define KV_PAGE_MARK    8u /* scratch of one call (kv_store_chains), clear outside it */
 
 typedef struct kv_page {
     uint8_t *buf;     /* the RAM copy (tier HOT or HOST); NULL when only on disk */

@@ -313,6 +313,15 @@ int kv_export_pages(kv_store *s, uint64_t id, int first, int n, kv_xfer_page *ou
 int kv_export_end(kv_store *s, uint64_t id);
 /* Ends every export whose lease passed now_ns; returns how many. */
 int kv_export_expire(kv_store *s, uint64_t now_ns);
+/* The chains of cached pages in RAM most worth handing to another store (a draining worker's
+ * handoff): chains that end at a page no other page follows, most recently used first, each
+ * given root to leaf (hashes and token ids, valid during the call) to fn, until fn returns
+ * non-zero or the chains given hold at least max_pages distinct pages. A chain whose root is no
+ * longer indexed is skipped (a reader could not verify it). Returns the chains given, or KM_ENOMEM.
+ */
+typedef int (*kv_chain_fn)(void *arg, const km_pagehash *hashes, const int32_t *tokens,
+                           int n_pages);
+int kv_store_chains(kv_store *s, int max_pages, kv_chain_fn fn, void *arg);
 /* Exports and imports alive (for leak checks and metrics). */
 void kv_xfer_counts(const kv_store *s, int *exports, int *imports);
 

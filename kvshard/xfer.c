@@ -356,3 +356,71 @@ void kv_xfer_free(kv_store *s)
     free(s->xfer);
     s->xfer = NULL;
 }
+
+/* ---------------------------------------------------------------- handoff */
+
+static int kv_cmp_recent(const void *a, const void *b)
+{
+    const kv_page *x = *(kv_page *const *)a, *y = *(kv_page *const *)b;
+    if (x->last_use != y->last_use) return x->last_use > y->last_use ? -1 : 1;
+    return (x->index < y->index) - (x->index > y->index); /* longer first */
+}
+
+int kv_store_chains(kv_store *s, int max_pages, kv_chain_fn fn, void *arg)
+{
+    size_t n = 0;
+    kv_page **leaves = malloc(sizeof *leaves * (s->n_indexed ? s->n_indexed : 1));
+    km_pagehash *hs = NULL;
+    int32_t *toks = NULL;
+    kv_page **up = NULL;
+    int given = 0, pages = 0, cap = 0;
+    if (!leaves) return KM_ENOMEM;
+    /* a page some other page follows is not a leaf: mark parents, then take the rest */
+    for (size_t b = 0; b < s->n_buckets; b++)
+        for (kv_page *p = s->buckets[b]; p; p = p->hnext) {
+            kv_page *par = p->index > 0 ? kv_index_find(s, p->parent) : NULL;
+            if (par) par->flags |= KV_PAGE_MARK;
+        }
+    for (size_t b = 0; b < s->n_buckets; b++)
+        for (kv_page *p = s->buckets[b]; p; p = p->hnext) {
+            if (!(p->flags & KV_PAGE_MARK) && p->buf && p->tier != KV_TIER_DISK) leaves[n++] = p;
+            p->flags &= ~KV_PAGE_MARK;
+        }
+    qsort(leaves, n, sizeof *leaves, kv_cmp_recent);
+    for (size_t i = 0; i < n && pages < max_pages; i++) {
+        int len = leaves[i]->index + 1;
+        if (len > cap) {
+            cap = len;
+            free(hs), free(toks), free(up);
+            hs = malloc(sizeof *hs * (size_t)cap);
+            toks = malloc(sizeof *toks * (size_t)cap * (size_t)s->pt);
+            up = malloc(sizeof *up * (size_t)cap);
+            if (!hs || !toks || !up) {
+                given = KM_ENOMEM;
+                break;
+            }
+        }
+        /* leaf to root by parent hashes, each link as the index would verify it */
+        kv_page *p = leaves[i];
+        int k = len - 1;
+        for (; k >= 0 && p && p->index == k; k--) {
+            up[k] = p;
+            p = k > 0 ? kv_index_find(s, p->parent) : NULL;
+        }
+        if (k >= 0) continue; /* broken: a page of it was evicted */
+        int fresh = 0;
+        for (int j = 0; j < len; j++) {
+            hs[j] = up[j]->hash;
+            memcpy(toks + (size_t)j * s->pt, up[j]->tokens, sizeof *toks * (size_t)s->pt);
+            fresh += !(up[j]->flags & KV_PAGE_MARK); /* shared prefixes count once */
+            up[j]->flags |= KV_PAGE_MARK;
+        }
+        pages += fresh;
+        given++;
+        if (fn(arg, hs, toks, len)) break;
+    }
+    for (size_t b = 0; b < s->n_buckets; b++)
+        for (kv_page *p = s->buckets[b]; p; p = p->hnext) p->flags &= ~KV_PAGE_MARK;
+    free(leaves), free(hs), free(toks), free(up);
+    return given;
+}

@@ -56,15 +56,19 @@ static kv_store *mk(kv_format f, size_t pages, int arena)
     return mk_cfg(&c);
 }
 
-/* Computes and publishes n_pages pages of toks in s (the K/V depend on token and position). */
-static void compute(kv_store *s, const int32_t *toks, const km_pagehash *hashes, int n_pages)
+/* Computes and publishes n_pages pages of toks in s (the K/V depend on token and position),
+ * reusing the cached prefix as a request would; returns how many were new to the index. */
+static int compute_new(kv_store *s, const int32_t *toks, const km_pagehash *hashes, int n_pages)
 {
     kv_seq *q;
     cr_assert_eq(kv_seq_create(s, &q), 0);
     const int n = n_pages * PT;
+    int held = kv_seq_attach(s, q, hashes, toks, n_pages);
+    cr_assert_geq(held, 0);
+    kv_seq_wait_ready(s, q);
     cr_assert_eq(kv_seq_reserve(s, q, n), 0);
     float k[H * HD], v[H * HD];
-    for (int p = 0; p < n; p++)
+    for (int p = held * PT; p < n; p++)
         for (int l = 0; l < L; l++) {
             for (int h = 0; h < H; h++)
                 for (int c = 0; c < HD; c++) {
@@ -73,8 +77,14 @@ static void compute(kv_store *s, const int32_t *toks, const km_pagehash *hashes,
                 }
             kv_seq_write(s, q, l, p, k, v);
         }
-    cr_assert_eq(kv_seq_publish(s, q, hashes, toks, n), n_pages);
+    int fresh = kv_seq_publish(s, q, hashes, toks, n);
     kv_seq_destroy(s, q);
+    return fresh;
+}
+
+static void compute(kv_store *s, const int32_t *toks, const km_pagehash *hashes, int n_pages)
+{
+    cr_assert_eq(compute_new(s, toks, hashes, n_pages), n_pages);
 }
 
 /* Max abs error of s's cached chain against the reference values (attached in a sequence). */
@@ -427,4 +437,64 @@ Test(xfer_store, an_import_is_not_a_hit_or_a_miss)
     cr_assert_eq(after.hits, before.hits);
     cr_assert_eq(after.misses, before.misses);
     pair_close(&P);
+}
+
+/* ---------------------------------------------------------------- handoff chains */
+
+typedef struct got_chains {
+    int n, len[8];
+    km_pagehash leaf[8];
+} got_chains;
+
+/* Records each chain given (its length and leaf). */
+static int take_chain(void *arg, const km_pagehash *hs, const int32_t *toks, int n)
+{
+    got_chains *g = arg;
+    cr_assert_lt(g->n, 8);
+    g->len[g->n] = n;
+    g->leaf[g->n] = hs[n - 1];
+    g->n++;
+    return 0;
+}
+
+Test(xfer_store, a_draining_store_names_its_chains_most_recent_leaf_first)
+{
+    kv_store *a = mk(KN_KV_F16, 64, 1), *b = mk(KN_KV_F16, 64, 1);
+    int32_t ta[6 * PT], tb[6 * PT], tc[2 * PT];
+    km_pagehash ha[6], hb[6], hc[2];
+    chain(ta, ha, 6, 0);
+    memcpy(tb, ta, sizeof tb); /* B shares A's first 3 pages, then differs */
+    for (int i = 3 * PT; i < 6 * PT; i++) tb[i] += 500;
+    km_pagehash seed = km_pagehash_seed("model", 5, 42, NULL, 0);
+    km_pagehash_chain(seed, tb, 6 * PT, PT, hb, 6);
+    chain(tc, hc, 2, 7);
+    compute(a, ta, ha, 6);
+    cr_assert_eq(compute_new(a, tb, hb, 6), 3);
+    compute(a, tc, hc, 2);
+    got_chains g = {0};
+    cr_assert_eq(kv_store_chains(a, 100, take_chain, &g), 3);
+    /* leaves only (A's and B's shared pages are not chains of their own), most recent first */
+    cr_assert_eq(g.len[0], 2);
+    cr_assert(km_pagehash_eq(g.leaf[0], hc[1]));
+    cr_assert_eq(g.len[1], 6);
+    cr_assert(km_pagehash_eq(g.leaf[1], hb[5]));
+    cr_assert_eq(g.len[2], 6);
+    cr_assert(km_pagehash_eq(g.leaf[2], ha[5]));
+    /* a budget: chains until they hold at least that many pages (C's 2, then B's 6) */
+    g.n = 0;
+    cr_assert_eq(kv_store_chains(a, 3, take_chain, &g), 2);
+    /* what they name moves whole: root first, verified by the holder's export */
+    cr_assert_eq(transfer(a, b, tc, hc, 2, -1), 2);
+    cr_assert_eq(transfer(a, b, tb, hb, 6, -1), 6);
+    cr_assert_eq(transfer(a, b, ta, ha, 6, -1), 3, "the shared prefix moved once");
+    cr_assert_eq(kv_store_lookup(b, ha, ta, 6, NULL), 6);
+    cr_assert_eq(kv_store_lookup(b, hb, tb, 6, NULL), 6);
+    /* a chain whose pages left RAM is not named (without a host tier, eviction drops them) */
+    kv_store_evict_oldest_fraction(a, 1.0);
+    g.n = 0;
+    cr_assert_eq(kv_store_chains(a, 100, take_chain, &g), 0);
+    km_errbuf err;
+    cr_assert_eq(kv_store_check(a, &err), 0, "%s", err.msg);
+    kv_store_destroy(a);
+    kv_store_destroy(b);
 }
