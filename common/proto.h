@@ -79,6 +79,7 @@ typedef enum km_msg_type {
     KM_MSG_KV_PULL,      /* "kv_pull"      worker -> worker: pin these pages of a chain for me */
     KM_MSG_KV_OFFER,     /* "kv_offer"     worker -> worker: the pages pinned, where they lie */
     KM_MSG_KV_PULL_DONE, /* "kv_pull_done" worker -> worker: the lease can end */
+    KM_MSG_KV_PUSH,      /* "kv_push"      worker -> worker: pull this chain from me (handoff) */
     KM_MSG_TYPE_COUNT
 } km_msg_type;
 
@@ -435,6 +436,17 @@ typedef struct km_msg_kv_pull_done {
     uint32_t pages_ok;
 } km_msg_kv_pull_done;
 
+/* kv_push (a draining worker -> a peer, on the peer's requests endpoint): "I hold this chain;
+ * pull what you want of it from me" (the drain handoff, docs/transfer.md). The peer answers
+ * nothing; it may start a pull (kv_pull back to `endpoint`) of the pages it lacks. */
+typedef struct km_msg_kv_push {
+    km_msg_kv_pull chain; /* id: the pusher's; first: 0; the chain's hashes and token ids */
+    const char *from;     /* the pusher's worker id (its member key, for CURVE) */
+    const char *endpoint; /* the pusher's requests endpoint */
+    const uint8_t *addr;  /* the pusher's transfer node address */
+    uint32_t addr_len;    /* 1..KM_PROTO_MAX_PEER_ADDR */
+} km_msg_kv_push;
+
 typedef struct km_msg {
     km_msg_type type;
     union {
@@ -451,6 +463,7 @@ typedef struct km_msg {
         km_msg_kv_pull kv_pull;
         km_msg_kv_offer kv_offer;
         km_msg_kv_pull_done kv_pull_done;
+        km_msg_kv_push kv_push;
     };
     /* After a failed km_msg_decode: the rejected frame's top-level `id` (an unsigned integer),
      * when the frame had one the bounds scan could read, so the error reply can name the request

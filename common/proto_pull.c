@@ -78,23 +78,29 @@ static int hash_decode(km_dec *d, const msgpack_object_map *mp, const char *key,
 
 /* ---------------------------------------------------------------- kv_pull */
 
-static int pull_validate(const km_msg *m, const km_proto_limits *lim, km_errbuf *err)
+/* A chain (kv_pull, and kv_push's), named `what` in messages. */
+static int chain_validate(const char *what, const km_msg_kv_pull *p, const km_proto_limits *lim,
+                          km_errbuf *err)
 {
-    const km_msg_kv_pull *p = &m->kv_pull;
     if (p->n_pages < 1 || p->n_pages > KM_PROTO_MAX_PULL_PAGES)
-        VFAIL("kv_pull.n_pages: %u outside [1, %d]", p->n_pages, KM_PROTO_MAX_PULL_PAGES);
+        VFAIL("%s.n_pages: %u outside [1, %d]", what, p->n_pages, KM_PROTO_MAX_PULL_PAGES);
     if (p->first >= p->n_pages)
-        VFAIL("kv_pull.first: %u, not below n_pages %u", p->first, p->n_pages);
+        VFAIL("%s.first: %u, not below n_pages %u", what, p->first, p->n_pages);
     if (p->page_tokens < 1 || p->page_tokens > KM_PROTO_MAX_PAGE_TOKENS)
-        VFAIL("kv_pull.page_tokens: %u outside [1, %d]", p->page_tokens, KM_PROTO_MAX_PAGE_TOKENS);
-    if (!p->hashes) VFAIL("kv_pull.hashes: NULL");
-    return tokens_validate("kv_pull.tokens", p->tokens, (uint64_t)p->n_pages * p->page_tokens, lim,
-                           err);
+        VFAIL("%s.page_tokens: %u outside [1, %d]", what, p->page_tokens, KM_PROTO_MAX_PAGE_TOKENS);
+    if (!p->hashes) VFAIL("%s.hashes: NULL", what);
+    char tw[32];
+    snprintf(tw, sizeof tw, "%s.tokens", what);
+    return tokens_validate(tw, p->tokens, (uint64_t)p->n_pages * p->page_tokens, lim, err);
 }
 
-static void pull_encode(km_enc *e, const km_msg *m)
+static int pull_validate(const km_msg *m, const km_proto_limits *lim, km_errbuf *err)
 {
-    const km_msg_kv_pull *p = &m->kv_pull;
+    return chain_validate("kv_pull", &m->kv_pull, lim, err);
+}
+
+static void chain_encode(km_enc *e, const km_msg_kv_pull *p)
+{
     km_enc_u64(e, "id", p->id);
     km_enc_u64(e, "first", p->first);
     km_enc_u64(e, "n_pages", p->n_pages);
@@ -103,25 +109,35 @@ static void pull_encode(km_enc *e, const km_msg *m)
     tokens_encode(e, "tokens", p->tokens, (uint64_t)p->n_pages * p->page_tokens);
 }
 
-static int pull_decode(km_dec *d, const msgpack_object_map *mp)
+static void pull_encode(km_enc *e, const km_msg *m)
 {
-    km_msg_kv_pull *p = &d->m->kv_pull;
+    chain_encode(e, &m->kv_pull);
+}
+
+static int chain_decode(km_dec *d, const msgpack_object_map *mp, const char *what,
+                        km_msg_kv_pull *p)
+{
     CK(km_dec_uint(d, mp, "id", true, UINT64_MAX, &p->id));
     CK(km_dec_u32(d, mp, "first", true, &p->first));
     CK(km_dec_u32(d, mp, "n_pages", true, &p->n_pages));
     CK(km_dec_u32(d, mp, "page_tokens", true, &p->page_tokens));
     if (p->n_pages < 1 || p->n_pages > KM_PROTO_MAX_PULL_PAGES)
-        return DFAIL(d, KM_EFORMAT, "kv_pull.n_pages: %u outside [1, %d]", p->n_pages,
+        return DFAIL(d, KM_EFORMAT, "%s.n_pages: %u outside [1, %d]", what, p->n_pages,
                      KM_PROTO_MAX_PULL_PAGES);
     if (p->page_tokens < 1 || p->page_tokens > KM_PROTO_MAX_PAGE_TOKENS)
-        return DFAIL(d, KM_EFORMAT, "kv_pull.page_tokens: %u outside [1, %d]", p->page_tokens,
+        return DFAIL(d, KM_EFORMAT, "%s.page_tokens: %u outside [1, %d]", what, p->page_tokens,
                      KM_PROTO_MAX_PAGE_TOKENS);
     uint32_t len = 0;
     CK(km_dec_bin(d, mp, "hashes", true, KM_PROTO_MAX_PULL_PAGES * 16, &p->hashes, &len));
     if (len != p->n_pages * 16)
-        return DFAIL(d, KM_EFORMAT, "kv_pull.hashes: %u bytes, expected 16 x n_pages = %u", len,
+        return DFAIL(d, KM_EFORMAT, "%s.hashes: %u bytes, expected 16 x n_pages = %u", what, len,
                      p->n_pages * 16);
     return tokens_decode(d, mp, "tokens", (uint64_t)p->n_pages * p->page_tokens, &p->tokens);
+}
+
+static int pull_decode(km_dec *d, const msgpack_object_map *mp)
+{
+    return chain_decode(d, mp, "kv_pull", &d->m->kv_pull);
 }
 
 /* ---------------------------------------------------------------- kv_offer */
@@ -241,6 +257,43 @@ static int done_decode(km_dec *d, const msgpack_object_map *mp)
     return km_dec_u32(d, mp, "pages_ok", false, &p->pages_ok);
 }
 
+/* ---------------------------------------------------------------- kv_push */
+
+static int push_validate(const km_msg *m, const km_proto_limits *lim, km_errbuf *err)
+{
+    const km_msg_kv_push *p = &m->kv_push;
+    CK(km_val_name("kv_push.from", p->from, true, 1, KM_PROTO_MAX_NAME, err));
+    CK(km_val_name("kv_push.endpoint", p->endpoint, true, 1, KM_PROTO_MAX_NAME, err));
+    if (!p->addr || p->addr_len < 1 || p->addr_len > KM_PROTO_MAX_PEER_ADDR)
+        VFAIL("kv_push.addr: %u bytes outside [1, %d]", p->addr_len, KM_PROTO_MAX_PEER_ADDR);
+    if (p->chain.first) VFAIL("kv_push.first: %u, a pushed chain starts at 0", p->chain.first);
+    return chain_validate("kv_push", &p->chain, lim, err);
+}
+
+static void push_encode(km_enc *e, const km_msg *m)
+{
+    const km_msg_kv_push *p = &m->kv_push;
+    chain_encode(e, &p->chain);
+    km_enc_str(e, "from", p->from);
+    km_enc_str(e, "endpoint", p->endpoint);
+    km_enc_bin(e, "addr", p->addr, p->addr_len);
+}
+
+static int push_decode(km_dec *d, const msgpack_object_map *mp)
+{
+    km_msg_kv_push *p = &d->m->kv_push;
+    CK(km_dec_str(d, mp, "from", true, KM_PROTO_MAX_NAME, false, &p->from, NULL));
+    CK(km_dec_str(d, mp, "endpoint", true, KM_PROTO_MAX_NAME, false, &p->endpoint, NULL));
+    CK(km_dec_bin(d, mp, "addr", true, KM_PROTO_MAX_PEER_ADDR, &p->addr, &p->addr_len));
+    if (!p->addr_len) return DFAIL(d, KM_EFORMAT, "kv_push.addr: empty");
+    CK(chain_decode(d, mp, "kv_push", &p->chain));
+    if (p->chain.first)
+        return DFAIL(d, KM_EFORMAT, "kv_push.first: %u, a pushed chain starts at 0",
+                     p->chain.first);
+    return 0;
+}
+
 const km_proto_codec km_proto_codec_kv_pull = {pull_validate, pull_encode, pull_decode};
+const km_proto_codec km_proto_codec_kv_push = {push_validate, push_encode, push_decode};
 const km_proto_codec km_proto_codec_kv_offer = {offer_validate, offer_encode, offer_decode};
 const km_proto_codec km_proto_codec_kv_pull_done = {done_validate, done_encode, done_decode};

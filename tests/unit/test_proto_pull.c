@@ -4,7 +4,8 @@
  * field survives encode -> decode, the largest pull and offer fit the default frame, frames that
  * break their own shape (counts that disagree, gaps in indexes, a hint without its address) are
  * refused with the field named, every truncation fails cleanly, and the fuzz seeds of these
- * frames (tests/fuzz/corpus/fuzz_proto/{kv_pull,kv_offer,kv_pull_done,...}) are these frames.
+ * frames (tests/fuzz/corpus/fuzz_proto/{kv_pull,kv_offer,kv_pull_done,kv_push,...}) are these
+ * frames.
  */
 #define _GNU_SOURCE
 #include "common/svc.h"
@@ -70,6 +71,19 @@ static void pull_init(km_msg *m, const chain *c, uint32_t n)
     m->kv_pull.page_tokens = PT;
     m->kv_pull.hashes = c->hashes;
     m->kv_pull.tokens = c->tokens;
+}
+
+static const uint8_t g_addr[] = {'K', 'V', 'M', 'P', 'E', 'E', 'R', '1', 1, 0, 0, 0};
+
+static void push_init(km_msg *m, const chain *c, uint32_t n)
+{
+    km_msg_init(m, KM_MSG_KV_PUSH);
+    m->kv_push.chain = (km_msg_kv_pull){
+        .id = 42, .n_pages = n, .page_tokens = PT, .hashes = c->hashes, .tokens = c->tokens};
+    m->kv_push.from = "w-a";
+    m->kv_push.endpoint = "tcp://127.0.0.1:7100";
+    m->kv_push.addr = g_addr;
+    m->kv_push.addr_len = sizeof g_addr;
 }
 
 static void offer_init(km_msg *m, const chain *c, uint32_t n)
@@ -139,6 +153,44 @@ Test(proto_pull, a_refusal_is_an_offer_with_a_status_and_no_pages)
     cr_assert_eq(out.kv_pull_done.lease_id, 77);
     cr_assert_eq(out.kv_pull_done.pages_ok, 12);
     km_msg_clear(&out);
+}
+
+Test(proto_pull, kv_push_roundtrips_and_refuses_what_it_cannot_be)
+{
+    chain *c = chain_make(5);
+    km_msg in, out;
+    push_init(&in, c, 5);
+    roundtrip(&in, &out);
+    const km_msg_kv_push *p = &out.kv_push;
+    cr_assert_eq(p->chain.id, 42);
+    cr_assert_eq(p->chain.first, 0);
+    cr_assert_eq(p->chain.n_pages, 5);
+    cr_assert_eq(p->chain.page_tokens, PT);
+    cr_assert_eq(memcmp(p->chain.hashes, c->hashes, 5 * 16), 0);
+    cr_assert_eq(memcmp(p->chain.tokens, c->tokens, sizeof(int32_t) * 5 * PT), 0);
+    cr_assert_str_eq(p->from, "w-a");
+    cr_assert_str_eq(p->endpoint, "tcp://127.0.0.1:7100");
+    cr_assert_eq(p->addr_len, sizeof g_addr);
+    cr_assert_eq(memcmp(p->addr, g_addr, sizeof g_addr), 0);
+    km_msg_clear(&out);
+    push_init(&in, c, 5);
+    in.kv_push.chain.first = 1;
+    expect_encode_fail(&in, "kv_push.first");
+    push_init(&in, c, 5);
+    in.kv_push.from = NULL;
+    expect_encode_fail(&in, "kv_push.from");
+    push_init(&in, c, 5);
+    in.kv_push.endpoint = "";
+    expect_encode_fail(&in, "kv_push.endpoint");
+    push_init(&in, c, 5);
+    in.kv_push.addr_len = 0;
+    expect_encode_fail(&in, "kv_push.addr");
+    push_init(&in, c, 0);
+    expect_encode_fail(&in, "kv_push.n_pages");
+    push_init(&in, c, 5);
+    c->tokens[7] = -2;
+    expect_encode_fail(&in, "kv_push.tokens[7]");
+    free(c);
 }
 
 Test(proto_pull, the_largest_pull_and_offer_fit_the_default_frame)
@@ -324,9 +376,10 @@ Test(proto_pull, fuzz_seeds_can_be_regenerated)
     const char *dir = getenv("KVMESH_WRITE_SEEDS");
     if (!dir) cr_skip_test("KVMESH_WRITE_SEEDS not set");
     chain *c = chain_make(3);
-    static const uint8_t addr[] = {'K', 'V', 'M', 'P', 'E', 'E', 'R', '1', 1, 0, 0, 0};
-    km_msg m[5];
-    const char *names[5] = {"kv_pull", "kv_offer", "kv_pull_done", "req_pull_hint", "hb_peer_xfer"};
+    const uint8_t *addr = g_addr;
+    km_msg m[6];
+    const char *names[6] = {"kv_pull",       "kv_offer",     "kv_pull_done",
+                            "req_pull_hint", "hb_peer_xfer", "kv_push"};
     pull_init(&m[0], c, 3);
     offer_init(&m[1], c, 1);
     km_msg_init(&m[2], KM_MSG_KV_PULL_DONE);
@@ -342,15 +395,16 @@ Test(proto_pull, fuzz_seeds_can_be_regenerated)
                                 .pull_from = "w-a",
                                 .pull_endpoint = "tcp://127.0.0.1:7100",
                                 .pull_addr = addr,
-                                .pull_addr_len = sizeof addr,
+                                .pull_addr_len = sizeof g_addr,
                                 .pull_pages = 2};
     km_msg_init(&m[4], KM_MSG_HEARTBEAT);
     m[4].hb.worker = "w";
     m[4].hb.peer_addr = addr;
-    m[4].hb.peer_addr_len = sizeof addr;
+    m[4].hb.peer_addr_len = sizeof g_addr;
     m[4].hb.has_xfer = true;
     m[4].hb.xfer.rate_bps = 1e9;
-    for (int i = 0; i < 5; i++) {
+    push_init(&m[5], c, 3);
+    for (int i = 0; i < 6; i++) {
         km_buf b = {0};
         km_errbuf err = {{0}};
         cr_assert_eq(km_msg_encode(&m[i], NULL, &b, &err), 0, "%s: %s", names[i], err.msg);
