@@ -175,7 +175,11 @@ static void plan_worker(up_planner *pl, up_proc *p, int wi, int *k)
     p->argv[(*k)++] = xfmt("--threads=%lld", (long long)o->threads);
     p->argv[(*k)++] = xfmt("--cluster-seed=%lld", (long long)o->cluster_seed);
     plan_security(o, p, k);
-    if (o->with_controller) p->argv[(*k)++] = xfmt("--controller=%s", pl->ctl_listen);
+    if (o->with_controller) {
+        p->argv[(*k)++] = xfmt("--controller=%s", pl->ctl_listen);
+        /* the peers a drain hands its pages to (used only with --peer-listen) */
+        p->argv[(*k)++] = xfmt("--peer-view=%s", pl->ctl_view);
+    }
     if (o->model) p->argv[(*k)++] = xfmt("--model=%s", o->model);
     if (o->kv_bytes) p->argv[(*k)++] = xfmt("--kv-bytes=%s", o->kv_bytes);
     push_args(p->argv, k, UP_ARGV_MAX, o->worker_args);

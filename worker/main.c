@@ -26,7 +26,7 @@ typedef struct wk_args {
     const char *model, *listen, *events, *controller, *admin_host, *worker_id, *kv_format;
     const char *alias, *ports_file, *log_level, *log_format, *kv_disk_dir, *cluster_secret;
     const char *speculate;
-    const char *peer_listen, *peer_advertise, *peer_mode;
+    const char *peer_listen, *peer_advertise, *peer_mode, *peer_view;
     int64_t peer_lease_ms, peer_pull_ms;
     int64_t threads, admin_port, page_tokens, max_batch, prefill_chunk, max_running, max_queue;
     int64_t decode_prefill, spec_max_draft, step_budget_ms;
@@ -135,6 +135,10 @@ static const km_opt g_opts[] = {
      "KV page transfer: a pull's budget when its hint names none (then the pages are "
      "computed)",
      &g_args.peer_pull_ms, 1, 3600000},
+    {"peer-view", NULL, KM_OPT_STR, NULL,
+     "KV page transfer: the controller's view endpoint (its --view); a drain then hands this "
+     "worker's cached chains to the ready peers it names (drain handoff); unset = no handoff",
+     &g_args.peer_view, 0, 0},
     {"ports-file", NULL, KM_OPT_STR, NULL, "write the bound endpoints here once ready",
      &g_args.ports_file, 0, 0},
     KM_SEC_OPT_ROWS(&g_args.sec),
@@ -228,6 +232,7 @@ int main(int argc, char **argv)
         .peer_mode = a->peer_mode,
         .peer_lease_ms = (int)a->peer_lease_ms,
         .peer_pull_ms = (int)a->peer_pull_ms,
+        .peer_view = a->peer_view,
         .sched = {.max_running = (int)a->max_running,
                   .max_queue = (int)a->max_queue,
                   .max_batch_tokens = (int)a->max_batch,

@@ -130,6 +130,7 @@ static void wk_handle_message(wk_service *s, void *sock, const km_zmsg *zm)
         break;
     case KM_MSG_KV_PULL:
     case KM_MSG_KV_PULL_DONE:
+    case KM_MSG_KV_PUSH:
         wk_peer_handle(s, sock, env, n_env, &m);
         break;
     default: {
@@ -310,11 +311,12 @@ void wk_service_signal(wk_service *s, int signo)
  * it lingers serving them. */
 enum { WK_LINGER_QUIET_MS = 1000, WK_LINGER_MAX_MS = 5000 };
 
-/* End of a drain, step 1: hand back what is left. With a transfer node and requests handed back
- * the worker lingers (state stopping: nothing new is routed to it) while the workers those
- * requests migrate to pull their pages, so they continue without recomputing the prompt
- * (migration with KV, docs/transfer.md); wk_end_drain follows when no pull is left or after
- * WK_LINGER_MAX_MS. */
+/* End of a drain, step 1: hand back what is left, and hand the cached chains to the peers
+ * (wk_peer_handoff: they pull them). With requests handed back or chains pushed the worker
+ * lingers (state stopping: nothing new is routed to it) while the workers those requests migrate
+ * to pull their pages, so they continue without recomputing the prompt (migration with KV,
+ * docs/transfer.md), and while the peers pull the chains; wk_end_drain follows when no pull is
+ * left or after WK_LINGER_MAX_MS. */
 static void wk_end_drain(wk_service *s);
 static void wk_finish_drain(wk_service *s)
 {
@@ -324,13 +326,14 @@ static void wk_finish_drain(wk_service *s)
         wk_sched_abort_all(s->sched, KM_CODE_UNAVAILABLE,
                            "worker drained: request handed back for migration");
     s->handed_back = left;
-    if (left && s->peer) {
+    int pushed = wk_peer_handoff(s);
+    if ((left || pushed) && s->peer) {
         wk_events_pump(s->ev); /* the pages those requests published, for every router */
         wk_svc_set_state(s, KM_STATE_STOPPING);
         s->linger_start_ns = km_now_ns();
         s->linger_until_ns = s->linger_start_ns + wk_ms_ns(WK_LINGER_MAX_MS);
-        KM_INFO("drain_linger", "worker=%s handed_back=%d max_ms=%d", s->worker_id, left,
-                WK_LINGER_MAX_MS);
+        KM_INFO("drain_linger", "worker=%s handed_back=%d chains_pushed=%d max_ms=%d", s->worker_id,
+                left, pushed, WK_LINGER_MAX_MS);
         return;
     }
     wk_end_drain(s);

@@ -245,6 +245,10 @@ int wk_peer_cancel(wk_service *s, const km_zframe *env, int n_env, uint64_t id);
 void wk_peer_admit_all(wk_service *s);
 /* The heartbeat's peer_addr and xfer statistics. */
 void wk_peer_heartbeat(wk_service *s, km_msg_heartbeat *hb);
+/* Drain handoff: kv_push of this worker's cached chains to the ready peers of its model that
+ * the controller's view names (--peer-view), most recently used first. Returns the chains
+ * pushed (0: none, or no view, no node, no peer). */
+int wk_peer_handoff(wk_service *s);
 /* True while this worker owes peers pages: kv_pull frames waiting for their offer, live leases,
  * or a kv_pull within the last quiet_ns (more may follow). False without a transfer node. */
 bool wk_peer_serving(const wk_service *s, uint64_t now, uint64_t quiet_ns);

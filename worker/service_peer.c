@@ -15,6 +15,12 @@
  *    as if computed here, and the request is admitted: the scheduler's prefix lookup finds them.
  *    A failed pull is a slower request, never a failed one.
  *
+ *  - Drain handoff (with --peer-view, the controller's view): a drain sends each ready peer of
+ *    the same model `kv_push` frames naming this worker's cached chains, most recently used
+ *    first (kv_store_chains); a peer starts a background pull of each (a held entry with no
+ *    request) and this worker lingers at the end of its drain while they read (service.c). What
+ *    peers cannot take goes to the disk tier as before.
+ *
  * Everything runs on the service's thread, between engine steps; nothing here waits for the
  * network (the node's own thread moves the bytes). The loop polls at most 1 ms apart while a
  * request is held, so an offer or a finished pull is acted on without spinning a core.
@@ -27,11 +33,24 @@
 #include "worker/service_internal.h"
 
 enum {
-    WK_PEER_LINKS = 16,   /* holders this worker keeps a connection to */
-    WK_PEER_HELD = 256,   /* requests held for a pull at once */
-    WK_PEER_SERVES = 256, /* kv_pull frames waiting for their offer */
-    WK_PEER_OFFERS = 16,  /* offers taken from the node per poll */
+    WK_PEER_LINKS = 16,    /* holders this worker keeps a connection to */
+    WK_PEER_HELD = 256,    /* requests held for a pull at once */
+    WK_PEER_SERVES = 256,  /* kv_pull frames waiting for their offer */
+    WK_PEER_OFFERS = 16,   /* offers taken from the node per poll */
+    WK_PEER_VIEW = 64,     /* peers remembered from the controller's view */
+    WK_PEER_BG = 64,       /* background pulls (handoffs taken) at once */
+    WK_PUSH_PER_PEER = 64, /* chains one drain pushes to one peer at most */
+    WK_BG_PULL_MS = 5000,  /* a background pull's budget */
 };
+
+/* A peer the controller's view names: where a drain may hand its pages. */
+typedef struct wk_member {
+    char id[KM_PROTO_MAX_NAME + 1], requests[KM_PROTO_MAX_NAME + 1];
+    uint8_t addr[KM_PROTO_MAX_PEER_ADDR];
+    uint32_t addr_len;
+    double pressure;
+    bool takes; /* ready, same model, a transfer node, room */
+} wk_member;
 
 /* A holder: a DEALER to its requests endpoint and a node peer to its transfer address. */
 typedef struct wk_link {
@@ -56,7 +75,8 @@ typedef struct wk_held {
     int32_t *tokens;
     int n_tokens, n_pages;
     uint64_t arrival_ns, start_ns, offer_ns, deadline_ns;
-    bool end_now; /* refused or answered with an error: finish at the next poll */
+    bool end_now;    /* refused or answered with an error: finish at the next poll */
+    bool background; /* a handoff taken: no request behind it */
 } wk_held;
 
 /* A kv_pull whose offer the node has not yielded yet. */
@@ -89,7 +109,16 @@ struct wk_peer {
     km_series *s_refused, *s_dones_ignored;
     uint64_t seen_out, seen_refused; /* bytes_out, fetches_refused already counted */
     uint64_t last_pull_ns;           /* the last kv_pull that came in */
+    /* drain handoff */
+    void *vsub; /* the controller's view (--peer-view) */
+    km_zmsg vin;
+    wk_member members[WK_PEER_VIEW];
+    int n_members, n_bg;
+    uint64_t push_id, pushed; /* chains this worker pushed (its drain) */
+    km_series *s_handoff[3];  /* kvmesh_kv_handoff_chains_total{outcome} */
 };
+
+static const char *const wk_handoff_outcomes[3] = {"pushed", "taken", "dropped"};
 
 static const char *const wk_pull_outcomes[3] = {"ok", "partial", "failed"};
 
@@ -144,6 +173,12 @@ static int wk_peer_metrics(wk_service *s, wk_peer *p, km_errbuf *err)
          "it).",
          NULL, NULL, 0);
     p->s_dones_ignored = km_metric_series(m, NULL);
+    PREG(KM_COUNTER, "kvmesh_kv_handoff_chains_total",
+         "Drain handoff, in chains: pushed (by this worker's drain to its peers), taken (pushed "
+         "here by a draining peer, a background pull started) and dropped (pushed here but not "
+         "taken: too many at once, no room, or nothing left to pull).",
+         "outcome", NULL, 0);
+    for (int i = 0; i < 3; i++) p->s_handoff[i] = km_metric_series(m, &wk_handoff_outcomes[i]);
 #undef PREG
     return 0;
 }
@@ -196,6 +231,16 @@ int wk_peer_create(wk_service *s, km_errbuf *err)
         return rc;
     }
     if ((rc = wk_peer_metrics(s, p, err))) return rc;
+    if (o->peer_view && o->peer_view[0]) {
+        km_zsock_opts zo;
+        km_zsock_opts_default(&zo);
+        /* the view's members are the controller's: only its key may publish it */
+        if ((rc = km_zsock_open(s->zctx, KM_ZSUB, &zo, &p->vsub, err)) ||
+            (rc = km_zsock_subscribe(p->vsub, "view", 4, err)) ||
+            (rc = km_zsec_client(o->sec, p->vsub, "controller", err)) ||
+            (rc = km_zsock_connect(p->vsub, o->peer_view, err)))
+            return rc;
+    }
     KM_INFO("peer_ready", "worker=%s listen=%s:%d advertise=%s mode=%s addr_bytes=%zu",
             s->worker_id, p->listen_host, port, p->advertise_host,
             mode == PR_MODE_GET ? "get" : "am", p->addr_len);
@@ -228,6 +273,8 @@ void wk_peer_destroy(wk_service *s)
     }
     for (int i = 0; i < p->n_links; i++) wk_link_close(p, &p->links[i]);
     pr_node_destroy(p->node);
+    km_zsock_close(p->vsub);
+    km_zmsg_clear(&p->vin);
     km_zmsg_clear(&p->in);
     km_buf_free(&p->out);
     free(p);
@@ -344,6 +391,9 @@ static void wk_peer_serve(wk_service *s, const km_zframe *env, int n_env, const 
     free(hs);
 }
 
+static void wk_peer_take(wk_service *s, const km_msg_kv_push *q);
+static void wk_peer_view_read(wk_service *s);
+
 void wk_peer_handle(wk_service *s, void *sock, const km_zframe *env, int n_env, const km_msg *m)
 {
     (void)sock;
@@ -359,6 +409,8 @@ void wk_peer_handle(wk_service *s, void *sock, const km_zframe *env, int n_env, 
             return;
         }
         wk_peer_serve(s, env, n_env, &m->kv_pull);
+    } else if (m->type == KM_MSG_KV_PUSH) {
+        wk_peer_take(s, &m->kv_push);
     } else if (m->type == KM_MSG_KV_PULL_DONE && p) {
         pr_pull_done d = {.lease_id = m->kv_pull_done.lease_id,
                           .requester = wk_peer_requester(env, n_env),
@@ -456,6 +508,45 @@ static wk_link *wk_peer_link(wk_service *s, const char *holder, const char *endp
     return l;
 }
 
+/* Starts h's pull of chain [0, n_pages) (hashes hs, token ids toks) from the holder at l, by its
+ * deadline: sends kv_pull, and h is held until the pull ends. Returns the pages already held
+ * here, or -1 when nothing was started (every page is here, or a failure): h is not held. */
+static int wk_peer_start(wk_service *s, wk_link *l, wk_held *h, const km_pagehash *hs,
+                         const int32_t *toks, int n_pages)
+{
+    wk_peer *p = s->peer;
+    pr_pull_req req;
+    int held = pr_pull_start(p->node, l->peer, hs, toks, n_pages, h->deadline_ns, &h->pull, &req);
+    if (held < 0 || !h->pull) return -1;
+    uint8_t *canon = malloc((size_t)req.n_pages * 16);
+    km_msg m;
+    km_msg_init(&m, KM_MSG_KV_PULL);
+    for (int i = 0; canon && i < req.n_pages; i++)
+        km_pagehash_canonical(req.hashes[i], canon + 16 * i);
+    m.kv_pull = (km_msg_kv_pull){.id = req.pull_id,
+                                 .first = (uint32_t)req.first,
+                                 .n_pages = (uint32_t)req.n_pages,
+                                 .page_tokens = (uint32_t)req.page_tokens,
+                                 .hashes = canon,
+                                 .tokens = req.tokens};
+    km_zframe f;
+    if (!canon || km_msg_encode(&m, &s->lim, &p->out, NULL) ||
+        (f = (km_zframe){p->out.data, p->out.len}, km_zsend(l->sock, &f, 1, KM_ZDONTWAIT, NULL))) {
+        pr_pull_finish(p->node, h->pull, NULL, NULL);
+        h->pull = NULL;
+        free(canon);
+        return -1;
+    }
+    free(canon);
+    h->pull_id = req.pull_id;
+    h->link = l;
+    h->n_pages = n_pages;
+    h->start_ns = km_now_ns();
+    l->pulls++;
+    p->held[p->n_held++] = h;
+    return held;
+}
+
 /* The request q again, without its hint, in h->frame (decoded again when admitted). */
 static int wk_held_keep(wk_service *s, wk_held *h, const km_msg_request *q, const int32_t *toks,
                         int n_tok)
@@ -492,8 +583,7 @@ int wk_peer_park(wk_service *s, const km_zframe *env, int n_env, const km_msg_re
     if (!l) return 0;
     wk_held *h = calloc(1, sizeof *h);
     km_pagehash *hs = malloc(sizeof *hs * (size_t)n_pages);
-    uint8_t *canon = malloc((size_t)n_pages * 16);
-    if (!h || !hs || !canon || wk_env_copy(h->env, h->env_len, env, n_env) ||
+    if (!h || !hs || wk_env_copy(h->env, h->env_len, env, n_env) ||
         wk_held_keep(s, h, q, toks, n_tok))
         goto admit_now;
     h->n_env = n_env;
@@ -506,42 +596,17 @@ int wk_peer_park(wk_service *s, const km_zframe *env, int n_env, const km_msg_re
     if (!budget_ms) budget_ms = 2000;
     if (q->deadline_ms && budget_ms > q->deadline_ms / 2) budget_ms = q->deadline_ms / 2;
     h->deadline_ns = now + wk_ms_ns((int64_t)budget_ms);
-    pr_pull_req req;
-    int held = pr_pull_start(p->node, l->peer, hs, toks, n_pages, h->deadline_ns, &h->pull, &req);
-    if (held < 0 || !h->pull) goto admit_now; /* a failure, or every page already here */
-    for (int i = 0; i < req.n_pages; i++) km_pagehash_canonical(req.hashes[i], canon + 16 * i);
-    km_msg m;
-    km_msg_init(&m, KM_MSG_KV_PULL);
-    m.kv_pull = (km_msg_kv_pull){.id = req.pull_id,
-                                 .first = (uint32_t)req.first,
-                                 .n_pages = (uint32_t)req.n_pages,
-                                 .page_tokens = (uint32_t)req.page_tokens,
-                                 .hashes = canon,
-                                 .tokens = req.tokens};
-    km_zframe f;
-    if (km_msg_encode(&m, &s->lim, &p->out, NULL) ||
-        (f = (km_zframe){p->out.data, p->out.len}, km_zsend(l->sock, &f, 1, KM_ZDONTWAIT, NULL))) {
-        pr_pull_finish(p->node, h->pull, NULL, NULL);
-        h->pull = NULL;
-        goto admit_now;
-    }
     h->id = q->id;
-    h->pull_id = req.pull_id;
-    h->link = l;
-    h->n_pages = n_pages;
     h->arrival_ns = now;
-    h->start_ns = km_now_ns();
-    l->pulls++;
-    p->held[p->n_held++] = h;
+    int held = wk_peer_start(s, l, h, hs, toks, n_pages);
+    if (held < 0) goto admit_now; /* a failure, or every page already here */
     KM_DEBUG("pull_start", "id=%llu from=%s pages=%d held_here=%d budget_ms=%llu",
              (unsigned long long)q->id, q->pull_from, n_pages, held, (unsigned long long)budget_ms);
     free(hs);
-    free(canon);
     return 1;
 admit_now:
     wk_held_free(h);
     free(hs);
-    free(canon);
     return 0;
 }
 
@@ -615,13 +680,18 @@ static void wk_peer_release(wk_service *s, int i)
     wk_peer_measure(p, h, &res, now);
     KM_INFO("pull_done",
             "id=%llu pages=%d local=%d wanted=%d offered=%d imported=%d bytes=%llu ms=%.1f "
-            "status=%s",
+            "status=%s handoff=%d",
             (unsigned long long)h->id, h->n_pages, res.pages_local, wanted, res.pages_offered,
             res.pages_imported, (unsigned long long)res.bytes, (double)(now - h->start_ns) / 1e6,
-            res.status ? km_strerror(res.status) : "ok");
+            res.status ? km_strerror(res.status) : "ok", h->background);
     if (l->peer && pr_peer_failed(l->peer) && !l->pulls) {
         pr_peer_release(p->node, l->peer); /* the next pull connects again */
         l->peer = NULL;
+    }
+    if (h->background) { /* a handoff taken: no request to admit */
+        p->n_bg--;
+        wk_held_free(h);
+        return;
     }
     km_msg q;
     km_zframe env[WK_ENV_MAX];
@@ -712,6 +782,7 @@ void wk_peer_poll(wk_service *s)
         }
     }
     km_zmsg_clear(&p->in);
+    wk_peer_view_read(s);
     wk_peer_offers_out(s);
     pr_stats st;
     pr_node_stats(p->node, &st);
@@ -780,4 +851,145 @@ void wk_peer_heartbeat(wk_service *s, km_msg_heartbeat *hb)
                                .rate_bps = p->rate_bps,
                                .latency_ms = p->lat_ms,
                                .page_bytes = kv_store_page_bytes(s->kv)};
+}
+
+/* ---------------------------------------------------------------- drain handoff */
+
+/* The controller's views (--peer-view): the peers a drain may hand pages to. */
+static void wk_peer_view_apply(wk_service *s, const km_msg_view *v)
+{
+    wk_peer *p = s->peer;
+    p->n_members = 0;
+    for (uint32_t i = 0; i < v->n_workers && p->n_members < WK_PEER_VIEW; i++) {
+        const km_view_worker *w = &v->workers[i];
+        if (!w->id || !strcmp(w->id, s->worker_id) || !w->requests || !w->peer_addr ||
+            w->peer_addr_len > KM_PROTO_MAX_PEER_ADDR)
+            continue;
+        wk_member *m = &p->members[p->n_members++];
+        snprintf(m->id, sizeof m->id, "%s", w->id);
+        snprintf(m->requests, sizeof m->requests, "%s", w->requests);
+        memcpy(m->addr, w->peer_addr, w->peer_addr_len);
+        m->addr_len = w->peer_addr_len;
+        m->pressure = w->pressure;
+        /* the same model (the chain hashes are seeded by its fingerprint), ready, with room */
+        m->takes = w->state == KM_MEMBER_READY && w->fingerprint &&
+                   !strcmp(w->fingerprint, s->fp) && w->pressure < 0.9;
+    }
+}
+
+static void wk_peer_view_read(wk_service *s)
+{
+    wk_peer *p = s->peer;
+    for (int k = 0; p->vsub && k < 16; k++) {
+        if (km_zrecv(p->vsub, &p->vin, 0, NULL)) break;
+        km_msg m;
+        if (p->vin.n == 2 &&
+            !km_msg_decode(p->vin.part[1].data, p->vin.part[1].len, NULL, &m, NULL)) {
+            if (m.type == KM_MSG_VIEW) wk_peer_view_apply(s, &m.view);
+            km_msg_clear(&m);
+        }
+    }
+    km_zmsg_clear(&p->vin);
+}
+
+typedef struct wk_push_ctx {
+    wk_service *s;
+    wk_link *to[WK_PEER_VIEW];
+    int sent[WK_PEER_VIEW], n, next, chains;
+} wk_push_ctx;
+
+/* One chain (kv_store_chains' callback) to the next peer in turn that can take more. */
+static int wk_push_chain(void *arg, const km_pagehash *hs, const int32_t *toks, int n_pages)
+{
+    wk_push_ctx *c = arg;
+    wk_service *s = c->s;
+    wk_peer *p = s->peer;
+    int k = -1;
+    for (int t = 0; t < c->n && k < 0; t++) {
+        int i = (c->next + t) % c->n;
+        if (c->sent[i] < WK_PUSH_PER_PEER) k = i;
+    }
+    if (k < 0 || n_pages > KM_PROTO_MAX_PULL_PAGES) return k < 0; /* every peer has its share */
+    c->next = k + 1;
+    uint8_t *canon = malloc((size_t)n_pages * 16);
+    if (!canon) return 1;
+    for (int i = 0; i < n_pages; i++) km_pagehash_canonical(hs[i], canon + 16 * i);
+    km_msg m;
+    km_msg_init(&m, KM_MSG_KV_PUSH);
+    m.kv_push = (km_msg_kv_push){.chain = {.id = ++p->push_id,
+                                           .n_pages = (uint32_t)n_pages,
+                                           .page_tokens = (uint32_t)kv_store_page_tokens(s->kv),
+                                           .hashes = canon,
+                                           .tokens = toks},
+                                 .from = s->worker_id,
+                                 .endpoint = s->ep_requests,
+                                 .addr = p->addr,
+                                 .addr_len = (uint32_t)p->addr_len};
+    km_zframe f;
+    if (!km_msg_encode(&m, &s->lim, &p->out, NULL) &&
+        (f = (km_zframe){p->out.data, p->out.len},
+         !km_zsend(c->to[k]->sock, &f, 1, KM_ZDONTWAIT, NULL))) {
+        c->sent[k]++;
+        c->chains++;
+    }
+    free(canon);
+    return 0;
+}
+
+int wk_peer_handoff(wk_service *s)
+{
+    wk_peer *p = s->peer;
+    if (!p || !p->vsub) return 0;
+    wk_peer_view_read(s); /* the latest view */
+    wk_push_ctx c = {.s = s};
+    for (int i = 0; i < p->n_members && c.n < WK_PEER_VIEW; i++) {
+        wk_member *m = &p->members[i];
+        if (!m->takes) continue;
+        wk_link *l = wk_peer_link(s, m->id, m->requests, m->addr, m->addr_len);
+        if (l) c.to[c.n++] = l;
+    }
+    if (!c.n) {
+        KM_INFO("handoff_skipped",
+                "worker=%s why=\"no ready peer of this model with room in the "
+                "controller's view\"",
+                s->worker_id);
+        return 0;
+    }
+    int max_pages = kv_store_pages_total(s->kv);
+    int rc = kv_store_chains(s->kv, max_pages, wk_push_chain, &c);
+    p->pushed += (uint64_t)c.chains;
+    km_counter_add(p->s_handoff[0], (uint64_t)c.chains);
+    KM_INFO("handoff", "worker=%s peers=%d chains=%d%s", s->worker_id, c.n, c.chains,
+            rc < 0 ? " error=out_of_memory" : "");
+    return c.chains;
+}
+
+/* A draining peer's chain: pull what is not here, in the background. */
+static void wk_peer_take(wk_service *s, const km_msg_kv_push *q)
+{
+    wk_peer *p = s->peer;
+    if (!p) return; /* no transfer node: a push is only a hint */
+    const int pt = kv_store_page_tokens(s->kv);
+    wk_link *l = NULL;
+    wk_held *h = NULL;
+    km_pagehash *hs = NULL;
+    if (p->n_bg >= WK_PEER_BG || p->n_held >= WK_PEER_HELD || (int)q->chain.page_tokens != pt ||
+        !(l = wk_peer_link(s, q->from, q->endpoint, q->addr, q->addr_len)) ||
+        !(h = calloc(1, sizeof *h)) || !(hs = malloc(sizeof *hs * q->chain.n_pages)))
+        goto dropped;
+    for (uint32_t i = 0; i < q->chain.n_pages; i++)
+        hs[i] = km_pagehash_from_canonical(q->chain.hashes + 16 * i);
+    h->background = true;
+    h->arrival_ns = km_now_ns();
+    h->deadline_ns = h->arrival_ns + wk_ms_ns(WK_BG_PULL_MS);
+    if (wk_peer_start(s, l, h, hs, q->chain.tokens, (int)q->chain.n_pages) < 0)
+        goto dropped; /* every page already here, or a failure */
+    p->n_bg++;
+    km_counter_inc(p->s_handoff[1]);
+    free(hs);
+    return;
+dropped:
+    km_counter_inc(p->s_handoff[2]);
+    free(hs);
+    wk_held_free(h);
 }

@@ -231,6 +231,8 @@ typedef struct wk_service_opts {
     const char *peer_mode;      /* "am" (default) or "get" */
     int peer_lease_ms;          /* how long offered pages stay pinned; 0: 10000 */
     int peer_pull_ms;           /* a pull's budget when the hint names none; 0: 2000 */
+    /* the controller's view PUB (its --view): the peers a drain hands pages to; NULL: none */
+    const char *peer_view;
     wk_sched_opts sched;
 } wk_service_opts;
 

@@ -133,6 +133,8 @@ static void *bound(int type, const char *url, char *ep, size_t cap)
 }
 
 /* Reads heartbeats on ctl until worker id has sent one with a transfer address (30 s). */
+static char g_fp[129]; /* the workers' model fingerprint, from their heartbeats */
+
 static uint32_t peer_addr_of(void *ctl, const char *id, uint8_t *addr, size_t cap)
 {
     uint64_t t0 = km_now_ns();
@@ -150,6 +152,7 @@ static uint32_t peer_addr_of(void *ctl, const char *id, uint8_t *addr, size_t ca
                 m.hb.peer_addr_len <= cap) {
                 n = m.hb.peer_addr_len;
                 memcpy(addr, m.hb.peer_addr, n);
+                if (m.hb.fingerprint) snprintf(g_fp, sizeof g_fp, "%s", m.hb.fingerprint);
             }
             km_msg_clear(&m);
         }
@@ -424,6 +427,7 @@ static void publish_view(void *pub, uint64_t seq, const it_proc *a, const it_pro
                              .peer_addr = addr_a,
                              .peer_addr_len = la,
                              .prefill_tps = 100,
+                             .fingerprint = g_fp,
                              .page_bytes = 368640},
                             {.id = "wb",
                              .state = KM_MEMBER_READY,
@@ -434,6 +438,7 @@ static void publish_view(void *pub, uint64_t seq, const it_proc *a, const it_pro
                              .prefill_tps = 100,   /* 16 prompt pages: 2.6 s to compute */
                              .xfer_rate_bps = 1e9, /* and 6 ms to pull */
                              .xfer_lat_ms = 1,
+                             .fingerprint = g_fp,
                              .page_bytes = 368640}};
     km_msg m;
     km_msg_init(&m, KM_MSG_VIEW);
@@ -597,6 +602,49 @@ Test(worker_pull, a_request_migrated_off_a_draining_worker_pulls_its_prompt_from
     /* and the drained worker exits by itself once nothing is left to pull */
     int rc = it_wait_exit(from, 15000);
     cr_assert_neq(rc, -1, "the drained worker did not exit by itself");
+    km_zsock_close(pub);
+    pair_stop(w);
+}
+
+/* Drain handoff (issue 14): a worker drained with no request in flight pushes its cached chains
+ * to the ready peer the controller's view names (--peer-view; the test publishes the view), the
+ * peer pulls them in the background, the drained worker lingers while it does and then exits by
+ * itself, and the prompts it had served are now cache hits on the peer, with the same tokens. */
+Test(worker_pull, a_drained_worker_hands_its_cached_chains_to_a_peer)
+{
+    if (!have_model()) return;
+    char pub_ep[256];
+    void *pub = bound(KM_ZPUB, "tcp://127.0.0.1:*", pub_ep, sizeof pub_ep);
+    const char *const view[] = {"--peer-view", pub_ep, NULL};
+    pair *w = pair_start(NULL, view);
+    it_proc *a = &w->a, *b = &w->b;
+    static uint8_t addr_b[KM_PROTO_MAX_PEER_ADDR];
+    uint32_t lb = peer_addr_of(w->ctl, "wb", addr_b, sizeof addr_b);
+    cr_assert(g_fp[0], "the heartbeats name no model fingerprint");
+    enum { K = 3 };
+    int32_t p[K][NP];
+    result ref[K];
+    for (int k = 0; k < K; k++) {
+        make_prompt(p[k], NP, 500 + (uint64_t)k);
+        ref[k] = run(a->req, 1 + (uint64_t)k, p[k], NP, GEN, NULL, 120000);
+    }
+    uint64_t seq = 0;
+    for (int i = 0; i < 15; i++) { /* until wa's SUB has surely joined and has one */
+        publish_view(pub, ++seq, a, b, w->addr, w->addr_len, addr_b, lb);
+        usleep(100000);
+    }
+    cr_assert_eq(kill(a->pid, SIGTERM), 0);
+    int rc = it_wait_exit(a, 20000);
+    cr_assert_neq(rc, -1, "the drained worker did not exit by itself");
+    double taken = it_metric(b->admin_port, "kvmesh_kv_handoff_chains_total{outcome=\"taken\"}");
+    cr_assert_geq(taken, K, "wb took %g chains of wa's %d", taken, K);
+    cr_assert_geq(it_metric(b->admin_port, "kvmesh_kv_transfer_pulls_total{outcome=\"ok\"}"), K);
+    for (int k = 0; k < K; k++) {
+        result got = run(b->req, 10 + (uint64_t)k, p[k], NP, GEN, NULL, 120000);
+        expect_same(&ref[k], &got, "served from pages handed over");
+        cr_assert_geq(got.cached, 16 * (PAGES - 1), "prompt %d: cached %u on the peer", k,
+                      got.cached);
+    }
     km_zsock_close(pub);
     pair_stop(w);
 }
