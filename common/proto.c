@@ -38,6 +38,7 @@ const char *const km_proto_type_names[KM_MSG_TYPE_COUNT] = {
     [KM_MSG_KV_OFFER] = "kv_offer",
     [KM_MSG_KV_PULL_DONE] = "kv_pull_done",
     [KM_MSG_KV_PUSH] = "kv_push",
+    [KM_MSG_KV_WARM] = "kv_warm",
 };
 
 const char *const km_proto_finish_names[KM_FINISH_COUNT] = {"stop", "length", "canceled",
@@ -168,6 +169,7 @@ static const km_proto_codec *const codecs[KM_MSG_TYPE_COUNT] = {
     [KM_MSG_KV_OFFER] = &km_proto_codec_kv_offer,
     [KM_MSG_KV_PULL_DONE] = &km_proto_codec_kv_pull_done,
     [KM_MSG_KV_PUSH] = &km_proto_codec_kv_push,
+    [KM_MSG_KV_WARM] = &km_proto_codec_kv_warm,
 };
 
 static const km_proto_codec *codec_of(km_msg_type t)

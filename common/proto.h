@@ -53,7 +53,8 @@ extern "C" {
 #define KM_PROTO_MAX_HISTORY      32   /* recovery actions kept per worker in a view */
 #define KM_PROTO_MAX_PULL_PAGES   4096 /* pages in one kv_pull / kv_offer (peer.h PR_MAX_PAGES) */
 #define KM_PROTO_MAX_PAGE_TOKENS  1024 /* tokens per KV page in kv_pull / kv_offer */
-#define KM_PROTO_MAX_PEER_ADDR    4096 /* bytes of a transfer node's address (hb, view, req) */
+#define KM_PROTO_MAX_WARM_PAGES   (1 << 20) /* pages one kv_warm asks for */
+#define KM_PROTO_MAX_PEER_ADDR    4096      /* bytes of a transfer node's address (hb, view, req) */
 
 /* What a decoder accepts; km_proto_limits_default fills the defaults above. */
 typedef struct km_proto_limits {
@@ -80,6 +81,7 @@ typedef enum km_msg_type {
     KM_MSG_KV_OFFER,     /* "kv_offer"     worker -> worker: the pages pinned, where they lie */
     KM_MSG_KV_PULL_DONE, /* "kv_pull_done" worker -> worker: the lease can end */
     KM_MSG_KV_PUSH,      /* "kv_push"      worker -> worker: pull this chain from me (handoff) */
+    KM_MSG_KV_WARM,      /* "kv_warm"      worker -> worker: push me your chains (warm-up) */
     KM_MSG_TYPE_COUNT
 } km_msg_type;
 
@@ -447,6 +449,14 @@ typedef struct km_msg_kv_push {
     uint32_t addr_len;    /* 1..KM_PROTO_MAX_PEER_ADDR */
 } km_msg_kv_push;
 
+/* kv_warm (a new worker -> a peer, on the peer's requests endpoint): "push me your most
+ * recently used chains, up to max_pages pages"; the peer answers with kv_push frames on the same
+ * connection (the warm-up of docs/transfer.md). */
+typedef struct km_msg_kv_warm {
+    uint64_t id;
+    uint32_t max_pages; /* 1..KM_PROTO_MAX_WARM_PAGES */
+} km_msg_kv_warm;
+
 typedef struct km_msg {
     km_msg_type type;
     union {
@@ -464,6 +474,7 @@ typedef struct km_msg {
         km_msg_kv_offer kv_offer;
         km_msg_kv_pull_done kv_pull_done;
         km_msg_kv_push kv_push;
+        km_msg_kv_warm kv_warm;
     };
     /* After a failed km_msg_decode: the rejected frame's top-level `id` (an unsigned integer),
      * when the frame had one the bounds scan could read, so the error reply can name the request

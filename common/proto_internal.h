@@ -77,7 +77,7 @@ extern const km_proto_codec km_proto_codec_hb;                                /*
 extern const km_proto_codec km_proto_codec_kv;                                /* proto_kv.c */
 extern const km_proto_codec km_proto_codec_view;                              /* proto_view.c */
 extern const km_proto_codec km_proto_codec_kv_pull, km_proto_codec_kv_offer,
-    km_proto_codec_kv_pull_done, km_proto_codec_kv_push; /* proto_pull.c */
+    km_proto_codec_kv_pull_done, km_proto_codec_kv_push, km_proto_codec_kv_warm; /* proto_pull.c */
 /* A bin value of 1..max bytes copied into the message's memory (peer addresses). */
 int km_dec_bin(km_dec *d, const msgpack_object_map *mp, const char *key, bool required,
                uint32_t max, const uint8_t **out, uint32_t *len);

@@ -293,7 +293,36 @@ static int push_decode(km_dec *d, const msgpack_object_map *mp)
     return 0;
 }
 
+/* ---------------------------------------------------------------- kv_warm */
+
+static int warm_validate(const km_msg *m, const km_proto_limits *lim, km_errbuf *err)
+{
+    (void)lim;
+    uint32_t n = m->kv_warm.max_pages;
+    if (n < 1 || n > KM_PROTO_MAX_WARM_PAGES)
+        VFAIL("kv_warm.max_pages: %u outside [1, %d]", n, KM_PROTO_MAX_WARM_PAGES);
+    return 0;
+}
+
+static void warm_encode(km_enc *e, const km_msg *m)
+{
+    km_enc_u64(e, "id", m->kv_warm.id);
+    km_enc_u64(e, "max_pages", m->kv_warm.max_pages);
+}
+
+static int warm_decode(km_dec *d, const msgpack_object_map *mp)
+{
+    km_msg_kv_warm *w = &d->m->kv_warm;
+    CK(km_dec_uint(d, mp, "id", true, UINT64_MAX, &w->id));
+    CK(km_dec_u32(d, mp, "max_pages", true, &w->max_pages));
+    if (w->max_pages < 1 || w->max_pages > KM_PROTO_MAX_WARM_PAGES)
+        return DFAIL(d, KM_EFORMAT, "kv_warm.max_pages: %u outside [1, %d]", w->max_pages,
+                     KM_PROTO_MAX_WARM_PAGES);
+    return 0;
+}
+
 const km_proto_codec km_proto_codec_kv_pull = {pull_validate, pull_encode, pull_decode};
+const km_proto_codec km_proto_codec_kv_warm = {warm_validate, warm_encode, warm_decode};
 const km_proto_codec km_proto_codec_kv_push = {push_validate, push_encode, push_decode};
 const km_proto_codec km_proto_codec_kv_offer = {offer_validate, offer_encode, offer_decode};
 const km_proto_codec km_proto_codec_kv_pull_done = {done_validate, done_encode, done_decode};

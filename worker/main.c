@@ -27,7 +27,7 @@ typedef struct wk_args {
     const char *alias, *ports_file, *log_level, *log_format, *kv_disk_dir, *cluster_secret;
     const char *speculate;
     const char *peer_listen, *peer_advertise, *peer_mode, *peer_view;
-    int64_t peer_lease_ms, peer_pull_ms;
+    int64_t peer_lease_ms, peer_pull_ms, peer_warm_pages;
     int64_t threads, admin_port, page_tokens, max_batch, prefill_chunk, max_running, max_queue;
     int64_t decode_prefill, spec_max_draft, step_budget_ms;
     double spec_factor;
@@ -139,6 +139,11 @@ static const km_opt g_opts[] = {
      "KV page transfer: the controller's view endpoint (its --view); a drain then hands this "
      "worker's cached chains to the ready peers it names (drain handoff); unset = no handoff",
      &g_args.peer_view, 0, 0},
+    {"peer-warm-pages", NULL, KM_OPT_INT, "-1",
+     "KV page transfer: once ready, pull up to this many of the peers' most recently used "
+     "pages (the warm-up of a new worker; needs --peer-view); -1 = a quarter of the store, 0 = "
+     "off",
+     &g_args.peer_warm_pages, -1, 1 << 20},
     {"ports-file", NULL, KM_OPT_STR, NULL, "write the bound endpoints here once ready",
      &g_args.ports_file, 0, 0},
     KM_SEC_OPT_ROWS(&g_args.sec),
@@ -233,6 +238,7 @@ int main(int argc, char **argv)
         .peer_lease_ms = (int)a->peer_lease_ms,
         .peer_pull_ms = (int)a->peer_pull_ms,
         .peer_view = a->peer_view,
+        .peer_warm_pages = (int)a->peer_warm_pages,
         .sched = {.max_running = (int)a->max_running,
                   .max_queue = (int)a->max_queue,
                   .max_batch_tokens = (int)a->max_batch,

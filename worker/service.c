@@ -131,6 +131,7 @@ static void wk_handle_message(wk_service *s, void *sock, const km_zmsg *zm)
     case KM_MSG_KV_PULL:
     case KM_MSG_KV_PULL_DONE:
     case KM_MSG_KV_PUSH:
+    case KM_MSG_KV_WARM:
         wk_peer_handle(s, sock, env, n_env, &m);
         break;
     default: {

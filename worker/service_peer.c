@@ -38,7 +38,8 @@ enum {
     WK_PEER_SERVES = 256,  /* kv_pull frames waiting for their offer */
     WK_PEER_OFFERS = 16,   /* offers taken from the node per poll */
     WK_PEER_VIEW = 64,     /* peers remembered from the controller's view */
-    WK_PEER_BG = 64,       /* background pulls (handoffs taken) at once */
+    WK_PEER_BG = 256,      /* handoffs taken and waiting for their background pull */
+    WK_BG_AT_ONCE = 4,     /* background pulls running at once: the rate bound */
     WK_PUSH_PER_PEER = 64, /* chains one drain pushes to one peer at most */
     WK_BG_PULL_MS = 5000,  /* a background pull's budget */
 };
@@ -77,6 +78,7 @@ typedef struct wk_held {
     uint64_t arrival_ns, start_ns, offer_ns, deadline_ns;
     bool end_now;    /* refused or answered with an error: finish at the next poll */
     bool background; /* a handoff taken: no request behind it */
+    km_pagehash *hs; /* background: the chain's hashes until its pull starts */
 } wk_held;
 
 /* A kv_pull whose offer the node has not yielded yet. */
@@ -113,7 +115,11 @@ struct wk_peer {
     void *vsub; /* the controller's view (--peer-view) */
     km_zmsg vin;
     wk_member members[WK_PEER_VIEW];
-    int n_members, n_bg;
+    int n_members, n_bg;          /* background pulls running */
+    wk_held *bg_wait[WK_PEER_BG]; /* taken chains waiting for their pull, oldest first */
+    int n_wait;
+    bool warmed;              /* this process asked its peers for their chains */
+    int warm_pages;           /* --peer-warm-pages resolved */
     uint64_t push_id, pushed; /* chains this worker pushed (its drain) */
     km_series *s_handoff[3];  /* kvmesh_kv_handoff_chains_total{outcome} */
 };
@@ -231,6 +237,7 @@ int wk_peer_create(wk_service *s, km_errbuf *err)
         return rc;
     }
     if ((rc = wk_peer_metrics(s, p, err))) return rc;
+    p->warm_pages = o->peer_warm_pages < 0 ? kv_store_pages_total(s->kv) / 4 : o->peer_warm_pages;
     if (o->peer_view && o->peer_view[0]) {
         km_zsock_opts zo;
         km_zsock_opts_default(&zo);
@@ -251,9 +258,12 @@ static void wk_held_free(wk_held *h)
 {
     if (!h) return;
     km_buf_free(&h->frame);
+    free(h->hs);
     free(h->tokens);
     free(h);
 }
+
+static void wk_peer_bg_drop(wk_peer *p);
 
 static void wk_link_close(wk_peer *p, wk_link *l)
 {
@@ -271,6 +281,7 @@ void wk_peer_destroy(wk_service *s)
         if (p->held[i]->pull) pr_pull_finish(p->node, p->held[i]->pull, NULL, NULL);
         wk_held_free(p->held[i]);
     }
+    wk_peer_bg_drop(p);
     for (int i = 0; i < p->n_links; i++) wk_link_close(p, &p->links[i]);
     pr_node_destroy(p->node);
     km_zsock_close(p->vsub);
@@ -393,6 +404,10 @@ static void wk_peer_serve(wk_service *s, const km_zframe *env, int n_env, const 
 
 static void wk_peer_take(wk_service *s, const km_msg_kv_push *q);
 static void wk_peer_view_read(wk_service *s);
+static void wk_peer_warm_answer(wk_service *s, const km_zframe *env, int n_env,
+                                const km_msg_kv_warm *q);
+static void wk_peer_bg_start(wk_service *s);
+static void wk_peer_warm_up(wk_service *s);
 
 void wk_peer_handle(wk_service *s, void *sock, const km_zframe *env, int n_env, const km_msg *m)
 {
@@ -411,6 +426,8 @@ void wk_peer_handle(wk_service *s, void *sock, const km_zframe *env, int n_env, 
         wk_peer_serve(s, env, n_env, &m->kv_pull);
     } else if (m->type == KM_MSG_KV_PUSH) {
         wk_peer_take(s, &m->kv_push);
+    } else if (m->type == KM_MSG_KV_WARM && p) {
+        wk_peer_warm_answer(s, env, n_env, &m->kv_warm);
     } else if (m->type == KM_MSG_KV_PULL_DONE && p) {
         pr_pull_done d = {.lease_id = m->kv_pull_done.lease_id,
                           .requester = wk_peer_requester(env, n_env),
@@ -764,6 +781,8 @@ static void wk_peer_answer(wk_service *s, wk_link *l, const km_zmsg *zm)
         if (h) h->end_now = true;
         for (int i = 0; !h && m.error.id == 0 && i < p->n_held; i++)
             if (p->held[i]->link == l && !p->held[i]->offer_ns) p->held[i]->end_now = true;
+    } else if (m.type == KM_MSG_KV_PUSH) { /* the answer to our warm-up */
+        wk_peer_take(s, &m.kv_push);
     }
     km_msg_clear(&m);
 }
@@ -804,6 +823,7 @@ void wk_peer_poll(wk_service *s)
         else
             i++;
     }
+    wk_peer_bg_start(s);
 }
 
 int wk_peer_cancel(wk_service *s, const km_zframe *env, int n_env, uint64_t id)
@@ -827,8 +847,20 @@ int wk_peer_cancel(wk_service *s, const km_zframe *env, int n_env, uint64_t id)
     return 0;
 }
 
+/* Handoffs taken but not started are given up (a drain or a stop). */
+static void wk_peer_bg_drop(wk_peer *p)
+{
+    while (p->n_wait) {
+        wk_held *h = p->bg_wait[--p->n_wait];
+        h->link->pulls--;
+        km_counter_inc(p->s_handoff[2]);
+        wk_held_free(h);
+    }
+}
+
 void wk_peer_admit_all(wk_service *s)
 {
+    if (s->peer) wk_peer_bg_drop(s->peer);
     while (s->peer && s->peer->n_held) wk_peer_release(s, s->peer->n_held - 1);
 }
 
@@ -875,6 +907,7 @@ static void wk_peer_view_apply(wk_service *s, const km_msg_view *v)
         m->takes = w->state == KM_MEMBER_READY && w->fingerprint &&
                    !strcmp(w->fingerprint, s->fp) && w->pressure < 0.9;
     }
+    wk_peer_warm_up(s);
 }
 
 static void wk_peer_view_read(wk_service *s)
@@ -890,6 +923,31 @@ static void wk_peer_view_read(wk_service *s)
         }
     }
     km_zmsg_clear(&p->vin);
+}
+
+/* A kv_push of this chain, from this worker, into p->out; 0 or a km_err. */
+static int wk_peer_encode_push(wk_service *s, const km_pagehash *hs, const int32_t *toks,
+                               int n_pages)
+{
+    wk_peer *p = s->peer;
+    if (n_pages > KM_PROTO_MAX_PULL_PAGES) return KM_ERANGE;
+    uint8_t *canon = malloc((size_t)n_pages * 16);
+    if (!canon) return KM_ENOMEM;
+    for (int i = 0; i < n_pages; i++) km_pagehash_canonical(hs[i], canon + 16 * i);
+    km_msg m;
+    km_msg_init(&m, KM_MSG_KV_PUSH);
+    m.kv_push = (km_msg_kv_push){.chain = {.id = ++p->push_id,
+                                           .n_pages = (uint32_t)n_pages,
+                                           .page_tokens = (uint32_t)kv_store_page_tokens(s->kv),
+                                           .hashes = canon,
+                                           .tokens = toks},
+                                 .from = s->worker_id,
+                                 .endpoint = s->ep_requests,
+                                 .addr = p->addr,
+                                 .addr_len = (uint32_t)p->addr_len};
+    int rc = km_msg_encode(&m, &s->lim, &p->out, NULL);
+    free(canon);
+    return rc;
 }
 
 typedef struct wk_push_ctx {
@@ -909,30 +967,15 @@ static int wk_push_chain(void *arg, const km_pagehash *hs, const int32_t *toks, 
         int i = (c->next + t) % c->n;
         if (c->sent[i] < WK_PUSH_PER_PEER) k = i;
     }
-    if (k < 0 || n_pages > KM_PROTO_MAX_PULL_PAGES) return k < 0; /* every peer has its share */
+    if (k < 0) return 1; /* every peer has its share */
     c->next = k + 1;
-    uint8_t *canon = malloc((size_t)n_pages * 16);
-    if (!canon) return 1;
-    for (int i = 0; i < n_pages; i++) km_pagehash_canonical(hs[i], canon + 16 * i);
-    km_msg m;
-    km_msg_init(&m, KM_MSG_KV_PUSH);
-    m.kv_push = (km_msg_kv_push){.chain = {.id = ++p->push_id,
-                                           .n_pages = (uint32_t)n_pages,
-                                           .page_tokens = (uint32_t)kv_store_page_tokens(s->kv),
-                                           .hashes = canon,
-                                           .tokens = toks},
-                                 .from = s->worker_id,
-                                 .endpoint = s->ep_requests,
-                                 .addr = p->addr,
-                                 .addr_len = (uint32_t)p->addr_len};
-    km_zframe f;
-    if (!km_msg_encode(&m, &s->lim, &p->out, NULL) &&
-        (f = (km_zframe){p->out.data, p->out.len},
-         !km_zsend(c->to[k]->sock, &f, 1, KM_ZDONTWAIT, NULL))) {
-        c->sent[k]++;
-        c->chains++;
+    if (!wk_peer_encode_push(s, hs, toks, n_pages)) {
+        km_zframe f = {p->out.data, p->out.len};
+        if (!km_zsend(c->to[k]->sock, &f, 1, KM_ZDONTWAIT, NULL)) {
+            c->sent[k]++;
+            c->chains++;
+        }
     }
-    free(canon);
     return 0;
 }
 
@@ -964,32 +1007,115 @@ int wk_peer_handoff(wk_service *s)
     return c.chains;
 }
 
-/* A draining peer's chain: pull what is not here, in the background. */
+/* A peer's chain (its drain's handoff, or its answer to our warm-up): queued for a background
+ * pull of what is not here (wk_peer_bg_start). */
 static void wk_peer_take(wk_service *s, const km_msg_kv_push *q)
 {
     wk_peer *p = s->peer;
     if (!p) return; /* no transfer node: a push is only a hint */
     const int pt = kv_store_page_tokens(s->kv);
+    const uint32_t n = q->chain.n_pages;
     wk_link *l = NULL;
     wk_held *h = NULL;
-    km_pagehash *hs = NULL;
-    if (p->n_bg >= WK_PEER_BG || p->n_held >= WK_PEER_HELD || (int)q->chain.page_tokens != pt ||
+    if (p->n_wait >= WK_PEER_BG || (int)q->chain.page_tokens != pt ||
         !(l = wk_peer_link(s, q->from, q->endpoint, q->addr, q->addr_len)) ||
-        !(h = calloc(1, sizeof *h)) || !(hs = malloc(sizeof *hs * q->chain.n_pages)))
-        goto dropped;
-    for (uint32_t i = 0; i < q->chain.n_pages; i++)
-        hs[i] = km_pagehash_from_canonical(q->chain.hashes + 16 * i);
+        !(h = calloc(1, sizeof *h)) || !(h->hs = malloc(sizeof *h->hs * n)) ||
+        !(h->tokens = malloc(sizeof *h->tokens * n * (size_t)pt))) {
+        km_counter_inc(p->s_handoff[2]);
+        wk_held_free(h);
+        return;
+    }
+    for (uint32_t i = 0; i < n; i++)
+        h->hs[i] = km_pagehash_from_canonical(q->chain.hashes + 16 * i);
+    memcpy(h->tokens, q->chain.tokens, sizeof *h->tokens * n * (size_t)pt);
     h->background = true;
+    h->link = l;
+    h->n_pages = (int)n;
     h->arrival_ns = km_now_ns();
-    h->deadline_ns = h->arrival_ns + wk_ms_ns(WK_BG_PULL_MS);
-    if (wk_peer_start(s, l, h, hs, q->chain.tokens, (int)q->chain.n_pages) < 0)
-        goto dropped; /* every page already here, or a failure */
-    p->n_bg++;
-    km_counter_inc(p->s_handoff[1]);
-    free(hs);
-    return;
-dropped:
-    km_counter_inc(p->s_handoff[2]);
-    free(hs);
-    wk_held_free(h);
+    l->pulls++; /* the link stays while the chain waits */
+    p->bg_wait[p->n_wait++] = h;
+    wk_peer_bg_start(s);
+}
+
+/* Starts waiting background pulls while fewer than WK_BG_AT_ONCE run. */
+static void wk_peer_bg_start(wk_service *s)
+{
+    wk_peer *p = s->peer;
+    while (p->n_wait && p->n_bg < WK_BG_AT_ONCE && p->n_held < WK_PEER_HELD) {
+        wk_held *h = p->bg_wait[0];
+        memmove(p->bg_wait, p->bg_wait + 1, sizeof *p->bg_wait * (size_t)--p->n_wait);
+        wk_link *l = h->link;
+        l->pulls--;
+        h->deadline_ns = km_now_ns() + wk_ms_ns(WK_BG_PULL_MS);
+        if (!l->peer || pr_peer_failed(l->peer) ||
+            wk_peer_start(s, l, h, h->hs, h->tokens, h->n_pages) < 0) {
+            km_counter_inc(p->s_handoff[2]); /* every page already here, or a failure */
+            wk_held_free(h);
+            continue;
+        }
+        p->n_bg++;
+        km_counter_inc(p->s_handoff[1]);
+    }
+}
+
+/* A peer asks for our chains (its warm-up): up to its page budget, answered as kv_push frames on
+ * its connection. */
+typedef struct wk_warm_ctx {
+    wk_service *s;
+    const km_zframe *env;
+    int n_env, chains;
+} wk_warm_ctx;
+
+static int wk_warm_chain(void *arg, const km_pagehash *hs, const int32_t *toks, int n_pages)
+{
+    wk_warm_ctx *c = arg;
+    wk_service *s = c->s;
+    if (c->chains >= WK_PUSH_PER_PEER) return 1;
+    if (!wk_peer_encode_push(s, hs, toks, n_pages)) {
+        wk_svc_send(s, s->router, c->env, c->n_env, &s->peer->out);
+        c->chains++;
+    }
+    return 0;
+}
+
+static void wk_peer_warm_answer(wk_service *s, const km_zframe *env, int n_env,
+                                const km_msg_kv_warm *q)
+{
+    wk_peer *p = s->peer;
+    wk_warm_ctx c = {.s = s, .env = env, .n_env = n_env};
+    int max = q->max_pages < (uint32_t)INT32_MAX ? (int)q->max_pages : INT32_MAX;
+    kv_store_chains(s->kv, max, wk_warm_chain, &c);
+    km_counter_add(p->s_handoff[0], (uint64_t)c.chains);
+    KM_INFO("warm_answer", "worker=%s chains=%d max_pages=%u", s->worker_id, c.chains,
+            q->max_pages);
+}
+
+/* Once, when this worker is ready and the view names peers of its model: ask up to two of them
+ * for their most recently used chains, warm_pages pages in all (the warm-up on scale-out). */
+static void wk_peer_warm_up(wk_service *s)
+{
+    wk_peer *p = s->peer;
+    if (p->warmed || p->warm_pages <= 0 || wk_svc_state(s) != KM_STATE_READY) return;
+    wk_link *to[2];
+    int n = 0;
+    for (int i = 0; i < p->n_members && n < 2; i++) {
+        wk_member *m = &p->members[i];
+        if (!m->takes) continue;
+        wk_link *l = wk_peer_link(s, m->id, m->requests, m->addr, m->addr_len);
+        if (l) to[n++] = l;
+    }
+    if (!n) return; /* none yet: a later view may name one */
+    p->warmed = true;
+    km_msg m;
+    km_msg_init(&m, KM_MSG_KV_WARM);
+    m.kv_warm = (km_msg_kv_warm){.id = ++p->push_id, .max_pages = (uint32_t)(p->warm_pages / n)};
+    if (!m.kv_warm.max_pages) m.kv_warm.max_pages = 1;
+    for (int i = 0; i < n; i++) {
+        km_zframe f;
+        if (!km_msg_encode(&m, &s->lim, &p->out, NULL) &&
+            (f = (km_zframe){p->out.data, p->out.len},
+             !km_zsend(to[i]->sock, &f, 1, KM_ZDONTWAIT, NULL)))
+            KM_INFO("warm_up", "worker=%s from=%s max_pages=%u", s->worker_id, to[i]->endpoint,
+                    m.kv_warm.max_pages);
+    }
 }

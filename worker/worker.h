@@ -233,6 +233,9 @@ typedef struct wk_service_opts {
     int peer_pull_ms;           /* a pull's budget when the hint names none; 0: 2000 */
     /* the controller's view PUB (its --view): the peers a drain hands pages to; NULL: none */
     const char *peer_view;
+    /* warm-up: pages a newly ready worker asks its peers for (0: none; < 0: a quarter of its
+     * store) */
+    int peer_warm_pages;
     wk_sched_opts sched;
 } wk_service_opts;
 

@@ -606,6 +606,28 @@ Test(worker_pull, a_request_migrated_off_a_draining_worker_pulls_its_prompt_from
     pair_stop(w);
 }
 
+enum { K = 3 }; /* prompts a handoff or a warm-up moves */
+
+/* K prompts (from seed) served on w: their pages are cached there; ref gets the tokens. */
+static void serve_prompts(const it_proc *w, int32_t p[K][NP], result ref[K], uint64_t seed)
+{
+    for (int k = 0; k < K; k++) {
+        make_prompt(p[k], NP, seed + (uint64_t)k);
+        ref[k] = run(w->req, 1 + (uint64_t)k, p[k], NP, GEN, NULL, 120000);
+    }
+}
+
+/* The K prompts are cache hits on w (their prompt pages), with the reference tokens. */
+static void expect_hits(const it_proc *w, int32_t p[K][NP], const result ref[K], const char *what)
+{
+    for (int k = 0; k < K; k++) {
+        result got = run(w->req, 10 + (uint64_t)k, p[k], NP, GEN, NULL, 120000);
+        expect_same(&ref[k], &got, what);
+        cr_assert_geq(got.cached, 16 * (PAGES - 1), "%s, prompt %d: cached %u", what, k,
+                      got.cached);
+    }
+}
+
 /* Drain handoff (issue 14): a worker drained with no request in flight pushes its cached chains
  * to the ready peer the controller's view names (--peer-view; the test publishes the view), the
  * peer pulls them in the background, the drained worker lingers while it does and then exits by
@@ -615,19 +637,16 @@ Test(worker_pull, a_drained_worker_hands_its_cached_chains_to_a_peer)
     if (!have_model()) return;
     char pub_ep[256];
     void *pub = bound(KM_ZPUB, "tcp://127.0.0.1:*", pub_ep, sizeof pub_ep);
-    const char *const view[] = {"--peer-view", pub_ep, NULL};
+    /* no warm-up: the pages must reach wb by the handoff alone */
+    const char *const view[] = {"--peer-view", pub_ep, "--peer-warm-pages", "0", NULL};
     pair *w = pair_start(NULL, view);
     it_proc *a = &w->a, *b = &w->b;
     static uint8_t addr_b[KM_PROTO_MAX_PEER_ADDR];
     uint32_t lb = peer_addr_of(w->ctl, "wb", addr_b, sizeof addr_b);
     cr_assert(g_fp[0], "the heartbeats name no model fingerprint");
-    enum { K = 3 };
     int32_t p[K][NP];
     result ref[K];
-    for (int k = 0; k < K; k++) {
-        make_prompt(p[k], NP, 500 + (uint64_t)k);
-        ref[k] = run(a->req, 1 + (uint64_t)k, p[k], NP, GEN, NULL, 120000);
-    }
+    serve_prompts(a, p, ref, 500);
     uint64_t seq = 0;
     for (int i = 0; i < 15; i++) { /* until wa's SUB has surely joined and has one */
         publish_view(pub, ++seq, a, b, w->addr, w->addr_len, addr_b, lb);
@@ -639,12 +658,40 @@ Test(worker_pull, a_drained_worker_hands_its_cached_chains_to_a_peer)
     double taken = it_metric(b->admin_port, "kvmesh_kv_handoff_chains_total{outcome=\"taken\"}");
     cr_assert_geq(taken, K, "wb took %g chains of wa's %d", taken, K);
     cr_assert_geq(it_metric(b->admin_port, "kvmesh_kv_transfer_pulls_total{outcome=\"ok\"}"), K);
-    for (int k = 0; k < K; k++) {
-        result got = run(b->req, 10 + (uint64_t)k, p[k], NP, GEN, NULL, 120000);
-        expect_same(&ref[k], &got, "served from pages handed over");
-        cr_assert_geq(got.cached, 16 * (PAGES - 1), "prompt %d: cached %u on the peer", k,
-                      got.cached);
+    expect_hits(b, p, ref, "served from pages handed over");
+    km_zsock_close(pub);
+    pair_stop(w);
+}
+
+/* Warm-up on scale-out (issue 14): a worker that becomes ready next to a peer holding served
+ * prompts asks it for its most recently used chains (kv_warm, --peer-warm-pages) and pulls them
+ * in the background, so those prompts are hits on it before it has served anything. */
+Test(worker_pull, a_new_worker_warms_up_from_a_peer)
+{
+    if (!have_model()) return;
+    char pub_ep[256];
+    void *pub = bound(KM_ZPUB, "tcp://127.0.0.1:*", pub_ep, sizeof pub_ep);
+    const char *const view[] = {"--peer-view", pub_ep, NULL};
+    pair *w = pair_start(NULL, view);
+    it_proc *a = &w->a, *b = &w->b;
+    static uint8_t addr_b[KM_PROTO_MAX_PEER_ADDR];
+    uint32_t lb = peer_addr_of(w->ctl, "wb", addr_b, sizeof addr_b);
+    int32_t p[K][NP];
+    result ref[K];
+    serve_prompts(a, p, ref, 700); /* on wa, before any view names a peer */
+    double taken = 0;
+    uint64_t seq = 0;
+    for (int i = 0; i < 100 && taken < K; i++) { /* the first view wb sees starts its warm-up */
+        publish_view(pub, ++seq, a, b, w->addr, w->addr_len, addr_b, lb);
+        usleep(100000);
+        taken = it_metric(b->admin_port, "kvmesh_kv_handoff_chains_total{outcome=\"taken\"}");
     }
+    cr_assert_geq(taken, K, "wb took %g of wa's %d chains", taken, K);
+    for (int i = 0; i < 100; i++) { /* the pulls end */
+        if (it_metric(b->admin_port, "kvmesh_kv_transfer_pulls_total{outcome=\"ok\"}") >= K) break;
+        usleep(100000);
+    }
+    expect_hits(b, p, ref, "served from warm-up pages");
     km_zsock_close(pub);
     pair_stop(w);
 }

@@ -193,6 +193,22 @@ Test(proto_pull, kv_push_roundtrips_and_refuses_what_it_cannot_be)
     free(c);
 }
 
+Test(proto_pull, kv_warm_roundtrips_and_bounds_its_ask)
+{
+    km_msg in, out;
+    km_msg_init(&in, KM_MSG_KV_WARM);
+    in.kv_warm.id = 7;
+    in.kv_warm.max_pages = 512;
+    roundtrip(&in, &out);
+    cr_assert_eq(out.kv_warm.id, 7);
+    cr_assert_eq(out.kv_warm.max_pages, 512);
+    km_msg_clear(&out);
+    in.kv_warm.max_pages = 0;
+    expect_encode_fail(&in, "kv_warm.max_pages");
+    in.kv_warm.max_pages = KM_PROTO_MAX_WARM_PAGES + 1;
+    expect_encode_fail(&in, "kv_warm.max_pages");
+}
+
 Test(proto_pull, the_largest_pull_and_offer_fit_the_default_frame)
 {
     chain *c = chain_make(KM_PROTO_MAX_PULL_PAGES);
@@ -377,9 +393,9 @@ Test(proto_pull, fuzz_seeds_can_be_regenerated)
     if (!dir) cr_skip_test("KVMESH_WRITE_SEEDS not set");
     chain *c = chain_make(3);
     const uint8_t *addr = g_addr;
-    km_msg m[6];
-    const char *names[6] = {"kv_pull",       "kv_offer",     "kv_pull_done",
-                            "req_pull_hint", "hb_peer_xfer", "kv_push"};
+    km_msg m[7];
+    const char *names[7] = {"kv_pull",      "kv_offer", "kv_pull_done", "req_pull_hint",
+                            "hb_peer_xfer", "kv_push",  "kv_warm"};
     pull_init(&m[0], c, 3);
     offer_init(&m[1], c, 1);
     km_msg_init(&m[2], KM_MSG_KV_PULL_DONE);
@@ -404,7 +420,9 @@ Test(proto_pull, fuzz_seeds_can_be_regenerated)
     m[4].hb.has_xfer = true;
     m[4].hb.xfer.rate_bps = 1e9;
     push_init(&m[5], c, 3);
-    for (int i = 0; i < 6; i++) {
+    km_msg_init(&m[6], KM_MSG_KV_WARM);
+    m[6].kv_warm = (km_msg_kv_warm){.id = 1, .max_pages = 256};
+    for (int i = 0; i < 7; i++) {
         km_buf b = {0};
         km_errbuf err = {{0}};
         cr_assert_eq(km_msg_encode(&m[i], NULL, &b, &err), 0, "%s: %s", names[i], err.msg);
