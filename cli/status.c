@@ -19,21 +19,38 @@ static const char *level_name(uint32_t level)
     return level < 4 ? names[level] : "?";
 }
 
+/* Bytes for a narrow column: 0, 512B, 4.4M, 1.2G. */
+static void fmt_bytes(char *out, size_t cap, uint64_t b)
+{
+    static const char units[] = "BKMGTP";
+    double v = (double)b;
+    int u = 0;
+    while (v >= 1024 && u < 5) v /= 1024, u++;
+    if (u == 0)
+        snprintf(out, cap, "%lluB", (unsigned long long)b);
+    else
+        snprintf(out, cap, "%.1f%c", v, units[u]);
+}
+
 /* One line per worker, then every worker's recovery history. */
 static void view_print(FILE *f, const km_msg_view *v)
 {
     fprintf(f, "controller %s (epoch %llu, view %llu), %u workers\n", v->controller,
             (unsigned long long)v->epoch, (unsigned long long)v->seq, v->n_workers);
-    fprintf(f, "%-12s %-10s %-12s %8s %-6s %7s %7s %9s  %s\n", "WORKER", "STATE", "LEVEL",
-            "PRESSURE", "KV", "RUNNING", "QUEUED", "SEEN_MS", "REQUESTS");
+    fprintf(f, "%-12s %-10s %-12s %8s %-6s %7s %7s %9s %9s %9s  %s\n", "WORKER", "STATE", "LEVEL",
+            "PRESSURE", "KV", "RUNNING", "QUEUED", "SEEN_MS", "XFER_IN", "XFER_OUT", "REQUESTS");
     for (uint32_t i = 0; i < v->n_workers; i++) {
         const km_view_worker *w = &v->workers[i];
-        char lv[32];
+        char lv[32], in[16] = "-", out[16] = "-";
         snprintf(lv, sizeof lv, "%u %s", w->level, level_name(w->level));
-        fprintf(f, "%-12s %-10s %-12s %7.1f%% %-6s %7u %7u %9llu  %s\n", w->id,
+        if (w->peer_addr) { /* a transfer node: KV page bytes pulled in, read out by peers */
+            fmt_bytes(in, sizeof in, w->xfer_bytes_in);
+            fmt_bytes(out, sizeof out, w->xfer_bytes_out);
+        }
+        fprintf(f, "%-12s %-10s %-12s %7.1f%% %-6s %7u %7u %9llu %9s %9s  %s\n", w->id,
                 km_member_state_name(w->state), lv, 100 * w->pressure,
                 w->kv_format ? w->kv_format : "-", w->running, w->queue_depth,
-                (unsigned long long)w->last_seen_ms, w->requests ? w->requests : "-");
+                (unsigned long long)w->last_seen_ms, in, out, w->requests ? w->requests : "-");
     }
     bool any = false;
     for (uint32_t i = 0; i < v->n_workers; i++) {

@@ -389,6 +389,7 @@ typedef struct km_view_worker {
     double xfer_rate_bps; /* measured pull rate into this worker, bytes/s; 0 = unknown */
     double xfer_lat_ms;   /* measured per-pull fixed cost, ms */
     uint64_t page_bytes;  /* bytes of one of its KV pages (what a pull from it moves); 0 unknown */
+    uint64_t xfer_bytes_in, xfer_bytes_out; /* KV payload pulled into it / read from it, bytes */
 } km_view_worker;
 
 typedef struct km_msg_view {

@@ -110,6 +110,8 @@ static void view_worker(km_enc *e, const void *arg)
     if (w->xfer_rate_bps > 0) km_enc_f64(e, "xfer_rate_bps", w->xfer_rate_bps);
     if (w->xfer_lat_ms > 0) km_enc_f64(e, "xfer_lat_ms", w->xfer_lat_ms);
     if (w->page_bytes) km_enc_u64(e, "page_bytes", w->page_bytes);
+    if (w->xfer_bytes_in) km_enc_u64(e, "xfer_bytes_in", w->xfer_bytes_in);
+    if (w->xfer_bytes_out) km_enc_u64(e, "xfer_bytes_out", w->xfer_bytes_out);
     if (km_enc_begin(e, "history")) {
         e->rc |= msgpack_pack_array(&e->pk, w->n_history);
         for (uint32_t i = 0; i < w->n_history; i++) km_enc_map(e, view_action, &w->history[i]);
@@ -154,6 +156,8 @@ static int view_decode_worker(km_dec *d, const msgpack_object_map *mp, km_view_w
     CK(km_dec_num(d, mp, "xfer_rate_bps", false, &w->xfer_rate_bps));
     CK(km_dec_num(d, mp, "xfer_lat_ms", false, &w->xfer_lat_ms));
     CK(km_dec_uint(d, mp, "page_bytes", false, UINT64_MAX, &w->page_bytes));
+    CK(km_dec_uint(d, mp, "xfer_bytes_in", false, UINT64_MAX, &w->xfer_bytes_in));
+    CK(km_dec_uint(d, mp, "xfer_bytes_out", false, UINT64_MAX, &w->xfer_bytes_out));
     const msgpack_object_array *a;
     void *mem;
     CK(km_dec_array(d, mp, "history", false, KM_PROTO_MAX_HISTORY, sizeof(km_recovery_action), &a,

@@ -57,7 +57,7 @@ typedef struct ctl_member {
     uint8_t peer_addr[KM_PROTO_MAX_PEER_ADDR];
     uint32_t peer_addr_len;
     double prefill_tps, xfer_rate_bps, xfer_lat_ms;
-    uint64_t page_bytes;
+    uint64_t page_bytes, xfer_bytes_in, xfer_bytes_out;
     /* timers */
     uint64_t t_l1, t_l2, t_action; /* when level 1 / 2 / any action last fired; 0 = never */
     uint64_t low_since;            /* pressure <= low since (level 2 revert); 0 = not low */
@@ -213,6 +213,8 @@ static void ctl_member_transfer(ctl_policy *p, ctl_member *m, const km_msg_heart
     m->xfer_rate_bps = hb->has_xfer ? hb->xfer.rate_bps : 0;
     m->xfer_lat_ms = hb->has_xfer ? hb->xfer.latency_ms : 0;
     m->page_bytes = hb->has_xfer ? hb->xfer.page_bytes : 0;
+    m->xfer_bytes_in = hb->has_xfer ? hb->xfer.bytes_in : 0;
+    m->xfer_bytes_out = hb->has_xfer ? hb->xfer.bytes_out : 0;
 }
 
 static uint64_t errors_total(const km_msg_heartbeat *hb)
@@ -611,6 +613,8 @@ int ctl_policy_view_worker(const ctl_policy *p, int i, uint64_t now_ms, uint64_t
     out->xfer_rate_bps = m->xfer_rate_bps;
     out->xfer_lat_ms = m->xfer_lat_ms;
     out->page_bytes = m->page_bytes;
+    out->xfer_bytes_in = m->xfer_bytes_in;
+    out->xfer_bytes_out = m->xfer_bytes_out;
     if (with_history && hist) {
         for (uint32_t k = 0; k < m->n_hist; k++) {
             const ctl_hist *h = &m->hist[(m->hist_head + k) % KM_PROTO_MAX_HISTORY];

@@ -180,9 +180,10 @@ static int wk_peer_metrics(wk_service *s, wk_peer *p, km_errbuf *err)
          NULL, NULL, 0);
     p->s_dones_ignored = km_metric_series(m, NULL);
     PREG(KM_COUNTER, "kvmesh_kv_handoff_chains_total",
-         "Drain handoff, in chains: pushed (by this worker's drain to its peers), taken (pushed "
-         "here by a draining peer, a background pull started) and dropped (pushed here but not "
-         "taken: too many at once, no room, or nothing left to pull).",
+         "Drain handoff and warm-up, in chains: pushed (sent to peers: this worker's drain "
+         "handoff, or its answer to a peer's warm-up), taken (pushed here, a background pull "
+         "started) and dropped (pushed here but not taken: too many waiting, no room, or nothing "
+         "left to pull).",
          "outcome", NULL, 0);
     for (int i = 0; i < 3; i++) p->s_handoff[i] = km_metric_series(m, &wk_handoff_outcomes[i]);
 #undef PREG

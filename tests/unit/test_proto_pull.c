@@ -367,7 +367,9 @@ Test(proto_pull, heartbeat_and_view_carry_the_peer_address_and_rates)
                         .prefill_tps = 812.5,
                         .xfer_rate_bps = 2.5e9,
                         .xfer_lat_ms = 0.4,
-                        .page_bytes = 207360};
+                        .page_bytes = 207360,
+                        .xfer_bytes_in = 4423680,
+                        .xfer_bytes_out = 1ull << 40};
     km_msg_init(&in, KM_MSG_VIEW);
     in.view.controller = "c";
     in.view.workers = &w;
@@ -380,6 +382,8 @@ Test(proto_pull, heartbeat_and_view_carry_the_peer_address_and_rates)
     cr_assert_eq(o->xfer_rate_bps, 2.5e9);
     cr_assert_eq(o->xfer_lat_ms, 0.4);
     cr_assert_eq(o->page_bytes, 207360);
+    cr_assert_eq(o->xfer_bytes_in, 4423680);
+    cr_assert_eq(o->xfer_bytes_out, 1ull << 40);
     km_msg_clear(&out);
     w.peer_addr_len = KM_PROTO_MAX_PEER_ADDR + 1;
     expect_encode_fail(&in, "view.workers[0].peer_addr");
