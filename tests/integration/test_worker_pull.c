@@ -695,3 +695,37 @@ Test(worker_pull, a_new_worker_warms_up_from_a_peer)
     km_zsock_close(pub);
     pair_stop(w);
 }
+
+/* The drain handoff across network namespaces: wa in its own namespace (veth, UCX on TCP, the
+ * view from the test's PUB on the host side of the veth) hands its chains to wb on the host
+ * side; the pages cross the veth, and the prompts are then hits on wb. */
+Test(worker_pull, a_drain_hands_pages_over_across_network_namespaces)
+{
+    if (!have_model()) return;
+    if (!netns_setup(&g_ns)) return;
+    char url[96], pub_ep[256];
+    snprintf(url, sizeof url, "tcp://%s:*", g_ns.hip);
+    void *pub = bound(KM_ZPUB, url, pub_ep, sizeof pub_ep);
+    const char *const view[] = {"--peer-view", pub_ep, "--peer-warm-pages", "0", NULL};
+    pair *w = pair_start(&g_ns, view);
+    it_proc *a = &w->a, *b = &w->b;
+    static uint8_t addr_b[KM_PROTO_MAX_PEER_ADDR];
+    uint32_t lb = peer_addr_of(w->ctl, "wb", addr_b, sizeof addr_b);
+    int32_t p[K][NP];
+    result ref[K];
+    serve_prompts(a, p, ref, 900);
+    uint64_t seq = 0;
+    for (int i = 0; i < 15; i++) {
+        publish_view(pub, ++seq, a, b, w->addr, w->addr_len, addr_b, lb);
+        usleep(100000);
+    }
+    double in0 = it_metric(b->admin_port, "kvmesh_kv_transfer_bytes_total{direction=\"in\"}");
+    cr_assert_eq(kill(a->pid, SIGTERM), 0);
+    cr_assert_neq(it_wait_exit(a, 20000), -1, "the drained worker did not exit by itself");
+    cr_assert_geq(it_metric(b->admin_port, "kvmesh_kv_handoff_chains_total{outcome=\"taken\"}"), K);
+    cr_assert_gt(it_metric(b->admin_port, "kvmesh_kv_transfer_bytes_total{direction=\"in\"}"), in0,
+                 "no page bytes crossed the veth");
+    expect_hits(b, p, ref, "handed over across namespaces");
+    km_zsock_close(pub);
+    pair_stop(w);
+}
