@@ -108,6 +108,9 @@ typedef struct rt_wk_xfer {
 struct rt_wk {
     rt_router *r;
     int idx;
+    /* as a puller, per holder: hints that failed in a row, and no hint before this (pull.c) */
+    uint32_t pull_fails[RT_MAX_WORKERS];
+    uint64_t pull_cool_until_ms[RT_MAX_WORKERS];
     char id[KM_PROTO_MAX_NAME + 1];
     char req_url[256], ev_url[256];
     void *dealer, *mon;
@@ -200,6 +203,7 @@ struct rt_router {
     uint64_t view_epoch, view_seq, view_at_ms, n_views, n_bad_views;
     km_series *s_views, *s_bad_views, *s_view_age;
     km_series *s_pulls[RT_PULL_DECISIONS]; /* kvmesh_router_pulls_total{decision} */
+    km_series *s_hints[2];                 /* kvmesh_router_pull_hints_total{outcome} */
 };
 
 /* ---------------------------------------------------------------- router.c: the loop */
@@ -368,6 +372,9 @@ void rt_pull_view(rt_wk *w, const km_view_worker *vw);
 /* After the pick: does another worker hold more of q's chain, and is pulling it cheaper? Sets
  * q's hint (or clears it) and counts the decision. */
 void rt_pull_advise(rt_router *r, rt_rq *q, int pick, const rt_match *m);
+/* q ended on w with cached prompt tokens: whether its hint worked, which sets that pair's
+ * backoff (a failed hint keeps the pair from the next ones for a while). */
+void rt_pull_outcome(rt_router *r, rt_rq *q, rt_wk *w, uint32_t cached);
 /* q's hint, if any, into the request frame to the chosen worker. */
 void rt_pull_hint(rt_router *r, const rt_rq *q, km_msg_request *out);
 int rt_pull_metrics(rt_router *r, km_errbuf *err);

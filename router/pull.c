@@ -23,6 +23,18 @@
 
 const char *const rt_pull_decision_names[RT_PULL_DECISIONS] = {"pull", "recompute", "unmeasured"};
 
+bool rt_pull_hint_ok(uint32_t cached_tokens, uint32_t pull_pages, int page_tokens)
+{
+    return (uint64_t)cached_tokens + (uint64_t)page_tokens >= (uint64_t)pull_pages * page_tokens;
+}
+
+uint64_t rt_pull_backoff_ms(uint32_t fails)
+{
+    if (!fails) return 0;
+    uint64_t ms = 1000ull << (fails > 7 ? 6 : fails - 1);
+    return ms > 60000 ? 60000 : ms;
+}
+
 int rt_pull_decide(const rt_policy *pol, const rt_pull_in *c, int n, int pick, int page_tokens,
                    rt_pull_choice *out)
 {
@@ -87,10 +99,13 @@ void rt_pull_advise(rt_router *r, rt_rq *q, int pick, const rt_match *m)
     q->pull_w = 0;
     if (r->c.policy.mode != RT_MODE_KV || pick < 0 || !r->w[pick].xfer.addr_len) return;
     rt_pull_in in[RT_MAX_WORKERS];
+    const rt_wk *to = &r->w[pick];
+    uint64_t now = rt_now_ms();
     for (int i = 0; i < r->n_w; i++) {
         rt_wk *w = &r->w[i];
+        /* a holder whose last hints to this worker failed is passed over for a while */
         in[i] = (rt_pull_in){.pages = m->pages[i],
-                             .serves = rt_wk_serves_pages(r, w),
+                             .serves = rt_wk_serves_pages(r, w) && now >= to->pull_cool_until_ms[i],
                              .rate_bps = w->xfer.rate_bps,
                              .lat_ms = w->xfer.lat_ms,
                              .prefill_tps = w->xfer.prefill_tps,
@@ -112,6 +127,26 @@ void rt_pull_advise(rt_router *r, rt_rq *q, int pick, const rt_match *m)
     q->pull_ms = (uint32_t)budget;
 }
 
+void rt_pull_outcome(rt_router *r, rt_rq *q, rt_wk *w, uint32_t cached)
+{
+    if (q->pull_w < 1 || q->pull_w > r->n_w) return;
+    int h = q->pull_w - 1;
+    q->pull_w = 0; /* counted once */
+    bool ok = rt_pull_hint_ok(cached, q->pull_pages, r->c.page_tokens);
+    km_counter_inc(r->s_hints[ok ? 0 : 1]);
+    if (ok) {
+        w->pull_fails[h] = 0;
+        return;
+    }
+    w->pull_fails[h]++;
+    uint64_t back = rt_pull_backoff_ms(w->pull_fails[h]);
+    w->pull_cool_until_ms[h] = rt_now_ms() + back;
+    KM_INFO("pull_hint_failed",
+            "rid=%llu worker=%s holder=%s pages=%u cached_tokens=%u fails=%u backoff_ms=%llu",
+            (unsigned long long)q->rid, w->id, r->w[h].id, q->pull_pages, cached, w->pull_fails[h],
+            (unsigned long long)back);
+}
+
 void rt_pull_hint(rt_router *r, const rt_rq *q, km_msg_request *out)
 {
     if (q->pull_w < 1 || q->pull_w > r->n_w) return;
@@ -125,17 +160,31 @@ void rt_pull_hint(rt_router *r, const rt_rq *q, km_msg_request *out)
     out->pull_ms = q->pull_ms;
 }
 
-int rt_pull_metrics(rt_router *r, km_errbuf *err)
+/* A counter with one label and a series per value. */
+static int rt_pull_counter(rt_router *r, const char *name, const char *help, const char *label,
+                           const char *const *values, int n, km_series **out, km_errbuf *err)
 {
     km_metric *m;
-    int rc = km_metric_register(r->metrics, KM_COUNTER, "kvmesh_router_pulls_total",
-                                "Requests for which another worker held a longer prefix than the "
-                                "chosen one, by decision: pull (the chosen worker was told to "
-                                "pull it), recompute (pulling measured slower), unmeasured (no "
-                                "measured rates yet: recompute).",
-                                "decision", NULL, 0, &m, err);
+    int rc = km_metric_register(r->metrics, KM_COUNTER, name, help, label, NULL, 0, &m, err);
+    for (int i = 0; !rc && i < n; i++) out[i] = km_metric_series(m, &values[i]);
+    return rc;
+}
+
+int rt_pull_metrics(rt_router *r, km_errbuf *err)
+{
+    static const char *const outcomes[2] = {"ok", "failed"};
+    int rc =
+        rt_pull_counter(r, "kvmesh_router_pulls_total",
+                        "Requests for which another worker held a longer prefix than the "
+                        "chosen one, by decision: pull (the chosen worker was told to pull "
+                        "it), recompute (pulling measured slower), unmeasured (no measured "
+                        "rates yet: recompute).",
+                        "decision", rt_pull_decision_names, RT_PULL_DECISIONS, r->s_pulls, err);
     if (rc) return rc;
-    for (int d = 0; d < RT_PULL_DECISIONS; d++)
-        r->s_pulls[d] = km_metric_series(m, &rt_pull_decision_names[d]);
-    return 0;
+    return rt_pull_counter(r, "kvmesh_router_pull_hints_total",
+                           "Pull hints by outcome, judged by the request's cached tokens: ok (the "
+                           "pages arrived) or failed (they did not: that worker gets no hint "
+                           "naming that holder for 1 s, doubling per failure in a row, at most "
+                           "60 s).",
+                           "outcome", outcomes, 2, r->s_hints, err);
 }

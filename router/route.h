@@ -167,6 +167,12 @@ typedef struct rt_pull_choice {
 } rt_pull_choice;
 
 /* Decides for candidate pick among c[0..n); returns the decision (also in out). */
+/* Did a hint work: the request's cached tokens cover the pages it was told to pull (one page of
+ * slack: the scheduler may compute a prompt's last token again). */
+bool rt_pull_hint_ok(uint32_t cached_tokens, uint32_t pull_pages, int page_tokens);
+/* How long a (puller, holder) pair gets no hint after its fails-th failed hint in a row:
+ * 1 s doubling, at most 60 s. */
+uint64_t rt_pull_backoff_ms(uint32_t fails);
 int rt_pull_decide(const rt_policy *pol, const rt_pull_in *c, int n, int pick, int page_tokens,
                    rt_pull_choice *out);
 

@@ -108,3 +108,23 @@ Test(router_pull, smaller_pages_make_pulling_cheaper)
     c[1].page_bytes = PB * 0.5625;
     cr_assert_eq(rt_pull_decide(&pol, c, 2, 0, PT, &ch), RT_PULL_PULL);
 }
+
+Test(router_pull, a_hint_worked_when_the_cached_tokens_cover_its_pages)
+{
+    cr_assert(rt_pull_hint_ok(12 * 16, 12, 16));
+    cr_assert(rt_pull_hint_ok(11 * 16 + 1, 12, 16), "one page of slack");
+    cr_assert(rt_pull_hint_ok(11 * 16, 12, 16));
+    cr_assert(!rt_pull_hint_ok(11 * 16 - 1, 12, 16));
+    cr_assert(!rt_pull_hint_ok(0, 12, 16), "nothing arrived");
+    cr_assert(rt_pull_hint_ok(0, 1, 16));
+}
+
+Test(router_pull, failed_hints_back_a_pair_off_doubling_up_to_a_minute)
+{
+    cr_assert_eq(rt_pull_backoff_ms(0), 0);
+    cr_assert_eq(rt_pull_backoff_ms(1), 1000);
+    cr_assert_eq(rt_pull_backoff_ms(2), 2000);
+    cr_assert_eq(rt_pull_backoff_ms(6), 32000);
+    cr_assert_eq(rt_pull_backoff_ms(7), 60000);
+    cr_assert_eq(rt_pull_backoff_ms(1000), 60000);
+}
