@@ -387,6 +387,12 @@ $(BENCH_PULL): $(OBJ)/bench/bench_pull.o $(LIB_COMMON)
 bench-pull: build $(BENCH_PULL) ## TTFT of a long prompt pulled from a peer vs computed
 	@$(BENCH_PULL) $(BENCH_ARGS)
 
+# What page transfer buys a whole cluster (docs/transfer.md): hit ratio and TTFT with transfer off
+# and on, a restart with and without the drain handoff, scale-out with and without warm-up.
+.PHONY: bench-cluster
+bench-cluster: build $(BENCH_ROUTER) ## cluster hit ratio with page transfer, handoff, warm-up
+	@bash bench/bench_cluster.sh
+
 fixtures: build ## regenerates tests/fixtures from llama.cpp (needs its build)
 	@bash tests/fixtures/gen_fixtures.sh
 
