@@ -107,7 +107,9 @@ static int up_parse(int argc, char **argv, up_opts *o, km_config **cfg)
 }
 
 /* How long Ctrl-C waits before SIGKILL: the workers' drain time-out (--drain-timeout in
- * --worker-args or --worker-args-for, else the workers' default 30 s), plus 5 s. */
+ * --worker-args or --worker-args-for, else the workers' default 30 s), plus 10 s: a worker with a
+ * transfer node may linger up to 5 s after its drain while peers pull its pages
+ * (docs/transfer.md), then persists or demotes them. */
 static int64_t up_stop_ms(const up_opts *o)
 {
     int64_t drain = -1;
@@ -119,7 +121,7 @@ static int64_t up_stop_ms(const up_opts *o)
             int64_t ms;
             if (!km_parse_duration_ms(v, &ms) && ms > drain) drain = ms;
         }
-    return (drain < 0 ? 30000 : drain) + 5000;
+    return (drain < 0 ? 30000 : drain) + 10000;
 }
 
 /* The daemons: --bin-dir, or the directory of this kvmesh. */
