@@ -28,6 +28,7 @@ CONCURRENCY=${CONCURRENCY:-8}
 MAX_TOKENS=${MAX_TOKENS:-8}
 THREADS=${THREADS:-1}
 PHASES=${PHASES:-"1 2 3"}
+# P1_CONFIGS: phase 1's clusters, among "off on balanced-off balanced-on" (all by default)
 LOGS=build/bench-cluster-logs
 PEER="--peer-listen 127.0.0.1:0"
 mkdir -p "$LOGS"
@@ -59,7 +60,7 @@ start_up() {
     "$BIN/kvmesh" up --insecure --workers "$2" --threads "$THREADS" --mode kv \
         --base-port 0 --log-dir "$LOGS/$1" \
         --run-dir "$LOGS/$1/run" --worker-args "$3" \
-        --router-args "--max-queue=100000 --pull-default-rate=1e9" 2>>"$LOGS/up.log" &
+        --router-args "--max-queue=100000 --pull-default-rate=1e9 ${RARGS:-}" 2>>"$LOGS/up.log" &
     UP=$!
     RQ= HTTP=
     for _ in $(seq 1 600); do
@@ -85,6 +86,11 @@ router_metric() {
     curl -s "$HTTP/metrics" | awk -v s="$1" '$1 == s {print $2; f=1} END {if (!f) print 0}'
 }
 
+# "UP MEMBER_STATE" of worker ID in the router's status
+member() {
+    status | python3 -c 'import json,sys; w=[x for x in json.load(sys.stdin)["workers"] if x["id"]==sys.argv[1]]; print(w[0]["up"], w[0]["member_state"]) if w else print("-")' "$1" || true
+}
+
 # the id of the worker with the most pages in the router's index
 fullest() {
     status | python3 -c 'import json,sys; w=json.load(sys.stdin)["workers"]; print(max(w, key=lambda x: sum(x["kv_pages"].values()))["id"])'
@@ -98,9 +104,12 @@ echo "   $TENANTS tenants x $PER_TENANT requests, ~$PREFIX_TOKENS-token system p
 
 if [[ " $PHASES " == *" 1 "* ]]; then
     echo
-    echo "-- 1. page transfer off and on, $WORKERS workers"
-    for t in off on; do
-        start_up "p1-$t" "$WORKERS" "$([ $t = on ] && echo "$PEER" || echo "")"
+    echo "-- 1. page transfer off and on, $WORKERS workers: kv-aware routing as by default (prefix"
+    echo "   affinity first), then weighted for load (--w-prefill 0.01: tenants spread over the"
+    echo "   workers, so a prefix is either computed again or pulled)"
+    for t in ${P1_CONFIGS:-off on balanced-off balanced-on}; do
+        RARGS=$([[ $t == balanced-* ]] && echo "--w-prefill=0.01" || echo "")
+        start_up "p1-$t" "$WORKERS" "$([[ $t == *on ]] && echo "$PEER" || echo "")"
         workload "transfer-$t"
         echo "   router pulls: pull $(router_metric 'kvmesh_router_pulls_total{decision="pull"}')," \
             "recompute $(router_metric 'kvmesh_router_pulls_total{decision="recompute"}');" \
@@ -108,6 +117,7 @@ if [[ " $PHASES " == *" 1 "* ]]; then
             "failed $(router_metric 'kvmesh_router_pull_hints_total{outcome="failed"}')"
         stop_up
     done
+    RARGS=
 fi
 
 if [[ " $PHASES " == *" 2 "* ]]; then
@@ -121,10 +131,10 @@ if [[ " $PHASES " == *" 2 "* ]]; then
         pid=$(field "$run" "$victim" pid)
         t0=$(date +%s.%N)
         kill -TERM "$pid"
-        # until kvmesh up has restarted it and the router sees every worker up again
+        # until kvmesh up has restarted it and the router has it up and ready in the view again
         for _ in $(seq 1 600); do
             npid=$(field "$run" "$victim" pid || true)
-            [ "$npid" != "$pid" ] && [ "$(ups)" -ge "$WORKERS" ] && break
+            [ "$npid" != "$pid" ] && [ "$(member "$victim")" = "True ready" ] && break
             sleep 0.2
         done
         echo "   $victim (pid $pid) SIGTERMed; back after $(echo "$(date +%s.%N) - $t0" | bc | cut -c1-5) s"
@@ -157,24 +167,33 @@ if [[ " $PHASES " == *" 3 "* ]]; then
                 $([ $h = cold ] && echo "--peer-warm-pages 0") 2>"$LOGS/p3-$h/w$i/worker.log" &
             EXTRA+=("$!")
         done
-        for i in $(seq "$half" $((WORKERS - 1))); do
-            got= ready=
-            for _ in $(seq 1 1200); do
+        # every new worker watched at once: when it is ready (its ports file), when its first
+        # prefix hit shows (kvmesh_worker_prefix_hit_ratio > 0); 120 s at most
+        declare -A ready=() hit=()
+        while :; do
+            for i in $(seq "$half" $((WORKERS - 1))); do
+                [ -n "${hit[$i]:-}" ] && continue
                 a=$(grep '^admin=' "$LOGS/p3-$h/w$i/ports" 2>/dev/null | sed 's/.*://' || true)
-                [ -n "$a" ] && [ -z "$ready" ] && ready=$(echo "$(date +%s.%N) - $t0" | bc | cut -c1-5)
-                if [ -n "$a" ]; then
-                    hits=$(curl -s "http://127.0.0.1:$a/metrics" |
-                        awk '$1 == "kvmesh_worker_prefix_hit_ratio" {print ($2 > 0)}' || true)
-                    [ "${hits:-0}" = 1 ] && { got=$(echo "$(date +%s.%N) - $t0" | bc | cut -c1-6); break; }
-                fi
-                sleep 0.1
+                [ -z "$a" ] && continue
+                now=$(echo "$(date +%s.%N) - $t0" | bc)
+                [ -z "${ready[$i]:-}" ] && ready[$i]=$now
+                v=$(curl -s "http://127.0.0.1:$a/metrics" |
+                    awk '$1 == "kvmesh_worker_prefix_hit_ratio" {print ($2 > 0)}' || true)
+                [ "${v:-0}" = 1 ] && hit[$i]=$now
             done
-            if [ -n "$got" ]; then
-                echo "   w$i ($h): ready after $ready s, first prefix hit after $got s"
+            [ "${#hit[@]}" -ge $((WORKERS - half)) ] && break
+            [ "$(echo "$(date +%s.%N) - $t0 > 120" | bc)" = 1 ] && break
+            sleep 0.1
+        done
+        for i in $(seq "$half" $((WORKERS - 1))); do
+            printf "   w%d (%s): ready after %.1f s, " "$i" "$h" "${ready[$i]:--1}"
+            if [ -n "${hit[$i]:-}" ]; then
+                printf "first prefix hit %.1f s after it was ready\n" "$(echo "${hit[$i]} - ${ready[$i]}" | bc)"
             else
-                echo "   w$i ($h): ready after ${ready:-?} s, no prefix hit within 120 s"
+                printf "no prefix hit within 120 s\n"
             fi
         done
+        unset ready hit
         stop_up
     done
 fi

@@ -237,13 +237,15 @@ void rt_index_match(const rt_index *x, const km_pagehash *chain, int n, uint64_t
 {
     memset(out, 0, sizeof *out);
     if (!x || n <= 0) return;
-    uint64_t alive = workers;
+    uint64_t alive = workers, stored = workers;
     for (int i = 0; i < n && alive; i++) {
         const rt_entry *e = find(x, chain[i]);
         if (!e) break;
         uint64_t fresh = (now_ms - e->pending_ms <= x->ttl_ms) ? e->pending : 0;
         uint64_t any = e->tier[0] | e->tier[1] | e->tier[2] | fresh;
         alive &= any;
+        stored &= e->tier[0] | e->tier[1] | e->tier[2];
+        for (uint64_t m = stored; m; m &= m - 1) out->stored[__builtin_ctzll(m)]++;
         for (uint64_t m = alive; m; m &= m - 1) {
             int w = __builtin_ctzll(m);
             uint64_t bit = 1ull << w;

@@ -104,7 +104,9 @@ void rt_pull_advise(rt_router *r, rt_rq *q, int pick, const rt_match *m)
     for (int i = 0; i < r->n_w; i++) {
         rt_wk *w = &r->w[i];
         /* a holder whose last hints to this worker failed is passed over for a while */
-        in[i] = (rt_pull_in){.pages = m->pages[i],
+        /* a holder's pages must be stored, not pending (still being computed: nothing to hand
+         * over yet); the chosen worker's own pending pages count, they will be there */
+        in[i] = (rt_pull_in){.pages = i == pick ? m->pages[i] : m->stored[i],
                              .serves = rt_wk_serves_pages(r, w) && now >= to->pull_cool_until_ms[i],
                              .rate_bps = w->xfer.rate_bps,
                              .lat_ms = w->xfer.lat_ms,

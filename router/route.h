@@ -25,6 +25,7 @@ typedef struct rt_index rt_index;
 
 typedef struct rt_match {
     int pages[RT_MAX_WORKERS];     /* leading pages of the chain the worker holds (or pending) */
+    int stored[RT_MAX_WORKERS];    /* the same without pending pages: what it could hand over */
     double credit[RT_MAX_WORKERS]; /* cached tokens, each page weighted by its tier's credit */
 } rt_match;
 

@@ -104,6 +104,7 @@ Test(router_index, pending_marks_count_until_they_expire_or_are_confirmed)
     rt_match m;
     rt_index_match(x, c, 4, 1u << 2, CREDIT, 16, 5500, &m);
     cr_assert_eq(m.pages[2], 4);
+    cr_assert_eq(m.stored[2], 0, "pending pages cannot be handed over (pulled) yet");
     cr_assert_eq(rt_index_pages(x, 2, KM_TIER_HOT), 0, "pending pages are not confirmed pages");
     rt_index_match(x, c, 4, 1u << 2, CREDIT, 16, 7000, &m);
     cr_assert_eq(m.pages[2], 0, "expired");
@@ -114,6 +115,7 @@ Test(router_index, pending_marks_count_until_they_expire_or_are_confirmed)
     rt_index_apply(x, 2, KM_KV_STORED, KM_TIER_HOT, 0, c, 4);
     rt_index_match(x, c, 4, 1u << 2, CREDIT, 16, 100000, &m);
     cr_assert_eq(m.pages[2], 4);
+    cr_assert_eq(m.stored[2], 4);
     rt_index_destroy(x);
 }
 
