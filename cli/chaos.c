@@ -16,6 +16,10 @@
  *                  for 10 s (--short: 4 s); every probe of a new HTTP client must be answered
  *   longprompt (h) a prompt at 95% of the workers' context limit through the router under load:
  *                  it completes with no migration, no member goes dead, no request fails
+ *   killsoak   (i) SIGKILL w1 and w0 in turn every 10 s, 6 kills (--short: every 6 s, 3 kills),
+ *                  each only once `kvmesh up` has the previous victim back and the view is all
+ *                  ready: every cut stream migrates, no request fails, outputs equal; the
+ *                  router's migrations are reported
  *
  * Why it is built this way: each scenario starts its own cluster with the same code as `kvmesh up`
  * (this very binary, `up --base-port 0` in a temporary run directory: free ports, so it never
@@ -68,6 +72,7 @@ static void knobs_init(chaos_knobs *k, bool short_run)
     k->ctl = short_run ? "--heartbeat=500ms --dead-after=3 --cooldown=1s --log-level=info"
                        : "--heartbeat=500ms --dead-after=3 --cooldown=2s --log-level=info";
     k->wflags = "--heartbeat=500ms --drain-timeout=3s --log-level=info";
+    k->rflags = "--log-level=info";
 }
 
 /* Injects the scenario's fault under load (already running) and waits for the recovery: the
@@ -92,6 +97,7 @@ static void fault_and_recover(chaos_run *r, chaos_load *load, chaos_result *res)
                  r->note[0] ? ": " : "", r->note);
     } else {
         snprintf(res->fault_note, sizeof res->fault_note, "%s", r->note);
+        if (r->problem[0]) snprintf(res->error, sizeof res->error, "%s", r->problem);
         uint64_t deadline = fault_end + (uint64_t)r->k.recover_ms;
         while (km_wall_ms() < deadline) {
             pthread_mutex_lock(&r->mu);
@@ -105,7 +111,7 @@ static void fault_and_recover(chaos_run *r, chaos_load *load, chaos_result *res)
             }
             km_sleep_ms(100);
         }
-        if (!res->recovered)
+        if (!res->recovered && !res->error[0])
             snprintf(res->error, sizeof res->error,
                      "not recovered within %d s of the fault's end (view all ready: %s)",
                      r->k.recover_ms / 1000, r->all_ready ? "yes" : "no");
@@ -126,6 +132,8 @@ static void tally(chaos_run *r, const chaos_load *load, chaos_result *res)
     res->first_differ = load->first_differ;
     res->retries = load->retries;
     res->migrated = load->migrated;
+    res->migrations = load->migrations;
+    res->counts = r->counts;
     res->n_errors = load->n_errors;
     memcpy(res->errors, load->first_errors, sizeof res->errors);
     res->outputs_ok = load->differ == 0 || !r->sc->outputs_must_match;
@@ -158,6 +166,11 @@ static void run_scenario(const chaos_scenario *sc, const chaos_knobs *k, bool ke
         snprintf(wflags, sizeof wflags, "%s %s", k->wflags, extra);
         r->k.wflags = wflags;
     }
+    char rflags[512];
+    if (sc->rflags) {
+        snprintf(rflags, sizeof rflags, "%s %s", k->rflags, sc->rflags);
+        r->k.rflags = rflags;
+    }
     pthread_mutex_init(&r->mu, NULL);
     snprintf(r->dir, sizeof r->dir, "/tmp/kvmesh-chaos-XXXXXX");
     if (!mkdtemp(r->dir)) {
@@ -167,6 +180,17 @@ static void run_scenario(const chaos_scenario *sc, const chaos_knobs *k, bool ke
     }
     snprintf(res->dir, sizeof res->dir, "%s", r->dir);
     snprintf(r->cluster_file, sizeof r->cluster_file, "%s/%s", r->dir, KVM_CLUSTER_FILE);
+    char env_name[64] = "";
+    bool env_had = false;
+    char env_old[256] = "";
+    if (sc->env) { /* NAME=VALUE for the cluster's processes (up passes its environment on) */
+        const char *eq = strchr(sc->env, '=');
+        snprintf(env_name, sizeof env_name, "%.*s", eq ? (int)(eq - sc->env) : 0, sc->env);
+        const char *old = env_name[0] ? getenv(env_name) : NULL;
+        env_had = old != NULL;
+        if (old) snprintf(env_old, sizeof env_old, "%s", old);
+        if (env_name[0]) setenv(env_name, eq + 1, 1);
+    }
     chaos_load ref = {0}, load = {0};
     char *ref_out[CHAOS_N_PROMPTS] = {0};
     size_t ref_len[CHAOS_N_PROMPTS] = {0};
@@ -220,6 +244,12 @@ static void run_scenario(const chaos_scenario *sc, const chaos_knobs *k, bool ke
     res->passed = !res->error[0] && res->lost == 0 && res->outputs_ok && res->recovered;
 out:
     chaos_cluster_stop(r);
+    if (env_name[0]) { /* as it was before this scenario */
+        if (env_had)
+            setenv(env_name, env_old, 1);
+        else
+            unsetenv(env_name);
+    }
     if (r->netns_made) chaos_netns_cleanup();
     for (int i = 0; i < CHAOS_N_PROMPTS; i++) free(ref_out[i]);
     free(ref.done_at);
@@ -245,8 +275,9 @@ static void print_result(const chaos_result *res)
     }
     if (res->sent || res->completed) {
         printf("  requests: sent %d, completed %d, failed %d (with a clear error), lost %d; "
-               "%d retries, %d migrated streams\n",
-               res->sent, res->completed, res->failed, res->lost, res->retries, res->migrated);
+               "%d retries, %d migrated streams (%d migrations)\n",
+               res->sent, res->completed, res->failed, res->lost, res->retries, res->migrated,
+               res->migrations);
         printf("  greedy outputs: %d of %d equal to the fault-free run%s\n", res->equal,
                res->completed,
                res->differ && !sc->outputs_must_match ? " (differences allowed: fp8 KV)" : "");
@@ -287,6 +318,23 @@ static json_t *result_json(const chaos_result *res)
     json_object_set_new(o, "lost", json_integer(res->lost));
     json_object_set_new(o, "retries", json_integer(res->retries));
     json_object_set_new(o, "migrated", json_integer(res->migrated));
+    json_object_set_new(o, "migrations", json_integer(res->migrations));
+    if (res->counts.set) {
+        const chaos_counts *c = &res->counts;
+        json_t *cj = json_pack("{s:i,s:i}", "kills", c->kills, "router_migrations", c->migrations);
+        if (c->pulls) {
+            json_t *pj =
+                json_pack("{s:i,s:i,s:i,s:i,s:i}", "pull_rounds", c->pull_rounds,
+                          "router_pulls_chosen", c->pulls_chosen, "pulls_ok", c->pulls_ok,
+                          "pulls_partial", c->pulls_partial, "pulls_failed", c->pulls_failed);
+            json_object_update(cj, pj);
+            json_decref(pj);
+        } else {
+            json_object_set_new(cj, "kills_busy", json_integer(c->kills_busy));
+        }
+        json_object_set_new(o, "counts", cj);
+    }
+    if (res->fault_note[0]) json_object_set_new(o, "fault_note", json_string(res->fault_note));
     json_object_set_new(o, "outputs_equal", json_integer(res->equal));
     json_object_set_new(o, "outputs_differ", json_integer(res->differ));
     json_object_set_new(o, "outputs_must_match", json_boolean(res->sc->outputs_must_match));
@@ -317,7 +365,7 @@ int cli_cmd_chaos(int argc, char **argv)
         "kvmesh chaos",
         "fault injection against a local cluster it starts itself. SCENARIO: pressure (a), kill "
         "(b), stop (c), controller (d), router (e), partition (f), slowloris (g), longprompt "
-        "(h) or all",
+        "(h), killsoak (i) or all",
         opts, sizeof opts / sizeof *opts, argc, argv, NULL, NULL, &cfg);
     if (rc == 1)
         for (int i = 0; i < CHAOS_N_SCENARIOS; i++)
@@ -335,7 +383,7 @@ int cli_cmd_chaos(int argc, char **argv)
             pick[i] = true, n_pick++;
     if (!n_pick) {
         fprintf(stderr, "kvmesh chaos: give a scenario: pressure, kill, stop, controller, router, "
-                        "partition, slowloris, longprompt or all (--help)\n");
+                        "partition, slowloris, longprompt, killsoak or all (--help)\n");
         km_config_destroy(cfg);
         return 2;
     }

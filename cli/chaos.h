@@ -31,6 +31,7 @@ typedef struct chaos_knobs {
     int attempts;    /* client: attempts per request */
     const char *ctl; /* controller policy flags */
     const char *wflags;
+    const char *rflags; /* router flags */
 } chaos_knobs;
 
 /* ---------------------------------------------------------------- the cluster under test */
@@ -44,6 +45,17 @@ typedef enum chaos_recover_when {
 
 typedef struct chaos_run chaos_run;
 
+/* What the repeated-kill scenarios count (reported, and in --json, when a scenario sets them). */
+typedef struct chaos_counts {
+    int kills;        /* SIGKILLs sent */
+    int kills_busy;   /* ... to a worker the router had requests at */
+    int migrations;   /* the router's kvmesh_router_migrations_total over the faulted pass */
+    int pull_rounds;  /* pullkill: rounds in which the router chose a pull before the kill */
+    int pulls_chosen; /* the router's kvmesh_router_pulls_total{decision="pull"}, whole run */
+    int pulls_ok, pulls_partial, pulls_failed; /* the pullers' outcomes of the cut pulls */
+    bool set, pulls; /* set: counted; pulls: the pull fields apply (kills_busy does not) */
+} chaos_counts;
+
 /* One row of the scenario table: the fault and what recovery means after it. */
 typedef struct chaos_scenario {
     const char *name, *letter, *what;
@@ -55,6 +67,8 @@ typedef struct chaos_scenario {
     bool no_failures;   /* failed must be 0 too (no request may even be told why it failed) */
     const char *wflags; /* extra worker flags for this scenario (short run, full run) */
     const char *wflags_full;
+    const char *rflags; /* extra router flags for this scenario */
+    const char *env;    /* NAME=VALUE set while this scenario's cluster runs, or NULL */
 } chaos_scenario;
 
 typedef struct chaos_action {
@@ -94,7 +108,9 @@ struct chaos_run {
     char target_state[16];
     uint32_t target_level;
     double target_pressure;
-    char note[512]; /* what the fault function saw, for the report */
+    char note[1536];   /* what the fault function saw, for the report */
+    char problem[512]; /* a promise the fault function itself checks was broken (it still ended) */
+    chaos_counts counts;
 };
 
 /* ---------------------------------------------------------------- load (chaos_load.c) */
@@ -110,7 +126,10 @@ typedef struct chaos_load {
     size_t *ref_len;
     atomic_bool stop;
     pthread_mutex_t mu;
+    int per_client;         /* > 0: each client sends this many requests, then stops */
+    km_speculate speculate; /* what the requests ask for (0: the worker's default) */
     int sent, completed, failed, lost, equal, differ, retries, migrated;
+    int migrations;    /* sum of done.migrations over the completed requests */
     int first_differ;  /* prompt index of the first output that differed */
     uint64_t *done_at; /* completion times (wall ms) */
     int n_done, cap_done;
@@ -157,6 +176,14 @@ const char *chaos_proc_field(chaos_run *r, const char *id, const char *field, ch
 int chaos_wait_new_pid(chaos_run *r, const char *id, int old, int timeout_ms);
 /* Waits until a worker's own /readyz says 200. */
 bool chaos_wait_worker_ready(chaos_run *r, const char *id, int timeout_ms);
+/* Waits until `up` has restarted worker id (a pid other than old), it answers /readyz, the view
+ * is all ready and the router is connected to it again: true, or false when timeout_ms passed
+ * first (r->note says which step). */
+bool chaos_wait_restarted(chaos_run *r, const char *id, int old, int timeout_ms);
+/* One series of a process's /metrics (the admin port; the router's HTTP port), exactly as
+ * written there with its labels (`kvmesh_router_pulls_total{decision="pull"}`): its value, or -1
+ * when the process did not answer or has no such series. */
+double chaos_metric(chaos_run *r, const char *id, const char *series);
 
 /* ---------------------------------------------------------------- view monitor (chaos_monitor.c)
  */
@@ -176,13 +203,14 @@ typedef struct chaos_result {
     const chaos_scenario *sc;
     bool skipped, passed, recovered, outputs_ok, order_ok;
     char skip_reason[256], error[512];
-    int sent, completed, failed, lost, equal, differ, retries, migrated;
+    int sent, completed, failed, lost, equal, differ, retries, migrated, migrations;
     int ref_sent, first_differ;
+    chaos_counts counts;
     double recover_s, fault_s;
     char levels[512], states[512];
     char errors[4][200];
     int n_errors;
-    char fault_note[512]; /* what an injected fault saw (r->note), when it says something */
+    char fault_note[1536]; /* what an injected fault saw (r->note), when it says something */
     char dir[64];
 } chaos_result;
 
@@ -192,7 +220,7 @@ void chaos_format_levels(chaos_run *r, chaos_result *res);
 /* ---------------------------------------------------------------- chaos_scenarios (chaos_faults.c)
  */
 
-#define CHAOS_N_SCENARIOS 8
+#define CHAOS_N_SCENARIOS 9
 extern const chaos_scenario chaos_scenarios[CHAOS_N_SCENARIOS];
 
 /* (g) slow HTTP clients against the router's and the workers' ports (chaos_slowloris.c). */

@@ -191,6 +191,78 @@ bool chaos_wait_worker_ready(chaos_run *r, const char *id, int timeout_ms)
     return false;
 }
 
+bool chaos_wait_restarted(chaos_run *r, const char *id, int old, int timeout_ms)
+{
+    uint64_t deadline = km_wall_ms() + (uint64_t)timeout_ms;
+    int pid = chaos_wait_new_pid(r, id, old, timeout_ms);
+    if (!pid) {
+        snprintf(r->note, sizeof r->note, "kvmesh up did not restart %s within %d s", id,
+                 timeout_ms / 1000);
+        return false;
+    }
+    uint64_t now = km_wall_ms();
+    if (now >= deadline || !chaos_wait_worker_ready(r, id, (int)(deadline - now))) {
+        snprintf(r->note, sizeof r->note,
+                 "%s (restarted, pid %d) did not answer /readyz within %d s", id, pid,
+                 timeout_ms / 1000);
+        return false;
+    }
+    /* the view all ready, and the router connected to the new process again */
+    char up[96];
+    snprintf(up, sizeof up, "kvmesh_router_worker_up{worker=\"%s\"}", id);
+    bool ready = false, routed = false;
+    while (!(ready && routed) && km_wall_ms() < deadline) {
+        pthread_mutex_lock(&r->mu);
+        ready = r->all_ready;
+        pthread_mutex_unlock(&r->mu);
+        routed = ready && chaos_metric(r, "router", up) == 1;
+        if (!(ready && routed)) km_sleep_ms(50);
+    }
+    if (!ready || !routed)
+        snprintf(r->note, sizeof r->note, "%s was restarted and ready, but %s within %d s", id,
+                 !ready ? "the view was not all ready" : "the router did not connect to it",
+                 timeout_ms / 1000);
+    return ready && routed;
+}
+
+double chaos_metric(chaos_run *r, const char *id, const char *series)
+{
+    char base[128], url[200];
+    chaos_proc_field(r, id, !strcmp(id, "router") ? "http" : "admin", base, sizeof base);
+    if (!base[0]) return -1;
+    snprintf(url, sizeof url, "%s/metrics", base);
+    /* the router's HTTP port serves /metrics to operator API keys only (docs/security.md) */
+    char key[256] = "", path[160];
+    if (!strcmp(id, "router")) {
+        snprintf(path, sizeof path, "%s/keys/private/api_key.admin", r->dir);
+        FILE *f = fopen(path, "r");
+        if (f) {
+            if (!fgets(key, sizeof key, f)) key[0] = 0;
+            fclose(f);
+        }
+        key[strcspn(key, " \r\n")] = 0;
+    }
+    km_buf b = {0};
+    int st = 0;
+    double v = -1;
+    if (!kvm_http_get_bearer(url, key[0] ? key : NULL, 2000, &b, &st, NULL) && st == 200 &&
+        b.data) {
+        size_t n = strlen(series);
+        const char *text = (const char *)b.data, *end = text + b.len;
+        for (const char *line = text; line < end;) {
+            const char *nl = memchr(line, '\n', (size_t)(end - line));
+            if (!nl) nl = end;
+            if ((size_t)(nl - line) > n && !memcmp(line, series, n) && line[n] == ' ') {
+                v = strtod(line + n + 1, NULL);
+                break;
+            }
+            line = nl + 1;
+        }
+    }
+    km_buf_free(&b);
+    return v;
+}
+
 /* Makes the namespace and veth pair of the partition scenario; 1 = not permitted here (skip). */
 int chaos_netns_setup(chaos_run *r)
 {
@@ -264,7 +336,7 @@ int chaos_cluster_start(chaos_run *r)
                             "--controller-args",
                             r->k.ctl,
                             "--router-args",
-                            "--log-level=info"};
+                            r->k.rflags};
     int k = 18;
     argv[k++] = bin_flag;
     if (netns[0]) argv[k++] = "--netns", argv[k++] = netns;

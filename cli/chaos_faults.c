@@ -180,33 +180,131 @@ static int fault_longprompt(chaos_run *r)
     return bad ? -1 : 0;
 }
 
+/* How many requests the router has at worker id (its /metrics), or -1. */
+static double router_inflight(chaos_run *r, const char *id)
+{
+    char series[96];
+    snprintf(series, sizeof series, "kvmesh_router_worker_inflight{worker=\"%s\"}", id);
+    return chaos_metric(r, "router", series);
+}
+
+/* (i) SIGKILL a worker every 10 s (--short: 6 s), w1 and w0 in turn, 6 times (--short: 3), each
+ * kill only once `kvmesh up` has the previous victim back, answering /readyz, and the view all
+ * ready: one worker always serves, and every stream the kill cuts must migrate and finish with
+ * the output it would have had (issue 12: each attempt used to replay from token 0 and requests
+ * failed "gave up after 3 attempts"). A kill waits up to 2 s for the victim to have a request in
+ * flight (the router's per-worker count), so most kills cut a stream; a kill that found none is
+ * still made, and counted apart. */
+static int fault_killsoak(chaos_run *r)
+{
+    int kills = r->k.short_run ? 3 : 6, period = r->k.short_run ? 6000 : 10000;
+    double mig0 = chaos_metric(r, "router", "kvmesh_router_migrations_total");
+    uint64_t t0 = km_wall_ms();
+    const char *prev = NULL;
+    int prev_pid = 0;
+    char idle[64] = "";
+    size_t off = 0;
+    r->counts.set = true;
+    for (int i = 0; i < kills; i++) {
+        const char *victim = i % 2 ? "w0" : CHAOS_TARGET;
+        if (prev && !chaos_wait_restarted(r, prev, prev_pid, 60000)) return -1;
+        for (uint64_t at = t0 + (uint64_t)i * (uint64_t)period; km_wall_ms() < at;) km_sleep_ms(20);
+        bool busy = false;
+        for (uint64_t until = km_wall_ms() + 2000; !busy && km_wall_ms() < until;)
+            if (!(busy = router_inflight(r, victim) > 0)) km_sleep_ms(20);
+        int pid = chaos_proc_pid(r, victim);
+        if (pid <= 0 || kill(pid, SIGKILL)) {
+            snprintf(r->note, sizeof r->note, "kill %d: no pid for %s in cluster.env", i + 1,
+                     victim);
+            return -1;
+        }
+        r->counts.kills++;
+        r->counts.kills_busy += busy;
+        if (!busy && off < sizeof idle - 4)
+            off += (size_t)snprintf(idle + off, sizeof idle - off, "%s%d", off ? "," : "", i + 1);
+        prev = victim;
+        prev_pid = pid;
+    }
+    if (prev && !chaos_wait_restarted(r, prev, prev_pid, 60000)) return -1;
+    double mig1 = chaos_metric(r, "router", "kvmesh_router_migrations_total");
+    r->counts.migrations = mig0 >= 0 && mig1 >= 0 ? (int)(mig1 - mig0) : -1;
+    char idle_note[96] = "";
+    if (idle[0]) snprintf(idle_note, sizeof idle_note, " (kill %s found none)", idle);
+    snprintf(r->note, sizeof r->note,
+             "%d kills %d s apart, %d of them with requests in flight at the victim%s; the router "
+             "migrated %d streams%s",
+             r->counts.kills, period / 1000, r->counts.kills_busy, idle_note, r->counts.migrations,
+             r->counts.migrations > 0 ? ""
+                                      : " (no kill cut a stream in flight: nothing was migrated)");
+    return 0;
+}
+
 /* ---------------------------------------------------------------- the scenario table */
 
 const chaos_scenario chaos_scenarios[] = {
-    {"pressure", "a",
-     "KV pressure ramp on w1 (0.5, 0.95, 0.95 again after fp8): levels 1, 2, 3 in order; the "
-     "drained worker is restarted and comes back ready",
-     fault_pressure, RECOVER_AFTER_DEGRADED, false, false, true, false, NULL, NULL},
-    {"kill", "b", "SIGKILL w1 mid-stream; kvmesh up restarts it", fault_kill, RECOVER_ALL_READY,
-     true, false, false, false, NULL, NULL},
-    {"stop", "c", "SIGSTOP w1 (10 s; --short 4 s), then SIGCONT", fault_stop,
-     RECOVER_AFTER_DEGRADED, true, false, false, false, NULL, NULL},
-    {"controller", "d",
-     "SIGKILL the controller; serving goes on, the restarted one rebuilds the view",
-     fault_controller, RECOVER_NEW_EPOCH, true, false, false, false, NULL, NULL},
-    {"router", "e", "SIGKILL the router while clients retry; they reconnect to the restarted one",
-     fault_router, RECOVER_COMPLETION, true, false, false, false, NULL, NULL},
-    {"partition", "f",
-     "w1 in its own network namespace, its link cut (10 s; --short 4 s), then restored",
-     fault_partition, RECOVER_AFTER_DEGRADED, true, true, false, false, NULL, NULL},
-    {"slowloris", "g",
-     "1,100 HTTP connections trickling request heads at the router, 80 at each worker's admin "
-     "port (10 s; --short 4 s): new HTTP clients (/healthz, /v1/models) are served throughout",
-     chaos_fault_slowloris, RECOVER_COMPLETION, true, false, false, false, NULL, NULL},
-    {"longprompt", "h",
-     "a prompt at 95% of the context limit (4096; --short 1024) through the router under load: "
-     "it completes with no migration, no member goes dead, no request fails",
+    {.name = "pressure",
+     .letter = "a",
+     .what = "KV pressure ramp on w1 (0.5, 0.95, 0.95 again after fp8): levels 1, 2, 3 in order; "
+             "the drained worker is restarted and comes back ready",
+     .fault = fault_pressure,
+     .recover_when = RECOVER_AFTER_DEGRADED,
+     .drains_target = true},
+    {.name = "kill",
+     .letter = "b",
+     .what = "SIGKILL w1 mid-stream; kvmesh up restarts it",
+     .fault = fault_kill,
+     .recover_when = RECOVER_ALL_READY,
+     .outputs_must_match = true},
+    {.name = "stop",
+     .letter = "c",
+     .what = "SIGSTOP w1 (10 s; --short 4 s), then SIGCONT",
+     .fault = fault_stop,
+     .recover_when = RECOVER_AFTER_DEGRADED,
+     .outputs_must_match = true},
+    {.name = "controller",
+     .letter = "d",
+     .what = "SIGKILL the controller; serving goes on, the restarted one rebuilds the view",
+     .fault = fault_controller,
+     .recover_when = RECOVER_NEW_EPOCH,
+     .outputs_must_match = true},
+    {.name = "router",
+     .letter = "e",
+     .what = "SIGKILL the router while clients retry; they reconnect to the restarted one",
+     .fault = fault_router,
+     .recover_when = RECOVER_COMPLETION,
+     .outputs_must_match = true},
+    {.name = "partition",
+     .letter = "f",
+     .what = "w1 in its own network namespace, its link cut (10 s; --short 4 s), then restored",
+     .fault = fault_partition,
+     .recover_when = RECOVER_AFTER_DEGRADED,
+     .outputs_must_match = true,
+     .needs_netns = true},
+    {.name = "slowloris",
+     .letter = "g",
+     .what = "1,100 HTTP connections trickling request heads at the router, 80 at each worker's "
+             "admin port (10 s; --short 4 s): new HTTP clients (/healthz, /v1/models) are served "
+             "throughout",
+     .fault = chaos_fault_slowloris,
+     .recover_when = RECOVER_COMPLETION,
+     .outputs_must_match = true},
+    {.name = "longprompt",
+     .letter = "h",
+     .what = "a prompt at 95% of the context limit (4096; --short 1024) through the router under "
+             "load: it completes with no migration, no member goes dead, no request fails",
+     .fault = fault_longprompt,
+     .recover_when = RECOVER_COMPLETION,
+     .outputs_must_match = true,
+     .no_failures = true,
+     .wflags = "--max-ctx=1024",
      /* 3,891 tokens of f16 KV are 90 MB: more hot tier than the other scenarios' 32 MB */
-     fault_longprompt, RECOVER_COMPLETION, true, false, false, true, "--max-ctx=1024",
-     "--max-ctx=4096 --kv-bytes=192M"},
+     .wflags_full = "--max-ctx=4096 --kv-bytes=192M"},
+    {.name = "killsoak",
+     .letter = "i",
+     .what = "SIGKILL w1 and w0 in turn every 10 s, 6 kills (--short: every 6 s, 3), each once "
+             "the previous victim is back: every stream cut migrates, none fails, outputs equal",
+     .fault = fault_killsoak,
+     .recover_when = RECOVER_ALL_READY,
+     .outputs_must_match = true,
+     .no_failures = true},
 };

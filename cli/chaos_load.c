@@ -46,6 +46,7 @@ static void load_one(chaos_load *l, kvm_client **c, int prompt)
     q.temperature = 0;
     q.max_tokens = (uint32_t)k->max_tokens;
     q.stream = true;
+    q.speculate = l->speculate;
     pthread_mutex_lock(&l->mu);
     l->sent++;
     pthread_mutex_unlock(&l->mu);
@@ -84,6 +85,7 @@ static void load_one(chaos_load *l, kvm_client **c, int prompt)
     if (done) {
         l->completed++;
         if (res.migrations) l->migrated++;
+        l->migrations += (int)res.migrations;
         if (l->n_done == l->cap_done) {
             int cap = l->cap_done ? 2 * l->cap_done : 1024;
             uint64_t *nd = realloc(l->done_at, sizeof *nd * (size_t)cap);
@@ -129,7 +131,9 @@ static void *client_main(void *arg)
             if (!c && kvm_open(l->endpoint, &o, &c, NULL)) break;
         }
     } else {
-        for (int i = cl->index; !atomic_load(&l->stop); i += l->k->clients) {
+        for (int i = cl->index, n = 0;
+             !atomic_load(&l->stop) && (!l->per_client || n < l->per_client);
+             i += l->k->clients, n++) {
             load_one(l, &c, i % l->n_prompts);
             if (!c && kvm_open(l->endpoint, &o, &c, NULL)) break;
         }
@@ -149,7 +153,7 @@ void chaos_load_start(chaos_load *l, chaos_client *cls)
 
 void chaos_load_join(chaos_load *l, chaos_client *cls)
 {
-    atomic_store(&l->stop, true);
+    if (!l->per_client) atomic_store(&l->stop, true); /* per_client: each sends its share */
     for (int i = 0; i < l->k->clients; i++) pthread_join(cls[i].th, NULL);
 }
 
