@@ -20,6 +20,10 @@
  *                  each only once `kvmesh up` has the previous victim back and the view is all
  *                  ready: every cut stream migrates, no request fails, outputs equal; the
  *                  router's migrations are reported
+ *   pullkill   (j) workers with transfer nodes pull long prefixes from each other (the router's
+ *                  choice); the source of a pull is SIGKILLed the moment the router chooses it
+ *                  or once its bytes leave, 4 rounds (--short: 2; chaos_pullkill.c): a pull
+ *                  must have been chosen, no request fails, outputs equal
  *
  * Why it is built this way: each scenario starts its own cluster with the same code as `kvmesh up`
  * (this very binary, `up --base-port 0` in a temporary run directory: free ports, so it never
@@ -365,7 +369,7 @@ int cli_cmd_chaos(int argc, char **argv)
         "kvmesh chaos",
         "fault injection against a local cluster it starts itself. SCENARIO: pressure (a), kill "
         "(b), stop (c), controller (d), router (e), partition (f), slowloris (g), longprompt "
-        "(h), killsoak (i) or all",
+        "(h), killsoak (i), pullkill (j) or all",
         opts, sizeof opts / sizeof *opts, argc, argv, NULL, NULL, &cfg);
     if (rc == 1)
         for (int i = 0; i < CHAOS_N_SCENARIOS; i++)
@@ -383,7 +387,7 @@ int cli_cmd_chaos(int argc, char **argv)
             pick[i] = true, n_pick++;
     if (!n_pick) {
         fprintf(stderr, "kvmesh chaos: give a scenario: pressure, kill, stop, controller, router, "
-                        "partition, slowloris, longprompt, killsoak or all (--help)\n");
+                        "partition, slowloris, longprompt, killsoak, pullkill or all (--help)\n");
         km_config_destroy(cfg);
         return 2;
     }

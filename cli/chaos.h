@@ -220,10 +220,12 @@ void chaos_format_levels(chaos_run *r, chaos_result *res);
 /* ---------------------------------------------------------------- chaos_scenarios (chaos_faults.c)
  */
 
-#define CHAOS_N_SCENARIOS 9
+#define CHAOS_N_SCENARIOS 10
 extern const chaos_scenario chaos_scenarios[CHAOS_N_SCENARIOS];
 
 /* (g) slow HTTP clients against the router's and the workers' ports (chaos_slowloris.c). */
 int chaos_fault_slowloris(chaos_run *r);
+/* (j) SIGKILL the source of a prefix pull while it runs (chaos_pullkill.c). */
+int chaos_fault_pullkill(chaos_run *r);
 
 #endif /* KVMESH_CLI_CHAOS_H */
