@@ -92,7 +92,7 @@ ifneq ($(wildcard controller/main.c),)
 PROGRAMS += $(BIN)/kvmesh-controller
 endif
 
-.PHONY: all build deps test unit-tests unit-tests-san unit-tests-tsan integration fuzz fuzz-run \
+.PHONY: all build deps moe-model test unit-tests unit-tests-san unit-tests-tsan integration fuzz fuzz-run \
         demo bench bench-engine fixtures fmt lint help-check clean help
 
 all: build ## = build
@@ -198,8 +198,12 @@ $(TESTBIN)/test_xfer_peer $(TESTBIN)/test_xfer_proc: LDLIBS += $(UCX_LIBS)
 -include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)
 
 # ------------------------------------------------------------------ set-up
-deps: ## Debian packages and the default model (idempotent)
+deps: ## Debian packages, the default model and the MoE test models made from it (idempotent)
 	@bash deploy/deps.sh
+	@bash scripts/moe_model.sh
+
+moe-model: ## the MoE test models (models/*-MoE8-*.gguf, docs/moe.md) from the default one (idempotent)
+	@bash scripts/moe_model.sh
 
 # ------------------------------------------------------------------ tests
 # Unit tests run from the repository root (fixtures are found by relative path).
