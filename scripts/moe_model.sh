@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # moe_model.sh — `make moe-model` (called by `make deps`): the MoE test models, made from the
 # default dense model by scripts/moe_from_dense.py (docs/moe.md):
+#   models/SmolLM2-135M-Instruct-MoE1-top1.Q4_1.gguf  1 expert (the whole FFN), router trivial: the
+#                                                     dense model's arithmetic, bit for bit
 #   models/SmolLM2-135M-Instruct-MoE8-top8.Q4_1.gguf  8 experts, all used, uniform router: computes
 #                                                     the dense FFN (the engine's exactness test)
 #   models/SmolLM2-135M-Instruct-MoE8-top4.Q4_1.gguf  8 experts, top 4, router from the experts'
@@ -48,5 +50,6 @@ build() { # build NAME ARGS...
     say "ready: $out sha256 $(cut -d' ' -f1 "$out.sha256")"
 }
 
+build SmolLM2-135M-Instruct-MoE1-top1.Q4_1.gguf --experts 1 --used 1 --router uniform
 build SmolLM2-135M-Instruct-MoE8-top8.Q4_1.gguf --experts 8 --used 8 --router uniform
 build SmolLM2-135M-Instruct-MoE8-top4.Q4_1.gguf --experts 8 --used 4 --router gate-mean

@@ -30,6 +30,20 @@
  * and its attention). A layer then crosses 5 barriers instead of 10 (after P2, P4, P6, P8, P10):
  * ~150 per token at batch 1 instead of ~300. The arithmetic is the same either way, so a token's
  * logits do not depend on the mode (engine tests).
+ *
+ * MoE layers (hp.n_expert > 0, Mixtral layout; docs/moe.md) replace P8-P11 (wk_moe_ffn):
+ *   R  tokens  router logits = xn · Wgate_inp^T (scalar f32), softmax, top k, weights renormalized
+ *              to sum 1 (llama.cpp's build_moe_ffn for the llama arch)
+ *   G  slots   every thread groups the batch's (token, choice) pairs by expert ("slots", in
+ *              expert then token order) and copies the quantized xn rows of its share of slots
+ *   P8 rows    per expert over its slots: gate, up = xq · {Wgate_e,Wup_e}^T (each expert's rows
+ *              are read once per step, however many tokens chose it)
+ *   P9 slots   silu(gate) * up, quantized
+ *   P10 rows   per expert: out = xq · Wdown_e^T
+ *   P11 tokens x += sum over the token's choices, in selection order, of weight * out
+ * through the same matmul kernels as the dense path (a slice of a 3-D expert tensor is one more
+ * matrix). The split of rows phases counts rows, not rows times tokens, so experts chosen by many
+ * tokens weigh no more than others in it.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -45,7 +59,12 @@
 typedef struct wk_lane_bufs {
     float *x, *xn, *act;
     uint8_t *xq;
+    int32_t *sel; /* MoE: the routing of every token and the gathered rows, this thread's copy */
+    float *rw;
+    uint8_t *xqg;
 } wk_lane_bufs;
+
+struct wk_moe_scr;
 
 struct wk_engine {
     const wk_model *m;
@@ -59,6 +78,12 @@ struct wk_engine {
     uint8_t *xq;
     int32_t *out_idx;
     wk_lane_bufs *lanes; /* [threads] */
+    /* MoE (NULL for a dense model): each token's experts and weights [T][k], the quantized rows
+     * gathered per slot [T*k], the experts' outputs per slot [T*k][embd], per-thread scratch */
+    int32_t *sel;
+    float *rw, *moe_out;
+    uint8_t *xqg;
+    struct wk_moe_scr *moe; /* [threads] */
 };
 
 /* What one step's job needs; lives on the caller's stack for the duration of kn_pool_run. */
@@ -68,6 +93,9 @@ typedef struct wk_step {
     int n_out;
     int lanes; /* small batch: token phases on every thread, no barrier after them */
 } wk_step;
+
+static int wk_moe_alloc(wk_engine *e, int nth);
+static void wk_moe_free(wk_engine *e);
 
 static void *wk_alloc(size_t n)
 {
@@ -130,6 +158,15 @@ int wk_engine_create(const wk_model *m, const wk_engine_opts *opts, wk_engine **
     for (int l = 0; l < hp->n_layers; l++) {
         const wk_layer *L = &m->layers[l];
         const wk_weight *ws[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
+        if (hp->n_expert) { /* the experts of a layer share their tensor's type */
+            ws[4] = &L->exp_gate[0], ws[5] = &L->exp_up[0], ws[6] = &L->exp_down[0];
+            if (kn_dot_type(ws[4]->type) != kn_dot_type(ws[5]->type)) {
+                rc = km_errf(err, KM_EUNSUPPORTED,
+                             "engine: layer %d: expert gate and up tensors of different dot types",
+                             l);
+                goto fail;
+            }
+        }
         for (size_t i = 0; i < sizeof ws / sizeof ws[0]; i++) {
             size_t b = wk_dot_row_bytes(ws[i]);
             if (!b) {
@@ -148,8 +185,10 @@ int wk_engine_create(const wk_model *m, const wk_engine_opts *opts, wk_engine **
     e->v = wk_alloc(T * kvd * 4);
     e->att = wk_alloc(T * qd * 4);
     e->tmp = wk_alloc(T * embd * 4);
-    e->gate = wk_alloc(T * ff * 4);
-    e->up = wk_alloc(T * ff * 4);
+    /* MoE: gate and up hold every slot (token, choice) of the batch, k per token */
+    const size_t kx = hp->n_expert ? (size_t)hp->n_expert_used : 1;
+    e->gate = wk_alloc(T * kx * ff * 4);
+    e->up = wk_alloc(T * kx * ff * 4);
     e->rope_cs = wk_alloc(T * hp->n_rot * 4);
     e->logits = wk_alloc(T * (size_t)hp->n_vocab * 4);
     e->xq = wk_alloc(T * e->xq_row_bytes);
@@ -161,10 +200,17 @@ int wk_engine_create(const wk_model *m, const wk_engine_opts *opts, wk_engine **
         const size_t L = WK_LANE_TOKENS;
         e->lanes[i].x = wk_alloc(L * embd * 4);
         e->lanes[i].xn = wk_alloc(L * embd * 4);
-        e->lanes[i].act = wk_alloc(L * ff * 4);
+        e->lanes[i].act = wk_alloc(L * kx * ff * 4);
         e->lanes[i].xq = wk_alloc(L * e->xq_row_bytes);
         lanes_ok = e->lanes[i].x && e->lanes[i].xn && e->lanes[i].act && e->lanes[i].xq;
+        if (lanes_ok && hp->n_expert) {
+            e->lanes[i].sel = wk_alloc(L * kx * sizeof(int32_t));
+            e->lanes[i].rw = wk_alloc(L * kx * 4);
+            e->lanes[i].xqg = wk_alloc(L * kx * e->xq_row_bytes);
+            lanes_ok = e->lanes[i].sel && e->lanes[i].rw && e->lanes[i].xqg;
+        }
     }
+    if (lanes_ok && hp->n_expert) lanes_ok = wk_moe_alloc(e, nth) == 0;
     if (!e->x || !e->xn || !e->q || !e->k || !e->v || !e->att || !e->tmp || !e->gate || !e->up ||
         !e->rope_cs || !e->logits || !e->xq || !e->out_idx || !lanes_ok) {
         rc =
@@ -186,8 +232,12 @@ void wk_engine_destroy(wk_engine *e)
         free(e->lanes[i].xn);
         free(e->lanes[i].act);
         free(e->lanes[i].xq);
+        free(e->lanes[i].sel);
+        free(e->lanes[i].rw);
+        free(e->lanes[i].xqg);
     }
     free(e->lanes);
+    wk_moe_free(e);
     kn_pool_destroy(e->pool);
     kv_store_destroy(e->kv);
     float *bufs[] = {e->x,   e->xn,   e->q,  e->k,       e->v,     e->att,
@@ -230,6 +280,8 @@ typedef struct wk_mm {
     float *y;
     size_t y_stride;
     const wk_weight *bias;
+    const uint8_t *xq; /* this matrix's own input rows and their count (MoE experts); NULL, 0: */
+    int m;             /* the group's */
 } wk_mm;
 
 static void wk_matmul_group(const wk_engine *e, const uint8_t *xq, const wk_mm *mm, int n_mm, int m,
@@ -248,15 +300,17 @@ static void wk_matmul_group(const wk_engine *e, const uint8_t *xq, const wk_mm *
         base += chunks;
         if (lo >= hi) continue;
         const int64_t a = lo * A, b = hi * A < w->rows ? hi * A : w->rows;
+        const uint8_t *xi = mm[i].xq ? mm[i].xq : xq;
+        const int mi = mm[i].m ? mm[i].m : m;
         if (e->packed && w->packed)
-            e->ops->matmul_packed(w->type, w->packed, w->rows, xq, e->xq_row_bytes, w->k, m,
+            e->ops->matmul_packed(w->type, w->packed, w->rows, xi, e->xq_row_bytes, w->k, mi,
                                   mm[i].y, mm[i].y_stride, a, b);
         else
-            e->ops->matmul(w->type, w->data, w->row_bytes, xq, e->xq_row_bytes, w->k, m, mm[i].y,
+            e->ops->matmul(w->type, w->data, w->row_bytes, xi, e->xq_row_bytes, w->k, mi, mm[i].y,
                            mm[i].y_stride, a, b);
         if (mm[i].bias && mm[i].bias->data) {
             const float *bv = mm[i].bias->data;
-            for (int t = 0; t < m; t++)
+            for (int t = 0; t < mi; t++)
                 for (int64_t r = a; r < b; r++) mm[i].y[t * mm[i].y_stride + r] += bv[r];
         }
     }
@@ -277,6 +331,180 @@ static void wk_token_attention(const wk_engine *e, const wk_batch *b, int l, int
         kv_seq_view(e->kv, b->seqs[i], l, h, b->pos[i] + 1, &view);
         const size_t off = (size_t)i * qd + (size_t)h * group * hd;
         e->ops->attention(&view, hd, e->q + off, group, 1.0f / sqrtf((float)hd), e->att + off);
+    }
+}
+
+/* ------------------------------------------------------------------ MoE */
+
+/* One thread's MoE scratch: the batch's (token, choice) pairs grouped by expert into slots. */
+typedef struct wk_moe_scr {
+    int32_t *off;      /* [n_expert + 1]: expert x's slots are off[x] .. off[x + 1] - 1 */
+    int32_t *cur;      /* [n_expert] */
+    int32_t *slot_tok; /* [T * k]: the token of each slot */
+    int32_t *slot_of;  /* [T * k]: the slot of token i's choice j, at i * k + j */
+    wk_mm *mm;         /* [2 * n_expert] */
+} wk_moe_scr;
+
+static int wk_moe_alloc(wk_engine *e, int nth)
+{
+    const wk_hparams *hp = &e->m->hp;
+    const size_t S = (size_t)e->max_tokens * hp->n_expert_used, E = hp->n_expert;
+    e->sel = wk_alloc(S * sizeof(int32_t));
+    e->rw = wk_alloc(S * 4);
+    e->xqg = wk_alloc(S * e->xq_row_bytes);
+    e->moe_out = wk_alloc(S * hp->n_embd * 4);
+    e->moe = calloc((size_t)nth, sizeof *e->moe);
+    if (!e->sel || !e->rw || !e->xqg || !e->moe_out || !e->moe) return KM_ENOMEM;
+    for (int i = 0; i < nth; i++) {
+        wk_moe_scr *s = &e->moe[i];
+        s->off = wk_alloc((E + 1) * sizeof(int32_t));
+        s->cur = wk_alloc(E * sizeof(int32_t));
+        s->slot_tok = wk_alloc(S * sizeof(int32_t));
+        s->slot_of = wk_alloc(S * sizeof(int32_t));
+        s->mm = wk_alloc(2 * E * sizeof(wk_mm));
+        if (!s->off || !s->cur || !s->slot_tok || !s->slot_of || !s->mm) return KM_ENOMEM;
+    }
+    return 0;
+}
+
+static void wk_moe_free(wk_engine *e)
+{
+    for (int i = 0; e->moe && e->pool && i < kn_pool_size(e->pool); i++) {
+        free(e->moe[i].off);
+        free(e->moe[i].cur);
+        free(e->moe[i].slot_tok);
+        free(e->moe[i].slot_of);
+        free(e->moe[i].mm);
+    }
+    free(e->moe);
+    free(e->sel);
+    free(e->rw);
+    free(e->xqg);
+    free(e->moe_out);
+}
+
+/* The router of one token, as llama.cpp's build_moe_ffn runs it for the llama arch: logits =
+ * Wgate_inp · xn, probabilities = softmax (max subtracted, the sum in double, scaled by its
+ * inverse as ggml_soft_max does), the k most probable experts (the lower id first on a tie), their
+ * probabilities divided by their sum (clamped to >= 2^-14). sel, w: k entries, most probable
+ * first. Plain C, so every ISA routes alike. */
+static void wk_route(const wk_weight *gate_inp, int n_embd, int n_exp, int k, const float *xn,
+                     int32_t *sel, float *w)
+{
+    float p[WK_MAX_EXPERTS];
+    uint8_t used[WK_MAX_EXPERTS];
+    const float *W = gate_inp->data;
+    float mx = -INFINITY;
+    for (int x = 0; x < n_exp; x++) {
+        const float *r = W + (size_t)x * n_embd;
+        float s = 0;
+        for (int j = 0; j < n_embd; j++) s += r[j] * xn[j];
+        p[x] = s;
+        if (s > mx) mx = s;
+        used[x] = 0;
+    }
+    double sum = 0;
+    for (int x = 0; x < n_exp; x++) {
+        p[x] = expf(p[x] - mx);
+        sum += p[x];
+    }
+    const float inv = (float)(1.0 / sum);
+    for (int x = 0; x < n_exp; x++) p[x] *= inv;
+    double wsum = 0;
+    for (int j = 0; j < k; j++) {
+        int best = -1;
+        for (int x = 0; x < n_exp; x++)
+            if (!used[x] && (best < 0 || p[x] > p[best])) best = x;
+        used[best] = 1;
+        sel[j] = best;
+        wsum += p[best];
+    }
+    float ws = (float)wsum;
+    if (!(ws >= 6.103515625e-5f)) ws = 6.103515625e-5f;
+    for (int j = 0; j < k; j++) w[j] = p[sel[j]] / ws;
+}
+
+/* Groups the n tokens' k choices by expert: slots in expert order, tokens in order within one. */
+static void wk_moe_group(const int32_t *sel, int n, int k, int n_exp, wk_moe_scr *s)
+{
+    memset(s->off, 0, (size_t)(n_exp + 1) * sizeof(int32_t));
+    memset(s->cur, 0, (size_t)n_exp * sizeof(int32_t));
+    for (int i = 0; i < n * k; i++) s->off[sel[i] + 1]++;
+    for (int x = 0; x < n_exp; x++) s->off[x + 1] += s->off[x];
+    for (int i = 0; i < n * k; i++) {
+        const int x = sel[i], slot = s->off[x] + s->cur[x]++;
+        s->slot_tok[slot] = i / k;
+        s->slot_of[i] = slot;
+    }
+}
+
+/* The MoE FFN of layer L (P8-P11 of a MoE layer, see the top of the file); xn holds the normed
+ * tokens and xq their quantized rows for the experts' gate/up. Lanes: every thread routes and
+ * gathers every token itself. */
+static void wk_moe_ffn(const wk_step *st, const wk_layer *L, int ith, int nth, int64_t t0,
+                       int64_t t1, float *x, float *xn, float *act, const uint8_t *xq)
+{
+    wk_engine *e = st->e;
+    const wk_hparams *hp = &e->m->hp;
+    const kn_ops *ops = e->ops;
+    const int n = st->b->n_tokens, embd = hp->n_embd, ff = hp->n_ff, lanes = st->lanes;
+    const int n_exp = hp->n_expert, k = hp->n_expert_used;
+    const size_t xrb = e->xq_row_bytes;
+    int32_t *sel = lanes ? e->lanes[ith].sel : e->sel;
+    float *rw = lanes ? e->lanes[ith].rw : e->rw;
+    uint8_t *xqg = lanes ? e->lanes[ith].xqg : e->xqg;
+    wk_moe_scr *s = &e->moe[ith];
+    /* R */
+    for (int64_t i = t0; i < t1; i++)
+        wk_route(&L->gate_inp, embd, n_exp, k, xn + i * embd, sel + i * k, rw + i * k);
+    if (!lanes) kn_pool_barrier(e->pool);
+    /* G */
+    wk_moe_group(sel, n, k, n_exp, s);
+    int64_t s0 = 0, s1 = (int64_t)n * k;
+    if (!lanes) kn_split(s1, ith, nth, &s0, &s1);
+    for (int64_t j = s0; j < s1; j++) memcpy(xqg + j * xrb, xq + (size_t)s->slot_tok[j] * xrb, xrb);
+    if (!lanes) kn_pool_barrier(e->pool);
+    /* P8 */
+    int nmm = 0;
+    for (int xe = 0; xe < n_exp; xe++) {
+        const int c = s->off[xe + 1] - s->off[xe];
+        const size_t o = (size_t)s->off[xe];
+        if (!c) continue;
+        s->mm[nmm++] = (wk_mm){&L->exp_gate[xe], e->gate + o * ff, ff, NULL, xqg + o * xrb, c};
+        s->mm[nmm++] = (wk_mm){&L->exp_up[xe], e->up + o * ff, ff, NULL, xqg + o * xrb, c};
+    }
+    wk_matmul_group(e, xqg, s->mm, nmm, 0, ith, nth);
+    kn_pool_barrier(e->pool);
+    /* P9 (lanes: into the thread's own buffers; gate is shared) */
+    float *a = lanes ? act : e->gate;
+    for (int64_t j = s0; j < s1; j++)
+        ops->silu_mul(a + j * ff, e->gate + j * ff, e->up + j * ff, ff);
+    wk_quantize_rows(e, &L->exp_down[0], a, xqg, s0, s1);
+    if (!lanes) kn_pool_barrier(e->pool);
+    /* P10 */
+    nmm = 0;
+    for (int xe = 0; xe < n_exp; xe++) {
+        const int c = s->off[xe + 1] - s->off[xe];
+        const size_t o = (size_t)s->off[xe];
+        if (!c) continue;
+        s->mm[nmm++] =
+            (wk_mm){&L->exp_down[xe], e->moe_out + o * embd, embd, NULL, xqg + o * xrb, c};
+    }
+    wk_matmul_group(e, xqg, s->mm, nmm, 0, ith, nth);
+    kn_pool_barrier(e->pool);
+    /* P11: the weighted outputs added in selection order (ggml_mul, then ggml_add of the views in
+     * llama.cpp), into xn (free until the next layer's P1), then the residual */
+    for (int64_t i = t0; i < t1; i++) {
+        float *acc = xn + i * embd;
+        for (int j = 0; j < k; j++) {
+            const float wj = rw[i * k + j];
+            const float *o = e->moe_out + (size_t)s->slot_of[i * k + j] * embd;
+            if (!j)
+                for (int d = 0; d < embd; d++) acc[d] = wj * o[d];
+            else
+                for (int d = 0; d < embd; d++) acc[d] += wj * o[d];
+        }
+        ops->add(x + i * embd, acc, embd);
     }
 }
 
@@ -327,8 +555,9 @@ static void wk_step_job(void *ctx, int ith, int nth)
         wk_quantize_rows(e, &L->wq, xn, xq, t0, t1);
         WK_AFTER_TOKENS();
         /* P2 */
-        wk_mm qkv[3] = {
-            {&L->wq, e->q, qd, &L->bq}, {&L->wk, e->k, kvd, &L->bk}, {&L->wv, e->v, kvd, &L->bv}};
+        wk_mm qkv[3] = {{&L->wq, e->q, qd, &L->bq, NULL, 0},
+                        {&L->wk, e->k, kvd, &L->bk, NULL, 0},
+                        {&L->wv, e->v, kvd, &L->bv, NULL, 0}};
         int same = kn_dot_type(L->wk.type) == kn_dot_type(L->wq.type) &&
                    kn_dot_type(L->wv.type) == kn_dot_type(L->wq.type);
         if (same) {
@@ -373,7 +602,7 @@ static void wk_step_job(void *ctx, int ith, int nth)
         wk_quantize_rows(e, &L->wo, e->att, xq, t0, t1);
         WK_AFTER_TOKENS();
         /* P6 */
-        wk_mm o = {&L->wo, e->tmp, embd, NULL};
+        wk_mm o = {&L->wo, e->tmp, embd, NULL, NULL, 0};
         wk_matmul_group(e, xq, &o, 1, n, ith, nth);
         kn_pool_barrier(e->pool);
         /* P7 */
@@ -381,14 +610,21 @@ static void wk_step_job(void *ctx, int ith, int nth)
             ops->add(x + i * embd, e->tmp + i * embd, embd);
             ops->rmsnorm(xn + i * embd, x + i * embd, L->ffn_norm.data, embd, hp->norm_eps);
         }
-        wk_quantize_rows(e, &L->w_gate, xn, xq, t0, t1);
+        const wk_weight *ffn_in = hp->n_expert ? &L->exp_gate[0] : &L->w_gate;
+        wk_quantize_rows(e, ffn_in, xn, xq, t0, t1);
+        if (hp->n_expert) {
+            wk_moe_ffn(st, L, ith, nth, t0, t1, x, xn, act, xq);
+            continue;
+        }
         WK_AFTER_TOKENS();
         /* P8 */
         if (kn_dot_type(L->w_up.type) == kn_dot_type(L->w_gate.type)) {
-            wk_mm gu[2] = {{&L->w_gate, e->gate, ff, NULL}, {&L->w_up, e->up, ff, NULL}};
+            wk_mm gu[2] = {{&L->w_gate, e->gate, ff, NULL, NULL, 0},
+                           {&L->w_up, e->up, ff, NULL, NULL, 0}};
             wk_matmul_group(e, xq, gu, 2, n, ith, nth);
         } else {
-            wk_mm g1 = {&L->w_gate, e->gate, ff, NULL}, u1 = {&L->w_up, e->up, ff, NULL};
+            wk_mm g1 = {&L->w_gate, e->gate, ff, NULL, NULL, 0},
+                  u1 = {&L->w_up, e->up, ff, NULL, NULL, 0};
             wk_matmul_group(e, xq, &g1, 1, n, ith, nth);
             WK_AFTER_TOKENS();
             wk_quantize_rows(e, &L->w_up, xn, xq, t0, t1);
@@ -402,7 +638,7 @@ static void wk_step_job(void *ctx, int ith, int nth)
         wk_quantize_rows(e, &L->w_down, act, xq, t0, t1);
         WK_AFTER_TOKENS();
         /* P10 */
-        wk_mm d = {&L->w_down, e->tmp, embd, NULL};
+        wk_mm d = {&L->w_down, e->tmp, embd, NULL, NULL, 0};
         wk_matmul_group(e, xq, &d, 1, n, ith, nth);
         kn_pool_barrier(e->pool);
         /* P11 */
@@ -418,7 +654,7 @@ static void wk_step_job(void *ctx, int ith, int nth)
                      hp->norm_eps);
     wk_quantize_rows(e, &m->output, xn, xq, o0, o1);
     WK_AFTER_TOKENS();
-    wk_mm out = {&m->output, e->logits, hp->n_vocab, NULL};
+    wk_mm out = {&m->output, e->logits, hp->n_vocab, NULL, NULL, 0};
     wk_matmul_group(e, xq, &out, 1, st->n_out, ith, nth);
 #undef WK_AFTER_TOKENS
 }

@@ -5,6 +5,9 @@
  *
  * Supported architectures: llama (Llama 1/2/3, Mistral, SmolLM), qwen2 (adds q/k/v biases and
  * NeoX rope). Anything else is KM_EUNSUPPORTED with the architecture's name in the message.
+ * A llama/mistral GGUF with `{arch}.expert_count` is a Mixtral-layout MoE (docs/moe.md): every
+ * layer's FFN is a router (ffn_gate_inp) and n_expert experts (ffn_{gate,up,down}_exps, 3-D);
+ * each expert is loaded as its own matrix, a slice of the 3-D tensor in the map.
  *
  * The first engine over a model repacks its matrices once into the panel layout its kernels
  * stream (wk_model_pack; kernels/cpu/packed.h), so that no matmul transposes weights per call.
@@ -77,6 +80,31 @@ static int wk_tensor(const km_gguf *g, const char *name, int64_t ne0, int64_t ne
     return 0;
 }
 
+/* Finds a 3-D expert tensor [ne0, ne1, n] and loads expert e's [ne0, ne1] slice into out[e]. */
+static int wk_tensor_exps(const km_gguf *g, const char *name, int64_t ne0, int64_t ne1, int n,
+                          wk_weight *out, km_errbuf *err)
+{
+    const km_gguf_tensor *t = km_gguf_find_tensor(g, name);
+    if (!t) return km_errf(err, KM_EFORMAT, "model: tensor %s is missing", name);
+    if (t->n_dims != 3 || t->ne[0] != ne0 || t->ne[1] != ne1 || t->ne[2] != n)
+        return km_errf(err, KM_EFORMAT,
+                       "model: tensor %s has shape [%lld, %lld, %lld] (%d dims), expected [%lld, "
+                       "%lld, %d]",
+                       name, (long long)t->ne[0], (long long)t->ne[1], (long long)t->ne[2],
+                       t->n_dims, (long long)ne0, (long long)ne1, n);
+    if (!kn_weight_type_supported((km_type)t->type))
+        return km_errf(err, KM_EUNSUPPORTED, "model: tensor %s has type %s, not supported", name,
+                       km_type_name(t->type));
+    const size_t row_bytes = km_type_row_bytes(t->type, ne0);
+    for (int e = 0; e < n; e++)
+        out[e] = (wk_weight){.data = (const uint8_t *)t->data + (size_t)e * ne1 * row_bytes,
+                             .type = (km_type)t->type,
+                             .rows = ne1,
+                             .k = ne0,
+                             .row_bytes = row_bytes};
+    return 0;
+}
+
 static int wk_load_hparams(wk_model *m, km_errbuf *err)
 {
     const km_gguf *g = m->gguf;
@@ -105,7 +133,19 @@ static int wk_load_hparams(wk_model *m, km_errbuf *err)
     WK_U32("context_length", n_ctx_train, 0);
     WK_U32("rope.dimension_count", n_rot, 0);
     WK_U32("vocab_size", n_vocab, 0);
+    WK_U32("expert_count", n_expert, 0);
+    WK_U32("expert_used_count", n_expert_used, 0);
 #undef WK_U32
+    if (hp->n_expert && (strcmp(hp->arch, "llama") && strcmp(hp->arch, "mistral")))
+        return km_errf(err, KM_EUNSUPPORTED,
+                       "model: MoE layers of architecture '%s' are not supported (llama, mistral "
+                       "are: docs/moe.md)",
+                       hp->arch);
+    if (hp->n_expert < 0 || hp->n_expert > WK_MAX_EXPERTS ||
+        (hp->n_expert && (hp->n_expert_used < 1 || hp->n_expert_used > hp->n_expert)))
+        return km_errf(err, KM_EFORMAT, "model: %d experts, %d used: out of range (at most %d)",
+                       hp->n_expert, hp->n_expert_used, WK_MAX_EXPERTS);
+    if (!hp->n_expert) hp->n_expert_used = 0;
     if (!hp->n_head_kv) hp->n_head_kv = hp->n_head;
     hp->norm_eps = 1e-5f;
     hp->rope_base = 10000.0f;
@@ -150,6 +190,11 @@ static int wk_load_weights(wk_model *m, km_errbuf *err)
     int qd = hp->n_head * hp->head_dim, kvd = hp->n_head_kv * hp->head_dim;
     m->layers = calloc(hp->n_layers, sizeof(wk_layer));
     if (!m->layers) return km_errf(err, KM_ENOMEM, "model: out of memory");
+    const int ne = hp->n_expert;
+    if (ne) {
+        m->experts = calloc((size_t)hp->n_layers * 3 * ne, sizeof(wk_weight));
+        if (!m->experts) return km_errf(err, KM_ENOMEM, "model: out of memory");
+    }
     for (int l = 0; l < hp->n_layers; l++) {
         wk_layer *L = &m->layers[l];
         char name[96];
@@ -165,9 +210,26 @@ static int wk_load_weights(wk_model *m, km_errbuf *err)
         WK_T(bk, "attn_k.bias", kvd, 0, 1);
         WK_T(bv, "attn_v.bias", kvd, 0, 1);
         WK_T(ffn_norm, "ffn_norm.weight", hp->n_embd, 0, 0);
-        WK_T(w_gate, "ffn_gate.weight", hp->n_embd, hp->n_ff, 0);
-        WK_T(w_up, "ffn_up.weight", hp->n_embd, hp->n_ff, 0);
-        WK_T(w_down, "ffn_down.weight", hp->n_ff, hp->n_embd, 0);
+        if (!ne) {
+            WK_T(w_gate, "ffn_gate.weight", hp->n_embd, hp->n_ff, 0);
+            WK_T(w_up, "ffn_up.weight", hp->n_embd, hp->n_ff, 0);
+            WK_T(w_down, "ffn_down.weight", hp->n_ff, hp->n_embd, 0);
+            continue;
+        }
+        WK_T(gate_inp, "ffn_gate_inp.weight", hp->n_embd, ne, 0);
+        if (L->gate_inp.type != KM_TYPE_F32)
+            return km_errf(err, KM_EUNSUPPORTED, "model: router %s has type %s, expected F32", name,
+                           km_type_name(L->gate_inp.type));
+        L->exp_gate = m->experts + ((size_t)l * 3 + 0) * ne;
+        L->exp_up = m->experts + ((size_t)l * 3 + 1) * ne;
+        L->exp_down = m->experts + ((size_t)l * 3 + 2) * ne;
+#define WK_X(field, suffix, ne0, ne1)                                                              \
+    snprintf(name, sizeof name, "blk.%d.%s", l, suffix);                                           \
+    if ((rc = wk_tensor_exps(g, name, ne0, ne1, ne, L->field, err))) return rc;
+        WK_X(exp_gate, "ffn_gate_exps.weight", hp->n_embd, hp->n_ff);
+        WK_X(exp_up, "ffn_up_exps.weight", hp->n_embd, hp->n_ff);
+        WK_X(exp_down, "ffn_down_exps.weight", hp->n_ff, hp->n_embd);
+#undef WK_X
 #undef WK_T
     }
     return 0;
@@ -175,15 +237,27 @@ static int wk_load_weights(wk_model *m, km_errbuf *err)
 
 /* ------------------------------------------------------------------ packing */
 
-/* The matrices the engine multiplies, in a fixed order; returns how many (at most 7 per layer
- * plus the output). */
+/* The matrices the engine multiplies, in a fixed order; returns how many (at most
+ * wk_matrices_max). */
+static int wk_matrices_max(const wk_model *m)
+{
+    const int ffn = m->hp.n_expert ? 3 * m->hp.n_expert : 3;
+    return (4 + ffn) * m->hp.n_layers + 1;
+}
+
 static int wk_matrices(wk_model *m, wk_weight **ws)
 {
     int n = 0;
     for (int l = 0; l < m->hp.n_layers; l++) {
         wk_layer *L = &m->layers[l];
         wk_weight *lw[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
-        for (size_t i = 0; i < sizeof lw / sizeof lw[0]; i++) ws[n++] = lw[i];
+        const size_t nl = m->hp.n_expert ? 4 : sizeof lw / sizeof lw[0];
+        for (size_t i = 0; i < nl; i++) ws[n++] = lw[i];
+        for (int e = 0; e < m->hp.n_expert; e++) {
+            ws[n++] = &L->exp_gate[e];
+            ws[n++] = &L->exp_up[e];
+            ws[n++] = &L->exp_down[e];
+        }
     }
     ws[n++] = &m->output;
     return n;
@@ -219,7 +293,7 @@ static void wk_pack_run(void *ctx, int ith, int nth)
 int wk_model_pack(wk_model *m, const kn_ops *ops, kn_pool *pool, km_errbuf *err)
 {
     if (m->packed_isa >= 0) return 0; /* one layout per model */
-    const int cap = 7 * m->hp.n_layers + 1;
+    const int cap = wk_matrices_max(m);
     wk_weight **ws = calloc((size_t)cap, sizeof *ws);
     void **dst = calloc((size_t)cap, sizeof *dst);
     size_t *sz = calloc((size_t)cap, sizeof *sz);
@@ -303,6 +377,7 @@ void wk_model_free(wk_model *m)
     km_tok_destroy(m->tok);
     km_gguf_close(m->gguf);
     free(m->layers);
+    free(m->experts);
     free(m->packed_arena);
     free(m);
 }

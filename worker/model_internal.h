@@ -7,6 +7,10 @@
 
 #include "worker/worker.h"
 
+/* The most experts a MoE layer may have (llama.cpp's LLAMA_MAX_EXPERTS is larger; no model this
+ * engine runs needs more). */
+#define WK_MAX_EXPERTS 256
+
 /* A weight matrix in place in the GGUF map: `rows` rows of `k` elements of `type`. A 1-D
  * vector (norms, biases) has rows = 1 and type F32. data == NULL: absent (optional tensor).
  * packed: the same matrix in the panel layout of the kernels of wk_model.packed_isa (kn_ops.pack),
@@ -19,9 +23,13 @@ typedef struct wk_weight {
     const void *packed;
 } wk_weight;
 
+/* A MoE layer (hp.n_expert > 0) has no w_gate/w_up/w_down: gate_inp is its router ([n_expert]
+ * rows of n_embd, F32) and exp_gate/exp_up/exp_down[e] are expert e's matrices, slices of the
+ * GGUF's 3-D ffn_{gate,up,down}_exps tensors (into wk_model.experts). */
 typedef struct wk_layer {
     wk_weight attn_norm, wq, wk, wv, wo, bq, bk, bv;
     wk_weight ffn_norm, w_gate, w_up, w_down;
+    wk_weight gate_inp, *exp_gate, *exp_up, *exp_down;
 } wk_layer;
 
 struct wk_model {
@@ -30,6 +38,7 @@ struct wk_model {
     wk_hparams hp;
     wk_weight tok_embd, output_norm, output;
     wk_layer *layers;
+    wk_weight *experts; /* MoE: 3 * n_expert per layer, the layers' exp_* point here */
     km_chat_kind chat;
     char name[128];
     char fingerprint[33];

@@ -36,7 +36,7 @@ typedef struct wk_hparams {
     char arch[32]; /* "llama", "qwen2", ... */
     int n_layers;
     int n_embd;
-    int n_ff;
+    int n_ff; /* MoE: the width of one expert (llama.cpp's feed_forward_length) */
     int n_head;
     int n_head_kv;
     int head_dim;
@@ -45,8 +45,10 @@ typedef struct wk_hparams {
     int n_ctx_train;
     float norm_eps;
     float rope_base;
-    int rope_neox;   /* 1: NeoX pairs (i, i+n/2), 0: normal pairs (2i, 2i+1) */
-    int tied_output; /* output projection reuses token_embd */
+    int rope_neox;     /* 1: NeoX pairs (i, i+n/2), 0: normal pairs (2i, 2i+1) */
+    int tied_output;   /* output projection reuses token_embd */
+    int n_expert;      /* MoE FFN layers (Mixtral layout, docs/moe.md): experts; 0 = dense */
+    int n_expert_used; /* experts each token is routed to (top-k) */
 } wk_hparams;
 
 typedef struct wk_model wk_model;

@@ -1,0 +1,303 @@
+/*
+ * test_engine_moe.c — the engine on Mixtral-layout MoE models (docs/moe.md).
+ *
+ * The models come from `make moe-model` (called by `make deps`), made from the default dense
+ * model by scripts/moe_from_dense.py, the Q4_1 blocks as they are:
+ *  - MoE1-top1 (the whole FFN as one expert): must compute the dense model bit for bit, through
+ *    the router, the grouping of tokens per expert and the weighted sum;
+ *  - MoE8-top8 (8 experts of 192 neurons, all used, uniform router, down projections scaled by 8
+ *    on their f16 block scales): the dense FFN up to the order of the down projection's float
+ *    sums; held to test_engine's rule for llama.cpp (no top-1 miss where the dense model leads by
+ *    >= NEAR_TIE logits), the rates logged;
+ *  - MoE8-top4 (router from the experts' gate rows): a sparse MoE; the engine's batch invariance
+ *    (one step = token by token, bit for bit) with tokens grouped per expert.
+ * Prompts: the dense model's llama.cpp fixture. Without the model files these tests skip.
+ */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "worker/worker.h"
+
+#define DENSE    "models/SmolLM2-135M-Instruct.Q4_1.gguf"
+#define TOP1     "models/SmolLM2-135M-Instruct-MoE1-top1.Q4_1.gguf"
+#define TOP8     "models/SmolLM2-135M-Instruct-MoE8-top8.Q4_1.gguf"
+#define TOP4     "models/SmolLM2-135M-Instruct-MoE8-top4.Q4_1.gguf"
+#define PROMPTS  "tests/fixtures/llamacpp/greedy_smollm2.txt" /* the dense model's fixture */
+#define NEAR_TIE 0.5f /* as test_engine.c: llama.cpp's own configurations disagree below it */
+#define MAX_REC  16
+#define MAXP     512
+
+typedef struct mrec {
+    int n_prompt, n_gen;
+    int32_t ids[1024]; /* prompt then llama.cpp's greedy tokens */
+    float margins[128];
+} mrec;
+
+typedef struct eng {
+    wk_model *m;
+    wk_engine *e;
+} eng;
+
+static mrec g_rec[MAX_REC];
+static int g_n_rec;
+
+static int ints_at(const char *s, int32_t *out, int max)
+{
+    int n = 0;
+    while (*s && *s != '\t' && *s != '\n' && n < max) {
+        out[n++] = (int32_t)strtol(s, (char **)&s, 10);
+        if (*s == ',') s++;
+    }
+    return n;
+}
+
+static void read_fixture(const char *path)
+{
+    g_n_rec = 0;
+    FILE *f = fopen(path, "r");
+    cr_assert(f, "fixture %s missing", path);
+    static char line[1 << 16];
+    while (fgets(line, sizeof line, f) && g_n_rec < MAX_REC) {
+        if (strncmp(line, "idx=", 4)) continue;
+        mrec *r = &g_rec[g_n_rec++];
+        const char *pi = strstr(line, "prompt_ids="), *gi = strstr(line, "gen_ids=");
+        const char *mg = strstr(line, "margins=");
+        cr_assert(pi && gi && mg, "bad fixture line");
+        r->n_prompt = ints_at(pi + 11, r->ids, 900);
+        r->n_gen = ints_at(gi + 8, r->ids + r->n_prompt, 128);
+        const char *s = mg + 8;
+        for (int i = 0; i < r->n_gen; i++) {
+            r->margins[i] = strtof(s, (char **)&s);
+            if (*s == ',') s++;
+        }
+    }
+    fclose(f);
+    cr_assert_geq(g_n_rec, 10, "fixture has %d records", g_n_rec);
+}
+
+static int open_eng(const char *path, eng *out)
+{
+    memset(out, 0, sizeof *out);
+    if (access(path, R_OK)) return 0;
+    km_errbuf err = {{0}};
+    cr_assert_eq(wk_model_load(path, &out->m, &err), 0, "%s: %s", path, err.msg);
+    wk_engine_opts o = {.n_threads = 2, .max_batch_tokens = MAXP};
+    cr_assert_eq(wk_engine_create(out->m, &o, &out->e, &err), 0, "%s: %s", path, err.msg);
+    return 1;
+}
+
+static void close_eng(eng *x)
+{
+    wk_engine_destroy(x->e);
+    wk_model_free(x->m);
+    memset(x, 0, sizeof *x);
+}
+
+#define NEED(path)                                                                                 \
+    do {                                                                                           \
+        if (access(path, R_OK)) cr_skip_test("model %s absent: run `make moe-model`", path);       \
+    } while (0)
+
+/* Runs ids[0..n) (n <= MAXP) of a fresh sequence in one step; logits of positions >= from into
+ * out[(i - from) * n_vocab]; returns the number of rows. */
+static int run_prompt(eng *x, const int32_t *ids, int n, int from, float *out)
+{
+    kv_store *kv = wk_engine_kv(x->e);
+    kv_seq *seq;
+    cr_assert_eq(kv_seq_create(kv, &seq), 0);
+    int32_t pos[MAXP];
+    kv_seq *seqs[MAXP];
+    uint8_t want[MAXP];
+    cr_assert_leq(n, MAXP);
+    for (int i = 0; i < n; i++) pos[i] = i, seqs[i] = seq, want[i] = i >= from;
+    wk_batch b = {.n_tokens = n, .tokens = ids, .pos = pos, .seqs = seqs, .logits = want};
+    const float *lg;
+    const int rows = wk_engine_step(x->e, &b, &lg);
+    cr_assert_eq(rows, n - from, "step: %d", rows);
+    memcpy(out, lg, sizeof(float) * rows * wk_model_hparams(x->m)->n_vocab);
+    kv_seq_destroy(kv, seq);
+    return rows;
+}
+
+/* Greedy: the prompt in one step, then n tokens one step each; the prompt's last logits in
+ * first (may be NULL). */
+static void greedy_run(eng *x, const int32_t *prompt, int n_prompt, int n, int32_t *out,
+                       float *first)
+{
+    kv_store *kv = wk_engine_kv(x->e);
+    const int n_vocab = wk_model_hparams(x->m)->n_vocab;
+    kv_seq *seq;
+    cr_assert_eq(kv_seq_create(kv, &seq), 0);
+    int32_t pos[MAXP];
+    kv_seq *seqs[MAXP];
+    for (int i = 0; i < n_prompt; i++) pos[i] = i, seqs[i] = seq;
+    wk_batch b = {.n_tokens = n_prompt, .tokens = prompt, .pos = pos, .seqs = seqs};
+    const float *lg;
+    cr_assert_eq(wk_engine_step(x->e, &b, &lg), 1);
+    if (first) memcpy(first, lg, sizeof(float) * n_vocab);
+    for (int g = 0; g < n; g++) {
+        out[g] = wk_argmax(lg, n_vocab);
+        int32_t p = n_prompt + g;
+        wk_batch d = {.n_tokens = 1, .tokens = &out[g], .pos = &p, .seqs = &seq};
+        cr_assert_eq(wk_engine_step(x->e, &d, &lg), 1);
+    }
+    kv_seq_destroy(kv, seq);
+}
+
+Test(moe, the_gguf_declares_its_experts)
+{
+    NEED(TOP4);
+    NEED(DENSE);
+    km_errbuf err = {{0}};
+    wk_model *m, *d;
+    cr_assert_eq(wk_model_load(TOP4, &m, &err), 0, "%s", err.msg);
+    cr_assert_eq(wk_model_load(DENSE, &d, &err), 0, "%s", err.msg);
+    const wk_hparams *hm = wk_model_hparams(m), *hd = wk_model_hparams(d);
+    cr_expect_eq(hm->n_expert, 8);
+    cr_expect_eq(hm->n_expert_used, 4);
+    cr_expect_eq(hm->n_ff * hm->n_expert, hd->n_ff, "expert width %d x %d, dense %d", hm->n_ff,
+                 hm->n_expert, hd->n_ff);
+    cr_expect_eq(hd->n_expert, 0);
+    cr_expect_eq(hd->n_expert_used, 0);
+    wk_model_free(m);
+    wk_model_free(d);
+}
+
+/* The dense model's greedy tokens (G after each prompt) and the margin of each (top-1 minus top-2
+ * logit); the prompt's last logits in first. */
+enum { G = 32 };
+static float margin_of(const float *lg, int n_vocab)
+{
+    float a = -INFINITY, b = -INFINITY;
+    for (int v = 0; v < n_vocab; v++)
+        if (lg[v] > a)
+            b = a, a = lg[v];
+        else if (lg[v] > b)
+            b = lg[v];
+    return a - b;
+}
+
+/* The dense model and a MoE one, the dense fixture's prompts; returns n_vocab. */
+static int open_pair(const char *moe, eng *d, eng *x)
+{
+    NEED(moe);
+    NEED(DENSE);
+    read_fixture(PROMPTS);
+    open_eng(DENSE, d);
+    open_eng(moe, x);
+    return wk_model_hparams(d->m)->n_vocab;
+}
+
+Test(moe, one_expert_computes_the_dense_model_bit_for_bit, .timeout = 900)
+{
+    eng d, x;
+    const int n_vocab = open_pair(TOP1, &d, &x);
+    float *ld = malloc(sizeof(float) * n_vocab), *lx = malloc(sizeof(float) * n_vocab);
+    cr_assert(ld && lx);
+    for (int r = 0; r < g_n_rec; r++) {
+        int32_t td[G], tx[G];
+        const int np = g_rec[r].n_prompt < MAXP ? g_rec[r].n_prompt : MAXP;
+        greedy_run(&d, g_rec[r].ids, np, G, td, ld);
+        greedy_run(&x, g_rec[r].ids, np, G, tx, lx);
+        cr_expect_arr_eq(ld, lx, sizeof(float) * n_vocab, "prompt %d: logits differ", r);
+        cr_expect_arr_eq(td, tx, sizeof td, "prompt %d: greedy tokens differ", r);
+    }
+    free(ld);
+    free(lx);
+    close_eng(&d);
+    close_eng(&x);
+}
+
+Test(moe, eight_experts_all_used_agree_with_the_dense_model, .timeout = 900)
+{
+    eng d, x;
+    const int n_vocab = open_pair(TOP8, &d, &x);
+    float *lg = malloc(sizeof(float) * (G + 1) * n_vocab), *ld = malloc(sizeof(float) * n_vocab);
+    cr_assert(lg && ld);
+    int agree = 0, total = 0, hard_miss = 0, same = 0;
+    double worst = 0;
+    for (int r = 0; r < g_n_rec; r++) {
+        mrec *c = &g_rec[r];
+        const int np = c->n_prompt < MAXP - G ? c->n_prompt : MAXP - G;
+        int32_t td[G], tx[G];
+        /* the dense model's greedy run, with its margins (teacher-forced, one step) */
+        greedy_run(&d, c->ids, np, G, td, ld);
+        memcpy(c->ids + np, td, sizeof td);
+        run_prompt(&d, c->ids, np + G - 1, np - 1, lg);
+        for (int g = 0; g < G; g++) c->margins[g] = margin_of(lg + (size_t)g * n_vocab, n_vocab);
+        /* the MoE model on the same tokens */
+        run_prompt(&x, c->ids, np + G - 1, np - 1, lg);
+        for (int v = 0; v < n_vocab; v++) {
+            const double diff = fabs((double)ld[v] - lg[v]);
+            if (diff > worst) worst = diff;
+        }
+        for (int g = 0; g < G; g++) {
+            total++;
+            if (wk_argmax(lg + (size_t)g * n_vocab, n_vocab) == td[g])
+                agree++;
+            else if (c->margins[g] >= NEAR_TIE)
+                hard_miss++;
+        }
+        greedy_run(&x, c->ids, np, G, tx, NULL);
+        same += !memcmp(td, tx, sizeof td);
+    }
+    cr_log_info("top-8 MoE vs dense: teacher-forced top-1 agreement %d/%d = %.2f%%; free-running "
+                "greedy identical for %d tokens on %d of %d prompts; largest logit difference "
+                "after a prompt %.3g",
+                agree, total, 100.0 * agree / total, G, same, g_n_rec, worst);
+    /* Only the order of the down projection's float sums differs (8 partial sums of 192 neurons);
+     * activations are quantized to 8 bits before every product, so a last-bit difference can move
+     * a value by one quantization step and grow from there: test_engine's rule for llama.cpp. */
+    cr_expect_eq(hard_miss, 0, "%d misses where the dense model leads by >= %.1f", hard_miss,
+                 NEAR_TIE);
+    free(lg);
+    free(ld);
+    close_eng(&d);
+    close_eng(&x);
+}
+
+Test(moe, logits_are_bit_identical_in_one_step_token_by_token_and_beside_another_sequence)
+{
+    NEED(TOP4);
+    read_fixture(PROMPTS);
+    eng x;
+    open_eng(TOP4, &x);
+    const int n_vocab = wk_model_hparams(x.m)->n_vocab;
+    const mrec *c = &g_rec[7];
+    const int n = c->n_prompt < 200 ? c->n_prompt : 200;
+    float *one = malloc(sizeof(float) * n_vocab), *all = malloc(sizeof(float) * n_vocab);
+    cr_assert(one && all);
+    kv_store *kv = wk_engine_kv(x.e);
+    kv_seq *a, *b;
+    kv_seq_create(kv, &a);
+    kv_seq_create(kv, &b);
+    const float *lg;
+    /* token by token (one token per step: lanes), sequence b beside a from its 10th token on
+     * (two per step) */
+    for (int i = 0; i < n; i++) {
+        int32_t tok[2] = {c->ids[i], g_rec[3].ids[i - 10 >= 0 ? i - 10 : 0]}, pos[2] = {i, i - 10};
+        kv_seq *seqs[2] = {a, b};
+        uint8_t want[2] = {1, 0}; /* a's logits */
+        wk_batch bb = {.n_tokens = i >= 10 && i - 10 < g_rec[3].n_prompt ? 2 : 1,
+                       .tokens = tok,
+                       .pos = pos,
+                       .seqs = seqs,
+                       .logits = want};
+        cr_assert_eq(wk_engine_step(x.e, &bb, &lg), 1);
+    }
+    memcpy(one, lg, sizeof(float) * n_vocab);
+    run_prompt(&x, c->ids, n, n - 1, all);
+    int diff = 0;
+    for (int v = 0; v < n_vocab; v++) diff += memcmp(&one[v], &all[v], sizeof(float)) != 0;
+    cr_expect_eq(diff, 0, "%d of %d logits differ between one step and token by token", diff,
+                 n_vocab);
+    kv_seq_destroy(kv, a);
+    kv_seq_destroy(kv, b);
+    free(one);
+    free(all);
+    close_eng(&x);
+}
