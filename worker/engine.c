@@ -391,8 +391,8 @@ static void wk_moe_free(wk_engine *e)
 static void wk_route(const wk_weight *gate_inp, int n_embd, int n_exp, int k, const float *xn,
                      int32_t *sel, float *w)
 {
-    float p[WK_MAX_EXPERTS];
-    uint8_t used[WK_MAX_EXPERTS];
+    float p[WK_MAX_EXPERTS] = {0};
+    uint8_t used[WK_MAX_EXPERTS] = {0};
     const float *W = gate_inp->data;
     float mx = -INFINITY;
     for (int x = 0; x < n_exp; x++) {
@@ -401,7 +401,6 @@ static void wk_route(const wk_weight *gate_inp, int n_embd, int n_exp, int k, co
         for (int j = 0; j < n_embd; j++) s += r[j] * xn[j];
         p[x] = s;
         if (s > mx) mx = s;
-        used[x] = 0;
     }
     double sum = 0;
     for (int x = 0; x < n_exp; x++) {
@@ -412,9 +411,10 @@ static void wk_route(const wk_weight *gate_inp, int n_embd, int n_exp, int k, co
     for (int x = 0; x < n_exp; x++) p[x] *= inv;
     double wsum = 0;
     for (int j = 0; j < k; j++) {
-        int best = -1;
-        for (int x = 0; x < n_exp; x++)
-            if (!used[x] && (best < 0 || p[x] > p[best])) best = x;
+        int best = 0;
+        while (used[best]) best++;
+        for (int x = best + 1; x < n_exp; x++)
+            if (!used[x] && p[x] > p[best]) best = x;
         used[best] = 1;
         sel[j] = best;
         wsum += p[best];
