@@ -190,8 +190,10 @@ int wk_sched_create_on(const wk_sched_engine *eng, const wk_sched_opts *o, const
     const wk_hparams *hp = eng->hp;
     s->n_vocab = hp->n_vocab;
     double q_dim = (double)hp->n_head * hp->head_dim, kv_dim = (double)hp->n_head_kv * hp->head_dim;
-    s->u_tok =
-        2.0 * hp->n_layers * (hp->n_embd * (2 * q_dim + 2 * kv_dim) + 3.0 * hp->n_embd * hp->n_ff);
+    /* an MoE layer runs n_expert_used experts of n_ff rows each per token, and its router */
+    double ffn = 3.0 * hp->n_embd * hp->n_ff * (hp->n_expert_used > 0 ? hp->n_expert_used : 1) +
+                 (double)hp->n_embd * hp->n_expert;
+    s->u_tok = 2.0 * hp->n_layers * (hp->n_embd * (2 * q_dim + 2 * kv_dim) + ffn);
     s->u_att = 4.0 * hp->n_layers * q_dim;
     s->u_row = 2.0 * hp->n_embd * hp->n_vocab;
     s->pt = kv_store_page_tokens(s->kv);
