@@ -228,6 +228,12 @@ static void plan_router(up_planner *pl, up_proc *p, int ri, int *k)
     if (o->model) p->argv[(*k)++] = xfmt("--model=%s", o->model);
     long long ctx = workers_max_ctx(o);
     if (ctx) p->argv[(*k)++] = xfmt("--max-ctx=%lld", ctx);
+    /* workers with transfer nodes on one host: loopback moves pages at about 1 GB/s, so the
+     * router may weigh pulls before any worker has measured a rate (docs/transfer.md);
+     * --router-args, pushed after, may say otherwise */
+    if ((o->worker_args && strstr(o->worker_args, "--peer-listen")) ||
+        (o->worker_args_for && strstr(o->worker_args_for, "--peer-listen")))
+        p->argv[(*k)++] = strdup("--pull-default-rate=1e9");
     push_args(p->argv, k, UP_ARGV_MAX, o->router_args);
 }
 
