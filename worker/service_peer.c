@@ -49,7 +49,6 @@ typedef struct wk_member {
     char id[KM_PROTO_MAX_NAME + 1], requests[KM_PROTO_MAX_NAME + 1];
     uint8_t addr[KM_PROTO_MAX_PEER_ADDR];
     uint32_t addr_len;
-    double pressure;
     bool takes; /* ready, same model, a transfer node, room */
 } wk_member;
 
@@ -118,10 +117,10 @@ struct wk_peer {
     int n_members, n_bg;          /* background pulls running */
     wk_held *bg_wait[WK_PEER_BG]; /* taken chains waiting for their pull, oldest first */
     int n_wait;
-    bool warmed;              /* this process asked its peers for their chains */
-    int warm_pages;           /* --peer-warm-pages resolved */
-    uint64_t push_id, pushed; /* chains this worker pushed (its drain) */
-    km_series *s_handoff[3];  /* kvmesh_kv_handoff_chains_total{outcome} */
+    bool warmed;             /* this process asked its peers for their chains */
+    int warm_pages;          /* --peer-warm-pages resolved */
+    uint64_t push_id;        /* the last kv_push / kv_warm id this worker sent */
+    km_series *s_handoff[3]; /* kvmesh_kv_handoff_chains_total{outcome} */
 };
 
 static const char *const wk_handoff_outcomes[3] = {"pushed", "taken", "dropped"};
@@ -903,7 +902,6 @@ static void wk_peer_view_apply(wk_service *s, const km_msg_view *v)
         snprintf(m->requests, sizeof m->requests, "%s", w->requests);
         memcpy(m->addr, w->peer_addr, w->peer_addr_len);
         m->addr_len = w->peer_addr_len;
-        m->pressure = w->pressure;
         /* the same model (the chain hashes are seeded by its fingerprint), ready, with room */
         m->takes = w->state == KM_MEMBER_READY && w->fingerprint &&
                    !strcmp(w->fingerprint, s->fp) && w->pressure < 0.9;
@@ -1001,7 +999,6 @@ int wk_peer_handoff(wk_service *s)
     }
     int max_pages = kv_store_pages_total(s->kv);
     int rc = kv_store_chains(s->kv, max_pages, wk_push_chain, &c);
-    p->pushed += (uint64_t)c.chains;
     km_counter_add(p->s_handoff[0], (uint64_t)c.chains);
     KM_INFO("handoff", "worker=%s peers=%d chains=%d%s", s->worker_id, c.n, c.chains,
             rc < 0 ? " error=out_of_memory" : "");
