@@ -16,7 +16,8 @@
  *  - each (shard, tier) accounts exactly the bytes and pages of the buffers and files it holds;
  *  - each cached list is ordered by last use, its count and bytes are its members';
  *  - the index holds n_indexed pages, all flagged indexed;
- *  - a sequence's pointer and format tables mirror its pages, and its page indices increase.
+ *  - a sequence's pointer and format tables mirror its pages, and its page indices increase;
+ *  - each expert group counts exactly the tagged pages of its experts on each tier.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -145,7 +146,9 @@ int kv_store_check(const kv_store *s, km_errbuf *err)
         return km_errf(err, rc, "kv_store_check: out of memory");
     size_t *used = calloc((size_t)s->n_shards * KV_TIER_COUNT, sizeof *used);
     uint64_t *pages = calloc((size_t)s->n_shards * KV_TIER_COUNT, sizeof *pages);
-    if (!used || !pages) rc = km_errf(err, KM_ENOMEM, "kv_store_check: out of memory");
+    const int n_grp = s->groups ? s->cfg.n_expert_groups : 0;
+    uint64_t *gpages = calloc((size_t)n_grp * KV_TIER_COUNT + 1, sizeof *gpages);
+    if (!used || !pages || !gpages) rc = km_errf(err, KM_ENOMEM, "kv_store_check: out of memory");
     /* An indexed page held by sequences appears once from the index and once per slot; a
      * private page once per slot: refs is the number of slot entries. */
     for (size_t i = 0; i < n && !rc;) {
@@ -163,6 +166,8 @@ int kv_store_check(const kv_store *s, km_errbuf *err)
             used[at + KV_TIER_DISK] += kv_disk_page_size(s->lay[p->format].page_bytes, s->pt);
             pages[at + KV_TIER_DISK]++;
         }
+        if (n_grp && p->expert >= 0)
+            gpages[(size_t)(p->expert % n_grp) * KV_TIER_COUNT + p->tier]++;
         i = j;
     }
     for (int sh = 0; sh < s->n_shards && !rc; sh++)
@@ -175,6 +180,14 @@ int kv_store_check(const kv_store *s, km_errbuf *err)
                              sh, kv_tier_name((kv_tier)t), a->used, (unsigned long long)a->pages,
                              used[at], (unsigned long long)pages[at]);
         }
+    for (int g = 0; g < n_grp && !rc; g++)
+        for (int t = 0; t < KV_TIER_COUNT && !rc; t++)
+            if (s->groups[g].pages[t] != gpages[(size_t)g * KV_TIER_COUNT + t])
+                rc = km_errf(err, KM_ECORRUPT,
+                             "expert group %d counts %llu pages on tier %s, holds %llu", g,
+                             (unsigned long long)s->groups[g].pages[t], kv_tier_name((kv_tier)t),
+                             (unsigned long long)gpages[(size_t)g * KV_TIER_COUNT + t]);
+    free(gpages);
     free(used);
     free(pages);
     free(all);

@@ -65,6 +65,7 @@ int kv_demote(kv_store *s, kv_page *p)
     const kv_tier from = p->tier;
     const int sh = p->shard;
     const size_t pb = s->lay[p->format].page_bytes;
+    kv_group *g = kv_group_of(s, p);
     if (from == KV_TIER_HOT && kv_tier_enabled(s, sh, KV_TIER_HOST)) {
         kv_tier_acct *h = &s->shards[sh].t[KV_TIER_HOST];
         kv_make_room(s, sh, KV_TIER_HOST, pb, h->budget);
@@ -76,10 +77,12 @@ int kv_demote(kv_store *s, kv_page *p)
             kv_buf_put(s, p->buf, p->format);
             p->buf = nb;
             p->tier = KV_TIER_HOST;
+            kv_group_move(s, p, from, KV_TIER_HOST);
             kv_acct_add(s, sh, KV_TIER_HOST, p->format, 1);
             kv_list_push(s, p);
             assert(from == KV_TIER_HOT && h->used <= h->budget);
             s->shards[sh].demotions++;
+            if (g) g->demotions++;
             kv_event_emit(s, KV_EVENT_TIER, p, from, KV_TIER_HOST);
             return 0;
         }
@@ -100,13 +103,16 @@ int kv_demote(kv_store *s, kv_page *p)
             kv_buf_put(s, p->buf, p->format);
             p->buf = NULL;
             p->tier = KV_TIER_DISK;
+            kv_group_move(s, p, from, KV_TIER_DISK);
             kv_list_push(s, p);
             s->shards[sh].demotions++;
+            if (g) g->demotions++;
             kv_event_emit(s, KV_EVENT_TIER, p, from, KV_TIER_DISK);
             return 0;
         }
     }
     s->shards[sh].evictions++;
+    if (g) g->evictions++;
     kv_page_drop(s, p);
     return 1;
 }

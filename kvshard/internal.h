@@ -44,6 +44,7 @@ typedef struct kv_page {
     kv_tier tier;     /* HOT, HOST, or DISK when only the file exists */
     uint32_t flags;
     int shard;
+    int expert;            /* the dominant routed expert of its tokens (kv_seq_place); -1: none */
     int refs;              /* sequences that hold it; > 0 implies tier HOT */
     _Atomic uint32_t rows; /* (layer, row) writes seen; complete at n_layers * page_tokens */
     uint64_t last_use;     /* store clock at the last touch */
@@ -78,6 +79,13 @@ typedef struct kv_shard {
     kv_tier_acct t[KV_TIER_COUNT];
     uint64_t allocs, alloc_failures, evictions, demotions, promotions, hits, misses;
 } kv_shard;
+
+/* One expert group (shard key `expert`: an expert's group is its id mod n_expert_groups): where
+ * its pages are, and what happened to them. */
+typedef struct kv_group {
+    uint64_t pages[KV_TIER_COUNT]; /* pages tagged with the group's experts, by their tier */
+    uint64_t placed, hits, demotions, evictions;
+} kv_group;
 
 /* A promotion: copy src -> dst (layer by layer) for a sequence's pages. */
 typedef struct kv_promo {
@@ -120,6 +128,7 @@ struct kv_store {
     uint32_t rows_full; /* n_layers * page_tokens */
     int n_shards;
     kv_shard *shards;
+    kv_group *groups; /* [cfg.n_expert_groups] under the `expert` shard key; NULL otherwise */
     float high_wm, low_wm;
     const kn_ops *ops;
     uint64_t clock, next_uid, next_page_id;
@@ -188,6 +197,11 @@ void kv_page_ref(kv_store *s, kv_page *p);
 /* The last reference gone: an indexed page joins its cached list, any other is released. */
 void kv_page_unref(kv_store *s, kv_page *p);
 void kv_list_push(kv_store *s, kv_page *p); /* into its shard/tier cached list by last_use */
+/* A page tagged with an expert moves from tier `from` to tier `to` (-1: nowhere, it appears or
+ * goes): its group's occupancy follows. Nothing for an untagged page. */
+void kv_group_move(kv_store *s, const kv_page *p, int from, int to);
+/* Its group, or NULL (untagged, or no groups). */
+kv_group *kv_group_of(kv_store *s, const kv_page *p);
 void kv_list_remove(kv_store *s, kv_page *p);
 /* RAM bytes a cached page of format f counts in its tier's cached_bytes (0 on disk). */
 size_t kv_list_bytes(const kv_store *s, kv_tier t, kv_format f);

@@ -145,6 +145,14 @@ int kv_seq_capacity(const kv_seq *q);
 int kv_seq_reserve(kv_store *s, kv_seq *q, int n_tokens);
 /* Same, placing new pages by the caller's expert id (shard key `expert`; MoE engines). */
 int kv_seq_reserve_expert(kv_store *s, kv_seq *q, int n_tokens, int expert);
+/* Places the page holding position pos by the expert its tokens were routed to (an MoE engine's
+ * report, e.g. the most frequent first choice of its tokens), once they are computed and before
+ * kv_seq_publish: the page is tagged with the expert (counted in its group, kv_group_stats, from
+ * then on) and, if private and hot, moved to the shard the `expert` key gives (room made there as
+ * for a new page). A page already tagged, or under the `hash` key, is left as it is; one that
+ * cannot move (shared, indexed, a shard of another format, no room) keeps its shard and is
+ * counted in kv_store_stats.place_fallbacks. Returns the page's shard, or KM_EINVAL/KM_ERANGE. */
+int kv_seq_place(kv_store *s, kv_seq *q, int pos, int expert);
 /* Drops the pages past the one holding position n_tokens-1. */
 void kv_seq_truncate(kv_store *s, kv_seq *q, int n_tokens);
 /* Lossy in-sequence policy (default: keep all). */
@@ -227,13 +235,23 @@ typedef struct kv_store_stats {
     uint64_t pages_indexed, hits, misses, collisions, corrupt_pages, converted_pages,
         disk_write_errors, events_dropped, cow_copies, sealed_pages, dropped_seq_pages,
         unauthenticated_pages, /* disk pages dropped for a missing or wrong MAC (disk_secret) */
-        skipped_files; /* named like a page at open but not one: not a regular file, too large */
+        skipped_files,   /* named like a page at open but not one: not a regular file, too large */
+        placed_pages,    /* pages tagged by kv_seq_place */
+        place_fallbacks; /* of those, left in their shard (see kv_seq_place) */
     uint64_t arena_fallbacks; /* page buffers that did not fit the arena (taken from malloc) */
 } kv_store_stats;
 
 void kv_store_stats_get(const kv_store *s, kv_store_stats *out);
 int kv_store_shard_stats(const kv_store *s, int shard, kv_shard_stats *out);
 int kv_store_n_shards(const kv_store *s);
+/* Expert groups (shard key `expert`; kv_config.n_expert_groups of them, 0 under `hash`): the
+ * pages kv_seq_place tagged with an expert of the group, by tier (occupancy), and counters. */
+typedef struct kv_group_stats {
+    uint64_t pages[KV_TIER_COUNT];
+    uint64_t placed, hits, demotions, evictions; /* hits: prefix hits (kv_seq_attach) */
+} kv_group_stats;
+int kv_store_n_expert_groups(const kv_store *s);
+int kv_store_group_stats(const kv_store *s, int group, kv_group_stats *out);
 /* The shard a page lands in under the store's shard key. */
 int kv_store_shard_of(const kv_store *s, uint64_t seq_uid, int page_index, int expert);
 uint64_t kv_seq_uid(const kv_seq *q);

@@ -164,14 +164,32 @@ kv_page *kv_page_new(kv_store *s)
     if (p) {
         p->last_use = ++s->clock;
         p->id = ++s->next_page_id;
+        p->expert = -1;
     }
     return p;
+}
+
+kv_group *kv_group_of(kv_store *s, const kv_page *p)
+{
+    return s->groups && p->expert >= 0 ? &s->groups[p->expert % s->cfg.n_expert_groups] : NULL;
+}
+
+void kv_group_move(kv_store *s, const kv_page *p, int from, int to)
+{
+    kv_group *g = kv_group_of(s, p);
+    if (!g) return;
+    if (from >= 0) {
+        assert(g->pages[from] > 0); /* every tagged page is counted where it is */
+        g->pages[from]--;
+    }
+    if (to >= 0) g->pages[to]++;
 }
 
 void kv_page_release(kv_store *s, kv_page *p)
 {
     assert(p->refs == 0 && !(p->flags & (KV_PAGE_INDEXED | KV_PAGE_ON_DISK)));
     if (p->in_list) kv_list_remove(s, p);
+    kv_group_move(s, p, (int)p->tier, -1);
     if (p->buf) {
         kv_acct_sub(s, p->shard, p->tier, p->format);
         kv_buf_put(s, p->buf, p->format);
@@ -276,6 +294,21 @@ void kv_store_stats_get(const kv_store *s, kv_store_stats *out)
             out->tier[t].pinned_bytes += ts.pinned_bytes;
         }
     }
+}
+
+int kv_store_n_expert_groups(const kv_store *s)
+{
+    return s->groups ? s->cfg.n_expert_groups : 0;
+}
+
+int kv_store_group_stats(const kv_store *s, int group, kv_group_stats *out)
+{
+    if (!s->groups || group < 0 || group >= s->cfg.n_expert_groups) return KM_EINVAL;
+    const kv_group *g = &s->groups[group];
+    *out = (kv_group_stats){
+        .placed = g->placed, .hits = g->hits, .demotions = g->demotions, .evictions = g->evictions};
+    memcpy(out->pages, g->pages, sizeof out->pages);
+    return 0;
 }
 
 int kv_store_shard_stats(const kv_store *s, int shard, kv_shard_stats *out)

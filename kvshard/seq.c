@@ -343,6 +343,39 @@ int kv_seq_reserve_expert(kv_store *s, kv_seq *q, int n_tokens, int expert)
     return 0;
 }
 
+int kv_seq_place(kv_store *s, kv_seq *q, int pos, int expert)
+{
+    if (pos < 0 || expert < 0) return KM_EINVAL;
+    const int i = pos / s->pt - q->n_dropped;
+    if (i < 0 || i >= q->n_pages) return KM_ERANGE;
+    kv_page *p = q->pg[i];
+    if (!s->groups || p->expert >= 0) return p->shard;
+    p->expert = expert;
+    s->st.placed_pages++;
+    kv_group *g = kv_group_of(s, p);
+    g->placed++;
+    const int to = kv_store_shard_of(s, q->uid, q->pidx[i], expert), from = p->shard;
+    int moved = 0;
+    if (to == from) {
+        moved = 1;
+    } else if (p->refs == 1 && !(p->flags & KV_PAGE_INDEXED) && p->tier == KV_TIER_HOT &&
+               !p->promoting && kv_write_format(s, to) == p->format) {
+        /* Only accounting moves: page memory belongs to no shard. */
+        const kv_tier_acct *a = &s->shards[to].t[KV_TIER_HOT];
+        kv_make_room(s, to, KV_TIER_HOT, s->lay[p->format].page_bytes, a->budget);
+        if (!kv_acct_add(s, to, KV_TIER_HOT, p->format, 0)) {
+            kv_acct_sub(s, from, KV_TIER_HOT, p->format);
+            p->shard = to;
+            s->shards[to].allocs++;
+            moved = 1;
+            kv_enforce_watermarks(s, to);
+        }
+    }
+    if (!moved) s->st.place_fallbacks++;
+    kv_group_move(s, p, -1, (int)p->tier);
+    return p->shard;
+}
+
 int kv_seq_reserve(kv_store *s, kv_seq *q, int n_tokens)
 {
     return kv_seq_reserve_expert(s, q, n_tokens, -1);

@@ -69,6 +69,9 @@ int kv_store_create(const kv_config *cfg, kv_store **out, km_errbuf *err)
         return km_errf(err, KM_EINVAL, "n_shards=%d must be in [1, 1024]", c.n_shards);
     if (c.n_tok_groups <= 0) c.n_tok_groups = c.n_shards;
     if (c.n_expert_groups <= 0) c.n_expert_groups = c.n_shards;
+    if (c.n_tok_groups > 1 << 16 || c.n_expert_groups > 1 << 16)
+        return km_errf(err, KM_EINVAL, "n_tok_groups=%d, n_expert_groups=%d: at most 65536",
+                       c.n_tok_groups, c.n_expert_groups);
     if (c.high_watermark <= 0.0f || c.high_watermark > 1.0f) c.high_watermark = 0.8f;
     if (c.event_capacity <= 0) c.event_capacity = 65536;
     if (c.disk_dir && !c.disk_bytes) c.disk_bytes = (size_t)1 << 30;
@@ -96,6 +99,11 @@ int kv_store_create(const kv_config *cfg, kv_store **out, km_errbuf *err)
 
     int rc = 0;
     s->shards = calloc((size_t)s->n_shards, sizeof(kv_shard));
+    if (c.shard_key == KV_SHARD_KEY_EXPERT &&
+        !(s->groups = calloc((size_t)c.n_expert_groups, sizeof(kv_group)))) {
+        rc = km_errf(err, KM_ENOMEM, "kv store: out of memory");
+        goto fail;
+    }
     s->ev = calloc((size_t)c.event_capacity, sizeof(kv_event));
     s->ev_cap = c.event_capacity;
     s->n_buckets = 1024;
@@ -155,6 +163,7 @@ void kv_store_destroy(kv_store *s)
     free(s->fscratch);
     free(s->view_offs);
     free(s->shards);
+    free(s->groups);
     free(s->disk_dir);
     kv_arena_destroy(s);
     kv_events_free(s);

@@ -62,6 +62,7 @@ static int kv_attach_one(kv_store *s, kv_page *p, kv_promo *job)
         }
     }
     p->buf = dst;
+    kv_group_move(s, p, (int)p->tier, KV_TIER_HOT);
     p->tier = KV_TIER_HOT;
     s->shards[p->shard].promotions++;
     kv_event_emit(s, KV_EVENT_TIER, p, from, KV_TIER_HOT);
@@ -99,6 +100,7 @@ int kv_seq_attach(kv_store *s, kv_seq *q, const km_pagehash *hashes, const int32
         assert(p->tier == KV_TIER_HOT && p->refs > 0);
         atomic_store_explicit(&p->rows, s->rows_full, memory_order_relaxed);
         s->shards[p->shard].hits++;
+        if (kv_group_of(s, p)) kv_group_of(s, p)->hits++;
         p->hits++;
         parent_id = p->id;
         q->pg[i] = p;

@@ -34,6 +34,8 @@
  * MoE layers (hp.n_expert > 0, Mixtral layout; docs/moe.md) replace P8-P11 (wk_moe_ffn):
  *   R  tokens  router logits = xn · Wgate_inp^T (scalar f32), softmax, top k, weights renormalized
  *              to sum 1 (llama.cpp's build_moe_ffn for the llama arch)
+ *              (when the batch asks for wk_batch.route, each token's chosen weights are also
+ *              summed per expert over the layers: its dominant expert, which places its page)
  *   G  slots   every thread groups the batch's (token, choice) pairs by expert ("slots", in
  *              expert then token order) and copies the quantized xn rows of its share of slots
  *   P8 rows    per expert over its slots: gate, up = xq · {Wgate_e,Wup_e}^T (each expert's rows
@@ -84,6 +86,7 @@ struct wk_engine {
     float *rw, *moe_out;
     uint8_t *xqg;
     struct wk_moe_scr *moe; /* [threads] */
+    float *route_w; /* [T][n_expert]: router weight summed over the layers (wk_batch.route) */
 };
 
 /* What one step's job needs; lives on the caller's stack for the duration of kn_pool_run. */
@@ -92,6 +95,7 @@ typedef struct wk_step {
     const wk_batch *b;
     int n_out;
     int lanes; /* small batch: token phases on every thread, no barrier after them */
+    int route; /* sum the routing into route_w (the batch asks for wk_batch.route) */
 } wk_step;
 
 static int wk_moe_alloc(wk_engine *e, int nth);
@@ -115,6 +119,10 @@ int wk_engine_create(const wk_model *m, const wk_engine_opts *opts, wk_engine **
     const wk_hparams *hp = &m->hp;
     wk_engine_opts o = opts ? *opts : (wk_engine_opts){0};
     if (o.max_batch_tokens <= 0) o.max_batch_tokens = 512;
+    if (o.kv_shard_key == KV_SHARD_KEY_EXPERT && !hp->n_expert)
+        return km_errf(err, KM_EINVAL,
+                       "engine: the `expert` KV shard key needs an MoE model (%s has no experts)",
+                       m->name[0] ? m->name : "this model");
     if (o.n_threads <= 0) {
         long n = sysconf(_SC_NPROCESSORS_ONLN);
         o.n_threads = n > 0 ? (int)n : 1;
@@ -133,6 +141,9 @@ int wk_engine_create(const wk_model *m, const wk_engine_opts *opts, wk_engine **
         .format = o.kv_format,
         .hot_bytes = o.kv_bytes,
         .n_shards = o.kv_shards,
+        .shard_key = o.kv_shard_key,
+        .n_tok_groups = o.kv_tok_groups,
+        .n_expert_groups = o.kv_expert_groups,
         .host_bytes = o.kv_host_bytes,
         .disk_dir = o.kv_disk_dir,
         .disk_secret = o.kv_disk_secret,
@@ -354,7 +365,8 @@ static int wk_moe_alloc(wk_engine *e, int nth)
     e->xqg = wk_alloc(S * e->xq_row_bytes);
     e->moe_out = wk_alloc(S * hp->n_embd * 4);
     e->moe = calloc((size_t)nth, sizeof *e->moe);
-    if (!e->sel || !e->rw || !e->xqg || !e->moe_out || !e->moe) return KM_ENOMEM;
+    e->route_w = wk_alloc((size_t)e->max_tokens * E * sizeof(float));
+    if (!e->sel || !e->rw || !e->xqg || !e->moe_out || !e->moe || !e->route_w) return KM_ENOMEM;
     for (int i = 0; i < nth; i++) {
         wk_moe_scr *s = &e->moe[i];
         s->off = wk_alloc((E + 1) * sizeof(int32_t));
@@ -381,6 +393,7 @@ static void wk_moe_free(wk_engine *e)
     free(e->rw);
     free(e->xqg);
     free(e->moe_out);
+    free(e->route_w);
 }
 
 /* The router of one token, as llama.cpp's build_moe_ffn runs it for the llama arch: logits =
@@ -457,6 +470,9 @@ static void wk_moe_ffn(const wk_step *st, const wk_layer *L, int ith, int nth, i
     /* R */
     for (int64_t i = t0; i < t1; i++)
         wk_route(&L->gate_inp, embd, n_exp, k, xn + i * embd, sel + i * k, rw + i * k);
+    for (int64_t i = t0; st->route && i < t1; i++) /* lanes: each token by its owner */
+        if (!lanes || i % nth == ith)
+            for (int j = 0; j < k; j++) e->route_w[i * n_exp + sel[i * k + j]] += rw[i * k + j];
     if (!lanes) kn_pool_barrier(e->pool);
     /* G */
     wk_moe_group(sel, n, k, n_exp, s);
@@ -680,8 +696,18 @@ int wk_engine_step(wk_engine *e, const wk_batch *b, const float **logits)
     for (int i = 0; lanes && i < b->n_tokens; i++)
         for (int j = 0; j < i; j++)
             if (b->seqs[j] == b->seqs[i]) lanes = 0;
-    wk_step st = {.e = e, .b = b, .n_out = n_out, .lanes = lanes};
+    const int n_exp = hp->n_expert;
+    wk_step st = {.e = e, .b = b, .n_out = n_out, .lanes = lanes, .route = b->route && n_exp};
+    if (st.route) memset(e->route_w, 0, (size_t)b->n_tokens * n_exp * sizeof(float));
     kn_pool_run(e->pool, wk_step_job, &st);
+    for (int i = 0; b->route && i < b->n_tokens; i++) {
+        int best = -1;
+        for (int x = 0; x < n_exp; x++)
+            if (best < 0 ||
+                e->route_w[(size_t)i * n_exp + x] > e->route_w[(size_t)i * n_exp + best])
+                best = x;
+        b->route[i] = (int16_t)best;
+    }
     if (logits) *logits = e->logits;
     return n_out;
 }

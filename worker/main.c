@@ -30,6 +30,8 @@ typedef struct wk_args {
     int64_t peer_lease_ms, peer_pull_ms, peer_warm_pages;
     int64_t threads, admin_port, page_tokens, max_batch, prefill_chunk, max_running, max_queue;
     int64_t decode_prefill, spec_max_draft, step_budget_ms;
+    int64_t kv_shards, kv_tok_groups, kv_expert_groups;
+    const char *kv_shard_key;
     double spec_factor;
     int64_t max_ctx, default_max_tokens, heartbeat_ms, drain_ms, event_replay, cluster_seed;
     uint64_t kv_bytes, max_frame, kv_host_bytes, kv_disk_bytes, spec_index_bytes;
@@ -72,6 +74,20 @@ static const km_opt g_opts[] = {
      &g_args.cluster_secret, 0, 0},
     {"kv-format", NULL, KM_OPT_STR, "f16", "KV page format: f16, bf16, fp8, int8, int4",
      &g_args.kv_format, 0, 0},
+    {"kv-shards", NULL, KM_OPT_INT, "1",
+     "KV shards: each tier's budget split evenly between them, each with its own eviction",
+     &g_args.kv_shards, 1, 1024},
+    {"kv-shard-key", NULL, KM_OPT_STR, "hash",
+     "how pages spread over the shards: hash (uniform) or expert (MoE models: a full page goes "
+     "to the shard of its tokens' dominant routed expert, PiKV style; docs/moe.md)",
+     &g_args.kv_shard_key, 0, 0},
+    {"kv-tok-groups", NULL, KM_OPT_INT, "0",
+     "expert key: PiKV token groups (shard = page index mod this, xor expert group); 0 = "
+     "--kv-shards, 1 = the expert alone picks the shard",
+     &g_args.kv_tok_groups, 0, 65536},
+    {"kv-expert-groups", NULL, KM_OPT_INT, "0",
+     "expert key: expert groups (an expert's group is its id mod this); 0 = --kv-shards",
+     &g_args.kv_expert_groups, 0, 65536},
     {"page-tokens", NULL, KM_OPT_INT, "16", "tokens per KV page (power of two)",
      &g_args.page_tokens, 1, 4096},
     {"max-batch-tokens", NULL, KM_OPT_INT, "512", "tokens per engine step", &g_args.max_batch, 1,
@@ -166,6 +182,15 @@ int main(int argc, char **argv)
         km_config_destroy(cfg);
         return 2;
     }
+    kv_shard_key key = KV_SHARD_KEY_HASH;
+    if (!strcmp(a->kv_shard_key, "expert")) {
+        key = KV_SHARD_KEY_EXPERT;
+    } else if (strcmp(a->kv_shard_key, "hash")) {
+        fprintf(stderr, "kvmesh-worker: --kv-shard-key is hash or expert, not '%s'\n",
+                a->kv_shard_key);
+        km_config_destroy(cfg);
+        return 2;
+    }
     int spec_mode = !strcmp(a->speculate, "auto")  ? WK_SPEC_AUTO
                     : !strcmp(a->speculate, "off") ? WK_SPEC_OFF
                                                    : 0;
@@ -210,6 +235,10 @@ int main(int argc, char **argv)
                          .kv_disk_dir = a->kv_disk_dir,
                          .kv_disk_bytes = (size_t)a->kv_disk_bytes,
                          .kv_disk_secret = a->cluster_secret && *a->cluster_secret ? secret : NULL,
+                         .kv_shards = (int)a->kv_shards,
+                         .kv_shard_key = key,
+                         .kv_tok_groups = (int)a->kv_tok_groups,
+                         .kv_expert_groups = (int)a->kv_expert_groups,
                          .kv_arena = a->peer_listen && a->peer_listen[0]};
     int erc = wk_engine_create(m, &eo, &e, &err);
     explicit_bzero(secret, sizeof secret); /* the store derived its page key at create */

@@ -7,10 +7,6 @@
 
 #include "worker/worker.h"
 
-/* The most experts a MoE layer may have (llama.cpp's LLAMA_MAX_EXPERTS is larger; no model this
- * engine runs needs more). */
-#define WK_MAX_EXPERTS 256
-
 /* A weight matrix in place in the GGUF map: `rows` rows of `k` elements of `type`. A 1-D
  * vector (norms, biases) has rows = 1 and type F32. data == NULL: absent (optional tensor).
  * packed: the same matrix in the panel layout of the kernels of wk_model.packed_isa (kn_ops.pack),

@@ -58,6 +58,8 @@ typedef struct wk_rq {
     int n_tok, n_prompt, n_done, n_gen, max_gen;
     km_pagehash *hashes; /* chain of the full pages among tokens */
     int n_hashed;
+    int16_t *route; /* [capacity] each position's dominant expert (wk_batch.route); NULL: none */
+    int n_placed;   /* pages before this one are placed (kv_seq_place) or were attached */
     km_pagehash seed;
     kv_seq *seq; /* NULL while queued */
     wk_sampler *smp;
@@ -96,6 +98,7 @@ struct wk_sched {
     int32_t *b_tok, *b_pos;
     kv_seq **b_seq;
     uint8_t *b_want;
+    int16_t *b_route; /* NULL unless pages are placed by expert (an MoE model, shard key expert) */
     wk_part *parts;
     wk_spec *spec;
     wk_spec_seq **b_spec; /* [max_running] this step's proposals */
@@ -210,6 +213,13 @@ int wk_sched_create_on(const wk_sched_engine *eng, const wk_sched_opts *o, const
     s->b_seq = calloc(T, sizeof *s->b_seq);
     s->b_want = calloc(T, sizeof *s->b_want);
     s->parts = calloc(T, sizeof *s->parts);
+    /* Pages placed by the experts their tokens were routed to: an MoE model over a store with
+     * the `expert` shard key (kvshard.h, kv_seq_place). */
+    int route = hp->n_expert > 0 && kv_store_n_expert_groups(s->kv) > 0;
+    if (route && !(s->b_route = calloc(T, sizeof *s->b_route))) {
+        wk_sched_destroy(s);
+        return km_errf(err, KM_ENOMEM, "sched: out of memory");
+    }
     s->b_spec = calloc(s->o.max_running, sizeof *s->b_spec);
     s->order = calloc(s->o.max_running, sizeof *s->order);
     if (!s->order || !s->run || !s->queue || !s->b_tok || !s->b_pos || !s->b_seq || !s->b_want ||
@@ -230,6 +240,7 @@ static void wk_rq_free(wk_sched *s, wk_rq *r)
     wk_spec_seq_destroy(r->spec);
     free(r->tokens);
     free(r->hashes);
+    free(r->route);
     free(r);
 }
 
@@ -244,6 +255,7 @@ void wk_sched_destroy(wk_sched *s)
     free(s->b_pos);
     free(s->b_seq);
     free(s->b_want);
+    free(s->b_route);
     free(s->parts);
     free(s->b_spec);
     wk_spec_destroy(s->spec);
@@ -268,6 +280,19 @@ static void wk_rq_publish(wk_sched *s, wk_rq *r)
     if (!r->seq || r->n_done < s->pt) return;
     int n = r->n_done;
     if (n / s->pt > r->n_hashed) n = r->n_hashed * s->pt;
+    /* Each new full page goes to the shard of its tokens' most frequent dominant expert (the
+     * lower id on a tie) before it is indexed. */
+    for (; r->route && r->n_placed < n / s->pt; r->n_placed++) {
+        int count[WK_MAX_EXPERTS] = {0}, best = -1;
+        for (int j = r->n_placed * s->pt; j < (r->n_placed + 1) * s->pt; j++) {
+            const int x = r->route[j];
+            if (x < 0 || x >= WK_MAX_EXPERTS) continue;
+            count[x]++;
+            if (best < 0 || count[x] > count[best] || (count[x] == count[best] && x < best))
+                best = x;
+        }
+        if (best >= 0) kv_seq_place(s->kv, r->seq, r->n_placed * s->pt, best);
+    }
     kv_seq_publish(s->kv, r->seq, r->hashes, r->tokens, n);
 }
 
@@ -285,7 +310,9 @@ int wk_sched_submit(wk_sched *s, const wk_sched_req *q, uint64_t *rid)
     int cap = q->n_tokens + max_gen;
     r->tokens = malloc(sizeof *r->tokens * cap);
     r->hashes = malloc(sizeof *r->hashes * (cap / s->pt + 1));
-    int rc = r->tokens && r->hashes ? 0 : KM_ENOMEM;
+    if (s->b_route && (r->route = malloc(sizeof *r->route * cap)))
+        for (int i = 0; i < cap; i++) r->route[i] = -1;
+    int rc = r->tokens && r->hashes && (r->route || !s->b_route) ? 0 : KM_ENOMEM;
     if (!rc) rc = wk_sampler_create(&q->sample, s->n_vocab, &r->smp);
     if (rc) {
         wk_rq_free(s, r);
@@ -459,6 +486,7 @@ static int wk_rq_admit(wk_sched *s, wk_rq *r, uint64_t now)
         return got;
     }
     r->n_done = got * s->pt;
+    r->n_placed = got; /* attached pages are where their first owner placed them */
     if (!r->admitted) {
         r->admitted = 1;
         r->admit_ns = now;
@@ -760,7 +788,9 @@ int wk_sched_step(wk_sched *s)
                       .tokens = s->b_tok,
                       .pos = s->b_pos,
                       .seqs = s->b_seq,
-                      .logits = s->b_want};
+                      .logits = s->b_want,
+                      .route = s->b_route};
+        if (s->b_route) memset(s->b_route, 0xff, sizeof *s->b_route * n); /* -1: not reported */
         t0 = km_now_ns();
         int rc = s->eng.step(s->eng.ctx, &b, &logits);
         if (rc >= 0) {
@@ -796,9 +826,11 @@ int wk_sched_step(wk_sched *s)
         *est = *est <= 0 ? per : per > *est ? 0.5 * *est + 0.5 * per : 0.9 * *est + 0.1 * per;
     }
     int row = 0;
-    for (int i = 0; i < np; i++) {
+    for (int i = 0, off = 0; i < np; off += s->parts[i++].n) {
         wk_part *p = &s->parts[i];
         wk_rq *r = p->rq;
+        if (r->route) /* positions r->n_done on are this part's tokens (drafts included) */
+            memcpy(r->route + r->n_done, s->b_route + off, sizeof *r->route * p->n);
         if (p->draft) {
             wk_sched_verify(s, p, logits + (size_t)row * s->n_vocab, now);
             row += p->n;

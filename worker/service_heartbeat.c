@@ -81,6 +81,26 @@ int wk_svc_metrics_init(wk_service *s, km_errbuf *err)
         "KV bytes held by live sequences (not reclaimable), per tier, shard and format.",
         "tier,shard,format", NULL, 0);
     s->m_kv_pinned = m;
+    REG(KM_COUNTER, "kvmesh_kv_shard_events_total",
+        "KV page events per shard: hit (a prefix hit served by the page), demotion (to a lower "
+        "tier), eviction (dropped from every tier).",
+        "shard,event", NULL, 0);
+    s->m_shard_ev = m;
+    REG(KM_GAUGE, "kvmesh_kv_expert_group_pages",
+        "KV pages per expert group (--kv-shard-key expert: the group of the page's dominant "
+        "routed expert) and tier.",
+        "group,tier", NULL, 0);
+    s->m_grp_pages = m;
+    REG(KM_COUNTER, "kvmesh_kv_expert_group_events_total",
+        "KV page events per expert group: placed, hit, demotion, eviction.", "group,event", NULL,
+        0);
+    s->m_grp_ev = m;
+    REG(KM_COUNTER, "kvmesh_kv_placements_total",
+        "Full pages placed by their dominant expert (--kv-shard-key expert): moved to the "
+        "expert's shard (or already there), or stayed (shared, another format, no room).",
+        "result", NULL, 0);
+    const char *pr[2] = {"moved", "stayed"};
+    for (int i = 0; i < 2; i++) s->s_place[i] = km_metric_series(m, &pr[i]);
     REG(KM_GAUGE, "kvmesh_worker_prefix_hit_ratio",
         "Prompt tokens served from cached KV over prompt tokens, since start.", NULL, NULL, 0);
     s->s_hit = km_metric_series(m, NULL);
@@ -169,6 +189,44 @@ void wk_svc_observe_end(wk_service *s, const wk_sched_usage *u)
     }
 }
 
+/* A counter brought up to a total kept elsewhere (kvshard's statistics). */
+static void wk_counter_sync(km_series *c, uint64_t total)
+{
+    uint64_t v = km_counter_value(c);
+    if (total > v) km_counter_add(c, total - v);
+}
+
+/* kvshard's per-shard and per-expert-group counts (docs/operations.md, metrics). */
+static void wk_svc_update_shard_counts(wk_service *s)
+{
+    static const char *const ev[4] = {"hit", "demotion", "eviction", "placed"};
+    char id[16];
+    for (int sh = 0; sh < kv_store_n_shards(s->kv); sh++) {
+        kv_shard_stats st;
+        if (kv_store_shard_stats(s->kv, sh, &st)) continue;
+        snprintf(id, sizeof id, "%d", sh);
+        const uint64_t v[3] = {st.hits, st.demotions, st.evictions};
+        for (int i = 0; i < 3; i++) {
+            const char *lv[2] = {id, ev[i]};
+            wk_counter_sync(km_metric_series(s->m_shard_ev, lv), v[i]);
+        }
+    }
+    for (int g = 0; g < kv_store_n_expert_groups(s->kv); g++) {
+        kv_group_stats gs;
+        if (kv_store_group_stats(s->kv, g, &gs)) continue;
+        snprintf(id, sizeof id, "%d", g);
+        for (int t = 0; t < KV_TIER_COUNT; t++) {
+            const char *lv[2] = {id, kv_tier_name((kv_tier)t)};
+            km_gauge_set(km_metric_series(s->m_grp_pages, lv), (double)gs.pages[t]);
+        }
+        const uint64_t v[4] = {gs.hits, gs.demotions, gs.evictions, gs.placed};
+        for (int i = 0; i < 4; i++) {
+            const char *lv[2] = {id, ev[i]};
+            wk_counter_sync(km_metric_series(s->m_grp_ev, lv), v[i]);
+        }
+    }
+}
+
 void wk_svc_update_gauges(wk_service *s)
 {
     int n_shards = kv_store_n_shards(s->kv);
@@ -194,8 +252,11 @@ void wk_svc_update_gauges(wk_service *s)
             }
         }
     }
+    wk_svc_update_shard_counts(s);
     kv_store_stats ks;
     kv_store_stats_get(s->kv, &ks);
+    wk_counter_sync(s->s_place[0], ks.placed_pages - ks.place_fallbacks);
+    wk_counter_sync(s->s_place[1], ks.place_fallbacks);
     if (ks.unauthenticated_pages > s->last_unauth)
         km_counter_add(s->s_unauth, ks.unauthenticated_pages - s->last_unauth);
     s->last_unauth = ks.unauthenticated_pages;

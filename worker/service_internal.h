@@ -147,6 +147,10 @@ struct wk_service {
     km_series *s_rec_evict, *s_rec_format, *s_rec_drain, *s_rec_shutdown;
     km_series *s_rec_level[4]; /* kvmesh_recovery_actions_total{level="0".."3"} */
     km_metric *m_kv_pinned;
+    /* kvshard's own counts (hits, demotions, evictions per shard; expert groups; placements),
+     * brought up to the store's totals with every gauge update */
+    km_metric *m_shard_ev, *m_grp_pages, *m_grp_ev;
+    km_series *s_place[2]; /* kvmesh_kv_placements_total{result="moved","stayed"} */
     km_series *s_ballast;
     /* speculative decoding: drafted, accepted, rejected tokens, verifications, back-offs (the
      * scheduler's totals, added as they grow), and the mean accepted length */

@@ -32,6 +32,10 @@ extern "C" {
 
 /* ---------------------------------------------------------------- model */
 
+/* The most experts a MoE layer may have (llama.cpp's LLAMA_MAX_EXPERTS is larger; no model this
+ * engine runs needs more). */
+#define WK_MAX_EXPERTS 256
+
 typedef struct wk_hparams {
     char arch[32]; /* "llama", "qwen2", ... */
     int n_layers;
@@ -47,7 +51,8 @@ typedef struct wk_hparams {
     float rope_base;
     int rope_neox;     /* 1: NeoX pairs (i, i+n/2), 0: normal pairs (2i, 2i+1) */
     int tied_output;   /* output projection reuses token_embd */
-    int n_expert;      /* MoE FFN layers (Mixtral layout, docs/moe.md): experts; 0 = dense */
+    int n_expert;      /* MoE FFN layers (Mixtral layout, docs/moe.md): experts; 0 = dense,
+                          at most WK_MAX_EXPERTS */
     int n_expert_used; /* experts each token is routed to (top-k) */
 } wk_hparams;
 
@@ -84,6 +89,11 @@ typedef struct wk_engine_opts {
      * without a valid MAC is dropped, never served (kv_config.disk_secret). NULL: checksum only. */
     const uint8_t *kv_disk_secret;
     int kv_shards;
+    /* How pages are spread over the shards (kvshard.h): hash (default), or expert (MoE models
+     * only: each full page goes to the shard of its tokens' dominant expert, wk_batch.route),
+     * with PiKV's token and expert group counts (0: kv_shards). */
+    kv_shard_key kv_shard_key;
+    int kv_tok_groups, kv_expert_groups;
     int kv_arena; /* page memory in one arena (kv_config.arena): needed by a transfer node */
 } wk_engine_opts;
 
@@ -102,6 +112,10 @@ typedef struct wk_batch {
     const int32_t *pos;    /* [n_tokens] position of each token in its sequence */
     kv_seq *const *seqs;   /* [n_tokens] the sequence each token belongs to */
     const uint8_t *logits; /* [n_tokens] 1 where the caller wants logits; NULL: last only */
+    /* [n_tokens] out, or NULL: each token's dominant routed expert, the one with the largest
+     * router weight summed over the MoE layers (its choices' renormalized weights; the lower id
+     * on a tie); -1 for a dense model. What kvshard places the token's page by (kv_seq_place). */
+    int16_t *route;
 } wk_batch;
 
 /* Runs the batch. On success *logits points to n_out rows of n_vocab floats (engine-owned,

@@ -110,8 +110,9 @@ static void close_eng(eng *x)
     } while (0)
 
 /* Runs ids[0..n) (n <= MAXP) of a fresh sequence in one step; logits of positions >= from into
- * out[(i - from) * n_vocab]; returns the number of rows. */
-static int run_prompt(eng *x, const int32_t *ids, int n, int from, float *out)
+ * out[(i - from) * n_vocab], each token's dominant expert into route (may be NULL); returns the
+ * number of rows. */
+static int run_prompt(eng *x, const int32_t *ids, int n, int from, float *out, int16_t *route)
 {
     kv_store *kv = wk_engine_kv(x->e);
     kv_seq *seq;
@@ -121,7 +122,8 @@ static int run_prompt(eng *x, const int32_t *ids, int n, int from, float *out)
     uint8_t want[MAXP];
     cr_assert_leq(n, MAXP);
     for (int i = 0; i < n; i++) pos[i] = i, seqs[i] = seq, want[i] = i >= from;
-    wk_batch b = {.n_tokens = n, .tokens = ids, .pos = pos, .seqs = seqs, .logits = want};
+    wk_batch b = {
+        .n_tokens = n, .tokens = ids, .pos = pos, .seqs = seqs, .logits = want, .route = route};
     const float *lg;
     const int rows = wk_engine_step(x->e, &b, &lg);
     cr_assert_eq(rows, n - from, "step: %d", rows);
@@ -234,10 +236,12 @@ Test(moe, eight_experts_all_used_agree_with_the_dense_model, .timeout = 900)
         /* the dense model's greedy run, with its margins (teacher-forced, one step) */
         greedy_run(&d, c->ids, np, G, td, ld);
         memcpy(c->ids + np, td, sizeof td);
-        run_prompt(&d, c->ids, np + G - 1, np - 1, lg);
+        int16_t route[MAXP];
+        run_prompt(&d, c->ids, np + G - 1, np - 1, lg, route);
+        cr_assert_eq(route[0], -1, "a dense model routes nothing");
         for (int g = 0; g < G; g++) c->margins[g] = margin_of(lg + (size_t)g * n_vocab, n_vocab);
         /* the MoE model on the same tokens */
-        run_prompt(&x, c->ids, np + G - 1, np - 1, lg);
+        run_prompt(&x, c->ids, np + G - 1, np - 1, lg, NULL);
         for (int v = 0; v < n_vocab; v++) {
             const double diff = fabs((double)ld[v] - lg[v]);
             if (diff > worst) worst = diff;
@@ -297,14 +301,114 @@ Test(moe, logits_are_bit_identical_in_one_step_token_by_token_and_beside_another
         cr_assert_eq(wk_engine_step(x.e, &bb, &lg), 1);
     }
     memcpy(one, lg, sizeof(float) * n_vocab);
-    run_prompt(&x, c->ids, n, n - 1, all);
+    int16_t route_one[MAXP], route_all[MAXP];
+    run_prompt(&x, c->ids, n, n - 1, all, route_all);
     int diff = 0;
     for (int v = 0; v < n_vocab; v++) diff += memcmp(&one[v], &all[v], sizeof(float)) != 0;
     cr_expect_eq(diff, 0, "%d of %d logits differ between one step and token by token", diff,
                  n_vocab);
+    /* the routing report (what places a KV page) is batch-invariant too, and follows the text:
+     * not one expert for every token */
+    int seen[8] = {0}, kinds = 0;
+    for (int i = 0; i < n; i++) {
+        cr_assert(route_all[i] >= 0 && route_all[i] < 8, "token %d: expert %d", i, route_all[i]);
+        kinds += !seen[route_all[i]]++;
+    }
+    kv_seq_destroy(kv, a);
+    kv_seq_create(kv, &a);
+    for (int i = 0; i < n; i++) {
+        int16_t r[1] = {-2};
+        kv_seq *seqs[1] = {a};
+        int32_t pos[1] = {i};
+        wk_batch bb = {.n_tokens = 1, .tokens = c->ids + i, .pos = pos, .seqs = seqs, .route = r};
+        cr_assert_eq(wk_engine_step(x.e, &bb, &lg), 1);
+        route_one[i] = r[0];
+    }
+    cr_expect_eq(memcmp(route_one, route_all, sizeof(int16_t) * n), 0,
+                 "dominant experts differ between one step and token by token");
+    cr_expect_geq(kinds, 2, "%d tokens all routed to one expert", n);
     kv_seq_destroy(kv, a);
     kv_seq_destroy(kv, b);
     free(one);
     free(all);
     close_eng(&x);
+}
+
+/* Expert-aware shards fed by the model's routing: a scheduler over the top-4 model with the
+ * `expert` shard key places every full page by its tokens' dominant expert (kv_seq_place) before
+ * publishing it; the store's bookkeeping holds, pages land in more than one group, a repeated
+ * prompt hits them, and the tokens are those of the same engine with the `hash` key. */
+#define MAXG 16
+#include "kvshard/internal.h" /* kv_store_check */
+#include "sched_fixture.h"
+
+static void sched_run(const char *path, wk_engine_opts *eo, out *o, int n_req, kv_store_stats *st)
+{
+    wk_model *m;
+    wk_engine *e;
+    km_errbuf err = {{0}};
+    cr_assert_eq(wk_model_load(path, &m, &err), 0, "%s", err.msg);
+    cr_assert_eq(wk_engine_create(m, eo, &e, &err), 0, "%s", err.msg);
+    wk_sched_opts so = {.max_batch_tokens = MAXP, .prefill_chunk = 64, .max_ctx = 1024};
+    wk_sched *s;
+    cr_assert_eq(wk_sched_create(e, m, &so, &g_cb, &s, &err), 0, "%s", err.msg);
+    for (int i = 0; i < n_req; i++) {
+        /* a fixture's prompt and llama.cpp's continuation as one prompt; requests 3.. repeat
+         * 0..2 (prefix hits) */
+        const mrec *c = &g_rec[i % 3];
+        int n = c->n_prompt + c->n_gen;
+        wk_sched_req q = greedy_req(c->ids, n, MAXG, &o[i]);
+        cr_assert_eq(wk_sched_submit(s, &q, NULL), 0);
+        if (i == 2) run_all(s);
+    }
+    run_all(s);
+    kv_store_stats_get(wk_engine_kv(e), st);
+    cr_assert_eq(kv_store_check(wk_engine_kv(e), &err), 0, "%s", err.msg);
+    if (eo->kv_shard_key == KV_SHARD_KEY_EXPERT) {
+        int groups = 0;
+        for (int g = 0; g < kv_store_n_expert_groups(wk_engine_kv(e)); g++) {
+            kv_group_stats gs;
+            kv_store_group_stats(wk_engine_kv(e), g, &gs);
+            groups += gs.placed > 0;
+        }
+        cr_expect_geq(groups, 2, "pages of %d expert group(s) only", groups);
+    }
+    wk_sched_destroy(s);
+    wk_engine_destroy(e);
+    wk_model_free(m);
+}
+
+Test(moe, pages_are_placed_by_their_dominant_expert_without_changing_a_token, .timeout = 900)
+{
+    NEED(TOP4);
+    read_fixture(PROMPTS);
+    enum { N = 5 };
+    out by_hash[N] = {0}, by_expert[N] = {0};
+    kv_store_stats sh, se;
+    wk_engine_opts eo = {.n_threads = 2, .max_batch_tokens = MAXP, .kv_shards = 4};
+    sched_run(TOP4, &eo, by_hash, N, &sh);
+    cr_assert_eq(sh.placed_pages, 0, "the hash key places nothing");
+    eo.kv_shard_key = KV_SHARD_KEY_EXPERT;
+    eo.kv_tok_groups = 1;
+    sched_run(TOP4, &eo, by_expert, N, &se);
+    cr_assert_gt(se.placed_pages, 10, "placed %llu", (unsigned long long)se.placed_pages);
+    cr_assert_eq(se.place_fallbacks, 0);
+    cr_assert_gt(se.hits, 0, "the repeated prompts hit their placed pages");
+    for (int i = 0; i < N; i++) {
+        cr_assert_eq(by_expert[i].code, 0);
+        cr_assert_eq(by_expert[i].n, by_hash[i].n);
+        cr_expect_arr_eq(by_expert[i].tok, by_hash[i].tok, sizeof(int32_t) * MAXG,
+                         "request %d: tokens differ with the expert key", i);
+        if (i >= 3) cr_assert_gt(by_expert[i].u.cached_tokens, 0);
+    }
+
+    /* a dense model refuses the expert key */
+    wk_model *m;
+    wk_engine *e;
+    km_errbuf err = {{0}};
+    NEED(DENSE);
+    cr_assert_eq(wk_model_load(DENSE, &m, &err), 0, "%s", err.msg);
+    cr_assert_eq(wk_engine_create(m, &eo, &e, &err), KM_EINVAL);
+    cr_assert(strstr(err.msg, "needs an MoE model"), "%s", err.msg);
+    wk_model_free(m);
 }

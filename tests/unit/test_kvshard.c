@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kvshard/internal.h" /* kv_store_check */
 #include "kvshard/kvshard.h"
 
 #define L  2
@@ -820,4 +821,111 @@ Test(kvshard, bad_config_is_an_error_not_a_crash)
     cr_assert_eq(kv_format_parse("fp9", &f), KM_EINVAL);
     cr_assert_eq(kv_format_parse("int4", &f), 0);
     cr_assert_eq(f, KN_KV_INT4);
+}
+
+/* kv_seq_place: a page computed in its provisional (hash) shard moves to its expert's shard once
+ * its tokens' routing is known; its expert group counts it on whatever tier it lives, hits and
+ * demotions included, and kv_store_check holds throughout. */
+Test(kvshard, placing_a_page_by_its_expert_moves_it_and_its_group_follows_it)
+{
+    kv_config c = base_cfg(64);
+    c.n_shards = 4;
+    c.shard_key = KV_SHARD_KEY_EXPERT;
+    c.n_tok_groups = 1; /* the shard is the expert's group alone */
+    c.n_expert_groups = 4;
+    c.host_bytes = c.hot_bytes;
+    c.sync_promote = 1;
+    kv_store *s = mk(&c);
+    cr_assert_eq(kv_store_n_expert_groups(s), 4);
+    km_errbuf err;
+    int32_t t[8 * PT];
+    km_pagehash h[8];
+    seq_tokens(t, 8 * PT, 7);
+    chain(t, 8 * PT, h);
+    kv_seq *q;
+    cr_assert_eq(kv_seq_create(s, &q), 0);
+    fill(s, q, t, 0, 8 * PT);
+    for (int i = 0; i < 8; i++) {
+        cr_assert_eq(kv_seq_place(s, q, i * PT + 1, i % 4 + 4), i % 4, "page %d", i);
+        cr_assert_eq(kv_seq_place(s, q, i * PT, 0), i % 4, "a tagged page stays");
+        cr_assert_eq(kv_store_check(s, &err), 0, "%s", err.msg);
+    }
+    cr_assert_eq(kv_seq_place(s, q, 8 * PT, 0), KM_ERANGE);
+    cr_assert_lt(check(s, q, t, 8 * PT), 1e-6f, "content unchanged by the move");
+    cr_assert_eq(kv_seq_publish(s, q, h, t, 8 * PT), 8);
+    kv_store_stats st;
+    kv_store_stats_get(s, &st);
+    cr_assert_eq(st.placed_pages, 8);
+    cr_assert_eq(st.place_fallbacks, 0);
+    for (int g = 0; g < 4; g++) {
+        kv_group_stats gs;
+        kv_shard_stats ss;
+        cr_assert_eq(kv_store_group_stats(s, g, &gs), 0);
+        cr_assert_eq(kv_store_shard_stats(s, g, &ss), 0);
+        cr_assert_eq(gs.placed, 2);
+        cr_assert_eq(gs.pages[KV_TIER_HOT], 2);
+        cr_assert_eq(ss.tier[KV_TIER_HOT].pages, 2, "shard %d holds its group's pages", g);
+    }
+    kv_seq_destroy(s, q);
+    /* everything cached goes to the host tier, then comes back on a hit */
+    cr_assert_eq(kv_store_evict_oldest_fraction(s, 1.0), 8);
+    cr_assert_eq(kv_store_check(s, &err), 0, "%s", err.msg);
+    kv_group_stats g0;
+    kv_store_group_stats(s, 0, &g0);
+    cr_assert_eq(g0.pages[KV_TIER_HOT], 0);
+    cr_assert_eq(g0.pages[KV_TIER_HOST], 2);
+    cr_assert_eq(g0.demotions, 2);
+    cr_assert_eq(kv_seq_create(s, &q), 0);
+    cr_assert_eq(kv_seq_attach(s, q, h, t, 8), 8);
+    cr_assert_eq(kv_store_check(s, &err), 0, "%s", err.msg);
+    kv_store_group_stats(s, 0, &g0);
+    cr_assert_eq(g0.pages[KV_TIER_HOT], 2);
+    cr_assert_eq(g0.hits, 2);
+    cr_assert_eq(kv_seq_place(s, q, 0, 3), 0, "an indexed page keeps its shard and its tag");
+    kv_seq_destroy(s, q);
+    kv_store_destroy(s);
+}
+
+Test(kvshard, placing_under_the_hash_key_or_without_room_leaves_the_page)
+{
+    kv_config c = base_cfg(8);
+    c.n_shards = 2;
+    kv_store *s = mk(&c);
+    cr_assert_eq(kv_store_n_expert_groups(s), 0);
+    kv_group_stats gs;
+    cr_assert_eq(kv_store_group_stats(s, 0, &gs), KM_EINVAL);
+    int32_t t[2 * PT];
+    seq_tokens(t, 2 * PT, 3);
+    kv_seq *q;
+    kv_seq_create(s, &q);
+    fill(s, q, t, 0, 2 * PT);
+    int sh = kv_store_shard_of(s, kv_seq_uid(q), 0, -1);
+    cr_assert_eq(kv_seq_place(s, q, 0, 1), sh, "hash key: the page stays");
+    kv_seq_destroy(s, q);
+    kv_store_destroy(s);
+
+    /* expert key, every page of shard 1 pinned: a page routed there stays in shard 0 */
+    c = base_cfg(4);
+    c.n_shards = 2;
+    c.shard_key = KV_SHARD_KEY_EXPERT;
+    c.n_tok_groups = 1;
+    c.n_expert_groups = 2;
+    s = mk(&c);
+    kv_seq *full, *a;
+    kv_seq_create(s, &full);
+    kv_seq_create(s, &a);
+    cr_assert_eq(kv_seq_reserve_expert(s, full, 2 * PT, 1), 0);
+    cr_assert_eq(kv_seq_reserve_expert(s, a, PT, 0), 0);
+    cr_assert_eq(kv_seq_place(s, a, 0, 1), 0);
+    kv_store_stats st;
+    kv_store_stats_get(s, &st);
+    cr_assert_eq(st.place_fallbacks, 1);
+    km_errbuf err;
+    cr_assert_eq(kv_store_check(s, &err), 0, "%s", err.msg);
+    kv_group_stats g1;
+    kv_store_group_stats(s, 1, &g1);
+    cr_assert_eq(g1.pages[KV_TIER_HOT], 1, "tagged with its expert's group even where it stays");
+    kv_seq_destroy(s, a);
+    kv_seq_destroy(s, full);
+    kv_store_destroy(s);
 }

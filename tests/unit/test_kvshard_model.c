@@ -116,7 +116,11 @@ static void run_model(uint32_t seed, kv_format fmt, int ops, float tol, int with
                    .disk_dir = dir,
                    .disk_bytes = 30 * (pb + 200),
                    .n_shards = 2,
-                   .evict = seed & 1 ? KV_EVICT_LRU_PRIORITY : KV_EVICT_LRU};
+                   .evict = seed & 1 ? KV_EVICT_LRU_PRIORITY : KV_EVICT_LRU,
+                   /* and pages placed by (random) experts as an MoE engine places them */
+                   .shard_key = seed & 2 ? KV_SHARD_KEY_EXPERT : KV_SHARD_KEY_HASH,
+                   .n_tok_groups = 1,
+                   .n_expert_groups = 3};
     kv_store *s;
     km_errbuf err;
     cr_assert_eq(kv_store_create(&c, &s, &err), 0, "%s", err.msg);
@@ -158,6 +162,9 @@ static void run_model(uint32_t seed, kv_format fmt, int ops, float tol, int with
             mseq *m = &ms[rnd(nq)];
             km_pagehash h[MAXT / PT];
             int np = km_pagehash_chain(g_seed, m->tok, m->n, PT, h, MAXT / PT);
+            for (int i = 0; c.shard_key == KV_SHARD_KEY_EXPERT && i < np; i++)
+                if (i >= kv_seq_dropped_pages(m->q))
+                    cr_assert_geq(kv_seq_place(s, m->q, i * PT, (int)rnd(8)), 0, "op %d place", op);
             cr_assert_geq(kv_seq_publish(s, m->q, h, m->tok, np * PT), 0);
         } else if (kind < 68 && nq && nq < MAXQ) { /* fork */
             mseq *m = &ms[rnd(nq)], *f = &ms[nq];
@@ -194,6 +201,8 @@ static void run_model(uint32_t seed, kv_format fmt, int ops, float tol, int with
     kv_store_stats st;
     kv_store_stats_get(s, &st);
     cr_assert_eq(st.tier[KV_TIER_HOT].bytes > 0, st.tier[KV_TIER_HOT].pages > 0);
+    if (c.shard_key == KV_SHARD_KEY_EXPERT)
+        cr_assert_gt(st.placed_pages, st.place_fallbacks, "pages moved to their experts' shards");
     kv_store_destroy(s);
     /* A restart serves what the disk kept, still exactly. */
     cr_assert_eq(kv_store_create(&c, &s, &err), 0, "%s", err.msg);
