@@ -69,6 +69,10 @@ int cli_cmd_tokenize(int argc, char **argv);
 int cli_cmd_generate(int argc, char **argv);
 int cli_cmd_chat(int argc, char **argv);
 int cli_cmd_status(int argc, char **argv);
+/* `kvmesh status --worker URL` (status_kv.c): a worker's KV shards and expert groups. */
+int cli_status_worker(const char *admin_url);
+/* Bytes for a narrow column: 0B, 512B, 4.4M, 1.2G (status.c). */
+void cli_fmt_bytes(char *out, size_t cap, uint64_t b);
 int cli_cmd_recover(int argc, char **argv);
 int cli_cmd_up(int argc, char **argv);
 int cli_cmd_chaos(int argc, char **argv);

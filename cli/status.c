@@ -19,8 +19,7 @@ static const char *level_name(uint32_t level)
     return level < 4 ? names[level] : "?";
 }
 
-/* Bytes for a narrow column: 0, 512B, 4.4M, 1.2G. */
-static void fmt_bytes(char *out, size_t cap, uint64_t b)
+void cli_fmt_bytes(char *out, size_t cap, uint64_t b)
 {
     static const char units[] = "BKMGTP";
     double v = (double)b;
@@ -44,8 +43,8 @@ static void view_print(FILE *f, const km_msg_view *v)
         char lv[32], in[16] = "-", out[16] = "-";
         snprintf(lv, sizeof lv, "%u %s", w->level, level_name(w->level));
         if (w->peer_addr) { /* a transfer node: KV page bytes pulled in, read out by peers */
-            fmt_bytes(in, sizeof in, w->xfer_bytes_in);
-            fmt_bytes(out, sizeof out, w->xfer_bytes_out);
+            cli_fmt_bytes(in, sizeof in, w->xfer_bytes_in);
+            cli_fmt_bytes(out, sizeof out, w->xfer_bytes_out);
         }
         fprintf(f, "%-12s %-10s %-12s %7.1f%% %-6s %7u %7u %9llu %9s %9s  %s\n", w->id,
                 km_member_state_name(w->state), lv, 100 * w->pressure,
@@ -172,7 +171,7 @@ int cli_cmd_status(int argc, char **argv)
 {
     const char *http = NULL;
     bool json_out = false;
-    const char *controller = NULL, *api_key = NULL;
+    const char *controller = NULL, *api_key = NULL, *worker = NULL;
     kvm_sec sec = {0};
     const km_opt opts[] = {
         {"http", NULL, KM_OPT_STR, "http://127.0.0.1:8080", "the router's HTTP address", &http, 0,
@@ -181,6 +180,11 @@ int cli_cmd_status(int argc, char **argv)
          "ask the controller (its --listen, e.g. tcp://127.0.0.1:7200) instead: each worker's "
          "member state, recovery level, pressure and recovery history",
          &controller, 0, 0},
+        {"worker", NULL, KM_OPT_STR, NULL,
+         "show one worker's KV store instead, from its admin HTTP address (its --admin-port; "
+         "cluster.env `admin=`, e.g. http://127.0.0.1:9100): pages, bytes, hits, demotions and "
+         "evictions per shard, and per expert group under --kv-shard-key expert",
+         &worker, 0, 0},
         {"json", NULL, KM_OPT_BOOL, "false", "print JSON (the router's as is)", &json_out, 0, 0},
         {"api-key", NULL, KM_OPT_STR, NULL,
          "an operator's HTTP API key, for a router with --api-keys (kvmesh up: "
@@ -192,6 +196,11 @@ int cli_cmd_status(int argc, char **argv)
     int prc = cli_parse_opts("status", "workers, KV pages per tier and the prefix hit ratio", opts,
                              sizeof opts / sizeof *opts, argc, argv, &cfg);
     if (prc) return prc == 1 ? 0 : 2;
+    if (worker) {
+        int rc = cli_status_worker(worker);
+        km_config_destroy(cfg);
+        return rc;
+    }
     if (controller) {
         int rc = status_controller(controller, &sec, json_out);
         km_config_destroy(cfg);

@@ -281,6 +281,23 @@ static inline int kv_page_writable(const kv_page *p)
     return p->refs == 1 && !(p->flags & KV_PAGE_INDEXED) && kv_format_row_writable(p->format);
 }
 
+/* Under the `expert` key a page's expert is known only once its tokens are computed
+ * (kv_seq_place moves it then), so a new page waits in the shard with the most hot room that
+ * no sequence pins: a hash could send it to a shard the placed pages of running sequences
+ * have filled while others are empty. */
+static int kv_roomiest_shard(const kv_store *s)
+{
+    int best = 0;
+    size_t best_room = 0;
+    for (int i = 0; i < s->n_shards; i++) {
+        const kv_tier_acct *a = &s->shards[i].t[KV_TIER_HOT];
+        size_t pinned = a->used - a->cached_bytes;
+        size_t room = a->budget > pinned ? a->budget - pinned : 0;
+        if (!i || room > best_room) best = i, best_room = room;
+    }
+    return best;
+}
+
 int kv_seq_reserve_expert(kv_store *s, kv_seq *q, int n_tokens, int expert)
 {
     const int pt = s->pt;
@@ -310,7 +327,8 @@ int kv_seq_reserve_expert(kv_store *s, kv_seq *q, int n_tokens, int expert)
             rc = KM_ENOMEM;
             break;
         }
-        p->shard = kv_store_shard_of(s, q->uid, i + q->n_dropped, expert);
+        p->shard = expert < 0 && s->groups ? kv_roomiest_shard(s)
+                                           : kv_store_shard_of(s, q->uid, i + q->n_dropped, expert);
         p->format = kv_write_format(s, p->shard);
         p->tier = KV_TIER_HOT;
         p->refs = 1;
