@@ -81,8 +81,9 @@ Test(cli, flags_parse_as_documented_or_say_what_is_wrong)
     rmdir("/tmp/kvmesh-cli-test-up");
 }
 
-/* Starts a worker (one thread, its admin port for metrics) and returns its request endpoint. */
-static void start_worker(char *req, size_t cap, int *admin_port)
+/* Starts a worker (one thread, its admin port for metrics; extra flags, NULL-terminated, may be
+ * NULL) and returns its request endpoint. */
+static void start_worker_with(char *req, size_t cap, int *admin_port, const char *const *extra)
 {
     char dir[] = "/tmp/kvmesh-cli-XXXXXX", ports[128];
     cr_assert(mkdtemp(dir));
@@ -93,8 +94,16 @@ static void start_worker(char *req, size_t cap, int *admin_port)
         FILE *f = freopen("/dev/null", "w", stderr);
         (void)f;
         setenv("KVMESH_INSECURE", "1", 1); /* a plain worker on loopback, as the other tests */
-        execl(WORKER, WORKER, "--listen=tcp://127.0.0.1:*", "--events=tcp://127.0.0.1:*",
-              "--admin-port=0", "--threads=1", "--log-level=warn", "--ports-file", ports, NULL);
+        const char *argv[32] = {WORKER,
+                                "--listen=tcp://127.0.0.1:*",
+                                "--events=tcp://127.0.0.1:*",
+                                "--admin-port=0",
+                                "--threads=1",
+                                "--log-level=warn",
+                                "--ports-file",
+                                ports};
+        for (int i = 0, n = 8; extra && extra[i] && n < 31; i++) argv[n++] = extra[i];
+        execv(WORKER, (char *const *)argv);
         _exit(127);
     }
     for (int i = 0; i < 600; i++, usleep(50000)) {
@@ -112,6 +121,11 @@ static void start_worker(char *req, size_t cap, int *admin_port)
         return;
     }
     cr_assert_fail("worker did not start in 30 s");
+}
+
+static void start_worker(char *req, size_t cap, int *admin_port)
+{
+    start_worker_with(req, cap, admin_port, NULL);
 }
 
 static double canceled_requests(int admin_port)
@@ -234,4 +248,42 @@ Test(cli, run_prints_its_statistics_on_a_line_of_their_own)
     const char *stats = strstr(out, "kvmesh run: model="), *text = strstr(out, "Hello");
     cr_assert(stats && text && text < stats && stats[-1] == '\n', "got:\n%s", out);
     free(out);
+}
+
+/* `kvmesh status --worker`: the KV shards and expert groups of a worker serving the MoE test
+ * model with expert-aware shards (issue 16), from its /metrics; a dense model refuses the key. */
+Test(cli, status_worker_shows_shards_and_expert_groups)
+{
+    if (!have_worker_binaries()) return;
+    const char *moe = "models/SmolLM2-135M-Instruct-MoE8-top4.Q4_1.gguf";
+    expect("KVMESH_INSECURE=1 " WORKER " --model " MODEL " --kv-shards 2 --kv-shard-key expert "
+           "--listen 'tcp://127.0.0.1:*' --events '' --admin-port -1",
+           1, "the `expert` KV shard key needs an MoE model");
+    expect(WORKER " --kv-shard-key pikv", 2, "--kv-shard-key is hash or expert");
+    if (access(moe, R_OK)) cr_skip_test("%s absent: run `make moe-model`", moe);
+    const char *extra[] = {"--model", moe, "--kv-shards=4", "--kv-shard-key=expert", NULL};
+    char req[512], cmd[2048], *out;
+    int admin = 0;
+    start_worker_with(req, sizeof req, &admin, extra);
+    for (int i = 0; i < 2; i++) {
+        snprintf(cmd, sizeof cmd,
+                 "head -c 1200 /usr/share/common-licenses/GPL-3 | " KVMESH
+                 " generate -r %s --model SmolLM2-135M-Instruct-MoE8-top4 -n 2 --file /dev/stdin",
+                 req);
+        char *o;
+        cr_assert_eq(run(cmd, &o), 0, "%s", o);
+        cr_assert(strstr(o, "cached (") && (!i || !strstr(o, " 0 cached")), "request %d: %s", i, o);
+        free(o);
+    }
+    usleep(1300 * 1000); /* the worker refreshes its KV gauges once a second */
+    snprintf(cmd, sizeof cmd, KVMESH " status --worker http://127.0.0.1:%d", admin);
+    cr_assert_eq(run(cmd, &out), 0, "%s", out);
+    cr_assert(strstr(out, "4 KV shards") && strstr(out, "expert groups (--kv-shard-key expert)") &&
+                  strstr(out, "moved to their expert's shard") && strstr(out, "max/mean"),
+              "%s", out);
+    const char *placed = strstr(out, "expert): ");
+    cr_assert(placed && atoi(placed + 9) > 10, "pages placed: %s", out);
+    free(out);
+    expect(KVMESH " status --worker http://127.0.0.1:9", 1, "kvmesh status:");
+    kill_worker();
 }
