@@ -20,10 +20,14 @@
  *    (kv_xfer_checksum: identity, tokens and payload). A page that fails is dropped and counted
  *    by reason, and the chain ends before it; a page in another format than the receiver's
  *    store is converted as it is indexed.
- *  - Every wait has a deadline. A pull still running at its deadline is canceled: its endpoint
- *    is closed and the peer marked failed, and its buffers are given back only once every
- *    operation on them has completed. A holder unpins a lease when it runs out, whatever the
- *    reader does. Endpoints of failed peers are closed and their remote keys released.
+ *  - Every wait has a deadline. A pull still running at its deadline is canceled: nothing more
+ *    is read and its pages still missing are dropped (PR_DROP_TIMEOUT). If the peer has been
+ *    silent for a second (no page or answer on the connection), or a read into our pages is
+ *    still running a second after the peer's last sign of life, the endpoint is closed and the
+ *    peer marked failed (every pull on it ends); a live but slow peer keeps the connection its
+ *    other pulls share. Buffers are given back only once every operation on them has
+ *    completed. A holder unpins a lease when it runs out, whatever the reader does. Endpoints of
+ *    failed peers are closed and their remote keys released.
  *  - All calls are made from the store's owner thread (they call kvshard's structural
  *    functions, between engine steps); the node never calls kvshard from its own thread.
  *  - Back ends sit behind one table of operations (peer/internal.h): UCX now, a GPU path
@@ -124,8 +128,8 @@ typedef struct pr_pull_done {
 /* Connects to the node whose address is addr (from pr_node_address); the connection completes
  * in the background. The handle is the caller's until pr_peer_release. */
 int pr_peer_connect(pr_node *n, const uint8_t *addr, size_t len, pr_peer **out, km_errbuf *err);
-/* 1 once the peer's endpoint failed or was closed by a deadline: release it and connect again
- * (with a fresh address if it restarted). */
+/* 1 once the peer's endpoint failed, or was closed at a pull's deadline because the peer was
+ * silent: release it and connect again (with a fresh address if it restarted). */
 int pr_peer_failed(const pr_peer *p);
 /* Closes the endpoint (when no pull uses it any more) and frees the handle. */
 void pr_peer_release(pr_node *n, pr_peer *p);

@@ -20,8 +20,11 @@
  * PR_MODE_AM sends a small fetch message; the holder's progress thread answers with ucp_am_send_nbx
  * of the page from its registered memory, forced to rendezvous, and the reader receives it with
  * ucp_am_recv_data_nbx straight into the destination page. Both keep max_inflight pages of a
- * pull in flight. Deadlines are checked here: a pull still reading at its deadline has its
- * peer's endpoint closed (a slow or stopped peer is a failed peer).
+ * pull in flight. Deadlines are checked here: a pull still reading at its deadline stops; its
+ * reads that wait for an answer end, and the endpoint is closed (a stopped or partitioned peer is
+ * a failed peer) only when the peer has been silent for PR_SILENT_NS, or when a read that writes
+ * into our pages is still running PR_SILENT_NS after its last sign of life; a live but slow peer
+ * keeps the connection its other pulls share.
  *
  * Wake-ups: after work the thread keeps polling for a short while, then arms the worker and
  * sleeps in epoll on the worker's event fd and the command eventfd, with a timeout at the next
@@ -29,6 +32,7 @@
  */
 #include <arpa/inet.h>
 #include <errno.h>
+#include <ifaddrs.h>
 #include <netdb.h>
 #include <pthread.h>
 #include <sched.h>
@@ -145,6 +149,7 @@ static void pr_ep_ready(pr_ucx *u, pr_uep *e)
             return;
         }
     e->state = PR_EP_READY;
+    e->live_ns = km_now_ns();
 }
 
 static int pr_sockaddr(const char *host, int port, struct sockaddr_storage *ss, socklen_t *len)
@@ -354,6 +359,34 @@ static int pr_ucx_fail(pr_node *n, pr_ucx *u, km_errbuf *err, const char *what, 
     return km_errf(err, KM_EIO, "peer ucx: %s: %s", what, ucs_status_string(st));
 }
 
+/* The interface that holds the address the node listens on (NULL or 0.0.0.0: none), in dev.
+ * UCX otherwise opens a lane on every interface of the host, and a lane from an address the
+ * peer has no route back to (another network's interface: a second NIC, a container bridge, a
+ * namespace's veth) times out the whole endpoint. */
+static int pr_listen_device(const char *host, char *dev, size_t cap)
+{
+    struct in_addr v4;
+    struct in6_addr v6;
+    int fam = host && inet_pton(AF_INET, host, &v4) == 1    ? AF_INET
+              : host && inet_pton(AF_INET6, host, &v6) == 1 ? AF_INET6
+                                                            : 0;
+    if (!fam || (fam == AF_INET && v4.s_addr == htonl(INADDR_ANY)) ||
+        (fam == AF_INET6 && IN6_IS_ADDR_UNSPECIFIED(&v6)))
+        return 0;
+    struct ifaddrs *all, *i;
+    if (getifaddrs(&all)) return 0;
+    int found = 0;
+    for (i = all; i && !found; i = i->ifa_next) {
+        if (!i->ifa_addr || i->ifa_addr->sa_family != fam) continue;
+        found = fam == AF_INET
+                    ? !memcmp(&((struct sockaddr_in *)i->ifa_addr)->sin_addr, &v4, sizeof v4)
+                    : !memcmp(&((struct sockaddr_in6 *)i->ifa_addr)->sin6_addr, &v6, sizeof v6);
+        if (found) snprintf(dev, cap, "%s", i->ifa_name);
+    }
+    freeifaddrs(all);
+    return found;
+}
+
 static int pr_ucx_open(pr_node *n, km_errbuf *err)
 {
     pr_ucx *u = calloc(1, sizeof *u);
@@ -375,6 +408,15 @@ static int pr_ucx_open(pr_node *n, km_errbuf *err)
     setenv("UCX_TCP_PUT_ENABLE", "n", 0);
     ucs_status_t st = ucp_config_read(NULL, NULL, &cfg);
     if (st != UCS_OK) return pr_ucx_fail(n, u, err, "config", st);
+    /* Lanes only on the listening interface, unless UCX_NET_DEVICES says otherwise. */
+    char dev[64];
+    if (!getenv("UCX_NET_DEVICES") && pr_listen_device(n->cfg.listen_host, dev, sizeof dev)) {
+        st = ucp_config_modify(cfg, "NET_DEVICES", dev);
+        if (st != UCS_OK)
+            KM_WARN("peer_net_devices", "device=%s status=\"%s\"", dev, ucs_status_string(st));
+        else
+            KM_DEBUG("peer_net_devices", "device=%s", dev);
+    }
     st = ucp_init(&prm, cfg, &u->ctx);
     ucp_config_release(cfg);
     if (st != UCS_OK) return pr_ucx_fail(n, u, err, "init", st);

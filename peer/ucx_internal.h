@@ -19,6 +19,10 @@
 #define PR_SPINS    2000                        /* empty progress rounds before sleeping */
 #define PR_SPIN_NS  (200ull * 1000)             /* and at least this long after the last work */
 #define PR_CLOSE_NS (5ull * 1000 * 1000 * 1000) /* longest wait for endpoints at close */
+/* A pull past its deadline closes its endpoint (failing every pull on it) only when the peer has
+ * shown no sign of life (a connection made, a page or an answer received) for this long; a live
+ * peer keeps the connection the other pulls share. */
+#define PR_SILENT_NS (1000ull * 1000 * 1000)
 
 enum { PR_CMD_CONNECT, PR_CMD_DISCONNECT, PR_CMD_FETCH };
 enum { PR_EP_CONNECTING, PR_EP_READY, PR_EP_CLOSING, PR_EP_CLOSED };
@@ -40,6 +44,7 @@ typedef struct pr_uep {
     pr_peer *peer; /* NULL for an accepted connection */
     ucp_ep_h ep;
     int state, failed, want_close, counted;
+    uint64_t live_ns; /* the peer's last sign of life: ready, or a page or answer received */
     void *flush_req, *close_req;
     ucp_rkey_h rkey[PR_MAX_REGIONS];
 } pr_uep;

@@ -21,14 +21,17 @@ static void pr_op_settle(pr_op *o, int ok)
 
 static void pr_get_done(void *req, ucs_status_t status, void *arg)
 {
+    pr_op *o = arg;
     ucp_request_free(req);
-    pr_op_settle(arg, status == UCS_OK);
+    if (status == UCS_OK) o->up->ep->live_ns = km_now_ns();
+    pr_op_settle(o, status == UCS_OK);
 }
 
 static void pr_recv_done(void *req, ucs_status_t status, size_t length, void *arg)
 {
     pr_op *o = arg;
     ucp_request_free(req);
+    if (status == UCS_OK) o->up->ep->live_ns = km_now_ns();
     pr_op_settle(o, status == UCS_OK && length == o->up->p->pages[o->index].dst.bytes);
 }
 
@@ -99,6 +102,7 @@ ucs_status_t pr_am_data_cb(void *arg, const void *header, size_t hlen, void *dat
     memcpy(&h.hdr, header, sizeof h.hdr);
     pr_upull *up = pr_upull_find(u, h.hdr.pull_id);
     if (!up || h.hdr.index >= (uint32_t)up->p->n) return UCS_OK; /* given up: dropped */
+    up->ep->live_ns = km_now_ns();
     pr_op *o = &up->ops[h.hdr.index];
     if (o->phase != PR_OP_FETCH_SENT) return UCS_OK;
     const kv_xfer_page *d = &up->p->pages[o->index].dst;
@@ -134,18 +138,22 @@ void pr_pulls_service(pr_ucx *u, uint64_t now, uint64_t *next_deadline)
         pr_pull *p = up->p;
         pr_uep *e = up->ep;
         int dead = e->failed || e->state == PR_EP_CLOSING || e->state == PR_EP_CLOSED;
-        if (!dead && now >= p->deadline_ns) {
-            atomic_store_explicit(&p->timed_out, 1, memory_order_release);
-            KM_INFO("peer_pull_timeout", "pull=%llu inflight=%d", (unsigned long long)p->id,
-                    up->inflight);
-            pr_ep_close(u, e); /* a peer that missed a deadline is a failed peer */
-            dead = 1;
+        int late = now >= p->deadline_ns;
+        if (!dead && late) {
+            const int silent = e->state != PR_EP_READY || now - e->live_ns >= PR_SILENT_NS;
+            if (!atomic_exchange_explicit(&p->timed_out, 1, memory_order_acq_rel) || silent)
+                KM_INFO("peer_pull_timeout", "pull=%llu inflight=%d peer=%s",
+                        (unsigned long long)p->id, up->inflight, silent ? "silent" : "live");
+            if (silent) {
+                pr_ep_close(u, e); /* a silent peer is a failed peer: every pull on it ends */
+                dead = 1;
+            }
         }
-        int stop = dead || atomic_load_explicit(&p->stop, memory_order_acquire);
+        int stop = dead || late || atomic_load_explicit(&p->stop, memory_order_acquire);
         if (stop) { /* nothing more is issued; what waits for an answer that cannot come ends */
             for (int i = up->next_op; i < p->n; i++) pr_op_settle(&up->ops[i], 0);
             up->next_op = p->n;
-            if (dead)
+            if (dead || late) /* an answer after this is dropped (pr_am_data_cb) */
                 for (int i = 0; i < p->n; i++)
                     if (up->ops[i].phase == PR_OP_FETCH_SENT) pr_op_settle(&up->ops[i], 0);
         } else if (e->state == PR_EP_READY) {
@@ -159,7 +167,11 @@ void pr_pulls_service(pr_ucx *u, uint64_t now, uint64_t *next_deadline)
             atomic_store_explicit(&p->fetch_done, 1, memory_order_release); /* last touch */
             continue;
         }
-        if (p->deadline_ns < *next_deadline) *next_deadline = p->deadline_ns;
+        /* reads that write into our pages still run after the deadline: look again when the
+         * peer would count as silent */
+        uint64_t at = late ? e->live_ns + PR_SILENT_NS : p->deadline_ns;
+        if (late && at <= now) at = now + PR_SILENT_NS;
+        if (at < *next_deadline) *next_deadline = at;
         pp = &up->next;
     }
 }

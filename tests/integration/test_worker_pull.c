@@ -26,6 +26,7 @@
 /* A network namespace joined to this one by a veth pair (host side hip, namespace side nip). */
 typedef struct netns {
     char ns[32], vh[16], vn[16], hip[24], nip[24];
+    char decoy[16]; /* a second interface on this side, on a network the namespace cannot reach */
     bool made;
 } netns;
 static netns g_ns;
@@ -46,6 +47,7 @@ static void netns_cleanup(void)
 {
     if (!g_ns.made) return;
     sh("ip link del %s 2>/dev/null", g_ns.vh);
+    sh("ip link del %s 2>/dev/null", g_ns.decoy);
     sh("ip netns del %s 2>/dev/null", g_ns.ns);
     g_ns.made = false;
 }
@@ -71,6 +73,13 @@ static bool netns_setup(netns *n)
     cr_assert_eq(sh("ip netns exec %s sh -c 'ip addr add %s/30 dev %s && ip link set %s up && "
                     "ip link set lo up'",
                     n->ns, n->nip, n->vn, n->vn),
+                 0);
+    /* A host has other interfaces (a second NIC, a container bridge): UCX must not open a
+     * lane from one the peer has no route back to (it timed the whole endpoint out). */
+    snprintf(n->decoy, sizeof n->decoy, "kvd%d", id % 10000000);
+    cr_assert_eq(sh("ip link add %s type veth peer name %sp && ip addr add 10.%d.%d.%d/30 dev %s "
+                    "&& ip link set %s up && ip link set %sp up",
+                    n->decoy, n->decoy, a - 50, b, c + 1, n->decoy, n->decoy, n->decoy),
                  0);
     return true;
 }

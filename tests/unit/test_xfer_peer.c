@@ -610,6 +610,35 @@ Test(xfer_peer, a_pull_past_its_deadline_fails_the_peer_and_leaves_nothing, .tim
     duo_close(d);
 }
 
+/* A pull past its deadline on a peer that is alive (pages came in a moment ago) ends alone: the
+ * connection its other pulls share stays, and the next pull on it reads what is missing. */
+static void deadline_on_a_live_peer(pr_mode mode)
+{
+    duo *d = duo_open(SMALL, 32, 16, mode);
+    pr_pull_result r;
+    cr_assert_eq(pull(d->na, d->nb, d->peer, d->toks, d->hs, 8, secs(60), NULL, &r), 8);
+    const uint64_t live = km_now_ns();
+    cr_assert_eq(pull(d->na, d->nb, d->peer, d->toks, d->hs, 16, km_now_ns(), NULL, &r), 0);
+    cr_assert_eq(r.status, KM_ETIMEDOUT);
+    cr_assert_eq(r.pages_local, 8);
+    if (km_now_ns() - live < 500ull * 1000 * 1000) /* else the machine stalled: silent is right */
+        cr_assert_not(pr_peer_failed(d->peer), "a live peer keeps its connection");
+    else
+        cr_log_warn("the timed-out pull took over 0.5 s here: the peer may count as silent");
+    if (!pr_peer_failed(d->peer)) {
+        cr_assert_eq(pull(d->na, d->nb, d->peer, d->toks, d->hs, 16, secs(60), NULL, &r), 8);
+        same_bytes(d->a, d->b, d->toks, d->hs, 16);
+    }
+    release_and_check(d->nb, d->peer, d->na, d->b, d->a);
+    duo_close(d);
+}
+
+Test(xfer_peer, a_pull_past_its_deadline_on_a_live_peer_keeps_the_connection, .timeout = 120)
+{
+    deadline_on_a_live_peer(PR_MODE_AM);
+    deadline_on_a_live_peer(PR_MODE_GET);
+}
+
 Test(xfer_peer, finishing_early_cancels_and_reclaims_later, .timeout = 120)
 {
     duo *d = duo_open(SMOL, 40, 32, PR_MODE_GET);
