@@ -7,12 +7,19 @@
 #               where drafts rarely match and must not cost anything.
 # Prints the CPU, the load average and one line per workload and concurrency with tokens/s off
 # and on, their ratio, drafted/accepted tokens and how many outputs were identical (all must be:
-# speculation is exact; a mismatch makes the run fail). No llama.cpp column: llama.cpp's server has
-# no draft-model-free speculation to compare with.
+# speculation is exact; a mismatch makes the run fail).
+#
+# Then the llama.cpp column, at one client (bench/spec_llama.py against llama-server, same
+# prompts, greedy, same threads): its draft-model-free speculation (`--spec-type`, default
+# "ngram-simple ngram-mod": n-gram lookups over the request's own context, what our suffix drafts
+# compare with) against `none`, with the same ratio, drafted/accepted and identical counts.
+# Skipped with a line saying so when llama-server is not built (bench/build_llamacpp.sh).
 #
 # The worker runs --insecure: this measures decoding, and bench_spec speaks plain ZeroMQ.
 # Environment: THREADS (2), MODEL, CONCURRENCY ("1,8"), MAX_TOKENS (128), BENCH_PORT (7670),
-#   WORKER_ARGS (extra worker flags), BENCH_OUT (build/bench-spec/<time>).
+#   WORKER_ARGS (extra worker flags), BENCH_OUT (build/bench-spec/<time>), LLAMA (1; 0 = no
+#   llama.cpp column), LLAMA_SPECS ("ngram-simple ngram-mod"), LLBIN
+#   (third_party/llama.cpp/build/bin).
 #   Nothing here asserts anything about time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -66,5 +73,52 @@ for w in "repetitive bench/spec_repetitive.txt" "open tests/fixtures/llamacpp/pr
     "$BENCH" --kvmesh "tcp://127.0.0.1:$PORT" --prompts "$2" --label "$1" \
         --max-tokens "$MAX_TOKENS" --concurrency "$CONCURRENCY" | tee -a "$OUT/results.txt" || rc=1
 done
+stop
+
+# ------------------------------------------------------------------ llama.cpp, one client
+LLBIN=${LLBIN:-third_party/llama.cpp/build/bin}
+LLAMA_SPECS=${LLAMA_SPECS:-ngram-simple ngram-mod}
+LPORT=$((PORT + 1))
+start_llama() { # log [--spec-type TYPE]
+    local log=$1
+    shift
+    "$LLBIN/llama-server" -m "$MODEL" -t "$THREADS" -tb "$THREADS" -np 1 -c 4096 \
+        --host 127.0.0.1 --port "$LPORT" --no-webui "$@" >>"$log" 2>&1 &
+    PID=$!
+    for _ in $(seq 1 1200); do
+        curl -sf "http://127.0.0.1:$LPORT/health" >/dev/null 2>&1 && return 0
+        kill -0 "$PID" 2>/dev/null || die "llama-server exited (see $log)"
+        sleep 0.1
+    done
+    die "llama-server did not come up (see $log)"
+}
+if [ "${LLAMA:-1}" != 1 ]; then
+    echo "llama.cpp column: off (LLAMA=0)"
+elif [ ! -x "$LLBIN/llama-server" ] || ! command -v curl >/dev/null; then
+    echo "llama.cpp column: skipped ($LLBIN/llama-server not built: bench/build_llamacpp.sh; or no curl)"
+else
+    echo "## llama.cpp's llama-server, one client: --spec-type none vs $LLAMA_SPECS"
+    for w in "repetitive bench/spec_repetitive.txt" "open tests/fixtures/llamacpp/prompts.txt"; do
+        set -- $w
+        for spec in none $LLAMA_SPECS; do
+            args=()
+            [ "$spec" = none ] || args=(--spec-type "$spec")
+            start_llama "$OUT/llama-$spec.log" "${args[@]}"
+            python3 bench/spec_llama.py --url "http://127.0.0.1:$LPORT" --prompts "$2" --label "$1" \
+                --spec "$spec" --max-tokens "$MAX_TOKENS" --texts "$OUT/llama-$1-$spec.txt" |
+                tee -a "$OUT/results.txt"
+            stop
+        done
+        base=$(grep "^llama label=$1 spec=none " "$OUT/results.txt" | tail -1 | sed 's/.*tok_s=\([0-9.]*\).*/\1/')
+        for spec in $LLAMA_SPECS; do
+            line=$(grep "^llama label=$1 spec=$spec " "$OUT/results.txt" | tail -1)
+            tok=$(echo "$line" | sed 's/.*tok_s=\([0-9.]*\).*/\1/')
+            same=$(paste -d'\t' "$OUT/llama-$1-none.txt" "$OUT/llama-$1-$spec.txt" |
+                awk -F'\t' '{n++; if ($1 == $2) k++} END {printf "%d/%d", k, n}')
+            echo "llama-result label=$1 spec=$spec ratio=$(awk -v a="$tok" -v b="$base" 'BEGIN {printf "%.2f", (b > 0 ? a / b : 0)}') identical=$same" |
+                tee -a "$OUT/results.txt"
+        done
+    done
+fi
 echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg); results in $OUT/results.txt"
 exit $rc
