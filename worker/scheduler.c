@@ -795,11 +795,11 @@ int wk_sched_step(wk_sched *s)
         int rc = s->eng.step(s->eng.ctx, &b, &logits);
         if (rc >= 0) {
             /* Drafts ride on decode steps, so the cost model learns from those alone: a
-             * prefill chunk's many tokens share each weight read and cost a fraction of what a
-             * token costs in a step of a few (AVX2, 2 threads, batch 1: 1-4 tokens ~6.7 ms, 8
-             * tokens 25 ms, 16 tokens 48 ms, while 300 prompt tokens take ~0.3 ms each), and a
-             * slope learned from them let 16-token verifications through at 3-7 times the cost
-             * of a plain step. */
+             * prefill chunk's many tokens share each weight read and unpacking, so they cost
+             * less each than the tokens of a step of a few, the region drafts live in (AVX2, 2
+             * threads, one sequence at 300 tokens, best of 30 on a lightly loaded machine: 1-4
+             * tokens ~6.7 ms, 6 tokens 11.7, 8 tokens 25, 16 tokens 48), and a slope learned
+             * from prefill underpriced long verifications. */
             if (!s->step_prefill) wk_spec_observe_step(s->spec, n, (km_now_ns() - t0) / 1e6);
             break;
         }
