@@ -9,6 +9,8 @@
  *   service_heartbeat.c  what the worker reports: metrics, gauges, heartbeats to the controller
  *   service_peer.c       KV pages between workers: the transfer node, kv_pull served, requests
  *                        with a pull hint held while their pages are pulled
+ *   service_handoff.c    the controller's view, drain handoff and warm-up over that node
+ *                        (the two share service_peer_internal.h)
  *   events.c             KV events, their replay and snapshots
  *
  * Everything here runs on the service's loop thread, except the pulse (service_heartbeat.c: the

@@ -15,11 +15,8 @@
  *    as if computed here, and the request is admitted: the scheduler's prefix lookup finds them.
  *    A failed pull is a slower request, never a failed one.
  *
- *  - Drain handoff (with --peer-view, the controller's view): a drain sends each ready peer of
- *    the same model `kv_push` frames naming this worker's cached chains, most recently used
- *    first (kv_store_chains); a peer starts a background pull of each (a held entry with no
- *    request) and this worker lingers at the end of its drain while they read (service.c). What
- *    peers cannot take goes to the disk tier as before.
+ *  - Drain handoff and warm-up (service_handoff.c) use the same node: a chain a peer pushes is
+ *    pulled in the background as a held entry with no request behind it.
  *
  * Everything runs on the service's thread, between engine steps; nothing here waits for the
  * network (the node's own thread moves the bytes). The loop polls at most 1 ms apart while a
@@ -29,99 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "peer/peer.h"
-#include "worker/service_internal.h"
-
-enum {
-    WK_PEER_LINKS = 16,    /* holders this worker keeps a connection to */
-    WK_PEER_HELD = 256,    /* requests held for a pull at once */
-    WK_PEER_SERVES = 256,  /* kv_pull frames waiting for their offer */
-    WK_PEER_OFFERS = 16,   /* offers taken from the node per poll */
-    WK_PEER_VIEW = 64,     /* peers remembered from the controller's view */
-    WK_PEER_BG = 256,      /* handoffs taken and waiting for their background pull */
-    WK_BG_AT_ONCE = 4,     /* background pulls running at once: the rate bound */
-    WK_PUSH_PER_PEER = 64, /* chains one drain pushes to one peer at most */
-    WK_BG_PULL_MS = 5000,  /* a background pull's budget */
-};
-
-/* A peer the controller's view names: where a drain may hand its pages. */
-typedef struct wk_member {
-    char id[KM_PROTO_MAX_NAME + 1], requests[KM_PROTO_MAX_NAME + 1];
-    uint8_t addr[KM_PROTO_MAX_PEER_ADDR];
-    uint32_t addr_len;
-    bool takes; /* ready, same model, a transfer node, room */
-} wk_member;
-
-/* A holder: a DEALER to its requests endpoint and a node peer to its transfer address. */
-typedef struct wk_link {
-    char endpoint[KM_PROTO_MAX_NAME + 1];
-    uint8_t addr[KM_PROTO_MAX_PEER_ADDR];
-    uint32_t addr_len;
-    void *sock;
-    pr_peer *peer;
-    uint64_t used_ns;
-    int pulls; /* held requests pulling through it */
-} wk_link;
-
-/* A request held while its pull runs. */
-typedef struct wk_held {
-    uint64_t id, pull_id;
-    wk_link *link;
-    pr_pull *pull;
-    km_buf frame; /* the request without its hint, decoded again when admitted */
-    uint8_t env[WK_ENV_BYTES];
-    size_t env_len[WK_ENV_MAX];
-    int n_env;
-    int32_t *tokens;
-    int n_tokens, n_pages;
-    uint64_t arrival_ns, start_ns, offer_ns, deadline_ns;
-    bool end_now;    /* refused or answered with an error: finish at the next poll */
-    bool background; /* a handoff taken: no request behind it */
-    km_pagehash *hs; /* background: the chain's hashes until its pull starts */
-} wk_held;
-
-/* A kv_pull whose offer the node has not yielded yet. */
-typedef struct wk_serve {
-    uint64_t pull_id, at_ns;
-    uint8_t env[WK_ENV_BYTES];
-    size_t env_len[WK_ENV_MAX];
-    int n_env;
-} wk_serve;
-
-struct wk_peer {
-    pr_node *node;
-    char listen_host[128], advertise_host[128];
-    const uint8_t *addr;
-    size_t addr_len;
-    wk_link links[WK_PEER_LINKS];
-    int n_links;
-    wk_held *held[WK_PEER_HELD];
-    int n_held;
-    wk_serve serves[WK_PEER_SERVES];
-    int n_serves;
-    pr_offer offers[WK_PEER_OFFERS];
-    km_zmsg in;
-    km_buf out;
-    /* measured: EWMA of the pull rate (payload bytes/s after the offer) and of the fixed cost
-     * (request to offer), for the heartbeat and the routers' cost model */
-    double rate_bps, lat_ms;
-    uint64_t pulls_ok, pulls_failed;
-    km_series *s_bytes_in, *s_bytes_out, *s_seconds, *s_pulls[3], *s_fail[PR_DROP_COUNT + 2];
-    km_series *s_refused, *s_dones_ignored;
-    uint64_t seen_out, seen_refused; /* bytes_out, fetches_refused already counted */
-    uint64_t last_pull_ns;           /* the last kv_pull that came in */
-    /* drain handoff */
-    void *vsub; /* the controller's view (--peer-view) */
-    km_zmsg vin;
-    wk_member members[WK_PEER_VIEW];
-    int n_members, n_bg;          /* background pulls running */
-    wk_held *bg_wait[WK_PEER_BG]; /* taken chains waiting for their pull, oldest first */
-    int n_wait;
-    bool warmed;             /* this process asked its peers for their chains */
-    int warm_pages;          /* --peer-warm-pages resolved */
-    uint64_t push_id;        /* the last kv_push / kv_warm id this worker sent */
-    km_series *s_handoff[3]; /* kvmesh_kv_handoff_chains_total{outcome} */
-};
+#include "worker/service_peer_internal.h"
 
 static const char *const wk_handoff_outcomes[3] = {"pushed", "taken", "dropped"};
 
@@ -254,7 +159,7 @@ int wk_peer_create(wk_service *s, km_errbuf *err)
     return 0;
 }
 
-static void wk_held_free(wk_held *h)
+void wk_held_free(wk_held *h)
 {
     if (!h) return;
     km_buf_free(&h->frame);
@@ -262,8 +167,6 @@ static void wk_held_free(wk_held *h)
     free(h->tokens);
     free(h);
 }
-
-static void wk_peer_bg_drop(wk_peer *p);
 
 static void wk_link_close(wk_peer *p, wk_link *l)
 {
@@ -402,13 +305,6 @@ static void wk_peer_serve(wk_service *s, const km_zframe *env, int n_env, const 
     free(hs);
 }
 
-static void wk_peer_take(wk_service *s, const km_msg_kv_push *q);
-static void wk_peer_view_read(wk_service *s);
-static void wk_peer_warm_answer(wk_service *s, const km_zframe *env, int n_env,
-                                const km_msg_kv_warm *q);
-static void wk_peer_bg_start(wk_service *s);
-static void wk_peer_warm_up(wk_service *s);
-
 void wk_peer_handle(wk_service *s, void *sock, const km_zframe *env, int n_env, const km_msg *m)
 {
     (void)sock;
@@ -471,8 +367,8 @@ static void wk_peer_offers_out(wk_service *s)
 /* The link to the holder at endpoint/addr: reused, its peer reconnected when it failed or its
  * address changed (a restarted holder), or a new one (the least recently used idle one goes
  * when all are taken). NULL when none can be had. */
-static wk_link *wk_peer_link(wk_service *s, const char *holder, const char *endpoint,
-                             const uint8_t *addr, uint32_t addr_len)
+wk_link *wk_peer_link(wk_service *s, const char *holder, const char *endpoint, const uint8_t *addr,
+                      uint32_t addr_len)
 {
     wk_peer *p = s->peer;
     km_errbuf err = {{0}};
@@ -528,8 +424,8 @@ static wk_link *wk_peer_link(wk_service *s, const char *holder, const char *endp
 /* Starts h's pull of chain [0, n_pages) (hashes hs, token ids toks) from the holder at l, by its
  * deadline: sends kv_pull, and h is held until the pull ends. Returns the pages already held
  * here, or -1 when nothing was started (every page is here, or a failure): h is not held. */
-static int wk_peer_start(wk_service *s, wk_link *l, wk_held *h, const km_pagehash *hs,
-                         const int32_t *toks, int n_pages)
+int wk_peer_start(wk_service *s, wk_link *l, wk_held *h, const km_pagehash *hs, const int32_t *toks,
+                  int n_pages)
 {
     wk_peer *p = s->peer;
     pr_pull_req req;
@@ -847,17 +743,6 @@ int wk_peer_cancel(wk_service *s, const km_zframe *env, int n_env, uint64_t id)
     return 0;
 }
 
-/* Handoffs taken but not started are given up (a drain or a stop). */
-static void wk_peer_bg_drop(wk_peer *p)
-{
-    while (p->n_wait) {
-        wk_held *h = p->bg_wait[--p->n_wait];
-        h->link->pulls--;
-        km_counter_inc(p->s_handoff[2]);
-        wk_held_free(h);
-    }
-}
-
 void wk_peer_admit_all(wk_service *s)
 {
     if (s->peer) wk_peer_bg_drop(s->peer);
@@ -883,237 +768,4 @@ void wk_peer_heartbeat(wk_service *s, km_msg_heartbeat *hb)
                                .rate_bps = p->rate_bps,
                                .latency_ms = p->lat_ms,
                                .page_bytes = kv_store_page_bytes(s->kv)};
-}
-
-/* ---------------------------------------------------------------- drain handoff */
-
-/* The controller's views (--peer-view): the peers a drain may hand pages to. */
-static void wk_peer_view_apply(wk_service *s, const km_msg_view *v)
-{
-    wk_peer *p = s->peer;
-    p->n_members = 0;
-    for (uint32_t i = 0; i < v->n_workers && p->n_members < WK_PEER_VIEW; i++) {
-        const km_view_worker *w = &v->workers[i];
-        if (!w->id || !strcmp(w->id, s->worker_id) || !w->requests || !w->peer_addr ||
-            w->peer_addr_len > KM_PROTO_MAX_PEER_ADDR)
-            continue;
-        wk_member *m = &p->members[p->n_members++];
-        snprintf(m->id, sizeof m->id, "%s", w->id);
-        snprintf(m->requests, sizeof m->requests, "%s", w->requests);
-        memcpy(m->addr, w->peer_addr, w->peer_addr_len);
-        m->addr_len = w->peer_addr_len;
-        /* the same model (the chain hashes are seeded by its fingerprint), ready, with room */
-        m->takes = w->state == KM_MEMBER_READY && w->fingerprint &&
-                   !strcmp(w->fingerprint, s->fp) && w->pressure < 0.9;
-    }
-    wk_peer_warm_up(s);
-}
-
-static void wk_peer_view_read(wk_service *s)
-{
-    wk_peer *p = s->peer;
-    for (int k = 0; p->vsub && k < 16; k++) {
-        if (km_zrecv(p->vsub, &p->vin, 0, NULL)) break;
-        km_msg m;
-        if (p->vin.n == 2 &&
-            !km_msg_decode(p->vin.part[1].data, p->vin.part[1].len, NULL, &m, NULL)) {
-            if (m.type == KM_MSG_VIEW) wk_peer_view_apply(s, &m.view);
-            km_msg_clear(&m);
-        }
-    }
-    km_zmsg_clear(&p->vin);
-}
-
-/* A kv_push of this chain, from this worker, into p->out; 0 or a km_err. */
-static int wk_peer_encode_push(wk_service *s, const km_pagehash *hs, const int32_t *toks,
-                               int n_pages)
-{
-    wk_peer *p = s->peer;
-    if (n_pages > KM_PROTO_MAX_PULL_PAGES) return KM_ERANGE;
-    uint8_t *canon = malloc((size_t)n_pages * 16);
-    if (!canon) return KM_ENOMEM;
-    for (int i = 0; i < n_pages; i++) km_pagehash_canonical(hs[i], canon + 16 * i);
-    km_msg m;
-    km_msg_init(&m, KM_MSG_KV_PUSH);
-    m.kv_push = (km_msg_kv_push){.chain = {.id = ++p->push_id,
-                                           .n_pages = (uint32_t)n_pages,
-                                           .page_tokens = (uint32_t)kv_store_page_tokens(s->kv),
-                                           .hashes = canon,
-                                           .tokens = toks},
-                                 .from = s->worker_id,
-                                 .endpoint = s->ep_requests,
-                                 .addr = p->addr,
-                                 .addr_len = (uint32_t)p->addr_len};
-    int rc = km_msg_encode(&m, &s->lim, &p->out, NULL);
-    free(canon);
-    return rc;
-}
-
-typedef struct wk_push_ctx {
-    wk_service *s;
-    wk_link *to[WK_PEER_VIEW];
-    int sent[WK_PEER_VIEW], n, next, chains;
-} wk_push_ctx;
-
-/* One chain (kv_store_chains' callback) to the next peer in turn that can take more. */
-static int wk_push_chain(void *arg, const km_pagehash *hs, const int32_t *toks, int n_pages)
-{
-    wk_push_ctx *c = arg;
-    wk_service *s = c->s;
-    wk_peer *p = s->peer;
-    int k = -1;
-    for (int t = 0; t < c->n && k < 0; t++) {
-        int i = (c->next + t) % c->n;
-        if (c->sent[i] < WK_PUSH_PER_PEER) k = i;
-    }
-    if (k < 0) return 1; /* every peer has its share */
-    c->next = k + 1;
-    if (!wk_peer_encode_push(s, hs, toks, n_pages)) {
-        km_zframe f = {p->out.data, p->out.len};
-        if (!km_zsend(c->to[k]->sock, &f, 1, KM_ZDONTWAIT, NULL)) {
-            c->sent[k]++;
-            c->chains++;
-        }
-    }
-    return 0;
-}
-
-int wk_peer_handoff(wk_service *s)
-{
-    wk_peer *p = s->peer;
-    if (!p || !p->vsub) return 0;
-    wk_peer_view_read(s); /* the latest view */
-    wk_push_ctx c = {.s = s};
-    for (int i = 0; i < p->n_members && c.n < WK_PEER_VIEW; i++) {
-        wk_member *m = &p->members[i];
-        if (!m->takes) continue;
-        wk_link *l = wk_peer_link(s, m->id, m->requests, m->addr, m->addr_len);
-        if (l) c.to[c.n++] = l;
-    }
-    if (!c.n) {
-        KM_INFO("handoff_skipped",
-                "worker=%s why=\"no ready peer of this model with room in the "
-                "controller's view\"",
-                s->worker_id);
-        return 0;
-    }
-    int max_pages = kv_store_pages_total(s->kv);
-    int rc = kv_store_chains(s->kv, max_pages, wk_push_chain, &c);
-    km_counter_add(p->s_handoff[0], (uint64_t)c.chains);
-    KM_INFO("handoff", "worker=%s peers=%d chains=%d%s", s->worker_id, c.n, c.chains,
-            rc < 0 ? " error=out_of_memory" : "");
-    return c.chains;
-}
-
-/* A peer's chain (its drain's handoff, or its answer to our warm-up): queued for a background
- * pull of what is not here (wk_peer_bg_start). */
-static void wk_peer_take(wk_service *s, const km_msg_kv_push *q)
-{
-    wk_peer *p = s->peer;
-    if (!p) return; /* no transfer node: a push is only a hint */
-    const int pt = kv_store_page_tokens(s->kv);
-    const uint32_t n = q->chain.n_pages;
-    wk_link *l = NULL;
-    wk_held *h = NULL;
-    if (p->n_wait >= WK_PEER_BG || (int)q->chain.page_tokens != pt ||
-        !(l = wk_peer_link(s, q->from, q->endpoint, q->addr, q->addr_len)) ||
-        !(h = calloc(1, sizeof *h)) || !(h->hs = malloc(sizeof *h->hs * n)) ||
-        !(h->tokens = malloc(sizeof *h->tokens * n * (size_t)pt))) {
-        km_counter_inc(p->s_handoff[2]);
-        wk_held_free(h);
-        return;
-    }
-    for (uint32_t i = 0; i < n; i++)
-        h->hs[i] = km_pagehash_from_canonical(q->chain.hashes + 16 * i);
-    memcpy(h->tokens, q->chain.tokens, sizeof *h->tokens * n * (size_t)pt);
-    h->background = true;
-    h->link = l;
-    h->n_pages = (int)n;
-    h->arrival_ns = km_now_ns();
-    l->pulls++; /* the link stays while the chain waits */
-    p->bg_wait[p->n_wait++] = h;
-    wk_peer_bg_start(s);
-}
-
-/* Starts waiting background pulls while fewer than WK_BG_AT_ONCE run. */
-static void wk_peer_bg_start(wk_service *s)
-{
-    wk_peer *p = s->peer;
-    while (p->n_wait && p->n_bg < WK_BG_AT_ONCE && p->n_held < WK_PEER_HELD) {
-        wk_held *h = p->bg_wait[0];
-        memmove(p->bg_wait, p->bg_wait + 1, sizeof *p->bg_wait * (size_t)--p->n_wait);
-        wk_link *l = h->link;
-        l->pulls--;
-        h->deadline_ns = km_now_ns() + wk_ms_ns(WK_BG_PULL_MS);
-        if (!l->peer || pr_peer_failed(l->peer) ||
-            wk_peer_start(s, l, h, h->hs, h->tokens, h->n_pages) < 0) {
-            km_counter_inc(p->s_handoff[2]); /* every page already here, or a failure */
-            wk_held_free(h);
-            continue;
-        }
-        p->n_bg++;
-        km_counter_inc(p->s_handoff[1]);
-    }
-}
-
-/* A peer asks for our chains (its warm-up): up to its page budget, answered as kv_push frames on
- * its connection. */
-typedef struct wk_warm_ctx {
-    wk_service *s;
-    const km_zframe *env;
-    int n_env, chains;
-} wk_warm_ctx;
-
-static int wk_warm_chain(void *arg, const km_pagehash *hs, const int32_t *toks, int n_pages)
-{
-    wk_warm_ctx *c = arg;
-    wk_service *s = c->s;
-    if (c->chains >= WK_PUSH_PER_PEER) return 1;
-    if (!wk_peer_encode_push(s, hs, toks, n_pages)) {
-        wk_svc_send(s, s->router, c->env, c->n_env, &s->peer->out);
-        c->chains++;
-    }
-    return 0;
-}
-
-static void wk_peer_warm_answer(wk_service *s, const km_zframe *env, int n_env,
-                                const km_msg_kv_warm *q)
-{
-    wk_peer *p = s->peer;
-    wk_warm_ctx c = {.s = s, .env = env, .n_env = n_env};
-    int max = q->max_pages < (uint32_t)INT32_MAX ? (int)q->max_pages : INT32_MAX;
-    kv_store_chains(s->kv, max, wk_warm_chain, &c);
-    km_counter_add(p->s_handoff[0], (uint64_t)c.chains);
-    KM_INFO("warm_answer", "worker=%s chains=%d max_pages=%u", s->worker_id, c.chains,
-            q->max_pages);
-}
-
-/* Once, when this worker is ready and the view names peers of its model: ask up to two of them
- * for their most recently used chains, warm_pages pages in all (the warm-up on scale-out). */
-static void wk_peer_warm_up(wk_service *s)
-{
-    wk_peer *p = s->peer;
-    if (p->warmed || p->warm_pages <= 0 || wk_svc_state(s) != KM_STATE_READY) return;
-    wk_link *to[2];
-    int n = 0;
-    for (int i = 0; i < p->n_members && n < 2; i++) {
-        wk_member *m = &p->members[i];
-        if (!m->takes) continue;
-        wk_link *l = wk_peer_link(s, m->id, m->requests, m->addr, m->addr_len);
-        if (l) to[n++] = l;
-    }
-    if (!n) return; /* none yet: a later view may name one */
-    p->warmed = true;
-    km_msg m;
-    km_msg_init(&m, KM_MSG_KV_WARM);
-    m.kv_warm = (km_msg_kv_warm){.id = ++p->push_id, .max_pages = (uint32_t)(p->warm_pages / n)};
-    if (!m.kv_warm.max_pages) m.kv_warm.max_pages = 1;
-    for (int i = 0; i < n; i++) {
-        km_zframe f;
-        if (!km_msg_encode(&m, &s->lim, &p->out, NULL) &&
-            (f = (km_zframe){p->out.data, p->out.len},
-             !km_zsend(to[i]->sock, &f, 1, KM_ZDONTWAIT, NULL)))
-            KM_INFO("warm_up", "worker=%s from=%s max_pages=%u", s->worker_id, to[i]->endpoint,
-                    m.kv_warm.max_pages);
-    }
 }

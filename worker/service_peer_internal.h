@@ -1,0 +1,128 @@
+/*
+ * service_peer_internal.h — what the worker's two page-transfer files share (service_internal.h
+ * lists the daemon's files): service_peer.c (the transfer node, kv_pull served as a holder,
+ * requests held while their pages are pulled) and service_handoff.c (the controller's view, drain
+ * handoff, warm-up and the background pulls both start). Private to worker/.
+ */
+#ifndef WK_SERVICE_PEER_INTERNAL_H
+#define WK_SERVICE_PEER_INTERNAL_H
+
+#include "peer/peer.h"
+#include "worker/service_internal.h"
+
+enum {
+    WK_PEER_LINKS = 16,    /* holders this worker keeps a connection to */
+    WK_PEER_HELD = 256,    /* requests held for a pull at once */
+    WK_PEER_SERVES = 256,  /* kv_pull frames waiting for their offer */
+    WK_PEER_OFFERS = 16,   /* offers taken from the node per poll */
+    WK_PEER_VIEW = 64,     /* peers remembered from the controller's view */
+    WK_PEER_BG = 256,      /* handoffs taken and waiting for their background pull */
+    WK_BG_AT_ONCE = 4,     /* background pulls running at once: the rate bound */
+    WK_PUSH_PER_PEER = 64, /* chains one drain pushes to one peer at most */
+    WK_BG_PULL_MS = 5000,  /* a background pull's budget */
+};
+
+/* A peer the controller's view names: where a drain may hand its pages. */
+typedef struct wk_member {
+    char id[KM_PROTO_MAX_NAME + 1], requests[KM_PROTO_MAX_NAME + 1];
+    uint8_t addr[KM_PROTO_MAX_PEER_ADDR];
+    uint32_t addr_len;
+    bool takes; /* ready, same model, a transfer node, room */
+} wk_member;
+
+/* A holder: a DEALER to its requests endpoint and a node peer to its transfer address. */
+typedef struct wk_link {
+    char endpoint[KM_PROTO_MAX_NAME + 1];
+    uint8_t addr[KM_PROTO_MAX_PEER_ADDR];
+    uint32_t addr_len;
+    void *sock;
+    pr_peer *peer;
+    uint64_t used_ns;
+    int pulls; /* held requests pulling through it */
+} wk_link;
+
+/* A request held while its pull runs. */
+typedef struct wk_held {
+    uint64_t id, pull_id;
+    wk_link *link;
+    pr_pull *pull;
+    km_buf frame; /* the request without its hint, decoded again when admitted */
+    uint8_t env[WK_ENV_BYTES];
+    size_t env_len[WK_ENV_MAX];
+    int n_env;
+    int32_t *tokens;
+    int n_tokens, n_pages;
+    uint64_t arrival_ns, start_ns, offer_ns, deadline_ns;
+    bool end_now;    /* refused or answered with an error: finish at the next poll */
+    bool background; /* a handoff taken: no request behind it */
+    km_pagehash *hs; /* background: the chain's hashes until its pull starts */
+} wk_held;
+
+/* A kv_pull whose offer the node has not yielded yet. */
+typedef struct wk_serve {
+    uint64_t pull_id, at_ns;
+    uint8_t env[WK_ENV_BYTES];
+    size_t env_len[WK_ENV_MAX];
+    int n_env;
+} wk_serve;
+
+struct wk_peer {
+    pr_node *node;
+    char listen_host[128], advertise_host[128];
+    const uint8_t *addr;
+    size_t addr_len;
+    wk_link links[WK_PEER_LINKS];
+    int n_links;
+    wk_held *held[WK_PEER_HELD];
+    int n_held;
+    wk_serve serves[WK_PEER_SERVES];
+    int n_serves;
+    pr_offer offers[WK_PEER_OFFERS];
+    km_zmsg in;
+    km_buf out;
+    /* measured: EWMA of the pull rate (payload bytes/s after the offer) and of the fixed cost
+     * (request to offer), for the heartbeat and the routers' cost model */
+    double rate_bps, lat_ms;
+    uint64_t pulls_ok, pulls_failed;
+    km_series *s_bytes_in, *s_bytes_out, *s_seconds, *s_pulls[3], *s_fail[PR_DROP_COUNT + 2];
+    km_series *s_refused, *s_dones_ignored;
+    uint64_t seen_out, seen_refused; /* bytes_out, fetches_refused already counted */
+    uint64_t last_pull_ns;           /* the last kv_pull that came in */
+    /* drain handoff */
+    void *vsub; /* the controller's view (--peer-view) */
+    km_zmsg vin;
+    wk_member members[WK_PEER_VIEW];
+    int n_members, n_bg;          /* background pulls running */
+    wk_held *bg_wait[WK_PEER_BG]; /* taken chains waiting for their pull, oldest first */
+    int n_wait;
+    bool warmed;             /* this process asked its peers for their chains */
+    int warm_pages;          /* --peer-warm-pages resolved */
+    uint64_t push_id;        /* the last kv_push / kv_warm id this worker sent */
+    km_series *s_handoff[3]; /* kvmesh_kv_handoff_chains_total{outcome} */
+};
+
+/* service_peer.c */
+void wk_held_free(wk_held *h);
+/* The link to a holder (its DEALER and node peer), made or reused; NULL when none can be. */
+wk_link *wk_peer_link(wk_service *s, const char *holder, const char *endpoint,
+                      const uint8_t *addr, uint32_t addr_len);
+/* Starts h's pull of the chain through l (kv_pull out); the pages already here, or < 0. */
+int wk_peer_start(wk_service *s, wk_link *l, wk_held *h, const km_pagehash *hs,
+                  const int32_t *toks, int n_pages);
+
+/* service_handoff.c */
+/* A peer's kv_push (its drain's handoff, or its answer to our warm-up): queued for a background
+ * pull. */
+void wk_peer_take(wk_service *s, const km_msg_kv_push *q);
+/* Reads the controller's latest views (--peer-view). */
+void wk_peer_view_read(wk_service *s);
+/* A peer's kv_warm: our chains, answered as kv_push frames. */
+void wk_peer_warm_answer(wk_service *s, const km_zframe *env, int n_env, const km_msg_kv_warm *q);
+/* Starts waiting background pulls while fewer than WK_BG_AT_ONCE run. */
+void wk_peer_bg_start(wk_service *s);
+/* Once ready with peers in the view: ask them for their chains (the warm-up on scale-out). */
+void wk_peer_warm_up(wk_service *s);
+/* Gives up the handoffs taken but not started (a drain or a stop). */
+void wk_peer_bg_drop(wk_peer *p);
+
+#endif
