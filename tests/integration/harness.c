@@ -1,18 +1,25 @@
 /*
  * harness.c — the integration suites' shared helpers (harness.h): children on ephemeral ports
  * found through their ports files, stopped with deadlines and never left running; DEALER
- * sockets speaking km_msg; HTTP GET and /metrics on an admin port. Plain sockets for HTTP, so
- * the suites do not depend on the client library they may be testing.
+ * sockets speaking km_msg; HTTP GET and /metrics on an admin port; a private network of network
+ * namespaces for the suites across hosts. Plain sockets for HTTP, so the suites do not depend on
+ * the client library they may be testing; `ip` (iproute2) for the namespaces.
  */
+#define _GNU_SOURCE /* setns */
 #include "tests/integration/harness.h"
 
 #include <arpa/inet.h>
 #include <criterion/criterion.h>
+#include <errno.h>
+#include <fcntl.h>
 #include <netinet/in.h>
+#include <sched.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -86,6 +93,10 @@ void it_spawn(it_proc *p, const char *const *argv, const char *const *extra, con
 {
     const char *args[64];
     int n = 0;
+    if (p->ns[0]) { /* ip execs the command in place: p->pid is the daemon's own pid */
+        const char *in[] = {"ip", "netns", "exec", p->ns};
+        for (int i = 0; i < 4; i++) args[n++] = in[i];
+    }
     for (int i = 0; argv[i] && n < 63; i++) args[n++] = argv[i];
     for (int i = 0; extra && extra[i] && n < 63; i++) args[n++] = extra[i];
     args[n] = NULL;
@@ -93,9 +104,13 @@ void it_spawn(it_proc *p, const char *const *argv, const char *const *extra, con
     snprintf(ports, sizeof ports, "%s/ports", p->dir);
     snprintf(log, sizeof log, "%s/%s", p->dir, logname);
     unlink(ports);
+    pid_t parent = getpid();
     p->pid = fork();
     cr_assert(p->pid >= 0, "fork");
     if (p->pid == 0) {
+        /* a test killed at its time-out runs no fini: its daemons die with it (the signal
+         * survives exec); the parent may have died before this line already */
+        if (prctl(PR_SET_PDEATHSIG, SIGKILL) || getppid() != parent) _exit(127);
         FILE *f = freopen(log, "a", stderr);
         FILE *o = freopen("/dev/null", "w", stdout);
         (void)f, (void)o;
@@ -172,6 +187,7 @@ void it_kill_all(void)
             waitpid(g_children[i], NULL, 0);
             g_children[i] = 0;
         }
+    it_net_destroy(); /* once nothing runs inside its namespaces */
 }
 
 /* ---------------------------------------------------------------- ZeroMQ */
@@ -225,12 +241,12 @@ bool it_recv_msg(void *s, km_msg *m, int timeout_ms)
 
 /* ---------------------------------------------------------------- HTTP and metrics */
 
-int it_http_get(int port, const char *path, char *out, size_t cap)
+int it_http_get_at(const char *host, int port, const char *path, char *out, size_t cap)
 {
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    cr_assert_eq(inet_pton(AF_INET, host, &a.sin_addr), 1, "not an IPv4 address: %s", host);
     int fd = socket(AF_INET, SOCK_STREAM, 0);
     if (fd < 0) return -1;
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     struct timeval tv = {.tv_sec = 10}; /* a server that accepts and never answers */
     setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
     if (connect(fd, (struct sockaddr *)&a, sizeof a)) {
@@ -254,6 +270,11 @@ int it_http_get(int port, const char *path, char *out, size_t cap)
     return code;
 }
 
+int it_http_get(int port, const char *path, char *out, size_t cap)
+{
+    return it_http_get_at("127.0.0.1", port, path, out, cap);
+}
+
 double it_metric_in(const char *text, const char *series)
 {
     const char *p = text;
@@ -265,10 +286,166 @@ double it_metric_in(const char *text, const char *series)
     return -1;
 }
 
-double it_metric(int admin_port, const char *series)
+double it_metric_at(const char *host, int port, const char *series)
 {
     static char text[1 << 18];
-    int code = it_http_get(admin_port, "/metrics", text, sizeof text);
-    cr_assert_eq(code, 200, "GET /metrics on port %d answered %d", admin_port, code);
+    int code = it_http_get_at(host, port, "/metrics", text, sizeof text);
+    cr_assert_eq(code, 200, "GET /metrics on %s:%d answered %d", host, port, code);
     return it_metric_in(text, series);
+}
+
+double it_metric(int admin_port, const char *series)
+{
+    return it_metric_at("127.0.0.1", admin_port, series);
+}
+
+/* ---------------------------------------------------------------- across hosts */
+
+#define IT_NET_PREFIX "kvmesh-it-"
+#define IT_NET_SUBNET "10.250.0" /* a /24 private to each network: nothing routes between them */
+
+static struct {
+    bool made, at_exit;
+    char hub[64];  /* the bridge's namespace */
+    char self[64]; /* the test process's namespace */
+    int n;
+    char ns[IT_NET_HOSTS][64];
+} g_net;
+
+int it_sh(const char *fmt, ...)
+{
+    char cmd[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(cmd, sizeof cmd, fmt, ap);
+    va_end(ap);
+    cr_assert(n > 0 && (size_t)n < sizeof cmd, "command too long: %s", fmt);
+    int rc = system(cmd);
+    return rc != -1 && WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+}
+
+/* Each line of a command's output (at most max lines, cut at 127 characters) into lines;
+ * returns the count. */
+static int it_lines(const char *cmd, char lines[][128], int max)
+{
+    FILE *f = popen(cmd, "r");
+    if (!f) return 0;
+    int n = 0;
+    char line[512];
+    while (n < max && fgets(line, sizeof line, f)) {
+        size_t l = strcspn(line, "\n");
+        if (l > 127) l = 127; /* what the callers look for is at a line's start */
+        memcpy(lines[n], line, l);
+        lines[n++][l] = 0;
+    }
+    pclose(f);
+    return n;
+}
+
+/* What a run of this harness that died left: its namespaces (named with its pid, which no
+ * longer runs), after SIGKILLing by pid the processes still inside (its daemons, whose parent
+ * died without a fini). Their links go with them. */
+static void it_net_reap_stale(void)
+{
+    static char names[256][128];
+    int n = it_lines("ip netns list 2>/dev/null", names, 256);
+    for (int i = 0; i < n; i++) {
+        int pid = 0;
+        names[i][strcspn(names[i], " ")] = 0; /* "NAME (id: N)" */
+        if (sscanf(names[i], IT_NET_PREFIX "%d-", &pid) != 1 || pid <= 0 || pid == getpid())
+            continue;
+        if (!kill(pid, 0) || errno != ESRCH) continue; /* its run goes on */
+        char cmd[256], pids[64][128];
+        snprintf(cmd, sizeof cmd, "ip netns pids %s 2>/dev/null", names[i]);
+        int k = it_lines(cmd, pids, 64);
+        for (int j = 0; j < k; j++) {
+            pid_t q = (pid_t)atoi(pids[j]);
+            if (q > 1) kill(q, SIGKILL);
+        }
+        it_sh("ip netns del %s 2>/dev/null", names[i]);
+    }
+}
+
+#define IT_MUST(...) cr_assert_eq(it_sh(__VA_ARGS__), 0, "failed: " __VA_ARGS__)
+
+/* Namespace ns, on the bridge through hub-side link hub_if, with address ip. */
+static void it_net_join(const char *ns, const char *hub_if, const char *ip)
+{
+    IT_MUST("ip netns add %s", ns);
+    snprintf(g_net.ns[g_net.n++], sizeof g_net.ns[0], "%s", ns);
+    IT_MUST("ip -n %s link add %s type veth peer name eth0 netns %s && "
+            "ip -n %s link set %s master br0 up",
+            g_net.hub, hub_if, ns, g_net.hub, hub_if);
+    IT_MUST("ip -n %s addr add %s/24 dev eth0 && ip -n %s link set eth0 up && "
+            "ip -n %s link set lo up",
+            ns, ip, ns, ns);
+}
+
+bool it_net_create(const char *const *names, it_host *hosts)
+{
+    cr_assert(!g_net.made, "one network per test process");
+    /* the sockets and threads made from here on are in the test's namespace; a ZeroMQ context
+     * made before would keep its I/O threads outside */
+    cr_assert_null(g_zctx, "it_net_create comes before the test's first socket");
+    it_net_reap_stale();
+    int pid = getpid();
+    snprintf(g_net.hub, sizeof g_net.hub, IT_NET_PREFIX "%d-hub", pid);
+    if (it_sh("ip netns add %s 2>/dev/null", g_net.hub)) {
+        cr_skip_test("`ip netns add` is not permitted here (needs root or CAP_SYS_ADMIN, and "
+                     "iproute2): the test across network namespaces is skipped");
+        return false;
+    }
+    g_net.made = true;
+    if (!g_net.at_exit) atexit(it_net_destroy); /* a test that exits without its fini */
+    g_net.at_exit = true;
+    IT_MUST("ip -n %s link add br0 type bridge && ip -n %s link set br0 up", g_net.hub, g_net.hub);
+    snprintf(g_net.self, sizeof g_net.self, IT_NET_PREFIX "%d-self", pid);
+    it_net_join(g_net.self, "self", it_net_self());
+    for (int i = 0; names[i]; i++) {
+        cr_assert_lt(i, IT_NET_HOSTS - 1, "more than %d hosts", IT_NET_HOSTS - 1);
+        it_host *h = &hosts[i];
+        char hub_if[16];
+        snprintf(h->ns, sizeof h->ns, IT_NET_PREFIX "%d-%s", pid, names[i]);
+        snprintf(h->ip, sizeof h->ip, IT_NET_SUBNET ".%d", 10 + i);
+        snprintf(hub_if, sizeof hub_if, "h%d", i);
+        it_net_join(h->ns, hub_if, h->ip);
+    }
+    /* and the test process moves into its own: children it starts outside any host's
+     * namespace run there too (setns moves this thread; threads started later follow it) */
+    char path[128];
+    snprintf(path, sizeof path, "/run/netns/%s", g_net.self);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    cr_assert(fd >= 0, "open %s", path);
+    int rc = setns(fd, CLONE_NEWNET);
+    close(fd);
+    cr_assert_eq(rc, 0, "setns %s: %s", path, strerror(errno));
+    return true;
+}
+
+const char *it_net_self(void)
+{
+    return IT_NET_SUBNET ".1";
+}
+
+void it_net_self_link(bool up)
+{
+    IT_MUST("ip -n %s link set eth0 %s", g_net.self, up ? "up" : "down");
+}
+
+void it_net_decoy(const it_host *h)
+{
+    const char *ns = h ? h->ns : g_net.self;
+    IT_MUST("ip -n %s link add decoy type veth peer name decoyp && "
+            "ip -n %s addr add 10.251.0.1/30 dev decoy && ip -n %s link set decoy up && "
+            "ip -n %s link set decoyp up",
+            ns, ns, ns, ns);
+}
+
+void it_net_destroy(void)
+{
+    if (!g_net.made) return;
+    for (int i = 0; i < g_net.n; i++) it_sh("ip netns del %s 2>/dev/null", g_net.ns[i]);
+    it_sh("ip netns del %s 2>/dev/null", g_net.hub);
+    g_net.made = false;
+    g_net.n = 0;
 }

@@ -7,6 +7,9 @@
  * Every wait has a deadline and ends the test with a message, never a hang; children are killed
  * by their own pid only, and a child that was waited for is forgotten (its pid may be reused).
  * Paths are relative: the suites run from the repository root (make integration).
+ *
+ * Across hosts: it_net makes a private network of network namespaces joined by a bridge, and a
+ * child may run inside one of them (it_proc.ns), as on another host.
  */
 #ifndef IT_HARNESS_H
 #define IT_HARNESS_H
@@ -28,6 +31,7 @@
 typedef struct it_proc {
     pid_t pid; /* 0 when not running */
     char dir[64];
+    char ns[64]; /* set before it_spawn: the network namespace it runs in (ip netns exec) */
     char listen[512], view[512], req[512], ev[512], front[512];
     int admin_port, http_port;
 } it_proc;
@@ -38,9 +42,10 @@ bool it_have(const char *const *paths);
 /* Creates p->dir (/tmp/kvmesh-<tag>-XXXXXX) unless it is set already. */
 void it_proc_dir(it_proc *p, const char *tag);
 /* Starts argv[0] (looked up in PATH when it has no slash) with argv (NULL-terminated) then extra
- * (NULL-terminated, may be NULL), stderr to <dir>/<logname>, and waits up to 30 s for
- * <dir>/ports, which argv must name with --ports-file; fails the test if the child exits
- * first. */
+ * (NULL-terminated, may be NULL), stderr to <dir>/<logname>, inside network namespace p->ns when
+ * it is set, and waits up to 30 s for <dir>/ports, which argv must name with --ports-file; fails
+ * the test if the child exits first. The child is killed when the test process dies (a
+ * Criterion time-out leaves no daemon behind). */
 void it_spawn(it_proc *p, const char *const *argv, const char *const *extra, const char *logname);
 /* A kvmesh-worker of the default model: requests and KV events on ephemeral ports, the ports
  * file in p's dir (it_proc_dir: a p that ran before keeps its dir, as a restart under a
@@ -53,7 +58,8 @@ void it_start_worker(it_proc *p, const char *tag, const char *const *flags,
 int it_wait_exit(it_proc *p, int timeout_ms);
 /* SIGTERM (after SIGCONT, in case it was stopped), then it_wait_exit with 5 s. */
 void it_stop(it_proc *p);
-/* SIGKILLs every child still running: the suites' fini. */
+/* SIGKILLs every child still running, then deletes the it_net network if there is one: the
+ * suites' fini. */
 void it_kill_all(void);
 
 /* The process's ZeroMQ context (created on first use, left to the process's exit: a test that
@@ -67,13 +73,53 @@ void it_send_msg(void *s, const km_msg *m);
  * decode); false on timeout. */
 bool it_recv_msg(void *s, km_msg *m, int timeout_ms);
 
-/* GET path on 127.0.0.1:port (HTTP/1.1, Connection: close): the response, headers included,
+/* GET path on host:port (HTTP/1.1, Connection: close): the response, headers included,
  * NUL-terminated into out; returns the status code, or -1 when nothing answered. */
+int it_http_get_at(const char *host, int port, const char *path, char *out, size_t cap);
+/* The same on 127.0.0.1. */
 int it_http_get(int port, const char *path, char *out, size_t cap);
 /* The value of the sample `series` (name and labels exactly, as in the text format) in a
  * /metrics text, or -1 when absent. */
 double it_metric_in(const char *text, const char *series);
-/* The same, fetching /metrics from the admin port first. */
+/* The same, fetching /metrics from host:port first (it_metric: 127.0.0.1). */
+double it_metric_at(const char *host, int port, const char *series);
 double it_metric(int admin_port, const char *series);
+
+/* ---------------------------------------------------------------- across hosts
+ * A private network: one network namespace per host, each with one address in 10.250.0.0/24, all
+ * joined by a bridge in a namespace of its own; the test process moves into a namespace of its
+ * own on the same bridge (it_net_self), so it reaches every host, and so do the children it
+ * starts without an it_proc.ns. Nothing else of the machine is touched: no interface or address
+ * is added to the namespace the test started in, and no traffic leaves the namespaces (each
+ * network is a separate bridge, so parallel runs use the same addresses without meeting). Names
+ * carry the test process's pid (kvmesh-it-PID-NAME); it_net_create first deletes what a run
+ * that died left (namespaces of a pid no longer running, after SIGKILLing by pid the processes
+ * still inside them). One network per test process, made before its first socket. */
+#define IT_NET_HOSTS 8
+
+typedef struct it_host {
+    char ns[64]; /* the namespace: an it_proc's ns */
+    char ip[20]; /* its address */
+} it_host;
+
+/* Makes the network with one host per name (NULL-terminated, fewer than IT_NET_HOSTS) into
+ * hosts, and moves the test process onto it. False, the test skipped with a message, where
+ * `ip netns add` is not permitted (needs root or CAP_SYS_ADMIN) or there is no `ip`. Deleted by
+ * it_net_destroy (it_kill_all, and at exit). */
+bool it_net_create(const char *const *names, it_host *hosts);
+/* The test process's address on the network. */
+const char *it_net_self(void);
+/* Takes the test process's link to the bridge down (up false: a partition between the test's
+ * namespace and every host) or up again. */
+void it_net_self_link(bool up);
+/* Gives h's namespace (NULL: the test's) a second interface, up, with an address on a network
+ * no other host reaches, the same in every namespace (10.251.0.1/30), as a host's second NIC or
+ * its container bridge (docker0's 172.17.0.1 on every host): what a transfer layer that opened
+ * lanes on every interface would wrongly use. */
+void it_net_decoy(const it_host *h);
+/* Deletes the namespaces (their links go with them); nothing when there is no network. */
+void it_net_destroy(void);
+/* Runs a shell command (printf-style); its exit status, -1 when it did not exit. */
+int it_sh(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
 #endif

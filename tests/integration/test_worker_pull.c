@@ -13,74 +13,24 @@
  */
 #include <criterion/criterion.h>
 #include <signal.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include "common/svc.h"
 #include "tests/integration/harness.h"
 
-/* A network namespace joined to this one by a veth pair (host side hip, namespace side nip). */
-typedef struct netns {
-    char ns[32], vh[16], vn[16], hip[24], nip[24];
-    char decoy[16]; /* a second interface on this side, on a network the namespace cannot reach */
-    bool made;
-} netns;
-static netns g_ns;
-
-static int sh(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static int sh(const char *fmt, ...)
-{
-    char cmd[512];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(cmd, sizeof cmd, fmt, ap);
-    va_end(ap);
-    int rc = system(cmd);
-    return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
-}
-
-static void netns_cleanup(void)
-{
-    if (!g_ns.made) return;
-    sh("ip link del %s 2>/dev/null", g_ns.vh);
-    sh("ip link del %s 2>/dev/null", g_ns.decoy);
-    sh("ip netns del %s 2>/dev/null", g_ns.ns);
-    g_ns.made = false;
-}
+/* The holder's network namespace in the tests across namespaces (harness.h, it_net). */
+static it_host g_ns;
 
 /* False (and the test skipped) where `ip netns` is not permitted. */
-static bool netns_setup(netns *n)
+static bool netns_setup(void)
 {
-    int id = getpid();
-    snprintf(n->ns, sizeof n->ns, "kvmesh-pull-%d", id);
-    snprintf(n->vh, sizeof n->vh, "kvp%dh", id % 10000000);
-    snprintf(n->vn, sizeof n->vn, "kvp%dn", id % 10000000);
-    int a = 200 + id % 50, b = (id / 50) % 256, c = 4 * ((id / 12800) % 64);
-    snprintf(n->hip, sizeof n->hip, "10.%d.%d.%d", a, b, c + 1);
-    snprintf(n->nip, sizeof n->nip, "10.%d.%d.%d", a, b, c + 2);
-    if (sh("ip netns add %s 2>/dev/null", n->ns)) {
-        cr_skip_test("`ip netns add` is not permitted here (needs root or CAP_SYS_ADMIN)");
-        return false;
-    }
-    n->made = true;
-    cr_assert_eq(sh("ip link add %s type veth peer name %s", n->vh, n->vn), 0);
-    cr_assert_eq(sh("ip link set %s netns %s", n->vn, n->ns), 0);
-    cr_assert_eq(sh("ip addr add %s/30 dev %s && ip link set %s up", n->hip, n->vh, n->vh), 0);
-    cr_assert_eq(sh("ip netns exec %s sh -c 'ip addr add %s/30 dev %s && ip link set %s up && "
-                    "ip link set lo up'",
-                    n->ns, n->nip, n->vn, n->vn),
-                 0);
-    /* A host has other interfaces (a second NIC, a container bridge): UCX must not open a
-     * lane from one the peer has no route back to (it timed the whole endpoint out). */
-    snprintf(n->decoy, sizeof n->decoy, "kvd%d", id % 10000000);
-    cr_assert_eq(sh("ip link add %s type veth peer name %sp && ip addr add 10.%d.%d.%d/30 dev %s "
-                    "&& ip link set %s up && ip link set %sp up",
-                    n->decoy, n->decoy, a - 50, b, c + 1, n->decoy, n->decoy, n->decoy),
-                 0);
+    if (!it_net_create((const char *const[]){"wa", NULL}, &g_ns)) return false;
+    /* A host has other interfaces (a second NIC, a container bridge): UCX must not open a lane
+     * from one the peer has no route back to (it timed the whole endpoint out). */
+    it_net_decoy(NULL);
     return true;
 }
 
@@ -89,13 +39,7 @@ static void suite_init(void)
     setenv("UCX_TLS", "tcp", 1); /* the workers' transfers: TCP, as between hosts */
 }
 
-static void kill_all(void)
-{
-    it_kill_all();
-    netns_cleanup();
-}
-
-TestSuite(worker_pull, .init = suite_init, .fini = kill_all, .timeout = 300);
+TestSuite(worker_pull, .init = suite_init, .fini = it_kill_all, .timeout = 300);
 
 static bool have_model(void)
 {
@@ -109,25 +53,17 @@ static void start_worker_on(it_proc *w, const char *id, const char *controller, 
 {
     memset(w, 0, sizeof *w);
     it_proc_dir(w, "pull");
+    if (ns) snprintf(w->ns, sizeof w->ns, "%s", ns);
     char ports[128], listen[96], peer[96];
     snprintf(ports, sizeof ports, "%s/ports", w->dir);
     snprintf(listen, sizeof listen, "tcp://%s:*", host);
     snprintf(peer, sizeof peer, "%s:0", host);
-    const char *argv[] = {"ip",       "netns",
-                          "exec",     ns ? ns : "",
-                          IT_WORKER,  "--listen",
-                          listen,     "--events",
-                          listen,     "--admin-port",
-                          "0",        "--ports-file",
-                          ports,      "--threads",
-                          "1",        "--log-level",
-                          "info",     "--worker-id",
-                          id,         "--controller",
-                          controller, "--heartbeat",
-                          "100",      "--peer-listen",
-                          peer,       "--peer-advertise",
-                          host,       NULL};
-    it_spawn(w, ns ? argv : argv + 4, extra, "worker.log"); /* ip netns exec NS, or the worker */
+    const char *argv[] = {
+        IT_WORKER, "--listen",      listen, "--events",         listen,     "--admin-port",
+        "0",       "--ports-file",  ports,  "--threads",        "1",        "--log-level",
+        "info",    "--worker-id",   id,     "--controller",     controller, "--heartbeat",
+        "100",     "--peer-listen", peer,   "--peer-advertise", host,       NULL};
+    it_spawn(w, argv, extra, "worker.log");
 }
 
 /* A ZeroMQ socket of type bound to url; its endpoint (the port chosen) into ep. */
@@ -282,7 +218,7 @@ enum { NP = 200, GEN = 12, PAGES = NP / 16 };
 
 /* Two workers, wa (the holder) and wb, sending heartbeats to a ROUTER the test binds (it plays
  * the controller), and wa's transfer address from its heartbeats. With ns, wa runs inside the
- * namespace and both advertise their veth address. */
+ * namespace and both advertise their address on the namespaces' network (it_net). */
 typedef struct pair {
     void *ctl;
     char ctl_ep[256];
@@ -293,22 +229,22 @@ typedef struct pair {
 
 static pair g_pair; /* 4 KiB of address: not on the stack */
 
-static pair *pair_start(const netns *ns, const char *const *extra)
+static pair *pair_start(const it_host *ns, const char *const *extra)
 {
     pair *p = &g_pair;
     memset(p, 0, sizeof *p);
     char url[96];
-    snprintf(url, sizeof url, "tcp://%s:*", ns ? ns->hip : "127.0.0.1");
+    snprintf(url, sizeof url, "tcp://%s:*", ns ? it_net_self() : "127.0.0.1");
     p->ctl = bound(KM_ZROUTER, url, p->ctl_ep, sizeof p->ctl_ep);
-    start_worker_on(&p->a, "wa", p->ctl_ep, ns ? ns->ns : NULL, ns ? ns->nip : "127.0.0.1", extra);
-    start_worker_on(&p->b, "wb", p->ctl_ep, NULL, ns ? ns->hip : "127.0.0.1", extra);
+    start_worker_on(&p->a, "wa", p->ctl_ep, ns ? ns->ns : NULL, ns ? ns->ip : "127.0.0.1", extra);
+    start_worker_on(&p->b, "wb", p->ctl_ep, NULL, ns ? it_net_self() : "127.0.0.1", extra);
     p->addr_len = peer_addr_of(p->ctl, "wa", p->addr, sizeof p->addr);
     return p;
 }
 
 static void pair_stop(pair *p)
 {
-    kill_all();
+    it_kill_all();
     km_zsock_close(p->ctl);
 }
 
@@ -379,14 +315,14 @@ Test(worker_pull, a_stopped_or_killed_holder_costs_the_budget_and_the_request_re
 }
 
 /* Across network namespaces (issue 14, "across hosts"): the holder runs in its own namespace,
- * joined to the puller's by a veth pair, both advertising their veth address, UCX on TCP: the
- * page bytes cross the veth. Then the link goes down (a partition: the pull costs its budget and
- * the request recomputes), comes back, and a holder killed while a pull may be running costs at
+ * joined to the puller's by a bridge (it_net), both advertising their address on it, UCX on TCP:
+ * the page bytes cross the bridge. Then the link goes down (a partition: the pull costs its budget
+ * and the request recomputes), comes back, and a holder killed while a pull may be running costs at
  * most the budget too. */
 Test(worker_pull, pages_cross_network_namespaces_and_partitions_or_kills_only_cost_the_budget)
 {
     if (!have_model()) return;
-    if (!netns_setup(&g_ns)) return;
+    if (!netns_setup()) return;
     pair *w = pair_start(&g_ns, NULL);
     const it_proc *a = &w->a, *b = &w->b;
     int32_t p1[NP], p2[NP], p3[NP];
@@ -404,13 +340,13 @@ Test(worker_pull, pages_cross_network_namespaces_and_partitions_or_kills_only_co
     expect_same(&r1, &g1, "pulled across namespaces");
     cr_assert_gt(it_metric(b->admin_port, "kvmesh_kv_transfer_bytes_total{direction=\"in\"}"), 0);
 
-    /* partition: nothing crosses the veth; the pull ends at its budget, B computes */
-    cr_assert_eq(sh("ip link set %s down", g_ns.vh), 0);
+    /* partition: nothing crosses the bridge; the pull ends at its budget, B computes */
+    it_net_self_link(false);
     h.ms = 1500;
     result g2 = run(b->req, 5, p2, NP, GEN, &h, 120000);
     cr_assert_eq(g2.cached, 0);
     expect_same(&r2, &g2, "recomputed during a partition");
-    cr_assert_eq(sh("ip link set %s up", g_ns.vh), 0);
+    it_net_self_link(true);
 
     /* the holder killed just after the puller got the request: wherever the pull was, the
      * request completes with the same tokens */
@@ -705,15 +641,15 @@ Test(worker_pull, a_new_worker_warms_up_from_a_peer)
     pair_stop(w);
 }
 
-/* The drain handoff across network namespaces: wa in its own namespace (veth, UCX on TCP, the
- * view from the test's PUB on the host side of the veth) hands its chains to wb on the host
- * side; the pages cross the veth, and the prompts are then hits on wb. */
+/* The drain handoff across network namespaces: wa in its own namespace (a bridge, UCX on TCP,
+ * the view from the test's PUB in the test's namespace) hands its chains to wb in the test's
+ * namespace; the pages cross the bridge, and the prompts are then hits on wb. */
 Test(worker_pull, a_drain_hands_pages_over_across_network_namespaces)
 {
     if (!have_model()) return;
-    if (!netns_setup(&g_ns)) return;
+    if (!netns_setup()) return;
     char url[96], pub_ep[256];
-    snprintf(url, sizeof url, "tcp://%s:*", g_ns.hip);
+    snprintf(url, sizeof url, "tcp://%s:*", it_net_self());
     void *pub = bound(KM_ZPUB, url, pub_ep, sizeof pub_ep);
     const char *const view[] = {"--peer-view", pub_ep, "--peer-warm-pages", "0", NULL};
     pair *w = pair_start(&g_ns, view);
@@ -733,7 +669,7 @@ Test(worker_pull, a_drain_hands_pages_over_across_network_namespaces)
     cr_assert_neq(it_wait_exit(a, 20000), -1, "the drained worker did not exit by itself");
     cr_assert_geq(it_metric(b->admin_port, "kvmesh_kv_handoff_chains_total{outcome=\"taken\"}"), K);
     cr_assert_gt(it_metric(b->admin_port, "kvmesh_kv_transfer_bytes_total{direction=\"in\"}"), in0,
-                 "no page bytes crossed the veth");
+                 "no page bytes crossed the bridge");
     expect_hits(b, p, ref, "handed over across namespaces");
     km_zsock_close(pub);
     pair_stop(w);
