@@ -48,67 +48,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "worker/spec.h"
-#include "worker/scheduler.h"
-
-typedef struct wk_rq {
-    uint64_t rid;
-    void *user;
-    int32_t *tokens; /* prompt, then the completion; capacity n_prompt + max_gen */
-    int n_tok, n_prompt, n_done, n_gen, max_gen;
-    km_pagehash *hashes; /* chain of the full pages among tokens */
-    int n_hashed;
-    int16_t *route; /* [capacity] each position's dominant expert (wk_batch.route); NULL: none */
-    int n_placed;   /* pages before this one are placed (kv_seq_place) or were attached */
-    km_pagehash seed;
-    kv_seq *seq; /* NULL while queued */
-    wk_sampler *smp;
-    wk_spec_seq *spec; /* NULL: no speculation */
-    int priority, ignore_eos, canceled, admitted, preemptions, cached_tokens;
-    uint64_t arrival_ns, deadline_ns, admit_ns, first_ns;
-} wk_rq;
-
-/* One sequence's part of the current batch. */
-typedef struct wk_part {
-    wk_rq *rq;
-    int n;     /* tokens of this step */
-    int want;  /* the last of them produces logits */
-    int draft; /* of n, draft tokens after the sequence's token (all n produce logits) */
-} wk_part;
-
-/* The real engine behind wk_sched_engine (wk_sched_create). */
-typedef struct wk_real_engine {
-    wk_engine *e;
-    const km_tokenizer *tok;
-} wk_real_engine;
-
-struct wk_sched {
-    wk_sched_engine eng;
-    wk_real_engine real; /* eng.ctx points here when created over a wk_engine */
-    kv_store *kv;
-    wk_sched_opts o;
-    wk_sched_cb cb;
-    int n_vocab, pt;
-    char fp[33];
-    wk_rq **run, **queue;
-    int n_run, n_queue, queue_cap;
-    int admit_blocked; /* set by a preemption, cleared when a sequence ends */
-    uint64_t next_rid;
-    /* per-step buffers, max_batch_tokens each */
-    int32_t *b_tok, *b_pos;
-    kv_seq **b_seq;
-    uint8_t *b_want;
-    int16_t *b_route; /* NULL unless pages are placed by expert (an MoE model, shard key expert) */
-    wk_part *parts;
-    wk_spec *spec;
-    wk_spec_seq **b_spec; /* [max_running] this step's proposals */
-    int *order;           /* [max_running]: the order prefill chunks are taken in this step */
-    /* step budget: work units per token, per attended position, per logits row */
-    double u_tok, u_att, u_row;
-    double step_units; /* the units of the step being built */
-    int step_prefill;  /* its prompt tokens */
-    wk_sched_stats st;
-};
+#include "worker/scheduler_internal.h"
 
 /* Work units of n prompt tokens at positions [pos, pos + n), with one logits row when want. */
 static double wk_units(const wk_sched *s, int pos, int n, int want)
@@ -275,7 +215,7 @@ static void wk_rq_hash(wk_sched *s, wk_rq *r)
 
 /* Publishes the full pages whose KV is computed, so later requests (and this one after a
  * preemption) can reuse them. */
-static void wk_rq_publish(wk_sched *s, wk_rq *r)
+void wk_rq_publish(wk_sched *s, wk_rq *r)
 {
     if (!r->seq || r->n_done < s->pt) return;
     int n = r->n_done;
@@ -283,14 +223,11 @@ static void wk_rq_publish(wk_sched *s, wk_rq *r)
     /* Each new full page goes to the shard of its tokens' most frequent dominant expert (the
      * lower id on a tie) before it is indexed. */
     for (; r->route && r->n_placed < n / s->pt; r->n_placed++) {
-        int count[WK_MAX_EXPERTS] = {0}, best = -1;
-        for (int j = r->n_placed * s->pt; j < (r->n_placed + 1) * s->pt; j++) {
-            const int x = r->route[j];
-            if (x < 0 || x >= WK_MAX_EXPERTS) continue;
-            count[x]++;
-            if (best < 0 || count[x] > count[best] || (count[x] == count[best] && x < best))
-                best = x;
-        }
+        int count[WK_MAX_EXPERTS] = {0}, best = -1, top = 0;
+        for (int j = r->n_placed * s->pt; j < (r->n_placed + 1) * s->pt; j++)
+            if (r->route[j] >= 0 && r->route[j] < WK_MAX_EXPERTS) count[r->route[j]]++;
+        for (int x = 0; x < WK_MAX_EXPERTS; x++) /* strictly more: the lower id on a tie */
+            if (count[x] > top) top = count[x], best = x;
         if (best >= 0) kv_seq_place(s->kv, r->seq, r->n_placed * s->pt, best);
     }
     kv_seq_publish(s->kv, r->seq, r->hashes, r->tokens, n);
@@ -582,51 +519,6 @@ static void wk_sched_admit(wk_sched *s, uint64_t now)
     }
 }
 
-/* Whether a shard keeps int4 pages: those are sealed when they fill, so a verification must stay
- * inside one page there (a later token of the step would read the filled page unsealed, where
- * one token at a time reads it sealed). */
-static int wk_sched_int4(const wk_sched *s)
-{
-    kv_shard_stats st;
-    for (int i = 0; i < kv_store_n_shards(s->kv); i++)
-        if (!kv_store_shard_stats(s->kv, i, &st) && st.format == KN_KV_INT4) return 1;
-    return 0;
-}
-
-/* Proposes drafts for the decoding sequences and lets the budget grant them room, out of what
- * this step's decodes and prefill leave (drafts never displace a prompt token). */
-static void wk_sched_plan(wk_sched *s)
-{
-    int budget = s->o.max_batch_tokens, n_dec = 0, n_pre = 0, nq = 0;
-    for (int i = 0; i < s->n_run; i++) {
-        if (s->run[i]->spec) wk_spec_seq_clear(s->run[i]->spec);
-        n_dec += s->run[i]->n_tok - s->run[i]->n_done == 1;
-    }
-    if (!n_dec) return;
-    /* The prompt tokens wk_sched_build will take. */
-    int pre_budget = budget - n_dec;
-    if (s->o.decode_prefill > 0 && s->o.decode_prefill < pre_budget)
-        pre_budget = s->o.decode_prefill;
-    for (int i = 0; i < s->n_run && n_pre < pre_budget; i++) {
-        int left = s->run[i]->n_tok - s->run[i]->n_done;
-        if (left <= 1) continue;
-        int take = left < s->o.prefill_chunk ? left : s->o.prefill_chunk;
-        n_pre += take < pre_budget - n_pre ? take : pre_budget - n_pre;
-    }
-    int room = budget - n_dec - n_pre, int4 = -1;
-    if (room <= 0) return;
-    for (int i = 0; i < s->n_run; i++) {
-        wk_rq *r = s->run[i];
-        if (!r->spec || r->n_tok - r->n_done != 1) continue;
-        int cap = r->max_gen - r->n_gen - 1; /* the token after the drafts counts too */
-        if (cap > 0 && int4 < 0) int4 = wk_sched_int4(s);
-        if (int4 > 0 && cap > s->pt - 1 - r->n_done % s->pt) cap = s->pt - 1 - r->n_done % s->pt;
-        if (cap > 0 && wk_spec_propose(s->spec, r->spec, r->tokens, r->n_tok, cap) > 0)
-            s->b_spec[nq++] = r->spec;
-    }
-    if (nq) wk_spec_plan(s->spec, s->b_spec, nq, n_dec + n_pre, room);
-}
-
 /* Fills the batch: decodes (each with its granted drafts) first, then prefill chunks in
  * admission order. When the step decodes and decode_prefill is set, its prompt tokens are capped
  * there: a long prefill in the same step is what makes a running sequence wait for its next
@@ -710,7 +602,7 @@ static int wk_index_of(wk_rq **a, int n, const wk_rq *r)
 
 /* One sampled token: record it and report it. Returns 1 when the request is over (*fin says
  * why; the caller ends it), 0 to go on. */
-static int wk_rq_push(wk_sched *s, wk_rq *r, int32_t t, uint64_t now, km_finish *fin)
+int wk_rq_push(wk_sched *s, wk_rq *r, int32_t t, uint64_t now, km_finish *fin)
 {
     if (!r->first_ns) r->first_ns = now;
     if (!r->ignore_eos && s->eng.is_eog(s->eng.ctx, t)) {
@@ -730,43 +622,10 @@ static int wk_rq_push(wk_sched *s, wk_rq *r, int32_t t, uint64_t now, km_finish 
     return 0;
 }
 
-static void wk_rq_finish(wk_sched *s, wk_rq *r, km_finish fin)
+void wk_rq_finish(wk_sched *s, wk_rq *r, km_finish fin)
 {
     wk_remove_at(s->run, &s->n_run, wk_index_of(s->run, s->n_run, r));
     wk_rq_end(s, r, fin, 0, NULL);
-}
-
-/* A sequence's token and its drafts came back with logits at every position: the sampler picks
- * each position's token exactly as one step at a time would (same logits, same history, same
- * RNG draws), drafts equal to the picks are kept, and the KV past the last kept one is dropped.
- * For a single-proposal draft this is standard speculative sampling (spec.h). */
-static void wk_sched_verify(wk_sched *s, const wk_part *p, const float *rows, uint64_t now)
-{
-    wk_rq *r = p->rq;
-    int k = p->draft, acc = 0, nd, ended = 0, before = r->n_done / s->pt;
-    const int32_t *d = wk_spec_seq_draft(r->spec, &nd);
-    assert(nd == k && p->n == k + 1 && r->n_tok - r->n_done == 1);
-    km_finish fin = KM_FINISH_STOP;
-    r->n_done++;
-    for (int j = 0; j <= k; j++) {
-        int32_t t = wk_sampler_sample(r->smp, rows + (size_t)j * s->n_vocab);
-        int match = j < k && t == d[j];
-        ended = wk_rq_push(s, r, t, now, &fin);
-        acc += match;
-        if (ended || !match) break;
-        r->n_done++; /* the draft's KV, written by this step, is the token's */
-    }
-    KM_DEBUG("spec_verify", "rid=%llu pos=%d drafted=%d accepted=%d", (unsigned long long)r->rid,
-             r->n_done - 1 - acc, k, acc);
-    wk_spec_verified(s->spec, r->spec, k, acc);
-    s->st.decode_tokens += 1 + acc;
-    if (ended) {
-        wk_rq_finish(s, r, fin);
-        return;
-    }
-    assert(r->n_done == r->n_tok - 1);
-    if (acc < k) kv_seq_truncate(s->kv, r->seq, r->n_done);
-    if (r->n_done / s->pt > before) wk_rq_publish(s, r);
 }
 
 int wk_sched_step(wk_sched *s)

@@ -211,8 +211,7 @@ static int wk_warm_chain(void *arg, const km_pagehash *hs, const int32_t *toks, 
     return 0;
 }
 
-void wk_peer_warm_answer(wk_service *s, const km_zframe *env, int n_env,
-                                const km_msg_kv_warm *q)
+void wk_peer_warm_answer(wk_service *s, const km_zframe *env, int n_env, const km_msg_kv_warm *q)
 {
     wk_peer *p = s->peer;
     wk_warm_ctx c = {.s = s, .env = env, .n_env = n_env};

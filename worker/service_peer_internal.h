@@ -104,11 +104,11 @@ struct wk_peer {
 /* service_peer.c */
 void wk_held_free(wk_held *h);
 /* The link to a holder (its DEALER and node peer), made or reused; NULL when none can be. */
-wk_link *wk_peer_link(wk_service *s, const char *holder, const char *endpoint,
-                      const uint8_t *addr, uint32_t addr_len);
+wk_link *wk_peer_link(wk_service *s, const char *holder, const char *endpoint, const uint8_t *addr,
+                      uint32_t addr_len);
 /* Starts h's pull of the chain through l (kv_pull out); the pages already here, or < 0. */
-int wk_peer_start(wk_service *s, wk_link *l, wk_held *h, const km_pagehash *hs,
-                  const int32_t *toks, int n_pages);
+int wk_peer_start(wk_service *s, wk_link *l, wk_held *h, const km_pagehash *hs, const int32_t *toks,
+                  int n_pages);
 
 /* service_handoff.c */
 /* A peer's kv_push (its drain's handoff, or its answer to our warm-up): queued for a background
