@@ -213,7 +213,15 @@ int wk_service_create(wk_model *m, wk_engine *e, const wk_service_opts *o, wk_se
     if (rc) goto fail;
     wk_sched_cb cb;
     wk_svc_callbacks(s, &cb);
-    if ((rc = wk_sched_create(e, m, &s->o.sched, &cb, &s->sched, err))) goto fail;
+    /* the engine behind the scheduler: its steps on the step thread (service_step.c) */
+    const wk_sched_engine eng = {.kv = s->kv,
+                                 .hp = wk_model_hparams(m),
+                                 .fingerprint = s->fp,
+                                 .step = wk_svc_engine_step,
+                                 .is_eog = wk_svc_is_eog,
+                                 .ctx = s};
+    if ((rc = wk_sched_create_on(&eng, &s->o.sched, &cb, &s->sched, err))) goto fail;
+    if ((rc = wk_svc_stepper_start(s, err))) goto fail;
     s->zctx = km_zctx_create();
     if (!s->zctx) {
         rc = km_errf(err, KM_EIO, "zmq: cannot create a context");
@@ -273,6 +281,7 @@ fail:
 void wk_service_destroy(wk_service *s)
 {
     if (!s) return;
+    wk_svc_stepper_stop(s);
     wk_svc_pulse_stop(s);
     km_admin_stop(s->admin);
     if (s->ballast) kv_seq_destroy(s->kv, s->ballast);
@@ -404,6 +413,11 @@ int wk_service_run(wk_service *s)
             if ((wk_peer_held(s) || s->linger_until_ns) && timeout > 1)
                 timeout = 1; /* pulls in flight, or pages being handed over */
         }
+        /* frames that came during the last step, in their order, before any read later */
+        for (int i = 0; i < s->n_held && !s->stop_now; i++)
+            wk_handle_message(s, s->router, &s->held[i]);
+        s->n_held = 0;
+        if (s->stop_now) break;
         km_zpollitem items[2] = {{.sock = s->router, .events = KM_ZPOLLIN},
                                  {.sock = s->ctl_loop, .events = KM_ZPOLLIN}};
         int n_items = s->ctl_loop ? 2 : 1;

@@ -248,6 +248,49 @@ static void admin_pressure(admin_ctx *c)
     wk_ballast_set(s, c->a->fraction, c->msg, sizeof c->msg);
 }
 
+void wk_svc_quick_take(wk_service *s, wk_quick *q)
+{
+    wk_sched_stats st;
+    wk_sched_stats_get(s->sched, &st);
+    q->format = wk_svc_kv_format(s);
+    q->running = (uint32_t)st.running;
+    q->queued = (uint32_t)st.queued;
+    wk_kv_totals(s, &q->kv_pages, &q->kv_bytes);
+}
+
+/* The reply's figures, from the store and scheduler (q NULL) or as taken before a step. */
+static void admin_reply_figures(wk_service *s, km_msg_admin_reply *rp, const wk_quick *q)
+{
+    wk_quick now;
+    if (!q) {
+        wk_svc_quick_take(s, &now);
+        q = &now;
+    }
+    rp->state = wk_svc_state(s);
+    rp->kv_format = kv_format_name(q->format);
+    rp->inflight = q->running;
+    rp->queued = q->queued;
+    rp->kv_pages = q->kv_pages;
+    rp->kv_bytes = q->kv_bytes;
+}
+
+bool wk_svc_admin_quick(wk_service *s, void *sock, const km_zframe *env, int n_env,
+                        const km_msg_admin *a)
+{
+    if (a->cmd != KM_ADMIN_STATUS || a->has_events_since || a->events_snapshot) return false;
+    if (a->worker && a->worker[0] && strcmp(a->worker, s->worker_id)) return false;
+    km_msg m;
+    km_msg_init(&m, KM_MSG_ADMIN_REPLY);
+    km_msg_admin_reply *rp = &m.admin_reply;
+    rp->id = a->id;
+    rp->cmd = a->cmd;
+    rp->ok = true;
+    admin_reply_figures(s, rp, &s->quick);
+    rp->message = "answered during an engine step";
+    if (!km_msg_encode(&m, &s->lim, &s->out, NULL)) wk_svc_send(s, sock, env, n_env, &s->out);
+    return true;
+}
+
 void wk_svc_handle_admin(wk_service *s, void *sock, const km_zframe *env, int n_env,
                          const km_msg_admin *a)
 {
@@ -284,13 +327,7 @@ void wk_svc_handle_admin(wk_service *s, void *sock, const km_zframe *env, int n_
             admin_fail(&c, KM_CODE_BAD_REQUEST, "unknown admin command");
         }
     }
-    wk_sched_stats st;
-    wk_sched_stats_get(s->sched, &st);
-    c.rp->state = wk_svc_state(s);
-    c.rp->kv_format = kv_format_name(wk_svc_kv_format(s));
-    c.rp->inflight = (uint32_t)st.running;
-    c.rp->queued = (uint32_t)st.queued;
-    wk_kv_totals(s, &c.rp->kv_pages, &c.rp->kv_bytes);
+    admin_reply_figures(s, c.rp, NULL);
     if (c.msg[0]) c.rp->message = c.msg;
     if (km_msg_encode(&m, &s->lim, &s->out, NULL)) return;
     wk_svc_send(s, sock, env, n_env, &s->out);

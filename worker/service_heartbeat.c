@@ -16,7 +16,8 @@
  * The pulse also owns the controller DEALER (a ZeroMQ socket belongs to one thread): recovery
  * commands from the controller are passed to the loop over an inproc PAIR and carried out between
  * steps (they change the KV store, which a step uses), their replies passed back the same way.
- * Steps are bounded in time (the scheduler's step budget), so a command waits at most one step.
+ * Steps are bounded in time (the scheduler's step budget), so a command waits at most one step;
+ * a plain `status` on the ROUTER does not wait at all (service_step.c).
  */
 #include <stdio.h>
 #include <stdlib.h>

@@ -7,6 +7,7 @@
  *   service_admin.c      admin commands: status (and KV event replay), evict, set_kv_format,
  *                        drain, shutdown, pressure
  *   service_heartbeat.c  what the worker reports: metrics, gauges, heartbeats to the controller
+ *   service_step.c       the engine step on a thread of its own; status answered meanwhile
  *   service_peer.c       KV pages between workers: the transfer node, kv_pull served, requests
  *                        with a pull hint held while their pages are pulled
  *   service_handoff.c    the controller's view, drain handoff and warm-up over that node
@@ -14,8 +15,9 @@
  *   events.c             KV events, their replay and snapshots
  *
  * Everything here runs on the service's loop thread, except the pulse (service_heartbeat.c: the
- * heartbeat thread, which owns the controller socket and reads the snapshot under hb_mu) and the
- * admin HTTP thread (the metrics registry and the atomic state only).
+ * heartbeat thread, which owns the controller socket and reads the snapshot under hb_mu), the
+ * admin HTTP thread (the metrics registry and the atomic state only) and the step thread
+ * (service_step.c: wk_engine_step alone, while the loop touches neither scheduler nor store).
  */
 #ifndef WK_SERVICE_INTERNAL_H
 #define WK_SERVICE_INTERNAL_H
@@ -29,7 +31,12 @@
 typedef struct wk_events wk_events; /* events.c, below */
 typedef struct wk_peer wk_peer;     /* service_peer.c, below */
 
-enum { WK_ENV_MAX = KM_ZMSG_MAX_PARTS - 1, WK_ENV_BYTES = 1024, WK_LAT_RING = 1024 };
+enum {
+    WK_ENV_MAX = KM_ZMSG_MAX_PARTS - 1,
+    WK_ENV_BYTES = 1024,
+    WK_LAT_RING = 1024,
+    WK_HELD_MAX = 64 /* frames held while an engine step runs; more wait in the socket */
+};
 
 /* One request in flight, from its `req` frame to its `done` or `err`. */
 typedef struct wk_sreq {
@@ -84,6 +91,13 @@ typedef struct wk_hb_snap {
     uint64_t tokens_total;
     km_msg_heartbeat peer; /* only its peer_addr, peer_addr_len, has_xfer, xfer (service_peer.c) */
 } wk_hb_snap;
+
+/* What `status` reports while an engine step runs (taken on the loop just before it). */
+typedef struct wk_quick {
+    kv_format format;
+    uint32_t running, queued;
+    uint64_t kv_pages, kv_bytes;
+} wk_quick;
 
 struct wk_service {
     wk_model *m;
@@ -161,6 +175,20 @@ struct wk_service {
     /* chaos: the `pressure` command's ballast, a sequence holding real hot pages */
     kv_seq *ballast;
     int ballast_pages;
+    /* the engine step's own thread (service_step.c): while it computes, the loop answers
+     * `status` from `quick` and holds every other frame in `held` until the step is over */
+    pthread_t step_thread;
+    bool step_started;
+    pthread_mutex_t step_mu;
+    pthread_cond_t step_cv;
+    int step_fd;            /* eventfd: the step is over */
+    int step_job;           /* under step_mu: 1 posted, 2 done, -1 stop */
+    const wk_batch *step_b; /* the posted step */
+    const float *step_logits;
+    int step_rc;
+    wk_quick quick; /* what `status` answers while a step runs */
+    km_zmsg held[WK_HELD_MAX];
+    int n_held;
 };
 
 static inline uint64_t wk_ms_ns(int64_t ms)
@@ -206,6 +234,12 @@ void wk_svc_handle_admin(wk_service *s, void *sock, const km_zframe *env, int n_
 /* From ready to draining: no new requests; in-flight ones finish until the deadline. */
 void wk_svc_start_drain(wk_service *s, int64_t timeout_ms, const char *why);
 kv_format wk_svc_kv_format(wk_service *s); /* the current KV format (shard 0's) */
+/* The figures `status` reports, taken now (loop, between steps). */
+void wk_svc_quick_take(wk_service *s, wk_quick *q);
+/* While a step runs: answers an authorized `status` without an event replay from s->quick and
+ * returns true; false for anything else (held for after the step). */
+bool wk_svc_admin_quick(wk_service *s, void *sock, const km_zframe *env, int n_env,
+                        const km_msg_admin *a);
 void wk_svc_ballast_release(wk_service *s);
 size_t wk_svc_ballast_bytes(wk_service *s);
 
@@ -223,6 +257,20 @@ int wk_svc_pulse_start(wk_service *s, km_errbuf *err);
 void wk_svc_pulse_stop(wk_service *s);
 /* A request ended (done or error): its latencies into the metrics and the heartbeat's rings. */
 void wk_svc_observe_end(wk_service *s, const wk_sched_usage *u);
+
+/* ---------------------------------------------------------------- service_step.c
+ *
+ * Liveness is not progress (issue 12): an engine step (seconds, for a long prefill on one loaded
+ * thread) runs on a thread of its own while the loop keeps reading the ROUTER, answering
+ * `status` at once and holding every other frame for after the step; the step's results (tokens,
+ * ends) still leave from the loop, so the loop alone owns the sockets, the scheduler and the
+ * store. */
+
+int wk_svc_stepper_start(wk_service *s, km_errbuf *err);
+void wk_svc_stepper_stop(wk_service *s);
+/* The scheduler's engine (wk_sched_engine.step / is_eog): the step on the step thread. */
+int wk_svc_engine_step(void *ctx, const wk_batch *b, const float **logits);
+int wk_svc_is_eog(void *ctx, int32_t token);
 
 /* ---------------------------------------------------------------- service_peer.c
  *

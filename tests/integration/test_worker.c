@@ -1066,3 +1066,67 @@ Test(worker, pressure_pins_real_pages_that_heartbeats_report_and_fp8_shrinks)
     km_zsock_close(s);
     km_zsock_close(ctl);
 }
+
+/* Liveness is not progress (issue 12): a `status` sent while a long prefill step runs is answered
+ * during the step, before the request's first token (which that step produces), from the figures
+ * of when the step began; a command that changes the store (evict) waits for the step and comes
+ * after it. Ordering only: nothing here depends on how long the step takes. */
+Test(worker, status_is_answered_during_an_engine_step)
+{
+    if (!have_model()) return;
+    wproc w;
+    /* one step for the whole prompt: no step budget, chunks as large as the prompt */
+    const char *extra[] = {"--threads=1",          "--step-budget=0",
+                           "--prefill-chunk=2048", "--max-batch-tokens=2048",
+                           "--max-ctx=4096",       NULL};
+    start_worker(&w, extra);
+    void *s = it_dealer(w.req);
+    void *probe = it_dealer(w.req);
+    int32_t toks[1800];
+    for (int i = 0; i < 1800; i++) toks[i] = 500 + (i * 37) % 20000;
+    send_req(s, 1, toks, 1800, 2);
+    /* probe until an answer says it came during a step, or the first token is out */
+    bool during = false, first_token = false;
+    km_msg m;
+    for (int k = 0; k < 400 && !during && !first_token; k++) {
+        send_admin(probe, 100 + k, KM_ADMIN_STATUS, 0, NULL, 0);
+        cr_assert(it_recv_msg(probe, &m, 60000), "status %d unanswered", k);
+        cr_assert_eq(m.type, KM_MSG_ADMIN_REPLY);
+        cr_assert(m.admin_reply.ok);
+        if (m.admin_reply.message && strstr(m.admin_reply.message, "during an engine step")) {
+            during = true;
+            cr_assert_eq(m.admin_reply.state, KM_STATE_READY);
+            cr_assert_str_eq(m.admin_reply.kv_format, "f16");
+            cr_assert_eq(m.admin_reply.inflight, 1, "the request being prefilled");
+        }
+        km_msg_clear(&m);
+        /* has the request produced its first token yet? (non-blocking look) */
+        if (!during && it_recv_msg(s, &m, 0)) {
+            first_token = m.type == KM_MSG_TOKEN || m.type == KM_MSG_DONE;
+            km_msg_clear(&m);
+        }
+        if (!during && !first_token) usleep(20000);
+    }
+    cr_assert(during, "no status came back during the prefill step (first token out: %d)",
+              first_token);
+    /* a store-changing command sent now is carried out between steps: after the first token */
+    send_admin(probe, 9, KM_ADMIN_EVICT, 0.25, NULL, 0);
+    bool tok_seen = first_token;
+    for (;;) {
+        cr_assert(it_recv_msg(s, &m, 60000), "the request did not end");
+        cr_assert_neq(m.type, KM_MSG_ERROR);
+        tok_seen |= m.type == KM_MSG_TOKEN;
+        bool end = m.type == KM_MSG_DONE;
+        km_msg_clear(&m);
+        if (end) break;
+    }
+    cr_assert(it_recv_msg(probe, &m, 60000));
+    cr_assert_eq(m.type, KM_MSG_ADMIN_REPLY);
+    cr_assert_eq(m.admin_reply.cmd, KM_ADMIN_EVICT);
+    cr_assert(m.admin_reply.ok);
+    km_msg_clear(&m);
+    cr_assert(tok_seen);
+    km_zsock_close(s);
+    km_zsock_close(probe);
+    it_stop(&w);
+}

@@ -1,0 +1,146 @@
+/*
+ * service_step.c — the engine step on a thread of its own (service_internal.h). Liveness is not
+ * progress (issue 12): a prefill step near the end of a long context takes seconds on one loaded
+ * thread, and an admin `status` that waited for it made a busy worker look hung to whoever asked.
+ *
+ * The scheduler runs over the service's wk_sched_engine: its step (wk_svc_engine_step) posts the
+ * batch to the step thread, which runs wk_engine_step (the engine's thread pool included), and
+ * meanwhile the loop keeps reading the ROUTER:
+ *  - an authorized `status` without an event replay is answered at once, from the figures taken
+ *    just before the step (wk_quick: state, KV format, running, queued, KV pages and bytes) and
+ *    with the message "answered during an engine step";
+ *  - every other frame is held, in arrival order, up to WK_HELD_MAX (then the socket keeps the
+ *    rest), and handled by the loop as soon as the step is over, before anything read later.
+ * The step thread touches only the engine and the batch's KV; the loop, during the step, only
+ * its sockets, the metrics and `quick`. So the scheduler, the store, the live requests and every
+ * socket stay the loop's alone, and the step's results (tokens, ends) still leave from the loop
+ * when wk_sched_step returns. An eventfd wakes the loop's poll the moment the step is over: the
+ * hand-off costs two thread wake-ups per step (tens of microseconds against milliseconds).
+ * Controller commands (ctl_loop) are not read during a step: they change the store, which the
+ * step is using, and the pulse holds heartbeats while one is carried out.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include "worker/service_internal.h"
+
+static void *wk_step_main(void *arg)
+{
+    wk_service *s = arg;
+    pthread_mutex_lock(&s->step_mu);
+    for (;;) {
+        while (s->step_job != 1 && s->step_job != -1) pthread_cond_wait(&s->step_cv, &s->step_mu);
+        if (s->step_job == -1) break;
+        const wk_batch *b = s->step_b;
+        pthread_mutex_unlock(&s->step_mu);
+        const float *logits = NULL;
+        int rc = wk_engine_step(s->e, b, &logits);
+        pthread_mutex_lock(&s->step_mu);
+        s->step_rc = rc;
+        s->step_logits = logits;
+        s->step_job = 2;
+        uint64_t one = 1;
+        if (write(s->step_fd, &one, sizeof one) != sizeof one) { /* the loop also rechecks */
+        }
+    }
+    pthread_mutex_unlock(&s->step_mu);
+    return NULL;
+}
+
+int wk_svc_stepper_start(wk_service *s, km_errbuf *err)
+{
+    pthread_mutex_init(&s->step_mu, NULL);
+    pthread_cond_init(&s->step_cv, NULL);
+    s->step_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (s->step_fd < 0) return km_errf(err, KM_EIO, "step thread: eventfd: %s", strerror(errno));
+    if (pthread_create(&s->step_thread, NULL, wk_step_main, s))
+        return km_errf(err, KM_EIO, "step thread: cannot start it");
+    s->step_started = true;
+    return 0;
+}
+
+void wk_svc_stepper_stop(wk_service *s)
+{
+    if (s->step_started) {
+        pthread_mutex_lock(&s->step_mu);
+        s->step_job = -1;
+        pthread_cond_signal(&s->step_cv);
+        pthread_mutex_unlock(&s->step_mu);
+        pthread_join(s->step_thread, NULL);
+        s->step_started = false;
+    }
+    if (s->step_fd > 0) close(s->step_fd);
+    s->step_fd = -1;
+    for (int i = 0; i < WK_HELD_MAX; i++) km_zmsg_clear(&s->held[i]);
+}
+
+/* One ROUTER frame read during a step: answered now (status) or held. False when nothing more
+ * can be read now (socket empty, or the held frames fill their room). */
+static bool wk_step_read(wk_service *s)
+{
+    if (s->n_held >= WK_HELD_MAX) return false;
+    km_zmsg *zm = &s->held[s->n_held];
+    int rc = km_zrecv(s->router, zm, 0, NULL);
+    if (rc == KM_EAGAIN) return false;
+    if (rc == KM_EPROTO) { /* as wk_pump_socket: counted, nothing held, read on */
+        wk_svc_count_bad_from(s, WK_BAD_PARTS, &zm->peer);
+        return true;
+    }
+    if (rc) return false;
+    const km_zframe *body = km_zmsg_body(zm);
+    km_msg m;
+    if (body && !km_msg_decode(body->data, body->len, &s->lim, &m, NULL)) {
+        /* status may come from members and operators (docs/security.md); a sender that may
+         * not is held, and answered 403 after the step as always */
+        bool answered =
+            m.type == KM_MSG_ADMIN &&
+            !km_zsec_authorize(s->o.sec, &zm->peer, KM_ROLE_MEMBER | KM_ROLE_OPERATOR, NULL) &&
+            wk_svc_admin_quick(s, s->router, zm->part, zm->n - 1, &m.admin);
+        km_msg_clear(&m);
+        if (answered) return true;
+    }
+    s->n_held++;
+    return true;
+}
+
+int wk_svc_engine_step(void *ctx, const wk_batch *b, const float **logits)
+{
+    wk_service *s = ctx;
+    if (!s->step_started || !s->router) return wk_engine_step(s->e, b, logits);
+    wk_svc_quick_take(s, &s->quick);
+    pthread_mutex_lock(&s->step_mu);
+    s->step_b = b;
+    s->step_job = 1;
+    pthread_cond_signal(&s->step_cv);
+    pthread_mutex_unlock(&s->step_mu);
+    for (;;) {
+        pthread_mutex_lock(&s->step_mu);
+        bool done = s->step_job == 2;
+        pthread_mutex_unlock(&s->step_mu);
+        if (done) break;
+        km_zpollitem items[2] = {{.fd = s->step_fd, .events = KM_ZPOLLIN},
+                                 {.sock = s->router, .events = KM_ZPOLLIN}};
+        /* the ROUTER only while there is room to hold what it brings */
+        int n = s->n_held < WK_HELD_MAX ? 2 : 1;
+        if (km_zpoll(items, n, 1000, NULL) > 0 && n > 1 && (items[1].revents & KM_ZPOLLIN))
+            for (int k = 0; k < 64 && wk_step_read(s); k++) {
+            }
+    }
+    uint64_t v;
+    if (read(s->step_fd, &v, sizeof v) < 0) { /* EAGAIN: already read */
+    }
+    pthread_mutex_lock(&s->step_mu);
+    s->step_job = 0;
+    int rc = s->step_rc;
+    if (logits) *logits = s->step_logits;
+    pthread_mutex_unlock(&s->step_mu);
+    return rc;
+}
+
+int wk_svc_is_eog(void *ctx, int32_t token)
+{
+    return km_tok_is_eog(((wk_service *)ctx)->tok, token);
+}
