@@ -46,11 +46,11 @@ BENCH_KERNELS="${BENCH_KERNELS:-build/bench/bench_kernels}"
 STAMP="$(date -u +%Y%m%dT%H%M%SZ)"
 OUT="${BENCH_OUT:-build/bench/$STAMP}"
 
-die() {
-    echo "bench_engine.sh: error: $*" >&2
-    exit 1
-}
-say() { echo "bench_engine.sh: $*" >&2; }
+BENCH_NAME=bench_engine.sh
+# shellcheck source=bench/bench_lib.sh
+. bench/bench_lib.sh
+die() { bench_die "$@"; }
+say() { bench_say "$@"; }
 
 [ -f "$MODEL" ] || die "model $MODEL not found (run 'make deps')"
 [[ "$THREADS" =~ ^[1-9][0-9]*$ ]] || die "THREADS must be a positive integer (got '$THREADS')"
@@ -66,24 +66,7 @@ mkdir -p "$OUT"
 LOAD_START="$(cut -d' ' -f1-3 /proc/loadavg)"
 
 # ------------------------------------------------------------------ llama.cpp weight repacking
-# llama.cpp's default puts weights in "extra" buffers (AMX tiles where the CPU reports AMX,
-# repacked AVX layouts otherwise). On some machines the AMX path dies with SIGSEGV/#GP; then the
-# fair comparison is llama.cpp without it (--repack 0 / -nr), and the table says so.
-case "$LLAMA_REPACK" in
-    auto)
-        rc=0
-        "$LLBIN/llama-bench" -m "$MODEL" -t "$THREADS" -p 8 -n 1 -r 1 --repack 1 -o json >"$OUT/probe.json" \
-            2>"$OUT/probe.log" || rc=$?
-        if [ "$rc" = 0 ]; then
-            REPACK=1
-        else
-            REPACK=0
-            say "llama.cpp failed with weight repacking on (exit $rc, see $OUT/probe.log); using --repack 0"
-        fi
-        ;;
-    0 | 1) REPACK="$LLAMA_REPACK" ;;
-    *) die "LLAMA_REPACK must be auto, 0 or 1" ;;
-esac
+REPACK="$(bench_llama_repack "$LLAMA_REPACK" "$MODEL" "$THREADS" "$OUT")"
 if [ "$REPACK" = 1 ]; then NR=(); else NR=(-nr); fi
 
 # ------------------------------------------------------------------ one round of each side
@@ -147,8 +130,7 @@ done
 
 # ------------------------------------------------------------------ table
 LLVER="$(bash bench/build_llamacpp.sh --version)"
-CPU="$(grep -m1 'model name' /proc/cpuinfo | sed 's/.*: //')"
-CPU="$CPU (family $(grep -m1 'cpu family' /proc/cpuinfo | sed 's/.*: //'), model $(grep -m1 '^model[[:space:]]' /proc/cpuinfo | sed 's/.*: //'); $(grep -m1 '^flags' /proc/cpuinfo | grep -o -w -E 'avx2|fma|f16c|avx512f|avx512_vnni|amx_int8' | tr '\n' ' ' | sed 's/ $//'))"
+CPU="$(bench_cpu)"
 ISA="$(grep -h -o 'isa=[a-z0-9]*' "$OUT"/kvmesh.*.log 2>/dev/null | head -1 | cut -d= -f2)"
 MODEL_SHA="$(sha256sum "$MODEL" | cut -d' ' -f1)"
 

@@ -52,17 +52,12 @@ stop() {
 }
 trap stop EXIT
 
+BENCH_NAME=bench_spec.sh
+# shellcheck source=bench/bench_lib.sh
+. bench/bench_lib.sh
 # shellcheck disable=SC2086 # WORKER_ARGS is a list of flags
-"$WORKER" --model "$MODEL" --threads "$THREADS" --listen "tcp://127.0.0.1:$PORT" --events "" \
-    --admin-port -1 --ports-file "$OUT/worker.ports" --log-level warn --insecure ${WORKER_ARGS:-} \
-    >>"$OUT/worker.log" 2>&1 &
-PID=$!
-for _ in $(seq 1 600); do
-    [ -s "$OUT/worker.ports" ] && break
-    kill -0 "$PID" 2>/dev/null || die "kvmesh-worker exited (see $OUT/worker.log)"
-    sleep 0.1
-done
-[ -s "$OUT/worker.ports" ] || die "kvmesh-worker did not come up (see $OUT/worker.log)"
+bench_start_worker "$PORT" "$OUT/worker.log" "$OUT/worker.ports" ${WORKER_ARGS:-}
+PID=$WORKER_PID
 
 echo "## speculative decoding off vs auto ($(date -u +%Y-%m-%dT%H:%MZ))"
 echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //'), threads=$THREADS," \

@@ -49,6 +49,9 @@ die() {
     exit 1
 }
 say() { echo "bench_worker.sh: $*" >&2; }
+BENCH_NAME=bench_worker.sh
+# shellcheck source=bench/bench_lib.sh
+. bench/bench_lib.sh
 
 [ -f "$MODEL" ] || die "model $MODEL not found (run 'make deps')"
 [ -x "$WORKER" ] || die "$WORKER not built (make build)"
@@ -88,17 +91,9 @@ stop_server() {
 trap stop_server EXIT
 
 start_kvmesh() { # log
-    rm -f "$OUT/worker.ports"
     # shellcheck disable=SC2086 # WORKER_ARGS is a list of flags
-    "$WORKER" --model "$MODEL" --threads "$THREADS" --listen "tcp://127.0.0.1:$PORT" --events "" \
-        --admin-port -1 --ports-file "$OUT/worker.ports" --log-level warn --insecure ${WORKER_ARGS:-} >>"$1" 2>&1 &
-    SERVER_PID=$!
-    for _ in $(seq 1 600); do
-        [ -s "$OUT/worker.ports" ] && return 0
-        kill -0 "$SERVER_PID" 2>/dev/null || die "kvmesh-worker exited (see $1)"
-        sleep 0.1
-    done
-    die "kvmesh-worker did not come up (see $1)"
+    bench_start_worker "$PORT" "$1" "$OUT/worker.ports" ${WORKER_ARGS:-}
+    SERVER_PID=$WORKER_PID
 }
 
 start_llama() { # log

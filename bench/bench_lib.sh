@@ -1,0 +1,77 @@
+# shellcheck shell=bash
+# bench_lib.sh — what the bench scripts share (sourced, not run): the machine's description that
+# goes next to every figure, llama.cpp's weight-repacking probe, and one kvmesh-worker started in
+# the background and waited for. Each script sets BENCH_NAME (its own name, for messages) first.
+
+bench_die() {
+    echo "${BENCH_NAME:-bench}: error: $*" >&2
+    exit 1
+}
+bench_say() { echo "${BENCH_NAME:-bench}: $*" >&2; }
+
+# The 1-, 5- and 15-minute load averages.
+bench_load() { cut -d' ' -f1-3 /proc/loadavg; }
+
+# The CPU: model name, family and model numbers, and the ISA flags the kernels choose between.
+bench_cpu() {
+    local name
+    name="$(grep -m1 'model name' /proc/cpuinfo | sed 's/.*: //')"
+    echo "$name (family $(grep -m1 'cpu family' /proc/cpuinfo | sed 's/.*: //'), model $(grep -m1 '^model[[:space:]]' /proc/cpuinfo | sed 's/.*: //'); $(grep -m1 '^flags' /proc/cpuinfo | grep -o -w -E 'avx2|fma|f16c|avx512f|avx512_vnni|amx_int8' | tr '\n' ' ' | sed 's/ $//'))"
+}
+
+# llama.cpp's weight repacking, auto|0|1 ($1) for model $2 with $3 threads, probe output under
+# directory $4: prints 1 or 0. By default llama.cpp puts weights in "extra" buffers (AMX tiles
+# where the CPU reports AMX, repacked AVX layouts otherwise); on some machines the AMX path dies
+# with SIGSEGV/#GP, and then the fair comparison is llama.cpp without it (--repack 0 / -nr).
+bench_llama_repack() {
+    local rc=0
+    case "$1" in
+        auto)
+            third_party/llama.cpp/build/bin/llama-bench -m "$2" -t "$3" -p 8 -n 1 -r 1 --repack 1 -o json \
+                >"$4/probe.json" 2>"$4/probe.log" || rc=$?
+            if [ "$rc" = 0 ]; then
+                echo 1
+            else
+                bench_say "llama.cpp failed with weight repacking on (exit $rc, see $4/probe.log); using --repack 0"
+                echo 0
+            fi
+            ;;
+        0 | 1) echo "$1" ;;
+        *) bench_die "LLAMA_REPACK must be auto, 0 or 1" ;;
+    esac
+}
+
+# Starts build/bin/kvmesh-worker in the background with MODEL, THREADS, a requests endpoint on
+# 127.0.0.1 (port $1; 0 picks a free one), KV events off, logs appended to $2, its ports file at
+# $3, --insecure (the benches speak plain ZeroMQ), then the remaining arguments; waits up to 60 s
+# for the ports file. Sets WORKER_PID; WORKER_REQ and WORKER_ADMIN come from the ports file (the
+# admin endpoint is off unless the arguments give --admin-port).
+bench_start_worker() {
+    local port="$1" log="$2" ports="$3"
+    shift 3
+    rm -f "$ports"
+    build/bin/kvmesh-worker --model "$MODEL" --threads "$THREADS" --listen "tcp://127.0.0.1:$port" \
+        --events "" --admin-port -1 --ports-file "$ports" --log-level warn --insecure "$@" >>"$log" 2>&1 &
+    WORKER_PID=$!
+    for _ in $(seq 1 600); do
+        if [ -s "$ports" ]; then
+            # shellcheck disable=SC2034 # read by the scripts that source this
+            WORKER_REQ=$(sed -n 's/^requests=//p' "$ports")
+            # shellcheck disable=SC2034
+            WORKER_ADMIN=$(sed -n 's/^admin=//p' "$ports")
+            return 0
+        fi
+        kill -0 "$WORKER_PID" 2>/dev/null || bench_die "kvmesh-worker exited (see $log)"
+        sleep 0.1
+    done
+    bench_die "kvmesh-worker did not come up (see $log)"
+}
+
+# Stops the worker bench_start_worker started (its own pid only).
+bench_stop_worker() {
+    if [ -n "${WORKER_PID:-}" ]; then
+        kill "$WORKER_PID" 2>/dev/null || true
+        wait "$WORKER_PID" 2>/dev/null || true
+    fi
+    WORKER_PID=
+}
