@@ -397,6 +397,12 @@ bench-pull: build $(BENCH_PULL) ## TTFT of a long prompt pulled from a peer vs c
 bench-cluster: build $(BENCH_ROUTER) ## cluster hit ratio with page transfer, handoff, warm-up
 	@bash bench/bench_cluster.sh
 
+# The MoE test model (docs/moe.md): prefill/decode next to llama.cpp with the dense model beside
+# it, and hit ratio and shard balance of hash vs expert KV shards under memory pressure.
+.PHONY: bench-moe
+bench-moe: build moe-model ## MoE speed next to llama.cpp; hash vs expert KV shards (docs/moe.md)
+	@bash bench/bench_moe.sh
+
 fixtures: build ## regenerates tests/fixtures from llama.cpp (needs its build)
 	@bash tests/fixtures/gen_fixtures.sh
 
