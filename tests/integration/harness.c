@@ -2,8 +2,9 @@
  * harness.c — the integration suites' shared helpers (harness.h): children on ephemeral ports
  * found through their ports files, stopped with deadlines and never left running; DEALER
  * sockets speaking km_msg; HTTP GET and /metrics on an admin port; a private network of network
- * namespaces for the suites across hosts. Plain sockets for HTTP, so the suites do not depend on
- * the client library they may be testing; `ip` (iproute2) for the namespaces.
+ * namespaces for the suites across hosts; whole clusters that `kvmesh up` runs, stopped the same
+ * way. Plain sockets for HTTP, so the suites do not depend on the client library they may be
+ * testing; `ip` (iproute2) for the namespaces.
  */
 #define _GNU_SOURCE /* setns */
 #include "tests/integration/harness.h"
@@ -448,4 +449,54 @@ void it_net_destroy(void)
     it_sh("ip netns del %s 2>/dev/null", g_net.hub);
     g_net.made = false;
     g_net.n = 0;
+}
+
+/* ---------------------------------------------------------------- `kvmesh up` clusters */
+
+void it_up_start(it_up *u, const char *tag, const char *const *args)
+{
+    memset(u, 0, sizeof *u);
+    snprintf(u->dir, sizeof u->dir, "/tmp/kvmesh-%s-XXXXXX", tag);
+    cr_assert_not_null(mkdtemp(u->dir), "mkdtemp %s", u->dir);
+    snprintf(u->cluster, sizeof u->cluster, "%s/cluster.env", u->dir);
+    char run[96], logs[96], out[96];
+    snprintf(run, sizeof run, "--run-dir=%s", u->dir);
+    snprintf(logs, sizeof logs, "--log-dir=%s/logs", u->dir);
+    snprintf(out, sizeof out, "%s/up.log", u->dir);
+    const char *argv[48] = {IT_KVMESH, "up", "--base-port=0", run, logs};
+    int n = 5;
+    for (int i = 0; args && args[i] && n < 47; i++) argv[n++] = args[i];
+    argv[n] = NULL;
+    const pid_t parent = getpid();
+    u->pid = fork();
+    cr_assert(u->pid >= 0, "fork");
+    if (u->pid == 0) {
+        /* a test killed at its time-out runs no fini: SIGTERM then makes kvmesh up stop its
+         * daemons, as it_up_stop would */
+        if (prctl(PR_SET_PDEATHSIG, SIGTERM) || getppid() != parent) _exit(127);
+        FILE *o = freopen(out, "w", stdout);
+        FILE *e = freopen(out, "a", stderr);
+        (void)o, (void)e;
+        execv(IT_KVMESH, (char *const *)argv);
+        _exit(127);
+    }
+}
+
+void it_up_stop(it_up *u)
+{
+    if (u->pid > 0) {
+        kill(u->pid, SIGTERM);
+        for (int i = 0; i < 400 && waitpid(u->pid, NULL, WNOHANG) == 0; i++) usleep(50000);
+        kill(u->pid, SIGKILL);
+        waitpid(u->pid, NULL, 0);
+        u->pid = 0;
+    }
+    FILE *f = u->cluster[0] ? fopen(u->cluster, "r") : NULL;
+    char line[1024];
+    while (f && fgets(line, sizeof line, f)) { /* role=... id=... pid=N ... */
+        const char *p = strstr(line, " pid=");
+        int pid = p ? atoi(p + 5) : 0;
+        if (pid > 0 && kill(pid, 0) == 0) kill(pid, SIGKILL);
+    }
+    if (f) fclose(f);
 }

@@ -2,7 +2,8 @@
  * harness.h — what the multi-process suites (tests/integration/test_*.c) share: a daemon started
  * as a child on ephemeral ports, found through its ports file; every child remembered so that a
  * test that fails half way (Criterion leaves it by longjmp) leaves none running; stops with
- * deadlines; ZeroMQ DEALER sockets speaking km_msg frames; and the admin port's /metrics.
+ * deadlines; ZeroMQ DEALER sockets speaking km_msg frames; the admin port's /metrics; and whole
+ * local clusters run by `kvmesh up`.
  *
  * Every wait has a deadline and ends the test with a message, never a hang; children are killed
  * by their own pid only, and a child that was waited for is forgotten (its pid may be reused).
@@ -121,5 +122,26 @@ void it_net_decoy(const it_host *h);
 void it_net_destroy(void);
 /* Runs a shell command (printf-style); its exit status, -1 when it did not exit. */
 int it_sh(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+/* ---------------------------------------------------------------- `kvmesh up` clusters
+ * A whole local cluster as `kvmesh up` runs it (a controller, workers, routers), every port
+ * ephemeral (--base-port=0): which process runs where is in <dir>/cluster.env (client/kvmesh.h,
+ * kvm_cluster_read), kvmesh up's own output in <dir>/up.log, the daemons' logs in <dir>/logs. */
+#define IT_KVMESH "build/bin/kvmesh"
+
+typedef struct it_up {
+    pid_t pid; /* `kvmesh up`; 0 when not running */
+    char dir[64];
+    char cluster[96]; /* <dir>/cluster.env */
+} it_up;
+
+/* Starts `kvmesh up --base-port=0 --run-dir=<dir> --log-dir=<dir>/logs` then args
+ * (NULL-terminated: --workers=N, --insecure, ...) in a new dir /tmp/kvmesh-<tag>-XXXXXX, and
+ * returns at once: poll u->cluster for what has started, u->pid for kvmesh up itself. */
+void it_up_start(it_up *u, const char *tag, const char *const *args);
+/* SIGTERM to `kvmesh up` (it stops its daemons), SIGKILL after 20 s; then SIGKILL to every
+ * process cluster.env still names. The dir and its logs stay. Nothing when not started. A test
+ * killed at its time-out (no fini) SIGTERMs kvmesh up by dying (PR_SET_PDEATHSIG). */
+void it_up_stop(it_up *u);
 
 #endif

@@ -24,17 +24,14 @@
 #include <unistd.h>
 
 #include "client/kvmesh.h"
-
-#define MODEL  "models/SmolLM2-135M-Instruct.Q4_1.gguf"
-#define KVMESH "build/bin/kvmesh"
+#include "tests/integration/harness.h"
 
 enum { MAX_CTX = 2048, N_HOGS = 2 };
 
-static pid_t g_up, g_hogs[N_HOGS];
-static char g_dir[64];
+static pid_t g_hogs[N_HOGS];
+static it_up g_up;
 
-/* Kills what the test started, each by its own pid: the hogs, `kvmesh up` (which stops its
- * daemons), and any daemon cluster.env still names. */
+/* Kills what the test started, each by its own pid: the hogs, then the cluster (it_up_stop). */
 static void stop_all(void)
 {
     for (int i = 0; i < N_HOGS; i++)
@@ -43,21 +40,7 @@ static void stop_all(void)
             waitpid(g_hogs[i], NULL, 0);
             g_hogs[i] = 0;
         }
-    if (g_up > 0) {
-        kill(g_up, SIGTERM);
-        for (int i = 0; i < 400 && waitpid(g_up, NULL, WNOHANG) == 0; i++) usleep(50000);
-        kill(g_up, SIGKILL);
-        waitpid(g_up, NULL, 0);
-        g_up = 0;
-    }
-    if (g_dir[0]) {
-        char path[128];
-        snprintf(path, sizeof path, "%s/%s", g_dir, KVM_CLUSTER_FILE);
-        kvm_cluster_proc procs[KVM_CLUSTER_MAX];
-        int n = kvm_cluster_read(path, procs, KVM_CLUSTER_MAX, NULL);
-        for (int i = 0; i < n; i++)
-            if (procs[i].pid > 0 && kill(procs[i].pid, 0) == 0) kill(procs[i].pid, SIGKILL);
-    }
+    it_up_stop(&g_up);
 }
 
 TestSuite(liveness, .fini = stop_all, .timeout = 900);
@@ -88,54 +71,28 @@ static int count_lines(const char *path, const char *needle)
 
 Test(liveness, a_prompt_at_95_percent_of_the_context_under_load_no_flap_no_migration_no_failure)
 {
-    if (access(MODEL, R_OK) || access(KVMESH, X_OK)) {
-        cr_skip_test("needs %s (make deps) and %s (make build)", MODEL, KVMESH);
-        return;
-    }
-    snprintf(g_dir, sizeof g_dir, "/tmp/kvmesh-live-XXXXXX");
-    cr_assert(mkdtemp(g_dir));
-    char logs[128], run[128], cluster[128], up_log[160];
-    snprintf(logs, sizeof logs, "--log-dir=%s/logs", g_dir);
-    snprintf(run, sizeof run, "--run-dir=%s", g_dir);
-    snprintf(cluster, sizeof cluster, "%s/%s", g_dir, KVM_CLUSTER_FILE);
-    snprintf(up_log, sizeof up_log, "%s/up.log", g_dir);
+    if (!it_have((const char *const[]){IT_MODEL, IT_KVMESH, NULL})) return;
     char wargs[128];
     snprintf(wargs, sizeof wargs, "--worker-args=--heartbeat=250ms --max-ctx=%d --log-level=info",
              MAX_CTX);
-    const char *argv[] = {KVMESH,
-                          "up",
-                          "--workers=2",
-                          "--threads=1",
-                          "--base-port=0",
-                          "--insecure", /* test_security covers keys; this is about liveness */
-                          run,
-                          logs,
-                          wargs,
-                          "--controller-args=--heartbeat=250ms --dead-after=4",
-                          "--router-args=--log-level=info",
-                          NULL};
-    g_up = fork();
-    cr_assert(g_up >= 0);
-    if (g_up == 0) {
-        FILE *o = freopen(up_log, "w", stdout);
-        FILE *e = freopen(up_log, "a", stderr);
-        (void)o, (void)e;
-        execv(KVMESH, (char *const *)argv);
-        _exit(127);
-    }
+    /* --insecure: test_security covers keys; this is about liveness */
+    it_up_start(&g_up, "live",
+                (const char *const[]){"--workers=2", "--threads=1", "--insecure", wargs,
+                                      "--controller-args=--heartbeat=250ms --dead-after=4",
+                                      "--router-args=--log-level=info", NULL});
     /* up: the router's endpoint in cluster.env, and both workers ready in the controller's view */
     kvm_cluster_proc procs[KVM_CLUSTER_MAX];
     const kvm_cluster_proc *router = NULL, *ctl = NULL;
     for (int i = 0; i < 1200 && !(router && ctl); i++) {
-        int n = kvm_cluster_read(cluster, procs, KVM_CLUSTER_MAX, NULL);
+        int n = kvm_cluster_read(g_up.cluster, procs, KVM_CLUSTER_MAX, NULL);
         router = n > 0 ? kvm_cluster_find(procs, n, "router") : NULL;
         ctl = n > 0 ? kvm_cluster_find(procs, n, "controller") : NULL;
         if (router && (!router->pid || !router->requests[0])) router = NULL;
         if (ctl && (!ctl->pid || !ctl->listen[0])) ctl = NULL;
-        cr_assert_eq(waitpid(g_up, NULL, WNOHANG), 0, "kvmesh up exited (%s)", up_log);
+        cr_assert_eq(waitpid(g_up.pid, NULL, WNOHANG), 0, "kvmesh up exited (%s/up.log)", g_up.dir);
         usleep(50000);
     }
-    cr_assert(router && ctl, "the cluster did not come up in 60 s (%s)", up_log);
+    cr_assert(router && ctl, "the cluster did not come up in 60 s (%s/up.log)", g_up.dir);
     bool ready = false;
     for (int i = 0; i < 120 && !ready; i++) {
         km_msg v;
@@ -177,10 +134,10 @@ Test(liveness, a_prompt_at_95_percent_of_the_context_under_load_no_flap_no_migra
     kvm_close(c);
 
     char path[192];
-    snprintf(path, sizeof path, "%s/logs/controller.log", g_dir);
+    snprintf(path, sizeof path, "%s/logs/controller.log", g_up.dir);
     cr_assert_eq(count_lines(path, "to=dead"), 0, "a worker was declared dead (%s)", path);
     cr_assert_eq(count_lines(path, "reason=stall"), 0, "a worker was declared stalled (%s)", path);
-    snprintf(path, sizeof path, "%s/logs/router.log", g_dir);
+    snprintf(path, sizeof path, "%s/logs/router.log", g_up.dir);
     cr_assert_eq(count_lines(path, "event=migrate"), 0, "the router migrated (%s)", path);
     cr_assert_eq(count_lines(path, "event=request_failed"), 0, "(%s)", path);
 }
