@@ -8,8 +8,8 @@
 #         `llama-bench -p 512 -n 128` (pp512, tg128); figures are medians over ROUNDS, every raw
 #         figure is printed, with the CPU and the load average before and after.
 # shards  the hit ratio of one kvmesh-worker (4 KV shards, one request at a time) on a mixed
-#         workload (bench/bench_moe_workload.py: code, English prose, German and French, 3
-#         documents each, every document asked about many times with Zipf popularity, after a
+#         workload (bench/bench_moe_workload.py: code (llama.cpp's pinned C sources), English
+#         prose, German and French (Debian's own files), 3 documents each, every document asked about many times with Zipf popularity, after a
 #         warm-up that sends each document once, kind by kind), per configuration:
 #           key hash; key expert with T=1 (--kv-tok-groups 1: the expert alone picks the shard);
 #           key expert with T=4 (PiKV's page-index term spreads an expert's pages);
@@ -64,12 +64,17 @@ echo
 echo "- machine: $(bench_cpu), $(nproc) cores visible, threads = $THREADS; load average $(bench_load) at start"
 echo "- MoE model: $MOE (sha256 $(sha256sum "$MOE" | cut -c1-16)…); dense: $DENSE"
 
-# ------------------------------------------------------------------ speed
-speed() {
-    if [ ! -x "$LLBIN/llama-bench" ]; then
+# llama.cpp: its llama-bench for the speed part, its pinned sources for the workload's code.
+need_llamacpp() {
+    if [ ! -x "$LLBIN/llama-bench" ] || [ ! -d third_party/llama.cpp/ggml/src ]; then
         bench_say "llama.cpp is not built; running bench/build_llamacpp.sh"
         bash bench/build_llamacpp.sh >&2 || bench_die "bench/build_llamacpp.sh failed"
     fi
+}
+
+# ------------------------------------------------------------------ speed
+speed() {
+    need_llamacpp
     local repack r m i
     repack=$(bench_llama_repack "$LLAMA_REPACK" "$MOE" "$THREADS" "$OUT")
     for r in $(seq 1 "$ROUNDS"); do
@@ -153,6 +158,7 @@ shard_run() { # CONFIG
 }
 
 shards() {
+    need_llamacpp
     python3 bench/bench_moe_workload.py docs "$OUT/docs" --per-kind "$PER_KIND" --bytes "$DOC_BYTES"
     : >"$OUT/shards.txt"
     local c

@@ -7,8 +7,10 @@ time, so that what a prefix cache keeps under memory pressure shows in the hit r
       Writes OUTDIR/<kind>-<i>.txt, per_kind documents of about `bytes` bytes (cut at a line end)
       of each kind, all from files a bare Debian 12 has or the repository holds (nothing is
       downloaded):
-        code     C source of this repository (kvshard/, worker/, router/), from its first #include
-                 (the opening comment is English prose)
+        code     C source of the llama.cpp that bench/build_llamacpp.sh unpacked into third_party/
+                 (pinned by its sdist's sha256, so the documents do not change with this
+                 repository's commits), from the first line that opens a `static` definition
+                 (before it: licence comments and #include lines, alike across files)
         english  licence texts in /usr/share/common-licenses (base-files)
         german   the translated messages of coreutils (Essential) in
                  /usr/share/locale/de/LC_MESSAGES/coreutils.mo
@@ -46,8 +48,8 @@ import urllib.request
 
 PAGE = 16  # the worker's --page-tokens (its default)
 KINDS = ["code", "english", "german", "french"]
-CODE = ["kvshard/page.c", "worker/scheduler.c", "router/index.c", "kvshard/seq.c",
-        "worker/engine.c", "router/policy.c"]
+LLAMA_SRC = "third_party/llama.cpp/ggml/src"
+CODE = ["ggml-alloc.c", "ggml.c", "ggml-quants.c", "ggml-backend.cpp", "gguf.cpp", "ggml-opt.cpp"]
 LICENCES = ["Apache-2.0", "GPL-3", "MPL-2.0", "Artistic", "GFDL-1.3", "LGPL-3"]
 CATALOGUES = {"german": "/usr/share/locale/de/LC_MESSAGES/coreutils.mo",
               "french": "/usr/share/locale/fr/LC_MESSAGES/dpkg.mo"}
@@ -87,10 +89,13 @@ def write_docs(outdir, per_kind, size):
     os.makedirs(outdir, exist_ok=True)
     docs = {}
     code = []
-    for p in CODE:
-        t = open(p, encoding="utf-8").read()
-        i = t.find("#include")
-        code.append(t[i if i >= 0 else 0:])
+    for name in CODE[:per_kind]:
+        path = f"{LLAMA_SRC}/{name}"
+        if not os.path.exists(path):
+            sys.exit(f"bench_moe_workload: {path} missing (bash bench/build_llamacpp.sh unpacks it)")
+        t = open(path, encoding="utf-8").read()
+        m = re.search(r"^static ", t, re.M)
+        code.append(t[m.start() if m else 0:])
     docs["code"] = code
     docs["english"] = [open(f"/usr/share/common-licenses/{x}", encoding="utf-8").read()
                        for x in LICENCES]
