@@ -7,7 +7,10 @@
  * error handling on) and each pull size (1, 16, 256 pages of the default model: 30 layers x 3
  * kv heads x 64 x 16 tokens, 368,640 bytes in f16), interleaved: a pull in GET mode, the same
  * size as ucx_perftest ucp_get with as many reads outstanding as the pull keeps in flight, a
- * pull in AM mode, ucx_perftest ucp_am_bw. A pull is timed end to end (request, the holder's
+ * pull in AM mode, ucx_perftest ucp_am_bw and tag_bw. ucp_am_bw's receiver does not copy an
+ * eager message anywhere (its handler only counts it), so it moves bytes without landing them;
+ * tag_bw receives every message into the receiver's buffer, as a pull must land each page in its
+ * destination: the second reference column. A pull is timed end to end (request, the holder's
  * lease and offer, the reads, the checksum of every page, the import into the store: what a
  * worker waits for) and also from the offer to the last byte (the read phase, what
  * ucx_perftest measures). The load average is printed with every row: the machine is shared.
@@ -22,6 +25,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <ucp/api/ucp.h>
@@ -123,7 +127,11 @@ static int one_pull(side *x, int n, uint64_t *e2e, uint64_t *read)
     xh_parse_offer(x->buf, &o);
     uint64_t t1 = km_now_ns();
     pr_pull_offer(x->n, p, &o);
-    while (!pr_pull_done_yet(x->n, p)) km_sleep_ms(0); /* yield: the progress thread works */
+    /* Sleep between looks (20 us), not spin: with two CPUs a third busy thread beside the two
+     * progress threads would take a CPU from them (ucx_perftest runs two), and a worker's loop
+     * also sleeps in its poll while a pull runs. */
+    const struct timespec tick = {0, 20000};
+    while (!pr_pull_done_yet(x->n, p)) nanosleep(&tick, NULL);
     uint64_t t2 = km_now_ns();
     pr_pull_done done;
     pr_pull_result res;
@@ -267,8 +275,9 @@ int main(int argc, char **argv)
            " median of the timed pulls\n\n",
            page_bytes, INFLIGHT);
     printf("| transport | pages | mode | pull GB/s | pages/s | read phase GB/s | ucx_perftest "
-           "GB/s | ucx_perftest msgs/s | pull / perftest | read phase / perftest | load |\n");
-    printf("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+           "GB/s | ucx_perftest msgs/s | pull / perftest | read phase / perftest | tag_bw GB/s "
+           "(lands) | pull / tag_bw | load |\n");
+    printf("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     fflush(stdout);
     const int sizes[] = {1, 16, 256};
     static const char *short_names[] = {"tcp", "default", "mm"};
@@ -298,7 +307,12 @@ int main(int argc, char **argv)
                 double pg = 0, pr = 0;
                 int have = !no_ref && perftest(m == 0 ? "ucp_get" : "ucp_am_bw", page_bytes,
                                                outstanding, iters, &pg, &pr);
+                /* AM rows: the landing reference (tag_bw), same size and window */
+                double tg = 0, tr = 0;
+                int have_tag = m == 1 && !no_ref &&
+                               perftest("tag_bw", page_bytes, outstanding, iters, &tg, &tr);
                 char ours[96] = "failed", ref[64] = "n/a", ratio[48] = "", rratio[48] = "";
+                char tag[64] = "n/a | ";
                 if (fg.ok)
                     snprintf(ours, sizeof ours, "%.2f | %.0f | %.2f", fg.gbps, fg.pages_s,
                              fg.read_gbps);
@@ -309,9 +323,12 @@ int main(int argc, char **argv)
                     snprintf(ratio, sizeof ratio, "%.0f%%", 100.0 * fg.gbps / pg);
                     snprintf(rratio, sizeof rratio, "%.0f%%", 100.0 * fg.read_gbps / pg);
                 }
-                printf("| %s | %d | %s | %s | %s | %s | %s | %.1f–%.1f |\n", SETTINGS[t].name, n,
-                       m == 0 ? "get" : "am", ours, have ? ref : "n/a | n/a", ratio, rratio, ld,
-                       bench_load1());
+                if (have_tag)
+                    snprintf(tag, sizeof tag, "%.2f | %.0f%%", tg,
+                             fg.ok && tg > 0 ? 100.0 * fg.gbps / tg : 0.0);
+                printf("| %s | %d | %s | %s | %s | %s | %s | %s | %.1f–%.1f |\n", SETTINGS[t].name,
+                       n, m == 0 ? "get" : "am", ours, have ? ref : "n/a | n/a", ratio, rratio, tag,
+                       ld, bench_load1());
                 fflush(stdout);
             }
         }
