@@ -539,16 +539,36 @@ static void pr_ucx_close(pr_node *n)
      * after its listener is freed, and calls that freed listener from its async thread when the
      * request arrives (docs/transfer.md, Known gaps); the worker's teardown closes those
      * connections, so the window is what lies between these two calls. */
-    if (u->listener) ucp_listener_destroy(u->listener);
-    if (u->w) ucp_worker_destroy(u->w);
-    while (u->eps) { /* the worker destroyed them */
-        pr_uep *e = u->eps;
-        u->eps = e->next;
-        if (e->counted) atomic_fetch_sub(&n->endpoints, 1);
-        if (e->peer) atomic_store(&e->peer->closed, 1);
-        free(e);
+    int stuck = 0; /* endpoints whose handshake never ended: a stopped or partitioned peer */
+    for (pr_uep *e = u->eps; e; e = e->next) stuck += e->flush_req != NULL;
+    if (stuck) {
+        /* UCX 1.13.1 aborts on either way out for such an endpoint: closing it (its TCP
+         * connection manager asserts, pr_ep_close) or destroying the worker under it
+         * ("pending request ... should have been flushed", seen when a draining worker exited
+         * with a SIGSTOPped peer in its view). So the UCX worker, its listener and context and
+         * this back end's state are left to the process exit: nothing progresses them any more,
+         * so no callback of theirs can run. */
+        KM_WARN("peer_close_incomplete",
+                "endpoints=%d why=\"a peer never finished its handshake (stopped or "
+                "partitioned); the UCX worker is left to the process exit\"",
+                stuck);
+        for (pr_uep *e = u->eps; e; e = e->next) {
+            if (e->counted) atomic_fetch_sub(&n->endpoints, 1);
+            e->counted = 0;
+            if (e->peer) atomic_store(&e->peer->closed, 1);
+        }
+    } else {
+        if (u->listener) ucp_listener_destroy(u->listener);
+        if (u->w) ucp_worker_destroy(u->w);
+        while (u->eps) { /* the worker destroyed them */
+            pr_uep *e = u->eps;
+            u->eps = e->next;
+            if (e->counted) atomic_fetch_sub(&n->endpoints, 1);
+            if (e->peer) atomic_store(&e->peer->closed, 1);
+            free(e);
+        }
+        if (u->ctx) ucp_cleanup(u->ctx);
     }
-    if (u->ctx) ucp_cleanup(u->ctx);
     while (u->cmds) { /* commands sent after the thread stopped */
         pr_cmd *c = u->cmds;
         u->cmds = c->next;
@@ -565,9 +585,10 @@ static void pr_ucx_close(pr_node *n)
     }
     if (u->epfd >= 0) close(u->epfd);
     if (u->evfd >= 0) close(u->evfd);
+    n->be = NULL;
+    if (stuck) return; /* u is still UCX's callback argument (above) */
     pthread_mutex_destroy(&u->mu);
     free(u);
-    n->be = NULL;
 }
 
 static int pr_ucx_connect(pr_node *n, pr_peer *p, km_errbuf *err)

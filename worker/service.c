@@ -320,6 +320,9 @@ void wk_service_signal(wk_service *s, int signo)
  * handed back (the router migrates it, the next worker asks for its pages), and at most how long
  * it lingers serving them. */
 enum { WK_LINGER_QUIET_MS = 1000, WK_LINGER_MAX_MS = 5000 };
+/* When a lingering worker looks for peers that pulled none of the chains it pushed them
+ * (wk_peer_handoff_again): a live peer starts its first pull within milliseconds. */
+enum { WK_LINGER_AGAIN_MS = 500 };
 
 /* End of a drain, step 1: hand back what is left, and hand the cached chains to the peers
  * (wk_peer_handoff: they pull them). With requests handed back or chains pushed the worker
@@ -445,6 +448,9 @@ int wk_service_run(wk_service *s)
         if (wk_svc_state(s) == KM_STATE_DRAINING &&
             (!(wk_sched_pending(s->sched) + wk_peer_held(s)) || now >= s->drain_deadline_ns))
             wk_finish_drain(s);
+        else if (s->linger_until_ns && now - s->linger_start_ns >= wk_ms_ns(WK_LINGER_AGAIN_MS) &&
+                 wk_peer_handoff_again(s) > 0)
+            s->linger_start_ns = now; /* the quiet wait starts again for the peers now pulling */
         else if (s->linger_until_ns && (now >= s->linger_until_ns ||
                                         (now - s->linger_start_ns >= wk_ms_ns(WK_LINGER_QUIET_MS) &&
                                          !wk_peer_serving(s, now, wk_ms_ns(WK_LINGER_QUIET_MS)))))

@@ -9,7 +9,10 @@
  *    chains, most recently used first (kv_store_chains), round robin up to WK_PUSH_PER_PEER
  *    each; a peer queues each chain for a background pull (a held entry with no request, at most
  *    WK_BG_AT_ONCE running) and this worker lingers at the end of its drain while they read
- *    (service.c). What peers cannot take goes to the disk tier as before.
+ *    (service.c). What peers cannot take goes to the disk tier as before. Half a second into
+ *    the linger, the chains of a peer that has pulled none of them (the view still called it
+ *    ready, but it died or stopped within the controller's dead-after window) are pushed again
+ *    to the peers that did pull (wk_peer_handoff_again), once.
  *  - Warm-up: once ready, a worker asks up to two peers (`kv_warm`) for their most recently used
  *    chains, --peer-warm-pages pages in all; they answer with `kv_push` frames, pulled the same
  *    way.
@@ -88,7 +91,22 @@ typedef struct wk_push_ctx {
     wk_service *s;
     wk_link *to[WK_PEER_VIEW];
     int sent[WK_PEER_VIEW], n, next, chains;
+    const bool *silent; /* pushing again: only chains pushed to these peers (push_to indices) */
 } wk_push_ctx;
+
+/* The record of the pushed chain ending at last, or NULL. */
+static wk_pushed *wk_pushed_find(wk_peer *p, km_pagehash last)
+{
+    for (int i = 0; i < p->n_pushed; i++)
+        if (km_pagehash_eq(p->pushed[i].last, last)) return &p->pushed[i];
+    return NULL;
+}
+
+void wk_peer_pushed_pulled(wk_peer *p, km_pagehash last)
+{
+    wk_pushed *r = p->n_pushed ? wk_pushed_find(p, last) : NULL;
+    if (r) r->pulled = true;
+}
 
 /* One chain (kv_store_chains' callback) to the next peer in turn that can take more. */
 static int wk_push_chain(void *arg, const km_pagehash *hs, const int32_t *toks, int n_pages)
@@ -96,6 +114,10 @@ static int wk_push_chain(void *arg, const km_pagehash *hs, const int32_t *toks, 
     wk_push_ctx *c = arg;
     wk_service *s = c->s;
     wk_peer *p = s->peer;
+    if (c->silent) { /* again: a chain pushed to a peer that pulled nothing */
+        const wk_pushed *r = wk_pushed_find(p, hs[n_pages - 1]);
+        if (!r || r->pulled || !c->silent[r->to]) return 0;
+    }
     int k = -1;
     for (int t = 0; t < c->n && k < 0; t++) {
         int i = (c->next + t) % c->n;
@@ -108,6 +130,8 @@ static int wk_push_chain(void *arg, const km_pagehash *hs, const int32_t *toks, 
         if (!km_zsend(c->to[k]->sock, &f, 1, KM_ZDONTWAIT, NULL)) {
             c->sent[k]++;
             c->chains++;
+            if (!c->silent && p->pushed) /* first push: remembered, to push again if need be */
+                p->pushed[p->n_pushed++] = (wk_pushed){hs[n_pages - 1], k, false};
         }
     }
     return 0;
@@ -132,11 +156,42 @@ int wk_peer_handoff(wk_service *s)
                 s->worker_id);
         return 0;
     }
+    /* each peer takes WK_PUSH_PER_PEER chains at most: room for every record */
+    free(p->pushed);
+    p->pushed = malloc(sizeof *p->pushed * (size_t)c.n * WK_PUSH_PER_PEER);
+    p->n_pushed = 0;
+    p->pushed_again = false;
+    p->n_push_to = c.n;
+    memcpy(p->push_to, c.to, sizeof *c.to * (size_t)c.n);
     int max_pages = kv_store_pages_total(s->kv);
     int rc = kv_store_chains(s->kv, max_pages, wk_push_chain, &c);
     km_counter_add(p->s_handoff[0], (uint64_t)c.chains);
     KM_INFO("handoff", "worker=%s peers=%d chains=%d%s", s->worker_id, c.n, c.chains,
             rc < 0 ? " error=out_of_memory" : "");
+    return c.chains;
+}
+
+int wk_peer_handoff_again(wk_service *s)
+{
+    wk_peer *p = s->peer;
+    if (!p || !p->n_pushed || p->pushed_again) return 0;
+    p->pushed_again = true;
+    bool pulled[WK_PEER_VIEW] = {false}, silent[WK_PEER_VIEW] = {false};
+    for (int i = 0; i < p->n_pushed; i++)
+        if (p->pushed[i].pulled) pulled[p->pushed[i].to] = true;
+    wk_push_ctx c = {.s = s, .silent = silent};
+    int n_silent = 0;
+    for (int k = 0; k < p->n_push_to; k++) {
+        if (pulled[k])
+            c.to[c.n++] = p->push_to[k];
+        else
+            n_silent += silent[k] = true;
+    }
+    if (!c.n || !n_silent) return 0; /* nobody to hand them to, or nothing to hand */
+    int rc = kv_store_chains(s->kv, kv_store_pages_total(s->kv), wk_push_chain, &c);
+    km_counter_add(p->s_handoff[0], (uint64_t)c.chains);
+    KM_INFO("handoff_again", "worker=%s silent_peers=%d to_peers=%d chains=%d%s", s->worker_id,
+            n_silent, c.n, c.chains, rc < 0 ? " error=out_of_memory" : "");
     return c.chains;
 }
 

@@ -303,6 +303,11 @@ void wk_peer_heartbeat(wk_service *s, km_msg_heartbeat *hb);
  * the controller's view names (--peer-view), most recently used first. Returns the chains
  * pushed (0: none, or no view, no node, no peer). */
 int wk_peer_handoff(wk_service *s);
+/* Drain handoff, a while later: a peer that has pulled none of the chains pushed to it (the view
+ * still called it ready, but it died or stopped within the controller's dead-after window) has
+ * them pushed again to the peers that did pull. Once per drain; returns the chains pushed again
+ * (0: every peer pulled, none did, or it already ran). */
+int wk_peer_handoff_again(wk_service *s);
 /* True while this worker owes peers pages: kv_pull frames waiting for their offer, live leases,
  * or a kv_pull within the last quiet_ns (more may follow). False without a transfer node. */
 bool wk_peer_serving(const wk_service *s, uint64_t now, uint64_t quiet_ns);

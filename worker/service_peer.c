@@ -191,6 +191,7 @@ void wk_peer_destroy(wk_service *s)
     km_zmsg_clear(&p->vin);
     km_zmsg_clear(&p->in);
     km_buf_free(&p->out);
+    free(p->pushed);
     free(p);
     s->peer = NULL;
 }
@@ -290,6 +291,7 @@ static void wk_peer_serve(wk_service *s, const km_zframe *env, int n_env, const 
     }
     for (uint32_t i = 0; i < q->n_pages; i++)
         hs[i] = km_pagehash_from_canonical(q->hashes + 16 * i);
+    if (q->n_pages) wk_peer_pushed_pulled(p, hs[q->n_pages - 1]);
     sv->pull_id = q->id;
     sv->n_env = n_env;
     sv->at_ns = km_now_ns();

@@ -58,6 +58,14 @@ typedef struct wk_held {
     km_pagehash *hs; /* background: the chain's hashes until its pull starts */
 } wk_held;
 
+/* A chain this worker's drain pushed: its last page, the peer it went to (an index into
+ * wk_peer.push_to) and whether a kv_pull naming it came back. */
+typedef struct wk_pushed {
+    km_pagehash last;
+    int to;
+    bool pulled;
+} wk_pushed;
+
 /* A kv_pull whose offer the node has not yielded yet. */
 typedef struct wk_serve {
     uint64_t pull_id, at_ns;
@@ -99,6 +107,11 @@ struct wk_peer {
     int warm_pages;          /* --peer-warm-pages resolved */
     uint64_t push_id;        /* the last kv_push / kv_warm id this worker sent */
     km_series *s_handoff[3]; /* kvmesh_kv_handoff_chains_total{outcome} */
+    /* this drain's handoff, to push again what a silent peer never pulled */
+    wk_pushed *pushed;
+    int n_pushed, n_push_to;
+    wk_link *push_to[WK_PEER_VIEW];
+    bool pushed_again; /* once per drain */
 };
 
 /* service_peer.c */
@@ -124,5 +137,7 @@ void wk_peer_bg_start(wk_service *s);
 void wk_peer_warm_up(wk_service *s);
 /* Gives up the handoffs taken but not started (a drain or a stop). */
 void wk_peer_bg_drop(wk_peer *p);
+/* A kv_pull came in naming a chain ending at last: a chain the drain pushed is being pulled. */
+void wk_peer_pushed_pulled(wk_peer *p, km_pagehash last);
 
 #endif

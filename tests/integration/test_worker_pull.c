@@ -361,11 +361,13 @@ Test(worker_pull, pages_cross_network_namespaces_and_partitions_or_kills_only_co
 /* ---------------------------------------------------------------- through a router */
 
 /* The view a controller would publish for wa (holder) and wb (puller), with wb's measured
- * figures making a pull of 12 pages far cheaper than computing them. */
-static void publish_view(void *pub, uint64_t seq, const it_proc *a, const it_proc *b,
-                         const uint8_t *addr_a, uint32_t la, const uint8_t *addr_b, uint32_t lb)
+ * figures making a pull of 12 pages far cheaper than computing them; and wc like wb when c is
+ * not NULL. */
+static void publish_view3(void *pub, uint64_t seq, const it_proc *a, const it_proc *b,
+                          const it_proc *c, const uint8_t *addr_a, uint32_t la,
+                          const uint8_t *addr_b, uint32_t lb, const uint8_t *addr_c, uint32_t lc)
 {
-    km_view_worker vw[2] = {{.id = "wa",
+    km_view_worker vw[3] = {{.id = "wa",
                              .state = KM_MEMBER_READY,
                              .requests = a->req,
                              .events = a->ev,
@@ -385,18 +387,32 @@ static void publish_view(void *pub, uint64_t seq, const it_proc *a, const it_pro
                              .xfer_lat_ms = 1,
                              .fingerprint = g_fp,
                              .page_bytes = 368640}};
+    if (c) {
+        vw[2] = vw[1];
+        vw[2].id = "wc";
+        vw[2].requests = c->req;
+        vw[2].events = c->ev;
+        vw[2].peer_addr = addr_c;
+        vw[2].peer_addr_len = lc;
+    }
     km_msg m;
     km_msg_init(&m, KM_MSG_VIEW);
     m.view.controller = "test-ctl";
     m.view.epoch = 1700000000000ull;
     m.view.seq = seq;
     m.view.workers = vw;
-    m.view.n_workers = 2;
+    m.view.n_workers = c ? 3 : 2;
     km_buf buf = {0};
     cr_assert_eq(km_msg_encode(&m, NULL, &buf, NULL), 0);
     km_zframe parts[2] = {{"view", 4}, {buf.data, buf.len}};
     km_zsend(pub, parts, 2, KM_ZDONTWAIT, NULL);
     km_buf_free(&buf);
+}
+
+static void publish_view(void *pub, uint64_t seq, const it_proc *a, const it_proc *b,
+                         const uint8_t *addr_a, uint32_t la, const uint8_t *addr_b, uint32_t lb)
+{
+    publish_view3(pub, seq, a, b, NULL, addr_a, la, addr_b, lb, NULL, 0);
 }
 
 /* A kvmesh-router for the pair's workers, its view from the test's PUB at pub_ep (the test
@@ -604,6 +620,63 @@ Test(worker_pull, a_drained_worker_hands_its_cached_chains_to_a_peer)
     cr_assert_geq(taken, K, "wb took %g chains of wa's %d", taken, K);
     cr_assert_geq(it_metric(b->admin_port, "kvmesh_kv_transfer_pulls_total{outcome=\"ok\"}"), K);
     expect_hits(b, p, ref, "served from pages handed over");
+    km_zsock_close(pub);
+    pair_stop(w);
+}
+
+/* The first line of w's worker.log naming what (into out); false when there is none. */
+static bool log_line(const it_proc *w, const char *what, char *out, size_t cap)
+{
+    char path[sizeof w->dir + 16];
+    snprintf(path, sizeof path, "%s/worker.log", w->dir);
+    FILE *f = fopen(path, "r");
+    bool found = false;
+    char buf[1024];
+    while (f && !found && fgets(buf, sizeof buf, f))
+        if (strstr(buf, what)) {
+            size_t n = strcspn(buf, "\n");
+            if (n >= cap) n = cap - 1;
+            memcpy(out, buf, n);
+            out[n] = 0;
+            found = true;
+        }
+    if (f) fclose(f);
+    return found;
+}
+
+/* A peer the view still calls ready but that cannot pull (stopped here; one that died within
+ * the controller's dead-after window is the same to the drain) gets its round-robin share of the
+ * handoff and never pulls it: half a second into its linger the drained worker pushes those
+ * chains again to the peer that did pull, so every prompt it had served is a hit there. */
+Test(worker_pull, chains_a_silent_peer_never_pulled_are_handed_to_one_that_pulls)
+{
+    if (!have_model()) return;
+    char pub_ep[256];
+    void *pub = bound(KM_ZPUB, "tcp://127.0.0.1:*", pub_ep, sizeof pub_ep);
+    const char *const view[] = {"--peer-view", pub_ep, "--peer-warm-pages", "0", NULL};
+    pair *w = pair_start(NULL, view);
+    it_proc *a = &w->a, *b = &w->b;
+    static it_proc c;
+    start_worker_on(&c, "wc", w->ctl_ep, NULL, "127.0.0.1", view);
+    static uint8_t addr_b[KM_PROTO_MAX_PEER_ADDR], addr_c[KM_PROTO_MAX_PEER_ADDR];
+    uint32_t lb = peer_addr_of(w->ctl, "wb", addr_b, sizeof addr_b);
+    uint32_t lc = peer_addr_of(w->ctl, "wc", addr_c, sizeof addr_c);
+    int32_t p[K][NP];
+    result ref[K];
+    serve_prompts(a, p, ref, 700);
+    uint64_t seq = 0;
+    for (int i = 0; i < 15; i++) {
+        publish_view3(pub, ++seq, a, b, &c, w->addr, w->addr_len, addr_b, lb, addr_c, lc);
+        usleep(100000);
+    }
+    cr_assert_eq(kill(c.pid, SIGSTOP), 0);
+    cr_assert_eq(kill(a->pid, SIGTERM), 0);
+    cr_assert_neq(it_wait_exit(a, 20000), -1, "the drained worker did not exit by itself");
+    char line[256];
+    cr_assert(log_line(a, "handoff_again", line, sizeof line), "wa did not push wc's chains again");
+    double taken = it_metric(b->admin_port, "kvmesh_kv_handoff_chains_total{outcome=\"taken\"}");
+    cr_assert_geq(taken, K, "wb took %g chains of wa's %d (%s)", taken, K, line);
+    expect_hits(b, p, ref, "served from pages handed over twice");
     km_zsock_close(pub);
     pair_stop(w);
 }
