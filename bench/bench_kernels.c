@@ -26,12 +26,14 @@
  *   bench_kernels -w MODEL.gguf
  *       bytes of weights one decode step reads per token (every tensor but the embedding table,
  *       which is read one row per token, unless the output projection is tied to it).
- *   bench_kernels -e MODEL.gguf THREADS [p183D]
+ *   bench_kernels -e MODEL.gguf THREADS [p183Dv]
  *       engine steps with wall time and CPU time (all threads) per token or step: a 512-token
  *       prefill (p), 128 decode steps at batch 1 (1), 64 at batch 8 and 32 at batch 32 after
- *       128-token prompts (8, 3); D: 512 steps at batch 8, for a profile of batched decode. On a
- * shared machine the CPU time of a 1-thread engine is the figure that holds up; `make bench-engine`
- * gives the comparable ones.
+ *       128-token prompts (8, 3); D: 512 steps at batch 8, for a profile of batched decode; v:
+ *       one sequence's verify steps of k = 1, 2, 4, 5, 8, 12, 16 consecutive tokens, logits for
+ *       all k (what speculative decoding pays to check k - 1 drafts), after a 256-token prompt.
+ *       On a shared machine the CPU time of a 1-thread engine is the figure that holds up;
+ *       `make bench-engine` gives the comparable ones.
  *
  * Build: make bench-kernels (build/bench/bench_kernels).
  *
@@ -538,6 +540,41 @@ static int bk_engine_phase(wk_engine *e, int n_vocab, int B, int npp, int gen)
     return 0;
 }
 
+/* Speculative verification's step: one sequence, k consecutive tokens, logits for every one
+ * of them; wall and CPU ms per step and per token, for each k. */
+static int bk_engine_verify(wk_engine *e, int n_vocab)
+{
+    kv_store *kv = wk_engine_kv(e);
+    static const int ks[] = {1, 2, 4, 5, 8, 12, 16};
+    int32_t tok[256], pos[256];
+    kv_seq *seqs[256];
+    uint8_t want[256];
+    memset(want, 1, sizeof want);
+    for (int i = 0; i < 256; i++) tok[i] = (int32_t)(bk_u32() % (uint32_t)n_vocab);
+    const float *lg;
+    for (size_t q = 0; q < sizeof ks / sizeof *ks; q++) {
+        const int k = ks[q], steps = 24;
+        kv_seq *s;
+        if (kv_seq_create(kv, &s)) return 1;
+        for (int i = 0; i < 256; i++) pos[i] = i, seqs[i] = s;
+        wk_batch pb = {.n_tokens = 256, .tokens = tok, .pos = pos, .seqs = seqs};
+        if (wk_engine_step(e, &pb, &lg) < 0) return 1;
+        const double w0 = bk_wall(), c0 = bk_proc_cpu();
+        for (int g = 0; g < steps; g++) {
+            for (int i = 0; i < k; i++) pos[i] = 256 + g * k + i;
+            wk_batch b = {.n_tokens = k, .tokens = tok, .pos = pos, .seqs = seqs, .logits = want};
+            if (wk_engine_step(e, &b, &lg) < 0) return 1;
+        }
+        const double w = (bk_wall() - w0) * 1e3 / steps, c = (bk_proc_cpu() - c0) * 1e3 / steps;
+        printf(
+            "engine verify k=%2d: %.2f ms wall per step (%.2f per token), %.2f ms cpu per step\n",
+            k, w, w / k, c);
+        fflush(stdout);
+        kv_seq_destroy(kv, s);
+    }
+    return 0;
+}
+
 static int bk_engine(const char *path, int threads, const char *what)
 {
     wk_model *m;
@@ -562,6 +599,7 @@ static int bk_engine(const char *path, int threads, const char *what)
     if (strchr(what, '8')) rc |= bk_engine_phase(e, n_vocab, 8, 128, 64);
     if (strchr(what, '3')) rc |= bk_engine_phase(e, n_vocab, 32, 128, 32);
     if (strchr(what, 'D')) rc |= bk_engine_phase(e, n_vocab, 8, 128, 512); /* for profiles */
+    if (strchr(what, 'v')) rc |= bk_engine_verify(e, n_vocab);
     wk_engine_destroy(e);
     wk_model_free(m);
     return rc;
@@ -628,7 +666,7 @@ int main(int argc, char **argv)
             fprintf(
                 stderr,
                 "usage: %s [-i isa] [-t type] [-m 1,8,..] [-s rows,k] [-q] [-u] | -a [-c] | -p | "
-                "-b THREADS | -w MODEL | -e MODEL THREADS [p183]\n",
+                "-b THREADS | -w MODEL | -e MODEL THREADS [p183Dv]\n",
                 argv[0]);
             return 2;
         }
