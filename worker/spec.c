@@ -37,9 +37,25 @@ void wk_spec_cost_init(wk_spec_cost *c, double prior_ratio)
     *c = (wk_spec_cost){.prior_ratio = prior_ratio > 0 ? prior_ratio : 0.25};
 }
 
+/* A size's mean counts once this many steps of it were seen, the last one within WK_COST_RECENT
+ * observations (load and context change what a step costs). */
+#define WK_COST_SEEN   4
+#define WK_COST_RECENT 2000
+#define WK_COST_EWMA   0.1 /* the step of a size's mean once it has WK_COST_SEEN */
+
 void wk_spec_cost_observe(wk_spec_cost *c, int n_tokens, double t)
 {
     if (n_tokens < 1 || !(t >= 0)) return;
+    c->steps++;
+    if (n_tokens <= WK_COST_SIZES) {
+        uint32_t k = c->size_seen[n_tokens];
+        if (c->steps - c->size_at[n_tokens] > WK_COST_RECENT) k = 0; /* stale: start over */
+        double a = k < WK_COST_SEEN ? 1.0 / (k + 1) : WK_COST_EWMA;
+        c->size_t_mean[n_tokens] =
+            k ? c->size_t_mean[n_tokens] + a * (t - c->size_t_mean[n_tokens]) : t;
+        c->size_seen[n_tokens] = k + 1;
+        c->size_at[n_tokens] = c->steps;
+    }
     double n = n_tokens, d = WK_COST_DECAY;
     c->w = c->w * d + 1;
     c->sn = c->sn * d + n;
@@ -69,33 +85,72 @@ double wk_spec_cost_base_tokens(const wk_spec_cost *c)
     return 1.0 / c->prior_ratio;
 }
 
+double wk_spec_cost_at(const wk_spec_cost *c, int n_tokens)
+{
+    if (n_tokens >= 1 && n_tokens <= WK_COST_SIZES && c->size_seen[n_tokens] >= WK_COST_SEEN &&
+        c->steps - c->size_at[n_tokens] <= WK_COST_RECENT)
+        return c->size_t_mean[n_tokens];
+    if (c->w > 0) return c->base + c->per_token * n_tokens;
+    return 1.0 / c->prior_ratio + n_tokens; /* the prior's line, in per-token units */
+}
+
 /* ---------------------------------------------------------------- budget */
+
+static double wk_cost_line(const void *arg, int n_tokens)
+{
+    return *(const double *)arg + n_tokens;
+}
 
 int wk_spec_budget(double base_over_token, int base_tokens, int room, const float *const *prob,
                    const int *n, int n_req, int *take)
 {
-    for (int i = 0; i < n_req; i++) take[i] = 0;
     if (base_over_token < 0) base_over_token = 0;
-    double yield = base_tokens, step = base_tokens;
-    int taken = 0;
-    while (taken < room) {
-        /* The most likely next token over all requests (each request's are non-increasing). */
-        int best = -1;
-        float bp = 0;
-        for (int i = 0; i < n_req; i++)
-            if (take[i] < n[i] && (best < 0 || prob[i][take[i]] > bp)) {
-                best = i;
-                bp = prob[i][take[i]];
+    return wk_spec_budget_curve(wk_cost_line, &base_over_token, base_tokens, room, prob, n, n_req,
+                                take);
+}
+
+int wk_spec_budget_curve(double (*cost)(const void *arg, int n_tokens), const void *arg,
+                         int base_tokens, int room, const float *const *prob, const int *n,
+                         int n_req, int *take)
+{
+    for (int i = 0; i < n_req; i++) take[i] = 0;
+    /* Walk the tokens in order of probability, remembering the best prefix. The costs are kept
+     * non-decreasing (a measured size cheaper than a smaller one is noise). Two passes over the
+     * same order: the first finds how many, the second takes them. */
+    double yield = base_tokens, c = cost(arg, base_tokens > 0 ? base_tokens : 1);
+    double best_ratio = c > 0 ? yield / c : 0;
+    int best_n = 0, taken = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        if (pass) {
+            for (int i = 0; i < n_req; i++) take[i] = 0;
+            if (!best_n) return 0;
+        }
+        while (taken < (pass ? best_n : room)) {
+            /* The most likely next token over all requests (each request's are non-increasing). */
+            int best = -1;
+            float bp = 0;
+            for (int i = 0; i < n_req; i++)
+                if (take[i] < n[i] && (best < 0 || prob[i][take[i]] > bp)) {
+                    best = i;
+                    bp = prob[i][take[i]];
+                }
+            if (best < 0 || !(bp > 0)) break;
+            take[best]++;
+            taken++;
+            if (pass) continue;
+            yield += bp;
+            double ct = cost(arg, base_tokens + taken);
+            if (ct > c) c = ct;
+            if (c > 0 && yield / c > best_ratio * (1 + 1e-12)) {
+                best_ratio = yield / c;
+                best_n = taken;
             }
-        if (best < 0) break;
-        /* Worth it when it raises the step's expected yield per unit of cost. */
-        if (!(bp * (base_over_token + step) > yield)) break;
-        take[best]++;
-        yield += bp;
-        step += 1;
-        taken++;
+        }
+        taken = 0;
     }
-    return taken;
+    int total = 0;
+    for (int i = 0; i < n_req; i++) total += take[i];
+    return total;
 }
 
 int wk_spec_draft_len(int match_len, float factor, int cap)
@@ -338,6 +393,11 @@ int wk_spec_propose(wk_spec *sp, wk_spec_seq *q, const int32_t *ctx, int n_ctx, 
     return q->n;
 }
 
+static double wk_spec_cost_of(const void *arg, int n_tokens)
+{
+    return wk_spec_cost_at(arg, n_tokens);
+}
+
 int wk_spec_plan(wk_spec *sp, wk_spec_seq *const *qs, int n, int base_tokens, int room)
 {
     if (n > sp->max_requests) n = sp->max_requests;
@@ -345,8 +405,8 @@ int wk_spec_plan(wk_spec *sp, wk_spec_seq *const *qs, int n, int base_tokens, in
         sp->plan_prob[i] = qs[i]->prob;
         sp->plan_n[i] = qs[i]->n;
     }
-    int total = wk_spec_budget(wk_spec_cost_base_tokens(&sp->cost), base_tokens, room,
-                               sp->plan_prob, sp->plan_n, n, sp->plan_take);
+    int total = wk_spec_budget_curve(wk_spec_cost_of, &sp->cost, base_tokens, room, sp->plan_prob,
+                                     sp->plan_n, n, sp->plan_take);
     for (int i = 0; i < n; i++) qs[i]->n = sp->plan_take[i];
     return total;
 }

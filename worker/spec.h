@@ -86,17 +86,29 @@ int wk_suffix_propose(const wk_suffix *x, km_pagehash tenant, const int32_t *ctx
  *
  * Step time modelled as base + per_token * n, fitted online (exponentially forgotten least
  * squares) from the engine's own steps, pulled towards an assumed per_token/base ratio while the
- * observed token counts do not spread enough to tell. */
+ * observed token counts do not spread enough to tell. A line is the wrong shape on a CPU where a
+ * step's matmul keeps a few activation rows in registers (docs/speculative.md: on the AVX2 build
+ * 1 to 4 tokens cost nearly the same, each one past that ~0.3 of a one-token step), so the model
+ * also keeps the mean time of each step size up to WK_COST_SIZES seen recently, and
+ * wk_spec_cost_at prefers it to the line. */
+#define WK_COST_SIZES 32
 typedef struct wk_spec_cost {
-    double w, sn, st, snn, snt; /* decayed sums over observed steps */
-    double prior_ratio;         /* per_token / base assumed before data */
-    double base, per_token;     /* the current fit (units of the observations) */
+    double w, sn, st, snn, snt;            /* decayed sums over observed steps */
+    double prior_ratio;                    /* per_token / base assumed before data */
+    double base, per_token;                /* the current fit (units of the observations) */
+    double size_t_mean[WK_COST_SIZES + 1]; /* per step size: mean time (EWMA) */
+    uint32_t size_seen[WK_COST_SIZES + 1]; /* steps of that size observed */
+    uint64_t size_at[WK_COST_SIZES + 1];   /* observation number of the last one */
+    uint64_t steps;                        /* observations so far */
 } wk_spec_cost;
 
 void wk_spec_cost_init(wk_spec_cost *c, double prior_ratio);
 void wk_spec_cost_observe(wk_spec_cost *c, int n_tokens, double t);
 /* base / per_token of the current fit (the prior's when there is no data). */
 double wk_spec_cost_base_tokens(const wk_spec_cost *c);
+/* The expected time of a step of n_tokens: the recent mean of that size where enough steps of it
+ * were seen lately, else the line (in the units of the observations; the line's when neither). */
+double wk_spec_cost_at(const wk_spec_cost *c, int n_tokens);
 
 /* ---------------------------------------------------------------- budget (spec.c)
  *
@@ -108,6 +120,13 @@ double wk_spec_cost_base_tokens(const wk_spec_cost *c);
  * the total taken. */
 int wk_spec_budget(double base_over_token, int base_tokens, int room, const float *const *prob,
                    const int *n, int n_req, int *take);
+/* The same choice against any step-cost curve: cost(arg, t) is the cost of a step of t tokens.
+ * Tokens are ordered by probability as above, and the number taken is the one that maximizes the
+ * step's expected yield per unit of cost (the first of equals), so a curve that is flat for a few
+ * tokens and then steep gets exactly the flat part's worth. */
+int wk_spec_budget_curve(double (*cost)(const void *arg, int n_tokens), const void *arg,
+                         int base_tokens, int room, const float *const *prob, const int *n,
+                         int n_req, int *take);
 
 /* SuffixDecoding's draft length: factor x match length, capped (at least 1 for any match). */
 int wk_spec_draft_len(int match_len, float factor, int cap);

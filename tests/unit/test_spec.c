@@ -189,6 +189,13 @@ Test(spec, the_step_cost_fit_finds_base_and_per_token_cost)
     cr_assert_float_eq(wk_spec_cost_base_tokens(&c), 10.0, 0.01);
 }
 
+static double zen3_step_ms(int k);
+static double zen3_cost(const void *arg, int k)
+{
+    (void)arg;
+    return zen3_step_ms(k);
+}
+
 /* Geometric proposals: token j accepted with probability p^(j+1). */
 static void geometric(float *prob, int n, float p)
 {
@@ -233,6 +240,46 @@ Test(spec, drafts_shrink_as_the_batch_fills_and_vanish_when_the_step_is_compute_
     /* A step with a long prefill in it leaves drafts out. */
     for (int i = 0; i < R; i++) geometric(probs[i], N, 0.8f);
     cr_assert_eq(wk_spec_budget(4.0, 1 + 256, 256, prob, n, 1, take), 0);
+}
+
+/* The step times bench_kernels -e ... 1 v measured on the AVX2 Zen 3 (ms of CPU per step of k
+ * tokens, one engine thread): flat to 4 tokens, then ~2.7 ms a token. */
+static double zen3_step_ms(int k)
+{
+    static const double ms[] = {0, 9.84, 10.90, 11.7, 12.43, 21.06, 23.2, 25.4, 27.62};
+    return k <= 8 ? ms[k] : 27.62 + 2.7 * (k - 8);
+}
+
+Test(spec, the_cost_table_learns_a_curve_the_line_misprices_and_the_budget_takes_its_flat_part)
+{
+    wk_spec_cost c;
+    wk_spec_cost_init(&c, 0.25);
+    for (int i = 0; i < 600; i++) {
+        int k = 1 + (i * 7) % 12; /* verification steps of 1..12 tokens */
+        wk_spec_cost_observe(&c, k, zen3_step_ms(k));
+    }
+    for (int k = 1; k <= 12; k++)
+        cr_assert_float_eq(wk_spec_cost_at(&c, k), zen3_step_ms(k), 1e-6, "size %d", k);
+    /* Sizes never seen fall back to the fitted line. */
+    cr_assert_float_eq(wk_spec_cost_at(&c, 20), c.base + 20 * c.per_token, 1e-9);
+    /* One request at batch 1, drafts accepted at 0.9 each: the line (fitted over the same steps)
+     * grants a length that straddles the jump at 5; the measured curve stops where it is flat
+     * (base token + 3 drafts = 4 tokens), which yields more per millisecond. */
+    float probs[16];
+    const float *prob[1] = {probs};
+    int n[1] = {16}, take[1];
+    geometric(probs, 16, 0.9f);
+    int by_curve = wk_spec_budget_curve(zen3_cost, NULL, 1, 64, prob, n, 1, take);
+    cr_assert_eq(by_curve, 3, "took %d drafts against the measured curve", by_curve);
+    int by_line = wk_spec_budget(wk_spec_cost_base_tokens(&c), 1, 64, prob, n, 1, take);
+    double y_curve = 1, y_line = 1;
+    for (int j = 0; j < by_curve; j++) y_curve += probs[j];
+    for (int j = 0; j < by_line; j++) y_line += probs[j];
+    cr_assert_gt(y_curve / zen3_step_ms(1 + by_curve), y_line / zen3_step_ms(1 + by_line),
+                 "the line's %d drafts yield more per ms than the curve's %d", by_line, by_curve);
+    /* A stale size (no step of it for a long while) is forgotten. */
+    for (int i = 0; i < 2100; i++) wk_spec_cost_observe(&c, 1, 9.84);
+    cr_assert_float_eq(wk_spec_cost_at(&c, 6), c.base + 6 * c.per_token, 1e-9);
 }
 
 Test(spec, a_request_whose_drafts_keep_failing_backs_off_until_its_match_improves)
