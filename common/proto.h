@@ -55,6 +55,7 @@ extern "C" {
 #define KM_PROTO_MAX_PAGE_TOKENS  1024 /* tokens per KV page in kv_pull / kv_offer */
 #define KM_PROTO_MAX_WARM_PAGES   (1 << 20) /* pages one kv_warm asks for */
 #define KM_PROTO_MAX_PEER_ADDR    4096      /* bytes of a transfer node's address (hb, view, req) */
+#define KM_PROTO_MAX_XFER_PAIRS   16        /* holders a worker reports its own pull figures from */
 
 /* What a decoder accepts; km_proto_limits_default fills the defaults above. */
 typedef struct km_proto_limits {
@@ -311,6 +312,14 @@ typedef struct km_error_count {
     uint64_t count;
 } km_error_count;
 
+/* Pulls into a worker from one holder (hb.xfer.pairs, view.workers[].xfer_pairs): what the
+ * router's pull-or-recompute rule uses for that pair before the worker's overall figures. */
+typedef struct km_xfer_pair {
+    const char *from;  /* the holder's worker id; required */
+    double rate_bps;   /* payload bytes/s of recent pulls from it; > 0 */
+    double latency_ms; /* their fixed cost (request to first page), ms; >= 0 */
+} km_xfer_pair;
+
 /* A worker's page transfer statistics since start (hb.xfer). */
 typedef struct km_xfer_stats {
     uint64_t bytes_in, bytes_out, pages_in, pages_out;
@@ -318,6 +327,8 @@ typedef struct km_xfer_stats {
     double rate_bps;     /* measured pull rate, payload bytes/s (recent pulls); 0 = not measured */
     double latency_ms;   /* measured per-pull fixed cost (request to first page), ms; >= 0 */
     uint64_t page_bytes; /* bytes of one KV page in the worker's current format */
+    const km_xfer_pair *pairs; /* per holder it pulled from lately; up to KM_PROTO_MAX_XFER_PAIRS */
+    uint32_t n_pairs;
 } km_xfer_stats;
 
 typedef struct km_msg_heartbeat {
@@ -390,6 +401,8 @@ typedef struct km_view_worker {
     double xfer_lat_ms;   /* measured per-pull fixed cost, ms */
     uint64_t page_bytes;  /* bytes of one of its KV pages (what a pull from it moves); 0 unknown */
     uint64_t xfer_bytes_in, xfer_bytes_out; /* KV payload pulled into it / read from it, bytes */
+    const km_xfer_pair *xfer_pairs;         /* its hb.xfer.pairs; up to KM_PROTO_MAX_XFER_PAIRS */
+    uint32_t n_xfer_pairs;
 } km_view_worker;
 
 typedef struct km_msg_view {

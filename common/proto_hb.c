@@ -95,6 +95,7 @@ static int hb_validate(const km_msg *m, const km_proto_limits *lim, km_errbuf *e
     if (h->has_xfer) {
         CK(km_val_nonneg("hb.xfer.rate_bps", h->xfer.rate_bps, err));
         CK(km_val_nonneg("hb.xfer.latency_ms", h->xfer.latency_ms, err));
+        CK(km_val_xfer_pairs("hb.xfer.pairs", h->xfer.pairs, h->xfer.n_pairs, err));
     }
     return hb_validate_latency_errors(h, err);
 }
@@ -134,6 +135,61 @@ static void hb_xfer(km_enc *e, const void *arg)
     km_enc_f64(e, "rate_bps", x->rate_bps);
     km_enc_f64(e, "latency_ms", x->latency_ms);
     km_enc_u64(e, "page_bytes", x->page_bytes);
+    if (x->n_pairs) km_enc_xfer_pairs(e, "pairs", x->pairs, x->n_pairs);
+}
+
+static void hb_xfer_pair(km_enc *e, const void *arg)
+{
+    const km_xfer_pair *p = arg;
+    km_enc_str(e, "from", p->from);
+    km_enc_f64(e, "rate_bps", p->rate_bps);
+    km_enc_f64(e, "latency_ms", p->latency_ms);
+}
+
+void km_enc_xfer_pairs(km_enc *e, const char *key, const km_xfer_pair *p, uint32_t n)
+{
+    if (!km_enc_begin(e, key)) return;
+    e->rc |= msgpack_pack_array(&e->pk, n);
+    for (uint32_t i = 0; i < n; i++) km_enc_map(e, hb_xfer_pair, &p[i]);
+}
+
+int km_dec_xfer_pairs(km_dec *d, const msgpack_object_map *mp, const char *key, size_t n0,
+                      const km_xfer_pair **out, uint32_t *n)
+{
+    const msgpack_object_array *a;
+    void *mem;
+    char what[64];
+    snprintf(what, sizeof what, ".%s", key);
+    CK(km_dec_array(d, mp, key, false, KM_PROTO_MAX_XFER_PAIRS, sizeof(km_xfer_pair), &a, &mem));
+    km_xfer_pair *p = mem;
+    for (uint32_t i = 0; a && i < a->size; i++) {
+        const msgpack_object_map *em;
+        CK(km_dec_array_map(d, a, i, n0, what, &em));
+        CK(km_dec_str(d, em, "from", true, KM_PROTO_MAX_NAME, false, &p[i].from, NULL));
+        CK(km_dec_num(d, em, "rate_bps", true, &p[i].rate_bps));
+        CK(km_dec_num(d, em, "latency_ms", false, &p[i].latency_ms));
+    }
+    km_dec_path_set(d, n0);
+    *out = p;
+    *n = a ? a->size : 0;
+    return 0;
+}
+
+int km_val_xfer_pairs(const char *what, const km_xfer_pair *p, uint32_t n, km_errbuf *err)
+{
+    if (n > KM_PROTO_MAX_XFER_PAIRS)
+        return km_errf(err, KM_EFORMAT, "%s: %u entries, limit %d", what, n,
+                       KM_PROTO_MAX_XFER_PAIRS);
+    if (n && !p) return km_errf(err, KM_EFORMAT, "%s: NULL with %u entries", what, n);
+    for (uint32_t i = 0; i < n; i++) {
+        if (!p[i].from || !p[i].from[0])
+            return km_errf(err, KM_EFORMAT, "%s[%u].from: required", what, i);
+        if (!(p[i].rate_bps > 0))
+            return km_errf(err, KM_EFORMAT, "%s[%u].rate_bps: must be > 0", what, i);
+        if (!(p[i].latency_ms >= 0))
+            return km_errf(err, KM_EFORMAT, "%s[%u].latency_ms: must be >= 0", what, i);
+    }
+    return 0;
 }
 
 static void hb_encode(km_enc *e, const km_msg *m)
@@ -297,6 +353,7 @@ static int hb_decode_xfer(km_dec *d, const msgpack_object_map *mp, size_t n0)
     CK(km_dec_num(d, xm, "rate_bps", false, &x->rate_bps));
     CK(km_dec_num(d, xm, "latency_ms", false, &x->latency_ms));
     CK(km_dec_uint(d, xm, "page_bytes", false, UINT64_MAX, &x->page_bytes));
+    CK(km_dec_xfer_pairs(d, xm, "pairs", strlen(d->path), &x->pairs, &x->n_pairs));
     km_dec_path_set(d, n0);
     d->m->hb.has_xfer = true;
     return 0;

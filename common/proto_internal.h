@@ -189,6 +189,13 @@ int km_dec_array(km_dec *d, const msgpack_object_map *mp, const char *key, bool 
 int km_dec_named_map(km_dec *d, const msgpack_object_map *mp, const char *key, uint32_t max,
                      size_t elem_size, const msgpack_object_map **em, void **out);
 void km_dec_path_push(km_dec *d, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Per-holder transfer figures (km_xfer_pair; hb.xfer.pairs and view.workers[].xfer_pairs), written
+ * once for both: an array of maps {from, rate_bps, latency_ms} under key. Decoding sets the path
+ * back to n0; validation names the field as what. */
+void km_enc_xfer_pairs(km_enc *e, const char *key, const km_xfer_pair *p, uint32_t n);
+int km_dec_xfer_pairs(km_dec *d, const msgpack_object_map *mp, const char *key, size_t n0,
+                      const km_xfer_pair **out, uint32_t *n);
+int km_val_xfer_pairs(const char *what, const km_xfer_pair *p, uint32_t n, km_errbuf *err);
 void km_dec_path_set(km_dec *d, size_t n);
 
 #endif /* KM_PROTO_INTERNAL_H */

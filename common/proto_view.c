@@ -52,6 +52,8 @@ static int view_validate_worker(const km_msg_view *v, uint32_t i, km_errbuf *err
         snprintf(what, sizeof what, "view.workers[%u].%s", i, rates[k].field);
         CK(km_val_nonneg(what, rates[k].value, err));
     }
+    snprintf(what, sizeof what, "view.workers[%u].xfer_pairs", i);
+    CK(km_val_xfer_pairs(what, w->xfer_pairs, w->n_xfer_pairs, err));
     if (w->n_history > KM_PROTO_MAX_HISTORY)
         VFAIL("view.workers[%u].history: %u entries, limit %d", i, w->n_history,
               KM_PROTO_MAX_HISTORY);
@@ -112,6 +114,7 @@ static void view_worker(km_enc *e, const void *arg)
     if (w->page_bytes) km_enc_u64(e, "page_bytes", w->page_bytes);
     if (w->xfer_bytes_in) km_enc_u64(e, "xfer_bytes_in", w->xfer_bytes_in);
     if (w->xfer_bytes_out) km_enc_u64(e, "xfer_bytes_out", w->xfer_bytes_out);
+    if (w->n_xfer_pairs) km_enc_xfer_pairs(e, "xfer_pairs", w->xfer_pairs, w->n_xfer_pairs);
     if (km_enc_begin(e, "history")) {
         e->rc |= msgpack_pack_array(&e->pk, w->n_history);
         for (uint32_t i = 0; i < w->n_history; i++) km_enc_map(e, view_action, &w->history[i]);
@@ -158,6 +161,7 @@ static int view_decode_worker(km_dec *d, const msgpack_object_map *mp, km_view_w
     CK(km_dec_uint(d, mp, "page_bytes", false, UINT64_MAX, &w->page_bytes));
     CK(km_dec_uint(d, mp, "xfer_bytes_in", false, UINT64_MAX, &w->xfer_bytes_in));
     CK(km_dec_uint(d, mp, "xfer_bytes_out", false, UINT64_MAX, &w->xfer_bytes_out));
+    CK(km_dec_xfer_pairs(d, mp, "xfer_pairs", n0, &w->xfer_pairs, &w->n_xfer_pairs));
     const msgpack_object_array *a;
     void *mem;
     CK(km_dec_array(d, mp, "history", false, KM_PROTO_MAX_HISTORY, sizeof(km_recovery_action), &a,

@@ -58,6 +58,10 @@ typedef struct ctl_member {
     uint32_t peer_addr_len;
     double prefill_tps, xfer_rate_bps, xfer_lat_ms;
     uint64_t page_bytes, xfer_bytes_in, xfer_bytes_out;
+    /* hb.xfer.pairs: .from points into pair_from (ctl_member_pairs_point after a move) */
+    km_xfer_pair pairs[KM_PROTO_MAX_XFER_PAIRS];
+    char pair_from[KM_PROTO_MAX_XFER_PAIRS][KM_PROTO_MAX_NAME + 1];
+    uint32_t n_pairs;
     /* timers */
     uint64_t t_l1, t_l2, t_action; /* when level 1 / 2 / any action last fired; 0 = never */
     uint64_t low_since;            /* pressure <= low since (level 2 revert); 0 = not low */
@@ -199,6 +203,13 @@ static km_member_state from_worker_state(km_worker_state s)
     }
 }
 
+/* Points each per-holder figure at its own copy of the holder's id (the member moved, or its
+ * figures were just copied). */
+static void ctl_member_pairs_point(ctl_member *m)
+{
+    for (uint32_t k = 0; k < m->n_pairs; k++) m->pairs[k].from = m->pair_from[k];
+}
+
 /* The worker's transfer node address and measured rates; a new address (a restarted worker's
  * node) changes the view, rates ride along with the next one. */
 static void ctl_member_transfer(ctl_policy *p, ctl_member *m, const km_msg_heartbeat *hb)
@@ -215,6 +226,13 @@ static void ctl_member_transfer(ctl_policy *p, ctl_member *m, const km_msg_heart
     m->page_bytes = hb->has_xfer ? hb->xfer.page_bytes : 0;
     m->xfer_bytes_in = hb->has_xfer ? hb->xfer.bytes_in : 0;
     m->xfer_bytes_out = hb->has_xfer ? hb->xfer.bytes_out : 0;
+    m->n_pairs = 0;
+    for (uint32_t k = 0; hb->has_xfer && k < hb->xfer.n_pairs && k < KM_PROTO_MAX_XFER_PAIRS; k++) {
+        snprintf(m->pair_from[k], sizeof m->pair_from[k], "%s", hb->xfer.pairs[k].from);
+        m->pairs[k] = hb->xfer.pairs[k];
+        m->n_pairs = k + 1;
+    }
+    ctl_member_pairs_point(m);
 }
 
 static uint64_t errors_total(const km_msg_heartbeat *hb)
@@ -557,6 +575,7 @@ int ctl_policy_tick(ctl_policy *p, uint64_t now_ms)
             now_ms - m->last_seen_ms >= (uint64_t)p->cfg.forget_after_ms) {
             memmove(m, m + 1, sizeof *m * (size_t)(p->n - i - 1));
             p->n--;
+            for (int k = i; k < p->n; k++) ctl_member_pairs_point(&p->m[k]);
             i--;
             p->version++;
             changed++;
@@ -615,6 +634,8 @@ int ctl_policy_view_worker(const ctl_policy *p, int i, uint64_t now_ms, uint64_t
     out->page_bytes = m->page_bytes;
     out->xfer_bytes_in = m->xfer_bytes_in;
     out->xfer_bytes_out = m->xfer_bytes_out;
+    out->xfer_pairs = m->n_pairs ? m->pairs : NULL;
+    out->n_xfer_pairs = m->n_pairs;
     if (with_history && hist) {
         for (uint32_t k = 0; k < m->n_hist; k++) {
             const ctl_hist *h = &m->hist[(m->hist_head + k) % KM_PROTO_MAX_HISTORY];

@@ -103,6 +103,12 @@ typedef struct rt_wk_xfer {
     uint8_t addr[KM_PROTO_MAX_PEER_ADDR]; /* its transfer node address; addr_len 0: none */
     uint32_t addr_len;
     double rate_bps, lat_ms, prefill_tps, page_bytes;
+    /* its pulls from particular holders (view xfer_pairs), preferred to rate_bps/lat_ms */
+    struct {
+        char from[KM_PROTO_MAX_NAME + 1];
+        double rate_bps, lat_ms;
+    } pairs[KM_PROTO_MAX_XFER_PAIRS];
+    uint32_t n_pairs;
 } rt_wk_xfer;
 
 struct rt_wk {

@@ -8,15 +8,18 @@
  *
  * and pulls when pull_ms < recompute_ms · margin (0.8: room for the control round trip and
  * contention). Every figure is measured by the workers and reaches the router in the
- * controller's view: r_xfer and lat_xfer are the chosen worker's own pull rate and latency (or,
- * before it has pulled, the mean over the workers that have), r_prefill its prefill rate while
- * busy, B the holder's page size. Without measured figures the router does not guess: it
+ * controller's view: r_xfer and lat_xfer are the chosen worker's own rate and latency of pulls
+ * from that holder when it has pulled from it lately (the view's xfer_pairs: links differ, a
+ * holder across a slow hop is not priced like one next door), else its rate over all holders
+ * (or, before it has pulled, the mean over the workers that have), r_prefill its prefill rate
+ * while busy, B the holder's page size. Without measured figures the router does not guess: it
  * recomputes (`unmeasured`), unless --pull-default-rate gives r_xfer a starting value. The hint
  * carries recompute_ms as the pull's budget, so a pull slower than computing is abandoned.
  *
  * rt_pull_decide is plain data in, decision out (tests/unit/test_router_pull.c); the rest reads
  * the router's workers and writes the request's hint.
  */
+#include <stdio.h>
 #include <string.h>
 
 #include "router/internal.h"
@@ -51,7 +54,10 @@ int rt_pull_decide(const rt_policy *pol, const rt_pull_in *c, int n, int pick, i
     out->pages = c[h].pages;
     int p = c[h].pages - c[pick].pages;
     double rate = c[pick].rate_bps, lat = c[pick].lat_ms;
-    if (rate <= 0) { /* not measured here yet: the cluster's mean */
+    if (c[h].pair_rate_bps > 0) { /* measured on this very pair */
+        rate = c[h].pair_rate_bps;
+        lat = c[h].pair_lat_ms;
+    } else if (rate <= 0) { /* not measured here yet: the cluster's mean */
         double sum = 0, lsum = 0;
         int k = 0;
         for (int i = 0; i < n; i++)
@@ -87,6 +93,13 @@ void rt_pull_view(rt_wk *w, const km_view_worker *vw)
     x->rate_bps = vw->xfer_rate_bps;
     x->lat_ms = vw->xfer_lat_ms;
     x->page_bytes = (double)vw->page_bytes;
+    x->n_pairs = 0;
+    for (uint32_t k = 0; k < vw->n_xfer_pairs && k < KM_PROTO_MAX_XFER_PAIRS; k++) {
+        snprintf(x->pairs[k].from, sizeof x->pairs[k].from, "%s", vw->xfer_pairs[k].from);
+        x->pairs[k].rate_bps = vw->xfer_pairs[k].rate_bps;
+        x->pairs[k].lat_ms = vw->xfer_pairs[k].latency_ms;
+        x->n_pairs = k + 1;
+    }
     /* prefill_tps is what the worker computed over its last interval (0 when idle): keep a mean
      * of the busy intervals, which is what a request landing there will get */
     if (vw->prefill_tps > 0)
@@ -112,6 +125,11 @@ void rt_pull_advise(rt_router *r, rt_rq *q, int pick, const rt_match *m)
                              .lat_ms = w->xfer.lat_ms,
                              .prefill_tps = w->xfer.prefill_tps,
                              .page_bytes = w->xfer.page_bytes};
+        for (uint32_t k = 0; k < to->xfer.n_pairs; k++)
+            if (!strcmp(to->xfer.pairs[k].from, w->id)) {
+                in[i].pair_rate_bps = to->xfer.pairs[k].rate_bps;
+                in[i].pair_lat_ms = to->xfer.pairs[k].lat_ms;
+            }
     }
     rt_pull_choice ch;
     int d = rt_pull_decide(&r->c.policy, in, r->n_w, pick, r->c.page_tokens, &ch);

@@ -158,6 +158,8 @@ typedef struct rt_pull_in {
     double lat_ms;      /* its measured per-pull latency */
     double prefill_tps; /* its measured prefill rate (tokens/s); 0: not measured */
     double page_bytes;  /* bytes of one of its pages; 0: unknown */
+    /* the chosen worker's measured pulls from this one (view xfer_pairs); 0: none */
+    double pair_rate_bps, pair_lat_ms;
 } rt_pull_in;
 
 typedef struct rt_pull_choice {

@@ -389,6 +389,7 @@ wk_link *wk_peer_link(wk_service *s, const char *holder, const char *endpoint, c
         }
         memset(l, 0, sizeof *l);
         snprintf(l->endpoint, sizeof l->endpoint, "%s", endpoint);
+        snprintf(l->holder, sizeof l->holder, "%s", holder ? holder : "");
         km_zsock_opts zo;
         km_zsock_opts_default(&zo);
         zo.max_msg_size = (int64_t)s->lim.max_frame + 4096;
@@ -418,6 +419,10 @@ wk_link *wk_peer_link(wk_service *s, const char *holder, const char *endpoint, c
         l->addr_len = addr_len;
     } else if (moved || pr_peer_failed(l->peer)) {
         return NULL; /* its old peer is still in use by another pull */
+    }
+    if (holder && strcmp(l->holder, holder)) { /* another worker at that endpoint now */
+        snprintf(l->holder, sizeof l->holder, "%s", holder);
+        l->rate_bps = l->lat_ms = 0;
     }
     l->used_ns = km_now_ns();
     return l;
@@ -540,16 +545,23 @@ bool wk_peer_serving(const wk_service *s, uint64_t now, uint64_t quiet_ns)
     return st.leases_active > 0;
 }
 
-/* The measured rates: an exponentially weighted mean over recent pulls that brought pages. */
+/* An exponentially weighted mean over recent pulls that brought pages. */
+static void wk_rate_mix(double *rate_bps, double *lat_ms, double rate, double lat)
+{
+    const double a = 0.3;
+    *rate_bps = *rate_bps > 0 ? (1 - a) * *rate_bps + a * rate : rate;
+    *lat_ms = *lat_ms > 0 ? (1 - a) * *lat_ms + a * lat : lat;
+}
+
+/* The measured rates: the worker's over every holder, and the pair's (this holder's link). */
 static void wk_peer_measure(wk_peer *p, const wk_held *h, const pr_pull_result *res, uint64_t now)
 {
     if (!h->offer_ns || !res->pages_imported || !res->bytes) return;
     double lat = (double)(h->offer_ns - h->start_ns) / 1e6;
     double t = (double)(now > h->offer_ns ? now - h->offer_ns : 1) / 1e9;
     double rate = (double)res->bytes / t;
-    const double a = 0.3;
-    p->rate_bps = p->rate_bps > 0 ? (1 - a) * p->rate_bps + a * rate : rate;
-    p->lat_ms = p->lat_ms > 0 ? (1 - a) * p->lat_ms + a * lat : lat;
+    wk_rate_mix(&p->rate_bps, &p->lat_ms, rate, lat);
+    if (h->link) wk_rate_mix(&h->link->rate_bps, &h->link->lat_ms, rate, lat);
 }
 
 /* The pull of held request i has ended (or is given up): finished, the holder told, the request
@@ -769,5 +781,12 @@ void wk_peer_heartbeat(wk_service *s, km_msg_heartbeat *hb)
                                .offers = st.offers,
                                .rate_bps = p->rate_bps,
                                .latency_ms = p->lat_ms,
-                               .page_bytes = kv_store_page_bytes(s->kv)};
+                               .page_bytes = kv_store_page_bytes(s->kv),
+                               .pairs = p->hb_pairs};
+    for (int i = 0; i < p->n_links && hb->xfer.n_pairs < KM_PROTO_MAX_XFER_PAIRS; i++) {
+        const wk_link *l = &p->links[i];
+        if (l->holder[0] && l->rate_bps > 0)
+            p->hb_pairs[hb->xfer.n_pairs++] =
+                (km_xfer_pair){.from = l->holder, .rate_bps = l->rate_bps, .latency_ms = l->lat_ms};
+    }
 }

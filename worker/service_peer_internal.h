@@ -33,6 +33,8 @@ typedef struct wk_member {
 /* A holder: a DEALER to its requests endpoint and a node peer to its transfer address. */
 typedef struct wk_link {
     char endpoint[KM_PROTO_MAX_NAME + 1];
+    char holder[KM_PROTO_MAX_NAME + 1]; /* its worker id */
+    double rate_bps, lat_ms;            /* measured on pulls from it (hb.xfer.pairs); 0: none */
     uint8_t addr[KM_PROTO_MAX_PEER_ADDR];
     uint32_t addr_len;
     void *sock;
@@ -92,6 +94,7 @@ struct wk_peer {
      * (request to offer), for the heartbeat and the routers' cost model */
     double rate_bps, lat_ms;
     uint64_t pulls_ok, pulls_failed;
+    km_xfer_pair hb_pairs[WK_PEER_LINKS]; /* the heartbeat's per-holder figures */
     km_series *s_bytes_in, *s_bytes_out, *s_seconds, *s_pulls[3], *s_fail[PR_DROP_COUNT + 2];
     km_series *s_refused, *s_dones_ignored;
     uint64_t seen_out, seen_refused; /* bytes_out, fetches_refused already counted */

@@ -77,35 +77,60 @@ static void *bound(int type, const char *url, char *ep, size_t cap)
     return s;
 }
 
+/* The next heartbeat from worker id on ctl (into m; the caller clears it), waiting until
+ * deadline (km_now_ns); false at the deadline. */
+static bool next_hb(void *ctl, const char *id, uint64_t deadline, km_msg *m)
+{
+    while (km_now_ns() < deadline) {
+        km_zmsg z = {0};
+        bool got = false;
+        if (!km_zrecv(ctl, &z, 200, NULL)) {
+            const km_zframe *b = km_zmsg_body(&z);
+            if (b && !km_msg_decode(b->data, b->len, NULL, m, NULL)) {
+                got = m->type == KM_MSG_HEARTBEAT && !strcmp(m->hb.worker, id);
+                if (!got) km_msg_clear(m);
+            }
+        }
+        km_zmsg_clear(&z);
+        if (got) return true;
+    }
+    return false;
+}
+
 /* Reads heartbeats on ctl until worker id has sent one with a transfer address (30 s). */
 static char g_fp[129]; /* the workers' model fingerprint, from their heartbeats */
 
 static uint32_t peer_addr_of(void *ctl, const char *id, uint8_t *addr, size_t cap)
 {
-    uint64_t t0 = km_now_ns();
-    while (km_now_ns() - t0 < 30000000000ull) {
-        km_zmsg z = {0};
-        if (km_zrecv(ctl, &z, 200, NULL)) {
-            km_zmsg_clear(&z);
-            continue;
-        }
-        const km_zframe *b = km_zmsg_body(&z);
-        km_msg m;
+    uint64_t until = km_now_ns() + 30000000000ull;
+    km_msg m;
+    while (next_hb(ctl, id, until, &m)) {
         uint32_t n = 0;
-        if (b && !km_msg_decode(b->data, b->len, NULL, &m, NULL)) {
-            if (m.type == KM_MSG_HEARTBEAT && !strcmp(m.hb.worker, id) && m.hb.peer_addr &&
-                m.hb.peer_addr_len <= cap) {
-                n = m.hb.peer_addr_len;
-                memcpy(addr, m.hb.peer_addr, n);
-                if (m.hb.fingerprint) snprintf(g_fp, sizeof g_fp, "%s", m.hb.fingerprint);
-            }
-            km_msg_clear(&m);
+        if (m.hb.peer_addr && m.hb.peer_addr_len <= cap) {
+            n = m.hb.peer_addr_len;
+            memcpy(addr, m.hb.peer_addr, n);
+            if (m.hb.fingerprint) snprintf(g_fp, sizeof g_fp, "%s", m.hb.fingerprint);
         }
-        km_zmsg_clear(&z);
+        km_msg_clear(&m);
         if (n) return n;
     }
     cr_assert_fail("no heartbeat with a peer address from %s in 30 s", id);
     return 0;
+}
+
+/* The rate worker id reports in its heartbeats (hb.xfer.pairs) for its pulls from holder, read
+ * on ctl for up to 10 s; 0 when no heartbeat names that pair. */
+static double pair_rate_of(void *ctl, const char *id, const char *holder)
+{
+    double rate = 0;
+    uint64_t until = km_now_ns() + 10000000000ull;
+    km_msg m;
+    while (!rate && next_hb(ctl, id, until, &m)) {
+        for (uint32_t i = 0; m.hb.has_xfer && i < m.hb.xfer.n_pairs; i++)
+            if (!strcmp(m.hb.xfer.pairs[i].from, holder)) rate = m.hb.xfer.pairs[i].rate_bps;
+        km_msg_clear(&m);
+    }
+    return rate;
 }
 
 typedef struct hint {
@@ -271,6 +296,9 @@ Test(worker_pull, a_prefix_pulled_from_a_peer_is_served_and_equals_computing_it)
     cr_assert_gt(in1, in0, "B counts the pulled bytes (%g -> %g)", in0, in1);
     cr_assert_gt(it_metric(b->admin_port, "kvmesh_kv_transfer_pulls_total{outcome=\"ok\"}"), 0);
     cr_assert_gt(it_metric(a->admin_port, "kvmesh_kv_transfer_bytes_total{direction=\"out\"}"), 0);
+    /* B's heartbeats now carry what it measured pulling from A (the routers price that pair by
+     * it) */
+    cr_assert_gt(pair_rate_of(w->ctl, "wb", "wa"), 0, "no hb.xfer.pairs entry for wa from wb");
 
     /* a hint for pages B already holds costs nothing: no second pull */
     result again = run(b->req, 3, prompt, NP, GEN, &h, 120000);

@@ -401,6 +401,43 @@ Test(controller_policy, a_member_silent_for_forget_after_is_removed_and_a_beat_a
     cr_assert_eq(state_of("a"), KM_MEMBER_READY, "a heartbeat adds it again");
 }
 
+/* hb.xfer.pairs reach the view, and stay right when the member moves down the table (a member
+ * before it forgotten). */
+Test(controller_policy, per_holder_pull_figures_reach_the_view_and_survive_a_move)
+{
+    cfg.heartbeat_ms = 200;
+    cfg.forget_after_ms = 10000;
+    start();
+    static const km_xfer_pair pairs[2] = {{.from = "holder-1", .rate_bps = 2e9, .latency_ms = 1},
+                                          {.from = "holder-2", .rate_bps = 3e7, .latency_ms = 8}};
+    fake_hb f;
+    mk(&f, "a", 1, 1000, 0.1, "f16");
+    cr_assert_eq(ctl_policy_heartbeat(pol, &f.hb, 1000, NULL), 0);
+    for (uint64_t t = 1000; t <= 11000; t += 500) {
+        mk(&f, "b", t, t, 0.1, "f16");
+        f.hb.has_xfer = true;
+        f.hb.xfer.rate_bps = 1e9;
+        f.hb.xfer.pairs = pairs;
+        f.hb.xfer.n_pairs = 2;
+        cr_assert_eq(ctl_policy_heartbeat(pol, &f.hb, t, NULL), 0);
+        ctl_policy_tick(pol, t);
+    }
+    cr_assert_eq(ctl_policy_find(pol, "a"), KM_ENOTFOUND, "a was forgotten, b moved down");
+    /* a newcomer takes b's old slot, with figures of its own */
+    static const km_xfer_pair other = {.from = "elsewhere", .rate_bps = 5e8, .latency_ms = 2};
+    mk(&f, "c", 1, 100, 0.1, "f16");
+    f.hb.has_xfer = true;
+    f.hb.xfer.rate_bps = 5e8;
+    f.hb.xfer.pairs = &other;
+    f.hb.xfer.n_pairs = 1;
+    cr_assert_eq(ctl_policy_heartbeat(pol, &f.hb, 11100, NULL), 0);
+    km_view_worker v = view("b", 11100, NULL);
+    cr_assert_eq(v.n_xfer_pairs, 2);
+    cr_assert_str_eq(v.xfer_pairs[0].from, "holder-1");
+    cr_assert_str_eq(v.xfer_pairs[1].from, "holder-2");
+    cr_assert_eq(v.xfer_pairs[1].rate_bps, 3e7);
+}
+
 Test(controller_policy, level3_is_restarting_until_a_new_process_is_ready)
 {
     cfg.heartbeat_ms = 200;

@@ -389,6 +389,54 @@ Test(proto_pull, heartbeat_and_view_carry_the_peer_address_and_rates)
     expect_encode_fail(&in, "view.workers[0].peer_addr");
 }
 
+Test(proto_pull, per_holder_pull_figures_travel_in_the_heartbeat_and_the_view)
+{
+    static const km_xfer_pair pairs[2] = {{.from = "w-b", .rate_bps = 2.5e9, .latency_ms = 0.4},
+                                          {.from = "w-c", .rate_bps = 1.2e8, .latency_ms = 9}};
+    km_msg in, out;
+    km_msg_init(&in, KM_MSG_HEARTBEAT);
+    in.hb.worker = "w-a";
+    in.hb.has_xfer = true;
+    in.hb.xfer = (km_xfer_stats){.rate_bps = 1e9, .pairs = pairs, .n_pairs = 2};
+    roundtrip(&in, &out);
+    cr_assert_eq(out.hb.xfer.n_pairs, 2);
+    for (int i = 0; i < 2; i++) {
+        cr_assert_str_eq(out.hb.xfer.pairs[i].from, pairs[i].from);
+        cr_assert_eq(out.hb.xfer.pairs[i].rate_bps, pairs[i].rate_bps);
+        cr_assert_eq(out.hb.xfer.pairs[i].latency_ms, pairs[i].latency_ms);
+    }
+    km_msg_clear(&out);
+    km_xfer_pair bad[KM_PROTO_MAX_XFER_PAIRS + 1];
+    for (int i = 0; i <= KM_PROTO_MAX_XFER_PAIRS; i++) bad[i] = pairs[0];
+    in.hb.xfer.pairs = bad;
+    in.hb.xfer.n_pairs = KM_PROTO_MAX_XFER_PAIRS + 1;
+    expect_encode_fail(&in, "hb.xfer.pairs");
+    in.hb.xfer.n_pairs = 1;
+    bad[0].rate_bps = 0; /* a pair is only reported once measured */
+    expect_encode_fail(&in, "hb.xfer.pairs[0].rate_bps");
+    bad[0] = pairs[0];
+    bad[0].from = NULL;
+    expect_encode_fail(&in, "hb.xfer.pairs[0].from");
+
+    km_view_worker w = {
+        .id = "w-a", .state = KM_MEMBER_READY, .xfer_pairs = pairs, .n_xfer_pairs = 2};
+    km_msg_init(&in, KM_MSG_VIEW);
+    in.view.controller = "c";
+    in.view.workers = &w;
+    in.view.n_workers = 1;
+    roundtrip(&in, &out);
+    const km_view_worker *o = &out.view.workers[0];
+    cr_assert_eq(o->n_xfer_pairs, 2);
+    cr_assert_str_eq(o->xfer_pairs[1].from, "w-c");
+    cr_assert_eq(o->xfer_pairs[1].latency_ms, 9);
+    km_msg_clear(&out);
+    w.n_xfer_pairs = 1;
+    w.xfer_pairs = bad;
+    bad[0] = pairs[0];
+    bad[0].latency_ms = -1;
+    expect_encode_fail(&in, "view.workers[0].xfer_pairs[0].latency_ms");
+}
+
 /* Writes the fuzz seeds of these frames when KVMESH_WRITE_SEEDS names the corpus directory
  * (how tests/fuzz/corpus/fuzz_proto/kv_*.msgpack were made); otherwise checks nothing. */
 Test(proto_pull, fuzz_seeds_can_be_regenerated)
@@ -423,6 +471,9 @@ Test(proto_pull, fuzz_seeds_can_be_regenerated)
     m[4].hb.peer_addr_len = sizeof g_addr;
     m[4].hb.has_xfer = true;
     m[4].hb.xfer.rate_bps = 1e9;
+    static const km_xfer_pair pair = {.from = "w-b", .rate_bps = 2e9, .latency_ms = 0.5};
+    m[4].hb.xfer.pairs = &pair;
+    m[4].hb.xfer.n_pairs = 1;
     push_init(&m[5], c, 3);
     km_msg_init(&m[6], KM_MSG_KV_WARM);
     m[6].kv_warm = (km_msg_kv_warm){.id = 1, .max_pages = 256};

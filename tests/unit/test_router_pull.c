@@ -59,6 +59,25 @@ Test(router_pull, recomputes_when_the_transfer_is_slower_than_the_margin_allows)
     cr_assert_eq(rt_pull_decide(&pol, c, 2, 0, PT, &ch), RT_PULL_RECOMPUTE, "margin 0.5");
 }
 
+/* The chosen worker's pulls from this very holder (the view's xfer_pairs) price the pull, not
+ * its rate over every holder: a holder behind a slow hop is recomputed from even though the
+ * worker pulls fast from the others, and a fast pair pulls where the average would not. */
+Test(router_pull, a_pairs_own_figures_come_before_the_workers_overall_ones)
+{
+    rt_pull_in c[2] = {measured(0), measured(10)};
+    rt_pull_choice ch;
+    cr_assert_eq(rt_pull_decide(&pol, c, 2, 0, PT, &ch), RT_PULL_PULL, "1 GB/s overall");
+    c[1].pair_rate_bps = 1e7; /* 10 MB/s from this holder: 369 ms against 160 to compute */
+    c[1].pair_lat_ms = 5;
+    cr_assert_eq(rt_pull_decide(&pol, c, 2, 0, PT, &ch), RT_PULL_RECOMPUTE);
+    cr_assert_float_eq(ch.pull_ms, 5 + 10 * PB / 1e7 * 1000, 1e-9);
+    c[0].rate_bps = 1e7; /* slow overall, fast from this holder */
+    c[1].pair_rate_bps = 1e9;
+    c[1].pair_lat_ms = 1;
+    cr_assert_eq(rt_pull_decide(&pol, c, 2, 0, PT, &ch), RT_PULL_PULL);
+    cr_assert_float_eq(ch.pull_ms, 1 + 10 * PB / 1e9 * 1000, 1e-9);
+}
+
 Test(router_pull, nothing_to_decide_when_the_chosen_worker_holds_the_most)
 {
     rt_pull_in c[3] = {measured(50), measured(50), measured(20)};
