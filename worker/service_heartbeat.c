@@ -366,6 +366,11 @@ void wk_svc_snapshot(wk_service *s)
     if (ss.kv_full) n.errs[n.n_errs++] = (km_error_count){"kv_full", ss.kv_full};
     wk_peer_heartbeat(s,
                       &n.peer); /* the transfer node is the loop's: read here, not by the pulse */
+    for (uint32_t k = 0; k < n.peer.xfer.n_pairs && k < KM_PROTO_MAX_XFER_PAIRS; k++) {
+        snprintf(n.pair_from[k], sizeof n.pair_from[k], "%s", n.peer.xfer.pairs[k].from);
+        n.pairs[k] = n.peer.xfer.pairs[k];
+    }
+    n.peer.xfer.pairs = NULL; /* the pulse points it at its copy */
     pthread_mutex_lock(&s->hb_mu);
     s->snap = n;
     pthread_mutex_unlock(&s->hb_mu);
@@ -415,6 +420,8 @@ static void wk_pulse_send(wk_service *s, wk_hb_snap *snap, km_buf *out)
     hb->peer_addr_len = snap->peer.peer_addr_len;
     hb->has_xfer = snap->peer.has_xfer;
     hb->xfer = snap->peer.xfer;
+    for (uint32_t k = 0; k < hb->xfer.n_pairs; k++) snap->pairs[k].from = snap->pair_from[k];
+    hb->xfer.pairs = hb->xfer.n_pairs ? snap->pairs : NULL;
     km_errbuf err = {{0}};
     if (km_msg_encode(&m, &s->lim, out, &err)) {
         KM_WARN("heartbeat_encode", "msg=\"%s\"", err.msg);

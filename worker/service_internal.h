@@ -90,6 +90,10 @@ typedef struct wk_hb_snap {
     double decode_tps, prefill_tps;
     uint64_t tokens_total;
     km_msg_heartbeat peer; /* only its peer_addr, peer_addr_len, has_xfer, xfer (service_peer.c) */
+    /* peer.xfer.pairs, copied: the links they come from are the loop's; the pulse points
+     * peer.xfer.pairs (and each .from) at its own copy of the snapshot */
+    km_xfer_pair pairs[KM_PROTO_MAX_XFER_PAIRS];
+    char pair_from[KM_PROTO_MAX_XFER_PAIRS][KM_PROTO_MAX_NAME + 1];
 } wk_hb_snap;
 
 /* What `status` reports while an engine step runs (taken on the loop just before it). */
