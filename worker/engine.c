@@ -31,77 +31,16 @@
  * ~150 per token at batch 1 instead of ~300. The arithmetic is the same either way, so a token's
  * logits do not depend on the mode (engine tests).
  *
- * MoE layers (hp.n_expert > 0, Mixtral layout; docs/moe.md) replace P8-P11 (wk_moe_ffn):
- *   R  tokens  router logits = xn · Wgate_inp^T (scalar f32), softmax, top k, weights renormalized
- *              to sum 1 (llama.cpp's build_moe_ffn for the llama arch)
- *              (when the batch asks for wk_batch.route, each token's chosen weights are also
- *              summed per expert over the layers: its dominant expert, which places its page)
- *   G  slots   every thread groups the batch's (token, choice) pairs by expert ("slots", in
- *              expert then token order) and copies the quantized xn rows of its share of slots
- *   P8 rows    per expert over its slots: gate, up = xq · {Wgate_e,Wup_e}^T (each expert's rows
- *              are read once per step, however many tokens chose it)
- *   P9 slots   silu(gate) * up, quantized
- *   P10 rows   per expert: out = xq · Wdown_e^T
- *   P11 tokens x += sum over the token's choices, in selection order, of weight * out
- * through the same matmul kernels as the dense path (a slice of a 3-D expert tensor is one more
- * matrix). The split of rows phases counts rows, not rows times tokens, so experts chosen by many
- * tokens weigh no more than others in it.
+ * MoE layers (hp.n_expert > 0) replace P8-P11 with engine_moe.c's wk_moe_ffn (see there).
  */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
-#include "worker/model_internal.h"
+#include "worker/engine_internal.h"
 
-/* Batches of at most this many tokens (at most one per thread, one per sequence) run in lanes. */
-#define WK_LANE_TOKENS 4
-
-/* One thread's copies of the token-wise buffers, for lane mode. */
-typedef struct wk_lane_bufs {
-    float *x, *xn, *act;
-    uint8_t *xq;
-    int32_t *sel; /* MoE: the routing of every token and the gathered rows, this thread's copy */
-    float *rw;
-    uint8_t *xqg;
-} wk_lane_bufs;
-
-struct wk_moe_scr;
-
-struct wk_engine {
-    const wk_model *m;
-    const kn_ops *ops;
-    int packed; /* the model's matrices are packed for ops: multiply by the packed copies */
-    kn_pool *pool;
-    kv_store *kv;
-    int max_tokens;
-    size_t xq_row_bytes; /* stride of xq rows: the largest dot-type row any weight needs */
-    float *x, *xn, *q, *k, *v, *att, *tmp, *gate, *up, *rope_cs, *logits;
-    uint8_t *xq;
-    int32_t *out_idx;
-    wk_lane_bufs *lanes; /* [threads] */
-    /* MoE (NULL for a dense model): each token's experts and weights [T][k], the quantized rows
-     * gathered per slot [T*k], the experts' outputs per slot [T*k][embd], per-thread scratch */
-    int32_t *sel;
-    float *rw, *moe_out;
-    uint8_t *xqg;
-    struct wk_moe_scr *moe; /* [threads] */
-    float *route_w; /* [T][n_expert]: router weight summed over the layers (wk_batch.route) */
-};
-
-/* What one step's job needs; lives on the caller's stack for the duration of kn_pool_run. */
-typedef struct wk_step {
-    wk_engine *e;
-    const wk_batch *b;
-    int n_out;
-    int lanes; /* small batch: token phases on every thread, no barrier after them */
-    int route; /* sum the routing into route_w (the batch asks for wk_batch.route) */
-} wk_step;
-
-static int wk_moe_alloc(wk_engine *e, int nth);
-static void wk_moe_free(wk_engine *e);
-
-static void *wk_alloc(size_t n)
+void *wk_alloc(size_t n)
 {
     void *p = NULL;
     if (posix_memalign(&p, 64, n ? n : 64)) return NULL;
@@ -275,28 +214,16 @@ const char *wk_engine_isa(const wk_engine *e)
 /* ------------------------------------------------------------------ phases */
 
 /* Quantizes rows [lo, hi) of src (row length k) into xq for the given weight's dot type. */
-static void wk_quantize_rows(const wk_engine *e, const wk_weight *w, const float *src, uint8_t *xq,
-                             int64_t lo, int64_t hi)
+void wk_quantize_rows(const wk_engine *e, const wk_weight *w, const float *src, uint8_t *xq,
+                      int64_t lo, int64_t hi)
 {
     km_type dt = kn_dot_type(w->type);
     for (int64_t i = lo; i < hi; i++)
         e->ops->quantize_row(dt, src + i * w->k, xq + i * e->xq_row_bytes, w->k);
 }
 
-/* Output rows of several matrices sharing one input are split as one range across threads, in
- * chunks of KN_PACK_ALIGN rows of each matrix, so that every range starts where a kernel panel
- * does (matmul_packed requires it) and a thread's rows of one matrix are contiguous. */
-typedef struct wk_mm {
-    const wk_weight *w;
-    float *y;
-    size_t y_stride;
-    const wk_weight *bias;
-    const uint8_t *xq; /* this matrix's own input rows and their count (MoE experts); NULL, 0: */
-    int m;             /* the group's */
-} wk_mm;
-
-static void wk_matmul_group(const wk_engine *e, const uint8_t *xq, const wk_mm *mm, int n_mm, int m,
-                            int ith, int nth)
+void wk_matmul_group(const wk_engine *e, const uint8_t *xq, const wk_mm *mm, int n_mm, int m,
+                     int ith, int nth)
 {
     const int64_t A = KN_PACK_ALIGN;
     int64_t total = 0;
@@ -342,185 +269,6 @@ static void wk_token_attention(const wk_engine *e, const wk_batch *b, int l, int
         kv_seq_view(e->kv, b->seqs[i], l, h, b->pos[i] + 1, &view);
         const size_t off = (size_t)i * qd + (size_t)h * group * hd;
         e->ops->attention(&view, hd, e->q + off, group, 1.0f / sqrtf((float)hd), e->att + off);
-    }
-}
-
-/* ------------------------------------------------------------------ MoE */
-
-/* One thread's MoE scratch: the batch's (token, choice) pairs grouped by expert into slots. */
-typedef struct wk_moe_scr {
-    int32_t *off;      /* [n_expert + 1]: expert x's slots are off[x] .. off[x + 1] - 1 */
-    int32_t *cur;      /* [n_expert] */
-    int32_t *slot_tok; /* [T * k]: the token of each slot */
-    int32_t *slot_of;  /* [T * k]: the slot of token i's choice j, at i * k + j */
-    wk_mm *mm;         /* [2 * n_expert] */
-} wk_moe_scr;
-
-static int wk_moe_alloc(wk_engine *e, int nth)
-{
-    const wk_hparams *hp = &e->m->hp;
-    const size_t S = (size_t)e->max_tokens * hp->n_expert_used, E = hp->n_expert;
-    e->sel = wk_alloc(S * sizeof(int32_t));
-    e->rw = wk_alloc(S * 4);
-    e->xqg = wk_alloc(S * e->xq_row_bytes);
-    e->moe_out = wk_alloc(S * hp->n_embd * 4);
-    e->moe = calloc((size_t)nth, sizeof *e->moe);
-    e->route_w = wk_alloc((size_t)e->max_tokens * E * sizeof(float));
-    if (!e->sel || !e->rw || !e->xqg || !e->moe_out || !e->moe || !e->route_w) return KM_ENOMEM;
-    for (int i = 0; i < nth; i++) {
-        wk_moe_scr *s = &e->moe[i];
-        s->off = wk_alloc((E + 1) * sizeof(int32_t));
-        s->cur = wk_alloc(E * sizeof(int32_t));
-        s->slot_tok = wk_alloc(S * sizeof(int32_t));
-        s->slot_of = wk_alloc(S * sizeof(int32_t));
-        s->mm = wk_alloc(2 * E * sizeof(wk_mm));
-        if (!s->off || !s->cur || !s->slot_tok || !s->slot_of || !s->mm) return KM_ENOMEM;
-    }
-    return 0;
-}
-
-static void wk_moe_free(wk_engine *e)
-{
-    for (int i = 0; e->moe && e->pool && i < kn_pool_size(e->pool); i++) {
-        free(e->moe[i].off);
-        free(e->moe[i].cur);
-        free(e->moe[i].slot_tok);
-        free(e->moe[i].slot_of);
-        free(e->moe[i].mm);
-    }
-    free(e->moe);
-    free(e->sel);
-    free(e->rw);
-    free(e->xqg);
-    free(e->moe_out);
-    free(e->route_w);
-}
-
-/* The router of one token, as llama.cpp's build_moe_ffn runs it for the llama arch: logits =
- * Wgate_inp · xn, probabilities = softmax (max subtracted, the sum in double, scaled by its
- * inverse as ggml_soft_max does), the k most probable experts (the lower id first on a tie), their
- * probabilities divided by their sum (clamped to >= 2^-14). sel, w: k entries, most probable
- * first. Plain C, so every ISA routes alike. */
-static void wk_route(const wk_weight *gate_inp, int n_embd, int n_exp, int k, const float *xn,
-                     int32_t *sel, float *w)
-{
-    float p[WK_MAX_EXPERTS] = {0};
-    uint8_t used[WK_MAX_EXPERTS] = {0};
-    const float *W = gate_inp->data;
-    float mx = -INFINITY;
-    for (int x = 0; x < n_exp; x++) {
-        const float *r = W + (size_t)x * n_embd;
-        float s = 0;
-        for (int j = 0; j < n_embd; j++) s += r[j] * xn[j];
-        p[x] = s;
-        if (s > mx) mx = s;
-    }
-    double sum = 0;
-    for (int x = 0; x < n_exp; x++) {
-        p[x] = expf(p[x] - mx);
-        sum += p[x];
-    }
-    const float inv = (float)(1.0 / sum);
-    for (int x = 0; x < n_exp; x++) p[x] *= inv;
-    double wsum = 0;
-    for (int j = 0; j < k; j++) {
-        int best = 0;
-        while (used[best]) best++;
-        for (int x = best + 1; x < n_exp; x++)
-            if (!used[x] && p[x] > p[best]) best = x;
-        used[best] = 1;
-        sel[j] = best;
-        wsum += p[best];
-    }
-    float ws = (float)wsum;
-    if (!(ws >= 6.103515625e-5f)) ws = 6.103515625e-5f;
-    for (int j = 0; j < k; j++) w[j] = p[sel[j]] / ws;
-}
-
-/* Groups the n tokens' k choices by expert: slots in expert order, tokens in order within one. */
-static void wk_moe_group(const int32_t *sel, int n, int k, int n_exp, wk_moe_scr *s)
-{
-    memset(s->off, 0, (size_t)(n_exp + 1) * sizeof(int32_t));
-    memset(s->cur, 0, (size_t)n_exp * sizeof(int32_t));
-    for (int i = 0; i < n * k; i++) s->off[sel[i] + 1]++;
-    for (int x = 0; x < n_exp; x++) s->off[x + 1] += s->off[x];
-    for (int i = 0; i < n * k; i++) {
-        const int x = sel[i], slot = s->off[x] + s->cur[x]++;
-        s->slot_tok[slot] = i / k;
-        s->slot_of[i] = slot;
-    }
-}
-
-/* The MoE FFN of layer L (P8-P11 of a MoE layer, see the top of the file); xn holds the normed
- * tokens and xq their quantized rows for the experts' gate/up. Lanes: every thread routes and
- * gathers every token itself. */
-static void wk_moe_ffn(const wk_step *st, const wk_layer *L, int ith, int nth, int64_t t0,
-                       int64_t t1, float *x, float *xn, float *act, const uint8_t *xq)
-{
-    wk_engine *e = st->e;
-    const wk_hparams *hp = &e->m->hp;
-    const kn_ops *ops = e->ops;
-    const int n = st->b->n_tokens, embd = hp->n_embd, ff = hp->n_ff, lanes = st->lanes;
-    const int n_exp = hp->n_expert, k = hp->n_expert_used;
-    const size_t xrb = e->xq_row_bytes;
-    int32_t *sel = lanes ? e->lanes[ith].sel : e->sel;
-    float *rw = lanes ? e->lanes[ith].rw : e->rw;
-    uint8_t *xqg = lanes ? e->lanes[ith].xqg : e->xqg;
-    wk_moe_scr *s = &e->moe[ith];
-    /* R */
-    for (int64_t i = t0; i < t1; i++)
-        wk_route(&L->gate_inp, embd, n_exp, k, xn + i * embd, sel + i * k, rw + i * k);
-    for (int64_t i = t0; st->route && i < t1; i++) /* lanes: each token by its owner */
-        if (!lanes || i % nth == ith)
-            for (int j = 0; j < k; j++) e->route_w[i * n_exp + sel[i * k + j]] += rw[i * k + j];
-    if (!lanes) kn_pool_barrier(e->pool);
-    /* G */
-    wk_moe_group(sel, n, k, n_exp, s);
-    int64_t s0 = 0, s1 = (int64_t)n * k;
-    if (!lanes) kn_split(s1, ith, nth, &s0, &s1);
-    for (int64_t j = s0; j < s1; j++) memcpy(xqg + j * xrb, xq + (size_t)s->slot_tok[j] * xrb, xrb);
-    if (!lanes) kn_pool_barrier(e->pool);
-    /* P8 */
-    int nmm = 0;
-    for (int xe = 0; xe < n_exp; xe++) {
-        const int c = s->off[xe + 1] - s->off[xe];
-        const size_t o = (size_t)s->off[xe];
-        if (!c) continue;
-        s->mm[nmm++] = (wk_mm){&L->exp_gate[xe], e->gate + o * ff, ff, NULL, xqg + o * xrb, c};
-        s->mm[nmm++] = (wk_mm){&L->exp_up[xe], e->up + o * ff, ff, NULL, xqg + o * xrb, c};
-    }
-    wk_matmul_group(e, xqg, s->mm, nmm, 0, ith, nth);
-    kn_pool_barrier(e->pool);
-    /* P9 (lanes: into the thread's own buffers; gate is shared) */
-    float *a = lanes ? act : e->gate;
-    for (int64_t j = s0; j < s1; j++)
-        ops->silu_mul(a + j * ff, e->gate + j * ff, e->up + j * ff, ff);
-    wk_quantize_rows(e, &L->exp_down[0], a, xqg, s0, s1);
-    if (!lanes) kn_pool_barrier(e->pool);
-    /* P10 */
-    nmm = 0;
-    for (int xe = 0; xe < n_exp; xe++) {
-        const int c = s->off[xe + 1] - s->off[xe];
-        const size_t o = (size_t)s->off[xe];
-        if (!c) continue;
-        s->mm[nmm++] =
-            (wk_mm){&L->exp_down[xe], e->moe_out + o * embd, embd, NULL, xqg + o * xrb, c};
-    }
-    wk_matmul_group(e, xqg, s->mm, nmm, 0, ith, nth);
-    kn_pool_barrier(e->pool);
-    /* P11: the weighted outputs added in selection order (ggml_mul, then ggml_add of the views in
-     * llama.cpp), into xn (free until the next layer's P1), then the residual */
-    for (int64_t i = t0; i < t1; i++) {
-        float *acc = xn + i * embd;
-        for (int j = 0; j < k; j++) {
-            const float wj = rw[i * k + j];
-            const float *o = e->moe_out + (size_t)s->slot_of[i * k + j] * embd;
-            if (!j)
-                for (int d = 0; d < embd; d++) acc[d] = wj * o[d];
-            else
-                for (int d = 0; d < embd; d++) acc[d] += wj * o[d];
-        }
-        ops->add(x + i * embd, acc, embd);
     }
 }
 

@@ -1,0 +1,82 @@
+/*
+ * engine_internal.h — the inside of wk_engine, shared by engine.c (the forward pass) and
+ * engine_moe.c (the FFN of MoE layers). Private to worker/.
+ */
+#ifndef WK_ENGINE_INTERNAL_H
+#define WK_ENGINE_INTERNAL_H
+
+#include "worker/model_internal.h"
+
+/* Batches of at most this many tokens (at most one per thread, one per sequence) run in lanes. */
+#define WK_LANE_TOKENS 4
+
+/* One thread's copies of the token-wise buffers, for lane mode. */
+typedef struct wk_lane_bufs {
+    float *x, *xn, *act;
+    uint8_t *xq;
+    int32_t *sel; /* MoE: the routing of every token and the gathered rows, this thread's copy */
+    float *rw;
+    uint8_t *xqg;
+} wk_lane_bufs;
+
+struct wk_moe_scr;
+
+struct wk_engine {
+    const wk_model *m;
+    const kn_ops *ops;
+    int packed; /* the model's matrices are packed for ops: multiply by the packed copies */
+    kn_pool *pool;
+    kv_store *kv;
+    int max_tokens;
+    size_t xq_row_bytes; /* stride of xq rows: the largest dot-type row any weight needs */
+    float *x, *xn, *q, *k, *v, *att, *tmp, *gate, *up, *rope_cs, *logits;
+    uint8_t *xq;
+    int32_t *out_idx;
+    wk_lane_bufs *lanes; /* [threads] */
+    /* MoE (NULL for a dense model): each token's experts and weights [T][k], the quantized rows
+     * gathered per slot [T*k], the experts' outputs per slot [T*k][embd], per-thread scratch */
+    int32_t *sel;
+    float *rw, *moe_out;
+    uint8_t *xqg;
+    struct wk_moe_scr *moe; /* [threads] */
+    float *route_w; /* [T][n_expert]: router weight summed over the layers (wk_batch.route) */
+};
+
+/* What one step's job needs; lives on the caller's stack for the duration of kn_pool_run. */
+typedef struct wk_step {
+    wk_engine *e;
+    const wk_batch *b;
+    int n_out;
+    int lanes; /* small batch: token phases on every thread, no barrier after them */
+    int route; /* sum the routing into route_w (the batch asks for wk_batch.route) */
+} wk_step;
+
+/* Output rows of several matrices sharing one input are split as one range across threads, in
+ * chunks of KN_PACK_ALIGN rows of each matrix, so that every range starts where a kernel panel
+ * does (matmul_packed requires it) and a thread's rows of one matrix are contiguous. */
+typedef struct wk_mm {
+    const wk_weight *w;
+    float *y;
+    size_t y_stride;
+    const wk_weight *bias;
+    const uint8_t *xq; /* this matrix's own input rows and their count (MoE experts); NULL, 0: */
+    int m;             /* the group's */
+} wk_mm;
+
+/* 64-byte aligned buffer (free with free()); NULL when out of memory. */
+void *wk_alloc(size_t n);
+/* Quantizes rows [lo, hi) of src (row length w->k) into xq for the weight's dot type. */
+void wk_quantize_rows(const wk_engine *e, const wk_weight *w, const float *src, uint8_t *xq,
+                      int64_t lo, int64_t hi);
+/* This thread's share of the output rows of n_mm matrices over m input rows of xq. */
+void wk_matmul_group(const wk_engine *e, const uint8_t *xq, const wk_mm *mm, int n_mm, int m,
+                     int ith, int nth);
+
+/* engine_moe.c: the MoE buffers of an engine (per-thread scratch for nth threads), and the
+ * FFN of MoE layer L for this thread (see engine_moe.c). */
+int wk_moe_alloc(wk_engine *e, int nth);
+void wk_moe_free(wk_engine *e);
+void wk_moe_ffn(const wk_step *st, const wk_layer *L, int ith, int nth, int64_t t0, int64_t t1,
+                float *x, float *xn, float *act, const uint8_t *xq);
+
+#endif
