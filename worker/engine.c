@@ -107,17 +107,23 @@ int wk_engine_create(const wk_model *m, const wk_engine_opts *opts, wk_engine **
     size_t xq = wk_dot_row_bytes(&m->output);
     for (int l = 0; l < hp->n_layers; l++) {
         const wk_layer *L = &m->layers[l];
-        const wk_weight *ws[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
+        const wk_weight *ws[] = {&L->wq,   &L->wk,     &L->wv,     &L->wo,   &L->w_gate,
+                                 &L->w_up, &L->w_down, &L->w_gate, &L->w_up, &L->w_down};
+        size_t nw = 7;
         if (hp->n_expert) { /* the experts of a layer share their tensor's type */
             ws[4] = &L->exp_gate[0], ws[5] = &L->exp_up[0], ws[6] = &L->exp_down[0];
-            if (kn_dot_type(ws[4]->type) != kn_dot_type(ws[5]->type)) {
+            /* the shared expert's gate/up read the experts' quantized input */
+            if (L->w_gate.data) nw = 10;
+            if (kn_dot_type(ws[4]->type) != kn_dot_type(ws[5]->type) ||
+                (nw > 7 && (kn_dot_type(ws[7]->type) != kn_dot_type(ws[4]->type) ||
+                            kn_dot_type(ws[8]->type) != kn_dot_type(ws[4]->type)))) {
                 rc = km_errf(err, KM_EUNSUPPORTED,
                              "engine: layer %d: expert gate and up tensors of different dot types",
                              l);
                 goto fail;
             }
         }
-        for (size_t i = 0; i < sizeof ws / sizeof ws[0]; i++) {
+        for (size_t i = 0; i < nw; i++) {
             size_t b = wk_dot_row_bytes(ws[i]);
             if (!b) {
                 rc = km_errf(err, KM_EUNSUPPORTED, "engine: layer %d: no dot type for %s", l,
@@ -128,6 +134,8 @@ int wk_engine_create(const wk_model *m, const wk_engine_opts *opts, wk_engine **
         }
     }
     e->xq_row_bytes = (xq + 63) & ~(size_t)63;
+    e->attn_scale =
+        hp->f_attention_scale != 0.0f ? hp->f_attention_scale : 1.0f / sqrtf((float)hp->head_dim);
     e->x = wk_alloc(T * embd * 4);
     e->xn = wk_alloc(T * embd * 4);
     e->q = wk_alloc(T * qd * 4);
@@ -143,6 +151,7 @@ int wk_engine_create(const wk_model *m, const wk_engine_opts *opts, wk_engine **
     e->logits = wk_alloc(T * (size_t)hp->n_vocab * 4);
     e->xq = wk_alloc(T * e->xq_row_bytes);
     e->out_idx = wk_alloc(T * sizeof(int32_t));
+    const size_t sh = (size_t)hp->n_ff_shexp; /* MoE: the shared expert's width */
     const int nth = kn_pool_size(e->pool);
     e->lanes = calloc((size_t)nth, sizeof *e->lanes);
     int lanes_ok = e->lanes != NULL;
@@ -150,14 +159,15 @@ int wk_engine_create(const wk_model *m, const wk_engine_opts *opts, wk_engine **
         const size_t L = WK_LANE_TOKENS;
         e->lanes[i].x = wk_alloc(L * embd * 4);
         e->lanes[i].xn = wk_alloc(L * embd * 4);
-        e->lanes[i].act = wk_alloc(L * kx * ff * 4);
+        e->lanes[i].act = wk_alloc(L * (kx * ff > sh ? kx * ff : sh) * 4);
         e->lanes[i].xq = wk_alloc(L * e->xq_row_bytes);
         lanes_ok = e->lanes[i].x && e->lanes[i].xn && e->lanes[i].act && e->lanes[i].xq;
         if (lanes_ok && hp->n_expert) {
             e->lanes[i].sel = wk_alloc(L * kx * sizeof(int32_t));
             e->lanes[i].rw = wk_alloc(L * kx * 4);
             e->lanes[i].xqg = wk_alloc(L * kx * e->xq_row_bytes);
-            lanes_ok = e->lanes[i].sel && e->lanes[i].rw && e->lanes[i].xqg;
+            e->lanes[i].shw = wk_alloc(L * 4);
+            lanes_ok = e->lanes[i].sel && e->lanes[i].rw && e->lanes[i].xqg && e->lanes[i].shw;
         }
     }
     if (lanes_ok && hp->n_expert) lanes_ok = wk_moe_alloc(e, nth) == 0;
@@ -185,6 +195,7 @@ void wk_engine_destroy(wk_engine *e)
         free(e->lanes[i].sel);
         free(e->lanes[i].rw);
         free(e->lanes[i].xqg);
+        free(e->lanes[i].shw);
     }
     free(e->lanes);
     wk_moe_free(e);
@@ -254,21 +265,52 @@ void wk_matmul_group(const wk_engine *e, const uint8_t *xq, const wk_mm *mm, int
     }
 }
 
-/* Rope, the K/V write and attention of one token over all kv heads (lane mode: its owner). */
-static void wk_token_attention(const wk_engine *e, const wk_batch *b, int l, int64_t i)
+/* x += y, or granite's x += residual_scale * y (ggml_scale, then ggml_add: two roundings; y is
+ * read only, lanes share it). */
+void wk_residual_add(const wk_engine *e, float *x, const float *y)
+{
+    const int n = e->m->hp.n_embd;
+    const float s = e->m->hp.f_residual_scale;
+    if (s == 0.0f) {
+        e->ops->add(x, y, n);
+        return;
+    }
+    for (int d = 0; d < n; d++) {
+        const float v = s * y[d];
+        x[d] += v;
+    }
+}
+
+/* Token i's q and k: olmoe's RMS norms over the whole vectors (in place), then rope; and its K/V
+ * into its sequence's page. */
+static void wk_token_qk(const wk_engine *e, const wk_layer *L, const wk_batch *b, int l, int64_t i)
 {
     const wk_hparams *hp = &e->m->hp;
     const int hd = hp->head_dim, qd = hp->n_head * hd, kvd = hp->n_head_kv * hd;
-    const int group = hp->n_head / hp->n_head_kv;
+    float *q = e->q + i * qd, *k = e->k + i * kvd;
+    if (L->q_norm.data) {
+        e->ops->rmsnorm(q, q, L->q_norm.data, qd, hp->norm_eps);
+        e->ops->rmsnorm(k, k, L->k_norm.data, kvd, hp->norm_eps);
+    }
     const float *cs = e->rope_cs + i * hp->n_rot;
-    e->ops->rope(e->q + i * qd, hp->n_head, hd, hp->n_rot, cs, hp->rope_neox);
-    e->ops->rope(e->k + i * kvd, hp->n_head_kv, hd, hp->n_rot, cs, hp->rope_neox);
-    kv_seq_write(e->kv, b->seqs[i], l, b->pos[i], e->k + i * kvd, e->v + i * kvd);
+    e->ops->rope(q, hp->n_head, hd, hp->n_rot, cs, hp->rope_neox);
+    e->ops->rope(k, hp->n_head_kv, hd, hp->n_rot, cs, hp->rope_neox);
+    kv_seq_write(e->kv, b->seqs[i], l, b->pos[i], k, e->v + i * kvd);
+}
+
+/* Rope, the K/V write and attention of one token over all kv heads (lane mode: its owner). */
+static void wk_token_attention(const wk_engine *e, const wk_layer *L, const wk_batch *b, int l,
+                               int64_t i)
+{
+    const wk_hparams *hp = &e->m->hp;
+    const int hd = hp->head_dim, qd = hp->n_head * hd;
+    const int group = hp->n_head / hp->n_head_kv;
+    wk_token_qk(e, L, b, l, i);
     for (int h = 0; h < hp->n_head_kv; h++) {
         kn_kv_view view;
         kv_seq_view(e->kv, b->seqs[i], l, h, b->pos[i] + 1, &view);
         const size_t off = (size_t)i * qd + (size_t)h * group * hd;
-        e->ops->attention(&view, hd, e->q + off, group, 1.0f / sqrtf((float)hd), e->att + off);
+        e->ops->attention(&view, hd, e->q + off, group, e->attn_scale, e->att + off);
     }
 }
 
@@ -283,7 +325,7 @@ static void wk_step_job(void *ctx, int ith, int nth)
     int n = b->n_tokens;
     int embd = hp->n_embd, hd = hp->head_dim, ff = hp->n_ff;
     int qd = hp->n_head * hd, kvd = hp->n_head_kv * hd, group = hp->n_head / hp->n_head_kv;
-    float scale = 1.0f / sqrtf((float)hd);
+    const float scale = e->attn_scale;
     /* Token-wise work: this thread's share of the shared buffers, or (lanes) every token in its
      * own buffers, where nothing needs a barrier after it. */
     const int lanes = st->lanes;
@@ -307,6 +349,8 @@ static void wk_step_job(void *ctx, int ith, int nth)
         const uint8_t *row =
             (const uint8_t *)m->tok_embd.data + (size_t)b->tokens[i] * m->tok_embd.row_bytes;
         ops->dequantize_row(m->tok_embd.type, row, x + i * embd, embd);
+        if (hp->f_embedding_scale != 0.0f) /* granite */
+            for (int d = 0; d < embd; d++) x[i * embd + d] *= hp->f_embedding_scale;
         if (!lanes || i % nth == ith)
             kn_rope_cache(e->rope_cs + i * hp->n_rot, hp->n_rot, b->pos[i], hp->rope_base);
     }
@@ -340,15 +384,10 @@ static void wk_step_job(void *ctx, int ith, int nth)
         kn_pool_barrier(e->pool);
         if (lanes) {
             /* P3 + P4 of each token by its owner */
-            for (int64_t i = ith; i < n; i += nth) wk_token_attention(e, b, l, i);
+            for (int64_t i = ith; i < n; i += nth) wk_token_attention(e, L, b, l, i);
         } else {
             /* P3 */
-            for (int64_t i = t0; i < t1; i++) {
-                const float *cs = e->rope_cs + i * hp->n_rot;
-                ops->rope(e->q + i * qd, hp->n_head, hd, hp->n_rot, cs, hp->rope_neox);
-                ops->rope(e->k + i * kvd, hp->n_head_kv, hd, hp->n_rot, cs, hp->rope_neox);
-                kv_seq_write(e->kv, b->seqs[i], l, b->pos[i], e->k + i * kvd, e->v + i * kvd);
-            }
+            for (int64_t i = t0; i < t1; i++) wk_token_qk(e, L, b, l, i);
             kn_pool_barrier(e->pool);
             /* P4: pairs interleaved so that early (cheap) and late (expensive) prompt positions
              * spread over the threads. */
@@ -371,7 +410,7 @@ static void wk_step_job(void *ctx, int ith, int nth)
         kn_pool_barrier(e->pool);
         /* P7 */
         for (int64_t i = t0; i < t1; i++) {
-            ops->add(x + i * embd, e->tmp + i * embd, embd);
+            wk_residual_add(e, x + i * embd, e->tmp + i * embd);
             ops->rmsnorm(xn + i * embd, x + i * embd, L->ffn_norm.data, embd, hp->norm_eps);
         }
         const wk_weight *ffn_in = hp->n_expert ? &L->exp_gate[0] : &L->w_gate;
@@ -448,6 +487,10 @@ int wk_engine_step(wk_engine *e, const wk_batch *b, const float **logits)
     wk_step st = {.e = e, .b = b, .n_out = n_out, .lanes = lanes, .route = b->route && n_exp};
     if (st.route) memset(e->route_w, 0, (size_t)b->n_tokens * n_exp * sizeof(float));
     kn_pool_run(e->pool, wk_step_job, &st);
+    if (hp->f_logit_scale != 0.0f) { /* granite: ggml_scale by the inverse */
+        const float s = 1.0f / hp->f_logit_scale;
+        for (size_t j = 0; j < (size_t)n_out * hp->n_vocab; j++) e->logits[j] *= s;
+    }
     for (int i = 0; b->route && i < b->n_tokens; i++) {
         int best = -1;
         for (int x = 0; x < n_exp; x++)

@@ -17,6 +17,7 @@ typedef struct wk_lane_bufs {
     int32_t *sel; /* MoE: the routing of every token and the gathered rows, this thread's copy */
     float *rw;
     uint8_t *xqg;
+    float *shw; /* MoE: each token's shared-expert gate */
 } wk_lane_bufs;
 
 struct wk_moe_scr;
@@ -29,6 +30,7 @@ struct wk_engine {
     kv_store *kv;
     int max_tokens;
     size_t xq_row_bytes; /* stride of xq rows: the largest dot-type row any weight needs */
+    float attn_scale;    /* attention score scale: 1/sqrt(head_dim), or granite's attention.scale */
     float *x, *xn, *q, *k, *v, *att, *tmp, *gate, *up, *rope_cs, *logits;
     uint8_t *xq;
     int32_t *out_idx;
@@ -40,6 +42,8 @@ struct wk_engine {
     uint8_t *xqg;
     struct wk_moe_scr *moe; /* [threads] */
     float *route_w; /* [T][n_expert]: router weight summed over the layers (wk_batch.route) */
+    /* the shared expert (hp.n_ff_shexp > 0): each token's gate [T], gate and up [T][n_ff_shexp] */
+    float *shw, *sh_gate, *sh_up;
 };
 
 /* What one step's job needs; lives on the caller's stack for the duration of kn_pool_run. */
@@ -71,12 +75,14 @@ void wk_quantize_rows(const wk_engine *e, const wk_weight *w, const float *src, 
 /* This thread's share of the output rows of n_mm matrices over m input rows of xq. */
 void wk_matmul_group(const wk_engine *e, const uint8_t *xq, const wk_mm *mm, int n_mm, int m,
                      int ith, int nth);
+/* x += y over n_embd, y scaled first by granite's residual_scale when the model has one. */
+void wk_residual_add(const wk_engine *e, float *x, const float *y);
 
 /* engine_moe.c: the MoE buffers of an engine (per-thread scratch for nth threads), and the
  * FFN of MoE layer L for this thread (see engine_moe.c). */
 int wk_moe_alloc(wk_engine *e, int nth);
 void wk_moe_free(wk_engine *e);
 void wk_moe_ffn(const wk_step *st, const wk_layer *L, int ith, int nth, int64_t t0, int64_t t1,
-                float *x, float *xn, float *act, const uint8_t *xq);
+                float *x, float *xn, float *act, uint8_t *xq);
 
 #endif

@@ -1,20 +1,26 @@
 /*
  * engine_moe.c — the FFN of MoE layers (hp.n_expert > 0; docs/moe.md), run inside engine.c's
- * step job in place of the dense P8-P11.
- * MoE layers (hp.n_expert > 0, Mixtral layout; docs/moe.md) replace P8-P11 (wk_moe_ffn):
- *   R  tokens  router logits = xn · Wgate_inp^T (scalar f32), softmax, top k, weights renormalized
- *              to sum 1 (llama.cpp's build_moe_ffn for the llama arch)
+ * step job in place of the dense P8-P11 (wk_moe_ffn):
+ *   R  tokens  router logits = xn · Wgate_inp^T (scalar f32), softmax, top k; the chosen
+ *              probabilities divided by their sum (hp.moe_norm_w: llama, mistral, granitemoe) or
+ *              kept as they are (qwen2moe, olmoe): llama.cpp's build_moe_ffn with each arch's
+ *              norm_w (no arch here reads expert_weights_scale); qwen2moe's shared-expert gate
+ *              sigmoid(Wgate_inp_shexp · xn)
  *              (when the batch asks for wk_batch.route, each token's chosen weights are also
  *              summed per expert over the layers: its dominant expert, which places its page)
  *   G  slots   every thread groups the batch's (token, choice) pairs by expert ("slots", in
  *              expert then token order) and copies the quantized xn rows of its share of slots
  *   P8 rows    per expert over its slots: gate, up = xq · {Wgate_e,Wup_e}^T (each expert's rows
- *              are read once per step, however many tokens chose it)
- *   P9 slots   silu(gate) * up, quantized
- *   P10 rows   per expert: out = xq · Wdown_e^T
- *   P11 tokens x += sum over the token's choices, in selection order, of weight * out
+ *              are read once per step, however many tokens chose it); the shared expert's gate
+ *              and up over every token
+ *   P9 slots   silu(gate) * up, quantized (then the shared expert's, per token, into xq)
+ *   P10 rows   per expert: out = xq · Wdown_e^T; the shared expert's down into tmp
+ *   P11 tokens x += sum over the token's choices, in selection order, of weight * out, plus the
+ *              shared expert's output times its gate (granitemoe's shared expert: gate 1),
+ *              scaled by granite's residual_scale if it has one
  * through the same matmul kernels as the dense path (a slice of a 3-D expert tensor is one more
  * matrix). The split of rows phases counts rows, not rows times tokens, so experts chosen by many
+ * tokens weigh no more than others in it.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -30,7 +36,7 @@ typedef struct wk_moe_scr {
     int32_t *cur;      /* [n_expert] */
     int32_t *slot_tok; /* [T * k]: the token of each slot */
     int32_t *slot_of;  /* [T * k]: the slot of token i's choice j, at i * k + j */
-    wk_mm *mm;         /* [2 * n_expert] */
+    wk_mm *mm;         /* [2 * n_expert + 2] */
 } wk_moe_scr;
 
 int wk_moe_alloc(wk_engine *e, int nth)
@@ -44,13 +50,20 @@ int wk_moe_alloc(wk_engine *e, int nth)
     e->moe = calloc((size_t)nth, sizeof *e->moe);
     e->route_w = wk_alloc((size_t)e->max_tokens * E * sizeof(float));
     if (!e->sel || !e->rw || !e->xqg || !e->moe_out || !e->moe || !e->route_w) return KM_ENOMEM;
+    if (hp->n_ff_shexp) {
+        const size_t T = (size_t)e->max_tokens;
+        e->shw = wk_alloc(T * 4);
+        e->sh_gate = wk_alloc(T * hp->n_ff_shexp * 4);
+        e->sh_up = wk_alloc(T * hp->n_ff_shexp * 4);
+        if (!e->shw || !e->sh_gate || !e->sh_up) return KM_ENOMEM;
+    }
     for (int i = 0; i < nth; i++) {
         wk_moe_scr *s = &e->moe[i];
         s->off = wk_alloc((E + 1) * sizeof(int32_t));
         s->cur = wk_alloc(E * sizeof(int32_t));
         s->slot_tok = wk_alloc(S * sizeof(int32_t));
         s->slot_of = wk_alloc(S * sizeof(int32_t));
-        s->mm = wk_alloc(2 * E * sizeof(wk_mm));
+        s->mm = wk_alloc((2 * E + 2) * sizeof(wk_mm)); /* and the shared expert */
         if (!s->off || !s->cur || !s->slot_tok || !s->slot_of || !s->mm) return KM_ENOMEM;
     }
     return 0;
@@ -71,15 +84,18 @@ void wk_moe_free(wk_engine *e)
     free(e->xqg);
     free(e->moe_out);
     free(e->route_w);
+    free(e->shw);
+    free(e->sh_gate);
+    free(e->sh_up);
 }
 
-/* The router of one token, as llama.cpp's build_moe_ffn runs it for the llama arch: logits =
+/* The router of one token, as llama.cpp's build_moe_ffn runs it with softmax gating: logits =
  * Wgate_inp · xn, probabilities = softmax (max subtracted, the sum in double, scaled by its
- * inverse as ggml_soft_max does), the k most probable experts (the lower id first on a tie), their
- * probabilities divided by their sum (clamped to >= 2^-14). sel, w: k entries, most probable
- * first. Plain C, so every ISA routes alike. */
-static void wk_route(const wk_weight *gate_inp, int n_embd, int n_exp, int k, const float *xn,
-                     int32_t *sel, float *w)
+ * inverse as ggml_soft_max does), the k most probable experts (the lower id first on a tie), with
+ * norm_w their probabilities divided by their sum (clamped to >= 2^-14). sel, w: k entries, most
+ * probable first. Plain C, so every ISA routes alike. */
+static void wk_route(const wk_weight *gate_inp, int n_embd, int n_exp, int k, int norm_w,
+                     const float *xn, int32_t *sel, float *w)
 {
     float p[WK_MAX_EXPERTS] = {0};
     uint8_t used[WK_MAX_EXPERTS] = {0};
@@ -111,7 +127,17 @@ static void wk_route(const wk_weight *gate_inp, int n_embd, int n_exp, int k, co
     }
     float ws = (float)wsum;
     if (!(ws >= 6.103515625e-5f)) ws = 6.103515625e-5f;
-    for (int j = 0; j < k; j++) w[j] = p[sel[j]] / ws;
+    for (int j = 0; j < k; j++) w[j] = norm_w ? p[sel[j]] / ws : p[sel[j]];
+}
+
+/* qwen2moe's shared-expert gate: sigmoid(Wgate_inp_shexp · xn) (llama.cpp takes silu(z) / z, the
+ * same but for z = 0, where it is NaN). */
+static float wk_shexp_gate(const wk_weight *g, int n_embd, const float *xn)
+{
+    const float *w = g->data;
+    float z = 0;
+    for (int j = 0; j < n_embd; j++) z += w[j] * xn[j];
+    return 1.0f / (1.0f + expf(-z));
 }
 
 /* Groups the n tokens' k choices by expert: slots in expert order, tokens in order within one. */
@@ -132,7 +158,7 @@ static void wk_moe_group(const int32_t *sel, int n, int k, int n_exp, wk_moe_scr
  * tokens and xq their quantized rows for the experts' gate/up. Lanes: every thread routes and
  * gathers every token itself. */
 void wk_moe_ffn(const wk_step *st, const wk_layer *L, int ith, int nth, int64_t t0, int64_t t1,
-                float *x, float *xn, float *act, const uint8_t *xq)
+                float *x, float *xn, float *act, uint8_t *xq)
 {
     wk_engine *e = st->e;
     const wk_hparams *hp = &e->m->hp;
@@ -144,9 +170,16 @@ void wk_moe_ffn(const wk_step *st, const wk_layer *L, int ith, int nth, int64_t 
     float *rw = lanes ? e->lanes[ith].rw : e->rw;
     uint8_t *xqg = lanes ? e->lanes[ith].xqg : e->xqg;
     wk_moe_scr *s = &e->moe[ith];
+    const int ffs = hp->n_ff_shexp;
+    float *shw = lanes ? e->lanes[ith].shw : e->shw;
     /* R */
-    for (int64_t i = t0; i < t1; i++)
-        wk_route(&L->gate_inp, embd, n_exp, k, xn + i * embd, sel + i * k, rw + i * k);
+    for (int64_t i = t0; i < t1; i++) {
+        wk_route(&L->gate_inp, embd, n_exp, k, hp->moe_norm_w, xn + i * embd, sel + i * k,
+                 rw + i * k);
+        if (ffs)
+            shw[i] =
+                L->gate_inp_sh.data ? wk_shexp_gate(&L->gate_inp_sh, embd, xn + i * embd) : 1.0f;
+    }
     for (int64_t i = t0; st->route && i < t1; i++) /* lanes: each token by its owner */
         if (!lanes || i % nth == ith)
             for (int j = 0; j < k; j++) e->route_w[i * n_exp + sel[i * k + j]] += rw[i * k + j];
@@ -166,6 +199,10 @@ void wk_moe_ffn(const wk_step *st, const wk_layer *L, int ith, int nth, int64_t 
         s->mm[nmm++] = (wk_mm){&L->exp_gate[xe], e->gate + o * ff, ff, NULL, xqg + o * xrb, c};
         s->mm[nmm++] = (wk_mm){&L->exp_up[xe], e->up + o * ff, ff, NULL, xqg + o * xrb, c};
     }
+    if (ffs) {
+        s->mm[nmm++] = (wk_mm){&L->w_gate, e->sh_gate, ffs, NULL, xq, n};
+        s->mm[nmm++] = (wk_mm){&L->w_up, e->sh_up, ffs, NULL, xq, n};
+    }
     wk_matmul_group(e, xqg, s->mm, nmm, 0, ith, nth);
     kn_pool_barrier(e->pool);
     /* P9 (lanes: into the thread's own buffers; gate is shared) */
@@ -173,6 +210,12 @@ void wk_moe_ffn(const wk_step *st, const wk_layer *L, int ith, int nth, int64_t 
     for (int64_t j = s0; j < s1; j++)
         ops->silu_mul(a + j * ff, e->gate + j * ff, e->up + j * ff, ff);
     wk_quantize_rows(e, &L->exp_down[0], a, xqg, s0, s1);
+    if (ffs) { /* xq is free since P8's barrier (lanes: act, once the slots are quantized) */
+        float *sa = lanes ? act : e->sh_gate;
+        for (int64_t i = t0; i < t1; i++)
+            ops->silu_mul(sa + i * ffs, e->sh_gate + i * ffs, e->sh_up + i * ffs, ffs);
+        wk_quantize_rows(e, &L->w_down, sa, xq, t0, t1);
+    }
     if (!lanes) kn_pool_barrier(e->pool);
     /* P10 */
     nmm = 0;
@@ -183,10 +226,12 @@ void wk_moe_ffn(const wk_step *st, const wk_layer *L, int ith, int nth, int64_t 
         s->mm[nmm++] =
             (wk_mm){&L->exp_down[xe], e->moe_out + o * embd, embd, NULL, xqg + o * xrb, c};
     }
+    if (ffs) s->mm[nmm++] = (wk_mm){&L->w_down, e->tmp, embd, NULL, xq, n};
     wk_matmul_group(e, xqg, s->mm, nmm, 0, ith, nth);
     kn_pool_barrier(e->pool);
     /* P11: the weighted outputs added in selection order (ggml_mul, then ggml_add of the views in
-     * llama.cpp), into xn (free until the next layer's P1), then the residual */
+     * llama.cpp), into xn (free until the next layer's P1), then the shared expert's output times
+     * its gate (ggml_mul, ggml_add), then the residual */
     for (int64_t i = t0; i < t1; i++) {
         float *acc = xn + i * embd;
         for (int j = 0; j < k; j++) {
@@ -197,6 +242,13 @@ void wk_moe_ffn(const wk_step *st, const wk_layer *L, int ith, int nth, int64_t 
             else
                 for (int d = 0; d < embd; d++) acc[d] += wj * o[d];
         }
-        ops->add(x + i * embd, acc, embd);
+        if (ffs) {
+            const float g = shw[i], *o = e->tmp + i * embd;
+            for (int d = 0; d < embd; d++) {
+                const float v = g * o[d];
+                acc[d] += v;
+            }
+        }
+        wk_residual_add(e, x + i * embd, acc);
     }
 }

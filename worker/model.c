@@ -4,16 +4,23 @@
  * with the hyper-parameters), and the tokenizer. Weights stay in the GGUF's read-only map.
  *
  * Supported architectures: llama (Llama 1/2/3, Mistral, SmolLM), qwen2 (adds q/k/v biases and
- * NeoX rope). Anything else is KM_EUNSUPPORTED with the architecture's name in the message.
- * A llama/mistral GGUF with `{arch}.expert_count` is a Mixtral-layout MoE (docs/moe.md): every
- * layer's FFN is a router (ffn_gate_inp) and n_expert experts (ffn_{gate,up,down}_exps, 3-D);
- * each expert is loaded as its own matrix, a slice of the 3-D tensor in the map.
+ * NeoX rope), and the MoE ones of docs/moe.md, read as llama.cpp reads them. Anything else is
+ * KM_EUNSUPPORTED with the architecture's name in the message. A llama/mistral GGUF with
+ * `{arch}.expert_count` is a Mixtral-layout MoE: every layer's FFN is a router (ffn_gate_inp)
+ * and n_expert experts (ffn_{gate,up,down}_exps, 3-D); each expert is loaded as its own matrix,
+ * a slice of the 3-D tensor in the map. qwen2moe adds a shared expert (ffn_{gate,up,down}_shexp,
+ * gated by ffn_gate_inp_shexp; its widths from expert_feed_forward_length and
+ * expert_shared_feed_forward_length), keeps the routed weights unrenormalized and ropes NeoX;
+ * granitemoe is the Mixtral layout with Granite's four multipliers (and an ungated shared expert
+ * when it declares one); olmoe normalizes each token's whole q and k (attn_{q,k}_norm), keeps
+ * the weights unrenormalized and ropes NeoX. The three require expert_count.
  *
  * The first engine over a model repacks its matrices once into the panel layout its kernels
  * stream (wk_model_pack; kernels/cpu/packed.h), so that no matmul transposes weights per call.
  * The packed copy is the model's, shared by every engine on it; the GGUF pages it replaces are
  * given back to the page cache.
  */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -115,10 +122,17 @@ static int wk_load_hparams(wk_model *m, km_errbuf *err)
     if (arch.len >= sizeof hp->arch) arch.len = sizeof hp->arch - 1;
     memcpy(hp->arch, arch.ptr, arch.len);
     hp->arch[arch.len] = 0;
-    if (strcmp(hp->arch, "llama") && strcmp(hp->arch, "qwen2") && strcmp(hp->arch, "mistral"))
+    static const char *const archs[] = {"llama",    "mistral",    "qwen2",
+                                        "qwen2moe", "granitemoe", "olmoe"};
+    int known = 0, moe_only = 0;
+    for (size_t i = 0; i < sizeof archs / sizeof archs[0]; i++)
+        if (!strcmp(hp->arch, archs[i])) known = 1, moe_only = i >= 3;
+    if (!known)
         return km_errf(err, KM_EUNSUPPORTED,
-                       "model: architecture '%s' is not supported (llama, qwen2, mistral are)",
+                       "model: architecture '%s' is not supported (llama, mistral, qwen2, "
+                       "qwen2moe, granitemoe, olmoe are)",
                        hp->arch);
+    const int qwen2moe = !strcmp(hp->arch, "qwen2moe"), granite = !strcmp(hp->arch, "granitemoe");
     uint32_t v;
     int rc;
 #define WK_U32(key, field, req)                                                                    \
@@ -127,7 +141,7 @@ static int wk_load_hparams(wk_model *m, km_errbuf *err)
     hp->field = (int)v;
     WK_U32("block_count", n_layers, 1);
     WK_U32("embedding_length", n_embd, 1);
-    WK_U32("feed_forward_length", n_ff, 1);
+    WK_U32("feed_forward_length", n_ff, !qwen2moe);
     WK_U32("attention.head_count", n_head, 1);
     WK_U32("attention.head_count_kv", n_head_kv, 0);
     WK_U32("context_length", n_ctx_train, 0);
@@ -135,12 +149,28 @@ static int wk_load_hparams(wk_model *m, km_errbuf *err)
     WK_U32("vocab_size", n_vocab, 0);
     WK_U32("expert_count", n_expert, 0);
     WK_U32("expert_used_count", n_expert_used, 0);
+    /* qwen2moe: feed_forward_length is the dense width; the experts' and the shared expert's
+     * widths have keys of their own (llama.cpp's defaults: n_ff / n_expert_used and n_ff) */
+    WK_U32("expert_shared_feed_forward_length", n_ff_shexp, 0);
+    if (qwen2moe) {
+        if (!hp->n_ff_shexp) hp->n_ff_shexp = hp->n_ff;
+        const int dense_ff = hp->n_ff;
+        WK_U32("expert_feed_forward_length", n_ff, 0);
+        if (!hp->n_ff && hp->n_expert_used > 0) hp->n_ff = dense_ff / hp->n_expert_used;
+    }
 #undef WK_U32
-    if (hp->n_expert && (strcmp(hp->arch, "llama") && strcmp(hp->arch, "mistral")))
+    if (moe_only && !hp->n_expert)
+        return km_errf(err, KM_EFORMAT, "model: architecture '%s' without %s.expert_count",
+                       hp->arch, hp->arch);
+    if (!strcmp(hp->arch, "qwen2") && hp->n_expert)
         return km_errf(err, KM_EUNSUPPORTED,
-                       "model: MoE layers of architecture '%s' are not supported (llama, mistral "
-                       "are: docs/moe.md)",
-                       hp->arch);
+                       "model: MoE layers of architecture 'qwen2' are not supported (qwen2moe "
+                       "are: docs/moe.md)");
+    if (!qwen2moe && !granite) hp->n_ff_shexp = 0;
+    hp->moe_norm_w = !qwen2moe && strcmp(hp->arch, "olmoe");
+    hp->qk_norm = !strcmp(hp->arch, "olmoe");
+    if (hp->n_ff_shexp < 0 || hp->n_ff_shexp > 1 << 20)
+        return km_errf(err, KM_EFORMAT, "model: shared expert width %d", hp->n_ff_shexp);
     if (hp->n_expert < 0 || hp->n_expert > WK_MAX_EXPERTS ||
         (hp->n_expert && (hp->n_expert_used < 1 || hp->n_expert_used > hp->n_expert)))
         return km_errf(err, KM_EFORMAT, "model: %d experts, %d used: out of range (at most %d)",
@@ -152,6 +182,22 @@ static int wk_load_hparams(wk_model *m, km_errbuf *err)
     if ((rc = wk_get_f32(g, hp->arch, "attention.layer_norm_rms_epsilon", &hp->norm_eps)) ||
         (rc = wk_get_f32(g, hp->arch, "rope.freq_base", &hp->rope_base)))
         return km_errf(err, rc, "model: rope/norm metadata has the wrong type");
+    if (granite) {
+        /* where llama.cpp applies each: see wk_hparams; logit_scale is required there */
+        if ((rc = wk_get_f32(g, hp->arch, "embedding_scale", &hp->f_embedding_scale)) ||
+            (rc = wk_get_f32(g, hp->arch, "residual_scale", &hp->f_residual_scale)) ||
+            (rc = wk_get_f32(g, hp->arch, "attention.scale", &hp->f_attention_scale)) ||
+            (rc = wk_get_f32(g, hp->arch, "logit_scale", &hp->f_logit_scale)))
+            return km_errf(err, rc, "model: a granite multiplier has the wrong type");
+        if (!(hp->f_logit_scale > 0) || !isfinite(hp->f_embedding_scale) ||
+            !isfinite(hp->f_residual_scale) || !isfinite(hp->f_attention_scale) ||
+            !isfinite(hp->f_logit_scale))
+            return km_errf(err, KM_EFORMAT,
+                           "model: granite multipliers embedding %g residual %g attention %g "
+                           "logit %g (logit_scale is required and positive)",
+                           hp->f_embedding_scale, hp->f_residual_scale, hp->f_attention_scale,
+                           hp->f_logit_scale);
+    }
     if (hp->n_layers < 1 || hp->n_layers > 1024 || hp->n_embd < 1 || hp->n_embd > 65536 ||
         hp->n_head < 1 || hp->n_head > 1024 || hp->n_ff < 1 || hp->n_ff > 1 << 20 ||
         hp->n_embd % hp->n_head || hp->n_head % hp->n_head_kv)
@@ -163,7 +209,7 @@ static int wk_load_hparams(wk_model *m, km_errbuf *err)
     if (hp->n_rot > hp->head_dim || hp->n_rot % 2)
         return km_errf(err, KM_EFORMAT, "model: rope.dimension_count %d does not fit head dim %d",
                        hp->n_rot, hp->head_dim);
-    hp->rope_neox = !strcmp(hp->arch, "qwen2");
+    hp->rope_neox = !strcmp(hp->arch, "qwen2") || qwen2moe || hp->qk_norm; /* llama.cpp's types */
     if (!(hp->norm_eps > 0 && hp->norm_eps < 1) || !(hp->rope_base > 0))
         return km_errf(err, KM_EFORMAT, "model: bad norm epsilon %g or rope base %g", hp->norm_eps,
                        hp->rope_base);
@@ -209,6 +255,10 @@ static int wk_load_weights(wk_model *m, km_errbuf *err)
         WK_T(bq, "attn_q.bias", qd, 0, 1);
         WK_T(bk, "attn_k.bias", kvd, 0, 1);
         WK_T(bv, "attn_v.bias", kvd, 0, 1);
+        if (hp->qk_norm) {
+            WK_T(q_norm, "attn_q_norm.weight", qd, 0, 0);
+            WK_T(k_norm, "attn_k_norm.weight", kvd, 0, 0);
+        }
         WK_T(ffn_norm, "ffn_norm.weight", hp->n_embd, 0, 0);
         if (!ne) {
             WK_T(w_gate, "ffn_gate.weight", hp->n_embd, hp->n_ff, 0);
@@ -230,6 +280,13 @@ static int wk_load_weights(wk_model *m, km_errbuf *err)
         WK_X(exp_up, "ffn_up_exps.weight", hp->n_embd, hp->n_ff);
         WK_X(exp_down, "ffn_down_exps.weight", hp->n_ff, hp->n_embd);
 #undef WK_X
+        if (!hp->n_ff_shexp) continue;
+        WK_T(w_gate, "ffn_gate_shexp.weight", hp->n_embd, hp->n_ff_shexp, 0);
+        WK_T(w_up, "ffn_up_shexp.weight", hp->n_embd, hp->n_ff_shexp, 0);
+        WK_T(w_down, "ffn_down_shexp.weight", hp->n_ff_shexp, hp->n_embd, 0);
+        if (!strcmp(hp->arch, "qwen2moe")) {
+            WK_T(gate_inp_sh, "ffn_gate_inp_shexp.weight", hp->n_embd, 0, 0);
+        }
 #undef WK_T
     }
     return 0;
@@ -241,7 +298,7 @@ static int wk_load_weights(wk_model *m, km_errbuf *err)
  * wk_matrices_max). */
 static int wk_matrices_max(const wk_model *m)
 {
-    const int ffn = m->hp.n_expert ? 3 * m->hp.n_expert : 3;
+    const int ffn = 3 + 3 * m->hp.n_expert; /* a MoE layer's shared expert and its experts */
     return (4 + ffn) * m->hp.n_layers + 1;
 }
 
@@ -251,7 +308,7 @@ static int wk_matrices(wk_model *m, wk_weight **ws)
     for (int l = 0; l < m->hp.n_layers; l++) {
         wk_layer *L = &m->layers[l];
         wk_weight *lw[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
-        const size_t nl = m->hp.n_expert ? 4 : sizeof lw / sizeof lw[0];
+        const size_t nl = m->hp.n_expert && !L->w_gate.data ? 4 : sizeof lw / sizeof lw[0];
         for (size_t i = 0; i < nl; i++) ws[n++] = lw[i];
         for (int e = 0; e < m->hp.n_expert; e++) {
             ws[n++] = &L->exp_gate[e];

@@ -19,13 +19,16 @@ typedef struct wk_weight {
     const void *packed;
 } wk_weight;
 
-/* A MoE layer (hp.n_expert > 0) has no w_gate/w_up/w_down: gate_inp is its router ([n_expert]
- * rows of n_embd, F32) and exp_gate/exp_up/exp_down[e] are expert e's matrices, slices of the
- * GGUF's 3-D ffn_{gate,up,down}_exps tensors (into wk_model.experts). */
+/* A MoE layer (hp.n_expert > 0): gate_inp is its router ([n_expert] rows of n_embd, F32) and
+ * exp_gate/exp_up/exp_down[e] are expert e's matrices, slices of the GGUF's 3-D
+ * ffn_{gate,up,down}_exps tensors (into wk_model.experts); w_gate/w_up/w_down hold its shared
+ * expert (ffn_{gate,up,down}_shexp, hp.n_ff_shexp wide) or nothing, and gate_inp_sh the shared
+ * expert's gate vector (qwen2moe: ffn_gate_inp_shexp, n_embd F32; absent: gate 1).
+ * q_norm, k_norm: olmoe's attn_{q,k}_norm (absent elsewhere). */
 typedef struct wk_layer {
-    wk_weight attn_norm, wq, wk, wv, wo, bq, bk, bv;
+    wk_weight attn_norm, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm;
     wk_weight ffn_norm, w_gate, w_up, w_down;
-    wk_weight gate_inp, *exp_gate, *exp_up, *exp_down;
+    wk_weight gate_inp, *exp_gate, *exp_up, *exp_down, gate_inp_sh;
 } wk_layer;
 
 struct wk_model {

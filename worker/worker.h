@@ -54,6 +54,16 @@ typedef struct wk_hparams {
     int n_expert;      /* MoE FFN layers (Mixtral layout, docs/moe.md): experts; 0 = dense,
                           at most WK_MAX_EXPERTS */
     int n_expert_used; /* experts each token is routed to (top-k) */
+    int moe_norm_w;    /* 1: the chosen experts' weights are divided by their sum (llama, mistral,
+                          granitemoe); 0: the softmax probabilities as they are (qwen2moe, olmoe) */
+    int n_ff_shexp;    /* width of the shared expert every token also runs (qwen2moe; granitemoe
+                          when the GGUF has one); 0: none */
+    int qk_norm;       /* olmoe: RMS norms over each token's whole q and k before rope */
+    /* granitemoe's multipliers (llama.cpp's names; 0 = not applied): the token embeddings are
+     * multiplied by embedding_scale, each attention and FFN output by residual_scale before its
+     * residual add, attention scores by attention_scale instead of 1/sqrt(head_dim), and the
+     * logits by 1/logit_scale. */
+    float f_embedding_scale, f_residual_scale, f_attention_scale, f_logit_scale;
 } wk_hparams;
 
 typedef struct wk_model wk_model;

@@ -10,7 +10,14 @@
  *    sums; held to test_engine's rule for llama.cpp (no top-1 miss where the dense model leads by
  *    >= NEAR_TIE logits), the rates logged;
  *  - MoE8-top4 (router from the experts' gate rows): a sparse MoE; the engine's batch invariance
- *    (one step = token by token, bit for bit) with tokens grouped per expert.
+ *    (one step = token by token, bit for bit) with tokens grouped per expert;
+ *  - Qwen2MoE8-top8 (qwen2moe: a shared expert of 512 neurons gated by sigmoid(~0) = 1/2, 8
+ *    routed experts of 128 all used with unrenormalized weights 1/8, NeoX rope on permuted q/k
+ *    rows): the dense model up to float summation order, held like MoE8-top8;
+ *  - GraniteMoE8-top8 (granitemoe: MoE8-top8 with Granite's four multipliers compensated on the
+ *    block scales by powers of two): MoE8-top8's logits bit for bit;
+ *  - both against llama.cpp running the same files (greedy_<model>.txt fixtures, made by
+ *    tests/fixtures/llamacpp/gen_moe_llamacpp.sh), with test_engine's rule.
  * Prompts: the dense model's llama.cpp fixture. Without the model files these tests skip.
  */
 #include <criterion/criterion.h>
@@ -26,6 +33,10 @@
 #define TOP1     "models/SmolLM2-135M-Instruct-MoE1-top1.Q4_1.gguf"
 #define TOP8     "models/SmolLM2-135M-Instruct-MoE8-top8.Q4_1.gguf"
 #define TOP4     "models/SmolLM2-135M-Instruct-MoE8-top4.Q4_1.gguf"
+#define QWEN     "models/SmolLM2-135M-Instruct-Qwen2MoE8-top8.Q4_1.gguf"
+#define GRANITE  "models/SmolLM2-135M-Instruct-GraniteMoE8-top8.Q4_1.gguf"
+#define FIX_QWEN "tests/fixtures/llamacpp/greedy_Qwen2MoE8-top8.txt"
+#define FIX_GRAN "tests/fixtures/llamacpp/greedy_GraniteMoE8-top8.txt"
 #define PROMPTS  "tests/fixtures/llamacpp/greedy_smollm2.txt" /* the dense model's fixture */
 #define NEAR_TIE 0.5f /* as test_engine.c: llama.cpp's own configurations disagree below it */
 #define MAX_REC  16
@@ -201,30 +212,41 @@ static int open_pair(const char *moe, eng *d, eng *x)
     return wk_model_hparams(d->m)->n_vocab;
 }
 
-Test(moe, one_expert_computes_the_dense_model_bit_for_bit, .timeout = 900)
+/* Two models that must compute the same bits: the logits after each fixture prompt and G greedy
+ * tokens after it; closes both. */
+static void expect_bit_identical(eng *d, eng *x)
 {
-    eng d, x;
-    const int n_vocab = open_pair(TOP1, &d, &x);
+    const int n_vocab = wk_model_hparams(d->m)->n_vocab;
     float *ld = malloc(sizeof(float) * n_vocab), *lx = malloc(sizeof(float) * n_vocab);
     cr_assert(ld && lx);
     for (int r = 0; r < g_n_rec; r++) {
         int32_t td[G], tx[G];
-        const int np = g_rec[r].n_prompt < MAXP ? g_rec[r].n_prompt : MAXP;
-        greedy_run(&d, g_rec[r].ids, np, G, td, ld);
-        greedy_run(&x, g_rec[r].ids, np, G, tx, lx);
+        const int np = g_rec[r].n_prompt < MAXP - G ? g_rec[r].n_prompt : MAXP - G;
+        greedy_run(d, g_rec[r].ids, np, G, td, ld);
+        greedy_run(x, g_rec[r].ids, np, G, tx, lx);
         cr_expect_arr_eq(ld, lx, sizeof(float) * n_vocab, "prompt %d: logits differ", r);
         cr_expect_arr_eq(td, tx, sizeof td, "prompt %d: greedy tokens differ", r);
     }
     free(ld);
     free(lx);
-    close_eng(&d);
-    close_eng(&x);
+    close_eng(d);
+    close_eng(x);
 }
 
-Test(moe, eight_experts_all_used_agree_with_the_dense_model, .timeout = 900)
+Test(moe, one_expert_computes_the_dense_model_bit_for_bit, .timeout = 900)
 {
     eng d, x;
-    const int n_vocab = open_pair(TOP8, &d, &x);
+    open_pair(TOP1, &d, &x);
+    expect_bit_identical(&d, &x);
+}
+
+/* A MoE model that computes the dense FFN up to float summation order, against the dense model
+ * on the same tokens: teacher-forced (no top-1 miss where the dense model leads by >= NEAR_TIE)
+ * and free-running greedy (logged). */
+static void agrees_with_the_dense_model(const char *moe)
+{
+    eng d, x;
+    const int n_vocab = open_pair(moe, &d, &x);
     float *lg = malloc(sizeof(float) * (G + 1) * n_vocab), *ld = malloc(sizeof(float) * n_vocab);
     cr_assert(lg && ld);
     int agree = 0, total = 0, hard_miss = 0, same = 0;
@@ -256,10 +278,10 @@ Test(moe, eight_experts_all_used_agree_with_the_dense_model, .timeout = 900)
         greedy_run(&x, c->ids, np, G, tx, NULL);
         same += !memcmp(td, tx, sizeof td);
     }
-    cr_log_info("top-8 MoE vs dense: teacher-forced top-1 agreement %d/%d = %.2f%%; free-running "
-                "greedy identical for %d tokens on %d of %d prompts; largest logit difference "
-                "after a prompt %.3g",
-                agree, total, 100.0 * agree / total, G, same, g_n_rec, worst);
+    cr_log_info("%s vs dense: teacher-forced top-1 agreement %d/%d = %.2f%%; free-running greedy "
+                "identical for %d tokens on %d of %d prompts; largest logit difference after a "
+                "prompt %.3g",
+                moe, agree, total, 100.0 * agree / total, G, same, g_n_rec, worst);
     /* Only the order of the down projection's float sums differs (8 partial sums of 192 neurons);
      * activations are quantized to 8 bits before every product, so a last-bit difference can move
      * a value by one quantization step and grow from there: test_engine's rule for llama.cpp. */
@@ -269,6 +291,94 @@ Test(moe, eight_experts_all_used_agree_with_the_dense_model, .timeout = 900)
     free(ld);
     close_eng(&d);
     close_eng(&x);
+}
+
+Test(moe, eight_experts_all_used_agree_with_the_dense_model, .timeout = 900)
+{
+    agrees_with_the_dense_model(TOP8);
+}
+
+Test(moe, qwen2moe_with_a_shared_expert_agrees_with_the_dense_model, .timeout = 900)
+{
+    NEED(QWEN);
+    km_errbuf err = {{0}};
+    wk_model *m;
+    cr_assert_eq(wk_model_load(QWEN, &m, &err), 0, "%s", err.msg);
+    const wk_hparams *hp = wk_model_hparams(m);
+    cr_expect_str_eq(hp->arch, "qwen2moe");
+    cr_expect_eq(hp->n_expert, 8);
+    cr_expect_eq(hp->n_expert_used, 8);
+    cr_expect_eq(hp->n_ff, 128, "expert width from expert_feed_forward_length: %d", hp->n_ff);
+    cr_expect_eq(hp->n_ff_shexp, 512);
+    cr_expect_eq(hp->moe_norm_w, 0, "qwen2moe keeps the softmax weights as they are");
+    cr_expect_eq(hp->rope_neox, 1);
+    wk_model_free(m);
+    agrees_with_the_dense_model(QWEN);
+}
+
+Test(moe, granitemoe_multipliers_cancel_bit_for_bit, .timeout = 900)
+{
+    NEED(GRANITE);
+    NEED(TOP8);
+    read_fixture(PROMPTS);
+    eng g, x;
+    open_eng(TOP8, &x);
+    open_eng(GRANITE, &g);
+    const wk_hparams *hp = wk_model_hparams(g.m);
+    cr_expect_str_eq(hp->arch, "granitemoe");
+    cr_expect_eq(hp->f_embedding_scale, 0.5f);
+    cr_expect_eq(hp->f_residual_scale, 0.25f);
+    cr_expect_eq(hp->f_attention_scale, 0.0625f);
+    cr_expect_eq(hp->f_logit_scale, 2.0f);
+    cr_expect_eq(hp->moe_norm_w, 1);
+    cr_expect_eq(hp->rope_neox, 0);
+    expect_bit_identical(&x, &g);
+}
+
+/* The engine on a model of another architecture against llama.cpp on the same file: its greedy
+ * fixture's tokens teacher-forced, test_engine's rule (no miss where llama.cpp led by >= NEAR_TIE,
+ * agreement at least test_engine's floor). */
+static void agrees_with_llamacpp(const char *path, const char *fixture)
+{
+    NEED(path);
+    if (access(fixture, R_OK))
+        cr_skip_test("fixture %s absent: tests/fixtures/llamacpp/gen_moe_llamacpp.sh", fixture);
+    read_fixture(fixture);
+    eng x;
+    open_eng(path, &x);
+    const int n_vocab = wk_model_hparams(x.m)->n_vocab;
+    int agree = 0, total = 0, hard_miss = 0;
+    float *lg = malloc(sizeof(float) * 128 * n_vocab);
+    cr_assert(lg);
+    for (int r = 0; r < g_n_rec; r++) {
+        const mrec *c = &g_rec[r];
+        const int ng = c->n_prompt + c->n_gen - 1 <= MAXP ? c->n_gen : MAXP + 1 - c->n_prompt;
+        cr_assert_gt(ng, 0);
+        run_prompt(&x, c->ids, c->n_prompt + ng - 1, c->n_prompt - 1, lg, NULL);
+        for (int j = 0; j < ng; j++) {
+            total++;
+            if (wk_argmax(lg + (size_t)j * n_vocab, n_vocab) == c->ids[c->n_prompt + j])
+                agree++;
+            else if (c->margins[j] >= NEAR_TIE)
+                hard_miss++;
+        }
+    }
+    cr_log_info("%s vs llama.cpp on the same file: teacher-forced top-1 agreement %d/%d = %.2f%%",
+                path, agree, total, 100.0 * agree / total);
+    cr_expect_eq(hard_miss, 0, "%d misses where llama.cpp led by >= %.1f", hard_miss, NEAR_TIE);
+    cr_expect_geq((double)agree / total, 0.95, "agreement %d/%d", agree, total);
+    free(lg);
+    close_eng(&x);
+}
+
+Test(moe, qwen2moe_agrees_with_llamacpp_on_the_same_file, .timeout = 900)
+{
+    agrees_with_llamacpp(QWEN, FIX_QWEN);
+}
+
+Test(moe, granitemoe_agrees_with_llamacpp_on_the_same_file, .timeout = 900)
+{
+    agrees_with_llamacpp(GRANITE, FIX_GRAN);
 }
 
 Test(moe, logits_are_bit_identical_in_one_step_token_by_token_and_beside_another_sequence)
