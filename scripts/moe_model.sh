@@ -12,6 +12,8 @@
 #                                                     (the dense FFN up to float order)
 #   models/SmolLM2-135M-Instruct-GraniteMoE8-top8.Q4_1.gguf granitemoe: MoE8-top8 with Granite's
 #                                                     four multipliers, compensated exactly
+#   models/SmolLM2-135M-Instruct-OLMoE8-top8.Q4_1.gguf  olmoe: 8 experts, all used, plus q/k RMS
+#                                                     norms of weight 1.5 (not the dense model)
 # Idempotent: a model is rebuilt only when it is missing, its recorded sha256 (models/X.sha256)
 # does not match, or its recipe (this script's arguments, the converter's and the source's
 # hashes, models/X.recipe) changed. The converter runs in build/moe-venv with the `gguf` package
@@ -62,3 +64,5 @@ build SmolLM2-135M-Instruct-Qwen2MoE8-top8.Q4_1.gguf --arch qwen2moe --shared 51
     --used 8 --router uniform
 build SmolLM2-135M-Instruct-GraniteMoE8-top8.Q4_1.gguf --arch granitemoe --experts 8 --used 8 \
     --router uniform
+build SmolLM2-135M-Instruct-OLMoE8-top8.Q4_1.gguf --arch olmoe --experts 8 --used 8 \
+    --router uniform --qk-norm-weight 1.5

@@ -37,6 +37,8 @@
 #define GRANITE  "models/SmolLM2-135M-Instruct-GraniteMoE8-top8.Q4_1.gguf"
 #define FIX_QWEN "tests/fixtures/llamacpp/greedy_Qwen2MoE8-top8.txt"
 #define FIX_GRAN "tests/fixtures/llamacpp/greedy_GraniteMoE8-top8.txt"
+#define OLMOE    "models/SmolLM2-135M-Instruct-OLMoE8-top8.Q4_1.gguf"
+#define FIX_OLMO "tests/fixtures/llamacpp/greedy_OLMoE8-top8.txt"
 #define PROMPTS  "tests/fixtures/llamacpp/greedy_smollm2.txt" /* the dense model's fixture */
 #define NEAR_TIE 0.5f /* as test_engine.c: llama.cpp's own configurations disagree below it */
 #define MAX_REC  16
@@ -379,6 +381,24 @@ Test(moe, qwen2moe_agrees_with_llamacpp_on_the_same_file, .timeout = 900)
 Test(moe, granitemoe_agrees_with_llamacpp_on_the_same_file, .timeout = 900)
 {
     agrees_with_llamacpp(GRANITE, FIX_GRAN);
+}
+
+/* OLMoE's q/k norms change the attention, so its test model is not the dense one: only
+ * llama.cpp on the same file is a reference. */
+Test(moe, olmoe_with_qk_norms_agrees_with_llamacpp_on_the_same_file, .timeout = 900)
+{
+    NEED(OLMOE);
+    km_errbuf err = {{0}};
+    wk_model *m;
+    cr_assert_eq(wk_model_load(OLMOE, &m, &err), 0, "%s", err.msg);
+    const wk_hparams *hp = wk_model_hparams(m);
+    cr_expect_str_eq(hp->arch, "olmoe");
+    cr_expect_eq(hp->qk_norm, 1);
+    cr_expect_eq(hp->moe_norm_w, 0);
+    cr_expect_eq(hp->rope_neox, 1);
+    cr_expect_eq(hp->n_head_kv, hp->n_head, "llama.cpp's olmoe norms n_embd-wide k");
+    wk_model_free(m);
+    agrees_with_llamacpp(OLMOE, FIX_OLMO);
 }
 
 Test(moe, logits_are_bit_identical_in_one_step_token_by_token_and_beside_another_sequence)
