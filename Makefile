@@ -202,7 +202,7 @@ deps: ## Debian packages, the default model and the MoE test models made from it
 	@bash deploy/deps.sh
 	@bash scripts/moe_model.sh
 
-moe-model: ## the MoE test models (models/*MoE*.gguf: llama, qwen2moe, granitemoe; docs/moe.md) from the default one (idempotent)
+moe-model: ## the MoE test models (models/*MoE*.gguf: llama, qwen2moe, granitemoe, olmoe; docs/moe.md) from the default one (idempotent)
 	@bash scripts/moe_model.sh
 
 # ------------------------------------------------------------------ tests
