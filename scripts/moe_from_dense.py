@@ -20,6 +20,14 @@ Routers (--router):
             dense FFN exactly (up to float summation order).
   gate-mean MoEfication-style: expert e's router row is the mean of its neurons' (dequantized)
             gate rows, so its logit is the mean pre-activation of the expert's gate neurons.
+  mirror    top-k = E/2 over E/2 slices of the FFN, each written twice: expert e and expert
+            e + E/2 are the same neurons, their router rows +r and -r (r: the mean gate row of
+            the slice's first half of neurons less that of its second half). Of the logits {+s, -s} per slice the top E/2 are exactly one of each pair, the
+            one whose sign is positive, so every token runs every slice once (the dense FFN's
+            neurons), weighted by the softmax of |s| over the slices: which copy runs follows the
+            text, and a copy flipped by rounding (s near 0) is the same neurons at the same
+            weight. A sparse router whose output is continuous in its input: the top-k < E test
+            that rounding cannot derail (docs/moe.md).
 
 Other architectures (--arch), from the same llama-architecture source; every key `llama.X` is
 written as `ARCH.X`:
@@ -133,7 +141,7 @@ def main():
     ap.add_argument("dst")
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--used", type=int, default=2)
-    ap.add_argument("--router", choices=("uniform", "gate-mean"), default="gate-mean")
+    ap.add_argument("--router", choices=("uniform", "gate-mean", "mirror"), default="gate-mean")
     ap.add_argument("--split", choices=("contiguous", "kmeans"), default="contiguous",
                     help="neurons per expert: n_ff/E contiguous ones, or balanced k-means "
                     "clusters of their gate rows (re-quantizes ffn_down)")
@@ -149,6 +157,12 @@ def main():
     E, k = a.experts, a.used
     if not 1 <= k <= E:
         die(f"--used {k} must be in [1, {E}]")
+    mirror = a.router == "mirror"
+    if mirror and (E % 2 or k != E // 2):
+        die(f"--router mirror needs an even --experts and --used = experts / 2 (got {E}, {k})")
+    if mirror and a.split != "contiguous":
+        die("--router mirror takes --split contiguous")
+    D = E // 2 if mirror else E  # distinct neuron slices
     # llama and granitemoe renormalize the chosen weights to sum 1, qwen2moe does not
     scale = E if a.router == "uniform" or a.arch in ("qwen2moe", "olmoe") else k
     if scale & (scale - 1):
@@ -166,9 +180,9 @@ def main():
         die(f"architecture {arch} (only llama is supported)")
     n_ff = int(r.fields["llama.feed_forward_length"].contents())
     n_embd = int(r.fields["llama.embedding_length"].contents())
-    if not 0 <= S < n_ff or (n_ff - S) % E:
-        die(f"n_ff {n_ff} less {S} shared neurons is not a multiple of {E} experts")
-    ff_e = (n_ff - S) // E
+    if not 0 <= S < n_ff or (n_ff - S) % D:
+        die(f"n_ff {n_ff} less {S} shared neurons is not a multiple of {D} slices")
+    ff_e = (n_ff - S) // D
     tensors = {t.name: t for t in r.tensors}
     n_head = int(r.fields["llama.attention.head_count"].contents())
     n_head_kv = int(r.fields["llama.attention.head_count_kv"].contents())
@@ -273,12 +287,20 @@ def main():
         if a.router == "uniform":
             router = np.zeros((E, n_embd), dtype=np.float32)
         else:
-            router = (g[perm].reshape(E, ff_e, n_embd).mean(axis=1) * a.router_scale)
-            router = router.astype(np.float32)
+            gs = g[perm].reshape(D, ff_e, n_embd)
+            if mirror:  # half the slice's gate rows less the other half: s = r . x has no sign
+                h = ff_e // 2  # of its own, so both copies run (a gate-mean is mostly < 0)
+                router = gs[:, :h].mean(axis=1) - gs[:, h:].mean(axis=1)
+            else:
+                router = gs.mean(axis=1)
+            router = (router * a.router_scale).astype(np.float32)
+            if mirror:
+                router = np.concatenate([router, -router])
         w.add_tensor(f"{blk}.ffn_gate_inp.weight", router)
         # gate/up: rows are neurons -> [E, ff_e, row bytes], the quantized rows as they are
         for src, dst in ((gate, "ffn_gate_exps"), (up, "ffn_up_exps")):
-            d = np.ascontiguousarray(src.data[perm].reshape(E, ff_e, -1))
+            d = np.ascontiguousarray(np.tile(src.data[perm].reshape(D, ff_e, -1),
+                                             (E // D, 1, 1)))
             w.add_tensor(f"{blk}.{dst}.weight", d, raw_shape=d.shape, raw_dtype=src.tensor_type)
         # down: rows are output features, neurons along the row -> whole blocks per expert
         if ff_e % bel:
@@ -288,7 +310,7 @@ def main():
         if a.split == "kmeans":  # neurons moved across blocks: quantize the permuted columns
             dense = gguf.quants.dequantize(dd, down.tensor_type)
             dd = gguf.quants.quantize(np.ascontiguousarray(dense[:, perm]), down.tensor_type)
-        d = dd.reshape(n_embd, E, nb * bsize).transpose(1, 0, 2)
+        d = np.tile(dd.reshape(n_embd, D, nb * bsize).transpose(1, 0, 2), (E // D, 1, 1))
         d = scale_blocks(np.ascontiguousarray(d), down.tensor_type, scale * res_mul)
         w.add_tensor(f"{blk}.ffn_down_exps.weight", d, raw_shape=d.shape,
                      raw_dtype=down.tensor_type)

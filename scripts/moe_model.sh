@@ -7,6 +7,10 @@
 #                                                     the dense FFN (the engine's exactness test)
 #   models/SmolLM2-135M-Instruct-MoE8-top4.Q4_1.gguf  8 experts, top 4, router from the experts'
 #                                                     gate rows: a sparse MoE
+#   models/SmolLM2-135M-Instruct-MoE8-top4-mirror.Q4_1.gguf  8 experts, top 4: 4 slices of the FFN
+#                                                     written twice, router rows +r/-r (the
+#                                                     --router mirror of moe_from_dense.py): sparse
+#                                                     routing that rounding cannot derail
 #   models/SmolLM2-135M-Instruct-Qwen2MoE8-top8.Q4_1.gguf  qwen2moe: a shared expert of 512
 #                                                     neurons and 8 routed ones of 128, all used
 #                                                     (the dense FFN up to float order)
@@ -14,6 +18,9 @@
 #                                                     four multipliers, compensated exactly
 #   models/SmolLM2-135M-Instruct-OLMoE8-top8.Q4_1.gguf  olmoe: 8 experts, all used, plus q/k RMS
 #                                                     norms of weight 1.5 (not the dense model)
+#   models/SmolLM2-135M-Instruct-Qwen2MoE8-top4-mirror.Q4_1.gguf qwen2moe, shared 512, the mirror
+#                                                     router over 4 slices of 256: weights not
+#                                                     renormalized where that changes the output
 # Idempotent: a model is rebuilt only when it is missing, its recorded sha256 (models/X.sha256)
 # does not match, or its recipe (this script's arguments, the converter's and the source's
 # hashes, models/X.recipe) changed. The converter runs in build/moe-venv with the `gguf` package
@@ -60,9 +67,12 @@ build() { # build NAME ARGS...
 build SmolLM2-135M-Instruct-MoE1-top1.Q4_1.gguf --experts 1 --used 1 --router uniform
 build SmolLM2-135M-Instruct-MoE8-top8.Q4_1.gguf --experts 8 --used 8 --router uniform
 build SmolLM2-135M-Instruct-MoE8-top4.Q4_1.gguf --experts 8 --used 4 --router gate-mean
+build SmolLM2-135M-Instruct-MoE8-top4-mirror.Q4_1.gguf --experts 8 --used 4 --router mirror
 build SmolLM2-135M-Instruct-Qwen2MoE8-top8.Q4_1.gguf --arch qwen2moe --shared 512 --experts 8 \
     --used 8 --router uniform
 build SmolLM2-135M-Instruct-GraniteMoE8-top8.Q4_1.gguf --arch granitemoe --experts 8 --used 8 \
     --router uniform
 build SmolLM2-135M-Instruct-OLMoE8-top8.Q4_1.gguf --arch olmoe --experts 8 --used 8 \
     --router uniform --qk-norm-weight 1.5
+build SmolLM2-135M-Instruct-Qwen2MoE8-top4-mirror.Q4_1.gguf --arch qwen2moe --shared 512 \
+    --experts 8 --used 4 --router mirror

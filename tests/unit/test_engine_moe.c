@@ -16,7 +16,12 @@
  *    rows): the dense model up to float summation order, held like MoE8-top8;
  *  - GraniteMoE8-top8 (granitemoe: MoE8-top8 with Granite's four multipliers compensated on the
  *    block scales by powers of two): MoE8-top8's logits bit for bit;
- *  - both against llama.cpp running the same files (greedy_<model>.txt fixtures, made by
+ *  - MoE8-top4-mirror and Qwen2MoE8-top4-mirror (top 4 of 8 over 4 slices of the FFN written
+ *    twice, router rows +r/-r: each token runs one copy of every slice, which one following the
+ *    text, weighted by the softmax of |r . x|, so a copy flipped by rounding changes nothing):
+ *    sparse routing, renormalized weights (llama) and not (qwen2moe) where they change the
+ *    output;
+ *  - each against llama.cpp running the same file (greedy_<model>.txt fixtures, made by
  *    tests/fixtures/llamacpp/gen_moe_llamacpp.sh), with test_engine's rule.
  * Prompts: the dense model's llama.cpp fixture. Without the model files these tests skip.
  */
@@ -39,6 +44,10 @@
 #define FIX_GRAN "tests/fixtures/llamacpp/greedy_GraniteMoE8-top8.txt"
 #define OLMOE    "models/SmolLM2-135M-Instruct-OLMoE8-top8.Q4_1.gguf"
 #define FIX_OLMO "tests/fixtures/llamacpp/greedy_OLMoE8-top8.txt"
+#define MIRROR   "models/SmolLM2-135M-Instruct-MoE8-top4-mirror.Q4_1.gguf"
+#define FIX_MIRR "tests/fixtures/llamacpp/greedy_MoE8-top4-mirror.txt"
+#define QMIRROR  "models/SmolLM2-135M-Instruct-Qwen2MoE8-top4-mirror.Q4_1.gguf"
+#define FIX_QMIR "tests/fixtures/llamacpp/greedy_Qwen2MoE8-top4-mirror.txt"
 #define PROMPTS  "tests/fixtures/llamacpp/greedy_smollm2.txt" /* the dense model's fixture */
 #define NEAR_TIE 0.5f /* as test_engine.c: llama.cpp's own configurations disagree below it */
 #define MAX_REC  16
@@ -339,8 +348,9 @@ Test(moe, granitemoe_multipliers_cancel_bit_for_bit, .timeout = 900)
 
 /* The engine on a model of another architecture against llama.cpp on the same file: its greedy
  * fixture's tokens teacher-forced, test_engine's rule (no miss where llama.cpp led by >= NEAR_TIE,
- * agreement at least test_engine's floor). */
-static void agrees_with_llamacpp(const char *path, const char *fixture)
+ * agreement at least test_engine's floor). With dominant != NULL, dominant[e] counts the tokens
+ * whose dominant routed expert is e ([WK_MAX_EXPERTS], zeroed here). */
+static void agrees_with_llamacpp_routes(const char *path, const char *fixture, int *dominant)
 {
     NEED(path);
     if (access(fixture, R_OK))
@@ -352,11 +362,17 @@ static void agrees_with_llamacpp(const char *path, const char *fixture)
     int agree = 0, total = 0, hard_miss = 0;
     float *lg = malloc(sizeof(float) * 128 * n_vocab);
     cr_assert(lg);
+    if (dominant) memset(dominant, 0, sizeof(int) * WK_MAX_EXPERTS);
     for (int r = 0; r < g_n_rec; r++) {
         const mrec *c = &g_rec[r];
         const int ng = c->n_prompt + c->n_gen - 1 <= MAXP ? c->n_gen : MAXP + 1 - c->n_prompt;
         cr_assert_gt(ng, 0);
-        run_prompt(&x, c->ids, c->n_prompt + ng - 1, c->n_prompt - 1, lg, NULL);
+        int16_t route[MAXP];
+        run_prompt(&x, c->ids, c->n_prompt + ng - 1, c->n_prompt - 1, lg, route);
+        for (int i = 0; dominant && i < c->n_prompt + ng - 1; i++) {
+            cr_assert(route[i] >= 0 && route[i] < WK_MAX_EXPERTS, "route %d", route[i]);
+            dominant[route[i]]++;
+        }
         for (int j = 0; j < ng; j++) {
             total++;
             if (wk_argmax(lg + (size_t)j * n_vocab, n_vocab) == c->ids[c->n_prompt + j])
@@ -371,6 +387,50 @@ static void agrees_with_llamacpp(const char *path, const char *fixture)
     cr_expect_geq((double)agree / total, 0.95, "agreement %d/%d", agree, total);
     free(lg);
     close_eng(&x);
+}
+
+static void agrees_with_llamacpp(const char *path, const char *fixture)
+{
+    agrees_with_llamacpp_routes(path, fixture, NULL);
+}
+
+/* The mirror router (scripts/moe_from_dense.py): top 4 of 8, expert e and e + 4 the same slice
+ * of the FFN with router rows +r and -r. The engine must agree with llama.cpp as on the dense
+ * model, and the routing must follow the text: tokens' dominant experts fall on both copies. */
+static void mirror_agrees_with_llamacpp(const char *path, const char *fixture, int norm_w)
+{
+    NEED(path);
+    km_errbuf err = {{0}};
+    wk_model *m;
+    cr_assert_eq(wk_model_load(path, &m, &err), 0, "%s", err.msg);
+    const wk_hparams *hp = wk_model_hparams(m);
+    cr_expect_eq(hp->n_expert, 8);
+    cr_expect_eq(hp->n_expert_used, 4);
+    cr_expect_eq(hp->moe_norm_w, norm_w);
+    wk_model_free(m);
+    int dominant[WK_MAX_EXPERTS];
+    agrees_with_llamacpp_routes(path, fixture, dominant);
+    int lo = 0, hi = 0, all = 0;
+    for (int e = 0; e < 8; e++) {
+        *(e < 4 ? &lo : &hi) += dominant[e];
+        all += dominant[e];
+    }
+    cr_log_info("%s: tokens by dominant expert %d %d %d %d | %d %d %d %d", path, dominant[0],
+                dominant[1], dominant[2], dominant[3], dominant[4], dominant[5], dominant[6],
+                dominant[7]);
+    cr_expect_gt(all, 0);
+    cr_expect(lo >= all / 20 && hi >= all / 20,
+              "routing does not follow the text: %d tokens on experts 0-3, %d on 4-7", lo, hi);
+}
+
+Test(moe, top4_of_8_mirror_router_agrees_with_llamacpp_on_the_same_file, .timeout = 900)
+{
+    mirror_agrees_with_llamacpp(MIRROR, FIX_MIRR, 1);
+}
+
+Test(moe, qwen2moe_top4_unrenormalized_weights_agree_with_llamacpp_on_the_same_file, .timeout = 900)
+{
+    mirror_agrees_with_llamacpp(QMIRROR, FIX_QMIR, 0);
 }
 
 Test(moe, qwen2moe_agrees_with_llamacpp_on_the_same_file, .timeout = 900)
