@@ -108,12 +108,21 @@ static void read_fixture(const char *path)
     g_n_rec = N_PROMPTS;
 }
 
+/* Loads path (which must exist: NEED it first), failing the test with the loader's message. */
+static wk_model *load_model(const char *path)
+{
+    km_errbuf err = {{0}};
+    wk_model *m = NULL;
+    cr_assert_eq(wk_model_load(path, &m, &err), 0, "%s: %s", path, err.msg);
+    return m;
+}
+
 static int open_eng(const char *path, eng *out)
 {
     memset(out, 0, sizeof *out);
     if (access(path, R_OK)) return 0;
     km_errbuf err = {{0}};
-    cr_assert_eq(wk_model_load(path, &out->m, &err), 0, "%s: %s", path, err.msg);
+    out->m = load_model(path);
     wk_engine_opts o = {.n_threads = 2, .max_batch_tokens = MAXP};
     cr_assert_eq(wk_engine_create(out->m, &o, &out->e, &err), 0, "%s: %s", path, err.msg);
     return 1;
@@ -312,9 +321,7 @@ Test(moe, eight_experts_all_used_agree_with_the_dense_model, .timeout = 900)
 Test(moe, qwen2moe_with_a_shared_expert_agrees_with_the_dense_model, .timeout = 900)
 {
     NEED(QWEN);
-    km_errbuf err = {{0}};
-    wk_model *m;
-    cr_assert_eq(wk_model_load(QWEN, &m, &err), 0, "%s", err.msg);
+    wk_model *m = load_model(QWEN);
     const wk_hparams *hp = wk_model_hparams(m);
     cr_expect_str_eq(hp->arch, "qwen2moe");
     cr_expect_eq(hp->n_expert, 8);
@@ -400,9 +407,7 @@ static void agrees_with_llamacpp(const char *path, const char *fixture)
 static void mirror_agrees_with_llamacpp(const char *path, const char *fixture, int norm_w)
 {
     NEED(path);
-    km_errbuf err = {{0}};
-    wk_model *m;
-    cr_assert_eq(wk_model_load(path, &m, &err), 0, "%s", err.msg);
+    wk_model *m = load_model(path);
     const wk_hparams *hp = wk_model_hparams(m);
     cr_expect_eq(hp->n_expert, 8);
     cr_expect_eq(hp->n_expert_used, 4);
@@ -448,9 +453,7 @@ Test(moe, granitemoe_agrees_with_llamacpp_on_the_same_file, .timeout = 900)
 Test(moe, olmoe_with_qk_norms_agrees_with_llamacpp_on_the_same_file, .timeout = 900)
 {
     NEED(OLMOE);
-    km_errbuf err = {{0}};
-    wk_model *m;
-    cr_assert_eq(wk_model_load(OLMOE, &m, &err), 0, "%s", err.msg);
+    wk_model *m = load_model(OLMOE);
     const wk_hparams *hp = wk_model_hparams(m);
     cr_expect_str_eq(hp->arch, "olmoe");
     cr_expect_eq(hp->qk_norm, 1);
