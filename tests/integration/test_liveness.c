@@ -101,8 +101,8 @@ static int deadline_ms(const char *endpoint, int n_prompt)
     kvm_close(c);
     double s = 20.0 * dt * n_prompt / N_WARM;
     s = s < DEADLINE_MIN_S ? DEADLINE_MIN_S : s > DEADLINE_MAX_S ? DEADLINE_MAX_S : s;
-    cr_log_info("warm-up: %d tokens in %.2f s; the client's deadline for %d tokens: %.0f s",
-                N_WARM, dt, n_prompt, s);
+    cr_log_info("warm-up: %d tokens in %.2f s; the client's deadline for %d tokens: %.0f s", N_WARM,
+                dt, n_prompt, s);
     return (int)(s * 1000);
 }
 
@@ -128,7 +128,8 @@ Test(liveness, a_prompt_at_95_percent_of_the_context_under_load_no_flap_no_migra
     it_up_start(&g_up, "live",
                 (const char *const[]){"--workers=2", "--threads=1", "--insecure", wargs,
                                       "--controller-args=--heartbeat=250ms --dead-after=4",
-                                      "--router-args=--log-level=info --request-timeout=90m", NULL});
+                                      "--router-args=--log-level=info --request-timeout=90m",
+                                      NULL});
     /* up: the router's endpoint in cluster.env, and both workers ready in the controller's view */
     kvm_cluster_proc procs[KVM_CLUSTER_MAX];
     const kvm_cluster_proc *router = NULL, *ctl = NULL;
