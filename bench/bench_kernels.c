@@ -26,12 +26,14 @@
  *   bench_kernels -w MODEL.gguf
  *       bytes of weights one decode step reads per token (every tensor but the embedding table,
  *       which is read one row per token, unless the output projection is tied to it).
- *   bench_kernels -e MODEL.gguf THREADS [p183Dv]
+ *   bench_kernels -e MODEL.gguf THREADS [p183DvL]
  *       engine steps with wall time and CPU time (all threads) per token or step: a 512-token
  *       prefill (p), 128 decode steps at batch 1 (1), 64 at batch 8 and 32 at batch 32 after
  *       128-token prompts (8, 3); D: 512 steps at batch 8, for a profile of batched decode; v:
  *       one sequence's verify steps of k = 1, 2, 4, 5, 8, 12, 16 consecutive tokens, logits for
  *       all k (what speculative decoding pays to check k - 1 drafts), after a 256-token prompt.
+ *       L: at a 4,096-token context, batch-1 decode and k = 4 verification over f16 KV, then
+ *       batch-1 decode over the same pages converted to int4 (a self-speculation draft's step).
  *       On a shared machine the CPU time of a 1-thread engine is the figure that holds up;
  *       `make bench-engine` gives the comparable ones.
  *
@@ -575,6 +577,54 @@ static int bk_engine_verify(wk_engine *e, int n_vocab)
     return 0;
 }
 
+/* Decode and verify steps at a long context (L): one sequence through a prompt of n_ctx tokens
+ * (512 per step), then ms per step (wall, CPU) of batch-1 decode and of k = 4 verification
+ * (three drafts) over f16 KV, then of batch-1 decode once every page is converted to int4 (what
+ * a self-speculation draft reads): where attention over a long context weighs on a step, the
+ * int4 decode is cheaper than the f16 one by what its KV saves. Each phase steps from n_ctx
+ * again (the sequence truncated back), so all read the same context. */
+static int bk_engine_long(wk_engine *e, int n_vocab, int n_ctx)
+{
+    kv_store *kv = wk_engine_kv(e);
+    enum { STEPS = 16, CHUNK = 512 };
+    int32_t tok[CHUNK], pos[CHUNK];
+    kv_seq *seqs[CHUNK];
+    uint8_t want[CHUNK];
+    memset(want, 1, sizeof want);
+    for (int i = 0; i < CHUNK; i++) tok[i] = (int32_t)(bk_u32() % (uint32_t)n_vocab);
+    kv_seq *s;
+    if (kv_seq_create(kv, &s)) return 1;
+    const float *lg;
+    for (int i = 0; i < CHUNK; i++) seqs[i] = s;
+    for (int at = 0; at < n_ctx; at += CHUNK) {
+        const int n = n_ctx - at < CHUNK ? n_ctx - at : CHUNK;
+        for (int i = 0; i < n; i++) pos[i] = at + i;
+        wk_batch b = {.n_tokens = n, .tokens = tok, .pos = pos, .seqs = seqs};
+        if (wk_engine_step(e, &b, &lg) < 0) return 1;
+    }
+    static const struct {
+        const char *what;
+        int k, int4;
+    } ph[] = {{"decode f16 KV ", 1, 0}, {"verify f16 k=4", 4, 0}, {"decode int4 KV", 1, 1}};
+    for (size_t q = 0; q < sizeof ph / sizeof *ph; q++) {
+        if (ph[q].int4 && kv_store_convert(kv, KN_KV_INT4) < 0) return 1;
+        const int k = ph[q].k;
+        const double w0 = bk_wall(), c0 = bk_proc_cpu();
+        for (int g = 0; g < STEPS; g++) {
+            for (int i = 0; i < k; i++) pos[i] = n_ctx + g * k + i;
+            wk_batch b = {.n_tokens = k, .tokens = tok, .pos = pos, .seqs = seqs, .logits = want};
+            if (wk_engine_step(e, &b, &lg) < 0) return 1;
+        }
+        const double w = (bk_wall() - w0) * 1e3 / STEPS, c = (bk_proc_cpu() - c0) * 1e3 / STEPS;
+        printf("engine at context %d, %s: %.2f ms wall per step, %.2f ms cpu per step\n", n_ctx,
+               ph[q].what, w, c);
+        fflush(stdout);
+        kv_seq_truncate(kv, s, n_ctx);
+    }
+    kv_seq_destroy(kv, s);
+    return 0;
+}
+
 static int bk_engine(const char *path, int threads, const char *what)
 {
     wk_model *m;
@@ -600,6 +650,7 @@ static int bk_engine(const char *path, int threads, const char *what)
     if (strchr(what, '3')) rc |= bk_engine_phase(e, n_vocab, 32, 128, 32);
     if (strchr(what, 'D')) rc |= bk_engine_phase(e, n_vocab, 8, 128, 512); /* for profiles */
     if (strchr(what, 'v')) rc |= bk_engine_verify(e, n_vocab);
+    if (strchr(what, 'L')) rc |= bk_engine_long(e, n_vocab, 4096);
     wk_engine_destroy(e);
     wk_model_free(m);
     return rc;
@@ -666,7 +717,7 @@ int main(int argc, char **argv)
             fprintf(
                 stderr,
                 "usage: %s [-i isa] [-t type] [-m 1,8,..] [-s rows,k] [-q] [-u] | -a [-c] | -p | "
-                "-b THREADS | -w MODEL | -e MODEL THREADS [p183Dv]\n",
+                "-b THREADS | -w MODEL | -e MODEL THREADS [p183DvL]\n",
                 argv[0]);
             return 2;
         }
