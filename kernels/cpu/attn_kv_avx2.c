@@ -1,11 +1,12 @@
 /*
  * attn_kv_avx2.c — attention over quantized and mixed-format KV pages with AVX2 + FMA + F16C.
  *
- * Single-format fp8 and int8 views (head_dim % 16 == 0, no attn_mass) go back to the blocked
- * body of the f16 kernel (kn_att_fast_avx2, attn_simd.h), which decodes their rows in registers.
+ * Views whose pages are all f16, bf16, fp8, int8 (head_dim % 16 == 0) or int4 (head_dim % 32 ==
+ * 0), in one format or mixed, without attn_mass, go back to the blocked body of the f16 kernel
+ * (kn_att_fast_avx2, attn_simd.h), which decodes their rows in registers.
  *
- * Everything else (int4, mixed formats, attn_mass, other head sizes) decodes one row at a time,
- * 8 channels per instruction sequence, into attn_kv.h's body shared with the reference.
+ * Everything else (attn_mass, other head sizes) decodes one row at a time, 8 channels per
+ * instruction sequence, into attn_kv.h's body shared with the reference.
  */
 #include <immintrin.h>
 
@@ -18,16 +19,6 @@ static inline __m256 kn_kv_fp8x8(const uint8_t *p)
     const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8),
                                    _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7f)), 7));
     return _mm256_cvtph_ps(h);
-}
-
-/* 8 int4 channels (4 bytes) as floats 0..15, in channel order. */
-static inline __m256 kn_kv_int4x8(const uint8_t *p)
-{
-    int32_t x;
-    memcpy(&x, p, 4);
-    const __m128i w = _mm_cvtepu8_epi16(_mm_cvtsi32_si128(x));
-    const __m128i lo = _mm_and_si128(w, _mm_set1_epi16(15)), hi = _mm_srli_epi16(w, 4);
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_or_si128(lo, _mm_slli_epi16(hi, 8))));
 }
 
 static inline __attribute__((always_inline)) void kn_kv_row_avx2(kn_kv_format f, const kn_kv_blk *b,

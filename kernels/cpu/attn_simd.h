@@ -1,16 +1,20 @@
 /*
  * attn_simd.h — the paged attention of the SIMD builds, written once: the page walk with its
  * prefetch, the blocks of KN_AL tokens (one vector of scores per head), the online softmax and
- * the V accumulation, for f16, bf16, fp8 and int8 pages. Private to kernels/cpu; ops_avx2.c and
- * ops_avx512.c define the primitives listed below and include this file, which defines their
- * kn_attention_<sfx> and kn_att_fast_<sfx> (what attn_kv_<sfx>.c runs for single-format fp8 and
- * int8 views). tests/unit/test_kernels_ops.c holds both builds to the reference.
+ * the V accumulation, for f16, bf16, fp8, int8 and (where the build defines KN_ATT_INT4: AVX2)
+ * int4 pages, one format per view or mixed page by page (a sequence during and after a live
+ * conversion; int4 sequences, whose last page stays f16 until it fills). Private to kernels/cpu;
+ * ops_avx2.c and ops_avx512.c define the primitives listed below and include this file, which
+ * defines their kn_attention_<sfx> and kn_att_fast_<sfx> (what attn_kv_<sfx>.c runs for the
+ * quantized and mixed views it takes). tests/unit/test_kernels_ops.c and
+ * tests/unit/test_kvshard_format.c hold both builds to the reference.
  *
  * Attention streams every K and V byte of the sequence once per token and layer, so it is built
  * to run at memory speed:
  *  - the sequence is walked page by page, KN_AL tokens at a time, with an online softmax, the
  *    rows read in place and converted in registers (fp8/int8 rows times their 16-channel scales,
- *    converted to floats once per block for all heads);
+ *    converted to floats once per block for all heads; int4 K as n * scale + min with the page's
+ *    per-channel scales converted once per page, int4 V with its row's 32-channel groups);
  *  - each K row is converted once for a group of up to 4 query heads (the GQA group), KN_AR rows
  *    at a time, and the KN_AL x KN_AL dot-product partials of a block are folded into one score
  *    vector with shuffle trees (the builds' kn_af_fold_*) instead of horizontal sums;
@@ -31,7 +35,10 @@
  *   kn_af_fold_rows(acc)              KN_AR vectors of partial sums -> one
  *   kn_af_fold_groups(d0, d1, d2, d3) four of those -> the KN_AL row sums in row order
  *   kn_att_row(fmt, blk, t, hd, c, sc)  channels [c, c+KN_AL) of row t of a K or V block as
- *                   floats (fp8/int8: times sc[c/16], the row's scales)
+ *                   floats (fp8/int8: times sc[c/16], the row's scales; int4, V only: n *
+ *                   sc[2 (c/32)] + sc[2 (c/32) + 1])
+ *   kn_att_nib(blk, t, hd, c)         with KN_ATT_INT4: channels [c, c+KN_AL) of row t of an
+ *                   int4 K block as floats 0..15
  *   kn_att_scales(src, n, mul, dst)   n f16 scales to floats times mul
  *   kn_att_narrow(kv, hd, q, n_q, scale, out)   f16/bf16 with head_dim % KN_AL != 0
  */
@@ -59,7 +66,8 @@
 #define KN_ATT_PF_BYTES 4096
 
 /* Scores of a block of nt <= KN_AL rows against NQ query heads: s[h] lane t = scale *
- * q[h]·K[t], lanes >= nt = -inf. ks: the rows' float scales (fp8/int8). */
+ * q[h]·K[t], lanes >= nt = -inf. ks: the rows' float scales (fp8/int8), or the page's scale[hd]
+ * then min[hd] (int4). */
 KN_AI void kn_att_scores(const int FMT, const uint8_t *K, const float *ks, int nt, int hd,
                          const float *q, float scale, kn_af *s, const int NQ)
 {
@@ -85,8 +93,16 @@ KN_AI void kn_att_scores(const int FMT, const uint8_t *K, const float *ks, int n
         for (int c = 0; c < hd; c += KN_AL) {
             kn_af x[KN_AR];
 #pragma GCC unroll 4
-            for (int r = 0; r < KN_AR; r++)
+            for (int r = 0; r < KN_AR; r++) {
+#ifdef KN_ATT_INT4
+                if (FMT == KN_KV_INT4) {
+                    x[r] = kn_af_fma(kn_att_nib(K, rows[r], hd, c), kn_af_ld(ks + c),
+                                     kn_af_ld(ks + hd + c));
+                    continue;
+                }
+#endif
                 x[r] = kn_att_row(FMT, K, rows[r], hd, c, ks + (size_t)rows[r] * ng);
+            }
 #pragma GCC unroll 4
             for (int h = 0; h < NQ; h++) {
                 const kn_af qv = kn_af_ld(q + (size_t)h * hd + c);
@@ -190,13 +206,45 @@ KN_ATT_INST4(0) /* KN_KV_F16 */
 KN_ATT_INST4(1) /* KN_KV_BF16 */
 KN_ATT_INST4(2) /* KN_KV_FP8 */
 KN_ATT_INST4(3) /* KN_KV_INT8 */
+#ifdef KN_ATT_INT4
+KN_ATT_INST4(4) /* KN_KV_INT4 */
+#endif
 
-static const kn_att_block_fn kn_att_blocks[4][KN_ATT_GROUP] = {
+static const kn_att_block_fn kn_att_blocks[][KN_ATT_GROUP] = {
     {kn_att_block_0_1, kn_att_block_0_2, kn_att_block_0_3, kn_att_block_0_4},
     {kn_att_block_1_1, kn_att_block_1_2, kn_att_block_1_3, kn_att_block_1_4},
     {kn_att_block_2_1, kn_att_block_2_2, kn_att_block_2_3, kn_att_block_2_4},
     {kn_att_block_3_1, kn_att_block_3_2, kn_att_block_3_3, kn_att_block_3_4},
+#ifdef KN_ATT_INT4
+    {kn_att_block_4_1, kn_att_block_4_2, kn_att_block_4_3, kn_att_block_4_4},
+#endif
 };
+
+/* Whether the blocks take pages of format f with this head_dim. */
+static int kn_att_takes(kn_kv_format f, int hd)
+{
+    switch (f) {
+    case KN_KV_F16:
+    case KN_KV_BF16:
+        return 1;
+    case KN_KV_FP8:
+    case KN_KV_INT8:
+        return hd % 16 == 0 && hd <= KN_KV_MAX_HD;
+#ifdef KN_ATT_INT4
+    case KN_KV_INT4:
+        return hd % 32 == 0 && hd <= KN_KV_MAX_HD;
+#endif
+    default:
+        return 0;
+    }
+}
+
+/* Bytes of one K (or V) block of a page of format f: pt rows of hd elements. */
+static size_t kn_att_blk_bytes(kn_kv_format f, int pt, int hd)
+{
+    const size_t n = (size_t)pt * hd;
+    return f == KN_KV_F16 || f == KN_KV_BF16 ? 2 * n : f == KN_KV_INT4 ? n / 2 : n;
+}
 
 static void kn_att_prefetch(const uint8_t *p, size_t bytes)
 {
@@ -204,38 +252,40 @@ static void kn_att_prefetch(const uint8_t *p, size_t bytes)
     for (size_t i = 0; i < bytes; i += 64) _mm_prefetch((const char *)p + i, _MM_HINT_T0);
 }
 
-static void kn_att_prefetch_page(const kn_kv_view *kv, int pg, size_t blk, size_t sblk)
+/* The K and V blocks of page pg and their scales (2 bytes per 16 channels of a row: fp8, int8
+ * and int4's V; int4's K: a scale and a min per channel). */
+static void kn_att_prefetch_page(const kn_kv_view *kv, int pg, int hd)
 {
-    const uint8_t *p = kv->pages[pg];
-    kn_att_prefetch(p + kv->k_off, blk);
-    kn_att_prefetch(p + kv->v_off, blk);
-    if (sblk) {
-        kn_att_prefetch(p + kv->k_scale_off, sblk);
-        kn_att_prefetch(p + kv->v_scale_off, sblk);
-    }
+    kn_kv_blk b;
+    const kn_kv_format f = kn_kv_block(kv, pg, &b);
+    const int pt = kv->page_tokens;
+    const size_t blk = kn_att_blk_bytes(f, pt, hd), sblk = (size_t)pt * (hd / 16) * 2;
+    kn_att_prefetch(b.k, blk);
+    kn_att_prefetch(b.v, blk);
+    if (f == KN_KV_F16 || f == KN_KV_BF16) return;
+    kn_att_prefetch(b.ks, f == KN_KV_INT4 ? 4 * (size_t)hd : sblk);
+    kn_att_prefetch(b.vs, sblk);
 }
 
-/* Single-format f16, bf16, fp8 and int8 views without attn_mass whose head_dim the blocks take;
- * returns 0, doing nothing, for any other view. */
+/* Views without attn_mass whose pages (one format, or mixed) the blocks all take (kn_att_takes)
+ * and whose head_dim is a multiple of KN_AL; returns 0, doing nothing, for any other view. */
 int KN_ATT_FN(kn_att_fast_)(const kn_kv_view *kv, int hd, const float *q, int n_q, float scale,
                             float *out)
 {
-    const kn_kv_format fmt = kv->format;
-    const int quant = fmt == KN_KV_FP8 || fmt == KN_KV_INT8;
-    if (kv->page_formats || kv->attn_mass || hd % KN_AL ||
-        (!quant && fmt != KN_KV_F16 && fmt != KN_KV_BF16))
-        return 0;
-    if (quant && (hd % 16 || hd > KN_KV_MAX_HD)) return 0;
+    if (kv->attn_mass || hd % KN_AL) return 0;
     const int pt = kv->page_tokens, n_ctx = kv->n_ctx, ng = hd / 16;
     assert(pt > 0 && hd > 0 && n_q > 0 && n_ctx >= 0);
+    const int n_pages = (n_ctx + pt - 1) / pt;
+    if (!kv->page_formats && !kn_att_takes(kv->format, hd)) return 0;
+    for (int pg = 0; kv->page_formats && pg < n_pages; pg++)
+        if (!kn_att_takes((kn_kv_format)kv->page_formats[pg], hd)) return 0;
     assert(q != out);
     memset(out, 0, sizeof(float) * (size_t)n_q * hd);
     if (n_ctx <= 0) return 1;
-    const float smul = fmt == KN_KV_FP8 ? 256.0f : 1.0f; /* the f16 trick's 2^-8, undone here */
-    const size_t eb = quant ? 1 : 2, blk = (size_t)pt * hd * eb;
-    const size_t sblk = quant ? (size_t)pt * ng * 2 : 0;
-    const int n_pages = (n_ctx + pt - 1) / pt;
     float ks[KN_AL * (KN_KV_MAX_HD / 16)], vs[KN_AL * (KN_KV_MAX_HD / 16)];
+#ifdef KN_ATT_INT4
+    float k4[2 * KN_KV_MAX_HD]; /* an int4 page's K scale[hd], min[hd] */
+#endif
     for (int h0 = 0; h0 < n_q; h0 += KN_ATT_MAXQ) {
         const int nh = n_q - h0 < KN_ATT_MAXQ ? n_q - h0 : KN_ATT_MAXQ;
         float m[KN_ATT_MAXQ];
@@ -245,24 +295,32 @@ int KN_ATT_FN(kn_att_fast_)(const kn_kv_view *kv, int hd, const float *q, int n_
             l[h] = kn_af_zero();
         }
         for (int pg = 0; pg < KN_ATT_PF_PAGES && pg < n_pages; pg++)
-            kn_att_prefetch_page(kv, pg, blk, sblk);
+            kn_att_prefetch_page(kv, pg, hd);
         for (int pg = 0; pg < n_pages; pg++) {
-            if (pg + KN_ATT_PF_PAGES < n_pages)
-                kn_att_prefetch_page(kv, pg + KN_ATT_PF_PAGES, blk, sblk);
-            const uint8_t *p = kv->pages[pg];
-            const uint8_t *K = p + kv->k_off, *V = p + kv->v_off;
+            if (pg + KN_ATT_PF_PAGES < n_pages) kn_att_prefetch_page(kv, pg + KN_ATT_PF_PAGES, hd);
+            kn_kv_blk B;
+            const kn_kv_format fmt = kn_kv_block(kv, pg, &B);
+            const int quant = fmt == KN_KV_FP8 || fmt == KN_KV_INT8, q4 = fmt == KN_KV_INT4;
+            const float smul = fmt == KN_KV_FP8 ? 256.0f : 1.0f; /* the f16 trick's 2^-8, undone */
+            const size_t rb = kn_att_blk_bytes(fmt, 1, hd);      /* bytes of a row */
+            const float *kk = ks;
+#ifdef KN_ATT_INT4
+            if (q4) {
+                kn_att_scales(B.ks, 2 * hd, 1.0f, k4);
+                kk = k4;
+            }
+#endif
             const int np = n_ctx - pg * pt < pt ? n_ctx - pg * pt : pt;
             for (int b = 0; b < np; b += KN_AL) {
                 const int nt = np - b < KN_AL ? np - b : KN_AL;
-                if (quant) {
-                    kn_att_scales(p + kv->k_scale_off + (size_t)b * ng * 2, nt * ng, smul, ks);
-                    kn_att_scales(p + kv->v_scale_off + (size_t)b * ng * 2, nt * ng, smul, vs);
-                }
-                const size_t ro = (size_t)b * hd * eb;
+                if (quant) kn_att_scales(B.ks + (size_t)b * ng * 2, nt * ng, smul, ks);
+                /* int4's V: a (scale, min) pair per 32 channels, as many bytes as fp8's */
+                if (quant || q4) kn_att_scales(B.vs + (size_t)b * ng * 2, nt * ng, smul, vs);
+                const size_t ro = (size_t)b * rb;
                 for (int g = 0; g < nh; g += KN_ATT_GROUP) {
                     const int gn = nh - g < KN_ATT_GROUP ? nh - g : KN_ATT_GROUP;
                     const size_t qo = (size_t)(h0 + g) * hd;
-                    kn_att_blocks[fmt][gn - 1](K + ro, V + ro, ks, vs, nt, hd, q + qo, scale,
+                    kn_att_blocks[fmt][gn - 1](B.k + ro, B.v + ro, kk, vs, nt, hd, q + qo, scale,
                                                out + qo, m + g, l + g);
                 }
             }
@@ -280,7 +338,7 @@ void KN_ATT_FN(kn_attention_)(const kn_kv_view *kv, int head_dim, const float *q
                               float scale, float *out)
 {
     /* fp8/int8/int4 pages, mixed-format views and views that want attn_mass: attn_kv_<sfx>.c,
-     * which comes back to kn_att_fast_<sfx> for the single-format fp8 and int8 ones */
+     * which comes back to kn_att_fast_<sfx> for those it takes */
     if (kn_attention_kv_wants(kv)) {
         KN_ATT_FN(kn_attention_kv_)(kv, head_dim, q, n_q, scale, out);
         return;

@@ -202,9 +202,14 @@ KN_AI kn_af kn_af_fold_groups(kn_af d0, kn_af d1, kn_af d2, kn_af d3)
 
 /* Channels [c, c+8) of row t of a block: f16/bf16 converted; fp8/int8 decoded (kn_kv_fp8x8's
  * f16 trick: the value times 2^-8, which the scale carries back) times the row's scale of
- * their 16-channel group. Equal, bit for bit, to kn_kv_row_tail's values. */
+ * their 16-channel group, equal bit for bit to kn_kv_row_tail's values; int4 (a V row: sc holds
+ * its (scale, min) per 32-channel group) as n * scale + min in one FMA, as attn_kv_avx2.c. */
 KN_AI kn_af kn_att_row(const int FMT, const uint8_t *blk, int t, int hd, int c, const float *sc)
 {
+    if (FMT == KN_KV_INT4)
+        return _mm256_fmadd_ps(kn_kv_int4x8(blk + (size_t)t * (hd / 2) + c / 2),
+                               _mm256_set1_ps(sc[2 * (c / 32)]),
+                               _mm256_set1_ps(sc[2 * (c / 32) + 1]));
     if (FMT == KN_KV_F16 || FMT == KN_KV_BF16) {
         const __m128i h = _mm_loadu_si128((const __m128i *)(blk + 2 * ((size_t)t * hd + c)));
         if (FMT == KN_KV_BF16)
@@ -220,6 +225,15 @@ KN_AI kn_af kn_att_row(const int FMT, const uint8_t *blk, int t, int hd, int c, 
         x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
     return _mm256_mul_ps(x, _mm256_set1_ps(sc[c / 16]));
 }
+
+/* Channels [c, c+8) of row t of an int4 K block as floats 0..15 (the caller applies the page's
+ * per-channel scale and min). */
+KN_AI kn_af kn_att_nib(const uint8_t *blk, int t, int hd, int c)
+{
+    return kn_kv_int4x8(blk + (size_t)t * (hd / 2) + c / 2);
+}
+/* attn_simd.h's blocked path takes int4 pages in this build (the AVX-512 one keeps the row path) */
+#define KN_ATT_INT4 1
 
 /* n f16 scales to floats times mul. */
 KN_AI void kn_att_scales(const uint8_t *src, int n, float mul, float *dst)

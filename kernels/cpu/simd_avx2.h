@@ -1,13 +1,15 @@
 /*
  * simd_avx2.h — AVX2 helpers shared by ops_avx2.c (f16/bf16 attention, norms, activations)
- * and attn_kv_avx2.c (quantized attention): the vector expf and the shuffle trees that fold
- * per-row partial sums. Private to kernels/cpu; include only from files built with the AVX2
- * flags, after <immintrin.h>.
+ * and attn_kv_avx2.c (quantized attention): the vector expf, the shuffle trees that fold
+ * per-row partial sums and the int4 channel decoder. Private to kernels/cpu; include only from
+ * files built with the AVX2 flags, after <immintrin.h>.
  */
 #ifndef KN_SIMD_AVX2_H
 #define KN_SIMD_AVX2_H
 
 #include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
 
 #ifndef KN_AI
 #define KN_AI static inline __attribute__((always_inline))
@@ -79,6 +81,16 @@ KN_AI __m256 kn_fold8(__m256 c01, __m256 c23, __m256 c45, __m256 c67)
     const __m256 f =
         _mm256_add_ps(_mm256_shuffle_ps(e0, e1, 0x88), _mm256_shuffle_ps(e0, e1, 0xDD));
     return _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* 8 int4 channels (4 bytes, low nibble first) as floats 0..15, in channel order. */
+static inline __m256 kn_kv_int4x8(const uint8_t *p)
+{
+    int32_t x;
+    memcpy(&x, p, 4);
+    const __m128i w = _mm_cvtepu8_epi16(_mm_cvtsi32_si128(x));
+    const __m128i lo = _mm_and_si128(w, _mm_set1_epi16(15)), hi = _mm_srli_epi16(w, 4);
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_or_si128(lo, _mm_slli_epi16(hi, 8))));
 }
 
 #endif /* KN_SIMD_AVX2_H */
