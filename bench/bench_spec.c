@@ -11,7 +11,11 @@
  * client finished) all with it on, so that no batch mixes the two; tokens/s is a phase's
  * completion tokens over its wall time. Prints one line per C:
  *   "result label=... conc=C off_tok_s=X auto_tok_s=Y ratio=Y/X drafted=D accepted=A
- *    accept_rate=A/D identical=I/N"
+ *    accept_rate=A/D identical=I/N failed=F off_decode_tok_s=X' auto_decode_tok_s=Y'
+ *    decode_ratio=Y'/X' mean_prompt_tokens=P"
+ * where the decode figures count each request's tokens after its first over the server's time
+ * from its first token to its end (total_ms - ttft_ms): decode speed without the prefill, which
+ * is what a long prompt's tokens/s would otherwise mostly measure.
  * Every request has its own cache_salt (tenant), so neither a cached prefix nor another
  * request's output helps either mode: drafts come from the request's own prompt and output.
  * identical counts requests whose text was byte for byte the same in both modes: speculation is
@@ -43,6 +47,8 @@ typedef struct bs_args {
 
 typedef struct bs_mode_sum {
     uint64_t tokens, drafted, accepted;
+    uint64_t decode_tokens, prompt_tokens; /* tokens after each request's first; prompts' */
+    double decode_s; /* the server's total - ttft of each request: its decode time */
 } bs_mode_sum;
 
 typedef struct bs_client {
@@ -110,6 +116,11 @@ static int bs_one(bs_client *c, kvm_client *k, int r, const char *prompt, km_spe
     s->tokens += res->completion_tokens;
     s->drafted += res->draft_tokens;
     s->accepted += res->accepted_draft_tokens;
+    s->prompt_tokens += res->prompt_tokens;
+    if (res->completion_tokens > 1 && res->total_ms > res->ttft_ms) {
+        s->decode_tokens += res->completion_tokens - 1;
+        s->decode_s += (res->total_ms - res->ttft_ms) / 1e3;
+    }
     return 0;
 }
 
@@ -183,6 +194,9 @@ static int bs_level(const bs_args *a, char **prompts, int n_prompts, int conc)
             tot[m].tokens += cl[i].sum[m].tokens;
             tot[m].drafted += cl[i].sum[m].drafted;
             tot[m].accepted += cl[i].sum[m].accepted;
+            tot[m].decode_tokens += cl[i].sum[m].decode_tokens;
+            tot[m].prompt_tokens += cl[i].sum[m].prompt_tokens;
+            tot[m].decode_s += cl[i].sum[m].decode_s;
         }
         same += cl[i].same;
         compared += cl[i].compared;
@@ -192,14 +206,18 @@ static int bs_level(const bs_args *a, char **prompts, int n_prompts, int conc)
     pthread_barrier_destroy(&bs_bar);
     double off = wall[0] > 0 ? tot[0].tokens / wall[0] : 0;
     double on = wall[1] > 0 ? tot[1].tokens / wall[1] : 0;
+    double doff = tot[0].decode_s > 0 ? tot[0].decode_tokens / tot[0].decode_s : 0;
+    double don = tot[1].decode_s > 0 ? tot[1].decode_tokens / tot[1].decode_s : 0;
     printf("result label=%s conc=%d requests=%d off_tok_s=%.1f auto_tok_s=%.1f ratio=%.2f "
            "off_tokens=%llu auto_tokens=%llu drafted=%llu accepted=%llu accept_rate=%.2f "
-           "identical=%d/%d failed=%d\n",
+           "identical=%d/%d failed=%d off_decode_tok_s=%.1f auto_decode_tok_s=%.1f "
+           "decode_ratio=%.2f mean_prompt_tokens=%.0f\n",
            a->label, conc, compared, off, on, off > 0 ? on / off : 0,
            (unsigned long long)tot[0].tokens, (unsigned long long)tot[1].tokens,
            (unsigned long long)tot[1].drafted, (unsigned long long)tot[1].accepted,
            tot[1].drafted ? (double)tot[1].accepted / (double)tot[1].drafted : 0, same, compared,
-           failed);
+           failed, doff, don, doff > 0 ? don / doff : 0,
+           compared ? (double)tot[1].prompt_tokens / compared : 0);
     fflush(stdout);
     return same == compared && !failed ? 0 : 1;
 }

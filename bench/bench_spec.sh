@@ -4,10 +4,15 @@
 #   repetitive  bench/spec_repetitive.txt: copy a passage, repeat an earlier answer, repeat a
 #               record — what suffix drafts are for;
 #   open        tests/fixtures/llamacpp/prompts.txt: the greedy fixtures' open-ended prompts,
-#               where drafts rarely match and must not cost anything.
+#               where drafts rarely match and must not cost anything;
+#   long        two prompts of ~4,500 tokens (the first LONG_CHARS characters of docs/kvshard.md,
+#               then "copy its first section" / "what is it about"), one client (LONG_CONCURRENCY):
+#               speculation where attention over a long context weighs on every step. The worker
+#               runs --max-ctx=8192 for it (the model's training context).
 # Prints the CPU, the load average and one line per workload and concurrency with tokens/s off
 # and on, their ratio, drafted/accepted tokens and how many outputs were identical (all must be:
-# speculation is exact; a mismatch makes the run fail).
+# speculation is exact; a mismatch makes the run fail), and the same ratio over decode time alone
+# (decode_ratio: without the prefill, which dominates the long workload's wall time).
 #
 # Then the llama.cpp column, at one client (bench/spec_llama.py against llama-server, same
 # prompts, greedy, same threads): its draft-model-free speculation (`--spec-type`, default
@@ -17,7 +22,8 @@
 #
 # The worker runs --insecure: this measures decoding, and bench_spec speaks plain ZeroMQ.
 # Environment: THREADS (2), MODEL, CONCURRENCY ("1,8"), MAX_TOKENS (128), BENCH_PORT (7670),
-#   WORKER_ARGS (extra worker flags), BENCH_OUT (build/bench-spec/<time>), LLAMA (1; 0 = no
+#   WORKER_ARGS (extra worker flags), LONG (1; 0 = no long workload), LONG_CHARS (17000),
+#   LONG_CONCURRENCY (1), BENCH_OUT (build/bench-spec/<time>), LLAMA (1; 0 = no
 #   llama.cpp column), LLAMA_SPECS ("ngram-simple ngram-mod"), LLBIN
 #   (third_party/llama.cpp/build/bin).
 #   Nothing here asserts anything about time.
@@ -56,7 +62,7 @@ BENCH_NAME=bench_spec.sh
 # shellcheck source=bench/bench_lib.sh
 . bench/bench_lib.sh
 # shellcheck disable=SC2086 # WORKER_ARGS is a list of flags
-bench_start_worker "$PORT" "$OUT/worker.log" "$OUT/worker.ports" ${WORKER_ARGS:-}
+bench_start_worker "$PORT" "$OUT/worker.log" "$OUT/worker.ports" --max-ctx=8192 ${WORKER_ARGS:-}
 PID=$WORKER_PID
 
 echo "## speculative decoding off vs auto ($(date -u +%Y-%m-%dT%H:%MZ))"
@@ -68,6 +74,23 @@ for w in "repetitive bench/spec_repetitive.txt" "open tests/fixtures/llamacpp/pr
     "$BENCH" --kvmesh "tcp://127.0.0.1:$PORT" --prompts "$2" --label "$1" \
         --max-tokens "$MAX_TOKENS" --concurrency "$CONCURRENCY" | tee -a "$OUT/results.txt" || rc=1
 done
+if [ "${LONG:-1}" = 1 ]; then
+    # the prompts file's escapes: one prompt per line, "\n" for a newline (and none may start
+    # with '#', a comment there: the document does)
+    python3 - "${LONG_CHARS:-17000}" "$OUT/long.txt" <<'EOF2'
+import sys
+n, out = int(sys.argv[1]), sys.argv[2]
+doc = open("docs/kvshard.md", encoding="utf-8").read()[:n]
+doc = doc[: doc.rfind("\n\n")]  # whole paragraphs
+esc = doc.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n")
+with open(out, "w", encoding="utf-8") as f:
+    f.write("Here is a document.\\n\\n" + esc + "\\n\\nCopy the document's first section word for word.\n")
+    f.write("Read this.\\n\\n" + esc + "\\n\\nIn a few sentences, what is this document about?\n")
+EOF2
+    "$BENCH" --kvmesh "tcp://127.0.0.1:$PORT" --prompts "$OUT/long.txt" --label long \
+        --max-tokens "$MAX_TOKENS" --concurrency "${LONG_CONCURRENCY:-1}" |
+        tee -a "$OUT/results.txt" || rc=1
+fi
 stop
 
 # ------------------------------------------------------------------ llama.cpp, one client
@@ -77,7 +100,7 @@ LPORT=$((PORT + 1))
 start_llama() { # log [--spec-type TYPE]
     local log=$1
     shift
-    "$LLBIN/llama-server" -m "$MODEL" -t "$THREADS" -tb "$THREADS" -np 1 -c 4096 \
+    "$LLBIN/llama-server" -m "$MODEL" -t "$THREADS" -tb "$THREADS" -np 1 -c 8192 \
         --host 127.0.0.1 --port "$LPORT" --no-webui "$@" >>"$log" 2>&1 &
     PID=$!
     for _ in $(seq 1 1200); do
@@ -93,7 +116,9 @@ elif [ ! -x "$LLBIN/llama-server" ] || ! command -v curl >/dev/null; then
     echo "llama.cpp column: skipped ($LLBIN/llama-server not built: bench/build_llamacpp.sh; or no curl)"
 else
     echo "## llama.cpp's llama-server, one client: --spec-type none vs $LLAMA_SPECS"
-    for w in "repetitive bench/spec_repetitive.txt" "open tests/fixtures/llamacpp/prompts.txt"; do
+    works=("repetitive bench/spec_repetitive.txt" "open tests/fixtures/llamacpp/prompts.txt")
+    [ "${LONG:-1}" != 1 ] || works+=("long $OUT/long.txt")
+    for w in "${works[@]}"; do
         set -- $w
         for spec in none $LLAMA_SPECS; do
             args=()
@@ -104,13 +129,17 @@ else
                 tee -a "$OUT/results.txt"
             stop
         done
-        base=$(grep "^llama label=$1 spec=none " "$OUT/results.txt" | tail -1 | sed 's/.*tok_s=\([0-9.]*\).*/\1/')
+        field() { sed "s/.* $1=\([0-9.]*\).*/\1/"; }
+        base=$(grep "^llama label=$1 spec=none " "$OUT/results.txt" | tail -1 | field tok_s)
+        dbase=$(grep "^llama label=$1 spec=none " "$OUT/results.txt" | tail -1 | field decode_tok_s)
         for spec in $LLAMA_SPECS; do
             line=$(grep "^llama label=$1 spec=$spec " "$OUT/results.txt" | tail -1)
-            tok=$(echo "$line" | sed 's/.*tok_s=\([0-9.]*\).*/\1/')
+            tok=$(echo "$line" | field tok_s)
+            dtok=$(echo "$line" | field decode_tok_s)
             same=$(paste -d'\t' "$OUT/llama-$1-none.txt" "$OUT/llama-$1-$spec.txt" |
                 awk -F'\t' '{n++; if ($1 == $2) k++} END {printf "%d/%d", k, n}')
-            echo "llama-result label=$1 spec=$spec ratio=$(awk -v a="$tok" -v b="$base" 'BEGIN {printf "%.2f", (b > 0 ? a / b : 0)}') identical=$same" |
+            echo "llama-result label=$1 spec=$spec ratio=$(awk -v a="$tok" -v b="$base" 'BEGIN {printf "%.2f", (b > 0 ? a / b : 0)}')" \
+                "decode_ratio=$(awk -v a="$dtok" -v b="$dbase" 'BEGIN {printf "%.2f", (b > 0 ? a / b : 0)}') identical=$same" |
                 tee -a "$OUT/results.txt"
         done
     done

@@ -5,10 +5,11 @@ Sends every prompt of a bench-spec prompts file (one per line, "\\n" "\\t" "\\\\
 lines skipped: the format bench_spec.c reads) to a running llama-server's /completion, one at a
 time (concurrency 1), greedy, n_predict = --max-tokens, no prompt cache, and prints one line:
 
-  llama label=L spec=S tok_s=X tokens=N wall_s=W drafted=D accepted=A
+  llama label=L spec=S tok_s=X tokens=N wall_s=W drafted=D accepted=A decode_tok_s=Y
 
 tok_s is completion tokens over the wall time of the whole phase (prompt processing included),
-as bench_spec.c counts kvmesh's. drafted/accepted are llama-server's timings.draft_n and
+as bench_spec.c counts kvmesh's; decode_tok_s the same tokens over llama-server's
+timings.predicted_ms summed (generation without the prompt, as bench_spec.c's decode figure). drafted/accepted are llama-server's timings.draft_n and
 draft_n_accepted summed over the requests (0 without speculation). With --texts FILE the
 completions are written there, one JSON string per line, so two phases can be compared
 (speculation must not change a greedy output). A benchmark: it asserts nothing about time.
@@ -64,6 +65,7 @@ def main():
     if not prompts:
         sys.exit(f"spec_llama.py: no prompts in {a.prompts}")
     tokens = drafted = accepted = 0
+    decode_ms = 0.0
     texts = []
     t0 = time.monotonic()
     for p in prompts:
@@ -72,6 +74,7 @@ def main():
         tokens += int(t.get("predicted_n", r.get("tokens_predicted", 0)))
         drafted += int(t.get("draft_n", 0))
         accepted += int(t.get("draft_n_accepted", 0))
+        decode_ms += float(t.get("predicted_ms", 0.0))
         texts.append(r.get("content", ""))
     wall = time.monotonic() - t0
     if a.texts:
@@ -79,7 +82,8 @@ def main():
             for s in texts:
                 f.write(json.dumps(s) + "\n")
     print(f"llama label={a.label} spec={a.spec} tok_s={tokens / wall:.1f} tokens={tokens} "
-          f"wall_s={wall:.2f} drafted={drafted} accepted={accepted}")
+          f"wall_s={wall:.2f} drafted={drafted} accepted={accepted} "
+          f"decode_tok_s={tokens / (decode_ms / 1e3) if decode_ms > 0 else 0:.1f}")
 
 
 if __name__ == "__main__":
