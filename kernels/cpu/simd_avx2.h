@@ -83,14 +83,16 @@ KN_AI __m256 kn_fold8(__m256 c01, __m256 c23, __m256 c45, __m256 c67)
     return _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-/* 8 int4 channels (4 bytes, low nibble first) as floats 0..15, in channel order. */
+/* 8 int4 channels (4 bytes, low nibble first) as floats 0..15, in channel order: channel i is
+ * bits [4i, 4i+4) of the little-endian word, so one broadcast, one variable shift per lane and
+ * a mask put every nibble in its lane. */
 static inline __m256 kn_kv_int4x8(const uint8_t *p)
 {
     int32_t x;
     memcpy(&x, p, 4);
-    const __m128i w = _mm_cvtepu8_epi16(_mm_cvtsi32_si128(x));
-    const __m128i lo = _mm_and_si128(w, _mm_set1_epi16(15)), hi = _mm_srli_epi16(w, 4);
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_or_si128(lo, _mm_slli_epi16(hi, 8))));
+    const __m256i w = _mm256_srlv_epi32(_mm256_set1_epi32(x),
+                                        _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+    return _mm256_cvtepi32_ps(_mm256_and_si256(w, _mm256_set1_epi32(15)));
 }
 
 #endif /* KN_SIMD_AVX2_H */
