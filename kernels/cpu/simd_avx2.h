@@ -90,8 +90,8 @@ static inline __m256 kn_kv_int4x8(const uint8_t *p)
 {
     int32_t x;
     memcpy(&x, p, 4);
-    const __m256i w = _mm256_srlv_epi32(_mm256_set1_epi32(x),
-                                        _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+    const __m256i w =
+        _mm256_srlv_epi32(_mm256_set1_epi32(x), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
     return _mm256_cvtepi32_ps(_mm256_and_si256(w, _mm256_set1_epi32(15)));
 }
 
