@@ -32,8 +32,9 @@
  *       128-token prompts (8, 3); D: 512 steps at batch 8, for a profile of batched decode; v:
  *       one sequence's verify steps of k = 1, 2, 4, 5, 8, 12, 16 consecutive tokens, logits for
  *       all k (what speculative decoding pays to check k - 1 drafts), after a 256-token prompt.
- *       L: at a 4,096-token context, batch-1 decode and k = 4 verification over f16 KV, then
- *       batch-1 decode over the same pages converted to int4 (a self-speculation draft's step).
+ *       L: the prefill of a 4,096-token prompt (512 per step), then at that context batch-1
+ *       decode and k = 4 verification over f16 KV, then batch-1 decode over the same pages
+ *       converted to int4 (a self-speculation draft's step).
  *       On a shared machine the CPU time of a 1-thread engine is the figure that holds up;
  *       `make bench-engine` gives the comparable ones.
  *
@@ -596,12 +597,15 @@ static int bk_engine_long(wk_engine *e, int n_vocab, int n_ctx)
     if (kv_seq_create(kv, &s)) return 1;
     const float *lg;
     for (int i = 0; i < CHUNK; i++) seqs[i] = s;
+    const double pw0 = bk_wall(), pc0 = bk_proc_cpu();
     for (int at = 0; at < n_ctx; at += CHUNK) {
         const int n = n_ctx - at < CHUNK ? n_ctx - at : CHUNK;
         for (int i = 0; i < n; i++) pos[i] = at + i;
         wk_batch b = {.n_tokens = n, .tokens = tok, .pos = pos, .seqs = seqs};
         if (wk_engine_step(e, &b, &lg) < 0) return 1;
     }
+    printf("engine prefill of %d tokens (%d per step): %.2f s wall, %.2f s cpu\n", n_ctx, CHUNK,
+           bk_wall() - pw0, bk_proc_cpu() - pc0);
     static const struct {
         const char *what;
         int k, int4;

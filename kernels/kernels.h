@@ -113,6 +113,13 @@ typedef struct kn_ops {
      * are [n_q][head_dim]. */
     void (*attention)(const kn_kv_view *kv, int head_dim, const float *q, int n_q, float scale,
                       float *out);
+    /* The same for n_tok consecutive query tokens of one sequence (a prefill chunk, a
+     * verification): token t's heads are at q + t * q_stride, its output at out + t * out_stride,
+     * and it attends to the first kv->n_ctx - (n_tok - 1 - t) positions (kv->n_ctx >= n_tok:
+     * the last token's). Equal, bit for bit, to n_tok calls of attention; the SIMD tables walk
+     * the pages once for up to 8 tokens at a time instead of once per token. */
+    void (*attention_multi)(const kn_kv_view *kv, int head_dim, const float *q, size_t q_stride,
+                            int n_tok, int n_q, float scale, float *out, size_t out_stride);
 } kn_ops;
 
 /* The table for an instruction set, or NULL when this CPU (or build) lacks it. */

@@ -151,6 +151,8 @@ int wk_engine_create(const wk_model *m, const wk_engine_opts *opts, wk_engine **
     e->logits = wk_alloc(T * (size_t)hp->n_vocab * 4);
     e->xq = wk_alloc(T * e->xq_row_bytes);
     e->out_idx = wk_alloc(T * sizeof(int32_t));
+    e->run0 = wk_alloc(T * sizeof(int32_t));
+    e->run_n = wk_alloc(T * sizeof(int32_t));
     const size_t sh = (size_t)hp->n_ff_shexp; /* MoE: the shared expert's width */
     const int nth = kn_pool_size(e->pool);
     e->lanes = calloc((size_t)nth, sizeof *e->lanes);
@@ -172,7 +174,7 @@ int wk_engine_create(const wk_model *m, const wk_engine_opts *opts, wk_engine **
     }
     if (lanes_ok && hp->n_expert) lanes_ok = wk_moe_alloc(e, nth) == 0;
     if (!e->x || !e->xn || !e->q || !e->k || !e->v || !e->att || !e->tmp || !e->gate || !e->up ||
-        !e->rope_cs || !e->logits || !e->xq || !e->out_idx || !lanes_ok) {
+        !e->rope_cs || !e->logits || !e->xq || !e->out_idx || !e->run0 || !e->run_n || !lanes_ok) {
         rc =
             km_errf(err, KM_ENOMEM, "engine: cannot allocate buffers for %d tokens", e->max_tokens);
         goto fail;
@@ -206,6 +208,8 @@ void wk_engine_destroy(wk_engine *e)
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
     free(e->xq);
     free(e->out_idx);
+    free(e->run0);
+    free(e->run_n);
     free(e);
 }
 
@@ -389,15 +393,17 @@ static void wk_step_job(void *ctx, int ith, int nth)
             /* P3 */
             for (int64_t i = t0; i < t1; i++) wk_token_qk(e, L, b, l, i);
             kn_pool_barrier(e->pool);
-            /* P4: pairs interleaved so that early (cheap) and late (expensive) prompt positions
-             * spread over the threads. */
-            for (int64_t p = ith; p < (int64_t)n * hp->n_head_kv; p += nth) {
-                int64_t i = p / hp->n_head_kv;
-                int h = (int)(p % hp->n_head_kv);
+            /* P4: (run, kv head) items interleaved so that early (cheap) and late (expensive)
+             * prompt positions spread over the threads; a run's tokens share one walk of the
+             * pages (wk_att_runs). */
+            for (int64_t p = ith; p < (int64_t)st->n_runs * hp->n_head_kv; p += nth) {
+                const int r = (int)(p / hp->n_head_kv), h = (int)(p % hp->n_head_kv);
+                const int i0 = e->run0[r], nr = e->run_n[r];
                 kn_kv_view view;
-                kv_seq_view(e->kv, b->seqs[i], l, h, b->pos[i] + 1, &view);
-                size_t off = (size_t)i * qd + (size_t)h * group * hd;
-                ops->attention(&view, hd, e->q + off, group, scale, e->att + off);
+                kv_seq_view(e->kv, b->seqs[i0], l, h, b->pos[i0 + nr - 1] + 1, &view);
+                size_t off = (size_t)i0 * qd + (size_t)h * group * hd;
+                ops->attention_multi(&view, hd, e->q + off, (size_t)qd, nr, group, scale,
+                                     e->att + off, (size_t)qd);
             }
         }
         kn_pool_barrier(e->pool);
@@ -462,6 +468,28 @@ static void wk_step_job(void *ctx, int ith, int nth)
 #undef WK_AFTER_TOKENS
 }
 
+/* Splits the batch into attention runs: tokens of one sequence at consecutive positions, cut
+ * into pieces of a power of two up to WK_ATT_RUN tokens, short enough that a sequence's (run,
+ * kv head) items are at least twice as many as the threads (a verification of 4 tokens on 2
+ * threads: runs of 2, 6 items). Returns the number of runs. */
+static int wk_att_runs(wk_engine *e, const wk_batch *b, int nth)
+{
+    const int n = b->n_tokens, kvh = e->m->hp.n_head_kv;
+    int n_runs = 0;
+    for (int i = 0; i < n;) {
+        int j = i + 1;
+        while (j < n && b->seqs[j] == b->seqs[i] && b->pos[j] == b->pos[j - 1] + 1) j++;
+        int R = 1;
+        while (R * 2 <= WK_ATT_RUN && R * 2 * 2 * nth <= (j - i) * kvh) R *= 2;
+        for (int k = i; k < j; k += R) {
+            e->run0[n_runs] = k;
+            e->run_n[n_runs++] = j - k < R ? j - k : R;
+        }
+        i = j;
+    }
+    return n_runs;
+}
+
 int wk_engine_step(wk_engine *e, const wk_batch *b, const float **logits)
 {
     const wk_hparams *hp = &e->m->hp;
@@ -484,7 +512,12 @@ int wk_engine_step(wk_engine *e, const wk_batch *b, const float **logits)
         for (int j = 0; j < i; j++)
             if (b->seqs[j] == b->seqs[i]) lanes = 0;
     const int n_exp = hp->n_expert;
-    wk_step st = {.e = e, .b = b, .n_out = n_out, .lanes = lanes, .route = b->route && n_exp};
+    wk_step st = {.e = e,
+                  .b = b,
+                  .n_out = n_out,
+                  .lanes = lanes,
+                  .n_runs = lanes ? 0 : wk_att_runs(e, b, nth),
+                  .route = b->route && n_exp};
     if (st.route) memset(e->route_w, 0, (size_t)b->n_tokens * n_exp * sizeof(float));
     kn_pool_run(e->pool, wk_step_job, &st);
     if (hp->f_logit_scale != 0.0f) { /* granite: ggml_scale by the inverse */

@@ -9,6 +9,9 @@
 
 /* Batches of at most this many tokens (at most one per thread, one per sequence) run in lanes. */
 #define WK_LANE_TOKENS 4
+/* Attention takes consecutive tokens of one sequence (a prefill chunk, a verification) in runs of
+ * at most this many: kn_ops.attention_multi walks the sequence's pages once per run. */
+#define WK_ATT_RUN 8
 
 /* One thread's copies of the token-wise buffers, for lane mode. */
 typedef struct wk_lane_bufs {
@@ -34,7 +37,8 @@ struct wk_engine {
     float *x, *xn, *q, *k, *v, *att, *tmp, *gate, *up, *rope_cs, *logits;
     uint8_t *xq;
     int32_t *out_idx;
-    wk_lane_bufs *lanes; /* [threads] */
+    int32_t *run0, *run_n; /* this step's attention runs: first token, tokens (not lanes) */
+    wk_lane_bufs *lanes;   /* [threads] */
     /* MoE (NULL for a dense model): each token's experts and weights [T][k], the quantized rows
      * gathered per slot [T*k], the experts' outputs per slot [T*k][embd], per-thread scratch */
     int32_t *sel;
@@ -51,8 +55,9 @@ typedef struct wk_step {
     wk_engine *e;
     const wk_batch *b;
     int n_out;
-    int lanes; /* small batch: token phases on every thread, no barrier after them */
-    int route; /* sum the routing into route_w (the batch asks for wk_batch.route) */
+    int lanes;  /* small batch: token phases on every thread, no barrier after them */
+    int n_runs; /* attention runs in e->run0/run_n (not lanes) */
+    int route;  /* sum the routing into route_w (the batch asks for wk_batch.route) */
 } wk_step;
 
 /* Output rows of several matrices sharing one input are split as one range across threads, in

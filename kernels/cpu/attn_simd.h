@@ -59,6 +59,8 @@
 
 /* Query heads whose softmax state is kept on the stack at once; more are done in further passes. */
 #define KN_ATT_MAXQ 32
+/* Query tokens of one sequence walked over its pages together (kn_attention_multi_<sfx>). */
+#define KN_ATT_MQ 8
 /* Query heads that share one pass over a K/V row (register budget of the score and PV loops). */
 #define KN_ATT_GROUP 4
 /* How many pages ahead the K/V blocks are prefetched, and how many bytes of each block. */
@@ -268,19 +270,26 @@ static void kn_att_prefetch_page(const kn_kv_view *kv, int pg, int hd)
 }
 
 /* Views without attn_mass whose pages (one format, or mixed) the blocks all take (kn_att_takes)
- * and whose head_dim is a multiple of KN_AL; returns 0, doing nothing, for any other view. */
-int KN_ATT_FN(kn_att_fast_)(const kn_kv_view *kv, int hd, const float *q, int n_q, float scale,
-                            float *out)
+ * and whose head_dim is a multiple of KN_AL, for n_tok <= KN_ATT_MQ consecutive query tokens of
+ * the sequence: token t (its n_q heads at q + t * qs, its output at out + t * os) attends to the
+ * first kv->n_ctx - (n_tok - 1 - t) positions. Each page and block is read once for all of them,
+ * and each token's arithmetic is exactly that of a call for it alone (same blocks, same order):
+ * the outputs are bit for bit those of n_tok single calls. Returns 0, doing nothing, for any
+ * other view. */
+int KN_ATT_FN(kn_att_fast_multi_)(const kn_kv_view *kv, int hd, const float *q, size_t qs,
+                                  int n_tok, int n_q, float scale, float *out, size_t os)
 {
     if (kv->attn_mass || hd % KN_AL) return 0;
     const int pt = kv->page_tokens, n_ctx = kv->n_ctx, ng = hd / 16;
-    assert(pt > 0 && hd > 0 && n_q > 0 && n_ctx >= 0);
+    assert(pt > 0 && hd > 0 && n_q > 0 && n_ctx >= 0 && n_tok >= 1 && n_tok <= KN_ATT_MQ);
     const int n_pages = (n_ctx + pt - 1) / pt;
     if (!kv->page_formats && !kn_att_takes(kv->format, hd)) return 0;
     for (int pg = 0; kv->page_formats && pg < n_pages; pg++)
         if (!kn_att_takes((kn_kv_format)kv->page_formats[pg], hd)) return 0;
-    assert(q != out);
-    memset(out, 0, sizeof(float) * (size_t)n_q * hd);
+    for (int t = 0; t < n_tok; t++) {
+        assert(q + t * qs != out + t * os);
+        memset(out + t * os, 0, sizeof(float) * (size_t)n_q * hd);
+    }
     if (n_ctx <= 0) return 1;
     float ks[KN_AL * (KN_KV_MAX_HD / 16)], vs[KN_AL * (KN_KV_MAX_HD / 16)];
 #ifdef KN_ATT_INT4
@@ -288,12 +297,13 @@ int KN_ATT_FN(kn_att_fast_)(const kn_kv_view *kv, int hd, const float *q, int n_
 #endif
     for (int h0 = 0; h0 < n_q; h0 += KN_ATT_MAXQ) {
         const int nh = n_q - h0 < KN_ATT_MAXQ ? n_q - h0 : KN_ATT_MAXQ;
-        float m[KN_ATT_MAXQ];
-        kn_af l[KN_ATT_MAXQ];
-        for (int h = 0; h < nh; h++) {
-            m[h] = -INFINITY;
-            l[h] = kn_af_zero();
-        }
+        float m[KN_ATT_MQ][KN_ATT_MAXQ];
+        kn_af l[KN_ATT_MQ][KN_ATT_MAXQ];
+        for (int t = 0; t < n_tok; t++)
+            for (int h = 0; h < nh; h++) {
+                m[t][h] = -INFINITY;
+                l[t][h] = kn_af_zero();
+            }
         for (int pg = 0; pg < KN_ATT_PF_PAGES && pg < n_pages; pg++)
             kn_att_prefetch_page(kv, pg, hd);
         for (int pg = 0; pg < n_pages; pg++) {
@@ -317,21 +327,41 @@ int KN_ATT_FN(kn_att_fast_)(const kn_kv_view *kv, int hd, const float *q, int n_
                 /* int4's V: a (scale, min) pair per 32 channels, as many bytes as fp8's */
                 if (quant || q4) kn_att_scales(B.vs + (size_t)b * ng * 2, nt * ng, smul, vs);
                 const size_t ro = (size_t)b * rb;
-                for (int g = 0; g < nh; g += KN_ATT_GROUP) {
-                    const int gn = nh - g < KN_ATT_GROUP ? nh - g : KN_ATT_GROUP;
-                    const size_t qo = (size_t)(h0 + g) * hd;
-                    kn_att_blocks[fmt][gn - 1](B.k + ro, B.v + ro, kk, vs, nt, hd, q + qo, scale,
-                                               out + qo, m + g, l + g);
+                for (int t = 0; t < n_tok; t++) {
+                    /* the rows of this block token t sees (earlier tokens see fewer) */
+                    const int seen = n_ctx - (n_tok - 1 - t) - (pg * pt + b);
+                    if (seen <= 0) continue;
+                    const int ntt = seen < nt ? seen : nt;
+                    const float *qt = q + t * qs;
+                    float *ot = out + t * os;
+                    for (int g = 0; g < nh; g += KN_ATT_GROUP) {
+                        const int gn = nh - g < KN_ATT_GROUP ? nh - g : KN_ATT_GROUP;
+                        const size_t qo = (size_t)(h0 + g) * hd;
+                        kn_att_blocks[fmt][gn - 1](B.k + ro, B.v + ro, kk, vs, ntt, hd, qt + qo,
+                                                   scale, ot + qo, m[t] + g, l[t] + g);
+                    }
                 }
             }
         }
-        for (int h = 0; h < nh; h++) {
-            const kn_af inv = kn_af_set1(1.0f / kn_af_hsum(l[h]));
-            float *oh = out + (size_t)(h0 + h) * hd;
-            for (int c = 0; c < hd; c += KN_AL) kn_af_st(oh + c, kn_af_mul(kn_af_ld(oh + c), inv));
+        for (int t = 0; t < n_tok; t++) {
+            if (n_ctx - (n_tok - 1 - t) <= 0) continue; /* saw nothing: zeros */
+            for (int h = 0; h < nh; h++) {
+                const kn_af inv = kn_af_set1(1.0f / kn_af_hsum(l[t][h]));
+                float *oh = out + t * os + (size_t)(h0 + h) * hd;
+                for (int c = 0; c < hd; c += KN_AL)
+                    kn_af_st(oh + c, kn_af_mul(kn_af_ld(oh + c), inv));
+            }
         }
     }
     return 1;
+}
+
+/* One query token: the above with n_tok = 1 (attn_kv_<sfx>.c calls it for the views it hands
+ * back). */
+int KN_ATT_FN(kn_att_fast_)(const kn_kv_view *kv, int hd, const float *q, int n_q, float scale,
+                            float *out)
+{
+    return KN_ATT_FN(kn_att_fast_multi_)(kv, hd, q, 0, 1, n_q, scale, out, 0);
 }
 
 void KN_ATT_FN(kn_attention_)(const kn_kv_view *kv, int head_dim, const float *q, int n_q,
@@ -346,6 +376,31 @@ void KN_ATT_FN(kn_attention_)(const kn_kv_view *kv, int head_dim, const float *q
     assert(kv->format == KN_KV_F16 || kv->format == KN_KV_BF16);
     if (!KN_ATT_FN(kn_att_fast_)(kv, head_dim, q, n_q, scale, out))
         kn_att_narrow(kv, head_dim, q, n_q, scale, out);
+}
+
+/* kn_ops.attention_multi: KN_ATT_MQ tokens at a time through the blocked path, or one at a time
+ * through kn_attention_<sfx> for the views it does not take (attn_mass, odd head sizes). */
+void KN_ATT_FN(kn_attention_multi_)(const kn_kv_view *kv, int head_dim, const float *q,
+                                    size_t q_stride, int n_tok, int n_q, float scale, float *out,
+                                    size_t out_stride)
+{
+    assert(n_tok >= 1 && kv->n_ctx >= n_tok - 1);
+    for (int t0 = 0; t0 < n_tok; t0 += KN_ATT_MQ) {
+        const int n = n_tok - t0 < KN_ATT_MQ ? n_tok - t0 : KN_ATT_MQ;
+        kn_kv_view v = *kv;
+        v.n_ctx = kv->n_ctx - (n_tok - t0 - n); /* the chunk's last token's */
+        const float *qc = q + t0 * q_stride;
+        float *oc = out + t0 * out_stride;
+        if (KN_ATT_FN(kn_att_fast_multi_)(&v, head_dim, qc, q_stride, n, n_q, scale, oc,
+                                          out_stride))
+            continue;
+        for (int t = 0; t < n; t++) {
+            kn_kv_view w = v;
+            w.n_ctx = v.n_ctx - (n - 1 - t);
+            KN_ATT_FN(kn_attention_)
+            (&w, head_dim, qc + t * q_stride, n_q, scale, oc + t * out_stride);
+        }
+    }
 }
 
 #endif /* KN_CPU_ATTN_SIMD_H */

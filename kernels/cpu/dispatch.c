@@ -16,7 +16,7 @@
         .matmul_packed = kn_matmul_packed_##sfx, .rmsnorm = kn_rmsnorm_##sfx,                      \
         .rope = kn_rope_##sfx, .silu_mul = kn_silu_mul_##sfx, .add = kn_add_##sfx,                 \
         .f32_to_f16 = kn_f32_to_f16_##sfx, .f16_to_f32 = kn_f16_to_f32_##sfx,                      \
-        .attention = kn_attention_##sfx,                                                           \
+        .attention = kn_attention_##sfx, .attention_multi = kn_attention_multi_##sfx,              \
     }
 
 static const kn_ops kn_tables[KN_ISA_COUNT] = {

@@ -66,7 +66,10 @@ typedef struct {
     void kn_f32_to_f16_##sfx(const float *x, kn_f16 *y, int64_t n);                                \
     void kn_f16_to_f32_##sfx(const kn_f16 *x, float *y, int64_t n);                                \
     void kn_attention_##sfx(const kn_kv_view *kv, int head_dim, const float *q, int n_q,           \
-                            float scale, float *out);
+                            float scale, float *out);                                              \
+    void kn_attention_multi_##sfx(const kn_kv_view *kv, int head_dim, const float *q,              \
+                                  size_t q_stride, int n_tok, int n_q, float scale, float *out,    \
+                                  size_t out_stride);
 
 KN_DECLARE_ISA(ref)
 KN_DECLARE_ISA(avx2)

@@ -214,3 +214,15 @@ void kn_attention_ref(const kn_kv_view *kv, int head_dim, const float *q, int n_
         for (int d = 0; d < hd; d++) o[d] /= l;
     }
 }
+
+/* The definition of attention_multi: one call of attention per token, each over its prefix. */
+void kn_attention_multi_ref(const kn_kv_view *kv, int head_dim, const float *q, size_t q_stride,
+                            int n_tok, int n_q, float scale, float *out, size_t out_stride)
+{
+    assert(n_tok >= 1 && kv->n_ctx >= n_tok - 1);
+    for (int t = 0; t < n_tok; t++) {
+        kn_kv_view w = *kv;
+        w.n_ctx = kv->n_ctx - (n_tok - 1 - t);
+        kn_attention_ref(&w, head_dim, q + t * q_stride, n_q, scale, out + t * out_stride);
+    }
+}

@@ -477,6 +477,8 @@ Test(ref, bf16_conversions_match_ggml)
  * emulated on AVX2 (emu512_avx2.c), so that machines without AVX-512 test its logic too. */
 void kn_attention_emu512(const kn_kv_view *kv, int head_dim, const float *q, int n_q, float scale,
                          float *out);
+void kn_attention_multi_emu512(const kn_kv_view *kv, int head_dim, const float *q, size_t q_stride,
+                               int n_tok, int n_q, float scale, float *out, size_t out_stride);
 
 /* Every table to hold to the reference: scalar (i = 0), AVX2, AVX-512, the emulated AVX-512
  * driver; NULL where this CPU lacks the instructions. */
@@ -489,6 +491,7 @@ static const kn_ops *att_table(int i)
     emu = *kn_ops_get(KN_ISA_AVX2);
     emu.name = "avx512-emulated";
     emu.attention = kn_attention_emu512;
+    emu.attention_multi = kn_attention_multi_emu512;
     return &emu;
 }
 
@@ -775,6 +778,47 @@ Test(attention, fp8_and_int8_pages_match_the_reference)
             for (int b = 0; b < 3; b++)
                 att_check_quant(f ? KN_KV_INT8 : KN_KV_FP8, ctxs[a], hds[b], a % 2 ? 16 : 32,
                                 nqs[(a + b) % 3]);
+}
+
+/* attention_multi (a run of consecutive query tokens walking the pages together) equals, bit for
+ * bit, one attention call per token over its own prefix, in every table (the emulated AVX-512
+ * driver included): runs shorter than, equal to and longer than the 8 the SIMD kernels take at
+ * once, pages shorter than a block, contexts that end mid-block, 1-9 query heads. */
+Test(attention, multi_token_runs_equal_one_call_per_token)
+{
+    rng_seed(23);
+    static const struct {
+        int n_ctx, hd, pt, n_q, n_tok;
+    } cs[] = {{1, 64, 16, 3, 1},    {9, 64, 16, 3, 9},    {100, 64, 16, 3, 4},
+              {100, 64, 16, 3, 8},  {100, 64, 16, 3, 20}, {37, 128, 4, 5, 11},
+              {300, 64, 32, 9, 17}, {70, 96, 8, 1, 3},    {33, 24, 16, 2, 5}};
+    for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++)
+        for (int f = 0; f < 2; f++) {
+            const kn_kv_format fmt = f ? KN_KV_BF16 : KN_KV_F16;
+            att_ctx c;
+            att_build(&c, cs[i].n_ctx, cs[i].hd, cs[i].pt, fmt, 1.0f);
+            const int hd = cs[i].hd, n_q = cs[i].n_q, nt = cs[i].n_tok;
+            const size_t stride = (size_t)n_q * hd + 16;
+            float *q = malloc(sizeof(float) * stride * nt),
+                  *a = malloc(sizeof(float) * stride * nt);
+            float *one = malloc(sizeof(float) * n_q * hd);
+            for (size_t j = 0; j < stride * nt; j++) q[j] = rng_f(-2, 2);
+            for (int isa = 0; isa < ATT_TABLES; isa++) {
+                const kn_ops *o = att_table(isa);
+                if (!o) continue;
+                o->attention_multi(&c.view, hd, q, stride, nt, n_q, 0.125f, a, stride);
+                for (int t = 0; t < nt; t++) {
+                    kn_kv_view w = c.view;
+                    w.n_ctx = c.n_ctx - (nt - 1 - t);
+                    o->attention(&w, hd, q + t * stride, n_q, 0.125f, one);
+                    cr_assert(!memcmp(one, a + t * stride, sizeof(float) * n_q * hd),
+                              "%s fmt=%d case %zu: token %d of %d differs from its own call",
+                              o->name, fmt, i, t, nt);
+                }
+            }
+            free(q), free(a), free(one);
+            att_free(&c);
+        }
 }
 
 Test(attention, empty_context_gives_zeros)

@@ -127,6 +127,36 @@ static int has_avx2(void)
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
+/* attention_multi of every table equals, bit for bit, one attention call per token over its own
+ * prefix: runs of 1, 3, 8 and 11 tokens (more than the SIMD kernels take at once) ending at the
+ * view's last position. */
+static void multi_equals_single(const kn_kv_view *v, int hd, int n_q, float scale)
+{
+    static const int n_toks[] = {1, 3, 8, 11};
+    for (size_t k = 0; k < sizeof n_toks / sizeof n_toks[0]; k++) {
+        const int nt = n_toks[k];
+        if (nt > v->n_ctx) continue;
+        const size_t stride = (size_t)n_q * hd + 8; /* rows of the step's q with a gap */
+        float *q = malloc(sizeof(float) * stride * nt), *a = malloc(sizeof(float) * stride * nt);
+        float *one = malloc(sizeof(float) * n_q * hd);
+        for (size_t i = 0; i < stride * nt; i++) q[i] = frand();
+        for (int isa = 0; isa < KN_ISA_COUNT; isa++) {
+            const kn_ops *o = kn_ops_get((kn_isa)isa);
+            if (!o) continue;
+            o->attention_multi(v, hd, q, stride, nt, n_q, scale, a, stride);
+            for (int t = 0; t < nt; t++) {
+                kn_kv_view w = *v;
+                w.n_ctx = v->n_ctx - (nt - 1 - t);
+                o->attention(&w, hd, q + t * stride, n_q, scale, one);
+                cr_assert(!memcmp(one, a + t * stride, sizeof(float) * n_q * hd),
+                          "%s %s hd=%d n_ctx=%d n_q=%d: token %d of %d differs from its own call",
+                          o->name, kv_format_name(v->format), hd, v->n_ctx, n_q, t, nt);
+            }
+        }
+        free(q), free(a), free(one);
+    }
+}
+
 /* n_q query heads (q scaled by q_mul: large values make the softmax peaky, so that the running
  * maximum moves and the rescaling paths run) over the layer-1 view of n positions. */
 static void kernels_agree_q(kv_format fmt, int hd, int n, int pt, int n_q, float q_mul)
@@ -180,6 +210,7 @@ static void kernels_agree_q(kv_format fmt, int hd, int n, int pt, int n_q, float
         cr_assert(!kn_attention_kv_wants(&v) || !memcmp(disp, fast, sizeof(float) * n_q * hd),
                   "the avx512 table dispatches here");
     }
+    multi_equals_single(&v, hd, n_q, scale);
     free(disp);
     free(q);
     free(ref);
