@@ -469,9 +469,11 @@ static void wk_step_job(void *ctx, int ith, int nth)
 }
 
 /* Splits the batch into attention runs: tokens of one sequence at consecutive positions, cut
- * into pieces of a power of two up to WK_ATT_RUN tokens, short enough that a sequence's (run,
- * kv head) items are at least twice as many as the threads (a verification of 4 tokens on 2
- * threads: runs of 2, 6 items). Returns the number of runs. */
+ * into pieces of a power of two up to WK_ATT_RUN tokens. With one thread a run is as long as it
+ * can be; with more, short enough that a sequence's (run, kv head) items still give every
+ * thread four, so that the phase stays balanced (a verification of 4 tokens with 3 kv heads on
+ * 2 threads: runs of 1, as before runs existed; a 512-token prefill chunk: runs of 8). Returns
+ * the number of runs. */
 static int wk_att_runs(wk_engine *e, const wk_batch *b, int nth)
 {
     const int n = b->n_tokens, kvh = e->m->hp.n_head_kv;
@@ -480,7 +482,7 @@ static int wk_att_runs(wk_engine *e, const wk_batch *b, int nth)
         int j = i + 1;
         while (j < n && b->seqs[j] == b->seqs[i] && b->pos[j] == b->pos[j - 1] + 1) j++;
         int R = 1;
-        while (R * 2 <= WK_ATT_RUN && R * 2 * 2 * nth <= (j - i) * kvh) R *= 2;
+        while (R * 2 <= WK_ATT_RUN && (nth == 1 || R * 2 * 4 * nth <= (j - i) * kvh)) R *= 2;
         for (int k = i; k < j; k += R) {
             e->run0[n_runs] = k;
             e->run_n[n_runs++] = j - k < R ? j - k : R;
