@@ -71,6 +71,25 @@ static double now_s(void)
     return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
 }
 
+/* Sends n greedy tokens to the router at endpoint on a connection of its own, waiting up to
+ * timeout_ms for each answer; kvm_generate's result (res filled either way). */
+static int send_tokens(const char *endpoint, const int32_t *toks, int n, int max_tokens,
+                       int timeout_ms, kvm_result *res, km_errbuf *err)
+{
+    kvm_client *c;
+    kvm_opts o = {.timeout_ms = timeout_ms};
+    cr_assert_eq(kvm_open(endpoint, &o, &c, err), 0, "%s", err->msg);
+    km_msg_request q;
+    kvm_request_init(&q);
+    q.tokens = toks;
+    q.n_tokens = (uint32_t)n;
+    q.max_tokens = (uint32_t)max_tokens;
+    q.temperature = 0;
+    int rc = kvm_generate(c, &q, NULL, NULL, res, err);
+    kvm_close(c);
+    return rc;
+}
+
 /*
  * The client's deadline for a prompt of n_prompt tokens: 20 times what it costs at the rate a
  * 128-token request measures on the idle cluster (the load leaves the worker ~1/3 of a core,
@@ -82,23 +101,13 @@ static int deadline_ms(const char *endpoint, int n_prompt)
     enum { N_WARM = 128 };
     int32_t toks[N_WARM];
     for (int i = 0; i < N_WARM; i++) toks[i] = 400 + (i * 37) % 20000;
-    kvm_client *c;
     km_errbuf err = {{0}};
-    kvm_opts o = {.timeout_ms = DEADLINE_MIN_S * 1000};
-    cr_assert_eq(kvm_open(endpoint, &o, &c, &err), 0, "%s", err.msg);
-    km_msg_request q;
-    kvm_request_init(&q);
-    q.tokens = toks;
-    q.n_tokens = N_WARM;
-    q.max_tokens = 1;
-    q.temperature = 0;
     kvm_result res;
     double t0 = now_s();
-    int rc = kvm_generate(c, &q, NULL, NULL, &res, &err);
+    int rc = send_tokens(endpoint, toks, N_WARM, 1, DEADLINE_MIN_S * 1000, &res, &err);
     double dt = now_s() - t0;
     cr_assert_eq(rc, 0, "the warm-up request failed: %s %s", res.error, err.msg);
     kvm_result_free(&res);
-    kvm_close(c);
     double s = 20.0 * dt * n_prompt / N_WARM;
     s = s < DEADLINE_MIN_S ? DEADLINE_MIN_S : s > DEADLINE_MAX_S ? DEADLINE_MAX_S : s;
     cr_log_info("warm-up: %d tokens in %.2f s; the client's deadline for %d tokens: %.0f s", N_WARM,
@@ -162,18 +171,9 @@ Test(liveness, a_prompt_at_95_percent_of_the_context_under_load_no_flap_no_migra
 
     static int32_t toks[N_PROMPT];
     for (int i = 0; i < N_PROMPT; i++) toks[i] = 300 + (i * 131) % 30000;
-    kvm_client *c;
     km_errbuf err = {{0}};
-    kvm_opts o = {.timeout_ms = wait_ms};
-    cr_assert_eq(kvm_open(router->requests, &o, &c, &err), 0, "%s", err.msg);
-    km_msg_request q;
-    kvm_request_init(&q);
-    q.tokens = toks;
-    q.n_tokens = N_PROMPT;
-    q.max_tokens = N_GEN;
-    q.temperature = 0;
     kvm_result res;
-    int rc = kvm_generate(c, &q, NULL, NULL, &res, &err);
+    int rc = send_tokens(router->requests, toks, N_PROMPT, N_GEN, wait_ms, &res, &err);
     stop_all(); /* the hogs and the cluster; the logs stay */
     cr_assert_eq(rc, 0, "the request failed: rc=%d code=%d %s %s", rc, res.error_code, res.error,
                  err.msg);
@@ -183,7 +183,6 @@ Test(liveness, a_prompt_at_95_percent_of_the_context_under_load_no_flap_no_migra
     cr_assert_eq(res.prompt_tokens, N_PROMPT);
     cr_assert_eq(res.migrations, 0, "the request migrated");
     kvm_result_free(&res);
-    kvm_close(c);
 
     char path[192];
     snprintf(path, sizeof path, "%s/logs/controller.log", g_up.dir);
