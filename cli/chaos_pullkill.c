@@ -134,7 +134,7 @@ static int pk_reference(chaos_run *r, const char *prompt, char **text, size_t *l
 {
     kvm_client *c = NULL;
     km_errbuf err = {{0}};
-    kvm_opts o = {.timeout_ms = PK_TIMEOUT_MS, .sec = {.cert = r->client_cert}};
+    kvm_opts o = {.timeout_ms = PK_TIMEOUT_MS * r->k.slow, .sec = {.cert = r->client_cert}};
     kvm_result res = {0};
     int rc = kvm_open(r->router, &o, &c, &err);
     if (!rc) {
@@ -187,7 +187,7 @@ static int pk_round(chaos_run *r, int round, pk_tally *t)
     /* the burst: PK_BURST clients, one request each, compared with the reference */
     chaos_knobs bk = r->k;
     bk.clients = PK_BURST;
-    bk.timeout_ms = PK_TIMEOUT_MS;
+    bk.timeout_ms = PK_TIMEOUT_MS * r->k.slow;
     bk.max_tokens = PK_TOKENS;
     bk.attempts = 4; /* each ends within attempts x PK_TIMEOUT_MS */
     const char *prompts[1] = {prompt};
