@@ -116,6 +116,7 @@ elif [ ! -x "$LLBIN/llama-server" ] || ! command -v curl >/dev/null; then
     echo "llama.cpp column: skipped ($LLBIN/llama-server not built: bench/build_llamacpp.sh; or no curl)"
 else
     echo "## llama.cpp's llama-server, one client: --spec-type none vs $LLAMA_SPECS"
+    field() { sed "s/.* $1=\([0-9.]*\).*/\1/"; } # a number after " NAME=" in a result line
     works=("repetitive bench/spec_repetitive.txt" "open tests/fixtures/llamacpp/prompts.txt")
     [ "${LONG:-1}" != 1 ] || works+=("long $OUT/long.txt")
     for w in "${works[@]}"; do
@@ -129,7 +130,6 @@ else
                 tee -a "$OUT/results.txt"
             stop
         done
-        field() { sed "s/.* $1=\([0-9.]*\).*/\1/"; }
         base=$(grep "^llama label=$1 spec=none " "$OUT/results.txt" | tail -1 | field tok_s)
         dbase=$(grep "^llama label=$1 spec=none " "$OUT/results.txt" | tail -1 | field decode_tok_s)
         for spec in $LLAMA_SPECS; do

@@ -29,9 +29,8 @@ typedef struct chaos_knobs {
     int recover_ms;  /* longest wait for recovery */
     int timeout_ms;  /* client: longest silence per attempt */
     int attempts;    /* client: attempts per request */
-    int slow;        /* how many times slower the workers' kernels are than SIMD's: 30 under
-                      * KVMESH_ISA=scalar (the workers inherit it), else 1; client silences and
-                      * recovery waits are multiplied by it (chaos_slowdown) */
+    int slow;        /* kn_ops_slowdown of the workers' kernels (they inherit KVMESH_ISA):
+                      * client silences and recovery waits are multiplied by it */
     const char *ctl; /* controller policy flags */
     const char *wflags;
     const char *rflags; /* router flags */

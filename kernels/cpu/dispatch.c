@@ -69,3 +69,8 @@ const kn_ops *kn_ops_best(void)
         if (kn_cpu_has((kn_isa)i)) return &kn_tables[i];
     return &kn_tables[KN_ISA_SCALAR];
 }
+
+int kn_ops_slowdown(const kn_ops *o)
+{
+    return o && o->isa == KN_ISA_SCALAR ? 30 : 1;
+}

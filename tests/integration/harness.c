@@ -26,8 +26,6 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "kernels/kernels.h"
-
 #define IT_MAX_CHILDREN 64
 
 static pid_t g_children[IT_MAX_CHILDREN]; /* running children, 0 where free */
@@ -58,12 +56,6 @@ bool it_have(const char *const *paths)
             return false;
         }
     return true;
-}
-
-int it_slowdown(void)
-{
-    const kn_ops *o = kn_ops_best();
-    return o && o->isa == KN_ISA_SCALAR ? 30 : 1;
 }
 
 void it_proc_dir(it_proc *p, const char *tag)

@@ -40,10 +40,6 @@ typedef struct it_proc {
 /* True when every path in the NULL-terminated list exists; otherwise the test is skipped with a
  * message naming what to run (make deps, make build) and false is returned. */
 bool it_have(const char *const *paths);
-/* How many times slower than the SIMD kernels the daemons' engines run: 30 when they take the
- * scalar ones (KVMESH_ISA=scalar, which they inherit; ~29x measured), else 1. Waits bounded by
- * engine work multiply by it; nothing asserts on time. */
-int it_slowdown(void);
 /* Creates p->dir (/tmp/kvmesh-<tag>-XXXXXX) unless it is set already. */
 void it_proc_dir(it_proc *p, const char *tag);
 /* Starts argv[0] (looked up in PATH when it has no slash) with argv (NULL-terminated) then extra
