@@ -1,11 +1,12 @@
 /*
  * attn_kv_avx512.c — attention over quantized and mixed-format KV pages with AVX-512.
  *
- * Single-format fp8 and int8 views (head_dim % 16 == 0, no attn_mass) go back to the blocked
- * body of the f16 kernel (kn_att_fast_avx512, attn_simd.h), which decodes their rows in registers.
+ * Views whose pages are all f16, bf16, fp8, int8 (head_dim % 16 == 0) or int4 (head_dim % 32 ==
+ * 0), in one format or mixed, without attn_mass, go back to the blocked body of the f16 kernel
+ * (kn_att_fast_avx512, attn_simd.h), which decodes their rows in registers.
  *
- * Everything else (int4, mixed formats, attn_mass, other head sizes) decodes one row at a time,
- * 16 channels per instruction sequence, into attn_kv.h's body shared with the reference.
+ * Everything else (attn_mass, other head sizes) decodes one row at a time, 16 channels per
+ * instruction sequence, into attn_kv.h's body shared with the reference.
  */
 #include <immintrin.h>
 
@@ -19,14 +20,6 @@ static inline __m512 kn_kv_fp8x16(const uint8_t *p)
         _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
                         _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7));
     return _mm512_cvtph_ps(h);
-}
-
-/* 16 int4 channels (8 bytes) as floats 0..15, in channel order. */
-static inline __m512 kn_kv_int4x16(const uint8_t *p)
-{
-    const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
-    const __m128i lo = _mm_and_si128(w, _mm_set1_epi16(15)), hi = _mm_srli_epi16(w, 4);
-    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_or_si128(lo, _mm_slli_epi16(hi, 8))));
 }
 
 static inline __attribute__((always_inline)) void

@@ -1,13 +1,12 @@
 /*
  * attn_simd.h — the paged attention of the SIMD builds, written once: the page walk with its
  * prefetch, the blocks of KN_AL tokens (one vector of scores per head), the online softmax and
- * the V accumulation, for f16, bf16, fp8, int8 and (where the build defines KN_ATT_INT4: AVX2)
- * int4 pages, one format per view or mixed page by page (a sequence during and after a live
- * conversion; int4 sequences, whose last page stays f16 until it fills). Private to kernels/cpu;
- * ops_avx2.c and ops_avx512.c define the primitives listed below and include this file, which
- * defines their kn_attention_<sfx> and kn_att_fast_<sfx> (what attn_kv_<sfx>.c runs for the
- * quantized and mixed views it takes). tests/unit/test_kernels_ops.c and
- * tests/unit/test_kvshard_format.c hold both builds to the reference.
+ * the V accumulation, for f16, bf16, fp8, int8 and int4 pages, one format per view or mixed page by
+ * page (a sequence during and after a live conversion; int4 sequences, whose last page stays f16
+ * until it fills). Private to kernels/cpu; ops_avx2.c and ops_avx512.c define the primitives listed
+ * below and include this file, which defines their kn_attention_<sfx> and kn_att_fast_<sfx> (what
+ * attn_kv_<sfx>.c runs for the quantized and mixed views it takes). tests/unit/test_kernels_ops.c
+ * and tests/unit/test_kvshard_format.c hold both builds to the reference.
  *
  * Attention streams every K and V byte of the sequence once per token and layer, so it is built
  * to run at memory speed:
@@ -37,8 +36,8 @@
  *   kn_att_row(fmt, blk, t, hd, c, sc)  channels [c, c+KN_AL) of row t of a K or V block as
  *                   floats (fp8/int8: times sc[c/16], the row's scales; int4, V only: n *
  *                   sc[2 (c/32)] + sc[2 (c/32) + 1])
- *   kn_att_nib(blk, t, hd, c)         with KN_ATT_INT4: channels [c, c+KN_AL) of row t of an
- *                   int4 K block as floats 0..15
+ *   kn_att_nib(blk, t, hd, c)         channels [c, c+KN_AL) of row t of an int4 K block as
+ *                   floats 0..15
  *   kn_att_scales(src, n, mul, dst)   n f16 scales to floats times mul
  *   kn_att_narrow(kv, hd, q, n_q, scale, out)   f16/bf16 with head_dim % KN_AL != 0
  */
@@ -96,13 +95,11 @@ KN_AI void kn_att_scores(const int FMT, const uint8_t *K, const float *ks, int n
             kn_af x[KN_AR];
 #pragma GCC unroll 4
             for (int r = 0; r < KN_AR; r++) {
-#ifdef KN_ATT_INT4
                 if (FMT == KN_KV_INT4) {
                     x[r] = kn_af_fma(kn_att_nib(K, rows[r], hd, c), kn_af_ld(ks + c),
                                      kn_af_ld(ks + hd + c));
                     continue;
                 }
-#endif
                 x[r] = kn_att_row(FMT, K, rows[r], hd, c, ks + (size_t)rows[r] * ng);
             }
 #pragma GCC unroll 4
@@ -208,18 +205,14 @@ KN_ATT_INST4(0) /* KN_KV_F16 */
 KN_ATT_INST4(1) /* KN_KV_BF16 */
 KN_ATT_INST4(2) /* KN_KV_FP8 */
 KN_ATT_INST4(3) /* KN_KV_INT8 */
-#ifdef KN_ATT_INT4
 KN_ATT_INST4(4) /* KN_KV_INT4 */
-#endif
 
 static const kn_att_block_fn kn_att_blocks[][KN_ATT_GROUP] = {
     {kn_att_block_0_1, kn_att_block_0_2, kn_att_block_0_3, kn_att_block_0_4},
     {kn_att_block_1_1, kn_att_block_1_2, kn_att_block_1_3, kn_att_block_1_4},
     {kn_att_block_2_1, kn_att_block_2_2, kn_att_block_2_3, kn_att_block_2_4},
     {kn_att_block_3_1, kn_att_block_3_2, kn_att_block_3_3, kn_att_block_3_4},
-#ifdef KN_ATT_INT4
     {kn_att_block_4_1, kn_att_block_4_2, kn_att_block_4_3, kn_att_block_4_4},
-#endif
 };
 
 /* Whether the blocks take pages of format f with this head_dim. */
@@ -232,10 +225,8 @@ static int kn_att_takes(kn_kv_format f, int hd)
     case KN_KV_FP8:
     case KN_KV_INT8:
         return hd % 16 == 0 && hd <= KN_KV_MAX_HD;
-#ifdef KN_ATT_INT4
     case KN_KV_INT4:
         return hd % 32 == 0 && hd <= KN_KV_MAX_HD;
-#endif
     default:
         return 0;
     }
@@ -292,9 +283,7 @@ int KN_ATT_FN(kn_att_fast_multi_)(const kn_kv_view *kv, int hd, const float *q, 
     }
     if (n_ctx <= 0) return 1;
     float ks[KN_AL * (KN_KV_MAX_HD / 16)], vs[KN_AL * (KN_KV_MAX_HD / 16)];
-#ifdef KN_ATT_INT4
     float k4[2 * KN_KV_MAX_HD]; /* an int4 page's K scale[hd], min[hd] */
-#endif
     for (int h0 = 0; h0 < n_q; h0 += KN_ATT_MAXQ) {
         const int nh = n_q - h0 < KN_ATT_MAXQ ? n_q - h0 : KN_ATT_MAXQ;
         float m[KN_ATT_MQ][KN_ATT_MAXQ];
@@ -314,12 +303,10 @@ int KN_ATT_FN(kn_att_fast_multi_)(const kn_kv_view *kv, int hd, const float *q, 
             const float smul = fmt == KN_KV_FP8 ? 256.0f : 1.0f; /* the f16 trick's 2^-8, undone */
             const size_t rb = kn_att_blk_bytes(fmt, 1, hd);      /* bytes of a row */
             const float *kk = ks;
-#ifdef KN_ATT_INT4
             if (q4) {
                 kn_att_scales(B.ks, 2 * hd, 1.0f, k4);
                 kk = k4;
             }
-#endif
             const int np = n_ctx - pg * pt < pt ? n_ctx - pg * pt : pt;
             for (int b = 0; b < np; b += KN_AL) {
                 const int nt = np - b < KN_AL ? np - b : KN_AL;

@@ -232,8 +232,6 @@ KN_AI kn_af kn_att_nib(const uint8_t *blk, int t, int hd, int c)
 {
     return kn_kv_int4x8(blk + (size_t)t * (hd / 2) + c / 2);
 }
-/* attn_simd.h's blocked path takes int4 pages in this build (the AVX-512 one keeps the row path) */
-#define KN_ATT_INT4 1
 
 /* n f16 scales to floats times mul. */
 KN_AI void kn_att_scales(const uint8_t *src, int n, float mul, float *dst)

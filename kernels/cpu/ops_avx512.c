@@ -204,9 +204,15 @@ KN_AI kn_af kn_af_fold_groups(kn_af d0, kn_af d1, kn_af d2, kn_af d3)
 
 /* Channels [c, c+16) of row t of a block: f16/bf16 converted; fp8/int8 decoded (the f16 trick
  * for e4m3: the value times 2^-8, which the scale carries back) times the row's scale of the
- * 16-channel group. Equal, bit for bit, to kn_kv_row_tail's values. */
+ * 16-channel group, equal, bit for bit, to kn_kv_row_tail's values; int4 (a V row: sc holds its
+ * (scale, min) per 32-channel group, which 16 lanes never straddle) as n * scale + min in one
+ * FMA, as attn_kv_avx512.c. */
 KN_AI kn_af kn_att_row(const int FMT, const uint8_t *blk, int t, int hd, int c, const float *sc)
 {
+    if (FMT == KN_KV_INT4)
+        return _mm512_fmadd_ps(kn_kv_int4x16(blk + (size_t)t * (hd / 2) + c / 2),
+                               _mm512_set1_ps(sc[2 * (c / 32)]),
+                               _mm512_set1_ps(sc[2 * (c / 32) + 1]));
     if (FMT == KN_KV_F16 || FMT == KN_KV_BF16) {
         const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 2 * ((size_t)t * hd + c)));
         if (FMT == KN_KV_BF16)
@@ -221,6 +227,13 @@ KN_AI kn_af kn_att_row(const int FMT, const uint8_t *blk, int t, int hd, int c, 
     else
         x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
     return _mm512_mul_ps(x, _mm512_set1_ps(sc[c / 16]));
+}
+
+/* Channels [c, c+16) of row t of an int4 K block as floats 0..15 (the caller applies the page's
+ * per-channel scale and min). */
+KN_AI kn_af kn_att_nib(const uint8_t *blk, int t, int hd, int c)
+{
+    return kn_kv_int4x16(blk + (size_t)t * (hd / 2) + c / 2);
 }
 
 /* n f16 scales to floats times mul. */

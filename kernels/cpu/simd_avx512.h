@@ -1,13 +1,14 @@
 /*
  * simd_avx512.h — AVX-512 helpers shared by ops_avx512.c (f16/bf16 attention, norms, activations)
- * and attn_kv_avx512.c (quantized attention): the vector expf and the shuffle trees that fold
- * per-row partial sums. Private to kernels/cpu; include only from files built with the AVX-512
- * flags, after <immintrin.h>.
+ * and attn_kv_avx512.c (quantized attention): the vector expf, the shuffle trees that fold
+ * per-row partial sums and the int4 channel decoder. Private to kernels/cpu; include only from
+ * files built with the AVX-512 flags, after <immintrin.h>.
  */
 #ifndef KN_SIMD_AVX512_H
 #define KN_SIMD_AVX512_H
 
 #include <immintrin.h>
+#include <stdint.h>
 
 #ifndef KN_AI
 #define KN_AI static inline __attribute__((always_inline))
@@ -63,6 +64,19 @@ KN_AI __m512 kn_fold16(__m512 d0, __m512 d1, __m512 d2, __m512 d3)
         _mm512_add_ps(_mm512_shuffle_ps(e01, e23, 0x88), _mm512_shuffle_ps(e01, e23, 0xDD));
     const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     return _mm512_permutexvar_ps(idx, f);
+}
+
+/* 16 int4 channels (8 bytes, low nibble first) as floats 0..15, in channel order: the two
+ * 32-bit words spread over lanes 0-7 and 8-15, then one variable shift per lane and a mask
+ * (as simd_avx2.h's kn_kv_int4x8; ~20% faster over int4 pages than widening bytes to words). */
+KN_AI __m512 kn_kv_int4x16(const uint8_t *p)
+{
+    const __m512i w =
+        _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                 _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i *)p)));
+    const __m512i n = _mm512_srlv_epi32(
+        w, _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28));
+    return _mm512_cvtepi32_ps(_mm512_and_si512(n, _mm512_set1_epi32(15)));
 }
 
 #endif /* KN_SIMD_AVX512_H */

@@ -317,13 +317,28 @@ KN_AI kn_af kn_af_fold_groups(kn_af d0, kn_af d1, kn_af d2, kn_af d3)
     return s;
 }
 
+/* Element e of an int4 block (low nibble first) as a float 0..15. */
+KN_AI float kn_att_nib1(const uint8_t *blk, size_t e)
+{
+    return (float)((blk[e / 2] >> (4 * (e & 1))) & 15);
+}
+
+KN_AI kn_af kn_att_nib(const uint8_t *blk, int t, int hd, int c)
+{
+    kn_af x;
+    for (int l = 0; l < KN_AL; l++) x[l] = kn_att_nib1(blk, (size_t)t * hd + (size_t)(c + l));
+    return x;
+}
+
 KN_AI kn_af kn_att_row(const int FMT, const uint8_t *blk, int t, int hd, int c, const float *sc)
 {
     kn_af x;
     for (int l = 0; l < KN_AL; l++) {
         const size_t e = (size_t)t * hd + (size_t)(c + l);
         kn_f16 h;
-        if (FMT == KN_KV_F16 || FMT == KN_KV_BF16) {
+        if (FMT == KN_KV_INT4) { /* a V row: (scale, min) per 32 channels, one FMA as the build */
+            x[l] = fmaf(kn_att_nib1(blk, e), sc[2 * (c / 32)], sc[2 * (c / 32) + 1]);
+        } else if (FMT == KN_KV_F16 || FMT == KN_KV_BF16) {
             memcpy(&h, blk + 2 * e, 2);
             x[l] = FMT == KN_KV_F16 ? _cvtsh_ss(h) : kn_bf16_to_f32(h);
         } else if (FMT == KN_KV_FP8) { /* e4m3(b) * 2^-8 through f16; the scale has the 2^8 */
