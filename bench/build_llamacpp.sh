@@ -75,11 +75,29 @@ if [ ! -f "$LLAMA/CMakeLists.txt" ] || [ ! -f "$LLAMA/include/llama.h" ]; then
     TMP="$(mktemp -d)"
     trap 'rm -rf "$TMP"' EXIT
     say "downloading the llama-cpp-python ${LLAMACPP_PY_VERSION} sdist from PyPI"
-    python3 -m pip download --no-deps --no-binary :all: "llama-cpp-python==${LLAMACPP_PY_VERSION}" -d "$TMP" \
-        >"$TMP/pip.log" 2>&1 || {
-        cat "$TMP/pip.log" >&2
-        die "pip download of llama-cpp-python==${LLAMACPP_PY_VERSION} failed (is PyPI reachable?)"
-    }
+    # The file straight from PyPI's simple index (seconds); `pip download --no-binary :all:` builds
+    # the sdist's build dependencies from source just to read its metadata (~6 minutes on 2
+    # cores), so it is only the fallback. Either way the sha256 below is checked.
+    python3 - "$LLAMACPP_PY_VERSION" "$TMP" >"$TMP/fetch.log" 2>&1 <<'PY' ||
+import re, sys, urllib.request
+ver, dst = sys.argv[1], sys.argv[2]
+name = f"llama_cpp_python-{ver}.tar.gz"
+req = urllib.request.Request("https://pypi.org/simple/llama-cpp-python/", headers={"Accept": "text/html"})
+page = urllib.request.urlopen(req, timeout=60).read().decode()
+urls = [u for u in re.findall(r'href="([^"]+)"', page) if u.split("#")[0].endswith("/" + name)]
+if not urls:
+    sys.exit(f"{name} is not on the simple index")
+with urllib.request.urlopen(urls[0].split("#")[0], timeout=300) as r, open(f"{dst}/{name}", "wb") as f:
+    f.write(r.read())
+PY
+        {
+            say "direct download failed ($(tail -1 "$TMP/fetch.log")); trying pip download"
+            python3 -m pip download --no-deps --no-binary :all: "llama-cpp-python==${LLAMACPP_PY_VERSION}" -d "$TMP" \
+                >"$TMP/pip.log" 2>&1 || {
+                cat "$TMP/pip.log" >&2
+                die "pip download of llama-cpp-python==${LLAMACPP_PY_VERSION} failed (is PyPI reachable?)"
+            }
+        }
     SDIST="$TMP/llama_cpp_python-${LLAMACPP_PY_VERSION}.tar.gz"
     [ -f "$SDIST" ] || die "pip did not produce $SDIST (got: $(ls "$TMP"))"
     got="$(sha256sum "$SDIST" | cut -d' ' -f1)"
