@@ -157,6 +157,20 @@ static void multi_equals_single(const kn_kv_view *v, int hd, int n_q, float scal
     }
 }
 
+/* Whether a SIMD build whose vectors hold `lanes` floats runs the view on its blocked path:
+ * every view of these widths, int4 (sealed pages and the f16 tail of the last one) included. */
+static int blocked_takes(const kn_kv_view *v, int hd, int n, int pt, int lanes)
+{
+    int takes = hd % lanes == 0;
+    for (int pg = 0; pg < (n + pt - 1) / pt; pg++) {
+        const kv_format pf = v->page_formats ? (kv_format)v->page_formats[pg] : v->format;
+        takes &= pf == KN_KV_INT4                      ? hd % 32 == 0
+                 : pf == KN_KV_F16 || pf == KN_KV_BF16 ? 1
+                                                       : hd % 16 == 0;
+    }
+    return takes;
+}
+
 /* n_q query heads (q scaled by q_mul: large values make the softmax peaky, so that the running
  * maximum moves and the rescaling paths run) over the layer-1 view of n positions. */
 static void kernels_agree_q(kv_format fmt, int hd, int n, int pt, int n_q, float q_mul)
@@ -183,15 +197,7 @@ static void kernels_agree_q(kv_format fmt, int hd, int n, int pt, int n_q, float
     for (int i = 0; i < n_q * hd; i++) tol = fmaxf(tol, fabsf(ref[i]));
     tol = 2e-6f * fmaxf(1.0f, tol) * fmaxf(1.0f, q_mul / 4.0f);
     if (has_avx2()) {
-        /* the blocked path takes every view of these widths, int4 (sealed pages and the f16
-         * tail of the last one) included */
-        int takes = hd % 8 == 0;
-        for (int pg = 0; pg < (n + pt - 1) / pt; pg++) {
-            const kv_format pf = v.page_formats ? (kv_format)v.page_formats[pg] : v.format;
-            takes &= pf == KN_KV_INT4                      ? hd % 32 == 0
-                     : pf == KN_KV_F16 || pf == KN_KV_BF16 ? 1
-                                                           : hd % 16 == 0;
-        }
+        const int takes = blocked_takes(&v, hd, n, pt, 8);
         cr_assert_eq(kn_att_fast_avx2(&v, hd, q, n_q, scale, fast), takes,
                      "%s hd=%d: the avx2 blocked path %s the view", kv_format_name(fmt), hd,
                      takes ? "refuses" : "takes");
@@ -203,6 +209,10 @@ static void kernels_agree_q(kv_format fmt, int hd, int n, int pt, int n_q, float
                   "the avx2 table dispatches here");
     }
     if (kn_ops_get(KN_ISA_AVX512)) {
+        const int takes = blocked_takes(&v, hd, n, pt, 16);
+        cr_assert_eq(kn_att_fast_avx512(&v, hd, q, n_q, scale, fast), takes,
+                     "%s hd=%d: the avx512 blocked path %s the view", kv_format_name(fmt), hd,
+                     takes ? "refuses" : "takes");
         kn_attention_kv_avx512(&v, hd, q, n_q, scale, fast);
         cr_assert_leq(max_abs_diff(ref, fast, n_q * hd), tol, "%s avx512 hd=%d n=%d pt=%d n_q=%d",
                       kv_format_name(fmt), hd, n, pt, n_q);
