@@ -7,8 +7,12 @@
  * Slabs: the region is split into slabs of equal size. A slab serves one format at a time and is
  * cut into slots of that format's page size (rounded up to 64 bytes); a freed slot goes back to
  * its slab, and a slab whose slots are all free returns to the empty pool, from which any format
- * may take it (zeroed first, like a fresh buffer). A live conversion f16 -> fp8 therefore frees
- * whole f16 slabs that the fp8 pages then reuse: the arena never holds more than the peak.
+ * may take it. A slot handed out for the first time since its slab was taken is zero, like a fresh
+ * buffer: zeroed when it is handed out (not the whole slab when the slab is taken), and not at
+ * all when the store says the buffer will be overwritten whole before it is read (s->buf_whole:
+ * the destination of a page transfer, which would otherwise be written twice). A live conversion
+ * f16 -> fp8 therefore frees whole f16 slabs that the fp8 pages then reuse: the arena never holds
+ * more than the peak.
  *
  * Why the bookkeeping lives outside the region: a peer may read the region (and a late
  * transfer may write into a buffer being given back), so a free list threaded through the
@@ -31,8 +35,9 @@ typedef struct kv_slab {
     int used;   /* slots handed out */
     int n_free; /* entries on the free stack */
     int prev, next, in_partial;
-    int dirty; /* has served a format before: zero it before it serves the next */
+    int dirty; /* has served a format before: its slots are zeroed as they are handed out */
     int32_t *free;
+    uint8_t *unzeroed; /* per slot of the current format: not yet zeroed since the slab was taken */
 } kv_slab;
 
 typedef struct kv_arena {
@@ -41,6 +46,7 @@ typedef struct kv_arena {
     int n_slabs, max_slots;
     kv_slab *slabs;
     int32_t *slot_idx; /* n_slabs * max_slots: each slab's free stack */
+    uint8_t *unzeroed; /* n_slabs * max_slots: each slab's slots still to be zeroed */
     int *empty, n_empty;
     int partial[KV_FORMAT_COUNT]; /* slabs of a format with a free slot (list head, -1) */
     size_t slot_bytes[KV_FORMAT_COUNT];
@@ -81,14 +87,16 @@ int kv_arena_create(kv_store *s, km_errbuf *err)
     a->slabs = calloc((size_t)a->n_slabs, sizeof *a->slabs);
     a->slot_idx = malloc(sizeof(int32_t) * (size_t)a->n_slabs * a->max_slots);
     a->empty = malloc(sizeof(int) * (size_t)a->n_slabs);
+    a->unzeroed = calloc((size_t)a->n_slabs * a->max_slots, 1);
     void *m = mmap(NULL, a->bytes, PROT_READ | PROT_WRITE,
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (m == MAP_FAILED || !a->slabs || !a->slot_idx || !a->empty) {
+    if (m == MAP_FAILED || !a->slabs || !a->slot_idx || !a->empty || !a->unzeroed) {
         size_t bytes = a->bytes;
         if (m != MAP_FAILED) munmap(m, bytes);
         free(a->slabs);
         free(a->slot_idx);
         free(a->empty);
+        free(a->unzeroed);
         free(a);
         return km_errf(err, KM_ENOMEM, "kv arena: cannot reserve %zu bytes", bytes);
     }
@@ -98,6 +106,7 @@ int kv_arena_create(kv_store *s, km_errbuf *err)
         sl->format = -1;
         sl->prev = sl->next = -1;
         sl->free = a->slot_idx + (size_t)i * a->max_slots;
+        sl->unzeroed = a->unzeroed + (size_t)i * a->max_slots;
         a->empty[i] = a->n_slabs - 1 - i; /* low addresses first */
     }
     a->n_empty = a->n_slabs;
@@ -113,6 +122,7 @@ void kv_arena_destroy(kv_store *s)
     free(a->slabs);
     free(a->slot_idx);
     free(a->empty);
+    free(a->unzeroed);
     free(a);
     s->arena = NULL;
 }
@@ -150,11 +160,12 @@ uint8_t *kv_arena_get(kv_store *s, kv_format f)
         if (!a->n_empty) return NULL;
         i = a->empty[--a->n_empty];
         kv_slab *sl = &a->slabs[i];
-        if (sl->dirty) memset(a->base + (size_t)i * a->slab_bytes, 0, a->slab_bytes);
         sl->format = (int)f;
         sl->used = 0;
         sl->n_free = (int)(a->slab_bytes / a->slot_bytes[f]);
         for (int k = 0; k < sl->n_free; k++) sl->free[k] = sl->n_free - 1 - k;
+        /* never touched: the mapping's own zeros; else each slot is zeroed as it goes out */
+        memset(sl->unzeroed, sl->dirty, (size_t)sl->n_free);
         sl->dirty = 1;
         kv_partial_link(a, i);
     }
@@ -163,7 +174,12 @@ uint8_t *kv_arena_get(kv_store *s, kv_format f)
     int32_t slot = sl->free[--sl->n_free];
     sl->used++;
     if (!sl->n_free) kv_partial_unlink(a, i);
-    return a->base + (size_t)i * a->slab_bytes + (size_t)slot * a->slot_bytes[f];
+    uint8_t *buf = a->base + (size_t)i * a->slab_bytes + (size_t)slot * a->slot_bytes[f];
+    if (sl->unzeroed[slot]) {
+        if (!s->buf_whole) memset(buf, 0, a->slot_bytes[f]);
+        sl->unzeroed[slot] = 0;
+    }
+    return buf;
 }
 
 int kv_arena_put(kv_store *s, uint8_t *buf, kv_format f)

@@ -332,11 +332,16 @@ void kv_page_convert(kv_store *s, const uint8_t *src, kv_format a, uint8_t *dst,
  * the budget for the moment it takes. The caller refreshes the tables that point at it. */
 int kv_page_seal(kv_store *s, kv_page *p)
 {
+    return kv_page_seal_as(s, p, 1);
+}
+
+int kv_page_seal_as(kv_store *s, kv_page *p, int convert)
+{
     assert(p->tier == KV_TIER_HOT && p->buf && p->format != KN_KV_INT4);
     uint8_t *nb = kv_buf_get(s, KN_KV_INT4);
     if (!nb) return KM_ENOMEM;
     kv_acct_add(s, p->shard, KV_TIER_HOT, KN_KV_INT4, 1);
-    kv_page_convert(s, p->buf, p->format, nb, KN_KV_INT4);
+    if (convert) kv_page_convert(s, p->buf, p->format, nb, KN_KV_INT4);
     kv_acct_sub(s, p->shard, KV_TIER_HOT, p->format);
     kv_buf_put(s, p->buf, p->format);
     p->buf = nb;

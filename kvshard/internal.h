@@ -158,7 +158,10 @@ struct kv_store {
     /* stats */
     kv_store_stats st;
     struct kv_arena *arena; /* NULL unless cfg.arena */
-    struct kv_xfer *xfer;   /* exports and imports; NULL until the first */
+    /* Set while buffers are taken that their taker overwrites whole before anything reads them
+     * (kv_import_reserve: pages a transfer lands): such a buffer is not zeroed first. */
+    int buf_whole;
+    struct kv_xfer *xfer; /* exports and imports; NULL until the first */
 };
 
 static inline int kv_format_valid(kv_format f)
@@ -219,6 +222,8 @@ void kv_page_read_row(const kv_store *s, const uint8_t *page, kv_format f, int l
 void kv_page_convert(kv_store *s, const uint8_t *src, kv_format a, uint8_t *dst, kv_format b);
 /* Re-encodes a hot page as int4 in place (its buffer replaced); callers refresh the tables. */
 int kv_page_seal(kv_store *s, kv_page *p);
+/* The same without converting (convert 0): the page's payload is about to be overwritten whole. */
+int kv_page_seal_as(kv_store *s, kv_page *p, int convert);
 static inline int kv_format_row_writable(kv_format f)
 {
     return f != KN_KV_INT4;

@@ -315,8 +315,21 @@ typedef struct kv_xfer_page {
 } kv_xfer_page;
 
 /* XXH3-64 over a fixed little-endian header (format, page_tokens, index, hash, parent, bytes),
- * the token ids and the payload: a torn, corrupted or relabelled page fails it. */
+ * the token ids and the payload: a torn, corrupted or relabelled page fails it. The payload is
+ * hashed with the CPU's fastest vector unit (kn_ops.xxh3_update; the same value on every). */
 uint64_t kv_xfer_checksum(const kv_xfer_page *p, int page_tokens, const void *payload);
+
+/* The same checksum computed as the payload arrives, in pieces and in order (a receiver hashing
+ * each fragment while it copies it, so the page is read once): begin with the page's identity,
+ * update with consecutive parts of the payload (p->bytes in all), end gives what
+ * kv_xfer_checksum would. The state is an XXH3 state; any thread, one state per page. */
+typedef struct kv_xfer_sum {
+    _Alignas(64) unsigned char st[640];
+} kv_xfer_sum;
+
+void kv_xfer_sum_begin(kv_xfer_sum *s, const kv_xfer_page *p, int page_tokens);
+void kv_xfer_sum_update(kv_xfer_sum *s, const void *part, size_t n);
+uint64_t kv_xfer_sum_end(kv_xfer_sum *s);
 
 /* Pins the longest verified prefix of the chain (at most n_pages) until kv_export_end or
  * lease_deadline_ns (km_now_ns clock). Returns the number of pages pinned (0: nothing held, no

@@ -100,7 +100,7 @@ uint8_t *kv_buf_get(kv_store *s, kv_format f)
     if (s->n_free_bufs[f]) return s->free_bufs[f][--s->n_free_bufs[f]];
     size_t n = (s->lay[f].page_bytes + 63) & ~(size_t)63;
     uint8_t *b = aligned_alloc(64, n);
-    if (b) memset(b, 0, n);
+    if (b && !s->buf_whole) memset(b, 0, n);
     return b;
 }
 

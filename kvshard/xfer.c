@@ -14,6 +14,7 @@
  * first export and cached; its content changes only by conversion or sealing, both of which
  * change its format or the conversion count.
  */
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -66,7 +67,21 @@ static void kv_put64(uint8_t *p, uint64_t v)
     kv_put32(p + 4, (uint32_t)(v >> 32));
 }
 
-uint64_t kv_xfer_checksum(const kv_xfer_page *p, int page_tokens, const void *payload)
+_Static_assert(sizeof(XXH3_state_t) <= sizeof(kv_xfer_sum), "kv_xfer_sum holds an XXH3 state");
+
+/* The CPU's fastest XXH3 update (the same state, bit for bit, from every table). */
+static void (*kv_xxh3_update(void))(void *, const void *, size_t)
+{
+    static void (*_Atomic fn)(void *, const void *, size_t);
+    void (*f)(void *, const void *, size_t) = atomic_load_explicit(&fn, memory_order_relaxed);
+    if (!f) {
+        f = kn_ops_best()->xxh3_update;
+        atomic_store_explicit(&fn, f, memory_order_relaxed);
+    }
+    return f;
+}
+
+void kv_xfer_sum_begin(kv_xfer_sum *s, const kv_xfer_page *p, int page_tokens)
 {
     uint8_t h[56];
     kv_put32(h, (uint32_t)p->format);
@@ -78,13 +93,29 @@ uint64_t kv_xfer_checksum(const kv_xfer_page *p, int page_tokens, const void *pa
     kv_put64(h + 32, p->parent.lo);
     kv_put64(h + 40, p->parent.hi);
     kv_put64(h + 48, (uint64_t)p->bytes);
-    XXH3_state_t st;
-    XXH3_64bits_reset(&st);
-    XXH3_64bits_update(&st, h, sizeof h);
+    XXH3_state_t *st = (XXH3_state_t *)s->st;
+    XXH3_64bits_reset(st);
+    XXH3_64bits_update(st, h, sizeof h);
     /* token ids as little-endian int32, like the disk page (the store assumes a LE host) */
-    XXH3_64bits_update(&st, p->tokens, sizeof(int32_t) * (size_t)page_tokens);
-    XXH3_64bits_update(&st, payload, p->bytes);
-    return XXH3_64bits_digest(&st);
+    XXH3_64bits_update(st, p->tokens, sizeof(int32_t) * (size_t)page_tokens);
+}
+
+void kv_xfer_sum_update(kv_xfer_sum *s, const void *part, size_t n)
+{
+    kv_xxh3_update()(s->st, part, n);
+}
+
+uint64_t kv_xfer_sum_end(kv_xfer_sum *s)
+{
+    return XXH3_64bits_digest((XXH3_state_t *)s->st);
+}
+
+uint64_t kv_xfer_checksum(const kv_xfer_page *p, int page_tokens, const void *payload)
+{
+    kv_xfer_sum s = {{0}}; /* (reset by begin; initialised for cppcheck) */
+    kv_xfer_sum_begin(&s, p, page_tokens);
+    kv_xfer_sum_update(&s, payload, p->bytes);
+    return kv_xfer_sum_end(&s);
 }
 
 /* ---------------------------------------------------------------- exports */
@@ -282,15 +313,23 @@ int kv_import_reserve(kv_store *s, uint64_t id, int n, const kv_format *wire, kv
     if (!r->wire || !r->wire_fmt) return KM_ENOMEM;
     /* As many pages as the hot tier can make room for: all, else halves. */
     int m = n, rc = 0;
+    /* Every buffer taken here is overwritten whole (a page's by the transfer or, when it
+     * arrives in another format, by the conversion at commit; a demoted page's by its copy)
+     * before it is read, and one that is not is never indexed: no zeroing first. */
+    s->buf_whole = 1;
     while (m > 0 && (rc = kv_seq_reserve(s, r->q, (r->k + m) * s->pt))) m /= 2;
-    if (!m) return rc ? rc : 0;
+    if (!m) {
+        s->buf_whole = 0;
+        return rc ? rc : 0;
+    }
     kv_seq *q = r->q;
     int sealed = 0;
     for (int i = 0; i < m; i++) {
         kv_page *p = q->pg[r->k + i];
-        /* The page arrives whole: an int4 shard takes it as int4 at once, no sealing later. */
+        /* The page arrives whole: an int4 shard takes it as int4 at once, no sealing later
+         * (nothing to convert: the reserved page holds nothing yet). */
         if (s->shards[p->shard].format == KN_KV_INT4 && p->format != KN_KV_INT4 &&
-            !kv_page_seal(s, p))
+            !kv_page_seal_as(s, p, 0))
             sealed = 1;
         atomic_store_explicit(&p->rows, s->rows_full, memory_order_relaxed);
     }
@@ -320,6 +359,7 @@ int kv_import_reserve(kv_store *s, uint64_t id, int n, const kv_format *wire, kv
             .region = kv_arena_region_of(s, dst),
         };
     }
+    s->buf_whole = 0;
     r->n_usable = m;
     return m ? m : KM_ENOMEM;
 }

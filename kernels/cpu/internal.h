@@ -69,7 +69,8 @@ typedef struct {
                             float scale, float *out);                                              \
     void kn_attention_multi_##sfx(const kn_kv_view *kv, int head_dim, const float *q,              \
                                   size_t q_stride, int n_tok, int n_q, float scale, float *out,    \
-                                  size_t out_stride);
+                                  size_t out_stride);                                              \
+    void kn_xxh3_update_##sfx(void *state, const void *p, size_t n);
 
 KN_DECLARE_ISA(ref)
 KN_DECLARE_ISA(avx2)

@@ -13,6 +13,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t */
+#include <xxhash.h>
 
 #include "kernels/kernels.h"
 
@@ -438,6 +440,63 @@ SIMD_TEST(f32_to_f16_bit_exact_random_and_special)
         cr_assert_eq(y1[m], 0xBEEF, "wrote past n=%d", m);
     }
     free(x), free(y0), free(y1);
+}
+
+/* XXH3 of buf fed to update in the pieces cut[] says (lengths, in order), from table o. */
+static uint64_t xxh3_in_pieces(const kn_ops *o, const uint8_t *buf, const size_t *cut, int n_cut)
+{
+    XXH3_state_t st;
+    XXH3_64bits_reset(&st);
+    for (int i = 0; i < n_cut; i++) {
+        o->xxh3_update(&st, buf, cut[i]);
+        buf += cut[i];
+    }
+    return XXH3_64bits_digest(&st);
+}
+
+/* Lengths around XXH3's internal sizes (stripe 64, block 1024, its 256-byte buffer), a page of
+ * the default model (368,640), cut at odd places. */
+static const size_t xxh_lens[] = {0,   1,   16,   17,   128,  129,  240,   241,   255,
+                                  256, 257, 1023, 1024, 1025, 4096, 61440, 65536, 368640};
+#define N_XXH_LENS ((int)(sizeof xxh_lens / sizeof xxh_lens[0]))
+
+static void xxh3_matches(const kn_ops *o, const kn_ops *ref)
+{
+    enum { N = 368640 + 64 };
+    uint8_t *buf = malloc(N);
+    rng_seed(21);
+    for (int i = 0; i < N; i++) buf[i] = (uint8_t)rng_u64();
+    for (int li = 0; li < N_XXH_LENS; li++)
+        for (int off = 0; off < 3; off++) { /* misaligned starts too */
+            const size_t len = xxh_lens[li];
+            const uint64_t want = XXH3_64bits(buf + off, len);
+            const size_t whole[1] = {len};
+            cr_assert_eq(xxh3_in_pieces(o, buf + off, whole, 1), want, "%s len %zu off %d", o->name,
+                         len, off);
+            /* the same bytes in uneven pieces: a receiver hashing fragments as they land */
+            size_t cut[64], left = len;
+            int n = 0;
+            while (left && n < 63) {
+                size_t c = 1 + rng_u64() % (len / 4 + 64);
+                cut[n++] = c < left ? c : left;
+                left -= cut[n - 1];
+            }
+            if (left) cut[n++] = left;
+            cr_assert_eq(xxh3_in_pieces(o, buf + off, cut, n), want, "%s len %zu in %d pieces",
+                         o->name, len, n);
+            if (ref) cr_assert_eq(xxh3_in_pieces(ref, buf + off, cut, n), want);
+        }
+    free(buf);
+}
+
+Test(ref, xxh3_update_is_libxxhash_whole_and_in_pieces)
+{
+    xxh3_matches(kn_ops_get(KN_ISA_SCALAR), NULL);
+}
+
+SIMD_TEST(xxh3_update_equals_the_reference)
+{
+    xxh3_matches(o, kn_ops_get(KN_ISA_SCALAR));
 }
 
 Test(ref, bf16_conversions_match_ggml)

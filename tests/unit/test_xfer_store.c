@@ -387,6 +387,31 @@ Test(xfer_store, checksum_covers_identity_tokens_and_payload)
     cr_assert_eq(kv_xfer_checksum(&p, PT, payload), c0);
 }
 
+Test(xfer_store, checksum_in_pieces_as_a_page_lands_equals_the_whole)
+{
+    int32_t toks[PT] = {5, 6, 7, 8};
+    enum { B = 368640 };
+    uint8_t *payload = malloc(B);
+    for (int i = 0; i < B; i++) payload[i] = (uint8_t)(i * 131 + (i >> 9));
+    kv_xfer_page p = {.format = KN_KV_F16,
+                      .index = 2,
+                      .hash = {7, 8},
+                      .parent = {9, 10},
+                      .tokens = toks,
+                      .buf = payload,
+                      .bytes = B};
+    const uint64_t whole = kv_xfer_checksum(&p, PT, payload);
+    const size_t frag[] = {1, 61440, 100, 4096, 7};
+    for (unsigned f = 0; f < sizeof frag / sizeof frag[0]; f++) {
+        kv_xfer_sum s = {{0}};
+        kv_xfer_sum_begin(&s, &p, PT);
+        for (size_t at = 0; at < B; at += frag[f])
+            kv_xfer_sum_update(&s, payload + at, at + frag[f] <= B ? frag[f] : B - at);
+        cr_assert_eq(kv_xfer_sum_end(&s), whole, "fragments of %zu bytes", frag[f]);
+    }
+    free(payload);
+}
+
 Test(xfer_store, transfers_in_flight_keep_their_buffers_through_recovery_level_2)
 {
     pair P;
