@@ -144,8 +144,9 @@ struct pr_node {
 };
 
 /* pull.c — called by the back end's progress thread when page i's read completed (ok) or
- * failed; verifies the checksum and settles the page. */
-void pr_page_arrived(pr_pull *p, int i, int ok);
+ * failed; verifies the checksum (sum: what the back end computed of the page as it landed, or
+ * NULL to compute it now) and settles the page. */
+void pr_page_arrived(pr_pull *p, int i, int ok, const uint64_t *sum);
 /* Imports what a zombie pull got intact, then frees it (its reads have all completed). */
 void pr_pull_reap(pr_node *n, pr_pull *p);
 /* Frees a pull the back end is done with (owner thread). */

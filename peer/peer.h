@@ -69,7 +69,17 @@ typedef struct pr_config {
     const char *advertise_host; /* what peers connect to; NULL: "127.0.0.1" */
     int lease_ms;               /* how long a holder keeps pages pinned for a reader; 0: 10000 */
     int max_inflight;           /* pages read at once per pull; 0: 32 */
+    /* AM mode, holder side: a page is answered as eager fragments of this many bytes, which the
+     * reader copies into the page and hashes as they land (the page is read once); 0:
+     * PR_FRAGMENT_DEFAULT; < 0: one rendezvous message per page, hashed after it has landed.
+     * A reader takes either. docs/transfer.md has the figures. */
+    int am_fragment;
 } pr_config;
+
+/* One TCP segment of UCX 1.13 (UCX_TCP_RX_SEG_SIZE, 64 KiB) with room for its headers, so that a
+ * fragment travels as one zero-copy send and arrives whole in one receive buffer; a page of the
+ * default model (368,640 bytes in f16) is six. */
+#define PR_FRAGMENT_DEFAULT 61440
 
 int pr_node_create(const pr_config *cfg, pr_node **out, km_errbuf *err);
 /* Cancels every pull, ends every lease, closes every endpoint, unregisters the memory. */

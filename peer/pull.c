@@ -158,12 +158,12 @@ int pr_pull_offer(pr_node *n, pr_pull *p, const pr_offer *o)
     return rc;
 }
 
-void pr_page_arrived(pr_pull *p, int i, int ok)
+void pr_page_arrived(pr_pull *p, int i, int ok, const uint64_t *sum)
 {
     pr_xpage *x = &p->pages[i];
     int st = PR_PAGE_FAILED;
     if (ok)
-        st = kv_xfer_checksum(&x->dst, p->page_tokens, x->dst.buf) == x->src.checksum
+        st = (sum ? *sum : kv_xfer_checksum(&x->dst, p->page_tokens, x->dst.buf)) == x->src.checksum
                  ? PR_PAGE_OK
                  : PR_PAGE_BAD_SUM;
     atomic_store_explicit(&x->state, st, memory_order_release);

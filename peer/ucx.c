@@ -227,6 +227,7 @@ static void pr_conn_cb(ucp_conn_request_h req, void *arg)
         return;
     }
     e->counted = 1;
+    e->am_tcp = -1;
     atomic_fetch_add_explicit(&u->node->endpoints, 1, memory_order_relaxed);
     e->state = PR_EP_READY;
     e->next = u->eps;
@@ -523,9 +524,8 @@ static void pr_ucx_close(pr_node *n)
     while (u->pulls) {
         pr_upull *up = u->pulls;
         u->pulls = up->next;
-        free(up->ops);
         atomic_store(&up->p->fetch_done, 1);
-        free(up);
+        pr_upull_free(up);
     }
     for (int i = 0; i < u->n_regions; i++) {
         if (u->rkey_buf[i]) ucp_rkey_buffer_release(u->rkey_buf[i]);
@@ -573,9 +573,7 @@ static void pr_ucx_close(pr_node *n)
         pr_cmd *c = u->cmds;
         u->cmds = c->next;
         if (c->kind == PR_CMD_FETCH) {
-            pr_upull *up = c->pull->be;
-            free(up->ops);
-            free(up);
+            pr_upull_free(c->pull->be);
             atomic_store(&c->pull->fetch_done, 1);
         } else if (c->kind == PR_CMD_CONNECT) {
             free(c->peer->be);
@@ -616,23 +614,27 @@ static void pr_ucx_disconnect(pr_node *n, pr_peer *p)
 static int pr_ucx_fetch(pr_node *n, pr_pull *p)
 {
     pr_upull *up = calloc(1, sizeof *up);
-    if (up) up->ops = calloc((size_t)p->n, sizeof *up->ops);
-    if (!up || !up->ops) {
-        if (up) free(up);
+    const int w = n->cfg.max_inflight;
+    if (!up) return KM_ENOMEM;
+    up->ops = calloc((size_t)p->n, sizeof *up->ops);
+    up->sums = aligned_alloc(_Alignof(kv_xfer_sum), sizeof(kv_xfer_sum) * (size_t)w);
+    up->free_sums = malloc(sizeof(int) * (size_t)w);
+    if (!up->ops || !up->sums || !up->free_sums) {
+        pr_upull_free(up);
         return KM_ENOMEM;
     }
+    for (int i = 0; i < w; i++) up->free_sums[i] = i;
+    up->n_free_sums = w;
     up->p = p;
     up->ep = p->peer->be;
     for (int i = 0; i < p->n; i++) {
         up->ops[i].up = up;
         up->ops[i].index = i;
+        up->ops[i].sum = -1;
     }
     p->be = up;
     int rc = pr_ucx_push(n->be, PR_CMD_FETCH, NULL, p);
-    if (rc) {
-        free(up->ops);
-        free(up);
-    }
+    if (rc) pr_upull_free(up);
     return rc;
 }
 

@@ -26,7 +26,17 @@
 
 enum { PR_CMD_CONNECT, PR_CMD_DISCONNECT, PR_CMD_FETCH };
 enum { PR_EP_CONNECTING, PR_EP_READY, PR_EP_CLOSING, PR_EP_CLOSED };
-enum { PR_OP_IDLE, PR_OP_FETCH_SENT, PR_OP_RECEIVING, PR_OP_GETTING, PR_OP_DONE };
+/* FETCH_SENT: waiting for the answer; LANDING: its eager fragments are arriving (each copied
+ * into the page and hashed in the AM callback, so no operation of UCX writes into the page);
+ * RECEIVING: a rendezvous answer UCX is writing into the page; GETTING: a one-sided read. */
+enum { PR_OP_IDLE, PR_OP_FETCH_SENT, PR_OP_LANDING, PR_OP_RECEIVING, PR_OP_GETTING, PR_OP_DONE };
+
+/* The header of a PR_AM_DATA message: one fragment of a page (or all of it) from offset. */
+typedef struct pr_data_hdr {
+    uint64_t pull_id;
+    uint32_t index, status; /* status != 0: refused, no data */
+    uint64_t offset;
+} pr_data_hdr;
 
 typedef struct pr_ucx pr_ucx;
 
@@ -44,6 +54,7 @@ typedef struct pr_uep {
     pr_peer *peer; /* NULL for an accepted connection */
     ucp_ep_h ep;
     int state, failed, want_close, counted;
+    int am_tcp; /* holder: -1 not known yet, 1 when its AM lane is TCP (answers in fragments) */
     uint64_t live_ns; /* the peer's last sign of life: ready, or a page or answer received */
     void *flush_req, *close_req;
     ucp_rkey_h rkey[PR_MAX_REGIONS];
@@ -52,6 +63,9 @@ typedef struct pr_uep {
 typedef struct pr_op {
     struct pr_upull *up;
     int index, phase;
+    int sum;         /* LANDING: the slot of up->sums hashing the page in order, or -1 */
+    uint64_t landed; /* LANDING: payload bytes copied in so far */
+    uint64_t hashed; /* LANDING: leading payload bytes hashed (in order) */
     struct {
         uint64_t pull_id;
         uint32_t index, region;
@@ -65,19 +79,21 @@ typedef struct pr_upull {
     pr_uep *ep;
     pr_op *ops;
     int next_op, inflight;
+    kv_xfer_sum *sums; /* [max_inflight] checksums of pages landing in fragments */
+    int *free_sums, n_free_sums;
 } pr_upull;
 
-/* An answer to a fetch, waiting to be sent or in flight (holder side). */
+/* An answer to a fetch, waiting to be sent or in flight (holder side): the page in fragments
+ * (or one rendezvous message), each with its own header, stable until its send completes. */
 typedef struct pr_reply {
     struct pr_reply *next;
     pr_ucx *u;
     pr_uep *conn;
-    struct {
-        uint64_t pull_id;
-        uint32_t index, status;
-    } hdr;
+    pr_data_hdr hdr;
     uint64_t addr, bytes;
     uint32_t region;
+    int pending;       /* sends not yet completed */
+    pr_data_hdr *frag; /* [n_frag] headers of the fragments */
 } pr_reply;
 
 struct pr_ucx {
@@ -117,5 +133,7 @@ ucs_status_t pr_am_fetch_cb(void *arg, const void *header, size_t hlen, void *da
 void pr_pulls_service(pr_ucx *u, uint64_t now, uint64_t *next_deadline);
 /* Sends the queued answers. */
 void pr_replies_send(pr_ucx *u);
+/* Frees a pull's back-end state (no operation of it left in UCX). */
+void pr_upull_free(pr_upull *up);
 
 #endif

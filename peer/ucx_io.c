@@ -1,9 +1,19 @@
 /*
  * ucx_io.c — the UCX back end's data path (ucx_internal.h): a puller's reads (one-sided gets,
- * or active-message fetches answered by rendezvous into the destination page) with their window
- * and deadlines, and a holder's answers to fetches from its registered memory. Runs on the
- * node's progress thread only (ucx.c says how that thread is driven).
+ * or active-message fetches answered by eager fragments that the AM callback copies into the
+ * destination page and hashes as they land, or by one rendezvous message into the page) with
+ * their window and deadlines, and a holder's answers to fetches from its registered memory.
+ * Runs on the node's progress thread only (ucx.c says how that thread is driven).
+ *
+ * Why fragments (docs/transfer.md, "Measured"): over TCP, UCX 1.13 lands a rendezvous message
+ * by copying its pieces from its receive buffers into the page, after which the page was read
+ * again whole for its checksum; a fragment of one TCP segment arrives whole in one receive
+ * buffer, and copying it into the page and hashing it in the same callback, a piece at a time
+ * while it is in the cache, reads the page once. No operation of UCX writes into the page, so
+ * a page given up on is free at once. A fragment out of order (another transport) is still
+ * copied; the page is then hashed whole when it is complete.
  */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -11,12 +21,55 @@
 
 /* ---------------------------------------------------------------- reads (puller side) */
 
-static void pr_op_settle(pr_op *o, int ok)
+#define PR_LAND_CHUNK 16384 /* copied, then hashed while still in L1 */
+
+static void pr_op_settle_sum(pr_op *o, int ok, const uint64_t *sum)
 {
     if (o->phase == PR_OP_DONE) return;
-    if (o->phase != PR_OP_IDLE) o->up->inflight--;
+    pr_upull *up = o->up;
+    if (o->phase != PR_OP_IDLE) up->inflight--;
     o->phase = PR_OP_DONE;
-    pr_page_arrived(o->up->p, o->index, ok);
+    if (o->sum >= 0) {
+        up->free_sums[up->n_free_sums++] = o->sum;
+        o->sum = -1;
+    }
+    pr_page_arrived(up->p, o->index, ok, sum);
+}
+
+static void pr_op_settle(pr_op *o, int ok)
+{
+    pr_op_settle_sum(o, ok, NULL);
+}
+
+/* An eager fragment [off, off + len) of the page o reads: copied in and, when it continues
+ * what has been hashed so far, hashed from the page a chunk at a time. */
+static void pr_land(pr_upull *up, pr_op *o, const kv_xfer_page *d, uint64_t off, const void *data,
+                    size_t len)
+{
+    if (o->phase == PR_OP_FETCH_SENT) {
+        o->phase = PR_OP_LANDING;
+        o->landed = o->hashed = 0;
+        if (up->n_free_sums) {
+            o->sum = up->free_sums[--up->n_free_sums];
+            kv_xfer_sum_begin(&up->sums[o->sum], d, up->p->page_tokens);
+        }
+    }
+    const int in_order = o->sum >= 0 && off == o->hashed;
+    const uint8_t *src = data;
+    for (size_t at = 0; at < len; at += PR_LAND_CHUNK) {
+        const size_t c = len - at < PR_LAND_CHUNK ? len - at : PR_LAND_CHUNK;
+        memcpy(d->buf + off + at, src + at, c);
+        if (in_order) kv_xfer_sum_update(&up->sums[o->sum], d->buf + off + at, c);
+    }
+    if (in_order) o->hashed += len;
+    o->landed += len;
+    if (o->landed < d->bytes) return;
+    if (o->sum >= 0 && o->hashed == d->bytes) {
+        const uint64_t sum = kv_xfer_sum_end(&up->sums[o->sum]);
+        pr_op_settle_sum(o, 1, &sum);
+    } else {
+        pr_op_settle(o, 1); /* not all in order: hashed whole now */
+    }
 }
 
 static void pr_get_done(void *req, ucs_status_t status, void *arg)
@@ -92,27 +145,29 @@ static pr_upull *pr_upull_find(pr_ucx *u, uint64_t pull_id)
     return NULL;
 }
 
-/* Puller: a page answering one of our fetches. */
+/* Puller: a page, or a fragment of one, answering one of our fetches. */
 ucs_status_t pr_am_data_cb(void *arg, const void *header, size_t hlen, void *data, size_t len,
                            const ucp_am_recv_param_t *param)
 {
     pr_ucx *u = arg;
-    pr_reply h;
-    if (hlen != sizeof h.hdr) return UCS_OK;
-    memcpy(&h.hdr, header, sizeof h.hdr);
-    pr_upull *up = pr_upull_find(u, h.hdr.pull_id);
-    if (!up || h.hdr.index >= (uint32_t)up->p->n) return UCS_OK; /* given up: dropped */
+    pr_data_hdr h;
+    if (hlen != sizeof h) return UCS_OK;
+    memcpy(&h, header, sizeof h);
+    pr_upull *up = pr_upull_find(u, h.pull_id);
+    if (!up || h.index >= (uint32_t)up->p->n) return UCS_OK; /* given up: dropped */
     up->ep->live_ns = km_now_ns();
-    pr_op *o = &up->ops[h.hdr.index];
-    if (o->phase != PR_OP_FETCH_SENT) return UCS_OK;
+    pr_op *o = &up->ops[h.index];
+    if (o->phase != PR_OP_FETCH_SENT && o->phase != PR_OP_LANDING) return UCS_OK;
     const kv_xfer_page *d = &up->p->pages[o->index].dst;
-    if (h.hdr.status || len != d->bytes) {
+    const int rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+    if (h.status || h.offset > d->bytes || len > d->bytes - h.offset ||
+        (rndv && (o->phase != PR_OP_FETCH_SENT || len != d->bytes)) ||
+        o->landed + len > d->bytes) { /* refused, or not a piece of this page */
         pr_op_settle(o, 0);
         return UCS_OK;
     }
-    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
-        memcpy(d->buf, data, len);
-        pr_op_settle(o, 1);
+    if (!rndv) {
+        pr_land(up, o, d, h.offset, data, len);
         return UCS_OK;
     }
     o->phase = PR_OP_RECEIVING;
@@ -153,17 +208,18 @@ void pr_pulls_service(pr_ucx *u, uint64_t now, uint64_t *next_deadline)
         if (stop) { /* nothing more is issued; what waits for an answer that cannot come ends */
             for (int i = up->next_op; i < p->n; i++) pr_op_settle(&up->ops[i], 0);
             up->next_op = p->n;
-            if (dead || late) /* an answer after this is dropped (pr_am_data_cb) */
+            if (dead || late) /* an answer after this is dropped (pr_am_data_cb); a page landing
+                                 in fragments has nothing of UCX's writing into it */
                 for (int i = 0; i < p->n; i++)
-                    if (up->ops[i].phase == PR_OP_FETCH_SENT) pr_op_settle(&up->ops[i], 0);
+                    if (up->ops[i].phase == PR_OP_FETCH_SENT || up->ops[i].phase == PR_OP_LANDING)
+                        pr_op_settle(&up->ops[i], 0);
         } else if (e->state == PR_EP_READY) {
             while (up->next_op < p->n && up->inflight < u->node->cfg.max_inflight)
                 pr_issue(u, up, &up->ops[up->next_op++]);
         }
         if (up->next_op == p->n && up->inflight == 0) {
             *pp = up->next;
-            free(up->ops);
-            free(up);
+            pr_upull_free(up);
             atomic_store_explicit(&p->fetch_done, 1, memory_order_release); /* last touch */
             continue;
         }
@@ -224,12 +280,85 @@ ucs_status_t pr_am_fetch_cb(void *arg, const void *header, size_t hlen, void *da
     return UCS_OK;
 }
 
+static void pr_reply_unref(pr_reply *r)
+{
+    if (--r->pending) return;
+    r->u->sends--;
+    free(r->frag);
+    free(r);
+}
+
 static void pr_reply_sent(void *req, ucs_status_t status, void *arg)
 {
-    pr_reply *r = arg;
     ucp_request_free(req);
-    r->u->sends--;
-    free(r);
+    pr_reply_unref(arg);
+}
+
+/* 1 when the connection's active messages travel on TCP, read off UCX's description of the
+ * endpoint (1.13 has no query for its lanes): a line "lane[i]: n:tcp/DEV ... am ...". Elsewhere
+ * (shared memory, CMA, RDMA) a rendezvous lands the page with one copy or none, which measured
+ * faster than fragments (docs/transfer.md); over TCP it lands through UCX's receive buffers
+ * and fragments save the second pass over the page. */
+static int pr_conn_am_tcp(pr_uep *e)
+{
+    if (e->am_tcp >= 0) return e->am_tcp;
+    char *text = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&text, &len);
+    if (!f) return 1;
+    ucp_ep_print_info(e->ep, f);
+    fclose(f);
+    int tcp = 1; /* no lane found: TCP, the transport this layer is built for */
+    for (char *l = text ? strstr(text, "lane[") : NULL; l; l = strstr(l + 1, "lane[")) {
+        char *end = strchr(l, '\n');
+        if (end) *end = 0;
+        if (strstr(l, " am ") || strstr(l, " am_bw")) tcp = strstr(l, ":tcp/") != NULL;
+        if (end) *end = '\n';
+    }
+    free(text);
+    return e->am_tcp = tcp;
+}
+
+/* Sends r: a refusal (a header alone), the page as one rendezvous message (am_fragment < 0, or
+ * a connection not on TCP), or the page in eager fragments of am_fragment bytes, each with its
+ * own header. */
+static void pr_reply_send(pr_ucx *u, pr_reply *r)
+{
+    const size_t bytes = r->hdr.status ? 0 : r->bytes;
+    const int frag = bytes && pr_conn_am_tcp(r->conn) ? u->node->cfg.am_fragment : -1;
+    const size_t fb = frag > 0 ? (size_t)frag : bytes;
+    const int n = bytes && fb ? (int)((bytes + fb - 1) / fb) : 1;
+    if (n > 1 && !(r->frag = malloc(sizeof *r->frag * (size_t)n))) {
+        free(r); /* the reader's deadline ends its wait */
+        return;
+    }
+    u->sends++;
+    r->pending = n + 1; /* one for the loop below */
+    for (int k = 0; k < n; k++) {
+        pr_data_hdr *h = n > 1 ? &r->frag[k] : &r->hdr;
+        *h = r->hdr;
+        h->offset = (uint64_t)k * fb;
+        const size_t len = bytes ? (bytes - h->offset < fb ? bytes - h->offset : fb) : 0;
+        ucp_request_param_t prm = {
+            .op_attr_mask =
+                UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS,
+            .flags = frag > 0 ? UCP_AM_SEND_FLAG_EAGER : UCP_AM_SEND_FLAG_RNDV,
+            .cb.send = pr_reply_sent,
+            .user_data = r};
+        if (len) {
+            prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+            prm.memh = u->memh[r->region];
+        }
+        void *q = ucp_am_send_nbx(r->conn->ep, PR_AM_DATA, h, sizeof *h,
+                                  len ? (void *)(uintptr_t)(r->addr + h->offset) : NULL, len, &prm);
+        if (UCS_PTR_IS_PTR(q)) continue;
+        r->pending--;
+        if (UCS_PTR_IS_ERR(q)) { /* the endpoint failed: the reader's wait ends by its deadline */
+            r->pending -= n - 1 - k;
+            break;
+        }
+    }
+    pr_reply_unref(r);
 }
 
 void pr_replies_send(pr_ucx *u)
@@ -237,27 +366,17 @@ void pr_replies_send(pr_ucx *u)
     while (u->replies) {
         pr_reply *r = u->replies;
         u->replies = r->next;
-        if (r->conn->failed || r->conn->state != PR_EP_READY) {
+        if (r->conn->failed || r->conn->state != PR_EP_READY)
             free(r);
-            continue;
-        }
-        ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
-                                                   UCP_OP_ATTR_FIELD_USER_DATA |
-                                                   UCP_OP_ATTR_FIELD_FLAGS,
-                                   .flags = UCP_AM_SEND_FLAG_RNDV,
-                                   .cb.send = pr_reply_sent,
-                                   .user_data = r};
-        size_t bytes = r->hdr.status ? 0 : r->bytes;
-        if (bytes) {
-            prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
-            prm.memh = u->memh[r->region];
-        }
-        u->sends++;
-        void *q = ucp_am_send_nbx(r->conn->ep, PR_AM_DATA, &r->hdr, sizeof r->hdr,
-                                  bytes ? (void *)(uintptr_t)r->addr : NULL, bytes, &prm);
-        if (!UCS_PTR_IS_PTR(q)) {
-            u->sends--;
-            free(r);
-        }
+        else
+            pr_reply_send(u, r);
     }
+}
+
+void pr_upull_free(pr_upull *up)
+{
+    free(up->ops);
+    free(up->sums);
+    free(up->free_sums);
+    free(up);
 }

@@ -53,6 +53,7 @@ typedef struct xh_role {
     int pages;
     pr_mode mode;
     int lease_ms;
+    int am_fragment; /* pr_config.am_fragment (0: the default) */
 } xh_role;
 
 typedef struct xh_child {

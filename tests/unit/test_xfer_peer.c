@@ -38,9 +38,11 @@ static void compute(kv_store *s, shape sh, const int32_t *toks, const km_pagehas
     cr_assert_eq(xh_compute(s, sh, toks, hs, n), 0);
 }
 
+static int g_fragment; /* pr_config.am_fragment of the nodes made (0: the default) */
+
 static pr_node *mk_node(kv_store *s, pr_mode mode, int lease_ms)
 {
-    pr_config c = {.store = s, .mode = mode, .lease_ms = lease_ms};
+    pr_config c = {.store = s, .mode = mode, .lease_ms = lease_ms, .am_fragment = g_fragment};
     pr_node *n;
     km_errbuf err;
     cr_assert_eq(pr_node_create(&c, &n, &err), 0, "node: %s", err.msg);
@@ -407,6 +409,20 @@ Test(xfer_peer, bad_sizes_and_addresses_are_dropped_before_any_read, .timeout = 
     bad_page(PR_MODE_GET, tamper_size, PR_DROP_FORMAT);
     bad_page(PR_MODE_GET, tamper_address, PR_DROP_FORMAT);
     bad_page(PR_MODE_AM, tamper_address, PR_DROP_FORMAT);
+}
+
+/* A holder answers in fragments of any size (the reader copies and hashes each as it lands) or
+ * with one rendezvous message per page (-1); the reader takes either, byte for byte. */
+Test(xfer_peer, am_pages_arrive_whole_in_any_fragment_size_or_one_rendezvous, .timeout = 300)
+{
+    const int frag[] = {-1, 1000, 4096, PR_FRAGMENT_DEFAULT, 368640, 1 << 20};
+    for (unsigned i = 0; i < sizeof frag / sizeof frag[0]; i++) {
+        g_fragment = frag[i];
+        pull_pages(PR_MODE_AM, SMALL, 16);
+        pull_pages(PR_MODE_AM, SMOL, 4);
+    }
+    g_fragment = 1000; /* a page in pieces: a bad byte in one of them still fails the page */
+    bad_page(PR_MODE_AM, tamper_payload, PR_DROP_CHECKSUM);
 }
 
 Test(xfer_peer, the_first_page_bad_means_nothing_imported, .timeout = 120)
