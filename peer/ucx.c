@@ -625,6 +625,9 @@ static int pr_ucx_fetch(pr_node *n, pr_pull *p)
     }
     for (int i = 0; i < w; i++) up->free_sums[i] = i;
     up->n_free_sums = w;
+    uint64_t bytes = 0;
+    for (int i = 0; i < p->n; i++) bytes += p->pages[i].dst.bytes;
+    up->stream = bytes > PR_STREAM_BYTES;
     up->p = p;
     up->ep = p->peer->be;
     for (int i = 0; i < p->n; i++) {
