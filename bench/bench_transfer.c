@@ -21,6 +21,7 @@
 #include <fcntl.h>
 #include <sched.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -151,11 +152,13 @@ static int one_pull(side *x, int n, uint64_t *e2e, uint64_t *read)
     xh_parse_offer(x->buf, &o);
     uint64_t t1 = km_now_ns();
     pr_pull_offer(x->n, p, &o);
-    /* Sleep between looks (20 us), not spin: with two CPUs a third busy thread beside the two
-     * progress threads would take a CPU from them (ucx_perftest runs two), and a worker's loop
-     * also sleeps in its poll while a pull runs. */
-    const struct timespec tick = {0, 20000};
-    while (!pr_pull_done_yet(x->n, p)) nanosleep(&tick, NULL);
+    /* Sleep in poll on the node's wait fd, as a worker's loop does, not spin: with two CPUs a
+     * third busy thread beside the two progress threads would take a CPU from them
+     * (ucx_perftest runs two). */
+    struct pollfd pfd = {.fd = pr_node_wait_fd(x->n), .events = POLLIN};
+    while (!pr_pull_done_yet(x->n, p)) {
+        if (poll(&pfd, 1, 100) > 0) pr_node_poll(x->n, NULL, 0);
+    }
     uint64_t t2 = km_now_ns();
     pr_pull_done done;
     pr_pull_result res;

@@ -140,8 +140,13 @@ struct pr_node {
      * (pr_lease_allows, from its progress thread); the owner thread takes it to change them. */
     pthread_mutex_t lease_mu;
     _Atomic uint64_t fetches_refused; /* reads asked of pages no live lease offered */
-    int closed; /* the back end is gone (pr_node_destroy): nothing more to tell it */
+    int wait_fd; /* eventfd: the back end writes it when a pull's reads have all completed */
+    int closed;  /* the back end is gone (pr_node_destroy): nothing more to tell it */
 };
+
+/* node.c — the back end says that pull p's reads have all completed (sets p->fetch_done and
+ * wakes the owner's wait_fd); any thread. */
+void pr_pull_fetched(pr_node *n, pr_pull *p);
 
 /* pull.c — called by the back end's progress thread when page i's read completed (ok) or
  * failed; verifies the checksum (sum: what the back end computed of the page as it landed, or

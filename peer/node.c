@@ -6,6 +6,8 @@
  */
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 
 #include "peer/internal.h"
 
@@ -38,14 +40,14 @@ int pr_node_create(const pr_config *cfg, pr_node **out, km_errbuf *err)
     atomic_init(&n->fetches_refused, 0);
     pthread_mutex_init(&n->lease_mu, NULL);
     n->n_regions = kv_store_mem_regions(n->store, n->regions, PR_MAX_REGIONS);
-    if (n->n_regions <= 0 || n->n_regions > PR_MAX_REGIONS) {
-        pthread_mutex_destroy(&n->lease_mu);
-        free(n);
-        return km_errf(err, KM_EINVAL,
-                       "peer node: the store has no page arena (create it with arena = 1)");
-    }
-    int rc = ops->open(n, err);
+    n->wait_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    int rc = n->n_regions <= 0 || n->n_regions > PR_MAX_REGIONS
+                 ? km_errf(err, KM_EINVAL,
+                           "peer node: the store has no page arena (create it with arena = 1)")
+             : n->wait_fd < 0 ? km_errf(err, KM_EIO, "peer node: cannot make an eventfd")
+                              : ops->open(n, err);
     if (rc) {
+        if (n->wait_fd >= 0) close(n->wait_fd);
         pthread_mutex_destroy(&n->lease_mu);
         free(n);
         return rc;
@@ -81,6 +83,7 @@ void pr_node_destroy(pr_node *n)
         free(p);
     }
     free(n->addr);
+    close(n->wait_fd);
     pthread_mutex_destroy(&n->lease_mu);
     free(n);
 }
@@ -145,8 +148,24 @@ void pr_peer_release(pr_node *n, pr_peer *p)
 
 /* ---------------------------------------------------------------- housekeeping */
 
+int pr_node_wait_fd(const pr_node *n)
+{
+    return n->wait_fd;
+}
+
+void pr_pull_fetched(pr_node *n, pr_pull *p)
+{
+    atomic_store_explicit(&p->fetch_done, 1, memory_order_release);
+    const uint64_t one = 1;
+    if (write(n->wait_fd, &one, sizeof one) < 0) { /* EAGAIN: already readable */
+    }
+}
+
 int pr_node_poll(pr_node *n, pr_offer *out, int max)
 {
+    uint64_t v;
+    if (read(n->wait_fd, &v, sizeof v) < 0) { /* EAGAIN: nothing new */
+    }
     pr_leases_expire(n, km_now_ns());
     for (pr_pull **pp = &n->zombies; *pp;) {
         pr_pull *p = *pp;

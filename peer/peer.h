@@ -199,8 +199,13 @@ int pr_serve_done(pr_node *n, const pr_pull_done *done);
 
 /* The owner loop's call: ends leases that ran out, reclaims canceled pulls whose reads have
  * completed, and returns up to max offers ready to send (valid until the next call on the
- * node). */
+ * node). It also clears pr_node_wait_fd. */
 int pr_node_poll(pr_node *n, pr_offer *out, int max);
+/* A file descriptor that becomes readable when a pull's reads have all completed (its
+ * pr_pull_done_yet turns 1), for the owner to poll beside its sockets instead of looking every
+ * so often: a pull's end is seen at once. Cleared by pr_node_poll. Valid until the node is
+ * destroyed. */
+int pr_node_wait_fd(const pr_node *n);
 
 /* ---------------------------------------------------------------- statistics */
 

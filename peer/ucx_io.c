@@ -263,7 +263,7 @@ void pr_pulls_service(pr_ucx *u, uint64_t now, uint64_t *next_deadline)
         if (up->next_op == p->n && up->inflight == 0) {
             *pp = up->next;
             pr_upull_free(up);
-            atomic_store_explicit(&p->fetch_done, 1, memory_order_release); /* last touch */
+            pr_pull_fetched(u->node, p); /* last touch */
             continue;
         }
         /* reads that write into our pages still run after the deadline: look again when the

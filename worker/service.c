@@ -421,13 +421,14 @@ int wk_service_run(wk_service *s)
             wk_handle_message(s, s->router, &s->held[i]);
         s->n_held = 0;
         if (s->stop_now) break;
-        km_zpollitem items[2] = {{.sock = s->router, .events = KM_ZPOLLIN},
-                                 {.sock = s->ctl_loop, .events = KM_ZPOLLIN}};
+        km_zpollitem items[24] = {{.sock = s->router, .events = KM_ZPOLLIN},
+                                  {.sock = s->ctl_loop, .events = KM_ZPOLLIN}};
         int n_items = s->ctl_loop ? 2 : 1;
+        n_items += wk_peer_poll_items(s, items + n_items, 24 - n_items); /* read by wk_peer_poll */
         int rc = km_zpoll(items, n_items, timeout, NULL);
         if (rc > 0) {
             if (items[0].revents & KM_ZPOLLIN) wk_pump_socket(s, s->router, 256);
-            if (n_items > 1 && (items[1].revents & KM_ZPOLLIN)) wk_pump_socket(s, s->ctl_loop, 64);
+            if (s->ctl_loop && (items[1].revents & KM_ZPOLLIN)) wk_pump_socket(s, s->ctl_loop, 64);
         }
         if (s->stop_now) break;
         wk_peer_poll(s);

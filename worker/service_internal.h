@@ -8,10 +8,11 @@
  *                        drain, shutdown, pressure
  *   service_heartbeat.c  what the worker reports: metrics, gauges, heartbeats to the controller
  *   service_step.c       the engine step on a thread of its own; status answered meanwhile
- *   service_peer.c       KV pages between workers: the transfer node, kv_pull served, requests
- *                        with a pull hint held while their pages are pulled
+ *   service_peer.c       KV pages between workers: the transfer node, requests with a pull hint
+ *                        held while their pages are pulled
+ *   service_serve.c      the same as a holder: kv_pull served, offers out
  *   service_handoff.c    the controller's view, drain handoff and warm-up over that node
- *                        (the two share service_peer_internal.h)
+ *                        (the three share service_peer_internal.h)
  *   events.c             KV events, their replay and snapshots
  *
  * Everything here runs on the service's loop thread, except the pulse (service_heartbeat.c: the
@@ -295,6 +296,9 @@ int wk_peer_park(wk_service *s, const km_zframe *env, int n_env, const km_msg_re
 /* The loop's call: answers from holders, offers to send, held requests whose pull ended (or
  * whose deadline passed) admitted. */
 void wk_peer_poll(wk_service *s);
+/* What the loop's poll waits on for the transfer node besides its own sockets: the node's wait
+ * fd (a pull finished) and the links to holders (offers, refusals). Returns how many (<= max). */
+int wk_peer_poll_items(const wk_service *s, km_zpollitem *items, int max);
 /* Requests held for a pull. */
 int wk_peer_held(const wk_service *s);
 /* A cancel for a held request: admitted and canceled (1), or not held here (0). */

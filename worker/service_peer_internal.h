@@ -1,8 +1,9 @@
 /*
- * service_peer_internal.h — what the worker's two page-transfer files share (service_internal.h
- * lists the daemon's files): service_peer.c (the transfer node, kv_pull served as a holder,
- * requests held while their pages are pulled) and service_handoff.c (the controller's view, drain
- * handoff, warm-up and the background pulls both start). Private to worker/.
+ * service_peer_internal.h — what the worker's three page-transfer files share (service_internal.h
+ * lists the daemon's files): service_peer.c (the transfer node, requests held while their pages
+ * are pulled), service_serve.c (kv_pull served as a holder) and service_handoff.c (the
+ * controller's view, drain handoff, warm-up and the background pulls both start). Private to
+ * worker/.
  */
 #ifndef WK_SERVICE_PEER_INTERNAL_H
 #define WK_SERVICE_PEER_INTERNAL_H
@@ -125,6 +126,14 @@ wk_link *wk_peer_link(wk_service *s, const char *holder, const char *endpoint, c
 /* Starts h's pull of the chain through l (kv_pull out); the pages already here, or < 0. */
 int wk_peer_start(wk_service *s, wk_link *l, wk_held *h, const km_pagehash *hs, const int32_t *toks,
                   int n_pages);
+
+/* service_serve.c */
+/* Copies a frame's envelope into dst/lens (0), or -1 when it does not fit WK_ENV_BYTES. */
+int wk_env_copy(uint8_t *dst, size_t *lens, const km_zframe *env, int n_env);
+/* Frames over a copied envelope; returns how many. */
+int wk_env_view(const uint8_t *src, const size_t *lens, int n_env, km_zframe *env);
+/* Offers the node has ready go back to their pullers. */
+void wk_peer_offers_out(wk_service *s);
 
 /* service_handoff.c */
 /* A peer's kv_push (its drain's handoff, or its answer to our warm-up): queued for a background
