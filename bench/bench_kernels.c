@@ -20,6 +20,11 @@
  *   bench_kernels -p
  *       the thread pool: ns per kn_pool_barrier and per empty kn_pool_run with 2 threads, best and
  *       median batch (the median includes batches where a thread was preempted).
+ *   bench_kernels -x
+ *       the page checksum's hash (kn_ops.xxh3_update of every table this CPU has, beside
+ *       libxxhash's XXH3 as Debian builds it, SSE2): GB/s per CPU-second hashing 16 KiB pieces
+ *       that stay in L1 (what a transfer's receiver does as fragments land) and streaming 256 MiB
+ *       from memory.
  *   bench_kernels -b THREADS
  *       memory read bandwidth: THREADS threads stream a 512 MiB buffer (best of 5; read_gb_s by
  *       wall time, cpu_gb_s by the slowest thread's CPU time).
@@ -51,6 +56,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t */
+#include <xxhash.h>
 
 #include "bench/bench_util.h"
 #include "kernels/cpu/internal.h"
@@ -472,6 +480,56 @@ static int bk_bandwidth(int threads)
     return 0;
 }
 
+/* ------------------------------------------------------------------ page checksum (-x) */
+
+/* GB/s per CPU-second of update(state, piece) over `bytes` bytes of buf, in pieces of `piece`
+ * bytes cycling through the first `span` bytes; best of 5. */
+static double bk_hash_rate(void (*update)(void *, const void *, size_t), const uint8_t *buf,
+                           size_t span, size_t piece, size_t bytes)
+{
+    double best = 1e30;
+    for (int rep = 0; rep < 5; rep++) {
+        XXH3_state_t st;
+        XXH3_64bits_reset(&st);
+        const double t0 = bk_now();
+        for (size_t done = 0, at = 0; done < bytes; done += piece, at = (at + piece) % span)
+            update(&st, buf + at, piece);
+        const double t = bk_now() - t0;
+        volatile uint64_t sink = XXH3_64bits_digest(&st);
+        (void)sink;
+        best = t < best ? t : best;
+    }
+    return (double)bytes / best / 1e9;
+}
+
+static void bk_xxh3_lib(void *st, const void *p, size_t n)
+{
+    XXH3_64bits_update((XXH3_state_t *)st, p, n);
+}
+
+static int bk_hash(void)
+{
+    const size_t big = (size_t)256 << 20, piece = 16384, hot = 4 * piece;
+    uint8_t *buf = malloc(big);
+    if (!buf) return 1;
+    for (size_t i = 0; i < big; i++) buf[i] = (uint8_t)(i * 131 + (i >> 12));
+    const char *names[KN_ISA_COUNT + 1] = {"libxxhash (SSE2)"};
+    void (*fns[KN_ISA_COUNT + 1])(void *, const void *, size_t) = {bk_xxh3_lib};
+    int n = 1;
+    for (int i = 0; i < KN_ISA_COUNT; i++) {
+        const kn_ops *o = kn_ops_get((kn_isa)i);
+        if (!o) continue;
+        names[n] = o->name;
+        fns[n++] = o->xxh3_update;
+    }
+    for (int i = 0; i < n; i++)
+        printf("xxh3 %-17s in L1 (16 KiB pieces) %6.1f GB/s   from memory (256 MiB) %6.1f GB/s\n",
+               names[i], bk_hash_rate(fns[i], buf, hot, piece, (size_t)1 << 30),
+               bk_hash_rate(fns[i], buf, big, piece, big));
+    free(buf);
+    return 0;
+}
+
 /* ------------------------------------------------------------------ weight bytes (-w) */
 
 static int bk_weight_bytes(const char *path)
@@ -711,6 +769,8 @@ int main(int argc, char **argv)
             return bk_attention(a + 1 < argc && !strcmp(argv[a + 1], "-c"));
         } else if (!strcmp(argv[a], "-p")) {
             return bk_pool();
+        } else if (!strcmp(argv[a], "-x")) {
+            return bk_hash();
         } else if (!strcmp(argv[a], "-b") && a + 1 < argc) {
             return bk_bandwidth(atoi(argv[a + 1]));
         } else if (!strcmp(argv[a], "-w") && a + 1 < argc) {
@@ -721,7 +781,7 @@ int main(int argc, char **argv)
             fprintf(
                 stderr,
                 "usage: %s [-i isa] [-t type] [-m 1,8,..] [-s rows,k] [-q] [-u] | -a [-c] | -p | "
-                "-b THREADS | -w MODEL | -e MODEL THREADS [p183DvL]\n",
+                "-x | -b THREADS | -w MODEL | -e MODEL THREADS [p183DvL]\n",
                 argv[0]);
             return 2;
         }

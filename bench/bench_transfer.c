@@ -69,8 +69,9 @@ static void apply(const tls_setting *t)
  * thread, ucx_perftest's client) on CPU 1. Left to the scheduler on a 2-CPU VM, the two busy
  * sides sometimes share one CPU for a whole run, and a run then reads 1.5 instead of 3.7 GB/s,
  * for the pull and for ucx_perftest alike but not always in the same row (docs/transfer.md). */
-static int g_pin = -1;     /* -1: not pinned */
-static int g_fragment = 0; /* the holder's pr_config.am_fragment (--fragment) */
+static int g_pin = -1;         /* -1: not pinned */
+static int g_fragment = 0;     /* the holder's pr_config.am_fragment (--fragment) */
+static long long g_stream = 0; /* the reader's pr_config.stream_bytes (--stream-bytes) */
 
 static void pin_to(int cpu)
 {
@@ -98,7 +99,7 @@ typedef struct side {
  * process with a live context cannot use UCX reliably). */
 static void side_spawn(side *x, pr_mode mode)
 {
-    xh_role r = {SMOL, KN_KV_F16, MAX_PAGES, mode, 0, g_fragment};
+    xh_role r = {SMOL, KN_KV_F16, MAX_PAGES, mode, 0, g_fragment, g_stream};
     pin_to(0); /* the child keeps it */
     x->holder = xh_spawn_holder(&r);
     pin_to(1);
@@ -106,7 +107,7 @@ static void side_spawn(side *x, pr_mode mode)
 
 static int side_open(side *x, pr_mode mode)
 {
-    xh_role r = {SMOL, KN_KV_F16, MAX_PAGES, mode, 0, g_fragment};
+    xh_role r = {SMOL, KN_KV_F16, MAX_PAGES, mode, 0, g_fragment, g_stream};
     x->buf = malloc(XH_MSGCAP);
     ssize_t len = x->holder.fd >= 0 ? xh_recv(x->holder.fd, x->buf, 120000) : -1;
     if (len <= 8 || xh_type(x->buf) != XH_ADDR) return -1;
@@ -262,6 +263,7 @@ static int perftest(const char *test, size_t bytes, int outstanding, int iters, 
 static void usage(void)
 {
     fprintf(stderr, "usage: bench_transfer [--quick] [--reps N] [--no-pin] [--fragment BYTES|-1]\n"
+                    "                      [--stream-bytes BYTES|-1]\n"
                     "                      [--only-tls tcp|default|mm]"
                     " [--only-pages N] [--only-mode get|am] [--no-perftest]\n");
     exit(2);
@@ -283,6 +285,8 @@ int main(int argc, char **argv)
             reps_arg = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--fragment") && i + 1 < argc)
             g_fragment = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--stream-bytes") && i + 1 < argc)
+            g_stream = atoll(argv[++i]);
         else if (!strcmp(argv[i], "--only-tls") && i + 1 < argc)
             only_tls = argv[++i];
         else if (!strcmp(argv[i], "--only-pages") && i + 1 < argc)

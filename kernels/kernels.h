@@ -123,8 +123,9 @@ typedef struct kn_ops {
 
     /* XXH3_64bits_update(state, p, n): state is an XXH3_state_t (<xxhash.h>), reset and digested
      * by the caller. Every table gives the same state, bit for bit (XXH3 is defined so); the AVX2
-     * build hashes 1.7x (from memory) to 2.3x (in L1) faster than the SSE2 one a plain compile
-     * gets, and the AVX-512 table forwards to it (hash_avx512.c says why). What a transfer's
+     * build hashes 1.65x (from memory) to 1.9x (in L1) faster than the SSE2 one a plain compile
+     * gets (bench_kernels -x, Intel Xeon), and the AVX-512 table forwards to it (hash_avx512.c
+     * says why). What a transfer's
      * receiver verifies on every page that lands (docs/transfer.md). */
     void (*xxh3_update)(void *state, const void *p, size_t n);
 } kn_ops;

@@ -33,6 +33,7 @@ int pr_node_create(const pr_config *cfg, pr_node **out, km_errbuf *err)
     if (n->cfg.lease_ms <= 0) n->cfg.lease_ms = 10000;
     if (n->cfg.max_inflight <= 0) n->cfg.max_inflight = 32;
     if (n->cfg.am_fragment == 0) n->cfg.am_fragment = PR_FRAGMENT_DEFAULT;
+    if (n->cfg.stream_bytes == 0) n->cfg.stream_bytes = PR_STREAM_DEFAULT;
     n->store = cfg->store;
     n->ops = ops;
     n->next_pull_id = 1;

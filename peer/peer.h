@@ -74,7 +74,12 @@ typedef struct pr_config {
      * PR_FRAGMENT_DEFAULT; < 0: one rendezvous message per page, hashed after it has landed.
      * A reader takes either. docs/transfer.md has the figures. */
     int am_fragment;
+    /* Reader side: a pull of more page bytes than this lands its fragments with non-temporal
+     * stores (it would not stay in the caches anyway); 0: PR_STREAM_DEFAULT; < 0: never. */
+    long long stream_bytes;
 } pr_config;
+
+#define PR_STREAM_DEFAULT (16ll << 20)
 
 /* One TCP segment of UCX 1.13 (UCX_TCP_RX_SEG_SIZE, 64 KiB) with room for its headers, so that a
  * fragment travels as one zero-copy send and arrives whole in one receive buffer; a page of the

@@ -627,7 +627,7 @@ static int pr_ucx_fetch(pr_node *n, pr_pull *p)
     up->n_free_sums = w;
     uint64_t bytes = 0;
     for (int i = 0; i < p->n; i++) bytes += p->pages[i].dst.bytes;
-    up->stream = bytes > PR_STREAM_BYTES;
+    up->stream = n->cfg.stream_bytes >= 0 && bytes > (uint64_t)n->cfg.stream_bytes;
     up->p = p;
     up->ep = p->peer->be;
     for (int i = 0; i < p->n; i++) {

@@ -23,9 +23,6 @@
  * shown no sign of life (a connection made, a page or an answer received) for this long; a live
  * peer keeps the connection the other pulls share. */
 #define PR_SILENT_NS (1000ull * 1000 * 1000)
-/* A pull of more page bytes than this lands its fragments with non-temporal stores: it would not
- * stay in the caches anyway (pr_land). */
-#define PR_STREAM_BYTES ((uint64_t)16 << 20)
 
 enum { PR_CMD_CONNECT, PR_CMD_DISCONNECT, PR_CMD_FETCH };
 enum { PR_EP_CONNECTING, PR_EP_READY, PR_EP_CLOSING, PR_EP_CLOSED };
@@ -84,7 +81,7 @@ typedef struct pr_upull {
     int next_op, inflight;
     kv_xfer_sum *sums; /* [max_inflight] checksums of pages landing in fragments */
     int *free_sums, n_free_sums;
-    int stream; /* larger than PR_STREAM_BYTES: fragments are copied around the caches */
+    int stream; /* larger than cfg.stream_bytes: fragments are copied around the caches */
 } pr_upull;
 
 /* An answer to a fetch, waiting to be sent or in flight (holder side): the page in fragments

@@ -147,8 +147,11 @@ void xh_parse_offer(const uint8_t *m, pr_offer *o)
 
 pr_node *xh_node(kv_store *s, const xh_role *r)
 {
-    pr_config c = {
-        .store = s, .mode = r->mode, .lease_ms = r->lease_ms, .am_fragment = r->am_fragment};
+    pr_config c = {.store = s,
+                   .mode = r->mode,
+                   .lease_ms = r->lease_ms,
+                   .am_fragment = r->am_fragment,
+                   .stream_bytes = r->stream_bytes};
     pr_node *n = NULL;
     km_errbuf err;
     if (pr_node_create(&c, &n, &err)) fprintf(stderr, "xfer_harness: node: %s\n", err.msg);

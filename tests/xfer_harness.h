@@ -53,7 +53,8 @@ typedef struct xh_role {
     int pages;
     pr_mode mode;
     int lease_ms;
-    int am_fragment; /* pr_config.am_fragment (0: the default) */
+    int am_fragment;        /* pr_config.am_fragment (0: the default) */
+    long long stream_bytes; /* pr_config.stream_bytes (0: the default) */
 } xh_role;
 
 typedef struct xh_child {

@@ -423,8 +423,9 @@ int wk_service_run(wk_service *s)
         if (s->stop_now) break;
         km_zpollitem items[24] = {{.sock = s->router, .events = KM_ZPOLLIN},
                                   {.sock = s->ctl_loop, .events = KM_ZPOLLIN}};
+        const int cap = (int)(sizeof items / sizeof items[0]);
         int n_items = s->ctl_loop ? 2 : 1;
-        n_items += wk_peer_poll_items(s, items + n_items, 24 - n_items); /* read by wk_peer_poll */
+        n_items += wk_peer_poll_items(s, items + n_items, cap - n_items); /* read by wk_peer_poll */
         int rc = km_zpoll(items, n_items, timeout, NULL);
         if (rc > 0) {
             if (items[0].revents & KM_ZPOLLIN) wk_pump_socket(s, s->router, 256);

@@ -421,7 +421,7 @@ Test(xfer_peer, am_pages_arrive_whole_in_any_fragment_size_or_one_rendezvous, .t
         pull_pages(PR_MODE_AM, SMALL, 16);
         pull_pages(PR_MODE_AM, SMOL, 4);
     }
-    g_fragment = 1000; /* past PR_STREAM_BYTES (streaming stores), fragments unaligned too */
+    g_fragment = 1000; /* past PR_STREAM_DEFAULT (streaming stores), fragments unaligned too */
     pull_pages(PR_MODE_AM, SMOL, 48);
     g_fragment = 0;
     pull_pages(PR_MODE_AM, SMOL, 48);
