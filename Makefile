@@ -236,6 +236,7 @@ test: deps ## the gate (`bash .ci/run`): lint, build, layers, unit tests plain/A
 	@$(MAKE) --no-print-directory lint
 	@$(MAKE) --no-print-directory build
 	@$(MAKE) --no-print-directory check-layers
+	@$(MAKE) --no-print-directory check-prefetch
 	@$(MAKE) --no-print-directory unit-tests
 	@$(MAKE) --no-print-directory unit-tests-san
 	@$(MAKE) --no-print-directory unit-tests-tsan
@@ -249,6 +250,11 @@ test: deps ## the gate (`bash .ci/run`): lint, build, layers, unit tests plain/A
 .PHONY: check-layers
 check-layers: $(LIB_KVSHARD) ## kvshard's calls go one way down its layers
 	@bash tests/check_kvshard_layers.sh $(LIB_KVSHARD)
+
+# A prefetch changes no result, so no test sees one go missing: read from the built objects.
+.PHONY: check-prefetch
+check-prefetch: $(LIB_KERNELS) ## every kernel object whose sources prefetch carries prefetch instructions
+	@bash tests/check_prefetch.sh $(OBJ)/kernels/cpu
 
 # Multi-process tests: real kvmesh-worker processes on 127.0.0.1 (tests/integration/), sharing
 # tests/integration/harness.c (spawn, ports, stop, sockets, metrics).

@@ -62,9 +62,13 @@
 #define KN_ATT_MQ 8
 /* Query heads that share one pass over a K/V row (register budget of the score and PV loops). */
 #define KN_ATT_GROUP 4
-/* How many pages ahead the K/V blocks are prefetched, and how many bytes of each block. */
+/* How many pages ahead the K/V blocks are prefetched, how many bytes of each block, and into
+ * which cache (a build may choose another hint: EXTRA_CFLAGS=-DKN_ATT_PF_HINT=_MM_HINT_T0). */
 #define KN_ATT_PF_PAGES 2
 #define KN_ATT_PF_BYTES 4096
+#ifndef KN_ATT_PF_HINT
+#define KN_ATT_PF_HINT _MM_HINT_T1
+#endif
 
 /* Scores of a block of nt <= KN_AL rows against NQ query heads: s[h] lane t = scale *
  * q[h]·K[t], lanes >= nt = -inf. ks: the rows' float scales (fp8/int8), or the page's scale[hd]
@@ -239,17 +243,20 @@ static size_t kn_att_blk_bytes(kn_kv_format f, int pt, int hd)
     return f == KN_KV_F16 || f == KN_KV_BF16 ? 2 * n : f == KN_KV_INT4 ? n / 2 : n;
 }
 
-/* Into L2, as the matmul's (quant_simd.h): cold attention over 16k positions on a Zen 4 EPYC,
- * T0 -> T1: AVX-512 728-814 -> 642-647 us, AVX2 999-1036 -> 788-808 us (bench_kernels -a -c). */
-static void kn_att_prefetch(const uint8_t *p, size_t bytes)
+/* Always inlined, as every function here that prefetches must be: GCC (12) finds that a static
+ * function whose only effect is a prefetch has none, and deletes its calls. Until 2026-11-28 this
+ * one and kn_att_prefetch_page were static functions and the SIMD builds' attention carried no
+ * prefetch instruction at all (tests/check_prefetch.sh now fails the build if one goes missing);
+ * the T0 -> T1 figures once written here measured two builds without prefetches. */
+KN_AI void kn_att_prefetch(const uint8_t *p, size_t bytes)
 {
     if (bytes > KN_ATT_PF_BYTES) bytes = KN_ATT_PF_BYTES;
-    for (size_t i = 0; i < bytes; i += 64) _mm_prefetch((const char *)p + i, _MM_HINT_T1);
+    for (size_t i = 0; i < bytes; i += 64) _mm_prefetch((const char *)p + i, KN_ATT_PF_HINT);
 }
 
 /* The K and V blocks of page pg and their scales (2 bytes per 16 channels of a row: fp8, int8
  * and int4's V; int4's K: a scale and a min per channel). */
-static void kn_att_prefetch_page(const kn_kv_view *kv, int pg, int hd)
+KN_AI void kn_att_prefetch_page(const kn_kv_view *kv, int pg, int hd)
 {
     kn_kv_blk b;
     const kn_kv_format f = kn_kv_block(kv, pg, &b);
