@@ -595,6 +595,7 @@ static int pr_ucx_connect(pr_node *n, pr_peer *p, km_errbuf *err)
     if (!e) return km_errf(err, KM_ENOMEM, "peer ucx: out of memory");
     e->u = n->be;
     e->peer = p;
+    e->am_tcp = -1;
     e->state = PR_EP_CONNECTING;
     p->be = e;
     int rc = pr_ucx_push(n->be, PR_CMD_CONNECT, p, NULL);

@@ -421,8 +421,8 @@ int wk_service_run(wk_service *s)
             wk_handle_message(s, s->router, &s->held[i]);
         s->n_held = 0;
         if (s->stop_now) break;
-        km_zpollitem items[24] = {{.sock = s->router, .events = KM_ZPOLLIN},
-                                  {.sock = s->ctl_loop, .events = KM_ZPOLLIN}};
+        km_zpollitem items[2 + WK_PEER_POLL_MAX] = {{.sock = s->router, .events = KM_ZPOLLIN},
+                                                    {.sock = s->ctl_loop, .events = KM_ZPOLLIN}};
         const int cap = (int)(sizeof items / sizeof items[0]);
         int n_items = s->ctl_loop ? 2 : 1;
         n_items += wk_peer_poll_items(s, items + n_items, cap - n_items); /* read by wk_peer_poll */

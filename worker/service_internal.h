@@ -297,7 +297,9 @@ int wk_peer_park(wk_service *s, const km_zframe *env, int n_env, const km_msg_re
  * whose deadline passed) admitted. */
 void wk_peer_poll(wk_service *s);
 /* What the loop's poll waits on for the transfer node besides its own sockets: the node's wait
- * fd (a pull finished) and the links to holders (offers, refusals). Returns how many (<= max). */
+ * fd (a pull finished) and the links to holders (offers, refusals). Returns how many (<= max;
+ * never more than WK_PEER_POLL_MAX). */
+#define WK_PEER_POLL_MAX 17 /* the wait fd and one per holder link (WK_PEER_LINKS) */
 int wk_peer_poll_items(const wk_service *s, km_zpollitem *items, int max);
 /* Requests held for a pull. */
 int wk_peer_held(const wk_service *s);

@@ -529,6 +529,8 @@ static void wk_peer_answer(wk_service *s, wk_link *l, const km_zmsg *zm)
     km_msg_clear(&m);
 }
 
+_Static_assert(WK_PEER_POLL_MAX == 1 + WK_PEER_LINKS, "the loop's poll items: wait fd + links");
+
 int wk_peer_poll_items(const wk_service *s, km_zpollitem *items, int max)
 {
     const wk_peer *p = s->peer;
