@@ -417,8 +417,11 @@ int wk_service_run(wk_service *s)
                 timeout = 1; /* pulls in flight, or pages being handed over */
         }
         /* frames that came during the last step, in their order, before any read later */
-        for (int i = 0; i < s->n_held && !s->stop_now; i++)
+        for (int i = 0; i < s->n_held && !s->stop_now; i++) {
+            s->reply_sent = s->held_answered[i];
             wk_handle_message(s, s->router, &s->held[i]);
+            s->reply_sent = false;
+        }
         s->n_held = 0;
         if (s->stop_now) break;
         km_zpollitem items[2 + WK_PEER_POLL_MAX] = {{.sock = s->router, .events = KM_ZPOLLIN},

@@ -256,6 +256,7 @@ void wk_svc_quick_take(wk_service *s, wk_quick *q)
     q->running = (uint32_t)st.running;
     q->queued = (uint32_t)st.queued;
     wk_kv_totals(s, &q->kv_pages, &q->kv_bytes);
+    q->state_after = -1;
 }
 
 /* The reply's figures, from the store and scheduler (q NULL) or as taken before a step. */
@@ -266,7 +267,7 @@ static void admin_reply_figures(wk_service *s, km_msg_admin_reply *rp, const wk_
         wk_svc_quick_take(s, &now);
         q = &now;
     }
-    rp->state = wk_svc_state(s);
+    rp->state = q->state_after >= 0 ? (km_worker_state)q->state_after : wk_svc_state(s);
     rp->kv_format = kv_format_name(q->format);
     rp->inflight = q->running;
     rp->queued = q->queued;
@@ -274,10 +275,29 @@ static void admin_reply_figures(wk_service *s, km_msg_admin_reply *rp, const wk_
     rp->kv_bytes = q->kv_bytes;
 }
 
+/* drain or shutdown during a step: what it will do, said now (wk_svc_admin_quick). */
+static const char *admin_accept(wk_service *s, const km_msg_admin *a, char *msg, size_t cap)
+{
+    km_worker_state now =
+        s->quick.state_after >= 0 ? (km_worker_state)s->quick.state_after : wk_svc_state(s);
+    if (a->cmd == KM_ADMIN_SHUTDOWN) {
+        s->quick.state_after = KM_STATE_STOPPING;
+        return "shutdown accepted during an engine step: the worker stops when the step ends";
+    }
+    if (now != KM_STATE_READY) { /* as admin_drain says it after the step */
+        snprintf(msg, cap, "already %s", km_worker_state_name(now));
+        return msg;
+    }
+    s->quick.state_after = KM_STATE_DRAINING;
+    return "drain accepted during an engine step: it starts when the step ends, after the "
+           "frames that came before it";
+}
+
 bool wk_svc_admin_quick(wk_service *s, void *sock, const km_zframe *env, int n_env,
                         const km_msg_admin *a)
 {
-    if (a->cmd != KM_ADMIN_STATUS || a->has_events_since || a->events_snapshot) return false;
+    bool status = a->cmd == KM_ADMIN_STATUS && !a->has_events_since && !a->events_snapshot;
+    if (!status && a->cmd != KM_ADMIN_DRAIN && a->cmd != KM_ADMIN_SHUTDOWN) return false;
     if (a->worker && a->worker[0] && strcmp(a->worker, s->worker_id)) return false;
     km_msg m;
     km_msg_init(&m, KM_MSG_ADMIN_REPLY);
@@ -285,8 +305,9 @@ bool wk_svc_admin_quick(wk_service *s, void *sock, const km_zframe *env, int n_e
     rp->id = a->id;
     rp->cmd = a->cmd;
     rp->ok = true;
+    char msg[64];
+    rp->message = status ? "answered during an engine step" : admin_accept(s, a, msg, sizeof msg);
     admin_reply_figures(s, rp, &s->quick);
-    rp->message = "answered during an engine step";
     if (!km_msg_encode(&m, &s->lim, &s->out, NULL)) wk_svc_send(s, sock, env, n_env, &s->out);
     return true;
 }
@@ -329,6 +350,7 @@ void wk_svc_handle_admin(wk_service *s, void *sock, const km_zframe *env, int n_
     }
     admin_reply_figures(s, c.rp, NULL);
     if (c.msg[0]) c.rp->message = c.msg;
+    if (s->reply_sent) return; /* answered during the step it waited for (wk_svc_admin_quick) */
     if (km_msg_encode(&m, &s->lim, &s->out, NULL)) return;
     wk_svc_send(s, sock, env, n_env, &s->out);
 }

@@ -102,6 +102,9 @@ typedef struct wk_quick {
     kv_format format;
     uint32_t running, queued;
     uint64_t kv_pages, kv_bytes;
+    /* a drain or shutdown answered during the step: the state it takes once the step is over
+     * (a km_worker_state; -1: none), which later answers during the same step report */
+    int state_after;
 } wk_quick;
 
 struct wk_service {
@@ -181,7 +184,8 @@ struct wk_service {
     kv_seq *ballast;
     int ballast_pages;
     /* the engine step's own thread (service_step.c): while it computes, the loop answers
-     * `status` from `quick` and holds every other frame in `held` until the step is over */
+     * `status` (and accepts drain and shutdown) from `quick` and holds every other frame in
+     * `held` until the step is over */
     pthread_t step_thread;
     bool step_started;
     pthread_mutex_t step_mu;
@@ -193,6 +197,8 @@ struct wk_service {
     int step_rc;
     wk_quick quick; /* what `status` answers while a step runs */
     km_zmsg held[WK_HELD_MAX];
+    bool held_answered[WK_HELD_MAX]; /* a drain or shutdown already answered during the step */
+    bool reply_sent;                 /* while such a frame is carried out: no second reply */
     int n_held;
 };
 
@@ -241,8 +247,10 @@ void wk_svc_start_drain(wk_service *s, int64_t timeout_ms, const char *why);
 kv_format wk_svc_kv_format(wk_service *s); /* the current KV format (shard 0's) */
 /* The figures `status` reports, taken now (loop, between steps). */
 void wk_svc_quick_take(wk_service *s, wk_quick *q);
-/* While a step runs: answers an authorized `status` without an event replay from s->quick and
- * returns true; false for anything else (held for after the step). */
+/* While a step runs: answers an authorized `status` without an event replay from s->quick, or
+ * accepts a `drain` or `shutdown` for this worker (answered now, carried out after the step in
+ * the order the frames came), and returns true; false for anything else (held for after the
+ * step, answered then). */
 bool wk_svc_admin_quick(wk_service *s, void *sock, const km_zframe *env, int n_env,
                         const km_msg_admin *a);
 void wk_svc_ballast_release(wk_service *s);

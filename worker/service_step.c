@@ -9,15 +9,23 @@
  *  - an authorized `status` without an event replay is answered at once, from the figures taken
  *    just before the step (wk_quick: state, KV format, running, queued, KV pages and bytes) and
  *    with the message "answered during an engine step";
+ *  - an operator's `drain` or `shutdown` is answered at once too, with the state it will bring
+ *    ("accepted during an engine step"), and held: it is carried out when the step is over, in
+ *    its place among the frames, so a request that came before it is still admitted and one
+ *    that came after it is refused as a drain refuses;
  *  - every other frame is held, in arrival order, up to WK_HELD_MAX (then the socket keeps the
  *    rest), and handled by the loop as soon as the step is over, before anything read later.
+ *    Those are the commands whose answer says what they did to the store the step is using
+ *    (evict, set_kv_format, pressure): their answer comes after the step, which the step
+ *    budget bounds.
  * The step thread touches only the engine and the batch's KV; the loop, during the step, only
  * its sockets, the metrics and `quick`. So the scheduler, the store, the live requests and every
  * socket stay the loop's alone, and the step's results (tokens, ends) still leave from the loop
  * when wk_sched_step returns. An eventfd wakes the loop's poll the moment the step is over: the
  * hand-off costs two thread wake-ups per step (tens of microseconds against milliseconds).
- * Controller commands (ctl_loop) are not read during a step: they change the store, which the
- * step is using, and the pulse holds heartbeats while one is carried out.
+ * Controller commands (ctl_loop) are not read during a step: the controller does not wait for
+ * their answers (it gives each --action-timeout), and its answer must leave after the heartbeat
+ * snapshot shows the command's effect (service.c), which needs the store the step is using.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -77,12 +85,14 @@ void wk_svc_stepper_stop(wk_service *s)
     for (int i = 0; i < WK_HELD_MAX; i++) km_zmsg_clear(&s->held[i]);
 }
 
-/* One ROUTER frame read during a step: answered now (status) or held. False when nothing more
- * can be read now (socket empty, or the held frames fill their room). */
+/* One ROUTER frame read during a step: answered now (status; drain and shutdown accepted) or
+ * held. False when nothing more can be read now (socket empty, or the held frames fill their
+ * room). */
 static bool wk_step_read(wk_service *s)
 {
     if (s->n_held >= WK_HELD_MAX) return false;
-    km_zmsg *zm = &s->held[s->n_held];
+    int i = s->n_held;
+    km_zmsg *zm = &s->held[i];
     int rc = km_zrecv(s->router, zm, 0, NULL);
     if (rc == KM_EAGAIN) return false;
     if (rc == KM_EPROTO) { /* as wk_pump_socket: counted, nothing held, read on */
@@ -90,17 +100,21 @@ static bool wk_step_read(wk_service *s)
         return true;
     }
     if (rc) return false;
+    s->held_answered[i] = false;
     const km_zframe *body = km_zmsg_body(zm);
     km_msg m;
     if (body && !km_msg_decode(body->data, body->len, &s->lim, &m, NULL)) {
-        /* status may come from members and operators (docs/security.md); a sender that may
-         * not is held, and answered 403 after the step as always */
-        bool answered =
-            m.type == KM_MSG_ADMIN &&
-            !km_zsec_authorize(s->o.sec, &zm->peer, KM_ROLE_MEMBER | KM_ROLE_OPERATOR, NULL) &&
-            wk_svc_admin_quick(s, s->router, zm->part, zm->n - 1, &m.admin);
+        /* status may come from members and operators, drain and shutdown from operators
+         * (docs/security.md); a sender that may not is held, and answered 403 after the step
+         * as always */
+        bool status = m.type == KM_MSG_ADMIN && m.admin.cmd == KM_ADMIN_STATUS;
+        unsigned roles = status ? KM_ROLE_MEMBER | KM_ROLE_OPERATOR : KM_ROLE_OPERATOR;
+        bool answered = m.type == KM_MSG_ADMIN &&
+                        !km_zsec_authorize(s->o.sec, &zm->peer, roles, NULL) &&
+                        wk_svc_admin_quick(s, s->router, zm->part, zm->n - 1, &m.admin);
         km_msg_clear(&m);
-        if (answered) return true;
+        if (answered && status) return true;
+        s->held_answered[i] = answered; /* drain, shutdown: carried out after the step */
     }
     s->n_held++;
     return true;
