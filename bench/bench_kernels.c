@@ -39,7 +39,7 @@
  *       all k (what speculative decoding pays to check k - 1 drafts), after a 256-token prompt.
  *       L: the prefill of a 4,096-token prompt (512 per step), then at that context batch-1
  *       decode and k = 4 verification over f16 KV, then batch-1 decode over the same pages
- *       converted to int4 (a self-speculation draft's step).
+ *       converted to int4 (a self-speculation draft's step); L<n> (L8192, last): at n tokens.
  *       On a shared machine the CPU time of a 1-thread engine is the figure that holds up;
  *       `make bench-engine` gives the comparable ones.
  *
@@ -706,13 +706,17 @@ static int bk_engine(const char *path, int threads, const char *what)
            wk_engine_isa(e), (bk_wall() - t0) * 1e3);
     const int n_vocab = wk_model_hparams(m)->n_vocab;
     int rc = 0;
-    if (strchr(what, 'p')) rc |= bk_engine_phase(e, n_vocab, 1, 512, 0);
+    const char *L = strchr(what, 'L'); /* L, or L<context>: L8192 */
+    const int n_long = L && atoi(L + 1) > 0 ? atoi(L + 1) : 4096;
+    char phases[32]; /* the letters, without L's number */
+    snprintf(phases, sizeof phases, "%.*s", L ? (int)(L - what) + 1 : (int)strlen(what), what);
+    what = phases;
     if (strchr(what, '1')) rc |= bk_engine_phase(e, n_vocab, 1, 0, 128);
     if (strchr(what, '8')) rc |= bk_engine_phase(e, n_vocab, 8, 128, 64);
     if (strchr(what, '3')) rc |= bk_engine_phase(e, n_vocab, 32, 128, 32);
     if (strchr(what, 'D')) rc |= bk_engine_phase(e, n_vocab, 8, 128, 512); /* for profiles */
     if (strchr(what, 'v')) rc |= bk_engine_verify(e, n_vocab);
-    if (strchr(what, 'L')) rc |= bk_engine_long(e, n_vocab, 4096);
+    if (L) rc |= bk_engine_long(e, n_vocab, n_long);
     wk_engine_destroy(e);
     wk_model_free(m);
     return rc;

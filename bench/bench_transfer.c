@@ -10,11 +10,15 @@
  * pull in AM mode, ucx_perftest ucp_am_bw and tag_bw. ucp_am_bw's receiver does not copy an
  * eager message anywhere (its handler only counts it), so it moves bytes without landing them;
  * tag_bw receives every message into the receiver's buffer, as a pull must land each page in its
- * destination: the second reference column. A pull is timed end to end (request, the holder's
- * lease and offer, the reads, the checksum of every page, the import into the store: what a
- * worker waits for) and also from the offer to the last byte (the read phase, what
- * ucx_perftest measures). The load average is printed with every row: the machine is shared.
- * Prints figures; asserts nothing.
+ * destination: the second reference column. The third is ucx_perftest -e: endpoints with peer
+ * error handling, as every pull's are, under which UCX 1.13 leaves shared memory out on one host
+ * as it does for the pull (the same-transport reference for the default setting). The "1 x 8"
+ * rows run CONC one-page pulls at once (CONC requests whose one-page prefixes sit on the same
+ * peer) next to ucx_perftest with the same window. A pull is timed end to end (request, the
+ * holder's lease and offer, the reads, the checksum of every page, the import into the store: what
+ * a worker waits for) and also from the offer to the last byte (the read phase, what ucx_perftest
+ * measures). The load average is printed with every row: the machine is shared. Prints figures;
+ * asserts nothing.
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -39,6 +43,8 @@
 static const xh_shape SMOL = {30, 3, 64, 16};
 #define MAX_PAGES 256
 #define INFLIGHT  32
+#define MAX_REPS  4096
+#define CONC      8 /* one-page pulls at once in the "1 x 8" rows */
 
 typedef struct tls_setting {
     const char *name, *tls, *mm_err;
@@ -92,6 +98,8 @@ typedef struct side {
     pr_peer *peer;
     int32_t toks[MAX_PAGES * 16];
     km_pagehash hs[MAX_PAGES];
+    int32_t ctoks[CONC][16]; /* CONC one-page chains, as the holder has them */
+    km_pagehash chs[CONC];
     uint8_t *buf;
 } side;
 
@@ -99,7 +107,7 @@ typedef struct side {
  * process with a live context cannot use UCX reliably). */
 static void side_spawn(side *x, pr_mode mode)
 {
-    xh_role r = {SMOL, KN_KV_F16, MAX_PAGES, mode, 0, g_fragment, g_stream};
+    xh_role r = {SMOL, KN_KV_F16, MAX_PAGES, mode, 0, g_fragment, g_stream, CONC};
     pin_to(0); /* the child keeps it */
     x->holder = xh_spawn_holder(&r);
     pin_to(1);
@@ -107,15 +115,16 @@ static void side_spawn(side *x, pr_mode mode)
 
 static int side_open(side *x, pr_mode mode)
 {
-    xh_role r = {SMOL, KN_KV_F16, MAX_PAGES, mode, 0, g_fragment, g_stream};
+    xh_role r = {SMOL, KN_KV_F16, MAX_PAGES, mode, 0, g_fragment, g_stream, CONC};
     x->buf = malloc(XH_MSGCAP);
     ssize_t len = x->holder.fd >= 0 ? xh_recv(x->holder.fd, x->buf, 120000) : -1;
     if (len <= 8 || xh_type(x->buf) != XH_ADDR) return -1;
-    x->s = xh_store(SMOL, KN_KV_F16, MAX_PAGES + 8);
+    x->s = xh_store(SMOL, KN_KV_F16, MAX_PAGES + CONC + 8);
     x->n = x->s ? xh_node(x->s, &r) : NULL;
     km_errbuf err;
     if (!x->n || pr_peer_connect(x->n, x->buf + 8, (size_t)len - 8, &x->peer, &err)) return -1;
     xh_chain(x->toks, x->hs, MAX_PAGES, SMOL.pt, 0);
+    for (int c = 0; c < CONC; c++) xh_chain(x->ctoks[c], &x->chs[c], 1, SMOL.pt, c + 1);
     return 0;
 }
 
@@ -181,7 +190,8 @@ typedef struct figures {
 static figures measure(side *x, int n, int reps, size_t page_bytes)
 {
     figures f = {0};
-    uint64_t e[256], r[256], a, b;
+    static uint64_t e[MAX_REPS], r[MAX_REPS];
+    uint64_t a, b;
     for (int w = 0; w < 2; w++)
         if (one_pull(x, n, &a, &b) != n) return f;
     for (int i = 0; i < reps; i++)
@@ -193,6 +203,71 @@ static figures measure(side *x, int n, int reps, size_t page_bytes)
     f.best_gbps = bytes / (double)e[0];
     f.read_gbps = bytes / (double)r[reps / 2];
     f.pages_s = n * 1e9 / (double)e[reps / 2];
+    f.ok = 1;
+    return f;
+}
+
+/* CONC one-page pulls at once, of CONC one-page chains (as a worker serving CONC requests
+ * whose one-page prefixes sit on the same peer): nanoseconds from the first start to the last
+ * finish; -1 when one failed. Offers are matched to pulls by id, in whatever order they come. */
+static int64_t conc_pulls(side *x)
+{
+    kv_store_evict_oldest_fraction(x->s, 1.0);
+    pr_pull *p[CONC];
+    pr_pull_req req[CONC];
+    int left = CONC, ok = 1;
+    uint64_t t0 = km_now_ns();
+    for (int c = 0; c < CONC; c++) {
+        int k =
+            pr_pull_start(x->n, x->peer, &x->chs[c], x->ctoks[c], 1, xh_after(60), &p[c], &req[c]);
+        if (k != 0 || !p[c]) return -1;
+        xh_send_req(x->holder.fd, &req[c]);
+    }
+    int offered = 0;
+    struct pollfd pfd[2] = {{.fd = pr_node_wait_fd(x->n), .events = POLLIN},
+                            {.fd = x->holder.fd, .events = POLLIN}};
+    int done[CONC] = {0};
+    uint64_t end = xh_after(60);
+    while (left && km_now_ns() < end) {
+        if (poll(pfd, offered < CONC ? 2 : 1, 100) <= 0) continue;
+        if (pfd[1].revents & POLLIN) {
+            ssize_t len = xh_recv(x->holder.fd, x->buf, 0);
+            if (len > 0 && xh_type(x->buf) == XH_OFFER) {
+                pr_offer o;
+                xh_parse_offer(x->buf, &o);
+                for (int c = 0; c < CONC; c++)
+                    if (req[c].pull_id == o.pull_id) pr_pull_offer(x->n, p[c], &o), offered++;
+            }
+        }
+        if (pfd[0].revents & POLLIN) pr_node_poll(x->n, NULL, 0);
+        for (int c = 0; c < CONC; c++) {
+            if (done[c] || !pr_pull_done_yet(x->n, p[c])) continue;
+            pr_pull_done d;
+            ok &= pr_pull_finish(x->n, p[c], NULL, &d) == 1;
+            if (d.lease_id) xh_send(x->holder.fd, XH_DONE, &d, sizeof d, NULL, 0, NULL, 0);
+            done[c] = 1;
+            left--;
+        }
+    }
+    for (int c = 0; c < CONC; c++)
+        if (!done[c]) pr_pull_finish(x->n, p[c], NULL, &(pr_pull_done){0}), ok = 0;
+    return ok ? (int64_t)(km_now_ns() - t0) : -1;
+}
+
+static figures measure_conc(side *x, int reps, size_t page_bytes)
+{
+    figures f = {0};
+    static uint64_t e[MAX_REPS];
+    for (int i = -2; i < reps; i++) { /* two warm-up rounds */
+        int64_t ns = conc_pulls(x);
+        if (ns < 0) return f;
+        if (i >= 0) e[i] = (uint64_t)ns;
+    }
+    qsort(e, reps, sizeof *e, bench_cmp_u64);
+    f.gbps = CONC * (double)page_bytes / (double)e[reps / 2];
+    f.best_gbps = CONC * (double)page_bytes / (double)e[0];
+    f.read_gbps = 0; /* several pulls overlap: no single read phase */
+    f.pages_s = CONC * 1e9 / (double)e[reps / 2];
     f.ok = 1;
     return f;
 }
@@ -213,8 +288,8 @@ static int free_port(void)
 }
 
 /* ucx_perftest's overall bandwidth (GB/s) and message rate, or 0 when it could not run. */
-static int perftest(const char *test, size_t bytes, int outstanding, int iters, double *gbps,
-                    double *rate)
+static int perftest(const char *test, size_t bytes, int outstanding, int iters, int eh,
+                    double *gbps, double *rate)
 {
     char size[32], out[16], it[16], warm[16], port[16];
     snprintf(size, sizeof size, "%zu", bytes);
@@ -230,15 +305,15 @@ static int perftest(const char *test, size_t bytes, int outstanding, int iters, 
             dup2(devnull, 1);
             dup2(devnull, 2);
             execlp("ucx_perftest", "ucx_perftest", "-p", port, "-t", test, "-s", size, "-n", it,
-                   "-w", warm, "-O", out, (char *)NULL);
+                   "-w", warm, "-O", out, eh ? "-e" : (char *)NULL, (char *)NULL);
             _exit(127);
         }
         km_sleep_ms(300);
         char cmd[512];
         snprintf(cmd, sizeof cmd,
-                 "timeout 120 ucx_perftest 127.0.0.1 -p %s -t %s -s %s -n %s -w %s -O %s -v "
+                 "timeout 120 ucx_perftest 127.0.0.1 -p %s -t %s -s %s -n %s -w %s -O %s %s -v "
                  "2>/dev/null | tail -1",
-                 port, test, size, it, warm, out);
+                 port, test, size, it, warm, out, eh ? "-e" : "");
         FILE *f = popen(cmd, "r");
         char line[512] = "";
         if (f) {
@@ -281,7 +356,7 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--no-pin"))
             pin = 0;
         else if (!strcmp(argv[i], "--reps") && i + 1 < argc && atoi(argv[i + 1]) > 0 &&
-                 atoi(argv[i + 1]) <= 256)
+                 atoi(argv[i + 1]) <= MAX_REPS)
             reps_arg = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--fragment") && i + 1 < argc)
             g_fragment = atoi(argv[++i]);
@@ -290,7 +365,7 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--only-tls") && i + 1 < argc)
             only_tls = argv[++i];
         else if (!strcmp(argv[i], "--only-pages") && i + 1 < argc)
-            only_pages = atoi(argv[++i]);
+            only_pages = atoi(argv[++i]); /* 1: also the "1 x 8" rows */
         else if (!strcmp(argv[i], "--only-mode") && i + 1 < argc)
             only_mode = !strcmp(argv[++i], "am");
         else
@@ -319,10 +394,9 @@ int main(int argc, char **argv)
                      : "holder and ucx_perftest's server on CPU 0, reader and client on CPU 1");
     printf("| transport | pages | mode | pull GB/s | pages/s | read phase GB/s | ucx_perftest "
            "GB/s | ucx_perftest msgs/s | pull / perftest | read phase / perftest | tag_bw GB/s "
-           "(lands) | pull / tag_bw | load |\n");
-    printf("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+           "(lands) | pull / tag_bw | ucx_perftest -e GB/s | pull / perftest -e | load |\n");
+    printf("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     fflush(stdout);
-    const int sizes[] = {1, 16, 256};
     static const char *short_names[] = {"tcp", "default", "mm"};
     for (size_t t = 0; t < sizeof SETTINGS / sizeof *SETTINGS; t++) {
         if (only_tls && strcmp(only_tls, short_names[t])) continue;
@@ -337,26 +411,33 @@ int main(int argc, char **argv)
             side_close(&sides[1]);
             continue;
         }
-        for (int s = 0; s < 3; s++) {
-            int n = sizes[s];
+        /* 1, 16 and 256 pages in one pull; then CONC one-page pulls at once ("1 x 8") */
+        for (int s = 0; s < 4; s++) {
+            const int conc = s == 3;
+            const int n = conc ? 1 : s == 0 ? 1 : s == 1 ? 16 : 256;
             if (only_pages && n != only_pages) continue;
             int reps = reps_arg ? reps_arg : quick ? 3 : n == 1 ? 200 : n == 16 ? 40 : 8;
             int iters = quick ? 50 : n == 1 ? 2000 : n == 16 ? 2000 : 1500;
-            int outstanding = n < INFLIGHT ? n : INFLIGHT;
+            int outstanding = conc ? CONC : n < INFLIGHT ? n : INFLIGHT;
             for (int m = 0; m < 2; m++) {
                 if (only_mode >= 0 && m != only_mode) continue;
                 double ld = bench_load1();
-                figures fg = measure(&sides[m], n, reps, page_bytes);
-                double pg = 0, pr = 0;
-                int have = !no_ref && perftest(m == 0 ? "ucp_get" : "ucp_am_bw", page_bytes,
-                                               outstanding, iters, &pg, &pr);
+                figures fg = conc ? measure_conc(&sides[m], reps, page_bytes)
+                                  : measure(&sides[m], n, reps, page_bytes);
+                const char *test = m == 0 ? "ucp_get" : "ucp_am_bw";
+                double pg = 0, pr = 0, eg = 0, er = 0, tg = 0, tr = 0;
+                int have = !no_ref && perftest(test, page_bytes, outstanding, iters, 0, &pg, &pr);
+                /* the same with peer error handling, which every pull's endpoint has: on one
+                 * host UCX 1.13 then leaves shared memory out, as it does for the pull */
+                int have_e = !no_ref && perftest(test, page_bytes, outstanding, iters, 1, &eg, &er);
                 /* AM rows: the landing reference (tag_bw), same size and window */
-                double tg = 0, tr = 0;
                 int have_tag = m == 1 && !no_ref &&
-                               perftest("tag_bw", page_bytes, outstanding, iters, &tg, &tr);
-                char ours[96] = "failed", ref[64] = "n/a", ratio[48] = "", rratio[48] = "";
-                char tag[64] = "n/a | ";
-                if (fg.ok)
+                               perftest("tag_bw", page_bytes, outstanding, iters, 0, &tg, &tr);
+                char ours[96], ref[64] = "n/a | n/a", ratio[48] = "", rratio[48] = "";
+                char tag[64] = "n/a | ", eref[64] = "n/a | ";
+                if (fg.ok && conc)
+                    snprintf(ours, sizeof ours, "%.2f | %.0f | –", fg.gbps, fg.pages_s);
+                else if (fg.ok)
                     snprintf(ours, sizeof ours, "%.2f | %.0f | %.2f", fg.gbps, fg.pages_s,
                              fg.read_gbps);
                 else
@@ -364,14 +445,19 @@ int main(int argc, char **argv)
                 if (have) snprintf(ref, sizeof ref, "%.2f | %.0f", pg, pr);
                 if (have && fg.ok && pg > 0) {
                     snprintf(ratio, sizeof ratio, "%.0f%%", 100.0 * fg.gbps / pg);
-                    snprintf(rratio, sizeof rratio, "%.0f%%", 100.0 * fg.read_gbps / pg);
+                    if (!conc) snprintf(rratio, sizeof rratio, "%.0f%%", 100.0 * fg.read_gbps / pg);
                 }
                 if (have_tag)
                     snprintf(tag, sizeof tag, "%.2f | %.0f%%", tg,
                              fg.ok && tg > 0 ? 100.0 * fg.gbps / tg : 0.0);
-                printf("| %s | %d | %s | %s | %s | %s | %s | %s | %.1f–%.1f |\n", SETTINGS[t].name,
-                       n, m == 0 ? "get" : "am", ours, have ? ref : "n/a | n/a", ratio, rratio, tag,
-                       ld, bench_load1());
+                if (have_e)
+                    snprintf(eref, sizeof eref, "%.2f | %.0f%%", eg,
+                             fg.ok && eg > 0 ? 100.0 * fg.gbps / eg : 0.0);
+                char pages[16];
+                snprintf(pages, sizeof pages, conc ? "1 x %d" : "%d", conc ? CONC : n);
+                printf("| %s | %s | %s | %s | %s | %s | %s | %s | %s | %.1f–%.1f |\n",
+                       SETTINGS[t].name, pages, m == 0 ? "get" : "am", ours, ref, ratio, rratio,
+                       tag, eref, ld, bench_load1());
                 fflush(stdout);
             }
         }

@@ -160,11 +160,15 @@ pr_node *xh_node(kv_store *s, const xh_role *r)
 
 static void xh_holder_main(int fd, const xh_role *r)
 {
-    kv_store *s = xh_store(r->sh, r->format, r->pages + 8);
+    kv_store *s = xh_store(r->sh, r->format, r->pages + r->chains + 8);
     int32_t *toks = malloc(sizeof(int32_t) * r->sh.pt * r->pages);
     km_pagehash *hs = malloc(sizeof(km_pagehash) * r->pages);
     uint8_t *buf = malloc(XH_MSGCAP);
     if (!s || !toks || !hs || !buf) _exit(2);
+    for (int c = 1; c <= r->chains; c++) { /* the one-page chains first: toks is reused */
+        xh_chain(toks, hs, 1, r->sh.pt, c);
+        if (xh_compute(s, r->sh, toks, hs, 1)) _exit(2);
+    }
     xh_chain(toks, hs, r->pages, r->sh.pt, 0);
     if (xh_compute(s, r->sh, toks, hs, r->pages)) _exit(2);
     pr_node *n = xh_node(s, r);

@@ -55,6 +55,7 @@ typedef struct xh_role {
     int lease_ms;
     int am_fragment;        /* pr_config.am_fragment (0: the default) */
     long long stream_bytes; /* pr_config.stream_bytes (0: the default) */
+    int chains;             /* also this many one-page chains, xh_chain salts 1..chains */
 } xh_role;
 
 typedef struct xh_child {
@@ -63,8 +64,9 @@ typedef struct xh_child {
 } xh_child;
 
 pr_node *xh_node(kv_store *s, const xh_role *r);
-/* Forks a process holding r->pages computed pages that sends its node address (XH_ADDR) and
- * then serves requests until the channel closes or two minutes pass. fd < 0 on failure. */
+/* Forks a process holding r->pages computed pages (and r->chains one-page chains) that sends
+ * its node address (XH_ADDR) and then serves requests until the channel closes or two minutes
+ * pass. fd < 0 on failure. */
 xh_child xh_spawn_holder(const xh_role *r);
 /* Sends sig (when not 0), closes the channel and waits for the child (SIGKILL after 30 s). */
 void xh_reap(xh_child *c, int sig);

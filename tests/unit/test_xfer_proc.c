@@ -157,7 +157,7 @@ static void tcp_only(void)
 static void pulls_between_processes(pr_mode mode, xh_shape sh, int pages)
 {
     tcp_only();
-    xh_role r = {sh, KN_KV_F16, pages, mode, 0, 0, 0};
+    xh_role r = {sh, KN_KV_F16, pages, mode, 0, 0, 0, 0};
     xh_child c = xh_spawn_holder(&r);
     puller p;
     puller_open(&p, &r, &c);
@@ -195,7 +195,7 @@ Test(xfer_proc, default_model_pages_over_tcp_between_processes, .timeout = 300)
 static void holder_fault(pr_mode mode, int sig, int rounds)
 {
     tcp_only();
-    xh_role r = {SMOL, KN_KV_F16, 96, mode, 0, 0, 0};
+    xh_role r = {SMOL, KN_KV_F16, 96, mode, 0, 0, 0, 0};
     for (int round = 0; round < rounds; round++) {
         xh_child c = xh_spawn_holder(&r);
         puller p;
@@ -295,7 +295,7 @@ static int no_endpoint(const pr_stats *st)
 static void puller_fault(pr_mode mode, int sig, int rounds)
 {
     tcp_only();
-    xh_role r = {SMOL, KN_KV_F16, 96, mode, 1500, 0, 0};
+    xh_role r = {SMOL, KN_KV_F16, 96, mode, 1500, 0, 0, 0};
     kv_store *s = xh_store(r.sh, r.format, r.pages + 8);
     int32_t *toks = malloc(sizeof(int32_t) * PT * r.pages);
     km_pagehash *hs = malloc(sizeof(km_pagehash) * r.pages);
