@@ -4,7 +4,11 @@
  * request), one phase after the other on the same worker.
  *
  *   bench_spec --kvmesh EP --prompts FILE [--label NAME] [--max-tokens 128] [--concurrency 1,8]
- *              [--temperature 0] [--seed 7] [--model NAME]
+ *              [--temperature 0] [--seed 7] [--model NAME] [--mode auto|self]
+ *
+ * --mode self: the second phase asks for self-speculation ("speculate": "self"; the worker must
+ * run --speculate self, else its requests draft from suffixes) instead of suffix drafts; the
+ * result line's auto_* figures are then that mode's (mode=self says so).
  *
  * For each concurrency C: C client threads, each with its own connection, send every prompt of
  * the file in turn (client k starts at prompt k), all with speculation off, then (after every
@@ -43,6 +47,7 @@ typedef struct bs_args {
     float temperature;
     uint64_t seed;
     int conc[8], n_conc;
+    km_speculate on; /* the second phase's "speculate": auto (suffix drafts) or self */
 } bs_args;
 
 typedef struct bs_mode_sum {
@@ -112,7 +117,7 @@ static int bs_one(bs_client *c, kvm_client *k, int r, const char *prompt, km_spe
         snprintf(c->msg, sizeof c->msg, "%.1000s", res->error_code ? res->error : err.msg);
         return -1;
     }
-    bs_mode_sum *s = &c->sum[mode == KM_SPECULATE_AUTO];
+    bs_mode_sum *s = &c->sum[mode != KM_SPECULATE_OFF];
     s->tokens += res->completion_tokens;
     s->drafted += res->draft_tokens;
     s->accepted += res->accepted_draft_tokens;
@@ -143,7 +148,7 @@ static void *bs_client_run(void *arg)
         for (int r = 0; ok && r < c->reps; r++) {
             int i = (c->first + r) % c->n_prompts;
             kvm_result res;
-            if (bs_one(c, k, r, c->prompts[i], m ? KM_SPECULATE_AUTO : KM_SPECULATE_OFF, &res)) {
+            if (bs_one(c, k, r, c->prompts[i], m ? c->a->on : KM_SPECULATE_OFF, &res)) {
                 c->failed++;
             } else if (!m) {
                 km_buf_append(&ref[r], res.text.data, res.text.len);
@@ -208,11 +213,11 @@ static int bs_level(const bs_args *a, char **prompts, int n_prompts, int conc)
     double on = wall[1] > 0 ? tot[1].tokens / wall[1] : 0;
     double doff = tot[0].decode_s > 0 ? tot[0].decode_tokens / tot[0].decode_s : 0;
     double don = tot[1].decode_s > 0 ? tot[1].decode_tokens / tot[1].decode_s : 0;
-    printf("result label=%s conc=%d requests=%d off_tok_s=%.1f auto_tok_s=%.1f ratio=%.2f "
+    printf("result label=%s mode=%s conc=%d requests=%d off_tok_s=%.1f auto_tok_s=%.1f ratio=%.2f "
            "off_tokens=%llu auto_tokens=%llu drafted=%llu accepted=%llu accept_rate=%.2f "
            "identical=%d/%d failed=%d off_decode_tok_s=%.1f auto_decode_tok_s=%.1f "
            "decode_ratio=%.2f mean_prompt_tokens=%.0f\n",
-           a->label, conc, compared, off, on, off > 0 ? on / off : 0,
+           a->label, km_speculate_name(a->on), conc, compared, off, on, off > 0 ? on / off : 0,
            (unsigned long long)tot[0].tokens, (unsigned long long)tot[1].tokens,
            (unsigned long long)tot[1].drafted, (unsigned long long)tot[1].accepted,
            tot[1].drafted ? (double)tot[1].accepted / (double)tot[1].drafted : 0, same, compared,
@@ -227,6 +232,7 @@ static void bs_usage(FILE *f)
     fprintf(f, "usage: bench_spec --kvmesh EP --prompts FILE [--label NAME] [--max-tokens 128]\n"
                "                  [--concurrency 1,8] [--temperature 0] [--seed 7] [--model "
                "SmolLM2-135M-Instruct]\n"
+               "                  [--mode auto|self]\n"
                "Sends every prompt with speculation off and on, interleaved; prints tokens/s of\n"
                "both, the draft acceptance and how many outputs were identical (all must be).\n");
 }
@@ -238,7 +244,8 @@ int main(int argc, char **argv)
                  .max_tokens = 128,
                  .seed = 7,
                  .conc = {1, 8},
-                 .n_conc = 2};
+                 .n_conc = 2,
+                 .on = KM_SPECULATE_AUTO};
     for (int i = 1; i < argc; i++) {
         const char *o = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(o, "-h") || !strcmp(o, "--help")) {
@@ -258,6 +265,8 @@ int main(int argc, char **argv)
             a.label = v;
         else if (!strcmp(o, "--model"))
             a.model = v;
+        else if (!strcmp(o, "--mode") && (!strcmp(v, "auto") || !strcmp(v, "self")))
+            a.on = !strcmp(v, "self") ? KM_SPECULATE_SELF : KM_SPECULATE_AUTO;
         else if (!strcmp(o, "--max-tokens"))
             a.max_tokens = atoi(v);
         else if (!strcmp(o, "--temperature"))

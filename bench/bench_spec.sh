@@ -8,7 +8,10 @@
 #   long        two prompts of ~4,500 tokens (the first LONG_CHARS characters of docs/kvshard.md,
 #               then "copy its first section" / "what is it about"), one client (LONG_CONCURRENCY):
 #               speculation where attention over a long context weighs on every step. The worker
-#               runs --max-ctx=8192 for it (the model's training context).
+#               runs --max-ctx=8192 for it (the model's training context). Then the same with
+#               self-speculation (QuantSpec: the model drafts over a 4-bit copy of the KV,
+#               "speculate": "self"; the worker runs --speculate self for it, which changes
+#               nothing for requests that say "auto" or "off"), unless SELF=0.
 # Prints the CPU, the load average and one line per workload and concurrency with tokens/s off
 # and on, their ratio, drafted/accepted tokens and how many outputs were identical (all must be:
 # speculation is exact; a mismatch makes the run fail), and the same ratio over decode time alone
@@ -23,6 +26,7 @@
 # The worker runs --insecure: this measures decoding, and bench_spec speaks plain ZeroMQ.
 # Environment: THREADS (2), MODEL, CONCURRENCY ("1,8"), MAX_TOKENS (128), BENCH_PORT (7670),
 #   WORKER_ARGS (extra worker flags), LONG (1; 0 = no long workload), LONG_CHARS (17000),
+#   SELF (1; 0 = no self-speculation run of the long workload),
 #   LONG_CONCURRENCY (1), BENCH_OUT (build/bench-spec/<time>), LLAMA (1; 0 = no
 #   llama.cpp column), LLAMA_SPECS ("ngram-simple ngram-mod"), LLBIN
 #   (third_party/llama.cpp/build/bin).
@@ -61,8 +65,10 @@ trap stop EXIT
 BENCH_NAME=bench_spec.sh
 # shellcheck source=bench/bench_lib.sh
 . bench/bench_lib.sh
+SELF_ARGS=()
+[ "${SELF:-1}" != 1 ] || SELF_ARGS=(--speculate=self)
 # shellcheck disable=SC2086 # WORKER_ARGS is a list of flags
-bench_start_worker "$PORT" "$OUT/worker.log" "$OUT/worker.ports" --max-ctx=8192 ${WORKER_ARGS:-}
+bench_start_worker "$PORT" "$OUT/worker.log" "$OUT/worker.ports" --max-ctx=8192 "${SELF_ARGS[@]}" ${WORKER_ARGS:-}
 PID=$WORKER_PID
 
 echo "## speculative decoding off vs auto ($(date -u +%Y-%m-%dT%H:%MZ))"
@@ -90,6 +96,11 @@ EOF2
     "$BENCH" --kvmesh "tcp://127.0.0.1:$PORT" --prompts "$OUT/long.txt" --label long \
         --max-tokens "$MAX_TOKENS" --concurrency "${LONG_CONCURRENCY:-1}" |
         tee -a "$OUT/results.txt" || rc=1
+    if [ "${SELF:-1}" = 1 ]; then
+        "$BENCH" --kvmesh "tcp://127.0.0.1:$PORT" --prompts "$OUT/long.txt" --label long \
+            --mode self --max-tokens "$MAX_TOKENS" --concurrency "${LONG_CONCURRENCY:-1}" |
+            tee -a "$OUT/results.txt" || rc=1
+    fi
 fi
 stop
 

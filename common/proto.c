@@ -44,7 +44,7 @@ const char *const km_proto_type_names[KM_MSG_TYPE_COUNT] = {
 const char *const km_proto_finish_names[KM_FINISH_COUNT] = {"stop", "length", "canceled",
                                                             "deadline"};
 
-const char *const km_proto_speculate_names[KM_SPECULATE_COUNT] = {"default", "off", "auto"};
+const char *const km_proto_speculate_names[KM_SPECULATE_COUNT] = {"default", "off", "auto", "self"};
 
 const char *const km_proto_admin_names[KM_ADMIN_CMD_COUNT] = {
     "status", "evict", "set_kv_format", "drain", "shutdown", "recover", "pressure"};

@@ -122,6 +122,8 @@ typedef enum km_speculate {
     KM_SPECULATE_DEFAULT = 0, /* "default" (or the key absent): the worker's --speculate */
     KM_SPECULATE_OFF,         /* "off": no drafts */
     KM_SPECULATE_AUTO,        /* "auto": drafts where the worker's step-cost budget says they pay */
+    KM_SPECULATE_SELF,        /* "self": drafts by the model itself over a 4-bit copy of the KV
+                               * (a worker started with --speculate self; elsewhere "auto") */
     KM_SPECULATE_COUNT
 } km_speculate;
 

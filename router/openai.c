@@ -256,8 +256,10 @@ static int parse_obj(json_t *o, bool chat, rt_oai_req *r, rt_oai_err *e)
             r->speculate = KM_SPECULATE_AUTO;
         else if (!strcmp(sv, "off"))
             r->speculate = KM_SPECULATE_OFF;
+        else if (!strcmp(sv, "self"))
+            r->speculate = KM_SPECULATE_SELF;
         else
-            return fail(e, "speculate", "'speculate' must be \"auto\" or \"off\"", NULL);
+            return fail(e, "speculate", "'speculate' must be \"auto\", \"off\" or \"self\"", NULL);
     }
     v = json_object_get(o, "seed");
     if (v && !json_is_null(v)) {

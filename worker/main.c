@@ -29,7 +29,7 @@ typedef struct wk_args {
     const char *peer_listen, *peer_advertise, *peer_mode, *peer_view;
     int64_t peer_lease_ms, peer_pull_ms, peer_warm_pages;
     int64_t threads, admin_port, page_tokens, max_batch, prefill_chunk, max_running, max_queue;
-    int64_t decode_prefill, spec_max_draft, step_budget_ms;
+    int64_t decode_prefill, spec_max_draft, step_budget_ms, self_draft, self_seqs;
     int64_t kv_shards, kv_tok_groups, kv_expert_groups;
     const char *kv_shard_key;
     double spec_factor;
@@ -112,8 +112,15 @@ static const km_opt g_opts[] = {
      &g_args.default_max_tokens, 1, 1 << 20},
     {"speculate", NULL, KM_OPT_STR, "auto",
      "speculative decoding for requests that do not say: auto (suffix drafts where the "
-     "step-cost budget says they pay; output unchanged) or off",
+     "step-cost budget says they pay; output unchanged), off, or self (the model drafts over a "
+     "4-bit copy of the KV; also lets requests ask for it; docs/speculative.md)",
      &g_args.speculate, 0, 0},
+    {"self-spec-draft", NULL, KM_OPT_INT, "3",
+     "--speculate self: draft tokens (draft steps) per verification", &g_args.self_draft, 1, 15},
+    {"self-spec-seqs", NULL, KM_OPT_INT, "4",
+     "--speculate self: sequences whose 4-bit KV copy fits at once at --max-ctx (sizes the copy "
+     "store; others draft nothing while it is full)",
+     &g_args.self_seqs, 1, 4096},
     {"spec-max-draft", NULL, KM_OPT_INT, "16", "draft tokens per request and step at most",
      &g_args.spec_max_draft, 1, 64},
     {"spec-factor", NULL, KM_OPT_FLOAT, "1", "draft length at most this times the match length",
@@ -191,11 +198,12 @@ int main(int argc, char **argv)
         km_config_destroy(cfg);
         return 2;
     }
-    int spec_mode = !strcmp(a->speculate, "auto")  ? WK_SPEC_AUTO
-                    : !strcmp(a->speculate, "off") ? WK_SPEC_OFF
-                                                   : 0;
+    int spec_mode = !strcmp(a->speculate, "auto")   ? WK_SPEC_AUTO
+                    : !strcmp(a->speculate, "off")  ? WK_SPEC_OFF
+                    : !strcmp(a->speculate, "self") ? WK_SPEC_SELF
+                                                    : 0;
     if (!spec_mode || !(a->spec_factor > 0) || a->spec_index_bytes < 4096) {
-        fprintf(stderr, "kvmesh-worker: --speculate is auto or off, --spec-factor > 0, "
+        fprintf(stderr, "kvmesh-worker: --speculate is auto, off or self, --spec-factor > 0, "
                         "--spec-index-bytes >= 4K\n");
         km_config_destroy(cfg);
         return 2;
@@ -203,7 +211,7 @@ int main(int argc, char **argv)
 
     int status = 1;
     wk_model *m = NULL;
-    wk_engine *e = NULL;
+    wk_engine *e = NULL, *draft = NULL;
     km_zsec *sec = NULL;
     char default_id[32];
     snprintf(default_id, sizeof default_id, "worker-%d", (int)getpid());
@@ -246,6 +254,21 @@ int main(int argc, char **argv)
         KM_ERROR("engine_create", "msg=\"%s\"", err.msg);
         goto out;
     }
+    if (spec_mode == WK_SPEC_SELF) { /* the draft engine: the same model over int4 KV copies */
+        const wk_hparams *hp = wk_model_hparams(m);
+        const size_t f16_token = (size_t)hp->n_layers * hp->n_head_kv * hp->head_dim * 2 * 2;
+        wk_engine_opts dopt = {
+            .n_threads = wk_engine_threads(e),
+            .max_batch_tokens = (int)a->max_running,
+            .kv_format = KN_KV_INT4,
+            .page_tokens = (int)a->page_tokens,
+            /* int4 pages take under a third of f16's bytes; the page being filled is f16 */
+            .kv_bytes = (size_t)a->self_seqs * f16_token * ((size_t)a->max_ctx / 3 + 64)};
+        if (wk_engine_create(m, &dopt, &draft, &err)) {
+            KM_ERROR("engine_create", "what=self-speculation msg=\"%s\"", err.msg);
+            goto out;
+        }
+    }
     wk_service_opts so = {
         .worker_id = a->worker_id,
         .listen = a->listen,
@@ -268,6 +291,7 @@ int main(int argc, char **argv)
         .peer_pull_ms = (int)a->peer_pull_ms,
         .peer_view = a->peer_view,
         .peer_warm_pages = (int)a->peer_warm_pages,
+        .draft = draft,
         .sched = {.max_running = (int)a->max_running,
                   .max_queue = (int)a->max_queue,
                   .max_batch_tokens = (int)a->max_batch,
@@ -280,6 +304,7 @@ int main(int argc, char **argv)
                   .spec = {.mode = spec_mode,
                            .max_draft = (int)a->spec_max_draft,
                            .factor = (float)a->spec_factor,
+                           .self_draft = (int)a->self_draft,
                            .index_bytes = (size_t)a->spec_index_bytes}},
     };
     if (wk_service_create(m, e, &so, &g_svc, &err)) {
@@ -300,6 +325,7 @@ out:
         g_svc = NULL;
         wk_service_destroy(s);
     }
+    wk_engine_destroy(draft);
     wk_engine_destroy(e);
     wk_model_free(m);
     km_zsec_close(sec);

@@ -104,9 +104,21 @@ int wk_sched_create(wk_engine *e, const wk_model *m, const wk_sched_opts *o, con
                            .is_eog = wk_real_is_eog};
     int rc = wk_sched_create_on(&eng, o, cb, out, err);
     if (rc) return rc;
-    (*out)->real = (wk_real_engine){e, wk_model_tokenizer(m)};
+    (*out)->real = (wk_real_engine){e, wk_model_tokenizer(m), NULL};
     (*out)->eng.ctx = &(*out)->real;
     return 0;
+}
+
+static int wk_real_draft_step(void *ctx, const wk_batch *b, const float **logits)
+{
+    return wk_engine_step(((wk_real_engine *)ctx)->draft, b, logits);
+}
+
+void wk_sched_set_draft(wk_sched *s, wk_engine *draft)
+{
+    s->real.draft = draft;
+    s->eng.draft_kv = draft ? wk_engine_kv(draft) : NULL;
+    s->eng.draft_step = draft ? wk_real_draft_step : NULL;
 }
 
 int wk_sched_create_on(const wk_sched_engine *eng, const wk_sched_opts *o, const wk_sched_cb *cb,
@@ -132,6 +144,9 @@ int wk_sched_create_on(const wk_sched_engine *eng, const wk_sched_opts *o, const
     if (s->o.aging_per_s <= 0) s->o.aging_per_s = 20;
     const wk_hparams *hp = eng->hp;
     s->n_vocab = hp->n_vocab;
+    s->n_layers = hp->n_layers;
+    s->kv_width = hp->n_head_kv;
+    s->head_dim = hp->head_dim;
     double q_dim = (double)hp->n_head * hp->head_dim, kv_dim = (double)hp->n_head_kv * hp->head_dim;
     /* an MoE layer runs n_expert_used experts of n_ff rows each per token, and its router */
     double ffn = 3.0 * hp->n_embd * hp->n_ff * (hp->n_expert_used > 0 ? hp->n_expert_used : 1) +
@@ -162,8 +177,18 @@ int wk_sched_create_on(const wk_sched_engine *eng, const wk_sched_opts *o, const
     }
     s->b_spec = calloc(s->o.max_running, sizeof *s->b_spec);
     s->order = calloc(s->o.max_running, sizeof *s->order);
+    const size_t R = (size_t)s->o.max_running;
+    s->d_rq = calloc(R, sizeof *s->d_rq);
+    s->d_tok = calloc(R, sizeof *s->d_tok);
+    s->d_pos = calloc(R, sizeof *s->d_pos);
+    s->d_out = calloc(R * 16, sizeof *s->d_out); /* at most 15 drafts each (spec.c) */
+    s->d_seq = calloc(R, sizeof *s->d_seq);
+    s->d_cap = calloc(R, sizeof *s->d_cap);
+    s->d_want = malloc(R);
+    if (s->d_want) memset(s->d_want, 1, R);
     if (!s->order || !s->run || !s->queue || !s->b_tok || !s->b_pos || !s->b_seq || !s->b_want ||
-        !s->parts || !s->b_spec || wk_spec_create(&s->o.spec, s->o.max_running, &s->spec)) {
+        !s->parts || !s->b_spec || !s->d_rq || !s->d_tok || !s->d_pos || !s->d_out || !s->d_seq ||
+        !s->d_cap || !s->d_want || wk_spec_create(&s->o.spec, s->o.max_running, &s->spec)) {
         wk_sched_destroy(s);
         return km_errf(err, KM_ENOMEM, "sched: out of memory");
     }
@@ -175,6 +200,7 @@ int wk_sched_create_on(const wk_sched_engine *eng, const wk_sched_opts *o, const
 static void wk_rq_free(wk_sched *s, wk_rq *r)
 {
     if (!r) return;
+    wk_rq_drop_shadow(s, r);
     if (r->seq) kv_seq_destroy(s->kv, r->seq);
     wk_sampler_destroy(r->smp);
     wk_spec_seq_destroy(r->spec);
@@ -198,6 +224,13 @@ void wk_sched_destroy(wk_sched *s)
     free(s->b_route);
     free(s->parts);
     free(s->b_spec);
+    free(s->d_rq);
+    free(s->d_tok);
+    free(s->d_pos);
+    free(s->d_out);
+    free(s->d_seq);
+    free(s->d_cap);
+    free(s->d_want);
     wk_spec_destroy(s->spec);
     free(s->order);
     free(s);
@@ -263,7 +296,8 @@ int wk_sched_submit(wk_sched *s, const wk_sched_req *q, uint64_t *rid)
     r->seed = km_pagehash_seed(s->fp, strlen(s->fp), s->o.cluster_seed, q->cache_salt,
                                q->cache_salt ? q->cache_salt_len : 0);
     int mode = q->speculate ? q->speculate : s->o.spec.mode;
-    if (mode == WK_SPEC_AUTO) {
+    r->self = mode == WK_SPEC_SELF && s->eng.draft_step;
+    if (mode == WK_SPEC_AUTO || mode == WK_SPEC_SELF) {
         /* The request's tenant key is its page-hash seed: model, cluster seed and cache_salt. */
         rc = wk_spec_seq_create(s->spec, r->seed, cap, q->max_draft, &r->spec);
         if (rc) {
@@ -353,6 +387,7 @@ static void wk_rq_end(wk_sched *s, wk_rq *r, km_finish finish, int code, const c
     /* What it wrote becomes draft material for the same tenant's later requests. */
     if (!code && r->n_gen > 0) wk_spec_learn(s->spec, r->seed, r->tokens, r->n_prompt, r->n_tok);
     if (r->seq) {
+        wk_rq_drop_shadow(s, r);
         kv_seq_destroy(s->kv, r->seq);
         r->seq = NULL;
     }
@@ -418,6 +453,7 @@ static int wk_rq_admit(wk_sched *s, wk_rq *r, uint64_t now)
     if (max_pages > r->n_hashed) max_pages = r->n_hashed;
     int got = max_pages ? kv_seq_attach(s->kv, r->seq, r->hashes, r->tokens, max_pages) : 0;
     if (got < 0) {
+        wk_rq_drop_shadow(s, r);
         kv_seq_destroy(s->kv, r->seq);
         r->seq = NULL;
         return got;
@@ -441,6 +477,7 @@ static void wk_rq_preempt(wk_sched *s, int i)
 {
     wk_rq *r = s->run[i];
     wk_rq_publish(s, r);
+    wk_rq_drop_shadow(s, r);
     kv_seq_destroy(s->kv, r->seq);
     r->seq = NULL;
     r->n_done = 0;

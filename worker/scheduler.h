@@ -85,6 +85,11 @@ typedef struct wk_sched_engine {
     /* Non-zero when `token` ends generation (km_tok_is_eog). */
     int (*is_eog)(void *ctx, int32_t token);
     void *ctx;
+    /* Self-speculation (WK_SPEC_SELF, scheduler_self.c): a second engine over the same model
+     * whose store (draft_kv, int4) holds a 4-bit copy of each drafting sequence's KV; its steps
+     * as `step`. NULL: requests that ask for it draft from suffixes (WK_SPEC_AUTO). */
+    kv_store *draft_kv;
+    int (*draft_step)(void *ctx, const wk_batch *b, const float **logits);
 } wk_sched_engine;
 
 int wk_sched_create(wk_engine *e, const wk_model *m, const wk_sched_opts *o, const wk_sched_cb *cb,
@@ -93,6 +98,10 @@ int wk_sched_create(wk_engine *e, const wk_model *m, const wk_sched_opts *o, con
  * scheduler). */
 int wk_sched_create_on(const wk_sched_engine *eng, const wk_sched_opts *o, const wk_sched_cb *cb,
                        wk_sched **out, km_errbuf *err);
+/* A scheduler made by wk_sched_create drafts WK_SPEC_SELF requests with draft, an engine over
+ * the same model with an int4 store (kv_format KN_KV_INT4), which must outlive it. Before the
+ * first submit. */
+void wk_sched_set_draft(wk_sched *s, wk_engine *draft);
 /* Frees everything; requests still held get no callback. */
 void wk_sched_destroy(wk_sched *s);
 /* Queues a request; *rid (may be NULL) identifies it for wk_sched_cancel. KM_EOVERLOAD when the

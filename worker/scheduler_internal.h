@@ -23,6 +23,9 @@ typedef struct wk_rq {
     kv_seq *seq; /* NULL while queued */
     wk_sampler *smp;
     wk_spec_seq *spec; /* NULL: no speculation */
+    int self;          /* drafts by self-speculation (scheduler_self.c) */
+    kv_seq *shadow;    /* its 4-bit copy of seq in the draft store; NULL: none yet */
+    int n_shadow;      /* positions of seq copied into shadow */
     int priority, ignore_eos, canceled, admitted, preemptions, cached_tokens;
     uint64_t arrival_ns, deadline_ns, admit_ns, first_ns;
 } wk_rq;
@@ -39,6 +42,7 @@ typedef struct wk_part {
 typedef struct wk_real_engine {
     wk_engine *e;
     const km_tokenizer *tok;
+    wk_engine *draft; /* wk_sched_set_draft */
 } wk_real_engine;
 
 struct wk_sched {
@@ -48,6 +52,7 @@ struct wk_sched {
     wk_sched_opts o;
     wk_sched_cb cb;
     int n_vocab, pt;
+    int n_layers, kv_width, head_dim; /* KV heads per layer, floats per head */
     char fp[33];
     wk_rq **run, **queue;
     int n_run, n_queue, queue_cap;
@@ -61,7 +66,12 @@ struct wk_sched {
     wk_part *parts;
     wk_spec *spec;
     wk_spec_seq **b_spec; /* [max_running] this step's proposals */
-    int *order;           /* [max_running]: the order prefill chunks are taken in this step */
+    /* self-speculation's draft steps: [max_running] each (scheduler_self.c) */
+    wk_rq **d_rq;
+    int32_t *d_tok, *d_pos, *d_out, *d_cap;
+    uint8_t *d_want; /* all 1: every draft token's logits */
+    kv_seq **d_seq;
+    int *order; /* [max_running]: the order prefill chunks are taken in this step */
     /* step budget: work units per token, per attended position, per logits row */
     double u_tok, u_att, u_row;
     double step_units; /* the units of the step being built */
@@ -82,5 +92,13 @@ void wk_rq_finish(wk_sched *s, wk_rq *r, km_finish fin);
 void wk_sched_plan(wk_sched *s);
 /* A sequence's token and drafts came back with logits at every position: keep what matches. */
 void wk_sched_verify(wk_sched *s, const wk_part *p, const float *rows, uint64_t now);
+
+/* scheduler_self.c */
+/* Drafts for the n self-speculating decoders s->d_rq, at most s->d_cap[i] tokens each: their
+ * 4-bit copies caught up with their KV, then one draft step per token; the drafts are set as
+ * their proposals. Returns the draft tokens made. */
+int wk_sched_self_draft(wk_sched *s, int n);
+/* Frees a request's 4-bit copy (its KV went away, or it ends). */
+void wk_rq_drop_shadow(wk_sched *s, wk_rq *r);
 
 #endif

@@ -40,18 +40,29 @@ void wk_sched_plan(wk_sched *s)
         int take = left < s->o.prefill_chunk ? left : s->o.prefill_chunk;
         n_pre += take < pre_budget - n_pre ? take : pre_budget - n_pre;
     }
-    int room = budget - n_dec - n_pre, int4 = -1;
+    int room = budget - n_dec - n_pre, int4 = -1, n_self = 0;
     if (room <= 0) return;
     for (int i = 0; i < s->n_run; i++) {
         wk_rq *r = s->run[i];
         if (!r->spec || r->n_tok - r->n_done != 1) continue;
         int cap = r->max_gen - r->n_gen - 1; /* the token after the drafts counts too */
         if (cap > 0 && int4 < 0) int4 = wk_sched_int4(s);
-        if (int4 > 0 && cap > s->pt - 1 - r->n_done % s->pt) cap = s->pt - 1 - r->n_done % s->pt;
-        if (cap > 0 && wk_spec_propose(s->spec, r->spec, r->tokens, r->n_tok, cap) > 0)
+        /* self drafts stay in one page too: the 4-bit copy's pages are int4 */
+        if ((int4 > 0 || r->self) && cap > s->pt - 1 - r->n_done % s->pt)
+            cap = s->pt - 1 - r->n_done % s->pt;
+        if (r->self) { /* drafted below, each draft token one draft step */
+            if (cap > s->o.spec.self_draft) cap = s->o.spec.self_draft;
+            if (cap > room) cap = room;
+            if (cap > 0) s->d_rq[n_self] = r, s->d_cap[n_self++] = cap, room -= cap;
+        } else if (cap > 0 && wk_spec_propose(s->spec, r->spec, r->tokens, r->n_tok, cap) > 0) {
             s->b_spec[nq++] = r->spec;
+        }
     }
-    if (nq) wk_spec_plan(s->spec, s->b_spec, nq, n_dec + n_pre, room);
+    if (n_self) wk_sched_self_draft(s, n_self);
+    if (nq && room > 0)
+        wk_spec_plan(s->spec, s->b_spec, nq, n_dec + n_pre, room);
+    else
+        for (int i = 0; i < nq; i++) wk_spec_seq_clear(s->b_spec[i]);
 }
 
 /* A sequence's token and its drafts came back with logits at every position: the sampler picks

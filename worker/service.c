@@ -197,6 +197,7 @@ int wk_service_create(wk_model *m, wk_engine *e, const wk_service_opts *o, wk_se
     atomic_init(&s->state, KM_STATE_STARTING);
     atomic_init(&s->hb_stop, 0);
     atomic_init(&s->in_command, 0);
+    s->quick.state_after = -1;
     pthread_mutex_init(&s->hb_mu, NULL);
     if (o->worker_id)
         snprintf(s->worker_id, sizeof s->worker_id, "%s", o->worker_id);
@@ -219,7 +220,9 @@ int wk_service_create(wk_model *m, wk_engine *e, const wk_service_opts *o, wk_se
                                  .fingerprint = s->fp,
                                  .step = wk_svc_engine_step,
                                  .is_eog = wk_svc_is_eog,
-                                 .ctx = s};
+                                 .ctx = s,
+                                 .draft_kv = o->draft ? wk_engine_kv(o->draft) : NULL,
+                                 .draft_step = o->draft ? wk_svc_draft_step : NULL};
     if ((rc = wk_sched_create_on(&eng, &s->o.sched, &cb, &s->sched, err))) goto fail;
     if ((rc = wk_svc_stepper_start(s, err))) goto fail;
     s->zctx = km_zctx_create();
@@ -423,6 +426,7 @@ int wk_service_run(wk_service *s)
             s->reply_sent = false;
         }
         s->n_held = 0;
+        s->quick.state_after = -1; /* what a drain or shutdown held there brought is done */
         if (s->stop_now) break;
         km_zpollitem items[2 + WK_PEER_POLL_MAX] = {{.sock = s->router, .events = KM_ZPOLLIN},
                                                     {.sock = s->ctl_loop, .events = KM_ZPOLLIN}};

@@ -256,13 +256,12 @@ void wk_svc_quick_take(wk_service *s, wk_quick *q)
     q->running = (uint32_t)st.running;
     q->queued = (uint32_t)st.queued;
     wk_kv_totals(s, &q->kv_pages, &q->kv_bytes);
-    q->state_after = -1;
 }
 
 /* The reply's figures, from the store and scheduler (q NULL) or as taken before a step. */
 static void admin_reply_figures(wk_service *s, km_msg_admin_reply *rp, const wk_quick *q)
 {
-    wk_quick now;
+    wk_quick now = {.state_after = -1};
     if (!q) {
         wk_svc_quick_take(s, &now);
         q = &now;

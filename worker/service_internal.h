@@ -102,8 +102,8 @@ typedef struct wk_quick {
     kv_format format;
     uint32_t running, queued;
     uint64_t kv_pages, kv_bytes;
-    /* a drain or shutdown answered during the step: the state it takes once the step is over
-     * (a km_worker_state; -1: none), which later answers during the same step report */
+    /* a drain or shutdown answered during a step: the state it takes once the held frames are
+     * handled (a km_worker_state; -1: none), which later answers before then report */
     int state_after;
 } wk_quick;
 
@@ -193,6 +193,7 @@ struct wk_service {
     int step_fd;            /* eventfd: the step is over */
     int step_job;           /* under step_mu: 1 posted, 2 done, -1 stop */
     const wk_batch *step_b; /* the posted step */
+    wk_engine *step_e;      /* and its engine: e, or o.draft */
     const float *step_logits;
     int step_rc;
     wk_quick quick; /* what `status` answers while a step runs */
@@ -283,6 +284,8 @@ int wk_svc_stepper_start(wk_service *s, km_errbuf *err);
 void wk_svc_stepper_stop(wk_service *s);
 /* The scheduler's engine (wk_sched_engine.step / is_eog): the step on the step thread. */
 int wk_svc_engine_step(void *ctx, const wk_batch *b, const float **logits);
+/* The same for the draft engine (o.draft; self-speculation). */
+int wk_svc_draft_step(void *ctx, const wk_batch *b, const float **logits);
 int wk_svc_is_eog(void *ctx, int32_t token);
 
 /* ---------------------------------------------------------------- service_peer.c

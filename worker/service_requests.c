@@ -392,6 +392,7 @@ void wk_svc_admit(wk_service *s, const km_zframe *env, int n_env, const km_msg_r
         .cache_salt_len = q->cache_salt ? strlen(q->cache_salt) : 0,
         .speculate = q->speculate == KM_SPECULATE_OFF    ? WK_SPEC_OFF
                      : q->speculate == KM_SPECULATE_AUTO ? WK_SPEC_AUTO
+                     : q->speculate == KM_SPECULATE_SELF ? WK_SPEC_SELF
                                                          : WK_SPEC_DEFAULT,
         .max_draft = (int)q->max_draft_tokens,
         .n_generated = (int)q->generated,

@@ -43,9 +43,10 @@ static void *wk_step_main(void *arg)
         while (s->step_job != 1 && s->step_job != -1) pthread_cond_wait(&s->step_cv, &s->step_mu);
         if (s->step_job == -1) break;
         const wk_batch *b = s->step_b;
+        wk_engine *e = s->step_e;
         pthread_mutex_unlock(&s->step_mu);
         const float *logits = NULL;
-        int rc = wk_engine_step(s->e, b, &logits);
+        int rc = wk_engine_step(e, b, &logits);
         pthread_mutex_lock(&s->step_mu);
         s->step_rc = rc;
         s->step_logits = logits;
@@ -120,13 +121,14 @@ static bool wk_step_read(wk_service *s)
     return true;
 }
 
-int wk_svc_engine_step(void *ctx, const wk_batch *b, const float **logits)
+/* One step of engine e on the step thread, the loop reading meanwhile. */
+static int wk_svc_step_on(wk_service *s, wk_engine *e, const wk_batch *b, const float **logits)
 {
-    wk_service *s = ctx;
-    if (!s->step_started || !s->router) return wk_engine_step(s->e, b, logits);
+    if (!s->step_started || !s->router) return wk_engine_step(e, b, logits);
     wk_svc_quick_take(s, &s->quick);
     pthread_mutex_lock(&s->step_mu);
     s->step_b = b;
+    s->step_e = e;
     s->step_job = 1;
     pthread_cond_signal(&s->step_cv);
     pthread_mutex_unlock(&s->step_mu);
@@ -152,6 +154,18 @@ int wk_svc_engine_step(void *ctx, const wk_batch *b, const float **logits)
     if (logits) *logits = s->step_logits;
     pthread_mutex_unlock(&s->step_mu);
     return rc;
+}
+
+int wk_svc_engine_step(void *ctx, const wk_batch *b, const float **logits)
+{
+    wk_service *s = ctx;
+    return wk_svc_step_on(s, s->e, b, logits);
+}
+
+int wk_svc_draft_step(void *ctx, const wk_batch *b, const float **logits)
+{
+    wk_service *s = ctx;
+    return wk_svc_step_on(s, s->o.draft, b, logits);
 }
 
 int wk_svc_is_eog(void *ctx, int32_t token)

@@ -202,14 +202,16 @@ void wk_spec_opts_default(wk_spec_opts *o)
                         .index_bytes = (size_t)32 << 20,
                         .fail_limit = 3,
                         .token_cost = 0.25f,
-                        .lead_in = 32};
+                        .lead_in = 32,
+                        .self_draft = 3};
 }
 
 static void wk_spec_fill_defaults(wk_spec_opts *o)
 {
     wk_spec_opts d;
     wk_spec_opts_default(&d);
-    if (o->mode != WK_SPEC_OFF && o->mode != WK_SPEC_AUTO) o->mode = d.mode;
+    if (o->mode != WK_SPEC_OFF && o->mode != WK_SPEC_AUTO && o->mode != WK_SPEC_SELF)
+        o->mode = d.mode;
     if (o->max_draft <= 0) o->max_draft = d.max_draft;
     if (o->max_draft > 64) o->max_draft = 64;
     if (!(o->factor > 0)) o->factor = d.factor;
@@ -218,6 +220,8 @@ static void wk_spec_fill_defaults(wk_spec_opts *o)
     if (o->fail_limit <= 0) o->fail_limit = d.fail_limit;
     if (!(o->token_cost > 0)) o->token_cost = d.token_cost;
     if (o->lead_in <= 0) o->lead_in = d.lead_in;
+    if (o->self_draft <= 0) o->self_draft = d.self_draft;
+    if (o->self_draft > 15) o->self_draft = 15; /* drafts stay inside one page (scheduler_self.c) */
 }
 
 int wk_spec_create(const wk_spec_opts *opts, int max_requests, wk_spec **out)
@@ -355,6 +359,17 @@ static float wk_spec_score(const wk_spec_seq *q, const wk_draft *d, float *prob,
         score += p;
     }
     return score;
+}
+
+int wk_spec_seq_set(wk_spec *sp, wk_spec_seq *q, const int32_t *tok, int n)
+{
+    if (n > q->max_draft) n = q->max_draft;
+    if (n < 0) n = 0;
+    memcpy(q->tok, tok, sizeof *q->tok * n);
+    q->n = n;
+    q->match_len = 0;
+    if (n) sp->st.proposed++;
+    return n;
 }
 
 int wk_spec_propose(wk_spec *sp, wk_spec_seq *q, const int32_t *ctx, int n_ctx, int max)

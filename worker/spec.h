@@ -167,6 +167,9 @@ void wk_spec_learn(wk_spec *sp, km_pagehash tenant, const int32_t *tokens, int n
  * index and the global one, whichever promises more; the probabilities are calibrated by the
  * acceptance seen so far. Returns the number proposed (0: none, or backing off). */
 int wk_spec_propose(wk_spec *sp, wk_spec_seq *q, const int32_t *ctx, int n_ctx, int max);
+/* Sets the proposal to the n tokens of tok (at most the request's max_draft), drafted elsewhere
+ * (self-speculation, scheduler_self.c); not put through wk_spec_plan. Returns the length set. */
+int wk_spec_seq_set(wk_spec *sp, wk_spec_seq *q, const int32_t *tok, int n);
 /* The budget over this step's proposals (wk_spec_budget with the measured cost model):
  * base_tokens are the step's other tokens, room what its token budget leaves. Sets each
  * proposal's length to what was granted; returns the total. */

@@ -201,10 +201,13 @@ typedef enum wk_spec_mode {
     WK_SPEC_DEFAULT = 0, /* a request that does not say: the worker's mode */
     WK_SPEC_OFF = 1,
     WK_SPEC_AUTO = 2, /* draft when the step-cost budget says it pays */
+    /* self-speculation (QuantSpec): the model drafts over a 4-bit copy of the request's KV and
+     * verifies over the full pages; needs a draft engine (wk_sched_set_draft), else AUTO */
+    WK_SPEC_SELF = 3,
 } wk_spec_mode;
 
 typedef struct wk_spec_opts {
-    int mode;           /* the worker's default: WK_SPEC_OFF or WK_SPEC_AUTO (0: auto) */
+    int mode;           /* the worker's default: WK_SPEC_OFF, _AUTO or _SELF (0: auto) */
     int max_draft;      /* draft tokens per request and step; 0: 16 (at most 64) */
     float factor;       /* draft length <= factor x match length; 0: 1.0 */
     float min_share;    /* a proposal stops at a token with a smaller share; 0: 0.1 */
@@ -212,6 +215,7 @@ typedef struct wk_spec_opts {
     int fail_limit;     /* verifications in a row with nothing accepted before backing off; 0: 3 */
     float token_cost;   /* per-token / base cost of a step assumed before measuring; 0: 0.25 */
     int lead_in;        /* prompt tokens indexed with an output in the global index; 0: 32 */
+    int self_draft;     /* WK_SPEC_SELF: draft steps (tokens) per verification; 0: 3 */
 } wk_spec_opts;
 
 /* The scheduler's limits (worker/scheduler.h), part of the service's options. */
@@ -262,6 +266,10 @@ typedef struct wk_service_opts {
     /* warm-up: pages a newly ready worker asks its peers for (0: none; < 0: a quarter of its
      * store) */
     int peer_warm_pages;
+    /* self-speculation (sched.spec.mode WK_SPEC_SELF, worker/scheduler_self.c): the draft engine,
+     * over the same model with an int4 store; owned by the caller, outlives the service. NULL:
+     * requests asking for it draft from suffixes. */
+    wk_engine *draft;
     wk_sched_opts sched;
 } wk_service_opts;
 

@@ -2019,5 +2019,7 @@ Test(proto, speculation_keys_are_validated)
     in.req.model = "smol";
     in.req.prompt = "hi";
     in.req.speculate = KM_SPECULATE_COUNT;
-    expect_encode_fail(&in, "req.speculate: unknown value 3");
+    char want[64];
+    snprintf(want, sizeof want, "req.speculate: unknown value %d", (int)KM_SPECULATE_COUNT);
+    expect_encode_fail(&in, want);
 }

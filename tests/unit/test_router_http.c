@@ -162,6 +162,10 @@ Test(router_openai, speculation_extension_parses_and_usage_reports_predictions)
     cr_assert_eq(r.speculate, KM_SPECULATE_OFF);
     cr_assert_eq(r.max_draft_tokens, 4);
     rt_oai_req_free(&r);
+    body = "{\"prompt\":\"hi\",\"speculate\":\"self\"}";
+    cr_assert_eq(rt_oai_parse(body, strlen(body), false, &r, &e), 0, "%s", e.message);
+    cr_assert_eq(r.speculate, KM_SPECULATE_SELF);
+    rt_oai_req_free(&r);
     body = "{\"prompt\":\"hi\",\"speculate\":\"auto\"}";
     cr_assert_eq(rt_oai_parse(body, strlen(body), false, &r, &e), 0, "%s", e.message);
     cr_assert_eq(r.speculate, KM_SPECULATE_AUTO);
