@@ -43,8 +43,9 @@ static int wk_self_catch_up(wk_sched *s, wk_rq *r, int d)
         return rc;
     }
     const int hd = s->head_dim, w = s->kv_width * hd;
-    float *k = malloc(sizeof(float) * 2 * (size_t)w), *v = k + w;
+    float *k = malloc(sizeof(float) * 2 * (size_t)w);
     if (!k) return KM_ENOMEM;
+    float *v = k + w;
     for (int pos = r->n_shadow; pos < r->n_done && !rc; pos++)
         for (int l = 0; l < s->n_layers && !rc; l++) {
             for (int h = 0; h < s->kv_width && !rc; h++)
