@@ -29,7 +29,8 @@
 #   SELF (1; 0 = no self-speculation run of the long workload),
 #   LONG_CONCURRENCY (1), BENCH_OUT (build/bench-spec/<time>), LLAMA (1; 0 = no
 #   llama.cpp column), LLAMA_SPECS ("ngram-simple ngram-mod"), LLBIN
-#   (third_party/llama.cpp/build/bin).
+#   (third_party/llama.cpp/build/bin), LLAMA_REPACK (auto|0|1: llama.cpp's weight repacking, off
+#   when a probe run crashes, as its AMX path does on some machines; bench_lib.sh).
 #   Nothing here asserts anything about time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -111,8 +112,10 @@ LPORT=$((PORT + 1))
 start_llama() { # log [--spec-type TYPE]
     local log=$1
     shift
+    local nr=()
+    [ "$REPACK" = 1 ] || nr=(-nr)
     "$LLBIN/llama-server" -m "$MODEL" -t "$THREADS" -tb "$THREADS" -np 1 -c 8192 \
-        --host 127.0.0.1 --port "$LPORT" --no-webui "$@" >>"$log" 2>&1 &
+        --host 127.0.0.1 --port "$LPORT" --no-webui "${nr[@]}" "$@" >>"$log" 2>&1 &
     PID=$!
     for _ in $(seq 1 1200); do
         curl -sf "http://127.0.0.1:$LPORT/health" >/dev/null 2>&1 && return 0
@@ -126,7 +129,10 @@ if [ "${LLAMA:-1}" != 1 ]; then
 elif [ ! -x "$LLBIN/llama-server" ] || ! command -v curl >/dev/null; then
     echo "llama.cpp column: skipped ($LLBIN/llama-server not built: bench/build_llamacpp.sh; or no curl)"
 else
-    echo "## llama.cpp's llama-server, one client: --spec-type none vs $LLAMA_SPECS"
+    # llama.cpp's AMX path dies on some machines (bench_lib.sh): without repacking there
+    REPACK="$(bench_llama_repack "${LLAMA_REPACK:-auto}" "$MODEL" "$THREADS" "$OUT")"
+    echo "## llama.cpp's llama-server, one client: --spec-type none vs $LLAMA_SPECS" \
+        "(weight repacking $([ "$REPACK" = 1 ] && echo on || echo 'off: -nr'))"
     field() { sed "s/.* $1=\([0-9.]*\).*/\1/"; } # a number after " NAME=" in a result line
     works=("repetitive bench/spec_repetitive.txt" "open tests/fixtures/llamacpp/prompts.txt")
     [ "${LONG:-1}" != 1 ] || works+=("long $OUT/long.txt")
