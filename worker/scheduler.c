@@ -181,14 +181,16 @@ int wk_sched_create_on(const wk_sched_engine *eng, const wk_sched_opts *o, const
     s->d_rq = calloc(R, sizeof *s->d_rq);
     s->d_tok = calloc(R, sizeof *s->d_tok);
     s->d_pos = calloc(R, sizeof *s->d_pos);
-    s->d_out = calloc(R * 16, sizeof *s->d_out); /* at most 15 drafts each (spec.c) */
+    s->d_out = calloc(R * WK_SELF_MAX_DRAFT, sizeof *s->d_out);
+    s->d_kv = malloc(sizeof *s->d_kv * 2 * (size_t)s->kv_width * s->head_dim);
     s->d_seq = calloc(R, sizeof *s->d_seq);
     s->d_cap = calloc(R, sizeof *s->d_cap);
     s->d_want = malloc(R);
     if (s->d_want) memset(s->d_want, 1, R);
     if (!s->order || !s->run || !s->queue || !s->b_tok || !s->b_pos || !s->b_seq || !s->b_want ||
         !s->parts || !s->b_spec || !s->d_rq || !s->d_tok || !s->d_pos || !s->d_out || !s->d_seq ||
-        !s->d_cap || !s->d_want || wk_spec_create(&s->o.spec, s->o.max_running, &s->spec)) {
+        !s->d_cap || !s->d_want || !s->d_kv ||
+        wk_spec_create(&s->o.spec, s->o.max_running, &s->spec)) {
         wk_sched_destroy(s);
         return km_errf(err, KM_ENOMEM, "sched: out of memory");
     }
@@ -231,6 +233,7 @@ void wk_sched_destroy(wk_sched *s)
     free(s->d_seq);
     free(s->d_cap);
     free(s->d_want);
+    free(s->d_kv);
     wk_spec_destroy(s->spec);
     free(s->order);
     free(s);

@@ -70,6 +70,7 @@ struct wk_sched {
     wk_rq **d_rq;
     int32_t *d_tok, *d_pos, *d_out, *d_cap;
     uint8_t *d_want; /* all 1: every draft token's logits */
+    float *d_kv;     /* one position's K and V of one layer, read back for the 4-bit copy */
     kv_seq **d_seq;
     int *order; /* [max_running]: the order prefill chunks are taken in this step */
     /* step budget: work units per token, per attended position, per logits row */

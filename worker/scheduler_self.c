@@ -42,17 +42,14 @@ static int wk_self_catch_up(wk_sched *s, wk_rq *r, int d)
         wk_rq_drop_shadow(s, r);
         return rc;
     }
-    const int hd = s->head_dim, w = s->kv_width * hd;
-    float *k = malloc(sizeof(float) * 2 * (size_t)w);
-    if (!k) return KM_ENOMEM;
-    float *v = k + w;
+    const int hd = s->head_dim;
+    float *k = s->d_kv, *v = s->d_kv + s->kv_width * hd;
     for (int pos = r->n_shadow; pos < r->n_done && !rc; pos++)
         for (int l = 0; l < s->n_layers && !rc; l++) {
             for (int h = 0; h < s->kv_width && !rc; h++)
                 rc = kv_seq_read(s->kv, r->seq, l, h, pos, k + h * hd, v + h * hd);
             if (!rc) kv_seq_write(dk, r->shadow, l, pos, k, v);
         }
-    free(k);
     if (rc) {
         wk_rq_drop_shadow(s, r);
         return rc;
@@ -78,7 +75,8 @@ int wk_sched_self_draft(wk_sched *s, int n)
             if (s->d_cap[i] <= j) continue;
             s->d_seq[b] = s->d_rq[i]->shadow;
             s->d_pos[b] = s->d_rq[i]->n_done + j;
-            s->d_tok[b] = j ? s->d_out[i * 16 + j - 1] : s->d_rq[i]->tokens[s->d_rq[i]->n_done];
+            s->d_tok[b] = j ? s->d_out[i * WK_SELF_MAX_DRAFT + j - 1]
+                            : s->d_rq[i]->tokens[s->d_rq[i]->n_done];
             b++;
         }
         /* one logits row per token, in batch order */
@@ -95,14 +93,15 @@ int wk_sched_self_draft(wk_sched *s, int n)
         }
         for (int i = 0, row = 0; i < m; i++)
             if (s->d_cap[i] > j)
-                s->d_out[i * 16 + j] = wk_argmax(lg + (size_t)row++ * s->n_vocab, s->n_vocab);
+                s->d_out[i * WK_SELF_MAX_DRAFT + j] =
+                    wk_argmax(lg + (size_t)row++ * s->n_vocab, s->n_vocab);
     }
     for (int i = 0; i < m; i++) {
         wk_rq *r = s->d_rq[i];
         /* the drafts' KV goes: the copy ends at the copied positions again (and its page's
          * count of written rows with it, so that the page seals once the copy fills it) */
         kv_seq_truncate(s->eng.draft_kv, r->shadow, r->n_shadow);
-        made += wk_spec_seq_set(s->spec, r->spec, s->d_out + i * 16, s->d_cap[i]);
+        made += wk_spec_seq_set(s->spec, r->spec, s->d_out + i * WK_SELF_MAX_DRAFT, s->d_cap[i]);
     }
     return made;
 }

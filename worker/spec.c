@@ -221,7 +221,7 @@ static void wk_spec_fill_defaults(wk_spec_opts *o)
     if (!(o->token_cost > 0)) o->token_cost = d.token_cost;
     if (o->lead_in <= 0) o->lead_in = d.lead_in;
     if (o->self_draft <= 0) o->self_draft = d.self_draft;
-    if (o->self_draft > 15) o->self_draft = 15; /* drafts stay inside one page (scheduler_self.c) */
+    if (o->self_draft > WK_SELF_MAX_DRAFT) o->self_draft = WK_SELF_MAX_DRAFT;
 }
 
 int wk_spec_create(const wk_spec_opts *opts, int max_requests, wk_spec **out)

@@ -206,6 +206,9 @@ typedef enum wk_spec_mode {
     WK_SPEC_SELF = 3,
 } wk_spec_mode;
 
+/* Self drafts stay inside the page being filled (scheduler_self.c): at most a page less one. */
+#define WK_SELF_MAX_DRAFT 15
+
 typedef struct wk_spec_opts {
     int mode;           /* the worker's default: WK_SPEC_OFF, _AUTO or _SELF (0: auto) */
     int max_draft;      /* draft tokens per request and step; 0: 16 (at most 64) */
@@ -215,7 +218,8 @@ typedef struct wk_spec_opts {
     int fail_limit;     /* verifications in a row with nothing accepted before backing off; 0: 3 */
     float token_cost;   /* per-token / base cost of a step assumed before measuring; 0: 0.25 */
     int lead_in;        /* prompt tokens indexed with an output in the global index; 0: 32 */
-    int self_draft;     /* WK_SPEC_SELF: draft steps (tokens) per verification; 0: 3 */
+    int self_draft;     /* WK_SPEC_SELF: draft steps (tokens) per verification; 0: 3; at most
+                         * WK_SELF_MAX_DRAFT */
 } wk_spec_opts;
 
 /* The scheduler's limits (worker/scheduler.h), part of the service's options. */
