@@ -17,8 +17,12 @@
  * peer) next to ucx_perftest with the same window. A pull is timed end to end (request, the
  * holder's lease and offer, the reads, the checksum of every page, the import into the store: what
  * a worker waits for) and also from the offer to the last byte (the read phase, what ucx_perftest
- * measures). The load average is printed with every row: the machine is shared. Prints figures;
- * asserts nothing.
+ * measures). The single one-page AM pull is measured a second time with both owner loops (this
+ * process's and the holder's) polling without sleeping, as ucx_perftest's loops do ("1, owners
+ * spin"), and the header gives the round trip of a small message between the two sides sleeping
+ * and spinning: a one-page pull is a latency, and those rows show how much of it is wake-ups.
+ * The load average is printed with every row: the machine is shared. Prints figures; asserts
+ * nothing.
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -78,6 +82,9 @@ static void apply(const tls_setting *t)
 static int g_pin = -1;         /* -1: not pinned */
 static int g_fragment = 0;     /* the holder's pr_config.am_fragment (--fragment) */
 static long long g_stream = 0; /* the reader's pr_config.stream_bytes (--stream-bytes) */
+/* The owner loops (this process's and the holder's) poll without sleeping, as ucx_perftest's
+ * do, in the "owners spin" rows; otherwise they sleep in poll as a worker's loop does. */
+static int g_spin = 0;
 
 static void pin_to(int cpu)
 {
@@ -139,6 +146,32 @@ static void side_close(side *x)
     free(x->buf);
 }
 
+/* Both owner loops spin (1) or sleep in poll (0) from now on. */
+static void set_spin(side *x, int on)
+{
+    g_spin = on;
+    xh_send(x->holder.fd, XH_SPIN, &on, sizeof on, NULL, 0, NULL, 0);
+}
+
+/* The holder's offer into x->buf: its length, or -1 (the channel closed, or a minute passed). */
+static ssize_t recv_offer(side *x)
+{
+    const uint64_t end = xh_after(60);
+    for (;;) {
+        ssize_t len = xh_recv(x->holder.fd, x->buf, g_spin ? 0 : 60000);
+        if (len > 0 && xh_type(x->buf) == XH_OFFER) return len;
+        if (len == 0 || (len < 0 && !g_spin) || km_now_ns() > end) return -1;
+        if (len < 0) sched_yield(); /* the progress thread shares this CPU */
+    }
+}
+
+/* Waits for the node's wait fd as the owner loop does (sleeping in poll, or spinning). */
+static void wait_node(side *x, struct pollfd *pfd, int n, int sleep_ms)
+{
+    if (poll(pfd, n, g_spin ? 0 : sleep_ms) <= 0 && g_spin) sched_yield();
+    if (pfd[0].revents & POLLIN) pr_node_poll(x->n, NULL, 0);
+}
+
 /* One pull of the first n pages: end-to-end and read-phase nanoseconds; pages imported. */
 static int one_pull(side *x, int n, uint64_t *e2e, uint64_t *read)
 {
@@ -153,11 +186,7 @@ static int one_pull(side *x, int n, uint64_t *e2e, uint64_t *read)
         return -1;
     }
     xh_send_req(x->holder.fd, &req);
-    ssize_t len;
-    do {
-        len = xh_recv(x->holder.fd, x->buf, 60000);
-    } while (len > 0 && xh_type(x->buf) != XH_OFFER);
-    if (len <= 0) return -1;
+    if (recv_offer(x) < 0) return -1;
     pr_offer o;
     xh_parse_offer(x->buf, &o);
     uint64_t t1 = km_now_ns();
@@ -166,9 +195,7 @@ static int one_pull(side *x, int n, uint64_t *e2e, uint64_t *read)
      * third busy thread beside the two progress threads would take a CPU from them
      * (ucx_perftest runs two). */
     struct pollfd pfd = {.fd = pr_node_wait_fd(x->n), .events = POLLIN};
-    while (!pr_pull_done_yet(x->n, p)) {
-        if (poll(&pfd, 1, 100) > 0) pr_node_poll(x->n, NULL, 0);
-    }
+    while (!pr_pull_done_yet(x->n, p)) wait_node(x, &pfd, 1, 100);
     uint64_t t2 = km_now_ns();
     pr_pull_done done;
     pr_pull_result res;
@@ -229,7 +256,8 @@ static int64_t conc_pulls(side *x)
     int done[CONC] = {0};
     uint64_t end = xh_after(60);
     while (left && km_now_ns() < end) {
-        if (poll(pfd, offered < CONC ? 2 : 1, 100) <= 0) continue;
+        pfd[1].revents = 0;
+        wait_node(x, pfd, offered < CONC ? 2 : 1, 100);
         if (pfd[1].revents & POLLIN) {
             ssize_t len = xh_recv(x->holder.fd, x->buf, 0);
             if (len > 0 && xh_type(x->buf) == XH_OFFER) {
@@ -239,7 +267,6 @@ static int64_t conc_pulls(side *x)
                     if (req[c].pull_id == o.pull_id) pr_pull_offer(x->n, p[c], &o), offered++;
             }
         }
-        if (pfd[0].revents & POLLIN) pr_node_poll(x->n, NULL, 0);
         for (int c = 0; c < CONC; c++) {
             if (done[c] || !pr_pull_done_yet(x->n, p[c])) continue;
             pr_pull_done d;
@@ -333,20 +360,102 @@ static int perftest(const char *test, size_t bytes, int outstanding, int iters, 
     return 0;
 }
 
+/* ---------------------------------------------------------------- what a wake-up costs */
+
+/* The median round trip of a small message between CPU 0 and CPU 1 over a socketpair, both
+ * ends sleeping in poll (as the owner loops of a pull do) or both polling without sleeping (as
+ * ucx_perftest does), in microseconds; 0 when it could not run. A one-page pull has two such
+ * hops between processes (request, offer) and two between its own threads: on a VM whose
+ * sleeping round trip is tens of microseconds, that, not the bytes, is what it waits for. */
+static double wake_rtt_us(int spin)
+{
+    enum { ROUNDS = 2000 };
+    int sv[2];
+    if (socketpair(AF_UNIX, SOCK_SEQPACKET, 0, sv)) return 0;
+    static uint8_t in[XH_MSGCAP];
+    const char b[8] = {0};
+    pid_t pid = fork();
+    if (pid == 0) {
+        close(sv[0]);
+        pin_to(0);
+        const uint64_t end = xh_after(20);
+        while (km_now_ns() < end) {
+            ssize_t r = xh_recv(sv[1], in, spin ? 0 : 1000);
+            if (r == 0) break;
+            if (r > 0 && send(sv[1], b, 8, 0) < 0) break;
+        }
+        _exit(0);
+    }
+    close(sv[1]);
+    pin_to(1);
+    static uint64_t t[ROUNDS];
+    int k = 0;
+    const uint64_t end = xh_after(10);
+    for (; pid > 0 && k < ROUNDS && km_now_ns() < end; k++) {
+        const uint64_t t0 = km_now_ns();
+        if (send(sv[0], b, 8, 0) < 0) break;
+        ssize_t r;
+        while ((r = xh_recv(sv[0], in, spin ? 0 : 1000)) < 0 && km_now_ns() < end) continue;
+        if (r <= 0) break;
+        t[k] = km_now_ns() - t0;
+    }
+    close(sv[0]);
+    if (pid > 0) {
+        xh_child c = {pid, -1};
+        xh_reap(&c, 0);
+    }
+    if (k < ROUNDS) return 0;
+    qsort(t, ROUNDS, sizeof *t, bench_cmp_u64);
+    return (double)t[ROUNDS / 2] / 1e3;
+}
+
 /* ---------------------------------------------------------------- the run */
+
+typedef struct refs {
+    int have, have_e, have_tag;
+    double pg, pr, eg, tg; /* perftest GB/s and msgs/s; with -e; tag_bw */
+} refs;
+
+static void print_row(const char *setting, const char *pages, int m, int conc, const figures *fg,
+                      const refs *rf, double ld)
+{
+    char ours[96], ref[64] = "n/a | n/a", ratio[48] = "", rratio[48] = "";
+    char tag[64] = "n/a | ", eref[64] = "n/a | ";
+    if (fg->ok && conc)
+        snprintf(ours, sizeof ours, "%.2f | %.0f | –", fg->gbps, fg->pages_s);
+    else if (fg->ok)
+        snprintf(ours, sizeof ours, "%.2f | %.0f | %.2f", fg->gbps, fg->pages_s, fg->read_gbps);
+    else
+        snprintf(ours, sizeof ours, "failed | | ");
+    if (rf->have) snprintf(ref, sizeof ref, "%.2f | %.0f", rf->pg, rf->pr);
+    if (rf->have && fg->ok && rf->pg > 0) {
+        snprintf(ratio, sizeof ratio, "%.0f%%", 100.0 * fg->gbps / rf->pg);
+        if (!conc) snprintf(rratio, sizeof rratio, "%.0f%%", 100.0 * fg->read_gbps / rf->pg);
+    }
+    if (rf->have_tag)
+        snprintf(tag, sizeof tag, "%.2f | %.0f%%", rf->tg,
+                 fg->ok && rf->tg > 0 ? 100.0 * fg->gbps / rf->tg : 0.0);
+    if (rf->have_e)
+        snprintf(eref, sizeof eref, "%.2f | %.0f%%", rf->eg,
+                 fg->ok && rf->eg > 0 ? 100.0 * fg->gbps / rf->eg : 0.0);
+    printf("| %s | %s | %s | %s | %s | %s | %s | %s | %s | %.1f–%.1f |\n", setting, pages,
+           m == 0 ? "get" : "am", ours, ref, ratio, rratio, tag, eref, ld, bench_load1());
+    fflush(stdout);
+}
 
 static void usage(void)
 {
     fprintf(stderr, "usage: bench_transfer [--quick] [--reps N] [--no-pin] [--fragment BYTES|-1]\n"
                     "                      [--stream-bytes BYTES|-1]\n"
                     "                      [--only-tls tcp|default|mm]"
-                    " [--only-pages N] [--only-mode get|am] [--no-perftest]\n");
+                    " [--only-pages N] [--only-mode get|am] [--no-perftest]\n"
+                    "                      [--no-spin]\n");
     exit(2);
 }
 
 int main(int argc, char **argv)
 {
-    int quick = 0, only_pages = 0, only_mode = -1, no_ref = 0, reps_arg = 0, pin = 1;
+    int quick = 0, only_pages = 0, only_mode = -1, no_ref = 0, reps_arg = 0, pin = 1, no_spin = 0;
     const char *only_tls = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--quick"))
@@ -355,6 +464,8 @@ int main(int argc, char **argv)
             no_ref = 1;
         else if (!strcmp(argv[i], "--no-pin"))
             pin = 0;
+        else if (!strcmp(argv[i], "--no-spin"))
+            no_spin = 1;
         else if (!strcmp(argv[i], "--reps") && i + 1 < argc && atoi(argv[i + 1]) > 0 &&
                  atoi(argv[i + 1]) <= MAX_REPS)
             reps_arg = atoi(argv[++i]);
@@ -388,10 +499,14 @@ int main(int argc, char **argv)
     printf("# bench-transfer: %s, %ld CPUs, UCX %s, load average %.2f at start\n", model,
            sysconf(_SC_NPROCESSORS_ONLN), ucp_get_version_string(), bench_load1());
     printf("# pages of the default model's KV in f16: %zu bytes; %d reads in flight per pull;"
-           " median of the timed pulls; %s\n\n",
+           " median of the timed pulls; %s\n",
            page_bytes, INFLIGHT,
            g_pin < 0 ? "placement left to the scheduler"
                      : "holder and ucx_perftest's server on CPU 0, reader and client on CPU 1");
+    printf("# a round trip between the two sides over a socketpair, median: %.1f us with both\n"
+           "# sleeping in poll (a pull's owner loops), %.1f us with both polling without sleep\n"
+           "# (ucx_perftest's loops): the wake-ups a one-page pull waits for, beside its bytes\n\n",
+           wake_rtt_us(0), wake_rtt_us(1));
     printf("| transport | pages | mode | pull GB/s | pages/s | read phase GB/s | ucx_perftest "
            "GB/s | ucx_perftest msgs/s | pull / perftest | read phase / perftest | tag_bw GB/s "
            "(lands) | pull / tag_bw | ucx_perftest -e GB/s | pull / perftest -e | load |\n");
@@ -433,31 +548,19 @@ int main(int argc, char **argv)
                 /* AM rows: the landing reference (tag_bw), same size and window */
                 int have_tag = m == 1 && !no_ref &&
                                perftest("tag_bw", page_bytes, outstanding, iters, 0, &tg, &tr);
-                char ours[96], ref[64] = "n/a | n/a", ratio[48] = "", rratio[48] = "";
-                char tag[64] = "n/a | ", eref[64] = "n/a | ";
-                if (fg.ok && conc)
-                    snprintf(ours, sizeof ours, "%.2f | %.0f | –", fg.gbps, fg.pages_s);
-                else if (fg.ok)
-                    snprintf(ours, sizeof ours, "%.2f | %.0f | %.2f", fg.gbps, fg.pages_s,
-                             fg.read_gbps);
-                else
-                    snprintf(ours, sizeof ours, "failed | | ");
-                if (have) snprintf(ref, sizeof ref, "%.2f | %.0f", pg, pr);
-                if (have && fg.ok && pg > 0) {
-                    snprintf(ratio, sizeof ratio, "%.0f%%", 100.0 * fg.gbps / pg);
-                    if (!conc) snprintf(rratio, sizeof rratio, "%.0f%%", 100.0 * fg.read_gbps / pg);
-                }
-                if (have_tag)
-                    snprintf(tag, sizeof tag, "%.2f | %.0f%%", tg,
-                             fg.ok && tg > 0 ? 100.0 * fg.gbps / tg : 0.0);
-                if (have_e)
-                    snprintf(eref, sizeof eref, "%.2f | %.0f%%", eg,
-                             fg.ok && eg > 0 ? 100.0 * fg.gbps / eg : 0.0);
+                refs rf = {have, have_e, have_tag, pg, pr, eg, tg};
                 char pages[16];
                 snprintf(pages, sizeof pages, conc ? "1 x %d" : "%d", conc ? CONC : n);
-                printf("| %s | %s | %s | %s | %s | %s | %s | %s | %s | %.1f–%.1f |\n",
-                       SETTINGS[t].name, pages, m == 0 ? "get" : "am", ours, ref, ratio, rratio,
-                       tag, eref, ld, bench_load1());
+                print_row(SETTINGS[t].name, pages, m, conc, &fg, &rf, ld);
+                /* the single one-page AM pull again with both owner loops spinning, as
+                 * ucx_perftest's do: what is left once no thread sleeps between hops */
+                if (n == 1 && !conc && m == 1 && !no_spin) {
+                    ld = bench_load1();
+                    set_spin(&sides[m], 1);
+                    fg = measure(&sides[m], n, reps, page_bytes);
+                    set_spin(&sides[m], 0);
+                    print_row(SETTINGS[t].name, "1, owners spin", m, conc, &fg, &rf, ld);
+                }
                 fflush(stdout);
             }
         }

@@ -3,6 +3,7 @@
  * the holder process, shared by the transfer tests and benchmark (tests/xfer_harness.h).
  */
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -178,10 +179,14 @@ static void xh_holder_main(int fd, const xh_role *r)
     pr_node_address(n, &a, &al);
     xh_send(fd, XH_ADDR, a, al, NULL, 0, NULL, 0);
     uint64_t end = xh_after(120);
+    int spin = 0;
     while (km_now_ns() < end) {
-        ssize_t len = xh_recv(fd, buf, 1);
+        ssize_t len = xh_recv(fd, buf, spin ? 0 : 1);
         if (len == 0) break;
-        if (len > 0 && xh_type(buf) == XH_REQ) {
+        if (len < 0 && spin) sched_yield(); /* the progress thread shares the CPU */
+        if (len > 0 && xh_type(buf) == XH_SPIN) {
+            memcpy(&spin, buf + 8, sizeof spin);
+        } else if (len > 0 && xh_type(buf) == XH_REQ) {
             pr_pull_req req;
             xh_parse_req(buf, &req);
             pr_serve(n, &req);

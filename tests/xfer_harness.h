@@ -31,7 +31,9 @@ int xh_same_bytes(kv_store *a, kv_store *b, const int32_t *toks, const km_pageha
 
 /* ---------------------------------------------------------------- control channel */
 
-enum { XH_ADDR = 1, XH_REQ, XH_OFFER, XH_DONE, XH_READING };
+/* XH_SPIN: an int, 1 to have the holder's loop poll its channel without sleeping (as
+ * ucx_perftest's loops do; bench_transfer's "owners spin" rows), 0 to sleep in poll again. */
+enum { XH_ADDR = 1, XH_REQ, XH_OFFER, XH_DONE, XH_READING, XH_SPIN };
 
 /* A message: u64 type (so that what follows stays aligned), then up to three parts. */
 int xh_send(int fd, uint64_t type, const void *a, size_t al, const void *b, size_t bl,
