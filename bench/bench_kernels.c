@@ -39,7 +39,8 @@
  *       all k (what speculative decoding pays to check k - 1 drafts), after a 256-token prompt.
  *       L: the prefill of a 4,096-token prompt (512 per step), then at that context batch-1
  *       decode and k = 4 verification over f16 KV, then batch-1 decode over the same pages
- *       converted to int4 (a self-speculation draft's step); L<n> (L8192, last): at n tokens.
+ *       converted to int4 (a self-speculation draft's step); L<n> (L8192): at n tokens (the
+ *       digits right after L are n; phase letters may follow them: L8192v).
  *       On a shared machine the CPU time of a 1-thread engine is the figure that holds up;
  *       `make bench-engine` gives the comparable ones.
  *
@@ -708,8 +709,11 @@ static int bk_engine(const char *path, int threads, const char *what)
     int rc = 0;
     const char *L = strchr(what, 'L'); /* L, or L<context>: L8192 */
     const int n_long = L && atoi(L + 1) > 0 ? atoi(L + 1) : 4096;
-    char phases[32]; /* the letters, without L's number */
-    snprintf(phases, sizeof phases, "%.*s", L ? (int)(L - what) + 1 : (int)strlen(what), what);
+    char phases[32]; /* the letters, without L's number (the digits right after L) */
+    size_t k = 0;
+    for (const char *c = what; *c && k + 1 < sizeof phases; c++)
+        if (!(L && c > L && c <= L + strspn(L + 1, "0123456789"))) phases[k++] = *c;
+    phases[k] = 0;
     what = phases;
     if (strchr(what, '1')) rc |= bk_engine_phase(e, n_vocab, 1, 0, 128);
     if (strchr(what, '8')) rc |= bk_engine_phase(e, n_vocab, 8, 128, 64);

@@ -210,12 +210,19 @@ static void admin_set_kv_format(admin_ctx *c)
         KM_INFO("set_kv_format", "worker=%s %s", s->worker_id, d);
 }
 
+/* What a drain says to a worker that is not ready, after the step or during it. */
+static const char *drain_not_ready(km_worker_state st, char *msg, size_t cap)
+{
+    snprintf(msg, cap, "already %s", km_worker_state_name(st));
+    return msg;
+}
+
 /* drain (recovery level 3) */
 static void admin_drain(admin_ctx *c)
 {
     wk_service *s = c->s;
     if (wk_svc_state(s) != KM_STATE_READY) {
-        snprintf(c->msg, sizeof c->msg, "already %s", km_worker_state_name(wk_svc_state(s)));
+        drain_not_ready(wk_svc_state(s), c->msg, sizeof c->msg);
         return;
     }
     char d[96];
@@ -283,10 +290,7 @@ static const char *admin_accept(wk_service *s, const km_msg_admin *a, char *msg,
         s->quick.state_after = KM_STATE_STOPPING;
         return "shutdown accepted during an engine step: the worker stops when the step ends";
     }
-    if (now != KM_STATE_READY) { /* as admin_drain says it after the step */
-        snprintf(msg, cap, "already %s", km_worker_state_name(now));
-        return msg;
-    }
+    if (now != KM_STATE_READY) return drain_not_ready(now, msg, cap); /* as admin_drain */
     s->quick.state_after = KM_STATE_DRAINING;
     return "drain accepted during an engine step: it starts when the step ends, after the "
            "frames that came before it";
