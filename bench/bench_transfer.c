@@ -21,6 +21,8 @@
  * process's and the holder's) polling without sleeping, as ucx_perftest's loops do ("1, owners
  * spin"), and the header gives the round trip of a small message between the two sides sleeping
  * and spinning: a one-page pull is a latency, and those rows show how much of it is wake-ups.
+ * The header also gives memcpy of 1, 16 and 256 distinct pages on the reader's CPU: the most any
+ * same-host path could land, next to ucx_perftest's shared memory, which reuses one buffer.
  * The load average is printed with every row: the machine is shared. Prints figures; asserts
  * nothing.
  */
@@ -409,6 +411,34 @@ static double wake_rtt_us(int spin)
     return (double)t[ROUNDS / 2] / 1e3;
 }
 
+/* ---------------------------------------------------------------- what copying costs */
+
+/* GB/s of memcpy of n distinct pages into n other pages on this CPU, the sources unchanged
+ * between rounds (best of five): the most any same-host path can land, before any check. On a
+ * VM whose caches hold a few megabytes it is far below a ucx_perftest that moves one buffer
+ * around in the cache (shared memory, 25-27 GB/s). 0 when out of memory. */
+static double memcpy_gbps(int n, size_t page)
+{
+    uint8_t *src = malloc(page * n), *dst = malloc(page * n);
+    double best = 0;
+    if (src && dst) {
+        memset(src, 1, page * n);
+        memset(dst, 2, page * n);
+        const int reps = n == 1 ? 4000 : n == 16 ? 400 : 20;
+        for (int r = 0; r < 5; r++) {
+            const uint64_t t0 = km_now_ns();
+            for (int k = 0; k < reps; k++)
+                for (int i = 0; i < n; i++)
+                    memcpy(dst + (size_t)i * page, src + (size_t)i * page, page);
+            const double gbps = (double)page * n * reps / (double)(km_now_ns() - t0);
+            if (gbps > best) best = gbps;
+        }
+    }
+    free(src);
+    free(dst);
+    return best;
+}
+
 /* ---------------------------------------------------------------- the run */
 
 typedef struct refs {
@@ -505,8 +535,11 @@ int main(int argc, char **argv)
                      : "holder and ucx_perftest's server on CPU 0, reader and client on CPU 1");
     printf("# a round trip between the two sides over a socketpair, median: %.1f us with both\n"
            "# sleeping in poll (a pull's owner loops), %.1f us with both polling without sleep\n"
-           "# (ucx_perftest's loops): the wake-ups a one-page pull waits for, beside its bytes\n\n",
+           "# (ucx_perftest's loops): the wake-ups a one-page pull waits for, beside its bytes\n",
            wake_rtt_us(0), wake_rtt_us(1));
+    printf("# memcpy of 1, 16 and 256 distinct pages into others on one CPU: %.1f, %.1f and\n"
+           "# %.1f GB/s (the most any same-host path could land, before its checks)\n\n",
+           memcpy_gbps(1, page_bytes), memcpy_gbps(16, page_bytes), memcpy_gbps(256, page_bytes));
     printf("| transport | pages | mode | pull GB/s | pages/s | read phase GB/s | ucx_perftest "
            "GB/s | ucx_perftest msgs/s | pull / perftest | read phase / perftest | tag_bw GB/s "
            "(lands) | pull / tag_bw | ucx_perftest -e GB/s | pull / perftest -e | load |\n");
