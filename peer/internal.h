@@ -142,6 +142,12 @@ struct pr_node {
     _Atomic uint64_t fetches_refused; /* reads asked of pages no live lease offered */
     int wait_fd; /* eventfd: the back end writes it when a pull's reads have all completed */
     int closed;  /* the back end is gone (pr_node_destroy): nothing more to tell it */
+    /* the background prefault of the arena (pr_config.prefault_bytes; node.c) */
+    pthread_t prefault_thr;
+    int prefault_started;
+    _Atomic int prefault_stop;
+    _Atomic uint64_t prefaulted;
+    uint64_t prefault_target;
 };
 
 /* node.c — the back end says that pull p's reads have all completed (sets p->fetch_done and

@@ -77,6 +77,12 @@ typedef struct pr_config {
     /* Reader side: a pull of more page bytes than this lands its fragments with non-temporal
      * stores (it would not stay in the caches anyway); 0: PR_STREAM_DEFAULT; < 0: never. */
     long long stream_bytes;
+    /* Leading bytes of the page arena a background thread makes resident after the node starts
+     * (MADV_POPULATE_WRITE a chunk at a time, on an otherwise idle CPU: SCHED_IDLE), so that
+     * pages landing from a peer do not take a page fault per 4 KiB (docs/transfer.md: a fresh
+     * worker's 128-page pull took 60 ms instead of ~25); 0: the store's hot-tier budget; < 0:
+     * none (pages are faulted in as they are first written). Resident memory grows to it. */
+    long long prefault_bytes;
 } pr_config;
 
 #define PR_STREAM_DEFAULT (16ll << 20)
@@ -220,6 +226,7 @@ typedef struct pr_stats {
     uint64_t fetches_refused; /* reads asked of pages no live lease offered (holder side) */
     uint64_t dones_ignored;   /* pr_serve_done that ended no lease: late, or not the requester */
     uint64_t peers_failed, dropped[PR_DROP_COUNT];
+    uint64_t prefaulted, prefault_target; /* arena bytes made resident so far, of how many */
     int peers, pulls_active, leases_active, endpoints; /* alive now */
 } pr_stats;
 

@@ -35,7 +35,7 @@ typedef struct wk_args {
     double spec_factor;
     int64_t max_ctx, default_max_tokens, heartbeat_ms, drain_ms, event_replay, cluster_seed;
     uint64_t kv_bytes, max_frame, kv_host_bytes, kv_disk_bytes, spec_index_bytes;
-    bool chaos;
+    bool chaos, peer_prefault;
     km_sec_args sec;
 } wk_args;
 
@@ -151,6 +151,11 @@ static const km_opt g_opts[] = {
     {"peer-mode", NULL, KM_OPT_STR, "am",
      "KV page transfer: am (active messages, default) or get (one-sided reads; RDMA)",
      &g_args.peer_mode, 0, 0},
+    {"peer-prefault", NULL, KM_OPT_BOOL, "true",
+     "KV page transfer: make the hot tier's page memory resident in the background after start "
+     "(on an idle CPU), so that pages pulled from peers do not fault in 4 KiB at a time; "
+     "--no-peer-prefault leaves it to be faulted in as written",
+     &g_args.peer_prefault, 0, 0},
     {"peer-lease-ms", NULL, KM_OPT_DURATION, "10s",
      "KV page transfer: how long pages offered to a peer stay pinned", &g_args.peer_lease_ms, 1,
      3600000},
@@ -291,6 +296,7 @@ int main(int argc, char **argv)
         .peer_pull_ms = (int)a->peer_pull_ms,
         .peer_view = a->peer_view,
         .peer_warm_pages = (int)a->peer_warm_pages,
+        .peer_no_prefault = !a->peer_prefault,
         .draft = draft,
         .sched = {.max_running = (int)a->max_running,
                   .max_queue = (int)a->max_queue,

@@ -135,7 +135,8 @@ int wk_peer_create(wk_service *s, km_errbuf *err)
                     .listen_host = p->listen_host,
                     .listen_port = port,
                     .advertise_host = p->advertise_host,
-                    .lease_ms = o->peer_lease_ms};
+                    .lease_ms = o->peer_lease_ms,
+                    .prefault_bytes = o->peer_no_prefault ? -1 : 0};
     if ((rc = pr_node_create(&pc, &p->node, err))) return rc;
     if ((rc = pr_node_address(p->node, &p->addr, &p->addr_len))) {
         km_errf(err, rc, "peer: no node address");
@@ -439,9 +440,10 @@ static void wk_peer_release(wk_service *s, int i)
     wk_peer_measure(p, h, &res, now);
     KM_INFO("pull_done",
             "id=%llu pages=%d local=%d wanted=%d offered=%d imported=%d bytes=%llu ms=%.1f "
-            "status=%s handoff=%d",
+            "offer_ms=%.1f status=%s handoff=%d",
             (unsigned long long)h->id, h->n_pages, res.pages_local, wanted, res.pages_offered,
             res.pages_imported, (unsigned long long)res.bytes, (double)(now - h->start_ns) / 1e6,
+            h->offer_ns ? (double)(h->offer_ns - h->start_ns) / 1e6 : -1.0,
             res.status ? km_strerror(res.status) : "ok", h->background);
     if (l->peer && pr_peer_failed(l->peer) && !l->pulls) {
         pr_peer_release(p->node, l->peer); /* the next pull connects again */

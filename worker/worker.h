@@ -270,6 +270,9 @@ typedef struct wk_service_opts {
     /* warm-up: pages a newly ready worker asks its peers for (0: none; < 0: a quarter of its
      * store) */
     int peer_warm_pages;
+    /* leave the arena's pages to be faulted in as they are first written instead of making the
+     * hot tier's share resident in the background (pr_config.prefault_bytes) */
+    bool peer_no_prefault;
     /* self-speculation (sched.spec.mode WK_SPEC_SELF, worker/scheduler_self.c): the draft engine,
      * over the same model with an int4 store; owned by the caller, outlives the service. NULL:
      * requests asking for it draft from suffixes. */

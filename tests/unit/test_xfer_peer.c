@@ -10,6 +10,8 @@
 #include <criterion/criterion.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "kvshard/internal.h" /* kv_store_check */
 #include "tests/xfer_harness.h"
@@ -847,4 +849,62 @@ Test(xfer_peer, destroying_a_node_with_pulls_in_flight_releases_everything, .tim
     km_errbuf err;
     cr_assert_eq(kv_store_check(d->b, &err), 0, "%s", err.msg);
     duo_close(d);
+}
+
+/* Pages of [base, base + bytes) that are resident (mincore), of how many. */
+static size_t resident_pages(const void *base, size_t bytes, size_t *of)
+{
+    const size_t pg = (size_t)sysconf(_SC_PAGESIZE), n = (bytes + pg - 1) / pg;
+    unsigned char *v = calloc(n, 1);
+    cr_assert_not_null(v);
+    cr_assert_eq(mincore((void *)base, bytes, v), 0);
+    size_t r = 0;
+    for (size_t i = 0; i < n; i++) r += v[i] & 1;
+    free(v);
+    *of = n;
+    return r;
+}
+
+Test(xfer_peer, a_node_makes_its_arena_resident_in_the_background_when_asked, .timeout = 120)
+{
+    kv_store *s = mk_store(SMOL, KN_KV_F16, 256); /* 256 pages of 92,160 bytes: 23.6 MB hot */
+    kv_mem_region r;
+    cr_assert_eq(kv_store_mem_regions(s, &r, 1), 1);
+    size_t of, before = resident_pages(r.base, r.bytes, &of);
+    cr_assert_lt(before, of / 4, "a fresh arena is not resident (%zu of %zu pages)", before, of);
+    /* 0: the hot tier's budget; -1: none; a size: that many leading bytes */
+    const long long asked[] = {-1, 8 << 20, 0};
+    for (int k = 0; k < 3; k++) {
+        pr_config c = {.store = s, .prefault_bytes = asked[k]};
+        pr_node *n;
+        km_errbuf err;
+        cr_assert_eq(pr_node_create(&c, &n, &err), 0, "node: %s", err.msg);
+        kv_store_stats ks;
+        kv_store_stats_get(s, &ks);
+        const uint64_t want = asked[k] < 0   ? 0
+                              : asked[k] > 0 ? (uint64_t)asked[k]
+                                             : ks.tier[KV_TIER_HOT].budget & ~(uint64_t)4095;
+        pr_stats st;
+        for (uint64_t end = secs(60); km_now_ns() < end; km_sleep_ms(5)) {
+            pr_node_stats(n, &st);
+            if (st.prefaulted == st.prefault_target) break;
+        }
+        pr_node_stats(n, &st);
+        cr_assert_eq(st.prefault_target, want, "case %d", k);
+        cr_assert_eq(st.prefaulted, want, "case %d: %llu of %llu bytes", k,
+                     (unsigned long long)st.prefaulted, (unsigned long long)want);
+        if (want) {
+            size_t in = resident_pages(r.base, (size_t)want, &of);
+            cr_assert_eq(in, of, "case %d: %zu of %zu pages resident", k, in, of);
+        }
+        pr_node_destroy(n);
+    }
+    /* a node destroyed while it prefaults stops at once (bounded by one chunk) */
+    pr_config c = {.store = s, .prefault_bytes = (long long)r.bytes};
+    pr_node *n;
+    km_errbuf err;
+    cr_assert_eq(pr_node_create(&c, &n, &err), 0, "node: %s", err.msg);
+    pr_node_destroy(n);
+    cr_assert_eq(kv_store_check(s, &err), 0, "%s", err.msg);
+    kv_store_destroy(s);
 }
