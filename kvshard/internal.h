@@ -183,6 +183,11 @@ int kv_arena_put(kv_store *s, uint8_t *buf, kv_format f);
 /* The region index holding buf, or -1. */
 int kv_arena_region_of(const kv_store *s, const void *buf);
 
+/* ---------------------------------------------------------------- xfer.c */
+/* p's transfer description (kv_xfer_page), its checksum computed once and cached in the page
+ * until its content can have changed (xsum_fmt, xsum_epoch). */
+void kv_page_xfer_describe(kv_store *s, kv_page *p, kv_xfer_page *o);
+
 /* ---------------------------------------------------------------- page.c */
 uint8_t *kv_buf_get(kv_store *s, kv_format f);
 void kv_buf_put(kv_store *s, uint8_t *buf, kv_format f);

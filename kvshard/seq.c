@@ -459,6 +459,11 @@ int kv_seq_publish(kv_store *s, kv_seq *q, const km_pagehash *hashes, const int3
         p->parent_id = parent_id;
         p->index = i;
         kv_index_insert(s, p);
+        if (s->arena) { /* a store a transfer node serves from: its checksum now, while the
+                           page is fresh, not on the owner thread when a peer first asks */
+            kv_xfer_page d;
+            kv_page_xfer_describe(s, p, &d);
+        }
         kv_event_emit(s, KV_EVENT_STORED, p, KV_TIER_HOT, KV_TIER_HOT);
         parent_id = p->id;
         added++;

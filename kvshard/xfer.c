@@ -120,6 +120,26 @@ uint64_t kv_xfer_checksum(const kv_xfer_page *p, int page_tokens, const void *pa
 
 /* ---------------------------------------------------------------- exports */
 
+void kv_page_xfer_describe(kv_store *s, kv_page *p, kv_xfer_page *o)
+{
+    *o = (kv_xfer_page){
+        .format = p->format,
+        .index = p->index,
+        .hash = p->hash,
+        .parent = p->parent,
+        .tokens = p->tokens,
+        .buf = p->buf,
+        .bytes = s->lay[p->format].page_bytes,
+        .region = kv_arena_region_of(s, p->buf),
+    };
+    if (p->xsum_fmt != (int)p->format + 1 || p->xsum_epoch != s->st.converted_pages) {
+        p->xsum = kv_xfer_checksum(o, s->pt, p->buf);
+        p->xsum_fmt = (int)p->format + 1;
+        p->xsum_epoch = s->st.converted_pages;
+    }
+    o->checksum = p->xsum;
+}
+
 static kv_export_rec **kv_export_find(kv_store *s, uint64_t id)
 {
     if (!s->xfer) return NULL;
@@ -167,26 +187,7 @@ int kv_export_pages(kv_store *s, uint64_t id, int first, int n, kv_xfer_page *ou
             return KM_EAGAIN;
         kv_seq_wait_promo(s, q); /* copied already: only reaps the job */
     }
-    for (int i = 0; i < n; i++) {
-        kv_page *p = q->pg[first + i];
-        kv_xfer_page *o = &out[i];
-        *o = (kv_xfer_page){
-            .format = p->format,
-            .index = p->index,
-            .hash = p->hash,
-            .parent = p->parent,
-            .tokens = p->tokens,
-            .buf = p->buf,
-            .bytes = s->lay[p->format].page_bytes,
-            .region = kv_arena_region_of(s, p->buf),
-        };
-        if (p->xsum_fmt != (int)p->format + 1 || p->xsum_epoch != s->st.converted_pages) {
-            p->xsum = kv_xfer_checksum(o, s->pt, p->buf);
-            p->xsum_fmt = (int)p->format + 1;
-            p->xsum_epoch = s->st.converted_pages;
-        }
-        o->checksum = p->xsum;
-    }
+    for (int i = 0; i < n; i++) kv_page_xfer_describe(s, q->pg[first + i], &out[i]);
     return 0;
 }
 

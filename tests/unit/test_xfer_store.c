@@ -523,3 +523,35 @@ Test(xfer_store, a_draining_store_names_its_chains_most_recent_leaf_first)
     kv_store_destroy(a);
     kv_store_destroy(b);
 }
+
+/* A store a transfer node serves from (arena) checksums each page as it is published, while it
+ * is fresh, so that a peer's first pull does not wait for the holder to hash it; a store without
+ * one does not (the checksum is then computed, and cached, when a page is first exported). */
+Test(xfer_store, an_arena_store_checksums_pages_as_they_are_published)
+{
+    int32_t toks[4 * PT];
+    km_pagehash hs[4];
+    chain(toks, hs, 4, 0);
+    for (int arena = 0; arena < 2; arena++) {
+        kv_store *s = mk(KN_KV_F16, 16, arena);
+        compute(s, toks, hs, 4);
+        for (int i = 0; i < 4; i++) {
+            kv_page *p = kv_index_find(s, hs[i]);
+            cr_assert_not_null(p);
+            if (!arena) {
+                cr_assert_eq(p->xsum_fmt, 0, "page %d: no checksum without an arena", i);
+                continue;
+            }
+            cr_assert_eq(p->xsum_fmt, (int)p->format + 1, "page %d", i);
+            kv_xfer_page d = {.format = p->format,
+                              .index = p->index,
+                              .hash = p->hash,
+                              .parent = p->parent,
+                              .tokens = p->tokens,
+                              .buf = p->buf,
+                              .bytes = f16_page()};
+            cr_assert_eq(p->xsum, kv_xfer_checksum(&d, PT, p->buf), "page %d", i);
+        }
+        kv_store_destroy(s);
+    }
+}
