@@ -158,6 +158,9 @@ struct kv_store {
     /* stats */
     kv_store_stats st;
     struct kv_arena *arena; /* NULL unless cfg.arena */
+    /* kv_import_commit is publishing: the pages were just checked against the holder's checksum,
+     * so kv_seq_publish does not hash them again (an export computes it if one is ever needed) */
+    int publishing_import;
     /* Set while buffers are taken that their taker overwrites whole before anything reads them
      * (kv_import_reserve: pages a transfer lands): such a buffer is not zeroed first. */
     int buf_whole;

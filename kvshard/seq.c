@@ -459,8 +459,9 @@ int kv_seq_publish(kv_store *s, kv_seq *q, const km_pagehash *hashes, const int3
         p->parent_id = parent_id;
         p->index = i;
         kv_index_insert(s, p);
-        if (s->arena) { /* a store a transfer node serves from: its checksum now, while the
-                           page is fresh, not on the owner thread when a peer first asks */
+        /* a store a transfer node serves from: the page's checksum now, while it is fresh, not
+         * on the owner thread when a peer first asks (an imported page was just checked) */
+        if (s->arena && !s->publishing_import) {
             kv_xfer_page d;
             kv_page_xfer_describe(s, p, &d);
         }

@@ -554,4 +554,14 @@ Test(xfer_store, an_arena_store_checksums_pages_as_they_are_published)
         }
         kv_store_destroy(s);
     }
+    /* pages imported from a peer were just checked against its checksum: not hashed again */
+    pair P;
+    pair_open(&P, KN_KV_F16, KN_KV_F16, 4);
+    cr_assert_eq(transfer(P.a, P.b, P.toks, P.hs, 4, -1), 4);
+    for (int i = 0; i < 4; i++) {
+        kv_page *p = kv_index_find(P.b, P.hs[i]);
+        cr_assert_not_null(p);
+        cr_assert_eq(p->xsum_fmt, 0, "imported page %d hashed at publish", i);
+    }
+    pair_close(&P);
 }
