@@ -5,7 +5,7 @@
  * The files are layers, and calls go one way, down this list (docs/kvshard.md, "Layers"; the
  * order is checked on the objects by `make check-layers`):
  *   store.c   top: create (every layer set up in order) and destroy
- *   xfer.c    page transfer support: exports (pinned for a reader), imports, page checksums
+ *   xfer.c    page transfer support: exports (pinned for a reader), imports
  *   tier.c    top: attach (a prefix hit promoted), persist (RAM pages copied to disk on a drain)
  *   convert.c top: recovery level 2 (every page re-encoded, new pages in the new format)
  *   check.c   top: kv_store_check, every structural invariant over the whole store (tests)
@@ -17,6 +17,7 @@
  *   index.c   the prefix index: hash table and verified lookup
  *   promote.c the promoter thread (host -> hot, asynchronous, layer by layer)
  *   format.c  per-format encodings, quantizers, page conversion and int4 sealing
+ *   xsum.c    the page checksum of transfers, and a page's transfer description (cached sum)
  *   page.c    page memory and accounting: buffers, budgets per (shard, tier), page objects and
  *             their references, cached lists, shard keys, statistics
  *   arena.c   the page-memory arena (kv_config.arena): one region, slabs per format
@@ -186,7 +187,7 @@ int kv_arena_put(kv_store *s, uint8_t *buf, kv_format f);
 /* The region index holding buf, or -1. */
 int kv_arena_region_of(const kv_store *s, const void *buf);
 
-/* ---------------------------------------------------------------- xfer.c */
+/* ---------------------------------------------------------------- xsum.c */
 /* p's transfer description (kv_xfer_page), its checksum computed once and cached in the page
  * until its content can have changed (xsum_fmt, xsum_epoch). */
 void kv_page_xfer_describe(kv_store *s, kv_page *p, kv_xfer_page *o);

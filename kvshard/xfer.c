@@ -2,7 +2,7 @@
  * xfer.c — what a transfer layer between stores (peer/) needs from the store, and nothing about
  * networks: exports (the longest verified prefix of a chain pinned for a remote reader under a
  * lease), imports (destination buffers for pages about to arrive, then indexing of the pages the
- * caller verified) and the page checksum both ends compute.
+ * caller verified).
  *
  * Both ends hold their pages in private sequences, so the pages are pinned by the ordinary
  * reference counts and every invariant of the store holds unchanged (kv_store_check included):
@@ -10,16 +10,11 @@
  * disk pages promoted); an import is a sequence attached to the part of the chain already held,
  * then reserved past it for the pages that will arrive, then truncated to those that passed and
  * published as if computed here. Both are marked lent (a NIC may be reading or writing their
- * buffers), so recovery level 2 leaves their pages alone. A page's checksum is computed on its
- * first export and cached; its content changes only by conversion or sealing, both of which
- * change its format or the conversion count.
+ * buffers), so recovery level 2 leaves their pages alone. The page checksum is xsum.c's.
  */
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
-
-#define XXH_INLINE_ALL
-#include <xxhash.h>
 
 #include "kvshard/internal.h"
 
@@ -54,91 +49,7 @@ static kv_xfer *kv_xfer_get(kv_store *s)
     return s->xfer;
 }
 
-/* ---------------------------------------------------------------- checksum */
-
-static void kv_put32(uint8_t *p, uint32_t v)
-{
-    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static void kv_put64(uint8_t *p, uint64_t v)
-{
-    kv_put32(p, (uint32_t)v);
-    kv_put32(p + 4, (uint32_t)(v >> 32));
-}
-
-_Static_assert(sizeof(XXH3_state_t) <= sizeof(kv_xfer_sum), "kv_xfer_sum holds an XXH3 state");
-
-/* The CPU's fastest XXH3 update (the same state, bit for bit, from every table). */
-static void (*kv_xxh3_update(void))(void *, const void *, size_t)
-{
-    static void (*_Atomic fn)(void *, const void *, size_t);
-    void (*f)(void *, const void *, size_t) = atomic_load_explicit(&fn, memory_order_relaxed);
-    if (!f) {
-        f = kn_ops_best()->xxh3_update;
-        atomic_store_explicit(&fn, f, memory_order_relaxed);
-    }
-    return f;
-}
-
-void kv_xfer_sum_begin(kv_xfer_sum *s, const kv_xfer_page *p, int page_tokens)
-{
-    uint8_t h[56];
-    kv_put32(h, (uint32_t)p->format);
-    kv_put32(h + 4, (uint32_t)page_tokens);
-    kv_put32(h + 8, (uint32_t)p->index);
-    kv_put32(h + 12, 0);
-    kv_put64(h + 16, p->hash.lo);
-    kv_put64(h + 24, p->hash.hi);
-    kv_put64(h + 32, p->parent.lo);
-    kv_put64(h + 40, p->parent.hi);
-    kv_put64(h + 48, (uint64_t)p->bytes);
-    XXH3_state_t *st = (XXH3_state_t *)s->st;
-    XXH3_64bits_reset(st);
-    XXH3_64bits_update(st, h, sizeof h);
-    /* token ids as little-endian int32, like the disk page (the store assumes a LE host) */
-    XXH3_64bits_update(st, p->tokens, sizeof(int32_t) * (size_t)page_tokens);
-}
-
-void kv_xfer_sum_update(kv_xfer_sum *s, const void *part, size_t n)
-{
-    kv_xxh3_update()(s->st, part, n);
-}
-
-uint64_t kv_xfer_sum_end(kv_xfer_sum *s)
-{
-    return XXH3_64bits_digest((XXH3_state_t *)s->st);
-}
-
-uint64_t kv_xfer_checksum(const kv_xfer_page *p, int page_tokens, const void *payload)
-{
-    kv_xfer_sum s = {{0}}; /* (reset by begin; initialised for cppcheck) */
-    kv_xfer_sum_begin(&s, p, page_tokens);
-    kv_xfer_sum_update(&s, payload, p->bytes);
-    return kv_xfer_sum_end(&s);
-}
-
 /* ---------------------------------------------------------------- exports */
-
-void kv_page_xfer_describe(kv_store *s, kv_page *p, kv_xfer_page *o)
-{
-    *o = (kv_xfer_page){
-        .format = p->format,
-        .index = p->index,
-        .hash = p->hash,
-        .parent = p->parent,
-        .tokens = p->tokens,
-        .buf = p->buf,
-        .bytes = s->lay[p->format].page_bytes,
-        .region = kv_arena_region_of(s, p->buf),
-    };
-    if (p->xsum_fmt != (int)p->format + 1 || p->xsum_epoch != s->st.converted_pages) {
-        p->xsum = kv_xfer_checksum(o, s->pt, p->buf);
-        p->xsum_fmt = (int)p->format + 1;
-        p->xsum_epoch = s->st.converted_pages;
-    }
-    o->checksum = p->xsum;
-}
 
 static kv_export_rec **kv_export_find(kv_store *s, uint64_t id)
 {

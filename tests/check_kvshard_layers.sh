@@ -15,6 +15,7 @@ layers=(
     "index"              # the prefix index
     "promote"            # the promoter thread
     "format"             # encodings, conversion, sealing
+    "xsum"               # the transfer checksum, a page's transfer description
     "page"               # page memory and accounting
     "arena"              # the page-memory arena page.c cuts buffers from
     "events diskfmt"     # leaves
