@@ -159,9 +159,6 @@ struct kv_store {
     /* stats */
     kv_store_stats st;
     struct kv_arena *arena; /* NULL unless cfg.arena */
-    /* kv_import_commit is publishing: the pages were just checked against the holder's checksum,
-     * so kv_seq_publish does not hash them again (an export computes it if one is ever needed) */
-    int publishing_import;
     /* Set while buffers are taken that their taker overwrites whole before anything reads them
      * (kv_import_reserve: pages a transfer lands): such a buffer is not zeroed first. */
     int buf_whole;
@@ -186,6 +183,13 @@ uint8_t *kv_arena_get(kv_store *s, kv_format f);
 int kv_arena_put(kv_store *s, uint8_t *buf, kv_format f);
 /* The region index holding buf, or -1. */
 int kv_arena_region_of(const kv_store *s, const void *buf);
+
+/* ---------------------------------------------------------------- seq.c */
+/* kv_seq_publish, saying whether a store with an arena checksums the pages as they are
+ * published (kv_seq_publish: yes; kv_import_commit: no, they were just checked against the
+ * holder's checksum, and an export computes it if one is ever needed). */
+int kv_seq_publish_sum(kv_store *s, kv_seq *q, const km_pagehash *hashes, const int32_t *tokens,
+                       int n_tokens, int checksum);
 
 /* ---------------------------------------------------------------- xsum.c */
 /* p's transfer description (kv_xfer_page), its checksum computed once and cached in the page

@@ -428,6 +428,12 @@ void kv_seq_truncate(kv_store *s, kv_seq *q, int n_tokens)
 int kv_seq_publish(kv_store *s, kv_seq *q, const km_pagehash *hashes, const int32_t *tokens,
                    int n_tokens)
 {
+    return kv_seq_publish_sum(s, q, hashes, tokens, n_tokens, 1);
+}
+
+int kv_seq_publish_sum(kv_store *s, kv_seq *q, const km_pagehash *hashes, const int32_t *tokens,
+                       int n_tokens, int checksum)
+{
     if (n_tokens < 0 || (n_tokens && (!hashes || !tokens))) return KM_EINVAL;
     /* A sequence that dropped pages computed the rest with a partial context: never reusable. */
     if (q->n_dropped) return 0;
@@ -460,8 +466,8 @@ int kv_seq_publish(kv_store *s, kv_seq *q, const km_pagehash *hashes, const int3
         p->index = i;
         kv_index_insert(s, p);
         /* a store a transfer node serves from: the page's checksum now, while it is fresh, not
-         * on the owner thread when a peer first asks (an imported page was just checked) */
-        if (s->arena && !s->publishing_import) {
+         * on the owner thread when a peer first asks */
+        if (s->arena && checksum) {
             kv_xfer_page d;
             kv_page_xfer_describe(s, p, &d);
         }

@@ -289,9 +289,7 @@ int kv_import_commit(kv_store *s, uint64_t id, int n_ok)
             kv_page_convert(s, r->wire[i], r->wire_fmt[i], p->buf, p->format);
         }
     kv_seq_truncate(s, r->q, (r->k + n_ok) * s->pt);
-    s->publishing_import = 1;
-    int added = kv_seq_publish(s, r->q, r->hashes, r->tokens, (r->k + n_ok) * s->pt);
-    s->publishing_import = 0;
+    int added = kv_seq_publish_sum(s, r->q, r->hashes, r->tokens, (r->k + n_ok) * s->pt, 0);
     kv_import_release(s, rp);
     return added < 0 ? 0 : added;
 }
