@@ -22,7 +22,8 @@
  * spin"), and the header gives the round trip of a small message between the two sides sleeping
  * and spinning: a one-page pull is a latency, and those rows show how much of it is wake-ups.
  * The header also gives memcpy of 1, 16 and 256 distinct pages on the reader's CPU: the most any
- * same-host path could land, next to ucx_perftest's shared memory, which reuses one buffer.
+ * same-host path could land, next to ucx_perftest's shared memory, which reuses one buffer; and
+ * what a first write to anonymous memory costs against a second (peer/node.c's prefault).
  * The load average is printed with every row: the machine is shared. Prints figures; asserts
  * nothing.
  */
@@ -36,6 +37,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -439,6 +441,32 @@ static double memcpy_gbps(int n, size_t page)
     return best;
 }
 
+/* What a first write to anonymous memory costs here, the reason a transfer node prefaults its
+ * arena (peer/node.c): GB/s of memset into 1 GiB never touched, of MADV_POPULATE_WRITE of
+ * another GiB (what the prefault does), and of memset into the first again (resident). On a VM
+ * the first two depend on whether the guest has used that much memory before (0.3-3 GB/s). */
+static void fault_gbps(double *fresh, double *populate, double *again)
+{
+    const size_t b = (size_t)1 << 30;
+    *fresh = *populate = *again = 0;
+    uint8_t *m = mmap(NULL, b, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    uint8_t *p = mmap(NULL, b, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m != MAP_FAILED && p != MAP_FAILED) {
+        uint64_t t0 = km_now_ns();
+        memset(m, 1, b);
+        uint64_t t1 = km_now_ns();
+        const int pop = madvise(p, b, 23 /* MADV_POPULATE_WRITE, Linux 5.14 */);
+        uint64_t t2 = km_now_ns();
+        memset(m, 2, b);
+        uint64_t t3 = km_now_ns();
+        *fresh = (double)b / (double)(t1 - t0);
+        *populate = pop ? 0 : (double)b / (double)(t2 - t1);
+        *again = (double)b / (double)(t3 - t2);
+    }
+    if (m != MAP_FAILED) munmap(m, b);
+    if (p != MAP_FAILED) munmap(p, b);
+}
+
 /* ---------------------------------------------------------------- the run */
 
 typedef struct refs {
@@ -538,8 +566,13 @@ int main(int argc, char **argv)
            "# (ucx_perftest's loops): the wake-ups a one-page pull waits for, beside its bytes\n",
            wake_rtt_us(0), wake_rtt_us(1));
     printf("# memcpy of 1, 16 and 256 distinct pages into others on one CPU: %.1f, %.1f and\n"
-           "# %.1f GB/s (the most any same-host path could land, before its checks)\n\n",
+           "# %.1f GB/s (the most any same-host path could land, before its checks)\n",
            memcpy_gbps(1, page_bytes), memcpy_gbps(16, page_bytes), memcpy_gbps(256, page_bytes));
+    double fresh, populate, again;
+    fault_gbps(&fresh, &populate, &again);
+    printf("# a first write to anonymous memory: %.2f GB/s (memset), populating it %.2f GB/s,\n"
+           "# writing it again %.1f GB/s (why a transfer node prefaults its arena)\n\n",
+           fresh, populate, again);
     printf("| transport | pages | mode | pull GB/s | pages/s | read phase GB/s | ucx_perftest "
            "GB/s | ucx_perftest msgs/s | pull / perftest | read phase / perftest | tag_bw GB/s "
            "(lands) | pull / tag_bw | ucx_perftest -e GB/s | pull / perftest -e | load |\n");

@@ -25,9 +25,10 @@
 
 /* Makes the first prefault_target bytes of the arena resident, a chunk at a time, scheduled
  * only when a CPU has nothing else to run (SCHED_IDLE), until done or the node is destroyed.
- * Why: on the VMs measured here a first write to anonymous memory costs ~2.9 s per GiB in page
- * faults (0.4 GB/s, each 4 KiB zeroed and charged to the memory cgroup) against 9 GB/s to
- * memory already resident, and a pull lands its pages on the progress thread: a fresh worker's
+ * Why: on the VMs measured here a first write to anonymous memory runs at 0.3-3 GB/s in page
+ * faults (each 4 KiB zeroed and charged to the memory cgroup; slowest where the guest has not
+ * used that memory before) against 7-10 GB/s to memory already resident (bench_transfer's
+ * header), and a pull lands its pages on the progress thread: a fresh worker's
  * 128-page pull took 57-72 ms faulting them in (perf: exc_page_fault, the memory cgroup's
  * charge) and 26-37 ms into resident memory (bench_pull, docs/transfer.md). Populating
  * a present page changes nothing in it, so this runs beside the engine and the transfers
