@@ -48,30 +48,35 @@ TESTBIN := $(BUILD)/tests
 
 # ------------------------------------------------------------------ sources
 COMMON_SRC  := $(wildcard common/*.c)
+MODEL_SRC   := $(wildcard model/*.c)
 KERNELS_SRC := $(wildcard kernels/*.c kernels/cpu/*.c)
-KVSHARD_SRC := $(filter-out kvshard/main.c,$(wildcard kvshard/*.c))
+KVSHARD_SRC := $(wildcard kvshard/*.c)
 PEER_SRC    := $(wildcard peer/*.c)
-ENGINE_SRC  := $(filter-out worker/main.c,$(wildcard worker/*.c))
+ENGINE_SRC  := $(wildcard engine/*.c)
+WORKER_SRC  := $(filter-out worker/main.c,$(wildcard worker/*.c))
 CLIENT_SRC  := $(wildcard client/*.c)
 CLI_SRC     := $(wildcard cli/*.c)
 ROUTER_SRC  := $(filter-out router/main.c,$(wildcard router/*.c))
 CONTROLLER_SRC := $(filter-out controller/main.c,$(wildcard controller/*.c))
 
 LIB_COMMON  := $(BUILD)/lib/libkmcommon.a
+LIB_MODEL   := $(BUILD)/lib/libkmmodel.a
 LIB_KERNELS := $(BUILD)/lib/libkmkernels.a
 LIB_KVSHARD := $(BUILD)/lib/libkvshard.a
 LIB_PEER    := $(BUILD)/lib/libkmpeer.a
-LIB_ENGINE  := $(BUILD)/lib/libkmworker.a
+LIB_ENGINE  := $(BUILD)/lib/libkmengine.a
+LIB_WORKER  := $(BUILD)/lib/libkmworker.a
 LIB_CLIENT  := $(BUILD)/lib/libkvmesh.a
 LIB_ROUTER  := $(BUILD)/lib/libkmrouter.a
 LIB_CONTROLLER := $(BUILD)/lib/libkmcontroller.a
 # Link order: dependents first. Tests and benchmarks link everything; each daemon links only what
-# DESIGN.md's arrows allow (common <- kernels <- kvshard <- peer <- worker; common <- router,
-# controller, client <- cli), so a call against the arrows fails its link (and `make check-links`
-# below).
-ALL_LIBS := $(LIB_CLIENT) $(LIB_CONTROLLER) $(LIB_ROUTER) $(LIB_ENGINE) $(LIB_PEER) $(LIB_KVSHARD) $(LIB_KERNELS) $(LIB_COMMON)
-WORKER_LIBS     := $(LIB_ENGINE) $(LIB_PEER) $(LIB_KVSHARD) $(LIB_KERNELS) $(LIB_COMMON)
-ROUTER_LIBS     := $(LIB_ROUTER) $(LIB_COMMON)
+# DESIGN.md's arrows allow (common <- model <- kernels <- kvshard <- peer, engine <- worker;
+# common, model <- router; common <- controller, client <- cli), so a call against the arrows
+# fails its link (and `make check-links` below).
+ALL_LIBS := $(LIB_CLIENT) $(LIB_CONTROLLER) $(LIB_ROUTER) $(LIB_WORKER) $(LIB_ENGINE) $(LIB_PEER) $(LIB_KVSHARD) $(LIB_KERNELS) $(LIB_MODEL) $(LIB_COMMON)
+ENGINE_LIBS     := $(LIB_ENGINE) $(LIB_KVSHARD) $(LIB_KERNELS) $(LIB_MODEL) $(LIB_COMMON)
+WORKER_LIBS     := $(LIB_WORKER) $(LIB_ENGINE) $(LIB_PEER) $(LIB_KVSHARD) $(LIB_KERNELS) $(LIB_MODEL) $(LIB_COMMON)
+ROUTER_LIBS     := $(LIB_ROUTER) $(LIB_MODEL) $(LIB_COMMON)
 CONTROLLER_LIBS := $(LIB_CONTROLLER) $(LIB_COMMON)
 # peer/ (KV page transfer) is the only user of UCX: only what links it gets -lucp -lucs.
 UCX_LIBS := -lucp -lucs
@@ -118,10 +123,12 @@ $(OBJ)/%.o: %.c
 	$(CC) $(CFLAGS_BASE) -c $< -o $@
 
 $(LIB_COMMON): $(call objs,$(COMMON_SRC))
+$(LIB_MODEL): $(call objs,$(MODEL_SRC))
 $(LIB_KERNELS): $(call objs,$(KERNELS_SRC))
 $(LIB_KVSHARD): $(call objs,$(KVSHARD_SRC))
 $(LIB_PEER): $(call objs,$(PEER_SRC))
 $(LIB_ENGINE): $(call objs,$(ENGINE_SRC))
+$(LIB_WORKER): $(call objs,$(WORKER_SRC))
 $(LIB_CLIENT): $(call objs,$(CLIENT_SRC))
 $(LIB_ROUTER): $(call objs,$(ROUTER_SRC))
 $(LIB_CONTROLLER): $(call objs,$(CONTROLLER_SRC))
@@ -130,9 +137,9 @@ $(BUILD)/lib/%.a:
 	@rm -f $@
 	ar rcs $@ $^
 
-# The kvmesh command: libkvmesh, and the engine (with kvshard and kernels) for its local commands
-# run, perplexity, bench and tokenize (cli/local.c); no router or controller library.
-$(BIN)/kvmesh: $(call objs,$(CLI_SRC)) $(LIB_CLIENT) $(LIB_ENGINE) $(LIB_KVSHARD) $(LIB_KERNELS) $(LIB_COMMON)
+# The kvmesh command: libkvmesh, and the engine (with kvshard, kernels and model) for its local
+# commands run, perplexity, bench and tokenize (cli/local.c); no daemon's library.
+$(BIN)/kvmesh: $(call objs,$(CLI_SRC)) $(LIB_CLIENT) $(ENGINE_LIBS)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 
@@ -154,23 +161,28 @@ $(BIN)/kvmesh-controller: $(OBJ)/controller/main.o $(CONTROLLER_LIBS)
 # here even where no daemon's link would notice. Part of `make build`. (check-layers, below, is
 # kvshard's own file layering.)
 LINKS := $(BUILD)/links
+# The engine is also linked without ZeroMQ, CZMQ, libuv, h2o or UCX (ENGINE_LDLIBS): an engine
+# file that reached for a socket library fails here.
+ENGINE_LDLIBS := -lsodium -lmsgpackc -lxxhash -lssl -lcrypto -lm -pthread
 define link_rule
 $(LINKS)/$(1).ok: $(BUILD)/lib/lib$(1).a $(2)
 	@mkdir -p $$(dir $$@)
 	$$(CC) $$(LDFLAGS) -shared -o $$(@:.ok=.so) -Wl,--whole-archive $$< -Wl,--no-whole-archive \
-	  $(2) $$(LDLIBS) $(3) -Wl,--no-undefined
+	  $(2) $(if $(4),$(4),$$(LDLIBS)) $(3) -Wl,--no-undefined
 	@rm -f $$(@:.ok=.so) && touch $$@
 endef
 $(eval $(call link_rule,kmcommon,))
-$(eval $(call link_rule,kmkernels,$(LIB_COMMON)))
-$(eval $(call link_rule,kvshard,$(LIB_KERNELS) $(LIB_COMMON)))
-$(eval $(call link_rule,kmpeer,$(LIB_KVSHARD) $(LIB_KERNELS) $(LIB_COMMON),$(UCX_LIBS)))
-$(eval $(call link_rule,kmworker,$(LIB_PEER) $(LIB_KVSHARD) $(LIB_KERNELS) $(LIB_COMMON),$(UCX_LIBS)))
-$(eval $(call link_rule,kmrouter,$(LIB_COMMON)))
+$(eval $(call link_rule,kmmodel,$(LIB_COMMON)))
+$(eval $(call link_rule,kmkernels,$(LIB_MODEL) $(LIB_COMMON)))
+$(eval $(call link_rule,kvshard,$(LIB_KERNELS) $(LIB_MODEL) $(LIB_COMMON)))
+$(eval $(call link_rule,kmpeer,$(LIB_KVSHARD) $(LIB_KERNELS) $(LIB_MODEL) $(LIB_COMMON),$(UCX_LIBS)))
+$(eval $(call link_rule,kmengine,$(LIB_KVSHARD) $(LIB_KERNELS) $(LIB_MODEL) $(LIB_COMMON),,$(ENGINE_LDLIBS)))
+$(eval $(call link_rule,kmworker,$(LIB_ENGINE) $(LIB_PEER) $(LIB_KVSHARD) $(LIB_KERNELS) $(LIB_MODEL) $(LIB_COMMON),$(UCX_LIBS)))
+$(eval $(call link_rule,kmrouter,$(LIB_MODEL) $(LIB_COMMON)))
 $(eval $(call link_rule,kmcontroller,$(LIB_COMMON)))
 $(eval $(call link_rule,kvmesh,$(LIB_COMMON)))
 .PHONY: check-links
-check-links: $(patsubst %,$(LINKS)/%.ok,kmcommon kmkernels kvshard kmpeer kmworker kmrouter kmcontroller kvmesh) ## each library links alone with only those DESIGN.md puts below it
+check-links: $(patsubst %,$(LINKS)/%.ok,kmcommon kmmodel kmkernels kvshard kmpeer kmengine kmworker kmrouter kmcontroller kvmesh) ## each library links alone with only those DESIGN.md puts below it
 
 # The kernel tests also run the AVX-512 matmul and attention drivers emulated on AVX2
 # (tests/unit/emu512_avx2.c; its 64-byte vectors are never passed across a call, so GCC's ABI
@@ -182,7 +194,7 @@ $(OBJ)/tests/unit/emu512_avx2.o: CFLAGS_BASE += -Wno-psabi
 ifeq ($(TSAN),1)
 TEST_RUNNER := $(OBJ)/tests/tsan/runner.o
 TEST_LIBS :=
-TEST_ARCHIVES := $(LIB_KVSHARD) $(LIB_KERNELS) $(LIB_COMMON)
+TEST_ARCHIVES := $(LIB_KVSHARD) $(LIB_KERNELS) $(LIB_MODEL) $(LIB_COMMON)
 else
 TEST_RUNNER :=
 TEST_LIBS := -lcriterion
@@ -279,8 +291,8 @@ chaos-short: build ## the same, a few seconds of load each
 # ------------------------------------------------------------------ fuzzing (clang libFuzzer)
 FUZZ_SRC := $(wildcard tests/fuzz/fuzz_*.c)
 FUZZ_BIN := $(patsubst tests/fuzz/%.c,build/fuzz/%,$(FUZZ_SRC))
-FUZZ_LIB_SRC := $(COMMON_SRC)
-build/fuzz/%: tests/fuzz/%.c $(FUZZ_LIB_SRC) $(wildcard common/*.h)
+FUZZ_LIB_SRC := $(COMMON_SRC) $(MODEL_SRC)
+build/fuzz/%: tests/fuzz/%.c $(FUZZ_LIB_SRC) $(wildcard common/*.h model/*.h)
 	@mkdir -p $(dir $@)
 	clang -std=gnu11 -g -O1 -I. -fsanitize=fuzzer,address,undefined $< $(FUZZ_LIB_SRC) -o $@ $(LDLIBS)
 

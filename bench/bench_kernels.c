@@ -95,37 +95,37 @@ static float bk_unif(void)
 
 static const struct {
     const char *name;
-    km_type t;
+    md_type t;
     int blk, bytes;
 } bk_types[] = {
-    {"F32", KM_TYPE_F32, 1, 4},
-    {"F16", KM_TYPE_F16, 1, 2},
-    {"BF16", KM_TYPE_BF16, 1, 2},
-    {"Q4_0", KM_TYPE_Q4_0, 32, sizeof(kn_block_q4_0)},
-    {"Q4_1", KM_TYPE_Q4_1, 32, sizeof(kn_block_q4_1)},
-    {"Q8_0", KM_TYPE_Q8_0, 32, sizeof(kn_block_q8_0)},
-    {"Q8_1", KM_TYPE_Q8_1, 32, sizeof(kn_block_q8_1)},
-    {"Q4_K", KM_TYPE_Q4_K, 256, sizeof(kn_block_q4_K)},
-    {"Q6_K", KM_TYPE_Q6_K, 256, sizeof(kn_block_q6_K)},
-    {"Q8_K", KM_TYPE_Q8_K, 256, sizeof(kn_block_q8_K)},
+    {"F32", MD_TYPE_F32, 1, 4},
+    {"F16", MD_TYPE_F16, 1, 2},
+    {"BF16", MD_TYPE_BF16, 1, 2},
+    {"Q4_0", MD_TYPE_Q4_0, 32, sizeof(kn_block_q4_0)},
+    {"Q4_1", MD_TYPE_Q4_1, 32, sizeof(kn_block_q4_1)},
+    {"Q8_0", MD_TYPE_Q8_0, 32, sizeof(kn_block_q8_0)},
+    {"Q8_1", MD_TYPE_Q8_1, 32, sizeof(kn_block_q8_1)},
+    {"Q4_K", MD_TYPE_Q4_K, 256, sizeof(kn_block_q4_K)},
+    {"Q6_K", MD_TYPE_Q6_K, 256, sizeof(kn_block_q6_K)},
+    {"Q8_K", MD_TYPE_Q8_K, 256, sizeof(kn_block_q8_K)},
 };
 #define BK_NTYPES (int)(sizeof bk_types / sizeof bk_types[0])
 
-static int bk_type_index(km_type t)
+static int bk_type_index(md_type t)
 {
     for (int i = 0; i < BK_NTYPES; i++)
         if (bk_types[i].t == t) return i;
     return -1;
 }
 
-static size_t bk_row_bytes(km_type t, int64_t k)
+static size_t bk_row_bytes(md_type t, int64_t k)
 {
     const int i = bk_type_index(t);
     return (size_t)(k / bk_types[i].blk) * (size_t)bk_types[i].bytes;
 }
 
 /* Random weight bytes; every fp16 in the row is then overwritten with a small normal value. */
-static void bk_fill_weights(km_type t, uint8_t *w, size_t n_bytes, int64_t rows, size_t stride)
+static void bk_fill_weights(md_type t, uint8_t *w, size_t n_bytes, int64_t rows, size_t stride)
 {
     for (size_t i = 0; i < n_bytes; i++) w[i] = (uint8_t)bk_u32();
     const kn_ops *ref = kn_ops_get(KN_ISA_SCALAR);
@@ -135,37 +135,37 @@ static void bk_fill_weights(km_type t, uint8_t *w, size_t n_bytes, int64_t rows,
         uint8_t *row = w + (size_t)r * stride;
         const size_t nb = stride;
         switch (t) {
-        case KM_TYPE_F32:
+        case MD_TYPE_F32:
             for (size_t j = 0; j < nb / 4; j++) {
                 f[0] = bk_unif();
                 memcpy(row + 4 * j, &f[0], sizeof f[0]);
             }
             break;
-        case KM_TYPE_F16:
-        case KM_TYPE_BF16:
+        case MD_TYPE_F16:
+        case MD_TYPE_BF16:
             for (size_t j = 0; j < nb / 2; j++) {
                 f[0] = bk_unif();
                 ref->quantize_row(t, f, &h[0], 1);
                 memcpy(row + 2 * j, &h[0], 2);
             }
             break;
-        case KM_TYPE_Q4_0:
-        case KM_TYPE_Q4_1:
-        case KM_TYPE_Q8_0:
-        case KM_TYPE_Q4_K: { /* d (and m / dmin) lead the block */
+        case MD_TYPE_Q4_0:
+        case MD_TYPE_Q4_1:
+        case MD_TYPE_Q8_0:
+        case MD_TYPE_Q4_K: { /* d (and m / dmin) lead the block */
             const size_t bb = (size_t)bk_types[bk_type_index(t)].bytes;
             for (size_t b = 0; b + bb <= nb; b += bb) {
                 f[0] = 0.01f * (1 + bk_unif());
                 f[1] = 0.01f * bk_unif();
-                ref->quantize_row(KM_TYPE_F16, f, h, 2);
-                memcpy(row + b, h, t == KM_TYPE_Q4_1 || t == KM_TYPE_Q4_K ? 4 : 2);
+                ref->quantize_row(MD_TYPE_F16, f, h, 2);
+                memcpy(row + b, h, t == MD_TYPE_Q4_1 || t == MD_TYPE_Q4_K ? 4 : 2);
             }
             break;
         }
-        case KM_TYPE_Q6_K:
+        case MD_TYPE_Q6_K:
             for (size_t b = 0; b + sizeof(kn_block_q6_K) <= nb; b += sizeof(kn_block_q6_K)) {
                 f[0] = 0.001f;
-                ref->quantize_row(KM_TYPE_F16, f, h, 1);
+                ref->quantize_row(MD_TYPE_F16, f, h, 1);
                 memcpy(row + b + offsetof(kn_block_q6_K, d), h, 2);
             }
             break;
@@ -177,7 +177,7 @@ static void bk_fill_weights(km_type t, uint8_t *w, size_t n_bytes, int64_t rows,
 
 /* Best time of one call, over repeated batches of calls lasting at least min_s each. */
 /* One matmul call: over the packed matrix when there is one, else over the rows. */
-static void bk_call(const kn_ops *ops, km_type wt, const void *w, size_t ws, const void *packed,
+static void bk_call(const kn_ops *ops, md_type wt, const void *w, size_t ws, const void *packed,
                     int64_t rows, const void *x, size_t xs, int64_t k, int m, float *y, int64_t r0,
                     int64_t r1)
 {
@@ -187,7 +187,7 @@ static void bk_call(const kn_ops *ops, km_type wt, const void *w, size_t ws, con
         ops->matmul(wt, w, ws, x, xs, k, m, y, (size_t)r1, r0, r1);
 }
 
-static double bk_time(const kn_ops *ops, km_type wt, const void *w, size_t ws, const void *packed,
+static double bk_time(const kn_ops *ops, md_type wt, const void *w, size_t ws, const void *packed,
                       int64_t rows, const void *x, size_t xs, int64_t k, int m, float *y,
                       int64_t r0, int64_t r1, double min_s)
 {
@@ -220,18 +220,18 @@ void ggml_vec_dot_q8_0_q8_0(int, float *, size_t, const void *, size_t, const vo
 void ggml_vec_dot_q4_K_q8_K(int, float *, size_t, const void *, size_t, const void *, size_t, int);
 void ggml_vec_dot_q6_K_q8_K(int, float *, size_t, const void *, size_t, const void *, size_t, int);
 
-static bk_vec_dot_fn bk_ggml_dot(km_type wt)
+static bk_vec_dot_fn bk_ggml_dot(md_type wt)
 {
     switch (wt) {
-    case KM_TYPE_Q4_0:
+    case MD_TYPE_Q4_0:
         return ggml_vec_dot_q4_0_q8_0;
-    case KM_TYPE_Q4_1:
+    case MD_TYPE_Q4_1:
         return ggml_vec_dot_q4_1_q8_1;
-    case KM_TYPE_Q8_0:
+    case MD_TYPE_Q8_0:
         return ggml_vec_dot_q8_0_q8_0;
-    case KM_TYPE_Q4_K:
+    case MD_TYPE_Q4_K:
         return ggml_vec_dot_q4_K_q8_K;
-    case KM_TYPE_Q6_K:
+    case MD_TYPE_Q6_K:
         return ggml_vec_dot_q6_K_q8_K;
     default:
         return NULL;
@@ -251,15 +251,15 @@ static void bk_ggml_matmul(bk_vec_dot_fn dot, const uint8_t *w, size_t ws, const
 }
 
 /* Our quantization against ggml's, our best matmul against ggml's dots; then ggml's speed. */
-static void bk_ggml_compare(km_type wt, const uint8_t *w, size_t ws, uint8_t *x, size_t xs,
+static void bk_ggml_compare(md_type wt, const uint8_t *w, size_t ws, uint8_t *x, size_t xs,
                             const float *xf, int64_t k, int max_m, int64_t rows, const int *ms,
                             int n_ms)
 {
     bk_vec_dot_fn dot = bk_ggml_dot(wt);
     if (!dot) return;
-    const km_type dt = kn_dot_type(wt);
-    void (*gq)(const float *, void *, int64_t) = dt == KM_TYPE_Q8_0   ? quantize_row_q8_0
-                                                 : dt == KM_TYPE_Q8_1 ? quantize_row_q8_1
+    const md_type dt = kn_dot_type(wt);
+    void (*gq)(const float *, void *, int64_t) = dt == MD_TYPE_Q8_0   ? quantize_row_q8_0
+                                                 : dt == MD_TYPE_Q8_1 ? quantize_row_q8_1
                                                                       : quantize_row_q8_K;
     uint8_t *gx = malloc(xs * (size_t)max_m);
     int diff_rows = 0;
@@ -535,21 +535,21 @@ static int bk_hash(void)
 
 static int bk_weight_bytes(const char *path)
 {
-    km_gguf *g;
+    md_gguf *g;
     km_errbuf err;
-    if (km_gguf_open(path, &g, &err)) {
+    if (md_gguf_open(path, &g, &err)) {
         fprintf(stderr, "bench_kernels: %s\n", err.msg);
         return 1;
     }
-    const int tied = km_gguf_find_tensor(g, "output.weight") == NULL;
+    const int tied = md_gguf_find_tensor(g, "output.weight") == NULL;
     uint64_t bytes = 0;
-    for (int64_t i = 0; i < km_gguf_n_tensors(g); i++) {
-        const km_gguf_tensor *t = km_gguf_tensor_at(g, i);
+    for (int64_t i = 0; i < md_gguf_n_tensors(g); i++) {
+        const md_gguf_tensor *t = md_gguf_tensor_at(g, i);
         const int embd = t->name.len == 17 && !memcmp(t->name.ptr, "token_embd.weight", 17);
         if (!embd || tied) bytes += t->size;
     }
     printf("model weight_bytes_per_token=%llu tied_output=%d\n", (unsigned long long)bytes, tied);
-    km_gguf_close(g);
+    md_gguf_close(g);
     return 0;
 }
 
@@ -565,9 +565,9 @@ static double bk_proc_cpu(void)
 /* Runs B sequences through a prompt of npp tokens each, then gen decode steps of B tokens, and
  * prints wall and CPU time (all threads) per step: on a machine shared with other work the CPU
  * time of a one-thread engine is the figure that holds up. */
-static int bk_engine_phase(wk_engine *e, int n_vocab, int B, int npp, int gen)
+static int bk_engine_phase(en_engine *e, int n_vocab, int B, int npp, int gen)
 {
-    kv_store *kv = wk_engine_kv(e);
+    kv_store *kv = en_engine_kv(e);
     kv_seq *ss[64];
     int32_t tok[512], pos[512];
     kv_seq *seqs[512];
@@ -580,14 +580,14 @@ static int bk_engine_phase(wk_engine *e, int n_vocab, int B, int npp, int gen)
     const double w0 = bk_wall(), c0 = bk_proc_cpu();
     for (int j = 0; j < B && npp; j++) {
         for (int i = 0; i < npp; i++) pos[i] = i, seqs[i] = ss[j];
-        wk_batch b = {.n_tokens = npp, .tokens = tok, .pos = pos, .seqs = seqs};
-        if (wk_engine_step(e, &b, &lg) < 0) return 1;
+        en_batch b = {.n_tokens = npp, .tokens = tok, .pos = pos, .seqs = seqs};
+        if (en_engine_step(e, &b, &lg) < 0) return 1;
     }
     const double w1 = bk_wall(), c1 = bk_proc_cpu();
     for (int g = 0; g < gen; g++) {
         for (int j = 0; j < B; j++) pos[j] = npp + g, seqs[j] = ss[j];
-        wk_batch b = {.n_tokens = B, .tokens = tok, .pos = pos, .seqs = seqs, .logits = want};
-        if (wk_engine_step(e, &b, &lg) < 0) return 1;
+        en_batch b = {.n_tokens = B, .tokens = tok, .pos = pos, .seqs = seqs, .logits = want};
+        if (en_engine_step(e, &b, &lg) < 0) return 1;
     }
     const double w2 = bk_wall(), c2 = bk_proc_cpu();
     if (npp)
@@ -604,9 +604,9 @@ static int bk_engine_phase(wk_engine *e, int n_vocab, int B, int npp, int gen)
 
 /* Speculative verification's step: one sequence, k consecutive tokens, logits for every one
  * of them; wall and CPU ms per step and per token, for each k. */
-static int bk_engine_verify(wk_engine *e, int n_vocab)
+static int bk_engine_verify(en_engine *e, int n_vocab)
 {
-    kv_store *kv = wk_engine_kv(e);
+    kv_store *kv = en_engine_kv(e);
     static const int ks[] = {1, 2, 4, 5, 8, 12, 16};
     int32_t tok[256], pos[256];
     kv_seq *seqs[256];
@@ -619,13 +619,13 @@ static int bk_engine_verify(wk_engine *e, int n_vocab)
         kv_seq *s;
         if (kv_seq_create(kv, &s)) return 1;
         for (int i = 0; i < 256; i++) pos[i] = i, seqs[i] = s;
-        wk_batch pb = {.n_tokens = 256, .tokens = tok, .pos = pos, .seqs = seqs};
-        if (wk_engine_step(e, &pb, &lg) < 0) return 1;
+        en_batch pb = {.n_tokens = 256, .tokens = tok, .pos = pos, .seqs = seqs};
+        if (en_engine_step(e, &pb, &lg) < 0) return 1;
         const double w0 = bk_wall(), c0 = bk_proc_cpu();
         for (int g = 0; g < steps; g++) {
             for (int i = 0; i < k; i++) pos[i] = 256 + g * k + i;
-            wk_batch b = {.n_tokens = k, .tokens = tok, .pos = pos, .seqs = seqs, .logits = want};
-            if (wk_engine_step(e, &b, &lg) < 0) return 1;
+            en_batch b = {.n_tokens = k, .tokens = tok, .pos = pos, .seqs = seqs, .logits = want};
+            if (en_engine_step(e, &b, &lg) < 0) return 1;
         }
         const double w = (bk_wall() - w0) * 1e3 / steps, c = (bk_proc_cpu() - c0) * 1e3 / steps;
         printf(
@@ -643,9 +643,9 @@ static int bk_engine_verify(wk_engine *e, int n_vocab)
  * a self-speculation draft reads): where attention over a long context weighs on a step, the
  * int4 decode is cheaper than the f16 one by what its KV saves. Each phase steps from n_ctx
  * again (the sequence truncated back), so all read the same context. */
-static int bk_engine_long(wk_engine *e, int n_vocab, int n_ctx)
+static int bk_engine_long(en_engine *e, int n_vocab, int n_ctx)
 {
-    kv_store *kv = wk_engine_kv(e);
+    kv_store *kv = en_engine_kv(e);
     enum { STEPS = 16, CHUNK = 512 };
     int32_t tok[CHUNK], pos[CHUNK];
     kv_seq *seqs[CHUNK];
@@ -660,8 +660,8 @@ static int bk_engine_long(wk_engine *e, int n_vocab, int n_ctx)
     for (int at = 0; at < n_ctx; at += CHUNK) {
         const int n = n_ctx - at < CHUNK ? n_ctx - at : CHUNK;
         for (int i = 0; i < n; i++) pos[i] = at + i;
-        wk_batch b = {.n_tokens = n, .tokens = tok, .pos = pos, .seqs = seqs};
-        if (wk_engine_step(e, &b, &lg) < 0) return 1;
+        en_batch b = {.n_tokens = n, .tokens = tok, .pos = pos, .seqs = seqs};
+        if (en_engine_step(e, &b, &lg) < 0) return 1;
     }
     printf("engine prefill of %d tokens (%d per step): %.2f s wall, %.2f s cpu\n", n_ctx, CHUNK,
            bk_wall() - pw0, bk_proc_cpu() - pc0);
@@ -675,8 +675,8 @@ static int bk_engine_long(wk_engine *e, int n_vocab, int n_ctx)
         const double w0 = bk_wall(), c0 = bk_proc_cpu();
         for (int g = 0; g < STEPS; g++) {
             for (int i = 0; i < k; i++) pos[i] = n_ctx + g * k + i;
-            wk_batch b = {.n_tokens = k, .tokens = tok, .pos = pos, .seqs = seqs, .logits = want};
-            if (wk_engine_step(e, &b, &lg) < 0) return 1;
+            en_batch b = {.n_tokens = k, .tokens = tok, .pos = pos, .seqs = seqs, .logits = want};
+            if (en_engine_step(e, &b, &lg) < 0) return 1;
         }
         const double w = (bk_wall() - w0) * 1e3 / STEPS, c = (bk_proc_cpu() - c0) * 1e3 / STEPS;
         printf("engine at context %d, %s: %.2f ms wall per step, %.2f ms cpu per step\n", n_ctx,
@@ -690,22 +690,22 @@ static int bk_engine_long(wk_engine *e, int n_vocab, int n_ctx)
 
 static int bk_engine(const char *path, int threads, const char *what)
 {
-    wk_model *m;
-    wk_engine *e;
+    en_model *m;
+    en_engine *e;
     km_errbuf err;
     const double t0 = bk_wall();
-    if (wk_model_load(path, &m, &err)) {
+    if (en_model_load(path, &m, &err)) {
         fprintf(stderr, "bench_kernels: %s\n", err.msg);
         return 1;
     }
-    wk_engine_opts o = {.n_threads = threads};
-    if (wk_engine_create(m, &o, &e, &err)) {
+    en_engine_opts o = {.n_threads = threads};
+    if (en_engine_create(m, &o, &e, &err)) {
         fprintf(stderr, "bench_kernels: %s\n", err.msg);
         return 1;
     }
-    printf("engine %s threads=%d isa=%s: load and pack %.0f ms\n", wk_model_name(m), threads,
-           wk_engine_isa(e), (bk_wall() - t0) * 1e3);
-    const int n_vocab = wk_model_hparams(m)->n_vocab;
+    printf("engine %s threads=%d isa=%s: load and pack %.0f ms\n", en_model_name(m), threads,
+           en_engine_isa(e), (bk_wall() - t0) * 1e3);
+    const int n_vocab = en_model_hparams(m)->n_vocab;
     int rc = 0;
     const char *L = strchr(what, 'L'); /* L, or L<context>: L8192 */
     const int n_long = L && atoi(L + 1) > 0 ? atoi(L + 1) : 4096;
@@ -721,8 +721,8 @@ static int bk_engine(const char *path, int threads, const char *what)
     if (strchr(what, 'D')) rc |= bk_engine_phase(e, n_vocab, 8, 128, 512); /* for profiles */
     if (strchr(what, 'v')) rc |= bk_engine_verify(e, n_vocab);
     if (L) rc |= bk_engine_long(e, n_vocab, n_long);
-    wk_engine_destroy(e);
-    wk_model_free(m);
+    en_engine_destroy(e);
+    en_model_free(m);
     return rc;
 }
 
@@ -742,12 +742,12 @@ int main(int argc, char **argv)
     int isa_only = -1, type_only = -1, quant = 0, unpacked = 0;
     int ms[16] = {1, 8, 32, 128, 512}, n_ms = 5;
     struct {
-        km_type t;
+        md_type t;
         int64_t rows, k;
-    } shapes[16] = {{KM_TYPE_Q4_1, 576, 576},
-                    {KM_TYPE_Q4_1, 1536, 576},
-                    {KM_TYPE_Q4_1, 576, 1536},
-                    {KM_TYPE_Q8_0, 49152, 576}};
+    } shapes[16] = {{MD_TYPE_Q4_1, 576, 576},
+                    {MD_TYPE_Q4_1, 1536, 576},
+                    {MD_TYPE_Q4_1, 576, 1536},
+                    {MD_TYPE_Q8_0, 49152, 576}};
     int n_shapes = 4, custom_shape = 0;
     int64_t cs_rows = 0, cs_k = 0;
     for (int a = 1; a < argc; a++) {
@@ -796,12 +796,12 @@ int main(int argc, char **argv)
     }
     if (type_only >= 0) {
         if (custom_shape) {
-            shapes[0].t = (km_type)type_only;
+            shapes[0].t = (md_type)type_only;
             shapes[0].rows = cs_rows;
             shapes[0].k = cs_k;
             n_shapes = 1;
         } else {
-            for (int s = 0; s < n_shapes; s++) shapes[s].t = (km_type)type_only;
+            for (int s = 0; s < n_shapes; s++) shapes[s].t = (md_type)type_only;
         }
     } else if (custom_shape) {
         shapes[0].rows = cs_rows;
@@ -815,7 +815,7 @@ int main(int argc, char **argv)
     printf("%-11s %-5s %6s %5s %4s %10s %10s\n", "isa", "type", "rows", "k", "m", "us/call",
            "GFLOP/s");
     for (int s = 0; s < n_shapes; s++) {
-        const km_type wt = shapes[s].t, dt = kn_dot_type(wt);
+        const md_type wt = shapes[s].t, dt = kn_dot_type(wt);
         const int64_t rows = shapes[s].rows, k = shapes[s].k;
         int max_m = 1;
         for (int i = 0; i < n_ms; i++) max_m = ms[i] > max_m ? ms[i] : max_m;

@@ -219,7 +219,7 @@ static void bench_attention(void)
 
 static int bench_ppl(int argc, char **argv)
 {
-    const char *file = NULL, *model = wk_default_model_path(), *fmt = "f16", *pol = "none";
+    const char *file = NULL, *model = en_default_model_path(), *fmt = "f16", *pol = "none";
     int ctx = 512, batch = 16, sink = 1, window = 15, budget = 16, threads = 0;
     for (int i = 1; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "--ppl"))
@@ -251,15 +251,15 @@ static int bench_ppl(int argc, char **argv)
         policy =
             (kv_seq_policy){.kind = KV_SEQ_H2O, .window_pages = window, .budget_pages = budget};
     km_errbuf err;
-    wk_model *m;
-    if (wk_model_load(model, &m, &err)) {
+    en_model *m;
+    if (en_model_load(model, &m, &err)) {
         fprintf(stderr, "bench_kv: %s\n", err.msg);
         return 1;
     }
-    wk_engine_opts o = {.n_threads = threads, .max_batch_tokens = batch};
+    en_engine_opts o = {.n_threads = threads, .max_batch_tokens = batch};
     if (kv_format_parse(fmt, &o.kv_format)) return 2;
-    wk_engine *e;
-    if (wk_engine_create(m, &o, &e, &err)) {
+    en_engine *e;
+    if (en_engine_create(m, &o, &e, &err)) {
         fprintf(stderr, "bench_kv: %s\n", err.msg);
         return 1;
     }
@@ -271,20 +271,20 @@ static int bench_ppl(int argc, char **argv)
     char *text = malloc((size_t)len + 1);
     if (fread(text, 1, (size_t)len, fp) != (size_t)len) return 1;
     fclose(fp);
-    const km_tokenizer *tok = wk_model_tokenizer(m);
-    int n_tok = km_tok_encode(tok, text, (size_t)len, 0, 0, NULL, 0);
+    const md_tokenizer *tok = en_model_tokenizer(m);
+    int n_tok = md_tok_encode(tok, text, (size_t)len, 0, 0, NULL, 0);
     int32_t *ids = malloc(sizeof(int32_t) * (n_tok + 1));
-    km_tok_encode(tok, text, (size_t)len, 0, 0, ids, n_tok);
-    int n_chunk = n_tok / ctx, n_vocab = wk_model_hparams(m)->n_vocab, first = ctx / 2;
+    md_tok_encode(tok, text, (size_t)len, 0, 0, ids, n_tok);
+    int n_chunk = n_tok / ctx, n_vocab = en_model_hparams(m)->n_vocab, first = ctx / 2;
     int32_t *chunk = malloc(sizeof(int32_t) * ctx), *pos = malloc(sizeof(int32_t) * ctx);
     kv_seq **seqs = malloc(sizeof(kv_seq *) * ctx);
     uint8_t *want = malloc(ctx);
     double nll = 0;
     long count = 0;
-    kv_store *kv = wk_engine_kv(e);
+    kv_store *kv = en_engine_kv(e);
     for (int ch = 0; ch < n_chunk; ch++) {
         memcpy(chunk, ids + (size_t)ch * ctx, sizeof(int32_t) * ctx);
-        if (km_tok_adds_bos(tok) && km_tok_bos(tok) >= 0) chunk[0] = km_tok_bos(tok);
+        if (md_tok_adds_bos(tok) && md_tok_bos(tok) >= 0) chunk[0] = md_tok_bos(tok);
         kv_seq *seq;
         kv_seq_create(kv, &seq);
         if (policy.kind) kv_seq_set_policy(kv, seq, &policy);
@@ -295,10 +295,10 @@ static int bench_ppl(int argc, char **argv)
                 seqs[i] = seq;
                 want[i] = s0 + i >= first && s0 + i < ctx - 1;
             }
-            wk_batch b = {
+            en_batch b = {
                 .n_tokens = nb, .tokens = chunk + s0, .pos = pos, .seqs = seqs, .logits = want};
             const float *lg;
-            int n_out = wk_engine_step(e, &b, &lg);
+            int n_out = en_engine_step(e, &b, &lg);
             if (n_out < 0) {
                 fprintf(stderr, "bench_kv: step failed: %s\n", km_strerror(n_out));
                 return 1;
@@ -306,7 +306,7 @@ static int bench_ppl(int argc, char **argv)
             int r = 0;
             for (int i = 0; i < nb; i++) {
                 if (!want[i]) continue;
-                nll += wk_token_nll(lg + (size_t)r++ * n_vocab, n_vocab, chunk[s0 + i + 1]);
+                nll += en_token_nll(lg + (size_t)r++ * n_vocab, n_vocab, chunk[s0 + i + 1]);
                 count++;
             }
         }
@@ -320,8 +320,8 @@ static int bench_ppl(int argc, char **argv)
     printf("\nppl file=%s ctx=%d batch=%d kv=%s policy=%s sink=%d window=%d budget=%d "
            "PPL=%.4f\n",
            file, ctx, batch, fmt, pol, sink, window, budget, exp(nll / count));
-    wk_engine_destroy(e);
-    wk_model_free(m);
+    en_engine_destroy(e);
+    en_model_free(m);
     free(text);
     free(ids);
     free(chunk);

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "cli/cli.h"
+#include "model/model.h"
 
 typedef struct gen_args {
     const char *router, *model, *prompt, *file, *salt, *stop, *system, *seed_text, *timeout_text;
@@ -230,37 +231,37 @@ int cli_cmd_generate(int argc, char **argv)
 
 /* The template chat renders with: the model file's, as the router applies it to OpenAI chat
  * requests (with SmolLM2's default system message), unless --template says otherwise, which is
- * warned about when it differs from the model's. KM_CHAT_NONE after saying why. */
-static km_chat_kind chat_template(const char *name, const char *model_file, const char **defsys)
+ * warned about when it differs from the model's. MD_CHAT_NONE after saying why. */
+static md_chat_kind chat_template(const char *name, const char *model_file, const char **defsys)
 {
-    km_chat_kind asked = name ? km_chat_parse(name) : KM_CHAT_NONE, model = KM_CHAT_NONE;
-    if (name && asked == KM_CHAT_NONE) {
+    md_chat_kind asked = name ? md_chat_parse(name) : MD_CHAT_NONE, model = MD_CHAT_NONE;
+    if (name && asked == MD_CHAT_NONE) {
         fprintf(stderr, "kvmesh chat: unknown --template %s (chatml or llama3)\n", name);
-        return KM_CHAT_NONE;
+        return MD_CHAT_NONE;
     }
-    const char *path = model_file ? model_file : km_default_model_path();
-    km_model_info *mi = NULL;
+    const char *path = model_file ? model_file : md_default_model_path();
+    md_model_info *mi = NULL;
     km_errbuf err = {{0}};
-    if (km_model_info_open(path, &mi, &err) == 0) {
-        model = km_model_info_chat(mi);
-        if (model == KM_CHAT_NONE) model = KM_CHAT_CHATML; /* the router's fallback */
-        if (strcasestr(km_model_info_name(mi), "smollm"))
+    if (md_model_info_open(path, &mi, &err) == 0) {
+        model = md_model_info_chat(mi);
+        if (model == MD_CHAT_NONE) model = MD_CHAT_CHATML; /* the router's fallback */
+        if (strcasestr(md_model_info_name(mi), "smollm"))
             *defsys = "You are a helpful AI assistant named SmolLM, trained by Hugging Face";
-        km_model_info_close(mi);
+        md_model_info_close(mi);
     }
-    if (asked == KM_CHAT_NONE && model == KM_CHAT_NONE) {
+    if (asked == MD_CHAT_NONE && model == MD_CHAT_NONE) {
         fprintf(stderr,
                 "kvmesh chat: warning: cannot read the model's chat template (%s); using chatml "
                 "(--model-file PATH or --template NAME)\n",
                 err.msg);
-        return KM_CHAT_CHATML;
+        return MD_CHAT_CHATML;
     }
-    if (asked != KM_CHAT_NONE && model != KM_CHAT_NONE && asked != model)
+    if (asked != MD_CHAT_NONE && model != MD_CHAT_NONE && asked != model)
         fprintf(stderr,
                 "kvmesh chat: warning: --template %s differs from the model's (%s): the model "
                 "may answer badly\n",
-                name, model == KM_CHAT_LLAMA3 ? "llama3" : "chatml");
-    return asked != KM_CHAT_NONE ? asked : model;
+                name, model == MD_CHAT_LLAMA3 ? "llama3" : "chatml");
+    return asked != MD_CHAT_NONE ? asked : model;
 }
 
 int cli_cmd_chat(int argc, char **argv)
@@ -286,10 +287,10 @@ int cli_cmd_chat(int argc, char **argv)
                              opts, sizeof opts / sizeof *opts, argc, argv, &cfg);
     if (prc) return prc == 1 ? 0 : 2;
     const char *defsys = NULL;
-    km_chat_kind kind = gen_finish("chat", &a, argc, argv)
-                            ? KM_CHAT_NONE
+    md_chat_kind kind = gen_finish("chat", &a, argc, argv)
+                            ? MD_CHAT_NONE
                             : chat_template(template_name, model_file, &defsys);
-    if (kind == KM_CHAT_NONE) {
+    if (kind == MD_CHAT_NONE) {
         km_config_destroy(cfg);
         return 2;
     }
@@ -301,10 +302,10 @@ int cli_cmd_chat(int argc, char **argv)
     }
     /* Every turn resends the whole conversation; the router sends it to the worker that holds
      * the previous turns' pages, so only the new turn is computed. */
-    km_chat_msg msgs[256];
+    md_chat_msg msgs[256];
     char *owned[256];
     int n = 0, n_owned = 0, status = 0;
-    if (a.system) msgs[n++] = (km_chat_msg){"system", a.system};
+    if (a.system) msgs[n++] = (md_chat_msg){"system", a.system};
     bool tty = isatty(0);
     char *line = NULL;
     size_t cap = 0;
@@ -322,11 +323,11 @@ int cli_cmd_chat(int argc, char **argv)
             break;
         }
         owned[n_owned] = strdup(line);
-        msgs[n++] = (km_chat_msg){"user", owned[n_owned++]};
-        int need = km_chat_apply(kind, msgs, n, 1, defsys, NULL, 0);
+        msgs[n++] = (md_chat_msg){"user", owned[n_owned++]};
+        int need = md_chat_apply(kind, msgs, n, 1, defsys, NULL, 0);
         char *prompt = malloc((size_t)need + 1);
         if (!prompt) break;
-        km_chat_apply(kind, msgs, n, 1, defsys, prompt, (size_t)need + 1);
+        md_chat_apply(kind, msgs, n, 1, defsys, prompt, (size_t)need + 1);
         km_msg_request q;
         fill_request(&a, &q);
         q.prompt = prompt;
@@ -353,7 +354,7 @@ int cli_cmd_chat(int argc, char **argv)
         }
         if (!a.quiet) print_stats(&res);
         owned[n_owned] = strndup(res.text.data ? (const char *)res.text.data : "", res.text.len);
-        msgs[n++] = (km_chat_msg){"assistant", owned[n_owned++]};
+        msgs[n++] = (md_chat_msg){"assistant", owned[n_owned++]};
         kvm_result_free(&res);
     }
     free(line);

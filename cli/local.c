@@ -34,7 +34,7 @@ typedef struct local_opts {
     int ignore_eos;
     int show_ids;
     int raw;
-    wk_sample_params sp;
+    en_sample_params sp;
 } local_opts;
 
 static void local_usage(const char *cmd)
@@ -44,7 +44,7 @@ static void local_usage(const char *cmd)
            "  -m, --model PATH        GGUF model [KVMESH_MODEL] (default %s)\n"
            "  -t, --threads N         threads [KVMESH_THREADS] (default: all cores)\n"
            "      --kv-format F       f16|bf16 [KVMESH_KV_FORMAT] (default f16)\n",
-           wk_default_model_path());
+           en_default_model_path());
     if (!strcmp(cmd, "run") || !strcmp(cmd, "tokenize"))
         printf("  -p, --prompt TEXT       the prompt (or -f FILE)\n"
                "  -f, --file PATH         read the prompt from a file\n");
@@ -98,14 +98,14 @@ static int local_float(const char *s, float *out)
 static int local_parse(const char *cmd, int argc, char **argv, local_opts *c)
 {
     memset(c, 0, sizeof *c);
-    c->model = wk_default_model_path();
+    c->model = en_default_model_path();
     c->n_predict = 128;
     c->ctx = 512;
     c->prompt_tokens = 512;
     c->gen_tokens = 128;
     c->reps = 3;
     c->batches = "1,8,32";
-    wk_sample_params_default(&c->sp);
+    en_sample_params_default(&c->sp);
     const char *env;
     if ((env = getenv("KVMESH_THREADS")) && local_int(env, &c->threads)) {
         fprintf(stderr, "kvmesh: KVMESH_THREADS=%s is not an integer\n", env);
@@ -193,41 +193,41 @@ static int local_parse(const char *cmd, int argc, char **argv, local_opts *c)
 }
 
 /* Loads the model and builds an engine; prints the reason and returns -1 on failure. */
-static int local_open_engine(const local_opts *c, int max_batch, wk_model **m, wk_engine **e)
+static int local_open_engine(const local_opts *c, int max_batch, en_model **m, en_engine **e)
 {
     km_errbuf err = {{0}};
-    int rc = wk_model_load(c->model, m, &err);
+    int rc = en_model_load(c->model, m, &err);
     if (rc) {
         fprintf(stderr, "kvmesh: %s\n", err.msg);
         if (rc == KM_EIO) fprintf(stderr, "kvmesh: hint: `make deps` fetches the default model\n");
         return -1;
     }
-    wk_engine_opts o = {.n_threads = c->threads, .max_batch_tokens = max_batch};
+    en_engine_opts o = {.n_threads = c->threads, .max_batch_tokens = max_batch};
     if (c->kv_format && kv_format_parse(c->kv_format, &o.kv_format)) {
         fprintf(stderr, "kvmesh: unknown --kv-format %s\n", c->kv_format);
         return -1;
     }
-    if ((rc = wk_engine_create(*m, &o, e, &err))) {
+    if ((rc = en_engine_create(*m, &o, e, &err))) {
         fprintf(stderr, "kvmesh: %s\n", err.msg);
         return -1;
     }
     return 0;
 }
 
-static int32_t *local_tokenize(const km_tokenizer *tok, const char *text, size_t len,
+static int32_t *local_tokenize(const md_tokenizer *tok, const char *text, size_t len,
                                int add_special, int parse_special, int *n_out)
 {
-    int n = km_tok_encode(tok, text, len, add_special, parse_special, NULL, 0);
+    int n = md_tok_encode(tok, text, len, add_special, parse_special, NULL, 0);
     if (n < 0) return NULL;
     int32_t *ids = malloc(sizeof(int32_t) * (n + 1));
     if (!ids) return NULL;
-    *n_out = km_tok_encode(tok, text, len, add_special, parse_special, ids, n + 1);
+    *n_out = md_tok_encode(tok, text, len, add_special, parse_special, ids, n + 1);
     return ids;
 }
 
 /* Feeds tokens [0, n) of one sequence through the engine in chunks; leaves the logits of the
  * last token in *last. */
-static int local_prefill(wk_engine *e, kv_seq *seq, const int32_t *ids, int n, int chunk,
+static int local_prefill(en_engine *e, kv_seq *seq, const int32_t *ids, int n, int chunk,
                          const float **last)
 {
     int32_t pos[4096];
@@ -236,8 +236,8 @@ static int local_prefill(wk_engine *e, kv_seq *seq, const int32_t *ids, int n, i
     for (int start = 0; start < n; start += chunk) {
         int len = n - start < chunk ? n - start : chunk;
         for (int i = 0; i < len; i++) pos[i] = start + i, seqs[i] = seq;
-        wk_batch b = {.n_tokens = len, .tokens = ids + start, .pos = pos, .seqs = seqs};
-        int rc = wk_engine_step(e, &b, last);
+        en_batch b = {.n_tokens = len, .tokens = ids + start, .pos = pos, .seqs = seqs};
+        int rc = en_engine_step(e, &b, last);
         if (rc < 0) return rc;
     }
     return 0;
@@ -258,22 +258,22 @@ int cli_cmd_run(int argc, char **argv)
         fprintf(stderr, "kvmesh run: give a prompt with -p TEXT or -f FILE\n");
         return 2;
     }
-    wk_model *m = NULL;
-    wk_engine *e = NULL;
+    en_model *m = NULL;
+    en_engine *e = NULL;
     if (local_open_engine(&c, 512, &m, &e)) return 1;
-    const km_tokenizer *tok = wk_model_tokenizer(m);
+    const md_tokenizer *tok = en_model_tokenizer(m);
     char *templated = NULL;
     if (c.chat) {
-        km_chat_kind kind = wk_model_chat_kind(m);
-        if (kind == KM_CHAT_NONE) kind = KM_CHAT_CHATML;
-        km_chat_msg msgs[2];
+        md_chat_kind kind = en_model_chat_kind(m);
+        if (kind == MD_CHAT_NONE) kind = MD_CHAT_CHATML;
+        md_chat_msg msgs[2];
         int nm = 0;
-        if (c.system) msgs[nm++] = (km_chat_msg){"system", c.system};
-        msgs[nm++] = (km_chat_msg){"user", prompt};
+        if (c.system) msgs[nm++] = (md_chat_msg){"system", c.system};
+        msgs[nm++] = (md_chat_msg){"user", prompt};
         const char *defsys = "You are a helpful AI assistant named SmolLM, trained by Hugging Face";
-        int need = km_chat_apply(kind, msgs, nm, 1, defsys, NULL, 0);
+        int need = md_chat_apply(kind, msgs, nm, 1, defsys, NULL, 0);
         templated = malloc(need + 1);
-        km_chat_apply(kind, msgs, nm, 1, defsys, templated, need + 1);
+        md_chat_apply(kind, msgs, nm, 1, defsys, templated, need + 1);
         prompt = templated;
     }
     int n_prompt = 0;
@@ -283,11 +283,11 @@ int cli_cmd_run(int argc, char **argv)
         fprintf(stderr, "kvmesh run: the prompt tokenizes to nothing\n");
         return 1;
     }
-    wk_sampler *smp = NULL;
+    en_sampler *smp = NULL;
     kv_seq *seq = NULL;
-    wk_sampler_create(&c.sp, wk_model_hparams(m)->n_vocab, &smp);
-    kv_seq_create(wk_engine_kv(e), &seq);
-    for (int i = 0; i < n_prompt; i++) wk_sampler_accept(smp, ids[i]);
+    en_sampler_create(&c.sp, en_model_hparams(m)->n_vocab, &smp);
+    kv_seq_create(en_engine_kv(e), &seq);
+    for (int i = 0; i < n_prompt; i++) en_sampler_accept(smp, ids[i]);
 
     const float *logits;
     uint64_t t0 = km_now_ns();
@@ -297,25 +297,25 @@ int cli_cmd_run(int argc, char **argv)
         fprintf(stderr, "kvmesh run: forward failed: %s\n", km_strerror(rc));
         return 1;
     }
-    km_detok dt;
-    km_detok_init(&dt);
+    md_detok dt;
+    md_detok_init(&dt);
     char piece[1024];
     int n_gen = 0, pos = n_prompt;
     int32_t *gen = malloc(sizeof(int32_t) * (c.n_predict + 1));
     if (!c.chat) fwrite(prompt, 1, strlen(prompt), stdout);
     for (; n_gen < c.n_predict; n_gen++) {
-        int32_t id = wk_sampler_sample(smp, logits);
-        if (!c.ignore_eos && km_tok_is_eog(tok, id)) break;
+        int32_t id = en_sampler_sample(smp, logits);
+        if (!c.ignore_eos && md_tok_is_eog(tok, id)) break;
         gen[n_gen] = id;
-        wk_sampler_accept(smp, id);
-        int w = km_detok_push(tok, &dt, id, piece, sizeof piece);
+        en_sampler_accept(smp, id);
+        int w = md_detok_push(tok, &dt, id, piece, sizeof piece);
         if (w > 0) fwrite(piece, 1, w, stdout), fflush(stdout);
         if (n_gen + 1 == c.n_predict) {
             n_gen++;
             break;
         }
-        wk_batch b = {.n_tokens = 1, .tokens = &id, .pos = &pos, .seqs = &seq};
-        if ((rc = wk_engine_step(e, &b, &logits)) < 0) {
+        en_batch b = {.n_tokens = 1, .tokens = &id, .pos = &pos, .seqs = &seq};
+        if ((rc = en_engine_step(e, &b, &logits)) < 0) {
             fprintf(stderr, "\nkvmesh run: forward failed at position %d: %s\n", pos,
                     km_strerror(rc));
             break;
@@ -323,7 +323,7 @@ int cli_cmd_run(int argc, char **argv)
         pos++;
     }
     uint64_t t2 = km_now_ns();
-    int w = km_detok_flush(&dt, piece, sizeof piece);
+    int w = md_detok_flush(&dt, piece, sizeof piece);
     if (w > 0) fwrite(piece, 1, w, stdout);
     printf("\n");
     fflush(stdout); /* the text ends before the statistics line starts (stderr is unbuffered) */
@@ -336,12 +336,12 @@ int cli_cmd_run(int argc, char **argv)
     fprintf(stderr,
             "kvmesh run: model=%s threads=%d isa=%s prompt=%d tokens %.1f tok/s, "
             "generation=%d tokens %.1f tok/s\n",
-            wk_model_name(m), wk_engine_threads(e), wk_engine_isa(e), n_prompt,
+            en_model_name(m), en_engine_threads(e), en_engine_isa(e), n_prompt,
             n_prompt / (pp > 0 ? pp : 1e-9), n_gen, n_gen / (tg > 0 ? tg : 1e-9));
-    kv_seq_destroy(wk_engine_kv(e), seq);
-    wk_sampler_destroy(smp);
-    wk_engine_destroy(e);
-    wk_model_free(m);
+    kv_seq_destroy(en_engine_kv(e), seq);
+    en_sampler_destroy(smp);
+    en_engine_destroy(e);
+    en_model_free(m);
     free(ids);
     free(gen);
     free(templated);
@@ -370,13 +370,13 @@ int cli_cmd_perplexity(int argc, char **argv)
     if (!text) return 1;
     /* As llama-perplexity reads its file: one trailing newline is dropped. */
     if (len > 0 && text[len - 1] == '\n') text[--len] = 0;
-    wk_model *m = NULL;
-    wk_engine *e = NULL;
+    en_model *m = NULL;
+    en_engine *e = NULL;
     if (local_open_engine(&c, n_batch, &m, &e)) return 1;
-    const km_tokenizer *tok = wk_model_tokenizer(m);
+    const md_tokenizer *tok = en_model_tokenizer(m);
     int n_tok = 0;
     int32_t *ids = local_tokenize(tok, text, len, 1, 0, &n_tok);
-    int n_ctx = c.ctx, n_chunk = n_tok / n_ctx, n_vocab = wk_model_hparams(m)->n_vocab;
+    int n_ctx = c.ctx, n_chunk = n_tok / n_ctx, n_vocab = en_model_hparams(m)->n_vocab;
     if (n_tok < 2 * n_ctx) {
         fprintf(stderr, "kvmesh perplexity: %d tokens; need at least 2 x ctx = %d (as llama.cpp)\n",
                 n_tok, 2 * n_ctx);
@@ -393,9 +393,9 @@ int cli_cmd_perplexity(int argc, char **argv)
     uint64_t t0 = km_now_ns();
     for (int ch = 0; ch < n_chunk; ch++) {
         memcpy(chunk, ids + (size_t)ch * n_ctx, sizeof(int32_t) * n_ctx);
-        if (km_tok_adds_bos(tok) && km_tok_bos(tok) >= 0) chunk[0] = km_tok_bos(tok);
+        if (md_tok_adds_bos(tok) && md_tok_bos(tok) >= 0) chunk[0] = md_tok_bos(tok);
         kv_seq *seq;
-        kv_seq_create(wk_engine_kv(e), &seq);
+        kv_seq_create(en_engine_kv(e), &seq);
         for (int s = 0; s < n_ctx; s += n_batch) {
             int nb = n_ctx - s < n_batch ? n_ctx - s : n_batch;
             for (int i = 0; i < nb; i++) {
@@ -403,10 +403,10 @@ int cli_cmd_perplexity(int argc, char **argv)
                 seqs[i] = seq;
                 want[i] = s + i >= first && s + i < n_ctx - 1;
             }
-            wk_batch b = {
+            en_batch b = {
                 .n_tokens = nb, .tokens = chunk + s, .pos = pos, .seqs = seqs, .logits = want};
             const float *lg;
-            int n_out = wk_engine_step(e, &b, &lg);
+            int n_out = en_engine_step(e, &b, &lg);
             if (n_out < 0) {
                 fprintf(stderr, "kvmesh perplexity: forward failed: %s\n", km_strerror(n_out));
                 return 1;
@@ -414,13 +414,13 @@ int cli_cmd_perplexity(int argc, char **argv)
             int r = 0;
             for (int i = 0; i < nb; i++) {
                 if (!want[i]) continue;
-                double l = wk_token_nll(lg + (size_t)r++ * n_vocab, n_vocab, chunk[s + i + 1]);
+                double l = en_token_nll(lg + (size_t)r++ * n_vocab, n_vocab, chunk[s + i + 1]);
                 nll += l;
                 nll2 += l * l;
                 count++;
             }
         }
-        kv_seq_destroy(wk_engine_kv(e), seq);
+        kv_seq_destroy(en_engine_kv(e), seq);
         printf("[%d]%.4f%s", ch + 1, exp(nll / count), ch + 1 < n_chunk ? "," : "\n");
         fflush(stdout);
     }
@@ -435,8 +435,8 @@ int cli_cmd_perplexity(int argc, char **argv)
     free(want);
     free(ids);
     free(text);
-    wk_engine_destroy(e);
-    wk_model_free(m);
+    en_engine_destroy(e);
+    en_model_free(m);
     return 0;
 }
 
@@ -474,11 +474,11 @@ int cli_cmd_bench(int argc, char **argv)
         }
         if (batches[i] > maxb) maxb = batches[i];
     }
-    wk_model *m = NULL;
-    wk_engine *e = NULL;
+    en_model *m = NULL;
+    en_engine *e = NULL;
     if (local_open_engine(&c, maxb, &m, &e)) return 1;
-    int n_vocab = wk_model_hparams(m)->n_vocab;
-    kv_store *kv = wk_engine_kv(e);
+    int n_vocab = en_model_hparams(m)->n_vocab;
+    kv_store *kv = en_engine_kv(e);
     int32_t *tok = malloc(sizeof(int32_t) * maxb), *pos = malloc(sizeof(int32_t) * maxb);
     kv_seq **seqs = malloc(sizeof(kv_seq *) * maxb);
     uint64_t rng = 42;
@@ -489,16 +489,16 @@ int cli_cmd_bench(int argc, char **argv)
     double times[32] = {0};
     int reps = c.reps < 1 ? 1 : c.reps > 32 ? 32 : c.reps;
     const float *lg;
-    fprintf(stderr, "kvmesh bench: model=%s threads=%d isa=%s\n", wk_model_name(m),
-            wk_engine_threads(e), wk_engine_isa(e));
+    fprintf(stderr, "kvmesh bench: model=%s threads=%d isa=%s\n", en_model_name(m),
+            en_engine_threads(e), en_engine_isa(e));
     /* prefill */
     for (int r = -1; r < reps; r++) {
         kv_seq *s;
         kv_seq_create(kv, &s);
         for (int i = 0; i < c.prompt_tokens; i++) pos[i] = i, seqs[i] = s;
-        wk_batch b = {.n_tokens = c.prompt_tokens, .tokens = tok, .pos = pos, .seqs = seqs};
+        en_batch b = {.n_tokens = c.prompt_tokens, .tokens = tok, .pos = pos, .seqs = seqs};
         uint64_t t0 = km_now_ns();
-        if (wk_engine_step(e, &b, &lg) < 0) return 1;
+        if (en_engine_step(e, &b, &lg) < 0) return 1;
         if (r >= 0) times[r] = (km_now_ns() - t0) / 1e9;
         kv_seq_destroy(kv, s);
     }
@@ -514,8 +514,8 @@ int cli_cmd_bench(int argc, char **argv)
                 kv_seq_create(kv, &ss[j]);
                 if (npp) {
                     for (int i = 0; i < npp; i++) pos[i] = i, seqs[i] = ss[j];
-                    wk_batch b = {.n_tokens = npp, .tokens = tok, .pos = pos, .seqs = seqs};
-                    if (wk_engine_step(e, &b, &lg) < 0) return 1;
+                    en_batch b = {.n_tokens = npp, .tokens = tok, .pos = pos, .seqs = seqs};
+                    if (en_engine_step(e, &b, &lg) < 0) return 1;
                 }
             }
             uint64_t t0 = km_now_ns();
@@ -523,9 +523,9 @@ int cli_cmd_bench(int argc, char **argv)
                 for (int j = 0; j < B; j++) pos[j] = npp + g, seqs[j] = ss[j];
                 uint8_t want[256];
                 memset(want, 1, sizeof want);
-                wk_batch b = {
+                en_batch b = {
                     .n_tokens = B, .tokens = tok, .pos = pos, .seqs = seqs, .logits = want};
-                int rc = wk_engine_step(e, &b, &lg);
+                int rc = en_engine_step(e, &b, &lg);
                 if (rc < 0) {
                     fprintf(stderr, "kvmesh bench: step failed: %s\n", km_strerror(rc));
                     return 1;
@@ -541,8 +541,8 @@ int cli_cmd_bench(int argc, char **argv)
     free(tok);
     free(pos);
     free(seqs);
-    wk_engine_destroy(e);
-    wk_model_free(m);
+    en_engine_destroy(e);
+    en_model_free(m);
     return 0;
 }
 
@@ -563,9 +563,9 @@ int cli_cmd_tokenize(int argc, char **argv)
         return 2;
     }
     km_errbuf err = {{0}};
-    km_gguf *g = NULL;
-    km_tokenizer *tok = NULL;
-    if (km_gguf_open(c.model, &g, &err) || km_tok_create(g, &tok, &err)) {
+    md_gguf *g = NULL;
+    md_tokenizer *tok = NULL;
+    if (md_gguf_open(c.model, &g, &err) || md_tok_create(g, &tok, &err)) {
         fprintf(stderr, "kvmesh tokenize: %s\n", err.msg);
         return 1;
     }
@@ -574,7 +574,7 @@ int cli_cmd_tokenize(int argc, char **argv)
     for (int i = 0; i < n; i++) printf("%d%s", ids[i], i + 1 < n ? " " : "\n");
     free(ids);
     free(owned);
-    km_tok_destroy(tok);
-    km_gguf_close(g);
+    md_tok_destroy(tok);
+    md_gguf_close(g);
     return 0;
 }

@@ -93,7 +93,7 @@ static int up_parse(int argc, char **argv, up_opts *o, km_config **cfg)
     }
     o->has_ns = ns == 1;
     /* a model that is not there would only show as workers restarting forever */
-    const char *model = o->model ? o->model : km_default_model_path();
+    const char *model = o->model ? o->model : md_default_model_path();
     bool own_model = (o->worker_args && strstr(o->worker_args, "--model")) ||
                      (o->worker_args_for && strstr(o->worker_args_for, "--model"));
     if (!own_model && access(model, R_OK)) {

@@ -4,9 +4,9 @@
  *
  * Contract:
  *  - Each kernel exists as a plain scalar reference (kn_ops_get(KN_ISA_SCALAR)) and, where it
- *    pays, as AVX2 and AVX-512 versions. tests/unit/test_kernels.c holds every fast path to the
- *    reference. The best table the CPU supports is picked at run time (kn_ops_best); the build
- *    never assumes the machine it runs on.
+ *    pays, as AVX2 and AVX-512 versions. tests/unit/test_kernels_quant.c and _ops.c hold every
+ *    fast path to the reference. The best table the CPU supports is picked at run time
+ *    (kn_ops_best); the build never assumes the machine it runs on.
  *  - Numerics follow llama.cpp's CPU back end where it matters for agreement: activations are
  *    quantized to the weight type's "dot type" (Q8_0 for Q4_0/Q8_0, Q8_1 for Q4_1, Q8_K for the
  *    K-quants) and dotted with integer arithmetic, exactly as ggml does.
@@ -21,6 +21,7 @@
 #include <stdint.h>
 
 #include "common/km.h"
+#include "model/model.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -76,23 +77,23 @@ typedef struct kn_ops {
     const char *name;
 
     /* Activation (dot-type) quantization of one row: t is Q8_0, Q8_1, Q8_K, F16, BF16 or F32. */
-    void (*quantize_row)(km_type t, const float *x, void *y, int64_t n);
+    void (*quantize_row)(md_type t, const float *x, void *y, int64_t n);
     /* Any weight type to f32 (embedding lookup). */
-    void (*dequantize_row)(km_type t, const void *x, float *y, int64_t n);
+    void (*dequantize_row)(md_type t, const void *x, float *y, int64_t n);
     /* Y[i*y_stride + r] = dot(W row r, X row i) for i in [0,m), r in [r0,r1). X is already in
      * kn_dot_type(wt); strides are in bytes for W and X, in floats for Y. */
-    void (*matmul)(km_type wt, const void *w, size_t w_stride, const void *x, size_t x_stride,
+    void (*matmul)(md_type wt, const void *w, size_t w_stride, const void *x, size_t x_stride,
                    int64_t k, int m, float *y, size_t y_stride, int64_t r0, int64_t r1);
     /* Weight repacking, done once at model load: the rows rearranged into the panel layout this
      * table's matmul streams without transposing anything per call (kernels/cpu/packed.h; the
      * layout differs between tables). pack_size is the bytes `pack` writes, or 0 when this table
      * does not repack the type (the scalar table never does; float types are never repacked):
      * then use matmul on the rows. `out` must be 64-byte aligned. */
-    size_t (*pack_size)(km_type wt, int64_t rows, int64_t k);
-    void (*pack)(km_type wt, const void *w, size_t w_stride, int64_t rows, int64_t k, void *out);
+    size_t (*pack_size)(md_type wt, int64_t rows, int64_t k);
+    void (*pack)(md_type wt, const void *w, size_t w_stride, int64_t rows, int64_t k, void *out);
     /* matmul over a packed matrix of `rows` rows: the same Y, bit for bit, as matmul on the rows
      * it was packed from. r0 must be a multiple of KN_PACK_ALIGN. */
-    void (*matmul_packed)(km_type wt, const void *packed, int64_t rows, const void *x,
+    void (*matmul_packed)(md_type wt, const void *packed, int64_t rows, const void *x,
                           size_t x_stride, int64_t k, int m, float *y, size_t y_stride, int64_t r0,
                           int64_t r1);
 
@@ -141,9 +142,9 @@ const kn_ops *kn_ops_best(void);
 int kn_ops_slowdown(const kn_ops *o);
 
 /* Activation type a weight type is dotted against. */
-km_type kn_dot_type(km_type weight_type);
+md_type kn_dot_type(md_type weight_type);
 /* 1 when matmul supports the weight type. */
-int kn_weight_type_supported(km_type t);
+int kn_weight_type_supported(md_type t);
 
 /* RoPE cache for one position, llama.cpp-exact: theta_i = pos * base^(-2i/n_rot), computed
  * iteratively in float; cs[2i] = cos, cs[2i+1] = sin, for i < n_rot/2. */

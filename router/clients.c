@@ -164,7 +164,7 @@ static void on_client_request(rt_router *r, const km_zmsg *zm, const km_msg_requ
         else {
             memcpy(q->tokens, req->tokens, sizeof *q->tokens * req->n_tokens);
             q->n_prompt = (int)req->n_tokens;
-            int nv = km_tok_n_vocab(r->tok);
+            int nv = md_tok_n_vocab(r->tok);
             for (int i = 0; i < q->n_prompt; i++)
                 if (q->tokens[i] >= nv) {
                     rt_send_error_env(r, env, n_env, req->id, KM_CODE_BAD_REQUEST, 0,

@@ -317,17 +317,17 @@ static char *prompt_text(rt_router *r, const rt_oai_req *oq, bool chat, size_t *
         *len = strlen(oq->prompt);
         return strdup(oq->prompt);
     }
-    km_chat_msg msgs[1024];
+    md_chat_msg msgs[1024];
     for (int i = 0; i < oq->n_msgs && i < 1024; i++)
-        msgs[i] = (km_chat_msg){oq->msgs[i].role, oq->msgs[i].content};
-    km_chat_kind kind = r->chat != KM_CHAT_NONE ? r->chat : KM_CHAT_CHATML;
+        msgs[i] = (md_chat_msg){oq->msgs[i].role, oq->msgs[i].content};
+    md_chat_kind kind = r->chat != MD_CHAT_NONE ? r->chat : MD_CHAT_CHATML;
     const char *defsys = strcasestr(r->model_name, "smollm")
                              ? "You are a helpful AI assistant named SmolLM, trained by "
                                "Hugging Face"
                              : NULL;
-    int need = km_chat_apply(kind, msgs, oq->n_msgs, 1, defsys, NULL, 0);
+    int need = md_chat_apply(kind, msgs, oq->n_msgs, 1, defsys, NULL, 0);
     char *txt = need >= 0 ? malloc((size_t)need + 1) : NULL;
-    if (txt) km_chat_apply(kind, msgs, oq->n_msgs, 1, defsys, txt, (size_t)need + 1);
+    if (txt) md_chat_apply(kind, msgs, oq->n_msgs, 1, defsys, txt, (size_t)need + 1);
     *len = need >= 0 ? (size_t)need : 0;
     return txt;
 }

@@ -23,6 +23,7 @@
 #include <uv.h>
 
 #include "common/http.h"
+#include "model/model.h"
 #include "router/openai.h"
 #include "router/route.h"
 
@@ -81,7 +82,7 @@ struct rt_rq {
     bool replay;        /* this attempt regenerates the first n_gen tokens, checked, not sent */
     int att_next;       /* next `index` expected from the current attempt */
     int migrations;
-    km_detok dt;
+    md_detok dt;
     km_buf text; /* whole completion (non-streaming clients, HTTP) */
     double predicted;
     uint32_t first_cached;
@@ -156,9 +157,9 @@ struct rt_router {
     rt_config c;
     char model_name[KM_PROTO_MAX_NAME + 1];
     char fp[65];
-    km_model_info *model; /* tokenizer, chat format, name, fingerprint: no weights */
-    const km_tokenizer *tok;
-    km_chat_kind chat;
+    md_model_info *model; /* tokenizer, chat format, name, fingerprint: no weights */
+    const md_tokenizer *tok;
+    md_chat_kind chat;
     km_proto_limits lim;
     uv_loop_t loop;
     uv_async_t stop_async;

@@ -38,14 +38,14 @@ struct rt_tokjob {
 };
 
 /* Tokens of text into a buffer with room for the completion too (q->cap). */
-static int encode(const km_tokenizer *tok, const char *text, size_t len, int add_special,
+static int encode(const md_tokenizer *tok, const char *text, size_t len, int add_special,
                   int32_t **out, int *cap)
 {
     if (len > (size_t)(INT32_MAX / 2)) return KM_ERANGE;
     *cap = (int)len + 72; /* ids <= bytes + specials, and 64 tokens of completion to start */
     *out = malloc(sizeof **out * (size_t)*cap);
     if (!*out) return KM_ENOMEM;
-    int n = km_tok_encode(tok, text, len, add_special, 1, *out, *cap);
+    int n = md_tok_encode(tok, text, len, add_special, 1, *out, *cap);
     if (n > *cap) n = KM_EINVAL; /* not expected: a token never covers less than a byte */
     return n;
 }

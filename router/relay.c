@@ -64,10 +64,10 @@ static void migrate_as(rt_router *r, rt_rq *q, const char *why, bool allow_repla
     if (q->n_gen > 0 && !q->replay && !q->router_detok) {
         /* From here on the text is detokenized by the router: prime its detokenizer with the
          * tokens already delivered (their text went out; only the held-back bytes matter). */
-        km_detok_init(&q->dt);
+        md_detok_init(&q->dt);
         char tmp[512];
         for (int i = 0; i < q->n_gen; i++)
-            km_detok_push(r->tok, &q->dt, q->tokens[q->n_prompt + i], tmp, sizeof tmp);
+            md_detok_push(r->tok, &q->dt, q->tokens[q->n_prompt + i], tmp, sizeof tmp);
         q->router_detok = true;
     }
     q->migrations++;
@@ -145,7 +145,7 @@ void rt_relay_token(rt_router *r, rt_wk *w, const km_msg_token *t)
     if (q->waiters) rt_rq_release_waiters(r, q);
     if (q->router_detok) {
         char piece[KM_PROTO_MAX_PIECE + 64];
-        int n = km_detok_push(r->tok, &q->dt, t->token, piece, sizeof piece);
+        int n = md_detok_push(r->tok, &q->dt, t->token, piece, sizeof piece);
         rt_rq_deliver(r, q, t->token, piece, n > 0 ? (size_t)n : 0);
     } else {
         rt_rq_deliver(r, q, t->token, t->text ? t->text : "", t->text ? t->text_len : 0);

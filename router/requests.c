@@ -295,7 +295,7 @@ void rt_rq_finish(rt_router *r, rt_rq *q, km_finish finish, uint32_t cached, con
     double queue_ms = q->t_sent ? (q->t_sent - q->t_arrive) / 1e6 + q->worker_queue_ms : total_ms;
     if (q->router_detok) {
         char tail[16];
-        int n = km_detok_flush(&q->dt, tail, sizeof tail);
+        int n = md_detok_flush(&q->dt, tail, sizeof tail);
         if (n > 0) {
             /* the held-back bytes of the last token (streams: done.text, or one more chunk) */
             km_buf_append(&q->text, tail, (size_t)n);

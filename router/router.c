@@ -179,13 +179,13 @@ void rt_config_default(rt_config *c)
 static int open_state(rt_router *r, const rt_config *c, km_errbuf *err)
 {
     int rc;
-    const char *path = c->model_path ? c->model_path : km_default_model_path();
-    if ((rc = km_model_info_open(path, &r->model, err))) return rc;
-    r->tok = km_model_info_tokenizer(r->model);
-    r->chat = km_model_info_chat(r->model);
-    snprintf(r->model_name, sizeof r->model_name, "%s", km_model_info_name(r->model));
+    const char *path = c->model_path ? c->model_path : md_default_model_path();
+    if ((rc = md_model_info_open(path, &r->model, err))) return rc;
+    r->tok = md_model_info_tokenizer(r->model);
+    r->chat = md_model_info_chat(r->model);
+    snprintf(r->model_name, sizeof r->model_name, "%s", md_model_info_name(r->model));
     snprintf(r->fp, sizeof r->fp, "%s",
-             c->fingerprint ? c->fingerprint : km_model_info_fingerprint(r->model));
+             c->fingerprint ? c->fingerprint : md_model_info_fingerprint(r->model));
     if ((rc = rt_index_create(c->index_pages ? c->index_pages : (1u << 18),
                               c->pending_ttl_ms ? c->pending_ttl_ms : 30000, &r->index)))
         return km_errf(err, rc, "router: prefix index of %zu pages", c->index_pages);
@@ -365,7 +365,7 @@ void rt_router_destroy(rt_router *r)
     km_buf_free(&r->out);
     km_zmsg_clear(&r->zm);
     free(r->w);
-    km_model_info_close(r->model);
+    md_model_info_close(r->model);
     km_apikeys_close(r->apikeys);
     free(r);
 }

@@ -203,9 +203,9 @@ int main(int argc, char **argv)
         km_config_destroy(cfg);
         return 2;
     }
-    int spec_mode = !strcmp(a->speculate, "auto")   ? WK_SPEC_AUTO
-                    : !strcmp(a->speculate, "off")  ? WK_SPEC_OFF
-                    : !strcmp(a->speculate, "self") ? WK_SPEC_SELF
+    int spec_mode = !strcmp(a->speculate, "auto")   ? EN_SPEC_AUTO
+                    : !strcmp(a->speculate, "off")  ? EN_SPEC_OFF
+                    : !strcmp(a->speculate, "self") ? EN_SPEC_SELF
                                                     : 0;
     if (!spec_mode || !(a->spec_factor > 0) || a->spec_index_bytes < 4096) {
         fprintf(stderr, "kvmesh-worker: --speculate is auto, off or self, --spec-factor > 0, "
@@ -215,8 +215,8 @@ int main(int argc, char **argv)
     }
 
     int status = 1;
-    wk_model *m = NULL;
-    wk_engine *e = NULL, *draft = NULL;
+    en_model *m = NULL;
+    en_engine *e = NULL, *draft = NULL;
     km_zsec *sec = NULL;
     char default_id[32];
     snprintf(default_id, sizeof default_id, "worker-%d", (int)getpid());
@@ -234,12 +234,12 @@ int main(int argc, char **argv)
         km_config_destroy(cfg);
         return 2;
     }
-    const char *path = a->model ? a->model : wk_default_model_path();
-    if (wk_model_load(path, &m, &err)) {
+    const char *path = a->model ? a->model : en_default_model_path();
+    if (en_model_load(path, &m, &err)) {
         KM_ERROR("model_load", "path=%s msg=\"%s\"", path, err.msg);
         goto out;
     }
-    wk_engine_opts eo = {.n_threads = (int)a->threads,
+    en_engine_opts eo = {.n_threads = (int)a->threads,
                          .max_batch_tokens = (int)a->max_batch,
                          .kv_bytes = (size_t)a->kv_bytes,
                          .kv_format = fmt,
@@ -253,23 +253,23 @@ int main(int argc, char **argv)
                          .kv_tok_groups = (int)a->kv_tok_groups,
                          .kv_expert_groups = (int)a->kv_expert_groups,
                          .kv_arena = a->peer_listen && a->peer_listen[0]};
-    int erc = wk_engine_create(m, &eo, &e, &err);
+    int erc = en_engine_create(m, &eo, &e, &err);
     explicit_bzero(secret, sizeof secret); /* the store derived its page key at create */
     if (erc) {
         KM_ERROR("engine_create", "msg=\"%s\"", err.msg);
         goto out;
     }
-    if (spec_mode == WK_SPEC_SELF) { /* the draft engine: the same model over int4 KV copies */
-        const wk_hparams *hp = wk_model_hparams(m);
+    if (spec_mode == EN_SPEC_SELF) { /* the draft engine: the same model over int4 KV copies */
+        const en_hparams *hp = en_model_hparams(m);
         const size_t f16_token = (size_t)hp->n_layers * hp->n_head_kv * hp->head_dim * 2 * 2;
-        wk_engine_opts dopt = {
-            .n_threads = wk_engine_threads(e),
+        en_engine_opts dopt = {
+            .n_threads = en_engine_threads(e),
             .max_batch_tokens = (int)a->max_running,
             .kv_format = KN_KV_INT4,
             .page_tokens = (int)a->page_tokens,
             /* int4 pages take under a third of f16's bytes; the page being filled is f16 */
             .kv_bytes = (size_t)a->self_seqs * f16_token * ((size_t)a->max_ctx / 3 + 64)};
-        if (wk_engine_create(m, &dopt, &draft, &err)) {
+        if (en_engine_create(m, &dopt, &draft, &err)) {
             KM_ERROR("engine_create", "what=self-speculation msg=\"%s\"", err.msg);
             goto out;
         }
@@ -319,8 +319,8 @@ int main(int argc, char **argv)
     }
     KM_INFO("worker_start",
             "model=%s threads=%d isa=%s kv_format=%s kv_pages=%d speculate=%s chaos=%d", path,
-            wk_engine_threads(e), wk_engine_isa(e), kv_format_name(fmt),
-            kv_store_pages_total(wk_engine_kv(e)), a->speculate, (int)a->chaos);
+            en_engine_threads(e), en_engine_isa(e), kv_format_name(fmt),
+            kv_store_pages_total(en_engine_kv(e)), a->speculate, (int)a->chaos);
     km_daemon_signals(wk_on_signal);
     status = wk_service_run(g_svc);
     KM_INFO("worker_exit", "status=%d", status);
@@ -331,9 +331,9 @@ out:
         g_svc = NULL;
         wk_service_destroy(s);
     }
-    wk_engine_destroy(draft);
-    wk_engine_destroy(e);
-    wk_model_free(m);
+    en_engine_destroy(draft);
+    en_engine_destroy(e);
+    en_model_free(m);
     km_zsec_close(sec);
     km_config_destroy(cfg);
     return status;

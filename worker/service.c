@@ -113,7 +113,7 @@ static void wk_handle_message(wk_service *s, void *sock, const km_zmsg *zm)
     case KM_MSG_CANCEL: {
         wk_sreq *r = wk_svc_live_find(s, env, n_env, m.cancel.id);
         if (r)
-            wk_sched_cancel(s->sched, r->rid);
+            en_sched_cancel(s->sched, r->rid);
         else
             wk_peer_cancel(s, env, n_env, m.cancel.id); /* held for a pull */
         break;
@@ -177,7 +177,7 @@ static int wk_write_ports(wk_service *s, km_errbuf *err)
     return 0;
 }
 
-int wk_service_create(wk_model *m, wk_engine *e, const wk_service_opts *o, wk_service **out,
+int wk_service_create(en_model *m, en_engine *e, const wk_service_opts *o, wk_service **out,
                       km_errbuf *err)
 {
     *out = NULL;
@@ -185,8 +185,8 @@ int wk_service_create(wk_model *m, wk_engine *e, const wk_service_opts *o, wk_se
     if (!s) return km_errf(err, KM_ENOMEM, "service: out of memory");
     s->m = m;
     s->e = e;
-    s->kv = wk_engine_kv(e);
-    s->tok = wk_model_tokenizer(m);
+    s->kv = en_engine_kv(e);
+    s->tok = en_model_tokenizer(m);
     s->o = *o;
     if (s->o.heartbeat_ms <= 0) s->o.heartbeat_ms = 1000;
     if (s->o.drain_timeout_ms <= 0) s->o.drain_timeout_ms = 30000;
@@ -203,27 +203,27 @@ int wk_service_create(wk_model *m, wk_engine *e, const wk_service_opts *o, wk_se
         snprintf(s->worker_id, sizeof s->worker_id, "%s", o->worker_id);
     else
         snprintf(s->worker_id, sizeof s->worker_id, "worker-%d", (int)getpid());
-    snprintf(s->model_name, sizeof s->model_name, "%s", wk_model_name(m));
-    snprintf(s->model_base, sizeof s->model_base, "%s", wk_model_name(m));
+    snprintf(s->model_name, sizeof s->model_name, "%s", en_model_name(m));
+    snprintf(s->model_base, sizeof s->model_base, "%s", en_model_name(m));
     char *dot = strrchr(s->model_base, '.');
     if (dot) *dot = 0;
-    wk_model_fingerprint_hex(m, s->fp);
+    en_model_fingerprint_hex(m, s->fp);
     km_proto_limits_default(&s->lim);
     if (o->max_frame > 0) s->lim.max_frame = (size_t)o->max_frame;
     int rc = wk_svc_metrics_init(s, err);
     if (rc) goto fail;
-    wk_sched_cb cb;
+    en_sched_cb cb;
     wk_svc_callbacks(s, &cb);
     /* the engine behind the scheduler: its steps on the step thread (service_step.c) */
-    const wk_sched_engine eng = {.kv = s->kv,
-                                 .hp = wk_model_hparams(m),
+    const en_sched_engine eng = {.kv = s->kv,
+                                 .hp = en_model_hparams(m),
                                  .fingerprint = s->fp,
                                  .step = wk_svc_engine_step,
                                  .is_eog = wk_svc_is_eog,
                                  .ctx = s,
-                                 .draft_kv = o->draft ? wk_engine_kv(o->draft) : NULL,
+                                 .draft_kv = o->draft ? en_engine_kv(o->draft) : NULL,
                                  .draft_step = o->draft ? wk_svc_draft_step : NULL};
-    if ((rc = wk_sched_create_on(&eng, &s->o.sched, &cb, &s->sched, err))) goto fail;
+    if ((rc = en_sched_create_on(&eng, &s->o.sched, &cb, &s->sched, err))) goto fail;
     if ((rc = wk_svc_stepper_start(s, err))) goto fail;
     s->zctx = km_zctx_create();
     if (!s->zctx) {
@@ -288,7 +288,7 @@ void wk_service_destroy(wk_service *s)
     wk_svc_pulse_stop(s);
     km_admin_stop(s->admin);
     if (s->ballast) kv_seq_destroy(s->kv, s->ballast);
-    if (s->sched) wk_sched_destroy(s->sched);
+    if (s->sched) en_sched_destroy(s->sched);
     for (int i = 0; i < s->n_live; i++) wk_svc_sreq_free(s->live[i]);
     free(s->live);
     wk_peer_destroy(s);
@@ -337,9 +337,9 @@ static void wk_end_drain(wk_service *s);
 static void wk_finish_drain(wk_service *s)
 {
     wk_peer_admit_all(s); /* held for a pull: handed back below like every other request */
-    int left = wk_sched_pending(s->sched);
+    int left = en_sched_pending(s->sched);
     if (left)
-        wk_sched_abort_all(s->sched, KM_CODE_UNAVAILABLE,
+        en_sched_abort_all(s->sched, KM_CODE_UNAVAILABLE,
                            "worker drained: request handed back for migration");
     s->handed_back = left;
     int pushed = wk_peer_handoff(s);
@@ -404,14 +404,14 @@ int wk_service_run(wk_service *s)
             handled_signals = sig;
             if (sig >= 2 || wk_svc_state(s) != KM_STATE_READY) {
                 KM_INFO("signal_stop", "worker=%s", s->worker_id);
-                wk_sched_abort_all(s->sched, KM_CODE_UNAVAILABLE, "worker stopping");
+                en_sched_abort_all(s->sched, KM_CODE_UNAVAILABLE, "worker stopping");
                 s->exit_code = WK_EXIT_RESTART;
                 break;
             }
             wk_svc_start_drain(s, 0, "signal");
         }
         uint64_t now = km_now_ns();
-        int pending = wk_sched_pending(s->sched);
+        int pending = en_sched_pending(s->sched);
         int timeout = 0;
         if (!pending) {
             int64_t to_gauge = (int64_t)(s->next_gauge_ns - now) / 1000000;
@@ -440,9 +440,9 @@ int wk_service_run(wk_service *s)
         }
         if (s->stop_now) break;
         wk_peer_poll(s);
-        if (wk_sched_pending(s->sched)) {
+        if (en_sched_pending(s->sched)) {
             uint64_t t0 = km_now_ns();
-            rc = wk_sched_step(s->sched);
+            rc = en_sched_step(s->sched);
             if (rc > 0) {
                 km_counter_inc(s->s_steps);
                 km_hist_observe(s->s_step_time, (km_now_ns() - t0) / 1e9);
@@ -455,7 +455,7 @@ int wk_service_run(wk_service *s)
         if (frames) km_counter_add(s->s_events, (uint64_t)frames);
         now = km_now_ns();
         if (wk_svc_state(s) == KM_STATE_DRAINING &&
-            (!(wk_sched_pending(s->sched) + wk_peer_held(s)) || now >= s->drain_deadline_ns))
+            (!(en_sched_pending(s->sched) + wk_peer_held(s)) || now >= s->drain_deadline_ns))
             wk_finish_drain(s);
         else if (s->linger_until_ns && now - s->linger_start_ns >= wk_ms_ns(WK_LINGER_AGAIN_MS) &&
                  wk_peer_handoff_again(s) > 0)
@@ -471,8 +471,8 @@ int wk_service_run(wk_service *s)
         }
     }
     wk_peer_admit_all(s);
-    if (wk_sched_pending(s->sched))
-        wk_sched_abort_all(s->sched, KM_CODE_UNAVAILABLE, "worker stopping");
+    if (en_sched_pending(s->sched))
+        en_sched_abort_all(s->sched, KM_CODE_UNAVAILABLE, "worker stopping");
     wk_svc_set_state(s, KM_STATE_STOPPING);
     wk_events_pump(s->ev);
     wk_svc_update_gauges(s);

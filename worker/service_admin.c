@@ -61,7 +61,7 @@ void wk_svc_start_drain(wk_service *s, int64_t timeout_ms, const char *why)
     wk_svc_ballast_release(s); /* in-flight requests get its pages; the next process starts clean */
     km_counter_inc(s->s_rec_drain);
     KM_INFO("drain_start", "worker=%s reason=%s timeout_ms=%lld inflight=%d", s->worker_id, why,
-            (long long)timeout_ms, wk_sched_pending(s->sched));
+            (long long)timeout_ms, en_sched_pending(s->sched));
 }
 
 /* ---------------------------------------------------------------- chaos: ballast */
@@ -227,7 +227,7 @@ static void admin_drain(admin_ctx *c)
     }
     char d[96];
     snprintf(d, sizeof d, "timeout_ms=%u inflight=%d", c->a->timeout_ms,
-             wk_sched_pending(s->sched));
+             en_sched_pending(s->sched));
     wk_recovery_log(s, 3, "drain", true, d);
     wk_svc_start_drain(s, c->a->timeout_ms, "admin");
 }
@@ -257,8 +257,8 @@ static void admin_pressure(admin_ctx *c)
 
 void wk_svc_quick_take(wk_service *s, wk_quick *q)
 {
-    wk_sched_stats st;
-    wk_sched_stats_get(s->sched, &st);
+    en_sched_stats st;
+    en_sched_stats_get(s->sched, &st);
     q->format = wk_svc_kv_format(s);
     q->running = (uint32_t)st.running;
     q->queued = (uint32_t)st.queued;

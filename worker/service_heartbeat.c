@@ -176,7 +176,7 @@ int wk_svc_metrics_init(wk_service *s, km_errbuf *err)
     return 0;
 }
 
-void wk_svc_observe_end(wk_service *s, const wk_sched_usage *u)
+void wk_svc_observe_end(wk_service *s, const en_sched_usage *u)
 {
     km_counter_add(s->s_tok_prompt, (uint64_t)u->prompt_tokens);
     km_counter_add(s->s_tok_cached, (uint64_t)u->cached_tokens);
@@ -261,8 +261,8 @@ void wk_svc_update_gauges(wk_service *s)
     if (ks.unauthenticated_pages > s->last_unauth)
         km_counter_add(s->s_unauth, ks.unauthenticated_pages - s->last_unauth);
     s->last_unauth = ks.unauthenticated_pages;
-    wk_sched_stats ss;
-    wk_sched_stats_get(s->sched, &ss);
+    en_sched_stats ss;
+    en_sched_stats_get(s->sched, &ss);
     km_gauge_set(s->s_running, ss.running);
     km_gauge_set(s->s_ballast, (double)wk_svc_ballast_bytes(s));
     km_gauge_set(s->s_queued, ss.queued);
@@ -338,8 +338,8 @@ void wk_svc_snapshot(wk_service *s)
                                            .pinned_bytes = st.tier[t].pinned_bytes};
         }
     }
-    wk_sched_stats ss;
-    wk_sched_stats_get(s->sched, &ss);
+    en_sched_stats ss;
+    en_sched_stats_get(s->sched, &ss);
     n.page_tokens = (uint32_t)kv_store_page_tokens(s->kv);
     n.queue_depth = (uint32_t)ss.queued;
     n.running = (uint32_t)ss.running;

@@ -18,12 +18,12 @@
  * Everything here runs on the service's loop thread, except the pulse (service_heartbeat.c: the
  * heartbeat thread, which owns the controller socket and reads the snapshot under hb_mu), the
  * admin HTTP thread (the metrics registry and the atomic state only) and the step thread
- * (service_step.c: wk_engine_step alone, while the loop touches neither scheduler nor store).
+ * (service_step.c: en_engine_step alone, while the loop touches neither scheduler nor store).
  */
 #ifndef WK_SERVICE_INTERNAL_H
 #define WK_SERVICE_INTERNAL_H
 
-#include "worker/scheduler.h"
+#include "worker/worker.h"
 
 #include <pthread.h>
 #include <signal.h>
@@ -47,7 +47,7 @@ typedef struct wk_sreq {
     size_t env_len[WK_ENV_MAX];
     int n_env;
     bool stream;
-    km_detok dt;
+    md_detok dt;
     km_buf text;  /* completion text: kept for non-streaming requests and stop strings */
     size_t sent;  /* bytes of text already streamed (stop strings: the rest may begin one) */
     bool stopped; /* a stop string ended it: nothing after the match belongs to the text */
@@ -108,11 +108,11 @@ typedef struct wk_quick {
 } wk_quick;
 
 struct wk_service {
-    wk_model *m;
-    wk_engine *e;
+    en_model *m;
+    en_engine *e;
     kv_store *kv;
-    const km_tokenizer *tok;
-    wk_sched *sched;
+    const md_tokenizer *tok;
+    en_sched *sched;
     wk_events *ev;
     wk_peer *peer; /* NULL: no transfer node (--peer-listen unset) */
     wk_service_opts o;
@@ -192,8 +192,8 @@ struct wk_service {
     pthread_cond_t step_cv;
     int step_fd;            /* eventfd: the step is over */
     int step_job;           /* under step_mu: 1 posted, 2 done, -1 stop */
-    const wk_batch *step_b; /* the posted step */
-    wk_engine *step_e;      /* and its engine: e, or o.draft */
+    const en_batch *step_b; /* the posted step */
+    en_engine *step_e;      /* and its engine: e, or o.draft */
     const float *step_logits;
     int step_rc;
     wk_quick quick; /* what `status` answers while a step runs */
@@ -236,7 +236,7 @@ void wk_svc_admit(wk_service *s, const km_zframe *env, int n_env, const km_msg_r
 wk_sreq *wk_svc_live_find(wk_service *s, const km_zframe *env, int n_env, uint64_t id);
 void wk_svc_sreq_free(wk_sreq *r);
 /* The scheduler's callbacks (tokens, ends) that stream requests back to their senders. */
-void wk_svc_callbacks(wk_service *s, wk_sched_cb *out);
+void wk_svc_callbacks(wk_service *s, en_sched_cb *out);
 
 /* ---------------------------------------------------------------- service_admin.c */
 
@@ -270,7 +270,7 @@ int wk_svc_pulse_start(wk_service *s, km_errbuf *err);
 /* Stops it after a last snapshot and a last heartbeat (the state it reports then). */
 void wk_svc_pulse_stop(wk_service *s);
 /* A request ended (done or error): its latencies into the metrics and the heartbeat's rings. */
-void wk_svc_observe_end(wk_service *s, const wk_sched_usage *u);
+void wk_svc_observe_end(wk_service *s, const en_sched_usage *u);
 
 /* ---------------------------------------------------------------- service_step.c
  *
@@ -282,10 +282,10 @@ void wk_svc_observe_end(wk_service *s, const wk_sched_usage *u);
 
 int wk_svc_stepper_start(wk_service *s, km_errbuf *err);
 void wk_svc_stepper_stop(wk_service *s);
-/* The scheduler's engine (wk_sched_engine.step / is_eog): the step on the step thread. */
-int wk_svc_engine_step(void *ctx, const wk_batch *b, const float **logits);
+/* The scheduler's engine (en_sched_engine.step / is_eog): the step on the step thread. */
+int wk_svc_engine_step(void *ctx, const en_batch *b, const float **logits);
 /* The same for the draft engine (o.draft; self-speculation). */
-int wk_svc_draft_step(void *ctx, const wk_batch *b, const float **logits);
+int wk_svc_draft_step(void *ctx, const en_batch *b, const float **logits);
 int wk_svc_is_eog(void *ctx, int32_t token);
 
 /* ---------------------------------------------------------------- service_peer.c

@@ -599,7 +599,7 @@ int wk_peer_cancel(wk_service *s, const km_zframe *env, int n_env, uint64_t id)
         if (!same) continue;
         wk_peer_release(s, i);
         wk_sreq *r = wk_svc_live_find(s, env, n_env, id);
-        if (r) wk_sched_cancel(s->sched, r->rid);
+        if (r) en_sched_cancel(s->sched, r->rid);
         return 1;
     }
     return 0;

@@ -161,7 +161,7 @@ static int wk_on_token(void *ctx, void *user, int index, int32_t token)
     r->last_ns = now;
     km_counter_inc(s->s_tok_gen);
     char piece[KM_PROTO_MAX_PIECE];
-    int w = km_detok_push(s->tok, &r->dt, token, piece, sizeof piece);
+    int w = md_detok_push(s->tok, &r->dt, token, piece, sizeof piece);
     if (w < 0) w = 0;
     int stop = 0;
     const char *out = piece;
@@ -196,7 +196,7 @@ static int wk_on_token(void *ctx, void *user, int index, int32_t token)
     return stop;
 }
 
-static void wk_on_done(void *ctx, void *user, km_finish finish, const wk_sched_usage *u)
+static void wk_on_done(void *ctx, void *user, km_finish finish, const en_sched_usage *u)
 {
     wk_service *s = ctx;
     wk_sreq *r = user;
@@ -206,7 +206,7 @@ static void wk_on_done(void *ctx, void *user, km_finish finish, const wk_sched_u
     m.done.finish = finish;
     /* The bytes of an incomplete last character, unless a stop string ended the text first. */
     char tail[16];
-    int w = km_detok_flush(&r->dt, tail, sizeof tail);
+    int w = md_detok_flush(&r->dt, tail, sizeof tail);
     if (w > 0 && !r->stopped) km_buf_append(&r->text, tail, (size_t)w);
     if (!r->stream) {
         m.done.text = r->text.data ? (const char *)r->text.data : "";
@@ -240,7 +240,7 @@ static void wk_on_done(void *ctx, void *user, km_finish finish, const wk_sched_u
 }
 
 static void wk_on_error(void *ctx, void *user, int code, const char *message,
-                        const wk_sched_usage *u)
+                        const en_sched_usage *u)
 {
     wk_service *s = ctx;
     wk_sreq *r = user;
@@ -255,9 +255,9 @@ static void wk_on_error(void *ctx, void *user, int code, const char *message,
     wk_svc_sreq_free(r);
 }
 
-void wk_svc_callbacks(wk_service *s, wk_sched_cb *out)
+void wk_svc_callbacks(wk_service *s, en_sched_cb *out)
 {
-    *out = (wk_sched_cb){
+    *out = (en_sched_cb){
         .on_token = wk_on_token, .on_done = wk_on_done, .on_error = wk_on_error, .ctx = s};
 }
 
@@ -279,7 +279,7 @@ static int prompt_tokens(wk_service *s, const km_zframe *env, int n_env, const k
     *n_tok = (int)q->n_tokens;
     if (!q->prompt) return 0;
     size_t len = q->prompt_len ? q->prompt_len : strlen(q->prompt);
-    int need = km_tok_encode(s->tok, q->prompt, len, 1, 1, s->tokbuf, s->tokcap);
+    int need = md_tok_encode(s->tok, q->prompt, len, 1, 1, s->tokbuf, s->tokcap);
     if (need > s->tokcap) {
         int32_t *nb = realloc(s->tokbuf, sizeof *nb * need);
         if (!nb) {
@@ -289,7 +289,7 @@ static int prompt_tokens(wk_service *s, const km_zframe *env, int n_env, const k
         }
         s->tokbuf = nb;
         s->tokcap = need;
-        need = km_tok_encode(s->tok, q->prompt, len, 1, 1, s->tokbuf, s->tokcap);
+        need = md_tok_encode(s->tok, q->prompt, len, 1, 1, s->tokbuf, s->tokcap);
     }
     if (need < 1) {
         wk_svc_count_bad(s, WK_BAD_FIELD);
@@ -313,7 +313,7 @@ static wk_sreq *sreq_new(wk_service *s, const km_zframe *env, int n_env, const k
     r->stream = q->stream;
     r->arrival_ns = r->last_ns = now;
     r->live_idx = -1;
-    km_detok_init(&r->dt);
+    md_detok_init(&r->dt);
     size_t off = 0;
     for (int i = 0; i < n_env; i++) {
         memcpy(r->env + off, env[i].data, env[i].len);
@@ -381,7 +381,7 @@ void wk_svc_admit(wk_service *s, const km_zframe *env, int n_env, const km_msg_r
         wk_svc_send_error(s, s->router, env, n_env, q->id, KM_CODE_INTERNAL, 0, "out of memory");
         return;
     }
-    wk_sched_req sq = {
+    en_sched_req sq = {
         .tokens = toks,
         .n_tokens = n_tok,
         .max_tokens = (int)q->max_tokens,
@@ -390,15 +390,15 @@ void wk_svc_admit(wk_service *s, const km_zframe *env, int n_env, const km_msg_r
         .arrival_ns = now,
         .cache_salt = q->cache_salt,
         .cache_salt_len = q->cache_salt ? strlen(q->cache_salt) : 0,
-        .speculate = q->speculate == KM_SPECULATE_OFF    ? WK_SPEC_OFF
-                     : q->speculate == KM_SPECULATE_AUTO ? WK_SPEC_AUTO
-                     : q->speculate == KM_SPECULATE_SELF ? WK_SPEC_SELF
-                                                         : WK_SPEC_DEFAULT,
+        .speculate = q->speculate == KM_SPECULATE_OFF    ? EN_SPEC_OFF
+                     : q->speculate == KM_SPECULATE_AUTO ? EN_SPEC_AUTO
+                     : q->speculate == KM_SPECULATE_SELF ? EN_SPEC_SELF
+                                                         : EN_SPEC_DEFAULT,
         .max_draft = (int)q->max_draft_tokens,
         .n_generated = (int)q->generated,
         .user = r,
     };
-    wk_sample_params_default(&sq.sample);
+    en_sample_params_default(&sq.sample);
     sq.sample.temperature = q->temperature;
     sq.sample.top_k = q->top_k;
     sq.sample.top_p = q->top_p;
@@ -408,7 +408,7 @@ void wk_svc_admit(wk_service *s, const km_zframe *env, int n_env, const km_msg_r
     sq.sample.presence_penalty = q->presence_penalty;
     sq.sample.frequency_penalty = q->frequency_penalty;
     sq.sample.seed = q->has_seed ? q->seed : (now ^ (q->id * 0x9e3779b97f4a7c15ull));
-    int rc = wk_sched_submit(s->sched, &sq, &r->rid);
+    int rc = en_sched_submit(s->sched, &sq, &r->rid);
     if (rc) {
         int code = km_proto_code_from_err(rc);
         const char *msg = rc == KM_EOVERLOAD ? "queue full"
@@ -425,7 +425,7 @@ void wk_svc_admit(wk_service *s, const km_zframe *env, int n_env, const km_msg_r
         int cap = s->cap_live ? s->cap_live * 2 : 256;
         wk_sreq **nl = realloc(s->live, sizeof *nl * cap);
         if (!nl) {
-            wk_sched_cancel(s->sched, r->rid); /* ends through the callbacks */
+            en_sched_cancel(s->sched, r->rid); /* ends through the callbacks */
             return;
         }
         s->live = nl;

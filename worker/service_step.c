@@ -3,8 +3,8 @@
  * progress (issue 12): a prefill step near the end of a long context takes seconds on one loaded
  * thread, and an admin `status` that waited for it made a busy worker look hung to whoever asked.
  *
- * The scheduler runs over the service's wk_sched_engine: its step (wk_svc_engine_step) posts the
- * batch to the step thread, which runs wk_engine_step (the engine's thread pool included), and
+ * The scheduler runs over the service's en_sched_engine: its step (wk_svc_engine_step) posts the
+ * batch to the step thread, which runs en_engine_step (the engine's thread pool included), and
  * meanwhile the loop keeps reading the ROUTER:
  *  - an authorized `status` without an event replay is answered at once, from the figures taken
  *    just before the step (wk_quick: state, KV format, running, queued, KV pages and bytes) and
@@ -21,7 +21,7 @@
  * The step thread touches only the engine and the batch's KV; the loop, during the step, only
  * its sockets, the metrics and `quick`. So the scheduler, the store, the live requests and every
  * socket stay the loop's alone, and the step's results (tokens, ends) still leave from the loop
- * when wk_sched_step returns. An eventfd wakes the loop's poll the moment the step is over: the
+ * when en_sched_step returns. An eventfd wakes the loop's poll the moment the step is over: the
  * hand-off costs two thread wake-ups per step (tens of microseconds against milliseconds).
  * Controller commands (ctl_loop) are not read during a step: the controller does not wait for
  * their answers (it gives each --action-timeout), and its answer must leave after the heartbeat
@@ -42,11 +42,11 @@ static void *wk_step_main(void *arg)
     for (;;) {
         while (s->step_job != 1 && s->step_job != -1) pthread_cond_wait(&s->step_cv, &s->step_mu);
         if (s->step_job == -1) break;
-        const wk_batch *b = s->step_b;
-        wk_engine *e = s->step_e;
+        const en_batch *b = s->step_b;
+        en_engine *e = s->step_e;
         pthread_mutex_unlock(&s->step_mu);
         const float *logits = NULL;
-        int rc = wk_engine_step(e, b, &logits);
+        int rc = en_engine_step(e, b, &logits);
         pthread_mutex_lock(&s->step_mu);
         s->step_rc = rc;
         s->step_logits = logits;
@@ -122,9 +122,9 @@ static bool wk_step_read(wk_service *s)
 }
 
 /* One step of engine e on the step thread, the loop reading meanwhile. */
-static int wk_svc_step_on(wk_service *s, wk_engine *e, const wk_batch *b, const float **logits)
+static int wk_svc_step_on(wk_service *s, en_engine *e, const en_batch *b, const float **logits)
 {
-    if (!s->step_started || !s->router) return wk_engine_step(e, b, logits);
+    if (!s->step_started || !s->router) return en_engine_step(e, b, logits);
     wk_svc_quick_take(s, &s->quick);
     pthread_mutex_lock(&s->step_mu);
     s->step_b = b;
@@ -156,13 +156,13 @@ static int wk_svc_step_on(wk_service *s, wk_engine *e, const wk_batch *b, const 
     return rc;
 }
 
-int wk_svc_engine_step(void *ctx, const wk_batch *b, const float **logits)
+int wk_svc_engine_step(void *ctx, const en_batch *b, const float **logits)
 {
     wk_service *s = ctx;
     return wk_svc_step_on(s, s->e, b, logits);
 }
 
-int wk_svc_draft_step(void *ctx, const wk_batch *b, const float **logits)
+int wk_svc_draft_step(void *ctx, const en_batch *b, const float **logits)
 {
     wk_service *s = ctx;
     return wk_svc_step_on(s, s->o.draft, b, logits);
@@ -170,5 +170,5 @@ int wk_svc_draft_step(void *ctx, const wk_batch *b, const float **logits)
 
 int wk_svc_is_eog(void *ctx, int32_t token)
 {
-    return km_tok_is_eog(((wk_service *)ctx)->tok, token);
+    return md_tok_is_eog(((wk_service *)ctx)->tok, token);
 }

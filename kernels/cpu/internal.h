@@ -48,15 +48,15 @@ typedef struct {
 } kn_block_q8_K;
 
 #define KN_DECLARE_ISA(sfx)                                                                        \
-    void kn_quantize_row_##sfx(km_type t, const float *x, void *y, int64_t n);                     \
-    void kn_dequantize_row_##sfx(km_type t, const void *x, float *y, int64_t n);                   \
-    void kn_matmul_##sfx(km_type wt, const void *w, size_t w_stride, const void *x,                \
+    void kn_quantize_row_##sfx(md_type t, const float *x, void *y, int64_t n);                     \
+    void kn_dequantize_row_##sfx(md_type t, const void *x, float *y, int64_t n);                   \
+    void kn_matmul_##sfx(md_type wt, const void *w, size_t w_stride, const void *x,                \
                          size_t x_stride, int64_t k, int m, float *y, size_t y_stride, int64_t r0, \
                          int64_t r1);                                                              \
-    size_t kn_pack_size_##sfx(km_type wt, int64_t rows, int64_t k);                                \
-    void kn_pack_##sfx(km_type wt, const void *w, size_t w_stride, int64_t rows, int64_t k,        \
+    size_t kn_pack_size_##sfx(md_type wt, int64_t rows, int64_t k);                                \
+    void kn_pack_##sfx(md_type wt, const void *w, size_t w_stride, int64_t rows, int64_t k,        \
                        void *out);                                                                 \
-    void kn_matmul_packed_##sfx(km_type wt, const void *packed, int64_t rows, const void *x,       \
+    void kn_matmul_packed_##sfx(md_type wt, const void *packed, int64_t rows, const void *x,       \
                                 size_t x_stride, int64_t k, int m, float *y, size_t y_stride,      \
                                 int64_t r0, int64_t r1);                                           \
     void kn_rmsnorm_##sfx(float *y, const float *x, const float *w, int n, float eps);             \

@@ -34,18 +34,18 @@ static const kn_pfmt kn_pfmt_q6_K = {KN_QK_K,
                                       {offsetof(kn_block_q6_K, scales), 4}},
                                      {{offsetof(kn_block_q6_K, d), 1}}};
 
-const kn_pfmt *kn_pfmt_of(km_type t)
+const kn_pfmt *kn_pfmt_of(md_type t)
 {
     switch (t) {
-    case KM_TYPE_Q4_0:
+    case MD_TYPE_Q4_0:
         return &kn_pfmt_q4_0;
-    case KM_TYPE_Q4_1:
+    case MD_TYPE_Q4_1:
         return &kn_pfmt_q4_1;
-    case KM_TYPE_Q8_0:
+    case MD_TYPE_Q8_0:
         return &kn_pfmt_q8_0;
-    case KM_TYPE_Q4_K:
+    case MD_TYPE_Q4_K:
         return &kn_pfmt_q4_K;
-    case KM_TYPE_Q6_K:
+    case MD_TYPE_Q6_K:
         return &kn_pfmt_q6_K;
     default:
         return NULL;
@@ -83,14 +83,14 @@ void kn_pack_panel(const kn_pfmt *f, int pr, const uint8_t *w, size_t w_stride, 
     }
 }
 
-size_t kn_packed_size(km_type t, int pr, int64_t rows, int64_t k)
+size_t kn_packed_size(md_type t, int pr, int64_t rows, int64_t k)
 {
     const kn_pfmt *f = kn_pfmt_of(t);
     if (!f || rows <= 0 || k <= 0 || k % f->blk_elems) return 0;
     return (size_t)((rows + pr - 1) / pr) * kn_packed_panel_bytes(f, pr, k);
 }
 
-void kn_pack_matrix(km_type t, int pr, const void *w, size_t w_stride, int64_t rows, int64_t k,
+void kn_pack_matrix(md_type t, int pr, const void *w, size_t w_stride, int64_t rows, int64_t k,
                     void *out)
 {
     const kn_pfmt *f = kn_pfmt_of(t);

@@ -51,7 +51,7 @@ typedef struct kn_pfmt {
 } kn_pfmt;
 
 /* The layout of a weight type, or NULL when it is not packed (float types). */
-const kn_pfmt *kn_pfmt_of(km_type t);
+const kn_pfmt *kn_pfmt_of(md_type t);
 
 /* Bytes of one panel of PR rows with k elements each (a multiple of 64). */
 size_t kn_packed_panel_bytes(const kn_pfmt *f, int pr, int64_t k);
@@ -64,9 +64,9 @@ void kn_pack_panel(const kn_pfmt *f, int pr, const uint8_t *w, size_t w_stride, 
                    int64_t b0, int nb, uint8_t *groups, uint8_t *halves);
 
 /* Bytes of a whole packed matrix; 0 when the type is not packed. */
-size_t kn_packed_size(km_type t, int pr, int64_t rows, int64_t k);
+size_t kn_packed_size(md_type t, int pr, int64_t rows, int64_t k);
 /* Packs the whole matrix into out (kn_packed_size bytes, 64-byte aligned). */
-void kn_pack_matrix(km_type t, int pr, const void *w, size_t w_stride, int64_t rows, int64_t k,
+void kn_pack_matrix(md_type t, int pr, const void *w, size_t w_stride, int64_t rows, int64_t k,
                     void *out);
 
 #endif

@@ -246,12 +246,12 @@ KN_AI void kn_w32_dot(int q8, const kn_w32 *w, const uint8_t *xq, size_t x_strid
 
 /* ------------------------------------------------------------------ float weights */
 
-KN_AI __m256 kn_loadf(km_type ft, const void *p, int64_t j)
+KN_AI __m256 kn_loadf(md_type ft, const void *p, int64_t j)
 {
     switch (ft) {
-    case KM_TYPE_F16:
+    case MD_TYPE_F16:
         return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const kn_f16 *)p + j)));
-    case KM_TYPE_BF16:
+    case MD_TYPE_BF16:
         return _mm256_castsi256_ps(_mm256_slli_epi32(
             _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const kn_bf16 *)p + j))), 16));
     default:
@@ -259,12 +259,12 @@ KN_AI __m256 kn_loadf(km_type ft, const void *p, int64_t j)
     }
 }
 
-KN_AI float kn_scalarf(km_type ft, const void *p, int64_t j)
+KN_AI float kn_scalarf(md_type ft, const void *p, int64_t j)
 {
     switch (ft) {
-    case KM_TYPE_F16:
+    case MD_TYPE_F16:
         return _cvtsh_ss(((const kn_f16 *)p)[j]);
-    case KM_TYPE_BF16: {
+    case MD_TYPE_BF16: {
         const uint32_t u = (uint32_t)((const kn_bf16 *)p)[j] << 16;
         float f;
         memcpy(&f, &u, sizeof f);
@@ -275,7 +275,7 @@ KN_AI float kn_scalarf(km_type ft, const void *p, int64_t j)
     }
 }
 
-KN_AI void kn_tilef(km_type ft, const uint8_t *w, size_t w_stride, const uint8_t *x,
+KN_AI void kn_tilef(md_type ft, const uint8_t *w, size_t w_stride, const uint8_t *x,
                     size_t x_stride, int64_t k, int R, int N, float *y, size_t y_stride)
 {
     __m256 acc[4][2];
@@ -431,7 +431,7 @@ KN_AI void kn_bf16_row(const float *x, kn_bf16 *y, int64_t n)
             _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
         _mm_storeu_si128((__m128i *)(y + j), p);
     }
-    if (j < n) kn_quantize_row_ref(KM_TYPE_BF16, x + j, y + j, n - j);
+    if (j < n) kn_quantize_row_ref(MD_TYPE_BF16, x + j, y + j, n - j);
 }
 
 #include "kernels/cpu/quant_simd.h"

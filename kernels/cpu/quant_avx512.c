@@ -190,12 +190,12 @@ KN_AI void kn_w32_dot(int q8, const kn_w32 *w, const uint8_t *xq, size_t x_strid
 /* ------------------------------------------------------------------ float weights */
 
 /* 16 elements of a float-type row as f32 (masked for the tail). */
-KN_AI __m512 kn_loadf(km_type ft, const void *p, int64_t j, __mmask16 mask)
+KN_AI __m512 kn_loadf(md_type ft, const void *p, int64_t j, __mmask16 mask)
 {
     switch (ft) {
-    case KM_TYPE_F16:
+    case MD_TYPE_F16:
         return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, (const kn_f16 *)p + j));
-    case KM_TYPE_BF16:
+    case MD_TYPE_BF16:
         return _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, (const kn_bf16 *)p + j)), 16));
     default:
@@ -204,7 +204,7 @@ KN_AI __m512 kn_loadf(km_type ft, const void *p, int64_t j, __mmask16 mask)
 }
 
 /* Y for R weight rows x N activation rows: vector partial sums over k, reduced at the end. */
-KN_AI void kn_tilef_fma(km_type ft, const uint8_t *w, size_t w_stride, const uint8_t *x,
+KN_AI void kn_tilef_fma(md_type ft, const uint8_t *w, size_t w_stride, const uint8_t *x,
                         size_t x_stride, int64_t k, int R, int N, float *y, size_t y_stride)
 {
     __m512 acc[4][4];
@@ -286,10 +286,10 @@ static int kn_has_bf16dp(void)
     return has;
 }
 
-KN_AI void kn_tilef(km_type ft, const uint8_t *w, size_t w_stride, const uint8_t *x,
+KN_AI void kn_tilef(md_type ft, const uint8_t *w, size_t w_stride, const uint8_t *x,
                     size_t x_stride, int64_t k, int R, int N, float *y, size_t y_stride)
 {
-    if (ft == KM_TYPE_BF16 && kn_has_bf16dp())
+    if (ft == MD_TYPE_BF16 && kn_has_bf16dp())
         kn_tile_bf16dp(w, w_stride, x, x_stride, k, R, N, y, y_stride);
     else
         kn_tilef_fma(ft, w, w_stride, x, x_stride, k, R, N, y, y_stride);

@@ -57,31 +57,31 @@ static inline int8_t kn_ref_cvt_i8(float v)
 
 /* ------------------------------------------------------------------ dot types */
 
-km_type kn_dot_type(km_type wt)
+md_type kn_dot_type(md_type wt)
 {
     switch (wt) {
-    case KM_TYPE_Q4_0:
-    case KM_TYPE_Q8_0:
-        return KM_TYPE_Q8_0;
-    case KM_TYPE_Q4_1:
-        return KM_TYPE_Q8_1;
-    case KM_TYPE_Q4_K:
-    case KM_TYPE_Q6_K:
-        return KM_TYPE_Q8_K;
-    case KM_TYPE_F16:
-        return KM_TYPE_F16;
-    case KM_TYPE_BF16:
-        return KM_TYPE_BF16;
-    case KM_TYPE_F32:
-        return KM_TYPE_F32;
+    case MD_TYPE_Q4_0:
+    case MD_TYPE_Q8_0:
+        return MD_TYPE_Q8_0;
+    case MD_TYPE_Q4_1:
+        return MD_TYPE_Q8_1;
+    case MD_TYPE_Q4_K:
+    case MD_TYPE_Q6_K:
+        return MD_TYPE_Q8_K;
+    case MD_TYPE_F16:
+        return MD_TYPE_F16;
+    case MD_TYPE_BF16:
+        return MD_TYPE_BF16;
+    case MD_TYPE_F32:
+        return MD_TYPE_F32;
     default:
-        return KM_TYPE_COUNT;
+        return MD_TYPE_COUNT;
     }
 }
 
-int kn_weight_type_supported(km_type t)
+int kn_weight_type_supported(md_type t)
 {
-    return kn_dot_type(t) != KM_TYPE_COUNT;
+    return kn_dot_type(t) != MD_TYPE_COUNT;
 }
 
 /* ------------------------------------------------------------------ activation quantization */
@@ -149,25 +149,25 @@ static void kn_ref_quantize_q8_K(const float *x, kn_block_q8_K *y, int64_t n)
     }
 }
 
-void kn_quantize_row_ref(km_type t, const float *x, void *y, int64_t n)
+void kn_quantize_row_ref(md_type t, const float *x, void *y, int64_t n)
 {
     switch (t) {
-    case KM_TYPE_Q8_0:
+    case MD_TYPE_Q8_0:
         kn_ref_quantize_q8_0(x, y, n);
         break;
-    case KM_TYPE_Q8_1:
+    case MD_TYPE_Q8_1:
         kn_ref_quantize_q8_1(x, y, n);
         break;
-    case KM_TYPE_Q8_K:
+    case MD_TYPE_Q8_K:
         kn_ref_quantize_q8_K(x, y, n);
         break;
-    case KM_TYPE_F16:
+    case MD_TYPE_F16:
         for (int64_t i = 0; i < n; i++) ((kn_f16 *)y)[i] = kn_f32_to_f16(x[i]);
         break;
-    case KM_TYPE_BF16:
+    case MD_TYPE_BF16:
         for (int64_t i = 0; i < n; i++) ((kn_bf16 *)y)[i] = kn_f32_to_bf16(x[i]);
         break;
-    case KM_TYPE_F32:
+    case MD_TYPE_F32:
         memmove(y, x, (size_t)n * sizeof(float));
         break;
     default:
@@ -189,19 +189,19 @@ static inline void kn_ref_scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint
     }
 }
 
-void kn_dequantize_row_ref(km_type t, const void *vx, float *y, int64_t n)
+void kn_dequantize_row_ref(md_type t, const void *vx, float *y, int64_t n)
 {
     switch (t) {
-    case KM_TYPE_F32:
+    case MD_TYPE_F32:
         memmove(y, vx, (size_t)n * sizeof(float));
         break;
-    case KM_TYPE_F16:
+    case MD_TYPE_F16:
         for (int64_t i = 0; i < n; i++) y[i] = kn_f16_to_f32(((const kn_f16 *)vx)[i]);
         break;
-    case KM_TYPE_BF16:
+    case MD_TYPE_BF16:
         for (int64_t i = 0; i < n; i++) y[i] = kn_bf16_to_f32(((const kn_bf16 *)vx)[i]);
         break;
-    case KM_TYPE_Q4_0: {
+    case MD_TYPE_Q4_0: {
         const kn_block_q4_0 *x = vx;
         for (int64_t i = 0; i < n / KN_QK4_0; i++, y += KN_QK4_0) {
             const float d = kn_f16_to_f32(x[i].d);
@@ -212,7 +212,7 @@ void kn_dequantize_row_ref(km_type t, const void *vx, float *y, int64_t n)
         }
         break;
     }
-    case KM_TYPE_Q4_1: {
+    case MD_TYPE_Q4_1: {
         const kn_block_q4_1 *x = vx;
         for (int64_t i = 0; i < n / KN_QK4_1; i++, y += KN_QK4_1) {
             const float d = kn_f16_to_f32(x[i].d), m = kn_f16_to_f32(x[i].m);
@@ -223,7 +223,7 @@ void kn_dequantize_row_ref(km_type t, const void *vx, float *y, int64_t n)
         }
         break;
     }
-    case KM_TYPE_Q8_0: {
+    case MD_TYPE_Q8_0: {
         const kn_block_q8_0 *x = vx;
         for (int64_t i = 0; i < n / KN_QK8_0; i++, y += KN_QK8_0) {
             const float d = kn_f16_to_f32(x[i].d);
@@ -231,7 +231,7 @@ void kn_dequantize_row_ref(km_type t, const void *vx, float *y, int64_t n)
         }
         break;
     }
-    case KM_TYPE_Q8_1: {
+    case MD_TYPE_Q8_1: {
         const kn_block_q8_1 *x = vx;
         for (int64_t i = 0; i < n / KN_QK8_1; i++, y += KN_QK8_1) {
             const float d = kn_f16_to_f32(x[i].d);
@@ -239,13 +239,13 @@ void kn_dequantize_row_ref(km_type t, const void *vx, float *y, int64_t n)
         }
         break;
     }
-    case KM_TYPE_Q8_K: {
+    case MD_TYPE_Q8_K: {
         const kn_block_q8_K *x = vx;
         for (int64_t i = 0; i < n / KN_QK_K; i++, y += KN_QK_K)
             for (int j = 0; j < KN_QK_K; j++) y[j] = x[i].d * (float)x[i].qs[j];
         break;
     }
-    case KM_TYPE_Q4_K: {
+    case MD_TYPE_Q4_K: {
         const kn_block_q4_K *x = vx;
         for (int64_t i = 0; i < n / KN_QK_K; i++) {
             const uint8_t *q = x[i].qs;
@@ -262,7 +262,7 @@ void kn_dequantize_row_ref(km_type t, const void *vx, float *y, int64_t n)
         }
         break;
     }
-    case KM_TYPE_Q6_K: {
+    case MD_TYPE_Q6_K: {
         const kn_block_q6_K *x = vx;
         for (int64_t i = 0; i < n / KN_QK_K; i++) {
             const float d = kn_f16_to_f32(x[i].d);
@@ -404,7 +404,7 @@ static float kn_ref_dot_q6_K(const kn_block_q6_K *w, const kn_block_q8_K *x, int
     return sumf;
 }
 
-void kn_matmul_ref(km_type wt, const void *w, size_t w_stride, const void *x, size_t x_stride,
+void kn_matmul_ref(md_type wt, const void *w, size_t w_stride, const void *x, size_t x_stride,
                    int64_t k, int m, float *y, size_t y_stride, int64_t r0, int64_t r1)
 {
     const uint8_t *wb = w, *xb = x;
@@ -414,28 +414,28 @@ void kn_matmul_ref(km_type wt, const void *w, size_t w_stride, const void *x, si
             const void *xi = xb + (size_t)i * x_stride;
             float s;
             switch (wt) {
-            case KM_TYPE_F32:
+            case MD_TYPE_F32:
                 s = kn_ref_dot_f32(wr, xi, k);
                 break;
-            case KM_TYPE_F16:
+            case MD_TYPE_F16:
                 s = kn_ref_dot_f16(wr, xi, k);
                 break;
-            case KM_TYPE_BF16:
+            case MD_TYPE_BF16:
                 s = kn_ref_dot_bf16(wr, xi, k);
                 break;
-            case KM_TYPE_Q4_0:
+            case MD_TYPE_Q4_0:
                 s = kn_ref_dot_q4_0(wr, xi, k);
                 break;
-            case KM_TYPE_Q4_1:
+            case MD_TYPE_Q4_1:
                 s = kn_ref_dot_q4_1(wr, xi, k);
                 break;
-            case KM_TYPE_Q8_0:
+            case MD_TYPE_Q8_0:
                 s = kn_ref_dot_q8_0(wr, xi, k);
                 break;
-            case KM_TYPE_Q4_K:
+            case MD_TYPE_Q4_K:
                 s = kn_ref_dot_q4_K(wr, xi, k);
                 break;
-            case KM_TYPE_Q6_K:
+            case MD_TYPE_Q6_K:
                 s = kn_ref_dot_q6_K(wr, xi, k);
                 break;
             default:
@@ -449,19 +449,19 @@ void kn_matmul_ref(km_type wt, const void *w, size_t w_stride, const void *x, si
 
 /* The reference reads GGUF rows only: it repacks nothing (pack_size 0), so pack and matmul_packed
  * are never called on it. */
-size_t kn_pack_size_ref(km_type wt, int64_t rows, int64_t k)
+size_t kn_pack_size_ref(md_type wt, int64_t rows, int64_t k)
 {
     (void)wt, (void)rows, (void)k;
     return 0;
 }
 
-void kn_pack_ref(km_type wt, const void *w, size_t w_stride, int64_t rows, int64_t k, void *out)
+void kn_pack_ref(md_type wt, const void *w, size_t w_stride, int64_t rows, int64_t k, void *out)
 {
     (void)wt, (void)w, (void)w_stride, (void)rows, (void)k, (void)out;
     assert(!"kn_pack: the scalar table packs nothing (pack_size is 0)");
 }
 
-void kn_matmul_packed_ref(km_type wt, const void *packed, int64_t rows, const void *x,
+void kn_matmul_packed_ref(md_type wt, const void *packed, int64_t rows, const void *x,
                           size_t x_stride, int64_t k, int m, float *y, size_t y_stride, int64_t r0,
                           int64_t r1)
 {

@@ -144,7 +144,7 @@ KN_AI void kn_pf_block(const uint8_t *next, size_t gs, int b)
 /* ------------------------------------------------------------------ Q4_0, Q4_1, Q8_0 */
 
 typedef struct kn_fmt32 {
-    km_type t;
+    md_type t;
     int xbytes, xq; /* activation block size, offset of its quants */
     int q8;         /* signed 8-bit weights (Q8_0) */
     int bias;       /* weight = stored value - bias */
@@ -152,10 +152,10 @@ typedef struct kn_fmt32 {
     int G, F;       /* groups and f16 fields per block (packed.h) */
 } kn_fmt32;
 
-static const kn_fmt32 kn_fmt_q4_0 = {KM_TYPE_Q4_0, sizeof(kn_block_q8_0), 2, 0, 8, 0, 4, 1};
-static const kn_fmt32 kn_fmt_q4_1 = {KM_TYPE_Q4_1, sizeof(kn_block_q8_1), 4, 0, 0, 1, 4, 2};
+static const kn_fmt32 kn_fmt_q4_0 = {MD_TYPE_Q4_0, sizeof(kn_block_q8_0), 2, 0, 8, 0, 4, 1};
+static const kn_fmt32 kn_fmt_q4_1 = {MD_TYPE_Q4_1, sizeof(kn_block_q8_1), 4, 0, 0, 1, 4, 2};
 static const kn_fmt32 kn_fmt_q8_0 = {
-    KM_TYPE_Q8_0, sizeof(kn_block_q8_0), 2, 1, KN_S8_BIAS, 0, 8, 1};
+    MD_TYPE_Q8_0, sizeof(kn_block_q8_0), 2, 1, KN_S8_BIAS, 0, 8, 1};
 
 /* The activation-side table of a column chunk; entry (i, b) at [i * ld + b], ld being the
  * k-chunk's block count, so that a few activation rows can take a long chunk and many rows a
@@ -525,7 +525,7 @@ KN_AI void kn_matmulK(const int is_q6, const uint8_t *w, size_t w_stride, const 
 {
     static __thread kn_wK prep[KN_KCK] __attribute__((aligned(64)));
     kn_xK xp;
-    const kn_pfmt *pf = kn_pfmt_of(is_q6 ? KM_TYPE_Q6_K : KM_TYPE_Q4_K);
+    const kn_pfmt *pf = kn_pfmt_of(is_q6 ? MD_TYPE_Q6_K : MD_TYPE_Q4_K);
     const size_t panel_bytes = packed ? kn_packed_panel_bytes(pf, KN_PR, k) : 0;
     const size_t gs = (size_t)pf->G * KN_VB, fs = (size_t)pf->F * 2 * KN_PR;
     const int64_t nb_all = k / KN_QK_K;
@@ -573,7 +573,7 @@ KN_AI void kn_matmulK(const int is_q6, const uint8_t *w, size_t w_stride, const 
 
 /* 4 x KN_FT_N tiles; the row and column remainders run as 1-wide tiles. Float weights are never
  * packed. */
-KN_AI void kn_matmulf(const km_type ft, const uint8_t *w, size_t w_stride, const uint8_t *x,
+KN_AI void kn_matmulf(const md_type ft, const uint8_t *w, size_t w_stride, const uint8_t *x,
                       size_t x_stride, int64_t k, int m, float *y, size_t y_stride, int64_t r0,
                       int64_t r1)
 {
@@ -599,55 +599,55 @@ KN_AI void kn_matmulf(const km_type ft, const uint8_t *w, size_t w_stride, const
 
 /* ------------------------------------------------------------------ the kn_ops entries */
 
-static void kn_matmul_any(km_type wt, const void *w, size_t w_stride, const void *packed,
+static void kn_matmul_any(md_type wt, const void *w, size_t w_stride, const void *packed,
                           const void *x, size_t x_stride, int64_t k, int m, float *y,
                           size_t y_stride, int64_t r0, int64_t r1)
 {
     if (r0 >= r1 || m <= 0) return;
-    assert(k % (wt == KM_TYPE_Q4_K || wt == KM_TYPE_Q6_K ? KN_QK_K : 32) == 0 ||
-           wt == KM_TYPE_F32 || wt == KM_TYPE_F16 || wt == KM_TYPE_BF16);
+    assert(k % (wt == MD_TYPE_Q4_K || wt == MD_TYPE_Q6_K ? KN_QK_K : 32) == 0 ||
+           wt == MD_TYPE_F32 || wt == MD_TYPE_F16 || wt == MD_TYPE_BF16);
     if (k <= 0) { /* an empty dot: zeros, as the reference writes */
         for (int i = 0; i < m; i++)
             for (int64_t r = r0; r < r1; r++) y[(size_t)i * y_stride + (size_t)r] = 0.0f;
         return;
     }
     switch (wt) {
-    case KM_TYPE_Q4_0:
+    case MD_TYPE_Q4_0:
         kn_matmul32(&kn_fmt_q4_0, w, w_stride, packed, x, x_stride, k, m, y, y_stride, r0, r1);
         break;
-    case KM_TYPE_Q4_1:
+    case MD_TYPE_Q4_1:
         kn_matmul32(&kn_fmt_q4_1, w, w_stride, packed, x, x_stride, k, m, y, y_stride, r0, r1);
         break;
-    case KM_TYPE_Q8_0:
+    case MD_TYPE_Q8_0:
         kn_matmul32(&kn_fmt_q8_0, w, w_stride, packed, x, x_stride, k, m, y, y_stride, r0, r1);
         break;
-    case KM_TYPE_Q4_K:
+    case MD_TYPE_Q4_K:
         kn_matmulK(0, w, w_stride, packed, x, x_stride, k, m, y, y_stride, r0, r1);
         break;
-    case KM_TYPE_Q6_K:
+    case MD_TYPE_Q6_K:
         kn_matmulK(1, w, w_stride, packed, x, x_stride, k, m, y, y_stride, r0, r1);
         break;
-    case KM_TYPE_F32: /* float weights are never packed */
-        kn_matmulf(KM_TYPE_F32, w, w_stride, x, x_stride, k, m, y, y_stride, r0, r1);
+    case MD_TYPE_F32: /* float weights are never packed */
+        kn_matmulf(MD_TYPE_F32, w, w_stride, x, x_stride, k, m, y, y_stride, r0, r1);
         break;
-    case KM_TYPE_F16:
-        kn_matmulf(KM_TYPE_F16, w, w_stride, x, x_stride, k, m, y, y_stride, r0, r1);
+    case MD_TYPE_F16:
+        kn_matmulf(MD_TYPE_F16, w, w_stride, x, x_stride, k, m, y, y_stride, r0, r1);
         break;
-    case KM_TYPE_BF16:
-        kn_matmulf(KM_TYPE_BF16, w, w_stride, x, x_stride, k, m, y, y_stride, r0, r1);
+    case MD_TYPE_BF16:
+        kn_matmulf(MD_TYPE_BF16, w, w_stride, x, x_stride, k, m, y, y_stride, r0, r1);
         break;
     default:
         assert(!"kn_matmul: unsupported weight type");
     }
 }
 
-void KN_FN(kn_matmul_)(km_type wt, const void *w, size_t w_stride, const void *x, size_t x_stride,
+void KN_FN(kn_matmul_)(md_type wt, const void *w, size_t w_stride, const void *x, size_t x_stride,
                        int64_t k, int m, float *y, size_t y_stride, int64_t r0, int64_t r1)
 {
     kn_matmul_any(wt, w, w_stride, NULL, x, x_stride, k, m, y, y_stride, r0, r1);
 }
 
-void KN_FN(kn_matmul_packed_)(km_type wt, const void *packed, int64_t rows, const void *x,
+void KN_FN(kn_matmul_packed_)(md_type wt, const void *packed, int64_t rows, const void *x,
                               size_t x_stride, int64_t k, int m, float *y, size_t y_stride,
                               int64_t r0, int64_t r1)
 {
@@ -656,21 +656,21 @@ void KN_FN(kn_matmul_packed_)(km_type wt, const void *packed, int64_t rows, cons
     kn_matmul_any(wt, NULL, 0, packed, x, x_stride, k, m, y, y_stride, r0, r1);
 }
 
-size_t KN_FN(kn_pack_size_)(km_type wt, int64_t rows, int64_t k)
+size_t KN_FN(kn_pack_size_)(md_type wt, int64_t rows, int64_t k)
 {
     return kn_packed_size(wt, KN_PR, rows, k);
 }
 
-void KN_FN(kn_pack_)(km_type wt, const void *w, size_t w_stride, int64_t rows, int64_t k, void *out)
+void KN_FN(kn_pack_)(md_type wt, const void *w, size_t w_stride, int64_t rows, int64_t k, void *out)
 {
     kn_pack_matrix(wt, KN_PR, w, w_stride, rows, k, out);
 }
 
-void KN_FN(kn_quantize_row_)(km_type t, const float *x, void *vy, int64_t n)
+void KN_FN(kn_quantize_row_)(md_type t, const float *x, void *vy, int64_t n)
 {
     uint8_t *y = vy;
     switch (t) {
-    case KM_TYPE_Q8_0:
+    case MD_TYPE_Q8_0:
         assert(n % KN_QK8_0 == 0);
         for (int64_t i = 0; i < n / KN_QK8_0; i++, x += KN_QK8_0, y += sizeof(kn_block_q8_0)) {
             kn_f16 d;
@@ -679,7 +679,7 @@ void KN_FN(kn_quantize_row_)(km_type t, const float *x, void *vy, int64_t n)
             memcpy(y, &d, 2);
         }
         break;
-    case KM_TYPE_Q8_1:
+    case MD_TYPE_Q8_1:
         assert(n % KN_QK8_1 == 0);
         for (int64_t i = 0; i < n / KN_QK8_1; i++, x += KN_QK8_1, y += sizeof(kn_block_q8_1)) {
             kn_f16 d;
@@ -690,18 +690,18 @@ void KN_FN(kn_quantize_row_)(km_type t, const float *x, void *vy, int64_t n)
             memcpy(y + 2, &s, 2);
         }
         break;
-    case KM_TYPE_Q8_K:
+    case MD_TYPE_Q8_K:
         assert(n % KN_QK_K == 0);
         for (int64_t i = 0; i < n / KN_QK_K; i++, x += KN_QK_K, y += sizeof(kn_block_q8_K))
             kn_q8K_block(x, y);
         break;
-    case KM_TYPE_F16:
+    case MD_TYPE_F16:
         kn_f16_row(x, (kn_f16 *)vy, n);
         break;
-    case KM_TYPE_BF16:
+    case MD_TYPE_BF16:
         kn_bf16_row(x, (kn_bf16 *)vy, n);
         break;
-    case KM_TYPE_F32:
+    case MD_TYPE_F32:
         memmove(vy, x, (size_t)n * sizeof(float));
         break;
     default:
@@ -710,7 +710,7 @@ void KN_FN(kn_quantize_row_)(km_type t, const float *x, void *vy, int64_t n)
 }
 
 /* Dequantization runs once per token for the embedding row: the reference is fast enough. */
-void KN_FN(kn_dequantize_row_)(km_type t, const void *x, float *y, int64_t n)
+void KN_FN(kn_dequantize_row_)(md_type t, const void *x, float *y, int64_t n)
 {
     kn_dequantize_row_ref(t, x, y, n);
 }

@@ -15,6 +15,7 @@
  * are not in the input.
  */
 #include "common/km.h"
+#include "model/model.h"
 
 #include <limits.h>
 #include <stdio.h>
@@ -24,8 +25,8 @@
 
 #define MODEL "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 
-static km_gguf *g_gguf;
-static km_tokenizer *g_tok;
+static md_gguf *g_gguf;
+static md_tokenizer *g_tok;
 static int g_tried, g_roundtrip;
 /* Bytes the vocabulary can spell: those whose GPT-2 byte-level character is a token (SmolLM2
  * lacks a few, e.g. 0x04 and 0xF2; llama.cpp drops such bytes). */
@@ -52,9 +53,9 @@ static int fuzz_load(void)
                            path ? NULL : getenv("KVMESH_MODEL")};
     for (size_t i = 0; i < sizeof tries / sizeof *tries && !g_tok; i++) {
         if (!tries[i]) continue;
-        if (g_gguf) km_gguf_close(g_gguf);
+        if (g_gguf) md_gguf_close(g_gguf);
         g_gguf = NULL;
-        if (km_gguf_open(tries[i], &g_gguf, &e) == 0) km_tok_create(g_gguf, &g_tok, &e);
+        if (md_gguf_open(tries[i], &g_gguf, &e) == 0) md_tok_create(g_gguf, &g_tok, &e);
     }
     if (!g_tok) return 0;
     /* GPT-2's bytes_to_unicode: printable Latin-1 stays, the rest counts up from U+0100. */
@@ -64,7 +65,7 @@ static int fuzz_load(void)
         unsigned cpt = printable ? (unsigned)b : next++;
         char u[3] = {(char)cpt, 0, 0};
         if (cpt >= 0x80) u[0] = (char)(0xC0 | cpt >> 6), u[1] = (char)(0x80 | (cpt & 0x3F));
-        g_spellable[b] = km_tok_find(g_tok, u) >= 0;
+        g_spellable[b] = md_tok_find(g_tok, u) >= 0;
     }
     return 1;
 }
@@ -123,12 +124,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     int cap = (int)len + 8;
     int32_t *ids = malloc((size_t)cap * sizeof *ids);
     if (!ids) abort();
-    int n = km_tok_encode(g_tok, text, len, add_special, parse_special, ids, cap);
+    int n = md_tok_encode(g_tok, text, len, add_special, parse_special, ids, cap);
     if (n < 0) abort();
     if (n > cap) {
         free(ids);
         ids = malloc((size_t)n * sizeof *ids);
-        if (!ids || km_tok_encode(g_tok, text, len, add_special, parse_special, ids, n) != n)
+        if (!ids || md_tok_encode(g_tok, text, len, add_special, parse_special, ids, n) != n)
             abort();
     }
     /* Pieces: at most 3 bytes (U+FFFD) per input byte, or a special token's own text. */
@@ -137,17 +138,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (!back) abort();
 
     size_t m = 0;
-    km_detok d;
-    km_detok_init(&d);
+    md_detok d;
+    md_detok_init(&d);
     for (int i = 0; i < n; i++) {
-        if (ids[i] < 0 || ids[i] >= km_tok_n_vocab(g_tok)) abort();
-        int k = km_tok_piece(g_tok, ids[i], 1, back + m, (int)(back_cap - m));
+        if (ids[i] < 0 || ids[i] >= md_tok_n_vocab(g_tok)) abort();
+        int k = md_tok_piece(g_tok, ids[i], 1, back + m, (int)(back_cap - m));
         if (k < 0 || (size_t)k > back_cap - m) abort();
         m += (size_t)k;
-        k = km_detok_push(g_tok, &d, ids[i], chunk, sizeof chunk);
+        k = md_detok_push(g_tok, &d, ids[i], chunk, sizeof chunk);
         if (k < 0 || !fuzz_utf8_valid((unsigned char *)chunk, (size_t)k)) abort();
     }
-    int k = km_detok_flush(&d, chunk, sizeof chunk);
+    int k = md_detok_flush(&d, chunk, sizeof chunk);
     if (k < 0 || !fuzz_utf8_valid((unsigned char *)chunk, (size_t)k)) abort();
 
     int spellable = g_roundtrip && fuzz_utf8_valid((const unsigned char *)text, len);

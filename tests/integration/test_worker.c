@@ -64,22 +64,22 @@ static void send_admin(void *s, uint64_t id, km_admin_cmd cmd, double fraction, 
 
 /* ---------------------------------------------------------------- reference: one sequence */
 
-static wk_model *g_model;
-static wk_engine *g_engine;
+static en_model *g_model;
+static en_engine *g_engine;
 
 static void load_reference(void)
 {
     km_errbuf err = {{0}};
-    if (!g_model) cr_assert_eq(wk_model_load(IT_MODEL, &g_model, &err), 0, "%s", err.msg);
-    wk_engine_opts o = {.n_threads = 2, .max_batch_tokens = 256};
-    if (!g_engine) cr_assert_eq(wk_engine_create(g_model, &o, &g_engine, &err), 0, "%s", err.msg);
+    if (!g_model) cr_assert_eq(en_model_load(IT_MODEL, &g_model, &err), 0, "%s", err.msg);
+    en_engine_opts o = {.n_threads = 2, .max_batch_tokens = 256};
+    if (!g_engine) cr_assert_eq(en_engine_create(g_model, &o, &g_engine, &err), 0, "%s", err.msg);
 }
 
 static void fini_reference(void)
 {
     it_kill_all();
-    wk_engine_destroy(g_engine);
-    wk_model_free(g_model);
+    en_engine_destroy(g_engine);
+    en_model_free(g_model);
     g_engine = NULL;
     g_model = NULL;
 }
@@ -87,32 +87,32 @@ static void fini_reference(void)
 /* Greedy tokens of the prompt alone, stopping at end-of-generation; returns how many. */
 static int greedy_alone(const int32_t *prompt, int n, int max_new, int32_t *out)
 {
-    kv_store *kv = wk_engine_kv(g_engine);
+    kv_store *kv = en_engine_kv(g_engine);
     kv_seq *q;
     cr_assert_eq(kv_seq_create(kv, &q), 0);
-    int n_vocab = wk_model_hparams(g_model)->n_vocab;
-    const km_tokenizer *tok = wk_model_tokenizer(g_model);
+    int n_vocab = en_model_hparams(g_model)->n_vocab;
+    const md_tokenizer *tok = en_model_tokenizer(g_model);
     int32_t pos[256];
     kv_seq *seqs[256];
     const float *lg = NULL;
     for (int off = 0; off < n; off += 256) {
         int c = n - off < 256 ? n - off : 256;
         for (int i = 0; i < c; i++) pos[i] = off + i, seqs[i] = q;
-        wk_batch b = {.n_tokens = c, .tokens = prompt + off, .pos = pos, .seqs = seqs};
-        cr_assert_geq(wk_engine_step(g_engine, &b, &lg), 0);
+        en_batch b = {.n_tokens = c, .tokens = prompt + off, .pos = pos, .seqs = seqs};
+        cr_assert_geq(en_engine_step(g_engine, &b, &lg), 0);
     }
     int k = 0;
     for (; k < max_new; k++) {
-        int32_t t = wk_argmax(lg, n_vocab);
-        if (km_tok_is_eog(tok, t)) break;
+        int32_t t = en_argmax(lg, n_vocab);
+        if (md_tok_is_eog(tok, t)) break;
         out[k] = t;
         if (k + 1 == max_new) {
             k++;
             break;
         }
         int32_t p = n + k;
-        wk_batch b = {.n_tokens = 1, .tokens = &t, .pos = &p, .seqs = &q};
-        cr_assert_geq(wk_engine_step(g_engine, &b, &lg), 0);
+        en_batch b = {.n_tokens = 1, .tokens = &t, .pos = &p, .seqs = &q};
+        cr_assert_geq(en_engine_step(g_engine, &b, &lg), 0);
     }
     kv_seq_destroy(kv, q);
     return k;

@@ -188,7 +188,7 @@ KN_AI void kn_w32_dot(int q8, const kn_w32 *w, const uint8_t *xq, size_t x_strid
 
 /* Float weights and activation quantization are not what this file is for: plain loops and the
  * reference. */
-KN_AI void kn_tilef(km_type ft, const uint8_t *w, size_t w_stride, const uint8_t *x,
+KN_AI void kn_tilef(md_type ft, const uint8_t *w, size_t w_stride, const uint8_t *x,
                     size_t x_stride, int64_t k, int R, int N, float *y, size_t y_stride)
 {
     for (int r = 0; r < R; r++)
@@ -200,7 +200,7 @@ KN_AI void kn_tilef(km_type ft, const uint8_t *w, size_t w_stride, const uint8_t
 KN_AI int kn_q8_block(const float *x, int8_t *qs, kn_f16 *dout, float *dval)
 {
     kn_block_q8_0 b;
-    kn_quantize_row_ref(KM_TYPE_Q8_0, x, &b, 32);
+    kn_quantize_row_ref(MD_TYPE_Q8_0, x, &b, 32);
     memcpy(qs, b.qs, 32);
     *dout = b.d;
     *dval = _cvtsh_ss(b.d);
@@ -215,17 +215,17 @@ KN_AI int kn_q8_block(const float *x, int8_t *qs, kn_f16 *dout, float *dval)
 
 KN_AI void kn_q8K_block(const float *x, uint8_t *y)
 {
-    kn_quantize_row_ref(KM_TYPE_Q8_K, x, y, KN_QK_K);
+    kn_quantize_row_ref(MD_TYPE_Q8_K, x, y, KN_QK_K);
 }
 
 KN_AI void kn_f16_row(const float *x, kn_f16 *y, int64_t n)
 {
-    kn_quantize_row_ref(KM_TYPE_F16, x, y, n);
+    kn_quantize_row_ref(MD_TYPE_F16, x, y, n);
 }
 
 KN_AI void kn_bf16_row(const float *x, kn_bf16 *y, int64_t n)
 {
-    kn_quantize_row_ref(KM_TYPE_BF16, x, y, n);
+    kn_quantize_row_ref(MD_TYPE_BF16, x, y, n);
 }
 
 #include "kernels/cpu/quant_simd.h"

@@ -9,13 +9,13 @@
 
 #include <criterion/criterion.h>
 
-#include "worker/scheduler.h"
+#include "engine/engine.h"
 
 typedef struct out {
     int32_t tok[MAXG];
     int n, ended, code, stop_at;
     km_finish finish;
-    wk_sched_usage u;
+    en_sched_usage u;
     int order; /* when it ended */
 } out;
 
@@ -30,7 +30,7 @@ static inline int on_token(void *ctx, void *user, int index, int32_t token)
     return o->stop_at && o->n == o->stop_at;
 }
 
-static inline void on_done(void *ctx, void *user, km_finish f, const wk_sched_usage *u)
+static inline void on_done(void *ctx, void *user, km_finish f, const en_sched_usage *u)
 {
     out *o = user;
     o->ended = 1;
@@ -40,7 +40,7 @@ static inline void on_done(void *ctx, void *user, km_finish f, const wk_sched_us
 }
 
 static inline void on_error(void *ctx, void *user, int code, const char *msg,
-                            const wk_sched_usage *u)
+                            const en_sched_usage *u)
 {
     out *o = user;
     o->ended = 1;
@@ -49,18 +49,18 @@ static inline void on_error(void *ctx, void *user, int code, const char *msg,
     o->order = ++g_ended;
 }
 
-static const wk_sched_cb g_cb = {on_token, on_done, on_error, NULL};
+static const en_sched_cb g_cb = {on_token, on_done, on_error, NULL};
 
-static inline void run_all(wk_sched *s)
+static inline void run_all(en_sched *s)
 {
-    for (int i = 0; i < 100000 && wk_sched_pending(s); i++) cr_assert_geq(wk_sched_step(s), 0);
-    cr_assert_eq(wk_sched_pending(s), 0);
+    for (int i = 0; i < 100000 && en_sched_pending(s); i++) cr_assert_geq(en_sched_step(s), 0);
+    cr_assert_eq(en_sched_pending(s), 0);
 }
 
-static inline wk_sched_req greedy_req(const int32_t *p, int n, int max_tokens, out *o)
+static inline en_sched_req greedy_req(const int32_t *p, int n, int max_tokens, out *o)
 {
-    wk_sched_req r = {.tokens = p, .n_tokens = n, .max_tokens = max_tokens, .user = o};
-    wk_sample_params_default(&r.sample);
+    en_sched_req r = {.tokens = p, .n_tokens = n, .max_tokens = max_tokens, .user = o};
+    en_sample_params_default(&r.sample);
     r.sample.temperature = 0;
     return r;
 }

@@ -1,6 +1,6 @@
 /*
  * sched_scenarios.h — the scheduler scenarios written once over a `backend` (an engine behind
- * wk_sched_engine and what a scenario needs of it) and run on two: the model (test_scheduler.c)
+ * en_sched_engine and what a scenario needs of it) and run on two: the model (test_scheduler.c)
  * and a fake engine that needs no model file (test_scheduler_fake.c). The including file defines
  * SCENARIO(name) to make the Criterion test that runs `static void name(const backend *b)` on
  * its backend, and MAXG and NR before including sched_fixture.h and this file.
@@ -21,8 +21,8 @@ typedef struct backend {
     /* n prompt tokens that are never end-of-generation, different per salt */
     void (*prompt)(int32_t *p, int n, int salt);
     /* a scheduler over a fresh engine: hot_pages pages of KV (0: plenty), max_batch tokens */
-    wk_sched *(*open)(int hot_pages, int max_batch, wk_sched_opts o);
-    void (*close)(wk_sched *s); /* the scheduler and its engine */
+    en_sched *(*open)(int hot_pages, int max_batch, en_sched_opts o);
+    void (*close)(en_sched *s); /* the scheduler and its engine */
     kv_store *(*kv)(void);      /* the open engine's store */
     /* the greedy tokens after p when it runs alone (to max_tokens or end of generation) */
     int (*reference)(const int32_t *p, int n, int max_tokens, int32_t *toks);
@@ -71,26 +71,26 @@ static inline void check_batched(const backend *b, int hot_pages, int chunk, int
     make_prompts(b);
     static out got[NR];
     memset(got, 0, sizeof got);
-    wk_sched *s =
+    en_sched *s =
         b->open(hot_pages, 128,
-                (wk_sched_opts){.max_running = 8, .max_batch_tokens = 128, .prefill_chunk = chunk});
+                (en_sched_opts){.max_running = 8, .max_batch_tokens = 128, .prefill_chunk = chunk});
     const int nr = b->n_batch;
     for (int i = 0; i < nr; i++) {
-        wk_sched_req r = greedy_req(g_p[i], g_len[i], 12 + i % 5, &got[i]);
-        cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
+        en_sched_req r = greedy_req(g_p[i], g_len[i], 12 + i % 5, &got[i]);
+        cr_assert_eq(en_sched_submit(s, &r, NULL), 0);
         if (i == nr / 2) /* late arrivals join a running batch */
-            for (int k = 0; k < 3; k++) cr_assert_geq(wk_sched_step(s), 0);
+            for (int k = 0; k < 3; k++) cr_assert_geq(en_sched_step(s), 0);
     }
-    for (int i = 0; i < 100000 && wk_sched_pending(s); i++) {
-        cr_assert_geq(wk_sched_step(s), 0);
-        wk_sched_stats st;
-        wk_sched_stats_get(s, &st);
+    for (int i = 0; i < 100000 && en_sched_pending(s); i++) {
+        cr_assert_geq(en_sched_step(s), 0);
+        en_sched_stats st;
+        en_sched_stats_get(s, &st);
         cr_assert_leq(st.running, 8);
     }
-    cr_assert_eq(wk_sched_pending(s), 0);
+    cr_assert_eq(en_sched_pending(s), 0);
     if (b->check_steps) b->check_steps(128, chunk);
-    wk_sched_stats st;
-    wk_sched_stats_get(s, &st);
+    en_sched_stats st;
+    en_sched_stats_get(s, &st);
     if (expect_preempt) cr_assert_gt(st.preemptions, 0, "a small KV store forces preemption");
     cr_assert_eq(st.completed, (uint64_t)nr);
     b->close(s);
@@ -114,19 +114,19 @@ SCENARIO(decode_prefill_caps_prompt_tokens_in_steps_that_decode_and_changes_no_t
     b->prompt(a, 9, 4);
     b->prompt(p, 100, 9);
     out oa = {0}, ob = {0};
-    wk_sched *s = b->open(0, 128, (wk_sched_opts){.max_batch_tokens = 128, .decode_prefill = 8});
-    wk_sched_req r = greedy_req(a, 9, 40, &oa);
+    en_sched *s = b->open(0, 128, (en_sched_opts){.max_batch_tokens = 128, .decode_prefill = 8});
+    en_sched_req r = greedy_req(a, 9, 40, &oa);
     r.ignore_eos = 1;
-    cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
-    cr_assert_gt(wk_sched_step(s), 0); /* a is decoding now */
+    cr_assert_eq(en_sched_submit(s, &r, NULL), 0);
+    cr_assert_gt(en_sched_step(s), 0); /* a is decoding now */
     r = greedy_req(p, 100, 6, &ob);
-    cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
+    cr_assert_eq(en_sched_submit(s, &r, NULL), 0);
     int capped = 0;
     while (!ob.ended) {
-        wk_sched_stats s0, s1;
-        wk_sched_stats_get(s, &s0);
-        cr_assert_gt(wk_sched_step(s), 0);
-        wk_sched_stats_get(s, &s1);
+        en_sched_stats s0, s1;
+        en_sched_stats_get(s, &s0);
+        cr_assert_gt(en_sched_step(s), 0);
+        en_sched_stats_get(s, &s1);
         if (s1.decode_tokens > s0.decode_tokens && !oa.ended) {
             cr_assert_leq(s1.prefill_tokens - s0.prefill_tokens, 8,
                           "a step that decodes carries at most 8 prompt tokens");
@@ -145,16 +145,16 @@ SCENARIO(a_cached_prefix_is_attached_and_only_the_rest_is_prefilled)
     int32_t p[100];
     b->prompt(p, n, 7);
     out a = {0}, c = {0}, d = {0};
-    wk_sched *s = b->open(0, 128, (wk_sched_opts){.max_batch_tokens = 128});
-    wk_sched_req r = greedy_req(p, n, 8, &a);
-    cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
+    en_sched *s = b->open(0, 128, (en_sched_opts){.max_batch_tokens = 128});
+    en_sched_req r = greedy_req(p, n, 8, &a);
+    cr_assert_eq(en_sched_submit(s, &r, NULL), 0);
     run_all(s);
-    wk_sched_stats s0, s1;
-    wk_sched_stats_get(s, &s0);
+    en_sched_stats s0, s1;
+    en_sched_stats_get(s, &s0);
     r = greedy_req(p, n, 8, &c);
-    cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
+    cr_assert_eq(en_sched_submit(s, &r, NULL), 0);
     run_all(s);
-    wk_sched_stats_get(s, &s1);
+    en_sched_stats_get(s, &s1);
     cr_assert_eq(a.u.cached_tokens, 0);
     cr_assert_eq(c.u.cached_tokens, 6 * b->pt, "6 full pages reused");
     cr_assert_eq(s1.prefill_tokens - s0.prefill_tokens, 4, "only the 4 uncached tokens");
@@ -163,7 +163,7 @@ SCENARIO(a_cached_prefix_is_attached_and_only_the_rest_is_prefilled)
     r = greedy_req(p, n, 8, &d); /* another tenant never sees those pages */
     r.cache_salt = "tenant-b";
     r.cache_salt_len = 8;
-    cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
+    cr_assert_eq(en_sched_submit(s, &r, NULL), 0);
     run_all(s);
     cr_assert_eq(d.u.cached_tokens, 0);
     b->close(s);
@@ -172,14 +172,14 @@ SCENARIO(a_cached_prefix_is_attached_and_only_the_rest_is_prefilled)
 
 SCENARIO(a_sequence_that_can_never_fit_fails_without_crashing)
 {
-    wk_sched *s = b->open(4, 128, (wk_sched_opts){.max_batch_tokens = 128});
+    en_sched *s = b->open(4, 128, (en_sched_opts){.max_batch_tokens = 128});
     int32_t p[100];
     b->prompt(p, 6 * b->pt + 4, 3);
     out big = {0}, small = {0};
-    wk_sched_req r = greedy_req(p, 6 * b->pt + 4, 4, &big);
-    cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
+    en_sched_req r = greedy_req(p, 6 * b->pt + 4, 4, &big);
+    cr_assert_eq(en_sched_submit(s, &r, NULL), 0);
     r = greedy_req(p, b->pt + 4, 4, &small);
-    cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
+    cr_assert_eq(en_sched_submit(s, &r, NULL), 0);
     run_all(s);
     cr_assert_eq(big.code, KM_CODE_TOO_LARGE);
     cr_assert(small.ended && !small.code, "the next request is served");
@@ -189,7 +189,7 @@ SCENARIO(a_sequence_that_can_never_fit_fails_without_crashing)
 
 SCENARIO(a_sequence_that_fits_but_finds_the_pages_pinned_is_handed_back_not_refused)
 {
-    wk_sched *s = b->open(8, 128, (wk_sched_opts){.max_batch_tokens = 128});
+    en_sched *s = b->open(8, 128, (en_sched_opts){.max_batch_tokens = 128});
     /* a memory-pressure episode: another holder pins 6 of the 8 pages */
     kv_store *kv = b->kv();
     kv_seq *ballast = NULL;
@@ -199,16 +199,16 @@ SCENARIO(a_sequence_that_fits_but_finds_the_pages_pinned_is_handed_back_not_refu
     int32_t p[100];
     b->prompt(p, n, 5);
     out a = {0}, c = {0};
-    wk_sched_req r = greedy_req(p, n, 4, &a);
-    cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
+    en_sched_req r = greedy_req(p, n, 4, &a);
+    cr_assert_eq(en_sched_submit(s, &r, NULL), 0);
     run_all(s);
     cr_assert_eq(a.code, KM_CODE_UNAVAILABLE, "4 pages would fit an empty cache: retry elsewhere");
-    wk_sched_stats st;
-    wk_sched_stats_get(s, &st);
+    en_sched_stats st;
+    en_sched_stats_get(s, &st);
     cr_assert_eq(st.kv_full, 1);
     kv_seq_destroy(kv, ballast);
     r = greedy_req(p, n, 4, &c);
-    cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
+    cr_assert_eq(en_sched_submit(s, &r, NULL), 0);
     run_all(s);
     cr_assert(c.ended && !c.code, "served once the pages are free");
     b->close(s);
@@ -220,20 +220,20 @@ SCENARIO(higher_priority_first_and_aging_prevents_starvation)
     b->prompt(p, 8, 1);
     for (int aging = 1; aging >= 0; aging--) {
         g_ended = 0;
-        wk_sched *s = b->open(0, 64,
-                              (wk_sched_opts){.max_running = 1,
+        en_sched *s = b->open(0, 64,
+                              (en_sched_opts){.max_running = 1,
                                               .max_batch_tokens = 64,
                                               .aging_per_s = aging ? 1e9 : 1e-9});
         out first = {0}, lo = {0}, hi = {0};
-        wk_sched_req r = greedy_req(p, 8, 2, &first);
-        cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
+        en_sched_req r = greedy_req(p, 8, 2, &first);
+        cr_assert_eq(en_sched_submit(s, &r, NULL), 0);
         r = greedy_req(p, 8, 2, &lo);
         r.priority = -100;
         r.arrival_ns = km_now_ns() - 1000000000ull; /* waited a second already */
-        cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
+        cr_assert_eq(en_sched_submit(s, &r, NULL), 0);
         r = greedy_req(p, 8, 2, &hi);
         r.priority = 100;
-        cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
+        cr_assert_eq(en_sched_submit(s, &r, NULL), 0);
         run_all(s);
         if (aging)
             cr_assert_lt(lo.order, hi.order, "with aging the older request is admitted first");
@@ -245,26 +245,26 @@ SCENARIO(higher_priority_first_and_aging_prevents_starvation)
 
 SCENARIO(cancel_deadline_and_stop_end_requests)
 {
-    wk_sched *s = b->open(0, 64, (wk_sched_opts){.max_batch_tokens = 64});
+    en_sched *s = b->open(0, 64, (en_sched_opts){.max_batch_tokens = 64});
     int32_t p[10];
     b->prompt(p, 10, 2);
     out c = {0}, d = {0}, st = {0};
     uint64_t rid;
-    wk_sched_req r = greedy_req(p, 10, 1000, &c);
+    en_sched_req r = greedy_req(p, 10, 1000, &c);
     r.ignore_eos = 1;
-    cr_assert_eq(wk_sched_submit(s, &r, &rid), 0);
+    cr_assert_eq(en_sched_submit(s, &r, &rid), 0);
     r = greedy_req(p, 10, 1000, &d);
     r.ignore_eos = 1;
     r.deadline_ns = km_now_ns() + 50000000ull;
-    cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
+    cr_assert_eq(en_sched_submit(s, &r, NULL), 0);
     r = greedy_req(p, 10, 1000, &st);
     r.ignore_eos = 1;
     st.stop_at = 3;
-    cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
-    for (int i = 0; i < 5; i++) cr_assert_geq(wk_sched_step(s), 0);
-    cr_assert_eq(wk_sched_cancel(s, rid), 0);
+    cr_assert_eq(en_sched_submit(s, &r, NULL), 0);
+    for (int i = 0; i < 5; i++) cr_assert_geq(en_sched_step(s), 0);
+    cr_assert_eq(en_sched_cancel(s, rid), 0);
     for (int i = 0; i < 100000 && !d.ended; i++) { /* steps until the deadline passes */
-        cr_assert_geq(wk_sched_step(s), 0);
+        cr_assert_geq(en_sched_step(s), 0);
         usleep(1000);
     }
     run_all(s);
@@ -272,39 +272,39 @@ SCENARIO(cancel_deadline_and_stop_end_requests)
     cr_assert_eq(d.finish, KM_FINISH_DEADLINE);
     cr_assert_eq(st.finish, KM_FINISH_STOP);
     cr_assert_eq(st.n, 3);
-    cr_assert_eq(wk_sched_cancel(s, rid), KM_ENOTFOUND);
+    cr_assert_eq(en_sched_cancel(s, rid), KM_ENOTFOUND);
     b->close(s);
 }
 
 SCENARIO(refusals_are_errors_not_crashes)
 {
-    wk_sched *s =
-        b->open(0, 64, (wk_sched_opts){.max_batch_tokens = 64, .max_queue = 2, .max_ctx = 64});
+    en_sched *s =
+        b->open(0, 64, (en_sched_opts){.max_batch_tokens = 64, .max_queue = 2, .max_ctx = 64});
     int32_t p[80];
     b->prompt(p, 80, 5);
     out o[3];
     memset(o, 0, sizeof o);
-    wk_sched_req r = greedy_req(p, 64, 4, &o[0]);
-    cr_assert_eq(wk_sched_submit(s, &r, NULL), KM_ERANGE, "no room left in max_ctx");
+    en_sched_req r = greedy_req(p, 64, 4, &o[0]);
+    cr_assert_eq(en_sched_submit(s, &r, NULL), KM_ERANGE, "no room left in max_ctx");
     int32_t keep = p[3];
     p[3] = b->n_vocab;
     r = greedy_req(p, 10, 4, &o[0]);
-    cr_assert_eq(wk_sched_submit(s, &r, NULL), KM_EINVAL, "a token outside the vocabulary");
+    cr_assert_eq(en_sched_submit(s, &r, NULL), KM_EINVAL, "a token outside the vocabulary");
     p[3] = keep;
     for (int i = 0; i < 2; i++) {
         r = greedy_req(p, 10, 4, &o[i]);
-        cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
+        cr_assert_eq(en_sched_submit(s, &r, NULL), 0);
     }
     r = greedy_req(p, 10, 4, &o[2]);
-    cr_assert_eq(wk_sched_submit(s, &r, NULL), KM_EOVERLOAD);
+    cr_assert_eq(en_sched_submit(s, &r, NULL), KM_EOVERLOAD);
     run_all(s);
     b->close(s);
     /* max_tokens is clipped to the context: 60 prompt + 4 */
-    s = b->open(0, 64, (wk_sched_opts){.max_batch_tokens = 64, .max_ctx = 64});
+    s = b->open(0, 64, (en_sched_opts){.max_batch_tokens = 64, .max_ctx = 64});
     out clip = {0};
     r = greedy_req(p, 60, 100, &clip);
     r.ignore_eos = 1;
-    cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
+    cr_assert_eq(en_sched_submit(s, &r, NULL), 0);
     run_all(s);
     cr_assert_eq(clip.n, 4);
     cr_assert_eq(clip.finish, KM_FINISH_LENGTH);

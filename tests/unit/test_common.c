@@ -6,6 +6,7 @@
  * tests. JSON lines are checked with a small strict validator below, not just by substring.
  */
 #include "common/km.h"
+#include "model/model.h"
 
 #include <criterion/criterion.h>
 #include <regex.h>
@@ -75,52 +76,52 @@ Test(types, table_matches_ggml)
         const char *name;
         int elems, bytes;
     } want[] = {
-        {KM_TYPE_F32, "F32", 1, 4},       {KM_TYPE_F16, "F16", 1, 2},
-        {KM_TYPE_BF16, "BF16", 1, 2},     {KM_TYPE_Q4_0, "Q4_0", 32, 18},
-        {KM_TYPE_Q4_1, "Q4_1", 32, 20},   {KM_TYPE_Q5_0, "Q5_0", 32, 22},
-        {KM_TYPE_Q5_1, "Q5_1", 32, 24},   {KM_TYPE_Q8_0, "Q8_0", 32, 34},
-        {KM_TYPE_Q8_1, "Q8_1", 32, 36},   {KM_TYPE_Q2_K, "Q2_K", 256, 84},
-        {KM_TYPE_Q3_K, "Q3_K", 256, 110}, {KM_TYPE_Q4_K, "Q4_K", 256, 144},
-        {KM_TYPE_Q5_K, "Q5_K", 256, 176}, {KM_TYPE_Q6_K, "Q6_K", 256, 210},
-        {KM_TYPE_Q8_K, "Q8_K", 256, 292},
+        {MD_TYPE_F32, "F32", 1, 4},       {MD_TYPE_F16, "F16", 1, 2},
+        {MD_TYPE_BF16, "BF16", 1, 2},     {MD_TYPE_Q4_0, "Q4_0", 32, 18},
+        {MD_TYPE_Q4_1, "Q4_1", 32, 20},   {MD_TYPE_Q5_0, "Q5_0", 32, 22},
+        {MD_TYPE_Q5_1, "Q5_1", 32, 24},   {MD_TYPE_Q8_0, "Q8_0", 32, 34},
+        {MD_TYPE_Q8_1, "Q8_1", 32, 36},   {MD_TYPE_Q2_K, "Q2_K", 256, 84},
+        {MD_TYPE_Q3_K, "Q3_K", 256, 110}, {MD_TYPE_Q4_K, "Q4_K", 256, 144},
+        {MD_TYPE_Q5_K, "Q5_K", 256, 176}, {MD_TYPE_Q6_K, "Q6_K", 256, 210},
+        {MD_TYPE_Q8_K, "Q8_K", 256, 292},
     };
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
-        cr_expect_eq(km_type_block_elems(want[i].id), want[i].elems, "%s", want[i].name);
-        cr_expect_eq(km_type_block_bytes(want[i].id), want[i].bytes, "%s", want[i].name);
-        cr_expect_str_eq(km_type_name(want[i].id), want[i].name);
+        cr_expect_eq(md_type_block_elems(want[i].id), want[i].elems, "%s", want[i].name);
+        cr_expect_eq(md_type_block_bytes(want[i].id), want[i].bytes, "%s", want[i].name);
+        cr_expect_str_eq(md_type_name(want[i].id), want[i].name);
     }
     /* ggml's raw numeric ids, as written in GGUF files. */
-    cr_expect_str_eq(km_type_name(3), "Q4_1");
-    cr_expect_str_eq(km_type_name(8), "Q8_0");
-    cr_expect_str_eq(km_type_name(30), "BF16");
+    cr_expect_str_eq(md_type_name(3), "Q4_1");
+    cr_expect_str_eq(md_type_name(8), "Q8_0");
+    cr_expect_str_eq(md_type_name(30), "BF16");
 }
 
 Test(types, unknown_ids_read_as_unknown)
 {
     const uint32_t ids[] = {4, 5, 16, 20, 29, 31, 39, 40, 41, 1000, UINT32_MAX};
     for (size_t i = 0; i < sizeof ids / sizeof ids[0]; i++) {
-        cr_expect_eq(km_type_block_elems(ids[i]), 0, "id %u", ids[i]);
-        cr_expect_eq(km_type_block_bytes(ids[i]), 0, "id %u", ids[i]);
-        cr_expect_str_eq(km_type_name(ids[i]), "unknown");
-        cr_expect_eq(km_type_row_bytes(ids[i], 256), 0);
+        cr_expect_eq(md_type_block_elems(ids[i]), 0, "id %u", ids[i]);
+        cr_expect_eq(md_type_block_bytes(ids[i]), 0, "id %u", ids[i]);
+        cr_expect_str_eq(md_type_name(ids[i]), "unknown");
+        cr_expect_eq(md_type_row_bytes(ids[i], 256), 0);
     }
 }
 
 Test(types, row_bytes_counts_whole_blocks_only)
 {
-    cr_expect_eq(km_type_row_bytes(KM_TYPE_F32, 3), 12);
-    cr_expect_eq(km_type_row_bytes(KM_TYPE_F16, 576), 1152);
-    cr_expect_eq(km_type_row_bytes(KM_TYPE_Q4_1, 576), 576 / 32 * 20);
-    cr_expect_eq(km_type_row_bytes(KM_TYPE_Q8_0, 576), 576 / 32 * 34);
-    cr_expect_eq(km_type_row_bytes(KM_TYPE_Q6_K, 1536), 6 * 210);
-    cr_expect_eq(km_type_row_bytes(KM_TYPE_Q4_0, 33), 0);
-    cr_expect_eq(km_type_row_bytes(KM_TYPE_Q4_K, 576), 0, "576 is not a multiple of 256");
-    cr_expect_eq(km_type_row_bytes(KM_TYPE_F32, 0), 0);
-    cr_expect_eq(km_type_row_bytes(KM_TYPE_F32, -4), 0);
+    cr_expect_eq(md_type_row_bytes(MD_TYPE_F32, 3), 12);
+    cr_expect_eq(md_type_row_bytes(MD_TYPE_F16, 576), 1152);
+    cr_expect_eq(md_type_row_bytes(MD_TYPE_Q4_1, 576), 576 / 32 * 20);
+    cr_expect_eq(md_type_row_bytes(MD_TYPE_Q8_0, 576), 576 / 32 * 34);
+    cr_expect_eq(md_type_row_bytes(MD_TYPE_Q6_K, 1536), 6 * 210);
+    cr_expect_eq(md_type_row_bytes(MD_TYPE_Q4_0, 33), 0);
+    cr_expect_eq(md_type_row_bytes(MD_TYPE_Q4_K, 576), 0, "576 is not a multiple of 256");
+    cr_expect_eq(md_type_row_bytes(MD_TYPE_F32, 0), 0);
+    cr_expect_eq(md_type_row_bytes(MD_TYPE_F32, -4), 0);
     /* Byte counts past 2^64 cannot be represented and read as 0. */
-    cr_expect_eq(km_type_row_bytes(KM_TYPE_F32, (INT64_C(1) << 62) - 1), UINT64_MAX - 3);
-    cr_expect_eq(km_type_row_bytes(KM_TYPE_F32, INT64_C(1) << 62), 0);
-    cr_expect_eq(km_type_row_bytes(KM_TYPE_F32, INT64_MAX), 0);
+    cr_expect_eq(md_type_row_bytes(MD_TYPE_F32, (INT64_C(1) << 62) - 1), UINT64_MAX - 3);
+    cr_expect_eq(md_type_row_bytes(MD_TYPE_F32, INT64_C(1) << 62), 0);
+    cr_expect_eq(md_type_row_bytes(MD_TYPE_F32, INT64_MAX), 0);
 }
 
 /* ---------------------------------------------------------------- logging */

@@ -29,8 +29,8 @@ typedef struct rec {
     float margins[128];
 } rec;
 
-static wk_model *g_model;
-static wk_engine *g_engine;
+static en_model *g_model;
+static en_engine *g_engine;
 static rec g_recs[MAX_REC];
 static int g_n_recs;
 
@@ -79,16 +79,16 @@ static void setup(void)
 {
     if (access(MODEL, R_OK)) return;
     km_errbuf err = {{0}};
-    cr_assert_eq(wk_model_load(MODEL, &g_model, &err), 0, "%s", err.msg);
-    wk_engine_opts o = {.n_threads = 2, .max_batch_tokens = 512};
-    cr_assert_eq(wk_engine_create(g_model, &o, &g_engine, &err), 0, "%s", err.msg);
+    cr_assert_eq(en_model_load(MODEL, &g_model, &err), 0, "%s", err.msg);
+    en_engine_opts o = {.n_threads = 2, .max_batch_tokens = 512};
+    cr_assert_eq(en_engine_create(g_model, &o, &g_engine, &err), 0, "%s", err.msg);
     load_fixture();
 }
 
 static void teardown(void)
 {
-    wk_engine_destroy(g_engine);
-    wk_model_free(g_model);
+    en_engine_destroy(g_engine);
+    en_model_free(g_model);
     for (int i = 0; i < g_n_recs; i++) free(g_recs[i].prompt);
     g_engine = NULL;
     g_model = NULL;
@@ -103,13 +103,13 @@ static void teardown(void)
 /* Runs ids[0..n) of a fresh sequence; returns argmax at positions want_from..n-1 in out. */
 static void forward_argmax(const int32_t *ids, int n, int want_from, int32_t *out)
 {
-    kv_store *kv = wk_engine_kv(g_engine);
+    kv_store *kv = en_engine_kv(g_engine);
     kv_seq *seq;
     cr_assert_eq(kv_seq_create(kv, &seq), 0);
     int32_t pos[512];
     kv_seq *seqs[512];
     uint8_t want[512];
-    int n_vocab = wk_model_hparams(g_model)->n_vocab;
+    int n_vocab = en_model_hparams(g_model)->n_vocab;
     for (int s = 0; s < n; s += 512) {
         int nb = n - s < 512 ? n - s : 512;
         for (int i = 0; i < nb; i++) {
@@ -117,13 +117,13 @@ static void forward_argmax(const int32_t *ids, int n, int want_from, int32_t *ou
             seqs[i] = seq;
             want[i] = s + i >= want_from;
         }
-        wk_batch b = {.n_tokens = nb, .tokens = ids + s, .pos = pos, .seqs = seqs, .logits = want};
+        en_batch b = {.n_tokens = nb, .tokens = ids + s, .pos = pos, .seqs = seqs, .logits = want};
         const float *lg;
-        int n_out = wk_engine_step(g_engine, &b, &lg);
+        int n_out = en_engine_step(g_engine, &b, &lg);
         cr_assert_geq(n_out, 0, "step failed: %s", km_strerror(n_out));
         int r = 0;
         for (int i = 0; i < nb; i++)
-            if (want[i]) out[s + i - want_from] = wk_argmax(lg + (size_t)r++ * n_vocab, n_vocab);
+            if (want[i]) out[s + i - want_from] = en_argmax(lg + (size_t)r++ * n_vocab, n_vocab);
     }
     kv_seq_destroy(kv, seq);
 }
@@ -131,21 +131,21 @@ static void forward_argmax(const int32_t *ids, int n, int want_from, int32_t *ou
 /* Greedy generation of n tokens after the prompt, one token per step. */
 static void greedy(const int32_t *prompt, int n_prompt, int n, int32_t *out)
 {
-    kv_store *kv = wk_engine_kv(g_engine);
+    kv_store *kv = en_engine_kv(g_engine);
     kv_seq *seq;
     cr_assert_eq(kv_seq_create(kv, &seq), 0);
     int32_t pos[512];
     kv_seq *seqs[512];
     for (int i = 0; i < n_prompt; i++) pos[i] = i, seqs[i] = seq;
-    wk_batch b = {.n_tokens = n_prompt, .tokens = prompt, .pos = pos, .seqs = seqs};
+    en_batch b = {.n_tokens = n_prompt, .tokens = prompt, .pos = pos, .seqs = seqs};
     const float *lg;
-    cr_assert_geq(wk_engine_step(g_engine, &b, &lg), 0);
-    int n_vocab = wk_model_hparams(g_model)->n_vocab;
+    cr_assert_geq(en_engine_step(g_engine, &b, &lg), 0);
+    int n_vocab = en_model_hparams(g_model)->n_vocab;
     for (int g = 0; g < n; g++) {
-        out[g] = wk_argmax(lg, n_vocab);
+        out[g] = en_argmax(lg, n_vocab);
         int32_t p = n_prompt + g;
-        wk_batch d = {.n_tokens = 1, .tokens = &out[g], .pos = &p, .seqs = &seq};
-        cr_assert_geq(wk_engine_step(g_engine, &d, &lg), 0);
+        en_batch d = {.n_tokens = 1, .tokens = &out[g], .pos = &p, .seqs = &seq};
+        cr_assert_geq(en_engine_step(g_engine, &d, &lg), 0);
     }
     kv_seq_destroy(kv, seq);
 }
@@ -155,10 +155,10 @@ TestSuite(engine, .init = setup, .fini = teardown, .timeout = 600);
 Test(engine, tokenizer_matches_llamacpp_on_fixture_prompts)
 {
     NEED_MODEL();
-    const km_tokenizer *tok = wk_model_tokenizer(g_model);
+    const md_tokenizer *tok = en_model_tokenizer(g_model);
     for (int i = 0; i < g_n_recs; i++) {
         int32_t ids[1024];
-        int n = km_tok_encode(tok, g_recs[i].prompt, strlen(g_recs[i].prompt), 1, 1, ids, 1024);
+        int n = md_tok_encode(tok, g_recs[i].prompt, strlen(g_recs[i].prompt), 1, 1, ids, 1024);
         cr_assert_eq(n, g_recs[i].n_prompt, "prompt %d: %d tokens, llama.cpp %d", i, n,
                      g_recs[i].n_prompt);
         cr_assert_arr_eq(ids, g_recs[i].prompt_ids, sizeof(int32_t) * n, "prompt %d ids differ", i);
@@ -262,9 +262,9 @@ Test(engine, greedy_output_is_the_same_alone_and_in_a_mixed_batch)
 
     /* All three prompts prefilled in one step, then decoded together; sequence 2 joins late
      * (its prefill is mixed with the others' decodes). */
-    kv_store *kv = wk_engine_kv(g_engine);
+    kv_store *kv = en_engine_kv(g_engine);
     kv_seq *seq[N];
-    int n_vocab = wk_model_hparams(g_model)->n_vocab;
+    int n_vocab = en_model_hparams(g_model)->n_vocab;
     int32_t tok[512], pos[512];
     kv_seq *seqs[512];
     uint8_t want[512];
@@ -278,11 +278,11 @@ Test(engine, greedy_output_is_the_same_alone_and_in_a_mixed_batch)
             seqs[n] = seq[s];
             want[n] = i == g_recs[s].n_prompt - 1;
         }
-    wk_batch b = {.n_tokens = n, .tokens = tok, .pos = pos, .seqs = seqs, .logits = want};
+    en_batch b = {.n_tokens = n, .tokens = tok, .pos = pos, .seqs = seqs, .logits = want};
     const float *lg;
-    cr_assert_eq(wk_engine_step(g_engine, &b, &lg), 2);
+    cr_assert_eq(en_engine_step(g_engine, &b, &lg), 2);
     for (int s = 0; s < 2; s++) {
-        mixed[s][0] = wk_argmax(lg + (size_t)s * n_vocab, n_vocab);
+        mixed[s][0] = en_argmax(lg + (size_t)s * n_vocab, n_vocab);
         cur[s] = 1;
     }
     cur[2] = 0;
@@ -312,13 +312,13 @@ Test(engine, greedy_output_is_the_same_alone_and_in_a_mixed_batch)
             n++;
         }
         if (!n) break;
-        b = (wk_batch){.n_tokens = n, .tokens = tok, .pos = pos, .seqs = seqs, .logits = want};
-        cr_assert_geq(wk_engine_step(g_engine, &b, &lg), 0);
+        b = (en_batch){.n_tokens = n, .tokens = tok, .pos = pos, .seqs = seqs, .logits = want};
+        cr_assert_geq(en_engine_step(g_engine, &b, &lg), 0);
         int r = 0;
         for (int s = 0; s < 2; s++)
-            if (cur[s] < G) mixed[s][cur[s]++] = wk_argmax(lg + (size_t)r++ * n_vocab, n_vocab);
+            if (cur[s] < G) mixed[s][cur[s]++] = en_argmax(lg + (size_t)r++ * n_vocab, n_vocab);
         if (n > first2 && cur[2] < G)
-            mixed[2][cur[2]++] = wk_argmax(lg + (size_t)r * n_vocab, n_vocab);
+            mixed[2][cur[2]++] = en_argmax(lg + (size_t)r * n_vocab, n_vocab);
     }
     for (int s = 0; s < N; s++) {
         kv_seq_destroy(kv, seq[s]);
@@ -330,12 +330,12 @@ Test(engine, out_of_range_token_is_rejected)
 {
     NEED_MODEL();
     kv_seq *seq;
-    kv_seq_create(wk_engine_kv(g_engine), &seq);
+    kv_seq_create(en_engine_kv(g_engine), &seq);
     int32_t t = 1 << 30, p = 0;
-    wk_batch b = {.n_tokens = 1, .tokens = &t, .pos = &p, .seqs = &seq};
+    en_batch b = {.n_tokens = 1, .tokens = &t, .pos = &p, .seqs = &seq};
     const float *lg;
-    cr_assert_eq(wk_engine_step(g_engine, &b, &lg), KM_EINVAL);
-    kv_seq_destroy(wk_engine_kv(g_engine), seq);
+    cr_assert_eq(en_engine_step(g_engine, &b, &lg), KM_EINVAL);
+    kv_seq_destroy(en_engine_kv(g_engine), seq);
 }
 
 Test(engine_load, broken_model_files_give_errors_not_crashes)
@@ -352,17 +352,17 @@ Test(engine_load, broken_model_files_give_errors_not_crashes)
         FILE *out = fopen(path, "wb");
         fwrite(buf, 1, cuts[i], out);
         fclose(out);
-        wk_model *m = NULL;
+        en_model *m = NULL;
         km_errbuf err = {{0}};
-        int rc = wk_model_load(path, &m, &err);
+        int rc = en_model_load(path, &m, &err);
         cr_assert_lt(rc, 0, "truncated at %zu bytes but loaded", cuts[i]);
         cr_assert_null(m);
         cr_assert_neq(err.msg[0], 0, "no error message for a cut at %zu", cuts[i]);
     }
     unlink(path);
-    wk_model *m = NULL;
+    en_model *m = NULL;
     km_errbuf err = {{0}};
-    cr_assert_lt(wk_model_load("/nonexistent/model.gguf", &m, &err), 0);
+    cr_assert_lt(en_model_load("/nonexistent/model.gguf", &m, &err), 0);
 }
 
 Test(sampler, same_seed_same_tokens_and_greedy_is_argmax)
@@ -370,56 +370,56 @@ Test(sampler, same_seed_same_tokens_and_greedy_is_argmax)
     enum { V = 1000 };
     static float logits[V];
     for (int i = 0; i < V; i++) logits[i] = (float)((i * 7919) % 1000) / 100.0f;
-    wk_sample_params p;
-    wk_sample_params_default(&p);
+    en_sample_params p;
+    en_sample_params_default(&p);
     p.seed = 1234;
     p.top_k = 0;
     p.top_p = 0.9f;
     p.min_p = 0.0f;
     p.temperature = 1.5f;
-    wk_sampler *a, *b;
-    cr_assert_eq(wk_sampler_create(&p, V, &a), 0);
-    cr_assert_eq(wk_sampler_create(&p, V, &b), 0);
+    en_sampler *a, *b;
+    cr_assert_eq(en_sampler_create(&p, V, &a), 0);
+    cr_assert_eq(en_sampler_create(&p, V, &b), 0);
     int differs_from_argmax = 0;
     for (int i = 0; i < 50; i++) {
-        int32_t x = wk_sampler_sample(a, logits), y = wk_sampler_sample(b, logits);
+        int32_t x = en_sampler_sample(a, logits), y = en_sampler_sample(b, logits);
         cr_assert_eq(x, y);
-        differs_from_argmax += x != wk_argmax(logits, V);
+        differs_from_argmax += x != en_argmax(logits, V);
     }
     cr_assert_gt(differs_from_argmax, 0, "temperature 1.5 never left the argmax");
-    wk_sampler_destroy(a);
-    wk_sampler_destroy(b);
+    en_sampler_destroy(a);
+    en_sampler_destroy(b);
     p.temperature = 0;
-    cr_assert_eq(wk_sampler_create(&p, V, &a), 0);
-    cr_assert_eq(wk_sampler_sample(a, logits), wk_argmax(logits, V));
-    wk_sampler_destroy(a);
+    cr_assert_eq(en_sampler_create(&p, V, &a), 0);
+    cr_assert_eq(en_sampler_sample(a, logits), en_argmax(logits, V));
+    en_sampler_destroy(a);
     p.temperature = 1.0f;
     p.top_k = 1;
-    cr_assert_eq(wk_sampler_create(&p, V, &a), 0);
-    for (int i = 0; i < 10; i++) cr_assert_eq(wk_sampler_sample(a, logits), wk_argmax(logits, V));
-    wk_sampler_destroy(a);
+    cr_assert_eq(en_sampler_create(&p, V, &a), 0);
+    for (int i = 0; i < 10; i++) cr_assert_eq(en_sampler_sample(a, logits), en_argmax(logits, V));
+    en_sampler_destroy(a);
 }
 
 Test(sampler, penalties_push_repeated_tokens_down)
 {
     enum { V = 8 };
     float logits[V] = {1, 5, 4.9f, 0, 0, 0, 0, 0};
-    wk_sample_params p;
-    wk_sample_params_default(&p);
+    en_sample_params p;
+    en_sample_params_default(&p);
     p.temperature = 0;
     p.repeat_penalty = 1.5f;
-    wk_sampler *s;
-    cr_assert_eq(wk_sampler_create(&p, V, &s), 0);
-    cr_assert_eq(wk_sampler_sample(s, logits), 1);
-    wk_sampler_accept(s, 1);
-    cr_assert_eq(wk_sampler_sample(s, logits), 2, "token 1 was repeated and should lose");
-    wk_sampler_destroy(s);
+    en_sampler *s;
+    cr_assert_eq(en_sampler_create(&p, V, &s), 0);
+    cr_assert_eq(en_sampler_sample(s, logits), 1);
+    en_sampler_accept(s, 1);
+    cr_assert_eq(en_sampler_sample(s, logits), 2, "token 1 was repeated and should lose");
+    en_sampler_destroy(s);
     p.repeat_penalty = 1.0f;
     p.presence_penalty = 0.5f;
-    cr_assert_eq(wk_sampler_create(&p, V, &s), 0);
-    wk_sampler_accept(s, 1);
-    cr_assert_eq(wk_sampler_sample(s, logits), 2);
-    wk_sampler_destroy(s);
+    cr_assert_eq(en_sampler_create(&p, V, &s), 0);
+    en_sampler_accept(s, 1);
+    cr_assert_eq(en_sampler_sample(s, logits), 2);
+    en_sampler_destroy(s);
 }
 
 Test(sampler, min_p_and_top_p_keep_only_likely_tokens)
@@ -429,19 +429,19 @@ Test(sampler, min_p_and_top_p_keep_only_likely_tokens)
     for (int i = 0; i < V; i++) logits[i] = -10;
     logits[3] = 10;
     logits[4] = 9.5f;
-    wk_sample_params p;
-    wk_sample_params_default(&p);
+    en_sample_params p;
+    en_sample_params_default(&p);
     p.temperature = 1;
     p.top_k = 0;
     p.min_p = 0.1f;
     p.top_p = 1;
-    wk_sampler *s;
-    cr_assert_eq(wk_sampler_create(&p, V, &s), 0);
+    en_sampler *s;
+    cr_assert_eq(en_sampler_create(&p, V, &s), 0);
     for (int i = 0; i < 200; i++) {
-        int32_t t = wk_sampler_sample(s, logits);
+        int32_t t = en_sampler_sample(s, logits);
         cr_assert(t == 3 || t == 4, "drew %d", t);
     }
-    wk_sampler_destroy(s);
+    en_sampler_destroy(s);
 }
 
 /* The worker migrates a request by re-running its prompt plus the streamed tokens in one step;
@@ -451,8 +451,8 @@ Test(engine, logits_are_bit_identical_whether_a_prompt_runs_in_one_step_or_token
     NEED_MODEL();
     const rec *r = &g_recs[7];
     int n = r->n_prompt < 200 ? r->n_prompt : 200;
-    int n_vocab = wk_model_hparams(g_model)->n_vocab;
-    kv_store *kv = wk_engine_kv(g_engine);
+    int n_vocab = en_model_hparams(g_model)->n_vocab;
+    kv_store *kv = en_engine_kv(g_engine);
     static float one[49152 * 2];
     cr_assert_leq(n_vocab, 49152 * 2);
     kv_seq *a, *b;
@@ -464,13 +464,13 @@ Test(engine, logits_are_bit_identical_whether_a_prompt_runs_in_one_step_or_token
     /* token by token first, so that a step that wrote no logits cannot pass on stale ones */
     for (int i = 0; i < n; i++) {
         int32_t p = i;
-        wk_batch bb = {.n_tokens = 1, .tokens = &r->prompt_ids[i], .pos = &p, .seqs = &b};
-        cr_assert_eq(wk_engine_step(g_engine, &bb, &lg), 1);
+        en_batch bb = {.n_tokens = 1, .tokens = &r->prompt_ids[i], .pos = &p, .seqs = &b};
+        cr_assert_eq(en_engine_step(g_engine, &bb, &lg), 1);
     }
     memcpy(one, lg, sizeof(float) * n_vocab);
     for (int i = 0; i < n; i++) pos[i] = i, seqs[i] = a;
-    wk_batch ba = {.n_tokens = n, .tokens = r->prompt_ids, .pos = pos, .seqs = seqs};
-    cr_assert_eq(wk_engine_step(g_engine, &ba, &lg), 1);
+    en_batch ba = {.n_tokens = n, .tokens = r->prompt_ids, .pos = pos, .seqs = seqs};
+    cr_assert_eq(en_engine_step(g_engine, &ba, &lg), 1);
     int diff = 0;
     for (int v = 0; v < n_vocab; v++) diff += memcmp(&one[v], &lg[v], sizeof(float)) != 0;
     kv_seq_destroy(kv, a);

@@ -66,8 +66,8 @@ typedef struct mrec {
 } mrec;
 
 typedef struct eng {
-    wk_model *m;
-    wk_engine *e;
+    en_model *m;
+    en_engine *e;
 } eng;
 
 static mrec g_rec[MAX_REC];
@@ -109,11 +109,11 @@ static void read_fixture(const char *path)
 }
 
 /* Loads path (which must exist: NEED it first), failing the test with the loader's message. */
-static wk_model *load_model(const char *path)
+static en_model *load_model(const char *path)
 {
     km_errbuf err = {{0}};
-    wk_model *m = NULL;
-    cr_assert_eq(wk_model_load(path, &m, &err), 0, "%s: %s", path, err.msg);
+    en_model *m = NULL;
+    cr_assert_eq(en_model_load(path, &m, &err), 0, "%s: %s", path, err.msg);
     return m;
 }
 
@@ -123,15 +123,15 @@ static int open_eng(const char *path, eng *out)
     if (access(path, R_OK)) return 0;
     km_errbuf err = {{0}};
     out->m = load_model(path);
-    wk_engine_opts o = {.n_threads = 2, .max_batch_tokens = MAXP};
-    cr_assert_eq(wk_engine_create(out->m, &o, &out->e, &err), 0, "%s: %s", path, err.msg);
+    en_engine_opts o = {.n_threads = 2, .max_batch_tokens = MAXP};
+    cr_assert_eq(en_engine_create(out->m, &o, &out->e, &err), 0, "%s: %s", path, err.msg);
     return 1;
 }
 
 static void close_eng(eng *x)
 {
-    wk_engine_destroy(x->e);
-    wk_model_free(x->m);
+    en_engine_destroy(x->e);
+    en_model_free(x->m);
     memset(x, 0, sizeof *x);
 }
 
@@ -145,7 +145,7 @@ static void close_eng(eng *x)
  * number of rows. */
 static int run_prompt(eng *x, const int32_t *ids, int n, int from, float *out, int16_t *route)
 {
-    kv_store *kv = wk_engine_kv(x->e);
+    kv_store *kv = en_engine_kv(x->e);
     kv_seq *seq;
     cr_assert_eq(kv_seq_create(kv, &seq), 0);
     int32_t pos[MAXP];
@@ -153,12 +153,12 @@ static int run_prompt(eng *x, const int32_t *ids, int n, int from, float *out, i
     uint8_t want[MAXP];
     cr_assert_leq(n, MAXP);
     for (int i = 0; i < n; i++) pos[i] = i, seqs[i] = seq, want[i] = i >= from;
-    wk_batch b = {
+    en_batch b = {
         .n_tokens = n, .tokens = ids, .pos = pos, .seqs = seqs, .logits = want, .route = route};
     const float *lg;
-    const int rows = wk_engine_step(x->e, &b, &lg);
+    const int rows = en_engine_step(x->e, &b, &lg);
     cr_assert_eq(rows, n - from, "step: %d", rows);
-    memcpy(out, lg, sizeof(float) * rows * wk_model_hparams(x->m)->n_vocab);
+    memcpy(out, lg, sizeof(float) * rows * en_model_hparams(x->m)->n_vocab);
     kv_seq_destroy(kv, seq);
     return rows;
 }
@@ -168,22 +168,22 @@ static int run_prompt(eng *x, const int32_t *ids, int n, int from, float *out, i
 static void greedy_run(eng *x, const int32_t *prompt, int n_prompt, int n, int32_t *out,
                        float *first)
 {
-    kv_store *kv = wk_engine_kv(x->e);
-    const int n_vocab = wk_model_hparams(x->m)->n_vocab;
+    kv_store *kv = en_engine_kv(x->e);
+    const int n_vocab = en_model_hparams(x->m)->n_vocab;
     kv_seq *seq;
     cr_assert_eq(kv_seq_create(kv, &seq), 0);
     int32_t pos[MAXP];
     kv_seq *seqs[MAXP];
     for (int i = 0; i < n_prompt; i++) pos[i] = i, seqs[i] = seq;
-    wk_batch b = {.n_tokens = n_prompt, .tokens = prompt, .pos = pos, .seqs = seqs};
+    en_batch b = {.n_tokens = n_prompt, .tokens = prompt, .pos = pos, .seqs = seqs};
     const float *lg;
-    cr_assert_eq(wk_engine_step(x->e, &b, &lg), 1);
+    cr_assert_eq(en_engine_step(x->e, &b, &lg), 1);
     if (first) memcpy(first, lg, sizeof(float) * n_vocab);
     for (int g = 0; g < n; g++) {
-        out[g] = wk_argmax(lg, n_vocab);
+        out[g] = en_argmax(lg, n_vocab);
         int32_t p = n_prompt + g;
-        wk_batch d = {.n_tokens = 1, .tokens = &out[g], .pos = &p, .seqs = &seq};
-        cr_assert_eq(wk_engine_step(x->e, &d, &lg), 1);
+        en_batch d = {.n_tokens = 1, .tokens = &out[g], .pos = &p, .seqs = &seq};
+        cr_assert_eq(en_engine_step(x->e, &d, &lg), 1);
     }
     kv_seq_destroy(kv, seq);
 }
@@ -193,18 +193,18 @@ Test(moe, the_gguf_declares_its_experts)
     NEED(TOP4);
     NEED(DENSE);
     km_errbuf err = {{0}};
-    wk_model *m, *d;
-    cr_assert_eq(wk_model_load(TOP4, &m, &err), 0, "%s", err.msg);
-    cr_assert_eq(wk_model_load(DENSE, &d, &err), 0, "%s", err.msg);
-    const wk_hparams *hm = wk_model_hparams(m), *hd = wk_model_hparams(d);
+    en_model *m, *d;
+    cr_assert_eq(en_model_load(TOP4, &m, &err), 0, "%s", err.msg);
+    cr_assert_eq(en_model_load(DENSE, &d, &err), 0, "%s", err.msg);
+    const en_hparams *hm = en_model_hparams(m), *hd = en_model_hparams(d);
     cr_expect_eq(hm->n_expert, 8);
     cr_expect_eq(hm->n_expert_used, 4);
     cr_expect_eq(hm->n_ff * hm->n_expert, hd->n_ff, "expert width %d x %d, dense %d", hm->n_ff,
                  hm->n_expert, hd->n_ff);
     cr_expect_eq(hd->n_expert, 0);
     cr_expect_eq(hd->n_expert_used, 0);
-    wk_model_free(m);
-    wk_model_free(d);
+    en_model_free(m);
+    en_model_free(d);
 }
 
 /* The dense model's greedy tokens (G after each prompt) and the margin of each (top-1 minus top-2
@@ -229,14 +229,14 @@ static int open_pair(const char *moe, eng *d, eng *x)
     read_fixture(PROMPTS);
     open_eng(DENSE, d);
     open_eng(moe, x);
-    return wk_model_hparams(d->m)->n_vocab;
+    return en_model_hparams(d->m)->n_vocab;
 }
 
 /* Two models that must compute the same bits: the logits after each fixture prompt and G greedy
  * tokens after it; closes both. */
 static void expect_bit_identical(eng *d, eng *x)
 {
-    const int n_vocab = wk_model_hparams(d->m)->n_vocab;
+    const int n_vocab = en_model_hparams(d->m)->n_vocab;
     float *ld = malloc(sizeof(float) * n_vocab), *lx = malloc(sizeof(float) * n_vocab);
     cr_assert(ld && lx);
     for (int r = 0; r < g_n_rec; r++) {
@@ -290,7 +290,7 @@ static void agrees_with_the_dense_model(const char *moe)
         }
         for (int g = 0; g < G; g++) {
             total++;
-            if (wk_argmax(lg + (size_t)g * n_vocab, n_vocab) == td[g])
+            if (en_argmax(lg + (size_t)g * n_vocab, n_vocab) == td[g])
                 agree++;
             else if (c->margins[g] >= NEAR_TIE)
                 hard_miss++;
@@ -321,8 +321,8 @@ Test(moe, eight_experts_all_used_agree_with_the_dense_model, .timeout = 900)
 Test(moe, qwen2moe_with_a_shared_expert_agrees_with_the_dense_model, .timeout = 900)
 {
     NEED(QWEN);
-    wk_model *m = load_model(QWEN);
-    const wk_hparams *hp = wk_model_hparams(m);
+    en_model *m = load_model(QWEN);
+    const en_hparams *hp = en_model_hparams(m);
     cr_expect_str_eq(hp->arch, "qwen2moe");
     cr_expect_eq(hp->n_expert, 8);
     cr_expect_eq(hp->n_expert_used, 8);
@@ -330,7 +330,7 @@ Test(moe, qwen2moe_with_a_shared_expert_agrees_with_the_dense_model, .timeout = 
     cr_expect_eq(hp->n_ff_shexp, 512);
     cr_expect_eq(hp->moe_norm_w, 0, "qwen2moe keeps the softmax weights as they are");
     cr_expect_eq(hp->rope_neox, 1);
-    wk_model_free(m);
+    en_model_free(m);
     agrees_with_the_dense_model(QWEN);
 }
 
@@ -342,7 +342,7 @@ Test(moe, granitemoe_multipliers_cancel_bit_for_bit, .timeout = 900)
     eng g, x;
     open_eng(TOP8, &x);
     open_eng(GRANITE, &g);
-    const wk_hparams *hp = wk_model_hparams(g.m);
+    const en_hparams *hp = en_model_hparams(g.m);
     cr_expect_str_eq(hp->arch, "granitemoe");
     cr_expect_eq(hp->f_embedding_scale, 0.5f);
     cr_expect_eq(hp->f_residual_scale, 0.25f);
@@ -356,7 +356,7 @@ Test(moe, granitemoe_multipliers_cancel_bit_for_bit, .timeout = 900)
 /* The engine on a model of another architecture against llama.cpp on the same file: its greedy
  * fixture's tokens teacher-forced, test_engine's rule (no miss where llama.cpp led by >= NEAR_TIE,
  * agreement at least test_engine's floor). With dominant != NULL, dominant[e] counts the tokens
- * whose dominant routed expert is e ([WK_MAX_EXPERTS], zeroed here). */
+ * whose dominant routed expert is e ([EN_MAX_EXPERTS], zeroed here). */
 static void agrees_with_llamacpp_routes(const char *path, const char *fixture, int *dominant)
 {
     NEED(path);
@@ -365,11 +365,11 @@ static void agrees_with_llamacpp_routes(const char *path, const char *fixture, i
     read_fixture(fixture);
     eng x;
     open_eng(path, &x);
-    const int n_vocab = wk_model_hparams(x.m)->n_vocab;
+    const int n_vocab = en_model_hparams(x.m)->n_vocab;
     int agree = 0, total = 0, hard_miss = 0;
     float *lg = malloc(sizeof(float) * 128 * n_vocab);
     cr_assert(lg);
-    if (dominant) memset(dominant, 0, sizeof(int) * WK_MAX_EXPERTS);
+    if (dominant) memset(dominant, 0, sizeof(int) * EN_MAX_EXPERTS);
     for (int r = 0; r < g_n_rec; r++) {
         const mrec *c = &g_rec[r];
         const int ng = c->n_prompt + c->n_gen - 1 <= MAXP ? c->n_gen : MAXP + 1 - c->n_prompt;
@@ -377,12 +377,12 @@ static void agrees_with_llamacpp_routes(const char *path, const char *fixture, i
         int16_t route[MAXP];
         run_prompt(&x, c->ids, c->n_prompt + ng - 1, c->n_prompt - 1, lg, route);
         for (int i = 0; dominant && i < c->n_prompt + ng - 1; i++) {
-            cr_assert(route[i] >= 0 && route[i] < WK_MAX_EXPERTS, "route %d", route[i]);
+            cr_assert(route[i] >= 0 && route[i] < EN_MAX_EXPERTS, "route %d", route[i]);
             dominant[route[i]]++;
         }
         for (int j = 0; j < ng; j++) {
             total++;
-            if (wk_argmax(lg + (size_t)j * n_vocab, n_vocab) == c->ids[c->n_prompt + j])
+            if (en_argmax(lg + (size_t)j * n_vocab, n_vocab) == c->ids[c->n_prompt + j])
                 agree++;
             else if (c->margins[j] >= NEAR_TIE)
                 hard_miss++;
@@ -407,13 +407,13 @@ static void agrees_with_llamacpp(const char *path, const char *fixture)
 static void mirror_agrees_with_llamacpp(const char *path, const char *fixture, int norm_w)
 {
     NEED(path);
-    wk_model *m = load_model(path);
-    const wk_hparams *hp = wk_model_hparams(m);
+    en_model *m = load_model(path);
+    const en_hparams *hp = en_model_hparams(m);
     cr_expect_eq(hp->n_expert, 8);
     cr_expect_eq(hp->n_expert_used, 4);
     cr_expect_eq(hp->moe_norm_w, norm_w);
-    wk_model_free(m);
-    int dominant[WK_MAX_EXPERTS];
+    en_model_free(m);
+    int dominant[EN_MAX_EXPERTS];
     agrees_with_llamacpp_routes(path, fixture, dominant);
     int lo = 0, hi = 0, all = 0;
     for (int e = 0; e < 8; e++) {
@@ -453,14 +453,14 @@ Test(moe, granitemoe_agrees_with_llamacpp_on_the_same_file, .timeout = 900)
 Test(moe, olmoe_with_qk_norms_agrees_with_llamacpp_on_the_same_file, .timeout = 900)
 {
     NEED(OLMOE);
-    wk_model *m = load_model(OLMOE);
-    const wk_hparams *hp = wk_model_hparams(m);
+    en_model *m = load_model(OLMOE);
+    const en_hparams *hp = en_model_hparams(m);
     cr_expect_str_eq(hp->arch, "olmoe");
     cr_expect_eq(hp->qk_norm, 1);
     cr_expect_eq(hp->moe_norm_w, 0);
     cr_expect_eq(hp->rope_neox, 1);
     cr_expect_eq(hp->n_head_kv, hp->n_head, "llama.cpp's olmoe norms n_embd-wide k");
-    wk_model_free(m);
+    en_model_free(m);
     agrees_with_llamacpp(OLMOE, FIX_OLMO);
 }
 
@@ -470,12 +470,12 @@ Test(moe, logits_are_bit_identical_in_one_step_token_by_token_and_beside_another
     read_fixture(PROMPTS);
     eng x;
     open_eng(TOP4, &x);
-    const int n_vocab = wk_model_hparams(x.m)->n_vocab;
+    const int n_vocab = en_model_hparams(x.m)->n_vocab;
     const mrec *c = &g_rec[7];
     const int n = c->n_prompt < 200 ? c->n_prompt : 200;
     float *one = malloc(sizeof(float) * n_vocab), *all = malloc(sizeof(float) * n_vocab);
     cr_assert(one && all);
-    kv_store *kv = wk_engine_kv(x.e);
+    kv_store *kv = en_engine_kv(x.e);
     kv_seq *a, *b;
     kv_seq_create(kv, &a);
     kv_seq_create(kv, &b);
@@ -486,12 +486,12 @@ Test(moe, logits_are_bit_identical_in_one_step_token_by_token_and_beside_another
         int32_t tok[2] = {c->ids[i], g_rec[3].ids[i - 10 >= 0 ? i - 10 : 0]}, pos[2] = {i, i - 10};
         kv_seq *seqs[2] = {a, b};
         uint8_t want[2] = {1, 0}; /* a's logits */
-        wk_batch bb = {.n_tokens = i >= 10 && i - 10 < g_rec[3].n_prompt ? 2 : 1,
+        en_batch bb = {.n_tokens = i >= 10 && i - 10 < g_rec[3].n_prompt ? 2 : 1,
                        .tokens = tok,
                        .pos = pos,
                        .seqs = seqs,
                        .logits = want};
-        cr_assert_eq(wk_engine_step(x.e, &bb, &lg), 1);
+        cr_assert_eq(en_engine_step(x.e, &bb, &lg), 1);
     }
     memcpy(one, lg, sizeof(float) * n_vocab);
     int16_t route_one[MAXP], route_all[MAXP];
@@ -513,8 +513,8 @@ Test(moe, logits_are_bit_identical_in_one_step_token_by_token_and_beside_another
         int16_t r[1] = {-2};
         kv_seq *seqs[1] = {a};
         int32_t pos[1] = {i};
-        wk_batch bb = {.n_tokens = 1, .tokens = c->ids + i, .pos = pos, .seqs = seqs, .route = r};
-        cr_assert_eq(wk_engine_step(x.e, &bb, &lg), 1);
+        en_batch bb = {.n_tokens = 1, .tokens = c->ids + i, .pos = pos, .seqs = seqs, .route = r};
+        cr_assert_eq(en_engine_step(x.e, &bb, &lg), 1);
         route_one[i] = r[0];
     }
     cr_expect_eq(memcmp(route_one, route_all, sizeof(int16_t) * n), 0,
@@ -535,40 +535,40 @@ Test(moe, logits_are_bit_identical_in_one_step_token_by_token_and_beside_another
 #include "kvshard/internal.h" /* kv_store_check */
 #include "sched_fixture.h"
 
-static void sched_run(const char *path, wk_engine_opts *eo, out *o, int n_req, kv_store_stats *st)
+static void sched_run(const char *path, en_engine_opts *eo, out *o, int n_req, kv_store_stats *st)
 {
-    wk_model *m;
-    wk_engine *e;
+    en_model *m;
+    en_engine *e;
     km_errbuf err = {{0}};
-    cr_assert_eq(wk_model_load(path, &m, &err), 0, "%s", err.msg);
-    cr_assert_eq(wk_engine_create(m, eo, &e, &err), 0, "%s", err.msg);
-    wk_sched_opts so = {.max_batch_tokens = MAXP, .prefill_chunk = 64, .max_ctx = 1024};
-    wk_sched *s;
-    cr_assert_eq(wk_sched_create(e, m, &so, &g_cb, &s, &err), 0, "%s", err.msg);
+    cr_assert_eq(en_model_load(path, &m, &err), 0, "%s", err.msg);
+    cr_assert_eq(en_engine_create(m, eo, &e, &err), 0, "%s", err.msg);
+    en_sched_opts so = {.max_batch_tokens = MAXP, .prefill_chunk = 64, .max_ctx = 1024};
+    en_sched *s;
+    cr_assert_eq(en_sched_create(e, m, &so, &g_cb, &s, &err), 0, "%s", err.msg);
     for (int i = 0; i < n_req; i++) {
         /* a fixture's prompt and llama.cpp's continuation as one prompt; requests 3.. repeat
          * 0..2 (prefix hits) */
         const mrec *c = &g_rec[i % 3];
         int n = c->n_prompt + c->n_gen;
-        wk_sched_req q = greedy_req(c->ids, n, MAXG, &o[i]);
-        cr_assert_eq(wk_sched_submit(s, &q, NULL), 0);
+        en_sched_req q = greedy_req(c->ids, n, MAXG, &o[i]);
+        cr_assert_eq(en_sched_submit(s, &q, NULL), 0);
         if (i == 2) run_all(s);
     }
     run_all(s);
-    kv_store_stats_get(wk_engine_kv(e), st);
-    cr_assert_eq(kv_store_check(wk_engine_kv(e), &err), 0, "%s", err.msg);
+    kv_store_stats_get(en_engine_kv(e), st);
+    cr_assert_eq(kv_store_check(en_engine_kv(e), &err), 0, "%s", err.msg);
     if (eo->kv_shard_key == KV_SHARD_KEY_EXPERT) {
         int groups = 0;
-        for (int g = 0; g < kv_store_n_expert_groups(wk_engine_kv(e)); g++) {
+        for (int g = 0; g < kv_store_n_expert_groups(en_engine_kv(e)); g++) {
             kv_group_stats gs;
-            kv_store_group_stats(wk_engine_kv(e), g, &gs);
+            kv_store_group_stats(en_engine_kv(e), g, &gs);
             groups += gs.placed > 0;
         }
         cr_expect_geq(groups, 2, "pages of %d expert group(s) only", groups);
     }
-    wk_sched_destroy(s);
-    wk_engine_destroy(e);
-    wk_model_free(m);
+    en_sched_destroy(s);
+    en_engine_destroy(e);
+    en_model_free(m);
 }
 
 Test(moe, pages_are_placed_by_their_dominant_expert_without_changing_a_token, .timeout = 900)
@@ -578,7 +578,7 @@ Test(moe, pages_are_placed_by_their_dominant_expert_without_changing_a_token, .t
     enum { N = 5 };
     out by_hash[N] = {0}, by_expert[N] = {0};
     kv_store_stats sh, se;
-    wk_engine_opts eo = {.n_threads = 2, .max_batch_tokens = MAXP, .kv_shards = 4};
+    en_engine_opts eo = {.n_threads = 2, .max_batch_tokens = MAXP, .kv_shards = 4};
     sched_run(TOP4, &eo, by_hash, N, &sh);
     cr_assert_eq(sh.placed_pages, 0, "the hash key places nothing");
     eo.kv_shard_key = KV_SHARD_KEY_EXPERT;
@@ -596,12 +596,12 @@ Test(moe, pages_are_placed_by_their_dominant_expert_without_changing_a_token, .t
     }
 
     /* a dense model refuses the expert key */
-    wk_model *m;
-    wk_engine *e;
+    en_model *m;
+    en_engine *e;
     km_errbuf err = {{0}};
     NEED(DENSE);
-    cr_assert_eq(wk_model_load(DENSE, &m, &err), 0, "%s", err.msg);
-    cr_assert_eq(wk_engine_create(m, &eo, &e, &err), KM_EINVAL);
+    cr_assert_eq(en_model_load(DENSE, &m, &err), 0, "%s", err.msg);
+    cr_assert_eq(en_engine_create(m, &eo, &e, &err), KM_EINVAL);
     cr_assert(strstr(err.msg, "needs an MoE model"), "%s", err.msg);
-    wk_model_free(m);
+    en_model_free(m);
 }

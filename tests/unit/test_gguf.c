@@ -8,6 +8,7 @@
  * file's size, so under ASan a single byte read past the end is caught.
  */
 #include "common/km.h"
+#include "model/model.h"
 
 #include <criterion/criterion.h>
 #include <dirent.h>
@@ -104,42 +105,42 @@ typedef struct gspec {
 
 static void gw_std_kvs(gw *w)
 {
-    gw_key(w, "general.architecture", KM_GGUF_STRING);
+    gw_key(w, "general.architecture", MD_GGUF_STRING);
     gw_str(w, "llama");
-    gw_key(w, "llama.block_count", KM_GGUF_UINT32);
+    gw_key(w, "llama.block_count", MD_GGUF_UINT32);
     gw_u32(w, 2);
-    gw_key(w, "t.u8", KM_GGUF_UINT8);
+    gw_key(w, "t.u8", MD_GGUF_UINT8);
     gw_u8(w, 200);
-    gw_key(w, "t.i8", KM_GGUF_INT8);
+    gw_key(w, "t.i8", MD_GGUF_INT8);
     gw_u8(w, (uint8_t)-5);
-    gw_key(w, "t.u16", KM_GGUF_UINT16);
+    gw_key(w, "t.u16", MD_GGUF_UINT16);
     gw_u16(w, 60000);
-    gw_key(w, "t.i16", KM_GGUF_INT16);
+    gw_key(w, "t.i16", MD_GGUF_INT16);
     gw_u16(w, (uint16_t)-300);
-    gw_key(w, "t.i32", KM_GGUF_INT32);
+    gw_key(w, "t.i32", MD_GGUF_INT32);
     gw_u32(w, (uint32_t)-7);
-    gw_key(w, "t.u64", KM_GGUF_UINT64);
+    gw_key(w, "t.u64", MD_GGUF_UINT64);
     gw_u64(w, 0xffffffffffffff00ull);
-    gw_key(w, "t.i64", KM_GGUF_INT64);
+    gw_key(w, "t.i64", MD_GGUF_INT64);
     gw_u64(w, (uint64_t)(int64_t)-1234567890123ll);
-    gw_key(w, "t.f32", KM_GGUF_FLOAT32);
+    gw_key(w, "t.f32", MD_GGUF_FLOAT32);
     gw_f32(w, 1.5f);
-    gw_key(w, "t.f64", KM_GGUF_FLOAT64);
+    gw_key(w, "t.f64", MD_GGUF_FLOAT64);
     gw_f64(w, 2.25);
-    gw_key(w, "t.bool", KM_GGUF_BOOL);
+    gw_key(w, "t.bool", MD_GGUF_BOOL);
     gw_u8(w, 1);
-    gw_key(w, "t.strs", KM_GGUF_ARRAY);
-    gw_u32(w, KM_GGUF_STRING);
+    gw_key(w, "t.strs", MD_GGUF_ARRAY);
+    gw_u32(w, MD_GGUF_STRING);
     gw_u64(w, 3);
     gw_str(w, "<|endoftext|>");
     gw_str(w, "bc");
     gw_str(w, "");
-    gw_key(w, "t.ints", KM_GGUF_ARRAY);
-    gw_u32(w, KM_GGUF_INT32);
+    gw_key(w, "t.ints", MD_GGUF_ARRAY);
+    gw_u32(w, MD_GGUF_INT32);
     gw_u64(w, 4);
     for (int32_t i = 1; i <= 4; i++) gw_u32(w, (uint32_t)(i * 10));
-    gw_key(w, "t.empty", KM_GGUF_ARRAY);
-    gw_u32(w, KM_GGUF_FLOAT32);
+    gw_key(w, "t.empty", MD_GGUF_ARRAY);
+    gw_u32(w, MD_GGUF_FLOAT32);
     gw_u64(w, 0);
 }
 
@@ -147,9 +148,9 @@ static void gw_std_kvs(gw *w)
 static gspec spec_valid(void)
 {
     gspec s = {.magic = {'G', 'G', 'U', 'F'}, .version = 3, .std_kvs = 1, .n_t = 3};
-    s.t[0] = (tspec){"a", 2, {8, 2}, KM_TYPE_F32, 0, 64};
-    s.t[1] = (tspec){"blk.0.b", 1, {64}, KM_TYPE_Q4_0, 64, 36};
-    s.t[2] = (tspec){"c", 4, {32, 1, 2, 1}, KM_TYPE_Q8_0, 128, 68};
+    s.t[0] = (tspec){"a", 2, {8, 2}, MD_TYPE_F32, 0, 64};
+    s.t[1] = (tspec){"blk.0.b", 1, {64}, MD_TYPE_Q4_0, 64, 36};
+    s.t[2] = (tspec){"c", 4, {32, 1, 2, 1}, MD_TYPE_Q8_0, 128, 68};
     return s;
 }
 
@@ -164,7 +165,7 @@ static gw gw_build(const gspec *s, size_t *data_start)
     gw_u64(&w, s->override_counts ? s->n_kv : n_kv);
     if (s->std_kvs) gw_std_kvs(&w);
     if (s->alignment) {
-        gw_key(&w, "general.alignment", KM_GGUF_UINT32);
+        gw_key(&w, "general.alignment", MD_GGUF_UINT32);
         gw_u32(&w, s->alignment);
     }
     for (int i = 0; i < s->n_extra; i++) s->extra_kv[i](&w);
@@ -190,20 +191,20 @@ static gw gw_build(const gspec *s, size_t *data_start)
 
 /* Opens a heap copy of exactly len bytes (so ASan sees any over-read); the copy is returned in
  * *copy and must outlive the handle. */
-static int open_copy(const uint8_t *p, size_t len, km_gguf **g, km_errbuf *err, uint8_t **copy)
+static int open_copy(const uint8_t *p, size_t len, md_gguf **g, km_errbuf *err, uint8_t **copy)
 {
     *copy = malloc(len ? len : 1);
     cr_assert_not_null(*copy);
     if (len) memcpy(*copy, p, len);
     memset(err->msg, 0, sizeof err->msg);
-    return km_gguf_open_memory(*copy, len, g, err);
+    return md_gguf_open_memory(*copy, len, g, err);
 }
 
 /* Builds, opens, and expects failure with `code` and every substring in `want` in the message. */
 static void expect_fail(const gspec *s, int code, const char *want1, const char *want2)
 {
     gw w = gw_build(s, NULL);
-    km_gguf *g = (km_gguf *)0x1;
+    md_gguf *g = (md_gguf *)0x1;
     km_errbuf err;
     uint8_t *copy;
     int rc = open_copy(w.p, w.len, &g, &err, &copy);
@@ -212,7 +213,7 @@ static void expect_fail(const gspec *s, int code, const char *want1, const char 
     cr_expect(strncmp(err.msg, "gguf: ", 6) == 0, "msg: %s", err.msg);
     if (want1) cr_expect(strstr(err.msg, want1) != NULL, "'%s' not in: %s", want1, err.msg);
     if (want2) cr_expect(strstr(err.msg, want2) != NULL, "'%s' not in: %s", want2, err.msg);
-    if (rc == 0) km_gguf_close(g);
+    if (rc == 0) md_gguf_close(g);
     free(copy);
     free(w.p);
 }
@@ -229,103 +230,103 @@ Test(gguf, valid_file_round_trips_keys_arrays_and_tensors)
     gspec s = spec_valid();
     size_t data_start;
     gw w = gw_build(&s, &data_start);
-    km_gguf *g;
+    md_gguf *g;
     km_errbuf err;
     uint8_t *buf;
     int rc = open_copy(w.p, w.len, &g, &err, &buf);
     cr_assert_eq(rc, 0, "open: %s", err.msg);
 
-    cr_expect_eq(km_gguf_version(g), 3);
-    cr_expect_eq(km_gguf_n_kv(g), STD_KVS);
-    cr_expect(str_eq(km_gguf_key_at(g, 0), "general.architecture"));
-    cr_expect(str_eq(km_gguf_key_at(g, 14), "t.empty"));
-    cr_expect_null(km_gguf_key_at(g, 15).ptr);
-    cr_expect_null(km_gguf_key_at(g, -1).ptr);
-    cr_expect_eq(km_gguf_find(g, "t.f32"), 9);
-    cr_expect_eq(km_gguf_find(g, "t.f3"), -1);
-    cr_expect_eq(km_gguf_find(g, "absent"), -1);
-    cr_expect_eq(km_gguf_kv_type(g, 9), KM_GGUF_FLOAT32);
-    cr_expect_eq(km_gguf_kv_type(g, 12), KM_GGUF_ARRAY);
+    cr_expect_eq(md_gguf_version(g), 3);
+    cr_expect_eq(md_gguf_n_kv(g), STD_KVS);
+    cr_expect(str_eq(md_gguf_key_at(g, 0), "general.architecture"));
+    cr_expect(str_eq(md_gguf_key_at(g, 14), "t.empty"));
+    cr_expect_null(md_gguf_key_at(g, 15).ptr);
+    cr_expect_null(md_gguf_key_at(g, -1).ptr);
+    cr_expect_eq(md_gguf_find(g, "t.f32"), 9);
+    cr_expect_eq(md_gguf_find(g, "t.f3"), -1);
+    cr_expect_eq(md_gguf_find(g, "absent"), -1);
+    cr_expect_eq(md_gguf_kv_type(g, 9), MD_GGUF_FLOAT32);
+    cr_expect_eq(md_gguf_kv_type(g, 12), MD_GGUF_ARRAY);
 
     km_str str;
-    cr_assert_eq(km_gguf_get_str(g, "general.architecture", &str), 0);
+    cr_assert_eq(md_gguf_get_str(g, "general.architecture", &str), 0);
     cr_expect(str_eq(str, "llama"));
-    cr_expect_eq(km_gguf_get_str(g, "llama.block_count", &str), KM_EFORMAT);
-    cr_expect_eq(km_gguf_get_str(g, "nope", &str), KM_ENOTFOUND);
+    cr_expect_eq(md_gguf_get_str(g, "llama.block_count", &str), KM_EFORMAT);
+    cr_expect_eq(md_gguf_get_str(g, "nope", &str), KM_ENOTFOUND);
 
     uint32_t u32 = 0;
     int64_t i64 = 0;
-    cr_expect_eq(km_gguf_get_u32(g, "llama.block_count", &u32), 0);
+    cr_expect_eq(md_gguf_get_u32(g, "llama.block_count", &u32), 0);
     cr_expect_eq(u32, 2);
-    cr_expect_eq(km_gguf_get_u32(g, "t.u8", &u32), 0);
+    cr_expect_eq(md_gguf_get_u32(g, "t.u8", &u32), 0);
     cr_expect_eq(u32, 200);
-    cr_expect_eq(km_gguf_get_u32(g, "t.u16", &u32), 0);
+    cr_expect_eq(md_gguf_get_u32(g, "t.u16", &u32), 0);
     cr_expect_eq(u32, 60000);
-    cr_expect_eq(km_gguf_get_u32(g, "t.i8", &u32), KM_EFORMAT, "negative does not fit u32");
-    cr_expect_eq(km_gguf_get_u32(g, "t.u64", &u32), KM_EFORMAT, "2^64-256 does not fit u32");
-    cr_expect_eq(km_gguf_get_u32(g, "t.f32", &u32), KM_EFORMAT);
-    cr_expect_eq(km_gguf_get_u32(g, "t.bool", &u32), KM_EFORMAT);
-    cr_expect_eq(km_gguf_get_u32(g, "nope", &u32), KM_ENOTFOUND);
-    cr_expect_eq(km_gguf_get_i64(g, "t.i8", &i64), 0);
+    cr_expect_eq(md_gguf_get_u32(g, "t.i8", &u32), KM_EFORMAT, "negative does not fit u32");
+    cr_expect_eq(md_gguf_get_u32(g, "t.u64", &u32), KM_EFORMAT, "2^64-256 does not fit u32");
+    cr_expect_eq(md_gguf_get_u32(g, "t.f32", &u32), KM_EFORMAT);
+    cr_expect_eq(md_gguf_get_u32(g, "t.bool", &u32), KM_EFORMAT);
+    cr_expect_eq(md_gguf_get_u32(g, "nope", &u32), KM_ENOTFOUND);
+    cr_expect_eq(md_gguf_get_i64(g, "t.i8", &i64), 0);
     cr_expect_eq(i64, -5);
-    cr_expect_eq(km_gguf_get_i64(g, "t.i16", &i64), 0);
+    cr_expect_eq(md_gguf_get_i64(g, "t.i16", &i64), 0);
     cr_expect_eq(i64, -300);
-    cr_expect_eq(km_gguf_get_i64(g, "t.i32", &i64), 0);
+    cr_expect_eq(md_gguf_get_i64(g, "t.i32", &i64), 0);
     cr_expect_eq(i64, -7);
-    cr_expect_eq(km_gguf_get_i64(g, "t.i64", &i64), 0);
+    cr_expect_eq(md_gguf_get_i64(g, "t.i64", &i64), 0);
     cr_expect_eq(i64, -1234567890123ll);
-    cr_expect_eq(km_gguf_get_i64(g, "llama.block_count", &i64), 0);
+    cr_expect_eq(md_gguf_get_i64(g, "llama.block_count", &i64), 0);
     cr_expect_eq(i64, 2);
-    cr_expect_eq(km_gguf_get_i64(g, "t.u64", &i64), KM_EFORMAT, "2^64-256 does not fit i64");
-    cr_expect_eq(km_gguf_get_i64(g, "t.strs", &i64), KM_EFORMAT);
+    cr_expect_eq(md_gguf_get_i64(g, "t.u64", &i64), KM_EFORMAT, "2^64-256 does not fit i64");
+    cr_expect_eq(md_gguf_get_i64(g, "t.strs", &i64), KM_EFORMAT);
 
     float f = 0;
-    cr_expect_eq(km_gguf_get_f32(g, "t.f32", &f), 0);
+    cr_expect_eq(md_gguf_get_f32(g, "t.f32", &f), 0);
     cr_expect_float_eq(f, 1.5f, 0);
-    cr_expect_eq(km_gguf_get_f32(g, "t.f64", &f), 0);
+    cr_expect_eq(md_gguf_get_f32(g, "t.f64", &f), 0);
     cr_expect_float_eq(f, 2.25f, 0);
-    cr_expect_eq(km_gguf_get_f32(g, "t.i32", &f), KM_EFORMAT);
+    cr_expect_eq(md_gguf_get_f32(g, "t.i32", &f), KM_EFORMAT);
 
     int b = 0;
-    cr_expect_eq(km_gguf_get_bool(g, "t.bool", &b), 0);
+    cr_expect_eq(md_gguf_get_bool(g, "t.bool", &b), 0);
     cr_expect_eq(b, 1);
-    cr_expect_eq(km_gguf_get_bool(g, "t.u8", &b), KM_EFORMAT, "bool accepts only bool");
+    cr_expect_eq(md_gguf_get_bool(g, "t.u8", &b), KM_EFORMAT, "bool accepts only bool");
 
-    km_gguf_type et;
+    md_gguf_type et;
     uint64_t n;
-    cr_expect_eq(km_gguf_get_arr(g, "t.strs", &et, &n), 0);
-    cr_expect_eq(et, KM_GGUF_STRING);
+    cr_expect_eq(md_gguf_get_arr(g, "t.strs", &et, &n), 0);
+    cr_expect_eq(et, MD_GGUF_STRING);
     cr_expect_eq(n, 3);
-    cr_expect_eq(km_gguf_arr_str(g, "t.strs", 0, &str), 0);
+    cr_expect_eq(md_gguf_arr_str(g, "t.strs", 0, &str), 0);
     cr_expect(str_eq(str, "<|endoftext|>"));
-    cr_expect_eq(km_gguf_arr_str(g, "t.strs", 1, &str), 0);
+    cr_expect_eq(md_gguf_arr_str(g, "t.strs", 1, &str), 0);
     cr_expect(str_eq(str, "bc"));
-    cr_expect_eq(km_gguf_arr_str(g, "t.strs", 2, &str), 0);
+    cr_expect_eq(md_gguf_arr_str(g, "t.strs", 2, &str), 0);
     cr_expect_eq(str.len, 0);
-    cr_expect_eq(km_gguf_arr_str(g, "t.strs", 3, &str), KM_ERANGE);
-    cr_expect_eq(km_gguf_arr_str(g, "t.ints", 0, &str), KM_EFORMAT);
-    cr_expect_eq(km_gguf_arr_str(g, "t.u8", 0, &str), KM_EFORMAT);
-    cr_expect_null(km_gguf_arr_data(g, "t.strs"));
-    cr_expect_null(km_gguf_arr_data(g, "t.u8"));
-    cr_expect_eq(km_gguf_get_arr(g, "t.ints", &et, &n), 0);
-    cr_expect_eq(et, KM_GGUF_INT32);
+    cr_expect_eq(md_gguf_arr_str(g, "t.strs", 3, &str), KM_ERANGE);
+    cr_expect_eq(md_gguf_arr_str(g, "t.ints", 0, &str), KM_EFORMAT);
+    cr_expect_eq(md_gguf_arr_str(g, "t.u8", 0, &str), KM_EFORMAT);
+    cr_expect_null(md_gguf_arr_data(g, "t.strs"));
+    cr_expect_null(md_gguf_arr_data(g, "t.u8"));
+    cr_expect_eq(md_gguf_get_arr(g, "t.ints", &et, &n), 0);
+    cr_expect_eq(et, MD_GGUF_INT32);
     cr_expect_eq(n, 4);
-    const uint8_t *ints = km_gguf_arr_data(g, "t.ints");
+    const uint8_t *ints = md_gguf_arr_data(g, "t.ints");
     cr_assert_not_null(ints);
     for (int i = 0; i < 4; i++) {
         int32_t v;
         memcpy(&v, ints + 4 * i, 4);
         cr_expect_eq(v, (i + 1) * 10);
     }
-    cr_expect_eq(km_gguf_get_arr(g, "t.empty", &et, &n), 0);
+    cr_expect_eq(md_gguf_get_arr(g, "t.empty", &et, &n), 0);
     cr_expect_eq(n, 0);
-    cr_expect_eq(km_gguf_get_arr(g, "t.u8", &et, &n), KM_EFORMAT);
+    cr_expect_eq(md_gguf_get_arr(g, "t.u8", &et, &n), KM_EFORMAT);
 
-    cr_assert_eq(km_gguf_n_tensors(g), 3);
+    cr_assert_eq(md_gguf_n_tensors(g), 3);
     const int64_t want_ne[3][4] = {{8, 2, 1, 1}, {64, 1, 1, 1}, {32, 1, 2, 1}};
     const uint64_t want_size[3] = {64, 36, 68};
     for (int i = 0; i < 3; i++) {
-        const km_gguf_tensor *t = km_gguf_tensor_at(g, i);
+        const md_gguf_tensor *t = md_gguf_tensor_at(g, i);
         cr_assert_not_null(t);
         cr_expect(str_eq(t->name, s.t[i].name));
         cr_expect_eq(t->n_dims, (int)s.t[i].n_dims);
@@ -335,17 +336,17 @@ Test(gguf, valid_file_round_trips_keys_arrays_and_tensors)
         cr_expect_eq(t->size, want_size[i]);
         cr_expect_eq((const uint8_t *)t->data, buf + data_start + s.t[i].offset);
         cr_expect_eq(((const uint8_t *)t->data)[0], (uint8_t)(s.t[i].offset * 7 + 1));
-        cr_expect_eq(km_gguf_find_tensor(g, s.t[i].name), t);
+        cr_expect_eq(md_gguf_find_tensor(g, s.t[i].name), t);
     }
-    cr_expect_null(km_gguf_tensor_at(g, 3));
-    cr_expect_null(km_gguf_tensor_at(g, -1));
-    cr_expect_null(km_gguf_find_tensor(g, "blk.0"));
-    cr_expect_null(km_gguf_find_tensor(g, "missing"));
+    cr_expect_null(md_gguf_tensor_at(g, 3));
+    cr_expect_null(md_gguf_tensor_at(g, -1));
+    cr_expect_null(md_gguf_find_tensor(g, "blk.0"));
+    cr_expect_null(md_gguf_find_tensor(g, "missing"));
     size_t size;
-    cr_expect_eq(km_gguf_file_data(g, &size), buf);
+    cr_expect_eq(md_gguf_file_data(g, &size), buf);
     cr_expect_eq(size, w.len);
 
-    km_gguf_close(g);
+    md_gguf_close(g);
     free(buf);
     free(w.p);
 }
@@ -355,12 +356,12 @@ Test(gguf, version_2_is_accepted)
     gspec s = spec_valid();
     s.version = 2;
     gw w = gw_build(&s, NULL);
-    km_gguf *g;
+    md_gguf *g;
     km_errbuf err;
     uint8_t *buf;
     cr_assert_eq(open_copy(w.p, w.len, &g, &err, &buf), 0, "%s", err.msg);
-    cr_expect_eq(km_gguf_version(g), 2);
-    km_gguf_close(g);
+    cr_expect_eq(md_gguf_version(g), 2);
+    md_gguf_close(g);
     free(buf);
     free(w.p);
 }
@@ -373,14 +374,14 @@ Test(gguf, metadata_only_file_without_tensors_or_padding_opens)
      * tensors (vocabulary-only files look like this). */
     s.no_padding = 1;
     gw w = gw_build(&s, NULL);
-    km_gguf *g;
+    md_gguf *g;
     km_errbuf err;
     uint8_t *buf;
     cr_expect_neq(w.len % 32, 0, "the test needs an unpadded length");
     cr_assert_eq(open_copy(w.p, w.len, &g, &err, &buf), 0, "%s", err.msg);
-    cr_expect_eq(km_gguf_n_tensors(g), 0);
-    cr_expect_null(km_gguf_find_tensor(g, "a"));
-    km_gguf_close(g);
+    cr_expect_eq(md_gguf_n_tensors(g), 0);
+    cr_expect_null(md_gguf_find_tensor(g, "a"));
+    md_gguf_close(g);
     free(buf);
     free(w.p);
 }
@@ -391,15 +392,15 @@ Test(gguf, empty_file_with_no_keys_and_no_tensors_opens)
     s.n_t = 0;
     s.std_kvs = 0;
     gw w = gw_build(&s, NULL);
-    km_gguf *g;
+    md_gguf *g;
     km_errbuf err;
     uint8_t *buf;
     cr_assert_eq(open_copy(w.p, 24, &g, &err, &buf), 0, "%s", err.msg);
-    cr_expect_eq(km_gguf_n_kv(g), 0);
-    cr_expect_eq(km_gguf_find(g, "general.architecture"), -1);
+    cr_expect_eq(md_gguf_n_kv(g), 0);
+    cr_expect_eq(md_gguf_find(g, "general.architecture"), -1);
     uint32_t u;
-    cr_expect_eq(km_gguf_get_u32(g, "x", &u), KM_ENOTFOUND);
-    km_gguf_close(g);
+    cr_expect_eq(md_gguf_get_u32(g, "x", &u), KM_ENOTFOUND);
+    md_gguf_close(g);
     free(buf);
     free(w.p);
 }
@@ -412,19 +413,19 @@ Test(gguf, custom_alignment_places_data_on_its_boundary)
     s.t[2].offset = 512;
     size_t data_start;
     gw w = gw_build(&s, &data_start);
-    km_gguf *g;
+    md_gguf *g;
     km_errbuf err;
     uint8_t *buf;
     cr_assert_eq(open_copy(w.p, w.len, &g, &err, &buf), 0, "%s", err.msg);
     cr_expect_eq(data_start % 256, 0);
     for (int i = 0; i < 3; i++) {
-        const km_gguf_tensor *t = km_gguf_tensor_at(g, i);
+        const md_gguf_tensor *t = md_gguf_tensor_at(g, i);
         cr_expect_eq((const uint8_t *)t->data - buf, (ptrdiff_t)(data_start + s.t[i].offset));
     }
     uint32_t a;
-    cr_expect_eq(km_gguf_get_u32(g, "general.alignment", &a), 0);
+    cr_expect_eq(md_gguf_get_u32(g, "general.alignment", &a), 0);
     cr_expect_eq(a, 256);
-    km_gguf_close(g);
+    md_gguf_close(g);
     free(buf);
     free(w.p);
 }
@@ -437,12 +438,12 @@ Test(gguf, tensor_name_of_256_bytes_is_accepted_and_257_rejected)
     gspec s = spec_valid();
     s.t[0].name = name;
     gw w = gw_build(&s, NULL);
-    km_gguf *g;
+    md_gguf *g;
     km_errbuf err;
     uint8_t *buf;
     cr_assert_eq(open_copy(w.p, w.len, &g, &err, &buf), 0, "%s", err.msg);
-    cr_expect_not_null(km_gguf_find_tensor(g, name));
-    km_gguf_close(g);
+    cr_expect_not_null(md_gguf_find_tensor(g, name));
+    md_gguf_close(g);
     free(buf);
     free(w.p);
     name[256] = 'n';
@@ -457,14 +458,14 @@ Test(gguf, truncation_at_every_byte_offset_is_an_error)
     gspec s = spec_valid();
     gw w = gw_build(&s, NULL);
     for (size_t len = 0; len < w.len; len++) {
-        km_gguf *g = NULL;
+        md_gguf *g = NULL;
         km_errbuf err;
         uint8_t *buf;
         int rc = open_copy(w.p, len, &g, &err, &buf);
         cr_expect_lt(rc, 0, "truncated at %zu of %zu opened", len, w.len);
         cr_expect_null(g);
         cr_expect_gt(strlen(err.msg), 6, "no message at %zu", len);
-        if (rc == 0) km_gguf_close(g);
+        if (rc == 0) md_gguf_close(g);
         free(buf);
     }
     free(w.p);
@@ -472,11 +473,11 @@ Test(gguf, truncation_at_every_byte_offset_is_an_error)
 
 Test(gguf, open_memory_rejects_null_arguments)
 {
-    km_gguf *g;
+    md_gguf *g;
     km_errbuf err;
-    cr_expect_eq(km_gguf_open_memory(NULL, 10, &g, &err), KM_EINVAL);
-    cr_expect_eq(km_gguf_open_memory("GGUF", 4, NULL, &err), KM_EINVAL);
-    cr_expect_eq(km_gguf_open_memory(NULL, 0, &g, NULL), KM_EFORMAT);
+    cr_expect_eq(md_gguf_open_memory(NULL, 10, &g, &err), KM_EINVAL);
+    cr_expect_eq(md_gguf_open_memory("GGUF", 4, NULL, &err), KM_EINVAL);
+    cr_expect_eq(md_gguf_open_memory(NULL, 0, &g, NULL), KM_EFORMAT);
 }
 
 /* ---------------------------------------------------------------- header */
@@ -537,7 +538,7 @@ Test(gguf, huge_tensor_count_fails_before_allocating)
 
 static void kv_huge_string(gw *w)
 {
-    gw_key(w, "x.huge", KM_GGUF_STRING);
+    gw_key(w, "x.huge", MD_GGUF_STRING);
     gw_u64(w, UINT64_MAX - 3);
 }
 
@@ -555,7 +556,7 @@ static void kv_unknown_type(gw *w)
 
 static void kv_unknown_elem_type(gw *w)
 {
-    gw_key(w, "x.arr", KM_GGUF_ARRAY);
+    gw_key(w, "x.arr", MD_GGUF_ARRAY);
     gw_u32(w, 77);
     gw_u64(w, 1);
     gw_u32(w, 0);
@@ -563,32 +564,32 @@ static void kv_unknown_elem_type(gw *w)
 
 static void kv_nested_array(gw *w)
 {
-    gw_key(w, "x.nested", KM_GGUF_ARRAY);
-    gw_u32(w, KM_GGUF_ARRAY);
+    gw_key(w, "x.nested", MD_GGUF_ARRAY);
+    gw_u32(w, MD_GGUF_ARRAY);
     gw_u64(w, 1);
-    gw_u32(w, KM_GGUF_UINT8);
+    gw_u32(w, MD_GGUF_UINT8);
     gw_u64(w, 1);
     gw_u8(w, 1);
 }
 
 static void kv_huge_array(gw *w)
 {
-    gw_key(w, "x.big", KM_GGUF_ARRAY);
-    gw_u32(w, KM_GGUF_UINT64);
+    gw_key(w, "x.big", MD_GGUF_ARRAY);
+    gw_u32(w, MD_GGUF_UINT64);
     gw_u64(w, 1ull << 61);
 }
 
 static void kv_huge_string_array(gw *w)
 {
-    gw_key(w, "x.strs", KM_GGUF_ARRAY);
-    gw_u32(w, KM_GGUF_STRING);
+    gw_key(w, "x.strs", MD_GGUF_ARRAY);
+    gw_u32(w, MD_GGUF_STRING);
     gw_u64(w, 1ull << 62);
 }
 
 static void kv_string_array_bad_element(gw *w)
 {
-    gw_key(w, "x.strs", KM_GGUF_ARRAY);
-    gw_u32(w, KM_GGUF_STRING);
+    gw_key(w, "x.strs", MD_GGUF_ARRAY);
+    gw_u32(w, MD_GGUF_STRING);
     gw_u64(w, 2);
     gw_str(w, "ok");
     gw_u64(w, 1ull << 50);
@@ -596,25 +597,25 @@ static void kv_string_array_bad_element(gw *w)
 
 static void kv_duplicate(gw *w)
 {
-    gw_key(w, "llama.block_count", KM_GGUF_UINT32);
+    gw_key(w, "llama.block_count", MD_GGUF_UINT32);
     gw_u32(w, 3);
 }
 
 static void kv_bool_two(gw *w)
 {
-    gw_key(w, "x.flag", KM_GGUF_BOOL);
+    gw_key(w, "x.flag", MD_GGUF_BOOL);
     gw_u8(w, 2);
 }
 
 static void kv_empty_key(gw *w)
 {
-    gw_key(w, "", KM_GGUF_UINT8);
+    gw_key(w, "", MD_GGUF_UINT8);
     gw_u8(w, 1);
 }
 
 static void kv_big_u32(gw *w)
 {
-    gw_key(w, "x.u64", KM_GGUF_UINT64);
+    gw_key(w, "x.u64", MD_GGUF_UINT64);
     gw_u64(w, 7);
 }
 
@@ -671,33 +672,33 @@ Test(gguf, integer_getters_convert_between_widths)
     s.n_extra = 1;
     s.extra_kv[0] = kv_big_u32;
     gw w = gw_build(&s, NULL);
-    km_gguf *g;
+    md_gguf *g;
     km_errbuf err;
     uint8_t *buf;
     cr_assert_eq(open_copy(w.p, w.len, &g, &err, &buf), 0, "%s", err.msg);
     uint32_t u;
-    cr_expect_eq(km_gguf_get_u32(g, "x.u64", &u), 0);
+    cr_expect_eq(md_gguf_get_u32(g, "x.u64", &u), 0);
     cr_expect_eq(u, 7);
-    km_gguf_close(g);
+    md_gguf_close(g);
     free(buf);
     free(w.p);
 }
 
 static void kv_align_zero(gw *w)
 {
-    gw_key(w, "general.alignment", KM_GGUF_UINT32);
+    gw_key(w, "general.alignment", MD_GGUF_UINT32);
     gw_u32(w, 0);
 }
 
 static void kv_align_three(gw *w)
 {
-    gw_key(w, "general.alignment", KM_GGUF_UINT32);
+    gw_key(w, "general.alignment", MD_GGUF_UINT32);
     gw_u32(w, 48);
 }
 
 static void kv_align_string(gw *w)
 {
-    gw_key(w, "general.alignment", KM_GGUF_STRING);
+    gw_key(w, "general.alignment", MD_GGUF_STRING);
     gw_str(w, "32");
 }
 
@@ -817,20 +818,20 @@ Test(gguf, open_reads_a_file_through_mmap)
     cr_assert_geq(fd, 0);
     cr_assert_eq(write(fd, w.p, w.len), (ssize_t)w.len);
     close(fd);
-    km_gguf *g;
+    md_gguf *g;
     km_errbuf err;
-    int rc = km_gguf_open(path, &g, &err);
+    int rc = md_gguf_open(path, &g, &err);
     cr_assert_eq(rc, 0, "%s", err.msg);
-    const km_gguf_tensor *t = km_gguf_find_tensor(g, "c");
+    const md_gguf_tensor *t = md_gguf_find_tensor(g, "c");
     cr_assert_not_null(t);
     cr_expect_eq(memcmp(t->data, w.p + (w.len - 68), 68), 0);
-    km_gguf_close(g);
+    md_gguf_close(g);
 
     /* Messages from a file name the file. */
     fd = open(path, O_WRONLY | O_TRUNC);
     cr_assert_eq(write(fd, w.p, w.len - 1), (ssize_t)w.len - 1);
     close(fd);
-    rc = km_gguf_open(path, &g, &err);
+    rc = md_gguf_open(path, &g, &err);
     cr_expect_eq(rc, KM_EFORMAT);
     cr_expect(strstr(err.msg, path) != NULL, "%s", err.msg);
     unlink(path);
@@ -839,16 +840,16 @@ Test(gguf, open_reads_a_file_through_mmap)
 
 Test(gguf, open_of_a_missing_or_empty_file_is_an_error)
 {
-    km_gguf *g;
+    md_gguf *g;
     km_errbuf err;
-    cr_expect_eq(km_gguf_open("/nonexistent/model.gguf", &g, &err), KM_EIO);
+    cr_expect_eq(md_gguf_open("/nonexistent/model.gguf", &g, &err), KM_EIO);
     cr_expect(strstr(err.msg, "/nonexistent/model.gguf") != NULL, "%s", err.msg);
-    cr_expect_eq(km_gguf_open("/tmp", &g, &err), KM_EIO);
+    cr_expect_eq(md_gguf_open("/tmp", &g, &err), KM_EIO);
     char path[] = "/tmp/km_test_gguf_XXXXXX";
     int fd = mkstemp(path);
     cr_assert_geq(fd, 0);
     close(fd);
-    cr_expect_eq(km_gguf_open(path, &g, &err), KM_EFORMAT);
+    cr_expect_eq(md_gguf_open(path, &g, &err), KM_EFORMAT);
     unlink(path);
 }
 
@@ -864,11 +865,11 @@ Test(gguf, fuzz_seed_corpus_replays)
         if (name[0] == '.') continue;
         char path[512];
         snprintf(path, sizeof path, "tests/fuzz/corpus/fuzz_gguf/%s", name);
-        km_gguf *g;
+        md_gguf *g;
         km_errbuf err;
-        int rc = km_gguf_open(path, &g, &err);
+        int rc = md_gguf_open(path, &g, &err);
         if (strncmp(name, "valid_", 6) == 0) cr_expect_eq(rc, 0, "%s: %s", name, err.msg);
-        if (rc == 0) km_gguf_close(g);
+        if (rc == 0) md_gguf_close(g);
         n++;
     }
     closedir(dir);
@@ -880,50 +881,50 @@ Test(gguf, fuzz_seed_corpus_replays)
 Test(gguf, default_model_opens_with_expected_shape)
 {
     if (access(MODEL_PATH, R_OK) != 0) cr_skip_test("%s absent: run `make deps`", MODEL_PATH);
-    km_gguf *g;
+    md_gguf *g;
     km_errbuf err;
     uint64_t t0 = km_now_ns();
-    int rc = km_gguf_open(MODEL_PATH, &g, &err);
+    int rc = md_gguf_open(MODEL_PATH, &g, &err);
     uint64_t t1 = km_now_ns();
     cr_assert_eq(rc, 0, "%s", err.msg);
     cr_log_info("opened %s in %.2f ms", MODEL_PATH, (double)(t1 - t0) / 1e6);
 
-    cr_expect_eq(km_gguf_version(g), 3);
+    cr_expect_eq(md_gguf_version(g), 3);
     uint32_t blocks = 0;
-    cr_expect_eq(km_gguf_get_u32(g, "llama.block_count", &blocks), 0);
+    cr_expect_eq(md_gguf_get_u32(g, "llama.block_count", &blocks), 0);
     cr_expect_eq(blocks, 30);
     km_str arch;
-    cr_expect_eq(km_gguf_get_str(g, "general.architecture", &arch), 0);
+    cr_expect_eq(md_gguf_get_str(g, "general.architecture", &arch), 0);
     cr_expect(str_eq(arch, "llama"));
-    cr_expect_eq(km_gguf_n_tensors(g), 272);
+    cr_expect_eq(md_gguf_n_tensors(g), 272);
 
-    const km_gguf_tensor *t = km_gguf_find_tensor(g, "token_embd.weight");
+    const md_gguf_tensor *t = md_gguf_find_tensor(g, "token_embd.weight");
     cr_assert_not_null(t);
-    cr_expect_eq(t->type, KM_TYPE_Q8_0);
+    cr_expect_eq(t->type, MD_TYPE_Q8_0);
     cr_expect_eq(t->n_dims, 2);
     cr_expect_eq(t->ne[0], 576);
     cr_expect_eq(t->ne[1], 49152);
     cr_expect_eq(t->size, (uint64_t)576 / 32 * 34 * 49152);
     size_t fsize;
-    const uint8_t *base = km_gguf_file_data(g, &fsize);
-    for (int64_t i = 0; i < km_gguf_n_tensors(g); i++) {
-        const km_gguf_tensor *ti = km_gguf_tensor_at(g, i);
+    const uint8_t *base = md_gguf_file_data(g, &fsize);
+    for (int64_t i = 0; i < md_gguf_n_tensors(g); i++) {
+        const md_gguf_tensor *ti = md_gguf_tensor_at(g, i);
         cr_expect_eq(((uintptr_t)ti->data) % 32, 0, "tensor %lld misaligned", (long long)i);
         cr_expect_leq((const uint8_t *)ti->data + ti->size, base + fsize);
     }
 
-    km_gguf_type et;
+    md_gguf_type et;
     uint64_t n;
-    cr_expect_eq(km_gguf_get_arr(g, "tokenizer.ggml.tokens", &et, &n), 0);
-    cr_expect_eq(et, KM_GGUF_STRING);
+    cr_expect_eq(md_gguf_get_arr(g, "tokenizer.ggml.tokens", &et, &n), 0);
+    cr_expect_eq(et, MD_GGUF_STRING);
     cr_expect_eq(n, 49152);
     km_str tok;
-    cr_expect_eq(km_gguf_arr_str(g, "tokenizer.ggml.tokens", 0, &tok), 0);
+    cr_expect_eq(md_gguf_arr_str(g, "tokenizer.ggml.tokens", 0, &tok), 0);
     cr_expect(str_eq(tok, "<|endoftext|>"), "token 0 is '%.*s'", (int)tok.len, tok.ptr);
-    cr_expect_eq(km_gguf_arr_str(g, "tokenizer.ggml.tokens", 49151, &tok), 0);
-    cr_expect_eq(km_gguf_arr_str(g, "tokenizer.ggml.tokens", 49152, &tok), KM_ERANGE);
-    cr_expect_eq(km_gguf_get_arr(g, "tokenizer.ggml.merges", &et, &n), 0);
-    cr_expect_eq(et, KM_GGUF_STRING);
+    cr_expect_eq(md_gguf_arr_str(g, "tokenizer.ggml.tokens", 49151, &tok), 0);
+    cr_expect_eq(md_gguf_arr_str(g, "tokenizer.ggml.tokens", 49152, &tok), KM_ERANGE);
+    cr_expect_eq(md_gguf_get_arr(g, "tokenizer.ggml.merges", &et, &n), 0);
+    cr_expect_eq(et, MD_GGUF_STRING);
     cr_expect_eq(n, 48900);
-    km_gguf_close(g);
+    md_gguf_close(g);
 }

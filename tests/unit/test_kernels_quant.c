@@ -70,90 +70,90 @@ static const kn_ops *emu512(void)
 static kn_f16 f2h(float f)
 {
     kn_f16 h;
-    ref()->quantize_row(KM_TYPE_F16, &f, &h, 1);
+    ref()->quantize_row(MD_TYPE_F16, &f, &h, 1);
     return h;
 }
 
 static float h2f(kn_f16 h)
 {
     float f;
-    ref()->dequantize_row(KM_TYPE_F16, &h, &f, 1);
+    ref()->dequantize_row(MD_TYPE_F16, &h, &f, 1);
     return f;
 }
 
-static size_t row_bytes(km_type t, int64_t k)
+static size_t row_bytes(md_type t, int64_t k)
 {
     switch (t) {
-    case KM_TYPE_F32:
+    case MD_TYPE_F32:
         return (size_t)k * 4;
-    case KM_TYPE_F16:
-    case KM_TYPE_BF16:
+    case MD_TYPE_F16:
+    case MD_TYPE_BF16:
         return (size_t)k * 2;
-    case KM_TYPE_Q4_0:
+    case MD_TYPE_Q4_0:
         return (size_t)(k / 32) * sizeof(kn_block_q4_0);
-    case KM_TYPE_Q4_1:
+    case MD_TYPE_Q4_1:
         return (size_t)(k / 32) * sizeof(kn_block_q4_1);
-    case KM_TYPE_Q8_0:
+    case MD_TYPE_Q8_0:
         return (size_t)(k / 32) * sizeof(kn_block_q8_0);
-    case KM_TYPE_Q8_1:
+    case MD_TYPE_Q8_1:
         return (size_t)(k / 32) * sizeof(kn_block_q8_1);
-    case KM_TYPE_Q4_K:
+    case MD_TYPE_Q4_K:
         return (size_t)(k / 256) * sizeof(kn_block_q4_K);
-    case KM_TYPE_Q6_K:
+    case MD_TYPE_Q6_K:
         return (size_t)(k / 256) * sizeof(kn_block_q6_K);
-    case KM_TYPE_Q8_K:
+    case MD_TYPE_Q8_K:
         return (size_t)(k / 256) * sizeof(kn_block_q8_K);
     default:
         return 0;
     }
 }
 
-static int block_elems(km_type t)
+static int block_elems(md_type t)
 {
     switch (t) {
-    case KM_TYPE_F32:
-    case KM_TYPE_F16:
-    case KM_TYPE_BF16:
+    case MD_TYPE_F32:
+    case MD_TYPE_F16:
+    case MD_TYPE_BF16:
         return 1;
-    case KM_TYPE_Q4_K:
-    case KM_TYPE_Q6_K:
-    case KM_TYPE_Q8_K:
+    case MD_TYPE_Q4_K:
+    case MD_TYPE_Q6_K:
+    case MD_TYPE_Q8_K:
         return 256;
     default:
         return 32;
     }
 }
 
-static const char *tname(km_type t)
+static const char *tname(md_type t)
 {
     switch (t) {
-    case KM_TYPE_F32:
+    case MD_TYPE_F32:
         return "F32";
-    case KM_TYPE_F16:
+    case MD_TYPE_F16:
         return "F16";
-    case KM_TYPE_BF16:
+    case MD_TYPE_BF16:
         return "BF16";
-    case KM_TYPE_Q4_0:
+    case MD_TYPE_Q4_0:
         return "Q4_0";
-    case KM_TYPE_Q4_1:
+    case MD_TYPE_Q4_1:
         return "Q4_1";
-    case KM_TYPE_Q8_0:
+    case MD_TYPE_Q8_0:
         return "Q8_0";
-    case KM_TYPE_Q8_1:
+    case MD_TYPE_Q8_1:
         return "Q8_1";
-    case KM_TYPE_Q4_K:
+    case MD_TYPE_Q4_K:
         return "Q4_K";
-    case KM_TYPE_Q6_K:
+    case MD_TYPE_Q6_K:
         return "Q6_K";
-    case KM_TYPE_Q8_K:
+    case MD_TYPE_Q8_K:
         return "Q8_K";
     default:
         return "?";
     }
 }
 
-static const km_type weight_types[] = {KM_TYPE_F32,  KM_TYPE_F16,  KM_TYPE_BF16, KM_TYPE_Q4_0,
-                                       KM_TYPE_Q4_1, KM_TYPE_Q8_0, KM_TYPE_Q4_K, KM_TYPE_Q6_K};
+static const md_type weight_types[] = {MD_TYPE_F32,  MD_TYPE_F16,  MD_TYPE_BF16, MD_TYPE_Q4_0,
+                                       MD_TYPE_Q4_1, MD_TYPE_Q8_0, MD_TYPE_Q4_K, MD_TYPE_Q6_K};
 #define N_WEIGHT_TYPES (int)(sizeof weight_types / sizeof weight_types[0])
 
 static const char *isa_names[KN_ISA_COUNT] = {"scalar", "avx2", "avx512"};
@@ -303,27 +303,27 @@ static void quant_q6_K(const float *x, kn_block_q6_K *y, int64_t k)
 }
 
 /* Quantizes one weight row of k floats into type t. */
-static void quant_weight_row(km_type t, const float *x, void *y, int64_t k)
+static void quant_weight_row(md_type t, const float *x, void *y, int64_t k)
 {
     switch (t) {
-    case KM_TYPE_F32:
-    case KM_TYPE_F16:
-    case KM_TYPE_BF16:
+    case MD_TYPE_F32:
+    case MD_TYPE_F16:
+    case MD_TYPE_BF16:
         ref()->quantize_row(t, x, y, k);
         break;
-    case KM_TYPE_Q4_0:
+    case MD_TYPE_Q4_0:
         quant_q4_0(x, y, k);
         break;
-    case KM_TYPE_Q4_1:
+    case MD_TYPE_Q4_1:
         quant_q4_1(x, y, k);
         break;
-    case KM_TYPE_Q8_0:
+    case MD_TYPE_Q8_0:
         quant_q8_0_w(x, y, k);
         break;
-    case KM_TYPE_Q4_K:
+    case MD_TYPE_Q4_K:
         quant_q4_K(x, y, k);
         break;
-    case KM_TYPE_Q6_K:
+    case MD_TYPE_Q6_K:
         quant_q6_K(x, y, k);
         break;
     default:
@@ -340,45 +340,45 @@ static kn_f16 rnd_scale(int allow_negative)
 }
 
 /* Fills one weight row with random block bytes (all bit patterns of the quants, sane scales). */
-static void random_weight_row(km_type t, void *y, int64_t k)
+static void random_weight_row(md_type t, void *y, int64_t k)
 {
     uint8_t *p = y;
     size_t nbytes = row_bytes(t, k);
     for (size_t i = 0; i < nbytes; i++) p[i] = (uint8_t)rnd_u32();
     switch (t) {
-    case KM_TYPE_F32:
+    case MD_TYPE_F32:
         for (int64_t i = 0; i < k; i++) ((float *)y)[i] = rnd_gauss();
         break;
-    case KM_TYPE_F16:
+    case MD_TYPE_F16:
         for (int64_t i = 0; i < k; i++) ((kn_f16 *)y)[i] = f2h(rnd_gauss());
         break;
-    case KM_TYPE_BF16: {
+    case MD_TYPE_BF16: {
         float tmp[1];
         for (int64_t i = 0; i < k; i++) {
             tmp[0] = rnd_gauss();
-            ref()->quantize_row(KM_TYPE_BF16, tmp, (kn_bf16 *)y + i, 1);
+            ref()->quantize_row(MD_TYPE_BF16, tmp, (kn_bf16 *)y + i, 1);
         }
         break;
     }
-    case KM_TYPE_Q4_0:
+    case MD_TYPE_Q4_0:
         for (int64_t b = 0; b < k / 32; b++) ((kn_block_q4_0 *)y)[b].d = rnd_scale(1);
         break;
-    case KM_TYPE_Q4_1:
+    case MD_TYPE_Q4_1:
         for (int64_t b = 0; b < k / 32; b++) {
             ((kn_block_q4_1 *)y)[b].d = rnd_scale(0);
             ((kn_block_q4_1 *)y)[b].m = f2h(rnd_gauss() * 0.1f);
         }
         break;
-    case KM_TYPE_Q8_0:
+    case MD_TYPE_Q8_0:
         for (int64_t b = 0; b < k / 32; b++) ((kn_block_q8_0 *)y)[b].d = rnd_scale(1);
         break;
-    case KM_TYPE_Q4_K:
+    case MD_TYPE_Q4_K:
         for (int64_t b = 0; b < k / 256; b++) {
             ((kn_block_q4_K *)y)[b].d = rnd_scale(0);
             ((kn_block_q4_K *)y)[b].dmin = rnd_scale(0);
         }
         break;
-    case KM_TYPE_Q6_K:
+    case MD_TYPE_Q6_K:
         for (int64_t b = 0; b < k / 256; b++) ((kn_block_q6_K *)y)[b].d = rnd_scale(1);
         break;
     default:
@@ -387,18 +387,18 @@ static void random_weight_row(km_type t, void *y, int64_t k)
 }
 
 /* Copy of a Q4_1 / Q4_K row with the quants zeroed: its dequantization is the min term alone. */
-static void zero_quants(km_type t, void *y, int64_t k)
+static void zero_quants(md_type t, void *y, int64_t k)
 {
-    if (t == KM_TYPE_Q4_1)
+    if (t == MD_TYPE_Q4_1)
         for (int64_t b = 0; b < k / 32; b++) memset(((kn_block_q4_1 *)y)[b].qs, 0, 16);
-    if (t == KM_TYPE_Q4_K)
+    if (t == MD_TYPE_Q4_K)
         for (int64_t b = 0; b < k / 256; b++) memset(((kn_block_q4_K *)y)[b].qs, 0, 128);
 }
 
 /* ------------------------------------------------------------------ matmul checking */
 
 typedef struct mm_case {
-    km_type wt;
+    md_type wt;
     int64_t rows, k, r0, r1;
     int m;
     int random_bytes; /* 1: random block bytes; 0: quantized from float */
@@ -414,7 +414,7 @@ typedef struct mm_data {
 
 static void mm_data_make(const mm_case *c, mm_data *d)
 {
-    const km_type dt = kn_dot_type(c->wt);
+    const md_type dt = kn_dot_type(c->wt);
     d->w_stride = row_bytes(c->wt, c->k) + c->w_pad;
     d->x_stride = row_bytes(dt, c->k) + c->x_pad;
     d->y_stride = (size_t)c->rows + c->y_pad;
@@ -437,7 +437,7 @@ static void mm_data_make(const mm_case *c, mm_data *d)
         else
             quant_weight_row(c->wt, wr, wq, c->k);
         ref()->dequantize_row(c->wt, wq, d->wdq + r * c->k, c->k);
-        if (c->wt == KM_TYPE_Q4_1 || c->wt == KM_TYPE_Q4_K) {
+        if (c->wt == MD_TYPE_Q4_1 || c->wt == MD_TYPE_Q4_K) {
             memcpy(tmp, wq, d->w_stride);
             zero_quants(c->wt, tmp, c->k);
             ref()->dequantize_row(c->wt, tmp, d->wmin + r * c->k, c->k);
@@ -500,7 +500,7 @@ static float *mm_run_packed(const kn_ops *ops, const mm_case *c, const mm_data *
     return y;
 }
 
-static double worst_ratio[KN_ISA_COUNT][KM_TYPE_COUNT];
+static double worst_ratio[KN_ISA_COUNT][MD_TYPE_COUNT];
 
 /* Runs one case on ops and on the reference; asserts they agree and that nothing outside
  * [r0, r1) x [0, m) was written. */
@@ -550,7 +550,7 @@ static void mm_check(const kn_ops *ops, const mm_case *c)
     mm_data_free(&d);
 }
 
-static int64_t k_for(km_type wt, int variant)
+static int64_t k_for(md_type wt, int variant)
 {
     static const int64_t k32[] = {32, 64, 96, 576, 1536, 3200};
     static const int64_t k256[] = {256, 512, 768, 1536, 2304, 4096};
@@ -564,15 +564,15 @@ static int64_t k_for(km_type wt, int variant)
  * p holds the 4 bytes of row p*PR + r at the documented offset of its GGUF block; the f16 fields
  * follow all the groups; missing rows are zeros. The offsets are written out here, apart from
  * pack.c's table. */
-static size_t layout_group_src(km_type t, int g)
+static size_t layout_group_src(md_type t, int g)
 {
     switch (t) {
-    case KM_TYPE_Q4_0:
-    case KM_TYPE_Q8_0:
+    case MD_TYPE_Q4_0:
+    case MD_TYPE_Q8_0:
         return 2 + 4 * (size_t)g;
-    case KM_TYPE_Q4_1:
+    case MD_TYPE_Q4_1:
         return 4 + 4 * (size_t)g;
-    case KM_TYPE_Q4_K:
+    case MD_TYPE_Q4_K:
         return g < 32 ? 16 + 4 * (size_t)g : 4 + 4 * (size_t)(g - 32);
     default: /* Q6_K: ql, qh, scales */
         return g < 32   ? 4 * (size_t)g
@@ -583,14 +583,14 @@ static size_t layout_group_src(km_type t, int g)
 
 Test(kernels_quant, packed_layout_is_the_documented_permutation)
 {
-    static const km_type types[] = {KM_TYPE_Q4_0, KM_TYPE_Q4_1, KM_TYPE_Q8_0, KM_TYPE_Q4_K,
-                                    KM_TYPE_Q6_K};
+    static const md_type types[] = {MD_TYPE_Q4_0, MD_TYPE_Q4_1, MD_TYPE_Q8_0, MD_TYPE_Q4_K,
+                                    MD_TYPE_Q6_K};
     static const int groups[] = {4, 4, 8, 35, 52},
                      halves[][2] = {{0, -1}, {0, 2}, {0, -1}, {0, 2}, {208, -1}};
     static const int prs[] = {8, 16};
     for (size_t ti = 0; ti < 5; ti++)
         for (int pi = 0; pi < 2; pi++) {
-            const km_type t = types[ti];
+            const md_type t = types[ti];
             const int pr = prs[pi], G = groups[ti], F = halves[ti][1] < 0 ? 1 : 2;
             const int64_t rows = 2 * pr + 5, k = 3 * block_elems(t);
             const int nb = 3, bb = (int)row_bytes(t, block_elems(t));
@@ -628,7 +628,7 @@ Test(kernels_quant, packed_layout_is_the_documented_permutation)
             free(w);
             free(pk);
         }
-    cr_assert_eq(kn_packed_size(KM_TYPE_F16, 8, 16, 64), 0);
+    cr_assert_eq(kn_packed_size(MD_TYPE_F16, 8, 16, 64), 0);
 }
 
 static void matmul_sweep(const kn_ops *ops, const char *lacks)
@@ -637,7 +637,7 @@ static void matmul_sweep(const kn_ops *ops, const char *lacks)
     static const int ms[] = {1, 2, 3, 5, 8, 13, 32, 33};
     static const int64_t rowss[] = {1, 7, 16, 17, 33, 50, 64};
     for (int t = 0; t < N_WEIGHT_TYPES; t++) {
-        const km_type wt = weight_types[t];
+        const md_type wt = weight_types[t];
         int n = 0;
         for (int mi = 0; mi < 8; mi++)
             for (int ri = 0; ri < 7; ri++, n++) {
@@ -665,7 +665,7 @@ static void matmul_sweep(const kn_ops *ops, const char *lacks)
 Test(kernels_quant, matmul_scalar_matches_itself_on_subranges)
 {
     /* The reference on [r0,r1) in pieces equals the reference on the whole range. */
-    mm_case c = {.wt = KM_TYPE_Q4_1, .rows = 40, .k = 96, .m = 5, .r0 = 0, .r1 = 40};
+    mm_case c = {.wt = MD_TYPE_Q4_1, .rows = 40, .k = 96, .m = 5, .r0 = 0, .r1 = 40};
     mm_data d;
     mm_data_make(&c, &d);
     float *whole = mm_run(ref(), &c, &d);
@@ -701,7 +701,7 @@ static void matmul_batch_invariance(const kn_ops *ops, const char *lacks)
 {
     if (!ops) cr_skip_test("this CPU lacks %s", lacks);
     for (int t = 0; t < N_WEIGHT_TYPES; t++) {
-        const km_type wt = weight_types[t];
+        const md_type wt = weight_types[t];
         mm_case c = {.wt = wt, .rows = 40, .m = 70, .r0 = 0, .r1 = 40, .random_bytes = t % 2};
         c.k = block_elems(wt) == 256 ? 1536 : block_elems(wt) == 32 ? 1536 : 200;
         mm_data d;
@@ -754,11 +754,11 @@ static void matmul_model_shapes(const kn_ops *ops, const char *lacks)
 {
     if (!ops) cr_skip_test("this CPU lacks %s", lacks);
     static const struct {
-        km_type wt;
+        md_type wt;
         int64_t rows, k;
-    } shapes[] = {{KM_TYPE_Q4_1, 576, 576},  {KM_TYPE_Q4_1, 192, 576},  {KM_TYPE_Q4_1, 1536, 576},
-                  {KM_TYPE_Q4_1, 576, 1536}, {KM_TYPE_Q8_0, 1000, 576}, {KM_TYPE_Q4_0, 288, 576},
-                  {KM_TYPE_Q4_K, 96, 1536},  {KM_TYPE_Q6_K, 96, 1536}};
+    } shapes[] = {{MD_TYPE_Q4_1, 576, 576},  {MD_TYPE_Q4_1, 192, 576},  {MD_TYPE_Q4_1, 1536, 576},
+                  {MD_TYPE_Q4_1, 576, 1536}, {MD_TYPE_Q8_0, 1000, 576}, {MD_TYPE_Q4_0, 288, 576},
+                  {MD_TYPE_Q4_K, 96, 1536},  {MD_TYPE_Q6_K, 96, 1536}};
     static const int ms[] = {1, 8, 70};
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
         for (int mi = 0; mi < 3; mi++)
@@ -786,8 +786,8 @@ Test(kernels_quant, matmul_avx512_model_shapes, .timeout = 300)
 static void matmul_long_rows(const kn_ops *ops, const char *lacks)
 {
     if (!ops) cr_skip_test("this CPU lacks %s", lacks);
-    static const km_type types[] = {KM_TYPE_Q4_0, KM_TYPE_Q4_1, KM_TYPE_Q8_0, KM_TYPE_Q4_K,
-                                    KM_TYPE_Q6_K};
+    static const md_type types[] = {MD_TYPE_Q4_0, MD_TYPE_Q4_1, MD_TYPE_Q8_0, MD_TYPE_Q4_K,
+                                    MD_TYPE_Q6_K};
     static const int ms[] = {1, 3, 9};
     for (size_t t = 0; t < sizeof types / sizeof types[0]; t++)
         for (int mi = 0; mi < 3; mi++) {
@@ -830,7 +830,7 @@ Test(kernels_quant, matmul_avx512_emulated_rows_do_not_depend_on_the_batch, .tim
 Test(kernels_quant, reference_matches_dequantized_dot_and_float_dot)
 {
     for (int t = 0; t < N_WEIGHT_TYPES; t++) {
-        const km_type wt = weight_types[t];
+        const md_type wt = weight_types[t];
         mm_case c = {.wt = wt, .rows = 9, .m = 4, .k = block_elems(wt) == 256 ? 1024 : 576};
         c.r1 = c.rows;
         mm_data d;
@@ -850,7 +850,7 @@ Test(kernels_quant, reference_matches_dequantized_dot_and_float_dot)
                     ndw += ((double)wf[j] - w[j]) * ((double)wf[j] - w[j]);
                     ndx += ((double)xf[j] - x[j]) * ((double)xf[j] - x[j]);
                 }
-                if (wt == KM_TYPE_Q4_1) /* |m| * |d * sum(q)| * 2^-11 per block */
+                if (wt == MD_TYPE_Q4_1) /* |m| * |d * sum(q)| * 2^-11 per block */
                     for (int64_t b = 0; b < c.k / 32; b++) {
                         double sx = 0;
                         for (int j = 0; j < 32; j++) sx += x[32 * b + j];
@@ -868,11 +868,11 @@ Test(kernels_quant, reference_matches_dequantized_dot_and_float_dot)
                 rel_x = fmax(rel_x, sqrt(ndx / nx));
             }
         /* and the quantizers are as good as their bit widths */
-        const double max_rel_w = wt == KM_TYPE_F32    ? 0
-                                 : wt == KM_TYPE_F16  ? 1e-3
-                                 : wt == KM_TYPE_BF16 ? 4e-3
-                                 : wt == KM_TYPE_Q8_0 ? 0.01
-                                 : wt == KM_TYPE_Q6_K ? 0.04
+        const double max_rel_w = wt == MD_TYPE_F32    ? 0
+                                 : wt == MD_TYPE_F16  ? 1e-3
+                                 : wt == MD_TYPE_BF16 ? 4e-3
+                                 : wt == MD_TYPE_Q8_0 ? 0.01
+                                 : wt == MD_TYPE_Q6_K ? 0.04
                                                       : 0.15;
         cr_assert(rel_w <= max_rel_w, "%s: weight quantization error %.3g", tname(wt), rel_w);
         cr_assert(rel_x <= 0.02, "%s: activation quantization error %.3g", tname(wt), rel_x);
@@ -883,8 +883,8 @@ Test(kernels_quant, reference_matches_dequantized_dot_and_float_dot)
 
 /* ------------------------------------------------------------------ quantize_row */
 
-static const km_type act_types[] = {KM_TYPE_Q8_0, KM_TYPE_Q8_1, KM_TYPE_Q8_K,
-                                    KM_TYPE_F16,  KM_TYPE_BF16, KM_TYPE_F32};
+static const md_type act_types[] = {MD_TYPE_Q8_0, MD_TYPE_Q8_1, MD_TYPE_Q8_K,
+                                    MD_TYPE_F16,  MD_TYPE_BF16, MD_TYPE_F32};
 
 /* Rows that probe the edges: ties at .5, zero blocks, signed zeros, subnormals, equal-magnitude
  * maxima of opposite sign, huge and tiny values. */
@@ -927,7 +927,7 @@ static void quantize_bit_identical(kn_isa isa)
     for (size_t t = 0; t < sizeof act_types / sizeof act_types[0]; t++)
         for (int kind = 0; kind < 8; kind++)
             for (int ni = 0; ni < 5; ni++) {
-                const km_type at = act_types[t];
+                const md_type at = act_types[t];
                 int64_t n = ns[ni];
                 if (block_elems(at) == 1) n += ni; /* odd lengths for the float types */
                 float *x = malloc(sizeof(float) * (size_t)n);
@@ -964,19 +964,19 @@ Test(kernels_quant, quantize_q8_0_is_ggml_x86)
      * ggml's x86 quantize_row_q8_0 (_mm256_round_ps with _MM_ROUND_NEAREST). */
     float x[32] = {127.f, 0.5f, 1.5f, 2.5f, -0.5f, -1.5f, -2.5f, 3.49f, -126.5f};
     kn_block_q8_0 q;
-    ref()->quantize_row(KM_TYPE_Q8_0, x, &q, 32);
+    ref()->quantize_row(MD_TYPE_Q8_0, x, &q, 32);
     static const int8_t want[9] = {127, 0, 2, 2, 0, -2, -2, 3, -126};
     for (int j = 0; j < 9; j++) cr_assert_eq(q.qs[j], want[j], "qs[%d] = %d", j, q.qs[j]);
     cr_assert_eq(q.d, f2h(1.0f));
     kn_block_q8_1 q1;
-    ref()->quantize_row(KM_TYPE_Q8_1, x, &q1, 32);
+    ref()->quantize_row(MD_TYPE_Q8_1, x, &q1, 32);
     int sum = 0;
     for (int j = 0; j < 32; j++) sum += q1.qs[j];
     cr_assert_eq(sum, 127 + 0 + 2 + 2 + 0 - 2 - 2 + 3 - 126);
     cr_assert_eq(q1.s, f2h((float)sum));
     /* all-zero block */
     float z[32] = {0};
-    ref()->quantize_row(KM_TYPE_Q8_1, z, &q1, 32);
+    ref()->quantize_row(MD_TYPE_Q8_1, z, &q1, 32);
     cr_assert_eq(q1.d, 0);
     cr_assert_eq(q1.s, 0);
 }
@@ -988,7 +988,7 @@ Test(kernels_quant, quantize_q8_K_is_ggml)
     x[10] = -4.f; /* first largest magnitude, negative */
     x[11] = 4.f;
     kn_block_q8_K q;
-    ref()->quantize_row(KM_TYPE_Q8_K, x, &q, 256);
+    ref()->quantize_row(MD_TYPE_Q8_K, x, &q, 256);
     /* iscale = -127/max = 31.75; d = 1/iscale */
     const float iscale = -127.f / -4.f;
     cr_assert_eq(q.d, 1 / iscale);
@@ -1051,10 +1051,10 @@ Test(kernels_quant, bf16_conversion_rounds_to_nearest_even)
                         0.0f};
     const kn_bf16 want[] = {0x3f80, 0x3f80, 0x3f82, 0x3f81, 0xc020, 0x0000};
     kn_bf16 got[6];
-    ref()->quantize_row(KM_TYPE_BF16, in, got, 6);
+    ref()->quantize_row(MD_TYPE_BF16, in, got, 6);
     for (int i = 0; i < 6; i++) cr_assert_eq(got[i], want[i], "bf16(%g) = %04x", in[i], got[i]);
     float nan = NAN;
-    ref()->quantize_row(KM_TYPE_BF16, &nan, got, 1);
+    ref()->quantize_row(MD_TYPE_BF16, &nan, got, 1);
     cr_assert((got[0] & 0x7f80) == 0x7f80 && (got[0] & 0x7f), "NaN stays NaN");
 }
 
@@ -1071,9 +1071,9 @@ Test(kernels_quant, dequantize_blocks_by_formula)
         b8.qs[j + 16] = (int8_t)(-128 + 17 * j);
     }
     float y0[32], y1[32], y8[32];
-    ref()->dequantize_row(KM_TYPE_Q4_0, &b0, y0, 32);
-    ref()->dequantize_row(KM_TYPE_Q4_1, &b1, y1, 32);
-    ref()->dequantize_row(KM_TYPE_Q8_0, &b8, y8, 32);
+    ref()->dequantize_row(MD_TYPE_Q4_0, &b0, y0, 32);
+    ref()->dequantize_row(MD_TYPE_Q4_1, &b1, y1, 32);
+    ref()->dequantize_row(MD_TYPE_Q8_0, &b8, y8, 32);
     for (int j = 0; j < 16; j++) {
         cr_assert_eq(y0[j], (float)(j - 8) * 0.5f);
         cr_assert_eq(y0[j + 16], (float)(15 - j - 8) * 0.5f);
@@ -1087,13 +1087,13 @@ Test(kernels_quant, dequantize_blocks_by_formula)
     for (int j = 0; j < 256; j++) x[j] = sinf((float)j * 0.1f) * (1.0f + (float)(j / 32));
     kn_block_q4_K bk;
     quant_q4_K(x, &bk, 256);
-    ref()->dequantize_row(KM_TYPE_Q4_K, &bk, y, 256);
+    ref()->dequantize_row(MD_TYPE_Q4_K, &bk, y, 256);
     for (int j = 0; j < 256; j++)
         cr_assert(fabsf(x[j] - y[j]) <= 0.6f * (1.0f + (float)(j / 32)) / 15 * 2.01f + 1e-3f,
                   "q4_K x[%d] = %g, y = %g", j, x[j], y[j]);
     kn_block_q6_K b6;
     quant_q6_K(x, &b6, 256);
-    ref()->dequantize_row(KM_TYPE_Q6_K, &b6, y, 256);
+    ref()->dequantize_row(MD_TYPE_Q6_K, &b6, y, 256);
     for (int j = 0; j < 256; j++)
         cr_assert(fabsf(x[j] - y[j]) <= (1.0f + (float)(j / 32)) / 32 * 1.1f,
                   "q6_K x[%d] = %g, y = %g", j, x[j], y[j]);
@@ -1103,16 +1103,16 @@ static void dequantize_identical(kn_isa isa)
 {
     const kn_ops *ops = kn_ops_get(isa);
     if (!ops) cr_skip_test("this CPU lacks %s", isa_names[isa]);
-    static const km_type types[] = {KM_TYPE_F32,  KM_TYPE_F16,  KM_TYPE_BF16, KM_TYPE_Q4_0,
-                                    KM_TYPE_Q4_1, KM_TYPE_Q8_0, KM_TYPE_Q4_K, KM_TYPE_Q6_K,
-                                    KM_TYPE_Q8_1, KM_TYPE_Q8_K};
+    static const md_type types[] = {MD_TYPE_F32,  MD_TYPE_F16,  MD_TYPE_BF16, MD_TYPE_Q4_0,
+                                    MD_TYPE_Q4_1, MD_TYPE_Q8_0, MD_TYPE_Q4_K, MD_TYPE_Q6_K,
+                                    MD_TYPE_Q8_1, MD_TYPE_Q8_K};
     for (size_t t = 0; t < sizeof types / sizeof types[0]; t++) {
         const int64_t n = 1536;
         const size_t nb = row_bytes(types[t], n);
         uint8_t *q = malloc(nb);
         float *x = malloc(sizeof(float) * n), *a = malloc(sizeof(float) * n),
               *b = malloc(sizeof(float) * n);
-        if (types[t] == KM_TYPE_Q8_1 || types[t] == KM_TYPE_Q8_K) {
+        if (types[t] == MD_TYPE_Q8_1 || types[t] == MD_TYPE_Q8_K) {
             for (int64_t j = 0; j < n; j++) x[j] = rnd_gauss();
             ref()->quantize_row(types[t], x, q, n);
         } else {
@@ -1159,16 +1159,16 @@ Test(kernels_quant, matmul_empty_k_writes_zeros)
 
 Test(kernels_quant, dot_types)
 {
-    cr_assert_eq(kn_dot_type(KM_TYPE_Q4_0), KM_TYPE_Q8_0);
-    cr_assert_eq(kn_dot_type(KM_TYPE_Q8_0), KM_TYPE_Q8_0);
-    cr_assert_eq(kn_dot_type(KM_TYPE_Q4_1), KM_TYPE_Q8_1);
-    cr_assert_eq(kn_dot_type(KM_TYPE_Q4_K), KM_TYPE_Q8_K);
-    cr_assert_eq(kn_dot_type(KM_TYPE_Q6_K), KM_TYPE_Q8_K);
-    cr_assert_eq(kn_dot_type(KM_TYPE_F16), KM_TYPE_F16);
-    cr_assert_eq(kn_dot_type(KM_TYPE_BF16), KM_TYPE_BF16);
-    cr_assert_eq(kn_dot_type(KM_TYPE_F32), KM_TYPE_F32);
+    cr_assert_eq(kn_dot_type(MD_TYPE_Q4_0), MD_TYPE_Q8_0);
+    cr_assert_eq(kn_dot_type(MD_TYPE_Q8_0), MD_TYPE_Q8_0);
+    cr_assert_eq(kn_dot_type(MD_TYPE_Q4_1), MD_TYPE_Q8_1);
+    cr_assert_eq(kn_dot_type(MD_TYPE_Q4_K), MD_TYPE_Q8_K);
+    cr_assert_eq(kn_dot_type(MD_TYPE_Q6_K), MD_TYPE_Q8_K);
+    cr_assert_eq(kn_dot_type(MD_TYPE_F16), MD_TYPE_F16);
+    cr_assert_eq(kn_dot_type(MD_TYPE_BF16), MD_TYPE_BF16);
+    cr_assert_eq(kn_dot_type(MD_TYPE_F32), MD_TYPE_F32);
     for (int t = 0; t < N_WEIGHT_TYPES; t++) cr_assert(kn_weight_type_supported(weight_types[t]));
-    cr_assert(!kn_weight_type_supported(KM_TYPE_Q5_K));
-    cr_assert(!kn_weight_type_supported(KM_TYPE_Q8_1));
-    cr_assert(!kn_weight_type_supported(KM_TYPE_Q2_K));
+    cr_assert(!kn_weight_type_supported(MD_TYPE_Q5_K));
+    cr_assert(!kn_weight_type_supported(MD_TYPE_Q8_1));
+    cr_assert(!kn_weight_type_supported(MD_TYPE_Q2_K));
 }

@@ -448,43 +448,43 @@ Test(router_view, ready_and_draining_members_serve_their_pages_to_pulls)
     }
 }
 
-/* The router reads the model's metadata with common/'s km_model_info, never loading its weights;
- * the workers load it with wk_model_load. The page-hash chain seeds from the fingerprint, so the
+/* The router reads the model's metadata with common/'s md_model_info, never loading its weights;
+ * the workers load it with en_model_load. The page-hash chain seeds from the fingerprint, so the
  * two must agree to the bit, and so must the name clients use and the tokenizer. */
 Test(router_model, metadata_from_common_equals_the_workers_loader)
 {
-    const char *path = km_default_model_path();
+    const char *path = md_default_model_path();
     FILE *f = fopen(path, "rb");
     if (!f) cr_skip_test("no model at %s", path);
     fclose(f);
     km_errbuf err = {{0}};
-    km_model_info *info = NULL;
-    cr_assert_eq(km_model_info_open(path, &info, &err), 0, "%s", err.msg);
-    wk_model *m = NULL;
-    cr_assert_eq(wk_model_load(path, &m, &err), 0, "%s", err.msg);
+    md_model_info *info = NULL;
+    cr_assert_eq(md_model_info_open(path, &info, &err), 0, "%s", err.msg);
+    en_model *m = NULL;
+    cr_assert_eq(en_model_load(path, &m, &err), 0, "%s", err.msg);
     char fp[33];
-    wk_model_fingerprint_hex(m, fp);
-    cr_assert_str_eq(km_model_info_fingerprint(info), fp);
+    en_model_fingerprint_hex(m, fp);
+    cr_assert_str_eq(md_model_info_fingerprint(info), fp);
     cr_assert_eq(strlen(fp), 32);
-    cr_assert_str_eq(km_model_info_name(info), wk_model_name(m));
-    cr_assert_eq(km_model_info_chat(info), wk_model_chat_kind(m));
-    const km_tokenizer *a = km_model_info_tokenizer(info), *b = wk_model_tokenizer(m);
-    cr_assert_eq(km_tok_n_vocab(a), km_tok_n_vocab(b));
+    cr_assert_str_eq(md_model_info_name(info), en_model_name(m));
+    cr_assert_eq(md_model_info_chat(info), en_model_chat_kind(m));
+    const md_tokenizer *a = md_model_info_tokenizer(info), *b = en_model_tokenizer(m);
+    cr_assert_eq(md_tok_n_vocab(a), md_tok_n_vocab(b));
     const char *text = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n";
     int32_t ta[64], tb[64];
-    int na = km_tok_encode(a, text, strlen(text), 1, 1, ta, 64);
-    int nb = km_tok_encode(b, text, strlen(text), 1, 1, tb, 64);
+    int na = md_tok_encode(a, text, strlen(text), 1, 1, ta, 64);
+    int nb = md_tok_encode(b, text, strlen(text), 1, 1, tb, 64);
     cr_assert_gt(na, 0);
     cr_assert_eq(na, nb);
     cr_assert_arr_eq(ta, tb, sizeof(int32_t) * (size_t)na);
-    wk_model_free(m);
-    km_model_info_close(info);
+    en_model_free(m);
+    md_model_info_close(info);
 
     char name[64];
-    km_model_display_name("/a/b/SmolLM2-135M-Instruct.Q4_1.gguf", name, sizeof name);
+    md_model_display_name("/a/b/SmolLM2-135M-Instruct.Q4_1.gguf", name, sizeof name);
     cr_assert_str_eq(name, "SmolLM2-135M-Instruct.Q4_1");
-    km_model_display_name("plain", name, sizeof name);
+    md_model_display_name("plain", name, sizeof name);
     cr_assert_str_eq(name, "plain");
-    cr_assert_neq(km_model_info_open("/nonexistent.gguf", &info, &err), 0);
+    cr_assert_neq(md_model_info_open("/nonexistent.gguf", &info, &err), 0);
     cr_assert_null(info);
 }

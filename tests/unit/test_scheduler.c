@@ -1,5 +1,5 @@
 /*
- * test_scheduler.c — wk_sched_* over the real engine and the default model. The scenarios of
+ * test_scheduler.c — en_sched_* over the real engine and the default model. The scenarios of
  * tests/unit/sched_scenarios.h (written once, also run on a fake engine by
  * test_scheduler_fake.c): continuous batching with chunked prefill gives the same greedy tokens
  * as each request alone, a full KV store preempts instead of failing, decode_prefill, prefix
@@ -29,8 +29,8 @@ enum { MAXG = 32, NR = 12 };
 
 #include "tests/unit/sched_fixture.h"
 
-static wk_model *g_model;
-static wk_engine *g_engine; /* of the open scenario's scheduler */
+static en_model *g_model;
+static en_engine *g_engine; /* of the open scenario's scheduler */
 
 static bool need_model(void)
 {
@@ -39,32 +39,32 @@ static bool need_model(void)
         return false;
     }
     km_errbuf err = {{0}};
-    if (!g_model) cr_assert_eq(wk_model_load(MODEL, &g_model, &err), 0, "%s", err.msg);
+    if (!g_model) cr_assert_eq(en_model_load(MODEL, &g_model, &err), 0, "%s", err.msg);
     return true;
 }
 
 static void fini(void)
 {
-    wk_model_free(g_model);
+    en_model_free(g_model);
     g_model = NULL;
 }
 
 TestSuite(sched, .fini = fini, .timeout = SCENARIO_TIMEOUT);
 
-static wk_engine *engine(size_t kv_bytes, int max_batch)
+static en_engine *engine(size_t kv_bytes, int max_batch)
 {
-    wk_engine *e;
+    en_engine *e;
     km_errbuf err = {{0}};
-    wk_engine_opts o = {.n_threads = 2, .max_batch_tokens = max_batch, .kv_bytes = kv_bytes};
-    cr_assert_eq(wk_engine_create(g_model, &o, &e, &err), 0, "%s", err.msg);
+    en_engine_opts o = {.n_threads = 2, .max_batch_tokens = max_batch, .kv_bytes = kv_bytes};
+    cr_assert_eq(en_engine_create(g_model, &o, &e, &err), 0, "%s", err.msg);
     return e;
 }
 
-static wk_sched *sched(wk_engine *e, wk_sched_opts o)
+static en_sched *sched(en_engine *e, en_sched_opts o)
 {
-    wk_sched *s;
+    en_sched *s;
     km_errbuf err = {{0}};
-    cr_assert_eq(wk_sched_create(e, g_model, &o, &g_cb, &s, &err), 0, "%s", err.msg);
+    cr_assert_eq(en_sched_create(e, g_model, &o, &g_cb, &s, &err), 0, "%s", err.msg);
     return s;
 }
 
@@ -76,13 +76,13 @@ static void prompt(int32_t *p, int n, int salt)
 /* Each request alone on a fresh engine: the reference. */
 static void alone(const int32_t *p, int n, int max_tokens, out *o)
 {
-    wk_engine *e = engine(0, 64);
-    wk_sched *s = sched(e, (wk_sched_opts){.max_running = 1, .max_batch_tokens = 64});
-    wk_sched_req r = greedy_req(p, n, max_tokens, o);
-    cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
+    en_engine *e = engine(0, 64);
+    en_sched *s = sched(e, (en_sched_opts){.max_running = 1, .max_batch_tokens = 64});
+    en_sched_req r = greedy_req(p, n, max_tokens, o);
+    cr_assert_eq(en_sched_submit(s, &r, NULL), 0);
     run_all(s);
-    wk_sched_destroy(s);
-    wk_engine_destroy(e);
+    en_sched_destroy(s);
+    en_engine_destroy(e);
 }
 
 /* ---------------------------------------------------------------- the model as a backend */
@@ -100,22 +100,22 @@ static const backend *model_backend(void);
 
 #include "tests/unit/sched_scenarios.h"
 
-static wk_sched *model_open(int hot_pages, int max_batch, wk_sched_opts o)
+static en_sched *model_open(int hot_pages, int max_batch, en_sched_opts o)
 {
     g_engine = engine((size_t)hot_pages * 16 * 23040, max_batch); /* f16 pages of 16 tokens */
     return sched(g_engine, o);
 }
 
-static void model_close(wk_sched *s)
+static void model_close(en_sched *s)
 {
-    wk_sched_destroy(s);
-    wk_engine_destroy(g_engine);
+    en_sched_destroy(s);
+    en_engine_destroy(g_engine);
     g_engine = NULL;
 }
 
 static kv_store *model_kv(void)
 {
-    return wk_engine_kv(g_engine);
+    return en_engine_kv(g_engine);
 }
 
 static int model_reference(const int32_t *p, int n, int max_tokens, int32_t *toks)
@@ -149,32 +149,32 @@ Test(sched, a_step_budget_cuts_prefill_chunks_by_measured_cost_and_changes_no_to
     prompt(p, 180, 5);
     out ref = {0}, a = {0};
     alone(p, 180, 8, &ref);
-    wk_engine *e = engine(0, 128);
+    en_engine *e = engine(0, 128);
     /* 1 ms is less than any page of this model's prefill takes: after the first step (nothing
      * measured yet) every step carries the floor, one page of the prompt */
-    wk_sched *s = sched(e, (wk_sched_opts){.max_batch_tokens = 128, .step_budget_ms = 1});
-    wk_sched_req r = greedy_req(p, 180, 8, &a);
-    cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
-    cr_assert_gt(wk_sched_step(s), 0);
+    en_sched *s = sched(e, (en_sched_opts){.max_batch_tokens = 128, .step_budget_ms = 1});
+    en_sched_req r = greedy_req(p, 180, 8, &a);
+    cr_assert_eq(en_sched_submit(s, &r, NULL), 0);
+    cr_assert_gt(en_sched_step(s), 0);
     while (!a.n) {
-        wk_sched_stats s0, s1;
-        wk_sched_stats_get(s, &s0);
+        en_sched_stats s0, s1;
+        en_sched_stats_get(s, &s0);
         cr_assert_gt(s0.ns_per_unit, 0, "the first step taught the cost");
-        cr_assert_gt(wk_sched_step(s), 0);
-        wk_sched_stats_get(s, &s1);
+        cr_assert_gt(en_sched_step(s), 0);
+        en_sched_stats_get(s, &s1);
         cr_assert_leq(s1.prefill_tokens - s0.prefill_tokens, 16, "one page per step");
     }
     run_all(s);
-    wk_sched_stats st;
-    wk_sched_stats_get(s, &st);
+    en_sched_stats st;
+    en_sched_stats_get(s, &st);
     cr_assert_gt(st.budget_cut, 0);
     /* the prompt's last 52 tokens took at least 4 steps (asserted per step above) */
     cr_assert_geq(st.steps, 1 + (180 - 128) / 16, "%llu steps", (unsigned long long)st.steps);
     cr_assert(a.ended && !a.code);
     cr_assert_eq(a.n, ref.n);
     cr_assert_arr_eq(a.tok, ref.tok, sizeof(int32_t) * ref.n, "same tokens as one chunk");
-    wk_sched_destroy(s);
-    wk_engine_destroy(e);
+    en_sched_destroy(s);
+    en_engine_destroy(e);
 }
 
 Test(sched, under_a_step_budget_a_short_prompt_is_not_stuck_behind_a_long_prefill)
@@ -185,22 +185,22 @@ Test(sched, under_a_step_budget_a_short_prompt_is_not_stuck_behind_a_long_prefil
     prompt(sp, 20, 12);
     out ref = {0}, lo = {0}, sh = {0};
     alone(sp, 20, 4, &ref);
-    wk_engine *e = engine(0, 128);
-    wk_sched *s = sched(e, (wk_sched_opts){.max_batch_tokens = 128, .step_budget_ms = 1});
-    wk_sched_req r = greedy_req(lp, 180, 4, &lo);
-    cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
-    cr_assert_gt(wk_sched_step(s), 0); /* the long prompt is admitted and prefilling */
+    en_engine *e = engine(0, 128);
+    en_sched *s = sched(e, (en_sched_opts){.max_batch_tokens = 128, .step_budget_ms = 1});
+    en_sched_req r = greedy_req(lp, 180, 4, &lo);
+    cr_assert_eq(en_sched_submit(s, &r, NULL), 0);
+    cr_assert_gt(en_sched_step(s), 0); /* the long prompt is admitted and prefilling */
     r = greedy_req(sp, 20, 4, &sh);
-    cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
-    for (int i = 0; i < 100 && !sh.n; i++) cr_assert_geq(wk_sched_step(s), 0);
+    cr_assert_eq(en_sched_submit(s, &r, NULL), 0);
+    for (int i = 0; i < 100 && !sh.n; i++) cr_assert_geq(en_sched_step(s), 0);
     cr_assert_gt(sh.n, 0);
     cr_assert_eq(lo.n, 0, "the short prompt's first token came after the long one's");
     run_all(s);
     cr_assert_eq(sh.n, ref.n);
     cr_assert_arr_eq(sh.tok, ref.tok, sizeof(int32_t) * ref.n, "same tokens as alone");
     cr_assert(lo.ended && !lo.code);
-    wk_sched_destroy(s);
-    wk_engine_destroy(e);
+    en_sched_destroy(s);
+    en_engine_destroy(e);
 }
 
 /* A migration continues a request from its prompt plus the tokens already streamed: a seeded,
@@ -212,33 +212,33 @@ Test(sched, a_seeded_request_continued_from_its_streamed_tokens_equals_the_undis
     int32_t p[N + G];
     prompt(p, N, 3);
     out full = {0}, tail = {0};
-    wk_engine *e = engine(0, 64);
-    wk_sched *s = sched(e, (wk_sched_opts){.max_batch_tokens = 64});
-    wk_sched_req r = greedy_req(p, N, G, &full);
+    en_engine *e = engine(0, 64);
+    en_sched *s = sched(e, (en_sched_opts){.max_batch_tokens = 64});
+    en_sched_req r = greedy_req(p, N, G, &full);
     r.sample.temperature = 0.9f;
     r.sample.top_k = 50;
     r.sample.repeat_penalty = 1.1f;
     r.sample.seed = 1234;
     r.ignore_eos = 1;
-    cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
+    cr_assert_eq(en_sched_submit(s, &r, NULL), 0);
     run_all(s);
     cr_assert_eq(full.n, G);
     /* the "next worker": a fresh engine, the prompt plus the first K tokens */
-    wk_sched_destroy(s);
-    wk_engine_destroy(e);
+    en_sched_destroy(s);
+    en_engine_destroy(e);
     e = engine(0, 64);
-    s = sched(e, (wk_sched_opts){.max_batch_tokens = 64});
+    s = sched(e, (en_sched_opts){.max_batch_tokens = 64});
     memcpy(p + N, full.tok, sizeof(int32_t) * K);
     r.tokens = p;
     r.n_tokens = N + K;
     r.max_tokens = G - K;
     r.n_generated = K;
     r.user = &tail;
-    cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
+    cr_assert_eq(en_sched_submit(s, &r, NULL), 0);
     run_all(s);
     cr_assert_eq(tail.n, G - K);
     cr_assert_arr_eq(tail.tok, full.tok + K, sizeof(int32_t) * (G - K),
                      "the continuation differs from the undisturbed run");
-    wk_sched_destroy(s);
-    wk_engine_destroy(e);
+    en_sched_destroy(s);
+    en_engine_destroy(e);
 }

@@ -1,7 +1,7 @@
 /*
- * test_scheduler_fake.c — the scheduler (worker/scheduler.h) over a fake engine behind its engine
- * interface (wk_sched_engine), so it is tested without the model file: the fake reserves and
- * writes KV pages exactly as wk_engine_step does and its next token is a known function of the
+ * test_scheduler_fake.c — the scheduler (engine/engine.h) over a fake engine behind its engine
+ * interface (en_sched_engine), so it is tested without the model file: the fake reserves and
+ * writes KV pages exactly as en_engine_step does and its next token is a known function of the
  * token ids it reads back from the sequence's own KV pages, so every expected output is computed
  * and a wrong position, a lost or repeated chunk or a wrongly attached page changes tokens.
  * Scenarios: continuous batching with chunked prefill gives every request the tokens it gets
@@ -35,7 +35,7 @@ static const backend *fake_backend(void); /* defined with the fake engine, below
 #include "tests/unit/sched_scenarios.h"
 
 /* ---------------------------------------------------------------- the fake engine
- * It reserves and writes KV pages exactly as wk_engine_step does (so a small store really runs
+ * It reserves and writes KV pages exactly as en_engine_step does (so a small store really runs
  * out and the scheduler must preempt), and the token it predicts after position p is a hash of
  * the token ids it reads back from the sequence's own KV pages at positions 0..p. So the output
  * of any request is known without running anything (fake_reference), and a scheduler that feeds
@@ -71,12 +71,12 @@ static int32_t fake_pick(uint32_t h)
     return (int32_t)((h >> 7) % FV);
 }
 
-static int fake_step(void *ctx, const wk_batch *b, const float **logits)
+static int fake_step(void *ctx, const en_batch *b, const float **logits)
 {
     fake *f = ctx;
     cr_assert(b->n_tokens >= 1 && b->n_tokens <= FMAXB);
     if (++f->steps == f->fail_at) return KM_EIO;
-    for (int i = 0; i < b->n_tokens; i++) { /* as wk_engine_step */
+    for (int i = 0; i < b->n_tokens; i++) { /* as en_engine_step */
         int rc = kv_seq_reserve(f->kv, b->seqs[i], b->pos[i] + 1);
         if (rc) return rc;
     }
@@ -116,7 +116,7 @@ static int fake_is_eog(void *ctx, int32_t token)
 }
 
 /* A fake engine over hot_pages pages (and host_pages in a host-RAM tier), and its scheduler. */
-static wk_sched *fake_open_tiered(int hot_pages, int host_pages, wk_sched_opts o)
+static en_sched *fake_open_tiered(int hot_pages, int host_pages, en_sched_opts o)
 {
     fake *f = g_fake = calloc(1, sizeof *f);
     cr_assert_not_null(f);
@@ -130,34 +130,34 @@ static wk_sched *fake_open_tiered(int hot_pages, int host_pages, wk_sched_opts o
     km_errbuf err = {{0}};
     cr_assert_eq(kv_store_create(&c, &f->kv, &err), 0, "%s", err.msg);
     cr_assert_eq(kv_store_page_bytes(f->kv), FPAGE_B);
-    static const wk_hparams hp = {.n_layers = 1,
+    static const en_hparams hp = {.n_layers = 1,
                                   .n_embd = 8,
                                   .n_ff = 16,
                                   .n_head = 1,
                                   .n_head_kv = 1,
                                   .head_dim = 8,
                                   .n_vocab = FV};
-    if (!g_spec_on) o.spec.mode = WK_SPEC_OFF; /* see the file's comment */
-    wk_sched_engine eng = {.kv = f->kv,
+    if (!g_spec_on) o.spec.mode = EN_SPEC_OFF; /* see the file's comment */
+    en_sched_engine eng = {.kv = f->kv,
                            .hp = &hp,
                            .fingerprint = "0123456789abcdef0123456789abcdef",
                            .step = fake_step,
                            .is_eog = fake_is_eog,
                            .ctx = f};
-    wk_sched *s;
-    cr_assert_eq(wk_sched_create_on(&eng, &o, &g_cb, &s, &err), 0, "%s", err.msg);
+    en_sched *s;
+    cr_assert_eq(en_sched_create_on(&eng, &o, &g_cb, &s, &err), 0, "%s", err.msg);
     return s;
 }
 
-static wk_sched *fake_open(int hot_pages, int max_batch, wk_sched_opts o)
+static en_sched *fake_open(int hot_pages, int max_batch, en_sched_opts o)
 {
     cr_assert_leq(max_batch, FMAXB);
     return fake_open_tiered(hot_pages ? hot_pages : 4096, 0, o);
 }
 
-static void fake_close(wk_sched *s)
+static void fake_close(en_sched *s)
 {
-    wk_sched_destroy(s);
+    en_sched_destroy(s);
     check_nothing_pinned(g_fake->kv);
     kv_store_destroy(g_fake->kv);
     free(g_fake);
@@ -228,21 +228,21 @@ TestSuite(sched_fake, .timeout = 120);
 Test(sched_fake, a_preempted_sequence_reattaches_its_published_pages_instead_of_recomputing)
 {
     /* 48 tokens hot; the victim's published pages wait on the host tier */
-    wk_sched *s =
-        fake_open_tiered(12, 32, (wk_sched_opts){.max_batch_tokens = 16, .max_running = 2});
+    en_sched *s =
+        fake_open_tiered(12, 32, (en_sched_opts){.max_batch_tokens = 16, .max_running = 2});
     int32_t a[30], c[6];
     fake_prompt(a, 30, 1);
     fake_prompt(c, 6, 2);
     out oa = {0}, oc = {0};
-    wk_sched_req r = greedy_req(a, 30, 8, &oa);
+    en_sched_req r = greedy_req(a, 30, 8, &oa);
     r.priority = -1; /* the victim */
-    cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
+    cr_assert_eq(en_sched_submit(s, &r, NULL), 0);
     r = greedy_req(c, 6, 30, &oc);
     r.ignore_eos = 1;
-    cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
+    cr_assert_eq(en_sched_submit(s, &r, NULL), 0);
     run_all(s);
-    wk_sched_stats st;
-    wk_sched_stats_get(s, &st);
+    en_sched_stats st;
+    en_sched_stats_get(s, &st);
     cr_assert_gt(st.preemptions, 0);
     cr_assert_gt(oa.u.preemptions, 0, "the lower priority one was preempted");
     cr_assert_lt(st.recomputed_tokens, (uint64_t)st.preemptions * FPT,
@@ -256,23 +256,23 @@ Test(sched_fake, a_preempted_sequence_reattaches_its_published_pages_instead_of_
 
 Test(sched_fake, a_decoding_sequence_gets_a_token_every_step_while_long_prompts_prefill)
 {
-    wk_sched *s = fake_open(0, 16, (wk_sched_opts){.max_batch_tokens = 16});
+    en_sched *s = fake_open(0, 16, (en_sched_opts){.max_batch_tokens = 16});
     int32_t a[5], p[3][100];
     fake_prompt(a, 5, 3);
     out oa = {0}, op[3];
     memset(op, 0, sizeof op);
-    wk_sched_req r = greedy_req(a, 5, 30, &oa);
+    en_sched_req r = greedy_req(a, 5, 30, &oa);
     r.ignore_eos = 1;
-    cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
-    cr_assert_gt(wk_sched_step(s), 0); /* a's prompt, and its first token */
+    cr_assert_eq(en_sched_submit(s, &r, NULL), 0);
+    cr_assert_gt(en_sched_step(s), 0); /* a's prompt, and its first token */
     cr_assert_eq(oa.n, 1);
     for (int i = 0; i < 3; i++) {
         fake_prompt(p[i], 100, 10 + i);
         r = greedy_req(p[i], 100, 2, &op[i]);
-        cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
+        cr_assert_eq(en_sched_submit(s, &r, NULL), 0);
     }
     for (int step = 2; !oa.ended; step++) {
-        cr_assert_gt(wk_sched_step(s), 0);
+        cr_assert_gt(en_sched_step(s), 0);
         cr_assert(oa.ended || oa.n == step, "step %d: a has %d tokens", step, oa.n);
     }
     run_all(s);
@@ -283,27 +283,27 @@ Test(sched_fake, a_decoding_sequence_gets_a_token_every_step_while_long_prompts_
 
 Test(sched_fake, an_engine_error_ends_the_requests_of_its_batch_and_the_next_ones_are_served)
 {
-    wk_sched *s = fake_open(0, 64, (wk_sched_opts){.max_batch_tokens = 64});
+    en_sched *s = fake_open(0, 64, (en_sched_opts){.max_batch_tokens = 64});
     g_fake->fail_at = 3;
     int32_t p[2][20];
     out o[3];
     memset(o, 0, sizeof o);
     for (int i = 0; i < 2; i++) {
         fake_prompt(p[i], 20, 20 + i);
-        wk_sched_req r = greedy_req(p[i], 20, 10, &o[i]);
+        en_sched_req r = greedy_req(p[i], 20, 10, &o[i]);
         r.ignore_eos = 1;
-        cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
+        cr_assert_eq(en_sched_submit(s, &r, NULL), 0);
     }
-    for (int i = 0; i < 2; i++) cr_assert_gt(wk_sched_step(s), 0);
-    cr_assert_eq(wk_sched_step(s), KM_EIO);
+    for (int i = 0; i < 2; i++) cr_assert_gt(en_sched_step(s), 0);
+    cr_assert_eq(en_sched_step(s), KM_EIO);
     cr_assert(o[0].ended && o[1].ended);
     cr_assert_eq(o[0].code, km_proto_code_from_err(KM_EIO));
-    wk_sched_stats st;
-    wk_sched_stats_get(s, &st);
+    en_sched_stats st;
+    en_sched_stats_get(s, &st);
     cr_assert_eq(st.engine_errors, 1);
-    cr_assert_eq(wk_sched_pending(s), 0);
-    wk_sched_req r = greedy_req(p[0], 20, 5, &o[2]);
-    cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
+    cr_assert_eq(en_sched_pending(s), 0);
+    en_sched_req r = greedy_req(p[0], 20, 5, &o[2]);
+    cr_assert_eq(en_sched_submit(s, &r, NULL), 0);
     run_all(s);
     check_alone(&g_fake_be, p[0], 20, 5, &o[2], 2);
     fake_close(s);
@@ -311,20 +311,20 @@ Test(sched_fake, an_engine_error_ends_the_requests_of_its_batch_and_the_next_one
 
 Test(sched_fake, abort_all_hands_every_request_back_with_its_computed_pages_published)
 {
-    wk_sched *s = fake_open(0, 64, (wk_sched_opts){.max_batch_tokens = 64, .max_running = 1});
+    en_sched *s = fake_open(0, 64, (en_sched_opts){.max_batch_tokens = 64, .max_running = 1});
     int32_t p[40];
     fake_prompt(p, 40, 30);
     out run = {0}, queued = {0};
-    wk_sched_req r = greedy_req(p, 40, 50, &run);
+    en_sched_req r = greedy_req(p, 40, 50, &run);
     r.ignore_eos = 1;
-    cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
+    cr_assert_eq(en_sched_submit(s, &r, NULL), 0);
     r = greedy_req(p, 8, 5, &queued);
-    cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
-    cr_assert_gt(wk_sched_step(s), 0);
-    wk_sched_abort_all(s, KM_CODE_UNAVAILABLE, "draining");
+    cr_assert_eq(en_sched_submit(s, &r, NULL), 0);
+    cr_assert_gt(en_sched_step(s), 0);
+    en_sched_abort_all(s, KM_CODE_UNAVAILABLE, "draining");
     cr_assert_eq(run.code, KM_CODE_UNAVAILABLE);
     cr_assert_eq(queued.code, KM_CODE_UNAVAILABLE);
-    cr_assert_eq(wk_sched_pending(s), 0);
+    cr_assert_eq(en_sched_pending(s), 0);
     km_pagehash seed = km_pagehash_seed("0123456789abcdef0123456789abcdef", 32, 0, NULL, 0);
     km_pagehash h[10];
     int np = km_pagehash_chain(seed, p, 40, FPT, h, 10);
@@ -342,13 +342,13 @@ Test(sched_fake, end_of_generation_ends_a_request_unless_it_ignores_it)
         for (k = 0; k < n && want[k] != FEOG; k++) continue;
     }
     cr_assert_lt(k, 8, "found a prompt whose output reaches the end-of-generation token");
-    wk_sched *s = fake_open(0, 64, (wk_sched_opts){.max_batch_tokens = 64});
+    en_sched *s = fake_open(0, 64, (en_sched_opts){.max_batch_tokens = 64});
     out e = {0}, all = {0};
-    wk_sched_req r = greedy_req(q, 6, 8, &e);
-    cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
+    en_sched_req r = greedy_req(q, 6, 8, &e);
+    cr_assert_eq(en_sched_submit(s, &r, NULL), 0);
     r = greedy_req(q, 6, 8, &all);
     r.ignore_eos = 1;
-    cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
+    cr_assert_eq(en_sched_submit(s, &r, NULL), 0);
     run_all(s);
     cr_assert_eq(e.finish, KM_FINISH_STOP);
     cr_assert_eq(e.n, k, "ends before the end-of-generation token");
@@ -356,9 +356,9 @@ Test(sched_fake, end_of_generation_ends_a_request_unless_it_ignores_it)
     cr_assert_eq(all.n, 8);
     cr_assert_arr_eq(all.tok, want, sizeof(int32_t) * 8);
     fake_close(s);
-    wk_sched_engine none = {0};
+    en_sched_engine none = {0};
     km_errbuf err = {{0}};
-    cr_assert_eq(wk_sched_create_on(&none, NULL, &g_cb, &s, &err), KM_EINVAL);
+    cr_assert_eq(en_sched_create_on(&none, NULL, &g_cb, &s, &err), KM_EINVAL);
 }
 
 Test(sched_fake, speculative_decoding_changes_no_token_and_drafts_from_earlier_outputs)
@@ -370,19 +370,19 @@ Test(sched_fake, speculative_decoding_changes_no_token_and_drafts_from_earlier_o
     out o[2][N];
     memset(o, 0, sizeof o);
     g_spec_on = true;
-    wk_sched *s = fake_open(0, 128, (wk_sched_opts){.max_running = 8, .max_batch_tokens = 128});
+    en_sched *s = fake_open(0, 128, (en_sched_opts){.max_running = 8, .max_batch_tokens = 128});
     g_spec_on = false;
     for (int round = 0; round < 2; round++) {
         for (int i = 0; i < N; i++) {
             fake_prompt(p[i], 40, 50 + i);
-            wk_sched_req r = greedy_req(p[i], 40, 24, &o[round][i]);
+            en_sched_req r = greedy_req(p[i], 40, 24, &o[round][i]);
             r.ignore_eos = 1;
-            cr_assert_eq(wk_sched_submit(s, &r, NULL), 0);
+            cr_assert_eq(en_sched_submit(s, &r, NULL), 0);
         }
         run_all(s);
     }
-    wk_sched_stats st;
-    wk_sched_stats_get(s, &st);
+    en_sched_stats st;
+    en_sched_stats_get(s, &st);
     fake_close(s);
     for (int round = 0; round < 2; round++)
         for (int i = 0; i < N; i++) {

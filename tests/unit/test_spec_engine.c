@@ -19,11 +19,11 @@
 
 enum { GEN = 40, MAXP = 512 };
 
-static wk_model *g_model;
+static en_model *g_model;
 
 static void fini(void)
 {
-    wk_model_free(g_model);
+    en_model_free(g_model);
     g_model = NULL;
 }
 
@@ -36,7 +36,7 @@ static bool need_model(void)
         return false;
     }
     km_errbuf err = {{0}};
-    if (!g_model) cr_assert_eq(wk_model_load(MODEL, &g_model, &err), 0, "%s", err.msg);
+    if (!g_model) cr_assert_eq(en_model_load(MODEL, &g_model, &err), 0, "%s", err.msg);
     return true;
 }
 
@@ -65,25 +65,25 @@ static int fixture_prompt(int idx, int32_t *ids, int max)
     return n;
 }
 
-static wk_engine *engine(kv_format fmt)
+static en_engine *engine(kv_format fmt)
 {
-    wk_engine *e;
+    en_engine *e;
     km_errbuf err = {{0}};
-    wk_engine_opts o = {.n_threads = 2, .max_batch_tokens = MAXP, .kv_format = fmt};
-    cr_assert_eq(wk_engine_create(g_model, &o, &e, &err), 0, "%s", err.msg);
+    en_engine_opts o = {.n_threads = 2, .max_batch_tokens = MAXP, .kv_format = fmt};
+    cr_assert_eq(en_engine_create(g_model, &o, &e, &err), 0, "%s", err.msg);
     return e;
 }
 
 /* Runs tokens at positions pos0.. of seq with logits at every position. */
-static const float *run(wk_engine *e, kv_seq *seq, const int32_t *tok, int n, int pos0, int all)
+static const float *run(en_engine *e, kv_seq *seq, const int32_t *tok, int n, int pos0, int all)
 {
     int32_t pos[MAXP];
     kv_seq *seqs[MAXP];
     uint8_t want[MAXP];
     for (int i = 0; i < n; i++) pos[i] = pos0 + i, seqs[i] = seq, want[i] = all || i == n - 1;
-    wk_batch b = {.n_tokens = n, .tokens = tok, .pos = pos, .seqs = seqs, .logits = want};
+    en_batch b = {.n_tokens = n, .tokens = tok, .pos = pos, .seqs = seqs, .logits = want};
     const float *lg;
-    cr_assert_eq(wk_engine_step(e, &b, &lg), all ? n : 1);
+    cr_assert_eq(en_engine_step(e, &b, &lg), all ? n : 1);
     return lg;
 }
 
@@ -91,9 +91,9 @@ static void check_format(kv_format fmt, int idx)
 {
     int32_t prompt[MAXP];
     int np = fixture_prompt(idx, prompt, 200);
-    int V = wk_model_hparams(g_model)->n_vocab;
-    wk_engine *e = engine(fmt);
-    kv_store *kv = wk_engine_kv(e);
+    int V = en_model_hparams(g_model)->n_vocab;
+    en_engine *e = engine(fmt);
+    kv_store *kv = en_engine_kv(e);
     int pt = kv_store_page_tokens(kv);
 
     /* The reference: the prompt in one step, then one token at a time. */
@@ -104,7 +104,7 @@ static void check_format(kv_format fmt, int idx)
     const float *lg = run(e, a, prompt, np, 0, 0);
     for (int i = 0; i <= GEN; i++) {
         memcpy(ref + (size_t)i * V, lg, sizeof(float) * V);
-        tok[i] = wk_argmax(lg, V);
+        tok[i] = en_argmax(lg, V);
         if (i < GEN) lg = run(e, a, &tok[i], 1, np + i, 0);
     }
     kv_seq_destroy(kv, a);
@@ -135,7 +135,7 @@ static void check_format(kv_format fmt, int idx)
             cr_assert_eq(memcmp(lg + (size_t)j * V, want, sizeof(float) * V), 0,
                          "%s: step %d position %d: logits differ from one token at a time",
                          kv_format_name(fmt), steps, j);
-            int32_t t = wk_argmax(lg + (size_t)j * V, V);
+            int32_t t = en_argmax(lg + (size_t)j * V, V);
             cr_assert_eq(t, tok[done + j + 1]);
             if (j == k || t != in[j + 1]) break;
             acc++;
@@ -149,7 +149,7 @@ static void check_format(kv_format fmt, int idx)
     cr_assert_gt(rejected, 10, "rejections were exercised");
     kv_seq_destroy(kv, b);
     free(ref);
-    wk_engine_destroy(e);
+    en_engine_destroy(e);
 }
 
 Test(spec_engine, verification_steps_and_rollback_give_the_logits_of_one_token_at_a_time_f16)

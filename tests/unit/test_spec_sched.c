@@ -11,7 +11,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "worker/scheduler.h"
+#include "engine/engine.h"
 
 #define MODEL   "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 #define FIXTURE "tests/fixtures/llamacpp/greedy_smollm2.txt"
@@ -26,7 +26,7 @@ enum { MAXR = 16, MAXP = 1024 };
 typedef struct out {
     int32_t tok[GEN];
     int n, ended, code;
-    wk_sched_usage u;
+    en_sched_usage u;
 } out;
 
 typedef struct prompt {
@@ -34,13 +34,13 @@ typedef struct prompt {
     int n;
 } prompt;
 
-static wk_model *g_model;
+static en_model *g_model;
 static prompt g_p[MAXR];
 static int g_np;
 
 static void fini(void)
 {
-    wk_model_free(g_model);
+    en_model_free(g_model);
     g_model = NULL;
 }
 
@@ -76,10 +76,10 @@ static void load_prompts(void)
         "recently used. When a page is not present, the processor raises a fault and the "
         "operating system loads it from disk.<|im_end|>\n<|im_start|>user\nPlease repeat your "
         "previous answer exactly.<|im_end|>\n<|im_start|>assistant\n"};
-    const km_tokenizer *tok = wk_model_tokenizer(g_model);
+    const md_tokenizer *tok = en_model_tokenizer(g_model);
     for (int i = 0; i < 2; i++) {
         prompt *p = &g_p[g_np++];
-        p->n = km_tok_encode(tok, rep[i], strlen(rep[i]), 1, 1, p->ids, MAXP);
+        p->n = md_tok_encode(tok, rep[i], strlen(rep[i]), 1, 1, p->ids, MAXP);
         cr_assert(p->n > 0 && p->n <= MAXP);
     }
 }
@@ -92,7 +92,7 @@ static bool need_model(void)
     }
     km_errbuf err = {{0}};
     if (!g_model) {
-        cr_assert_eq(wk_model_load(MODEL, &g_model, &err), 0, "%s", err.msg);
+        cr_assert_eq(en_model_load(MODEL, &g_model, &err), 0, "%s", err.msg);
         load_prompts();
     }
     return true;
@@ -107,14 +107,14 @@ static int on_token(void *ctx, void *user, int index, int32_t token)
     return 0;
 }
 
-static void on_done(void *ctx, void *user, km_finish f, const wk_sched_usage *u)
+static void on_done(void *ctx, void *user, km_finish f, const en_sched_usage *u)
 {
     out *o = user;
     o->ended = 1;
     o->u = *u;
 }
 
-static void on_error(void *ctx, void *user, int code, const char *msg, const wk_sched_usage *u)
+static void on_error(void *ctx, void *user, int code, const char *msg, const en_sched_usage *u)
 {
     out *o = user;
     o->ended = 1;
@@ -123,61 +123,61 @@ static void on_error(void *ctx, void *user, int code, const char *msg, const wk_
 }
 
 typedef struct rig {
-    wk_engine *e, *d; /* d: the draft engine of WK_SPEC_SELF (int4 KV), else NULL */
-    wk_sched *s;
+    en_engine *e, *d; /* d: the draft engine of EN_SPEC_SELF (int4 KV), else NULL */
+    en_sched *s;
 } rig;
 
 static rig make(int max_running, int mode)
 {
     rig g;
     km_errbuf err = {{0}};
-    wk_engine_opts eo = {.n_threads = 2, .max_batch_tokens = 256};
-    cr_assert_eq(wk_engine_create(g_model, &eo, &g.e, &err), 0, "%s", err.msg);
-    wk_sched_opts so = {.max_running = max_running, .max_batch_tokens = 256, .spec.mode = mode};
-    wk_sched_cb cb = {on_token, on_done, on_error, NULL};
-    cr_assert_eq(wk_sched_create(g.e, g_model, &so, &cb, &g.s, &err), 0, "%s", err.msg);
+    en_engine_opts eo = {.n_threads = 2, .max_batch_tokens = 256};
+    cr_assert_eq(en_engine_create(g_model, &eo, &g.e, &err), 0, "%s", err.msg);
+    en_sched_opts so = {.max_running = max_running, .max_batch_tokens = 256, .spec.mode = mode};
+    en_sched_cb cb = {on_token, on_done, on_error, NULL};
+    cr_assert_eq(en_sched_create(g.e, g_model, &so, &cb, &g.s, &err), 0, "%s", err.msg);
     g.d = NULL;
-    if (mode == WK_SPEC_SELF) {
-        wk_engine_opts d = {.n_threads = 2, .max_batch_tokens = 64, .kv_format = KN_KV_INT4};
-        cr_assert_eq(wk_engine_create(g_model, &d, &g.d, &err), 0, "%s", err.msg);
-        wk_sched_set_draft(g.s, g.d);
+    if (mode == EN_SPEC_SELF) {
+        en_engine_opts d = {.n_threads = 2, .max_batch_tokens = 64, .kv_format = KN_KV_INT4};
+        cr_assert_eq(en_engine_create(g_model, &d, &g.d, &err), 0, "%s", err.msg);
+        en_sched_set_draft(g.s, g.d);
     }
     return g;
 }
 
 static void drop(rig g)
 {
-    wk_sched_destroy(g.s);
-    wk_engine_destroy(g.e);
-    wk_engine_destroy(g.d);
+    en_sched_destroy(g.s);
+    en_engine_destroy(g.e);
+    en_engine_destroy(g.d);
 }
 
-static void run_all(wk_sched *s)
+static void run_all(en_sched *s)
 {
-    for (int i = 0; i < 1000000 && wk_sched_pending(s); i++) cr_assert_geq(wk_sched_step(s), 0);
-    cr_assert_eq(wk_sched_pending(s), 0);
+    for (int i = 0; i < 1000000 && en_sched_pending(s); i++) cr_assert_geq(en_sched_step(s), 0);
+    cr_assert_eq(en_sched_pending(s), 0);
 }
 
-static wk_sched_req req(int i, float temperature, uint64_t seed, out *o)
+static en_sched_req req(int i, float temperature, uint64_t seed, out *o)
 {
-    wk_sched_req r = {.tokens = g_p[i].ids, .n_tokens = g_p[i].n, .max_tokens = GEN, .user = o};
-    wk_sample_params_default(&r.sample);
+    en_sched_req r = {.tokens = g_p[i].ids, .n_tokens = g_p[i].n, .max_tokens = GEN, .user = o};
+    en_sample_params_default(&r.sample);
     r.sample.temperature = temperature;
     r.sample.seed = seed;
     return r;
 }
 
 /* Every prompt once, all submitted together, in the worker mode given. */
-static void run_set(int max_running, int mode, float temperature, out *o, wk_sched_stats *st)
+static void run_set(int max_running, int mode, float temperature, out *o, en_sched_stats *st)
 {
     rig g = make(max_running, mode);
     for (int i = 0; i < g_np; i++) {
         memset(&o[i], 0, sizeof o[i]);
-        wk_sched_req r = req(i, temperature, 1234 + i, &o[i]);
-        cr_assert_eq(wk_sched_submit(g.s, &r, NULL), 0);
+        en_sched_req r = req(i, temperature, 1234 + i, &o[i]);
+        cr_assert_eq(en_sched_submit(g.s, &r, NULL), 0);
     }
     run_all(g.s);
-    if (st) wk_sched_stats_get(g.s, st);
+    if (st) en_sched_stats_get(g.s, st);
     drop(g);
 }
 
@@ -196,10 +196,10 @@ static void same(const out *a, const out *b, int n, const char *what)
 
 /* The prompts greedy without drafts (ref), then in `mode` batched (got, *st) and alone (one,
  * *st1): both must be ref token for token. */
-static void greedy_three_ways(int mode, out *ref, out *got, out *one, wk_sched_stats *st,
-                              wk_sched_stats *st1)
+static void greedy_three_ways(int mode, out *ref, out *got, out *one, en_sched_stats *st,
+                              en_sched_stats *st1)
 {
-    run_set(MAXR, WK_SPEC_OFF, 0.0f, ref, NULL);
+    run_set(MAXR, EN_SPEC_OFF, 0.0f, ref, NULL);
     run_set(MAXR, mode, 0.0f, got, st);
     same(ref, got, g_np, "batched");
     run_set(1, mode, 0.0f, one, st1);
@@ -210,8 +210,8 @@ Test(spec_sched, greedy_output_is_token_for_token_the_output_without_speculation
 {
     if (!need_model()) return;
     static out ref[MAXR], got[MAXR], one[MAXR];
-    wk_sched_stats st, st1;
-    greedy_three_ways(WK_SPEC_AUTO, ref, got, one, &st, &st1);
+    en_sched_stats st, st1;
+    greedy_three_ways(EN_SPEC_AUTO, ref, got, one, &st, &st1);
     /* Drafts were made, verified and mostly right on the repetitive prompts. How many the
      * compute-aware budget grants depends on the measured step costs (on KVMESH_ISA=scalar a
      * step is compute-bound and it grants fewer), so what is checked is that there were drafts
@@ -220,7 +220,7 @@ Test(spec_sched, greedy_output_is_token_for_token_the_output_without_speculation
     cr_assert_gt(st.spec_verifies, 0);
     const char *what[2] = {"the copied paragraph", "the repeated answer"};
     for (int k = 0; k < 2; k++) {
-        const wk_sched_usage *u = &one[g_np - 2 + k].u;
+        const en_sched_usage *u = &one[g_np - 2 + k].u;
         cr_assert_gt(u->draft_tokens, 0, "%s: no drafts", what[k]);
         cr_assert_geq(2 * u->accepted_draft_tokens, u->draft_tokens, "%s: %d of %d drafts kept",
                       what[k], u->accepted_draft_tokens, u->draft_tokens);
@@ -242,9 +242,9 @@ Test(spec_sched, a_seed_fixes_the_sampled_output_with_or_without_speculation)
 {
     if (!need_model()) return;
     static out ref[MAXR], one[MAXR];
-    wk_sched_stats st;
-    run_set(MAXR, WK_SPEC_OFF, 0.8f, ref, NULL);
-    run_set(1, WK_SPEC_AUTO, 0.8f, one, &st);
+    en_sched_stats st;
+    run_set(MAXR, EN_SPEC_OFF, 0.8f, ref, NULL);
+    run_set(1, EN_SPEC_AUTO, 0.8f, one, &st);
     same(ref, one, g_np, "sampled: batched without, alone with");
     cr_assert_gt(st.spec_accepted, 0);
 }
@@ -256,8 +256,8 @@ Test(spec_sched, self_speculation_output_is_token_for_token_the_output_without_s
 {
     if (!need_model()) return;
     static out ref[MAXR], got[MAXR], one[MAXR], sref[MAXR], sone[MAXR];
-    wk_sched_stats st, st1;
-    greedy_three_ways(WK_SPEC_SELF, ref, got, one, &st, &st1);
+    en_sched_stats st, st1;
+    greedy_three_ways(EN_SPEC_SELF, ref, got, one, &st, &st1);
     cr_log_info("self drafts alone: %llu drafted, %llu accepted in %llu verifications",
                 (unsigned long long)st1.spec_drafted, (unsigned long long)st1.spec_accepted,
                 (unsigned long long)st1.spec_verifies);
@@ -266,29 +266,29 @@ Test(spec_sched, self_speculation_output_is_token_for_token_the_output_without_s
     cr_assert_geq(2 * st1.spec_accepted, st1.spec_drafted, "%llu of %llu self drafts kept",
                   (unsigned long long)st1.spec_accepted, (unsigned long long)st1.spec_drafted);
     cr_assert_eq(st1.spec_drafted, st1.spec_accepted + st1.spec_rejected);
-    run_set(MAXR, WK_SPEC_OFF, 0.8f, sref, NULL);
-    run_set(1, WK_SPEC_SELF, 0.8f, sone, NULL);
+    run_set(MAXR, EN_SPEC_OFF, 0.8f, sref, NULL);
+    run_set(1, EN_SPEC_SELF, 0.8f, sone, NULL);
     same(sref, sone, g_np, "self, sampled: batched without, alone with");
 }
 
 Test(spec_sched, a_tenants_outputs_draft_its_later_requests_and_nobody_elses)
 {
     if (!need_model()) return;
-    rig g = make(1, WK_SPEC_AUTO);
+    rig g = make(1, EN_SPEC_AUTO);
     /* An open-ended prompt with little repetition in the first GEN tokens. */
     int i = 1;
     out first = {0}, again = {0}, other = {0};
-    wk_sched_req r = req(i, 0.0f, 1, &first);
+    en_sched_req r = req(i, 0.0f, 1, &first);
     r.cache_salt = "tenant-a";
     r.cache_salt_len = 8;
-    cr_assert_eq(wk_sched_submit(g.s, &r, NULL), 0);
+    cr_assert_eq(en_sched_submit(g.s, &r, NULL), 0);
     run_all(g.s);
     r.user = &again;
-    cr_assert_eq(wk_sched_submit(g.s, &r, NULL), 0);
+    cr_assert_eq(en_sched_submit(g.s, &r, NULL), 0);
     run_all(g.s);
     r.user = &other;
     r.cache_salt = "tenant-b";
-    cr_assert_eq(wk_sched_submit(g.s, &r, NULL), 0);
+    cr_assert_eq(en_sched_submit(g.s, &r, NULL), 0);
     run_all(g.s);
     same(&first, &again, 1, "tenant a twice");
     same(&first, &other, 1, "tenant b");
@@ -304,31 +304,31 @@ Test(spec_sched, a_tenants_outputs_draft_its_later_requests_and_nobody_elses)
 Test(spec_sched, per_request_off_and_max_draft_are_obeyed)
 {
     if (!need_model()) return;
-    rig g = make(2, WK_SPEC_AUTO);
+    rig g = make(2, EN_SPEC_AUTO);
     int i = g_np - 1; /* the repeated answer: drafts all the way */
     out off = {0}, capped = {0};
-    wk_sched_req r = req(i, 0.0f, 1, &off);
-    r.speculate = WK_SPEC_OFF;
-    cr_assert_eq(wk_sched_submit(g.s, &r, NULL), 0);
+    en_sched_req r = req(i, 0.0f, 1, &off);
+    r.speculate = EN_SPEC_OFF;
+    cr_assert_eq(en_sched_submit(g.s, &r, NULL), 0);
     run_all(g.s);
     cr_assert_eq(off.u.draft_tokens, 0);
-    wk_sched_stats s0, s1;
-    wk_sched_stats_get(g.s, &s0);
+    en_sched_stats s0, s1;
+    en_sched_stats_get(g.s, &s0);
     r = req(i, 0.0f, 1, &capped);
     r.max_draft = 2;
-    cr_assert_eq(wk_sched_submit(g.s, &r, NULL), 0);
+    cr_assert_eq(en_sched_submit(g.s, &r, NULL), 0);
     run_all(g.s);
-    wk_sched_stats_get(g.s, &s1);
+    en_sched_stats_get(g.s, &s1);
     cr_assert_gt(capped.u.draft_tokens, 0);
     cr_assert_leq(s1.spec_drafted - s0.spec_drafted, 2 * (s1.spec_verifies - s0.spec_verifies));
     same(&off, &capped, 1, "off vs max_draft 2");
     drop(g);
     /* A worker whose default is off drafts for a request that asks. */
-    g = make(2, WK_SPEC_OFF);
+    g = make(2, EN_SPEC_OFF);
     out asked = {0};
     r = req(i, 0.0f, 1, &asked);
-    r.speculate = WK_SPEC_AUTO;
-    cr_assert_eq(wk_sched_submit(g.s, &r, NULL), 0);
+    r.speculate = EN_SPEC_AUTO;
+    cr_assert_eq(en_sched_submit(g.s, &r, NULL), 0);
     run_all(g.s);
     cr_assert_gt(asked.u.accepted_draft_tokens, 0);
     same(&off, &asked, 1, "off vs asked");

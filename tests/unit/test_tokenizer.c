@@ -13,6 +13,7 @@
  */
 #define _GNU_SOURCE /* memmem */
 #include "common/km.h"
+#include "model/model.h"
 
 #include <criterion/criterion.h>
 #include <pthread.h>
@@ -27,8 +28,8 @@
 /* ---------------------------------------------------------------- helpers */
 
 typedef struct loaded {
-    km_gguf *g;
-    km_tokenizer *t;
+    md_gguf *g;
+    md_tokenizer *t;
     void *mem; /* file bytes when opened from memory */
 } loaded;
 
@@ -36,8 +37,8 @@ static loaded load_path(const char *path)
 {
     loaded l = {0};
     km_errbuf e = {{0}};
-    cr_assert_eq(km_gguf_open(path, &l.g, &e), 0, "%s: %s", path, e.msg);
-    cr_assert_eq(km_tok_create(l.g, &l.t, &e), 0, "%s: %s", path, e.msg);
+    cr_assert_eq(md_gguf_open(path, &l.g, &e), 0, "%s: %s", path, e.msg);
+    cr_assert_eq(md_tok_create(l.g, &l.t, &e), 0, "%s: %s", path, e.msg);
     return l;
 }
 
@@ -49,8 +50,8 @@ static loaded load_smollm2(void)
 
 static void unload(loaded *l)
 {
-    km_tok_destroy(l->t);
-    km_gguf_close(l->g);
+    md_tok_destroy(l->t);
+    md_gguf_close(l->g);
     free(l->mem);
 }
 
@@ -118,22 +119,22 @@ static int parse_ids(const char *s, int32_t *ids, int max)
     return n;
 }
 
-static int encode(const km_tokenizer *t, const char *s, size_t n, int add_special, int special,
+static int encode(const md_tokenizer *t, const char *s, size_t n, int add_special, int special,
                   int32_t *ids, int max)
 {
-    int k = km_tok_encode(t, s, n, add_special, special, ids, max);
+    int k = md_tok_encode(t, s, n, add_special, special, ids, max);
     cr_assert_geq(k, 0, "encode failed: %d", k);
     cr_assert_leq(k, max, "more than %d tokens", max);
     return k;
 }
 
 /* Concatenated pieces; returns the length. */
-static size_t decode(const km_tokenizer *t, const int32_t *ids, int n, int special, char *out,
+static size_t decode(const md_tokenizer *t, const int32_t *ids, int n, int special, char *out,
                      size_t cap)
 {
     size_t m = 0;
     for (int i = 0; i < n; i++) {
-        int k = km_tok_piece(t, ids[i], special, out + m, (int)(cap - m));
+        int k = md_tok_piece(t, ids[i], special, out + m, (int)(cap - m));
         cr_assert_geq(k, 0);
         cr_assert_leq((size_t)k, cap - m);
         m += (size_t)k;
@@ -276,23 +277,23 @@ Test(smollm2, invalid_utf8_decodes_to_replacement_characters_like_llama_cpp)
 Test(smollm2, special_ids_and_end_of_generation_set)
 {
     loaded l = load_smollm2();
-    cr_expect_eq(km_tok_n_vocab(l.t), 49152);
-    cr_expect_eq(km_tok_bos(l.t), 1);
-    cr_expect_eq(km_tok_eos(l.t), 2);
+    cr_expect_eq(md_tok_n_vocab(l.t), 49152);
+    cr_expect_eq(md_tok_bos(l.t), 1);
+    cr_expect_eq(md_tok_eos(l.t), 2);
     /* llama.cpp picks <|endoftext|> or <|im_end|> by hash order; the chat's end of turn is the
      * second, and both end generation. */
-    cr_expect_eq(km_tok_eot(l.t), 2);
-    cr_expect_eq(km_tok_adds_bos(l.t), 0);
+    cr_expect_eq(md_tok_eot(l.t), 2);
+    cr_expect_eq(md_tok_adds_bos(l.t), 0);
     /* llama.cpp's EOG set for this model: <|endoftext|>, <|im_end|>, <reponame> (FIM repo). */
     for (int32_t id = -1; id < 100; id++)
-        cr_expect_eq(km_tok_is_eog(l.t, id), id == 0 || id == 2 || id == 4, "id %d", id);
-    cr_expect_not(km_tok_is_eog(l.t, 49152));
-    cr_expect_eq(km_tok_find(l.t, "<|im_start|>"), 1);
-    cr_expect_eq(km_tok_find(l.t, "<|im_end|>"), 2);
-    cr_expect_eq(km_tok_find(l.t, "Hello"), 19556);
-    cr_expect_eq(km_tok_find(l.t, "\xc4\xa0Hello"), 38699); /* "ĠHello": GPT-2's space */
-    cr_expect_eq(km_tok_find(l.t, "no such token here"), -1);
-    cr_expect_eq(km_tok_find(l.t, NULL), -1);
+        cr_expect_eq(md_tok_is_eog(l.t, id), id == 0 || id == 2 || id == 4, "id %d", id);
+    cr_expect_not(md_tok_is_eog(l.t, 49152));
+    cr_expect_eq(md_tok_find(l.t, "<|im_start|>"), 1);
+    cr_expect_eq(md_tok_find(l.t, "<|im_end|>"), 2);
+    cr_expect_eq(md_tok_find(l.t, "Hello"), 19556);
+    cr_expect_eq(md_tok_find(l.t, "\xc4\xa0Hello"), 38699); /* "ĠHello": GPT-2's space */
+    cr_expect_eq(md_tok_find(l.t, "no such token here"), -1);
+    cr_expect_eq(md_tok_find(l.t, NULL), -1);
     unload(&l);
 }
 
@@ -317,13 +318,13 @@ Test(smollm2, encode_returns_the_full_count_when_the_buffer_is_short)
     int32_t all[64], few[3] = {-7, -7, -7};
     int n = encode(l.t, s, sizeof s - 1, 1, 0, all, 64);
     cr_assert_gt(n, 3);
-    cr_expect_eq(km_tok_encode(l.t, s, sizeof s - 1, 1, 0, few, 2), n);
+    cr_expect_eq(md_tok_encode(l.t, s, sizeof s - 1, 1, 0, few, 2), n);
     cr_expect_eq(few[0], all[0]);
     cr_expect_eq(few[1], all[1]);
     cr_expect_eq(few[2], -7, "wrote past max_out");
-    cr_expect_eq(km_tok_encode(l.t, s, sizeof s - 1, 1, 0, NULL, 0), n);
-    cr_expect_eq(km_tok_encode(l.t, NULL, 0, 1, 1, NULL, 0), 0);
-    cr_expect_eq(km_tok_encode(l.t, "", 0, 1, 1, few, 3), 0);
+    cr_expect_eq(md_tok_encode(l.t, s, sizeof s - 1, 1, 0, NULL, 0), n);
+    cr_expect_eq(md_tok_encode(l.t, NULL, 0, 1, 1, NULL, 0), 0);
+    cr_expect_eq(md_tok_encode(l.t, "", 0, 1, 1, few, 3), 0);
     unload(&l);
 }
 
@@ -331,33 +332,33 @@ Test(smollm2, pieces_hide_control_tokens_unless_special)
 {
     loaded l = load_smollm2();
     char buf[64];
-    cr_expect_eq(km_tok_piece(l.t, 1, 0, buf, sizeof buf), 0);
-    cr_expect_eq(km_tok_piece(l.t, 1, 1, buf, sizeof buf), 12);
+    cr_expect_eq(md_tok_piece(l.t, 1, 0, buf, sizeof buf), 0);
+    cr_expect_eq(md_tok_piece(l.t, 1, 1, buf, sizeof buf), 12);
     cr_expect(memcmp(buf, "<|im_start|>", 12) == 0);
-    cr_expect_eq(km_tok_piece(l.t, 38699, 0, buf, sizeof buf), 6);
+    cr_expect_eq(md_tok_piece(l.t, 38699, 0, buf, sizeof buf), 6);
     cr_expect(memcmp(buf, " Hello", 6) == 0);
     /* Too small: the size comes back, nothing is promised about buf. */
-    cr_expect_eq(km_tok_piece(l.t, 38699, 0, buf, 3), 6);
-    cr_expect_eq(km_tok_piece(l.t, 38699, 0, NULL, 0), 6);
-    cr_expect_lt(km_tok_piece(l.t, -1, 1, buf, sizeof buf), 0);
-    cr_expect_lt(km_tok_piece(l.t, 49152, 1, buf, sizeof buf), 0);
+    cr_expect_eq(md_tok_piece(l.t, 38699, 0, buf, 3), 6);
+    cr_expect_eq(md_tok_piece(l.t, 38699, 0, NULL, 0), 6);
+    cr_expect_lt(md_tok_piece(l.t, -1, 1, buf, sizeof buf), 0);
+    cr_expect_lt(md_tok_piece(l.t, 49152, 1, buf, sizeof buf), 0);
     unload(&l);
 }
 
 /* ---------------------------------------------------------------- streaming detokenizer */
 
-/* Streams ids through km_detok; checks every chunk is whole UTF-8; returns the text. */
-static size_t stream(const km_tokenizer *t, const int32_t *ids, int n, char *out, size_t cap,
+/* Streams ids through md_detok; checks every chunk is whole UTF-8; returns the text. */
+static size_t stream(const md_tokenizer *t, const int32_t *ids, int n, char *out, size_t cap,
                      int *n_empty)
 {
-    km_detok d;
-    km_detok_init(&d);
+    md_detok d;
+    md_detok_init(&d);
     size_t m = 0;
     char chunk[512];
     *n_empty = 0;
     for (int i = 0; i <= n; i++) {
-        int k = i < n ? km_detok_push(t, &d, ids[i], chunk, sizeof chunk)
-                      : km_detok_flush(&d, chunk, sizeof chunk);
+        int k = i < n ? md_detok_push(t, &d, ids[i], chunk, sizeof chunk)
+                      : md_detok_flush(&d, chunk, sizeof chunk);
         cr_assert_geq(k, 0, "detok failed: %d", k);
         cr_assert(utf8_valid((const unsigned char *)chunk, (size_t)k), "chunk %d broken", i);
         if (k == 0 && i < n) (*n_empty)++;
@@ -420,29 +421,29 @@ Test(detok, invalid_bytes_become_replacement_characters)
     loaded l = load_smollm2();
     /* Byte-level tokens of single raw bytes: "\xc2\xbf" (¿) is byte 0xBF, a lone continuation
      * byte; "\xc3\xa4" (ä) is 0xE4, the lead of a 3-byte sequence. */
-    int32_t lone = km_tok_find(l.t, "\xc2\xbf"), e4 = km_tok_find(l.t, "\xc3\xa4"),
-            a = km_tok_find(l.t, "a");
+    int32_t lone = md_tok_find(l.t, "\xc2\xbf"), e4 = md_tok_find(l.t, "\xc3\xa4"),
+            a = md_tok_find(l.t, "a");
     cr_assert(lone >= 0 && e4 >= 0 && a >= 0);
-    km_detok d;
-    km_detok_init(&d);
+    md_detok d;
+    md_detok_init(&d);
     char out[64];
-    cr_expect_eq(km_detok_push(l.t, &d, lone, out, sizeof out), 3);
+    cr_expect_eq(md_detok_push(l.t, &d, lone, out, sizeof out), 3);
     cr_expect(memcmp(out, "\xef\xbf\xbd", 3) == 0);
-    cr_expect_eq(km_detok_push(l.t, &d, e4, out, sizeof out), 0); /* could still be valid */
-    cr_expect_eq(km_detok_push(l.t, &d, a, out, sizeof out), 4);  /* it was not */
+    cr_expect_eq(md_detok_push(l.t, &d, e4, out, sizeof out), 0); /* could still be valid */
+    cr_expect_eq(md_detok_push(l.t, &d, a, out, sizeof out), 4);  /* it was not */
     cr_expect(memcmp(out,
                      "\xef\xbf\xbd"
                      "a",
                      4) == 0);
-    cr_expect_eq(km_detok_push(l.t, &d, e4, out, sizeof out), 0);
-    cr_expect_eq(km_detok_flush(&d, out, sizeof out), 3); /* cut off at the end */
+    cr_expect_eq(md_detok_push(l.t, &d, e4, out, sizeof out), 0);
+    cr_expect_eq(md_detok_flush(&d, out, sizeof out), 3); /* cut off at the end */
     cr_expect(memcmp(out, "\xef\xbf\xbd", 3) == 0);
-    cr_expect_eq(km_detok_flush(&d, out, sizeof out), 0);
+    cr_expect_eq(md_detok_flush(&d, out, sizeof out), 0);
     /* No room: an error, and the state is kept. */
-    cr_expect_eq(km_detok_push(l.t, &d, e4, out, sizeof out), 0);
-    cr_expect_eq(km_detok_push(l.t, &d, a, out, 2), KM_ENOSPC);
-    cr_expect_eq(km_detok_push(l.t, &d, a, out, sizeof out), 4);
-    cr_expect_lt(km_detok_push(l.t, &d, -3, out, sizeof out), 0);
+    cr_expect_eq(md_detok_push(l.t, &d, e4, out, sizeof out), 0);
+    cr_expect_eq(md_detok_push(l.t, &d, a, out, 2), KM_ENOSPC);
+    cr_expect_eq(md_detok_push(l.t, &d, a, out, sizeof out), 4);
+    cr_expect_lt(md_detok_push(l.t, &d, -3, out, sizeof out), 0);
     unload(&l);
 }
 
@@ -450,7 +451,7 @@ Test(detok, invalid_bytes_become_replacement_characters)
 
 /* The .inp holds the strings, each followed by "\n__ggml_vocab_test__\n"; the .out line i the
  * ids of string i (add_special and parse_special off, as llama.cpp's test-tokenizer-0). */
-static void check_vectors(const km_tokenizer *t, const char *inp_path, const char *out_path)
+static void check_vectors(const md_tokenizer *t, const char *inp_path, const char *out_path)
 {
     size_t ni, no;
     char *inp = slurp(inp_path, &ni), *outs = slurp(out_path, &no);
@@ -524,8 +525,8 @@ static loaded load_gpt2_with_pre(const char *pre, km_errbuf *e, int *rc)
     memcpy(dst + head + 12 + plen, at + k, n - (size_t)(at + k - src));
     size_t total = head + 12 + plen + (n - (size_t)(at + k - src));
     free(src);
-    cr_assert_eq(km_gguf_open_memory(l.mem, total, &l.g, e), 0, "%s", e->msg);
-    *rc = km_tok_create(l.g, &l.t, e);
+    cr_assert_eq(md_gguf_open_memory(l.mem, total, &l.g, e), 0, "%s", e->msg);
+    *rc = md_tok_create(l.g, &l.t, e);
     return l;
 }
 
@@ -554,12 +555,12 @@ Test(vocab, llama3_adds_bos_and_ends_turns_with_eot_id)
 {
     loaded l = load_path(FIX "ggml-vocab-llama-bpe.gguf");
     int32_t ids[16];
-    cr_expect_eq(km_tok_adds_bos(l.t), 1);
-    cr_expect_eq(km_tok_bos(l.t), 128000);
-    cr_expect_eq(km_tok_eos(l.t), 128001);
-    cr_expect_eq(km_tok_eot(l.t), 128009);
-    cr_expect(km_tok_is_eog(l.t, 128001) && km_tok_is_eog(l.t, 128009));
-    cr_expect_not(km_tok_is_eog(l.t, 128000));
+    cr_expect_eq(md_tok_adds_bos(l.t), 1);
+    cr_expect_eq(md_tok_bos(l.t), 128000);
+    cr_expect_eq(md_tok_eos(l.t), 128001);
+    cr_expect_eq(md_tok_eot(l.t), 128009);
+    cr_expect(md_tok_is_eog(l.t, 128001) && md_tok_is_eog(l.t, 128009));
+    cr_expect_not(md_tok_is_eog(l.t, 128000));
     /* llama-tokenize -p "Hello world": [128000, 9906, 1917] */
     int n = encode(l.t, "Hello world", 11, 1, 1, ids, 16);
     cr_expect(n == 3 && ids[0] == 128000 && ids[1] == 9906 && ids[2] == 1917);
@@ -575,10 +576,10 @@ Test(vocab, qwen2_control_looking_texts_become_end_of_generation)
 {
     loaded l = load_path(FIX "ggml-vocab-qwen2.gguf");
     int32_t ids[16];
-    cr_expect_eq(km_tok_eot(l.t), 151645);
-    cr_expect(km_tok_is_eog(l.t, 151643) && km_tok_is_eog(l.t, 151645));
+    cr_expect_eq(md_tok_eot(l.t), 151645);
+    cr_expect(md_tok_is_eog(l.t, 151643) && md_tok_is_eog(l.t, 151645));
     /* "</s>" is a normal token in this file; llama.cpp makes it control and EOG. */
-    cr_expect(km_tok_is_eog(l.t, 128247));
+    cr_expect(md_tok_is_eog(l.t, 128247));
     /* llama-tokenize -p "a</s>b<|im_end|>": [64, 128247, 65, 151645] */
     const char s[] = "a</s>b<|im_end|>";
     int n = encode(l.t, s, sizeof s - 1, 1, 1, ids, 16);
@@ -590,9 +591,9 @@ Test(vocab, spm_adds_bos_and_a_space_after_special_tokens)
 {
     loaded l = load_path(FIX "ggml-vocab-llama-spm.gguf");
     int32_t ids[32];
-    cr_expect_eq(km_tok_adds_bos(l.t), 1);
-    cr_expect_eq(km_tok_eot(l.t), -1);
-    cr_expect(km_tok_is_eog(l.t, 2));
+    cr_expect_eq(md_tok_adds_bos(l.t), 1);
+    cr_expect_eq(md_tok_eot(l.t), -1);
+    cr_expect(md_tok_is_eog(l.t, 2));
     /* Expected ids from llama-tokenize on the same vocabulary. */
     int n = encode(l.t, "Hello world", 11, 1, 1, ids, 32);
     cr_expect(n == 3 && ids[0] == 1 && ids[1] == 15043 && ids[2] == 3186);
@@ -674,7 +675,7 @@ Test(robust, random_bytes_encode_and_valid_text_round_trips)
 }
 
 typedef struct encode_job {
-    const km_tokenizer *t;
+    const md_tokenizer *t;
     const row *rows;
     int n_rows, mismatches;
 } encode_job;
@@ -686,7 +687,7 @@ static void *encode_all_rows(void *arg)
     for (int rep = 0; rep < 5; rep++) {
         for (int i = 0; i < j->n_rows; i++) {
             const row *r = &j->rows[i];
-            int n = km_tok_encode(j->t, r->text, r->len, 1, r->special, ids, MAX_IDS);
+            int n = md_tok_encode(j->t, r->text, r->len, 1, r->special, ids, MAX_IDS);
             if (n != r->n_ids || memcmp(ids, r->ids, (size_t)n * sizeof *ids) != 0) j->mismatches++;
         }
     }
@@ -716,17 +717,17 @@ Test(robust, bad_arguments_are_errors)
 {
     loaded l = load_smollm2();
     int32_t ids[4];
-    km_tokenizer *t = (km_tokenizer *)1;
+    md_tokenizer *t = (md_tokenizer *)1;
     km_errbuf e = {{0}};
-    cr_expect_lt(km_tok_create(NULL, &t, &e), 0);
-    cr_expect_lt(km_tok_encode(NULL, "a", 1, 0, 0, ids, 4), 0);
-    cr_expect_lt(km_tok_encode(l.t, NULL, 3, 0, 0, ids, 4), 0);
-    cr_expect_lt(km_tok_encode(l.t, "a", 1, 0, 0, ids, -1), 0);
-    cr_expect_lt(km_tok_encode(l.t, "a", 1, 0, 0, NULL, 4), 0);
-    km_detok d;
-    km_detok_init(&d);
-    cr_expect_lt(km_detok_push(l.t, &d, 1 << 20, NULL, 0), 0);
-    km_tok_destroy(NULL);
+    cr_expect_lt(md_tok_create(NULL, &t, &e), 0);
+    cr_expect_lt(md_tok_encode(NULL, "a", 1, 0, 0, ids, 4), 0);
+    cr_expect_lt(md_tok_encode(l.t, NULL, 3, 0, 0, ids, 4), 0);
+    cr_expect_lt(md_tok_encode(l.t, "a", 1, 0, 0, ids, -1), 0);
+    cr_expect_lt(md_tok_encode(l.t, "a", 1, 0, 0, NULL, 4), 0);
+    md_detok d;
+    md_detok_init(&d);
+    cr_expect_lt(md_detok_push(l.t, &d, 1 << 20, NULL, 0), 0);
+    md_tok_destroy(NULL);
     unload(&l);
 }
 
@@ -735,14 +736,14 @@ Test(robust, a_gguf_without_a_tokenizer_is_an_error)
     /* The smallest valid GGUF: header only. */
     static const unsigned char empty[] = {'G', 'G', 'U', 'F', 3, 0, 0, 0, 0, 0, 0, 0,
                                           0,   0,   0,   0,   0, 0, 0, 0, 0, 0, 0, 0};
-    km_gguf *g;
+    md_gguf *g;
     km_errbuf e = {{0}};
-    cr_assert_eq(km_gguf_open_memory(empty, sizeof empty, &g, &e), 0, "%s", e.msg);
-    km_tokenizer *t = NULL;
-    cr_expect_eq(km_tok_create(g, &t, &e), KM_EFORMAT);
+    cr_assert_eq(md_gguf_open_memory(empty, sizeof empty, &g, &e), 0, "%s", e.msg);
+    md_tokenizer *t = NULL;
+    cr_expect_eq(md_tok_create(g, &t, &e), KM_EFORMAT);
     cr_expect_null(t);
     cr_expect_not_null(strstr(e.msg, "tokenizer.ggml.model"), "message: %s", e.msg);
-    km_gguf_close(g);
+    md_gguf_close(g);
 }
 
 /* ---------------------------------------------------------------- chat templates */
@@ -760,8 +761,8 @@ Test(chat, renders_exactly_like_the_jinja_templates)
         int nf = split_tabs(line, f, 24);
         cr_assert_geq(nf, 4);
         cr_assert_eq(nf % 2, 0);
-        km_chat_kind kind = km_chat_parse(f[0]);
-        cr_assert_neq(kind, KM_CHAT_NONE);
+        md_chat_kind kind = md_chat_parse(f[0]);
+        cr_assert_neq(kind, MD_CHAT_NONE);
         int add = atoi(f[1]);
         const char *def = NULL;
         if (strcmp(f[2], "-") != 0) {
@@ -769,14 +770,14 @@ Test(chat, renders_exactly_like_the_jinja_templates)
             def = sys;
         }
         size_t wn = unescape(f[3], strlen(f[3]), want);
-        km_chat_msg msgs[10];
+        md_chat_msg msgs[10];
         int n = 0;
         for (int i = 4; i + 1 < nf; i += 2, n++) {
             bufs[2 * n][unescape(f[i], strlen(f[i]), bufs[2 * n])] = 0;
             bufs[2 * n + 1][unescape(f[i + 1], strlen(f[i + 1]), bufs[2 * n + 1])] = 0;
-            msgs[n] = (km_chat_msg){bufs[2 * n], bufs[2 * n + 1]};
+            msgs[n] = (md_chat_msg){bufs[2 * n], bufs[2 * n + 1]};
         }
-        int k = km_chat_apply(kind, msgs, n, add, def, got, sizeof got);
+        int k = md_chat_apply(kind, msgs, n, add, def, got, sizeof got);
         cr_expect(k == (int)wn && memcmp(got, want, wn) == 0 && got[wn] == 0,
                   "case %d (%s, %d messages, add_assistant %d):\n got: %s\nwant: %.*s", cases + 1,
                   f[0], n, add, got, (int)wn, want);
@@ -788,47 +789,47 @@ Test(chat, renders_exactly_like_the_jinja_templates)
 
 Test(chat, llama3_writes_bos_and_trims_contents)
 {
-    km_chat_msg msgs[] = {{"user", "  Hello\n"}};
+    md_chat_msg msgs[] = {{"user", "  Hello\n"}};
     char out[256];
     const char want[] =
         "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHello<|eot_id|>"
         "<|start_header_id|>assistant<|end_header_id|>\n\n";
-    cr_expect_eq(km_chat_apply(KM_CHAT_LLAMA3, msgs, 1, 1, NULL, out, sizeof out),
+    cr_expect_eq(md_chat_apply(MD_CHAT_LLAMA3, msgs, 1, 1, NULL, out, sizeof out),
                  (int)sizeof want - 1);
     cr_expect_str_eq(out, want);
 }
 
 Test(chat, short_buffer_gets_the_needed_length_and_a_terminated_prefix)
 {
-    km_chat_msg msgs[] = {{"user", "Hello"}};
+    md_chat_msg msgs[] = {{"user", "Hello"}};
     char out[8];
-    int need = km_chat_apply(KM_CHAT_CHATML, msgs, 1, 0, NULL, out, sizeof out);
+    int need = md_chat_apply(MD_CHAT_CHATML, msgs, 1, 0, NULL, out, sizeof out);
     cr_expect_eq(need, (int)strlen("<|im_start|>user\nHello<|im_end|>\n"));
     cr_expect_str_eq(out, "<|im_st");
-    cr_expect_eq(km_chat_apply(KM_CHAT_CHATML, msgs, 1, 0, NULL, NULL, 0), need);
-    cr_expect_eq(km_chat_apply(KM_CHAT_NONE, msgs, 1, 0, NULL, out, sizeof out), KM_EUNSUPPORTED);
-    km_chat_msg bad[] = {{NULL, "x"}};
-    cr_expect_eq(km_chat_apply(KM_CHAT_CHATML, bad, 1, 0, NULL, out, sizeof out), KM_EINVAL);
+    cr_expect_eq(md_chat_apply(MD_CHAT_CHATML, msgs, 1, 0, NULL, NULL, 0), need);
+    cr_expect_eq(md_chat_apply(MD_CHAT_NONE, msgs, 1, 0, NULL, out, sizeof out), KM_EUNSUPPORTED);
+    md_chat_msg bad[] = {{NULL, "x"}};
+    cr_expect_eq(md_chat_apply(MD_CHAT_CHATML, bad, 1, 0, NULL, out, sizeof out), KM_EINVAL);
 }
 
 Test(chat, detect_and_parse_name_the_families)
 {
-    cr_expect_eq(km_chat_parse("chatml"), KM_CHAT_CHATML);
-    cr_expect_eq(km_chat_parse("llama3"), KM_CHAT_LLAMA3);
-    cr_expect_eq(km_chat_parse("llama2"), KM_CHAT_NONE);
-    cr_expect_eq(km_chat_parse(NULL), KM_CHAT_NONE);
-    cr_expect_eq(km_chat_detect(NULL), KM_CHAT_NONE);
-    km_gguf *g;
+    cr_expect_eq(md_chat_parse("chatml"), MD_CHAT_CHATML);
+    cr_expect_eq(md_chat_parse("llama3"), MD_CHAT_LLAMA3);
+    cr_expect_eq(md_chat_parse("llama2"), MD_CHAT_NONE);
+    cr_expect_eq(md_chat_parse(NULL), MD_CHAT_NONE);
+    cr_expect_eq(md_chat_detect(NULL), MD_CHAT_NONE);
+    md_gguf *g;
     km_errbuf e = {{0}};
-    cr_assert_eq(km_gguf_open(FIX "ggml-vocab-qwen2.gguf", &g, &e), 0, "%s", e.msg);
-    cr_expect_eq(km_chat_detect(g), KM_CHAT_CHATML);
-    km_gguf_close(g);
-    cr_assert_eq(km_gguf_open(FIX "ggml-vocab-gpt-2.gguf", &g, &e), 0, "%s", e.msg);
-    cr_expect_eq(km_chat_detect(g), KM_CHAT_NONE); /* no template */
-    km_gguf_close(g);
+    cr_assert_eq(md_gguf_open(FIX "ggml-vocab-qwen2.gguf", &g, &e), 0, "%s", e.msg);
+    cr_expect_eq(md_chat_detect(g), MD_CHAT_CHATML);
+    md_gguf_close(g);
+    cr_assert_eq(md_gguf_open(FIX "ggml-vocab-gpt-2.gguf", &g, &e), 0, "%s", e.msg);
+    cr_expect_eq(md_chat_detect(g), MD_CHAT_NONE); /* no template */
+    md_gguf_close(g);
     if (access(SMOLLM2, R_OK) == 0) {
-        cr_assert_eq(km_gguf_open(SMOLLM2, &g, &e), 0, "%s", e.msg);
-        cr_expect_eq(km_chat_detect(g), KM_CHAT_CHATML);
-        km_gguf_close(g);
+        cr_assert_eq(md_gguf_open(SMOLLM2, &g, &e), 0, "%s", e.msg);
+        cr_expect_eq(md_chat_detect(g), MD_CHAT_CHATML);
+        md_gguf_close(g);
     }
 }

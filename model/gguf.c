@@ -3,7 +3,7 @@
  * it so that every later lookup is a bounds-free O(1) read.
  *
  * GGUF files come from outside (downloads, peers, users), so the reader treats every byte as
- * hostile. km_gguf_open walks the whole header once with a bounds-checked cursor and proves,
+ * hostile. md_gguf_open walks the whole header once with a bounds-checked cursor and proves,
  * before anything else reads the file: every count fits in the bytes that remain (checked before
  * the allocation it sizes, so a forged count cannot ask for absurd memory), every string and
  * array lies inside the file, value types are known and arrays are not nested, keys and tensor
@@ -11,13 +11,13 @@
  * inside the file that overlaps no other tensor. After that, getters never re-check bounds.
  *
  * The index: one record per key (its value's position), a hash table over keys and one over
- * tensor names, and for each string array a table of element offsets so km_gguf_arr_str is O(1)
+ * tensor names, and for each string array a table of element offsets so md_gguf_arr_str is O(1)
  * (the default model has a 49152-entry vocabulary and 48900 merges). Tensor data is never copied:
- * km_gguf_tensor.data points into the map. The lookups and typed getters over that index are
+ * md_gguf_tensor.data points into the map. The lookups and typed getters over that index are
  * gguf_query.c; the parsed file's structure is gguf_internal.h. Format reference:
  * ggml/docs/gguf.md and gguf.cpp. What is validated and why: docs/gguf.md.
  */
-#include "common/gguf_internal.h"
+#include "model/gguf_internal.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -162,25 +162,25 @@ static int64_t *gguf_table_new(int64_t n, uint64_t *mask)
 static int gguf_parse_value(gguf_rd *r, gguf_kv *kv, const char *ctx)
 {
     uint32_t type = kv->type;
-    if (type == KM_GGUF_STRING) {
+    if (type == MD_GGUF_STRING) {
         km_str s;
         kv->val = r->p + r->pos;
         return gguf_read_str(r, &s, ctx, "string value");
     }
-    if (type == KM_GGUF_ARRAY) {
+    if (type == MD_GGUF_ARRAY) {
         uint32_t et;
         uint64_t n;
         int rc = gguf_read_u32(r, &et, ctx, "array element type");
         if (!rc) rc = gguf_read_u64(r, &n, ctx, "array length");
         if (rc) return rc;
-        if (et == KM_GGUF_ARRAY)
+        if (et == MD_GGUF_ARRAY)
             return gguf_fail(r, KM_EFORMAT,
                              "%s: nested array at offset %zu (arrays of arrays are not supported)",
                              ctx, r->pos - 12);
         kv->elem_type = et;
         kv->n = n;
         kv->val = r->p + r->pos;
-        if (et == KM_GGUF_STRING) {
+        if (et == MD_GGUF_STRING) {
             /* Every element needs at least its 8-byte length: bound n before allocating. */
             if (n > gguf_remaining(r) / 8)
                 return gguf_fail(r, KM_EFORMAT,
@@ -208,7 +208,7 @@ static int gguf_parse_value(gguf_rd *r, gguf_kv *kv, const char *ctx)
             return gguf_fail(r, KM_EFORMAT,
                              "%s: array of %llu %s at offset %zu runs past end of file (size %zu)",
                              ctx, (unsigned long long)n, gguf_type_name(et), r->pos, r->size);
-        if (et == KM_GGUF_BOOL) {
+        if (et == MD_GGUF_BOOL) {
             for (uint64_t i = 0; i < n; i++)
                 if (r->p[r->pos + i] > 1)
                     return gguf_fail(r, KM_EFORMAT, "%s: bool element %llu is %u, not 0 or 1", ctx,
@@ -223,14 +223,14 @@ static int gguf_parse_value(gguf_rd *r, gguf_kv *kv, const char *ctx)
                          r->pos - 4);
     int rc = gguf_need(r, sz, ctx, gguf_type_name(type));
     if (rc) return rc;
-    if (type == KM_GGUF_BOOL && r->p[r->pos] > 1)
+    if (type == MD_GGUF_BOOL && r->p[r->pos] > 1)
         return gguf_fail(r, KM_EFORMAT, "%s: bool value is %u, not 0 or 1", ctx, r->p[r->pos]);
     kv->val = r->p + r->pos;
     r->pos += (size_t)sz;
     return 0;
 }
 
-static int gguf_parse_kvs(gguf_rd *r, km_gguf *g)
+static int gguf_parse_kvs(gguf_rd *r, md_gguf *g)
 {
     for (int64_t i = 0; i < g->n_kv; i++) {
         gguf_kv *kv = &g->kvs[i];
@@ -265,9 +265,9 @@ static int gguf_parse_kvs(gguf_rd *r, km_gguf *g)
 
 /* ---------------------------------------------------------------- tensors */
 
-static int gguf_parse_tensor_info(gguf_rd *r, km_gguf *g, int64_t i)
+static int gguf_parse_tensor_info(gguf_rd *r, md_gguf *g, int64_t i)
 {
-    km_gguf_tensor *t = &g->tensors[i];
+    md_gguf_tensor *t = &g->tensors[i];
     char ctx[128];
     snprintf(ctx, sizeof ctx, "tensor %lld", (long long)i);
     int rc = gguf_read_str(r, &t->name, ctx, "name");
@@ -304,21 +304,21 @@ static int gguf_parse_tensor_info(gguf_rd *r, km_gguf *g, int64_t i)
     if (!rc) rc = gguf_read_u64(r, &t->offset, ctx, "offset");
     if (rc) return rc;
 
-    if (km_type_block_elems(t->type) == 0) {
-        if (t->type < KM_TYPE_COUNT)
+    if (md_type_block_elems(t->type) == 0) {
+        if (t->type < MD_TYPE_COUNT)
             return gguf_fail(r, KM_EUNSUPPORTED, "%s: ggml tensor type %u is not supported", ctx,
                              t->type);
         return gguf_fail(r, KM_EFORMAT, "%s: unknown tensor type %u", ctx, t->type);
     }
-    size_t row = km_type_row_bytes(t->type, t->ne[0]);
+    size_t row = md_type_row_bytes(t->type, t->ne[0]);
     if (row == 0)
         return gguf_fail(r, KM_EFORMAT,
                          "%s: ne[0] = %lld is not a multiple of the %s block size %d", ctx,
-                         (long long)t->ne[0], km_type_name(t->type), km_type_block_elems(t->type));
+                         (long long)t->ne[0], md_type_name(t->type), md_type_block_elems(t->type));
     uint64_t size;
     if (__builtin_mul_overflow((uint64_t)row, (uint64_t)(nel / t->ne[0]), &size) || size > SIZE_MAX)
         return gguf_fail(r, KM_EFORMAT, "%s: byte size of %lld %s elements overflows", ctx,
-                         (long long)nel, km_type_name(t->type));
+                         (long long)nel, md_type_name(t->type));
     t->size = size;
     if (t->offset % g->alignment != 0)
         return gguf_fail(r, KM_EFORMAT, "%s: data offset %llu is not a multiple of alignment %llu",
@@ -341,10 +341,10 @@ static int gguf_span_cmp(const void *a, const void *b)
 /* Places every tensor's data after the infos and checks that it lies inside the file and that no
  * two tensors share a byte (a forged file could otherwise alias one tensor's weights onto
  * another's, or onto the metadata). */
-static int gguf_place_tensors(gguf_rd *r, km_gguf *g)
+static int gguf_place_tensors(gguf_rd *r, md_gguf *g)
 {
     for (int64_t i = 0; i < g->n_tensors; i++) {
-        km_gguf_tensor *t = &g->tensors[i];
+        md_gguf_tensor *t = &g->tensors[i];
         uint64_t avail = g->data_start <= g->size ? g->size - g->data_start : 0;
         if (g->data_start > g->size || t->offset > avail || t->size > avail - t->offset)
             return gguf_fail(r, KM_EFORMAT,
@@ -367,7 +367,7 @@ static int gguf_place_tensors(gguf_rd *r, km_gguf *g)
     for (int64_t i = 1; i < g->n_tensors && !rc; i++) {
         const gguf_span *a = &sp[i - 1], *b = &sp[i];
         if (a->offset + a->size > b->offset) {
-            const km_gguf_tensor *ta = &g->tensors[a->idx], *tb = &g->tensors[b->idx];
+            const md_gguf_tensor *ta = &g->tensors[a->idx], *tb = &g->tensors[b->idx];
             rc = gguf_fail(r, KM_EFORMAT,
                            "tensor %lld '%s' [offset %llu, %llu bytes] overlaps tensor %lld '%s' "
                            "[offset %llu, %llu bytes]",
@@ -381,7 +381,7 @@ static int gguf_place_tensors(gguf_rd *r, km_gguf *g)
     return rc;
 }
 
-static int gguf_index_tensors(gguf_rd *r, km_gguf *g)
+static int gguf_index_tensors(gguf_rd *r, md_gguf *g)
 {
     g->tensor_index = gguf_table_new(g->n_tensors, &g->tensor_mask);
     if (!g->tensor_index) return gguf_fail(r, KM_ENOMEM, "no memory for the tensor index");
@@ -402,7 +402,7 @@ static int gguf_index_tensors(gguf_rd *r, km_gguf *g)
 
 /* ---------------------------------------------------------------- open / close */
 
-static int gguf_parse(gguf_rd *r, km_gguf *g)
+static int gguf_parse(gguf_rd *r, md_gguf *g)
 {
     const uint8_t *p = r->p;
     if (r->size < 8)
@@ -462,10 +462,10 @@ static int gguf_parse(gguf_rd *r, km_gguf *g)
     if (rc) return rc;
 
     g->alignment = GGUF_DEFAULT_ALIGNMENT;
-    int64_t ai = km_gguf_find(g, "general.alignment");
+    int64_t ai = md_gguf_find(g, "general.alignment");
     if (ai >= 0) {
         uint32_t a;
-        rc = km_gguf_get_u32(g, "general.alignment", &a);
+        rc = md_gguf_get_u32(g, "general.alignment", &a);
         if (rc)
             return gguf_fail(r, KM_EFORMAT,
                              "kv %lld 'general.alignment': type %s is not an unsigned 32-bit "
@@ -495,9 +495,9 @@ static int gguf_parse(gguf_rd *r, km_gguf *g)
 }
 
 static int gguf_open_impl(const uint8_t *data, size_t size, int mapped, const char *path,
-                          km_gguf **out, km_errbuf *err)
+                          md_gguf **out, km_errbuf *err)
 {
-    km_gguf *g = calloc(1, sizeof *g);
+    md_gguf *g = calloc(1, sizeof *g);
     if (!g) {
         if (mapped) munmap((void *)data, size);
         return km_errf(err, KM_ENOMEM, "gguf: no memory");
@@ -508,14 +508,14 @@ static int gguf_open_impl(const uint8_t *data, size_t size, int mapped, const ch
     gguf_rd r = {.p = data, .size = size, .pos = 0, .err = err, .path = path};
     int rc = gguf_parse(&r, g);
     if (rc) {
-        km_gguf_close(g);
+        md_gguf_close(g);
         return rc;
     }
     *out = g;
     return 0;
 }
 
-int km_gguf_open(const char *path, km_gguf **out, km_errbuf *err)
+int md_gguf_open(const char *path, md_gguf **out, km_errbuf *err)
 {
     if (!path || !out) return km_errf(err, KM_EINVAL, "gguf: no path or no output handle");
     *out = NULL;
@@ -548,7 +548,7 @@ int km_gguf_open(const char *path, km_gguf **out, km_errbuf *err)
     return gguf_open_impl(m, size, 1, path, out, err);
 }
 
-int km_gguf_open_memory(const void *data, size_t size, km_gguf **out, km_errbuf *err)
+int md_gguf_open_memory(const void *data, size_t size, md_gguf **out, km_errbuf *err)
 {
     if (!out || (!data && size))
         return km_errf(err, KM_EINVAL, "gguf: no buffer or no output handle");
@@ -557,7 +557,7 @@ int km_gguf_open_memory(const void *data, size_t size, km_gguf **out, km_errbuf 
     return gguf_open_impl(data ? data : empty, size, 0, NULL, out, err);
 }
 
-void km_gguf_close(km_gguf *g)
+void md_gguf_close(md_gguf *g)
 {
     if (!g) return;
     if (g->kvs)

@@ -1,10 +1,10 @@
 /*
  * scheduler_self.c — self-speculation (QuantSpec, arXiv 2502.10424; docs/speculative.md): a
- * request in WK_SPEC_SELF mode drafts with the model itself, reading a 4-bit copy of its KV, and
+ * request in EN_SPEC_SELF mode drafts with the model itself, reading a 4-bit copy of its KV, and
  * the step verifies the drafts over the full pages exactly as it verifies suffix drafts
  * (scheduler_spec.c), so the output is token for token the output without speculation.
  *
- * The copy (wk_rq.shadow) is a sequence of the draft engine's store, whose pages are int4: before
+ * The copy (en_rq.shadow) is a sequence of the draft engine's store, whose pages are int4: before
  * drafting, the positions the request's own sequence has computed since the last time are read
  * back (kv_seq_read) and written into the copy, where each page is quantized to int4 as it fills
  * (kv_seq_reserve seals it); the page being filled stays in f16, as QuantSpec keeps the most
@@ -22,9 +22,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "worker/scheduler_internal.h"
+#include "engine/scheduler_internal.h"
 
-void wk_rq_drop_shadow(wk_sched *s, wk_rq *r)
+void en_rq_drop_shadow(en_sched *s, en_rq *r)
 {
     if (r->shadow) kv_seq_destroy(s->eng.draft_kv, r->shadow);
     r->shadow = NULL;
@@ -33,13 +33,13 @@ void wk_rq_drop_shadow(wk_sched *s, wk_rq *r)
 
 /* Copies positions [r->n_shadow, r->n_done) of r's KV into its 4-bit copy, with room for the
  * draft steps up to position r->n_done + d - 1. 0, or a negative km_err (no copy then). */
-static int wk_self_catch_up(wk_sched *s, wk_rq *r, int d)
+static int en_self_catch_up(en_sched *s, en_rq *r, int d)
 {
     kv_store *dk = s->eng.draft_kv;
     if (!r->shadow && kv_seq_create(dk, &r->shadow)) return KM_ENOMEM;
     int rc = kv_seq_reserve(dk, r->shadow, r->n_done + d);
     if (rc) {
-        wk_rq_drop_shadow(s, r);
+        en_rq_drop_shadow(s, r);
         return rc;
     }
     const int hd = s->head_dim;
@@ -51,19 +51,19 @@ static int wk_self_catch_up(wk_sched *s, wk_rq *r, int d)
             if (!rc) kv_seq_write(dk, r->shadow, l, pos, k, v);
         }
     if (rc) {
-        wk_rq_drop_shadow(s, r);
+        en_rq_drop_shadow(s, r);
         return rc;
     }
     r->n_shadow = r->n_done;
     return kv_seq_reserve(dk, r->shadow, r->n_done + d); /* seals the pages now full */
 }
 
-int wk_sched_self_draft(wk_sched *s, int n)
+int en_sched_self_draft(en_sched *s, int n)
 {
     int m = 0, steps = 0;
     for (int i = 0; i < n; i++) { /* keeps those whose copy is ready */
-        wk_rq *r = s->d_rq[i];
-        if (wk_self_catch_up(s, r, s->d_cap[i])) continue;
+        en_rq *r = s->d_rq[i];
+        if (en_self_catch_up(s, r, s->d_cap[i])) continue;
         s->d_rq[m] = r, s->d_cap[m] = s->d_cap[i];
         if (s->d_cap[m] > steps) steps = s->d_cap[m];
         m++;
@@ -75,12 +75,12 @@ int wk_sched_self_draft(wk_sched *s, int n)
             if (s->d_cap[i] <= j) continue;
             s->d_seq[b] = s->d_rq[i]->shadow;
             s->d_pos[b] = s->d_rq[i]->n_done + j;
-            s->d_tok[b] = j ? s->d_out[i * WK_SELF_MAX_DRAFT + j - 1]
+            s->d_tok[b] = j ? s->d_out[i * EN_SELF_MAX_DRAFT + j - 1]
                             : s->d_rq[i]->tokens[s->d_rq[i]->n_done];
             b++;
         }
         /* one logits row per token, in batch order */
-        wk_batch bt = {.n_tokens = b,
+        en_batch bt = {.n_tokens = b,
                        .tokens = s->d_tok,
                        .pos = s->d_pos,
                        .seqs = s->d_seq,
@@ -93,15 +93,15 @@ int wk_sched_self_draft(wk_sched *s, int n)
         }
         for (int i = 0, row = 0; i < m; i++)
             if (s->d_cap[i] > j)
-                s->d_out[i * WK_SELF_MAX_DRAFT + j] =
-                    wk_argmax(lg + (size_t)row++ * s->n_vocab, s->n_vocab);
+                s->d_out[i * EN_SELF_MAX_DRAFT + j] =
+                    en_argmax(lg + (size_t)row++ * s->n_vocab, s->n_vocab);
     }
     for (int i = 0; i < m; i++) {
-        wk_rq *r = s->d_rq[i];
+        en_rq *r = s->d_rq[i];
         /* the drafts' KV goes: the copy ends at the copied positions again (and its page's
          * count of written rows with it, so that the page seals once the copy fills it) */
         kv_seq_truncate(s->eng.draft_kv, r->shadow, r->n_shadow);
-        made += wk_spec_seq_set(s->spec, r->spec, s->d_out + i * WK_SELF_MAX_DRAFT, s->d_cap[i]);
+        made += en_spec_seq_set(s->spec, r->spec, s->d_out + i * EN_SELF_MAX_DRAFT, s->d_cap[i]);
     }
     return made;
 }

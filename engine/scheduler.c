@@ -1,7 +1,7 @@
 /*
- * scheduler.c — iteration-level continuous batching over one engine (wk_sched_*, worker.h).
+ * scheduler.c — iteration-level continuous batching over one engine (en_sched_*, worker.h).
  *
- * Each wk_sched_step is one engine forward pass. The batch is built fresh every step: first one
+ * Each en_sched_step is one engine forward pass. The batch is built fresh every step: first one
  * decode token for every running sequence that is generating, then prefill chunks of the
  * sequences still reading their prompt, oldest admission first, until the step's token budget
  * is spent. So a long prompt never stalls the decodes of the others (chunked prefill), and a new
@@ -31,7 +31,7 @@
  *  - Budgets and capacities are asserted where they must hold (a step's tokens within
  *    max_batch_tokens, a chunk within prefill_chunk, the queue's room for every preempted
  *    request, the running set within max_running); nothing defines NDEBUG, so every build checks.
- *  - The engine is reached only through wk_sched_engine (its step, its end-of-generation test,
+ *  - The engine is reached only through en_sched_engine (its step, its end-of-generation test,
  *    its KV store and shapes), so tests/unit/test_scheduler_fake.c runs the scheduler on a fake
  *    engine that needs no model file.
  *  - Every per-step buffer is sized at create; requests allocate only at submit and admission.
@@ -48,10 +48,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "worker/scheduler_internal.h"
+#include "engine/scheduler_internal.h"
 
 /* Work units of n prompt tokens at positions [pos, pos + n), with one logits row when want. */
-static double wk_units(const wk_sched *s, int pos, int n, int want)
+static double en_units(const en_sched *s, int pos, int n, int want)
 {
     double attended = (double)n * (pos + 1) + (double)n * (n - 1) / 2;
     return n * s->u_tok + attended * s->u_att + (want ? s->u_row : 0);
@@ -59,14 +59,14 @@ static double wk_units(const wk_sched *s, int pos, int n, int want)
 
 /* The most tokens of r's prompt this step can still take within its budget: what the budget
  * leaves, but at least a page (or what is left of the prompt). */
-static int wk_budget_take(wk_sched *s, const wk_rq *r, int take)
+static int en_budget_take(en_sched *s, const en_rq *r, int take)
 {
     if (s->o.step_budget_ms <= 0 || s->st.ns_per_unit <= 0) return take;
     double cap = s->o.step_budget_ms * 1e6 / s->st.ns_per_unit - s->step_units;
     int lo = 0, hi = take;
-    while (lo < hi) { /* the largest n with wk_units(n) <= cap */
+    while (lo < hi) { /* the largest n with en_units(n) <= cap */
         int mid = lo + (hi - lo + 1) / 2;
-        if (wk_units(s, r->n_done, mid, r->n_done + mid == r->n_tok) <= cap)
+        if (en_units(s, r->n_done, mid, r->n_done + mid == r->n_tok) <= cap)
             lo = mid;
         else
             hi = mid - 1;
@@ -79,61 +79,61 @@ static int wk_budget_take(wk_sched *s, const wk_rq *r, int take)
     return lo;
 }
 
-static int wk_real_step(void *ctx, const wk_batch *b, const float **logits)
+static int en_real_step(void *ctx, const en_batch *b, const float **logits)
 {
-    return wk_engine_step(((wk_real_engine *)ctx)->e, b, logits);
+    return en_engine_step(((en_real_engine *)ctx)->e, b, logits);
 }
 
-static int wk_real_is_eog(void *ctx, int32_t token)
+static int en_real_is_eog(void *ctx, int32_t token)
 {
-    return km_tok_is_eog(((wk_real_engine *)ctx)->tok, token);
+    return md_tok_is_eog(((en_real_engine *)ctx)->tok, token);
 }
 
-int wk_sched_create(wk_engine *e, const wk_model *m, const wk_sched_opts *o, const wk_sched_cb *cb,
-                    wk_sched **out, km_errbuf *err)
+int en_sched_create(en_engine *e, const en_model *m, const en_sched_opts *o, const en_sched_cb *cb,
+                    en_sched **out, km_errbuf *err)
 {
     *out = NULL;
     if (!e || !m || !cb)
         return km_errf(err, KM_EINVAL, "sched: engine, model and callbacks needed");
     char fp[33];
-    wk_model_fingerprint_hex(m, fp);
-    wk_sched_engine eng = {.kv = wk_engine_kv(e),
-                           .hp = wk_model_hparams(m),
+    en_model_fingerprint_hex(m, fp);
+    en_sched_engine eng = {.kv = en_engine_kv(e),
+                           .hp = en_model_hparams(m),
                            .fingerprint = fp,
-                           .step = wk_real_step,
-                           .is_eog = wk_real_is_eog};
-    int rc = wk_sched_create_on(&eng, o, cb, out, err);
+                           .step = en_real_step,
+                           .is_eog = en_real_is_eog};
+    int rc = en_sched_create_on(&eng, o, cb, out, err);
     if (rc) return rc;
-    (*out)->real = (wk_real_engine){e, wk_model_tokenizer(m), NULL};
+    (*out)->real = (en_real_engine){e, en_model_tokenizer(m), NULL};
     (*out)->eng.ctx = &(*out)->real;
     return 0;
 }
 
-static int wk_real_draft_step(void *ctx, const wk_batch *b, const float **logits)
+static int en_real_draft_step(void *ctx, const en_batch *b, const float **logits)
 {
-    return wk_engine_step(((wk_real_engine *)ctx)->draft, b, logits);
+    return en_engine_step(((en_real_engine *)ctx)->draft, b, logits);
 }
 
-void wk_sched_set_draft(wk_sched *s, wk_engine *draft)
+void en_sched_set_draft(en_sched *s, en_engine *draft)
 {
     s->real.draft = draft;
-    s->eng.draft_kv = draft ? wk_engine_kv(draft) : NULL;
-    s->eng.draft_step = draft ? wk_real_draft_step : NULL;
+    s->eng.draft_kv = draft ? en_engine_kv(draft) : NULL;
+    s->eng.draft_step = draft ? en_real_draft_step : NULL;
 }
 
-int wk_sched_create_on(const wk_sched_engine *eng, const wk_sched_opts *o, const wk_sched_cb *cb,
-                       wk_sched **out, km_errbuf *err)
+int en_sched_create_on(const en_sched_engine *eng, const en_sched_opts *o, const en_sched_cb *cb,
+                       en_sched **out, km_errbuf *err)
 {
     *out = NULL;
     if (!eng || !eng->kv || !eng->hp || eng->hp->n_vocab < 1 || !eng->step || !eng->is_eog || !cb)
         return km_errf(err, KM_EINVAL, "sched: engine, KV store, shapes and callbacks needed");
-    wk_sched *s = calloc(1, sizeof *s);
+    en_sched *s = calloc(1, sizeof *s);
     if (!s) return km_errf(err, KM_ENOMEM, "sched: out of memory");
     s->eng = *eng;
     s->eng.hp = NULL; /* read below; the caller's copy need not outlive this call */
     s->kv = eng->kv;
     s->cb = *cb;
-    s->o = o ? *o : (wk_sched_opts){0};
+    s->o = o ? *o : (en_sched_opts){0};
     if (s->o.max_running <= 0) s->o.max_running = 64;
     if (s->o.max_queue <= 0) s->o.max_queue = 1024;
     if (s->o.max_batch_tokens <= 0) s->o.max_batch_tokens = 512;
@@ -142,7 +142,7 @@ int wk_sched_create_on(const wk_sched_engine *eng, const wk_sched_opts *o, const
     if (s->o.max_ctx <= 0) s->o.max_ctx = 4096;
     if (s->o.default_max_tokens <= 0) s->o.default_max_tokens = 256;
     if (s->o.aging_per_s <= 0) s->o.aging_per_s = 20;
-    const wk_hparams *hp = eng->hp;
+    const en_hparams *hp = eng->hp;
     s->n_vocab = hp->n_vocab;
     s->n_layers = hp->n_layers;
     s->kv_width = hp->n_head_kv;
@@ -172,7 +172,7 @@ int wk_sched_create_on(const wk_sched_engine *eng, const wk_sched_opts *o, const
      * the `expert` shard key (kvshard.h, kv_seq_place). */
     int route = hp->n_expert > 0 && kv_store_n_expert_groups(s->kv) > 0;
     if (route && !(s->b_route = calloc(T, sizeof *s->b_route))) {
-        wk_sched_destroy(s);
+        en_sched_destroy(s);
         return km_errf(err, KM_ENOMEM, "sched: out of memory");
     }
     s->b_spec = calloc(s->o.max_running, sizeof *s->b_spec);
@@ -181,7 +181,7 @@ int wk_sched_create_on(const wk_sched_engine *eng, const wk_sched_opts *o, const
     s->d_rq = calloc(R, sizeof *s->d_rq);
     s->d_tok = calloc(R, sizeof *s->d_tok);
     s->d_pos = calloc(R, sizeof *s->d_pos);
-    s->d_out = calloc(R * WK_SELF_MAX_DRAFT, sizeof *s->d_out);
+    s->d_out = calloc(R * EN_SELF_MAX_DRAFT, sizeof *s->d_out);
     s->d_kv = malloc(sizeof *s->d_kv * 2 * (size_t)s->kv_width * s->head_dim);
     s->d_seq = calloc(R, sizeof *s->d_seq);
     s->d_cap = calloc(R, sizeof *s->d_cap);
@@ -190,33 +190,33 @@ int wk_sched_create_on(const wk_sched_engine *eng, const wk_sched_opts *o, const
     if (!s->order || !s->run || !s->queue || !s->b_tok || !s->b_pos || !s->b_seq || !s->b_want ||
         !s->parts || !s->b_spec || !s->d_rq || !s->d_tok || !s->d_pos || !s->d_out || !s->d_seq ||
         !s->d_cap || !s->d_want || !s->d_kv ||
-        wk_spec_create(&s->o.spec, s->o.max_running, &s->spec)) {
-        wk_sched_destroy(s);
+        en_spec_create(&s->o.spec, s->o.max_running, &s->spec)) {
+        en_sched_destroy(s);
         return km_errf(err, KM_ENOMEM, "sched: out of memory");
     }
-    s->o.spec = *wk_spec_options(s->spec);
+    s->o.spec = *en_spec_options(s->spec);
     *out = s;
     return 0;
 }
 
-static void wk_rq_free(wk_sched *s, wk_rq *r)
+static void en_rq_free(en_sched *s, en_rq *r)
 {
     if (!r) return;
-    wk_rq_drop_shadow(s, r);
+    en_rq_drop_shadow(s, r);
     if (r->seq) kv_seq_destroy(s->kv, r->seq);
-    wk_sampler_destroy(r->smp);
-    wk_spec_seq_destroy(r->spec);
+    en_sampler_destroy(r->smp);
+    en_spec_seq_destroy(r->spec);
     free(r->tokens);
     free(r->hashes);
     free(r->route);
     free(r);
 }
 
-void wk_sched_destroy(wk_sched *s)
+void en_sched_destroy(en_sched *s)
 {
     if (!s) return;
-    for (int i = 0; i < s->n_run; i++) wk_rq_free(s, s->run[i]);
-    for (int i = 0; i < s->n_queue; i++) wk_rq_free(s, s->queue[i]);
+    for (int i = 0; i < s->n_run; i++) en_rq_free(s, s->run[i]);
+    for (int i = 0; i < s->n_queue; i++) en_rq_free(s, s->queue[i]);
     free(s->run);
     free(s->queue);
     free(s->b_tok);
@@ -234,13 +234,13 @@ void wk_sched_destroy(wk_sched *s)
     free(s->d_cap);
     free(s->d_want);
     free(s->d_kv);
-    wk_spec_destroy(s->spec);
+    en_spec_destroy(s->spec);
     free(s->order);
     free(s);
 }
 
 /* Extends the page-hash chain over every full page of tokens[0, n_tok). */
-static void wk_rq_hash(wk_sched *s, wk_rq *r)
+static void en_rq_hash(en_sched *s, en_rq *r)
 {
     while ((r->n_hashed + 1) * s->pt <= r->n_tok) {
         km_pagehash prev = r->n_hashed ? r->hashes[r->n_hashed - 1] : r->seed;
@@ -251,7 +251,7 @@ static void wk_rq_hash(wk_sched *s, wk_rq *r)
 
 /* Publishes the full pages whose KV is computed, so later requests (and this one after a
  * preemption) can reuse them. */
-void wk_rq_publish(wk_sched *s, wk_rq *r)
+void en_rq_publish(en_sched *s, en_rq *r)
 {
     if (!r->seq || r->n_done < s->pt) return;
     int n = r->n_done;
@@ -259,17 +259,17 @@ void wk_rq_publish(wk_sched *s, wk_rq *r)
     /* Each new full page goes to the shard of its tokens' most frequent dominant expert (the
      * lower id on a tie) before it is indexed. */
     for (; r->route && r->n_placed < n / s->pt; r->n_placed++) {
-        int count[WK_MAX_EXPERTS] = {0}, best = -1, top = 0;
+        int count[EN_MAX_EXPERTS] = {0}, best = -1, top = 0;
         for (int j = r->n_placed * s->pt; j < (r->n_placed + 1) * s->pt; j++)
-            if (r->route[j] >= 0 && r->route[j] < WK_MAX_EXPERTS) count[r->route[j]]++;
-        for (int x = 0; x < WK_MAX_EXPERTS; x++) /* strictly more: the lower id on a tie */
+            if (r->route[j] >= 0 && r->route[j] < EN_MAX_EXPERTS) count[r->route[j]]++;
+        for (int x = 0; x < EN_MAX_EXPERTS; x++) /* strictly more: the lower id on a tie */
             if (count[x] > top) top = count[x], best = x;
         if (best >= 0) kv_seq_place(s->kv, r->seq, r->n_placed * s->pt, best);
     }
     kv_seq_publish(s->kv, r->seq, r->hashes, r->tokens, n);
 }
 
-int wk_sched_submit(wk_sched *s, const wk_sched_req *q, uint64_t *rid)
+int en_sched_submit(en_sched *s, const en_sched_req *q, uint64_t *rid)
 {
     if (!q || !q->tokens || q->n_tokens < 1) return KM_EINVAL;
     if (s->n_queue >= s->o.max_queue) return KM_EOVERLOAD;
@@ -278,7 +278,7 @@ int wk_sched_submit(wk_sched *s, const wk_sched_req *q, uint64_t *rid)
         if (q->tokens[i] < 0 || q->tokens[i] >= s->n_vocab) return KM_EINVAL;
     int max_gen = q->max_tokens > 0 ? q->max_tokens : s->o.default_max_tokens;
     if (max_gen > s->o.max_ctx - q->n_tokens) max_gen = s->o.max_ctx - q->n_tokens;
-    wk_rq *r = calloc(1, sizeof *r);
+    en_rq *r = calloc(1, sizeof *r);
     if (!r) return KM_ENOMEM;
     int cap = q->n_tokens + max_gen;
     r->tokens = malloc(sizeof *r->tokens * cap);
@@ -286,30 +286,30 @@ int wk_sched_submit(wk_sched *s, const wk_sched_req *q, uint64_t *rid)
     if (s->b_route && (r->route = malloc(sizeof *r->route * cap)))
         for (int i = 0; i < cap; i++) r->route[i] = -1;
     int rc = r->tokens && r->hashes && (r->route || !s->b_route) ? 0 : KM_ENOMEM;
-    if (!rc) rc = wk_sampler_create(&q->sample, s->n_vocab, &r->smp);
+    if (!rc) rc = en_sampler_create(&q->sample, s->n_vocab, &r->smp);
     if (rc) {
-        wk_rq_free(s, r);
+        en_rq_free(s, r);
         return rc;
     }
     memcpy(r->tokens, q->tokens, sizeof *r->tokens * q->n_tokens);
     r->n_tok = r->n_prompt = q->n_tokens;
     r->max_gen = max_gen;
-    for (int i = 0; i < q->n_tokens; i++) wk_sampler_accept(r->smp, q->tokens[i]);
-    if (q->n_generated > 0 && q->n_generated < q->n_tokens) wk_sampler_skip(r->smp, q->n_generated);
+    for (int i = 0; i < q->n_tokens; i++) en_sampler_accept(r->smp, q->tokens[i]);
+    if (q->n_generated > 0 && q->n_generated < q->n_tokens) en_sampler_skip(r->smp, q->n_generated);
     r->seed = km_pagehash_seed(s->fp, strlen(s->fp), s->o.cluster_seed, q->cache_salt,
                                q->cache_salt ? q->cache_salt_len : 0);
     int mode = q->speculate ? q->speculate : s->o.spec.mode;
-    r->self = mode == WK_SPEC_SELF && s->eng.draft_step;
-    if (mode == WK_SPEC_AUTO || mode == WK_SPEC_SELF) {
+    r->self = mode == EN_SPEC_SELF && s->eng.draft_step;
+    if (mode == EN_SPEC_AUTO || mode == EN_SPEC_SELF) {
         /* The request's tenant key is its page-hash seed: model, cluster seed and cache_salt. */
-        rc = wk_spec_seq_create(s->spec, r->seed, cap, q->max_draft, &r->spec);
+        rc = en_spec_seq_create(s->spec, r->seed, cap, q->max_draft, &r->spec);
         if (rc) {
-            wk_rq_free(s, r);
+            en_rq_free(s, r);
             return rc;
         }
-        wk_spec_seq_append(r->spec, r->tokens, r->n_tok);
+        en_spec_seq_append(r->spec, r->tokens, r->n_tok);
     }
-    wk_rq_hash(s, r);
+    en_rq_hash(s, r);
     r->rid = s->next_rid++;
     r->user = q->user;
     r->priority = q->priority;
@@ -323,7 +323,7 @@ int wk_sched_submit(wk_sched *s, const wk_sched_req *q, uint64_t *rid)
     return 0;
 }
 
-int wk_sched_cancel(wk_sched *s, uint64_t rid)
+int en_sched_cancel(en_sched *s, uint64_t rid)
 {
     for (int i = 0; i < s->n_run; i++)
         if (s->run[i]->rid == rid) return s->run[i]->canceled = 1, 0;
@@ -332,16 +332,16 @@ int wk_sched_cancel(wk_sched *s, uint64_t rid)
     return KM_ENOTFOUND;
 }
 
-int wk_sched_pending(const wk_sched *s)
+int en_sched_pending(const en_sched *s)
 {
     return s->n_run + s->n_queue;
 }
 
-void wk_sched_stats_get(const wk_sched *s, wk_sched_stats *out)
+void en_sched_stats_get(const en_sched *s, en_sched_stats *out)
 {
     *out = s->st;
-    wk_spec_stats sp;
-    wk_spec_stats_get(s->spec, &sp);
+    en_spec_stats sp;
+    en_spec_stats_get(s->spec, &sp);
     out->spec_drafted = sp.drafted;
     out->spec_accepted = sp.accepted;
     out->spec_rejected = sp.rejected;
@@ -351,46 +351,46 @@ void wk_sched_stats_get(const wk_sched *s, wk_sched_stats *out)
     out->queued = s->n_queue;
 }
 
-static double wk_ms(uint64_t from, uint64_t to)
+static double en_ms(uint64_t from, uint64_t to)
 {
     return to > from ? (to - from) / 1e6 : 0.0;
 }
 
-static void wk_rq_usage(const wk_rq *r, uint64_t now, wk_sched_usage *u)
+static void en_rq_usage(const en_rq *r, uint64_t now, en_sched_usage *u)
 {
     int drafted = 0, accepted = 0;
-    if (r->spec) wk_spec_seq_counts(r->spec, &drafted, &accepted);
-    *u = (wk_sched_usage){
+    if (r->spec) en_spec_seq_counts(r->spec, &drafted, &accepted);
+    *u = (en_sched_usage){
         .draft_tokens = drafted,
         .accepted_draft_tokens = accepted,
         .prompt_tokens = r->n_prompt,
         .cached_tokens = r->cached_tokens,
         .completion_tokens = r->n_gen,
         .preemptions = r->preemptions,
-        .queue_ms = r->admitted ? wk_ms(r->arrival_ns, r->admit_ns) : wk_ms(r->arrival_ns, now),
-        .ttft_ms = r->first_ns ? wk_ms(r->arrival_ns, r->first_ns) : 0.0,
-        .total_ms = wk_ms(r->arrival_ns, now),
+        .queue_ms = r->admitted ? en_ms(r->arrival_ns, r->admit_ns) : en_ms(r->arrival_ns, now),
+        .ttft_ms = r->first_ns ? en_ms(r->arrival_ns, r->first_ns) : 0.0,
+        .total_ms = en_ms(r->arrival_ns, now),
     };
 }
 
 /* Removes element i keeping the order (run order is admission order). */
-static void wk_remove_at(wk_rq **a, int *n, int i)
+static void en_remove_at(en_rq **a, int *n, int i)
 {
     memmove(a + i, a + i + 1, sizeof *a * (*n - i - 1));
     (*n)--;
 }
 
 /* Ends a request: publish its pages, release its KV, report, free. code 0: done with finish. */
-static void wk_rq_end(wk_sched *s, wk_rq *r, km_finish finish, int code, const char *msg)
+static void en_rq_end(en_sched *s, en_rq *r, km_finish finish, int code, const char *msg)
 {
     uint64_t now = km_now_ns();
-    wk_sched_usage u;
-    wk_rq_usage(r, now, &u);
-    wk_rq_publish(s, r);
+    en_sched_usage u;
+    en_rq_usage(r, now, &u);
+    en_rq_publish(s, r);
     /* What it wrote becomes draft material for the same tenant's later requests. */
-    if (!code && r->n_gen > 0) wk_spec_learn(s->spec, r->seed, r->tokens, r->n_prompt, r->n_tok);
+    if (!code && r->n_gen > 0) en_spec_learn(s->spec, r->seed, r->tokens, r->n_prompt, r->n_tok);
     if (r->seq) {
-        wk_rq_drop_shadow(s, r);
+        en_rq_drop_shadow(s, r);
         kv_seq_destroy(s->kv, r->seq);
         r->seq = NULL;
     }
@@ -407,47 +407,47 @@ static void wk_rq_end(wk_sched *s, wk_rq *r, km_finish finish, int code, const c
             s->st.completed++;
         if (s->cb.on_done) s->cb.on_done(s->cb.ctx, r->user, finish, &u);
     }
-    wk_rq_free(s, r);
+    en_rq_free(s, r);
 }
 
 /* Ends r after a failure rc of admission or of a step. Out of KV pages is two cases: a request
  * larger than the whole hot tier can never run here (413), while one that would fit but finds
  * the pages pinned by others (a memory-pressure episode) is handed back (503) so the router
  * sends it to another worker, and counted as kv_full. */
-static void wk_rq_end_nospace(wk_sched *s, wk_rq *r, int rc, const char *what, const char *other)
+static void en_rq_end_nospace(en_sched *s, en_rq *r, int rc, const char *what, const char *other)
 {
     char msg[96];
     if (rc != KM_ENOSPC) {
-        wk_rq_end(s, r, KM_FINISH_STOP, km_proto_code_from_err(rc), other);
+        en_rq_end(s, r, KM_FINISH_STOP, km_proto_code_from_err(rc), other);
         return;
     }
     int need = (r->n_tok + 1 + s->pt - 1) / s->pt;
     if (need > kv_store_pages_total(s->kv)) {
         snprintf(msg, sizeof msg, "%s does not fit in the KV cache", what);
-        wk_rq_end(s, r, KM_FINISH_STOP, KM_CODE_TOO_LARGE, msg);
+        en_rq_end(s, r, KM_FINISH_STOP, KM_CODE_TOO_LARGE, msg);
         return;
     }
     s->st.kv_full++;
     snprintf(msg, sizeof msg, "KV cache full (pages pinned by others): %s handed back", what);
-    wk_rq_end(s, r, KM_FINISH_STOP, KM_CODE_UNAVAILABLE, msg);
+    en_rq_end(s, r, KM_FINISH_STOP, KM_CODE_UNAVAILABLE, msg);
 }
 
-void wk_sched_abort_all(wk_sched *s, int code, const char *message)
+void en_sched_abort_all(en_sched *s, int code, const char *message)
 {
     while (s->n_run) {
-        wk_rq *r = s->run[s->n_run - 1];
+        en_rq *r = s->run[s->n_run - 1];
         s->n_run--;
-        wk_rq_end(s, r, KM_FINISH_STOP, code, message);
+        en_rq_end(s, r, KM_FINISH_STOP, code, message);
     }
     while (s->n_queue) {
-        wk_rq *r = s->queue[s->n_queue - 1];
+        en_rq *r = s->queue[s->n_queue - 1];
         s->n_queue--;
-        wk_rq_end(s, r, KM_FINISH_STOP, code, message);
+        en_rq_end(s, r, KM_FINISH_STOP, code, message);
     }
 }
 
 /* Gives a queued request a sequence and its longest cached prefix. */
-static int wk_rq_admit(wk_sched *s, wk_rq *r, uint64_t now)
+static int en_rq_admit(en_sched *s, en_rq *r, uint64_t now)
 {
     int rc = kv_seq_create(s->kv, &r->seq);
     if (rc) return rc;
@@ -456,7 +456,7 @@ static int wk_rq_admit(wk_sched *s, wk_rq *r, uint64_t now)
     if (max_pages > r->n_hashed) max_pages = r->n_hashed;
     int got = max_pages ? kv_seq_attach(s->kv, r->seq, r->hashes, r->tokens, max_pages) : 0;
     if (got < 0) {
-        wk_rq_drop_shadow(s, r);
+        en_rq_drop_shadow(s, r);
         kv_seq_destroy(s->kv, r->seq);
         r->seq = NULL;
         return got;
@@ -476,17 +476,17 @@ static int wk_rq_admit(wk_sched *s, wk_rq *r, uint64_t now)
 }
 
 /* Sends a running sequence back to the queue; its published pages stay cached. */
-static void wk_rq_preempt(wk_sched *s, int i)
+static void en_rq_preempt(en_sched *s, int i)
 {
-    wk_rq *r = s->run[i];
-    wk_rq_publish(s, r);
-    wk_rq_drop_shadow(s, r);
+    en_rq *r = s->run[i];
+    en_rq_publish(s, r);
+    en_rq_drop_shadow(s, r);
     kv_seq_destroy(s->kv, r->seq);
     r->seq = NULL;
     r->n_done = 0;
     r->preemptions++;
     s->st.preemptions++;
-    wk_remove_at(s->run, &s->n_run, i);
+    en_remove_at(s->run, &s->n_run, i);
     assert(s->n_queue + s->n_run < s->queue_cap);
     s->queue[s->n_queue++] = r;
     s->admit_blocked = 1;
@@ -495,22 +495,22 @@ static void wk_rq_preempt(wk_sched *s, int i)
 }
 
 /* Expired and canceled requests end before anything else happens in a step. */
-static void wk_sched_expire(wk_sched *s, uint64_t now)
+static void en_sched_expire(en_sched *s, uint64_t now)
 {
     for (int i = 0; i < s->n_queue;) {
-        wk_rq *r = s->queue[i];
+        en_rq *r = s->queue[i];
         if (r->canceled || (r->deadline_ns && now >= r->deadline_ns)) {
-            wk_remove_at(s->queue, &s->n_queue, i);
-            wk_rq_end(s, r, r->canceled ? KM_FINISH_CANCELED : KM_FINISH_DEADLINE, 0, NULL);
+            en_remove_at(s->queue, &s->n_queue, i);
+            en_rq_end(s, r, r->canceled ? KM_FINISH_CANCELED : KM_FINISH_DEADLINE, 0, NULL);
         } else {
             i++;
         }
     }
     for (int i = 0; i < s->n_run;) {
-        wk_rq *r = s->run[i];
+        en_rq *r = s->run[i];
         if (r->canceled || (r->deadline_ns && now >= r->deadline_ns)) {
-            wk_remove_at(s->run, &s->n_run, i);
-            wk_rq_end(s, r, r->canceled ? KM_FINISH_CANCELED : KM_FINISH_DEADLINE, 0, NULL);
+            en_remove_at(s->run, &s->n_run, i);
+            en_rq_end(s, r, r->canceled ? KM_FINISH_CANCELED : KM_FINISH_DEADLINE, 0, NULL);
         } else {
             i++;
         }
@@ -518,20 +518,20 @@ static void wk_sched_expire(wk_sched *s, uint64_t now)
 }
 
 /* Pages the running sequences hold or are about to (their tokens so far, plus one). */
-static int wk_sched_pages_held(const wk_sched *s)
+static int en_sched_pages_held(const en_sched *s)
 {
     int n = 0;
     for (int i = 0; i < s->n_run; i++) n += (s->run[i]->n_tok + 1 + s->pt - 1) / s->pt;
     return n;
 }
 
-static void wk_sched_admit(wk_sched *s, uint64_t now)
+static void en_sched_admit(en_sched *s, uint64_t now)
 {
     while (s->n_queue && s->n_run < s->o.max_running && (!s->admit_blocked || !s->n_run)) {
         int best = 0;
         double best_score = 0;
         for (int i = 0; i < s->n_queue; i++) {
-            const wk_rq *r = s->queue[i];
+            const en_rq *r = s->queue[i];
             double waited = now > r->arrival_ns ? (now - r->arrival_ns) / 1e9 : 0;
             double score = r->priority + s->o.aging_per_s * waited;
             if (i == 0 || score > best_score ||
@@ -540,17 +540,17 @@ static void wk_sched_admit(wk_sched *s, uint64_t now)
                 best_score = score;
             }
         }
-        wk_rq *r = s->queue[best];
+        en_rq *r = s->queue[best];
         /* Admit only what the hot tier can hold next to the running sequences' pages (cached
          * pages nobody uses do not count: the store evicts them on demand). Decode growth can
          * still overflow it; that is what preemption is for. */
         int need = (r->n_tok + 1 + s->pt - 1) / s->pt;
-        if (s->n_run && wk_sched_pages_held(s) + need > kv_store_pages_total(s->kv)) return;
-        int rc = wk_rq_admit(s, r, now);
+        if (s->n_run && en_sched_pages_held(s) + need > kv_store_pages_total(s->kv)) return;
+        int rc = en_rq_admit(s, r, now);
         if (rc == KM_ENOSPC && s->n_run) return; /* room comes back as sequences end */
-        wk_remove_at(s->queue, &s->n_queue, best);
+        en_remove_at(s->queue, &s->n_queue, best);
         if (rc) {
-            wk_rq_end_nospace(s, r, rc, "prompt", "cannot admit the request");
+            en_rq_end_nospace(s, r, rc, "prompt", "cannot admit the request");
             continue;
         }
         s->admit_blocked = 0;
@@ -563,7 +563,7 @@ static void wk_sched_admit(wk_sched *s, uint64_t now)
  * admission order. When the step decodes and decode_prefill is set, its prompt tokens are capped
  * there: a long prefill in the same step is what makes a running sequence wait for its next
  * token (inter-token latency spikes). */
-static int wk_sched_build(wk_sched *s, int *n_parts)
+static int en_sched_build(en_sched *s, int *n_parts)
 {
     int n = 0, np = 0, budget = s->o.max_batch_tokens;
     s->step_units = 0;
@@ -588,18 +588,18 @@ static int wk_sched_build(wk_sched *s, int *n_parts)
         if (pass == 1 && n > 0 && s->o.decode_prefill > 0 && n + s->o.decode_prefill < budget)
             budget = n + s->o.decode_prefill;
         for (int i = 0; i < s->n_run && n < budget; i++) {
-            wk_rq *r = s->run[s->order[i]];
+            en_rq *r = s->run[s->order[i]];
             int left = r->n_tok - r->n_done, nd = 0;
             if (left <= 0 || (pass == 0) != (left == 1)) continue;
-            const int32_t *d = r->spec && pass == 0 ? wk_spec_seq_draft(r->spec, &nd) : NULL;
+            const int32_t *d = r->spec && pass == 0 ? en_spec_seq_draft(r->spec, &nd) : NULL;
             if (nd > budget - n - 1) nd = 0; /* the plan left room; never overflow the batch */
             int take = left;
             if (take > s->o.prefill_chunk) take = s->o.prefill_chunk;
             if (take > budget - n) take = budget - n;
-            if (pass == 1) take = wk_budget_take(s, r, take);
+            if (pass == 1) take = en_budget_take(s, r, take);
             if (take <= 0) continue;
             assert(take <= s->o.prefill_chunk && n + take + nd <= s->o.max_batch_tokens);
-            s->step_units += wk_units(s, r->n_done, take + nd, r->n_done + take == r->n_tok);
+            s->step_units += en_units(s, r->n_done, take + nd, r->n_done + take == r->n_tok);
             if (pass == 1) s->step_prefill += take;
             for (int j = 0; j < take; j++) {
                 int p = r->n_done + j;
@@ -614,7 +614,7 @@ static int wk_sched_build(wk_sched *s, int *n_parts)
                 s->b_seq[n + take + j] = r->seq;
                 s->b_want[n + take + j] = 1;
             }
-            s->parts[np++] = (wk_part){
+            s->parts[np++] = (en_part){
                 .rq = r, .n = take + nd, .want = r->n_done + take == r->n_tok, .draft = nd};
             n += take + nd;
         }
@@ -625,7 +625,7 @@ static int wk_sched_build(wk_sched *s, int *n_parts)
 }
 
 /* The victim of a preemption: lowest priority, then the most recently admitted. */
-static int wk_sched_victim(const wk_sched *s)
+static int en_sched_victim(const en_sched *s)
 {
     int v = s->n_run - 1;
     for (int i = s->n_run - 1; i >= 0; i--)
@@ -633,7 +633,7 @@ static int wk_sched_victim(const wk_sched *s)
     return v;
 }
 
-static int wk_index_of(wk_rq **a, int n, const wk_rq *r)
+static int en_index_of(en_rq **a, int n, const en_rq *r)
 {
     for (int i = 0; i < n; i++)
         if (a[i] == r) return i;
@@ -642,7 +642,7 @@ static int wk_index_of(wk_rq **a, int n, const wk_rq *r)
 
 /* One sampled token: record it and report it. Returns 1 when the request is over (*fin says
  * why; the caller ends it), 0 to go on. */
-int wk_rq_push(wk_sched *s, wk_rq *r, int32_t t, uint64_t now, km_finish *fin)
+int en_rq_push(en_sched *s, en_rq *r, int32_t t, uint64_t now, km_finish *fin)
 {
     if (!r->first_ns) r->first_ns = now;
     if (!r->ignore_eos && s->eng.is_eog(s->eng.ctx, t)) {
@@ -651,9 +651,9 @@ int wk_rq_push(wk_sched *s, wk_rq *r, int32_t t, uint64_t now, km_finish *fin)
     }
     r->tokens[r->n_tok++] = t;
     r->n_gen++;
-    wk_sampler_accept(r->smp, t);
-    if (r->spec) wk_spec_seq_append(r->spec, &t, 1);
-    wk_rq_hash(s, r);
+    en_sampler_accept(r->smp, t);
+    if (r->spec) en_spec_seq_append(r->spec, &t, 1);
+    en_rq_hash(s, r);
     int stop = s->cb.on_token ? s->cb.on_token(s->cb.ctx, r->user, r->n_gen - 1, t) : 0;
     if (stop || r->n_gen >= r->max_gen) {
         *fin = stop ? KM_FINISH_STOP : KM_FINISH_LENGTH;
@@ -662,28 +662,28 @@ int wk_rq_push(wk_sched *s, wk_rq *r, int32_t t, uint64_t now, km_finish *fin)
     return 0;
 }
 
-void wk_rq_finish(wk_sched *s, wk_rq *r, km_finish fin)
+void en_rq_finish(en_sched *s, en_rq *r, km_finish fin)
 {
-    wk_remove_at(s->run, &s->n_run, wk_index_of(s->run, s->n_run, r));
-    wk_rq_end(s, r, fin, 0, NULL);
+    en_remove_at(s->run, &s->n_run, en_index_of(s->run, s->n_run, r));
+    en_rq_end(s, r, fin, 0, NULL);
 }
 
-int wk_sched_step(wk_sched *s)
+int en_sched_step(en_sched *s)
 {
     uint64_t now = km_now_ns();
-    wk_sched_expire(s, now);
-    wk_sched_admit(s, now);
-    wk_sched_plan(s);
+    en_sched_expire(s, now);
+    en_sched_admit(s, now);
+    en_sched_plan(s);
 
     int n, np, drafts;
     const float *logits = NULL;
     uint64_t t0 = 0;
     for (;;) {
-        n = wk_sched_build(s, &np);
+        n = en_sched_build(s, &np);
         if (!n) return 0;
         drafts = 0;
         for (int i = 0; i < np; i++) drafts += s->parts[i].draft;
-        wk_batch b = {.n_tokens = n,
+        en_batch b = {.n_tokens = n,
                       .tokens = s->b_tok,
                       .pos = s->b_pos,
                       .seqs = s->b_seq,
@@ -699,24 +699,24 @@ int wk_sched_step(wk_sched *s)
              * threads, one sequence at 300 tokens, best of 30 on a lightly loaded machine: 1-4
              * tokens ~6.7 ms, 6 tokens 11.7, 8 tokens 25, 16 tokens 48), and a slope learned
              * from prefill underpriced long verifications. */
-            if (!s->step_prefill) wk_spec_observe_step(s->spec, n, (km_now_ns() - t0) / 1e6);
+            if (!s->step_prefill) en_spec_observe_step(s->spec, n, (km_now_ns() - t0) / 1e6);
             break;
         }
         if (rc == KM_ENOSPC && drafts) { /* drafts are the first thing to give up */
             for (int i = 0; i < s->n_run; i++)
-                if (s->run[i]->spec) wk_spec_seq_clear(s->run[i]->spec);
+                if (s->run[i]->spec) en_spec_seq_clear(s->run[i]->spec);
             continue;
         }
         if (rc == KM_ENOSPC && s->n_run > 1) {
-            wk_rq_preempt(s, wk_sched_victim(s));
+            en_rq_preempt(s, en_sched_victim(s));
             continue;
         }
         /* A lone sequence that does not fit, or an engine failure: end what was in the batch. */
         s->st.engine_errors += rc != KM_ENOSPC;
         for (int i = 0; i < np; i++) {
-            wk_rq *r = s->parts[i].rq;
-            wk_remove_at(s->run, &s->n_run, wk_index_of(s->run, s->n_run, r));
-            wk_rq_end_nospace(s, r, rc, "sequence", "engine step failed");
+            en_rq *r = s->parts[i].rq;
+            en_remove_at(s->run, &s->n_run, en_index_of(s->run, s->n_run, r));
+            en_rq_end_nospace(s, r, rc, "sequence", "engine step failed");
         }
         return rc == KM_ENOSPC ? 0 : rc;
     }
@@ -732,12 +732,12 @@ int wk_sched_step(wk_sched *s)
     }
     int row = 0;
     for (int i = 0, off = 0; i < np; off += s->parts[i++].n) {
-        wk_part *p = &s->parts[i];
-        wk_rq *r = p->rq;
+        en_part *p = &s->parts[i];
+        en_rq *r = p->rq;
         if (r->route) /* positions r->n_done on are this part's tokens (drafts included) */
             memcpy(r->route + r->n_done, s->b_route + off, sizeof *r->route * p->n);
         if (p->draft) {
-            wk_sched_verify(s, p, logits + (size_t)row * s->n_vocab, now);
+            en_sched_verify(s, p, logits + (size_t)row * s->n_vocab, now);
             row += p->n;
             continue;
         }
@@ -747,12 +747,12 @@ int wk_sched_step(wk_sched *s)
             s->st.decode_tokens++;
         else
             s->st.prefill_tokens += p->n;
-        if (r->n_done / s->pt > before) wk_rq_publish(s, r);
+        if (r->n_done / s->pt > before) en_rq_publish(s, r);
         if (!p->want) continue;
         const float *row_logits = logits + (size_t)row++ * s->n_vocab;
         km_finish fin;
-        if (wk_rq_push(s, r, wk_sampler_sample(r->smp, row_logits), now, &fin))
-            wk_rq_finish(s, r, fin);
+        if (en_rq_push(s, r, en_sampler_sample(r->smp, row_logits), now, &fin))
+            en_rq_finish(s, r, fin);
     }
     return n;
 }

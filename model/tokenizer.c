@@ -19,7 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common/tok_internal.h"
+#include "model/tok_internal.h"
 
 /* ---------------------------------------------------------------- small shared helpers */
 
@@ -145,7 +145,7 @@ int32_t tok_str_intern(tok_strings *s, const char *p, size_t n)
 
 /* ---------------------------------------------------------------- create */
 
-static int32_t tok_find_token(const km_tokenizer *t, const char *text)
+static int32_t tok_find_token(const md_tokenizer *t, const char *text)
 {
     int32_t sid = tok_str_find(&t->str, text, strlen(text));
     return sid < t->n_vocab ? sid : -1;
@@ -153,7 +153,7 @@ static int32_t tok_find_token(const km_tokenizer *t, const char *text)
 
 /* The first of these texts that is a token (llama.cpp tries them in hash order). Its type
  * becomes control, as llama.cpp forces. */
-static int32_t tok_find_named(km_tokenizer *t, const char *const *names)
+static int32_t tok_find_named(md_tokenizer *t, const char *const *names)
 {
     for (; *names; names++) {
         int32_t id = tok_find_token(t, *names);
@@ -167,16 +167,16 @@ static int32_t tok_find_named(km_tokenizer *t, const char *const *names)
 
 /* Reads an optional id key; ids outside the vocabulary are ignored (llama.cpp warns and keeps
  * the default). */
-static void tok_read_id(const km_gguf *g, const char *key, int32_t n_vocab, int32_t *id)
+static void tok_read_id(const md_gguf *g, const char *key, int32_t n_vocab, int32_t *id)
 {
     uint32_t v;
-    if (km_gguf_get_u32(g, key, &v) == 0 && v < (uint32_t)n_vocab) *id = (int32_t)v;
+    if (md_gguf_get_u32(g, key, &v) == 0 && v < (uint32_t)n_vocab) *id = (int32_t)v;
 }
 
-static void tok_read_flag(const km_gguf *g, const char *key, int *flag)
+static void tok_read_flag(const md_gguf *g, const char *key, int *flag)
 {
     int v;
-    if (km_gguf_get_bool(g, key, &v) == 0) *flag = v;
+    if (md_gguf_get_bool(g, key, &v) == 0) *flag = v;
 }
 
 /* Reads element i of a little-endian int32 or float32 array that may sit unaligned. */
@@ -195,14 +195,14 @@ static float tok_le_f32(const void *base, uint64_t i)
     return f;
 }
 
-static int tok_read_vocab(km_tokenizer *t, const km_gguf *g, km_errbuf *err)
+static int tok_read_vocab(md_tokenizer *t, const md_gguf *g, km_errbuf *err)
 {
     static const char *k_tokens = "tokenizer.ggml.tokens", *k_scores = "tokenizer.ggml.scores",
                       *k_types = "tokenizer.ggml.token_type";
-    km_gguf_type elem;
+    md_gguf_type elem;
     uint64_t n;
-    int rc = km_gguf_get_arr(g, k_tokens, &elem, &n);
-    if (rc || elem != KM_GGUF_STRING)
+    int rc = md_gguf_get_arr(g, k_tokens, &elem, &n);
+    if (rc || elem != MD_GGUF_STRING)
         return km_errf(err, KM_EFORMAT, "tokenizer: %s %s", k_tokens,
                        rc == KM_ENOTFOUND ? "missing" : "is not an array of strings");
     if (n == 0 || n > INT32_MAX / 2)
@@ -212,16 +212,16 @@ static int tok_read_vocab(km_tokenizer *t, const km_gguf *g, km_errbuf *err)
     const void *scores = NULL, *types = NULL;
     int scores_int = 0;
     uint64_t m;
-    if (km_gguf_get_arr(g, k_scores, &elem, &m) == 0) {
-        if ((elem != KM_GGUF_FLOAT32 && elem != KM_GGUF_INT32) || m < n)
+    if (md_gguf_get_arr(g, k_scores, &elem, &m) == 0) {
+        if ((elem != MD_GGUF_FLOAT32 && elem != MD_GGUF_INT32) || m < n)
             return km_errf(err, KM_EFORMAT, "tokenizer: bad %s", k_scores);
-        scores = km_gguf_arr_data(g, k_scores);
-        scores_int = elem == KM_GGUF_INT32;
+        scores = md_gguf_arr_data(g, k_scores);
+        scores_int = elem == MD_GGUF_INT32;
     }
-    if (km_gguf_get_arr(g, k_types, &elem, &m) == 0) {
-        if (elem != KM_GGUF_INT32 || m < n)
+    if (md_gguf_get_arr(g, k_types, &elem, &m) == 0) {
+        if (elem != MD_GGUF_INT32 || m < n)
             return km_errf(err, KM_EFORMAT, "tokenizer: bad %s", k_types);
-        types = km_gguf_arr_data(g, k_types);
+        types = md_gguf_arr_data(g, k_types);
     }
 
     t->score = malloc(n * sizeof *t->score);
@@ -229,7 +229,7 @@ static int tok_read_vocab(km_tokenizer *t, const km_gguf *g, km_errbuf *err)
     if (!t->score || !t->attr) return km_errf(err, KM_ENOMEM, "tokenizer: vocab");
     for (uint64_t i = 0; i < n; i++) {
         km_str s;
-        if ((rc = km_gguf_arr_str(g, k_tokens, i, &s)))
+        if ((rc = md_gguf_arr_str(g, k_tokens, i, &s)))
             return km_errf(err, rc, "tokenizer: token %llu", (unsigned long long)i);
         char empty[32];
         if (s.len == 0) { /* as llama.cpp: an empty text would make lookups ambiguous */
@@ -263,7 +263,7 @@ static int tok_read_vocab(km_tokenizer *t, const km_gguf *g, km_errbuf *err)
 }
 
 /* The end-of-generation and special-id rules of llama_vocab::impl::load. */
-static void tok_find_special_ids(km_tokenizer *t, const km_gguf *g)
+static void tok_find_special_ids(md_tokenizer *t, const md_gguf *g)
 {
     /* The texts llama.cpp recognises, in its order (UTF-8 literals: DeepSeek's use U+FF5C and
      * U+2581). */
@@ -355,7 +355,7 @@ static void tok_find_special_ids(km_tokenizer *t, const km_gguf *g)
 
 static int tok_cmp_special(const void *a, const void *b, void *arg)
 {
-    const km_tokenizer *t = arg;
+    const md_tokenizer *t = arg;
     int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
     uint32_t lx = t->str.len[x], ly = t->str.len[y];
     if (lx != ly) return lx > ly ? -1 : 1;
@@ -424,7 +424,7 @@ static char tok_byte_of_token(const char *text, size_t n)
 /* The piece of one token (llama_token_to_piece with special = true): writes at most cap bytes
  * to dst and returns the full length. Only llama.cpp's [UNK_BYTE_...] spelling of characters
  * outside GPT-2's alphabet makes a piece longer than the token's text. */
-static size_t tok_piece_text(const km_tokenizer *t, const int16_t *cpt_byte, int32_t id, char *dst,
+static size_t tok_piece_text(const md_tokenizer *t, const int16_t *cpt_byte, int32_t id, char *dst,
                              size_t cap)
 {
     const char *text = tok_str_ptr(&t->str, id);
@@ -451,7 +451,7 @@ static size_t tok_piece_text(const km_tokenizer *t, const int16_t *cpt_byte, int
 }
 
 /* Every token's piece, computed once. */
-static int tok_build_pieces(km_tokenizer *t, km_errbuf *err)
+static int tok_build_pieces(md_tokenizer *t, km_errbuf *err)
 {
     int16_t cpt_byte[0x144];
     memset(cpt_byte, 0xFF, sizeof cpt_byte);
@@ -481,7 +481,7 @@ static int tok_build_pieces(km_tokenizer *t, km_errbuf *err)
     return 0;
 }
 
-static int tok_build_specials(km_tokenizer *t, km_errbuf *err)
+static int tok_build_specials(md_tokenizer *t, km_errbuf *err)
 {
     t->special = malloc((size_t)t->n_vocab * sizeof *t->special);
     if (!t->special) return km_errf(err, KM_ENOMEM, "tokenizer: specials");
@@ -492,14 +492,14 @@ static int tok_build_specials(km_tokenizer *t, km_errbuf *err)
     return 0;
 }
 
-static int tok_create(const km_gguf *g, km_tokenizer *t, km_errbuf *err)
+static int tok_create(const md_gguf *g, md_tokenizer *t, km_errbuf *err)
 {
     km_str model, pre = {NULL, 0};
-    int rc = km_gguf_get_str(g, "tokenizer.ggml.model", &model);
+    int rc = md_gguf_get_str(g, "tokenizer.ggml.model", &model);
     if (rc)
         return km_errf(err, KM_EFORMAT, "tokenizer: tokenizer.ggml.model %s",
                        rc == KM_ENOTFOUND ? "missing" : "is not a string");
-    int has_pre = km_gguf_get_str(g, "tokenizer.ggml.pre", &pre) == 0;
+    int has_pre = md_gguf_get_str(g, "tokenizer.ggml.pre", &pre) == 0;
 
     if (model.len == 4 && memcmp(model.ptr, "gpt2", 4) == 0) {
         t->model = TOK_MODEL_BPE;
@@ -549,22 +549,22 @@ static int tok_create(const km_gguf *g, km_tokenizer *t, km_errbuf *err)
     return tok_build_pieces(t, err);
 }
 
-int km_tok_create(const km_gguf *g, km_tokenizer **out, km_errbuf *err)
+int md_tok_create(const md_gguf *g, md_tokenizer **out, km_errbuf *err)
 {
     if (!g || !out) return km_errf(err, KM_EINVAL, "tokenizer: no GGUF");
     *out = NULL;
-    km_tokenizer *t = calloc(1, sizeof *t);
+    md_tokenizer *t = calloc(1, sizeof *t);
     if (!t) return km_errf(err, KM_ENOMEM, "tokenizer: create");
     int rc = tok_create(g, t, err);
     if (rc) {
-        km_tok_destroy(t);
+        md_tok_destroy(t);
         return rc;
     }
     *out = t;
     return 0;
 }
 
-void km_tok_destroy(km_tokenizer *t)
+void md_tok_destroy(md_tokenizer *t)
 {
     if (!t) return;
     free(t->str.pool);
@@ -583,37 +583,37 @@ void km_tok_destroy(km_tokenizer *t)
 
 /* ---------------------------------------------------------------- queries */
 
-int km_tok_n_vocab(const km_tokenizer *t)
+int md_tok_n_vocab(const md_tokenizer *t)
 {
     return t->n_vocab;
 }
 
-int32_t km_tok_bos(const km_tokenizer *t)
+int32_t md_tok_bos(const md_tokenizer *t)
 {
     return t->bos;
 }
 
-int32_t km_tok_eos(const km_tokenizer *t)
+int32_t md_tok_eos(const md_tokenizer *t)
 {
     return t->eos;
 }
 
-int32_t km_tok_eot(const km_tokenizer *t)
+int32_t md_tok_eot(const md_tokenizer *t)
 {
     return t->eot;
 }
 
-int km_tok_adds_bos(const km_tokenizer *t)
+int md_tok_adds_bos(const md_tokenizer *t)
 {
     return t->add_bos && t->bos >= 0;
 }
 
-int km_tok_is_eog(const km_tokenizer *t, int32_t id)
+int md_tok_is_eog(const md_tokenizer *t, int32_t id)
 {
     return id >= 0 && id < t->n_vocab && (t->attr[id] & TOK_ATTR_EOG);
 }
 
-int32_t km_tok_find(const km_tokenizer *t, const char *text)
+int32_t md_tok_find(const md_tokenizer *t, const char *text)
 {
     return text ? tok_find_token(t, text) : -1;
 }

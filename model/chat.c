@@ -11,33 +11,34 @@
 #include <string.h>
 
 #include "common/km.h"
+#include "model/model.h"
 
 static int chat_contains(km_str s, const char *needle)
 {
     return s.ptr && memmem(s.ptr, s.len, needle, strlen(needle)) != NULL;
 }
 
-km_chat_kind km_chat_detect(const km_gguf *g)
+md_chat_kind md_chat_detect(const md_gguf *g)
 {
     km_str tmpl;
-    if (!g || km_gguf_get_str(g, "tokenizer.chat_template", &tmpl)) return KM_CHAT_NONE;
+    if (!g || md_gguf_get_str(g, "tokenizer.chat_template", &tmpl)) return MD_CHAT_NONE;
     /* llama_chat_detect_template's tests for these two (other <|im_start|> families, such as
      * Phi-4's <|im_sep|>, are not ChatML proper). */
     if (chat_contains(tmpl, "<|im_start|>"))
         return chat_contains(tmpl, "<|im_sep|>") || chat_contains(tmpl, "<end_of_utterance>")
-                   ? KM_CHAT_NONE
-                   : KM_CHAT_CHATML;
+                   ? MD_CHAT_NONE
+                   : MD_CHAT_CHATML;
     if (chat_contains(tmpl, "<|start_header_id|>") && chat_contains(tmpl, "<|end_header_id|>"))
-        return KM_CHAT_LLAMA3;
-    return KM_CHAT_NONE;
+        return MD_CHAT_LLAMA3;
+    return MD_CHAT_NONE;
 }
 
-km_chat_kind km_chat_parse(const char *name)
+md_chat_kind md_chat_parse(const char *name)
 {
-    if (!name) return KM_CHAT_NONE;
-    if (strcmp(name, "chatml") == 0) return KM_CHAT_CHATML;
-    if (strcmp(name, "llama3") == 0) return KM_CHAT_LLAMA3;
-    return KM_CHAT_NONE;
+    if (!name) return MD_CHAT_NONE;
+    if (strcmp(name, "chatml") == 0) return MD_CHAT_CHATML;
+    if (strcmp(name, "llama3") == 0) return MD_CHAT_LLAMA3;
+    return MD_CHAT_NONE;
 }
 
 /* Output that counts what it cannot hold, like snprintf. */
@@ -65,17 +66,17 @@ static int chat_is_space(char c)
     return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f';
 }
 
-int km_chat_apply(km_chat_kind kind, const km_chat_msg *msgs, int n, int add_assistant,
+int md_chat_apply(md_chat_kind kind, const md_chat_msg *msgs, int n, int add_assistant,
                   const char *default_system, char *out, size_t cap)
 {
     if (n < 0 || (n > 0 && !msgs) || (cap > 0 && !out)) return KM_EINVAL;
     for (int i = 0; i < n; i++)
         if (!msgs[i].role || !msgs[i].content) return KM_EINVAL;
-    if (kind != KM_CHAT_CHATML && kind != KM_CHAT_LLAMA3) return KM_EUNSUPPORTED;
+    if (kind != MD_CHAT_CHATML && kind != MD_CHAT_LLAMA3) return KM_EUNSUPPORTED;
 
     /* Room for the terminating NUL, which is written when anything fits. */
     chat_out o = {out, cap ? cap - 1 : 0, 0};
-    if (kind == KM_CHAT_CHATML) {
+    if (kind == MD_CHAT_CHATML) {
         /* {% if loop.first and messages[0]['role'] != 'system' %} the default system turn */
         if (n > 0 && default_system && strcmp(msgs[0].role, "system") != 0) {
             chat_puts(&o, "<|im_start|>system\n");

@@ -16,7 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common/tok_internal.h"
+#include "model/tok_internal.h"
 
 #define TOK_OOR 0xFFFFFFFFu /* "no code point": outside the range being split */
 
@@ -117,14 +117,14 @@ static int32_t tok_merge_find(const tok_merges *m, int32_t left, int32_t right, 
     }
 }
 
-int tok_bpe_load_merges(km_tokenizer *t, const km_gguf *g, km_errbuf *err)
+int tok_bpe_load_merges(md_tokenizer *t, const md_gguf *g, km_errbuf *err)
 {
     static const char *key = "tokenizer.ggml.merges";
-    km_gguf_type elem;
+    md_gguf_type elem;
     uint64_t n;
-    int rc = km_gguf_get_arr(g, key, &elem, &n);
+    int rc = md_gguf_get_arr(g, key, &elem, &n);
     if (rc == KM_ENOTFOUND) return km_errf(err, KM_EFORMAT, "tokenizer: %s missing", key);
-    if (rc || elem != KM_GGUF_STRING)
+    if (rc || elem != MD_GGUF_STRING)
         return km_errf(err, KM_EFORMAT, "tokenizer: %s is not an array of strings", key);
     if (n > INT32_MAX / 4)
         return km_errf(err, KM_ERANGE, "tokenizer: %llu merges", (unsigned long long)n);
@@ -141,7 +141,7 @@ int tok_bpe_load_merges(km_tokenizer *t, const km_gguf *g, km_errbuf *err)
     size_t joined_cap = 0;
     for (uint64_t i = 0; i < n; i++) {
         km_str s;
-        if ((rc = km_gguf_arr_str(g, key, i, &s))) break;
+        if ((rc = md_gguf_arr_str(g, key, i, &s))) break;
         /* "first second", split at the first space after position 0 (a merge may start with a
          * space in non-byte-level vocabularies). No space: llama.cpp stores an empty pair,
          * which can never match; skip it. */
@@ -530,7 +530,7 @@ static bpe_pair bpe_heap_pop(bpe_work *w)
     return top;
 }
 
-static int bpe_try_pair(const km_tokenizer *t, bpe_work *w, int32_t left, int32_t right)
+static int bpe_try_pair(const md_tokenizer *t, bpe_work *w, int32_t left, int32_t right)
 {
     if (left < 0 || right < 0) return 0;
     int32_t result;
@@ -540,7 +540,7 @@ static int bpe_try_pair(const km_tokenizer *t, bpe_work *w, int32_t left, int32_
     return bpe_heap_push(w, p);
 }
 
-static int bpe_word(const km_tokenizer *t, bpe_work *w, tok_ids *out, const unsigned char *word,
+static int bpe_word(const md_tokenizer *t, bpe_work *w, tok_ids *out, const unsigned char *word,
                     size_t n)
 {
     int rc;
@@ -600,7 +600,7 @@ static int bpe_word(const km_tokenizer *t, bpe_work *w, tok_ids *out, const unsi
 
 /* ---------------------------------------------------------------- one fragment */
 
-static int bpe_fragment(const km_tokenizer *t, bpe_work *w, tok_ids *out, const char *raw,
+static int bpe_fragment(const md_tokenizer *t, bpe_work *w, tok_ids *out, const char *raw,
                         size_t len)
 {
     int rc;
@@ -655,7 +655,7 @@ static int bpe_fragment(const km_tokenizer *t, bpe_work *w, tok_ids *out, const 
     return 0;
 }
 
-int tok_bpe_encode(const km_tokenizer *t, tok_ids *out, const char *text, size_t len)
+int tok_bpe_encode(const md_tokenizer *t, tok_ids *out, const char *text, size_t len)
 {
     if (len == 0) return 0;
     if (len > INT32_MAX / 4) return KM_ERANGE; /* symbol indices are int32 */

@@ -22,7 +22,7 @@
  * our logits track llama.cpp's. Buffers are sized at create for max_batch_tokens; a step
  * allocates nothing.
  *
- * Small batches (at most WK_LANE_TOKENS tokens, no more than threads, each of another sequence:
+ * Small batches (at most EN_LANE_TOKENS tokens, no more than threads, each of another sequence:
  * decode steps) run in "lanes": every
  * thread does the token phases for all tokens itself, on its own copies of x, xn, the SwiGLU
  * activation and xq, so that no barrier separates a token phase from the rows phase after it;
@@ -31,32 +31,32 @@
  * ~150 per token at batch 1 instead of ~300. The arithmetic is the same either way, so a token's
  * logits do not depend on the mode (engine tests).
  *
- * MoE layers (hp.n_expert > 0) replace P8-P11 with engine_moe.c's wk_moe_ffn (see there).
+ * MoE layers (hp.n_expert > 0) replace P8-P11 with engine_moe.c's en_moe_ffn (see there).
  */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
-#include "worker/engine_internal.h"
+#include "engine/engine_internal.h"
 
-void *wk_alloc(size_t n)
+void *en_alloc(size_t n)
 {
     void *p = NULL;
     if (posix_memalign(&p, 64, n ? n : 64)) return NULL;
     return p;
 }
 
-static size_t wk_dot_row_bytes(const wk_weight *w)
+static size_t en_dot_row_bytes(const en_weight *w)
 {
-    return km_type_row_bytes(kn_dot_type(w->type), w->k);
+    return md_type_row_bytes(kn_dot_type(w->type), w->k);
 }
 
-int wk_engine_create(const wk_model *m, const wk_engine_opts *opts, wk_engine **out, km_errbuf *err)
+int en_engine_create(const en_model *m, const en_engine_opts *opts, en_engine **out, km_errbuf *err)
 {
     *out = NULL;
-    const wk_hparams *hp = &m->hp;
-    wk_engine_opts o = opts ? *opts : (wk_engine_opts){0};
+    const en_hparams *hp = &m->hp;
+    en_engine_opts o = opts ? *opts : (en_engine_opts){0};
     if (o.max_batch_tokens <= 0) o.max_batch_tokens = 512;
     if (o.kv_shard_key == KV_SHARD_KEY_EXPERT && !hp->n_expert)
         return km_errf(err, KM_EINVAL,
@@ -66,7 +66,7 @@ int wk_engine_create(const wk_model *m, const wk_engine_opts *opts, wk_engine **
         long n = sysconf(_SC_NPROCESSORS_ONLN);
         o.n_threads = n > 0 ? (int)n : 1;
     }
-    wk_engine *e = calloc(1, sizeof *e);
+    en_engine *e = calloc(1, sizeof *e);
     if (!e) return km_errf(err, KM_ENOMEM, "engine: out of memory");
     e->m = m;
     e->ops = kn_ops_best();
@@ -98,16 +98,16 @@ int wk_engine_create(const wk_model *m, const wk_engine_opts *opts, wk_engine **
         goto fail;
     }
     /* The packed weights are a cache of the model built once, by its first engine. */
-    if ((rc = wk_model_pack((wk_model *)m, e->ops, e->pool, err))) goto fail;
+    if ((rc = en_model_pack((en_model *)m, e->ops, e->pool, err))) goto fail;
     e->packed = m->packed_isa == (int)e->ops->isa;
 
     size_t T = (size_t)e->max_tokens;
     size_t embd = hp->n_embd, qd = (size_t)hp->n_head * hp->head_dim;
     size_t kvd = (size_t)hp->n_head_kv * hp->head_dim, ff = hp->n_ff;
-    size_t xq = wk_dot_row_bytes(&m->output);
+    size_t xq = en_dot_row_bytes(&m->output);
     for (int l = 0; l < hp->n_layers; l++) {
-        const wk_layer *L = &m->layers[l];
-        const wk_weight *ws[] = {&L->wq,   &L->wk,     &L->wv,     &L->wo,   &L->w_gate,
+        const en_layer *L = &m->layers[l];
+        const en_weight *ws[] = {&L->wq,   &L->wk,     &L->wv,     &L->wo,   &L->w_gate,
                                  &L->w_up, &L->w_down, &L->w_gate, &L->w_up, &L->w_down};
         size_t nw = 7;
         if (hp->n_expert) { /* the experts of a layer share their tensor's type */
@@ -124,10 +124,10 @@ int wk_engine_create(const wk_model *m, const wk_engine_opts *opts, wk_engine **
             }
         }
         for (size_t i = 0; i < nw; i++) {
-            size_t b = wk_dot_row_bytes(ws[i]);
+            size_t b = en_dot_row_bytes(ws[i]);
             if (!b) {
                 rc = km_errf(err, KM_EUNSUPPORTED, "engine: layer %d: no dot type for %s", l,
-                             km_type_name(ws[i]->type));
+                             md_type_name(ws[i]->type));
                 goto fail;
             }
             if (b > xq) xq = b;
@@ -136,43 +136,43 @@ int wk_engine_create(const wk_model *m, const wk_engine_opts *opts, wk_engine **
     e->xq_row_bytes = (xq + 63) & ~(size_t)63;
     e->attn_scale =
         hp->f_attention_scale != 0.0f ? hp->f_attention_scale : 1.0f / sqrtf((float)hp->head_dim);
-    e->x = wk_alloc(T * embd * 4);
-    e->xn = wk_alloc(T * embd * 4);
-    e->q = wk_alloc(T * qd * 4);
-    e->k = wk_alloc(T * kvd * 4);
-    e->v = wk_alloc(T * kvd * 4);
-    e->att = wk_alloc(T * qd * 4);
-    e->tmp = wk_alloc(T * embd * 4);
+    e->x = en_alloc(T * embd * 4);
+    e->xn = en_alloc(T * embd * 4);
+    e->q = en_alloc(T * qd * 4);
+    e->k = en_alloc(T * kvd * 4);
+    e->v = en_alloc(T * kvd * 4);
+    e->att = en_alloc(T * qd * 4);
+    e->tmp = en_alloc(T * embd * 4);
     /* MoE: gate and up hold every slot (token, choice) of the batch, k per token */
     const size_t kx = hp->n_expert ? (size_t)hp->n_expert_used : 1;
-    e->gate = wk_alloc(T * kx * ff * 4);
-    e->up = wk_alloc(T * kx * ff * 4);
-    e->rope_cs = wk_alloc(T * hp->n_rot * 4);
-    e->logits = wk_alloc(T * (size_t)hp->n_vocab * 4);
-    e->xq = wk_alloc(T * e->xq_row_bytes);
-    e->out_idx = wk_alloc(T * sizeof(int32_t));
-    e->run0 = wk_alloc(T * sizeof(int32_t));
-    e->run_n = wk_alloc(T * sizeof(int32_t));
+    e->gate = en_alloc(T * kx * ff * 4);
+    e->up = en_alloc(T * kx * ff * 4);
+    e->rope_cs = en_alloc(T * hp->n_rot * 4);
+    e->logits = en_alloc(T * (size_t)hp->n_vocab * 4);
+    e->xq = en_alloc(T * e->xq_row_bytes);
+    e->out_idx = en_alloc(T * sizeof(int32_t));
+    e->run0 = en_alloc(T * sizeof(int32_t));
+    e->run_n = en_alloc(T * sizeof(int32_t));
     const size_t sh = (size_t)hp->n_ff_shexp; /* MoE: the shared expert's width */
     const int nth = kn_pool_size(e->pool);
     e->lanes = calloc((size_t)nth, sizeof *e->lanes);
     int lanes_ok = e->lanes != NULL;
     for (int i = 0; lanes_ok && i < nth; i++) {
-        const size_t L = WK_LANE_TOKENS;
-        e->lanes[i].x = wk_alloc(L * embd * 4);
-        e->lanes[i].xn = wk_alloc(L * embd * 4);
-        e->lanes[i].act = wk_alloc(L * (kx * ff > sh ? kx * ff : sh) * 4);
-        e->lanes[i].xq = wk_alloc(L * e->xq_row_bytes);
+        const size_t L = EN_LANE_TOKENS;
+        e->lanes[i].x = en_alloc(L * embd * 4);
+        e->lanes[i].xn = en_alloc(L * embd * 4);
+        e->lanes[i].act = en_alloc(L * (kx * ff > sh ? kx * ff : sh) * 4);
+        e->lanes[i].xq = en_alloc(L * e->xq_row_bytes);
         lanes_ok = e->lanes[i].x && e->lanes[i].xn && e->lanes[i].act && e->lanes[i].xq;
         if (lanes_ok && hp->n_expert) {
-            e->lanes[i].sel = wk_alloc(L * kx * sizeof(int32_t));
-            e->lanes[i].rw = wk_alloc(L * kx * 4);
-            e->lanes[i].xqg = wk_alloc(L * kx * e->xq_row_bytes);
-            e->lanes[i].shw = wk_alloc(L * 4);
+            e->lanes[i].sel = en_alloc(L * kx * sizeof(int32_t));
+            e->lanes[i].rw = en_alloc(L * kx * 4);
+            e->lanes[i].xqg = en_alloc(L * kx * e->xq_row_bytes);
+            e->lanes[i].shw = en_alloc(L * 4);
             lanes_ok = e->lanes[i].sel && e->lanes[i].rw && e->lanes[i].xqg && e->lanes[i].shw;
         }
     }
-    if (lanes_ok && hp->n_expert) lanes_ok = wk_moe_alloc(e, nth) == 0;
+    if (lanes_ok && hp->n_expert) lanes_ok = en_moe_alloc(e, nth) == 0;
     if (!e->x || !e->xn || !e->q || !e->k || !e->v || !e->att || !e->tmp || !e->gate || !e->up ||
         !e->rope_cs || !e->logits || !e->xq || !e->out_idx || !e->run0 || !e->run_n || !lanes_ok) {
         rc =
@@ -182,11 +182,11 @@ int wk_engine_create(const wk_model *m, const wk_engine_opts *opts, wk_engine **
     *out = e;
     return 0;
 fail:
-    wk_engine_destroy(e);
+    en_engine_destroy(e);
     return rc;
 }
 
-void wk_engine_destroy(wk_engine *e)
+void en_engine_destroy(en_engine *e)
 {
     if (!e) return;
     for (int i = 0; e->lanes && e->pool && i < kn_pool_size(e->pool); i++) {
@@ -200,7 +200,7 @@ void wk_engine_destroy(wk_engine *e)
         free(e->lanes[i].shw);
     }
     free(e->lanes);
-    wk_moe_free(e);
+    en_moe_free(e);
     kn_pool_destroy(e->pool);
     kv_store_destroy(e->kv);
     float *bufs[] = {e->x,   e->xn,   e->q,  e->k,       e->v,     e->att,
@@ -213,15 +213,15 @@ void wk_engine_destroy(wk_engine *e)
     free(e);
 }
 
-kv_store *wk_engine_kv(wk_engine *e)
+kv_store *en_engine_kv(en_engine *e)
 {
     return e->kv;
 }
-int wk_engine_threads(const wk_engine *e)
+int en_engine_threads(const en_engine *e)
 {
     return kn_pool_size(e->pool);
 }
-const char *wk_engine_isa(const wk_engine *e)
+const char *en_engine_isa(const en_engine *e)
 {
     return e->ops->name;
 }
@@ -229,15 +229,15 @@ const char *wk_engine_isa(const wk_engine *e)
 /* ------------------------------------------------------------------ phases */
 
 /* Quantizes rows [lo, hi) of src (row length k) into xq for the given weight's dot type. */
-void wk_quantize_rows(const wk_engine *e, const wk_weight *w, const float *src, uint8_t *xq,
+void en_quantize_rows(const en_engine *e, const en_weight *w, const float *src, uint8_t *xq,
                       int64_t lo, int64_t hi)
 {
-    km_type dt = kn_dot_type(w->type);
+    md_type dt = kn_dot_type(w->type);
     for (int64_t i = lo; i < hi; i++)
         e->ops->quantize_row(dt, src + i * w->k, xq + i * e->xq_row_bytes, w->k);
 }
 
-void wk_matmul_group(const wk_engine *e, const uint8_t *xq, const wk_mm *mm, int n_mm, int m,
+void en_matmul_group(const en_engine *e, const uint8_t *xq, const en_mm *mm, int n_mm, int m,
                      int ith, int nth)
 {
     const int64_t A = KN_PACK_ALIGN;
@@ -247,7 +247,7 @@ void wk_matmul_group(const wk_engine *e, const uint8_t *xq, const wk_mm *mm, int
     kn_split(total, ith, nth, &c0, &c1);
     int64_t base = 0; /* chunks of the matrices before this one */
     for (int i = 0; i < n_mm && c0 < c1; i++) {
-        const wk_weight *w = mm[i].w;
+        const en_weight *w = mm[i].w;
         const int64_t chunks = (w->rows + A - 1) / A;
         const int64_t lo = c0 > base ? c0 - base : 0, hi = c1 - base < chunks ? c1 - base : chunks;
         base += chunks;
@@ -271,7 +271,7 @@ void wk_matmul_group(const wk_engine *e, const uint8_t *xq, const wk_mm *mm, int
 
 /* x += y, or granite's x += residual_scale * y (ggml_scale, then ggml_add: two roundings; y is
  * read only, lanes share it). */
-void wk_residual_add(const wk_engine *e, float *x, const float *y)
+void en_residual_add(const en_engine *e, float *x, const float *y)
 {
     const int n = e->m->hp.n_embd;
     const float s = e->m->hp.f_residual_scale;
@@ -287,9 +287,9 @@ void wk_residual_add(const wk_engine *e, float *x, const float *y)
 
 /* Token i's q and k: olmoe's RMS norms over the whole vectors (in place), then rope; and its K/V
  * into its sequence's page. */
-static void wk_token_qk(const wk_engine *e, const wk_layer *L, const wk_batch *b, int l, int64_t i)
+static void en_token_qk(const en_engine *e, const en_layer *L, const en_batch *b, int l, int64_t i)
 {
-    const wk_hparams *hp = &e->m->hp;
+    const en_hparams *hp = &e->m->hp;
     const int hd = hp->head_dim, qd = hp->n_head * hd, kvd = hp->n_head_kv * hd;
     float *q = e->q + i * qd, *k = e->k + i * kvd;
     if (L->q_norm.data) {
@@ -303,13 +303,13 @@ static void wk_token_qk(const wk_engine *e, const wk_layer *L, const wk_batch *b
 }
 
 /* Rope, the K/V write and attention of one token over all kv heads (lane mode: its owner). */
-static void wk_token_attention(const wk_engine *e, const wk_layer *L, const wk_batch *b, int l,
+static void en_token_attention(const en_engine *e, const en_layer *L, const en_batch *b, int l,
                                int64_t i)
 {
-    const wk_hparams *hp = &e->m->hp;
+    const en_hparams *hp = &e->m->hp;
     const int hd = hp->head_dim, qd = hp->n_head * hd;
     const int group = hp->n_head / hp->n_head_kv;
-    wk_token_qk(e, L, b, l, i);
+    en_token_qk(e, L, b, l, i);
     for (int h = 0; h < hp->n_head_kv; h++) {
         kn_kv_view view;
         kv_seq_view(e->kv, b->seqs[i], l, h, b->pos[i] + 1, &view);
@@ -318,14 +318,14 @@ static void wk_token_attention(const wk_engine *e, const wk_layer *L, const wk_b
     }
 }
 
-static void wk_step_job(void *ctx, int ith, int nth)
+static void en_step_job(void *ctx, int ith, int nth)
 {
-    wk_step *st = ctx;
-    wk_engine *e = st->e;
-    const wk_model *m = e->m;
-    const wk_hparams *hp = &m->hp;
+    en_step *st = ctx;
+    en_engine *e = st->e;
+    const en_model *m = e->m;
+    const en_hparams *hp = &m->hp;
     const kn_ops *ops = e->ops;
-    const wk_batch *b = st->b;
+    const en_batch *b = st->b;
     int n = b->n_tokens;
     int embd = hp->n_embd, hd = hp->head_dim, ff = hp->n_ff;
     int qd = hp->n_head * hd, kvd = hp->n_head_kv * hd, group = hp->n_head / hp->n_head_kv;
@@ -343,7 +343,7 @@ static void wk_step_job(void *ctx, int ith, int nth)
     } else {
         kn_split(n, ith, nth, &t0, &t1);
     }
-#define WK_AFTER_TOKENS()                                                                          \
+#define EN_AFTER_TOKENS()                                                                          \
     do {                                                                                           \
         if (!lanes) kn_pool_barrier(e->pool);                                                      \
     } while (0)
@@ -360,42 +360,42 @@ static void wk_step_job(void *ctx, int ith, int nth)
     }
 
     for (int l = 0; l < hp->n_layers; l++) {
-        const wk_layer *L = &m->layers[l];
+        const en_layer *L = &m->layers[l];
         /* P1 */
         for (int64_t i = t0; i < t1; i++)
             ops->rmsnorm(xn + i * embd, x + i * embd, L->attn_norm.data, embd, hp->norm_eps);
-        wk_quantize_rows(e, &L->wq, xn, xq, t0, t1);
-        WK_AFTER_TOKENS();
+        en_quantize_rows(e, &L->wq, xn, xq, t0, t1);
+        EN_AFTER_TOKENS();
         /* P2 */
-        wk_mm qkv[3] = {{&L->wq, e->q, qd, &L->bq, NULL, 0},
+        en_mm qkv[3] = {{&L->wq, e->q, qd, &L->bq, NULL, 0},
                         {&L->wk, e->k, kvd, &L->bk, NULL, 0},
                         {&L->wv, e->v, kvd, &L->bv, NULL, 0}};
         int same = kn_dot_type(L->wk.type) == kn_dot_type(L->wq.type) &&
                    kn_dot_type(L->wv.type) == kn_dot_type(L->wq.type);
         if (same) {
-            wk_matmul_group(e, xq, qkv, 3, n, ith, nth);
+            en_matmul_group(e, xq, qkv, 3, n, ith, nth);
         } else {
             /* Mixed dot types (some K-quant mixes): one matrix at a time. */
             for (int j = 0; j < 3; j++) {
                 if (j) {
-                    WK_AFTER_TOKENS(); /* everyone is done with xq */
-                    wk_quantize_rows(e, qkv[j].w, xn, xq, t0, t1);
-                    WK_AFTER_TOKENS();
+                    EN_AFTER_TOKENS(); /* everyone is done with xq */
+                    en_quantize_rows(e, qkv[j].w, xn, xq, t0, t1);
+                    EN_AFTER_TOKENS();
                 }
-                wk_matmul_group(e, xq, &qkv[j], 1, n, ith, nth);
+                en_matmul_group(e, xq, &qkv[j], 1, n, ith, nth);
             }
         }
         kn_pool_barrier(e->pool);
         if (lanes) {
             /* P3 + P4 of each token by its owner */
-            for (int64_t i = ith; i < n; i += nth) wk_token_attention(e, L, b, l, i);
+            for (int64_t i = ith; i < n; i += nth) en_token_attention(e, L, b, l, i);
         } else {
             /* P3 */
-            for (int64_t i = t0; i < t1; i++) wk_token_qk(e, L, b, l, i);
+            for (int64_t i = t0; i < t1; i++) en_token_qk(e, L, b, l, i);
             kn_pool_barrier(e->pool);
             /* P4: (run, kv head) items interleaved so that early (cheap) and late (expensive)
              * prompt positions spread over the threads; a run's tokens share one walk of the
-             * pages (wk_att_runs). */
+             * pages (en_att_runs). */
             for (int64_t p = ith; p < (int64_t)st->n_runs * hp->n_head_kv; p += nth) {
                 const int r = (int)(p / hp->n_head_kv), h = (int)(p % hp->n_head_kv);
                 const int i0 = e->run0[r], nr = e->run_n[r];
@@ -408,47 +408,47 @@ static void wk_step_job(void *ctx, int ith, int nth)
         }
         kn_pool_barrier(e->pool);
         /* P5 */
-        wk_quantize_rows(e, &L->wo, e->att, xq, t0, t1);
-        WK_AFTER_TOKENS();
+        en_quantize_rows(e, &L->wo, e->att, xq, t0, t1);
+        EN_AFTER_TOKENS();
         /* P6 */
-        wk_mm o = {&L->wo, e->tmp, embd, NULL, NULL, 0};
-        wk_matmul_group(e, xq, &o, 1, n, ith, nth);
+        en_mm o = {&L->wo, e->tmp, embd, NULL, NULL, 0};
+        en_matmul_group(e, xq, &o, 1, n, ith, nth);
         kn_pool_barrier(e->pool);
         /* P7 */
         for (int64_t i = t0; i < t1; i++) {
-            wk_residual_add(e, x + i * embd, e->tmp + i * embd);
+            en_residual_add(e, x + i * embd, e->tmp + i * embd);
             ops->rmsnorm(xn + i * embd, x + i * embd, L->ffn_norm.data, embd, hp->norm_eps);
         }
-        const wk_weight *ffn_in = hp->n_expert ? &L->exp_gate[0] : &L->w_gate;
-        wk_quantize_rows(e, ffn_in, xn, xq, t0, t1);
+        const en_weight *ffn_in = hp->n_expert ? &L->exp_gate[0] : &L->w_gate;
+        en_quantize_rows(e, ffn_in, xn, xq, t0, t1);
         if (hp->n_expert) {
-            wk_moe_ffn(st, L, ith, nth, t0, t1, x, xn, act, xq);
+            en_moe_ffn(st, L, ith, nth, t0, t1, x, xn, act, xq);
             continue;
         }
-        WK_AFTER_TOKENS();
+        EN_AFTER_TOKENS();
         /* P8 */
         if (kn_dot_type(L->w_up.type) == kn_dot_type(L->w_gate.type)) {
-            wk_mm gu[2] = {{&L->w_gate, e->gate, ff, NULL, NULL, 0},
+            en_mm gu[2] = {{&L->w_gate, e->gate, ff, NULL, NULL, 0},
                            {&L->w_up, e->up, ff, NULL, NULL, 0}};
-            wk_matmul_group(e, xq, gu, 2, n, ith, nth);
+            en_matmul_group(e, xq, gu, 2, n, ith, nth);
         } else {
-            wk_mm g1 = {&L->w_gate, e->gate, ff, NULL, NULL, 0},
+            en_mm g1 = {&L->w_gate, e->gate, ff, NULL, NULL, 0},
                   u1 = {&L->w_up, e->up, ff, NULL, NULL, 0};
-            wk_matmul_group(e, xq, &g1, 1, n, ith, nth);
-            WK_AFTER_TOKENS();
-            wk_quantize_rows(e, &L->w_up, xn, xq, t0, t1);
-            WK_AFTER_TOKENS();
-            wk_matmul_group(e, xq, &u1, 1, n, ith, nth);
+            en_matmul_group(e, xq, &g1, 1, n, ith, nth);
+            EN_AFTER_TOKENS();
+            en_quantize_rows(e, &L->w_up, xn, xq, t0, t1);
+            EN_AFTER_TOKENS();
+            en_matmul_group(e, xq, &u1, 1, n, ith, nth);
         }
         kn_pool_barrier(e->pool);
         /* P9 (lanes: into the thread's own activation buffer; gate is shared) */
         for (int64_t i = t0; i < t1; i++)
             ops->silu_mul(act + i * ff, e->gate + i * ff, e->up + i * ff, ff);
-        wk_quantize_rows(e, &L->w_down, act, xq, t0, t1);
-        WK_AFTER_TOKENS();
+        en_quantize_rows(e, &L->w_down, act, xq, t0, t1);
+        EN_AFTER_TOKENS();
         /* P10 */
-        wk_mm d = {&L->w_down, e->tmp, embd, NULL, NULL, 0};
-        wk_matmul_group(e, xq, &d, 1, n, ith, nth);
+        en_mm d = {&L->w_down, e->tmp, embd, NULL, NULL, 0};
+        en_matmul_group(e, xq, &d, 1, n, ith, nth);
         kn_pool_barrier(e->pool);
         /* P11 */
         for (int64_t i = t0; i < t1; i++) ops->add(x + i * embd, e->tmp + i * embd, embd);
@@ -457,24 +457,24 @@ static void wk_step_job(void *ctx, int ith, int nth)
     /* Output: only the rows that asked for logits, gathered to the front of xn. */
     int64_t o0 = 0, o1 = st->n_out;
     if (!lanes) kn_split(st->n_out, ith, nth, &o0, &o1);
-    WK_AFTER_TOKENS();
+    EN_AFTER_TOKENS();
     for (int64_t j = o0; j < o1; j++)
         ops->rmsnorm(xn + j * embd, x + (size_t)e->out_idx[j] * embd, m->output_norm.data, embd,
                      hp->norm_eps);
-    wk_quantize_rows(e, &m->output, xn, xq, o0, o1);
-    WK_AFTER_TOKENS();
-    wk_mm out = {&m->output, e->logits, hp->n_vocab, NULL, NULL, 0};
-    wk_matmul_group(e, xq, &out, 1, st->n_out, ith, nth);
-#undef WK_AFTER_TOKENS
+    en_quantize_rows(e, &m->output, xn, xq, o0, o1);
+    EN_AFTER_TOKENS();
+    en_mm out = {&m->output, e->logits, hp->n_vocab, NULL, NULL, 0};
+    en_matmul_group(e, xq, &out, 1, st->n_out, ith, nth);
+#undef EN_AFTER_TOKENS
 }
 
 /* Splits the batch into attention runs: tokens of one sequence at consecutive positions, cut
- * into pieces of a power of two up to WK_ATT_RUN tokens. With one thread a run is as long as it
+ * into pieces of a power of two up to EN_ATT_RUN tokens. With one thread a run is as long as it
  * can be; with more, short enough that a sequence's (run, kv head) items still give every
  * thread four, so that the phase stays balanced (a verification of 4 tokens with 3 kv heads on
  * 2 threads: runs of 1, as before runs existed; a 512-token prefill chunk: runs of 8). Returns
  * the number of runs. */
-static int wk_att_runs(wk_engine *e, const wk_batch *b, int nth)
+static int en_att_runs(en_engine *e, const en_batch *b, int nth)
 {
     const int n = b->n_tokens, kvh = e->m->hp.n_head_kv;
     int n_runs = 0;
@@ -482,7 +482,7 @@ static int wk_att_runs(wk_engine *e, const wk_batch *b, int nth)
         int j = i + 1;
         while (j < n && b->seqs[j] == b->seqs[i] && b->pos[j] == b->pos[j - 1] + 1) j++;
         int R = 1;
-        while (R * 2 <= WK_ATT_RUN && (nth == 1 || R * 2 * 4 * nth <= (j - i) * kvh)) R *= 2;
+        while (R * 2 <= EN_ATT_RUN && (nth == 1 || R * 2 * 4 * nth <= (j - i) * kvh)) R *= 2;
         for (int k = i; k < j; k += R) {
             e->run0[n_runs] = k;
             e->run_n[n_runs++] = j - k < R ? j - k : R;
@@ -492,9 +492,9 @@ static int wk_att_runs(wk_engine *e, const wk_batch *b, int nth)
     return n_runs;
 }
 
-int wk_engine_step(wk_engine *e, const wk_batch *b, const float **logits)
+int en_engine_step(en_engine *e, const en_batch *b, const float **logits)
 {
-    const wk_hparams *hp = &e->m->hp;
+    const en_hparams *hp = &e->m->hp;
     if (b->n_tokens < 1 || b->n_tokens > e->max_tokens) return KM_EINVAL;
     int n_out = 0;
     for (int i = 0; i < b->n_tokens; i++) {
@@ -509,19 +509,19 @@ int wk_engine_step(wk_engine *e, const wk_batch *b, const float **logits)
     /* Lanes need one token per sequence: a token's owner writes its K/V and attends at once, so
      * another token of its sequence in the same step could not see it. */
     const int nth = kn_pool_size(e->pool);
-    int lanes = nth > 1 && b->n_tokens <= nth && b->n_tokens <= WK_LANE_TOKENS;
+    int lanes = nth > 1 && b->n_tokens <= nth && b->n_tokens <= EN_LANE_TOKENS;
     for (int i = 0; lanes && i < b->n_tokens; i++)
         for (int j = 0; j < i; j++)
             if (b->seqs[j] == b->seqs[i]) lanes = 0;
     const int n_exp = hp->n_expert;
-    wk_step st = {.e = e,
+    en_step st = {.e = e,
                   .b = b,
                   .n_out = n_out,
                   .lanes = lanes,
-                  .n_runs = lanes ? 0 : wk_att_runs(e, b, nth),
+                  .n_runs = lanes ? 0 : en_att_runs(e, b, nth),
                   .route = b->route && n_exp};
     if (st.route) memset(e->route_w, 0, (size_t)b->n_tokens * n_exp * sizeof(float));
-    kn_pool_run(e->pool, wk_step_job, &st);
+    kn_pool_run(e->pool, en_step_job, &st);
     if (hp->f_logit_scale != 0.0f) { /* granite: ggml_scale by the inverse */
         const float s = 1.0f / hp->f_logit_scale;
         for (size_t j = 0; j < (size_t)n_out * hp->n_vocab; j++) e->logits[j] *= s;

@@ -15,17 +15,17 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "worker/worker.h"
+#include "engine/engine.h"
 
-typedef struct wk_cand {
+typedef struct en_cand {
     float logit;
     int32_t id;
-} wk_cand;
+} en_cand;
 
-struct wk_sampler {
-    wk_sample_params p;
+struct en_sampler {
+    en_sample_params p;
     int n_vocab;
-    wk_cand *cand;
+    en_cand *cand;
     float *row;
     uint16_t *counts; /* occurrences of each id in the history window */
     int32_t *history; /* ring of the last repeat_last_n tokens */
@@ -33,7 +33,7 @@ struct wk_sampler {
     uint64_t rng[4];
 };
 
-void wk_sample_params_default(wk_sample_params *p)
+void en_sample_params_default(en_sample_params *p)
 {
     memset(p, 0, sizeof *p);
     p->temperature = 0.8f;
@@ -45,7 +45,7 @@ void wk_sample_params_default(wk_sample_params *p)
     p->seed = 0x6b766d657368ull;
 }
 
-static uint64_t wk_splitmix(uint64_t *x)
+static uint64_t en_splitmix(uint64_t *x)
 {
     uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
@@ -53,47 +53,47 @@ static uint64_t wk_splitmix(uint64_t *x)
     return z ^ (z >> 31);
 }
 
-static inline uint64_t wk_rotl(uint64_t x, int k)
+static inline uint64_t en_rotl(uint64_t x, int k)
 {
     return (x << k) | (x >> (64 - k));
 }
 
-static uint64_t wk_rng_next(uint64_t *s)
+static uint64_t en_rng_next(uint64_t *s)
 {
-    uint64_t r = wk_rotl(s[1] * 5, 7) * 9, t = s[1] << 17;
+    uint64_t r = en_rotl(s[1] * 5, 7) * 9, t = s[1] << 17;
     s[2] ^= s[0];
     s[3] ^= s[1];
     s[1] ^= s[2];
     s[0] ^= s[3];
     s[2] ^= t;
-    s[3] = wk_rotl(s[3], 45);
+    s[3] = en_rotl(s[3], 45);
     return r;
 }
 
-int wk_sampler_create(const wk_sample_params *p, int n_vocab, wk_sampler **out)
+int en_sampler_create(const en_sample_params *p, int n_vocab, en_sampler **out)
 {
     *out = NULL;
     if (n_vocab <= 0 || !p) return KM_EINVAL;
-    wk_sampler *s = calloc(1, sizeof *s);
+    en_sampler *s = calloc(1, sizeof *s);
     if (!s) return KM_ENOMEM;
     s->p = *p;
     if (s->p.repeat_last_n <= 0) s->p.repeat_last_n = 64;
     s->n_vocab = n_vocab;
-    s->cand = malloc(sizeof(wk_cand) * n_vocab);
+    s->cand = malloc(sizeof(en_cand) * n_vocab);
     s->row = malloc(sizeof(float) * n_vocab);
     s->counts = calloc(n_vocab, sizeof(uint16_t));
     s->history = calloc(s->p.repeat_last_n, sizeof(int32_t));
     if (!s->cand || !s->row || !s->counts || !s->history) {
-        wk_sampler_destroy(s);
+        en_sampler_destroy(s);
         return KM_ENOMEM;
     }
     uint64_t x = p->seed;
-    for (int i = 0; i < 4; i++) s->rng[i] = wk_splitmix(&x);
+    for (int i = 0; i < 4; i++) s->rng[i] = en_splitmix(&x);
     *out = s;
     return 0;
 }
 
-void wk_sampler_destroy(wk_sampler *s)
+void en_sampler_destroy(en_sampler *s)
 {
     if (!s) return;
     free(s->cand);
@@ -103,7 +103,7 @@ void wk_sampler_destroy(wk_sampler *s)
     free(s);
 }
 
-void wk_sampler_accept(wk_sampler *s, int32_t token)
+void en_sampler_accept(en_sampler *s, int32_t token)
 {
     if (token < 0 || token >= s->n_vocab) return;
     int cap = s->p.repeat_last_n;
@@ -118,7 +118,7 @@ void wk_sampler_accept(wk_sampler *s, int32_t token)
     if (s->counts[token] < UINT16_MAX) s->counts[token]++;
 }
 
-int32_t wk_argmax(const float *x, int n)
+int32_t en_argmax(const float *x, int n)
 {
     int32_t best = 0;
     for (int i = 1; i < n; i++)
@@ -126,7 +126,7 @@ int32_t wk_argmax(const float *x, int n)
     return best;
 }
 
-double wk_token_nll(const float *logits, int n_vocab, int32_t target)
+double en_token_nll(const float *logits, int n_vocab, int32_t target)
 {
     assert(n_vocab > 0 && target >= 0 && target < n_vocab);
     float mx = logits[0];
@@ -138,15 +138,15 @@ double wk_token_nll(const float *logits, int n_vocab, int32_t target)
     return -((double)logits[target] - mx - log(z));
 }
 
-static int wk_cand_desc(const void *a, const void *b)
+static int en_cand_desc(const void *a, const void *b)
 {
-    const wk_cand *x = a, *y = b;
+    const en_cand *x = a, *y = b;
     if (x->logit != y->logit) return x->logit < y->logit ? 1 : -1;
     return x->id - y->id;
 }
 
 /* Moves the k largest candidates to the front (unordered), quickselect. */
-static void wk_select_top(wk_cand *c, int n, int k)
+static void en_select_top(en_cand *c, int n, int k)
 {
     int lo = 0, hi = n - 1;
     while (lo < hi) {
@@ -156,7 +156,7 @@ static void wk_select_top(wk_cand *c, int n, int k)
             while (c[i].logit > pivot) i++;
             while (c[j].logit < pivot) j--;
             if (i <= j) {
-                wk_cand t = c[i];
+                en_cand t = c[i];
                 c[i++] = c[j];
                 c[j--] = t;
             }
@@ -170,9 +170,9 @@ static void wk_select_top(wk_cand *c, int n, int k)
     }
 }
 
-static void wk_apply_penalties(wk_sampler *s, float *row)
+static void en_apply_penalties(en_sampler *s, float *row)
 {
-    const wk_sample_params *p = &s->p;
+    const en_sample_params *p = &s->p;
     if (p->repeat_penalty == 1.0f && p->presence_penalty == 0.0f && p->frequency_penalty == 0.0f)
         return;
     int cap = p->repeat_last_n;
@@ -187,21 +187,21 @@ static void wk_apply_penalties(wk_sampler *s, float *row)
     }
 }
 
-void wk_sampler_skip(wk_sampler *s, int n)
+void en_sampler_skip(en_sampler *s, int n)
 {
-    /* one draw per sampled token, and none when greedy (wk_sampler_sample) */
+    /* one draw per sampled token, and none when greedy (en_sampler_sample) */
     if (s->p.temperature <= 0.0f) return;
-    for (int i = 0; i < n; i++) wk_rng_next(s->rng);
+    for (int i = 0; i < n; i++) en_rng_next(s->rng);
 }
 
-int32_t wk_sampler_sample(wk_sampler *s, const float *logits)
+int32_t en_sampler_sample(en_sampler *s, const float *logits)
 {
-    const wk_sample_params *p = &s->p;
+    const en_sample_params *p = &s->p;
     int n = s->n_vocab;
-    for (int i = 0; i < n; i++) s->cand[i] = (wk_cand){logits[i], i};
+    for (int i = 0; i < n; i++) s->cand[i] = (en_cand){logits[i], i};
     if (s->n_hist) {
         memcpy(s->row, logits, sizeof(float) * n);
-        wk_apply_penalties(s, s->row);
+        en_apply_penalties(s, s->row);
     }
     if (p->temperature <= 0.0f) {
         int32_t best = 0;
@@ -222,16 +222,16 @@ int32_t wk_sampler_sample(wk_sampler *s, const float *logits)
     if (k == n && use_p) {
         /* Grow the selected head until it holds top_p of the mass. */
         for (m = 64; m < n; m *= 8) {
-            wk_select_top(s->cand, n, m);
+            en_select_top(s->cand, n, m);
             double mass = 0;
             for (int i = 0; i < m; i++) mass += exp((double)(s->cand[i].logit - mx));
             if (mass / z >= p->top_p) break;
         }
         if (m > n) m = n;
     } else if (k < n) {
-        wk_select_top(s->cand, n, k);
+        en_select_top(s->cand, n, k);
     }
-    qsort(s->cand, m, sizeof(wk_cand), wk_cand_desc);
+    qsort(s->cand, m, sizeof(en_cand), en_cand_desc);
     if (use_p) {
         double cum = 0;
         int keep = m;
@@ -259,7 +259,7 @@ int32_t wk_sampler_sample(wk_sampler *s, const float *logits)
         s->row[i] = (float)w;
         total += w;
     }
-    double u = (double)(wk_rng_next(s->rng) >> 11) * (1.0 / 9007199254740992.0) * total;
+    double u = (double)(en_rng_next(s->rng) >> 11) * (1.0 / 9007199254740992.0) * total;
     double acc = 0;
     for (int i = 0; i < m; i++) {
         acc += s->row[i];

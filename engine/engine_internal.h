@@ -1,32 +1,32 @@
 /*
- * engine_internal.h — the inside of wk_engine, shared by engine.c (the forward pass) and
+ * engine_internal.h — the inside of en_engine, shared by engine.c (the forward pass) and
  * engine_moe.c (the FFN of MoE layers). Private to worker/.
  */
-#ifndef WK_ENGINE_INTERNAL_H
-#define WK_ENGINE_INTERNAL_H
+#ifndef EN_ENGINE_INTERNAL_H
+#define EN_ENGINE_INTERNAL_H
 
-#include "worker/model_internal.h"
+#include "engine/model_internal.h"
 
 /* Batches of at most this many tokens (at most one per thread, one per sequence) run in lanes. */
-#define WK_LANE_TOKENS 4
+#define EN_LANE_TOKENS 4
 /* Attention takes consecutive tokens of one sequence (a prefill chunk, a verification) in runs of
  * at most this many: kn_ops.attention_multi walks the sequence's pages once per run. */
-#define WK_ATT_RUN 8
+#define EN_ATT_RUN 8
 
 /* One thread's copies of the token-wise buffers, for lane mode. */
-typedef struct wk_lane_bufs {
+typedef struct en_lane_bufs {
     float *x, *xn, *act;
     uint8_t *xq;
     int32_t *sel; /* MoE: the routing of every token and the gathered rows, this thread's copy */
     float *rw;
     uint8_t *xqg;
     float *shw; /* MoE: each token's shared-expert gate */
-} wk_lane_bufs;
+} en_lane_bufs;
 
-struct wk_moe_scr;
+struct en_moe_scr;
 
-struct wk_engine {
-    const wk_model *m;
+struct en_engine {
+    const en_model *m;
     const kn_ops *ops;
     int packed; /* the model's matrices are packed for ops: multiply by the packed copies */
     kn_pool *pool;
@@ -38,56 +38,56 @@ struct wk_engine {
     uint8_t *xq;
     int32_t *out_idx;
     int32_t *run0, *run_n; /* this step's attention runs: first token, tokens (not lanes) */
-    wk_lane_bufs *lanes;   /* [threads] */
+    en_lane_bufs *lanes;   /* [threads] */
     /* MoE (NULL for a dense model): each token's experts and weights [T][k], the quantized rows
      * gathered per slot [T*k], the experts' outputs per slot [T*k][embd], per-thread scratch */
     int32_t *sel;
     float *rw, *moe_out;
     uint8_t *xqg;
-    struct wk_moe_scr *moe; /* [threads] */
-    float *route_w; /* [T][n_expert]: router weight summed over the layers (wk_batch.route) */
+    struct en_moe_scr *moe; /* [threads] */
+    float *route_w; /* [T][n_expert]: router weight summed over the layers (en_batch.route) */
     /* the shared expert (hp.n_ff_shexp > 0): each token's gate [T], gate and up [T][n_ff_shexp] */
     float *shw, *sh_gate, *sh_up;
 };
 
 /* What one step's job needs; lives on the caller's stack for the duration of kn_pool_run. */
-typedef struct wk_step {
-    wk_engine *e;
-    const wk_batch *b;
+typedef struct en_step {
+    en_engine *e;
+    const en_batch *b;
     int n_out;
     int lanes;  /* small batch: token phases on every thread, no barrier after them */
     int n_runs; /* attention runs in e->run0/run_n (not lanes) */
-    int route;  /* sum the routing into route_w (the batch asks for wk_batch.route) */
-} wk_step;
+    int route;  /* sum the routing into route_w (the batch asks for en_batch.route) */
+} en_step;
 
 /* Output rows of several matrices sharing one input are split as one range across threads, in
  * chunks of KN_PACK_ALIGN rows of each matrix, so that every range starts where a kernel panel
  * does (matmul_packed requires it) and a thread's rows of one matrix are contiguous. */
-typedef struct wk_mm {
-    const wk_weight *w;
+typedef struct en_mm {
+    const en_weight *w;
     float *y;
     size_t y_stride;
-    const wk_weight *bias;
+    const en_weight *bias;
     const uint8_t *xq; /* this matrix's own input rows and their count (MoE experts); NULL, 0: */
     int m;             /* the group's */
-} wk_mm;
+} en_mm;
 
 /* 64-byte aligned buffer (free with free()); NULL when out of memory. */
-void *wk_alloc(size_t n);
+void *en_alloc(size_t n);
 /* Quantizes rows [lo, hi) of src (row length w->k) into xq for the weight's dot type. */
-void wk_quantize_rows(const wk_engine *e, const wk_weight *w, const float *src, uint8_t *xq,
+void en_quantize_rows(const en_engine *e, const en_weight *w, const float *src, uint8_t *xq,
                       int64_t lo, int64_t hi);
 /* This thread's share of the output rows of n_mm matrices over m input rows of xq. */
-void wk_matmul_group(const wk_engine *e, const uint8_t *xq, const wk_mm *mm, int n_mm, int m,
+void en_matmul_group(const en_engine *e, const uint8_t *xq, const en_mm *mm, int n_mm, int m,
                      int ith, int nth);
 /* x += y over n_embd, y scaled first by granite's residual_scale when the model has one. */
-void wk_residual_add(const wk_engine *e, float *x, const float *y);
+void en_residual_add(const en_engine *e, float *x, const float *y);
 
 /* engine_moe.c: the MoE buffers of an engine (per-thread scratch for nth threads), and the
  * FFN of MoE layer L for this thread (see engine_moe.c). */
-int wk_moe_alloc(wk_engine *e, int nth);
-void wk_moe_free(wk_engine *e);
-void wk_moe_ffn(const wk_step *st, const wk_layer *L, int ith, int nth, int64_t t0, int64_t t1,
+int en_moe_alloc(en_engine *e, int nth);
+void en_moe_free(en_engine *e);
+void en_moe_ffn(const en_step *st, const en_layer *L, int ith, int nth, int64_t t0, int64_t t1,
                 float *x, float *xn, float *act, uint8_t *xq);
 
 #endif

@@ -3,7 +3,7 @@
  * token texts cut out of the input first, longest first, as llama.cpp does; the raw fragments
  * between them go to the model's BPE, tok_bpe.c or tok_spm.c), token pieces, and the streaming
  * detokenizer, which holds back the bytes of an unfinished UTF-8 sequence until the next token
- * completes it (or km_detok_flush turns it into U+FFFD), so a stream never prints half a
+ * completes it (or md_detok_flush turns it into U+FFFD), so a stream never prints half a
  * character.
  */
 #define _GNU_SOURCE /* memmem */
@@ -11,7 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common/tok_internal.h"
+#include "model/tok_internal.h"
 
 /* ---------------------------------------------------------------- encode */
 
@@ -37,7 +37,7 @@ static int tok_frag_push(tok_frags *f, int32_t id, size_t off, size_t len)
 /* llama.cpp's tokenizer_st_partition: special tokens longest first, each cut out of every raw
  * fragment at all its non-overlapping occurrences, left to right. Without parse_special only
  * user-defined tokens are cut (control and unknown texts stay text). */
-static int tok_partition(const km_tokenizer *t, const char *text, size_t len, int parse_special,
+static int tok_partition(const md_tokenizer *t, const char *text, size_t len, int parse_special,
                          tok_frags *cur, tok_frags *next)
 {
     int rc;
@@ -77,7 +77,7 @@ static int tok_partition(const km_tokenizer *t, const char *text, size_t len, in
     return 0;
 }
 
-static int tok_encode_all(const km_tokenizer *t, const char *text, size_t len, int add_special,
+static int tok_encode_all(const md_tokenizer *t, const char *text, size_t len, int add_special,
                           int parse_special, tok_ids *ids)
 {
     tok_frags cur = {0}, next = {0};
@@ -102,7 +102,7 @@ static int tok_encode_all(const km_tokenizer *t, const char *text, size_t len, i
     return rc;
 }
 
-int km_tok_encode(const km_tokenizer *t, const char *text, size_t len, int add_special,
+int md_tok_encode(const md_tokenizer *t, const char *text, size_t len, int add_special,
                   int parse_special, int32_t *out, int max_out)
 {
     if (!t || (!text && len) || max_out < 0 || (max_out > 0 && !out)) return KM_EINVAL;
@@ -122,7 +122,7 @@ int km_tok_encode(const km_tokenizer *t, const char *text, size_t len, int add_s
 /* ---------------------------------------------------------------- pieces and streaming */
 
 /* The piece of a valid id; NULL length 0 for control/unknown tokens unless special. */
-static const char *tok_piece_of(const km_tokenizer *t, int32_t id, int special, size_t *n)
+static const char *tok_piece_of(const md_tokenizer *t, int32_t id, int special, size_t *n)
 {
     if (!special && (t->attr[id] & (TOK_ATTR_UNKNOWN | TOK_ATTR_CONTROL))) {
         *n = 0;
@@ -132,7 +132,7 @@ static const char *tok_piece_of(const km_tokenizer *t, int32_t id, int special, 
     return t->piece_pool + t->piece_off[id];
 }
 
-int km_tok_piece(const km_tokenizer *t, int32_t id, int special, char *buf, int cap)
+int md_tok_piece(const md_tokenizer *t, int32_t id, int special, char *buf, int cap)
 {
     if (!t || id < 0 || id >= t->n_vocab || cap < 0 || (cap > 0 && !buf)) return KM_EINVAL;
     size_t n;
@@ -141,7 +141,7 @@ int km_tok_piece(const km_tokenizer *t, int32_t id, int special, char *buf, int 
     return (int)n;
 }
 
-void km_detok_init(km_detok *d)
+void md_detok_init(md_detok *d)
 {
     memset(d, 0, sizeof *d);
 }
@@ -180,7 +180,7 @@ static size_t tok_emit_utf8(tok_sink *k, const unsigned char *s, size_t n, int a
     return 0;
 }
 
-int km_detok_push(const km_tokenizer *t, km_detok *d, int32_t id, char *out, int cap)
+int md_detok_push(const md_tokenizer *t, md_detok *d, int32_t id, char *out, int cap)
 {
     if (!t || !d || id < 0 || id >= t->n_vocab || cap < 0 || (cap > 0 && !out)) return KM_EINVAL;
     if (d->n_pending < 0 || d->n_pending > 3) return KM_EINVAL;
@@ -222,7 +222,7 @@ int km_detok_push(const km_tokenizer *t, km_detok *d, int32_t id, char *out, int
     return (int)k.n;
 }
 
-int km_detok_flush(km_detok *d, char *out, int cap)
+int md_detok_flush(md_detok *d, char *out, int cap)
 {
     if (!d || cap < 0 || (cap > 0 && !out) || d->n_pending < 0 || d->n_pending > 3)
         return KM_EINVAL;

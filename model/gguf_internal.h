@@ -1,14 +1,15 @@
 /*
- * gguf_internal.h — private to the GGUF reader (common/gguf.c: parse, validate, index, open and
- * close; common/gguf_query.c: the lookups and typed getters). The parsed file and the small
+ * gguf_internal.h — private to the GGUF reader (model/gguf.c: parse, validate, index, open and
+ * close; model/gguf_query.c: the lookups and typed getters). The parsed file and the small
  * helpers both halves use. Nothing outside those two files includes it.
  */
-#ifndef KM_GGUF_INTERNAL_H
-#define KM_GGUF_INTERNAL_H
+#ifndef MD_GGUF_INTERNAL_H
+#define MD_GGUF_INTERNAL_H
 
 #include <string.h>
 
 #include "common/km.h"
+#include "model/model.h"
 
 #define GGUF_DEFAULT_ALIGNMENT 32
 #define GGUF_MAX_TENSOR_NAME   256
@@ -16,14 +17,14 @@
 
 typedef struct gguf_kv {
     km_str key;
-    uint32_t type;      /* km_gguf_type */
+    uint32_t type;      /* md_gguf_type */
     uint32_t elem_type; /* arrays: element type */
     uint64_t n;         /* arrays: element count */
     const uint8_t *val; /* the value; for arrays, the first element */
     uint64_t *str_pos;  /* string arrays: file offset of each element's length field */
 } gguf_kv;
 
-struct km_gguf {
+struct md_gguf {
     const uint8_t *base;
     size_t size;
     int mapped; /* base came from mmap and is unmapped at close */
@@ -33,7 +34,7 @@ struct km_gguf {
     int64_t n_kv;
     gguf_kv *kvs;
     int64_t n_tensors;
-    km_gguf_tensor *tensors;
+    md_gguf_tensor *tensors;
     int64_t *kv_index; /* open-addressing hash table over keys: kv index or -1 */
     uint64_t kv_mask;
     int64_t *tensor_index; /* same over tensor names */
@@ -54,20 +55,20 @@ static inline uint64_t gguf_le64(const uint8_t *p)
 static inline uint64_t gguf_scalar_size(uint32_t t)
 {
     switch (t) {
-    case KM_GGUF_UINT8:
-    case KM_GGUF_INT8:
-    case KM_GGUF_BOOL:
+    case MD_GGUF_UINT8:
+    case MD_GGUF_INT8:
+    case MD_GGUF_BOOL:
         return 1;
-    case KM_GGUF_UINT16:
-    case KM_GGUF_INT16:
+    case MD_GGUF_UINT16:
+    case MD_GGUF_INT16:
         return 2;
-    case KM_GGUF_UINT32:
-    case KM_GGUF_INT32:
-    case KM_GGUF_FLOAT32:
+    case MD_GGUF_UINT32:
+    case MD_GGUF_INT32:
+    case MD_GGUF_FLOAT32:
         return 4;
-    case KM_GGUF_UINT64:
-    case KM_GGUF_INT64:
-    case KM_GGUF_FLOAT64:
+    case MD_GGUF_UINT64:
+    case MD_GGUF_INT64:
+    case MD_GGUF_FLOAT64:
         return 8;
     }
     return 0;

@@ -1,5 +1,5 @@
 /*
- * spec_suffix.c — the suffix index that proposes draft tokens (wk_suffix_*, spec.h).
+ * spec_suffix.c — the suffix index that proposes draft tokens (en_suffix_*, spec.h).
  *
  * SuffixDecoding (arXiv 2411.04975) keeps suffix trees over earlier outputs and over each
  * request's own text, finds the longest suffix of the recent tokens in them and proposes the
@@ -28,17 +28,17 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "worker/spec.h"
+#include "engine/spec.h"
 
-#define WK_SEP (-1)
+#define EN_SEP (-1)
 
-typedef struct wk_sdoc {
+typedef struct en_sdoc {
     uint64_t start; /* absolute position of its first token */
     km_pagehash tenant;
-} wk_sdoc;
+} en_sdoc;
 
-struct wk_suffix {
-    wk_suffix_opts o;
+struct en_suffix {
+    en_suffix_opts o;
     int64_t cap;            /* tokens the ring holds */
     uint64_t nb;            /* buckets, a power of two */
     int dcap;               /* document records */
@@ -48,43 +48,43 @@ struct wk_suffix {
     int32_t *tok;
     uint32_t *link;
     uint64_t *head;
-    wk_sdoc *doc;
+    en_sdoc *doc;
     size_t bytes;
     uint64_t tokens_added, docs_added, docs_evicted;
 };
 
 /* Bytes per token of ring capacity: token, link, half a bucket head, 1/16 of a document. */
-#define WK_SFX_PER_TOKEN (4 + 4 + 4 + 2)
+#define EN_SFX_PER_TOKEN (4 + 4 + 4 + 2)
 
-size_t wk_suffix_bytes_for(int n_tokens)
+size_t en_suffix_bytes_for(int n_tokens)
 {
     if (n_tokens < 64) n_tokens = 64;
-    return sizeof(wk_suffix) + (size_t)(n_tokens + 8) * WK_SFX_PER_TOKEN + 4 * sizeof(wk_sdoc) + 64;
+    return sizeof(en_suffix) + (size_t)(n_tokens + 8) * EN_SFX_PER_TOKEN + 4 * sizeof(en_sdoc) + 64;
 }
 
-int wk_suffix_create(const wk_suffix_opts *opts, wk_suffix **out)
+int en_suffix_create(const en_suffix_opts *opts, en_suffix **out)
 {
     *out = NULL;
     if (!opts || opts->bytes < 1024) return KM_EINVAL;
-    wk_suffix_opts o = *opts;
+    en_suffix_opts o = *opts;
     if (o.min_match <= 0) o.min_match = 2;
     if (o.min_match > 64) o.min_match = 64;
     if (o.max_match <= 0) o.max_match = 64;
     if (o.max_match < o.min_match) o.max_match = o.min_match;
     if (o.max_chain <= 0) o.max_chain = 32;
     if (o.max_chain > 256) o.max_chain = 256;
-    wk_suffix *x = calloc(1, sizeof *x);
+    en_suffix *x = calloc(1, sizeof *x);
     if (!x) return KM_ENOMEM;
     x->o = o;
     size_t room = o.bytes - sizeof *x;
-    int64_t cap = (int64_t)(room / WK_SFX_PER_TOKEN);
+    int64_t cap = (int64_t)(room / EN_SFX_PER_TOKEN);
     if (cap > INT32_MAX / 2) cap = INT32_MAX / 2;
     /* Buckets: a power of two no more than half the capacity; documents: 1/16 of it. */
     uint64_t nb = 16;
     while (nb * 2 <= (uint64_t)cap / 2) nb *= 2;
     int dcap = (int)(cap / 16) < 4 ? 4 : (int)(cap / 16);
     for (;;) {
-        size_t need = (size_t)cap * 8 + nb * 8 + (size_t)dcap * sizeof(wk_sdoc);
+        size_t need = (size_t)cap * 8 + nb * 8 + (size_t)dcap * sizeof(en_sdoc);
         if (need <= room) break;
         cap -= cap / 16 + 1;
         if (nb > 16 && nb * 2 > (uint64_t)cap) nb /= 2;
@@ -98,16 +98,16 @@ int wk_suffix_create(const wk_suffix_opts *opts, wk_suffix **out)
     x->head = calloc(nb, sizeof *x->head);
     x->doc = calloc(dcap, sizeof *x->doc);
     if (!x->tok || !x->link || !x->head || !x->doc) {
-        wk_suffix_destroy(x);
+        en_suffix_destroy(x);
         return KM_ENOMEM;
     }
-    x->bytes = sizeof *x + (size_t)cap * 8 + nb * 8 + (size_t)dcap * sizeof(wk_sdoc);
+    x->bytes = sizeof *x + (size_t)cap * 8 + nb * 8 + (size_t)dcap * sizeof(en_sdoc);
     assert(x->bytes <= o.bytes);
     *out = x;
     return 0;
 }
 
-void wk_suffix_destroy(wk_suffix *x)
+void en_suffix_destroy(en_suffix *x)
 {
     if (!x) return;
     free(x->tok);
@@ -117,9 +117,9 @@ void wk_suffix_destroy(wk_suffix *x)
     free(x);
 }
 
-void wk_suffix_stats_get(const wk_suffix *x, wk_suffix_stats *out)
+void en_suffix_stats_get(const en_suffix *x, en_suffix_stats *out)
 {
-    *out = (wk_suffix_stats){.tokens_added = x->tokens_added,
+    *out = (en_suffix_stats){.tokens_added = x->tokens_added,
                              .docs_added = x->docs_added,
                              .docs_evicted = x->docs_evicted,
                              .tokens_held = (int64_t)(x->end - x->tail),
@@ -127,12 +127,12 @@ void wk_suffix_stats_get(const wk_suffix *x, wk_suffix_stats *out)
                              .bytes = x->bytes};
 }
 
-static inline int32_t wk_sfx_at(const wk_suffix *x, uint64_t p)
+static inline int32_t en_sfx_at(const en_suffix *x, uint64_t p)
 {
     return x->tok[p % (uint64_t)x->cap];
 }
 
-static uint64_t wk_sfx_hash(km_pagehash tenant, const int32_t *t, int n)
+static uint64_t en_sfx_hash(km_pagehash tenant, const int32_t *t, int n)
 {
     uint64_t h = tenant.lo ^ (tenant.hi * 0x9e3779b97f4a7c15ull);
     for (int i = 0; i < n; i++) {
@@ -143,78 +143,78 @@ static uint64_t wk_sfx_hash(km_pagehash tenant, const int32_t *t, int n)
     return h ^ (h >> 29);
 }
 
-static inline wk_sdoc *wk_sfx_doc(const wk_suffix *x, uint64_t d)
+static inline en_sdoc *en_sfx_doc(const en_suffix *x, uint64_t d)
 {
     return &x->doc[d % (uint64_t)x->dcap];
 }
 
 /* Drops the oldest document (all of it, separator included). */
-static void wk_sfx_evict_doc(wk_suffix *x)
+static void en_sfx_evict_doc(en_suffix *x)
 {
     assert(x->d_tail < x->d_end);
     x->d_tail++;
     x->docs_evicted++;
-    x->tail = x->d_tail < x->d_end ? wk_sfx_doc(x, x->d_tail)->start : x->end;
+    x->tail = x->d_tail < x->d_end ? en_sfx_doc(x, x->d_tail)->start : x->end;
     if (x->d_tail == x->d_end) x->open = 0;
 }
 
 /* Room for one more token: evicts oldest documents, or the open document's oldest tokens when it
  * is the only one left. */
-static void wk_sfx_make_room(wk_suffix *x)
+static void en_sfx_make_room(en_suffix *x)
 {
     while ((int64_t)(x->end - x->tail) >= x->cap) {
         if (x->d_end - x->d_tail > 1 || !x->open) {
-            wk_sfx_evict_doc(x);
+            en_sfx_evict_doc(x);
         } else {
             x->tail++;
-            wk_sfx_doc(x, x->d_tail)->start = x->tail;
+            en_sfx_doc(x, x->d_tail)->start = x->tail;
         }
     }
 }
 
-static void wk_sfx_put(wk_suffix *x, int32_t t)
+static void en_sfx_put(en_suffix *x, int32_t t)
 {
-    wk_sfx_make_room(x);
+    en_sfx_make_room(x);
     x->tok[x->end % (uint64_t)x->cap] = t;
     x->link[x->end % (uint64_t)x->cap] = 0;
     x->end++;
 }
 
-void wk_suffix_close(wk_suffix *x)
+void en_suffix_close(en_suffix *x)
 {
     if (!x->open) return;
-    wk_sfx_put(x, WK_SEP);
+    en_sfx_put(x, EN_SEP);
     x->open = 0;
 }
 
-static void wk_sfx_open(wk_suffix *x, km_pagehash tenant)
+static void en_sfx_open(en_suffix *x, km_pagehash tenant)
 {
-    if (x->open && km_pagehash_eq(wk_sfx_doc(x, x->d_end - 1)->tenant, tenant)) return;
-    wk_suffix_close(x);
-    if (x->d_end - x->d_tail >= (uint64_t)x->dcap) wk_sfx_evict_doc(x);
+    if (x->open && km_pagehash_eq(en_sfx_doc(x, x->d_end - 1)->tenant, tenant)) return;
+    en_suffix_close(x);
+    if (x->d_end - x->d_tail >= (uint64_t)x->dcap) en_sfx_evict_doc(x);
     /* A separator written by close may have evicted documents: the new one starts at end. */
-    *wk_sfx_doc(x, x->d_end) = (wk_sdoc){.start = x->end, .tenant = tenant};
+    *en_sfx_doc(x, x->d_end) = (en_sdoc){.start = x->end, .tenant = tenant};
     x->d_end++;
     if (x->d_end - x->d_tail == 1) x->tail = x->end;
     x->open = 1;
     x->docs_added++;
 }
 
-void wk_suffix_append(wk_suffix *x, km_pagehash tenant, const int32_t *tokens, int n)
+void en_suffix_append(en_suffix *x, km_pagehash tenant, const int32_t *tokens, int n)
 {
     if (n <= 0) return;
-    wk_sfx_open(x, tenant);
+    en_sfx_open(x, tenant);
     const int m = x->o.min_match;
     int32_t key[64];
     for (int i = 0; i < n; i++) {
         if (tokens[i] < 0) continue; /* never a token; would read as a separator */
-        wk_sfx_put(x, tokens[i]);
+        en_sfx_put(x, tokens[i]);
         x->tokens_added++;
         assert(x->open); /* eviction never takes the open document whole */
-        uint64_t p = x->end - 1, start = wk_sfx_doc(x, x->d_end - 1)->start;
+        uint64_t p = x->end - 1, start = en_sfx_doc(x, x->d_end - 1)->start;
         if (p < start + (uint64_t)m - 1) continue; /* the key would reach before the document */
-        for (int j = 0; j < m; j++) key[j] = wk_sfx_at(x, p - (uint64_t)(m - 1 - j));
-        uint64_t b = wk_sfx_hash(tenant, key, m) & (x->nb - 1);
+        for (int j = 0; j < m; j++) key[j] = en_sfx_at(x, p - (uint64_t)(m - 1 - j));
+        uint64_t b = en_sfx_hash(tenant, key, m) & (x->nb - 1);
         uint64_t prev = x->head[b];
         if (prev && prev - 1 >= x->tail && prev - 1 < p)
             x->link[p % (uint64_t)x->cap] = (uint32_t)(p - (prev - 1));
@@ -223,61 +223,61 @@ void wk_suffix_append(wk_suffix *x, km_pagehash tenant, const int32_t *tokens, i
 }
 
 /* The document holding position p (binary search over the document ring), or NULL. */
-static const wk_sdoc *wk_sfx_doc_of(const wk_suffix *x, uint64_t p)
+static const en_sdoc *en_sfx_doc_of(const en_suffix *x, uint64_t p)
 {
     uint64_t lo = x->d_tail, hi = x->d_end; /* the answer is in [lo, hi) */
     if (lo == hi) return NULL;
     while (hi - lo > 1) {
         uint64_t mid = lo + (hi - lo) / 2;
-        if (wk_sfx_doc(x, mid)->start <= p)
+        if (en_sfx_doc(x, mid)->start <= p)
             lo = mid;
         else
             hi = mid;
     }
-    const wk_sdoc *d = wk_sfx_doc(x, lo);
+    const en_sdoc *d = en_sfx_doc(x, lo);
     return d->start <= p ? d : NULL;
 }
 
-typedef struct wk_cand {
+typedef struct en_cand {
     uint64_t p; /* position of the last matched token */
     int len;
-} wk_cand;
+} en_cand;
 
 /* The token at position q of the text, extended through the proposal when tail is set. */
-static int32_t wk_sfx_next(const wk_suffix *x, uint64_t q, int tail, const wk_draft *d, int j)
+static int32_t en_sfx_next(const en_suffix *x, uint64_t q, int tail, const en_draft *d, int j)
 {
-    if (q < x->end) return wk_sfx_at(x, q);
-    if (!tail) return WK_SEP;
+    if (q < x->end) return en_sfx_at(x, q);
+    if (!tail) return EN_SEP;
     uint64_t k = q - x->end;
-    return k < (uint64_t)j ? d->tok[k] : WK_SEP;
+    return k < (uint64_t)j ? d->tok[k] : EN_SEP;
 }
 
-int wk_suffix_propose(const wk_suffix *x, km_pagehash tenant, const int32_t *ctx, int n_ctx,
-                      int max, float min_share, int tail, wk_draft *d)
+int en_suffix_propose(const en_suffix *x, km_pagehash tenant, const int32_t *ctx, int n_ctx,
+                      int max, float min_share, int tail, en_draft *d)
 {
     d->n = d->match_len = d->occurrences = 0;
     const int m = x->o.min_match;
     if (n_ctx < m || max <= 0 || x->end == x->tail) return 0;
     const int32_t *key = ctx + n_ctx - m;
-    uint64_t b = wk_sfx_hash(tenant, key, m) & (x->nb - 1);
-    wk_cand cand[256];
+    uint64_t b = en_sfx_hash(tenant, key, m) & (x->nb - 1);
+    en_cand cand[256];
     int nc = 0, best = 0;
     uint64_t p = x->head[b];
     if (!p) return 0;
     p--;
     for (int walked = 0; walked < x->o.max_chain && p >= x->tail && p < x->end; walked++) {
         /* A continuation must exist (the context's own end has none). */
-        int has_next = p + 1 < x->end ? wk_sfx_at(x, p + 1) != WK_SEP : 0;
+        int has_next = p + 1 < x->end ? en_sfx_at(x, p + 1) != EN_SEP : 0;
         if (has_next) {
             int len = 0, lim = n_ctx < x->o.max_match ? n_ctx : x->o.max_match;
             while (len < lim && p >= x->tail + (uint64_t)len &&
-                   wk_sfx_at(x, p - (uint64_t)len) == ctx[n_ctx - 1 - len])
+                   en_sfx_at(x, p - (uint64_t)len) == ctx[n_ctx - 1 - len])
                 len++;
             if (len >= m) {
-                const wk_sdoc *doc = wk_sfx_doc_of(x, p);
+                const en_sdoc *doc = en_sfx_doc_of(x, p);
                 if (doc && km_pagehash_eq(doc->tenant, tenant) &&
                     p - (uint64_t)(len - 1) >= doc->start) {
-                    cand[nc++] = (wk_cand){p, len};
+                    cand[nc++] = (en_cand){p, len};
                     if (len > best) best = len;
                 }
             }
@@ -296,10 +296,10 @@ int wk_suffix_propose(const wk_suffix *x, km_pagehash tenant, const int32_t *ctx
     int32_t vote[256];
     for (int j = 0; j < max && na > 0; j++) {
         for (int i = 0; i < na; i++)
-            vote[i] = wk_sfx_next(x, cand[i].p + 1 + (uint64_t)j, tail, d, j);
+            vote[i] = en_sfx_next(x, cand[i].p + 1 + (uint64_t)j, tail, d, j);
         int win = -1, win_count = 0;
         for (int i = 0; i < na; i++) {
-            if (vote[i] == WK_SEP) continue;
+            if (vote[i] == EN_SEP) continue;
             int c = 0;
             for (int k = 0; k < na; k++) c += vote[k] == vote[i];
             if (c > win_count) { /* strictly more: the most recent wins ties */

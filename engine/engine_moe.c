@@ -1,12 +1,12 @@
 /*
  * engine_moe.c — the FFN of MoE layers (hp.n_expert > 0; docs/moe.md), run inside engine.c's
- * step job in place of the dense P8-P11 (wk_moe_ffn):
+ * step job in place of the dense P8-P11 (en_moe_ffn):
  *   R  tokens  router logits = xn · Wgate_inp^T (scalar f32), softmax, top k; the chosen
  *              probabilities divided by their sum (hp.moe_norm_w: llama, mistral, granitemoe) or
  *              kept as they are (qwen2moe, olmoe): llama.cpp's build_moe_ffn with each arch's
  *              norm_w (no arch here reads expert_weights_scale); qwen2moe's shared-expert gate
  *              sigmoid(Wgate_inp_shexp · xn)
- *              (when the batch asks for wk_batch.route, each token's chosen weights are also
+ *              (when the batch asks for en_batch.route, each token's chosen weights are also
  *              summed per expert over the layers: its dominant expert, which places its page)
  *   G  slots   every thread groups the batch's (token, choice) pairs by expert ("slots", in
  *              expert then token order) and copies the quantized xn rows of its share of slots
@@ -26,50 +26,50 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "worker/engine_internal.h"
+#include "engine/engine_internal.h"
 
 /* ------------------------------------------------------------------ MoE */
 
 /* One thread's MoE scratch: the batch's (token, choice) pairs grouped by expert into slots. */
-typedef struct wk_moe_scr {
+typedef struct en_moe_scr {
     int32_t *off;      /* [n_expert + 1]: expert x's slots are off[x] .. off[x + 1] - 1 */
     int32_t *cur;      /* [n_expert] */
     int32_t *slot_tok; /* [T * k]: the token of each slot */
     int32_t *slot_of;  /* [T * k]: the slot of token i's choice j, at i * k + j */
-    wk_mm *mm;         /* [2 * n_expert + 2] */
-} wk_moe_scr;
+    en_mm *mm;         /* [2 * n_expert + 2] */
+} en_moe_scr;
 
-int wk_moe_alloc(wk_engine *e, int nth)
+int en_moe_alloc(en_engine *e, int nth)
 {
-    const wk_hparams *hp = &e->m->hp;
+    const en_hparams *hp = &e->m->hp;
     const size_t S = (size_t)e->max_tokens * hp->n_expert_used, E = hp->n_expert;
-    e->sel = wk_alloc(S * sizeof(int32_t));
-    e->rw = wk_alloc(S * 4);
-    e->xqg = wk_alloc(S * e->xq_row_bytes);
-    e->moe_out = wk_alloc(S * hp->n_embd * 4);
+    e->sel = en_alloc(S * sizeof(int32_t));
+    e->rw = en_alloc(S * 4);
+    e->xqg = en_alloc(S * e->xq_row_bytes);
+    e->moe_out = en_alloc(S * hp->n_embd * 4);
     e->moe = calloc((size_t)nth, sizeof *e->moe);
-    e->route_w = wk_alloc((size_t)e->max_tokens * E * sizeof(float));
+    e->route_w = en_alloc((size_t)e->max_tokens * E * sizeof(float));
     if (!e->sel || !e->rw || !e->xqg || !e->moe_out || !e->moe || !e->route_w) return KM_ENOMEM;
     if (hp->n_ff_shexp) {
         const size_t T = (size_t)e->max_tokens;
-        e->shw = wk_alloc(T * 4);
-        e->sh_gate = wk_alloc(T * hp->n_ff_shexp * 4);
-        e->sh_up = wk_alloc(T * hp->n_ff_shexp * 4);
+        e->shw = en_alloc(T * 4);
+        e->sh_gate = en_alloc(T * hp->n_ff_shexp * 4);
+        e->sh_up = en_alloc(T * hp->n_ff_shexp * 4);
         if (!e->shw || !e->sh_gate || !e->sh_up) return KM_ENOMEM;
     }
     for (int i = 0; i < nth; i++) {
-        wk_moe_scr *s = &e->moe[i];
-        s->off = wk_alloc((E + 1) * sizeof(int32_t));
-        s->cur = wk_alloc(E * sizeof(int32_t));
-        s->slot_tok = wk_alloc(S * sizeof(int32_t));
-        s->slot_of = wk_alloc(S * sizeof(int32_t));
-        s->mm = wk_alloc((2 * E + 2) * sizeof(wk_mm)); /* and the shared expert */
+        en_moe_scr *s = &e->moe[i];
+        s->off = en_alloc((E + 1) * sizeof(int32_t));
+        s->cur = en_alloc(E * sizeof(int32_t));
+        s->slot_tok = en_alloc(S * sizeof(int32_t));
+        s->slot_of = en_alloc(S * sizeof(int32_t));
+        s->mm = en_alloc((2 * E + 2) * sizeof(en_mm)); /* and the shared expert */
         if (!s->off || !s->cur || !s->slot_tok || !s->slot_of || !s->mm) return KM_ENOMEM;
     }
     return 0;
 }
 
-void wk_moe_free(wk_engine *e)
+void en_moe_free(en_engine *e)
 {
     for (int i = 0; e->moe && e->pool && i < kn_pool_size(e->pool); i++) {
         free(e->moe[i].off);
@@ -94,11 +94,11 @@ void wk_moe_free(wk_engine *e)
  * inverse as ggml_soft_max does), the k most probable experts (the lower id first on a tie), with
  * norm_w their probabilities divided by their sum (clamped to >= 2^-14). sel, w: k entries, most
  * probable first. Plain C, so every ISA routes alike. */
-static void wk_route(const wk_weight *gate_inp, int n_embd, int n_exp, int k, int norm_w,
+static void en_route(const en_weight *gate_inp, int n_embd, int n_exp, int k, int norm_w,
                      const float *xn, int32_t *sel, float *w)
 {
-    float p[WK_MAX_EXPERTS] = {0};
-    uint8_t used[WK_MAX_EXPERTS] = {0};
+    float p[EN_MAX_EXPERTS] = {0};
+    uint8_t used[EN_MAX_EXPERTS] = {0};
     const float *W = gate_inp->data;
     float mx = -INFINITY;
     for (int x = 0; x < n_exp; x++) {
@@ -132,7 +132,7 @@ static void wk_route(const wk_weight *gate_inp, int n_embd, int n_exp, int k, in
 
 /* qwen2moe's shared-expert gate: sigmoid(Wgate_inp_shexp · xn) (llama.cpp takes silu(z) / z, the
  * same but for z = 0, where it is NaN). */
-static float wk_shexp_gate(const wk_weight *g, int n_embd, const float *xn)
+static float en_shexp_gate(const en_weight *g, int n_embd, const float *xn)
 {
     const float *w = g->data;
     float z = 0;
@@ -141,7 +141,7 @@ static float wk_shexp_gate(const wk_weight *g, int n_embd, const float *xn)
 }
 
 /* Groups the n tokens' k choices by expert: slots in expert order, tokens in order within one. */
-static void wk_moe_group(const int32_t *sel, int n, int k, int n_exp, wk_moe_scr *s)
+static void en_moe_group(const int32_t *sel, int n, int k, int n_exp, en_moe_scr *s)
 {
     memset(s->off, 0, (size_t)(n_exp + 1) * sizeof(int32_t));
     memset(s->cur, 0, (size_t)n_exp * sizeof(int32_t));
@@ -157,11 +157,11 @@ static void wk_moe_group(const int32_t *sel, int n, int k, int n_exp, wk_moe_scr
 /* The MoE FFN of layer L (P8-P11 of a MoE layer, see the top of the file); xn holds the normed
  * tokens and xq their quantized rows for the experts' gate/up. Lanes: every thread routes and
  * gathers every token itself. */
-void wk_moe_ffn(const wk_step *st, const wk_layer *L, int ith, int nth, int64_t t0, int64_t t1,
+void en_moe_ffn(const en_step *st, const en_layer *L, int ith, int nth, int64_t t0, int64_t t1,
                 float *x, float *xn, float *act, uint8_t *xq)
 {
-    wk_engine *e = st->e;
-    const wk_hparams *hp = &e->m->hp;
+    en_engine *e = st->e;
+    const en_hparams *hp = &e->m->hp;
     const kn_ops *ops = e->ops;
     const int n = st->b->n_tokens, embd = hp->n_embd, ff = hp->n_ff, lanes = st->lanes;
     const int n_exp = hp->n_expert, k = hp->n_expert_used;
@@ -169,23 +169,23 @@ void wk_moe_ffn(const wk_step *st, const wk_layer *L, int ith, int nth, int64_t 
     int32_t *sel = lanes ? e->lanes[ith].sel : e->sel;
     float *rw = lanes ? e->lanes[ith].rw : e->rw;
     uint8_t *xqg = lanes ? e->lanes[ith].xqg : e->xqg;
-    wk_moe_scr *s = &e->moe[ith];
+    en_moe_scr *s = &e->moe[ith];
     const int ffs = hp->n_ff_shexp;
     float *shw = lanes ? e->lanes[ith].shw : e->shw;
     /* R */
     for (int64_t i = t0; i < t1; i++) {
-        wk_route(&L->gate_inp, embd, n_exp, k, hp->moe_norm_w, xn + i * embd, sel + i * k,
+        en_route(&L->gate_inp, embd, n_exp, k, hp->moe_norm_w, xn + i * embd, sel + i * k,
                  rw + i * k);
         if (ffs)
             shw[i] =
-                L->gate_inp_sh.data ? wk_shexp_gate(&L->gate_inp_sh, embd, xn + i * embd) : 1.0f;
+                L->gate_inp_sh.data ? en_shexp_gate(&L->gate_inp_sh, embd, xn + i * embd) : 1.0f;
     }
     for (int64_t i = t0; st->route && i < t1; i++) /* lanes: each token by its owner */
         if (!lanes || i % nth == ith)
             for (int j = 0; j < k; j++) e->route_w[i * n_exp + sel[i * k + j]] += rw[i * k + j];
     if (!lanes) kn_pool_barrier(e->pool);
     /* G */
-    wk_moe_group(sel, n, k, n_exp, s);
+    en_moe_group(sel, n, k, n_exp, s);
     int64_t s0 = 0, s1 = (int64_t)n * k;
     if (!lanes) kn_split(s1, ith, nth, &s0, &s1);
     for (int64_t j = s0; j < s1; j++) memcpy(xqg + j * xrb, xq + (size_t)s->slot_tok[j] * xrb, xrb);
@@ -196,25 +196,25 @@ void wk_moe_ffn(const wk_step *st, const wk_layer *L, int ith, int nth, int64_t 
         const int c = s->off[xe + 1] - s->off[xe];
         const size_t o = (size_t)s->off[xe];
         if (!c) continue;
-        s->mm[nmm++] = (wk_mm){&L->exp_gate[xe], e->gate + o * ff, ff, NULL, xqg + o * xrb, c};
-        s->mm[nmm++] = (wk_mm){&L->exp_up[xe], e->up + o * ff, ff, NULL, xqg + o * xrb, c};
+        s->mm[nmm++] = (en_mm){&L->exp_gate[xe], e->gate + o * ff, ff, NULL, xqg + o * xrb, c};
+        s->mm[nmm++] = (en_mm){&L->exp_up[xe], e->up + o * ff, ff, NULL, xqg + o * xrb, c};
     }
     if (ffs) {
-        s->mm[nmm++] = (wk_mm){&L->w_gate, e->sh_gate, ffs, NULL, xq, n};
-        s->mm[nmm++] = (wk_mm){&L->w_up, e->sh_up, ffs, NULL, xq, n};
+        s->mm[nmm++] = (en_mm){&L->w_gate, e->sh_gate, ffs, NULL, xq, n};
+        s->mm[nmm++] = (en_mm){&L->w_up, e->sh_up, ffs, NULL, xq, n};
     }
-    wk_matmul_group(e, xqg, s->mm, nmm, 0, ith, nth);
+    en_matmul_group(e, xqg, s->mm, nmm, 0, ith, nth);
     kn_pool_barrier(e->pool);
     /* P9 (lanes: into the thread's own buffers; gate is shared) */
     float *a = lanes ? act : e->gate;
     for (int64_t j = s0; j < s1; j++)
         ops->silu_mul(a + j * ff, e->gate + j * ff, e->up + j * ff, ff);
-    wk_quantize_rows(e, &L->exp_down[0], a, xqg, s0, s1);
+    en_quantize_rows(e, &L->exp_down[0], a, xqg, s0, s1);
     if (ffs) { /* xq is free since P8's barrier (lanes: act, once the slots are quantized) */
         float *sa = lanes ? act : e->sh_gate;
         for (int64_t i = t0; i < t1; i++)
             ops->silu_mul(sa + i * ffs, e->sh_gate + i * ffs, e->sh_up + i * ffs, ffs);
-        wk_quantize_rows(e, &L->w_down, sa, xq, t0, t1);
+        en_quantize_rows(e, &L->w_down, sa, xq, t0, t1);
     }
     if (!lanes) kn_pool_barrier(e->pool);
     /* P10 */
@@ -224,10 +224,10 @@ void wk_moe_ffn(const wk_step *st, const wk_layer *L, int ith, int nth, int64_t 
         const size_t o = (size_t)s->off[xe];
         if (!c) continue;
         s->mm[nmm++] =
-            (wk_mm){&L->exp_down[xe], e->moe_out + o * embd, embd, NULL, xqg + o * xrb, c};
+            (en_mm){&L->exp_down[xe], e->moe_out + o * embd, embd, NULL, xqg + o * xrb, c};
     }
-    if (ffs) s->mm[nmm++] = (wk_mm){&L->w_down, e->tmp, embd, NULL, xq, n};
-    wk_matmul_group(e, xqg, s->mm, nmm, 0, ith, nth);
+    if (ffs) s->mm[nmm++] = (en_mm){&L->w_down, e->tmp, embd, NULL, xq, n};
+    en_matmul_group(e, xqg, s->mm, nmm, 0, ith, nth);
     kn_pool_barrier(e->pool);
     /* P11: the weighted outputs added in selection order (ggml_mul, then ggml_add of the views in
      * llama.cpp), into xn (free until the next layer's P1), then the shared expert's output times
@@ -249,6 +249,6 @@ void wk_moe_ffn(const wk_step *st, const wk_layer *L, int ith, int nth, int64_t 
                 acc[d] += v;
             }
         }
-        wk_residual_add(e, x + i * embd, acc);
+        en_residual_add(e, x + i * embd, acc);
     }
 }

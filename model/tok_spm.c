@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common/tok_internal.h"
+#include "model/tok_internal.h"
 
 typedef struct spm_sym {
     int32_t prev, next;
@@ -68,7 +68,7 @@ static spm_pair spm_heap_pop(spm_work *w)
     return top;
 }
 
-static int spm_try_pair(const km_tokenizer *t, spm_work *w, int32_t left, int32_t right)
+static int spm_try_pair(const md_tokenizer *t, spm_work *w, int32_t left, int32_t right)
 {
     if (left < 0 || right < 0) return 0;
     const spm_sym *l = &w->sym[left], *r = &w->sym[right];
@@ -78,7 +78,7 @@ static int spm_try_pair(const km_tokenizer *t, spm_work *w, int32_t left, int32_
     return spm_heap_push(w, p);
 }
 
-static int spm_fragment(const km_tokenizer *t, spm_work *w, tok_ids *out, const char *raw,
+static int spm_fragment(const md_tokenizer *t, spm_work *w, tok_ids *out, const char *raw,
                         size_t len, int space_prefix)
 {
     int rc;
@@ -139,7 +139,7 @@ static int spm_fragment(const km_tokenizer *t, spm_work *w, tok_ids *out, const 
     return 0;
 }
 
-int tok_spm_encode(const km_tokenizer *t, tok_ids *out, const char *text, size_t len,
+int tok_spm_encode(const md_tokenizer *t, tok_ids *out, const char *text, size_t len,
                    int space_prefix)
 {
     if (len == 0 && !space_prefix) return 0;

@@ -4,22 +4,22 @@
  * check for the streaming detokenizer, category flags by binary search over the generated
  * ranges in unicode_data.c, and GPT-2's byte-to-code-point alphabet.
  */
-#include "common/tok_internal.h"
+#include "model/tok_internal.h"
 
 uint16_t tok_ucd_flags(uint32_t cpt)
 {
-    if (cpt < 256) return km_unicode_latin1[cpt];
+    if (cpt < 256) return md_unicode_latin1[cpt];
     if (cpt >= 0x110000) return 0;
     /* Last range whose first <= cpt; ranges[0].first == 0. */
-    int lo = 0, hi = km_unicode_n_ranges - 1;
+    int lo = 0, hi = md_unicode_n_ranges - 1;
     while (lo < hi) {
         int mid = (lo + hi + 1) / 2;
-        if (km_unicode_ranges[mid].first <= cpt)
+        if (md_unicode_ranges[mid].first <= cpt)
             lo = mid;
         else
             hi = mid - 1;
     }
-    return km_unicode_ranges[lo].flags;
+    return md_unicode_ranges[lo].flags;
 }
 
 int tok_utf8_lead_len(unsigned char lead)

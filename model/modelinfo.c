@@ -5,7 +5,7 @@
  * of loading (and checking every weight tensor of) the model the way a worker does, which keeps
  * the engine out of kvmesh-router's link.
  *
- * The fingerprint and the name are computed here for the workers too (worker/model.c calls the
+ * The fingerprint and the name are computed here for the workers too (engine/model.c calls the
  * same two functions), so the two sides cannot drift apart.
  */
 #include <stdio.h>
@@ -14,22 +14,23 @@
 #include <xxhash.h>
 
 #include "common/km.h"
+#include "model/model.h"
 
-struct km_model_info {
-    km_gguf *gguf;
-    km_tokenizer *tok;
-    km_chat_kind chat;
+struct md_model_info {
+    md_gguf *gguf;
+    md_tokenizer *tok;
+    md_chat_kind chat;
     char name[128];
     char fingerprint[33];
 };
 
-const char *km_default_model_path(void)
+const char *md_default_model_path(void)
 {
     const char *env = getenv("KVMESH_MODEL");
     return env && *env ? env : "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 }
 
-void km_model_display_name(const char *path, char *out, size_t cap)
+void md_model_display_name(const char *path, char *out, size_t cap)
 {
     const char *base = strrchr(path, '/');
     base = base ? base + 1 : path;
@@ -38,10 +39,10 @@ void km_model_display_name(const char *path, char *out, size_t cap)
     if (dot) *dot = 0;
 }
 
-void km_model_fingerprint_hex(const km_gguf *g, char out[33])
+void md_model_fingerprint_hex(const md_gguf *g, char out[33])
 {
     size_t size;
-    const uint8_t *p = km_gguf_file_data(g, &size);
+    const uint8_t *p = md_gguf_file_data(g, &size);
     /* The header and metadata (first MiB) plus 64 KiB samples every 1/64 of the file: cheap,
      * and any re-quantization or fine-tune changes it. */
     XXH3_state_t *st = XXH3_createState();
@@ -59,48 +60,48 @@ void km_model_fingerprint_hex(const km_gguf *g, char out[33])
     snprintf(out, 33, "%016llx%016llx", (unsigned long long)h.high64, (unsigned long long)h.low64);
 }
 
-int km_model_info_open(const char *path, km_model_info **out, km_errbuf *err)
+int md_model_info_open(const char *path, md_model_info **out, km_errbuf *err)
 {
     *out = NULL;
-    km_model_info *m = calloc(1, sizeof *m);
+    md_model_info *m = calloc(1, sizeof *m);
     if (!m) return km_errf(err, KM_ENOMEM, "model: out of memory");
-    int rc = km_gguf_open(path, &m->gguf, err);
-    if (!rc) rc = km_tok_create(m->gguf, &m->tok, err);
+    int rc = md_gguf_open(path, &m->gguf, err);
+    if (!rc) rc = md_tok_create(m->gguf, &m->tok, err);
     if (rc) {
-        km_model_info_close(m);
+        md_model_info_close(m);
         return rc;
     }
-    m->chat = km_chat_detect(m->gguf);
-    km_model_display_name(path, m->name, sizeof m->name);
-    km_model_fingerprint_hex(m->gguf, m->fingerprint);
+    m->chat = md_chat_detect(m->gguf);
+    md_model_display_name(path, m->name, sizeof m->name);
+    md_model_fingerprint_hex(m->gguf, m->fingerprint);
     *out = m;
     return 0;
 }
 
-void km_model_info_close(km_model_info *m)
+void md_model_info_close(md_model_info *m)
 {
     if (!m) return;
-    km_tok_destroy(m->tok);
-    km_gguf_close(m->gguf);
+    md_tok_destroy(m->tok);
+    md_gguf_close(m->gguf);
     free(m);
 }
 
-const km_tokenizer *km_model_info_tokenizer(const km_model_info *m)
+const md_tokenizer *md_model_info_tokenizer(const md_model_info *m)
 {
     return m->tok;
 }
 
-km_chat_kind km_model_info_chat(const km_model_info *m)
+md_chat_kind md_model_info_chat(const md_model_info *m)
 {
     return m->chat;
 }
 
-const char *km_model_info_name(const km_model_info *m)
+const char *md_model_info_name(const md_model_info *m)
 {
     return m->name;
 }
 
-const char *km_model_info_fingerprint(const km_model_info *m)
+const char *md_model_info_fingerprint(const md_model_info *m)
 {
     return m->fingerprint;
 }

@@ -1,0 +1,342 @@
+/*
+ * engine.h — the inference engine, a library with no sockets: a model replica (weights and
+ * tokenizer), the forward pass over batches that mix many sequences (dense and MoE), the sampler,
+ * the scheduler (iteration-level continuous batching) and speculative decoding. The worker daemon
+ * (worker/) runs it behind its sockets; `kvmesh run`, `perplexity` and `bench` run it directly.
+ *
+ * Contract:
+ *  - en_model_load validates the GGUF (architecture, every tensor's presence, type and shape)
+ *    before anything runs; an unsupported or broken model is an error with a message, never a
+ *    crash. Weights are used in place from the file's memory map.
+ *  - en_engine_step runs one forward pass over a batch whose tokens may belong to many sequences
+ *    (prefill chunks and decodes together). Each token attends to its own sequence's positions
+ *    [0, pos]; every position below pos must already be in that sequence's KV (from this step or
+ *    an earlier one). The KV lives in kvshard pages (kvshard/kvshard.h); the engine only reserves
+ *    pages for the positions it writes, and KM_ENOSPC from the store reaches the caller unchanged
+ *    so a scheduler can preempt.
+ *  - A step allocates nothing: all buffers are sized at en_engine_create for max_batch_tokens.
+ *  - The sampler's output for a sequence depends only on that sequence's logits, history, params
+ *    and seed, never on what else is in the batch.
+ *  - The scheduler (en_sched_*) calls its engine, and its callbacks, only from en_sched_step on
+ *    the caller's thread; a step allocates nothing. Speculative decoding never changes the output:
+ *    drafts are verified token for token.
+ *  - Links only model/, kvshard/, kernels/ and common/ (make check-links): no ZeroMQ, no UCX.
+ */
+#ifndef EN_ENGINE_H
+#define EN_ENGINE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/km.h"
+#include "common/proto.h"
+#include "kernels/kernels.h"
+#include "kvshard/kvshard.h"
+#include "model/model.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---------------------------------------------------------------- model */
+
+/* The most experts a MoE layer may have (llama.cpp's LLAMA_MAX_EXPERTS is larger; no model this
+ * engine runs needs more). */
+#define EN_MAX_EXPERTS 256
+
+typedef struct en_hparams {
+    char arch[32]; /* "llama", "qwen2", ... */
+    int n_layers;
+    int n_embd;
+    int n_ff; /* MoE: the width of one expert (llama.cpp's feed_forward_length) */
+    int n_head;
+    int n_head_kv;
+    int head_dim;
+    int n_rot;
+    int n_vocab;
+    int n_ctx_train;
+    float norm_eps;
+    float rope_base;
+    int rope_neox;     /* 1: NeoX pairs (i, i+n/2), 0: normal pairs (2i, 2i+1) */
+    int tied_output;   /* output projection reuses token_embd */
+    int n_expert;      /* MoE FFN layers (Mixtral layout, docs/moe.md): experts; 0 = dense,
+                          at most EN_MAX_EXPERTS */
+    int n_expert_used; /* experts each token is routed to (top-k) */
+    int moe_norm_w;    /* 1: the chosen experts' weights are divided by their sum (llama, mistral,
+                          granitemoe); 0: the softmax probabilities as they are (qwen2moe, olmoe) */
+    int n_ff_shexp;    /* width of the shared expert every token also runs (qwen2moe; granitemoe
+                          when the GGUF has one); 0: none */
+    int qk_norm;       /* olmoe: RMS norms over each token's whole q and k before rope */
+    /* granitemoe's multipliers (llama.cpp's names; 0 = not applied): the token embeddings are
+     * multiplied by embedding_scale, each attention and FFN output by residual_scale before its
+     * residual add, attention scores by attention_scale instead of 1/sqrt(head_dim), and the
+     * logits by 1/logit_scale. */
+    float f_embedding_scale, f_residual_scale, f_attention_scale, f_logit_scale;
+} en_hparams;
+
+typedef struct en_model en_model;
+
+int en_model_load(const char *path, en_model **out, km_errbuf *err);
+void en_model_free(en_model *m);
+const en_hparams *en_model_hparams(const en_model *m);
+const md_tokenizer *en_model_tokenizer(const en_model *m);
+const md_gguf *en_model_gguf(const en_model *m);
+/* 128-bit fingerprint of the weights file (XXH3 over the header and a sample of the data),
+ * hex-encoded into out[33]. Seeds the page-hash chain, so KV of one model never serves another. */
+void en_model_fingerprint_hex(const en_model *m, char out[33]);
+/* "SmolLM2-135M-Instruct.Q4_1" style display name. */
+const char *en_model_name(const en_model *m);
+/* Chat template family recognised from the model's metadata (md_chat_detect). */
+md_chat_kind en_model_chat_kind(const en_model *m);
+/* Default model path: $KVMESH_MODEL, else models/SmolLM2-135M-Instruct.Q4_1.gguf. */
+const char *en_default_model_path(void);
+
+/* ---------------------------------------------------------------- engine */
+
+typedef struct en_engine_opts {
+    int n_threads;        /* 0: all cores */
+    int max_batch_tokens; /* tokens one step may carry; 0: 512 */
+    size_t kv_bytes;      /* hot-tier KV budget; 0: enough for 4 x n_ctx 4096 */
+    kv_format kv_format;  /* KN_KV_F16 by default */
+    int page_tokens;      /* 0: 16 */
+    /* Lower KV tiers and shards (kvshard/kvshard.h); zero/NULL: none, one shard. */
+    size_t kv_host_bytes;    /* host-RAM tier budget */
+    const char *kv_disk_dir; /* disk tier directory: pages survive restarts there */
+    size_t kv_disk_bytes;    /* disk tier budget; 0 with a dir: 1 GiB */
+    /* The cluster secret (KM_SECRET_BYTES, common/sec.h): disk pages carry a keyed MAC and one
+     * without a valid MAC is dropped, never served (kv_config.disk_secret). NULL: checksum only. */
+    const uint8_t *kv_disk_secret;
+    int kv_shards;
+    /* How pages are spread over the shards (kvshard.h): hash (default), or expert (MoE models
+     * only: each full page goes to the shard of its tokens' dominant expert, en_batch.route),
+     * with PiKV's token and expert group counts (0: kv_shards). */
+    kv_shard_key kv_shard_key;
+    int kv_tok_groups, kv_expert_groups;
+    int kv_arena; /* page memory in one arena (kv_config.arena): needed by a transfer node */
+} en_engine_opts;
+
+typedef struct en_engine en_engine;
+
+int en_engine_create(const en_model *m, const en_engine_opts *opts, en_engine **out,
+                     km_errbuf *err);
+void en_engine_destroy(en_engine *e);
+kv_store *en_engine_kv(en_engine *e);
+int en_engine_threads(const en_engine *e);
+const char *en_engine_isa(const en_engine *e);
+
+typedef struct en_batch {
+    int n_tokens;
+    const int32_t *tokens; /* [n_tokens] */
+    const int32_t *pos;    /* [n_tokens] position of each token in its sequence */
+    kv_seq *const *seqs;   /* [n_tokens] the sequence each token belongs to */
+    const uint8_t *logits; /* [n_tokens] 1 where the caller wants logits; NULL: last only */
+    /* [n_tokens] out, or NULL: each token's dominant routed expert, the one with the largest
+     * router weight summed over the MoE layers (its choices' renormalized weights; the lower id
+     * on a tie); -1 for a dense model. What kvshard places the token's page by (kv_seq_place). */
+    int16_t *route;
+} en_batch;
+
+/* Runs the batch. On success *logits points to n_out rows of n_vocab floats (engine-owned,
+ * valid until the next step), in the order of the tokens that asked for them, and the return
+ * value is n_out. Negative km_err on failure (KM_ENOSPC: the KV store is full; nothing of the
+ * batch was computed). */
+int en_engine_step(en_engine *e, const en_batch *b, const float **logits);
+
+/* ---------------------------------------------------------------- sampler */
+
+typedef struct en_sample_params {
+    float temperature;       /* <= 0: greedy */
+    int top_k;               /* <= 0: off */
+    float top_p;             /* >= 1: off */
+    float min_p;             /* <= 0: off */
+    float repeat_penalty;    /* 1: off; divides positive logits, multiplies negative ones */
+    int repeat_last_n;       /* how much history the penalties see; 0: 64 */
+    float presence_penalty;  /* subtracted once from every token seen */
+    float frequency_penalty; /* subtracted per occurrence */
+    uint64_t seed;
+} en_sample_params;
+
+void en_sample_params_default(en_sample_params *p);
+
+typedef struct en_sampler en_sampler;
+
+int en_sampler_create(const en_sample_params *p, int n_vocab, en_sampler **out);
+void en_sampler_destroy(en_sampler *s);
+/* Records a token into the penalty history (prompt tokens and every sampled token). */
+void en_sampler_accept(en_sampler *s, int32_t token);
+/* Advances the random draws as if n tokens had been sampled (a request continued after a
+ * migration: its sampled tokens are the same as undisturbed). */
+void en_sampler_skip(en_sampler *s, int n);
+/* Picks the next token from one row of logits (the row is not modified). */
+int32_t en_sampler_sample(en_sampler *s, const float *logits);
+
+/* Negative log-probability of `target` under softmax(logits), in double precision (perplexity). */
+double en_token_nll(const float *logits, int n_vocab, int32_t target);
+
+/* Index of the largest value (the lowest index among equals). */
+int32_t en_argmax(const float *x, int n);
+
+/* ---------------------------------------------------------------- speculative decoding options
+ */
+/* Speculative decoding without a draft model (engine/spec.h, docs/speculative.md): drafts from
+ * suffix matches over the request's own text and the tenant's earlier outputs, verified in one
+ * step; the output is token for token what decoding without drafts gives. */
+typedef enum en_spec_mode {
+    EN_SPEC_DEFAULT = 0, /* a request that does not say: the worker's mode */
+    EN_SPEC_OFF = 1,
+    EN_SPEC_AUTO = 2, /* draft when the step-cost budget says it pays */
+    /* self-speculation (QuantSpec): the model drafts over a 4-bit copy of the request's KV and
+     * verifies over the full pages; needs a draft engine (en_sched_set_draft), else AUTO */
+    EN_SPEC_SELF = 3,
+} en_spec_mode;
+
+/* Self drafts stay inside the page being filled (scheduler_self.c): at most a page less one. */
+#define EN_SELF_MAX_DRAFT 15
+
+typedef struct en_spec_opts {
+    int mode;           /* the worker's default: EN_SPEC_OFF, _AUTO or _SELF (0: auto) */
+    int max_draft;      /* draft tokens per request and step; 0: 16 (at most 64) */
+    float factor;       /* draft length <= factor x match length; 0: 1.0 */
+    float min_share;    /* a proposal stops at a token with a smaller share; 0: 0.1 */
+    size_t index_bytes; /* the global suffix index's budget; 0: 32 MiB */
+    int fail_limit;     /* verifications in a row with nothing accepted before backing off; 0: 3 */
+    float token_cost;   /* per-token / base cost of a step assumed before measuring; 0: 0.25 */
+    int lead_in;        /* prompt tokens indexed with an output in the global index; 0: 32 */
+    int self_draft;     /* EN_SPEC_SELF: draft steps (tokens) per verification; 0: 3; at most
+                         * EN_SELF_MAX_DRAFT */
+} en_spec_opts;
+
+/* The scheduler's limits (engine/engine.h), part of the service's options. */
+typedef struct en_sched_opts {
+    int max_running;        /* sequences in flight at once; 0: 64 */
+    int max_queue;          /* requests waiting for a slot; 0: 1024 */
+    int max_batch_tokens;   /* tokens per step; must not exceed the engine's; 0: 512 */
+    int prefill_chunk;      /* most prompt tokens of one sequence per step; 0: max_batch_tokens */
+    int decode_prefill;     /* most prompt tokens in a step that also decodes (bounds the
+                             * inter-token latency of running sequences); 0: no extra cap */
+    int step_budget_ms;     /* time one step should take at most: prefill chunks are sized to it
+                             * from the measured cost of earlier steps (below); 0: no bound */
+    int max_ctx;            /* prompt + completion per sequence; 0: 4096 */
+    int default_max_tokens; /* when a request says 0; 0: 256 */
+    double aging_per_s;     /* priority points a waiting request gains per second; 0: 20 */
+    uint64_t cluster_seed;  /* page-hash chain seed (with the model fingerprint and cache_salt) */
+    en_spec_opts spec;      /* speculative decoding */
+} en_sched_opts;
+
+/* ---------------------------------------------------------------- scheduler
+ *
+ * en_sched_*: iteration-level continuous batching over one engine. Every step mixes the decode
+ * token of each running sequence with prefill chunks of the others under a per-step token
+ * budget. At admission only the prompt tokens kvshard does not already hold (verified prefix
+ * hit) are computed. When the KV store is full the scheduler preempts the lowest-priority,
+ * most recently admitted sequence: its full pages are published (so they stay cached, and the
+ * store demotes them to a lower tier when it needs room) and it is requeued to be recomputed from
+ * what is still cached; a lone sequence that cannot fit fails with an error, nothing crashes.
+ * With a step budget, no step is planned to take longer than it (chunks sized from the measured
+ * cost of earlier steps). Requests are admitted by priority plus an aging credit for time waited,
+ * can carry a deadline, and can be canceled. docs/engine.md says more.
+ */
+
+typedef struct en_sched en_sched;
+
+typedef struct en_sched_req {
+    const int32_t *tokens; /* the prompt (copied) */
+    int n_tokens;
+    en_sample_params sample;
+    int max_tokens;         /* 0: default_max_tokens; clipped to max_ctx */
+    int priority;           /* higher first */
+    uint64_t deadline_ns;   /* absolute km_now_ns(); 0: none */
+    uint64_t arrival_ns;    /* when the request arrived; 0: now */
+    const char *cache_salt; /* NULL: none */
+    size_t cache_salt_len;
+    int ignore_eos;  /* keep going past end-of-generation tokens */
+    int speculate;   /* en_spec_mode; 0: the worker's */
+    int max_draft;   /* draft tokens per step at most; 0: the worker's (never more) */
+    int n_generated; /* the last n_generated prompt tokens were sampled by an earlier attempt
+                      * (a migration): the sampler's draws continue after them */
+    void *user;      /* handed back to every callback */
+} en_sched_req;
+
+typedef struct en_sched_usage {
+    int prompt_tokens, cached_tokens, completion_tokens, preemptions;
+    int draft_tokens, accepted_draft_tokens; /* drafted and verified / kept (of completion) */
+    double queue_ms, ttft_ms, total_ms;
+} en_sched_usage;
+
+typedef struct en_sched_cb {
+    /* A new token (index counts from 0). Return 1 to end the request with KM_FINISH_STOP (a stop
+     * string matched), 0 to go on. */
+    int (*on_token)(void *ctx, void *user, int index, int32_t token);
+    /* The request ended normally; user is not used again. */
+    void (*on_done)(void *ctx, void *user, km_finish finish, const en_sched_usage *u);
+    /* The request failed (code: km_proto_code) or was handed back; user is not used again. */
+    void (*on_error)(void *ctx, void *user, int code, const char *message, const en_sched_usage *u);
+    void *ctx;
+} en_sched_cb;
+
+typedef struct en_sched_stats {
+    int running, queued;
+    double step_ms_max;  /* the longest step so far */
+    double ns_per_unit;  /* the measured cost of one unit of step work (0: none measured yet) */
+    uint64_t budget_cut; /* prefill chunks the step budget made shorter */
+    uint64_t steps, prefill_tokens, decode_tokens, prompt_tokens, cached_tokens, preemptions,
+        recomputed_tokens, completed, canceled, deadline, failed, engine_errors,
+        kv_full; /* requests handed back (503) because pinned pages left no room: transient */
+    /* Speculative decoding: draft tokens verified, kept and thrown away; verification steps of
+     * a request (mean accepted length = spec_accepted / spec_verifies); back-offs. */
+    uint64_t spec_drafted, spec_accepted, spec_rejected, spec_verifies, spec_backoffs;
+} en_sched_stats;
+
+/* What the scheduler needs of an engine and its model. en_sched_create fills it from a en_engine
+ * and its en_model; tests/unit/test_scheduler_fake.c puts a fake engine behind it, so budgets,
+ * chunking and preemption are tested without the model file. */
+typedef struct en_sched_engine {
+    kv_store *kv;            /* the store the engine keeps the batch's KV in */
+    const en_hparams *hp;    /* shapes: n_vocab (a logits row's floats) and what a step's work
+                              * is counted in (the step budget's units); read at create */
+    const char *fingerprint; /* the model's, as en_model_fingerprint_hex: seeds page hashes */
+    /* As en_engine_step: n_out rows of logits, or a negative km_err (KM_ENOSPC: the KV store is
+     * full and nothing of the batch was computed). */
+    int (*step)(void *ctx, const en_batch *b, const float **logits);
+    /* Non-zero when `token` ends generation (md_tok_is_eog). */
+    int (*is_eog)(void *ctx, int32_t token);
+    void *ctx;
+    /* Self-speculation (EN_SPEC_SELF, scheduler_self.c): a second engine over the same model
+     * whose store (draft_kv, int4) holds a 4-bit copy of each drafting sequence's KV; its steps
+     * as `step`. NULL: requests that ask for it draft from suffixes (EN_SPEC_AUTO). */
+    kv_store *draft_kv;
+    int (*draft_step)(void *ctx, const en_batch *b, const float **logits);
+} en_sched_engine;
+
+int en_sched_create(en_engine *e, const en_model *m, const en_sched_opts *o, const en_sched_cb *cb,
+                    en_sched **out, km_errbuf *err);
+/* The same over any engine behind the interface above (copied; its ctx must outlive the
+ * scheduler). */
+int en_sched_create_on(const en_sched_engine *eng, const en_sched_opts *o, const en_sched_cb *cb,
+                       en_sched **out, km_errbuf *err);
+/* A scheduler made by en_sched_create drafts EN_SPEC_SELF requests with draft, an engine over
+ * the same model with an int4 store (kv_format KN_KV_INT4), which must outlive it. Before the
+ * first submit. */
+void en_sched_set_draft(en_sched *s, en_engine *draft);
+/* Frees everything; requests still held get no callback. */
+void en_sched_destroy(en_sched *s);
+/* Queues a request; *rid (may be NULL) identifies it for en_sched_cancel. KM_EOVERLOAD when the
+ * queue is full, KM_ERANGE when the prompt leaves no room in max_ctx, KM_EINVAL on a token
+ * outside the vocabulary. No callback is called for a refused request. */
+int en_sched_submit(en_sched *s, const en_sched_req *r, uint64_t *rid);
+/* Ends the request with KM_FINISH_CANCELED at the next step; KM_ENOTFOUND if it is not held. */
+int en_sched_cancel(en_sched *s, uint64_t rid);
+/* One iteration: expiries and cancellations, admission, one engine step, sampling, callbacks.
+ * Returns the number of tokens computed (0: nothing to do) or a negative km_err. */
+int en_sched_step(en_sched *s);
+/* Requests held (running + queued). */
+int en_sched_pending(const en_sched *s);
+/* Ends every held request with on_error(code, message) after publishing its computed pages, so
+ * whoever retries it elsewhere or later finds them cached (drain, shutdown). */
+void en_sched_abort_all(en_sched *s, int code, const char *message);
+void en_sched_stats_get(const en_sched *s, en_sched_stats *out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* EN_ENGINE_H */
