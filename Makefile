@@ -32,7 +32,7 @@ SANFLAGS :=
 OPT ?= -O2 -g
 endif
 
-WARN := -Wall -Wextra -Wno-unused-parameter -Wshadow -Wvla
+WARN := -Wall -Wextra -Wno-unused-parameter -Wshadow -Wvla -Werror=implicit-function-declaration
 CFLAGS_BASE := -std=gnu11 $(OPT) $(WARN) -I. $(SANINC) -pthread -fPIC -MMD -MP $(SANFLAGS) $(EXTRA_CFLAGS)
 AVX2_FLAGS := -mavx2 -mfma -mf16c
 AVX512_FLAGS := -mavx2 -mfma -mf16c -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vnni -mavx512bf16
