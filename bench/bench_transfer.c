@@ -81,8 +81,9 @@ static void apply(const tls_setting *t)
 /* Where two CPUs or more are online, the holder side of every measurement (our holder process,
  * ucx_perftest's server) runs on CPU 0 and the reader side (this process with its progress
  * thread, ucx_perftest's client) on CPU 1. Left to the scheduler on a 2-CPU VM, the two busy
- * sides sometimes share one CPU for a whole run, and a run then reads 1.5 instead of 3.7 GB/s,
- * for the pull and for ucx_perftest alike but not always in the same row (docs/transfer.md). */
+ * sides sometimes share one CPU for a whole run, and a run then reads about half, for the pull
+ * and for ucx_perftest alike but not always in the same row (docs/benchmarks.md, "Figures
+ * behind code comments"). */
 static int g_pin = -1;         /* -1: not pinned */
 static int g_fragment = 0;     /* the holder's pr_config.am_fragment (--fragment) */
 static long long g_stream = 0; /* the reader's pr_config.stream_bytes (--stream-bytes) */
@@ -418,7 +419,7 @@ static double wake_rtt_us(int spin)
 /* GB/s of memcpy of n distinct pages into n other pages on this CPU, the sources unchanged
  * between rounds (best of five): the most any same-host path can land, before any check. On a
  * VM whose caches hold a few megabytes it is far below a ucx_perftest that moves one buffer
- * around in the cache (shared memory, 25-27 GB/s). 0 when out of memory. */
+ * around in the cache (shared memory; docs/benchmarks.md has both). 0 when out of memory. */
 static double memcpy_gbps(int n, size_t page)
 {
     uint8_t *src = malloc(page * n), *dst = malloc(page * n);
@@ -444,7 +445,8 @@ static double memcpy_gbps(int n, size_t page)
 /* What a first write to anonymous memory costs here, the reason a transfer node prefaults its
  * arena (peer/node.c): GB/s of memset into 1 GiB never touched, of MADV_POPULATE_WRITE of
  * another GiB (what the prefault does), and of memset into the first again (resident). On a VM
- * the first two depend on whether the guest has used that much memory before (0.3-3 GB/s). */
+ * the first two depend on whether the guest has used that much memory before (docs/transfer.md,
+ * "Tuning", prefault_bytes). */
 static void fault_gbps(double *fresh, double *populate, double *again)
 {
     const size_t b = (size_t)1 << 30;

@@ -228,8 +228,8 @@ static void plan_router(up_planner *pl, up_proc *p, int ri, int *k)
     if (o->model) p->argv[(*k)++] = xfmt("--model=%s", o->model);
     long long ctx = workers_max_ctx(o);
     if (ctx) p->argv[(*k)++] = xfmt("--max-ctx=%lld", ctx);
-    /* workers with transfer nodes on one host: loopback moves pages at about 1 GB/s, so the
-     * router may weigh pulls before any worker has measured a rate (docs/transfer.md);
+    /* workers with transfer nodes on one host: a default rate of loopback's order of magnitude,
+     * so the router may weigh pulls before any worker has measured a rate (docs/transfer.md);
      * --router-args, pushed after, may say otherwise */
     if ((o->worker_args && strstr(o->worker_args, "--peer-listen")) ||
         (o->worker_args_for && strstr(o->worker_args_for, "--peer-listen")))

@@ -224,17 +224,15 @@ typedef struct en_sched_opts {
 } en_sched_opts;
 
 /* ---------------------------------------------------------------- scheduler
- *
  * en_sched_*: iteration-level continuous batching over one engine. Every step mixes the decode
  * token of each running sequence with prefill chunks of the others under a per-step token
  * budget. At admission only the prompt tokens kvshard does not already hold (verified prefix
  * hit) are computed. When the KV store is full the scheduler preempts the lowest-priority,
- * most recently admitted sequence: its full pages are published (so they stay cached, and the
- * store demotes them to a lower tier when it needs room) and it is requeued to be recomputed from
- * what is still cached; a lone sequence that cannot fit fails with an error, nothing crashes.
- * With a step budget, no step is planned to take longer than it (chunks sized from the measured
- * cost of earlier steps). Requests are admitted by priority plus an aging credit for time waited,
- * can carry a deadline, and can be canceled. docs/engine.md says more.
+ * most recently admitted sequence (its full pages published, so they stay cached) and requeues
+ * it; a lone sequence that cannot fit fails with an error. With a step budget, no step is
+ * planned to take longer than it (chunks sized from the measured cost of earlier steps).
+ * Requests are admitted by priority plus an aging credit for time waited, can carry a deadline,
+ * and can be canceled. engine/scheduler.c's opening comment says why.
  */
 
 typedef struct en_sched en_sched;

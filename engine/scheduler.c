@@ -1,5 +1,5 @@
 /*
- * scheduler.c — iteration-level continuous batching over one engine (en_sched_*, worker.h).
+ * scheduler.c — iteration-level continuous batching over one engine (en_sched_*, engine/engine.h).
  *
  * Each en_sched_step is one engine forward pass. The batch is built fresh every step: first one
  * decode token for every running sequence that is generating, then prefill chunks of the
@@ -695,10 +695,9 @@ int en_sched_step(en_sched *s)
         if (rc >= 0) {
             /* Drafts ride on decode steps, so the cost model learns from those alone: a
              * prefill chunk's many tokens share each weight read and unpacking, so they cost
-             * less each than the tokens of a step of a few, the region drafts live in (AVX2, 2
-             * threads, one sequence at 300 tokens, best of 30 on a lightly loaded machine: 1-4
-             * tokens ~6.7 ms, 6 tokens 11.7, 8 tokens 25, 16 tokens 48), and a slope learned
-             * from prefill underpriced long verifications. */
+             * less each than the tokens of a step of a few, the region drafts live in, and a
+             * slope learned from prefill underpriced long verifications (docs/benchmarks.md,
+             * "Step cost by tokens in the step"). */
             if (!s->step_prefill) en_spec_observe_step(s->spec, n, (km_now_ns() - t0) / 1e6);
             break;
         }

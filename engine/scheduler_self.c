@@ -15,9 +15,9 @@
  * positions and is truncated away after the draft steps; drafts never leave that page (the
  * planner caps them there), so no int4 page ever holds a draft's KV.
  *
- * Cost (the figures in docs/speculative.md): a copy reads each position's K and V once; a draft
- * step costs what a decode step over int4 KV costs (0.70-0.80x a full one at 4-8k positions on
- * the machines measured), and the steps run on the service's step thread like any other.
+ * Cost (the figures in docs/speculative.md, "Self-speculation over int4 KV"): a copy reads each
+ * position's K and V once; a draft step costs what a decode step over int4 KV costs, and the
+ * steps run on the service's step thread like any other.
  */
 #include <stdlib.h>
 #include <string.h>

@@ -124,10 +124,9 @@ typedef struct kn_ops {
 
     /* XXH3_64bits_update(state, p, n): state is an XXH3_state_t (<xxhash.h>), reset and digested
      * by the caller. Every table gives the same state, bit for bit (XXH3 is defined so); the AVX2
-     * build hashes 1.65x (from memory) to 1.9x (in L1) faster than the SSE2 one a plain compile
-     * gets (bench_kernels -x, Intel Xeon), and the AVX-512 table forwards to it (hash_avx512.c
-     * says why). What a transfer's
-     * receiver verifies on every page that lands (docs/transfer.md). */
+     * build hashes faster than the SSE2 one a plain compile gets (docs/benchmarks.md), and the
+     * AVX-512 table forwards to it (hash_avx512.c says why). What a transfer's receiver verifies
+     * on every page that lands (docs/transfer.md). */
     void (*xxh3_update)(void *state, const void *p, size_t n);
 } kn_ops;
 
@@ -136,7 +135,7 @@ const kn_ops *kn_ops_get(kn_isa isa);
 /* The fastest supported table; KVMESH_ISA=scalar|avx2|avx512 in the environment caps it. */
 const kn_ops *kn_ops_best(void);
 /* How many times slower than the SIMD tables an engine on table o runs: 30 for scalar (its
- * prefill measured 29x slower than AVX2 on an AMD EPYC Zen 3), else 1. For bounds that wait on
+ * prefill against AVX2's, docs/benchmarks.md), else 1. For bounds that wait on
  * engine work (tools' and tests' time-outs, since daemons inherit KVMESH_ISA), never for results.
  */
 int kn_ops_slowdown(const kn_ops *o);

@@ -281,18 +281,13 @@ uint64_t kv_store_events_next_seq(const kv_store *s);
  * What a transfer layer between stores (peer/peer.h) needs, and nothing about networks:
  *  - the memory to register once: with kv_config.arena every RAM page buffer lies inside one of
  *    kv_store_mem_regions, which stay mapped until kv_store_destroy;
- *  - export: the longest verified prefix of a chain pinned for a reader until kv_export_end or
- *    its lease deadline (kv_export_expire), whichever comes first; pages on host or disk are
- *    promoted to the hot tier (a page a peer asks for is hot by definition), and the export
- *    counts as a prefix hit of this store;
- *  - import: destination buffers for pages that will arrive (in the store's memory, in the
- *    format they travel in), then, for those the caller verified, indexing as if computed
- *    locally (converted to the store's format, a STORED event each);
- *  - the page checksum both sides compute (kv_xfer_checksum), covering identity and payload.
- * All of these are structural calls (the store's owner thread, between steps). The bytes of a
- * pinned or reserved page may be read or written by another thread or a NIC meanwhile, so
- * recovery level 2 leaves them where they are (a page also held by a running sequence is still
- * converted through it; its reader then gets bytes that fail the checksum). */
+ *  - export: the longest verified prefix of a chain, promoted to hot and pinned for a reader
+ *    until kv_export_end or its lease deadline (kv_export_expire); it counts as a prefix hit;
+ *  - import: buffers for pages that will arrive, then those the caller verified indexed as if
+ *    computed here (a STORED event each); the page checksum both sides compute (kv_xfer_checksum).
+ * All are structural calls (the store's owner thread, between steps). Another thread or a NIC
+ * may touch a pinned page's bytes meanwhile, so recovery level 2 leaves them where they are
+ * (docs/kvshard.md, "Page transfer support"). */
 
 typedef struct kv_mem_region {
     void *base;

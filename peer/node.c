@@ -25,16 +25,12 @@
 
 /* Makes the first prefault_target bytes of the arena resident, a chunk at a time, scheduled
  * only when a CPU has nothing else to run (SCHED_IDLE), until done or the node is destroyed.
- * Why: on the VMs measured here a first write to anonymous memory runs at 0.3-3 GB/s in page
- * faults (each 4 KiB zeroed and charged to the memory cgroup; slowest where the guest has not
- * used that memory before) against 7-10 GB/s to memory already resident (bench_transfer's
- * header), and a pull lands its pages on the progress thread: a fresh worker's
- * 128-page pull took 57-72 ms faulting them in (perf: exc_page_fault, the memory cgroup's
- * charge) and 26-37 ms into resident memory (bench_pull, docs/transfer.md). Populating
- * a present page changes nothing in it, so this runs beside the engine and the transfers
- * without touching kvshard; UCX's registration of the arena is unaffected (over RDMA it has made
- * the memory resident already). A kernel without MADV_POPULATE_WRITE refuses it: pages are
- * then faulted in as before. */
+ * Why: a first write to anonymous memory is a page fault per 4 KiB (zeroed and charged to the
+ * memory cgroup), several times slower than writing resident memory, and a pull lands its pages
+ * on the progress thread, so a fresh worker's pulls took twice as long (docs/transfer.md,
+ * "Tuning", has the figures). Populating a present page changes nothing in it, so this runs
+ * beside the engine and the transfers without touching kvshard; UCX's registration of the arena
+ * is unaffected. A kernel without MADV_POPULATE_WRITE refuses it: pages are faulted in. */
 static void *pr_prefault_main(void *arg)
 {
     pr_node *n = arg;
@@ -81,7 +77,7 @@ static void pr_prefault_stop(pr_node *n)
 {
     if (!n->prefault_started) return;
     atomic_store_explicit(&n->prefault_stop, 1, memory_order_relaxed);
-    pthread_join(n->prefault_thr, NULL); /* at most one chunk: ~2 ms */
+    pthread_join(n->prefault_thr, NULL); /* waits for one chunk at most */
     n->prefault_started = 0;
 }
 

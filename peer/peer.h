@@ -79,8 +79,8 @@ typedef struct pr_config {
     long long stream_bytes;
     /* Leading bytes of the page arena a background thread makes resident after the node starts
      * (MADV_POPULATE_WRITE a chunk at a time, on an otherwise idle CPU: SCHED_IDLE), so that
-     * pages landing from a peer do not take a page fault per 4 KiB (docs/transfer.md: a fresh
-     * worker's 128-page pull took 60 ms instead of ~25); 0: the store's hot-tier budget; < 0:
+     * pages landing from a peer do not take a page fault per 4 KiB (docs/transfer.md, "Tuning",
+     * says what that costs a fresh worker's pull); 0: the store's hot-tier budget; < 0:
      * none (pages are faulted in as they are first written). Resident memory grows to it. */
     long long prefault_bytes;
 } pr_config;

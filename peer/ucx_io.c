@@ -76,10 +76,9 @@ static void pr_op_settle(pr_op *o, int ok)
  * what has been hashed so far, hashed a chunk at a time: from the page, where it is still in L1
  * after the copy, or, in a pull larger than the caches (up->stream), from the receive buffer
  * while the copy goes around the caches: pages that cannot stay cached are not read for
- * ownership first: 256 f16 pages of the default model over TCP 4.01-4.31 GB/s with plain
- * stores, 5.27-5.46 streaming (bench_transfer --only-tls tcp --only-mode am --stream-bytes -1
- * vs 0, three alternated runs, Intel Xeon); 16 pages (5.9 MB, under the threshold) stay in the
- * cache, where streaming stores measured slower. */
+ * ownership first, which pulls of many pages read faster (docs/transfer.md, "Tuning",
+ * stream_bytes); 16 pages (5.9 MB, under the threshold) stay in the cache, where streaming
+ * stores measured slower. */
 static void pr_land(pr_upull *up, pr_op *o, const kv_xfer_page *d, uint64_t off, const void *data,
                     size_t len)
 {

@@ -244,10 +244,8 @@ static size_t kn_att_blk_bytes(kn_kv_format f, int pt, int hd)
 }
 
 /* Always inlined, as every function here that prefetches must be: GCC (12) finds that a static
- * function whose only effect is a prefetch has none, and deletes its calls. Until 2026-11-28 this
- * one and kn_att_prefetch_page were static functions and the SIMD builds' attention carried no
- * prefetch instruction at all (tests/check_prefetch.sh now fails the build if one goes missing);
- * the T0 -> T1 figures once written here measured two builds without prefetches. */
+ * function whose only effect is a prefetch has none, and deletes its calls (make check-prefetch
+ * fails if one goes missing; docs/benchmarks.md, "The batch-32 drop, found", tells the story). */
 KN_AI void kn_att_prefetch(const uint8_t *p, size_t bytes)
 {
     if (bytes > KN_ATT_PF_BYTES) bytes = KN_ATT_PF_BYTES;

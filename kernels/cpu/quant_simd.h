@@ -130,9 +130,9 @@ KN_AI float kn_h2f(const void *p)
  * hardware prefetcher alone leaves DRAM bandwidth unused at m = 1; docs/kernels.md): at block b
  * of this panel, block b of the next one (gs bytes, a multiple of 64; a compile-time constant
  * where this is inlined, so it costs the prefetches and no loop). next is NULL for the last
- * panel of a range. Into L2 (KN_PF_HINT), not L1: on a Zen 4 EPYC a T0 prefetch of a cold
- * matrix ran at 0.45x the speed of T1 (bench_kernels -s 196608,576: 6.5 ms vs 3.0 ms per call at
- * m = 1; one-thread decode 100-115 -> 157-196 tok/s), the L1 misses queueing behind each other. */
+ * panel of a range. Into L2 (KN_PF_HINT), not L1: into L1 the misses of a cold matrix queue
+ * behind each other and the matmul ran at half the speed (docs/kernels.md, "How the matmul is
+ * tiled", has the figures). */
 #define KN_PF_HINT _MM_HINT_T1
 KN_AI void kn_pf_block(const uint8_t *next, size_t gs, int b)
 {

@@ -68,7 +68,8 @@ KN_AI __m512 kn_fold16(__m512 d0, __m512 d1, __m512 d2, __m512 d3)
 
 /* 16 int4 channels (8 bytes, low nibble first) as floats 0..15, in channel order: the two
  * 32-bit words spread over lanes 0-7 and 8-15, then one variable shift per lane and a mask
- * (as simd_avx2.h's kn_kv_int4x8; ~20% faster over int4 pages than widening bytes to words). */
+ * (as simd_avx2.h's kn_kv_int4x8; faster over int4 pages than widening bytes to words:
+ * docs/benchmarks.md, "Figures behind code comments"). */
 KN_AI __m512 kn_kv_int4x16(const uint8_t *p)
 {
     const __m512i w =
