@@ -138,14 +138,20 @@ void it_spawn(it_proc *p, const char *const *argv, const char *const *extra, con
     cr_assert_fail("%s did not start in 30 s (log: %s)", args[0], log);
 }
 
+const char *it_worker_bin(void)
+{
+    const char *w = getenv("KVMESH_IT_WORKER");
+    return w && *w ? w : IT_WORKER;
+}
+
 void it_start_worker(it_proc *p, const char *tag, const char *const *flags,
                      const char *const *extra)
 {
     it_proc_dir(p, tag);
     char ports[128];
     snprintf(ports, sizeof ports, "%s/ports", p->dir);
-    const char *argv[48] = {IT_WORKER, "--listen=tcp://127.0.0.1:*", "--events=tcp://127.0.0.1:*",
-                            "--ports-file", ports};
+    const char *argv[48] = {it_worker_bin(), "--listen=tcp://127.0.0.1:*",
+                            "--events=tcp://127.0.0.1:*", "--ports-file", ports};
     int n = 5;
     for (int i = 0; flags && flags[i] && n < 47; i++) argv[n++] = flags[i];
     argv[n] = NULL;
@@ -192,6 +198,18 @@ void it_kill_all(void)
 }
 
 /* ---------------------------------------------------------------- ZeroMQ */
+
+uint64_t it_deadline(int timeout_ms)
+{
+    return km_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+}
+
+bool it_poll(uint64_t deadline)
+{
+    if (km_now_ns() >= deadline) return false;
+    km_sleep_ms(IT_POLL_MS);
+    return true;
+}
 
 void *it_zctx(void)
 {
