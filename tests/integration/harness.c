@@ -25,6 +25,7 @@
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <zmq.h>
 
 #define IT_MAX_CHILDREN 64
 
@@ -225,6 +226,35 @@ void *it_dealer(const char *ep)
     cr_assert_eq(km_zsock_open(it_zctx(), KM_ZDEALER, NULL, &s, &err), 0, "%s", err.msg);
     cr_assert_eq(km_zsock_connect(s, ep, &err), 0, "%s", err.msg);
     return s;
+}
+
+void *it_xpub(const char *url, char *ep, size_t cap)
+{
+    void *s = zmq_socket(it_zctx(), ZMQ_XPUB);
+    cr_assert_not_null(s, "XPUB: %s", zmq_strerror(zmq_errno()));
+    const int one = 1, zero = 0;
+    cr_assert_eq(zmq_setsockopt(s, ZMQ_XPUB_VERBOSE, &one, sizeof one), 0);
+    cr_assert_eq(zmq_setsockopt(s, ZMQ_LINGER, &zero, sizeof zero), 0);
+    cr_assert_eq(zmq_bind(s, url), 0, "bind %s: %s", url, zmq_strerror(zmq_errno()));
+    size_t n = cap;
+    cr_assert_eq(zmq_getsockopt(s, ZMQ_LAST_ENDPOINT, ep, &n), 0);
+    return s;
+}
+
+void it_wait_subscribed(void *xpub, int n, int timeout_ms)
+{
+    const uint64_t end = it_deadline(timeout_ms);
+    int got = 0;
+    while (got < n) {
+        uint8_t b[256];
+        int len = zmq_recv(xpub, b, sizeof b, ZMQ_DONTWAIT);
+        if (len > 0) {
+            got += b[0] == 1; /* 1: subscribe, 0: unsubscribe */
+            continue;
+        }
+        cr_assert(it_poll(end), "%d of %d subscriptions reached the publisher in %d ms", got, n,
+                  timeout_ms);
+    }
 }
 
 void it_send_raw(void *s, const void *p, size_t n)

@@ -87,6 +87,12 @@ bool it_poll(uint64_t deadline);
 void *it_zctx(void);
 /* A DEALER connected to ep. */
 void *it_dealer(const char *ep);
+/* An XPUB bound to url (its endpoint into ep): a PUB that also hands the test each subscription
+ * (ZMQ_XPUB_VERBOSE), so that a test stands in for a publisher (the controller's views) and knows
+ * when a subscriber has joined, instead of publishing until it surely has. km_zsock_close. */
+void *it_xpub(const char *url, char *ep, size_t cap);
+/* Waits up to timeout_ms until n more subscriptions have reached xpub; fails the test if not. */
+void it_wait_subscribed(void *xpub, int n, int timeout_ms);
 void it_send_raw(void *s, const void *p, size_t n);
 void it_send_msg(void *s, const km_msg *m);
 /* Receives one frame within timeout_ms and decodes it into m (fails the test if it does not
