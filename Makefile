@@ -194,7 +194,7 @@ $(OBJ)/tests/unit/emu512_avx2.o: CFLAGS_BASE += -Wno-psabi
 ifeq ($(TSAN),1)
 TEST_RUNNER := $(OBJ)/tests/tsan/runner.o
 TEST_LIBS :=
-TEST_ARCHIVES := $(LIB_KVSHARD) $(LIB_KERNELS) $(LIB_MODEL) $(LIB_COMMON)
+TEST_ARCHIVES := $(LIB_PEER) $(LIB_KVSHARD) $(LIB_KERNELS) $(LIB_MODEL) $(LIB_COMMON)
 else
 TEST_RUNNER :=
 TEST_LIBS := -lcriterion
@@ -234,15 +234,29 @@ unit-tests-san: ## the unit tests under AddressSanitizer and UBSan (build/san)
 	@$(MAKE) --no-print-directory SAN=1 unit-tests
 
 # The threaded parts under ThreadSanitizer: the kernel thread pool (test_pool), kvshard's promoter
-# thread (test_kvshard: host tier, asynchronous promotion, views waiting for their layer) and the
-# admin HTTP server's thread (test_admin_http). A data race fails the run (halt_on_error).
-TSAN_TESTS := $(patsubst tests/unit/%.c,%,$(wildcard $(addprefix tests/unit/,test_pool.c test_kvshard.c test_admin_http.c)))
+# thread (test_kvshard: host tier, asynchronous promotion, views waiting for their layer), the
+# admin HTTP server's thread (test_admin_http), the transfer node's threads (test_xfer_peer: UCX's
+# progress thread, the arena prefault) and the worker's heartbeat thread (the plain integration
+# test below, against a ThreadSanitizer kvmesh-worker, which exits 66 at its first race). A data
+# race fails the run (halt_on_error). test_xfer_proc cannot run under it: it forks a process
+# that has threads, and the child starts threads of its own (TSan: die_after_fork).
+# UCX_MEM_MMAP_HOOK_MODE=none: UCX's memory hooks (libucm) patch madvise, which glibc calls on a
+# thread's stack as the thread exits, after TSan has let go of the thread: the process would
+# crash. tests/tsan/suppressions.txt names races inside libraries that are not instrumented.
+TSAN_TESTS := $(patsubst tests/unit/%.c,%,$(wildcard $(addprefix tests/unit/,test_pool.c test_kvshard.c test_admin_http.c test_xfer_peer.c)))
+TSAN_ENV = UCX_MEM_MMAP_HOOK_MODE=none TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 \
+  exitcode=66 suppressions=$(CURDIR)/tests/tsan/suppressions.txt $(TSAN_OPTIONS)"
+TSAN_HB_TEST := worker/heartbeats_reach_the_controller_and_serving_survives_its_absence
 unit-tests-tsan: ## the threaded parts' unit tests under ThreadSanitizer (build/tsan)
+	@$(MAKE) --no-print-directory build/tests/integration/test_worker
 	@$(MAKE) --no-print-directory TSAN=1 tsan-run
 .PHONY: tsan-run
-tsan-run: $(addprefix $(TESTBIN)/,$(TSAN_TESTS)) ## (with TSAN=1) builds and runs TSAN_TESTS
-	@set -e; for t in $^; do echo "== $$t (ThreadSanitizer)"; \
-	  TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 $(TSAN_OPTIONS)" $$t --jobs 2; done
+tsan-run: $(addprefix $(TESTBIN)/,$(TSAN_TESTS)) $(BIN)/kvmesh-worker ## (with TSAN=1) builds and runs TSAN_TESTS
+	@set -e; for t in $(addprefix $(TESTBIN)/,$(TSAN_TESTS)); do \
+	  echo "== $$t (ThreadSanitizer)"; $(TSAN_ENV) $$t --jobs 2; done
+	@echo "== $(TSAN_HB_TEST) against $(BIN)/kvmesh-worker (ThreadSanitizer)"
+	@KVMESH_IT_WORKER=$(BIN)/kvmesh-worker $(TSAN_ENV) \
+	  build/tests/integration/test_worker --jobs 1 --filter '$(TSAN_HB_TEST)'
 
 test: deps ## the gate (`bash .ci/run`): lint, build, layers, unit tests plain/ASan/TSan, fuzz, integration, chaos-short
 	@$(MAKE) --no-print-directory lint

@@ -78,9 +78,13 @@ int xh_same_bytes(kv_store *a, kv_store *b, const int32_t *toks, const km_pageha
     int rc = -2;
     if (pa && pb && kv_export_begin(a, hs, toks, n, 0, &ea) == n &&
         kv_export_begin(b, hs, toks, n, 0, &eb) == n) {
-        while (kv_export_pages(a, ea, 0, n, pa) == KM_EAGAIN) km_sleep_ms(1);
-        while (kv_export_pages(b, eb, 0, n, pb) == KM_EAGAIN) km_sleep_ms(1);
-        rc = -1;
+        const uint64_t guard = xh_after(30); /* pages on their way up from a lower tier */
+        int ra, rb;
+        while ((ra = kv_export_pages(a, ea, 0, n, pa)) == KM_EAGAIN && km_now_ns() < guard)
+            km_sleep_ms(1);
+        while ((rb = kv_export_pages(b, eb, 0, n, pb)) == KM_EAGAIN && km_now_ns() < guard)
+            km_sleep_ms(1);
+        rc = ra == KM_EAGAIN || rb == KM_EAGAIN ? -3 : -1;
         for (int i = 0; i < n && rc == -1; i++)
             if (pa[i].format != pb[i].format || pa[i].bytes != pb[i].bytes ||
                 memcmp(pa[i].buf, pb[i].buf, pa[i].bytes) || pa[i].checksum != pb[i].checksum)

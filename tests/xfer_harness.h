@@ -26,7 +26,8 @@ void xh_chain(int32_t *toks, km_pagehash *hs, int n, int pt, int salt);
 int xh_compute(kv_store *s, xh_shape sh, const int32_t *toks, const km_pagehash *hs, int n);
 uint64_t xh_after(double seconds); /* km_now_ns() + seconds */
 /* -1 when the first n pages of the chain hold the same bytes (and format and checksum) in a
- * and b; else the first page that differs, or -2 when one of them lacks a page. */
+ * and b; else the first page that differs, -2 when one of them lacks a page, or -3 when a page
+ * was still on its way up from a lower tier after 30 s. */
 int xh_same_bytes(kv_store *a, kv_store *b, const int32_t *toks, const km_pagehash *hs, int n);
 
 /* ---------------------------------------------------------------- control channel */

@@ -25,6 +25,7 @@
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <zmq.h>
 
 #define IT_MAX_CHILDREN 64
 
@@ -138,14 +139,20 @@ void it_spawn(it_proc *p, const char *const *argv, const char *const *extra, con
     cr_assert_fail("%s did not start in 30 s (log: %s)", args[0], log);
 }
 
+const char *it_worker_bin(void)
+{
+    const char *w = getenv("KVMESH_IT_WORKER");
+    return w && *w ? w : IT_WORKER;
+}
+
 void it_start_worker(it_proc *p, const char *tag, const char *const *flags,
                      const char *const *extra)
 {
     it_proc_dir(p, tag);
     char ports[128];
     snprintf(ports, sizeof ports, "%s/ports", p->dir);
-    const char *argv[48] = {IT_WORKER, "--listen=tcp://127.0.0.1:*", "--events=tcp://127.0.0.1:*",
-                            "--ports-file", ports};
+    const char *argv[48] = {it_worker_bin(), "--listen=tcp://127.0.0.1:*",
+                            "--events=tcp://127.0.0.1:*", "--ports-file", ports};
     int n = 5;
     for (int i = 0; flags && flags[i] && n < 47; i++) argv[n++] = flags[i];
     argv[n] = NULL;
@@ -193,6 +200,18 @@ void it_kill_all(void)
 
 /* ---------------------------------------------------------------- ZeroMQ */
 
+uint64_t it_deadline(int timeout_ms)
+{
+    return km_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+}
+
+bool it_poll(uint64_t deadline)
+{
+    if (km_now_ns() >= deadline) return false;
+    km_sleep_ms(IT_POLL_MS);
+    return true;
+}
+
 void *it_zctx(void)
 {
     if (!g_zctx) g_zctx = km_zctx_create();
@@ -207,6 +226,35 @@ void *it_dealer(const char *ep)
     cr_assert_eq(km_zsock_open(it_zctx(), KM_ZDEALER, NULL, &s, &err), 0, "%s", err.msg);
     cr_assert_eq(km_zsock_connect(s, ep, &err), 0, "%s", err.msg);
     return s;
+}
+
+void *it_xpub(const char *url, char *ep, size_t cap)
+{
+    void *s = zmq_socket(it_zctx(), ZMQ_XPUB);
+    cr_assert_not_null(s, "XPUB: %s", zmq_strerror(zmq_errno()));
+    const int one = 1, zero = 0;
+    cr_assert_eq(zmq_setsockopt(s, ZMQ_XPUB_VERBOSE, &one, sizeof one), 0);
+    cr_assert_eq(zmq_setsockopt(s, ZMQ_LINGER, &zero, sizeof zero), 0);
+    cr_assert_eq(zmq_bind(s, url), 0, "bind %s: %s", url, zmq_strerror(zmq_errno()));
+    size_t n = cap;
+    cr_assert_eq(zmq_getsockopt(s, ZMQ_LAST_ENDPOINT, ep, &n), 0);
+    return s;
+}
+
+void it_wait_subscribed(void *xpub, int n, int timeout_ms)
+{
+    const uint64_t end = it_deadline(timeout_ms);
+    int got = 0;
+    while (got < n) {
+        uint8_t b[256];
+        int len = zmq_recv(xpub, b, sizeof b, ZMQ_DONTWAIT);
+        if (len > 0) {
+            got += b[0] == 1; /* 1: subscribe, 0: unsubscribe */
+            continue;
+        }
+        cr_assert(it_poll(end), "%d of %d subscriptions reached the publisher in %d ms", got, n,
+                  timeout_ms);
+    }
 }
 
 void it_send_raw(void *s, const void *p, size_t n)

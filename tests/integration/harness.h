@@ -16,6 +16,7 @@
 #define IT_HARNESS_H
 
 #include <stdbool.h>
+#include <stdint.h>
 #include <sys/types.h>
 
 #include "common/svc.h"
@@ -54,6 +55,9 @@ void it_spawn(it_proc *p, const char *const *argv, const char *const *extra, con
  * <dir>/worker.log. */
 void it_start_worker(it_proc *p, const char *tag, const char *const *flags,
                      const char *const *extra);
+/* The worker binary it_start_worker runs: $KVMESH_IT_WORKER when set (make unit-tests-tsan runs
+ * the heartbeat test against a ThreadSanitizer build so), IT_WORKER otherwise. */
+const char *it_worker_bin(void);
 /* Waits up to timeout_ms for p to exit: its exit status, or -1 (killed by a signal, or killed
  * after the timeout). */
 int it_wait_exit(it_proc *p, int timeout_ms);
@@ -63,11 +67,32 @@ void it_stop(it_proc *p);
  * suites' fini. */
 void it_kill_all(void);
 
+/* ---------------------------------------------------------------- waiting
+ * A test waits for a condition, never for a time. IT_WAIT evaluates cond (any expression) again
+ * every IT_POLL_MS until it holds, and fails the test with the printf-style message if it still
+ * does not after timeout_ms; it_poll is its step, for loops that do more between looks (it
+ * sleeps one poll period and says whether the deadline, from it_deadline, is still ahead). */
+#define IT_POLL_MS 20
+uint64_t it_deadline(int timeout_ms);
+bool it_poll(uint64_t deadline);
+#define IT_WAIT(cond, timeout_ms, ...)                                                             \
+    do {                                                                                           \
+        const uint64_t it_end_ = it_deadline(timeout_ms);                                          \
+        while (!(cond))                                                                            \
+            if (!it_poll(it_end_)) cr_assert_fail(__VA_ARGS__);                                    \
+    } while (0)
+
 /* The process's ZeroMQ context (created on first use, left to the process's exit: a test that
  * failed half way may leave a socket open, and terminating the context would wait for it). */
 void *it_zctx(void);
 /* A DEALER connected to ep. */
 void *it_dealer(const char *ep);
+/* An XPUB bound to url (its endpoint into ep): a PUB that also hands the test each subscription
+ * (ZMQ_XPUB_VERBOSE), so that a test stands in for a publisher (the controller's views) and knows
+ * when a subscriber has joined, instead of publishing until it surely has. km_zsock_close. */
+void *it_xpub(const char *url, char *ep, size_t cap);
+/* Waits up to timeout_ms until n more subscriptions have reached xpub; fails the test if not. */
+void it_wait_subscribed(void *xpub, int n, int timeout_ms);
 void it_send_raw(void *s, const void *p, size_t n);
 void it_send_msg(void *s, const km_msg *m);
 /* Receives one frame within timeout_ms and decodes it into m (fails the test if it does not

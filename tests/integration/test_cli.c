@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include "client/kvmesh.h"
+#include "tests/integration/harness.h" /* IT_WAIT */
 
 #define MODEL  "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 #define WORKER "build/bin/kvmesh-worker"
@@ -252,6 +253,16 @@ Test(cli, run_prints_its_statistics_on_a_line_of_their_own)
 
 /* `kvmesh status --worker`: the KV shards and expert groups of a worker serving the MoE test
  * model with expert-aware shards (issue 16), from its /metrics; a dense model refuses the key. */
+/* Runs `kvmesh status` (cmd; its output into *out, the last one freed): the pages it says were
+ * placed by expert, or -1 when it does not say. */
+static int status_placed(const char *cmd, char **out)
+{
+    free(*out);
+    cr_assert_eq(run(cmd, out), 0, "%s", *out);
+    const char *placed = strstr(*out, "expert): ");
+    return placed ? atoi(placed + 9) : -1;
+}
+
 Test(cli, status_worker_shows_shards_and_expert_groups)
 {
     if (!have_worker_binaries()) return;
@@ -275,14 +286,13 @@ Test(cli, status_worker_shows_shards_and_expert_groups)
         cr_assert(strstr(o, "cached (") && (!i || !strstr(o, " 0 cached")), "request %d: %s", i, o);
         free(o);
     }
-    usleep(1300 * 1000); /* the worker refreshes its KV gauges once a second */
+    /* the worker refreshes its KV gauges every so often: until they count the placements */
     snprintf(cmd, sizeof cmd, KVMESH " status --worker http://127.0.0.1:%d", admin);
-    cr_assert_eq(run(cmd, &out), 0, "%s", out);
+    out = NULL;
+    IT_WAIT(status_placed(cmd, &out) > 10, 10000, "pages placed: %s", out);
     cr_assert(strstr(out, "4 KV shards") && strstr(out, "expert groups (--kv-shard-key expert)") &&
                   strstr(out, "moved to their expert's shard") && strstr(out, "max/mean"),
               "%s", out);
-    const char *placed = strstr(out, "expert): ");
-    cr_assert(placed && atoi(placed + 9) > 10, "pages placed: %s", out);
     free(out);
     expect(KVMESH " status --worker http://127.0.0.1:9", 1, "kvmesh status:");
     kill_worker();

@@ -142,6 +142,11 @@ static double rt_metric(const char *series)
     return it_metric_at(g_h[H_RTR].ip, g_rtr.http_port, series);
 }
 
+static double ctl_metric(const char *series)
+{
+    return it_metric_at(g_h[H_CTL].ip, g_ctl.admin_port, series);
+}
+
 /* Waits until the router's series is at least min. */
 static void rt_wait(const char *series, double min, const char *what)
 {
@@ -354,7 +359,8 @@ static void warm_until_measured(const it_proc *w, const char *id)
             seen = prefill_seen(id);
         }
         if (seen) {
-            usleep(600000);
+            const double views = rt_metric("kvmesh_router_views_total");
+            rt_wait("kvmesh_router_views_total", views + 2, "views after the prefill rate");
             return;
         }
     }
@@ -501,7 +507,10 @@ static void act_drain_handoff(const int32_t *p, const answer *ref)
     rt_wait_worker("wc", "wc joining");
     wait_ready((const char *const[]){"wb", "wc", NULL},
                (const it_host *const[]){&g_h[H_WB], &g_h[H_WC]});
-    usleep(500000); /* two more views: wb's own subscription has one naming wc too */
+    /* two more views: wb's own subscription has one naming wc too */
+    const double views = ctl_metric("kvmesh_controller_views_total");
+    IT_WAIT(ctl_metric("kvmesh_controller_views_total") >= views + 2, WAIT_MS,
+            "the controller published no two views in %d s", WAIT_MS / 1000);
     char cmd[700], out[4096];
     snprintf(cmd, sizeof cmd, KVMESH " recover --controller %s --worker wb --level 3",
              g_ctl.listen);

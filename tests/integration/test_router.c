@@ -677,7 +677,7 @@ Test(router, slowloris_connections_do_not_lock_out_new_http_clients)
     char cmd[1024], *out;
     for (int round = 0; round < 40; round++) {
         slow_drip(fds, N, round);
-        usleep(50000);
+        usleep(50000); /* the attack's pace, not a wait */
     }
     int open_ = 0;
     for (int i = 0; i < N; i++) open_ += fds[i] >= 0;
@@ -758,7 +758,7 @@ static void *viewpub_main(void *arg)
             km_zframe parts[2] = {{"view", 4}, {b.data, b.len}};
             km_zsend(vp->pub, parts, 2, KM_ZDONTWAIT, NULL);
         }
-        usleep(100000);
+        usleep(100000); /* the stand-in controller's publishing period */
     }
     km_buf_free(&b);
     return NULL;

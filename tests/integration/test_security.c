@@ -33,6 +33,7 @@
 #include "common/sec.h"
 #include "common/svc.h"
 #include "kvshard/diskfmt.h"
+#include "tests/integration/harness.h" /* IT_WAIT */
 #include "tests/unit/sec_fixture.h"
 
 #define MODEL      "models/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -380,6 +381,38 @@ static bool view_lists(const char *id, km_member_state *state)
     return found;
 }
 
+/* Sends requests of new prompts on s until a KV event reaches sub, a SUB that joins its PUB some
+ * time after it connects (events published before are not its to see); false after 60 s. */
+static bool kv_event_arrives(void *sub, void *s)
+{
+    const uint64_t end = km_now_ns() + 60000000000ull;
+    km_msg m;
+    for (uint64_t id = 1000; km_now_ns() < end; id++) {
+        char prompt[300];
+        snprintf(prompt, sizeof prompt, "Question %llu. %s", (unsigned long long)id,
+                 "Paris is the capital and largest city of France. It lies on the Seine.");
+        msg_request(&m, id);
+        m.req.prompt = prompt; /* a first page no request had: a `stored` event */
+        send_msg(s, &m);
+        if (recv_type(s, KM_MSG_DONE, &m, 60000)) return false;
+        km_msg_clear(&m);
+        if (!recv_type(sub, KM_MSG_KV_EVENT, &m, 1000)) {
+            km_msg_clear(&m);
+            return true;
+        }
+    }
+    return false;
+}
+
+/* Waits until the controller has taken n heartbeats more (w0 beats every 200 ms): whatever a
+ * refused command or a flood would have changed in its view shows by then. */
+static void wait_heartbeats(int n)
+{
+    const double from = metric(g_ctl.admin, "kvmesh_controller_heartbeats_total");
+    IT_WAIT(metric(g_ctl.admin, "kvmesh_controller_heartbeats_total") >= from + n, 30000,
+            "the controller took no %d heartbeats in 30 s", n);
+}
+
 /* Waits (up to 60 s) until the controller's view has w0 ready. */
 static void wait_w0_ready(void)
 {
@@ -438,7 +471,6 @@ Test(security, every_zeromq_endpoint_refuses_no_key_an_unknown_key_and_a_wrong_r
     /* the right keys work, and make the worker publish KV events meanwhile */
     void *ev = peer(KM_ZSUB, g_w0.b, KEY_NAMED, "router", "w0");
     void *view = peer(KM_ZSUB, g_ctl.b, KEY_NAMED, "admin", "controller");
-    usleep(300000); /* the subscriptions reach the publishers */
     void *cl = peer(KM_ZDEALER, g_rt.a, KEY_NAMED, "client", "router");
     km_msg m;
     msg_request(&m, 11);
@@ -457,8 +489,7 @@ Test(security, every_zeromq_endpoint_refuses_no_key_an_unknown_key_and_a_wrong_r
     cr_assert(m.admin_reply.ok);
     km_msg_clear(&m);
     cr_assert(view_lists("w0", NULL));
-    cr_assert_eq(recv_type(ev, KM_MSG_KV_EVENT, &m, 10000), 0, "a member got no KV events");
-    km_msg_clear(&m);
+    cr_assert(kv_event_arrives(ev, mem), "a member got no KV events");
     cr_assert_eq(recv_type(view, KM_MSG_VIEW, &m, 10000), 0, "the operator got no view PUB");
     km_msg_clear(&m);
     /* ... while nothing ever reached the others */
@@ -532,7 +563,7 @@ Test(security, a_command_outside_the_keys_role_gets_403_and_nothing_happens)
     cr_assert_eq(m.admin_reply.code, KM_CODE_FORBIDDEN);
     km_msg_clear(&m);
     /* nothing happened: the worker is alive, ready and serving, and was never drained */
-    usleep(600000);
+    wait_heartbeats(2);
     cr_assert_eq(waitpid(g_w0.pid, NULL, WNOHANG), 0, "w0 exited");
     km_member_state st = 0;
     cr_assert(view_lists("w0", &st));
@@ -583,7 +614,7 @@ Test(security, a_rogue_worker_cannot_join_and_no_one_beats_for_another_id)
             m.hb.state = KM_STATE_DRAINING;
             m.hb.rss_bytes = 1ull << 40;
             send_msg(forger, &m);
-            usleep(50000);
+            usleep(50000); /* paced like heartbeats: over a second of w0's own */
         }
     }
     /* every one refused and counted (polled: the machine may be loaded) */
@@ -924,7 +955,7 @@ Test(security, a_garbage_flood_from_a_non_member_never_feeds_the_error_storm_rul
         km_zframe f = {junk, sizeof junk - 1};
         km_zsend(op, &f, 1, KM_ZDONTWAIT, NULL);
         km_zsend(cl, &f, 1, KM_ZDONTWAIT, NULL);
-        if (i % 100 == 99) usleep(20000);
+        if (i % 100 == 99) usleep(20000); /* paced: DONTWAIT sends past the HWM would drop */
     }
     double bad = 0;
     for (int i = 0; i < 300 && bad < 1500; i++) {
@@ -932,7 +963,7 @@ Test(security, a_garbage_flood_from_a_non_member_never_feeds_the_error_storm_rul
         bad = metric(g_w0.admin, "kvmesh_worker_bad_frames_total{reason=\"malformed\"}");
     }
     cr_assert_geq(bad, 1500, "the operator's garbage did not arrive (%g)", bad);
-    usleep(1500000); /* several heartbeats and controller ticks */
+    wait_heartbeats(3);
     km_member_state st = 0;
     cr_assert(view_lists("w0", &st));
     cr_assert_eq(st, KM_MEMBER_READY);

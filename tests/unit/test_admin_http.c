@@ -204,7 +204,7 @@ Test(admin_http, a_request_split_across_many_writes_is_still_parsed)
     const char *req = "GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
     for (size_t i = 0; req[i]; i++) {
         send_all(fd, req + i, 1);
-        usleep(1000);
+        usleep(1000); /* the test: one byte a read, not a wait for anything */
     }
     char *r = read_to_eof(fd);
     close(fd);

@@ -485,7 +485,7 @@ Test(kvshard_disk, sigkill_during_writes_never_leaves_a_servable_torn_page, .tim
         pid_t pid = fork();
         cr_assert_geq(pid, 0);
         if (pid == 0) crash_writer(d, r);
-        usleep(20000 + rand() % 60000);
+        usleep(20000 + rand() % 60000); /* the kill lands at a random point of the writes */
         kill(pid, SIGKILL);
         int status;
         waitpid(pid, &status, 0);

@@ -120,7 +120,7 @@ static int pull(pr_node *holder, pr_node *puller, pr_peer *peer, const int32_t *
 static void same_bytes(kv_store *a, kv_store *b, const int32_t *toks, const km_pagehash *hs, int n)
 {
     int d = xh_same_bytes(a, b, toks, hs, n);
-    cr_assert_eq(d, -1, "page %d differs (-2: missing)", d);
+    cr_assert_eq(d, -1, "page %d differs (-2: missing, -3: not exportable)", d);
 }
 
 /* Nothing left: no pull, lease, import, export or pin; the peer's endpoint closed. */
@@ -188,7 +188,11 @@ static pr_pull *duo_start(duo *d, int n, uint64_t deadline)
     cr_assert_eq(pr_pull_start(d->nb, d->peer, d->hs, d->toks, n, deadline, &p, &req), 0);
     pr_serve(d->na, &req);
     pr_offer o;
-    while (pr_node_poll(d->na, &o, 1) == 0) km_sleep_ms(1);
+    const uint64_t guard = secs(60);
+    while (pr_node_poll(d->na, &o, 1) == 0) {
+        cr_assert_lt(km_now_ns(), guard, "no offer");
+        km_sleep_ms(1);
+    }
     cr_assert_eq(pr_pull_offer(d->nb, p, &o), 0);
     return p;
 }
@@ -546,7 +550,11 @@ static solo *solo_open(int lease_ms, uint64_t requester)
                           .hashes = x.hs,
                           .tokens = x.toks};
     cr_assert_eq(pr_serve(x.na, &x.req), 0);
-    while (pr_node_poll(x.na, &x.o, 1) == 0) km_sleep_ms(1);
+    const uint64_t guard = secs(60);
+    while (pr_node_poll(x.na, &x.o, 1) == 0) {
+        cr_assert_lt(km_now_ns(), guard, "no offer");
+        km_sleep_ms(1);
+    }
     cr_assert_eq(x.o.n, 4);
     return &x;
 }

@@ -26,7 +26,7 @@ static const xh_shape SMOL = {30, 3, 64, PT};
 static void same_bytes(kv_store *a, kv_store *b, const int32_t *toks, const km_pagehash *hs, int n)
 {
     int d = xh_same_bytes(a, b, toks, hs, n);
-    cr_assert_eq(d, -1, "page %d differs (-2: missing)", d);
+    cr_assert_eq(d, -1, "page %d differs (-2: missing, -3: not exportable)", d);
 }
 
 /* ---------------------------------------------------------------- the puller (this process) */

@@ -8,9 +8,9 @@
  * alarm as its timeout; a failed assertion prints where and what, and the binary exits 1.
  *
  * Only what the threaded tests use is here: Test, TestSuite (.init, .fini, .timeout, .disabled),
- * cr_assert and its _eq/_neq/_lt/_leq/_gt/_geq/_null/_not_null/_str_eq/_float_eq/_arr_eq forms,
- * cr_assert_fail, cr_skip_test, cr_log_info/_warn/_error. A test that uses more fails to build
- * in the TSan run, which is the place to add it.
+ * cr_assert and its _not/_eq/_neq/_lt/_leq/_gt/_geq/_null/_not_null/_str_eq/_float_eq/_arr_eq
+ * forms, cr_assert_fail, cr_skip_test, cr_log_info/_warn/_error. A test that uses more fails to
+ * build in the TSan run, which is the place to add it.
  */
 #ifndef KM_TSAN_CRITERION_H
 #define KM_TSAN_CRITERION_H
@@ -65,6 +65,7 @@ void crs_log(const char *level, const char *fmt, ...) __attribute__((format(prin
         if (!(cond)) crs_fail(__FILE__, __LINE__, #cond, " " __VA_ARGS__);                         \
     } while (0)
 #define cr_assert_fail(...)         crs_fail(__FILE__, __LINE__, "fail", " " __VA_ARGS__)
+#define cr_assert_not(cond, ...)    cr_assert(!(cond), __VA_ARGS__)
 #define cr_assert_eq(a, b, ...)     cr_assert((a) == (b), __VA_ARGS__)
 #define cr_assert_neq(a, b, ...)    cr_assert((a) != (b), __VA_ARGS__)
 #define cr_assert_lt(a, b, ...)     cr_assert((a) < (b), __VA_ARGS__)
