@@ -71,8 +71,8 @@ Test(cli, flags_parse_as_documented_or_say_what_is_wrong)
     if (access(KVMESH, X_OK)) cr_skip_test("needs %s (make build)", KVMESH);
     expect(KVMESH " generate -p x --seed abc", 2, "--seed abc: give an integer from 0 to");
     expect(KVMESH " generate -p x --timeout 5x", 2, "--timeout 5x: not a duration");
-    /* any u64 seed; HOST:PORT is tcp://HOST:PORT; --timeout 0.5 is half a second (it was 0.5 ms,
-     * then "no answer in 0 ms"); nothing listens on port 9 */
+    /* any u64 seed; HOST:PORT is tcp://HOST:PORT; --timeout 0.5 is half a second (an old bug
+     * read it as milliseconds, then rounded it to 0); nothing listens on port 9 */
     expect(KVMESH " generate -p x --seed 18446744073709551615 -r 127.0.0.1:9 --timeout 0.5", 1,
            "no answer from the server for 0.5 s");
     expect(KVMESH " generate -p x -r tcp://127.0.0.1 --timeout 1", 1, "needs a port");

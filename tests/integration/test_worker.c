@@ -1147,7 +1147,7 @@ static bool probe_during_step(void *s, void *probe, bool *first_token)
 }
 
 /* Starts a worker that runs a whole long prompt in one step (no step budget): a step of several
- * seconds either way (1,800 tokens, or 256 with the scalar kernels, ~30x slower; the suite's
+ * seconds either way (1,800 tokens, or 256 with the much slower scalar kernels; the suite's
  * 240 s bound). Sends that prompt as request 1 on *s and returns once a `status` on *probe was
  * answered during its step. */
 static void begin_long_step(wproc *w, void **s, void **probe)

@@ -137,7 +137,7 @@ int main(int argc, char **argv)
         int timeout = t->extra->timeout ? t->extra->timeout : se && se->timeout ? se->timeout : 300;
         g_current = t;
         fprintf(stderr, "[RUN ] %s::%s\n", t->suite, t->name);
-        alarm((unsigned)timeout * 4); /* ThreadSanitizer runs 5-15x slower */
+        alarm((unsigned)timeout * 4); /* ThreadSanitizer slows tests several-fold */
         int r = crs_call(se);
         if (r != 1) {
             if (t->extra->fini) t->extra->fini();

@@ -27,9 +27,9 @@ static rt_pull_in measured(int pages)
 {
     return (rt_pull_in){.pages = pages,
                         .serves = true,
-                        .rate_bps = 1e9, /* 1 GB/s: 0.37 ms a page */
+                        .rate_bps = 1e9, /* a page in PB / 1e9 s */
                         .lat_ms = 2,
-                        .prefill_tps = 1000, /* 16 ms a page */
+                        .prefill_tps = 1000, /* a page in PT / 1000 s */
                         .page_bytes = PB};
 }
 
@@ -67,7 +67,7 @@ Test(router_pull, a_pairs_own_figures_come_before_the_workers_overall_ones)
     rt_pull_in c[2] = {measured(0), measured(10)};
     rt_pull_choice ch;
     cr_assert_eq(rt_pull_decide(&pol, c, 2, 0, PT, &ch), RT_PULL_PULL, "1 GB/s overall");
-    c[1].pair_rate_bps = 1e7; /* 10 MB/s from this holder: 369 ms against 160 to compute */
+    c[1].pair_rate_bps = 1e7; /* 100 times slower from this holder: dearer than computing */
     c[1].pair_lat_ms = 5;
     cr_assert_eq(rt_pull_decide(&pol, c, 2, 0, PT, &ch), RT_PULL_RECOMPUTE);
     cr_assert_float_eq(ch.pull_ms, 5 + 10 * PB / 1e7 * 1000, 1e-9);

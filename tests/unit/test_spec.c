@@ -243,7 +243,7 @@ Test(spec, drafts_shrink_as_the_batch_fills_and_vanish_when_the_step_is_compute_
 }
 
 /* The step times bench_kernels -e ... 1 v measured on the AVX2 Zen 3 (ms of CPU per step of k
- * tokens, one engine thread): flat to 4 tokens, then ~2.7 ms a token. */
+ * tokens, one engine thread; docs/speculative.md): flat to 4 tokens, then linear in k. */
 static double zen3_step_ms(int k)
 {
     static const double ms[] = {0, 9.84, 10.90, 11.7, 12.43, 21.06, 23.2, 25.4, 27.62};
