@@ -38,8 +38,11 @@
 #include "common/http.h"
 #include "common/http_tls.h"
 
-#define WRITE_MAX (16u << 20) /* bytes queued to a slow client before it is dropped */
-#define BODY_MAX  (1u << 30)  /* the most any server may accept as max_body */
+#define WRITE_MAX    (16u << 20)  /* bytes queued to a slow client before it is dropped */
+#define BODY_MAX     (1u << 30)   /* the most any server may accept as max_body */
+#define READ_SIZE    65536        /* room made for each read */
+#define IN_KEEP      (128u << 10) /* an emptied input buffer larger than this is freed */
+#define BUFFERED_MAX (256u << 20) /* default opts.max_buffered */
 
 typedef struct conn conn;
 
@@ -73,11 +76,17 @@ struct conn {
     km_buf raw; /* TLS only: ciphertext just read */
     km_tls *tls;
     km_http_req *cur;
+    km_http_req *pend;   /* its head read (and admitted by on_head), its body still arriving */
+    km_http_chunked dec; /* pend's body when chunked */
+    size_t body_left;    /* pend's Content-Length bytes still to come */
+    bool pend_chunked;
+    size_t held; /* bytes of this connection counted in the server's buffered */
     int open_handles, pending_writes;
     size_t queued_bytes;
     phase ph;
     uint64_t waiting_since; /* loop time the connection last had no request in progress */
-    bool closing, reading, in_handler, sent_continue;
+    bool closing, reading, in_handler;
+    bool input_done; /* reads nothing more: its last request was refused */
 };
 
 struct km_http_server {
@@ -91,7 +100,8 @@ struct km_http_server {
     int open_handles;
     bool stopping;
     km_tls_ctx *tls;
-    uint64_t requests, timeouts, evictions, tls_failures;
+    size_t buffered; /* request bytes held by every connection (opts.max_buffered) */
+    uint64_t requests, timeouts, evictions, tls_failures, buffer_refusals;
 };
 
 typedef struct write_req {
@@ -115,6 +125,40 @@ static void set_phase(conn *c, phase ph)
     if (ph != PH_BUSY && c->ph == PH_BUSY) c->waiting_since = uv_now(c->s->loop);
     c->ph = ph;
     uv_timer_start(&c->timer, on_deadline, (uint64_t)ms, 0);
+}
+
+/* ---------------------------------------------------------------- memory held
+
+ * What connections hold of request input (buffers, bodies being read) is counted against
+ * opts.max_buffered, so many connections sending big bodies, or none finishing, cannot make the
+ * process grow without bound; see also on_head (http.h), which keeps a request without a key
+ * from getting past its head. */
+
+static size_t conn_footprint(const conn *c)
+{
+    return c->in.cap + c->raw.cap + (c->pend ? c->pend->body.cap : 0) + c->dec.body.cap;
+}
+
+static void conn_account(conn *c)
+{
+    size_t now = c->closing ? 0 : conn_footprint(c);
+    c->s->buffered = c->s->buffered - c->held + now;
+    c->held = now;
+}
+
+static bool budget_allows(const conn *c, size_t extra)
+{
+    const km_http_server *s = c->s;
+    return s->buffered <= s->o.max_buffered && extra <= s->o.max_buffered - s->buffered;
+}
+
+/* How much b's capacity grows (km_buf_reserve doubles) to make room for extra more bytes. */
+static size_t growth(const km_buf *b, size_t extra)
+{
+    if (extra <= b->cap - b->len) return 0;
+    size_t cap = b->cap ? b->cap : 256;
+    while (cap < b->len + extra) cap *= 2;
+    return cap - b->cap;
 }
 
 /* ---------------------------------------------------------------- lifetime */
@@ -154,10 +198,22 @@ static void on_conn_closed(uv_handle_t *hd)
     server_release(s);
 }
 
+/* Forgets the request whose body was being read. */
+static void drop_pending(conn *c)
+{
+    req_free(c->pend);
+    c->pend = NULL;
+    km_http_chunked_free(&c->dec);
+    c->pend_chunked = false;
+    c->body_left = 0;
+}
+
 static void conn_close(conn *c)
 {
     if (c->closing) return;
     c->closing = true;
+    drop_pending(c);
+    conn_account(c);
     if (c->prev)
         c->prev->next = c->next;
     else
@@ -364,14 +420,22 @@ void km_http_on_abort(km_http_req *r, void (*fn)(km_http_req *r, void *user), vo
     r->abort_user = user;
 }
 
+/* The connection reads nothing more: what it buffered or was reading is dropped, and it closes
+ * once its last answer is written. */
+static void stop_input(conn *c)
+{
+    drop_pending(c);
+    km_buf_free(&c->in);
+    c->input_done = true;
+    if (c->reading) uv_read_stop((uv_stream_t *)&c->tcp);
+    c->reading = false;
+}
+
 /* An error the server answers before any request exists (malformed, too large): a finished
  * request that closes the connection after its write. */
 static void fatal(conn *c, int status, const char *message)
 {
-    if (c->reading) {
-        uv_read_stop((uv_stream_t *)&c->tcp);
-        c->reading = false;
-    }
+    stop_input(c);
     km_http_req *r = calloc(1, sizeof *r);
     if (!r) {
         conn_close(c);
@@ -480,33 +544,135 @@ static void dispatch(km_http_server *s, km_http_req *r)
     respond_error_h(r, 404, NULL, "not found");
 }
 
+/* Drops n bytes from the front of the input. */
+static void consume(conn *c, size_t n)
+{
+    memmove(c->in.data, c->in.data + n, c->in.len - n);
+    c->in.len -= n;
+    if (!c->in.len && c->in.cap > IN_KEEP) km_buf_free(&c->in);
+}
+
+static void refuse_memory(conn *c)
+{
+    km_http_server *s = c->s;
+    s->buffer_refusals++;
+    if (s->o.buffer_refusals) km_counter_inc(s->o.buffer_refusals);
+    KM_WARN("http_buffer_full", "buffered=%zu max_buffered=%zu", s->buffered, s->o.max_buffered);
+    fatal(c, 503, "the server holds too much request data; retry later");
+}
+
+/* opts.on_head's say on r, whose head just arrived: true to read on to its body. When the hook
+ * answered, r is the connection's current request, answered; a request that announced a body
+ * closes the connection after the answer, its body never read. */
+static bool head_admitted(conn *c, km_http_req *r, bool has_body)
+{
+    bool keep = r->keep_alive;
+    r->keep_alive = keep && !has_body;
+    c->pend = NULL; /* r is the current request while the hook runs, so it may answer it */
+    c->cur = r;
+    c->in_handler = true;
+    c->s->o.on_head(r, c->s->o.user);
+    c->in_handler = false;
+    if (c->closing) return false;
+    if (!r->answered) {
+        r->keep_alive = keep;
+        c->cur = NULL;
+        c->pend = r;
+        return true;
+    }
+    set_phase(c, PH_BUSY);
+    if (has_body) stop_input(c);
+    if (r->ended) req_finish(c);
+    return false;
+}
+
+/* The next request's head from the input: true with it pending (c->pend), its body to read;
+ * false when the head is incomplete, or was refused or answered. */
+static bool take_head(conn *c)
+{
+    km_http_server *s = c->s;
+    km_http_request p;
+    int n = km_http_parse_head((const char *)c->in.data, c->in.len, &s->o.lim, &p);
+    if (n < 0) {
+        fatal(c, p.status, p.message);
+        return false;
+    }
+    if (n == 0) {
+        if (c->ph == PH_IDLE) set_phase(c, PH_HEAD);
+        return false;
+    }
+    km_http_req *r = req_new(c, &p);
+    if (!r) {
+        conn_close(c);
+        return false;
+    }
+    consume(c, (size_t)n);
+    c->pend = r;
+    c->pend_chunked = p.chunked;
+    c->body_left = p.content_length;
+    if (p.chunked) km_http_chunked_init(&c->dec, &s->o.lim);
+    bool has_body = p.chunked || p.content_length;
+    if (s->o.on_head && !head_admitted(c, r, has_body)) return false;
+    if (!has_body) return true;
+    if (!budget_allows(c, p.content_length)) {
+        refuse_memory(c);
+        return false;
+    }
+    if (km_buf_reserve(&r->body, p.content_length)) {
+        conn_close(c);
+        return false;
+    }
+    set_phase(c, PH_BODY);
+    if (p.expect_continue) {
+        km_buf out = {0};
+        if (km_buf_printf(&out, "HTTP/1.1 100 Continue\r\n\r\n") || conn_write(c, &out)) {
+            km_buf_free(&out);
+            return false;
+        }
+    }
+    return true;
+}
+
+/* Moves input into the pending request's body (chunked bodies decoded as they come, never from
+ * the start again): true once the body is whole. */
+static bool take_body(conn *c)
+{
+    km_http_req *r = c->pend;
+    if (!c->pend_chunked) {
+        size_t k = c->body_left < c->in.len ? c->body_left : c->in.len;
+        km_buf_append(&r->body, c->in.data, k); /* reserved at the head */
+        consume(c, k);
+        c->body_left -= k;
+        return c->body_left == 0;
+    }
+    if (!budget_allows(c, growth(&c->dec.body, c->in.len))) {
+        refuse_memory(c);
+        return false;
+    }
+    size_t taken;
+    int rc = km_http_chunked_feed(&c->dec, (const char *)c->in.data, c->in.len, &taken);
+    if (rc < 0) {
+        fatal(c, c->dec.status, c->dec.message);
+        return false;
+    }
+    consume(c, taken);
+    if (rc == 0) return false;
+    km_buf_free(&r->body);
+    r->body = c->dec.body;
+    memset(&c->dec.body, 0, sizeof c->dec.body);
+    c->pend_chunked = false;
+    return true;
+}
+
 /* Parses and dispatches buffered requests, one at a time. */
 static void try_requests(conn *c)
 {
     km_http_server *s = c->s;
-    while (!c->closing && !c->cur && c->in.len) {
-        km_http_request p;
-        int n = km_http_parse_request((const char *)c->in.data, c->in.len, &s->o.lim, &p);
-        if (n < 0) return fatal(c, p.status, p.message);
-        if (n == 0) {
-            if (c->ph == PH_IDLE) set_phase(c, PH_HEAD);
-            if (p.head_len && c->ph == PH_HEAD) set_phase(c, PH_BODY);
-            if (p.head_len && p.expect_continue && !c->sent_continue) {
-                km_buf out = {0};
-                c->sent_continue = true;
-                if (km_buf_printf(&out, "HTTP/1.1 100 Continue\r\n\r\n") || conn_write(c, &out)) {
-                    km_buf_free(&out);
-                    return;
-                }
-            }
-            break;
-        }
-        km_http_req *r = req_new(c, &p);
-        km_buf_free(&p.body);
-        if (!r) return conn_close(c);
-        memmove(c->in.data, c->in.data + n, c->in.len - (size_t)n);
-        c->in.len -= (size_t)n;
-        c->sent_continue = false;
+    while (!c->closing && !c->cur) {
+        if (!c->pend && (!c->in.len || !take_head(c))) break;
+        if (c->closing || c->cur || !take_body(c)) break;
+        km_http_req *r = c->pend;
+        c->pend = NULL;
         c->cur = r;
         set_phase(c, PH_BUSY);
         s->requests++;
@@ -517,7 +683,9 @@ static void try_requests(conn *c)
         if (c->closing) return;
         if (c->cur == r && r->ended) req_finish(c);
     }
-    if (!c->closing) start_reading(c);
+    if (c->closing) return;
+    conn_account(c);
+    start_reading(c);
 }
 
 /* ---------------------------------------------------------------- reading */
@@ -526,7 +694,7 @@ static void on_alloc(uv_handle_t *hd, size_t suggested, uv_buf_t *buf)
 {
     conn *c = hd->data;
     km_buf *b = c->tls ? &c->raw : &c->in;
-    if (km_buf_reserve(b, 65536)) {
+    if (!budget_allows(c, growth(b, READ_SIZE)) || km_buf_reserve(b, READ_SIZE)) {
         *buf = uv_buf_init(NULL, 0);
         return;
     }
@@ -561,6 +729,17 @@ static ssize_t tls_in(conn *c, size_t n)
 static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf)
 {
     conn *c = st->data;
+    if (nread == UV_ENOBUFS) {
+        /* no room under max_buffered (on_alloc): a connection with a response in progress waits
+         * for it (reading resumes after it), any other is refused */
+        if (c->cur) {
+            uv_read_stop(st);
+            c->reading = false;
+        } else {
+            refuse_memory(c);
+        }
+        return;
+    }
     if (nread > 0 && c->tls) {
         nread = tls_in(c, (size_t)nread);
         if (nread == UV_EPROTO) {
@@ -591,6 +770,7 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf)
             uv_read_stop(st);
             c->reading = false;
         }
+        conn_account(c);
         return;
     }
     try_requests(c);
@@ -598,7 +778,7 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf)
 
 static void start_reading(conn *c)
 {
-    if (c->reading || c->closing) return;
+    if (c->reading || c->closing || c->input_done) return;
     if (uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read) == 0) c->reading = true;
 }
 
@@ -615,7 +795,7 @@ static void on_deadline(uv_timer_t *t)
         return;
     }
     c->s->timeouts++;
-    if (c->ph == PH_IDLE || c->in.len == 0) {
+    if (c->ph == PH_IDLE || (c->ph == PH_HEAD && c->in.len == 0)) {
         conn_close(c);
         return;
     }
@@ -712,6 +892,7 @@ int km_http_server_start(void *loop, const km_http_opts *o, km_http_server **out
     if (s->o.idle_ms <= 0) s->o.idle_ms = 60000;
     if (s->o.head_ms <= 0) s->o.head_ms = 10000;
     if (s->o.body_ms <= 0) s->o.body_ms = 60000;
+    if (!s->o.max_buffered) s->o.max_buffered = BUFFERED_MAX;
     snprintf(s->host, sizeof s->host, "%s", o->host ? o->host : "127.0.0.1");
     s->o.host = s->host;
     if ((o->tls_cert && *o->tls_cert) || (o->tls_key && *o->tls_key)) {
@@ -773,6 +954,16 @@ uint64_t km_http_server_timeouts(const km_http_server *s)
 uint64_t km_http_server_evictions(const km_http_server *s)
 {
     return s ? s->evictions : 0;
+}
+
+size_t km_http_server_buffered(const km_http_server *s)
+{
+    return s ? s->buffered : 0;
+}
+
+uint64_t km_http_server_buffer_refusals(const km_http_server *s)
+{
+    return s ? s->buffer_refusals : 0;
 }
 
 uint64_t km_http_server_tls_failures(const km_http_server *s)
