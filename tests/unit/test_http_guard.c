@@ -1,8 +1,9 @@
 /*
- * test_http_guard.c — what the HTTP server does before it knows who is asking (issue 41, item
- * 5): a head its on_head hook refuses is answered before any of its body is read, whatever body
- * it announces (Content-Length or chunked), so keyless clients cannot make the server hold their
- * bodies; the memory all connections hold is capped (503 and a count beyond it).
+ * test_http_guard.c — what the HTTP server does before it knows who is asking (issue 41, items 5
+ * and 7): a head its on_head hook refuses is answered before any of its body is read, whatever
+ * body it announces (Content-Length or chunked), so keyless clients cannot make the server hold
+ * their bodies; the memory all connections hold is capped (503 and a count beyond it); and
+ * HTTPS offers only forward-secret AEAD suites in TLS 1.2 (a static-RSA CBC client is refused).
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -135,4 +136,45 @@ Test(http_guard, the_memory_all_connections_hold_is_capped_and_refusals_counted)
     stop_only(s);
     cr_assert_eq(s->buffer_refusals, 1);
     free(s);
+}
+
+/* ---------------------------------------------------------------- TLS suites */
+
+/* A TLS 1.2 handshake offering only `ciphers`: 1 when it completed. */
+static int handshake_with(const tls_fx *f, const char *ciphers)
+{
+    SSL_CTX *ctx = SSL_CTX_new(TLS_client_method());
+    SSL_CTX_set_max_proto_version(ctx, TLS1_2_VERSION);
+    SSL_CTX_set_security_level(ctx, 0); /* the client may offer anything; the server decides */
+    cr_assert_eq(SSL_CTX_set_cipher_list(ctx, ciphers), 1, "%s unknown to OpenSSL", ciphers);
+    SSL *ssl = SSL_new(ctx);
+    int fd = dial(f->s->port);
+    SSL_set_fd(ssl, fd);
+    int ok = SSL_connect(ssl) == 1;
+    SSL_free(ssl);
+    SSL_CTX_free(ctx);
+    close(fd);
+    return ok;
+}
+
+Test(http_guard, tls12_offers_only_forward_secret_aead_suites)
+{
+    tls_fx f = {0};
+    snprintf(f.dir, sizeof f.dir, "/tmp/kvmesh-tls-XXXXXX");
+    cr_assert(mkdtemp(f.dir));
+    make_cert_key(f.dir, f.cert, f.key, sizeof f.cert, true); /* RSA: static RSA is possible */
+    f.s = start_tls(0, 0, 0, f.cert, f.key);
+    cr_assert_eq(handshake_with(&f, "AES128-SHA"), 0, "static RSA, CBC, SHA-1 accepted");
+    cr_assert_eq(handshake_with(&f, "AES128-GCM-SHA256"), 0, "static RSA accepted");
+    cr_assert_eq(handshake_with(&f, "ECDHE-RSA-AES128-SHA"), 0, "CBC accepted");
+    cr_assert_eq(handshake_with(&f, "ECDHE-RSA-AES128-GCM-SHA256"), 1);
+    cr_assert_eq(handshake_with(&f, "ECDHE-RSA-AES256-GCM-SHA384"), 1);
+    cr_assert_eq(handshake_with(&f, "ECDHE-RSA-CHACHA20-POLY1305"), 1);
+    /* TLS 1.3 as before */
+    SSL_CTX *ctx;
+    SSL *ssl = tls_dial(&f, &ctx);
+    cr_assert_eq(SSL_version(ssl), TLS1_3_VERSION);
+    tls_hangup(ssl, ctx);
+    tls_down(&f);
+    free(f.s);
 }
