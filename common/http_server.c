@@ -26,6 +26,11 @@
  *    read are decrypted into the same input buffer the parser reads, and every write is sealed
  *    first, so nothing above it knows. The handshake runs inside the head phase: a client that
  *    does not finish it in head_ms is closed like a slow head.
+ *  - Nothing is done for a request before its head is admitted: opts.on_head (the router's API
+ *    key check) answers a refused one before its body is read, bodies are taken out of the input
+ *    as they arrive (chunked ones decoded once, incrementally), and what all connections hold
+ *    is counted against opts.max_buffered.
+ *  - Responses and the writes under them are http_respond.c's; both files share http_conn.h.
  */
 #include <limits.h>
 #include <stdio.h>
@@ -35,87 +40,19 @@
 #include <sys/resource.h>
 #include <uv.h>
 
-#include "common/http.h"
-#include "common/http_tls.h"
+#include "common/http_conn.h"
 
-#define WRITE_MAX    (16u << 20)  /* bytes queued to a slow client before it is dropped */
 #define BODY_MAX     (1u << 30)   /* the most any server may accept as max_body */
 #define READ_SIZE    65536        /* room made for each read */
 #define IN_KEEP      (128u << 10) /* an emptied input buffer larger than this is freed */
 #define BUFFERED_MAX (256u << 20) /* default opts.max_buffered */
-
-typedef struct conn conn;
-
-/* What a connection waits for; each phase has its own deadline (km_http_opts). */
-typedef enum phase {
-    PH_IDLE, /* the first byte of the next request (idle_ms) */
-    PH_HEAD, /* the rest of a request's head (head_ms from its first byte) */
-    PH_BODY, /* the rest of its body (body_ms from the end of the head) */
-    PH_BUSY, /* a request in progress: the handler, then the response's writes */
-} phase;
-
-struct km_http_req {
-    conn *c;
-    char method[16];
-    char *path;
-    km_buf body;
-    char **hname, **hvalue;
-    int n_headers;
-    bool keep_alive, head_only;
-    bool answered, streaming, ended;
-    void (*on_abort)(km_http_req *r, void *user);
-    void *abort_user;
-};
-
-struct conn {
-    uv_tcp_t tcp;
-    uv_timer_t timer;
-    km_http_server *s;
-    conn *prev, *next;
-    km_buf in;  /* plaintext: what the parser reads */
-    km_buf raw; /* TLS only: ciphertext just read */
-    km_tls *tls;
-    km_http_req *cur;
-    km_http_req *pend;   /* its head read (and admitted by on_head), its body still arriving */
-    km_http_chunked dec; /* pend's body when chunked */
-    size_t body_left;    /* pend's Content-Length bytes still to come */
-    bool pend_chunked;
-    size_t held; /* bytes of this connection counted in the server's buffered */
-    int open_handles, pending_writes;
-    size_t queued_bytes;
-    phase ph;
-    uint64_t waiting_since; /* loop time the connection last had no request in progress */
-    bool closing, reading, in_handler;
-    bool input_done; /* reads nothing more: its last request was refused */
-};
-
-struct km_http_server {
-    uv_loop_t *loop;
-    uv_tcp_t listener;
-    km_http_opts o;
-    char host[64];
-    int port;
-    conn *conns;
-    int n_conns;
-    int open_handles;
-    bool stopping;
-    km_tls_ctx *tls;
-    size_t buffered; /* request bytes held by every connection (opts.max_buffered) */
-    uint64_t requests, timeouts, evictions, tls_failures, buffer_refusals;
-};
-
-typedef struct write_req {
-    uv_write_t req;
-    conn *c;
-    km_buf out;
-} write_req;
 
 static void try_requests(conn *c);
 static void start_reading(conn *c);
 static void on_deadline(uv_timer_t *t);
 
 /* Enters a phase and starts its deadline (a phase's bytes never move it). */
-static void set_phase(conn *c, phase ph)
+void km_http_set_phase(conn *c, phase ph)
 {
     const km_http_opts *o = &c->s->o;
     int ms = ph == PH_IDLE   ? o->idle_ms
@@ -208,7 +145,7 @@ static void drop_pending(conn *c)
     c->body_left = 0;
 }
 
-static void conn_close(conn *c)
+void km_http_conn_close(conn *c)
 {
     if (c->closing) return;
     c->closing = true;
@@ -230,7 +167,7 @@ static void conn_close(conn *c)
 }
 
 /* The response ended and every byte of it was handed to the kernel: next request. */
-static void req_finish(conn *c)
+void km_http_req_finish(conn *c)
 {
     km_http_req *r = c->cur;
     if (!r || !r->ended || c->pending_writes) return;
@@ -238,186 +175,11 @@ static void req_finish(conn *c)
     c->cur = NULL;
     req_free(r);
     if (!keep) {
-        conn_close(c);
+        km_http_conn_close(c);
         return;
     }
-    set_phase(c, c->in.len ? PH_HEAD : PH_IDLE);
+    km_http_set_phase(c, c->in.len ? PH_HEAD : PH_IDLE);
     try_requests(c);
-}
-
-/* ---------------------------------------------------------------- writing */
-
-static void on_written(uv_write_t *wr, int status)
-{
-    write_req *w = (write_req *)wr;
-    conn *c = w->c;
-    c->pending_writes--;
-    c->queued_bytes -= w->out.len;
-    km_buf_free(&w->out);
-    free(w);
-    if (c->closing) return;
-    if (status < 0) {
-        conn_close(c);
-        return;
-    }
-    if (c->ph == PH_BUSY) set_phase(c, PH_BUSY); /* the client reads: the stall clock restarts */
-    req_finish(c);
-}
-
-/* Takes ownership of out's bytes, which go to the socket as they are. */
-static int conn_write_raw(conn *c, km_buf *out)
-{
-    if (c->closing) {
-        km_buf_free(out);
-        return KM_EIO;
-    }
-    if (c->queued_bytes + out->len > WRITE_MAX) {
-        km_buf_free(out);
-        conn_close(c); /* a client that does not read its stream */
-        return KM_EIO;
-    }
-    write_req *w = calloc(1, sizeof *w);
-    if (!w) {
-        km_buf_free(out);
-        conn_close(c);
-        return KM_ENOMEM;
-    }
-    w->c = c;
-    w->out = *out;
-    memset(out, 0, sizeof *out);
-    uv_buf_t b = uv_buf_init((char *)w->out.data, (unsigned)w->out.len);
-    if (uv_write(&w->req, (uv_stream_t *)&c->tcp, &b, 1, on_written) < 0) {
-        km_buf_free(&w->out);
-        free(w);
-        conn_close(c);
-        return KM_EIO;
-    }
-    c->pending_writes++;
-    c->queued_bytes += w->out.len;
-    if (c->ph == PH_BUSY) set_phase(c, PH_BUSY);
-    return 0;
-}
-
-/* Takes ownership of out's bytes: plaintext, sealed first on a TLS connection. */
-static int conn_write(conn *c, km_buf *out)
-{
-    if (!c->tls || c->closing) return conn_write_raw(c, out);
-    km_buf sealed = {0};
-    int rc = km_tls_seal(c->tls, out->data, out->len, &sealed);
-    km_buf_free(out);
-    if (rc) {
-        km_buf_free(&sealed);
-        conn_close(c);
-        return KM_EIO;
-    }
-    return conn_write_raw(c, &sealed);
-}
-
-static bool req_usable(km_http_req *r)
-{
-    return r && r->c && !r->c->closing && r->c->cur == r && !r->ended;
-}
-
-int km_http_respond(km_http_req *r, int status, const char *ctype, const char *extra_headers,
-                    const void *body, size_t len)
-{
-    if (!req_usable(r) || r->answered) return KM_EINVAL;
-    conn *c = r->c;
-    km_buf out = {0};
-    int rc =
-        km_buf_printf(&out,
-                      "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\n%s"
-                      "Connection: %s\r\n\r\n",
-                      status, km_http_reason(status), ctype ? ctype : "text/plain", len,
-                      extra_headers ? extra_headers : "", r->keep_alive ? "keep-alive" : "close");
-    if (!rc && !r->head_only && len) rc = km_buf_append(&out, body, len);
-    r->answered = r->ended = true;
-    if (rc) {
-        km_buf_free(&out);
-        conn_close(c);
-        return rc;
-    }
-    rc = conn_write(c, &out);
-    if (!rc && !c->in_handler) req_finish(c);
-    return rc;
-}
-
-static const char *text_error(int status, const char *message, km_buf *out)
-{
-    km_buf_printf(out, "%s\n", message);
-    return "text/plain; charset=utf-8";
-}
-
-static int respond_error_h(km_http_req *r, int status, const char *extra_headers,
-                           const char *message)
-{
-    km_http_server *s = r->c->s;
-    km_buf b = {0};
-    const char *ctype = (s->o.error_body ? s->o.error_body : text_error)(status, message, &b);
-    int rc = km_http_respond(r, status, ctype, extra_headers, b.data, b.len);
-    km_buf_free(&b);
-    return rc;
-}
-
-int km_http_respond_error(km_http_req *r, int status, const char *message)
-{
-    if (!req_usable(r)) return KM_EINVAL;
-    return respond_error_h(r, status, NULL, message);
-}
-
-int km_http_stream_begin(km_http_req *r, int status, const char *ctype)
-{
-    if (!req_usable(r) || r->answered) return KM_EINVAL;
-    km_buf out = {0};
-    int rc = km_buf_printf(&out,
-                           "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nTransfer-Encoding: chunked\r\n"
-                           "Cache-Control: no-cache\r\nX-Accel-Buffering: no\r\n"
-                           "Connection: %s\r\n\r\n",
-                           status, km_http_reason(status), ctype ? ctype : "text/event-stream",
-                           r->keep_alive ? "keep-alive" : "close");
-    r->answered = r->streaming = true;
-    if (rc) {
-        km_buf_free(&out);
-        return rc;
-    }
-    return conn_write(r->c, &out);
-}
-
-int km_http_stream_write(km_http_req *r, const void *data, size_t len)
-{
-    if (!req_usable(r) || !r->streaming) return KM_EINVAL;
-    if (len == 0 || r->head_only) return 0;
-    km_buf out = {0};
-    int rc = km_buf_printf(&out, "%zx\r\n", len);
-    if (!rc) rc = km_buf_append(&out, data, len);
-    if (!rc) rc = km_buf_append(&out, "\r\n", 2);
-    if (rc) {
-        km_buf_free(&out);
-        return rc;
-    }
-    return conn_write(r->c, &out);
-}
-
-int km_http_stream_end(km_http_req *r)
-{
-    if (!req_usable(r) || !r->streaming) return KM_EINVAL;
-    conn *c = r->c;
-    r->ended = true;
-    int rc = 0;
-    if (!r->head_only) {
-        km_buf out = {0};
-        rc = km_buf_append(&out, "0\r\n\r\n", 5);
-        rc = rc ? rc : conn_write(c, &out);
-    }
-    if (!rc && !c->closing && !c->in_handler) req_finish(c);
-    return rc;
-}
-
-void km_http_on_abort(km_http_req *r, void (*fn)(km_http_req *r, void *user), void *user)
-{
-    if (!r) return;
-    r->on_abort = fn;
-    r->abort_user = user;
 }
 
 /* The connection reads nothing more: what it buffered or was reading is dropped, and it closes
@@ -438,13 +200,13 @@ static void fatal(conn *c, int status, const char *message)
     stop_input(c);
     km_http_req *r = calloc(1, sizeof *r);
     if (!r) {
-        conn_close(c);
+        km_http_conn_close(c);
         return;
     }
     r->c = c;
     c->cur = r;
-    set_phase(c, PH_BUSY);
-    respond_error_h(r, status, NULL, message);
+    km_http_set_phase(c, PH_BUSY);
+    km_http_respond_error_with(r, status, NULL, message);
 }
 
 /* ---------------------------------------------------------------- requests */
@@ -538,10 +300,10 @@ static void dispatch(km_http_server *s, km_http_req *r)
         allow_list(rt->methods, allow, sizeof allow);
         snprintf(hdr, sizeof hdr, "Allow: %s\r\n", allow);
         snprintf(msg, sizeof msg, "method not allowed: use %s", allow);
-        respond_error_h(r, 405, hdr, msg);
+        km_http_respond_error_with(r, 405, hdr, msg);
         return;
     }
-    respond_error_h(r, 404, NULL, "not found");
+    km_http_respond_error_with(r, 404, NULL, "not found");
 }
 
 /* Drops n bytes from the front of the input. */
@@ -580,9 +342,9 @@ static bool head_admitted(conn *c, km_http_req *r, bool has_body)
         c->pend = r;
         return true;
     }
-    set_phase(c, PH_BUSY);
+    km_http_set_phase(c, PH_BUSY);
     if (has_body) stop_input(c);
-    if (r->ended) req_finish(c);
+    if (r->ended) km_http_req_finish(c);
     return false;
 }
 
@@ -598,12 +360,12 @@ static bool take_head(conn *c)
         return false;
     }
     if (n == 0) {
-        if (c->ph == PH_IDLE) set_phase(c, PH_HEAD);
+        if (c->ph == PH_IDLE) km_http_set_phase(c, PH_HEAD);
         return false;
     }
     km_http_req *r = req_new(c, &p);
     if (!r) {
-        conn_close(c);
+        km_http_conn_close(c);
         return false;
     }
     consume(c, (size_t)n);
@@ -619,13 +381,13 @@ static bool take_head(conn *c)
         return false;
     }
     if (km_buf_reserve(&r->body, p.content_length)) {
-        conn_close(c);
+        km_http_conn_close(c);
         return false;
     }
-    set_phase(c, PH_BODY);
+    km_http_set_phase(c, PH_BODY);
     if (p.expect_continue) {
         km_buf out = {0};
-        if (km_buf_printf(&out, "HTTP/1.1 100 Continue\r\n\r\n") || conn_write(c, &out)) {
+        if (km_buf_printf(&out, "HTTP/1.1 100 Continue\r\n\r\n") || km_http_conn_write(c, &out)) {
             km_buf_free(&out);
             return false;
         }
@@ -674,14 +436,14 @@ static void try_requests(conn *c)
         km_http_req *r = c->pend;
         c->pend = NULL;
         c->cur = r;
-        set_phase(c, PH_BUSY);
+        km_http_set_phase(c, PH_BUSY);
         s->requests++;
         if (s->o.requests) km_counter_inc(s->o.requests);
         c->in_handler = true;
         dispatch(s, r);
         c->in_handler = false;
         if (c->closing) return;
-        if (c->cur == r && r->ended) req_finish(c);
+        if (c->cur == r && r->ended) km_http_req_finish(c);
     }
     if (c->closing) return;
     conn_account(c);
@@ -713,7 +475,7 @@ static ssize_t tls_in(conn *c, size_t n)
     int rc = km_tls_feed(c->tls, c->raw.data, c->raw.len, &c->in, &out, &why);
     c->raw.len = 0;
     if (out.len && rc >= 0)
-        conn_write_raw(c, &out);
+        km_http_conn_write_raw(c, &out);
     else
         km_buf_free(&out);
     if (rc < 0) {
@@ -743,7 +505,7 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf)
     if (nread > 0 && c->tls) {
         nread = tls_in(c, (size_t)nread);
         if (nread == UV_EPROTO) {
-            conn_close(c);
+            km_http_conn_close(c);
             return;
         }
     } else if (nread > 0) {
@@ -757,7 +519,7 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf)
             uv_read_stop(st);
             c->reading = false;
         } else {
-            conn_close(c);
+            km_http_conn_close(c);
         }
         return;
     }
@@ -791,12 +553,12 @@ static void on_deadline(uv_timer_t *t)
     if (c->closing) return;
     if (c->ph == PH_BUSY) {
         if (c->cur && !c->cur->ended) return;
-        conn_close(c);
+        km_http_conn_close(c);
         return;
     }
     c->s->timeouts++;
     if (c->ph == PH_IDLE || (c->ph == PH_HEAD && c->in.len == 0)) {
-        conn_close(c);
+        km_http_conn_close(c);
         return;
     }
     fatal(c, 408,
@@ -832,21 +594,21 @@ static void on_connection(uv_stream_t *server, int status)
     s->conns = c;
     if (uv_accept(server, (uv_stream_t *)&c->tcp) < 0 ||
         (s->tls && !(c->tls = km_tls_new(s->tls)))) {
-        conn_close(c);
+        km_http_conn_close(c);
         return;
     }
     if (s->n_conns > s->o.max_conns) {
         conn *victim = oldest_waiting(s, c);
         if (!victim) {
-            conn_close(c);
+            km_http_conn_close(c);
             return;
         }
         s->evictions++;
-        conn_close(victim);
+        km_http_conn_close(victim);
     }
     uv_tcp_nodelay(&c->tcp, 1);
-    c->ph = PH_BUSY; /* so that set_phase stamps waiting_since */
-    set_phase(c, PH_HEAD);
+    c->ph = PH_BUSY; /* so that km_http_set_phase stamps waiting_since */
+    km_http_set_phase(c, PH_HEAD);
     start_reading(c);
 }
 
@@ -980,6 +742,6 @@ void km_http_server_stop(km_http_server *s)
 {
     if (!s || s->stopping) return;
     s->stopping = true;
-    while (s->conns) conn_close(s->conns);
+    while (s->conns) km_http_conn_close(s->conns);
     uv_close((uv_handle_t *)&s->listener, on_listener_closed);
 }
