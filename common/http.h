@@ -137,8 +137,10 @@ typedef const char *(*km_http_error_fn)(int status, const char *message, km_buf 
 
 /* Called once a request's head has arrived, before any of its body is read: method, path and
  * headers are readable, the body is empty. Answering r here (a whole response, e.g. 401 for a
- * missing key) refuses the request: its body is never read and the connection closes after the
- * answer, so work and memory before authentication stay those of one head. */
+ * missing key) refuses the request: its body is never buffered and the connection closes after
+ * the answer, so work and memory before authentication stay those of one head. (What arrives of
+ * the body is read into a small buffer and dropped, a second after each read and ten in all at
+ * most once answered, so that a client still sending it reads its answer, not a reset.) */
 typedef void (*km_http_head_fn)(km_http_req *r, void *user);
 
 typedef struct km_http_opts {

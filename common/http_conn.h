@@ -54,6 +54,9 @@ struct conn {
     uint64_t waiting_since; /* loop time the connection last had no request in progress */
     bool closing, reading, in_handler;
     bool input_done; /* reads nothing more: its last request was refused */
+    bool discarding; /* reads a refused request's body only to drop it */
+    size_t discard_left;
+    uint64_t linger_until; /* loop time: once answered, the most it waits for that body */
 };
 
 struct km_http_server {

@@ -46,10 +46,14 @@
 #define READ_SIZE    65536        /* room made for each read */
 #define IN_KEEP      (128u << 10) /* an emptied input buffer larger than this is freed */
 #define BUFFERED_MAX (256u << 20) /* default opts.max_buffered */
+#define DISCARD_READ 4096         /* room made for each read of a refused body */
+#define LINGER_IDLE  1000         /* ms a refused body may pause once its answer is written */
+#define LINGER_MAX   10000        /* ms it may take in all after that */
 
 static void try_requests(conn *c);
 static void start_reading(conn *c);
 static void on_deadline(uv_timer_t *t);
+static void linger(conn *c);
 
 /* Enters a phase and starts its deadline (a phase's bytes never move it). */
 void km_http_set_phase(conn *c, phase ph)
@@ -175,6 +179,11 @@ void km_http_req_finish(conn *c)
     c->cur = NULL;
     req_free(r);
     if (!keep) {
+        if (c->discarding && !c->input_done) { /* a refused body still arriving */
+            c->linger_until = uv_now(c->s->loop) + LINGER_MAX;
+            linger(c);
+            return;
+        }
         km_http_conn_close(c);
         return;
     }
@@ -323,11 +332,52 @@ static void refuse_memory(conn *c)
     fatal(c, 503, "the server holds too much request data; retry later");
 }
 
+/* Once a refused request is answered, the rest of its body gets LINGER_IDLE after each read and
+ * LINGER_MAX in all (on_deadline then closes), so a client still sending it reads its answer
+ * instead of a reset, and one that stopped costs a second at most. */
+static void linger(conn *c)
+{
+    uint64_t now = uv_now(c->s->loop), left = c->linger_until > now ? c->linger_until - now : 0;
+    c->ph = PH_BODY;
+    uv_timer_start(&c->timer, on_deadline, left < LINGER_IDLE ? left : LINGER_IDLE, 0);
+}
+
+/* Drops what arrived of a refused body; once all of it is in, the connection closes (after its
+ * answer, if that is still being written). */
+static void discard_input(conn *c)
+{
+    size_t n = c->in.len < c->discard_left ? c->in.len : c->discard_left;
+    c->discard_left -= n;
+    c->in.len = 0;
+    if (c->discard_left) {
+        if (!c->cur) linger(c);
+        return;
+    }
+    c->input_done = true;
+    if (c->reading) uv_read_stop((uv_stream_t *)&c->tcp);
+    c->reading = false;
+    if (!c->cur) km_http_conn_close(c);
+}
+
+/* A refused request's body is read and dropped, never buffered, up to what it announced (a
+ * chunked one: up to the limits), so that closing after the answer does not reset the
+ * connection under a client still sending it (which could lose the answer); the body deadline
+ * bounds how long. */
+static void skip_body(conn *c, size_t announced)
+{
+    drop_pending(c);
+    c->discarding = true;
+    c->discard_left = announced;
+    discard_input(c);
+    km_buf_free(&c->in); /* reads of the rest take DISCARD_READ at a time */
+}
+
 /* opts.on_head's say on r, whose head just arrived: true to read on to its body. When the hook
  * answered, r is the connection's current request, answered; a request that announced a body
- * closes the connection after the answer, its body never read. */
-static bool head_admitted(conn *c, km_http_req *r, bool has_body)
+ * (body bytes, at most) closes the connection after the answer, its body dropped unread. */
+static bool head_admitted(conn *c, km_http_req *r, size_t body)
 {
+    bool has_body = body > 0;
     bool keep = r->keep_alive;
     r->keep_alive = keep && !has_body;
     c->pend = NULL; /* r is the current request while the hook runs, so it may answer it */
@@ -343,8 +393,8 @@ static bool head_admitted(conn *c, km_http_req *r, bool has_body)
         return true;
     }
     km_http_set_phase(c, PH_BUSY);
-    if (has_body) stop_input(c);
-    if (r->ended) km_http_req_finish(c);
+    if (has_body) skip_body(c, body);
+    if (!c->closing && r->ended) km_http_req_finish(c);
     return false;
 }
 
@@ -374,7 +424,9 @@ static bool take_head(conn *c)
     c->body_left = p.content_length;
     if (p.chunked) km_http_chunked_init(&c->dec, &s->o.lim);
     bool has_body = p.chunked || p.content_length;
-    if (s->o.on_head && !head_admitted(c, r, has_body)) return false;
+    const km_http_limits *l = &s->o.lim;
+    size_t announced = p.chunked ? l->max_head + l->max_body + 64 : p.content_length;
+    if (s->o.on_head && !head_admitted(c, r, announced)) return false;
     if (!has_body) return true;
     if (!budget_allows(c, p.content_length)) {
         refuse_memory(c);
@@ -456,7 +508,8 @@ static void on_alloc(uv_handle_t *hd, size_t suggested, uv_buf_t *buf)
 {
     conn *c = hd->data;
     km_buf *b = c->tls ? &c->raw : &c->in;
-    if (!budget_allows(c, growth(b, READ_SIZE)) || km_buf_reserve(b, READ_SIZE)) {
+    size_t room = c->discarding && !c->tls ? DISCARD_READ : READ_SIZE;
+    if (!budget_allows(c, growth(b, room)) || km_buf_reserve(b, room)) {
         *buf = uv_buf_init(NULL, 0);
         return;
     }
@@ -497,6 +550,8 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf)
         if (c->cur) {
             uv_read_stop(st);
             c->reading = false;
+        } else if (c->discarding) {
+            km_http_conn_close(c);
         } else {
             refuse_memory(c);
         }
@@ -516,6 +571,7 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf)
          * only shut down its side); anything else closes now */
         if (c->cur && c->cur->ended && c->pending_writes) {
             c->cur->keep_alive = false;
+            c->input_done = true;
             uv_read_stop(st);
             c->reading = false;
         } else {
@@ -524,6 +580,11 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf)
         return;
     }
     if (nread == 0) return;
+    if (c->discarding) {
+        discard_input(c);
+        if (!c->closing) conn_account(c);
+        return;
+    }
     const km_http_limits *lim = &c->s->o.lim;
     if (c->cur) {
         /* A response is pending: keep reading (to notice the client leaving) but bound what is
@@ -553,6 +614,10 @@ static void on_deadline(uv_timer_t *t)
     if (c->closing) return;
     if (c->ph == PH_BUSY) {
         if (c->cur && !c->cur->ended) return;
+        km_http_conn_close(c);
+        return;
+    }
+    if (c->discarding) { /* answered already: the rest of a refused body is not waited for */
         km_http_conn_close(c);
         return;
     }
