@@ -120,4 +120,5 @@ Test(security_http, keyless_clients_get_401_at_their_head_and_their_bodies_are_n
     char out[512];
     cr_assert_eq(it_http_get(r.http_port, "/healthz", out, sizeof out), 200);
     it_stop(&r);
+    rm_tree(r.dir);
 }
