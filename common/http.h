@@ -61,6 +61,8 @@ typedef struct km_http_request {
     bool keep_alive;      /* HTTP/1.1 unless "Connection: close"; 1.0 only with keep-alive */
     bool expect_continue; /* "Expect: 100-continue" */
     size_t head_len;      /* bytes of the head */
+    bool chunked;         /* the body comes chunked (else content_length bytes of it) */
+    size_t content_length;
     km_buf body;
     /* on an error: the status to answer (400, 413, 431, 501) and why */
     int status;
@@ -74,6 +76,34 @@ typedef struct km_http_request {
  * out->body is reset first and freed on every return but a complete request. */
 int km_http_parse_request(const char *buf, size_t len, const km_http_limits *lim,
                           km_http_request *out);
+
+/* The head alone: head_len (> 0) once the head is complete, with the body's framing in
+ * out->chunked / out->content_length and no body read; 0 when more bytes are needed; KM_EPROTO
+ * as above. The server reads bodies itself, after its on_head hook had its say. */
+int km_http_parse_head(const char *buf, size_t len, const km_http_limits *lim,
+                       km_http_request *out);
+
+/* A chunked body decoded as it arrives: state is kept between feeds, so each byte is decoded
+ * once however the body is split (never from the start again). */
+typedef struct km_http_chunked {
+    union {
+        size_t align;
+        unsigned char bytes[32];
+    } dec;                    /* picohttpparser's decoder state */
+    size_t max_body, max_raw; /* decoded and framed bytes allowed */
+    size_t raw;               /* framed bytes taken so far */
+    km_buf body;              /* decoded so far; the caller takes it once done */
+    int status;               /* on a refusal: 400 or 413, and why */
+    const char *message;
+} km_http_chunked;
+
+void km_http_chunked_init(km_http_chunked *d, const km_http_limits *lim);
+/* Takes bytes from buf[0, len): 1 when the body (and its trailer) ended, *taken saying how many
+ * bytes were its own (the rest belong to the next request); 0 when all len were taken and more
+ * are needed; KM_EPROTO when it is malformed or over a limit (d->status, d->message; d->body
+ * freed). */
+int km_http_chunked_feed(km_http_chunked *d, const char *buf, size_t len, size_t *taken);
+void km_http_chunked_free(km_http_chunked *d);
 
 /* The value of a header of a parsed request (case-insensitive), or NULL; *len gets its length. */
 const char *km_http_request_header(const km_http_request *r, const char *name, size_t *len);
@@ -105,6 +135,14 @@ typedef struct km_http_route {
  * and returns its content type. Default: text/plain, "message\n". */
 typedef const char *(*km_http_error_fn)(int status, const char *message, km_buf *out);
 
+/* Called once a request's head has arrived, before any of its body is read: method, path and
+ * headers are readable, the body is empty. Answering r here (a whole response, e.g. 401 for a
+ * missing key) refuses the request: its body is never buffered and the connection closes after
+ * the answer, so work and memory before authentication stay those of one head. (What arrives of
+ * the body is read into a small buffer and dropped, a second after each read and ten in all at
+ * most once answered, so that a client still sending it reads its answer, not a reset.) */
+typedef void (*km_http_head_fn)(km_http_req *r, void *user);
+
 typedef struct km_http_opts {
     const char *host; /* default "127.0.0.1"; an IPv4 or IPv6 literal */
     int port;         /* 0: an ephemeral port (km_http_server_port) */
@@ -126,7 +164,13 @@ typedef struct km_http_opts {
      * later bytes: a client sending a byte now and then (slowloris) gets 408 and is closed.
      * Defaults 10000 and 60000. */
     int head_ms, body_ms;
-    km_series *requests; /* a counter incremented per request parsed, or NULL */
+    km_series *requests;     /* a counter incremented per request parsed, or NULL */
+    km_http_head_fn on_head; /* or NULL: every head is read on to its body */
+    /* Request bytes held across all connections (input buffers, bodies being read, TLS
+     * records). A read that would take more is answered 503 and its connection closed (a
+     * connection with a response in progress only stops reading). Default 256 MiB. */
+    size_t max_buffered;
+    km_series *buffer_refusals; /* a counter of km_http_server_buffer_refusals, or NULL */
     /* HTTPS: a PEM certificate chain and its key (TLS 1.2 or later, http_tls.h). Both or
      * neither; read when the server starts, which fails with the file and the reason when they
      * cannot be used. A client that does not complete the handshake within head_ms is closed. */
@@ -141,6 +185,9 @@ uint64_t km_http_server_requests(const km_http_server *s); /* requests parsed */
 /* Requests that missed their head or body deadline; connections evicted at max_conns. */
 uint64_t km_http_server_timeouts(const km_http_server *s);
 uint64_t km_http_server_evictions(const km_http_server *s);
+/* Request bytes held now (opts.max_buffered), and connections refused for going over it. */
+size_t km_http_server_buffered(const km_http_server *s);
+uint64_t km_http_server_buffer_refusals(const km_http_server *s);
 /* Connections closed for a failed TLS handshake or record; 1 when the server speaks TLS. */
 uint64_t km_http_server_tls_failures(const km_http_server *s);
 int km_http_server_tls(const km_http_server *s);

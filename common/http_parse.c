@@ -134,29 +134,77 @@ static int refuse(km_http_request *out, int status, const char *message)
     return KM_EPROTO;
 }
 
+/* ---------------------------------------------------------------- chunked bodies */
+
+_Static_assert(sizeof(struct phr_chunked_decoder) <= sizeof(((km_http_chunked *)0)->dec),
+               "km_http_chunked.dec holds picohttpparser's decoder");
+
+void km_http_chunked_init(km_http_chunked *d, const km_http_limits *lim)
+{
+    memset(d, 0, sizeof *d);
+    struct phr_chunked_decoder *pd = (struct phr_chunked_decoder *)d->dec.bytes;
+    pd->consume_trailer = 1;
+    d->max_body = lim->max_body;
+    /* the framing of many small chunks is not free either */
+    d->max_raw = lim->max_head + lim->max_body + 64;
+}
+
+void km_http_chunked_free(km_http_chunked *d)
+{
+    km_buf_free(&d->body);
+}
+
+static int chunked_refuse(km_http_chunked *d, int status, const char *message)
+{
+    km_buf_free(&d->body);
+    d->status = status;
+    d->message = message;
+    return KM_EPROTO;
+}
+
+int km_http_chunked_feed(km_http_chunked *d, const char *buf, size_t len, size_t *taken)
+{
+    *taken = 0;
+    if (d->status) return KM_EPROTO;
+    if (len == 0) return 0;
+    /* the new bytes are decoded in place behind what is already decoded */
+    if (km_buf_reserve(&d->body, len)) return chunked_refuse(d, 500, "out of memory");
+    char *at = (char *)d->body.data + d->body.len;
+    memcpy(at, buf, len);
+    struct phr_chunked_decoder *pd = (struct phr_chunked_decoder *)d->dec.bytes;
+    size_t sz = len;
+    ssize_t left = phr_decode_chunked(pd, at, &sz);
+    if (left == -1) return chunked_refuse(d, 400, "malformed chunked body");
+    size_t used = left >= 0 ? len - (size_t)left : len;
+    d->body.len += sz;
+    d->raw += used;
+    /* over the limit already, or announced to be (the chunk being read is longer; its size
+     * counts once all its digits are in, so the status does not depend on the split) */
+    if (d->body.len > d->max_body ||
+        (left == -2 && pd->_hex_count == 0 && pd->bytes_left_in_chunk > d->max_body - d->body.len))
+        return chunked_refuse(d, 413, "request body too large");
+    if (d->raw > d->max_raw) return chunked_refuse(d, 413, "request too large");
+    *taken = used;
+    return left >= 0;
+}
+
 /* Decodes the chunked body that starts at buf[head]: the bytes taken (> 0), 0 incomplete, or a
  * refusal. */
 static int chunked_body(const char *buf, size_t len, const km_http_limits *lim,
                         km_http_request *out)
 {
-    size_t head = out->head_len, sz = len - head;
-    if (km_buf_append(&out->body, buf + head, sz)) return refuse(out, 500, "out of memory");
-    struct phr_chunked_decoder dec;
-    memset(&dec, 0, sizeof dec);
-    dec.consume_trailer = 1;
-    ssize_t left = phr_decode_chunked(&dec, (char *)out->body.data, &sz);
-    if (left == -1) return refuse(out, 400, "malformed chunked body");
-    /* over the limit already, or announced to be (the chunk being read is longer) */
-    if (sz > lim->max_body || (left == -2 && dec.bytes_left_in_chunk > lim->max_body - sz))
-        return refuse(out, 413, "request body too large");
-    if (left == -2) {
-        km_buf_free(&out->body);
-        /* the framing of many small chunks is not free either */
-        if (len > lim->max_head + lim->max_body + 64) return refuse(out, 413, "request too large");
+    km_http_chunked d;
+    km_http_chunked_init(&d, lim);
+    size_t head = out->head_len, taken;
+    int rc = km_http_chunked_feed(&d, buf + head, len - head, &taken);
+    if (rc < 0) return refuse(out, d.status, d.message);
+    if (rc == 0) {
+        km_http_chunked_free(&d);
         return 0;
     }
-    out->body.len = sz;
-    return (int)(len - (size_t)left);
+    km_buf_free(&out->body);
+    out->body = d.body;
+    return (int)(head + taken);
 }
 
 /* Whether a head picohttpparser refused failed only for having more than KM_HTTP_MAX_HEADERS
@@ -176,14 +224,18 @@ static bool too_many_headers(const char *buf, size_t len, const km_http_limits *
     return rc != -1;
 }
 
-int km_http_parse_request(const char *buf, size_t len, const km_http_limits *limits,
-                          km_http_request *out)
+/* What is taken must fit the int the parsers return. */
+static km_http_limits clamp_limits(const km_http_limits *limits)
 {
-    memset(out, 0, sizeof *out);
-    km_http_limits l = *limits; /* what is taken must fit the int this returns */
+    km_http_limits l = *limits;
     if (l.max_head > (1u << 20)) l.max_head = 1u << 20;
     if (l.max_body > (1u << 30)) l.max_body = 1u << 30;
-    const km_http_limits *lim = &l;
+    return l;
+}
+
+static int parse_head(const char *buf, size_t len, const km_http_limits *lim, km_http_request *out)
+{
+    memset(out, 0, sizeof *out);
     struct phr_header hs[KM_HTTP_MAX_HEADERS];
     size_t nh = KM_HTTP_MAX_HEADERS;
     int hl = phr_parse_request(buf, len, &out->method, &out->method_len, &out->path, &out->path_len,
@@ -236,7 +288,26 @@ int km_http_parse_request(const char *buf, size_t len, const km_http_limits *lim
         return refuse(out, 413,
                       lim->max_body ? "request body too large"
                                     : "request bodies are not supported");
-    if (chunked) return chunked_body(buf, len, lim, out);
+    out->chunked = chunked;
+    out->content_length = clen;
+    return hl;
+}
+
+int km_http_parse_head(const char *buf, size_t len, const km_http_limits *limits,
+                       km_http_request *out)
+{
+    km_http_limits l = clamp_limits(limits);
+    return parse_head(buf, len, &l, out);
+}
+
+int km_http_parse_request(const char *buf, size_t len, const km_http_limits *limits,
+                          km_http_request *out)
+{
+    km_http_limits l = clamp_limits(limits);
+    int hl = parse_head(buf, len, &l, out);
+    if (hl <= 0) return hl;
+    if (out->chunked) return chunked_body(buf, len, &l, out);
+    size_t clen = out->content_length;
     if (len - (size_t)hl < clen) return 0;
     if (clen && km_buf_append(&out->body, buf + hl, clen)) return refuse(out, 500, "out of memory");
     return hl + (int)clen;

@@ -26,6 +26,11 @@
  *    read are decrypted into the same input buffer the parser reads, and every write is sealed
  *    first, so nothing above it knows. The handshake runs inside the head phase: a client that
  *    does not finish it in head_ms is closed like a slow head.
+ *  - Nothing is done for a request before its head is admitted: opts.on_head (the router's API
+ *    key check) answers a refused one before its body is read, bodies are taken out of the input
+ *    as they arrive (chunked ones decoded once, incrementally), and what all connections hold
+ *    is counted against opts.max_buffered.
+ *  - Responses and the writes under them are http_respond.c's; both files share http_conn.h.
  */
 #include <limits.h>
 #include <stdio.h>
@@ -35,77 +40,23 @@
 #include <sys/resource.h>
 #include <uv.h>
 
-#include "common/http.h"
-#include "common/http_tls.h"
+#include "common/http_conn.h"
 
-#define WRITE_MAX (16u << 20) /* bytes queued to a slow client before it is dropped */
-#define BODY_MAX  (1u << 30)  /* the most any server may accept as max_body */
-
-typedef struct conn conn;
-
-/* What a connection waits for; each phase has its own deadline (km_http_opts). */
-typedef enum phase {
-    PH_IDLE, /* the first byte of the next request (idle_ms) */
-    PH_HEAD, /* the rest of a request's head (head_ms from its first byte) */
-    PH_BODY, /* the rest of its body (body_ms from the end of the head) */
-    PH_BUSY, /* a request in progress: the handler, then the response's writes */
-} phase;
-
-struct km_http_req {
-    conn *c;
-    char method[16];
-    char *path;
-    km_buf body;
-    char **hname, **hvalue;
-    int n_headers;
-    bool keep_alive, head_only;
-    bool answered, streaming, ended;
-    void (*on_abort)(km_http_req *r, void *user);
-    void *abort_user;
-};
-
-struct conn {
-    uv_tcp_t tcp;
-    uv_timer_t timer;
-    km_http_server *s;
-    conn *prev, *next;
-    km_buf in;  /* plaintext: what the parser reads */
-    km_buf raw; /* TLS only: ciphertext just read */
-    km_tls *tls;
-    km_http_req *cur;
-    int open_handles, pending_writes;
-    size_t queued_bytes;
-    phase ph;
-    uint64_t waiting_since; /* loop time the connection last had no request in progress */
-    bool closing, reading, in_handler, sent_continue;
-};
-
-struct km_http_server {
-    uv_loop_t *loop;
-    uv_tcp_t listener;
-    km_http_opts o;
-    char host[64];
-    int port;
-    conn *conns;
-    int n_conns;
-    int open_handles;
-    bool stopping;
-    km_tls_ctx *tls;
-    uint64_t requests, timeouts, evictions, tls_failures;
-};
-
-typedef struct write_req {
-    uv_write_t req;
-    conn *c;
-    km_buf out;
-} write_req;
+#define BODY_MAX     (1u << 30)   /* the most any server may accept as max_body */
+#define READ_SIZE    65536        /* room made for each read */
+#define IN_KEEP      (128u << 10) /* an emptied input buffer larger than this is freed */
+#define BUFFERED_MAX (256u << 20) /* default opts.max_buffered */
+#define DISCARD_READ 4096         /* room made for each read of a refused body */
+#define LINGER_IDLE  1000         /* ms a refused body may pause once its answer is written */
+#define LINGER_MAX   10000        /* ms it may take in all after that */
 
 static void try_requests(conn *c);
 static void start_reading(conn *c);
 static void on_deadline(uv_timer_t *t);
+static void linger(conn *c);
 
 /* Enters a phase and starts its deadline (a phase's bytes never move it). */
-static void set_phase(conn *c, phase ph)
+void km_http_set_phase(conn *c, phase ph)
 {
     const km_http_opts *o = &c->s->o;
     int ms = ph == PH_IDLE   ? o->idle_ms
@@ -115,6 +66,40 @@ static void set_phase(conn *c, phase ph)
     if (ph != PH_BUSY && c->ph == PH_BUSY) c->waiting_since = uv_now(c->s->loop);
     c->ph = ph;
     uv_timer_start(&c->timer, on_deadline, (uint64_t)ms, 0);
+}
+
+/* ---------------------------------------------------------------- memory held
+
+ * What connections hold of request input (buffers, bodies being read) is counted against
+ * opts.max_buffered, so many connections sending big bodies, or none finishing, cannot make the
+ * process grow without bound; see also on_head (http.h), which keeps a request without a key
+ * from getting past its head. */
+
+static size_t conn_footprint(const conn *c)
+{
+    return c->in.cap + c->raw.cap + (c->pend ? c->pend->body.cap : 0) + c->dec.body.cap;
+}
+
+static void conn_account(conn *c)
+{
+    size_t now = c->closing ? 0 : conn_footprint(c);
+    c->s->buffered = c->s->buffered - c->held + now;
+    c->held = now;
+}
+
+static bool budget_allows(const conn *c, size_t extra)
+{
+    const km_http_server *s = c->s;
+    return s->buffered <= s->o.max_buffered && extra <= s->o.max_buffered - s->buffered;
+}
+
+/* How much b's capacity grows (km_buf_reserve doubles) to make room for extra more bytes. */
+static size_t growth(const km_buf *b, size_t extra)
+{
+    if (extra <= b->cap - b->len) return 0;
+    size_t cap = b->cap ? b->cap : 256;
+    while (cap < b->len + extra) cap *= 2;
+    return cap - b->cap;
 }
 
 /* ---------------------------------------------------------------- lifetime */
@@ -154,10 +139,22 @@ static void on_conn_closed(uv_handle_t *hd)
     server_release(s);
 }
 
-static void conn_close(conn *c)
+/* Forgets the request whose body was being read. */
+static void drop_pending(conn *c)
+{
+    req_free(c->pend);
+    c->pend = NULL;
+    km_http_chunked_free(&c->dec);
+    c->pend_chunked = false;
+    c->body_left = 0;
+}
+
+void km_http_conn_close(conn *c)
 {
     if (c->closing) return;
     c->closing = true;
+    drop_pending(c);
+    conn_account(c);
     if (c->prev)
         c->prev->next = c->next;
     else
@@ -174,7 +171,7 @@ static void conn_close(conn *c)
 }
 
 /* The response ended and every byte of it was handed to the kernel: next request. */
-static void req_finish(conn *c)
+void km_http_req_finish(conn *c)
 {
     km_http_req *r = c->cur;
     if (!r || !r->ended || c->pending_writes) return;
@@ -182,205 +179,43 @@ static void req_finish(conn *c)
     c->cur = NULL;
     req_free(r);
     if (!keep) {
-        conn_close(c);
+        if (c->discarding && !c->input_done) { /* a refused body still arriving */
+            c->linger_until = uv_now(c->s->loop) + LINGER_MAX;
+            linger(c);
+            return;
+        }
+        km_http_conn_close(c);
         return;
     }
-    set_phase(c, c->in.len ? PH_HEAD : PH_IDLE);
+    km_http_set_phase(c, c->in.len ? PH_HEAD : PH_IDLE);
     try_requests(c);
 }
 
-/* ---------------------------------------------------------------- writing */
-
-static void on_written(uv_write_t *wr, int status)
+/* The connection reads nothing more: what it buffered or was reading is dropped, and it closes
+ * once its last answer is written. */
+static void stop_input(conn *c)
 {
-    write_req *w = (write_req *)wr;
-    conn *c = w->c;
-    c->pending_writes--;
-    c->queued_bytes -= w->out.len;
-    km_buf_free(&w->out);
-    free(w);
-    if (c->closing) return;
-    if (status < 0) {
-        conn_close(c);
-        return;
-    }
-    if (c->ph == PH_BUSY) set_phase(c, PH_BUSY); /* the client reads: the stall clock restarts */
-    req_finish(c);
-}
-
-/* Takes ownership of out's bytes, which go to the socket as they are. */
-static int conn_write_raw(conn *c, km_buf *out)
-{
-    if (c->closing) {
-        km_buf_free(out);
-        return KM_EIO;
-    }
-    if (c->queued_bytes + out->len > WRITE_MAX) {
-        km_buf_free(out);
-        conn_close(c); /* a client that does not read its stream */
-        return KM_EIO;
-    }
-    write_req *w = calloc(1, sizeof *w);
-    if (!w) {
-        km_buf_free(out);
-        conn_close(c);
-        return KM_ENOMEM;
-    }
-    w->c = c;
-    w->out = *out;
-    memset(out, 0, sizeof *out);
-    uv_buf_t b = uv_buf_init((char *)w->out.data, (unsigned)w->out.len);
-    if (uv_write(&w->req, (uv_stream_t *)&c->tcp, &b, 1, on_written) < 0) {
-        km_buf_free(&w->out);
-        free(w);
-        conn_close(c);
-        return KM_EIO;
-    }
-    c->pending_writes++;
-    c->queued_bytes += w->out.len;
-    if (c->ph == PH_BUSY) set_phase(c, PH_BUSY);
-    return 0;
-}
-
-/* Takes ownership of out's bytes: plaintext, sealed first on a TLS connection. */
-static int conn_write(conn *c, km_buf *out)
-{
-    if (!c->tls || c->closing) return conn_write_raw(c, out);
-    km_buf sealed = {0};
-    int rc = km_tls_seal(c->tls, out->data, out->len, &sealed);
-    km_buf_free(out);
-    if (rc) {
-        km_buf_free(&sealed);
-        conn_close(c);
-        return KM_EIO;
-    }
-    return conn_write_raw(c, &sealed);
-}
-
-static bool req_usable(km_http_req *r)
-{
-    return r && r->c && !r->c->closing && r->c->cur == r && !r->ended;
-}
-
-int km_http_respond(km_http_req *r, int status, const char *ctype, const char *extra_headers,
-                    const void *body, size_t len)
-{
-    if (!req_usable(r) || r->answered) return KM_EINVAL;
-    conn *c = r->c;
-    km_buf out = {0};
-    int rc =
-        km_buf_printf(&out,
-                      "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\n%s"
-                      "Connection: %s\r\n\r\n",
-                      status, km_http_reason(status), ctype ? ctype : "text/plain", len,
-                      extra_headers ? extra_headers : "", r->keep_alive ? "keep-alive" : "close");
-    if (!rc && !r->head_only && len) rc = km_buf_append(&out, body, len);
-    r->answered = r->ended = true;
-    if (rc) {
-        km_buf_free(&out);
-        conn_close(c);
-        return rc;
-    }
-    rc = conn_write(c, &out);
-    if (!rc && !c->in_handler) req_finish(c);
-    return rc;
-}
-
-static const char *text_error(int status, const char *message, km_buf *out)
-{
-    km_buf_printf(out, "%s\n", message);
-    return "text/plain; charset=utf-8";
-}
-
-static int respond_error_h(km_http_req *r, int status, const char *extra_headers,
-                           const char *message)
-{
-    km_http_server *s = r->c->s;
-    km_buf b = {0};
-    const char *ctype = (s->o.error_body ? s->o.error_body : text_error)(status, message, &b);
-    int rc = km_http_respond(r, status, ctype, extra_headers, b.data, b.len);
-    km_buf_free(&b);
-    return rc;
-}
-
-int km_http_respond_error(km_http_req *r, int status, const char *message)
-{
-    if (!req_usable(r)) return KM_EINVAL;
-    return respond_error_h(r, status, NULL, message);
-}
-
-int km_http_stream_begin(km_http_req *r, int status, const char *ctype)
-{
-    if (!req_usable(r) || r->answered) return KM_EINVAL;
-    km_buf out = {0};
-    int rc = km_buf_printf(&out,
-                           "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nTransfer-Encoding: chunked\r\n"
-                           "Cache-Control: no-cache\r\nX-Accel-Buffering: no\r\n"
-                           "Connection: %s\r\n\r\n",
-                           status, km_http_reason(status), ctype ? ctype : "text/event-stream",
-                           r->keep_alive ? "keep-alive" : "close");
-    r->answered = r->streaming = true;
-    if (rc) {
-        km_buf_free(&out);
-        return rc;
-    }
-    return conn_write(r->c, &out);
-}
-
-int km_http_stream_write(km_http_req *r, const void *data, size_t len)
-{
-    if (!req_usable(r) || !r->streaming) return KM_EINVAL;
-    if (len == 0 || r->head_only) return 0;
-    km_buf out = {0};
-    int rc = km_buf_printf(&out, "%zx\r\n", len);
-    if (!rc) rc = km_buf_append(&out, data, len);
-    if (!rc) rc = km_buf_append(&out, "\r\n", 2);
-    if (rc) {
-        km_buf_free(&out);
-        return rc;
-    }
-    return conn_write(r->c, &out);
-}
-
-int km_http_stream_end(km_http_req *r)
-{
-    if (!req_usable(r) || !r->streaming) return KM_EINVAL;
-    conn *c = r->c;
-    r->ended = true;
-    int rc = 0;
-    if (!r->head_only) {
-        km_buf out = {0};
-        rc = km_buf_append(&out, "0\r\n\r\n", 5);
-        rc = rc ? rc : conn_write(c, &out);
-    }
-    if (!rc && !c->closing && !c->in_handler) req_finish(c);
-    return rc;
-}
-
-void km_http_on_abort(km_http_req *r, void (*fn)(km_http_req *r, void *user), void *user)
-{
-    if (!r) return;
-    r->on_abort = fn;
-    r->abort_user = user;
+    drop_pending(c);
+    km_buf_free(&c->in);
+    c->input_done = true;
+    if (c->reading) uv_read_stop((uv_stream_t *)&c->tcp);
+    c->reading = false;
 }
 
 /* An error the server answers before any request exists (malformed, too large): a finished
  * request that closes the connection after its write. */
 static void fatal(conn *c, int status, const char *message)
 {
-    if (c->reading) {
-        uv_read_stop((uv_stream_t *)&c->tcp);
-        c->reading = false;
-    }
+    stop_input(c);
     km_http_req *r = calloc(1, sizeof *r);
     if (!r) {
-        conn_close(c);
+        km_http_conn_close(c);
         return;
     }
     r->c = c;
     c->cur = r;
-    set_phase(c, PH_BUSY);
-    respond_error_h(r, status, NULL, message);
+    km_http_set_phase(c, PH_BUSY);
+    km_http_respond_error_with(r, status, NULL, message);
 }
 
 /* ---------------------------------------------------------------- requests */
@@ -474,50 +309,197 @@ static void dispatch(km_http_server *s, km_http_req *r)
         allow_list(rt->methods, allow, sizeof allow);
         snprintf(hdr, sizeof hdr, "Allow: %s\r\n", allow);
         snprintf(msg, sizeof msg, "method not allowed: use %s", allow);
-        respond_error_h(r, 405, hdr, msg);
+        km_http_respond_error_with(r, 405, hdr, msg);
         return;
     }
-    respond_error_h(r, 404, NULL, "not found");
+    km_http_respond_error_with(r, 404, NULL, "not found");
+}
+
+/* Drops n bytes from the front of the input. */
+static void consume(conn *c, size_t n)
+{
+    memmove(c->in.data, c->in.data + n, c->in.len - n);
+    c->in.len -= n;
+    if (!c->in.len && c->in.cap > IN_KEEP) km_buf_free(&c->in);
+}
+
+static void refuse_memory(conn *c)
+{
+    km_http_server *s = c->s;
+    s->buffer_refusals++;
+    if (s->o.buffer_refusals) km_counter_inc(s->o.buffer_refusals);
+    KM_WARN("http_buffer_full", "buffered=%zu max_buffered=%zu", s->buffered, s->o.max_buffered);
+    fatal(c, 503, "the server holds too much request data; retry later");
+}
+
+/* Once a refused request is answered, the rest of its body gets LINGER_IDLE after each read and
+ * LINGER_MAX in all (on_deadline then closes), so a client still sending it reads its answer
+ * instead of a reset, and one that stopped costs a second at most. */
+static void linger(conn *c)
+{
+    uint64_t now = uv_now(c->s->loop), left = c->linger_until > now ? c->linger_until - now : 0;
+    c->ph = PH_BODY;
+    uv_timer_start(&c->timer, on_deadline, left < LINGER_IDLE ? left : LINGER_IDLE, 0);
+}
+
+/* Drops what arrived of a refused body; once all of it is in, the connection closes (after its
+ * answer, if that is still being written). */
+static void discard_input(conn *c)
+{
+    size_t n = c->in.len < c->discard_left ? c->in.len : c->discard_left;
+    c->discard_left -= n;
+    c->in.len = 0;
+    if (c->discard_left) {
+        if (!c->cur) linger(c);
+        return;
+    }
+    c->input_done = true;
+    if (c->reading) uv_read_stop((uv_stream_t *)&c->tcp);
+    c->reading = false;
+    if (!c->cur) km_http_conn_close(c);
+}
+
+/* A refused request's body is read and dropped, never buffered, up to what it announced (a
+ * chunked one: up to the limits), so that closing after the answer does not reset the
+ * connection under a client still sending it (which could lose the answer); the body deadline
+ * bounds how long. */
+static void skip_body(conn *c, size_t announced)
+{
+    drop_pending(c);
+    c->discarding = true;
+    c->discard_left = announced;
+    discard_input(c);
+    km_buf_free(&c->in); /* reads of the rest take DISCARD_READ at a time */
+}
+
+/* opts.on_head's say on r, whose head just arrived: true to read on to its body. When the hook
+ * answered, r is the connection's current request, answered; a request that announced a body
+ * (body bytes, at most) closes the connection after the answer, its body dropped unread. */
+static bool head_admitted(conn *c, km_http_req *r, size_t body)
+{
+    bool has_body = body > 0;
+    bool keep = r->keep_alive;
+    r->keep_alive = keep && !has_body;
+    c->pend = NULL; /* r is the current request while the hook runs, so it may answer it */
+    c->cur = r;
+    c->in_handler = true;
+    c->s->o.on_head(r, c->s->o.user);
+    c->in_handler = false;
+    if (c->closing) return false;
+    if (!r->answered) {
+        r->keep_alive = keep;
+        c->cur = NULL;
+        c->pend = r;
+        return true;
+    }
+    km_http_set_phase(c, PH_BUSY);
+    if (has_body) skip_body(c, body);
+    if (!c->closing && r->ended) km_http_req_finish(c);
+    return false;
+}
+
+/* The next request's head from the input: true with it pending (c->pend), its body to read;
+ * false when the head is incomplete, or was refused or answered. */
+static bool take_head(conn *c)
+{
+    km_http_server *s = c->s;
+    km_http_request p;
+    int n = km_http_parse_head((const char *)c->in.data, c->in.len, &s->o.lim, &p);
+    if (n < 0) {
+        fatal(c, p.status, p.message);
+        return false;
+    }
+    if (n == 0) {
+        if (c->ph == PH_IDLE) km_http_set_phase(c, PH_HEAD);
+        return false;
+    }
+    km_http_req *r = req_new(c, &p);
+    if (!r) {
+        km_http_conn_close(c);
+        return false;
+    }
+    consume(c, (size_t)n);
+    c->pend = r;
+    c->pend_chunked = p.chunked;
+    c->body_left = p.content_length;
+    if (p.chunked) km_http_chunked_init(&c->dec, &s->o.lim);
+    bool has_body = p.chunked || p.content_length;
+    const km_http_limits *l = &s->o.lim;
+    size_t announced = p.chunked ? l->max_head + l->max_body + 64 : p.content_length;
+    if (s->o.on_head && !head_admitted(c, r, announced)) return false;
+    if (!has_body) return true;
+    if (!budget_allows(c, p.content_length)) {
+        refuse_memory(c);
+        return false;
+    }
+    if (km_buf_reserve(&r->body, p.content_length)) {
+        km_http_conn_close(c);
+        return false;
+    }
+    km_http_set_phase(c, PH_BODY);
+    if (p.expect_continue) {
+        km_buf out = {0};
+        if (km_buf_printf(&out, "HTTP/1.1 100 Continue\r\n\r\n") || km_http_conn_write(c, &out)) {
+            km_buf_free(&out);
+            return false;
+        }
+    }
+    return true;
+}
+
+/* Moves input into the pending request's body (chunked bodies decoded as they come, never from
+ * the start again): true once the body is whole. */
+static bool take_body(conn *c)
+{
+    km_http_req *r = c->pend;
+    if (!c->pend_chunked) {
+        size_t k = c->body_left < c->in.len ? c->body_left : c->in.len;
+        km_buf_append(&r->body, c->in.data, k); /* reserved at the head */
+        consume(c, k);
+        c->body_left -= k;
+        return c->body_left == 0;
+    }
+    if (!budget_allows(c, growth(&c->dec.body, c->in.len))) {
+        refuse_memory(c);
+        return false;
+    }
+    size_t taken;
+    int rc = km_http_chunked_feed(&c->dec, (const char *)c->in.data, c->in.len, &taken);
+    if (rc < 0) {
+        fatal(c, c->dec.status, c->dec.message);
+        return false;
+    }
+    consume(c, taken);
+    if (rc == 0) return false;
+    km_buf_free(&r->body);
+    r->body = c->dec.body;
+    memset(&c->dec.body, 0, sizeof c->dec.body);
+    c->pend_chunked = false;
+    return true;
 }
 
 /* Parses and dispatches buffered requests, one at a time. */
 static void try_requests(conn *c)
 {
     km_http_server *s = c->s;
-    while (!c->closing && !c->cur && c->in.len) {
-        km_http_request p;
-        int n = km_http_parse_request((const char *)c->in.data, c->in.len, &s->o.lim, &p);
-        if (n < 0) return fatal(c, p.status, p.message);
-        if (n == 0) {
-            if (c->ph == PH_IDLE) set_phase(c, PH_HEAD);
-            if (p.head_len && c->ph == PH_HEAD) set_phase(c, PH_BODY);
-            if (p.head_len && p.expect_continue && !c->sent_continue) {
-                km_buf out = {0};
-                c->sent_continue = true;
-                if (km_buf_printf(&out, "HTTP/1.1 100 Continue\r\n\r\n") || conn_write(c, &out)) {
-                    km_buf_free(&out);
-                    return;
-                }
-            }
-            break;
-        }
-        km_http_req *r = req_new(c, &p);
-        km_buf_free(&p.body);
-        if (!r) return conn_close(c);
-        memmove(c->in.data, c->in.data + n, c->in.len - (size_t)n);
-        c->in.len -= (size_t)n;
-        c->sent_continue = false;
+    while (!c->closing && !c->cur) {
+        if (!c->pend && (!c->in.len || !take_head(c))) break;
+        if (c->closing || c->cur || !take_body(c)) break;
+        km_http_req *r = c->pend;
+        c->pend = NULL;
         c->cur = r;
-        set_phase(c, PH_BUSY);
+        km_http_set_phase(c, PH_BUSY);
         s->requests++;
         if (s->o.requests) km_counter_inc(s->o.requests);
         c->in_handler = true;
         dispatch(s, r);
         c->in_handler = false;
         if (c->closing) return;
-        if (c->cur == r && r->ended) req_finish(c);
+        if (c->cur == r && r->ended) km_http_req_finish(c);
     }
-    if (!c->closing) start_reading(c);
+    if (c->closing) return;
+    conn_account(c);
+    start_reading(c);
 }
 
 /* ---------------------------------------------------------------- reading */
@@ -526,7 +508,8 @@ static void on_alloc(uv_handle_t *hd, size_t suggested, uv_buf_t *buf)
 {
     conn *c = hd->data;
     km_buf *b = c->tls ? &c->raw : &c->in;
-    if (km_buf_reserve(b, 65536)) {
+    size_t room = c->discarding && !c->tls ? DISCARD_READ : READ_SIZE;
+    if (!budget_allows(c, growth(b, room)) || km_buf_reserve(b, room)) {
         *buf = uv_buf_init(NULL, 0);
         return;
     }
@@ -545,7 +528,7 @@ static ssize_t tls_in(conn *c, size_t n)
     int rc = km_tls_feed(c->tls, c->raw.data, c->raw.len, &c->in, &out, &why);
     c->raw.len = 0;
     if (out.len && rc >= 0)
-        conn_write_raw(c, &out);
+        km_http_conn_write_raw(c, &out);
     else
         km_buf_free(&out);
     if (rc < 0) {
@@ -561,10 +544,23 @@ static ssize_t tls_in(conn *c, size_t n)
 static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf)
 {
     conn *c = st->data;
+    if (nread == UV_ENOBUFS) {
+        /* no room under max_buffered (on_alloc): a connection with a response in progress waits
+         * for it (reading resumes after it), any other is refused */
+        if (c->cur) {
+            uv_read_stop(st);
+            c->reading = false;
+        } else if (c->discarding) {
+            km_http_conn_close(c);
+        } else {
+            refuse_memory(c);
+        }
+        return;
+    }
     if (nread > 0 && c->tls) {
         nread = tls_in(c, (size_t)nread);
         if (nread == UV_EPROTO) {
-            conn_close(c);
+            km_http_conn_close(c);
             return;
         }
     } else if (nread > 0) {
@@ -575,14 +571,20 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf)
          * only shut down its side); anything else closes now */
         if (c->cur && c->cur->ended && c->pending_writes) {
             c->cur->keep_alive = false;
+            c->input_done = true;
             uv_read_stop(st);
             c->reading = false;
         } else {
-            conn_close(c);
+            km_http_conn_close(c);
         }
         return;
     }
     if (nread == 0) return;
+    if (c->discarding) {
+        discard_input(c);
+        if (!c->closing) conn_account(c);
+        return;
+    }
     const km_http_limits *lim = &c->s->o.lim;
     if (c->cur) {
         /* A response is pending: keep reading (to notice the client leaving) but bound what is
@@ -591,6 +593,7 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf)
             uv_read_stop(st);
             c->reading = false;
         }
+        conn_account(c);
         return;
     }
     try_requests(c);
@@ -598,7 +601,7 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf)
 
 static void start_reading(conn *c)
 {
-    if (c->reading || c->closing) return;
+    if (c->reading || c->closing || c->input_done) return;
     if (uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read) == 0) c->reading = true;
 }
 
@@ -611,12 +614,16 @@ static void on_deadline(uv_timer_t *t)
     if (c->closing) return;
     if (c->ph == PH_BUSY) {
         if (c->cur && !c->cur->ended) return;
-        conn_close(c);
+        km_http_conn_close(c);
+        return;
+    }
+    if (c->discarding) { /* answered already: the rest of a refused body is not waited for */
+        km_http_conn_close(c);
         return;
     }
     c->s->timeouts++;
-    if (c->ph == PH_IDLE || c->in.len == 0) {
-        conn_close(c);
+    if (c->ph == PH_IDLE || (c->ph == PH_HEAD && c->in.len == 0)) {
+        km_http_conn_close(c);
         return;
     }
     fatal(c, 408,
@@ -652,21 +659,21 @@ static void on_connection(uv_stream_t *server, int status)
     s->conns = c;
     if (uv_accept(server, (uv_stream_t *)&c->tcp) < 0 ||
         (s->tls && !(c->tls = km_tls_new(s->tls)))) {
-        conn_close(c);
+        km_http_conn_close(c);
         return;
     }
     if (s->n_conns > s->o.max_conns) {
         conn *victim = oldest_waiting(s, c);
         if (!victim) {
-            conn_close(c);
+            km_http_conn_close(c);
             return;
         }
         s->evictions++;
-        conn_close(victim);
+        km_http_conn_close(victim);
     }
     uv_tcp_nodelay(&c->tcp, 1);
-    c->ph = PH_BUSY; /* so that set_phase stamps waiting_since */
-    set_phase(c, PH_HEAD);
+    c->ph = PH_BUSY; /* so that km_http_set_phase stamps waiting_since */
+    km_http_set_phase(c, PH_HEAD);
     start_reading(c);
 }
 
@@ -712,6 +719,7 @@ int km_http_server_start(void *loop, const km_http_opts *o, km_http_server **out
     if (s->o.idle_ms <= 0) s->o.idle_ms = 60000;
     if (s->o.head_ms <= 0) s->o.head_ms = 10000;
     if (s->o.body_ms <= 0) s->o.body_ms = 60000;
+    if (!s->o.max_buffered) s->o.max_buffered = BUFFERED_MAX;
     snprintf(s->host, sizeof s->host, "%s", o->host ? o->host : "127.0.0.1");
     s->o.host = s->host;
     if ((o->tls_cert && *o->tls_cert) || (o->tls_key && *o->tls_key)) {
@@ -775,6 +783,16 @@ uint64_t km_http_server_evictions(const km_http_server *s)
     return s ? s->evictions : 0;
 }
 
+size_t km_http_server_buffered(const km_http_server *s)
+{
+    return s ? s->buffered : 0;
+}
+
+uint64_t km_http_server_buffer_refusals(const km_http_server *s)
+{
+    return s ? s->buffer_refusals : 0;
+}
+
 uint64_t km_http_server_tls_failures(const km_http_server *s)
 {
     return s ? s->tls_failures : 0;
@@ -789,6 +807,6 @@ void km_http_server_stop(km_http_server *s)
 {
     if (!s || s->stopping) return;
     s->stopping = true;
-    while (s->conns) conn_close(s->conns);
+    while (s->conns) km_http_conn_close(s->conns);
     uv_close((uv_handle_t *)&s->listener, on_listener_closed);
 }

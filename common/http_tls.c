@@ -13,6 +13,12 @@
 
 #include "common/http_tls.h"
 
+/* The TLS 1.2 suites offered, best first (docs/security.md, "TLS"). */
+#define TLS12_CIPHERS                                                                              \
+    "ECDHE-ECDSA-AES128-GCM-SHA256:ECDHE-RSA-AES128-GCM-SHA256:"                                   \
+    "ECDHE-ECDSA-AES256-GCM-SHA384:ECDHE-RSA-AES256-GCM-SHA384:"                                   \
+    "ECDHE-ECDSA-CHACHA20-POLY1305:ECDHE-RSA-CHACHA20-POLY1305"
+
 struct km_tls_ctx {
     SSL_CTX *ssl;
 };
@@ -54,6 +60,13 @@ int km_tls_ctx_new(const char *cert_file, const char *key_file, km_tls_ctx **out
         rc = km_errf(err, KM_EINVAL, "TLS key %s does not match certificate %s: %s", key_file,
                      cert_file, tls_reason());
     if (rc) {
+        km_tls_ctx_free(c);
+        return rc;
+    }
+    /* TLS 1.2 offers only forward-secret AEAD suites (ECDHE with AES-GCM or ChaCha20-Poly1305:
+     * no static RSA key exchange, no CBC, no SHA-1 MACs); TLS 1.3's suites all are already. */
+    if (SSL_CTX_set_cipher_list(c->ssl, TLS12_CIPHERS) != 1) {
+        rc = km_errf(err, KM_EIO, "TLS: cannot set the TLS 1.2 cipher suites: %s", tls_reason());
         km_tls_ctx_free(c);
         return rc;
     }

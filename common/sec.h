@@ -319,6 +319,18 @@ void km_mac(const uint8_t key[KM_SECRET_BYTES], const void *data, size_t len,
 /* 0 when tag is the MAC of data under key (compared in constant time), KM_ECORRUPT otherwise. */
 int km_mac_verify(const uint8_t key[KM_SECRET_BYTES], const void *data, size_t len,
                   const uint8_t tag[KM_MAC_BYTES]);
+#define KM_SEAL_NONCE_BYTES 24
+#define KM_SEAL_TAG_BYTES   16
+/* Authenticated encryption (libsodium's XChaCha20-Poly1305, IETF): msg[0, len) is encrypted in
+ * place under key, a fresh random nonce written to nonce and the tag, which also covers ad
+ * (authenticated, not encrypted), to tag. */
+void km_seal(const uint8_t key[KM_SECRET_BYTES], const void *ad, size_t ad_len, uint8_t *msg,
+             size_t len, uint8_t nonce[KM_SEAL_NONCE_BYTES], uint8_t tag[KM_SEAL_TAG_BYTES]);
+/* Decrypts in place what km_seal made: 0, or KM_ECORRUPT (msg left as it was) when the tag does
+ * not verify under key, nonce and ad. */
+int km_unseal(const uint8_t key[KM_SECRET_BYTES], const void *ad, size_t ad_len, uint8_t *msg,
+              size_t len, const uint8_t nonce[KM_SEAL_NONCE_BYTES],
+              const uint8_t tag[KM_SEAL_TAG_BYTES]);
 /* Writes a file atomically (temporary in the same directory, fsync, rename) with `mode`. */
 int km_write_file_atomic(const char *path, const void *data, size_t len, unsigned mode,
                          km_errbuf *err);

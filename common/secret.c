@@ -1,7 +1,7 @@
 /*
  * secret.c — the cluster secret (32 random bytes in a 0600 file), keys derived from it for one
- * purpose each, the keyed MAC that disk pages carry, and the atomic file writer every secret
- * file of common/ goes through.
+ * purpose each, the keyed MAC and the authenticated encryption that disk pages use, and the
+ * atomic file writer every secret file of common/ goes through.
  *
  * Why it is built this way:
  *  - libsodium (already a dependency of CZMQ) does the cryptography: crypto_kdf derives a key per
@@ -148,4 +148,30 @@ int km_mac_verify(const uint8_t key[KM_SECRET_BYTES], const void *data, size_t l
     int ok = crypto_verify_32(want, tag) == 0;
     sodium_memzero(want, sizeof want);
     return ok ? 0 : KM_ECORRUPT;
+}
+
+_Static_assert(KM_SEAL_NONCE_BYTES == crypto_aead_xchacha20poly1305_ietf_NPUBBYTES &&
+                   KM_SEAL_TAG_BYTES == crypto_aead_xchacha20poly1305_ietf_ABYTES &&
+                   KM_SECRET_BYTES == crypto_aead_xchacha20poly1305_ietf_KEYBYTES,
+               "km_seal's sizes are libsodium's");
+
+/* XChaCha20's 192-bit nonce is safe to draw at random for every message under one key. */
+void km_seal(const uint8_t key[KM_SECRET_BYTES], const void *ad, size_t ad_len, uint8_t *msg,
+             size_t len, uint8_t nonce[KM_SEAL_NONCE_BYTES], uint8_t tag[KM_SEAL_TAG_BYTES])
+{
+    km_sodium_ready();
+    randombytes_buf(nonce, KM_SEAL_NONCE_BYTES);
+    crypto_aead_xchacha20poly1305_ietf_encrypt_detached(msg, tag, NULL, msg, len, ad, ad_len, NULL,
+                                                        nonce, key);
+}
+
+int km_unseal(const uint8_t key[KM_SECRET_BYTES], const void *ad, size_t ad_len, uint8_t *msg,
+              size_t len, const uint8_t nonce[KM_SEAL_NONCE_BYTES],
+              const uint8_t tag[KM_SEAL_TAG_BYTES])
+{
+    km_sodium_ready();
+    return crypto_aead_xchacha20poly1305_ietf_decrypt_detached(msg, NULL, msg, len, tag, ad, ad_len,
+                                                               nonce, key)
+               ? KM_ECORRUPT
+               : 0;
 }

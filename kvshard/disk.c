@@ -10,12 +10,20 @@
  * become disk-tier pages of the prefix index, so a restarted worker comes back warm (store.c
  * then trims them to the disk budget through evict.c).
  *
- * With a cluster secret (kv_config.disk_secret) every page file also carries a keyed MAC, and a
- * page whose MAC is missing or wrong is dropped (deleted, counted in unauthenticated_pages,
- * logged as kv_disk_page_unauthenticated) at re-index and on every read: the checksum alone
- * stops torn pages, not someone with write access to the directory who recomputes it. Without a
- * secret a page's MAC, if it has one, is not checked (nothing to check it with). The disk budget
- * counts page files without the MAC's 32 bytes, a rounding error next to a real page.
+ * With a cluster secret (kv_config.disk_secret) every page file is sealed (diskfmt.c): its token
+ * ids and KV encrypted and, with its header, authenticated, so another local account reads no
+ * tenant's prompt from it, and a page whose seal is missing or wrong is dropped (deleted, counted
+ * in unauthenticated_pages, logged as kv_disk_page_unauthenticated) at re-index and on every
+ * read: the checksum alone stops torn pages, not someone with write access to the directory who
+ * recomputes it. Pages of the format before sealing (a keyed MAC, token ids in clear) are sealed
+ * again at re-index when their MAC verifies, and dropped like any other otherwise. Without a
+ * secret a page's MAC, if it has one, is not checked (nothing to check it with), and a sealed
+ * page cannot be read: it is left alone (skipped_files) for a store that has the secret. The
+ * disk budget counts page files without the seal's 40 bytes, a rounding error next to a page.
+ *
+ * The directory is the worker's alone: created 0700 (and existing ones of the worker's narrowed
+ * to it), files 0600, whatever the umask; one that group or others may write is refused at open,
+ * since whoever can write there can plant or swap page files.
  *
  * This file is the page files and nothing else: it calls the index, page memory and accounting
  * below it; choosing what goes to disk and when is evict.c's (demotion) and tier.c's (persist).
@@ -71,6 +79,43 @@ static int kv_read_all(int fd, uint8_t *b, size_t n)
     return 0;
 }
 
+/* Writes d as the page file of its hash (sealed with a secret), atomically. */
+static int kv_disk_put(kv_store *s, const kv_disk_page *d)
+{
+    size_t n = kv_disk_page_size(d->payload_bytes, d->page_tokens) +
+               (s->disk_mac ? KV_DISK_SEAL_BYTES : 0);
+    uint8_t *b = malloc(n);
+    if (!b) return KM_ENOMEM;
+    kv_disk_page plain = *d;
+    plain.mac = plain.seal = NULL;
+    if (s->disk_mac)
+        kv_disk_page_encode_sealed(&plain, s->disk_seal_key, b, n);
+    else
+        kv_disk_page_encode(&plain, b, n);
+    char path[PATH_MAX], tmp[PATH_MAX];
+    kv_disk_path(s, d->hash, path, sizeof path);
+    char hex[33];
+    km_pagehash_hex(d->hash, hex);
+    snprintf(tmp, sizeof tmp, "%s/.tmp-%s-%d-%llu", s->disk_dir, hex, (int)getpid(),
+             (unsigned long long)++s->tmp_ctr);
+    int rc = KM_EIO;
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (fd >= 0) {
+        rc = kv_write_all(fd, b, n);
+        if (!rc && fchmod(fd, 0600)) rc = KM_EIO; /* the umask may have narrowed it */
+        if (!rc && fsync(fd)) rc = KM_EIO;
+        if (close(fd)) rc = KM_EIO;
+        if (!rc && rename(tmp, path)) rc = KM_EIO;
+        if (rc) unlink(tmp);
+    }
+    free(b);
+    if (rc) {
+        s->st.disk_write_errors++;
+        KM_WARN("kv_disk_write_failed", "path=%s errno=%d", path, errno);
+    }
+    return rc;
+}
+
 int kv_disk_write(kv_store *s, kv_page *p)
 {
     /* one file per indexed page, written from its RAM copy */
@@ -90,34 +135,8 @@ int kv_disk_write(kv_store *s, kv_page *p)
         .payload = p->buf,
         .payload_bytes = pb,
     };
-    size_t n = kv_disk_page_size(pb, s->pt) + (s->disk_mac ? KV_DISK_MAC_BYTES : 0);
-    uint8_t *b = malloc(n);
-    if (!b) return KM_ENOMEM;
-    if (s->disk_mac)
-        kv_disk_page_encode_mac(&d, s->disk_mac_key, b, n);
-    else
-        kv_disk_page_encode(&d, b, n);
-    char path[PATH_MAX], tmp[PATH_MAX];
-    kv_disk_path(s, p->hash, path, sizeof path);
-    char hex[33];
-    km_pagehash_hex(p->hash, hex);
-    snprintf(tmp, sizeof tmp, "%s/.tmp-%s-%d-%llu", s->disk_dir, hex, (int)getpid(),
-             (unsigned long long)++s->tmp_ctr);
-    int rc = KM_EIO;
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-    if (fd >= 0) {
-        rc = kv_write_all(fd, b, n);
-        if (!rc && fsync(fd)) rc = KM_EIO;
-        if (close(fd)) rc = KM_EIO;
-        if (!rc && rename(tmp, path)) rc = KM_EIO;
-        if (rc) unlink(tmp);
-    }
-    free(b);
-    if (rc) {
-        s->st.disk_write_errors++;
-        KM_WARN("kv_disk_write_failed", "path=%s errno=%d", path, errno);
-        return rc;
-    }
+    int rc = kv_disk_put(s, &d);
+    if (rc) return rc;
     p->flags |= KV_PAGE_ON_DISK;
     kv_acct_add(s, p->shard, KV_TIER_DISK, p->format, 1);
     return 0;
@@ -171,15 +190,25 @@ static int kv_disk_matches(const kv_store *s, const kv_disk_page *d)
            d->head_dim == s->hd;
 }
 
-/* With a cluster secret: 0 when the parsed page's MAC verifies; otherwise counts and logs it and
- * returns KM_ECORRUPT (the caller drops the page). */
-static int kv_disk_authentic(kv_store *s, const uint8_t *b, size_t n, const kv_disk_page *d,
-                             const char *path)
+/* With a cluster secret, whether a parsed page may be served: 0 for a sealed page whose seal
+ * verifies (its tokens and payload are then decrypted in b), or, where older is not NULL (at
+ * re-index), for a page of the format before sealing whose MAC verifies (*older set: the caller
+ * seals it again). Otherwise counts and logs it and returns KM_ECORRUPT (the caller drops it).
+ * Without a secret: 0 (the caller keeps sealed pages away). */
+static int kv_disk_authentic(kv_store *s, uint8_t *b, size_t n, const kv_disk_page *d,
+                             const char *path, bool *older)
 {
-    if (!s->disk_mac || !kv_disk_page_verify_mac(b, n, d, s->disk_mac_key)) return 0;
+    if (!s->disk_mac) return 0;
+    const char *why = d->mac ? "not_sealed" : "no_seal";
+    if (d->seal) {
+        if (!kv_disk_page_unseal(b, n, d, s->disk_seal_key)) return 0;
+        why = "wrong_seal";
+    } else if (d->mac && older) {
+        if (!kv_disk_page_verify_mac(b, n, d, s->disk_mac_key)) return *older = true, 0;
+        why = "wrong_mac";
+    }
     s->st.unauthenticated_pages++;
-    KM_WARN("kv_disk_page_unauthenticated", "path=%s reason=%s", path,
-            d->mac ? "wrong_mac" : "no_mac");
+    KM_WARN("kv_disk_page_unauthenticated", "path=%s reason=%s", path, why);
     return KM_ECORRUPT;
 }
 
@@ -192,17 +221,20 @@ int kv_disk_read(kv_store *s, kv_page *p, uint8_t *dst)
     /* without a secret a page may or may not carry a MAC: the parser checks the exact size */
     size_t size = kv_disk_page_size(s->lay[p->format].page_bytes, s->pt);
     const char *why;
-    int rc = kv_disk_load(path, s->disk_mac ? size + KV_DISK_MAC_BYTES : size,
-                          size + KV_DISK_MAC_BYTES, &b, &n, &why);
+    int rc =
+        kv_disk_load(path, s->disk_mac ? size + KV_DISK_SEAL_BYTES : size,
+                     size + (s->disk_mac ? KV_DISK_SEAL_BYTES : KV_DISK_MAC_BYTES), &b, &n, &why);
     kv_disk_page d = {0};
     if (!rc) rc = kv_disk_page_parse(b, n, &d);
     if (!rc && (!kv_disk_matches(s, &d) || d.format != p->format ||
-                !km_pagehash_eq(d.hash, p->hash) || memcmp(d.tokens, p->tokens, (size_t)s->pt * 4)))
+                !km_pagehash_eq(d.hash, p->hash) || (d.seal && !s->disk_mac)))
         rc = KM_ECORRUPT;
-    if (!rc && kv_disk_authentic(s, b, n, &d, path)) {
+    if (!rc && kv_disk_authentic(s, b, n, &d, path, NULL)) {
         free(b);
         return KM_ECORRUPT;
     }
+    /* token ids compared once they are plaintext */
+    if (!rc && memcmp(d.tokens, p->tokens, (size_t)s->pt * 4)) rc = KM_ECORRUPT;
     if (!rc) memcpy(dst, d.payload, d.payload_bytes);
     free(b);
     if (rc && rc != KM_ENOMEM) {
@@ -214,13 +246,13 @@ int kv_disk_read(kv_store *s, kv_page *p, uint8_t *dst)
     return rc;
 }
 
-/* The largest page file this store could have written (any of its formats, with a MAC). */
+/* The largest page file this store could have written (any of its formats, sealed). */
 static size_t kv_disk_max_file(const kv_store *s)
 {
     size_t max = 0;
     for (int f = 0; f < KV_FORMAT_COUNT; f++) {
         if (!s->lay[f].unit) continue;
-        size_t n = kv_disk_page_size(s->lay[f].page_bytes, s->pt) + KV_DISK_MAC_BYTES;
+        size_t n = kv_disk_page_size(s->lay[f].page_bytes, s->pt) + KV_DISK_SEAL_BYTES;
         if (n > max) max = n;
     }
     return max;
@@ -242,17 +274,45 @@ static int kv_by_index(const void *a, const void *b)
     return (x->index > y->index) - (x->index < y->index);
 }
 
+/* The directory, the worker's alone: created 0700; an existing one others may write is refused,
+ * one of the worker's that others may read or enter is narrowed to 0700. */
+static int kv_disk_dir_prepare(const char *d, km_errbuf *err)
+{
+    if (mkdir(d, 0700) == 0) {
+        if (chmod(d, 0700)) /* the umask may have narrowed it */
+            return km_errf(err, KM_EIO, "kv disk tier: cannot chmod %s: %s", d, strerror(errno));
+        return 0;
+    }
+    if (errno != EEXIST)
+        return km_errf(err, KM_EIO, "kv disk tier: cannot create %s: %s", d, strerror(errno));
+    struct stat st;
+    if (stat(d, &st) || !S_ISDIR(st.st_mode))
+        return km_errf(err, KM_EIO, "kv disk tier: %s is not a directory", d);
+    unsigned mode = (unsigned)st.st_mode & 07777;
+    if (mode & 022)
+        return km_errf(err, KM_EINVAL,
+                       "kv disk tier: %s has mode %04o: group or others may write there, plant or "
+                       "swap page files; use a directory of the worker's own (chmod 700 %s)",
+                       d, mode, d);
+    if (!(mode & 077)) return 0;
+    if (st.st_uid == geteuid() && !chmod(d, 0700))
+        KM_INFO("kv_disk_dir_narrowed", "dir=%s mode=%04o now=0700", d, mode);
+    else
+        KM_WARN("kv_disk_dir_readable", "dir=%s mode=%04o: others may read page files", d, mode);
+    return 0;
+}
+
 int kv_disk_open(kv_store *s, km_errbuf *err)
 {
-    if (s->cfg.disk_secret) { /* a key for this purpose only, derived once: the secret is not read
-                                 again */
+    if (s->cfg.disk_secret) { /* keys for these purposes only, derived once: the secret is not
+                                 read again */
         km_secret_derive(s->cfg.disk_secret, "kvmpage1", 1, s->disk_mac_key);
+        km_secret_derive(s->cfg.disk_secret, "kvmseal1", 1, s->disk_seal_key);
         s->disk_mac = 1;
         s->cfg.disk_secret = NULL;
     }
-    if (mkdir(s->disk_dir, 0755) && errno != EEXIST)
-        return km_errf(err, KM_EIO, "kv disk tier: cannot create %s: %s", s->disk_dir,
-                       strerror(errno));
+    int drc = kv_disk_dir_prepare(s->disk_dir, err);
+    if (drc) return drc;
     DIR *dir = opendir(s->disk_dir);
     if (!dir)
         return km_errf(err, KM_EIO, "kv disk tier: cannot open %s: %s", s->disk_dir,
@@ -293,13 +353,25 @@ int kv_disk_open(kv_store *s, km_errbuf *err)
             free(b);
             continue;
         }
+        if (!rc && d.seal && !s->disk_mac) { /* unreadable without the secret, kept for it */
+            s->st.skipped_files++;
+            KM_WARN("kv_disk_file_skipped", "path=%s reason=sealed_without_secret", path);
+            free(b);
+            continue;
+        }
         char hex[33];
         if (!rc) {
             km_pagehash_hex(d.hash, hex);
             if (strncmp(name, hex, 32) || kv_index_find(s, d.hash) || !s->lay[d.format].unit)
                 rc = KM_ECORRUPT;
         }
-        if (!rc && kv_disk_authentic(s, b, n, &d, path)) { /* counted there, not as corrupt */
+        bool older = false;
+        if (!rc && kv_disk_authentic(s, b, n, &d, path, &older)) { /* counted there */
+            free(b);
+            unlink(path);
+            continue;
+        }
+        if (!rc && older && kv_disk_put(s, &d)) { /* sealed again, or gone */
             free(b);
             unlink(path);
             continue;

@@ -148,8 +148,9 @@ struct kv_store {
     /* disk */
     char *disk_dir;
     uint64_t tmp_ctr;
-    int disk_mac;             /* page files carry a MAC under disk_mac_key, and must */
-    uint8_t disk_mac_key[32]; /* derived from kv_config.disk_secret (disk.c) */
+    int disk_mac;              /* a cluster secret: page files are sealed, and must be */
+    uint8_t disk_mac_key[32];  /* derived from kv_config.disk_secret (disk.c): older pages' MAC */
+    uint8_t disk_seal_key[32]; /* and the key pages are sealed under */
     /* promoter */
     pthread_t promoter;
     int promoter_started, promoter_stop;

@@ -22,8 +22,10 @@
  *    different seeds (model, cluster seed, cache_salt) never meet.
  *  - Pages on disk are written atomically (temporary file, fsync, rename) with a checksum that
  *    is verified on every read; a page that fails is dropped (and counted), never served. With a
- *    cluster secret (kv_config.disk_secret) they also carry a keyed MAC, so a page written by
- *    anyone without the secret is dropped (and counted) too.
+ *    cluster secret (kv_config.disk_secret) their token ids and KV are also encrypted and
+ *    authenticated (sealed), so no other local account reads them and a page written by anyone
+ *    without the secret is dropped (and counted) too. The directory is the worker's alone
+ *    (0700, files 0600); one that others may write is refused at open.
  *  - Every page the index gains, loses or moves between tiers yields a kv_event with a
  *    per-store sequence number (a gap means events were dropped: ask for a snapshot).
  */
@@ -234,7 +236,7 @@ typedef struct kv_store_stats {
     kv_tier_stats tier[KV_TIER_COUNT];
     uint64_t pages_indexed, hits, misses, collisions, corrupt_pages, converted_pages,
         disk_write_errors, events_dropped, cow_copies, sealed_pages, dropped_seq_pages,
-        unauthenticated_pages, /* disk pages dropped for a missing or wrong MAC (disk_secret) */
+        unauthenticated_pages, /* disk pages dropped for a missing or wrong seal (disk_secret) */
         skipped_files,   /* named like a page at open but not one: not a regular file, too large */
         placed_pages,    /* pages tagged by kv_seq_place */
         place_fallbacks; /* of those, left in their shard (see kv_seq_place) */

@@ -184,6 +184,19 @@ static bool http_auth(rt_router *r, km_http_req *h, unsigned roles, km_apikey_ma
     return false;
 }
 
+/* The server's on_head hook: with keys on, a request for anything but the health probes needs
+ * a valid key before its body is read, so a keyless client costs one head of memory and work,
+ * whatever body it announces (issue 41). Roles are checked by each route, as before. */
+static void on_front_head(km_http_req *h, void *user)
+{
+    rt_router *r = user;
+    const char *path = km_http_path(h);
+    if (!r->apikeys || !strcmp(path, "/healthz") || !strcmp(path, "/readyz")) return;
+    km_apikey_match m;
+    bool keyed;
+    http_auth(r, h, KM_ROLES_ALL, &m, &keyed);
+}
+
 /* ---------------------------------------------------------------- the routes */
 
 static void on_healthz(km_http_req *h, void *user)
@@ -486,6 +499,9 @@ int rt_front_start(rt_router *r, km_errbuf *err)
         .error_body = rt_oai_http_error,
         .lim = {.max_head = 16384, .max_body = c->max_http_body ? c->max_http_body : 4u << 20},
         .requests = r->s_http_req,
+        .on_head = on_front_head,
+        .max_buffered = c->max_http_buffered,
+        .buffer_refusals = r->s_http_buffer_full,
         .tls_failures = r->s_tls_fail,
         .tls_cert = c->tls_cert,
         .tls_key = c->tls_key};

@@ -196,6 +196,7 @@ struct rt_router {
     double ewma_total_ms;
     km_series *s_forbidden;
     km_series *s_http_unauthorized, *s_http_forbidden;
+    km_series *s_http_buffer_full; /* HTTP connections refused at --max-http-buffered */
     km_series *s_req_ok, *s_req_err, *s_overloaded, *s_migr, *s_bad, *s_prompt, *s_cached,
         *s_predicted, *s_queue, *s_inflight_all, *s_decision, *s_ttft, *s_total, *s_gaps, *s_resync,
         *s_index_pages, *s_http_req, *s_tls_fail, *s_ev_foreign, *s_tok_loop, *s_tok_pool,

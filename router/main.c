@@ -91,7 +91,7 @@ typedef struct rt_args {
     int64_t http_port, admin_port, page_tokens, slots, max_inflight, max_queue, attempts, dmax,
         max_ctx;
     int64_t sync_ms, ttl_ms, queue_ms, cluster_seed, index_pages, view_ms, request_ms;
-    uint64_t max_body, max_prompt_bytes;
+    uint64_t max_body, max_prompt_bytes, max_buffered;
     km_sec_args sec_args;
 } rt_args;
 
@@ -186,6 +186,10 @@ static const km_opt g_opts[] = {
     {"index-pages", NULL, KM_OPT_INT, "262144", "pages the prefix index holds (64 B each)",
      &g_args.index_pages, 16, 1 << 28},
     {"max-body", NULL, KM_OPT_SIZE, "4M", "largest HTTP request body", &g_args.max_body, 0, 0},
+    {"max-http-buffered", NULL, KM_OPT_SIZE, "256M",
+     "request bytes the HTTP front holds across all connections; a read over it gets 503 and "
+     "its connection closes",
+     &g_args.max_buffered, 0, 0},
     {"max-prompt-bytes", NULL, KM_OPT_SIZE, "1M",
      "a text prompt (a chat: its rendered template) longer than this gets 413 before it is "
      "tokenized; 0 = no limit",
@@ -229,6 +233,7 @@ static void args_to_config(rt_args *a)
     c->queue_timeout_ms = (uint32_t)a->queue_ms;
     c->index_pages = (size_t)a->index_pages;
     c->max_http_body = (size_t)a->max_body;
+    c->max_http_buffered = (size_t)a->max_buffered;
     c->max_prompt_bytes = (size_t)a->max_prompt_bytes;
     c->request_timeout_ms = (uint32_t)a->request_ms;
     c->view_timeout_ms = (uint32_t)a->view_ms;

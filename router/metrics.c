@@ -79,6 +79,10 @@ int rt_register_metrics(rt_router *r, km_errbuf *err)
     REG(KM_COUNTER, "kvmesh_router_http_tls_failures_total",
         "HTTPS connections closed for a failed TLS handshake or record (--tls-cert only).", NULL,
         NULL, 0, NULL, r->s_tls_fail);
+    REG(KM_COUNTER, "kvmesh_router_http_buffer_full_total",
+        "HTTP connections answered 503 and closed because the front held --max-http-buffered "
+        "bytes of request input.",
+        NULL, NULL, 0, NULL, r->s_http_buffer_full);
     const char *loop[] = {"loop"}, *pool[] = {"pool"};
     REG(KM_COUNTER, "kvmesh_router_prompts_tokenized_total",
         "Text prompts tokenized, by where: on the loop (short ones) or on the thread pool.",

@@ -103,6 +103,7 @@ typedef struct rt_config {
     size_t index_pages;
     uint32_t pending_ttl_ms;
     size_t max_http_body;
+    size_t max_http_buffered;    /* request bytes the HTTP front holds at once (default 256 MiB) */
     size_t max_prompt_bytes;     /* a text prompt longer than this gets 413 before tokenization
                                   * (default 1 MiB; 0: no limit) */
     uint32_t request_timeout_ms; /* every request ends by then at the latest (504); default

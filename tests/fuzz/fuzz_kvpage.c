@@ -6,8 +6,10 @@
  * Each input is also tried with its checksum fixed up, so that mutated headers get past the
  * checksum and exercise the field checks behind it. A page that parses is also checked against a
  * MAC key (kv_disk_page_verify_mac), which must never read outside it either; the seeds with a
- * MAC were made under the key below, so mutations of them reach the MAC comparison. Seeds:
- * tests/fuzz/corpus/fuzz_kvpage/ (valid pages of each format, two with a MAC).
+ * MAC were made under the key below, so mutations of them reach the MAC comparison. A sealed page
+ * is opened (kv_disk_page_unseal, in place) under the seal key below, last, since it changes the
+ * buffer: a mutated one must fail to open, never read outside it. Seeds:
+ * tests/fuzz/corpus/fuzz_kvpage/ (valid pages of each format, two with a MAC, two sealed).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -19,8 +21,8 @@
 #include "common/sec.h"
 #include "kvshard/diskfmt.h"
 
-/* The MAC key of the *_mac seeds: derived from a secret of 1, 0, 0, ... */
-static uint8_t mac_key[KV_DISK_MAC_BYTES];
+/* The keys of the *_mac and *_sealed seeds: derived from a secret of 1, 0, 0, ... */
+static uint8_t mac_key[KV_DISK_MAC_BYTES], seal_key[KM_SECRET_BYTES];
 
 static void parse_one(uint8_t *buf, size_t size)
 {
@@ -29,10 +31,15 @@ static void parse_one(uint8_t *buf, size_t size)
     if (p.tokens < buf || p.payload + p.payload_bytes > buf + size) abort();
     if (p.mac && (p.mac < p.payload + p.payload_bytes || p.mac + KV_DISK_MAC_BYTES > buf + size))
         abort();
+    if (p.seal && (p.mac || p.seal < p.payload + p.payload_bytes ||
+                   p.seal + KV_DISK_SEAL_BYTES + 8 != buf + size))
+        abort();
     (void)kv_disk_page_verify_mac(buf, size, &p, mac_key);
     volatile uint8_t sink = 0;
     for (size_t i = 0; i < p.payload_bytes; i += 97) sink ^= p.payload[i];
-    size_t n = kv_disk_page_size(p.payload_bytes, p.page_tokens) + (p.mac ? KV_DISK_MAC_BYTES : 0);
+    size_t n = kv_disk_page_size(p.payload_bytes, p.page_tokens) + (p.seal  ? KV_DISK_SEAL_BYTES
+                                                                    : p.mac ? KV_DISK_MAC_BYTES
+                                                                            : 0);
     uint8_t *out = malloc(n);
     if (out) {
         if (kv_disk_page_encode(&p, out, n) != n || n != size) abort();
@@ -57,6 +64,7 @@ static void parse_one(uint8_t *buf, size_t size)
         }
         free(out);
     }
+    (void)kv_disk_page_unseal(buf, size, &p, seal_key);
     (void)sink;
 }
 
@@ -66,6 +74,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (!keyed) {
         const uint8_t secret[KM_SECRET_BYTES] = {1};
         km_secret_derive(secret, "kvmpage1", 1, mac_key);
+        km_secret_derive(secret, "kvmseal1", 1, seal_key);
         keyed = 1;
     }
     /* A private copy, exactly sized, so ASan sees any read past the end. */

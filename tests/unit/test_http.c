@@ -71,6 +71,86 @@ Test(http_parse, bodies_by_length_and_chunked_are_complete_only_when_all_arrived
     cr_assert_eq(km_http_parse_request(ch, strlen(ch) - 9, &lim, &r), 0, "inside the last chunk");
 }
 
+/* Feeds body to a decoder in pieces cut at the given offsets (sorted, within body): the
+ * decoder's result, with the bytes taken in all and the body it decoded in *out. */
+static int feed_split(const char *body, size_t len, const size_t *cuts, int n_cuts,
+                      const km_http_limits *l, size_t *taken_all, km_buf *out)
+{
+    km_http_chunked d;
+    km_http_chunked_init(&d, l);
+    size_t at = 0;
+    int rc = 0;
+    *taken_all = 0;
+    for (int i = 0; i <= n_cuts && rc == 0; i++) {
+        size_t end = i < n_cuts ? cuts[i] : len, taken;
+        rc = km_http_chunked_feed(&d, body + at, end - at, &taken);
+        *taken_all += taken;
+        if (rc == 0) cr_assert_eq(taken, end - at, "an incomplete body takes all it is given");
+        at = end;
+    }
+    *out = d.body;
+    return rc < 0 ? -d.status : rc;
+}
+
+Test(http_parse, a_chunked_body_decodes_to_the_same_bytes_however_it_is_split)
+{
+    /* extensions, a trailer, a chunk split across pieces, and the next request behind it */
+    const char *body = "3;ext=1\r\nabc\r\n1a\r\nabcdefghijklmnopqrstuvwxyz\r\n"
+                       "2\r\n\r\n\r\n0\r\nTrailer: x\r\n\r\nGET /next";
+    const char *want = "abcabcdefghijklmnopqrstuvwxyz\r\n";
+    const size_t len = strlen(body), own = (size_t)(strstr(body, "GET /next") - body);
+    const km_http_limits l = {.max_head = 1024, .max_body = 64};
+    for (size_t a = 0; a <= len; a++)
+        for (size_t b = a; b <= len; b++) {
+            size_t cuts[2] = {a, b}, taken;
+            km_buf out;
+            int rc = feed_split(body, len, cuts, 2, &l, &taken, &out);
+            cr_assert_eq(rc, 1, "cut at %zu and %zu: %d", a, b, rc);
+            cr_assert_eq(taken, own, "cut at %zu and %zu: took %zu", a, b, taken);
+            cr_assert_eq(out.len, strlen(want));
+            cr_assert(!memcmp(out.data, want, out.len), "cut at %zu and %zu", a, b);
+            km_buf_free(&out);
+        }
+    /* one byte at a time: each byte decoded once, the body never longer than what it holds */
+    size_t cuts[256];
+    for (size_t i = 0; i < len - 1; i++) cuts[i] = i + 1;
+    size_t taken;
+    km_buf out;
+    cr_assert_eq(feed_split(body, len, cuts, (int)len - 1, &l, &taken, &out), 1);
+    cr_assert_eq(out.len, strlen(want));
+    cr_assert_eq(taken, own);
+    km_buf_free(&out);
+}
+
+Test(http_parse, bad_chunk_sizes_are_refused_whatever_the_split)
+{
+    const km_http_limits l = {.max_head = 1024, .max_body = 64};
+    static const struct {
+        const char *body;
+        int status;
+    } bad[] = {
+        {"g\r\nabc\r\n0\r\n\r\n", 400},      /* not hex */
+        {"-1\r\nabc\r\n0\r\n\r\n", 400},     /* negative */
+        {"\r\nabc\r\n0\r\n\r\n", 400},       /* empty */
+        {"11111111111111111\r\nx\r\n", 400}, /* more hex digits than size_t */
+        {"ffffffffffffffff\r\nx\r\n", 413},  /* announced over the limit */
+        {"41\r\nx", 413},                    /* 65 bytes over a limit of 64 */
+        {"20\r\n0123456789abcdef0123456789abcdef\r\n"
+         "21\r\n0123456789abcdef0123456789abcdef0\r\n",
+         413}, /* the sum over it */
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        size_t len = strlen(bad[i].body);
+        for (size_t a = 0; a <= len; a++) {
+            size_t taken;
+            km_buf out;
+            int rc = feed_split(bad[i].body, len, &a, 1, &l, &taken, &out);
+            cr_assert_eq(rc, -bad[i].status, "case %zu cut at %zu: %d", i, a, rc);
+            cr_assert_null(out.data, "a refusal frees the body");
+        }
+    }
+}
+
 Test(http_parse, expect_continue_is_seen_once_the_head_is_complete)
 {
     km_http_request r;

@@ -5,7 +5,10 @@
  * is exactly the one that was written. With a cluster secret, pages carry a keyed MAC: a page
  * whose KV was altered and whose checksum was recomputed (what anyone with write access to the
  * directory can do) is served without a secret and refused with one, as is a page without a
- * MAC or with another cluster's.
+ * MAC or with another cluster's. With a secret, pages are sealed (token ids and KV encrypted):
+ * the files hold neither in clear, any flipped byte drops the page, and pages of the format
+ * before sealing are sealed again at open. The directory is 0700 and the files 0600 whatever the
+ * umask, and a directory others may write is refused.
  */
 #include <criterion/criterion.h>
 #include <dirent.h>
@@ -513,32 +516,27 @@ Test(kvshard_disk, sigkill_during_writes_never_leaves_a_servable_torn_page, .tim
 static const uint8_t secret_a[KM_SECRET_BYTES] = {0xa1, 0xa2, 0xa3};
 static const uint8_t secret_b[KM_SECRET_BYTES] = {0xb1};
 
-/* Alters the KV of every page file in d and recomputes its checksum, as anyone with write access
- * to the directory can; a MAC, when the file has one, stays as it was (computing a new one takes
- * the secret). Returns how many files were forged. */
-static int forge_all(const char *d)
+/* Rewrites every page file of d through fn (which may change b; the checksum is then fixed up),
+ * as anyone with write access to the directory can. How many. */
+static int rewrite_pages(const char *d, void (*fn)(uint8_t *b, size_t *len, void *arg), void *arg)
 {
     DIR *dir = opendir(d);
+    cr_assert_not_null(dir);
     struct dirent *de;
     int n = 0;
     while ((de = readdir(dir))) {
         if (!strstr(de->d_name, ".kvp")) continue;
         char p[512];
         snprintf(p, sizeof p, "%s/%s", d, de->d_name);
-        FILE *f = fopen(p, "r+b");
+        FILE *f = fopen(p, "rb");
         cr_assert_not_null(f);
-        fseek(f, 0, SEEK_END);
-        size_t len = (size_t)ftell(f);
-        rewind(f);
-        uint8_t *b = malloc(len);
-        cr_assert_eq(fread(b, 1, len, f), len);
-        kv_disk_page pg;
-        cr_assert_eq(kv_disk_page_parse(b, len, &pg), 0);
-        for (size_t i = 0; i < pg.payload_bytes; i += 2) b[(pg.payload - b) + i + 1] ^= 0x04;
+        uint8_t *b = malloc(1 << 16);
+        size_t len = fread(b, 1, 1 << 16, f);
+        fclose(f);
+        fn(b, &len, arg);
         uint64_t h = XXH3_64bits(b, len - 8);
         for (int i = 0; i < 8; i++) b[len - 8 + i] = (uint8_t)(h >> (8 * i));
-        cr_assert_eq(kv_disk_page_parse(b, len, &pg), 0, "the forged page passes the checksum");
-        rewind(f);
+        f = fopen(p, "wb");
         cr_assert_eq(fwrite(b, 1, len, f), len);
         fclose(f);
         free(b);
@@ -546,6 +544,22 @@ static int forge_all(const char *d)
     }
     closedir(dir);
     return n;
+}
+
+/* Alters the KV of one page file (its checksum is fixed up after). */
+static void forge_one(uint8_t *b, size_t *len, void *arg)
+{
+    kv_disk_page pg;
+    cr_assert_eq(kv_disk_page_parse(b, *len, &pg), 0);
+    for (size_t i = 0; i < pg.payload_bytes; i += 2) b[(pg.payload - b) + i + 1] ^= 0x04;
+}
+
+/* Alters the KV of every page file in d and recomputes its checksum, as anyone with write access
+ * to the directory can; a MAC or seal, when the file has one, stays as it was (a new one takes
+ * the secret). How many. */
+static int forge_all(const char *d)
+{
+    return rewrite_pages(d, forge_one, NULL);
 }
 
 static uint64_t unauthenticated(kv_store *s)
@@ -556,7 +570,7 @@ static uint64_t unauthenticated(kv_store *s)
     return st.unauthenticated_pages;
 }
 
-Test(kvshard_disk, with_a_secret_pages_carry_a_mac_and_are_served_after_a_restart)
+Test(kvshard_disk, with_a_secret_pages_are_sealed_and_served_after_a_restart)
 {
     char *d = mk_dir();
     kv_store *s = open_store_secret(d, 4, secret_a);
@@ -565,7 +579,7 @@ Test(kvshard_disk, with_a_secret_pages_carry_a_mac_and_are_served_after_a_restar
     kv_store_destroy(s);
     DIR *dir = opendir(d);
     struct dirent *de;
-    while ((de = readdir(dir))) { /* every file carries a MAC */
+    while ((de = readdir(dir))) { /* every file is sealed */
         if (!strstr(de->d_name, ".kvp")) continue;
         char p[512];
         snprintf(p, sizeof p, "%s/%s", d, de->d_name);
@@ -575,7 +589,8 @@ Test(kvshard_disk, with_a_secret_pages_carry_a_mac_and_are_served_after_a_restar
         fclose(f);
         kv_disk_page pg;
         cr_assert_eq(kv_disk_page_parse(b, len, &pg), 0);
-        cr_assert_not_null(pg.mac, "%s has no MAC", de->d_name);
+        cr_assert_not_null(pg.seal, "%s is not sealed", de->d_name);
+        cr_assert_null(pg.mac);
     }
     closedir(dir);
     s = open_store_secret(d, 4, secret_a);
@@ -583,9 +598,17 @@ Test(kvshard_disk, with_a_secret_pages_carry_a_mac_and_are_served_after_a_restar
     cr_assert_eq(served(s, 2), 2);
     cr_assert_eq(unauthenticated(s), 0);
     kv_store_destroy(s);
-    /* a store without a secret has nothing to check a MAC with, and reads them as before */
+    /* a store without the secret cannot read them: they are left alone, for one that has it */
     s = open_store(d, 4);
-    cr_assert_eq(served(s, 1), 2);
+    cr_assert_eq(served(s, 1), 0);
+    kv_store_stats st;
+    kv_store_stats_get(s, &st);
+    cr_assert_eq(st.skipped_files, 4);
+    cr_assert_eq(st.corrupt_pages + st.unauthenticated_pages, 0);
+    kv_store_destroy(s);
+    cr_assert_eq(count_files(d, ".kvp"), 4);
+    s = open_store_secret(d, 4, secret_a);
+    cr_assert_eq(served(s, 2), 2);
     kv_store_destroy(s);
     rm_dir(d);
 }
@@ -706,4 +729,210 @@ Test(kvshard_disk, the_mac_covers_header_tokens_and_payload)
     cr_assert_eq(kv_disk_page_verify_mac(copy, m, &got, key), KM_ECORRUPT);
     free(b);
     free(copy);
+}
+
+/* ---------------------------------------------------------------- who may read the files */
+
+static unsigned mode_of(const char *path)
+{
+    struct stat st;
+    cr_assert_eq(stat(path, &st), 0, "%s", path);
+    return (unsigned)st.st_mode & 07777;
+}
+
+Test(kvshard_disk, the_directory_is_0700_and_page_files_0600_whatever_the_umask)
+{
+    const mode_t masks[] = {0, 022, 0277};
+    for (size_t i = 0; i < sizeof masks / sizeof *masks; i++) {
+        char *top = mk_dir(), sub[256];
+        snprintf(sub, sizeof sub, "%s/kv", top);
+        mode_t old = umask(masks[i]);
+        kv_store *s = open_store_secret(sub, 4, i % 2 ? secret_a : NULL);
+        persist(s, 1);
+        kv_store_destroy(s);
+        umask(old);
+        cr_assert_eq(mode_of(sub), 0700, "umask %03o: directory %04o", masks[i], mode_of(sub));
+        DIR *dir = opendir(sub);
+        struct dirent *de;
+        int files = 0;
+        while ((de = readdir(dir))) {
+            if (!strstr(de->d_name, ".kvp")) continue;
+            char p[512];
+            snprintf(p, sizeof p, "%s/%s", sub, de->d_name);
+            cr_assert_eq(mode_of(p), 0600, "umask %03o: %s %04o", masks[i], p, mode_of(p));
+            files++;
+        }
+        closedir(dir);
+        cr_assert_eq(files, 2);
+        char *d = strdup(sub);
+        rm_dir(d);
+        rmdir(top);
+        free(top);
+    }
+}
+
+Test(kvshard_disk, a_directory_others_may_write_is_refused_and_one_they_may_read_is_narrowed)
+{
+    const unsigned refused[] = {0777, 0770, 0722, 01777};
+    for (size_t i = 0; i < sizeof refused / sizeof *refused; i++) {
+        char *d = mk_dir();
+        cr_assert_eq(chmod(d, refused[i]), 0);
+        kv_config c = {.n_layers = L,
+                       .n_kv_heads = H,
+                       .head_dim = HD,
+                       .page_tokens = PT,
+                       .disk_dir = d,
+                       .hot_bytes = 1 << 20};
+        kv_store *s = NULL;
+        km_errbuf err = {{0}};
+        cr_assert_neq(kv_store_create(&c, &s, &err), 0, "mode %04o was accepted", refused[i]);
+        cr_assert(strstr(err.msg, d) && strstr(err.msg, "chmod 700"), "%s", err.msg);
+        cr_assert_eq(mode_of(d), refused[i], "a refused directory is left as it was");
+        rm_dir(d);
+    }
+    char *d = mk_dir();
+    cr_assert_eq(chmod(d, 0755), 0); /* what this store made before */
+    kv_store *s = open_store(d, 4);
+    kv_store_destroy(s);
+    cr_assert_eq(mode_of(d), 0700);
+    rm_dir(d);
+}
+
+static bool contains(const uint8_t *hay, size_t n, const void *needle, size_t m)
+{
+    for (size_t i = 0; i + m <= n; i++)
+        if (!memcmp(hay + i, needle, m)) return true;
+    return false;
+}
+
+/* Whether any page file of d holds the bytes [p, p+n). */
+static bool any_file_holds(const char *d, const void *p, size_t n)
+{
+    DIR *dir = opendir(d);
+    struct dirent *de;
+    bool found = false;
+    while (!found && (de = readdir(dir))) {
+        if (!strstr(de->d_name, ".kvp")) continue;
+        char path[512];
+        snprintf(path, sizeof path, "%s/%s", d, de->d_name);
+        FILE *f = fopen(path, "rb");
+        uint8_t b[1 << 16];
+        size_t len = fread(b, 1, sizeof b, f);
+        fclose(f);
+        found = contains(b, len, p, n);
+    }
+    closedir(dir);
+    return found;
+}
+
+Test(kvshard_disk, with_a_secret_page_files_hold_no_token_ids_or_kv_in_clear)
+{
+    int32_t t[2 * PT];
+    tokens_of(1, t, 2 * PT);
+    uint8_t run[2][PT * 4], kv[64];
+    for (int p = 0; p < 2; p++)
+        for (int i = 0; i < PT; i++)
+            for (int k = 0; k < 4; k++)
+                run[p][4 * i + k] = (uint8_t)((uint32_t)t[p * PT + i] >> 8 * k);
+    /* without a secret both are there in clear: the search finds what it looks for */
+    char *d = mk_dir();
+    kv_store *s = open_store(d, 4);
+    persist(s, 1);
+    kv_store_destroy(s);
+    cr_assert(any_file_holds(d, run[0], sizeof run[0]) && any_file_holds(d, run[1], sizeof run[1]));
+    DIR *dir = opendir(d);
+    struct dirent *de;
+    while ((de = readdir(dir)) && !strstr(de->d_name, ".kvp")) {
+    }
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s", d, de->d_name);
+    closedir(dir);
+    FILE *f = fopen(path, "rb");
+    cr_assert_eq(fseek(f, 80 + PT * 4, SEEK_SET), 0); /* the payload's first bytes */
+    cr_assert_eq(fread(kv, 1, sizeof kv, f), sizeof kv);
+    fclose(f);
+    rm_dir(d);
+    /* sealed: neither */
+    d = mk_dir();
+    s = open_store_secret(d, 4, secret_a);
+    persist(s, 1);
+    kv_store_destroy(s);
+    cr_assert_eq(count_files(d, ".kvp"), 2);
+    cr_assert_not(any_file_holds(d, run[0], sizeof run[0]), "token ids in clear");
+    cr_assert_not(any_file_holds(d, run[1], sizeof run[1]), "token ids in clear");
+    cr_assert_not(any_file_holds(d, kv, sizeof kv), "KV in clear");
+    s = open_store_secret(d, 4, secret_a);
+    cr_assert_eq(served(s, 1), 2);
+    kv_store_destroy(s);
+    rm_dir(d);
+}
+
+static void flip_at(uint8_t *b, size_t *len, void *arg)
+{
+    long off = *(long *)arg;
+    b[off >= 0 ? (size_t)off : *len + (size_t)off] ^= 0x10;
+}
+
+Test(kvshard_disk, with_a_secret_a_flipped_byte_anywhere_is_dropped_never_served)
+{
+    /* the parent link in the header, a token id, the KV, the nonce, the tag */
+    long offs[] = {48, 80 + 1, 80 + PT * 4 + 5, -8 - KV_DISK_SEAL_BYTES, -9};
+    for (size_t i = 0; i < sizeof offs / sizeof *offs; i++) {
+        char *d = mk_dir();
+        kv_store *s = open_store_secret(d, 4, secret_a);
+        persist(s, 1);
+        kv_store_destroy(s);
+        cr_assert_eq(rewrite_pages(d, flip_at, &offs[i]), 2);
+        s = open_store_secret(d, 4, secret_a);
+        cr_assert_eq(unauthenticated(s), 2, "offset %ld", offs[i]);
+        cr_assert_eq(served(s, 1), 0, "offset %ld: a page was served", offs[i]);
+        kv_store_destroy(s);
+        cr_assert_eq(count_files(d, ".kvp"), 0);
+        rm_dir(d);
+    }
+}
+
+/* Re-encodes a page in the format before sealing: token ids in clear and a MAC under arg. */
+static void to_mac_format(uint8_t *b, size_t *len, void *arg)
+{
+    kv_disk_page pg;
+    cr_assert_eq(kv_disk_page_parse(b, *len, &pg), 0);
+    uint8_t *out = malloc(*len + KV_DISK_MAC_BYTES);
+    *len = kv_disk_page_encode_mac(&pg, arg, out, *len + KV_DISK_MAC_BYTES);
+    cr_assert_gt(*len, 0);
+    memcpy(b, out, *len);
+    free(out);
+}
+
+Test(kvshard_disk, pages_of_the_format_before_sealing_are_sealed_again_at_open)
+{
+    uint8_t mac_key[KV_DISK_MAC_BYTES];
+    km_secret_derive(secret_a, "kvmpage1", 1, mac_key);
+    char *d = mk_dir();
+    kv_store *s = open_store(d, 4);
+    persist(s, 1);
+    kv_store_destroy(s);
+    cr_assert_eq(rewrite_pages(d, to_mac_format, mac_key), 2);
+    s = open_store_secret(d, 4, secret_a);
+    cr_assert_eq(unauthenticated(s), 0);
+    cr_assert_eq(served(s, 1), 2);
+    kv_store_destroy(s);
+    DIR *dir = opendir(d);
+    struct dirent *de;
+    int sealed = 0;
+    while ((de = readdir(dir))) {
+        if (!strstr(de->d_name, ".kvp")) continue;
+        char p[512];
+        snprintf(p, sizeof p, "%s/%s", d, de->d_name);
+        FILE *f = fopen(p, "rb");
+        uint8_t b[1 << 16];
+        size_t len = fread(b, 1, sizeof b, f);
+        fclose(f);
+        kv_disk_page pg;
+        cr_assert_eq(kv_disk_page_parse(b, len, &pg), 0);
+        sealed += pg.seal != NULL;
+    }
+    closedir(dir);
+    cr_assert_eq(sealed, 2, "the older pages were not sealed again");
+    rm_dir(d);
 }
