@@ -16,6 +16,9 @@
  *  - each (shard, tier) accounts exactly the bytes and pages of the buffers and files it holds;
  *  - each cached list is ordered by last use, its count and bytes are its members';
  *  - the index holds n_indexed pages, all flagged indexed;
+ *  - every indexed page is reachable: a chain's first page has no parent, any other hangs
+ *    (up) from the indexed page a lookup reaches it through (parent hash, parent_id, index),
+ *    and each page's per-tier counts of the pages hanging from it are exact;
  *  - a sequence's pointer and format tables mirror its pages, and its page indices increase;
  *  - each expert group counts exactly the tagged pages of its experts on each tier.
  */
@@ -121,6 +124,68 @@ static int kv_check_collect(const kv_store *s, kv_page ***out, size_t *n_out)
     return 0;
 }
 
+/* The first slot of page p in all (sorted by address; p is in it). */
+static size_t kv_check_slot(kv_page *const *all, size_t n, const kv_page *p)
+{
+    size_t lo = 0, hi = n;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        if (all[mid] < p)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+/* Reachability and the links that record it, over every page once (all: kv_check_collect). */
+static int kv_check_links(const kv_store *s, kv_page *const *all, size_t n, km_errbuf *err)
+{
+    uint32_t *kids = calloc(n * KV_TIER_COUNT + 1, sizeof *kids);
+    if (!kids) return km_errf(err, KM_ENOMEM, "kv_store_check: out of memory");
+    int rc = 0;
+    for (size_t i = 0; i < n && !rc; i++) {
+        const kv_page *p = all[i];
+        const unsigned long long id = (unsigned long long)p->id;
+        if (i && all[i - 1] == p) continue;
+        if (!(p->flags & KV_PAGE_INDEXED)) {
+            if (p->up || kv_page_kids(p, KV_TIER_DISK))
+                rc = km_errf(err, KM_ECORRUPT, "page %llu: not indexed but linked", id);
+            continue;
+        }
+        const kv_page *par = kv_index_parent(s, p);
+        if (p->index < 0 || (p->index > 0 && !par) || (p->index == 0 && p->parent_id))
+            rc = km_errf(err, KM_ECORRUPT,
+                         "page %llu (chain index %d) is unreachable: its parent is not indexed", id,
+                         p->index);
+        else if (p->up != par)
+            rc = km_errf(err, KM_ECORRUPT, "page %llu: linked under page %llu, not its parent %llu",
+                         id, p->up ? (unsigned long long)p->up->id : 0ull,
+                         par ? (unsigned long long)par->id : 0ull);
+        else if (par)
+            kids[kv_check_slot(all, n, par) * KV_TIER_COUNT + p->tier]++;
+    }
+    for (size_t i = 0; i < n && !rc; i++) {
+        if (i && all[i - 1] == all[i]) continue;
+        size_t listed = 0;
+        for (const kv_page *k = all[i]->kid; k && listed <= n; k = k->sib_next, listed++)
+            if (k->up != all[i] || (k->sib_next && k->sib_next->sib_prev != k))
+                rc = km_errf(err, KM_ECORRUPT, "page %llu: its list of children is broken",
+                             (unsigned long long)all[i]->id);
+        if (!rc && listed != kv_page_kids(all[i], KV_TIER_DISK))
+            rc =
+                km_errf(err, KM_ECORRUPT, "page %llu: %zu children listed, %u counted",
+                        (unsigned long long)all[i]->id, listed, kv_page_kids(all[i], KV_TIER_DISK));
+        if (!rc && memcmp(all[i]->kids, kids + i * KV_TIER_COUNT, sizeof all[i]->kids))
+            rc = km_errf(
+                err, KM_ECORRUPT, "page %llu: counts %u/%u/%u pages hanging from it, %u/%u/%u do",
+                (unsigned long long)all[i]->id, all[i]->kids[0], all[i]->kids[1], all[i]->kids[2],
+                kids[i * KV_TIER_COUNT], kids[i * KV_TIER_COUNT + 1], kids[i * KV_TIER_COUNT + 2]);
+    }
+    free(kids);
+    return rc;
+}
+
 int kv_store_check(const kv_store *s, km_errbuf *err)
 {
     size_t n_idx = 0;
@@ -170,6 +235,7 @@ int kv_store_check(const kv_store *s, km_errbuf *err)
             gpages[(size_t)(p->expert % n_grp) * KV_TIER_COUNT + p->tier]++;
         i = j;
     }
+    if (!rc) rc = kv_check_links(s, all, n, err);
     for (int sh = 0; sh < s->n_shards && !rc; sh++)
         for (int t = 0; t < KV_TIER_COUNT && !rc; t++) {
             const kv_tier_acct *a = &s->shards[sh].t[t];

@@ -10,6 +10,10 @@
  * outlives one-off prompts. A tier is kept under its watermark only when a lower tier exists:
  * without one, demotion is a loss, so cached pages stay until room is actually needed.
  *
+ * Chains leave from their tails: a page leaves a tier only when no page of its chain hangs from
+ * it on that tier or a hotter one, and is dropped only when none hangs from it anywhere, so a
+ * lookup reaches every indexed page and a recomputed prompt's pages are all indexed again.
+ *
  * Layer: eviction only ever touches pages no sequence holds, so it needs nothing of sequences:
  * it sits on the disk tier's files, the index, the promoter and page memory, and sequences sit on
  * it (a reserve that needs room calls kv_hot_alloc).
@@ -58,7 +62,45 @@ void kv_page_drop(kv_store *s, kv_page *p)
     kv_page_release(s, p);
 }
 
-/* Moves a cached page one tier down (or further), or drops it. 1 when dropped. */
+/* A held page leaves the index (and its file) but stays its sequences' private page. */
+static void kv_page_unindex(kv_store *s, kv_page *p)
+{
+    kv_event_emit(s, KV_EVENT_REMOVED, p, p->tier, p->tier);
+    kv_index_remove(s, p);
+    if (p->flags & KV_PAGE_ON_DISK) kv_disk_unlink(s, p);
+}
+
+/* Takes q out of the index: dropped when no sequence holds it, else only unindexed. */
+static void kv_page_forget(kv_store *s, kv_page *q)
+{
+    if (q->refs)
+        kv_page_unindex(s, q);
+    else
+        kv_page_drop(s, q);
+}
+
+int kv_page_drop_tree(kv_store *s, kv_page *p)
+{
+    assert(p->refs == 0);
+    int n = 1;
+    for (kv_page *cur = p;;) { /* leaves first, in a loop: a chain can be long */
+        while (cur->kid) cur = cur->kid;
+        if (cur == p) break;
+        kv_page *up = cur->up;
+        kv_page_forget(s, cur);
+        n++;
+        cur = up;
+    }
+    kv_page_drop(s, p);
+    return n;
+}
+
+#define KV_KEPT (-1) /* kv_demote: the page could not leave its tier */
+
+/* Moves a cached page one tier down (or further), or drops it: 1 when dropped, 0 when moved,
+ * KV_KEPT when it stays. A chain leaves a tier from its tail: a page moves only when no page
+ * hangs from it on its tier or a hotter one, and is dropped only when none hangs from it at
+ * all (its descendants would be unreachable, yet indexed). */
 int kv_demote(kv_store *s, kv_page *p)
 {
     assert(p->in_list && p->refs == 0);
@@ -66,6 +108,7 @@ int kv_demote(kv_store *s, kv_page *p)
     const int sh = p->shard;
     const size_t pb = s->lay[p->format].page_bytes;
     kv_group *g = kv_group_of(s, p);
+    if (kv_page_kids(p, from)) return KV_KEPT;
     if (from == KV_TIER_HOT && kv_tier_enabled(s, sh, KV_TIER_HOST)) {
         kv_tier_acct *h = &s->shards[sh].t[KV_TIER_HOST];
         kv_make_room(s, sh, KV_TIER_HOST, pb, h->budget);
@@ -78,6 +121,7 @@ int kv_demote(kv_store *s, kv_page *p)
             p->buf = nb;
             p->tier = KV_TIER_HOST;
             kv_group_move(s, p, from, KV_TIER_HOST);
+            kv_index_retier(s, p, from);
             kv_acct_add(s, sh, KV_TIER_HOST, p->format, 1);
             kv_list_push(s, p);
             assert(from == KV_TIER_HOT && h->used <= h->budget);
@@ -104,6 +148,7 @@ int kv_demote(kv_store *s, kv_page *p)
             p->buf = NULL;
             p->tier = KV_TIER_DISK;
             kv_group_move(s, p, from, KV_TIER_DISK);
+            kv_index_retier(s, p, from);
             kv_list_push(s, p);
             s->shards[sh].demotions++;
             if (g) g->demotions++;
@@ -111,47 +156,111 @@ int kv_demote(kv_store *s, kv_page *p)
             return 0;
         }
     }
+    if (kv_page_kids(p, KV_TIER_DISK)) return KV_KEPT;
     s->shards[sh].evictions++;
     if (g) g->evictions++;
     kv_page_drop(s, p);
     return 1;
 }
 
-int kv_make_room(kv_store *s, int shard, kv_tier t, size_t need, size_t limit)
+/* What an eviction walk is after: a->used + need <= limit, or max pages moved. */
+typedef struct kv_goal {
+    const kv_tier_acct *a;
+    size_t need, limit, max, moved;
+    int shard;     /* the walk's */
+    size_t others; /* pages of the walk's own list taken for another's chain */
+} kv_goal;
+
+static int kv_goal_more(const kv_goal *g)
 {
-    kv_shard *sh = &s->shards[shard];
-    kv_tier_acct *a = &sh->t[t];
-    int moved = 0;
-    if (a->used + need <= limit) return 0;
-    if (sh->evict == KV_EVICT_LRU) {
-        while (a->used + need > limit && a->head) {
-            kv_demote(s, a->head);
-            moved++;
+    return g->a->used + g->need > g->limit && g->moved < g->max;
+}
+
+/* Takes p out of its tier t, the pages hanging from it there first, tails first (a loop, not a
+ * recursion: a chain can be long), whichever shard they are in, while g wants more. KV_KEPT
+ * when p stays: a page of it is held by a sequence or sits on a tier hotter than t (walks of
+ * colder tiers never touch t's lists), one needs room no lower tier has, or g was met first. */
+static int kv_evict_chain(kv_store *s, kv_page *p, kv_goal *g)
+{
+    const kv_tier t = p->tier;
+    kv_page *cur = p;
+    while (kv_goal_more(g)) {
+        if (kv_page_kids(cur, t) > cur->kids[t]) return KV_KEPT;
+        kv_page *k = NULL;
+        if (cur->kids[t])
+            for (k = cur->kid; k && k->tier != t; k = k->sib_next) continue;
+        if (k) {
+            if (!k->in_list) return KV_KEPT; /* held */
+            cur = k;
+            continue;
         }
-        return moved;
+        kv_page *up = cur->up;
+        const int other = cur != p && cur->shard == g->shard;
+        int r = kv_demote(s, cur);
+        if (r == KV_KEPT) return KV_KEPT;
+        g->moved++;
+        g->others += (size_t)other;
+        if (cur == p) return r;
+        cur = up;
     }
-    size_t n = a->n_cached, k = 0;
-    if (!n) return 0;
-    kv_cand *c = malloc(sizeof *c * n);
-    if (!c) { /* fall back to plain lru rather than fail */
-        while (a->used + need > limit && a->head) {
-            kv_demote(s, a->head);
-            moved++;
+    return KV_KEPT;
+}
+
+static int kv_cands(kv_store *s, int shard, kv_tier t, uint64_t walk, kv_cand **out, size_t *k)
+{
+    const kv_tier_acct *a = &s->shards[shard].t[t];
+    size_t n = a->n_cached;
+    kv_cand *c = malloc(sizeof *c * (n ? n : 1));
+    *out = c;
+    *k = 0;
+    if (!c) return KM_ENOMEM;
+    for (kv_page *p = a->head; p && *k < n; p = p->lnext)
+        if (p->walk != walk) c[(*k)++] = (kv_cand){kv_score(s, &s->shards[shard], p, n), p};
+    qsort(c, *k, sizeof *c, kv_cand_cmp);
+    return 0;
+}
+
+/* Victims of (shard, tier t), oldest first (by last use, or by lru-priority's score when
+ * by_score), each with what hangs from it on t, until the goal is met. The candidates of a
+ * score are sorted once and again only when a chain took other pages of this list (it may have
+ * freed later candidates); a page that must stay is passed over for the rest of the walk. */
+static int kv_evict_walk(kv_store *s, int shard, kv_tier t, size_t need, size_t limit,
+                         size_t max_pages, int by_score)
+{
+    kv_tier_acct *a = &s->shards[shard].t[t];
+    kv_goal g = {a, need, limit, max_pages, 0, shard, 0};
+    const uint64_t walk = ++s->walks;
+    kv_cand *c = NULL;
+    size_t k = 0, i = 0;
+    while (kv_goal_more(&g)) {
+        kv_page *p;
+        if (by_score && !c) {
+            if (kv_cands(s, shard, t, walk, &c, &k)) by_score = 0; /* no memory: plain lru */
+            i = 0;
         }
-        return moved;
-    }
-    for (kv_page *p = a->head; p && k < n; p = p->lnext)
-        c[k++] = (kv_cand){kv_score(s, sh, p, n), p};
-    qsort(c, k, sizeof *c, kv_cand_cmp);
-    /* Victims leave this tier's list only through kv_demote, and nothing else frees pages of
-     * this (shard, tier) meanwhile, so every candidate is still valid when its turn comes. */
-    for (size_t i = 0; i < k && a->used + need > limit; i++) {
-        if (!c[i].p->in_list || c[i].p->tier != t) continue;
-        kv_demote(s, c[i].p);
-        moved++;
+        if (c) {
+            if (i >= k) break;
+            p = c[i++].p;
+        } else {
+            for (p = a->head; p && p->walk == walk; p = p->lnext) continue;
+            if (!p) break;
+        }
+        size_t before = g.others;
+        if (kv_evict_chain(s, p, &g) == KV_KEPT) p->walk = walk;
+        if (c && g.others != before) {
+            free(c);
+            c = NULL;
+        }
     }
     free(c);
-    return moved;
+    return (int)g.moved;
+}
+
+int kv_make_room(kv_store *s, int shard, kv_tier t, size_t need, size_t limit)
+{
+    if (s->shards[shard].t[t].used + need <= limit) return 0;
+    return kv_evict_walk(s, shard, t, need, limit, SIZE_MAX,
+                         s->shards[shard].evict != KV_EVICT_LRU);
 }
 
 int kv_hot_alloc(kv_store *s, int shard, kv_format f, uint8_t **out)
@@ -162,11 +271,36 @@ int kv_hot_alloc(kv_store *s, int shard, kv_format f, uint8_t **out)
     return kv_hot_take(s, shard, f, out);
 }
 
+static int kv_by_depth(const void *a, const void *b)
+{
+    const kv_page *x = *(kv_page *const *)a, *y = *(kv_page *const *)b;
+    if (x->index != y->index) return (x->index < y->index) - (x->index > y->index);
+    return (x->last_use > y->last_use) - (x->last_use < y->last_use);
+}
+
+/* Re-indexed pages are stamped parents first; they are stamped again deepest first, so that, as
+ * for every other cached page, a chain's tail is older than its head and goes first. */
+static void kv_disk_restamp(kv_store *s, int shard)
+{
+    kv_tier_acct *a = &s->shards[shard].t[KV_TIER_DISK];
+    size_t n = 0;
+    kv_page **v = a->n_cached ? malloc(sizeof *v * a->n_cached) : NULL;
+    if (!v) return; /* the walk still takes tails first, only with longer searches */
+    for (kv_page *p = a->head; p && n < a->n_cached; p = p->lnext) v[n++] = p;
+    qsort(v, n, sizeof *v, kv_by_depth);
+    for (size_t i = 0; i < n; i++) {
+        kv_list_remove(s, v[i]);
+        v[i]->last_use = ++s->clock;
+        kv_list_push(s, v[i]);
+    }
+    free(v);
+}
+
 void kv_disk_trim(kv_store *s)
 {
     for (int i = 0; i < s->n_shards; i++) {
-        kv_tier_acct *a = &s->shards[i].t[KV_TIER_DISK];
-        while (a->used > a->budget && a->head) kv_demote(s, a->head);
+        kv_disk_restamp(s, i);
+        kv_make_room(s, i, KV_TIER_DISK, 0, s->shards[i].t[KV_TIER_DISK].budget);
     }
 }
 
@@ -194,15 +328,16 @@ int kv_store_evict_oldest_fraction(kv_store *s, double fraction)
 {
     if (!(fraction >= 0.0) || fraction > 1.0) return KM_EINVAL;
     kv_promo_reap(s);
-    int total = 0;
-    for (int i = 0; i < s->n_shards; i++) {
-        kv_tier_acct *a = &s->shards[i].t[KV_TIER_HOT];
-        size_t k = (size_t)ceil(fraction * (double)a->n_cached);
-        /* The cached list is ordered by last use, oldest first, whatever the policy. */
-        while (k-- && a->head) {
-            kv_demote(s, a->head);
-            total++;
-        }
+    size_t cached = 0, total = 0, before = SIZE_MAX;
+    for (int i = 0; i < s->n_shards; i++) cached += s->shards[i].t[KV_TIER_HOT].n_cached;
+    const size_t want = (size_t)ceil(fraction * (double)cached);
+    /* By last use whatever the policy, each chain from its tail: a chain that spans shards
+     * leaves them all, so the share is counted over the store's hot pages, not shard by
+     * shard, and another pass takes what the first left to reach it. */
+    while (total < want && total != before) {
+        before = total;
+        for (int i = 0; i < s->n_shards && total < want; i++)
+            total += (size_t)kv_evict_walk(s, i, KV_TIER_HOT, 1, 0, want - total, 0);
     }
-    return total;
+    return (int)total;
 }

@@ -7,6 +7,10 @@
  * compared and a forged or accidental hash collision can at worst shorten a hit, never serve
  * KV computed for other tokens. Publishing a sequence's pages is seq.c's; attaching a hit to a
  * new sequence (promoting it from host or disk) is tier.c's. This file calls nothing else.
+ *
+ * The index also links each page to the indexed parent a lookup would reach it through (up,
+ * and per-tier child counts), so eviction can take chains from their tails and never leave a
+ * page that no lookup can reach (docs/kvshard.md, "Eviction").
  */
 #include <assert.h>
 #include <stdlib.h>
@@ -48,6 +52,26 @@ static void kv_index_grow(kv_store *s)
     free(old);
 }
 
+kv_page *kv_index_parent(const kv_store *s, const kv_page *p)
+{
+    if (p->index <= 0) return NULL;
+    kv_page *par = kv_index_find(s, p->parent);
+    return par && par->id == p->parent_id && par->index == p->index - 1 ? par : NULL;
+}
+
+/* Hangs the indexed page p under its parent, when that is indexed. */
+static void kv_index_link(kv_store *s, kv_page *p)
+{
+    kv_page *up = kv_index_parent(s, p);
+    p->up = up;
+    if (!up) return;
+    up->kids[p->tier]++;
+    p->sib_prev = NULL;
+    p->sib_next = up->kid;
+    if (up->kid) up->kid->sib_prev = p;
+    up->kid = p;
+}
+
 int kv_index_insert(kv_store *s, kv_page *p)
 {
     assert(!(p->flags & KV_PAGE_INDEXED) && p->tokens); /* indexed once, with its token ids */
@@ -57,12 +81,44 @@ int kv_index_insert(kv_store *s, kv_page *p)
     s->buckets[k] = p;
     p->flags |= KV_PAGE_INDEXED;
     s->n_indexed++;
+    kv_index_link(s, p);
     return 0;
+}
+
+void kv_index_retier(kv_store *s, kv_page *p, kv_tier from)
+{
+    (void)s;
+    if (!p->up || from == p->tier) return;
+    assert(p->up->kids[from] > 0); /* counted where it was */
+    p->up->kids[from]--;
+    p->up->kids[p->tier]++;
+}
+
+void kv_index_relink(kv_store *s)
+{
+    for (size_t b = 0; b < s->n_buckets; b++)
+        for (kv_page *p = s->buckets[b]; p; p = p->hnext) {
+            p->up = p->kid = p->sib_prev = p->sib_next = NULL;
+            memset(p->kids, 0, sizeof p->kids);
+        }
+    for (size_t b = 0; b < s->n_buckets; b++)
+        for (kv_page *p = s->buckets[b]; p; p = p->hnext) kv_index_link(s, p);
 }
 
 void kv_index_remove(kv_store *s, kv_page *p)
 {
     assert(p->flags & KV_PAGE_INDEXED);
+    assert(!kv_page_kids(p, KV_TIER_DISK)); /* a parent goes after its children */
+    if (p->up) {
+        assert(p->up->kids[p->tier] > 0);
+        p->up->kids[p->tier]--;
+        if (p->sib_prev)
+            p->sib_prev->sib_next = p->sib_next;
+        else
+            p->up->kid = p->sib_next;
+        if (p->sib_next) p->sib_next->sib_prev = p->sib_prev;
+        p->up = p->sib_prev = p->sib_next = NULL;
+    }
     kv_page **pp = &s->buckets[kv_bucket(s, p->hash)];
     while (*pp && *pp != p) pp = &(*pp)->hnext;
     assert(*pp == p && s->n_indexed > 0); /* an indexed page is in its bucket */

@@ -51,11 +51,18 @@ typedef struct kv_page {
     uint64_t last_use;     /* store clock at the last touch */
     uint64_t hits;
     km_pagehash hash;
-    km_pagehash parent;            /* hash of the previous page of its chain (index > 0) */
-    uint64_t id;                   /* unique per store */
-    uint64_t parent_id;            /* id of the page it was published after; 0 for the first page */
-    int32_t index;                 /* position in its chain */
-    int32_t *tokens;               /* [page_tokens] once indexed */
+    km_pagehash parent; /* hash of the previous page of its chain (index > 0) */
+    uint64_t id;        /* unique per store */
+    uint64_t parent_id; /* id of the page it was published after; 0 for the first page */
+    int32_t index;      /* position in its chain */
+    /* The chains as the index links them (index.c): `up` is the indexed page this one hangs
+     * from (its parent, by hash and id; NULL for a chain's first page), `kid` the first of those
+     * hanging from it (siblings through sib_prev/sib_next), kids[t] how many of them are on tier
+     * t. Eviction takes a chain from its tail (evict.c). */
+    struct kv_page *up, *kid, *sib_prev, *sib_next;
+    uint32_t kids[KV_TIER_COUNT];
+    uint64_t walk;   /* scratch of evict.c: the eviction walk that could not take it */
+    int32_t *tokens; /* [page_tokens] once indexed */
     struct kv_page *lprev, *lnext; /* the shard's cached list of its tier (refs == 0) */
     int in_list;                   /* 1 while in that list */
     struct kv_page *hnext;         /* index bucket chain */
@@ -132,7 +139,7 @@ struct kv_store {
     kv_group *groups; /* [cfg.n_expert_groups] under the `expert` shard key; NULL otherwise */
     float high_wm, low_wm;
     const kn_ops *ops;
-    uint64_t clock, next_uid, next_page_id;
+    uint64_t clock, next_uid, next_page_id, walks;
     kv_seq *seqs;
     /* free page buffers per format, reused before asking malloc (they count in no budget) */
     uint8_t **free_bufs[KV_FORMAT_COUNT];
@@ -258,8 +265,28 @@ void kv_seq_wait_promo(kv_store *s, kv_seq *q);
 kv_page *kv_index_find(const kv_store *s, km_pagehash h);
 /* The page that may serve chain link h after the page parent_id: tokens and parent agree. */
 kv_page *kv_index_verified(kv_store *s, km_pagehash h, const int32_t *tokens, uint64_t parent_id);
+/* Indexes p and links it under its parent when that is indexed with p's parent_id. */
 int kv_index_insert(kv_store *s, kv_page *p);
+/* Unindexes a page nothing hangs from (asserted: its children would become unreachable). */
 void kv_index_remove(kv_store *s, kv_page *p);
+/* An indexed page moved from tier `from` to its current tier: its parent's counts follow. */
+void kv_index_retier(kv_store *s, kv_page *p, kv_tier from);
+/* Links every indexed page under its parent again (after the disk tier's re-index). */
+void kv_index_relink(kv_store *s);
+/* The indexed page p's parent must be, for p to be reachable (NULL for a first page or none). */
+kv_page *kv_index_parent(const kv_store *s, const kv_page *p);
+/* Pages hanging from p on tiers up to and including t (KV_TIER_DISK: all of them). */
+static inline uint32_t kv_page_kids(const kv_page *p, kv_tier t)
+{
+    uint32_t n = 0;
+    for (int u = KV_TIER_HOT; u <= (int)t; u++) n += p->kids[u];
+    return n;
+}
+/* 1 when no lookup can reach the indexed page p: its parent is gone (an orphan). */
+static inline int kv_page_orphan(const kv_page *p)
+{
+    return p->index > 0 ? p->up == NULL : p->parent_id != 0;
+}
 
 /* ---------------------------------------------------------------- disk.c */
 int kv_disk_enabled(const kv_store *s);
@@ -276,10 +303,16 @@ int kv_hot_alloc(kv_store *s, int shard, kv_format f, uint8_t **out);
 int kv_make_room(kv_store *s, int shard, kv_tier t, size_t need, size_t limit);
 /* Moves a cached page one tier down (or further), or drops it; 1 when dropped. */
 int kv_demote(kv_store *s, kv_page *p);
-/* A page no sequence holds leaves every tier: index (REMOVED event), file, memory. */
+/* A page no sequence holds and nothing hangs from leaves every tier: index (REMOVED event),
+ * file, memory. */
 void kv_page_drop(kv_store *s, kv_page *p);
+/* Drops p (held by no sequence) and every indexed page hanging from it, which no lookup could
+ * reach once p is gone; one a sequence still holds is only unindexed and stays that
+ * sequence's. Returns the pages that left the index. */
+int kv_page_drop_tree(kv_store *s, kv_page *p);
 void kv_enforce_watermarks(kv_store *s, int shard);
-/* Drops the oldest disk pages of every shard over its disk budget (after a re-index). */
+/* After a re-index: stamps the disk pages deepest first (a chain's tail is the oldest), then
+ * drops the oldest of every shard over its disk budget. */
 void kv_disk_trim(kv_store *s);
 
 /* ---------------------------------------------------------------- seq.c */

@@ -178,7 +178,9 @@ int kv_seq_read(const kv_store *s, const kv_seq *q, int layer, int kv_head, int 
 /* Publishes the sequence's full pages among positions [0, n_tokens) (already written) in the
  * prefix index: page i under hashes[i] with tokens[i*pt, (i+1)*pt). hashes come from
  * km_pagehash_chain. Pages already published are skipped; a hash already held by another page
- * keeps the older page. Returns the number of pages newly indexed. */
+ * keeps the older page and ends publishing there, unless that page is an orphan (its parent is
+ * gone, so no lookup reaches it): then it and what hangs from it are replaced. Returns the number
+ * of pages newly indexed. */
 int kv_seq_publish(kv_store *s, kv_seq *q, const km_pagehash *hashes, const int32_t *tokens,
                    int n_tokens);
 
@@ -204,8 +206,10 @@ void kv_seq_wait_ready(const kv_store *s, const kv_seq *q);
  * so far stay converted). */
 int kv_store_convert(kv_store *s, kv_format f);
 
-/* Recovery level 1: takes the oldest `fraction` of the hot pages no sequence uses, demotes each
- * to a lower tier with room, drops it otherwise. Returns the number of pages moved or dropped. */
+/* Recovery level 1: takes the oldest `fraction` of the hot pages no sequence uses (of the whole
+ * store), each chain from its tail (a page goes only after the pages that hang from it, so every
+ * page left is reachable), demotes each to a lower tier with room, drops it otherwise. Returns
+ * the number of pages moved or dropped. */
 int kv_store_evict_oldest_fraction(kv_store *s, double fraction);
 /* Brings every tier of every shard below its high watermark (also done by reserve and destroy). */
 int kv_store_maintain(kv_store *s);

@@ -36,7 +36,8 @@ void kv_seq_destroy(kv_store *s, kv_seq *q)
 {
     if (!q) return;
     kv_seq_wait_promo(s, q);
-    for (int i = 0; i < q->n_pages; i++) kv_page_unref(s, q->pg[i]);
+    /* tail first: a page's parent is cached as used later than it, and goes after it */
+    for (int i = q->n_pages - 1; i >= 0; i--) kv_page_unref(s, q->pg[i]);
     if (q->prev)
         q->prev->next = q->next;
     else
@@ -444,21 +445,25 @@ int kv_seq_publish_sum(kv_store *s, kv_seq *q, const km_pagehash *hashes, const 
     for (int i = 0; i < n; i++) {
         kv_page *p = q->pg[i];
         if (p->flags & KV_PAGE_INDEXED) {
+            /* under another hash, the pages after it would hang from nothing a lookup finds */
+            if (!km_pagehash_eq(p->hash, hashes[i]) || p->index != i) break;
             parent_id = p->id;
             continue;
         }
-        if (kv_index_find(s, hashes[i])) {
-            /* An identical page is already indexed (or a colliding one): keep the older, and
-             * stop, since the pages after this one have no indexed parent. */
-            break;
-        }
+        kv_page *old = kv_index_find(s, hashes[i]);
+        /* An identical page already indexed (or a colliding one) is kept, and publishing stops
+         * there: the pages after this one would have no indexed parent. An orphan, whose own
+         * parent is gone, is replaced: no lookup could reach it, or what hangs from it. */
+        if (old && (!kv_page_orphan(old) || old->index != i || old->refs)) break;
         int32_t *tk = malloc(sizeof(int32_t) * s->pt);
         if (!tk) return added ? added : KM_ENOMEM;
+        if (old) kv_page_drop_tree(s, old);
         memcpy(tk, tokens + (size_t)i * s->pt, sizeof(int32_t) * s->pt);
         if (s->shards[p->shard].format == KN_KV_INT4 && p->format != KN_KV_INT4) {
             if (kv_page_seal(s, p) == 0) refresh = 1;
         }
         atomic_store_explicit(&p->rows, s->rows_full, memory_order_relaxed);
+        free(p->tokens); /* one unindexed while a sequence held it (kv_page_drop_tree) */
         p->tokens = tk;
         p->hash = hashes[i];
         p->parent = i ? hashes[i - 1] : (km_pagehash){0, 0};

@@ -125,6 +125,7 @@ int kv_store_create(const kv_config *cfg, kv_store **out, km_errbuf *err)
             goto fail;
         }
         if ((rc = kv_disk_open(s, err))) goto fail;
+        kv_index_relink(s);
         kv_disk_trim(s);
     }
     if (!c.sync_promote && (rc = kv_promoter_start(s))) {

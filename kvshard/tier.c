@@ -64,6 +64,7 @@ static int kv_attach_one(kv_store *s, kv_page *p, kv_promo *job)
     p->buf = dst;
     kv_group_move(s, p, (int)p->tier, KV_TIER_HOT);
     p->tier = KV_TIER_HOT;
+    kv_index_retier(s, p, from);
     s->shards[p->shard].promotions++;
     kv_event_emit(s, KV_EVENT_TIER, p, from, KV_TIER_HOT);
     return 0;
@@ -89,8 +90,9 @@ int kv_seq_attach(kv_store *s, kv_seq *q, const km_pagehash *hashes, const int32
         int r = kv_attach_one(s, p, job);
         if (r) {
             if (r == KM_ECORRUPT || r == KM_EIO || r == KM_EFORMAT) {
-                p->refs--;          /* ours alone: the page was cached, so no sequence held it */
-                kv_page_drop(s, p); /* a page that fails its checksum is gone for good */
+                p->refs--; /* ours alone: the page was cached, so no sequence held it */
+                /* a page that fails its checksum is gone for good, with the rest of its chain */
+                kv_page_drop_tree(s, p);
             } else {
                 kv_page_unref(s, p);
                 if (!i) rc = r;

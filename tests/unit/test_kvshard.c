@@ -610,9 +610,10 @@ Test(kvshard, host_tier_demotes_past_the_watermark_and_promotes_asynchronously)
     cr_assert_eq(st.tier[KV_TIER_HOST].pages, 2);
     kv_tier tiers[8];
     cr_assert_eq(kv_store_lookup(s, h, t, 8, tiers), 8);
-    cr_assert_eq(tiers[0], KV_TIER_HOST, "idle longest went first");
-    cr_assert_eq(tiers[1], KV_TIER_HOST);
-    cr_assert_eq(tiers[2], KV_TIER_HOT);
+    cr_assert_eq(tiers[7], KV_TIER_HOST, "a chain leaves from its tail");
+    cr_assert_eq(tiers[6], KV_TIER_HOST);
+    cr_assert_eq(tiers[5], KV_TIER_HOT);
+    cr_assert_eq(tiers[0], KV_TIER_HOT);
     kv_seq_destroy(s, b);
     kv_seq *q;
     kv_seq_create(s, &q);

@@ -162,6 +162,19 @@ static int count_files(const char *d, const char *suffix)
     return n;
 }
 
+/* Flips one byte of a file, off_from_end bytes before its end. */
+static void flip_byte(const char *p, long off_from_end)
+{
+    int fd = open(p, O_RDWR);
+    cr_assert_geq(fd, 0);
+    off_t end = lseek(fd, 0, SEEK_END);
+    unsigned char b;
+    cr_assert_eq(pread(fd, &b, 1, end - off_from_end), 1);
+    b ^= 0x40;
+    cr_assert_eq(pwrite(fd, &b, 1, end - off_from_end), 1);
+    close(fd);
+}
+
 /* Flips one byte of the first page file found. */
 static void corrupt_one(const char *d, long off_from_end)
 {
@@ -174,14 +187,7 @@ static void corrupt_one(const char *d, long off_from_end)
             break;
         }
     closedir(dir);
-    int fd = open(p, O_RDWR);
-    cr_assert_geq(fd, 0);
-    off_t end = lseek(fd, 0, SEEK_END);
-    unsigned char b;
-    cr_assert_eq(pread(fd, &b, 1, end - off_from_end), 1);
-    b ^= 0x40;
-    cr_assert_eq(pwrite(fd, &b, 1, end - off_from_end), 1);
-    close(fd);
+    flip_byte(p, off_from_end);
 }
 
 Test(kvshard_disk, pages_survive_a_restart_and_are_reused)
@@ -314,13 +320,19 @@ Test(kvshard_disk, a_corrupt_page_is_dropped_at_open_and_never_served)
     rm_dir(d);
 }
 
+/* A store on d opened again after it pushed seed's 2-page chain to disk. */
+static kv_store *reopened_after_persist(const char *d, int seed)
+{
+    kv_store *s = open_store(d, 4);
+    persist(s, seed);
+    kv_store_destroy(s);
+    return open_store(d, 4);
+}
+
 Test(kvshard_disk, a_page_corrupted_after_open_is_rejected_on_read)
 {
     char *d = mk_dir();
-    kv_store *s = open_store(d, 4);
-    persist(s, 1);
-    kv_store_destroy(s);
-    s = open_store(d, 4);
+    kv_store *s = reopened_after_persist(d, 1);
     corrupt_one(d, 4); /* the checksum itself */
     corrupt_one(d, 4 + 8 + 200);
     int n = served(s, 1);
@@ -329,6 +341,33 @@ Test(kvshard_disk, a_page_corrupted_after_open_is_rejected_on_read)
     kv_store_stats_get(s, &st);
     cr_assert_geq(st.corrupt_pages, 1);
     cr_assert_eq(served(s, 1), n, "and it stays gone");
+    kv_store_destroy(s);
+    rm_dir(d);
+}
+
+/* A chain's first page fails its checksum on a read: the rest of the chain, which no lookup
+ * could reach any more, goes with it, so the recomputed prompt is indexed whole again (the
+ * regression kept page 1 indexed and stopped the recompute's publishing at it for good). */
+Test(kvshard_disk, a_corrupt_page_takes_the_rest_of_its_chain_and_a_recompute_is_whole)
+{
+    char *d = mk_dir();
+    kv_store *s = reopened_after_persist(d, 1);
+    int32_t t[2 * PT];
+    km_pagehash h[2];
+    tokens_of(1, t, 2 * PT);
+    chain(t, 2 * PT, h);
+    char hex[33], path[600];
+    km_pagehash_hex(h[0], hex);
+    snprintf(path, sizeof path, "%s/%s.kvp", d, hex);
+    flip_byte(path, 20); /* inside the payload */
+    cr_assert_eq(served(s, 1), 0);
+    kv_store_stats st;
+    kv_store_stats_get(s, &st);
+    cr_assert_eq(st.corrupt_pages, 1);
+    cr_assert_eq(st.pages_indexed, 0, "page 1 hung from the corrupt page: it goes too");
+    cr_assert_eq(count_files(d, ".kvp"), 0);
+    cache_in_ram(s, 1); /* the recompute */
+    cr_assert_eq(served(s, 1), 2, "the whole chain again");
     kv_store_destroy(s);
     rm_dir(d);
 }
