@@ -80,20 +80,36 @@ int rt_rq_compose_salt(rt_rq *q, const km_apikey_match *key)
     return 0;
 }
 
-/* Copies the sampling fields and owned strings of a decoded request into q. */
-static int rq_copy_params(rt_rq *q, const km_msg_request *src)
+/* A client's request into q, field by field from a whitelist: the sampling parameters, and
+ * copies of the strings q keeps (stop strings, salt). Nothing else a client sent reaches a worker:
+ * the pull hint, `generated`, `stream` and ids are the router's to set (docs/security.md), and
+ * q->q holds no pointer into the decoded frame, which is freed when this returns. peer: who sent
+ * it (its key names the cache namespace, tenants.c). */
+static int rq_copy_params(rt_router *r, rt_rq *q, const km_msg_request *src, const km_zpeer *peer)
 {
-    q->q = *src;
-    q->q.model = NULL;
-    q->q.prompt = NULL;
-    q->q.tokens = NULL;
-    q->q.stop = NULL;
+    km_msg tmp;
+    km_msg_init(&tmp, KM_MSG_REQUEST);
+    q->q = tmp.req;
+    q->q.temperature = src->temperature;
+    q->q.top_k = src->top_k;
+    q->q.top_p = src->top_p;
+    q->q.min_p = src->min_p;
+    q->q.repeat_penalty = src->repeat_penalty;
+    q->q.repeat_last_n = src->repeat_last_n;
+    q->q.presence_penalty = src->presence_penalty;
+    q->q.frequency_penalty = src->frequency_penalty;
+    q->q.has_seed = src->has_seed;
+    q->q.seed = src->seed;
+    q->q.priority = src->priority;
+    q->q.speculate = src->speculate;
+    q->q.max_draft_tokens = src->max_draft_tokens;
     q->q.n_stop = src->n_stop;
-    q->q.cache_salt = NULL;
     for (uint32_t i = 0; i < src->n_stop && i < KM_PROTO_MAX_STOP; i++)
         if (!(q->stop[i] = strdup(src->stop[i]))) return KM_ENOMEM;
     if (src->cache_salt && !(q->salt = strdup(src->cache_salt))) return KM_ENOMEM;
-    int rc = rt_rq_compose_salt(q, NULL); /* no ZeroMQ request names an API key's cache */
+    km_apikey_match key;
+    bool keyed = rt_tenant_of(r->tenants, peer, &key);
+    int rc = rt_rq_compose_salt(q, keyed ? &key : NULL);
     if (rc) return rc;
     q->max_tokens = src->max_tokens;
     q->client_stream = src->stream;
@@ -147,11 +163,11 @@ static void on_client_request(rt_router *r, const km_zmsg *zm, const km_msg_requ
         off += env[i].len;
     }
     q->n_env = n_env;
-    int rc = rq_copy_params(q, req);
+    int rc = rq_copy_params(r, q, req, &zm->peer);
     if (rc == KM_ERANGE) {
         rt_send_error_env(r, env, n_env, req->id, KM_CODE_BAD_REQUEST, 0,
-                          "req.cache_salt: a salt starting with 'kvmesh:' is reserved and must "
-                          "be at most %d bytes",
+                          "req.cache_salt: too long once put in this key's namespace, or a "
+                          "reserved 'kvmesh:' salt longer than %d bytes",
                           KM_PROTO_MAX_NAME - 9);
         rt_rq_free(q);
         return;

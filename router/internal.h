@@ -35,7 +35,8 @@ typedef enum { RQ_ZMQ = 0, RQ_HTTP = 1 } rq_origin;
 
 typedef struct rt_rq rt_rq;
 typedef struct rt_wk rt_wk;
-typedef struct rt_tokjob rt_tokjob; /* prompt.c */
+typedef struct rt_tokjob rt_tokjob;   /* prompt.c */
+typedef struct rt_tenants rt_tenants; /* tenants.c */
 
 struct rt_rq {
     rt_router *r;
@@ -57,7 +58,7 @@ struct rt_rq {
     char oai_id[48];
     int64_t created;
     /* request */
-    km_msg_request q; /* strings below owned by the rq */
+    km_msg_request q; /* whitelisted sampling fields only: no pointer (strings below, owned) */
     char model[KM_PROTO_MAX_NAME + 1];
     char *salt;
     char *stop[KM_PROTO_MAX_STOP];
@@ -178,6 +179,7 @@ struct rt_router {
     rt_index *index;
     km_http_server *http;
     km_apikeys *apikeys; /* NULL: the HTTP front takes no API keys */
+    rt_tenants *tenants; /* --client-tenants; NULL: every client key a tenant of its own */
     km_admin *admin;
     km_metrics *metrics;
     /* requests */
@@ -313,6 +315,15 @@ void rt_rq_abandon(rt_router *r, rt_rq *q);
  * abandoned. */
 int rt_front_monitor_open(rt_router *r, km_errbuf *err);
 void rt_read_front_monitor(rt_router *r);
+
+/* ---------------------------------------------------------------- tenants.c: ZeroMQ cache salts */
+
+/* The --client-tenants file (path NULL or "": none, *out NULL). */
+int rt_tenants_open(const char *path, rt_tenants **out, km_errbuf *err);
+void rt_tenants_close(rt_tenants *t);
+/* The tenant of a ZeroMQ client's key into m (its salt: "z:t:TENANT" when the file names the key,
+ * else "z:k:KEYNAME"); false for an unauthenticated peer (insecure mode). t may be NULL. */
+bool rt_tenant_of(rt_tenants *t, const km_zpeer *peer, km_apikey_match *m);
 
 /* ---------------------------------------------------------------- prompt.c: text to tokens */
 

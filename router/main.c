@@ -201,6 +201,10 @@ static const km_opt g_opts[] = {
      "HTTP API key file (kvmesh keys api-add): every HTTP request but /healthz and /readyz "
      "needs a Bearer key; required for the HTTP front unless --insecure",
      &g_args.c.api_keys, 0, 0},
+    {"client-tenants", NULL, KM_OPT_STR, NULL,
+     "ZeroMQ client tenants: `KEYNAME TENANT` lines putting client keys in one tenant, which "
+     "share cached prefixes; every other key is a tenant of its own (docs/security.md)",
+     &g_args.c.client_tenants, 0, 0},
     {"tls-cert", NULL, KM_OPT_STR, NULL,
      "PEM certificate chain: the OpenAI HTTP front speaks HTTPS only (TLS 1.2 or later); "
      "needs --tls-key",

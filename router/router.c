@@ -232,6 +232,7 @@ static int open_sockets(rt_router *r, const rt_config *c, km_errbuf *err)
             return rc;
     }
     if (c->api_keys && (rc = km_apikeys_open(c->api_keys, &r->apikeys, err))) return rc;
+    if ((rc = rt_tenants_open(c->client_tenants, &r->tenants, err))) return rc;
     if ((rc = rt_front_start(r, err))) return rc;
     if (c->admin_port >= 0) {
         km_admin_opts ao = {.host = c->admin_host ? c->admin_host : "127.0.0.1",
@@ -367,5 +368,6 @@ void rt_router_destroy(rt_router *r)
     free(r->w);
     md_model_info_close(r->model);
     km_apikeys_close(r->apikeys);
+    rt_tenants_close(r->tenants);
     free(r);
 }

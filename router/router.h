@@ -124,6 +124,9 @@ typedef struct rt_config {
      * operator's, and each key's requests are hashed under its tenant's cache salt. NULL: the
      * HTTP front is open (only with --insecure or without an HTTP port, main.c decides). */
     const char *api_keys;
+    /* ZeroMQ clients' tenants (`KEYNAME TENANT` lines, re-read when changed): keys named in one
+     * tenant share its cache; every other key is a tenant of its own. NULL: none. */
+    const char *client_tenants;
     /* HTTPS on the OpenAI front (PEM certificate chain and key, TLS 1.2+); NULL: plain HTTP. */
     const char *tls_cert, *tls_key;
 } rt_config;
