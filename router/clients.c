@@ -282,18 +282,24 @@ static void client_disconnected(rt_router *r, int fd)
     uint64_t gen = conn_gen_of(r, fd);
     if (!gen) return;
     r->conn_gen[fd] = 0;
-    /* rids first: abandoning one may dispatch its waiters */
-    enum { MAX = 1024 };
-    uint64_t rids[MAX];
-    int n = 0;
-    for (int b = 0; b < RT_RQ_BUCKETS; b++)
-        for (rt_rq *q = r->buckets[b]; q && n < MAX; q = q->hnext)
-            if (q->origin == RQ_ZMQ && q->src_fd == fd && q->src_gen == gen) rids[n++] = q->rid;
-    for (int i = 0; i < n; i++) {
-        rt_rq *q = rt_rq_find(r, rids[i]);
-        if (q) rt_rq_abandon(r, q);
+    /* every one of them, however many: one scan per abandon would be quadratic, and abandoning
+     * one may dispatch its waiters (a new rid, another bucket), so the rids are collected first
+     * and what remains is looked for again */
+    int total = 0;
+    for (;;) {
+        uint64_t rids[256];
+        int n = 0;
+        for (int b = 0; b < RT_RQ_BUCKETS && n < 256; b++)
+            for (rt_rq *q = r->buckets[b]; q && n < 256; q = q->hnext)
+                if (q->origin == RQ_ZMQ && q->src_fd == fd && q->src_gen == gen) rids[n++] = q->rid;
+        for (int i = 0; i < n; i++) {
+            rt_rq *q = rt_rq_find(r, rids[i]);
+            if (q) rt_rq_abandon(r, q);
+        }
+        total += n;
+        if (n < 256) break;
     }
-    if (n) KM_INFO("client_gone", "fd=%d requests_abandoned=%d", fd, n);
+    if (total) KM_INFO("client_gone", "fd=%d requests_abandoned=%d", fd, total);
 }
 
 void rt_read_front_monitor(rt_router *r)
