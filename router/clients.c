@@ -59,6 +59,7 @@ int rt_rq_start(rt_router *r, rt_rq *q)
     /* the rendezvous key: the first page, or (a prompt shorter than a page) its tokens */
     q->key = q->n_chain > 0 ? q->chain[0] : km_pagehash_next(seed, q->tokens, q->n_prompt);
     if (!q->max_tokens) q->max_tokens = r->c.default_max_tokens;
+    q->load = rt_fair_tenant(r, q->tenant);
     if (!q->rid) { /* a prompt tokenized on the thread pool is in the table already */
         q->rid = ++r->next_rid;
         rt_rq_link(r, q);
@@ -109,6 +110,7 @@ static int rq_copy_params(rt_router *r, rt_rq *q, const km_msg_request *src, con
     if (src->cache_salt && !(q->salt = strdup(src->cache_salt))) return KM_ENOMEM;
     km_apikey_match key;
     bool keyed = rt_tenant_of(r->tenants, peer, &key);
+    if (keyed) snprintf(q->tenant, sizeof q->tenant, "z:%s", key.tenant);
     int rc = rt_rq_compose_salt(q, keyed ? &key : NULL);
     if (rc) return rc;
     q->max_tokens = src->max_tokens;

@@ -161,6 +161,7 @@ void rt_config_default(rt_config *c)
     c->worker_slots = 8;
     c->max_inflight = 64;
     c->max_queue = 1024;
+    c->max_queue_per_key = 256;
     c->max_attempts = 3;
     c->default_max_tokens = 256;
     c->max_ctx = 4096;
@@ -369,5 +370,6 @@ void rt_router_destroy(rt_router *r)
     md_model_info_close(r->model);
     km_apikeys_close(r->apikeys);
     rt_tenants_close(r->tenants);
+    rt_fair_free(r);
     free(r);
 }
