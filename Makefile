@@ -258,7 +258,7 @@ tsan-run: $(addprefix $(TESTBIN)/,$(TSAN_TESTS)) $(BIN)/kvmesh-worker ## (with T
 	@KVMESH_IT_WORKER=$(BIN)/kvmesh-worker $(TSAN_ENV) \
 	  build/tests/integration/test_worker --jobs 1 --filter '$(TSAN_HB_TEST)'
 
-test: deps ## the gate (`bash .ci/run`): lint, build, layers, unit tests plain/ASan/TSan, fuzz, integration, chaos-short
+test: deps ## the gate (`bash .ci/run`): lint, build, layers, unit tests plain/ASan/TSan, fuzz, integration (plain, and test_security on ASan daemons), chaos-short
 	@$(MAKE) --no-print-directory lint
 	@$(MAKE) --no-print-directory build
 	@$(MAKE) --no-print-directory check-layers
@@ -268,6 +268,7 @@ test: deps ## the gate (`bash .ci/run`): lint, build, layers, unit tests plain/A
 	@$(MAKE) --no-print-directory unit-tests-tsan
 	@$(MAKE) --no-print-directory fuzz-run
 	@$(MAKE) --no-print-directory integration
+	@$(MAKE) --no-print-directory integration-san
 	@$(MAKE) --no-print-directory chaos-short
 	@echo "make test: all suites passed"
 
@@ -292,6 +293,24 @@ $(TESTBIN)/integration/%: $(OBJ)/tests/integration/%.o $(IT_HARNESS) $(ALL_LIBS)
 	$(CC) $(LDFLAGS) -o $@ $^ -lcriterion $(LDLIBS)
 integration: build $(IT_BIN) ## multi-process suites: real daemons on 127.0.0.1
 	@set -e; for t in $(IT_BIN); do echo "== $$t"; $$t --jobs 1; done
+
+# The same suites against AddressSanitizer/UBSan builds of the daemons (build/san/bin, found by
+# the harness through KVMESH_IT_BIN): a memory error or undefined behaviour in any daemon aborts
+# it and leaves a report in build/san/it-reports, which fails the run even when the suite did not
+# notice the daemon dying. Leak reports are off: daemons stopped by SIGKILL in a test cannot
+# free what they hold.
+SAN_IT_SUITES ?= test_security
+SAN_IT_ENV := KVMESH_IT_BIN=build/san/bin \
+  ASAN_OPTIONS=detect_leaks=0:log_path=$(CURDIR)/build/san/it-reports/asan \
+  UBSAN_OPTIONS=print_stacktrace=1:log_path=$(CURDIR)/build/san/it-reports/ubsan
+.PHONY: integration-san
+integration-san: $(addprefix $(TESTBIN)/integration/,$(SAN_IT_SUITES)) ## SAN_IT_SUITES (test_security) against ASan/UBSan daemons
+	@$(MAKE) --no-print-directory SAN=1 build/san/bin/kvmesh-worker build/san/bin/kvmesh-router build/san/bin/kvmesh-controller
+	@rm -rf build/san/it-reports; mkdir -p build/san/it-reports
+	@set -e; for t in $(SAN_IT_SUITES); do echo "== $$t (ASan/UBSan daemons)"; \
+	  $(SAN_IT_ENV) $(TESTBIN)/integration/$$t --jobs 1; done
+	@if [ -n "$$(ls -A build/san/it-reports)" ]; then cat build/san/it-reports/*; \
+	  echo "integration-san: sanitizer reports above (build/san/it-reports)" >&2; exit 1; fi
 
 # Fault injection against whole local clusters (docs/chaos.md): every scenario starts its own
 # `kvmesh up` on free ports. chaos-short (a few seconds of load each) is part of `make test`.
@@ -324,6 +343,11 @@ build/fuzz/fuzz_oai: tests/fuzz/fuzz_oai.c router/openai.c $(FUZZ_LIB_SRC) $(wil
 build/fuzz/fuzz_peeraddr: tests/fuzz/fuzz_peeraddr.c peer/addr.c $(FUZZ_LIB_SRC) common/km.h peer/peer.h peer/internal.h
 	@mkdir -p $(dir $@)
 	clang -std=gnu11 -g -O1 -I. -fsanitize=fuzzer,address,undefined $< peer/addr.c $(FUZZ_LIB_SRC) -o $@ $(LDLIBS)
+
+# A router's whole request path (fuzz_router_dispatch): every router source but main.c.
+build/fuzz/fuzz_router_dispatch: tests/fuzz/fuzz_router_dispatch.c $(ROUTER_SRC) $(FUZZ_LIB_SRC) $(wildcard common/*.h model/*.h router/*.h)
+	@mkdir -p $(dir $@)
+	clang -std=gnu11 -g -O1 -I. -fsanitize=fuzzer,address,undefined $< $(ROUTER_SRC) $(FUZZ_LIB_SRC) -o $@ $(LDLIBS)
 
 fuzz: $(FUZZ_BIN) ## builds the libFuzzer targets (tests/fuzz)
 

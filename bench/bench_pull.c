@@ -32,7 +32,7 @@ typedef struct bproc {
 
 static void *g_ctx;
 
-static int start(bproc *w, const char *id, const char *ctl, const char *threads)
+static int start(bproc *w, const char *id, const char *ctl, const char *view, const char *threads)
 {
     memset(w, 0, sizeof *w);
     snprintf(w->dir, sizeof w->dir, "/tmp/kvmesh-bpull-XXXXXX");
@@ -59,6 +59,10 @@ static int start(bproc *w, const char *id, const char *ctl, const char *threads)
                           "100",
                           "--peer-listen",
                           "127.0.0.1:0",
+                          "--peer-view", /* a hint's holder is one the view names */
+                          view,
+                          "--peer-warm-pages",
+                          "0",
                           "--max-ctx",
                           "8192",
                           "--kv-bytes",
@@ -100,6 +104,27 @@ static void *sock(int type, const char *ep, bool bind)
         return NULL;
     }
     return s;
+}
+
+/* The view a controller would publish: wa, where its requests and transfer node are. */
+static void publish_view(void *pub, uint64_t seq, const char *req, const uint8_t *addr,
+                         uint32_t len)
+{
+    km_view_worker vw = {.id = "wa",
+                         .state = KM_MEMBER_READY,
+                         .requests = req,
+                         .peer_addr = addr,
+                         .peer_addr_len = len};
+    km_msg m;
+    km_msg_init(&m, KM_MSG_VIEW);
+    m.view = (km_msg_view){
+        .controller = "bench", .epoch = 1, .seq = seq, .workers = &vw, .n_workers = 1};
+    km_buf b = {0};
+    if (!km_msg_encode(&m, NULL, &b, NULL)) {
+        km_zframe parts[2] = {{"view", 4}, {b.data, b.len}};
+        km_zsend(pub, parts, 2, KM_ZDONTWAIT, NULL);
+    }
+    km_buf_free(&b);
 }
 
 static uint32_t peer_addr(void *ctl, const char *id, uint8_t *addr)
@@ -202,13 +227,17 @@ int main(int argc, char **argv)
     void *ctl = sock(KM_ZROUTER, "tcp://127.0.0.1:*", true);
     char ctl_ep[256];
     if (!ctl || km_zsock_last_endpoint(ctl, ctl_ep, sizeof ctl_ep, NULL)) return 1;
+    void *pub = sock(KM_ZPUB, "tcp://127.0.0.1:*", true);
+    char view_ep[256];
+    if (!pub || km_zsock_last_endpoint(pub, view_ep, sizeof view_ep, NULL)) return 1;
     bproc a, b;
-    if (start(&a, "wa", ctl_ep, threads) || start(&b, "wb", ctl_ep, threads)) {
+    if (start(&a, "wa", ctl_ep, view_ep, threads) || start(&b, "wb", ctl_ep, view_ep, threads)) {
         fprintf(stderr, "bench_pull: workers did not start (make build; models/)\n");
         return 1;
     }
     static uint8_t addr[KM_PROTO_MAX_PEER_ADDR];
     uint32_t addr_len = peer_addr(ctl, "wa", addr);
+    publish_view(pub, 0, a.req, addr, addr_len);
     printf("bench_pull: %d-token prompt (%d pages), %d rounds, worker threads %s, UCX_TLS=%s\n", n,
            n / 16, rounds, threads, getenv("UCX_TLS") ? getenv("UCX_TLS") : "tcp");
     printf("cpu: %s\n", cpu);
@@ -227,6 +256,8 @@ int main(int argc, char **argv)
         double l0 = bench_load1();
         ask(a.req, 1000 + 2 * (uint64_t)r, p1, n, NULL, NULL, NULL, 0, &ca);
         ask(a.req, 1001 + 2 * (uint64_t)r, p2, n, NULL, NULL, NULL, 0, &ca);
+        /* B has long been subscribed: A's two prompts took seconds */
+        publish_view(pub, 1 + (uint64_t)r, a.req, addr, addr_len);
         tp[r] = ask(b.req, 2000 + (uint64_t)r, p1, n, "wa", a.req, addr, addr_len, &c1);
         tc[r] = ask(b.req, 3000 + (uint64_t)r, p2, n, NULL, NULL, NULL, 0, &c2);
         printf("%5d %12.1f %9u %14.1f %9u %5.1f-%-5.1f\n", r, tp[r], c1, tc[r], c2, l0,

@@ -156,6 +156,9 @@ int km_zsec_server(const km_zsec *z, void *sock, unsigned roles, km_errbuf *err)
  * file path (contains '/' or ends in ".key"), a worker id bound to a member key, or a member
  * name ("controller", "router") in the key directory. */
 int km_zsec_client(const km_zsec *z, void *sock, const char *server, km_errbuf *err);
+/* The same for a server named only by a worker id: the member key bound to it in the key
+ * directory, never a key or a file (for ids that came in a frame). */
+int km_zsec_client_worker(const km_zsec *z, void *sock, const char *worker_id, km_errbuf *err);
 
 /* Who sent a message, as the ZAP handler admitted it. */
 typedef struct km_zpeer {

@@ -193,15 +193,31 @@ static int resolve_server(const km_zsec *z, const char *server, char out[41], km
     return rc;
 }
 
+static int client_keys(const km_zsec *z, void *sock, const char server_key[41], km_errbuf *err)
+{
+    int rc = setopt(sock, ZMQ_CURVE_SERVERKEY, server_key, 40, "ZMQ_CURVE_SERVERKEY", err);
+    if (!rc) rc = setopt(sock, ZMQ_CURVE_PUBLICKEY, z->public_txt, 40, "ZMQ_CURVE_PUBLICKEY", err);
+    if (!rc) rc = setopt(sock, ZMQ_CURVE_SECRETKEY, z->secret_txt, 40, "ZMQ_CURVE_SECRETKEY", err);
+    return rc;
+}
+
 int km_zsec_client(const km_zsec *z, void *sock, const char *server, km_errbuf *err)
 {
     if (km_zsec_insecure(z)) return 0;
     char server_key[41];
     int rc = resolve_server(z, server, server_key, err);
-    if (!rc) rc = setopt(sock, ZMQ_CURVE_SERVERKEY, server_key, 40, "ZMQ_CURVE_SERVERKEY", err);
-    if (!rc) rc = setopt(sock, ZMQ_CURVE_PUBLICKEY, z->public_txt, 40, "ZMQ_CURVE_PUBLICKEY", err);
-    if (!rc) rc = setopt(sock, ZMQ_CURVE_SECRETKEY, z->secret_txt, 40, "ZMQ_CURVE_SECRETKEY", err);
-    return rc;
+    return rc ? rc : client_keys(z, sock, server_key, err);
+}
+
+int km_zsec_client_worker(const km_zsec *z, void *sock, const char *worker_id, km_errbuf *err)
+{
+    if (km_zsec_insecure(z)) return 0;
+    if (!worker_id || !km_sec_name_ok(worker_id) || !z->keydir)
+        return km_errf(err, KM_EINVAL, "'%.64s' is not a worker id with a key here",
+                       worker_id ? worker_id : "");
+    km_cert_info info;
+    int rc = km_keydir_find_worker(z->keydir, worker_id, &info, err);
+    return rc ? rc : client_keys(z, sock, info.public_txt, err);
 }
 
 int km_zpeer_from_msg(const void *zmq_msg, km_zpeer *out)

@@ -238,6 +238,39 @@ void kv_page_read_row(const kv_store *s, const uint8_t *page, kv_format f, int l
     }
 }
 
+/* ---------------------------------------------------------------- values that are numbers */
+
+/* Whether any of n f16 (bf16: exp_mask 0x7f80) values is an infinity or a NaN: the exponent all
+ * ones. Branch-free, so the compiler vectorizes it; it runs over every page a peer sends. */
+static int kv_any_exp_ones(const uint8_t *p, size_t n, uint16_t exp_mask)
+{
+    unsigned bad = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint16_t v;
+        memcpy(&v, p + 2 * i, 2);
+        bad |= (v & exp_mask) == exp_mask;
+    }
+    return bad != 0;
+}
+
+int kv_page_finite(const kv_store *s, const uint8_t *page, kv_format f)
+{
+    const kv_layout *L = &s->lay[f];
+    if (f == KN_KV_F16 || f == KN_KV_BF16)
+        return !kv_any_exp_ones(page, L->page_bytes / 2, f == KN_KV_F16 ? 0x7c00 : 0x7f80);
+    size_t units = L->unit ? L->page_bytes / L->unit : 0;
+    for (size_t i = 0; i < units; i++) {
+        const uint8_t *u = page + i * L->unit;
+        /* the scales (and int4's minimums) are f16 */
+        if (kv_any_exp_ones(u + L->kd + L->vd, (L->ks + L->vs) / 2, 0x7c00)) return 0;
+        if (f != KN_KV_FP8) continue;
+        unsigned bad = 0; /* E4M3 has no infinity; S.1111.111 is its NaN */
+        for (size_t j = 0; j < L->kd + L->vd; j++) bad |= (u[j] & 0x7f) == 0x7f;
+        if (bad) return 0;
+    }
+    return 1;
+}
+
 /* ---------------------------------------------------------------- int4 */
 
 /* Asymmetric 4-bit parameters of values x[i*stride], i < n: f16 scale and min, rounded first

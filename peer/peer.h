@@ -164,6 +164,7 @@ typedef enum pr_drop {
     PR_DROP_CHECKSUM,   /* the bytes that arrived are not the ones the holder described */
     PR_DROP_TRANSFER,   /* the read failed (peer failure, canceled) */
     PR_DROP_TIMEOUT,    /* still missing at the deadline */
+    PR_DROP_NONFINITE,  /* its checksum held, but a value or scale is an infinity or a NaN */
     PR_DROP_COUNT
 } pr_drop;
 

@@ -18,7 +18,8 @@
 
 const char *pr_drop_name(pr_drop d)
 {
-    static const char *names[] = {"tokens", "chain", "format", "checksum", "transfer", "timeout"};
+    static const char *names[] = {"tokens",   "chain",   "format",   "checksum",
+                                  "transfer", "timeout", "nonfinite"};
     return (unsigned)d < PR_DROP_COUNT ? names[d] : "unknown";
 }
 
@@ -188,6 +189,13 @@ static int pr_pull_commit(pr_node *n, pr_pull *p, pr_pull_result *res)
     uint64_t bytes = 0;
     for (; ok < p->n; ok++) {
         int st = atomic_load_explicit(&p->pages[ok].state, memory_order_acquire);
+        /* an unkeyed checksum only says the bytes are the holder's: a page of NaNs would poison
+         * every request that hits it, so its values are checked too */
+        if (st == PR_PAGE_OK && !kv_import_finite(n->store, p->import_id, ok)) {
+            p->drop[PR_DROP_NONFINITE]++;
+            if (!p->status) p->status = KM_ECORRUPT;
+            break;
+        }
         if (st == PR_PAGE_OK) {
             bytes += p->pages[ok].dst.bytes;
             continue;

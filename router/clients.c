@@ -59,6 +59,7 @@ int rt_rq_start(rt_router *r, rt_rq *q)
     /* the rendezvous key: the first page, or (a prompt shorter than a page) its tokens */
     q->key = q->n_chain > 0 ? q->chain[0] : km_pagehash_next(seed, q->tokens, q->n_prompt);
     if (!q->max_tokens) q->max_tokens = r->c.default_max_tokens;
+    q->load = rt_fair_tenant(r, q->tenant);
     if (!q->rid) { /* a prompt tokenized on the thread pool is in the table already */
         q->rid = ++r->next_rid;
         rt_rq_link(r, q);
@@ -80,20 +81,37 @@ int rt_rq_compose_salt(rt_rq *q, const km_apikey_match *key)
     return 0;
 }
 
-/* Copies the sampling fields and owned strings of a decoded request into q. */
-static int rq_copy_params(rt_rq *q, const km_msg_request *src)
+/* A client's request into q, field by field from a whitelist: the sampling parameters, and
+ * copies of the strings q keeps (stop strings, salt). Nothing else a client sent reaches a worker:
+ * the pull hint, `generated`, `stream` and ids are the router's to set (docs/security.md), and
+ * q->q holds no pointer into the decoded frame, which is freed when this returns. peer: who sent
+ * it (its key names the cache namespace, tenants.c). */
+static int rq_copy_params(rt_router *r, rt_rq *q, const km_msg_request *src, const km_zpeer *peer)
 {
-    q->q = *src;
-    q->q.model = NULL;
-    q->q.prompt = NULL;
-    q->q.tokens = NULL;
-    q->q.stop = NULL;
+    km_msg tmp;
+    km_msg_init(&tmp, KM_MSG_REQUEST);
+    q->q = tmp.req;
+    q->q.temperature = src->temperature;
+    q->q.top_k = src->top_k;
+    q->q.top_p = src->top_p;
+    q->q.min_p = src->min_p;
+    q->q.repeat_penalty = src->repeat_penalty;
+    q->q.repeat_last_n = src->repeat_last_n;
+    q->q.presence_penalty = src->presence_penalty;
+    q->q.frequency_penalty = src->frequency_penalty;
+    q->q.has_seed = src->has_seed;
+    q->q.seed = src->seed;
+    q->q.priority = src->priority;
+    q->q.speculate = src->speculate;
+    q->q.max_draft_tokens = src->max_draft_tokens;
     q->q.n_stop = src->n_stop;
-    q->q.cache_salt = NULL;
     for (uint32_t i = 0; i < src->n_stop && i < KM_PROTO_MAX_STOP; i++)
         if (!(q->stop[i] = strdup(src->stop[i]))) return KM_ENOMEM;
     if (src->cache_salt && !(q->salt = strdup(src->cache_salt))) return KM_ENOMEM;
-    int rc = rt_rq_compose_salt(q, NULL); /* no ZeroMQ request names an API key's cache */
+    km_apikey_match key;
+    bool keyed = rt_tenant_of(r->tenants, peer, &key);
+    if (keyed) snprintf(q->tenant, sizeof q->tenant, "z:%s", key.tenant);
+    int rc = rt_rq_compose_salt(q, keyed ? &key : NULL);
     if (rc) return rc;
     q->max_tokens = src->max_tokens;
     q->client_stream = src->stream;
@@ -147,11 +165,11 @@ static void on_client_request(rt_router *r, const km_zmsg *zm, const km_msg_requ
         off += env[i].len;
     }
     q->n_env = n_env;
-    int rc = rq_copy_params(q, req);
+    int rc = rq_copy_params(r, q, req, &zm->peer);
     if (rc == KM_ERANGE) {
         rt_send_error_env(r, env, n_env, req->id, KM_CODE_BAD_REQUEST, 0,
-                          "req.cache_salt: a salt starting with 'kvmesh:' is reserved and must "
-                          "be at most %d bytes",
+                          "req.cache_salt: too long once put in this key's namespace, or a "
+                          "reserved 'kvmesh:' salt longer than %d bytes",
                           KM_PROTO_MAX_NAME - 9);
         rt_rq_free(q);
         return;
@@ -266,18 +284,24 @@ static void client_disconnected(rt_router *r, int fd)
     uint64_t gen = conn_gen_of(r, fd);
     if (!gen) return;
     r->conn_gen[fd] = 0;
-    /* rids first: abandoning one may dispatch its waiters */
-    enum { MAX = 1024 };
-    uint64_t rids[MAX];
-    int n = 0;
-    for (int b = 0; b < RT_RQ_BUCKETS; b++)
-        for (rt_rq *q = r->buckets[b]; q && n < MAX; q = q->hnext)
-            if (q->origin == RQ_ZMQ && q->src_fd == fd && q->src_gen == gen) rids[n++] = q->rid;
-    for (int i = 0; i < n; i++) {
-        rt_rq *q = rt_rq_find(r, rids[i]);
-        if (q) rt_rq_abandon(r, q);
+    /* every one of them, however many: one scan per abandon would be quadratic, and abandoning
+     * one may dispatch its waiters (a new rid, another bucket), so the rids are collected first
+     * and what remains is looked for again */
+    int total = 0;
+    for (;;) {
+        uint64_t rids[256];
+        int n = 0;
+        for (int b = 0; b < RT_RQ_BUCKETS && n < 256; b++)
+            for (rt_rq *q = r->buckets[b]; q && n < 256; q = q->hnext)
+                if (q->origin == RQ_ZMQ && q->src_fd == fd && q->src_gen == gen) rids[n++] = q->rid;
+        for (int i = 0; i < n; i++) {
+            rt_rq *q = rt_rq_find(r, rids[i]);
+            if (q) rt_rq_abandon(r, q);
+        }
+        total += n;
+        if (n < 256) break;
     }
-    if (n) KM_INFO("client_gone", "fd=%d requests_abandoned=%d", fd, n);
+    if (total) KM_INFO("client_gone", "fd=%d requests_abandoned=%d", fd, total);
 }
 
 void rt_read_front_monitor(rt_router *r)

@@ -133,6 +133,7 @@ static int send_to(rt_router *r, rt_rq *q, int pick, int n_ctx, uint32_t remaini
     w->inflight++;
     w->routed++;
     r->n_inflight++;
+    rt_fair_count(r, q, 0, 1);
     km_gauge_set(w->s_inflight, w->inflight);
     km_counter_inc(w->s_routed);
     km_gauge_set(r->s_inflight_all, r->n_inflight);
@@ -189,6 +190,17 @@ int rt_dispatch(rt_router *r, rt_rq *q, bool from_queue)
     km_hist_observe(r->s_decision, (km_now_ns() - t0) / 1e9);
     if (pick < 0) {
         if (!from_queue) {
+            if (q->attempts == 0 && rt_fair_refuse(r, q)) {
+                r->n_overloaded++;
+                km_counter_inc(r->s_overloaded);
+                char msg[160];
+                snprintf(msg, sizeof msg,
+                         "this key's tenant has %d requests queued at the router already "
+                         "(--max-queue-per-key)",
+                         r->c.max_queue_per_key);
+                rt_rq_fail(r, q, KM_CODE_OVERLOADED, rt_retry_after_ms(r), msg);
+                return KM_EOVERLOAD;
+            }
             if (r->n_queued >= r->c.max_queue && q->attempts == 0) {
                 r->n_overloaded++;
                 km_counter_inc(r->s_overloaded);
@@ -223,21 +235,17 @@ int rt_dispatch(rt_router *r, rt_rq *q, bool from_queue)
 
 void rt_pump_queue(rt_router *r)
 {
-    rt_rq *q = r->qhead;
-    while (q) {
-        rt_rq *next = q->qnext;
-        int before = r->n_queued;
-        if (rt_dispatch(r, q, true) == 0 && r->n_queued == before && q->queued) {
-            /* nothing could take it: later requests cannot either, unless their deadline
-             * passed */
-            for (rt_rq *p = next; p;) {
+    rt_rq *q;
+    while ((q = rt_fair_next(r))) {
+        if (rt_dispatch(r, q, true) == 0 && q->queued) {
+            /* nothing could take it: the others cannot either, unless their deadline passed */
+            for (rt_rq *p = r->qhead; p;) {
                 rt_rq *pn = p->qnext;
-                if (p->deadline_ns && km_now_ns() >= p->deadline_ns)
+                if (p != q && p->deadline_ns && km_now_ns() >= p->deadline_ns)
                     rt_rq_fail(r, p, KM_CODE_DEADLINE, 0, "deadline passed while queued");
                 p = pn;
             }
             return;
         }
-        q = next;
     }
 }

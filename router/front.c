@@ -421,6 +421,7 @@ static void on_completion(rt_router *r, km_http_req *h, bool chat)
     snprintf(q->oai_id, sizeof q->oai_id, "%s-%llx%06llx", chat ? "chatcmpl" : "cmpl",
              (unsigned long long)q->created, (unsigned long long)(r->next_rid + 1));
     rq_from_oai(q, &oq);
+    if (keyed) snprintf(q->tenant, sizeof q->tenant, "h:%s", key.tenant);
     int rc = rt_rq_compose_salt(q, keyed ? &key : NULL);
     if (rc == KM_ERANGE) {
         rt_oai_req_free(&oq);

@@ -35,7 +35,9 @@ typedef enum { RQ_ZMQ = 0, RQ_HTTP = 1 } rq_origin;
 
 typedef struct rt_rq rt_rq;
 typedef struct rt_wk rt_wk;
-typedef struct rt_tokjob rt_tokjob; /* prompt.c */
+typedef struct rt_tokjob rt_tokjob;           /* prompt.c */
+typedef struct rt_tenants rt_tenants;         /* tenants.c */
+typedef struct rt_tenant_load rt_tenant_load; /* fair.c */
 
 struct rt_rq {
     rt_router *r;
@@ -48,7 +50,9 @@ struct rt_rq {
     km_buf env_mem;
     km_zframe env[KM_ZMSG_MAX_PARTS];
     int n_env;
-    uint64_t cid;      /* client's id */
+    uint64_t cid;                     /* client's id */
+    char tenant[KM_SEC_NAME_MAX + 3]; /* "z:NAME", "h:NAME", "" unkeyed (fair.c) */
+    int load;                         /* its tenant's entry in r->loads (-1: none yet) */
     int src_fd;        /* ZeroMQ: the client connection's descriptor (-1: unknown) ... */
     uint64_t src_gen;  /* ... and which connection on it (clients.c: disconnects) */
     bool canceled;     /* the client canceled it: it ends, it is never migrated */
@@ -57,7 +61,7 @@ struct rt_rq {
     char oai_id[48];
     int64_t created;
     /* request */
-    km_msg_request q; /* strings below owned by the rq */
+    km_msg_request q; /* whitelisted sampling fields only: no pointer (strings below, owned) */
     char model[KM_PROTO_MAX_NAME + 1];
     char *salt;
     char *stop[KM_PROTO_MAX_STOP];
@@ -177,7 +181,11 @@ struct rt_router {
     int n_w;
     rt_index *index;
     km_http_server *http;
-    km_apikeys *apikeys; /* NULL: the HTTP front takes no API keys */
+    km_apikeys *apikeys;   /* NULL: the HTTP front takes no API keys */
+    rt_tenants *tenants;   /* --client-tenants; NULL: every client key a tenant of its own */
+    rt_tenant_load *loads; /* fair.c: per tenant, requests queued and at workers */
+    int n_loads, cap_loads;
+    uint64_t fair_seq;
     km_admin *admin;
     km_metrics *metrics;
     /* requests */
@@ -314,6 +322,31 @@ void rt_rq_abandon(rt_router *r, rt_rq *q);
  * abandoned. */
 int rt_front_monitor_open(rt_router *r, km_errbuf *err);
 void rt_read_front_monitor(rt_router *r);
+
+/* ---------------------------------------------------------------- tenants.c: ZeroMQ cache salts */
+
+/* The --client-tenants file (path NULL or "": none, *out NULL). */
+int rt_tenants_open(const char *path, rt_tenants **out, km_errbuf *err);
+void rt_tenants_close(rt_tenants *t);
+/* The tenant of a ZeroMQ client's key into m (its salt: "z:t:TENANT" when the file names the key,
+ * else "z:k:KEYNAME"); false for an unauthenticated peer (insecure mode). t may be NULL. */
+bool rt_tenant_of(rt_tenants *t, const km_zpeer *peer, km_apikey_match *m);
+
+/* ---------------------------------------------------------------- fair.c: tenants share the queue
+ */
+
+/* The entry of tenant `name` ("" or NULL: the unkeyed one), made on first use; -1 when out of
+ * memory. */
+int rt_fair_tenant(rt_router *r, const char *name);
+void rt_fair_free(rt_router *r);
+/* q's tenant has `queued` more requests queued and `inflight` more at workers (+1 or -1). */
+void rt_fair_count(rt_router *r, const rt_rq *q, int queued, int inflight);
+/* Must q be refused rather than queued: its keyed tenant has --max-queue-per-key queued
+ * already (counted). */
+bool rt_fair_refuse(rt_router *r, const rt_rq *q);
+/* The queued request to dispatch next: a migrated one first, else the oldest of the tenant with
+ * the fewest requests at workers (ties: the tenant served longest ago). NULL: queue empty. */
+rt_rq *rt_fair_next(rt_router *r);
 
 /* ---------------------------------------------------------------- prompt.c: text to tokens */
 

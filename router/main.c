@@ -88,6 +88,7 @@ static int serve(const rt_config *c, const char *ports_file)
 typedef struct rt_args {
     rt_config c;
     const char *workers, *mode, *log_level, *log_format, *ports_file;
+    int64_t max_queue_per_key;
     int64_t http_port, admin_port, page_tokens, slots, max_inflight, max_queue, attempts, dmax,
         max_ctx;
     int64_t sync_ms, ttl_ms, queue_ms, cluster_seed, index_pages, view_ms, request_ms;
@@ -159,6 +160,10 @@ static const km_opt g_opts[] = {
     {"max-inflight", NULL, KM_OPT_INT, "64",
      "requests this router sends one worker; more wait in the router", &g_args.max_inflight, 1,
      1 << 20},
+    {"max-queue-per-key", NULL, KM_OPT_INT, "256",
+     "queued requests of one key's tenant (ZeroMQ client key or API key); beyond it that tenant "
+     "gets 529; 0 = no limit but --max-queue",
+     &g_args.max_queue_per_key, 0, 1 << 24},
     {"max-queue", NULL, KM_OPT_INT, "1024", "router queue; beyond it: 529 overloaded",
      &g_args.max_queue, 0, 1 << 24},
     {"max-attempts", NULL, KM_OPT_INT, "3",
@@ -205,6 +210,10 @@ static const km_opt g_opts[] = {
      "HTTP API key file (kvmesh keys api-add): every HTTP request but /healthz and /readyz "
      "needs a Bearer key; required for the HTTP front unless --insecure",
      &g_args.c.api_keys, 0, 0},
+    {"client-tenants", NULL, KM_OPT_STR, NULL,
+     "ZeroMQ client tenants: `KEYNAME TENANT` lines putting client keys in one tenant, which "
+     "share cached prefixes; every other key is a tenant of its own (docs/security.md)",
+     &g_args.c.client_tenants, 0, 0},
     {"tls-cert", NULL, KM_OPT_STR, NULL,
      "PEM certificate chain: the OpenAI HTTP front speaks HTTPS only (TLS 1.2 or later); "
      "needs --tls-key",
@@ -225,6 +234,7 @@ static void args_to_config(rt_args *a)
     c->worker_slots = (int)a->slots;
     c->max_inflight = (int)a->max_inflight;
     c->max_queue = (int)a->max_queue;
+    c->max_queue_per_key = (int)a->max_queue_per_key;
     c->max_attempts = (int)a->attempts;
     c->default_max_tokens = (uint32_t)a->dmax;
     c->max_ctx = (uint32_t)a->max_ctx;

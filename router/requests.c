@@ -66,6 +66,7 @@ rt_rq *rt_rq_new(rt_router *r, rq_origin origin)
     q->r = r;
     q->origin = origin;
     q->worker = -1;
+    q->load = -1;
     q->src_fd = -1;
     q->t_arrive = km_now_ns();
     if (r->c.request_timeout_ms) q->limit_ns = q->t_arrive + r->c.request_timeout_ms * 1000000ull;
@@ -125,6 +126,7 @@ void rt_queue_push(rt_router *r, rt_rq *q, bool front)
     }
     r->n_queued++;
     km_gauge_set(r->s_queue, r->n_queued);
+    rt_fair_count(r, q, 1, 0);
 }
 
 void rt_queue_remove(rt_router *r, rt_rq *q)
@@ -143,6 +145,7 @@ void rt_queue_remove(rt_router *r, rt_rq *q)
     q->qprev = q->qnext = NULL;
     r->n_queued--;
     km_gauge_set(r->s_queue, r->n_queued);
+    rt_fair_count(r, q, -1, 0);
 }
 
 void rt_rq_release_worker(rt_router *r, rt_rq *q)
@@ -154,6 +157,7 @@ void rt_rq_release_worker(rt_router *r, rt_rq *q)
     km_gauge_set(w->s_inflight, w->inflight);
     r->n_inflight--;
     km_gauge_set(r->s_inflight_all, r->n_inflight);
+    rt_fair_count(r, q, 0, -1);
     q->worker = -1;
 }
 

@@ -161,6 +161,7 @@ void rt_config_default(rt_config *c)
     c->worker_slots = 8;
     c->max_inflight = 64;
     c->max_queue = 1024;
+    c->max_queue_per_key = 256;
     c->max_attempts = 3;
     c->default_max_tokens = 256;
     c->max_ctx = 4096;
@@ -233,6 +234,7 @@ static int open_sockets(rt_router *r, const rt_config *c, km_errbuf *err)
             return rc;
     }
     if (c->api_keys && (rc = km_apikeys_open(c->api_keys, &r->apikeys, err))) return rc;
+    if ((rc = rt_tenants_open(c->client_tenants, &r->tenants, err))) return rc;
     if ((rc = rt_front_start(r, err))) return rc;
     if (c->admin_port >= 0) {
         km_admin_opts ao = {.host = c->admin_host ? c->admin_host : "127.0.0.1",
@@ -368,5 +370,7 @@ void rt_router_destroy(rt_router *r)
     free(r->w);
     md_model_info_close(r->model);
     km_apikeys_close(r->apikeys);
+    rt_tenants_close(r->tenants);
+    rt_fair_free(r);
     free(r);
 }

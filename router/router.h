@@ -91,11 +91,12 @@ typedef struct rt_config {
     const rt_worker_cfg *workers; /* may be empty with a controller: its view adds workers */
     int n_workers;
     rt_policy policy;
-    int worker_slots; /* requests a worker runs at once (cost model) */
-    int max_inflight; /* per worker, sent by this router; more wait in the router queue */
-    int max_queue;    /* router queue; beyond it: 529 */
-    int max_attempts; /* a request fails after this many different workers failed it, or this
-                       * many attempts in a row gave no token */
+    int worker_slots;      /* requests a worker runs at once (cost model) */
+    int max_inflight;      /* per worker, sent by this router; more wait in the router queue */
+    int max_queue;         /* router queue; beyond it: 529 */
+    int max_queue_per_key; /* queued requests of one keyed tenant; beyond: 529 (fair.c); 0: off */
+    int max_attempts;      /* a request fails after this many different workers failed it, or this
+                            * many attempts in a row gave no token */
     uint32_t default_max_tokens;
     uint32_t max_ctx; /* prompt + completion tokens, as the workers' --max-ctx: an HTTP request
                        * asking for more is 400 context_length_exceeded; 0: not checked here */
@@ -125,6 +126,9 @@ typedef struct rt_config {
      * operator's, and each key's requests are hashed under its tenant's cache salt. NULL: the
      * HTTP front is open (only with --insecure or without an HTTP port, main.c decides). */
     const char *api_keys;
+    /* ZeroMQ clients' tenants (`KEYNAME TENANT` lines, re-read when changed): keys named in one
+     * tenant share its cache; every other key is a tenant of its own. NULL: none. */
+    const char *client_tenants;
     /* HTTPS on the OpenAI front (PEM certificate chain and key, TLS 1.2+); NULL: plain HTTP. */
     const char *tls_cert, *tls_key;
 } rt_config;

@@ -108,7 +108,7 @@ static void wk_handle_message(wk_service *s, void *sock, const km_zmsg *zm)
     }
     switch (m.type) {
     case KM_MSG_REQUEST:
-        wk_svc_handle_request(s, env, n_env, &m.req);
+        wk_svc_handle_request(s, env, n_env, &m.req, sock == s->router ? &zm->peer : NULL);
         break;
     case KM_MSG_CANCEL: {
         wk_sreq *r = wk_svc_live_find(s, env, n_env, m.cancel.id);

@@ -44,6 +44,7 @@ static void wk_peer_view_apply(wk_service *s, const km_msg_view *v)
         m->takes = w->state == KM_MEMBER_READY && w->fingerprint &&
                    !strcmp(w->fingerprint, s->fp) && w->pressure < 0.9;
     }
+    km_gauge_set(p->s_view_peers, p->n_members);
     wk_peer_warm_up(s);
 }
 
@@ -60,6 +61,22 @@ void wk_peer_view_read(wk_service *s)
         }
     }
     km_zmsg_clear(&p->vin);
+}
+
+const wk_member *wk_peer_member(wk_service *s, const char *id)
+{
+    wk_peer *p = s->peer;
+    if (!p || !id) return NULL;
+    wk_peer_view_read(s); /* the latest view: the router hinted from one at least as new */
+    for (int i = 0; i < p->n_members; i++)
+        if (!strcmp(p->members[i].id, id)) return &p->members[i];
+    return NULL;
+}
+
+wk_link *wk_peer_link_member(wk_service *s, const char *id)
+{
+    const wk_member *m = wk_peer_member(s, id);
+    return m ? wk_peer_link(s, m->id, m->requests, m->addr, m->addr_len) : NULL;
 }
 
 /* A kv_push of this chain, from this worker, into p->out; 0 or a km_err. */
@@ -206,7 +223,7 @@ void wk_peer_take(wk_service *s, const km_msg_kv_push *q)
     wk_link *l = NULL;
     wk_held *h = NULL;
     if (p->n_wait >= WK_PEER_BG || (int)q->chain.page_tokens != pt ||
-        !(l = wk_peer_link(s, q->from, q->endpoint, q->addr, q->addr_len)) ||
+        !(l = wk_peer_link_member(s, q->from)) || /* where it is: the view's word, not its own */
         !(h = calloc(1, sizeof *h)) || !(h->hs = malloc(sizeof *h->hs * n)) ||
         !(h->tokens = malloc(sizeof *h->tokens * n * (size_t)pt))) {
         km_counter_inc(p->s_handoff[2]);

@@ -226,8 +226,10 @@ void wk_svc_count_bad(wk_service *s, wk_bad b);
  * counts in heartbeats. */
 void wk_svc_count_bad_from(wk_service *s, wk_bad b, const km_zpeer *peer);
 /* A `req` from the ROUTER: checked, tokenized when it carries text, and queued (or held while
- * its pull hint's pages are pulled: service_peer.c). */
-void wk_svc_handle_request(wk_service *s, const km_zframe *env, int n_env, const km_msg_request *q);
+ * its pull hint's pages are pulled: service_peer.c). peer: its sender (NULL: not on the ROUTER),
+ * whose key decides whether a pull hint is taken. */
+void wk_svc_handle_request(wk_service *s, const km_zframe *env, int n_env, const km_msg_request *q,
+                           const km_zpeer *peer);
 /* Queues q with its prompt's token ids; arrival_ns is when it arrived (its deadline counts from
  * there). Answers the sender itself when the scheduler refuses it. */
 void wk_svc_admit(wk_service *s, const km_zframe *env, int n_env, const km_msg_request *q,
@@ -301,9 +303,12 @@ int wk_peer_create(wk_service *s, km_errbuf *err);
 void wk_peer_destroy(wk_service *s);
 /* kv_pull and kv_pull_done from a peer on the ROUTER. */
 void wk_peer_handle(wk_service *s, void *sock, const km_zframe *env, int n_env, const km_msg *m);
-/* 1 when q is now held for its pull (0: admit it now: no node, nothing to pull, a failure). */
+/* 1 when q is now held for its pull (0: admit it now: no node, nothing to pull, a failure, or a
+ * hint refused: one whose sender is not a router's member key, or whose holder is not a worker
+ * of the controller's view; counted). The holder's endpoint, address and key come from the
+ * view, never from the request. */
 int wk_peer_park(wk_service *s, const km_zframe *env, int n_env, const km_msg_request *q,
-                 const int32_t *toks, int n_tok, uint64_t now);
+                 const km_zpeer *peer, const int32_t *toks, int n_tok, uint64_t now);
 /* The loop's call: answers from holders, offers to send, held requests whose pull ended (or
  * whose deadline passed) admitted. */
 void wk_peer_poll(wk_service *s);

@@ -32,6 +32,8 @@ static const char *const wk_handoff_outcomes[3] = {"pushed", "taken", "dropped"}
 
 static const char *const wk_pull_outcomes[3] = {"ok", "partial", "failed"};
 
+static const char *const wk_hint_refusals[2] = {"sender", "holder"};
+
 /* ---------------------------------------------------------------- create / destroy */
 
 static int wk_peer_metrics(wk_service *s, wk_peer *p, km_errbuf *err)
@@ -62,7 +64,8 @@ static int wk_peer_metrics(wk_service *s, wk_peer *p, km_errbuf *err)
          "outcome", NULL, 0);
     for (int i = 0; i < 3; i++) p->s_pulls[i] = km_metric_series(m, &wk_pull_outcomes[i]);
     PREG(KM_COUNTER, "kvmesh_kv_transfer_failures_total",
-         "Pages dropped by a pull, by reason (tokens, chain, format, checksum, transfer, timeout), "
+         "Pages dropped by a pull, by reason (tokens, chain, format, checksum, transfer, timeout, "
+         "nonfinite: a value or scale that is an infinity or a NaN), "
          "and pulls refused by the holder (refused) or never answered (no_offer).",
          "reason", NULL, 0);
     for (int i = 0; i < PR_DROP_COUNT; i++) {
@@ -83,6 +86,17 @@ static int wk_peer_metrics(wk_service *s, wk_peer *p, km_errbuf *err)
          "it).",
          NULL, NULL, 0);
     p->s_dones_ignored = km_metric_series(m, NULL);
+    PREG(KM_COUNTER, "kvmesh_kv_pull_hints_refused_total",
+         "Pull hints this worker did not follow, by reason: sender (the request did not come from "
+         "a router's member key) or holder (the hint named no worker of the controller's view); "
+         "the request is computed here instead.",
+         "reason", NULL, 0);
+    for (int i = 0; i < 2; i++) p->s_hints_refused[i] = km_metric_series(m, &wk_hint_refusals[i]);
+    PREG(KM_GAUGE, "kvmesh_kv_peer_view_workers",
+         "Other workers with a transfer node in the controller's last view (--peer-view): the "
+         "holders a pull hint may name and the peers a drain may hand pages to.",
+         NULL, NULL, 0);
+    p->s_view_peers = km_metric_series(m, NULL);
     PREG(KM_COUNTER, "kvmesh_kv_handoff_chains_total",
          "Drain handoff and warm-up, in chains: pushed (sent to peers: this worker's drain "
          "handoff, or its answer to a peer's warm-up), taken (pushed here, a background pull "
@@ -226,9 +240,10 @@ wk_link *wk_peer_link(wk_service *s, const char *holder, const char *endpoint, c
         km_zsock_opts zo;
         km_zsock_opts_default(&zo);
         zo.max_msg_size = (int64_t)s->lim.max_frame + 4096;
-        /* CURVE (docs/security.md): the holder is a member whose key is bound to its worker id */
+        /* CURVE (docs/security.md): the holder is a member whose key is bound to its worker id,
+         * looked up by that id only (never a key or a file a frame named) */
         if (km_zsock_open(s->zctx, KM_ZDEALER, &zo, &l->sock, &err) ||
-            km_zsec_client(s->o.sec, l->sock, holder, &err) ||
+            km_zsec_client_worker(s->o.sec, l->sock, holder, &err) ||
             km_zsock_connect(l->sock, endpoint, &err)) {
             KM_WARN("peer_link", "endpoint=%s msg=\"%s\"", endpoint, err.msg);
             km_zsock_close(l->sock);
@@ -322,17 +337,39 @@ static int wk_held_keep(wk_service *s, wk_held *h, const km_msg_request *q, cons
     return km_msg_encode(&m, &big, &h->frame, NULL);
 }
 
+/* May this sender give pull hints: a router's member key (a member bound to no worker id). A
+ * client's hint is stripped by its router; a worker's or an operator's key never sends one. */
+static bool wk_hint_sender_ok(const wk_service *s, const km_zpeer *peer)
+{
+    if (km_zsec_insecure(s->o.sec)) return true;
+    return peer && peer->role == KM_ROLE_MEMBER && !peer->worker[0];
+}
+
 int wk_peer_park(wk_service *s, const km_zframe *env, int n_env, const km_msg_request *q,
-                 const int32_t *toks, int n_tok, uint64_t now)
+                 const km_zpeer *peer, const int32_t *toks, int n_tok, uint64_t now)
 {
     wk_peer *p = s->peer;
-    if (!p || p->n_held == WK_PEER_HELD) return 0;
+    if (!p) return 0;
+    if (!wk_hint_sender_ok(s, peer)) {
+        km_counter_inc(p->s_hints_refused[0]);
+        KM_WARN("pull_hint_refused", "id=%llu reason=sender role=%s key=%s",
+                (unsigned long long)q->id, km_role_name(peer ? peer->role : 0),
+                peer && peer->name[0] ? peer->name : "-");
+        return 0;
+    }
+    if (p->n_held == WK_PEER_HELD) return 0;
     const int pt = kv_store_page_tokens(s->kv);
     int n_pages = (int)q->pull_pages;
     if (n_pages > n_tok / pt) n_pages = n_tok / pt;
     if (n_pages > PR_MAX_PAGES) n_pages = PR_MAX_PAGES;
     if (n_pages < 1) return 0;
-    wk_link *l = wk_peer_link(s, q->pull_from, q->pull_endpoint, q->pull_addr, q->pull_addr_len);
+    if (!wk_peer_member(s, q->pull_from)) {
+        km_counter_inc(p->s_hints_refused[1]);
+        KM_WARN("pull_hint_refused", "id=%llu reason=holder holder=%.64s",
+                (unsigned long long)q->id, q->pull_from);
+        return 0;
+    }
+    wk_link *l = wk_peer_link_member(s, q->pull_from);
     if (!l) return 0;
     wk_held *h = calloc(1, sizeof *h);
     km_pagehash *hs = malloc(sizeof *hs * (size_t)n_pages);

@@ -98,6 +98,8 @@ struct wk_peer {
     km_xfer_pair hb_pairs[WK_PEER_LINKS]; /* the heartbeat's per-holder figures */
     km_series *s_bytes_in, *s_bytes_out, *s_seconds, *s_pulls[3], *s_fail[PR_DROP_COUNT + 2];
     km_series *s_refused, *s_dones_ignored;
+    km_series *s_hints_refused[2]; /* kvmesh_kv_pull_hints_refused_total{reason}: sender, holder */
+    km_series *s_view_peers;       /* kvmesh_kv_peer_view_workers */
     uint64_t seen_out, seen_refused; /* bytes_out, fetches_refused already counted */
     uint64_t last_pull_ns;           /* the last kv_pull that came in */
     /* drain handoff */
@@ -136,6 +138,11 @@ int wk_env_view(const uint8_t *src, const size_t *lens, int n_env, km_zframe *en
 void wk_peer_offers_out(wk_service *s);
 
 /* service_handoff.c */
+/* The worker `id` as the controller's latest view names it (NULL: not in it, or no view). */
+const wk_member *wk_peer_member(wk_service *s, const char *id);
+/* The link to the worker `id` of the controller's view, at the endpoint and address the view
+ * gives (NULL: not in the view, or no link can be had). */
+wk_link *wk_peer_link_member(wk_service *s, const char *id);
 /* A peer's kv_push (its drain's handoff, or its answer to our warm-up): queued for a background
  * pull. */
 void wk_peer_take(wk_service *s, const km_msg_kv_push *q);

@@ -362,14 +362,15 @@ static bool refused(wk_service *s, const km_zframe *env, int n_env, const km_msg
     return false;
 }
 
-void wk_svc_handle_request(wk_service *s, const km_zframe *env, int n_env, const km_msg_request *q)
+void wk_svc_handle_request(wk_service *s, const km_zframe *env, int n_env, const km_msg_request *q,
+                           const km_zpeer *peer)
 {
     uint64_t now = km_now_ns();
     const int32_t *toks;
     int n_tok;
     if (refused(s, env, n_env, q) || prompt_tokens(s, env, n_env, q, &toks, &n_tok)) return;
     /* a pull hint: held while its pages are pulled (service_peer.c), admitted after */
-    if (q->pull_from && wk_peer_park(s, env, n_env, q, toks, n_tok, now)) return;
+    if (q->pull_from && wk_peer_park(s, env, n_env, q, peer, toks, n_tok, now)) return;
     wk_svc_admit(s, env, n_env, q, toks, n_tok, now);
 }
 

@@ -48,6 +48,20 @@ static void it_forget(pid_t pid)
         if (g_children[i] == pid) g_children[i] = 0;
 }
 
+const char *it_bin(const char *name)
+{
+    static char paths[8][256];
+    static int n;
+    const char *dir = getenv("KVMESH_IT_BIN");
+    char want[256];
+    snprintf(want, sizeof want, "%s/%s", dir && *dir ? dir : "build/bin", name);
+    for (int i = 0; i < n; i++)
+        if (!strcmp(paths[i], want)) return paths[i];
+    if (n == 8) return "build/bin/unknown"; /* more daemons than kvmesh has */
+    snprintf(paths[n], sizeof paths[n], "%s", want);
+    return paths[n++];
+}
+
 bool it_have(const char *const *paths)
 {
     for (int i = 0; paths[i]; i++)

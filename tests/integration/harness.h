@@ -22,11 +22,16 @@
 #include "common/svc.h"
 
 #define IT_MODEL  "models/SmolLM2-135M-Instruct.Q4_1.gguf"
-#define IT_WORKER "build/bin/kvmesh-worker"
-#define IT_ROUTER "build/bin/kvmesh-router"
-#ifndef IT_CONTROLLER /* -DIT_CONTROLLER=... runs the suite against another build (ASan) */
-#define IT_CONTROLLER "build/bin/kvmesh-controller"
+#define IT_WORKER it_bin("kvmesh-worker")
+#define IT_ROUTER it_bin("kvmesh-router")
+#ifndef IT_CONTROLLER /* -DIT_CONTROLLER=... runs the suite against another build */
+#define IT_CONTROLLER it_bin("kvmesh-controller")
 #endif
+
+/* The path of daemon `name`: $KVMESH_IT_BIN/name when set (make integration-san points it at
+ * the ASan/UBSan daemons, build/san/bin), else build/bin/name. The string lives as long as the
+ * process. */
+const char *it_bin(const char *name);
 
 /* A daemon run by a test. dir is its own temporary directory (ports file, log, disk tier); the
  * endpoints are what its ports file said (empty when it did not say). */

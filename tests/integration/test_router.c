@@ -14,8 +14,8 @@
  * --max-attempts, on two workers) completes with the undisturbed output; a 2-token request is
  * answered while 4 MB prompts are tokenized off the loop; a prompt over --max-prompt-bytes is
  * refused untokenized; a silent worker's requests end with 504 at --request-timeout; a client that
- * disconnects has its request abandoned (never migrated); a member the view stops naming gets
- * nothing and its slot is reused.
+ * disconnects has its request abandoned (never migrated), all 1,100 of them when it had that many
+ * queued; a member the view stops naming gets nothing and its slot is reused.
  *
  * Run from the repository root after `make build` (make integration); without the default model
  * every test skips and says so. Workers run one thread each: the machine is small and shared.
@@ -1413,6 +1413,37 @@ Test(router, a_client_that_disconnects_has_its_request_canceled_and_never_migrat
     kvm_result_free(&res);
     cr_assert_eq(router_metric(&r, "kvmesh_router_migrations_total"), 0);
     kvm_close(c);
+    it_stop(&r);
+    for (int i = 0; i < 2; i++) it_stop(&w[i]);
+}
+
+/* Issue 41, 4: a client that leaves with more requests than the router once collected at a
+ * time (1,024) has every one of them abandoned: nothing of it stays queued or running. */
+Test(router, a_client_that_disconnects_has_every_one_of_its_many_requests_abandoned)
+{
+    if (!have_binaries()) return;
+    const char *ids[2] = {"w0", "w1"};
+    proc w[2], r;
+    for (int i = 0; i < 2; i++) start_worker(&w[i], ids[i]);
+    const char *extra[] = {"--max-queue=2000", "--max-inflight=2", NULL};
+    start_router(&r, w, ids, 2, extra);
+    wait_up(&r, 2);
+    kvm_client *gone = client(&r);
+    enum { N = 1100 };
+    km_errbuf err = {{0}};
+    for (int i = 0; i < N; i++) {
+        km_msg_request q;
+        greedy(&q, "Write a long story about a dragon:", 2000, NULL);
+        q.id = 1 + (uint64_t)i;
+        cr_assert_eq(kvm_submit(gone, &q, &err), 0, "%s", err.msg);
+    }
+    cr_assert_geq(wait_metric_at_least(&r, "kvmesh_router_queue_depth", N - 4), N - 4,
+                  "the requests never queued");
+    kvm_close(gone);
+    cr_assert_geq(wait_metric_at_least(&r, "kvmesh_router_requests_abandoned_total", N), N,
+                  "requests of the departed client were left behind");
+    cr_assert_eq(router_metric(&r, "kvmesh_router_queue_depth"), 0);
+    cr_assert_eq(router_metric(&r, "kvmesh_router_inflight"), 0);
     it_stop(&r);
     for (int i = 0; i < 2; i++) it_stop(&w[i]);
 }

@@ -13,15 +13,26 @@
  *  - a daemon started with neither --keydir nor --insecure refuses to start;
  *  - every HTTP endpoint wants the right API key, and two API keys never share cached prefixes;
  *  - a disk-tier page forged while a worker was down (KV altered, checksum recomputed) is
- *    dropped and counted by the restarted worker (--cluster-secret), never served.
+ *    dropped and counted by the restarted worker (--cluster-secret), never served;
+ *  - issue 41: a client key's pull hint (its own holder, endpoint, address) steers no worker, a
+ *    worker takes hints only from a router's key naming a worker of the view; two client keys
+ *    never share cached prefixes, unless --client-tenants puts them in one tenant; a key that
+ *    floods the router queue delays another key's request by a slot, not its backlog, and past
+ *    --max-queue-per-key gets 529 while another key is served.
+ * The daemons are build/bin's, or $KVMESH_IT_BIN's (make integration-san: ASan/UBSan builds).
  * Run from the repository root after `make build` (make integration); without the model every
  * test skips and says so.
  */
+#include <arpa/inet.h>
 #include <criterion/criterion.h>
 #include <dirent.h>
 #include <jansson.h>
-#include <xxhash.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <xxhash.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,9 +48,9 @@
 #include "tests/unit/sec_fixture.h"
 
 #define MODEL      "models/SmolLM2-135M-Instruct.Q4_1.gguf"
-#define WORKER     "build/bin/kvmesh-worker"
-#define ROUTER     "build/bin/kvmesh-router"
-#define CONTROLLER "build/bin/kvmesh-controller"
+#define WORKER     it_bin("kvmesh-worker")
+#define ROUTER     it_bin("kvmesh-router")
+#define CONTROLLER it_bin("kvmesh-controller")
 
 typedef struct proc {
     pid_t pid;
@@ -48,7 +59,7 @@ typedef struct proc {
                                       * router: front, HTTP port */
 } proc;
 
-static char g_tmp[64], g_keys[128], g_rogue[128], g_api[160];
+static char g_tmp[64], g_keys[128], g_rogue[128], g_api[160], g_tenants[160];
 /* HTTP API keys: two client tenants and an operator */
 static char g_acme[KM_APIKEY_TOKEN_MAX], g_globex[KM_APIKEY_TOKEN_MAX], g_ops[KM_APIKEY_TOKEN_MAX];
 static void *g_ctx;
@@ -132,9 +143,10 @@ static void start_controller(void)
     snprintf(g_ctl.admin, sizeof g_ctl.admin, "http://127.0.0.1:%d", port);
 }
 
-/* A worker with id `id`, key directory `keys` and certificate `cert` (NULL: its id's). */
-static bool start_worker(proc *w, const char *name, const char *id, const char *keys,
-                         const char *cert)
+/* A worker with id `id`, key directory `keys` and certificate `cert` (NULL: its id's), then the
+ * flags in extra (NULL-terminated, may be NULL). */
+static bool start_worker_x(proc *w, const char *name, const char *id, const char *keys,
+                           const char *cert, const char *const *extra)
 {
     char kd[200], pf[300], wid[100], ct[300], cf[600];
     snprintf(kd, sizeof kd, "--keydir=%s", keys);
@@ -153,19 +165,32 @@ static bool start_worker(proc *w, const char *name, const char *id, const char *
                           wid,
                           cf,
                           pf,
+                          NULL,
+                          NULL,
+                          NULL,
+                          NULL,
                           NULL};
+    for (int i = 0, k = 11; extra && extra[i] && k < 15; i++) argv[k++] = extra[i];
     return spawn(w, name, argv);
 }
 
-static void start_router(void)
+static bool start_worker(proc *w, const char *name, const char *id, const char *keys,
+                         const char *cert)
 {
-    char kd[200], pf[300], cf[600], ak[200];
+    return start_worker_x(w, name, id, keys, cert, NULL);
+}
+
+/* The router, then one more flag (or NULL). */
+static void start_router_x(const char *flag)
+{
+    char kd[200], pf[300], cf[600], ak[200], ct[200];
     snprintf(kd, sizeof kd, "--keydir=%s", g_keys);
     snprintf(pf, sizeof pf, "--ports-file=%s/router.ports", g_tmp);
     snprintf(cf, sizeof cf, "--controller=%s", g_ctl.b);
     snprintf(ak, sizeof ak, "--api-keys=%s", g_api);
-    const char *argv[] = {ROUTER, "--front=tcp://127.0.0.1:*", "--http-port=0", kd, cf, pf, ak,
-                          NULL};
+    snprintf(ct, sizeof ct, "--client-tenants=%s", g_tenants);
+    const char *argv[] = {
+        ROUTER, "--front=tcp://127.0.0.1:*", "--http-port=0", kd, cf, pf, ak, ct, flag, NULL};
     cr_assert(spawn(&g_rt, "router", argv), "the router exited at start");
 }
 
@@ -205,6 +230,17 @@ static void setup(void)
         km_apikeys_add(g_api, "globex", KM_ROLE_CLIENT, NULL, g_globex, sizeof g_globex, &err), 0);
     cr_assert_eq(km_apikeys_add(g_api, "ops", KM_ROLE_OPERATOR, NULL, g_ops, sizeof g_ops, &err),
                  0);
+    /* ZeroMQ tenants: client and client2 each alone, client3 and client4 one tenant on purpose */
+    const char *more[] = {"client2", "client3", "client4"};
+    for (int i = 0; i < 3; i++)
+        cr_assert_eq(km_keydir_new_cert(g_keys, KM_ROLE_CLIENT, more[i], NULL, &err), 0, "%s",
+                     err.msg);
+    snprintf(g_tenants, sizeof g_tenants, "%s/client_tenants", g_tmp);
+    FILE *tf = fopen(g_tenants, "w");
+    cr_assert_not_null(tf);
+    fputs("# key tenant\nclient3 shared\nclient4 shared\n", tf);
+    fclose(tf);
+    setenv("UCX_TLS", "tcp", 1); /* the transfer nodes of the pull tests */
     g_ctx = km_zctx_create();
 }
 
@@ -424,13 +460,19 @@ static void wait_w0_ready(void)
     cr_assert_fail("w0 never became ready in the controller's view (see %s)", g_w0.log);
 }
 
-static void start_cluster(void)
+/* Controller, w0 and the router (with one more flag, or NULL); w0 ready in the view. */
+static void start_cluster_x(const char *router_flag)
 {
     start_controller();
     cr_assert(start_worker(&g_w0, "w0", "w0", g_keys, NULL), "w0 exited at start (see %s)",
               g_w0.log);
-    start_router();
+    start_router_x(router_flag);
     wait_w0_ready();
+}
+
+static void start_cluster(void)
+{
+    start_cluster_x(NULL);
 }
 
 /* ---------------------------------------------------------------- tests */
@@ -972,6 +1014,286 @@ Test(security, a_garbage_flood_from_a_non_member_never_feeds_the_error_storm_rul
     cr_assert_eq(metric(g_w0.admin, "kvmesh_recovery_actions_total{level=\"3\"}"), 0);
     km_zsock_close(op);
     km_zsock_close(cl);
+    stop_proc(&g_rt);
+    stop_proc(&g_w0);
+    stop_proc(&g_ctl);
+}
+
+/* ---------------------------------------------------------------- pull hints (issue 41) */
+
+/* A listening TCP socket on 127.0.0.1 (its port into *port) or Unix socket at path: where an
+ * attacker would have a worker connect. */
+static int trap_tcp(int *port)
+{
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+    cr_assert_geq(fd, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t n = sizeof a;
+    cr_assert_eq(bind(fd, (struct sockaddr *)&a, n), 0);
+    cr_assert_eq(listen(fd, 8), 0);
+    cr_assert_eq(getsockname(fd, (struct sockaddr *)&a, &n), 0);
+    *port = ntohs(a.sin_port);
+    return fd;
+}
+
+static int trap_ipc(const char *path)
+{
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK, 0);
+    cr_assert_geq(fd, 0);
+    struct sockaddr_un a = {.sun_family = AF_UNIX};
+    snprintf(a.sun_path, sizeof a.sun_path, "%s", path);
+    cr_assert_eq(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
+    cr_assert_eq(listen(fd, 8), 0);
+    return fd;
+}
+
+/* True when anyone connects to either trap within timeout_ms. */
+static bool trapped(int tcp, int ipc, int timeout_ms)
+{
+    struct pollfd p[2] = {{.fd = tcp, .events = POLLIN}, {.fd = ipc, .events = POLLIN}};
+    return poll(p, 2, timeout_ms) > 0;
+}
+
+/* The pull hint an attacker writes into a request: holder `from`, endpoint and a made-up
+ * transfer address of its choosing. */
+static void put_hint(km_msg *m, const char *from, const char *endpoint)
+{
+    static const uint8_t addr[24] = {0x6b, 0x76, 0x6d, 0x31, 1, 2, 3, 4, 5, 6, 7, 8};
+    m->req.pull_from = from;
+    m->req.pull_endpoint = endpoint;
+    m->req.pull_addr = addr;
+    m->req.pull_addr_len = sizeof addr;
+    m->req.pull_pages = 2;
+    m->req.pull_ms = 1000;
+}
+
+/* Issue 41, 1 and 2: a client key's request naming a holder (the attacker's own CURVE key or a
+ * worker id), an endpoint (TCP, ipc) and an address: the router forwards none of it, and the
+ * worker takes a hint only from a router's key and only for a worker of the controller's view,
+ * so it connects nowhere and imports nothing. With --max-inflight=1 most of them queue at the
+ * router and are dispatched later, the path of the use-after-free (caught under ASan: make
+ * integration-san). */
+Test(security, a_client_key_cannot_steer_a_workers_pulls)
+{
+    if (!have_model()) return;
+    start_controller();
+    char view[600];
+    snprintf(view, sizeof view, "--peer-view=%s", g_ctl.b);
+    const char *const peer_flags[] = {"--peer-listen=127.0.0.1:0", view, NULL};
+    cr_assert(start_worker_x(&g_w0, "w0", "w0", g_keys, NULL, peer_flags),
+              "w0 exited at start (see %s)", g_w0.log);
+    start_router_x("--max-inflight=1");
+    wait_w0_ready();
+    int port;
+    int tl = trap_tcp(&port);
+    char ipc_path[100], tcp_ep[64], ipc_ep[128];
+    snprintf(ipc_path, sizeof ipc_path, "%s/trap.sock", g_tmp);
+    int ul = trap_ipc(ipc_path);
+    snprintf(tcp_ep, sizeof tcp_ep, "tcp://127.0.0.1:%d", port);
+    snprintf(ipc_ep, sizeof ipc_ep, "ipc://%s", ipc_path);
+    km_cert_info evil;
+    km_errbuf err = {{0}};
+    cr_assert_eq(km_keydir_find(g_rogue, KM_ROLE_MEMBER, "evil", &evil, &err), 0, "%s", err.msg);
+    km_msg m;
+    /* through the router, as a client: four at once, three of them queued */
+    void *cl = peer(KM_ZDEALER, g_rt.a, KEY_NAMED, "client", "router");
+    for (int i = 0; i < 4; i++) {
+        msg_request(&m, 100 + (uint64_t)i);
+        put_hint(&m, i % 2 ? "w0" : evil.public_txt, i % 2 ? ipc_ep : tcp_ep);
+        send_msg(cl, &m);
+    }
+    for (int i = 0; i < 4; i++) {
+        cr_assert_eq(recv_type(cl, KM_MSG_DONE, &m, 120000), 0, "request %d got no done", i);
+        km_msg_clear(&m);
+    }
+    cr_assert_eq(metric(g_w0.admin, "kvmesh_kv_pull_hints_refused_total"), 0,
+                 "a client's hint reached the worker (the router must strip it)");
+    /* straight to w0: a worker's key is no router, and a router's hint must name a worker of
+     * the controller's view (w1 runs nowhere; the attacker's key is no worker) */
+    void *wk = peer(KM_ZDEALER, g_w0.a, KEY_NAMED, "w1", "w0");
+    msg_request(&m, 200);
+    put_hint(&m, "w1", tcp_ep);
+    send_msg(wk, &m);
+    cr_assert_eq(recv_type(wk, KM_MSG_DONE, &m, 120000), 0);
+    km_msg_clear(&m);
+    void *rk = peer(KM_ZDEALER, g_w0.a, KEY_NAMED, "router", "w0");
+    msg_request(&m, 201);
+    put_hint(&m, evil.public_txt, tcp_ep);
+    send_msg(rk, &m);
+    cr_assert_eq(recv_type(rk, KM_MSG_DONE, &m, 120000), 0);
+    km_msg_clear(&m);
+    msg_request(&m, 202);
+    put_hint(&m, "w1", ipc_ep);
+    send_msg(rk, &m);
+    cr_assert_eq(recv_type(rk, KM_MSG_DONE, &m, 120000), 0);
+    km_msg_clear(&m);
+    /* a worker that was steered connects at once (and keeps reconnecting) */
+    cr_assert_not(trapped(tl, ul, 1500), "a worker connected to the attacker's endpoint");
+    cr_assert_eq(metric(g_w0.admin, "kvmesh_kv_pull_hints_refused_total{reason=\"sender\"}"), 1);
+    cr_assert_eq(metric(g_w0.admin, "kvmesh_kv_pull_hints_refused_total{reason=\"holder\"}"), 2);
+    cr_assert_eq(metric(g_w0.admin, "kvmesh_kv_transfer_pulls_total"), 0, "w0 pulled");
+    close(tl);
+    close(ul);
+    km_zsock_close(cl);
+    km_zsock_close(wk);
+    km_zsock_close(rk);
+    stop_proc(&g_rt);
+    stop_proc(&g_w0);
+    stop_proc(&g_ctl);
+}
+
+/* ---------------------------------------------------------------- ZeroMQ tenants (issue 41) */
+
+/* cached_tokens of one greedy request sent through the router with client key `key` and salt
+ * (NULL: none). */
+static uint32_t cached_as(const char *key, uint64_t id, const char *salt)
+{
+    void *s = peer(KM_ZDEALER, g_rt.a, KEY_NAMED, key, "router");
+    km_msg m;
+    msg_request(&m, id);
+    m.req.prompt = "Lisbon is the capital and largest city of Portugal. It lies on the Tagus, "
+                   "where the river meets the Atlantic, and has been a port of trade, navigation "
+                   "and letters for centuries. The capital of Portugal is";
+    m.req.cache_salt = salt;
+    send_msg(s, &m);
+    cr_assert_eq(recv_type(s, KM_MSG_DONE, &m, 60000), 0, "%s's request %llu got no done", key,
+                 (unsigned long long)id);
+    uint32_t c = m.done.cached_tokens;
+    km_msg_clear(&m);
+    km_zsock_close(s);
+    return c;
+}
+
+/* Issue 41, 3: the cache salt is bound to the client's CURVE key as HTTP binds it to the API
+ * key; a salt a client names narrows its own namespace and never reaches another's; the
+ * --client-tenants file puts keys in one tenant on purpose. */
+Test(security, two_client_keys_never_share_cached_prefixes_unless_one_tenant)
+{
+    if (!have_model()) return;
+    start_cluster();
+    cr_assert_eq(cached_as("client", 1, NULL), 0, "a cold cache");
+    cr_assert_gt(cached_as("client", 2, NULL), 0, "the same key's second request hit nothing");
+    cr_assert_eq(cached_as("client2", 3, NULL), 0, "another key shared client's prefix");
+    cr_assert_eq(cached_as("client2", 4, "kvmesh:t:z:k:client"), 0,
+                 "client's namespace named by hand");
+    cr_assert_eq(cached_as("client", 5, "team"), 0, "a salt of its own is a namespace of its own");
+    cr_assert_gt(cached_as("client", 6, "team"), 0);
+    cr_assert_eq(cached_as("client2", 7, "team"), 0, "another key's salt named by hand");
+    cr_assert_eq(cached_as("client3", 8, NULL), 0);
+    cr_assert_gt(cached_as("client4", 9, NULL), 0, "two keys of one tenant share its cache");
+    stop_proc(&g_rt);
+    stop_proc(&g_w0);
+    stop_proc(&g_ctl);
+}
+
+/* ---------------------------------------------------------------- fairness (issue 41) */
+
+/* n short greedy requests (ids 1..n) from client key `key` to the router front; the socket. */
+static void *flood(const char *key, int n)
+{
+    void *s = peer(KM_ZDEALER, g_rt.a, KEY_NAMED, key, "router");
+    km_msg m;
+    for (int i = 0; i < n; i++) {
+        msg_request(&m, 1 + (uint64_t)i);
+        m.req.max_tokens = 2;
+        send_msg(s, &m);
+    }
+    return s;
+}
+
+/* The next frame on s within timeout_ms, decoded into m (the caller clears it): false when none
+ * came. */
+static bool next_frame(void *s, int timeout_ms, km_msg *m)
+{
+    km_zmsg z = {0};
+    bool got = !km_zrecv(s, &z, timeout_ms, NULL);
+    if (got) {
+        const km_zframe *b = km_zmsg_body(&z);
+        cr_assert_eq(km_msg_decode(b->data, b->len, NULL, m, NULL), 0);
+    }
+    km_zmsg_clear(&z);
+    return got;
+}
+
+/* Issue 41, 4: a key that floods the router's queue does not hold back another key's request:
+ * the queue serves the tenant with the fewest requests at workers first, so client2's one
+ * request goes out at the next free slot instead of behind every queued request of client's.
+ * Judged by order, not time: when client2's done arrives, client has finished at most a few. */
+Test(security, a_flooding_key_does_not_hold_back_another_keys_request)
+{
+    if (!have_model()) return;
+    start_cluster_x("--max-inflight=1");
+    enum { FLOOD = 120 };
+    km_msg m;
+    void *a = flood("client", FLOOD);
+    /* frames of one connection are read in order: the 403 to this one says every request
+     * before it is in the router */
+    msg_admin(&m, 9999, KM_ADMIN_EVICT);
+    send_msg(a, &m);
+    int a_done = 0;
+    bool fenced = false;
+    uint64_t until = km_now_ns() + 120000000000ull;
+    while (!fenced) {
+        cr_assert_lt(km_now_ns(), until, "no answer to the fence");
+        if (!next_frame(a, 100, &m)) continue;
+        a_done += m.type == KM_MSG_DONE;
+        fenced = m.type == KM_MSG_ERROR && m.error.id == 9999;
+        km_msg_clear(&m);
+    }
+    int before = a_done;
+    void *bk = peer(KM_ZDEALER, g_rt.a, KEY_NAMED, "client2", "router");
+    msg_request(&m, 1);
+    m.req.max_tokens = 2;
+    send_msg(bk, &m);
+    cr_assert_eq(recv_type(bk, KM_MSG_DONE, &m, 120000), 0, "client2's request got no done");
+    km_msg_clear(&m);
+    while (next_frame(a, 0, &m)) {
+        a_done += m.type == KM_MSG_DONE;
+        km_msg_clear(&m);
+    }
+    cr_assert_lt(before, FLOOD - 10,
+                 "the flood ended before client2 came: the test proves nothing");
+    cr_assert_leq(a_done - before, 5,
+                  "client2 waited behind %d of client's queued requests (FIFO, not fair)",
+                  a_done - before);
+    km_zsock_close(a);
+    km_zsock_close(bk);
+    stop_proc(&g_rt);
+    stop_proc(&g_w0);
+    stop_proc(&g_ctl);
+}
+
+/* Issue 41, 4: a key may hold at most --max-queue-per-key requests in the router queue; past
+ * that it gets 529 with a retry time, and another key is still queued and served. */
+Test(security, a_key_past_its_queue_share_gets_529_and_another_key_is_served)
+{
+    if (!have_model()) return;
+    start_cluster_x("--max-queue-per-key=4");
+    /* more than its share at once: 64 may be at the worker (--max-inflight), 4 queued */
+    enum { N = 100 };
+    km_msg m;
+    void *a = flood("client", N);
+    int done = 0, refused = 0;
+    uint64_t until = km_now_ns() + 120000000000ull;
+    while (done + refused < N) {
+        cr_assert_lt(km_now_ns(), until, "%d done, %d refused of %d", done, refused, N);
+        if (!next_frame(a, 100, &m)) continue;
+        done += m.type == KM_MSG_DONE;
+        if (m.type == KM_MSG_ERROR) {
+            cr_assert_eq(m.error.code, KM_CODE_OVERLOADED, "%s", m.error.message);
+            cr_assert_gt(m.error.retry_after_ms, 0);
+            refused++;
+        }
+        km_msg_clear(&m);
+    }
+    cr_assert_gt(refused, 0, "none of client's %d requests was refused (its share: 4 queued)", N);
+    void *bk = peer(KM_ZDEALER, g_rt.a, KEY_NAMED, "client2", "router");
+    msg_request(&m, 1);
+    send_msg(bk, &m);
+    cr_assert_eq(recv_type(bk, KM_MSG_DONE, &m, 60000), 0, "client2 was not served");
+    km_msg_clear(&m);
+    km_zsock_close(a);
+    km_zsock_close(bk);
     stop_proc(&g_rt);
     stop_proc(&g_w0);
     stop_proc(&g_ctl);

@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+#include <zmq.h>
 
 #include "common/svc.h"
 #include "tests/integration/harness.h"
@@ -273,121 +274,6 @@ static void pair_stop(pair *p)
     km_zsock_close(p->ctl);
 }
 
-Test(worker_pull, a_prefix_pulled_from_a_peer_is_served_and_equals_computing_it)
-{
-    if (!have_model()) return;
-    pair *w = pair_start(NULL, NULL);
-    const it_proc *a = &w->a, *b = &w->b;
-
-    int32_t prompt[NP];
-    make_prompt(prompt, NP, 42);
-    result ref = run(a->req, 1, prompt, NP, GEN, NULL, 120000);
-    cr_assert_gt(ref.n, 0);
-    cr_assert_eq(ref.cached, 0, "A computed the prompt");
-
-    double in0 = it_metric(b->admin_port, "kvmesh_kv_transfer_bytes_total{direction=\"in\"}");
-    hint h = {"wa", a->req, w->addr, w->addr_len, PAGES, 20000};
-    result got = run(b->req, 2, prompt, NP, GEN, &h, 120000);
-    cr_assert_geq(got.cached, 16 * (PAGES - 1),
-                  "B served %u prompt tokens from cached KV: the pages were not pulled",
-                  got.cached);
-    expect_same(&ref, &got, "pulled prefix");
-    double in1 = it_metric(b->admin_port, "kvmesh_kv_transfer_bytes_total{direction=\"in\"}");
-    cr_assert_gt(in1, in0, "B counts the pulled bytes (%g -> %g)", in0, in1);
-    cr_assert_gt(it_metric(b->admin_port, "kvmesh_kv_transfer_pulls_total{outcome=\"ok\"}"), 0);
-    cr_assert_gt(it_metric(a->admin_port, "kvmesh_kv_transfer_bytes_total{direction=\"out\"}"), 0);
-    /* B's heartbeats now carry what it measured pulling from A (the routers price that pair by
-     * it) */
-    cr_assert_gt(pair_rate_of(w->ctl, "wb", "wa"), 0, "no hb.xfer.pairs entry for wa from wb");
-
-    /* a hint for pages B already holds costs nothing: no second pull */
-    result again = run(b->req, 3, prompt, NP, GEN, &h, 120000);
-    expect_same(&ref, &again, "held prefix");
-    cr_assert_eq(it_metric(b->admin_port, "kvmesh_kv_transfer_pulls_total{outcome=\"ok\"}"), 1);
-    pair_stop(w);
-}
-
-Test(worker_pull, a_stopped_or_killed_holder_costs_the_budget_and_the_request_recomputes)
-{
-    if (!have_model()) return;
-    pair *w = pair_start(NULL, NULL);
-    const it_proc *a = &w->a, *b = &w->b;
-    int32_t p1[NP], p2[NP];
-    make_prompt(p1, NP, 7);
-    make_prompt(p2, NP, 8);
-    result r1 = run(a->req, 1, p1, NP, GEN, NULL, 120000);
-    result r2 = run(a->req, 2, p2, NP, GEN, NULL, 120000);
-
-    /* stopped: nothing answers; the pull ends at its 1.5 s budget and B computes */
-    cr_assert_eq(kill(a->pid, SIGSTOP), 0);
-    hint h = {"wa", a->req, w->addr, w->addr_len, PAGES, 1500};
-    result g1 = run(b->req, 3, p1, NP, GEN, &h, 120000);
-    cr_assert_eq(g1.cached, 0, "nothing could be pulled from a stopped holder");
-    cr_assert_neq(g1.finish, KM_FINISH_DEADLINE);
-    expect_same(&r1, &g1, "recomputed after a stopped holder");
-    double failed = it_metric(b->admin_port, "kvmesh_kv_transfer_pulls_total{outcome=\"failed\"}");
-    cr_assert_geq(failed, 1);
-    cr_assert_geq(
-        it_metric(b->admin_port, "kvmesh_kv_transfer_failures_total{reason=\"no_offer\"}"), 1,
-        "the holder never answered");
-
-    /* killed: the connection is gone; the pull fails (at the latest at its budget) */
-    cr_assert_eq(kill(a->pid, SIGKILL), 0);
-    it_wait_exit(&w->a, 5000);
-    result g2 = run(b->req, 4, p2, NP, GEN, &h, 120000);
-    cr_assert_eq(g2.cached, 0);
-    expect_same(&r2, &g2, "recomputed after a killed holder");
-    cr_assert_geq(it_metric(b->admin_port, "kvmesh_kv_transfer_pulls_total{outcome=\"failed\"}"),
-                  failed + 1);
-    pair_stop(w);
-}
-
-/* Across network namespaces (issue 14, "across hosts"): the holder runs in its own namespace,
- * joined to the puller's by a bridge (it_net), both advertising their address on it, UCX on TCP:
- * the page bytes cross the bridge. Then the link goes down (a partition: the pull costs its budget
- * and the request recomputes), comes back, and a holder killed while a pull may be running costs at
- * most the budget too. */
-Test(worker_pull, pages_cross_network_namespaces_and_partitions_or_kills_only_cost_the_budget)
-{
-    if (!have_model()) return;
-    if (!netns_setup()) return;
-    pair *w = pair_start(&g_ns, NULL);
-    const it_proc *a = &w->a, *b = &w->b;
-    int32_t p1[NP], p2[NP], p3[NP];
-    make_prompt(p1, NP, 21);
-    make_prompt(p2, NP, 22);
-    make_prompt(p3, NP, 23);
-    result r1 = run(a->req, 1, p1, NP, GEN, NULL, 120000);
-    result r2 = run(a->req, 2, p2, NP, GEN, NULL, 120000);
-    result r3 = run(a->req, 3, p3, NP, GEN, NULL, 120000);
-
-    hint h = {"wa", a->req, w->addr, w->addr_len, PAGES, 20000};
-    result g1 = run(b->req, 4, p1, NP, GEN, &h, 120000);
-    cr_assert_geq(g1.cached, 16 * (PAGES - 1), "B pulled across the namespaces (cached %u)",
-                  g1.cached);
-    expect_same(&r1, &g1, "pulled across namespaces");
-    cr_assert_gt(it_metric(b->admin_port, "kvmesh_kv_transfer_bytes_total{direction=\"in\"}"), 0);
-
-    /* partition: nothing crosses the bridge; the pull ends at its budget, B computes */
-    it_net_self_link(false);
-    h.ms = 1500;
-    result g2 = run(b->req, 5, p2, NP, GEN, &h, 120000);
-    cr_assert_eq(g2.cached, 0);
-    expect_same(&r2, &g2, "recomputed during a partition");
-    it_net_self_link(true);
-
-    /* the holder killed just after the puller got the request: wherever the pull was, the
-     * request completes with the same tokens */
-    void *s = submit(b->req, 6, p3, NP, GEN, &h);
-    usleep(20000); /* not a wait for anything: a moment inside the pull, whichever it is */
-    cr_assert_eq(kill(a->pid, SIGKILL), 0);
-    result g3 = collect(s, 6, 120000);
-    expect_same(&r3, &g3, "holder killed during the pull");
-    pair_stop(w);
-}
-
-/* ---------------------------------------------------------------- through a router */
-
 /* The view a controller would publish for wa (holder) and wb (puller), with wb's measured
  * figures making a pull of 12 pages far cheaper than computing them; and wc like wb when c is
  * not NULL. */
@@ -443,6 +329,168 @@ static void publish_view(void *pub, uint64_t seq, const it_proc *a, const it_pro
     publish_view3(pub, seq, a, b, NULL, addr_a, la, addr_b, lb, NULL, 0);
 }
 
+/* A pull hint names a holder the puller finds in the controller's view (--peer-view), never
+ * an endpoint or address of its own: the test stands in for the controller with a PUB, which the
+ * pair's workers get as their view (no warm-up: the pulls are the test's). */
+typedef struct viewpub {
+    void *pub;
+    char ep[256];
+    const char *flags[5];
+    uint8_t addr_b[KM_PROTO_MAX_PEER_ADDR];
+    uint32_t lb;
+    uint64_t seq;
+} viewpub;
+
+static viewpub g_vp;
+
+static const char *const *viewpub_open(void)
+{
+    viewpub *v = &g_vp;
+    memset(v, 0, sizeof *v);
+    v->pub = it_xpub("tcp://127.0.0.1:*", v->ep, sizeof v->ep);
+    const char *f[] = {"--peer-view", v->ep, "--peer-warm-pages", "0", NULL};
+    memcpy(v->flags, f, sizeof f);
+    return v->flags;
+}
+
+/* Publishes the view naming wa and wb until `who` has it (its kvmesh_kv_peer_view_workers), 30 s
+ * at most. */
+static void viewpub_until_known(pair *w, const it_proc *who)
+{
+    viewpub *v = &g_vp;
+    if (!v->lb) v->lb = peer_addr_of(w->ctl, "wb", v->addr_b, sizeof v->addr_b);
+    uint64_t until = km_now_ns() + 30000000000ull;
+    while (it_metric(who->admin_port, "kvmesh_kv_peer_view_workers") < 1) {
+        cr_assert_lt(km_now_ns(), until, "the view never reached the worker");
+        publish_view(v->pub, ++v->seq, &w->a, &w->b, w->addr, w->addr_len, v->addr_b, v->lb);
+        km_zmsg z = {0};
+        km_zrecv(w->ctl, &z, 100, NULL); /* the heartbeats meanwhile, and a pause between views */
+        km_zmsg_clear(&z);
+    }
+    /* the subscriptions that came with it, so that it_wait_subscribed counts only later ones */
+    uint8_t sub[256];
+    while (zmq_recv(v->pub, sub, sizeof sub, ZMQ_DONTWAIT) >= 0) {
+    }
+}
+
+Test(worker_pull, a_prefix_pulled_from_a_peer_is_served_and_equals_computing_it)
+{
+    if (!have_model()) return;
+    pair *w = pair_start(NULL, viewpub_open());
+    const it_proc *a = &w->a, *b = &w->b;
+    viewpub_until_known(w, b);
+
+    int32_t prompt[NP];
+    make_prompt(prompt, NP, 42);
+    result ref = run(a->req, 1, prompt, NP, GEN, NULL, 120000);
+    cr_assert_gt(ref.n, 0);
+    cr_assert_eq(ref.cached, 0, "A computed the prompt");
+
+    double in0 = it_metric(b->admin_port, "kvmesh_kv_transfer_bytes_total{direction=\"in\"}");
+    hint h = {"wa", a->req, w->addr, w->addr_len, PAGES, 20000};
+    result got = run(b->req, 2, prompt, NP, GEN, &h, 120000);
+    cr_assert_geq(got.cached, 16 * (PAGES - 1),
+                  "B served %u prompt tokens from cached KV: the pages were not pulled",
+                  got.cached);
+    expect_same(&ref, &got, "pulled prefix");
+    double in1 = it_metric(b->admin_port, "kvmesh_kv_transfer_bytes_total{direction=\"in\"}");
+    cr_assert_gt(in1, in0, "B counts the pulled bytes (%g -> %g)", in0, in1);
+    cr_assert_gt(it_metric(b->admin_port, "kvmesh_kv_transfer_pulls_total{outcome=\"ok\"}"), 0);
+    cr_assert_gt(it_metric(a->admin_port, "kvmesh_kv_transfer_bytes_total{direction=\"out\"}"), 0);
+    /* B's heartbeats now carry what it measured pulling from A (the routers price that pair by
+     * it) */
+    cr_assert_gt(pair_rate_of(w->ctl, "wb", "wa"), 0, "no hb.xfer.pairs entry for wa from wb");
+
+    /* a hint for pages B already holds costs nothing: no second pull */
+    result again = run(b->req, 3, prompt, NP, GEN, &h, 120000);
+    expect_same(&ref, &again, "held prefix");
+    cr_assert_eq(it_metric(b->admin_port, "kvmesh_kv_transfer_pulls_total{outcome=\"ok\"}"), 1);
+    pair_stop(w);
+}
+
+Test(worker_pull, a_stopped_or_killed_holder_costs_the_budget_and_the_request_recomputes)
+{
+    if (!have_model()) return;
+    pair *w = pair_start(NULL, viewpub_open());
+    const it_proc *a = &w->a, *b = &w->b;
+    viewpub_until_known(w, b);
+    int32_t p1[NP], p2[NP];
+    make_prompt(p1, NP, 7);
+    make_prompt(p2, NP, 8);
+    result r1 = run(a->req, 1, p1, NP, GEN, NULL, 120000);
+    result r2 = run(a->req, 2, p2, NP, GEN, NULL, 120000);
+
+    /* stopped: nothing answers; the pull ends at its 1.5 s budget and B computes */
+    cr_assert_eq(kill(a->pid, SIGSTOP), 0);
+    hint h = {"wa", a->req, w->addr, w->addr_len, PAGES, 1500};
+    result g1 = run(b->req, 3, p1, NP, GEN, &h, 120000);
+    cr_assert_eq(g1.cached, 0, "nothing could be pulled from a stopped holder");
+    cr_assert_neq(g1.finish, KM_FINISH_DEADLINE);
+    expect_same(&r1, &g1, "recomputed after a stopped holder");
+    double failed = it_metric(b->admin_port, "kvmesh_kv_transfer_pulls_total{outcome=\"failed\"}");
+    cr_assert_geq(failed, 1);
+    cr_assert_geq(
+        it_metric(b->admin_port, "kvmesh_kv_transfer_failures_total{reason=\"no_offer\"}"), 1,
+        "the holder never answered");
+
+    /* killed: the connection is gone; the pull fails (at the latest at its budget) */
+    cr_assert_eq(kill(a->pid, SIGKILL), 0);
+    it_wait_exit(&w->a, 5000);
+    result g2 = run(b->req, 4, p2, NP, GEN, &h, 120000);
+    cr_assert_eq(g2.cached, 0);
+    expect_same(&r2, &g2, "recomputed after a killed holder");
+    cr_assert_geq(it_metric(b->admin_port, "kvmesh_kv_transfer_pulls_total{outcome=\"failed\"}"),
+                  failed + 1);
+    pair_stop(w);
+}
+
+/* Across network namespaces (issue 14, "across hosts"): the holder runs in its own namespace,
+ * joined to the puller's by a bridge (it_net), both advertising their address on it, UCX on TCP:
+ * the page bytes cross the bridge. Then the link goes down (a partition: the pull costs its budget
+ * and the request recomputes), comes back, and a holder killed while a pull may be running costs at
+ * most the budget too. */
+Test(worker_pull, pages_cross_network_namespaces_and_partitions_or_kills_only_cost_the_budget)
+{
+    if (!have_model()) return;
+    if (!netns_setup()) return;
+    pair *w = pair_start(&g_ns, viewpub_open());
+    const it_proc *a = &w->a, *b = &w->b;
+    viewpub_until_known(w, b);
+    int32_t p1[NP], p2[NP], p3[NP];
+    make_prompt(p1, NP, 21);
+    make_prompt(p2, NP, 22);
+    make_prompt(p3, NP, 23);
+    result r1 = run(a->req, 1, p1, NP, GEN, NULL, 120000);
+    result r2 = run(a->req, 2, p2, NP, GEN, NULL, 120000);
+    result r3 = run(a->req, 3, p3, NP, GEN, NULL, 120000);
+
+    hint h = {"wa", a->req, w->addr, w->addr_len, PAGES, 20000};
+    result g1 = run(b->req, 4, p1, NP, GEN, &h, 120000);
+    cr_assert_geq(g1.cached, 16 * (PAGES - 1), "B pulled across the namespaces (cached %u)",
+                  g1.cached);
+    expect_same(&r1, &g1, "pulled across namespaces");
+    cr_assert_gt(it_metric(b->admin_port, "kvmesh_kv_transfer_bytes_total{direction=\"in\"}"), 0);
+
+    /* partition: nothing crosses the bridge; the pull ends at its budget, B computes */
+    it_net_self_link(false);
+    h.ms = 1500;
+    result g2 = run(b->req, 5, p2, NP, GEN, &h, 120000);
+    cr_assert_eq(g2.cached, 0);
+    expect_same(&r2, &g2, "recomputed during a partition");
+    it_net_self_link(true);
+
+    /* the holder killed just after the puller got the request: wherever the pull was, the
+     * request completes with the same tokens */
+    void *s = submit(b->req, 6, p3, NP, GEN, &h);
+    usleep(20000); /* not a wait for anything: a moment inside the pull, whichever it is */
+    cr_assert_eq(kill(a->pid, SIGKILL), 0);
+    result g3 = collect(s, 6, 120000);
+    expect_same(&r3, &g3, "holder killed during the pull");
+    pair_stop(w);
+}
+
+/* ---------------------------------------------------------------- through a router */
+
 /* The pages the router's index (from worker id's KV events) has at id, hot tier. */
 static double router_pages(int http_port, const char *id)
 {
@@ -486,14 +534,16 @@ static void start_router(it_proc *r, const pair *w, const char *pub_ep, const ch
 Test(worker_pull, the_router_tells_the_chosen_worker_to_pull_a_prefix_another_holds)
 {
     if (!have_model()) return;
-    pair *w = pair_start(NULL, NULL);
+    pair *w = pair_start(NULL, viewpub_open()); /* the workers' view is the router's */
     const it_proc *a = &w->a, *b = &w->b;
-    char pub_ep[256];
-    void *pub = it_xpub("tcp://127.0.0.1:*", pub_ep, sizeof pub_ep);
+    viewpub_until_known(w, a);
+    viewpub_until_known(w, b);
+    void *pub = g_vp.pub;
+    const char *pub_ep = g_vp.ep;
     const uint8_t *addr_a = w->addr;
     uint32_t la = w->addr_len;
-    static uint8_t addr_b[KM_PROTO_MAX_PEER_ADDR];
-    uint32_t lb = peer_addr_of(w->ctl, "wb", addr_b, sizeof addr_b);
+    const uint8_t *addr_b = g_vp.addr_b;
+    uint32_t lb = g_vp.lb;
 
     /* the router, its workers given, its view from us */
     it_proc r = {0};
@@ -502,7 +552,7 @@ Test(worker_pull, the_router_tells_the_chosen_worker_to_pull_a_prefix_another_ho
     int http = r.http_port;
     /* a view, once the router has subscribed, and applied by it */
     it_wait_subscribed(pub, 1, 30000);
-    uint64_t seq = 0;
+    uint64_t seq = g_vp.seq; /* on from the views the workers have */
     publish_view(pub, ++seq, a, b, addr_a, la, addr_b, lb);
     IT_WAIT(it_metric(http, "kvmesh_router_views_total") >= 1, 30000, "the router applied no view");
     bool pulled = false;
@@ -543,14 +593,17 @@ Test(worker_pull, the_router_tells_the_chosen_worker_to_pull_a_prefix_another_ho
 Test(worker_pull, a_request_migrated_off_a_draining_worker_pulls_its_prompt_from_it)
 {
     if (!have_model()) return;
-    static const char *const slow_drain[] = {"--drain-timeout", "300ms", "--speculate", "off",
-                                             NULL};
+    const char *const *view = viewpub_open(); /* the workers' view is the router's */
+    const char *const slow_drain[] = {"--drain-timeout", "300ms", "--speculate", "off", view[0],
+                                      view[1],           view[2], view[3],       NULL};
     pair *w = pair_start(NULL, slow_drain);
     it_proc *a = &w->a, *b = &w->b;
-    char pub_ep[256];
-    void *pub = it_xpub("tcp://127.0.0.1:*", pub_ep, sizeof pub_ep);
-    static uint8_t addr_b[KM_PROTO_MAX_PEER_ADDR];
-    uint32_t lb = peer_addr_of(w->ctl, "wb", addr_b, sizeof addr_b);
+    viewpub_until_known(w, b);
+    viewpub_until_known(w, a);
+    void *pub = g_vp.pub;
+    const char *pub_ep = g_vp.ep;
+    const uint8_t *addr_b = g_vp.addr_b;
+    uint32_t lb = g_vp.lb;
     it_proc r = {0};
     start_router(&r, w, pub_ep, NULL);
     enum { LONG = 240 };
@@ -561,7 +614,7 @@ Test(worker_pull, a_request_migrated_off_a_draining_worker_pulls_its_prompt_from
     result ref = run(a->req, 1, p, NP, LONG, NULL, 120000);
     cr_assert_eq(ref.n, LONG, "the reference stream stopped early (%d tokens)", ref.n);
     it_wait_subscribed(pub, 1, 30000);
-    uint64_t seq = 0;
+    uint64_t seq = g_vp.seq; /* on from the views the workers have */
     publish_view(pub, ++seq, a, b, w->addr, w->addr_len, addr_b, lb);
     IT_WAIT(it_metric(r.http_port, "kvmesh_router_views_total") >= 1 &&
                 router_pages(r.http_port, "wa") >= PAGES,

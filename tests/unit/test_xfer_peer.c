@@ -13,6 +13,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "kvshard/diskfmt.h"  /* kv_layout_init */
 #include "kvshard/internal.h" /* kv_store_check */
 #include "tests/xfer_harness.h"
 
@@ -167,10 +168,12 @@ typedef struct duo {
     km_pagehash hs[256];
 } duo;
 
+static kv_format g_holder_fmt = KN_KV_F16; /* the holder's format in a duo (the puller's: f16) */
+
 static duo *duo_open(shape sh, int pages, int computed, pr_mode mode)
 {
     duo *d = calloc(1, sizeof *d);
-    d->a = mk_store(sh, KN_KV_F16, pages);
+    d->a = mk_store(sh, g_holder_fmt, pages);
     d->b = mk_store(sh, KN_KV_F16, pages);
     d->na = mk_node(d->a, mode, 0);
     d->nb = mk_node(d->b, mode, 0);
@@ -367,6 +370,28 @@ static void tamper_index(pr_offer *o, pr_page_desc *d, int32_t *t)
     d[g_bad + 1] = x;
 }
 
+/* A NaN in the page's values (f16, bf16, fp8: 0x7fff is a NaN in all three, 0x7f/0xff in fp8)
+ * or in its first scale (int8, int4), with the checksum recomputed over the forged bytes: what a
+ * holder that lies can send, since the checksum is unkeyed. */
+static void tamper_nan(pr_offer *o, pr_page_desc *d, int32_t *t)
+{
+    pr_page_desc *p = &d[g_bad];
+    uint8_t *buf = (uint8_t *)(uintptr_t)p->addr;
+    kv_layout L;
+    kv_layout_init(&L, (kv_format)p->format, PT, SMALL.hd, SMALL.layers, SMALL.heads);
+    size_t at = p->format == KN_KV_INT8 || p->format == KN_KV_INT4 ? L.kd + L.vd : 0;
+    buf[at] = 0xff;
+    buf[at + 1] = 0x7f;
+    kv_xfer_page x = {.format = (kv_format)p->format,
+                      .index = p->index,
+                      .hash = p->hash,
+                      .parent = p->parent,
+                      .tokens = t + g_bad * PT,
+                      .buf = buf,
+                      .bytes = p->bytes};
+    p->checksum = kv_xfer_checksum(&x, PT, buf);
+}
+
 static void bad_page(pr_mode mode, tamper_fn f, pr_drop why)
 {
     const int n = 8;
@@ -383,7 +408,8 @@ static void bad_page(pr_mode mode, tamper_fn f, pr_drop why)
     cr_assert_eq(st.dropped[why], 1);
     /* the pages before the bad one are in the index and right; none after it */
     cr_assert_eq(kv_store_lookup(d->b, d->hs, d->toks, n, NULL), g_bad);
-    if (f != tamper_payload) same_bytes(d->a, d->b, d->toks, d->hs, g_bad);
+    if (f != tamper_payload && g_holder_fmt == KN_KV_F16)
+        same_bytes(d->a, d->b, d->toks, d->hs, g_bad);
     release_and_check(d->nb, d->peer, d->na, d->b, d->a);
     duo_close(d);
 }
@@ -403,6 +429,15 @@ Test(xfer_peer, a_broken_chain_link_is_dropped_and_counted, .timeout = 120)
 {
     bad_page(PR_MODE_GET, tamper_parent, PR_DROP_CHAIN);
     bad_page(PR_MODE_GET, tamper_index, PR_DROP_CHAIN);
+}
+
+Test(xfer_peer, a_page_of_nans_in_any_format_is_dropped_and_counted, .timeout = 120)
+{
+    for (int f = 0; f < KV_FORMAT_COUNT; f++) {
+        g_holder_fmt = (kv_format)f;
+        bad_page(PR_MODE_GET, tamper_nan, PR_DROP_NONFINITE);
+    }
+    g_holder_fmt = KN_KV_F16;
 }
 
 Test(xfer_peer, a_foreign_page_is_dropped_and_counted, .timeout = 120)

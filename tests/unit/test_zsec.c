@@ -494,6 +494,31 @@ Test(zsec, one_sub_socket_pins_each_publishers_own_key)
     server_stop(&w1);
 }
 
+/* A worker id that came in a frame (a pull hint's holder) names a server only through the key
+ * bound to it: a Z85 key, a certificate file or a member name that is no worker is refused. */
+Test(zsec, a_server_named_by_worker_id_takes_only_that_workers_bound_key)
+{
+    km_errbuf err = {{0}};
+    char cert[256], w0_pub[41], file[300];
+    cert_path(cert, sizeof cert, dir, "controller");
+    km_zsec_opts o = {.cert = cert, .keydir = dir};
+    km_zsec *z;
+    must(km_zsec_open(&o, &z, &err), &err);
+    void *ctx = km_zctx_create(), *sock;
+    must(km_zsock_open(ctx, KM_ZDEALER, NULL, &sock, &err), &err);
+    must(km_zsec_client_worker(z, sock, "w0", &err), &err);
+    snprintf(file, sizeof file, "%s/members/w0.key", dir);
+    must(km_cert_read_public(file, w0_pub, &err), &err);
+    cr_assert_eq(km_zsec_client(z, sock, w0_pub, &err), 0, "km_zsec_client takes a Z85 key");
+    cr_assert_lt(km_zsec_client_worker(z, sock, w0_pub, &err), 0, "a Z85 key is no worker id");
+    cr_assert_lt(km_zsec_client_worker(z, sock, file, &err), 0, "nor is a certificate file");
+    cr_assert_lt(km_zsec_client_worker(z, sock, "controller", &err), 0, "nor a member name");
+    cr_assert_lt(km_zsec_client_worker(z, sock, "w9", &err), 0, "nor an unknown id");
+    km_zsock_close(sock);
+    km_zctx_destroy(ctx);
+    km_zsec_close(z);
+}
+
 Test(zsec, insecure_mode_when_asked_for_still_works)
 {
     server s;
