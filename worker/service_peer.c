@@ -276,6 +276,16 @@ wk_link *wk_peer_link(wk_service *s, const char *holder, const char *endpoint, c
     return l;
 }
 
+/* A pull that could not even start (the holder unreachable, its connection failed, the request
+ * not sent) is a failed pull in the metrics, as one that ends without pages is. */
+static int wk_peer_not_started(wk_peer *p, const wk_link *l)
+{
+    p->pulls_failed++;
+    km_counter_inc(p->s_pulls[2]);
+    KM_DEBUG("pull_not_started", "holder=%s", l && l->holder[0] ? l->holder : "-");
+    return -1;
+}
+
 /* Starts h's pull of chain [0, n_pages) (hashes hs, token ids toks) from the holder at l, by its
  * deadline: sends kv_pull, and h is held until the pull ends. Returns the pages already held
  * here, or -1 when nothing was started (every page is here, or a failure): h is not held. */
@@ -285,7 +295,8 @@ int wk_peer_start(wk_service *s, wk_link *l, wk_held *h, const km_pagehash *hs, 
     wk_peer *p = s->peer;
     pr_pull_req req;
     int held = pr_pull_start(p->node, l->peer, hs, toks, n_pages, h->deadline_ns, &h->pull, &req);
-    if (held < 0 || !h->pull) return -1;
+    if (held >= 0 && !h->pull) return -1; /* every page is here: no pull */
+    if (held < 0) return wk_peer_not_started(p, l);
     uint8_t *canon = malloc((size_t)req.n_pages * 16);
     km_msg m;
     km_msg_init(&m, KM_MSG_KV_PULL);
@@ -303,7 +314,7 @@ int wk_peer_start(wk_service *s, wk_link *l, wk_held *h, const km_pagehash *hs, 
         pr_pull_finish(p->node, h->pull, NULL, NULL);
         h->pull = NULL;
         free(canon);
-        return -1;
+        return wk_peer_not_started(p, l);
     }
     free(canon);
     h->pull_id = req.pull_id;
@@ -370,7 +381,10 @@ int wk_peer_park(wk_service *s, const km_zframe *env, int n_env, const km_msg_re
         return 0;
     }
     wk_link *l = wk_peer_link_member(s, q->pull_from);
-    if (!l) return 0;
+    if (!l) {
+        wk_peer_not_started(p, NULL); /* and the request is computed */
+        return 0;
+    }
     wk_held *h = calloc(1, sizeof *h);
     km_pagehash *hs = malloc(sizeof *hs * (size_t)n_pages);
     if (!h || !hs || wk_env_copy(h->env, h->env_len, env, n_env) ||
