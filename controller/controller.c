@@ -378,7 +378,7 @@ static void handle_message(ctl_controller *c, const km_zmsg *zm)
                      : rc == KM_EUNSUPPORTED ? "version"
                                              : "malformed");
         KM_DEBUG("bad_frame", "bytes=%zu msg=\"%s\"", body->len, err.msg);
-        reply_error(c, id, 0, km_proto_code_from_err(rc), err.msg);
+        reply_error(c, id, m.rejected_id, km_proto_code_from_err(rc), err.msg);
         return;
     }
     /* the worker this connection is the route of ("" for operators and unknown connections) */
@@ -429,7 +429,7 @@ static void handle_message(ctl_controller *c, const km_zmsg *zm)
         snprintf(msg, sizeof msg, "the controller does not take '%s' frames",
                  km_msg_type_name(m.type));
         count_bad(c, "type");
-        reply_error(c, id, 0, KM_CODE_BAD_REQUEST, msg);
+        reply_error(c, id, km_msg_id(&m), KM_CODE_BAD_REQUEST, msg);
     }
     }
     km_msg_clear(&m);
