@@ -99,6 +99,10 @@ static kvm_client *gen_open(const char *cmd, const gen_args *a)
     km_errbuf err = {{0}};
     kvm_client *c = NULL;
     kvm_opts ko = {.timeout_ms = (int)a->timeout_ms, .sec = a->sec, .cancel = &g_interrupted};
+    if (kvm_sec_check(&a->sec, "router", &err)) {
+        fprintf(stderr, "kvmesh %s: --cert %s: %s\n", cmd, a->sec.cert, err.msg);
+        return NULL;
+    }
     if (kvm_open(a->endpoint, &ko, &c, &err)) {
         fprintf(stderr, "kvmesh %s: --router %s: %s (%s)\n", cmd, a->router, err.msg,
                 cli_endpoint_hint(a->endpoint));

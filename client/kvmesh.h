@@ -46,6 +46,9 @@ typedef struct kvm_sec {
 
 /* Makes sock (before its connect) a CURVE client as s says; nothing when s or s->cert is NULL. */
 int kvm_sec_apply(const kvm_sec *s, void *sock, const char *default_server, km_errbuf *err);
+/* Loads s's keys as kvm_sec_apply would, on no connection: lets a caller blame a bad path on the
+ * key rather than on the endpoint. */
+int kvm_sec_check(const kvm_sec *s, const char *default_server, km_errbuf *err);
 
 typedef struct kvm_opts {
     int timeout_ms;       /* longest silence while waiting for a frame; default 120000 */

@@ -21,12 +21,14 @@
 #include <unistd.h>
 
 #include "client/kvmesh.h"
+#include "tests/integration/harness.h"
 
 #define MODEL  "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 #define WORKER "build/bin/kvmesh-worker"
 #define KVMESH "build/bin/kvmesh"
 
 static pid_t g_worker;
+static it_up g_up;
 
 static void kill_worker(void)
 {
@@ -37,7 +39,13 @@ static void kill_worker(void)
     }
 }
 
-TestSuite(cli, .fini = kill_worker, .timeout = 240);
+static void stop_all(void)
+{
+    kill_worker();
+    it_up_stop(&g_up);
+}
+
+TestSuite(cli, .fini = stop_all, .timeout = 240);
 
 /* Runs a shell command; its exit status, and stdout+stderr (the caller frees). */
 static int run(const char *cmd, char **out)
@@ -286,4 +294,55 @@ Test(cli, status_worker_shows_shards_and_expert_groups)
     free(out);
     expect(KVMESH " status --worker http://127.0.0.1:9", 1, "kvmesh status:");
     kill_worker();
+}
+
+/* A secure `kvmesh up` cluster of one worker (its keys in g_up.dir/keys); returns once
+ * cluster.env names a running router and controller, copied to *router and *ctl. */
+static void up_secure(kvm_cluster_proc *router, kvm_cluster_proc *ctl)
+{
+    it_up_start(&g_up, "cli", (const char *const[]){"--workers=1", "--threads=1", NULL});
+    for (int i = 0; i < 1200; i++) {
+        kvm_cluster_proc procs[KVM_CLUSTER_MAX];
+        int n = kvm_cluster_read(g_up.cluster, procs, KVM_CLUSTER_MAX, NULL);
+        const kvm_cluster_proc *r = n > 0 ? kvm_cluster_find(procs, n, "router") : NULL;
+        const kvm_cluster_proc *c = n > 0 ? kvm_cluster_find(procs, n, "controller") : NULL;
+        if (r && r->pid && r->requests[0] && c && c->pid && c->listen[0]) {
+            *router = *r;
+            *ctl = *c;
+            return;
+        }
+        cr_assert_eq(waitpid(g_up.pid, NULL, WNOHANG), 0, "kvmesh up exited (%s/up.log)", g_up.dir);
+        usleep(50000);
+    }
+    cr_assert_fail("the cluster did not come up in 60 s (%s/up.log)", g_up.dir);
+}
+
+/* Issue 39: a missing or wrong CURVE key used to read "connection lost" or "no answer", and a
+ * bad --cert path was blamed on the router's address. */
+Test(cli, a_missing_or_wrong_curve_key_is_named_and_a_bad_cert_path_blamed_on_the_path)
+{
+    if (!it_have((const char *const[]){IT_MODEL, IT_KVMESH, NULL})) return;
+    kvm_cluster_proc router, ctl;
+    up_secure(&router, &ctl);
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd, KVMESH " generate -r %s -n 1 -p Hi --timeout 20", router.requests);
+    expect(cmd, 1, "wants CURVE");
+    expect(cmd, 1, "pass --cert");
+    snprintf(cmd, sizeof cmd, KVMESH " status --controller %s", ctl.listen);
+    expect(cmd, 1, "RUN/keys/private/");
+    snprintf(cmd, sizeof cmd, KVMESH " recover --controller %s --worker w0 --level 1", ctl.listen);
+    expect(cmd, 1, "wants CURVE");
+    /* a client key is not an operator's: the controller's ZAP handler refuses it */
+    snprintf(cmd, sizeof cmd, KVMESH " status --controller %s --cert %s/keys/private/client.key",
+             ctl.listen, g_up.dir);
+    expect(cmd, 1, "refused the client key");
+    /* a path that is not there is the path's fault, not the endpoint's */
+    snprintf(cmd, sizeof cmd, KVMESH " generate -r %s -n 1 -p Hi --cert /nonexistent/c.key",
+             router.requests);
+    char *out;
+    cr_assert_eq(run(cmd, &out), 1, "%s", out);
+    cr_assert(strstr(out, "--cert /nonexistent/c.key: ") && !strstr(out, "HOST must be"), "%s",
+              out);
+    free(out);
+    it_up_stop(&g_up);
 }
