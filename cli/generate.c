@@ -18,6 +18,7 @@
 
 typedef struct gen_args {
     const char *router, *model, *prompt, *file, *salt, *stop, *system, *seed_text, *timeout_text;
+    const char *run_dir;
     int64_t max_tokens, top_k, timeout_ms, priority;
     double temperature, top_p, min_p, repeat_penalty;
     bool stream, quiet, json, raw;
@@ -28,6 +29,7 @@ typedef struct gen_args {
     const char *stops[KM_PROTO_MAX_STOP];
     int n_stop;
     char endpoint[512];
+    char cert[4200]; /* the run directory's client key, when --cert is not given */
 } gen_args;
 
 /* Ctrl-C: the request in flight is canceled on the server (kvm_opts.cancel), not abandoned. */
@@ -49,8 +51,16 @@ static void catch_sigint(void)
 }
 
 #define GEN_OPTS(a)                                                                                  \
-    {"router",    NULL, KM_OPT_STR, "tcp://127.0.0.1:7000", "router (or worker) endpoint",           \
-     &(a).router, 0,    0},                                                                          \
+    {"router",                                                                                       \
+     NULL,                                                                                           \
+     KM_OPT_STR,                                                                                     \
+     NULL,                                                                                           \
+     "router (or worker) endpoint (default: the run directory's router, else "                       \
+     "tcp://127.0.0.1:7000)",                                                                        \
+     &(a).router,                                                                                    \
+     0,                                                                                              \
+     0},                                                                                             \
+        CLI_RUN_ROW(&(a).run_dir),                                                                   \
         {"model", "KVMESH_MODEL_NAME", KM_OPT_STR, "default", "model name", &(a).model, 0, 0},       \
         {"max-tokens",    NULL, KM_OPT_INT, "128", "tokens to generate (0 = server default)",        \
          &(a).max_tokens, 0,    1 << 20},                                                            \
@@ -89,7 +99,14 @@ static int gen_finish(const char *cmd, gen_args *a, int argc, char **argv)
         return 2;
     }
     if (a->n_stop == 0 && a->stop) a->stops[a->n_stop++] = a->stop; /* from KVMESH_STOP */
-    cli_endpoint(a->router, a->endpoint, sizeof a->endpoint);
+    cli_run run;
+    if (cli_run_read(cmd, a->run_dir, &run) ||
+        cli_run_endpoint(cmd, &run, a->router, "router", CLI_RUN_REQUESTS, "tcp://127.0.0.1:7000",
+                         a->endpoint, sizeof a->endpoint))
+        return 2;
+    if (!a->sec.cert && run.client_cert[0])
+        snprintf(a->cert, sizeof a->cert, "%s", run.client_cert);
+    if (a->cert[0]) a->sec.cert = a->cert;
     return 0;
 }
 
@@ -104,7 +121,7 @@ static kvm_client *gen_open(const char *cmd, const gen_args *a)
         return NULL;
     }
     if (kvm_open(a->endpoint, &ko, &c, &err)) {
-        fprintf(stderr, "kvmesh %s: --router %s: %s (%s)\n", cmd, a->router, err.msg,
+        fprintf(stderr, "kvmesh %s: --router %s: %s (%s)\n", cmd, a->endpoint, err.msg,
                 cli_endpoint_hint(a->endpoint));
         return NULL;
     }

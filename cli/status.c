@@ -112,12 +112,15 @@ static int status_controller(const char *endpoint, const kvm_sec *sec, bool json
 
 int cli_cmd_recover(int argc, char **argv)
 {
-    const char *controller = NULL, *worker = NULL, *timeout_text = NULL;
+    const char *controller = NULL, *worker = NULL, *timeout_text = NULL, *run_dir = NULL;
     int64_t level = 0, timeout_ms = 0;
     kvm_sec sec = {0};
     const km_opt opts[] = {
-        {"controller", NULL, KM_OPT_STR, "tcp://127.0.0.1:7200", "the controller's --listen",
+        {"controller", NULL, KM_OPT_STR, NULL,
+         "the controller's --listen (default: the run directory's controller, else "
+         "tcp://127.0.0.1:7200)",
          &controller, 0, 0},
+        CLI_RUN_ROW(&run_dir),
         {"worker", NULL, KM_OPT_STR, NULL, "worker id (required)", &worker, 0, 0},
         {"level", NULL, KM_OPT_INT, NULL,
          "1 = evict 25% of unpinned pages, 2 = KV to fp8, 3 = drain and restart (required)", &level,
@@ -140,6 +143,16 @@ int cli_cmd_recover(int argc, char **argv)
         km_config_destroy(cfg);
         return 2;
     }
+    static cli_run run; /* large: off the stack */
+    char ep[512];
+    if (cli_run_read("recover", run_dir, &run) ||
+        cli_run_endpoint("recover", &run, controller, "controller", CLI_RUN_LISTEN,
+                         "tcp://127.0.0.1:7200", ep, sizeof ep)) {
+        km_config_destroy(cfg);
+        return 2;
+    }
+    controller = ep;
+    if (!sec.cert && run.admin_cert[0]) sec.cert = run.admin_cert;
     km_msg_admin a = {.cmd = KM_ADMIN_RECOVER, .worker = worker, .level = (uint32_t)level};
     km_msg r;
     km_errbuf err = {{0}};
@@ -169,13 +182,16 @@ int cli_cmd_recover(int argc, char **argv)
 
 int cli_cmd_status(int argc, char **argv)
 {
-    const char *http = NULL;
+    const char *http = NULL, *run_dir = NULL;
     bool json_out = false;
     const char *controller = NULL, *api_key = NULL, *worker = NULL;
     kvm_sec sec = {0};
     const km_opt opts[] = {
-        {"http", NULL, KM_OPT_STR, "http://127.0.0.1:8080", "the router's HTTP address", &http, 0,
-         0},
+        {"http", NULL, KM_OPT_STR, NULL,
+         "the router's HTTP address (default: the run directory's router, else "
+         "http://127.0.0.1:8080)",
+         &http, 0, 0},
+        CLI_RUN_ROW(&run_dir),
         {"controller", "KVMESH_STATUS_CONTROLLER", KM_OPT_STR, NULL,
          "ask the controller (its --listen, e.g. tcp://127.0.0.1:7200) instead: each worker's "
          "member state, recovery level, pressure and recovery history",
@@ -196,18 +212,30 @@ int cli_cmd_status(int argc, char **argv)
     int prc = cli_parse_opts("status", "workers, KV pages per tier and the prefix hit ratio", opts,
                              sizeof opts / sizeof *opts, argc, argv, &cfg);
     if (prc) return prc == 1 ? 0 : 2;
-    if (worker) {
-        int rc = cli_status_worker(worker);
+    static cli_run run; /* large: off the stack */
+    char ep[512];
+    if (cli_run_read("status", run_dir, &run)) {
+        km_config_destroy(cfg);
+        return 2;
+    }
+    if (!sec.cert && run.admin_cert[0]) sec.cert = run.admin_cert;
+    if (!api_key && run.api_key[0]) api_key = run.api_key;
+    int rc = 0;
+    if (worker)
+        rc = cli_run_endpoint("status", &run, worker, "worker", CLI_RUN_ADMIN, "", ep, sizeof ep);
+    else if (controller)
+        rc = cli_run_endpoint("status", &run, controller, "controller", CLI_RUN_LISTEN, "", ep,
+                              sizeof ep);
+    else
+        rc = cli_run_endpoint("status", &run, http, "router", CLI_RUN_HTTP, "http://127.0.0.1:8080",
+                              ep, sizeof ep);
+    if (rc || worker || controller) {
+        if (!rc) rc = worker ? cli_status_worker(ep) : status_controller(ep, &sec, json_out);
         km_config_destroy(cfg);
         return rc;
     }
-    if (controller) {
-        int rc = status_controller(controller, &sec, json_out);
-        km_config_destroy(cfg);
-        return rc;
-    }
-    char url[512];
-    snprintf(url, sizeof url, "%s/v1/status", http);
+    char url[600];
+    snprintf(url, sizeof url, "%s/v1/status", ep);
     km_buf body = {0};
     int st = 0;
     km_errbuf err = {{0}};

@@ -147,6 +147,36 @@ static void on_stop_signal(uv_signal_t *s, int signo)
                    (uint64_t)(st->stop_ms > 0 ? st->stop_ms : 10000), 0);
 }
 
+/* The cluster is ready when every worker's admin port and every router's HTTP front answer
+ * /readyz with 200 (a worker: model loaded; a router: a routable worker). */
+static bool up_ready(const up_state *st)
+{
+    for (int i = 0; i < st->n; i++) {
+        const up_proc *p = &st->p[i];
+        const char *base = !strcmp(p->role, "worker")   ? p->admin
+                           : !strcmp(p->role, "router") ? p->http
+                                                        : NULL;
+        if (!base) continue;
+        if (!p->running || !base[0]) return false;
+        char url[256];
+        snprintf(url, sizeof url, "%s/readyz", base);
+        km_buf body = {0};
+        int status = 0;
+        int rc = kvm_http_get(url, 300, &body, &status, NULL);
+        km_buf_free(&body);
+        if (rc || status != 200) return false;
+    }
+    return true;
+}
+
+static void on_ready_poll(uv_timer_t *t)
+{
+    up_state *st = t->data;
+    if (st->stopping || !up_ready(st)) return;
+    fputs(st->ready_msg, stderr);
+    uv_timer_stop(t);
+}
+
 void up_start_all(up_state *st)
 {
     uv_signal_init(st->loop, &st->sigint);
@@ -156,6 +186,9 @@ void up_start_all(up_state *st)
     uv_signal_start(&st->sigterm, on_stop_signal, SIGTERM);
     uv_timer_init(st->loop, &st->kill_timer);
     st->kill_timer.data = st;
+    uv_timer_init(st->loop, &st->ready_timer);
+    st->ready_timer.data = st;
+    if (st->ready_msg[0]) uv_timer_start(&st->ready_timer, on_ready_poll, 200, 200);
     for (int i = 0; i < st->n; i++) up_start(&st->p[i]);
 }
 
@@ -178,6 +211,7 @@ void up_cleanup(up_state *st)
         uv_close((uv_handle_t *)&st->sigint, NULL);
         uv_close((uv_handle_t *)&st->sigterm, NULL);
         uv_close((uv_handle_t *)&st->kill_timer, NULL);
+        uv_close((uv_handle_t *)&st->ready_timer, NULL);
     }
     uv_run(st->loop, UV_RUN_DEFAULT);
     for (int i = 0; i < st->n; i++) {

@@ -346,3 +346,43 @@ Test(cli, a_missing_or_wrong_curve_key_is_named_and_a_bad_cert_path_blamed_on_th
     free(out);
     it_up_stop(&g_up);
 }
+
+/* Issue 39: `kvmesh status` ignored the run directory (a --base-port 0 cluster read "cannot
+ * connect to 127.0.0.1:8080") and `up` printed no line saying when the cluster was ready. */
+Test(cli, up_says_when_ready_and_commands_find_the_cluster_through_its_run_directory)
+{
+    if (!it_have((const char *const[]){IT_MODEL, IT_KVMESH, NULL})) return;
+    kvm_cluster_proc router, ctl;
+    up_secure(&router, &ctl);
+    char log[160], cmd[1024], *out = NULL;
+    snprintf(log, sizeof log, "%s/up.log", g_up.dir);
+    bool ready = false;
+    for (int i = 0; i < 1200 && !ready; i++) {
+        FILE *f = fopen(log, "r");
+        char line[2048];
+        while (f && fgets(line, sizeof line, f)) ready |= strstr(line, "cluster ready:") != NULL;
+        if (f) fclose(f);
+        if (!ready) usleep(50000);
+    }
+    cr_assert(ready, "no 'cluster ready:' line in %s", log);
+    snprintf(cmd, sizeof cmd, "cat %s", log);
+    run(cmd, &out);
+    char want[256];
+    snprintf(want, sizeof want, "kvmesh status --run-dir %s\n", g_up.dir);
+    cr_assert(strstr(out, want), "%s", out);
+    free(out);
+    /* the router's status (with the run directory's operator API key), a completion (with its
+     * client key), the controller's view and a recover (with its admin key) */
+    snprintf(cmd, sizeof cmd, KVMESH " status --run-dir %s", g_up.dir);
+    expect(cmd, 0, "prefix hits:");
+    snprintf(cmd, sizeof cmd, KVMESH " generate --run-dir %s -n 2 -p Hi", g_up.dir);
+    expect(cmd, 0, "[worker w0 |");
+    snprintf(cmd, sizeof cmd, "KVMESH_RUN_DIR=%s " KVMESH " status --controller controller",
+             g_up.dir);
+    expect(cmd, 0, "w0           ready");
+    snprintf(cmd, sizeof cmd, KVMESH " recover --run-dir %s --worker w0 --level 1", g_up.dir);
+    expect(cmd, 0, "w0: level 1 (evict) applied");
+    snprintf(cmd, sizeof cmd, KVMESH " status --run-dir %s/nothing", g_up.dir);
+    expect(cmd, 2, "cluster.env");
+    it_up_stop(&g_up);
+}
