@@ -58,6 +58,11 @@ int cli_parse_seed(const char *cmd, const char *text, bool *has, uint64_t *seed)
 /* Every value of a repeatable flag ("--stop A --stop B", "--stop=A") in argv order, at most max;
  * the km_config table keeps only the last. Returns how many, or -1 when more than max. */
 int cli_repeated(int argc, char **argv, const char *flag, const char **out, int max);
+/* An environment variable that an option of cmd used to read (old, now renamed `now`): its value
+ * after a warning on stderr, when set (and starting with prefix unless prefix is NULL: an old
+ * spelling that meant something else then is used only in that form); else NULL. */
+const char *cli_env_deprecated(const char *cmd, const char *old, const char *now,
+                               const char *prefix);
 /* A ZeroMQ endpoint from what a user typed: "HOST:PORT" becomes "tcp://HOST:PORT". */
 void cli_endpoint(const char *in, char *out, size_t cap);
 /* What to tell a user whose endpoint ZeroMQ refused. */

@@ -133,3 +133,13 @@ const char *cli_endpoint_hint(const char *endpoint)
         return "HOST must be an IP address or a resolvable name, PORT a number (1-65535)";
     return "an endpoint is tcp://HOST:PORT or ipc://PATH";
 }
+
+const char *cli_env_deprecated(const char *cmd, const char *old, const char *now,
+                               const char *prefix)
+{
+    const char *v = getenv(old);
+    if (!v || !v[0] || (prefix && strncmp(v, prefix, strlen(prefix)))) return NULL;
+    fprintf(stderr, "kvmesh %s: %s is deprecated here: set %s instead (docs/operations.md)\n", cmd,
+            old, now);
+    return v;
+}

@@ -192,14 +192,16 @@ int cli_cmd_status(int argc, char **argv)
          "http://127.0.0.1:8080)",
          &http, 0, 0},
         CLI_RUN_ROW(&run_dir),
-        {"controller", "KVMESH_STATUS_CONTROLLER", KM_OPT_STR, NULL,
-         "ask the controller (its --listen, e.g. tcp://127.0.0.1:7200) instead: each worker's "
-         "member state, recovery level, pressure and recovery history",
+        {"controller", NULL, KM_OPT_STR, NULL,
+         "ask the controller (its --listen, e.g. tcp://127.0.0.1:7200, or `controller` with "
+         "--run-dir) instead: each worker's member state, recovery level, pressure and recovery "
+         "history",
          &controller, 0, 0},
-        {"worker", NULL, KM_OPT_STR, NULL,
+        {"worker", "KVMESH_STATUS_WORKER", KM_OPT_STR, NULL,
          "show one worker's KV store instead, from its admin HTTP address (its --admin-port; "
-         "cluster.env `admin=`, e.g. http://127.0.0.1:9100): pages, bytes, hits, demotions and "
-         "evictions per shard, and per expert group under --kv-shard-key expert",
+         "cluster.env `admin=`, e.g. http://127.0.0.1:9100; or its id with --run-dir): pages, "
+         "bytes, hits, demotions and evictions per shard, and per expert group under "
+         "--kv-shard-key expert",
          &worker, 0, 0},
         {"json", NULL, KM_OPT_BOOL, "false", "print JSON (the router's as is)", &json_out, 0, 0},
         {"api-key", NULL, KM_OPT_STR, NULL,
@@ -212,6 +214,11 @@ int cli_cmd_status(int argc, char **argv)
     int prc = cli_parse_opts("status", "workers, KV pages per tier and the prefix hit ratio", opts,
                              sizeof opts / sizeof *opts, argc, argv, &cfg);
     if (prc) return prc == 1 ? 0 : 2;
+    if (!controller)
+        controller =
+            cli_env_deprecated("status", "KVMESH_STATUS_CONTROLLER", "KVMESH_CONTROLLER", NULL);
+    if (!worker)
+        worker = cli_env_deprecated("status", "KVMESH_WORKER", "KVMESH_STATUS_WORKER", "http");
     static cli_run run; /* large: off the stack */
     char ep[512];
     if (cli_run_read("status", run_dir, &run)) {

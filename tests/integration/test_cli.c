@@ -386,3 +386,25 @@ Test(cli, up_says_when_ready_and_commands_find_the_cluster_through_its_run_direc
     expect(cmd, 2, "cluster.env");
     it_up_stop(&g_up);
 }
+
+/* Issue 39: KVMESH_WORKER meant a worker id to `recover` and an admin URL to `status`, and the
+ * controller's endpoint was KVMESH_CONTROLLER to one and KVMESH_STATUS_CONTROLLER to the other;
+ * `recover --level` gave two ranges. One meaning each now; the old spellings warn. */
+Test(cli, each_environment_variable_has_one_meaning_and_old_spellings_warn)
+{
+    /* KVMESH_WORKER is a worker id: status does not take it for an address */
+    expect("KVMESH_WORKER=w1 " KVMESH " status --http http://127.0.0.1:9", 1,
+           "cannot connect to 127.0.0.1:9");
+    /* the old status spelling, an admin URL, still works, with a warning */
+    expect("KVMESH_WORKER=http://127.0.0.1:9 " KVMESH " status", 1,
+           "KVMESH_WORKER is deprecated here: set KVMESH_STATUS_WORKER");
+    /* KVMESH_CONTROLLER is the controller's --listen for status as for recover */
+    expect("KVMESH_CONTROLLER=nohost " KVMESH " status", 1, "nohost");
+    expect("KVMESH_CONTROLLER=nohost " KVMESH " recover --worker w0 --level 1", 1, "nohost");
+    expect("KVMESH_STATUS_CONTROLLER=nohost " KVMESH " status", 1,
+           "KVMESH_STATUS_CONTROLLER is deprecated here: set KVMESH_CONTROLLER");
+    /* one range for --level, whichever way it is wrong */
+    expect(KVMESH " recover --worker w0 --level 9", 2, "[1, 3]");
+    expect(KVMESH " recover --worker w0 --level 0", 2, "[1, 3]");
+    expect(KVMESH " recover --worker w0", 2, "--level 1..3");
+}
