@@ -158,14 +158,15 @@ static int print_token(void *user, uint32_t index, int32_t token, const char *te
 
 static void print_stats(const kvm_result *res)
 {
-    double gen_s = (res->client_total_ms - res->client_ttft_ms) / 1e3;
-    double tps = res->completion_tokens > 1 && gen_s > 0 ? (res->completion_tokens - 1) / gen_s : 0;
+    double tps = kvm_result_decode_rate(res);
+    char rate[48] = "- tok/s (one step)";
+    if (tps > 0) snprintf(rate, sizeof rate, "%.1f tok/s", tps);
     fprintf(stderr,
-            "[worker %s | prompt %u tokens, %u cached (%.0f%%) | %u tokens | TTFT %.1f ms | "
-            "%.1f tok/s | %s%s]\n",
+            "[worker %s | prompt %u tokens, %u cached (%.0f%%) | %u tokens | TTFT %.1f ms | %s | "
+            "%s%s]\n",
             res->worker[0] ? res->worker : "-", res->prompt_tokens, res->cached_tokens,
             res->prompt_tokens ? 100.0 * res->cached_tokens / res->prompt_tokens : 0.0,
-            res->completion_tokens, res->client_ttft_ms, tps, km_finish_name(res->finish),
+            res->completion_tokens, res->client_ttft_ms, rate, km_finish_name(res->finish),
             res->migrations ? " | migrated" : "");
 }
 

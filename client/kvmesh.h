@@ -82,6 +82,11 @@ typedef struct kvm_result {
 } kvm_result;
 
 void kvm_result_free(kvm_result *r);
+/* Decode speed as this client saw it: tokens after the first step over the time after the first
+ * token. A step yields one token plus its accepted drafts, so with speculative decoding the first
+ * step's tokens all come with the first one and are not counted; the steps are completion_tokens
+ * - accepted_draft_tokens, each taken as an average share. 0 when one step made every token. */
+double kvm_result_decode_rate(const kvm_result *r);
 
 /* Called for each `tok` frame in order; return nonzero to cancel the request. */
 typedef int (*kvm_token_fn)(void *user, uint32_t index, int32_t token, const char *text,

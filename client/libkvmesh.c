@@ -145,6 +145,15 @@ void kvm_result_free(kvm_result *r)
     if (r) km_buf_free(&r->text);
 }
 
+double kvm_result_decode_rate(const kvm_result *r)
+{
+    uint32_t n = r->completion_tokens;
+    uint32_t steps = n > r->accepted_draft_tokens ? n - r->accepted_draft_tokens : 1;
+    double gen_s = (r->client_total_ms - r->client_ttft_ms) / 1e3;
+    if (steps < 2 || !(gen_s > 0)) return 0;
+    return n * (double)(steps - 1) / steps / gen_s;
+}
+
 int kvm_submit(kvm_client *c, const km_msg_request *req, km_errbuf *err)
 {
     km_msg m;

@@ -86,3 +86,32 @@ Test(client, a_view_is_all_ready_only_with_enough_ready_workers)
     cr_assert(kvm_view_all_ready(&v, 2));
     cr_assert_not(kvm_view_all_ready(&v, 3), "fewer workers than asked");
 }
+
+/* Issue 39: drafts that arrive with the first token made the statistics line print an absurd rate
+ * (three tokens over the microseconds between frames of one step). */
+Test(client, the_decode_rate_leaves_out_the_first_steps_tokens)
+{
+    kvm_result r = {0};
+    /* plain decoding: 11 tokens, 10 steps after the first over 1 s */
+    r.completion_tokens = 11;
+    r.client_ttft_ms = 100;
+    r.client_total_ms = 1100;
+    cr_assert_float_eq(kvm_result_decode_rate(&r), 10.0, 1e-9);
+    /* one step made all 4 tokens (3 drafts accepted): no rate, however close the frames came */
+    r.completion_tokens = 4;
+    r.accepted_draft_tokens = 3;
+    r.client_total_ms = 100.0181;
+    cr_assert_eq(kvm_result_decode_rate(&r), 0);
+    /* 12 tokens in 4 steps (8 drafts accepted): 3 steps after the first, 9 tokens, over 0.5 s */
+    r.completion_tokens = 12;
+    r.accepted_draft_tokens = 8;
+    r.client_total_ms = 600;
+    cr_assert_float_eq(kvm_result_decode_rate(&r), 18.0, 1e-9);
+    /* a single token, or no time after it */
+    r.completion_tokens = 1;
+    r.accepted_draft_tokens = 0;
+    cr_assert_eq(kvm_result_decode_rate(&r), 0);
+    r.completion_tokens = 5;
+    r.client_total_ms = r.client_ttft_ms;
+    cr_assert_eq(kvm_result_decode_rate(&r), 0);
+}
