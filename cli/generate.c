@@ -29,7 +29,8 @@ typedef struct gen_args {
     const char *stops[KM_PROTO_MAX_STOP];
     int n_stop;
     char endpoint[512];
-    char cert[4200]; /* the run directory's client key, when --cert is not given */
+    char cert[4200];      /* the run directory's client key, when --cert is not given */
+    char model_name[256]; /* --model given as a GGUF path: the name it is served under */
 } gen_args;
 
 /* Ctrl-C: the request in flight is canceled on the server (kvm_opts.cancel), not abandoned. */
@@ -61,7 +62,15 @@ static void catch_sigint(void)
      0,                                                                                              \
      0},                                                                                             \
         CLI_RUN_ROW(&(a).run_dir),                                                                   \
-        {"model", "KVMESH_MODEL_NAME", KM_OPT_STR, "default", "model name", &(a).model, 0, 0},       \
+        {"model",                                                                                    \
+         "KVMESH_MODEL_NAME",                                                                        \
+         KM_OPT_STR,                                                                                 \
+         "default",                                                                                  \
+         "the served model's name, or a GGUF path (as for kvmesh run: its file name without "        \
+         ".gguf is the name a worker serves it under)",                                              \
+         &(a).model,                                                                                 \
+         0,                                                                                          \
+         0},                                                                                         \
         {"max-tokens",    NULL, KM_OPT_INT, "128", "tokens to generate (0 = server default)",        \
          &(a).max_tokens, 0,    1 << 20},                                                            \
         {"temperature", NULL, KM_OPT_FLOAT, "0", "0 = greedy", &(a).temperature, 0, 100},            \
@@ -99,7 +108,12 @@ static int gen_finish(const char *cmd, gen_args *a, int argc, char **argv)
         return 2;
     }
     if (a->n_stop == 0 && a->stop) a->stops[a->n_stop++] = a->stop; /* from KVMESH_STOP */
-    cli_run run;
+    /* -m means a model file everywhere else (run, up): a path names the model its file serves */
+    if (a->model && (strchr(a->model, '/') || strstr(a->model, ".gguf"))) {
+        md_model_display_name(a->model, a->model_name, sizeof a->model_name);
+        a->model = a->model_name;
+    }
+    static cli_run run; /* large: off the stack */
     if (cli_run_read(cmd, a->run_dir, &run) ||
         cli_run_endpoint(cmd, &run, a->router, "router", CLI_RUN_REQUESTS, "tcp://127.0.0.1:7000",
                          a->endpoint, sizeof a->endpoint))

@@ -32,6 +32,16 @@ int cli_parse_opts(const char *cmd, const char *summary, const km_opt *opts, siz
     km_config *c = NULL;
     int rc = km_daemon_config(prog, summary, opts, n, argc, av, NULL, NULL, &c);
     free(av);
+    if (rc == 1) { /* help shown: add the short forms this command has */
+        const char *sep = "short options:";
+        for (size_t k = 0; k < sizeof shorts / sizeof *shorts; k++)
+            for (size_t i = 0; i < n; i++)
+                if (opts[i].name && !strcmp(opts[i].name, shorts[k][1] + 2)) {
+                    printf("%s %s = %s", sep, shorts[k][0], shorts[k][1]);
+                    sep = ",";
+                }
+        if (strcmp(sep, ",") == 0) printf("\n");
+    }
     if (rc) return rc;
     *out = c;
     return 0;

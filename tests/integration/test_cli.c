@@ -408,3 +408,24 @@ Test(cli, each_environment_variable_has_one_meaning_and_old_spellings_warn)
     expect(KVMESH " recover --worker w0 --level 0", 2, "[1, 3]");
     expect(KVMESH " recover --worker w0", 2, "--level 1..3");
 }
+
+/* Issue 39: --help listed no short options although README uses -p -n -r -f -m, and -m was a
+ * model name for generate but a path for run; a path now names the model its file serves. */
+Test(cli, help_lists_the_short_options_and_m_takes_the_model_file_everywhere)
+{
+    expect(KVMESH " generate --help", 0,
+           "short options: -p = --prompt, -n = --max-tokens, -m = --model, -r = --router, "
+           "-f = --file");
+    expect(KVMESH " status --help", 0, "--run-dir");
+    expect(KVMESH " run --help", 0, "-m, --model PATH");
+    if (!have_worker_binaries()) return;
+    char req[512], cmd[1024];
+    int admin = 0;
+    start_worker_with(req, sizeof req, &admin, NULL);
+    snprintf(cmd, sizeof cmd, KVMESH " generate -r %s -m " MODEL " -n 2 -p Hi", req);
+    expect(cmd, 0, "[worker ");
+    snprintf(cmd, sizeof cmd, KVMESH " generate -r %s -m models/no-such-model.gguf -n 2 -p Hi",
+             req);
+    expect(cmd, 1, "no-such-model");
+    kill_worker();
+}
