@@ -51,23 +51,24 @@ static void view_print(FILE *f, const km_msg_view *v)
                 w->kv_format ? w->kv_format : "-", w->running, w->queue_depth,
                 (unsigned long long)w->last_seen_ms, in, out, w->requests ? w->requests : "-");
     }
-    bool any = false;
-    for (uint32_t i = 0; i < v->n_workers; i++) {
-        const km_view_worker *w = &v->workers[i];
-        for (uint32_t h = 0; h < w->n_history; h++) {
-            const km_recovery_action *a = &w->history[h];
-            if (!any) fprintf(f, "\nrecovery history (oldest first):\n");
-            any = true;
-            time_t secs = (time_t)(a->at_ms / 1000);
-            struct tm tm;
-            char when[32];
-            strftime(when, sizeof when, "%H:%M:%S", localtime_r(&secs, &tm));
-            fprintf(f, "  %s.%03u  %-12s level %u %-6s %-12s %s\n", when,
-                    (unsigned)(a->at_ms % 1000), w->id, a->level, level_name(a->level), a->reason,
-                    a->ok ? "ok" : "not acknowledged");
-        }
+    static kvm_view_action hist[KM_PROTO_MAX_VIEW_WORKERS * KM_PROTO_MAX_HISTORY];
+    size_t n = kvm_view_history(v, hist, sizeof hist / sizeof *hist);
+    if (n) fprintf(f, "\nrecovery history, all workers, oldest first:\n");
+    for (size_t k = 0; k < n; k++) {
+        const km_recovery_action *a = hist[k].action;
+        time_t secs = (time_t)(a->at_ms / 1000);
+        struct tm tm;
+        char when[32];
+        strftime(when, sizeof when, "%H:%M:%S", localtime_r(&secs, &tm));
+        fprintf(f, "  %s.%03u  %-12s level %u %-6s %-12s %s\n", when, (unsigned)(a->at_ms % 1000),
+                hist[k].worker->id, a->level, level_name(a->level), a->reason,
+                a->ok ? "ok" : "not acknowledged");
     }
-    if (!any) fprintf(f, "\nno recovery actions so far\n");
+    if (!n)
+        fprintf(f, "\nno recovery actions so far\n");
+    else /* LEVEL above is the level in effect; an action is not a pin (kvmesh recover --help) */
+        fprintf(f, "(LEVEL is the level in effect: level 1 shows 0 again once pressure is low, "
+                   "level 2 reverts after the controller's --revert-after)\n");
 }
 
 static int status_controller(const char *endpoint, const kvm_sec *sec, bool json_out)
@@ -123,8 +124,11 @@ int cli_cmd_recover(int argc, char **argv)
         CLI_RUN_ROW(&run_dir),
         {"worker", NULL, KM_OPT_STR, NULL, "worker id (required)", &worker, 0, 0},
         {"level", NULL, KM_OPT_INT, NULL,
-         "1 = evict 25% of unpinned pages, 2 = KV to fp8, 3 = drain and restart (required)", &level,
-         1, 3},
+         "1 = evict 25% of unpinned pages, 2 = KV to fp8, 3 = drain and restart (required). An "
+         "action, not a pin: status shows the level in effect, so level 1 (a one-off eviction) "
+         "shows 0 again at the first calm heartbeat and level 2 reverts to the base format once "
+         "pressure stayed low for the controller's --revert-after (30 s); the history keeps it",
+         &level, 1, 3},
         {"timeout", NULL, KM_OPT_STR, "10",
          "seconds to wait for the controller's answer (or 500ms, 2m)", &timeout_text, 0, 0},
         CLI_SEC_ROWS(&sec),

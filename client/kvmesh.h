@@ -138,6 +138,16 @@ void kvm_view_sub_close(kvm_view_sub *s);
 /* True when the view lists at least n workers and every one of them is "ready". */
 bool kvm_view_all_ready(const km_msg_view *v, uint32_t n);
 
+/* One recovery action of a view, with the worker it was for. */
+typedef struct kvm_view_action {
+    const km_view_worker *worker;
+    const km_recovery_action *action;
+    size_t order_; /* private: keeps ties in view order */
+} kvm_view_action;
+/* Every worker's recovery actions as one list, oldest first (equal times in view order), into
+ * out (at most max); returns how many. Pointers are into v. */
+size_t kvm_view_history(const km_msg_view *v, kvm_view_action *out, size_t max);
+
 /* ---------------------------------------------------------------- cluster state file
  * `kvmesh up` keeps <run-dir>/cluster.env: one line per process, space-separated key=value pairs,
  * rewritten (atomically: temp file + rename) whenever a process starts or exits:

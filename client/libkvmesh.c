@@ -594,3 +594,20 @@ const kvm_cluster_proc *kvm_cluster_find(const kvm_cluster_proc *procs, int n, c
         if (!strcmp(procs[i].id, id)) return &procs[i];
     return NULL;
 }
+
+static int action_cmp(const void *a, const void *b)
+{
+    const kvm_view_action *x = a, *y = b;
+    if (x->action->at_ms != y->action->at_ms) return x->action->at_ms < y->action->at_ms ? -1 : 1;
+    return x->order_ < y->order_ ? -1 : x->order_ > y->order_;
+}
+
+size_t kvm_view_history(const km_msg_view *v, kvm_view_action *out, size_t max)
+{
+    size_t n = 0;
+    for (uint32_t i = 0; i < v->n_workers; i++)
+        for (uint32_t h = 0; h < v->workers[i].n_history && n < max; h++, n++)
+            out[n] = (kvm_view_action){&v->workers[i], &v->workers[i].history[h], n};
+    qsort(out, n, sizeof *out, action_cmp);
+    return n;
+}

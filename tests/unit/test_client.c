@@ -115,3 +115,23 @@ Test(client, the_decode_rate_leaves_out_the_first_steps_tokens)
     r.client_total_ms = r.client_ttft_ms;
     cr_assert_eq(kvm_result_decode_rate(&r), 0);
 }
+
+/* Issue 39: `kvmesh status --controller` said "oldest first" but listed the history worker by
+ * worker. */
+Test(client, the_views_recovery_history_is_one_list_oldest_first)
+{
+    km_recovery_action h0[] = {{.at_ms = 100, .level = 1}, {.at_ms = 400, .level = 2}};
+    km_recovery_action h1[] = {{.at_ms = 200, .level = 3}, {.at_ms = 400, .level = 1}};
+    km_view_worker ws[2] = {{.id = "w0", .history = h0, .n_history = 2},
+                            {.id = "w1", .history = h1, .n_history = 2}};
+    km_msg_view v = {.workers = ws, .n_workers = 2};
+    kvm_view_action out[4];
+    cr_assert_eq(kvm_view_history(&v, out, 4), 4);
+    const char *want_id[] = {"w0", "w1", "w0", "w1"};
+    const uint64_t want_at[] = {100, 200, 400, 400}; /* a tie keeps view order */
+    for (int i = 0; i < 4; i++) {
+        cr_assert_str_eq(out[i].worker->id, want_id[i], "entry %d", i);
+        cr_assert_eq(out[i].action->at_ms, want_at[i], "entry %d", i);
+    }
+    cr_assert_eq(kvm_view_history(&v, out, 3), 3, "at most max");
+}
