@@ -153,6 +153,7 @@ size_t kvm_view_history(const km_msg_view *v, kvm_view_action *out, size_t max);
  * rewritten (atomically: temp file + rename) whenever a process starts or exits:
  *   role=controller id=controller pid=123 restarts=0 listen=tcp://.. view=tcp://.. admin=http://..
  *   role=worker id=w0 pid=124 restarts=1 requests=tcp://.. events=tcp://.. admin=http://..
+ *       [peer=HOST:PORT: its UCX transfer node, with --peer-listen]
  *   role=router id=router pid=125 restarts=0 requests=tcp://.. http=http://..
  * pid=0 while a process is down (between an exit and its restart). */
 #define KVM_CLUSTER_FILE "cluster.env"
@@ -161,7 +162,7 @@ size_t kvm_view_history(const km_msg_view *v, kvm_view_action *out, size_t max);
 typedef struct kvm_cluster_proc {
     char role[16], id[64];
     int pid, restarts;
-    char requests[128], events[128], admin[128], listen[128], view[128], http[128];
+    char requests[128], events[128], admin[128], listen[128], view[128], http[128], peer[128];
 } kvm_cluster_proc;
 
 /* Reads a cluster file; returns the number of processes (up to max) or a negative km_err. */

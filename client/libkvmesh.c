@@ -576,6 +576,7 @@ int kvm_cluster_read(const char *path, kvm_cluster_proc *procs, int max, km_errb
                 {"listen", p->listen, sizeof p->listen},
                 {"view", p->view, sizeof p->view},
                 {"http", p->http, sizeof p->http},
+                {"peer", p->peer, sizeof p->peer},
             };
             if (!strcmp(k, "pid")) p->pid = atoi(v);
             if (!strcmp(k, "restarts")) p->restarts = atoi(v);

@@ -298,9 +298,10 @@ Test(cli, status_worker_shows_shards_and_expert_groups)
 
 /* A secure `kvmesh up` cluster of one worker (its keys in g_up.dir/keys); returns once
  * cluster.env names a running router and controller, copied to *router and *ctl. */
-static void up_secure(kvm_cluster_proc *router, kvm_cluster_proc *ctl)
+static void up_secure(kvm_cluster_proc *router, kvm_cluster_proc *ctl, const char *worker_args)
 {
-    it_up_start(&g_up, "cli", (const char *const[]){"--workers=1", "--threads=1", NULL});
+    it_up_start(&g_up, "cli",
+                (const char *const[]){"--workers=1", "--threads=1", worker_args, NULL});
     for (int i = 0; i < 1200; i++) {
         kvm_cluster_proc procs[KVM_CLUSTER_MAX];
         int n = kvm_cluster_read(g_up.cluster, procs, KVM_CLUSTER_MAX, NULL);
@@ -323,7 +324,7 @@ Test(cli, a_missing_or_wrong_curve_key_is_named_and_a_bad_cert_path_blamed_on_th
 {
     if (!it_have((const char *const[]){IT_MODEL, IT_KVMESH, NULL})) return;
     kvm_cluster_proc router, ctl;
-    up_secure(&router, &ctl);
+    up_secure(&router, &ctl, NULL);
     char cmd[1024];
     snprintf(cmd, sizeof cmd, KVMESH " generate -r %s -n 1 -p Hi --timeout 20", router.requests);
     expect(cmd, 1, "wants CURVE");
@@ -353,7 +354,8 @@ Test(cli, up_says_when_ready_and_commands_find_the_cluster_through_its_run_direc
 {
     if (!it_have((const char *const[]){IT_MODEL, IT_KVMESH, NULL})) return;
     kvm_cluster_proc router, ctl;
-    up_secure(&router, &ctl);
+    /* with a transfer node on an ephemeral port: cluster.env names the port (issue 39) */
+    up_secure(&router, &ctl, "--worker-args=--peer-listen 127.0.0.1:0");
     char log[160], cmd[1024], *out = NULL;
     snprintf(log, sizeof log, "%s/up.log", g_up.dir);
     bool ready = false;
@@ -384,6 +386,31 @@ Test(cli, up_says_when_ready_and_commands_find_the_cluster_through_its_run_direc
     expect(cmd, 0, "w0: level 1 (evict) applied");
     snprintf(cmd, sizeof cmd, KVMESH " status --run-dir %s/nothing", g_up.dir);
     expect(cmd, 2, "cluster.env");
+    /* every connection above passed ZAP: at info level that is no log line (issue 39) */
+    snprintf(cmd, sizeof cmd, "cat %s/logs/*.log | grep -c event=zap_allow", g_up.dir);
+    expect(cmd, 1, "0");
+    kvm_cluster_proc procs[KVM_CLUSTER_MAX];
+    int n = kvm_cluster_read(g_up.cluster, procs, KVM_CLUSTER_MAX, NULL);
+    const kvm_cluster_proc *w0 = n > 0 ? kvm_cluster_find(procs, n, "w0") : NULL;
+    cr_assert(w0 && w0->pid > 0);
+    const char *colon = strrchr(w0->peer, ':');
+    cr_assert(!strncmp(w0->peer, "127.0.0.1:", 10) && colon && atoi(colon + 1) > 0,
+              "cluster.env: w0 peer='%s'", w0->peer);
+    snprintf(cmd, sizeof cmd, "ss -ltn | grep -q ':%d '", atoi(colon + 1));
+    expect(cmd, 0, ""); /* the worker listens there */
+    /* a worker killed by a signal is reported as such, not as "status 0" (issue 39) */
+    cr_assert_eq(kill(w0->pid, SIGKILL), 0);
+    snprintf(cmd, sizeof cmd, "grep 'w0 exited' %s", log);
+    bool said = false;
+    for (int i = 0; i < 400 && !said; i++) {
+        said = run(cmd, &out) == 0;
+        if (said)
+            cr_assert(strstr(out, "w0 exited (killed by signal 9 (Killed)); restarting"), "%s",
+                      out);
+        free(out);
+        if (!said) usleep(50000);
+    }
+    cr_assert(said, "up never reported w0's death");
     it_up_stop(&g_up);
 }
 

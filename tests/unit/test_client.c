@@ -28,7 +28,7 @@ Test(client, cluster_file_lines_become_processes)
         "role=controller id=controller pid=10 restarts=0 listen=tcp://127.0.0.1:7200 "
         "view=tcp://127.0.0.1:7201 admin=http://127.0.0.1:9200\n"
         "role=worker id=w0 pid=11 restarts=2 requests=tcp://127.0.0.1:7100 "
-        "events=tcp://127.0.0.1:7101 admin=http://127.0.0.1:9100\n"
+        "events=tcp://127.0.0.1:7101 admin=http://127.0.0.1:9100 peer=127.0.0.1:7103\n"
         "garbage without equals signs\n"
         "role=worker pid=99\n" /* no id: not a process */
         "role=router id=router pid=0 requests=tcp://127.0.0.1:7000 http=http://127.0.0.1:8080 "
@@ -44,6 +44,7 @@ Test(client, cluster_file_lines_become_processes)
     cr_assert_eq(w0->pid, 11);
     cr_assert_eq(w0->restarts, 2);
     cr_assert_str_eq(w0->requests, "tcp://127.0.0.1:7100");
+    cr_assert_str_eq(w0->peer, "127.0.0.1:7103");
     const kvm_cluster_proc *c = kvm_cluster_find(p, n, "controller");
     cr_assert_str_eq(c->view, "tcp://127.0.0.1:7201");
     cr_assert_eq(kvm_cluster_find(p, n, "router")->pid, 0, "pid=0: down");
