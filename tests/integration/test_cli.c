@@ -456,3 +456,16 @@ Test(cli, help_lists_the_short_options_and_m_takes_the_model_file_everywhere)
     expect(cmd, 1, "no-such-model");
     kill_worker();
 }
+
+/* Issue 39: --peer-lease-ms and --peer-pull-ms took durations ("10s") under a name that says
+ * milliseconds; they are --peer-lease and --peer-pull now, the old names warn and still work. */
+Test(cli, the_peer_durations_are_named_as_durations_and_the_old_names_warn)
+{
+    const char *tail = " --insecure --model /nonexistent.gguf --admin-port -1 2>&1";
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, WORKER " --peer-lease 500ms --peer-pull 1s%s", tail);
+    expect(cmd, 1, "event=model_load"); /* the flags were taken: the model is what fails */
+    snprintf(cmd, sizeof cmd, WORKER " --peer-lease-ms 5s%s", tail);
+    expect(cmd, 1, "--peer-lease-ms is deprecated: use --peer-lease");
+    expect(WORKER " --peer-lease 5x", 2, "--peer-lease: '5x' is not a duration");
+}
