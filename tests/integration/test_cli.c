@@ -469,3 +469,20 @@ Test(cli, the_peer_durations_are_named_as_durations_and_the_old_names_warn)
     expect(cmd, 1, "--peer-lease-ms is deprecated: use --peer-lease");
     expect(WORKER " --peer-lease 5x", 2, "--peer-lease: '5x' is not a duration");
 }
+
+/* Issue 39: over ZeroMQ a prompt longer than the worker's context got 413 "prompt too long for
+ * the context limit", without the counts the HTTP front's 413 gives. */
+Test(cli, a_prompt_over_the_context_gets_413_with_the_counts)
+{
+    if (!have_worker_binaries()) return;
+    char req[512], cmd[1024];
+    int admin = 0;
+    start_worker_with(req, sizeof req, &admin, (const char *const[]){"--max-ctx=32", NULL});
+    snprintf(cmd, sizeof cmd,
+             "head -c 600 /usr/share/common-licenses/GPL-3 | " KVMESH
+             " generate -r %s -n 2 --file /dev/stdin",
+             req);
+    expect(cmd, 1, "exceeds the limit of 31 (context 32)");
+    expect(cmd, 1, "prompt of ");
+    kill_worker();
+}
