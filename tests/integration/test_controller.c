@@ -18,6 +18,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "client/kvmesh.h"
 #include "common/svc.h"
 #include "tests/integration/harness.h"
 
@@ -428,5 +429,54 @@ Test(controller, pinned_pressure_fires_level1_then_level2_on_its_own)
     km_msg_clear(&r);
     km_zsock_close(s);
     it_stop(&w);
+    it_stop(&ctl);
+}
+
+/* Issue 39: a drain with no disk tier and no peers loses the worker's cache; its log said only
+ * pages_demoted=94 and `kvmesh recover` nothing. Now the worker's acknowledgement, which the
+ * controller passes on to the operator, and its drain_done line say how many pages go. */
+Test(controller, a_drain_that_loses_the_cache_says_how_many_pages)
+{
+    if (!have_binaries()) return;
+    proc ctl = {0}, w = {0};
+    start_controller(&ctl, NULL, NULL);
+    start_worker(&w, "w0", &ctl, NULL);
+    wait_member(&ctl, "w0", KM_MEMBER_READY, 0, 10000);
+    /* a prompt of a few pages, cached once served */
+    kvm_client *cl = NULL;
+    km_errbuf err = {{0}};
+    cr_assert_eq(kvm_open(w.req, NULL, &cl, &err), 0, "%s", err.msg);
+    static int32_t toks[100];
+    for (int i = 0; i < 100; i++) toks[i] = 300 + (i * 37) % 20000;
+    km_msg_request q;
+    kvm_request_init(&q);
+    q.tokens = toks;
+    q.n_tokens = 100;
+    q.max_tokens = 2;
+    q.temperature = 0;
+    kvm_result res;
+    cr_assert_eq(kvm_generate(cl, &q, NULL, NULL, &res, &err), 0, "%s", err.msg);
+    kvm_result_free(&res);
+    kvm_close(cl);
+
+    void *s = it_dealer(ctl.listen);
+    send_admin(s, KM_ADMIN_RECOVER, "w0", 3, 0);
+    km_msg r;
+    recv_msg(s, &r, 10000);
+    km_zsock_close(s);
+    cr_assert_eq(r.type, KM_MSG_ADMIN_REPLY);
+    cr_assert(r.admin_reply.ok);
+    const char *m = r.admin_reply.message ? r.admin_reply.message : "";
+    const char *n = strstr(m, "draining: ");
+    cr_assert(n && atoi(n + 10) >= 6 && strstr(m, "cached pages will be dropped"), "%s", m);
+    km_msg_clear(&r);
+    cr_assert_eq(it_wait_exit(&w, 15000), 75, "a drained worker exits with the restart code");
+    char cmd[256];
+    snprintf(cmd, sizeof cmd, "grep -o 'pages_dropped=[0-9]*' %s/worker.log", w.dir);
+    FILE *f = popen(cmd, "r");
+    char line[64] = "";
+    cr_assert(f && fgets(line, sizeof line, f), "no pages_dropped in %s/worker.log", w.dir);
+    pclose(f);
+    cr_assert_geq(atoi(line + strlen("pages_dropped=")), 6, "%s", line);
     it_stop(&ctl);
 }
