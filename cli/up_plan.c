@@ -163,6 +163,9 @@ static void plan_peer(up_planner *pl, up_proc *p, int wi, int argc)
     snprintf(host, sizeof host, "%.*s", (int)(colon - v), v);
     if (port == 0) {
         port = up_port(&pl->pp, (int)pl->o->base_port + 10 * wi + 3);
+        /* a worker restarted after a SIGKILL binds the same port while its peers' connections
+         * to the old process still hold it: UCX's listener must reuse the address */
+        setenv("UCX_TCP_CM_REUSEADDR", "y", 0);
         char *now = xfmt("%s%s:%d", off ? "--peer-listen=" : "", host, port);
         free(p->argv[at]);
         p->argv[at] = now;
