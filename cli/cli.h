@@ -8,6 +8,7 @@
  *   cli/local.c     run, perplexity, bench, tokenize: the engine in-process, no cluster
  *   cli/generate.c  generate, chat: through a router with libkvmesh
  *   cli/status.c    status (router or controller), recover
+ *   cli/rundir.c    --run-dir: endpoints and keys from a `kvmesh up` run directory
  *   cli/up*.c       up: a local cluster, supervised (up.h)
  *   cli/chaos*.c    chaos: fault scenarios against local clusters (chaos.h)
  *   cli/keys.c      keys: the cluster key directory and HTTP API key files (common/sec.h)
@@ -57,10 +58,43 @@ int cli_parse_seed(const char *cmd, const char *text, bool *has, uint64_t *seed)
 /* Every value of a repeatable flag ("--stop A --stop B", "--stop=A") in argv order, at most max;
  * the km_config table keeps only the last. Returns how many, or -1 when more than max. */
 int cli_repeated(int argc, char **argv, const char *flag, const char **out, int max);
+/* An environment variable that an option of cmd used to read (old, now renamed `now`): its value
+ * after a warning on stderr, when set (and starting with prefix unless prefix is NULL: an old
+ * spelling that meant something else then is used only in that form); else NULL. */
+const char *cli_env_deprecated(const char *cmd, const char *old, const char *now,
+                               const char *prefix);
 /* A ZeroMQ endpoint from what a user typed: "HOST:PORT" becomes "tcp://HOST:PORT". */
 void cli_endpoint(const char *in, char *out, size_t cap);
 /* What to tell a user whose endpoint ZeroMQ refused. */
 const char *cli_endpoint_hint(const char *endpoint);
+
+/* What a `kvmesh up` run directory says (rundir.c): its processes and key files; n = 0 and empty
+ * strings when no directory was given, key paths empty when the cluster runs --insecure. */
+typedef struct cli_run {
+    char dir[4096];
+    kvm_cluster_proc procs[KVM_CLUSTER_MAX];
+    int n;
+    char client_cert[4200], admin_cert[4200], api_key[256];
+} cli_run;
+enum { CLI_RUN_REQUESTS, CLI_RUN_HTTP, CLI_RUN_LISTEN, CLI_RUN_ADMIN };
+#define CLI_RUN_ROW(dest)                                                                          \
+    {                                                                                              \
+        "run-dir", NULL, KM_OPT_STR, NULL,                                                         \
+            "a `kvmesh up` run directory: the endpoints and keys not given come from its "         \
+            "cluster.env "                                                                         \
+            "and keys/private (and an endpoint flag may name a process of it: router1, w0)",       \
+            dest, 0, 0                                                                             \
+    }
+/* Reads dir (NULL: nothing) into out; 0, or 1 after saying why. */
+int cli_run_read(const char *cmd, const char *dir, cli_run *out);
+/* The process with this id (or, id NULL, the first of this role); NULL after saying why. */
+const kvm_cluster_proc *cli_run_find(const char *cmd, const cli_run *run, const char *id,
+                                     const char *role);
+/* An endpoint: `given` as typed (tcp:// added for ZeroMQ fields), or, when given is NULL or a bare
+ * process name and run has a cluster, that process's field (CLI_RUN_*); fallback when neither.
+ * 0, or 1 after saying why. */
+int cli_run_endpoint(const char *cmd, const cli_run *run, const char *given, const char *role,
+                     int field, const char *fallback, char *out, size_t cap);
 
 int cli_cmd_run(int argc, char **argv);
 int cli_cmd_perplexity(int argc, char **argv);

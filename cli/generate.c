@@ -18,6 +18,7 @@
 
 typedef struct gen_args {
     const char *router, *model, *prompt, *file, *salt, *stop, *system, *seed_text, *timeout_text;
+    const char *run_dir;
     int64_t max_tokens, top_k, timeout_ms, priority;
     double temperature, top_p, min_p, repeat_penalty;
     bool stream, quiet, json, raw;
@@ -28,6 +29,8 @@ typedef struct gen_args {
     const char *stops[KM_PROTO_MAX_STOP];
     int n_stop;
     char endpoint[512];
+    char cert[4200];      /* the run directory's client key, when --cert is not given */
+    char model_name[256]; /* --model given as a GGUF path: the name it is served under */
 } gen_args;
 
 /* Ctrl-C: the request in flight is canceled on the server (kvm_opts.cancel), not abandoned. */
@@ -49,9 +52,25 @@ static void catch_sigint(void)
 }
 
 #define GEN_OPTS(a)                                                                                  \
-    {"router",    NULL, KM_OPT_STR, "tcp://127.0.0.1:7000", "router (or worker) endpoint",           \
-     &(a).router, 0,    0},                                                                          \
-        {"model", "KVMESH_MODEL_NAME", KM_OPT_STR, "default", "model name", &(a).model, 0, 0},       \
+    {"router",                                                                                       \
+     NULL,                                                                                           \
+     KM_OPT_STR,                                                                                     \
+     NULL,                                                                                           \
+     "router (or worker) endpoint (default: the run directory's router, else "                       \
+     "tcp://127.0.0.1:7000)",                                                                        \
+     &(a).router,                                                                                    \
+     0,                                                                                              \
+     0},                                                                                             \
+        CLI_RUN_ROW(&(a).run_dir),                                                                   \
+        {"model",                                                                                    \
+         "KVMESH_MODEL_NAME",                                                                        \
+         KM_OPT_STR,                                                                                 \
+         "default",                                                                                  \
+         "the served model's name, or a GGUF path (as for kvmesh run: its file name without "        \
+         ".gguf is the name a worker serves it under)",                                              \
+         &(a).model,                                                                                 \
+         0,                                                                                          \
+         0},                                                                                         \
         {"max-tokens",    NULL, KM_OPT_INT, "128", "tokens to generate (0 = server default)",        \
          &(a).max_tokens, 0,    1 << 20},                                                            \
         {"temperature", NULL, KM_OPT_FLOAT, "0", "0 = greedy", &(a).temperature, 0, 100},            \
@@ -89,7 +108,19 @@ static int gen_finish(const char *cmd, gen_args *a, int argc, char **argv)
         return 2;
     }
     if (a->n_stop == 0 && a->stop) a->stops[a->n_stop++] = a->stop; /* from KVMESH_STOP */
-    cli_endpoint(a->router, a->endpoint, sizeof a->endpoint);
+    /* -m means a model file everywhere else (run, up): a path names the model its file serves */
+    if (a->model && (strchr(a->model, '/') || strstr(a->model, ".gguf"))) {
+        md_model_display_name(a->model, a->model_name, sizeof a->model_name);
+        a->model = a->model_name;
+    }
+    static cli_run run; /* large: off the stack */
+    if (cli_run_read(cmd, a->run_dir, &run) ||
+        cli_run_endpoint(cmd, &run, a->router, "router", CLI_RUN_REQUESTS, "tcp://127.0.0.1:7000",
+                         a->endpoint, sizeof a->endpoint))
+        return 2;
+    if (!a->sec.cert && run.client_cert[0])
+        snprintf(a->cert, sizeof a->cert, "%s", run.client_cert);
+    if (a->cert[0]) a->sec.cert = a->cert;
     return 0;
 }
 
@@ -99,8 +130,12 @@ static kvm_client *gen_open(const char *cmd, const gen_args *a)
     km_errbuf err = {{0}};
     kvm_client *c = NULL;
     kvm_opts ko = {.timeout_ms = (int)a->timeout_ms, .sec = a->sec, .cancel = &g_interrupted};
+    if (kvm_sec_check(&a->sec, "router", &err)) {
+        fprintf(stderr, "kvmesh %s: --cert %s: %s\n", cmd, a->sec.cert, err.msg);
+        return NULL;
+    }
     if (kvm_open(a->endpoint, &ko, &c, &err)) {
-        fprintf(stderr, "kvmesh %s: --router %s: %s (%s)\n", cmd, a->router, err.msg,
+        fprintf(stderr, "kvmesh %s: --router %s: %s (%s)\n", cmd, a->endpoint, err.msg,
                 cli_endpoint_hint(a->endpoint));
         return NULL;
     }
@@ -137,14 +172,15 @@ static int print_token(void *user, uint32_t index, int32_t token, const char *te
 
 static void print_stats(const kvm_result *res)
 {
-    double gen_s = (res->client_total_ms - res->client_ttft_ms) / 1e3;
-    double tps = res->completion_tokens > 1 && gen_s > 0 ? (res->completion_tokens - 1) / gen_s : 0;
+    double tps = kvm_result_decode_rate(res);
+    char rate[48] = "- tok/s (one step)";
+    if (tps > 0) snprintf(rate, sizeof rate, "%.1f tok/s", tps);
     fprintf(stderr,
-            "[worker %s | prompt %u tokens, %u cached (%.0f%%) | %u tokens | TTFT %.1f ms | "
-            "%.1f tok/s | %s%s]\n",
+            "[worker %s | prompt %u tokens, %u cached (%.0f%%) | %u tokens | TTFT %.1f ms | %s | "
+            "%s%s]\n",
             res->worker[0] ? res->worker : "-", res->prompt_tokens, res->cached_tokens,
             res->prompt_tokens ? 100.0 * res->cached_tokens / res->prompt_tokens : 0.0,
-            res->completion_tokens, res->client_ttft_ms, tps, km_finish_name(res->finish),
+            res->completion_tokens, res->client_ttft_ms, rate, km_finish_name(res->finish),
             res->migrations ? " | migrated" : "");
 }
 

@@ -32,6 +32,16 @@ int cli_parse_opts(const char *cmd, const char *summary, const km_opt *opts, siz
     km_config *c = NULL;
     int rc = km_daemon_config(prog, summary, opts, n, argc, av, NULL, NULL, &c);
     free(av);
+    if (rc == 1) { /* help shown: add the short forms this command has */
+        const char *sep = "short options:";
+        for (size_t k = 0; k < sizeof shorts / sizeof *shorts; k++)
+            for (size_t i = 0; i < n; i++)
+                if (opts[i].name && !strcmp(opts[i].name, shorts[k][1] + 2)) {
+                    printf("%s %s = %s", sep, shorts[k][0], shorts[k][1]);
+                    sep = ",";
+                }
+        if (strcmp(sep, ",") == 0) printf("\n");
+    }
     if (rc) return rc;
     *out = c;
     return 0;
@@ -132,4 +142,14 @@ const char *cli_endpoint_hint(const char *endpoint)
     if (!strncmp(endpoint, "tcp://", 6))
         return "HOST must be an IP address or a resolvable name, PORT a number (1-65535)";
     return "an endpoint is tcp://HOST:PORT or ipc://PATH";
+}
+
+const char *cli_env_deprecated(const char *cmd, const char *old, const char *now,
+                               const char *prefix)
+{
+    const char *v = getenv(old);
+    if (!v || !v[0] || (prefix && strncmp(v, prefix, strlen(prefix)))) return NULL;
+    fprintf(stderr, "kvmesh %s: %s is deprecated here: set %s instead (docs/operations.md)\n", cmd,
+            old, now);
+    return v;
 }

@@ -51,23 +51,24 @@ static void view_print(FILE *f, const km_msg_view *v)
                 w->kv_format ? w->kv_format : "-", w->running, w->queue_depth,
                 (unsigned long long)w->last_seen_ms, in, out, w->requests ? w->requests : "-");
     }
-    bool any = false;
-    for (uint32_t i = 0; i < v->n_workers; i++) {
-        const km_view_worker *w = &v->workers[i];
-        for (uint32_t h = 0; h < w->n_history; h++) {
-            const km_recovery_action *a = &w->history[h];
-            if (!any) fprintf(f, "\nrecovery history (oldest first):\n");
-            any = true;
-            time_t secs = (time_t)(a->at_ms / 1000);
-            struct tm tm;
-            char when[32];
-            strftime(when, sizeof when, "%H:%M:%S", localtime_r(&secs, &tm));
-            fprintf(f, "  %s.%03u  %-12s level %u %-6s %-12s %s\n", when,
-                    (unsigned)(a->at_ms % 1000), w->id, a->level, level_name(a->level), a->reason,
-                    a->ok ? "ok" : "not acknowledged");
-        }
+    static kvm_view_action hist[KM_PROTO_MAX_VIEW_WORKERS * KM_PROTO_MAX_HISTORY];
+    size_t n = kvm_view_history(v, hist, sizeof hist / sizeof *hist);
+    if (n) fprintf(f, "\nrecovery history, all workers, oldest first:\n");
+    for (size_t k = 0; k < n; k++) {
+        const km_recovery_action *a = hist[k].action;
+        time_t secs = (time_t)(a->at_ms / 1000);
+        struct tm tm;
+        char when[32];
+        strftime(when, sizeof when, "%H:%M:%S", localtime_r(&secs, &tm));
+        fprintf(f, "  %s.%03u  %-12s level %u %-6s %-12s %s\n", when, (unsigned)(a->at_ms % 1000),
+                hist[k].worker->id, a->level, level_name(a->level), a->reason,
+                a->ok ? "ok" : "not acknowledged");
     }
-    if (!any) fprintf(f, "\nno recovery actions so far\n");
+    if (!n)
+        fprintf(f, "\nno recovery actions so far\n");
+    else /* LEVEL above is the level in effect; an action is not a pin (kvmesh recover --help) */
+        fprintf(f, "(LEVEL is the level in effect: level 1 shows 0 again once pressure is low, "
+                   "level 2 reverts after the controller's --revert-after)\n");
 }
 
 static int status_controller(const char *endpoint, const kvm_sec *sec, bool json_out)
@@ -112,16 +113,22 @@ static int status_controller(const char *endpoint, const kvm_sec *sec, bool json
 
 int cli_cmd_recover(int argc, char **argv)
 {
-    const char *controller = NULL, *worker = NULL, *timeout_text = NULL;
+    const char *controller = NULL, *worker = NULL, *timeout_text = NULL, *run_dir = NULL;
     int64_t level = 0, timeout_ms = 0;
     kvm_sec sec = {0};
     const km_opt opts[] = {
-        {"controller", NULL, KM_OPT_STR, "tcp://127.0.0.1:7200", "the controller's --listen",
+        {"controller", NULL, KM_OPT_STR, NULL,
+         "the controller's --listen (default: the run directory's controller, else "
+         "tcp://127.0.0.1:7200)",
          &controller, 0, 0},
+        CLI_RUN_ROW(&run_dir),
         {"worker", NULL, KM_OPT_STR, NULL, "worker id (required)", &worker, 0, 0},
-        {"level", NULL, KM_OPT_INT, "0",
-         "1 = evict 25% of unpinned pages, 2 = KV to fp8, 3 = drain and restart (required)", &level,
-         0, 3},
+        {"level", NULL, KM_OPT_INT, NULL,
+         "1 = evict 25% of unpinned pages, 2 = KV to fp8, 3 = drain and restart (required). An "
+         "action, not a pin: status shows the level in effect, so level 1 (a one-off eviction) "
+         "shows 0 again at the first calm heartbeat and level 2 reverts to the base format once "
+         "pressure stayed low for the controller's --revert-after (30 s); the history keeps it",
+         &level, 1, 3},
         {"timeout", NULL, KM_OPT_STR, "10",
          "seconds to wait for the controller's answer (or 500ms, 2m)", &timeout_text, 0, 0},
         CLI_SEC_ROWS(&sec),
@@ -140,6 +147,16 @@ int cli_cmd_recover(int argc, char **argv)
         km_config_destroy(cfg);
         return 2;
     }
+    static cli_run run; /* large: off the stack */
+    char ep[512];
+    if (cli_run_read("recover", run_dir, &run) ||
+        cli_run_endpoint("recover", &run, controller, "controller", CLI_RUN_LISTEN,
+                         "tcp://127.0.0.1:7200", ep, sizeof ep)) {
+        km_config_destroy(cfg);
+        return 2;
+    }
+    controller = ep;
+    if (!sec.cert && run.admin_cert[0]) sec.cert = run.admin_cert;
     km_msg_admin a = {.cmd = KM_ADMIN_RECOVER, .worker = worker, .level = (uint32_t)level};
     km_msg r;
     km_errbuf err = {{0}};
@@ -169,21 +186,26 @@ int cli_cmd_recover(int argc, char **argv)
 
 int cli_cmd_status(int argc, char **argv)
 {
-    const char *http = NULL;
+    const char *http = NULL, *run_dir = NULL;
     bool json_out = false;
     const char *controller = NULL, *api_key = NULL, *worker = NULL;
     kvm_sec sec = {0};
     const km_opt opts[] = {
-        {"http", NULL, KM_OPT_STR, "http://127.0.0.1:8080", "the router's HTTP address", &http, 0,
-         0},
-        {"controller", "KVMESH_STATUS_CONTROLLER", KM_OPT_STR, NULL,
-         "ask the controller (its --listen, e.g. tcp://127.0.0.1:7200) instead: each worker's "
-         "member state, recovery level, pressure and recovery history",
+        {"http", NULL, KM_OPT_STR, NULL,
+         "the router's HTTP address (default: the run directory's router, else "
+         "http://127.0.0.1:8080)",
+         &http, 0, 0},
+        CLI_RUN_ROW(&run_dir),
+        {"controller", NULL, KM_OPT_STR, NULL,
+         "ask the controller (its --listen, e.g. tcp://127.0.0.1:7200, or `controller` with "
+         "--run-dir) instead: each worker's member state, recovery level, pressure and recovery "
+         "history",
          &controller, 0, 0},
-        {"worker", NULL, KM_OPT_STR, NULL,
+        {"worker", "KVMESH_STATUS_WORKER", KM_OPT_STR, NULL,
          "show one worker's KV store instead, from its admin HTTP address (its --admin-port; "
-         "cluster.env `admin=`, e.g. http://127.0.0.1:9100): pages, bytes, hits, demotions and "
-         "evictions per shard, and per expert group under --kv-shard-key expert",
+         "cluster.env `admin=`, e.g. http://127.0.0.1:9100; or its id with --run-dir): pages, "
+         "bytes, hits, demotions and evictions per shard, and per expert group under "
+         "--kv-shard-key expert",
          &worker, 0, 0},
         {"json", NULL, KM_OPT_BOOL, "false", "print JSON (the router's as is)", &json_out, 0, 0},
         {"api-key", NULL, KM_OPT_STR, NULL,
@@ -196,18 +218,35 @@ int cli_cmd_status(int argc, char **argv)
     int prc = cli_parse_opts("status", "workers, KV pages per tier and the prefix hit ratio", opts,
                              sizeof opts / sizeof *opts, argc, argv, &cfg);
     if (prc) return prc == 1 ? 0 : 2;
-    if (worker) {
-        int rc = cli_status_worker(worker);
+    if (!controller)
+        controller =
+            cli_env_deprecated("status", "KVMESH_STATUS_CONTROLLER", "KVMESH_CONTROLLER", NULL);
+    if (!worker)
+        worker = cli_env_deprecated("status", "KVMESH_WORKER", "KVMESH_STATUS_WORKER", "http");
+    static cli_run run; /* large: off the stack */
+    char ep[512];
+    if (cli_run_read("status", run_dir, &run)) {
+        km_config_destroy(cfg);
+        return 2;
+    }
+    if (!sec.cert && run.admin_cert[0]) sec.cert = run.admin_cert;
+    if (!api_key && run.api_key[0]) api_key = run.api_key;
+    int rc = 0;
+    if (worker)
+        rc = cli_run_endpoint("status", &run, worker, "worker", CLI_RUN_ADMIN, "", ep, sizeof ep);
+    else if (controller)
+        rc = cli_run_endpoint("status", &run, controller, "controller", CLI_RUN_LISTEN, "", ep,
+                              sizeof ep);
+    else
+        rc = cli_run_endpoint("status", &run, http, "router", CLI_RUN_HTTP, "http://127.0.0.1:8080",
+                              ep, sizeof ep);
+    if (rc || worker || controller) {
+        if (!rc) rc = worker ? cli_status_worker(ep) : status_controller(ep, &sec, json_out);
         km_config_destroy(cfg);
         return rc;
     }
-    if (controller) {
-        int rc = status_controller(controller, &sec, json_out);
-        km_config_destroy(cfg);
-        return rc;
-    }
-    char url[512];
-    snprintf(url, sizeof url, "%s/v1/status", http);
+    char url[600];
+    snprintf(url, sizeof url, "%s/v1/status", ep);
     km_buf body = {0};
     int st = 0;
     km_errbuf err = {{0}};

@@ -156,28 +156,42 @@ static int up_run_dir(const up_opts *o, char *dir, size_t cap)
     return -1;
 }
 
-static void up_banner(const up_state *st, const up_opts *o)
+/* What up prints at once, and the "cluster ready" text it prints when every worker and router is
+ * ready: commands that reach this cluster as they are, through its run directory. */
+static void up_banner(up_state *st, const up_opts *o, const char *run_dir)
 {
     const up_proc *r0 = &st->p[st->n - (int)o->n_routers];
     const char *ctl_listen = o->with_controller ? st->p[0].listen : "";
     fprintf(stderr,
             "kvmesh up: router %s, OpenAI API %s/v1, %lld workers (%lld threads each)%s%s%s%s\n"
-            "kvmesh up: processes and endpoints in %s\n"
-            "kvmesh up: try  kvmesh generate -r %s%s%s%s -p \"Hello\"   |   kvmesh status%s%s%s%s%s"
-            "   |   Ctrl-C stops everything\n",
+            "kvmesh up: processes and endpoints in %s; starting (a \"cluster ready\" line "
+            "follows)\n",
             r0->requests, r0->http, (long long)o->n_workers, (long long)o->threads,
             o->with_controller ? ", controller " : "", ctl_listen, o->log_dir ? ", logs in " : "",
-            o->log_dir ? o->log_dir : "", st->state_path, r0->requests, o->keydir ? " --cert " : "",
-            o->keydir ? o->keydir : "", o->keydir ? "/private/client.key" : "",
-            o->with_controller ? " --controller " : "", ctl_listen,
-            o->keydir && o->with_controller ? " --cert " : "",
-            o->keydir && o->with_controller ? o->keydir : "",
-            o->keydir && o->with_controller ? "/private/admin.key" : "");
+            o->log_dir ? o->log_dir : "", st->state_path);
     if (o->keydir)
         fprintf(stderr,
                 "kvmesh up: keys in %s; HTTP API keys in %s/private/api_key.client (completions) "
                 "and api_key.admin (also /v1/status: kvmesh status --api-key)\n",
                 o->keydir, o->keydir);
+    char ctl[2400] = "", curl[1400] = "";
+    if (o->with_controller)
+        snprintf(ctl, sizeof ctl,
+                 "  kvmesh status --run-dir %.1000s --controller controller   (members, recovery)\n"
+                 "  kvmesh recover --run-dir %.1000s --worker w0 --level 1\n",
+                 run_dir, run_dir);
+    snprintf(curl, sizeof curl, "  curl %s%.1000s%s%s/v1/models\n",
+             o->keydir ? "-H \"Authorization: Bearer $(cat " : "", o->keydir ? o->keydir : "",
+             o->keydir ? "/private/api_key.client)\" " : "", r0->http);
+    snprintf(st->ready_msg, sizeof st->ready_msg,
+             "kvmesh up: cluster ready: %lld workers, %lld router%s; these commands reach it "
+             "(export KVMESH_RUN_DIR=%.1000s to leave out --run-dir):\n"
+             "  kvmesh generate --run-dir %.1000s -p \"Hello\"\n"
+             "  kvmesh status --run-dir %.1000s\n"
+             "%s%s"
+             "kvmesh up: Ctrl-C stops everything\n",
+             (long long)o->n_workers, (long long)o->n_routers, o->n_routers > 1 ? "s" : "", run_dir,
+             run_dir, run_dir, ctl, curl);
 }
 
 /* Security on by default: the cluster's keys in <run-dir>/keys (kept when they exist, so a
@@ -254,8 +268,8 @@ int cli_cmd_up(int argc, char **argv)
     }
     int status = up_plan(&st, &o, dir);
     if (status == 0) {
+        up_banner(&st, &o, rdir);
         up_start_all(&st);
-        up_banner(&st, &o);
         up_wait(&st);
         fprintf(stderr, "kvmesh up: all processes stopped\n");
     }

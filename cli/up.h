@@ -26,6 +26,7 @@ typedef struct up_proc {
     uv_timer_t backoff;
     int log_fd;
     char requests[128], events[128], admin[128], listen[128], view[128], http[128];
+    char peer[128]; /* a worker's UCX listener (--peer-listen), HOST:PORT; "" = none */
     struct up_state *st;
 } up_proc;
 
@@ -37,8 +38,10 @@ typedef struct up_state {
     int running;
     uv_signal_t sigint, sigterm;
     uv_timer_t kill_timer;
-    int64_t stop_ms;       /* Ctrl-C: SIGKILL what still runs after this (the drain + 5 s) */
-    char state_path[4200]; /* <run-dir>/cluster.env; "" = none */
+    int64_t stop_ms;        /* Ctrl-C: SIGKILL what still runs after this (the drain + 5 s) */
+    char state_path[4200];  /* <run-dir>/cluster.env; "" = none */
+    uv_timer_t ready_timer; /* polls /readyz until every worker and router answers 200 */
+    char ready_msg[8192];   /* printed once then; "" = no poll */
 } up_state;
 
 /* --netns ID=NETNS,WORKER_ADDR,HOST_ADDR: worker ID runs inside network namespace NETNS (made by

@@ -143,6 +143,36 @@ static void plan_controller(up_planner *pl, up_proc *p, int *k)
     push_args(p->argv, k, UP_ARGV_MAX, o->ctl_args);
 }
 
+/* A transfer node asked for in a worker's flags (--peer-listen HOST:PORT, the last one wins): port
+ * 0 becomes a port planned like the others (base + 10i + 3), so cluster.env can say where each
+ * worker's UCX listener is (peer=HOST:PORT). */
+static void plan_peer(up_planner *pl, up_proc *p, int wi, int argc)
+{
+    int at = -1, off = 0;
+    for (int i = 0; i < argc; i++) {
+        if (!strncmp(p->argv[i], "--peer-listen=", 14))
+            at = i, off = 14;
+        else if (!strcmp(p->argv[i], "--peer-listen") && i + 1 < argc)
+            at = i + 1, off = 0;
+    }
+    if (at < 0) return;
+    const char *v = p->argv[at] + off, *colon = strrchr(v, ':');
+    if (!colon || colon == v) return; /* the worker refuses it and says why */
+    int port = atoi(colon + 1);
+    char host[96];
+    snprintf(host, sizeof host, "%.*s", (int)(colon - v), v);
+    if (port == 0) {
+        port = up_port(&pl->pp, (int)pl->o->base_port + 10 * wi + 3);
+        /* a worker restarted after a SIGKILL binds the same port while its peers' connections
+         * to the old process still hold it: UCX's listener must reuse the address */
+        setenv("UCX_TCP_CM_REUSEADDR", "y", 0);
+        char *now = xfmt("%s%s:%d", off ? "--peer-listen=" : "", host, port);
+        free(p->argv[at]);
+        p->argv[at] = now;
+    }
+    snprintf(p->peer, sizeof p->peer, "%s:%d", host, port);
+}
+
 static void plan_worker(up_planner *pl, up_proc *p, int wi, int *k)
 {
     const up_opts *o = pl->o;
@@ -184,6 +214,7 @@ static void plan_worker(up_planner *pl, up_proc *p, int wi, int *k)
     if (o->kv_bytes) p->argv[(*k)++] = xfmt("--kv-bytes=%s", o->kv_bytes);
     push_args(p->argv, k, UP_ARGV_MAX, o->worker_args);
     push_args_for(p->argv, k, UP_ARGV_MAX, o->worker_args_for, p->name);
+    plan_peer(pl, p, wi, *k);
     km_buf_printf(&pl->workers, "%s%s=%s+%s", wi ? "," : "", p->name, p->requests, p->events);
 }
 

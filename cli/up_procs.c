@@ -30,9 +30,10 @@ void up_write_state(up_state *st)
         const up_proc *p = &st->p[i];
         fprintf(f, "role=%s id=%s pid=%d restarts=%d", p->role, p->name, p->running ? p->pid : 0,
                 p->restarts);
-        const char *keys[] = {"requests", "events", "admin", "listen", "view", "http"};
-        const char *vals[] = {p->requests, p->events, p->admin, p->listen, p->view, p->http};
-        for (int k = 0; k < 6; k++)
+        const char *keys[] = {"requests", "events", "admin", "listen", "view", "http", "peer"};
+        const char *vals[] = {p->requests, p->events, p->admin, p->listen,
+                              p->view,     p->http,   p->peer};
+        for (int k = 0; k < 7; k++)
             if (vals[k][0]) fprintf(f, " %s=%s", keys[k], vals[k]);
         fprintf(f, "\n");
     }
@@ -51,8 +52,19 @@ static void on_proc_closed(uv_handle_t *h)
     p->closing = false;
 }
 
+/* "exit status 1" or "killed by signal 9 (Killed)": a signal death has no exit status. */
+static const char *exit_text(char *buf, size_t cap, int64_t status, int sig)
+{
+    if (sig)
+        snprintf(buf, cap, "killed by signal %d (%s)", sig, strsignal(sig));
+    else
+        snprintf(buf, cap, "exit status %lld", (long long)status);
+    return buf;
+}
+
 static void on_exit_cb(uv_process_t *h, int64_t status, int sig)
 {
+    char how[96];
     up_proc *p = h->data;
     up_state *st = p->st;
     p->running = false;
@@ -62,8 +74,8 @@ static void on_exit_cb(uv_process_t *h, int64_t status, int sig)
     up_write_state(st);
     uint64_t now = uv_now(st->loop);
     if (st->stopping) {
-        fprintf(stderr, "kvmesh up: %s stopped (status %lld%s%s)\n", p->name, (long long)status,
-                sig ? ", signal " : "", sig ? strsignal(sig) : "");
+        fprintf(stderr, "kvmesh up: %s stopped (%s)\n", p->name,
+                exit_text(how, sizeof how, status, sig));
         if (st->running == 0) uv_stop(st->loop);
         return;
     }
@@ -75,9 +87,8 @@ static void on_exit_cb(uv_process_t *h, int64_t status, int sig)
         delay = 0;
     else if (now - p->started_ms < 10000)
         delay = 500u << (p->restarts < 4 ? p->restarts : 4);
-    fprintf(stderr, "kvmesh up: %s exited (status %lld%s%s); restarting in %llu ms\n", p->name,
-            (long long)status, sig ? ", signal " : "", sig ? strsignal(sig) : "",
-            (unsigned long long)delay);
+    fprintf(stderr, "kvmesh up: %s exited (%s); restarting in %llu ms\n", p->name,
+            exit_text(how, sizeof how, status, sig), (unsigned long long)delay);
     p->restarts++;
     uv_timer_start(&p->backoff, on_backoff, delay, 0);
 }
@@ -147,6 +158,36 @@ static void on_stop_signal(uv_signal_t *s, int signo)
                    (uint64_t)(st->stop_ms > 0 ? st->stop_ms : 10000), 0);
 }
 
+/* The cluster is ready when every worker's admin port and every router's HTTP front answer
+ * /readyz with 200 (a worker: model loaded; a router: a routable worker). */
+static bool up_ready(const up_state *st)
+{
+    for (int i = 0; i < st->n; i++) {
+        const up_proc *p = &st->p[i];
+        const char *base = !strcmp(p->role, "worker")   ? p->admin
+                           : !strcmp(p->role, "router") ? p->http
+                                                        : NULL;
+        if (!base) continue;
+        if (!p->running || !base[0]) return false;
+        char url[256];
+        snprintf(url, sizeof url, "%s/readyz", base);
+        km_buf body = {0};
+        int status = 0;
+        int rc = kvm_http_get(url, 300, &body, &status, NULL);
+        km_buf_free(&body);
+        if (rc || status != 200) return false;
+    }
+    return true;
+}
+
+static void on_ready_poll(uv_timer_t *t)
+{
+    up_state *st = t->data;
+    if (st->stopping || !up_ready(st)) return;
+    fputs(st->ready_msg, stderr);
+    uv_timer_stop(t);
+}
+
 void up_start_all(up_state *st)
 {
     uv_signal_init(st->loop, &st->sigint);
@@ -156,6 +197,9 @@ void up_start_all(up_state *st)
     uv_signal_start(&st->sigterm, on_stop_signal, SIGTERM);
     uv_timer_init(st->loop, &st->kill_timer);
     st->kill_timer.data = st;
+    uv_timer_init(st->loop, &st->ready_timer);
+    st->ready_timer.data = st;
+    if (st->ready_msg[0]) uv_timer_start(&st->ready_timer, on_ready_poll, 200, 200);
     for (int i = 0; i < st->n; i++) up_start(&st->p[i]);
 }
 
@@ -178,6 +222,7 @@ void up_cleanup(up_state *st)
         uv_close((uv_handle_t *)&st->sigint, NULL);
         uv_close((uv_handle_t *)&st->sigterm, NULL);
         uv_close((uv_handle_t *)&st->kill_timer, NULL);
+        uv_close((uv_handle_t *)&st->ready_timer, NULL);
     }
     uv_run(st->loop, UV_RUN_DEFAULT);
     for (int i = 0; i < st->n; i++) {

@@ -46,6 +46,9 @@ typedef struct kvm_sec {
 
 /* Makes sock (before its connect) a CURVE client as s says; nothing when s or s->cert is NULL. */
 int kvm_sec_apply(const kvm_sec *s, void *sock, const char *default_server, km_errbuf *err);
+/* Loads s's keys as kvm_sec_apply would, on no connection: lets a caller blame a bad path on the
+ * key rather than on the endpoint. */
+int kvm_sec_check(const kvm_sec *s, const char *default_server, km_errbuf *err);
 
 typedef struct kvm_opts {
     int timeout_ms;       /* longest silence while waiting for a frame; default 120000 */
@@ -79,6 +82,11 @@ typedef struct kvm_result {
 } kvm_result;
 
 void kvm_result_free(kvm_result *r);
+/* Decode speed as this client saw it: tokens after the first step over the time after the first
+ * token. A step yields one token plus its accepted drafts, so with speculative decoding the first
+ * step's tokens all come with the first one and are not counted; the steps are completion_tokens
+ * - accepted_draft_tokens, each taken as an average share. 0 when one step made every token. */
+double kvm_result_decode_rate(const kvm_result *r);
 
 /* Called for each `tok` frame in order; return nonzero to cancel the request. */
 typedef int (*kvm_token_fn)(void *user, uint32_t index, int32_t token, const char *text,
@@ -130,11 +138,22 @@ void kvm_view_sub_close(kvm_view_sub *s);
 /* True when the view lists at least n workers and every one of them is "ready". */
 bool kvm_view_all_ready(const km_msg_view *v, uint32_t n);
 
+/* One recovery action of a view, with the worker it was for. */
+typedef struct kvm_view_action {
+    const km_view_worker *worker;
+    const km_recovery_action *action;
+    size_t order_; /* private: keeps ties in view order */
+} kvm_view_action;
+/* Every worker's recovery actions as one list, oldest first (equal times in view order), into
+ * out (at most max); returns how many. Pointers are into v. */
+size_t kvm_view_history(const km_msg_view *v, kvm_view_action *out, size_t max);
+
 /* ---------------------------------------------------------------- cluster state file
  * `kvmesh up` keeps <run-dir>/cluster.env: one line per process, space-separated key=value pairs,
  * rewritten (atomically: temp file + rename) whenever a process starts or exits:
  *   role=controller id=controller pid=123 restarts=0 listen=tcp://.. view=tcp://.. admin=http://..
  *   role=worker id=w0 pid=124 restarts=1 requests=tcp://.. events=tcp://.. admin=http://..
+ *       [peer=HOST:PORT: its UCX transfer node, with --peer-listen]
  *   role=router id=router pid=125 restarts=0 requests=tcp://.. http=http://..
  * pid=0 while a process is down (between an exit and its restart). */
 #define KVM_CLUSTER_FILE "cluster.env"
@@ -143,7 +162,7 @@ bool kvm_view_all_ready(const km_msg_view *v, uint32_t n);
 typedef struct kvm_cluster_proc {
     char role[16], id[64];
     int pid, restarts;
-    char requests[128], events[128], admin[128], listen[128], view[128], http[128];
+    char requests[128], events[128], admin[128], listen[128], view[128], http[128], peer[128];
 } kvm_cluster_proc;
 
 /* Reads a cluster file; returns the number of processes (up to max) or a negative km_err. */

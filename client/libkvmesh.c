@@ -22,19 +22,20 @@
 #include <zmq.h>
 
 #include "client/kvmesh.h"
+#include "client/monitor.h"
 #include "common/http.h"
 
 struct kvm_client {
     void *zctx, *sock;
-    void *mon; /* PAIR on the socket's monitor: ZMQ_EVENT_DISCONNECTED (the server went away) */
+    void *mon; /* PAIR on the socket's monitor (client/monitor.h) */
+    kvm_mon_seen seen;
+    char endpoint[256];
     kvm_opts o;
     uint64_t next_id;
     km_buf out;
     km_zmsg in;
     km_proto_limits lim;
 };
-
-static int kvm_monitor_open(kvm_client *c, km_errbuf *err);
 
 int kvm_sec_apply(const kvm_sec *s, void *sock, const char *default_server, km_errbuf *err)
 {
@@ -65,6 +66,18 @@ int kvm_sec_apply(const kvm_sec *s, void *sock, const char *default_server, km_e
     return rc;
 }
 
+int kvm_sec_check(const kvm_sec *s, const char *default_server, km_errbuf *err)
+{
+    if (!s || !s->cert || !s->cert[0]) return 0;
+    void *zctx = km_zctx_create(), *sock = NULL;
+    if (!zctx) return km_errf(err, KM_EIO, "cannot create a ZeroMQ context");
+    int rc = km_zsock_open(zctx, KM_ZDEALER, NULL, &sock, err);
+    if (!rc) rc = kvm_sec_apply(s, sock, default_server, err);
+    km_zsock_close(sock);
+    km_zctx_destroy(zctx);
+    return rc;
+}
+
 int kvm_open(const char *endpoint, const kvm_opts *o, kvm_client **out, km_errbuf *err)
 {
     *out = NULL;
@@ -84,8 +97,9 @@ int kvm_open(const char *endpoint, const kvm_opts *o, kvm_client **out, km_errbu
     zo.routing_id = c->o.identity;
     int rc = km_zsock_open(c->zctx, KM_ZDEALER, &zo, &c->sock, err);
     if (!rc) rc = kvm_sec_apply(&c->o.sec, c->sock, "router", err);
-    if (!rc) rc = kvm_monitor_open(c, err);
+    if (!rc) rc = kvm_mon_open(c->zctx, c->sock, c, &c->mon, err);
     if (!rc) rc = km_zsock_connect(c->sock, endpoint, err);
+    snprintf(c->endpoint, sizeof c->endpoint, "%s", endpoint);
     if (rc) {
         kvm_close(c);
         return rc;
@@ -96,59 +110,21 @@ int kvm_open(const char *endpoint, const kvm_opts *o, kvm_client **out, km_errbu
 
 /* libzmq reconnects a DEALER by itself, but says nothing to the caller when the connection
  * breaks: a request in flight to a router that died would only end by timeout. The socket
- * monitor reports the break (ZMQ_EVENT_DISCONNECTED) at once, so kvm_generate can end that
- * request with KM_EIO and the caller retry it on the reconnected socket. */
-static int kvm_monitor_open(kvm_client *c, km_errbuf *err)
-{
-    char addr[64];
-    snprintf(addr, sizeof addr, "inproc://kvm-monitor-%p", (void *)c);
-    if (zmq_socket_monitor(c->sock, addr, ZMQ_EVENT_DISCONNECTED) != 0)
-        return km_errf(err, KM_EIO, "zmq_socket_monitor: %s", zmq_strerror(zmq_errno()));
-    c->mon = zmq_socket(c->zctx, ZMQ_PAIR);
-    if (!c->mon || zmq_connect(c->mon, addr) != 0)
-        return km_errf(err, KM_EIO, "monitor socket: %s", zmq_strerror(zmq_errno()));
-    int linger = 0;
-    zmq_setsockopt(c->mon, ZMQ_LINGER, &linger, sizeof linger);
-    return 0;
-}
-
-/* How many disconnects the monitor reported since the last call (drains its queue). */
+ * monitor reports the break at once, so kvm_generate can end that request with KM_EIO and the
+ * caller retry it on the reconnected socket; and a failed handshake (a key the server does not
+ * take) with KM_EACCES and the key to pass. Returns the number of disconnects since the last call;
+ * the last handshake failure stays in c->seen until a handshake succeeds. */
 static int kvm_monitor_drain(kvm_client *c)
 {
-    int n = 0;
-    if (!c->mon) return 0;
-    for (;;) {
-        zmq_msg_t m;
-        zmq_msg_init(&m);
-        int r = zmq_msg_recv(&m, c->mon, ZMQ_DONTWAIT);
-        if (r < 0) {
-            zmq_msg_close(&m);
-            return n;
-        }
-        /* frame 1: event (u16) + value (u32); frame 2: the endpoint */
-        if (r >= 2) {
-            uint16_t ev;
-            memcpy(&ev, zmq_msg_data(&m), sizeof ev);
-            if (ev == ZMQ_EVENT_DISCONNECTED) n++;
-        }
-        int more = zmq_msg_more(&m);
-        zmq_msg_close(&m);
-        while (more) {
-            zmq_msg_init(&m);
-            if (zmq_msg_recv(&m, c->mon, ZMQ_DONTWAIT) < 0)
-                more = 0;
-            else
-                more = zmq_msg_more(&m);
-            zmq_msg_close(&m);
-        }
-    }
+    c->seen.disconnects = 0;
+    kvm_mon_read(c->mon, &c->seen);
+    return c->seen.disconnects;
 }
 
 void kvm_close(kvm_client *c)
 {
     if (!c) return;
-    if (c->sock) zmq_socket_monitor(c->sock, NULL, 0);
-    if (c->mon) zmq_close(c->mon);
+    kvm_mon_close(c->sock, c->mon);
     km_zsock_close(c->sock);
     if (c->zctx) km_zctx_destroy(c->zctx);
     km_buf_free(&c->out);
@@ -167,6 +143,15 @@ void kvm_request_init(km_msg_request *r)
 void kvm_result_free(kvm_result *r)
 {
     if (r) km_buf_free(&r->text);
+}
+
+double kvm_result_decode_rate(const kvm_result *r)
+{
+    uint32_t n = r->completion_tokens;
+    uint32_t steps = n > r->accepted_draft_tokens ? n - r->accepted_draft_tokens : 1;
+    double gen_s = (r->client_total_ms - r->client_ttft_ms) / 1e3;
+    if (steps < 2 || !(gen_s > 0)) return 0;
+    return n * (double)(steps - 1) / steps / gen_s;
 }
 
 int kvm_submit(kvm_client *c, const km_msg_request *req, km_errbuf *err)
@@ -251,11 +236,13 @@ int kvm_generate(kvm_client *c, const km_msg_request *req, kvm_token_fn on_token
             return km_errf(err, pr, "poll failed while waiting for request %llu",
                            (unsigned long long)q.id);
         if (!(it[0].revents & KM_ZPOLLIN)) {
-            if (kvm_monitor_drain(c) > 0) {
-                res->client_total_ms = (km_now_ns() - t0) / 1e6;
+            int lost = kvm_monitor_drain(c);
+            res->client_total_ms = (km_now_ns() - t0) / 1e6;
+            rc = kvm_mon_explain(&c->seen, &c->o.sec, c->endpoint, err);
+            if (rc) return rc;
+            if (lost > 0 && !c->seen.handshake_event) /* a handshake is not a lost connection */
                 return km_errf(err, KM_EIO, "connection lost while waiting for request %llu",
                                (unsigned long long)q.id);
-            }
             continue;
         }
         rc = kvm_next(c, 0, &m, NULL, NULL, err);
@@ -415,8 +402,11 @@ int kvm_admin_call(const char *endpoint, const kvm_sec *sec, const km_msg_admin 
         km_buf_free(&frame);
         return km_errf(err, KM_EIO, "cannot create a ZeroMQ context");
     }
+    void *mon = NULL;
+    kvm_mon_seen seen = {0};
     rc = km_zsock_open(zctx, KM_ZDEALER, NULL, &sock, err);
     if (!rc) rc = kvm_sec_apply(sec, sock, "controller", err);
+    if (!rc) rc = kvm_mon_open(zctx, sock, sock, &mon, err);
     if (!rc) rc = km_zsock_connect(sock, endpoint, err);
     if (!rc) rc = km_zsend(sock, &(km_zframe){frame.data, frame.len}, 1, 0, err);
     km_zmsg in = {0};
@@ -429,7 +419,16 @@ int kvm_admin_call(const char *endpoint, const kvm_sec *sec, const km_msg_admin 
             rc = km_errf(err, KM_ETIMEDOUT, "%s: no answer in %d ms", endpoint, timeout_ms);
             break;
         }
-        int r = km_zrecv(sock, &in, (int)((deadline - now) / 1000000u) + 1, err);
+        km_zpollitem it[2] = {{.sock = sock, .events = KM_ZPOLLIN},
+                              {.sock = mon, .events = KM_ZPOLLIN}};
+        int pr = km_zpoll(it, 2, (int)((deadline - now) / 1000000u) + 1, NULL);
+        if (pr <= 0) continue; /* a signal, or the deadline */
+        if (!(it[0].revents & KM_ZPOLLIN)) {
+            kvm_mon_read(mon, &seen);
+            rc = kvm_mon_explain(&seen, sec, endpoint, err);
+            continue;
+        }
+        int r = km_zrecv(sock, &in, 0, err);
         if (r == KM_EAGAIN) continue;
         if (r) {
             rc = r;
@@ -449,6 +448,7 @@ int kvm_admin_call(const char *endpoint, const kvm_sec *sec, const km_msg_admin 
         km_msg_clear(out); /* a frame that is not the answer (status replay, ...) */
     }
     km_zmsg_clear(&in);
+    kvm_mon_close(sock, mon);
     km_zsock_close(sock);
     km_zctx_destroy(zctx);
     km_buf_free(&frame);
@@ -576,6 +576,7 @@ int kvm_cluster_read(const char *path, kvm_cluster_proc *procs, int max, km_errb
                 {"listen", p->listen, sizeof p->listen},
                 {"view", p->view, sizeof p->view},
                 {"http", p->http, sizeof p->http},
+                {"peer", p->peer, sizeof p->peer},
             };
             if (!strcmp(k, "pid")) p->pid = atoi(v);
             if (!strcmp(k, "restarts")) p->restarts = atoi(v);
@@ -593,4 +594,21 @@ const kvm_cluster_proc *kvm_cluster_find(const kvm_cluster_proc *procs, int n, c
     for (int i = 0; i < n; i++)
         if (!strcmp(procs[i].id, id)) return &procs[i];
     return NULL;
+}
+
+static int action_cmp(const void *a, const void *b)
+{
+    const kvm_view_action *x = a, *y = b;
+    if (x->action->at_ms != y->action->at_ms) return x->action->at_ms < y->action->at_ms ? -1 : 1;
+    return x->order_ < y->order_ ? -1 : x->order_ > y->order_;
+}
+
+size_t kvm_view_history(const km_msg_view *v, kvm_view_action *out, size_t max)
+{
+    size_t n = 0;
+    for (uint32_t i = 0; i < v->n_workers; i++)
+        for (uint32_t h = 0; h < v->workers[i].n_history && n < max; h++, n++)
+            out[n] = (kvm_view_action){&v->workers[i], &v->workers[i].history[h], n};
+    qsort(out, n, sizeof *out, action_cmp);
+    return n;
 }

@@ -61,6 +61,34 @@ const char *km_msg_type_name(km_msg_type t)
     return (unsigned)t < KM_MSG_TYPE_COUNT ? km_proto_type_names[t] : "?";
 }
 
+uint64_t km_msg_id(const km_msg *m)
+{
+    switch (m->type) {
+    case KM_MSG_REQUEST:
+        return m->req.id;
+    case KM_MSG_TOKEN:
+        return m->tok.id;
+    case KM_MSG_DONE:
+        return m->done.id;
+    case KM_MSG_ERROR:
+        return m->error.id;
+    case KM_MSG_CANCEL:
+        return m->cancel.id;
+    case KM_MSG_ADMIN:
+        return m->admin.id;
+    case KM_MSG_ADMIN_REPLY:
+        return m->admin_reply.id;
+    case KM_MSG_KV_PULL:
+        return m->kv_pull.id;
+    case KM_MSG_KV_OFFER:
+        return m->kv_offer.id;
+    case KM_MSG_KV_WARM:
+        return m->kv_warm.id;
+    default:
+        return 0;
+    }
+}
+
 const char *km_finish_name(km_finish f)
 {
     return (unsigned)f < KM_FINISH_COUNT ? km_proto_finish_names[f] : "?";

@@ -499,6 +499,9 @@ typedef struct km_msg {
     void *mem_; /* decoder-owned allocations; private */
 } km_msg;
 
+/* The id a decoded frame carries (request, pull or correlation id), for an error reply that
+ * names it; 0 for types without one. */
+uint64_t km_msg_id(const km_msg *m);
 /* Zeroes m and sets the type's defaults (temperature 1, top_p 1, repeat_penalty 1, ...). */
 void km_msg_init(km_msg *m, km_msg_type type);
 /* Frees what the decoder allocated and zeroes m; safe on any initialised message. */

@@ -179,11 +179,11 @@ static void decide(km_zap *a, zap_req *q)
         send_reply(a, q, "200", "OK", uid, meta, m);
         atomic_fetch_add(&a->allowed, 1);
         count(a, "allow", info.role, "ok");
-        if (log_allowed(a, &supp))
-            KM_INFO("zap_allow",
-                    "role=%s name=%s worker=%s domain=%s peer=%s key=%.8s suppressed=%llu",
-                    km_role_name(info.role), info.name, info.worker[0] ? info.worker : "-", domain,
-                    peer, key, (unsigned long long)supp);
+        if (log_allowed(a, &supp)) /* every connection: debug, or the log is mostly this */
+            KM_DEBUG("zap_allow",
+                     "role=%s name=%s worker=%s domain=%s peer=%s key=%.8s suppressed=%llu",
+                     km_role_name(info.role), info.name, info.worker[0] ? info.worker : "-", domain,
+                     peer, key, (unsigned long long)supp);
         return;
     }
     send_reply(a, q, strcmp(reason, "bad_request") ? "400" : "500",

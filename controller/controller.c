@@ -32,6 +32,18 @@ typedef struct ctl_route {
     uint64_t at_ms;
 } ctl_route;
 
+/* An operator's recover waiting for the worker's acknowledgement, so that the answer carries
+ * what the worker said (a drain that will drop the cache says so); answered without it after
+ * CTL_ACK_WAIT_MS. */
+#define CTL_PENDING     16
+#define CTL_ACK_WAIT_MS 3000
+typedef struct ctl_pending {
+    uint64_t action_id, admin_id, deadline_ms;
+    uint8_t rid[255];
+    uint8_t len;
+    char text[160]; /* "level 3 sent to w0 (action 7)" */
+} ctl_pending;
+
 typedef struct ctl_logged {
     char id[KM_PROTO_MAX_NAME + 1];
     km_member_state state;
@@ -60,6 +72,8 @@ struct ctl_controller {
     int n_logged;
     ctl_route *routes; /* [KM_PROTO_MAX_VIEW_WORKERS] */
     int n_routes;
+    ctl_pending pending[CTL_PENDING];
+    int n_pending;
     /* metrics */
     km_metric *m_members, *m_actions, *m_bad;
     km_series *s_heartbeats, *s_send_errors, *s_views, *s_acks, *s_forgotten;
@@ -122,6 +136,46 @@ static void reply_admin(ctl_controller *c, const km_zframe *id, const km_msg_adm
     m.admin_reply.code = code;
     m.admin_reply.message = msg && msg[0] ? msg : NULL;
     if (km_msg_encode(&m, &c->lim, &c->out, NULL) == 0) send_to(c, id, &c->out);
+}
+
+/* Holds the operator's answer to recover until the worker acknowledges action_id; false when
+ * the table is full (the caller answers at once). */
+static bool pending_add(ctl_controller *c, const km_zframe *id, const km_msg_admin *a,
+                        uint64_t action_id, const char *text)
+{
+    if (c->n_pending == CTL_PENDING || !id->len || id->len > sizeof c->pending->rid) return false;
+    ctl_pending *p = &c->pending[c->n_pending++];
+    p->action_id = action_id;
+    p->admin_id = a->id;
+    p->deadline_ms = mono_ms() + CTL_ACK_WAIT_MS;
+    memcpy(p->rid, id->data, id->len);
+    p->len = (uint8_t)id->len;
+    snprintf(p->text, sizeof p->text, "%.150s", text);
+    return true;
+}
+
+/* Answers pending entry i (r: the worker's reply; NULL: none came in time) and drops it. */
+static void pending_answer(ctl_controller *c, int i, const km_msg_admin_reply *r)
+{
+    ctl_pending *p = &c->pending[i];
+    km_msg_admin a = {.id = p->admin_id, .cmd = KM_ADMIN_RECOVER};
+    km_zframe id = {p->rid, p->len};
+    char msg[KM_PROTO_MAX_MESSAGE];
+    if (!r)
+        snprintf(msg, sizeof msg, "%s; not acknowledged within %d ms (kvmesh status --controller)",
+                 p->text, CTL_ACK_WAIT_MS);
+    else
+        snprintf(msg, sizeof msg, "%s; the worker %s%s%.700s", p->text,
+                 r->ok ? "acknowledged it" : "refused it", r->message ? ": " : "",
+                 r->message ? r->message : "");
+    reply_admin(c, &id, &a, !r || r->ok ? 0 : (r->code ? r->code : KM_CODE_INTERNAL), msg);
+    c->pending[i] = c->pending[--c->n_pending];
+}
+
+static void pending_expire(ctl_controller *c, uint64_t now)
+{
+    for (int i = c->n_pending - 1; i >= 0; i--)
+        if (now >= c->pending[i].deadline_ms) pending_answer(c, i, NULL);
 }
 
 /* ---------------------------------------------------------------- view */
@@ -314,9 +368,9 @@ static void handle_operator(ctl_controller *c, const km_zframe *id, const km_msg
             reply_admin(c, id, a, KM_CODE_UNAVAILABLE, msg);
             return;
         }
-        snprintf(msg, sizeof msg, "level %u sent to %.200s (action %llu)", act.level, act.worker,
+        snprintf(msg, sizeof msg, "level %u sent to %.120s (action %llu)", act.level, act.worker,
                  (unsigned long long)act.id);
-        reply_admin(c, id, a, 0, msg);
+        if (!pending_add(c, id, a, act.id, msg)) reply_admin(c, id, a, 0, msg);
         return;
     }
     default:
@@ -378,7 +432,7 @@ static void handle_message(ctl_controller *c, const km_zmsg *zm)
                      : rc == KM_EUNSUPPORTED ? "version"
                                              : "malformed");
         KM_DEBUG("bad_frame", "bytes=%zu msg=\"%s\"", body->len, err.msg);
-        reply_error(c, id, 0, km_proto_code_from_err(rc), err.msg);
+        reply_error(c, id, m.rejected_id, km_proto_code_from_err(rc), err.msg);
         return;
     }
     /* the worker this connection is the route of ("" for operators and unknown connections) */
@@ -410,6 +464,11 @@ static void handle_message(ctl_controller *c, const km_zmsg *zm)
             KM_INFO("recovery_ack", "worker=%s id=%llu ok=%d cmd=%s msg=\"%s\"", peer,
                     (unsigned long long)r->id, (int)r->ok, km_admin_cmd_name(r->cmd),
                     r->message ? r->message : "");
+            for (int i = 0; i < c->n_pending; i++)
+                if (c->pending[i].action_id == r->id) {
+                    pending_answer(c, i, r);
+                    break;
+                }
         } else {
             KM_DEBUG("stray_reply", "peer=%s id=%llu", peer, (unsigned long long)r->id);
         }
@@ -429,7 +488,7 @@ static void handle_message(ctl_controller *c, const km_zmsg *zm)
         snprintf(msg, sizeof msg, "the controller does not take '%s' frames",
                  km_msg_type_name(m.type));
         count_bad(c, "type");
-        reply_error(c, id, 0, KM_CODE_BAD_REQUEST, msg);
+        reply_error(c, id, km_msg_id(&m), KM_CODE_BAD_REQUEST, msg);
     }
     }
     km_msg_clear(&m);
@@ -588,6 +647,7 @@ int ctl_controller_run(ctl_controller *c)
         now = mono_ms();
         if (now >= next_tick) {
             ctl_policy_tick(c->pol, now);
+            pending_expire(c, now);
             next_tick = now + (uint64_t)tick_ms;
         }
         uint64_t v = ctl_policy_version(c->pol);

@@ -523,9 +523,9 @@ int ctl_policy_heartbeat(ctl_policy *p, const km_msg_heartbeat *hb, uint64_t now
 int ctl_policy_force(ctl_policy *p, const char *worker, uint32_t level, uint64_t now_ms,
                      ctl_action *act)
 {
+    if (level < 1 || level > 3) return KM_EINVAL;
     int i = ctl_policy_find(p, worker);
     if (i < 0) return KM_ENOTFOUND;
-    if (level < 1 || level > 3) return KM_EINVAL;
     fire(p, &p->m[i], level, "operator", now_ms, act); /* level 1 keeps fp8 in effect */
     return 0;
 }

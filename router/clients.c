@@ -332,25 +332,6 @@ static void on_client_cancel(rt_router *r, const km_zmsg *zm, uint64_t cid)
     if (q) rt_rq_cancel(r, q);
 }
 
-/* The id a decoded frame carries, for an error that names it (0 for frames without one). */
-static uint64_t msg_id(const km_msg *m)
-{
-    switch (m->type) {
-    case KM_MSG_TOKEN:
-        return m->tok.id;
-    case KM_MSG_DONE:
-        return m->done.id;
-    case KM_MSG_ERROR:
-        return m->error.id;
-    case KM_MSG_ADMIN:
-        return m->admin.id;
-    case KM_MSG_ADMIN_REPLY:
-        return m->admin_reply.id;
-    default:
-        return 0;
-    }
-}
-
 void rt_on_front_message(rt_router *r, const km_zmsg *zm)
 {
     const km_zframe *body = km_zmsg_body(zm);
@@ -389,7 +370,7 @@ void rt_on_front_message(rt_router *r, const km_zmsg *zm)
     default:
         r->n_bad_frames++;
         km_counter_inc(r->s_bad);
-        rt_send_error_env(r, zm->part, zm->n - 1, msg_id(&m), KM_CODE_BAD_REQUEST, 0,
+        rt_send_error_env(r, zm->part, zm->n - 1, km_msg_id(&m), KM_CODE_BAD_REQUEST, 0,
                           "a router does not take '%s' frames from clients",
                           km_msg_type_name(m.type));
         break;

@@ -27,7 +27,7 @@ typedef struct wk_args {
     const char *alias, *ports_file, *log_level, *log_format, *kv_disk_dir, *cluster_secret;
     const char *speculate;
     const char *peer_listen, *peer_advertise, *peer_mode, *peer_view;
-    int64_t peer_lease_ms, peer_pull_ms, peer_warm_pages;
+    int64_t peer_lease_ms, peer_pull_ms, peer_warm_pages, old_lease_ms, old_pull_ms;
     int64_t threads, admin_port, page_tokens, max_batch, prefill_chunk, max_running, max_queue;
     int64_t decode_prefill, spec_max_draft, step_budget_ms, self_draft, self_seqs;
     int64_t kv_shards, kv_tok_groups, kv_expert_groups;
@@ -156,13 +156,19 @@ static const km_opt g_opts[] = {
      "(on an idle CPU), so that pages pulled from peers do not fault in 4 KiB at a time; "
      "--no-peer-prefault leaves it to be faulted in as written",
      &g_args.peer_prefault, 0, 0},
-    {"peer-lease-ms", NULL, KM_OPT_DURATION, "10s",
-     "KV page transfer: how long pages offered to a peer stay pinned", &g_args.peer_lease_ms, 1,
-     3600000},
-    {"peer-pull-ms", NULL, KM_OPT_DURATION, "2s",
+    {"peer-lease", NULL, KM_OPT_DURATION, "10s",
+     "KV page transfer: how long pages offered to a peer stay pinned (10s, 500ms; a bare number "
+     "is ms)",
+     &g_args.peer_lease_ms, 1, 3600000},
+    {"peer-pull", NULL, KM_OPT_DURATION, "2s",
      "KV page transfer: a pull's budget when its hint names none (then the pages are "
      "computed)",
      &g_args.peer_pull_ms, 1, 3600000},
+    /* the old spellings: durations too, whatever the suffix said */
+    {"peer-lease-ms", NULL, KM_OPT_DURATION, NULL, "deprecated: --peer-lease", &g_args.old_lease_ms,
+     1, 3600000},
+    {"peer-pull-ms", NULL, KM_OPT_DURATION, NULL, "deprecated: --peer-pull", &g_args.old_pull_ms, 1,
+     3600000},
     {"peer-view", NULL, KM_OPT_STR, NULL,
      "KV page transfer: the controller's view endpoint (its --view); a drain then hands this "
      "worker's cached chains to the ready peers it names (drain handoff); unset = no handoff",
@@ -188,6 +194,19 @@ int main(int argc, char **argv)
                                g_opts, sizeof g_opts / sizeof g_opts[0], argc, argv, &a->log_level,
                                &a->log_format, &cfg);
     if (crc) return crc == 1 ? 0 : 2;
+    const struct {
+        const char *old, *now;
+        int64_t *from, *to;
+    } renamed[] = {{"peer-lease-ms", "peer-lease", &a->old_lease_ms, &a->peer_lease_ms},
+                   {"peer-pull-ms", "peer-pull", &a->old_pull_ms, &a->peer_pull_ms}};
+    for (size_t i = 0; i < sizeof renamed / sizeof *renamed; i++) {
+        const char *src = km_config_source(cfg, renamed[i].old);
+        if (!src || !strcmp(src, "unset")) continue;
+        fprintf(stderr, "kvmesh-worker: --%s is deprecated: use --%s (a duration: 10s, 500ms)\n",
+                renamed[i].old, renamed[i].now);
+        const char *now_src = km_config_source(cfg, renamed[i].now);
+        if (now_src && !strcmp(now_src, "default")) *renamed[i].to = *renamed[i].from;
+    }
     kv_format fmt;
     if (kv_format_parse(a->kv_format, &fmt)) {
         fprintf(stderr, "kvmesh-worker: unknown --kv-format %s\n", a->kv_format);

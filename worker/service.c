@@ -368,6 +368,7 @@ static void wk_end_drain(wk_service *s)
     kv_store_stats st;
     kv_store_stats_get(s->kv, &st);
     int moved, persisted = 0;
+    int ram = (int)(st.tier[KV_TIER_HOT].pages + st.tier[KV_TIER_HOST].pages);
     if (st.tier[KV_TIER_DISK].budget) {
         uint64_t now = km_now_ns(), until = now + wk_ms_ns(2000);
         if (s->drain_deadline_ns > until) until = s->drain_deadline_ns;
@@ -378,8 +379,9 @@ static void wk_end_drain(wk_service *s)
     }
     wk_events_pump(s->ev);
     wk_svc_set_state(s, KM_STATE_STOPPING);
-    KM_INFO("drain_done", "worker=%s handed_back=%d %s=%d", s->worker_id, left,
-            persisted ? "pages_persisted" : "pages_demoted", moved);
+    KM_INFO("drain_done", "worker=%s handed_back=%d %s=%d pages_dropped=%d", s->worker_id, left,
+            persisted ? "pages_persisted" : "pages_demoted", moved,
+            wk_svc_drain_dropped(s, ram, persisted ? moved : -1));
     s->stop_now = true;
     s->exit_code = WK_EXIT_RESTART;
 }

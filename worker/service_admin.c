@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "worker/service_internal.h"
+#include "worker/service_peer_internal.h"
 
 /* ---------------------------------------------------------------- KV store facts */
 
@@ -52,9 +53,34 @@ static void wk_recovery_log(wk_service *s, int level, const char *action, bool o
             s->worker_id, (int)ok, wk_hot_pressure(s), detail ? detail : "");
 }
 
+/* Pages peers have read from this worker's transfer node so far. */
+static uint64_t wk_pages_out(wk_service *s)
+{
+    if (!s->peer) return 0;
+    pr_stats st;
+    pr_node_stats(s->peer->node, &st);
+    return st.pages_out;
+}
+
+int wk_svc_drain_loss(wk_service *s)
+{
+    kv_store_stats st;
+    kv_store_stats_get(s->kv, &st);
+    if (st.tier[KV_TIER_DISK].budget || (s->peer && s->o.peer_view)) return 0;
+    return (int)(st.tier[KV_TIER_HOT].pages + st.tier[KV_TIER_HOST].pages);
+}
+
+int wk_svc_drain_dropped(wk_service *s, int ram, int persisted)
+{
+    /* a page two peers read counts twice: with peers this is a floor, without it is exact */
+    int64_t kept = persisted >= 0 ? persisted : (int64_t)(wk_pages_out(s) - s->drain_pages_out);
+    return ram > kept ? (int)(ram - kept) : 0;
+}
+
 void wk_svc_start_drain(wk_service *s, int64_t timeout_ms, const char *why)
 {
     if (wk_svc_state(s) != KM_STATE_READY) return;
+    s->drain_pages_out = wk_pages_out(s);
     if (timeout_ms <= 0) timeout_ms = s->o.drain_timeout_ms;
     s->drain_deadline_ns = km_now_ns() + wk_ms_ns(timeout_ms);
     wk_svc_set_state(s, KM_STATE_DRAINING);
@@ -62,6 +88,12 @@ void wk_svc_start_drain(wk_service *s, int64_t timeout_ms, const char *why)
     km_counter_inc(s->s_rec_drain);
     KM_INFO("drain_start", "worker=%s reason=%s timeout_ms=%lld inflight=%d", s->worker_id, why,
             (long long)timeout_ms, en_sched_pending(s->sched));
+    int loss = wk_svc_drain_loss(s);
+    if (loss)
+        KM_WARN("drain_drops_cache",
+                "worker=%s pages=%d msg=\"no disk tier (--kv-disk-dir) and no peers (--peer-listen "
+                "with --peer-view) to take the cached pages: they die with the process\"",
+                s->worker_id, loss);
 }
 
 /* ---------------------------------------------------------------- chaos: ballast */
@@ -230,6 +262,12 @@ static void admin_drain(admin_ctx *c)
              en_sched_pending(s->sched));
     wk_recovery_log(s, 3, "drain", true, d);
     wk_svc_start_drain(s, c->a->timeout_ms, "admin");
+    int loss = wk_svc_drain_loss(s); /* after start: the chaos ballast is released by then */
+    if (loss)
+        snprintf(c->msg, sizeof c->msg,
+                 "draining: %d cached pages will be dropped (no disk tier and no peers to take "
+                 "them)",
+                 loss);
 }
 
 static void admin_shutdown(admin_ctx *c)
@@ -292,8 +330,15 @@ static const char *admin_accept(wk_service *s, const km_msg_admin *a, char *msg,
     }
     if (now != KM_STATE_READY) return drain_not_ready(now, msg, cap); /* as admin_drain */
     s->quick.state_after = KM_STATE_DRAINING;
-    return "drain accepted during an engine step: it starts when the step ends, after the "
-           "frames that came before it";
+    int n = snprintf(msg, cap,
+                     "drain accepted during an engine step: it starts when the step ends, after "
+                     "the frames that came before it");
+    int loss = wk_svc_drain_loss(s);
+    if (loss && n > 0 && (size_t)n < cap)
+        snprintf(msg + n, cap - (size_t)n,
+                 "; %d cached pages will be dropped (no disk tier and no peers to take them)",
+                 loss);
+    return msg;
 }
 
 bool wk_svc_admin_quick(wk_service *s, void *sock, const km_zframe *env, int n_env,
@@ -308,7 +353,7 @@ bool wk_svc_admin_quick(wk_service *s, void *sock, const km_zframe *env, int n_e
     rp->id = a->id;
     rp->cmd = a->cmd;
     rp->ok = true;
-    char msg[64];
+    char msg[KM_PROTO_MAX_MESSAGE];
     rp->message = status ? "answered during an engine step" : admin_accept(s, a, msg, sizeof msg);
     admin_reply_figures(s, rp, &s->quick);
     if (!km_msg_encode(&m, &s->lim, &s->out, NULL)) wk_svc_send(s, sock, env, n_env, &s->out);

@@ -139,6 +139,7 @@ struct wk_service {
      * migrated to (wk_peer_serving), until then at the latest (0: not lingering) */
     uint64_t linger_start_ns, linger_until_ns;
     int handed_back;
+    uint64_t drain_pages_out; /* pages peers had read from this worker when its drain began */
     kv_format kv_base; /* the format the worker started with: another one = level 2 in effect */
     /* requests in flight */
     wk_sreq **live;
@@ -248,6 +249,12 @@ void wk_svc_handle_admin(wk_service *s, void *sock, const km_zframe *env, int n_
 /* From ready to draining: no new requests; in-flight ones finish until the deadline. */
 void wk_svc_start_drain(wk_service *s, int64_t timeout_ms, const char *why);
 kv_format wk_svc_kv_format(wk_service *s); /* the current KV format (shard 0's) */
+/* Cached pages a drain starting now will drop: those in RAM when there is no disk tier to keep
+ * them and no transfer node with a view of peers to hand them to; 0 otherwise. */
+int wk_svc_drain_loss(wk_service *s);
+/* At the end of a drain: of the ram pages it ended with, those neither persisted (persisted:
+ * pages the disk tier took, -1 without one) nor read by peers since the drain began. */
+int wk_svc_drain_dropped(wk_service *s, int ram, int persisted);
 /* The figures `status` reports, taken now (loop, between steps). */
 void wk_svc_quick_take(wk_service *s, wk_quick *q);
 /* While a step runs: answers an authorized `status` without an event replay from s->quick, or

@@ -490,10 +490,11 @@ static void wk_peer_release(wk_service *s, int i)
         km_counter_inc(p->s_fail[PR_DROP_COUNT]);
     wk_peer_measure(p, h, &res, now);
     KM_INFO("pull_done",
-            "id=%llu pages=%d local=%d wanted=%d offered=%d imported=%d bytes=%llu ms=%.1f "
-            "offer_ms=%.1f status=%s handoff=%d",
-            (unsigned long long)h->id, h->n_pages, res.pages_local, wanted, res.pages_offered,
-            res.pages_imported, (unsigned long long)res.bytes, (double)(now - h->start_ns) / 1e6,
+            "id=%llu pull=%llu pages=%d local=%d wanted=%d offered=%d imported=%d bytes=%llu "
+            "ms=%.1f offer_ms=%.1f status=%s handoff=%d",
+            (unsigned long long)h->id, (unsigned long long)h->pull_id, h->n_pages, res.pages_local,
+            wanted, res.pages_offered, res.pages_imported, (unsigned long long)res.bytes,
+            (double)(now - h->start_ns) / 1e6,
             h->offer_ns ? (double)(h->offer_ns - h->start_ns) / 1e6 : -1.0,
             res.status ? km_strerror(res.status) : "ok", h->background);
     if (l->peer && pr_peer_failed(l->peer) && !l->pulls) {

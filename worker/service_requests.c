@@ -412,8 +412,11 @@ void wk_svc_admit(wk_service *s, const km_zframe *env, int n_env, const km_msg_r
     int rc = en_sched_submit(s->sched, &sq, &r->rid);
     if (rc) {
         int code = km_proto_code_from_err(rc);
+        char fit[128]; /* the counts, as the HTTP front's 413 gives them */
+        snprintf(fit, sizeof fit, "prompt of %d tokens exceeds the limit of %d (context %d)", n_tok,
+                 (int)s->o.sched.max_ctx - 1, (int)s->o.sched.max_ctx);
         const char *msg = rc == KM_EOVERLOAD ? "queue full"
-                          : rc == KM_ERANGE  ? "prompt too long for the context limit"
+                          : rc == KM_ERANGE  ? fit
                           : rc == KM_EINVAL  ? "req.tokens: token id outside the vocabulary"
                                              : km_strerror(rc);
         if (rc == KM_EINVAL) wk_svc_count_bad(s, WK_BAD_FIELD);

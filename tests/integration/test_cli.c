@@ -28,6 +28,7 @@
 #define KVMESH "build/bin/kvmesh"
 
 static pid_t g_worker;
+static it_up g_up;
 
 static void kill_worker(void)
 {
@@ -38,7 +39,13 @@ static void kill_worker(void)
     }
 }
 
-TestSuite(cli, .fini = kill_worker, .timeout = 240);
+static void stop_all(void)
+{
+    kill_worker();
+    it_up_stop(&g_up);
+}
+
+TestSuite(cli, .fini = stop_all, .timeout = 240);
 
 /* Runs a shell command; its exit status, and stdout+stderr (the caller frees). */
 static int run(const char *cmd, char **out)
@@ -295,5 +302,196 @@ Test(cli, status_worker_shows_shards_and_expert_groups)
               "%s", out);
     free(out);
     expect(KVMESH " status --worker http://127.0.0.1:9", 1, "kvmesh status:");
+    kill_worker();
+}
+
+/* A secure `kvmesh up` cluster of one worker (its keys in g_up.dir/keys); returns once
+ * cluster.env names a running router and controller, copied to *router and *ctl. */
+static void up_secure(kvm_cluster_proc *router, kvm_cluster_proc *ctl, const char *worker_args)
+{
+    it_up_start(&g_up, "cli",
+                (const char *const[]){"--workers=1", "--threads=1", worker_args, NULL});
+    for (int i = 0; i < 1200; i++) {
+        kvm_cluster_proc procs[KVM_CLUSTER_MAX];
+        int n = kvm_cluster_read(g_up.cluster, procs, KVM_CLUSTER_MAX, NULL);
+        const kvm_cluster_proc *r = n > 0 ? kvm_cluster_find(procs, n, "router") : NULL;
+        const kvm_cluster_proc *c = n > 0 ? kvm_cluster_find(procs, n, "controller") : NULL;
+        if (r && r->pid && r->requests[0] && c && c->pid && c->listen[0]) {
+            *router = *r;
+            *ctl = *c;
+            return;
+        }
+        cr_assert_eq(waitpid(g_up.pid, NULL, WNOHANG), 0, "kvmesh up exited (%s/up.log)", g_up.dir);
+        usleep(50000);
+    }
+    cr_assert_fail("the cluster did not come up in 60 s (%s/up.log)", g_up.dir);
+}
+
+/* Issue 39: a missing or wrong CURVE key used to read "connection lost" or "no answer", and a
+ * bad --cert path was blamed on the router's address. */
+Test(cli, a_missing_or_wrong_curve_key_is_named_and_a_bad_cert_path_blamed_on_the_path)
+{
+    if (!it_have((const char *const[]){IT_MODEL, IT_KVMESH, NULL})) return;
+    kvm_cluster_proc router, ctl;
+    up_secure(&router, &ctl, NULL);
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd, KVMESH " generate -r %s -n 1 -p Hi --timeout 20", router.requests);
+    expect(cmd, 1, "wants CURVE");
+    expect(cmd, 1, "pass --cert");
+    snprintf(cmd, sizeof cmd, KVMESH " status --controller %s", ctl.listen);
+    expect(cmd, 1, "RUN/keys/private/");
+    snprintf(cmd, sizeof cmd, KVMESH " recover --controller %s --worker w0 --level 1", ctl.listen);
+    expect(cmd, 1, "wants CURVE");
+    /* a client key is not an operator's: the controller's ZAP handler refuses it */
+    snprintf(cmd, sizeof cmd, KVMESH " status --controller %s --cert %s/keys/private/client.key",
+             ctl.listen, g_up.dir);
+    expect(cmd, 1, "refused the client key");
+    /* a path that is not there is the path's fault, not the endpoint's */
+    snprintf(cmd, sizeof cmd, KVMESH " generate -r %s -n 1 -p Hi --cert /nonexistent/c.key",
+             router.requests);
+    char *out;
+    cr_assert_eq(run(cmd, &out), 1, "%s", out);
+    cr_assert(strstr(out, "--cert /nonexistent/c.key: ") && !strstr(out, "HOST must be"), "%s",
+              out);
+    free(out);
+    it_up_stop(&g_up);
+}
+
+/* Issue 39: `kvmesh status` ignored the run directory (a --base-port 0 cluster read "cannot
+ * connect to 127.0.0.1:8080") and `up` printed no line saying when the cluster was ready. */
+Test(cli, up_says_when_ready_and_commands_find_the_cluster_through_its_run_directory)
+{
+    if (!it_have((const char *const[]){IT_MODEL, IT_KVMESH, NULL})) return;
+    kvm_cluster_proc router, ctl;
+    /* with a transfer node on an ephemeral port: cluster.env names the port (issue 39) */
+    up_secure(&router, &ctl, "--worker-args=--peer-listen 127.0.0.1:0");
+    char log[160], cmd[1024], *out = NULL;
+    snprintf(log, sizeof log, "%s/up.log", g_up.dir);
+    bool ready = false;
+    for (int i = 0; i < 1200 && !ready; i++) {
+        FILE *f = fopen(log, "r");
+        char line[2048];
+        while (f && fgets(line, sizeof line, f)) ready |= strstr(line, "cluster ready:") != NULL;
+        if (f) fclose(f);
+        if (!ready) usleep(50000);
+    }
+    cr_assert(ready, "no 'cluster ready:' line in %s", log);
+    snprintf(cmd, sizeof cmd, "cat %s", log);
+    run(cmd, &out);
+    char want[256];
+    snprintf(want, sizeof want, "kvmesh status --run-dir %s\n", g_up.dir);
+    cr_assert(strstr(out, want), "%s", out);
+    free(out);
+    /* the router's status (with the run directory's operator API key), a completion (with its
+     * client key), the controller's view and a recover (with its admin key) */
+    snprintf(cmd, sizeof cmd, KVMESH " status --run-dir %s", g_up.dir);
+    expect(cmd, 0, "prefix hits:");
+    snprintf(cmd, sizeof cmd, KVMESH " generate --run-dir %s -n 2 -p Hi", g_up.dir);
+    expect(cmd, 0, "[worker w0 |");
+    snprintf(cmd, sizeof cmd, "KVMESH_RUN_DIR=%s " KVMESH " status --controller controller",
+             g_up.dir);
+    expect(cmd, 0, "w0           ready");
+    snprintf(cmd, sizeof cmd, KVMESH " recover --run-dir %s --worker w0 --level 1", g_up.dir);
+    expect(cmd, 0, "w0: level 1 (evict) applied");
+    snprintf(cmd, sizeof cmd, KVMESH " status --run-dir %s/nothing", g_up.dir);
+    expect(cmd, 2, "cluster.env");
+    /* every connection above passed ZAP: at info level that is no log line (issue 39) */
+    snprintf(cmd, sizeof cmd, "cat %s/logs/*.log | grep -c event=zap_allow", g_up.dir);
+    expect(cmd, 1, "0");
+    kvm_cluster_proc procs[KVM_CLUSTER_MAX];
+    int n = kvm_cluster_read(g_up.cluster, procs, KVM_CLUSTER_MAX, NULL);
+    const kvm_cluster_proc *w0 = n > 0 ? kvm_cluster_find(procs, n, "w0") : NULL;
+    cr_assert(w0 && w0->pid > 0);
+    const char *colon = strrchr(w0->peer, ':');
+    cr_assert(!strncmp(w0->peer, "127.0.0.1:", 10) && colon && atoi(colon + 1) > 0,
+              "cluster.env: w0 peer='%s'", w0->peer);
+    snprintf(cmd, sizeof cmd, "ss -ltn | grep -q ':%d '", atoi(colon + 1));
+    expect(cmd, 0, ""); /* the worker listens there */
+    /* a worker killed by a signal is reported as such, not as "status 0" (issue 39) */
+    cr_assert_eq(kill(w0->pid, SIGKILL), 0);
+    snprintf(cmd, sizeof cmd, "grep 'w0 exited' %s", log);
+    bool said = false;
+    for (int i = 0; i < 400 && !said; i++) {
+        said = run(cmd, &out) == 0;
+        if (said)
+            cr_assert(strstr(out, "w0 exited (killed by signal 9 (Killed)); restarting"), "%s",
+                      out);
+        free(out);
+        if (!said) usleep(50000);
+    }
+    cr_assert(said, "up never reported w0's death");
+    it_up_stop(&g_up);
+}
+
+/* Issue 39: KVMESH_WORKER meant a worker id to `recover` and an admin URL to `status`, and the
+ * controller's endpoint was KVMESH_CONTROLLER to one and KVMESH_STATUS_CONTROLLER to the other;
+ * `recover --level` gave two ranges. One meaning each now; the old spellings warn. */
+Test(cli, each_environment_variable_has_one_meaning_and_old_spellings_warn)
+{
+    /* KVMESH_WORKER is a worker id: status does not take it for an address */
+    expect("KVMESH_WORKER=w1 " KVMESH " status --http http://127.0.0.1:9", 1,
+           "cannot connect to 127.0.0.1:9");
+    /* the old status spelling, an admin URL, still works, with a warning */
+    expect("KVMESH_WORKER=http://127.0.0.1:9 " KVMESH " status", 1,
+           "KVMESH_WORKER is deprecated here: set KVMESH_STATUS_WORKER");
+    /* KVMESH_CONTROLLER is the controller's --listen for status as for recover */
+    expect("KVMESH_CONTROLLER=nohost " KVMESH " status", 1, "nohost");
+    expect("KVMESH_CONTROLLER=nohost " KVMESH " recover --worker w0 --level 1", 1, "nohost");
+    expect("KVMESH_STATUS_CONTROLLER=nohost " KVMESH " status", 1,
+           "KVMESH_STATUS_CONTROLLER is deprecated here: set KVMESH_CONTROLLER");
+    /* one range for --level, whichever way it is wrong */
+    expect(KVMESH " recover --worker w0 --level 9", 2, "[1, 3]");
+    expect(KVMESH " recover --worker w0 --level 0", 2, "[1, 3]");
+    expect(KVMESH " recover --worker w0", 2, "--level 1..3");
+}
+
+/* Issue 39: --help listed no short options although README uses -p -n -r -f -m, and -m was a
+ * model name for generate but a path for run; a path now names the model its file serves. */
+Test(cli, help_lists_the_short_options_and_m_takes_the_model_file_everywhere)
+{
+    expect(KVMESH " generate --help", 0,
+           "short options: -p = --prompt, -n = --max-tokens, -m = --model, -r = --router, "
+           "-f = --file");
+    expect(KVMESH " status --help", 0, "--run-dir");
+    expect(KVMESH " run --help", 0, "-m, --model PATH");
+    if (!have_worker_binaries()) return;
+    char req[512], cmd[1024];
+    int admin = 0;
+    start_worker_with(req, sizeof req, &admin, NULL);
+    snprintf(cmd, sizeof cmd, KVMESH " generate -r %s -m " MODEL " -n 2 -p Hi", req);
+    expect(cmd, 0, "[worker ");
+    snprintf(cmd, sizeof cmd, KVMESH " generate -r %s -m models/no-such-model.gguf -n 2 -p Hi",
+             req);
+    expect(cmd, 1, "no-such-model");
+    kill_worker();
+}
+
+/* Issue 39: --peer-lease-ms and --peer-pull-ms took durations ("10s") under a name that says
+ * milliseconds; they are --peer-lease and --peer-pull now, the old names warn and still work. */
+Test(cli, the_peer_durations_are_named_as_durations_and_the_old_names_warn)
+{
+    const char *tail = " --insecure --model /nonexistent.gguf --admin-port -1 2>&1";
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, WORKER " --peer-lease 500ms --peer-pull 1s%s", tail);
+    expect(cmd, 1, "event=model_load"); /* the flags were taken: the model is what fails */
+    snprintf(cmd, sizeof cmd, WORKER " --peer-lease-ms 5s%s", tail);
+    expect(cmd, 1, "--peer-lease-ms is deprecated: use --peer-lease");
+    expect(WORKER " --peer-lease 5x", 2, "--peer-lease: '5x' is not a duration");
+}
+
+/* Issue 39: over ZeroMQ a prompt longer than the worker's context got 413 "prompt too long for
+ * the context limit", without the counts the HTTP front's 413 gives. */
+Test(cli, a_prompt_over_the_context_gets_413_with_the_counts)
+{
+    if (!have_worker_binaries()) return;
+    char req[512], cmd[1024];
+    int admin = 0;
+    start_worker_with(req, sizeof req, &admin, (const char *const[]){"--max-ctx=32", NULL});
+    snprintf(cmd, sizeof cmd,
+             "head -c 600 /usr/share/common-licenses/GPL-3 | " KVMESH
+             " generate -r %s -n 2 --file /dev/stdin",
+             req);
+    expect(cmd, 1, "exceeds the limit of 31 (context 32)");
+    expect(cmd, 1, "prompt of ");
     kill_worker();
 }

@@ -18,6 +18,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "client/kvmesh.h"
 #include "common/svc.h"
 #include "tests/integration/harness.h"
 
@@ -205,11 +206,28 @@ static int recover_raw_level(const proc *ctl, const char *worker, uint64_t level
     km_msg r;
     recv_msg(s, &r, 5000);
     km_zsock_close(s);
-    int code = r.type == KM_MSG_ERROR         ? r.error.code
-               : r.type == KM_MSG_ADMIN_REPLY ? (r.admin_reply.ok ? 0 : r.admin_reply.code)
-                                              : -1;
+    cr_assert_eq(r.type, KM_MSG_ADMIN_REPLY, "recover level %llu answered '%s'",
+                 (unsigned long long)level, km_msg_type_name(r.type));
+    cr_assert_eq(r.admin_reply.id, 77, "the reply names the frame's id");
+    cr_assert_eq(r.admin_reply.cmd, KM_ADMIN_RECOVER);
+    int code = r.admin_reply.ok ? 0 : r.admin_reply.code;
     km_msg_clear(&r);
     return code;
+}
+
+/* Sends a raw frame on a fresh DEALER and returns the `err` reply's id (its code in *code). */
+static uint64_t raw_error_id(const proc *ctl, const void *frame, size_t len, int *code)
+{
+    void *s = it_dealer(ctl->listen);
+    it_send_raw(s, frame, len);
+    km_msg r;
+    recv_msg(s, &r, 5000);
+    km_zsock_close(s);
+    cr_assert_eq(r.type, KM_MSG_ERROR, "answered '%s'", km_msg_type_name(r.type));
+    uint64_t id = r.error.id;
+    *code = r.error.code;
+    km_msg_clear(&r);
+    return id;
 }
 
 /* ---------------------------------------------------------------- tests */
@@ -300,6 +318,39 @@ Test(controller, view_lists_the_worker_and_forced_levels_1_2_3_reach_it)
     it_stop(&ctl);
 }
 
+Test(controller, a_rejected_frame_is_answered_with_its_id_and_a_bad_level_is_counted_as_such)
+{
+    if (!it_have((const char *const[]){IT_CONTROLLER, NULL})) return;
+    proc ctl = {0};
+    start_controller(&ctl, NULL, NULL);
+    /* a bad level: admin_reply 400 naming the frame, counted as bad_level (checked before the
+     * worker, so no worker is needed) */
+    cr_assert_eq(recover_raw_level(&ctl, "nobody", 7), KM_CODE_BAD_REQUEST);
+    cr_assert_eq(recover_raw_level(&ctl, "nobody", 0), KM_CODE_BAD_REQUEST);
+    cr_assert_eq(
+        it_metric(ctl.admin_port, "kvmesh_controller_bad_frames_total{reason=\"bad_level\"}"), 2);
+    cr_assert_leq(
+        it_metric(ctl.admin_port, "kvmesh_controller_bad_frames_total{reason=\"malformed\"}"), 0,
+        "a bad level is not a malformed frame");
+
+    /* a frame the decoder refuses (version 9) and one the controller does not take (a token):
+     * `err` with each frame's own id */
+    int code = 0;
+    const char v9[] = "\x83\xa1v\x09\xa1t\xa3tok\xa2id\x37";
+    cr_assert_eq(raw_error_id(&ctl, v9, sizeof v9 - 1, &code), 0x37);
+    cr_assert_eq(code, KM_CODE_VERSION);
+    km_msg tok;
+    km_msg_init(&tok, KM_MSG_TOKEN);
+    tok.tok.id = 4242;
+    tok.tok.text = "x";
+    km_buf b = {0};
+    cr_assert_eq(km_msg_encode(&tok, NULL, &b, NULL), 0);
+    cr_assert_eq(raw_error_id(&ctl, b.data, b.len, &code), 4242);
+    cr_assert_eq(code, KM_CODE_BAD_REQUEST);
+    km_buf_free(&b);
+    it_stop(&ctl);
+}
+
 Test(controller, a_stopped_worker_goes_dead_and_comes_back)
 {
     if (!have_binaries()) return;
@@ -378,5 +429,54 @@ Test(controller, pinned_pressure_fires_level1_then_level2_on_its_own)
     km_msg_clear(&r);
     km_zsock_close(s);
     it_stop(&w);
+    it_stop(&ctl);
+}
+
+/* Issue 39: a drain with no disk tier and no peers loses the worker's cache; its log said only
+ * pages_demoted=94 and `kvmesh recover` nothing. Now the worker's acknowledgement, which the
+ * controller passes on to the operator, and its drain_done line say how many pages go. */
+Test(controller, a_drain_that_loses_the_cache_says_how_many_pages)
+{
+    if (!have_binaries()) return;
+    proc ctl = {0}, w = {0};
+    start_controller(&ctl, NULL, NULL);
+    start_worker(&w, "w0", &ctl, NULL);
+    wait_member(&ctl, "w0", KM_MEMBER_READY, 0, 10000);
+    /* a prompt of a few pages, cached once served */
+    kvm_client *cl = NULL;
+    km_errbuf err = {{0}};
+    cr_assert_eq(kvm_open(w.req, NULL, &cl, &err), 0, "%s", err.msg);
+    static int32_t toks[100];
+    for (int i = 0; i < 100; i++) toks[i] = 300 + (i * 37) % 20000;
+    km_msg_request q;
+    kvm_request_init(&q);
+    q.tokens = toks;
+    q.n_tokens = 100;
+    q.max_tokens = 2;
+    q.temperature = 0;
+    kvm_result res;
+    cr_assert_eq(kvm_generate(cl, &q, NULL, NULL, &res, &err), 0, "%s", err.msg);
+    kvm_result_free(&res);
+    kvm_close(cl);
+
+    void *s = it_dealer(ctl.listen);
+    send_admin(s, KM_ADMIN_RECOVER, "w0", 3, 0);
+    km_msg r;
+    recv_msg(s, &r, 10000);
+    km_zsock_close(s);
+    cr_assert_eq(r.type, KM_MSG_ADMIN_REPLY);
+    cr_assert(r.admin_reply.ok);
+    const char *m = r.admin_reply.message ? r.admin_reply.message : "";
+    const char *n = strstr(m, "draining: ");
+    cr_assert(n && atoi(n + 10) >= 6 && strstr(m, "cached pages will be dropped"), "%s", m);
+    km_msg_clear(&r);
+    cr_assert_eq(it_wait_exit(&w, 15000), 75, "a drained worker exits with the restart code");
+    char cmd[256];
+    snprintf(cmd, sizeof cmd, "grep -o 'pages_dropped=[0-9]*' %s/worker.log", w.dir);
+    FILE *f = popen(cmd, "r");
+    char line[64] = "";
+    cr_assert(f && fgets(line, sizeof line, f), "no pages_dropped in %s/worker.log", w.dir);
+    pclose(f);
+    cr_assert_geq(atoi(line + strlen("pages_dropped=")), 6, "%s", line);
     it_stop(&ctl);
 }

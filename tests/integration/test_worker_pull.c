@@ -797,6 +797,11 @@ Test(worker_pull, a_new_worker_warms_up_from_a_peer)
         usleep(100000);
     }
     expect_hits(b, p, ref, "served from warm-up pages");
+    /* a background pull has no request id: its log line names the pull (issue 39: id=0 only) */
+    char line[512];
+    cr_assert(log_line(b, "event=pull_done", line, sizeof line), "wb logged no pull_done");
+    const char *pull = strstr(line, " pull=");
+    cr_assert(pull && strtoull(pull + 6, NULL, 10) > 0, "%s", line);
     km_zsock_close(pub);
     pair_stop(w);
 }
