@@ -15,6 +15,7 @@
 
 #include "cli/cli.h"
 #include "cli/up.h"
+#include "model/model.h"
 
 /* The option table; 0, 1 (help shown) or 2 (bad usage). */
 static int up_parse(int argc, char **argv, up_opts *o, km_config **cfg)
