@@ -27,24 +27,7 @@
 
 #include "worker/service_internal.h"
 
-const char *const wk_bad_names[WK_BAD_COUNT] = {"malformed",           "too_large",
-                                                "unsupported_version", "unexpected_type",
-                                                "too_many_parts",      "bad_field"};
-const char *const wk_out_names[WK_OUT_COUNT] = {"ok",    "canceled", "deadline",
-                                                "error", "rejected", "handed_back"};
-
 /* ---------------------------------------------------------------- state */
-
-void wk_svc_set_state(wk_service *s, km_worker_state st)
-{
-    atomic_store(&s->state, (int)st);
-    km_gauge_set(s->s_ready, st == KM_STATE_READY);
-}
-
-km_worker_state wk_svc_state(wk_service *s)
-{
-    return (km_worker_state)atomic_load(&s->state);
-}
 
 static bool wk_ready_cb(void *user)
 {
@@ -78,6 +61,18 @@ static bool wk_forbidden(wk_service *s, void *sock, const km_zframe *env, int n_
     return true;
 }
 
+/* A `req`: checked and tokenized (service_requests.c), then held while the pages of its pull
+ * hint are pulled (service_peer.c) or admitted now. */
+static void wk_request_in(wk_service *s, const km_zframe *env, int n_env, const km_msg_request *q)
+{
+    uint64_t now = km_now_ns();
+    const int32_t *toks;
+    int n_tok;
+    if (wk_svc_request_check(s, env, n_env, q, &toks, &n_tok)) return;
+    if (q->pull_from && wk_peer_park(s, env, n_env, q, toks, n_tok, now)) return;
+    wk_svc_admit(s, env, n_env, q, toks, n_tok, now);
+}
+
 /* One message from the ROUTER (envelope + body) or from the controller DEALER (body only). */
 static void wk_handle_message(wk_service *s, void *sock, const km_zmsg *zm)
 {
@@ -108,7 +103,7 @@ static void wk_handle_message(wk_service *s, void *sock, const km_zmsg *zm)
     }
     switch (m.type) {
     case KM_MSG_REQUEST:
-        wk_svc_handle_request(s, env, n_env, &m.req);
+        wk_request_in(s, env, n_env, &m.req);
         break;
     case KM_MSG_CANCEL: {
         wk_sreq *r = wk_svc_live_find(s, env, n_env, m.cancel.id);

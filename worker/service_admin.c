@@ -26,13 +26,6 @@ static void wk_kv_totals(wk_service *s, uint64_t *pages, uint64_t *bytes)
     }
 }
 
-kv_format wk_svc_kv_format(wk_service *s)
-{
-    kv_shard_stats sh;
-    if (kv_store_shard_stats(s->kv, 0, &sh)) return KN_KV_F16;
-    return sh.format;
-}
-
 /* Hot-tier bytes held by live sequences over the hot budget, all shards: pressure as the
  * controller computes it from heartbeats (logged with every recovery action). */
 static double wk_hot_pressure(wk_service *s)
@@ -66,19 +59,6 @@ void wk_svc_start_drain(wk_service *s, int64_t timeout_ms, const char *why)
 
 /* ---------------------------------------------------------------- chaos: ballast */
 
-/* Bytes of one ballast page: the current format's (int4 pages are written in f16 and only
- * sealed once full, which ballast pages never are). */
-static size_t wk_ballast_page_bytes(wk_service *s)
-{
-    kv_format f = wk_svc_kv_format(s);
-    return kv_store_format_page_bytes(s->kv, f == KN_KV_INT4 ? KN_KV_F16 : f);
-}
-
-size_t wk_svc_ballast_bytes(wk_service *s)
-{
-    return (size_t)s->ballast_pages * wk_ballast_page_bytes(s);
-}
-
 void wk_svc_ballast_release(wk_service *s)
 {
     if (!s->ballast) return;
@@ -97,7 +77,7 @@ static int wk_ballast_set(wk_service *s, double fraction, char *msg, size_t cap)
     wk_svc_ballast_release(s);
     kv_store_stats st;
     kv_store_stats_get(s->kv, &st);
-    const size_t pb = wk_ballast_page_bytes(s);
+    const size_t pb = wk_svc_ballast_page_bytes(s);
     const int pt = kv_store_page_tokens(s->kv);
     double want_d = fraction * (double)st.tier[KV_TIER_HOT].budget / (double)pb + 0.5;
     int want = want_d > (double)(INT32_MAX / pt) ? INT32_MAX / pt : (int)want_d;
@@ -355,5 +335,8 @@ void wk_svc_handle_admin(wk_service *s, void *sock, const km_zframe *env, int n_
     if (c.msg[0]) c.rp->message = c.msg;
     if (s->reply_sent) return; /* answered during the step it waited for (wk_svc_admin_quick) */
     if (km_msg_encode(&m, &s->lim, &s->out, NULL)) return;
+    /* to the controller: the heartbeats that follow the reply must already show what the command
+     * changed (the pulse may forward it and beat before the loop's next snapshot) */
+    if (sock == s->ctl_loop) wk_svc_snapshot(s);
     wk_svc_send(s, sock, env, n_env, &s->out);
 }

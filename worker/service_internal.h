@@ -2,18 +2,22 @@
  * service_internal.h — what the worker daemon's files share. Private to worker/: worker.h
  * ("service") is the contract.
  *
+ * The files, top layer first (a file calls only files below it: tests/check_layers.sh):
+ *
  *   service.c            create/destroy, the loop, frames in, drain and shutdown
- *   service_requests.c   requests in flight: `req` to the scheduler, tokens and ends back out
- *   service_admin.c      admin commands: status (and KV event replay), evict, set_kv_format,
- *                        drain, shutdown, pressure
- *   service_heartbeat.c  what the worker reports: metrics, gauges, heartbeats to the controller
  *   service_step.c       the engine step on a thread of its own; status answered meanwhile
+ *   service_admin.c      admin commands: status (and KV event replay), evict, set_kv_format,
+ *                        drain, shutdown, pressure; the quick answers during a step
+ *   service_heartbeat.c  gauges, the heartbeat snapshot, the pulse thread
  *   service_peer.c       KV pages between workers: the transfer node, requests with a pull hint
  *                        held while their pages are pulled
  *   service_serve.c      the same as a holder: kv_pull served, offers out
  *   service_handoff.c    the controller's view, drain handoff and warm-up over that node
- *                        (the three share service_peer_internal.h)
+ *   links.c              links to holders, pulls started over them (the peer files share
+ *                        service_peer_internal.h)
+ *   service_requests.c   requests in flight: `req` to the scheduler, tokens and ends back out
  *   events.c             KV events, their replay and snapshots
+ *   frames.c, metrics.c, state.c   frames out, the series, the state and shared KV facts
  *
  * Everything here runs on the service's loop thread, except the pulse (service_heartbeat.c: the
  * heartbeat thread, which owns the controller socket and reads the snapshot under hb_mu), the
@@ -208,14 +212,18 @@ static inline uint64_t wk_ms_ns(int64_t ms)
     return (uint64_t)ms * 1000000ull;
 }
 
-/* ---------------------------------------------------------------- service.c */
+/* ---------------------------------------------------------------- state.c */
 
 void wk_svc_set_state(wk_service *s, km_worker_state st);
 km_worker_state wk_svc_state(wk_service *s);
+kv_format wk_svc_kv_format(wk_service *s); /* the current KV format (shard 0's) */
+/* Bytes of one ballast page, and of the whole ballast (the chaos `pressure` command). */
+size_t wk_svc_ballast_page_bytes(wk_service *s);
+size_t wk_svc_ballast_bytes(wk_service *s);
 
-/* ---------------------------------------------------------------- service_requests.c */
+/* ---------------------------------------------------------------- frames.c */
 
-/* body behind an envelope on sock (the ROUTER, or the controller DEALER with no envelope);
+/* body behind an envelope on sock (the ROUTER, or the controller's pair with no envelope);
  * a failed send is counted. */
 int wk_svc_send(wk_service *s, void *sock, const km_zframe *env, int n_env, const km_buf *body);
 /* An `err` frame (msg NULL: the code's name). */
@@ -225,9 +233,24 @@ void wk_svc_count_bad(wk_service *s, wk_bad b);
 /* The same for a frame from peer (NULL: the controller): only a member's, or any when insecure,
  * counts in heartbeats. */
 void wk_svc_count_bad_from(wk_service *s, wk_bad b, const km_zpeer *peer);
-/* A `req` from the ROUTER: checked, tokenized when it carries text, and queued (or held while
- * its pull hint's pages are pulled: service_peer.c). */
-void wk_svc_handle_request(wk_service *s, const km_zframe *env, int n_env, const km_msg_request *q);
+/* Copies a frame's envelope into dst/lens (0), or KM_ERANGE when it does not fit WK_ENV_BYTES. */
+int wk_env_copy(uint8_t *dst, size_t *lens, const km_zframe *env, int n_env);
+/* Frames over a copied envelope; returns how many. */
+int wk_env_view(const uint8_t *src, const size_t *lens, int n_env, km_zframe *env);
+
+/* ---------------------------------------------------------------- metrics.c */
+
+int wk_svc_metrics_init(wk_service *s, km_errbuf *err);
+/* A request ended (done or error): its latencies into the metrics and the heartbeat's rings. */
+void wk_svc_observe_end(wk_service *s, const en_sched_usage *u);
+
+/* ---------------------------------------------------------------- service_requests.c */
+
+/* A `req` from the ROUTER checked (state, model, id, envelope), with its prompt's token ids (its
+ * own, or its text tokenized into a buffer of the service): 0, or a negative km_err once the
+ * sender has been answered. */
+int wk_svc_request_check(wk_service *s, const km_zframe *env, int n_env, const km_msg_request *q,
+                         const int32_t **toks, int *n_tok);
 /* Queues q with its prompt's token ids; arrival_ns is when it arrived (its deadline counts from
  * there). Answers the sender itself when the scheduler refuses it. */
 void wk_svc_admit(wk_service *s, const km_zframe *env, int n_env, const km_msg_request *q,
@@ -238,28 +261,8 @@ void wk_svc_sreq_free(wk_sreq *r);
 /* The scheduler's callbacks (tokens, ends) that stream requests back to their senders. */
 void wk_svc_callbacks(wk_service *s, en_sched_cb *out);
 
-/* ---------------------------------------------------------------- service_admin.c */
-
-/* An `admin` from the ROUTER or the controller: carried out and answered with `admin_reply`. */
-void wk_svc_handle_admin(wk_service *s, void *sock, const km_zframe *env, int n_env,
-                         const km_msg_admin *a);
-/* From ready to draining: no new requests; in-flight ones finish until the deadline. */
-void wk_svc_start_drain(wk_service *s, int64_t timeout_ms, const char *why);
-kv_format wk_svc_kv_format(wk_service *s); /* the current KV format (shard 0's) */
-/* The figures `status` reports, taken now (loop, between steps). */
-void wk_svc_quick_take(wk_service *s, wk_quick *q);
-/* While a step runs: answers an authorized `status` without an event replay from s->quick, or
- * accepts a `drain` or `shutdown` for this worker (answered now, carried out after the step in
- * the order the frames came), and returns true; false for anything else (held for after the
- * step, answered then). */
-bool wk_svc_admin_quick(wk_service *s, void *sock, const km_zframe *env, int n_env,
-                        const km_msg_admin *a);
-void wk_svc_ballast_release(wk_service *s);
-size_t wk_svc_ballast_bytes(wk_service *s);
-
 /* ---------------------------------------------------------------- service_heartbeat.c */
 
-int wk_svc_metrics_init(wk_service *s, km_errbuf *err);
 /* KV, scheduler and rate gauges from the store's and scheduler's statistics. */
 void wk_svc_update_gauges(wk_service *s);
 /* What the next heartbeats report, from the store's and the scheduler's statistics (loop). */
@@ -269,8 +272,23 @@ void wk_svc_snapshot(wk_service *s);
 int wk_svc_pulse_start(wk_service *s, km_errbuf *err);
 /* Stops it after a last snapshot and a last heartbeat (the state it reports then). */
 void wk_svc_pulse_stop(wk_service *s);
-/* A request ended (done or error): its latencies into the metrics and the heartbeat's rings. */
-void wk_svc_observe_end(wk_service *s, const en_sched_usage *u);
+
+/* ---------------------------------------------------------------- service_admin.c */
+
+/* An `admin` from the ROUTER or the controller: carried out and answered with `admin_reply`. */
+void wk_svc_handle_admin(wk_service *s, void *sock, const km_zframe *env, int n_env,
+                         const km_msg_admin *a);
+/* From ready to draining: no new requests; in-flight ones finish until the deadline. */
+void wk_svc_start_drain(wk_service *s, int64_t timeout_ms, const char *why);
+/* The figures `status` reports, taken now (loop, between steps). */
+void wk_svc_quick_take(wk_service *s, wk_quick *q);
+/* While a step runs: answers an authorized `status` without an event replay from s->quick, or
+ * accepts a `drain` or `shutdown` for this worker (answered now, carried out after the step in
+ * the order the frames came), and returns true; false for anything else (held for after the
+ * step, answered then). */
+bool wk_svc_admin_quick(wk_service *s, void *sock, const km_zframe *env, int n_env,
+                        const km_msg_admin *a);
+void wk_svc_ballast_release(wk_service *s);
 
 /* ---------------------------------------------------------------- service_step.c
  *
