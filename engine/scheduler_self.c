@@ -17,7 +17,7 @@
  *
  * Cost (the figures in docs/speculative.md): a copy reads each position's K and V once; a draft
  * step costs what a decode step over int4 KV costs (0.70-0.80x a full one at 4-8k positions on
- * the machines measured), and the steps run on the service's step thread like any other.
+ * the machines measured), and the steps run on the caller's thread like any other.
  */
 #include <stdlib.h>
 #include <string.h>

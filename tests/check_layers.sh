@@ -28,7 +28,7 @@ kvshard)
 worker)
     layers=(
         "service"           # top: create/destroy, the loop, frames in, drain
-        "service_step"      # the engine step on its thread, status answered meanwhile
+        "gate"              # the thread that owns the requests ROUTER
         "service_admin"     # admin commands; the gate's answers during a step
         "service_heartbeat" # gauges, the heartbeat snapshot, the pulse thread
         "service_peer"      # the transfer node, requests held for a pull

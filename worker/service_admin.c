@@ -262,22 +262,21 @@ static void admin_reply_figures(wk_service *s, km_msg_admin_reply *rp, const wk_
 }
 
 /* drain or shutdown during a step: what it will do, said now (wk_svc_admin_quick). */
-static const char *admin_accept(wk_service *s, const km_msg_admin *a, char *msg, size_t cap)
+static const char *admin_accept(wk_service *s, wk_quick *q, const km_msg_admin *a, char *msg,
+                                size_t cap)
 {
-    km_worker_state now =
-        s->quick.state_after >= 0 ? (km_worker_state)s->quick.state_after : wk_svc_state(s);
+    km_worker_state now = q->state_after >= 0 ? (km_worker_state)q->state_after : wk_svc_state(s);
     if (a->cmd == KM_ADMIN_SHUTDOWN) {
-        s->quick.state_after = KM_STATE_STOPPING;
+        q->state_after = KM_STATE_STOPPING;
         return "shutdown accepted during an engine step: the worker stops when the step ends";
     }
     if (now != KM_STATE_READY) return drain_not_ready(now, msg, cap); /* as admin_drain */
-    s->quick.state_after = KM_STATE_DRAINING;
+    q->state_after = KM_STATE_DRAINING;
     return "drain accepted during an engine step: it starts when the step ends, after the "
            "frames that came before it";
 }
 
-bool wk_svc_admin_quick(wk_service *s, void *sock, const km_zframe *env, int n_env,
-                        const km_msg_admin *a)
+bool wk_svc_admin_quick(wk_service *s, wk_quick *q, const km_msg_admin *a, km_buf *out)
 {
     bool status = a->cmd == KM_ADMIN_STATUS && !a->has_events_since && !a->events_snapshot;
     if (!status && a->cmd != KM_ADMIN_DRAIN && a->cmd != KM_ADMIN_SHUTDOWN) return false;
@@ -289,10 +288,13 @@ bool wk_svc_admin_quick(wk_service *s, void *sock, const km_zframe *env, int n_e
     rp->cmd = a->cmd;
     rp->ok = true;
     char msg[64];
-    rp->message = status ? "answered during an engine step" : admin_accept(s, a, msg, sizeof msg);
-    admin_reply_figures(s, rp, &s->quick);
-    if (!km_msg_encode(&m, &s->lim, &s->out, NULL)) wk_svc_send(s, sock, env, n_env, &s->out);
-    return true;
+    int before = q->state_after;
+    rp->message =
+        status ? "answered during an engine step" : admin_accept(s, q, a, msg, sizeof msg);
+    admin_reply_figures(s, rp, q);
+    if (!km_msg_encode(&m, &s->lim, out, NULL)) return true;
+    q->state_after = before; /* not answered: the loop carries it out as any command */
+    return false;
 }
 
 void wk_svc_handle_admin(wk_service *s, void *sock, const km_zframe *env, int n_env,

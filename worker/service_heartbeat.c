@@ -17,7 +17,7 @@
  * commands from the controller are passed to the loop over an inproc PAIR and carried out between
  * steps (they change the KV store, which a step uses), their replies passed back the same way.
  * Steps are bounded in time (the scheduler's step budget), so a command waits at most one step;
- * a plain `status` on the ROUTER does not wait at all (service_step.c).
+ * a plain `status` on the ROUTER does not wait at all (gate.c).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -199,7 +199,8 @@ void wk_svc_snapshot(wk_service *s)
     memcpy(n.lat, s->lat, sizeof n.lat);
     for (int i = 0; i < WK_BAD_COUNT; i++)
         if (s->errors[i]) n.errs[n.n_errs++] = (km_error_count){wk_bad_names[i], s->errors[i]};
-    if (s->send_errors) n.errs[n.n_errs++] = (km_error_count){"send", s->send_errors};
+    uint64_t send_errors = s->send_errors + atomic_load(&s->gate_send_errors);
+    if (send_errors) n.errs[n.n_errs++] = (km_error_count){"send", send_errors};
     if (s->oom_errors) n.errs[n.n_errs++] = (km_error_count){"oom", s->oom_errors};
     if (ss.engine_errors) n.errs[n.n_errs++] = (km_error_count){"engine", ss.engine_errors};
     if (ss.kv_full) n.errs[n.n_errs++] = (km_error_count){"kv_full", ss.kv_full};
