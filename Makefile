@@ -275,8 +275,9 @@ test: deps ## the gate (`bash .ci/run`): lint, build, layers, unit tests plain/A
 # kvshard's files are layers whose calls go one way (docs/kvshard.md, "Layers"): read from the
 # built library, so a call back up fails here.
 .PHONY: check-layers
-check-layers: $(LIB_KVSHARD) ## kvshard's calls go one way down its layers
-	@bash tests/check_kvshard_layers.sh $(LIB_KVSHARD)
+check-layers: $(LIB_KVSHARD) $(LIB_WORKER) ## kvshard's and worker's calls go one way down their layers
+	@bash tests/check_layers.sh kvshard $(LIB_KVSHARD)
+	@bash tests/check_layers.sh worker $(LIB_WORKER)
 
 # A prefetch changes no result, so no test sees one go missing: read from the built objects.
 .PHONY: check-prefetch

@@ -41,7 +41,7 @@ bench_llama_repack() {
     esac
 }
 
-# Starts build/bin/kvmesh-worker in the background with MODEL, THREADS, a requests endpoint on
+# Starts build/bin/kvmesh-worker (or WORKER_BIN) in the background with MODEL, THREADS, a requests endpoint on
 # 127.0.0.1 (port $1; 0 picks a free one), KV events off, logs appended to $2, its ports file at
 # $3, --insecure (the benches speak plain ZeroMQ), then the remaining arguments; waits up to 60 s
 # for the ports file. Sets WORKER_PID; WORKER_REQ and WORKER_ADMIN come from the ports file (the
@@ -50,7 +50,7 @@ bench_start_worker() {
     local port="$1" log="$2" ports="$3"
     shift 3
     rm -f "$ports"
-    build/bin/kvmesh-worker --model "$MODEL" --threads "$THREADS" --listen "tcp://127.0.0.1:$port" \
+    "${WORKER_BIN:-build/bin/kvmesh-worker}" --model "$MODEL" --threads "$THREADS" --listen "tcp://127.0.0.1:$port" \
         --events "" --admin-port -1 --ports-file "$ports" --log-level warn --insecure "$@" >>"$log" 2>&1 &
     WORKER_PID=$!
     for _ in $(seq 1 600); do

@@ -17,9 +17,9 @@
  *  - A step allocates nothing: all buffers are sized at en_engine_create for max_batch_tokens.
  *  - The sampler's output for a sequence depends only on that sequence's logits, history, params
  *    and seed, never on what else is in the batch.
- *  - The scheduler (en_sched_*) calls its engine, and its callbacks, only from en_sched_step on
- *    the caller's thread; a step allocates nothing. Speculative decoding never changes the output:
- *    drafts are verified token for token.
+ *  - The scheduler (en_sched_*) calls its engine, and its callbacks, only from en_sched_step (its
+ *    callbacks also from en_sched_prepare) on the caller's thread; a step allocates nothing.
+ *    Speculative decoding never changes the output: drafts are verified token for token.
  *  - Links only model/, kvshard/, kernels/ and common/ (make check-links): no ZeroMQ, no UCX.
  */
 #ifndef EN_ENGINE_H
@@ -327,6 +327,10 @@ int en_sched_cancel(en_sched *s, uint64_t rid);
 /* One iteration: expiries and cancellations, admission, one engine step, sampling, callbacks.
  * Returns the number of tokens computed (0: nothing to do) or a negative km_err. */
 int en_sched_step(en_sched *s);
+/* The start of the next en_sched_step done now (expiries, cancellations, admission; their
+ * callbacks): the running set read after it is the one that step computes (what a worker
+ * reports while the step runs). */
+void en_sched_prepare(en_sched *s);
 /* Requests held (running + queued). */
 int en_sched_pending(const en_sched *s);
 /* Ends every held request with on_error(code, message) after publishing its computed pages, so

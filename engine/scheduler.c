@@ -668,11 +668,16 @@ void en_rq_finish(en_sched *s, en_rq *r, km_finish fin)
     en_rq_end(s, r, fin, 0, NULL);
 }
 
-int en_sched_step(en_sched *s)
+void en_sched_prepare(en_sched *s)
 {
     uint64_t now = km_now_ns();
     en_sched_expire(s, now);
     en_sched_admit(s, now);
+}
+
+int en_sched_step(en_sched *s)
+{
+    en_sched_prepare(s);
     en_sched_plan(s);
 
     int n, np, drafts;
@@ -720,7 +725,7 @@ int en_sched_step(en_sched *s)
         return rc == KM_ENOSPC ? 0 : rc;
     }
     s->st.steps++;
-    now = km_now_ns();
+    uint64_t now = km_now_ns();
     double ms = (now - t0) / 1e6;
     if (ms > s->st.step_ms_max) s->st.step_ms_max = ms;
     /* Only steps with a page or more of prompt teach the cost: decode-only steps are slower per

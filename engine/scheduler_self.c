@@ -17,7 +17,7 @@
  *
  * Cost (the figures in docs/speculative.md, "Self-speculation over int4 KV"): a copy reads each
  * position's K and V once; a draft step costs what a decode step over int4 KV costs, and the
- * steps run on the service's step thread like any other.
+ * steps run on the caller's thread like any other.
  */
 #include <stdlib.h>
 #include <string.h>

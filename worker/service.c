@@ -4,16 +4,15 @@
  * requests, the admin commands and the heartbeats are in service_requests.c, service_admin.c and
  * service_heartbeat.c (service_internal.h has the map).
  *
- * One thread runs everything that touches the model and the request sockets: the loop polls the
- * sockets (not waiting at all while the scheduler has work), handles what arrived, runs one
- * scheduler step, publishes the KV events the step produced, and every so often refreshes gauges
- * and the heartbeat's snapshot. The engine's own thread pool does the heavy lifting inside the
- * step; socket I/O happens between steps, so a step is never interrupted and frames are never read
- * concurrently with the store changing. Two threads never wait for a step: the pulse
- * (service_heartbeat.c) sends the heartbeats, so a long step never looks like a dead worker, and
- * the admin HTTP server reads only the thread-safe metrics registry and an atomic readiness flag,
- * so a scrape or /healthz never waits either. Steps themselves are bounded in time by the
- * scheduler's step budget (prefill chunks sized from measured step times).
+ * One thread, the loop, runs everything that touches the model, the store and the scheduler: it
+ * takes the frames the gate hands it (gate.c, which owns the requests ROUTER), handles them, runs
+ * one scheduler step with the engine inline (the engine's own pool does the heavy lifting), then
+ * publishes the step's KV events and now and then refreshes gauges and the heartbeat snapshot.
+ * Frames are handled between steps, never during one, so the store never changes under a frame.
+ * Three threads never wait for a step: the gate answers `status` (and accepts drain and
+ * shutdown) while the loop is inside one; the pulse (service_heartbeat.c) sends the heartbeats;
+ * the admin HTTP server reads only the metrics registry and the atomic state. Steps are bounded
+ * in time by the scheduler's step budget. docs/architecture.md draws the threads.
  *
  * Bad input (undecodable, oversized or wrongly typed frames, unknown models, out-of-range
  * values) gets an `err` reply with the request id when one can be read (km_msg.rejected_id), is
@@ -27,24 +26,7 @@
 
 #include "worker/service_internal.h"
 
-const char *const wk_bad_names[WK_BAD_COUNT] = {"malformed",           "too_large",
-                                                "unsupported_version", "unexpected_type",
-                                                "too_many_parts",      "bad_field"};
-const char *const wk_out_names[WK_OUT_COUNT] = {"ok",    "canceled", "deadline",
-                                                "error", "rejected", "handed_back"};
-
 /* ---------------------------------------------------------------- state */
-
-void wk_svc_set_state(wk_service *s, km_worker_state st)
-{
-    atomic_store(&s->state, (int)st);
-    km_gauge_set(s->s_ready, st == KM_STATE_READY);
-}
-
-km_worker_state wk_svc_state(wk_service *s)
-{
-    return (km_worker_state)atomic_load(&s->state);
-}
 
 static bool wk_ready_cb(void *user)
 {
@@ -78,6 +60,19 @@ static bool wk_forbidden(wk_service *s, void *sock, const km_zframe *env, int n_
     return true;
 }
 
+/* A `req`: checked and tokenized (service_requests.c), then held while the pages of its pull
+ * hint are pulled (service_peer.c) or admitted now. */
+static void wk_request_in(wk_service *s, const km_zframe *env, int n_env, const km_msg_request *q,
+                          const km_zpeer *peer)
+{
+    uint64_t now = km_now_ns();
+    const int32_t *toks;
+    int n_tok;
+    if (wk_svc_request_check(s, env, n_env, q, &toks, &n_tok)) return;
+    if (q->pull_from && wk_peer_park(s, env, n_env, q, peer, toks, n_tok, now)) return;
+    wk_svc_admit(s, env, n_env, q, toks, n_tok, now);
+}
+
 /* One message from the ROUTER (envelope + body) or from the controller DEALER (body only). */
 static void wk_handle_message(wk_service *s, void *sock, const km_zmsg *zm)
 {
@@ -108,7 +103,7 @@ static void wk_handle_message(wk_service *s, void *sock, const km_zmsg *zm)
     }
     switch (m.type) {
     case KM_MSG_REQUEST:
-        wk_svc_handle_request(s, env, n_env, &m.req, sock == s->router ? &zm->peer : NULL);
+        wk_request_in(s, env, n_env, &m.req, sock == s->router ? &zm->peer : NULL);
         break;
     case KM_MSG_CANCEL: {
         wk_sreq *r = wk_svc_live_find(s, env, n_env, m.cancel.id);
@@ -144,14 +139,31 @@ static void wk_handle_message(wk_service *s, void *sock, const km_zmsg *zm)
     km_msg_clear(&m);
 }
 
-/* Reads what is waiting on sock, at most max messages. */
+/* The frames the gate has queued, in their order, at most max. A drain or shutdown the gate
+ * already answered during a step is carried out without a second reply. */
+static void wk_take_frames(wk_service *s, int max)
+{
+    int flags;
+    for (int i = 0; i < max && !s->stop_now && wk_gate_next(s->gate, &s->in, &flags); i++) {
+        if (flags & WK_GATE_TOO_MANY_PARTS) {
+            wk_svc_count_bad_from(s, WK_BAD_PARTS, &s->in.peer);
+            continue;
+        }
+        s->reply_sent = flags & WK_GATE_ANSWERED;
+        wk_handle_message(s, s->router, &s->in);
+        s->reply_sent = false;
+        if (flags & WK_GATE_ANSWERED) wk_gate_answered_done(s->gate);
+    }
+}
+
+/* Reads what is waiting on sock (the controller's pair), at most max messages. */
 static void wk_pump_socket(wk_service *s, void *sock, int max)
 {
     for (int i = 0; i < max; i++) {
         int rc = km_zrecv(sock, &s->in, 0, NULL);
         if (rc == KM_EAGAIN) break;
         if (rc == KM_EPROTO) {
-            wk_svc_count_bad_from(s, WK_BAD_PARTS, sock == s->router ? &s->in.peer : NULL);
+            wk_svc_count_bad_from(s, WK_BAD_PARTS, NULL);
             continue;
         }
         if (rc) break;
@@ -197,7 +209,6 @@ int wk_service_create(en_model *m, en_engine *e, const wk_service_opts *o, wk_se
     atomic_init(&s->state, KM_STATE_STARTING);
     atomic_init(&s->hb_stop, 0);
     atomic_init(&s->in_command, 0);
-    s->quick.state_after = -1;
     pthread_mutex_init(&s->hb_mu, NULL);
     if (o->worker_id)
         snprintf(s->worker_id, sizeof s->worker_id, "%s", o->worker_id);
@@ -214,17 +225,8 @@ int wk_service_create(en_model *m, en_engine *e, const wk_service_opts *o, wk_se
     if (rc) goto fail;
     en_sched_cb cb;
     wk_svc_callbacks(s, &cb);
-    /* the engine behind the scheduler: its steps on the step thread (service_step.c) */
-    const en_sched_engine eng = {.kv = s->kv,
-                                 .hp = en_model_hparams(m),
-                                 .fingerprint = s->fp,
-                                 .step = wk_svc_engine_step,
-                                 .is_eog = wk_svc_is_eog,
-                                 .ctx = s,
-                                 .draft_kv = o->draft ? en_engine_kv(o->draft) : NULL,
-                                 .draft_step = o->draft ? wk_svc_draft_step : NULL};
-    if ((rc = en_sched_create_on(&eng, &s->o.sched, &cb, &s->sched, err))) goto fail;
-    if ((rc = wk_svc_stepper_start(s, err))) goto fail;
+    if ((rc = en_sched_create(e, m, &s->o.sched, &cb, &s->sched, err))) goto fail;
+    if (o->draft) en_sched_set_draft(s->sched, o->draft); /* self-speculation */
     s->zctx = km_zctx_create();
     if (!s->zctx) {
         rc = km_errf(err, KM_EIO, "zmq: cannot create a context");
@@ -234,12 +236,15 @@ int wk_service_create(en_model *m, en_engine *e, const wk_service_opts *o, wk_se
     km_zsock_opts_default(&zo);
     zo.max_msg_size = (int64_t)s->lim.max_frame + 4096;
     if ((rc = km_sec_daemon_start(s->zctx, o->sec, s->reg, &s->zap, err))) goto fail;
-    if ((rc = km_zsock_open(s->zctx, KM_ZROUTER, &zo, &s->router, err))) goto fail;
-    if ((rc = km_zsec_server(o->sec, s->router, KM_ROLE_MEMBER | KM_ROLE_OPERATOR, err))) goto fail;
-    if ((rc = km_zsock_bind(s->router, o->listen ? o->listen : "tcp://127.0.0.1:7100", err)))
+    void *router = NULL; /* the gate's from wk_gate_start on */
+    if ((rc = km_zsock_open(s->zctx, KM_ZROUTER, &zo, &router, err)) ||
+        (rc = km_zsec_server(o->sec, router, KM_ROLE_MEMBER | KM_ROLE_OPERATOR, err)) ||
+        (rc = km_zsock_bind(router, o->listen ? o->listen : "tcp://127.0.0.1:7100", err)) ||
+        (rc = km_zsock_last_endpoint(router, s->ep_requests, sizeof s->ep_requests, err))) {
+        km_zsock_close(router);
         goto fail;
-    if ((rc = km_zsock_last_endpoint(s->router, s->ep_requests, sizeof s->ep_requests, err)))
-        goto fail;
+    }
+    if ((rc = wk_gate_start(s, router, err))) goto fail;
     void *pub = NULL;
     if (o->events && o->events[0]) {
         if ((rc = km_zsock_open(s->zctx, KM_ZPUB, NULL, &s->pub, err))) goto fail;
@@ -284,7 +289,7 @@ fail:
 void wk_service_destroy(wk_service *s)
 {
     if (!s) return;
-    wk_svc_stepper_stop(s);
+    wk_gate_stop(s); /* the loop's last replies leave first */
     wk_svc_pulse_stop(s);
     km_admin_stop(s->admin);
     if (s->ballast) kv_seq_destroy(s->kv, s->ballast);
@@ -293,10 +298,8 @@ void wk_service_destroy(wk_service *s)
     free(s->live);
     wk_peer_destroy(s);
     wk_events_destroy(s->ev);
-    int linger = 500; /* let the last replies leave */
-    if (s->router) zmq_setsockopt(s->router, ZMQ_LINGER, &linger, sizeof linger);
+    int linger = 500; /* let the last events leave */
     if (s->pub) zmq_setsockopt(s->pub, ZMQ_LINGER, &linger, sizeof linger);
-    km_zsock_close(s->router);
     km_zsock_close(s->pub);
     km_zsock_close(s->ctl);
     if (s->ctl_loop) zmq_close(s->ctl_loop);
@@ -386,6 +389,31 @@ static void wk_end_drain(wk_service *s)
     s->exit_code = WK_EXIT_RESTART;
 }
 
+/* One scheduler step, the engine inline. Before it, the scheduler admits what it will run and
+ * the figures a `status` during the step reports are handed to the gate; frames that came
+ * meanwhile are handled first (a few rounds at most), so that none waits for the step. */
+static void wk_step(wk_service *s)
+{
+    for (int round = 0;; round++) {
+        en_sched_prepare(s->sched);
+        wk_quick q = {.state_after = -1};
+        wk_svc_quick_take(s, &q);
+        if (wk_gate_step_begin(s->gate, &q, round >= 3)) break;
+        wk_take_frames(s, WK_GATE_QUEUE);
+        if (s->stop_now || !en_sched_pending(s->sched)) return;
+    }
+    uint64_t t0 = km_now_ns();
+    int rc = en_sched_step(s->sched);
+    wk_gate_step_end(s->gate);
+    if (rc > 0) {
+        km_counter_inc(s->s_steps);
+        km_hist_observe(s->s_step_time, (km_now_ns() - t0) / 1e9);
+        if (s->ctl) wk_svc_snapshot(s); /* progress, for the next heartbeat */
+    } else if (rc < 0) {
+        KM_ERROR("step_failed", "err=%s", km_strerror(rc));
+    }
+}
+
 int wk_service_run(wk_service *s)
 {
     km_errbuf err = {{0}};
@@ -421,38 +449,21 @@ int wk_service_run(wk_service *s)
             if ((wk_peer_held(s) || s->linger_until_ns) && timeout > 1)
                 timeout = 1; /* pulls in flight, or pages being handed over */
         }
-        /* frames that came during the last step, in their order, before any read later */
-        for (int i = 0; i < s->n_held && !s->stop_now; i++) {
-            s->reply_sent = s->held_answered[i];
-            wk_handle_message(s, s->router, &s->held[i]);
-            s->reply_sent = false;
-        }
-        s->n_held = 0;
-        s->quick.state_after = -1; /* what a drain or shutdown held there brought is done */
-        if (s->stop_now) break;
-        km_zpollitem items[2 + WK_PEER_POLL_MAX] = {{.sock = s->router, .events = KM_ZPOLLIN},
-                                                    {.sock = s->ctl_loop, .events = KM_ZPOLLIN}};
+        km_zpollitem items[2 + WK_PEER_POLL_MAX] = {
+            {.fd = wk_gate_fd(s->gate), .events = KM_ZPOLLIN},
+            {.sock = s->ctl_loop, .events = KM_ZPOLLIN}};
         const int cap = (int)(sizeof items / sizeof items[0]);
         int n_items = s->ctl_loop ? 2 : 1;
         n_items += wk_peer_poll_items(s, items + n_items, cap - n_items); /* read by wk_peer_poll */
         int rc = km_zpoll(items, n_items, timeout, NULL);
         if (rc > 0) {
-            if (items[0].revents & KM_ZPOLLIN) wk_pump_socket(s, s->router, 256);
+            if (items[0].revents & KM_ZPOLLIN) wk_take_frames(s, 256);
             if (s->ctl_loop && (items[1].revents & KM_ZPOLLIN)) wk_pump_socket(s, s->ctl_loop, 64);
         }
         if (s->stop_now) break;
         wk_peer_poll(s);
-        if (en_sched_pending(s->sched)) {
-            uint64_t t0 = km_now_ns();
-            rc = en_sched_step(s->sched);
-            if (rc > 0) {
-                km_counter_inc(s->s_steps);
-                km_hist_observe(s->s_step_time, (km_now_ns() - t0) / 1e9);
-                if (s->ctl) wk_svc_snapshot(s); /* progress, for the next heartbeat */
-            } else if (rc < 0) {
-                KM_ERROR("step_failed", "err=%s", km_strerror(rc));
-            }
-        }
+        if (en_sched_pending(s->sched)) wk_step(s);
+        if (s->stop_now) break;
         int frames = wk_events_pump(s->ev);
         if (frames) km_counter_add(s->s_events, (uint64_t)frames);
         now = km_now_ns();

@@ -27,13 +27,6 @@ static void wk_kv_totals(wk_service *s, uint64_t *pages, uint64_t *bytes)
     }
 }
 
-kv_format wk_svc_kv_format(wk_service *s)
-{
-    kv_shard_stats sh;
-    if (kv_store_shard_stats(s->kv, 0, &sh)) return KN_KV_F16;
-    return sh.format;
-}
-
 /* Hot-tier bytes held by live sequences over the hot budget, all shards: pressure as the
  * controller computes it from heartbeats (logged with every recovery action). */
 static double wk_hot_pressure(wk_service *s)
@@ -98,19 +91,6 @@ void wk_svc_start_drain(wk_service *s, int64_t timeout_ms, const char *why)
 
 /* ---------------------------------------------------------------- chaos: ballast */
 
-/* Bytes of one ballast page: the current format's (int4 pages are written in f16 and only
- * sealed once full, which ballast pages never are). */
-static size_t wk_ballast_page_bytes(wk_service *s)
-{
-    kv_format f = wk_svc_kv_format(s);
-    return kv_store_format_page_bytes(s->kv, f == KN_KV_INT4 ? KN_KV_F16 : f);
-}
-
-size_t wk_svc_ballast_bytes(wk_service *s)
-{
-    return (size_t)s->ballast_pages * wk_ballast_page_bytes(s);
-}
-
 void wk_svc_ballast_release(wk_service *s)
 {
     if (!s->ballast) return;
@@ -129,7 +109,7 @@ static int wk_ballast_set(wk_service *s, double fraction, char *msg, size_t cap)
     wk_svc_ballast_release(s);
     kv_store_stats st;
     kv_store_stats_get(s->kv, &st);
-    const size_t pb = wk_ballast_page_bytes(s);
+    const size_t pb = wk_svc_ballast_page_bytes(s);
     const int pt = kv_store_page_tokens(s->kv);
     double want_d = fraction * (double)st.tier[KV_TIER_HOT].budget / (double)pb + 0.5;
     int want = want_d > (double)(INT32_MAX / pt) ? INT32_MAX / pt : (int)want_d;
@@ -301,6 +281,7 @@ void wk_svc_quick_take(wk_service *s, wk_quick *q)
     q->running = (uint32_t)st.running;
     q->queued = (uint32_t)st.queued;
     wk_kv_totals(s, &q->kv_pages, &q->kv_bytes);
+    q->drain_loss = wk_svc_drain_loss(s);
 }
 
 /* The reply's figures, from the store and scheduler (q NULL) or as taken before a step. */
@@ -320,29 +301,27 @@ static void admin_reply_figures(wk_service *s, km_msg_admin_reply *rp, const wk_
 }
 
 /* drain or shutdown during a step: what it will do, said now (wk_svc_admin_quick). */
-static const char *admin_accept(wk_service *s, const km_msg_admin *a, char *msg, size_t cap)
+static const char *admin_accept(wk_service *s, wk_quick *q, const km_msg_admin *a, char *msg,
+                                size_t cap)
 {
-    km_worker_state now =
-        s->quick.state_after >= 0 ? (km_worker_state)s->quick.state_after : wk_svc_state(s);
+    km_worker_state now = q->state_after >= 0 ? (km_worker_state)q->state_after : wk_svc_state(s);
     if (a->cmd == KM_ADMIN_SHUTDOWN) {
-        s->quick.state_after = KM_STATE_STOPPING;
+        q->state_after = KM_STATE_STOPPING;
         return "shutdown accepted during an engine step: the worker stops when the step ends";
     }
     if (now != KM_STATE_READY) return drain_not_ready(now, msg, cap); /* as admin_drain */
-    s->quick.state_after = KM_STATE_DRAINING;
+    q->state_after = KM_STATE_DRAINING;
     int n = snprintf(msg, cap,
                      "drain accepted during an engine step: it starts when the step ends, after "
                      "the frames that came before it");
-    int loss = wk_svc_drain_loss(s);
-    if (loss && n > 0 && (size_t)n < cap)
+    if (q->drain_loss && n > 0 && (size_t)n < cap)
         snprintf(msg + n, cap - (size_t)n,
                  "; %d cached pages will be dropped (no disk tier and no peers to take them)",
-                 loss);
+                 q->drain_loss);
     return msg;
 }
 
-bool wk_svc_admin_quick(wk_service *s, void *sock, const km_zframe *env, int n_env,
-                        const km_msg_admin *a)
+bool wk_svc_admin_quick(wk_service *s, wk_quick *q, const km_msg_admin *a, km_buf *out)
 {
     bool status = a->cmd == KM_ADMIN_STATUS && !a->has_events_since && !a->events_snapshot;
     if (!status && a->cmd != KM_ADMIN_DRAIN && a->cmd != KM_ADMIN_SHUTDOWN) return false;
@@ -354,10 +333,13 @@ bool wk_svc_admin_quick(wk_service *s, void *sock, const km_zframe *env, int n_e
     rp->cmd = a->cmd;
     rp->ok = true;
     char msg[KM_PROTO_MAX_MESSAGE];
-    rp->message = status ? "answered during an engine step" : admin_accept(s, a, msg, sizeof msg);
-    admin_reply_figures(s, rp, &s->quick);
-    if (!km_msg_encode(&m, &s->lim, &s->out, NULL)) wk_svc_send(s, sock, env, n_env, &s->out);
-    return true;
+    int before = q->state_after;
+    rp->message =
+        status ? "answered during an engine step" : admin_accept(s, q, a, msg, sizeof msg);
+    admin_reply_figures(s, rp, q);
+    if (!km_msg_encode(&m, &s->lim, out, NULL)) return true;
+    q->state_after = before; /* not answered: the loop carries it out as any command */
+    return false;
 }
 
 void wk_svc_handle_admin(wk_service *s, void *sock, const km_zframe *env, int n_env,
@@ -400,5 +382,8 @@ void wk_svc_handle_admin(wk_service *s, void *sock, const km_zframe *env, int n_
     if (c.msg[0]) c.rp->message = c.msg;
     if (s->reply_sent) return; /* answered during the step it waited for (wk_svc_admin_quick) */
     if (km_msg_encode(&m, &s->lim, &s->out, NULL)) return;
+    /* to the controller: the heartbeats that follow the reply must already show what the command
+     * changed (the pulse may forward it and beat before the loop's next snapshot) */
+    if (sock == s->ctl_loop) wk_svc_snapshot(s);
     wk_svc_send(s, sock, env, n_env, &s->out);
 }

@@ -2,23 +2,27 @@
  * service_internal.h — what the worker daemon's files share. Private to worker/: worker.h
  * ("service") is the contract.
  *
+ * The files, top layer first (a file calls only files below it: tests/check_layers.sh):
+ *
  *   service.c            create/destroy, the loop, frames in, drain and shutdown
- *   service_requests.c   requests in flight: `req` to the scheduler, tokens and ends back out
+ *   gate.c               the gate: the thread that owns the requests ROUTER
  *   service_admin.c      admin commands: status (and KV event replay), evict, set_kv_format,
- *                        drain, shutdown, pressure
- *   service_heartbeat.c  what the worker reports: metrics, gauges, heartbeats to the controller
- *   service_step.c       the engine step on a thread of its own; status answered meanwhile
+ *                        drain, shutdown, pressure; the gate's answers during a step
+ *   service_heartbeat.c  gauges, the heartbeat snapshot, the pulse thread
  *   service_peer.c       KV pages between workers: the transfer node, requests with a pull hint
  *                        held while their pages are pulled
  *   service_serve.c      the same as a holder: kv_pull served, offers out
  *   service_handoff.c    the controller's view, drain handoff and warm-up over that node
- *                        (the three share service_peer_internal.h)
+ *   links.c              links to holders, pulls started over them (the peer files share
+ *                        service_peer_internal.h)
+ *   service_requests.c   requests in flight: `req` to the scheduler, tokens and ends back out
  *   events.c             KV events, their replay and snapshots
+ *   frames.c, metrics.c, state.c   frames out, the series, the state and shared KV facts
  *
- * Everything here runs on the service's loop thread, except the pulse (service_heartbeat.c: the
- * heartbeat thread, which owns the controller socket and reads the snapshot under hb_mu), the
- * admin HTTP thread (the metrics registry and the atomic state only) and the step thread
- * (service_step.c: en_engine_step alone, while the loop touches neither scheduler nor store).
+ * Everything runs on the loop's thread except the gate (the ROUTER, its queue under its lock),
+ * the pulse (the controller socket; the snapshot under hb_mu), the admin HTTP thread (the metrics
+ * registry and the atomic state only) and the threads of the engine and the transfer node
+ * (docs/architecture.md draws them).
  */
 #ifndef WK_SERVICE_INTERNAL_H
 #define WK_SERVICE_INTERNAL_H
@@ -31,12 +35,13 @@
 
 typedef struct wk_events wk_events; /* events.c, below */
 typedef struct wk_peer wk_peer;     /* service_peer.c, below */
+typedef struct wk_gate wk_gate;     /* gate.c, below */
 
 enum {
     WK_ENV_MAX = KM_ZMSG_MAX_PARTS - 1,
     WK_ENV_BYTES = 1024,
     WK_LAT_RING = 1024,
-    WK_HELD_MAX = 64 /* frames held while an engine step runs; more wait in the socket */
+    WK_GATE_QUEUE = 64 /* frames waiting for the loop; more wait in the ROUTER's own queue */
 };
 
 /* One request in flight, from its `req` frame to its `done` or `err`. */
@@ -97,14 +102,16 @@ typedef struct wk_hb_snap {
     char pair_from[KM_PROTO_MAX_XFER_PAIRS][KM_PROTO_MAX_NAME + 1];
 } wk_hb_snap;
 
-/* What `status` reports while an engine step runs (taken on the loop just before it). */
+/* What `status` reports while an engine step runs (taken on the loop just before it; the gate's
+ * copy is under its lock). */
 typedef struct wk_quick {
     kv_format format;
     uint32_t running, queued;
     uint64_t kv_pages, kv_bytes;
-    /* a drain or shutdown answered during a step: the state it takes once the held frames are
-     * handled (a km_worker_state; -1: none), which later answers before then report */
+    /* a drain or shutdown answered during a step: the state it takes once the loop carries it
+     * out (a km_worker_state; -1: none), which later answers before then report */
     int state_after;
+    int drain_loss; /* wk_svc_drain_loss: pages a drain starting now would drop */
 } wk_quick;
 
 struct wk_service {
@@ -121,7 +128,8 @@ struct wk_service {
     char fp[33];
     char ep_requests[256], ep_events[256], ep_admin[256];
     km_proto_limits lim;
-    void *zctx, *router, *pub;
+    void *zctx, *pub;
+    void *router;               /* the loop's end of the gate's pair: frames for the ROUTER */
     void *ctl;                  /* the controller DEALER: the pulse's alone once it runs */
     void *ctl_loop, *ctl_pulse; /* inproc PAIR between the loop and the pulse */
     km_zap *zap;                /* the ZAP handler of zctx; NULL when insecure */
@@ -163,6 +171,7 @@ struct wk_service {
     double ttft_ring[WK_LAT_RING], tpot_ring[WK_LAT_RING], qtmp[WK_LAT_RING];
     int n_ttft, n_tpot;
     uint64_t errors[WK_BAD_COUNT], send_errors, oom_errors;
+    atomic_uint_fast64_t gate_send_errors; /* frames the ROUTER refused (the gate counts them) */
     /* metrics */
     km_metric *m_kv_bytes, *m_kv_pages, *m_kv_cap;
     km_series *s_req[WK_OUT_COUNT], *s_bad[WK_BAD_COUNT];
@@ -184,24 +193,9 @@ struct wk_service {
     /* chaos: the `pressure` command's ballast, a sequence holding real hot pages */
     kv_seq *ballast;
     int ballast_pages;
-    /* the engine step's own thread (service_step.c): while it computes, the loop answers
-     * `status` (and accepts drain and shutdown) from `quick` and holds every other frame in
-     * `held` until the step is over */
-    pthread_t step_thread;
-    bool step_started;
-    pthread_mutex_t step_mu;
-    pthread_cond_t step_cv;
-    int step_fd;            /* eventfd: the step is over */
-    int step_job;           /* under step_mu: 1 posted, 2 done, -1 stop */
-    const en_batch *step_b; /* the posted step */
-    en_engine *step_e;      /* and its engine: e, or o.draft */
-    const float *step_logits;
-    int step_rc;
-    wk_quick quick; /* what `status` answers while a step runs */
-    km_zmsg held[WK_HELD_MAX];
-    bool held_answered[WK_HELD_MAX]; /* a drain or shutdown already answered during the step */
-    bool reply_sent;                 /* while such a frame is carried out: no second reply */
-    int n_held;
+    /* the gate (gate.c): the requests ROUTER's thread; `quick` is what it answers from */
+    wk_gate *gate;
+    bool reply_sent; /* a frame the gate already answered is carried out: no second reply */
 };
 
 static inline uint64_t wk_ms_ns(int64_t ms)
@@ -209,15 +203,19 @@ static inline uint64_t wk_ms_ns(int64_t ms)
     return (uint64_t)ms * 1000000ull;
 }
 
-/* ---------------------------------------------------------------- service.c */
+/* ---------------------------------------------------------------- state.c */
 
 void wk_svc_set_state(wk_service *s, km_worker_state st);
 km_worker_state wk_svc_state(wk_service *s);
+kv_format wk_svc_kv_format(wk_service *s); /* the current KV format (shard 0's) */
+/* Bytes of one ballast page, and of the whole ballast (the chaos `pressure` command). */
+size_t wk_svc_ballast_page_bytes(wk_service *s);
+size_t wk_svc_ballast_bytes(wk_service *s);
 
-/* ---------------------------------------------------------------- service_requests.c */
+/* ---------------------------------------------------------------- frames.c */
 
-/* body behind an envelope on sock (the ROUTER, or the controller DEALER with no envelope);
- * a failed send is counted. */
+/* body behind an envelope on sock (s->router, the loop's end of the gate, for the ROUTER; or
+ * ctl_loop, with no envelope, for the controller); a failed send is counted. */
 int wk_svc_send(wk_service *s, void *sock, const km_zframe *env, int n_env, const km_buf *body);
 /* An `err` frame (msg NULL: the code's name). */
 int wk_svc_send_error(wk_service *s, void *sock, const km_zframe *env, int n_env, uint64_t id,
@@ -226,11 +224,24 @@ void wk_svc_count_bad(wk_service *s, wk_bad b);
 /* The same for a frame from peer (NULL: the controller): only a member's, or any when insecure,
  * counts in heartbeats. */
 void wk_svc_count_bad_from(wk_service *s, wk_bad b, const km_zpeer *peer);
-/* A `req` from the ROUTER: checked, tokenized when it carries text, and queued (or held while
- * its pull hint's pages are pulled: service_peer.c). peer: its sender (NULL: not on the ROUTER),
- * whose key decides whether a pull hint is taken. */
-void wk_svc_handle_request(wk_service *s, const km_zframe *env, int n_env, const km_msg_request *q,
-                           const km_zpeer *peer);
+/* Copies a frame's envelope into dst/lens (0), or KM_ERANGE when it does not fit WK_ENV_BYTES. */
+int wk_env_copy(uint8_t *dst, size_t *lens, const km_zframe *env, int n_env);
+/* Frames over a copied envelope; returns how many. */
+int wk_env_view(const uint8_t *src, const size_t *lens, int n_env, km_zframe *env);
+
+/* ---------------------------------------------------------------- metrics.c */
+
+int wk_svc_metrics_init(wk_service *s, km_errbuf *err);
+/* A request ended (done or error): its latencies into the metrics and the heartbeat's rings. */
+void wk_svc_observe_end(wk_service *s, const en_sched_usage *u);
+
+/* ---------------------------------------------------------------- service_requests.c */
+
+/* A `req` from the ROUTER checked (state, model, id, envelope), with its prompt's token ids (its
+ * own, or its text tokenized into a buffer of the service): 0, or a negative km_err once the
+ * sender has been answered. */
+int wk_svc_request_check(wk_service *s, const km_zframe *env, int n_env, const km_msg_request *q,
+                         const int32_t **toks, int *n_tok);
 /* Queues q with its prompt's token ids; arrival_ns is when it arrived (its deadline counts from
  * there). Answers the sender itself when the scheduler refuses it. */
 void wk_svc_admit(wk_service *s, const km_zframe *env, int n_env, const km_msg_request *q,
@@ -241,34 +252,8 @@ void wk_svc_sreq_free(wk_sreq *r);
 /* The scheduler's callbacks (tokens, ends) that stream requests back to their senders. */
 void wk_svc_callbacks(wk_service *s, en_sched_cb *out);
 
-/* ---------------------------------------------------------------- service_admin.c */
-
-/* An `admin` from the ROUTER or the controller: carried out and answered with `admin_reply`. */
-void wk_svc_handle_admin(wk_service *s, void *sock, const km_zframe *env, int n_env,
-                         const km_msg_admin *a);
-/* From ready to draining: no new requests; in-flight ones finish until the deadline. */
-void wk_svc_start_drain(wk_service *s, int64_t timeout_ms, const char *why);
-kv_format wk_svc_kv_format(wk_service *s); /* the current KV format (shard 0's) */
-/* Cached pages a drain starting now will drop: those in RAM when there is no disk tier to keep
- * them and no transfer node with a view of peers to hand them to; 0 otherwise. */
-int wk_svc_drain_loss(wk_service *s);
-/* At the end of a drain: of the ram pages it ended with, those neither persisted (persisted:
- * pages the disk tier took, -1 without one) nor read by peers since the drain began. */
-int wk_svc_drain_dropped(wk_service *s, int ram, int persisted);
-/* The figures `status` reports, taken now (loop, between steps). */
-void wk_svc_quick_take(wk_service *s, wk_quick *q);
-/* While a step runs: answers an authorized `status` without an event replay from s->quick, or
- * accepts a `drain` or `shutdown` for this worker (answered now, carried out after the step in
- * the order the frames came), and returns true; false for anything else (held for after the
- * step, answered then). */
-bool wk_svc_admin_quick(wk_service *s, void *sock, const km_zframe *env, int n_env,
-                        const km_msg_admin *a);
-void wk_svc_ballast_release(wk_service *s);
-size_t wk_svc_ballast_bytes(wk_service *s);
-
 /* ---------------------------------------------------------------- service_heartbeat.c */
 
-int wk_svc_metrics_init(wk_service *s, km_errbuf *err);
 /* KV, scheduler and rate gauges from the store's and scheduler's statistics. */
 void wk_svc_update_gauges(wk_service *s);
 /* What the next heartbeats report, from the store's and the scheduler's statistics (loop). */
@@ -278,24 +263,54 @@ void wk_svc_snapshot(wk_service *s);
 int wk_svc_pulse_start(wk_service *s, km_errbuf *err);
 /* Stops it after a last snapshot and a last heartbeat (the state it reports then). */
 void wk_svc_pulse_stop(wk_service *s);
-/* A request ended (done or error): its latencies into the metrics and the heartbeat's rings. */
-void wk_svc_observe_end(wk_service *s, const en_sched_usage *u);
 
-/* ---------------------------------------------------------------- service_step.c
+/* ---------------------------------------------------------------- service_admin.c */
+
+/* An `admin` from the ROUTER or the controller: carried out and answered with `admin_reply`
+ * (not when s->reply_sent: the gate answered it during a step). */
+void wk_svc_handle_admin(wk_service *s, void *sock, const km_zframe *env, int n_env,
+                         const km_msg_admin *a);
+/* From ready to draining: no new requests; in-flight ones finish until the deadline. */
+void wk_svc_start_drain(wk_service *s, int64_t timeout_ms, const char *why);
+/* Cached pages a drain starting now will drop: those in RAM when there is no disk tier to keep
+ * them and no transfer node with a view of peers to hand them to; 0 otherwise. */
+int wk_svc_drain_loss(wk_service *s);
+/* At the end of a drain: of the ram pages it ended with, those neither persisted (persisted:
+ * pages the disk tier took, -1 without one) nor read by peers since the drain began. */
+int wk_svc_drain_dropped(wk_service *s, int ram, int persisted);
+/* The figures `status` reports, taken now (loop, between steps). */
+void wk_svc_quick_take(wk_service *s, wk_quick *q);
+/* The gate's answer during a step (its thread; reads only q, the atomic state and what never
+ * changes): an authorized `status` without an event replay, from the figures in q, or a `drain`
+ * or `shutdown` for this worker accepted (q->state_after set), encoded into out; returns true.
+ * False for anything else: the loop carries it out and answers it after the step. */
+bool wk_svc_admin_quick(wk_service *s, wk_quick *q, const km_msg_admin *a, km_buf *out);
+void wk_svc_ballast_release(wk_service *s);
+
+/* ---------------------------------------------------------------- gate.c
  *
- * Liveness is not progress (issue 12): an engine step (seconds, for a long prefill on one loaded
- * thread) runs on a thread of its own while the loop keeps reading the ROUTER, answering
- * `status` at once and holding every other frame for after the step; the step's results (tokens,
- * ends) still leave from the loop, so the loop alone owns the sockets, the scheduler and the
- * store. */
+ * The gate: the thread that owns the requests ROUTER from wk_gate_start on. It hands every frame
+ * to the loop in arrival order through a bounded queue (wk_gate_next; wk_gate_fd is readable
+ * while frames wait), except while the loop is inside a step (wk_gate_step_begin .. _end): an
+ * authorized `status` is answered then from the figures taken before the step, and a `drain` or
+ * `shutdown` is accepted (answered) and still queued, marked, to be carried out in its place.
+ * What the loop sends on s->router (an inproc PAIR) the gate forwards to the ROUTER unchanged. */
 
-int wk_svc_stepper_start(wk_service *s, km_errbuf *err);
-void wk_svc_stepper_stop(wk_service *s);
-/* The scheduler's engine (en_sched_engine.step / is_eog): the step on the step thread. */
-int wk_svc_engine_step(void *ctx, const en_batch *b, const float **logits);
-/* The same for the draft engine (o.draft; self-speculation). */
-int wk_svc_draft_step(void *ctx, const en_batch *b, const float **logits);
-int wk_svc_is_eog(void *ctx, int32_t token);
+enum { WK_GATE_ANSWERED = 1, WK_GATE_TOO_MANY_PARTS = 2 }; /* wk_gate_next's flags */
+
+/* Takes router (bound; closed on failure too); s->router becomes the loop's end of the pair. */
+int wk_gate_start(wk_service *s, void *router, km_errbuf *err);
+/* Forwards the loop's last frames, stops the thread, closes the ROUTER (their linger). */
+void wk_gate_stop(wk_service *s);
+int wk_gate_fd(const wk_gate *g);
+/* The oldest frame waiting, swapped into *zm: 1 (*flags: WK_GATE_*), or 0 when none. */
+int wk_gate_next(wk_gate *g, km_zmsg *zm, int *flags);
+/* The loop enters a step with the figures q; false (nothing changed) when frames wait and
+ * force is not set: the loop handles them first, so none of them waits for the step. */
+bool wk_gate_step_begin(wk_gate *g, const wk_quick *q, bool force);
+void wk_gate_step_end(wk_gate *g);
+/* A frame marked WK_GATE_ANSWERED has been carried out. */
+void wk_gate_answered_done(wk_gate *g);
 
 /* ---------------------------------------------------------------- service_peer.c
  *

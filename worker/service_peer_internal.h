@@ -120,20 +120,20 @@ struct wk_peer {
     bool pushed_again; /* once per drain */
 };
 
-/* service_peer.c */
+/* links.c */
 void wk_held_free(wk_held *h);
+void wk_link_close(wk_peer *p, wk_link *l);
 /* The link to a holder (its DEALER and node peer), made or reused; NULL when none can be. */
 wk_link *wk_peer_link(wk_service *s, const char *holder, const char *endpoint, const uint8_t *addr,
                       uint32_t addr_len);
+/* A pull that could not even start (holder unreachable, connection failed, kv_pull not sent)
+ * counts as a failed pull, as one that ends without pages does; returns -1. */
+int wk_peer_not_started(wk_peer *p, const wk_link *l);
 /* Starts h's pull of the chain through l (kv_pull out); the pages already here, or < 0. */
 int wk_peer_start(wk_service *s, wk_link *l, wk_held *h, const km_pagehash *hs, const int32_t *toks,
                   int n_pages);
 
 /* service_serve.c */
-/* Copies a frame's envelope into dst/lens (0), or -1 when it does not fit WK_ENV_BYTES. */
-int wk_env_copy(uint8_t *dst, size_t *lens, const km_zframe *env, int n_env);
-/* Frames over a copied envelope; returns how many. */
-int wk_env_view(const uint8_t *src, const size_t *lens, int n_env, km_zframe *env);
 /* Offers the node has ready go back to their pullers. */
 void wk_peer_offers_out(wk_service *s);
 

@@ -16,21 +16,6 @@
 
 /* ---------------------------------------------------------------- frames out */
 
-/* Sends body behind an envelope on sock (the ROUTER, or the controller DEALER with no envelope). */
-int wk_svc_send(wk_service *s, void *sock, const km_zframe *env, int n_env, const km_buf *body)
-{
-    /* a reply to the controller: the heartbeats that follow it must already show what the
-     * command changed (the pulse may forward it and beat before the loop takes a snapshot) */
-    if (sock && sock == s->ctl_loop) wk_svc_snapshot(s);
-    km_zframe parts[KM_ZMSG_MAX_PARTS];
-    int n = 0;
-    for (int i = 0; i < n_env && n < KM_ZMSG_MAX_PARTS - 1; i++) parts[n++] = env[i];
-    parts[n++] = (km_zframe){body->data, body->len};
-    int rc = km_zsend(sock, parts, n, KM_ZDONTWAIT, NULL);
-    if (rc) s->send_errors++;
-    return rc;
-}
-
 static int wk_sreq_env(const wk_sreq *r, km_zframe *env)
 {
     size_t off = 0;
@@ -39,39 +24,6 @@ static int wk_sreq_env(const wk_sreq *r, km_zframe *env)
         off += r->env_len[i];
     }
     return r->n_env;
-}
-
-int wk_svc_send_error(wk_service *s, void *sock, const km_zframe *env, int n_env, uint64_t id,
-                      int code, uint32_t retry_ms, const char *msg)
-{
-    km_msg m;
-    km_msg_init(&m, KM_MSG_ERROR);
-    m.error.id = id;
-    m.error.code = code;
-    char buf[KM_PROTO_MAX_MESSAGE];
-    snprintf(buf, sizeof buf, "%s", msg ? msg : km_proto_code_name(code));
-    m.error.message = buf;
-    m.error.retry_after_ms = retry_ms;
-    if (km_msg_encode(&m, &s->lim, &s->out, NULL)) return KM_EINVAL;
-    return wk_svc_send(s, sock, env, n_env, &s->out);
-}
-
-void wk_svc_count_bad(wk_service *s, wk_bad b)
-{
-    s->errors[b]++;
-    km_counter_inc(s->s_bad[b]);
-}
-
-void wk_svc_count_bad_from(wk_service *s, wk_bad b, const km_zpeer *peer)
-{
-    /* Only members' frames feed the heartbeat's error counts (the controller's error-storm
-     * rule): an operator's typo is counted in the metric, never a reason to restart. peer NULL:
-     * the controller's pinned connection. */
-    if (peer && !km_zsec_insecure(s->o.sec) && peer->role != KM_ROLE_MEMBER) {
-        km_counter_inc(s->s_bad[b]);
-        return;
-    }
-    wk_svc_count_bad(s, b);
 }
 
 /* ---------------------------------------------------------------- requests in flight */
@@ -362,16 +314,11 @@ static bool refused(wk_service *s, const km_zframe *env, int n_env, const km_msg
     return false;
 }
 
-void wk_svc_handle_request(wk_service *s, const km_zframe *env, int n_env, const km_msg_request *q,
-                           const km_zpeer *peer)
+int wk_svc_request_check(wk_service *s, const km_zframe *env, int n_env, const km_msg_request *q,
+                         const int32_t **toks, int *n_tok)
 {
-    uint64_t now = km_now_ns();
-    const int32_t *toks;
-    int n_tok;
-    if (refused(s, env, n_env, q) || prompt_tokens(s, env, n_env, q, &toks, &n_tok)) return;
-    /* a pull hint: held while its pages are pulled (service_peer.c), admitted after */
-    if (q->pull_from && wk_peer_park(s, env, n_env, q, peer, toks, n_tok, now)) return;
-    wk_svc_admit(s, env, n_env, q, toks, n_tok, now);
+    if (refused(s, env, n_env, q)) return KM_EINVAL;
+    return prompt_tokens(s, env, n_env, q, toks, n_tok);
 }
 
 void wk_svc_admit(wk_service *s, const km_zframe *env, int n_env, const km_msg_request *q,

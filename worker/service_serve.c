@@ -13,30 +13,6 @@
 
 /* ---------------------------------------------------------------- envelopes */
 
-int wk_env_copy(uint8_t *dst, size_t *lens, const km_zframe *env, int n_env)
-{
-    size_t total = 0;
-    for (int i = 0; i < n_env; i++) total += env[i].len;
-    if (n_env > WK_ENV_MAX || total > WK_ENV_BYTES) return KM_ERANGE;
-    size_t off = 0;
-    for (int i = 0; i < n_env; i++) {
-        memcpy(dst + off, env[i].data, env[i].len);
-        lens[i] = env[i].len;
-        off += env[i].len;
-    }
-    return 0;
-}
-
-int wk_env_view(const uint8_t *src, const size_t *lens, int n_env, km_zframe *env)
-{
-    size_t off = 0;
-    for (int i = 0; i < n_env; i++) {
-        env[i] = (km_zframe){src + off, lens[i]};
-        off += lens[i];
-    }
-    return n_env;
-}
-
 /* ---------------------------------------------------------------- holder side */
 
 static void wk_peer_send_offer(wk_service *s, const km_zframe *env, int n_env, const pr_offer *o)

@@ -1262,3 +1262,42 @@ Test(worker, drain_is_accepted_during_an_engine_step)
     km_zsock_close(s);
     km_zsock_close(probe);
 }
+
+/* More frames than the gate queues (WK_GATE_QUEUE) sent during a long step: the rest wait in the
+ * socket (back-pressure), none is lost, and they are handled in the order they were sent; a
+ * `status` behind them on the same connection is answered after them, not ahead of them. */
+Test(worker, frames_beyond_the_gate_queue_wait_in_the_socket_and_keep_their_order)
+{
+    if (!have_model()) return;
+    wproc w;
+    void *s, *probe;
+    begin_long_step(&w, &s, &probe);
+    void *q = it_dealer(w.req);
+    enum { N = 200 };
+    const int32_t small[] = {1, 2, 3, 4};
+    km_msg m;
+    for (int i = 0; i < N; i++) { /* refused at once by the loop: an unknown model */
+        km_msg_init(&m, KM_MSG_REQUEST);
+        m.req.id = 1000 + (uint64_t)i;
+        m.req.model = "no-such-model";
+        m.req.tokens = small;
+        m.req.n_tokens = 4;
+        it_send_msg(q, &m);
+    }
+    send_admin(q, 5000, KM_ADMIN_STATUS, 0, NULL, 0);
+    for (int i = 0; i < N; i++) {
+        cr_assert(it_recv_msg(q, &m, 60000 * kn_ops_slowdown(kn_ops_best())), "frame %d lost", i);
+        cr_assert_eq(m.type, KM_MSG_ERROR, "%s before error %d", km_msg_type_name(m.type), i);
+        cr_assert_eq(m.error.code, KM_CODE_NOT_FOUND);
+        cr_assert_eq(m.error.id, 1000 + (uint64_t)i, "out of order at %d", i);
+        km_msg_clear(&m);
+    }
+    cr_assert(it_recv_msg(q, &m, 60000));
+    cr_assert_eq(m.type, KM_MSG_ADMIN_REPLY);
+    cr_assert_eq(m.admin_reply.id, 5000);
+    km_msg_clear(&m);
+    km_zsock_close(q);
+    km_zsock_close(s);
+    km_zsock_close(probe);
+    it_stop(&w);
+}

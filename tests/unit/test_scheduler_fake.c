@@ -309,6 +309,31 @@ Test(sched_fake, an_engine_error_ends_the_requests_of_its_batch_and_the_next_one
     fake_close(s);
 }
 
+/* What a worker reports during a step (its gate answers `status` then) is read after
+ * en_sched_prepare: the running set that step computes, with no engine step run yet. */
+Test(sched_fake, prepare_admits_what_the_next_step_runs_without_stepping)
+{
+    en_sched *s = fake_open(0, 64, (en_sched_opts){.max_batch_tokens = 64, .max_running = 1});
+    int32_t p[2][12];
+    out o[2];
+    memset(o, 0, sizeof o);
+    for (int i = 0; i < 2; i++) {
+        fake_prompt(p[i], 12, 40 + i);
+        en_sched_req r = greedy_req(p[i], 12, 3, &o[i]);
+        cr_assert_eq(en_sched_submit(s, &r, NULL), 0);
+    }
+    en_sched_stats st;
+    en_sched_stats_get(s, &st);
+    cr_assert(st.running == 0 && st.queued == 2);
+    en_sched_prepare(s);
+    en_sched_stats_get(s, &st);
+    cr_assert(st.running == 1 && st.queued == 1, "running %d queued %d", st.running, st.queued);
+    cr_assert_eq(g_fake->steps, 0, "no engine step yet");
+    run_all(s);
+    for (int i = 0; i < 2; i++) check_alone(&g_fake_be, p[i], 12, 3, &o[i], i);
+    fake_close(s);
+}
+
 Test(sched_fake, abort_all_hands_every_request_back_with_its_computed_pages_published)
 {
     en_sched *s = fake_open(0, 64, (en_sched_opts){.max_batch_tokens = 64, .max_running = 1});
