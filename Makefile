@@ -438,6 +438,21 @@ bench-moe: build moe-model ## MoE speed next to llama.cpp; hash vs expert KV sha
 fixtures: build ## regenerates tests/fixtures from llama.cpp (needs its build)
 	@bash tests/fixtures/gen_fixtures.sh
 
+# ------------------------------------------------------------------ deployment
+# The OCI image and its tests (docs/operations.md, "The container image"). Their packages
+# (mmdebstrap, podman, buildah, runc, prometheus) come from deploy/image-deps.sh, never from
+# `make deps`: `make test` neither needs nor installs a container runtime.
+.PHONY: image-deps image image-test
+image-deps: ## Debian packages for image, image-test (mmdebstrap, podman, buildah) and promtool
+	@bash deploy/image-deps.sh all
+
+image: build ## OCI image localhost/kvmesh:REV (+ REV-model) from Debian packages, saved as build/kvmesh-image.tar
+	@bash deploy/image-deps.sh image
+	@bash deploy/image/build.sh
+
+image-test: image ## loads build/kvmesh-image.tar, runs kvmesh up in a container, a completion from the host
+	@bash deploy/image/test.sh
+
 # ------------------------------------------------------------------ hygiene
 SRC_ALL = $(shell git ls-files '*.c' '*.h' 2>/dev/null)
 fmt: ## clang-format every tracked C file
