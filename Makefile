@@ -443,7 +443,7 @@ fixtures: build ## regenerates tests/fixtures from llama.cpp (needs its build)
 # The OCI image and its tests (docs/operations.md, "The container image"). Their packages
 # (mmdebstrap, podman, buildah, runc, prometheus) come from deploy/image-deps.sh, never from
 # `make deps`: `make test` neither needs nor installs a container runtime.
-.PHONY: image-deps image image-test check-rules monitoring-test
+.PHONY: image-deps image image-test k8s-test check-rules monitoring-test
 image-deps: ## Debian packages for image, image-test (mmdebstrap, podman, buildah), check-rules, monitoring-test (prometheus)
 	@bash deploy/image-deps.sh all
 
@@ -453,6 +453,9 @@ image: build ## OCI image localhost/kvmesh:REV (+ REV-model) from Debian package
 
 image-test: image ## loads build/kvmesh-image.tar, runs kvmesh up in a container, a completion from the host
 	@bash deploy/image/test.sh
+
+k8s-test: image ## deploy/k8s rendered and run with podman kube play: completions, a drain handoff, scaling 2 to 3
+	@bash deploy/k8s/test.sh
 
 check-rules: ## promtool check rules and the rules' unit tests, deploy/prometheus (skipped without promtool)
 	@bash deploy/prometheus/check.sh

@@ -8,9 +8,9 @@ set -euo pipefail
 
 what=${1:-all}
 case $what in
-image) PKGS=(mmdebstrap podman buildah runc uidmap) ;;
+image) PKGS=(mmdebstrap podman buildah runc uidmap catatonit) ;;
 monitoring) PKGS=(prometheus python3-yaml) ;;
-all) PKGS=(mmdebstrap podman buildah runc uidmap prometheus python3-yaml) ;;
+all) PKGS=(mmdebstrap podman buildah runc uidmap catatonit prometheus python3-yaml) ;;
 *) echo "image-deps: unknown set '$what' (image, monitoring, all)" >&2; exit 2 ;;
 esac
 
