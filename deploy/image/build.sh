@@ -114,7 +114,7 @@ echo "$REV" >build/kvmesh-image.rev
 mb() { echo $(( ($1 + 524288) / 1048576 )); }
 size=$(podman image inspect --format '{{.Size}}' "$IMG")
 msize=$(podman image inspect --format '{{.Size}}' "$IMG-model")
-say "$IMG: $(mb "$size") MB (model from a volume at /opt/kvmesh/models)"
-say "$IMG-model: $(mb "$msize") MB (the default model inside)"
-say "build/kvmesh-image.tar: $(mb "$(stat -c %s build/kvmesh-image.tar)") MB; build/kvmesh-image-model.tar: $(mb "$(stat -c %s build/kvmesh-image-model.tar)") MB"
+say "$IMG: $(mb "$size") MiB (model from a volume at /opt/kvmesh/models)"
+say "$IMG-model: $(mb "$msize") MiB (the default model inside)"
+say "build/kvmesh-image.tar: $(mb "$(stat -c %s build/kvmesh-image.tar)") MiB; build/kvmesh-image-model.tar: $(mb "$(stat -c %s build/kvmesh-image-model.tar)") MiB"
 say "load with: podman load -i build/kvmesh-image.tar (or docker load -i ...)"
