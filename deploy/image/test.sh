@@ -39,7 +39,7 @@ say "uid 10001, no compiler, the four binaries start"
 # 3. a cluster in a container; its router's HTTP port on 127.0.0.1 only
 MODELS=$(readlink -f models)
 NAME=kvmesh-image-test-$$
-cleanup() { podman rm --force --time 2 "$NAME" >/dev/null 2>&1 || true; }
+cleanup() { podman rm --force --volumes --time 2 "$NAME" >/dev/null 2>&1 || true; }
 trap cleanup EXIT
 podman run -d --name "$NAME" -p 127.0.0.1::8080 -v "$MODELS:/opt/kvmesh/models:ro" "$IMG" \
     up --workers 1 --routers 1 --kv-bytes 64M --run-dir /var/lib/kvmesh/run \

@@ -32,10 +32,17 @@ NET=kvmesh-k8s-$$
 # a /24 of 10.89.0.0/16 that no route uses yet
 for n in $(seq 37 99); do ip route | grep -q "^10\.89\.$n\." || { SUBNET=10.89.$n; break; }; done
 PODS=()
+podman volume ls -q >"$TMP/volumes-before"
 cleanup() {
     local p
     [ -z "${KVMESH_K8S_KEEP:-}" ] || { say "kept: $TMP, network $NET, pods ${PODS[*]}"; return; }
     for p in "${PODS[@]}"; do podman kube down "$TMP/pods/$p.yaml" >/dev/null 2>&1 || true; done
+    # the image's VOLUMEs became anonymous volumes (init containers' too), which kube down
+    # leaves: remove those made since the start that nothing uses (no --force)
+    local v
+    for v in $(podman volume ls -q); do
+        grep -qx "$v" "$TMP/volumes-before" || podman volume rm "$v" >/dev/null 2>&1 || true
+    done
     podman network rm --force "$NET" >/dev/null 2>&1 || true
     rm -rf "$TMP"
 }
