@@ -19,4 +19,11 @@ die() { echo "image-deps: error: $*" >&2; exit 1; }
 cd "$(dirname "$0")/.."
 # shellcheck source=apt.sh
 . deploy/apt.sh
+had_prom=$(dpkg-query -W -f='${Status}' prometheus 2>/dev/null | grep -c "install ok installed" || true)
 km_apt_install "${PKGS[@]}"
+# Debian's prometheus package starts its own service on *:9090 under systemd; the tests run
+# theirs on 127.0.0.1. Stop the one this script brought (an existing install is left alone).
+if [ "$had_prom" = 0 ] && [[ " ${PKGS[*]} " == *" prometheus "* ]] && [ -d /run/systemd/system ]; then
+    say "stopping and disabling the prometheus service the package started (the tests run their own)"
+    $([ "$(id -u)" -eq 0 ] || echo sudo) systemctl disable --now prometheus >/dev/null 2>&1 || true
+fi
