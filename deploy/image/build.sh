@@ -82,6 +82,9 @@ fi
 REV=$(git rev-parse --short=12 HEAD)
 git diff --quiet HEAD -- 2>/dev/null || REV=$REV-dirty
 IMG=localhost/kvmesh:$REV
+# what these tags name now: left untagged by this build, removed at its end
+old_ids=$(podman image inspect --format '{{.Id}}' "$IMG" "$IMG-model" localhost/kvmesh:latest \
+    localhost/kvmesh:latest-model 2>/dev/null | sort -u || true)
 ctr=$(buildah from --quiet "$BASE_IMG")
 trap 'buildah rm "$ctr" >/dev/null 2>&1 || true' EXIT
 for b in "${BINS[@]}"; do buildah copy --quiet --chmod 0755 "$ctr" "build/bin/$b" /usr/local/bin/ >/dev/null; done
@@ -101,6 +104,10 @@ buildah commit --quiet --rm "$ctr" "$IMG-model" >/dev/null
 trap - EXIT
 podman tag "$IMG" localhost/kvmesh:latest
 podman tag "$IMG-model" localhost/kvmesh:latest-model
+for id in $old_ids; do # only if nothing tags or uses it any more
+    [ -n "$(podman image inspect --format '{{.RepoTags}}' "$id" 2>/dev/null | tr -d '[]')" ] ||
+        podman rmi "$id" >/dev/null 2>&1 || true
+done
 
 # every library the binaries need resolves inside the image
 missing=$(podman run --rm --entrypoint /bin/sh "$IMG" -c 'ldd /usr/local/bin/kvmesh*' | grep 'not found' || true)
