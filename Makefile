@@ -494,12 +494,10 @@ fmt: ## clang-format every tracked C file
 	clang-format -i $(SRC_ALL)
 
 # Comments say why in a few lines; figures go to docs/benchmarks.md (CONTRIBUTING.md, "Comments").
-# CHECK_COMMENTS_PENDING: paths not yet brought in line, skipped until then (to be emptied).
-CHECK_COMMENTS_PENDING :=
 .PHONY: check-comments
 check-comments: ## no comment block over 12 lines but a file's opening one, no measurement in a comment
 	@python3 tests/check_comments.py --self-test
-	@python3 tests/check_comments.py $(addprefix --exclude ,$(CHECK_COMMENTS_PENDING))
+	@python3 tests/check_comments.py
 
 # emu512_avx2.c fills GCC vector locals lane by lane, which cppcheck takes for uninitialised reads.
 lint: help-check check-comments ## clang-format check, cppcheck, comments, and a help note for every target (first step of make test)
