@@ -159,7 +159,7 @@ $(BIN)/kvmesh-controller: $(OBJ)/controller/main.o $(CONTROLLER_LIBS)
 # Each library is linked alone into a shared object, with only the libraries DESIGN.md's arrows
 # put below it and --no-undefined: a call from a library into one above it (a back-edge) fails
 # here even where no daemon's link would notice. Part of `make build`. (check-layers, below, is
-# kvshard's own file layering.)
+# the file layering inside kvshard, worker and router.)
 LINKS := $(BUILD)/links
 # The engine is also linked without ZeroMQ, CZMQ, libuv, h2o or UCX (ENGINE_LDLIBS): an engine
 # file that reached for a socket library fails here.
@@ -276,9 +276,10 @@ test: deps ## the gate (`bash .ci/run`): lint, check-rules, build, layers, unit 
 # kvshard's files are layers whose calls go one way (docs/kvshard.md, "Layers"): read from the
 # built library, so a call back up fails here.
 .PHONY: check-layers
-check-layers: $(LIB_KVSHARD) $(LIB_WORKER) ## kvshard's and worker's calls go one way down their layers
+check-layers: $(LIB_KVSHARD) $(LIB_WORKER) $(LIB_ROUTER) ## kvshard's, worker's, router's calls go one way down their layers
 	@bash tests/check_layers.sh kvshard $(LIB_KVSHARD)
 	@bash tests/check_layers.sh worker $(LIB_WORKER)
+	@bash tests/check_layers.sh router $(LIB_ROUTER)
 
 # A prefetch changes no result, so no test sees one go missing: read from the built objects.
 .PHONY: check-prefetch

@@ -2,8 +2,8 @@
  * clients.c — the router's ZeroMQ front (internal.h): client `req` frames become requests
  * (their prompt tokenized, or their token ids checked against the vocabulary), client `cancel`
  * frames cancel them (text prompts are tokenized by prompt.c), and anything else gets an `err`
- * (with the frame's id when it had one, km_msg.rejected_id). rt_rq_start, shared with the HTTP
- * front, computes the page-hash chain that routing keys on and hands the request to dispatch.
+ * (with the frame's id when it had one, km_msg.rejected_id). rt_rq_start (prompt.c), shared with
+ * the HTTP front, computes the page-hash chain that routing keys on and hands the request on.
  *
  * The router forwards every request as token ids with stream=true, whatever the client asked:
  * the worker then never tokenizes differently from the router's page-hash chain, and the router
@@ -30,42 +30,6 @@ bool rt_model_ok(rt_router *r, const char *model)
         return true;
     return !strcmp(model, r->model_name) || !strcmp(model, "default") ||
            (r->c.model_name && !strcmp(model, r->c.model_name)) || !strcmp(model, r->fp);
-}
-
-/* Everything after the prompt is in q->tokens: the chain, the key, then dispatch. */
-int rt_rq_start(rt_router *r, rt_rq *q)
-{
-    if (q->n_prompt <= 0) {
-        rt_rq_fail(r, q, KM_CODE_BAD_REQUEST, 0, "the prompt is empty after tokenization");
-        return KM_EINVAL;
-    }
-    if ((uint32_t)q->n_prompt > r->lim.max_prompt_tok) {
-        char m[160];
-        snprintf(m, sizeof m, "prompt of %d tokens exceeds the limit of %u", q->n_prompt,
-                 r->lim.max_prompt_tok);
-        rt_rq_fail(r, q, KM_CODE_TOO_LARGE, 0, m);
-        return KM_ERANGE;
-    }
-    km_pagehash seed = km_pagehash_seed(r->fp, strlen(r->fp), r->c.cluster_seed, q->salt,
-                                        q->salt ? strlen(q->salt) : 0);
-    int np = q->n_prompt / r->c.page_tokens;
-    q->chain = malloc(sizeof *q->chain * (size_t)(np ? np : 1));
-    if (!q->chain) {
-        rt_rq_fail(r, q, KM_CODE_INTERNAL, 0, "out of memory");
-        return KM_ENOMEM;
-    }
-    q->n_chain =
-        np ? km_pagehash_chain(seed, q->tokens, q->n_prompt, r->c.page_tokens, q->chain, np) : 0;
-    /* the rendezvous key: the first page, or (a prompt shorter than a page) its tokens */
-    q->key = q->n_chain > 0 ? q->chain[0] : km_pagehash_next(seed, q->tokens, q->n_prompt);
-    if (!q->max_tokens) q->max_tokens = r->c.default_max_tokens;
-    q->load = rt_fair_tenant(r, q->tenant);
-    if (!q->rid) { /* a prompt tokenized on the thread pool is in the table already */
-        q->rid = ++r->next_rid;
-        rt_rq_link(r, q);
-    }
-    r->n_requests++;
-    return rt_dispatch(r, q, false);
 }
 
 int rt_rq_compose_salt(rt_rq *q, const km_apikey_match *key)

@@ -14,45 +14,21 @@
 
 #include "router/internal.h"
 
+bool rt_member_routable(bool connected, bool view_fresh, bool in_view, km_member_state state)
+{
+    if (!connected) return false; /* the router's own liveness always has a veto */
+    if (!view_fresh) return true;
+    /* a fresh view is the membership: a slot it does not name (never joined, or forgotten by
+     * the controller) gets nothing, however alive its connection looks */
+    return in_view && state == KM_MEMBER_READY;
+}
+
 /* May w get a new request now: its connection is up, it did not just refuse one (503/529), and a
  * fresh view, when it names w, says "ready". */
 bool rt_wk_routable(rt_router *r, rt_wk *w, uint64_t now)
 {
     if (w->draining && now >= w->draining_until_ms) w->draining = false;
     return !w->draining && rt_member_routable(w->connected, r->view_fresh, w->in_view, w->member);
-}
-
-/* May w be the source of a pull (pull.c): it need not take requests; a draining worker still
- * serves the pages of the requests migrated off it. */
-bool rt_wk_serves_pages(const rt_router *r, const rt_wk *w)
-{
-    return w->xfer.addr_len > 0 &&
-           rt_member_serves_pages(w->connected, r->view_fresh, w->in_view, w->member);
-}
-
-/* Takes q off its owner's waiting list. */
-void rt_rq_unpark(rt_rq *q)
-{
-    if (!q->parked) return;
-    rt_rq **pp = &q->owner->waiters;
-    while (*pp && *pp != q) pp = &(*pp)->wnext;
-    if (*pp) *pp = q->wnext;
-    q->parked = false;
-    q->owner = NULL;
-    q->wnext = NULL;
-}
-
-/* The owner's prefix is computed (or the owner is gone): its waiters go on their way. */
-void rt_rq_release_waiters(rt_router *r, rt_rq *owner)
-{
-    while (owner->waiters) {
-        rt_rq *w = owner->waiters;
-        owner->waiters = w->wnext;
-        w->parked = false;
-        w->owner = NULL;
-        w->wnext = NULL;
-        if (!r->stopping) rt_dispatch(r, w, false);
-    }
 }
 
 uint32_t rt_retry_after_ms(rt_router *r)

@@ -345,36 +345,6 @@ static char *prompt_text(rt_router *r, const rt_oai_req *oq, bool chat, size_t *
     return txt;
 }
 
-/* OpenAI's context check, with its counts: a prompt that leaves no room in the context, or one
- * whose max_tokens asked for more than is left, is 400 context_length_exceeded (the workers
- * would otherwise cap the completion silently). True when it answered. */
-static bool over_context(rt_router *r, km_http_req *h, const rt_rq *q, uint32_t asked, bool chat)
-{
-    uint32_t ctx = r->c.max_ctx, np = (uint32_t)q->n_prompt;
-    if (!ctx || (np < ctx && (uint64_t)np + asked <= ctx)) return false;
-    const char *what = chat ? "messages" : "prompt";
-    char m[400];
-    if (np >= ctx)
-        snprintf(m, sizeof m,
-                 "This model's maximum context length is %u tokens. However, your %s resulted "
-                 "in %u tokens. Please reduce the length of the %s.",
-                 ctx, what, np, what);
-    else
-        snprintf(m, sizeof m,
-                 "This model's maximum context length is %u tokens. However, you requested %llu "
-                 "tokens (%u in the %s, %u in the completion). Please reduce the length of the "
-                 "%s or completion.",
-                 ctx, (unsigned long long)np + asked, np, what, asked, what);
-    rt_oai_err e;
-    rt_oai_err_from_code(KM_CODE_TOO_LARGE, m, &e);
-    e.param = what;
-    km_buf b = {0};
-    rt_oai_error_json(&b, &e);
-    km_http_respond(h, e.status, "application/json", NULL, b.data, b.len);
-    km_buf_free(&b);
-    return true;
-}
-
 /* POST /v1/completions or /v1/chat/completions: a request of the router's table, answered as
  * SSE chunks or one JSON body. */
 static void on_completion(rt_router *r, km_http_req *h, bool chat)
@@ -440,27 +410,6 @@ static void on_completion(rt_router *r, km_http_req *h, bool chat)
     /* tokenized on or off the loop (prompt.c), then rt_front_tokens_ready, then started */
     rt_rq_prepare(r, q, text, len, chat ? 0 : 1); /* a rendered template carries its BOS */
     rt_pump(r);
-}
-
-int rt_front_tokens_ready(rt_router *r, rt_rq *q)
-{
-    if (over_context(r, q->http, q, q->max_tokens, q->http_chat)) {
-        rt_rq_end(r, q);
-        return 1;
-    }
-    if (q->http_stream) {
-        km_http_stream_begin(q->http, 200, "text/event-stream");
-        q->http_began = true;
-        if (q->http_chat) {
-            rt_oai_meta m;
-            km_buf b = {0};
-            rt_rq_oai_meta(r, q, &m, NULL);
-            if (!rt_oai_sse_chunk(&b, &m, NULL, 0, NULL))
-                km_http_stream_write(q->http, b.data, b.len);
-            km_buf_free(&b);
-        }
-    }
-    return 0;
 }
 
 static void on_completions(km_http_req *h, void *user)

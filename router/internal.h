@@ -2,18 +2,25 @@
  * internal.h — the router daemon's state and what its files share. Private to router/: router.h
  * is the component's contract, route.h the routing core these files drive.
  *
- * A request's way through the files, for a newcomer:
- *   clients.c   a ZeroMQ `req` arrives (front.c: an HTTP completion) -> tokenize, page-hash chain
- *   dispatch.c  pick a worker by the cost model (route.h) and send it, or queue or park it
- *   relay.c     the worker's `tok` frames go back to the client; `done` ends it; a dead worker's
- *               requests migrate (replayed or continued) to another
- *   requests.c  the request table, the router queue, and every reply a client gets
+ * The files, in their one-way order (a file calls only those below it; `make check-layers`,
+ * tests/check_layers.sh), with a request's way through them:
+ *   router.c    create/run/destroy and the loop that drains every socket
+ *   front.c     an HTTP completion arrives (OpenAI API; replies built by openai.c)
+ *   clients.c   a ZeroMQ `req` or `cancel` arrives; client connections come and go
+ *   view.c      the controller's view, narrowing which workers get new requests
  *   workers.c   one DEALER per worker with its socket monitor (liveness), the KV event stream
  *               and its replay after a gap
- *   view.c      the controller's view, narrowing which workers get new requests
- *   pull.c      pull or recompute: a pull hint when another worker holds more of the prefix
+ *   relay.c     the worker's `tok` frames go back to the client; `done` ends it; a dead worker's
+ *               requests migrate (replayed or continued) to another
+ *   prompt.c    tokenize (on or off the loop), then rt_rq_start: page-hash chain, dispatch
+ *   dispatch.c  pick a worker by the cost model (route.h) and send it, or queue or park it
+ *   requests.c  the request table, the router queue, a request's end, every reply a client gets
  *   metrics.c   the Prometheus series
- *   router.c    create/run/destroy and the loop that drains every socket
+ *   pull.c      pull or recompute: a pull hint when another worker holds more of the prefix
+ *   evstream.c index.c policy.c openai.c fair.c tenants.c   leaves
+ *   state.c     the clock; rt_pump and the socket watch, which call up through r->pump
+ * Two calls go back up through hooks router.c sets: r->pump (drain every socket) and
+ * r->redispatch (rt_dispatch, for the waiters a request releases as it ends).
  *
  * Everything here runs on the router's one loop thread, so none of it takes a lock.
  */
@@ -101,6 +108,18 @@ struct rt_rq {
      * on the chosen worker waits for that request's first token (its pages are then cached) */
     rt_rq *owner, *waiters, *wnext;
     bool parked;
+};
+
+/* A prompt being tokenized on the thread pool (prompt.c), q->tokjob. */
+struct rt_tokjob {
+    uv_work_t work;
+    rt_router *r;
+    rt_rq *q; /* NULL once the request ended without it */
+    char *text;
+    size_t len;
+    int add_special;
+    int32_t *tokens;
+    int cap, n; /* n: the token count, or a negative km_err */
 };
 
 /* What the controller's view says about a worker's page transfer (pull.c). */
@@ -211,6 +230,10 @@ struct rt_router {
         *s_abandoned;
     bool stopping, running;
     bool pumping;
+    /* the two calls back up the layers, set by router.c: the drain of every socket (rt_pump),
+     * and rt_dispatch for the waiters a request releases as it ends (requests.c) */
+    void (*pump)(rt_router *r);
+    int (*redispatch)(rt_router *r, rt_rq *q, bool from_queue);
     /* the controller's cluster view (--controller) */
     void *vsub;
     uv_poll_t p_vsub;
@@ -222,10 +245,10 @@ struct rt_router {
     km_series *s_hints[2];                 /* kvmesh_router_pull_hints_total{outcome} */
 };
 
-/* ---------------------------------------------------------------- router.c: the loop */
+/* ---------------------------------------------------------------- state.c: clock, loop hooks */
 
 uint64_t rt_now_ms(void);
-/* Drains every ZeroMQ socket until none has anything to read. */
+/* Drains every ZeroMQ socket until none has anything to read (router.c, through r->pump). */
 void rt_pump(rt_router *r);
 /* Watches a ZeroMQ socket's descriptor on the loop (readable: rt_pump). */
 int rt_open_poll(rt_router *r, uv_poll_t *p, void *sock, km_errbuf *err);
@@ -238,6 +261,12 @@ rt_rq *rt_rq_new(rt_router *r, rq_origin origin);
 void rt_rq_free(rt_rq *q);
 void rt_rq_link(rt_router *r, rt_rq *q); /* into the table under q->rid */
 void rt_rq_unlink(rt_router *r, rt_rq *q);
+/* Takes q off its owner's waiting list (parked behind a prefix being computed). */
+void rt_rq_unpark(rt_rq *q);
+/* The owner's prefix is computed (or the owner is gone): its waiters go on their way. */
+void rt_rq_release_waiters(rt_router *r, rt_rq *owner);
+/* q ends while its prompt is on the thread pool: the job's result will be thrown away. */
+void rt_rq_detach_tokjob(rt_rq *q);
 rt_rq *rt_rq_find(rt_router *r, uint64_t rid);
 /* The router queue (front: a migrated request goes first). */
 void rt_queue_push(rt_router *r, rt_rq *q, bool front);
@@ -274,16 +303,11 @@ void rt_send_error_env(rt_router *r, const km_zframe *env, int n_env, uint64_t i
 /* May w get a new request now: its connection is up, it did not just refuse one (503/529), and a
  * fresh view, when it names w, says "ready". */
 bool rt_wk_routable(rt_router *r, rt_wk *w, uint64_t now);
-bool rt_wk_serves_pages(const rt_router *r, const rt_wk *w);
 /* Sends q to a worker, or queues or parks it. Returns 0, or a negative km_err when q was failed
  * and freed. */
 int rt_dispatch(rt_router *r, rt_rq *q, bool from_queue);
 /* Dispatches queued requests while workers take them; fails those past their deadline. */
 void rt_pump_queue(rt_router *r);
-/* Takes q off its owner's waiting list (parked behind a prefix being computed). */
-void rt_rq_unpark(rt_rq *q);
-/* The owner's prefix is computed (or the owner is gone): its waiters go on their way. */
-void rt_rq_release_waiters(rt_router *r, rt_rq *owner);
 /* When a refused client may retry: the queue ahead over the cluster's capacity, 0.1..30 s. */
 uint32_t rt_retry_after_ms(rt_router *r);
 
@@ -309,9 +333,6 @@ bool rt_model_ok(rt_router *r, const char *model);
  * tenant's namespace, an unkeyed one's as it came unless it names that namespace. KM_ERANGE
  * when the result is longer than a protocol salt (256 bytes). */
 int rt_rq_compose_salt(rt_rq *q, const km_apikey_match *key);
-/* Everything after the prompt is in q->tokens: the chain, the key, the table, then dispatch.
- * On failure q has been answered and freed. */
-int rt_rq_start(rt_router *r, rt_rq *q);
 /* The client gave up: a queued or parked request ends now (done: canceled); one at a worker is
  * canceled there, and the worker's done(canceled) ends it. */
 void rt_rq_cancel(rt_router *r, rt_rq *q);
@@ -355,8 +376,12 @@ rt_rq *rt_fair_next(rt_router *r);
  * on the thread pool (q is in the table meanwhile, with q->tokjob set). On failure q has been
  * answered and freed. */
 void rt_rq_prepare(rt_router *r, rt_rq *q, char *text, size_t len, int add_special);
-/* q ends while its prompt is on the thread pool: the job's result will be thrown away. */
-void rt_rq_detach_tokjob(rt_rq *q);
+/* Everything after the prompt is in q->tokens: the chain, the key, the table, then dispatch.
+ * On failure q has been answered and freed. */
+int rt_rq_start(rt_router *r, rt_rq *q);
+/* An HTTP request's prompt is tokenized: a prompt + max_tokens over the context is answered 400
+ * here (q ended, 1); otherwise a streaming response begins and 0 (prompt.c starts q). */
+int rt_front_tokens_ready(rt_router *r, rt_rq *q);
 
 /* ---------------------------------------------------------------- workers.c: links, KV events */
 
@@ -418,13 +443,13 @@ void rt_pull_advise(rt_router *r, rt_rq *q, int pick, const rt_match *m);
 void rt_pull_outcome(rt_router *r, rt_rq *q, rt_wk *w, uint32_t cached);
 /* q's hint, if any, into the request frame to the chosen worker. */
 void rt_pull_hint(rt_router *r, const rt_rq *q, km_msg_request *out);
+/* May w be the source of a pull: it need not take requests; a draining worker still serves the
+ * pages of the requests migrated off it. */
+bool rt_wk_serves_pages(const rt_router *r, const rt_wk *w);
 int rt_pull_metrics(rt_router *r, km_errbuf *err);
 
 /* ---------------------------------------------------------------- front.c: HTTP */
 
-/* An HTTP request's prompt is tokenized: a prompt + max_tokens over the context is answered 400
- * here (q ended, 1); otherwise a streaming response begins and 0 (prompt.c starts q). */
-int rt_front_tokens_ready(rt_router *r, rt_rq *q);
 /* Starts the HTTP front on the router's loop (nothing when the config turns it off): /healthz,
  * /readyz, /metrics, /v1/models, /v1/status (and /status), /v1/completions,
  * /v1/chat/completions, by front.c's route table. */

@@ -2,7 +2,7 @@
  * prompt.c — a text prompt becomes token ids without ever blocking the router's loop
  * (internal.h): its size is checked in bytes before anything else, a short prompt is tokenized
  * on the loop, a long one on libuv's thread pool, and the request starts (rt_rq_start) when its
- * tokens are back.
+ * tokens are back; an HTTP request's context check and stream begin first (rt_front_tokens_ready).
  *
  * Why: the loop relays every token of every stream and answers every client; tokenizing a 4 MB
  * one-word prompt took it 3.8 s (twice, once to size the buffer), and with six of them in flight
@@ -26,17 +26,6 @@
 /* Prompts up to this many bytes are tokenized on the loop. */
 #define RT_TOK_LOOP_BYTES 8192
 
-struct rt_tokjob {
-    uv_work_t work;
-    rt_router *r;
-    rt_rq *q; /* NULL once the request ended without it */
-    char *text;
-    size_t len;
-    int add_special;
-    int32_t *tokens;
-    int cap, n; /* n: the token count, or a negative km_err */
-};
-
 /* Tokens of text into a buffer with room for the completion too (q->cap). */
 static int encode(const md_tokenizer *tok, const char *text, size_t len, int add_special,
                   int32_t **out, int *cap)
@@ -54,6 +43,93 @@ static void tok_work(uv_work_t *w)
 {
     rt_tokjob *j = w->data;
     j->n = encode(j->r->tok, j->text, j->len, j->add_special, &j->tokens, &j->cap);
+}
+
+/* Everything after the prompt is in q->tokens: the chain, the key, then dispatch. */
+int rt_rq_start(rt_router *r, rt_rq *q)
+{
+    if (q->n_prompt <= 0) {
+        rt_rq_fail(r, q, KM_CODE_BAD_REQUEST, 0, "the prompt is empty after tokenization");
+        return KM_EINVAL;
+    }
+    if ((uint32_t)q->n_prompt > r->lim.max_prompt_tok) {
+        char m[160];
+        snprintf(m, sizeof m, "prompt of %d tokens exceeds the limit of %u", q->n_prompt,
+                 r->lim.max_prompt_tok);
+        rt_rq_fail(r, q, KM_CODE_TOO_LARGE, 0, m);
+        return KM_ERANGE;
+    }
+    km_pagehash seed = km_pagehash_seed(r->fp, strlen(r->fp), r->c.cluster_seed, q->salt,
+                                        q->salt ? strlen(q->salt) : 0);
+    int np = q->n_prompt / r->c.page_tokens;
+    q->chain = malloc(sizeof *q->chain * (size_t)(np ? np : 1));
+    if (!q->chain) {
+        rt_rq_fail(r, q, KM_CODE_INTERNAL, 0, "out of memory");
+        return KM_ENOMEM;
+    }
+    q->n_chain =
+        np ? km_pagehash_chain(seed, q->tokens, q->n_prompt, r->c.page_tokens, q->chain, np) : 0;
+    /* the rendezvous key: the first page, or (a prompt shorter than a page) its tokens */
+    q->key = q->n_chain > 0 ? q->chain[0] : km_pagehash_next(seed, q->tokens, q->n_prompt);
+    if (!q->max_tokens) q->max_tokens = r->c.default_max_tokens;
+    q->load = rt_fair_tenant(r, q->tenant);
+    if (!q->rid) { /* a prompt tokenized on the thread pool is in the table already */
+        q->rid = ++r->next_rid;
+        rt_rq_link(r, q);
+    }
+    r->n_requests++;
+    return rt_dispatch(r, q, false);
+}
+
+/* OpenAI's context check, with its counts: a prompt that leaves no room in the context, or one
+ * whose max_tokens asked for more than is left, is 400 context_length_exceeded (the workers
+ * would otherwise cap the completion silently). True when it answered. */
+static bool over_context(rt_router *r, km_http_req *h, const rt_rq *q, uint32_t asked, bool chat)
+{
+    uint32_t ctx = r->c.max_ctx, np = (uint32_t)q->n_prompt;
+    if (!ctx || (np < ctx && (uint64_t)np + asked <= ctx)) return false;
+    const char *what = chat ? "messages" : "prompt";
+    char m[400];
+    if (np >= ctx)
+        snprintf(m, sizeof m,
+                 "This model's maximum context length is %u tokens. However, your %s resulted "
+                 "in %u tokens. Please reduce the length of the %s.",
+                 ctx, what, np, what);
+    else
+        snprintf(m, sizeof m,
+                 "This model's maximum context length is %u tokens. However, you requested %llu "
+                 "tokens (%u in the %s, %u in the completion). Please reduce the length of the "
+                 "%s or completion.",
+                 ctx, (unsigned long long)np + asked, np, what, asked, what);
+    rt_oai_err e;
+    rt_oai_err_from_code(KM_CODE_TOO_LARGE, m, &e);
+    e.param = what;
+    km_buf b = {0};
+    rt_oai_error_json(&b, &e);
+    km_http_respond(h, e.status, "application/json", NULL, b.data, b.len);
+    km_buf_free(&b);
+    return true;
+}
+
+int rt_front_tokens_ready(rt_router *r, rt_rq *q)
+{
+    if (over_context(r, q->http, q, q->max_tokens, q->http_chat)) {
+        rt_rq_end(r, q);
+        return 1;
+    }
+    if (q->http_stream) {
+        km_http_stream_begin(q->http, 200, "text/event-stream");
+        q->http_began = true;
+        if (q->http_chat) {
+            rt_oai_meta m;
+            km_buf b = {0};
+            rt_rq_oai_meta(r, q, &m, NULL);
+            if (!rt_oai_sse_chunk(&b, &m, NULL, 0, NULL))
+                km_http_stream_write(q->http, b.data, b.len);
+            km_buf_free(&b);
+        }
+    }
+    return 0;
 }
 
 /* The tokens are in q (or the encode failed): the request goes on, or ends with an error. */
@@ -130,10 +206,4 @@ void rt_rq_prepare(rt_router *r, rt_rq *q, char *text, size_t len, int add_speci
         return;
     }
     km_counter_inc(r->s_tok_pool);
-}
-
-void rt_rq_detach_tokjob(rt_rq *q)
-{
-    if (q->tokjob) q->tokjob->q = NULL;
-    q->tokjob = NULL;
 }

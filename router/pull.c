@@ -24,6 +24,26 @@
 
 #include "router/internal.h"
 
+bool rt_member_serves_pages(bool connected, bool view_fresh, bool in_view, km_member_state state)
+{
+    if (!connected) return false;
+    if (!view_fresh) return true;
+    /* a draining worker (or one level 3 drained, "restarting", while its old process lingers)
+     * takes no request but still answers pulls of its pages: its migrated requests move with
+     * their KV (docs/transfer.md). A pull from a process that has none is only a slower
+     * request: the puller computes what was not offered. */
+    return in_view && (state == KM_MEMBER_READY || state == KM_MEMBER_DRAINING ||
+                       state == KM_MEMBER_RESTARTING);
+}
+
+/* May w be the source of a pull: it need not take requests; a draining worker still
+ * serves the pages of the requests migrated off it. */
+bool rt_wk_serves_pages(const rt_router *r, const rt_wk *w)
+{
+    return w->xfer.addr_len > 0 &&
+           rt_member_serves_pages(w->connected, r->view_fresh, w->in_view, w->member);
+}
+
 const char *const rt_pull_decision_names[RT_PULL_DECISIONS] = {"pull", "recompute", "unmeasured"};
 
 bool rt_pull_hint_ok(uint32_t cached_tokens, uint32_t pull_pages, int page_tokens)

@@ -193,6 +193,39 @@ void rt_rq_expire(rt_router *r, uint64_t now)
     }
 }
 
+/* q ends while its prompt is on the thread pool: the job's result will be thrown away. */
+void rt_rq_detach_tokjob(rt_rq *q)
+{
+    if (q->tokjob) q->tokjob->q = NULL;
+    q->tokjob = NULL;
+}
+
+/* Takes q off its owner's waiting list. */
+void rt_rq_unpark(rt_rq *q)
+{
+    if (!q->parked) return;
+    rt_rq **pp = &q->owner->waiters;
+    while (*pp && *pp != q) pp = &(*pp)->wnext;
+    if (*pp) *pp = q->wnext;
+    q->parked = false;
+    q->owner = NULL;
+    q->wnext = NULL;
+}
+
+/* The owner's prefix is computed (or the owner is gone): its waiters go on their way, through
+ * r->redispatch (rt_dispatch, above this file: ending a request can dispatch others). */
+void rt_rq_release_waiters(rt_router *r, rt_rq *owner)
+{
+    while (owner->waiters) {
+        rt_rq *w = owner->waiters;
+        owner->waiters = w->wnext;
+        w->parked = false;
+        w->owner = NULL;
+        w->wnext = NULL;
+        if (!r->stopping) r->redispatch(r, w, false);
+    }
+}
+
 void rt_rq_end(rt_router *r, rt_rq *q)
 {
     rt_rq_detach_tokjob(q);

@@ -27,11 +27,6 @@
 
 #include "router/internal.h"
 
-uint64_t rt_now_ms(void)
-{
-    return km_now_ns() / 1000000ull;
-}
-
 /* ---------------------------------------------------------------- the loop */
 
 /* One worker's sockets, in one pass: its answers, its connection events, its KV events (a
@@ -58,8 +53,8 @@ static int rt_pump_worker(rt_router *r, rt_wk *w)
     return got;
 }
 
-/* Drains every ZeroMQ socket until none has anything to read. */
-void rt_pump(rt_router *r)
+/* Drains every ZeroMQ socket until none has anything to read (r->pump: rt_pump). */
+static void pump(rt_router *r)
 {
     if (r->pumping || r->stopping) return;
     r->pumping = true;
@@ -94,11 +89,6 @@ void rt_pump(rt_router *r)
     r->pumping = false;
 }
 
-static void on_zpoll(uv_poll_t *p, int status, int events)
-{
-    rt_pump(p->data);
-}
-
 static void on_check(uv_check_t *c)
 {
     rt_pump(c->data);
@@ -128,17 +118,6 @@ static void on_tick(uv_timer_t *t)
         rt_index_sweep(r->index, now);
     }
     rt_pump(r);
-}
-
-int rt_open_poll(rt_router *r, uv_poll_t *p, void *sock, km_errbuf *err)
-{
-    int fd;
-    int rc = km_zsock_fd(sock, &fd, err);
-    if (rc) return rc;
-    uv_poll_init(&r->loop, p, fd);
-    p->data = r;
-    uv_poll_start(p, UV_READABLE, on_zpoll);
-    return 0;
 }
 
 static void on_stop_async(uv_async_t *a)
@@ -255,6 +234,8 @@ int rt_router_create(const rt_config *c, rt_router **out, km_errbuf *err)
     if (c->page_tokens <= 0) return km_errf(err, KM_EINVAL, "router: page_tokens must be > 0");
     rt_router *r = calloc(1, sizeof *r);
     if (!r) return km_errf(err, KM_ENOMEM, "router: out of memory");
+    r->pump = pump;
+    r->redispatch = rt_dispatch;
     r->c = *c;
     if (r->c.worker_slots <= 0) r->c.worker_slots = 8;
     if (r->c.max_attempts <= 0) r->c.max_attempts = 3;

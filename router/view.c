@@ -76,27 +76,6 @@ bool rt_endpoint_same(const char *a, const char *b)
     return !strcmp(na, nb);
 }
 
-bool rt_member_routable(bool connected, bool view_fresh, bool in_view, km_member_state state)
-{
-    if (!connected) return false; /* the router's own liveness always has a veto */
-    if (!view_fresh) return true;
-    /* a fresh view is the membership: a slot it does not name (never joined, or forgotten by
-     * the controller) gets nothing, however alive its connection looks */
-    return in_view && state == KM_MEMBER_READY;
-}
-
-bool rt_member_serves_pages(bool connected, bool view_fresh, bool in_view, km_member_state state)
-{
-    if (!connected) return false;
-    if (!view_fresh) return true;
-    /* a draining worker (or one level 3 drained, "restarting", while its old process lingers)
-     * takes no request but still answers pulls of its pages: its migrated requests move with
-     * their KV (docs/transfer.md). A pull from a process that has none is only a slower
-     * request: the puller computes what was not offered. */
-    return in_view && (state == KM_MEMBER_READY || state == KM_MEMBER_DRAINING ||
-                       state == KM_MEMBER_RESTARTING);
-}
-
 bool rt_member_migrates(bool view_fresh, bool in_view, km_member_state state)
 {
     return view_fresh && in_view && state == KM_MEMBER_DEAD;

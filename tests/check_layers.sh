@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # check_layers.sh COMPONENT LIB — a component's files are layers and calls go one way: a file may
 # call the functions of the files on the lines below its own, never those on its line or above
-# (docs/kvshard.md "Layers", docs/architecture.md for worker/). Read from the compiled library
-# (nm), so a call that goes back up fails `make check-layers` (part of `make test`) whatever the
-# sources look like. The layers of every checked component are listed here, top first.
+# (docs/kvshard.md "Layers", docs/architecture.md for worker/ and router/). Read from the compiled
+# library (nm), so a call that goes back up fails `make check-layers` (part of `make test`)
+# whatever the sources look like. The layers of every checked component are listed here, top
+# first.
 set -euo pipefail
 comp=${1:?usage: check_layers.sh COMPONENT LIB}
 lib=${2:?usage: check_layers.sh COMPONENT LIB}
@@ -39,6 +40,23 @@ worker)
         "events"            # KV events, replay, snapshots
         "frames metrics"    # frames out and refusals counted; the series
         "state"             # the state, shared names and KV facts
+    )
+    ;;
+router)
+    layers=(
+        "router"   # top: create/destroy, the loop that drains every socket
+        "front"    # the HTTP front (OpenAI API, status)
+        "clients"  # the ZeroMQ front: req, cancel, client connections
+        "view"     # the controller's view, which workers exist and get requests
+        "workers"  # one link per worker: its frames, liveness, KV event stream
+        "relay"    # a worker's tok/done/err back to the client; migration
+        "prompt"   # text to tokens, then the request starts
+        "dispatch" # choosing a worker, the router queue's pump, parking
+        "requests" # the request table and queue, the end of a request, replies
+        "metrics"  # the Prometheus series
+        "pull"     # pull or recompute
+        "evstream index policy openai fair tenants" # leaves
+        "state"    # the clock and the loop's hooks
     )
     ;;
 *)
