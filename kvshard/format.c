@@ -240,33 +240,50 @@ void kv_page_read_row(const kv_store *s, const uint8_t *page, kv_format f, int l
 
 /* ---------------------------------------------------------------- values that are numbers */
 
-/* Whether any of n f16 (bf16: exp_mask 0x7f80) values is an infinity or a NaN: the exponent all
- * ones. Branch-free, so the compiler vectorizes it; it runs over every page a peer sends. */
-static int kv_any_exp_ones(const uint8_t *p, size_t n, uint16_t exp_mask)
+/* Whether any lane (16-bit lanes: lane_lo 0x0001..., 8-bit: 0x01...) of the n bytes at p has
+ * every bit of `mask` (the mask replicated per lane) set: an f16/bf16 exponent all ones (an
+ * infinity or a NaN), or an E4M3 NaN (S.1111.111). Eight bytes at a time: a lane of
+ * x = (w & mask) ^ mask is zero exactly then, and (x - lo) & ~x & high is non-zero iff a lane of
+ * x is zero. It runs over every page a peer sends, so it must keep up with the network. */
+static int kv_any_lane_all_ones(const uint8_t *p, size_t n, uint64_t mask, uint64_t lane_lo)
 {
-    unsigned bad = 0;
-    for (size_t i = 0; i < n; i++) {
-        uint16_t v;
-        memcpy(&v, p + 2 * i, 2);
-        bad |= (v & exp_mask) == exp_mask;
+    const uint64_t lane_hi = lane_lo << (lane_lo == 0x0101010101010101ull ? 7 : 15);
+    uint64_t bad = 0;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t w;
+        memcpy(&w, p + i, 8);
+        uint64_t x = (w & mask) ^ mask;
+        bad |= (x - lane_lo) & ~x & lane_hi;
+    }
+    if (i < n) { /* the tail, zero-padded: a padding lane of x is the mask, never zero */
+        uint64_t w = 0;
+        memcpy(&w, p + i, n - i);
+        uint64_t x = (w & mask) ^ mask;
+        bad |= (x - lane_lo) & ~x & lane_hi;
     }
     return bad != 0;
 }
+
+#define KV_LANES16(v) (0x0001000100010001ull * (uint64_t)(v))
+#define KV_LANES8(v)  (0x0101010101010101ull * (uint64_t)(v))
 
 int kv_page_finite(const kv_store *s, const uint8_t *page, kv_format f)
 {
     const kv_layout *L = &s->lay[f];
     if (f == KN_KV_F16 || f == KN_KV_BF16)
-        return !kv_any_exp_ones(page, L->page_bytes / 2, f == KN_KV_F16 ? 0x7c00 : 0x7f80);
+        return !kv_any_lane_all_ones(page, L->page_bytes,
+                                     KV_LANES16(f == KN_KV_F16 ? 0x7c00 : 0x7f80), KV_LANES16(1));
     size_t units = L->unit ? L->page_bytes / L->unit : 0;
     for (size_t i = 0; i < units; i++) {
         const uint8_t *u = page + i * L->unit;
         /* the scales (and int4's minimums) are f16 */
-        if (kv_any_exp_ones(u + L->kd + L->vd, (L->ks + L->vs) / 2, 0x7c00)) return 0;
-        if (f != KN_KV_FP8) continue;
-        unsigned bad = 0; /* E4M3 has no infinity; S.1111.111 is its NaN */
-        for (size_t j = 0; j < L->kd + L->vd; j++) bad |= (u[j] & 0x7f) == 0x7f;
-        if (bad) return 0;
+        if (kv_any_lane_all_ones(u + L->kd + L->vd, L->ks + L->vs, KV_LANES16(0x7c00),
+                                 KV_LANES16(1)))
+            return 0;
+        /* E4M3 has no infinity; S.1111.111 is its NaN */
+        if (f == KN_KV_FP8 && kv_any_lane_all_ones(u, L->kd + L->vd, KV_LANES8(0x7f), KV_LANES8(1)))
+            return 0;
     }
     return 1;
 }

@@ -239,8 +239,6 @@ void kv_page_write_row(const kv_store *s, uint8_t *page, kv_format f, int layer,
 /* Dequantizes row `row` of (layer, head): k and v of head_dim floats. */
 void kv_page_read_row(const kv_store *s, const uint8_t *page, kv_format f, int layer, int head,
                       int row, float *k, float *v);
-/* 0 when a page in format f holds an infinity or a NaN (in a value or a scale), else 1. */
-int kv_page_finite(const kv_store *s, const uint8_t *page, kv_format f);
 /* Re-encodes a whole page from format a (in src) to format b (in dst). */
 void kv_page_convert(kv_store *s, const uint8_t *src, kv_format a, uint8_t *dst, kv_format b);
 /* Re-encodes a hot page as int4 in place (its buffer replaced); callers refresh the tables. */

@@ -370,9 +370,11 @@ int kv_import_reserve(kv_store *s, uint64_t id, int n, const kv_format *wire, kv
  * arrived in another format; the rest are released. Returns the pages newly indexed (a page
  * that was computed here meanwhile keeps its place and ends the chain there). */
 int kv_import_commit(kv_store *s, uint64_t id, int n_ok);
-/* 1 when every value of reserved page k + i as it arrived is a number (no infinity or NaN in
- * its values or its scales), 0 otherwise: a peer's page the caller must not commit. */
-int kv_import_finite(kv_store *s, uint64_t id, int i);
+/* 1 when every value of a page of format f at buf (a page of this store's shape, as it arrived
+ * from a peer) is a number: no infinity or NaN in its values or its scales; 0 otherwise, a page
+ * the caller must not commit. Reads only the store's immutable layout: any thread may call it,
+ * e.g. a transfer's progress thread while the page it just landed is still in the cache. */
+int kv_page_finite(const kv_store *s, const uint8_t *buf, kv_format f);
 /* Releases everything of the import. */
 void kv_import_abort(kv_store *s, uint64_t id);
 

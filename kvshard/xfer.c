@@ -294,16 +294,6 @@ int kv_import_commit(kv_store *s, uint64_t id, int n_ok)
     return added < 0 ? 0 : added;
 }
 
-int kv_import_finite(kv_store *s, uint64_t id, int i)
-{
-    kv_import_rec **rp = kv_import_find(s, id);
-    if (!rp || i < 0 || i >= (*rp)->n_usable) return 0;
-    kv_import_rec *r = *rp;
-    if (r->wire[i]) return kv_page_finite(s, r->wire[i], r->wire_fmt[i]);
-    const kv_page *p = r->q->pg[r->k + i];
-    return kv_page_finite(s, p->buf, p->format);
-}
-
 void kv_import_abort(kv_store *s, uint64_t id)
 {
     kv_import_rec **rp = kv_import_find(s, id);

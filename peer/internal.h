@@ -65,7 +65,14 @@ typedef struct pr_xpage {
     _Atomic int state; /* PR_PAGE_* */
 } pr_xpage;
 
-enum { PR_PAGE_PENDING = 0, PR_PAGE_OK = 1, PR_PAGE_BAD_SUM = 2, PR_PAGE_FAILED = 3 };
+/* PR_PAGE_NONFINITE: its checksum held, but a value or scale is an infinity or a NaN */
+enum {
+    PR_PAGE_PENDING = 0,
+    PR_PAGE_OK = 1,
+    PR_PAGE_BAD_SUM = 2,
+    PR_PAGE_FAILED = 3,
+    PR_PAGE_NONFINITE = 4
+};
 
 struct pr_pull {
     struct pr_pull *next;

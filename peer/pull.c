@@ -167,6 +167,11 @@ void pr_page_arrived(pr_pull *p, int i, int ok, const uint64_t *sum)
         st = (sum ? *sum : kv_xfer_checksum(&x->dst, p->page_tokens, x->dst.buf)) == x->src.checksum
                  ? PR_PAGE_OK
                  : PR_PAGE_BAD_SUM;
+    /* an unkeyed checksum only says the bytes are the holder's: a page of NaNs would poison
+     * every request that hits it, so its values are checked too, here on the progress thread
+     * while the page it just landed is likely still in the cache */
+    if (st == PR_PAGE_OK && !kv_page_finite(p->node->store, x->dst.buf, x->dst.format))
+        st = PR_PAGE_NONFINITE;
     atomic_store_explicit(&x->state, st, memory_order_release);
     atomic_fetch_add_explicit(&p->settled, 1, memory_order_release);
 }
@@ -189,9 +194,7 @@ static int pr_pull_commit(pr_node *n, pr_pull *p, pr_pull_result *res)
     uint64_t bytes = 0;
     for (; ok < p->n; ok++) {
         int st = atomic_load_explicit(&p->pages[ok].state, memory_order_acquire);
-        /* an unkeyed checksum only says the bytes are the holder's: a page of NaNs would poison
-         * every request that hits it, so its values are checked too */
-        if (st == PR_PAGE_OK && !kv_import_finite(n->store, p->import_id, ok)) {
+        if (st == PR_PAGE_NONFINITE) { /* pr_page_arrived */
             p->drop[PR_DROP_NONFINITE]++;
             if (!p->status) p->status = KM_ECORRUPT;
             break;

@@ -554,3 +554,57 @@ Test(kvshard_format, attention_mass_per_page_sums_to_the_number_of_heads)
     cr_assert_float_eq(sum, 3.0f, 1e-4f);
     fx_free(&f);
 }
+
+/* kv_page_finite reads eight bytes at a time: held to a plain loop over every value and scale of
+ * a page of each format, with one infinity or NaN planted at every position in turn. */
+static int finite_ref(const kv_layout *L, const uint8_t *page, kv_format f)
+{
+    if (f == KN_KV_F16 || f == KN_KV_BF16) {
+        uint16_t m = f == KN_KV_F16 ? 0x7c00 : 0x7f80;
+        for (size_t i = 0; i + 1 < L->page_bytes; i += 2)
+            if (((page[i] | page[i + 1] << 8) & m) == m) return 0;
+        return 1;
+    }
+    for (size_t u = 0; u < L->page_bytes / L->unit; u++) {
+        const uint8_t *p = page + u * L->unit;
+        for (size_t i = L->kd + L->vd; i + 1 < L->unit; i += 2)
+            if (((p[i] | p[i + 1] << 8) & 0x7c00) == 0x7c00) return 0;
+        for (size_t i = 0; f == KN_KV_FP8 && i < L->kd + L->vd; i++)
+            if ((p[i] & 0x7f) == 0x7f) return 0;
+    }
+    return 1;
+}
+
+Test(kvshard_format, a_page_with_an_infinity_or_a_nan_anywhere_is_not_finite)
+{
+    const kv_format fmts[] = {KN_KV_F16, KN_KV_BF16, KN_KV_FP8, KN_KV_INT8, KN_KV_INT4};
+    for (int k = 0; k < 5; k++) {
+        kv_config c = {.n_layers = 2,
+                       .n_kv_heads = 1,
+                       .head_dim = 64,
+                       .page_tokens = 4,
+                       .format = fmts[k],
+                       .hot_bytes = (size_t)8 << 20};
+        kv_store *s;
+        km_errbuf err;
+        cr_assert_eq(kv_store_create(&c, &s, &err), 0, "%s", err.msg);
+        const kv_layout *L = &s->lay[fmts[k]];
+        uint8_t *page = malloc(L->page_bytes);
+        for (size_t i = 0; i < L->page_bytes; i++) page[i] = (uint8_t)(i * 37 % 97); /* finite */
+        cr_assert(kv_page_finite(s, page, fmts[k]) && finite_ref(L, page, fmts[k]));
+        const uint8_t odd[4][2] = {{0x00, 0x7c}, {0x01, 0xfc}, {0x80, 0x7f}, {0x7f, 0x00}};
+        for (size_t i = 0; i + 1 < L->page_bytes; i++) {
+            for (int o = 0; o < 4; o++) {
+                uint8_t a = page[i], b = page[i + 1];
+                page[i] = odd[o][0];
+                page[i + 1] = odd[o][1];
+                cr_assert_eq(kv_page_finite(s, page, fmts[k]), finite_ref(L, page, fmts[k]),
+                             "format %d, bytes %02x %02x at %zu", k, odd[o][0], odd[o][1], i);
+                page[i] = a;
+                page[i + 1] = b;
+            }
+        }
+        free(page);
+        kv_store_destroy(s);
+    }
+}
