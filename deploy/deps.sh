@@ -19,6 +19,15 @@ die() { echo "deps: error: $*" >&2; exit 1; }
 . deploy/apt.sh
 km_apt_install "${PKGS[@]}"
 
+# UCX 1.22.0, pinned, into third_party/ucx (deploy/ucx.sh): the Makefile builds peer/ against it.
+# Without it the build falls back to the system's UCX 1.13.1, which crashes in its connection
+# manager (docs/transfer.md, "Which UCX"): allowed on a developer's machine, never in CI.
+if ! bash deploy/ucx.sh; then
+    [ -z "${CI:-}" ] || die "CI needs the pinned UCX (deploy/ucx.sh failed above)"
+    echo "deps: warning: no pinned UCX; peer/ builds against the system's UCX 1.13.1, whose" \
+        "connection manager can crash (docs/transfer.md, \"Which UCX\")" >&2
+fi
+
 mkdir -p models
 if [ -f "models/$MODEL_FILE" ] && echo "$MODEL_SHA256  models/$MODEL_FILE" | sha256sum -c --status; then
     say "model present: models/$MODEL_FILE"

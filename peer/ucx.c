@@ -112,10 +112,11 @@ void pr_ep_close(pr_ucx *u, pr_uep *e)
 {
     if (e->state == PR_EP_CLOSING || e->state == PR_EP_CLOSED) return;
     pr_ep_fail(e);
-    /* Still connecting (the flush that marks the end of the handshake is pending): UCX 1.13.1's
-     * TCP connection manager asserts in its async thread when a client endpoint is closed before
-     * its handshake ends (docs/transfer.md, Known gaps). It is failed now, so nothing more is
-     * issued on it, and closed by pr_eps_service once the flush completes, either way. */
+    /* Still connecting (the flush that marks the end of the handshake is pending): closing it
+     * now breaks UCX (1.13.1's connection manager asserts in its async thread; 1.22.0 frees the
+     * endpoint under the flush, whose next progress reads it: docs/transfer.md, "Which UCX").
+     * It is failed now, so nothing more is issued on it, and closed by pr_eps_service once the
+     * flush completes, either way, or destroyed with the worker at close. */
     if (e->flush_req) return;
     e->state = PR_EP_CLOSING;
     if (!e->ep) {
@@ -336,12 +337,21 @@ static void *pr_progress_main(void *arg)
         e->want_close = 1;
         pr_ep_fail(e);
     }
-    uint64_t until = km_now_ns() + PR_CLOSE_NS;
+    const uint64_t closing = km_now_ns(), until = closing + PR_CLOSE_NS;
     while ((u->eps || u->pulls) && km_now_ns() < until) {
         ucp_worker_progress(u->w);
         uint64_t next = UINT64_MAX;
         pr_pulls_service(u, km_now_ns(), &next);
         pr_eps_service(u);
+        /* Endpoints still connecting a while after the close began (a stopped or partitioned
+         * peer) are left to the worker's teardown; a live peer's completes within it. */
+        int connecting = 0, other = 0;
+        for (pr_uep *e = u->eps; e; e = e->next) {
+            connecting += e->flush_req != NULL;
+            other += e->flush_req == NULL;
+        }
+        if (!u->old_cm && connecting && !other && !u->pulls && km_now_ns() - closing > PR_SILENT_NS)
+            break;
     }
     while (u->replies) {
         pr_reply *r = u->replies;
@@ -388,6 +398,16 @@ static int pr_listen_device(const char *host, char *dev, size_t cap)
     return found;
 }
 
+/* UCX before 1.22 (Debian 12 ships 1.13.1; the Makefile builds against 1.22.0 from
+ * deploy/ucx.sh unless told otherwise) aborts when a worker is destroyed under a connecting
+ * endpoint, so there the node leaves such a worker to the process exit (pr_ucx_close). */
+static int pr_ucx_old_cm(void)
+{
+    unsigned major, minor, release;
+    ucp_get_version(&major, &minor, &release);
+    return major < 1 || (major == 1 && minor < 22);
+}
+
 static int pr_ucx_open(pr_node *n, km_errbuf *err)
 {
     pr_ucx *u = calloc(1, sizeof *u);
@@ -395,6 +415,12 @@ static int pr_ucx_open(pr_node *n, km_errbuf *err)
     u->node = n;
     u->wfd = u->evfd = u->epfd = -1;
     pthread_mutex_init(&u->mu, NULL);
+    u->old_cm = pr_ucx_old_cm();
+    if (u->old_cm)
+        KM_WARN("peer_ucx_old",
+                "version=%s why=\"its connection manager can crash; build against "
+                "the pinned UCX (make deps, docs/transfer.md)\"",
+                ucp_get_version_string());
     const int get = n->cfg.mode == PR_MODE_GET;
     ucp_params_t prm = {.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME,
                         .features =
@@ -409,6 +435,12 @@ static int pr_ucx_open(pr_node *n, km_errbuf *err)
     setenv("UCX_TCP_PUT_ENABLE", "n", 0);
     ucs_status_t st = ucp_config_read(NULL, NULL, &cfg);
     if (st != UCS_OK) return pr_ucx_fail(n, u, err, "config", st);
+    /* UCX 1.22's protocol selection (v2) answers AM fetches over TCP several times slower than
+     * the one 1.13 had, still there as PROTO_ENABLE=n, under which gets fail: an AM node takes
+     * the old one unless UCX_PROTO_ENABLE says otherwise (docs/transfer.md, "Which UCX"). */
+    if (!get && !u->old_cm && !getenv("UCX_PROTO_ENABLE") &&
+        (st = ucp_config_modify(cfg, "PROTO_ENABLE", "n")) != UCS_OK)
+        KM_WARN("peer_proto_enable", "status=\"%s\"", ucs_status_string(st));
     /* Lanes only on the listening interface, unless UCX_NET_DEVICES says otherwise. */
     char dev[64];
     if (!getenv("UCX_NET_DEVICES") && pr_listen_device(n->cfg.listen_host, dev, sizeof dev)) {
@@ -534,13 +566,13 @@ static void pr_ucx_close(pr_node *n)
     for (pr_uep *e = u->eps; e; e = e->next)
         for (int i = 0; i < PR_MAX_REGIONS; i++)
             if (e->rkey[i]) ucp_rkey_destroy(e->rkey[i]);
-    /* The listener goes right before the worker, nothing in between: UCX 1.13.1's TCP
+    /* The listener goes right before the worker, nothing in between: UCX's TCP
      * connection manager keeps a connection it accepted but whose request has not arrived yet
      * after its listener is freed, and calls that freed listener from its async thread when the
-     * request arrives (docs/transfer.md, Known gaps); the worker's teardown closes those
-     * connections, so the window is what lies between these two calls. */
+     * request arrives (1.13.1 and 1.22.0; docs/transfer.md, Known gaps); the worker's teardown
+     * closes those connections, so the window is what lies between these two calls. */
     int stuck = 0; /* endpoints whose handshake never ended: a stopped or partitioned peer */
-    for (pr_uep *e = u->eps; e; e = e->next) stuck += e->flush_req != NULL;
+    for (pr_uep *e = u->eps; e && u->old_cm; e = e->next) stuck += e->flush_req != NULL;
     if (stuck) {
         /* UCX 1.13.1 aborts on either way out for such an endpoint: closing it (its TCP
          * connection manager asserts, pr_ep_close) or destroying the worker under it

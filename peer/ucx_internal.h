@@ -106,6 +106,7 @@ struct pr_ucx {
     void *rkey_buf[PR_MAX_REGIONS];
     size_t rkey_len[PR_MAX_REGIONS];
     int n_regions, wfd, evfd, epfd;
+    int old_cm; /* UCX before 1.22: no worker is destroyed under a connecting endpoint */
     pthread_t thr;
     int thr_started;
     pthread_mutex_t mu;

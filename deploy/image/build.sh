@@ -45,6 +45,8 @@ for b in "${BINS[@]}"; do
     while read -r lib; do
         path=$(ldd "build/bin/$b" | awk -v l="$lib" '$1 == l { print $3 } $1 ~ "/" l "$" { print $1 }')
         [ -n "$path" ] || die "$lib (needed by $b) is not found on this host"
+        # UCX from third_party/ucx (deploy/ucx.sh) travels into the image itself (below)
+        case "$(readlink -f "$path")" in "$PWD"/third_party/ucx/lib/*) continue ;; esac
         p=$(pkg_of "$path") || die "no Debian package owns $path (needed by $b)"
         pkgs[$p]=1
     done < <(objdump -p "build/bin/$b" | awk '/NEEDED/ { print $2 }')
@@ -88,6 +90,11 @@ old_ids=$(podman image inspect --format '{{.Id}}' "$IMG" "$IMG-model" localhost/
 ctr=$(buildah from --quiet "$BASE_IMG")
 trap 'buildah rm "$ctr" >/dev/null 2>&1 || true' EXIT
 for b in "${BINS[@]}"; do buildah copy --quiet --chmod 0755 "$ctr" "build/bin/$b" /usr/local/bin/ >/dev/null; done
+# the binaries' rpath names $ORIGIN/../lib/kvmesh/ucx for the UCX of third_party/ucx (its
+# modules in ucx/ beside libucs, which finds them there)
+if ldd build/bin/kvmesh-worker | grep -q "$PWD/third_party/ucx/lib"; then
+    buildah copy --quiet "$ctr" third_party/ucx/lib /usr/local/lib/kvmesh/ucx >/dev/null
+fi
 buildah config --user 10001:10001 --workingdir /opt/kvmesh \
     --env KVMESH_MODEL=/opt/kvmesh/models/$MODEL_FILE --env KVMESH_LOG_FORMAT=json \
     --volume /opt/kvmesh/models --volume /var/lib/kvmesh \
