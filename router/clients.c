@@ -9,6 +9,7 @@
  * the worker then never tokenizes differently from the router's page-hash chain, and the router
  * always knows the tokens generated so far, which is what migration needs.
  */
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,6 +22,98 @@ static uint64_t conn_gen_of(const rt_router *r, int fd)
 {
     return fd >= 0 && fd < r->n_conn_gen ? r->conn_gen[fd] : 0;
 }
+
+/* ---------------------------------------------------------------- replies (rt_front_zmq) */
+
+int rt_zsend_env(void *sock, const km_zframe *env, int n_env, const km_buf *body)
+{
+    km_zframe parts[KM_ZMSG_MAX_PARTS];
+    int n = 0;
+    for (int i = 0; i < n_env && n < KM_ZMSG_MAX_PARTS - 1; i++) parts[n++] = env[i];
+    parts[n++] = (km_zframe){body->data, body->len};
+    return km_zsend(sock, parts, n, KM_ZDONTWAIT, NULL);
+}
+
+void rt_send_error_env(rt_router *r, const km_zframe *env, int n_env, uint64_t id, int code,
+                       uint32_t retry_after, const char *fmt, ...)
+{
+    char msg[KM_PROTO_MAX_MESSAGE];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    km_msg m;
+    km_msg_init(&m, KM_MSG_ERROR);
+    m.error.id = id;
+    m.error.code = code;
+    m.error.message = msg;
+    m.error.retry_after_ms = retry_after;
+    if (!km_msg_encode(&m, &r->lim, &r->out, NULL)) rt_zsend_env(r->front, env, n_env, &r->out);
+}
+
+static void zmq_token(rt_router *r, rt_rq *q, int32_t token, const char *text, size_t len)
+{
+    if (!q->client_stream) {
+        km_buf_append(&q->text, text, len);
+        return;
+    }
+    km_msg m;
+    km_msg_init(&m, KM_MSG_TOKEN);
+    m.tok.id = q->cid;
+    m.tok.index = (uint32_t)(q->n_gen - 1);
+    m.tok.token = token;
+    m.tok.text = text;
+    m.tok.text_len = len;
+    if (!km_msg_encode(&m, &r->lim, &r->out, NULL))
+        rt_zsend_env(r->front, q->env, q->n_env, &r->out);
+}
+
+static void zmq_done(rt_router *r, rt_rq *q, const rt_rq_done *d)
+{
+    km_msg m;
+    km_msg_init(&m, KM_MSG_DONE);
+    m.done.id = q->cid;
+    m.done.finish = d->finish;
+    /* A stream's done.text is its tail: bytes no token frame could carry (held back for a
+     * possible stop string, or an incomplete last character); NULL when there are none. */
+    if (!q->client_stream || q->text.len) {
+        m.done.text = q->text.data ? (const char *)q->text.data : "";
+        m.done.text_len = q->text.len;
+    }
+    m.done.prompt_tokens = (uint32_t)q->n_prompt;
+    m.done.cached_tokens = d->cached;
+    m.done.completion_tokens = (uint32_t)q->n_gen;
+    m.done.draft_tokens = q->draft_tokens;
+    m.done.accepted_draft_tokens = q->accepted_draft_tokens;
+    m.done.queue_ms = d->queue_ms;
+    m.done.ttft_ms = d->ttft_ms;
+    m.done.total_ms = d->total_ms;
+    m.done.worker = d->worker;
+    m.done.migrations = (uint32_t)q->migrations;
+    if (!km_msg_encode(&m, &r->lim, &r->out, NULL))
+        rt_zsend_env(r->front, q->env, q->n_env, &r->out);
+}
+
+static void zmq_error(rt_router *r, rt_rq *q, int code, uint32_t retry_after, const char *msg)
+{
+    rt_send_error_env(r, q->env, q->n_env, q->cid, code, retry_after, "%s", msg);
+}
+
+static void zmq_release(rt_rq *q)
+{
+    (void)q; /* the envelope is the request's own memory (rt_rq_free) */
+}
+
+const rt_front_ops rt_front_zmq = {
+    .origin = RQ_ZMQ,
+    .name = "zmq",
+    .token = zmq_token,
+    .done = zmq_done,
+    .error = zmq_error,
+    .release = zmq_release,
+};
+
+/* ---------------------------------------------------------------- requests */
 
 bool rt_model_ok(rt_router *r, const char *model)
 {
@@ -114,7 +207,7 @@ static void on_client_request(rt_router *r, const km_zmsg *zm, const km_msg_requ
                           r->model_name);
         return;
     }
-    rt_rq *q = rt_rq_new(r, RQ_ZMQ);
+    rt_rq *q = rt_rq_new(r, &rt_front_zmq);
     if (!q) {
         rt_send_error_env(r, env, n_env, req->id, KM_CODE_INTERNAL, 0, "out of memory");
         return;
@@ -181,7 +274,7 @@ static void on_client_request(rt_router *r, const km_zmsg *zm, const km_msg_requ
 
 static bool env_eq(const rt_rq *q, const km_zmsg *zm)
 {
-    if (q->origin != RQ_ZMQ || q->n_env != zm->n - 1) return false;
+    if (q->fops != &rt_front_zmq || q->n_env != zm->n - 1) return false;
     for (int i = 0; i < q->n_env; i++)
         if (q->env[i].len != zm->part[i].len ||
             memcmp(q->env[i].data, zm->part[i].data, q->env[i].len))
@@ -194,7 +287,7 @@ void rt_rq_cancel(rt_router *r, rt_rq *q)
     if (q->queued || q->parked || q->tokjob) {
         rt_rq_unpark(q);
         rt_queue_remove(r, q);
-        if (q->origin == RQ_ZMQ) {
+        if (q->fops == &rt_front_zmq) {
             km_msg m;
             km_msg_init(&m, KM_MSG_DONE);
             m.done.id = q->cid;
@@ -217,7 +310,7 @@ void rt_rq_abandon(rt_router *r, rt_rq *q)
     km_counter_inc(r->s_abandoned);
     KM_INFO("request_abandoned", "rid=%llu worker=%s generated=%d origin=%s",
             (unsigned long long)q->rid, q->worker >= 0 ? r->w[q->worker].id : "-", q->n_gen,
-            q->origin == RQ_ZMQ ? "zmq" : "http");
+            q->fops->name);
     rt_rq_end(r, q);
 }
 
@@ -257,7 +350,8 @@ static void client_disconnected(rt_router *r, int fd)
         int n = 0;
         for (int b = 0; b < RT_RQ_BUCKETS && n < 256; b++)
             for (rt_rq *q = r->buckets[b]; q && n < 256; q = q->hnext)
-                if (q->origin == RQ_ZMQ && q->src_fd == fd && q->src_gen == gen) rids[n++] = q->rid;
+                if (q->fops == &rt_front_zmq && q->src_fd == fd && q->src_gen == gen)
+                    rids[n++] = q->rid;
         for (int i = 0; i < n; i++) {
             rt_rq *q = rt_rq_find(r, rids[i]);
             if (q) rt_rq_abandon(r, q);

@@ -27,6 +27,95 @@ static void on_http_abort(km_http_req *h, void *user)
     rt_rq_abandon(q->r, q); /* ends now: no migration may resurrect it (issue 12) */
 }
 
+/* ---------------------------------------------------------------- replies (rt_front_http) */
+
+static void http_token(rt_router *r, rt_rq *q, int32_t token, const char *text, size_t len)
+{
+    (void)token;
+    if (!q->http) return;
+    if (!q->http_stream) {
+        km_buf_append(&q->text, text, len);
+        return;
+    }
+    if (len == 0) return;
+    rt_oai_meta m;
+    rt_rq_oai_meta(r, q, &m, NULL);
+    km_buf b = {0};
+    if (!rt_oai_sse_chunk(&b, &m, text, len, NULL)) km_http_stream_write(q->http, b.data, b.len);
+    km_buf_free(&b);
+}
+
+static void http_done(rt_router *r, rt_rq *q, const rt_rq_done *d)
+{
+    if (!q->http) return;
+    rt_oai_meta m;
+    rt_rq_oai_meta(r, q, &m, d->worker);
+    rt_oai_usage u = {.prompt_tokens = (uint32_t)q->n_prompt,
+                      .completion_tokens = (uint32_t)q->n_gen,
+                      .cached_tokens = d->cached,
+                      .draft_tokens = q->draft_tokens,
+                      .accepted_draft_tokens = q->accepted_draft_tokens};
+    km_buf b = {0};
+    if (q->http_stream) {
+        if (q->text.len) { /* the tail: held-back bytes (as the ZeroMQ front's done.text) */
+            rt_rq_oai_meta(r, q, &m, NULL);
+            rt_oai_sse_chunk(&b, &m, (const char *)q->text.data, q->text.len, NULL);
+            rt_rq_oai_meta(r, q, &m, d->worker);
+        }
+        rt_oai_sse_chunk(&b, &m, NULL, 0, rt_oai_finish(d->finish));
+        if (q->include_usage) rt_oai_sse_usage(&b, &m, &u);
+        rt_oai_sse_done(&b);
+        km_http_stream_write(q->http, b.data, b.len);
+        km_http_stream_end(q->http);
+    } else {
+        rt_oai_response(&b, &m, q->text.data ? (const char *)q->text.data : "", q->text.len,
+                        rt_oai_finish(d->finish), &u);
+        char extra[KM_PROTO_MAX_NAME + 64];
+        snprintf(extra, sizeof extra, "X-Kvmesh-Worker: %s\r\n", d->worker ? d->worker : "");
+        km_http_respond(q->http, 200, "application/json", extra, b.data, b.len);
+    }
+    km_buf_free(&b);
+}
+
+static void http_reply_error(rt_router *r, rt_rq *q, int code, uint32_t retry_after,
+                             const char *msg)
+{
+    if (!q->http) return;
+    rt_oai_err e;
+    rt_oai_err_from_code(code, msg, &e);
+    km_buf b = {0};
+    if (q->http_began) {
+        rt_oai_sse_error(&b, &e);
+        km_http_stream_write(q->http, b.data, b.len);
+        km_buf_reset(&b);
+        rt_oai_sse_done(&b);
+        km_http_stream_write(q->http, b.data, b.len);
+        km_http_stream_end(q->http);
+    } else {
+        rt_oai_error_json(&b, &e);
+        char extra[64] = "";
+        if (retry_after)
+            snprintf(extra, sizeof extra, "Retry-After: %u\r\n", (retry_after + 999) / 1000);
+        km_http_respond(q->http, e.status, "application/json", extra, b.data, b.len);
+    }
+    km_buf_free(&b);
+}
+
+/* q ends: its connection must no longer call on_http_abort with it. */
+static void http_release(rt_rq *q)
+{
+    if (q->http) km_http_on_abort(q->http, NULL, NULL);
+}
+
+const rt_front_ops rt_front_http = {
+    .origin = RQ_HTTP,
+    .name = "http",
+    .token = http_token,
+    .done = http_done,
+    .error = http_reply_error,
+    .release = http_release,
+};
+
 static void http_error(km_http_req *h, int status, const char *type, const char *param,
                        const char *msg)
 {
@@ -378,7 +467,7 @@ static void on_completion(rt_router *r, km_http_req *h, bool chat)
         km_buf_free(&b);
         return;
     }
-    rt_rq *q = rt_rq_new(r, RQ_HTTP);
+    rt_rq *q = rt_rq_new(r, &rt_front_http);
     if (!q) {
         rt_oai_req_free(&oq);
         return http_error(h, 500, "server_error", NULL, "out of memory");

@@ -14,13 +14,15 @@
  *               requests migrate (replayed or continued) to another
  *   prompt.c    tokenize (on or off the loop), then rt_rq_start: page-hash chain, dispatch
  *   dispatch.c  pick a worker by the cost model (route.h) and send it, or queue or park it
- *   requests.c  the request table, the router queue, a request's end, every reply a client gets
+ *   requests.c  the request table, the router queue, a request's end; its replies go out through
+ *               its front's rt_front_ops (clients.c: ZeroMQ frames; front.c: SSE or JSON)
  *   metrics.c   the Prometheus series
  *   pull.c      pull or recompute: a pull hint when another worker holds more of the prefix
  *   evstream.c index.c policy.c openai.c fair.c tenants.c   leaves
  *   state.c     the clock; rt_pump and the socket watch, which call up through r->pump
  * Two calls go back up through hooks router.c sets: r->pump (drain every socket) and
- * r->redispatch (rt_dispatch, for the waiters a request releases as it ends).
+ * r->redispatch (rt_dispatch, for the waiters a request releases as it ends); a request's replies
+ * go up through q->fops, the table of the front that made it (rt_rq_new).
  *
  * Everything here runs on the router's one loop thread, so none of it takes a lock.
  */
@@ -41,6 +43,7 @@
 typedef enum { RQ_ZMQ = 0, RQ_HTTP = 1 } rq_origin;
 
 typedef struct rt_rq rt_rq;
+typedef struct rt_front_ops rt_front_ops;
 typedef struct rt_wk rt_wk;
 typedef struct rt_tokjob rt_tokjob;           /* prompt.c */
 typedef struct rt_tenants rt_tenants;         /* tenants.c */
@@ -53,7 +56,7 @@ struct rt_rq {
     rt_rq *qprev, *qnext; /* router queue, or the in-flight list */
     bool queued;
     /* origin */
-    rq_origin origin;
+    const rt_front_ops *fops; /* its front: how its replies reach the client */
     km_buf env_mem;
     km_zframe env[KM_ZMSG_MAX_PARTS];
     int n_env;
@@ -120,6 +123,29 @@ struct rt_tokjob {
     int add_special;
     int32_t *tokens;
     int cap, n; /* n: the token count, or a negative km_err */
+};
+
+/* How a completed request is summed up to its client (rt_rq_finish). */
+typedef struct rt_rq_done {
+    km_finish finish;
+    uint32_t cached;    /* prompt tokens found cached, at most the prompt */
+    const char *worker; /* the worker that finished it (NULL: none) */
+    double queue_ms, ttft_ms, total_ms;
+} rt_rq_done;
+
+/* A front's replies, one table per front (clients.c: rt_front_zmq, front.c: rt_front_http), set
+ * in each of its requests when it is made: requests.c calls up through it and names no front. */
+struct rt_front_ops {
+    rq_origin origin;
+    const char *name; /* in logs: "zmq", "http" */
+    /* One generated token's text (index n_gen - 1): sent, or kept in q->text until the end. */
+    void (*token)(rt_router *r, rt_rq *q, int32_t token, const char *text, size_t len);
+    /* The request completed: its last frame or body (q->text holds what is left to send). */
+    void (*done)(rt_router *r, rt_rq *q, const rt_rq_done *d);
+    /* One error to the client (nothing when the client is already gone). */
+    void (*error)(rt_router *r, rt_rq *q, int code, uint32_t retry_after, const char *msg);
+    /* q is about to be freed: the front lets go of it. */
+    void (*release)(rt_rq *q);
 };
 
 /* What the controller's view says about a worker's page transfer (pull.c). */
@@ -255,8 +281,8 @@ int rt_open_poll(rt_router *r, uv_poll_t *p, void *sock, km_errbuf *err);
 
 /* ---------------------------------------------------------------- requests.c: table, replies */
 
-/* A new request from origin (not yet in the table), or NULL. */
-rt_rq *rt_rq_new(rt_router *r, rq_origin origin);
+/* A new request from the front whose replies are fops (not yet in the table), or NULL. */
+rt_rq *rt_rq_new(rt_router *r, const rt_front_ops *fops);
 /* Frees a request that never entered the table (rt_rq_start was not called). */
 void rt_rq_free(rt_rq *q);
 void rt_rq_link(rt_router *r, rt_rq *q); /* into the table under q->rid */
@@ -278,7 +304,7 @@ void rt_rq_release_worker(rt_router *r, rt_rq *q);
 void rt_rq_expire(rt_router *r, uint64_t now_ns);
 /* Ends a request's life in the router (after its final frame went out). */
 void rt_rq_end(rt_router *r, rt_rq *q);
-/* One `err` to the client (ZeroMQ frame or HTTP error), whichever front it came from. */
+/* One `err` to the client, through its front (q->fops). */
 void rt_rq_reply_error(rt_router *r, rt_rq *q, int code, uint32_t retry_after, const char *msg);
 /* The request failed: one `err` to the client, counted and logged, then it is gone. */
 void rt_rq_fail(rt_router *r, rt_rq *q, int code, uint32_t retry_after, const char *msg);
@@ -287,16 +313,8 @@ void rt_rq_deliver(rt_router *r, rt_rq *q, int32_t token, const char *text, size
 /* The request completed: its `done` (or HTTP ending) goes out, then it is gone. wid: the worker
  * that finished it (NULL: none, e.g. max_tokens reached between attempts). */
 void rt_rq_finish(rt_router *r, rt_rq *q, km_finish finish, uint32_t cached, const char *wid);
-/* What the OpenAI response objects of q say besides the text. */
-void rt_rq_oai_meta(rt_router *r, rt_rq *q, rt_oai_meta *m, const char *worker);
 /* A `cancel` for request rid to worker w. */
 void rt_send_cancel(rt_router *r, rt_wk *w, uint64_t rid);
-/* body behind a routing envelope on sock (the client front). */
-int rt_zsend_env(void *sock, const km_zframe *env, int n_env, const km_buf *body);
-/* An `err` frame to a client's envelope (for frames that never became a request). */
-void rt_send_error_env(rt_router *r, const km_zframe *env, int n_env, uint64_t id, int code,
-                       uint32_t retry_after, const char *fmt, ...)
-    __attribute__((format(printf, 7, 8)));
 
 /* ---------------------------------------------------------------- dispatch.c: choosing a worker */
 
@@ -324,6 +342,14 @@ void rt_migrate_all(rt_router *r, rt_wk *w, const char *why, bool cancel);
 
 /* ---------------------------------------------------------------- clients.c: the ZeroMQ front */
 
+/* The ZeroMQ front's replies: `tok`, `done`, `err` frames behind the client's envelope. */
+extern const rt_front_ops rt_front_zmq;
+/* body behind a routing envelope on sock (the client front). */
+int rt_zsend_env(void *sock, const km_zframe *env, int n_env, const km_buf *body);
+/* An `err` frame to a client's envelope (for frames that never became a request). */
+void rt_send_error_env(rt_router *r, const km_zframe *env, int n_env, uint64_t id, int code,
+                       uint32_t retry_after, const char *fmt, ...)
+    __attribute__((format(printf, 7, 8)));
 /* One message from the client front (envelope + body). */
 void rt_on_front_message(rt_router *r, const km_zmsg *zm);
 /* Does a client's model name mean the router's model (its name with or without the quantization
@@ -382,6 +408,8 @@ int rt_rq_start(rt_router *r, rt_rq *q);
 /* An HTTP request's prompt is tokenized: a prompt + max_tokens over the context is answered 400
  * here (q ended, 1); otherwise a streaming response begins and 0 (prompt.c starts q). */
 int rt_front_tokens_ready(rt_router *r, rt_rq *q);
+/* What the OpenAI response objects of q say besides the text. */
+void rt_rq_oai_meta(rt_router *r, rt_rq *q, rt_oai_meta *m, const char *worker);
 
 /* ---------------------------------------------------------------- workers.c: links, KV events */
 
@@ -454,5 +482,7 @@ int rt_pull_metrics(rt_router *r, km_errbuf *err);
  * /readyz, /metrics, /v1/models, /v1/status (and /status), /v1/completions,
  * /v1/chat/completions, by front.c's route table. */
 int rt_front_start(rt_router *r, km_errbuf *err);
+/* The HTTP front's replies: SSE chunks for a stream, else one JSON body (openai.h). */
+extern const rt_front_ops rt_front_http;
 
 #endif /* RT_INTERNAL_H */

@@ -111,6 +111,15 @@ static bool over_context(rt_router *r, km_http_req *h, const rt_rq *q, uint32_t 
     return true;
 }
 
+void rt_rq_oai_meta(rt_router *r, rt_rq *q, rt_oai_meta *m, const char *worker)
+{
+    m->chat = q->http_chat;
+    m->id = q->oai_id;
+    m->model = r->model_name;
+    m->created = q->created;
+    m->worker = worker;
+}
+
 int rt_front_tokens_ready(rt_router *r, rt_rq *q)
 {
     if (over_context(r, q->http, q, q->max_tokens, q->http_chat)) {
@@ -143,7 +152,7 @@ static void start_with(rt_router *r, rt_rq *q, int n, int32_t *tokens, int cap)
     q->tokens = tokens;
     q->cap = cap;
     q->n_prompt = n;
-    if (q->origin == RQ_HTTP && rt_front_tokens_ready(r, q)) return; /* answered: too long */
+    if (q->fops->origin == RQ_HTTP && rt_front_tokens_ready(r, q)) return; /* answered: too long */
     rt_rq_start(r, q);
 }
 

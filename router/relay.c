@@ -32,12 +32,12 @@ static void migrate_as(rt_router *r, rt_rq *q, const char *why, bool allow_repla
     if (w) w->migrated_away++;
     rt_rq_release_worker(r, q);
     rt_rq_release_waiters(r, q);
-    if (q->canceled || (q->origin == RQ_HTTP && !q->http)) {
+    if (q->canceled || (q->fops->origin == RQ_HTTP && !q->http)) {
         /* nobody wants it any more: it ends here, never on another worker */
         KM_INFO("migrate_skipped", "rid=%llu from=%s generated=%d why=\"%s\"",
                 (unsigned long long)q->rid, w ? w->id : "-", q->n_gen,
                 q->canceled ? "canceled by its client" : "its client is gone");
-        if (q->canceled && q->origin == RQ_ZMQ)
+        if (q->canceled && q->fops->origin == RQ_ZMQ)
             rt_rq_finish(r, q, KM_FINISH_CANCELED, 0, NULL);
         else
             rt_rq_end(r, q);
@@ -175,7 +175,7 @@ void rt_relay_done(rt_router *r, rt_wk *w, const km_msg_done *d)
     /* The worker streams every token; its done.text is the tail no token frame carried. When
      * the router detokenizes itself (a continuation after migration) its own flush has it. */
     if (d->text && d->text_len && !q->router_detok) km_buf_append(&q->text, d->text, d->text_len);
-    if (d->finish == KM_FINISH_CANCELED && q->origin == RQ_HTTP && !q->http) {
+    if (d->finish == KM_FINISH_CANCELED && q->fops->origin == RQ_HTTP && !q->http) {
         rt_rq_end(r, q);
         return;
     }

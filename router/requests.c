@@ -1,8 +1,8 @@
 /*
- * requests.c — the router's request table and every reply a client gets (internal.h): requests
- * by the router's own id (a hash of chains), the bounded router queue, the end of a request's
- * life, and the frames that answer it on whichever front it came from — `tok`/`done`/`err` on the
- * ZeroMQ front, SSE chunks or one JSON body on the HTTP front (openai.h).
+ * requests.c — the router's request table and the end of a request (internal.h): requests by the
+ * router's own id (a hash of chains), the bounded router queue, the end of a request's life, and
+ * its replies, which go through its front's table (q->fops: clients.c writes `tok`/`done`/`err`
+ * frames, front.c SSE chunks or one JSON body), so nothing here depends on the front.
  *
  * A request has exactly one end: rt_rq_finish (done) or rt_rq_fail (err), both of which end it
  * with rt_rq_end; rt_rq_end alone is for a request whose client is already gone.
@@ -13,40 +13,13 @@
  * the requests at it; and it is none of these when it ends.
  */
 #include <assert.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "router/internal.h"
 
-/* ---------------------------------------------------------------- frames */
-
-int rt_zsend_env(void *sock, const km_zframe *env, int n_env, const km_buf *body)
-{
-    km_zframe parts[KM_ZMSG_MAX_PARTS];
-    int n = 0;
-    for (int i = 0; i < n_env && n < KM_ZMSG_MAX_PARTS - 1; i++) parts[n++] = env[i];
-    parts[n++] = (km_zframe){body->data, body->len};
-    return km_zsend(sock, parts, n, KM_ZDONTWAIT, NULL);
-}
-
-void rt_send_error_env(rt_router *r, const km_zframe *env, int n_env, uint64_t id, int code,
-                       uint32_t retry_after, const char *fmt, ...)
-{
-    char msg[KM_PROTO_MAX_MESSAGE];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    km_msg m;
-    km_msg_init(&m, KM_MSG_ERROR);
-    m.error.id = id;
-    m.error.code = code;
-    m.error.message = msg;
-    m.error.retry_after_ms = retry_after;
-    if (!km_msg_encode(&m, &r->lim, &r->out, NULL)) rt_zsend_env(r->front, env, n_env, &r->out);
-}
+/* ---------------------------------------------------------------- frames to workers */
 
 void rt_send_cancel(rt_router *r, rt_wk *w, uint64_t rid)
 {
@@ -59,12 +32,12 @@ void rt_send_cancel(rt_router *r, rt_wk *w, uint64_t rid)
 
 /* ---------------------------------------------------------------- request table */
 
-rt_rq *rt_rq_new(rt_router *r, rq_origin origin)
+rt_rq *rt_rq_new(rt_router *r, const rt_front_ops *fops)
 {
     rt_rq *q = calloc(1, sizeof *q);
     if (!q) return NULL;
     q->r = r;
-    q->origin = origin;
+    q->fops = fops;
     q->worker = -1;
     q->load = -1;
     q->src_fd = -1;
@@ -235,40 +208,15 @@ void rt_rq_end(rt_router *r, rt_rq *q)
     rt_rq_release_waiters(r, q);
     rt_rq_unlink(r, q);
     assert(!q->queued && !q->parked && q->worker < 0);
-    if (q->http) km_http_on_abort(q->http, NULL, NULL);
+    q->fops->release(q);
     rt_rq_free(q);
 }
 
 /* ---------------------------------------------------------------- replies to clients */
 
-static void http_send_error(rt_router *r, rt_rq *q, int code, uint32_t retry_after, const char *msg)
-{
-    rt_oai_err e;
-    rt_oai_err_from_code(code, msg, &e);
-    km_buf b = {0};
-    if (q->http_began) {
-        rt_oai_sse_error(&b, &e);
-        km_http_stream_write(q->http, b.data, b.len);
-        km_buf_reset(&b);
-        rt_oai_sse_done(&b);
-        km_http_stream_write(q->http, b.data, b.len);
-        km_http_stream_end(q->http);
-    } else {
-        rt_oai_error_json(&b, &e);
-        char extra[64] = "";
-        if (retry_after)
-            snprintf(extra, sizeof extra, "Retry-After: %u\r\n", (retry_after + 999) / 1000);
-        km_http_respond(q->http, e.status, "application/json", extra, b.data, b.len);
-    }
-    km_buf_free(&b);
-}
-
 void rt_rq_reply_error(rt_router *r, rt_rq *q, int code, uint32_t retry_after, const char *msg)
 {
-    if (q->origin == RQ_ZMQ)
-        rt_send_error_env(r, q->env, q->n_env, q->cid, code, retry_after, "%s", msg);
-    else if (q->http)
-        http_send_error(r, q, code, retry_after, msg);
+    q->fops->error(r, q, code, retry_after, msg);
 }
 
 /* The request failed: one `err` to the client, then it is gone. */
@@ -282,46 +230,10 @@ void rt_rq_fail(rt_router *r, rt_rq *q, int code, uint32_t retry_after, const ch
     rt_rq_end(r, q);
 }
 
-void rt_rq_oai_meta(rt_router *r, rt_rq *q, rt_oai_meta *m, const char *worker)
-{
-    m->chat = q->http_chat;
-    m->id = q->oai_id;
-    m->model = r->model_name;
-    m->created = q->created;
-    m->worker = worker;
-}
-
 /* One token's text to the client. */
 void rt_rq_deliver(rt_router *r, rt_rq *q, int32_t token, const char *text, size_t len)
 {
-    uint32_t index = (uint32_t)(q->n_gen - 1);
-    if (q->origin == RQ_ZMQ) {
-        if (q->client_stream) {
-            km_msg m;
-            km_msg_init(&m, KM_MSG_TOKEN);
-            m.tok.id = q->cid;
-            m.tok.index = index;
-            m.tok.token = token;
-            m.tok.text = text;
-            m.tok.text_len = len;
-            if (!km_msg_encode(&m, &r->lim, &r->out, NULL))
-                rt_zsend_env(r->front, q->env, q->n_env, &r->out);
-        } else {
-            km_buf_append(&q->text, text, len);
-        }
-        return;
-    }
-    if (!q->http) return;
-    if (!q->http_stream) {
-        km_buf_append(&q->text, text, len);
-        return;
-    }
-    if (len == 0) return;
-    rt_oai_meta m;
-    rt_rq_oai_meta(r, q, &m, NULL);
-    km_buf b = {0};
-    if (!rt_oai_sse_chunk(&b, &m, text, len, NULL)) km_http_stream_write(q->http, b.data, b.len);
-    km_buf_free(&b);
+    q->fops->token(r, q, token, text, len);
 }
 
 void rt_rq_finish(rt_router *r, rt_rq *q, km_finish finish, uint32_t cached, const char *wid)
@@ -348,58 +260,13 @@ void rt_rq_finish(rt_router *r, rt_rq *q, km_finish finish, uint32_t cached, con
     km_counter_add(r->s_cached, cached_out);
     km_hist_observe(r->s_total, total_ms / 1e3);
     r->ewma_total_ms = r->ewma_total_ms > 0 ? 0.9 * r->ewma_total_ms + 0.1 * total_ms : total_ms;
-    if (q->origin == RQ_ZMQ) {
-        km_msg m;
-        km_msg_init(&m, KM_MSG_DONE);
-        m.done.id = q->cid;
-        m.done.finish = finish;
-        /* A stream's done.text is its tail: bytes no token frame could carry (held back for a
-         * possible stop string, or an incomplete last character); NULL when there are none. */
-        if (!q->client_stream || q->text.len) {
-            m.done.text = q->text.data ? (const char *)q->text.data : "";
-            m.done.text_len = q->text.len;
-        }
-        m.done.prompt_tokens = (uint32_t)q->n_prompt;
-        m.done.cached_tokens = cached_out;
-        m.done.completion_tokens = (uint32_t)q->n_gen;
-        m.done.draft_tokens = q->draft_tokens;
-        m.done.accepted_draft_tokens = q->accepted_draft_tokens;
-        m.done.queue_ms = queue_ms;
-        m.done.ttft_ms = ttft_ms;
-        m.done.total_ms = total_ms;
-        m.done.worker = wid;
-        m.done.migrations = (uint32_t)q->migrations;
-        if (!km_msg_encode(&m, &r->lim, &r->out, NULL))
-            rt_zsend_env(r->front, q->env, q->n_env, &r->out);
-    } else if (q->http) {
-        rt_oai_meta m;
-        rt_rq_oai_meta(r, q, &m, wid);
-        rt_oai_usage u = {.prompt_tokens = (uint32_t)q->n_prompt,
-                          .completion_tokens = (uint32_t)q->n_gen,
-                          .cached_tokens = cached_out,
-                          .draft_tokens = q->draft_tokens,
-                          .accepted_draft_tokens = q->accepted_draft_tokens};
-        km_buf b = {0};
-        if (q->http_stream) {
-            if (q->text.len) { /* the tail: held-back bytes (see rq_finish's ZeroMQ branch) */
-                rt_rq_oai_meta(r, q, &m, NULL);
-                rt_oai_sse_chunk(&b, &m, (const char *)q->text.data, q->text.len, NULL);
-                rt_rq_oai_meta(r, q, &m, wid);
-            }
-            rt_oai_sse_chunk(&b, &m, NULL, 0, rt_oai_finish(finish));
-            if (q->include_usage) rt_oai_sse_usage(&b, &m, &u);
-            rt_oai_sse_done(&b);
-            km_http_stream_write(q->http, b.data, b.len);
-            km_http_stream_end(q->http);
-        } else {
-            rt_oai_response(&b, &m, q->text.data ? (const char *)q->text.data : "", q->text.len,
-                            rt_oai_finish(finish), &u);
-            char extra[KM_PROTO_MAX_NAME + 64];
-            snprintf(extra, sizeof extra, "X-Kvmesh-Worker: %s\r\n", wid ? wid : "");
-            km_http_respond(q->http, 200, "application/json", extra, b.data, b.len);
-        }
-        km_buf_free(&b);
-    }
+    rt_rq_done d = {.finish = finish,
+                    .cached = cached_out,
+                    .worker = wid,
+                    .queue_ms = queue_ms,
+                    .ttft_ms = ttft_ms,
+                    .total_ms = total_ms};
+    q->fops->done(r, q, &d);
     KM_DEBUG("request_done",
              "rid=%llu worker=%s prompt=%d cached=%u predicted=%.0f gen=%d "
              "ttft_ms=%.1f total_ms=%.1f attempts=%d",

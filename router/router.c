@@ -314,7 +314,7 @@ void rt_router_destroy(rt_router *r)
     for (int b = 0; b < RT_RQ_BUCKETS; b++)
         while (r->buckets[b]) {
             rt_rq *q = r->buckets[b];
-            if (q->origin != RQ_ZMQ || r->front)
+            if (q->fops->origin != RQ_ZMQ || r->front)
                 rt_rq_reply_error(r, q, KM_CODE_UNAVAILABLE, 0, "router shutting down");
             rt_rq_end(r, q);
         }
