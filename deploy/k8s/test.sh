@@ -146,9 +146,14 @@ zout=$(timeout 120 build/bin/kvmesh generate -r "tcp://$ROUTER_IP:7000" --cert "
 say "ZeroMQ completion through the front: $(printf '%q' "$zout")"
 
 # -- drain the worker that holds the pages; its peer takes its chains
-metric() { # IP NAME{labels}: the sum of the samples whose line starts so
-    curl -s -m 5 "http://$1:9100/metrics" | awk -v m="$2" 'index($0, m) == 1 { s += $NF } END { print s + 0 }'
+metric() { # IP NAME{labels}: the sum of the samples whose line starts so (0 while unreachable)
+    { curl -s -m 5 "http://$1:9100/metrics" || true; } |
+        awk -v m="$2" 'index($0, m) == 1 { s += $NF } END { print s + 0 }'
 }
+worker_ready() { [ "$(curl -s -o /dev/null -w '%{http_code}' "http://$1:9100/readyz")" = 200 ]; }
+# the router is ready with one worker: both must be before their pages are compared
+wait_for "kvmesh-worker-0 ready" 120 worker_ready "$SUBNET.20"
+wait_for "kvmesh-worker-1 ready" 120 worker_ready "$SUBNET.21"
 P="You are a careful assistant. Answer briefly and plainly; do not use lists. Topic number"
 for i in 1 2 3 4; do complete "$P $i: tell me about rivers and the sea." 4 >/dev/null; done
 w0=$(metric "$SUBNET.20" 'kvmesh_worker_kv_pages{tier="hot"')
@@ -163,7 +168,6 @@ restarted() { [ "$(podman inspect --format '{{.RestartCount}}' "kvmesh-worker-$D
 wait_for "kvmesh-worker-$D restarted after its drain" 90 restarted
 code=$(podman logs "kvmesh-worker-$D-worker" 2>&1 | sed -n 's/.*"event":"worker_exit","status":\([0-9]*\).*/\1/p' | head -1)
 [ "$code" = 75 ] || die "kvmesh-worker-$D exited '$code' after SIGTERM, not 75"
-worker_ready() { [ "$(curl -s -o /dev/null -w '%{http_code}' "http://$1:9100/readyz")" = 200 ]; }
 wait_for "kvmesh-worker-$D ready again" 120 worker_ready "$SUBNET.2$D"
 # once: a drained worker comes back at its first restart (a port it cannot bind again would
 # make it fail and restart until the port is free)
