@@ -156,10 +156,14 @@ wait_for "kvmesh-worker-0 ready" 120 worker_ready "$SUBNET.20"
 wait_for "kvmesh-worker-1 ready" 120 worker_ready "$SUBNET.21"
 P="You are a careful assistant. Answer briefly and plainly; do not use lists. Topic number"
 for i in 1 2 3 4; do complete "$P $i: tell me about rivers and the sea." 4 >/dev/null; done
-w0=$(metric "$SUBNET.20" 'kvmesh_worker_kv_pages{tier="hot"')
-w1=$(metric "$SUBNET.21" 'kvmesh_worker_kv_pages{tier="hot"')
+# a worker refreshes its gauges every 250 ms: four short requests can end within one period
+hot_pages() {
+    w0=$(metric "$SUBNET.20" 'kvmesh_worker_kv_pages{tier="hot"')
+    w1=$(metric "$SUBNET.21" 'kvmesh_worker_kv_pages{tier="hot"')
+    [ "${w0%.*}" != 0 ] || [ "${w1%.*}" != 0 ]
+}
+wait_for "KV pages on a worker (their kvmesh_worker_kv_pages)" 10 hot_pages
 if [ "${w0%.*}" -ge "${w1%.*}" ]; then D=0 O=1; else D=1 O=0; fi
-[ "$(metric "$SUBNET.2$D" 'kvmesh_worker_kv_pages{tier="hot"')" != 0 ] || die "no KV pages on either worker"
 say "kvmesh-worker-$D holds the pages (hot pages: w0 $w0, w1 $w1); SIGTERM to its container"
 podman kill --signal TERM "kvmesh-worker-$D-worker" >/dev/null
 taken() { [ "$(metric "$SUBNET.2$O" 'kvmesh_kv_handoff_chains_total{outcome="taken"')" != 0 ]; }
