@@ -142,8 +142,8 @@ kv_page *kv_index_verified(kv_store *s, km_pagehash h, const int32_t *tokens, ui
     return p;
 }
 
-int kv_store_lookup(kv_store *s, const km_pagehash *hashes, const int32_t *tokens, int n_pages,
-                    kv_tier *tiers)
+int kv_store_held(kv_store *s, const km_pagehash *hashes, const int32_t *tokens, int n_pages,
+                  kv_tier *tiers)
 {
     if (n_pages < 0 || (n_pages && (!hashes || !tokens))) return KM_EINVAL;
     uint64_t parent_id = 0;
@@ -154,9 +154,16 @@ int kv_store_lookup(kv_store *s, const km_pagehash *hashes, const int32_t *token
         if (tiers) tiers[i] = p->tier;
         parent_id = p->id;
     }
-    if (i)
+    return i;
+}
+
+int kv_store_lookup(kv_store *s, const km_pagehash *hashes, const int32_t *tokens, int n_pages,
+                    kv_tier *tiers)
+{
+    int i = kv_store_held(s, hashes, tokens, n_pages, tiers);
+    if (i > 0)
         s->st.hits++;
-    else
+    else if (!i)
         s->st.misses++;
     return i;
 }

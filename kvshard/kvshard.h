@@ -188,6 +188,9 @@ int kv_seq_publish(kv_store *s, kv_seq *q, const km_pagehash *hashes, const int3
  * against its token ids; tiers[i] (may be NULL) receives each page's tier. */
 int kv_store_lookup(kv_store *s, const km_pagehash *hashes, const int32_t *tokens, int n_pages,
                     kv_tier *tiers);
+/* The same answer without counting a hit or a miss: what a transfer asks before it pulls. */
+int kv_store_held(kv_store *s, const km_pagehash *hashes, const int32_t *tokens, int n_pages,
+                  kv_tier *tiers);
 
 /* Gives an empty sequence the longest cached, verified prefix (at most n_pages pages): pages on
  * host or disk are promoted to the hot tier, host ones asynchronously layer by layer (views wait

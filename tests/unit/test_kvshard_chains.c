@@ -241,3 +241,27 @@ Test(kvshard_chains, pages_a_lossy_sequence_let_go_of_stay_while_it_holds_their_
     expect_clean(s, "at the end");
     kv_store_destroy(s);
 }
+
+/* kv_store_held (issue 39, item 2: what a background pull asks before it starts) gives what
+ * kv_store_lookup gives, without counting a hit or a miss. */
+Test(kvshard_chains, held_answers_as_lookup_without_counting)
+{
+    int32_t a[NT], b[NT];
+    km_pagehash h[NP];
+    kv_store *s = cached_prompt(a, h);
+    memcpy(b, a, sizeof b);
+    for (int i = 5 * PT; i < NT; i++) b[i] += 500; /* the same first 5 pages */
+    km_pagehash hb[NP];
+    km_pagehash_chain(g_seed, b, NT, PT, hb, NP);
+    kv_store_stats before, after;
+    kv_store_stats_get(s, &before);
+    cr_assert_eq(kv_store_held(s, h, a, NP, NULL), NP);
+    cr_assert_eq(kv_store_held(s, hb, b, NP, NULL), 5);
+    kv_store_stats_get(s, &after);
+    cr_assert_eq(after.hits, before.hits, "held counted a hit");
+    cr_assert_eq(after.misses, before.misses, "held counted a miss");
+    cr_assert_eq(kv_store_lookup(s, hb, b, NP, NULL), 5);
+    kv_store_stats_get(s, &after);
+    cr_assert_eq(after.hits, before.hits + 1, "lookup still counts its hit");
+    kv_store_destroy(s);
+}
