@@ -93,7 +93,7 @@ wk_link *wk_peer_link(wk_service *s, const char *holder, const char *endpoint, c
 int wk_peer_not_started(wk_peer *p, const wk_link *l)
 {
     p->pulls_failed++;
-    km_counter_inc(p->s_pulls[2]);
+    km_counter_inc(p->s_pulls[WK_PULL_FAILED]);
     KM_DEBUG("pull_not_started", "holder=%s", l && l->holder[0] ? l->holder : "-");
     return -1;
 }

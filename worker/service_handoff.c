@@ -7,15 +7,17 @@
  *    hashes are seeded by its fingerprint), a transfer node, room.
  *  - Drain handoff: a drain sends each such peer `kv_push` frames naming this worker's cached
  *    chains, most recently used first (kv_store_chains), round robin up to WK_PUSH_PER_PEER
- *    each; a peer queues each chain for a background pull (a held entry with no request, at most
- *    WK_BG_AT_ONCE running) and this worker lingers at the end of its drain while they read
+ *    each (a chain starting with the first page of one already pushed goes to the same peer);
+ *    a peer queues each chain for a background pull (a held entry with no request, at most
+ *    WK_BG_AT_ONCE running; a chain whose prefix a running one is bringing waits for it, then
+ *    pulls only what it lacks) and this worker lingers at the end of its drain while they read
  *    (service.c). What peers cannot take goes to the disk tier as before. Half a second into
  *    the linger, the chains of a peer that has pulled none of them (the view still called it
  *    ready, but it died or stopped within the controller's dead-after window) are pushed again
  *    to the peers that did pull (wk_peer_handoff_again), once.
  *  - Warm-up: once ready, a worker asks up to two peers (`kv_warm`) for their most recently used
  *    chains, --peer-warm-pages pages in all; they answer with `kv_push` frames, pulled the same
- *    way.
+ *    way, each page once, never more than --peer-warm-pages of them (warm_left).
  *
  * Everything runs on the service's thread, between engine steps.
  */
@@ -111,44 +113,48 @@ typedef struct wk_push_ctx {
     const bool *silent; /* pushing again: only chains pushed to these peers (push_to indices) */
 } wk_push_ctx;
 
-/* The record of the pushed chain ending at last, or NULL. */
-static wk_pushed *wk_pushed_find(wk_peer *p, km_pagehash last)
+/* The record of the pushed chain ending at last (or with root, starting there), or NULL. */
+static wk_pushed *wk_pushed_find(wk_peer *p, km_pagehash last, bool root)
 {
     for (int i = 0; i < p->n_pushed; i++)
-        if (km_pagehash_eq(p->pushed[i].last, last)) return &p->pushed[i];
+        if (km_pagehash_eq(root ? p->pushed[i].root : p->pushed[i].last, last))
+            return &p->pushed[i];
     return NULL;
 }
 
 void wk_peer_pushed_pulled(wk_peer *p, km_pagehash last)
 {
-    wk_pushed *r = p->n_pushed ? wk_pushed_find(p, last) : NULL;
+    wk_pushed *r = p->n_pushed ? wk_pushed_find(p, last, false) : NULL;
     if (r) r->pulled = true;
 }
 
-/* One chain (kv_store_chains' callback) to the next peer in turn that can take more. */
+/* One chain (kv_store_chains' callback) to the peer that took a chain with the same first page
+ * (so a shared prefix crosses once), else to the next peer in turn that can take more. */
 static int wk_push_chain(void *arg, const km_pagehash *hs, const int32_t *toks, int n_pages)
 {
     wk_push_ctx *c = arg;
     wk_service *s = c->s;
     wk_peer *p = s->peer;
     if (c->silent) { /* again: a chain pushed to a peer that pulled nothing */
-        const wk_pushed *r = wk_pushed_find(p, hs[n_pages - 1]);
+        const wk_pushed *r = wk_pushed_find(p, hs[n_pages - 1], false);
         if (!r || r->pulled || !c->silent[r->to]) return 0;
     }
     int k = -1;
+    const wk_pushed *kin = c->silent ? NULL : wk_pushed_find(p, hs[0], true);
+    if (kin && c->sent[kin->to] < WK_PUSH_PER_PEER) k = kin->to;
     for (int t = 0; t < c->n && k < 0; t++) {
         int i = (c->next + t) % c->n;
         if (c->sent[i] < WK_PUSH_PER_PEER) k = i;
     }
     if (k < 0) return 1; /* every peer has its share */
-    c->next = k + 1;
+    if (!kin) c->next = k + 1;
     if (!wk_peer_encode_push(s, hs, toks, n_pages)) {
         km_zframe f = {p->out.data, p->out.len};
         if (!km_zsend(c->to[k]->sock, &f, 1, KM_ZDONTWAIT, NULL)) {
             c->sent[k]++;
             c->chains++;
             if (!c->silent && p->pushed) /* first push: remembered, to push again if need be */
-                p->pushed[p->n_pushed++] = (wk_pushed){hs[n_pages - 1], k, false};
+                p->pushed[p->n_pushed++] = (wk_pushed){hs[0], hs[n_pages - 1], k, false};
         }
     }
     return 0;
@@ -182,7 +188,7 @@ int wk_peer_handoff(wk_service *s)
     memcpy(p->push_to, c.to, sizeof *c.to * (size_t)c.n);
     int max_pages = kv_store_pages_total(s->kv);
     int rc = kv_store_chains(s->kv, max_pages, wk_push_chain, &c);
-    km_counter_add(p->s_handoff[0], (uint64_t)c.chains);
+    km_counter_add(p->s_handoff[WK_HO_PUSHED], (uint64_t)c.chains);
     KM_INFO("handoff", "worker=%s peers=%d chains=%d%s", s->worker_id, c.n, c.chains,
             rc < 0 ? " error=out_of_memory" : "");
     return c.chains;
@@ -206,7 +212,7 @@ int wk_peer_handoff_again(wk_service *s)
     }
     if (!c.n || !n_silent) return 0; /* nobody to hand them to, or nothing to hand */
     int rc = kv_store_chains(s->kv, kv_store_pages_total(s->kv), wk_push_chain, &c);
-    km_counter_add(p->s_handoff[0], (uint64_t)c.chains);
+    km_counter_add(p->s_handoff[WK_HO_PUSHED], (uint64_t)c.chains);
     KM_INFO("handoff_again", "worker=%s silent_peers=%d to_peers=%d chains=%d%s", s->worker_id,
             n_silent, c.n, c.chains, rc < 0 ? " error=out_of_memory" : "");
     return c.chains;
@@ -214,7 +220,7 @@ int wk_peer_handoff_again(wk_service *s)
 
 /* A peer's chain (its drain's handoff, or its answer to our warm-up): queued for a background
  * pull of what is not here (wk_peer_bg_start). */
-void wk_peer_take(wk_service *s, const km_msg_kv_push *q)
+void wk_peer_take(wk_service *s, const km_msg_kv_push *q, bool warm)
 {
     wk_peer *p = s->peer;
     if (!p) return; /* no transfer node: a push is only a hint */
@@ -226,7 +232,7 @@ void wk_peer_take(wk_service *s, const km_msg_kv_push *q)
         !(l = wk_peer_link_member(s, q->from)) || /* where it is: the view's word, not its own */
         !(h = calloc(1, sizeof *h)) || !(h->hs = malloc(sizeof *h->hs * n)) ||
         !(h->tokens = malloc(sizeof *h->tokens * n * (size_t)pt))) {
-        km_counter_inc(p->s_handoff[2]);
+        km_counter_inc(p->s_handoff[WK_HO_DROPPED]);
         wk_held_free(h);
         return;
     }
@@ -234,6 +240,7 @@ void wk_peer_take(wk_service *s, const km_msg_kv_push *q)
         h->hs[i] = km_pagehash_from_canonical(q->chain.hashes + 16 * i);
     memcpy(h->tokens, q->chain.tokens, sizeof *h->tokens * n * (size_t)pt);
     h->background = true;
+    h->warm = warm;
     h->link = l;
     h->n_pages = (int)n;
     h->arrival_ns = km_now_ns();
@@ -242,25 +249,68 @@ void wk_peer_take(wk_service *s, const km_msg_kv_push *q)
     wk_peer_bg_start(s);
 }
 
-/* Starts waiting background pulls while fewer than WK_BG_AT_ONCE run. */
+/* Whether a running background pull is bringing pages of h's chain: the first page it asked
+ * for is h's page at that place (a page's hash names its whole prefix). */
+static bool wk_bg_in_flight(const wk_peer *p, const wk_held *h)
+{
+    for (int i = 0; i < p->n_held; i++) {
+        const wk_held *r = p->held[i];
+        if (r->background && r->hs && r->first < h->n_pages &&
+            km_pagehash_eq(r->hs[r->first], h->hs[r->first]))
+            return true;
+    }
+    return false;
+}
+
+/* Starts h's background pull of what is not here yet, within the warm-up budget for a warm-up
+ * chain (a prefix of it when the budget has less left). 0 when it runs, else the outcome to
+ * count (h is not held). */
+static int wk_bg_pull(wk_service *s, wk_held *h)
+{
+    wk_peer *p = s->peer;
+    wk_link *l = h->link;
+    l->pulls--;
+    int k = kv_store_held(s->kv, h->hs, h->tokens, h->n_pages, NULL);
+    if (k >= h->n_pages) return WK_HO_PRESENT;
+    int n = h->n_pages;
+    if (h->warm && n - k > p->warm_left) n = k + p->warm_left;
+    if (k < 0 || n <= k || !l->peer || pr_peer_failed(l->peer)) return WK_HO_DROPPED;
+    h->deadline_ns = km_now_ns() + wk_ms_ns(WK_BG_PULL_MS);
+    int first = wk_peer_start(s, l, h, h->hs, h->tokens, n);
+    if (first < 0) return WK_HO_DROPPED; /* its pages were all checked not here */
+    h->first = first;
+    if (h->warm) p->warm_left -= h->reserved = n - first;
+    p->n_bg++;
+    return 0;
+}
+
+/* Starts waiting background pulls while fewer than WK_BG_AT_ONCE run. A chain whose pages a
+ * running pull is bringing waits for it, and then pulls only what it lacks: chains sharing a
+ * prefix move it once. */
 void wk_peer_bg_start(wk_service *s)
 {
     wk_peer *p = s->peer;
-    while (p->n_wait && p->n_bg < WK_BG_AT_ONCE && p->n_held < WK_PEER_HELD) {
-        wk_held *h = p->bg_wait[0];
-        memmove(p->bg_wait, p->bg_wait + 1, sizeof *p->bg_wait * (size_t)--p->n_wait);
-        wk_link *l = h->link;
-        l->pulls--;
-        h->deadline_ns = km_now_ns() + wk_ms_ns(WK_BG_PULL_MS);
-        if (!l->peer || pr_peer_failed(l->peer) ||
-            wk_peer_start(s, l, h, h->hs, h->tokens, h->n_pages) < 0) {
-            km_counter_inc(p->s_handoff[2]); /* every page already here, or a failure */
-            wk_held_free(h);
+    for (int i = 0; i < p->n_wait && p->n_bg < WK_BG_AT_ONCE && p->n_held < WK_PEER_HELD;) {
+        wk_held *h = p->bg_wait[i];
+        if (wk_bg_in_flight(p, h)) {
+            i++;
             continue;
         }
-        p->n_bg++;
-        km_counter_inc(p->s_handoff[1]);
+        memmove(p->bg_wait + i, p->bg_wait + i + 1, sizeof *p->bg_wait * (size_t)(--p->n_wait - i));
+        int rc = wk_bg_pull(s, h);
+        km_counter_inc(p->s_handoff[rc ? rc : WK_HO_TAKEN]);
+        if (rc) wk_held_free(h);
     }
+}
+
+void wk_peer_bg_end(wk_service *s, wk_held *h, const pr_pull_result *res)
+{
+    wk_peer *p = s->peer;
+    p->n_bg--;
+    /* the budget counts the pages offered (those moved, or read and failed): the rest back */
+    if (h->warm && res->pages_offered < h->reserved)
+        p->warm_left += h->reserved - res->pages_offered;
+    wk_held_free(h);
 }
 
 /* A peer asks for our chains (its warm-up): up to its page budget, answered as kv_push frames on
@@ -289,7 +339,7 @@ void wk_peer_warm_answer(wk_service *s, const km_zframe *env, int n_env, const k
     wk_warm_ctx c = {.s = s, .env = env, .n_env = n_env};
     int max = q->max_pages < (uint32_t)INT32_MAX ? (int)q->max_pages : INT32_MAX;
     kv_store_chains(s->kv, max, wk_warm_chain, &c);
-    km_counter_add(p->s_handoff[0], (uint64_t)c.chains);
+    km_counter_add(p->s_handoff[WK_HO_PUSHED], (uint64_t)c.chains);
     KM_INFO("warm_answer", "worker=%s chains=%d max_pages=%u", s->worker_id, c.chains,
             q->max_pages);
 }
@@ -330,7 +380,7 @@ void wk_peer_bg_drop(wk_peer *p)
     while (p->n_wait) {
         wk_held *h = p->bg_wait[--p->n_wait];
         h->link->pulls--;
-        km_counter_inc(p->s_handoff[2]);
+        km_counter_inc(p->s_handoff[WK_HO_DROPPED]);
         wk_held_free(h);
     }
 }

@@ -28,9 +28,11 @@
 
 #include "worker/service_peer_internal.h"
 
-static const char *const wk_handoff_outcomes[3] = {"pushed", "taken", "dropped"};
+static const char *const wk_handoff_outcomes[WK_HO_OUTCOMES] = {"pushed", "taken", "dropped",
+                                                                "present"};
 
-static const char *const wk_pull_outcomes[3] = {"ok", "partial", "failed"};
+static const char *const wk_pull_outcomes[WK_PULL_OUTCOMES] = {"ok", "partial", "failed",
+                                                               "present"};
 
 static const char *const wk_hint_refusals[2] = {"sender", "holder"};
 
@@ -60,9 +62,11 @@ static int wk_peer_metrics(wk_service *s, wk_peer *p, km_errbuf *err)
     p->s_seconds = km_metric_series(m, NULL);
     PREG(KM_COUNTER, "kvmesh_kv_transfer_pulls_total",
          "Pulls this worker made, by outcome (ok: every wanted page, partial: some, failed: "
-         "none).",
+         "none, present: every offered page arrived but another pull or a computation had "
+         "brought it here first).",
          "outcome", NULL, 0);
-    for (int i = 0; i < 3; i++) p->s_pulls[i] = km_metric_series(m, &wk_pull_outcomes[i]);
+    for (int i = 0; i < WK_PULL_OUTCOMES; i++)
+        p->s_pulls[i] = km_metric_series(m, &wk_pull_outcomes[i]);
     PREG(KM_COUNTER, "kvmesh_kv_transfer_failures_total",
          "Pages dropped by a pull, by reason (tokens, chain, format, checksum, transfer, timeout, "
          "nonfinite: a value or scale that is an infinity or a NaN), "
@@ -100,10 +104,12 @@ static int wk_peer_metrics(wk_service *s, wk_peer *p, km_errbuf *err)
     PREG(KM_COUNTER, "kvmesh_kv_handoff_chains_total",
          "Drain handoff and warm-up, in chains: pushed (sent to peers: this worker's drain "
          "handoff, or its answer to a peer's warm-up), taken (pushed here, a background pull "
-         "started) and dropped (pushed here but not taken: too many waiting, no room, or nothing "
-         "left to pull).",
+         "started), dropped (pushed here but not taken: too many waiting, no room, the warm-up "
+         "budget spent, or a failure) and present (pushed here, every page already here: "
+         "pulled by an earlier chain, or by a pull that brought it meanwhile).",
          "outcome", NULL, 0);
-    for (int i = 0; i < 3; i++) p->s_handoff[i] = km_metric_series(m, &wk_handoff_outcomes[i]);
+    for (int i = 0; i < WK_HO_OUTCOMES; i++)
+        p->s_handoff[i] = km_metric_series(m, &wk_handoff_outcomes[i]);
 #undef PREG
     return 0;
 }
@@ -158,6 +164,7 @@ int wk_peer_create(wk_service *s, km_errbuf *err)
     }
     if ((rc = wk_peer_metrics(s, p, err))) return rc;
     p->warm_pages = o->peer_warm_pages < 0 ? kv_store_pages_total(s->kv) / 4 : o->peer_warm_pages;
+    p->warm_left = p->warm_pages;
     if (o->peer_view && o->peer_view[0]) {
         km_zsock_opts zo;
         km_zsock_opts_default(&zo);
@@ -342,10 +349,11 @@ static void wk_peer_release(wk_service *s, int i)
         }
     }
     int wanted = res.pages_wanted;
-    int outcome = res.pages_imported && res.pages_imported >= wanted ? 0
-                  : res.pages_imported                               ? 1
-                                                                     : 2;
-    if (outcome < 2)
+    int outcome = res.pages_imported && res.pages_imported >= wanted ? WK_PULL_OK
+                  : res.pages_imported                               ? WK_PULL_PARTIAL
+                  : !res.status && res.pages_offered                 ? WK_PULL_PRESENT
+                                                                     : WK_PULL_FAILED;
+    if (outcome != WK_PULL_FAILED)
         p->pulls_ok++;
     else
         p->pulls_failed++;
@@ -361,19 +369,18 @@ static void wk_peer_release(wk_service *s, int i)
     wk_peer_measure(p, h, &res, now);
     KM_INFO("pull_done",
             "id=%llu pull=%llu pages=%d local=%d wanted=%d offered=%d imported=%d bytes=%llu "
-            "ms=%.1f offer_ms=%.1f status=%s handoff=%d",
+            "ms=%.1f offer_ms=%.1f status=%s outcome=%s handoff=%d",
             (unsigned long long)h->id, (unsigned long long)h->pull_id, h->n_pages, res.pages_local,
             wanted, res.pages_offered, res.pages_imported, (unsigned long long)res.bytes,
             (double)(now - h->start_ns) / 1e6,
             h->offer_ns ? (double)(h->offer_ns - h->start_ns) / 1e6 : -1.0,
-            res.status ? km_strerror(res.status) : "ok", h->background);
+            res.status ? km_strerror(res.status) : "ok", wk_pull_outcomes[outcome], h->background);
     if (l->peer && pr_peer_failed(l->peer) && !l->pulls) {
         pr_peer_release(p->node, l->peer); /* the next pull connects again */
         l->peer = NULL;
     }
     if (h->background) { /* a handoff taken: no request to admit */
-        p->n_bg--;
-        wk_held_free(h);
+        wk_peer_bg_end(s, h, &res);
         return;
     }
     km_msg q;
@@ -448,7 +455,7 @@ static void wk_peer_answer(wk_service *s, wk_link *l, const km_zmsg *zm)
         for (int i = 0; !h && m.error.id == 0 && i < p->n_held; i++)
             if (p->held[i]->link == l && !p->held[i]->offer_ns) p->held[i]->end_now = true;
     } else if (m.type == KM_MSG_KV_PUSH) { /* the answer to our warm-up */
-        wk_peer_take(s, &m.kv_push);
+        wk_peer_take(s, &m.kv_push, true);
     }
     km_msg_clear(&m);
 }

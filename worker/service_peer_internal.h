@@ -23,6 +23,11 @@ enum {
     WK_BG_PULL_MS = 5000,  /* a background pull's budget */
 };
 
+/* kvmesh_kv_transfer_pulls_total{outcome} */
+enum { WK_PULL_OK, WK_PULL_PARTIAL, WK_PULL_FAILED, WK_PULL_PRESENT, WK_PULL_OUTCOMES };
+/* kvmesh_kv_handoff_chains_total{outcome} */
+enum { WK_HO_PUSHED, WK_HO_TAKEN, WK_HO_DROPPED, WK_HO_PRESENT, WK_HO_OUTCOMES };
+
 /* A peer the controller's view names: where a drain may hand its pages. */
 typedef struct wk_member {
     char id[KM_PROTO_MAX_NAME + 1], requests[KM_PROTO_MAX_NAME + 1];
@@ -58,13 +63,16 @@ typedef struct wk_held {
     uint64_t arrival_ns, start_ns, offer_ns, deadline_ns;
     bool end_now;    /* refused or answered with an error: finish at the next poll */
     bool background; /* a handoff taken: no request behind it */
-    km_pagehash *hs; /* background: the chain's hashes until its pull starts */
+    bool warm;       /* background: an answer to this worker's warm-up (--peer-warm-pages) */
+    int first;       /* background, pulling: the pages already here when it started */
+    int reserved;    /* background, pulling: warm-up pages reserved for it */
+    km_pagehash *hs; /* background: the chain's hashes */
 } wk_held;
 
-/* A chain this worker's drain pushed: its last page, the peer it went to (an index into
+/* A chain this worker's drain pushed: its first and last page, the peer it went to (an index into
  * wk_peer.push_to) and whether a kv_pull naming it came back. */
 typedef struct wk_pushed {
-    km_pagehash last;
+    km_pagehash root, last;
     int to;
     bool pulled;
 } wk_pushed;
@@ -96,7 +104,8 @@ struct wk_peer {
     double rate_bps, lat_ms;
     uint64_t pulls_ok, pulls_failed;
     km_xfer_pair hb_pairs[WK_PEER_LINKS]; /* the heartbeat's per-holder figures */
-    km_series *s_bytes_in, *s_bytes_out, *s_seconds, *s_pulls[3], *s_fail[PR_DROP_COUNT + 2];
+    km_series *s_bytes_in, *s_bytes_out, *s_seconds, *s_pulls[WK_PULL_OUTCOMES],
+        *s_fail[PR_DROP_COUNT + 2];
     km_series *s_refused, *s_dones_ignored;
     km_series *s_hints_refused[2]; /* kvmesh_kv_pull_hints_refused_total{reason}: sender, holder */
     km_series *s_view_peers;       /* kvmesh_kv_peer_view_workers */
@@ -109,10 +118,11 @@ struct wk_peer {
     int n_members, n_bg;          /* background pulls running */
     wk_held *bg_wait[WK_PEER_BG]; /* taken chains waiting for their pull, oldest first */
     int n_wait;
-    bool warmed;             /* this process asked its peers for their chains */
-    int warm_pages;          /* --peer-warm-pages resolved */
-    uint64_t push_id;        /* the last kv_push / kv_warm id this worker sent */
-    km_series *s_handoff[3]; /* kvmesh_kv_handoff_chains_total{outcome} */
+    bool warmed;      /* this process asked its peers for their chains */
+    int warm_pages;   /* --peer-warm-pages resolved */
+    int warm_left;    /* of it: pages not yet pulled nor reserved by a running pull */
+    uint64_t push_id; /* the last kv_push / kv_warm id this worker sent */
+    km_series *s_handoff[WK_HO_OUTCOMES]; /* kvmesh_kv_handoff_chains_total{outcome} */
     /* this drain's handoff, to push again what a silent peer never pulled */
     wk_pushed *pushed;
     int n_pushed, n_push_to;
@@ -143,9 +153,12 @@ const wk_member *wk_peer_member(wk_service *s, const char *id);
 /* The link to the worker `id` of the controller's view, at the endpoint and address the view
  * gives (NULL: not in the view, or no link can be had). */
 wk_link *wk_peer_link_member(wk_service *s, const char *id);
-/* A peer's kv_push (its drain's handoff, or its answer to our warm-up): queued for a background
- * pull. */
-void wk_peer_take(wk_service *s, const km_msg_kv_push *q);
+/* A peer's kv_push (its drain's handoff, or with warm its answer to our warm-up): queued for a
+ * background pull. */
+void wk_peer_take(wk_service *s, const km_msg_kv_push *q, bool warm);
+/* A background pull has ended (res: its result): its warm-up pages settled, its outcome counted,
+ * h freed. */
+void wk_peer_bg_end(wk_service *s, wk_held *h, const pr_pull_result *res);
 /* Reads the controller's latest views (--peer-view). */
 void wk_peer_view_read(wk_service *s);
 /* A peer's kv_warm: our chains, answered as kv_push frames. */

@@ -114,7 +114,7 @@ void wk_peer_handle(wk_service *s, void *sock, const km_zframe *env, int n_env, 
         }
         wk_peer_serve(s, env, n_env, &m->kv_pull);
     } else if (m->type == KM_MSG_KV_PUSH) {
-        wk_peer_take(s, &m->kv_push);
+        wk_peer_take(s, &m->kv_push, false); /* a drain's handoff */
     } else if (m->type == KM_MSG_KV_WARM && p) {
         wk_peer_warm_answer(s, env, n_env, &m->kv_warm);
     } else if (m->type == KM_MSG_KV_PULL_DONE && p) {

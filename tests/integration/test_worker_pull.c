@@ -682,6 +682,57 @@ static void expect_hits(const it_proc *w, int32_t p[K][NP], const result ref[K],
     }
 }
 
+/* wa and wb with a view the test publishes on a PUB of its own (an XPUB with xpub, to wait for
+ * their subscriptions; warm_pages: their --peer-warm-pages, NULL for the default). */
+typedef struct warmset {
+    void *pub;
+    pair *w;
+    uint8_t addr_b[KM_PROTO_MAX_PEER_ADDR];
+    uint32_t lb;
+    uint64_t seq;
+} warmset;
+
+static warmset g_ws;
+
+static warmset *warm_start(const char *warm_pages, bool xpub)
+{
+    warmset *ws = &g_ws;
+    memset(ws, 0, sizeof *ws);
+    char pub_ep[256];
+    ws->pub = xpub ? it_xpub("tcp://127.0.0.1:*", pub_ep, sizeof pub_ep)
+                   : bound(KM_ZPUB, "tcp://127.0.0.1:*", pub_ep, sizeof pub_ep);
+    const char *const view[] = {"--peer-view", pub_ep, warm_pages ? "--peer-warm-pages" : NULL,
+                                warm_pages, NULL};
+    ws->w = pair_start(NULL, view);
+    ws->lb = peer_addr_of(ws->w->ctl, "wb", ws->addr_b, sizeof ws->addr_b);
+    return ws;
+}
+
+/* wb's warm-up starts on the first view it sees: the view published every 100 ms until wb's
+ * series is above floor (10 s at most); its value. */
+static double warm_until(warmset *ws, const char *series, double floor)
+{
+    pair *w = ws->w;
+    double v = 0;
+    for (int i = 0; i < 100 && v <= floor; i++) {
+        publish_view(ws->pub, ++ws->seq, &w->a, &w->b, w->addr, w->addr_len, ws->addr_b, ws->lb);
+        usleep(100000);
+        v = it_metric(w->b.admin_port, series);
+    }
+    return v;
+}
+
+/* Drains wa (SIGTERM) once the view reaches both (an XPUB's warm_start), and waits for it to
+ * exit by itself. */
+static void drain_wa(warmset *ws)
+{
+    pair *w = ws->w;
+    it_wait_subscribed(ws->pub, 2, 30000); /* wa's and wb's --peer-view: one view reaches both */
+    publish_view(ws->pub, ++ws->seq, &w->a, &w->b, w->addr, w->addr_len, ws->addr_b, ws->lb);
+    cr_assert_eq(kill(w->a.pid, SIGTERM), 0);
+    cr_assert_neq(it_wait_exit(&w->a, 30000), -1, "the drained worker did not exit by itself");
+}
+
 /* Drain handoff (issue 14): a worker drained with no request in flight pushes its cached chains
  * to the ready peer the controller's view names (--peer-view; the test publishes the view), the
  * peer pulls them in the background, the drained worker lingers while it does and then exits by
@@ -689,23 +740,15 @@ static void expect_hits(const it_proc *w, int32_t p[K][NP], const result ref[K],
 Test(worker_pull, a_drained_worker_hands_its_cached_chains_to_a_peer)
 {
     if (!have_model()) return;
-    char pub_ep[256];
-    void *pub = it_xpub("tcp://127.0.0.1:*", pub_ep, sizeof pub_ep);
-    /* no warm-up: the pages must reach wb by the handoff alone */
-    const char *const view[] = {"--peer-view", pub_ep, "--peer-warm-pages", "0", NULL};
-    pair *w = pair_start(NULL, view);
+    warmset *ws = warm_start("0", true); /* no warm-up: the pages reach wb by the handoff alone */
+    pair *w = ws->w;
     it_proc *a = &w->a, *b = &w->b;
-    static uint8_t addr_b[KM_PROTO_MAX_PEER_ADDR];
-    uint32_t lb = peer_addr_of(w->ctl, "wb", addr_b, sizeof addr_b);
+    void *pub = ws->pub;
     cr_assert(g_fp[0], "the heartbeats name no model fingerprint");
     int32_t p[K][NP];
     result ref[K];
     serve_prompts(a, p, ref, 500);
-    it_wait_subscribed(pub, 2, 30000); /* wa's and wb's --peer-view: then one view reaches both */
-    publish_view(pub, 1, a, b, w->addr, w->addr_len, addr_b, lb);
-    cr_assert_eq(kill(a->pid, SIGTERM), 0);
-    int rc = it_wait_exit(a, 20000);
-    cr_assert_neq(rc, -1, "the drained worker did not exit by itself");
+    drain_wa(ws);
     double taken = it_metric(b->admin_port, "kvmesh_kv_handoff_chains_total{outcome=\"taken\"}");
     cr_assert_geq(taken, K, "wb took %g chains of wa's %d", taken, K);
     cr_assert_geq(it_metric(b->admin_port, "kvmesh_kv_transfer_pulls_total{outcome=\"ok\"}"), K);
@@ -774,23 +817,14 @@ Test(worker_pull, chains_a_silent_peer_never_pulled_are_handed_to_one_that_pulls
 Test(worker_pull, a_new_worker_warms_up_from_a_peer)
 {
     if (!have_model()) return;
-    char pub_ep[256];
-    void *pub = bound(KM_ZPUB, "tcp://127.0.0.1:*", pub_ep, sizeof pub_ep);
-    const char *const view[] = {"--peer-view", pub_ep, NULL};
-    pair *w = pair_start(NULL, view);
+    warmset *ws = warm_start(NULL, false);
+    pair *w = ws->w;
     it_proc *a = &w->a, *b = &w->b;
-    static uint8_t addr_b[KM_PROTO_MAX_PEER_ADDR];
-    uint32_t lb = peer_addr_of(w->ctl, "wb", addr_b, sizeof addr_b);
+    void *pub = ws->pub;
     int32_t p[K][NP];
     result ref[K];
     serve_prompts(a, p, ref, 700); /* on wa, before any view names a peer */
-    double taken = 0;
-    uint64_t seq = 0;
-    for (int i = 0; i < 100 && taken < K; i++) { /* the first view wb sees starts its warm-up */
-        publish_view(pub, ++seq, a, b, w->addr, w->addr_len, addr_b, lb);
-        usleep(100000);
-        taken = it_metric(b->admin_port, "kvmesh_kv_handoff_chains_total{outcome=\"taken\"}");
-    }
+    double taken = warm_until(ws, "kvmesh_kv_handoff_chains_total{outcome=\"taken\"}", K - 1);
     cr_assert_geq(taken, K, "wb took %g of wa's %d chains", taken, K);
     for (int i = 0; i < 100; i++) { /* the pulls end */
         if (it_metric(b->admin_port, "kvmesh_kv_transfer_pulls_total{outcome=\"ok\"}") >= K) break;
@@ -802,6 +836,118 @@ Test(worker_pull, a_new_worker_warms_up_from_a_peer)
     cr_assert(log_line(b, "event=pull_done", line, sizeof line), "wb logged no pull_done");
     const char *pull = strstr(line, " pull=");
     cr_assert(pull && strtoull(pull + 6, NULL, 10) > 0, "%s", line);
+    km_zsock_close(pub);
+    pair_stop(w);
+}
+
+/* Ten prompts over one shared 100-page prefix (a system prompt), each with its own 2-page tail
+ * (issue 39): what a handoff or a warm-up should move once, plus the tails. */
+enum { NS = 10, SHARED = 100 * 16, TAIL = 40, NST = SHARED + TAIL, GEN_S = 4 };
+enum { DISTINCT = SHARED / 16 + NS * (NST / 16 - SHARED / 16) }; /* pages of the ten chains */
+
+static int32_t g_sp[NS][NST];
+static result g_sref[NS];
+
+static void serve_shared(const it_proc *w, uint64_t seed)
+{
+    for (int k = 0; k < NS; k++) {
+        make_prompt(g_sp[k], SHARED, seed);
+        make_prompt(g_sp[k] + SHARED, TAIL, seed + 1 + (uint64_t)k);
+        g_sref[k] = run(w->req, 1 + (uint64_t)k, g_sp[k], NST, GEN_S, NULL, 120000);
+    }
+}
+
+/* The payload bytes of one page, from w's heartbeats on ctl. */
+static double page_bytes_of(void *ctl, const char *id)
+{
+    km_msg m;
+    double pb = 0;
+    uint64_t until = km_now_ns() + 10000000000ull;
+    while (!pb && next_hb(ctl, id, until, &m)) {
+        if (m.hb.has_xfer) pb = (double)m.hb.xfer.page_bytes;
+        km_msg_clear(&m);
+    }
+    cr_assert_gt(pb, 0, "no heartbeat of %s gave its page size", id);
+    return pb;
+}
+
+/* Waits (60 s at most) until w's background pulls have ended: no chain waiting or pulling, seen
+ * as the pull outcomes and chain outcomes settling for a second. */
+static void wait_pulls_settled(const it_proc *w)
+{
+    double last = -1;
+    int still = 0;
+    for (int i = 0; i < 600 && still < 10; i++) {
+        double now =
+            it_metric(w->admin_port, "kvmesh_kv_transfer_bytes_total{direction=\"in\"}") +
+            it_metric(w->admin_port, "kvmesh_kv_transfer_pulls_total{outcome=\"ok\"}") +
+            it_metric(w->admin_port, "kvmesh_kv_handoff_chains_total{outcome=\"present\"}");
+        still = now == last && now > 0 ? still + 1 : 0;
+        last = now;
+        usleep(100000);
+    }
+}
+
+/* Handoff of chains that share a prefix (issue 39): the receiver pulls the shared prefix once,
+ * then only each chain's tail. Before, up to four chains were pulled at once, each moving the
+ * whole prefix, and the later ones imported nothing (the prefix had arrived meanwhile) and were
+ * counted failed while their log said status=ok. */
+Test(worker_pull, a_handoff_moves_a_shared_prefix_once)
+{
+    if (!have_model()) return;
+    warmset *ws = warm_start("0", true);
+    pair *w = ws->w;
+    it_proc *b = &w->b;
+    void *pub = ws->pub;
+    double pb = page_bytes_of(w->ctl, "wb");
+    serve_shared(&w->a, 1100);
+    drain_wa(ws);
+    wait_pulls_settled(b);
+    double in = it_metric(b->admin_port, "kvmesh_kv_transfer_bytes_total{direction=\"in\"}");
+    double failed = it_metric(b->admin_port, "kvmesh_kv_transfer_pulls_total{outcome=\"failed\"}");
+    double dropped =
+        it_metric(b->admin_port, "kvmesh_kv_handoff_chains_total{outcome=\"dropped\"}");
+    cr_log_info("handoff of %d chains over a shared prefix: %.0f bytes in, %.2f x the %d distinct "
+                "pages (%.0f bytes each)",
+                NS, in, in / (DISTINCT * pb), DISTINCT, pb);
+    cr_assert_lt(in, 1.5 * DISTINCT * pb, "wb pulled %.0f bytes for %d distinct pages of %.0f", in,
+                 DISTINCT, pb);
+    cr_assert_eq(failed, 0, "wb counted %g pulls failed", failed);
+    cr_assert_eq(dropped, 0, "wb dropped %g chains", dropped);
+    for (int k = 0; k < NS; k++) {
+        result got = run(b->req, 20 + (uint64_t)k, g_sp[k], NST, GEN_S, NULL, 120000);
+        expect_same(&g_sref[k], &got, "a handed-over chain over a shared prefix");
+        cr_assert_geq(got.cached, SHARED + 16, "prompt %d: cached %u", k, got.cached);
+    }
+    km_zsock_close(pub);
+    pair_stop(w);
+}
+
+/* The warm-up budget (issue 39): a new worker pulls at most --peer-warm-pages pages, whatever
+ * the chains its peer offers hold, and the shared prefix of those chains once. */
+Test(worker_pull, a_warm_up_stays_within_its_page_budget)
+{
+    if (!have_model()) return;
+    enum { BUDGET = 60 }; /* fewer than one chain's pages */
+    warmset *ws = warm_start("60", false);
+    pair *w = ws->w;
+    it_proc *a = &w->a, *b = &w->b;
+    void *pub = ws->pub;
+    double pb = page_bytes_of(w->ctl, "wb");
+    serve_shared(a, 1300);
+    double in = warm_until(ws, "kvmesh_kv_transfer_bytes_total{direction=\"in\"}", 0);
+    cr_assert_gt(in, 0, "wb pulled nothing in its warm-up");
+    wait_pulls_settled(b);
+    in = it_metric(b->admin_port, "kvmesh_kv_transfer_bytes_total{direction=\"in\"}");
+    cr_log_info("warm-up with a budget of %d pages: %.0f bytes in (%.1f pages of %.0f bytes)",
+                BUDGET, in, in / pb, pb);
+    cr_assert_leq(in, BUDGET * pb, "wb pulled %.0f bytes, over its %d pages of %.0f", in, BUDGET,
+                  pb);
+    cr_assert_eq(it_metric(b->admin_port, "kvmesh_kv_transfer_pulls_total{outcome=\"failed\"}"), 0);
+    /* what it pulled is a prefix of the chains: served from its cache */
+    result got = run(b->req, 40, g_sp[0], NST, GEN_S, NULL, 120000);
+    expect_same(&g_sref[0], &got, "served from a warm-up within its budget");
+    cr_assert_geq(got.cached, 16 * (BUDGET - 1), "cached %u", got.cached);
     km_zsock_close(pub);
     pair_stop(w);
 }
