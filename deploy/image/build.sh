@@ -46,7 +46,8 @@ for b in "${BINS[@]}"; do
         path=$(ldd "build/bin/$b" | awk -v l="$lib" '$1 == l { print $3 } $1 ~ "/" l "$" { print $1 }')
         [ -n "$path" ] || die "$lib (needed by $b) is not found on this host"
         # UCX from third_party/ucx (deploy/ucx.sh) travels into the image itself (below)
-        case "$(readlink -f "$path")" in "$PWD"/third_party/ucx/lib/*) continue ;; esac
+        # (third_party/ may be a link, as in a git worktree)
+        case "$(readlink -f "$path")" in "$(readlink -f third_party)"/ucx/lib/*) continue ;; esac
         p=$(pkg_of "$path") || die "no Debian package owns $path (needed by $b)"
         pkgs[$p]=1
     done < <(objdump -p "build/bin/$b" | awk '/NEEDED/ { print $2 }')
