@@ -92,8 +92,9 @@ ctr=$(buildah from --quiet "$BASE_IMG")
 trap 'buildah rm "$ctr" >/dev/null 2>&1 || true' EXIT
 for b in "${BINS[@]}"; do buildah copy --quiet --chmod 0755 "$ctr" "build/bin/$b" /usr/local/bin/ >/dev/null; done
 # the binaries' rpath names $ORIGIN/../lib/kvmesh/ucx for the UCX of third_party/ucx (its
-# modules in ucx/ beside libucs, which finds them there)
-if ldd build/bin/kvmesh-worker | grep -q "$PWD/third_party/ucx/lib"; then
+# modules in ucx/ beside libucs, which finds them there). Not grep -q: it stops reading at the
+# first match, and under pipefail ldd's SIGPIPE would then read as no match.
+if ldd build/bin/kvmesh-worker | grep "$PWD/third_party/ucx/lib" >/dev/null; then
     buildah copy --quiet "$ctr" third_party/ucx/lib /usr/local/lib/kvmesh/ucx >/dev/null
 fi
 buildah config --user 10001:10001 --workingdir /opt/kvmesh \

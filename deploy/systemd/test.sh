@@ -102,7 +102,7 @@ IP=$(podman inspect -f '{{.NetworkSettings.IPAddress}}' "$NAME")
 STAGE=$(mktemp -d /tmp/kvmesh-systemd-XXXXXX)
 mkdir -p "$STAGE/usr/local/bin" "$STAGE/usr/local/lib/kvmesh" "$STAGE/etc/systemd/system" "$STAGE/etc/kvmesh"
 install -m 755 build/bin/kvmesh build/bin/kvmesh-* "$STAGE/usr/local/bin/"
-if ldd build/bin/kvmesh-worker | grep -q "$(readlink -f third_party)/ucx/lib\|$PWD/third_party/ucx/lib"; then
+if ldd build/bin/kvmesh-worker | grep "$(readlink -f third_party)/ucx/lib\|$PWD/third_party/ucx/lib" >/dev/null; then
     cp -a "$(readlink -f third_party/ucx/lib)" "$STAGE/usr/local/lib/kvmesh/ucx"
 fi
 cp deploy/systemd/*.service "$STAGE/etc/systemd/system/"
@@ -221,7 +221,7 @@ say "kvmesh recover --worker worker-$D --level 3 (hot pages: worker-0 $w0, worke
 restarted() { [ "$(prop "kvmesh-worker@$1.service" NRestarts)" -ge 1 ] && [ "$(prop "kvmesh-worker@$1.service" ActiveState)" = active ]; }
 wait_for "kvmesh-worker@$D restarted by systemd" 120 restarted "$D"
 # SuccessExitStatus=75: systemd logs "Deactivated successfully", the worker its exit status
-ins journalctl -u "kvmesh-worker@$D.service" -o cat --no-pager | grep -q '"event":"worker_exit","status":75' ||
+ins journalctl -u "kvmesh-worker@$D.service" -o cat --no-pager | grep '"event":"worker_exit","status":75' >/dev/null ||
     die "kvmesh-worker@$D's journal does not show its exit with status 75"
 taken() { [ "$(metric "91${O}0" 'kvmesh_kv_handoff_chains_total{outcome="taken"')" != 0 ]; }
 wait_for "kvmesh-worker@$O takes worker-$D's chains" 60 taken
@@ -235,7 +235,7 @@ n1=$(prop "kvmesh-worker@$O.service" NRestarts)
 ins sh -c "kill -KILL $pid1"
 killed_back() { [ "$(prop "kvmesh-worker@$O.service" NRestarts)" -gt "$n1" ] && [ "$(prop "kvmesh-worker@$O.service" ActiveState)" = active ]; }
 wait_for "kvmesh-worker@$O restarted after SIGKILL" 60 killed_back
-ins journalctl -u "kvmesh-worker@$O.service" -o cat --no-pager | grep -q 'code=killed, status=9/KILL' ||
+ins journalctl -u "kvmesh-worker@$O.service" -o cat --no-pager | grep 'code=killed, status=9/KILL' >/dev/null ||
     die "kvmesh-worker@$O's journal does not show the SIGKILL"
 wait_for "kvmesh-worker@$O ready again" 120 ready "91${O}0"
 out=$(complete "The capital of Spain is")
