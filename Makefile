@@ -485,7 +485,7 @@ fixtures: build ## regenerates tests/fixtures from llama.cpp (needs its build)
 # The OCI image and its tests (docs/operations.md, "The container image"). Their packages
 # (mmdebstrap, podman, buildah, runc, prometheus) come from deploy/image-deps.sh, never from
 # `make deps`: `make test` neither needs nor installs a container runtime.
-.PHONY: image-deps image image-test k8s-test check-rules monitoring-test
+.PHONY: image-deps image image-test k8s-test systemd-test check-rules monitoring-test
 image-deps: ## Debian packages for image, image-test (mmdebstrap, podman, buildah), check-rules, monitoring-test (prometheus)
 	@bash deploy/image-deps.sh all
 
@@ -498,6 +498,9 @@ image-test: image ## loads build/kvmesh-image.tar, runs kvmesh up in a container
 
 k8s-test: image ## deploy/k8s rendered and run with podman kube play: completions, a drain handoff, scaling 2 to 3
 	@bash deploy/k8s/test.sh
+
+systemd-test: image ## deploy/systemd's units under systemd as PID 1 in a podman container: order, completions, level 3 and SIGKILL restarts
+	@bash deploy/systemd/test.sh
 
 check-rules: ## promtool check rules and the rules' unit tests, deploy/prometheus (skipped without promtool)
 	@bash deploy/prometheus/check.sh

@@ -46,7 +46,8 @@ for b in "${BINS[@]}"; do
         path=$(ldd "build/bin/$b" | awk -v l="$lib" '$1 == l { print $3 } $1 ~ "/" l "$" { print $1 }')
         [ -n "$path" ] || die "$lib (needed by $b) is not found on this host"
         # UCX from third_party/ucx (deploy/ucx.sh) travels into the image itself (below)
-        case "$(readlink -f "$path")" in "$PWD"/third_party/ucx/lib/*) continue ;; esac
+        # (third_party/ may be a link, as in a git worktree)
+        case "$(readlink -f "$path")" in "$(readlink -f third_party)"/ucx/lib/*) continue ;; esac
         p=$(pkg_of "$path") || die "no Debian package owns $path (needed by $b)"
         pkgs[$p]=1
     done < <(objdump -p "build/bin/$b" | awk '/NEEDED/ { print $2 }')
@@ -91,8 +92,9 @@ ctr=$(buildah from --quiet "$BASE_IMG")
 trap 'buildah rm "$ctr" >/dev/null 2>&1 || true' EXIT
 for b in "${BINS[@]}"; do buildah copy --quiet --chmod 0755 "$ctr" "build/bin/$b" /usr/local/bin/ >/dev/null; done
 # the binaries' rpath names $ORIGIN/../lib/kvmesh/ucx for the UCX of third_party/ucx (its
-# modules in ucx/ beside libucs, which finds them there)
-if ldd build/bin/kvmesh-worker | grep -q "$PWD/third_party/ucx/lib"; then
+# modules in ucx/ beside libucs, which finds them there). Not grep -q: it stops reading at the
+# first match, and under pipefail ldd's SIGPIPE would then read as no match.
+if ldd build/bin/kvmesh-worker | grep "$PWD/third_party/ucx/lib" >/dev/null; then
     buildah copy --quiet "$ctr" third_party/ucx/lib /usr/local/lib/kvmesh/ucx >/dev/null
 fi
 buildah config --user 10001:10001 --workingdir /opt/kvmesh \

@@ -4,8 +4,13 @@ doing by hand what Kubernetes would: the Deployment and StatefulSet controllers 
 NAME and NAME-0..N-1), the kubelet's downward API and $(VAR) expansion (POD_NAME, POD_IP are
 filled in), envFrom a ConfigMap (inlined), Secret and emptyDir volumes (host directories the
 caller made), and Service names (hostAliases to the pod behind a Deployment's Service, since no
-cluster DNS runs), and restartPolicy OnFailure for Always (see below). Probes, resources and ports are dropped (ports: see below); podman runs probes through systemd timers
-and curl, neither of which is here; the test polls the same endpoints itself.
+cluster DNS runs), and restartPolicy OnFailure for Always (see below). Probes, resources and
+ports are dropped (ports: see below); podman runs probes through systemd timers and curl,
+neither of which is here; the test polls the same endpoints itself.
+
+Kinds it cannot play (NetworkPolicy, PodDisruptionBudget, HorizontalPodAutoscaler, any other)
+are skipped with a line on stderr each, after checking that what they name exists: the pods a
+selector picks, the named ports a policy admits, the workload an autoscaler scales.
 
 Usage: play.py RENDERED.yaml OUTDIR --ip POD=IP... --secrets DIR --volumes DIR [--workers N]
 Writes OUTDIR/POD.yaml for every pod and prints "POD IP" lines in start order."""
@@ -23,6 +28,48 @@ def expand(s, env):
     return re.sub(r"(?<!\$)\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), s)
 
 
+def matches(selector, labels):
+    return selector.get("matchLabels", {}).items() <= labels.items() and not selector.get("matchExpressions")
+
+
+def check_unplayed(docs):
+    # returns "KIND/NAME: what was checked" for every object no pod carries out
+    tmpls = [(d["kind"], d["metadata"]["name"], d["spec"]["template"]) for d in docs
+             if d["kind"] in ("Deployment", "StatefulSet")]
+    out = []
+    for d in docs:
+        kind, name = d["kind"], d["metadata"]["name"]
+        if kind in ("Deployment", "StatefulSet", "ConfigMap", "Service"):
+            continue
+        what = f"{kind}/{name}"
+        if kind == "NetworkPolicy":
+            sel = [t for _, _, t in tmpls if matches(d["spec"]["podSelector"], t["metadata"]["labels"])]
+            if not sel:
+                sys.exit(f"play.py: {what} selects no pod")
+            declared = {p["name"] for t in sel for c in t["spec"]["containers"] for p in c.get("ports", [])}
+            for rule in d["spec"].get("ingress", []):
+                for src in rule.get("from", []):
+                    if "podSelector" in src and "namespaceSelector" not in src and not any(
+                            matches(src["podSelector"], t["metadata"]["labels"]) for _, _, t in tmpls):
+                        sys.exit(f"play.py: {what} admits pods {src['podSelector']} that no workload makes")
+                for port in rule.get("ports", []):
+                    if isinstance(port.get("port"), str) and port["port"] not in declared:
+                        sys.exit(f"play.py: {what} admits port {port['port']}, which its pods do not declare")
+            ports = sorted({str(p.get("port", "any TCP")) for r in d["spec"].get("ingress", []) for p in r.get("ports", [])})
+            what += f" (ports {', '.join(ports)} checked against the pods' containerPorts)"
+        elif kind == "PodDisruptionBudget":
+            if not any(matches(d["spec"]["selector"], t["metadata"]["labels"]) for _, _, t in tmpls):
+                sys.exit(f"play.py: {what} selects no pod")
+            what += " (its selector picks a workload's pods)"
+        elif kind == "HorizontalPodAutoscaler":
+            ref = d["spec"]["scaleTargetRef"]
+            if (ref["kind"], ref["name"]) not in {(k, n) for k, n, _ in tmpls}:
+                sys.exit(f"play.py: {what} scales {ref['kind']}/{ref['name']}, which is not here")
+            what += f" (scales {ref['kind']}/{ref['name']}, which is here)"
+        out.append(what)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("rendered")
@@ -35,6 +82,8 @@ def main():
     ips = dict(x.split("=", 1) for x in a.ip)
     docs = [d for d in yaml.safe_load_all(open(a.rendered)) if d]
     cms = {d["metadata"]["name"]: d.get("data", {}) for d in docs if d["kind"] == "ConfigMap"}
+    for what in check_unplayed(docs):
+        print(f"play.py: not played (needs a cluster): {what}", file=sys.stderr)
 
     pods = []  # (name, labels, pod spec)
     for d in docs:

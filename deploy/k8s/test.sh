@@ -6,7 +6,8 @@
 # drains a worker (SIGTERM to its container: it hands its chains to its peer and exits 75, and
 # restartPolicy Always brings it back), scales the workers from 2 to 3 and sees the new one warm
 # up from its peers, then tears everything down. Not exercised here (no cluster): Services and
-# their DNS, the NetworkPolicy, PodDisruptionBudget, HorizontalPodAutoscaler and probes.
+# their DNS, the NetworkPolicy, PodDisruptionBudget, HorizontalPodAutoscaler and probes (play.py
+# checks what they name; schema.py, where python3-kubernetes is, every object's fields).
 # Skipped, with the reason, where podman, kubectl or PyYAML is missing. KVMESH_K8S_KEEP=1 leaves
 # the pods, network and files for a look.
 set -euo pipefail
@@ -30,7 +31,7 @@ podman image exists "localhost/kvmesh:$REV-model" ||
 TMP=$(mktemp -d /tmp/kvmesh-k8s-XXXXXX)
 NET=kvmesh-k8s-$$
 # a /24 of 10.89.0.0/16 that no route uses yet
-for n in $(seq 37 99); do ip route | grep -q "^10\.89\.$n\." || { SUBNET=10.89.$n; break; }; done
+for n in $(seq 37 99); do ip route | grep "^10\.89\.$n\." >/dev/null || { SUBNET=10.89.$n; break; }; done
 PODS=()
 podman volume ls -q >"$TMP/volumes-before"
 cleanup() {
@@ -109,6 +110,17 @@ EOF
 kubectl kustomize "$TMP/overlay" >"$TMP/rendered.yaml" || die "kubectl kustomize"
 grep -q "image: localhost/kvmesh:$REV-model" "$TMP/rendered.yaml" || die "the rendered manifests do not use localhost/kvmesh:$REV-model"
 say "rendered deploy/k8s with image localhost/kvmesh:$REV-model"
+# the API's schemas, offline, from the Kubernetes Python client (pyenv's python3 may lack it)
+SCHEMA_PY=""
+for py in python3 /usr/bin/python3; do "$py" -c 'import kubernetes' 2>/dev/null && { SCHEMA_PY=$py; break; }; done
+if [ -n "$SCHEMA_PY" ]; then
+    "$SCHEMA_PY" deploy/k8s/schema.py "$TMP/rendered.yaml" >"$TMP/schema.out" 2>&1 ||
+        { cat "$TMP/schema.out" >&2; die "the rendered manifests fail deploy/k8s/schema.py"; }
+    say "schema check: $(grep -c ': valid ' "$TMP/schema.out") objects valid (python3-kubernetes $("$SCHEMA_PY" -c 'import kubernetes; print(kubernetes.__version__)'))"
+    grep -v ': valid [A-Za-z0-9]*$' "$TMP/schema.out" | sed 's/^schema.py: /k8s-test: schema check: /' || true
+else
+    say "schema check skipped: python3-kubernetes missing (bash deploy/image-deps.sh image installs it)"
+fi
 
 podman network create --subnet "$SUBNET.0/24" "$NET" >/dev/null || die "podman network create"
 CTRL_IP=$SUBNET.10 ROUTER_IP=$SUBNET.11
@@ -116,15 +128,19 @@ ipargs=(--ip kvmesh-controller=$CTRL_IP --ip kvmesh-router=$ROUTER_IP)
 for i in 0 1 2; do ipargs+=(--ip kvmesh-worker-$i=$SUBNET.2$i); done
 play() { # N: renders for N workers and plays each pod not yet running
     local name ip
+    python3 deploy/k8s/play.py "$TMP/rendered.yaml" "$TMP/pods" "${ipargs[@]}" --secrets "$S" \
+        --volumes "$TMP/volumes" --workers "$1" >"$TMP/play.out" 2>"$TMP/play.err" ||
+        { cat "$TMP/play.err" >&2; die "deploy/k8s/play.py"; }
     while read -r name ip; do
         [[ " ${PODS[*]} " == *" $name "* ]] && continue
         PODS+=("$name")
         podman kube play --quiet --network "$NET" --ip "$ip" "$TMP/pods/$name.yaml" >/dev/null \
             2>"$TMP/play-$name.log" || { cat "$TMP/play-$name.log" >&2; die "podman kube play $name"; }
-    done < <(python3 deploy/k8s/play.py "$TMP/rendered.yaml" "$TMP/pods" "${ipargs[@]}" \
-        --secrets "$S" --volumes "$TMP/volumes" --workers "$1")
+    done <"$TMP/play.out"
 }
 play 2
+# the NetworkPolicy, PodDisruptionBudget and HorizontalPodAutoscaler: checked, not played
+sed 's/^play.py: /k8s-test: /' "$TMP/play.err"
 say "pods: ${PODS[*]} on $NET ($SUBNET.0/24)"
 
 ROUTER=http://$ROUTER_IP:8080
