@@ -233,6 +233,7 @@ void rt_rq_fail(rt_router *r, rt_rq *q, int code, uint32_t retry_after, const ch
 /* One token's text to the client. */
 void rt_rq_deliver(rt_router *r, rt_rq *q, int32_t token, const char *text, size_t len)
 {
+    rt_fair_tokens(r, q, 1);
     q->fops->token(r, q, token, text, len);
 }
 
