@@ -23,8 +23,9 @@ THREADS=${THREADS:-$(nproc)}
 CONFIGS=${CONFIGS:-"--max-queue-per-key=16;--max-queue-per-key=16 --max-inflight-per-key=4"}
 PORT=${BENCH_PORT:-7600}
 LOGS=build/bench-fair-logs
+BENCH_NAME=bench_fair.sh
+# shellcheck source=bench/bench_lib.sh
 . bench/bench_lib.sh
-BENCH_NAME=bench-fair
 rm -rf "$LOGS"
 mkdir -p "$LOGS"
 "$BIN/kvmesh" keys api-add "$LOGS/api_keys" flood | tail -1 >"$LOGS/flood.key"
