@@ -446,6 +446,10 @@ $(BENCH_ROUTER): $(OBJ)/bench/bench_router.o $(ALL_LIBS)
 bench-router: build $(BENCH_ROUTER) ## routing decisions/s, added latency, kv-aware vs round-robin
 	@bash bench/bench_router.sh
 
+.PHONY: bench-fair
+bench-fair: build ## one API key floods, another's TTFT p50/p90 idle vs under the flood
+	@bash bench/bench_fair.sh
+
 # Page transfer between two processes next to ucx_perftest (docs/transfer.md, docs/benchmarks.md):
 # GB/s and pages/s for 1, 16 and 256 pages, UCX_TLS=tcp and the default transports, in one run.
 BENCH_TRANSFER := $(BUILD)/bench/bench_transfer

@@ -29,7 +29,7 @@
  * (this very binary, `up --base-port 0` in a temporary run directory: free ports, so it never
  * collides with tests running beside it) and finds the processes through up's cluster.env. Load is
  * real: several client threads, each with its own libkvmesh connection to the router, greedy
- * requests over prompts of mixed lengths, retrying retryable answers (503, 529, 500), broken
+ * requests over prompts of mixed lengths, retrying retryable answers (503, 529, 429, 500), broken
  * connections and silences (a dead router) a bounded number of times. A fault-free pass first
  * records every prompt's output; the faulted pass compares against it, so "the client saw one
  * uninterrupted, correct stream" is checked, not assumed. Every request ends as completed, failed

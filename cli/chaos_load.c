@@ -1,7 +1,7 @@
 /*
  * chaos_load.c — the client load of a chaos scenario: several threads, each with its own
  * libkvmesh connection to the router, greedy requests over prompts of mixed lengths, retrying
- * retryable answers (503, 529, 500), broken connections and silences (a dead router) a bounded
+ * retryable answers (503, 529, 429, 500), broken connections and silences (a dead router) a bounded
  * number of times. The fault-free pass records every prompt's output; the faulted pass compares
  * against it. Every request ends as completed, failed (the client was told why) or lost.
  */
@@ -28,7 +28,7 @@ static bool retryable(const kvm_result *res, int rc)
     if (rc == KM_ETIMEDOUT) return true; /* silence: a dead router or worker */
     if (!res->error_code) return true;   /* could not even send */
     return res->error_code == KM_CODE_UNAVAILABLE || res->error_code == KM_CODE_OVERLOADED ||
-           res->error_code == KM_CODE_INTERNAL;
+           res->error_code == KM_CODE_RATE_LIMIT || res->error_code == KM_CODE_INTERNAL;
 }
 
 static void load_note_error(chaos_load *l, const char *msg)

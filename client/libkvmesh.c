@@ -190,7 +190,7 @@ int kvm_next(kvm_client *c, int timeout_ms, km_msg *out, const void **raw_body, 
 
 static int code_to_err(int code)
 {
-    if (code == KM_CODE_OVERLOADED) return KM_EOVERLOAD;
+    if (code == KM_CODE_OVERLOADED || code == KM_CODE_RATE_LIMIT) return KM_EOVERLOAD;
     if (code == KM_CODE_UNAVAILABLE) return KM_EAGAIN;
     if (code == KM_CODE_DEADLINE) return KM_ETIMEDOUT;
     if (code == KM_CODE_CANCELED) return KM_ECANCELED;

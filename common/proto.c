@@ -127,6 +127,8 @@ const char *km_proto_code_name(int code)
         return "too_large";
     case KM_CODE_VERSION:
         return "unsupported_version";
+    case KM_CODE_RATE_LIMIT:
+        return "rate_limited";
     case KM_CODE_CANCELED:
         return "canceled";
     case KM_CODE_INTERNAL:

@@ -96,6 +96,7 @@ typedef enum km_proto_code {
     KM_CODE_NOT_FOUND = 404,   /* unknown model or request id */
     KM_CODE_TOO_LARGE = 413,   /* frame, prompt or context too large */
     KM_CODE_VERSION = 426,     /* unsupported protocol version */
+    KM_CODE_RATE_LIMIT = 429,  /* the sender's key is past a limit of its own: retry after */
     KM_CODE_CANCELED = 499,    /* canceled by the client */
     KM_CODE_INTERNAL = 500,    /* bug or unexpected failure in the server */
     KM_CODE_UNAVAILABLE = 503, /* draining, shutting down or not ready: retry elsewhere */

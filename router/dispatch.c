@@ -162,22 +162,23 @@ int rt_dispatch(rt_router *r, rt_rq *q, bool from_queue)
                    r->c.page_tokens, now, &m);
     for (int i = 0; i < r->n_w; i++) cand[i].cached_tokens = cand[i].usable ? m.credit[i] : 0;
     int n_ctx = q->replay ? q->n_prompt : q->n_prompt + q->n_gen;
-    int pick = rt_pick(&r->c.policy, cand, r->n_w, n_ctx, q->key, &r->policy_state);
+    /* a tenant at --max-inflight-per-key waits in the queue even when a worker is free */
+    int pick = rt_fair_held(r, q)
+                   ? -1
+                   : rt_pick(&r->c.policy, cand, r->n_w, n_ctx, q->key, &r->policy_state);
     km_hist_observe(r->s_decision, (km_now_ns() - t0) / 1e9);
     if (pick < 0) {
         if (!from_queue) {
-            if (q->attempts == 0 && rt_fair_refuse(r, q)) {
-                r->n_overloaded++;
-                km_counter_inc(r->s_overloaded);
+            if (q->attempts == 0 && !q->waited && rt_fair_refuse(r, q)) {
                 char msg[160];
                 snprintf(msg, sizeof msg,
-                         "this key's tenant has %d requests queued at the router already "
-                         "(--max-queue-per-key)",
+                         "rate limit: this key's tenant has %d requests queued at the router "
+                         "already (--max-queue-per-key); other keys are served",
                          r->c.max_queue_per_key);
-                rt_rq_fail(r, q, KM_CODE_OVERLOADED, rt_retry_after_ms(r), msg);
+                rt_rq_fail(r, q, KM_CODE_RATE_LIMIT, rt_retry_after_ms(r), msg);
                 return KM_EOVERLOAD;
             }
-            if (r->n_queued >= r->c.max_queue && q->attempts == 0) {
+            if (r->n_queued >= r->c.max_queue && q->attempts == 0 && !q->waited) {
                 r->n_overloaded++;
                 km_counter_inc(r->s_overloaded);
                 char msg[160];
@@ -196,6 +197,7 @@ int rt_dispatch(rt_router *r, rt_rq *q, bool from_queue)
         if (owner) {
             if (from_queue) rt_queue_remove(r, q);
             q->parked = true;
+            q->waited = true;
             q->owner = owner;
             q->wnext = owner->waiters;
             owner->waiters = q;

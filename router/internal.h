@@ -111,6 +111,7 @@ struct rt_rq {
      * on the chosen worker waits for that request's first token (its pages are then cached) */
     rt_rq *owner, *waiters, *wnext;
     bool parked;
+    bool waited; /* was parked: admitted already, so never refused when it goes on */
 };
 
 /* A prompt being tokenized on the thread pool (prompt.c), q->tokjob. */
@@ -388,11 +389,22 @@ int rt_fair_tenant(rt_router *r, const char *name);
 void rt_fair_free(rt_router *r);
 /* q's tenant has `queued` more requests queued and `inflight` more at workers (+1 or -1). */
 void rt_fair_count(rt_router *r, const rt_rq *q, int queued, int inflight);
+/* Why a tenant's request was refused with 429 (kvmesh_router_tenant_refused_total{reason}). */
+enum { RT_REFUSE_QUEUE, RT_REFUSE_TOKENS, RT_REFUSE_COUNT };
 /* Must q be refused rather than queued: its keyed tenant has --max-queue-per-key queued
  * already (counted). */
 bool rt_fair_refuse(rt_router *r, const rt_rq *q);
-/* The queued request to dispatch next: a migrated one first, else the oldest of the tenant with
- * the fewest requests at workers (ties: the tenant served longest ago). NULL: queue empty. */
+/* Must q (never sent yet) wait in the queue: its keyed tenant has --max-inflight-per-key
+ * requests at workers already. */
+bool rt_fair_held(rt_router *r, const rt_rq *q);
+/* q arrives (its prompt tokenized): 0 when admitted (its prompt charged to its tenant's token
+ * bucket), else the milliseconds until that bucket is out of debt (refusal counted). */
+uint32_t rt_fair_admit(rt_router *r, const rt_rq *q);
+/* q's tenant used n more tokens (generated). */
+void rt_fair_tokens(rt_router *r, const rt_rq *q, int n);
+/* The queued request to dispatch next: a migrated one first, else the oldest of a tenant not
+ * held, the one with the fewest requests at workers (ties: the tenant served longest ago). NULL:
+ * nothing may go. */
 rt_rq *rt_fair_next(rt_router *r);
 
 /* ---------------------------------------------------------------- prompt.c: text to tokens */

@@ -88,7 +88,7 @@ static int serve(const rt_config *c, const char *ports_file)
 typedef struct rt_args {
     rt_config c;
     const char *workers, *mode, *log_level, *log_format, *ports_file;
-    int64_t max_queue_per_key;
+    int64_t max_queue_per_key, max_inflight_per_key;
     int64_t http_port, admin_port, page_tokens, slots, max_inflight, max_queue, attempts, dmax,
         max_ctx;
     int64_t sync_ms, ttl_ms, queue_ms, cluster_seed, index_pages, view_ms, request_ms;
@@ -162,8 +162,16 @@ static const km_opt g_opts[] = {
      1 << 20},
     {"max-queue-per-key", NULL, KM_OPT_INT, "256",
      "queued requests of one key's tenant (ZeroMQ client key or API key); beyond it that tenant "
-     "gets 529; 0 = no limit but --max-queue",
+     "gets 429 rate_limit_exceeded; 0 = no limit but --max-queue",
      &g_args.max_queue_per_key, 0, 1 << 24},
+    {"max-inflight-per-key", NULL, KM_OPT_INT, "0",
+     "requests of one key's tenant at workers at once; more wait in the router queue (even "
+     "with a worker free); 0 = no limit but --max-inflight (docs/router.md, \"Tenants\")",
+     &g_args.max_inflight_per_key, 0, 1 << 24},
+    {"max-tokens-per-sec-per-key", NULL, KM_OPT_FLOAT, "0",
+     "prompt + generated tokens per second of one key's tenant (a token bucket one second "
+     "deep); past it: 429 with Retry-After; 0 = no limit",
+     &g_args.c.max_tokens_per_sec_per_key, 0, 1e12},
     {"max-queue", NULL, KM_OPT_INT, "1024", "router queue; beyond it: 529 overloaded",
      &g_args.max_queue, 0, 1 << 24},
     {"max-attempts", NULL, KM_OPT_INT, "3",
@@ -235,6 +243,7 @@ static void args_to_config(rt_args *a)
     c->max_inflight = (int)a->max_inflight;
     c->max_queue = (int)a->max_queue;
     c->max_queue_per_key = (int)a->max_queue_per_key;
+    c->max_inflight_per_key = (int)a->max_inflight_per_key;
     c->max_attempts = (int)a->attempts;
     c->default_max_tokens = (uint32_t)a->dmax;
     c->max_ctx = (uint32_t)a->max_ctx;

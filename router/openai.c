@@ -528,6 +528,11 @@ void rt_oai_err_from_code(int code, const char *message, rt_oai_err *e)
         e->type = "invalid_request_error";
         e->code = "context_length_exceeded";
         break;
+    case KM_CODE_RATE_LIMIT: /* a key past its own limit (router/fair.c): OpenAI's shape */
+        e->status = 429;
+        e->type = "rate_limit_exceeded";
+        e->code = "rate_limit_exceeded";
+        break;
     case KM_CODE_OVERLOADED:
         e->status = 503;
         e->type = "server_error";

@@ -78,6 +78,16 @@ int rt_rq_start(rt_router *r, rt_rq *q)
         rt_rq_link(r, q);
     }
     r->n_requests++;
+    uint32_t wait_ms = rt_fair_admit(r, q);
+    if (wait_ms) {
+        char msg[160];
+        snprintf(msg, sizeof msg,
+                 "rate limit: this key's tenant used more than %g tokens/s "
+                 "(--max-tokens-per-sec-per-key)",
+                 r->c.max_tokens_per_sec_per_key);
+        rt_rq_fail(r, q, KM_CODE_RATE_LIMIT, wait_ms, msg);
+        return KM_EOVERLOAD;
+    }
     return rt_dispatch(r, q, false);
 }
 

@@ -138,17 +138,9 @@ void rt_rq_release_worker(rt_router *r, rt_rq *q)
  * that says nothing, so the router gives it this much longer before it answers itself. */
 #define RT_DEADLINE_GRACE_NS 2000000000ull
 
-void rt_rq_expire(rt_router *r, uint64_t now)
+/* Ends the requests of rids (those still in the table) with 504. */
+static void expire_some(rt_router *r, const uint64_t *rids, int n, uint64_t now)
 {
-    /* rids first, then each one looked up again: ending one request may dispatch or end others */
-    enum { MAX = 256 };
-    uint64_t rids[MAX];
-    int n = 0;
-    for (int b = 0; b < RT_RQ_BUCKETS && n < MAX; b++)
-        for (rt_rq *q = r->buckets[b]; q && n < MAX; q = q->hnext)
-            if ((q->limit_ns && now >= q->limit_ns) ||
-                (q->deadline_ns && now >= q->deadline_ns + RT_DEADLINE_GRACE_NS))
-                rids[n++] = q->rid;
     for (int i = 0; i < n; i++) {
         rt_rq *q = rt_rq_find(r, rids[i]);
         if (!q) continue;
@@ -163,6 +155,24 @@ void rt_rq_expire(rt_router *r, uint64_t now)
                      wid ? wid : "no worker");
         if (q->worker >= 0) rt_send_cancel(r, &r->w[q->worker], q->rid);
         rt_rq_fail(r, q, KM_CODE_DEADLINE, 0, msg);
+    }
+}
+
+void rt_rq_expire(rt_router *r, uint64_t now)
+{
+    /* rids first, then each one looked up again: ending one request may dispatch or end others;
+     * batches until none is left, so a tick ends every expired request, not the first 256 */
+    enum { MAX = 256 };
+    uint64_t rids[MAX];
+    int n = MAX;
+    while (n == MAX) {
+        n = 0;
+        for (int b = 0; b < RT_RQ_BUCKETS && n < MAX; b++)
+            for (rt_rq *q = r->buckets[b]; q && n < MAX; q = q->hnext)
+                if ((q->limit_ns && now >= q->limit_ns) ||
+                    (q->deadline_ns && now >= q->deadline_ns + RT_DEADLINE_GRACE_NS))
+                    rids[n++] = q->rid;
+        expire_some(r, rids, n, now);
     }
 }
 
@@ -233,6 +243,7 @@ void rt_rq_fail(rt_router *r, rt_rq *q, int code, uint32_t retry_after, const ch
 /* One token's text to the client. */
 void rt_rq_deliver(rt_router *r, rt_rq *q, int32_t token, const char *text, size_t len)
 {
+    rt_fair_tokens(r, q, 1);
     q->fops->token(r, q, token, text, len);
 }
 

@@ -234,6 +234,10 @@ Test(router_openai, protocol_codes_map_to_http_errors)
     rt_oai_err_from_code(KM_CODE_OVERLOADED, "queue full", &e);
     cr_assert_eq(e.status, 503);
     cr_assert_str_eq(e.code, "overloaded");
+    rt_oai_err_from_code(KM_CODE_RATE_LIMIT, "over this key's share", &e); /* fair.c */
+    cr_assert_eq(e.status, 429);
+    cr_assert_str_eq(e.type, "rate_limit_exceeded");
+    cr_assert_str_eq(e.code, "rate_limit_exceeded");
     rt_oai_err_from_code(KM_CODE_TOO_LARGE, "too long", &e);
     cr_assert_eq(e.status, 400);
     cr_assert_str_eq(e.code, "context_length_exceeded");

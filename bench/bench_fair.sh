@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# bench_fair.sh — one API key floods the router while another sends single requests: the
+# victim's TTFT p50/p90 on an idle cluster and under the flood, and their ratio (issue 41, 4:
+# target <= 2x). A 1-worker `kvmesh up` cluster (insecure ZeroMQ, HTTP API keys: the tenants are
+# the two keys), an HTTP load generator in Python (stdlib only):
+#  - the flood: FLOOD_CONC connections of key "flood", each sending completions of FLOOD_TOKENS
+#    tokens back to back, and on a 429 sending again after 50 ms (it ignores Retry-After, as an
+#    abuser would); counts its 200s and 429s;
+#  - the victim: VICTIM_N streamed completions of key "victim" one after another, each with a
+#    prompt of its own (no cache hit), TTFT = the first content chunk.
+# CONFIGS: the router's extra flags per run, runs separated by ';' (each on a fresh cluster): by
+# default the limits as shipped (with a smaller queue share, so the flood meets it) and with
+# --max-inflight-per-key. Prints figures, asserts nothing about time.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BIN=build/bin
+export KVMESH_MODEL=${KVMESH_MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}
+FLOOD_CONC=${FLOOD_CONC:-64}
+FLOOD_TOKENS=${FLOOD_TOKENS:-32}
+VICTIM_N=${VICTIM_N:-20}
+VICTIM_TOKENS=${VICTIM_TOKENS:-4}
+THREADS=${THREADS:-$(nproc)}
+CONFIGS=${CONFIGS:-"--max-queue-per-key=16;--max-queue-per-key=16 --max-inflight-per-key=4"}
+PORT=${BENCH_PORT:-7600}
+LOGS=build/bench-fair-logs
+BENCH_NAME=bench_fair.sh
+# shellcheck source=bench/bench_lib.sh
+. bench/bench_lib.sh
+rm -rf "$LOGS"
+mkdir -p "$LOGS"
+"$BIN/kvmesh" keys api-add "$LOGS/api_keys" flood | tail -1 >"$LOGS/flood.key"
+"$BIN/kvmesh" keys api-add "$LOGS/api_keys" victim | tail -1 >"$LOGS/victim.key"
+
+UP=
+stop_up() { [ -n "$UP" ] && { kill -INT "$UP" 2>/dev/null || true; wait "$UP" 2>/dev/null || true; }; UP=; }
+trap stop_up EXIT
+
+# start_up FLAGS: a 1-worker cluster whose router has FLAGS too; waits until it is ready
+start_up() {
+    # insecure ZeroMQ on purpose: the tenants here are the HTTP API keys
+    "$BIN/kvmesh" up --insecure --workers 1 --threads "$THREADS" --base-port $((PORT + 100)) \
+        --front-port "$PORT" --http-port $((PORT + 1)) --log-dir "$LOGS/up-$RUN" \
+        --router-args "--api-keys=$LOGS/api_keys $1" 2>>"$LOGS/up.log" &
+    UP=$!
+    for _ in $(seq 1 600); do
+        curl -sf "http://127.0.0.1:$((PORT + 1))/readyz" >/dev/null 2>&1 && break
+        sleep 0.2
+    done
+    curl -sf "http://127.0.0.1:$((PORT + 1))/readyz" >/dev/null || bench_die "the cluster did not come up (see $LOGS/)"
+}
+
+echo "== kvmesh per-key fairness benchmark ($(date -u +%Y-%m-%dT%H:%MZ))"
+echo "   CPU: $(bench_cpu); load before: $(bench_load)"
+echo "   1 worker, $THREADS threads; flood: $FLOOD_CONC connections x $FLOOD_TOKENS tokens; victim:"
+echo "   $VICTIM_N x $VICTIM_TOKENS tokens"
+RUN=0
+IFS=';' read -r -a RUNS <<<"$CONFIGS"
+for flags in "${RUNS[@]}"; do
+RUN=$((RUN + 1))
+start_up "$flags"
+echo
+echo "-- router flags: $flags"
+python3 - "$((PORT + 1))" "$(cat "$LOGS/flood.key")" "$(cat "$LOGS/victim.key")" \
+    "$FLOOD_CONC" "$FLOOD_TOKENS" "$VICTIM_N" "$VICTIM_TOKENS" <<'PY'
+import http.client, json, sys, threading, time
+
+port, fkey, vkey = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+conc, ftok, vn, vtok = (int(a) for a in sys.argv[4:8])
+
+def post(key, body, stream):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    c.request("POST", "/v1/completions", json.dumps(body),
+              {"Authorization": "Bearer " + key, "Content-Type": "application/json"})
+    return c, c.getresponse()
+
+def victim_ttft(i):
+    body = {"model": "default", "max_tokens": vtok, "temperature": 0, "stream": True,
+            "prompt": "Question %d of the victim: name a city on the river Seine and say why "
+                      "it matters." % (i + 1000 * run[0])}
+    t0 = time.monotonic()
+    c, r = post(vkey, body, True)
+    if r.status != 200:
+        raise SystemExit("victim got %d: %s" % (r.status, r.read()[:200]))
+    ttft = None
+    for line in r:
+        if line.startswith(b"data: {") and b'"text":"' in line and ttft is None:
+            ttft = time.monotonic() - t0
+    c.close()
+    return ttft if ttft is not None else time.monotonic() - t0
+
+def pct(xs, p):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p * (len(xs) - 1))))]
+
+stop = threading.Event()
+counts = {"ok": 0, "429": 0, "other": 0}
+lock = threading.Lock()
+
+def flooder(k):
+    n = 0
+    while not stop.is_set():
+        n += 1
+        body = {"model": "default", "max_tokens": ftok, "temperature": 0,
+                "prompt": "Flood %d-%d: write a long story about a dragon." % (k, n)}
+        try:
+            c, r = post(fkey, body, False)
+            r.read()
+            c.close()
+            key = "ok" if r.status == 200 else "429" if r.status == 429 else "other"
+        except OSError:
+            key = "other"
+        with lock:
+            counts[key] += 1
+        if key != "ok":
+            time.sleep(0.05)
+
+run = [0]
+victim_ttft(999)  # warm-up
+idle = [victim_ttft(i) for i in range(vn)]
+run[0] = 1
+ts = [threading.Thread(target=flooder, args=(k,), daemon=True) for k in range(conc)]
+for t in ts:
+    t.start()
+time.sleep(3)  # the flood fills the worker and its queue share first
+loaded = [victim_ttft(i) for i in range(vn)]
+stop.set()
+i50, i90, l50, l90 = pct(idle, .5), pct(idle, .9), pct(loaded, .5), pct(loaded, .9)
+print("  victim TTFT idle:  p50 %7.1f ms  p90 %7.1f ms" % (i50 * 1e3, i90 * 1e3))
+print("  victim TTFT flood: p50 %7.1f ms  p90 %7.1f ms" % (l50 * 1e3, l90 * 1e3))
+print("  ratio flood/idle:  p50 %5.2fx    p90 %5.2fx   (target <= 2x)" % (l50 / i50, l90 / i90))
+print("  flood answers during the run: %d ok, %d 429, %d other" %
+      (counts["ok"], counts["429"], counts["other"]))
+PY
+stop_up
+done
