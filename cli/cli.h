@@ -109,6 +109,7 @@ int cli_status_worker(const char *admin_url);
 void cli_fmt_bytes(char *out, size_t cap, uint64_t b);
 int cli_cmd_recover(int argc, char **argv);
 int cli_cmd_up(int argc, char **argv);
+int cli_cmd_scale(int argc, char **argv);
 int cli_cmd_chaos(int argc, char **argv);
 int cli_cmd_keys(int argc, char **argv);
 

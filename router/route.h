@@ -130,8 +130,9 @@ bool rt_endpoint_same(const char *a, const char *b);
 /* May a worker get new requests? connected: the router's own liveness (a veto); view_fresh: a
  * view arrived within the timeout; in_view: that view names the worker with `state`. */
 bool rt_member_routable(bool connected, bool view_fresh, bool in_view, km_member_state state);
-/* May another worker pull KV pages from it: connected and, in a fresh view, ready, draining or
- * restarting (a drained worker lingers to hand its pages to the requests migrated off it). */
+/* May another worker pull KV pages from it: connected and, in a fresh view, ready, draining,
+ * restarting or left (a drained worker lingers to hand its pages to the requests migrated off
+ * it). */
 bool rt_member_serves_pages(bool connected, bool view_fresh, bool in_view, km_member_state state);
 /* Must the worker's in-flight requests migrate because the view says it is dead or left? */
 bool rt_member_migrates(bool view_fresh, bool in_view, km_member_state state);
