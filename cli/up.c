@@ -82,7 +82,8 @@ static int up_parse(int argc, char **argv, up_opts *o, km_config **cfg)
     };
     int prc = cli_parse_opts("up",
                              "a whole local cluster: a controller, N workers and the router(s), "
-                             "restarted when they die, stopped by Ctrl-C",
+                             "restarted when they die, stopped by Ctrl-C (kvmesh scale changes "
+                             "the number of workers while it runs)",
                              opts, sizeof opts / sizeof *opts, argc, argv, cfg);
     if (prc) return prc;
     int ns = up_parse_netns(o->netns_spec, &o->ns);

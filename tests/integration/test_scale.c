@@ -143,6 +143,10 @@ Test(scale, two_to_three_to_two_under_load_loses_nothing_and_a_stopped_worker_is
     cr_assert(file_has(w2_log, "event=handoff worker=w2 peers=[1-9][0-9]* chains=[1-9]"),
               "w2 handed nothing off (%s)", w2_log);
     cr_assert(file_has(log, "w2 left the cluster"), "%s", log);
+    /* the router's view said so at once: nothing more is routed to it */
+    char router_log[160];
+    snprintf(router_log, sizeof router_log, "%s/logs/router.log", g_up.dir);
+    cr_assert(file_has(router_log, "member_state worker=w2 from=[a-z]* to=left"), "%s", router_log);
     cr_assert_eq(proc_of("w2").pid, 0, "w2 is still in cluster.env");
     snprintf(cmd, sizeof cmd, KVMESH " status --run-dir %s --controller controller", g_up.dir);
     expect(cmd, 0, "w2           left");
