@@ -10,6 +10,7 @@
  *   cli/status.c    status (router or controller), recover
  *   cli/rundir.c    --run-dir: endpoints and keys from a `kvmesh up` run directory
  *   cli/up*.c       up: a local cluster, supervised (up.h)
+ *   cli/scale.c     scale: workers added to or drained from a running `up` (its side: up_scale.c)
  *   cli/chaos*.c    chaos: fault scenarios against local clusters (chaos.h)
  *   cli/keys.c      keys: the cluster key directory and HTTP API key files (common/sec.h)
  *
