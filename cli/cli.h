@@ -10,6 +10,7 @@
  *   cli/status.c    status (router or controller), recover
  *   cli/rundir.c    --run-dir: endpoints and keys from a `kvmesh up` run directory
  *   cli/up*.c       up: a local cluster, supervised (up.h)
+ *   cli/scale.c     scale: workers added to or drained from a running `up` (its side: up_scale.c)
  *   cli/chaos*.c    chaos: fault scenarios against local clusters (chaos.h)
  *   cli/keys.c      keys: the cluster key directory and HTTP API key files (common/sec.h)
  *
@@ -109,6 +110,7 @@ int cli_status_worker(const char *admin_url);
 void cli_fmt_bytes(char *out, size_t cap, uint64_t b);
 int cli_cmd_recover(int argc, char **argv);
 int cli_cmd_up(int argc, char **argv);
+int cli_cmd_scale(int argc, char **argv);
 int cli_cmd_chaos(int argc, char **argv);
 int cli_cmd_keys(int argc, char **argv);
 

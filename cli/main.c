@@ -24,6 +24,7 @@ static const struct {
      "              states, recovery levels, pressure, recovery history)"},
     {"recover", cli_cmd_recover, "force a recovery level on a worker, through the controller"},
     {"up", cli_cmd_up, "start a controller, N workers and a router on loopback"},
+    {"scale", cli_cmd_scale, "add or remove workers of a running `kvmesh up` (drained)"},
     {"chaos", cli_cmd_chaos, "fault-injection scenarios against a local cluster"},
     {"keys", cli_cmd_keys, "cluster keys (CURVE certificates with roles) and HTTP API keys"},
 };

@@ -82,7 +82,8 @@ static int up_parse(int argc, char **argv, up_opts *o, km_config **cfg)
     };
     int prc = cli_parse_opts("up",
                              "a whole local cluster: a controller, N workers and the router(s), "
-                             "restarted when they die, stopped by Ctrl-C",
+                             "restarted when they die, stopped by Ctrl-C (kvmesh scale changes "
+                             "the number of workers while it runs)",
                              opts, sizeof opts / sizeof *opts, argc, argv, cfg);
     if (prc) return prc;
     int ns = up_parse_netns(o->netns_spec, &o->ns);
@@ -174,12 +175,13 @@ static void up_banner(up_state *st, const up_opts *o, const char *run_dir)
                 "kvmesh up: keys in %s; HTTP API keys in %s/private/api_key.client (completions) "
                 "and api_key.admin (also /v1/status: kvmesh status --api-key)\n",
                 o->keydir, o->keydir);
-    char ctl[2400] = "", curl[1400] = "";
+    char ctl[3600] = "", curl[1400] = "";
     if (o->with_controller)
         snprintf(ctl, sizeof ctl,
                  "  kvmesh status --run-dir %.1000s --controller controller   (members, recovery)\n"
-                 "  kvmesh recover --run-dir %.1000s --worker w0 --level 1\n",
-                 run_dir, run_dir);
+                 "  kvmesh recover --run-dir %.1000s --worker w0 --level 1\n"
+                 "  kvmesh scale --run-dir %.1000s --workers %lld   (add or remove workers)\n",
+                 run_dir, run_dir, run_dir, (long long)o->n_workers + 1);
     snprintf(curl, sizeof curl, "  curl %s%.1000s%s%s/v1/models\n",
              o->keydir ? "-H \"Authorization: Bearer $(cat " : "", o->keydir ? o->keydir : "",
              o->keydir ? "/private/api_key.client)\" " : "", r0->http);
@@ -252,7 +254,7 @@ int cli_cmd_up(int argc, char **argv)
     long cores = sysconf(_SC_NPROCESSORS_ONLN);
     if (!o.threads) o.threads = cores / o.n_workers > 0 ? cores / o.n_workers : 1;
     srandom((unsigned)(getpid() ^ (km_now_ns() >> 10)));
-    up_state st = {0};
+    up_state st = {.o = &o, .bin_dir = dir};
     st.stop_ms = up_stop_ms(&o);
     snprintf(st.state_path, sizeof st.state_path, "%s/%s", rdir, KVM_CLUSTER_FILE);
     uv_loop_t loop;
@@ -270,7 +272,9 @@ int cli_cmd_up(int argc, char **argv)
     if (status == 0) {
         up_banner(&st, &o, rdir);
         up_start_all(&st);
+        up_scale_start(&st);
         up_wait(&st);
+        up_scale_stop(&st);
         fprintf(stderr, "kvmesh up: all processes stopped\n");
     }
     up_cleanup(&st);

@@ -1,7 +1,8 @@
 /*
  * up.h — private to `kvmesh up` (cli/up*.c): the process table of a local cluster. up.c is the
  * command (options, directories, the run), up_plan.c decides every process's ports, endpoints and
- * argv, up_procs.c supervises them on a libuv loop and keeps <run-dir>/cluster.env.
+ * argv, up_procs.c supervises them on a libuv loop and keeps <run-dir>/cluster.env, up_scale.c
+ * adds and removes workers at run time (`kvmesh scale`, cli/scale.c).
  */
 #ifndef KVMESH_CLI_UP_H
 #define KVMESH_CLI_UP_H
@@ -21,6 +22,7 @@ typedef struct up_proc {
     int argc;
     uv_process_t proc;
     bool running, closing;
+    bool retired; /* removed by `kvmesh scale`: drained, not restarted, then off cluster.env */
     int restarts, pid;
     uint64_t started_ms;
     uv_timer_t backoff;
@@ -38,10 +40,13 @@ typedef struct up_state {
     int running;
     uv_signal_t sigint, sigterm;
     uv_timer_t kill_timer;
-    int64_t stop_ms;        /* Ctrl-C: SIGKILL what still runs after this (the drain + 5 s) */
-    char state_path[4200];  /* <run-dir>/cluster.env; "" = none */
-    uv_timer_t ready_timer; /* polls /readyz until every worker and router answers 200 */
-    char ready_msg[8192];   /* printed once then; "" = no poll */
+    int64_t stop_ms;         /* Ctrl-C: SIGKILL what still runs after this (the drain + 5 s) */
+    char state_path[4200];   /* <run-dir>/cluster.env; "" = none */
+    uv_timer_t ready_timer;  /* polls /readyz until every worker and router answers 200 */
+    char ready_msg[8192];    /* printed once then; "" = no poll */
+    const struct up_opts *o; /* what workers added at run time are planned from */
+    const char *bin_dir;
+    uv_signal_t sigscale; /* `kvmesh scale` asks through <run-dir>/scale (up_scale.c) */
 } up_state;
 
 /* --netns ID=NETNS,WORKER_ADDR,HOST_ADDR: worker ID runs inside network namespace NETNS (made by
@@ -73,6 +78,17 @@ int up_parse_netns(const char *spec, up_netns *out);
  * 0, or nonzero after saying on stderr why the cluster cannot start. */
 int up_plan(up_state *st, const up_opts *o, const char *bin_dir);
 
+/* up_plan.c: appends worker wi (w<wi>) to st->p, planned as up_plan plans it (st->o,
+ * st->bin_dir); not started. 0, or nonzero after saying on stderr why not. */
+int up_plan_worker(up_state *st, int wi);
+
+/* up_scale.c: writes <run-dir>/up.pid and takes SIGUSR1: `kvmesh scale` wrote <run-dir>/scale. */
+void up_scale_start(up_state *st);
+/* up_scale.c: removes <run-dir>/up.pid (the cluster is stopping). */
+void up_scale_stop(up_state *st);
+
+/* up_procs.c: starts (or restarts) one process of the table. */
+void up_start(up_proc *p);
 /* up_procs.c: takes SIGINT/SIGTERM on st->loop and starts every process of the plan. */
 void up_start_all(up_state *st);
 /* up_procs.c: runs the loop until a signal has stopped every process. */

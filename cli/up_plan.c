@@ -268,6 +268,50 @@ static void plan_router(up_planner *pl, up_proc *p, int ri, int *k)
     push_args(p->argv, k, UP_ARGV_MAX, o->router_args);
 }
 
+/* A new entry of the process table, its argv empty. */
+static up_proc *plan_open(up_state *st)
+{
+    up_proc *p = &st->p[st->n++];
+    p->st = st;
+    p->argv = calloc(UP_ARGV_MAX, sizeof *p->argv);
+    return p;
+}
+
+/* The entry's log file and restart timer, and checks that its daemon is there and that its ports
+ * were found: 0, or 1 after saying why not. */
+static int plan_close(up_state *st, const up_planner *pl, up_proc *p, int k)
+{
+    const up_opts *o = pl->o;
+    int status = 0;
+    bool ctl = !strcmp(p->role, "controller");
+    p->argc = k;
+    p->log_fd = -1;
+    if (o->log_dir) {
+        char path[4200];
+        snprintf(path, sizeof path, "%s/%s.log", o->log_dir, p->name);
+        p->log_fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    }
+    uv_timer_init(st->loop, &p->backoff);
+    p->backoff.data = p;
+    const char *bin = p->argv[0];
+    for (int a = 0; a < k; a++) /* the daemon, not a flag whose path has "kvmesh-" in it */
+        if (p->argv[a][0] != '-' && strstr(p->argv[a], "/kvmesh-")) {
+            bin = p->argv[a];
+            break;
+        }
+    if (access(bin, X_OK)) {
+        fprintf(stderr, "kvmesh up: %s not found (build it: make%s)\n", bin,
+                ctl ? "; or run without one: --no-controller" : "");
+        status = 1;
+    }
+    for (int a = 0; a < pl->pp.n; a++)
+        if (pl->pp.taken[a] < 0) {
+            fprintf(stderr, "kvmesh up: no free port found\n");
+            status = 1;
+        }
+    return status;
+}
+
 int up_plan(up_state *st, const up_opts *o, const char *bin_dir)
 {
     up_planner pl = {.o = o, .bin_dir = bin_dir, .pp = {.autopick = o->base_port == 0}};
@@ -275,9 +319,7 @@ int up_plan(up_state *st, const up_opts *o, const char *bin_dir)
     int total = (o->with_controller ? 1 : 0) + (int)o->n_workers + (int)o->n_routers;
     for (int i = 0; i < total && status == 0; i++) {
         int wi = i - (o->with_controller ? 1 : 0);
-        up_proc *p = &st->p[st->n++];
-        p->st = st;
-        p->argv = calloc(UP_ARGV_MAX, sizeof *p->argv);
+        up_proc *p = plan_open(st);
         int k = 0;
         if (wi < 0)
             plan_controller(&pl, p, &k);
@@ -285,32 +327,25 @@ int up_plan(up_state *st, const up_opts *o, const char *bin_dir)
             plan_worker(&pl, p, wi, &k);
         else
             plan_router(&pl, p, wi - (int)o->n_workers, &k);
-        p->argc = k;
-        p->log_fd = -1;
-        if (o->log_dir) {
-            char path[4200];
-            snprintf(path, sizeof path, "%s/%s.log", o->log_dir, p->name);
-            p->log_fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
-        }
-        uv_timer_init(st->loop, &p->backoff);
-        p->backoff.data = p;
-        const char *bin = p->argv[0];
-        for (int a = 0; a < k; a++) /* the daemon, not a flag whose path has "kvmesh-" in it */
-            if (p->argv[a][0] != '-' && strstr(p->argv[a], "/kvmesh-")) {
-                bin = p->argv[a];
-                break;
-            }
-        if (access(bin, X_OK)) {
-            fprintf(stderr, "kvmesh up: %s not found (build it: make%s)\n", bin,
-                    wi < 0 ? "; or run without one: --no-controller" : "");
-            status = 1;
-        }
-        for (int a = 0; a < pl.pp.n; a++)
-            if (pl.pp.taken[a] < 0) {
-                fprintf(stderr, "kvmesh up: no free port found\n");
-                status = 1;
-            }
+        status = plan_close(st, &pl, p, k);
     }
+    km_buf_free(&pl.workers);
+    return status;
+}
+
+int up_plan_worker(up_state *st, int wi)
+{
+    const up_opts *o = st->o;
+    if (st->n >= UP_MAX || !o->with_controller) return 1;
+    /* the controller's endpoints, as planned; ports that clash with the running processes' are
+     * refused by the worker's bind and retried by the supervisor's restart */
+    up_planner pl = {.o = o, .bin_dir = st->bin_dir, .pp = {.autopick = o->base_port == 0}};
+    snprintf(pl.ctl_listen, sizeof pl.ctl_listen, "%s", st->p[0].listen);
+    snprintf(pl.ctl_view, sizeof pl.ctl_view, "%s", st->p[0].view);
+    up_proc *p = plan_open(st);
+    int k = 0;
+    plan_worker(&pl, p, wi, &k);
+    int status = plan_close(st, &pl, p, k);
     km_buf_free(&pl.workers);
     return status;
 }

@@ -15,8 +15,6 @@
 
 #include "cli/up.h"
 
-static void up_start(up_proc *p);
-
 /* Rewrites <run-dir>/cluster.env (client/kvmesh.h) after every start and exit, atomically, so a
  * reader never sees half a file. */
 void up_write_state(up_state *st)
@@ -28,6 +26,7 @@ void up_write_state(up_state *st)
     if (!f) return;
     for (int i = 0; i < st->n; i++) {
         const up_proc *p = &st->p[i];
+        if (p->retired && !p->running) continue; /* scaled in, and gone */
         fprintf(f, "role=%s id=%s pid=%d restarts=%d", p->role, p->name, p->running ? p->pid : 0,
                 p->restarts);
         const char *keys[] = {"requests", "events", "admin", "listen", "view", "http", "peer"};
@@ -43,7 +42,7 @@ void up_write_state(up_state *st)
 static void on_backoff(uv_timer_t *t)
 {
     up_proc *p = t->data;
-    if (!p->st->stopping) up_start(p);
+    if (!p->st->stopping && !p->retired) up_start(p);
 }
 
 static void on_proc_closed(uv_handle_t *h)
@@ -79,6 +78,11 @@ static void on_exit_cb(uv_process_t *h, int64_t status, int sig)
         if (st->running == 0) uv_stop(st->loop);
         return;
     }
+    if (p->retired) { /* `kvmesh scale` removed it: drained and gone for good */
+        fprintf(stderr, "kvmesh up: %s left the cluster (%s)\n", p->name,
+                exit_text(how, sizeof how, status, sig));
+        return;
+    }
     /* 75: a drained worker asking to be restarted (recovery level 3): at once. Anything else is
      * a crash or a kill: after 0.5 s, doubling (up to 8 s) while it keeps dying young. */
     if (now - p->started_ms > 30000) p->restarts = 0;
@@ -93,7 +97,7 @@ static void on_exit_cb(uv_process_t *h, int64_t status, int sig)
     uv_timer_start(&p->backoff, on_backoff, delay, 0);
 }
 
-static void up_start(up_proc *p)
+void up_start(up_proc *p)
 {
     if (p->closing) { /* the old handle is still closing: try again shortly */
         uv_timer_start(&p->backoff, on_backoff, 50, 0);
@@ -167,7 +171,7 @@ static bool up_ready(const up_state *st)
         const char *base = !strcmp(p->role, "worker")   ? p->admin
                            : !strcmp(p->role, "router") ? p->http
                                                         : NULL;
-        if (!base) continue;
+        if (!base || p->retired) continue;
         if (!p->running || !base[0]) return false;
         char url[256];
         snprintf(url, sizeof url, "%s/readyz", base);
@@ -224,6 +228,7 @@ void up_cleanup(up_state *st)
         uv_close((uv_handle_t *)&st->kill_timer, NULL);
         uv_close((uv_handle_t *)&st->ready_timer, NULL);
     }
+    if (st->sigscale.loop) uv_close((uv_handle_t *)&st->sigscale, NULL);
     uv_run(st->loop, UV_RUN_DEFAULT);
     for (int i = 0; i < st->n; i++) {
         for (int k = 0; k < st->p[i].argc; k++) free(st->p[i].argv[k]);

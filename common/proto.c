@@ -50,8 +50,8 @@ const char *const km_proto_admin_names[KM_ADMIN_CMD_COUNT] = {
     "status", "evict", "set_kv_format", "drain", "shutdown", "recover", "pressure"};
 const char *const km_proto_state_names[KM_STATE_COUNT] = {"starting", "ready", "draining",
                                                           "stopping"};
-const char *const km_proto_member_names[KM_MEMBER_STATE_COUNT] = {"starting", "ready", "draining",
-                                                                  "restarting", "dead"};
+const char *const km_proto_member_names[KM_MEMBER_STATE_COUNT] = {"starting",   "ready", "draining",
+                                                                  "restarting", "dead",  "left"};
 const char *const km_proto_kind_names[KM_KV_KIND_COUNT] = {"stored", "removed", "tier"};
 const char *const km_proto_format_names[KM_PROTO_N_FORMATS] = {"f16", "bf16", "fp8", "int8",
                                                                "int4"};

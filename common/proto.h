@@ -171,6 +171,7 @@ typedef enum km_member_state {
     KM_MEMBER_DRAINING,     /* "draining": send nothing new; in-flight requests finish */
     KM_MEMBER_RESTARTING,   /* "restarting": level 3 drained it; waiting for it to come back */
     KM_MEMBER_DEAD,         /* "dead": missed heartbeats; migrate its requests */
+    KM_MEMBER_LEFT,         /* "left": stopped on purpose (its last heartbeat said "stopping") */
     KM_MEMBER_STATE_COUNT
 } km_member_state;
 

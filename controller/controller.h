@@ -59,7 +59,7 @@ typedef struct ctl_policy_cfg {
     uint32_t dead_after;        /* missed intervals before "dead"; default 3 */
     int64_t restart_timeout_ms; /* a member restarting (level 3) and silent this long is dead;
                                  * default 120000, 0 = never */
-    int64_t forget_after_ms;    /* a member silent this long is removed (dead first); default
+    int64_t forget_after_ms;    /* a member silent this long is removed (dead or left); default
                                  * 600000, 0 = never */
     int64_t action_timeout_ms;  /* a worker busy with an unacknowledged command (an fp8 conversion
                                  * of a large cache) is silent this long before "dead"; 30000 */
@@ -104,10 +104,11 @@ int ctl_policy_ack(ctl_policy *p, const char *worker, uint64_t id, bool ok);
 /* The action could not be sent: the member goes back to its state and level before it (the
  * history entry stays, not ok; the cooldown still runs so that a retry waits). */
 void ctl_policy_send_failed(ctl_policy *p, const ctl_action *act);
-/* Missed heartbeats: members silent for dead_after intervals become "dead"; members silent for
- * forget_after are removed (the view stops naming them, so routers free their slots; a heartbeat
- * adds them again as new members). Member indexes after a removed one move down. Returns how many
- * members changed or were removed. */
+/* Missed heartbeats: members silent for dead_after intervals become "dead" (not one that "left":
+ * its last heartbeat said stopping); dead or left members silent for forget_after are removed
+ * (the view stops naming them, so routers free their slots; a heartbeat adds them again as new
+ * members). Member indexes after a removed one move down. Returns how many members changed or
+ * were removed. */
 int ctl_policy_tick(ctl_policy *p, uint64_t now_ms);
 
 /* Grows whenever a member is added or changes state, level or history (views publish on it). */

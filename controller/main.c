@@ -92,15 +92,18 @@ int main(int argc, char **argv)
          &pc->max_rss, 0, 0},
         {"heartbeat", NULL, KM_OPT_DURATION, "1s", "the workers' heartbeat interval",
          &pc->heartbeat_ms, 10, 3600000},
-        {"dead-after", NULL, KM_OPT_INT, "3", "missed heartbeat intervals before a worker is dead",
+        {"dead-after", NULL, KM_OPT_INT, "3",
+         "missed heartbeat intervals before a worker is dead (one whose last heartbeat said "
+         "stopping is left at once instead)",
          &dead_after, 1, 1000},
         {"restart-timeout", NULL, KM_OPT_DURATION, "2m",
          "a worker drained by level 3 and silent this long (no supervisor restarted it) is dead; "
          "0 = wait forever",
          &pc->restart_timeout_ms, 0, 86400000},
         {"forget-after", NULL, KM_OPT_DURATION, "10m",
-         "a member silent this long is forgotten: removed from the view (routers free its slot); "
-         "0 = never",
+         "a member silent this long (dead or left) is forgotten: removed from the view (routers "
+         "free "
+         "its slot); 0 = never",
          &pc->forget_after_ms, 0, 86400000 * 30LL},
         {"action-timeout", NULL, KM_OPT_DURATION, "30s",
          "a worker silent while it carries out a command it has not yet acknowledged (e.g. an "

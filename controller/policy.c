@@ -17,9 +17,9 @@
  *   level 2 --pressure >= high, cooldown since level 2-------> level 3 (drain)
  *   any     --stall / error storm / RSS or GPU >= their max--> level 3 (drain)
  *   level 3: member "restarting" until a new process (uptime or seq went back) says ready.
- * The member state otherwise follows the heartbeat (starting/ready/draining; stopping counts as
- * draining), "dead" after dead_after silent intervals, and back to the heartbeat's state when
- * beats resume.
+ * The member state otherwise follows the heartbeat (starting/ready/draining), "left" at once when
+ * the last heartbeat of a worker stopped on purpose says "stopping" (SIGTERM, scale-in), "dead"
+ * after dead_after silent intervals, and back to the heartbeat's state when beats resume.
  */
 #include <math.h>
 #include <stdio.h>
@@ -198,7 +198,9 @@ static km_member_state from_worker_state(km_worker_state s)
         return KM_MEMBER_STARTING;
     case KM_STATE_READY:
         return KM_MEMBER_READY;
-    default: /* draining, stopping: route nothing new to it */
+    case KM_STATE_STOPPING: /* its last heartbeat: it stopped on purpose */
+        return KM_MEMBER_LEFT;
+    default: /* draining: route nothing new to it */
         return KM_MEMBER_DRAINING;
     }
 }
@@ -571,7 +573,8 @@ int ctl_policy_tick(ctl_policy *p, uint64_t now_ms)
         ctl_member *m = &p->m[i];
         /* Forgotten: a member table that only grows fills up (and routers' slots with it) as
          * workers come and go under new ids. Nothing is lost: a heartbeat re-adds it. */
-        if (m->state == KM_MEMBER_DEAD && p->cfg.forget_after_ms > 0 &&
+        bool gone = m->state == KM_MEMBER_DEAD || m->state == KM_MEMBER_LEFT;
+        if (gone && p->cfg.forget_after_ms > 0 &&
             now_ms - m->last_seen_ms >= (uint64_t)p->cfg.forget_after_ms) {
             memmove(m, m + 1, sizeof *m * (size_t)(p->n - i - 1));
             p->n--;
@@ -581,7 +584,7 @@ int ctl_policy_tick(ctl_policy *p, uint64_t now_ms)
             changed++;
             continue;
         }
-        if (m->state == KM_MEMBER_DEAD) continue;
+        if (gone) continue; /* a member that left sends nothing more: it is not dead */
         /* Restarting is expected to be silent while the process comes back, but not forever: a
          * process with no supervisor (or one that cannot start) is dead after restart_timeout. */
         if (m->state == KM_MEMBER_RESTARTING) {

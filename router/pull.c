@@ -28,12 +28,12 @@ bool rt_member_serves_pages(bool connected, bool view_fresh, bool in_view, km_me
 {
     if (!connected) return false;
     if (!view_fresh) return true;
-    /* a draining worker (or one level 3 drained, "restarting", while its old process lingers)
-     * takes no request but still answers pulls of its pages: its migrated requests move with
-     * their KV (docs/transfer.md). A pull from a process that has none is only a slower
-     * request: the puller computes what was not offered. */
+    /* a draining worker (or one level 3 drained, "restarting", or one that left, while its old
+     * process lingers) takes no request but still answers pulls of its pages: its migrated
+     * requests move with their KV (docs/transfer.md). A pull from a process that has none is
+     * only a slower request: the puller computes what was not offered. */
     return in_view && (state == KM_MEMBER_READY || state == KM_MEMBER_DRAINING ||
-                       state == KM_MEMBER_RESTARTING);
+                       state == KM_MEMBER_RESTARTING || state == KM_MEMBER_LEFT);
 }
 
 /* May w be the source of a pull: it need not take requests; a draining worker still

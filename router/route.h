@@ -115,12 +115,12 @@ int rt_pick(const rt_policy *p, const rt_candidate *c, int n, int n_prompt, km_p
  * With --controller the router subscribes to the controller's view (two-part PUB messages
  * ["view", km_msg_view frame]) and acts on it: only "ready" members get new requests; "starting",
  * "draining" and "restarting" members keep their in-flight requests but get nothing new; a
- * "dead" member's in-flight requests migrate as on a disconnect. Members are matched to the
- * router's workers by requests endpoint (normalised below); a member with an unknown endpoint is
- * connected at run time. While no view has arrived for view_timeout_ms the view is *stale* and
- * ignored: the router's own liveness alone decides, so a controller outage never stops serving.
- * A worker the view does not name is routed by liveness alone, too (a fresh controller's first
- * views may not list every worker yet). */
+ * "dead" or "left" member's in-flight requests migrate as on a disconnect. Members are matched to
+ * the router's workers by requests endpoint (normalised below); a member with an unknown
+ * endpoint is connected at run time. While no view has arrived for view_timeout_ms the view is
+ * *stale* and ignored: the router's own liveness alone decides, so a controller outage never stops
+ * serving. A worker the view does not name is routed by liveness alone, too (a fresh controller's
+ * first views may not list every worker yet). */
 
 /* Canonical form of a ZeroMQ endpoint for comparing: scheme and host lower-cased; loopback and
  * wildcard hosts (localhost, 0.0.0.0, *, [::1], [::]) become 127.0.0.1. 0 or KM_EINVAL /
@@ -130,10 +130,11 @@ bool rt_endpoint_same(const char *a, const char *b);
 /* May a worker get new requests? connected: the router's own liveness (a veto); view_fresh: a
  * view arrived within the timeout; in_view: that view names the worker with `state`. */
 bool rt_member_routable(bool connected, bool view_fresh, bool in_view, km_member_state state);
-/* May another worker pull KV pages from it: connected and, in a fresh view, ready, draining or
- * restarting (a drained worker lingers to hand its pages to the requests migrated off it). */
+/* May another worker pull KV pages from it: connected and, in a fresh view, ready, draining,
+ * restarting or left (a drained worker lingers to hand its pages to the requests migrated off
+ * it). */
 bool rt_member_serves_pages(bool connected, bool view_fresh, bool in_view, km_member_state state);
-/* Must the worker's in-flight requests migrate because the view says it is dead? */
+/* Must the worker's in-flight requests migrate because the view says it is dead or left? */
 bool rt_member_migrates(bool view_fresh, bool in_view, km_member_state state);
 
 /* ---------------------------------------------------------------- pull or recompute (pull.c)

@@ -7,12 +7,12 @@
  *
  * With --controller the view narrows the router's own liveness, never widens it: a worker gets
  * new requests only when its connection is up *and* a fresh view names it "ready" (a slot the
- * view does not name gets nothing); a view that says "dead" migrates its requests through the
- * same path as a disconnect (rt_migrate_all). Members the router does not know are connected at
- * run time into spare worker slots, and a slot a view added is released again (sockets closed,
- * pages forgotten, the slot reused) once fresh views have not named it for --view-timeout and it
- * has nothing in flight: a controller forgets members that stay silent (its --forget-after), and
- * so a router's 64 slots do not fill up with workers that came and went. A view older than
+ * view does not name gets nothing); a view that says "dead" or "left" migrates its requests
+ * through the same path as a disconnect (rt_migrate_all). Members the router does not know are
+ * connected at run time into spare worker slots, and a slot a view added is released again (sockets
+ * closed, pages forgotten, the slot reused) once fresh views have not named it for --view-timeout
+ * and it has nothing in flight: a controller forgets members that stay silent (its --forget-after),
+ * and so a router's 64 slots do not fill up with workers that came and went. A view older than
  * --view-timeout is ignored, so a controller outage leaves the router serving on its own
  * liveness, as it did before controllers existed.
  *
@@ -78,7 +78,7 @@ bool rt_endpoint_same(const char *a, const char *b)
 
 bool rt_member_migrates(bool view_fresh, bool in_view, km_member_state state)
 {
-    return view_fresh && in_view && state == KM_MEMBER_DEAD;
+    return view_fresh && in_view && (state == KM_MEMBER_DEAD || state == KM_MEMBER_LEFT);
 }
 
 /* ---------------------------------------------------------------- the daemon's use of the view */
@@ -198,7 +198,8 @@ static void apply_view(rt_router *r, const km_msg_view *v)
                        : !strcmp(r->w[k].id, vw->id) || !strcmp(r->w[k].view_id, vw->id))
                 w = &r->w[k]; /* no endpoint (no heartbeat with one yet): by id, never added */
         }
-        if (!w && (!has_ep || vw->state == KM_MEMBER_DEAD)) continue; /* nothing to connect */
+        bool gone = vw->state == KM_MEMBER_DEAD || vw->state == KM_MEMBER_LEFT;
+        if (!w && (!has_ep || gone)) continue; /* nothing to connect */
         if (!w) {
             /* the same id under an endpoint no member of this view claims: it moved */
             rt_wk *same_id = NULL;

@@ -562,3 +562,28 @@ void it_up_stop(it_up *u)
     }
     if (f) fclose(f);
 }
+
+int it_shell(const char *cmd, char **out)
+{
+    char full[4096];
+    snprintf(full, sizeof full, "%s 2>&1", cmd);
+    FILE *f = popen(full, "r");
+    cr_assert_not_null(f);
+    size_t cap = 0;
+    *out = NULL;
+    if (getdelim(out, &cap, 0, f) < 0) { /* the output has no NUL: all of it at once */
+        free(*out);
+        *out = strdup("");
+    }
+    int st = pclose(f);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+void it_shell_expect(const char *cmd, int status, const char *says)
+{
+    char *out;
+    int rc = it_shell(cmd, &out);
+    cr_assert_eq(rc, status, "%s: exit %d, want %d:\n%s", cmd, rc, status, out);
+    cr_assert(strstr(out, says), "%s: no '%s' in:\n%s", cmd, says, out);
+    free(out);
+}

@@ -169,6 +169,12 @@ typedef struct it_up {
  * (NULL-terminated: --workers=N, --insecure, ...) in a new dir /tmp/kvmesh-<tag>-XXXXXX, and
  * returns at once: poll u->cluster for what has started, u->pid for kvmesh up itself. */
 void it_up_start(it_up *u, const char *tag, const char *const *args);
+/* Runs a shell command as a user would type it: its exit status (-1 when it did not exit), and
+ * its stdout and stderr together in *out (the caller frees). */
+int it_shell(const char *cmd, char **out);
+/* it_shell, and fails the test unless it exits with `status` and its output contains `says`. */
+void it_shell_expect(const char *cmd, int status, const char *says);
+
 /* SIGTERM to `kvmesh up` (it stops its daemons), SIGKILL after 20 s; then SIGKILL to every
  * process cluster.env still names. The dir and its logs stay. Nothing when not started. A test
  * killed at its time-out (no fini) SIGTERMs kvmesh up by dying (PR_SET_PDEATHSIG). */

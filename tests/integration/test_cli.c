@@ -47,31 +47,8 @@ static void stop_all(void)
 
 TestSuite(cli, .fini = stop_all, .timeout = 240);
 
-/* Runs a shell command; its exit status, and stdout+stderr (the caller frees). */
-static int run(const char *cmd, char **out)
-{
-    char full[4096];
-    snprintf(full, sizeof full, "%s 2>&1", cmd);
-    FILE *f = popen(full, "r");
-    cr_assert_not_null(f);
-    size_t cap = 0;
-    *out = NULL;
-    if (getdelim(out, &cap, 0, f) < 0) { /* the output has no NUL: all of it at once */
-        free(*out);
-        *out = strdup("");
-    }
-    int st = pclose(f);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-}
-
-static void expect(const char *cmd, int status, const char *says)
-{
-    char *out;
-    int rc = run(cmd, &out);
-    cr_assert_eq(rc, status, "%s: exit %d, want %d:\n%s", cmd, rc, status, out);
-    cr_assert(strstr(out, says), "%s: no '%s' in:\n%s", cmd, says, out);
-    free(out);
-}
+#define run    it_shell /* a shell command: its exit status and output */
+#define expect it_shell_expect
 
 Test(cli, flags_parse_as_documented_or_say_what_is_wrong)
 {

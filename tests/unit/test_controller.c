@@ -379,6 +379,43 @@ Test(controller_policy, missed_beats_make_a_member_dead_and_beats_bring_it_back)
     cr_assert_eq(ctl_policy_count(pol, KM_MEMBER_DEAD), 0);
 }
 
+/* Issue 39: a worker stopped on purpose (SIGTERM, scale-in) says so in its last heartbeat; it is
+ * "left" at once, never "dead" (no missed-heartbeat alarm), forgotten after forget_after, and a
+ * new process under its id is a member again. */
+Test(controller_policy, a_stopping_heartbeat_makes_the_member_left_at_once_not_dead)
+{
+    cfg.heartbeat_ms = 200;
+    cfg.forget_after_ms = 10000;
+    start();
+    fake_worker w = {.id = "w0", .state = KM_STATE_READY};
+    beat(&w, 1000, 0.1, NULL);
+    w.state = KM_STATE_DRAINING;
+    beat(&w, 1200, 0.1, NULL);
+    cr_assert_eq(state_of("w0"), KM_MEMBER_DRAINING);
+    uint64_t v = ctl_policy_version(pol);
+    w.state = KM_STATE_STOPPING;
+    beat(&w, 1300, 0.1, NULL);
+    cr_assert_eq(state_of("w0"), KM_MEMBER_LEFT);
+    cr_assert_str_eq(km_member_state_name(KM_MEMBER_LEFT), "left");
+    cr_assert_gt(ctl_policy_version(pol), v, "the view changes at once");
+    cr_assert_eq(ctl_policy_tick(pol, 5000), 0, "silent after leaving: not dead");
+    cr_assert_eq(state_of("w0"), KM_MEMBER_LEFT);
+    cr_assert_eq(ctl_policy_count(pol, KM_MEMBER_DEAD), 0);
+    cr_assert_eq(ctl_policy_count(pol, KM_MEMBER_LEFT), 1);
+    cr_assert_eq(ctl_policy_tick(pol, 11300), 1, "forgotten after forget_after");
+    cr_assert_eq(ctl_policy_find(pol, "w0"), KM_ENOTFOUND);
+    fake_worker again = {.id = "w0", .state = KM_STATE_READY};
+    beat(&again, 12000, 0.1, NULL);
+    cr_assert_eq(state_of("w0"), KM_MEMBER_READY);
+    /* left, then a restarted process under the same id (kvmesh up restarts a SIGTERM'd worker) */
+    again.state = KM_STATE_STOPPING;
+    beat(&again, 12100, 0.1, NULL);
+    cr_assert_eq(state_of("w0"), KM_MEMBER_LEFT);
+    fake_worker next = {.id = "w0", .state = KM_STATE_STARTING};
+    beat(&next, 13000, 0.1, NULL);
+    cr_assert_eq(state_of("w0"), KM_MEMBER_STARTING);
+}
+
 Test(controller_policy, a_member_silent_for_forget_after_is_removed_and_a_beat_adds_it_again)
 {
     cfg.heartbeat_ms = 200;

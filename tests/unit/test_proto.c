@@ -998,7 +998,7 @@ Test(proto, names_and_codes_map_both_ways)
     cr_assert_str_eq(km_msg_type_name(KM_MSG_VIEW), "view");
     cr_assert_str_eq(km_admin_cmd_name(KM_ADMIN_RECOVER), "recover");
     cr_assert_str_eq(km_admin_cmd_name(KM_ADMIN_PRESSURE), "pressure");
-    const char *members[] = {"starting", "ready", "draining", "restarting", "dead"};
+    const char *members[] = {"starting", "ready", "draining", "restarting", "dead", "left"};
     for (int i = 0; i < KM_MEMBER_STATE_COUNT; i++)
         cr_assert_str_eq(km_member_state_name((km_member_state)i), members[i]);
     cr_assert_str_eq(km_member_state_name(KM_MEMBER_STATE_COUNT), "?");
@@ -1581,7 +1581,7 @@ Test(proto, view_worker_ids_must_be_unique_and_the_worker_count_is_capped)
     expect_encode_fail(&in, "view.workers[0].id: required");
     km_view_worker badstate[] = {{.id = "a", .state = KM_MEMBER_STATE_COUNT}};
     in.view.workers = badstate;
-    expect_encode_fail(&in, "view.workers[0].state: unknown state 5");
+    expect_encode_fail(&in, "view.workers[0].state: unknown state 6");
     km_recovery_action nores[] = {{.level = 1}};
     km_view_worker nohist[] = {{.id = "a", .history = nores, .n_history = 1}};
     in.view.workers = nohist;

@@ -424,8 +424,9 @@ Test(router_view, only_ready_members_of_a_fresh_view_are_routable)
         cr_assert(rt_member_routable(true, false, false, st));
         cr_assert(!rt_member_routable(true, true, false, st));
         cr_assert(!rt_member_routable(false, false, true, st));
-        /* only a fresh "dead" migrates in-flight requests */
-        cr_assert_eq(rt_member_migrates(true, true, st), st == KM_MEMBER_DEAD);
+        /* only a fresh "dead" or "left" migrates in-flight requests */
+        cr_assert_eq(rt_member_migrates(true, true, st),
+                     st == KM_MEMBER_DEAD || st == KM_MEMBER_LEFT);
         cr_assert(!rt_member_migrates(false, true, st));
         cr_assert(!rt_member_migrates(true, false, st));
     }
@@ -439,7 +440,7 @@ Test(router_view, ready_and_draining_members_serve_their_pages_to_pulls)
          * its pages to the requests migrated off it; a dead or starting one has none to hand */
         cr_assert_eq(rt_member_serves_pages(true, true, true, st),
                      st == KM_MEMBER_READY || st == KM_MEMBER_DRAINING ||
-                         st == KM_MEMBER_RESTARTING,
+                         st == KM_MEMBER_RESTARTING || st == KM_MEMBER_LEFT,
                      "%s", km_member_state_name(st));
         cr_assert(!rt_member_serves_pages(false, true, true, st));
         cr_assert(!rt_member_serves_pages(false, false, true, st));
