@@ -29,17 +29,41 @@ static void on_http_abort(km_http_req *h, void *user)
 
 /* ---------------------------------------------------------------- replies (rt_front_http) */
 
+/* The token's logprobs from its worker frame into lp; false when it carries none. */
+static bool token_lp(const rt_rq *q, int32_t token, rt_oai_lp *lp)
+{
+    const km_msg_token *t = q->cur_tok;
+    if (!q->q.logprobs || !t || !t->has_logprob) return false;
+    memset(lp, 0, sizeof *lp);
+    lp->token = token;
+    lp->logprob = t->logprob;
+    lp->n_top = t->n_top < q->q.top_logprobs ? t->n_top : q->q.top_logprobs;
+    if (lp->n_top > RT_OAI_MAX_TOP) lp->n_top = RT_OAI_MAX_TOP;
+    memcpy(lp->top, t->top, sizeof *lp->top * lp->n_top);
+    return true;
+}
+
 static void http_token(rt_router *r, rt_rq *q, int32_t token, const char *text, size_t len)
 {
-    (void)token;
     if (!q->http) return;
+    rt_oai_lp lp;
+    bool has_lp = token_lp(q, token, &lp);
     if (!q->http_stream) {
         km_buf_append(&q->text, text, len);
+        if (has_lp) km_buf_append(&q->lp, &lp, sizeof lp);
         return;
     }
-    if (len == 0) return;
+    if (len == 0 && !has_lp) return;
     rt_oai_meta m;
     rt_rq_oai_meta(r, q, &m, NULL);
+    if (has_lp) {
+        m.lp = &lp;
+        m.n_lp = 1;
+        m.text_offset = q->lp_off;
+        char p[KM_PROTO_MAX_PIECE];
+        int n = m.piece(m.piece_ctx, token, p, sizeof p);
+        q->lp_off += n > 0 && n <= (int)sizeof p ? (size_t)n : 0;
+    }
     km_buf b = {0};
     if (!rt_oai_sse_chunk(&b, &m, text, len, NULL)) km_http_stream_write(q->http, b.data, b.len);
     km_buf_free(&b);
@@ -68,8 +92,16 @@ static void http_done(rt_router *r, rt_rq *q, const rt_rq_done *d)
         km_http_stream_write(q->http, b.data, b.len);
         km_http_stream_end(q->http);
     } else {
-        rt_oai_response(&b, &m, q->text.data ? (const char *)q->text.data : "", q->text.len,
+        if (q->q.logprobs) {
+            m.lp = q->lp.data ? (const rt_oai_lp *)q->lp.data : (const rt_oai_lp *)"";
+            m.n_lp = (int)(q->lp.len / sizeof(rt_oai_lp));
+        }
+        km_buf all = {0}; /* echo: the prompt's text first */
+        if (q->echo_text) km_buf_append(&all, q->echo_text, q->echo_len);
+        km_buf_append(&all, q->text.data ? (const char *)q->text.data : "", q->text.len);
+        rt_oai_response(&b, &m, all.data ? (const char *)all.data : "", all.len,
                         rt_oai_finish(d->finish), &u);
+        km_buf_free(&all);
         char extra[KM_PROTO_MAX_NAME + 64];
         snprintf(extra, sizeof extra, "X-Kvmesh-Worker: %s\r\n", d->worker ? d->worker : "");
         km_http_respond(q->http, 200, "application/json", extra, b.data, b.len);
@@ -273,6 +305,45 @@ static bool http_auth(rt_router *r, km_http_req *h, unsigned roles, km_apikey_ma
     return false;
 }
 
+/* Whether origin is one of --cors-origins ("*": any). */
+static bool cors_allowed(const char *list, const char *origin)
+{
+    if (!list || !origin || !*origin) return false;
+    size_t n = strlen(origin);
+    for (const char *p = list; *p;) {
+        while (*p == ' ' || *p == ',') p++;
+        size_t k = strcspn(p, ",");
+        while (k && p[k - 1] == ' ') k--;
+        if ((k == 1 && *p == '*') || (k == n && !strncmp(p, origin, n))) return true;
+        p += strcspn(p, ",");
+    }
+    return false;
+}
+
+/* CORS (--cors-origins): a request from an allowed browser origin gets Access-Control-Allow-
+ * Origin on whatever answers it; its preflight (OPTIONS with Access-Control-Request-Method) is
+ * answered here, before any key is asked for (browsers send none with it). True when it
+ * answered. Off (no header, preflights 405) without --cors-origins. */
+static bool cors(rt_router *r, km_http_req *h)
+{
+    const char *origin = km_http_header(h, "Origin");
+    if (!cors_allowed(r->c.cors_origins, origin) || strpbrk(origin, "\r\n")) return false;
+    char line[KM_PROTO_MAX_NAME + 160];
+    snprintf(line, sizeof line, "Access-Control-Allow-Origin: %.*s\r\nVary: Origin\r\n",
+             KM_PROTO_MAX_NAME, origin);
+    km_http_add_headers(h, line);
+    if (strcmp(km_http_method(h), "OPTIONS") || !km_http_header(h, "Access-Control-Request-Method"))
+        return false;
+    const char *want = km_http_header(h, "Access-Control-Request-Headers");
+    char extra[1024];
+    snprintf(extra, sizeof extra,
+             "Access-Control-Allow-Methods: GET, POST, OPTIONS\r\n"
+             "Access-Control-Allow-Headers: %.512s\r\nAccess-Control-Max-Age: 600\r\n",
+             want && !strpbrk(want, "\r\n") ? want : "Authorization, Content-Type");
+    km_http_respond(h, 200, "text/plain", extra, "", 0);
+    return true;
+}
+
 /* The server's on_head hook: with keys on, a request for anything but the health probes needs
  * a valid key before its body is read, so a keyless client costs one head of memory and work,
  * whatever body it announces (issue 41). Roles are checked by each route, as before. */
@@ -280,7 +351,10 @@ static void on_front_head(km_http_req *h, void *user)
 {
     rt_router *r = user;
     const char *path = km_http_path(h);
-    if (!r->apikeys || !strcmp(path, "/healthz") || !strcmp(path, "/readyz")) return;
+    if (cors(r, h)) return; /* a preflight, answered */
+    if (!r->apikeys || !strcmp(path, "/healthz") || !strcmp(path, "/readyz") ||
+        !strcmp(path, "/health"))
+        return;
     km_apikey_match m;
     bool keyed;
     http_auth(r, h, KM_ROLES_ALL, &m, &keyed);
@@ -400,6 +474,13 @@ static void rq_from_oai(rt_rq *q, rt_oai_req *oq)
     q->q.priority = oq->priority;
     q->q.speculate = oq->speculate;
     q->q.max_draft_tokens = oq->max_draft_tokens;
+    q->q.logprobs = oq->logprobs;
+    q->q.top_logprobs = oq->top_logprobs;
+    q->bias = oq->logit_bias;
+    q->q.n_logit_bias = (uint32_t)oq->n_logit_bias;
+    oq->logit_bias = NULL;
+    oq->n_logit_bias = 0;
+    q->echo = oq->echo;
     q->q.n_stop = (uint32_t)oq->n_stop;
     for (int i = 0; i < oq->n_stop; i++) {
         q->stop[i] = oq->stop[i];
@@ -413,11 +494,12 @@ static void rq_from_oai(rt_rq *q, rt_oai_req *oq)
 
 /* The prompt's text (malloc'd, *len bytes; NULL when out of memory): a completion's prompt as
  * is, a chat's messages through the model's chat template (ChatML when the model names none). */
-static char *prompt_text(rt_router *r, const rt_oai_req *oq, bool chat, size_t *len)
+static char *prompt_text(rt_router *r, const rt_oai_req *oq, bool chat, bool add_assistant,
+                         size_t *len)
 {
     if (!chat) {
-        *len = strlen(oq->prompt);
-        return strdup(oq->prompt);
+        *len = strlen(oq->prompts[0].text);
+        return strdup(oq->prompts[0].text);
     }
     md_chat_msg msgs[1024];
     for (int i = 0; i < oq->n_msgs && i < 1024; i++)
@@ -427,11 +509,60 @@ static char *prompt_text(rt_router *r, const rt_oai_req *oq, bool chat, size_t *
                              ? "You are a helpful AI assistant named SmolLM, trained by "
                                "Hugging Face"
                              : NULL;
-    int need = md_chat_apply(kind, msgs, oq->n_msgs, 1, defsys, NULL, 0);
+    int need = md_chat_apply(kind, msgs, oq->n_msgs, add_assistant, defsys, NULL, 0);
     char *txt = need >= 0 ? malloc((size_t)need + 1) : NULL;
-    if (txt) md_chat_apply(kind, msgs, oq->n_msgs, 1, defsys, txt, (size_t)need + 1);
+    if (txt) md_chat_apply(kind, msgs, oq->n_msgs, add_assistant, defsys, txt, (size_t)need + 1);
     *len = need >= 0 ? (size_t)need : 0;
     return txt;
+}
+
+/* The text of token ids (malloc'd, *len bytes; NULL when out of memory). */
+static char *ids_text(rt_router *r, const int32_t *ids, int n, size_t *len)
+{
+    km_buf b = {0};
+    md_detok dt;
+    md_detok_init(&dt);
+    char piece[KM_PROTO_MAX_PIECE + 64];
+    for (int i = 0; i < n; i++) {
+        int w = md_detok_push(r->tok, &dt, ids[i], piece, sizeof piece);
+        if (w > 0 && km_buf_append(&b, piece, (size_t)w)) goto oom;
+    }
+    int w = md_detok_flush(&dt, piece, sizeof piece);
+    if ((w > 0 && km_buf_append(&b, piece, (size_t)w)) || km_buf_append(&b, "", 1)) goto oom;
+    *len = b.len - 1;
+    return (char *)b.data;
+oom:
+    km_buf_free(&b);
+    return NULL;
+}
+
+/* A prompt of token ids into q (its text too when it echoes). */
+static int rq_take_ids(rt_router *r, rt_rq *q, const rt_oai_prompt *p)
+{
+    q->cap = p->n_ids + 64;
+    if (!(q->tokens = malloc(sizeof *q->tokens * (size_t)q->cap))) return KM_ENOMEM;
+    memcpy(q->tokens, p->ids, sizeof *q->tokens * (size_t)p->n_ids);
+    q->n_prompt = p->n_ids;
+    if (q->echo && !(q->echo_text = ids_text(r, p->ids, p->n_ids, &q->echo_len))) return KM_ENOMEM;
+    return 0;
+}
+
+/* A 400 naming param when an id of ids is not in the vocabulary; true when it answered. */
+static bool bad_ids(rt_router *r, km_http_req *h, const char *param, const int32_t *ids, int n,
+                    size_t stride)
+{
+    int nv = md_tok_n_vocab(r->tok);
+    for (int i = 0; i < n; i++) {
+        int32_t id = *(const int32_t *)((const char *)ids + stride * (size_t)i);
+        if (id >= nv) {
+            char m[160];
+            snprintf(m, sizeof m, "'%s' names token id %d, outside the vocabulary (%d ids)", param,
+                     id, nv);
+            http_error(h, 400, "invalid_request_error", param, m);
+            return true;
+        }
+    }
+    return false;
 }
 
 /* POST /v1/completions or /v1/chat/completions: a request of the router's table, answered as
@@ -467,6 +598,21 @@ static void on_completion(rt_router *r, km_http_req *h, bool chat)
         km_buf_free(&b);
         return;
     }
+    int choices = (chat ? 1 : oq.n_prompts) * oq.n;
+    if (choices > 1) {
+        char m[200];
+        snprintf(m, sizeof m, "%d choices asked (n x prompts); this server gives one per request",
+                 choices);
+        rt_oai_req_free(&oq);
+        return http_error(h, 400, "invalid_request_error", "n", m);
+    }
+    if (bad_ids(r, h, "logit_bias", oq.logit_bias ? &oq.logit_bias[0].token : NULL, oq.n_logit_bias,
+                sizeof *oq.logit_bias) ||
+        (!chat &&
+         bad_ids(r, h, "prompt", oq.prompts[0].ids, oq.prompts[0].n_ids, sizeof(int32_t)))) {
+        rt_oai_req_free(&oq);
+        return;
+    }
     rt_rq *q = rt_rq_new(r, &rt_front_http);
     if (!q) {
         rt_oai_req_free(&oq);
@@ -488,13 +634,30 @@ static void on_completion(rt_router *r, km_http_req *h, bool chat)
         return http_error(h, 400, "invalid_request_error", "cache_salt",
                           "'cache_salt' is too long for this API key's tenant salt");
     }
+    if (!rc && !chat && oq.prompts[0].ids) { /* token ids: no tokenizing */
+        rc = rq_take_ids(r, q, &oq.prompts[0]);
+        rt_oai_req_free(&oq);
+        if (rc) {
+            rt_rq_free(q);
+            return http_error(h, 500, "server_error", NULL, "out of memory");
+        }
+        km_http_on_abort(h, on_http_abort, q);
+        if (!rt_front_tokens_ready(r, q)) rt_rq_start(r, q);
+        rt_pump(r);
+        return;
+    }
     size_t len = 0;
-    char *text = rc ? NULL : prompt_text(r, &oq, chat, &len);
+    char *text = rc ? NULL : prompt_text(r, &oq, chat, true, &len);
     rt_oai_req_free(&oq);
+    if (text && q->echo && !(q->echo_text = strndup(text, len))) {
+        free(text);
+        text = NULL;
+    }
     if (!text) {
         rt_rq_free(q);
         return http_error(h, 500, "server_error", NULL, "cannot render the prompt");
     }
+    q->echo_len = q->echo_text ? len : 0;
     km_http_on_abort(h, on_http_abort, q);
     /* tokenized on or off the loop (prompt.c), then rt_front_tokens_ready, then started */
     rt_rq_prepare(r, q, text, len, chat ? 0 : 1); /* a rendered template carries its BOS */
@@ -511,10 +674,101 @@ static void on_chat_completions(km_http_req *h, void *user)
     on_completion(user, h, true);
 }
 
+/* The body's error (e) as the answer to h. */
+static void answer_error(km_http_req *h, const rt_oai_err *e)
+{
+    km_buf b = {0};
+    rt_oai_error_json(&b, e);
+    km_http_respond(h, e->status, "application/json", NULL, b.data, b.len);
+    km_buf_free(&b);
+}
+
+/* Prompts /tokenize takes: tokenized on the loop, so bounded well below --max-prompt-bytes. */
+#define RT_TOKENIZE_MAX_BYTES (64u << 10)
+
+/* POST /tokenize (vLLM's): the prompt's (or the rendered chat's) token ids. */
+static void on_tokenize(km_http_req *h, void *user)
+{
+    rt_router *r = user;
+    km_apikey_match key;
+    bool keyed;
+    if (!http_auth(r, h, KM_ROLE_CLIENT | KM_ROLE_OPERATOR, &key, &keyed)) return;
+    size_t blen;
+    const char *body = km_http_body(h, &blen);
+    rt_oai_tokreq tq;
+    rt_oai_err e;
+    if (rt_oai_parse_tokenize(body, blen, &tq, &e)) return answer_error(h, &e);
+    size_t len = 0;
+    char *text = prompt_text(r, &tq.q, tq.q.chat, tq.add_generation_prompt, &len);
+    rt_oai_req_free(&tq.q);
+    if (!text) return http_error(h, 500, "server_error", NULL, "cannot render the prompt");
+    if (len > RT_TOKENIZE_MAX_BYTES) {
+        free(text);
+        char m[120];
+        snprintf(m, sizeof m, "/tokenize takes prompts of at most %u bytes", RT_TOKENIZE_MAX_BYTES);
+        return http_error(h, 413, "invalid_request_error", "prompt", m);
+    }
+    int cap = (int)len + 8;
+    int32_t *ids = malloc(sizeof *ids * (size_t)cap);
+    int n = ids ? md_tok_encode(r->tok, text, len, tq.add_special ? 1 : 0, 1, ids, cap) : -1;
+    free(text);
+    char **strs = n >= 0 && tq.return_token_strs ? calloc((size_t)n + 1, sizeof *strs) : NULL;
+    for (int i = 0; strs && i < n; i++) {
+        char p[KM_PROTO_MAX_PIECE];
+        int w = md_tok_piece(r->tok, ids[i], 1, p, sizeof p);
+        strs[i] = strndup(p, w > 0 && w <= (int)sizeof p ? (size_t)w : 0);
+    }
+    km_buf b = {0};
+    if (n < 0 || n > cap || (tq.return_token_strs && !strs) ||
+        rt_oai_tokenize_response(&b, ids, n, r->c.max_ctx, strs))
+        http_error(h, 500, "server_error", NULL, "cannot tokenize the prompt");
+    else
+        km_http_respond(h, 200, "application/json", NULL, b.data, b.len);
+    for (int i = 0; strs && i < n; i++) free(strs[i]);
+    free(strs);
+    free(ids);
+    km_buf_free(&b);
+}
+
+/* POST /detokenize (vLLM's): token ids back to text. */
+static void on_detokenize(km_http_req *h, void *user)
+{
+    rt_router *r = user;
+    km_apikey_match key;
+    bool keyed;
+    if (!http_auth(r, h, KM_ROLE_CLIENT | KM_ROLE_OPERATOR, &key, &keyed)) return;
+    size_t blen;
+    const char *body = km_http_body(h, &blen);
+    int32_t *ids;
+    int n;
+    rt_oai_err e;
+    if (rt_oai_parse_detokenize(body, blen, md_tok_n_vocab(r->tok), &ids, &n, &e))
+        return answer_error(h, &e);
+    size_t len = 0;
+    char *text = ids_text(r, ids, n, &len);
+    free(ids);
+    km_buf b = {0};
+    if (!text || rt_oai_detokenize_response(&b, text, len))
+        http_error(h, 500, "server_error", NULL, "out of memory");
+    else
+        km_http_respond(h, 200, "application/json", NULL, b.data, b.len);
+    free(text);
+    km_buf_free(&b);
+}
+
+/* GET /health (vLLM's liveness probe): 200, empty, no key needed. */
+static void on_health(km_http_req *h, void *user)
+{
+    km_http_respond(h, 200, "text/plain", NULL, "", 0);
+}
+
 /* The router's HTTP API. GET admits HEAD; a path not here is 404, a method not listed 405 (with
  * Allow), both as OpenAI error objects. */
 static const km_http_route front_routes[] = {
     {"/healthz", 0, on_healthz},
+    {"/health", 0, on_health},
+    {"/tokenize", KM_HTTP_POST, on_tokenize},
+    {"/detokenize", KM_HTTP_POST, on_detokenize},
     {"/readyz", 0, on_readyz},
     {"/metrics", 0, on_metrics},
     {"/v1/models", KM_HTTP_GET, on_models},

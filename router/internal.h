@@ -75,6 +75,14 @@ struct rt_rq {
     char model[KM_PROTO_MAX_NAME + 1];
     char *salt;
     char *stop[KM_PROTO_MAX_STOP];
+    km_token_value *bias;        /* req.logit_bias (q.n_logit_bias entries), owned */
+    const km_msg_token *cur_tok; /* the worker's frame of the token being delivered (its
+                                  * logprobs), NULL outside rt_relay_token */
+    km_buf lp;                   /* HTTP: logprobs gathered (openai.c's rt_oai_lp entries) */
+    size_t lp_off;               /* HTTP completions: text_offset of the next token */
+    bool echo;                   /* HTTP completions: the prompt's text goes first */
+    char *echo_text;
+    size_t echo_len;
     int32_t *tokens; /* prompt, then every generated token */
     int n_prompt, n_gen, cap;
     uint32_t max_tokens;

@@ -111,13 +111,22 @@ static bool over_context(rt_router *r, km_http_req *h, const rt_rq *q, uint32_t 
     return true;
 }
 
+static int token_piece(void *ctx, int32_t id, char *buf, int cap)
+{
+    const rt_router *r = ctx;
+    return md_tok_piece(r->tok, id, 1, buf, cap);
+}
+
 void rt_rq_oai_meta(rt_router *r, rt_rq *q, rt_oai_meta *m, const char *worker)
 {
-    m->chat = q->http_chat;
-    m->id = q->oai_id;
-    m->model = r->model_name;
-    m->created = q->created;
-    m->worker = worker;
+    *m = (rt_oai_meta){.chat = q->http_chat,
+                       .id = q->oai_id,
+                       .model = r->model_name,
+                       .created = q->created,
+                       .worker = worker,
+                       .piece = token_piece,
+                       .piece_ctx = r,
+                       .text_offset = q->echo_len};
 }
 
 int rt_front_tokens_ready(rt_router *r, rt_rq *q)
@@ -137,6 +146,15 @@ int rt_front_tokens_ready(rt_router *r, rt_rq *q)
                 km_http_stream_write(q->http, b.data, b.len);
             km_buf_free(&b);
         }
+        if (q->echo_text && q->echo_len) { /* echo: the prompt's text is the first chunk */
+            rt_oai_meta m;
+            km_buf b = {0};
+            rt_rq_oai_meta(r, q, &m, NULL);
+            if (!rt_oai_sse_chunk(&b, &m, q->echo_text, q->echo_len, NULL))
+                km_http_stream_write(q->http, b.data, b.len);
+            km_buf_free(&b);
+        }
+        q->lp_off = q->echo_len;
     }
     return 0;
 }

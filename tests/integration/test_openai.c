@@ -1,0 +1,381 @@
+/*
+ * test_openai.c — the OpenAI front's fields and small endpoints, through kvmesh-router in front of
+ * a real kvmesh-worker on 127.0.0.1, driven by curl as a client would: /health, /tokenize and
+ * /detokenize in vLLM's shapes; CORS preflights for the configured origin only; logprobs of
+ * greedy tokens equal to the engine's own log-softmax (the test loads the model itself and runs
+ * the same tokens); echo, logit_bias, prompts as token ids, several prompts and n choices (seeded
+ * choices reproducible), streamed and not; what the server refuses (suffix, echo with logprobs,
+ * too many choices) answered 400 naming the field. tests/openai_sdk.py runs the official Python
+ * SDK against the same router when python3 with the `openai` package is at hand.
+ *
+ * Run from the repository root after `make build`; without the default model or curl every test
+ * skips and says so. The worker runs one thread: the machine is small and shared.
+ */
+#include <criterion/criterion.h>
+#include <jansson.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "engine/engine.h"
+#include "tests/integration/harness.h"
+
+typedef it_proc proc;
+
+static proc g_w, g_r;
+static char g_base[64], g_body[128];
+
+/* One worker and a router in front of it (extra router flags NULL-terminated), or false
+ * (skipped) without the model, the binaries or curl. */
+static bool cluster(const char **extra)
+{
+    if (!it_have((const char *const[]){IT_MODEL, IT_WORKER, IT_ROUTER, NULL})) return false;
+    if (system("command -v curl >/dev/null 2>&1")) {
+        cr_skip_test("curl is not installed");
+        return false;
+    }
+    const char *wflags[] = {"--admin-port=-1", "--threads=1", "--log-level=warn",
+                            "--worker-id=w0", NULL};
+    it_start_worker(&g_w, "oai", wflags, NULL);
+    memset(&g_r, 0, sizeof g_r);
+    it_proc_dir(&g_r, "oai");
+    char ports[128], workers[1200];
+    snprintf(ports, sizeof ports, "%s/ports", g_r.dir);
+    snprintf(workers, sizeof workers, "--workers=w0=%s+%s", g_w.req, g_w.ev);
+    const char *argv[] = {IT_ROUTER,     "--front=tcp://127.0.0.1:*", "--http-port=0",
+                          "--log-level=warn", workers, "--ports-file", ports, NULL};
+    it_spawn(&g_r, argv, extra, "log");
+    snprintf(g_base, sizeof g_base, "http://127.0.0.1:%d", g_r.http_port);
+    snprintf(g_body, sizeof g_body, "%s/body.json", g_r.dir);
+    char out[64];
+    IT_WAIT(it_http_get(g_r.http_port, "/readyz", out, sizeof out) == 200, 30000,
+            "the worker did not come up at the router");
+    return true;
+}
+
+static void stop_cluster(void)
+{
+    it_stop(&g_r);
+    it_stop(&g_w);
+}
+
+/* What a shell command printed (malloc'd). */
+static char *sh(const char *cmd)
+{
+    FILE *f = popen(cmd, "r");
+    cr_assert_not_null(f);
+    km_buf b = {0};
+    char tmp[4096];
+    size_t n;
+    while ((n = fread(tmp, 1, sizeof tmp, f)) > 0) km_buf_append(&b, tmp, n);
+    pclose(f);
+    km_buf_append(&b, "", 1);
+    return (char *)b.data;
+}
+
+/* POSTs body to path; the response body (malloc'd), *status its HTTP status. */
+static char *post(const char *path, const char *body, int *status)
+{
+    FILE *f = fopen(g_body, "w");
+    cr_assert_not_null(f);
+    fputs(body, f);
+    fclose(f);
+    char cmd[512];
+    snprintf(cmd, sizeof cmd,
+             "curl -sN --max-time 120 -w '\\n%%{http_code}' -H 'Content-Type: application/json' "
+             "--data-binary @%s %s%s",
+             g_body, g_base, path);
+    char *out = sh(cmd);
+    char *nl = strrchr(out, '\n');
+    cr_assert_not_null(nl, "no answer from %s", path);
+    *status = atoi(nl + 1);
+    *nl = 0;
+    return out;
+}
+
+/* POSTs body and parses the 200 JSON answer. */
+static json_t *post_json(const char *path, const char *body)
+{
+    int st;
+    char *out = post(path, body, &st);
+    cr_assert_eq(st, 200, "%s: %d %s", path, st, out);
+    json_t *o = json_loads(out, 0, NULL);
+    cr_assert_not_null(o, "%s", out);
+    free(out);
+    return o;
+}
+
+/* POSTs body, expects 400 naming param; returns nothing. */
+static void expect_400(const char *path, const char *body, const char *param)
+{
+    int st;
+    char *out = post(path, body, &st);
+    cr_assert_eq(st, 400, "%s: %d %s", body, st, out);
+    json_t *o = json_loads(out, 0, NULL);
+    cr_assert_not_null(o, "%s", out);
+    json_t *e = json_object_get(o, "error");
+    cr_assert_str_eq(json_string_value(json_object_get(e, "param")), param, "%s", out);
+    json_decref(o);
+    free(out);
+}
+
+static json_t *choice(json_t *o, size_t i)
+{
+    return json_array_get(json_object_get(o, "choices"), i);
+}
+
+static const char *choice_text(json_t *o, size_t i)
+{
+    json_t *c = choice(o, i);
+    json_t *t = json_object_get(c, "text");
+    return t ? json_string_value(t)
+             : json_string_value(json_object_get(json_object_get(c, "message"), "content"));
+}
+
+TestSuite(openai, .fini = it_kill_all, .timeout = 300);
+
+Test(openai, health_tokenize_detokenize_and_cors_preflights)
+{
+    const char *extra[] = {"--cors-origins=https://app.example, https://other.example", NULL};
+    if (!cluster(extra)) return;
+    char out[64];
+    cr_assert_eq(it_http_get(g_r.http_port, "/health", out, sizeof out), 200);
+
+    json_t *t = post_json("/tokenize", "{\"prompt\":\"Hello world\",\"return_token_strs\":true}");
+    cr_assert_eq(json_integer_value(json_object_get(t, "count")), 2);
+    cr_assert_eq(json_integer_value(json_object_get(t, "max_model_len")), 4096);
+    json_t *strs = json_object_get(t, "token_strs");
+    cr_assert_str_eq(json_string_value(json_array_get(strs, 1)), " world");
+    char body[256];
+    snprintf(body, sizeof body, "{\"tokens\":[%lld,%lld]}",
+             json_integer_value(json_array_get(json_object_get(t, "tokens"), 0)),
+             json_integer_value(json_array_get(json_object_get(t, "tokens"), 1)));
+    json_decref(t);
+    json_t *d = post_json("/detokenize", body);
+    cr_assert_str_eq(json_string_value(json_object_get(d, "prompt")), "Hello world");
+    json_decref(d);
+    /* a chat is rendered with the template: more tokens than its text, ending in the
+     * assistant's header */
+    t = post_json("/tokenize", "{\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}]}");
+    cr_assert_gt(json_integer_value(json_object_get(t, "count")), 5);
+    json_decref(t);
+    expect_400("/detokenize", "{\"tokens\":[99999999]}", "tokens");
+    expect_400("/tokenize", "{\"prompt\":[1,2]}", "prompt");
+
+    char cmd[512];
+    snprintf(cmd, sizeof cmd,
+             "curl -si -X OPTIONS %s/v1/chat/completions -H 'Origin: https://other.example' "
+             "-H 'Access-Control-Request-Method: POST' "
+             "-H 'Access-Control-Request-Headers: authorization, content-type'",
+             g_base);
+    char *o = sh(cmd);
+    cr_assert(strstr(o, "HTTP/1.1 200"), "%s", o);
+    cr_assert(strstr(o, "Access-Control-Allow-Origin: https://other.example\r\n"), "%s", o);
+    cr_assert(strstr(o, "Access-Control-Allow-Methods: GET, POST, OPTIONS"), "%s", o);
+    cr_assert(strstr(o, "Access-Control-Allow-Headers: authorization, content-type"), "%s", o);
+    free(o);
+    snprintf(cmd, sizeof cmd,
+             "curl -si -X OPTIONS %s/v1/chat/completions -H 'Origin: https://evil.example' "
+             "-H 'Access-Control-Request-Method: POST'",
+             g_base);
+    o = sh(cmd);
+    cr_assert(strstr(o, "HTTP/1.1 405"), "another origin gets no preflight: %s", o);
+    cr_assert_null(strstr(o, "Access-Control-Allow-Origin"), "%s", o);
+    free(o);
+    /* the real request from the allowed origin carries the header too, streamed or not */
+    snprintf(cmd, sizeof cmd,
+             "curl -si %s/v1/completions -H 'Origin: https://app.example' -d "
+             "'{\"prompt\":\"Hi\",\"max_tokens\":1,\"stream\":true}'",
+             g_base);
+    o = sh(cmd);
+    cr_assert(strstr(o, "Access-Control-Allow-Origin: https://app.example\r\n"), "%s", o);
+    cr_assert(strstr(o, "data: [DONE]"), "%s", o);
+    free(o);
+    stop_cluster();
+}
+
+Test(openai, cors_is_off_by_default)
+{
+    if (!cluster(NULL)) return;
+    char cmd[512];
+    snprintf(cmd, sizeof cmd,
+             "curl -si -X OPTIONS %s/v1/completions -H 'Origin: https://app.example' "
+             "-H 'Access-Control-Request-Method: POST'",
+             g_base);
+    char *o = sh(cmd);
+    cr_assert(strstr(o, "HTTP/1.1 405"), "%s", o);
+    cr_assert_null(strstr(o, "Access-Control"), "%s", o);
+    free(o);
+    stop_cluster();
+}
+
+/* The engine's own log-softmax of each token of ids[n_prompt..n) after the ones before it: the
+ * test loads the model and runs them, token by token after the prompt. */
+static void engine_logprobs(const int32_t *ids, int n_prompt, int n, double *out)
+{
+    en_model *m = NULL;
+    en_engine *e = NULL;
+    km_errbuf err = {{0}};
+    cr_assert_eq(en_model_load(IT_MODEL, &m, &err), 0, "%s", err.msg);
+    en_engine_opts o = {.n_threads = 1, .max_batch_tokens = 512};
+    cr_assert_eq(en_engine_create(m, &o, &e, &err), 0, "%s", err.msg);
+    int nv = en_model_hparams(m)->n_vocab;
+    kv_store *kv = en_engine_kv(e);
+    kv_seq *s;
+    kv_seq_create(kv, &s);
+    int32_t pos[512];
+    kv_seq *seqs[512];
+    cr_assert_lt(n, 512);
+    for (int i = 0; i < n; i++) pos[i] = i, seqs[i] = s;
+    const float *lg;
+    en_batch b = {.n_tokens = n_prompt, .tokens = ids, .pos = pos, .seqs = seqs};
+    cr_assert_eq(en_engine_step(e, &b, &lg), 1);
+    for (int i = n_prompt; i < n; i++) {
+        out[i - n_prompt] = -en_token_nll(lg, nv, ids[i]);
+        cr_assert_eq(en_argmax(lg, nv), ids[i], "token %d is not the greedy one", i);
+        en_batch one = {.n_tokens = 1, .tokens = &ids[i], .pos = &pos[i], .seqs = &seqs[i]};
+        cr_assert_eq(en_engine_step(e, &one, &lg), 1);
+    }
+    kv_seq_destroy(kv, s);
+    en_engine_destroy(e);
+    en_model_free(m);
+}
+
+Test(openai, logprobs_of_greedy_tokens_equal_the_engines_own_log_softmax)
+{
+    if (!cluster(NULL)) return;
+    json_t *t = post_json("/tokenize", "{\"prompt\":\"The capital of France is\"}");
+    json_t *pt = json_object_get(t, "tokens");
+    int np = (int)json_array_size(pt);
+    int32_t ids[64];
+    km_buf body = {0};
+    km_buf_printf(&body, "{\"prompt\":[");
+    for (int i = 0; i < np; i++) {
+        ids[i] = (int32_t)json_integer_value(json_array_get(pt, i));
+        km_buf_printf(&body, "%s%d", i ? "," : "", ids[i]);
+    }
+    json_decref(t);
+    km_buf_printf(&body, "],\"max_tokens\":8,\"temperature\":0,\"logprobs\":5}");
+    json_t *o = post_json("/v1/completions", (const char *)body.data);
+    km_buf_free(&body);
+    json_t *lp = json_object_get(choice(o, 0), "logprobs");
+    json_t *toks = json_object_get(lp, "tokens"), *lps = json_object_get(lp, "token_logprobs");
+    json_t *tops = json_object_get(lp, "top_logprobs");
+    int ng = (int)json_array_size(lps);
+    cr_assert_eq(ng, 8, "%d logprobs", ng);
+    /* the generated ids: the router's own /tokenize of the text would merge pieces, so each
+     * token's text is looked up through /tokenize one by one (each is one vocabulary entry) */
+    for (int i = 0; i < ng; i++) {
+        char b[600];
+        json_t *piece = json_array_get(toks, (size_t)i);
+        char *js = json_dumps(piece, JSON_ENCODE_ANY);
+        snprintf(b, sizeof b, "{\"prompt\":%s,\"add_special_tokens\":false}", js);
+        free(js);
+        json_t *one = post_json("/tokenize", b);
+        cr_assert_eq(json_integer_value(json_object_get(one, "count")), 1, "%s", b);
+        ids[np + i] = (int32_t)json_integer_value(json_array_get(json_object_get(one, "tokens"), 0));
+        json_decref(one);
+        /* greedy: the chosen token is the most likely one, and top lists 5 */
+        json_t *top = json_array_get(tops, (size_t)i);
+        cr_assert_eq(json_object_size(top), 5);
+        double best = -INFINITY;
+        const char *k;
+        json_t *v;
+        json_object_foreach(top, k, v) best = fmax(best, json_real_value(v));
+        cr_assert_float_eq(best, json_real_value(json_array_get(lps, (size_t)i)), 1e-6);
+    }
+    double want[16];
+    engine_logprobs(ids, np, np + ng, want);
+    for (int i = 0; i < ng; i++) {
+        double got = json_real_value(json_array_get(lps, (size_t)i));
+        cr_assert(fabs(got - want[i]) < 1e-4, "token %d: logprob %.6f, the engine's %.6f", i, got,
+                  want[i]);
+    }
+    json_decref(o);
+
+    /* chat, streamed: every content chunk carries its token's entry */
+    int st;
+    char *s = post("/v1/chat/completions",
+                   "{\"messages\":[{\"role\":\"user\",\"content\":\"Say hi\"}],\"max_tokens\":4,"
+                   "\"temperature\":0,\"logprobs\":true,\"top_logprobs\":3,\"stream\":true}",
+                   &st);
+    cr_assert_eq(st, 200, "%s", s);
+    int entries = 0;
+    for (char *p = strstr(s, "\"top_logprobs\":["); p; p = strstr(p + 1, "\"top_logprobs\":["))
+        entries++;
+    cr_assert_eq(entries, 4, "%s", s);
+    cr_assert(strstr(s, "\"bytes\":["), "%s", s);
+    free(s);
+    stop_cluster();
+}
+
+Test(openai, echo_logit_bias_token_prompts_and_refusals)
+{
+    if (!cluster(NULL)) return;
+    json_t *a = post_json("/v1/completions", "{\"prompt\":\"The capital of France is\","
+                                             "\"max_tokens\":3,\"temperature\":0}");
+    const char *plain = choice_text(a, 0);
+    cr_assert(strstr(plain, "Paris"), "%s", plain);
+    /* echo: the prompt's text first; the same with the prompt as token ids */
+    json_t *e = post_json("/v1/completions", "{\"prompt\":\"The capital of France is\","
+                                             "\"max_tokens\":3,\"temperature\":0,\"echo\":true}");
+    char want[256];
+    snprintf(want, sizeof want, "The capital of France is%s", plain);
+    cr_assert_str_eq(choice_text(e, 0), want);
+    json_decref(e);
+    json_t *t = post_json("/tokenize", "{\"prompt\":\"The capital of France is\"}");
+    char *ids = json_dumps(json_object_get(t, "tokens"), 0);
+    json_decref(t);
+    char body[512];
+    snprintf(body, sizeof body, "{\"prompt\":%s,\"max_tokens\":3,\"temperature\":0,\"echo\":true}",
+             ids);
+    e = post_json("/v1/completions", body);
+    cr_assert_str_eq(choice_text(e, 0), want);
+    json_decref(e);
+    /* streamed echo: the prompt is the first chunk */
+    int st;
+    snprintf(body, sizeof body,
+             "{\"prompt\":%s,\"max_tokens\":2,\"temperature\":0,\"echo\":true,\"stream\":true}",
+             ids);
+    char *s = post("/v1/completions", body, &st);
+    cr_assert(strstr(s, "\"text\":\"The capital of France is\""), "%s", s);
+    free(s);
+    /* logit_bias -100 on the greedy first token: another one comes first */
+    snprintf(body, sizeof body, "{\"prompt\":\"The capital of France is\",\"max_tokens\":1,"
+                                "\"temperature\":0,\"logprobs\":0}");
+    json_t *one = post_json("/v1/completions", body);
+    json_t *first = json_array_get(
+        json_object_get(json_object_get(choice(one, 0), "logprobs"), "tokens"), 0);
+    char *fj = json_dumps(first, JSON_ENCODE_ANY);
+    snprintf(body, sizeof body, "{\"prompt\":%s,\"add_special_tokens\":false}", fj);
+    free(fj);
+    json_t *ft = post_json("/tokenize", body);
+    long long fid = json_integer_value(json_array_get(json_object_get(ft, "tokens"), 0));
+    json_decref(ft);
+    snprintf(body, sizeof body,
+             "{\"prompt\":\"The capital of France is\",\"max_tokens\":1,\"temperature\":0,"
+             "\"logit_bias\":{\"%lld\":-100}}",
+             fid);
+    json_t *b = post_json("/v1/completions", body);
+    cr_assert_str_neq(choice_text(b, 0), choice_text(one, 0), "the bias did not move the pick");
+    json_decref(b);
+    snprintf(body, sizeof body,
+             "{\"messages\":[{\"role\":\"user\",\"content\":\"Say hi\"}],\"max_tokens\":1,"
+             "\"temperature\":0,\"logit_bias\":{\"%lld\":100}}",
+             fid);
+    b = post_json("/v1/chat/completions", body);
+    cr_assert_str_eq(choice_text(b, 0), choice_text(one, 0), "+100 forces the token");
+    json_decref(b);
+    json_decref(one);
+    free(ids);
+
+    expect_400("/v1/completions", "{\"prompt\":\"x\",\"suffix\":\"y\"}", "suffix");
+    expect_400("/v1/completions", "{\"prompt\":\"x\",\"echo\":true,\"logprobs\":1}", "echo");
+    expect_400("/v1/completions", "{\"prompt\":\"x\",\"logit_bias\":{\"99999999\":1}}",
+               "logit_bias");
+    expect_400("/v1/completions", "{\"prompt\":[99999999]}", "prompt");
+    json_decref(a);
+    stop_cluster();
+}
