@@ -69,9 +69,62 @@ static void http_token(rt_router *r, rt_rq *q, int32_t token, const char *text, 
     km_buf_free(&b);
 }
 
+/* One choice of a group is complete: its finish chunk goes out (stream) or its result is kept;
+ * the last one ends the response. */
+static void group_done(rt_router *r, rt_rq *q, const rt_rq_done *d)
+{
+    rt_hgroup *g = q->grp;
+    if (g->failed || !g->http) return;
+    if (q->choice % g->per == 0) { /* the prompt's tokens count once per prompt */
+        g->u.prompt_tokens += (uint32_t)q->n_prompt;
+        g->u.cached_tokens += d->cached;
+    }
+    g->u.completion_tokens += (uint32_t)q->n_gen;
+    g->u.draft_tokens += q->draft_tokens;
+    g->u.accepted_draft_tokens += q->accepted_draft_tokens;
+    snprintf(g->worker, sizeof g->worker, "%s", d->worker ? d->worker : "");
+    bool last = ++g->n_done == g->n;
+    rt_oai_meta m;
+    km_buf b = {0};
+    if (g->stream) {
+        rt_rq_oai_meta(r, q, &m, NULL);
+        if (q->text.len) rt_oai_sse_chunk(&b, &m, (const char *)q->text.data, q->text.len, NULL);
+        rt_rq_oai_meta(r, q, &m, d->worker);
+        rt_oai_sse_chunk(&b, &m, NULL, 0, rt_oai_finish(d->finish));
+        if (last && q->include_usage) rt_oai_sse_usage(&b, &m, &g->u);
+        if (last) rt_oai_sse_done(&b);
+        km_http_stream_write(g->http, b.data, b.len);
+        if (last) km_http_stream_end(g->http);
+        km_buf_free(&b);
+        return;
+    }
+    rt_oai_choice *c = &g->c[q->choice];
+    km_buf all = {0}; /* echo: the prompt's text first */
+    if (q->echo_text) km_buf_append(&all, q->echo_text, q->echo_len);
+    km_buf_append(&all, q->text.data ? (const char *)q->text.data : "", q->text.len);
+    km_buf_append(&all, "", 1);
+    c->text = (const char *)all.data;
+    c->len = all.len ? all.len - 1 : 0;
+    c->finish = rt_oai_finish(d->finish);
+    c->text_offset = q->echo_len;
+    if (q->q.logprobs) { /* taken from q, which ends after this */
+        c->n_lp = (int)(q->lp.len / sizeof(rt_oai_lp));
+        c->lp = q->lp.data ? (const rt_oai_lp *)q->lp.data : calloc(1, sizeof(rt_oai_lp));
+        memset(&q->lp, 0, sizeof q->lp);
+    }
+    if (!last) return;
+    rt_rq_oai_meta(r, q, &m, g->worker);
+    rt_oai_response_choices(&b, &m, g->c, g->n, &g->u);
+    char extra[KM_PROTO_MAX_NAME + 64];
+    snprintf(extra, sizeof extra, "X-Kvmesh-Worker: %s\r\n", g->worker);
+    km_http_respond(g->http, 200, "application/json", extra, b.data, b.len);
+    km_buf_free(&b);
+}
+
 static void http_done(rt_router *r, rt_rq *q, const rt_rq_done *d)
 {
     if (!q->http) return;
+    if (q->grp) return group_done(r, q, d);
     rt_oai_meta m;
     rt_rq_oai_meta(r, q, &m, d->worker);
     rt_oai_usage u = {.prompt_tokens = (uint32_t)q->n_prompt,
@@ -109,34 +162,172 @@ static void http_done(rt_router *r, rt_rq *q, const rt_rq_done *d)
     km_buf_free(&b);
 }
 
+/* The answer to h is error e: a JSON body, or (the stream began) an SSE error event and the end. */
+static void respond_error(km_http_req *h, bool began, const rt_oai_err *e, uint32_t retry_after)
+{
+    km_buf b = {0};
+    if (began) {
+        rt_oai_sse_error(&b, e);
+        km_http_stream_write(h, b.data, b.len);
+        km_buf_reset(&b);
+        rt_oai_sse_done(&b);
+        km_http_stream_write(h, b.data, b.len);
+        km_http_stream_end(h);
+    } else {
+        rt_oai_error_json(&b, e);
+        char extra[64] = "";
+        if (retry_after)
+            snprintf(extra, sizeof extra, "Retry-After: %u\r\n", (retry_after + 999) / 1000);
+        km_http_respond(h, e->status, "application/json", extra, b.data, b.len);
+    }
+    km_buf_free(&b);
+}
+
+static void group_unref(rt_hgroup *g)
+{
+    if (--g->refs > 0) return;
+    if (g->http) km_http_on_abort(g->http, NULL, NULL);
+    for (int i = 0; g->c && i < g->n; i++) {
+        free((char *)g->c[i].text);
+        free((void *)g->c[i].lp);
+    }
+    free(g->c);
+    free(g->m);
+    free(g);
+}
+
+/* Every member of g but keep ends now, without a reply (the client is gone, or answered). */
+static void group_abandon(rt_hgroup *g, const rt_rq *keep)
+{
+    g->refs++; /* an abandoned member's release must not free g under this loop */
+    for (int i = 0; i < g->n; i++) {
+        rt_rq *q = g->m[i];
+        if (!q || q == keep) continue;
+        q->http = NULL;
+        rt_rq_abandon(g->r, q);
+    }
+    group_unref(g);
+}
+
+static void on_group_abort(km_http_req *h, void *user)
+{
+    rt_hgroup *g = user;
+    g->http = NULL;
+    group_abandon(g, NULL);
+}
+
+/* A choice failed: the whole response is that error, and the other choices end. */
+static void group_fail(rt_router *r, rt_rq *q, const rt_oai_err *e, uint32_t retry_after)
+{
+    rt_hgroup *g = q->grp;
+    q->http = NULL;
+    if (g->failed || !g->http) return;
+    g->failed = true;
+    respond_error(g->http, g->began, e, retry_after);
+    group_abandon(g, q);
+}
+
+/* The HTTP request of q ends with e (a group: every other choice abandoned). */
+static void http_fail(rt_router *r, rt_rq *q, const rt_oai_err *e)
+{
+    if (q->grp)
+        group_fail(r, q, e, 0);
+    else if (q->http)
+        respond_error(q->http, q->http_began, e, 0);
+}
+
+/* Whether q is the first of its response to begin the SSE stream (false for later choices). */
+static bool stream_first(rt_rq *q)
+{
+    if (!q->grp) return true;
+    bool first = !q->grp->began;
+    q->grp->began = true;
+    return first;
+}
+
+/* OpenAI's context check, with its counts: a prompt that leaves no room in the context, or one
+ * whose max_tokens asked for more than is left, is 400 context_length_exceeded (the workers
+ * would otherwise cap the completion silently). True when it answered. */
+static bool over_context(rt_router *r, rt_rq *q, uint32_t asked, bool chat)
+{
+    uint32_t ctx = r->c.max_ctx, np = (uint32_t)q->n_prompt;
+    if (!ctx || (np < ctx && (uint64_t)np + asked <= ctx)) return false;
+    const char *what = chat ? "messages" : "prompt";
+    char m[400];
+    if (np >= ctx)
+        snprintf(m, sizeof m,
+                 "This model's maximum context length is %u tokens. However, your %s resulted "
+                 "in %u tokens. Please reduce the length of the %s.",
+                 ctx, what, np, what);
+    else
+        snprintf(m, sizeof m,
+                 "This model's maximum context length is %u tokens. However, you requested %llu "
+                 "tokens (%u in the %s, %u in the completion). Please reduce the length of the "
+                 "%s or completion.",
+                 ctx, (unsigned long long)np + asked, np, what, asked, what);
+    rt_oai_err e;
+    rt_oai_err_from_code(KM_CODE_TOO_LARGE, m, &e);
+    e.param = what;
+    http_fail(r, q, &e);
+    return true;
+}
+
+/* An HTTP request's prompt is tokenized: a prompt + max_tokens over the context is answered 400
+ * here (q ended, 1); otherwise a streaming response begins and 0 (the caller starts q). */
+static int http_tokens_ready(rt_router *r, rt_rq *q)
+{
+    if (over_context(r, q, q->max_tokens, q->http_chat)) {
+        rt_rq_end(r, q);
+        return 1;
+    }
+    if (q->http_stream) {
+        if (stream_first(q)) km_http_stream_begin(q->http, 200, "text/event-stream");
+        q->http_began = true;
+        if (q->http_chat) {
+            rt_oai_meta m;
+            km_buf b = {0};
+            rt_rq_oai_meta(r, q, &m, NULL);
+            if (!rt_oai_sse_chunk(&b, &m, NULL, 0, NULL))
+                km_http_stream_write(q->http, b.data, b.len);
+            km_buf_free(&b);
+        }
+        if (q->echo_text && q->echo_len) { /* echo: the prompt's text is the first chunk */
+            rt_oai_meta m;
+            km_buf b = {0};
+            rt_rq_oai_meta(r, q, &m, NULL);
+            if (!rt_oai_sse_chunk(&b, &m, q->echo_text, q->echo_len, NULL))
+                km_http_stream_write(q->http, b.data, b.len);
+            km_buf_free(&b);
+        }
+        q->lp_off = q->echo_len;
+    }
+    return 0;
+}
+
 static void http_reply_error(rt_router *r, rt_rq *q, int code, uint32_t retry_after,
                              const char *msg)
 {
     if (!q->http) return;
     rt_oai_err e;
     rt_oai_err_from_code(code, msg, &e);
-    km_buf b = {0};
-    if (q->http_began) {
-        rt_oai_sse_error(&b, &e);
-        km_http_stream_write(q->http, b.data, b.len);
-        km_buf_reset(&b);
-        rt_oai_sse_done(&b);
-        km_http_stream_write(q->http, b.data, b.len);
-        km_http_stream_end(q->http);
-    } else {
-        rt_oai_error_json(&b, &e);
-        char extra[64] = "";
-        if (retry_after)
-            snprintf(extra, sizeof extra, "Retry-After: %u\r\n", (retry_after + 999) / 1000);
-        km_http_respond(q->http, e.status, "application/json", extra, b.data, b.len);
-    }
-    km_buf_free(&b);
+    if (q->grp)
+        group_fail(r, q, &e, retry_after);
+    else
+        respond_error(q->http, q->http_began, &e, retry_after);
 }
 
-/* q ends: its connection must no longer call on_http_abort with it. */
+/* q ends: its connection must no longer call on_http_abort with it (a group: once its last
+ * member ends). */
 static void http_release(rt_rq *q)
 {
-    if (q->http) km_http_on_abort(q->http, NULL, NULL);
+    rt_hgroup *g = q->grp;
+    if (g) {
+        g->m[q->choice] = NULL;
+        q->grp = NULL;
+        group_unref(g);
+    } else if (q->http) {
+        km_http_on_abort(q->http, NULL, NULL);
+    }
 }
 
 const rt_front_ops rt_front_http = {
@@ -146,6 +337,7 @@ const rt_front_ops rt_front_http = {
     .done = http_done,
     .error = http_reply_error,
     .release = http_release,
+    .tokens_ready = http_tokens_ready,
 };
 
 static void http_error(km_http_req *h, int status, const char *type, const char *param,
@@ -457,7 +649,7 @@ static void on_status(km_http_req *h, void *user)
 }
 
 /* The OpenAI request's sampling parameters, stop strings and salt into q (taken from oq). */
-static void rq_from_oai(rt_rq *q, rt_oai_req *oq)
+static int rq_from_oai(rt_rq *q, const rt_oai_req *oq)
 {
     km_msg tmp;
     km_msg_init(&tmp, KM_MSG_REQUEST);
@@ -476,20 +668,18 @@ static void rq_from_oai(rt_rq *q, rt_oai_req *oq)
     q->q.max_draft_tokens = oq->max_draft_tokens;
     q->q.logprobs = oq->logprobs;
     q->q.top_logprobs = oq->top_logprobs;
-    q->bias = oq->logit_bias;
-    q->q.n_logit_bias = (uint32_t)oq->n_logit_bias;
-    oq->logit_bias = NULL;
-    oq->n_logit_bias = 0;
     q->echo = oq->echo;
-    q->q.n_stop = (uint32_t)oq->n_stop;
-    for (int i = 0; i < oq->n_stop; i++) {
-        q->stop[i] = oq->stop[i];
-        oq->stop[i] = NULL;
-    }
-    oq->n_stop = 0;
-    q->salt = oq->cache_salt;
-    oq->cache_salt = NULL;
     q->max_tokens = oq->max_tokens;
+    if (oq->n_logit_bias) {
+        if (!(q->bias = malloc(sizeof *q->bias * (size_t)oq->n_logit_bias))) return KM_ENOMEM;
+        memcpy(q->bias, oq->logit_bias, sizeof *q->bias * (size_t)oq->n_logit_bias);
+        q->q.n_logit_bias = (uint32_t)oq->n_logit_bias;
+    }
+    q->q.n_stop = (uint32_t)oq->n_stop;
+    for (int i = 0; i < oq->n_stop; i++)
+        if (!(q->stop[i] = strdup(oq->stop[i]))) return KM_ENOMEM;
+    if (oq->cache_salt && !(q->salt = strdup(oq->cache_salt))) return KM_ENOMEM;
+    return 0;
 }
 
 /* The prompt's text (malloc'd, *len bytes; NULL when out of memory): a completion's prompt as
@@ -565,8 +755,90 @@ static bool bad_ids(rt_router *r, km_http_req *h, const char *param, const int32
     return false;
 }
 
-/* POST /v1/completions or /v1/chat/completions: a request of the router's table, answered as
- * SSE chunks or one JSON body. */
+/* One choice's request (a group's member when g is not NULL): q, or NULL after answering h. */
+static rt_rq *member_new(rt_router *r, km_http_req *h, const rt_oai_req *oq, const char *id,
+                         int64_t created, const km_apikey_match *key, rt_hgroup *g, int choice)
+{
+    rt_rq *q = rt_rq_new(r, &rt_front_http);
+    int rc = q ? rq_from_oai(q, oq) : KM_ENOMEM;
+    if (!rc) {
+        q->http = h;
+        q->http_chat = oq->chat;
+        q->http_stream = oq->stream;
+        q->include_usage = oq->include_usage;
+        q->created = created;
+        snprintf(q->oai_id, sizeof q->oai_id, "%s", id);
+        q->grp = g;
+        q->choice = choice;
+        if (q->q.has_seed) q->q.seed += (uint64_t)(choice % oq->n); /* n seeded: reproducible */
+        if (key) snprintf(q->tenant, sizeof q->tenant, "h:%s", key->tenant);
+        rc = rt_rq_compose_salt(q, key);
+    }
+    if (!rc) return q;
+    rt_rq_free(q);
+    if (rc == KM_ERANGE)
+        http_error(h, 400, "invalid_request_error", "cache_salt",
+                   "'cache_salt' is too long for this API key's tenant salt");
+    else
+        http_error(h, 500, "server_error", NULL, "out of memory");
+    return NULL;
+}
+
+/* q's prompt (p, or a chat's rendered text) is tokenized and q starts: it is in the router's
+ * table from here, and answers for itself. */
+static void member_start(rt_router *r, rt_rq *q, const rt_oai_prompt *p, const char *chat_text,
+                         size_t chat_len)
+{
+    if (p && p->ids) { /* token ids: no tokenizing */
+        if (rq_take_ids(r, q, p)) {
+            rt_rq_fail(r, q, KM_CODE_INTERNAL, 0, "out of memory");
+            return;
+        }
+        if (!http_tokens_ready(r, q)) rt_rq_start(r, q);
+        return;
+    }
+    size_t len = p ? strlen(p->text) : chat_len;
+    char *text = strndup(p ? p->text : chat_text, len);
+    if (text && q->echo && !(q->echo_text = strndup(text, len))) {
+        free(text);
+        text = NULL;
+    }
+    if (!text) {
+        rt_rq_fail(r, q, KM_CODE_INTERNAL, 0, "out of memory");
+        return;
+    }
+    q->echo_len = q->echo_text ? len : 0;
+    /* tokenized on or off the loop (prompt.c), then http_tokens_ready, then started */
+    rt_rq_prepare(r, q, text, len, p ? 1 : 0); /* a rendered template carries its BOS */
+}
+
+/* The group of choices, or NULL (answered 500) when out of memory. */
+static rt_hgroup *group_new(rt_router *r, km_http_req *h, const rt_oai_req *oq, int choices)
+{
+    rt_hgroup *g = calloc(1, sizeof *g);
+    if (g && (!(g->m = calloc((size_t)choices, sizeof *g->m)) ||
+              !(g->c = calloc((size_t)choices, sizeof *g->c)))) {
+        free(g->m);
+        free(g);
+        g = NULL;
+    }
+    if (!g) {
+        http_error(h, 500, "server_error", NULL, "out of memory");
+        return NULL;
+    }
+    *g = (rt_hgroup){.r = r,
+                     .http = h,
+                     .n = choices,
+                     .per = oq->n,
+                     .stream = oq->stream,
+                     .refs = 1,
+                     .m = g->m,
+                     .c = g->c};
+    return g;
+}
+
+/* POST /v1/completions or /v1/chat/completions: a request of the router's table per choice (n
+ * times each prompt), answered as SSE chunks or one JSON body. */
 static void on_completion(rt_router *r, km_http_req *h, bool chat)
 {
     km_apikey_match key;
@@ -598,69 +870,68 @@ static void on_completion(rt_router *r, km_http_req *h, bool chat)
         km_buf_free(&b);
         return;
     }
-    int choices = (chat ? 1 : oq.n_prompts) * oq.n;
-    if (choices > 1) {
+    int np = chat ? 1 : oq.n_prompts, choices = np * oq.n;
+    bool bad = false;
+    if (choices > r->c.max_n) {
         char m[200];
-        snprintf(m, sizeof m, "%d choices asked (n x prompts); this server gives one per request",
-                 choices);
-        rt_oai_req_free(&oq);
-        return http_error(h, 400, "invalid_request_error", "n", m);
+        snprintf(m, sizeof m,
+                 "%d choices asked (n x prompts); this server gives at most %d per request",
+                 choices, r->c.max_n);
+        http_error(h, 400, "invalid_request_error", oq.n > 1 ? "n" : "prompt", m);
+        bad = true;
     }
-    if (bad_ids(r, h, "logit_bias", oq.logit_bias ? &oq.logit_bias[0].token : NULL, oq.n_logit_bias,
-                sizeof *oq.logit_bias) ||
-        (!chat &&
-         bad_ids(r, h, "prompt", oq.prompts[0].ids, oq.prompts[0].n_ids, sizeof(int32_t)))) {
+    bad = bad || bad_ids(r, h, "logit_bias", oq.logit_bias ? &oq.logit_bias[0].token : NULL,
+                         oq.n_logit_bias, sizeof *oq.logit_bias);
+    for (int i = 0; !chat && !bad && i < np; i++)
+        bad = bad_ids(r, h, "prompt", oq.prompts[i].ids, oq.prompts[i].n_ids, sizeof(int32_t));
+    size_t chat_len = 0;
+    char *chat_text = !bad && chat ? prompt_text(r, &oq, true, true, &chat_len) : NULL;
+    if (!bad && chat && !chat_text) {
+        http_error(h, 500, "server_error", NULL, "cannot render the prompt");
+        bad = true;
+    }
+    rt_hgroup *g = !bad && choices > 1 ? group_new(r, h, &oq, choices) : NULL;
+    if (bad || (choices > 1 && !g)) {
         rt_oai_req_free(&oq);
         return;
     }
-    rt_rq *q = rt_rq_new(r, &rt_front_http);
-    if (!q) {
-        rt_oai_req_free(&oq);
-        return http_error(h, 500, "server_error", NULL, "out of memory");
-    }
-    q->http = h;
-    q->http_chat = chat;
-    q->http_stream = oq.stream;
-    q->include_usage = oq.include_usage;
-    q->created = (int64_t)time(NULL);
-    snprintf(q->oai_id, sizeof q->oai_id, "%s-%llx%06llx", chat ? "chatcmpl" : "cmpl",
-             (unsigned long long)q->created, (unsigned long long)(r->next_rid + 1));
-    rq_from_oai(q, &oq);
-    if (keyed) snprintf(q->tenant, sizeof q->tenant, "h:%s", key.tenant);
-    int rc = rt_rq_compose_salt(q, keyed ? &key : NULL);
-    if (rc == KM_ERANGE) {
-        rt_oai_req_free(&oq);
-        rt_rq_free(q);
-        return http_error(h, 400, "invalid_request_error", "cache_salt",
-                          "'cache_salt' is too long for this API key's tenant salt");
-    }
-    if (!rc && !chat && oq.prompts[0].ids) { /* token ids: no tokenizing */
-        rc = rq_take_ids(r, q, &oq.prompts[0]);
-        rt_oai_req_free(&oq);
-        if (rc) {
-            rt_rq_free(q);
-            return http_error(h, 500, "server_error", NULL, "out of memory");
+    int64_t created = (int64_t)time(NULL);
+    char id[48];
+    snprintf(id, sizeof id, "%s-%llx%06llx", chat ? "chatcmpl" : "cmpl",
+             (unsigned long long)created, (unsigned long long)(r->next_rid + 1));
+    rt_rq *one = NULL;
+    for (int i = 0; i < choices; i++) {
+        rt_rq *q = member_new(r, h, &oq, id, created, keyed ? &key : NULL, g, i);
+        if (!q) { /* answered: the members made so far never started */
+            for (int k = 0; g && k < i; k++) rt_rq_free(g->m[k]);
+            if (g) {
+                g->refs = 1;
+                g->http = NULL;
+                group_unref(g);
+            }
+            free(chat_text);
+            rt_oai_req_free(&oq);
+            return;
         }
-        km_http_on_abort(h, on_http_abort, q);
-        if (!rt_front_tokens_ready(r, q)) rt_rq_start(r, q);
-        rt_pump(r);
-        return;
+        if (g) {
+            g->m[i] = q;
+            g->refs++;
+        } else {
+            one = q;
+        }
     }
-    size_t len = 0;
-    char *text = rc ? NULL : prompt_text(r, &oq, chat, true, &len);
+    if (g)
+        km_http_on_abort(h, on_group_abort, g);
+    else
+        km_http_on_abort(h, on_http_abort, one);
+    for (int i = 0; i < choices; i++) {
+        rt_rq *q = g ? g->m[i] : one;
+        if (!q) continue; /* ended with the group (another choice failed) */
+        member_start(r, q, chat ? NULL : &oq.prompts[i / oq.n], chat_text, chat_len);
+    }
+    free(chat_text);
     rt_oai_req_free(&oq);
-    if (text && q->echo && !(q->echo_text = strndup(text, len))) {
-        free(text);
-        text = NULL;
-    }
-    if (!text) {
-        rt_rq_free(q);
-        return http_error(h, 500, "server_error", NULL, "cannot render the prompt");
-    }
-    q->echo_len = q->echo_text ? len : 0;
-    km_http_on_abort(h, on_http_abort, q);
-    /* tokenized on or off the loop (prompt.c), then rt_front_tokens_ready, then started */
-    rt_rq_prepare(r, q, text, len, chat ? 0 : 1); /* a rendered template carries its BOS */
+    if (g) group_unref(g);
     rt_pump(r);
 }
 

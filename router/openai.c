@@ -638,15 +638,15 @@ static int token_piece(const rt_oai_meta *m, int32_t id, char *buf, int cap)
     return n < 0 || n > cap ? 0 : n;
 }
 
-/* The choice's "logprobs" object for m->lp, or null. */
-static json_t *logprobs_obj(const rt_oai_meta *m)
+/* A choice's "logprobs" object for lp[0..n_lp), or null when lp is NULL. */
+static json_t *logprobs_obj(const rt_oai_meta *m, const rt_oai_lp *lp, int n_lp, size_t offset)
 {
-    if (!m->lp) return json_null();
+    if (!lp) return json_null();
     char p[KM_PROTO_MAX_PIECE];
     if (m->chat) {
         json_t *content = json_array();
-        for (int i = 0; content && i < m->n_lp; i++) {
-            const rt_oai_lp *t = &m->lp[i];
+        for (int i = 0; content && i < n_lp; i++) {
+            const rt_oai_lp *t = &lp[i];
             json_t *e = chat_lp_entry(p, token_piece(m, t->token, p, sizeof p), t->logprob);
             json_t *top = json_array();
             for (uint32_t k = 0; top && k < t->n_top; k++)
@@ -659,9 +659,9 @@ static json_t *logprobs_obj(const rt_oai_meta *m)
         return json_pack("{s:o,s:n}", "content", content, "refusal");
     }
     json_t *toks = json_array(), *lps = json_array(), *tops = json_array(), *offs = json_array();
-    size_t off = m->text_offset;
-    for (int i = 0; i < m->n_lp; i++) {
-        const rt_oai_lp *t = &m->lp[i];
+    size_t off = offset;
+    for (int i = 0; i < n_lp; i++) {
+        const rt_oai_lp *t = &lp[i];
         int n = token_piece(m, t->token, p, sizeof p);
         json_array_append_new(toks, jstr(p, (size_t)n));
         json_array_append_new(lps, jlp(t->logprob));
@@ -686,7 +686,8 @@ int rt_oai_sse_chunk(km_buf *out, const rt_oai_meta *m, const char *text, size_t
     json_t *o = base_obj(m, m->chat ? "chat.completion.chunk" : "text_completion");
     if (!o) return KM_ENOMEM;
     json_t *choice =
-        json_pack("{s:i,s:o}", "index", 0, "logprobs", finish ? json_null() : logprobs_obj(m));
+        json_pack("{s:i,s:o}", "index", m->index, "logprobs",
+                  finish ? json_null() : logprobs_obj(m, m->lp, m->n_lp, m->text_offset));
     json_t *t = finish ? json_string("") : jstr(text, len);
     if (!choice || !t) {
         json_decref(choice);
@@ -753,26 +754,47 @@ const char *rt_oai_http_error(int status, const char *message, km_buf *out)
     return "application/json";
 }
 
+int rt_oai_response_choices(km_buf *out, const rt_oai_meta *m, const rt_oai_choice *c, int n,
+                            const rt_oai_usage *u)
+{
+    json_t *o = base_obj(m, m->chat ? "chat.completion" : "text_completion");
+    json_t *choices = json_array();
+    for (int i = 0; o && choices && i < n; i++) {
+        json_t *t = jstr(c[i].text, c[i].len);
+        json_t *lp = logprobs_obj(m, c[i].lp, c[i].n_lp, c[i].text_offset);
+        json_t *choice;
+        if (m->chat)
+            choice =
+                json_pack("{s:i,s:{s:s,s:o},s:o,s:s}", "index", i, "message", "role", "assistant",
+                          "content", t, "logprobs", lp, "finish_reason", c[i].finish);
+        else
+            choice = json_pack("{s:i,s:o,s:o,s:s}", "index", i, "text", t, "logprobs", lp,
+                               "finish_reason", c[i].finish);
+        if (json_array_append_new(choices, choice)) {
+            json_decref(choices);
+            choices = NULL;
+        }
+    }
+    if (!o || !choices) {
+        json_decref(o);
+        json_decref(choices);
+        return KM_ENOMEM;
+    }
+    json_object_set_new(o, "choices", choices);
+    json_object_set_new(o, "usage", usage_obj(u));
+    return dump(out, o, "", "\n");
+}
+
 int rt_oai_response(km_buf *out, const rt_oai_meta *m, const char *text, size_t len,
                     const char *finish, const rt_oai_usage *u)
 {
-    json_t *o = base_obj(m, m->chat ? "chat.completion" : "text_completion");
-    json_t *t = jstr(text, len);
-    if (!o || !t) {
-        json_decref(o);
-        json_decref(t);
-        return KM_ENOMEM;
-    }
-    json_t *choice;
-    if (m->chat)
-        choice = json_pack("{s:i,s:{s:s,s:o},s:o,s:s}", "index", 0, "message", "role", "assistant",
-                           "content", t, "logprobs", logprobs_obj(m), "finish_reason", finish);
-    else
-        choice = json_pack("{s:i,s:o,s:o,s:s}", "index", 0, "text", t, "logprobs", logprobs_obj(m),
-                           "finish_reason", finish);
-    json_object_set_new(o, "choices", json_pack("[o]", choice));
-    json_object_set_new(o, "usage", usage_obj(u));
-    return dump(out, o, "", "\n");
+    rt_oai_choice c = {.text = text,
+                       .len = len,
+                       .finish = finish,
+                       .lp = m->lp,
+                       .n_lp = m->n_lp,
+                       .text_offset = m->text_offset};
+    return rt_oai_response_choices(out, m, &c, 1, u);
 }
 
 static json_t *model_obj(const char *model, int64_t created)

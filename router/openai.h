@@ -95,7 +95,18 @@ typedef struct rt_oai_meta {
     rt_oai_piece_fn piece;
     void *piece_ctx;
     size_t text_offset; /* completions: text_offset of lp[0] */
+    int index;          /* the choice's index (n > 1, several prompts) */
 } rt_oai_meta;
+
+/* One choice of a whole response (rt_oai_response_choices). */
+typedef struct rt_oai_choice {
+    const char *text;
+    size_t len;
+    const char *finish;
+    const rt_oai_lp *lp; /* NULL: "logprobs": null */
+    int n_lp;
+    size_t text_offset;
+} rt_oai_choice;
 
 typedef struct rt_oai_usage {
     uint32_t prompt_tokens, completion_tokens, cached_tokens;
@@ -114,6 +125,9 @@ int rt_oai_sse_error(km_buf *out, const rt_oai_err *e);
 /* The whole non-streaming response. */
 int rt_oai_response(km_buf *out, const rt_oai_meta *m, const char *text, size_t len,
                     const char *finish, const rt_oai_usage *u);
+/* The whole non-streaming response with n choices (index i for c[i]); m's lp is not used. */
+int rt_oai_response_choices(km_buf *out, const rt_oai_meta *m, const rt_oai_choice *c, int n,
+                            const rt_oai_usage *u);
 /* {"error": {"message", "type", "param", "code"}} */
 int rt_oai_error_json(km_buf *out, const rt_oai_err *e);
 /* An error the HTTP server answers by itself (404, 405, 413, ...) as OpenAI's error object

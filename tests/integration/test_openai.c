@@ -36,16 +36,18 @@ static bool cluster(const char **extra)
         cr_skip_test("curl is not installed");
         return false;
     }
-    const char *wflags[] = {"--admin-port=-1", "--threads=1", "--log-level=warn",
-                            "--worker-id=w0", NULL};
+    const char *wflags[] = {"--admin-port=-1", "--threads=1", "--log-level=warn", "--worker-id=w0",
+                            NULL};
     it_start_worker(&g_w, "oai", wflags, NULL);
     memset(&g_r, 0, sizeof g_r);
     it_proc_dir(&g_r, "oai");
     char ports[128], workers[1200];
     snprintf(ports, sizeof ports, "%s/ports", g_r.dir);
     snprintf(workers, sizeof workers, "--workers=w0=%s+%s", g_w.req, g_w.ev);
-    const char *argv[] = {IT_ROUTER,     "--front=tcp://127.0.0.1:*", "--http-port=0",
-                          "--log-level=warn", workers, "--ports-file", ports, NULL};
+    const char *argv[] = {IT_ROUTER,       "--front=tcp://127.0.0.1:*",
+                          "--http-port=0", "--log-level=warn",
+                          workers,         "--ports-file",
+                          ports,           NULL};
     it_spawn(&g_r, argv, extra, "log");
     snprintf(g_base, sizeof g_base, "http://127.0.0.1:%d", g_r.http_port);
     snprintf(g_body, sizeof g_body, "%s/body.json", g_r.dir);
@@ -275,7 +277,8 @@ Test(openai, logprobs_of_greedy_tokens_equal_the_engines_own_log_softmax)
         free(js);
         json_t *one = post_json("/tokenize", b);
         cr_assert_eq(json_integer_value(json_object_get(one, "count")), 1, "%s", b);
-        ids[np + i] = (int32_t)json_integer_value(json_array_get(json_object_get(one, "tokens"), 0));
+        ids[np + i] =
+            (int32_t)json_integer_value(json_array_get(json_object_get(one, "tokens"), 0));
         json_decref(one);
         /* greedy: the chosen token is the most likely one, and top lists 5 */
         json_t *top = json_array_get(tops, (size_t)i);
@@ -343,11 +346,12 @@ Test(openai, echo_logit_bias_token_prompts_and_refusals)
     cr_assert(strstr(s, "\"text\":\"The capital of France is\""), "%s", s);
     free(s);
     /* logit_bias -100 on the greedy first token: another one comes first */
-    snprintf(body, sizeof body, "{\"prompt\":\"The capital of France is\",\"max_tokens\":1,"
-                                "\"temperature\":0,\"logprobs\":0}");
+    snprintf(body, sizeof body,
+             "{\"prompt\":\"The capital of France is\",\"max_tokens\":1,"
+             "\"temperature\":0,\"logprobs\":0}");
     json_t *one = post_json("/v1/completions", body);
-    json_t *first = json_array_get(
-        json_object_get(json_object_get(choice(one, 0), "logprobs"), "tokens"), 0);
+    json_t *first =
+        json_array_get(json_object_get(json_object_get(choice(one, 0), "logprobs"), "tokens"), 0);
     char *fj = json_dumps(first, JSON_ENCODE_ANY);
     snprintf(body, sizeof body, "{\"prompt\":%s,\"add_special_tokens\":false}", fj);
     free(fj);
@@ -377,5 +381,134 @@ Test(openai, echo_logit_bias_token_prompts_and_refusals)
                "logit_bias");
     expect_400("/v1/completions", "{\"prompt\":[99999999]}", "prompt");
     json_decref(a);
+    stop_cluster();
+}
+
+/* The texts of o's choices, joined by '|' (malloc'd). */
+static char *texts(json_t *o)
+{
+    km_buf b = {0};
+    for (size_t i = 0; i < json_array_size(json_object_get(o, "choices")); i++) {
+        cr_assert_eq(json_integer_value(json_object_get(choice(o, i), "index")), (json_int_t)i);
+        km_buf_printf(&b, "%s%s", i ? "|" : "", choice_text(o, i));
+    }
+    km_buf_append(&b, "", 1);
+    return (char *)b.data;
+}
+
+Test(openai, n_choices_and_prompt_lists_streamed_and_not_seeded_reproducibly)
+{
+    const char *extra[] = {"--max-n=6", NULL};
+    if (!cluster(extra)) return;
+    const char *body = "{\"prompt\":\"Once upon a time\",\"max_tokens\":6,\"temperature\":1,"
+                       "\"seed\":11,\"n\":3}";
+    json_t *a = post_json("/v1/completions", body), *b = post_json("/v1/completions", body);
+    cr_assert_eq(json_array_size(json_object_get(a, "choices")), 3);
+    char *ta = texts(a), *tb = texts(b);
+    cr_assert_str_eq(ta, tb, "seeded choices are reproducible");
+    /* the choices draw differently (seed + index): not all three the same */
+    json_t *u = json_object_get(a, "usage");
+    cr_assert_eq(json_integer_value(json_object_get(u, "completion_tokens")), 18);
+    json_t *one = post_json("/tokenize", "{\"prompt\":\"Once upon a time\"}");
+    cr_assert_eq(json_integer_value(json_object_get(u, "prompt_tokens")),
+                 json_integer_value(json_object_get(one, "count")), "the prompt counts once");
+    json_decref(one);
+    cr_assert(strcmp(choice_text(a, 0), choice_text(a, 1)) ||
+                  strcmp(choice_text(a, 1), choice_text(a, 2)),
+              "%s", ta);
+    free(ta);
+    free(tb);
+    json_decref(a);
+    json_decref(b);
+
+    /* several prompts, strings and token ids, each n times, in order prompt-major */
+    a = post_json("/v1/completions", "{\"prompt\":[\"The capital of France is\",\"Hello\"],"
+                                     "\"max_tokens\":3,\"temperature\":0,\"n\":2,\"echo\":true}");
+    cr_assert_eq(json_array_size(json_object_get(a, "choices")), 4);
+    cr_assert_str_eq(choice_text(a, 0), choice_text(a, 1), "greedy choices agree");
+    cr_assert(!strncmp(choice_text(a, 1), "The capital of France is", 24), "%s", choice_text(a, 1));
+    cr_assert(!strncmp(choice_text(a, 2), "Hello", 5), "%s", choice_text(a, 2));
+    json_t *t = post_json("/tokenize", "{\"prompt\":\"Hello\"}");
+    char *ids = json_dumps(json_object_get(t, "tokens"), 0);
+    json_decref(t);
+    char req[512];
+    snprintf(req, sizeof req,
+             "{\"prompt\":[%s,%s],\"max_tokens\":3,\"temperature\":0,\"echo\":true}", ids, ids);
+    free(ids);
+    b = post_json("/v1/completions", req);
+    cr_assert_eq(json_array_size(json_object_get(b, "choices")), 2);
+    cr_assert_str_eq(choice_text(b, 1), choice_text(a, 2), "token ids give what text gives");
+    json_decref(a);
+    json_decref(b);
+
+    /* a chat streamed with n = 2: every choice has its role chunk, its tokens and its finish,
+     * and one usage chunk and one [DONE] end the stream */
+    int st;
+    char *s =
+        post("/v1/chat/completions",
+             "{\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}],\"max_tokens\":3,"
+             "\"n\":2,\"seed\":5,\"stream\":true,\"stream_options\":{\"include_usage\":true}}",
+             &st);
+    cr_assert_eq(st, 200, "%s", s);
+    int roles[2] = {0}, finishes[2] = {0}, usage = 0, done = 0;
+    for (char *line = strtok(s, "\n"); line; line = strtok(NULL, "\n")) {
+        if (!strncmp(line, "data: [DONE]", 12)) {
+            done++;
+            continue;
+        }
+        if (strncmp(line, "data: ", 6)) continue;
+        json_t *o = json_loads(line + 6, 0, NULL);
+        cr_assert_not_null(o, "%s", line);
+        if (json_object_get(o, "usage")) usage++;
+        json_t *c = choice(o, 0);
+        if (c) {
+            int i = (int)json_integer_value(json_object_get(c, "index"));
+            cr_assert(i == 0 || i == 1, "%s", line);
+            roles[i] += json_object_get(json_object_get(c, "delta"), "role") != NULL;
+            finishes[i] += json_is_string(json_object_get(c, "finish_reason"));
+        }
+        json_decref(o);
+    }
+    free(s);
+    cr_assert(roles[0] == 1 && roles[1] == 1 && finishes[0] == 1 && finishes[1] == 1);
+    cr_assert(usage == 1 && done == 1);
+
+    /* over --max-n: 400 naming n */
+    expect_400("/v1/completions", "{\"prompt\":[\"a\",\"b\"],\"n\":4}", "n");
+    expect_400("/v1/completions", "{\"prompt\":[\"a\",\"b\",\"c\",\"d\",\"e\",\"f\",\"g\"]}",
+               "prompt");
+    /* a failing choice fails the response once: a prompt over the context in a list */
+    km_buf big = {0};
+    km_buf_printf(&big, "{\"prompt\":[\"short\",\"");
+    for (int i = 0; i < 5000; i++) km_buf_printf(&big, "word ");
+    km_buf_printf(&big, "\"],\"max_tokens\":2}");
+    s = post("/v1/completions", (const char *)big.data, &st);
+    km_buf_free(&big);
+    cr_assert_eq(st, 400, "%s", s);
+    cr_assert(strstr(s, "context_length_exceeded"), "%s", s);
+    free(s);
+    /* and the router still answers, with nothing left in flight */
+    a = post_json("/v1/completions", "{\"prompt\":\"Hi\",\"max_tokens\":1,\"n\":2}");
+    json_decref(a);
+    char out[4096];
+    IT_WAIT(it_http_get(g_r.http_port, "/v1/status", out, sizeof out) == 200 &&
+                strstr(out, "\"inflight\":0,\"queued\":0"),
+            30000, "requests left in flight: %s", out);
+    stop_cluster();
+}
+
+Test(openai, a_client_gone_mid_stream_ends_every_choice)
+{
+    if (!cluster(NULL)) return;
+    char cmd[512];
+    snprintf(cmd, sizeof cmd,
+             "curl -sN --max-time 2 %s/v1/completions -d '{\"prompt\":\"Tell me a long story\","
+             "\"n\":4,\"max_tokens\":2000,\"stream\":true,\"speculate\":\"off\"}' | head -c 2000",
+             g_base);
+    free(sh(cmd));
+    char out[4096];
+    IT_WAIT(it_http_get(g_r.http_port, "/v1/status", out, sizeof out) == 200 &&
+                strstr(out, "\"inflight\":0,\"queued\":0"),
+            30000, "choices left running after the client left: %s", out);
     stop_cluster();
 }
