@@ -512,3 +512,31 @@ Test(openai, a_client_gone_mid_stream_ends_every_choice)
             30000, "choices left running after the client left: %s", out);
     stop_cluster();
 }
+
+/* A python3 that has the `openai` package (build/venv-openai's first), or NULL. */
+static const char *sdk_python(void)
+{
+    static const char *const candidates[] = {"build/venv-openai/bin/python", "python3"};
+    for (size_t i = 0; i < sizeof candidates / sizeof *candidates; i++) {
+        char cmd[256];
+        snprintf(cmd, sizeof cmd, "%s -c 'import openai' >/dev/null 2>&1", candidates[i]);
+        if (system(cmd) == 0) return candidates[i];
+    }
+    return NULL;
+}
+
+Test(openai, the_official_python_sdk_works_unchanged)
+{
+    const char *py = sdk_python();
+    if (!py) {
+        cr_skip_test("python3 with the `openai` package is not at hand (make openai-sdk-venv)");
+        return;
+    }
+    if (!cluster(NULL)) return;
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "%s tests/openai_sdk.py %s 2>&1; echo \"rc=$?\"", py, g_base);
+    char *out = sh(cmd);
+    cr_assert(strstr(out, "rc=0\n"), "the SDK run failed:\n%s", out);
+    free(out);
+    stop_cluster();
+}
