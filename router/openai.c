@@ -434,41 +434,18 @@ static int parse_obj(json_t *o, bool chat, rt_oai_req *r, rt_oai_err *e)
     return 0;
 }
 
-int rt_oai_parse(const char *body, size_t len, bool chat, rt_oai_req *out, rt_oai_err *e)
+/* rc, with e made a 500 when rc says memory ran out before any 400 was filled in. */
+static int no_memory(int rc, rt_oai_err *e)
 {
-    memset(out, 0, sizeof *out);
-    memset(e, 0, sizeof *e);
-    out->chat = chat;
-    out->temperature = 1.0f;
-    out->top_p = 1.0f;
-    out->repeat_penalty = 1.0f;
-    json_error_t je;
-    json_t *o = json_loadb(body ? body : "", body ? len : 0, JSON_REJECT_DUPLICATES, &je);
-    if (!o) {
-        char m[300];
-        snprintf(m, sizeof m, "request body is not valid JSON: %s (line %d, column %d)", je.text,
-                 je.line, je.column);
-        return fail(e, NULL, "%s", m);
-    }
-    int rc;
-    if (!json_is_object(o))
-        rc = fail(e, NULL, "request body must be a JSON object", NULL);
-    else
-        rc = parse_obj(o, chat, out, e);
-    json_decref(o);
     if (rc == KM_ENOMEM && !e->status) {
         e->status = 500;
         e->type = "server_error";
         snprintf(e->message, sizeof e->message, "out of memory");
     }
-    if (rc) rt_oai_req_free(out);
     return rc;
 }
 
-/* ---------------------------------------------------------------- /tokenize, /detokenize */
-
-static int dump(km_buf *out, json_t *o, const char *prefix, const char *suffix);
-
+/* The body as a JSON object, or NULL with e filled (400). */
 static json_t *load_object(const char *body, size_t len, rt_oai_err *e)
 {
     json_error_t je;
@@ -487,6 +464,26 @@ static json_t *load_object(const char *body, size_t len, rt_oai_err *e)
     }
     return o;
 }
+
+int rt_oai_parse(const char *body, size_t len, bool chat, rt_oai_req *out, rt_oai_err *e)
+{
+    memset(out, 0, sizeof *out);
+    memset(e, 0, sizeof *e);
+    out->chat = chat;
+    out->temperature = 1.0f;
+    out->top_p = 1.0f;
+    out->repeat_penalty = 1.0f;
+    json_t *o = load_object(body, len, e);
+    if (!o) return KM_EFORMAT;
+    int rc = no_memory(parse_obj(o, chat, out, e), e);
+    json_decref(o);
+    if (rc) rt_oai_req_free(out);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- /tokenize, /detokenize */
+
+static int dump(km_buf *out, json_t *o, const char *prefix, const char *suffix);
 
 static int get_bool(json_t *o, const char *key, bool *out, rt_oai_err *e)
 {
@@ -517,6 +514,7 @@ int rt_oai_parse_tokenize(const char *body, size_t len, rt_oai_tokreq *out, rt_o
     if (!rc) rc = get_bool(o, "add_generation_prompt", &out->add_generation_prompt, e);
     if (!rc) rc = get_bool(o, "return_token_strs", &out->return_token_strs, e);
     json_decref(o);
+    no_memory(rc, e);
     if (rc) rt_oai_req_free(&out->q);
     return rc;
 }
@@ -563,7 +561,7 @@ int rt_oai_parse_detokenize(const char *body, size_t len, int n_vocab, int32_t *
     if (rc) {
         free(*ids);
         *ids = NULL;
-        return rc;
+        return no_memory(rc, e);
     }
     *n = (int)cnt;
     return 0;

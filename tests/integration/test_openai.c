@@ -19,6 +19,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "common/sec.h"
 #include "engine/engine.h"
 #include "tests/integration/harness.h"
 
@@ -196,6 +197,34 @@ Test(openai, health_tokenize_detokenize_and_cors_preflights)
     cr_assert(strstr(o, "data: [DONE]"), "%s", o);
     free(o);
     stop_cluster();
+}
+
+Test(openai, with_api_keys_health_and_preflights_need_none_tokenize_needs_one)
+{
+    char dir[] = "/tmp/kvmesh-oaikeys-XXXXXX", path[128], key[128], flag[160];
+    cr_assert_not_null(mkdtemp(dir));
+    snprintf(path, sizeof path, "%s/api_keys", dir);
+    km_errbuf err = {{0}};
+    cr_assert_eq(km_apikeys_add(path, "acme", KM_ROLE_CLIENT, NULL, key, sizeof key, &err), 0, "%s",
+                 err.msg);
+    snprintf(flag, sizeof flag, "--api-keys=%s", path);
+    const char *extra[] = {flag, "--cors-origins=*", NULL};
+    if (!cluster(extra)) return;
+    char cmd[768];
+    snprintf(cmd, sizeof cmd,
+             "curl -s -o /dev/null -w '%%{http_code} ' %s/health; "
+             "curl -s -o /dev/null -w '%%{http_code} ' %s/tokenize -d '{\"prompt\":\"a\"}'; "
+             "curl -s -o /dev/null -w '%%{http_code} ' -H 'Authorization: Bearer %s' "
+             "%s/tokenize -d '{\"prompt\":\"a\"}'; "
+             "curl -s -o /dev/null -w '%%{http_code}' -X OPTIONS -H 'Origin: https://x.example' "
+             "-H 'Access-Control-Request-Method: POST' %s/v1/completions",
+             g_base, g_base, key, g_base, g_base);
+    char *o = sh(cmd);
+    cr_assert_str_eq(o, "200 401 200 200", "health, tokenize keyless, keyed, preflight: %s", o);
+    free(o);
+    stop_cluster();
+    unlink(path);
+    rmdir(dir);
 }
 
 Test(openai, cors_is_off_by_default)
