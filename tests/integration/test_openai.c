@@ -5,8 +5,8 @@
  * greedy tokens equal to the engine's own log-softmax (the test loads the model itself and runs
  * the same tokens); echo, logit_bias, prompts as token ids, several prompts and n choices (seeded
  * choices reproducible), streamed and not; what the server refuses (suffix, echo with logprobs,
- * too many choices) answered 400 naming the field. tests/openai_sdk.py runs the official Python
- * SDK against the same router when python3 with the `openai` package is at hand.
+ * too many choices) answered 400 naming the field; ZeroMQ clients' logprobs and logit_bias;
+ * tests/openai_sdk.py, the official Python SDK unchanged, when python3 has the `openai` package.
  *
  * Run from the repository root after `make build`; without the default model or curl every test
  * skips and says so. The worker runs one thread: the machine is small and shared.
@@ -567,5 +567,56 @@ Test(openai, the_official_python_sdk_works_unchanged)
     char *out = sh(cmd);
     cr_assert(strstr(out, "rc=0\n"), "the SDK run failed:\n%s", out);
     free(out);
+    stop_cluster();
+}
+
+/* A greedy streamed request of 3 tokens over ZeroMQ, with logprobs (2 alternatives) and the
+ * given bias (n: 0 for none): its first token. Every tok frame carries its logprobs. */
+static int32_t zmq_first_token(void *s, uint64_t id, const km_token_value *bias, uint32_t n)
+{
+    km_msg m;
+    km_msg_init(&m, KM_MSG_REQUEST);
+    m.req.id = id;
+    m.req.model = "default";
+    m.req.prompt = "The capital of France is";
+    m.req.temperature = 0;
+    m.req.max_tokens = 3;
+    m.req.stream = true;
+    m.req.logprobs = true;
+    m.req.top_logprobs = 2;
+    m.req.logit_bias = bias;
+    m.req.n_logit_bias = n;
+    it_send_msg(s, &m);
+    int toks = 0;
+    int32_t first = -1;
+    for (;;) {
+        km_msg a;
+        cr_assert(it_recv_msg(s, &a, 60000), "no answer");
+        if (a.type == KM_MSG_DONE) {
+            km_msg_clear(&a);
+            break;
+        }
+        cr_assert_eq(a.type, KM_MSG_TOKEN, "got %s", km_msg_type_name(a.type));
+        cr_assert(a.tok.has_logprob && a.tok.logprob <= 0);
+        cr_assert_eq(a.tok.n_top, 2u);
+        if (!n) { /* unbiased greedy: the chosen token is the most likely one */
+            cr_assert_eq(a.tok.top[0].token, a.tok.token);
+            cr_assert_float_eq(a.tok.top[0].value, a.tok.logprob, 1e-6);
+        }
+        if (!toks++) first = a.tok.token;
+        km_msg_clear(&a);
+    }
+    cr_assert_eq(toks, 3);
+    return first;
+}
+
+Test(openai, zeromq_clients_get_logprobs_and_their_logit_bias_too)
+{
+    if (!cluster(NULL)) return;
+    void *s = it_dealer(g_r.front);
+    int32_t t = zmq_first_token(s, 3, NULL, 0);
+    km_token_value ban = {t, -100}; /* copied by the router from the client's frame */
+    cr_assert_neq(zmq_first_token(s, 4, &ban, 1), t, "the bias did not reach the sampler");
+    km_zsock_close(s);
     stop_cluster();
 }
