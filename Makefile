@@ -313,6 +313,12 @@ $(TESTBIN)/integration/%: $(OBJ)/tests/integration/%.o $(IT_HARNESS) $(ALL_LIBS)
 integration: build $(IT_BIN) ## multi-process suites: real daemons on 127.0.0.1
 	@set -e; for t in $(IT_BIN); do echo "== $$t"; $$t --jobs 1; done
 
+# The official OpenAI Python SDK for tests/openai_sdk.py, which the integration suite test_openai
+# runs (unchanged SDK against a real router) when this venv or a python3 with the package exists.
+.PHONY: openai-sdk-venv
+openai-sdk-venv: ## build/venv-openai: a python3 venv with the official `openai` package (PyPI)
+	python3 -m venv build/venv-openai && build/venv-openai/bin/pip install -q openai
+
 # The same suites against AddressSanitizer/UBSan builds of the daemons (build/san/bin, found by
 # the harness through KVMESH_IT_BIN): a memory error or undefined behaviour in any daemon aborts
 # it and leaves a report in build/san/it-reports, which fails the run even when the suite did not

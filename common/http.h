@@ -201,6 +201,9 @@ const char *km_http_body(const km_http_req *r, size_t *len);
 /* The value of a header (case-insensitive name), NUL-terminated, or NULL. */
 const char *km_http_header(const km_http_req *r, const char *name);
 
+/* Header lines ("Name: value\r\n") that every response to r carries besides its own (CORS
+ * headers set at the head, whichever handler answers). Appended to earlier ones. */
+int km_http_add_headers(km_http_req *r, const char *lines);
 /* A whole response; ends the request. extra_headers: "Name: value\r\n" lines or NULL. */
 int km_http_respond(km_http_req *r, int status, const char *ctype, const char *extra_headers,
                     const void *body, size_t len);

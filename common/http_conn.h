@@ -32,6 +32,7 @@ struct km_http_req {
     bool answered, streaming, ended;
     void (*on_abort)(km_http_req *r, void *user);
     void *abort_user;
+    char *extra; /* header lines every response to it carries (km_http_add_headers) */
 };
 
 struct conn {

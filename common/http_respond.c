@@ -94,18 +94,29 @@ static bool req_usable(km_http_req *r)
     return r && r->c && !r->c->closing && r->c->cur == r && !r->ended;
 }
 
+int km_http_add_headers(km_http_req *r, const char *lines)
+{
+    if (!r || !lines) return KM_EINVAL;
+    size_t old = r->extra ? strlen(r->extra) : 0, n = strlen(lines);
+    char *e = realloc(r->extra, old + n + 1);
+    if (!e) return KM_ENOMEM;
+    memcpy(e + old, lines, n + 1);
+    r->extra = e;
+    return 0;
+}
+
 int km_http_respond(km_http_req *r, int status, const char *ctype, const char *extra_headers,
                     const void *body, size_t len)
 {
     if (!req_usable(r) || r->answered) return KM_EINVAL;
     conn *c = r->c;
     km_buf out = {0};
-    int rc =
-        km_buf_printf(&out,
-                      "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\n%s"
-                      "Connection: %s\r\n\r\n",
-                      status, km_http_reason(status), ctype ? ctype : "text/plain", len,
-                      extra_headers ? extra_headers : "", r->keep_alive ? "keep-alive" : "close");
+    int rc = km_buf_printf(&out,
+                           "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\n%s%s"
+                           "Connection: %s\r\n\r\n",
+                           status, km_http_reason(status), ctype ? ctype : "text/plain", len,
+                           extra_headers ? extra_headers : "", r->extra ? r->extra : "",
+                           r->keep_alive ? "keep-alive" : "close");
     if (!rc && !r->head_only && len) rc = km_buf_append(&out, body, len);
     r->answered = r->ended = true;
     if (rc) {
@@ -147,10 +158,10 @@ int km_http_stream_begin(km_http_req *r, int status, const char *ctype)
     km_buf out = {0};
     int rc = km_buf_printf(&out,
                            "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nTransfer-Encoding: chunked\r\n"
-                           "Cache-Control: no-cache\r\nX-Accel-Buffering: no\r\n"
+                           "Cache-Control: no-cache\r\nX-Accel-Buffering: no\r\n%s"
                            "Connection: %s\r\n\r\n",
                            status, km_http_reason(status), ctype ? ctype : "text/event-stream",
-                           r->keep_alive ? "keep-alive" : "close");
+                           r->extra ? r->extra : "", r->keep_alive ? "keep-alive" : "close");
     r->answered = r->streaming = true;
     if (rc) {
         km_buf_free(&out);

@@ -116,6 +116,7 @@ static void req_free(km_http_req *r)
 {
     if (!r) return;
     free(r->path);
+    free(r->extra);
     km_buf_free(&r->body);
     for (int i = 0; i < r->n_headers; i++) {
         free(r->hname[i]);

@@ -43,6 +43,8 @@ extern "C" {
 #define KM_PROTO_MAX_PIECE        1024       /* text of one token frame */
 #define KM_PROTO_MAX_STOP         16         /* stop strings per request */
 #define KM_PROTO_MAX_DRAFT        256        /* req.max_draft_tokens */
+#define KM_PROTO_MAX_BIAS         1024       /* req.logit_bias entries */
+#define KM_PROTO_MAX_TOP          20         /* req.top_logprobs, tok.top entries */
 #define KM_PROTO_MAX_PROMPT_TOK   (1u << 18) /* default max prompt token ids */
 #define KM_PROTO_MAX_EVENT_HASHES 8192       /* default max page hashes per KV event */
 #define KM_PROTO_MAX_ENDPOINTS    16
@@ -128,6 +130,13 @@ typedef enum km_speculate {
     KM_SPECULATE_COUNT
 } km_speculate;
 
+/* A token id with a number: a logit bias (req.logit_bias), or an alternative's log-probability
+ * (tok.top). */
+typedef struct km_token_value {
+    int32_t token;
+    float value;
+} km_token_value;
+
 const char *km_speculate_name(km_speculate s);
 
 typedef enum km_tier { KM_TIER_HOT = 0, KM_TIER_HOST = 1, KM_TIER_DISK = 2, KM_TIER_COUNT } km_tier;
@@ -209,6 +218,15 @@ typedef struct km_msg_request {
     /* speculative decoding (optional, added within version 1); never changes the output */
     km_speculate speculate;
     uint32_t max_draft_tokens; /* [0, KM_PROTO_MAX_DRAFT] per step; 0 = the worker's default */
+    /* Log-probabilities (optional, added within version 1): each tok frame carries its token's
+     * log-probability under the model's distribution, and the top_logprobs most likely
+     * alternatives (requires logprobs). */
+    bool logprobs;
+    uint32_t top_logprobs; /* [0, KM_PROTO_MAX_TOP] */
+    /* Added to the logits before sampling (optional, added within version 1): up to
+     * KM_PROTO_MAX_BIAS distinct ids, each bias in [-100, 100]. */
+    const km_token_value *logit_bias;
+    uint32_t n_logit_bias;
     /* Pull hint (a router's, optional, added within version 1): before computing the prompt,
      * pull its first pull_pages KV pages from worker pull_from, whose requests endpoint is
      * pull_endpoint and transfer node address pull_addr, spending at most pull_ms on it; a
@@ -227,6 +245,12 @@ typedef struct km_msg_token {
     int32_t token;    /* token id */
     const char *text; /* UTF-8 piece (may be empty while a character is incomplete) */
     size_t text_len;
+    /* With req.logprobs (optional, added within version 1): the token's log-probability, and
+     * the most likely alternatives, most likely first (up to KM_PROTO_MAX_TOP). */
+    bool has_logprob;
+    float logprob;
+    const km_token_value *top;
+    uint32_t n_top;
 } km_msg_token;
 
 typedef struct km_msg_done {

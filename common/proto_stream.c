@@ -6,10 +6,70 @@
  * A request carries its prompt either as text or as token ids (exactly one); a `done` carries
  * the keys routers add (worker, migrations) like any other optional key.
  */
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
 #include "common/proto_internal.h"
+
+/* ---------------------------------------------------------------- token values
+ * req.logit_bias and tok.top: arrays of [id, number] pairs. */
+
+static int val_token_values(const char *what, const km_token_value *v, uint32_t n, uint32_t max,
+                            float lo, float hi, km_errbuf *err)
+{
+    if (n > max) VFAIL("%s: %u entries, limit %u", what, n, max);
+    if (n && !v) VFAIL("%s: NULL with %u entries", what, n);
+    for (uint32_t i = 0; i < n; i++) {
+        if (v[i].token < 0) VFAIL("%s[%u]: negative id %d", what, i, v[i].token);
+        if (!(v[i].value >= lo && v[i].value <= hi))
+            VFAIL("%s[%u]: %g outside [%g, %g]", what, i, v[i].value, lo, hi);
+    }
+    return 0;
+}
+
+static void enc_token_values(km_enc *e, const char *k, const km_token_value *v, uint32_t n)
+{
+    if (!n || !km_enc_begin(e, k)) return;
+    e->rc |= msgpack_pack_array(&e->pk, n);
+    for (uint32_t i = 0; i < n; i++) {
+        e->rc |= msgpack_pack_array(&e->pk, 2);
+        e->rc |= msgpack_pack_uint32(&e->pk, (uint32_t)v[i].token);
+        e->rc |= msgpack_pack_float(&e->pk, v[i].value);
+    }
+}
+
+static int dec_token_values(km_dec *d, const msgpack_object_map *mp, const char *key, uint32_t max,
+                            const km_token_value **out, uint32_t *n)
+{
+    const msgpack_object *o;
+    CK(km_dec_obj(d, mp, key, false, MSGPACK_OBJECT_ARRAY, &o));
+    if (!o) return 0;
+    const msgpack_object_array *a = &o->via.array;
+    if (a->size > max)
+        return DFAIL(d, KM_EFORMAT, "%s.%s: %u entries, limit %u", d->path, key, a->size, max);
+    km_token_value *v = km_msg_alloc(d->m, (size_t)(a->size ? a->size : 1) * sizeof *v);
+    if (!v) return DFAIL(d, KM_ENOMEM, "%s.%s: out of memory", d->path, key);
+    for (uint32_t i = 0; i < a->size; i++) {
+        const msgpack_object *p = &a->ptr[i];
+        const msgpack_object *id =
+            p->type == MSGPACK_OBJECT_ARRAY && p->via.array.size == 2 ? &p->via.array.ptr[0] : NULL;
+        const msgpack_object *x = id ? id + 1 : NULL;
+        double val = !x ? NAN
+                     : x->type == MSGPACK_OBJECT_FLOAT32 || x->type == MSGPACK_OBJECT_FLOAT64
+                         ? x->via.f64
+                     : x->type == MSGPACK_OBJECT_POSITIVE_INTEGER ? (double)x->via.u64
+                     : x->type == MSGPACK_OBJECT_NEGATIVE_INTEGER ? (double)x->via.i64
+                                                                  : NAN;
+        if (!id || id->type != MSGPACK_OBJECT_POSITIVE_INTEGER || id->via.u64 > INT32_MAX ||
+            isnan(val) || fabs(val) > 1e30)
+            return DFAIL(d, KM_EFORMAT, "%s.%s[%u]: expected [token id, number]", d->path, key, i);
+        v[i] = (km_token_value){(int32_t)id->via.u64, (float)val};
+    }
+    *out = v;
+    *n = a->size;
+    return 0;
+}
 
 /* ---------------------------------------------------------------- req */
 
@@ -65,6 +125,10 @@ static int req_validate(const km_msg *m, const km_proto_limits *lim, km_errbuf *
     if ((unsigned)r->speculate >= KM_SPECULATE_COUNT)
         VFAIL("req.speculate: unknown value %d", (int)r->speculate);
     CK(km_val_range("req.max_draft_tokens", r->max_draft_tokens, 0, KM_PROTO_MAX_DRAFT, err));
+    CK(km_val_range("req.top_logprobs", r->top_logprobs, 0, KM_PROTO_MAX_TOP, err));
+    if (r->top_logprobs && !r->logprobs) VFAIL("req.top_logprobs: needs logprobs");
+    CK(val_token_values("req.logit_bias", r->logit_bias, r->n_logit_bias, KM_PROTO_MAX_BIAS, -100,
+                        100, err));
     if (r->generated && r->generated >= r->n_tokens)
         VFAIL("req.generated: %u, needs tokens with at least one more id (%u)", r->generated,
               r->n_tokens);
@@ -103,6 +167,9 @@ static void req_encode(km_enc *e, const km_msg *m)
     km_enc_bool(e, "stream", r->stream);
     if (r->speculate) km_enc_str(e, "speculate", km_proto_speculate_names[r->speculate]);
     if (r->max_draft_tokens) km_enc_u64(e, "max_draft_tokens", r->max_draft_tokens);
+    if (r->logprobs) km_enc_bool(e, "logprobs", true);
+    if (r->top_logprobs) km_enc_u64(e, "top_logprobs", r->top_logprobs);
+    enc_token_values(e, "logit_bias", r->logit_bias, r->n_logit_bias);
     if (r->pull_from) {
         km_enc_str(e, "pull_from", r->pull_from);
         km_enc_str(e, "pull_endpoint", r->pull_endpoint);
@@ -184,6 +251,16 @@ static int req_decode(km_dec *d, const msgpack_object_map *mp)
         return DFAIL(d, KM_EFORMAT, "req.generated: %u, needs tokens with at least one more id",
                      r->generated);
     CK(km_dec_u32(d, mp, "max_draft_tokens", false, &r->max_draft_tokens));
+    CK(km_dec_bool(d, mp, "logprobs", false, &r->logprobs));
+    CK(km_dec_u32(d, mp, "top_logprobs", false, &r->top_logprobs));
+    if (r->top_logprobs > KM_PROTO_MAX_TOP || (r->top_logprobs && !r->logprobs))
+        return DFAIL(d, KM_EFORMAT, "req.top_logprobs: %u, at most %d and with logprobs",
+                     r->top_logprobs, KM_PROTO_MAX_TOP);
+    CK(dec_token_values(d, mp, "logit_bias", KM_PROTO_MAX_BIAS, &r->logit_bias, &r->n_logit_bias));
+    for (uint32_t i = 0; i < r->n_logit_bias; i++)
+        if (fabsf(r->logit_bias[i].value) > 100)
+            return DFAIL(d, KM_EFORMAT, "req.logit_bias[%u]: %g outside [-100, 100]", i,
+                         r->logit_bias[i].value);
     CK(km_dec_str(d, mp, "pull_from", false, KM_PROTO_MAX_NAME, false, &r->pull_from, NULL));
     if (!r->pull_from) return 0; /* the rest of a hint means nothing without it */
     CK(km_dec_str(d, mp, "pull_endpoint", true, KM_PROTO_MAX_NAME, false, &r->pull_endpoint, NULL));
@@ -203,7 +280,10 @@ static int tok_validate(const km_msg *m, const km_proto_limits *lim, km_errbuf *
     if (km_text_len(m->tok.text, m->tok.text_len) > KM_PROTO_MAX_PIECE)
         VFAIL("tok.text: longer than %d bytes", KM_PROTO_MAX_PIECE);
     if (m->tok.token < 0) VFAIL("tok.token: negative id %d", m->tok.token);
-    return 0;
+    if (m->tok.n_top && !m->tok.has_logprob) VFAIL("tok.top: needs logprob");
+    if (m->tok.has_logprob && !(m->tok.logprob <= 0)) VFAIL("tok.logprob: %g > 0", m->tok.logprob);
+    return val_token_values("tok.top", m->tok.top, m->tok.n_top, KM_PROTO_MAX_TOP, -INFINITY, 0,
+                            err);
 }
 
 static void tok_encode(km_enc *e, const km_msg *m)
@@ -212,6 +292,8 @@ static void tok_encode(km_enc *e, const km_msg *m)
     km_enc_u64(e, "index", m->tok.index);
     km_enc_u64(e, "token", (uint64_t)m->tok.token);
     km_enc_strn(e, "text", m->tok.text, m->tok.text_len);
+    if (m->tok.has_logprob) km_enc_f32(e, "logprob", m->tok.logprob);
+    enc_token_values(e, "top", m->tok.top, m->tok.n_top);
 }
 
 static int tok_decode(km_dec *d, const msgpack_object_map *mp)
@@ -220,7 +302,11 @@ static int tok_decode(km_dec *d, const msgpack_object_map *mp)
     CK(km_dec_uint(d, mp, "id", true, UINT64_MAX, &t->id));
     CK(km_dec_u32(d, mp, "index", true, &t->index));
     CK(km_dec_i32(d, mp, "token", true, &t->token));
-    return km_dec_str(d, mp, "text", true, KM_PROTO_MAX_PIECE, true, &t->text, &t->text_len);
+    CK(km_dec_str(d, mp, "text", true, KM_PROTO_MAX_PIECE, true, &t->text, &t->text_len));
+    t->has_logprob = km_dec_find(mp, "logprob") != NULL;
+    t->logprob = 0;
+    CK(km_dec_f32(d, mp, "logprob", &t->logprob));
+    return dec_token_values(d, mp, "top", KM_PROTO_MAX_TOP, &t->top, &t->n_top);
 }
 
 const km_proto_codec km_proto_codec_tok = {tok_validate, tok_encode, tok_decode};

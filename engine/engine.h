@@ -154,7 +154,31 @@ typedef struct en_sample_params {
     float presence_penalty;  /* subtracted once from every token seen */
     float frequency_penalty; /* subtracted per occurrence */
     uint64_t seed;
+    /* Added to those ids' logits before anything else (copied at create; ids outside the
+     * vocabulary are ignored). */
+    const struct en_token_value *bias;
+    int n_bias;
+    /* Each sampled token's log-probability (en_sampler_logprobs), and this many of the most
+     * likely alternatives (at most EN_MAX_TOP). */
+    int logprobs, top_logprobs;
 } en_sample_params;
+
+typedef struct en_token_value {
+    int32_t token;
+    float value;
+} en_token_value;
+
+#define EN_MAX_TOP 20
+
+/* A sampled token's log-probability under the model's own distribution: the log-softmax of the
+ * raw logits, before logit bias, penalties, truncation and temperature (what OpenAI reports, and
+ * vLLM's default), with the most likely alternatives, most likely first. */
+typedef struct en_logprobs {
+    int32_t token;
+    float logprob;
+    int n_top;
+    en_token_value top[EN_MAX_TOP];
+} en_logprobs;
 
 void en_sample_params_default(en_sample_params *p);
 
@@ -169,6 +193,11 @@ void en_sampler_accept(en_sampler *s, int32_t token);
 void en_sampler_skip(en_sampler *s, int n);
 /* Picks the next token from one row of logits (the row is not modified). */
 int32_t en_sampler_sample(en_sampler *s, const float *logits);
+/* The last sampled token's log-probabilities; NULL unless the params asked for them. */
+const en_logprobs *en_sampler_logprobs(const en_sampler *s);
+/* log-softmax(logits)[token] and the n_top most likely ids (most likely first) into out. */
+void en_logprobs_compute(const float *logits, int n_vocab, int32_t token, int n_top,
+                         en_logprobs *out);
 
 /* Negative log-probability of `target` under softmax(logits), in double precision (perplexity). */
 double en_token_nll(const float *logits, int n_vocab, int32_t target);
@@ -331,6 +360,8 @@ int en_sched_step(en_sched *s);
  * callbacks): the running set read after it is the one that step computes (what a worker
  * reports while the step runs). */
 void en_sched_prepare(en_sched *s);
+/* Inside on_token: the token's log-probabilities when its request asked for them, else NULL. */
+const en_logprobs *en_sched_logprobs(const en_sched *s);
 /* Requests held (running + queued). */
 int en_sched_pending(const en_sched *s);
 /* Ends every held request with on_error(code, message) after publishing its computed pages, so

@@ -1,10 +1,11 @@
 /*
  * sampler.c — picks the next token from a row of logits.
  *
- * Order (llama.cpp's default chain): repetition/presence/frequency penalties over the last
- * repeat_last_n tokens, top-k, top-p and min-p (on probabilities at temperature 1), temperature,
- * then a draw from the sequence's own xoshiro256** stream. Each sequence owns its sampler, so its
- * tokens depend only on its logits, history and seed, never on the rest of the batch.
+ * Order (llama.cpp's default chain, after the logit bias): repetition/presence/frequency penalties
+ * over the last repeat_last_n tokens, top-k, top-p and min-p (on probabilities at temperature 1),
+ * temperature, then a draw from the sequence's own xoshiro256** stream. Each sequence owns its
+ * sampler, so its tokens depend only on its logits, history and seed, never on the rest of the
+ * batch.
  *
  * Nothing allocates per token: the candidate arrays are sized for the vocabulary at create.
  * top-p without top-k avoids sorting the whole vocabulary: it selects the best 64, 512, 4096, …
@@ -31,6 +32,8 @@ struct en_sampler {
     int32_t *history; /* ring of the last repeat_last_n tokens */
     int n_hist, hist_head;
     uint64_t rng[4];
+    en_token_value *bias; /* params.bias, copied */
+    en_logprobs lp;       /* the last sampled token's (params.logprobs) */
 };
 
 void en_sample_params_default(en_sample_params *p)
@@ -87,6 +90,17 @@ int en_sampler_create(const en_sample_params *p, int n_vocab, en_sampler **out)
         en_sampler_destroy(s);
         return KM_ENOMEM;
     }
+    s->p.bias = NULL;
+    s->p.n_bias = 0;
+    if (p->n_bias > 0 && p->bias) {
+        if (!(s->bias = malloc(sizeof *s->bias * (size_t)p->n_bias))) {
+            en_sampler_destroy(s);
+            return KM_ENOMEM;
+        }
+        memcpy(s->bias, p->bias, sizeof *s->bias * (size_t)p->n_bias);
+        s->p.n_bias = p->n_bias;
+    }
+    if (s->p.top_logprobs > EN_MAX_TOP) s->p.top_logprobs = EN_MAX_TOP;
     uint64_t x = p->seed;
     for (int i = 0; i < 4; i++) s->rng[i] = en_splitmix(&x);
     *out = s;
@@ -100,6 +114,7 @@ void en_sampler_destroy(en_sampler *s)
     free(s->row);
     free(s->counts);
     free(s->history);
+    free(s->bias);
     free(s);
 }
 
@@ -126,16 +141,22 @@ int32_t en_argmax(const float *x, int n)
     return best;
 }
 
-double en_token_nll(const float *logits, int n_vocab, int32_t target)
+/* log(sum(exp(logits))), in double precision. */
+static double en_log_sum_exp(const float *logits, int n_vocab)
 {
-    assert(n_vocab > 0 && target >= 0 && target < n_vocab);
     float mx = logits[0];
     for (int v = 1; v < n_vocab; v++) mx = logits[v] > mx ? logits[v] : mx;
     double z = 0;
     for (int v = 0; v < n_vocab; v++) z += exp((double)logits[v] - mx);
     /* z >= 1: the largest logit's term is exp(0) */
     // cppcheck-suppress invalidFunctionArg
-    return -((double)logits[target] - mx - log(z));
+    return mx + log(z);
+}
+
+double en_token_nll(const float *logits, int n_vocab, int32_t target)
+{
+    assert(n_vocab > 0 && target >= 0 && target < n_vocab);
+    return -((double)logits[target] - en_log_sum_exp(logits, n_vocab));
 }
 
 static int en_cand_desc(const void *a, const void *b)
@@ -194,11 +215,51 @@ void en_sampler_skip(en_sampler *s, int n)
     for (int i = 0; i < n; i++) en_rng_next(s->rng);
 }
 
+void en_logprobs_compute(const float *logits, int n_vocab, int32_t token, int n_top,
+                         en_logprobs *out)
+{
+    if (n_top > EN_MAX_TOP) n_top = EN_MAX_TOP;
+    double lse = en_log_sum_exp(logits, n_vocab);
+    out->token = token;
+    out->logprob = (float)((double)logits[token] - lse);
+    /* the n_top largest, kept sorted by insertion (most ids fail the first comparison) */
+    int k = 0;
+    for (int v = 0; v < n_vocab && n_top > 0; v++) {
+        float x = logits[v];
+        if (k == n_top && x <= out->top[k - 1].value) continue;
+        int j = k < n_top ? k++ : k - 1;
+        while (j > 0 && out->top[j - 1].value < x) {
+            out->top[j] = out->top[j - 1];
+            j--;
+        }
+        out->top[j] = (en_token_value){v, x};
+    }
+    for (int j = 0; j < k; j++) out->top[j].value = (float)((double)out->top[j].value - lse);
+    out->n_top = k;
+}
+
+const en_logprobs *en_sampler_logprobs(const en_sampler *s)
+{
+    return s->p.logprobs ? &s->lp : NULL;
+}
+
+static int32_t en_sampler_pick(en_sampler *s, const float *logits);
+
 int32_t en_sampler_sample(en_sampler *s, const float *logits)
+{
+    int32_t t = en_sampler_pick(s, logits);
+    if (s->p.logprobs) en_logprobs_compute(logits, s->n_vocab, t, s->p.top_logprobs, &s->lp);
+    return t;
+}
+
+static int32_t en_sampler_pick(en_sampler *s, const float *logits)
 {
     const en_sample_params *p = &s->p;
     int n = s->n_vocab;
     for (int i = 0; i < n; i++) s->cand[i] = (en_cand){logits[i], i};
+    for (int i = 0; i < p->n_bias; i++)
+        if (s->bias[i].token >= 0 && s->bias[i].token < n)
+            s->cand[s->bias[i].token].logit += s->bias[i].value;
     if (s->n_hist) {
         memcpy(s->row, logits, sizeof(float) * n);
         en_apply_penalties(s, s->row);

@@ -654,12 +654,19 @@ int en_rq_push(en_sched *s, en_rq *r, int32_t t, uint64_t now, km_finish *fin)
     en_sampler_accept(r->smp, t);
     if (r->spec) en_spec_seq_append(r->spec, &t, 1);
     en_rq_hash(s, r);
+    s->cur_lp = en_sampler_logprobs(r->smp); /* the token just sampled: en_sched_logprobs */
     int stop = s->cb.on_token ? s->cb.on_token(s->cb.ctx, r->user, r->n_gen - 1, t) : 0;
+    s->cur_lp = NULL;
     if (stop || r->n_gen >= r->max_gen) {
         *fin = stop ? KM_FINISH_STOP : KM_FINISH_LENGTH;
         return 1;
     }
     return 0;
+}
+
+const en_logprobs *en_sched_logprobs(const en_sched *s)
+{
+    return s->cur_lp;
 }
 
 void en_rq_finish(en_sched *s, en_rq *r, km_finish fin)

@@ -51,6 +51,7 @@ struct en_sched {
     kv_store *kv;
     en_sched_opts o;
     en_sched_cb cb;
+    const en_logprobs *cur_lp; /* inside on_token: the token's (en_sched_logprobs) */
     int n_vocab, pt;
     int n_layers, kv_width, head_dim; /* KV heads per layer, floats per head */
     char fp[33];

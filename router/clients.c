@@ -64,6 +64,12 @@ static void zmq_token(rt_router *r, rt_rq *q, int32_t token, const char *text, s
     m.tok.token = token;
     m.tok.text = text;
     m.tok.text_len = len;
+    if (q->cur_tok && q->cur_tok->has_logprob) { /* relayed as the worker computed them */
+        m.tok.has_logprob = true;
+        m.tok.logprob = q->cur_tok->logprob;
+        m.tok.top = q->cur_tok->top;
+        m.tok.n_top = q->cur_tok->n_top;
+    }
     if (!km_msg_encode(&m, &r->lim, &r->out, NULL))
         rt_zsend_env(r->front, q->env, q->n_env, &r->out);
 }
@@ -139,10 +145,10 @@ int rt_rq_compose_salt(rt_rq *q, const km_apikey_match *key)
 }
 
 /* A client's request into q, field by field from a whitelist: the sampling parameters, and
- * copies of the strings q keeps (stop strings, salt). Nothing else a client sent reaches a worker:
- * the pull hint, `generated`, `stream` and ids are the router's to set (docs/security.md), and
- * q->q holds no pointer into the decoded frame, which is freed when this returns. peer: who sent
- * it (its key names the cache namespace, tenants.c). */
+ * copies of the strings and arrays q keeps (stop strings, salt, logit bias). Nothing else a client
+ * sent reaches a worker: the pull hint, `generated`, `stream` and ids are the router's to set
+ * (docs/security.md), and q->q holds no pointer into the decoded frame, which is freed when this
+ * returns. peer: who sent it (its key names the cache namespace, tenants.c). */
 static int rq_copy_params(rt_router *r, rt_rq *q, const km_msg_request *src, const km_zpeer *peer)
 {
     km_msg tmp;
@@ -161,6 +167,13 @@ static int rq_copy_params(rt_router *r, rt_rq *q, const km_msg_request *src, con
     q->q.priority = src->priority;
     q->q.speculate = src->speculate;
     q->q.max_draft_tokens = src->max_draft_tokens;
+    q->q.logprobs = src->logprobs;
+    q->q.top_logprobs = src->top_logprobs;
+    if (src->n_logit_bias) { /* owned by q (the frame's memory goes when this returns) */
+        if (!(q->bias = malloc(sizeof *q->bias * src->n_logit_bias))) return KM_ENOMEM;
+        memcpy(q->bias, src->logit_bias, sizeof *q->bias * src->n_logit_bias);
+        q->q.n_logit_bias = src->n_logit_bias;
+    }
     q->q.n_stop = src->n_stop;
     for (uint32_t i = 0; i < src->n_stop && i < KM_PROTO_MAX_STOP; i++)
         if (!(q->stop[i] = strdup(src->stop[i]))) return KM_ENOMEM;

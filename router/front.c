@@ -29,25 +29,102 @@ static void on_http_abort(km_http_req *h, void *user)
 
 /* ---------------------------------------------------------------- replies (rt_front_http) */
 
+/* The token's logprobs from its worker frame into lp; false when it carries none. */
+static bool token_lp(const rt_rq *q, int32_t token, rt_oai_lp *lp)
+{
+    const km_msg_token *t = q->cur_tok;
+    if (!q->q.logprobs || !t || !t->has_logprob) return false;
+    memset(lp, 0, sizeof *lp);
+    lp->token = token;
+    lp->logprob = t->logprob;
+    lp->n_top = t->n_top < q->q.top_logprobs ? t->n_top : q->q.top_logprobs;
+    if (lp->n_top > RT_OAI_MAX_TOP) lp->n_top = RT_OAI_MAX_TOP;
+    memcpy(lp->top, t->top, sizeof *lp->top * lp->n_top);
+    return true;
+}
+
 static void http_token(rt_router *r, rt_rq *q, int32_t token, const char *text, size_t len)
 {
-    (void)token;
     if (!q->http) return;
+    rt_oai_lp lp;
+    bool has_lp = token_lp(q, token, &lp);
     if (!q->http_stream) {
         km_buf_append(&q->text, text, len);
+        if (has_lp) km_buf_append(&q->lp, &lp, sizeof lp);
         return;
     }
-    if (len == 0) return;
+    if (len == 0 && !has_lp) return;
     rt_oai_meta m;
     rt_rq_oai_meta(r, q, &m, NULL);
+    if (has_lp) {
+        m.lp = &lp;
+        m.n_lp = 1;
+        m.text_offset = q->lp_off;
+        char p[KM_PROTO_MAX_PIECE];
+        int n = m.piece(m.piece_ctx, token, p, sizeof p);
+        q->lp_off += n > 0 && n <= (int)sizeof p ? (size_t)n : 0;
+    }
     km_buf b = {0};
     if (!rt_oai_sse_chunk(&b, &m, text, len, NULL)) km_http_stream_write(q->http, b.data, b.len);
+    km_buf_free(&b);
+}
+
+/* One choice of a group is complete: its finish chunk goes out (stream) or its result is kept;
+ * the last one ends the response. */
+static void group_done(rt_router *r, rt_rq *q, const rt_rq_done *d)
+{
+    rt_hgroup *g = q->grp;
+    if (g->failed || !g->http) return;
+    if (q->choice % g->per == 0) { /* the prompt's tokens count once per prompt */
+        g->u.prompt_tokens += (uint32_t)q->n_prompt;
+        g->u.cached_tokens += d->cached;
+    }
+    g->u.completion_tokens += (uint32_t)q->n_gen;
+    g->u.draft_tokens += q->draft_tokens;
+    g->u.accepted_draft_tokens += q->accepted_draft_tokens;
+    snprintf(g->worker, sizeof g->worker, "%s", d->worker ? d->worker : "");
+    bool last = ++g->n_done == g->n;
+    rt_oai_meta m;
+    km_buf b = {0};
+    if (g->stream) {
+        rt_rq_oai_meta(r, q, &m, NULL);
+        if (q->text.len) rt_oai_sse_chunk(&b, &m, (const char *)q->text.data, q->text.len, NULL);
+        rt_rq_oai_meta(r, q, &m, d->worker);
+        rt_oai_sse_chunk(&b, &m, NULL, 0, rt_oai_finish(d->finish));
+        if (last && q->include_usage) rt_oai_sse_usage(&b, &m, &g->u);
+        if (last) rt_oai_sse_done(&b);
+        km_http_stream_write(g->http, b.data, b.len);
+        if (last) km_http_stream_end(g->http);
+        km_buf_free(&b);
+        return;
+    }
+    rt_oai_choice *c = &g->c[q->choice];
+    km_buf all = {0}; /* echo: the prompt's text first */
+    if (q->echo_text) km_buf_append(&all, q->echo_text, q->echo_len);
+    km_buf_append(&all, q->text.data ? (const char *)q->text.data : "", q->text.len);
+    km_buf_append(&all, "", 1);
+    c->text = (const char *)all.data;
+    c->len = all.len ? all.len - 1 : 0;
+    c->finish = rt_oai_finish(d->finish);
+    c->text_offset = q->echo_len;
+    if (q->q.logprobs) { /* taken from q, which ends after this */
+        c->n_lp = (int)(q->lp.len / sizeof(rt_oai_lp));
+        c->lp = q->lp.data ? (const rt_oai_lp *)q->lp.data : calloc(1, sizeof(rt_oai_lp));
+        memset(&q->lp, 0, sizeof q->lp);
+    }
+    if (!last) return;
+    rt_rq_oai_meta(r, q, &m, g->worker);
+    rt_oai_response_choices(&b, &m, g->c, g->n, &g->u);
+    char extra[KM_PROTO_MAX_NAME + 64];
+    snprintf(extra, sizeof extra, "X-Kvmesh-Worker: %s\r\n", g->worker);
+    km_http_respond(g->http, 200, "application/json", extra, b.data, b.len);
     km_buf_free(&b);
 }
 
 static void http_done(rt_router *r, rt_rq *q, const rt_rq_done *d)
 {
     if (!q->http) return;
+    if (q->grp) return group_done(r, q, d);
     rt_oai_meta m;
     rt_rq_oai_meta(r, q, &m, d->worker);
     rt_oai_usage u = {.prompt_tokens = (uint32_t)q->n_prompt,
@@ -68,13 +145,163 @@ static void http_done(rt_router *r, rt_rq *q, const rt_rq_done *d)
         km_http_stream_write(q->http, b.data, b.len);
         km_http_stream_end(q->http);
     } else {
-        rt_oai_response(&b, &m, q->text.data ? (const char *)q->text.data : "", q->text.len,
+        if (q->q.logprobs) {
+            m.lp = q->lp.data ? (const rt_oai_lp *)q->lp.data : (const rt_oai_lp *)"";
+            m.n_lp = (int)(q->lp.len / sizeof(rt_oai_lp));
+        }
+        km_buf all = {0}; /* echo: the prompt's text first */
+        if (q->echo_text) km_buf_append(&all, q->echo_text, q->echo_len);
+        km_buf_append(&all, q->text.data ? (const char *)q->text.data : "", q->text.len);
+        rt_oai_response(&b, &m, all.data ? (const char *)all.data : "", all.len,
                         rt_oai_finish(d->finish), &u);
+        km_buf_free(&all);
         char extra[KM_PROTO_MAX_NAME + 64];
         snprintf(extra, sizeof extra, "X-Kvmesh-Worker: %s\r\n", d->worker ? d->worker : "");
         km_http_respond(q->http, 200, "application/json", extra, b.data, b.len);
     }
     km_buf_free(&b);
+}
+
+/* The answer to h is error e: a JSON body, or (the stream began) an SSE error event and the end. */
+static void respond_error(km_http_req *h, bool began, const rt_oai_err *e, uint32_t retry_after)
+{
+    km_buf b = {0};
+    if (began) {
+        rt_oai_sse_error(&b, e);
+        km_http_stream_write(h, b.data, b.len);
+        km_buf_reset(&b);
+        rt_oai_sse_done(&b);
+        km_http_stream_write(h, b.data, b.len);
+        km_http_stream_end(h);
+    } else {
+        rt_oai_error_json(&b, e);
+        char extra[64] = "";
+        if (retry_after)
+            snprintf(extra, sizeof extra, "Retry-After: %u\r\n", (retry_after + 999) / 1000);
+        km_http_respond(h, e->status, "application/json", extra, b.data, b.len);
+    }
+    km_buf_free(&b);
+}
+
+static void group_unref(rt_hgroup *g)
+{
+    if (--g->refs > 0) return;
+    if (g->http) km_http_on_abort(g->http, NULL, NULL);
+    for (int i = 0; g->c && i < g->n; i++) {
+        free((char *)g->c[i].text);
+        free((void *)g->c[i].lp);
+    }
+    free(g->c);
+    free(g->m);
+    free(g);
+}
+
+/* Every member of g but keep ends now, without a reply (the client is gone, or answered). */
+static void group_abandon(rt_hgroup *g, const rt_rq *keep)
+{
+    g->refs++; /* an abandoned member's release must not free g under this loop */
+    for (int i = 0; i < g->n; i++) {
+        rt_rq *q = g->m[i];
+        if (!q || q == keep) continue;
+        q->http = NULL;
+        rt_rq_abandon(g->r, q);
+    }
+    group_unref(g);
+}
+
+static void on_group_abort(km_http_req *h, void *user)
+{
+    rt_hgroup *g = user;
+    g->http = NULL;
+    group_abandon(g, NULL);
+}
+
+/* A choice failed: the whole response is that error, and the other choices end. */
+static void group_fail(rt_router *r, rt_rq *q, const rt_oai_err *e, uint32_t retry_after)
+{
+    rt_hgroup *g = q->grp;
+    q->http = NULL;
+    if (g->failed || !g->http) return;
+    g->failed = true;
+    respond_error(g->http, g->began, e, retry_after);
+    group_abandon(g, q);
+}
+
+/* The HTTP request of q ends with e (a group: every other choice abandoned). */
+static void http_fail(rt_router *r, rt_rq *q, const rt_oai_err *e)
+{
+    if (q->grp)
+        group_fail(r, q, e, 0);
+    else if (q->http)
+        respond_error(q->http, q->http_began, e, 0);
+}
+
+/* Whether q is the first of its response to begin the SSE stream (false for later choices). */
+static bool stream_first(rt_rq *q)
+{
+    if (!q->grp) return true;
+    bool first = !q->grp->began;
+    q->grp->began = true;
+    return first;
+}
+
+/* OpenAI's context check, with its counts: a prompt that leaves no room in the context, or one
+ * whose max_tokens asked for more than is left, is 400 context_length_exceeded (the workers
+ * would otherwise cap the completion silently). True when it answered. */
+static bool over_context(rt_router *r, rt_rq *q, uint32_t asked, bool chat)
+{
+    uint32_t ctx = r->c.max_ctx, np = (uint32_t)q->n_prompt;
+    if (!ctx || (np < ctx && (uint64_t)np + asked <= ctx)) return false;
+    const char *what = chat ? "messages" : "prompt";
+    char m[400];
+    if (np >= ctx)
+        snprintf(m, sizeof m,
+                 "This model's maximum context length is %u tokens. However, your %s resulted "
+                 "in %u tokens. Please reduce the length of the %s.",
+                 ctx, what, np, what);
+    else
+        snprintf(m, sizeof m,
+                 "This model's maximum context length is %u tokens. However, you requested %llu "
+                 "tokens (%u in the %s, %u in the completion). Please reduce the length of the "
+                 "%s or completion.",
+                 ctx, (unsigned long long)np + asked, np, what, asked, what);
+    rt_oai_err e;
+    rt_oai_err_from_code(KM_CODE_TOO_LARGE, m, &e);
+    e.param = what;
+    http_fail(r, q, &e);
+    return true;
+}
+
+/* An HTTP request's prompt is tokenized: a prompt + max_tokens over the context is answered 400
+ * here (q ended, 1); otherwise a streaming response begins and 0 (the caller starts q). */
+static int http_tokens_ready(rt_router *r, rt_rq *q)
+{
+    if (over_context(r, q, q->max_tokens, q->http_chat)) {
+        rt_rq_end(r, q);
+        return 1;
+    }
+    if (q->http_stream) {
+        if (stream_first(q)) km_http_stream_begin(q->http, 200, "text/event-stream");
+        q->http_began = true;
+        if (q->http_chat) {
+            rt_oai_meta m;
+            km_buf b = {0};
+            rt_rq_oai_meta(r, q, &m, NULL);
+            if (!rt_oai_sse_chunk(&b, &m, NULL, 0, NULL))
+                km_http_stream_write(q->http, b.data, b.len);
+            km_buf_free(&b);
+        }
+        if (q->echo_text && q->echo_len) { /* echo: the prompt's text is the first chunk */
+            rt_oai_meta m;
+            km_buf b = {0};
+            rt_rq_oai_meta(r, q, &m, NULL);
+            if (!rt_oai_sse_chunk(&b, &m, q->echo_text, q->echo_len, NULL))
+                km_http_stream_write(q->http, b.data, b.len);
+            km_buf_free(&b);
+        }
+        q->lp_off = q->echo_len;
+    }
+    return 0;
 }
 
 static void http_reply_error(rt_router *r, rt_rq *q, int code, uint32_t retry_after,
@@ -83,28 +310,24 @@ static void http_reply_error(rt_router *r, rt_rq *q, int code, uint32_t retry_af
     if (!q->http) return;
     rt_oai_err e;
     rt_oai_err_from_code(code, msg, &e);
-    km_buf b = {0};
-    if (q->http_began) {
-        rt_oai_sse_error(&b, &e);
-        km_http_stream_write(q->http, b.data, b.len);
-        km_buf_reset(&b);
-        rt_oai_sse_done(&b);
-        km_http_stream_write(q->http, b.data, b.len);
-        km_http_stream_end(q->http);
-    } else {
-        rt_oai_error_json(&b, &e);
-        char extra[64] = "";
-        if (retry_after)
-            snprintf(extra, sizeof extra, "Retry-After: %u\r\n", (retry_after + 999) / 1000);
-        km_http_respond(q->http, e.status, "application/json", extra, b.data, b.len);
-    }
-    km_buf_free(&b);
+    if (q->grp)
+        group_fail(r, q, &e, retry_after);
+    else
+        respond_error(q->http, q->http_began, &e, retry_after);
 }
 
-/* q ends: its connection must no longer call on_http_abort with it. */
+/* q ends: its connection must no longer call on_http_abort with it (a group: once its last
+ * member ends). */
 static void http_release(rt_rq *q)
 {
-    if (q->http) km_http_on_abort(q->http, NULL, NULL);
+    rt_hgroup *g = q->grp;
+    if (g) {
+        g->m[q->choice] = NULL;
+        q->grp = NULL;
+        group_unref(g);
+    } else if (q->http) {
+        km_http_on_abort(q->http, NULL, NULL);
+    }
 }
 
 const rt_front_ops rt_front_http = {
@@ -114,6 +337,7 @@ const rt_front_ops rt_front_http = {
     .done = http_done,
     .error = http_reply_error,
     .release = http_release,
+    .tokens_ready = http_tokens_ready,
 };
 
 static void http_error(km_http_req *h, int status, const char *type, const char *param,
@@ -273,6 +497,45 @@ static bool http_auth(rt_router *r, km_http_req *h, unsigned roles, km_apikey_ma
     return false;
 }
 
+/* Whether origin is one of --cors-origins ("*": any). */
+static bool cors_allowed(const char *list, const char *origin)
+{
+    if (!list || !origin || !*origin) return false;
+    size_t n = strlen(origin);
+    for (const char *p = list; *p;) {
+        while (*p == ' ' || *p == ',') p++;
+        size_t k = strcspn(p, ",");
+        while (k && p[k - 1] == ' ') k--;
+        if ((k == 1 && *p == '*') || (k == n && !strncmp(p, origin, n))) return true;
+        p += strcspn(p, ",");
+    }
+    return false;
+}
+
+/* CORS (--cors-origins): a request from an allowed browser origin gets Access-Control-Allow-
+ * Origin on whatever answers it; its preflight (OPTIONS with Access-Control-Request-Method) is
+ * answered here, before any key is asked for (browsers send none with it). True when it
+ * answered. Off (no header, preflights 405) without --cors-origins. */
+static bool cors(rt_router *r, km_http_req *h)
+{
+    const char *origin = km_http_header(h, "Origin");
+    if (!cors_allowed(r->c.cors_origins, origin) || strpbrk(origin, "\r\n")) return false;
+    char line[KM_PROTO_MAX_NAME + 160];
+    snprintf(line, sizeof line, "Access-Control-Allow-Origin: %.*s\r\nVary: Origin\r\n",
+             KM_PROTO_MAX_NAME, origin);
+    km_http_add_headers(h, line);
+    if (strcmp(km_http_method(h), "OPTIONS") || !km_http_header(h, "Access-Control-Request-Method"))
+        return false;
+    const char *want = km_http_header(h, "Access-Control-Request-Headers");
+    char extra[1024];
+    snprintf(extra, sizeof extra,
+             "Access-Control-Allow-Methods: GET, POST, OPTIONS\r\n"
+             "Access-Control-Allow-Headers: %.512s\r\nAccess-Control-Max-Age: 600\r\n",
+             want && !strpbrk(want, "\r\n") ? want : "Authorization, Content-Type");
+    km_http_respond(h, 200, "text/plain", extra, "", 0);
+    return true;
+}
+
 /* The server's on_head hook: with keys on, a request for anything but the health probes needs
  * a valid key before its body is read, so a keyless client costs one head of memory and work,
  * whatever body it announces (issue 41). Roles are checked by each route, as before. */
@@ -280,7 +543,10 @@ static void on_front_head(km_http_req *h, void *user)
 {
     rt_router *r = user;
     const char *path = km_http_path(h);
-    if (!r->apikeys || !strcmp(path, "/healthz") || !strcmp(path, "/readyz")) return;
+    if (cors(r, h)) return; /* a preflight, answered */
+    if (!r->apikeys || !strcmp(path, "/healthz") || !strcmp(path, "/readyz") ||
+        !strcmp(path, "/health"))
+        return;
     km_apikey_match m;
     bool keyed;
     http_auth(r, h, KM_ROLES_ALL, &m, &keyed);
@@ -383,7 +649,7 @@ static void on_status(km_http_req *h, void *user)
 }
 
 /* The OpenAI request's sampling parameters, stop strings and salt into q (taken from oq). */
-static void rq_from_oai(rt_rq *q, rt_oai_req *oq)
+static int rq_from_oai(rt_rq *q, const rt_oai_req *oq)
 {
     km_msg tmp;
     km_msg_init(&tmp, KM_MSG_REQUEST);
@@ -400,24 +666,30 @@ static void rq_from_oai(rt_rq *q, rt_oai_req *oq)
     q->q.priority = oq->priority;
     q->q.speculate = oq->speculate;
     q->q.max_draft_tokens = oq->max_draft_tokens;
-    q->q.n_stop = (uint32_t)oq->n_stop;
-    for (int i = 0; i < oq->n_stop; i++) {
-        q->stop[i] = oq->stop[i];
-        oq->stop[i] = NULL;
-    }
-    oq->n_stop = 0;
-    q->salt = oq->cache_salt;
-    oq->cache_salt = NULL;
+    q->q.logprobs = oq->logprobs;
+    q->q.top_logprobs = oq->top_logprobs;
+    q->echo = oq->echo;
     q->max_tokens = oq->max_tokens;
+    if (oq->n_logit_bias) {
+        if (!(q->bias = malloc(sizeof *q->bias * (size_t)oq->n_logit_bias))) return KM_ENOMEM;
+        memcpy(q->bias, oq->logit_bias, sizeof *q->bias * (size_t)oq->n_logit_bias);
+        q->q.n_logit_bias = (uint32_t)oq->n_logit_bias;
+    }
+    q->q.n_stop = (uint32_t)oq->n_stop;
+    for (int i = 0; i < oq->n_stop; i++)
+        if (!(q->stop[i] = strdup(oq->stop[i]))) return KM_ENOMEM;
+    if (oq->cache_salt && !(q->salt = strdup(oq->cache_salt))) return KM_ENOMEM;
+    return 0;
 }
 
 /* The prompt's text (malloc'd, *len bytes; NULL when out of memory): a completion's prompt as
  * is, a chat's messages through the model's chat template (ChatML when the model names none). */
-static char *prompt_text(rt_router *r, const rt_oai_req *oq, bool chat, size_t *len)
+static char *prompt_text(rt_router *r, const rt_oai_req *oq, bool chat, bool add_assistant,
+                         size_t *len)
 {
     if (!chat) {
-        *len = strlen(oq->prompt);
-        return strdup(oq->prompt);
+        *len = strlen(oq->prompts[0].text);
+        return strdup(oq->prompts[0].text);
     }
     md_chat_msg msgs[1024];
     for (int i = 0; i < oq->n_msgs && i < 1024; i++)
@@ -427,15 +699,146 @@ static char *prompt_text(rt_router *r, const rt_oai_req *oq, bool chat, size_t *
                              ? "You are a helpful AI assistant named SmolLM, trained by "
                                "Hugging Face"
                              : NULL;
-    int need = md_chat_apply(kind, msgs, oq->n_msgs, 1, defsys, NULL, 0);
+    int need = md_chat_apply(kind, msgs, oq->n_msgs, add_assistant, defsys, NULL, 0);
     char *txt = need >= 0 ? malloc((size_t)need + 1) : NULL;
-    if (txt) md_chat_apply(kind, msgs, oq->n_msgs, 1, defsys, txt, (size_t)need + 1);
+    if (txt) md_chat_apply(kind, msgs, oq->n_msgs, add_assistant, defsys, txt, (size_t)need + 1);
     *len = need >= 0 ? (size_t)need : 0;
     return txt;
 }
 
-/* POST /v1/completions or /v1/chat/completions: a request of the router's table, answered as
- * SSE chunks or one JSON body. */
+/* The text of token ids (malloc'd, *len bytes; NULL when out of memory). */
+static char *ids_text(rt_router *r, const int32_t *ids, int n, size_t *len)
+{
+    km_buf b = {0};
+    md_detok dt;
+    md_detok_init(&dt);
+    char piece[KM_PROTO_MAX_PIECE + 64];
+    for (int i = 0; i < n; i++) {
+        int w = md_detok_push(r->tok, &dt, ids[i], piece, sizeof piece);
+        if (w > 0 && km_buf_append(&b, piece, (size_t)w)) goto oom;
+    }
+    int w = md_detok_flush(&dt, piece, sizeof piece);
+    if ((w > 0 && km_buf_append(&b, piece, (size_t)w)) || km_buf_append(&b, "", 1)) goto oom;
+    *len = b.len - 1;
+    return (char *)b.data;
+oom:
+    km_buf_free(&b);
+    return NULL;
+}
+
+/* A prompt of token ids into q (its text too when it echoes). */
+static int rq_take_ids(rt_router *r, rt_rq *q, const rt_oai_prompt *p)
+{
+    q->cap = p->n_ids + 64;
+    if (!(q->tokens = malloc(sizeof *q->tokens * (size_t)q->cap))) return KM_ENOMEM;
+    memcpy(q->tokens, p->ids, sizeof *q->tokens * (size_t)p->n_ids);
+    q->n_prompt = p->n_ids;
+    if (q->echo && !(q->echo_text = ids_text(r, p->ids, p->n_ids, &q->echo_len))) return KM_ENOMEM;
+    return 0;
+}
+
+/* A 400 naming param when an id of ids is not in the vocabulary; true when it answered. */
+static bool bad_ids(rt_router *r, km_http_req *h, const char *param, const int32_t *ids, int n,
+                    size_t stride)
+{
+    int nv = md_tok_n_vocab(r->tok);
+    for (int i = 0; i < n; i++) {
+        int32_t id = *(const int32_t *)((const char *)ids + stride * (size_t)i);
+        if (id >= nv) {
+            char m[160];
+            snprintf(m, sizeof m, "'%s' names token id %d, outside the vocabulary (%d ids)", param,
+                     id, nv);
+            http_error(h, 400, "invalid_request_error", param, m);
+            return true;
+        }
+    }
+    return false;
+}
+
+/* One choice's request (a group's member when g is not NULL): q, or NULL after answering h. */
+static rt_rq *member_new(rt_router *r, km_http_req *h, const rt_oai_req *oq, const char *id,
+                         int64_t created, const km_apikey_match *key, rt_hgroup *g, int choice)
+{
+    rt_rq *q = rt_rq_new(r, &rt_front_http);
+    int rc = q ? rq_from_oai(q, oq) : KM_ENOMEM;
+    if (!rc) {
+        q->http = h;
+        q->http_chat = oq->chat;
+        q->http_stream = oq->stream;
+        q->include_usage = oq->include_usage;
+        q->created = created;
+        snprintf(q->oai_id, sizeof q->oai_id, "%s", id);
+        q->grp = g;
+        q->choice = choice;
+        if (q->q.has_seed) q->q.seed += (uint64_t)(choice % oq->n); /* n seeded: reproducible */
+        if (key) snprintf(q->tenant, sizeof q->tenant, "h:%s", key->tenant);
+        rc = rt_rq_compose_salt(q, key);
+    }
+    if (!rc) return q;
+    rt_rq_free(q);
+    if (rc == KM_ERANGE)
+        http_error(h, 400, "invalid_request_error", "cache_salt",
+                   "'cache_salt' is too long for this API key's tenant salt");
+    else
+        http_error(h, 500, "server_error", NULL, "out of memory");
+    return NULL;
+}
+
+/* q's prompt (p, or a chat's rendered text) is tokenized and q starts: it is in the router's
+ * table from here, and answers for itself. */
+static void member_start(rt_router *r, rt_rq *q, const rt_oai_prompt *p, const char *chat_text,
+                         size_t chat_len)
+{
+    if (p && p->ids) { /* token ids: no tokenizing */
+        if (rq_take_ids(r, q, p)) {
+            rt_rq_fail(r, q, KM_CODE_INTERNAL, 0, "out of memory");
+            return;
+        }
+        if (!http_tokens_ready(r, q)) rt_rq_start(r, q);
+        return;
+    }
+    size_t len = p ? strlen(p->text) : chat_len;
+    char *text = strndup(p ? p->text : chat_text, len);
+    if (text && q->echo && !(q->echo_text = strndup(text, len))) {
+        free(text);
+        text = NULL;
+    }
+    if (!text) {
+        rt_rq_fail(r, q, KM_CODE_INTERNAL, 0, "out of memory");
+        return;
+    }
+    q->echo_len = q->echo_text ? len : 0;
+    /* tokenized on or off the loop (prompt.c), then http_tokens_ready, then started */
+    rt_rq_prepare(r, q, text, len, p ? 1 : 0); /* a rendered template carries its BOS */
+}
+
+/* The group of choices, or NULL (answered 500) when out of memory. */
+static rt_hgroup *group_new(rt_router *r, km_http_req *h, const rt_oai_req *oq, int choices)
+{
+    rt_hgroup *g = calloc(1, sizeof *g);
+    if (g && (!(g->m = calloc((size_t)choices, sizeof *g->m)) ||
+              !(g->c = calloc((size_t)choices, sizeof *g->c)))) {
+        free(g->m);
+        free(g);
+        g = NULL;
+    }
+    if (!g) {
+        http_error(h, 500, "server_error", NULL, "out of memory");
+        return NULL;
+    }
+    *g = (rt_hgroup){.r = r,
+                     .http = h,
+                     .n = choices,
+                     .per = oq->n,
+                     .stream = oq->stream,
+                     .refs = 1,
+                     .m = g->m,
+                     .c = g->c};
+    return g;
+}
+
+/* POST /v1/completions or /v1/chat/completions: a request of the router's table per choice (n
+ * times each prompt), answered as SSE chunks or one JSON body. */
 static void on_completion(rt_router *r, km_http_req *h, bool chat)
 {
     km_apikey_match key;
@@ -467,37 +870,68 @@ static void on_completion(rt_router *r, km_http_req *h, bool chat)
         km_buf_free(&b);
         return;
     }
-    rt_rq *q = rt_rq_new(r, &rt_front_http);
-    if (!q) {
-        rt_oai_req_free(&oq);
-        return http_error(h, 500, "server_error", NULL, "out of memory");
+    int np = chat ? 1 : oq.n_prompts, choices = np * oq.n;
+    bool bad = false;
+    if (choices > r->c.max_n) {
+        char m[200];
+        snprintf(m, sizeof m,
+                 "%d choices asked (n x prompts); this server gives at most %d per request",
+                 choices, r->c.max_n);
+        http_error(h, 400, "invalid_request_error", oq.n > 1 ? "n" : "prompt", m);
+        bad = true;
     }
-    q->http = h;
-    q->http_chat = chat;
-    q->http_stream = oq.stream;
-    q->include_usage = oq.include_usage;
-    q->created = (int64_t)time(NULL);
-    snprintf(q->oai_id, sizeof q->oai_id, "%s-%llx%06llx", chat ? "chatcmpl" : "cmpl",
-             (unsigned long long)q->created, (unsigned long long)(r->next_rid + 1));
-    rq_from_oai(q, &oq);
-    if (keyed) snprintf(q->tenant, sizeof q->tenant, "h:%s", key.tenant);
-    int rc = rt_rq_compose_salt(q, keyed ? &key : NULL);
-    if (rc == KM_ERANGE) {
-        rt_oai_req_free(&oq);
-        rt_rq_free(q);
-        return http_error(h, 400, "invalid_request_error", "cache_salt",
-                          "'cache_salt' is too long for this API key's tenant salt");
+    bad = bad || bad_ids(r, h, "logit_bias", oq.logit_bias ? &oq.logit_bias[0].token : NULL,
+                         oq.n_logit_bias, sizeof *oq.logit_bias);
+    for (int i = 0; !chat && !bad && i < np; i++)
+        bad = bad_ids(r, h, "prompt", oq.prompts[i].ids, oq.prompts[i].n_ids, sizeof(int32_t));
+    size_t chat_len = 0;
+    char *chat_text = !bad && chat ? prompt_text(r, &oq, true, true, &chat_len) : NULL;
+    if (!bad && chat && !chat_text) {
+        http_error(h, 500, "server_error", NULL, "cannot render the prompt");
+        bad = true;
     }
-    size_t len = 0;
-    char *text = rc ? NULL : prompt_text(r, &oq, chat, &len);
+    rt_hgroup *g = !bad && choices > 1 ? group_new(r, h, &oq, choices) : NULL;
+    if (bad || (choices > 1 && !g)) {
+        rt_oai_req_free(&oq);
+        return;
+    }
+    int64_t created = (int64_t)time(NULL);
+    char id[48];
+    snprintf(id, sizeof id, "%s-%llx%06llx", chat ? "chatcmpl" : "cmpl",
+             (unsigned long long)created, (unsigned long long)(r->next_rid + 1));
+    rt_rq *one = NULL;
+    for (int i = 0; i < choices; i++) {
+        rt_rq *q = member_new(r, h, &oq, id, created, keyed ? &key : NULL, g, i);
+        if (!q) { /* answered: the members made so far never started */
+            for (int k = 0; g && k < i; k++) rt_rq_free(g->m[k]);
+            if (g) {
+                g->refs = 1;
+                g->http = NULL;
+                group_unref(g);
+            }
+            free(chat_text);
+            rt_oai_req_free(&oq);
+            return;
+        }
+        if (g) {
+            g->m[i] = q;
+            g->refs++;
+        } else {
+            one = q;
+        }
+    }
+    if (g)
+        km_http_on_abort(h, on_group_abort, g);
+    else
+        km_http_on_abort(h, on_http_abort, one);
+    for (int i = 0; i < choices; i++) {
+        rt_rq *q = g ? g->m[i] : one;
+        if (!q) continue; /* ended with the group (another choice failed) */
+        member_start(r, q, chat ? NULL : &oq.prompts[i / oq.n], chat_text, chat_len);
+    }
+    free(chat_text);
     rt_oai_req_free(&oq);
-    if (!text) {
-        rt_rq_free(q);
-        return http_error(h, 500, "server_error", NULL, "cannot render the prompt");
-    }
-    km_http_on_abort(h, on_http_abort, q);
-    /* tokenized on or off the loop (prompt.c), then rt_front_tokens_ready, then started */
-    rt_rq_prepare(r, q, text, len, chat ? 0 : 1); /* a rendered template carries its BOS */
+    if (g) group_unref(g);
     rt_pump(r);
 }
 
@@ -511,10 +945,101 @@ static void on_chat_completions(km_http_req *h, void *user)
     on_completion(user, h, true);
 }
 
+/* The body's error (e) as the answer to h. */
+static void answer_error(km_http_req *h, const rt_oai_err *e)
+{
+    km_buf b = {0};
+    rt_oai_error_json(&b, e);
+    km_http_respond(h, e->status, "application/json", NULL, b.data, b.len);
+    km_buf_free(&b);
+}
+
+/* Prompts /tokenize takes: tokenized on the loop, so bounded well below --max-prompt-bytes. */
+#define RT_TOKENIZE_MAX_BYTES (64u << 10)
+
+/* POST /tokenize (vLLM's): the prompt's (or the rendered chat's) token ids. */
+static void on_tokenize(km_http_req *h, void *user)
+{
+    rt_router *r = user;
+    km_apikey_match key;
+    bool keyed;
+    if (!http_auth(r, h, KM_ROLE_CLIENT | KM_ROLE_OPERATOR, &key, &keyed)) return;
+    size_t blen;
+    const char *body = km_http_body(h, &blen);
+    rt_oai_tokreq tq;
+    rt_oai_err e;
+    if (rt_oai_parse_tokenize(body, blen, &tq, &e)) return answer_error(h, &e);
+    size_t len = 0;
+    char *text = prompt_text(r, &tq.q, tq.q.chat, tq.add_generation_prompt, &len);
+    rt_oai_req_free(&tq.q);
+    if (!text) return http_error(h, 500, "server_error", NULL, "cannot render the prompt");
+    if (len > RT_TOKENIZE_MAX_BYTES) {
+        free(text);
+        char m[120];
+        snprintf(m, sizeof m, "/tokenize takes prompts of at most %u bytes", RT_TOKENIZE_MAX_BYTES);
+        return http_error(h, 413, "invalid_request_error", "prompt", m);
+    }
+    int cap = (int)len + 8;
+    int32_t *ids = malloc(sizeof *ids * (size_t)cap);
+    int n = ids ? md_tok_encode(r->tok, text, len, tq.add_special ? 1 : 0, 1, ids, cap) : -1;
+    free(text);
+    char **strs = n >= 0 && tq.return_token_strs ? calloc((size_t)n + 1, sizeof *strs) : NULL;
+    for (int i = 0; strs && i < n; i++) {
+        char p[KM_PROTO_MAX_PIECE];
+        int w = md_tok_piece(r->tok, ids[i], 1, p, sizeof p);
+        strs[i] = strndup(p, w > 0 && w <= (int)sizeof p ? (size_t)w : 0);
+    }
+    km_buf b = {0};
+    if (n < 0 || n > cap || (tq.return_token_strs && !strs) ||
+        rt_oai_tokenize_response(&b, ids, n, r->c.max_ctx, strs))
+        http_error(h, 500, "server_error", NULL, "cannot tokenize the prompt");
+    else
+        km_http_respond(h, 200, "application/json", NULL, b.data, b.len);
+    for (int i = 0; strs && i < n; i++) free(strs[i]);
+    free(strs);
+    free(ids);
+    km_buf_free(&b);
+}
+
+/* POST /detokenize (vLLM's): token ids back to text. */
+static void on_detokenize(km_http_req *h, void *user)
+{
+    rt_router *r = user;
+    km_apikey_match key;
+    bool keyed;
+    if (!http_auth(r, h, KM_ROLE_CLIENT | KM_ROLE_OPERATOR, &key, &keyed)) return;
+    size_t blen;
+    const char *body = km_http_body(h, &blen);
+    int32_t *ids;
+    int n;
+    rt_oai_err e;
+    if (rt_oai_parse_detokenize(body, blen, md_tok_n_vocab(r->tok), &ids, &n, &e))
+        return answer_error(h, &e);
+    size_t len = 0;
+    char *text = ids_text(r, ids, n, &len);
+    free(ids);
+    km_buf b = {0};
+    if (!text || rt_oai_detokenize_response(&b, text, len))
+        http_error(h, 500, "server_error", NULL, "out of memory");
+    else
+        km_http_respond(h, 200, "application/json", NULL, b.data, b.len);
+    free(text);
+    km_buf_free(&b);
+}
+
+/* GET /health (vLLM's liveness probe): 200, empty, no key needed. */
+static void on_health(km_http_req *h, void *user)
+{
+    km_http_respond(h, 200, "text/plain", NULL, "", 0);
+}
+
 /* The router's HTTP API. GET admits HEAD; a path not here is 404, a method not listed 405 (with
  * Allow), both as OpenAI error objects. */
 static const km_http_route front_routes[] = {
     {"/healthz", 0, on_healthz},
+    {"/health", 0, on_health},
+    {"/tokenize", KM_HTTP_POST, on_tokenize},
+    {"/detokenize", KM_HTTP_POST, on_detokenize},
     {"/readyz", 0, on_readyz},
     {"/metrics", 0, on_metrics},
     {"/v1/models", KM_HTTP_GET, on_models},

@@ -46,6 +46,7 @@ typedef struct rt_rq rt_rq;
 typedef struct rt_front_ops rt_front_ops;
 typedef struct rt_wk rt_wk;
 typedef struct rt_tokjob rt_tokjob;           /* prompt.c */
+typedef struct rt_hgroup rt_hgroup;           /* front.c */
 typedef struct rt_tenants rt_tenants;         /* tenants.c */
 typedef struct rt_tenant_load rt_tenant_load; /* fair.c */
 
@@ -67,6 +68,8 @@ struct rt_rq {
     uint64_t src_gen;  /* ... and which connection on it (clients.c: disconnects) */
     bool canceled;     /* the client canceled it: it ends, it is never migrated */
     km_http_req *http; /* the HTTP request (common/http.h) of an OpenAI request */
+    rt_hgroup *grp;    /* one of its choices (n > 1, several prompts); NULL: its only one */
+    int choice;        /* its choice's index in grp */
     bool http_stream, http_chat, include_usage, http_began;
     char oai_id[48];
     int64_t created;
@@ -75,6 +78,14 @@ struct rt_rq {
     char model[KM_PROTO_MAX_NAME + 1];
     char *salt;
     char *stop[KM_PROTO_MAX_STOP];
+    km_token_value *bias;        /* req.logit_bias (q.n_logit_bias entries), owned */
+    const km_msg_token *cur_tok; /* the worker's frame of the token being delivered (its
+                                  * logprobs), NULL outside rt_relay_token */
+    km_buf lp;                   /* HTTP: logprobs gathered (openai.c's rt_oai_lp entries) */
+    size_t lp_off;               /* HTTP completions: text_offset of the next token */
+    bool echo;                   /* HTTP completions: the prompt's text goes first */
+    char *echo_text;
+    size_t echo_len;
     int32_t *tokens; /* prompt, then every generated token */
     int n_prompt, n_gen, cap;
     uint32_t max_tokens;
@@ -147,6 +158,9 @@ struct rt_front_ops {
     void (*error)(rt_router *r, rt_rq *q, int code, uint32_t retry_after, const char *msg);
     /* q is about to be freed: the front lets go of it. */
     void (*release)(rt_rq *q);
+    /* q's prompt is tokens now (prompt.c): 1 when the front answered and ended q (its checks
+     * failed), 0 to start it. NULL: start it. */
+    int (*tokens_ready)(rt_router *r, rt_rq *q);
 };
 
 /* What the controller's view says about a worker's page transfer (pull.c). */
@@ -417,11 +431,24 @@ void rt_rq_prepare(rt_router *r, rt_rq *q, char *text, size_t len, int add_speci
 /* Everything after the prompt is in q->tokens: the chain, the key, the table, then dispatch.
  * On failure q has been answered and freed. */
 int rt_rq_start(rt_router *r, rt_rq *q);
-/* An HTTP request's prompt is tokenized: a prompt + max_tokens over the context is answered 400
- * here (q ended, 1); otherwise a streaming response begins and 0 (prompt.c starts q). */
-int rt_front_tokens_ready(rt_router *r, rt_rq *q);
 /* What the OpenAI response objects of q say besides the text. */
 void rt_rq_oai_meta(rt_router *r, rt_rq *q, rt_oai_meta *m, const char *worker);
+
+/* ---------------------------------------------------------------- front.c: choices
+ * An OpenAI request with several choices (n, several prompts) runs as one request of the table
+ * per choice; their group answers the client once: one body with every choice, or one stream
+ * whose chunks carry their choice's index, ended when the last choice is. */
+struct rt_hgroup {
+    rt_router *r;
+    km_http_req *http; /* NULL once the client is gone */
+    int n, per, refs;  /* choices, of them per prompt (n); members not yet ended + holds */
+    int n_done;
+    bool stream, began, failed;
+    rt_rq **m;        /* by choice; NULL once ended */
+    rt_oai_choice *c; /* non-streaming: each finished choice (strings owned) */
+    rt_oai_usage u;   /* summed over the choices (the prompt counted once per prompt) */
+    char worker[KM_PROTO_MAX_NAME + 1]; /* the last worker that finished a choice */
+};
 
 /* ---------------------------------------------------------------- workers.c: links, KV events */
 

@@ -91,6 +91,7 @@ typedef struct rt_args {
     int64_t max_queue_per_key, max_inflight_per_key;
     int64_t http_port, admin_port, page_tokens, slots, max_inflight, max_queue, attempts, dmax,
         max_ctx;
+    int64_t max_n;
     int64_t sync_ms, ttl_ms, queue_ms, cluster_seed, index_pages, view_ms, request_ms;
     uint64_t max_body, max_prompt_bytes, max_buffered;
     km_sec_args sec_args;
@@ -227,6 +228,13 @@ static const km_opt g_opts[] = {
      "needs --tls-key",
      &g_args.c.tls_cert, 0, 0},
     {"tls-key", NULL, KM_OPT_STR, NULL, "PEM private key of --tls-cert", &g_args.c.tls_key, 0, 0},
+    {"cors-origins", NULL, KM_OPT_STR, NULL,
+     "browser origins that may call the HTTP front (CORS): \"*\" or ORIGIN,...; unset = no "
+     "CORS headers, preflights refused",
+     &g_args.c.cors_origins, 0, 0},
+    {"max-n", NULL, KM_OPT_INT, "8",
+     "most choices one OpenAI request may ask for (n, or a list of prompts)", &g_args.max_n, 1,
+     128},
     {"log-level", NULL, KM_OPT_STR, "info", "debug, info, warn, error", &g_args.log_level, 0, 0},
     {"log-format", NULL, KM_OPT_STR, "text", "text or json", &g_args.log_format, 0, 0},
 };
@@ -256,6 +264,7 @@ static void args_to_config(rt_args *a)
     c->max_prompt_bytes = (size_t)a->max_prompt_bytes;
     c->request_timeout_ms = (uint32_t)a->request_ms;
     c->view_timeout_ms = (uint32_t)a->view_ms;
+    c->max_n = (int)a->max_n;
 }
 
 int main(int argc, char **argv)
@@ -284,6 +293,7 @@ int main(int argc, char **argv)
     if (a->c.api_keys && !*a->c.api_keys) a->c.api_keys = NULL;
     if (a->c.tls_cert && !*a->c.tls_cert) a->c.tls_cert = NULL;
     if (a->c.tls_key && !*a->c.tls_key) a->c.tls_key = NULL;
+    if (a->c.cors_origins && !*a->c.cors_origins) a->c.cors_origins = NULL;
     if (!a->c.tls_cert != !a->c.tls_key) {
         fprintf(stderr, "kvmesh-router: --tls-cert and --tls-key go together\n");
         km_config_destroy(cfg);

@@ -10,7 +10,7 @@
  * but a byte-level vocabulary can produce invalid sequences (a stream cut inside a character),
  * and jansson refuses those: text is sanitised here (invalid bytes become U+FFFD) before it is
  * put in JSON. Unknown request fields are ignored, as OpenAI does; fields that ask for something
- * the server cannot do (n > 1, logprobs, echo, tools) are a 400 that names the field.
+ * the server cannot do (suffix, best_of > 1, echo with logprobs) are a 400 that names the field.
  */
 #include <jansson.h>
 #include <math.h>
@@ -28,7 +28,10 @@ static int fail(rt_oai_err *e, const char *param, const char *fmt, const char *a
     e->type = "invalid_request_error";
     e->param = param;
     e->code = NULL;
-    snprintf(e->message, sizeof e->message, fmt, arg ? arg : "");
+    if (arg) /* fmt has one %s */
+        snprintf(e->message, sizeof e->message, fmt, arg);
+    else
+        snprintf(e->message, sizeof e->message, "%s", fmt);
     return KM_EFORMAT;
 }
 
@@ -155,11 +158,129 @@ static char *content_text(json_t *c, rt_oai_err *e)
 
 /* ---------------------------------------------------------------- requests */
 
+/* Token ids of a JSON array into p; false when one is not an id. */
+static bool prompt_ids(json_t *a, rt_oai_prompt *p)
+{
+    size_t n = json_array_size(a);
+    if (!n || !(p->ids = malloc(sizeof *p->ids * n))) return false;
+    for (size_t i = 0; i < n; i++) {
+        json_t *x = json_array_get(a, i);
+        if (!json_is_integer(x) || json_integer_value(x) < 0 || json_integer_value(x) > INT32_MAX)
+            return false;
+        p->ids[i] = (int32_t)json_integer_value(x);
+    }
+    p->n_ids = (int)n;
+    return true;
+}
+
+/* "prompt": a string, an array of strings, an array of token ids, or an array of arrays of
+ * token ids; each prompt of a list is a choice of its own. */
+static int parse_prompts(json_t *v, rt_oai_req *r, rt_oai_err *e)
+{
+    static const char *const shape = "'prompt' must be a string, an array of strings, an array "
+                                     "of token ids or an array of arrays of token ids";
+    if (json_is_string(v)) {
+        if (!(r->prompts = calloc(1, sizeof *r->prompts))) return KM_ENOMEM;
+        r->n_prompts = 1;
+        return (r->prompts[0].text = dup_str(v)) ? 0 : KM_ENOMEM;
+    }
+    if (!json_is_array(v) || json_array_size(v) == 0) return fail(e, "prompt", "%s", shape);
+    json_t *first = json_array_get(v, 0);
+    size_t n = json_is_integer(first) ? 1 : json_array_size(v);
+    if (n > RT_OAI_MAX_PROMPTS)
+        return fail(e, "prompt", "too many prompts in one request (limit 128)", NULL);
+    if (!(r->prompts = calloc(n, sizeof *r->prompts))) return KM_ENOMEM;
+    r->n_prompts = (int)n;
+    if (json_is_integer(first))
+        return prompt_ids(v, &r->prompts[0]) ? 0 : fail(e, "prompt", "%s", shape);
+    for (size_t i = 0; i < n; i++) {
+        json_t *x = json_array_get(v, i);
+        if (json_is_string(x) && json_is_string(first)) {
+            if (!(r->prompts[i].text = dup_str(x))) return KM_ENOMEM;
+        } else if (!json_is_array(x) || !json_is_array(first) || !prompt_ids(x, &r->prompts[i])) {
+            return fail(e, "prompt", "%s", shape);
+        }
+    }
+    return 0;
+}
+
+/* "logit_bias": {"token id": bias in [-100, 100], ...} */
+static int parse_logit_bias(json_t *v, rt_oai_req *r, rt_oai_err *e)
+{
+    if (!v || json_is_null(v)) return 0;
+    if (!json_is_object(v))
+        return fail(e, "logit_bias", "'logit_bias' must map token ids to numbers", NULL);
+    size_t n = json_object_size(v);
+    if (n > KM_PROTO_MAX_BIAS)
+        return fail(e, "logit_bias", "'logit_bias' has more than 1024 entries", NULL);
+    if (!n) return 0;
+    if (!(r->logit_bias = calloc(n, sizeof *r->logit_bias))) return KM_ENOMEM;
+    const char *k;
+    json_t *x;
+    json_object_foreach(v, k, x)
+    {
+        char *end;
+        long id = strtol(k, &end, 10);
+        if (!*k || *end || id < 0 || id > INT32_MAX)
+            return fail(e, "logit_bias", "'logit_bias' key '%s' is not a token id", k);
+        double b = is_num(x) ? json_number_value(x) : NAN;
+        if (!(b >= -100 && b <= 100))
+            return fail(e, "logit_bias", "'logit_bias' values must be numbers in [-100, 100]",
+                        NULL);
+        r->logit_bias[r->n_logit_bias++] = (km_token_value){(int32_t)id, (float)b};
+    }
+    return 0;
+}
+
+/* logprobs / top_logprobs (chat: a boolean and 0..20; completions: logprobs 0..20 alternatives)
+ * and echo (completions), with what cannot go together. */
+static int parse_logprobs(json_t *o, bool chat, rt_oai_req *r, rt_oai_err *e)
+{
+    json_t *v = json_object_get(o, "logprobs");
+    long long x = 0;
+    bool has = false;
+    int rc;
+    if (chat) {
+        if (v && !json_is_null(v) && !json_is_boolean(v))
+            return fail(e, "logprobs", "'logprobs' must be a boolean", NULL);
+        r->logprobs = json_is_true(v);
+        if ((rc = get_int(o, "top_logprobs", 0, RT_OAI_MAX_TOP, &x, &has, e))) return rc;
+        if (has && !r->logprobs)
+            return fail(e, "top_logprobs", "'top_logprobs' needs 'logprobs': true", NULL);
+        r->top_logprobs = (uint32_t)x;
+    } else {
+        if ((rc = get_int(o, "logprobs", 0, RT_OAI_MAX_TOP, &x, &has, e))) return rc;
+        r->logprobs = has;
+        r->top_logprobs = (uint32_t)x;
+        v = json_object_get(o, "echo");
+        if (v && !json_is_null(v) && !json_is_boolean(v))
+            return fail(e, "echo", "'echo' must be a boolean", NULL);
+        r->echo = json_is_true(v);
+        if (r->echo && r->logprobs)
+            return fail(e, "echo",
+                        "'echo' with 'logprobs' is not supported by this server (the prompt's "
+                        "log-probabilities are not computed); use one or the other",
+                        NULL);
+        v = json_object_get(o, "suffix");
+        if (v && !json_is_null(v) && !(json_is_string(v) && json_string_length(v) == 0))
+            return fail(e, "suffix",
+                        "'suffix' is not supported by this server (no fill-in-the-middle)", NULL);
+    }
+    if ((rc = get_int(o, "n", 1, RT_OAI_MAX_PROMPTS, &x, &has, e))) return rc;
+    r->n = has ? (int)x : 1;
+    return parse_logit_bias(json_object_get(o, "logit_bias"), r, e);
+}
+
 void rt_oai_req_free(rt_oai_req *r)
 {
     if (!r) return;
     free(r->model);
-    free(r->prompt);
+    for (int i = 0; i < r->n_prompts; i++) {
+        free(r->prompts[i].text);
+        free(r->prompts[i].ids);
+    }
+    free(r->prompts);
+    free(r->logit_bias);
     for (int i = 0; i < r->n_msgs; i++) {
         free(r->msgs[i].role);
         free(r->msgs[i].content);
@@ -204,12 +325,8 @@ static int parse_obj(json_t *o, bool chat, rt_oai_req *r, rt_oai_err *e)
             if (!r->msgs[i].role) return KM_ENOMEM;
         }
     } else {
-        v = json_object_get(o, "prompt");
-        if (json_is_array(v) && json_array_size(v) == 1 && json_is_string(json_array_get(v, 0)))
-            v = json_array_get(v, 0);
-        if (!json_is_string(v))
-            return fail(e, "prompt", "'prompt' must be a string (or an array of one string)", NULL);
-        if (!(r->prompt = dup_str(v))) return KM_ENOMEM;
+        int rc = parse_prompts(json_object_get(o, "prompt"), r, e);
+        if (rc) return rc;
     }
     long long x = 0;
     bool has = false;
@@ -267,10 +384,7 @@ static int parse_obj(json_t *o, bool chat, rt_oai_req *r, rt_oai_err *e)
         r->has_seed = true;
         r->seed = (uint64_t)json_integer_value(v);
     }
-    if ((rc = get_int(o, "n", 1, 1, &x, NULL, e))) {
-        snprintf(e->message, sizeof e->message, "only n = 1 is supported");
-        return rc;
-    }
+    if ((rc = parse_logprobs(o, chat, r, e))) return rc;
     v = json_object_get(o, "stream");
     if (v && !json_is_null(v)) {
         if (!json_is_boolean(v)) return fail(e, "stream", "'stream' must be a boolean", NULL);
@@ -308,19 +422,47 @@ static int parse_obj(json_t *o, bool chat, rt_oai_req *r, rt_oai_err *e)
         if (!(r->cache_salt = dup_str(v))) return KM_ENOMEM;
     }
     /* Asked-for features this server does not have: say so rather than silently ignore. */
-    static const char *const unsupported[] = {"logprobs",   "echo",        "best_of",
-                                              "suffix",     "tools",       "functions",
-                                              "logit_bias", "top_logprobs"};
+    static const char *const unsupported[] = {"best_of", "tools", "functions"};
     for (size_t i = 0; i < sizeof unsupported / sizeof *unsupported; i++) {
         v = json_object_get(o, unsupported[i]);
         if (!v || json_is_null(v) || json_is_false(v)) continue;
         if (json_is_array(v) && json_array_size(v) == 0) continue;
         if (json_is_object(v) && json_object_size(v) == 0) continue;
-        if (json_is_integer(v) && json_integer_value(v) <= 1 && strcmp(unsupported[i], "logprobs"))
-            continue; /* best_of 1 */
+        if (json_is_integer(v) && json_integer_value(v) <= 1) continue; /* best_of 1 */
         return fail(e, unsupported[i], "'%s' is not supported by this server", unsupported[i]);
     }
     return 0;
+}
+
+/* rc, with e made a 500 when rc says memory ran out before any 400 was filled in. */
+static int no_memory(int rc, rt_oai_err *e)
+{
+    if (rc == KM_ENOMEM && !e->status) {
+        e->status = 500;
+        e->type = "server_error";
+        snprintf(e->message, sizeof e->message, "out of memory");
+    }
+    return rc;
+}
+
+/* The body as a JSON object, or NULL with e filled (400). */
+static json_t *load_object(const char *body, size_t len, rt_oai_err *e)
+{
+    json_error_t je;
+    json_t *o = json_loadb(body ? body : "", body ? len : 0, JSON_REJECT_DUPLICATES, &je);
+    if (!o) {
+        char m[300];
+        snprintf(m, sizeof m, "request body is not valid JSON: %s (line %d, column %d)", je.text,
+                 je.line, je.column);
+        fail(e, NULL, "%s", m);
+        return NULL;
+    }
+    if (!json_is_object(o)) {
+        json_decref(o);
+        fail(e, NULL, "request body must be a JSON object", NULL);
+        return NULL;
+    }
+    return o;
 }
 
 int rt_oai_parse(const char *body, size_t len, bool chat, rt_oai_req *out, rt_oai_err *e)
@@ -331,27 +473,103 @@ int rt_oai_parse(const char *body, size_t len, bool chat, rt_oai_req *out, rt_oa
     out->temperature = 1.0f;
     out->top_p = 1.0f;
     out->repeat_penalty = 1.0f;
-    json_error_t je;
-    json_t *o = json_loadb(body ? body : "", body ? len : 0, JSON_REJECT_DUPLICATES, &je);
-    if (!o) {
-        char m[300];
-        snprintf(m, sizeof m, "request body is not valid JSON: %s (line %d, column %d)", je.text,
-                 je.line, je.column);
-        return fail(e, NULL, "%s", m);
-    }
-    int rc;
-    if (!json_is_object(o))
-        rc = fail(e, NULL, "request body must be a JSON object", NULL);
-    else
-        rc = parse_obj(o, chat, out, e);
+    json_t *o = load_object(body, len, e);
+    if (!o) return KM_EFORMAT;
+    int rc = no_memory(parse_obj(o, chat, out, e), e);
     json_decref(o);
-    if (rc == KM_ENOMEM && !e->status) {
-        e->status = 500;
-        e->type = "server_error";
-        snprintf(e->message, sizeof e->message, "out of memory");
-    }
     if (rc) rt_oai_req_free(out);
     return rc;
+}
+
+/* ---------------------------------------------------------------- /tokenize, /detokenize */
+
+static int dump(km_buf *out, json_t *o, const char *prefix, const char *suffix);
+
+static int get_bool(json_t *o, const char *key, bool *out, rt_oai_err *e)
+{
+    json_t *v = json_object_get(o, key);
+    if (!v || json_is_null(v)) return 0;
+    if (!json_is_boolean(v)) return fail(e, key, "'%s' must be a boolean", key);
+    *out = json_is_true(v);
+    return 0;
+}
+
+int rt_oai_parse_tokenize(const char *body, size_t len, rt_oai_tokreq *out, rt_oai_err *e)
+{
+    memset(out, 0, sizeof *out);
+    memset(e, 0, sizeof *e);
+    json_t *o = load_object(body, len, e);
+    if (!o) return KM_EFORMAT;
+    bool chat = json_object_get(o, "messages") != NULL;
+    out->q.chat = chat;
+    out->add_special = !chat;
+    out->add_generation_prompt = true;
+    int rc = parse_obj(o, chat, &out->q, e);
+    if (!rc && !chat && out->q.n_prompts != 1)
+        rc = fail(e, "prompt", "'prompt' must be one string here", NULL);
+    if (!rc && !chat && !out->q.prompts[0].text)
+        rc = fail(e, "prompt", "'prompt' must be a string here (token ids need no tokenizing)",
+                  NULL);
+    if (!rc) rc = get_bool(o, "add_special_tokens", &out->add_special, e);
+    if (!rc) rc = get_bool(o, "add_generation_prompt", &out->add_generation_prompt, e);
+    if (!rc) rc = get_bool(o, "return_token_strs", &out->return_token_strs, e);
+    json_decref(o);
+    no_memory(rc, e);
+    if (rc) rt_oai_req_free(&out->q);
+    return rc;
+}
+
+int rt_oai_tokenize_response(km_buf *out, const int32_t *ids, int n, uint32_t max_model_len,
+                             char *const *strs)
+{
+    json_t *t = json_array(), *s = strs ? json_array() : NULL;
+    for (int i = 0; t && i < n; i++) {
+        json_array_append_new(t, json_integer(ids[i]));
+        if (s) json_array_append_new(s, jstr(strs[i], strlen(strs[i])));
+    }
+    json_t *o = json_pack("{s:i,s:I,s:o}", "count", n, "max_model_len", (json_int_t)max_model_len,
+                          "tokens", t);
+    if (o && s) json_object_set_new(o, "token_strs", s);
+    if (!o) json_decref(s);
+    return dump(out, o, "", "\n");
+}
+
+int rt_oai_parse_detokenize(const char *body, size_t len, int n_vocab, int32_t **ids, int *n,
+                            rt_oai_err *e)
+{
+    memset(e, 0, sizeof *e);
+    *ids = NULL;
+    *n = 0;
+    json_t *o = load_object(body, len, e);
+    if (!o) return KM_EFORMAT;
+    json_t *v = json_object_get(o, "tokens");
+    int rc = 0;
+    if (!json_is_array(v)) rc = fail(e, "tokens", "'tokens' must be an array of token ids", NULL);
+    size_t cnt = rc ? 0 : json_array_size(v);
+    if (!rc && !(*ids = malloc(sizeof **ids * (cnt ? cnt : 1)))) rc = KM_ENOMEM;
+    for (size_t i = 0; !rc && i < cnt; i++) {
+        json_t *x = json_array_get(v, i);
+        if (!json_is_integer(x) || json_integer_value(x) < 0 || json_integer_value(x) >= n_vocab) {
+            char m[120];
+            snprintf(m, sizeof m, "'tokens[%zu]' is not a token id in [0, %d)", i, n_vocab);
+            rc = fail(e, "tokens", "%s", m);
+        } else {
+            (*ids)[i] = (int32_t)json_integer_value(x);
+        }
+    }
+    json_decref(o);
+    if (rc) {
+        free(*ids);
+        *ids = NULL;
+        return no_memory(rc, e);
+    }
+    *n = (int)cnt;
+    return 0;
+}
+
+int rt_oai_detokenize_response(km_buf *out, const char *text, size_t len)
+{
+    return dump(out, json_pack("{s:o}", "prompt", jstr(text, len)), "", "\n");
 }
 
 /* ---------------------------------------------------------------- responses */
@@ -397,12 +615,77 @@ static json_t *base_obj(const rt_oai_meta *m, const char *object)
     return o;
 }
 
+/* A logprob as JSON: OpenAI's -9999 stands for a probability of zero. */
+static json_t *jlp(float x)
+{
+    return json_real(isfinite(x) ? x : -9999.0);
+}
+
+/* Chat: {"token", "logprob", "bytes"}; the token's bytes in p (n of them). */
+static json_t *chat_lp_entry(const char *p, int n, float lp)
+{
+    json_t *bytes = json_array();
+    for (int i = 0; bytes && i < n; i++) json_array_append_new(bytes, json_integer((uint8_t)p[i]));
+    return json_pack("{s:o,s:o,s:o}", "token", jstr(p, (size_t)n), "logprob", jlp(lp), "bytes",
+                     bytes);
+}
+
+static int token_piece(const rt_oai_meta *m, int32_t id, char *buf, int cap)
+{
+    int n = m->piece ? m->piece(m->piece_ctx, id, buf, cap) : 0;
+    return n < 0 || n > cap ? 0 : n;
+}
+
+/* A choice's "logprobs" object for lp[0..n_lp), or null when lp is NULL. */
+static json_t *logprobs_obj(const rt_oai_meta *m, const rt_oai_lp *lp, int n_lp, size_t offset)
+{
+    if (!lp) return json_null();
+    char p[KM_PROTO_MAX_PIECE];
+    if (m->chat) {
+        json_t *content = json_array();
+        for (int i = 0; content && i < n_lp; i++) {
+            const rt_oai_lp *t = &lp[i];
+            json_t *e = chat_lp_entry(p, token_piece(m, t->token, p, sizeof p), t->logprob);
+            json_t *top = json_array();
+            for (uint32_t k = 0; top && k < t->n_top; k++)
+                json_array_append_new(top,
+                                      chat_lp_entry(p, token_piece(m, t->top[k].token, p, sizeof p),
+                                                    t->top[k].value));
+            if (e) json_object_set_new(e, "top_logprobs", top ? top : json_array());
+            json_array_append_new(content, e);
+        }
+        return json_pack("{s:o,s:n}", "content", content, "refusal");
+    }
+    json_t *toks = json_array(), *lps = json_array(), *tops = json_array(), *offs = json_array();
+    size_t off = offset;
+    for (int i = 0; i < n_lp; i++) {
+        const rt_oai_lp *t = &lp[i];
+        int n = token_piece(m, t->token, p, sizeof p);
+        json_array_append_new(toks, jstr(p, (size_t)n));
+        json_array_append_new(lps, jlp(t->logprob));
+        json_array_append_new(offs, json_integer((json_int_t)off));
+        off += (size_t)n;
+        json_t *d = json_object();
+        for (uint32_t k = 0; d && k < t->n_top; k++) {
+            int pn = token_piece(m, t->top[k].token, p, sizeof p);
+            json_t *key = jstr(p, (size_t)pn);
+            if (key) json_object_set_new(d, json_string_value(key), jlp(t->top[k].value));
+            json_decref(key);
+        }
+        json_array_append_new(tops, d);
+    }
+    return json_pack("{s:o,s:o,s:o,s:o}", "tokens", toks, "token_logprobs", lps, "top_logprobs",
+                     tops, "text_offset", offs);
+}
+
 int rt_oai_sse_chunk(km_buf *out, const rt_oai_meta *m, const char *text, size_t len,
                      const char *finish)
 {
     json_t *o = base_obj(m, m->chat ? "chat.completion.chunk" : "text_completion");
     if (!o) return KM_ENOMEM;
-    json_t *choice = json_pack("{s:i,s:n}", "index", 0, "logprobs");
+    json_t *choice =
+        json_pack("{s:i,s:o}", "index", m->index, "logprobs",
+                  finish ? json_null() : logprobs_obj(m, m->lp, m->n_lp, m->text_offset));
     json_t *t = finish ? json_string("") : jstr(text, len);
     if (!choice || !t) {
         json_decref(choice);
@@ -469,26 +752,47 @@ const char *rt_oai_http_error(int status, const char *message, km_buf *out)
     return "application/json";
 }
 
+int rt_oai_response_choices(km_buf *out, const rt_oai_meta *m, const rt_oai_choice *c, int n,
+                            const rt_oai_usage *u)
+{
+    json_t *o = base_obj(m, m->chat ? "chat.completion" : "text_completion");
+    json_t *choices = json_array();
+    for (int i = 0; o && choices && i < n; i++) {
+        json_t *t = jstr(c[i].text, c[i].len);
+        json_t *lp = logprobs_obj(m, c[i].lp, c[i].n_lp, c[i].text_offset);
+        json_t *choice;
+        if (m->chat)
+            choice =
+                json_pack("{s:i,s:{s:s,s:o},s:o,s:s}", "index", i, "message", "role", "assistant",
+                          "content", t, "logprobs", lp, "finish_reason", c[i].finish);
+        else
+            choice = json_pack("{s:i,s:o,s:o,s:s}", "index", i, "text", t, "logprobs", lp,
+                               "finish_reason", c[i].finish);
+        if (json_array_append_new(choices, choice)) {
+            json_decref(choices);
+            choices = NULL;
+        }
+    }
+    if (!o || !choices) {
+        json_decref(o);
+        json_decref(choices);
+        return KM_ENOMEM;
+    }
+    json_object_set_new(o, "choices", choices);
+    json_object_set_new(o, "usage", usage_obj(u));
+    return dump(out, o, "", "\n");
+}
+
 int rt_oai_response(km_buf *out, const rt_oai_meta *m, const char *text, size_t len,
                     const char *finish, const rt_oai_usage *u)
 {
-    json_t *o = base_obj(m, m->chat ? "chat.completion" : "text_completion");
-    json_t *t = jstr(text, len);
-    if (!o || !t) {
-        json_decref(o);
-        json_decref(t);
-        return KM_ENOMEM;
-    }
-    json_t *choice;
-    if (m->chat)
-        choice = json_pack("{s:i,s:{s:s,s:o},s:n,s:s}", "index", 0, "message", "role", "assistant",
-                           "content", t, "logprobs", "finish_reason", finish);
-    else
-        choice = json_pack("{s:i,s:o,s:n,s:s}", "index", 0, "text", t, "logprobs", "finish_reason",
-                           finish);
-    json_object_set_new(o, "choices", json_pack("[o]", choice));
-    json_object_set_new(o, "usage", usage_obj(u));
-    return dump(out, o, "", "\n");
+    rt_oai_choice c = {.text = text,
+                       .len = len,
+                       .finish = finish,
+                       .lp = m->lp,
+                       .n_lp = m->n_lp,
+                       .text_offset = m->text_offset};
+    return rt_oai_response_choices(out, m, &c, 1, u);
 }
 
 static json_t *model_obj(const char *model, int64_t created)

@@ -19,12 +19,31 @@ typedef struct rt_oai_msg {
     char *role, *content;
 } rt_oai_msg;
 
+/* One prompt of a completions request: text, or token ids (text NULL). */
+typedef struct rt_oai_prompt {
+    char *text;
+    int32_t *ids;
+    int n_ids;
+} rt_oai_prompt;
+
+/* Most prompts one completions request may list (the router's --max-n bounds prompts x n). */
+#define RT_OAI_MAX_PROMPTS 128
+/* Most alternatives per token (top_logprobs, completions' logprobs), as OpenAI. */
+#define RT_OAI_MAX_TOP 20
+
 typedef struct rt_oai_req {
-    bool chat;        /* /v1/chat/completions */
-    char *model;      /* NULL: the router's model */
-    char *prompt;     /* completions */
+    bool chat;              /* /v1/chat/completions */
+    char *model;            /* NULL: the router's model */
+    rt_oai_prompt *prompts; /* completions: one or more ("prompt" as a list: one choice each) */
+    int n_prompts;
     rt_oai_msg *msgs; /* chat */
     int n_msgs;
+    int n;                 /* choices per prompt, 1.. (the router bounds prompts x n by --max-n) */
+    bool echo;             /* completions: the prompt's text comes before the completion's */
+    bool logprobs;         /* per-token log-probabilities of the chosen tokens */
+    uint32_t top_logprobs; /* and this many most likely alternatives (0..RT_OAI_MAX_TOP) */
+    km_token_value *logit_bias; /* token id -> bias in [-100, 100] */
+    int n_logit_bias;
     uint32_t max_tokens; /* 0: absent, the router's default (an explicit 0 is refused) */
     float temperature, top_p, min_p, presence_penalty, frequency_penalty, repeat_penalty;
     int32_t top_k;
@@ -51,6 +70,17 @@ typedef struct rt_oai_err {
 int rt_oai_parse(const char *body, size_t len, bool chat, rt_oai_req *out, rt_oai_err *e);
 void rt_oai_req_free(rt_oai_req *r);
 
+/* One generated token's log-probabilities, as its worker computed them. */
+typedef struct rt_oai_lp {
+    int32_t token;
+    float logprob;
+    uint32_t n_top;
+    km_token_value top[RT_OAI_MAX_TOP]; /* most likely first */
+} rt_oai_lp;
+
+/* The bytes of a token (md_tok_piece's contract: the count, which may exceed cap). */
+typedef int (*rt_oai_piece_fn)(void *ctx, int32_t id, char *buf, int cap);
+
 /* What the response objects say besides the text. */
 typedef struct rt_oai_meta {
     bool chat;
@@ -58,7 +88,25 @@ typedef struct rt_oai_meta {
     const char *model;
     int64_t created;    /* unix seconds */
     const char *worker; /* extension field "kvmesh": {"worker": ...}; NULL = omitted */
+    /* The choice's logprobs object (chat: content[], completions: tokens[] ...) for these
+     * tokens; NULL: "logprobs": null. */
+    const rt_oai_lp *lp;
+    int n_lp;
+    rt_oai_piece_fn piece;
+    void *piece_ctx;
+    size_t text_offset; /* completions: text_offset of lp[0] */
+    int index;          /* the choice's index (n > 1, several prompts) */
 } rt_oai_meta;
+
+/* One choice of a whole response (rt_oai_response_choices). */
+typedef struct rt_oai_choice {
+    const char *text;
+    size_t len;
+    const char *finish;
+    const rt_oai_lp *lp; /* NULL: "logprobs": null */
+    int n_lp;
+    size_t text_offset;
+} rt_oai_choice;
 
 typedef struct rt_oai_usage {
     uint32_t prompt_tokens, completion_tokens, cached_tokens;
@@ -77,6 +125,9 @@ int rt_oai_sse_error(km_buf *out, const rt_oai_err *e);
 /* The whole non-streaming response. */
 int rt_oai_response(km_buf *out, const rt_oai_meta *m, const char *text, size_t len,
                     const char *finish, const rt_oai_usage *u);
+/* The whole non-streaming response with n choices (index i for c[i]); m's lp is not used. */
+int rt_oai_response_choices(km_buf *out, const rt_oai_meta *m, const rt_oai_choice *c, int n,
+                            const rt_oai_usage *u);
 /* {"error": {"message", "type", "param", "code"}} */
 int rt_oai_error_json(km_buf *out, const rt_oai_err *e);
 /* An error the HTTP server answers by itself (404, 405, 413, ...) as OpenAI's error object
@@ -86,6 +137,23 @@ const char *rt_oai_http_error(int status, const char *message, km_buf *out);
 /* /v1/models, and one model's object (/v1/models/{id}) */
 int rt_oai_models(km_buf *out, const char *model, int64_t created);
 int rt_oai_model(km_buf *out, const char *model, int64_t created);
+/* POST /tokenize (vLLM's shape): {"prompt": string} or {"messages": [...]} (rendered with the
+ * chat template, add_generation_prompt default true), add_special_tokens (default: true for a
+ * prompt, false for messages, whose template carries its own), return_token_strs. */
+typedef struct rt_oai_tokreq {
+    rt_oai_req q; /* q.chat: messages; else q.prompt */
+    bool add_special, add_generation_prompt, return_token_strs;
+} rt_oai_tokreq;
+int rt_oai_parse_tokenize(const char *body, size_t len, rt_oai_tokreq *out, rt_oai_err *e);
+/* {"count", "max_model_len", "tokens"[, "token_strs"]}; strs NULL: no token_strs. */
+int rt_oai_tokenize_response(km_buf *out, const int32_t *ids, int n, uint32_t max_model_len,
+                             char *const *strs);
+/* POST /detokenize: {"tokens": [ids]} into *ids (malloc'd; each in [0, n_vocab)). */
+int rt_oai_parse_detokenize(const char *body, size_t len, int n_vocab, int32_t **ids, int *n,
+                            rt_oai_err *e);
+/* {"prompt": text} */
+int rt_oai_detokenize_response(km_buf *out, const char *text, size_t len);
+
 /* The HTTP status and error type for a protocol error code (529 -> 429 rate_limit_exceeded...). */
 void rt_oai_err_from_code(int code, const char *message, rt_oai_err *e);
 /* The OpenAI finish_reason for a km_finish ("stop", "length"). */

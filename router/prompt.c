@@ -2,7 +2,8 @@
  * prompt.c — a text prompt becomes token ids without ever blocking the router's loop
  * (internal.h): its size is checked in bytes before anything else, a short prompt is tokenized
  * on the loop, a long one on libuv's thread pool, and the request starts (rt_rq_start) when its
- * tokens are back; an HTTP request's context check and stream begin first (rt_front_tokens_ready).
+ * tokens are back; an HTTP request's context check and stream begin first (its front's
+ * tokens_ready).
  *
  * Why: the loop relays every token of every stream and answers every client; tokenizing a 4 MB
  * one-word prompt took it 3.8 s (twice, once to size the buffer), and with six of them in flight
@@ -91,64 +92,23 @@ int rt_rq_start(rt_router *r, rt_rq *q)
     return rt_dispatch(r, q, false);
 }
 
-/* OpenAI's context check, with its counts: a prompt that leaves no room in the context, or one
- * whose max_tokens asked for more than is left, is 400 context_length_exceeded (the workers
- * would otherwise cap the completion silently). True when it answered. */
-static bool over_context(rt_router *r, km_http_req *h, const rt_rq *q, uint32_t asked, bool chat)
+static int token_piece(void *ctx, int32_t id, char *buf, int cap)
 {
-    uint32_t ctx = r->c.max_ctx, np = (uint32_t)q->n_prompt;
-    if (!ctx || (np < ctx && (uint64_t)np + asked <= ctx)) return false;
-    const char *what = chat ? "messages" : "prompt";
-    char m[400];
-    if (np >= ctx)
-        snprintf(m, sizeof m,
-                 "This model's maximum context length is %u tokens. However, your %s resulted "
-                 "in %u tokens. Please reduce the length of the %s.",
-                 ctx, what, np, what);
-    else
-        snprintf(m, sizeof m,
-                 "This model's maximum context length is %u tokens. However, you requested %llu "
-                 "tokens (%u in the %s, %u in the completion). Please reduce the length of the "
-                 "%s or completion.",
-                 ctx, (unsigned long long)np + asked, np, what, asked, what);
-    rt_oai_err e;
-    rt_oai_err_from_code(KM_CODE_TOO_LARGE, m, &e);
-    e.param = what;
-    km_buf b = {0};
-    rt_oai_error_json(&b, &e);
-    km_http_respond(h, e.status, "application/json", NULL, b.data, b.len);
-    km_buf_free(&b);
-    return true;
+    const rt_router *r = ctx;
+    return md_tok_piece(r->tok, id, 1, buf, cap);
 }
 
 void rt_rq_oai_meta(rt_router *r, rt_rq *q, rt_oai_meta *m, const char *worker)
 {
-    m->chat = q->http_chat;
-    m->id = q->oai_id;
-    m->model = r->model_name;
-    m->created = q->created;
-    m->worker = worker;
-}
-
-int rt_front_tokens_ready(rt_router *r, rt_rq *q)
-{
-    if (over_context(r, q->http, q, q->max_tokens, q->http_chat)) {
-        rt_rq_end(r, q);
-        return 1;
-    }
-    if (q->http_stream) {
-        km_http_stream_begin(q->http, 200, "text/event-stream");
-        q->http_began = true;
-        if (q->http_chat) {
-            rt_oai_meta m;
-            km_buf b = {0};
-            rt_rq_oai_meta(r, q, &m, NULL);
-            if (!rt_oai_sse_chunk(&b, &m, NULL, 0, NULL))
-                km_http_stream_write(q->http, b.data, b.len);
-            km_buf_free(&b);
-        }
-    }
-    return 0;
+    *m = (rt_oai_meta){.chat = q->http_chat,
+                       .id = q->oai_id,
+                       .model = r->model_name,
+                       .created = q->created,
+                       .worker = worker,
+                       .piece = token_piece,
+                       .piece_ctx = r,
+                       .text_offset = q->echo_len,
+                       .index = q->choice};
 }
 
 /* The tokens are in q (or the encode failed): the request goes on, or ends with an error. */
@@ -162,7 +122,7 @@ static void start_with(rt_router *r, rt_rq *q, int n, int32_t *tokens, int cap)
     q->tokens = tokens;
     q->cap = cap;
     q->n_prompt = n;
-    if (q->fops->origin == RQ_HTTP && rt_front_tokens_ready(r, q)) return; /* answered: too long */
+    if (q->fops->tokens_ready && q->fops->tokens_ready(r, q)) return; /* answered: too long */
     rt_rq_start(r, q);
 }
 

@@ -143,6 +143,7 @@ void rt_relay_token(rt_router *r, rt_wk *w, const km_msg_token *t)
         km_hist_observe(r->s_ttft, (q->t_first - q->t_arrive) / 1e9);
     }
     if (q->waiters) rt_rq_release_waiters(r, q);
+    q->cur_tok = t;
     if (q->router_detok) {
         char piece[KM_PROTO_MAX_PIECE + 64];
         int n = md_detok_push(r->tok, &q->dt, t->token, piece, sizeof piece);
@@ -150,6 +151,7 @@ void rt_relay_token(rt_router *r, rt_wk *w, const km_msg_token *t)
     } else {
         rt_rq_deliver(r, q, t->token, t->text ? t->text : "", t->text ? t->text_len : 0);
     }
+    q->cur_tok = NULL;
 }
 
 void rt_relay_done(rt_router *r, rt_wk *w, const km_msg_done *d)

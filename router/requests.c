@@ -52,6 +52,9 @@ void rt_rq_free(rt_rq *q)
     km_buf_free(&q->env_mem);
     free(q->salt);
     for (int i = 0; i < KM_PROTO_MAX_STOP; i++) free(q->stop[i]);
+    free(q->bias);
+    km_buf_free(&q->lp);
+    free(q->echo_text);
     free(q->tokens);
     free(q->chain);
     km_buf_free(&q->text);

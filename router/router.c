@@ -149,6 +149,7 @@ void rt_config_default(rt_config *c)
     c->pending_ttl_ms = 30000;
     c->max_http_body = 4u << 20;
     c->max_http_buffered = 256u << 20;
+    c->max_n = 8;
     c->max_prompt_bytes = 1u << 20;
     c->request_timeout_ms = 600000;
     c->queue_timeout_ms = 60000;

@@ -133,6 +133,10 @@ typedef struct rt_config {
     const char *client_tenants;
     /* HTTPS on the OpenAI front (PEM certificate chain and key, TLS 1.2+); NULL: plain HTTP. */
     const char *tls_cert, *tls_key;
+    /* CORS on the HTTP front (docs/openai.md): "*" or a comma-separated list of origins whose
+     * browsers may call it (preflight answered, Access-Control-Allow-Origin set); NULL: off. */
+    const char *cors_origins;
+    int max_n; /* most choices one OpenAI request may ask for (n, prompt lists); default 8 */
 } rt_config;
 
 void rt_config_default(rt_config *c);

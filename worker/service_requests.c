@@ -8,6 +8,7 @@
  * still be the start of one, so no token frame ever carries text a stop string later removes,
  * and `done.text` carries what was held back at the end (docs/protocol.md section 6).
  */
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -139,6 +140,14 @@ static int wk_on_token(void *ctx, void *user, int index, int32_t token)
         m.tok.token = token;
         m.tok.text = out;
         m.tok.text_len = out_len;
+        const en_logprobs *lp = en_sched_logprobs(s->sched);
+        if (lp) { /* -9999: OpenAI's stand-in for a probability of zero (msgpack takes -inf,
+                   * JSON does not) */
+            m.tok.has_logprob = true;
+            m.tok.logprob = lp->logprob > -9999.0f ? lp->logprob : -9999.0f;
+            m.tok.top = (const km_token_value *)lp->top;
+            m.tok.n_top = (uint32_t)lp->n_top;
+        }
         if (!km_msg_encode(&m, &s->lim, &s->out, NULL)) {
             km_zframe env[WK_ENV_MAX];
             int n = wk_sreq_env(r, env);
@@ -356,6 +365,14 @@ void wk_svc_admit(wk_service *s, const km_zframe *env, int n_env, const km_msg_r
     sq.sample.presence_penalty = q->presence_penalty;
     sq.sample.frequency_penalty = q->frequency_penalty;
     sq.sample.seed = q->has_seed ? q->seed : (now ^ (q->id * 0x9e3779b97f4a7c15ull));
+    /* the two (id, number) pairs are one layout: the sampler copies the bias at submit */
+    _Static_assert(sizeof(km_token_value) == sizeof(en_token_value) &&
+                       offsetof(km_token_value, value) == offsetof(en_token_value, value),
+                   "km_token_value and en_token_value differ");
+    sq.sample.bias = (const en_token_value *)q->logit_bias;
+    sq.sample.n_bias = (int)q->n_logit_bias;
+    sq.sample.logprobs = q->logprobs;
+    sq.sample.top_logprobs = (int)q->top_logprobs;
     int rc = en_sched_submit(s->sched, &sq, &r->rid);
     if (rc) {
         int code = km_proto_code_from_err(rc);

@@ -444,6 +444,46 @@ Test(sampler, min_p_and_top_p_keep_only_likely_tokens)
     en_sampler_destroy(s);
 }
 
+Test(sampler, logit_bias_moves_the_pick_and_logprobs_are_the_raw_log_softmax)
+{
+    enum { V = 1000 };
+    static float logits[V];
+    for (int i = 0; i < V; i++) logits[i] = (float)((i * 7919) % 1000) / 100.0f;
+    int32_t best = en_argmax(logits, V);
+    en_sample_params p;
+    en_sample_params_default(&p);
+    p.temperature = 0;
+    en_token_value bias[2] = {{best, -100}, {5, 50}};
+    p.bias = bias;
+    p.n_bias = 2;
+    p.logprobs = 1;
+    p.top_logprobs = 20;
+    en_sampler *s;
+    cr_assert_eq(en_sampler_create(&p, V, &s), 0);
+    bias[1].value = 0; /* copied at create */
+    cr_assert_eq(en_sampler_sample(s, logits), 5, "the +50 bias wins over the argmax's -100");
+    const en_logprobs *lp = en_sampler_logprobs(s);
+    cr_assert_not_null(lp);
+    cr_assert_eq(lp->token, 5);
+    /* the model's distribution: the bias does not enter the reported log-probability */
+    cr_assert_float_eq(lp->logprob, -en_token_nll(logits, V, 5), 1e-5);
+    cr_assert_eq(lp->n_top, 20);
+    cr_assert_eq(lp->top[0].token, best);
+    for (int k = 0; k < lp->n_top; k++) {
+        cr_assert_float_eq(lp->top[k].value, -en_token_nll(logits, V, lp->top[k].token), 1e-5);
+        if (k) cr_assert_geq(lp->top[k - 1].value, lp->top[k].value);
+        int above = 0; /* exactly k ids are more likely than the k-th */
+        for (int v = 0; v < V; v++) above += logits[v] > logits[lp->top[k].token];
+        cr_assert_leq(above, k);
+    }
+    en_sampler_destroy(s);
+    p.logprobs = 0;
+    cr_assert_eq(en_sampler_create(&p, V, &s), 0);
+    en_sampler_sample(s, logits);
+    cr_assert_null(en_sampler_logprobs(s), "logprobs are computed only when asked for");
+    en_sampler_destroy(s);
+}
+
 /* The worker migrates a request by re-running its prompt plus the streamed tokens in one step;
  * that is only exact if a token's logits do not depend on how many tokens share its step. */
 Test(engine, logits_are_bit_identical_whether_a_prompt_runs_in_one_step_or_token_by_token)

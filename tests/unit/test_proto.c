@@ -2030,3 +2030,92 @@ Test(proto, speculation_keys_are_validated)
     snprintf(want, sizeof want, "req.speculate: unknown value %d", (int)KM_SPECULATE_COUNT);
     expect_encode_fail(&in, want);
 }
+
+static void val_bias_out_of_range(fb *f)
+{
+    msgpack_pack_array(&f->pk, 1);
+    msgpack_pack_array(&f->pk, 2);
+    msgpack_pack_uint32(&f->pk, 5);
+    msgpack_pack_double(&f->pk, 150.0);
+}
+
+static void val_bias_not_a_pair(fb *f)
+{
+    msgpack_pack_array(&f->pk, 1);
+    msgpack_pack_uint32(&f->pk, 5);
+}
+
+Test(proto, logprobs_and_logit_bias_roundtrip_and_are_absent_by_default)
+{
+    km_msg in, out;
+    km_msg_init(&in, KM_MSG_REQUEST);
+    in.req.model = "smol";
+    in.req.prompt = "hi";
+    in.req.logprobs = true;
+    in.req.top_logprobs = 5;
+    km_token_value bias[2] = {{7, -100}, {9, 2.5f}};
+    in.req.logit_bias = bias;
+    in.req.n_logit_bias = 2;
+    roundtrip(&in, &out);
+    cr_assert(out.req.logprobs);
+    cr_assert_eq(out.req.top_logprobs, 5u);
+    cr_assert_eq(out.req.n_logit_bias, 2u);
+    cr_assert_eq(out.req.logit_bias[0].token, 7);
+    cr_assert_float_eq(out.req.logit_bias[1].value, 2.5f, 1e-6);
+    km_msg_clear(&out);
+
+    km_msg_init(&in, KM_MSG_TOKEN);
+    in.tok.text = "x";
+    in.tok.has_logprob = true;
+    in.tok.logprob = -0.5f;
+    km_token_value top[2] = {{3, -0.5f}, {4, -1.25f}};
+    in.tok.top = top;
+    in.tok.n_top = 2;
+    roundtrip(&in, &out);
+    cr_assert(out.tok.has_logprob);
+    cr_assert_float_eq(out.tok.logprob, -0.5f, 1e-6);
+    cr_assert_eq(out.tok.n_top, 2u);
+    cr_assert_eq(out.tok.top[1].token, 4);
+    cr_assert_float_eq(out.tok.top[1].value, -1.25f, 1e-6);
+    km_msg_clear(&out);
+
+    /* frames that say nothing carry none of the keys (older peers see the same bytes) */
+    km_buf b = {0};
+    km_msg_init(&in, KM_MSG_TOKEN);
+    in.tok.text = "x";
+    cr_assert_eq(km_msg_encode(&in, NULL, &b, NULL), 0);
+    cr_assert_null(memmem(b.data, b.len, "logprob", 7));
+    cr_assert_eq(km_msg_decode(b.data, b.len, NULL, &out, NULL), 0);
+    cr_assert(!out.tok.has_logprob);
+    km_msg_clear(&out);
+    km_msg_init(&in, KM_MSG_REQUEST);
+    in.req.model = "smol";
+    in.req.prompt = "hi";
+    cr_assert_eq(km_msg_encode(&in, NULL, &b, NULL), 0);
+    cr_assert_null(memmem(b.data, b.len, "logprobs", 8));
+    cr_assert_null(memmem(b.data, b.len, "logit_bias", 10));
+    km_buf_free(&b);
+}
+
+Test(proto, logprobs_and_logit_bias_are_validated)
+{
+    fb f;
+    request_with(&f, "logit_bias", val_bias_out_of_range);
+    expect_fail(&f, KM_EFORMAT, "req.logit_bias[0]: 150 outside [-100, 100]");
+    request_with(&f, "logit_bias", val_bias_not_a_pair);
+    expect_fail(&f, KM_EFORMAT, "req.logit_bias[0]: expected [token id, number]");
+    request_with(&f, "top_logprobs", val_u32_257);
+    expect_fail(&f, KM_EFORMAT, "req.top_logprobs: 257, at most 20 and with logprobs");
+    km_msg in;
+    km_msg_init(&in, KM_MSG_REQUEST);
+    in.req.model = "smol";
+    in.req.prompt = "hi";
+    in.req.top_logprobs = 2;
+    expect_encode_fail(&in, "req.top_logprobs: needs logprobs");
+    km_msg_init(&in, KM_MSG_TOKEN);
+    in.tok.text = "x";
+    km_token_value top[1] = {{3, -0.5f}};
+    in.tok.top = top;
+    in.tok.n_top = 1;
+    expect_encode_fail(&in, "tok.top: needs logprob");
+}

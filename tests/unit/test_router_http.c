@@ -10,6 +10,7 @@
 #include <arpa/inet.h>
 #include <criterion/criterion.h>
 #include <jansson.h>
+#include <math.h>
 #include <limits.h>
 #include <openssl/err.h>
 #include <openssl/pem.h>
@@ -48,7 +49,7 @@ Test(router_openai, completion_requests_parse_with_defaults_and_extensions)
     rt_oai_req r;
     rt_oai_err e;
     cr_assert_eq(rt_oai_parse(body, strlen(body), false, &r, &e), 0, "%s", e.message);
-    cr_assert_str_eq(r.prompt, "hi");
+    cr_assert_str_eq(r.prompts[0].text, "hi");
     cr_assert_str_eq(r.model, "m");
     cr_assert_eq(r.max_tokens, 7);
     cr_assert_float_eq(r.temperature, 0, 1e-9);
@@ -91,6 +92,125 @@ Test(router_openai, chat_messages_accept_text_parts_and_developer_role)
     rt_oai_req_free(&r);
 }
 
+Test(router_openai, prompts_as_strings_token_ids_and_lists_parse_into_choices)
+{
+    rt_oai_req r;
+    rt_oai_err e;
+    const char *one = "{\"prompt\":[\"only\"]}";
+    cr_assert_eq(rt_oai_parse(one, strlen(one), false, &r, &e), 0, "%s", e.message);
+    cr_assert_eq(r.n_prompts, 1);
+    cr_assert_str_eq(r.prompts[0].text, "only");
+    cr_assert_eq(r.n, 1);
+    rt_oai_req_free(&r);
+    const char *ids = "{\"prompt\":[1,2,3],\"n\":3,\"echo\":true,\"logit_bias\":{\"7\":-100,"
+                      "\"9\":2.5}}";
+    cr_assert_eq(rt_oai_parse(ids, strlen(ids), false, &r, &e), 0, "%s", e.message);
+    cr_assert_eq(r.n_prompts, 1);
+    cr_assert_null(r.prompts[0].text);
+    cr_assert_eq(r.prompts[0].n_ids, 3);
+    cr_assert_eq(r.prompts[0].ids[2], 3);
+    cr_assert_eq(r.n, 3);
+    cr_assert(r.echo);
+    cr_assert_eq(r.n_logit_bias, 2);
+    float sum = r.logit_bias[0].value + r.logit_bias[1].value;
+    cr_assert_float_eq(sum, -97.5f, 1e-6);
+    rt_oai_req_free(&r);
+    const char *lists = "{\"prompt\":[[1,2],[3]]}";
+    cr_assert_eq(rt_oai_parse(lists, strlen(lists), false, &r, &e), 0, "%s", e.message);
+    cr_assert_eq(r.n_prompts, 2);
+    cr_assert_eq(r.prompts[1].n_ids, 1);
+    rt_oai_req_free(&r);
+    const char *strs = "{\"prompt\":[\"a\",\"b\",\"c\"],\"logprobs\":0,\"suffix\":\"\"}";
+    cr_assert_eq(rt_oai_parse(strs, strlen(strs), false, &r, &e), 0, "%s", e.message);
+    cr_assert_eq(r.n_prompts, 3);
+    cr_assert_str_eq(r.prompts[2].text, "c");
+    cr_assert(r.logprobs);
+    cr_assert_eq(r.top_logprobs, 0);
+    rt_oai_req_free(&r);
+    const char *chat = "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"logprobs\":true,"
+                       "\"top_logprobs\":20}";
+    cr_assert_eq(rt_oai_parse(chat, strlen(chat), true, &r, &e), 0, "%s", e.message);
+    cr_assert(r.logprobs);
+    cr_assert_eq(r.top_logprobs, 20);
+    rt_oai_req_free(&r);
+}
+
+static int test_piece(void *ctx, int32_t id, char *buf, int cap)
+{
+    return snprintf(buf, (size_t)cap, "t%d", id);
+}
+
+Test(router_openai, logprobs_take_openai_shapes_for_chat_and_completions)
+{
+    rt_oai_lp lp[2] = {{.token = 5, .logprob = -0.25f, .n_top = 2, .top = {{5, -0.25f}, {6, -2}}},
+                       {.token = 7, .logprob = -INFINITY}};
+    rt_oai_meta m = {
+        .chat = true, .id = "c", .model = "m", .lp = lp, .n_lp = 2, .piece = test_piece};
+    rt_oai_usage u = {0};
+    km_buf b = {0};
+    cr_assert_eq(rt_oai_response(&b, &m, "t5t7", 4, "stop", &u), 0);
+    json_t *o = json_loadb((const char *)b.data, b.len, 0, NULL);
+    cr_assert_not_null(o);
+    json_t *c = json_object_get(
+        json_object_get(json_array_get(json_object_get(o, "choices"), 0), "logprobs"), "content");
+    cr_assert_eq(json_array_size(c), 2);
+    json_t *c0 = json_array_get(c, 0);
+    cr_assert_str_eq(json_string_value(json_object_get(c0, "token")), "t5");
+    cr_assert_float_eq(json_real_value(json_object_get(c0, "logprob")), -0.25, 1e-9);
+    cr_assert_eq(json_array_size(json_object_get(c0, "bytes")), 2);
+    cr_assert_eq(json_array_size(json_object_get(c0, "top_logprobs")), 2);
+    cr_assert_float_eq(json_real_value(json_object_get(json_array_get(c, 1), "logprob")), -9999.0,
+                       1e-9, "a zero probability is OpenAI's -9999");
+    json_decref(o);
+    km_buf_reset(&b);
+    m.chat = false;
+    m.text_offset = 3; /* echo: the prompt's 3 bytes come first */
+    cr_assert_eq(rt_oai_response(&b, &m, "abct5t7", 7, "stop", &u), 0);
+    o = json_loadb((const char *)b.data, b.len, 0, NULL);
+    json_t *l = json_object_get(json_array_get(json_object_get(o, "choices"), 0), "logprobs");
+    cr_assert_str_eq(json_string_value(json_array_get(json_object_get(l, "tokens"), 1)), "t7");
+    cr_assert_eq(json_integer_value(json_array_get(json_object_get(l, "text_offset"), 1)), 5);
+    json_t *top0 = json_array_get(json_object_get(l, "top_logprobs"), 0);
+    cr_assert_float_eq(json_real_value(json_object_get(top0, "t6")), -2.0, 1e-9);
+    json_decref(o);
+    km_buf_free(&b);
+}
+
+Test(router_openai, tokenize_and_detokenize_bodies)
+{
+    rt_oai_tokreq t;
+    rt_oai_err e;
+    const char *p = "{\"prompt\":\"hi\",\"return_token_strs\":true}";
+    cr_assert_eq(rt_oai_parse_tokenize(p, strlen(p), &t, &e), 0, "%s", e.message);
+    cr_assert(!t.q.chat && t.add_special && t.return_token_strs);
+    cr_assert_str_eq(t.q.prompts[0].text, "hi");
+    rt_oai_req_free(&t.q);
+    const char *c = "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],"
+                    "\"add_generation_prompt\":false}";
+    cr_assert_eq(rt_oai_parse_tokenize(c, strlen(c), &t, &e), 0, "%s", e.message);
+    cr_assert(t.q.chat && !t.add_special && !t.add_generation_prompt);
+    rt_oai_req_free(&t.q);
+    const char *ids = "{\"prompt\":[1,2]}";
+    cr_assert_neq(rt_oai_parse_tokenize(ids, strlen(ids), &t, &e), 0);
+    cr_assert_str_eq(e.param, "prompt");
+    int32_t *v;
+    int n;
+    const char *d = "{\"tokens\":[3,4]}";
+    cr_assert_eq(rt_oai_parse_detokenize(d, strlen(d), 10, &v, &n, &e), 0, "%s", e.message);
+    cr_assert_eq(n, 2);
+    cr_assert_eq(v[1], 4);
+    free(v);
+    const char *bad = "{\"tokens\":[3,10]}";
+    cr_assert_neq(rt_oai_parse_detokenize(bad, strlen(bad), 10, &v, &n, &e), 0);
+    cr_assert_str_eq(e.param, "tokens");
+    km_buf b = {0};
+    char *strs[] = {"a", "\xe2"};
+    cr_assert_eq(rt_oai_tokenize_response(&b, (int32_t[]){3, 4}, 2, 4096, strs), 0);
+    cr_assert_not_null(strstr((const char *)b.data, "\"count\":2"));
+    cr_assert_not_null(strstr((const char *)b.data, "\"token_strs\":[\"a\",\"\xef\xbf\xbd\"]"));
+    km_buf_free(&b);
+}
+
 Test(router_openai, bad_requests_name_the_field)
 {
     struct {
@@ -99,8 +219,25 @@ Test(router_openai, bad_requests_name_the_field)
     } cases[] = {
         {"{\"prompt\":1}", "prompt", false},
         {"{\"prompt\":\"x\",\"temperature\":-1}", "temperature", false},
-        {"{\"prompt\":\"x\",\"n\":2}", "n", false},
-        {"{\"prompt\":\"x\",\"logprobs\":3}", "logprobs", false},
+        {"{\"prompt\":\"x\",\"n\":0}", "n", false},
+        {"{\"prompt\":\"x\",\"logprobs\":21}", "logprobs", false},
+        {"{\"prompt\":\"x\",\"logprobs\":true}", "logprobs", false},
+        {"{\"prompt\":\"x\",\"logprobs\":1,\"echo\":true}", "echo", false},
+        {"{\"prompt\":\"x\",\"suffix\":\"end\"}", "suffix", false},
+        {"{\"prompt\":\"x\",\"best_of\":2}", "best_of", false},
+        {"{\"prompt\":\"x\",\"logit_bias\":{\"12\":101}}", "logit_bias", false},
+        {"{\"prompt\":\"x\",\"logit_bias\":{\"x\":1}}", "logit_bias", false},
+        {"{\"prompt\":\"x\",\"logit_bias\":[1]}", "logit_bias", false},
+        {"{\"prompt\":[]}", "prompt", false},
+        {"{\"prompt\":[1,\"a\"]}", "prompt", false},
+        {"{\"prompt\":[\"a\",[1]]}", "prompt", false},
+        {"{\"prompt\":[-1]}", "prompt", false},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"top_logprobs\":2}",
+         "top_logprobs", true},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"logprobs\":true,"
+         "\"top_logprobs\":21}",
+         "top_logprobs", true},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"logprobs\":1}", "logprobs", true},
         {"{\"prompt\":\"x\",\"stop\":[1]}", "stop", false},
         {"{\"messages\":[]}", "messages", true},
         {"{\"messages\":[{\"role\":\"wizard\",\"content\":\"x\"}]}", "messages", true},
