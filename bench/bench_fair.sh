@@ -9,8 +9,8 @@
 #  - the victim: VICTIM_N streamed completions of key "victim" one after another, each with a
 #    prompt of its own (no cache hit), TTFT = the first content chunk.
 # CONFIGS: the router's extra flags per run, runs separated by ';' (each on a fresh cluster): by
-# default the limits as shipped (with a smaller queue share, so the flood meets it) and with
-# --max-inflight-per-key. Prints figures, asserts nothing about time.
+# default without the in-flight limit and with the limits as shipped (a smaller queue share in
+# both, so the flood meets it). Prints figures, asserts nothing about time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=build/bin
@@ -20,7 +20,7 @@ FLOOD_TOKENS=${FLOOD_TOKENS:-32}
 VICTIM_N=${VICTIM_N:-20}
 VICTIM_TOKENS=${VICTIM_TOKENS:-4}
 THREADS=${THREADS:-$(nproc)}
-CONFIGS=${CONFIGS:-"--max-queue-per-key=16;--max-queue-per-key=16 --max-inflight-per-key=4"}
+CONFIGS=${CONFIGS:-"--max-queue-per-key=16 --max-inflight-per-key=0;--max-queue-per-key=16"}
 PORT=${BENCH_PORT:-7600}
 LOGS=build/bench-fair-logs
 BENCH_NAME=bench_fair.sh

@@ -9,8 +9,11 @@
  * the oldest of the tenant with the fewest requests at workers, ties going to the tenant served
  * longest ago. Per keyed tenant, three bounds (docs/router.md, "Tenants"):
  *  - --max-queue-per-key requests in the router queue; beyond it: 429 with a retry time;
- *  - --max-inflight-per-key requests at workers; beyond it a request waits in the queue, even
- *    with a worker free, so one key cannot fill the workers' own queues either;
+ *  - --max-inflight-per-key requests at workers while another tenant is active (has requests
+ *    queued or at workers, or had one end within RT_FAIR_LINGER_MS); beyond it a request waits
+ *    in the queue, even with a worker free, so one key cannot fill the workers' batches while
+ *    another key waits for a first token. A key alone on the cluster is never held: the limit
+ *    costs nothing where nobody else asks;
  *  - --max-tokens-per-sec-per-key, a token bucket over prompt and generated tokens, one second
  *    deep: a request is admitted while the bucket is not in debt, its prompt is charged when it
  *    is admitted and each generated token as it arrives; in debt: 429, retry when it is paid.
@@ -28,6 +31,9 @@
 #include "router/internal.h"
 
 enum { RT_TENANTS_MAX = 1024 };
+/* How long a tenant whose last request ended still counts as active: a client sending one
+ * request after another is active between them too. */
+enum { RT_FAIR_LINGER_MS = 1000 };
 
 struct rt_tenant_load {
     char name[KM_SEC_NAME_MAX + 3];
@@ -35,6 +41,7 @@ struct rt_tenant_load {
     uint64_t served;  /* r->fair_seq when it last had a request sent */
     double bucket;    /* tokens it may still use (negative: its debt) */
     uint64_t fill_ns; /* when bucket was last filled */
+    uint64_t idle_ns; /* when it last had nothing queued nor in flight (0: never had any) */
     km_series *s_queued, *s_inflight, *s_refused[RT_REFUSE_COUNT], *s_tokens;
 };
 
@@ -119,6 +126,7 @@ void rt_fair_count(rt_router *r, const rt_rq *q, int queued, int inflight)
     t->queued += queued;
     t->inflight += inflight;
     if (inflight > 0) t->served = ++r->fair_seq;
+    if (!t->queued && !t->inflight) t->idle_ns = km_now_ns();
     km_gauge_set(t->s_queued, t->queued);
     km_gauge_set(t->s_inflight, t->inflight);
 }
@@ -131,15 +139,34 @@ bool rt_fair_refuse(rt_router *r, const rt_rq *q)
     return true;
 }
 
-/* Held back: t has --max-inflight-per-key requests at workers already. */
-static bool held(const rt_router *r, const rt_tenant_load *t)
+static bool active(const rt_tenant_load *t, uint64_t now)
 {
-    return limited(t) && r->c.max_inflight_per_key && t->inflight >= r->c.max_inflight_per_key;
+    return t->queued || t->inflight ||
+           (t->idle_ns && now - t->idle_ns < (uint64_t)RT_FAIR_LINGER_MS * 1000000);
+}
+
+/* Is a tenant other than t active: is there anyone t's limit makes room for. */
+static bool contended(const rt_router *r, const rt_tenant_load *t, uint64_t now)
+{
+    for (int i = 0; i < r->n_loads; i++)
+        if (&r->loads[i] != t && active(&r->loads[i], now)) return true;
+    return false;
+}
+
+/* Held back: t has --max-inflight-per-key requests at workers already while another tenant is
+ * active. contended: -1 not known yet (computed here), else what the caller computed. */
+static bool held(const rt_router *r, const rt_tenant_load *t, int *contended_memo)
+{
+    if (!limited(t) || !r->c.max_inflight_per_key || t->inflight < r->c.max_inflight_per_key)
+        return false;
+    if (*contended_memo < 0) *contended_memo = contended(r, t, km_now_ns());
+    return *contended_memo;
 }
 
 bool rt_fair_held(rt_router *r, const rt_rq *q)
 {
-    return q->attempts == 0 && held(r, load_of(r, q));
+    int memo = -1;
+    return q->attempts == 0 && held(r, load_of(r, q), &memo);
 }
 
 /* The bucket filled up to now (at most one second's worth). */
@@ -182,11 +209,13 @@ void rt_fair_tokens(rt_router *r, const rt_rq *q, int n)
 rt_rq *rt_fair_next(rt_router *r)
 {
     rt_rq *best = NULL;
-    const rt_tenant_load *bt = NULL;
+    const rt_tenant_load *bt = NULL, *last = NULL;
+    int memo = -1;
     for (rt_rq *q = r->qhead; q; q = q->qnext) {
         if (q->attempts > 0) return q; /* migrated: admitted already */
         const rt_tenant_load *t = load_of(r, q);
-        if (held(r, t)) continue;
+        if (t != last) memo = -1, last = t; /* "another tenant is active" depends on t */
+        if (held(r, t, &memo)) continue;
         if (!best) {
             best = q, bt = t;
             continue;

@@ -409,7 +409,7 @@ enum { RT_REFUSE_QUEUE, RT_REFUSE_TOKENS, RT_REFUSE_COUNT };
  * already (counted). */
 bool rt_fair_refuse(rt_router *r, const rt_rq *q);
 /* Must q (never sent yet) wait in the queue: its keyed tenant has --max-inflight-per-key
- * requests at workers already. */
+ * requests at workers already while another tenant is active. */
 bool rt_fair_held(rt_router *r, const rt_rq *q);
 /* q arrives (its prompt tokenized): 0 when admitted (its prompt charged to its tenant's token
  * bucket), else the milliseconds until that bucket is out of debt (refusal counted). */

@@ -165,9 +165,10 @@ static const km_opt g_opts[] = {
      "queued requests of one key's tenant (ZeroMQ client key or API key); beyond it that tenant "
      "gets 429 rate_limit_exceeded; 0 = no limit but --max-queue",
      &g_args.max_queue_per_key, 0, 1 << 24},
-    {"max-inflight-per-key", NULL, KM_OPT_INT, "0",
-     "requests of one key's tenant at workers at once; more wait in the router queue (even "
-     "with a worker free); 0 = no limit but --max-inflight (docs/router.md, \"Tenants\")",
+    {"max-inflight-per-key", NULL, KM_OPT_INT, "4",
+     "requests of one key's tenant at workers at once while another tenant is active; more "
+     "wait in the router queue (even with a worker free); a key alone is never held; 0 = no "
+     "limit but --max-inflight (docs/router.md, \"Tenants\")",
      &g_args.max_inflight_per_key, 0, 1 << 24},
     {"max-tokens-per-sec-per-key", NULL, KM_OPT_FLOAT, "0",
      "prompt + generated tokens per second of one key's tenant (a token bucket one second "

@@ -95,7 +95,8 @@ typedef struct rt_config {
     int max_inflight;      /* per worker, sent by this router; more wait in the router queue */
     int max_queue;         /* router queue; beyond it: 529 */
     int max_queue_per_key; /* queued requests of one keyed tenant; beyond: 429 (fair.c); 0: off */
-    int max_inflight_per_key; /* one keyed tenant's requests at workers; more wait; 0: off */
+    int max_inflight_per_key; /* one keyed tenant's requests at workers while another tenant is
+                               * active; more wait; 0: off */
     double max_tokens_per_sec_per_key; /* a keyed tenant's prompt+generated tokens/s; 0: off */
     int max_attempts; /* a request fails after this many different workers failed it, or this
                        * many attempts in a row gave no token */
