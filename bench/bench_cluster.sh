@@ -3,7 +3,7 @@
 # docs/transfer.md), on bench-router's shared-prefix workload (TENANTS tenants, each with a
 # PREFIX_TOKENS-token system prompt, PER_TENANT short questions, CONCURRENCY in flight) against
 # WORKERS workers routed kv-aware:
-#  1. page transfer off and on (workers with --peer-listen; the router may then tell a worker to
+#  1. page transfer off (--no-peer) and on (the default; the router may then tell a worker to
 #     pull a prefix another holds): cluster hit ratio and TTFT p50/p90;
 #  2. a restart of the worker holding the most pages (SIGTERM: the drain of recovery level 3;
 #     `kvmesh up` restarts it) between two passes of the workload: the second pass's hit ratio
@@ -30,7 +30,8 @@ THREADS=${THREADS:-1}
 PHASES=${PHASES:-"1 2 3"}
 # P1_CONFIGS: phase 1's clusters, among "off on balanced-off balanced-on" (all by default)
 LOGS=build/bench-cluster-logs
-PEER="--peer-listen 127.0.0.1:0"
+PEER="" # transfer nodes are on by default
+NOPEER="--no-peer"
 mkdir -p "$LOGS"
 
 UP=
@@ -56,11 +57,10 @@ field() { # RUN ID KEY: a field of cluster.env
 start_up() {
     rm -rf "$LOGS/$1"
     mkdir -p "$LOGS/$1"
-    # --pull-default-rate: a fresh cluster has no measured pull rate yet (docs/transfer.md)
     "$BIN/kvmesh" up --insecure --workers "$2" --threads "$THREADS" --mode kv \
         --base-port 0 --log-dir "$LOGS/$1" \
         --run-dir "$LOGS/$1/run" --worker-args "$3" \
-        --router-args "--max-queue=100000 --pull-default-rate=1e9 ${RARGS:-}" 2>>"$LOGS/up.log" &
+        --router-args "--max-queue=100000 ${RARGS:-}" 2>>"$LOGS/up.log" &
     UP=$!
     RQ= HTTP=
     for _ in $(seq 1 600); do
@@ -109,7 +109,7 @@ if [[ " $PHASES " == *" 1 "* ]]; then
     echo "   workers, so a prefix is either computed again or pulled)"
     for t in ${P1_CONFIGS:-off on balanced-off balanced-on}; do
         RARGS=$([[ $t == balanced-* ]] && echo "--w-prefill=0.01" || echo "")
-        start_up "p1-$t" "$WORKERS" "$([[ $t == *on ]] && echo "$PEER" || echo "")"
+        start_up "p1-$t" "$WORKERS" "$([[ $t == *on ]] && echo "$PEER" || echo "$NOPEER")"
         workload "transfer-$t"
         echo "   router pulls: pull $(router_metric 'kvmesh_router_pulls_total{decision="pull"}')," \
             "recompute $(router_metric 'kvmesh_router_pulls_total{decision="recompute"}');" \

@@ -64,7 +64,9 @@ static int up_parse(int argc, char **argv, up_opts *o, km_config **cfg)
         {"log-dir", NULL, KM_OPT_STR, NULL, "daemon logs go here (default: inherit stderr)",
          &o->log_dir, 0, 0},
         {"worker-args", NULL, KM_OPT_STR, NULL,
-         "extra flags for every worker, space-separated (e.g. \"--chaos --kv-format=fp8\")",
+         "extra flags for every worker, space-separated (e.g. \"--chaos --kv-format=fp8\"); "
+         "each worker runs a KV transfer node on 127.0.0.1 (a planned port, cluster.env's "
+         "peer=) unless they say --no-peer or their own --peer-listen",
          &o->worker_args, 0, 0},
         {"worker-args-for", NULL, KM_OPT_STR, NULL,
          "extra flags for some workers: \"ID:FLAGS;ID:FLAGS\" (e.g. \"w1:--chaos\")",

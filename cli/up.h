@@ -28,7 +28,7 @@ typedef struct up_proc {
     uv_timer_t backoff;
     int log_fd;
     char requests[128], events[128], admin[128], listen[128], view[128], http[128];
-    char peer[128]; /* a worker's UCX listener (--peer-listen), HOST:PORT; "" = none */
+    char peer[128]; /* a worker's UCX listener, HOST:PORT; "" = none (--no-peer) */
     struct up_state *st;
 } up_proc;
 

@@ -143,17 +143,26 @@ static void plan_controller(up_planner *pl, up_proc *p, int *k)
     push_args(p->argv, k, UP_ARGV_MAX, o->ctl_args);
 }
 
-/* A transfer node asked for in a worker's flags (--peer-listen HOST:PORT, the last one wins): port
- * 0 becomes a port planned like the others (base + 10i + 3), so cluster.env can say where each
- * worker's UCX listener is (peer=HOST:PORT). */
-static void plan_peer(up_planner *pl, up_proc *p, int wi, int argc)
+/* The worker's transfer node (on by default: docs/transfer.md): --peer-listen HOST:PORT from its
+ * flags (the last one wins), else one on its own host (loopback, or its --netns address) unless
+ * they say --no-peer. Port 0 becomes a port planned like the others (base + 10i + 3), so
+ * cluster.env can say where each worker's UCX listener is (peer=HOST:PORT). */
+static void plan_peer(up_planner *pl, up_proc *p, int wi, int *argc, const char *own_host)
 {
     int at = -1, off = 0;
-    for (int i = 0; i < argc; i++) {
+    bool none = false; /* the worker's --no-peer wins over any --peer-listen */
+    for (int i = 0; i < *argc; i++) {
         if (!strncmp(p->argv[i], "--peer-listen=", 14))
             at = i, off = 14;
-        else if (!strcmp(p->argv[i], "--peer-listen") && i + 1 < argc)
+        else if (!strcmp(p->argv[i], "--peer-listen") && i + 1 < *argc)
             at = i + 1, off = 0;
+        none |= !strcmp(p->argv[i], "--no-peer") || !strcmp(p->argv[i], "--peer=false");
+    }
+    if (none) return;
+    if (at < 0 && *argc < UP_ARGV_MAX - 1) {
+        at = (*argc)++;
+        off = 14;
+        p->argv[at] = xfmt("--peer-listen=%s:0", own_host);
     }
     if (at < 0) return;
     const char *v = p->argv[at] + off, *colon = strrchr(v, ':');
@@ -207,14 +216,14 @@ static void plan_worker(up_planner *pl, up_proc *p, int wi, int *k)
     plan_security(o, p, k);
     if (o->with_controller) {
         p->argv[(*k)++] = xfmt("--controller=%s", pl->ctl_listen);
-        /* the peers a drain hands its pages to (used only with --peer-listen) */
+        /* the peers a drain hands its pages to, and the holders a pull hint may name */
         p->argv[(*k)++] = xfmt("--peer-view=%s", pl->ctl_view);
     }
     if (o->model) p->argv[(*k)++] = xfmt("--model=%s", o->model);
     if (o->kv_bytes) p->argv[(*k)++] = xfmt("--kv-bytes=%s", o->kv_bytes);
     push_args(p->argv, k, UP_ARGV_MAX, o->worker_args);
     push_args_for(p->argv, k, UP_ARGV_MAX, o->worker_args_for, p->name);
-    plan_peer(pl, p, wi, *k);
+    plan_peer(pl, p, wi, k, host);
     km_buf_printf(&pl->workers, "%s%s=%s+%s", wi ? "," : "", p->name, p->requests, p->events);
 }
 
@@ -259,12 +268,6 @@ static void plan_router(up_planner *pl, up_proc *p, int ri, int *k)
     if (o->model) p->argv[(*k)++] = xfmt("--model=%s", o->model);
     long long ctx = workers_max_ctx(o);
     if (ctx) p->argv[(*k)++] = xfmt("--max-ctx=%lld", ctx);
-    /* workers with transfer nodes on one host: a default rate of loopback's order of magnitude,
-     * so the router may weigh pulls before any worker has measured a rate (docs/transfer.md);
-     * --router-args, pushed after, may say otherwise */
-    if ((o->worker_args && strstr(o->worker_args, "--peer-listen")) ||
-        (o->worker_args_for && strstr(o->worker_args_for, "--peer-listen")))
-        p->argv[(*k)++] = strdup("--pull-default-rate=1e9");
     push_args(p->argv, k, UP_ARGV_MAX, o->router_args);
 }
 

@@ -4,8 +4,9 @@
 # each request, how much of each prompt came from cached KV (requests of one tenant share a
 # system prompt, and the router sends them to the worker that holds it), TTFT and tokens/s, the
 # OpenAI-compatible API streaming, the cluster status, a recovery level forced through the
-# controller (w1's KV to fp8, then w1 drained and restarted by `kvmesh up`), then stops everything
-# as Ctrl-C would.
+# controller on the worker holding tenant acme's prompt (its KV to fp8, then drained and restarted
+# by `kvmesh up`: its drain hands its cached pages to the other worker over the KV mesh, which is
+# on by default, so acme's next request is a hit there), then stops everything as Ctrl-C would.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=build/bin
@@ -46,12 +47,15 @@ for _ in $(seq 1 300); do
 done
 [ "$n" -ge "$WORKERS" ] || { echo "demo: the cluster did not come up (see $LOGS/)"; exit 1; }
 
-ask() { # tenant system-prompt question
+LAST=$RUN/last-answer
+ask() { # tenant system-prompt question; the stats line ("[worker ID | ...") also lands in $LAST
     echo
     echo "-- [$1] $3"
     echo "$3" | "$BIN/kvmesh" chat --router "$ROUTER" --cert "$CLIENT_CERT" --cache-salt "$1" --system "$2" \
-        --max-tokens 48 --temperature 0
+        --max-tokens 48 --temperature 0 2> >(tee "$LAST" >&2)
+    sleep 0.1 # the stats line's tee
 }
+served_by() { sed -n 's/^\[worker \([^ ]*\) .*/\1/p' "$LAST" | tail -1; }
 SYS_A="You are the support assistant of Acme Rockets. Acme sells model rockets, launch pads and \
 engines. Be concise and friendly. Never promise delivery dates. Answer in one or two sentences. \
 Refunds are possible within 30 days. Engines must be shipped by ground. Our office is in Tucson."
@@ -87,15 +91,22 @@ echo "-- kvmesh status"
 "$BIN/kvmesh" status --http "$HTTP" --api-key "$(api_key admin)"
 
 echo
-echo "-- recovery, forced by hand: level 2 (w1's KV to fp8 in place), then level 3 (drain + restart)"
-"$BIN/kvmesh" recover --controller "$CONTROLLER" --cert "$ADMIN_CERT" --worker w1 --level 2 || true
+HOLDER=$(served_by) # acme's worker ("Where is your office?" was the last question asked)
+HOLDER=${HOLDER:-w1}
+echo "-- recovery, forced by hand on $HOLDER (it holds acme's prompt): level 2 (its KV to fp8 in"
+echo "   place), then level 3 (drain, its cached pages handed to its peer, restart)"
+"$BIN/kvmesh" recover --controller "$CONTROLLER" --cert "$ADMIN_CERT" --worker "$HOLDER" --level 2 || true
 ask acme "$SYS_A" "Do you ship to Europe?"
-"$BIN/kvmesh" recover --controller "$CONTROLLER" --cert "$ADMIN_CERT" --worker w1 --level 3 || true
-for _ in $(seq 1 150); do # until the controller's view has w1 back: restarted and ready
+"$BIN/kvmesh" recover --controller "$CONTROLLER" --cert "$ADMIN_CERT" --worker "$HOLDER" --level 3 || true
+for _ in $(seq 1 150); do # until the controller's view has it back: restarted and ready
     "$BIN/kvmesh" status --controller "$CONTROLLER" --cert "$ADMIN_CERT" --json 2>/dev/null |
         grep -q '"restarted"' && break
     sleep 0.2
 done
+echo
+echo "-- acme again, after $HOLDER's restart: served by its peer from the pages $HOLDER handed over"
+ask acme "$SYS_A" "Can I pay by card?"
+echo "   (acme's prompt was last computed on $HOLDER; this request ran on $(served_by))"
 echo
 echo "-- kvmesh status --controller (member states, recovery levels and history)"
 "$BIN/kvmesh" status --controller "$CONTROLLER" --cert "$ADMIN_CERT"

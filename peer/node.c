@@ -7,11 +7,11 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
-#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "peer/internal.h"
@@ -19,23 +19,24 @@
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23 /* Linux 5.14 */
 #endif
-#define PR_PREFAULT_CHUNK ((size_t)1 << 20)
+#define PR_PREFAULT_CHUNK ((size_t)256 << 10)
+#define PR_PREFAULT_IDLE  9 /* sleep per chunk, in chunk durations */
 
 /* ---------------------------------------------------------------- the arena's prefault */
 
-/* Makes the first prefault_target bytes of the arena resident, a chunk at a time, scheduled
- * only when a CPU has nothing else to run (SCHED_IDLE), until done or the node is destroyed.
- * Why: a first write to anonymous memory is a page fault per 4 KiB (zeroed and charged to the
- * memory cgroup), several times slower than writing resident memory, and a pull lands its pages
- * on the progress thread, so a fresh worker's pulls took twice as long (docs/transfer.md,
- * "Tuning", has the figures). Populating a present page changes nothing in it, so this runs
- * beside the engine and the transfers without touching kvshard; UCX's registration of the arena
- * is unaffected. A kernel without MADV_POPULATE_WRITE refuses it: pages are faulted in. */
+/* Makes the first prefault_target bytes of the arena resident, a chunk at a time, each followed
+ * by a sleep of PR_PREFAULT_IDLE times its own duration (a tenth of one CPU at most), until done
+ * or the node is destroyed. Why: a first write to anonymous memory is a page fault per 4 KiB
+ * (zeroed and charged to the memory cgroup), several times slower than writing resident memory,
+ * and a pull lands its pages on the progress thread, so a fresh worker's pulls took twice as long
+ * (docs/transfer.md, "Tuning", has the figures). Not SCHED_IDLE: a populate holds the process's
+ * mmap lock, and an idle-class thread starved by busy CPUs held it for seconds, stalling the
+ * worker's own thread (heartbeats missed, the worker declared dead). Populating a present page
+ * changes nothing in it, so this runs beside the engine and the transfers without touching
+ * kvshard. A kernel without MADV_POPULATE_WRITE refuses it: pages are faulted in. */
 static void *pr_prefault_main(void *arg)
 {
     pr_node *n = arg;
-    struct sched_param sp = {0};
-    (void)pthread_setschedparam(pthread_self(), SCHED_IDLE, &sp);
     uint8_t *base = (uint8_t *)n->regions[0].base;
     const uint64_t t0 = km_now_ns();
     uint64_t done = 0;
@@ -43,6 +44,7 @@ static void *pr_prefault_main(void *arg)
            !atomic_load_explicit(&n->prefault_stop, memory_order_relaxed)) {
         size_t len = n->prefault_target - done < PR_PREFAULT_CHUNK ? n->prefault_target - done
                                                                    : PR_PREFAULT_CHUNK;
+        const uint64_t c0 = km_now_ns();
         if (madvise(base + done, len, MADV_POPULATE_WRITE)) {
             KM_INFO("peer_prefault_stopped", "bytes=%llu msg=\"%s\"", (unsigned long long)done,
                     strerror(errno));
@@ -50,6 +52,11 @@ static void *pr_prefault_main(void *arg)
         }
         done += len;
         atomic_store_explicit(&n->prefaulted, done, memory_order_relaxed);
+        uint64_t rest = (km_now_ns() - c0) * PR_PREFAULT_IDLE;
+        if (rest > 20000000ull) rest = 20000000ull; /* a stop waits 20 ms at most */
+        struct timespec ts = {(time_t)(rest / 1000000000ull), (long)(rest % 1000000000ull)};
+        while (nanosleep(&ts, &ts) && errno == EINTR) {
+        }
     }
     if (done == n->prefault_target)
         KM_INFO("peer_prefault_done", "bytes=%llu ms=%.0f", (unsigned long long)done,

@@ -78,7 +78,7 @@ typedef struct pr_config {
      * stores (it would not stay in the caches anyway); 0: PR_STREAM_DEFAULT; < 0: never. */
     long long stream_bytes;
     /* Leading bytes of the page arena a background thread makes resident after the node starts
-     * (MADV_POPULATE_WRITE a chunk at a time, on an otherwise idle CPU: SCHED_IDLE), so that
+     * (MADV_POPULATE_WRITE a chunk at a time, a tenth of one CPU at most), so that
      * pages landing from a peer do not take a page fault per 4 KiB (docs/transfer.md, "Tuning",
      * says what that costs a fresh worker's pull); 0: the store's hot-tier budget; < 0:
      * none (pages are faulted in as they are first written). Resident memory grows to it. */

@@ -150,9 +150,9 @@ static const km_opt g_opts[] = {
      "tell a worker to pull a prefix another holds when pulling costs less than recomputing "
      "times this (docs/transfer.md)",
      &g_args.c.policy.pull_margin, 0, 10},
-    {"pull-default-rate", NULL, KM_OPT_FLOAT, "0",
-     "pull rate in bytes/s assumed until workers have measured one; 0 = none (recompute "
-     "until measured)",
+    {"pull-default-rate", NULL, KM_OPT_FLOAT, "1e9",
+     "pull rate in bytes/s assumed until workers have measured one (a pull between workers "
+     "of one host, end to end; measured rates replace it); 0 = none (recompute until measured)",
      &g_args.c.policy.pull_default_bps, 0, 1e12},
     {"credit-disk", NULL, KM_OPT_FLOAT, "0.5", "fraction of a disk page counted cached",
      &g_args.c.policy.tier_credit[KM_TIER_DISK], 0, 1},

@@ -54,6 +54,7 @@ void rt_policy_default(rt_policy *p)
     p->tier_credit[KM_TIER_DISK] = 0.5;
     p->tie_band = 16.0;
     p->pull_margin = 0.8;
+    p->pull_default_bps = RT_PULL_DEFAULT_BPS;
 }
 
 static uint64_t mix64(uint64_t z)

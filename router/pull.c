@@ -12,8 +12,9 @@
  * from that holder when it has pulled from it lately (the view's xfer_pairs: links differ, a
  * holder across a slow hop is not priced like one next door), else its rate over all holders
  * (or, before it has pulled, the mean over the workers that have), r_prefill its prefill rate
- * while busy, B the holder's page size. Without measured figures the router does not guess: it
- * recomputes (`unmeasured`), unless --pull-default-rate gives r_xfer a starting value. The hint
+ * while busy, B the holder's page size. Before any worker has measured r_xfer, --pull-default-rate
+ * (RT_PULL_DEFAULT_BPS) stands in for it; with that at 0, or without a measured prefill rate, the
+ * router recomputes (`unmeasured`). The hint
  * carries recompute_ms as the pull's budget, so a pull slower than computing is abandoned.
  *
  * rt_pull_decide is plain data in, decision out (tests/unit/test_router_pull.c); the rest reads

@@ -64,8 +64,14 @@ typedef struct rt_policy {
     double tie_band;                   /* costs within this of the best tie (16) */
     /* pull or recompute (router/pull.c, docs/transfer.md) */
     double pull_margin;      /* pull when its cost < recompute's x this (0.8) */
-    double pull_default_bps; /* pull rate assumed before any is measured; 0: none (recompute) */
+    double pull_default_bps; /* pull rate assumed before any is measured (RT_PULL_DEFAULT_BPS);
+                              * 0: none (recompute until measured) */
 } rt_policy;
+
+/* The starting pull rate, bytes/s: the order of a pull's rate between two workers on one host
+ * or a 10 GbE link, measured end to end (request, offer, reads, import) by `make bench-pull`
+ * (docs/transfer.md, "On by default"). Measured rates replace it as pulls happen. */
+#define RT_PULL_DEFAULT_BPS 1e9
 
 void rt_policy_default(rt_policy *p);
 

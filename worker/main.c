@@ -35,7 +35,7 @@ typedef struct wk_args {
     double spec_factor;
     int64_t max_ctx, default_max_tokens, heartbeat_ms, drain_ms, event_replay, cluster_seed;
     uint64_t kv_bytes, max_frame, kv_host_bytes, kv_disk_bytes, spec_index_bytes;
-    bool chaos, peer_prefault;
+    bool chaos, peer, peer_prefault;
     km_sec_args sec;
 } wk_args;
 
@@ -141,19 +141,26 @@ static const km_opt g_opts[] = {
     {"chaos", NULL, KM_OPT_BOOL, "false",
      "accept the fault-injection admin command `pressure` (tests, `kvmesh chaos`)", &g_args.chaos,
      0, 0},
+    {"peer", NULL, KM_OPT_BOOL, "true",
+     "KV page transfer (docs/transfer.md): run a transfer node, so that peers pull this "
+     "worker's pages and it pulls theirs (pull hints, drain handoff, warm-up); --no-peer = none "
+     "(pull hints are ignored, the store is not in a page arena)",
+     &g_args.peer, 0, 0},
     {"peer-listen", NULL, KM_OPT_STR, NULL,
-     "KV page transfer: listen for peers on HOST:PORT (port 0 = ephemeral); unset = no "
-     "transfer node (pull hints are ignored)",
+     "KV page transfer: listen for peers on HOST:PORT (port 0 = ephemeral: the heartbeat "
+     "advertises the port bound); unset = --listen's host, port 0 (0.0.0.0 for tcp://*)",
      &g_args.peer_listen, 0, 0},
-    {"peer-advertise", NULL, KM_OPT_STR, "127.0.0.1",
-     "KV page transfer: the host peers connect to (this worker's address on their network)",
+    {"peer-advertise", NULL, KM_OPT_STR, NULL,
+     "KV page transfer: the host peers connect to (this worker's address on their network); "
+     "unset = the --peer-listen host, or 127.0.0.1 when that is a wildcard",
      &g_args.peer_advertise, 0, 0},
     {"peer-mode", NULL, KM_OPT_STR, "am",
      "KV page transfer: am (active messages, default) or get (one-sided reads; RDMA)",
      &g_args.peer_mode, 0, 0},
     {"peer-prefault", NULL, KM_OPT_BOOL, "true",
      "KV page transfer: make the hot tier's page memory resident in the background after start "
-     "(on an idle CPU), so that pages pulled from peers do not fault in 4 KiB at a time; "
+     "(a tenth of one CPU at most), so that pages pulled from peers do not fault in 4 KiB at a "
+     "time; "
      "--no-peer-prefault leaves it to be faulted in as written",
      &g_args.peer_prefault, 0, 0},
     {"peer-lease", NULL, KM_OPT_DURATION, "10s",
@@ -185,6 +192,46 @@ static const km_opt g_opts[] = {
     {"log-format", NULL, KM_OPT_STR, "text", "text or json", &g_args.log_format, 0, 0},
 };
 
+/* The transfer node's addresses where the flags leave them unset (the rule --help and
+ * docs/transfer.md state): listen on --listen's host with port 0 (0.0.0.0 for `*`, loopback for
+ * a non-TCP endpoint), advertise the listening host unless it is a wildcard, then loopback.
+ * --no-peer clears --peer-listen: no node. */
+static void wk_peer_defaults(wk_args *a, char *listen, size_t lcap, char *adv, size_t acap)
+{
+    if (!a->peer) {
+        a->peer_listen = NULL;
+        return;
+    }
+    if (!a->peer_listen || !a->peer_listen[0]) {
+        const char *l = a->listen ? a->listen : "", *h = l + (strncmp(l, "tcp://", 6) ? 0 : 6);
+        const char *colon = strrchr(h, ':');
+        size_t n = colon ? (size_t)(colon - h) : strlen(h);
+        if (n >= 2 && h[0] == '[' && h[n - 1] == ']') h++, n -= 2; /* [v6] */
+        if (h == l || !n || n + 3 > lcap)
+            snprintf(listen, lcap, "127.0.0.1:0");
+        else if (n == 1 && *h == '*')
+            snprintf(listen, lcap, "0.0.0.0:0");
+        else
+            snprintf(listen, lcap, "%.*s:0", (int)n, h);
+        a->peer_listen = listen;
+    }
+    if (!a->peer_advertise || !a->peer_advertise[0]) {
+        const char *l = a->peer_listen, *colon = strrchr(l, ':');
+        size_t n = colon ? (size_t)(colon - l) : strlen(l);
+        bool wild = !n || (n == 7 && !strncmp(l, "0.0.0.0", 7)) || (n == 2 && !strncmp(l, "::", 2));
+        if (wild || n >= acap) {
+            snprintf(adv, acap, "127.0.0.1");
+            KM_WARN("peer_advertise",
+                    "msg=\"the transfer node listens on %s: peers on other hosts cannot reach "
+                    "the advertised 127.0.0.1; give --peer-advertise\"",
+                    l);
+        } else {
+            snprintf(adv, acap, "%.*s", (int)n, l);
+        }
+        a->peer_advertise = adv;
+    }
+}
+
 int main(int argc, char **argv)
 {
     wk_args *a = &g_args;
@@ -207,6 +254,8 @@ int main(int argc, char **argv)
         const char *now_src = km_config_source(cfg, renamed[i].now);
         if (now_src && !strcmp(now_src, "default")) *renamed[i].to = *renamed[i].from;
     }
+    char peer_listen[160], peer_adv[128];
+    wk_peer_defaults(a, peer_listen, sizeof peer_listen, peer_adv, sizeof peer_adv);
     kv_format fmt;
     if (kv_format_parse(a->kv_format, &fmt)) {
         fprintf(stderr, "kvmesh-worker: unknown --kv-format %s\n", a->kv_format);

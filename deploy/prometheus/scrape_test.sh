@@ -39,7 +39,7 @@ wait_for() {
 
 # -- the cluster
 build/bin/kvmesh up --workers 2 --base-port 0 --run-dir "$TMP/run" --log-dir "$TMP/logs" \
-    --kv-bytes 64M --worker-args "--peer-listen 127.0.0.1:0" >"$TMP/up.log" 2>&1 &
+    --kv-bytes 64M >"$TMP/up.log" 2>&1 &
 UP_PID=$!
 field() { grep " id=$1 " "$TMP/run/cluster.env" | tr ' ' '\n' | sed -n "s/^$2=//p"; }
 all_up() { [ -f "$TMP/run/cluster.env" ] && [ "$(grep -c 'pid=[1-9]' "$TMP/run/cluster.env")" = 4 ]; }

@@ -373,6 +373,49 @@ static void viewpub_until_known(pair *w, const it_proc *who)
     }
 }
 
+/* Issue 31: a worker started with no transfer flag runs a transfer node on its --listen host
+ * (port 0, the bound one in its heartbeats), advertising that host; --no-peer runs none. */
+Test(worker_pull, a_worker_runs_a_transfer_node_by_default_and_none_with_no_peer)
+{
+    if (!have_model()) return;
+    char ep[256];
+    void *ctl = bound(KM_ZROUTER, "tcp://127.0.0.1:*", ep, sizeof ep);
+    it_proc on, off;
+    memset(&on, 0, sizeof on);
+    memset(&off, 0, sizeof off);
+    const char *const common[] = {
+        "--admin-port=0", "--threads=1", "--heartbeat=100", "--controller", ep, NULL};
+    const char *f_on[8], *f_off[8];
+    int n = 0;
+    for (; common[n]; n++) f_on[n] = f_off[n] = common[n];
+    f_on[n] = "--worker-id=won";
+    f_off[n] = "--worker-id=woff";
+    f_off[n + 1] = "--no-peer";
+    f_on[n + 1] = f_off[n + 2] = NULL;
+    it_start_worker(&on, "default", f_on, NULL);
+    it_start_worker(&off, "nopeer", f_off, NULL);
+
+    uint8_t addr[KM_PROTO_MAX_PEER_ADDR];
+    cr_assert_gt(peer_addr_of(ctl, "won", addr, sizeof addr), 0);
+    cr_assert_geq(it_metric(on.admin_port, "kvmesh_kv_transfer_bytes_total{direction=\"in\"}"), 0);
+    char cmd[512];
+    snprintf(cmd, sizeof cmd,
+             "grep -q 'event=peer_ready.*listen=127.0.0.1:0 advertise=127.0.0.1 ' %s/worker.log",
+             on.dir);
+    cr_assert_eq(it_sh("%s", cmd), 0, "no peer_ready line on 127.0.0.1:0 in %s/worker.log", on.dir);
+
+    km_msg m;
+    for (int i = 0; i < 3; i++) { /* a few heartbeats, none with a transfer address */
+        cr_assert(next_hb(ctl, "woff", km_now_ns() + 30000000000ull, &m), "no heartbeat");
+        cr_assert(!m.hb.peer_addr_len, "--no-peer: the heartbeat carries a transfer address");
+        km_msg_clear(&m);
+    }
+    cr_assert_eq(it_metric(off.admin_port, "kvmesh_kv_transfer_bytes_total{direction=\"in\"}"), -1,
+                 "--no-peer: transfer metrics are exported");
+    it_kill_all();
+    km_zsock_close(ctl);
+}
+
 Test(worker_pull, a_prefix_pulled_from_a_peer_is_served_and_equals_computing_it)
 {
     if (!have_model()) return;

@@ -2,8 +2,8 @@
  * test_router_pull.c — the router's pull-or-recompute rule (router/pull.c, docs/transfer.md):
  * with every figure measured it pulls exactly when pull_ms < recompute_ms x margin, the holder
  * is the one with the longest prefix that can serve, a worker without measured figures is never
- * told to pull (unless a default rate is configured), and a chosen worker that holds the most
- * already gets no hint.
+ * told to pull unless the default rate stands in for the transfer rate (it does by default; 0
+ * turns it off), and a chosen worker that holds the most already gets no hint.
  */
 #include <criterion/criterion.h>
 #include <string.h>
@@ -97,15 +97,15 @@ Test(router_pull, a_holder_that_cannot_serve_is_passed_over)
     cr_assert_eq(rt_pull_decide(&pol, c, 3, 0, PT, &ch), RT_PULL_NONE);
 }
 
-Test(router_pull, no_measured_figures_means_recompute_unless_a_default_rate_is_set)
+Test(router_pull, before_any_measured_rate_the_default_rate_decides_and_0_means_recompute)
 {
     rt_pull_in c[2] = {measured(0), measured(100)};
     c[0].rate_bps = c[1].rate_bps = 0; /* nobody has pulled yet */
     rt_pull_choice ch;
-    cr_assert_eq(rt_pull_decide(&pol, c, 2, 0, PT, &ch), RT_PULL_UNMEASURED);
-    pol.pull_default_bps = 1e9;
+    cr_assert_eq(pol.pull_default_bps, RT_PULL_DEFAULT_BPS); /* on with default flags */
     cr_assert_eq(rt_pull_decide(&pol, c, 2, 0, PT, &ch), RT_PULL_PULL);
     pol.pull_default_bps = 0;
+    cr_assert_eq(rt_pull_decide(&pol, c, 2, 0, PT, &ch), RT_PULL_UNMEASURED);
     c[1].rate_bps = 1e9; /* another worker has measured one: the cluster's figure */
     cr_assert_eq(rt_pull_decide(&pol, c, 2, 0, PT, &ch), RT_PULL_PULL);
     c[0].prefill_tps = 0; /* the chosen worker's prefill rate is unknown */
