@@ -24,6 +24,12 @@
  *                  choice); the source of a pull is SIGKILLed the moment the router chooses it
  *                  or once its bytes leave, 4 rounds (--short: 2; chaos_pullkill.c): a pull
  *                  must have been chosen, no request fails, outputs equal
+ *   netfault   (k) w1 in a network namespace, the veth to w0 slowed (tbf), lossy (iptables
+ *                  statistic) and reordering (NFQUEUE, kvmesh-netdelay) while the workers pull
+ *                  long prefixes from each other and w1's drain hands its chains to w0
+ *                  (chaos_netfault.c): a pull and a handoff under the fault, no request fails
+ *   drainkill  (l) w1 drained after taking long prefixes, SIGKILLed once its handoff to w0
+ *                  has begun: no request fails, outputs equal
  *
  * Why it is built this way: each scenario starts its own cluster with the same code as `kvmesh up`
  * (this very binary, `up --base-port 0` in a temporary run directory: free ports, so it never

@@ -34,14 +34,14 @@
 
 #include "cli/chaos.h"
 
-#define NF_RATE        "100mbit" /* tbf: the link's bandwidth under the fault */
-#define NF_LOSS        "0.02"    /* iptables statistic: share of packets dropped, each way */
-#define NF_HOLD_SHARE  "0.25"    /* share of TCP packets NFQUEUE hands to kvmesh-netdelay */
-#define NF_QUEUE       "7"
-#define NF_RESTART_MS  60000 /* longest wait for a drained or killed worker's restart */
-#define NF_HANDOFF_MS  20000 /* drainkill: longest wait for the handoff to begin */
-#define NF_PUSHED      "kvmesh_kv_handoff_chains_total{outcome=\"pushed\"}"
-#define NF_BYTES_IN    "kvmesh_kv_transfer_bytes_total{direction=\"in\"}"
+#define NF_RATE       "100mbit" /* tbf: the link's bandwidth under the fault */
+#define NF_LOSS       "0.02"    /* iptables statistic: share of packets dropped, each way */
+#define NF_HOLD_SHARE "0.25"    /* share of TCP packets NFQUEUE hands to kvmesh-netdelay */
+#define NF_QUEUE      "7"
+#define NF_RESTART_MS 60000 /* longest wait for a drained or killed worker's restart */
+#define NF_HANDOFF_MS 20000 /* drainkill: longest wait for the handoff to begin */
+#define NF_PUSHED     "kvmesh_kv_handoff_chains_total{outcome=\"pushed\"}"
+#define NF_BYTES_IN   "kvmesh_kv_transfer_bytes_total{direction=\"in\"}"
 
 /* What a worker counts of pulls and handoff chains (deltas over a fault are reported). */
 enum { NF_OK, NF_PARTIAL, NF_FAILED, NF_PRESENT, NF_TAKEN, NF_DROPPED, NF_CPRESENT, NF_N };
@@ -68,8 +68,8 @@ static void nf_describe(char *buf, size_t cap, const char *what, const double a[
     snprintf(buf, cap,
              "%s: pulls ok %d, partial %d, failed %d, present %d; handoff chains taken %d, "
              "dropped %d, present %d",
-             what, d[NF_OK], d[NF_PARTIAL], d[NF_FAILED], d[NF_PRESENT], d[NF_TAKEN],
-             d[NF_DROPPED], d[NF_CPRESENT]);
+             what, d[NF_OK], d[NF_PARTIAL], d[NF_FAILED], d[NF_PRESENT], d[NF_TAKEN], d[NF_DROPPED],
+             d[NF_CPRESENT]);
 }
 
 /* Long prefixes of their own for w1 to hand off: `want` round prompts from `first` on, sent
@@ -138,8 +138,8 @@ static long nf_rule_packets(chaos_run *r, const char *target)
 static long nf_tbf_dropped(chaos_run *r, bool ns, const char *dev)
 {
     char cmd[200];
-    snprintf(cmd, sizeof cmd, "%s%s tc -s qdisc show dev %s 2>/dev/null", ns ? "ip netns exec " : "",
-             ns ? r->netns : "", dev);
+    snprintf(cmd, sizeof cmd, "%s%s tc -s qdisc show dev %s 2>/dev/null",
+             ns ? "ip netns exec " : "", ns ? r->netns : "", dev);
     FILE *f = popen(cmd, "r");
     if (!f) return -1;
     long dropped = -1;
@@ -154,8 +154,8 @@ static long nf_tbf_dropped(chaos_run *r, bool ns, const char *dev)
 
 static int nf_tbf(chaos_run *r, bool ns, const char *dev)
 {
-    const char *a[] = {"tc",   "qdisc",  "replace", "dev",     dev,  "root", "tbf", "rate",
-                       NF_RATE, "burst", "128kb",   "latency", "50ms", NULL};
+    const char *a[] = {"tc",   "qdisc", "replace", "dev",   dev,       "root", "tbf",
+                       "rate", NF_RATE, "burst",   "128kb", "latency", "50ms", NULL};
     return nf_cmd(r, ns, a);
 }
 
@@ -164,8 +164,9 @@ int chaos_precheck_netfault(chaos_run *r)
     const char *del[] = {"tc", "qdisc", "del", "dev", r->veth_ns, "root", NULL};
     const char *list[] = {"iptables", "-nL", NULL};
     if (nf_tbf(r, true, r->veth_ns)) {
-        snprintf(r->note, sizeof r->note, "`tc qdisc ... tbf` failed in the namespace (no tc, "
-                                          "or no sch_tbf in this kernel)");
+        snprintf(r->note, sizeof r->note,
+                 "`tc qdisc ... tbf` failed in the namespace (no tc, "
+                 "or no sch_tbf in this kernel)");
         return 1;
     }
     nf_cmd(r, true, del);
@@ -199,8 +200,8 @@ static pid_t nf_start_delayer(chaos_run *r, char *log, size_t cap)
         sigprocmask(SIG_UNBLOCK, &set, NULL);
         int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
         if (fd >= 0) dup2(fd, 1), dup2(fd, 2), close(fd);
-        const char *argv[] = {"ip",      "netns",      "exec", r->netns,   bin, "--queue",
-                              NF_QUEUE,  "--delay-ms", "1",    "--jitter-ms", "8", NULL};
+        const char *argv[] = {"ip",     "netns",      "exec", r->netns,      bin, "--queue",
+                              NF_QUEUE, "--delay-ms", "1",    "--jitter-ms", "8", NULL};
         execvp(argv[0], (char *const *)argv);
         _exit(127);
     }
@@ -220,17 +221,19 @@ static void nf_link_bad(chaos_run *r, nf_link *L)
     const char *dirs[2][2] = {{"INPUT", "-i"}, {"OUTPUT", "-o"}};
     L->loss = true;
     for (int i = 0; i < 2; i++) {
-        const char *a[] = {"iptables",  "-A",     dirs[i][0], dirs[i][1], r->veth_ns,
-                           "-m",        "statistic", "--mode", "random", "--probability",
-                           NF_LOSS,     "-j",     "DROP",     NULL};
+        const char *a[] = {"iptables", "-A",        dirs[i][0], dirs[i][1], r->veth_ns,
+                           "-m",       "statistic", "--mode",   "random",   "--probability",
+                           NF_LOSS,    "-j",        "DROP",     NULL};
         L->loss &= !nf_cmd(r, true, a);
     }
     L->delayer = nf_start_delayer(r, L->delayer_log, sizeof L->delayer_log);
     L->hold = L->delayer > 0;
     for (int i = 0; L->hold && i < 2; i++) {
-        const char *a[] = {"iptables", "-A", dirs[i][0], dirs[i][1], r->veth_ns, "-p", "tcp",
-                           "-m", "statistic", "--mode", "random", "--probability", NF_HOLD_SHARE,
-                           "-j", "NFQUEUE", "--queue-num", NF_QUEUE, "--queue-bypass", NULL};
+        const char *a[] = {
+            "iptables",    "-A", dirs[i][0],  dirs[i][1],    r->veth_ns, "-p",
+            "tcp",         "-m", "statistic", "--mode",      "random",   "--probability",
+            NF_HOLD_SHARE, "-j", "NFQUEUE",   "--queue-num", NF_QUEUE,   "--queue-bypass",
+            NULL};
         L->hold &= !nf_cmd(r, true, a);
     }
 }
@@ -239,7 +242,8 @@ static void nf_link_bad(chaos_run *r, nf_link *L)
 static void nf_link_good(chaos_run *r, nf_link *L)
 {
     long lost = nf_rule_packets(r, "DROP"), queued = nf_rule_packets(r, "NFQUEUE");
-    long tbf_h = nf_tbf_dropped(r, false, r->veth_host), tbf_n = nf_tbf_dropped(r, true, r->veth_ns);
+    long tbf_h = nf_tbf_dropped(r, false, r->veth_host),
+         tbf_n = nf_tbf_dropped(r, true, r->veth_ns);
     const char *flush[] = {"iptables", "-F", NULL};
     const char *del_h[] = {"tc", "qdisc", "del", "dev", r->veth_host, "root", NULL};
     const char *del_n[] = {"tc", "qdisc", "del", "dev", r->veth_ns, "root", NULL};
@@ -257,9 +261,11 @@ static void nf_link_good(chaos_run *r, nf_link *L)
         char line[256];
         held[0] = 0;
         while (f && fgets(line, sizeof line, f))
-            if (strstr(line, "held=")) snprintf(held, sizeof held, "%.*s", (int)strcspn(line, "\n"), line);
+            if (strstr(line, "held="))
+                snprintf(held, sizeof held, "%.*s", (int)strcspn(line, "\n"), line);
         if (f) fclose(f);
-        if (!held[0]) snprintf(held, sizeof held, "kvmesh-netdelay said nothing (see %s)", L->delayer_log);
+        if (!held[0])
+            snprintf(held, sizeof held, "kvmesh-netdelay said nothing (see %s)", L->delayer_log);
     }
     size_t n = strlen(r->note);
     snprintf(r->note + n, sizeof r->note - n,
@@ -289,7 +295,8 @@ int chaos_fault_netfault(chaos_run *r)
     char pulls[600], handoff[600] = "";
     nf_describe(pulls, sizeof pulls, "w0 under the fault", w0a, w0b);
     /* the handoff across the link: w1, given long prefixes w0 lacks, drained; w0 pulls them */
-    int seeded = 0, on_w1 = r->problem[0] ? 0 : nf_seed_target(r, 10, r->k.short_run ? 1 : 2, &seeded);
+    int seeded = 0,
+        on_w1 = r->problem[0] ? 0 : nf_seed_target(r, 10, r->k.short_run ? 1 : 2, &seeded);
     nf_counts(r, "w0", w0b);
     int pid = chaos_proc_pid(r, CHAOS_TARGET);
     double pushed0 = chaos_metric(r, CHAOS_TARGET, NF_PUSHED), pushed = pushed0;
@@ -326,7 +333,8 @@ int chaos_fault_netfault(chaos_run *r)
 
 static int dk_round(chaos_run *r, int round, bool when_reading, char *what, size_t cap)
 {
-    int n_prompts = 0, on_w1 = nf_seed_target(r, 40 + 8 * round, r->k.short_run ? 2 : 3, &n_prompts);
+    int n_prompts = 0,
+        on_w1 = nf_seed_target(r, 40 + 8 * round, r->k.short_run ? 2 : 3, &n_prompts);
     if (on_w1 < 0) return -1;
     double before[NF_N], after[NF_N];
     nf_counts(r, "w0", before);
@@ -340,11 +348,12 @@ static int dk_round(chaos_run *r, int round, bool when_reading, char *what, size
     double pushed = -1;
     for (uint64_t until = t0 + NF_HANDOFF_MS; !begun && km_wall_ms() < until;) {
         pushed = chaos_metric(r, CHAOS_TARGET, NF_PUSHED);
-        begun = when_reading ? chaos_metric(r, "w0", NF_BYTES_IN) > in0 : pushed > pushed0;
+        begun = when_reading ? in0 >= 0 && chaos_metric(r, "w0", NF_BYTES_IN) > in0
+                             : pushed0 >= 0 && pushed > pushed0;
         if (!begun) km_sleep_ms(2);
     }
     int delay = (int)(km_wall_ms() - t0);
-    if (kill(pid, SIGKILL)) {
+    if (pid <= 0 || kill(pid, SIGKILL)) {
         snprintf(r->problem, sizeof r->problem, "round %d: no process %d to kill", round + 1, pid);
         return -1;
     }
@@ -356,12 +365,13 @@ static int dk_round(chaos_run *r, int round, bool when_reading, char *what, size
     r->counts.pulls_ok += (int)(after[NF_OK] - before[NF_OK]);
     r->counts.pulls_partial += (int)(after[NF_PARTIAL] - before[NF_PARTIAL]);
     r->counts.pulls_failed += (int)(after[NF_FAILED] - before[NF_FAILED]);
-    snprintf(what, cap, "%d: %d of %d long prefixes on w1, killed +%d ms after the drain order %s "
-                        "(%d chains pushed by then); %s",
+    snprintf(what, cap,
+             "%d: %d of %d long prefixes on w1, killed +%d ms after the drain order %s "
+             "(%d chains pushed by then); %s",
              round + 1, on_w1, n_prompts, delay,
-             !begun          ? "with no handoff seen (NOT during its handoff)"
-             : when_reading  ? "as w0 read its bytes"
-                             : "once it had pushed",
+             !begun         ? "with no handoff seen (NOT during its handoff)"
+             : when_reading ? "once w0's bytes in grew"
+                            : "once it had pushed",
              pushed0 >= 0 && pushed >= 0 ? (int)(pushed - pushed0) : -1, outcome);
     if (!begun && !r->problem[0])
         snprintf(r->problem, sizeof r->problem, "round %d: w1's handoff did not begin within %d s",
@@ -381,7 +391,7 @@ int chaos_fault_drainkill(chaos_run *r)
         if (dk_round(r, i, i % 2 == 1, notes[i], sizeof notes[i])) break;
     double mig1 = chaos_metric(r, "router", "kvmesh_router_migrations_total");
     r->counts.migrations = mig0 >= 0 && mig1 >= 0 ? (int)(mig1 - mig0) : -1;
-    snprintf(r->note, sizeof r->note, "rounds %s%s%s; %d migrations", notes[0], notes[1][0] ? "; " : "",
-             notes[1], r->counts.migrations);
+    snprintf(r->note, sizeof r->note, "rounds %s%s%s; %d migrations", notes[0],
+             notes[1][0] ? "; " : "", notes[1], r->counts.migrations);
     return 0;
 }

@@ -61,13 +61,14 @@ static uint64_t now_us(void)
 
 static void let_go(nd_state *s, uint32_t id)
 {
-    if (id < s->last_out) s->n_reordered++;
-    else s->last_out = id;
+    if (id < s->last_out)
+        s->n_reordered++;
+    else
+        s->last_out = id;
     nfq_set_verdict(s->qh, id, NF_ACCEPT, 0, NULL);
 }
 
-static int on_packet(struct nfq_q_handle *qh, struct nfgenmsg *msg, struct nfq_data *nfa,
-                     void *arg)
+static int on_packet(struct nfq_q_handle *qh, struct nfgenmsg *msg, struct nfq_data *nfa, void *arg)
 {
     (void)qh, (void)msg;
     nd_state *s = arg;
@@ -106,10 +107,14 @@ int main(int argc, char **argv)
     int queue = -1;
     unsigned delay_ms = 2, jitter_ms = 10, seed = 1;
     for (int i = 1; i + 1 < argc; i += 2) {
-        if (!strcmp(argv[i], "--queue")) queue = atoi(argv[i + 1]);
-        else if (!strcmp(argv[i], "--delay-ms")) delay_ms = (unsigned)atoi(argv[i + 1]);
-        else if (!strcmp(argv[i], "--jitter-ms")) jitter_ms = (unsigned)atoi(argv[i + 1]);
-        else if (!strcmp(argv[i], "--seed")) seed = (unsigned)atoi(argv[i + 1]);
+        if (!strcmp(argv[i], "--queue"))
+            queue = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "--delay-ms"))
+            delay_ms = (unsigned)atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "--jitter-ms"))
+            jitter_ms = (unsigned)atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "--seed"))
+            seed = (unsigned)atoi(argv[i + 1]);
     }
     if (queue < 0 || queue > 65535) {
         fprintf(stderr, "usage: kvmesh-netdelay --queue N [--delay-ms D] [--jitter-ms J] "
@@ -155,9 +160,8 @@ int main(int argc, char **argv)
         if (n > 0) nfq_handle_packet(h, buf, (int)n);
     }
     release(&s, true);
-    printf("kvmesh-netdelay: held=%llu reordered=%llu overflow=%llu\n",
-           (unsigned long long)s.n_in, (unsigned long long)s.n_reordered,
-           (unsigned long long)s.n_overflow);
+    printf("kvmesh-netdelay: held=%llu reordered=%llu overflow=%llu\n", (unsigned long long)s.n_in,
+           (unsigned long long)s.n_reordered, (unsigned long long)s.n_overflow);
     fflush(stdout);
     nfq_destroy_queue(s.qh);
     nfq_close(h);
