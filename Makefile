@@ -115,6 +115,13 @@ endif
 ifneq ($(wildcard controller/main.c),)
 PROGRAMS += $(BIN)/kvmesh-controller
 endif
+# kvmesh-netdelay (tests/chaos/netdelay.c): the packet delayer of `kvmesh chaos netfault`, built
+# where libnetfilter-queue-dev is installed (`make deps`); without it netfault runs without
+# delay and reordering and says so.
+NFQ_LIBS := $(shell pkg-config --libs libnetfilter_queue 2>/dev/null)
+ifneq ($(NFQ_LIBS),)
+PROGRAMS += $(BIN)/kvmesh-netdelay
+endif
 
 .PHONY: all build deps moe-model test unit-tests unit-tests-san unit-tests-tsan integration fuzz fuzz-run \
         demo bench bench-engine fixtures fmt lint help-check clean help
@@ -174,6 +181,10 @@ $(BIN)/kvmesh-router: $(OBJ)/router/main.o $(ROUTER_LIBS)
 $(BIN)/kvmesh-controller: $(OBJ)/controller/main.o $(CONTROLLER_LIBS)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+
+$(BIN)/kvmesh-netdelay: $(OBJ)/tests/chaos/netdelay.o
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $^ $(NFQ_LIBS)
 
 # ------------------------------------------------------------------ component layering
 # Each library is linked alone into a shared object, with only the libraries DESIGN.md's arrows

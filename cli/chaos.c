@@ -24,6 +24,12 @@
  *                  choice); the source of a pull is SIGKILLed the moment the router chooses it
  *                  or once its bytes leave, 4 rounds (--short: 2; chaos_pullkill.c): a pull
  *                  must have been chosen, no request fails, outputs equal
+ *   netfault   (k) w1 in a network namespace, the veth to w0 slowed (tbf), lossy (iptables
+ *                  statistic) and reordering (NFQUEUE, kvmesh-netdelay) while the workers pull
+ *                  long prefixes from each other and w1's drain hands its chains to w0
+ *                  (chaos_netfault.c): a pull and a handoff under the fault, no request fails
+ *   drainkill  (l) w1 drained after taking long prefixes, SIGKILLed once its handoff to w0
+ *                  has begun: no request fails, outputs equal
  *
  * Why it is built this way: each scenario starts its own cluster with the same code as `kvmesh up`
  * (this very binary, `up --base-port 0` in a temporary run directory: free ports, so it never
@@ -208,13 +214,20 @@ static void run_scenario(const chaos_scenario *sc, const chaos_knobs *k, bool ke
             res->skipped = res->passed = true;
             snprintf(res->skip_reason, sizeof res->skip_reason,
                      "`ip netns add` is not permitted here (needs root or CAP_SYS_ADMIN and "
-                     "iproute2); partition scenario skipped");
+                     "iproute2); %s scenario skipped",
+                     sc->name);
             goto out;
         }
         if (ns < 0) {
             snprintf(res->error, sizeof res->error, "could not set up the network namespace");
             goto out;
         }
+    }
+    if (sc->precheck && sc->precheck(r)) {
+        res->skipped = res->passed = true;
+        snprintf(res->skip_reason, sizeof res->skip_reason, "%.200s; %s scenario skipped", r->note,
+                 sc->name);
+        goto out;
     }
     if (chaos_cluster_start(r)) {
         snprintf(res->error, sizeof res->error,
@@ -372,7 +385,7 @@ int cli_cmd_chaos(int argc, char **argv)
         "kvmesh chaos",
         "fault injection against a local cluster it starts itself. SCENARIO: pressure (a), kill "
         "(b), stop (c), controller (d), router (e), partition (f), slowloris (g), longprompt "
-        "(h), killsoak (i), pullkill (j) or all",
+        "(h), killsoak (i), pullkill (j), netfault (k), drainkill (l) or all",
         opts, sizeof opts / sizeof *opts, argc, argv, NULL, NULL, &cfg);
     if (rc == 1)
         for (int i = 0; i < CHAOS_N_SCENARIOS; i++)
@@ -390,7 +403,8 @@ int cli_cmd_chaos(int argc, char **argv)
             pick[i] = true, n_pick++;
     if (!n_pick) {
         fprintf(stderr, "kvmesh chaos: give a scenario: pressure, kill, stop, controller, router, "
-                        "partition, slowloris, longprompt, killsoak, pullkill or all (--help)\n");
+                        "partition, slowloris, longprompt, killsoak, pullkill, netfault, drainkill "
+                        "or all (--help)\n");
         km_config_destroy(cfg);
         return 2;
     }

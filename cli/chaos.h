@@ -67,6 +67,9 @@ typedef struct chaos_scenario {
     bool needs_netns;
     bool drains_target; /* levels 1, 2, 3 must fire in order, and up must restart the target */
     bool no_failures;   /* failed must be 0 too (no request may even be told why it failed) */
+    bool peer_split;    /* transfer nodes on each side of the namespace's veth (netfault) */
+    /* 0: the scenario can run here; 1: skip it (r->note says why); before the cluster starts */
+    int (*precheck)(chaos_run *r);
     const char *wflags; /* extra worker flags for this scenario (short run, full run) */
     const char *wflags_full;
     const char *rflags; /* extra router flags for this scenario */
@@ -222,12 +225,26 @@ void chaos_format_levels(chaos_run *r, chaos_result *res);
 /* ---------------------------------------------------------------- chaos_scenarios (chaos_faults.c)
  */
 
-#define CHAOS_N_SCENARIOS 10
+#define CHAOS_N_SCENARIOS 12
 extern const chaos_scenario chaos_scenarios[CHAOS_N_SCENARIOS];
 
 /* (g) slow HTTP clients against the router's and the workers' ports (chaos_slowloris.c). */
 int chaos_fault_slowloris(chaos_run *r);
 /* (j) SIGKILL the source of a prefix pull while it runs (chaos_pullkill.c). */
 int chaos_fault_pullkill(chaos_run *r);
+/* Rounds of chaos_pullkill.c from round `first` on, until `rounds` pulls were chosen (twice as
+ * many rounds at most): each a new long prefix, a burst of it, the router's pull of it, its
+ * source SIGKILLed when do_kill; r->note and r->counts say what the pulls did. */
+int chaos_pull_rounds(chaos_run *r, int rounds, int first, bool do_kill);
+/* Round `round`'s long prompt once (greedy) through the router, or straight to `worker` when not
+ * NULL: 0, and which worker served it. */
+int chaos_long_prompt(chaos_run *r, int round, const char *worker, char *served_by, size_t cap);
+/* (k) pulls and a drain handoff across a slow, lossy, reordering veth (chaos_netfault.c). */
+int chaos_fault_netfault(chaos_run *r);
+int chaos_precheck_netfault(chaos_run *r);
+/* (l) SIGKILL a worker while its drain hands its pages to its peer (chaos_netfault.c). */
+int chaos_fault_drainkill(chaos_run *r);
+/* A process to SIGTERM when the namespace goes (the netfault's packet delayer), or 0. */
+void chaos_netns_helper(pid_t pid);
 
 #endif /* KVMESH_CLI_CHAOS_H */

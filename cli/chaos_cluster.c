@@ -26,6 +26,12 @@
 /* What to clean up if we are interrupted (the signal thread reads them). */
 static volatile pid_t g_up_pid;
 static char g_netns[32], g_veth[16], g_cluster_file[128];
+static volatile pid_t g_helper_pid;
+
+void chaos_netns_helper(pid_t pid)
+{
+    g_helper_pid = pid;
+}
 
 /* Children get the signal mask back that chaos_signals_start blocked for its signal thread. */
 static void unblock_signals(void)
@@ -64,6 +70,12 @@ int chaos_run_cmd(const char *const *argv, bool quiet)
 
 void chaos_netns_cleanup(void)
 {
+    pid_t helper = g_helper_pid;
+    if (helper > 0) { /* it lets its held packets go and exits */
+        kill(helper, SIGTERM);
+        for (int i = 0; i < 100 && waitpid(helper, NULL, WNOHANG) == 0; i++) km_sleep_ms(20);
+        g_helper_pid = 0;
+    }
     if (g_veth[0]) {
         const char *a[] = {"ip", "link", "del", g_veth, NULL};
         chaos_run_cmd(a, true);
@@ -313,7 +325,13 @@ int chaos_cluster_start(chaos_run *r)
     *slash = 0;
     char bin_flag[4200];
     snprintf(bin_flag, sizeof bin_flag, "--bin-dir=%s", bin_dir);
-    char logs[128], uplog[128], netns[256] = "";
+    char logs[128], uplog[128], netns[256] = "", args_for[512];
+    snprintf(args_for, sizeof args_for, "%s:--chaos", CHAOS_TARGET);
+    if (r->netns_made && r->sc->peer_split) /* each transfer node on its own side of the veth */
+        snprintf(args_for, sizeof args_for,
+                 "%s:--chaos --peer-listen=%s:0 --peer-advertise=%s;w0:--peer-listen=%s:0 "
+                 "--peer-advertise=%s",
+                 CHAOS_TARGET, r->addr_ns, r->addr_ns, r->addr_host, r->addr_host);
     snprintf(logs, sizeof logs, "%s/logs", r->dir);
     snprintf(uplog, sizeof uplog, "%s/up.log", r->dir);
     if (r->netns_made)
@@ -332,7 +350,7 @@ int chaos_cluster_start(chaos_run *r)
                             "--worker-args",
                             r->k.wflags,
                             "--worker-args-for",
-                            CHAOS_TARGET ":--chaos",
+                            args_for,
                             "--controller-args",
                             r->k.ctl,
                             "--router-args",

@@ -325,4 +325,33 @@ const chaos_scenario chaos_scenarios[] = {
       * worker has measured a rate (100 MB/s until then; TCP loopback measures more) */
      .rflags = "--log-level=debug --w-prefill=0.01 --pull-default-rate=1e8",
      .env = "UCX_TLS=tcp"},
+    {.name = "netfault",
+     .letter = "k",
+     .what = "w1 in a network namespace, the veth to w0 slowed (tbf), lossy (iptables statistic) "
+             "and reordering (NFQUEUE) while workers pull long prefixes from each other and w1's "
+             "drain hands its pages to w0: lost 0, failed 0, outputs equal",
+     .fault = chaos_fault_netfault,
+     .recover_when = RECOVER_ALL_READY,
+     .outputs_must_match = true,
+     .needs_netns = true,
+     .no_failures = true,
+     .peer_split = true,
+     .precheck = chaos_precheck_netfault,
+     /* the transfer nodes' addresses come from peer_split; pullkill's room and router flags */
+     .wflags = "--kv-bytes=128M",
+     .wflags_full = "--kv-bytes=128M",
+     .rflags = "--log-level=debug --w-prefill=0.01 --pull-default-rate=1e8",
+     .env = "UCX_TLS=tcp"},
+    {.name = "drainkill",
+     .letter = "l",
+     .what = "w1 drained (level 3) after taking long prefixes, SIGKILLed while it hands its pages "
+             "to w0 (1 round; full: 2): lost 0, failed 0, outputs equal",
+     .fault = chaos_fault_drainkill,
+     .recover_when = RECOVER_ALL_READY,
+     .outputs_must_match = true,
+     .no_failures = true,
+     .wflags = "--peer-listen=127.0.0.1:0 --kv-bytes=128M",
+     .wflags_full = "--peer-listen=127.0.0.1:0 --kv-bytes=128M",
+     .rflags = "--pull-default-rate=1e8",
+     .env = "UCX_TLS=tcp"},
 };

@@ -130,13 +130,19 @@ typedef struct pk_tally {
 
 /* The round's reference: its prompt once through the router, no fault. */
 static int pk_reference(chaos_run *r, const char *prompt, char **text, size_t *len, char *served_by,
-                        size_t cap)
+                        size_t cap, const char *worker)
 {
     kvm_client *c = NULL;
     km_errbuf err = {{0}};
     kvm_opts o = {.timeout_ms = PK_TIMEOUT_MS * r->k.slow, .sec = {.cert = r->client_cert}};
     kvm_result res = {0};
-    int rc = kvm_open(r->router, &o, &c, &err);
+    char ep[128], router_cert[160];
+    if (worker) { /* straight to that worker, with the router's key (a worker serves members) */
+        chaos_proc_field(r, worker, "requests", ep, sizeof ep);
+        snprintf(router_cert, sizeof router_cert, "%s/keys/private/router.key", r->dir);
+        o.sec = (kvm_sec){.cert = router_cert, .server = worker};
+    }
+    int rc = kvm_open(worker ? ep : r->router, &o, &c, &err);
     if (!rc) {
         km_msg_request q;
         kvm_request_init(&q);
@@ -168,15 +174,27 @@ static int pk_reference(chaos_run *r, const char *prompt, char **text, size_t *l
     return rc;
 }
 
-/* One round: reference, burst, kill the first pull's source, wait for the puller's outcome and
- * the holder's restart, then the burst's end. 0, or -1 when the cluster did not come back. */
-static int pk_round(chaos_run *r, int round, pk_tally *t)
+int chaos_long_prompt(chaos_run *r, int round, const char *worker, char *served_by, size_t cap)
+{
+    char prompt[4096], *text = NULL;
+    size_t len = 0;
+    pk_prompt(prompt, sizeof prompt, round);
+    int rc = pk_reference(r, prompt, &text, &len, served_by, cap, worker);
+    free(text);
+    return rc;
+}
+
+/* One round: reference, burst, kill the first pull's source (when do_kill; netfault lets the pull
+ * run through its faulty link), wait for the puller's outcome and the holder's restart, then the
+ * burst's end. 0, or -1 when the cluster did not come back. */
+static int pk_round(chaos_run *r, int round, bool do_kill, pk_tally *t)
 {
     char prompt[4096], holder_ref[KM_PROTO_MAX_NAME + 1] = "";
     pk_prompt(prompt, sizeof prompt, round);
     char *ref_text = NULL;
     size_t ref_len = 0;
-    if (pk_reference(r, prompt, &ref_text, &ref_len, holder_ref, sizeof holder_ref)) return -1;
+    if (pk_reference(r, prompt, &ref_text, &ref_len, holder_ref, sizeof holder_ref, NULL))
+        return -1;
     char log[160];
     snprintf(log, sizeof log, "%s/logs/router.log", r->dir);
     long off = pk_file_size(log);
@@ -224,7 +242,7 @@ static int pk_round(chaos_run *r, int round, pk_tally *t)
          * the holder (its bytes out grow), so the kill lands while the puller reads */
         uint64_t t_chosen = km_wall_ms();
         bool reading = false, at_once = t->chosen % 2 == 0;
-        if (!at_once) {
+        if (do_kill && !at_once) {
             double out0 = chaos_metric(r, holder, PK_BYTES_OUT);
             for (uint64_t until = t_chosen + PK_READ_WAIT_MS; !reading && km_wall_ms() < until;)
                 if (!(reading = out0 >= 0 && chaos_metric(r, holder, PK_BYTES_OUT) > out0))
@@ -232,13 +250,13 @@ static int pk_round(chaos_run *r, int round, pk_tally *t)
         }
         int delay = (int)(km_wall_ms() - t_chosen);
         int pid = chaos_proc_pid(r, holder);
-        if (pid <= 0 || kill(pid, SIGKILL)) {
+        if (do_kill && (pid <= 0 || kill(pid, SIGKILL))) {
             snprintf(r->problem, sizeof r->problem, "round %d: no pid for the pull's source %s",
                      round + 1, holder);
             rc = -1;
         } else {
             t->chosen++;
-            r->counts.kills++;
+            r->counts.kills += do_kill;
             r->counts.pull_rounds++;
             /* the puller's pull ends (the holder's endpoint fails, or its budget passes) */
             int pi = !strcmp(puller, "w0") ? 0 : 1;
@@ -257,15 +275,15 @@ static int pk_round(chaos_run *r, int round, pk_tally *t)
             t->no_offer += d[PK_NO_OFFER];
             t->dropped += d[PK_DROPPED];
             snprintf(what, sizeof what,
-                     "%s<-%s, kill +%d ms%s: pulls ok %d, partial %d, failed %d (never offered "
+                     "%s<-%s, %s +%d ms%s: pulls ok %d, partial %d, failed %d (never offered "
                      "%d, pages whose read failed %d)%s",
-                     puller, holder, delay,
-                     at_once   ? ""
-                     : reading ? " as bytes left"
-                               : " (no bytes seen leaving)",
+                     puller, holder, do_kill ? "kill" : "no kill, chosen", delay,
+                     !do_kill || at_once ? ""
+                     : reading           ? " as bytes left"
+                                         : " (no bytes seen leaving)",
                      d[PK_OK], d[PK_PARTIAL], d[PK_FAILED], d[PK_NO_OFFER], d[PK_DROPPED],
                      ended ? "" : " (no outcome yet)");
-            if (!chaos_wait_restarted(r, holder, pid, PK_RESTART_MS)) {
+            if (do_kill && !chaos_wait_restarted(r, holder, pid, PK_RESTART_MS)) {
                 snprintf(r->problem, sizeof r->problem, "round %d: %.480s", round + 1, r->note);
                 rc = -1;
             }
@@ -297,15 +315,20 @@ static int pk_round(chaos_run *r, int round, pk_tally *t)
 
 int chaos_fault_pullkill(chaos_run *r)
 {
-    /* rounds with a kill wanted; a round whose pull the router did not choose (measured
+    return chaos_pull_rounds(r, r->k.short_run ? 2 : 4, 0, true);
+}
+
+int chaos_pull_rounds(chaos_run *r, int rounds, int first, bool do_kill)
+{
+    /* rounds with a pull wanted; a round whose pull the router did not choose (measured
      * figures said recompute, or no decision in time) is tried again with a new prefix, up to
      * twice as many rounds in all */
-    int rounds = r->k.short_run ? 2 : 4;
     pk_tally t = {0};
     r->counts.set = r->counts.pulls = true;
     double mig0 = chaos_metric(r, "router", "kvmesh_router_migrations_total");
     int rc = 0;
-    for (int i = 0; i < 2 * rounds && t.chosen < rounds && !rc; i++) rc = pk_round(r, i, &t);
+    for (int i = 0; i < 2 * rounds && t.chosen < rounds && !rc; i++)
+        rc = pk_round(r, first + i, do_kill, &t);
     double mig1 = chaos_metric(r, "router", "kvmesh_router_migrations_total");
     r->counts.migrations = mig0 >= 0 && mig1 >= 0 ? (int)(mig1 - mig0) : -1;
     double d[3];
@@ -316,7 +339,8 @@ int chaos_fault_pullkill(chaos_run *r)
         d[i] = chaos_metric(r, "router", series);
     }
     r->counts.pulls_chosen = (int)d[0];
-    snprintf(r->note, sizeof r->note,
+    size_t nn = strlen(r->note);
+    snprintf(r->note + nn, sizeof r->note - nn,
              "rounds %.1024s; killed before the offer %d, pages whose read was cut %d; bursts: "
              "sent %d, completed %d, failed %d, lost %d, %d outputs differ; the router chose "
              "pull %.0f, recompute %.0f, unmeasured %.0f times; %d migrations",
@@ -325,10 +349,10 @@ int chaos_fault_pullkill(chaos_run *r)
     if (rc) return 0; /* r->problem says what went wrong; the load still ends and is checked */
     if (!t.chosen)
         snprintf(r->problem, sizeof r->problem,
-                 "the router chose no pull of a round's prefix in %d rounds: nothing was killed "
-                 "mid-pull (kvmesh_router_pulls_total: pull %.0f, recompute %.0f, unmeasured "
+                 "the router chose no pull of a round's prefix in %d rounds: no pull %s "
+                 "(kvmesh_router_pulls_total: pull %.0f, recompute %.0f, unmeasured "
                  "%.0f)",
-                 t.rounds, d[0], d[1], d[2]);
+                 t.rounds, do_kill ? "was cut by a kill" : "ran under the fault", d[0], d[1], d[2]);
     else if (t.failed || t.lost || t.differ || t.completed != t.sent)
         snprintf(r->problem, sizeof r->problem,
                  "the long-prefix bursts: %d of %d completed, %d failed, %d lost, %d outputs "

@@ -50,8 +50,9 @@ typedef struct up_state {
 } up_state;
 
 /* --netns ID=NETNS,WORKER_ADDR,HOST_ADDR: worker ID runs inside network namespace NETNS (made by
- * the caller: `kvmesh chaos partition`), bound to WORKER_ADDR; the controller then listens on
- * HOST_ADDR (the host end of the namespace's veth pair) so that every worker reaches it. */
+ * the caller: `kvmesh chaos partition`, `netfault`), bound to WORKER_ADDR; the controller then
+ * listens and publishes its view on HOST_ADDR (the host end of the namespace's veth pair), and
+ * the other workers bind it too, so that every worker reaches the controller and its peers. */
 typedef struct up_netns {
     char worker[64], ns[64], worker_addr[64], host_addr[64];
 } up_netns;

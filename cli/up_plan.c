@@ -130,7 +130,8 @@ static void plan_controller(up_planner *pl, up_proc *p, int *k)
     p->role = "controller";
     snprintf(p->name, sizeof p->name, "controller");
     snprintf(pl->ctl_listen, sizeof pl->ctl_listen, "tcp://%s:%d", ctl_host, lp);
-    snprintf(pl->ctl_view, sizeof pl->ctl_view, "tcp://127.0.0.1:%d", vp);
+    /* the view too: a worker in the namespace subscribes to it for its peers (--peer-view) */
+    snprintf(pl->ctl_view, sizeof pl->ctl_view, "tcp://%s:%d", ctl_host, vp);
     snprintf(p->listen, sizeof p->listen, "%s", pl->ctl_listen);
     snprintf(p->view, sizeof p->view, "%s", pl->ctl_view);
     snprintf(p->admin, sizeof p->admin, "http://127.0.0.1:%d", ap);
@@ -191,7 +192,9 @@ static void plan_worker(up_planner *pl, up_proc *p, int wi, int *k)
     p->role = "worker";
     snprintf(p->name, sizeof p->name, "w%d", wi);
     bool in_ns = o->has_ns && !strcmp(o->ns.worker, p->name);
-    const char *host = in_ns ? o->ns.worker_addr : "127.0.0.1";
+    /* with a namespace, the other workers bind the host end of its veth: the one in the
+     * namespace reaches them there (pulls, handoffs), as the router does from the host */
+    const char *host = in_ns ? o->ns.worker_addr : o->has_ns ? o->ns.host_addr : "127.0.0.1";
     snprintf(p->requests, sizeof p->requests, "tcp://%s:%d", host, rp);
     snprintf(p->events, sizeof p->events, "tcp://%s:%d", host, ep);
     snprintf(p->admin, sizeof p->admin, "http://%s:%d", host, ap);

