@@ -176,6 +176,40 @@ double en_token_nll(const float *logits, int n_vocab, int32_t target);
 /* Index of the largest value (the lowest index among equals). */
 int32_t en_argmax(const float *x, int n);
 
+/* ---------------------------------------------------------------- constrained decoding
+ * en_grammar_*: the output held to a JSON Schema (grammar.c, docs/structured.md). A schema is
+ * compiled once into an en_grammar (reference counted; shared by the requests that use the same
+ * schema); a matcher runs it over one request's output and, each step, gives the set of tokens
+ * that keep the output a valid prefix of a value of the schema (end-of-generation tokens exactly
+ * when the value is complete). Supported: type (object, array, string, number, integer, boolean,
+ * null, or a list), properties (generated in their order), required, additionalProperties,
+ * items, minItems, maxItems, minLength, maxLength, minimum, maximum, exclusiveMinimum,
+ * exclusiveMaximum, enum, const, anyOf/oneOf whose branches start with different characters,
+ * local $ref; other constraining keywords are refused by name. {"type": "object"} is any
+ * object. Output is compact JSON (one optional space after ':' and ','), numbers without
+ * exponent, at most 15 + 8 digits. One thread uses a grammar and its matchers. */
+typedef struct en_grammar en_grammar;
+typedef struct en_grammar_vocab en_grammar_vocab; /* the vocabulary's bytes as a trie */
+typedef struct en_grammar_matcher en_grammar_matcher;
+
+/* KM_EFORMAT (not JSON), KM_EINVAL (a bad value) or KM_EUNSUPPORTED, with the reason in err. */
+int en_grammar_compile(const char *schema, size_t len, en_grammar **out, km_errbuf *err);
+en_grammar *en_grammar_ref(en_grammar *g);
+void en_grammar_free(en_grammar *g); /* drops a reference */
+int en_grammar_vocab_create(const md_tokenizer *t, en_grammar_vocab **out);
+void en_grammar_vocab_destroy(en_grammar_vocab *v);
+/* A matcher at the start of the output. A grammar serves one vocabulary (KM_EINVAL otherwise). */
+int en_grammar_matcher_create(en_grammar *g, const en_grammar_vocab *v, en_grammar_matcher **out);
+void en_grammar_matcher_destroy(en_grammar_matcher *m);
+/* Advances over output bytes or one token; KM_EINVAL (state unchanged) when they are not valid. */
+int en_grammar_accept_bytes(en_grammar_matcher *m, const char *bytes, size_t n);
+int en_grammar_accept_token(en_grammar_matcher *m, int32_t id);
+/* The output so far is a whole value (it may end); nothing at all may follow it. */
+int en_grammar_complete(const en_grammar_matcher *m);
+int en_grammar_done(const en_grammar_matcher *m);
+/* The tokens allowed next, one bit each: (n_vocab + 31) / 32 words (never all clear). */
+void en_grammar_mask(en_grammar_matcher *m, uint32_t *allowed);
+
 /* ---------------------------------------------------------------- speculative decoding options
  */
 /* Speculative decoding without a draft model (engine/spec.h, docs/speculative.md): drafts from
