@@ -353,10 +353,15 @@ build/fuzz/fuzz_kvpage: tests/fuzz/fuzz_kvpage.c kvshard/diskfmt.c $(FUZZ_LIB_SR
 	@mkdir -p $(dir $@)
 	clang -std=gnu11 -g -O1 -I. -fsanitize=fuzzer,address,undefined $< kvshard/diskfmt.c $(FUZZ_LIB_SRC) -o $@ $(LDLIBS)
 
-# The router's OpenAI request parser (fuzz_oai) also needs router/openai.c.
-build/fuzz/fuzz_oai: tests/fuzz/fuzz_oai.c router/openai.c $(FUZZ_LIB_SRC) $(wildcard common/*.h) router/openai.h
+# The router's OpenAI request parser (fuzz_oai) also needs router/openai.c and openai_tools.c.
+build/fuzz/fuzz_oai: tests/fuzz/fuzz_oai.c router/openai.c router/openai_tools.c $(FUZZ_LIB_SRC) $(wildcard common/*.h) router/openai.h
 	@mkdir -p $(dir $@)
-	clang -std=gnu11 -g -O1 -I. -fsanitize=fuzzer,address,undefined $< router/openai.c $(FUZZ_LIB_SRC) -o $@ $(LDLIBS)
+	clang -std=gnu11 -g -O1 -I. -fsanitize=fuzzer,address,undefined $< router/openai.c router/openai_tools.c $(FUZZ_LIB_SRC) -o $@ $(LDLIBS)
+
+# The grammar engine's schema reader and compiler (fuzz_grammar) need engine/grammar*.c.
+build/fuzz/fuzz_grammar: tests/fuzz/fuzz_grammar.c engine/grammar.c engine/grammar_schema.c $(FUZZ_LIB_SRC) engine/engine.h engine/grammar_internal.h
+	@mkdir -p $(dir $@)
+	clang -std=gnu11 -g -O1 -I. -fsanitize=fuzzer,address,undefined $< engine/grammar.c engine/grammar_schema.c $(FUZZ_LIB_SRC) -o $@ $(LDLIBS)
 
 # The peer node address (fuzz_peeraddr) needs peer/addr.c.
 build/fuzz/fuzz_peeraddr: tests/fuzz/fuzz_peeraddr.c peer/addr.c $(FUZZ_LIB_SRC) common/km.h peer/peer.h peer/internal.h

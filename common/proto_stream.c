@@ -65,6 +65,7 @@ static int req_validate(const km_msg *m, const km_proto_limits *lim, km_errbuf *
     if ((unsigned)r->speculate >= KM_SPECULATE_COUNT)
         VFAIL("req.speculate: unknown value %d", (int)r->speculate);
     CK(km_val_range("req.max_draft_tokens", r->max_draft_tokens, 0, KM_PROTO_MAX_DRAFT, err));
+    CK(km_val_name("req.grammar", r->grammar, false, 1, KM_PROTO_MAX_GRAMMAR, err));
     if (r->generated && r->generated >= r->n_tokens)
         VFAIL("req.generated: %u, needs tokens with at least one more id (%u)", r->generated,
               r->n_tokens);
@@ -103,6 +104,7 @@ static void req_encode(km_enc *e, const km_msg *m)
     km_enc_bool(e, "stream", r->stream);
     if (r->speculate) km_enc_str(e, "speculate", km_proto_speculate_names[r->speculate]);
     if (r->max_draft_tokens) km_enc_u64(e, "max_draft_tokens", r->max_draft_tokens);
+    if (r->grammar) km_enc_str(e, "grammar", r->grammar);
     if (r->pull_from) {
         km_enc_str(e, "pull_from", r->pull_from);
         km_enc_str(e, "pull_endpoint", r->pull_endpoint);
@@ -184,6 +186,7 @@ static int req_decode(km_dec *d, const msgpack_object_map *mp)
         return DFAIL(d, KM_EFORMAT, "req.generated: %u, needs tokens with at least one more id",
                      r->generated);
     CK(km_dec_u32(d, mp, "max_draft_tokens", false, &r->max_draft_tokens));
+    CK(km_dec_str(d, mp, "grammar", false, KM_PROTO_MAX_GRAMMAR, false, &r->grammar, NULL));
     CK(km_dec_str(d, mp, "pull_from", false, KM_PROTO_MAX_NAME, false, &r->pull_from, NULL));
     if (!r->pull_from) return 0; /* the rest of a hint means nothing without it */
     CK(km_dec_str(d, mp, "pull_endpoint", true, KM_PROTO_MAX_NAME, false, &r->pull_endpoint, NULL));

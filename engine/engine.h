@@ -169,6 +169,9 @@ void en_sampler_accept(en_sampler *s, int32_t token);
 void en_sampler_skip(en_sampler *s, int n);
 /* Picks the next token from one row of logits (the row is not modified). */
 int32_t en_sampler_sample(en_sampler *s, const float *logits);
+/* The same among the tokens whose bit is set in allowed (n_vocab bits; at least one set), as if
+ * the others' logits were -inf (constrained decoding, en_grammar_mask). */
+int32_t en_sampler_sample_masked(en_sampler *s, const float *logits, const uint32_t *allowed);
 
 /* Negative log-probability of `target` under softmax(logits), in double precision (perplexity). */
 double en_token_nll(const float *logits, int n_vocab, int32_t target);
@@ -198,7 +201,8 @@ en_grammar *en_grammar_ref(en_grammar *g);
 void en_grammar_free(en_grammar *g); /* drops a reference */
 int en_grammar_vocab_create(const md_tokenizer *t, en_grammar_vocab **out);
 void en_grammar_vocab_destroy(en_grammar_vocab *v);
-/* A matcher at the start of the output. A grammar serves one vocabulary (KM_EINVAL otherwise). */
+/* A matcher at the start of the output. A grammar serves one vocabulary (KM_EINVAL otherwise);
+ * v NULL: bytes only (no tokens, no mask). */
 int en_grammar_matcher_create(en_grammar *g, const en_grammar_vocab *v, en_grammar_matcher **out);
 void en_grammar_matcher_destroy(en_grammar_matcher *m);
 /* Advances over output bytes or one token; KM_EINVAL (state unchanged) when they are not valid. */
@@ -286,7 +290,12 @@ typedef struct en_sched_req {
     int max_draft;   /* draft tokens per step at most; 0: the worker's (never more) */
     int n_generated; /* the last n_generated prompt tokens were sampled by an earlier attempt
                       * (a migration): the sampler's draws continue after them */
-    void *user;      /* handed back to every callback */
+    /* The output held to this grammar (referenced, not taken; NULL: free): each step's tokens
+     * are drawn among those it allows, a migration's n_generated tokens are fed to it first
+     * (KM_EINVAL when they do not fit it), and the request ends (stop) once nothing may follow
+     * the value. Needs a scheduler made by en_sched_create (the model's vocabulary). */
+    en_grammar *grammar;
+    void *user; /* handed back to every callback */
 } en_sched_req;
 
 typedef struct en_sched_usage {

@@ -18,6 +18,8 @@
  *  - End-of-generation tokens are allowed exactly when the value is complete.
  * A grammar, its matchers and its cache are used from one thread (the scheduler's).
  */
+#include <assert.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -585,9 +587,15 @@ struct en_grammar_matcher {
 int en_grammar_matcher_create(en_grammar *g, const en_grammar_vocab *v, en_grammar_matcher **out)
 {
     *out = NULL;
-    if (g->cache && g->cache->v != v) return KM_EINVAL; /* one vocabulary per grammar */
+    if (v && g->cache && g->cache->v != v) return KM_EINVAL; /* one vocabulary per grammar */
     en_grammar_matcher *m = calloc(1, sizeof *m);
     if (!m) return KM_ENOMEM;
+    if (!v) { /* bytes only */
+        m->g = en_grammar_ref(g);
+        g_push(&m->st, 0, F_ROOT);
+        *out = m;
+        return 0;
+    }
     if (!g->cache && (g->cache = calloc(1, sizeof *g->cache))) {
         g->cache->v = v;
         g->cache->words = (v->n_vocab + 31) / 32;
@@ -645,7 +653,7 @@ static int is_eog(const en_grammar_vocab *v, int32_t id)
 int en_grammar_accept_token(en_grammar_matcher *m, int32_t id)
 {
     const en_grammar_vocab *v = m->v;
-    if (id < 0 || id >= v->n_vocab) return KM_EINVAL;
+    if (!v || id < 0 || id >= v->n_vocab) return KM_EINVAL;
     if (is_eog(v, id)) return en_grammar_complete(m) ? 0 : KM_EINVAL;
     if (!v->len[id]) return KM_EINVAL;
     return en_grammar_accept_bytes(m, (const char *)v->bytes + v->off[id], v->len[id]);
@@ -676,6 +684,7 @@ static void walk(en_grammar_matcher *m, uint32_t *bits, int node, int depth)
 
 void en_grammar_mask(en_grammar_matcher *m, uint32_t *bits)
 {
+    assert(m->v); /* a matcher made with a vocabulary */
     en_gmask_cache *c = m->g->cache;
     size_t bytes = sizeof *bits * (size_t)c->words;
     uint64_t h = gstate_hash(&m->st);

@@ -196,6 +196,11 @@ void en_sampler_skip(en_sampler *s, int n)
 
 int32_t en_sampler_sample(en_sampler *s, const float *logits)
 {
+    return en_sampler_sample_masked(s, logits, NULL);
+}
+
+int32_t en_sampler_sample_masked(en_sampler *s, const float *logits, const uint32_t *allowed)
+{
     const en_sample_params *p = &s->p;
     int n = s->n_vocab;
     for (int i = 0; i < n; i++) s->cand[i] = (en_cand){logits[i], i};
@@ -203,6 +208,9 @@ int32_t en_sampler_sample(en_sampler *s, const float *logits)
         memcpy(s->row, logits, sizeof(float) * n);
         en_apply_penalties(s, s->row);
     }
+    if (allowed) /* after the penalties: a token not allowed is never drawn, whatever its logit */
+        for (int i = 0; i < n; i++)
+            if (!(allowed[i >> 5] >> (i & 31) & 1)) s->cand[i].logit = -INFINITY;
     if (p->temperature <= 0.0f) {
         int32_t best = 0;
         for (int i = 1; i < n; i++)
@@ -232,6 +240,7 @@ int32_t en_sampler_sample(en_sampler *s, const float *logits)
         en_select_top(s->cand, n, k);
     }
     qsort(s->cand, m, sizeof(en_cand), en_cand_desc);
+    while (m > 1 && s->cand[m - 1].logit == -INFINITY) m--; /* masked out */
     if (use_p) {
         double cum = 0;
         int keep = m;

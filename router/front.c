@@ -408,6 +408,8 @@ static void rq_from_oai(rt_rq *q, rt_oai_req *oq)
     oq->n_stop = 0;
     q->salt = oq->cache_salt;
     oq->cache_salt = NULL;
+    q->grammar = oq->grammar;
+    oq->grammar = NULL;
     q->max_tokens = oq->max_tokens;
 }
 

@@ -167,6 +167,7 @@ void rt_oai_req_free(rt_oai_req *r)
     free(r->msgs);
     for (int i = 0; i < r->n_stop; i++) free(r->stop[i]);
     free(r->cache_salt);
+    free(r->grammar);
     memset(r, 0, sizeof *r);
 }
 
@@ -214,18 +215,8 @@ static int parse_obj(json_t *o, bool chat, rt_oai_req *r, rt_oai_err *e)
     long long x = 0;
     bool has = false;
     int rc;
-    /* no JSON mode or structured outputs: only the default, plain text */
-    v = json_object_get(o, "response_format");
-    if (v && !json_is_null(v)) {
-        json_t *type = json_object_get(v, "type");
-        if (!json_is_object(v) || !json_is_string(type))
-            return fail(e, "response_format", "'response_format' must be an object with a 'type'",
-                        NULL);
-        if (strcmp(json_string_value(type), "text"))
-            return fail(e, "response_format",
-                        "response_format type '%s' is not supported by this server (only 'text')",
-                        json_string_value(type));
-    }
+    /* structured outputs (openai_tools.c) */
+    if ((rc = rt_oai_response_format(o, r, e))) return rc;
     /* OpenAI refuses 0 (integer_below_min_value); absent is the router's default */
     static const char *const max_keys[] = {"max_tokens", "max_completion_tokens"};
     for (int i = 0; i < 2; i++) {

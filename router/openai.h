@@ -37,6 +37,7 @@ typedef struct rt_oai_req {
     int32_t priority;
     km_speculate speculate;    /* extension "speculate": "auto" or "off" (docs/speculative.md) */
     uint32_t max_draft_tokens; /* extension "max_draft_tokens"; 0: the worker's */
+    char *grammar; /* response_format json_object/json_schema: the JSON Schema text; NULL: free */
 } rt_oai_req;
 
 typedef struct rt_oai_err {
@@ -50,6 +51,10 @@ typedef struct rt_oai_err {
 /* Parses a request body. 0 or KM_EFORMAT/KM_EINVAL with e filled (status 400). */
 int rt_oai_parse(const char *body, size_t len, bool chat, rt_oai_req *out, rt_oai_err *e);
 void rt_oai_req_free(rt_oai_req *r);
+struct json_t;
+/* response_format of a request body (openai_tools.c) into r->grammar; 0 or KM_EINVAL with e
+ * filled (status 400), KM_ENOMEM. */
+int rt_oai_response_format(struct json_t *body, rt_oai_req *r, rt_oai_err *e);
 
 /* What the response objects say besides the text. */
 typedef struct rt_oai_meta {

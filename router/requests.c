@@ -52,6 +52,7 @@ void rt_rq_free(rt_rq *q)
     km_buf_free(&q->env_mem);
     free(q->salt);
     for (int i = 0; i < KM_PROTO_MAX_STOP; i++) free(q->stop[i]);
+    free(q->grammar);
     free(q->tokens);
     free(q->chain);
     km_buf_free(&q->text);

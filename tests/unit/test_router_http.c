@@ -91,6 +91,27 @@ Test(router_openai, chat_messages_accept_text_parts_and_developer_role)
     rt_oai_req_free(&r);
 }
 
+Test(router_openai, response_format_becomes_the_schema_the_worker_compiles)
+{
+    rt_oai_req r;
+    rt_oai_err e;
+    const char *obj = "{\"prompt\":\"x\",\"response_format\":{\"type\":\"json_object\"}}";
+    cr_assert_eq(rt_oai_parse(obj, strlen(obj), false, &r, &e), 0, "%s", e.message);
+    cr_assert_str_eq(r.grammar, "{\"type\":\"object\"}");
+    rt_oai_req_free(&r);
+    const char *js = "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"response_format\":"
+                     "{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"p-1\",\"strict\":true,"
+                     "\"schema\":{\"type\": \"object\", \"properties\": {\"b\": {}, \"a\": {}}}}}}";
+    cr_assert_eq(rt_oai_parse(js, strlen(js), true, &r, &e), 0, "%s", e.message);
+    /* compact, in the request's key order (properties are generated in that order) */
+    cr_assert_str_eq(r.grammar, "{\"type\":\"object\",\"properties\":{\"b\":{},\"a\":{}}}");
+    rt_oai_req_free(&r);
+    const char *text = "{\"prompt\":\"x\",\"response_format\":{\"type\":\"text\"}}";
+    cr_assert_eq(rt_oai_parse(text, strlen(text), false, &r, &e), 0, "%s", e.message);
+    cr_assert_null(r.grammar);
+    rt_oai_req_free(&r);
+}
+
 Test(router_openai, bad_requests_name_the_field)
 {
     struct {
@@ -108,11 +129,19 @@ Test(router_openai, bad_requests_name_the_field)
         {"{\"prompt\":\"x\",\"max_tokens\":0}", "max_tokens", false},
         {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"max_completion_tokens\":0}",
          "max_completion_tokens", true},
-        {"{\"prompt\":\"x\",\"response_format\":{\"type\":\"json_object\"}}", "response_format",
-         false},
+        {"{\"prompt\":\"x\",\"response_format\":{\"type\":\"xml\"}}", "response_format", false},
         {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"response_format\":{\"type\":"
          "\"json_schema\",\"json_schema\":{}}}",
-         "response_format", true},
+         "response_format.json_schema.name", true},
+        {"{\"prompt\":\"x\",\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{"
+         "\"name\":\"a\",\"schema\":[1]}}}",
+         "response_format.json_schema.schema", false},
+        {"{\"prompt\":\"x\",\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{"
+         "\"name\":\"a b\"}}}",
+         "response_format.json_schema.name", false},
+        {"{\"prompt\":\"x\",\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{"
+         "\"name\":\"a\",\"strict\":1}}}",
+         "response_format.json_schema.strict", false},
         {"{\"prompt\":\"x\",\"response_format\":\"text\"}", "response_format", false},
         {"[1,2]", NULL, false},
         {"{\"prompt\":\"x\",", NULL, false},
