@@ -45,7 +45,8 @@ typedef struct gfr {
     uint8_t kind, sub;
     uint16_t pos;    /* F_LIT: bytes matched; F_OBJ: the property being read */
     uint8_t neg, nd; /* F_NUM: sign, digits of the part being read */
-    uint32_t n;      /* F_STR: characters; F_ARR: items; F_OBJ: next property allowed */
+    uint32_t n;      /* F_STR: characters; F_ARR: items; F_OBJ: next property allowed (with
+                      * any keys: members begun) */
     uint32_t keys;   /* F_LIT: 1 when matching an object's keys (node is the object) */
     uint64_t cand;   /* F_LIT: candidates still possible */
     int64_t iv, fv;  /* F_NUM: integer part, fraction digits as an integer */
@@ -301,6 +302,7 @@ static int g_obj(const en_grammar *g, gstate *s, gfr *f, int c)
         if (c != '"') return -1;
         if (x->any_keys) {
             f->sub = O_KEY;
+            f->n++; /* members begun */
             return g_push(s, g->any_str, F_STR);
         } else {
             /* the keys still allowed: properties after the last one, none skipped required */
@@ -324,7 +326,8 @@ static int g_obj(const en_grammar *g, gstate *s, gfr *f, int c)
         return g_value(g, s, x->any_keys ? x->addl : x->props[f->pos], c);
     case O_VAL:
         if (c == '}' && can_close) return g_complete(g, s, 0), 0;
-        if (c == ',' && (x->any_keys || left)) return f->sub = O_COMMA, 0;
+        if (c == ',' && (x->any_keys ? f->n < EN_GN_ANY_MEMBERS : left != 0))
+            return f->sub = O_COMMA, 0;
         return -1;
     }
     return -1;

@@ -23,6 +23,11 @@ typedef enum en_gn_kind {
 
 #define EN_GN_MAX_PROPS  64 /* properties of one object, literals of one enum (a 64-bit set) */
 #define EN_GRAMMAR_DEPTH 24 /* frames of the automaton: nesting of values, plus one */
+/* Values of no listed shape (json_object, an object without properties, an untyped value) end:
+ * at most this many members an object, items an array, so a model that repeats itself still
+ * closes its value (docs/structured.md, "Limits"). */
+#define EN_GN_ANY_MEMBERS 16
+#define EN_GN_ANY_ITEMS   32
 
 typedef struct en_gn {
     en_gn_kind kind;

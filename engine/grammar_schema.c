@@ -633,7 +633,10 @@ int en_grammar_compile(const char *schema, size_t len, en_grammar **out, km_errb
         g->nodes[g->any_obj].addl = g->any_val;
     }
     if (!rc && g->any_obj < 0) rc = g->any_obj;
-    if (!rc && (g->any_arr = gn_new(&c, EN_GN_ARRAY)) >= 0) g->nodes[g->any_arr].items = g->any_val;
+    if (!rc && (g->any_arr = gn_new(&c, EN_GN_ARRAY)) >= 0) {
+        g->nodes[g->any_arr].items = g->any_val;
+        g->nodes[g->any_arr].max_items = EN_GN_ANY_ITEMS;
+    }
     if (!rc && g->any_arr < 0) rc = g->any_arr;
     if (!rc && (g->any_str = gn_new(&c, EN_GN_STRING)) < 0) rc = g->any_str;
     if (!rc && (g->any_num = gn_new(&c, EN_GN_NUMBER)) < 0) rc = g->any_num;

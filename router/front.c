@@ -38,6 +38,7 @@ static void http_token(rt_router *r, rt_rq *q, int32_t token, const char *text, 
         return;
     }
     if (len == 0) return;
+    rt_front_stream_begin(r, q);
     rt_oai_meta m;
     rt_rq_oai_meta(r, q, &m, NULL);
     km_buf b = {0};
@@ -57,6 +58,7 @@ static void http_done(rt_router *r, rt_rq *q, const rt_rq_done *d)
                       .accepted_draft_tokens = q->accepted_draft_tokens};
     km_buf b = {0};
     if (q->http_stream) {
+        rt_front_stream_begin(r, q);
         if (q->text.len) { /* the tail: held-back bytes (as the ZeroMQ front's done.text) */
             rt_rq_oai_meta(r, q, &m, NULL);
             rt_oai_sse_chunk(&b, &m, (const char *)q->text.data, q->text.len, NULL);

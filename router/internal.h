@@ -409,6 +409,8 @@ int rt_rq_start(rt_router *r, rt_rq *q);
 /* An HTTP request's prompt is tokenized: a prompt + max_tokens over the context is answered 400
  * here (q ended, 1); otherwise a streaming response begins and 0 (prompt.c starts q). */
 int rt_front_tokens_ready(rt_router *r, rt_rq *q);
+/* The SSE response of a streaming HTTP request begins (once; with the chat role chunk). */
+void rt_front_stream_begin(rt_router *r, rt_rq *q);
 /* What the OpenAI response objects of q say besides the text. */
 void rt_rq_oai_meta(rt_router *r, rt_rq *q, rt_oai_meta *m, const char *worker);
 

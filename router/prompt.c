@@ -120,24 +120,29 @@ void rt_rq_oai_meta(rt_router *r, rt_rq *q, rt_oai_meta *m, const char *worker)
     m->worker = worker;
 }
 
+void rt_front_stream_begin(rt_router *r, rt_rq *q)
+{
+    if (!q->http || !q->http_stream || q->http_began) return;
+    km_http_stream_begin(q->http, 200, "text/event-stream");
+    q->http_began = true;
+    if (q->http_chat) {
+        rt_oai_meta m;
+        km_buf b = {0};
+        rt_rq_oai_meta(r, q, &m, NULL);
+        if (!rt_oai_sse_chunk(&b, &m, NULL, 0, NULL)) km_http_stream_write(q->http, b.data, b.len);
+        km_buf_free(&b);
+    }
+}
+
 int rt_front_tokens_ready(rt_router *r, rt_rq *q)
 {
     if (over_context(r, q->http, q, q->max_tokens, q->http_chat)) {
         rt_rq_end(r, q);
         return 1;
     }
-    if (q->http_stream) {
-        km_http_stream_begin(q->http, 200, "text/event-stream");
-        q->http_began = true;
-        if (q->http_chat) {
-            rt_oai_meta m;
-            km_buf b = {0};
-            rt_rq_oai_meta(r, q, &m, NULL);
-            if (!rt_oai_sse_chunk(&b, &m, NULL, 0, NULL))
-                km_http_stream_write(q->http, b.data, b.len);
-            km_buf_free(&b);
-        }
-    }
+    /* A constrained stream begins at its first token: a schema the worker refuses is then
+     * still a plain 400 (the router leaves judging schemas to the worker's compiler). */
+    if (!q->grammar) rt_front_stream_begin(r, q);
     return 0;
 }
 

@@ -84,6 +84,12 @@ Test(grammar, schema_accepts_and_refuses)
                        "[1,2]"),
                  1);
     cr_expect_eq(judge("{\"type\":\"array\",\"minItems\":1}", "[]"), -1);
+    /* values of no listed shape close: at most 16 members an object, 32 items an array */
+    char many[512] = "{";
+    for (int i = 0; i < 16; i++) sprintf(many + strlen(many), "%s\"k%d\":%d", i ? "," : "", i, i);
+    cr_expect_eq(judge("{\"type\":\"object\"}", strcat(many, "}")), 1);
+    many[strlen(many) - 1] = ',';
+    cr_expect_eq(judge("{\"type\":\"object\"}", many), -1);
 }
 
 static void refused(const char *schema, const char *needle)

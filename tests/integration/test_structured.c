@@ -1,0 +1,385 @@
+/*
+ * test_structured.c — structured outputs through kvmesh-router in front of a real kvmesh-worker
+ * on 127.0.0.1 (docs/structured.md): response_format json_schema and json_object on chat and
+ * completions, streamed and not, greedy and sampled. Every output must parse (jansson) and
+ * validate against its schema (a validator for the subset written here, independent of the
+ * engine's; and Python's jsonschema too when it is installed), and end by itself
+ * (finish_reason "stop"). Schemas cover nested objects, arrays of objects, enums, numbers and
+ * integers with bounds, optional and required fields. A schema the engine cannot enforce, or a
+ * malformed response_format, is a 400 that says why.
+ *
+ * Requests go out with curl, all at once, so the worker batches them. Run from the repository
+ * root after `make build`; without the default model or curl every test skips and says so.
+ */
+#include <criterion/criterion.h>
+#include <jansson.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "client/kvmesh.h"
+#include "tests/integration/harness.h"
+
+typedef it_proc proc;
+
+static const char *const g_schemas[] = {
+    /* a person: strings with bounds, an integer with bounds, an optional field */
+    "{\"type\":\"object\",\"properties\":{\"name\":{\"type\":\"string\",\"maxLength\":32},"
+    "\"age\":{\"type\":\"integer\",\"minimum\":0,\"maximum\":120},\"email\":{\"type\":\"string\","
+    "\"maxLength\":40}},\"required\":[\"name\",\"age\"],\"additionalProperties\":false}",
+    /* the weather: an enum, a number with bounds */
+    "{\"type\":\"object\",\"properties\":{\"city\":{\"type\":\"string\",\"maxLength\":24},"
+    "\"condition\":{\"enum\":[\"sunny\",\"cloudy\",\"rain\",\"snow\"]},\"temp_c\":{\"type\":"
+    "\"number\",\"minimum\":-60,\"maximum\":60}},\"required\":[\"city\",\"condition\",\"temp_c\"],"
+    "\"additionalProperties\":false}",
+    /* an order: nested objects, an array of objects with bounds */
+    "{\"type\":\"object\",\"properties\":{\"customer\":{\"type\":\"object\",\"properties\":{"
+    "\"name\":{\"type\":\"string\",\"maxLength\":24},\"vip\":{\"type\":\"boolean\"}},\"required\":"
+    "[\"name\",\"vip\"]},\"items\":{\"type\":\"array\",\"items\":{\"type\":\"object\","
+    "\"properties\":"
+    "{\"sku\":{\"type\":\"string\",\"maxLength\":12},\"qty\":{\"type\":\"integer\",\"minimum\":1,"
+    "\"maximum\":20},\"price\":{\"type\":\"number\",\"minimum\":0,\"maximum\":1000}},\"required\":"
+    "[\"sku\",\"qty\",\"price\"]},\"minItems\":1,\"maxItems\":4}},\"required\":[\"customer\","
+    "\"items\"]}",
+    /* a configuration: an array of enums, nested integers and numbers with bounds, null or a
+     * string */
+    "{\"type\":\"object\",\"properties\":{\"mode\":{\"enum\":[\"fast\",\"safe\",\"debug\"]},"
+    "\"flags\":{\"type\":\"array\",\"items\":{\"enum\":[\"a\",\"b\",\"c\"]},\"maxItems\":3},"
+    "\"limits\":{\"type\":\"object\",\"properties\":{\"cpu\":{\"type\":\"integer\",\"minimum\":1,"
+    "\"maximum\":64},\"mem_gb\":{\"type\":\"number\",\"exclusiveMinimum\":0,\"maximum\":512}},"
+    "\"required\":[\"cpu\",\"mem_gb\"]},\"note\":{\"type\":[\"string\",\"null\"],\"maxLength\":30}}"
+    ","
+    "\"required\":[\"mode\",\"flags\",\"limits\",\"note\"]}",
+};
+#define N_SCHEMAS 4
+
+static const char *const g_asks[] = {
+    "Tell me about a person called Ana who is 34.",
+    "What is the weather like in Oslo today?",
+    "Write an order for two books and a pen for Bob.",
+    "Give a server configuration.",
+};
+
+/* ---------------------------------------------------------------- a validator for the subset */
+
+static bool valid(json_t *v, json_t *s);
+
+static bool valid_number(json_t *v, json_t *s)
+{
+    double x = json_number_value(v);
+    json_t *k;
+    if ((k = json_object_get(s, "minimum")) && x < json_number_value(k)) return false;
+    if ((k = json_object_get(s, "maximum")) && x > json_number_value(k)) return false;
+    if ((k = json_object_get(s, "exclusiveMinimum")) && x <= json_number_value(k)) return false;
+    if ((k = json_object_get(s, "exclusiveMaximum")) && x >= json_number_value(k)) return false;
+    return true;
+}
+
+static bool valid_type(json_t *v, json_t *s, const char *t)
+{
+    if (!strcmp(t, "null")) return json_is_null(v);
+    if (!strcmp(t, "boolean")) return json_is_boolean(v);
+    if (!strcmp(t, "integer")) return json_is_integer(v) && valid_number(v, s);
+    if (!strcmp(t, "number")) return json_is_number(v) && valid_number(v, s);
+    if (!strcmp(t, "string")) {
+        json_t *k = json_object_get(s, "maxLength");
+        /* characters: bytes that do not continue a UTF-8 sequence */
+        size_t n = 0, len = json_string_length(v);
+        const unsigned char *p = (const unsigned char *)json_string_value(v);
+        for (size_t i = 0; json_is_string(v) && i < len; i++) n += (p[i] & 0xC0) != 0x80;
+        return json_is_string(v) && (!k || n <= (size_t)json_integer_value(k));
+    }
+    if (!strcmp(t, "array")) {
+        if (!json_is_array(v)) return false;
+        json_t *k, *it = json_object_get(s, "items");
+        if ((k = json_object_get(s, "minItems")) &&
+            json_array_size(v) < (size_t)json_integer_value(k))
+            return false;
+        if ((k = json_object_get(s, "maxItems")) &&
+            json_array_size(v) > (size_t)json_integer_value(k))
+            return false;
+        size_t i;
+        json_t *e;
+        json_array_foreach(v, i, e) if (it && !valid(e, it)) return false;
+        return true;
+    }
+    if (!strcmp(t, "object")) {
+        if (!json_is_object(v)) return false;
+        json_t *props = json_object_get(s, "properties"), *req = json_object_get(s, "required");
+        size_t i;
+        json_t *e;
+        json_array_foreach(req, i, e) if (!json_object_get(v, json_string_value(e))) return false;
+        const char *key;
+        json_object_foreach(v, key, e)
+        {
+            json_t *ps = json_object_get(props, key);
+            if (ps && !valid(e, ps)) return false;
+            if (!ps && json_is_false(json_object_get(s, "additionalProperties"))) return false;
+        }
+        return true;
+    }
+    return false;
+}
+
+static bool valid(json_t *v, json_t *s)
+{
+    json_t *en = json_object_get(s, "enum"), *t = json_object_get(s, "type");
+    if (en) {
+        size_t i;
+        json_t *e;
+        json_array_foreach(en, i, e) if (json_equal(e, v)) return true;
+        return false;
+    }
+    if (json_is_string(t)) return valid_type(v, s, json_string_value(t));
+    size_t i;
+    json_t *e;
+    json_array_foreach(t, i, e) if (valid_type(v, s, json_string_value(e))) return true;
+    return !t;
+}
+
+/* ---------------------------------------------------------------- the cluster and requests */
+
+static bool cluster(proc *w, proc *r)
+{
+    if (!it_have((const char *const[]){IT_MODEL, IT_WORKER, IT_ROUTER, NULL})) return false;
+    if (system("command -v curl >/dev/null 2>&1")) {
+        cr_skip_test("curl is not installed");
+        return false;
+    }
+    memset(w, 0, sizeof *w);
+    const char *flags[] = {"--admin-port=-1", "--threads=2", "--log-level=warn", "--worker-id=w0",
+                           NULL};
+    it_start_worker(w, "st", flags, NULL);
+    memset(r, 0, sizeof *r);
+    it_proc_dir(r, "st");
+    char ports[128], workers[1200];
+    snprintf(ports, sizeof ports, "%s/ports", r->dir);
+    snprintf(workers, sizeof workers, "--workers=w0=%s+%s", w->req, w->ev);
+    const char *argv[] = {IT_ROUTER,       "--front=tcp://127.0.0.1:*",
+                          "--http-port=0", "--log-level=warn",
+                          workers,         "--ports-file",
+                          ports,           NULL};
+    it_spawn(r, argv, NULL, "log");
+    char url[128];
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/v1/status", r->http_port);
+    for (uint64_t dl = it_deadline(30000);;) {
+        km_buf b = {0};
+        int st = 0;
+        km_errbuf err = {{0}};
+        bool up = !kvm_http_get(url, 5000, &b, &st, &err) && st == 200 && b.len &&
+                  strstr((const char *)b.data, "\"up\":true");
+        km_buf_free(&b);
+        if (up) return true;
+        cr_assert(it_poll(dl), "the worker did not come up at the router");
+    }
+}
+
+typedef struct call {
+    char body[8192];
+    char out[256];
+    bool chat, stream;
+    int schema; /* -1: json_object */
+} call;
+
+/* Sends every call at once (curl in the background), waits for all. */
+static void send_all(const proc *r, call *c, int n, const char *dir)
+{
+    char *script = malloc(1 << 20);
+    size_t len = 0;
+    for (int i = 0; i < n; i++) {
+        char path[256];
+        snprintf(path, sizeof path, "%s/body%d.json", dir, i);
+        FILE *f = fopen(path, "w");
+        cr_assert_not_null(f);
+        fputs(c[i].body, f);
+        fclose(f);
+        snprintf(c[i].out, sizeof c[i].out, "%s/out%d", dir, i);
+        len += (size_t)snprintf(script + len, (1 << 20) - len,
+                                "curl -sN --max-time 600 -H 'Content-Type: application/json' "
+                                "http://127.0.0.1:%d/v1/%s -d @%s > %s &\n",
+                                r->http_port, c[i].chat ? "chat/completions" : "completions", path,
+                                c[i].out);
+    }
+    snprintf(script + len, (1 << 20) - len, "wait\n");
+    cr_assert_eq(system(script), 0);
+    free(script);
+}
+
+static char *slurp(const char *path)
+{
+    FILE *f = fopen(path, "r");
+    cr_assert_not_null(f, "%s", path);
+    km_buf b = {0};
+    char tmp[4096];
+    size_t n;
+    while ((n = fread(tmp, 1, sizeof tmp, f)) > 0) km_buf_append(&b, tmp, n);
+    fclose(f);
+    km_buf_append(&b, "", 1);
+    return (char *)b.data;
+}
+
+/* The generated text of a response (concatenated deltas when streamed) and its finish reason. */
+static char *content_of(const call *c, char *finish, size_t cap)
+{
+    char *raw = slurp(c->out);
+    km_buf text = {0};
+    finish[0] = 0;
+    const char *key = c->chat ? (c->stream ? "delta" : "message") : NULL;
+    for (char *line = raw; line && *line;) {
+        char *nl = strchr(line, '\n');
+        if (nl) *nl = 0;
+        const char *js = c->stream ? (strncmp(line, "data: {", 7) ? NULL : line + 6) : line;
+        json_t *o = js ? json_loads(js, 0, NULL) : NULL;
+        cr_assert(!js || o, "response not JSON: %s", line);
+        json_t *ch = json_array_get(json_object_get(o, "choices"), 0);
+        json_t *t = key ? json_object_get(json_object_get(ch, key), "content")
+                        : json_object_get(ch, "text");
+        if (json_is_string(t)) km_buf_append(&text, json_string_value(t), json_string_length(t));
+        json_t *fr = json_object_get(ch, "finish_reason");
+        if (json_is_string(fr)) snprintf(finish, cap, "%s", json_string_value(fr));
+        cr_assert(!json_object_get(o, "error"), "error: %s", line);
+        json_decref(o);
+        line = nl ? nl + 1 : NULL;
+        if (!c->stream) break;
+    }
+    free(raw);
+    km_buf_append(&text, "", 1);
+    return (char *)text.data;
+}
+
+static void make_call(call *c, int schema, bool chat, bool stream, float temperature, int seed)
+{
+    char rf[4096];
+    if (schema < 0)
+        snprintf(rf, sizeof rf, "{\"type\":\"json_object\"}");
+    else
+        snprintf(rf, sizeof rf,
+                 "{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"s%d\",\"strict\":true,"
+                 "\"schema\":%s}}",
+                 schema, g_schemas[schema]);
+    const char *ask = g_asks[(schema < 0 ? 0 : schema) % N_SCHEMAS];
+    char prompt[512];
+    if (chat)
+        snprintf(prompt, sizeof prompt,
+                 "\"messages\":[{\"role\":\"user\",\"content\":\"%s Answer in JSON.\"}]", ask);
+    else
+        snprintf(prompt, sizeof prompt, "\"prompt\":\"%s Answer in JSON.\\nJSON:\"", ask);
+    snprintf(c->body, sizeof c->body,
+             "{%s,\"max_tokens\":400,\"temperature\":%g,\"seed\":%d,\"stream\":%s,"
+             "\"response_format\":%s}",
+             prompt, temperature, seed, stream ? "true" : "false", rf);
+    c->chat = chat;
+    c->stream = stream;
+    c->schema = schema;
+}
+
+static bool have_jsonschema(void)
+{
+    return !system("python3 -c 'import jsonschema' >/dev/null 2>&1");
+}
+
+Test(structured, every_output_parses_and_validates_against_its_schema, .timeout = 900)
+{
+    proc w, r;
+    if (!cluster(&w, &r)) return;
+    enum { N = 20 };
+    static call c[N];
+    int n = 0;
+    for (int s = 0; s < N_SCHEMAS; s++) {
+        make_call(&c[n++], s, true, false, 0, 1);
+        make_call(&c[n++], s, true, true, 0, 2);
+        make_call(&c[n++], s, false, false, 0, 3);
+        make_call(&c[n++], s, true, false, 0.8f, 40 + s);
+    }
+    make_call(&c[n++], -1, true, false, 0, 5);
+    make_call(&c[n++], -1, true, true, 0.8f, 6);
+    make_call(&c[n++], -1, false, false, 0, 7);
+    make_call(&c[n++], 3, false, true, 0.8f, 8);
+    cr_assert_eq(n, N);
+    send_all(&r, c, n, r.dir);
+    bool py = have_jsonschema();
+    int ok = 0;
+    for (int i = 0; i < n; i++) {
+        char finish[32];
+        char *text = content_of(&c[i], finish, sizeof finish);
+        json_error_t je;
+        json_t *v = json_loads(text, 0, &je);
+        cr_expect_not_null(v, "call %d (schema %d): not JSON (%s): %s", i, c[i].schema, je.text,
+                           text);
+        json_t *s = c[i].schema < 0 ? json_pack("{s:s}", "type", "object")
+                                    : json_loads(g_schemas[c[i].schema], 0, NULL);
+        bool good = v && valid(v, s);
+        cr_expect(good, "call %d (schema %d): does not validate: %s", i, c[i].schema, text);
+        cr_expect_str_eq(finish, "stop", "call %d: finish %s: %s", i, finish, text);
+        if (py && v) { /* a second, independent validator */
+            char path[256], cmd[1024];
+            snprintf(path, sizeof path, "%s/check%d.json", r.dir, i);
+            json_t *pair = json_pack("{s:O,s:O}", "schema", s, "value", v);
+            json_dump_file(pair, path, 0);
+            json_decref(pair);
+            snprintf(cmd, sizeof cmd,
+                     "python3 -c 'import json,sys,jsonschema; d=json.load(open(sys.argv[1])); "
+                     "jsonschema.validate(d[\"value\"], d[\"schema\"])' %s",
+                     path);
+            cr_expect_eq(system(cmd), 0, "call %d: jsonschema refuses %s", i, text);
+        }
+        ok += good && !strcmp(finish, "stop");
+        json_decref(v);
+        json_decref(s);
+        free(text);
+    }
+    cr_expect_eq(ok, n, "%d of %d outputs valid and complete", ok, n);
+    it_stop(&r);
+    it_stop(&w);
+}
+
+Test(structured, schemas_the_engine_cannot_enforce_are_a_400_that_says_why, .timeout = 300)
+{
+    proc w, r;
+    if (!cluster(&w, &r)) return;
+    static const struct {
+        const char *rf, *needle;
+    } cases[] = {
+        {"{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"p\",\"schema\":{\"type\":"
+         "\"string\",\"pattern\":\"^a\"}}}",
+         "'pattern' is not supported"},
+        {"{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"p\",\"schema\":{\"type\":"
+         "\"object\",\"required\":[\"x\"]}}}",
+         "'x'"},
+        {"{\"type\":\"json_schema\",\"json_schema\":{\"schema\":{}}}", "json_schema.name"},
+        {"{\"type\":\"yaml\"}", "not supported"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        for (int stream = 0; stream < 2; stream++) {
+            call c = {0};
+            snprintf(c.body, sizeof c.body,
+                     "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"stream\":%s,"
+                     "\"response_format\":%s}",
+                     stream ? "true" : "false", cases[i].rf);
+            c.chat = true;
+            char path[256], cmd[1024];
+            snprintf(path, sizeof path, "%s/bad.json", r.dir);
+            FILE *f = fopen(path, "w");
+            fputs(c.body, f);
+            fclose(f);
+            snprintf(c.out, sizeof c.out, "%s/bad.out", r.dir);
+            snprintf(cmd, sizeof cmd,
+                     "curl -s -o %s -w '%%{http_code}' http://127.0.0.1:%d/v1/chat/completions "
+                     "-d @%s > %s.code",
+                     c.out, r.http_port, path, c.out);
+            cr_assert_eq(system(cmd), 0);
+            char codepath[300];
+            snprintf(codepath, sizeof codepath, "%s.code", c.out);
+            char *code = slurp(codepath), *body = slurp(c.out);
+            cr_expect_str_eq(code, "400", "case %zu: %s", i, body);
+            cr_expect(strstr(body, cases[i].needle) && strstr(body, "invalid_request_error"),
+                      "case %zu: '%s' lacks '%s'", i, body, cases[i].needle);
+            free(code);
+            free(body);
+        }
+    }
+    it_stop(&r);
+    it_stop(&w);
+}
