@@ -432,6 +432,17 @@ $(BENCH_SPEC): $(OBJ)/bench/bench_spec.o $(ALL_LIBS)
 bench-spec: build $(BENCH_SPEC) ## speculative decoding off vs auto on one worker, outputs compared
 	@BENCH_SPEC=$(BENCH_SPEC) bash bench/bench_spec.sh
 
+# Constrained decoding's cost (docs/structured.md): decode tok/s of a batch of 32 requests held
+# to a schema, and to json_object, against the same batch free; the time of one mask, cold and warm.
+BENCH_STRUCTURED := $(BUILD)/bench/bench_structured
+$(BENCH_STRUCTURED): $(OBJ)/bench/bench_structured.o $(ALL_LIBS)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+.PHONY: bench-structured
+bench-structured: $(BENCH_STRUCTURED) ## constrained vs free decode tok/s at batch 32, mask times
+	@grep -m1 'model name' /proc/cpuinfo; nproc
+	@$(BENCH_STRUCTURED) --threads $${THREADS:-2} --batch $${BATCH:-32}
+
 # KV store figures (docs/kvshard.md): lookup/insert ops/s, tier bandwidth, attention per format.
 BENCH_KV := $(BUILD)/bench/bench_kv
 $(BENCH_KV): $(OBJ)/bench/bench_kv.o $(ALL_LIBS)

@@ -92,7 +92,9 @@ static void g_complete(const en_grammar *g, gstate *s, int result)
     if (p->kind == F_ROOT) {
         p->sub = R_DONE;
     } else if (p->kind == F_ARR) {
-        p->n++;
+        /* counted only as far as a bound needs it, so that states repeat (the mask cache) */
+        const en_gn *x = &g->nodes[p->node];
+        if (x->max_items >= 0 || p->n < (uint32_t)x->min_items) p->n++;
         p->sub = A_VAL;
     } else if (p->sub == O_KEY) {
         p->sub = O_KEYED;
@@ -209,16 +211,18 @@ static int g_num(const en_grammar *g, gstate *s, gfr *f, int c)
     const en_gn *x = &g->nodes[f->node];
     int d = c >= '0' && c <= '9';
     gfr was = *f;
+    /* without bounds the value itself is not kept, so that states repeat (the mask cache) */
+    int keep = x->has_min || x->has_max;
     if (f->sub == N_START && c == '-') {
         f->sub = N_MINUS, f->neg = 1;
     } else if ((f->sub == N_START || f->sub == N_MINUS) && d) {
-        f->sub = c == '0' ? N_ZERO : N_INT, f->iv = c - '0', f->nd = 1;
+        f->sub = c == '0' ? N_ZERO : N_INT, f->iv = keep ? c - '0' : 0, f->nd = 1;
     } else if (f->sub == N_INT && d && f->nd < NUM_INT_DIGITS) {
-        f->iv = f->iv * 10 + (c - '0'), f->nd++;
+        f->iv = keep ? f->iv * 10 + (c - '0') : 0, f->nd++;
     } else if ((f->sub == N_ZERO || f->sub == N_INT) && c == '.' && x->kind == EN_GN_NUMBER) {
         f->sub = N_DOT, f->nd = 0;
     } else if ((f->sub == N_DOT || f->sub == N_FRAC) && d && f->nd < NUM_FRAC_DIGITS) {
-        f->sub = N_FRAC, f->fv = f->fv * 10 + (c - '0'), f->nd++;
+        f->sub = N_FRAC, f->fv = keep ? f->fv * 10 + (c - '0') : 0, f->nd++;
     } else {
         if (!num_complete(x, f)) return -1;
         g_complete(g, s, 0);
@@ -273,7 +277,7 @@ static int g_str(const en_grammar *g, gstate *s, gfr *f, int c)
         if (c < 0x20) return -1;
         if ((c & 0xC0) == 0x80) return 0; /* continues a character already counted */
         if (x->max_len >= 0 && f->n >= (uint32_t)x->max_len) return -1;
-        f->n++;
+        if (x->max_len >= 0 || f->n < (uint32_t)x->min_len) f->n++; /* as far as bounds need */
         if (c == '\\') f->sub = S_ESC;
         return 0;
     case S_ESC:
@@ -376,6 +380,7 @@ typedef struct tnode {
     int32_t n_end;      /* sorted[lo, lo + n_end) end here */
     uint8_t byte;       /* the edge into it */
     uint8_t plain;      /* every byte below it may sit inside a string as it is */
+    uint8_t below;      /* the most bytes a token goes on below it (at most 255) */
 } tnode;
 
 struct en_grammar_vocab {
@@ -433,6 +438,9 @@ static void trie_build(en_grammar_vocab *v, const tok_ref *t, int node, int lo, 
         v->nodes[first + gi].byte = b;
         trie_build(v, t, first + gi, i, j, depth + 1);
         if (!plain_byte(b) || !v->nodes[first + gi].plain) v->nodes[node].plain = 0;
+        int below = 1 + v->nodes[first + gi].below;
+        if (below > v->nodes[node].below)
+            v->nodes[node].below = (uint8_t)(below > 255 ? 255 : below);
         i = j;
     }
 }
@@ -672,8 +680,11 @@ static void walk(en_grammar_matcher *m, uint32_t *bits, int node, int depth)
         for (int k = N->lo; k < N->lo + N->n_end; k++) SET(bits, v->sorted[k]);
     const gstate *cur = &m->scratch[depth];
     const gfr *top = &cur->f[cur->depth - 1];
+    /* inside a string, plain bytes change nothing but the count of characters: a plain subtree
+     * whose longest token fits in what the string may still take is valid whole */
+    const en_gn *sx = &m->g->nodes[top->node];
     if (N->plain && top->kind == F_STR && top->sub == S_BODY &&
-        m->g->nodes[top->node].max_len < 0) {
+        (sx->max_len < 0 || (uint32_t)sx->max_len - top->n >= N->below)) {
         for (int k = N->lo + N->n_end; k < N->hi; k++) SET(bits, v->sorted[k]);
         return;
     }
