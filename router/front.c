@@ -33,7 +33,7 @@ static void http_token(rt_router *r, rt_rq *q, int32_t token, const char *text, 
 {
     (void)token;
     if (!q->http) return;
-    if (!q->http_stream) {
+    if (!q->http_stream || q->tool_names) { /* a reply that may be a call is read whole */
         km_buf_append(&q->text, text, len);
         return;
     }
@@ -57,7 +57,29 @@ static void http_done(rt_router *r, rt_rq *q, const rt_rq_done *d)
                       .draft_tokens = q->draft_tokens,
                       .accepted_draft_tokens = q->accepted_draft_tokens};
     km_buf b = {0};
-    if (q->http_stream) {
+    json_t *calls =
+        q->tool_names && q->text.len
+            ? rt_oai_tool_calls((const char *)q->text.data, q->text.len, q->tool_names, q->oai_id)
+            : NULL;
+    if (calls && q->http_stream) {
+        rt_front_stream_begin(r, q);
+        km_buf one = {0};
+        if (!rt_oai_sse_chunk(&one, &m, NULL, 0, NULL)) rt_oai_tool_patch(&one, 1, calls, &b);
+        km_buf_free(&one);
+        rt_oai_sse_chunk(&b, &m, NULL, 0, "tool_calls");
+        if (q->include_usage) rt_oai_sse_usage(&b, &m, &u);
+        rt_oai_sse_done(&b);
+        km_http_stream_write(q->http, b.data, b.len);
+        km_http_stream_end(q->http);
+    } else if (calls) {
+        km_buf whole = {0};
+        if (!rt_oai_response(&whole, &m, "", 0, "tool_calls", &u))
+            rt_oai_tool_patch(&whole, 0, calls, &b);
+        km_buf_free(&whole);
+        char extra[KM_PROTO_MAX_NAME + 64];
+        snprintf(extra, sizeof extra, "X-Kvmesh-Worker: %s\r\n", d->worker ? d->worker : "");
+        km_http_respond(q->http, 200, "application/json", extra, b.data, b.len);
+    } else if (q->http_stream) {
         rt_front_stream_begin(r, q);
         if (q->text.len) { /* the tail: held-back bytes (as the ZeroMQ front's done.text) */
             rt_rq_oai_meta(r, q, &m, NULL);
@@ -77,6 +99,7 @@ static void http_done(rt_router *r, rt_rq *q, const rt_rq_done *d)
         km_http_respond(q->http, 200, "application/json", extra, b.data, b.len);
     }
     km_buf_free(&b);
+    json_decref(calls);
 }
 
 static void http_reply_error(rt_router *r, rt_rq *q, int code, uint32_t retry_after,
@@ -412,6 +435,8 @@ static void rq_from_oai(rt_rq *q, rt_oai_req *oq)
     oq->cache_salt = NULL;
     q->grammar = oq->grammar;
     oq->grammar = NULL;
+    q->tool_names = oq->tool_names;
+    oq->tool_names = NULL;
     q->max_tokens = oq->max_tokens;
 }
 

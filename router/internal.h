@@ -75,8 +75,9 @@ struct rt_rq {
     char model[KM_PROTO_MAX_NAME + 1];
     char *salt;
     char *stop[KM_PROTO_MAX_STOP];
-    char *grammar;   /* the JSON Schema the output is held to (response_format); NULL: none */
-    int32_t *tokens; /* prompt, then every generated token */
+    char *grammar;    /* the JSON Schema the output is held to (response_format); NULL: none */
+    char *tool_names; /* the functions the reply may call (rt_oai_req.tool_names); NULL: none */
+    int32_t *tokens;  /* prompt, then every generated token */
     int n_prompt, n_gen, cap;
     uint32_t max_tokens;
     bool client_stream;

@@ -10,7 +10,7 @@
  * but a byte-level vocabulary can produce invalid sequences (a stream cut inside a character),
  * and jansson refuses those: text is sanitised here (invalid bytes become U+FFFD) before it is
  * put in JSON. Unknown request fields are ignored, as OpenAI does; fields that ask for something
- * the server cannot do (n > 1, logprobs, echo, tools) are a 400 that names the field.
+ * the server cannot do (n > 1, logprobs, echo) are a 400 that names the field.
  */
 #include <jansson.h>
 #include <math.h>
@@ -168,6 +168,7 @@ void rt_oai_req_free(rt_oai_req *r)
     for (int i = 0; i < r->n_stop; i++) free(r->stop[i]);
     free(r->cache_salt);
     free(r->grammar);
+    free(r->tool_names);
     memset(r, 0, sizeof *r);
 }
 
@@ -196,7 +197,8 @@ static int parse_obj(json_t *o, bool chat, rt_oai_req *r, rt_oai_err *e)
                 return fail(e, "messages", "every message needs a string 'role'", NULL);
             const char *rs = json_string_value(role);
             if (!strcmp(rs, "developer")) rs = "system";
-            if (strcmp(rs, "system") && strcmp(rs, "user") && strcmp(rs, "assistant"))
+            if (strcmp(rs, "system") && strcmp(rs, "user") && strcmp(rs, "assistant") &&
+                strcmp(rs, "tool"))
                 return fail(e, "messages", "unsupported message role '%s'", rs);
             r->msgs[i].role = strdup(rs);
             r->n_msgs = (int)i + 1;
@@ -217,6 +219,7 @@ static int parse_obj(json_t *o, bool chat, rt_oai_req *r, rt_oai_err *e)
     int rc;
     /* structured outputs (openai_tools.c) */
     if ((rc = rt_oai_response_format(o, r, e))) return rc;
+    if ((rc = rt_oai_tools(o, r, e))) return rc;
     /* OpenAI refuses 0 (integer_below_min_value); absent is the router's default */
     static const char *const max_keys[] = {"max_tokens", "max_completion_tokens"};
     for (int i = 0; i < 2; i++) {
@@ -299,9 +302,8 @@ static int parse_obj(json_t *o, bool chat, rt_oai_req *r, rt_oai_err *e)
         if (!(r->cache_salt = dup_str(v))) return KM_ENOMEM;
     }
     /* Asked-for features this server does not have: say so rather than silently ignore. */
-    static const char *const unsupported[] = {"logprobs",   "echo",        "best_of",
-                                              "suffix",     "tools",       "functions",
-                                              "logit_bias", "top_logprobs"};
+    static const char *const unsupported[] = {"logprobs",  "echo",       "best_of",     "suffix",
+                                              "functions", "logit_bias", "top_logprobs"};
     for (size_t i = 0; i < sizeof unsupported / sizeof *unsupported; i++) {
         v = json_object_get(o, unsupported[i]);
         if (!v || json_is_null(v) || json_is_false(v)) continue;

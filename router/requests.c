@@ -53,6 +53,7 @@ void rt_rq_free(rt_rq *q)
     free(q->salt);
     for (int i = 0; i < KM_PROTO_MAX_STOP; i++) free(q->stop[i]);
     free(q->grammar);
+    free(q->tool_names);
     free(q->tokens);
     free(q->chain);
     km_buf_free(&q->text);

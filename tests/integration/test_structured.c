@@ -350,6 +350,10 @@ Test(structured, schemas_the_engine_cannot_enforce_are_a_400_that_says_why, .tim
          "'x'"},
         {"{\"type\":\"json_schema\",\"json_schema\":{\"schema\":{}}}", "json_schema.name"},
         {"{\"type\":\"yaml\"}", "not supported"},
+        {"{\"type\":\"text\"},\"tools\":["
+         "{\"type\":\"function\",\"function\":{\"name\":\"f\"}}"
+         "],\"tool_choice\":{\"type\":\"function\",\"function\":{\"name\":\"g\"}}",
+         "one of the 'tools'"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         for (int stream = 0; stream < 2; stream++) {
@@ -380,6 +384,102 @@ Test(structured, schemas_the_engine_cannot_enforce_are_a_400_that_says_why, .tim
             free(body);
         }
     }
+    it_stop(&r);
+    it_stop(&w);
+}
+
+#define WEATHER                                                                                    \
+    "{\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"description\":\"The weather " \
+    "in a city\",\"parameters\":{\"type\":\"object\",\"properties\":{\"city\":{\"type\":"          \
+    "\"string\",\"maxLength\":20},\"unit\":{\"enum\":[\"c\",\"f\"]}},\"required\":[\"city\","      \
+    "\"unit\"]}}}"
+#define TIME                                                                                       \
+    "{\"type\":\"function\",\"function\":{\"name\":\"get_time\",\"parameters\":{\"type\":"         \
+    "\"object\",\"properties\":{\"zone\":{\"type\":\"string\",\"maxLength\":20}},\"required\":"    \
+    "[\"zone\"]}}}"
+
+/* The first choice of a response (its last chunks folded when streamed): message or delta. */
+static json_t *tool_reply(const proc *r, const char *body, bool stream, char *finish, size_t cap)
+{
+    call c = {0};
+    snprintf(c.body, sizeof c.body, "%s", body);
+    c.chat = true;
+    c.stream = stream;
+    send_all(r, &c, 1, r->dir);
+    char *raw = slurp(c.out);
+    json_t *calls = NULL;
+    finish[0] = 0;
+    for (char *line = raw; line && *line;) {
+        char *nl = strchr(line, '\n');
+        if (nl) *nl = 0;
+        const char *js = stream ? (strncmp(line, "data: {", 7) ? NULL : line + 6) : line;
+        json_t *o = js ? json_loads(js, 0, NULL) : NULL;
+        cr_assert(!js || o, "not JSON: %s", line);
+        json_t *ch = json_array_get(json_object_get(o, "choices"), 0);
+        json_t *tc =
+            json_object_get(json_object_get(ch, stream ? "delta" : "message"), "tool_calls");
+        if (tc && !calls) calls = json_incref(tc);
+        if (!stream && tc) /* a call has no text */
+            cr_expect(json_is_null(json_object_get(json_object_get(ch, "message"), "content")));
+        json_t *fr = json_object_get(ch, "finish_reason");
+        if (json_is_string(fr)) snprintf(finish, cap, "%s", json_string_value(fr));
+        json_decref(o);
+        line = nl ? nl + 1 : NULL;
+        if (!stream) break;
+    }
+    free(raw);
+    return calls;
+}
+
+Test(structured, tool_choice_required_or_named_gives_a_call_that_parses, .timeout = 600)
+{
+    proc w, r;
+    if (!cluster(&w, &r)) return;
+    json_t *weather = json_loads(WEATHER, 0, NULL);
+    json_t *params = json_object_get(json_object_get(weather, "function"), "parameters");
+    for (int i = 0; i < 4; i++) {
+        char body[4096], finish[32];
+        bool stream = i & 1, named = i < 2;
+        snprintf(body, sizeof body,
+                 "{\"messages\":[{\"role\":\"user\",\"content\":\"What is the weather in "
+                 "Lisbon?\"}],\"max_tokens\":200,\"temperature\":0,\"stream\":%s,\"tools\":"
+                 "[" WEATHER "," TIME "],\"tool_choice\":%s}",
+                 stream ? "true" : "false",
+                 named ? "{\"type\":\"function\",\"function\":{\"name\":\"get_weather\"}}"
+                       : "\"required\"");
+        json_t *calls = tool_reply(&r, body, stream, finish, sizeof finish);
+        cr_assert_not_null(calls, "case %d: no tool_calls", i);
+        json_t *f = json_object_get(json_array_get(calls, 0), "function");
+        const char *name = json_string_value(json_object_get(f, "name"));
+        cr_assert_str_eq(finish, "tool_calls", "case %d", i);
+        cr_assert(!strncmp(json_string_value(json_object_get(json_array_get(calls, 0), "id")),
+                           "call_", 5));
+        json_t *args = json_loads(json_string_value(json_object_get(f, "arguments")), 0, NULL);
+        cr_assert_not_null(args, "case %d: arguments not JSON", i);
+        if (named) {
+            cr_assert_str_eq(name, "get_weather");
+            cr_expect(valid(args, params), "case %d: %s", i,
+                      json_string_value(json_object_get(f, "arguments")));
+        } else {
+            cr_assert(!strcmp(name, "get_weather") || !strcmp(name, "get_time"), "%s", name);
+            cr_expect(json_is_object(args));
+        }
+        json_decref(args);
+        json_decref(calls);
+    }
+    json_decref(weather);
+    /* a conversation with a call and its result renders and is answered */
+    char body[4096], finish[32];
+    snprintf(body, sizeof body,
+             "{\"messages\":[{\"role\":\"user\",\"content\":\"Weather in Lisbon?\"},"
+             "{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{\"id\":\"call_1\","
+             "\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"arguments\":"
+             "\"{\\\"city\\\":\\\"Lisbon\\\",\\\"unit\\\":\\\"c\\\"}\"}}]},{\"role\":\"tool\","
+             "\"tool_call_id\":\"call_1\",\"content\":\"21 C, sunny\"}],\"max_tokens\":12,"
+             "\"temperature\":0,\"tools\":[" WEATHER "],\"tool_choice\":\"none\"}");
+    json_t *none = tool_reply(&r, body, false, finish, sizeof finish);
+    cr_expect_null(none);
+    cr_expect(!strcmp(finish, "length") || !strcmp(finish, "stop"), "%s", finish);
     it_stop(&r);
     it_stop(&w);
 }
