@@ -6,7 +6,9 @@
  * engine's; and Python's jsonschema too when it is installed), and end by itself
  * (finish_reason "stop"). Schemas cover nested objects, arrays of objects, enums, numbers and
  * integers with bounds, optional and required fields. A schema the engine cannot enforce, or a
- * malformed response_format, is a 400 that says why.
+ * malformed response_format, is a 400 that says why. Forced tool calls (tool_choice required or
+ * named) come back as tool_calls whose arguments parse and validate. A constrained stream whose
+ * worker is SIGKILLed mid-value migrates and ends with the undisturbed output (two workers).
  *
  * Requests go out with curl, all at once, so the worker batches them. Run from the repository
  * root after `make build`; without the default model or curl every test skips and says so.
@@ -14,6 +16,7 @@
 #include <criterion/criterion.h>
 #include <jansson.h>
 #include <math.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -482,4 +485,101 @@ Test(structured, tool_choice_required_or_named_gives_a_call_that_parses, .timeou
     cr_expect(!strcmp(finish, "length") || !strcmp(finish, "stop"), "%s", finish);
     it_stop(&r);
     it_stop(&w);
+}
+
+/* ---------------------------------------------------------------- migration */
+
+typedef struct killer {
+    proc *w;
+    const proc *r;
+    int at, killed;
+} killer;
+
+/* At the at-th token, SIGKILLs the worker the router says has a request in flight. */
+static int kill_at(void *user, uint32_t index, int32_t token, const char *text, size_t len)
+{
+    killer *k = user;
+    if ((int)index != k->at) return 0;
+    char url[128];
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/v1/status", k->r->http_port);
+    km_buf b = {0};
+    int st = 0;
+    km_errbuf err = {{0}};
+    cr_assert_eq(kvm_http_get(url, 5000, &b, &st, &err), 0, "%s", err.msg);
+    json_t *o = json_loadb((const char *)b.data, b.len, 0, NULL), *wj;
+    km_buf_free(&b);
+    size_t i;
+    json_array_foreach(json_object_get(o, "workers"), i, wj)
+    {
+        if (json_integer_value(json_object_get(wj, "inflight")) > 0) k->killed = (int)i;
+    }
+    json_decref(o);
+    cr_assert_geq(k->killed, 0, "no worker has the request in flight");
+    kill(k->w[k->killed].pid, SIGKILL);
+    it_wait_exit(&k->w[k->killed], 5000);
+    return 0;
+}
+
+Test(structured, a_constrained_stream_whose_worker_is_killed_continues_its_grammar, .timeout = 600)
+{
+    if (!it_have((const char *const[]){IT_MODEL, IT_WORKER, IT_ROUTER, NULL})) return;
+    proc w[2], r;
+    char workers[2400] = "--workers=";
+    for (int i = 0; i < 2; i++) {
+        memset(&w[i], 0, sizeof w[i]);
+        char wid[32];
+        snprintf(wid, sizeof wid, "--worker-id=w%d", i);
+        const char *flags[] = {"--admin-port=-1", "--threads=1", "--log-level=warn", wid, NULL};
+        it_start_worker(&w[i], "st", flags, NULL);
+        snprintf(workers + strlen(workers), sizeof workers - strlen(workers), "%sw%d=%s+%s",
+                 i ? "," : "", i, w[i].req, w[i].ev);
+    }
+    memset(&r, 0, sizeof r);
+    it_proc_dir(&r, "st");
+    char ports[128];
+    snprintf(ports, sizeof ports, "%s/ports", r.dir);
+    const char *argv[] = {IT_ROUTER,       "--front=tcp://127.0.0.1:*",
+                          "--http-port=0", "--log-level=warn",
+                          workers,         "--ports-file",
+                          ports,           NULL};
+    it_spawn(&r, argv, NULL, "log");
+    kvm_client *c = NULL;
+    km_errbuf err = {{0}};
+    kvm_opts o = {.timeout_ms = 120000};
+    cr_assert_eq(kvm_open(r.front, &o, &c, &err), 0, "%s", err.msg);
+    km_msg_request q;
+    kvm_request_init(&q);
+    q.prompt = "<|im_start|>user\nWrite an order for two books and a pen for Bob as JSON."
+               "<|im_end|>\n<|im_start|>assistant\n";
+    q.temperature = 0;
+    q.max_tokens = 300;
+    q.stream = true;
+    q.speculate = KM_SPECULATE_OFF; /* one token a step: the kill lands mid-value */
+    q.grammar = g_schemas[2];
+    kvm_result ref, got;
+    for (uint64_t dl = it_deadline(30000);;) { /* both workers up at the router */
+        int rc = kvm_generate(c, &q, NULL, NULL, &ref, &err);
+        if (!rc) break;
+        kvm_result_free(&ref);
+        cr_assert(it_poll(dl), "no answer: %s", err.msg);
+    }
+    cr_assert_eq(ref.finish, KM_FINISH_STOP);
+    cr_assert_gt(ref.completion_tokens, 20);
+    killer k = {w, &r, 10, -1};
+    cr_assert_eq(kvm_generate(c, &q, kill_at, &k, &got, &err), 0, "%s", err.msg);
+    cr_assert_eq(got.error_code, 0, "%s", got.error);
+    cr_assert_eq(got.migrations, 1u);
+    cr_assert(got.text.len == ref.text.len && !memcmp(got.text.data, ref.text.data, got.text.len),
+              "migrated output differs:\n%.*s\n---\n%.*s", (int)got.text.len,
+              (const char *)got.text.data, (int)ref.text.len, (const char *)ref.text.data);
+    json_t *v = json_loadb((const char *)got.text.data, got.text.len, 0, NULL),
+           *s = json_loads(g_schemas[2], 0, NULL);
+    cr_assert(v && valid(v, s), "%.*s", (int)got.text.len, (const char *)got.text.data);
+    json_decref(v);
+    json_decref(s);
+    kvm_result_free(&ref);
+    kvm_result_free(&got);
+    kvm_close(c);
+    it_stop(&r);
+    for (int i = 0; i < 2; i++) it_stop(&w[i]);
 }
