@@ -187,10 +187,10 @@ int32_t en_argmax(const float *x, int n);
  * when the value is complete). Supported: type (object, array, string, number, integer, boolean,
  * null, or a list), properties (generated in their order), required, additionalProperties,
  * items, minItems, maxItems, minLength, maxLength, minimum, maximum, exclusiveMinimum,
- * exclusiveMaximum, enum, const, anyOf/oneOf whose branches start with different characters,
- * local $ref; other constraining keywords are refused by name. {"type": "object"} is any
- * object. Output is compact JSON (one optional space after ':' and ','), numbers without
- * exponent, at most 15 + 8 digits. One thread uses a grammar and its matchers. */
+ * exclusiveMaximum, enum, const, anyOf/oneOf (branches that start with different characters, or
+ * objects told apart by a constant first property), local $ref; other constraining keywords are
+ * refused by name. Output is compact JSON, numbers without exponent (docs/structured.md, Limits).
+ * One thread uses a grammar and its matchers. */
 typedef struct en_grammar en_grammar;
 typedef struct en_grammar_vocab en_grammar_vocab; /* the vocabulary's bytes as a trie */
 typedef struct en_grammar_matcher en_grammar_matcher;

@@ -96,6 +96,10 @@ static void g_complete(const en_grammar *g, gstate *s, int result)
         const en_gn *x = &g->nodes[p->node];
         if (x->max_items >= 0 || p->n < (uint32_t)x->min_items) p->n++;
         p->sub = A_VAL;
+    } else if (p->sub != O_KEY && g->nodes[p->node].kind == EN_GN_SWITCH) {
+        /* the constant is read: the frame is the chosen object's, past its first property */
+        p->node = (uint16_t)g->nodes[p->node].alts[result];
+        p->sub = O_VAL;
     } else if (p->sub == O_KEY) {
         p->sub = O_KEYED;
         if (!g->nodes[p->node].any_keys) p->pos = (uint16_t)result, p->n = (uint32_t)result + 1;
@@ -119,6 +123,7 @@ static int g_begin(const en_grammar *g, gstate *s, int n, int c)
         if (digit) return g_push(s, g->any_num, F_NUM);
         return g_begin(g, s, g->any_lit, c);
     case EN_GN_OBJECT:
+    case EN_GN_SWITCH:
         return c == '{' ? g_push(s, n, F_OBJ) : -1;
     case EN_GN_ARRAY:
         return c == '[' ? g_push(s, n, F_ARR) : -1;

@@ -19,6 +19,9 @@ typedef enum en_gn_kind {
     EN_GN_INTEGER, /* the same without a fraction */
     EN_GN_ENUM,    /* one of lits (JSON texts): enum, const, boolean, null */
     EN_GN_ALT,     /* one of alts, told apart by their first byte (anyOf, a list of types) */
+    EN_GN_SWITCH,  /* one of alts, objects told apart by the constant value of their shared first
+                    * property (a discriminated union): props[0] is that property, an enum of
+                    * the constants in the order of alts */
 } en_gn_kind;
 
 #define EN_GN_MAX_PROPS  64 /* properties of one object, literals of one enum (a 64-bit set) */

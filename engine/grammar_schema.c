@@ -446,8 +446,49 @@ static int gn_typed(gcomp *c, jv *s, const char *type)
 }
 
 /* The alternatives of anyOf/oneOf or a list of types, which must start with different bytes. */
+/* Objects whose first property is required, has the same key in all and one constant value,
+ * different in each (a discriminated union, as a list of tool calls is): one object frame that
+ * becomes the chosen branch's once the constant is read. 0 when alts are not such objects. */
+static int gn_switch(gcomp *c, const int *alts, int n)
+{
+    const en_gn *x = c->g->nodes;
+    for (int i = 0; i < n; i++) {
+        const en_gn *a = &x[alts[i]], *t = a->n_props ? &x[a->props[0]] : NULL;
+        if (a->kind != EN_GN_OBJECT || !t || !(a->required & 1) || t->kind != EN_GN_ENUM ||
+            t->n_lits != 1 || strcmp(a->keys[0], x[alts[0]].keys[0]))
+            return 0;
+        for (int j = 0; j < i; j++)
+            if (!strcmp(t->lits[0], x[x[alts[j]].props[0]].lits[0])) return 0;
+    }
+    jv tags[8];
+    for (int i = 0; i < n; i++) tags[i] = (jv){.type = JV_NULL};
+    int tag = gn_enum(c, tags, n, "anyOf"), id = tag >= 0 ? gn_new(c, EN_GN_SWITCH) : tag;
+    if (id < 0) return id;
+    en_gn *tg = &c->g->nodes[tag], *sw = &c->g->nodes[id];
+    for (int i = 0; i < n; i++) { /* the constants, as their texts */
+        free(tg->lits[i]);
+        tg->lits[i] = strdup(c->g->nodes[c->g->nodes[alts[i]].props[0]].lits[0]);
+    }
+    sw->keys = calloc(1, sizeof *sw->keys);
+    sw->props = calloc(1, sizeof *sw->props);
+    sw->alts = malloc(sizeof(int) * (size_t)n);
+    if (!sw->keys || !sw->props || !sw->alts ||
+        !(sw->keys[0] = strdup(c->g->nodes[alts[0]].keys[0])))
+        return km_errf(c->err, KM_ENOMEM, "schema: out of memory");
+    for (int i = 0; i < n; i++)
+        if (!tg->lits[i]) return km_errf(c->err, KM_ENOMEM, "schema: out of memory");
+    sw->n_props = 1;
+    sw->props[0] = tag;
+    sw->required = 1;
+    memcpy(sw->alts, alts, sizeof(int) * (size_t)n);
+    sw->n_alts = n;
+    return id;
+}
+
 static int gn_alt(gcomp *c, int *alts, int n)
 {
+    int sw = gn_switch(c, alts, n);
+    if (sw) return sw;
     uint64_t seen[4] = {0};
     for (int i = 0; i < n; i++) {
         uint64_t f[4];
@@ -584,6 +625,7 @@ void en_gn_first(const en_grammar *g, int n, uint64_t set[4])
         for (const char *p = "{[\"-0123456789tfn"; *p; p++) ADD(*p);
         break;
     case EN_GN_OBJECT:
+    case EN_GN_SWITCH:
         ADD('{');
         break;
     case EN_GN_ARRAY:

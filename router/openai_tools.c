@@ -122,28 +122,33 @@ static char *tools_prompt(json_t *tools)
     return (char *)b.data;
 }
 
-/* The schema of a call: {"name": one of names, "arguments": the one function's parameters, or
- * any object when the name is not fixed (the grammar cannot tie arguments to a name yet). */
+/* The object of a call of one function: {"name": its name, "arguments": its parameters}. */
+static json_t *call_object(json_t *f)
+{
+    json_t *p = json_object_get(f, "parameters");
+    json_t *args = p ? json_deep_copy(p) : json_pack("{s:s}", "type", "object");
+    return json_pack("{s:s,s:{s:{s:[O]},s:o},s:[s,s]}", "type", "object", "properties", "name",
+                     "enum", json_object_get(f, "name"), "arguments", args, "required", "name",
+                     "arguments");
+}
+
+/* The schema of a call: of the one function named (only) or there is, else one of the calls of
+ * each (a discriminated union the grammar engine ties together: the name read picks the
+ * arguments' schema). */
 static char *call_schema(json_t *tools, const char *only)
 {
-    json_t *names = json_array(), *args = NULL;
+    json_t *calls = json_array();
     size_t i;
     json_t *t;
     json_array_foreach(tools, i, t)
     {
         json_t *f = json_object_get(t, "function");
-        const char *n = json_string_value(json_object_get(f, "name"));
-        if (only && strcmp(n, only)) continue;
-        json_array_append_new(names, json_string(n));
-        json_t *p = json_object_get(f, "parameters");
-        args = p ? json_deep_copy(p) : json_pack("{s:s}", "type", "object");
+        if (only && strcmp(json_string_value(json_object_get(f, "name")), only)) continue;
+        json_array_append_new(calls, call_object(f));
     }
-    if (json_array_size(names) != 1) {
-        json_decref(args);
-        args = json_pack("{s:s}", "type", "object");
-    }
-    json_t *s = json_pack("{s:s,s:{s:{s:o},s:o},s:[s,s]}", "type", "object", "properties", "name",
-                          "enum", names, "arguments", args, "required", "name", "arguments");
+    json_t *s = json_array_size(calls) == 1 ? json_incref(json_array_get(calls, 0))
+                                            : json_pack("{s:O}", "oneOf", calls);
+    json_decref(calls);
     char *out = s ? json_dumps(s, JSON_COMPACT | JSON_PRESERVE_ORDER) : NULL;
     json_decref(s);
     return out;

@@ -84,6 +84,20 @@ Test(grammar, schema_accepts_and_refuses)
                        "[1,2]"),
                  1);
     cr_expect_eq(judge("{\"type\":\"array\",\"minItems\":1}", "[]"), -1);
+    /* a discriminated union: the constant first property picks the branch */
+    const char *calls =
+        "{\"oneOf\":[{\"type\":\"object\",\"properties\":{\"name\":{\"const\":\"a\"},"
+        "\"arguments\":{\"type\":\"object\",\"properties\":{\"x\":{\"type\":\"integer\"}},"
+        "\"required\":[\"x\"]}},\"required\":[\"name\",\"arguments\"]},{\"type\":\"object\","
+        "\"properties\":{\"name\":{\"const\":\"b\"},\"arguments\":{\"type\":\"object\","
+        "\"properties\":{\"y\":{\"type\":\"string\"}},\"required\":[\"y\"]}},\"required\":"
+        "[\"name\",\"arguments\"]}]}";
+    cr_expect_eq(judge(calls, "{\"name\":\"a\",\"arguments\":{\"x\":1}}"), 1);
+    cr_expect_eq(judge(calls, "{\"name\": \"b\", \"arguments\": {\"y\": \"q\"}}"), 1);
+    cr_expect_eq(judge(calls, "{\"name\":\"a\",\"arguments\":{\"y\""), -1);
+    cr_expect_eq(judge(calls, "{\"name\":\"b\",\"arguments\":{\"x\""), -1);
+    cr_expect_eq(judge(calls, "{\"name\":\"c\""), -1);
+    cr_expect_eq(judge(calls, "{\"name\":\"a\"}"), -1);
     /* values of no listed shape close: at most 16 members an object, 32 items an array */
     char many[512] = "{";
     for (int i = 0; i < 16; i++) sprintf(many + strlen(many), "%s\"k%d\":%d", i ? "," : "", i, i);
@@ -157,6 +171,11 @@ Test(grammar, mask_is_exactly_the_valid_tokens, .timeout = 600)
     mask_matches("{\"type\":\"number\",\"minimum\":-5,\"maximum\":5}", "-");
     mask_matches("{\"enum\":[\"red\",\"green\",12]}", "");
     mask_matches(PERSON, "{\"name\":\"Jo\",\"age\":12}"); /* only the end */
+    mask_matches("{\"anyOf\":[{\"type\":\"object\",\"properties\":{\"t\":{\"const\":\"a\"},"
+                 "\"v\":{\"type\":\"integer\"}},\"required\":[\"t\",\"v\"]},{\"type\":\"object\","
+                 "\"properties\":{\"t\":{\"const\":\"b\"},\"w\":{\"type\":\"boolean\"}},"
+                 "\"required\":[\"t\",\"w\"]}]}",
+                 "{\"t\":\"b\",");
 }
 
 Test(grammar, end_only_when_complete)
