@@ -186,7 +186,7 @@ int32_t en_argmax(const float *x, int n);
  * that keep the output a valid prefix of a value of the schema (end-of-generation tokens exactly
  * when the value is complete). Supported: type (object, array, string, number, integer, boolean,
  * null, or a list), properties (generated in their order), required, additionalProperties,
- * items, minItems, maxItems, minLength, maxLength, minimum, maximum, exclusiveMinimum,
+ * items, minItems, maxItems, minLength, maxLength, pattern, minimum, maximum, exclusiveMinimum,
  * exclusiveMaximum, enum, const, anyOf/oneOf (branches that start with different characters, or
  * objects told apart by a constant first property), local $ref; other constraining keywords are
  * refused by name. Output is compact JSON, numbers without exponent (docs/structured.md, Limits).

@@ -128,7 +128,9 @@ static int g_begin(const en_grammar *g, gstate *s, int n, int c)
     case EN_GN_ARRAY:
         return c == '[' ? g_push(s, n, F_ARR) : -1;
     case EN_GN_STRING:
-        return c == '"' ? g_push(s, n, F_STR) : -1;
+        if (c != '"' || g_push(s, n, F_STR)) return -1;
+        s->f[s->depth - 1].cand = x->re ? EN_RE_START : 0; /* the pattern's positions */
+        return 0;
     case EN_GN_NUMBER:
     case EN_GN_INTEGER:
         return digit ? g_push(s, n, F_NUM) : -1;
@@ -275,11 +277,16 @@ static int g_str(const en_grammar *g, gstate *s, gfr *f, int c)
     switch (f->sub) {
     case S_BODY:
         if (c == '"') {
-            if (f->n < (uint32_t)x->min_len) return -1;
+            if (f->n < (uint32_t)x->min_len || (x->re && !en_re_accepts(x->re, f->cand))) return -1;
             g_complete(g, s, 0);
             return 0;
         }
         if (c < 0x20) return -1;
+        if (x->re) { /* printable ASCII, no escapes, along the pattern */
+            uint64_t next = c == '\\' ? 0 : en_re_step(x->re, f->cand, c);
+            if (!next) return -1;
+            f->cand = next;
+        }
         if ((c & 0xC0) == 0x80) return 0; /* continues a character already counted */
         if (x->max_len >= 0 && f->n >= (uint32_t)x->max_len) return -1;
         if (x->max_len >= 0 || f->n < (uint32_t)x->min_len) f->n++; /* as far as bounds need */
@@ -584,6 +591,7 @@ void en_grammar_free(en_grammar *g)
         free(x->props);
         free(x->lits);
         free(x->alts);
+        free(x->re);
     }
     free(g->nodes);
     if (g->cache) gcache_clear(g->cache);
@@ -688,7 +696,7 @@ static void walk(en_grammar_matcher *m, uint32_t *bits, int node, int depth)
     /* inside a string, plain bytes change nothing but the count of characters: a plain subtree
      * whose longest token fits in what the string may still take is valid whole */
     const en_gn *sx = &m->g->nodes[top->node];
-    if (N->plain && top->kind == F_STR && top->sub == S_BODY &&
+    if (N->plain && top->kind == F_STR && top->sub == S_BODY && !sx->re &&
         (sx->max_len < 0 || (uint32_t)sx->max_len - top->n >= N->below)) {
         for (int k = N->lo + N->n_end; k < N->hi; k++) SET(bits, v->sorted[k]);
         return;

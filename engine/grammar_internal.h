@@ -32,6 +32,21 @@ typedef enum en_gn_kind {
 #define EN_GN_ANY_MEMBERS 16
 #define EN_GN_ANY_ITEMS   32
 
+/* A string's pattern (grammar_regex.c): a position automaton of at most 63 positions; a set of
+ * positions is a 64-bit word whose bit 63 is the start. */
+typedef struct en_re {
+    int n_pos, nullable;
+    uint64_t first, last;
+    uint64_t follow[63];
+    uint64_t cls[63][2]; /* the ASCII bytes each position matches */
+} en_re;
+
+int en_re_compile(const char *pat, size_t len, en_re **out, km_errbuf *err);
+/* The positions after byte c from set (0: no match can go on). */
+uint64_t en_re_step(const en_re *re, uint64_t set, int c);
+int en_re_accepts(const en_re *re, uint64_t set);
+#define EN_RE_START (1ull << 63)
+
 typedef struct en_gn {
     en_gn_kind kind;
     /* object: keys as JSON text ("\"name\""), their value nodes, which are required */
@@ -44,6 +59,7 @@ typedef struct en_gn {
     int items, min_items, max_items; /* max_items -1: none */
     /* string */
     int min_len, max_len; /* max_len -1: none */
+    en_re *re;            /* pattern; NULL: none */
     /* number, integer */
     int has_min, has_max, excl_min, excl_max;
     double min, max;

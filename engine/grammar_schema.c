@@ -424,6 +424,10 @@ static int gn_typed(gcomp *c, jv *s, const char *type)
         if (!rc) rc = gn_int_kw(c, s, "maxLength", &n->max_len);
         if (!rc && n->max_len >= 0 && n->max_len < n->min_len)
             rc = km_errf(c->err, KM_EINVAL, "schema: maxLength below minLength");
+        const jv *pat = jv_get(s, "pattern");
+        if (!rc && pat && pat->type != JV_STR)
+            rc = km_errf(c->err, KM_EINVAL, "schema: 'pattern' must be a string");
+        if (!rc && pat) rc = en_re_compile(pat->s, pat->len, &c->g->nodes[id].re, c->err);
         return rc ? rc : id;
     }
     if (!strcmp(type, "number") || !strcmp(type, "integer")) {
@@ -536,7 +540,6 @@ static const char *const gn_refused[] = {"allOf",
                                          "if",
                                          "then",
                                          "else",
-                                         "pattern",
                                          "patternProperties",
                                          "propertyNames",
                                          "multipleOf",

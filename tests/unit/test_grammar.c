@@ -84,6 +84,20 @@ Test(grammar, schema_accepts_and_refuses)
                        "[1,2]"),
                  1);
     cr_expect_eq(judge("{\"type\":\"array\",\"minItems\":1}", "[]"), -1);
+    /* patterns: anchored, or found anywhere */
+    const char *date = "{\"type\":\"string\",\"pattern\":\"^\\\\d{4}-\\\\d{2}-\\\\d{2}$\"}";
+    cr_expect_eq(judge(date, "\"2024-01-31\""), 1);
+    cr_expect_eq(judge(date, "\"2024-01-3"), 0);
+    cr_expect_eq(judge(date, "\"2024-01-3\""), -1);
+    cr_expect_eq(judge(date, "\"2024-01-311"), -1);
+    cr_expect_eq(judge(date, "\"24-"), -1);
+    const char *any = "{\"type\":\"string\",\"pattern\":\"(cat|dog)s?\"}";
+    cr_expect_eq(judge(any, "\"hot dogs!\""), 1);
+    cr_expect_eq(judge(any, "\"a cow"), 0); /* a prefix: may still meet one */
+    cr_expect_eq(judge(any, "\"a cow\""), -1);
+    cr_expect_eq(judge(any, "\"caf\u00e9"), -1); /* printable ASCII only */
+    cr_expect_eq(judge("{\"type\":\"string\",\"pattern\":\"^[A-Z][a-z]+$\"}", "\"Ann\""), 1);
+    cr_expect_eq(judge("{\"type\":\"string\",\"pattern\":\"^[A-Z][a-z]+$\"}", "\"ann"), -1);
     /* a discriminated union: the constant first property picks the branch */
     const char *calls =
         "{\"oneOf\":[{\"type\":\"object\",\"properties\":{\"name\":{\"const\":\"a\"},"
@@ -117,7 +131,10 @@ static void refused(const char *schema, const char *needle)
 
 Test(grammar, unsupported_schemas_are_named)
 {
-    refused("{\"type\":\"string\",\"pattern\":\"^a\"}", "'pattern'");
+    refused("{\"type\":\"string\",\"pattern\":\"(?=a)b\"}", "lookarounds");
+    refused("{\"type\":\"string\",\"pattern\":\"a{1,99}\"}", "repetition");
+    refused("{\"type\":\"string\",\"pattern\":\"(a\"}", "'('");
+    refused("{\"type\":\"string\",\"pattern\":\"a^b\"}", "ends");
     refused("{\"allOf\":[{}]}", "'allOf'");
     refused("{\"anyOf\":[{\"type\":\"object\"},{\"type\":\"object\"}]}", "first character");
     refused("{\"type\":\"object\",\"properties\":{},\"required\":[\"x\"]}", "'x'");
@@ -170,6 +187,8 @@ Test(grammar, mask_is_exactly_the_valid_tokens, .timeout = 600)
     mask_matches("{\"type\":\"object\"}", "{\"k\":[1,");
     mask_matches("{\"type\":\"number\",\"minimum\":-5,\"maximum\":5}", "-");
     mask_matches("{\"enum\":[\"red\",\"green\",12]}", "");
+    mask_matches("{\"type\":\"string\",\"pattern\":\"^[a-z]+@[a-z]+\\\\.(com|org)$\"}", "\"bo");
+    mask_matches("{\"type\":\"string\",\"pattern\":\"^[a-z]+@[a-z]+\\\\.(com|org)$\"}", "\"bo@x.");
     mask_matches(PERSON, "{\"name\":\"Jo\",\"age\":12}"); /* only the end */
     mask_matches("{\"anyOf\":[{\"type\":\"object\",\"properties\":{\"t\":{\"const\":\"a\"},"
                  "\"v\":{\"type\":\"integer\"}},\"required\":[\"t\",\"v\"]},{\"type\":\"object\","
