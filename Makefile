@@ -370,10 +370,15 @@ build/fuzz/fuzz_kvpage: tests/fuzz/fuzz_kvpage.c kvshard/diskfmt.c $(FUZZ_LIB_SR
 	@mkdir -p $(dir $@)
 	clang -std=gnu11 -g -O1 -I. -fsanitize=fuzzer,address,undefined $< kvshard/diskfmt.c $(FUZZ_LIB_SRC) -o $@ $(LDLIBS)
 
-# The router's OpenAI request parser (fuzz_oai) also needs router/openai.c.
-build/fuzz/fuzz_oai: tests/fuzz/fuzz_oai.c router/openai.c $(FUZZ_LIB_SRC) $(wildcard common/*.h) router/openai.h
+# The router's OpenAI request parser (fuzz_oai) also needs router/openai.c and openai_tools.c.
+build/fuzz/fuzz_oai: tests/fuzz/fuzz_oai.c router/openai.c router/openai_tools.c $(FUZZ_LIB_SRC) $(wildcard common/*.h) router/openai.h
 	@mkdir -p $(dir $@)
-	clang -std=gnu11 -g -O1 -I. -fsanitize=fuzzer,address,undefined $< router/openai.c $(FUZZ_LIB_SRC) -o $@ $(LDLIBS)
+	clang -std=gnu11 -g -O1 -I. -fsanitize=fuzzer,address,undefined $< router/openai.c router/openai_tools.c $(FUZZ_LIB_SRC) -o $@ $(LDLIBS)
+
+# The grammar engine's schema reader and compiler (fuzz_grammar) need engine/grammar*.c.
+build/fuzz/fuzz_grammar: tests/fuzz/fuzz_grammar.c engine/grammar.c engine/grammar_schema.c engine/grammar_regex.c $(FUZZ_LIB_SRC) engine/engine.h engine/grammar_internal.h
+	@mkdir -p $(dir $@)
+	clang -std=gnu11 -g -O1 -I. -fsanitize=fuzzer,address,undefined $< engine/grammar.c engine/grammar_schema.c engine/grammar_regex.c $(FUZZ_LIB_SRC) -o $@ $(LDLIBS)
 
 # The peer node address (fuzz_peeraddr) needs peer/addr.c.
 build/fuzz/fuzz_peeraddr: tests/fuzz/fuzz_peeraddr.c peer/addr.c $(FUZZ_LIB_SRC) common/km.h peer/peer.h peer/internal.h
@@ -443,6 +448,17 @@ $(BENCH_SPEC): $(OBJ)/bench/bench_spec.o $(ALL_LIBS)
 .PHONY: bench-spec
 bench-spec: build $(BENCH_SPEC) ## speculative decoding off vs auto on one worker, outputs compared
 	@BENCH_SPEC=$(BENCH_SPEC) bash bench/bench_spec.sh
+
+# Constrained decoding's cost (docs/structured.md): decode tok/s of a batch of 32 requests held
+# to a schema, and to json_object, against the same batch free; the time of one mask, cold and warm.
+BENCH_STRUCTURED := $(BUILD)/bench/bench_structured
+$(BENCH_STRUCTURED): $(OBJ)/bench/bench_structured.o $(ALL_LIBS)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+.PHONY: bench-structured
+bench-structured: $(BENCH_STRUCTURED) ## constrained vs free decode tok/s at batch 32, mask times
+	@grep -m1 'model name' /proc/cpuinfo; nproc
+	@$(BENCH_STRUCTURED) --threads $${THREADS:-2} --batch $${BATCH:-32}
 
 # KV store figures (docs/kvshard.md): lookup/insert ops/s, tier bandwidth, attention per format.
 BENCH_KV := $(BUILD)/bench/bench_kv

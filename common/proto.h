@@ -37,16 +37,17 @@ extern "C" {
 #endif
 
 #define KM_PROTO_VERSION          1
-#define KM_PROTO_MAX_FRAME        (1u << 20) /* default max frame bytes */
-#define KM_PROTO_MAX_NAME         256        /* model, worker id, cache_salt, stop, format, ... */
-#define KM_PROTO_MAX_MESSAGE      1024       /* error and admin reply messages */
-#define KM_PROTO_MAX_PIECE        1024       /* text of one token frame */
-#define KM_PROTO_MAX_STOP         16         /* stop strings per request */
-#define KM_PROTO_MAX_DRAFT        256        /* req.max_draft_tokens */
-#define KM_PROTO_MAX_BIAS         1024       /* req.logit_bias entries */
-#define KM_PROTO_MAX_TOP          20         /* req.top_logprobs, tok.top entries */
-#define KM_PROTO_MAX_PROMPT_TOK   (1u << 18) /* default max prompt token ids */
-#define KM_PROTO_MAX_EVENT_HASHES 8192       /* default max page hashes per KV event */
+#define KM_PROTO_MAX_FRAME        (1u << 20)  /* default max frame bytes */
+#define KM_PROTO_MAX_NAME         256         /* model, worker id, cache_salt, stop, format, ... */
+#define KM_PROTO_MAX_MESSAGE      1024        /* error and admin reply messages */
+#define KM_PROTO_MAX_PIECE        1024        /* text of one token frame */
+#define KM_PROTO_MAX_STOP         16          /* stop strings per request */
+#define KM_PROTO_MAX_DRAFT        256         /* req.max_draft_tokens */
+#define KM_PROTO_MAX_BIAS         1024        /* req.logit_bias entries */
+#define KM_PROTO_MAX_TOP          20          /* req.top_logprobs, tok.top entries */
+#define KM_PROTO_MAX_GRAMMAR      (64u << 10) /* req.grammar bytes */
+#define KM_PROTO_MAX_PROMPT_TOK   (1u << 18)  /* default max prompt token ids */
+#define KM_PROTO_MAX_EVENT_HASHES 8192        /* default max page hashes per KV event */
 #define KM_PROTO_MAX_ENDPOINTS    16
 #define KM_PROTO_MAX_KV_ENTRIES   256
 #define KM_PROTO_MAX_QUANTILES    16
@@ -227,6 +228,10 @@ typedef struct km_msg_request {
      * KM_PROTO_MAX_BIAS distinct ids, each bias in [-100, 100]. */
     const km_token_value *logit_bias;
     uint32_t n_logit_bias;
+    /* Constrained decoding (optional, added within version 1): the output must be a value of
+     * this JSON Schema (text, 1..KM_PROTO_MAX_GRAMMAR bytes; engine.h en_grammar_compile says
+     * what is supported, and a worker refuses what is not with bad_request); NULL = free. */
+    const char *grammar;
     /* Pull hint (a router's, optional, added within version 1): before computing the prompt,
      * pull its first pull_pages KV pages from worker pull_from, whose requests endpoint is
      * pull_endpoint and transfer node address pull_addr, spending at most pull_ms on it; a

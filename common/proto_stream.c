@@ -129,6 +129,7 @@ static int req_validate(const km_msg *m, const km_proto_limits *lim, km_errbuf *
     if (r->top_logprobs && !r->logprobs) VFAIL("req.top_logprobs: needs logprobs");
     CK(val_token_values("req.logit_bias", r->logit_bias, r->n_logit_bias, KM_PROTO_MAX_BIAS, -100,
                         100, err));
+    CK(km_val_name("req.grammar", r->grammar, false, 1, KM_PROTO_MAX_GRAMMAR, err));
     if (r->generated && r->generated >= r->n_tokens)
         VFAIL("req.generated: %u, needs tokens with at least one more id (%u)", r->generated,
               r->n_tokens);
@@ -170,6 +171,7 @@ static void req_encode(km_enc *e, const km_msg *m)
     if (r->logprobs) km_enc_bool(e, "logprobs", true);
     if (r->top_logprobs) km_enc_u64(e, "top_logprobs", r->top_logprobs);
     enc_token_values(e, "logit_bias", r->logit_bias, r->n_logit_bias);
+    if (r->grammar) km_enc_str(e, "grammar", r->grammar);
     if (r->pull_from) {
         km_enc_str(e, "pull_from", r->pull_from);
         km_enc_str(e, "pull_endpoint", r->pull_endpoint);
@@ -261,6 +263,7 @@ static int req_decode(km_dec *d, const msgpack_object_map *mp)
         if (fabsf(r->logit_bias[i].value) > 100)
             return DFAIL(d, KM_EFORMAT, "req.logit_bias[%u]: %g outside [-100, 100]", i,
                          r->logit_bias[i].value);
+    CK(km_dec_str(d, mp, "grammar", false, KM_PROTO_MAX_GRAMMAR, false, &r->grammar, NULL));
     CK(km_dec_str(d, mp, "pull_from", false, KM_PROTO_MAX_NAME, false, &r->pull_from, NULL));
     if (!r->pull_from) return 0; /* the rest of a hint means nothing without it */
     CK(km_dec_str(d, mp, "pull_endpoint", true, KM_PROTO_MAX_NAME, false, &r->pull_endpoint, NULL));

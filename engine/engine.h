@@ -198,12 +198,50 @@ const en_logprobs *en_sampler_logprobs(const en_sampler *s);
 /* log-softmax(logits)[token] and the n_top most likely ids (most likely first) into out. */
 void en_logprobs_compute(const float *logits, int n_vocab, int32_t token, int n_top,
                          en_logprobs *out);
+/* The same among the tokens whose bit is set in allowed (n_vocab bits; at least one set), as if
+ * the others' logits were -inf (constrained decoding, en_grammar_mask). */
+int32_t en_sampler_sample_masked(en_sampler *s, const float *logits, const uint32_t *allowed);
 
 /* Negative log-probability of `target` under softmax(logits), in double precision (perplexity). */
 double en_token_nll(const float *logits, int n_vocab, int32_t target);
 
 /* Index of the largest value (the lowest index among equals). */
 int32_t en_argmax(const float *x, int n);
+
+/* ---------------------------------------------------------------- constrained decoding
+ * en_grammar_*: the output held to a JSON Schema (grammar.c, docs/structured.md). A schema is
+ * compiled once into an en_grammar (reference counted; shared by the requests that use the same
+ * schema); a matcher runs it over one request's output and, each step, gives the set of tokens
+ * that keep the output a valid prefix of a value of the schema (end-of-generation tokens exactly
+ * when the value is complete). Supported: type (object, array, string, number, integer, boolean,
+ * null, or a list), properties (generated in their order), required, additionalProperties,
+ * items, minItems, maxItems, minLength, maxLength, pattern, minimum, maximum, exclusiveMinimum,
+ * exclusiveMaximum, enum, const, anyOf/oneOf (branches that start with different characters, or
+ * objects told apart by a constant first property), local $ref; other constraining keywords are
+ * refused by name. Output is compact JSON, numbers without exponent (docs/structured.md, Limits).
+ * One thread uses a grammar and its matchers. */
+typedef struct en_grammar en_grammar;
+typedef struct en_grammar_vocab en_grammar_vocab; /* the vocabulary's bytes as a trie */
+typedef struct en_grammar_matcher en_grammar_matcher;
+
+/* KM_EFORMAT (not JSON), KM_EINVAL (a bad value) or KM_EUNSUPPORTED, with the reason in err. */
+int en_grammar_compile(const char *schema, size_t len, en_grammar **out, km_errbuf *err);
+en_grammar *en_grammar_ref(en_grammar *g);
+void en_grammar_free(en_grammar *g); /* drops a reference */
+int en_grammar_vocab_create(const md_tokenizer *t, en_grammar_vocab **out);
+void en_grammar_vocab_destroy(en_grammar_vocab *v);
+/* A matcher at the start of the output. A grammar serves one vocabulary (KM_EINVAL otherwise);
+ * v NULL: bytes only (no tokens, no mask). */
+int en_grammar_matcher_create(en_grammar *g, const en_grammar_vocab *v, en_grammar_matcher **out);
+void en_grammar_matcher_destroy(en_grammar_matcher *m);
+/* Advances over output bytes or one token; KM_EINVAL (state unchanged) when they are not valid. */
+int en_grammar_accept_bytes(en_grammar_matcher *m, const char *bytes, size_t n);
+int en_grammar_accept_token(en_grammar_matcher *m, int32_t id);
+/* The output so far is a whole value (it may end); nothing at all may follow it. */
+int en_grammar_complete(const en_grammar_matcher *m);
+int en_grammar_done(const en_grammar_matcher *m);
+/* The tokens allowed next, one bit each: (n_vocab + 31) / 32 words (never all clear). */
+void en_grammar_mask(en_grammar_matcher *m, uint32_t *allowed);
 
 /* ---------------------------------------------------------------- speculative decoding options
  */
@@ -281,7 +319,12 @@ typedef struct en_sched_req {
     int max_draft;   /* draft tokens per step at most; 0: the worker's (never more) */
     int n_generated; /* the last n_generated prompt tokens were sampled by an earlier attempt
                       * (a migration): the sampler's draws continue after them */
-    void *user;      /* handed back to every callback */
+    /* The output held to this grammar (referenced, not taken; NULL: free): each step's tokens
+     * are drawn among those it allows, a migration's n_generated tokens are fed to it first
+     * (KM_EINVAL when they do not fit it), and the request ends (stop) once nothing may follow
+     * the value. Needs a scheduler made by en_sched_create (the model's vocabulary). */
+    en_grammar *grammar;
+    void *user; /* handed back to every callback */
 } en_sched_req;
 
 typedef struct en_sched_usage {

@@ -243,16 +243,21 @@ const en_logprobs *en_sampler_logprobs(const en_sampler *s)
     return s->p.logprobs ? &s->lp : NULL;
 }
 
-static int32_t en_sampler_pick(en_sampler *s, const float *logits);
+static int32_t en_sampler_pick(en_sampler *s, const float *logits, const uint32_t *allowed);
 
 int32_t en_sampler_sample(en_sampler *s, const float *logits)
 {
-    int32_t t = en_sampler_pick(s, logits);
+    return en_sampler_sample_masked(s, logits, NULL);
+}
+
+int32_t en_sampler_sample_masked(en_sampler *s, const float *logits, const uint32_t *allowed)
+{
+    int32_t t = en_sampler_pick(s, logits, allowed);
     if (s->p.logprobs) en_logprobs_compute(logits, s->n_vocab, t, s->p.top_logprobs, &s->lp);
     return t;
 }
 
-static int32_t en_sampler_pick(en_sampler *s, const float *logits)
+static int32_t en_sampler_pick(en_sampler *s, const float *logits, const uint32_t *allowed)
 {
     const en_sample_params *p = &s->p;
     int n = s->n_vocab;
@@ -264,6 +269,9 @@ static int32_t en_sampler_pick(en_sampler *s, const float *logits)
         memcpy(s->row, logits, sizeof(float) * n);
         en_apply_penalties(s, s->row);
     }
+    if (allowed) /* after the penalties: a token not allowed is never drawn, whatever its logit */
+        for (int i = 0; i < n; i++)
+            if (!(allowed[i >> 5] >> (i & 31) & 1)) s->cand[i].logit = -INFINITY;
     if (p->temperature <= 0.0f) {
         int32_t best = 0;
         for (int i = 1; i < n; i++)
@@ -293,6 +301,7 @@ static int32_t en_sampler_pick(en_sampler *s, const float *logits)
         en_select_top(s->cand, n, k);
     }
     qsort(s->cand, m, sizeof(en_cand), en_cand_desc);
+    while (m > 1 && s->cand[m - 1].logit == -INFINITY) m--; /* masked out */
     if (use_p) {
         double cum = 0;
         int keep = m;

@@ -205,6 +205,7 @@ static void en_rq_free(en_sched *s, en_rq *r)
     en_rq_drop_shadow(s, r);
     if (r->seq) kv_seq_destroy(s->kv, r->seq);
     en_sampler_destroy(r->smp);
+    en_grammar_matcher_destroy(r->gm);
     en_spec_seq_destroy(r->spec);
     free(r->tokens);
     free(r->hashes);
@@ -225,6 +226,8 @@ void en_sched_destroy(en_sched *s)
     free(s->b_want);
     free(s->b_route);
     free(s->parts);
+    en_grammar_vocab_destroy(s->g_vocab);
+    free(s->g_mask);
     free(s->b_spec);
     free(s->d_rq);
     free(s->d_tok);
@@ -269,6 +272,30 @@ void en_rq_publish(en_sched *s, en_rq *r)
     kv_seq_publish(s->kv, r->seq, r->hashes, r->tokens, n);
 }
 
+/* r's matcher for q's grammar (the vocabulary's trie made at the first), past the tokens an
+ * earlier attempt generated. */
+static int en_rq_grammar(en_sched *s, en_rq *r, const en_sched_req *q)
+{
+    if (!s->real.tok) return KM_EINVAL; /* no vocabulary behind a fake engine */
+    if (!s->g_vocab) {
+        int rc = en_grammar_vocab_create(s->real.tok, &s->g_vocab);
+        if (rc) return rc;
+        if (!(s->g_mask = calloc((size_t)(s->n_vocab + 31) / 32, sizeof *s->g_mask)))
+            return KM_ENOMEM;
+    }
+    int rc = en_grammar_matcher_create(q->grammar, s->g_vocab, &r->gm);
+    for (int i = q->n_tokens - q->n_generated; !rc && q->n_generated > 0 && i < q->n_tokens; i++)
+        rc = en_grammar_accept_token(r->gm, q->tokens[i]);
+    return rc;
+}
+
+int32_t en_rq_sample(en_sched *s, en_rq *r, const float *row)
+{
+    if (!r->gm) return en_sampler_sample(r->smp, row);
+    en_grammar_mask(r->gm, s->g_mask);
+    return en_sampler_sample_masked(r->smp, row, s->g_mask);
+}
+
 int en_sched_submit(en_sched *s, const en_sched_req *q, uint64_t *rid)
 {
     if (!q || !q->tokens || q->n_tokens < 1) return KM_EINVAL;
@@ -287,6 +314,11 @@ int en_sched_submit(en_sched *s, const en_sched_req *q, uint64_t *rid)
         for (int i = 0; i < cap; i++) r->route[i] = -1;
     int rc = r->tokens && r->hashes && (r->route || !s->b_route) ? 0 : KM_ENOMEM;
     if (!rc) rc = en_sampler_create(&q->sample, s->n_vocab, &r->smp);
+    if (rc) {
+        en_rq_free(s, r);
+        return rc;
+    }
+    if (q->grammar) rc = en_rq_grammar(s, r, q);
     if (rc) {
         en_rq_free(s, r);
         return rc;
@@ -652,11 +684,15 @@ int en_rq_push(en_sched *s, en_rq *r, int32_t t, uint64_t now, km_finish *fin)
     r->tokens[r->n_tok++] = t;
     r->n_gen++;
     en_sampler_accept(r->smp, t);
+    /* the mask allowed t, so the grammar takes it; ignore_eos may push an end token it
+     * refuses while incomplete, which changes nothing */
+    if (r->gm) en_grammar_accept_token(r->gm, t);
     if (r->spec) en_spec_seq_append(r->spec, &t, 1);
     en_rq_hash(s, r);
     s->cur_lp = en_sampler_logprobs(r->smp); /* the token just sampled: en_sched_logprobs */
     int stop = s->cb.on_token ? s->cb.on_token(s->cb.ctx, r->user, r->n_gen - 1, t) : 0;
     s->cur_lp = NULL;
+    stop |= r->gm && en_grammar_done(r->gm); /* nothing may follow the value */
     if (stop || r->n_gen >= r->max_gen) {
         *fin = stop ? KM_FINISH_STOP : KM_FINISH_LENGTH;
         return 1;
@@ -762,8 +798,7 @@ int en_sched_step(en_sched *s)
         if (!p->want) continue;
         const float *row_logits = logits + (size_t)row++ * s->n_vocab;
         km_finish fin;
-        if (en_rq_push(s, r, en_sampler_sample(r->smp, row_logits), now, &fin))
-            en_rq_finish(s, r, fin);
+        if (en_rq_push(s, r, en_rq_sample(s, r, row_logits), now, &fin)) en_rq_finish(s, r, fin);
     }
     return n;
 }

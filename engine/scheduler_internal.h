@@ -22,10 +22,11 @@ typedef struct en_rq {
     km_pagehash seed;
     kv_seq *seq; /* NULL while queued */
     en_sampler *smp;
-    en_spec_seq *spec; /* NULL: no speculation */
-    int self;          /* drafts by self-speculation (scheduler_self.c) */
-    kv_seq *shadow;    /* its 4-bit copy of seq in the draft store; NULL: none yet */
-    int n_shadow;      /* positions of seq copied into shadow */
+    en_spec_seq *spec;      /* NULL: no speculation */
+    en_grammar_matcher *gm; /* the output's grammar; NULL: free */
+    int self;               /* drafts by self-speculation (scheduler_self.c) */
+    kv_seq *shadow;         /* its 4-bit copy of seq in the draft store; NULL: none yet */
+    int n_shadow;           /* positions of seq copied into shadow */
     int priority, ignore_eos, canceled, admitted, preemptions, cached_tokens;
     uint64_t arrival_ns, deadline_ns, admit_ns, first_ns;
 } en_rq;
@@ -65,6 +66,8 @@ struct en_sched {
     uint8_t *b_want;
     int16_t *b_route; /* NULL unless pages are placed by expert (an MoE model, shard key expert) */
     en_part *parts;
+    en_grammar_vocab *g_vocab; /* the model's vocabulary as a trie, made at the first grammar */
+    uint32_t *g_mask;          /* the allowed tokens of the row being sampled */
     en_spec *spec;
     en_spec_seq **b_spec; /* [max_running] this step's proposals */
     /* self-speculation's draft steps: [max_running] each (scheduler_self.c) */
@@ -88,6 +91,8 @@ void en_rq_publish(en_sched *s, en_rq *r);
 int en_rq_push(en_sched *s, en_rq *r, int32_t t, uint64_t now, km_finish *fin);
 /* Ends a running request that is over. */
 void en_rq_finish(en_sched *s, en_rq *r, km_finish fin);
+/* r's next token from a row of logits, among those its grammar allows. */
+int32_t en_rq_sample(en_sched *s, en_rq *r, const float *row);
 
 /* scheduler_spec.c */
 /* Proposes drafts for the decoding sequences and lets the budget grant them room. */

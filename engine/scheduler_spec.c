@@ -78,7 +78,7 @@ void en_sched_verify(en_sched *s, const en_part *p, const float *rows, uint64_t 
     km_finish fin = KM_FINISH_STOP;
     r->n_done++;
     for (int j = 0; j <= k; j++) {
-        int32_t t = en_sampler_sample(r->smp, rows + (size_t)j * s->n_vocab);
+        int32_t t = en_rq_sample(s, r, rows + (size_t)j * s->n_vocab);
         int match = j < k && t == d[j];
         ended = en_rq_push(s, r, t, now, &fin);
         acc += match;

@@ -178,6 +178,7 @@ static int rq_copy_params(rt_router *r, rt_rq *q, const km_msg_request *src, con
     for (uint32_t i = 0; i < src->n_stop && i < KM_PROTO_MAX_STOP; i++)
         if (!(q->stop[i] = strdup(src->stop[i]))) return KM_ENOMEM;
     if (src->cache_salt && !(q->salt = strdup(src->cache_salt))) return KM_ENOMEM;
+    if (src->grammar && !(q->grammar = strdup(src->grammar))) return KM_ENOMEM;
     km_apikey_match key;
     bool keyed = rt_tenant_of(r->tenants, peer, &key);
     if (keyed) snprintf(q->tenant, sizeof q->tenant, "z:%s", key.tenant);

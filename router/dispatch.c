@@ -84,6 +84,7 @@ static int send_to(rt_router *r, rt_rq *q, int pick, int n_ctx, uint32_t remaini
     msg.req.cache_salt = q->salt;
     msg.req.stop = (const char *const *)q->stop;
     msg.req.logit_bias = q->bias;
+    msg.req.grammar = q->grammar;
     rt_pull_hint(r, q, &msg.req); /* pull.c: pull the prefix another worker holds */
     if (q->deadline_ns) {
         uint64_t left = (q->deadline_ns - km_now_ns()) / 1000000ull;

@@ -29,6 +29,8 @@ static void on_http_abort(km_http_req *h, void *user)
 
 /* ---------------------------------------------------------------- replies (rt_front_http) */
 
+static void stream_begin(rt_router *r, rt_rq *q);
+
 /* The token's logprobs from its worker frame into lp; false when it carries none. */
 static bool token_lp(const rt_rq *q, int32_t token, rt_oai_lp *lp)
 {
@@ -48,12 +50,13 @@ static void http_token(rt_router *r, rt_rq *q, int32_t token, const char *text, 
     if (!q->http) return;
     rt_oai_lp lp;
     bool has_lp = token_lp(q, token, &lp);
-    if (!q->http_stream) {
+    if (!q->http_stream || q->tool_names) { /* a reply that may be a call is read whole */
         km_buf_append(&q->text, text, len);
         if (has_lp) km_buf_append(&q->lp, &lp, sizeof lp);
         return;
     }
     if (len == 0 && !has_lp) return;
+    stream_begin(r, q);
     rt_oai_meta m;
     rt_rq_oai_meta(r, q, &m, NULL);
     if (has_lp) {
@@ -133,7 +136,30 @@ static void http_done(rt_router *r, rt_rq *q, const rt_rq_done *d)
                       .draft_tokens = q->draft_tokens,
                       .accepted_draft_tokens = q->accepted_draft_tokens};
     km_buf b = {0};
-    if (q->http_stream) {
+    json_t *calls =
+        q->tool_names && q->text.len
+            ? rt_oai_tool_calls((const char *)q->text.data, q->text.len, q->tool_names, q->oai_id)
+            : NULL;
+    if (calls && q->http_stream) {
+        stream_begin(r, q);
+        km_buf one = {0};
+        if (!rt_oai_sse_chunk(&one, &m, NULL, 0, NULL)) rt_oai_tool_patch(&one, 1, calls, &b);
+        km_buf_free(&one);
+        rt_oai_sse_chunk(&b, &m, NULL, 0, "tool_calls");
+        if (q->include_usage) rt_oai_sse_usage(&b, &m, &u);
+        rt_oai_sse_done(&b);
+        km_http_stream_write(q->http, b.data, b.len);
+        km_http_stream_end(q->http);
+    } else if (calls) {
+        km_buf whole = {0};
+        if (!rt_oai_response(&whole, &m, "", 0, "tool_calls", &u))
+            rt_oai_tool_patch(&whole, 0, calls, &b);
+        km_buf_free(&whole);
+        char extra[KM_PROTO_MAX_NAME + 64];
+        snprintf(extra, sizeof extra, "X-Kvmesh-Worker: %s\r\n", d->worker ? d->worker : "");
+        km_http_respond(q->http, 200, "application/json", extra, b.data, b.len);
+    } else if (q->http_stream) {
+        stream_begin(r, q);
         if (q->text.len) { /* the tail: held-back bytes (as the ZeroMQ front's done.text) */
             rt_rq_oai_meta(r, q, &m, NULL);
             rt_oai_sse_chunk(&b, &m, (const char *)q->text.data, q->text.len, NULL);
@@ -160,6 +186,7 @@ static void http_done(rt_router *r, rt_rq *q, const rt_rq_done *d)
         km_http_respond(q->http, 200, "application/json", extra, b.data, b.len);
     }
     km_buf_free(&b);
+    json_decref(calls);
 }
 
 /* The answer to h is error e: a JSON body, or (the stream began) an SSE error event and the end. */
@@ -245,6 +272,31 @@ static bool stream_first(rt_rq *q)
     return first;
 }
 
+/* The SSE response of a streaming HTTP request begins (once): the chat role chunk, and echo's
+ * prompt text as the first content. */
+static void stream_begin(rt_router *r, rt_rq *q)
+{
+    if (!q->http || !q->http_stream || q->http_began) return;
+    if (stream_first(q)) km_http_stream_begin(q->http, 200, "text/event-stream");
+    q->http_began = true;
+    if (q->http_chat) {
+        rt_oai_meta m;
+        km_buf b = {0};
+        rt_rq_oai_meta(r, q, &m, NULL);
+        if (!rt_oai_sse_chunk(&b, &m, NULL, 0, NULL)) km_http_stream_write(q->http, b.data, b.len);
+        km_buf_free(&b);
+    }
+    if (q->echo_text && q->echo_len) { /* echo: the prompt's text is the first chunk */
+        rt_oai_meta m;
+        km_buf b = {0};
+        rt_rq_oai_meta(r, q, &m, NULL);
+        if (!rt_oai_sse_chunk(&b, &m, q->echo_text, q->echo_len, NULL))
+            km_http_stream_write(q->http, b.data, b.len);
+        km_buf_free(&b);
+    }
+    q->lp_off = q->echo_len;
+}
+
 /* OpenAI's context check, with its counts: a prompt that leaves no room in the context, or one
  * whose max_tokens asked for more than is left, is 400 context_length_exceeded (the workers
  * would otherwise cap the completion silently). True when it answered. */
@@ -280,27 +332,9 @@ static int http_tokens_ready(rt_router *r, rt_rq *q)
         rt_rq_end(r, q);
         return 1;
     }
-    if (q->http_stream) {
-        if (stream_first(q)) km_http_stream_begin(q->http, 200, "text/event-stream");
-        q->http_began = true;
-        if (q->http_chat) {
-            rt_oai_meta m;
-            km_buf b = {0};
-            rt_rq_oai_meta(r, q, &m, NULL);
-            if (!rt_oai_sse_chunk(&b, &m, NULL, 0, NULL))
-                km_http_stream_write(q->http, b.data, b.len);
-            km_buf_free(&b);
-        }
-        if (q->echo_text && q->echo_len) { /* echo: the prompt's text is the first chunk */
-            rt_oai_meta m;
-            km_buf b = {0};
-            rt_rq_oai_meta(r, q, &m, NULL);
-            if (!rt_oai_sse_chunk(&b, &m, q->echo_text, q->echo_len, NULL))
-                km_http_stream_write(q->http, b.data, b.len);
-            km_buf_free(&b);
-        }
-        q->lp_off = q->echo_len;
-    }
+    /* A constrained stream begins at its first token: a schema the worker refuses is then still
+     * a plain 400 (the router leaves judging schemas to the worker's compiler). */
+    if (!q->grammar) stream_begin(r, q);
     return 0;
 }
 
@@ -669,6 +703,8 @@ static int rq_from_oai(rt_rq *q, const rt_oai_req *oq)
     q->q.logprobs = oq->logprobs;
     q->q.top_logprobs = oq->top_logprobs;
     q->echo = oq->echo;
+    if (oq->grammar && !(q->grammar = strdup(oq->grammar))) return KM_ENOMEM;
+    if (oq->tool_names && !(q->tool_names = strdup(oq->tool_names))) return KM_ENOMEM;
     q->max_tokens = oq->max_tokens;
     if (oq->n_logit_bias) {
         if (!(q->bias = malloc(sizeof *q->bias * (size_t)oq->n_logit_bias))) return KM_ENOMEM;

@@ -288,6 +288,8 @@ void rt_oai_req_free(rt_oai_req *r)
     free(r->msgs);
     for (int i = 0; i < r->n_stop; i++) free(r->stop[i]);
     free(r->cache_salt);
+    free(r->grammar);
+    free(r->tool_names);
     memset(r, 0, sizeof *r);
 }
 
@@ -316,7 +318,8 @@ static int parse_obj(json_t *o, bool chat, rt_oai_req *r, rt_oai_err *e)
                 return fail(e, "messages", "every message needs a string 'role'", NULL);
             const char *rs = json_string_value(role);
             if (!strcmp(rs, "developer")) rs = "system";
-            if (strcmp(rs, "system") && strcmp(rs, "user") && strcmp(rs, "assistant"))
+            if (strcmp(rs, "system") && strcmp(rs, "user") && strcmp(rs, "assistant") &&
+                strcmp(rs, "tool"))
                 return fail(e, "messages", "unsupported message role '%s'", rs);
             r->msgs[i].role = strdup(rs);
             r->n_msgs = (int)i + 1;
@@ -331,18 +334,9 @@ static int parse_obj(json_t *o, bool chat, rt_oai_req *r, rt_oai_err *e)
     long long x = 0;
     bool has = false;
     int rc;
-    /* no JSON mode or structured outputs: only the default, plain text */
-    v = json_object_get(o, "response_format");
-    if (v && !json_is_null(v)) {
-        json_t *type = json_object_get(v, "type");
-        if (!json_is_object(v) || !json_is_string(type))
-            return fail(e, "response_format", "'response_format' must be an object with a 'type'",
-                        NULL);
-        if (strcmp(json_string_value(type), "text"))
-            return fail(e, "response_format",
-                        "response_format type '%s' is not supported by this server (only 'text')",
-                        json_string_value(type));
-    }
+    /* structured outputs (openai_tools.c) */
+    if ((rc = rt_oai_response_format(o, r, e))) return rc;
+    if ((rc = rt_oai_tools(o, r, e))) return rc;
     /* OpenAI refuses 0 (integer_below_min_value); absent is the router's default */
     static const char *const max_keys[] = {"max_tokens", "max_completion_tokens"};
     for (int i = 0; i < 2; i++) {
@@ -422,7 +416,7 @@ static int parse_obj(json_t *o, bool chat, rt_oai_req *r, rt_oai_err *e)
         if (!(r->cache_salt = dup_str(v))) return KM_ENOMEM;
     }
     /* Asked-for features this server does not have: say so rather than silently ignore. */
-    static const char *const unsupported[] = {"best_of", "tools", "functions"};
+    static const char *const unsupported[] = {"best_of", "functions"};
     for (size_t i = 0; i < sizeof unsupported / sizeof *unsupported; i++) {
         v = json_object_get(o, unsupported[i]);
         if (!v || json_is_null(v) || json_is_false(v)) continue;

@@ -56,6 +56,8 @@ typedef struct rt_oai_req {
     int32_t priority;
     km_speculate speculate;    /* extension "speculate": "auto" or "off" (docs/speculative.md) */
     uint32_t max_draft_tokens; /* extension "max_draft_tokens"; 0: the worker's */
+    char *grammar; /* response_format json_object/json_schema: the JSON Schema text; NULL: free */
+    char *tool_names; /* tools the reply may call, each name then '\n'; NULL: no tools */
 } rt_oai_req;
 
 typedef struct rt_oai_err {
@@ -69,6 +71,15 @@ typedef struct rt_oai_err {
 /* Parses a request body. 0 or KM_EFORMAT/KM_EINVAL with e filled (status 400). */
 int rt_oai_parse(const char *body, size_t len, bool chat, rt_oai_req *out, rt_oai_err *e);
 void rt_oai_req_free(rt_oai_req *r);
+struct json_t;
+/* response_format of a request body (openai_tools.c) into r->grammar; 0 or KM_EINVAL with e
+ * filled (status 400), KM_ENOMEM. */
+int rt_oai_response_format(struct json_t *body, rt_oai_req *r, rt_oai_err *e);
+/* tools, tool_choice and parallel_tool_calls (openai_tools.c, after the messages and
+ * response_format): the functions told to the model in a system turn, r->tool_names set, and
+ * for tool_choice required or a named function r->grammar holding the output to a call; the
+ * messages' tool turns and assistant tool_calls rendered as text. 0 or KM_EINVAL (e, 400). */
+int rt_oai_tools(struct json_t *body, rt_oai_req *r, rt_oai_err *e);
 
 /* One generated token's log-probabilities, as its worker computed them. */
 typedef struct rt_oai_lp {
@@ -158,5 +169,13 @@ int rt_oai_detokenize_response(km_buf *out, const char *text, size_t len);
 void rt_oai_err_from_code(int code, const char *message, rt_oai_err *e);
 /* The OpenAI finish_reason for a km_finish ("stop", "length"). */
 const char *rt_oai_finish(km_finish f);
+
+/* The tool_calls array (a new reference) when text is a call {"name", "arguments"} of one of
+ * names; NULL otherwise. id: the response's, which the call's id is made from. */
+struct json_t *rt_oai_tool_calls(const char *text, size_t len, const char *names, const char *id);
+/* A response object made by rt_oai_response (sse 0; finish_reason tool_calls) or an SSE chunk
+ * made by rt_oai_sse_chunk (sse 1) with the calls put in: message.content null and
+ * message.tool_calls, or delta.tool_calls; appended to out. */
+int rt_oai_tool_patch(const km_buf *src, int sse, struct json_t *calls, km_buf *out);
 
 #endif /* RT_OPENAI_H */

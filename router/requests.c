@@ -55,6 +55,8 @@ void rt_rq_free(rt_rq *q)
     free(q->bias);
     km_buf_free(&q->lp);
     free(q->echo_text);
+    free(q->grammar);
+    free(q->tool_names);
     free(q->tokens);
     free(q->chain);
     km_buf_free(&q->text);

@@ -56,6 +56,7 @@ router)
         "metrics"  # the Prometheus series
         "pull"     # pull or recompute
         "evstream index policy openai fair tenants" # leaves
+        "openai_tools" # structured outputs (response_format), under openai
         "state"    # the clock and the loop's hooks
     )
     ;;

@@ -294,6 +294,7 @@ void wk_service_destroy(wk_service *s)
     km_admin_stop(s->admin);
     if (s->ballast) kv_seq_destroy(s->kv, s->ballast);
     if (s->sched) en_sched_destroy(s->sched);
+    wk_svc_grammars_free(s);
     for (int i = 0; i < s->n_live; i++) wk_svc_sreq_free(s->live[i]);
     free(s->live);
     wk_peer_destroy(s);

@@ -149,6 +149,10 @@ struct wk_service {
     int handed_back;
     uint64_t drain_pages_out; /* pages peers had read from this worker when its drain began */
     kv_format kv_base; /* the format the worker started with: another one = level 2 in effect */
+    /* compiled grammars of constrained requests, by their schema text (the last few) */
+    en_grammar *grammar[8];
+    char *grammar_src[8];
+    int grammar_next;
     /* requests in flight */
     wk_sreq **live;
     int n_live, cap_live;
@@ -251,6 +255,8 @@ wk_sreq *wk_svc_live_find(wk_service *s, const km_zframe *env, int n_env, uint64
 void wk_svc_sreq_free(wk_sreq *r);
 /* The scheduler's callbacks (tokens, ends) that stream requests back to their senders. */
 void wk_svc_callbacks(wk_service *s, en_sched_cb *out);
+/* Drops the compiled grammars (after the scheduler, whose requests hold references). */
+void wk_svc_grammars_free(wk_service *s);
 
 /* ---------------------------------------------------------------- service_heartbeat.c */
 

@@ -330,9 +330,51 @@ int wk_svc_request_check(wk_service *s, const km_zframe *env, int n_env, const k
     return prompt_tokens(s, env, n_env, q, toks, n_tok);
 }
 
+void wk_svc_grammars_free(wk_service *s)
+{
+    for (int i = 0; i < 8; i++) {
+        en_grammar_free(s->grammar[i]);
+        free(s->grammar_src[i]);
+        s->grammar[i] = NULL;
+        s->grammar_src[i] = NULL;
+    }
+}
+
+/* The compiled grammar of q's schema: one of the last few compiled (requests with the same schema
+ * share it and its cache of masks), or compiled now. NULL with err filled when it is refused. */
+static en_grammar *wk_grammar(wk_service *s, const char *src, km_errbuf *err)
+{
+    for (int i = 0; i < 8; i++)
+        if (s->grammar_src[i] && !strcmp(s->grammar_src[i], src)) return s->grammar[i];
+    en_grammar *g;
+    if (en_grammar_compile(src, strlen(src), &g, err)) return NULL;
+    char *copy = strdup(src);
+    if (!copy) {
+        en_grammar_free(g);
+        km_errf(err, KM_ENOMEM, "out of memory");
+        return NULL;
+    }
+    int at = s->grammar_next++ % 8; /* the requests using the one replaced hold references */
+    en_grammar_free(s->grammar[at]);
+    free(s->grammar_src[at]);
+    s->grammar[at] = g;
+    s->grammar_src[at] = copy;
+    return g;
+}
+
 void wk_svc_admit(wk_service *s, const km_zframe *env, int n_env, const km_msg_request *q,
                   const int32_t *toks, int n_tok, uint64_t now)
 {
+    km_errbuf gerr = {{0}};
+    en_grammar *grammar = q->grammar ? wk_grammar(s, q->grammar, &gerr) : NULL;
+    if (q->grammar && !grammar) {
+        char msg[KM_PROTO_MAX_MESSAGE];
+        snprintf(msg, sizeof msg, "response_format: %s", gerr.msg);
+        wk_svc_count_bad(s, WK_BAD_FIELD);
+        km_counter_inc(s->s_req[WK_OUT_REJECTED]);
+        wk_svc_send_error(s, s->router, env, n_env, q->id, KM_CODE_BAD_REQUEST, 0, msg);
+        return;
+    }
     wk_sreq *r = sreq_new(s, env, n_env, q, now);
     if (!r) {
         wk_svc_send_error(s, s->router, env, n_env, q->id, KM_CODE_INTERNAL, 0, "out of memory");
@@ -353,6 +395,7 @@ void wk_svc_admit(wk_service *s, const km_zframe *env, int n_env, const km_msg_r
                                                          : EN_SPEC_DEFAULT,
         .max_draft = (int)q->max_draft_tokens,
         .n_generated = (int)q->generated,
+        .grammar = grammar,
         .user = r,
     };
     en_sample_params_default(&sq.sample);
@@ -381,8 +424,11 @@ void wk_svc_admit(wk_service *s, const km_zframe *env, int n_env, const km_msg_r
                  (int)s->o.sched.max_ctx - 1, (int)s->o.sched.max_ctx);
         const char *msg = rc == KM_EOVERLOAD ? "queue full"
                           : rc == KM_ERANGE  ? fit
-                          : rc == KM_EINVAL  ? "req.tokens: token id outside the vocabulary"
-                                             : km_strerror(rc);
+                          : rc == KM_EINVAL && grammar
+                              ? "req.tokens: outside the vocabulary, or generated tokens that do "
+                                "not fit the grammar"
+                          : rc == KM_EINVAL ? "req.tokens: token id outside the vocabulary"
+                                            : km_strerror(rc);
         if (rc == KM_EINVAL) wk_svc_count_bad(s, WK_BAD_FIELD);
         km_counter_inc(s->s_req[WK_OUT_REJECTED]);
         wk_svc_send_error(s, s->router, env, n_env, q->id, code, rc == KM_EOVERLOAD ? 250 : 0, msg);

@@ -1962,6 +1962,28 @@ static void val_u32_257(fb *f)
     msgpack_pack_uint32(&f->pk, 257);
 }
 
+Test(proto, a_requests_grammar_roundtrips_and_is_absent_by_default)
+{
+    km_msg in, out;
+    km_msg_init(&in, KM_MSG_REQUEST);
+    in.req.model = "smol";
+    in.req.prompt = "hi";
+    in.req.grammar = "{\"type\":\"object\"}";
+    roundtrip(&in, &out);
+    cr_assert_str_eq(out.req.grammar, "{\"type\":\"object\"}");
+    km_msg_clear(&out);
+    in.req.grammar = NULL;
+    roundtrip(&in, &out);
+    cr_assert_null(out.req.grammar);
+    km_msg_clear(&out);
+    in.req.grammar = ""; /* 1 byte at least */
+    km_buf b = {0};
+    km_errbuf err = {{0}};
+    cr_assert_neq(km_msg_encode(&in, NULL, &b, &err), 0);
+    cr_assert(strstr(err.msg, "req.grammar"), "%s", err.msg);
+    km_buf_free(&b);
+}
+
 Test(proto, speculation_keys_roundtrip_and_are_absent_by_default)
 {
     km_msg in, out;

@@ -211,6 +211,70 @@ Test(router_openai, tokenize_and_detokenize_bodies)
     km_buf_free(&b);
 }
 
+Test(router_openai, response_format_becomes_the_schema_the_worker_compiles)
+{
+    rt_oai_req r;
+    rt_oai_err e;
+    const char *obj = "{\"prompt\":\"x\",\"response_format\":{\"type\":\"json_object\"}}";
+    cr_assert_eq(rt_oai_parse(obj, strlen(obj), false, &r, &e), 0, "%s", e.message);
+    cr_assert_str_eq(r.grammar, "{\"type\":\"object\"}");
+    rt_oai_req_free(&r);
+    const char *js = "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"response_format\":"
+                     "{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"p-1\",\"strict\":true,"
+                     "\"schema\":{\"type\": \"object\", \"properties\": {\"b\": {}, \"a\": {}}}}}}";
+    cr_assert_eq(rt_oai_parse(js, strlen(js), true, &r, &e), 0, "%s", e.message);
+    /* compact, in the request's key order (properties are generated in that order) */
+    cr_assert_str_eq(r.grammar, "{\"type\":\"object\",\"properties\":{\"b\":{},\"a\":{}}}");
+    rt_oai_req_free(&r);
+    const char *text = "{\"prompt\":\"x\",\"response_format\":{\"type\":\"text\"}}";
+    cr_assert_eq(rt_oai_parse(text, strlen(text), false, &r, &e), 0, "%s", e.message);
+    cr_assert_null(r.grammar);
+    rt_oai_req_free(&r);
+}
+
+Test(router_openai, tools_are_told_to_the_model_and_a_forced_call_is_a_grammar)
+{
+    rt_oai_req r;
+    rt_oai_err e;
+    const char *fn = "{\"type\":\"function\",\"function\":{\"name\":\"get_w\",\"parameters\":"
+                     "{\"type\":\"object\",\"properties\":{\"city\":{\"type\":\"string\"}}}}}";
+    char body[1024];
+    snprintf(body, sizeof body,
+             "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"},{\"role\":\"tool\","
+             "\"tool_call_id\":\"c\",\"content\":\"21\"}],\"tools\":[%s],\"tool_choice\":"
+             "\"required\"}",
+             fn);
+    cr_assert_eq(rt_oai_parse(body, strlen(body), true, &r, &e), 0, "%s", e.message);
+    cr_assert_str_eq(r.tool_names, "get_w\n");
+    cr_assert_str_eq(r.grammar, "{\"type\":\"object\",\"properties\":{\"name\":{\"enum\":"
+                                "[\"get_w\"]},\"arguments\":{\"type\":\"object\",\"properties\":"
+                                "{\"city\":{\"type\":\"string\"}}}},\"required\":[\"name\","
+                                "\"arguments\"]}");
+    cr_assert_eq(r.n_msgs, 3); /* the functions' system turn first */
+    cr_assert_str_eq(r.msgs[0].role, "system");
+    cr_assert(strstr(r.msgs[0].content, "get_w"));
+    cr_assert_str_eq(r.msgs[2].role, "user"); /* the tool turn, as text */
+    cr_assert(strstr(r.msgs[2].content, "21"));
+    rt_oai_req_free(&r);
+    snprintf(body, sizeof body,
+             "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[%s]}", fn);
+    cr_assert_eq(rt_oai_parse(body, strlen(body), true, &r, &e), 0, "%s", e.message);
+    cr_assert_not_null(r.tool_names); /* auto: free text, read as a call when it is one */
+    cr_assert_null(r.grammar);
+    rt_oai_req_free(&r);
+    const char *out = "{\"name\":\"get_w\",\"arguments\":{\"city\":\"L\"}}";
+    json_t *calls = rt_oai_tool_calls(out, strlen(out), "get_w\n", "x1");
+    cr_assert_not_null(calls);
+    char *s = json_dumps(calls, JSON_COMPACT);
+    cr_assert_str_eq(s, "[{\"id\":\"call_x1_0\",\"type\":\"function\",\"function\":{\"name\":"
+                        "\"get_w\",\"arguments\":\"{\\\"city\\\":\\\"L\\\"}\"}}]");
+    free(s);
+    json_decref(calls);
+    out = "{\"name\":\"get\",\"arguments\":{}}"; /* a prefix of a name is not the name */
+    cr_assert_null(rt_oai_tool_calls(out, strlen(out), "get_w\n", "x"));
+    cr_assert_null(rt_oai_tool_calls("hello", 5, "get_w\n", "x"));
+}
+
 Test(router_openai, bad_requests_name_the_field)
 {
     struct {
@@ -245,12 +309,28 @@ Test(router_openai, bad_requests_name_the_field)
         {"{\"prompt\":\"x\",\"max_tokens\":0}", "max_tokens", false},
         {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"max_completion_tokens\":0}",
          "max_completion_tokens", true},
-        {"{\"prompt\":\"x\",\"response_format\":{\"type\":\"json_object\"}}", "response_format",
-         false},
+        {"{\"prompt\":\"x\",\"response_format\":{\"type\":\"xml\"}}", "response_format", false},
         {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"response_format\":{\"type\":"
          "\"json_schema\",\"json_schema\":{}}}",
-         "response_format", true},
+         "response_format.json_schema.name", true},
+        {"{\"prompt\":\"x\",\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{"
+         "\"name\":\"a\",\"schema\":[1]}}}",
+         "response_format.json_schema.schema", false},
+        {"{\"prompt\":\"x\",\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{"
+         "\"name\":\"a b\"}}}",
+         "response_format.json_schema.name", false},
+        {"{\"prompt\":\"x\",\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{"
+         "\"name\":\"a\",\"strict\":1}}}",
+         "response_format.json_schema.strict", false},
         {"{\"prompt\":\"x\",\"response_format\":\"text\"}", "response_format", false},
+        {"{\"prompt\":\"x\",\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}]}",
+         "tools", false},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{\"type\":\"function\","
+         "\"function\":{\"name\":\"f\"}}],\"tool_choice\":{\"type\":\"function\",\"function\":{"
+         "\"name\":\"g\"}}}",
+         "tool_choice", true},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{\"type\":\"web\"}]}",
+         "tools", true},
         {"[1,2]", NULL, false},
         {"{\"prompt\":\"x\",", NULL, false},
         {"{\"prompt\":\"a\",\"prompt\":\"b\"}", NULL, false},

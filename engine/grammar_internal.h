@@ -1,0 +1,86 @@
+/*
+ * grammar_internal.h — what the grammar's two files share: grammar_schema.c (a JSON Schema read
+ * and compiled into nodes) and grammar.c (the nodes run as a pushdown automaton over bytes, the
+ * vocabulary's byte trie, the per-step mask). Private to engine/; engine.h is the contract and
+ * docs/structured.md the story.
+ */
+#ifndef EN_GRAMMAR_INTERNAL_H
+#define EN_GRAMMAR_INTERNAL_H
+
+#include "engine/engine.h"
+
+/* Schema nodes. A value of a node starts with a byte of its first set (en_gn_first). */
+typedef enum en_gn_kind {
+    EN_GN_ANY,     /* any JSON value */
+    EN_GN_OBJECT,  /* listed properties in order; or any keys (any_keys) */
+    EN_GN_ARRAY,   /* items of one node */
+    EN_GN_STRING,  /* with a length in characters between min_len and max_len */
+    EN_GN_NUMBER,  /* no exponent; bounds when has_min / has_max */
+    EN_GN_INTEGER, /* the same without a fraction */
+    EN_GN_ENUM,    /* one of lits (JSON texts): enum, const, boolean, null */
+    EN_GN_ALT,     /* one of alts, told apart by their first byte (anyOf, a list of types) */
+    EN_GN_SWITCH,  /* one of alts, objects told apart by the constant value of their shared first
+                    * property (a discriminated union): props[0] is that property, an enum of
+                    * the constants in the order of alts */
+} en_gn_kind;
+
+#define EN_GN_MAX_PROPS  64 /* properties of one object, literals of one enum (a 64-bit set) */
+#define EN_GRAMMAR_DEPTH 24 /* frames of the automaton: nesting of values, plus one */
+/* Values of no listed shape (json_object, an object without properties, an untyped value) end:
+ * at most this many members an object, items an array, so a model that repeats itself still
+ * closes its value (docs/structured.md, "Limits"). */
+#define EN_GN_ANY_MEMBERS 16
+#define EN_GN_ANY_ITEMS   32
+
+/* A string's pattern (grammar_regex.c): a position automaton of at most 63 positions; a set of
+ * positions is a 64-bit word whose bit 63 is the start. */
+typedef struct en_re {
+    int n_pos, nullable;
+    uint64_t first, last;
+    uint64_t follow[63];
+    uint64_t cls[63][2]; /* the ASCII bytes each position matches */
+} en_re;
+
+int en_re_compile(const char *pat, size_t len, en_re **out, km_errbuf *err);
+/* The positions after byte c from set (0: no match can go on). */
+uint64_t en_re_step(const en_re *re, uint64_t set, int c);
+int en_re_accepts(const en_re *re, uint64_t set);
+#define EN_RE_START (1ull << 63)
+
+typedef struct en_gn {
+    en_gn_kind kind;
+    /* object: keys as JSON text ("\"name\""), their value nodes, which are required */
+    int n_props;
+    char **keys;
+    int *props;
+    uint64_t required;
+    int any_keys, addl; /* any keys allowed (values of node addl) when the object lists none */
+    /* array */
+    int items, min_items, max_items; /* max_items -1: none */
+    /* string */
+    int min_len, max_len; /* max_len -1: none */
+    en_re *re;            /* pattern; NULL: none */
+    /* number, integer */
+    int has_min, has_max, excl_min, excl_max;
+    double min, max;
+    /* enum */
+    int n_lits;
+    char **lits;
+    /* alt */
+    int n_alts;
+    int *alts;
+} en_gn;
+
+struct en_grammar {
+    en_gn *nodes;
+    int n_nodes, cap_nodes, root;
+    int any_val, any_obj, any_arr, any_str, any_num, any_lit; /* any value, and its parts */
+    int refs;
+    struct en_gmask_cache *cache; /* masks by automaton state, for one vocabulary */
+};
+
+/* grammar_schema.c */
+/* The first bytes a value of node n may start with, as a 256-bit set. */
+void en_gn_first(const en_grammar *g, int n, uint64_t set[4]);
+
+#endif
