@@ -310,6 +310,8 @@ IT_HARNESS := $(OBJ)/tests/integration/harness.o
 $(TESTBIN)/integration/%: $(OBJ)/tests/integration/%.o $(IT_HARNESS) $(ALL_LIBS)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS) -o $@ $^ -lcriterion $(LDLIBS)
+# test_pageplane attacks a worker's UCX port with a libucp client of its own.
+$(TESTBIN)/integration/test_pageplane: LDLIBS += $(UCX_LIBS)
 integration: build $(IT_BIN) ## multi-process suites: real daemons on 127.0.0.1
 	@set -e; for t in $(IT_BIN); do echo "== $$t"; $$t --jobs 1; done
 

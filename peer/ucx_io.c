@@ -67,6 +67,7 @@ static void pr_op_settle_sum(pr_op *o, int ok, const uint64_t *sum)
     pr_page_arrived(up->p, o->index, ok, sum);
 }
 
+/* ok: 1 arrived, 0 failed, -1 failed its tag (pr_page_arrived) */
 static void pr_op_settle(pr_op *o, int ok)
 {
     pr_op_settle_sum(o, ok, NULL);
@@ -79,9 +80,12 @@ static void pr_op_settle(pr_op *o, int ok)
  * ownership first, which pulls of many pages read faster (docs/transfer.md, "Tuning",
  * stream_bytes); 16 pages (5.9 MB, under the threshold) stay in the cache, where streaming
  * stores measured slower. */
-static void pr_land(pr_upull *up, pr_op *o, const kv_xfer_page *d, uint64_t off, const void *data,
-                    size_t len)
+static void pr_land(pr_ucx *u, pr_upull *up, pr_op *o, const kv_xfer_page *d, const pr_data_hdr *h,
+                    const void *data, size_t len)
 {
+    const uint64_t off = h->offset;
+    const int enc = (h->flags & PR_DATA_ENCRYPTED) != 0, check = !up->p->no_auth;
+    int sealed = !check || pr_seal_begin(&u->seal, up->p->page_key, h, 1) == 0;
     if (o->phase == PR_OP_FETCH_SENT) {
         o->phase = PR_OP_LANDING;
         o->landed = o->hashed = 0;
@@ -95,19 +99,29 @@ static void pr_land(pr_upull *up, pr_op *o, const kv_xfer_page *d, uint64_t off,
     for (size_t at = 0; at < len; at += PR_LAND_CHUNK) {
         const size_t c = len - at < PR_LAND_CHUNK ? len - at : PR_LAND_CHUNK;
         uint8_t *to = d->buf + off + at;
-        if (up->stream)
+        if (enc) /* decrypted into the page, then hashed there */
+            sealed = sealed && pr_seal_update(&u->seal, src + at, to, c) == 0;
+        else if (up->stream)
             pr_copy_nt(to, src + at, c);
         else
             memcpy(to, src + at, c);
-        if (in_order) kv_xfer_sum_update(&up->sums[o->sum], up->stream ? src + at : to, c);
+        if (!enc && check) sealed = sealed && pr_seal_update(&u->seal, src + at, NULL, c) == 0;
+        if (in_order) kv_xfer_sum_update(&up->sums[o->sum], up->stream && !enc ? src + at : to, c);
     }
+    uint8_t tag[PR_TAG_BYTES];
+    memcpy(tag, h->tag, sizeof tag);
+    if (check && (!sealed || pr_seal_end(&u->seal, tag)))
+        o->forged = 1; /* the page fails once complete */
 #ifdef __SSE2__
     if (up->stream) _mm_sfence(); /* the streamed bytes are in the page before it is published */
 #endif
     if (in_order) o->hashed += len;
     o->landed += len;
     if (o->landed < d->bytes) return;
-    if (o->sum >= 0 && o->hashed == d->bytes) {
+    if (o->forged) {
+        atomic_fetch_add_explicit(&u->node->answers_forged, 1, memory_order_relaxed);
+        pr_op_settle(o, -1);
+    } else if (o->sum >= 0 && o->hashed == d->bytes) {
         const uint64_t sum = kv_xfer_sum_end(&up->sums[o->sum]);
         pr_op_settle_sum(o, 1, &sum);
     } else {
@@ -123,12 +137,30 @@ static void pr_get_done(void *req, ucs_status_t status, void *arg)
     pr_op_settle(o, status == UCS_OK);
 }
 
+/* A page that landed whole (rendezvous): its tag checked, decrypted in place. */
+static int pr_open_page(pr_ucx *u, pr_op *o)
+{
+    const pr_upull *up = o->up;
+    uint8_t *page = up->p->pages[o->index].dst.buf;
+    const size_t len = o->rndv.len;
+    const int enc = (o->rndv.flags & PR_DATA_ENCRYPTED) != 0;
+    if (up->p->no_auth) return 1;
+    if (pr_seal_begin(&u->seal, up->p->page_key, &o->rndv, 1) ||
+        pr_seal_update(&u->seal, page, enc ? page : NULL, len) ||
+        pr_seal_end(&u->seal, o->rndv.tag)) {
+        atomic_fetch_add_explicit(&u->node->answers_forged, 1, memory_order_relaxed);
+        return -1;
+    }
+    return 1;
+}
+
 static void pr_recv_done(void *req, ucs_status_t status, size_t length, void *arg)
 {
     pr_op *o = arg;
     ucp_request_free(req);
     if (status == UCS_OK) o->up->ep->live_ns = km_now_ns();
-    pr_op_settle(o, status == UCS_OK && length == o->up->p->pages[o->index].dst.bytes);
+    const int ok = status == UCS_OK && length == o->up->p->pages[o->index].dst.bytes;
+    pr_op_settle(o, ok ? pr_open_page(o->up->ep->u, o) : 0);
 }
 
 static void pr_fetch_sent(void *req, ucs_status_t status, void *arg)
@@ -166,11 +198,16 @@ static void pr_issue(pr_ucx *u, pr_upull *up, pr_op *o)
         return;
     }
     o->phase = PR_OP_FETCH_SENT;
-    o->fetch.pull_id = p->id;
-    o->fetch.index = (uint32_t)o->index;
-    o->fetch.region = x->src.region;
-    o->fetch.addr = x->src.addr;
-    o->fetch.bytes = x->src.bytes;
+    o->forged = 0;
+    o->fetch = (pr_fetch_hdr){.pull_id = p->id,
+                              .index = (uint32_t)o->index,
+                              .region = x->src.region,
+                              .addr = x->src.addr,
+                              .bytes = x->src.bytes,
+                              .flags = p->no_auth   ? PR_DATA_UNTAGGED
+                                       : p->encrypt ? PR_DATA_ENCRYPTED
+                                                    : 0};
+    memcpy(o->fetch.token, p->token, PR_TOKEN_BYTES);
     ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
                                                UCP_OP_ATTR_FIELD_USER_DATA |
                                                UCP_OP_ATTR_FIELD_FLAGS,
@@ -198,22 +235,32 @@ ucs_status_t pr_am_data_cb(void *arg, const void *header, size_t hlen, void *dat
     memcpy(&h, header, sizeof h);
     pr_upull *up = pr_upull_find(u, h.pull_id);
     if (!up || h.index >= (uint32_t)up->p->n) return UCS_OK; /* given up: dropped */
+    if (!pr_token_eq(h.token, up->p->token)) { /* not from the lease's holder: no effect */
+        atomic_fetch_add_explicit(&u->node->answers_forged, 1, memory_order_relaxed);
+        return UCS_OK;
+    }
     up->ep->live_ns = km_now_ns();
     pr_op *o = &up->ops[h.index];
     if (o->phase != PR_OP_FETCH_SENT && o->phase != PR_OP_LANDING) return UCS_OK;
     const kv_xfer_page *d = &up->p->pages[o->index].dst;
     const int rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
-    if (h.status || h.offset > d->bytes || len > d->bytes - h.offset ||
+    if (h.status || h.offset > d->bytes || len > d->bytes - h.offset || h.len != len ||
         (rndv && (o->phase != PR_OP_FETCH_SENT || len != d->bytes)) ||
         o->landed + len > d->bytes) { /* refused, or not a piece of this page */
         pr_op_settle(o, 0);
         return UCS_OK;
     }
+    if (up->p->encrypt && !(h.flags & PR_DATA_ENCRYPTED)) { /* asked encrypted: a downgrade */
+        atomic_fetch_add_explicit(&u->node->answers_forged, 1, memory_order_relaxed);
+        pr_op_settle(o, -1);
+        return UCS_OK;
+    }
     if (!rndv) {
-        pr_land(up, o, d, h.offset, data, len);
+        pr_land(u, up, o, d, &h, data, len);
         return UCS_OK;
     }
     o->phase = PR_OP_RECEIVING;
+    o->rndv = h;
     ucp_request_param_t prm = {.op_attr_mask =
                                    UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
                                .cb.recv_am = pr_recv_done,
@@ -296,39 +343,76 @@ ucs_status_t pr_am_fetch_cb(void *arg, const void *header, size_t hlen, void *da
                             const ucp_am_recv_param_t *param)
 {
     pr_ucx *u = arg;
-    pr_op o;
-    if (hlen != sizeof o.fetch || !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP))
+    pr_fetch_hdr f;
+    if (hlen != sizeof f || len || !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) {
+        atomic_fetch_add_explicit(&u->node->fetches_unkeyed, 1, memory_order_relaxed);
         return UCS_OK;
-    memcpy(&o.fetch, header, sizeof o.fetch);
+    }
+    memcpy(&f, header, sizeof f);
     pr_uep *conn = pr_conn_of(u, param->reply_ep);
-    pr_reply *r = conn && !conn->failed ? calloc(1, sizeof *r) : NULL;
+    if (!conn || conn->failed) return UCS_OK;
+    if (conn->replies >= PR_CONN_REPLIES || u->n_replies >= PR_NODE_REPLIES) {
+        atomic_fetch_add_explicit(&u->node->fetches_dropped, 1, memory_order_relaxed);
+        return UCS_OK;
+    }
+    /* only a page a live lease offered, to whoever proves its secret: never the rest of the
+     * registered memory, and nothing at all (not even a refusal) to a guess */
+    uint8_t key[PR_KEY_BYTES];
+    int allowed =
+        pr_range_ok(u, f.region, f.addr, f.bytes)
+            ? pr_lease_allows(u->node, f.pull_id, f.token, f.index, f.region, f.addr, f.bytes, key)
+            : pr_lease_allows(u->node, f.pull_id, f.token, UINT32_MAX, 0, 0, 0, key);
+    if (allowed <= 0) atomic_fetch_add_explicit(&u->node->fetches_refused, 1, memory_order_relaxed);
+    if (allowed < 0) {
+        atomic_fetch_add_explicit(&u->node->fetches_unkeyed, 1, memory_order_relaxed);
+        return UCS_OK;
+    }
+    const uint32_t flags =
+        f.flags & PR_DATA_UNTAGGED ? PR_DATA_UNTAGGED : f.flags & PR_DATA_ENCRYPTED;
+    const uint64_t sealed = allowed && (flags & PR_DATA_ENCRYPTED) ? f.bytes : 0;
+    if (conn->sealed + sealed > PR_CONN_SEALED || u->sealed + sealed > PR_NODE_SEALED) {
+        atomic_fetch_add_explicit(&u->node->fetches_dropped, 1, memory_order_relaxed);
+        return UCS_OK;
+    }
+    pr_reply *r = calloc(1, sizeof *r);
     if (!r) return UCS_OK;
+    conn->sealed += sealed;
+    u->sealed += sealed;
     r->u = u;
     r->conn = conn;
-    r->hdr.pull_id = o.fetch.pull_id;
-    r->hdr.index = o.fetch.index;
-    r->addr = o.fetch.addr;
-    r->bytes = o.fetch.bytes;
-    r->region = o.fetch.region;
-    /* only a page a live lease of this pull offered: never the rest of the registered memory */
-    r->hdr.status =
-        pr_range_ok(u, r->region, r->addr, r->bytes) &&
-                pr_lease_allows(u->node, r->hdr.pull_id, r->hdr.index, r->region, r->addr, r->bytes)
-            ? 0
-            : 1;
-    if (r->hdr.status)
-        atomic_fetch_add_explicit(&u->node->fetches_refused, 1, memory_order_relaxed);
+    r->hdr.pull_id = f.pull_id;
+    r->hdr.index = f.index;
+    r->hdr.status = allowed ? 0 : 1;
+    r->hdr.flags = flags;
+    memcpy(r->hdr.token, f.token, PR_TOKEN_BYTES);
+    memcpy(r->key, key, PR_KEY_BYTES);
+    r->addr = f.addr;
+    r->bytes = f.bytes;
+    r->region = f.region;
+    conn->replies++;
+    u->n_replies++;
     r->next = u->replies; /* sent by the loop, outside UCX's callback */
     u->replies = r;
     return UCS_OK;
+}
+
+static void pr_reply_free(pr_reply *r)
+{
+    const uint64_t sealed = !r->hdr.status && (r->hdr.flags & PR_DATA_ENCRYPTED) ? r->bytes : 0;
+    r->conn->replies--;
+    r->conn->sealed -= sealed;
+    r->u->n_replies--;
+    r->u->sealed -= sealed;
+    free(r->frag);
+    free(r->sealed);
+    free(r);
 }
 
 static void pr_reply_unref(pr_reply *r)
 {
     if (--r->pending) return;
     r->u->sends--;
-    free(r->frag);
-    free(r);
+    pr_reply_free(r);
 }
 
 static void pr_reply_sent(void *req, ucs_status_t status, void *arg)
@@ -371,8 +455,10 @@ static void pr_reply_send(pr_ucx *u, pr_reply *r)
     const int frag = bytes && pr_conn_am_tcp(r->conn) ? u->node->cfg.am_fragment : -1;
     const size_t fb = frag > 0 ? (size_t)frag : bytes;
     const int n = bytes && fb ? (int)((bytes + fb - 1) / fb) : 1;
-    if (n > 1 && !(r->frag = malloc(sizeof *r->frag * (size_t)n))) {
-        free(r); /* the reader's deadline ends its wait */
+    const int enc = (r->hdr.flags & PR_DATA_ENCRYPTED) != 0;
+    if ((n > 1 && !(r->frag = malloc(sizeof *r->frag * (size_t)n))) ||
+        (bytes && enc && !(r->sealed = malloc(bytes)))) {
+        pr_reply_free(r); /* the reader's deadline ends its wait */
         return;
     }
     u->sends++;
@@ -382,18 +468,26 @@ static void pr_reply_send(pr_ucx *u, pr_reply *r)
         *h = r->hdr;
         h->offset = (uint64_t)k * fb;
         const size_t len = bytes ? (bytes - h->offset < fb ? bytes - h->offset : fb) : 0;
+        const uint8_t *page = (const uint8_t *)(uintptr_t)(r->addr + h->offset);
+        uint8_t *out = r->sealed ? r->sealed + h->offset : NULL;
+        h->len = (uint32_t)len;
+        if (len && !(h->flags & PR_DATA_UNTAGGED) &&
+            (pr_seal_begin(&u->seal, r->key, h, 0) || pr_seal_update(&u->seal, page, out, len) ||
+             pr_seal_end(&u->seal, h->tag)))
+            memset(h->tag, 0, sizeof h->tag); /* fails at the reader, never passes */
         ucp_request_param_t prm = {
             .op_attr_mask =
                 UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS,
             .flags = frag > 0 ? UCP_AM_SEND_FLAG_EAGER : UCP_AM_SEND_FLAG_RNDV,
             .cb.send = pr_reply_sent,
             .user_data = r};
-        if (len) {
+        if (len && !out) {
             prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
             prm.memh = u->memh[r->region];
         }
-        void *q = ucp_am_send_nbx(r->conn->ep, PR_AM_DATA, h, sizeof *h,
-                                  len ? (void *)(uintptr_t)(r->addr + h->offset) : NULL, len, &prm);
+        const void *src = out ? (const void *)out : (const void *)page;
+        void *q =
+            ucp_am_send_nbx(r->conn->ep, PR_AM_DATA, h, sizeof *h, len ? src : NULL, len, &prm);
         if (UCS_PTR_IS_PTR(q)) continue;
         r->pending--;
         if (UCS_PTR_IS_ERR(q)) { /* the endpoint failed: the reader's wait ends by its deadline */
@@ -410,7 +504,7 @@ void pr_replies_send(pr_ucx *u)
         pr_reply *r = u->replies;
         u->replies = r->next;
         if (r->conn->failed || r->conn->state != PR_EP_READY)
-            free(r);
+            pr_reply_free(r);
         else
             pr_reply_send(u, r);
     }

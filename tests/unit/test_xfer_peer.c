@@ -42,11 +42,16 @@ static void compute(kv_store *s, shape sh, const int32_t *toks, const km_pagehas
     cr_assert_eq(xh_compute(s, sh, toks, hs, n), 0);
 }
 
-static int g_fragment; /* pr_config.am_fragment of the nodes made (0: the default) */
+static int g_fragment;       /* pr_config.am_fragment of the nodes made (0: the default) */
+static pr_encrypt g_encrypt; /* pr_config.encrypt of the nodes made */
 
 static pr_node *mk_node(kv_store *s, pr_mode mode, int lease_ms)
 {
-    pr_config c = {.store = s, .mode = mode, .lease_ms = lease_ms, .am_fragment = g_fragment};
+    pr_config c = {.store = s,
+                   .mode = mode,
+                   .lease_ms = lease_ms,
+                   .am_fragment = g_fragment,
+                   .encrypt = g_encrypt};
     pr_node *n;
     km_errbuf err;
     cr_assert_eq(pr_node_create(&c, &n, &err), 0, "node: %s", err.msg);
@@ -469,6 +474,50 @@ Test(xfer_peer, am_pages_arrive_whole_in_any_fragment_size_or_one_rendezvous, .t
     pull_pages(PR_MODE_AM, SMOL, 48);
     g_fragment = 1000; /* a page in pieces: a bad byte in one of them still fails the page */
     bad_page(PR_MODE_AM, tamper_payload, PR_DROP_CHECKSUM);
+}
+
+/* Encrypted answers land the same bytes, in fragments or as one rendezvous message. */
+Test(xfer_peer, encrypted_pages_arrive_whole_in_fragments_or_one_rendezvous, .timeout = 300)
+{
+    const int frag[] = {-1, 4096, PR_FRAGMENT_DEFAULT};
+    g_encrypt = PR_ENCRYPT_ON;
+    for (unsigned i = 0; i < sizeof frag / sizeof frag[0]; i++) {
+        g_fragment = frag[i];
+        pull_pages(PR_MODE_AM, SMALL, 16);
+        pull_pages(PR_MODE_AM, SMOL, 4);
+    }
+    g_fragment = 0;
+    g_encrypt = PR_ENCRYPT_AUTO;
+}
+
+/* A reader that does not hold the lease's secret: its own endpoint, the pull id and every
+ * page's place right, only the key not the one the holder drew. */
+static void tamper_key(pr_offer *o, pr_page_desc *d, int32_t *t)
+{
+    o->key[0] ^= 1;
+}
+
+/* The holder answers none of its fetches (not even with a refusal): nothing read, nothing
+ * imported; an honest pull right after is served whole. */
+Test(xfer_peer, a_reader_without_the_lease_secret_reads_nothing, .timeout = 120)
+{
+    const int n = 8;
+    duo *d = duo_open(SMALL, 16, n, PR_MODE_AM);
+    pr_pull_result r;
+    int got = pull(d->na, d->nb, d->peer, d->toks, d->hs, n, secs(1), tamper_key, &r);
+    cr_assert_eq(got, 0);
+    cr_assert_eq(r.bytes, 0);
+    cr_assert_eq(r.status, KM_ETIMEDOUT, "%s", km_strerror(r.status));
+    pr_stats st;
+    pr_node_stats(d->na, &st);
+    cr_assert_geq(st.fetches_unkeyed, 1);
+    cr_assert_eq(st.fetches_unkeyed, st.fetches_refused);
+    kv_store_evict_oldest_fraction(d->b, 1.0);
+    got = pull(d->na, d->nb, d->peer, d->toks, d->hs, n, secs(60), NULL, &r);
+    cr_assert_eq(got, n, "%s", km_strerror(r.status));
+    same_bytes(d->a, d->b, d->toks, d->hs, n);
+    release_and_check(d->nb, d->peer, d->na, d->b, d->a);
+    duo_close(d);
 }
 
 Test(xfer_peer, the_first_page_bad_means_nothing_imported, .timeout = 120)
