@@ -30,10 +30,8 @@ void pr_key_derive(const uint8_t key[PR_KEY_BYTES], uint8_t token[PR_TOKEN_BYTES
                    uint8_t page_key[PR_KEY_BYTES])
 {
     static const char t[] = "kvmesh fetch token", k[] = "kvmesh page key";
-    crypto_generichash(token, PR_TOKEN_BYTES, (const uint8_t *)t, sizeof t - 1, key,
-                       PR_KEY_BYTES);
-    crypto_generichash(page_key, PR_KEY_BYTES, (const uint8_t *)k, sizeof k - 1, key,
-                       PR_KEY_BYTES);
+    crypto_generichash(token, PR_TOKEN_BYTES, (const uint8_t *)t, sizeof t - 1, key, PR_KEY_BYTES);
+    crypto_generichash(page_key, PR_KEY_BYTES, (const uint8_t *)k, sizeof k - 1, key, PR_KEY_BYTES);
 }
 
 int pr_token_eq(const uint8_t *a, const uint8_t *b)
@@ -60,18 +58,25 @@ void pr_seal_free(pr_seal *s)
     s->ctx = NULL;
 }
 
-int pr_seal_begin(pr_seal *s, const uint8_t page_key[PR_KEY_BYTES], const pr_data_hdr *h,
-                  int open)
+int pr_seal_begin(pr_seal *s, const uint8_t page_key[PR_KEY_BYTES], const pr_data_hdr *h, int open)
 {
     uint8_t iv[12];
     pr_nonce(h, iv);
     s->open = open;
     s->enc = (h->flags & PR_DATA_ENCRYPTED) != 0;
-    const EVP_CIPHER *c = EVP_aes_256_gcm();
-    return (open ? EVP_DecryptInit_ex(s->ctx, c, NULL, page_key, iv)
-                 : EVP_EncryptInit_ex(s->ctx, c, NULL, page_key, iv)) == 1
-               ? 0
-               : KM_EIO;
+    /* the key schedule is kept while the key stays (the fragments of one lease): only the
+     * nonce changes */
+    const int same = s->keyed && s->keyed_open == open && !memcmp(s->key, page_key, PR_KEY_BYTES);
+    const EVP_CIPHER *c = same ? NULL : EVP_aes_256_gcm();
+    const uint8_t *k = same ? NULL : page_key;
+    s->keyed = 0;
+    if ((open ? EVP_DecryptInit_ex(s->ctx, c, NULL, k, iv)
+              : EVP_EncryptInit_ex(s->ctx, c, NULL, k, iv)) != 1)
+        return KM_EIO;
+    memcpy(s->key, page_key, PR_KEY_BYTES);
+    s->keyed = 1;
+    s->keyed_open = open;
+    return 0;
 }
 
 int pr_seal_update(pr_seal *s, const void *in, void *out, size_t len)

@@ -69,6 +69,9 @@ typedef struct pr_fetch_hdr {
 typedef struct pr_seal {
     EVP_CIPHER_CTX *ctx;
     int open, enc;
+    int keyed; /* ctx holds key's schedule for `keyed_open`'s direction */
+    int keyed_open;
+    uint8_t key[PR_KEY_BYTES]; /* the last key set */
 } pr_seal;
 
 int pr_seal_init(pr_seal *s);

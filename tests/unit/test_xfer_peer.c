@@ -14,8 +14,9 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include "kvshard/diskfmt.h"  /* kv_layout_init */
-#include "kvshard/internal.h" /* kv_store_check */
+#include "kvshard/diskfmt.h"   /* kv_layout_init */
+#include "kvshard/internal.h"  /* kv_store_check */
+#include "peer/ucx_internal.h" /* seal.c: the tags of answers */
 #include "tests/xfer_harness.h"
 
 #define PT 4
@@ -1033,4 +1034,68 @@ Test(xfer_peer, a_node_makes_its_arena_resident_in_the_background_when_asked, .t
     pr_node_destroy(n);
     cr_assert_eq(kv_store_check(s, &err), 0, "%s", err.msg);
     kv_store_destroy(s);
+}
+
+/* ---------------------------------------------------------------- answer tags (seal.c) */
+
+/* Seals len bytes of in (into out when h asks for encryption) under key; the tag into h. */
+static void seal_msg(pr_seal *s, const uint8_t *key, pr_data_hdr *h, const uint8_t *in,
+                     uint8_t *out, size_t len)
+{
+    cr_assert_eq(pr_seal_begin(s, key, h, 0), 0);
+    cr_assert_eq(pr_seal_update(s, in, out, len), 0);
+    cr_assert_eq(pr_seal_end(s, h->tag), 0);
+}
+
+/* 1 when the message opens (its plaintext into out when encrypted), 0 when its tag fails. */
+static int open_msg(pr_seal *s, const uint8_t *key, const pr_data_hdr *h, const uint8_t *in,
+                    uint8_t *out, size_t len)
+{
+    uint8_t tag[PR_TAG_BYTES];
+    memcpy(tag, h->tag, sizeof tag);
+    cr_assert_eq(pr_seal_begin(s, key, h, 1), 0);
+    cr_assert_eq(pr_seal_update(s, in, out, len), 0);
+    return pr_seal_end(s, tag) == 0;
+}
+
+/* Any changed byte, place, length, flag or key fails the tag; an encrypted page opens to the
+ * bytes sealed, and its ciphertext is not them. */
+Test(xfer_peer, an_answer_opens_only_as_sealed_under_its_lease_key)
+{
+    uint8_t secret[PR_KEY_BYTES], tok[PR_TOKEN_BYTES], key[PR_KEY_BYTES], other[PR_KEY_BYTES];
+    pr_lease_secret(secret);
+    pr_key_derive(secret, tok, key);
+    pr_lease_secret(other);
+    enum { N = 5000 };
+    static uint8_t page[N], wire[N], back[N];
+    for (int i = 0; i < N; i++) page[i] = (uint8_t)(i * 13 + 1);
+    pr_seal s;
+    cr_assert_eq(pr_seal_init(&s), 0);
+    for (int enc = 0; enc < 2; enc++) {
+        pr_data_hdr h = {.pull_id = 7, .index = 3, .offset = 4096, .len = N};
+        h.flags = enc ? PR_DATA_ENCRYPTED : 0;
+        memcpy(wire, page, N);
+        seal_msg(&s, key, &h, page, enc ? wire : NULL, N);
+        if (enc) cr_assert_neq(memcmp(wire, page, N), 0, "encrypted bytes are not the page's");
+        cr_assert(open_msg(&s, key, &h, wire, back, N));
+        if (enc) cr_assert_eq(memcmp(back, page, N), 0);
+        cr_assert_not(open_msg(&s, other, &h, wire, back, N), "another lease's key");
+        wire[N / 2] ^= 1;
+        cr_assert_not(open_msg(&s, key, &h, wire, back, N), "a changed byte");
+        wire[N / 2] ^= 1;
+        pr_data_hdr moved = h;
+        moved.index = 4;
+        cr_assert_not(open_msg(&s, key, &moved, wire, back, N), "another page's place");
+        moved = h;
+        moved.offset = 0;
+        cr_assert_not(open_msg(&s, key, &moved, wire, back, N), "another offset");
+        moved = h;
+        moved.flags ^= PR_DATA_ENCRYPTED;
+        cr_assert_not(open_msg(&s, key, &moved, wire, back, N), "the other flag");
+        moved = h;
+        moved.len = N - 1;
+        cr_assert_not(open_msg(&s, key, &moved, wire, back, N - 1), "a shorter message");
+        cr_assert(open_msg(&s, key, &h, wire, back, N), "the key schedule kept is still right");
+    }
+    pr_seal_free(&s);
 }
