@@ -7,6 +7,7 @@
  * that nothing is left behind (endpoints, imports, pins). Two processes and killed or stopped
  * peers: test_xfer_proc.c. Waits are bounded; nothing asserts on time.
  */
+#include <arpa/inet.h>
 #include <criterion/criterion.h>
 #include <sched.h>
 #include <stdlib.h>
@@ -1098,4 +1099,113 @@ Test(xfer_peer, an_answer_opens_only_as_sealed_under_its_lease_key)
         cr_assert(open_msg(&s, key, &h, wire, back, N), "the key schedule kept is still right");
     }
     pr_seal_free(&s);
+}
+
+/* ---------------------------------------------------------------- forged answers */
+
+static void forger_err(void *arg, ucp_ep_h ep, ucs_status_t status) {}
+
+static void forger_sent(void *req, ucs_status_t status, void *arg)
+{
+    (*(int *)arg)--;
+    ucp_request_free(req);
+}
+
+/* While a pull of 64 pages reads, a process of its own UCX connects to the puller's listener
+ * and answers fetches it never saw: refusals and fragments for every pull id and page it may
+ * guess, with a made-up token; then fragments with the pull's real token (as if it had seen a
+ * fetch on the wire) but a tag it cannot make. The pull imports the holder's bytes and nothing
+ * else, and the puller counts what it dropped. */
+Test(xfer_peer, forged_answers_from_another_endpoint_change_nothing, .timeout = 120)
+{
+    duo *d = duo_open(SMOL, 72, 64, PR_MODE_AM);
+    const uint8_t *ab;
+    size_t alen;
+    pr_addr pa;
+    cr_assert_eq(pr_node_address(d->nb, &ab, &alen), 0);
+    cr_assert_eq(pr_addr_parse(ab, alen, &pa), 0);
+    ucp_context_h ctx;
+    ucp_worker_h w;
+    ucp_params_t prm = {.field_mask = UCP_PARAM_FIELD_FEATURES, .features = UCP_FEATURE_AM};
+    cr_assert_eq(ucp_init(&prm, NULL, &ctx), UCS_OK);
+    ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
+                              .thread_mode = UCS_THREAD_MODE_SINGLE};
+    cr_assert_eq(ucp_worker_create(ctx, &wp, &w), UCS_OK);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)pa.port)};
+    inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+    ucp_ep_params_t ep = {.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
+                                        UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                                        UCP_EP_PARAM_FIELD_ERR_HANDLER,
+                          .flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER,
+                          .sockaddr = {(struct sockaddr *)&sa, sizeof sa},
+                          .err_mode = UCP_ERR_HANDLING_MODE_PEER,
+                          .err_handler = {forger_err, NULL}};
+    ucp_ep_h e;
+    cr_assert_eq(ucp_ep_create(w, &ep, &e), UCS_OK);
+    ucp_request_param_t fp = {0}; /* connected before the pull starts */
+    void *fr = ucp_ep_flush_nbx(e, &fp);
+    const uint64_t up = secs(30);
+    while (UCS_PTR_IS_PTR(fr) && ucp_request_check_status(fr) == UCS_INPROGRESS) {
+        cr_assert_lt(km_now_ns(), up, "the forger never connected");
+        ucp_worker_progress(w);
+    }
+    if (UCS_PTR_IS_PTR(fr)) ucp_request_free(fr);
+    pr_pull *p = duo_start(d, 64, secs(60));
+    static uint8_t junk[4096];
+    memset(junk, 0x3c, sizeof junk);
+    int inflight = 0, sent = 0;
+    for (int round = 0; round < 2; round++)
+        for (uint64_t id = 0; id < 4; id++)
+            for (uint32_t i = 0; i < 64; i++) {
+                pr_data_hdr h = {.pull_id = id, .index = i, .len = sizeof junk};
+                if (round) memcpy(h.token, p->token, PR_TOKEN_BYTES); /* seen on the wire */
+                memset(h.tag, 0x5a, sizeof h.tag);
+                ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
+                                                          UCP_OP_ATTR_FIELD_USER_DATA |
+                                                          UCP_OP_ATTR_FIELD_FLAGS,
+                                          .flags = UCP_AM_SEND_FLAG_EAGER,
+                                          .cb.send = forger_sent,
+                                          .user_data = &inflight};
+                for (int refusal = 0; refusal < 2 - round; refusal++, sent++) {
+                    h.status = (uint32_t)refusal;
+                    void *r = ucp_am_send_nbx(e, PR_AM_DATA, &h, sizeof h, refusal ? NULL : junk,
+                                              refusal ? 0 : sizeof junk, &rp);
+                    if (UCS_PTR_IS_PTR(r)) inflight++;
+                }
+                ucp_worker_progress(w);
+            }
+    const uint64_t guard = secs(60);
+    while (!pr_pull_done_yet(d->nb, p) || inflight > 0) {
+        cr_assert_lt(km_now_ns(), guard, "the pull never ended");
+        ucp_worker_progress(w);
+        pr_offer none[1];
+        pr_node_poll(d->na, none, 1);
+    }
+    pr_pull_result res;
+    pr_pull_done done;
+    const int got = pr_pull_finish(d->nb, p, &res, &done);
+    pr_serve_done(d->na, &done);
+    /* a fragment with the real token may land before the holder's and fail the page (auth), or
+     * overrun it (transfer): never imported; what was imported is the holder's */
+    cr_assert_eq(res.dropped[PR_DROP_CHECKSUM], 0);
+    if (got) same_bytes(d->a, d->b, d->toks, d->hs, got);
+    cr_assert_eq(got + res.dropped[PR_DROP_AUTH] + res.dropped[PR_DROP_TRANSFER] > 0, 1);
+    pr_stats st;
+    pr_node_stats(d->nb, &st);
+    cr_assert_gt(st.answers_forged, 0, "%d forged answers sent", sent);
+    ucp_request_param_t cp = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
+                              .flags = UCP_EP_CLOSE_FLAG_FORCE};
+    void *r = ucp_ep_close_nbx(e, &cp);
+    while (UCS_PTR_IS_PTR(r) && ucp_request_check_status(r) == UCS_INPROGRESS)
+        ucp_worker_progress(w);
+    if (UCS_PTR_IS_PTR(r)) ucp_request_free(r);
+    ucp_worker_destroy(w);
+    ucp_cleanup(ctx);
+    /* an honest pull right after is served whole */
+    kv_store_evict_oldest_fraction(d->b, 1.0);
+    pr_pull_result r2;
+    cr_assert_eq(pull(d->na, d->nb, d->peer, d->toks, d->hs, 64, secs(60), NULL, &r2), 64);
+    same_bytes(d->a, d->b, d->toks, d->hs, 64);
+    release_and_check(d->nb, d->peer, d->na, d->b, d->a);
+    duo_close(d);
 }
