@@ -46,8 +46,9 @@ static int g_port; /* the worker's UCX port, from its log (peer_node_open) */
 static void start_worker(it_proc *w)
 {
     memset(w, 0, sizeof *w);
-    const char *flags[] = {"--admin-port=0", "--threads=1", "--log-level=info",
-                           "--peer-listen=127.0.0.1:0", "--no-peer-prefault", NULL};
+    const char *flags[] = {"--admin-port=0",     "--threads=1",
+                           "--log-level=info",   "--peer-listen=127.0.0.1:0",
+                           "--no-peer-prefault", NULL};
     it_start_worker(w, "plane", flags, NULL);
     char path[128], line[512];
     snprintf(path, sizeof path, "%s/worker.log", w->dir);
@@ -153,9 +154,7 @@ static void client_open(client *c)
     cr_assert_eq(ucp_worker_set_am_recv_handler(c->w, &hp), UCS_OK);
 }
 
-static void ep_err(void *arg, ucp_ep_h ep, ucs_status_t status)
-{
-}
+static void ep_err(void *arg, ucp_ep_h ep, ucs_status_t status) {}
 
 static ucp_ep_h client_connect(client *c)
 {
@@ -228,6 +227,21 @@ static void client_close(client *c, ucp_ep_h *eps, int n)
     ucp_cleanup(c->ctx);
 }
 
+/* A worker, and a client of its page plane. */
+static void attack_begin(it_proc *w, client *c)
+{
+    start_worker(w);
+    client_open(c);
+}
+
+/* The client goes; the worker must still serve, then stops. */
+static void attack_end(it_proc *w, client *c, ucp_ep_h *eps, int n)
+{
+    client_close(c, eps, n);
+    still_serving(w);
+    it_stop(w);
+}
+
 /* A fetch as a puller would send it, for a guessed pull id and place, with a made-up token. */
 static pr_fetch_hdr guessed_fetch(uint64_t pull_id, uint32_t index, uint64_t salt)
 {
@@ -287,9 +301,8 @@ Test(pageplane, guessed_and_malformed_fetches_read_nothing)
 {
     if (!have_model()) return;
     it_proc w;
-    start_worker(&w);
     client c;
-    client_open(&c);
+    attack_begin(&w, &c);
     ucp_ep_h ep = client_connect(&c);
     /* guessed fetches: pull ids are small counters, every place of a few pages */
     int sent_fetches = 0;
@@ -325,18 +338,15 @@ Test(pageplane, guessed_and_malformed_fetches_read_nothing)
     cr_assert_eq(c.answers, 0, "a keyless client got %ld answers", c.answers);
     IT_WAIT(rejected(&w, "unkeyed") >= sent_fetches, 10000, "unkeyed fetches: %.0f of %d counted",
             rejected(&w, "unkeyed"), sent_fetches);
-    client_close(&c, &ep, 1);
-    still_serving(&w);
-    it_stop(&w);
+    attack_end(&w, &c, &ep, 1);
 }
 
 Test(pageplane, messages_of_any_id_neither_log_nor_crash)
 {
     if (!have_model()) return;
     it_proc w;
-    start_worker(&w);
     client c;
-    client_open(&c);
+    attack_begin(&w, &c);
     ucp_ep_h ep = client_connect(&c);
     uint8_t h[24] = {0};
     client_send(&c, ep, 1, h, sizeof h, NULL, 0); /* the connection up before the log is read */
@@ -353,18 +363,15 @@ Test(pageplane, messages_of_any_id_neither_log_nor_crash)
             rejected(&w, "unknown_am"));
     const long grew = log_bytes(&w) - log0;
     cr_assert_lt(grew, 16384, "%d messages of unknown ids grew the log by %ld bytes", n, grew);
-    client_close(&c, &ep, 1);
-    still_serving(&w);
-    it_stop(&w);
+    attack_end(&w, &c, &ep, 1);
 }
 
 Test(pageplane, a_thousand_endpoints_then_the_worker_serves)
 {
     if (!have_model()) return;
     it_proc w;
-    start_worker(&w);
     client c;
-    client_open(&c);
+    attack_begin(&w, &c);
     enum { N = 1000 };
     static ucp_ep_h eps[N];
     for (int i = 0; i < N; i++) {
@@ -375,18 +382,15 @@ Test(pageplane, a_thousand_endpoints_then_the_worker_serves)
     }
     client_drain(&c, 500);
     cr_assert_eq(c.answers, 0);
-    client_close(&c, eps, N);
-    still_serving(&w);
-    it_stop(&w);
+    attack_end(&w, &c, eps, N);
 }
 
 Test(pageplane, a_million_unread_fetches_keep_memory_bounded)
 {
     if (!have_model()) return;
     it_proc w;
-    start_worker(&w);
     client c;
-    client_open(&c);
+    attack_begin(&w, &c);
     ucp_ep_h ep = client_connect(&c);
     pr_fetch_hdr f = guessed_fetch(1, 0, 1);
     client_send(&c, ep, PR_AM_FETCH, &f, sizeof f, NULL, 0);
@@ -403,7 +407,5 @@ Test(pageplane, a_million_unread_fetches_keep_memory_bounded)
     const long grew = rss_kib(&w) - rss0;
     cr_assert_eq(c.answers, 0);
     cr_assert_lt(grew, 64 * 1024, "a million unread fetches grew the worker by %ld KiB", grew);
-    client_close(&c, &ep, 1);
-    still_serving(&w);
-    it_stop(&w);
+    attack_end(&w, &c, &ep, 1);
 }
