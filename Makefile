@@ -320,12 +320,12 @@ integration: build $(IT_BIN) ## multi-process suites: real daemons on 127.0.0.1
 # it and leaves a report in build/san/it-reports, which fails the run even when the suite did not
 # notice the daemon dying. Leak reports are off: daemons stopped by SIGKILL in a test cannot
 # free what they hold.
-SAN_IT_SUITES ?= test_security
+SAN_IT_SUITES ?= test_security test_pageplane
 SAN_IT_ENV := KVMESH_IT_BIN=build/san/bin \
   ASAN_OPTIONS=detect_leaks=0:log_path=$(CURDIR)/build/san/it-reports/asan \
   UBSAN_OPTIONS=print_stacktrace=1:log_path=$(CURDIR)/build/san/it-reports/ubsan
 .PHONY: integration-san
-integration-san: $(addprefix $(TESTBIN)/integration/,$(SAN_IT_SUITES)) ## SAN_IT_SUITES (test_security) against ASan/UBSan daemons
+integration-san: $(addprefix $(TESTBIN)/integration/,$(SAN_IT_SUITES)) ## SAN_IT_SUITES (test_security, test_pageplane) against ASan/UBSan daemons
 	@$(MAKE) --no-print-directory SAN=1 build/san/bin/kvmesh-worker build/san/bin/kvmesh-router build/san/bin/kvmesh-controller
 	@rm -rf build/san/it-reports; mkdir -p build/san/it-reports
 	@set -e; for t in $(SAN_IT_SUITES); do echo "== $$t (ASan/UBSan daemons)"; \
