@@ -184,11 +184,12 @@ void pr_leases_expire(pr_node *n, uint64_t now_ns);
 /* What a holder answering a fetch checks, so that a reader gets only pages offered to it while
  * the lease lasts, never the rest of the registered memory (another tenant's pages): 1 when a
  * live lease of pull pull_id whose fetch token is `token` offered exactly this page (region,
- * address, size), its page key copied to page_key; 0 when a lease of that pull and token exists
- * but this page is not its (answered with a refusal); -1 when no lease has that token (not
- * answered: the asker proved nothing). Any thread. */
+ * address, size), its page key, description and token ids (page_tokens) copied out; 0 when a lease
+ * of that pull and token exists but this page is not its (answered with a refusal); -1 when no
+ * lease has that token (not answered: the asker proved nothing). Any thread. */
 int pr_lease_allows(pr_node *n, uint64_t pull_id, const uint8_t *token, uint32_t index,
-                    uint32_t region, uint64_t addr, uint64_t bytes, uint8_t *page_key);
+                    uint32_t region, uint64_t addr, uint64_t bytes, uint8_t *page_key,
+                    pr_page_desc *desc, int32_t *tokens);
 
 /* seal.c */
 void pr_lease_secret(uint8_t key[PR_KEY_BYTES]);

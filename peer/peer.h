@@ -17,9 +17,12 @@
  *  - Correct or nothing: a page reaches the receiver's index only when its token ids equal the
  *    receiver's, its chain link holds (parent = the receiver's previous link, hash =
  *    km_pagehash_next(parent, tokens)) and the checksum of what arrived equals the holder's
- *    (kv_xfer_checksum: identity, tokens and payload). A page that fails is dropped and counted
- *    by reason, and the chain ends before it; a page in another format than the receiver's
- *    store is converted as it is indexed.
+ *    (kv_xfer_checksum: identity, tokens and payload). In AM mode every answer is also
+ *    authenticated under the lease's secret, which only the holder and this reader know
+ *    (docs/transfer.md, "Who may read a page"): the holder takes the checksum in the pass that
+ *    tags the bytes, and the reader, checking the tag, trusts it rather than reading the page a
+ *    second time. A page that fails is dropped and counted by reason, and the chain ends before
+ *    it; a page in another format than the receiver's store is converted as it is indexed.
  *  - Every wait has a deadline. A pull still running at its deadline is canceled: nothing more
  *    is read and its pages still missing are dropped (PR_DROP_TIMEOUT). If the peer has been
  *    silent for a second (no page or answer on the connection), or a read into our pages is

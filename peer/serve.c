@@ -177,8 +177,10 @@ int pr_leases_emit(pr_node *n, pr_offer *out, int max)
 }
 
 int pr_lease_allows(pr_node *n, uint64_t pull_id, const uint8_t *token, uint32_t index,
-                    uint32_t region, uint64_t addr, uint64_t bytes, uint8_t *page_key)
+                    uint32_t region, uint64_t addr, uint64_t bytes, uint8_t *page_key,
+                    pr_page_desc *desc, int32_t *tokens)
 {
+    const int pt = kv_store_page_tokens(n->store);
     uint64_t now = km_now_ns();
     int ok = -1;
     pthread_mutex_lock(&n->lease_mu);
@@ -188,8 +190,11 @@ int pr_lease_allows(pr_node *n, uint64_t pull_id, const uint8_t *token, uint32_t
         if (!l->descs || l->deadline_ns <= now) break;
         /* the fetch names its page by its place in the offer: one comparison, not a scan */
         const pr_page_desc *d = index < (uint32_t)l->n ? &l->descs[index] : NULL;
-        if ((ok = d && d->region == region && d->addr == addr && d->bytes == bytes))
+        if ((ok = d && d->region == region && d->addr == addr && d->bytes == bytes)) {
             memcpy(page_key, l->page_key, PR_KEY_BYTES);
+            *desc = *d;
+            memcpy(tokens, l->tokens + (size_t)index * pt, sizeof(int32_t) * pt);
+        }
         break;
     }
     pthread_mutex_unlock(&n->lease_mu);

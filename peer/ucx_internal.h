@@ -45,6 +45,9 @@ enum { PR_OP_IDLE, PR_OP_FETCH_SENT, PR_OP_LANDING, PR_OP_RECEIVING, PR_OP_GETTI
 
 #define PR_DATA_ENCRYPTED 1u /* pr_data_hdr.flags, and a fetch's: the bytes are encrypted */
 #define PR_DATA_UNTAGGED  2u /* no tag (pr_config.no_auth); only a reader that asked takes it */
+/* pr_data_hdr.status: 1 refused; PR_REFUSE_TORN: the page no longer has the bytes the offer
+ * described (the holder's checksum of it, taken in its tag pass, differs): a checksum drop */
+#define PR_REFUSE_TORN 2u
 
 /* The header of a PR_AM_DATA message: one fragment of a page (or all of it) from offset. */
 typedef struct pr_data_hdr {
@@ -142,6 +145,9 @@ typedef struct pr_reply {
     int pending;               /* sends not yet completed */
     pr_data_hdr *frag;         /* [n_frag] headers of the fragments */
     uint8_t key[PR_KEY_BYTES]; /* the lease's page key (seal.c) */
+    pr_page_desc desc;         /* the page as the offer described it (its checksum) */
+    int32_t *tokens;           /* its token ids */
+    uint64_t reserved;         /* bytes counted in the connection's and node's `sealed` */
     uint8_t *sealed;           /* encrypted answers: the page's ciphertext, sent from here */
 } pr_reply;
 

@@ -94,7 +94,7 @@ static void pr_land(pr_ucx *u, pr_upull *up, pr_op *o, const kv_xfer_page *d, co
             kv_xfer_sum_begin(&up->sums[o->sum], d, up->p->page_tokens);
         }
     }
-    const int in_order = o->sum >= 0 && off == o->hashed;
+    const int in_order = !check && o->sum >= 0 && off == o->hashed;
     const uint8_t *src = data;
     for (size_t at = 0; at < len; at += PR_LAND_CHUNK) {
         const size_t c = len - at < PR_LAND_CHUNK ? len - at : PR_LAND_CHUNK;
@@ -121,6 +121,8 @@ static void pr_land(pr_ucx *u, pr_upull *up, pr_op *o, const kv_xfer_page *d, co
     if (o->forged) {
         atomic_fetch_add_explicit(&u->node->answers_forged, 1, memory_order_relaxed);
         pr_op_settle(o, -1);
+    } else if (check) { /* the holder's tag pass vouched for the checksum (pr_reply_seal) */
+        pr_op_settle_sum(o, 1, &up->p->pages[o->index].src.checksum);
     } else if (o->sum >= 0 && o->hashed == d->bytes) {
         const uint64_t sum = kv_xfer_sum_end(&up->sums[o->sum]);
         pr_op_settle_sum(o, 1, &sum);
@@ -160,7 +162,11 @@ static void pr_recv_done(void *req, ucs_status_t status, size_t length, void *ar
     ucp_request_free(req);
     if (status == UCS_OK) o->up->ep->live_ns = km_now_ns();
     const int ok = status == UCS_OK && length == o->up->p->pages[o->index].dst.bytes;
-    pr_op_settle(o, ok ? pr_open_page(o->up->ep->u, o) : 0);
+    const int opened = ok ? pr_open_page(o->up->ep->u, o) : 0;
+    if (opened > 0 && !o->up->p->no_auth) /* the holder's tag pass vouched for the checksum */
+        pr_op_settle_sum(o, 1, &o->up->p->pages[o->index].src.checksum);
+    else
+        pr_op_settle(o, opened);
 }
 
 static void pr_fetch_sent(void *req, ucs_status_t status, void *arg)
@@ -244,6 +250,11 @@ ucs_status_t pr_am_data_cb(void *arg, const void *header, size_t hlen, void *dat
     if (o->phase != PR_OP_FETCH_SENT && o->phase != PR_OP_LANDING) return UCS_OK;
     const kv_xfer_page *d = &up->p->pages[o->index].dst;
     const int rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+    if (h.status == PR_REFUSE_TORN) { /* the holder's page changed under the lease */
+        const uint64_t torn = ~up->p->pages[o->index].src.checksum;
+        pr_op_settle_sum(o, 1, &torn);
+        return UCS_OK;
+    }
     if (h.status || h.offset > d->bytes || len > d->bytes - h.offset || h.len != len ||
         (rndv && (o->phase != PR_OP_FETCH_SENT || len != d->bytes)) ||
         o->landed + len > d->bytes) { /* refused, or not a piece of this page */
@@ -357,27 +368,34 @@ ucs_status_t pr_am_fetch_cb(void *arg, const void *header, size_t hlen, void *da
     }
     /* only a page a live lease offered, to whoever proves its secret: never the rest of the
      * registered memory, and nothing at all (not even a refusal) to a guess */
-    uint8_t key[PR_KEY_BYTES];
-    int allowed =
-        pr_range_ok(u, f.region, f.addr, f.bytes)
-            ? pr_lease_allows(u->node, f.pull_id, f.token, f.index, f.region, f.addr, f.bytes, key)
-            : pr_lease_allows(u->node, f.pull_id, f.token, UINT32_MAX, 0, 0, 0, key);
-    if (allowed <= 0) atomic_fetch_add_explicit(&u->node->fetches_refused, 1, memory_order_relaxed);
-    if (allowed < 0) {
-        atomic_fetch_add_explicit(&u->node->fetches_unkeyed, 1, memory_order_relaxed);
-        return UCS_OK;
+    const int pt = kv_store_page_tokens(u->node->store);
+    pr_reply *r = calloc(1, sizeof *r);
+    if (r && !(r->tokens = malloc(sizeof(int32_t) * (size_t)pt))) {
+        free(r);
+        r = NULL;
     }
+    if (!r) return UCS_OK;
+    int allowed = pr_range_ok(u, f.region, f.addr, f.bytes)
+                      ? pr_lease_allows(u->node, f.pull_id, f.token, f.index, f.region, f.addr,
+                                        f.bytes, r->key, &r->desc, r->tokens)
+                      : pr_lease_allows(u->node, f.pull_id, f.token, UINT32_MAX, 0, 0, 0, r->key,
+                                        &r->desc, r->tokens);
+    if (allowed <= 0) atomic_fetch_add_explicit(&u->node->fetches_refused, 1, memory_order_relaxed);
+    if (allowed < 0) atomic_fetch_add_explicit(&u->node->fetches_unkeyed, 1, memory_order_relaxed);
     const uint32_t flags =
         f.flags & PR_DATA_UNTAGGED ? PR_DATA_UNTAGGED : f.flags & PR_DATA_ENCRYPTED;
     const uint64_t sealed = allowed && (flags & PR_DATA_ENCRYPTED) ? f.bytes : 0;
-    if (conn->sealed + sealed > PR_CONN_SEALED || u->sealed + sealed > PR_NODE_SEALED) {
-        atomic_fetch_add_explicit(&u->node->fetches_dropped, 1, memory_order_relaxed);
+    if (allowed < 0 || conn->sealed + sealed > PR_CONN_SEALED ||
+        u->sealed + sealed > PR_NODE_SEALED) {
+        if (allowed >= 0)
+            atomic_fetch_add_explicit(&u->node->fetches_dropped, 1, memory_order_relaxed);
+        free(r->tokens);
+        free(r);
         return UCS_OK;
     }
-    pr_reply *r = calloc(1, sizeof *r);
-    if (!r) return UCS_OK;
     conn->sealed += sealed;
     u->sealed += sealed;
+    r->reserved = sealed;
     r->u = u;
     r->conn = conn;
     r->hdr.pull_id = f.pull_id;
@@ -385,7 +403,6 @@ ucs_status_t pr_am_fetch_cb(void *arg, const void *header, size_t hlen, void *da
     r->hdr.status = allowed ? 0 : 1;
     r->hdr.flags = flags;
     memcpy(r->hdr.token, f.token, PR_TOKEN_BYTES);
-    memcpy(r->key, key, PR_KEY_BYTES);
     r->addr = f.addr;
     r->bytes = f.bytes;
     r->region = f.region;
@@ -398,13 +415,13 @@ ucs_status_t pr_am_fetch_cb(void *arg, const void *header, size_t hlen, void *da
 
 static void pr_reply_free(pr_reply *r)
 {
-    const uint64_t sealed = !r->hdr.status && (r->hdr.flags & PR_DATA_ENCRYPTED) ? r->bytes : 0;
     r->conn->replies--;
-    r->conn->sealed -= sealed;
+    r->conn->sealed -= r->reserved;
     r->u->n_replies--;
-    r->u->sealed -= sealed;
+    r->u->sealed -= r->reserved;
     free(r->frag);
     free(r->sealed);
+    free(r->tokens);
     free(r);
 }
 
@@ -446,6 +463,43 @@ static int pr_conn_am_tcp(pr_uep *e)
     return e->am_tcp = tcp;
 }
 
+/* The tag pass over r's page: each fragment's header and tag (into r->frag, or r->hdr when
+ * n == 1), the ciphertext when encrypted, and the page's checksum on the same read of each
+ * piece. 1 when the checksum is the one the offer described; 0 when the page changed under the
+ * lease (torn), or a step failed. The reader then trusts the tag for the bytes and this pass
+ * for the checksum, and reads the page once (docs/transfer.md, "Who may read a page"). */
+static int pr_reply_seal(pr_ucx *u, pr_reply *r, int n, size_t fb)
+{
+    enum { PIECE = 16384 };
+    const int pt = kv_store_page_tokens(u->node->store);
+    const kv_xfer_page id = {.format = (kv_format)r->desc.format,
+                             .index = r->desc.index,
+                             .hash = r->desc.hash,
+                             .parent = r->desc.parent,
+                             .tokens = r->tokens,
+                             .bytes = r->desc.bytes};
+    kv_xfer_sum sum;
+    memset(&sum, 0, sizeof sum);
+    kv_xfer_sum_begin(&sum, &id, pt);
+    int ok = 1;
+    for (int k = 0; k < n && ok; k++) {
+        pr_data_hdr *h = n > 1 ? &r->frag[k] : &r->hdr;
+        *h = r->hdr;
+        h->offset = (uint64_t)k * fb;
+        h->len = (uint32_t)(r->bytes - h->offset < fb ? r->bytes - h->offset : fb);
+        const uint8_t *page = (const uint8_t *)(uintptr_t)(r->addr + h->offset);
+        uint8_t *out = r->sealed ? r->sealed + h->offset : NULL;
+        ok = pr_seal_begin(&u->seal, r->key, h, 0) == 0;
+        for (size_t at = 0; ok && at < h->len; at += PIECE) {
+            const size_t c = h->len - at < PIECE ? h->len - at : PIECE;
+            ok = pr_seal_update(&u->seal, page + at, out ? out + at : NULL, c) == 0;
+            kv_xfer_sum_update(&sum, page + at, c);
+        }
+        ok = ok && pr_seal_end(&u->seal, h->tag) == 0;
+    }
+    return ok && kv_xfer_sum_end(&sum) == r->desc.checksum;
+}
+
 /* Sends r: a refusal (a header alone), the page as one rendezvous message (am_fragment < 0, or
  * a connection not on TCP), or the page in eager fragments of am_fragment bytes, each with its
  * own header. */
@@ -456,25 +510,30 @@ static void pr_reply_send(pr_ucx *u, pr_reply *r)
     const size_t fb = frag > 0 ? (size_t)frag : bytes;
     const int n = bytes && fb ? (int)((bytes + fb - 1) / fb) : 1;
     const int enc = (r->hdr.flags & PR_DATA_ENCRYPTED) != 0;
-    if ((n > 1 && !(r->frag = malloc(sizeof *r->frag * (size_t)n))) ||
+    if ((n > 1 && !(r->frag = calloc((size_t)n, sizeof *r->frag))) ||
         (bytes && enc && !(r->sealed = malloc(bytes)))) {
         pr_reply_free(r); /* the reader's deadline ends its wait */
+        return;
+    }
+    if (bytes && !(r->hdr.flags & PR_DATA_UNTAGGED) && !pr_reply_seal(u, r, n, fb)) {
+        free(r->frag); /* torn: a refusal that says so, the header alone */
+        r->frag = NULL;
+        r->hdr.status = PR_REFUSE_TORN;
+        pr_reply_send(u, r);
         return;
     }
     u->sends++;
     r->pending = n + 1; /* one for the loop below */
     for (int k = 0; k < n; k++) {
         pr_data_hdr *h = n > 1 ? &r->frag[k] : &r->hdr;
-        *h = r->hdr;
-        h->offset = (uint64_t)k * fb;
-        const size_t len = bytes ? (bytes - h->offset < fb ? bytes - h->offset : fb) : 0;
+        if (!h->len) { /* untagged (pr_reply_seal filled the others) */
+            *h = r->hdr;
+            h->offset = (uint64_t)k * fb;
+            h->len = (uint32_t)(bytes ? (bytes - h->offset < fb ? bytes - h->offset : fb) : 0);
+        }
+        const size_t len = h->len;
         const uint8_t *page = (const uint8_t *)(uintptr_t)(r->addr + h->offset);
         uint8_t *out = r->sealed ? r->sealed + h->offset : NULL;
-        h->len = (uint32_t)len;
-        if (len && !(h->flags & PR_DATA_UNTAGGED) &&
-            (pr_seal_begin(&u->seal, r->key, h, 0) || pr_seal_update(&u->seal, page, out, len) ||
-             pr_seal_end(&u->seal, h->tag)))
-            memset(h->tag, 0, sizeof h->tag); /* fails at the reader, never passes */
         ucp_request_param_t prm = {
             .op_attr_mask =
                 UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS,
