@@ -424,7 +424,9 @@ static int pr_ucx_open(pr_node *n, km_errbuf *err)
     u->wfd = u->evfd = u->epfd = -1;
     pthread_mutex_init(&u->mu, NULL);
     u->old_cm = pr_ucx_old_cm();
-    if (pr_seal_init(&u->seal)) {
+    u->tokens = malloc(sizeof(int32_t) * (size_t)kv_store_page_tokens(n->store));
+    if (!u->tokens || pr_seal_init(&u->seal)) {
+        free(u->tokens);
         pthread_mutex_destroy(&u->mu);
         free(u);
         return km_errf(err, KM_ENOMEM, "peer ucx: no cipher context");
@@ -640,6 +642,7 @@ static void pr_ucx_close(pr_node *n)
     n->be = NULL;
     if (stuck) return; /* u is still UCX's callback argument (above) */
     pr_seal_free(&u->seal);
+    free(u->tokens);
     pthread_mutex_destroy(&u->mu);
     free(u);
 }

@@ -174,6 +174,7 @@ struct pr_ucx {
     int n_replies;   /* replies queued or in flight (PR_NODE_REPLIES) */
     uint64_t sealed; /* bytes of encrypted replies queued or in flight (PR_NODE_SEALED) */
     pr_seal seal;    /* tags and checks answers */
+    int32_t *tokens; /* a page's token ids, as a fetch is checked (page_tokens) */
 };
 
 /* ucx.c */

@@ -368,18 +368,15 @@ ucs_status_t pr_am_fetch_cb(void *arg, const void *header, size_t hlen, void *da
     }
     /* only a page a live lease offered, to whoever proves its secret: never the rest of the
      * registered memory, and nothing at all (not even a refusal) to a guess */
-    const int pt = kv_store_page_tokens(u->node->store);
-    pr_reply *r = calloc(1, sizeof *r);
-    if (r && !(r->tokens = malloc(sizeof(int32_t) * (size_t)pt))) {
-        free(r);
-        r = NULL;
-    }
-    if (!r) return UCS_OK;
+    const size_t tb = sizeof(int32_t) * (size_t)kv_store_page_tokens(u->node->store);
+    uint8_t key[PR_KEY_BYTES];
+    pr_page_desc desc;
+    /* nothing is allocated before the asker has proved the lease's secret */
     int allowed = pr_range_ok(u, f.region, f.addr, f.bytes)
                       ? pr_lease_allows(u->node, f.pull_id, f.token, f.index, f.region, f.addr,
-                                        f.bytes, r->key, &r->desc, r->tokens)
-                      : pr_lease_allows(u->node, f.pull_id, f.token, UINT32_MAX, 0, 0, 0, r->key,
-                                        &r->desc, r->tokens);
+                                        f.bytes, key, &desc, u->tokens)
+                      : pr_lease_allows(u->node, f.pull_id, f.token, UINT32_MAX, 0, 0, 0, key,
+                                        &desc, u->tokens);
     if (allowed <= 0) atomic_fetch_add_explicit(&u->node->fetches_refused, 1, memory_order_relaxed);
     if (allowed < 0) atomic_fetch_add_explicit(&u->node->fetches_unkeyed, 1, memory_order_relaxed);
     const uint32_t flags =
@@ -389,9 +386,18 @@ ucs_status_t pr_am_fetch_cb(void *arg, const void *header, size_t hlen, void *da
         u->sealed + sealed > PR_NODE_SEALED) {
         if (allowed >= 0)
             atomic_fetch_add_explicit(&u->node->fetches_dropped, 1, memory_order_relaxed);
-        free(r->tokens);
-        free(r);
         return UCS_OK;
+    }
+    pr_reply *r = calloc(1, sizeof *r);
+    if (r && !(r->tokens = malloc(tb))) {
+        free(r);
+        r = NULL;
+    }
+    if (!r) return UCS_OK;
+    if (allowed > 0) {
+        memcpy(r->key, key, PR_KEY_BYTES);
+        r->desc = desc;
+        memcpy(r->tokens, u->tokens, tb);
     }
     conn->sealed += sealed;
     u->sealed += sealed;
