@@ -321,6 +321,8 @@ IT_HARNESS := $(OBJ)/tests/integration/harness.o
 $(TESTBIN)/integration/%: $(OBJ)/tests/integration/%.o $(IT_HARNESS) $(ALL_LIBS)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS) -o $@ $^ -lcriterion $(LDLIBS)
+# test_pageplane attacks a worker's UCX port with a libucp client of its own.
+$(TESTBIN)/integration/test_pageplane: LDLIBS += $(UCX_LIBS)
 integration: build $(IT_BIN) ## multi-process suites: real daemons on 127.0.0.1
 	@set -e; for t in $(IT_BIN); do echo "== $$t"; $$t --jobs 1; done
 
@@ -335,12 +337,12 @@ openai-sdk-venv: ## build/venv-openai: a python3 venv with the official `openai`
 # it and leaves a report in build/san/it-reports, which fails the run even when the suite did not
 # notice the daemon dying. Leak reports are off: daemons stopped by SIGKILL in a test cannot
 # free what they hold.
-SAN_IT_SUITES ?= test_security
+SAN_IT_SUITES ?= test_security test_pageplane
 SAN_IT_ENV := KVMESH_IT_BIN=build/san/bin \
   ASAN_OPTIONS=detect_leaks=0:log_path=$(CURDIR)/build/san/it-reports/asan \
   UBSAN_OPTIONS=print_stacktrace=1:log_path=$(CURDIR)/build/san/it-reports/ubsan
 .PHONY: integration-san
-integration-san: $(addprefix $(TESTBIN)/integration/,$(SAN_IT_SUITES)) ## SAN_IT_SUITES (test_security) against ASan/UBSan daemons
+integration-san: $(addprefix $(TESTBIN)/integration/,$(SAN_IT_SUITES)) ## SAN_IT_SUITES (test_security, test_pageplane) against ASan/UBSan daemons
 	@$(MAKE) --no-print-directory SAN=1 build/san/bin/kvmesh-worker build/san/bin/kvmesh-router build/san/bin/kvmesh-controller
 	@rm -rf build/san/it-reports; mkdir -p build/san/it-reports
 	@set -e; for t in $(SAN_IT_SUITES); do echo "== $$t (ASan/UBSan daemons)"; \

@@ -46,6 +46,7 @@
 #include <ucp/api/ucp.h>
 
 #include "bench/bench_util.h"
+#include "peer/ucx_internal.h" /* seal.c, for what a tag costs one CPU */
 #include "tests/xfer_harness.h"
 
 static const xh_shape SMOL = {30, 3, 64, 16};
@@ -90,6 +91,9 @@ static long long g_stream = 0; /* the reader's pr_config.stream_bytes (--stream-
 /* The owner loops (this process's and the holder's) poll without sleeping, as ucx_perftest's
  * do, in the "owners spin" rows; otherwise they sleep in poll as a worker's loop does. */
 static int g_spin = 0;
+/* The reader's pr_config.encrypt and no_auth for the sides opened next (the "page plane" table). */
+static pr_encrypt g_encrypt = PR_ENCRYPT_AUTO;
+static int g_no_auth = 0;
 
 static void pin_to(int cpu)
 {
@@ -119,7 +123,7 @@ typedef struct side {
  * process with a live context cannot use UCX reliably). */
 static void side_spawn(side *x, pr_mode mode)
 {
-    xh_role r = {SMOL, KN_KV_F16, MAX_PAGES, mode, 0, g_fragment, g_stream, CONC};
+    xh_role r = {SMOL, KN_KV_F16, MAX_PAGES, mode, 0, g_fragment, g_stream, CONC, 0, 0};
     pin_to(0); /* the child keeps it */
     x->holder = xh_spawn_holder(&r);
     pin_to(1);
@@ -127,7 +131,8 @@ static void side_spawn(side *x, pr_mode mode)
 
 static int side_open(side *x, pr_mode mode)
 {
-    xh_role r = {SMOL, KN_KV_F16, MAX_PAGES, mode, 0, g_fragment, g_stream, CONC};
+    xh_role r = {SMOL,       KN_KV_F16, MAX_PAGES, mode,      0,
+                 g_fragment, g_stream,  CONC,      g_encrypt, g_no_auth};
     x->buf = malloc(XH_MSGCAP);
     ssize_t len = x->holder.fd >= 0 ? xh_recv(x->holder.fd, x->buf, 120000) : -1;
     if (len <= 8 || xh_type(x->buf) != XH_ADDR) return -1;
@@ -469,6 +474,120 @@ static void fault_gbps(double *fresh, double *populate, double *again)
     if (p != MAP_FAILED) munmap(p, b);
 }
 
+/* ---------------------------------------------------------------- what the page plane costs */
+
+/* GB/s one CPU lands 16 pages at (best of five), in 61,440-byte fragments a 16 KiB piece at a
+ * time as peer/ucx_io.c does: untagged (copy, checksum), authenticated (copy, tag), encrypted
+ * (decrypt into the page); and what the holder's CPU tags or encrypts them at, with the
+ * checksum it takes in the same pass. What the pull's figures cost in CPU, away from the load
+ * of the machine. */
+static void seal_gbps(size_t page, double out[5])
+{
+    enum { PAGES = 16, FRAG = 61440, CHUNK = 16384 };
+    const size_t bytes = PAGES * page;
+    uint8_t *src = malloc(bytes), *dst = malloc(bytes), key[PR_KEY_BYTES] = {1};
+    pr_seal s;
+    memset(out, 0, sizeof(double) * 5);
+    if (!src || !dst || pr_seal_init(&s)) {
+        free(src);
+        free(dst);
+        return;
+    }
+    memset(src, 3, bytes);
+    kv_xfer_page d = {.bytes = page};
+    for (int way = 0; way < 5; way++) {
+        uint64_t best = UINT64_MAX;
+        for (int round = 0; round < 5; round++) {
+            const uint64_t t0 = km_now_ns();
+            for (size_t p = 0; p < PAGES; p++) {
+                kv_xfer_sum sum;
+                memset(&sum, 0, sizeof sum);
+                kv_xfer_sum_begin(&sum, &d, 16);
+                for (size_t off = 0; off < page; off += FRAG) {
+                    const size_t len = page - off < FRAG ? page - off : FRAG;
+                    pr_data_hdr h = {.index = (uint32_t)p, .offset = off, .len = (uint32_t)len};
+                    h.flags = way == 2 || way == 4 ? PR_DATA_ENCRYPTED : 0;
+                    if (way) pr_seal_begin(&s, key, &h, way <= 2);
+                    for (size_t at = 0; at < len; at += CHUNK) {
+                        const size_t c = len - at < CHUNK ? len - at : CHUNK;
+                        const uint8_t *in = src + p * page + off + at;
+                        uint8_t *to = dst + p * page + off + at;
+                        if (way == 0 || way == 1) memcpy(to, in, c);
+                        if (way) pr_seal_update(&s, in, to, c);
+                        if (way == 0) kv_xfer_sum_update(&sum, to, c); /* the reader's */
+                        if (way >= 3) kv_xfer_sum_update(&sum, in, c); /* the holder's */
+                    }
+                    if (way) pr_seal_end(&s, h.tag); /* opening: fails, as no one sealed it */
+                }
+                (void)kv_xfer_sum_end(&sum);
+            }
+            const uint64_t ns = km_now_ns() - t0;
+            if (ns < best) best = ns;
+        }
+        out[way] = (double)bytes / (double)best;
+    }
+    pr_seal_free(&s);
+    free(src);
+    free(dst);
+}
+
+/* AM pulls over TCP of 16 and 256 pages by three readers, each with its own holder: one that
+ * takes answers untagged (pr_config.no_auth: what a pull cost before pages were authenticated),
+ * one that checks every answer's tag (the default between processes of one host) and one that
+ * asks for them encrypted (the default between hosts). The three take turns, `rounds` rounds of
+ * `reps` pulls each; the medians of the rounds are printed. */
+static void plane_rows(int quick, int reps_arg, size_t page_bytes)
+{
+    enum { V = 3 };
+    static const char *names[V] = {"untagged", "authenticated", "encrypted"};
+    apply(&SETTINGS[0]);
+    side sides[V];
+    memset(sides, 0, sizeof sides);
+    for (int v = 0; v < V; v++) side_spawn(&sides[v], PR_MODE_AM);
+    int ok = 1;
+    for (int v = 0; v < V && ok; v++) {
+        g_no_auth = v == 0;
+        g_encrypt = v == 2 ? PR_ENCRYPT_ON : PR_ENCRYPT_OFF;
+        ok = side_open(&sides[v], PR_MODE_AM) == 0;
+    }
+    g_no_auth = 0;
+    g_encrypt = PR_ENCRYPT_AUTO;
+    double c[5];
+    seal_gbps(page_bytes, c);
+    printf("# one CPU lands 16 pages at %.2f GB/s untagged (copy, checksum), %.2f authenticated\n"
+           "# (copy, tag), %.2f encrypted (decrypt); the holder tags and checksums at %.2f GB/s,\n"
+           "# encrypts and checksums at %.2f\n\n",
+           c[0], c[1], c[2], c[3], c[4]);
+    printf("| pages | untagged GB/s | authenticated GB/s | authenticated / untagged | encrypted "
+           "GB/s | encrypted / untagged | load |\n");
+    printf("|---:|---:|---:|---:|---:|---:|---:|\n");
+    for (int s = 0; ok && s < 2; s++) {
+        const int n = s ? 256 : 16, rounds = quick ? 1 : 5;
+        const int reps = reps_arg ? reps_arg : quick ? 3 : n == 16 ? 20 : 4;
+        double g[V][8] = {{0}};
+        const double ld = bench_load1();
+        for (int r = 0; r < rounds; r++)
+            for (int v = 0; v < V; v++) g[v][r] = measure(&sides[v], n, reps, page_bytes).gbps;
+        double med[V];
+        for (int v = 0; v < V; v++) {
+            for (int i = 1; i < rounds; i++) /* insertion sort of a handful */
+                for (int j = i; j > 0 && g[v][j] < g[v][j - 1]; j--) {
+                    const double t = g[v][j];
+                    g[v][j] = g[v][j - 1];
+                    g[v][j - 1] = t;
+                }
+            med[v] = g[v][rounds / 2];
+        }
+        printf("| %d | %.2f | %.2f | %.0f%% | %.2f | %.0f%% | %.1f–%.1f |\n", n, med[0], med[1],
+               med[0] > 0 ? 100 * med[1] / med[0] : 0, med[2],
+               med[0] > 0 ? 100 * med[2] / med[0] : 0, ld, bench_load1());
+        fflush(stdout);
+    }
+    if (!ok) printf("| – | could not set up (%s) | | | | | |\n", names[0]);
+    for (int v = 0; v < V; v++) side_close(&sides[v]);
+    printf("\n");
+}
+
 /* ---------------------------------------------------------------- the run */
 
 typedef struct refs {
@@ -509,13 +628,14 @@ static void usage(void)
                     "                      [--stream-bytes BYTES|-1]\n"
                     "                      [--only-tls tcp|default|mm]"
                     " [--only-pages N] [--only-mode get|am] [--no-perftest]\n"
-                    "                      [--no-spin]\n");
+                    "                      [--no-spin] [--only-plane | --no-plane]\n");
     exit(2);
 }
 
 int main(int argc, char **argv)
 {
     int quick = 0, only_pages = 0, only_mode = -1, no_ref = 0, reps_arg = 0, pin = 1, no_spin = 0;
+    int only_plane = 0, no_plane = 0;
     const char *only_tls = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--quick"))
@@ -526,6 +646,10 @@ int main(int argc, char **argv)
             pin = 0;
         else if (!strcmp(argv[i], "--no-spin"))
             no_spin = 1;
+        else if (!strcmp(argv[i], "--only-plane"))
+            only_plane = 1;
+        else if (!strcmp(argv[i], "--no-plane"))
+            no_plane = 1;
         else if (!strcmp(argv[i], "--reps") && i + 1 < argc && atoi(argv[i + 1]) > 0 &&
                  atoi(argv[i + 1]) <= MAX_REPS)
             reps_arg = atoi(argv[++i]);
@@ -575,6 +699,12 @@ int main(int argc, char **argv)
     printf("# a first write to anonymous memory: %.2f GB/s (memset), populating it %.2f GB/s,\n"
            "# writing it again %.1f GB/s (why a transfer node prefaults its arena)\n\n",
            fresh, populate, again);
+    if (!no_plane) { /* first: its holders are forked before this process has a UCX context */
+        printf("## What the page plane costs: AM pulls over TCP, untagged (the baseline), "
+               "authenticated (AES-256-GCM tags), encrypted\n\n");
+        plane_rows(quick, reps_arg, page_bytes);
+    }
+    if (only_plane) return 0;
     printf("| transport | pages | mode | pull GB/s | pages/s | read phase GB/s | ucx_perftest "
            "GB/s | ucx_perftest msgs/s | pull / perftest | read phase / perftest | tag_bw GB/s "
            "(lands) | pull / tag_bw | ucx_perftest -e GB/s | pull / perftest -e | load |\n");

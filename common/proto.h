@@ -56,6 +56,7 @@ extern "C" {
 #define KM_PROTO_MAX_HISTORY      32   /* recovery actions kept per worker in a view */
 #define KM_PROTO_MAX_PULL_PAGES   4096 /* pages in one kv_pull / kv_offer (peer.h PR_MAX_PAGES) */
 #define KM_PROTO_MAX_PAGE_TOKENS  1024 /* tokens per KV page in kv_pull / kv_offer */
+#define KM_PROTO_LEASE_KEY        32   /* bytes of a kv_offer's lease secret (PR_KEY_BYTES) */
 #define KM_PROTO_MAX_WARM_PAGES   (1 << 20) /* pages one kv_warm asks for */
 #define KM_PROTO_MAX_PEER_ADDR    4096      /* bytes of a transfer node's address (hb, view, req) */
 #define KM_PROTO_MAX_XFER_PAIRS   16        /* holders a worker reports its own pull figures from */
@@ -477,6 +478,8 @@ typedef struct km_msg_kv_offer {
     const km_kv_page_desc *pages; /* n_pages, consecutive chain indexes */
     uint32_t n_pages;
     const int32_t *tokens; /* n_pages * page_tokens: the holder's stored ids */
+    /* the lease's secret (peer.h pr_offer.key): sent when lease_id != 0; absent: zero */
+    uint8_t key[KM_PROTO_LEASE_KEY];
 } km_msg_kv_offer;
 
 /* kv_pull_done (puller -> holder): the lease can end. */

@@ -76,6 +76,18 @@ static int hash_decode(km_dec *d, const msgpack_object_map *mp, const char *key,
     return 0;
 }
 
+/* A lease secret: exactly KM_PROTO_LEASE_KEY bytes. */
+static int key_decode(km_dec *d, const msgpack_object_map *mp, const char *key, uint8_t *out)
+{
+    const msgpack_object *o = km_dec_find(mp, key);
+    if (o->type != MSGPACK_OBJECT_BIN) return km_dec_wrong_type(d, key, "binary", o);
+    if (o->via.bin.size != KM_PROTO_LEASE_KEY)
+        return DFAIL(d, KM_EFORMAT, "%s.%s: %u bytes, a lease key is %d", d->path, key,
+                     o->via.bin.size, KM_PROTO_LEASE_KEY);
+    memcpy(out, o->via.bin.ptr, KM_PROTO_LEASE_KEY);
+    return 0;
+}
+
 /* ---------------------------------------------------------------- kv_pull */
 
 /* A chain (kv_pull, and kv_push's), named `what` in messages. */
@@ -195,6 +207,7 @@ static void offer_encode(km_enc *e, const km_msg *m)
         for (uint32_t i = 0; i < o->n_pages; i++) km_enc_map(e, offer_page, &o->pages[i]);
     }
     tokens_encode(e, "tokens", o->tokens, (uint64_t)o->n_pages * o->page_tokens);
+    if (o->lease_id) km_enc_bin(e, "key", o->key, KM_PROTO_LEASE_KEY);
 }
 
 static int offer_decode(km_dec *d, const msgpack_object_map *mp)
@@ -206,6 +219,7 @@ static int offer_decode(km_dec *d, const msgpack_object_map *mp)
     CK(km_dec_i32(d, mp, "status", false, &o->status));
     CK(km_dec_u32(d, mp, "lease_ms", false, &o->lease_ms));
     CK(km_dec_u32(d, mp, "page_tokens", false, &o->page_tokens));
+    if (km_dec_find(mp, "key")) CK(key_decode(d, mp, "key", o->key));
     if (o->page_tokens > KM_PROTO_MAX_PAGE_TOKENS)
         return DFAIL(d, KM_EFORMAT, "kv_offer.page_tokens: %u, limit %d", o->page_tokens,
                      KM_PROTO_MAX_PAGE_TOKENS);

@@ -51,6 +51,7 @@ struct pr_peer {
     int released;       /* the caller let go */
     int disconnecting;  /* handed to the back end to close */
     int failure_seen;   /* counted in the node's statistics */
+    int encrypt;        /* pulls from it ask for encrypted pages (pr_config.encrypt) */
     pr_addr addr;       /* regions, for checking the offers' addresses */
     uint8_t *addr_buf;  /* what addr points into */
     _Atomic int failed; /* set by the back end: endpoint error, or closed by a deadline */
@@ -71,7 +72,8 @@ enum {
     PR_PAGE_OK = 1,
     PR_PAGE_BAD_SUM = 2,
     PR_PAGE_FAILED = 3,
-    PR_PAGE_NONFINITE = 4
+    PR_PAGE_NONFINITE = 4,
+    PR_PAGE_BAD_AUTH = 5 /* an answer failed its tag (pr_page_arrived's ok < 0) */
 };
 
 struct pr_pull {
@@ -90,6 +92,10 @@ struct pr_pull {
     pr_xpage *pages;
     int drop[PR_DROP_COUNT];
     int status;
+    int encrypt;                   /* ask for the pages encrypted */
+    int no_auth;                   /* pr_config.no_auth */
+    uint8_t token[PR_TOKEN_BYTES]; /* the lease's, from the offer (seal.c) */
+    uint8_t page_key[PR_KEY_BYTES];
     int submitted;          /* handed to the back end */
     _Atomic int fetch_done; /* the back end is done with it: no operation left on its pages */
     _Atomic int settled;    /* pages whose state is final */
@@ -105,6 +111,7 @@ typedef struct pr_lease {
     int first, n, status, emitted;
     pr_page_desc *descs;
     int32_t *tokens;
+    uint8_t key[PR_KEY_BYTES], token[PR_TOKEN_BYTES], page_key[PR_KEY_BYTES];
 } pr_lease;
 
 /* ---------------------------------------------------------------- back ends */
@@ -147,6 +154,7 @@ struct pr_node {
      * (pr_lease_allows, from its progress thread); the owner thread takes it to change them. */
     pthread_mutex_t lease_mu;
     _Atomic uint64_t fetches_refused; /* reads asked of pages no live lease offered */
+    _Atomic uint64_t fetches_unkeyed, fetches_dropped, answers_forged, am_unknown; /* pr_stats */
     int wait_fd; /* eventfd: the back end writes it when a pull's reads have all completed */
     int closed;  /* the back end is gone (pr_node_destroy): nothing more to tell it */
     /* the background prefault of the arena (pr_config.prefault_bytes; node.c) */
@@ -161,9 +169,9 @@ struct pr_node {
  * wakes the owner's wait_fd); any thread. */
 void pr_pull_fetched(pr_node *n, pr_pull *p);
 
-/* pull.c — called by the back end's progress thread when page i's read completed (ok) or
- * failed; verifies the checksum (sum: what the back end computed of the page as it landed, or
- * NULL to compute it now) and settles the page. */
+/* pull.c — called by the back end's progress thread when page i's read completed (ok > 0),
+ * failed (0) or failed its tag (< 0); verifies the checksum (sum: what the back end computed of the
+ * page as it landed, or NULL to compute it now) and settles the page. */
 void pr_page_arrived(pr_pull *p, int i, int ok, const uint64_t *sum);
 /* Imports what a zombie pull got intact, then frees it (its reads have all completed). */
 void pr_pull_reap(pr_node *n, pr_pull *p);
@@ -173,12 +181,23 @@ void pr_peer_unref(pr_node *n, pr_peer *p);
 
 /* serve.c */
 void pr_leases_expire(pr_node *n, uint64_t now_ns);
-/* 1 when a live lease of pull pull_id offered exactly this page (region, address, size): what a
- * holder answering a fetch checks, so that a reader gets only pages offered to that pull while
- * the lease lasts, never the rest of the registered memory (another tenant's pages). Any
- * thread. */
-int pr_lease_allows(pr_node *n, uint64_t pull_id, uint32_t index, uint32_t region, uint64_t addr,
-                    uint64_t bytes);
+/* What a holder answering a fetch checks, so that a reader gets only pages offered to it while
+ * the lease lasts, never the rest of the registered memory (another tenant's pages): 1 when a
+ * live lease of pull pull_id whose fetch token is `token` offered exactly this page (region,
+ * address, size), its page key, description and token ids (page_tokens) copied out; 0 when a lease
+ * of that pull and token exists but this page is not its (answered with a refusal); -1 when no
+ * lease has that token (not answered: the asker proved nothing). Any thread. */
+int pr_lease_allows(pr_node *n, uint64_t pull_id, const uint8_t *token, uint32_t index,
+                    uint32_t region, uint64_t addr, uint64_t bytes, uint8_t *page_key,
+                    pr_page_desc *desc, int32_t *tokens);
+
+/* seal.c */
+void pr_lease_secret(uint8_t key[PR_KEY_BYTES]);
+/* The fetch token and the page key of a lease secret. */
+void pr_key_derive(const uint8_t key[PR_KEY_BYTES], uint8_t token[PR_TOKEN_BYTES],
+                   uint8_t page_key[PR_KEY_BYTES]);
+/* 1 when the two tokens are equal (in constant time). */
+int pr_token_eq(const uint8_t *a, const uint8_t *b);
 int pr_leases_emit(pr_node *n, pr_offer *out, int max);
 void pr_leases_free(pr_node *n);
 

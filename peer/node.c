@@ -14,6 +14,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <sodium.h>
+
 #include "peer/internal.h"
 
 #ifndef MADV_POPULATE_WRITE
@@ -102,6 +104,7 @@ int pr_node_create(const pr_config *cfg, pr_node **out, km_errbuf *err)
     if (!ops) return km_errf(err, KM_EUNSUPPORTED, "peer node: unknown back end %s", cfg->backend);
     if (cfg->mode != PR_MODE_GET && cfg->mode != PR_MODE_AM)
         return km_errf(err, KM_EINVAL, "peer node: unknown mode %d", (int)cfg->mode);
+    if (sodium_init() < 0) return km_errf(err, KM_EIO, "peer node: libsodium did not start");
     pr_node *n = calloc(1, sizeof *n);
     if (!n) return km_errf(err, KM_ENOMEM, "peer node: out of memory");
     n->cfg = *cfg;
@@ -116,6 +119,10 @@ int pr_node_create(const pr_config *cfg, pr_node **out, km_errbuf *err)
     n->next_pull_id = 1;
     atomic_init(&n->endpoints, 0);
     atomic_init(&n->fetches_refused, 0);
+    atomic_init(&n->fetches_unkeyed, 0);
+    atomic_init(&n->fetches_dropped, 0);
+    atomic_init(&n->answers_forged, 0);
+    atomic_init(&n->am_unknown, 0);
     pthread_mutex_init(&n->lease_mu, NULL);
     n->n_regions = kv_store_mem_regions(n->store, n->regions, PR_MAX_REGIONS);
     n->wait_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -177,6 +184,16 @@ int pr_node_address(const pr_node *n, const uint8_t **addr, size_t *len)
 
 /* ---------------------------------------------------------------- peers */
 
+/* PR_ENCRYPT_AUTO: pages cross a network unless the holder is on a loopback address or is
+ * advertised under this node's own host. */
+static int pr_peer_encrypt(const pr_node *n, const char *host)
+{
+    if (n->cfg.encrypt != PR_ENCRYPT_AUTO) return n->cfg.encrypt == PR_ENCRYPT_ON;
+    const int loopback = !strncmp(host, "127.", 4) || !strcmp(host, "::1") ||
+                         !strcmp(host, "localhost") || !strcmp(host, n->cfg.advertise_host);
+    return !loopback;
+}
+
 int pr_peer_connect(pr_node *n, const uint8_t *addr, size_t len, pr_peer **out, km_errbuf *err)
 {
     *out = NULL;
@@ -195,6 +212,7 @@ int pr_peer_connect(pr_node *n, const uint8_t *addr, size_t len, pr_peer **out, 
     atomic_init(&p->failed, 0);
     atomic_init(&p->closed, 0);
     p->refs = 1;
+    p->encrypt = pr_peer_encrypt(n, p->addr.host);
     if ((rc = n->ops->connect(n, p, err))) {
         free(p->addr_buf);
         free(p);
@@ -278,8 +296,12 @@ void pr_node_stats(const pr_node *n, pr_stats *out)
 {
     *out = n->st;
     out->endpoints = atomic_load_explicit(&((pr_node *)n)->endpoints, memory_order_relaxed);
-    out->fetches_refused =
-        atomic_load_explicit(&((pr_node *)n)->fetches_refused, memory_order_relaxed);
+    pr_node *m = (pr_node *)n;
+    out->fetches_refused = atomic_load_explicit(&m->fetches_refused, memory_order_relaxed);
+    out->fetches_unkeyed = atomic_load_explicit(&m->fetches_unkeyed, memory_order_relaxed);
+    out->fetches_dropped = atomic_load_explicit(&m->fetches_dropped, memory_order_relaxed);
+    out->answers_forged = atomic_load_explicit(&m->answers_forged, memory_order_relaxed);
+    out->am_unknown = atomic_load_explicit(&m->am_unknown, memory_order_relaxed);
     out->pulls_active = 0;
     for (const pr_pull *p = n->pulls; p; p = p->next) out->pulls_active++;
     for (const pr_pull *p = n->zombies; p; p = p->next) out->pulls_active++;

@@ -17,9 +17,12 @@
  *  - Correct or nothing: a page reaches the receiver's index only when its token ids equal the
  *    receiver's, its chain link holds (parent = the receiver's previous link, hash =
  *    km_pagehash_next(parent, tokens)) and the checksum of what arrived equals the holder's
- *    (kv_xfer_checksum: identity, tokens and payload). A page that fails is dropped and counted
- *    by reason, and the chain ends before it; a page in another format than the receiver's
- *    store is converted as it is indexed.
+ *    (kv_xfer_checksum: identity, tokens and payload). In AM mode every answer is also
+ *    authenticated under the lease's secret, which only the holder and this reader know
+ *    (docs/transfer.md, "Who may read a page"): the holder takes the checksum in the pass that
+ *    tags the bytes, and the reader, checking the tag, trusts it rather than reading the page a
+ *    second time. A page that fails is dropped and counted by reason, and the chain ends before
+ *    it; a page in another format than the receiver's store is converted as it is indexed.
  *  - Every wait has a deadline. A pull still running at its deadline is canceled: nothing more
  *    is read and its pages still missing are dropped (PR_DROP_TIMEOUT). If the peer has been
  *    silent for a second (no page or answer on the connection), or a read into our pages is
@@ -46,7 +49,10 @@
 extern "C" {
 #endif
 
-#define PR_MAX_PAGES 4096 /* pages in one pull */
+#define PR_MAX_PAGES   4096 /* pages in one pull */
+#define PR_KEY_BYTES   32   /* a lease's secret */
+#define PR_TOKEN_BYTES 16   /* the fetch token derived from it */
+#define PR_TAG_BYTES   16   /* an answer's authentication tag */
 
 typedef struct pr_node pr_node;
 typedef struct pr_peer pr_peer;
@@ -59,6 +65,14 @@ typedef enum pr_mode {
     PR_MODE_AM = 0,  /* an active-message fetch, answered by a rendezvous send (default) */
     PR_MODE_GET = 1, /* one-sided ucp_get_nbx from the holder's registered memory */
 } pr_mode;
+
+/* Whether a puller asks for its pages encrypted (they are always authenticated): docs/transfer.md,
+ * "Who may read a page", says why auto is the default. */
+typedef enum pr_encrypt {
+    PR_ENCRYPT_AUTO = 0, /* when the holder's advertised host is not a loopback address or ours */
+    PR_ENCRYPT_ON = 1,
+    PR_ENCRYPT_OFF = 2,
+} pr_encrypt;
 
 typedef struct pr_config {
     kv_store *store;            /* created with kv_config.arena = 1 */
@@ -83,6 +97,11 @@ typedef struct pr_config {
      * says what that costs a fresh worker's pull); 0: the store's hot-tier budget; < 0:
      * none (pages are faulted in as they are first written). Resident memory grows to it. */
     long long prefault_bytes;
+    pr_encrypt encrypt; /* reader side; a holder answers as each fetch asks */
+    /* Benchmarks only (bench_transfer's baseline): ask for answers without tags and take them
+     * unchecked. A reader without it fails every untagged answer, so it opens nothing to a
+     * peer; never set in a daemon. */
+    int no_auth;
 } pr_config;
 
 #define PR_STREAM_DEFAULT (16ll << 20)
@@ -125,7 +144,10 @@ typedef struct pr_page_desc {
     uint64_t checksum; /* kv_xfer_checksum */
 } pr_page_desc;
 
-/* Holder -> puller: the pages pinned for it (n = 0 and status < 0 when none). */
+/* Holder -> puller: the pages pinned for it (n = 0 and status < 0 when none). The key is the
+ * lease's secret: every read of its pages proves it, and their bytes are authenticated (or
+ * encrypted) under it, so the offer must travel on an authenticated, encrypted channel (the
+ * workers' CURVE connection): whoever learns it may read the lease's pages. */
 typedef struct pr_offer {
     uint64_t pull_id;
     uint64_t lease_id; /* 0: nothing pinned */
@@ -135,6 +157,7 @@ typedef struct pr_offer {
     int page_tokens;
     const pr_page_desc *pages; /* [n] */
     const int32_t *tokens;     /* [n * page_tokens]: the holder's stored token ids */
+    uint8_t key[PR_KEY_BYTES]; /* the lease's secret (random; zero when nothing is pinned) */
 } pr_offer;
 
 /* Puller -> holder: the lease can end. */
@@ -165,6 +188,7 @@ typedef enum pr_drop {
     PR_DROP_TRANSFER,   /* the read failed (peer failure, canceled) */
     PR_DROP_TIMEOUT,    /* still missing at the deadline */
     PR_DROP_NONFINITE,  /* its checksum held, but a value or scale is an infinity or a NaN */
+    PR_DROP_AUTH,       /* an answer failed its tag, or came unencrypted when asked encrypted */
     PR_DROP_COUNT
 } pr_drop;
 
@@ -225,6 +249,10 @@ typedef struct pr_stats {
     uint64_t pulls, pulls_ok, pulls_failed, pages_in, bytes_in;
     uint64_t offers, pages_out, bytes_out, leases_expired;
     uint64_t fetches_refused; /* reads asked of pages no live lease offered (holder side) */
+    uint64_t fetches_unkeyed; /* of those, reads whose token matched no lease: not answered */
+    uint64_t fetches_dropped; /* reads over the bound of answers queued (PR_CONN_REPLIES) */
+    uint64_t answers_forged;  /* answers to our reads with a wrong token or tag (puller side) */
+    uint64_t am_unknown;      /* active messages of an id this node does not use */
     uint64_t dones_ignored;   /* pr_serve_done that ended no lease: late, or not the requester */
     uint64_t peers_failed, dropped[PR_DROP_COUNT];
     uint64_t prefaulted, prefault_target; /* arena bytes made resident so far, of how many */

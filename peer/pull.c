@@ -18,8 +18,8 @@
 
 const char *pr_drop_name(pr_drop d)
 {
-    static const char *names[] = {"tokens",   "chain",   "format",   "checksum",
-                                  "transfer", "timeout", "nonfinite"};
+    static const char *names[] = {"tokens",   "chain",   "format",    "checksum",
+                                  "transfer", "timeout", "nonfinite", "auth"};
     return (unsigned)d < PR_DROP_COUNT ? names[d] : "unknown";
 }
 
@@ -116,6 +116,9 @@ int pr_pull_offer(pr_node *n, pr_pull *p, const pr_offer *o)
         return KM_EPROTO;
     }
     p->offered = o->n;
+    pr_key_derive(o->key, p->token, p->page_key);
+    p->encrypt = p->peer->encrypt && !n->cfg.no_auth;
+    p->no_auth = n->cfg.no_auth;
     kv_format *wire = malloc(sizeof *wire * o->n);
     kv_xfer_page *dst = malloc(sizeof *dst * o->n);
     int m = 0, rc = 0;
@@ -162,8 +165,8 @@ int pr_pull_offer(pr_node *n, pr_pull *p, const pr_offer *o)
 void pr_page_arrived(pr_pull *p, int i, int ok, const uint64_t *sum)
 {
     pr_xpage *x = &p->pages[i];
-    int st = PR_PAGE_FAILED;
-    if (ok)
+    int st = ok < 0 ? PR_PAGE_BAD_AUTH : PR_PAGE_FAILED;
+    if (ok > 0)
         st = (sum ? *sum : kv_xfer_checksum(&x->dst, p->page_tokens, x->dst.buf)) == x->src.checksum
                  ? PR_PAGE_OK
                  : PR_PAGE_BAD_SUM;
@@ -202,6 +205,11 @@ static int pr_pull_commit(pr_node *n, pr_pull *p, pr_pull_result *res)
         if (st == PR_PAGE_OK) {
             bytes += p->pages[ok].dst.bytes;
             continue;
+        }
+        if (st == PR_PAGE_BAD_AUTH) { /* pr_page_arrived: never imported */
+            p->drop[PR_DROP_AUTH]++;
+            if (!p->status) p->status = KM_ECORRUPT;
+            break;
         }
         int why = st == PR_PAGE_BAD_SUM                                 ? PR_DROP_CHECKSUM
                   : atomic_load(&p->timed_out) || st == PR_PAGE_PENDING ? PR_DROP_TIMEOUT

@@ -8,9 +8,10 @@
  * Offers leave through pr_node_poll rather than from pr_serve itself because a page on the
  * host tier is first promoted by the store's promoter thread: the owner never waits for it.
  *
- * A holder answering fetches (AM mode) serves only what a live lease of that pull offered
- * (pr_lease_allows): the registered memory holds every tenant's pages, and neither the pull id
- * nor UCX's connection says who asks, so the offer is the grant. The owner thread changes the
+ * A holder answering fetches (AM mode) serves only what a live lease offered, to whoever proves
+ * the lease's secret (pr_lease_allows): the registered memory holds every tenant's pages, and
+ * neither the pull id nor UCX's connection says who asks, so the secret, drawn per lease and
+ * sent only with the offer, is the grant (seal.c). The owner thread changes the
  * list and a lease's description under lease_mu; the back end's progress thread reads them
  * under it.
  */
@@ -43,6 +44,8 @@ int pr_serve(pr_node *n, const pr_pull_req *req)
     }
     pr_lease *l = pr_lease_refuse(n, req, 0);
     if (!l) return KM_ENOMEM;
+    pr_lease_secret(l->key); /* before it has an id: fetches look only at leases with one */
+    pr_key_derive(l->key, l->token, l->page_key);
     uint64_t deadline = km_now_ns() + (uint64_t)n->cfg.lease_ms * 1000000ull, id = 0;
     int held = kv_export_begin(n->store, req->hashes, req->tokens, req->n_pages, deadline, &id);
     if (held <= req->first) {
@@ -166,24 +169,33 @@ int pr_leases_emit(pr_node *n, pr_offer *out, int max)
             .pages = l->descs,
             .tokens = l->tokens,
         };
+        if (l->id) memcpy(out[k - 1].key, l->key, PR_KEY_BYTES);
         n->st.offers++;
         if (l->id) n->st.pages_out += (uint64_t)l->n;
     }
     return k;
 }
 
-int pr_lease_allows(pr_node *n, uint64_t pull_id, uint32_t index, uint32_t region, uint64_t addr,
-                    uint64_t bytes)
+int pr_lease_allows(pr_node *n, uint64_t pull_id, const uint8_t *token, uint32_t index,
+                    uint32_t region, uint64_t addr, uint64_t bytes, uint8_t *page_key,
+                    pr_page_desc *desc, int32_t *tokens)
 {
+    const int pt = kv_store_page_tokens(n->store);
     uint64_t now = km_now_ns();
-    int ok = 0;
+    int ok = -1;
     pthread_mutex_lock(&n->lease_mu);
     for (const pr_lease *l = n->leases; l; l = l->next) {
-        if (!l->id || l->pull_id != pull_id || !l->descs || l->deadline_ns <= now) continue;
-        /* the fetch names its page by its place in the offer: one comparison per lease of that
-         * pull id (two pullers may use the same id), not a scan of its pages */
+        if (!l->id || l->pull_id != pull_id || !pr_token_eq(l->token, token)) continue;
+        ok = 0; /* the asker holds the lease's secret: it may hear a refusal */
+        if (!l->descs || l->deadline_ns <= now) break;
+        /* the fetch names its page by its place in the offer: one comparison, not a scan */
         const pr_page_desc *d = index < (uint32_t)l->n ? &l->descs[index] : NULL;
-        if ((ok = d && d->region == region && d->addr == addr && d->bytes == bytes)) break;
+        if ((ok = d && d->region == region && d->addr == addr && d->bytes == bytes)) {
+            memcpy(page_key, l->page_key, PR_KEY_BYTES);
+            *desc = *d;
+            memcpy(tokens, l->tokens + (size_t)index * pt, sizeof(int32_t) * pt);
+        }
+        break;
     }
     pthread_mutex_unlock(&n->lease_mu);
     return ok;

@@ -206,6 +206,14 @@ static void pr_do_connect(pr_ucx *u, pr_peer *p)
         pr_ep_fail(e);
 }
 
+static ucs_status_t pr_am_unknown_cb(void *arg, const void *header, size_t hlen, void *data,
+                                     size_t len, const ucp_am_recv_param_t *param)
+{
+    pr_ucx *u = arg;
+    atomic_fetch_add_explicit(&u->node->am_unknown, 1, memory_order_relaxed);
+    return UCS_OK;
+}
+
 static void pr_conn_cb(ucp_conn_request_h req, void *arg)
 {
     pr_ucx *u = arg;
@@ -416,6 +424,13 @@ static int pr_ucx_open(pr_node *n, km_errbuf *err)
     u->wfd = u->evfd = u->epfd = -1;
     pthread_mutex_init(&u->mu, NULL);
     u->old_cm = pr_ucx_old_cm();
+    u->tokens = malloc(sizeof(int32_t) * (size_t)kv_store_page_tokens(n->store));
+    if (!u->tokens || pr_seal_init(&u->seal)) {
+        free(u->tokens);
+        pthread_mutex_destroy(&u->mu);
+        free(u);
+        return km_errf(err, KM_ENOMEM, "peer ucx: no cipher context");
+    }
     if (u->old_cm)
         KM_WARN("peer_ucx_old",
                 "version=%s why=\"its connection manager can crash; build against "
@@ -489,6 +504,15 @@ static int pr_ucx_open(pr_node *n, km_errbuf *err)
     hp.cb = pr_am_data_cb;
     if ((st = ucp_worker_set_am_recv_handler(u->w, &hp)) != UCS_OK)
         return pr_ucx_fail(n, u, err, "am handler", st);
+    /* every other id a peer may name: counted and dropped rather than logged by UCX; from the
+     * highest down, so that UCX's table of handlers grows once */
+    hp.cb = pr_am_unknown_cb;
+    for (unsigned id = PR_AM_IDS; id-- > 0;) {
+        if (id == PR_AM_FETCH || id == PR_AM_DATA) continue;
+        hp.id = id;
+        if ((st = ucp_worker_set_am_recv_handler(u->w, &hp)) != UCS_OK)
+            return pr_ucx_fail(n, u, err, "am handler", st);
+    }
     struct sockaddr_storage ss;
     socklen_t sl;
     if (pr_sockaddr(n->cfg.listen_host, n->cfg.listen_port, &ss, &sl)) {
@@ -617,6 +641,8 @@ static void pr_ucx_close(pr_node *n)
     if (u->evfd >= 0) close(u->evfd);
     n->be = NULL;
     if (stuck) return; /* u is still UCX's callback argument (above) */
+    pr_seal_free(&u->seal);
+    free(u->tokens);
     pthread_mutex_destroy(&u->mu);
     free(u);
 }

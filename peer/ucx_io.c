@@ -67,6 +67,7 @@ static void pr_op_settle_sum(pr_op *o, int ok, const uint64_t *sum)
     pr_page_arrived(up->p, o->index, ok, sum);
 }
 
+/* ok: 1 arrived, 0 failed, -1 failed its tag (pr_page_arrived) */
 static void pr_op_settle(pr_op *o, int ok)
 {
     pr_op_settle_sum(o, ok, NULL);
@@ -79,9 +80,12 @@ static void pr_op_settle(pr_op *o, int ok)
  * ownership first, which pulls of many pages read faster (docs/transfer.md, "Tuning",
  * stream_bytes); 16 pages (5.9 MB, under the threshold) stay in the cache, where streaming
  * stores measured slower. */
-static void pr_land(pr_upull *up, pr_op *o, const kv_xfer_page *d, uint64_t off, const void *data,
-                    size_t len)
+static void pr_land(pr_ucx *u, pr_upull *up, pr_op *o, const kv_xfer_page *d, const pr_data_hdr *h,
+                    const void *data, size_t len)
 {
+    const uint64_t off = h->offset;
+    const int enc = (h->flags & PR_DATA_ENCRYPTED) != 0, check = !up->p->no_auth;
+    int sealed = !check || pr_seal_begin(&u->seal, up->p->page_key, h, 1) == 0;
     if (o->phase == PR_OP_FETCH_SENT) {
         o->phase = PR_OP_LANDING;
         o->landed = o->hashed = 0;
@@ -90,24 +94,36 @@ static void pr_land(pr_upull *up, pr_op *o, const kv_xfer_page *d, uint64_t off,
             kv_xfer_sum_begin(&up->sums[o->sum], d, up->p->page_tokens);
         }
     }
-    const int in_order = o->sum >= 0 && off == o->hashed;
+    const int in_order = !check && o->sum >= 0 && off == o->hashed;
     const uint8_t *src = data;
     for (size_t at = 0; at < len; at += PR_LAND_CHUNK) {
         const size_t c = len - at < PR_LAND_CHUNK ? len - at : PR_LAND_CHUNK;
         uint8_t *to = d->buf + off + at;
-        if (up->stream)
+        if (enc) /* decrypted into the page, then hashed there */
+            sealed = sealed && pr_seal_update(&u->seal, src + at, to, c) == 0;
+        else if (up->stream)
             pr_copy_nt(to, src + at, c);
         else
             memcpy(to, src + at, c);
-        if (in_order) kv_xfer_sum_update(&up->sums[o->sum], up->stream ? src + at : to, c);
+        if (!enc && check) sealed = sealed && pr_seal_update(&u->seal, src + at, NULL, c) == 0;
+        if (in_order) kv_xfer_sum_update(&up->sums[o->sum], up->stream && !enc ? src + at : to, c);
     }
+    uint8_t tag[PR_TAG_BYTES];
+    memcpy(tag, h->tag, sizeof tag);
+    if (check && (!sealed || pr_seal_end(&u->seal, tag)))
+        o->forged = 1; /* the page fails once complete */
 #ifdef __SSE2__
     if (up->stream) _mm_sfence(); /* the streamed bytes are in the page before it is published */
 #endif
     if (in_order) o->hashed += len;
     o->landed += len;
     if (o->landed < d->bytes) return;
-    if (o->sum >= 0 && o->hashed == d->bytes) {
+    if (o->forged) {
+        atomic_fetch_add_explicit(&u->node->answers_forged, 1, memory_order_relaxed);
+        pr_op_settle(o, -1);
+    } else if (check) { /* the holder's tag pass vouched for the checksum (pr_reply_seal) */
+        pr_op_settle_sum(o, 1, &up->p->pages[o->index].src.checksum);
+    } else if (o->sum >= 0 && o->hashed == d->bytes) {
         const uint64_t sum = kv_xfer_sum_end(&up->sums[o->sum]);
         pr_op_settle_sum(o, 1, &sum);
     } else {
@@ -123,12 +139,34 @@ static void pr_get_done(void *req, ucs_status_t status, void *arg)
     pr_op_settle(o, status == UCS_OK);
 }
 
+/* A page that landed whole (rendezvous): its tag checked, decrypted in place. */
+static int pr_open_page(pr_ucx *u, pr_op *o)
+{
+    const pr_upull *up = o->up;
+    uint8_t *page = up->p->pages[o->index].dst.buf;
+    const size_t len = o->rndv.len;
+    const int enc = (o->rndv.flags & PR_DATA_ENCRYPTED) != 0;
+    if (up->p->no_auth) return 1;
+    if (pr_seal_begin(&u->seal, up->p->page_key, &o->rndv, 1) ||
+        pr_seal_update(&u->seal, page, enc ? page : NULL, len) ||
+        pr_seal_end(&u->seal, o->rndv.tag)) {
+        atomic_fetch_add_explicit(&u->node->answers_forged, 1, memory_order_relaxed);
+        return -1;
+    }
+    return 1;
+}
+
 static void pr_recv_done(void *req, ucs_status_t status, size_t length, void *arg)
 {
     pr_op *o = arg;
     ucp_request_free(req);
     if (status == UCS_OK) o->up->ep->live_ns = km_now_ns();
-    pr_op_settle(o, status == UCS_OK && length == o->up->p->pages[o->index].dst.bytes);
+    const int ok = status == UCS_OK && length == o->up->p->pages[o->index].dst.bytes;
+    const int opened = ok ? pr_open_page(o->up->ep->u, o) : 0;
+    if (opened > 0 && !o->up->p->no_auth) /* the holder's tag pass vouched for the checksum */
+        pr_op_settle_sum(o, 1, &o->up->p->pages[o->index].src.checksum);
+    else
+        pr_op_settle(o, opened);
 }
 
 static void pr_fetch_sent(void *req, ucs_status_t status, void *arg)
@@ -166,11 +204,16 @@ static void pr_issue(pr_ucx *u, pr_upull *up, pr_op *o)
         return;
     }
     o->phase = PR_OP_FETCH_SENT;
-    o->fetch.pull_id = p->id;
-    o->fetch.index = (uint32_t)o->index;
-    o->fetch.region = x->src.region;
-    o->fetch.addr = x->src.addr;
-    o->fetch.bytes = x->src.bytes;
+    o->forged = 0;
+    o->fetch = (pr_fetch_hdr){.pull_id = p->id,
+                              .index = (uint32_t)o->index,
+                              .region = x->src.region,
+                              .addr = x->src.addr,
+                              .bytes = x->src.bytes,
+                              .flags = p->no_auth   ? PR_DATA_UNTAGGED
+                                       : p->encrypt ? PR_DATA_ENCRYPTED
+                                                    : 0};
+    memcpy(o->fetch.token, p->token, PR_TOKEN_BYTES);
     ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
                                                UCP_OP_ATTR_FIELD_USER_DATA |
                                                UCP_OP_ATTR_FIELD_FLAGS,
@@ -198,22 +241,37 @@ ucs_status_t pr_am_data_cb(void *arg, const void *header, size_t hlen, void *dat
     memcpy(&h, header, sizeof h);
     pr_upull *up = pr_upull_find(u, h.pull_id);
     if (!up || h.index >= (uint32_t)up->p->n) return UCS_OK; /* given up: dropped */
+    if (!pr_token_eq(h.token, up->p->token)) { /* not from the lease's holder: no effect */
+        atomic_fetch_add_explicit(&u->node->answers_forged, 1, memory_order_relaxed);
+        return UCS_OK;
+    }
     up->ep->live_ns = km_now_ns();
     pr_op *o = &up->ops[h.index];
     if (o->phase != PR_OP_FETCH_SENT && o->phase != PR_OP_LANDING) return UCS_OK;
     const kv_xfer_page *d = &up->p->pages[o->index].dst;
     const int rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
-    if (h.status || h.offset > d->bytes || len > d->bytes - h.offset ||
+    if (h.status == PR_REFUSE_TORN) { /* the holder's page changed under the lease */
+        const uint64_t torn = ~up->p->pages[o->index].src.checksum;
+        pr_op_settle_sum(o, 1, &torn);
+        return UCS_OK;
+    }
+    if (h.status || h.offset > d->bytes || len > d->bytes - h.offset || h.len != len ||
         (rndv && (o->phase != PR_OP_FETCH_SENT || len != d->bytes)) ||
         o->landed + len > d->bytes) { /* refused, or not a piece of this page */
         pr_op_settle(o, 0);
         return UCS_OK;
     }
+    if (up->p->encrypt && !(h.flags & PR_DATA_ENCRYPTED)) { /* asked encrypted: a downgrade */
+        atomic_fetch_add_explicit(&u->node->answers_forged, 1, memory_order_relaxed);
+        pr_op_settle(o, -1);
+        return UCS_OK;
+    }
     if (!rndv) {
-        pr_land(up, o, d, h.offset, data, len);
+        pr_land(u, up, o, d, &h, data, len);
         return UCS_OK;
     }
     o->phase = PR_OP_RECEIVING;
+    o->rndv = h;
     ucp_request_param_t prm = {.op_attr_mask =
                                    UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
                                .cb.recv_am = pr_recv_done,
@@ -296,39 +354,88 @@ ucs_status_t pr_am_fetch_cb(void *arg, const void *header, size_t hlen, void *da
                             const ucp_am_recv_param_t *param)
 {
     pr_ucx *u = arg;
-    pr_op o;
-    if (hlen != sizeof o.fetch || !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP))
+    pr_fetch_hdr f;
+    if (hlen != sizeof f || len || !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) {
+        atomic_fetch_add_explicit(&u->node->fetches_unkeyed, 1, memory_order_relaxed);
         return UCS_OK;
-    memcpy(&o.fetch, header, sizeof o.fetch);
+    }
+    memcpy(&f, header, sizeof f);
     pr_uep *conn = pr_conn_of(u, param->reply_ep);
-    pr_reply *r = conn && !conn->failed ? calloc(1, sizeof *r) : NULL;
+    if (!conn || conn->failed) return UCS_OK;
+    if (conn->replies >= PR_CONN_REPLIES || u->n_replies >= PR_NODE_REPLIES) {
+        atomic_fetch_add_explicit(&u->node->fetches_dropped, 1, memory_order_relaxed);
+        return UCS_OK;
+    }
+    /* only a page a live lease offered, to whoever proves its secret: never the rest of the
+     * registered memory, and nothing at all (not even a refusal) to a guess */
+    const size_t tb = sizeof(int32_t) * (size_t)kv_store_page_tokens(u->node->store);
+    uint8_t key[PR_KEY_BYTES];
+    pr_page_desc desc;
+    /* nothing is allocated before the asker has proved the lease's secret */
+    int allowed = pr_range_ok(u, f.region, f.addr, f.bytes)
+                      ? pr_lease_allows(u->node, f.pull_id, f.token, f.index, f.region, f.addr,
+                                        f.bytes, key, &desc, u->tokens)
+                      : pr_lease_allows(u->node, f.pull_id, f.token, UINT32_MAX, 0, 0, 0, key,
+                                        &desc, u->tokens);
+    if (allowed <= 0) atomic_fetch_add_explicit(&u->node->fetches_refused, 1, memory_order_relaxed);
+    if (allowed < 0) atomic_fetch_add_explicit(&u->node->fetches_unkeyed, 1, memory_order_relaxed);
+    const uint32_t flags =
+        f.flags & PR_DATA_UNTAGGED ? PR_DATA_UNTAGGED : f.flags & PR_DATA_ENCRYPTED;
+    const uint64_t sealed = allowed && (flags & PR_DATA_ENCRYPTED) ? f.bytes : 0;
+    if (allowed < 0 || conn->sealed + sealed > PR_CONN_SEALED ||
+        u->sealed + sealed > PR_NODE_SEALED) {
+        if (allowed >= 0)
+            atomic_fetch_add_explicit(&u->node->fetches_dropped, 1, memory_order_relaxed);
+        return UCS_OK;
+    }
+    pr_reply *r = calloc(1, sizeof *r);
+    if (r && !(r->tokens = malloc(tb))) {
+        free(r);
+        r = NULL;
+    }
     if (!r) return UCS_OK;
+    if (allowed > 0) {
+        memcpy(r->key, key, PR_KEY_BYTES);
+        r->desc = desc;
+        memcpy(r->tokens, u->tokens, tb);
+    }
+    conn->sealed += sealed;
+    u->sealed += sealed;
+    r->reserved = sealed;
     r->u = u;
     r->conn = conn;
-    r->hdr.pull_id = o.fetch.pull_id;
-    r->hdr.index = o.fetch.index;
-    r->addr = o.fetch.addr;
-    r->bytes = o.fetch.bytes;
-    r->region = o.fetch.region;
-    /* only a page a live lease of this pull offered: never the rest of the registered memory */
-    r->hdr.status =
-        pr_range_ok(u, r->region, r->addr, r->bytes) &&
-                pr_lease_allows(u->node, r->hdr.pull_id, r->hdr.index, r->region, r->addr, r->bytes)
-            ? 0
-            : 1;
-    if (r->hdr.status)
-        atomic_fetch_add_explicit(&u->node->fetches_refused, 1, memory_order_relaxed);
+    r->hdr.pull_id = f.pull_id;
+    r->hdr.index = f.index;
+    r->hdr.status = allowed ? 0 : 1;
+    r->hdr.flags = flags;
+    memcpy(r->hdr.token, f.token, PR_TOKEN_BYTES);
+    r->addr = f.addr;
+    r->bytes = f.bytes;
+    r->region = f.region;
+    conn->replies++;
+    u->n_replies++;
     r->next = u->replies; /* sent by the loop, outside UCX's callback */
     u->replies = r;
     return UCS_OK;
+}
+
+static void pr_reply_free(pr_reply *r)
+{
+    r->conn->replies--;
+    r->conn->sealed -= r->reserved;
+    r->u->n_replies--;
+    r->u->sealed -= r->reserved;
+    free(r->frag);
+    free(r->sealed);
+    free(r->tokens);
+    free(r);
 }
 
 static void pr_reply_unref(pr_reply *r)
 {
     if (--r->pending) return;
     r->u->sends--;
-    free(r->frag);
-    free(r);
+    pr_reply_free(r);
 }
 
 static void pr_reply_sent(void *req, ucs_status_t status, void *arg)
@@ -362,6 +469,43 @@ static int pr_conn_am_tcp(pr_uep *e)
     return e->am_tcp = tcp;
 }
 
+/* The tag pass over r's page: each fragment's header and tag (into r->frag, or r->hdr when
+ * n == 1), the ciphertext when encrypted, and the page's checksum on the same read of each
+ * piece. 1 when the checksum is the one the offer described; 0 when the page changed under the
+ * lease (torn), or a step failed. The reader then trusts the tag for the bytes and this pass
+ * for the checksum, and reads the page once (docs/transfer.md, "Who may read a page"). */
+static int pr_reply_seal(pr_ucx *u, pr_reply *r, int n, size_t fb)
+{
+    enum { PIECE = 16384 };
+    const int pt = kv_store_page_tokens(u->node->store);
+    const kv_xfer_page id = {.format = (kv_format)r->desc.format,
+                             .index = r->desc.index,
+                             .hash = r->desc.hash,
+                             .parent = r->desc.parent,
+                             .tokens = r->tokens,
+                             .bytes = r->desc.bytes};
+    kv_xfer_sum sum;
+    memset(&sum, 0, sizeof sum);
+    kv_xfer_sum_begin(&sum, &id, pt);
+    int ok = 1;
+    for (int k = 0; k < n && ok; k++) {
+        pr_data_hdr *h = n > 1 ? &r->frag[k] : &r->hdr;
+        *h = r->hdr;
+        h->offset = (uint64_t)k * fb;
+        h->len = (uint32_t)(r->bytes - h->offset < fb ? r->bytes - h->offset : fb);
+        const uint8_t *page = (const uint8_t *)(uintptr_t)(r->addr + h->offset);
+        uint8_t *out = r->sealed ? r->sealed + h->offset : NULL;
+        ok = pr_seal_begin(&u->seal, r->key, h, 0) == 0;
+        for (size_t at = 0; ok && at < h->len; at += PIECE) {
+            const size_t c = h->len - at < PIECE ? h->len - at : PIECE;
+            ok = pr_seal_update(&u->seal, page + at, out ? out + at : NULL, c) == 0;
+            kv_xfer_sum_update(&sum, page + at, c);
+        }
+        ok = ok && pr_seal_end(&u->seal, h->tag) == 0;
+    }
+    return ok && kv_xfer_sum_end(&sum) == r->desc.checksum;
+}
+
 /* Sends r: a refusal (a header alone), the page as one rendezvous message (am_fragment < 0, or
  * a connection not on TCP), or the page in eager fragments of am_fragment bytes, each with its
  * own header. */
@@ -371,29 +515,44 @@ static void pr_reply_send(pr_ucx *u, pr_reply *r)
     const int frag = bytes && pr_conn_am_tcp(r->conn) ? u->node->cfg.am_fragment : -1;
     const size_t fb = frag > 0 ? (size_t)frag : bytes;
     const int n = bytes && fb ? (int)((bytes + fb - 1) / fb) : 1;
-    if (n > 1 && !(r->frag = malloc(sizeof *r->frag * (size_t)n))) {
-        free(r); /* the reader's deadline ends its wait */
+    const int enc = (r->hdr.flags & PR_DATA_ENCRYPTED) != 0;
+    if ((n > 1 && !(r->frag = calloc((size_t)n, sizeof *r->frag))) ||
+        (bytes && enc && !(r->sealed = malloc(bytes)))) {
+        pr_reply_free(r); /* the reader's deadline ends its wait */
+        return;
+    }
+    if (bytes && !(r->hdr.flags & PR_DATA_UNTAGGED) && !pr_reply_seal(u, r, n, fb)) {
+        free(r->frag); /* torn: a refusal that says so, the header alone */
+        r->frag = NULL;
+        r->hdr.status = PR_REFUSE_TORN;
+        pr_reply_send(u, r);
         return;
     }
     u->sends++;
     r->pending = n + 1; /* one for the loop below */
     for (int k = 0; k < n; k++) {
         pr_data_hdr *h = n > 1 ? &r->frag[k] : &r->hdr;
-        *h = r->hdr;
-        h->offset = (uint64_t)k * fb;
-        const size_t len = bytes ? (bytes - h->offset < fb ? bytes - h->offset : fb) : 0;
+        if (!h->len) { /* untagged (pr_reply_seal filled the others) */
+            *h = r->hdr;
+            h->offset = (uint64_t)k * fb;
+            h->len = (uint32_t)(bytes ? (bytes - h->offset < fb ? bytes - h->offset : fb) : 0);
+        }
+        const size_t len = h->len;
+        const uint8_t *page = (const uint8_t *)(uintptr_t)(r->addr + h->offset);
+        uint8_t *out = r->sealed ? r->sealed + h->offset : NULL;
         ucp_request_param_t prm = {
             .op_attr_mask =
                 UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS,
             .flags = frag > 0 ? UCP_AM_SEND_FLAG_EAGER : UCP_AM_SEND_FLAG_RNDV,
             .cb.send = pr_reply_sent,
             .user_data = r};
-        if (len) {
+        if (len && !out) {
             prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
             prm.memh = u->memh[r->region];
         }
-        void *q = ucp_am_send_nbx(r->conn->ep, PR_AM_DATA, h, sizeof *h,
-                                  len ? (void *)(uintptr_t)(r->addr + h->offset) : NULL, len, &prm);
+        const void *src = out ? (const void *)out : (const void *)page;
+        void *q =
+            ucp_am_send_nbx(r->conn->ep, PR_AM_DATA, h, sizeof *h, len ? src : NULL, len, &prm);
         if (UCS_PTR_IS_PTR(q)) continue;
         r->pending--;
         if (UCS_PTR_IS_ERR(q)) { /* the endpoint failed: the reader's wait ends by its deadline */
@@ -410,7 +569,7 @@ void pr_replies_send(pr_ucx *u)
         pr_reply *r = u->replies;
         u->replies = r->next;
         if (r->conn->failed || r->conn->state != PR_EP_READY)
-            free(r);
+            pr_reply_free(r);
         else
             pr_reply_send(u, r);
     }

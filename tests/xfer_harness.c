@@ -156,7 +156,9 @@ pr_node *xh_node(kv_store *s, const xh_role *r)
                    .mode = r->mode,
                    .lease_ms = r->lease_ms,
                    .am_fragment = r->am_fragment,
-                   .stream_bytes = r->stream_bytes};
+                   .stream_bytes = r->stream_bytes,
+                   .encrypt = r->encrypt,
+                   .no_auth = r->no_auth};
     pr_node *n = NULL;
     km_errbuf err;
     if (pr_node_create(&c, &n, &err)) fprintf(stderr, "xfer_harness: node: %s\n", err.msg);

@@ -59,6 +59,8 @@ typedef struct xh_role {
     int am_fragment;        /* pr_config.am_fragment (0: the default) */
     long long stream_bytes; /* pr_config.stream_bytes (0: the default) */
     int chains;             /* also this many one-page chains, xh_chain salts 1..chains */
+    pr_encrypt encrypt;     /* pr_config.encrypt */
+    int no_auth;            /* pr_config.no_auth */
 } xh_role;
 
 typedef struct xh_child {

@@ -26,7 +26,7 @@ typedef struct wk_args {
     const char *model, *listen, *events, *controller, *admin_host, *worker_id, *kv_format;
     const char *alias, *ports_file, *log_level, *log_format, *kv_disk_dir, *cluster_secret;
     const char *speculate;
-    const char *peer_listen, *peer_advertise, *peer_mode, *peer_view;
+    const char *peer_listen, *peer_advertise, *peer_mode, *peer_view, *peer_encrypt;
     int64_t peer_lease_ms, peer_pull_ms, peer_warm_pages, old_lease_ms, old_pull_ms;
     int64_t threads, admin_port, page_tokens, max_batch, prefill_chunk, max_running, max_queue;
     int64_t decode_prefill, spec_max_draft, step_budget_ms, self_draft, self_seqs;
@@ -157,6 +157,10 @@ static const km_opt g_opts[] = {
     {"peer-mode", NULL, KM_OPT_STR, "am",
      "KV page transfer: am (active messages, default) or get (one-sided reads; RDMA)",
      &g_args.peer_mode, 0, 0},
+    {"peer-encrypt", NULL, KM_OPT_STR, "auto",
+     "KV page transfer: ask peers for pages encrypted: on, off, or auto (when the peer is not on "
+     "this host); pages are always authenticated with the lease's key (docs/transfer.md)",
+     &g_args.peer_encrypt, 0, 0},
     {"peer-prefault", NULL, KM_OPT_BOOL, "true",
      "KV page transfer: make the hot tier's page memory resident in the background after start "
      "(a tenth of one CPU at most), so that pages pulled from peers do not fault in 4 KiB at a "
@@ -360,6 +364,7 @@ int main(int argc, char **argv)
         .peer_listen = a->peer_listen,
         .peer_advertise = a->peer_advertise,
         .peer_mode = a->peer_mode,
+        .peer_encrypt = a->peer_encrypt,
         .peer_lease_ms = (int)a->peer_lease_ms,
         .peer_pull_ms = (int)a->peer_pull_ms,
         .peer_view = a->peer_view,

@@ -69,7 +69,8 @@ static int wk_peer_metrics(wk_service *s, wk_peer *p, km_errbuf *err)
         p->s_pulls[i] = km_metric_series(m, &wk_pull_outcomes[i]);
     PREG(KM_COUNTER, "kvmesh_kv_transfer_failures_total",
          "Pages dropped by a pull, by reason (tokens, chain, format, checksum, transfer, timeout, "
-         "nonfinite: a value or scale that is an infinity or a NaN), "
+         "nonfinite: a value or scale that is an infinity or a NaN, auth: an answer that failed "
+         "its tag), "
          "and pulls refused by the holder (refused) or never answered (no_offer).",
          "reason", NULL, 0);
     for (int i = 0; i < PR_DROP_COUNT; i++) {
@@ -90,6 +91,14 @@ static int wk_peer_metrics(wk_service *s, wk_peer *p, km_errbuf *err)
          "it).",
          NULL, NULL, 0);
     p->s_dones_ignored = km_metric_series(m, NULL);
+    PREG(KM_COUNTER, "kvmesh_kv_page_plane_rejected_total",
+         "What the page plane (the UCX port) dropped unanswered, by reason: unkeyed (a read whose "
+         "token matched no lease), over_bound (a read past the answers a connection may have "
+         "queued), forged (an answer to our read with a wrong token or tag), unknown_am (a "
+         "message of an id the plane does not use).",
+         "reason", NULL, 0);
+    static const char *plane[4] = {"unkeyed", "over_bound", "forged", "unknown_am"};
+    for (int i = 0; i < 4; i++) p->s_plane[i] = km_metric_series(m, &plane[i]);
     PREG(KM_COUNTER, "kvmesh_kv_pull_hints_refused_total",
          "Pull hints this worker did not follow, by reason: sender (the request did not come from "
          "a router's member key) or holder (the hint named no worker of the controller's view); "
@@ -150,12 +159,21 @@ int wk_peer_create(wk_service *s, km_errbuf *err)
         mode = PR_MODE_GET;
     else if (o->peer_mode && o->peer_mode[0] && strcmp(o->peer_mode, "am"))
         return km_errf(err, KM_EINVAL, "--peer-mode %s: expected am or get", o->peer_mode);
+    pr_encrypt enc = PR_ENCRYPT_AUTO;
+    if (o->peer_encrypt && !strcmp(o->peer_encrypt, "on"))
+        enc = PR_ENCRYPT_ON;
+    else if (o->peer_encrypt && !strcmp(o->peer_encrypt, "off"))
+        enc = PR_ENCRYPT_OFF;
+    else if (o->peer_encrypt && o->peer_encrypt[0] && strcmp(o->peer_encrypt, "auto"))
+        return km_errf(err, KM_EINVAL, "--peer-encrypt %s: expected on, off or auto",
+                       o->peer_encrypt);
     pr_config pc = {.store = s->kv,
                     .mode = mode,
                     .listen_host = p->listen_host,
                     .listen_port = port,
                     .advertise_host = p->advertise_host,
                     .lease_ms = o->peer_lease_ms,
+                    .encrypt = enc,
                     .prefault_bytes = o->peer_no_prefault ? -1 : 0};
     if ((rc = pr_node_create(&pc, &p->node, err))) return rc;
     if ((rc = pr_node_address(p->node, &p->addr, &p->addr_len))) {
@@ -444,6 +462,7 @@ static void wk_peer_answer(wk_service *s, wk_link *l, const km_zmsg *zm)
                            .page_tokens = (int)o->page_tokens,
                            .pages = pd,
                            .tokens = o->tokens};
+            memcpy(po.key, o->key, PR_KEY_BYTES);
             if (!po.n && !po.status) po.status = KM_ENOTFOUND;
             pr_pull_offer(p->node, h->pull, &po);
             if (po.status || !po.n) h->end_now = true;
@@ -500,6 +519,13 @@ void wk_peer_poll(wk_service *s)
         km_counter_add(p->s_refused, st.fetches_refused - p->seen_refused);
         p->seen_refused = st.fetches_refused;
     }
+    const uint64_t plane[4] = {st.fetches_unkeyed, st.fetches_dropped, st.answers_forged,
+                               st.am_unknown};
+    for (int i = 0; i < 4; i++)
+        if (plane[i] > p->seen_plane[i]) {
+            km_counter_add(p->s_plane[i], plane[i] - p->seen_plane[i]);
+            p->seen_plane[i] = plane[i];
+        }
     uint64_t now = km_now_ns();
     for (int i = 0; i < p->n_held;) {
         wk_held *h = p->held[i];

@@ -110,7 +110,10 @@ struct wk_peer {
     km_series *s_hints_refused[2]; /* kvmesh_kv_pull_hints_refused_total{reason}: sender, holder */
     km_series *s_view_peers;       /* kvmesh_kv_peer_view_workers */
     uint64_t seen_out, seen_refused; /* bytes_out, fetches_refused already counted */
-    uint64_t last_pull_ns;           /* the last kv_pull that came in */
+    /* kvmesh_kv_page_plane_rejected_total{reason}: unkeyed, over_bound, forged, unknown_am */
+    km_series *s_plane[4];
+    uint64_t seen_plane[4];
+    uint64_t last_pull_ns; /* the last kv_pull that came in */
     /* drain handoff */
     void *vsub; /* the controller's view (--peer-view) */
     km_zmsg vin;

@@ -41,6 +41,8 @@ static void wk_peer_send_offer(wk_service *s, const km_zframe *env, int n_env, c
                                    .pages = pages,
                                    .n_pages = (uint32_t)o->n,
                                    .tokens = o->tokens};
+    _Static_assert(KM_PROTO_LEASE_KEY == PR_KEY_BYTES, "one lease key size");
+    memcpy(m.kv_offer.key, o->key, PR_KEY_BYTES);
     km_errbuf err = {{0}};
     if (km_msg_encode(&m, &s->lim, &p->out, &err))
         KM_WARN("peer_offer_encode", "pull=%llu msg=\"%s\"", (unsigned long long)o->pull_id,

@@ -41,6 +41,7 @@ typedef struct wk_service_opts {
     const char *peer_listen;    /* "HOST:PORT" (port 0: ephemeral); NULL/empty: no transfer node */
     const char *peer_advertise; /* host peers connect to; NULL: 127.0.0.1 */
     const char *peer_mode;      /* "am" (default) or "get" */
+    const char *peer_encrypt;   /* "auto" (default: to another host), "on" or "off" */
     int peer_lease_ms;          /* how long offered pages stay pinned; 0: 10000 */
     int peer_pull_ms;           /* a pull's budget when the hint names none; 0: 2000 */
     /* the controller's view PUB (its --view): the peers a drain hands pages to; NULL: none */

@@ -7,6 +7,7 @@
  * that nothing is left behind (endpoints, imports, pins). Two processes and killed or stopped
  * peers: test_xfer_proc.c. Waits are bounded; nothing asserts on time.
  */
+#include <arpa/inet.h>
 #include <criterion/criterion.h>
 #include <sched.h>
 #include <stdlib.h>
@@ -14,8 +15,9 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include "kvshard/diskfmt.h"  /* kv_layout_init */
-#include "kvshard/internal.h" /* kv_store_check */
+#include "kvshard/diskfmt.h"   /* kv_layout_init */
+#include "kvshard/internal.h"  /* kv_store_check */
+#include "peer/ucx_internal.h" /* seal.c: the tags of answers */
 #include "tests/xfer_harness.h"
 
 #define PT 4
@@ -42,11 +44,16 @@ static void compute(kv_store *s, shape sh, const int32_t *toks, const km_pagehas
     cr_assert_eq(xh_compute(s, sh, toks, hs, n), 0);
 }
 
-static int g_fragment; /* pr_config.am_fragment of the nodes made (0: the default) */
+static int g_fragment;       /* pr_config.am_fragment of the nodes made (0: the default) */
+static pr_encrypt g_encrypt; /* pr_config.encrypt of the nodes made */
 
 static pr_node *mk_node(kv_store *s, pr_mode mode, int lease_ms)
 {
-    pr_config c = {.store = s, .mode = mode, .lease_ms = lease_ms, .am_fragment = g_fragment};
+    pr_config c = {.store = s,
+                   .mode = mode,
+                   .lease_ms = lease_ms,
+                   .am_fragment = g_fragment,
+                   .encrypt = g_encrypt};
     pr_node *n;
     km_errbuf err;
     cr_assert_eq(pr_node_create(&c, &n, &err), 0, "node: %s", err.msg);
@@ -469,6 +476,50 @@ Test(xfer_peer, am_pages_arrive_whole_in_any_fragment_size_or_one_rendezvous, .t
     pull_pages(PR_MODE_AM, SMOL, 48);
     g_fragment = 1000; /* a page in pieces: a bad byte in one of them still fails the page */
     bad_page(PR_MODE_AM, tamper_payload, PR_DROP_CHECKSUM);
+}
+
+/* Encrypted answers land the same bytes, in fragments or as one rendezvous message. */
+Test(xfer_peer, encrypted_pages_arrive_whole_in_fragments_or_one_rendezvous, .timeout = 300)
+{
+    const int frag[] = {-1, 4096, PR_FRAGMENT_DEFAULT};
+    g_encrypt = PR_ENCRYPT_ON;
+    for (unsigned i = 0; i < sizeof frag / sizeof frag[0]; i++) {
+        g_fragment = frag[i];
+        pull_pages(PR_MODE_AM, SMALL, 16);
+        pull_pages(PR_MODE_AM, SMOL, 4);
+    }
+    g_fragment = 0;
+    g_encrypt = PR_ENCRYPT_AUTO;
+}
+
+/* A reader that does not hold the lease's secret: its own endpoint, the pull id and every
+ * page's place right, only the key not the one the holder drew. */
+static void tamper_key(pr_offer *o, pr_page_desc *d, int32_t *t)
+{
+    o->key[0] ^= 1;
+}
+
+/* The holder answers none of its fetches (not even with a refusal): nothing read, nothing
+ * imported; an honest pull right after is served whole. */
+Test(xfer_peer, a_reader_without_the_lease_secret_reads_nothing, .timeout = 120)
+{
+    const int n = 8;
+    duo *d = duo_open(SMALL, 16, n, PR_MODE_AM);
+    pr_pull_result r;
+    int got = pull(d->na, d->nb, d->peer, d->toks, d->hs, n, secs(1), tamper_key, &r);
+    cr_assert_eq(got, 0);
+    cr_assert_eq(r.bytes, 0);
+    cr_assert_eq(r.status, KM_ETIMEDOUT, "%s", km_strerror(r.status));
+    pr_stats st;
+    pr_node_stats(d->na, &st);
+    cr_assert_geq(st.fetches_unkeyed, 1);
+    cr_assert_eq(st.fetches_unkeyed, st.fetches_refused);
+    kv_store_evict_oldest_fraction(d->b, 1.0);
+    got = pull(d->na, d->nb, d->peer, d->toks, d->hs, n, secs(60), NULL, &r);
+    cr_assert_eq(got, n, "%s", km_strerror(r.status));
+    same_bytes(d->a, d->b, d->toks, d->hs, n);
+    release_and_check(d->nb, d->peer, d->na, d->b, d->a);
+    duo_close(d);
 }
 
 Test(xfer_peer, the_first_page_bad_means_nothing_imported, .timeout = 120)
@@ -984,4 +1035,177 @@ Test(xfer_peer, a_node_makes_its_arena_resident_in_the_background_when_asked, .t
     pr_node_destroy(n);
     cr_assert_eq(kv_store_check(s, &err), 0, "%s", err.msg);
     kv_store_destroy(s);
+}
+
+/* ---------------------------------------------------------------- answer tags (seal.c) */
+
+/* Seals len bytes of in (into out when h asks for encryption) under key; the tag into h. */
+static void seal_msg(pr_seal *s, const uint8_t *key, pr_data_hdr *h, const uint8_t *in,
+                     uint8_t *out, size_t len)
+{
+    cr_assert_eq(pr_seal_begin(s, key, h, 0), 0);
+    cr_assert_eq(pr_seal_update(s, in, out, len), 0);
+    cr_assert_eq(pr_seal_end(s, h->tag), 0);
+}
+
+/* 1 when the message opens (its plaintext into out when encrypted), 0 when its tag fails. */
+static int open_msg(pr_seal *s, const uint8_t *key, const pr_data_hdr *h, const uint8_t *in,
+                    uint8_t *out, size_t len)
+{
+    uint8_t tag[PR_TAG_BYTES];
+    memcpy(tag, h->tag, sizeof tag);
+    cr_assert_eq(pr_seal_begin(s, key, h, 1), 0);
+    cr_assert_eq(pr_seal_update(s, in, out, len), 0);
+    return pr_seal_end(s, tag) == 0;
+}
+
+/* Any changed byte, place, length, flag or key fails the tag; an encrypted page opens to the
+ * bytes sealed, and its ciphertext is not them. */
+Test(xfer_peer, an_answer_opens_only_as_sealed_under_its_lease_key)
+{
+    uint8_t secret[PR_KEY_BYTES], tok[PR_TOKEN_BYTES], key[PR_KEY_BYTES], other[PR_KEY_BYTES];
+    pr_lease_secret(secret);
+    pr_key_derive(secret, tok, key);
+    pr_lease_secret(other);
+    enum { N = 5000 };
+    static uint8_t page[N], wire[N], back[N];
+    for (int i = 0; i < N; i++) page[i] = (uint8_t)(i * 13 + 1);
+    pr_seal s;
+    cr_assert_eq(pr_seal_init(&s), 0);
+    for (int enc = 0; enc < 2; enc++) {
+        pr_data_hdr h = {.pull_id = 7, .index = 3, .offset = 4096, .len = N};
+        h.flags = enc ? PR_DATA_ENCRYPTED : 0;
+        memcpy(wire, page, N);
+        seal_msg(&s, key, &h, page, enc ? wire : NULL, N);
+        if (enc) cr_assert_neq(memcmp(wire, page, N), 0, "encrypted bytes are not the page's");
+        cr_assert(open_msg(&s, key, &h, wire, back, N));
+        if (enc) cr_assert_eq(memcmp(back, page, N), 0);
+        cr_assert_not(open_msg(&s, other, &h, wire, back, N), "another lease's key");
+        wire[N / 2] ^= 1;
+        cr_assert_not(open_msg(&s, key, &h, wire, back, N), "a changed byte");
+        wire[N / 2] ^= 1;
+        pr_data_hdr moved = h;
+        moved.index = 4;
+        cr_assert_not(open_msg(&s, key, &moved, wire, back, N), "another page's place");
+        moved = h;
+        moved.offset = 0;
+        cr_assert_not(open_msg(&s, key, &moved, wire, back, N), "another offset");
+        moved = h;
+        moved.flags ^= PR_DATA_ENCRYPTED;
+        cr_assert_not(open_msg(&s, key, &moved, wire, back, N), "the other flag");
+        moved = h;
+        moved.len = N - 1;
+        cr_assert_not(open_msg(&s, key, &moved, wire, back, N - 1), "a shorter message");
+        cr_assert(open_msg(&s, key, &h, wire, back, N), "the key schedule kept is still right");
+    }
+    pr_seal_free(&s);
+}
+
+/* ---------------------------------------------------------------- forged answers */
+
+static void forger_err(void *arg, ucp_ep_h ep, ucs_status_t status) {}
+
+static void forger_sent(void *req, ucs_status_t status, void *arg)
+{
+    (*(int *)arg)--;
+    ucp_request_free(req);
+}
+
+/* While a pull of 64 pages reads, a process of its own UCX connects to the puller's listener
+ * and answers fetches it never saw: refusals and fragments for every pull id and page it may
+ * guess, with a made-up token; then fragments with the pull's real token (as if it had seen a
+ * fetch on the wire) but a tag it cannot make. The pull imports the holder's bytes and nothing
+ * else, and the puller counts what it dropped. */
+Test(xfer_peer, forged_answers_from_another_endpoint_change_nothing, .timeout = 120)
+{
+    duo *d = duo_open(SMOL, 72, 64, PR_MODE_AM);
+    const uint8_t *ab;
+    size_t alen;
+    pr_addr pa;
+    cr_assert_eq(pr_node_address(d->nb, &ab, &alen), 0);
+    cr_assert_eq(pr_addr_parse(ab, alen, &pa), 0);
+    ucp_context_h ctx;
+    ucp_worker_h w;
+    ucp_params_t prm = {.field_mask = UCP_PARAM_FIELD_FEATURES, .features = UCP_FEATURE_AM};
+    cr_assert_eq(ucp_init(&prm, NULL, &ctx), UCS_OK);
+    ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
+                              .thread_mode = UCS_THREAD_MODE_SINGLE};
+    cr_assert_eq(ucp_worker_create(ctx, &wp, &w), UCS_OK);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)pa.port)};
+    inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+    ucp_ep_params_t ep = {.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
+                                        UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                                        UCP_EP_PARAM_FIELD_ERR_HANDLER,
+                          .flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER,
+                          .sockaddr = {(struct sockaddr *)&sa, sizeof sa},
+                          .err_mode = UCP_ERR_HANDLING_MODE_PEER,
+                          .err_handler = {forger_err, NULL}};
+    ucp_ep_h e;
+    cr_assert_eq(ucp_ep_create(w, &ep, &e), UCS_OK);
+    ucp_request_param_t fp = {0}; /* connected before the pull starts */
+    void *fr = ucp_ep_flush_nbx(e, &fp);
+    const uint64_t up = secs(30);
+    while (UCS_PTR_IS_PTR(fr) && ucp_request_check_status(fr) == UCS_INPROGRESS) {
+        cr_assert_lt(km_now_ns(), up, "the forger never connected");
+        ucp_worker_progress(w);
+    }
+    if (UCS_PTR_IS_PTR(fr)) ucp_request_free(fr);
+    pr_pull *p = duo_start(d, 64, secs(60));
+    static uint8_t junk[4096];
+    memset(junk, 0x3c, sizeof junk);
+    int inflight = 0, sent = 0;
+    for (int round = 0; round < 2; round++)
+        for (uint64_t id = 0; id < 4; id++)
+            for (uint32_t i = 0; i < 64; i++) {
+                pr_data_hdr h = {.pull_id = id, .index = i, .len = sizeof junk};
+                if (round) memcpy(h.token, p->token, PR_TOKEN_BYTES); /* seen on the wire */
+                memset(h.tag, 0x5a, sizeof h.tag);
+                ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
+                                                          UCP_OP_ATTR_FIELD_USER_DATA |
+                                                          UCP_OP_ATTR_FIELD_FLAGS,
+                                          .flags = UCP_AM_SEND_FLAG_EAGER,
+                                          .cb.send = forger_sent,
+                                          .user_data = &inflight};
+                for (int refusal = 0; refusal < 2 - round; refusal++, sent++) {
+                    h.status = (uint32_t)refusal;
+                    void *r = ucp_am_send_nbx(e, PR_AM_DATA, &h, sizeof h, refusal ? NULL : junk,
+                                              refusal ? 0 : sizeof junk, &rp);
+                    if (UCS_PTR_IS_PTR(r)) inflight++;
+                }
+                ucp_worker_progress(w);
+            }
+    const uint64_t guard = secs(60);
+    while (!pr_pull_done_yet(d->nb, p) || inflight > 0) {
+        cr_assert_lt(km_now_ns(), guard, "the pull never ended");
+        ucp_worker_progress(w);
+        pr_offer none[1];
+        pr_node_poll(d->na, none, 1);
+    }
+    pr_pull_result res;
+    pr_pull_done done;
+    const int got = pr_pull_finish(d->nb, p, &res, &done);
+    pr_serve_done(d->na, &done);
+    /* a fragment with the real token may land before the holder's and fail the page (auth), or
+     * overrun it (transfer): never imported; what was imported is the holder's */
+    cr_assert_eq(res.dropped[PR_DROP_CHECKSUM], 0);
+    if (got) same_bytes(d->a, d->b, d->toks, d->hs, got);
+    cr_assert_eq(got + res.dropped[PR_DROP_AUTH] + res.dropped[PR_DROP_TRANSFER] > 0, 1);
+    pr_stats st;
+    pr_node_stats(d->nb, &st);
+    cr_assert_gt(st.answers_forged, 0, "%d forged answers sent", sent);
+    ucp_request_param_t cp = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
+                              .flags = UCP_EP_CLOSE_FLAG_FORCE};
+    void *r = ucp_ep_close_nbx(e, &cp);
+    while (UCS_PTR_IS_PTR(r) && ucp_request_check_status(r) == UCS_INPROGRESS)
+        ucp_worker_progress(w);
+    if (UCS_PTR_IS_PTR(r)) ucp_request_free(r);
+    ucp_worker_destroy(w);
+    ucp_cleanup(ctx);
+    /* an honest pull right after is served whole */
+    kv_store_evict_oldest_fraction(d->b, 1.0);
+    pr_pull_result r2;
+    cr_assert_eq(pull(d->na, d->nb, d->peer, d->toks, d->hs, 64, secs(60), NULL, &r2), 64);
+    same_bytes(d->a, d->b, d->toks, d->hs, 64);
+    release_and_check(d->nb, d->peer, d->na, d->b, d->a);
+    duo_close(d);
 }

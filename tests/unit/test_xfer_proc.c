@@ -159,7 +159,7 @@ static void tcp_only(void)
 static void pulls_between_processes(pr_mode mode, xh_shape sh, int pages)
 {
     tcp_only();
-    xh_role r = {sh, KN_KV_F16, pages, mode, 0, 0, 0, 0};
+    xh_role r = {sh, KN_KV_F16, pages, mode, 0, 0, 0, 0, PR_ENCRYPT_AUTO, 0};
     xh_child c = xh_spawn_holder(&r);
     puller p;
     puller_open(&p, &r, &c);
@@ -197,7 +197,7 @@ Test(xfer_proc, default_model_pages_over_tcp_between_processes, .timeout = 300)
 static void holder_fault(pr_mode mode, int sig, int rounds)
 {
     tcp_only();
-    xh_role r = {SMOL, KN_KV_F16, 96, mode, 0, 0, 0, 0};
+    xh_role r = {SMOL, KN_KV_F16, 96, mode, 0, 0, 0, 0, PR_ENCRYPT_AUTO, 0};
     for (int round = 0; round < rounds; round++) {
         xh_child c = xh_spawn_holder(&r);
         puller p;
@@ -297,7 +297,7 @@ static int no_endpoint(const pr_stats *st)
 static void puller_fault(pr_mode mode, int sig, int rounds)
 {
     tcp_only();
-    xh_role r = {SMOL, KN_KV_F16, 96, mode, 1500, 0, 0, 0};
+    xh_role r = {SMOL, KN_KV_F16, 96, mode, 1500, 0, 0, 0, PR_ENCRYPT_AUTO, 0};
     kv_store *s = xh_store(r.sh, r.format, r.pages + 8);
     int32_t *toks = malloc(sizeof(int32_t) * PT * r.pages);
     km_pagehash *hs = malloc(sizeof(km_pagehash) * r.pages);
@@ -430,7 +430,7 @@ Test(xfer_proc, a_process_exiting_with_a_peer_mid_handshake_exits_with_its_statu
         cr_skip_test("UCX %u.%u: the node leaves a connecting endpoint to the process exit", major,
                      minor);
     tcp_only();
-    xh_role r = {SMALL, KN_KV_F16, 8, PR_MODE_AM, 0, 0, 0, 0};
+    xh_role r = {SMALL, KN_KV_F16, 8, PR_MODE_AM, 0, 0, 0, 0, PR_ENCRYPT_AUTO, 0};
     xh_child h = xh_spawn_holder(&r);
     cr_assert_geq(h.fd, 0, "no holder process");
     uint8_t *buf = malloc(XH_MSGCAP);
