@@ -1,8 +1,9 @@
 /*
  * test_engine_sparse.c — sparse decode attention in the engine (docs/sparse.md) with the real
  * model: positions whose context fits the budget get the dense engine's logits bit for bit; past
- * it they stay finite (their quality is bench/bench_long.sh's business); and a token gets the same logits whether it is decoded alone
- * (lane mode) or inside a prefill chunk (every token picks its own pages), as perplexity assumes.
+ * it they stay finite (their quality is bench/bench_long.sh's business); and a token gets the same
+ * logits whether it is decoded alone (lane mode) or inside a prefill chunk (every token picks its
+ * own pages), as perplexity assumes.
  */
 #include <criterion/criterion.h>
 #include <math.h>
@@ -12,8 +13,8 @@
 
 #include "engine/engine.h"
 
-#define MODEL "models/SmolLM2-135M-Instruct.Q4_1.gguf"
-#define N     160
+#define MODEL  "models/SmolLM2-135M-Instruct.Q4_1.gguf"
+#define N      160
 #define BUDGET 64
 
 static en_model *g_model;
@@ -35,10 +36,8 @@ static void teardown(void)
 static float *run(int sparse, int n_chunk, const int32_t *ids)
 {
     const int nv = en_model_hparams(g_model)->n_vocab;
-    en_engine_opts o = {.n_threads = 2,
-                        .max_batch_tokens = N,
-                        .sparse_attn = sparse,
-                        .sparse_dense_layers = -1};
+    en_engine_opts o = {
+        .n_threads = 2, .max_batch_tokens = N, .sparse_attn = sparse, .sparse_dense_layers = -1};
     en_engine *e;
     km_errbuf err = {{0}};
     cr_assert_eq(en_engine_create(g_model, &o, &e, &err), 0, "%s", err.msg);
@@ -61,8 +60,8 @@ static float *run(int sparse, int n_chunk, const int32_t *ids)
     return out;
 }
 
-Test(engine_sparse, fits_the_budget_dense_past_it_close_and_decode_equals_prefill,
-     .init = setup, .fini = teardown, .timeout = 600)
+Test(engine_sparse, fits_the_budget_dense_past_it_close_and_decode_equals_prefill, .init = setup,
+     .fini = teardown, .timeout = 600)
 {
     if (!g_model) cr_skip_test("model %s absent: run `make deps`", MODEL);
     const int nv = en_model_hparams(g_model)->n_vocab;

@@ -222,16 +222,16 @@ Test(sparse, every_isa_selects_the_reference_pages_and_attends_exactly_over_them
                                  o->name);
                 kn_kv_view view;
                 kv_seq_view(s, q, l, h, n, &view);
-                cr_assert_eq(kn_sparse_attention(o, &view, sums, &c, &scr, HD, qv, n_q, 0.125f, out),
-                             nr);
+                cr_assert_eq(
+                    kn_sparse_attention(o, &view, sums, &c, &scr, HD, qv, n_q, 0.125f, out), nr);
                 naive(s, q, l, h, n, selr, nr, qv, n_q, 0.125f, want);
                 for (int i = 0; i < n_q * HD; i++)
                     cr_assert_float_eq(out[i], want[i], 2e-4f, "%s %s [%d]", o->name,
                                        kv_format_name(fmts[fi]), i);
                 /* a budget over the whole context: dense attention, bit for bit */
                 const kn_sparse_cfg all = {.budget_pages = np, .sink_pages = 1, .window_pages = 2};
-                cr_assert_eq(kn_sparse_attention(o, &view, sums, &all, &scr, HD, qv, n_q, 0.125f, out),
-                             np);
+                cr_assert_eq(
+                    kn_sparse_attention(o, &view, sums, &all, &scr, HD, qv, n_q, 0.125f, out), np);
                 o->attention(&view, HD, qv, n_q, 0.125f, want);
                 cr_assert_arr_eq(out, want, sizeof(float) * n_q * HD);
             }
