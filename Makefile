@@ -431,6 +431,12 @@ bench-engine: build $(BENCH_KERNELS) ## prefill/decode speed next to llama.cpp (
 bench-quality: build ## perplexity per KV format vs f16 and llama.cpp
 	@bash bench/bench_quality.sh
 
+# Long contexts, dense vs sparse attention (docs/sparse.md): perplexity at 2k/4k/8k and budgets
+# 256/512/1024, decode step time at depth 8k.
+.PHONY: bench-long
+bench-long: build ## long-context perplexity and decode step, dense vs sparse attention
+	@sh bench/bench_long.sh
+
 # Worker serving figures side by side with llama-server (docs/benchmarks.md): tok/s, TTFT and
 # ITL at 1/8/32 concurrent clients, and TTFT with a 90%-cached prompt vs cold.
 BENCH_WORKER := $(BUILD)/bench/bench_worker

@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "cli/cli.h"
 #include "worker/worker.h"
@@ -34,6 +35,9 @@ typedef struct local_opts {
     int ignore_eos;
     int show_ids;
     int raw;
+    int sparse_attn, sparse_dense_layers; /* en_engine_opts */
+    int depth;                            /* bench: context filled before decoding */
+    int chunks;                           /* perplexity: chunks scored at most (0: all) */
     en_sample_params sp;
 } local_opts;
 
@@ -45,6 +49,12 @@ static void local_usage(const char *cmd)
            "  -t, --threads N         threads [KVMESH_THREADS] (default: all cores)\n"
            "      --kv-format F       f16|bf16 [KVMESH_KV_FORMAT] (default f16)\n",
            en_default_model_path());
+    if (strcmp(cmd, "tokenize"))
+        printf(
+            "      --sparse-attn N     attend to at most N tokens per layer and kv head, in the\n"
+            "                          pages whose keys may score highest (docs/sparse.md;\n"
+            "                          default 0 = off, dense)\n"
+            "      --sparse-dense-layers N  first layers kept dense (default 2, -1 = none)\n");
     if (!strcmp(cmd, "run") || !strcmp(cmd, "tokenize"))
         printf("  -p, --prompt TEXT       the prompt (or -f FILE)\n"
                "  -f, --file PATH         read the prompt from a file\n");
@@ -65,12 +75,15 @@ static void local_usage(const char *cmd)
     if (!strcmp(cmd, "perplexity"))
         printf("  -f, --file PATH         text to score (required)\n"
                "  -c, --ctx N             context per chunk (default 512)\n"
-               "  -b, --batch N           tokens per forward step (default = ctx)\n");
+               "  -b, --batch N           tokens per forward step (default = ctx)\n"
+               "      --chunks N          score the first N chunks only (default: all)\n");
     if (!strcmp(cmd, "bench"))
         printf("      --prompt N          prefill length (default 512)\n"
                "      --gen N             decode steps (default 128)\n"
                "      --batch LIST        decode batch sizes (default 1,8,32)\n"
-               "      --reps N            repetitions, median reported (default 3)\n");
+               "      --reps N            repetitions, median reported (default 3)\n"
+               "      --depth N           context each sequence holds before decoding (default: 0\n"
+               "                          at batch 1, 128 above)\n");
     if (!strcmp(cmd, "tokenize"))
         printf("      --raw               do not parse special-token texts\n");
 }
@@ -142,6 +155,14 @@ static int local_parse(const char *cmd, int argc, char **argv, local_opts *c)
             c->system = v;
         else if (KM_IS("--kv-format", "--kv-format"))
             c->kv_format = v;
+        else if (KM_IS("--sparse-attn", "--sparse-attn"))
+            bad = local_int(v, &c->sparse_attn) || c->sparse_attn < 0;
+        else if (KM_IS("--sparse-dense-layers", "--sparse-dense-layers"))
+            bad = local_int(v, &c->sparse_dense_layers) || c->sparse_dense_layers < -1;
+        else if (KM_IS("--chunks", "--chunks") && !strcmp(cmd, "perplexity"))
+            bad = local_int(v, &c->chunks) || c->chunks < 0;
+        else if (KM_IS("--depth", "--depth") && !strcmp(cmd, "bench"))
+            bad = local_int(v, &c->depth) || c->depth < 0;
         else if (KM_IS("--batch", "--batch") && !strcmp(cmd, "bench"))
             c->batches = v;
         else if (KM_IS("-n", "--n-predict"))
@@ -202,7 +223,10 @@ static int local_open_engine(const local_opts *c, int max_batch, en_model **m, e
         if (rc == KM_EIO) fprintf(stderr, "kvmesh: hint: `make deps` fetches the default model\n");
         return -1;
     }
-    en_engine_opts o = {.n_threads = c->threads, .max_batch_tokens = max_batch};
+    en_engine_opts o = {.n_threads = c->threads,
+                        .max_batch_tokens = max_batch,
+                        .sparse_attn = c->sparse_attn,
+                        .sparse_dense_layers = c->sparse_dense_layers};
     if (c->kv_format && kv_format_parse(c->kv_format, &o.kv_format)) {
         fprintf(stderr, "kvmesh: unknown --kv-format %s\n", c->kv_format);
         return -1;
@@ -360,8 +384,8 @@ int cli_cmd_perplexity(int argc, char **argv)
         fprintf(stderr, "kvmesh perplexity: give the text with -f FILE\n");
         return 2;
     }
-    if (c.ctx < 8 || c.ctx > 4096) {
-        fprintf(stderr, "kvmesh perplexity: --ctx must be in [8, 4096]\n");
+    if (c.ctx < 8 || c.ctx > 8192) {
+        fprintf(stderr, "kvmesh perplexity: --ctx must be in [8, 8192]\n");
         return 2;
     }
     int n_batch = c.n_batch > 0 && c.n_batch < c.ctx ? c.n_batch : c.ctx;
@@ -382,8 +406,9 @@ int cli_cmd_perplexity(int argc, char **argv)
                 n_tok, 2 * n_ctx);
         return 1;
     }
-    fprintf(stderr, "kvmesh perplexity: %d tokens, %d chunks of %d, batch %d, kv %s\n", n_tok,
-            n_chunk, n_ctx, n_batch, c.kv_format ? c.kv_format : "f16");
+    if (c.chunks && c.chunks < n_chunk) n_chunk = c.chunks;
+    fprintf(stderr, "kvmesh perplexity: %d tokens, %d chunks of %d, batch %d, kv %s, sparse %d\n",
+            n_tok, n_chunk, n_ctx, n_batch, c.kv_format ? c.kv_format : "f16", c.sparse_attn);
     int first = n_ctx / 2;
     double nll = 0, nll2 = 0;
     long count = 0;
@@ -440,6 +465,14 @@ int cli_cmd_perplexity(int argc, char **argv)
     return 0;
 }
 
+/* CPU seconds the process has used (all its threads): what a step costs on a busy machine. */
+static double local_cpu_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
 static int local_cmp_double(const void *a, const void *b)
 {
     double x = *(const double *)a, y = *(const double *)b;
@@ -486,11 +519,11 @@ int cli_cmd_bench(int argc, char **argv)
         rng = rng * 6364136223846793005ull + 1442695040888963407ull;
         tok[i] = (int32_t)((rng >> 33) % n_vocab);
     }
-    double times[32] = {0};
+    double times[32] = {0}, cpu[32] = {0};
     int reps = c.reps < 1 ? 1 : c.reps > 32 ? 32 : c.reps;
     const float *lg;
-    fprintf(stderr, "kvmesh bench: model=%s threads=%d isa=%s\n", en_model_name(m),
-            en_engine_threads(e), en_engine_isa(e));
+    fprintf(stderr, "kvmesh bench: model=%s threads=%d isa=%s sparse=%d depth=%d\n",
+            en_model_name(m), en_engine_threads(e), en_engine_isa(e), c.sparse_attn, c.depth);
     /* prefill */
     for (int r = -1; r < reps; r++) {
         kv_seq *s;
@@ -507,18 +540,20 @@ int cli_cmd_bench(int argc, char **argv)
     fflush(stdout);
     /* decode */
     for (int bi = 0; bi < nb; bi++) {
-        int B = batches[bi], npp = B == 1 ? 0 : 128;
+        int B = batches[bi], npp = c.depth ? c.depth : B == 1 ? 0 : 128;
         for (int r = -1; r < reps; r++) {
             kv_seq *ss[256];
             for (int j = 0; j < B; j++) {
                 kv_seq_create(kv, &ss[j]);
-                if (npp) {
-                    for (int i = 0; i < npp; i++) pos[i] = i, seqs[i] = ss[j];
-                    en_batch b = {.n_tokens = npp, .tokens = tok, .pos = pos, .seqs = seqs};
+                for (int p0 = 0; p0 < npp; p0 += maxb) { /* the depth, in steps of maxb */
+                    const int n = npp - p0 < maxb ? npp - p0 : maxb;
+                    for (int i = 0; i < n; i++) pos[i] = p0 + i, seqs[i] = ss[j];
+                    en_batch b = {.n_tokens = n, .tokens = tok, .pos = pos, .seqs = seqs};
                     if (en_engine_step(e, &b, &lg) < 0) return 1;
                 }
             }
             uint64_t t0 = km_now_ns();
+            const double c0 = local_cpu_s();
             for (int g = 0; g < c.gen_tokens; g++) {
                 for (int j = 0; j < B; j++) pos[j] = npp + g, seqs[j] = ss[j];
                 uint8_t want[256];
@@ -531,11 +566,13 @@ int cli_cmd_bench(int argc, char **argv)
                     return 1;
                 }
             }
-            if (r >= 0) times[r] = (km_now_ns() - t0) / 1e9;
+            if (r >= 0) times[r] = (km_now_ns() - t0) / 1e9, cpu[r] = local_cpu_s() - c0;
             for (int j = 0; j < B; j++) kv_seq_destroy(kv, ss[j]);
         }
-        printf("bench decode batch=%d tok_s=%.1f\n", B,
-               (double)B * c.gen_tokens / local_median(times, reps));
+        const double med = local_median(times, reps);
+        printf("bench decode batch=%d depth=%d tok_s=%.1f step_ms=%.2f step_cpu_ms=%.2f\n", B, npp,
+               (double)B * c.gen_tokens / med, 1e3 * med / c.gen_tokens,
+               1e3 * local_median(cpu, reps) / c.gen_tokens);
         fflush(stdout);
     }
     free(tok);

@@ -88,6 +88,7 @@ int en_engine_create(const en_model *m, const en_engine_opts *opts, en_engine **
         .disk_secret = o.kv_disk_secret,
         .disk_bytes = o.kv_disk_bytes,
         .arena = o.kv_arena,
+        .summaries = o.sparse_attn > 0,
     };
     if (!kc.hot_bytes)
         kc.hot_bytes = (size_t)4 * 4096 * hp->n_layers * hp->n_head_kv * hp->head_dim * 2 * 2;
@@ -173,6 +174,22 @@ int en_engine_create(const en_model *m, const en_engine_opts *opts, en_engine **
         }
     }
     if (lanes_ok && hp->n_expert) lanes_ok = en_moe_alloc(e, nth) == 0;
+    e->page_tokens = kv_store_page_tokens(e->kv);
+    if (o.sparse_attn > 0) {
+        const int pt = e->page_tokens;
+        e->sparse_on = 1;
+        e->sparse_from = o.sparse_dense_layers == 0  ? 2
+                         : o.sparse_dense_layers < 0 ? 0
+                                                     : o.sparse_dense_layers;
+        e->sparse = (kn_sparse_cfg){
+            .budget_pages = (o.sparse_attn + pt - 1) / pt, .sink_pages = 1, .window_pages = 2};
+        if (e->sparse.budget_pages < 4) e->sparse.budget_pages = 4;
+        /* views with more pages than this are attended densely (kn_sparse_attention) */
+        int cap = kv_store_pages_total(e->kv), tr = (hp->n_ctx_train + pt - 1) / pt;
+        cap = (cap > tr ? cap : tr) + 1;
+        for (int i = 0; lanes_ok && i < nth; i++)
+            lanes_ok = kn_sparse_scratch_init(&e->lanes[i].sparse, cap) == 0;
+    }
     if (!e->x || !e->xn || !e->q || !e->k || !e->v || !e->att || !e->tmp || !e->gate || !e->up ||
         !e->rope_cs || !e->logits || !e->xq || !e->out_idx || !e->run0 || !e->run_n || !lanes_ok) {
         rc =
@@ -198,6 +215,7 @@ void en_engine_destroy(en_engine *e)
         free(e->lanes[i].rw);
         free(e->lanes[i].xqg);
         free(e->lanes[i].shw);
+        kn_sparse_scratch_free(&e->lanes[i].sparse);
     }
     free(e->lanes);
     en_moe_free(e);
@@ -302,20 +320,47 @@ static void en_token_qk(const en_engine *e, const en_layer *L, const en_batch *b
     kv_seq_write(e->kv, b->seqs[i], l, b->pos[i], k, e->v + i * kvd);
 }
 
-/* Rope, the K/V write and attention of one token over all kv heads (lane mode: its owner). */
-static void en_token_attention(const en_engine *e, const en_layer *L, const en_batch *b, int l,
-                               int64_t i)
+/* Whether token i's attention in layer l is sparse (its context past the budget). */
+static int en_sparse_token(const en_engine *e, const en_batch *b, int l, int64_t i)
+{
+    return e->sparse_on && l >= e->sparse_from &&
+           b->pos[i] + 1 > e->sparse.budget_pages * e->page_tokens;
+}
+
+/* Token i's attention in layer l over kv head h (the head group's queries), dense or sparse. */
+static void en_attend(const en_engine *e, const en_batch *b, int l, int64_t i, int h, int ith)
 {
     const en_hparams *hp = &e->m->hp;
     const int hd = hp->head_dim, qd = hp->n_head * hd;
     const int group = hp->n_head / hp->n_head_kv;
-    en_token_qk(e, L, b, l, i);
-    for (int h = 0; h < hp->n_head_kv; h++) {
-        kn_kv_view view;
-        kv_seq_view(e->kv, b->seqs[i], l, h, b->pos[i] + 1, &view);
-        const size_t off = (size_t)i * qd + (size_t)h * group * hd;
+    const size_t off = (size_t)i * qd + (size_t)h * group * hd;
+    kn_kv_view view;
+    kv_seq_view(e->kv, b->seqs[i], l, h, b->pos[i] + 1, &view);
+    if (!en_sparse_token(e, b, l, i)) {
         e->ops->attention(&view, hd, e->q + off, group, e->attn_scale, e->att + off);
+        return;
     }
+    kn_sparse_scratch *scr = &e->lanes[ith].sparse;
+    const int np = (view.n_ctx + view.page_tokens - 1) / view.page_tokens;
+    if (np <= scr->cap) kv_seq_summaries(e->kv, b->seqs[i], l, h, np, scr->sums);
+    kn_sparse_attention(e->ops, &view, scr->sums, &e->sparse, scr, hd, e->q + off, group,
+                        e->attn_scale, e->att + off);
+}
+
+/* Token i completed its page's rows of layer l: the page's key summary for that layer. */
+static void en_token_summarize(const en_engine *e, const en_batch *b, int l, int64_t i)
+{
+    if (e->sparse_on && (b->pos[i] + 1) % e->page_tokens == 0)
+        kv_seq_summarize(e->kv, b->seqs[i], l, b->pos[i]);
+}
+
+/* Rope, the K/V write and attention of one token over all kv heads (lane mode: its owner). */
+static void en_token_attention(const en_engine *e, const en_layer *L, const en_batch *b, int l,
+                               int64_t i, int ith)
+{
+    en_token_qk(e, L, b, l, i);
+    en_token_summarize(e, b, l, i);
+    for (int h = 0; h < e->m->hp.n_head_kv; h++) en_attend(e, b, l, i, h, ith);
 }
 
 static void en_step_job(void *ctx, int ith, int nth)
@@ -388,17 +433,25 @@ static void en_step_job(void *ctx, int ith, int nth)
         kn_pool_barrier(e->pool);
         if (lanes) {
             /* P3 + P4 of each token by its owner */
-            for (int64_t i = ith; i < n; i += nth) en_token_attention(e, L, b, l, i);
+            for (int64_t i = ith; i < n; i += nth) en_token_attention(e, L, b, l, i, ith);
         } else {
             /* P3 */
             for (int64_t i = t0; i < t1; i++) en_token_qk(e, L, b, l, i);
             kn_pool_barrier(e->pool);
+            if (e->sparse_on) { /* pages this step filled are summarized before anyone reads */
+                for (int64_t i = t0; i < t1; i++) en_token_summarize(e, b, l, i);
+                kn_pool_barrier(e->pool);
+            }
             /* P4: (run, kv head) items interleaved so that early (cheap) and late (expensive)
              * prompt positions spread over the threads; a run's tokens share one walk of the
              * pages (en_att_runs). */
             for (int64_t p = ith; p < (int64_t)st->n_runs * hp->n_head_kv; p += nth) {
                 const int r = (int)(p / hp->n_head_kv), h = (int)(p % hp->n_head_kv);
                 const int i0 = e->run0[r], nr = e->run_n[r];
+                if (en_sparse_token(e, b, l, i0 + nr - 1)) { /* each token picks its pages */
+                    for (int i = i0; i < i0 + nr; i++) en_attend(e, b, l, i, h, ith);
+                    continue;
+                }
                 kn_kv_view view;
                 kv_seq_view(e->kv, b->seqs[i0], l, h, b->pos[i0 + nr - 1] + 1, &view);
                 size_t off = (size_t)i0 * qd + (size_t)h * group * hd;

@@ -113,6 +113,12 @@ typedef struct en_engine_opts {
     kv_shard_key kv_shard_key;
     int kv_tok_groups, kv_expert_groups;
     int kv_arena; /* page memory in one arena (kv_config.arena): needed by a transfer node */
+    /* Sparse decode attention (docs/sparse.md): tokens each (layer, kv head) attends to at most,
+     * in whole pages chosen by their key summaries' bound on q·k, the first page and the last
+     * two always among them; 0: off (dense). sparse_dense_layers: the first layers attend
+     * densely all the same (0: 2; -1: none). */
+    int sparse_attn;
+    int sparse_dense_layers;
 } en_engine_opts;
 
 typedef struct en_engine en_engine;

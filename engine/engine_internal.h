@@ -20,7 +20,8 @@ typedef struct en_lane_bufs {
     int32_t *sel; /* MoE: the routing of every token and the gathered rows, this thread's copy */
     float *rw;
     uint8_t *xqg;
-    float *shw; /* MoE: each token's shared-expert gate */
+    float *shw;               /* MoE: each token's shared-expert gate */
+    kn_sparse_scratch sparse; /* sparse attention's room (opts.sparse_attn) */
 } en_lane_bufs;
 
 struct en_moe_scr;
@@ -48,6 +49,9 @@ struct en_engine {
     float *route_w; /* [T][n_expert]: router weight summed over the layers (en_batch.route) */
     /* the shared expert (hp.n_ff_shexp > 0): each token's gate [T], gate and up [T][n_ff_shexp] */
     float *shw, *sh_gate, *sh_up;
+    /* sparse attention (en_engine_opts.sparse_attn): the page choice, from layer sparse_from */
+    kn_sparse_cfg sparse;
+    int sparse_on, sparse_from, page_tokens;
 };
 
 /* What one step's job needs; lives on the caller's stack for the duration of kn_pool_run. */

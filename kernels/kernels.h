@@ -128,6 +128,13 @@ typedef struct kn_ops {
      * AVX-512 table forwards to it (hash_avx512.c says why). What a transfer's receiver verifies
      * on every page that lands (docs/transfer.md). */
     void (*xxh3_update)(void *state, const void *p, size_t n);
+
+    /* Sparse attention's page scores (Quest): sums[i] is page i's key summary for one (layer, kv
+     * head), min[head_dim] then max[head_dim] of every channel over the page's tokens, and
+     * score[i] = max over the n_q heads of sum_c max(q[h][c] * min[c], q[h][c] * max[c]), an
+     * upper bound of q·k over the page. A NULL summary scores +inf (always selected). */
+    void (*page_scores)(const float *const *sums, int n_pages, int head_dim, const float *q,
+                        int n_q, float *score);
 } kn_ops;
 
 /* The table for an instruction set, or NULL when this CPU (or build) lacks it. */
@@ -154,6 +161,41 @@ float kn_f16_to_f32(kn_f16 h);
 kn_f16 kn_f32_to_f16(float f);
 float kn_bf16_to_f32(kn_bf16 h);
 kn_bf16 kn_f32_to_bf16(float f);
+
+/* ---------------------------------------------------------------- sparse attention */
+
+/* How a decode step picks the pages it attends to (docs/sparse.md): at most budget_pages pages,
+ * always the first sink_pages and the last window_pages, the rest by score. */
+typedef struct kn_sparse_cfg {
+    int budget_pages, sink_pages, window_pages;
+} kn_sparse_cfg;
+
+/* One thread's room for kn_sparse_attention over views of at most cap pages. */
+typedef struct kn_sparse_scratch {
+    int cap;
+    const float **sums;
+    float *score, *tmp;
+    int *sel;
+    const uint8_t **pages;
+    uint8_t *fmts;
+} kn_sparse_scratch;
+
+int kn_sparse_scratch_init(kn_sparse_scratch *s, int cap);
+void kn_sparse_scratch_free(kn_sparse_scratch *s);
+
+/* The pages to attend to among n_pages scored ones, ascending into sel: all of them when they fit
+ * the budget, else the sink and window pages and the highest scores of the others (ties to the
+ * lower index) up to budget_pages. tmp has room for n_pages floats. Returns how many. */
+int kn_sparse_select(const float *score, int n_pages, const kn_sparse_cfg *c, float *tmp, int *sel);
+
+/* Attention (kn_ops.attention, table o) of n_q heads over the selected pages of kv: the pages
+ * are scored from sums (one per page of the view, NULL where a page has none), chosen by
+ * kn_sparse_select, and attended exactly, as a view of those pages alone (attn_mass is not
+ * kept). A view that fits the budget, or has more pages than the scratch, is attended whole.
+ * Returns the pages attended. */
+int kn_sparse_attention(const kn_ops *o, const kn_kv_view *kv, const float *const *sums,
+                        const kn_sparse_cfg *c, kn_sparse_scratch *scr, int head_dim,
+                        const float *q, int n_q, float scale, float *out);
 
 /* ---------------------------------------------------------------- thread pool */
 

@@ -20,6 +20,7 @@ static void kv_convert_swap(kv_store *s, kv_page *p, uint8_t *nb, kv_format f)
     if (p->flags & KV_PAGE_ON_DISK) kv_disk_unlink(s, p);
     p->buf = nb;
     p->format = f;
+    kv_page_sum_clear(s, p);
 }
 
 /* A page a sequence holds (so hot): a page that grows makes room like any allocation. */

@@ -380,6 +380,26 @@ void kv_page_convert(kv_store *s, const uint8_t *src, kv_format a, uint8_t *dst,
 
 /* Re-encodes a hot page as int4 (its shard's format). Sealing shrinks the page, so it may pass
  * the budget for the moment it takes. The caller refreshes the tables that point at it. */
+#define KV_SUM_MAX_HD 1024 /* the largest head_dim a store takes (store.c) */
+
+void kv_page_summarize(const kv_store *s, kv_page *p, int layer)
+{
+    float k[KV_SUM_MAX_HD], v[KV_SUM_MAX_HD];
+    const int hd = s->hd;
+    if (!p->sum || !p->buf || hd > KV_SUM_MAX_HD) return;
+    for (int h = 0; h < s->n_heads; h++) {
+        float *mn = p->sum + ((size_t)layer * s->n_heads + h) * 2 * hd, *mx = mn + hd;
+        for (int r = 0; r < s->pt; r++) {
+            kv_page_read_row(s, p->buf, p->format, layer, h, r, k, v);
+            for (int c = 0; c < hd; c++) {
+                mn[c] = r && mn[c] < k[c] ? mn[c] : k[c];
+                mx[c] = r && mx[c] > k[c] ? mx[c] : k[c];
+            }
+        }
+    }
+    p->sum_ok[layer] = 1;
+}
+
 int kv_page_seal(kv_store *s, kv_page *p)
 {
     return kv_page_seal_as(s, p, 1);
@@ -396,6 +416,7 @@ int kv_page_seal_as(kv_store *s, kv_page *p, int convert)
     kv_buf_put(s, p->buf, p->format);
     p->buf = nb;
     p->format = KN_KV_INT4;
+    kv_page_sum_clear(s, p);
     s->st.sealed_pages++;
     return 0;
 }

@@ -71,6 +71,12 @@ typedef struct kv_page {
      * converted since (st.converted_pages == xsum_epoch), the only ways content changes */
     uint64_t xsum, xsum_epoch;
     int xsum_fmt;
+    /* Key summary for sparse attention (kv_config.summaries; NULL until its sequence reserves
+     * it): per (layer, head) min[head_dim] then max[head_dim] of the keys over its tokens, in
+     * RAM whatever the tier; sum_ok[layer] says a layer's is current (cleared when the content
+     * is re-encoded: sealing, conversion). */
+    float *sum;
+    uint8_t *sum_ok;
 } kv_page;
 
 typedef struct kv_tier_acct {
@@ -125,6 +131,7 @@ struct kv_seq {
     /* Its pages' buffers are lent to a transfer (xfer.c: a NIC may be reading or writing them):
      * nothing may move them, so recovery level 2 leaves this sequence's pages as they are. */
     int lent;
+    int sum_from;        /* pages below have every layer's key summary (kv_config.summaries) */
     kv_seq *prev, *next; /* the store's list of sequences */
 };
 
@@ -220,6 +227,10 @@ void kv_page_release(kv_store *s, kv_page *p);
 void kv_page_ref(kv_store *s, kv_page *p);
 /* The last reference gone: an indexed page joins its cached list, any other is released. */
 void kv_page_unref(kv_store *s, kv_page *p);
+/* Gives p its (invalid) key summary buffer if it has none; 0 or KM_ENOMEM. */
+int kv_page_sum_alloc(kv_store *s, kv_page *p);
+/* Marks every layer's key summary of p stale (its content was re-encoded). */
+void kv_page_sum_clear(const kv_store *s, kv_page *p);
 void kv_list_push(kv_store *s, kv_page *p); /* into its shard/tier cached list by last_use */
 /* A page tagged with an expert moves from tier `from` to tier `to` (-1: nowhere, it appears or
  * goes): its group's occupancy follows. Nothing for an untagged page. */
@@ -241,6 +252,8 @@ void kv_page_read_row(const kv_store *s, const uint8_t *page, kv_format f, int l
                       int row, float *k, float *v);
 /* Re-encodes a whole page from format a (in src) to format b (in dst). */
 void kv_page_convert(kv_store *s, const uint8_t *src, kv_format a, uint8_t *dst, kv_format b);
+/* Computes layer's key summary of p (all its rows written) from the page as attention reads it. */
+void kv_page_summarize(const kv_store *s, kv_page *p, int layer);
 /* Re-encodes a hot page as int4 in place (its buffer replaced); callers refresh the tables. */
 int kv_page_seal(kv_store *s, kv_page *p);
 /* The same without converting (convert 0): the page's payload is about to be overwritten whole. */

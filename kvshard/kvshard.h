@@ -107,6 +107,9 @@ typedef struct kv_config {
      * which a transfer layer registers once (kv_store_mem_regions); 0: buffers from malloc. */
     int arena;
     size_t arena_bytes; /* region size; 0: 1.25 x (hot + host budgets) + a few slabs */
+    /* 1: every full page keeps a key summary for sparse attention (kv_seq_summaries), in RAM
+     * beside the page whatever its tier: 2 x n_layers x n_kv_heads x head_dim floats a page. */
+    int summaries;
 } kv_config;
 
 typedef struct kv_store kv_store;
@@ -169,6 +172,18 @@ void kv_seq_write(kv_store *s, kv_seq *q, int layer, int pos, const float *k, co
  * Waits, when the sequence's prefix is being promoted, until that layer has arrived. */
 void kv_seq_view(const kv_store *s, const kv_seq *q, int layer, int kv_head, int n_ctx,
                  kn_kv_view *out);
+/* Key summaries (kv_config.summaries; docs/sparse.md): for each (layer, kv head) of a page, the
+ * minimum and maximum of every key channel over the page's tokens, as attention reads them (after
+ * quantization). kv_seq_reserve gives the sequence's pages their summary buffers and computes
+ * the summaries of full pages that lack one (pages attached, imported, re-encoded); the engine
+ * computes a page's summary for a layer as soon as its last row of that layer is written:
+ * kv_seq_summarize, for the page holding pos, once every row of it is (any thread, distinct
+ * pages; it allocates nothing). kv_seq_summaries points out[i] at page i's block of (layer,
+ * kv_head), min[head_dim] then max[head_dim], or NULL where a page has none (the partial last
+ * page, a page not yet summarized): first n_pages pages of the view. */
+void kv_seq_summarize(const kv_store *s, kv_seq *q, int layer, int pos);
+void kv_seq_summaries(const kv_store *s, const kv_seq *q, int layer, int kv_head, int n_pages,
+                      const float **out);
 /* Reads back token pos of (layer, kv_head) as floats (dequantized): k and v of head_dim. */
 int kv_seq_read(const kv_store *s, const kv_seq *q, int layer, int kv_head, int pos, float *k,
                 float *v);

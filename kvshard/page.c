@@ -195,7 +195,24 @@ void kv_page_release(kv_store *s, kv_page *p)
         kv_buf_put(s, p->buf, p->format);
     }
     free(p->tokens);
+    free(p->sum);
     free(p);
+}
+
+int kv_page_sum_alloc(kv_store *s, kv_page *p)
+{
+    if (p->sum) return 0;
+    const size_t nf = (size_t)s->n_layers * s->n_heads * s->hd * 2;
+    p->sum = malloc(nf * sizeof(float) + (size_t)s->n_layers);
+    if (!p->sum) return KM_ENOMEM;
+    p->sum_ok = (uint8_t *)(p->sum + nf);
+    memset(p->sum_ok, 0, (size_t)s->n_layers);
+    return 0;
+}
+
+void kv_page_sum_clear(const kv_store *s, kv_page *p)
+{
+    if (p->sum) memset(p->sum_ok, 0, (size_t)s->n_layers);
 }
 
 void kv_list_push(kv_store *s, kv_page *p)

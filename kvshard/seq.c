@@ -101,11 +101,13 @@ static void kv_seq_set(kv_seq *q, int i, kv_page *p, int was_set)
     q->ptrs[i] = p->buf;
     q->fmts[i] = (uint8_t)p->format;
     q->fmt_count[p->format]++;
+    if (q->sum_from > i) q->sum_from = i; /* a new or re-encoded page: summarized again */
 }
 
 void kv_seq_refresh(kv_store *s, kv_seq *q)
 {
     memset(q->fmt_count, 0, sizeof q->fmt_count);
+    q->sum_from = 0; /* a page may have been re-encoded: its summary is checked again */
     for (int i = 0; i < q->n_pages; i++) {
         q->ptrs[i] = q->pg[i]->buf;
         q->fmts[i] = (uint8_t)q->pg[i]->format;
@@ -174,6 +176,7 @@ static void kv_seq_drop_page(kv_store *s, kv_seq *q, int i)
     q->n_pages--;
     q->n_dropped++;
     if (q->seal_from > i) q->seal_from--;
+    if (q->sum_from > i) q->sum_from--;
     s->st.dropped_seq_pages++;
     kv_page_unref(s, p);
 }
@@ -249,6 +252,39 @@ static void kv_seq_seal(kv_store *s, kv_seq *q, int keep)
     }
 }
 
+/* Key summaries (kv_config.summaries): every page from sum_from on gets its buffer, and full
+ * pages the layers they miss; sum_from moves past the pages that have them all. */
+static void kv_seq_sum_catchup(kv_store *s, kv_seq *q)
+{
+    for (int i = q->sum_from; i < q->n_pages; i++) {
+        kv_page *p = q->pg[i];
+        if (kv_page_sum_alloc(s, p)) return;
+        const int full = (p->flags & KV_PAGE_INDEXED) ||
+                         atomic_load_explicit(&p->rows, memory_order_relaxed) >= s->rows_full;
+        int all = full && !p->promoting;
+        for (int l = 0; all && l < s->n_layers; l++)
+            if (!p->sum_ok[l]) kv_page_summarize(s, p, l);
+        if (all && i == q->sum_from) q->sum_from++;
+    }
+}
+
+void kv_seq_summarize(const kv_store *s, kv_seq *q, int layer, int pos)
+{
+    const int i = pos / s->pt - q->n_dropped;
+    if (i < 0 || i >= q->n_pages || layer < 0 || layer >= s->n_layers) return;
+    kv_page_summarize(s, q->pg[i], layer);
+}
+
+void kv_seq_summaries(const kv_store *s, const kv_seq *q, int layer, int kv_head, int n_pages,
+                      const float **out)
+{
+    const size_t off = ((size_t)layer * s->n_heads + kv_head) * 2 * s->hd;
+    for (int i = 0; i < n_pages; i++) {
+        const kv_page *p = i < q->n_pages ? q->pg[i] : NULL;
+        out[i] = p && p->sum && p->sum_ok[layer] ? p->sum + off : NULL;
+    }
+}
+
 /* A private, writable copy of page i (rows before `row` are taken as written). */
 static int kv_seq_cow(kv_store *s, kv_seq *q, int i, int row)
 {
@@ -314,6 +350,7 @@ int kv_seq_reserve_expert(kv_store *s, kv_seq *q, int n_tokens, int expert)
         int ok = 1;
         for (int i = lo; i <= last && ok; i++) ok = kv_page_writable(q->pg[i]);
         if (ok) { /* the hot path of a running sequence */
+            if (s->cfg.summaries) kv_seq_sum_catchup(s, q);
             if (n_tokens > q->reserved) q->reserved = n_tokens;
             return 0;
         }
@@ -358,6 +395,7 @@ int kv_seq_reserve_expert(kv_store *s, kv_seq *q, int n_tokens, int expert)
     }
     if (n_tokens > q->reserved) q->reserved = n_tokens;
     if (q->policy.kind != KV_SEQ_KEEP_ALL) kv_seq_apply_policy(s, q);
+    if (s->cfg.summaries) kv_seq_sum_catchup(s, q);
     for (int i = old; i < q->n_pages; i++) kv_enforce_watermarks(s, q->pg[i]->shard);
     return 0;
 }
@@ -412,6 +450,7 @@ void kv_seq_truncate(kv_store *s, kv_seq *q, int n_tokens)
         kv_page_unref(s, q->pg[q->n_pages]);
     }
     if (q->seal_from > q->n_pages) q->seal_from = q->n_pages;
+    if (q->sum_from > q->n_pages) q->sum_from = q->n_pages;
     if (q->reserved > n_tokens) q->reserved = n_tokens;
     if (q->n_pages && n_tokens % pt && q->pidx[q->n_pages - 1] == keep_index - 1) {
         kv_page *p = q->pg[q->n_pages - 1];

@@ -31,6 +31,7 @@ typedef struct wk_args {
     int64_t threads, admin_port, page_tokens, max_batch, prefill_chunk, max_running, max_queue;
     int64_t decode_prefill, spec_max_draft, step_budget_ms, self_draft, self_seqs;
     int64_t kv_shards, kv_tok_groups, kv_expert_groups;
+    int64_t sparse_attn, sparse_dense_layers;
     const char *kv_shard_key;
     double spec_factor;
     int64_t max_ctx, default_max_tokens, heartbeat_ms, drain_ms, event_replay, cluster_seed;
@@ -74,6 +75,13 @@ static const km_opt g_opts[] = {
      &g_args.cluster_secret, 0, 0},
     {"kv-format", NULL, KM_OPT_STR, "f16", "KV page format: f16, bf16, fp8, int8, int4",
      &g_args.kv_format, 0, 0},
+    {"sparse-attn", NULL, KM_OPT_INT, "0",
+     "sparse decode attention: tokens per layer and kv head, in the pages whose keys may score "
+     "highest (docs/sparse.md); 0 = off, dense",
+     &g_args.sparse_attn, 0, 1 << 24},
+    {"sparse-dense-layers", NULL, KM_OPT_INT, "0",
+     "with --sparse-attn: the first layers kept dense; 0 = 2, -1 = none",
+     &g_args.sparse_dense_layers, -1, 4096},
     {"kv-shards", NULL, KM_OPT_INT, "1",
      "KV shards: each tier's budget split evenly between them, each with its own eviction",
      &g_args.kv_shards, 1, 1024},
@@ -324,7 +332,9 @@ int main(int argc, char **argv)
                          .kv_shard_key = key,
                          .kv_tok_groups = (int)a->kv_tok_groups,
                          .kv_expert_groups = (int)a->kv_expert_groups,
-                         .kv_arena = a->peer_listen && a->peer_listen[0]};
+                         .kv_arena = a->peer_listen && a->peer_listen[0],
+                         .sparse_attn = (int)a->sparse_attn,
+                         .sparse_dense_layers = (int)a->sparse_dense_layers};
     int erc = en_engine_create(m, &eo, &e, &err);
     explicit_bzero(secret, sizeof secret); /* the store derived its page key at create */
     if (erc) {

@@ -17,7 +17,7 @@
         .rope = kn_rope_##sfx, .silu_mul = kn_silu_mul_##sfx, .add = kn_add_##sfx,                 \
         .f32_to_f16 = kn_f32_to_f16_##sfx, .f16_to_f32 = kn_f16_to_f32_##sfx,                      \
         .attention = kn_attention_##sfx, .attention_multi = kn_attention_multi_##sfx,              \
-        .xxh3_update = kn_xxh3_update_##sfx,                                                       \
+        .xxh3_update = kn_xxh3_update_##sfx, .page_scores = kn_page_scores_##sfx,                  \
     }
 
 static const kn_ops kn_tables[KN_ISA_COUNT] = {

@@ -70,7 +70,9 @@ typedef struct {
     void kn_attention_multi_##sfx(const kn_kv_view *kv, int head_dim, const float *q,              \
                                   size_t q_stride, int n_tok, int n_q, float scale, float *out,    \
                                   size_t out_stride);                                              \
-    void kn_xxh3_update_##sfx(void *state, const void *p, size_t n);
+    void kn_xxh3_update_##sfx(void *state, const void *p, size_t n);                               \
+    void kn_page_scores_##sfx(const float *const *sums, int n_pages, int head_dim, const float *q, \
+                              int n_q, float *score);
 
 KN_DECLARE_ISA(ref)
 KN_DECLARE_ISA(avx2)
