@@ -1194,16 +1194,21 @@ Test(security, two_client_keys_never_share_cached_prefixes_unless_one_tenant)
 /* ---------------------------------------------------------------- fairness (issue 41) */
 
 /* n short greedy requests (ids 1..n) from client key `key` to the router front; the socket. */
-static void *flood(const char *key, int n)
+static void *flood_n(const char *key, int n, uint32_t max_tokens)
 {
     void *s = peer(KM_ZDEALER, g_rt.a, KEY_NAMED, key, "router");
     km_msg m;
     for (int i = 0; i < n; i++) {
         msg_request(&m, 1 + (uint64_t)i);
-        m.req.max_tokens = 2;
+        m.req.max_tokens = max_tokens;
         send_msg(s, &m);
     }
     return s;
+}
+
+static void *flood(const char *key, int n)
+{
+    return flood_n(key, n, 2);
 }
 
 /* The next frame on s within timeout_ms, decoded into m (the caller clears it): false when none
@@ -1220,6 +1225,27 @@ static bool next_frame(void *s, int timeout_ms, km_msg *m)
     return got;
 }
 
+/* An admin frame on a as a fence: frames of one connection are read in order, so its answer
+ * (403 to a client key) says every request before it is in the router. Returns the dones a got
+ * meanwhile. */
+static int fence(void *a)
+{
+    km_msg m;
+    msg_admin(&m, 9999, KM_ADMIN_EVICT);
+    send_msg(a, &m);
+    int done = 0;
+    bool fenced = false;
+    uint64_t until = km_now_ns() + 120000000000ull;
+    while (!fenced) {
+        cr_assert_lt(km_now_ns(), until, "no answer to the fence");
+        if (!next_frame(a, 100, &m)) continue;
+        done += m.type == KM_MSG_DONE;
+        fenced = m.type == KM_MSG_ERROR && m.error.id == 9999;
+        km_msg_clear(&m);
+    }
+    return done;
+}
+
 /* Issue 41, 4: a key that floods the router's queue does not hold back another key's request:
  * the queue serves the tenant with the fewest requests at workers first, so client2's one
  * request goes out at the next free slot instead of behind every queued request of client's.
@@ -1231,20 +1257,7 @@ Test(security, a_flooding_key_does_not_hold_back_another_keys_request)
     enum { FLOOD = 120 };
     km_msg m;
     void *a = flood("client", FLOOD);
-    /* frames of one connection are read in order: the 403 to this one says every request
-     * before it is in the router */
-    msg_admin(&m, 9999, KM_ADMIN_EVICT);
-    send_msg(a, &m);
-    int a_done = 0;
-    bool fenced = false;
-    uint64_t until = km_now_ns() + 120000000000ull;
-    while (!fenced) {
-        cr_assert_lt(km_now_ns(), until, "no answer to the fence");
-        if (!next_frame(a, 100, &m)) continue;
-        a_done += m.type == KM_MSG_DONE;
-        fenced = m.type == KM_MSG_ERROR && m.error.id == 9999;
-        km_msg_clear(&m);
-    }
+    int a_done = fence(a);
     int before = a_done;
     void *bk = peer(KM_ZDEALER, g_rt.a, KEY_NAMED, "client2", "router");
     msg_request(&m, 1);
@@ -1315,31 +1328,6 @@ static double router_metric(const char *series)
     return p ? atof(p + strlen(series)) : -1;
 }
 
-/* Floods key a with n requests of max_tokens 64, then an admin frame as a fence (every request
- * before it is in the router); returns the dones a got meanwhile. */
-static int flood_fenced(void *a, int n)
-{
-    km_msg m;
-    for (int i = 0; i < n; i++) {
-        msg_request(&m, 1 + (uint64_t)i);
-        m.req.max_tokens = 64;
-        send_msg(a, &m);
-    }
-    msg_admin(&m, 9999, KM_ADMIN_EVICT);
-    send_msg(a, &m);
-    int done = 0;
-    bool fenced = false;
-    uint64_t until = km_now_ns() + 120000000000ull;
-    while (!fenced) {
-        cr_assert_lt(km_now_ns(), until, "no answer to the fence");
-        if (!next_frame(a, 100, &m)) continue;
-        done += m.type == KM_MSG_DONE;
-        fenced = m.type == KM_MSG_ERROR && m.error.id == 9999;
-        km_msg_clear(&m);
-    }
-    return done;
-}
-
 /* Issue 41, 4: while another key is active, a key may have at most --max-inflight-per-key
  * requests at workers; the rest of its flood waits in the router queue even with worker slots
  * free (a worker runs 64 at once), so it does not fill the workers' batches, and the other
@@ -1361,8 +1349,8 @@ Test(security, a_key_at_its_inflight_share_waits_and_another_key_goes_first)
         cr_assert_lt(km_now_ns(), until, "client2's long request never reached the worker");
         usleep(20000);
     }
-    void *a = peer(KM_ZDEALER, g_rt.a, KEY_NAMED, "client", "router");
-    int a_done = flood_fenced(a, FLOOD);
+    void *a = flood_n("client", FLOOD, 64);
+    int a_done = fence(a);
     double inflight = router_metric("kvmesh_router_tenant_inflight{tenant=\"z:client\"} ");
     double queued = router_metric("kvmesh_router_tenant_queued{tenant=\"z:client\"} ");
     cr_assert_leq(inflight, 2, "client has %.0f requests at the worker (its share: 2)", inflight);
@@ -1398,8 +1386,8 @@ Test(security, a_key_alone_is_not_held_to_its_inflight_share)
 {
     if (!have_model()) return;
     start_cluster_x("--max-inflight-per-key=2");
-    void *a = peer(KM_ZDEALER, g_rt.a, KEY_NAMED, "client", "router");
-    flood_fenced(a, 12);
+    void *a = flood_n("client", 12, 64);
+    fence(a);
     /* the flood shares one prompt: the router parks the rest behind the first one's prefill,
      * then sends them all; held to 2, at most 2 would ever be at the worker */
     double most = 0;
