@@ -152,6 +152,7 @@ void kv_store_destroy(kv_store *s)
             kv_page *n = p->hnext;
             if (p->buf) kv_buf_put(s, p->buf, p->format);
             free(p->tokens);
+            free(p->sum);
             free(p);
             p = n;
         }
