@@ -563,6 +563,19 @@ void it_up_stop(it_up *u)
     if (f) fclose(f);
 }
 
+char *it_stdout(const char *cmd)
+{
+    FILE *f = popen(cmd, "r");
+    cr_assert_not_null(f);
+    km_buf b = {0};
+    char tmp[4096];
+    size_t n;
+    while ((n = fread(tmp, 1, sizeof tmp, f)) > 0) km_buf_append(&b, tmp, n);
+    pclose(f);
+    km_buf_append(&b, "", 1);
+    return (char *)b.data;
+}
+
 int it_shell(const char *cmd, char **out)
 {
     char full[4096];

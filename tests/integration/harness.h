@@ -172,6 +172,8 @@ void it_up_start(it_up *u, const char *tag, const char *const *args);
 /* Runs a shell command as a user would type it: its exit status (-1 when it did not exit), and
  * its stdout and stderr together in *out (the caller frees). */
 int it_shell(const char *cmd, char **out);
+/* What a shell command printed on its stdout (malloc'd, NUL-terminated; the caller frees). */
+char *it_stdout(const char *cmd);
 /* it_shell, and fails the test unless it exits with `status` and its output contains `says`. */
 void it_shell_expect(const char *cmd, int status, const char *says);
 

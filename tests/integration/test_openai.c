@@ -64,20 +64,6 @@ static void stop_cluster(void)
     it_stop(&g_w);
 }
 
-/* What a shell command printed (malloc'd). */
-static char *sh(const char *cmd)
-{
-    FILE *f = popen(cmd, "r");
-    cr_assert_not_null(f);
-    km_buf b = {0};
-    char tmp[4096];
-    size_t n;
-    while ((n = fread(tmp, 1, sizeof tmp, f)) > 0) km_buf_append(&b, tmp, n);
-    pclose(f);
-    km_buf_append(&b, "", 1);
-    return (char *)b.data;
-}
-
 /* POSTs body to path; the response body (malloc'd), *status its HTTP status. */
 static char *post(const char *path, const char *body, int *status)
 {
@@ -90,7 +76,7 @@ static char *post(const char *path, const char *body, int *status)
              "curl -sN --max-time 120 -w '\\n%%{http_code}' -H 'Content-Type: application/json' "
              "--data-binary @%s %s%s",
              g_body, g_base, path);
-    char *out = sh(cmd);
+    char *out = it_stdout(cmd);
     char *nl = strrchr(out, '\n');
     cr_assert_not_null(nl, "no answer from %s", path);
     *status = atoi(nl + 1);
@@ -173,7 +159,7 @@ Test(openai, health_tokenize_detokenize_and_cors_preflights)
              "-H 'Access-Control-Request-Method: POST' "
              "-H 'Access-Control-Request-Headers: authorization, content-type'",
              g_base);
-    char *o = sh(cmd);
+    char *o = it_stdout(cmd);
     cr_assert(strstr(o, "HTTP/1.1 200"), "%s", o);
     cr_assert(strstr(o, "Access-Control-Allow-Origin: https://other.example\r\n"), "%s", o);
     cr_assert(strstr(o, "Access-Control-Allow-Methods: GET, POST, OPTIONS"), "%s", o);
@@ -183,7 +169,7 @@ Test(openai, health_tokenize_detokenize_and_cors_preflights)
              "curl -si -X OPTIONS %s/v1/chat/completions -H 'Origin: https://evil.example' "
              "-H 'Access-Control-Request-Method: POST'",
              g_base);
-    o = sh(cmd);
+    o = it_stdout(cmd);
     cr_assert(strstr(o, "HTTP/1.1 405"), "another origin gets no preflight: %s", o);
     cr_assert_null(strstr(o, "Access-Control-Allow-Origin"), "%s", o);
     free(o);
@@ -192,7 +178,7 @@ Test(openai, health_tokenize_detokenize_and_cors_preflights)
              "curl -si %s/v1/completions -H 'Origin: https://app.example' -d "
              "'{\"prompt\":\"Hi\",\"max_tokens\":1,\"stream\":true}'",
              g_base);
-    o = sh(cmd);
+    o = it_stdout(cmd);
     cr_assert(strstr(o, "Access-Control-Allow-Origin: https://app.example\r\n"), "%s", o);
     cr_assert(strstr(o, "data: [DONE]"), "%s", o);
     free(o);
@@ -219,7 +205,7 @@ Test(openai, with_api_keys_health_and_preflights_need_none_tokenize_needs_one)
              "curl -s -o /dev/null -w '%%{http_code}' -X OPTIONS -H 'Origin: https://x.example' "
              "-H 'Access-Control-Request-Method: POST' %s/v1/completions",
              g_base, g_base, key, g_base, g_base);
-    char *o = sh(cmd);
+    char *o = it_stdout(cmd);
     cr_assert_str_eq(o, "200 401 200 200", "health, tokenize keyless, keyed, preflight: %s", o);
     free(o);
     stop_cluster();
@@ -235,7 +221,7 @@ Test(openai, cors_is_off_by_default)
              "curl -si -X OPTIONS %s/v1/completions -H 'Origin: https://app.example' "
              "-H 'Access-Control-Request-Method: POST'",
              g_base);
-    char *o = sh(cmd);
+    char *o = it_stdout(cmd);
     cr_assert(strstr(o, "HTTP/1.1 405"), "%s", o);
     cr_assert_null(strstr(o, "Access-Control"), "%s", o);
     free(o);
@@ -534,7 +520,7 @@ Test(openai, a_client_gone_mid_stream_ends_every_choice)
              "curl -sN --max-time 2 %s/v1/completions -d '{\"prompt\":\"Tell me a long story\","
              "\"n\":4,\"max_tokens\":2000,\"stream\":true,\"speculate\":\"off\"}' | head -c 2000",
              g_base);
-    free(sh(cmd));
+    free(it_stdout(cmd));
     char out[4096];
     IT_WAIT(it_http_get(g_r.http_port, "/v1/status", out, sizeof out) == 200 &&
                 strstr(out, "\"inflight\":0,\"queued\":0"),
@@ -564,7 +550,7 @@ Test(openai, the_official_python_sdk_works_unchanged)
     if (!cluster(NULL)) return;
     char cmd[512];
     snprintf(cmd, sizeof cmd, "%s tests/openai_sdk.py %s 2>&1; echo \"rc=$?\"", py, g_base);
-    char *out = sh(cmd);
+    char *out = it_stdout(cmd);
     cr_assert(strstr(out, "rc=0\n"), "the SDK run failed:\n%s", out);
     free(out);
     stop_cluster();

@@ -538,20 +538,6 @@ Test(router, a_late_router_catches_up_and_replicas_route_alike)
     for (int i = 0; i < 2; i++) it_stop(&w[i]);
 }
 
-/* Runs a shell command, returns its stdout. */
-static char *sh(const char *cmd)
-{
-    FILE *f = popen(cmd, "r");
-    cr_assert_not_null(f);
-    km_buf b = {0};
-    char tmp[4096];
-    size_t n;
-    while ((n = fread(tmp, 1, sizeof tmp, f)) > 0) km_buf_append(&b, tmp, n);
-    pclose(f);
-    km_buf_append(&b, "", 1);
-    return (char *)b.data;
-}
-
 /* One worker and a router in front of it, for tests driven by curl: false (skipped) without. */
 static bool curl_and_a_router(proc *w, proc *r)
 {
@@ -575,7 +561,7 @@ Test(router, the_openai_http_api_answers_curl)
     snprintf(base, sizeof base, "http://127.0.0.1:%d", r.http_port);
 
     snprintf(cmd, sizeof cmd, "curl -s %s/v1/models", base);
-    char *out = sh(cmd);
+    char *out = it_stdout(cmd);
     cr_assert(strstr(out, "\"object\":\"list\"") && strstr(out, "SmolLM2"), "%s", out);
     free(out);
 
@@ -583,7 +569,7 @@ Test(router, the_openai_http_api_answers_curl)
              "curl -s %s/v1/completions -H 'Content-Type: application/json' -d "
              "'{\"prompt\":\"The capital of France is\",\"max_tokens\":4,\"temperature\":0}'",
              base);
-    out = sh(cmd);
+    out = it_stdout(cmd);
     json_t *o = json_loads(out, 0, NULL);
     cr_assert_not_null(o, "%s", out);
     cr_assert_str_eq(json_string_value(json_object_get(o, "object")), "text_completion");
@@ -601,7 +587,7 @@ Test(router, the_openai_http_api_answers_curl)
              "\"Say hello.\"}],\"max_tokens\":6,\"temperature\":0,\"stream\":true,"
              "\"stream_options\":{\"include_usage\":true}}'",
              base);
-    out = sh(cmd);
+    out = it_stdout(cmd);
     cr_assert(strstr(out, "data: {") && strstr(out, "chat.completion.chunk"), "%s", out);
     cr_assert(strstr(out, "\"finish_reason\":\"length\""), "%s", out);
     cr_assert(strstr(out, "\"cached_tokens\""), "%s", out);
@@ -610,20 +596,20 @@ Test(router, the_openai_http_api_answers_curl)
 
     snprintf(cmd, sizeof cmd,
              "curl -s -o /dev/null -w '%%{http_code}' %s/v1/completions -d '{\"prompt\":7}'", base);
-    out = sh(cmd);
+    out = it_stdout(cmd);
     cr_assert_str_eq(out, "400");
     free(out);
     snprintf(cmd, sizeof cmd,
              "curl -s %s/v1/completions -d '{\"model\":\"gpt-9\",\"prompt\":\"x\"}'", base);
-    out = sh(cmd);
+    out = it_stdout(cmd);
     cr_assert(strstr(out, "\"model_not_found\""), "%s", out);
     free(out);
     snprintf(cmd, sizeof cmd, "curl -s %s/metrics", base);
-    out = sh(cmd);
+    out = it_stdout(cmd);
     cr_assert(strstr(out, "kvmesh_router_requests_total"), "%s", out);
     free(out);
     snprintf(cmd, sizeof cmd, "curl -s -o /dev/null -w '%%{http_code}' %s/healthz", base);
-    out = sh(cmd);
+    out = it_stdout(cmd);
     cr_assert_str_eq(out, "200");
     free(out);
     it_stop(&r);
@@ -688,7 +674,7 @@ Test(router, slowloris_connections_do_not_lock_out_new_http_clients)
                  "curl -s --max-time 60 -o /dev/null -w '%%{http_code}' "
                  "http://127.0.0.1:%d/healthz",
                  r.http_port);
-        out = sh(cmd);
+        out = it_stdout(cmd);
         cr_assert_str_eq(out, "200", "probe %d: /healthz during the attack", probe);
         free(out);
         snprintf(cmd, sizeof cmd,
@@ -696,7 +682,7 @@ Test(router, slowloris_connections_do_not_lock_out_new_http_clients)
                  "'{\"prompt\":\"The capital of France is\",\"max_tokens\":2,"
                  "\"temperature\":0}'",
                  r.http_port);
-        out = sh(cmd);
+        out = it_stdout(cmd);
         cr_assert(strstr(out, "\"text_completion\""),
                   "probe %d: a completion during the attack: %s", probe, out);
         free(out);
