@@ -137,6 +137,14 @@ void it_spawn(it_proc *p, const char *const *argv, const char *const *extra, con
         _exit(127);
     }
     it_remember(p->pid);
+    if (!p->no_wait) it_spawn_wait(p);
+}
+
+void it_spawn_wait(it_proc *p)
+{
+    p->no_wait = false;
+    char ports[128];
+    snprintf(ports, sizeof ports, "%s/ports", p->dir);
     for (int i = 0; i < 600; i++) {
         if (!access(ports, R_OK)) {
             it_read_ports(p, ports);
@@ -146,11 +154,11 @@ void it_spawn(it_proc *p, const char *const *argv, const char *const *extra, con
         if (waitpid(p->pid, &st, WNOHANG) == p->pid) {
             it_forget(p->pid);
             p->pid = 0;
-            cr_assert_fail("%s exited at start (log: %s)", args[0], log);
+            cr_assert_fail("the daemon of %s exited at start (its log is there)", p->dir);
         }
         usleep(50000);
     }
-    cr_assert_fail("%s did not start in 30 s (log: %s)", args[0], log);
+    cr_assert_fail("the daemon of %s did not start in 30 s (its log is there)", p->dir);
 }
 
 const char *it_worker_bin(void)

@@ -38,7 +38,8 @@ const char *it_bin(const char *name);
 typedef struct it_proc {
     pid_t pid; /* 0 when not running */
     char dir[64];
-    char ns[64]; /* set before it_spawn: the network namespace it runs in (ip netns exec) */
+    char ns[64];  /* set before it_spawn: the network namespace it runs in (ip netns exec) */
+    bool no_wait; /* set before it_spawn: return once forked; it_spawn_wait waits for ports */
     char listen[512], view[512], req[512], ev[512], front[512];
     int admin_port, http_port;
 } it_proc;
@@ -54,6 +55,9 @@ void it_proc_dir(it_proc *p, const char *tag);
  * the test if the child exits first. The child is killed when the test process dies (a
  * Criterion time-out leaves no daemon behind). */
 void it_spawn(it_proc *p, const char *const *argv, const char *const *extra, const char *logname);
+/* The wait it_spawn skips when p->no_wait is set: up to 30 s for p's ports file (then read),
+ * failing the test when p exits first. Clears p->no_wait. */
+void it_spawn_wait(it_proc *p);
 /* A kvmesh-worker of the default model: requests and KV events on ephemeral ports, the ports
  * file in p's dir (it_proc_dir: a p that ran before keeps its dir, as a restart under a
  * supervisor would), then flags and extra (both NULL-terminated, may be NULL); stderr to

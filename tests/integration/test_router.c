@@ -48,12 +48,13 @@ static bool have_binaries(void)
 }
 
 /* A worker on ephemeral ports, or (req/ev not NULL: a restart) on these endpoints. */
-static void start_worker_at(proc *w, const char *id, const char *req, const char *ev)
+static void start_worker_at(proc *w, const char *id, const char *req, const char *ev, bool no_wait)
 {
     char listen[600], events[600];
     snprintf(listen, sizeof listen, "--listen=%s", req ? req : "tcp://127.0.0.1:*");
     snprintf(events, sizeof events, "--events=%s", ev ? ev : "tcp://127.0.0.1:*");
     memset(w, 0, sizeof *w);
+    w->no_wait = no_wait; /* it_spawn_wait later */
     char wid[64];
     snprintf(wid, sizeof wid, "--worker-id=%s", id);
     /* listen and events after the harness's ephemeral ones: a restart binds the same ports */
@@ -64,7 +65,7 @@ static void start_worker_at(proc *w, const char *id, const char *req, const char
 
 static void start_worker(proc *w, const char *id)
 {
-    start_worker_at(w, id, NULL, NULL);
+    start_worker_at(w, id, NULL, NULL, false);
 }
 
 /* A router in front of ws[0..n); extra flags may be NULL-terminated. */
@@ -1176,23 +1177,34 @@ typedef struct kill_many_ctx {
     proc *w;
     const char **ids;
     int kills;
+    int restarting; /* the worker started again by the last kill, not yet waited for; -1: none */
 } kill_many_ctx;
 
+/* Waits for the worker the last kill started again. */
+static void restarted(kill_many_ctx *k)
+{
+    if (k->restarting >= 0) it_spawn_wait(&k->w[k->restarting]);
+    k->restarting = -1;
+}
+
 /* Every 8 tokens: SIGKILL the worker that has the request, and start it again on the same
- * endpoints (as a supervisor would), so the next kill finds another worker with it. */
+ * endpoints (as a supervisor would), so the next kill finds another worker with it. The restart
+ * is waited for only after the next kill: while it starts, the other worker runs the request
+ * and the callback reads its tokens; then no worker runs it until the restarted one takes it
+ * (the router holds it), so every kill lands mid-stream however fast the engine is. Waiting for
+ * each restart at once let the other worker finish the whole stream meanwhile (CI, 2026-11). */
 static int kill_every_8(void *user, uint32_t index, int32_t token, const char *text, size_t len)
 {
     kill_many_ctx *k = user;
     if (index == 0 || index % 8 || k->kills >= 4) return 0;
-    /* the worker that has it now; none when the tokens read here were buffered while the last
-     * kill's restart ran and the stream is between workers or done: the next multiple of 8 */
-    if (busy_worker(k->r) < 0) return 0;
     kill_ctx one = {k->r, k->w, -1};
     kill_busy_worker(&one);
+    restarted(k);
     char req[512], ev[512];
     snprintf(req, sizeof req, "%s", k->w[one.killed].req);
     snprintf(ev, sizeof ev, "%s", k->w[one.killed].ev);
-    start_worker_at(&k->w[one.killed], k->ids[one.killed], req, ev);
+    start_worker_at(&k->w[one.killed], k->ids[one.killed], req, ev, true);
+    k->restarting = one.killed;
     k->kills++;
     return 0;
 }
@@ -1215,12 +1227,13 @@ Test(router, a_stream_whose_workers_are_killed_again_and_again_completes_with_th
     cr_assert_eq(ref.completion_tokens, (uint32_t)N, "the reference ended early");
     /* four kills of whichever worker has it: more than --max-attempts (3) attempts, but only
      * two workers, and every attempt makes progress: it completes (issue 12) */
-    kill_many_ctx k = {&r, w, ids, 0};
+    kill_many_ctx k = {&r, w, ids, 0, -1};
     /* one token per step, so every kill lands mid-stream (as in stream_with_fault: with
      * speculation the repeated prompt is drafted from the reference's output and can finish
      * before the next kill finds a worker with it) */
     q.speculate = KM_SPECULATE_OFF;
     cr_assert_eq(kvm_generate(c, &q, kill_every_8, &k, &got, &err), 0, "%s", err.msg);
+    restarted(&k);
     cr_assert_eq(got.error_code, 0, "%s", got.error);
     cr_assert_eq(k.kills, 4);
     cr_assert_eq(got.migrations, 4u);
