@@ -1216,8 +1216,8 @@ Test(router, a_stream_whose_workers_are_killed_again_and_again_completes_with_th
     proc w[2], r;
     two_worker_cluster(w, &r, ids);
     kvm_client *c = client(&r);
-    /* long enough that four kills, each waiting for its worker's restart, land before the end
-     * on a fast machine (the other worker generates meanwhile) */
+    /* four kills at tokens 8, 16, 24 and 32 (kill_every_8): the stream is long enough to take
+     * all of them whatever the speed of the engine */
     enum { N = 200 };
     km_msg_request q;
     greedy(&q, "Write a long story about a dragon who learns to program computers:", N, NULL);
