@@ -74,7 +74,7 @@ secret kvmesh-operators 0444 "$K"/operators/*
 secret kvmesh-clients 0444 "$K"/clients/*
 secret kvmesh-controller-cert 0400 "$K/private/controller.key_secret"
 secret kvmesh-router-cert 0400 "$K/private/router.key_secret"
-secret kvmesh-worker-certs 0400 "$K"/private/kvmesh-worker-*.key_secret
+secret kvmesh-worker-certs 0400 "$K"/private/kvmesh-worker-*.key_secret "$K/cluster.secret"
 secret kvmesh-api-keys 0400 "$TMP/api_keys"
 
 # -- an overlay: this image, one router, small workers

@@ -192,11 +192,19 @@ for u in "${UNITS[@]}"; do
     cert=$(ins sh -c "tr '\\0' '\\n' </proc/$pid/environ | sed -n 's/^KVMESH_CERT=//p'")
     [ "$cert" = "/run/credentials/$u/cert.key_secret" ] || die "$u: KVMESH_CERT=$cert, not its credentials directory"
     ins test -s "$cert" || die "$u: $cert is empty or missing"
+    case $u in kvmesh-worker@*)
+        cs=$(ins sh -c "tr '\\0' '\\n' </proc/$pid/environ | sed -n 's/^KVMESH_CLUSTER_SECRET=//p'")
+        [ "$cs" = "/run/credentials/$u/cluster.secret" ] || die "$u: KVMESH_CLUSTER_SECRET=$cs, not its credentials directory"
+        ins test -s "$cs" || die "$u: $cs is empty or missing" ;;
+    esac
 done
+if ins setpriv --reuid=kvmesh --regid=kvmesh --clear-groups cat /etc/kvmesh/keys/cluster.secret >/dev/null 2>&1; then
+    die "the kvmesh user can read /etc/kvmesh/keys/cluster.secret"
+fi
 if ins setpriv --reuid=kvmesh --regid=kvmesh --clear-groups cat /etc/kvmesh/keys/private/worker-0.key_secret >/dev/null 2>&1; then
     die "the kvmesh user can read /etc/kvmesh/keys/private/worker-0.key_secret"
 fi
-say "credentials: each daemon is uid 10001 with KVMESH_CERT=/run/credentials/UNIT/cert.key_secret (LoadCredential=); kvmesh cannot read /etc/kvmesh/keys/private/"
+say "credentials: each daemon is uid 10001 with KVMESH_CERT=/run/credentials/UNIT/cert.key_secret (LoadCredential=), workers also KVMESH_CLUSTER_SECRET (disk pages sealed); kvmesh cannot read /etc/kvmesh/keys/private/ nor cluster.secret"
 
 # -- recovery level 3: the worker holding the pages drains (handoff to its peer), exits 75,
 # and systemd restarts it (RestartForceExitStatus=75)
