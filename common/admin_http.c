@@ -44,7 +44,8 @@ static void on_metrics(km_http_req *r, void *user)
 {
     km_admin *a = user;
     km_buf body = {0};
-    if (a->opts.metrics && km_metrics_render(a->opts.metrics, &body) != 0) {
+    if ((a->opts.metrics && km_metrics_render(a->opts.metrics, &body) != 0) ||
+        km_metrics_render_process(&body) != 0) {
         km_buf_free(&body);
         km_http_respond_error(r, 500, "out of memory");
         return;

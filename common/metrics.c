@@ -18,12 +18,15 @@
 #include "common/svc.h"
 
 #include <ctype.h>
+#include <dirent.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 struct km_series {
     km_metric *fam;
@@ -463,5 +466,97 @@ int km_metrics_render(km_metrics *r, km_buf *out)
         for (km_series *s = m->head; s && !rc; s = s->next) rc = render_series(out, m, s);
     }
     pthread_mutex_unlock(&r->mu);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- process metrics */
+
+/* Fields 14.. of /proc/self/stat (after the last ')', which ends a name that may hold spaces). */
+static bool read_self_stat(double *cpu_s, double *start_ticks, double *vsize, double *rss_pages)
+{
+    char buf[1024];
+    FILE *f = fopen("/proc/self/stat", "r");
+    if (!f) return false;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    const char *p = strrchr(buf, ')');
+    if (!p) return false;
+    unsigned long long ut, st, start, vs;
+    long long rss;
+    /* state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime cutime
+     * cstime priority nice threads itrealvalue starttime vsize rss */
+    if (sscanf(p + 1,
+               " %*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu %*d %*d %*d %*d %*d %*d "
+               "%llu %llu %lld",
+               &ut, &st, &start, &vs, &rss) != 5)
+        return false;
+    double hz = (double)sysconf(_SC_CLK_TCK);
+    *cpu_s = (double)(ut + st) / hz;
+    *start_ticks = (double)start / hz;
+    *vsize = (double)vs;
+    *rss_pages = (double)rss;
+    return true;
+}
+
+static double boot_time_s(void)
+{
+    FILE *f = fopen("/proc/stat", "r");
+    if (!f) return -1;
+    char line[256];
+    double bt = -1;
+    while (fgets(line, sizeof line, f))
+        if (!strncmp(line, "btime ", 6)) bt = atof(line + 6);
+    fclose(f);
+    return bt;
+}
+
+static int open_fds(void)
+{
+    DIR *d = opendir("/proc/self/fd");
+    if (!d) return -1;
+    int n = 0;
+    for (struct dirent *e; (e = readdir(d));)
+        if (e->d_name[0] != '.') n++;
+    closedir(d);
+    return n - 1; /* the directory stream's own */
+}
+
+static int put_process_metric(km_buf *out, const char *name, const char *type, const char *help,
+                              double v)
+{
+    char num[64];
+    fmt_double(num, sizeof num, v);
+    return km_buf_printf(out, "# HELP %s %s\n# TYPE %s %s\n%s %s\n", name, help, name, type, name,
+                         num);
+}
+
+int km_metrics_render_process(km_buf *out)
+{
+    int rc = 0;
+    double cpu, start, vsize, rss;
+    if (read_self_stat(&cpu, &start, &vsize, &rss)) {
+        double page = (double)sysconf(_SC_PAGESIZE), bt = boot_time_s();
+        rc = put_process_metric(out, "process_cpu_seconds_total", "counter",
+                                "Total user and system CPU time spent in seconds.", cpu);
+        if (!rc)
+            rc = put_process_metric(out, "process_resident_memory_bytes", "gauge",
+                                    "Resident memory size in bytes.", rss * page);
+        if (!rc)
+            rc = put_process_metric(out, "process_virtual_memory_bytes", "gauge",
+                                    "Virtual memory size in bytes.", vsize);
+        if (!rc && bt >= 0)
+            rc = put_process_metric(out, "process_start_time_seconds", "gauge",
+                                    "Start time of the process since unix epoch in seconds.",
+                                    bt + start);
+    }
+    int fds = open_fds();
+    if (!rc && fds >= 0)
+        rc = put_process_metric(out, "process_open_fds", "gauge",
+                                "Number of open file descriptors.", fds);
+    struct rlimit rl;
+    if (!rc && !getrlimit(RLIMIT_NOFILE, &rl) && rl.rlim_cur != RLIM_INFINITY)
+        rc = put_process_metric(out, "process_max_fds", "gauge",
+                                "Maximum number of open file descriptors.", (double)rl.rlim_cur);
     return rc;
 }

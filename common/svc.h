@@ -212,6 +212,11 @@ uint64_t km_hist_count(const km_series *s);
 /* Appends the Prometheus text exposition (format 0.0.4) of every family in registration order,
  * series in creation order. */
 int km_metrics_render(km_metrics *r, km_buf *out);
+/* Appends the calling process's standard Prometheus process metrics, read from /proc/self at
+ * the call: process_resident_memory_bytes, process_virtual_memory_bytes, process_open_fds,
+ * process_max_fds, process_cpu_seconds_total, process_start_time_seconds. What cannot be read
+ * is left out. Every daemon's /metrics ends with them. */
+int km_metrics_render_process(km_buf *out);
 
 /* ---------------------------------------------------------------- admin HTTP (admin_http.c)
  * The common HTTP server (common/http.h) with /metrics, /healthz and /readyz, on a thread. */

@@ -613,6 +613,7 @@ static void on_metrics(km_http_req *h, void *user)
     km_buf b = {0};
     rt_update_page_gauges(r);
     km_metrics_render(r->metrics, &b);
+    km_metrics_render_process(&b);
     km_http_respond(h, 200, "text/plain; version=0.0.4", NULL, b.data, b.len);
     km_buf_free(&b);
 }

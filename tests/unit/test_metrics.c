@@ -10,7 +10,9 @@
 #include <stdio.h>
 #include <math.h>
 #include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 static char *render(km_metrics *r, km_buf *b)
 {
@@ -259,4 +261,41 @@ Test(metrics, concurrent_updates_lose_nothing)
     cr_assert(strstr(text, "kvmesh_h_sum 300000\n"), "%s", text);
     km_buf_free(&b);
     km_metrics_destroy(r);
+}
+
+/* The value of the line "name VALUE" in text, or -1. */
+static double line_value(const char *text, const char *name)
+{
+    size_t n = strlen(name);
+    for (const char *p = text; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : p)
+        if (!strncmp(p, name, n) && p[n] == ' ') return atof(p + n + 1);
+    return -1;
+}
+
+Test(metrics, process_metrics_are_this_process_s_own)
+{
+    km_buf b = {0};
+    /* 32 MiB touched: the resident size must count them */
+    size_t big = 32u << 20;
+    char *mem = malloc(big);
+    cr_assert_not_null(mem);
+    memset(mem, 1, big);
+    FILE *f = fopen("/proc/self/stat", "r"); /* one more descriptor open while rendering */
+    cr_assert_eq(km_metrics_render_process(&b), 0);
+    cr_assert_eq(km_buf_append(&b, "", 1), 0);
+    const char *t = (const char *)b.data;
+    cr_assert(strstr(t, "# TYPE process_resident_memory_bytes gauge\n"), "%s", t);
+    cr_assert(strstr(t, "# TYPE process_cpu_seconds_total counter\n"), "%s", t);
+    double rss = line_value(t, "process_resident_memory_bytes");
+    double vsz = line_value(t, "process_virtual_memory_bytes");
+    cr_assert_geq(rss, (double)big, "%s", t);
+    cr_assert_geq(vsz, rss, "%s", t);
+    cr_assert_geq(line_value(t, "process_cpu_seconds_total"), 0, "%s", t);
+    cr_assert_geq(line_value(t, "process_open_fds"), 4, "stdin, stdout, stderr and f: %s", t);
+    cr_assert_gt(line_value(t, "process_max_fds"), 0, "%s", t);
+    double start = line_value(t, "process_start_time_seconds"), now = (double)time(NULL);
+    cr_assert(start > now - 86400 * 365 && start <= now + 1, "start %f, now %f", start, now);
+    fclose(f);
+    free(mem);
+    km_buf_free(&b);
 }
