@@ -369,7 +369,9 @@ void wk_svc_admit(wk_service *s, const km_zframe *env, int n_env, const km_msg_r
     en_grammar *grammar = q->grammar ? wk_grammar(s, q->grammar, &gerr) : NULL;
     if (q->grammar && !grammar) {
         char msg[KM_PROTO_MAX_MESSAGE];
-        snprintf(msg, sizeof msg, "response_format: %s", gerr.msg);
+        /* a grammar extension's message names it ("grammar: ...", "regex: ...") */
+        snprintf(msg, sizeof msg, "%s%s",
+                 q->grammar[0] == '%' ? "" : "response_format: ", gerr.msg);
         wk_svc_count_bad(s, WK_BAD_FIELD);
         km_counter_inc(s->s_req[WK_OUT_REJECTED]);
         wk_svc_send_error(s, s->router, env, n_env, q->id, KM_CODE_BAD_REQUEST, 0, msg);
