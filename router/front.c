@@ -89,11 +89,26 @@ static void group_done(rt_router *r, rt_rq *q, const rt_rq_done *d)
     bool last = ++g->n_done == g->n;
     rt_oai_meta m;
     km_buf b = {0};
+    /* a reply that may be a call was read whole (http_token): each choice its own call */
+    char cid[64];
+    snprintf(cid, sizeof cid, "%s_%d", q->oai_id, q->choice);
+    json_t *calls =
+        q->tool_names && q->text.len
+            ? rt_oai_tool_calls((const char *)q->text.data, q->text.len, q->tool_names, cid)
+            : NULL;
     if (g->stream) {
+        stream_begin(r, q);
         rt_rq_oai_meta(r, q, &m, NULL);
-        if (q->text.len) rt_oai_sse_chunk(&b, &m, (const char *)q->text.data, q->text.len, NULL);
+        km_buf one = {0};
+        if (calls && !rt_oai_sse_chunk(&one, &m, NULL, 0, NULL))
+            rt_oai_tool_patch(&one, 1, calls, &b);
+        else if (q->text.len)
+            rt_oai_sse_chunk(&b, &m, (const char *)q->text.data, q->text.len, NULL);
+        km_buf_free(&one);
+        const char *finish = calls ? "tool_calls" : rt_oai_finish(d->finish);
+        json_decref(calls);
         rt_rq_oai_meta(r, q, &m, d->worker);
-        rt_oai_sse_chunk(&b, &m, NULL, 0, rt_oai_finish(d->finish));
+        rt_oai_sse_chunk(&b, &m, NULL, 0, finish);
         if (last && q->include_usage) rt_oai_sse_usage(&b, &m, &g->u);
         if (last) rt_oai_sse_done(&b);
         km_http_stream_write(g->http, b.data, b.len);
@@ -108,8 +123,9 @@ static void group_done(rt_router *r, rt_rq *q, const rt_rq_done *d)
     km_buf_append(&all, "", 1);
     c->text = (const char *)all.data;
     c->len = all.len ? all.len - 1 : 0;
-    c->finish = rt_oai_finish(d->finish);
+    c->finish = calls ? "tool_calls" : rt_oai_finish(d->finish);
     c->text_offset = q->echo_len;
+    c->tool_calls = calls;
     if (q->q.logprobs) { /* taken from q, which ends after this */
         c->n_lp = (int)(q->lp.len / sizeof(rt_oai_lp));
         c->lp = q->lp.data ? (const rt_oai_lp *)q->lp.data : calloc(1, sizeof(rt_oai_lp));
@@ -217,6 +233,7 @@ static void group_unref(rt_hgroup *g)
     for (int i = 0; g->c && i < g->n; i++) {
         free((char *)g->c[i].text);
         free((void *)g->c[i].lp);
+        json_decref(g->c[i].tool_calls);
     }
     free(g->c);
     free(g->m);

@@ -762,6 +762,11 @@ int rt_oai_response_choices(km_buf *out, const rt_oai_meta *m, const rt_oai_choi
         else
             choice = json_pack("{s:i,s:o,s:o,s:s}", "index", i, "text", t, "logprobs", lp,
                                "finish_reason", c[i].finish);
+        if (m->chat && c[i].tool_calls && choice) { /* a call: no text (openai_tools.c) */
+            json_t *msg = json_object_get(choice, "message");
+            json_object_set_new(msg, "content", json_null());
+            json_object_set(msg, "tool_calls", c[i].tool_calls);
+        }
         if (json_array_append_new(choices, choice)) {
             json_decref(choices);
             choices = NULL;
