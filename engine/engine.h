@@ -230,7 +230,10 @@ typedef struct en_grammar en_grammar;
 typedef struct en_grammar_vocab en_grammar_vocab; /* the vocabulary's bytes as a trie */
 typedef struct en_grammar_matcher en_grammar_matcher;
 
-/* KM_EFORMAT (not JSON), KM_EINVAL (a bad value) or KM_EUNSUPPORTED, with the reason in err. */
+/* KM_EFORMAT (not JSON), KM_EINVAL (a bad value) or KM_EUNSUPPORTED, with the reason in err.
+ * Two extensions (grammar_cfg.c): a text that begins with the line "%gbnf" is a GBNF grammar
+ * (its rule root), one that begins with "%regex" a regular expression the whole output matches;
+ * a bad one is KM_EINVAL with the line or offset and the reason. */
 int en_grammar_compile(const char *schema, size_t len, en_grammar **out, km_errbuf *err);
 en_grammar *en_grammar_ref(en_grammar *g);
 void en_grammar_free(en_grammar *g); /* drops a reference */

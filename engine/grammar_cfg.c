@@ -1,8 +1,9 @@
 /*
  * grammar_cfg.c — the two request-level grammar extensions (engine.h, docs/structured.md): a
  * GBNF grammar (llama.cpp's notation, which vLLM's and SGLang's EBNF share) and a regular
- * expression, both compiled into one form, a context-free grammar of rules, and run over output
- * bytes by a matcher that grammar.c drives like the JSON Schema automaton (mask, cache, end).
+ * expression, both compiled here into one form, a context-free grammar of rules, and run over
+ * output bytes by a matcher (grammar_cfg_run.c) that grammar.c drives like the JSON Schema
+ * automaton (mask, cache, end).
  *
  * Why this way:
  *  - A regex is a grammar without recursion, so one matcher serves both and a regex has no limit
@@ -26,34 +27,14 @@
 
 #include "engine/grammar_internal.h"
 
-enum { C_END, C_ALT, C_REF, C_SET };
-
-typedef struct cel {
-    uint32_t t : 2, a : 30; /* C_REF: the rule; C_SET: the set */
-} cel;
-
-typedef struct cset {
-    uint32_t off, n; /* ranges rng[off, off + n) */
-    int neg;
-} cset;
-
-#define CFG_MAX_ELEMS 65536 /* elements of a compiled grammar */
-#define CFG_MAX_REPEAT 256  /* m and n of {m,n} */
-#define CFG_MAX_NEST  64    /* nesting of groups while parsing */
-
-struct en_cfg {
-    cel *el; /* el[0] = REF root, el[1] = END: the start */
-    int n_el;
-    uint32_t *rule_off; /* each rule's alternatives: elements, C_ALT, ..., C_END */
-    int n_rules;
-    uint32_t (*rng)[2];
-    cset *sets;
-};
+#define CFG_MAX_ELEMS  65536 /* elements of a compiled grammar */
+#define CFG_MAX_REPEAT 256   /* m and n of {m,n} */
+#define CFG_MAX_NEST   64    /* nesting of groups while parsing */
 
 /* ---------------------------------------------------------------- building */
 
 typedef struct cvec {
-    cel *e;
+    en_cel *e;
     int n, cap;
 } cvec;
 
@@ -68,7 +49,7 @@ typedef struct cb {
     int n_rules, cap_rules;
     uint32_t (*rng)[2];
     int n_rng, cap_rng;
-    cset *sets;
+    en_cset *sets;
     int n_sets, cap_sets;
     long total;
     const char *src, *p, *end;
@@ -101,11 +82,11 @@ static int cv_push(cb *b, cvec *v, int t, uint32_t a)
 {
     if (++b->total > CFG_MAX_ELEMS) return cb_fail(b, "grammar too large");
     if (grow((void **)&v->e, &v->cap, v->n + 1, sizeof *v->e)) return KM_ENOMEM;
-    v->e[v->n++] = (cel){.t = (uint32_t)t, .a = a};
+    v->e[v->n++] = (en_cel){.t = (uint32_t)t, .a = a};
     return 0;
 }
 
-static int cv_append(cb *b, cvec *v, const cel *e, int n)
+static int cv_append(cb *b, cvec *v, const en_cel *e, int n)
 {
     for (int i = 0; i < n; i++) {
         int rc = cv_push(b, v, (int)e[i].t, e[i].a);
@@ -120,8 +101,7 @@ static int cb_rule(cb *b, const char *name, size_t len)
     for (int i = 0; i < b->n_rules; i++)
         if (strlen(b->rules[i].name) == len && !memcmp(b->rules[i].name, name, len)) return i;
     if (b->n_rules >= 4096) return cb_fail(b, "too many rules");
-    if (grow((void **)&b->rules, &b->cap_rules, b->n_rules + 1, sizeof *b->rules))
-        return KM_ENOMEM;
+    if (grow((void **)&b->rules, &b->cap_rules, b->n_rules + 1, sizeof *b->rules)) return KM_ENOMEM;
     crule *r = &b->rules[b->n_rules];
     memset(r, 0, sizeof *r);
     if (!(r->name = malloc(len + 1))) return KM_ENOMEM;
@@ -144,7 +124,7 @@ static int cb_gen(cb *b, int parent)
 static int cb_set(cb *b, int neg)
 {
     if (grow((void **)&b->sets, &b->cap_sets, b->n_sets + 1, sizeof *b->sets)) return KM_ENOMEM;
-    b->sets[b->n_sets] = (cset){.off = (uint32_t)b->n_rng, .n = 0, .neg = neg};
+    b->sets[b->n_sets] = (en_cset){.off = (uint32_t)b->n_rng, .n = 0, .neg = neg};
     return b->n_sets++;
 }
 
@@ -179,7 +159,9 @@ static int cb_utf8(cb *b, uint32_t *cp)
 
 static int hexval(int c)
 {
-    return c >= '0' && c <= '9' ? c - '0' : (c | 32) >= 'a' && (c | 32) <= 'f' ? (c | 32) - 'a' + 10 : -1;
+    return c >= '0' && c <= '9'                 ? c - '0'
+           : (c | 32) >= 'a' && (c | 32) <= 'f' ? (c | 32) - 'a' + 10
+                                                : -1;
 }
 
 /* An escape after '\\' (b->p at the letter): the code point, or for a class escape (\d \w \s
@@ -203,13 +185,30 @@ static int cb_escape(cb *b, uint32_t *cp, int *cls)
         return 0;
     }
     switch (c) {
-    case 'n': *cp = '\n'; return 0;
-    case 'r': *cp = '\r'; return 0;
-    case 't': *cp = '\t'; return 0;
-    case 'f': *cp = '\f'; return 0;
-    case 'v': *cp = '\v'; return 0;
-    case '0': *cp = 0; return 0;
-    case 'd': case 'D': case 'w': case 'W': case 's': case 'S':
+    case 'n':
+        *cp = '\n';
+        return 0;
+    case 'r':
+        *cp = '\r';
+        return 0;
+    case 't':
+        *cp = '\t';
+        return 0;
+    case 'f':
+        *cp = '\f';
+        return 0;
+    case 'v':
+        *cp = '\v';
+        return 0;
+    case '0':
+        *cp = 0;
+        return 0;
+    case 'd':
+    case 'D':
+    case 'w':
+    case 'W':
+    case 's':
+    case 'S':
         *cls = c;
         return 0;
     }
@@ -276,7 +275,8 @@ static int cb_bracket(cb *b)
             return rc;
         }
         if (cls) {
-            if (cls >= 'A' && cls <= 'Z') return cb_fail(b, "a negated class (\\D, \\W, \\S) in []");
+            if (cls >= 'A' && cls <= 'Z')
+                return cb_fail(b, "a negated class (\\D, \\W, \\S) in []");
             if ((rc = cb_class_escape(b, s, cls))) return rc;
             continue;
         }
@@ -314,8 +314,8 @@ static void cb_space(cb *b, int nested)
 
 static int is_name(int c)
 {
-    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-           c == '-' || c == '_';
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-' ||
+           c == '_';
 }
 
 static int cb_alts(cb *b, int rule, int nested);
@@ -354,16 +354,16 @@ static int cb_braces(cb *b, int *m, int *n)
 static int cb_repeat(cb *b, int parent, cvec *seq, int start, int m, int n)
 {
     int rc;
-    cel item;
+    en_cel item;
     if (seq->n - start == 1) {
         item = seq->e[start];
     } else { /* a literal of several characters: a rule of its own */
         int w = cb_gen(b, parent);
         if (w < 0) return w;
         if ((rc = cv_append(b, &b->rules[w].el, seq->e + start, seq->n - start)) ||
-            (rc = cv_push(b, &b->rules[w].el, C_END, 0)))
+            (rc = cv_push(b, &b->rules[w].el, EN_CE_END, 0)))
             return rc;
-        item = (cel){.t = C_REF, .a = (uint32_t)w};
+        item = (en_cel){.t = EN_CE_REF, .a = (uint32_t)w};
     }
     seq->n = start;
     for (int i = 0; i < m; i++)
@@ -377,12 +377,12 @@ static int cb_repeat(cb *b, int parent, cvec *seq, int start, int m, int n)
         cvec *e = &b->rules[r].el;
         int tail = n < 0 ? r : prev;
         if ((rc = cv_push(b, e, (int)item.t, item.a)) ||
-            (tail >= 0 && (rc = cv_push(b, e, C_REF, (uint32_t)tail))) ||
-            (rc = cv_push(b, e, C_ALT, 0)) || (rc = cv_push(b, e, C_END, 0)))
+            (tail >= 0 && (rc = cv_push(b, e, EN_CE_REF, (uint32_t)tail))) ||
+            (rc = cv_push(b, e, EN_CE_ALT, 0)) || (rc = cv_push(b, e, EN_CE_END, 0)))
             return rc;
         prev = r;
     }
-    return cv_push(b, seq, C_REF, (uint32_t)prev);
+    return cv_push(b, seq, EN_CE_REF, (uint32_t)prev);
 }
 
 /* A quantifier after the item at seq[start..], if one follows. */
@@ -391,9 +391,18 @@ static int cb_quant(cb *b, int rule, cvec *seq, int start)
     if (b->p >= b->end || start == seq->n) return 0;
     int m = 0, n = 0, rc;
     switch (*b->p) {
-    case '*': m = 0, n = -1; b->p++; break;
-    case '+': m = 1, n = -1; b->p++; break;
-    case '?': m = 0, n = 1; b->p++; break;
+    case '*':
+        m = 0, n = -1;
+        b->p++;
+        break;
+    case '+':
+        m = 1, n = -1;
+        b->p++;
+        break;
+    case '?':
+        m = 0, n = 1;
+        b->p++;
+        break;
     case '{':
         b->p++;
         if ((rc = cb_braces(b, &m, &n))) return rc;
@@ -402,9 +411,9 @@ static int cb_quant(cb *b, int rule, cvec *seq, int start)
         return 0;
     }
     if (b->regex && b->p < b->end && *b->p == '?') b->p++; /* lazy: the same language */
-    if (b->regex && b->p < b->end && *b->p == '+')
-        return cb_fail(b, "a possessive quantifier");
-    if (b->p < b->end && strchr("*+?", *b->p) && b->regex) return cb_fail(b, "a quantifier after a quantifier");
+    if (b->regex && b->p < b->end && *b->p == '+') return cb_fail(b, "a possessive quantifier");
+    if (b->p < b->end && strchr("*+?", *b->p) && b->regex)
+        return cb_fail(b, "a quantifier after a quantifier");
     return cb_repeat(b, rule, seq, start, m, n);
 }
 
@@ -418,7 +427,7 @@ static int cb_group(cb *b, int rule, cvec *seq)
     if (b->p >= b->end || *b->p != ')') return cb_fail(b, "a '(' not closed");
     b->p++;
     b->nest--;
-    return cv_push(b, seq, C_REF, (uint32_t)g);
+    return cv_push(b, seq, EN_CE_REF, (uint32_t)g);
 }
 
 /* One GBNF item into seq. */
@@ -441,7 +450,7 @@ static int cb_gbnf_item(cb *b, int rule, cvec *seq)
                 return rc;
             }
             if ((s = cb_char_set(b, cp)) < 0) return s;
-            if ((rc = cv_push(b, seq, C_SET, (uint32_t)s))) return rc;
+            if ((rc = cv_push(b, seq, EN_CE_SET, (uint32_t)s))) return rc;
         }
         if (b->p >= b->end) return cb_fail(b, "a literal not closed");
         b->p++;
@@ -450,12 +459,12 @@ static int cb_gbnf_item(cb *b, int rule, cvec *seq)
     if (c == '[') {
         b->p++;
         if ((s = cb_bracket(b)) < 0) return s;
-        return cv_push(b, seq, C_SET, (uint32_t)s);
+        return cv_push(b, seq, EN_CE_SET, (uint32_t)s);
     }
     if (c == '.') {
         b->p++;
         if ((s = cb_set(b, 1)) < 0) return s; /* nothing excluded */
-        return cv_push(b, seq, C_SET, (uint32_t)s);
+        return cv_push(b, seq, EN_CE_SET, (uint32_t)s);
     }
     if (c == '(') {
         b->p++;
@@ -465,7 +474,7 @@ static int cb_gbnf_item(cb *b, int rule, cvec *seq)
         const char *n0 = b->p;
         while (b->p < b->end && is_name((unsigned char)*b->p)) b->p++;
         int r = cb_rule(b, n0, (size_t)(b->p - n0));
-        return r < 0 ? r : cv_push(b, seq, C_REF, (uint32_t)r);
+        return r < 0 ? r : cv_push(b, seq, EN_CE_REF, (uint32_t)r);
     }
     return cb_fail(b, "an unexpected character");
 }
@@ -487,16 +496,16 @@ static int cb_regex_item(cb *b, int rule, cvec *seq)
     if (c == '[') {
         b->p++;
         if ((s = cb_bracket(b)) < 0) return s;
-        return cv_push(b, seq, C_SET, (uint32_t)s);
+        return cv_push(b, seq, EN_CE_SET, (uint32_t)s);
     }
     if (c == '.') { /* any character but a newline */
         b->p++;
-        if ((s = cb_set(b, 1)) < 0 || (rc = cb_range(b, s, '\n', '\n')))
-            return s < 0 ? s : rc;
-        return cv_push(b, seq, C_SET, (uint32_t)s);
+        if ((s = cb_set(b, 1)) < 0 || (rc = cb_range(b, s, '\n', '\n'))) return s < 0 ? s : rc;
+        return cv_push(b, seq, EN_CE_SET, (uint32_t)s);
     }
     if (c == '^' || c == '$') return cb_fail(b, "an anchor inside the pattern");
-    if (c == '*' || c == '+' || c == '?' || c == '{') return cb_fail(b, "a quantifier with nothing before it");
+    if (c == '*' || c == '+' || c == '?' || c == '{')
+        return cb_fail(b, "a quantifier with nothing before it");
     uint32_t cp;
     int cls = 0;
     if (c == '\\') {
@@ -506,7 +515,7 @@ static int cb_regex_item(cb *b, int rule, cvec *seq)
         return rc;
     }
     s = cls ? cb_class_set(b, cls) : cb_char_set(b, cp);
-    return s < 0 ? s : cv_push(b, seq, C_SET, (uint32_t)s);
+    return s < 0 ? s : cv_push(b, seq, EN_CE_SET, (uint32_t)s);
 }
 
 /* Alternatives into rule: sequences separated by '|', until the end, a ')' or (GBNF, not
@@ -530,11 +539,11 @@ static int cb_alts(cb *b, int rule, int nested)
             seq.n = 0;
             if (b->p < b->end && *b->p == '|') {
                 b->p++;
-                if ((rc = cv_push(b, &b->rules[rule].el, C_ALT, 0))) break;
+                if ((rc = cv_push(b, &b->rules[rule].el, EN_CE_ALT, 0))) break;
                 if (!b->regex) cb_space(b, 1); /* a newline may follow a '|' */
                 continue;
             }
-            rc = cv_push(b, &b->rules[rule].el, C_END, 0);
+            rc = cv_push(b, &b->rules[rule].el, EN_CE_END, 0);
             break;
         }
         int start = seq.n;
@@ -582,7 +591,8 @@ static int cb_regex(cb *b)
     int r = cb_rule(b, "root", 4);
     if (r < 0) return r;
     b->rules[r].defined = 1;
-    if (b->p < b->end && *b->p == '^') b->p++; /* the whole output matches: anchors change nothing */
+    if (b->p < b->end && *b->p == '^')
+        b->p++; /* the whole output matches: anchors change nothing */
     if (b->end > b->p && b->end[-1] == '$' && (b->end - b->p < 2 || b->end[-2] != '\\')) b->end--;
     int rc = cb_alts(b, r, 0);
     if (!rc && b->p < b->end) rc = cb_fail(b, "a ')' without '('");
@@ -607,10 +617,10 @@ static int cb_check(cb *b)
             const cvec *e = &b->rules[r].el;
             int ok = 1, found = 0; /* some alternative all of whose items may match nothing */
             for (int i = 0; i < e->n && !found; i++) {
-                if (e->e[i].t == C_ALT || e->e[i].t == C_END) {
+                if (e->e[i].t == EN_CE_ALT || e->e[i].t == EN_CE_END) {
                     found = ok;
                     ok = 1;
-                } else if (e->e[i].t == C_SET || !null[e->e[i].a]) {
+                } else if (e->e[i].t == EN_CE_SET || !null[e->e[i].a]) {
                     ok = 0;
                 }
             }
@@ -627,13 +637,13 @@ static int cb_check(cb *b)
             const cvec *e = &b->rules[r].el;
             int live = 1;
             for (int i = 0; i < e->n; i++) {
-                cel x = e->e[i];
-                if (x.t == C_ALT || x.t == C_END) {
+                en_cel x = e->e[i];
+                if (x.t == EN_CE_ALT || x.t == EN_CE_END) {
                     live = 1;
                     continue;
                 }
                 if (!live) continue;
-                if (x.t == C_SET) {
+                if (x.t == EN_CE_SET) {
                     live = 0;
                     continue;
                 }
@@ -686,8 +696,8 @@ int en_cfg_compile(const char *src, size_t len, int regex, en_cfg **out, km_errb
     }
     if (!rc) {
         c->n_rules = b.n_rules;
-        c->el[0] = (cel){.t = C_REF, .a = 0};
-        c->el[1] = (cel){.t = C_END};
+        c->el[0] = (en_cel){.t = EN_CE_REF, .a = 0};
+        c->el[1] = (en_cel){.t = EN_CE_END};
         c->n_el = 2;
         for (int i = 0; i < b.n_rules; i++) {
             c->rule_off[i] = (uint32_t)c->n_el;
@@ -711,153 +721,4 @@ int en_cfg_compile(const char *src, size_t len, int regex, en_cfg **out, km_errb
     }
     *out = c;
     return 0;
-}
-
-/* ---------------------------------------------------------------- running */
-
-static int set_has(const en_cfg *g, uint32_t s, uint32_t cp)
-{
-    const cset *x = &g->sets[s];
-    for (uint32_t i = 0; i < x->n; i++)
-        if (cp >= g->rng[x->off + i][0] && cp <= g->rng[x->off + i][1]) return !x->neg;
-    return x->neg;
-}
-
-/* Whether set s holds some code point in [lo, hi]. */
-static int set_meets(const en_cfg *g, uint32_t s, uint32_t lo, uint32_t hi)
-{
-    const cset *x = &g->sets[s];
-    for (uint32_t i = 0; i < x->n; i++) {
-        const uint32_t *r = g->rng[x->off + i];
-        if (x->neg && r[0] <= lo && r[1] >= hi) return 0;
-        if (!x->neg && r[0] <= hi && r[1] >= lo) return 1;
-    }
-    return x->neg;
-}
-
-static int cont(const en_cfg *g, uint32_t p)
-{
-    return g->el[p].t != C_ALT && g->el[p].t != C_END;
-}
-
-/* stk[0, len) into o's set, unless already there. */
-static int cs_add(en_cstate *o, const uint32_t *stk, int len)
-{
-    for (uint32_t i = 0, k = 0; k < o->n_st; k++) {
-        if (o->w[i] == (uint32_t)len && !memcmp(o->w + i + 1, stk, sizeof *stk * (size_t)len))
-            return 0;
-        i += 1 + o->w[i];
-    }
-    if (o->n_st >= EN_CFG_STACKS || o->used + 1 + (uint32_t)len > EN_CFG_WORDS) return -1;
-    o->w[o->used] = (uint32_t)len;
-    memcpy(o->w + o->used + 1, stk, sizeof *stk * (size_t)len);
-    o->used += 1 + (uint32_t)len;
-    o->n_st++;
-    return 0;
-}
-
-/* stk into o with every rule reference on top replaced by its alternatives, until the tops are
- * character sets (an empty stack: the output may end). */
-static int cs_expand(const en_cfg *g, en_cstate *o, const uint32_t *stk, int len, int guard)
-{
-    if (len == 0 || g->el[stk[len - 1]].t == C_SET) return cs_add(o, stk, len);
-    if (guard > EN_CFG_DEPTH) return -1;
-    uint32_t top = stk[len - 1], buf[EN_CFG_DEPTH + 2];
-    int base = len - 1;
-    memcpy(buf, stk, sizeof *buf * (size_t)base);
-    if (cont(g, top + 1)) buf[base++] = top + 1;
-    for (uint32_t a = g->rule_off[g->el[top].a];; a++) {
-        int n = base;
-        if (cont(g, a)) {
-            if (n >= EN_CFG_DEPTH) return -1;
-            buf[n++] = a;
-        }
-        if (cs_expand(g, o, buf, n, guard + 1)) return -1;
-        while (cont(g, a)) a++;
-        if (g->el[a].t == C_END) break;
-    }
-    return 0;
-}
-
-int en_cfg_start(const en_cfg *g, en_cstate *s)
-{
-    memset(s, 0, offsetof(en_cstate, w));
-    uint32_t root = 0;
-    return cs_expand(g, s, &root, 1, 0);
-}
-
-size_t en_cstate_size(const en_cstate *s)
-{
-    return offsetof(en_cstate, w) + sizeof *s->w * s->used;
-}
-
-/* The least code point a character of len bytes may hold (no overlong forms). */
-static uint32_t utf8_min(int len)
-{
-    return len == 2 ? 0x80 : len == 3 ? 0x800 : 0x10000;
-}
-
-/* Some stack's top may hold a code point in [lo, hi]. */
-static int cs_viable(const en_cfg *g, const en_cstate *s, uint32_t lo, uint32_t hi)
-{
-    if (lo < utf8_min(s->len)) lo = utf8_min(s->len);
-    if (hi > 0x10FFFF) hi = 0x10FFFF;
-    if (lo > hi) return 0;
-    for (uint32_t i = 0, k = 0; k < s->n_st; k++, i += 1 + s->w[i])
-        if (s->w[i] && set_meets(g, g->el[s->w[i + s->w[i]]].a, lo, hi)) return 1;
-    return 0;
-}
-
-int en_cfg_step(const en_cfg *g, const en_cstate *in, en_cstate *o, int c)
-{
-    if (c < 0) return en_cfg_complete(in) ? 0 : -1;
-    uint32_t cp;
-    if (in->need) {
-        if ((c & 0xC0) != 0x80) return -1;
-        cp = in->cp << 6 | (uint32_t)(c & 0x3F);
-        if (in->need == 1 && (cp < utf8_min(in->len) || (cp >= 0xD800 && cp < 0xE000)))
-            return -1; /* overlong, or a surrogate */
-        if (in->need > 1) {
-            memcpy(o, in, en_cstate_size(in));
-            o->cp = cp, o->need--;
-            uint32_t k = 6u * o->need;
-            return cs_viable(g, o, cp << k, cp << k | ((1u << k) - 1)) ? 0 : -1;
-        }
-    } else if (c < 0x80) {
-        cp = (uint32_t)c;
-    } else {
-        int need = c >= 0xF0 && c <= 0xF4 ? 3 : c >= 0xE0 ? 2 : c >= 0xC2 && c < 0xE0 ? 1 : 0;
-        if (!need || c > 0xF4) return -1;
-        memcpy(o, in, en_cstate_size(in));
-        o->cp = (uint32_t)c & (0x3Fu >> need), o->need = (uint8_t)need;
-        o->len = (uint8_t)(need + 1);
-        uint32_t k = 6u * (uint32_t)need;
-        return cs_viable(g, o, o->cp << k, o->cp << k | ((1u << k) - 1)) ? 0 : -1;
-    }
-    memset(o, 0, offsetof(en_cstate, w));
-    uint32_t buf[EN_CFG_DEPTH + 2];
-    for (uint32_t i = 0, k = 0; k < in->n_st; k++, i += 1 + in->w[i]) {
-        int len = (int)in->w[i];
-        if (!len) continue;
-        uint32_t top = in->w[i + (uint32_t)len];
-        if (!set_has(g, g->el[top].a, cp)) continue;
-        memcpy(buf, in->w + i + 1, sizeof *buf * (size_t)(len - 1));
-        int n = len - 1;
-        if (cont(g, top + 1)) buf[n++] = top + 1;
-        if (cs_expand(g, o, buf, n, 0)) return -1;
-    }
-    return o->n_st ? 0 : -1;
-}
-
-int en_cfg_complete(const en_cstate *s)
-{
-    if (s->need) return 0;
-    for (uint32_t i = 0, k = 0; k < s->n_st; k++, i += 1 + s->w[i])
-        if (!s->w[i]) return 1;
-    return 0;
-}
-
-int en_cfg_done(const en_cstate *s)
-{
-    return s->n_st == 1 && en_cfg_complete(s);
 }

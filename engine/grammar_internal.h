@@ -71,8 +71,27 @@ typedef struct en_gn {
     int *alts;
 } en_gn;
 
-/* A GBNF grammar or a regex (grammar_cfg.c): rules run by a set of stacks. */
-typedef struct en_cfg en_cfg;
+/* A GBNF grammar or a regex (grammar_cfg.c): rules run by a set of stacks (grammar_cfg_run.c).
+ * Each rule's alternatives are elements, EN_CE_ALT between them, EN_CE_END after the last. */
+enum { EN_CE_END, EN_CE_ALT, EN_CE_REF, EN_CE_SET };
+
+typedef struct en_cel {
+    uint32_t t : 2, a : 30; /* EN_CE_REF: the rule; EN_CE_SET: the set */
+} en_cel;
+
+typedef struct en_cset {
+    uint32_t off, n; /* ranges rng[off, off + n) */
+    int neg;
+} en_cset;
+
+typedef struct en_cfg {
+    en_cel *el; /* el[0] = REF root, el[1] = END: the start */
+    int n_el;
+    uint32_t *rule_off; /* each rule's alternatives: elements, EN_CE_ALT, ..., EN_CE_END */
+    int n_rules;
+    uint32_t (*rng)[2];
+    en_cset *sets;
+} en_cfg;
 #define EN_CFG_STACKS 64   /* stacks of one state at most */
 #define EN_CFG_DEPTH  60   /* positions of one stack at most */
 #define EN_CFG_WORDS  1024 /* the stacks' words, with their lengths */

@@ -53,7 +53,8 @@ static int judge(const char *src, const char *text)
 #define LIST                                                                                       \
     "%gbnf\n# a list of small words\nroot ::= \"[\" ws item (\",\" ws item)* \"]\"\n"              \
     "item ::= [a-z]+ | num\nnum ::= \"-\"? [0-9]{1,3}\nws ::= [ ]?\n"
-#define NEST "%gbnf\nroot ::= expr\nexpr ::= term (\"+\" term)*\nterm ::= [0-9] | \"(\" expr \")\"\n"
+#define NEST                                                                                       \
+    "%gbnf\nroot ::= expr\nexpr ::= term (\"+\" term)*\nterm ::= [0-9] | \"(\" expr \")\"\n"
 
 Test(grammar_cfg, gbnf_accepts_and_refuses)
 {
@@ -73,7 +74,7 @@ Test(grammar_cfg, gbnf_accepts_and_refuses)
                  1);
     cr_expect_eq(judge("%gbnf\nroot ::= [α-ω]+\n", "\xce\xbb\xce\xbc"), 1);
     cr_expect_eq(judge("%gbnf\nroot ::= [α-ω]+\n", "\xce\x91"), -1); /* capital alpha */
-    cr_expect_eq(judge("%gbnf\nroot ::= [α-ω]+\n", "\xce"), 0); /* a character begun */
+    cr_expect_eq(judge("%gbnf\nroot ::= [α-ω]+\n", "\xce"), 0);      /* a character begun */
     /* a character's first bytes only when they can still be a character the grammar takes */
     cr_expect_eq(judge("%regex\nb", "\xe0"), -1);
     cr_expect_eq(judge("%regex\nb", "\xf0"), -1);
@@ -159,8 +160,8 @@ static void mask_matches(const char *src, const char *prefix)
             int ok = en_grammar_accept_token(u, id) == 0, got = bits[id >> 5] >> (id & 31) & 1;
             en_grammar_matcher_destroy(u);
             allowed += got;
-            cr_assert_eq(got, ok, "%s after '%s': token %d mask %d, bytes %d", src, prefix, id,
-                         got, ok);
+            cr_assert_eq(got, ok, "%s after '%s': token %d mask %d, bytes %d", src, prefix, id, got,
+                         ok);
         }
     }
     cr_expect_gt(allowed, 0);

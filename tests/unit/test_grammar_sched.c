@@ -1,10 +1,10 @@
 /*
  * test_grammar_sched.c — constrained decoding through the scheduler on the default model: every
- * output of a batch of constrained requests (several schemas, greedy and sampled) is a complete
- * value of its schema and ends by itself; speculative decoding gives token for token the output
- * without it; a request continued after a migration (its generated tokens in the prompt, the
- * grammar rebuilt from them) gives the output of one undisturbed. Without the model every test
- * skips.
+ * output of a batch of constrained requests (several schemas, a GBNF grammar and a regex, greedy
+ * and sampled) is a complete value of its schema and ends by itself; speculative decoding gives
+ * token for token the output without it; a request continued after a migration (its generated
+ * tokens in the prompt, the grammar rebuilt from them) gives the output of one undisturbed.
+ * Without the model every test skips.
  */
 #include <criterion/criterion.h>
 #include <stdio.h>
@@ -47,6 +47,9 @@ static const char *const g_schemas[] = {
     "\"integer\",\"minimum\":1,\"maximum\":9}},\"required\":[\"fruit\",\"qty\"]},\"minItems\":1,"
     "\"maxItems\":3}},\"required\":[\"items\"]}",
     "{\"type\":\"object\"}",
+    /* the extensions (grammar_cfg.c): a GBNF grammar and a regex */
+    "%gbnf\nroot ::= \"Name: \" [A-Z] [a-z]{1,12} \", age \" [0-9]{1,2} \".\"\n",
+    "%regex\n(sunny|rainy|cloudy), -?[0-9]{1,2} C in [A-Z][a-z]{2,12}",
 };
 #define N_SCHEMAS (int)(sizeof g_schemas / sizeof *g_schemas)
 
@@ -55,6 +58,8 @@ static const char *const g_asks[] = {
     "Describe today's weather in Paris as JSON.",
     "List a shopping list of fruits with quantities as JSON.",
     "Describe a cat as a JSON object.",
+    "Give a person's name and age.",
+    "Describe today's weather in Paris.",
 };
 
 static int chat_prompt(int i, int32_t *ids, int cap)
@@ -153,10 +158,10 @@ Test(grammar_sched, every_output_is_a_complete_value_greedy_and_sampled)
 Test(grammar_sched, speculation_gives_the_output_without_it)
 {
     need_model();
-    out a[4], b[4];
-    run_batch(EN_SPEC_OFF, 0, a, 4);
-    run_batch(EN_SPEC_AUTO, 0, b, 4);
-    for (int i = 0; i < 4; i++) {
+    out a[6], b[6];
+    run_batch(EN_SPEC_OFF, 0, a, 6);
+    run_batch(EN_SPEC_AUTO, 0, b, 6);
+    for (int i = 0; i < 6; i++) {
         cr_assert_eq(a[i].n, b[i].n, "request %d", i);
         cr_assert_arr_eq(a[i].tok, b[i].tok, sizeof(int32_t) * (size_t)a[i].n);
     }
