@@ -90,6 +90,32 @@ def main():
     check(any(c.choices and c.choices[0].logprobs and c.choices[0].logprobs.content
               for c in chunks), "streamed logprobs")
 
+    # the grammar extensions through extra_body, as with vLLM; tools with n > 1
+    import re
+    r = client.completions.create(model="default", prompt="Call me at", max_tokens=20,
+                                  temperature=0, extra_body={"guided_regex": r"\d{3}-\d{4}"})
+    check(re.fullmatch(r"\d{3}-\d{4}", r.choices[0].text), "guided_regex: %r" % r.choices[0].text)
+    r = client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "Is water wet?"}], max_tokens=10,
+        temperature=0, extra_body={"guided_grammar": 'root ::= ("yes" | "no") "!"'})
+    check(r.choices[0].message.content in ("yes!", "no!"), "guided_grammar: %r" % r.choices[0])
+    try:
+        client.chat.completions.create(model="default", messages=msgs, max_tokens=1,
+                                       extra_body={"guided_grammar": "root ::= root"})
+        check(False, "a left-recursive grammar accepted")
+    except openai.BadRequestError as e:
+        check("left recursion" in str(e.body), "left recursion named: %s" % e.body)
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}]
+    r = client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "Weather in Lisbon?"}],
+        max_tokens=60, temperature=0.8, seed=5, n=2, tools=tools, tool_choice="required")
+    check(len(r.choices) == 2, "n=2 with tools")
+    for c in r.choices:
+        check(c.finish_reason == "tool_calls" and c.message.tool_calls, "choice %d: a call" % c.index)
+        check("city" in json.loads(c.message.tool_calls[0].function.arguments), "its arguments")
+
     # refusals are BadRequestError naming the field
     for kwargs, param in (({"suffix": "x"}, "suffix"), ({"echo": True, "logprobs": 1}, "echo"),
                           ({"n": 100}, "n")):
