@@ -167,28 +167,35 @@ Test(grammar_sched, speculation_gives_the_output_without_it)
     }
 }
 
-Test(grammar_sched, a_migrated_request_continues_its_grammar)
+/* Request i continued after a migration at half its output equals the undisturbed one. */
+static void migrate(int i)
 {
-    need_model();
-    out whole[1];
-    run_batch(EN_SPEC_OFF, 0, whole, 1);
-    cr_assert_gt(whole[0].n, 6);
-    int cut = whole[0].n / 2;
+    out whole[N_SCHEMAS];
+    run_batch(EN_SPEC_OFF, 0, whole, i + 1);
+    cr_assert_gt(whole[i].n, 6);
+    int cut = whole[i].n / 2;
     rig r = make(EN_SPEC_OFF);
     int32_t ids[256 + MAXG];
-    int np = chat_prompt(0, ids, 256);
-    memcpy(ids + np, whole[0].tok, sizeof(int32_t) * (size_t)cut);
+    int np = chat_prompt(i, ids, 256);
+    memcpy(ids + np, whole[i].tok, sizeof(int32_t) * (size_t)cut);
     out rest = {0};
     en_sched_req q = greedy_req(ids, np + cut, MAXG - cut, &rest);
     q.n_generated = cut;
-    q.grammar = r.g[0];
+    q.grammar = r.g[i];
     cr_assert_eq(en_sched_submit(r.s, &q, NULL), 0);
     run_all(r.s);
-    cr_assert_eq(rest.n, whole[0].n - cut);
-    cr_assert_arr_eq(rest.tok, whole[0].tok + cut, sizeof(int32_t) * (size_t)rest.n);
+    cr_assert_eq(rest.n, whole[i].n - cut, "grammar %d", i);
+    cr_assert_arr_eq(rest.tok, whole[i].tok + cut, sizeof(int32_t) * (size_t)rest.n);
     /* tokens that do not fit the grammar are refused at submit */
     ids[np] = md_tok_find(en_model_tokenizer(g_model), "]");
     q.n_tokens = np + 1, q.n_generated = 1;
     cr_assert_eq(en_sched_submit(r.s, &q, NULL), KM_EINVAL);
     drop(r);
+}
+
+Test(grammar_sched, a_migrated_request_continues_its_grammar)
+{
+    need_model();
+    migrate(0); /* a schema */
+    migrate(4); /* a GBNF grammar */
 }
