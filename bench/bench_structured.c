@@ -85,7 +85,7 @@ static double phase(en_model *m, const bs_args *a, en_grammar *g, int *steps)
     en_engine_opts eo = {.n_threads = a->threads, .max_batch_tokens = 512};
     en_sched *s;
     en_sched_opts so = {.max_running = a->batch, .max_batch_tokens = 512, .spec.mode = EN_SPEC_OFF};
-    en_sched_cb cb = {on_token, on_done, on_error, NULL};
+    en_sched_cb cb = {on_token, on_done, on_error, NULL, NULL};
     if (en_engine_create(m, &eo, &e, &err) || en_sched_create(e, m, &so, &cb, &s, &err)) {
         fprintf(stderr, "bench_structured: %s\n", err.msg);
         exit(1);

@@ -37,7 +37,7 @@ def main():
 
     check(client.models.list().data[0].id, "models.list")
 
-    # completions: logprobs, echo, n with a seed, a list of prompts, token ids
+    # completions: logprobs, echo (with logprobs too), n with a seed, a list of prompts, token ids
     r = client.completions.create(model="default", prompt="The capital of France is",
                                   max_tokens=4, temperature=0, logprobs=3)
     lp = r.choices[0].logprobs
@@ -48,6 +48,13 @@ def main():
     r = client.completions.create(model="default", prompt="Hello", max_tokens=2, temperature=0,
                                   echo=True)
     check(r.choices[0].text.startswith("Hello"), "echo")
+    r = client.completions.create(model="default", prompt="The sky is blue", max_tokens=2,
+                                  temperature=0, echo=True, logprobs=1)
+    lp = r.choices[0].logprobs
+    check(lp.token_logprobs[0] is None and all(x <= 0 for x in lp.token_logprobs[1:]),
+          "echo with logprobs: the prompt's, the first null: %s" % lp.token_logprobs)
+    check("".join(lp.tokens).startswith("The sky is blue") and lp.text_offset[0] == 0,
+          "echo with logprobs: the prompt's tokens first: %s" % lp.tokens)
     a = client.completions.create(model="default", prompt="Once upon a time", max_tokens=5,
                                   temperature=1, n=3, seed=42)
     b = client.completions.create(model="default", prompt="Once upon a time", max_tokens=5,
@@ -117,8 +124,7 @@ def main():
         check("city" in json.loads(c.message.tool_calls[0].function.arguments), "its arguments")
 
     # refusals are BadRequestError naming the field
-    for kwargs, param in (({"suffix": "x"}, "suffix"), ({"echo": True, "logprobs": 1}, "echo"),
-                          ({"n": 100}, "n")):
+    for kwargs, param in (({"suffix": "x"}, "suffix"), ({"n": 100}, "n")):
         try:
             client.completions.create(model="default", prompt="x", max_tokens=1, **kwargs)
             check(False, "%s accepted" % kwargs)
