@@ -377,10 +377,12 @@ build/fuzz/fuzz_oai: tests/fuzz/fuzz_oai.c router/openai.c router/openai_tools.c
 	@mkdir -p $(dir $@)
 	clang -std=gnu11 -g -O1 -I. -fsanitize=fuzzer,address,undefined $< router/openai.c router/openai_tools.c $(FUZZ_LIB_SRC) -o $@ $(LDLIBS)
 
-# The grammar engine's schema reader and compiler (fuzz_grammar) need engine/grammar*.c.
-build/fuzz/fuzz_grammar: tests/fuzz/fuzz_grammar.c engine/grammar.c engine/grammar_schema.c engine/grammar_regex.c $(FUZZ_LIB_SRC) engine/engine.h engine/grammar_internal.h
+# The grammar engine's readers and compilers (fuzz_grammar: schemas; fuzz_gbnf: GBNF grammars and
+# regexes) need engine/grammar*.c.
+GRAMMAR_SRC := $(wildcard engine/grammar*.c)
+build/fuzz/fuzz_grammar build/fuzz/fuzz_gbnf: build/fuzz/%: tests/fuzz/%.c $(GRAMMAR_SRC) $(FUZZ_LIB_SRC) engine/engine.h engine/grammar_internal.h
 	@mkdir -p $(dir $@)
-	clang -std=gnu11 -g -O1 -I. -fsanitize=fuzzer,address,undefined $< engine/grammar.c engine/grammar_schema.c engine/grammar_regex.c $(FUZZ_LIB_SRC) -o $@ $(LDLIBS)
+	clang -std=gnu11 -g -O1 -I. -fsanitize=fuzzer,address,undefined $< $(GRAMMAR_SRC) $(FUZZ_LIB_SRC) -o $@ $(LDLIBS)
 
 # The peer node address (fuzz_peeraddr) needs peer/addr.c.
 build/fuzz/fuzz_peeraddr: tests/fuzz/fuzz_peeraddr.c peer/addr.c $(FUZZ_LIB_SRC) common/km.h peer/peer.h peer/internal.h

@@ -13,7 +13,8 @@
  * a schema whose value takes about --max-tokens tokens (an array of 12 objects), and a second
  * constrained phase uses json_object (any JSON object: more distinct automaton states, so more
  * masks built by walking the vocabulary rather than found in the cache). Phases alternate
- * (free, schema, json_object) --rounds times, after one free phase not counted; each line gives the
+ * (free, schema, json_object, then the same list as a GBNF grammar and as a regex) --rounds
+ * times, after one free phase not counted; each line gives the
  * phase, its steps and tok/s, and the ratio to the free phase of the same round. Also printed: the
  * CPU, the load average, and the time one mask takes cold (a new grammar, its cache empty) and
  * warm. It asserts nothing.
@@ -34,6 +35,13 @@ static const char *g_schema =
     "\"integer\",\"minimum\":0,\"maximum\":99},\"kind\":{\"enum\":[\"fruit\",\"tool\",\"book\"]}},"
     "\"required\":[\"name\",\"qty\",\"kind\"]},\"minItems\":12,\"maxItems\":12}},\"required\":"
     "[\"items\"]}";
+
+/* The same list as a GBNF grammar and as a regex (the grammar extensions, grammar_cfg.c): one
+ * line per item, not JSON. */
+static const char *g_gbnf = "%gbnf\nroot ::= item{12}\nitem ::= \"- \" [A-Za-z ]{1,16} \": \" "
+                            "[0-9]{1,2} \" (\" (\"fruit\" | \"tool\" | \"book\") \")\\n\"\n";
+static const char *g_regex =
+    "%regex\n(- [A-Za-z ]{1,16}: [0-9]{1,2} \\((fruit|tool|book)\\)\n){12}";
 
 #define MAXT 512
 
@@ -77,7 +85,7 @@ static double phase(en_model *m, const bs_args *a, en_grammar *g, int *steps)
     en_engine_opts eo = {.n_threads = a->threads, .max_batch_tokens = 512};
     en_sched *s;
     en_sched_opts so = {.max_running = a->batch, .max_batch_tokens = 512, .spec.mode = EN_SPEC_OFF};
-    en_sched_cb cb = {on_token, on_done, on_error, NULL};
+    en_sched_cb cb = {on_token, on_done, on_error, NULL, NULL};
     if (en_engine_create(m, &eo, &e, &err) || en_sched_create(e, m, &so, &cb, &s, &err)) {
         fprintf(stderr, "bench_structured: %s\n", err.msg);
         exit(1);
@@ -226,14 +234,18 @@ int main(int argc, char **argv)
     mask_times(m, g_schema, "{\"items\":[{\"name\":\"", "in a string");
     mask_times(m, g_schema, "{\"items\":[{\"name\":\"x\",\"qty\":1", "after a digit");
     mask_times(m, "{\"type\":\"object\"}", "{\"a\":[1,{\"b\":", "json_object, a value");
+    mask_times(m, g_gbnf, "- Ap", "gbnf, in a word");
+    mask_times(m, g_regex, "- Ap", "regex, in a word");
     int warm_steps; /* the first phase pays for page faults and first allocations: not counted */
     phase(m, &a, NULL, &warm_steps);
-    const char *what[3] = {"free", "schema", "json_object"};
+    enum { PHASES = 5 };
+    const char *what[PHASES] = {"free", "schema", "json_object", "gbnf", "regex"};
+    const char *srcs[PHASES] = {NULL, g_schema, "{\"type\":\"object\"}", g_gbnf, g_regex};
     for (int r = 0; r < a.rounds; r++) {
         double base = 0;
-        for (int p = 0; p < 3; p++) {
+        for (int p = 0; p < PHASES; p++) {
             en_grammar *g = NULL;
-            const char *src = p == 1 ? g_schema : "{\"type\":\"object\"}";
+            const char *src = srcs[p];
             if (p && en_grammar_compile(src, strlen(src), &g, &err)) {
                 fprintf(stderr, "bench_structured: %s\n", err.msg);
                 return 1;

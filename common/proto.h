@@ -225,6 +225,9 @@ typedef struct km_msg_request {
      * alternatives (requires logprobs). */
     bool logprobs;
     uint32_t top_logprobs; /* [0, KM_PROTO_MAX_TOP] */
+    /* With logprobs (optional, added within version 1): each prompt token's log-probability
+     * too, in tok frames with prompt set, before the first generated token (echo). */
+    bool prompt_logprobs;
     /* Added to the logits before sampling (optional, added within version 1): up to
      * KM_PROTO_MAX_BIAS distinct ids, each bias in [-100, 100]. */
     const km_token_value *logit_bias;
@@ -257,6 +260,9 @@ typedef struct km_msg_token {
     float logprob;
     const km_token_value *top;
     uint32_t n_top;
+    /* (optional, added within version 1) a prompt token's log-probability (req.prompt_logprobs):
+     * index is its position in the prompt, text empty; not part of the completion */
+    bool prompt;
 } km_msg_token;
 
 typedef struct km_msg_done {

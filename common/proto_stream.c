@@ -127,6 +127,7 @@ static int req_validate(const km_msg *m, const km_proto_limits *lim, km_errbuf *
     CK(km_val_range("req.max_draft_tokens", r->max_draft_tokens, 0, KM_PROTO_MAX_DRAFT, err));
     CK(km_val_range("req.top_logprobs", r->top_logprobs, 0, KM_PROTO_MAX_TOP, err));
     if (r->top_logprobs && !r->logprobs) VFAIL("req.top_logprobs: needs logprobs");
+    if (r->prompt_logprobs && !r->logprobs) VFAIL("req.prompt_logprobs: needs logprobs");
     CK(val_token_values("req.logit_bias", r->logit_bias, r->n_logit_bias, KM_PROTO_MAX_BIAS, -100,
                         100, err));
     CK(km_val_name("req.grammar", r->grammar, false, 1, KM_PROTO_MAX_GRAMMAR, err));
@@ -170,6 +171,7 @@ static void req_encode(km_enc *e, const km_msg *m)
     if (r->max_draft_tokens) km_enc_u64(e, "max_draft_tokens", r->max_draft_tokens);
     if (r->logprobs) km_enc_bool(e, "logprobs", true);
     if (r->top_logprobs) km_enc_u64(e, "top_logprobs", r->top_logprobs);
+    if (r->prompt_logprobs) km_enc_bool(e, "prompt_logprobs", true);
     enc_token_values(e, "logit_bias", r->logit_bias, r->n_logit_bias);
     if (r->grammar) km_enc_str(e, "grammar", r->grammar);
     if (r->pull_from) {
@@ -255,6 +257,7 @@ static int req_decode(km_dec *d, const msgpack_object_map *mp)
     CK(km_dec_u32(d, mp, "max_draft_tokens", false, &r->max_draft_tokens));
     CK(km_dec_bool(d, mp, "logprobs", false, &r->logprobs));
     CK(km_dec_u32(d, mp, "top_logprobs", false, &r->top_logprobs));
+    CK(km_dec_bool(d, mp, "prompt_logprobs", false, &r->prompt_logprobs));
     if (r->top_logprobs > KM_PROTO_MAX_TOP || (r->top_logprobs && !r->logprobs))
         return DFAIL(d, KM_EFORMAT, "req.top_logprobs: %u, at most %d and with logprobs",
                      r->top_logprobs, KM_PROTO_MAX_TOP);
@@ -297,6 +300,7 @@ static void tok_encode(km_enc *e, const km_msg *m)
     km_enc_strn(e, "text", m->tok.text, m->tok.text_len);
     if (m->tok.has_logprob) km_enc_f32(e, "logprob", m->tok.logprob);
     enc_token_values(e, "top", m->tok.top, m->tok.n_top);
+    if (m->tok.prompt) km_enc_bool(e, "prompt", true);
 }
 
 static int tok_decode(km_dec *d, const msgpack_object_map *mp)
@@ -309,6 +313,7 @@ static int tok_decode(km_dec *d, const msgpack_object_map *mp)
     t->has_logprob = km_dec_find(mp, "logprob") != NULL;
     t->logprob = 0;
     CK(km_dec_f32(d, mp, "logprob", &t->logprob));
+    CK(km_dec_bool(d, mp, "prompt", false, &t->prompt));
     return dec_token_values(d, mp, "top", KM_PROTO_MAX_TOP, &t->top, &t->n_top);
 }
 

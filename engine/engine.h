@@ -230,7 +230,10 @@ typedef struct en_grammar en_grammar;
 typedef struct en_grammar_vocab en_grammar_vocab; /* the vocabulary's bytes as a trie */
 typedef struct en_grammar_matcher en_grammar_matcher;
 
-/* KM_EFORMAT (not JSON), KM_EINVAL (a bad value) or KM_EUNSUPPORTED, with the reason in err. */
+/* KM_EFORMAT (not JSON), KM_EINVAL (a bad value) or KM_EUNSUPPORTED, with the reason in err.
+ * Two extensions (grammar_cfg.c): a text that begins with the line "%gbnf" is a GBNF grammar
+ * (its rule root), one that begins with "%regex" a regular expression the whole output matches;
+ * a bad one is KM_EINVAL with the line or offset and the reason. */
 int en_grammar_compile(const char *schema, size_t len, en_grammar **out, km_errbuf *err);
 en_grammar *en_grammar_ref(en_grammar *g);
 void en_grammar_free(en_grammar *g); /* drops a reference */
@@ -330,6 +333,10 @@ typedef struct en_sched_req {
      * (KM_EINVAL when they do not fit it), and the request ends (stop) once nothing may follow
      * the value. Needs a scheduler made by en_sched_create (the model's vocabulary). */
     en_grammar *grammar;
+    /* Report the log-probability of each prompt token but the first (and of the last
+     * n_generated none) to on_prompt_logprob, with sample.top_logprobs alternatives, before the
+     * first generated token. The prompt is then computed whole: no cached prefix is attached. */
+    int prompt_logprobs;
     void *user; /* handed back to every callback */
 } en_sched_req;
 
@@ -348,6 +355,9 @@ typedef struct en_sched_cb {
     /* The request failed (code: km_proto_code) or was handed back; user is not used again. */
     void (*on_error)(void *ctx, void *user, int code, const char *message, const en_sched_usage *u);
     void *ctx;
+    /* With en_sched_req.prompt_logprobs: prompt token pos (1..) had log-probability lp under
+     * the model given the tokens before it (each position once, in order); NULL: not wanted. */
+    void (*on_prompt_logprob)(void *ctx, void *user, int pos, const en_logprobs *lp);
 } en_sched_cb;
 
 typedef struct en_sched_stats {

@@ -535,7 +535,8 @@ int en_grammar_vocab_create(const md_tokenizer *tok, en_grammar_vocab **out)
 
 typedef struct gcache_slot {
     uint64_t h;
-    gstate *st; /* NULL: empty */
+    void *st; /* the state's bytes (a gstate or an en_cstate); NULL: empty */
+    size_t n;
     uint32_t *bits;
 } gcache_slot;
 
@@ -545,10 +546,9 @@ typedef struct en_gmask_cache {
     gcache_slot slot[CACHE_SLOTS];
 } en_gmask_cache;
 
-static uint64_t gstate_hash(const gstate *s)
+static uint64_t gstate_hash(const void *s, size_t n)
 {
     const uint8_t *p = (const uint8_t *)s;
-    size_t n = gstate_size(s);
     uint64_t h = 0xcbf29ce484222325ull;
     for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 0x100000001b3ull;
     return h ? h : 1;
@@ -564,12 +564,11 @@ static void gcache_clear(en_gmask_cache *c)
     c->used = 0;
 }
 
-static gcache_slot *gcache_find(en_gmask_cache *c, const gstate *s, uint64_t h)
+static gcache_slot *gcache_find(en_gmask_cache *c, const void *s, size_t n, uint64_t h)
 {
-    size_t n = gstate_size(s);
     for (int i = 0; i < CACHE_SLOTS; i++) {
         gcache_slot *e = &c->slot[(h + (uint64_t)i) % CACHE_SLOTS];
-        if (!e->st || (e->h == h && gstate_size(e->st) == n && !memcmp(e->st, s, n))) return e;
+        if (!e->st || (e->h == h && e->n == n && !memcmp(e->st, s, n))) return e;
     }
     return NULL;
 }
@@ -594,6 +593,7 @@ void en_grammar_free(en_grammar *g)
         free(x->re);
     }
     free(g->nodes);
+    en_cfg_free(g->cfg);
     if (g->cache) gcache_clear(g->cache);
     free(g->cache);
     free(g);
@@ -606,6 +606,8 @@ struct en_grammar_matcher {
     const en_grammar_vocab *v;
     gstate st;
     gstate *scratch; /* [max_len + 1]: the states along the trie walk */
+    en_cstate *cs;   /* a GBNF grammar or a regex: its state [0], and two to step through */
+    en_cstate *cscr; /* [max_len + 1], made at the first mask */
 };
 
 int en_grammar_matcher_create(en_grammar *g, const en_grammar_vocab *v, en_grammar_matcher **out)
@@ -614,6 +616,12 @@ int en_grammar_matcher_create(en_grammar *g, const en_grammar_vocab *v, en_gramm
     if (v && g->cache && g->cache->v != v) return KM_EINVAL; /* one vocabulary per grammar */
     en_grammar_matcher *m = calloc(1, sizeof *m);
     if (!m) return KM_ENOMEM;
+    if (g->cfg && (!(m->cs = malloc(sizeof *m->cs * 3)) || en_cfg_start(g->cfg, m->cs))) {
+        int rc = m->cs ? KM_EINVAL : KM_ENOMEM; /* a start past the bounds of a state */
+        free(m->cs);
+        free(m);
+        return rc;
+    }
     if (!v) { /* bytes only */
         m->g = en_grammar_ref(g);
         g_push(&m->st, 0, F_ROOT);
@@ -624,9 +632,10 @@ int en_grammar_matcher_create(en_grammar *g, const en_grammar_vocab *v, en_gramm
         g->cache->v = v;
         g->cache->words = (v->n_vocab + 31) / 32;
     }
-    m->scratch = malloc(sizeof *m->scratch * (size_t)(v->max_len + 1));
-    if (!m->scratch || !g->cache) {
+    m->scratch = g->cfg ? NULL : malloc(sizeof *m->scratch * (size_t)(v->max_len + 1));
+    if ((!g->cfg && !m->scratch) || !g->cache) {
         free(m->scratch);
+        free(m->cs);
         free(m);
         return KM_ENOMEM;
     }
@@ -642,11 +651,23 @@ void en_grammar_matcher_destroy(en_grammar_matcher *m)
     if (!m) return;
     en_grammar_free(m->g);
     free(m->scratch);
+    free(m->cs);
+    free(m->cscr);
     free(m);
 }
 
 int en_grammar_accept_bytes(en_grammar_matcher *m, const char *bytes, size_t n)
 {
+    if (m->g->cfg) { /* stepped through cs[1] and cs[2], so a refusal leaves cs[0] as it was */
+        const en_cstate *cur = &m->cs[0];
+        for (size_t i = 0; i < n; i++) {
+            en_cstate *nx = &m->cs[1 + (i & 1)];
+            if (en_cfg_step(m->g->cfg, cur, nx, (unsigned char)bytes[i])) return KM_EINVAL;
+            cur = nx;
+        }
+        if (n) memcpy(&m->cs[0], cur, en_cstate_size(cur));
+        return 0;
+    }
     gstate s;
     memcpy(&s, &m->st, gstate_size(&m->st));
     for (size_t i = 0; i < n; i++)
@@ -657,6 +678,7 @@ int en_grammar_accept_bytes(en_grammar_matcher *m, const char *bytes, size_t n)
 
 int en_grammar_complete(const en_grammar_matcher *m)
 {
+    if (m->g->cfg) return en_cfg_complete(m->cs);
     gstate s;
     memcpy(&s, &m->st, gstate_size(&m->st));
     return g_feed(m->g, &s, -1) == 0;
@@ -664,6 +686,7 @@ int en_grammar_complete(const en_grammar_matcher *m)
 
 int en_grammar_done(const en_grammar_matcher *m)
 {
+    if (m->g->cfg) return en_cfg_done(m->cs);
     return m->st.depth == 1 && m->st.f[0].sub == R_DONE;
 }
 
@@ -709,20 +732,41 @@ static void walk(en_grammar_matcher *m, uint32_t *bits, int node, int depth)
     }
 }
 
+/* The trie walk for a GBNF grammar or a regex: the same, over en_cfg_step's states. */
+static void cfg_walk(en_grammar_matcher *m, uint32_t *bits, int node, int depth)
+{
+    const en_grammar_vocab *v = m->v;
+    const tnode *N = &v->nodes[node];
+    if (depth > 0)
+        for (int k = N->lo; k < N->lo + N->n_end; k++) SET(bits, v->sorted[k]);
+    for (int i = 0; i < N->n_kid; i++) {
+        const tnode *K = &v->nodes[N->kid + i];
+        if (!en_cfg_step(m->g->cfg, &m->cscr[depth], &m->cscr[depth + 1], K->byte))
+            cfg_walk(m, bits, N->kid + i, depth + 1);
+    }
+}
+
 void en_grammar_mask(en_grammar_matcher *m, uint32_t *bits)
 {
     assert(m->v); /* a matcher made with a vocabulary */
     en_gmask_cache *c = m->g->cache;
     size_t bytes = sizeof *bits * (size_t)c->words;
-    uint64_t h = gstate_hash(&m->st);
-    gcache_slot *e = gcache_find(c, &m->st, h);
+    const void *key = m->g->cfg ? (const void *)m->cs : (const void *)&m->st;
+    size_t n = m->g->cfg ? en_cstate_size(m->cs) : gstate_size(&m->st);
+    uint64_t h = gstate_hash(key, n);
+    gcache_slot *e = gcache_find(c, key, n, h);
     if (e && e->st) {
         memcpy(bits, e->bits, bytes);
         return;
     }
     memset(bits, 0, bytes);
-    memcpy(&m->scratch[0], &m->st, gstate_size(&m->st));
-    walk(m, bits, 0, 0);
+    if (!m->g->cfg) {
+        memcpy(&m->scratch[0], &m->st, gstate_size(&m->st));
+        walk(m, bits, 0, 0);
+    } else if (m->cscr || (m->cscr = malloc(sizeof *m->cscr * (size_t)(m->v->max_len + 1)))) {
+        memcpy(&m->cscr[0], m->cs, n);
+        cfg_walk(m, bits, 0, 0);
+    }
     int any = 0;
     for (int i = 0; i < c->words && !any; i++) any = bits[i] != 0;
     /* the end is allowed when the value is complete (and, defensively, when nothing else is) */
@@ -730,17 +774,17 @@ void en_grammar_mask(en_grammar_matcher *m, uint32_t *bits)
         for (int i = 0; i < m->v->n_eog; i++) SET(bits, m->v->eog[i]);
     if (c->used >= CACHE_SLOTS / 2) {
         gcache_clear(c);
-        e = gcache_find(c, &m->st, h);
+        e = gcache_find(c, key, n, h);
     }
-    size_t n = gstate_size(&m->st);
     if (!e || !(e->st = malloc(n))) return;
     if (!(e->bits = malloc(bytes))) {
         free(e->st);
         e->st = NULL;
         return;
     }
-    memcpy(e->st, &m->st, n);
+    memcpy(e->st, key, n);
     memcpy(e->bits, bits, bytes);
     e->h = h;
+    e->n = n;
     c->used++;
 }

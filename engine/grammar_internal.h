@@ -71,12 +71,57 @@ typedef struct en_gn {
     int *alts;
 } en_gn;
 
+/* A GBNF grammar or a regex (grammar_cfg.c): rules run by a set of stacks (grammar_cfg_run.c).
+ * Each rule's alternatives are elements, EN_CE_ALT between them, EN_CE_END after the last. */
+enum { EN_CE_END, EN_CE_ALT, EN_CE_REF, EN_CE_SET };
+
+typedef struct en_cel {
+    uint32_t t : 2, a : 30; /* EN_CE_REF: the rule; EN_CE_SET: the set */
+} en_cel;
+
+typedef struct en_cset {
+    uint32_t off, n; /* ranges rng[off, off + n) */
+    int neg;
+} en_cset;
+
+typedef struct en_cfg {
+    en_cel *el; /* el[0] = REF root, el[1] = END: the start */
+    int n_el;
+    uint32_t *rule_off; /* each rule's alternatives: elements, EN_CE_ALT, ..., EN_CE_END */
+    int n_rules;
+    uint32_t (*rng)[2];
+    en_cset *sets;
+} en_cfg;
+#define EN_CFG_STACKS 64   /* stacks of one state at most */
+#define EN_CFG_DEPTH  60   /* positions of one stack at most */
+#define EN_CFG_WORDS  1024 /* the stacks' words, with their lengths */
+/* A state: the stacks one after another, each its length then its positions (the top last); cp
+ * need and len: a UTF-8 character begun. Compared and hashed as bytes up to en_cstate_size. */
+typedef struct en_cstate {
+    uint32_t cp;
+    uint8_t need, len; /* bytes still to come, of a character of len bytes */
+    uint16_t n_st;
+    uint32_t used;
+    uint32_t w[EN_CFG_WORDS];
+} en_cstate;
+
+/* src: GBNF (regex 0) or a regex (1). KM_EINVAL with the reason in err. */
+int en_cfg_compile(const char *src, size_t len, int regex, en_cfg **out, km_errbuf *err);
+void en_cfg_free(en_cfg *c);
+int en_cfg_start(const en_cfg *g, en_cstate *s);
+/* in after byte c (-1: the end) into o; -1 when c is not valid there. */
+int en_cfg_step(const en_cfg *g, const en_cstate *in, en_cstate *o, int c);
+int en_cfg_complete(const en_cstate *s);
+int en_cfg_done(const en_cstate *s);
+size_t en_cstate_size(const en_cstate *s);
+
 struct en_grammar {
     en_gn *nodes;
     int n_nodes, cap_nodes, root;
     int any_val, any_obj, any_arr, any_str, any_num, any_lit; /* any value, and its parts */
     int refs;
     struct en_gmask_cache *cache; /* masks by automaton state, for one vocabulary */
+    en_cfg *cfg;                  /* a GBNF grammar or a regex: the nodes are unused */
 };
 
 /* grammar_schema.c */

@@ -664,6 +664,19 @@ int en_grammar_compile(const char *schema, size_t len, en_grammar **out, km_errb
     en_grammar *g = calloc(1, sizeof *g);
     if (!g) return km_errf(err, KM_ENOMEM, "schema: out of memory");
     g->refs = 1;
+    /* the extensions: "%gbnf\n" or "%regex\n" and the text (engine.h) */
+    int gbnf = len >= 6 && !memcmp(schema, "%gbnf\n", 6),
+        regex = len >= 7 && !memcmp(schema, "%regex\n", 7);
+    if (gbnf || regex) {
+        size_t skip = gbnf ? 6 : 7;
+        int rc = en_cfg_compile(schema + skip, len - skip, regex, &g->cfg, err);
+        if (rc) {
+            free(g);
+            return rc;
+        }
+        *out = g;
+        return 0;
+    }
     jv root = {0};
     jrd r = {schema, schema + len, err, 0};
     int rc = jrd_value(&r, &root);

@@ -346,6 +346,8 @@ int en_sched_submit(en_sched *s, const en_sched_req *q, uint64_t *rid)
     r->user = q->user;
     r->priority = q->priority;
     r->ignore_eos = q->ignore_eos;
+    r->plp_end = q->prompt_logprobs ? q->n_tokens - q->n_generated : 0;
+    r->plp_top = q->sample.top_logprobs < EN_MAX_TOP ? q->sample.top_logprobs : EN_MAX_TOP;
     r->deadline_ns = q->deadline_ns;
     r->arrival_ns = q->arrival_ns ? q->arrival_ns : km_now_ns();
     /* held requests never outnumber the queue's room: a preempted one goes back there */
@@ -486,6 +488,7 @@ static int en_rq_admit(en_sched *s, en_rq *r, uint64_t now)
     /* The last token is always computed: its logits pick the next one. */
     int max_pages = (r->n_tok - 1) / s->pt;
     if (max_pages > r->n_hashed) max_pages = r->n_hashed;
+    if (r->plp_end > r->plp_done + 1) max_pages = 0; /* prompt logprobs still to report */
     int got = max_pages ? kv_seq_attach(s->kv, r->seq, r->hashes, r->tokens, max_pages) : 0;
     if (got < 0) {
         en_rq_drop_shadow(s, r);
@@ -633,12 +636,14 @@ static int en_sched_build(en_sched *s, int *n_parts)
             assert(take <= s->o.prefill_chunk && n + take + nd <= s->o.max_batch_tokens);
             s->step_units += en_units(s, r->n_done, take + nd, r->n_done + take == r->n_tok);
             if (pass == 1) s->step_prefill += take;
+            int plp = 0; /* positions p whose logits give prompt token p + 1's logprob */
             for (int j = 0; j < take; j++) {
-                int p = r->n_done + j;
+                int p = r->n_done + j, lp = p + 1 < r->plp_end && p + 1 > r->plp_done;
                 s->b_tok[n + j] = r->tokens[p];
                 s->b_pos[n + j] = p;
                 s->b_seq[n + j] = r->seq;
-                s->b_want[n + j] = p == r->n_tok - 1;
+                s->b_want[n + j] = p == r->n_tok - 1 || lp;
+                plp += lp;
             }
             for (int j = 0; j < nd; j++) {
                 s->b_tok[n + take + j] = d[j];
@@ -646,14 +651,34 @@ static int en_sched_build(en_sched *s, int *n_parts)
                 s->b_seq[n + take + j] = r->seq;
                 s->b_want[n + take + j] = 1;
             }
-            s->parts[np++] = (en_part){
-                .rq = r, .n = take + nd, .want = r->n_done + take == r->n_tok, .draft = nd};
+            s->parts[np++] = (en_part){.rq = r,
+                                       .n = take + nd,
+                                       .want = r->n_done + take == r->n_tok,
+                                       .draft = nd,
+                                       .plp = plp};
             n += take + nd;
         }
     }
     assert(n <= s->o.max_batch_tokens && np <= s->n_run);
     *n_parts = np;
     return n;
+}
+
+/* The prompt logprobs of part p (p->plp rows from logits[row], before the part's sampling row):
+ * each position reported once, in order; the row after them. */
+static int en_rq_prompt_logprobs(en_sched *s, en_rq *r, const en_part *p, const float *logits,
+                                 int row)
+{
+    en_logprobs lp;
+    for (int j = 0; j < p->n - p->draft; j++) {
+        int pos = r->n_done + j + 1; /* the plan's test: rows come in the order of positions */
+        if (pos >= r->plp_end || pos <= r->plp_done) continue;
+        en_logprobs_compute(logits + (size_t)row++ * s->n_vocab, s->n_vocab, r->tokens[pos],
+                            r->plp_top, &lp);
+        r->plp_done = pos;
+        if (s->cb.on_prompt_logprob) s->cb.on_prompt_logprob(s->cb.ctx, r->user, pos, &lp);
+    }
+    return row;
 }
 
 /* The victim of a preemption: lowest priority, then the most recently admitted. */
@@ -788,6 +813,7 @@ int en_sched_step(en_sched *s)
             row += p->n;
             continue;
         }
+        if (p->plp) row = en_rq_prompt_logprobs(s, r, p, logits, row);
         int before = r->n_done / s->pt;
         r->n_done += p->n;
         if (p->n == 1 && r->n_gen > 0)

@@ -15,7 +15,10 @@ typedef struct en_rq {
     void *user;
     int32_t *tokens; /* prompt, then the completion; capacity n_prompt + max_gen */
     int n_tok, n_prompt, n_done, n_gen, max_gen;
-    km_pagehash *hashes; /* chain of the full pages among tokens */
+    int plp_end, plp_done; /* prompt logprobs: of positions [1, plp_end), those up to plp_done
+                            * reported; plp_end 0: none asked */
+    int plp_top;           /* with this many alternatives */
+    km_pagehash *hashes;   /* chain of the full pages among tokens */
     int n_hashed;
     int16_t *route; /* [capacity] each position's dominant expert (en_batch.route); NULL: none */
     int n_placed;   /* pages before this one are placed (kv_seq_place) or were attached */
@@ -37,6 +40,7 @@ typedef struct en_part {
     int n;     /* tokens of this step */
     int want;  /* the last of them produces logits */
     int draft; /* of n, draft tokens after the sequence's token (all n produce logits) */
+    int plp;   /* of n, the first tokens whose logits give prompt logprobs (rows before want's) */
 } en_part;
 
 /* The real engine behind en_sched_engine (en_sched_create). */

@@ -45,6 +45,31 @@ static bool token_lp(const rt_rq *q, int32_t token, rt_oai_lp *lp)
     return true;
 }
 
+void rt_front_http_prompt_logprob(rt_rq *q, const km_msg_token *t)
+{
+    if (!t->has_logprob || t->index != q->plp.len / sizeof(rt_oai_lp) + 1) return;
+    rt_oai_lp lp = {.token = t->token, .logprob = t->logprob};
+    lp.n_top = t->n_top < q->q.top_logprobs ? t->n_top : q->q.top_logprobs;
+    if (lp.n_top > RT_OAI_MAX_TOP) lp.n_top = RT_OAI_MAX_TOP;
+    memcpy(lp.top, t->top, sizeof *lp.top * lp.n_top);
+    km_buf_append(&q->plp, &lp, sizeof lp);
+}
+
+/* echo with logprobs: the prompt's entries (the first without one: null, as OpenAI's) then
+ * lp[0, n), in a new array of *n_all entries; NULL when out of memory. */
+static rt_oai_lp *echo_lps(const rt_rq *q, const rt_oai_lp *lp, int n, int *n_all)
+{
+    int np = (int)(q->plp.len / sizeof(rt_oai_lp));
+    rt_oai_lp *all = calloc((size_t)(1 + np + n), sizeof *all);
+    if (!all) return NULL;
+    all[0].token = q->n_prompt > 0 ? q->tokens[0] : 0;
+    all[0].logprob = NAN;
+    if (np) memcpy(all + 1, q->plp.data, sizeof *all * (size_t)np);
+    if (n) memcpy(all + 1 + np, lp, sizeof *all * (size_t)n);
+    *n_all = 1 + np + n;
+    return all;
+}
+
 static void http_token(rt_router *r, rt_rq *q, int32_t token, const char *text, size_t len)
 {
     if (!q->http) return;
@@ -89,11 +114,26 @@ static void group_done(rt_router *r, rt_rq *q, const rt_rq_done *d)
     bool last = ++g->n_done == g->n;
     rt_oai_meta m;
     km_buf b = {0};
+    /* a reply that may be a call was read whole (http_token): each choice its own call */
+    char cid[64];
+    snprintf(cid, sizeof cid, "%s_%d", q->oai_id, q->choice);
+    json_t *calls =
+        q->tool_names && q->text.len
+            ? rt_oai_tool_calls((const char *)q->text.data, q->text.len, q->tool_names, cid)
+            : NULL;
     if (g->stream) {
+        stream_begin(r, q);
         rt_rq_oai_meta(r, q, &m, NULL);
-        if (q->text.len) rt_oai_sse_chunk(&b, &m, (const char *)q->text.data, q->text.len, NULL);
+        km_buf one = {0};
+        if (calls && !rt_oai_sse_chunk(&one, &m, NULL, 0, NULL))
+            rt_oai_tool_patch(&one, 1, calls, &b);
+        else if (q->text.len)
+            rt_oai_sse_chunk(&b, &m, (const char *)q->text.data, q->text.len, NULL);
+        km_buf_free(&one);
+        const char *finish = calls ? "tool_calls" : rt_oai_finish(d->finish);
+        json_decref(calls);
         rt_rq_oai_meta(r, q, &m, d->worker);
-        rt_oai_sse_chunk(&b, &m, NULL, 0, rt_oai_finish(d->finish));
+        rt_oai_sse_chunk(&b, &m, NULL, 0, finish);
         if (last && q->include_usage) rt_oai_sse_usage(&b, &m, &g->u);
         if (last) rt_oai_sse_done(&b);
         km_http_stream_write(g->http, b.data, b.len);
@@ -108,12 +148,19 @@ static void group_done(rt_router *r, rt_rq *q, const rt_rq_done *d)
     km_buf_append(&all, "", 1);
     c->text = (const char *)all.data;
     c->len = all.len ? all.len - 1 : 0;
-    c->finish = rt_oai_finish(d->finish);
+    c->finish = calls ? "tool_calls" : rt_oai_finish(d->finish);
     c->text_offset = q->echo_len;
+    c->tool_calls = calls;
     if (q->q.logprobs) { /* taken from q, which ends after this */
         c->n_lp = (int)(q->lp.len / sizeof(rt_oai_lp));
         c->lp = q->lp.data ? (const rt_oai_lp *)q->lp.data : calloc(1, sizeof(rt_oai_lp));
         memset(&q->lp, 0, sizeof q->lp);
+        int n_all = 0; /* echo: the prompt's logprobs first */
+        rt_oai_lp *plps = q->q.prompt_logprobs ? echo_lps(q, c->lp, c->n_lp, &n_all) : NULL;
+        if (plps) {
+            free((void *)c->lp);
+            c->lp = plps, c->n_lp = n_all, c->text_offset = 0;
+        }
     }
     if (!last) return;
     rt_rq_oai_meta(r, q, &m, g->worker);
@@ -171,9 +218,12 @@ static void http_done(rt_router *r, rt_rq *q, const rt_rq_done *d)
         km_http_stream_write(q->http, b.data, b.len);
         km_http_stream_end(q->http);
     } else {
+        rt_oai_lp *plps = NULL; /* echo: the prompt's logprobs first */
         if (q->q.logprobs) {
             m.lp = q->lp.data ? (const rt_oai_lp *)q->lp.data : (const rt_oai_lp *)"";
             m.n_lp = (int)(q->lp.len / sizeof(rt_oai_lp));
+            if (q->q.prompt_logprobs && (plps = echo_lps(q, m.lp, m.n_lp, &m.n_lp)))
+                m.lp = plps, m.text_offset = 0;
         }
         km_buf all = {0}; /* echo: the prompt's text first */
         if (q->echo_text) km_buf_append(&all, q->echo_text, q->echo_len);
@@ -181,6 +231,7 @@ static void http_done(rt_router *r, rt_rq *q, const rt_rq_done *d)
         rt_oai_response(&b, &m, all.data ? (const char *)all.data : "", all.len,
                         rt_oai_finish(d->finish), &u);
         km_buf_free(&all);
+        free(plps);
         char extra[KM_PROTO_MAX_NAME + 64];
         snprintf(extra, sizeof extra, "X-Kvmesh-Worker: %s\r\n", d->worker ? d->worker : "");
         km_http_respond(q->http, 200, "application/json", extra, b.data, b.len);
@@ -217,6 +268,7 @@ static void group_unref(rt_hgroup *g)
     for (int i = 0; g->c && i < g->n; i++) {
         free((char *)g->c[i].text);
         free((void *)g->c[i].lp);
+        json_decref(g->c[i].tool_calls);
     }
     free(g->c);
     free(g->m);
@@ -290,9 +342,13 @@ static void stream_begin(rt_router *r, rt_rq *q)
         rt_oai_meta m;
         km_buf b = {0};
         rt_rq_oai_meta(r, q, &m, NULL);
+        int n_all = 0; /* with logprobs, the prompt's (they came before the first token) */
+        rt_oai_lp *all = q->q.prompt_logprobs ? echo_lps(q, NULL, 0, &n_all) : NULL;
+        if (all) m.lp = all, m.n_lp = n_all, m.text_offset = 0;
         if (!rt_oai_sse_chunk(&b, &m, q->echo_text, q->echo_len, NULL))
             km_http_stream_write(q->http, b.data, b.len);
         km_buf_free(&b);
+        free(all);
     }
     q->lp_off = q->echo_len;
 }
@@ -333,8 +389,9 @@ static int http_tokens_ready(rt_router *r, rt_rq *q)
         return 1;
     }
     /* A constrained stream begins at its first token: a schema the worker refuses is then still
-     * a plain 400 (the router leaves judging schemas to the worker's compiler). */
-    if (!q->grammar) stream_begin(r, q);
+     * a plain 400 (the router leaves judging schemas to the worker's compiler). So does echo with
+     * logprobs: the prompt's logprobs, which go with the echo chunk, come before that token. */
+    if (!q->grammar && !q->q.prompt_logprobs) stream_begin(r, q);
     return 0;
 }
 
@@ -704,6 +761,7 @@ static int rq_from_oai(rt_rq *q, const rt_oai_req *oq)
     q->q.logprobs = oq->logprobs;
     q->q.top_logprobs = oq->top_logprobs;
     q->echo = oq->echo;
+    q->q.prompt_logprobs = oq->echo && oq->logprobs; /* OpenAI's echo: the prompt's too */
     if (oq->grammar && !(q->grammar = strdup(oq->grammar))) return KM_ENOMEM;
     if (oq->tool_names && !(q->tool_names = strdup(oq->tool_names))) return KM_ENOMEM;
     q->max_tokens = oq->max_tokens;

@@ -83,7 +83,8 @@ struct rt_rq {
                                   * logprobs), NULL outside rt_relay_token */
     km_buf lp;                   /* HTTP: logprobs gathered (openai.c's rt_oai_lp entries) */
     size_t lp_off;               /* HTTP completions: text_offset of the next token */
-    bool echo;                   /* HTTP completions: the prompt's text goes first */
+    km_buf plp; /* HTTP echo with logprobs: the prompt's tokens 1.. (rt_oai_lp entries) */
+    bool echo;  /* HTTP completions: the prompt's text goes first */
     char *echo_text;
     size_t echo_len;
     char *grammar;    /* the JSON Schema the output is held to (response_format) */
@@ -525,5 +526,8 @@ int rt_pull_metrics(rt_router *r, km_errbuf *err);
 int rt_front_start(rt_router *r, km_errbuf *err);
 /* The HTTP front's replies: SSE chunks for a stream, else one JSON body (openai.h). */
 extern const rt_front_ops rt_front_http;
+/* A prompt token's logprob from its worker (req.prompt_logprobs: echo with logprobs), kept in
+ * q->plp; repeats (a migrated request's prompt reported again) are dropped. */
+void rt_front_http_prompt_logprob(rt_rq *q, const km_msg_token *t);
 
 #endif /* RT_INTERNAL_H */

@@ -10,7 +10,7 @@
  * but a byte-level vocabulary can produce invalid sequences (a stream cut inside a character),
  * and jansson refuses those: text is sanitised here (invalid bytes become U+FFFD) before it is
  * put in JSON. Unknown request fields are ignored, as OpenAI does; fields that ask for something
- * the server cannot do (suffix, best_of > 1, echo with logprobs) are a 400 that names the field.
+ * the server cannot do (suffix, best_of > 1) are a 400 that names the field.
  */
 #include <jansson.h>
 #include <math.h>
@@ -256,11 +256,6 @@ static int parse_logprobs(json_t *o, bool chat, rt_oai_req *r, rt_oai_err *e)
         if (v && !json_is_null(v) && !json_is_boolean(v))
             return fail(e, "echo", "'echo' must be a boolean", NULL);
         r->echo = json_is_true(v);
-        if (r->echo && r->logprobs)
-            return fail(e, "echo",
-                        "'echo' with 'logprobs' is not supported by this server (the prompt's "
-                        "log-probabilities are not computed); use one or the other",
-                        NULL);
         v = json_object_get(o, "suffix");
         if (v && !json_is_null(v) && !(json_is_string(v) && json_string_length(v) == 0))
             return fail(e, "suffix",
@@ -656,9 +651,14 @@ static json_t *logprobs_obj(const rt_oai_meta *m, const rt_oai_lp *lp, int n_lp,
         const rt_oai_lp *t = &lp[i];
         int n = token_piece(m, t->token, p, sizeof p);
         json_array_append_new(toks, jstr(p, (size_t)n));
-        json_array_append_new(lps, jlp(t->logprob));
         json_array_append_new(offs, json_integer((json_int_t)off));
         off += (size_t)n;
+        if (isnan(t->logprob)) { /* echo: the prompt's first token has none */
+            json_array_append_new(lps, json_null());
+            json_array_append_new(tops, json_null());
+            continue;
+        }
+        json_array_append_new(lps, jlp(t->logprob));
         json_t *d = json_object();
         for (uint32_t k = 0; d && k < t->n_top; k++) {
             int pn = token_piece(m, t->top[k].token, p, sizeof p);
@@ -762,6 +762,11 @@ int rt_oai_response_choices(km_buf *out, const rt_oai_meta *m, const rt_oai_choi
         else
             choice = json_pack("{s:i,s:o,s:o,s:s}", "index", i, "text", t, "logprobs", lp,
                                "finish_reason", c[i].finish);
+        if (m->chat && c[i].tool_calls && choice) { /* a call: no text (openai_tools.c) */
+            json_t *msg = json_object_get(choice, "message");
+            json_object_set_new(msg, "content", json_null());
+            json_object_set(msg, "tool_calls", c[i].tool_calls);
+        }
         if (json_array_append_new(choices, choice)) {
             json_decref(choices);
             choices = NULL;

@@ -117,6 +117,7 @@ typedef struct rt_oai_choice {
     const rt_oai_lp *lp; /* NULL: "logprobs": null */
     int n_lp;
     size_t text_offset;
+    struct json_t *tool_calls; /* chat: message.tool_calls (content null); NULL: none */
 } rt_oai_choice;
 
 typedef struct rt_oai_usage {

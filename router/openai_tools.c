@@ -36,6 +36,8 @@ static int tools_fail(rt_oai_err *e, const char *param, const char *fmt, const c
     return KM_EINVAL;
 }
 
+static int response_format(json_t *body, rt_oai_req *r, rt_oai_err *e);
+
 static int name_ok(const char *s)
 {
     size_t n = strlen(s);
@@ -49,7 +51,121 @@ static int name_ok(const char *s)
     return 1;
 }
 
+/* ---------------------------------------------------------------- grammar extensions */
+
+/* The fields that hold the output to a grammar of the request's own, by the name each server
+ * gives them: vLLM's guided_* (and its newer structured_outputs object), SGLang's regex and
+ * ebnf, llama-server's grammar. 'r': a regex, 'g': a GBNF grammar, 'c': a list of choices. */
+static const struct {
+    const char *name;
+    char kind;
+} guided_fields[] = {
+    {"guided_regex", 'r'}, {"regex", 'r'}, {"guided_grammar", 'g'},
+    {"grammar", 'g'},      {"ebnf", 'g'},  {"guided_choice", 'c'},
+};
+
+/* A GBNF literal of s: "..." with '"', '\' and control bytes escaped. */
+static void gbnf_literal(km_buf *b, const char *s)
+{
+    km_buf_append(b, "\"", 1);
+    for (; *s; s++) {
+        unsigned char c = (unsigned char)*s;
+        if (c < 0x20 || c == 0x7F || c == '"' || c == '\\')
+            km_buf_printf(b, "\\x%02X", c);
+        else
+            km_buf_append(b, s, 1);
+    }
+    km_buf_append(b, "\"", 1);
+}
+
+/* The grammar text (engine.h, en_grammar_compile: "%regex\n" or "%gbnf\n" and the text) of one
+ * extension field v of kind k; NULL with e filled. */
+static char *guided_text(json_t *v, char k, const char *param, rt_oai_err *e)
+{
+    km_buf b = {0};
+    if (k == 'c') {
+        if (!json_is_array(v) || json_array_size(v) < 1 || json_array_size(v) > 256) {
+            tools_fail(e, param, "'%s' must be a list of 1 to 256 strings", param);
+            return NULL;
+        }
+        km_buf_printf(&b, "%%gbnf\nroot ::= ");
+        size_t i;
+        json_t *x;
+        json_array_foreach(v, i, x)
+        {
+            if (!json_is_string(x) || !json_string_length(x)) {
+                km_buf_free(&b);
+                tools_fail(e, param, "'%s' must hold non-empty strings", param);
+                return NULL;
+            }
+            if (i) km_buf_append(&b, " | ", 3);
+            gbnf_literal(&b, json_string_value(x));
+        }
+        km_buf_append(&b, "\n", 1);
+    } else {
+        if (!json_is_string(v) || !json_string_length(v)) {
+            tools_fail(e, param, "'%s' must be a non-empty string", param);
+            return NULL;
+        }
+        km_buf_printf(&b, "%%%s\n", k == 'r' ? "regex" : "gbnf");
+        km_buf_append(&b, json_string_value(v), json_string_length(v));
+    }
+    km_buf_append(&b, "", 1);
+    if (b.len - 1 > KM_PROTO_MAX_GRAMMAR) {
+        km_buf_free(&b);
+        char m[32];
+        snprintf(m, sizeof m, "%u", KM_PROTO_MAX_GRAMMAR);
+        tools_fail(e, param, "the grammar is longer than %s bytes", m);
+        return NULL;
+    }
+    return (char *)b.data;
+}
+
+/* The extension fields into r->grammar (after response_format); at most one of them. */
+static int guided(json_t *body, rt_oai_req *r, rt_oai_err *e)
+{
+    json_t *so = json_object_get(body, "structured_outputs"), *found = NULL;
+    const char *param = NULL;
+    char kind = 0;
+    static const char *const so_names[][2] = {{"regex", "structured_outputs.regex"},
+                                              {"grammar", "structured_outputs.grammar"},
+                                              {"choice", "structured_outputs.choice"}};
+    if (so && !json_is_null(so) && !json_is_object(so))
+        return tools_fail(e, "structured_outputs", "'structured_outputs' must be an object", NULL);
+    for (size_t i = 0; i < sizeof guided_fields / sizeof *guided_fields + 3; i++) {
+        size_t k = i - sizeof guided_fields / sizeof *guided_fields;
+        int in_so = i >= sizeof guided_fields / sizeof *guided_fields;
+        json_t *v = in_so ? json_object_get(so, so_names[k][0])
+                          : json_object_get(body, guided_fields[i].name);
+        if (!v || json_is_null(v)) continue;
+        const char *name = in_so ? so_names[k][1] : guided_fields[i].name;
+        if (found)
+            return tools_fail(e, name,
+                              "one grammar at a time: '%s' comes with another of guided_regex, "
+                              "guided_grammar, guided_choice, regex, ebnf, grammar, "
+                              "structured_outputs",
+                              name);
+        found = v;
+        param = name;
+        kind = in_so ? so_names[k][0][0] : guided_fields[i].kind;
+    }
+    if (!found) return 0;
+    if (r->grammar) {
+        free(r->grammar);
+        r->grammar = NULL;
+        return tools_fail(e, param, "'%s' and a JSON 'response_format' together are not supported",
+                          param);
+    }
+    return (r->grammar = guided_text(found, kind, param, e)) ? 0 : KM_EINVAL;
+}
+
 int rt_oai_response_format(struct json_t *body, rt_oai_req *r, rt_oai_err *e)
+{
+    int rc = response_format(body, r, e);
+    return rc ? rc : guided(body, r, e);
+}
+
+static int response_format(json_t *body, rt_oai_req *r, rt_oai_err *e)
 {
     json_t *v = json_object_get(body, "response_format");
     if (!v || json_is_null(v)) return 0;
@@ -294,8 +410,8 @@ int rt_oai_tools(struct json_t *body, rt_oai_req *r, rt_oai_err *e)
     if (!strcmp(mode, "required")) {
         if (r->grammar)
             return tools_fail(e, "tool_choice",
-                              "a forced tool call and 'response_format' "
-                              "together are not supported",
+                              "a forced tool call and 'response_format' (or a grammar "
+                              "extension) together are not supported",
                               NULL);
         if (!(r->grammar = call_schema(tools, only))) return KM_ENOMEM;
     }

@@ -120,7 +120,11 @@ void rt_migrate_all(rt_router *r, rt_wk *w, const char *why, bool cancel)
 void rt_relay_token(rt_router *r, rt_wk *w, const km_msg_token *t)
 {
     rt_rq *q = rt_rq_find(r, t->id);
-    if (!q || q->worker != w->idx) return;    /* canceled, or a frame from an earlier attempt */
+    if (!q || q->worker != w->idx) return; /* canceled, or a frame from an earlier attempt */
+    if (t->prompt) {                       /* a prompt token's logprob: echo (front.c) */
+        if (q->q.prompt_logprobs) rt_front_http_prompt_logprob(q, t);
+        return;
+    }
     if ((int)t->index != q->att_next) return; /* a repeat (never out of order from a worker) */
     q->att_next++;
     int index = q->base + (int)t->index;

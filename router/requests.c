@@ -54,6 +54,7 @@ void rt_rq_free(rt_rq *q)
     for (int i = 0; i < KM_PROTO_MAX_STOP; i++) free(q->stop[i]);
     free(q->bias);
     km_buf_free(&q->lp);
+    km_buf_free(&q->plp);
     free(q->echo_text);
     free(q->grammar);
     free(q->tool_names);

@@ -37,7 +37,7 @@ def main():
 
     check(client.models.list().data[0].id, "models.list")
 
-    # completions: logprobs, echo, n with a seed, a list of prompts, token ids
+    # completions: logprobs, echo (with logprobs too), n with a seed, a list of prompts, token ids
     r = client.completions.create(model="default", prompt="The capital of France is",
                                   max_tokens=4, temperature=0, logprobs=3)
     lp = r.choices[0].logprobs
@@ -48,6 +48,13 @@ def main():
     r = client.completions.create(model="default", prompt="Hello", max_tokens=2, temperature=0,
                                   echo=True)
     check(r.choices[0].text.startswith("Hello"), "echo")
+    r = client.completions.create(model="default", prompt="The sky is blue", max_tokens=2,
+                                  temperature=0, echo=True, logprobs=1)
+    lp = r.choices[0].logprobs
+    check(lp.token_logprobs[0] is None and all(x <= 0 for x in lp.token_logprobs[1:]),
+          "echo with logprobs: the prompt's, the first null: %s" % lp.token_logprobs)
+    check("".join(lp.tokens).startswith("The sky is blue") and lp.text_offset[0] == 0,
+          "echo with logprobs: the prompt's tokens first: %s" % lp.tokens)
     a = client.completions.create(model="default", prompt="Once upon a time", max_tokens=5,
                                   temperature=1, n=3, seed=42)
     b = client.completions.create(model="default", prompt="Once upon a time", max_tokens=5,
@@ -90,9 +97,34 @@ def main():
     check(any(c.choices and c.choices[0].logprobs and c.choices[0].logprobs.content
               for c in chunks), "streamed logprobs")
 
+    # the grammar extensions through extra_body, as with vLLM; tools with n > 1
+    import re
+    r = client.completions.create(model="default", prompt="Call me at", max_tokens=20,
+                                  temperature=0, extra_body={"guided_regex": r"\d{3}-\d{4}"})
+    check(re.fullmatch(r"\d{3}-\d{4}", r.choices[0].text), "guided_regex: %r" % r.choices[0].text)
+    r = client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "Is water wet?"}], max_tokens=10,
+        temperature=0, extra_body={"guided_grammar": 'root ::= ("yes" | "no") "!"'})
+    check(r.choices[0].message.content in ("yes!", "no!"), "guided_grammar: %r" % r.choices[0])
+    try:
+        client.chat.completions.create(model="default", messages=msgs, max_tokens=1,
+                                       extra_body={"guided_grammar": "root ::= root"})
+        check(False, "a left-recursive grammar accepted")
+    except openai.BadRequestError as e:
+        check("left recursion" in str(e.body), "left recursion named: %s" % e.body)
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}]
+    r = client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "Weather in Lisbon?"}],
+        max_tokens=60, temperature=0.8, seed=5, n=2, tools=tools, tool_choice="required")
+    check(len(r.choices) == 2, "n=2 with tools")
+    for c in r.choices:
+        check(c.finish_reason == "tool_calls" and c.message.tool_calls, "choice %d: a call" % c.index)
+        check("city" in json.loads(c.message.tool_calls[0].function.arguments), "its arguments")
+
     # refusals are BadRequestError naming the field
-    for kwargs, param in (({"suffix": "x"}, "suffix"), ({"echo": True, "logprobs": 1}, "echo"),
-                          ({"n": 100}, "n")):
+    for kwargs, param in (({"suffix": "x"}, "suffix"), ({"n": 100}, "n")):
         try:
             client.completions.create(model="default", prompt="x", max_tokens=1, **kwargs)
             check(False, "%s accepted" % kwargs)

@@ -157,6 +157,30 @@ static int wk_on_token(void *ctx, void *user, int index, int32_t token)
     return stop;
 }
 
+/* A prompt token's log-probability (req.prompt_logprobs): a tok frame with prompt set. */
+static void wk_on_prompt_logprob(void *ctx, void *user, int pos, const en_logprobs *lp)
+{
+    wk_service *s = ctx;
+    wk_sreq *r = user;
+    if (!r->stream) return; /* as wk_on_token: only streams carry tok frames */
+    km_msg m;
+    km_msg_init(&m, KM_MSG_TOKEN);
+    m.tok.id = r->id;
+    m.tok.index = (uint32_t)pos;
+    m.tok.token = lp->token;
+    m.tok.text = "";
+    m.tok.prompt = true;
+    m.tok.has_logprob = true;
+    m.tok.logprob = lp->logprob > -9999.0f ? lp->logprob : -9999.0f;
+    m.tok.top = (const km_token_value *)lp->top;
+    m.tok.n_top = (uint32_t)lp->n_top;
+    if (!km_msg_encode(&m, &s->lim, &s->out, NULL)) {
+        km_zframe env[WK_ENV_MAX];
+        int n = wk_sreq_env(r, env);
+        wk_svc_send(s, s->router, env, n, &s->out);
+    }
+}
+
 static void wk_on_done(void *ctx, void *user, km_finish finish, const en_sched_usage *u)
 {
     wk_service *s = ctx;
@@ -218,8 +242,11 @@ static void wk_on_error(void *ctx, void *user, int code, const char *message,
 
 void wk_svc_callbacks(wk_service *s, en_sched_cb *out)
 {
-    *out = (en_sched_cb){
-        .on_token = wk_on_token, .on_done = wk_on_done, .on_error = wk_on_error, .ctx = s};
+    *out = (en_sched_cb){.on_token = wk_on_token,
+                         .on_done = wk_on_done,
+                         .on_error = wk_on_error,
+                         .ctx = s,
+                         .on_prompt_logprob = wk_on_prompt_logprob};
 }
 
 /* ---------------------------------------------------------------- requests in */
@@ -369,7 +396,9 @@ void wk_svc_admit(wk_service *s, const km_zframe *env, int n_env, const km_msg_r
     en_grammar *grammar = q->grammar ? wk_grammar(s, q->grammar, &gerr) : NULL;
     if (q->grammar && !grammar) {
         char msg[KM_PROTO_MAX_MESSAGE];
-        snprintf(msg, sizeof msg, "response_format: %s", gerr.msg);
+        /* a grammar extension's message names it ("grammar: ...", "regex: ...") */
+        snprintf(msg, sizeof msg, "%s%s",
+                 q->grammar[0] == '%' ? "" : "response_format: ", gerr.msg);
         wk_svc_count_bad(s, WK_BAD_FIELD);
         km_counter_inc(s->s_req[WK_OUT_REJECTED]);
         wk_svc_send_error(s, s->router, env, n_env, q->id, KM_CODE_BAD_REQUEST, 0, msg);
@@ -416,6 +445,7 @@ void wk_svc_admit(wk_service *s, const km_zframe *env, int n_env, const km_msg_r
     sq.sample.n_bias = (int)q->n_logit_bias;
     sq.sample.logprobs = q->logprobs;
     sq.sample.top_logprobs = (int)q->top_logprobs;
+    sq.prompt_logprobs = q->logprobs && q->prompt_logprobs;
     int rc = en_sched_submit(s->sched, &sq, &r->rid);
     if (rc) {
         int code = km_proto_code_from_err(rc);

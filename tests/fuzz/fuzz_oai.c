@@ -32,7 +32,7 @@ static void check(const char *body, size_t len, bool chat)
         if (!r.prompts[i].text == !r.prompts[i].ids || (r.prompts[i].ids && r.prompts[i].n_ids < 1))
             abort();
     if (r.top_logprobs > RT_OAI_MAX_TOP || (r.top_logprobs && !r.logprobs) ||
-        r.n_logit_bias > KM_PROTO_MAX_BIAS || (r.echo && r.logprobs))
+        r.n_logit_bias > KM_PROTO_MAX_BIAS)
         abort();
     for (int i = 0; i < r.n_logit_bias; i++)
         if (r.logit_bias[i].token < 0 ||

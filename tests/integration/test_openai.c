@@ -4,9 +4,10 @@
  * /detokenize in vLLM's shapes; CORS preflights for the configured origin only; logprobs of
  * greedy tokens equal to the engine's own log-softmax (the test loads the model itself and runs
  * the same tokens); echo, logit_bias, prompts as token ids, several prompts and n choices (seeded
- * choices reproducible), streamed and not; what the server refuses (suffix, echo with logprobs,
- * too many choices) answered 400 naming the field; ZeroMQ clients' logprobs and logit_bias;
- * tests/openai_sdk.py, the official Python SDK unchanged, when python3 has the `openai` package.
+ * choices reproducible), streamed and not; echo with logprobs (the prompt's tokens' equal to the
+ * engine's too); what the server refuses (suffix, too many choices) answered 400 naming the field;
+ * ZeroMQ clients' logprobs and logit_bias; tests/openai_sdk.py, the official Python SDK unchanged,
+ * when python3 has the `openai` package.
  *
  * Run from the repository root after `make build`; without the default model or curl every test
  * skips and says so. The worker runs one thread: the machine is small and shared.
@@ -260,6 +261,33 @@ static void engine_logprobs(const int32_t *ids, int n_prompt, int n, double *out
     en_model_free(m);
 }
 
+/* The engine's own log-softmax of each prompt token ids[1..n) after the ones before it (one
+ * forward with logits at every position). */
+static void engine_prompt_logprobs(const int32_t *ids, int n, double *out)
+{
+    en_model *m = NULL;
+    en_engine *e = NULL;
+    km_errbuf err = {{0}};
+    cr_assert_eq(en_model_load(IT_MODEL, &m, &err), 0, "%s", err.msg);
+    en_engine_opts o = {.n_threads = 1, .max_batch_tokens = 64};
+    cr_assert_eq(en_engine_create(m, &o, &e, &err), 0, "%s", err.msg);
+    int nv = en_model_hparams(m)->n_vocab;
+    kv_seq *s;
+    kv_seq_create(en_engine_kv(e), &s);
+    int32_t pos[64];
+    kv_seq *seqs[64];
+    uint8_t want[64];
+    cr_assert_lt(n, 64);
+    for (int i = 0; i < n; i++) pos[i] = i, seqs[i] = s, want[i] = i + 1 < n;
+    const float *lg;
+    en_batch b = {.n_tokens = n, .tokens = ids, .pos = pos, .seqs = seqs, .logits = want};
+    cr_assert_eq(en_engine_step(e, &b, &lg), n - 1);
+    for (int i = 1; i < n; i++) out[i] = -en_token_nll(lg + (size_t)(i - 1) * nv, nv, ids[i]);
+    kv_seq_destroy(en_engine_kv(e), s);
+    en_engine_destroy(e);
+    en_model_free(m);
+}
+
 Test(openai, logprobs_of_greedy_tokens_equal_the_engines_own_log_softmax)
 {
     if (!cluster(NULL)) return;
@@ -312,6 +340,40 @@ Test(openai, logprobs_of_greedy_tokens_equal_the_engines_own_log_softmax)
                   want[i]);
     }
     json_decref(o);
+
+    /* echo with logprobs: the prompt's tokens first, the first without one (null), the others
+     * the engine's own log-softmax given the tokens before; streamed, in the first chunk */
+    double pwant[64];
+    engine_prompt_logprobs(ids, np, pwant);
+    for (int stream = 0; stream < 2; stream++) {
+        km_buf eb = {0};
+        km_buf_printf(&eb, "{\"prompt\":[");
+        for (int i = 0; i < np; i++) km_buf_printf(&eb, "%s%d", i ? "," : "", ids[i]);
+        km_buf_printf(&eb, "],\"max_tokens\":2,\"temperature\":0,\"logprobs\":2,\"echo\":true%s}",
+                      stream ? ",\"stream\":true" : "");
+        int est;
+        char *raw = post("/v1/completions", (const char *)eb.data, &est);
+        km_buf_free(&eb);
+        cr_assert_eq(est, 200, "%s", raw);
+        const char *js = stream ? strstr(raw, "data: {") : raw;
+        cr_assert_not_null(js, "%s", raw);
+        json_t *eo = json_loads(stream ? js + 6 : js, JSON_DISABLE_EOF_CHECK, NULL);
+        json_t *elp = json_object_get(choice(eo, 0), "logprobs");
+        json_t *elps = json_object_get(elp, "token_logprobs");
+        cr_assert_geq((int)json_array_size(elps), np, "%s", raw);
+        cr_assert(json_is_null(json_array_get(elps, 0)), "%s", raw);
+        cr_assert(json_is_null(json_array_get(json_object_get(elp, "top_logprobs"), 0)));
+        cr_assert_eq(json_integer_value(json_array_get(json_object_get(elp, "text_offset"), 0)), 0);
+        for (int i = 1; i < np; i++) {
+            double got = json_real_value(json_array_get(elps, (size_t)i));
+            cr_assert(fabs(got - pwant[i]) < 1e-3, "prompt token %d: %.6f, the engine's %.6f", i,
+                      got, pwant[i]);
+        }
+        if (!stream) /* then the completion's own, as without echo */
+            cr_assert_float_eq(json_real_value(json_array_get(elps, (size_t)np)), want[0], 1e-4);
+        json_decref(eo);
+        free(raw);
+    }
 
     /* chat, streamed: every content chunk carries its token's entry */
     int st;
@@ -391,7 +453,6 @@ Test(openai, echo_logit_bias_token_prompts_and_refusals)
     free(ids);
 
     expect_400("/v1/completions", "{\"prompt\":\"x\",\"suffix\":\"y\"}", "suffix");
-    expect_400("/v1/completions", "{\"prompt\":\"x\",\"echo\":true,\"logprobs\":1}", "echo");
     expect_400("/v1/completions", "{\"prompt\":\"x\",\"logit_bias\":{\"99999999\":1}}",
                "logit_bias");
     expect_400("/v1/completions", "{\"prompt\":[99999999]}", "prompt");

@@ -17,6 +17,7 @@
 #include <criterion/criterion.h>
 #include <jansson.h>
 #include <math.h>
+#include <regex.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -489,6 +490,184 @@ Test(structured, tool_choice_required_or_named_gives_a_call_that_parses, .timeou
     json_t *none = tool_reply(&r, body, false, finish, sizeof finish);
     cr_expect_null(none);
     cr_expect(!strcmp(finish, "length") || !strcmp(finish, "stop"), "%s", finish);
+    it_stop(&r);
+    it_stop(&w);
+}
+
+/* ---------------------------------------------------------------- grammar extensions */
+
+/* POSTs body to /v1/<path>; the HTTP status, and the response's body in *out (to free). */
+static int post(const proc *r, const char *path, const char *body, char **out)
+{
+    char file[256], cmd[1024], codepath[300];
+    snprintf(file, sizeof file, "%s/post.json", r->dir);
+    FILE *f = fopen(file, "w");
+    cr_assert_not_null(f);
+    fputs(body, f);
+    fclose(f);
+    snprintf(codepath, sizeof codepath, "%s/post.code", r->dir);
+    snprintf(cmd, sizeof cmd,
+             "curl -s -o %s/post.out -w '%%{http_code}' -H 'Content-Type: application/json' "
+             "http://127.0.0.1:%d/v1/%s -d @%s > %s",
+             r->dir, r->http_port, path, file, codepath);
+    cr_assert_eq(system(cmd), 0);
+    char *code = slurp(codepath), outpath[300];
+    snprintf(outpath, sizeof outpath, "%s/post.out", r->dir);
+    *out = slurp(outpath);
+    int st = atoi(code);
+    free(code);
+    return st;
+}
+
+/* Whether text matches the POSIX extended regex re, whole. */
+static bool matches(const char *re, const char *text)
+{
+    regex_t x;
+    cr_assert_eq(regcomp(&x, re, REG_EXTENDED | REG_NOSUB), 0, "%s", re);
+    bool ok = regexec(&x, text, 0, NULL, 0) == 0;
+    regfree(&x);
+    return ok;
+}
+
+Test(structured, grammar_and_regex_extensions_hold_the_output_or_are_a_400, .timeout = 900)
+{
+    proc w, r;
+    if (!cluster(&w, &r)) return;
+    static const struct {
+        bool chat, stream;
+        const char *fields, *check; /* check: a POSIX regex the whole output matches */
+    } cases[] = {
+        {false, false, "\"prompt\":\"Call me at\",\"guided_regex\":\"\\\\d{3}-\\\\d{4}\"",
+         "^[0-9]{3}-[0-9]{4}$"},
+        {true, true,
+         "\"messages\":[{\"role\":\"user\",\"content\":\"Is the sky blue?\"}],"
+         "\"guided_grammar\":\"root ::= \\\"The answer is \\\" (\\\"yes\\\" | \\\"no\\\") "
+         "\\\".\\\"\\n\"",
+         "^The answer is (yes|no)\\.$"},
+        {true, false,
+         "\"messages\":[{\"role\":\"user\",\"content\":\"Name a color.\"}],"
+         "\"guided_choice\":[\"red\",\"green\",\"blue\\\"ish\"]",
+         "^(red|green|blue\"ish)$"},
+        {false, true,
+         "\"prompt\":\"Three fruits:\",\"grammar\":\"# llama-server's field\\nroot ::= \\\"[\\\" "
+         "word (\\\",\\\" word){0,3} \\\"]\\\"\\nword ::= [a-z]{1,8}\\n\"",
+         "^\\[[a-z]{1,8}(,[a-z]{1,8}){0,3}\\]$"},
+        {true, false,
+         "\"messages\":[{\"role\":\"user\",\"content\":\"Do cats purr?\"}],"
+         "\"structured_outputs\":{\"regex\":\"(yes|no), because [a-z ]{1,30}\\\\.\"}",
+         "^(yes|no), because [a-z ]{1,30}\\.$"},
+        {false, false,
+         "\"prompt\":\"A famous person:\",\"temperature\":0.9,\"seed\":7,"
+         "\"regex\":\"[A-Z][a-z]{2,10} [A-Z][a-zé]{2,10}\"",
+         "^[A-Z][a-z]{2,10} [A-Z][a-z\xc3\xa9]{2,10}$"},
+    };
+    enum { N = sizeof cases / sizeof *cases };
+    static call c[N];
+    for (int i = 0; i < N; i++) {
+        snprintf(c[i].body, sizeof c[i].body, "{%s,\"max_tokens\":100,\"stream\":%s%s}",
+                 cases[i].fields, cases[i].stream ? "true" : "false",
+                 strstr(cases[i].fields, "temperature") ? "" : ",\"temperature\":0");
+        c[i].chat = cases[i].chat;
+        c[i].stream = cases[i].stream;
+    }
+    send_all(&r, c, N, r.dir);
+    for (int i = 0; i < N; i++) {
+        char finish[32];
+        char *text = content_of(&c[i], finish, sizeof finish);
+        cr_expect(matches(cases[i].check, text), "case %d: '%s' does not match %s", i, text,
+                  cases[i].check);
+        cr_expect_str_eq(finish, "stop", "case %d: %s", i, text);
+        free(text);
+    }
+    static const struct {
+        const char *fields, *needle;
+    } bad[] = {
+        {"\"guided_grammar\":\"root ::= a\\na ::= a \\\"x\\\" | \\\"y\\\"\"",
+         "left recursion through rule 'a'"},
+        {"\"guided_grammar\":\"root ::= thing\"", "rule 'thing' is used but not defined"},
+        {"\"ebnf\":\"root ::= [z-a]\"", "line 1: a character range out of order"},
+        {"\"guided_regex\":\"(?=a)b\"", "lookaround"},
+        {"\"guided_regex\":5", "'guided_regex' must be a non-empty string"},
+        {"\"guided_choice\":[]", "'guided_choice' must be a list of 1 to 256 strings"},
+        {"\"guided_regex\":\"a\",\"response_format\":{\"type\":\"json_object\"}",
+         "together are not supported"},
+        {"\"guided_regex\":\"a\",\"regex\":\"b\"", "one grammar at a time"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++)
+        for (int stream = 0; stream < 2; stream++) {
+            char body[1024], *out;
+            snprintf(body, sizeof body,
+                     "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"stream\":%s,%s}",
+                     stream ? "true" : "false", bad[i].fields);
+            int st = post(&r, "chat/completions", body, &out);
+            cr_expect_eq(st, 400, "bad %zu: %d %s", i, st, out);
+            cr_expect(strstr(out, bad[i].needle) && strstr(out, "invalid_request_error"),
+                      "bad %zu: '%s' lacks '%s'", i, out, bad[i].needle);
+            free(out);
+        }
+    it_stop(&r);
+    it_stop(&w);
+}
+
+/* Every choice of an n > 1 response that must call a tool is a call of its own. */
+Test(structured, tool_calls_with_n_give_each_choice_its_own_call, .timeout = 600)
+{
+    proc w, r;
+    if (!cluster(&w, &r)) return;
+    for (int stream = 0; stream < 2; stream++) {
+        char body[4096], *out;
+        snprintf(body, sizeof body,
+                 "{\"messages\":[{\"role\":\"user\",\"content\":\"What is the weather in "
+                 "Lisbon?\"}],\"max_tokens\":200,\"temperature\":0.8,\"seed\":3,\"n\":3,"
+                 "\"stream\":%s,\"tools\":[" WEATHER "," TIME "],\"tool_choice\":\"required\"}",
+                 stream ? "true" : "false");
+        cr_assert_eq(post(&r, "chat/completions", body, &out), 200, "%s", out);
+        json_t *calls[3] = {0};
+        const char *finish[3] = {0};
+        char fin[3][32] = {{0}};
+        for (char *line = out; line && *line;) {
+            char *nl = strchr(line, '\n');
+            if (nl) *nl = 0;
+            const char *js = stream ? (strncmp(line, "data: {", 7) ? NULL : line + 6) : line;
+            json_t *o = js ? json_loads(js, 0, NULL) : NULL;
+            cr_assert(!js || o, "not JSON: %s", line);
+            size_t k;
+            json_t *ch;
+            json_array_foreach(json_object_get(o, "choices"), k, ch)
+            {
+                json_int_t i = json_integer_value(json_object_get(ch, "index"));
+                cr_assert(i >= 0 && i < 3, "%s", line);
+                json_t *tc = json_object_get(json_object_get(ch, stream ? "delta" : "message"),
+                                             "tool_calls");
+                if (tc) {
+                    cr_assert_null(calls[i], "choice %d: two calls", (int)i);
+                    calls[i] = json_incref(tc);
+                }
+                json_t *fr = json_object_get(ch, "finish_reason");
+                if (json_is_string(fr))
+                    snprintf(fin[i], sizeof fin[i], "%s", json_string_value(fr)),
+                        finish[i] = fin[i];
+            }
+            json_decref(o);
+            line = nl ? nl + 1 : NULL;
+            if (!stream) break;
+        }
+        const char *ids[3] = {0};
+        for (int i = 0; i < 3; i++) {
+            cr_assert_not_null(calls[i], "stream %d choice %d: no tool_calls: %s", stream, i, out);
+            cr_expect_str_eq(finish[i] ? finish[i] : "", "tool_calls", "choice %d", i);
+            json_t *f = json_object_get(json_array_get(calls[i], 0), "function");
+            const char *name = json_string_value(json_object_get(f, "name"));
+            cr_expect(name && (!strcmp(name, "get_weather") || !strcmp(name, "get_time")));
+            json_t *args = json_loads(json_string_value(json_object_get(f, "arguments")), 0, NULL);
+            cr_expect(json_is_object(args), "choice %d: arguments not an object", i);
+            json_decref(args);
+            ids[i] = json_string_value(json_object_get(json_array_get(calls[i], 0), "id"));
+            for (int k = 0; k < i; k++) cr_expect(ids[k] && ids[i] && strcmp(ids[k], ids[i]));
+        }
+        for (int i = 0; i < 3; i++) json_decref(calls[i]);
+        free(out);
+    }
     it_stop(&r);
     it_stop(&w);
 }

@@ -17,6 +17,9 @@ typedef struct out {
     km_finish finish;
     en_sched_usage u;
     int order; /* when it ended */
+    /* en_sched_req.prompt_logprobs: the positions reported, in order, and their logprobs */
+    int n_plp, plp_pos[MAXG];
+    float plp[MAXG];
 } out;
 
 static int g_ended; /* requests ended so far (out.order) */
@@ -49,7 +52,14 @@ static inline void on_error(void *ctx, void *user, int code, const char *msg,
     o->order = ++g_ended;
 }
 
-static const en_sched_cb g_cb = {on_token, on_done, on_error, NULL};
+static inline void on_prompt_logprob(void *ctx, void *user, int pos, const en_logprobs *lp)
+{
+    out *o = user;
+    if (o->n_plp < MAXG) o->plp_pos[o->n_plp] = pos, o->plp[o->n_plp] = lp->logprob;
+    o->n_plp++;
+}
+
+static const en_sched_cb g_cb = {on_token, on_done, on_error, NULL, on_prompt_logprob};
 
 static inline void run_all(en_sched *s)
 {

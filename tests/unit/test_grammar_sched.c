@@ -1,10 +1,10 @@
 /*
  * test_grammar_sched.c — constrained decoding through the scheduler on the default model: every
- * output of a batch of constrained requests (several schemas, greedy and sampled) is a complete
- * value of its schema and ends by itself; speculative decoding gives token for token the output
- * without it; a request continued after a migration (its generated tokens in the prompt, the
- * grammar rebuilt from them) gives the output of one undisturbed. Without the model every test
- * skips.
+ * output of a batch of constrained requests (several schemas, a GBNF grammar and a regex, greedy
+ * and sampled) is a complete value of its schema and ends by itself; speculative decoding gives
+ * token for token the output without it; a request continued after a migration (its generated
+ * tokens in the prompt, the grammar rebuilt from them) gives the output of one undisturbed.
+ * Without the model every test skips.
  */
 #include <criterion/criterion.h>
 #include <stdio.h>
@@ -47,6 +47,9 @@ static const char *const g_schemas[] = {
     "\"integer\",\"minimum\":1,\"maximum\":9}},\"required\":[\"fruit\",\"qty\"]},\"minItems\":1,"
     "\"maxItems\":3}},\"required\":[\"items\"]}",
     "{\"type\":\"object\"}",
+    /* the extensions (grammar_cfg.c): a GBNF grammar and a regex */
+    "%gbnf\nroot ::= \"Name: \" [A-Z] [a-z]{1,12} \", age \" [0-9]{1,2} \".\"\n",
+    "%regex\n(sunny|rainy|cloudy), -?[0-9]{1,2} C in [A-Z][a-z]{2,12}",
 };
 #define N_SCHEMAS (int)(sizeof g_schemas / sizeof *g_schemas)
 
@@ -55,6 +58,8 @@ static const char *const g_asks[] = {
     "Describe today's weather in Paris as JSON.",
     "List a shopping list of fruits with quantities as JSON.",
     "Describe a cat as a JSON object.",
+    "Give a person's name and age.",
+    "Describe today's weather in Paris.",
 };
 
 static int chat_prompt(int i, int32_t *ids, int cap)
@@ -153,37 +158,44 @@ Test(grammar_sched, every_output_is_a_complete_value_greedy_and_sampled)
 Test(grammar_sched, speculation_gives_the_output_without_it)
 {
     need_model();
-    out a[4], b[4];
-    run_batch(EN_SPEC_OFF, 0, a, 4);
-    run_batch(EN_SPEC_AUTO, 0, b, 4);
-    for (int i = 0; i < 4; i++) {
+    out a[6], b[6];
+    run_batch(EN_SPEC_OFF, 0, a, 6);
+    run_batch(EN_SPEC_AUTO, 0, b, 6);
+    for (int i = 0; i < 6; i++) {
         cr_assert_eq(a[i].n, b[i].n, "request %d", i);
         cr_assert_arr_eq(a[i].tok, b[i].tok, sizeof(int32_t) * (size_t)a[i].n);
     }
 }
 
-Test(grammar_sched, a_migrated_request_continues_its_grammar)
+/* Request i continued after a migration at half its output equals the undisturbed one. */
+static void migrate(int i)
 {
-    need_model();
-    out whole[1];
-    run_batch(EN_SPEC_OFF, 0, whole, 1);
-    cr_assert_gt(whole[0].n, 6);
-    int cut = whole[0].n / 2;
+    out whole[N_SCHEMAS];
+    run_batch(EN_SPEC_OFF, 0, whole, i + 1);
+    cr_assert_gt(whole[i].n, 6);
+    int cut = whole[i].n / 2;
     rig r = make(EN_SPEC_OFF);
     int32_t ids[256 + MAXG];
-    int np = chat_prompt(0, ids, 256);
-    memcpy(ids + np, whole[0].tok, sizeof(int32_t) * (size_t)cut);
+    int np = chat_prompt(i, ids, 256);
+    memcpy(ids + np, whole[i].tok, sizeof(int32_t) * (size_t)cut);
     out rest = {0};
     en_sched_req q = greedy_req(ids, np + cut, MAXG - cut, &rest);
     q.n_generated = cut;
-    q.grammar = r.g[0];
+    q.grammar = r.g[i];
     cr_assert_eq(en_sched_submit(r.s, &q, NULL), 0);
     run_all(r.s);
-    cr_assert_eq(rest.n, whole[0].n - cut);
-    cr_assert_arr_eq(rest.tok, whole[0].tok + cut, sizeof(int32_t) * (size_t)rest.n);
+    cr_assert_eq(rest.n, whole[i].n - cut, "grammar %d", i);
+    cr_assert_arr_eq(rest.tok, whole[i].tok + cut, sizeof(int32_t) * (size_t)rest.n);
     /* tokens that do not fit the grammar are refused at submit */
     ids[np] = md_tok_find(en_model_tokenizer(g_model), "]");
     q.n_tokens = np + 1, q.n_generated = 1;
     cr_assert_eq(en_sched_submit(r.s, &q, NULL), KM_EINVAL);
     drop(r);
+}
+
+Test(grammar_sched, a_migrated_request_continues_its_grammar)
+{
+    need_model();
+    migrate(0); /* a schema */
+    migrate(4); /* a GBNF grammar */
 }

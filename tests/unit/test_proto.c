@@ -2075,12 +2075,14 @@ Test(proto, logprobs_and_logit_bias_roundtrip_and_are_absent_by_default)
     in.req.prompt = "hi";
     in.req.logprobs = true;
     in.req.top_logprobs = 5;
+    in.req.prompt_logprobs = true;
     km_token_value bias[2] = {{7, -100}, {9, 2.5f}};
     in.req.logit_bias = bias;
     in.req.n_logit_bias = 2;
     roundtrip(&in, &out);
     cr_assert(out.req.logprobs);
     cr_assert_eq(out.req.top_logprobs, 5u);
+    cr_assert(out.req.prompt_logprobs);
     cr_assert_eq(out.req.n_logit_bias, 2u);
     cr_assert_eq(out.req.logit_bias[0].token, 7);
     cr_assert_float_eq(out.req.logit_bias[1].value, 2.5f, 1e-6);
@@ -2093,7 +2095,9 @@ Test(proto, logprobs_and_logit_bias_roundtrip_and_are_absent_by_default)
     km_token_value top[2] = {{3, -0.5f}, {4, -1.25f}};
     in.tok.top = top;
     in.tok.n_top = 2;
+    in.tok.prompt = true;
     roundtrip(&in, &out);
+    cr_assert(out.tok.prompt);
     cr_assert(out.tok.has_logprob);
     cr_assert_float_eq(out.tok.logprob, -0.5f, 1e-6);
     cr_assert_eq(out.tok.n_top, 2u);
@@ -2108,7 +2112,7 @@ Test(proto, logprobs_and_logit_bias_roundtrip_and_are_absent_by_default)
     cr_assert_eq(km_msg_encode(&in, NULL, &b, NULL), 0);
     cr_assert_null(memmem(b.data, b.len, "logprob", 7));
     cr_assert_eq(km_msg_decode(b.data, b.len, NULL, &out, NULL), 0);
-    cr_assert(!out.tok.has_logprob);
+    cr_assert(!out.tok.has_logprob && !out.tok.prompt);
     km_msg_clear(&out);
     km_msg_init(&in, KM_MSG_REQUEST);
     in.req.model = "smol";

@@ -14,6 +14,7 @@
  * sequence than a prefill chunk. test_scheduler runs the model-dependent scenarios.
  */
 #include <criterion/criterion.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -419,4 +420,35 @@ Test(sched_fake, speculative_decoding_changes_no_token_and_drafts_from_earlier_o
         }
     cr_assert_gt(st.spec_accepted, 0, "drafted %llu, accepted none",
                  (unsigned long long)st.spec_drafted);
+}
+
+/* Prompt logprobs (echo): every prompt token but the first reported once, in order, from the
+ * row of the position before it, even with the prompt's pages cached and the prefill chunked. */
+Test(sched_fake, prompt_logprobs_cover_the_whole_prompt_once_cached_or_not)
+{
+    en_sched *s = fake_open(0, 16, (en_sched_opts){.max_batch_tokens = 16, .prefill_chunk = 8});
+    int32_t p[25];
+    fake_prompt(p, 25, 7);
+    out a = {0}, b = {0};
+    en_sched_req r = greedy_req(p, 25, 3, &a); /* caches the prompt's pages */
+    cr_assert_eq(en_sched_submit(s, &r, NULL), 0);
+    run_all(s);
+    cr_assert_eq(a.n_plp, 0);
+    r = greedy_req(p, 25, 3, &b);
+    r.prompt_logprobs = 1;
+    cr_assert_eq(en_sched_submit(s, &r, NULL), 0);
+    run_all(s);
+    cr_assert_eq(b.u.cached_tokens, 0, "the prompt is computed whole");
+    cr_assert_eq(b.n_plp, 24);
+    double lse = log(exp(1.0) + (FV - 1)); /* a fake row: 1 at the pick, 0 elsewhere */
+    uint32_t h = 2166136261u;
+    for (int i = 0; i < 24; i++) {
+        cr_assert_eq(b.plp_pos[i], i + 1, "entry %d: position %d", i, b.plp_pos[i]);
+        h = fake_next(h, p[i]);
+        double want = (p[i + 1] == fake_pick(h) ? 1.0 : 0.0) - lse;
+        cr_assert_float_eq(b.plp[i], want, 1e-5, "position %d", i + 1);
+    }
+    cr_assert_eq(b.n, a.n);
+    cr_assert_arr_eq(b.tok, a.tok, sizeof(int32_t) * (size_t)a.n);
+    fake_close(s);
 }

@@ -134,7 +134,7 @@ static rig make(int max_running, int mode)
     en_engine_opts eo = {.n_threads = 2, .max_batch_tokens = 256};
     cr_assert_eq(en_engine_create(g_model, &eo, &g.e, &err), 0, "%s", err.msg);
     en_sched_opts so = {.max_running = max_running, .max_batch_tokens = 256, .spec.mode = mode};
-    en_sched_cb cb = {on_token, on_done, on_error, NULL};
+    en_sched_cb cb = {on_token, on_done, on_error, NULL, NULL};
     cr_assert_eq(en_sched_create(g.e, g_model, &so, &cb, &g.s, &err), 0, "%s", err.msg);
     g.d = NULL;
     if (mode == EN_SPEC_SELF) {
