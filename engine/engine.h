@@ -280,6 +280,8 @@ typedef struct en_spec_opts {
     int lead_in;        /* prompt tokens indexed with an output in the global index; 0: 32 */
     int self_draft;     /* EN_SPEC_SELF: draft steps (tokens) per verification; 0: 3; at most
                          * EN_SELF_MAX_DRAFT */
+    bool cost_fixed;    /* the token_cost line only, steps not timed: drafting that does not
+                         * depend on the machine's speed or load (tests) */
 } en_spec_opts;
 
 /* The scheduler's limits (engine/engine.h), part of the service's options. */

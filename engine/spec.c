@@ -279,6 +279,7 @@ void en_spec_stats_get(const en_spec *sp, en_spec_stats *out)
 
 void en_spec_observe_step(en_spec *sp, int n_tokens, double ms)
 {
+    if (sp->o.cost_fixed) return;
     en_spec_cost_observe(&sp->cost, n_tokens, ms);
 }
 

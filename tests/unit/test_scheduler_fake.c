@@ -139,6 +139,9 @@ static en_sched *fake_open_tiered(int hot_pages, int host_pages, en_sched_opts o
                                   .head_dim = 8,
                                   .n_vocab = FV};
     if (!g_spec_on) o.spec.mode = EN_SPEC_OFF; /* see the file's comment */
+    /* drafts priced by the prior line, not by timed steps of a loaded machine (where a 2-token
+     * step could time dearer than drafting pays, and no draft was offered) */
+    o.spec.cost_fixed = true;
     en_sched_engine eng = {.kv = f->kv,
                            .hp = &hp,
                            .fingerprint = "0123456789abcdef0123456789abcdef",
