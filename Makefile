@@ -105,7 +105,7 @@ objs = $(patsubst %.c,$(OBJ)/%.o,$(1))
 UNIT_SRC := $(wildcard tests/unit/test_*.c)
 UNIT_BIN := $(patsubst tests/unit/%.c,$(TESTBIN)/%,$(UNIT_SRC))
 
-PROGRAMS := $(BIN)/kvmesh
+PROGRAMS := $(BIN)/kvmesh $(BIN)/kvmesh-gguf-gen
 ifneq ($(wildcard worker/main.c),)
 PROGRAMS += $(BIN)/kvmesh-worker
 endif
@@ -181,6 +181,12 @@ $(BIN)/kvmesh-router: $(OBJ)/router/main.o $(ROUTER_LIBS)
 $(BIN)/kvmesh-controller: $(OBJ)/controller/main.o $(CONTROLLER_LIBS)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+
+# kvmesh-gguf-gen (tools/gguf_gen.c): random-weight GGUFs of a given shape (docs/gpu.md). Only
+# model/ and common/'s error code and libm, so it links wherever a C compiler does.
+$(BIN)/kvmesh-gguf-gen: $(OBJ)/tools/gguf_gen.o $(LIB_MODEL) $(LIB_COMMON)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $^ -lm
 
 $(BIN)/kvmesh-netdelay: $(OBJ)/tests/chaos/netdelay.o
 	@mkdir -p $(dir $@)
