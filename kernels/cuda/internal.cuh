@@ -5,6 +5,7 @@
 #ifndef KN_CUDA_INTERNAL_CUH
 #define KN_CUDA_INTERNAL_CUH
 
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <float.h>

@@ -54,14 +54,15 @@ int kn_cuda_softmax(float *y, const float *x, int rows, int n, float temp, void 
 /* idx[r] = the first index of the largest of row r's n floats (en_argmax). */
 int kn_cuda_argmax(int32_t *idx, const float *x, int rows, int n, void *stream);
 
-/* One row of n floats (n a multiple of 32 for Q8_0) to the dot type t of a weight type
- * (kn_dot_type): Q8_0 or F16, bit for bit kn_ops.quantize_row; m rows, x_stride floats and
- * y_stride bytes apart. */
+/* Rows of n floats to the dot type t of a weight type (kn_dot_type): Q8_0 (n a multiple of 32),
+ * Q8_K (of 256; y and y_stride 4-byte aligned), F16 or BF16, bit for bit kn_ops.quantize_row
+ * for finite inputs; m rows, x_stride floats and y_stride bytes apart. */
 int kn_cuda_quantize(md_type t, const float *x, size_t x_stride, void *y, size_t y_stride,
                      int64_t n, int m, void *stream);
 /* Y[i * y_stride + r] = dot(W row r, X row i) for r < rows, i < m <= KN_CUDA_MAX_M: X already in
  * kn_dot_type(wt) (kn_cuda_quantize), strides in bytes for W and X, in floats for Y. Weight
- * types: F16, Q8_0, Q4_0; k a multiple of 32, W's rows 2-byte aligned. (kn_ops.matmul) */
+ * types: F16, BF16, Q8_0, Q4_0, Q4_K; k whole blocks (and a multiple of 32), W and X 2-byte
+ * aligned (4 for Q4_K). (kn_ops.matmul) */
 int kn_cuda_matvec(md_type wt, const void *w, size_t w_stride, int64_t rows, int64_t k,
                    const void *x, size_t x_stride, int m, float *y, size_t y_stride, void *stream);
 /* 1 when kn_cuda_matvec takes the weight type. */

@@ -226,12 +226,65 @@ __global__ void kn_quantize_q8_0_k(const float *x, size_t x_stride, uint8_t *y, 
     }
 }
 
-__global__ void kn_to_f16_k(const float *x, size_t x_stride, __half *y, size_t y_stride, int64_t n)
+/* Q8_K (kn_ref_quantize_q8_K): one warp per 256-element block, lane l on elements 8l..8l+7. The
+ * scale comes from the signed element of largest magnitude, the first one on a tie. */
+__global__ void kn_quantize_q8_K_k(const float *x, size_t x_stride, uint8_t *y, size_t y_stride,
+                                   int64_t nb)
+{
+    const int64_t b = blockIdx.x * (int64_t)(blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31, row = blockIdx.y;
+    if (b >= nb) return;
+    const float *xb = x + row * x_stride + b * 256 + lane * 8;
+    float v[8], amax = 0.0f, max = 0.0f;
+    int at = lane * 8;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        v[j] = xb[j];
+        if (fabsf(v[j]) > amax) amax = fabsf(v[j]), max = v[j], at = lane * 8 + j;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float oa = __shfl_xor_sync(0xffffffffu, amax, o);
+        const float om = __shfl_xor_sync(0xffffffffu, max, o);
+        const int oat = __shfl_xor_sync(0xffffffffu, at, o);
+        if (oa > amax || (oa == amax && oat < at)) amax = oa, max = om, at = oat;
+    }
+    uint8_t *yb = y + row * y_stride + b * 292; /* float d, int8 qs[256], int16 bsums[16] */
+    const float iscale = amax != 0.0f ? -127.f / max : 0.0f;
+    int sum = 0;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        int q = __float2int_rn(__fmul_rn(iscale, v[j])); /* nearest_int: round half to even */
+        q = q < 127 ? q : 127;
+        yb[4 + lane * 8 + j] = (uint8_t)(int8_t)q;
+        sum += q;
+    }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    if (!(lane & 1)) {
+        const int16_t s16 = (int16_t)sum;
+        memcpy(yb + 260 + lane, &s16, 2);
+    }
+    if (lane == 0) *(float *)yb = amax != 0.0f ? 1 / iscale : 0.0f;
+}
+
+__device__ __forceinline__ void kn_from_f32(float v, __half *out)
+{
+    *out = __float2half_rn(v);
+}
+
+__device__ __forceinline__ void kn_from_f32(float v, __nv_bfloat16 *out)
+{
+    *out = __float2bfloat16_rn(v);
+}
+
+/* F16 / BF16 activations: round to nearest even, as kn_f32_to_f16 and kn_f32_to_bf16. */
+template <typename T>
+__global__ void kn_to_16_k(const float *x, size_t x_stride, T *y, size_t y_stride, int64_t n)
 {
     const int row = blockIdx.y;
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x)
-        y[row * y_stride / 2 + i] = __float2half_rn(x[row * x_stride + i]);
+        kn_from_f32(x[row * x_stride + i], &y[row * y_stride / 2 + i]);
 }
 
 int kn_cuda_quantize(md_type t, const float *x, size_t x_stride, void *y, size_t y_stride,
@@ -239,22 +292,27 @@ int kn_cuda_quantize(md_type t, const float *x, size_t x_stride, void *y, size_t
 {
     if (n <= 0 || m < 0 || m > 65535) return KM_EINVAL;
     if (m == 0) return 0;
-    if (t == MD_TYPE_Q8_0) {
-        if (n % 32) return KM_EINVAL;
-        const int64_t nb = n / 32;
-        dim3 grid((unsigned)((nb + 7) / 8), m);
-        kn_quantize_q8_0_k<<<grid, 256, 0, kn_cuda_stream(stream)>>>(x, x_stride, (uint8_t *)y,
-                                                                     y_stride, nb);
-        return kn_cuda_launched("quantize q8_0");
+    cudaStream_t s = kn_cuda_stream(stream);
+    uint8_t *yb = (uint8_t *)y;
+    if (t == MD_TYPE_Q8_0 || t == MD_TYPE_Q8_K) {
+        const int qk = t == MD_TYPE_Q8_0 ? 32 : 256;
+        if (n % qk || (t == MD_TYPE_Q8_K && ((uintptr_t)y | y_stride) % 4)) return KM_EINVAL;
+        const int64_t nb = n / qk;
+        dim3 grid((unsigned)((nb + 7) / 8), m); /* 8 warps of 256 threads, a block each */
+        if (t == MD_TYPE_Q8_0)
+            kn_quantize_q8_0_k<<<grid, 256, 0, s>>>(x, x_stride, yb, y_stride, nb);
+        else
+            kn_quantize_q8_K_k<<<grid, 256, 0, s>>>(x, x_stride, yb, y_stride, nb);
+        return kn_cuda_launched(t == MD_TYPE_Q8_0 ? "quantize q8_0" : "quantize q8_K");
     }
-    if (t == MD_TYPE_F16) {
-        if (y_stride % 2) return KM_EINVAL;
-        int64_t blocks = (n + 255) / 256;
-        if (blocks > 4096) blocks = 4096;
-        dim3 grid((unsigned)blocks, m);
-        kn_to_f16_k<<<grid, 256, 0, kn_cuda_stream(stream)>>>(x, x_stride, (__half *)y, y_stride,
-                                                              n);
-        return kn_cuda_launched("quantize f16");
-    }
-    return KM_EINVAL;
+    if (t != MD_TYPE_F16 && t != MD_TYPE_BF16) return KM_EINVAL;
+    if (((uintptr_t)y | y_stride) % 2) return KM_EINVAL;
+    int64_t blocks = (n + 255) / 256;
+    if (blocks > 4096) blocks = 4096;
+    dim3 grid((unsigned)blocks, m);
+    if (t == MD_TYPE_F16)
+        kn_to_16_k<<<grid, 256, 0, s>>>(x, x_stride, (__half *)y, y_stride, n);
+    else
+        kn_to_16_k<<<grid, 256, 0, s>>>(x, x_stride, (__nv_bfloat16 *)y, y_stride, n);
+    return kn_cuda_launched("quantize 16-bit");
 }

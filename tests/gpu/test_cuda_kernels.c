@@ -236,14 +236,18 @@ static void test_softmax_argmax(int rows, int n, float temp)
 
 /* ---------------------------------------------------------------- quantization, matvec */
 
-/* Random weight rows in type t: random bytes with each block's scales set to sane values. */
+/* Random weight rows in type t: 16-bit floats of spread 1/sqrt(k), or random bytes with each
+ * block's scales (d, and Q4_K's dmin) set to sane values. */
 static void *rand_weights(md_type t, int64_t rows, int64_t k)
 {
     const size_t rb = md_type_row_bytes(t, k), bytes = rb * (size_t)rows;
     uint8_t *w = malloc(bytes);
-    if (t == MD_TYPE_F16) {
+    if (t == MD_TYPE_F16 || t == MD_TYPE_BF16) {
         kn_f16 *h = (kn_f16 *)w;
-        for (size_t i = 0; i < bytes / 2; i++) h[i] = kn_f32_to_f16(unit() / sqrtf((float)k));
+        for (size_t i = 0; i < bytes / 2; i++) {
+            const float v = unit() / sqrtf((float)k);
+            h[i] = t == MD_TYPE_F16 ? kn_f32_to_f16(v) : kn_f32_to_bf16(v);
+        }
         return w;
     }
     for (size_t i = 0; i < bytes; i++) w[i] = (uint8_t)rnd();
@@ -251,6 +255,10 @@ static void *rand_weights(md_type t, int64_t rows, int64_t k)
     for (size_t i = 0; i < bytes; i += bb) {
         const kn_f16 d = kn_f32_to_f16((0.5f + 0.5f * fabsf(unit())) * 0.01f);
         memcpy(w + i, &d, 2);
+        if (t == MD_TYPE_Q4_K) {
+            const kn_f16 dmin = kn_f32_to_f16((0.5f + 0.5f * fabsf(unit())) * 0.005f);
+            memcpy(w + i + 2, &dmin, 2);
+        }
     }
     return w;
 }
@@ -426,9 +434,9 @@ int main(int argc, char **argv)
     test_silu_mul(1536), test_silu_mul(14336 * 3 + 7);
     test_softmax_argmax(3, 49152, 1.0f), test_softmax_argmax(2, 128256, 0.7f);
     test_softmax_argmax(4, 1000, 1.0f);
-    const md_type types[] = {MD_TYPE_F16, MD_TYPE_Q8_0, MD_TYPE_Q4_0};
-    for (size_t t = 0; t < 3; t++) {
-        test_matvec(types[t], 576, 576, 1);
+    const md_type types[] = {MD_TYPE_F16, MD_TYPE_BF16, MD_TYPE_Q8_0, MD_TYPE_Q4_0, MD_TYPE_Q4_K};
+    for (size_t t = 0; t < sizeof types / sizeof types[0]; t++) {
+        test_matvec(types[t], 576, md_type_block_elems(types[t]) == 256 ? 512 : 576, 1);
         test_matvec(types[t], 1001, 1536, 3);
         test_matvec(types[t], 4096, 4096, 1);
         test_matvec(types[t], 2048, 8192, KN_CUDA_MAX_M);
@@ -439,9 +447,9 @@ int main(int argc, char **argv)
         for (int i = 0; i < g_n_rows; i++) {
             const char *nm = g_rows[i].name;
             if (strncmp(nm, "matvec ", 7)) continue;
-            const md_type wt = !strcmp(nm + 7, "F16")    ? MD_TYPE_F16
-                               : !strcmp(nm + 7, "Q8_0") ? MD_TYPE_Q8_0
-                                                         : MD_TYPE_Q4_0;
+            md_type wt = MD_TYPE_F16;
+            for (size_t t = 0; t < sizeof types / sizeof types[0]; t++)
+                if (!strcmp(nm + 7, md_type_name(types[t]))) wt = types[t];
             g_rows[i].gbs = matvec_gbs(wt, 14336, 4096, 1);
         }
         print_table(stdout, desc, bw);
