@@ -1,8 +1,8 @@
 /*
  * kn_cuda.h — the first CUDA kernels of kvmesh (docs/gpu.md): element-wise operations, softmax and
- * argmax, activation quantization and matrix-vector products, each with a host wrapper that C
- * calls. Built into build/lib/libkmcuda.a only where nvcc exists (the Makefile detects it); the
- * rest of kvmesh never needs it.
+ * argmax, activation quantization, matrix-vector products and decode attention over f16 pages,
+ * each with a host wrapper that C calls. Built into build/lib/libkmcuda.a only where nvcc exists
+ * (the Makefile detects it); the rest of kvmesh never needs it.
  *
  * Contract:
  *  - Every pointer argument is device memory; every call is asynchronous on `stream` (a
@@ -67,6 +67,14 @@ int kn_cuda_matvec(md_type wt, const void *w, size_t w_stride, int64_t rows, int
                    const void *x, size_t x_stride, int m, float *y, size_t y_stride, void *stream);
 /* 1 when kn_cuda_matvec takes the weight type. */
 int kn_cuda_matvec_supported(md_type wt);
+
+/* Decode attention of n_q query heads sharing one kv head over n_ctx positions of f16 pages
+ * (kn_ops.attention on a KN_KV_F16 kn_kv_view): pages is a device array of device page
+ * pointers, each page's K block at k_off and V block at v_off, [page_tokens][head_dim] halves;
+ * q and out are [n_q][head_dim] floats, head_dim <= 256. */
+int kn_cuda_attention_f16(const uint8_t *const *pages, size_t k_off, size_t v_off, int page_tokens,
+                          int n_ctx, int head_dim, const float *q, int n_q, float scale, float *out,
+                          void *stream);
 
 #ifdef __cplusplus
 }

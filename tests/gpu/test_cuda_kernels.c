@@ -298,6 +298,51 @@ static double test_matvec(md_type wt, int64_t rows, int64_t k, int m)
     return err;
 }
 
+/* ---------------------------------------------------------------- attention */
+
+/* Decode attention over f16 pages laid out as kvshard lays one (layer, kv head) block out: a
+ * 64-byte header, K [page_tokens][hd], then V; the pages are separate allocations. */
+static void test_attention(int n_ctx, int hd, int n_q, int pt)
+{
+    const int n_pages = n_ctx / pt + 1;
+    const size_t k_off = 64, v_off = 64 + (size_t)pt * hd * 2,
+                 page_bytes = v_off + (size_t)pt * hd * 2;
+    uint8_t **hp = malloc(sizeof *hp * n_pages), **dp = malloc(sizeof *dp * n_pages);
+    for (int i = 0; i < n_pages; i++) {
+        hp[i] = malloc(page_bytes);
+        for (size_t j = 0; j < page_bytes; j += 2) {
+            const kn_f16 h = kn_f32_to_f16(unit());
+            memcpy(hp[i] + j, &h, 2);
+        }
+        dp[i] = dev_upload(hp[i], page_bytes);
+    }
+    float *q = rand_f32((size_t)n_q * hd, 2.0f), *ref = malloc(sizeof(float) * n_q * hd);
+    const float scale = 1.0f / sqrtf((float)hd);
+    kn_kv_view kv = {.pages = (const uint8_t *const *)hp,
+                     .k_off = k_off,
+                     .v_off = v_off,
+                     .page_tokens = pt,
+                     .n_ctx = n_ctx,
+                     .format = KN_KV_F16};
+    kn_attention_ref(&kv, hd, q, n_q, scale, ref);
+    const uint8_t **dpages = dev_upload(dp, sizeof *dp * n_pages);
+    float *dq = dev_upload(q, sizeof(float) * n_q * hd),
+          *dout = dev_poisoned(sizeof(float) * n_q * hd);
+    KC(kn_cuda_attention_f16(dpages, k_off, v_off, pt, n_ctx, hd, dq, n_q, scale, dout, NULL));
+    float *out = host_download(dout, sizeof(float) * n_q * hd);
+    char s[64];
+    snprintf(s, sizeof s, "ctx=%d hd=%d heads=%d page=%d", n_ctx, hd, n_q, pt);
+    check("attention f16", s, rel_err(out, ref, (size_t)n_q * hd), 1e-5);
+    for (int i = 0; i < n_pages; i++) {
+        free(hp[i]);
+        CK(cudaFree(dp[i]));
+    }
+    free(hp), free(dp), free(q), free(ref), free(out);
+    CK(cudaFree(dpages));
+    CK(cudaFree(dq));
+    CK(cudaFree(dout));
+}
+
 /* ---------------------------------------------------------------- timings */
 
 static int cmp_f(const void *a, const void *b)
@@ -441,6 +486,9 @@ int main(int argc, char **argv)
         test_matvec(types[t], 4096, 4096, 1);
         test_matvec(types[t], 2048, 8192, KN_CUDA_MAX_M);
     }
+
+    test_attention(1, 64, 3, 16), test_attention(17, 64, 3, 16), test_attention(300, 128, 4, 16);
+    test_attention(1000, 128, 8, 32), test_attention(77, 256, 2, 16);
 
     if (!quick && !g_failed) {
         const double bw = copy_gbs();
