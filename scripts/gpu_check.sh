@@ -2,8 +2,9 @@
 # gpu_check.sh — `make gpu-check`: everything kvmesh checks on a GPU, in one call that fits a lent
 # GPU machine's lease (docs/gpu.md, "gpu-check"). Builds what it needs from this tree with nvcc and
 # a C compiler only (no package installs, no model: kvmesh-gguf-gen writes the ones it uses), runs
-# every GPU test program (tests/gpu/test_*.c: this and the KV cache's), and prints the
-# table of errors and speeds last.
+# every GPU test program (tests/gpu/test_*.c: this and the KV cache's) and PyTorch's
+# figures for the same shapes (bench/gpu_torch_ref.py), and prints the table of errors and speeds
+# last.
 #
 # Without nvcc it says so and exits 0; with nvcc but no GPU (a CI or build machine) it builds
 # everything (a compile check), the tests say SKIP, and it exits 0. A failing check exits 1.
@@ -108,6 +109,14 @@ for t in "$gpubin"/test_*; do
         failed=1
     fi
 done
+
+# The ceilings (copy bandwidth, bf16 matrix rate) and PyTorch's matvec on the same shape, where
+# the machine has PyTorch (the GPU image does); a reference only, so its failure fails nothing.
+if [ -n "$gpu" ] && command -v python3 >/dev/null; then
+    say "== bench/gpu_torch_ref.py"
+    KVMESH_GPU_TABLE="$table" PYTHONUNBUFFERED=1 timeout 180 python3 bench/gpu_torch_ref.py 2>&1 |
+        tee -a "$log" || say "bench/gpu_torch_ref.py did not finish (a reference only; log: $log)"
+fi
 
 say "done in $(($(date +%s) - t0)) s; log $log"
 if [ -s "$table" ]; then
