@@ -105,7 +105,7 @@ objs = $(patsubst %.c,$(OBJ)/%.o,$(1))
 UNIT_SRC := $(wildcard tests/unit/test_*.c)
 UNIT_BIN := $(patsubst tests/unit/%.c,$(TESTBIN)/%,$(UNIT_SRC))
 
-PROGRAMS := $(BIN)/kvmesh
+PROGRAMS := $(BIN)/kvmesh $(BIN)/kvmesh-gguf-gen
 ifneq ($(wildcard worker/main.c),)
 PROGRAMS += $(BIN)/kvmesh-worker
 endif
@@ -181,6 +181,50 @@ $(BIN)/kvmesh-router: $(OBJ)/router/main.o $(ROUTER_LIBS)
 $(BIN)/kvmesh-controller: $(OBJ)/controller/main.o $(CONTROLLER_LIBS)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+
+# kvmesh-gguf-gen (tools/gguf_gen.c): random-weight GGUFs of a given shape (docs/gpu.md). Only
+# model/ and common/'s error code and libm, so it links wherever a C compiler does.
+GGUF_GEN_OBJS := $(call objs,tools/gguf_gen.c model/gguf_gen.c model/types.c common/err.c)
+$(BIN)/kvmesh-gguf-gen: $(GGUF_GEN_OBJS)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $^ -lm
+
+# ------------------------------------------------------------------ CUDA (docs/gpu.md)
+# Where nvcc exists (on the PATH or in /usr/local/cuda), kernels/cuda/*.cu build into
+# libkmcuda.a and tests/gpu/test_*.c into $(BUILD)/gpu/, as part of `make build`; elsewhere
+# nothing of it is built and nothing else needs it. CUDA=0 turns it off. Machine code for
+# Hopper's sm_90a (wgmma, setmaxnreg: what later matrix kernels need) plus compute_80 PTX that
+# the driver compiles for any newer GPU (docs/gpu.md, "Targets"). The GPU programs link only
+# these objects, the scalar references and the CUDA runtime (static): nothing that needs ZeroMQ,
+# UCX or a Debian -dev package, so the same targets build on the GPU machine.
+NVCC ?= $(or $(shell command -v nvcc 2>/dev/null),$(wildcard /usr/local/cuda/bin/nvcc))
+CUDA ?= $(if $(NVCC),1,0)
+CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
+CUDA_GENCODE ?= -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_80,code=compute_80
+NVCCFLAGS := -O3 -std=c++17 -I. $(CUDA_GENCODE) -Xcompiler -fPIC -MMD -MP $(EXTRA_NVCCFLAGS)
+CUDA_SRC := $(wildcard kernels/cuda/*.cu)
+LIB_CUDA := $(BUILD)/lib/libkmcuda.a
+CUDA_LDLIBS := -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt -lpthread -lstdc++ -lm
+GPU_TESTS := $(patsubst tests/gpu/%.c,$(BUILD)/gpu/%,$(wildcard tests/gpu/test_*.c))
+GPU_REF_OBJS := $(call objs,kernels/cpu/ops_ref.c kernels/cpu/quant_ref.c kernels/cpu/attn_kv_ref.c model/types.c)
+$(OBJ)/%.o: %.cu
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) -c $< -o $@
+$(LIB_CUDA): $(patsubst %.cu,$(OBJ)/%.o,$(CUDA_SRC))
+$(OBJ)/tests/gpu/%.o: CFLAGS_BASE += -isystem $(CUDA_HOME)/include
+$(BUILD)/gpu/%: $(OBJ)/tests/gpu/%.o $(LIB_CUDA) $(GPU_REF_OBJS)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $^ $(CUDA_LDLIBS)
+ifeq ($(CUDA),1)
+build: $(GPU_TESTS)
+endif
+.PHONY: gpu-programs gpu-check cuda-report
+gpu-programs: $(GPU_TESTS) $(BIN)/kvmesh-gguf-gen ## what gpu-check runs: the GPU tests and kvmesh-gguf-gen (needs nvcc)
+gpu-check: ## on a GPU machine: builds and runs every GPU test, the speed table last; says so and exits 0 without a GPU
+	@bash scripts/gpu_check.sh
+cuda-report: ## nvcc -Xptxas -v of every kernel: registers, shared memory, stack, spills
+	@for f in $(CUDA_SRC); do echo "== $$f"; $(NVCC) $(NVCCFLAGS) -Xptxas -v -c $$f -o /dev/null 2>&1 | \
+	  grep -E 'Compiling|Used|spill' | sed -E 's/ptxas info *: //'; done
 
 $(BIN)/kvmesh-netdelay: $(OBJ)/tests/chaos/netdelay.o
 	@mkdir -p $(dir $@)

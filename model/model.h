@@ -217,6 +217,30 @@ void md_model_display_name(const char *path, char *out, size_t cap);
 /* $KVMESH_MODEL, else models/SmolLM2-135M-Instruct.Q4_1.gguf. */
 const char *md_default_model_path(void);
 
+/* ---------------------------------------------------------------- random models
+ * (model/gguf_gen.c; docs/gpu.md)
+ *
+ * A Llama-family GGUF of a given shape whose weights are random from a seed, with a tiny
+ * SentencePiece-style tokenizer (specials, the 256 byte tokens, printable characters, unused
+ * fillers): what speed and agreement tests run where no real model can travel. Every matrix has
+ * the one weight type; norms are F32. The file is a pure function of the configuration.
+ */
+
+typedef struct md_gguf_gen_cfg {
+    int n_layers, n_embd, n_head, n_head_kv, n_ff, n_vocab;
+    int n_ctx;       /* llama.context_length; 0: 4096 */
+    md_type type;    /* F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K or Q6_K */
+    int tied_output; /* 1: no output.weight (the output reuses token_embd) */
+    float rope_base; /* 0: 10000 */
+    uint64_t seed;
+} md_gguf_gen_cfg;
+
+/* The smallest n_vocab the tokenizer fits in. */
+int md_gguf_gen_min_vocab(void);
+/* Writes the file (replacing one at path). KM_EINVAL for a shape the type or the engine cannot
+ * take (rows must be whole blocks), KM_EIO when writing fails (the partial file is removed). */
+int md_gguf_gen(const md_gguf_gen_cfg *cfg, const char *path, km_errbuf *err);
+
 #ifdef __cplusplus
 }
 #endif
