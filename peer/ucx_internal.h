@@ -8,6 +8,7 @@
 #define PEER_UCX_INTERNAL_H
 
 #include <pthread.h>
+#include <sys/socket.h>
 #include <stdint.h>
 
 #include <openssl/evp.h>
@@ -161,6 +162,8 @@ struct pr_ucx {
     size_t rkey_len[PR_MAX_REGIONS];
     int n_regions, wfd, evfd, epfd;
     int old_cm; /* UCX before 1.22: no worker is destroyed under a connecting endpoint */
+    struct sockaddr_storage listen_sa; /* where the listener is bound (pr_listener_quiesce) */
+    int closing; /* progress thread: the node is closing; connection requests are rejected */
     pthread_t thr;
     int thr_started;
     pthread_mutex_t mu;

@@ -823,13 +823,11 @@ Test(xfer_peer, a_holder_that_goes_away_mid_pull_costs_the_pull_only, .timeout =
 }
 
 /* A holder destroyed while a puller's connection request to it is on its way. Rounds destroy it
- * a little later each time to cross the handshake's steps. Disabled: UCX's TCP connection
- * manager (1.13.1 and 1.22.0 alike) keeps a connection it accepted after its listener is freed
- * and calls that listener when the request arrives (docs/transfer.md, "Which UCX": measured
- * crash rates). Enable it with the fix (connecting by worker address, or a UCX that closes a
- * listener's pending connections). */
+ * a little later each time to cross the handshake's steps. UCX's TCP connection manager calls a
+ * freed listener when a request it accepted arrives after the listener is gone; the node
+ * quiesces its listener before destroying it (peer/ucx.c, docs/transfer.md "Which UCX"). */
 Test(xfer_peer, a_holder_that_goes_away_while_a_puller_connects_fails_that_peer_only,
-     .timeout = 300, .disabled = true)
+     .timeout = 300)
 {
     for (int round = 0; round < 20; round++) {
         duo *d = duo_open(SMALL, 8, 8, PR_MODE_AM);
