@@ -14,6 +14,7 @@
 #include <openssl/evp.h>
 #include <ucp/api/ucp.h>
 
+#include "peer/gmac.h"
 #include "peer/internal.h"
 
 #define PR_AM_FETCH 21
@@ -69,13 +70,22 @@ typedef struct pr_fetch_hdr {
     uint8_t token[PR_TOKEN_BYTES]; /* the lease's fetch token (seal.c) */
 } pr_fetch_hdr;
 
-/* seal.c: one GCM context, used by one thread (the progress thread). */
+/* seal.c: one GCM context, used by one thread (the progress thread). Unencrypted messages are
+ * authenticated with gmac.c's GHASH where the CPU has it (fast), else with OpenSSL's GCM. */
 typedef struct pr_seal {
     EVP_CIPHER_CTX *ctx;
     int open, enc;
     int keyed; /* ctx holds key's schedule for `keyed_open`'s direction */
     int keyed_open;
     uint8_t key[PR_KEY_BYTES]; /* the last key set */
+    int fast;                  /* gmac.c may be used (pr_gmac_fast(); 0: OpenSSL's only) */
+    int gm;                    /* this message is gmac.c's */
+    EVP_CIPHER_CTX *ecb;       /* AES-256 of single blocks: H and E_K(J0) for gmac.c */
+    int gk_keyed;              /* gk and ecb hold gk_key's */
+    uint8_t gk_key[PR_KEY_BYTES];
+    uint8_t ekj0[16]; /* E_K(J0) of this message */
+    pr_gmac_key gk;
+    pr_gmac g;
 } pr_seal;
 
 int pr_seal_init(pr_seal *s);
