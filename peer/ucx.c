@@ -31,7 +31,11 @@
  * deadline, so an idle node costs no CPU.
  */
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <errno.h>
+#include <linux/filter.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <ifaddrs.h>
 #include <netdb.h>
 #include <pthread.h>
@@ -217,7 +221,7 @@ static ucs_status_t pr_am_unknown_cb(void *arg, const void *header, size_t hlen,
 static void pr_conn_cb(ucp_conn_request_h req, void *arg)
 {
     pr_ucx *u = arg;
-    pr_uep *e = calloc(1, sizeof *e);
+    pr_uep *e = u->closing ? NULL : calloc(1, sizeof *e);
     if (!e) {
         ucp_listener_reject(u->listener, req);
         return;
@@ -241,6 +245,106 @@ static void pr_conn_cb(ucp_conn_request_h req, void *arg)
     e->state = PR_EP_READY;
     e->next = u->eps;
     u->eps = e;
+}
+
+/* ---------------------------------------------------------------- quiescing the listener */
+
+/* UCX's TCP connection manager keeps a connection its listener accepted but whose request has
+ * not arrived yet after the listener is destroyed, and calls that freed listener when the
+ * request arrives (docs/transfer.md, "Which UCX"). So before the listener goes, the node makes
+ * sure no such connection exists or can appear: the listening socket drops every new handshake
+ * (a socket filter, which a listening TCP socket applies to SYNs and handshake ACKs), and every
+ * connection it accepted is shut down, which UCX sees as the client going away and answers by
+ * closing its half-made endpoint; a request already read is rejected (pr_conn_cb). */
+
+static void pr_eps_service(pr_ucx *u);
+
+static int pr_sa_port(const struct sockaddr_storage *s)
+{
+    return s->ss_family == AF_INET6  ? ntohs(((const struct sockaddr_in6 *)s)->sin6_port)
+           : s->ss_family == AF_INET ? ntohs(((const struct sockaddr_in *)s)->sin_port)
+                                     : -1;
+}
+
+/* 1 when the socket fd is bound where the listener is (the listening socket, or one it
+ * accepted); *listening says which. */
+static int pr_listener_socket(const pr_ucx *u, int fd, int *listening)
+{
+    const struct sockaddr_storage *l = &u->listen_sa;
+    struct sockaddr_storage s;
+    socklen_t sl = sizeof s, il = sizeof(int);
+    int type = 0;
+    if (getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &il) || type != SOCK_STREAM ||
+        getsockname(fd, (struct sockaddr *)&s, &sl) || s.ss_family != l->ss_family ||
+        pr_sa_port(&s) != pr_sa_port(l))
+        return 0;
+    const struct in_addr *a4 = &((const struct sockaddr_in *)l)->sin_addr;
+    const struct in6_addr *a6 = &((const struct sockaddr_in6 *)l)->sin6_addr;
+    if (l->ss_family == AF_INET && a4->s_addr != htonl(INADDR_ANY) &&
+        a4->s_addr != ((const struct sockaddr_in *)&s)->sin_addr.s_addr)
+        return 0;
+    if (l->ss_family == AF_INET6 && !IN6_IS_ADDR_UNSPECIFIED(a6) &&
+        memcmp(a6, &((const struct sockaddr_in6 *)&s)->sin6_addr, sizeof *a6))
+        return 0;
+    il = sizeof *listening;
+    return !getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, listening, &il);
+}
+
+/* One pass over this process's sockets at the listener's address: the listening socket gets
+ * the drop-all filter (filter = 1) and reports its queue of accepted handshakes in *queued;
+ * each accepted connection is shut down. Returns the accepted connections found, -1 when the
+ * process's descriptors cannot be listed. */
+static int pr_listener_sweep(const pr_ucx *u, int filter, unsigned *queued)
+{
+    static struct sock_filter drop[] = {BPF_STMT(BPF_RET | BPF_K, 0)};
+    const struct sock_fprog prog = {.len = 1, .filter = drop};
+    DIR *d = opendir("/proc/self/fd");
+    if (!d) return -1;
+    int accepted = 0;
+    *queued = 0;
+    for (struct dirent *de; (de = readdir(d));) {
+        char *end;
+        long fd = strtol(de->d_name, &end, 10);
+        int listening = 0;
+        if (*end || end == de->d_name || fd == dirfd(d) ||
+            !pr_listener_socket(u, (int)fd, &listening))
+            continue;
+        if (listening) {
+            if (filter && setsockopt((int)fd, SOL_SOCKET, SO_ATTACH_FILTER, &prog, sizeof prog))
+                KM_WARN("peer_listener_filter", "error=\"%s\"", strerror(errno));
+            struct tcp_info ti;
+            socklen_t tl = sizeof ti;
+            if (!getsockopt((int)fd, IPPROTO_TCP, TCP_INFO, &ti, &tl)) *queued += ti.tcpi_unacked;
+        } else {
+            shutdown((int)fd, SHUT_RDWR);
+            accepted++;
+        }
+    }
+    closedir(d);
+    return accepted;
+}
+
+/* Progress thread, closing: afterwards no connection of the listener waits for its request
+ * (bounded by PR_SILENT_NS; a UCX that never closed a shut-down connection is logged). */
+static void pr_listener_quiesce(pr_ucx *u)
+{
+    if (!u->listener || pr_sa_port(&u->listen_sa) <= 0) return;
+    unsigned queued = 0;
+    const uint64_t start = km_now_ns();
+    int left = pr_listener_sweep(u, 1, &queued), found = left;
+    for (const uint64_t until = start + PR_SILENT_NS; left > 0 || queued;) {
+        while (ucp_worker_progress(u->w)) {
+        }
+        pr_eps_service(u);
+        if ((left = pr_listener_sweep(u, 0, &queued)) <= 0 && !queued) break;
+        if (km_now_ns() > until) {
+            KM_WARN("peer_listener_busy", "connections=%d queued=%u", left, queued);
+            break;
+        }
+        km_sleep_ms(1);
+    }
+    KM_DEBUG("peer_listener_quiesced", "connections=%d us=%llu", found,
+             (unsigned long long)((km_now_ns() - start) / 1000));
 }
 
 /* ---------------------------------------------------------------- the progress thread */
@@ -339,7 +443,9 @@ static void *pr_progress_main(void *arg)
                 (void)r;
             }
     }
-    /* Close: fail every pull, close every endpoint, and wait (bounded) for the closes. */
+    /* Close: refuse new connections, fail every pull, close every endpoint, and wait (bounded)
+     * for the closes; then quiesce the listener for its destruction (pr_ucx_close). */
+    u->closing = 1;
     for (pr_upull *up = u->pulls; up; up = up->next) atomic_store(&up->p->stop, 1);
     for (pr_uep *e = u->eps; e; e = e->next) {
         e->want_close = 1;
@@ -361,6 +467,7 @@ static void *pr_progress_main(void *arg)
         if (!u->old_cm && connecting && !other && !u->pulls && km_now_ns() - closing > PR_SILENT_NS)
             break;
     }
+    if (!u->old_cm) pr_listener_quiesce(u);
     while (u->replies) {
         pr_reply *r = u->replies;
         u->replies = r->next;
@@ -529,9 +636,8 @@ static int pr_ucx_open(pr_node *n, km_errbuf *err)
     ucp_listener_attr_t la = {.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR};
     if ((st = ucp_listener_query(u->listener, &la)) != UCS_OK)
         return pr_ucx_fail(n, u, err, "listener query", st);
-    a.port =
-        ntohs(la.sockaddr.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&la.sockaddr)->sin6_port
-                                                : ((struct sockaddr_in *)&la.sockaddr)->sin_port);
+    u->listen_sa = la.sockaddr;
+    a.port = pr_sa_port(&la.sockaddr);
     snprintf(a.host, sizeof a.host, "%s", n->cfg.advertise_host);
     n->addr_len = pr_addr_size(&a);
     if (!n->addr_len || !(n->addr = malloc(n->addr_len)) ||
@@ -590,11 +696,9 @@ static void pr_ucx_close(pr_node *n)
     for (pr_uep *e = u->eps; e; e = e->next)
         for (int i = 0; i < PR_MAX_REGIONS; i++)
             if (e->rkey[i]) ucp_rkey_destroy(e->rkey[i]);
-    /* The listener goes right before the worker, nothing in between: UCX's TCP
-     * connection manager keeps a connection it accepted but whose request has not arrived yet
-     * after its listener is freed, and calls that freed listener from its async thread when the
-     * request arrives (1.13.1 and 1.22.0; docs/transfer.md, Known gaps); the worker's teardown
-     * closes those connections, so the window is what lies between these two calls. */
+    /* The listener goes right before the worker. The progress thread quiesced it
+     * (pr_listener_quiesce): no connection it accepted is left waiting for its request, which
+     * UCX would hand to the freed listener, and no new one can be made. */
     int stuck = 0; /* endpoints whose handshake never ended: a stopped or partitioned peer */
     for (pr_uep *e = u->eps; e && u->old_cm; e = e->next) stuck += e->flush_req != NULL;
     if (stuck) {

@@ -8,11 +8,13 @@
 #define PEER_UCX_INTERNAL_H
 
 #include <pthread.h>
+#include <sys/socket.h>
 #include <stdint.h>
 
 #include <openssl/evp.h>
 #include <ucp/api/ucp.h>
 
+#include "peer/gmac.h"
 #include "peer/internal.h"
 
 #define PR_AM_FETCH 21
@@ -68,13 +70,22 @@ typedef struct pr_fetch_hdr {
     uint8_t token[PR_TOKEN_BYTES]; /* the lease's fetch token (seal.c) */
 } pr_fetch_hdr;
 
-/* seal.c: one GCM context, used by one thread (the progress thread). */
+/* seal.c: one GCM context, used by one thread (the progress thread). Unencrypted messages are
+ * authenticated with gmac.c's GHASH where the CPU has it (fast), else with OpenSSL's GCM. */
 typedef struct pr_seal {
     EVP_CIPHER_CTX *ctx;
     int open, enc;
     int keyed; /* ctx holds key's schedule for `keyed_open`'s direction */
     int keyed_open;
     uint8_t key[PR_KEY_BYTES]; /* the last key set */
+    int fast;                  /* gmac.c may be used (pr_gmac_fast(); 0: OpenSSL's only) */
+    int gm;                    /* this message is gmac.c's */
+    EVP_CIPHER_CTX *ecb;       /* AES-256 of single blocks: H and E_K(J0) for gmac.c */
+    int gk_keyed;              /* gk and ecb hold gk_key's */
+    uint8_t gk_key[PR_KEY_BYTES];
+    uint8_t ekj0[16]; /* E_K(J0) of this message */
+    pr_gmac_key gk;
+    pr_gmac g;
 } pr_seal;
 
 int pr_seal_init(pr_seal *s);
@@ -161,6 +172,8 @@ struct pr_ucx {
     size_t rkey_len[PR_MAX_REGIONS];
     int n_regions, wfd, evfd, epfd;
     int old_cm; /* UCX before 1.22: no worker is destroyed under a connecting endpoint */
+    struct sockaddr_storage listen_sa; /* where the listener is bound (pr_listener_quiesce) */
+    int closing; /* progress thread: the node is closing; connection requests are rejected */
     pthread_t thr;
     int thr_started;
     pthread_mutex_t mu;

@@ -823,14 +823,19 @@ Test(xfer_peer, a_holder_that_goes_away_mid_pull_costs_the_pull_only, .timeout =
 }
 
 /* A holder destroyed while a puller's connection request to it is on its way. Rounds destroy it
- * a little later each time to cross the handshake's steps. Disabled: UCX's TCP connection
- * manager (1.13.1 and 1.22.0 alike) keeps a connection it accepted after its listener is freed
- * and calls that listener when the request arrives (docs/transfer.md, "Which UCX": measured
- * crash rates). Enable it with the fix (connecting by worker address, or a UCX that closes a
- * listener's pending connections). */
+ * a little later each time to cross the handshake's steps. UCX's TCP connection manager calls a
+ * freed listener when a request it accepted arrives after the listener is gone; the node
+ * quiesces its listener before destroying it (peer/ucx.c). Skipped unless
+ * KVMESH_TEST_CONNECT_RACE is set: a holder gone while the puller wires its TCP lane still
+ * crashes UCX 1.22.0 on the puller's side (a freed transport endpoint in
+ * ucp_worker_discard_uct_ep_destroy_progress), about one run in ten under ASan
+ * (docs/transfer.md, "Which UCX"). */
 Test(xfer_peer, a_holder_that_goes_away_while_a_puller_connects_fails_that_peer_only,
-     .timeout = 300, .disabled = true)
+     .timeout = 300)
 {
+    if (!getenv("KVMESH_TEST_CONNECT_RACE"))
+        cr_skip_test("UCX 1.22.0 can crash the puller (docs/transfer.md); "
+                     "KVMESH_TEST_CONNECT_RACE=1 runs it");
     for (int round = 0; round < 20; round++) {
         duo *d = duo_open(SMALL, 8, 8, PR_MODE_AM);
         for (uint64_t until = km_now_ns() + (uint64_t)round * 50000; km_now_ns() < until;)
@@ -1107,6 +1112,68 @@ Test(xfer_peer, an_answer_opens_only_as_sealed_under_its_lease_key)
         cr_assert(open_msg(&s, key, &h, wire, back, N), "the key schedule kept is still right");
     }
     pr_seal_free(&s);
+}
+
+/* gmac.c's GHASH (AVX-512 and VPCLMULQDQ) makes GCM's tags exactly: a holder of either kind
+ * and a reader of the other agree. Every length up to three of its rounds and a page's
+ * fragment, given whole and in uneven pieces, against OpenSSL's GCM. */
+Test(xfer_peer, the_fast_gmac_tags_as_openssl_does)
+{
+    pr_seal fast, ossl;
+    cr_assert_eq(pr_seal_init(&fast), 0);
+    cr_assert_eq(pr_seal_init(&ossl), 0);
+    if (!fast.fast) {
+        pr_seal_free(&fast);
+        pr_seal_free(&ossl);
+        cr_skip_test("this CPU has no VPCLMULQDQ: OpenSSL's GCM only");
+    }
+    ossl.fast = 0;
+    enum { N = 61440 + 77 };
+    static uint8_t data[N];
+    uint8_t key[PR_KEY_BYTES];
+    srand(31);
+    for (int i = 0; i < N; i++) data[i] = (uint8_t)rand();
+    for (int k = 0; k < PR_KEY_BYTES; k++) key[k] = (uint8_t)rand();
+    static const size_t lens[] = {61440, N, 4096, 16384};
+    for (size_t len = 0; len < 3 * 16 * PR_GMAC_POWERS + 40; len++)
+        for (int pieces = 0; pieces < 2; pieces++) {
+            pr_data_hdr h = {.index = (uint32_t)len, .offset = 4096, .len = (uint32_t)len};
+            uint8_t t1[PR_TAG_BYTES], t2[PR_TAG_BYTES];
+            cr_assert_eq(pr_seal_begin(&fast, key, &h, 0), 0);
+            for (size_t at = 0, c = 1; at < len; at += c, c = c * 3 + 1) {
+                if (!pieces || c > len - at) c = len - at;
+                cr_assert_eq(pr_seal_update(&fast, data + at, NULL, c), 0);
+            }
+            cr_assert_eq(pr_seal_end(&fast, t1), 0);
+            cr_assert_eq(pr_seal_begin(&ossl, key, &h, 0), 0);
+            cr_assert_eq(pr_seal_update(&ossl, data, NULL, len), 0);
+            cr_assert_eq(pr_seal_end(&ossl, t2), 0);
+            cr_assert_eq(memcmp(t1, t2, PR_TAG_BYTES), 0, "length %zu, pieces %d", len, pieces);
+            cr_assert_eq(pr_seal_begin(&fast, key, &h, 1), 0); /* and it opens */
+            cr_assert_eq(pr_seal_update(&fast, data, NULL, len), 0);
+            cr_assert_eq(pr_seal_end(&fast, t2), 0, "length %zu", len);
+        }
+    for (size_t i = 0; i < sizeof lens / sizeof *lens; i++) {
+        const size_t len = lens[i];
+        pr_data_hdr h = {.index = 9, .offset = len, .len = (uint32_t)len};
+        uint8_t t1[PR_TAG_BYTES], t2[PR_TAG_BYTES];
+        cr_assert_eq(pr_seal_begin(&fast, key, &h, 0), 0);
+        for (size_t at = 0; at < len; at += 16384)
+            cr_assert_eq(
+                pr_seal_update(&fast, data + at, NULL, len - at < 16384 ? len - at : 16384), 0);
+        cr_assert_eq(pr_seal_end(&fast, t1), 0);
+        cr_assert_eq(pr_seal_begin(&ossl, key, &h, 0), 0);
+        cr_assert_eq(pr_seal_update(&ossl, data, NULL, len), 0);
+        cr_assert_eq(pr_seal_end(&ossl, t2), 0);
+        cr_assert_eq(memcmp(t1, t2, PR_TAG_BYTES), 0, "length %zu", len);
+        data[len / 2] ^= 1; /* a changed byte fails */
+        cr_assert_eq(pr_seal_begin(&fast, key, &h, 1), 0);
+        cr_assert_eq(pr_seal_update(&fast, data, NULL, len), 0);
+        cr_assert_eq(pr_seal_end(&fast, t1), KM_ECORRUPT, "length %zu", len);
+        data[len / 2] ^= 1;
+    }
+    pr_seal_free(&fast);
+    pr_seal_free(&ossl);
 }
 
 /* ---------------------------------------------------------------- forged answers */
