@@ -109,6 +109,23 @@ const char *km_worker_state_name(km_worker_state s)
     return (unsigned)s < KM_STATE_COUNT ? km_proto_state_names[s] : "?";
 }
 
+const char *const km_proto_role_names[KM_WROLE_COUNT] = {"both", "prefill", "decode"};
+
+const char *km_worker_role_name(km_worker_role r)
+{
+    return (unsigned)r < KM_WROLE_COUNT ? km_proto_role_names[r] : "?";
+}
+
+int km_worker_role_parse(const char *s, km_worker_role *out)
+{
+    for (int i = 0; s && i < KM_WROLE_COUNT; i++)
+        if (!strcmp(s, km_proto_role_names[i])) {
+            *out = (km_worker_role)i;
+            return 0;
+        }
+    return KM_EINVAL;
+}
+
 const char *km_member_state_name(km_member_state s)
 {
     return (unsigned)s < KM_MEMBER_STATE_COUNT ? km_proto_member_names[s] : "?";

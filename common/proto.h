@@ -175,6 +175,19 @@ typedef enum km_worker_state {
 
 const char *km_worker_state_name(km_worker_state s);
 
+/* What a worker computes (docs/disaggregation.md): both (default), prefill (prompts for decode
+ * workers to pull) or decode (requests whose prompts a prefill worker computes when long). */
+typedef enum km_worker_role {
+    KM_WROLE_BOTH = 0, /* "both" */
+    KM_WROLE_PREFILL,  /* "prefill" */
+    KM_WROLE_DECODE,   /* "decode" */
+    KM_WROLE_COUNT
+} km_worker_role;
+
+const char *km_worker_role_name(km_worker_role r);
+/* 0 and *out set when s names a role, else KM_EINVAL. */
+int km_worker_role_parse(const char *s, km_worker_role *out);
+
 /* A worker as the controller sees it (cluster view). */
 typedef enum km_member_state {
     KM_MEMBER_STARTING = 0, /* "starting": heartbeats say starting, not ready yet */
@@ -312,6 +325,7 @@ typedef struct km_msg_admin_reply {
     /* results; zero when not applicable */
     km_worker_state state;
     const char *kv_format; /* optional */
+    km_worker_role role;   /* optional, added within version 1; absent = both */
     uint32_t inflight, queued;
     uint64_t kv_pages, kv_bytes;
     uint64_t evicted_pages, freed_bytes, converted_pages;
@@ -396,6 +410,7 @@ typedef struct km_msg_heartbeat {
     uint32_t peer_addr_len;
     bool has_xfer; /* the statistics below are present */
     km_xfer_stats xfer;
+    km_worker_role role; /* optional, added within version 1; absent = both */
 } km_msg_heartbeat;
 
 typedef struct km_msg_kv_event {
@@ -437,6 +452,7 @@ typedef struct km_view_worker {
     uint64_t xfer_bytes_in, xfer_bytes_out; /* KV payload pulled into it / read from it, bytes */
     const km_xfer_pair *xfer_pairs;         /* its hb.xfer.pairs; up to KM_PROTO_MAX_XFER_PAIRS */
     uint32_t n_xfer_pairs;
+    km_worker_role role; /* its hb.role (optional, added within version 1; absent = both) */
 } km_view_worker;
 
 typedef struct km_msg_view {

@@ -78,6 +78,8 @@ static int reply_validate(const km_msg *m, const km_proto_limits *lim, km_errbuf
     CK(km_val_name("admin_reply.message", a->message, false, 0, KM_PROTO_MAX_MESSAGE, err));
     if ((unsigned)a->state >= KM_STATE_COUNT)
         VFAIL("admin_reply.state: unknown state %d", (int)a->state);
+    if ((unsigned)a->role >= KM_WROLE_COUNT)
+        VFAIL("admin_reply.role: unknown role %d", (int)a->role);
     if (a->kv_format && !km_proto_is_format(a->kv_format))
         VFAIL("admin_reply.kv_format: unknown KV format '%s'", a->kv_format);
     return 0;
@@ -93,6 +95,7 @@ static void reply_encode(km_enc *e, const km_msg *m)
     km_enc_str(e, "message", a->message);
     km_enc_str(e, "state", km_proto_state_names[a->state]);
     km_enc_str(e, "kv_format", a->kv_format);
+    if (a->role != KM_WROLE_BOTH) km_enc_str(e, "role", km_proto_role_names[a->role]);
     km_enc_u64(e, "inflight", a->inflight);
     km_enc_u64(e, "queued", a->queued);
     km_enc_u64(e, "kv_pages", a->kv_pages);
@@ -119,6 +122,9 @@ static int reply_decode(km_dec *d, const msgpack_object_map *mp)
     CK(km_dec_enum(d, mp, "state", false, km_proto_state_names, KM_STATE_COUNT, &st));
     a->state = (km_worker_state)st;
     CK(km_dec_str(d, mp, "kv_format", false, KM_PROTO_MAX_NAME, false, &a->kv_format, NULL));
+    int role = KM_WROLE_BOTH;
+    CK(km_dec_enum(d, mp, "role", false, km_proto_role_names, KM_WROLE_COUNT, &role));
+    a->role = (km_worker_role)role;
     CK(km_dec_u32(d, mp, "inflight", false, &a->inflight));
     CK(km_dec_u32(d, mp, "queued", false, &a->queued));
     CK(km_dec_uint(d, mp, "kv_pages", false, UINT64_MAX, &a->kv_pages));

@@ -294,6 +294,7 @@ static void admin_reply_figures(wk_service *s, km_msg_admin_reply *rp, const wk_
     }
     rp->state = q->state_after >= 0 ? (km_worker_state)q->state_after : wk_svc_state(s);
     rp->kv_format = kv_format_name(q->format);
+    rp->role = s->o.role;
     rp->inflight = q->running;
     rp->queued = q->queued;
     rp->kv_pages = q->kv_pages;

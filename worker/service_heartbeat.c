@@ -232,6 +232,7 @@ static void wk_pulse_send(wk_service *s, wk_hb_snap *snap, km_buf *out)
     hb->uptime_ms = (km_now_ns() - s->start_ns) / 1000000ull;
     hb->kv_format_base = kv_format_name(s->kv_base);
     hb->state = wk_svc_state(s);
+    hb->role = s->o.role;
     km_endpoint eps[3];
     int ne = 0;
     eps[ne++] = (km_endpoint){"requests", s->ep_requests};

@@ -2141,3 +2141,43 @@ Test(proto, logprobs_and_logit_bias_are_validated)
     in.tok.n_top = 1;
     expect_encode_fail(&in, "tok.top: needs logprob");
 }
+
+Test(proto, worker_roles_roundtrip_and_both_is_the_default)
+{
+    for (int r = 0; r < KM_WROLE_COUNT; r++) {
+        km_msg in, out;
+        km_msg_init(&in, KM_MSG_HEARTBEAT);
+        in.hb.worker = "w";
+        in.hb.role = (km_worker_role)r;
+        roundtrip(&in, &out);
+        cr_assert_eq(out.hb.role, (km_worker_role)r);
+        km_msg_clear(&out);
+        km_view_worker one = {.id = "w", .role = (km_worker_role)r};
+        km_msg_init(&in, KM_MSG_VIEW);
+        in.view.controller = "c";
+        in.view.workers = &one;
+        in.view.n_workers = 1;
+        roundtrip(&in, &out);
+        cr_assert_eq(out.view.workers[0].role, (km_worker_role)r);
+        km_msg_clear(&out);
+        km_msg_init(&in, KM_MSG_ADMIN_REPLY);
+        in.admin_reply.cmd = KM_ADMIN_STATUS;
+        in.admin_reply.ok = true;
+        in.admin_reply.role = (km_worker_role)r;
+        roundtrip(&in, &out);
+        cr_assert_eq(out.admin_reply.role, (km_worker_role)r);
+        km_msg_clear(&out);
+        km_worker_role back;
+        cr_assert_eq(km_worker_role_parse(km_worker_role_name((km_worker_role)r), &back), 0);
+        cr_assert_eq(back, (km_worker_role)r);
+    }
+    km_worker_role back;
+    cr_assert_eq(km_worker_role_parse("mixed", &back), KM_EINVAL);
+    km_msg in;
+    km_msg_init(&in, KM_MSG_HEARTBEAT);
+    in.hb.worker = "w";
+    in.hb.role = KM_WROLE_COUNT;
+    km_buf b = {0};
+    cr_assert_neq(km_msg_encode(&in, NULL, &b, NULL), 0, "an unknown role is refused");
+    km_buf_free(&b);
+}
