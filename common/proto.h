@@ -256,6 +256,11 @@ typedef struct km_msg_request {
     uint32_t pull_addr_len;
     uint32_t pull_pages; /* 1..KM_PROTO_MAX_PULL_PAGES with pull_from */
     uint32_t pull_ms;    /* budget; 0 = the worker's default */
+    /* Disaggregation (docs/disaggregation.md; optional, added within version 1; only with
+     * pull_from): pull_from is a prefill worker that has not computed the prompt yet. The
+     * receiver asks it to (a req of max_tokens 1 it sends itself) and pulls the pages again and
+     * again as they are sealed, until pull_pages are here, the prefill is done, or pull_ms. */
+    bool pd;
 } km_msg_request;
 
 typedef struct km_msg_token {

@@ -16,7 +16,20 @@ void wk_held_free(wk_held *h)
     km_buf_free(&h->frame);
     free(h->hs);
     free(h->tokens);
+    wk_pd_free(h->pd);
     free(h);
+}
+
+bool wk_held_env_is(const wk_held *h, const km_zframe *env, int n_env)
+{
+    if (h->n_env != n_env) return false;
+    size_t off = 0;
+    for (int j = 0; j < n_env; j++) {
+        if (h->env_len[j] != env[j].len || memcmp(h->env + off, env[j].data, env[j].len))
+            return false;
+        off += h->env_len[j];
+    }
+    return true;
 }
 
 void wk_link_close(wk_peer *p, wk_link *l)

@@ -15,6 +15,7 @@
  *   service_handoff.c    the controller's view, drain handoff and warm-up over that node
  *   links.c              links to holders, pulls started over them (the peer files share
  *                        service_peer_internal.h)
+ *   service_pd.c         disaggregated requests: a prefill worker's pages pulled as sealed
  *   service_requests.c   requests in flight: `req` to the scheduler, tokens and ends back out
  *   events.c             KV events, their replay and snapshots
  *   frames.c, metrics.c, state.c   frames out, the series, the state and shared KV facts

@@ -2181,3 +2181,34 @@ Test(proto, worker_roles_roundtrip_and_both_is_the_default)
     cr_assert_neq(km_msg_encode(&in, NULL, &b, NULL), 0, "an unknown role is refused");
     km_buf_free(&b);
 }
+
+Test(proto, the_pd_mark_travels_with_a_pull_hint_and_means_nothing_without_one)
+{
+    static const uint8_t addr[4] = {1, 2, 3, 4};
+    static const int32_t toks[3] = {1, 2, 3};
+    km_msg in, out;
+    km_msg_init(&in, KM_MSG_REQUEST);
+    in.req.id = 9;
+    in.req.model = "m";
+    in.req.tokens = toks;
+    in.req.n_tokens = 3;
+    in.req.pull_from = "w0";
+    in.req.pull_endpoint = "tcp://127.0.0.1:1";
+    in.req.pull_addr = addr;
+    in.req.pull_addr_len = 4;
+    in.req.pull_pages = 1;
+    in.req.pd = true;
+    roundtrip(&in, &out);
+    cr_assert(out.req.pd);
+    cr_assert_str_eq(out.req.pull_from, "w0");
+    km_msg_clear(&out);
+    in.req.pd = false;
+    roundtrip(&in, &out);
+    cr_assert_not(out.req.pd);
+    km_msg_clear(&out);
+    in.req.pull_from = NULL;
+    in.req.pd = true;
+    roundtrip(&in, &out);
+    cr_assert_not(out.req.pd, "no hint, no pd");
+    km_msg_clear(&out);
+}
