@@ -47,7 +47,7 @@ const char *const km_proto_finish_names[KM_FINISH_COUNT] = {"stop", "length", "c
 const char *const km_proto_speculate_names[KM_SPECULATE_COUNT] = {"default", "off", "auto", "self"};
 
 const char *const km_proto_admin_names[KM_ADMIN_CMD_COUNT] = {
-    "status", "evict", "set_kv_format", "drain", "shutdown", "recover", "pressure"};
+    "status", "evict", "set_kv_format", "drain", "shutdown", "recover", "pressure", "set_role"};
 const char *const km_proto_state_names[KM_STATE_COUNT] = {"starting", "ready", "draining",
                                                           "stopping"};
 const char *const km_proto_member_names[KM_MEMBER_STATE_COUNT] = {"starting",   "ready", "draining",

@@ -160,6 +160,7 @@ typedef enum km_admin_cmd {
     KM_ADMIN_PRESSURE,      /* "pressure": chaos/test only: the worker pins `fraction` of its
                              * hot-tier budget in ballast pages (0 releases them); refused unless
                              * the worker runs with --chaos */
+    KM_ADMIN_SET_ROLE, /* "set_role": operator -> worker: take `role` (docs/disaggregation.md) */
     KM_ADMIN_CMD_COUNT
 } km_admin_cmd;
 
@@ -314,6 +315,7 @@ typedef struct km_msg_admin {
     bool restart;        /* shutdown: exit with the restart code */
     const char *worker;  /* recover: target worker id (required); optional otherwise */
     uint32_t level;      /* recover: 1..3 */
+    const char *role;    /* set_role: "both", "prefill" or "decode" (required) */
     /* status: KV event replay (docs/protocol.md section 9; optional, added within version 1).
      * A replay is asked for when has_events_since or events_snapshot is set. */
     bool has_events_since;

@@ -21,6 +21,9 @@ static int admin_validate(const km_msg *m, const km_proto_limits *lim, km_errbuf
         VFAIL("admin.format: '%s' is not one of f16, bf16, fp8, int8, int4",
               a->format ? a->format : "");
     if (a->cmd == KM_ADMIN_PRESSURE) CK(km_val_range("admin.fraction", a->fraction, 0, 1, err));
+    km_worker_role role;
+    if (a->cmd == KM_ADMIN_SET_ROLE && km_worker_role_parse(a->role, &role))
+        VFAIL("admin.role: '%s' is not one of both, prefill, decode", a->role ? a->role : "");
     CK(km_val_name("admin.worker", a->worker, a->cmd == KM_ADMIN_RECOVER, 1, KM_PROTO_MAX_NAME,
                    err));
     /* recover.level's range (1-3) is the controller's to check: it answers a bad one with
@@ -40,6 +43,7 @@ static void admin_encode(km_enc *e, const km_msg *m)
     if (a->cmd == KM_ADMIN_SHUTDOWN) km_enc_bool(e, "restart", a->restart);
     km_enc_str(e, "worker", a->worker);
     if (a->cmd == KM_ADMIN_RECOVER) km_enc_u64(e, "level", a->level);
+    if (a->cmd == KM_ADMIN_SET_ROLE) km_enc_str(e, "role", a->role);
     if (a->has_events_since) km_enc_u64(e, "events_since", a->events_since);
     if (a->events_snapshot) km_enc_bool(e, "events_snapshot", true);
 }
@@ -59,6 +63,8 @@ static int admin_decode(km_dec *d, const msgpack_object_map *mp)
     CK(km_dec_str(d, mp, "worker", a->cmd == KM_ADMIN_RECOVER, KM_PROTO_MAX_NAME, false, &a->worker,
                   NULL));
     if (a->cmd == KM_ADMIN_RECOVER) CK(km_dec_u32(d, mp, "level", true, &a->level));
+    CK(km_dec_str(d, mp, "role", a->cmd == KM_ADMIN_SET_ROLE, KM_PROTO_MAX_NAME, false, &a->role,
+                  NULL));
     a->has_events_since = km_dec_find(mp, "events_since") != NULL;
     CK(km_dec_uint(d, mp, "events_since", false, UINT64_MAX, &a->events_since));
     CK(km_dec_flag(d, mp, "events_snapshot", &a->events_snapshot));

@@ -96,6 +96,7 @@ typedef struct wk_hb_snap {
     uint32_t queue_depth, running, page_tokens;
     double decode_tps, prefill_tps;
     uint64_t tokens_total;
+    km_worker_role role;   /* o.role, which set_role changes on the loop's thread */
     km_msg_heartbeat peer; /* only its peer_addr, peer_addr_len, has_xfer, xfer (service_peer.c) */
     /* peer.xfer.pairs, copied: the links they come from are the loop's; the pulse points
      * peer.xfer.pairs (and each .from) at its own copy of the snapshot */

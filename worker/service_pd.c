@@ -39,10 +39,10 @@ struct wk_pd {
     int imported, during; /* pages pulled in all rounds; of them while the prefill ran */
     int have;             /* leading pages here after the last round */
     int rounds, empty_after;
-    uint64_t next_ns;     /* between rounds: when the next one starts */
-    uint64_t begin_ns;    /* the first round's start */
-    bool done, failed;    /* the prefill's done, or its error (or no link to send it) */
-    bool stop;            /* no more rounds */
+    uint64_t next_ns;  /* between rounds: when the next one starts */
+    uint64_t begin_ns; /* the first round's start */
+    bool done, failed; /* the prefill's done, or its error (or no link to send it) */
+    bool stop;         /* no more rounds */
 };
 
 void wk_pd_free(struct wk_pd *d)
@@ -70,7 +70,8 @@ int wk_pd_metrics(wk_service *s, wk_peer *p, km_errbuf *err)
                             "was slow or refused).",
                             "outcome", NULL, 0, &m, err);
     if (rc) return rc;
-    for (int i = 0; i < WK_PD_OUTCOMES; i++) p->s_pd_reqs[i] = km_metric_series(m, &wk_pd_outcomes[i]);
+    for (int i = 0; i < WK_PD_OUTCOMES; i++)
+        p->s_pd_reqs[i] = km_metric_series(m, &wk_pd_outcomes[i]);
     return 0;
 }
 
@@ -130,7 +131,9 @@ static void wk_pd_end(wk_service *s, wk_held *h)
     wk_peer *p = s->peer;
     struct wk_pd *d = h->pd;
     int have = d->have;
-    int outcome = have >= h->n_pages ? WK_PD_COMPLETE : d->imported ? WK_PD_PARTIAL : WK_PD_COMPUTED;
+    int outcome = have >= h->n_pages ? WK_PD_COMPLETE
+                  : d->imported      ? WK_PD_PARTIAL
+                                     : WK_PD_COMPUTED;
     km_counter_inc(p->s_pd_reqs[outcome]);
     if (d->prefill_id && !d->done && !d->failed && h->link && h->link->sock) {
         km_msg m;
@@ -143,7 +146,10 @@ static void wk_pd_end(wk_service *s, wk_held *h)
             "prefill=%s outcome=%s",
             (unsigned long long)h->id, h->link ? h->link->holder : "-", h->n_pages, have,
             d->imported, d->during, d->rounds, (double)(km_now_ns() - d->begin_ns) / 1e6,
-            d->done ? "done" : d->failed ? "failed" : "running", wk_pd_outcomes[outcome]);
+            d->done     ? "done"
+            : d->failed ? "failed"
+                        : "running",
+            wk_pd_outcomes[outcome]);
     d->prefill_id = 0;
 }
 

@@ -6,7 +6,8 @@
  * (kvmesh_worker_pd_pages_imported_total{when="during_prefill"}), and its greedy output is the
  * one the same request gets from a cluster of one `both` worker; a short prompt is not
  * disaggregated; and when the prefill worker is SIGKILLed while the decode worker pulls, the
- * request completes with the same tokens (the decode worker computes what is missing).
+ * request completes with the same tokens (the decode worker computes what is missing); `kvmesh
+ * role` changes the decode worker's role at run time and the controller's view shows it.
  *
  * Run from the repository root after `make build` (make integration); skips without the default
  * model.
@@ -61,7 +62,7 @@ static int port_of(const char *id, bool http)
  * another variant, another prompt. */
 static void write_long_prompt(const char *path, int variant)
 {
-    static const char *const things[] = {"river", "lantern", "orchard", "glacier", "violin",
+    static const char *const things[] = {"river",  "lantern", "orchard", "glacier", "violin",
                                          "harbor", "meadow",  "compass", "thunder", "saddle"};
     FILE *f = fopen(path, "w");
     cr_assert_not_null(f);
@@ -106,8 +107,8 @@ static void up_ready(const char *tag, const char *const *args)
 
 Test(pd, long_prompt_pages_stream_from_the_prefill_worker_and_the_output_is_unchanged)
 {
-    if (!it_have((const char *const[]){IT_MODEL, IT_WORKER, IT_ROUTER, IT_CONTROLLER, IT_KVMESH,
-                                       NULL}))
+    if (!it_have(
+            (const char *const[]){IT_MODEL, IT_WORKER, IT_ROUTER, IT_CONTROLLER, IT_KVMESH, NULL}))
         return;
     char prompt[] = "/tmp/kvmesh-pd-prompt-XXXXXX", short_prompt[] = "/tmp/kvmesh-pd-short-XXXXXX";
     char prompt2[] = "/tmp/kvmesh-pd-kill-XXXXXX";
@@ -124,8 +125,8 @@ Test(pd, long_prompt_pages_stream_from_the_prefill_worker_and_the_output_is_unch
     it_up_stop(&g_up);
 
     /* 1 prefill + 1 decode */
-    up_ready("pd", (const char *const[]){"--prefill-workers=1", "--decode-workers=1",
-                                         "--threads=1", "--insecure", NULL});
+    up_ready("pd", (const char *const[]){"--prefill-workers=1", "--decode-workers=1", "--threads=1",
+                                         "--insecure", NULL});
     char cmd[512];
     snprintf(cmd, sizeof cmd, IT_KVMESH " status --run-dir %s --controller controller", g_up.dir);
     IT_WAIT(says(cmd, " prefill ", " decode "), 30000, "kvmesh status shows no roles");
@@ -137,10 +138,12 @@ Test(pd, long_prompt_pages_stream_from_the_prefill_worker_and_the_output_is_unch
             60000, "the router is not connected to both workers");
 
     char *got = generate(g_up.dir, prompt, 24);
-    double dis = it_metric_at("127.0.0.1", rport, "kvmesh_router_pd_total{decision=\"disaggregated\"}");
+    double dis =
+        it_metric_at("127.0.0.1", rport, "kvmesh_router_pd_total{decision=\"disaggregated\"}");
     double during =
         it_metric(dport, "kvmesh_worker_pd_pages_imported_total{when=\"during_prefill\"}");
-    double after = it_metric(dport, "kvmesh_worker_pd_pages_imported_total{when=\"after_prefill\"}");
+    double after =
+        it_metric(dport, "kvmesh_worker_pd_pages_imported_total{when=\"after_prefill\"}");
     double complete = it_metric(dport, "kvmesh_worker_pd_requests_total{outcome=\"complete\"}");
     cr_log_info("pd: disaggregated=%.0f pages during_prefill=%.0f after_prefill=%.0f complete=%.0f",
                 dis, during, after, complete);
@@ -155,8 +158,10 @@ Test(pd, long_prompt_pages_stream_from_the_prefill_worker_and_the_output_is_unch
     /* a short prompt is computed where it lands */
     double local = it_metric_at("127.0.0.1", rport, "kvmesh_router_pd_total{decision=\"local\"}");
     free(generate(g_up.dir, short_prompt, 4));
-    cr_assert_eq(it_metric_at("127.0.0.1", rport, "kvmesh_router_pd_total{decision=\"disaggregated\"}"), 1);
-    cr_assert_eq(it_metric_at("127.0.0.1", rport, "kvmesh_router_pd_total{decision=\"local\"}"), local + 1);
+    cr_assert_eq(
+        it_metric_at("127.0.0.1", rport, "kvmesh_router_pd_total{decision=\"disaggregated\"}"), 1);
+    cr_assert_eq(it_metric_at("127.0.0.1", rport, "kvmesh_router_pd_total{decision=\"local\"}"),
+                 local + 1);
 
     /* the prefill worker SIGKILLed once the decode worker has pulled pages of a new prompt */
     char cmd2[1024];
@@ -179,6 +184,15 @@ Test(pd, long_prompt_pages_stream_from_the_prefill_worker_and_the_output_is_unch
     double partial = it_metric(dport, "kvmesh_worker_pd_requests_total{outcome=\"partial\"}");
     cr_log_info("pd kill: partial=%.0f", partial);
     cr_assert_eq(partial, 1, "the decode worker did not finish the prompt itself");
+
+    /* a role changed at run time by the operator command: the controller's view follows */
+    char rcmd[512];
+    snprintf(rcmd, sizeof rcmd, IT_KVMESH " role --run-dir %s --worker w1 --role both", g_up.dir);
+    it_shell_expect(rcmd, 0, "role both (was decode)");
+    IT_WAIT(says(cmd, "w1           ready      both ", " prefill "), 30000,
+            "kvmesh status does not show w1's new role");
+    snprintf(rcmd, sizeof rcmd, IT_KVMESH " role --run-dir %s --worker w1 --role mixed", g_up.dir);
+    it_shell_expect(rcmd, 2, "--role both|prefill|decode");
     free(got);
     free(want);
     free(want2);

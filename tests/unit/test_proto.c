@@ -2212,3 +2212,22 @@ Test(proto, the_pd_mark_travels_with_a_pull_hint_and_means_nothing_without_one)
     cr_assert_not(out.req.pd, "no hint, no pd");
     km_msg_clear(&out);
 }
+
+Test(proto, set_role_carries_a_known_role)
+{
+    km_msg in, out;
+    km_msg_init(&in, KM_MSG_ADMIN);
+    in.admin.id = 5;
+    in.admin.cmd = KM_ADMIN_SET_ROLE;
+    in.admin.role = "prefill";
+    roundtrip(&in, &out);
+    cr_assert_eq(out.admin.cmd, KM_ADMIN_SET_ROLE);
+    cr_assert_str_eq(out.admin.role, "prefill");
+    km_msg_clear(&out);
+    km_buf b = {0};
+    in.admin.role = "mixed";
+    cr_assert_neq(km_msg_encode(&in, NULL, &b, NULL), 0, "an unknown role is refused");
+    in.admin.role = NULL;
+    cr_assert_neq(km_msg_encode(&in, NULL, &b, NULL), 0, "set_role needs a role");
+    km_buf_free(&b);
+}
