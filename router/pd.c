@@ -31,8 +31,7 @@ bool rt_pd_cluster(const rt_pd_in *c, int n)
     return pre && dec;
 }
 
-int rt_pd_decide(const rt_pd_in *c, int n, int pick, int n_prompt, int page_tokens,
-                 int min_tokens)
+int rt_pd_decide(const rt_pd_in *c, int n, int pick, int n_prompt, int page_tokens, int min_tokens)
 {
     if (min_tokens <= 0 || pick < 0 || pick >= n || page_tokens < 1) return -1;
     if (c[pick].role != KM_WROLE_DECODE || n_prompt / page_tokens <= c[pick].pages) return -1;
@@ -54,8 +53,8 @@ static void rt_pd_inputs(rt_router *r, const rt_match *m, int to, rt_pd_in *in)
     for (int i = 0; i < r->n_w; i++) {
         rt_wk *w = &r->w[i];
         bool routable = rt_wk_routable(r, w, now);
-        bool computes = routable && w->xfer.addr_len > 0 &&
-                        (to < 0 || now >= r->w[to].pull_cool_until_ms[i]);
+        bool computes =
+            routable && w->xfer.addr_len > 0 && (to < 0 || now >= r->w[to].pull_cool_until_ms[i]);
         in[i] = (rt_pd_in){.role = w->role,
                            .usable = w->role == KM_WROLE_PREFILL ? computes : routable,
                            .pages = m ? m->pages[i] : 0,
@@ -99,7 +98,8 @@ void rt_pd_advise(rt_router *r, rt_rq *q, int pick, const rt_match *m, int n_ctx
     q->pull_w = pre + 1;
     q->pull_pages = (uint32_t)pages;
     q->pull_ms = rt_pd_budget_ms(&r->w[pre], q->n_prompt - m->pages[pre] * pt);
-    KM_DEBUG("pd_choice", "rid=%llu decode=%s prefill=%s prompt=%d cached_decode=%d "
+    KM_DEBUG("pd_choice",
+             "rid=%llu decode=%s prefill=%s prompt=%d cached_decode=%d "
              "cached_prefill=%d budget_ms=%u",
              (unsigned long long)q->rid, r->w[pick].id, r->w[pre].id, q->n_prompt,
              m->pages[pick] * pt, m->pages[pre] * pt, q->pull_ms);
