@@ -6,7 +6,9 @@
  * (kvmesh_worker_pd_pages_imported_total{when="during_prefill"}), and its greedy output is the
  * one the same request gets from a cluster of one `both` worker; a short prompt is not
  * disaggregated; and when the prefill worker is SIGKILLed while the decode worker pulls, the
- * request completes with the same tokens (the decode worker computes what is missing); `kvmesh
+ * request completes with the same tokens (the decode worker computes what is missing); when the
+ * decode worker is SIGKILLed mid-stream, the router migrates the request and the output is the
+ * same; `kvmesh
  * role` changes the decode worker's role at run time and the controller's view shows it.
  *
  * Run from the repository root after `make build` (make integration); skips without the default
@@ -111,16 +113,19 @@ Test(pd, long_prompt_pages_stream_from_the_prefill_worker_and_the_output_is_unch
             (const char *const[]){IT_MODEL, IT_WORKER, IT_ROUTER, IT_CONTROLLER, IT_KVMESH, NULL}))
         return;
     char prompt[] = "/tmp/kvmesh-pd-prompt-XXXXXX", short_prompt[] = "/tmp/kvmesh-pd-short-XXXXXX";
-    char prompt2[] = "/tmp/kvmesh-pd-kill-XXXXXX";
+    char prompt2[] = "/tmp/kvmesh-pd-kill-XXXXXX", prompt3[] = "/tmp/kvmesh-pd-dkill-XXXXXX";
     int fd = mkstemp(prompt), fd2 = mkstemp(short_prompt), fd3 = mkstemp(prompt2);
-    cr_assert(fd >= 0 && fd2 >= 0 && fd3 >= 0);
+    int fd4 = mkstemp(prompt3);
+    cr_assert(fd >= 0 && fd2 >= 0 && fd3 >= 0 && fd4 >= 0);
     write_long_prompt(prompt, 0);
     write_long_prompt(prompt2, 3);
+    write_long_prompt(prompt3, 6);
     cr_assert(write(fd2, "Say hello.", 10) == 10);
 
     /* the reference: one `both` worker */
     up_ready("pd-both", (const char *const[]){"--workers=1", "--threads=1", "--insecure", NULL});
     char *want = generate(g_up.dir, prompt, 24), *want2 = generate(g_up.dir, prompt2, 24);
+    char *want3 = generate(g_up.dir, prompt3, 48);
     cr_assert(strlen(want) > 0, "the reference produced nothing (logs in %s/logs)", g_up.dir);
     it_up_stop(&g_up);
 
@@ -185,6 +190,31 @@ Test(pd, long_prompt_pages_stream_from_the_prefill_worker_and_the_output_is_unch
     cr_log_info("pd kill: partial=%.0f", partial);
     cr_assert_eq(partial, 1, "the decode worker did not finish the prompt itself");
 
+    /* the decode worker SIGKILLed mid-stream of a disaggregated request: the router migrates
+     * it (to the prefill worker, then the only one left, or to w1 restarted) and the stream goes
+     * on with the same tokens */
+    snprintf(cmd2, sizeof cmd2,
+             IT_KVMESH " generate --run-dir %s --quiet --temperature 0 -n 48 --timeout 300 "
+                       "--file %s 2>/dev/null",
+             g_up.dir, prompt3);
+    bg = popen(cmd2, "r");
+    cr_assert_not_null(bg);
+    int first = fgetc(bg); /* the stream has begun at the decode worker */
+    cr_assert_neq(first, EOF, "no token of the third prompt");
+    int w1 = pid_of("w1");
+    cr_assert(w1 > 0);
+    cr_assert_eq(kill(w1, SIGKILL), 0);
+    static char got3[8192];
+    got3[0] = (char)first;
+    size_t n3 = fread(got3 + 1, 1, sizeof got3 - 2, bg);
+    got3[n3 + 1] = 0;
+    cr_assert_eq(pclose(bg), 0, "the request failed after the decode worker was killed");
+    cr_assert_str_eq(got3, want3, "the output changed after the decode worker was killed");
+    IT_WAIT(pid_of("w1") > 0 && pid_of("w1") != w1 &&
+                it_metric_at("127.0.0.1", rport, "kvmesh_router_worker_up{worker=\"w1\"}") == 1,
+            120000, "w1 did not come back");
+    dport = port_of("w1", false);
+
     /* a role changed at run time by the operator command: the controller's view follows */
     char rcmd[512];
     snprintf(rcmd, sizeof rcmd, IT_KVMESH " role --run-dir %s --worker w1 --role both", g_up.dir);
@@ -196,11 +226,14 @@ Test(pd, long_prompt_pages_stream_from_the_prefill_worker_and_the_output_is_unch
     free(got);
     free(want);
     free(want2);
+    free(want3);
     it_up_stop(&g_up);
     unlink(prompt);
     unlink(short_prompt);
     unlink(prompt2);
+    unlink(prompt3);
     close(fd);
     close(fd2);
     close(fd3);
+    close(fd4);
 }
