@@ -159,7 +159,7 @@ int rt_dispatch(rt_router *r, rt_rq *q, bool from_queue)
         if (usable) mask |= 1ull << i;
         if (r->c.policy.mode == RT_MODE_KV && rt_wk_serves_pages(r, w)) holders |= 1ull << i;
     }
-    rt_pd_mask(r, cand);
+    rt_pd_mask(r, cand, mask);
     /* The chain covers the prompt; after a migration the worker also gets the generated tokens
      * (uncached anywhere but on the dead worker), which costs the same everywhere. */
     rt_match m;
@@ -213,7 +213,7 @@ int rt_dispatch(rt_router *r, rt_rq *q, bool from_queue)
     }
     q->predicted = m.credit[pick];
     rt_pull_advise(r, q, pick, &m);
-    rt_pd_advise(r, q, pick, &m, n_ctx);
+    rt_pd_advise(r, q, pick, &m, n_ctx, mask);
     return send_to(r, q, pick, n_ctx, remaining, from_queue, now);
 }
 

@@ -522,11 +522,13 @@ int rt_pull_metrics(rt_router *r, km_errbuf *err);
 
 /* ---------------------------------------------------------------- pd.c: disaggregation */
 
-/* With prefill and decode workers, prefill workers take no whole request (cand[i].usable). */
-void rt_pd_mask(rt_router *r, rt_candidate *cand);
+/* With prefill and decode workers, prefill workers take no whole request (cand[i].usable);
+ * routable: bit i when worker i may take requests (rt_wk_routable). */
+void rt_pd_mask(rt_router *r, rt_candidate *cand, uint64_t routable);
 /* After the pull advice: is q disaggregated (pick computes it from a prefill worker's pages as
  * they are sealed)? Sets q's hint (replacing a pull's) and q->pd, counts the decision. */
-void rt_pd_advise(rt_router *r, rt_rq *q, int pick, const rt_match *m, int n_ctx);
+void rt_pd_advise(rt_router *r, rt_rq *q, int pick, const rt_match *m, int n_ctx,
+                  uint64_t routable);
 int rt_pd_metrics(rt_router *r, km_errbuf *err);
 
 /* ---------------------------------------------------------------- front.c: HTTP */

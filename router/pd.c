@@ -46,13 +46,15 @@ int rt_pd_decide(const rt_pd_in *c, int n, int pick, int n_prompt, int page_toke
     return best;
 }
 
-/* Every worker's part; the prefill side as seen from decode worker `to` (-1: none yet). */
-static void rt_pd_inputs(rt_router *r, const rt_match *m, int to, rt_pd_in *in)
+/* Every worker's part (routable: bit i when worker i may take requests); the prefill side as
+ * seen from decode worker `to` (-1: none yet). */
+static void rt_pd_inputs(rt_router *r, const rt_match *m, int to, uint64_t routable_mask,
+                         rt_pd_in *in)
 {
     uint64_t now = rt_now_ms();
     for (int i = 0; i < r->n_w; i++) {
         rt_wk *w = &r->w[i];
-        bool routable = rt_wk_routable(r, w, now);
+        bool routable = routable_mask >> i & 1;
         bool computes =
             routable && w->xfer.addr_len > 0 && (to < 0 || now >= r->w[to].pull_cool_until_ms[i]);
         in[i] = (rt_pd_in){.role = w->role,
@@ -62,10 +64,10 @@ static void rt_pd_inputs(rt_router *r, const rt_match *m, int to, rt_pd_in *in)
     }
 }
 
-void rt_pd_mask(rt_router *r, rt_candidate *cand)
+void rt_pd_mask(rt_router *r, rt_candidate *cand, uint64_t routable)
 {
     rt_pd_in in[RT_MAX_WORKERS];
-    rt_pd_inputs(r, NULL, -1, in);
+    rt_pd_inputs(r, NULL, -1, routable, in);
     if (!rt_pd_cluster(in, r->n_w)) return;
     bool other = false;
     for (int i = 0; i < r->n_w; i++) other |= cand[i].usable && in[i].role != KM_WROLE_PREFILL;
@@ -82,12 +84,12 @@ static uint32_t rt_pd_budget_ms(const rt_wk *pre, int tokens)
     return (uint32_t)(ms > 60000 ? 60000 : ms);
 }
 
-void rt_pd_advise(rt_router *r, rt_rq *q, int pick, const rt_match *m, int n_ctx)
+void rt_pd_advise(rt_router *r, rt_rq *q, int pick, const rt_match *m, int n_ctx, uint64_t routable)
 {
     q->pd = false;
     if (r->c.policy.mode != RT_MODE_KV || pick < 0 || n_ctx != q->n_prompt) return;
     rt_pd_in in[RT_MAX_WORKERS];
-    rt_pd_inputs(r, m, pick, in);
+    rt_pd_inputs(r, m, pick, routable, in);
     if (!rt_pd_cluster(in, r->n_w) || in[pick].role != KM_WROLE_DECODE) return;
     int pt = r->c.page_tokens;
     int pre = rt_pd_decide(in, r->n_w, pick, q->n_prompt, pt, r->c.policy.pd_min_tokens);

@@ -33,25 +33,6 @@ enum { WK_PD_COMPLETE, WK_PD_PARTIAL, WK_PD_COMPUTED, WK_PD_OUTCOMES };
 static const char *const wk_pd_outcomes[WK_PD_OUTCOMES] = {"complete", "partial", "computed"};
 static const char *const wk_pd_when[2] = {"during_prefill", "after_prefill"};
 
-struct wk_pd {
-    uint64_t prefill_id;  /* the req this worker sent the prefill worker; 0: not sent */
-    km_pagehash *hs;      /* the chain [0, n_pages) */
-    int imported, during; /* pages pulled in all rounds; of them while the prefill ran */
-    int have;             /* leading pages here after the last round */
-    int rounds, empty_after;
-    uint64_t next_ns;  /* between rounds: when the next one starts */
-    uint64_t begin_ns; /* the first round's start */
-    bool done, failed; /* the prefill's done, or its error (or no link to send it) */
-    bool stop;         /* no more rounds */
-};
-
-void wk_pd_free(struct wk_pd *d)
-{
-    if (!d) return;
-    free(d->hs);
-    free(d);
-}
-
 int wk_pd_metrics(wk_service *s, wk_peer *p, km_errbuf *err)
 {
     km_metric *m;

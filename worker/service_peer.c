@@ -410,23 +410,6 @@ static void wk_peer_release(wk_service *s, int i)
     wk_peer_admit_held(s, h);
 }
 
-void wk_peer_admit_held(wk_service *s, wk_held *h)
-{
-    km_msg q;
-    km_zframe env[WK_ENV_MAX];
-    int ne = wk_env_view(h->env, h->env_len, h->n_env, env);
-    km_proto_limits big = s->lim;
-    big.max_frame = (size_t)-1;
-    big.max_prompt_tok = UINT32_MAX;
-    if (km_msg_decode(h->frame.data, h->frame.len, &big, &q, NULL) == 0) {
-        wk_svc_admit(s, env, ne, &q.req, h->tokens, h->n_tokens, h->arrival_ns);
-        km_msg_clear(&q);
-    } else {
-        wk_svc_send_error(s, s->router, env, ne, h->id, KM_CODE_INTERNAL, 0, "held request lost");
-    }
-    wk_held_free(h);
-}
-
 static wk_held *wk_peer_find(wk_peer *p, const wk_link *l, uint64_t pull_id)
 {
     for (int i = 0; i < p->n_held; i++)

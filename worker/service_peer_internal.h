@@ -49,6 +49,19 @@ typedef struct wk_link {
     int pulls; /* held requests pulling through it */
 } wk_link;
 
+/* A disaggregated request's prefill and rounds (service_pd.c; freed with its wk_held). */
+struct wk_pd {
+    uint64_t prefill_id;  /* the req this worker sent the prefill worker; 0: not sent */
+    km_pagehash *hs;      /* the chain [0, n_pages) */
+    int imported, during; /* pages pulled in all rounds; of them while the prefill ran */
+    int have;             /* leading pages here after the last round */
+    int rounds, empty_after;
+    uint64_t next_ns;  /* between rounds: when the next one starts */
+    uint64_t begin_ns; /* the first round's start */
+    bool done, failed; /* the prefill's done, or its error (or no link to send it) */
+    bool stop;         /* no more rounds */
+};
+
 /* A request held while its pull runs. */
 typedef struct wk_held {
     uint64_t id, pull_id;
@@ -145,6 +158,8 @@ struct wk_peer {
 void wk_held_free(wk_held *h);
 /* Whether h came in this routing envelope. */
 bool wk_held_env_is(const wk_held *h, const km_zframe *env, int n_env);
+/* h's request is admitted (its pull over), h freed. */
+void wk_peer_admit_held(wk_service *s, wk_held *h);
 void wk_link_close(wk_peer *p, wk_link *l);
 /* The link to a holder (its DEALER and node peer), made or reused; NULL when none can be. */
 wk_link *wk_peer_link(wk_service *s, const char *holder, const char *endpoint, const uint8_t *addr,
@@ -156,12 +171,8 @@ int wk_peer_not_started(wk_peer *p, const wk_link *l);
 int wk_peer_start(wk_service *s, wk_link *l, wk_held *h, const km_pagehash *hs, const int32_t *toks,
                   int n_pages);
 
-/* service_peer.c: h's request is admitted (its pull over), h freed. */
-void wk_peer_admit_held(wk_service *s, wk_held *h);
-
 /* service_pd.c: requests whose prompt a prefill worker computes (docs/disaggregation.md) */
 int wk_pd_metrics(wk_service *s, wk_peer *p, km_errbuf *err);
-void wk_pd_free(struct wk_pd *d);
 /* h's first round has started: asks l's worker to compute the prompt (a req of max_tokens 1). */
 void wk_pd_begin(wk_service *s, wk_link *l, wk_held *h, const km_msg_request *q,
                  const km_pagehash *hs);
