@@ -8,6 +8,7 @@
  *   cli/local.c     run, perplexity, bench, tokenize: the engine in-process, no cluster
  *   cli/generate.c  generate, chat: through a router with libkvmesh
  *   cli/status.c    status (router or controller), recover
+ *   cli/role.c      role (a worker's, at run time)
  *   cli/rundir.c    --run-dir: endpoints and keys from a `kvmesh up` run directory
  *   cli/up*.c       up: a local cluster, supervised (up.h)
  *   cli/scale.c     scale: workers added to or drained from a running `up` (its side: up_scale.c)
@@ -109,6 +110,7 @@ int cli_status_worker(const char *admin_url);
 /* Bytes for a narrow column: 0B, 512B, 4.4M, 1.2G (status.c). */
 void cli_fmt_bytes(char *out, size_t cap, uint64_t b);
 int cli_cmd_recover(int argc, char **argv);
+int cli_cmd_role(int argc, char **argv); /* role.c */
 int cli_cmd_up(int argc, char **argv);
 int cli_cmd_scale(int argc, char **argv);
 int cli_cmd_chaos(int argc, char **argv);

@@ -23,6 +23,7 @@ static const struct {
      "workers, KV usage per tier, hit ratio (--controller: member\n"
      "              states, recovery levels, pressure, recovery history)"},
     {"recover", cli_cmd_recover, "force a recovery level on a worker, through the controller"},
+    {"role", cli_cmd_role, "change a running worker's role: both, prefill or decode"},
     {"up", cli_cmd_up, "start a controller, N workers and a router on loopback"},
     {"scale", cli_cmd_scale, "add or remove workers of a running `kvmesh up` (drained)"},
     {"chaos", cli_cmd_chaos, "fault-injection scenarios against a local cluster"},

@@ -36,8 +36,9 @@ static void view_print(FILE *f, const km_msg_view *v)
 {
     fprintf(f, "controller %s (epoch %llu, view %llu), %u workers\n", v->controller,
             (unsigned long long)v->epoch, (unsigned long long)v->seq, v->n_workers);
-    fprintf(f, "%-12s %-10s %-12s %8s %-6s %7s %7s %9s %9s %9s  %s\n", "WORKER", "STATE", "LEVEL",
-            "PRESSURE", "KV", "RUNNING", "QUEUED", "SEEN_MS", "XFER_IN", "XFER_OUT", "REQUESTS");
+    fprintf(f, "%-12s %-10s %-7s %-12s %8s %-6s %7s %7s %9s %9s %9s  %s\n", "WORKER", "STATE",
+            "ROLE", "LEVEL", "PRESSURE", "KV", "RUNNING", "QUEUED", "SEEN_MS", "XFER_IN",
+            "XFER_OUT", "REQUESTS");
     for (uint32_t i = 0; i < v->n_workers; i++) {
         const km_view_worker *w = &v->workers[i];
         char lv[32], in[16] = "-", out[16] = "-";
@@ -46,8 +47,8 @@ static void view_print(FILE *f, const km_msg_view *v)
             cli_fmt_bytes(in, sizeof in, w->xfer_bytes_in);
             cli_fmt_bytes(out, sizeof out, w->xfer_bytes_out);
         }
-        fprintf(f, "%-12s %-10s %-12s %7.1f%% %-6s %7u %7u %9llu %9s %9s  %s\n", w->id,
-                km_member_state_name(w->state), lv, 100 * w->pressure,
+        fprintf(f, "%-12s %-10s %-7s %-12s %7.1f%% %-6s %7u %7u %9llu %9s %9s  %s\n", w->id,
+                km_member_state_name(w->state), km_worker_role_name(w->role), lv, 100 * w->pressure,
                 w->kv_format ? w->kv_format : "-", w->running, w->queue_depth,
                 (unsigned long long)w->last_seen_ms, in, out, w->requests ? w->requests : "-");
     }
@@ -89,13 +90,13 @@ static int status_controller(const char *endpoint, const kvm_sec *sec, bool json
                     hist, json_pack("{s:I,s:i,s:s,s:b}", "at_ms", (json_int_t)w->history[h].at_ms,
                                     "level", (int)w->history[h].level, "reason",
                                     w->history[h].reason, "ok", w->history[h].ok));
-            json_array_append_new(ws, json_pack("{s:s,s:s,s:i,s:f,s:s?,s:i,s:i,s:I,s:s?,s:o}", "id",
-                                                w->id, "state", km_member_state_name(w->state),
-                                                "level", (int)w->level, "pressure", w->pressure,
-                                                "kv_format", w->kv_format, "running",
-                                                (int)w->running, "queued", (int)w->queue_depth,
-                                                "last_seen_ms", (json_int_t)w->last_seen_ms,
-                                                "requests", w->requests, "history", hist));
+            json_array_append_new(
+                ws, json_pack(
+                        "{s:s,s:s,s:s,s:i,s:f,s:s?,s:i,s:i,s:I,s:s?,s:o}", "id", w->id, "state",
+                        km_member_state_name(w->state), "role", km_worker_role_name(w->role),
+                        "level", (int)w->level, "pressure", w->pressure, "kv_format", w->kv_format,
+                        "running", (int)w->running, "queued", (int)w->queue_depth, "last_seen_ms",
+                        (json_int_t)w->last_seen_ms, "requests", w->requests, "history", hist));
         }
         json_t *o =
             json_pack("{s:s,s:I,s:I,s:o}", "controller", v.view.controller, "epoch",

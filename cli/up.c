@@ -24,6 +24,12 @@ static int up_parse(int argc, char **argv, up_opts *o, km_config **cfg)
     o->with_controller = true;
     const km_opt opts[] = {
         {"workers", NULL, KM_OPT_INT, "2", "workers to run", &o->n_workers, 1, 64},
+        {"prefill-workers", NULL, KM_OPT_INT, "0",
+         "workers w0.. that run --role=prefill (docs/disaggregation.md); with this or "
+         "--decode-workers, the cluster has prefill + decode workers and --workers is not used",
+         &o->n_prefill, 0, 32},
+        {"decode-workers", NULL, KM_OPT_INT, "0",
+         "workers after the prefill ones that run --role=decode", &o->n_decode, 0, 32},
         {"routers", NULL, KM_OPT_INT, "1", "router replicas (router, router1, ...)", &o->n_routers,
          1, 4},
         {"model", NULL, KM_OPT_STR, NULL, "GGUF model (default: the workers' default)", &o->model,
@@ -88,6 +94,7 @@ static int up_parse(int argc, char **argv, up_opts *o, km_config **cfg)
                              "the number of workers while it runs)",
                              opts, sizeof opts / sizeof *opts, argc, argv, cfg);
     if (prc) return prc;
+    if (o->n_prefill + o->n_decode > 0) o->n_workers = o->n_prefill + o->n_decode;
     int ns = up_parse_netns(o->netns_spec, &o->ns);
     if (ns < 0) {
         fprintf(stderr, "kvmesh up: --netns wants ID=NETNS,WORKER_ADDR,HOST_ADDR\n");

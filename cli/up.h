@@ -61,6 +61,7 @@ typedef struct up_netns {
 typedef struct up_opts {
     int64_t n_workers, n_routers, base_port, threads, http_port, cluster_seed, front_port;
     int64_t ctl_port, ctl_admin_port;
+    int64_t n_prefill, n_decode; /* workers w0.. run --role=prefill, the next n_decode decode */
     bool with_controller;
     bool insecure;       /* --insecure: no keys, daemons run without CURVE */
     const char *keydir;  /* <run-dir>/keys (made by `kvmesh up`) unless insecure */

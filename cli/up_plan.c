@@ -224,6 +224,8 @@ static void plan_worker(up_planner *pl, up_proc *p, int wi, int *k)
     }
     if (o->model) p->argv[(*k)++] = xfmt("--model=%s", o->model);
     if (o->kv_bytes) p->argv[(*k)++] = xfmt("--kv-bytes=%s", o->kv_bytes);
+    if (wi < o->n_prefill + o->n_decode) /* before the extra flags, which may override it */
+        p->argv[(*k)++] = xfmt("--role=%s", wi < o->n_prefill ? "prefill" : "decode");
     push_args(p->argv, k, UP_ARGV_MAX, o->worker_args);
     push_args_for(p->argv, k, UP_ARGV_MAX, o->worker_args_for, p->name);
     plan_peer(pl, p, wi, k, host);

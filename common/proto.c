@@ -47,7 +47,7 @@ const char *const km_proto_finish_names[KM_FINISH_COUNT] = {"stop", "length", "c
 const char *const km_proto_speculate_names[KM_SPECULATE_COUNT] = {"default", "off", "auto", "self"};
 
 const char *const km_proto_admin_names[KM_ADMIN_CMD_COUNT] = {
-    "status", "evict", "set_kv_format", "drain", "shutdown", "recover", "pressure"};
+    "status", "evict", "set_kv_format", "drain", "shutdown", "recover", "pressure", "set_role"};
 const char *const km_proto_state_names[KM_STATE_COUNT] = {"starting", "ready", "draining",
                                                           "stopping"};
 const char *const km_proto_member_names[KM_MEMBER_STATE_COUNT] = {"starting",   "ready", "draining",
@@ -107,6 +107,23 @@ const char *km_admin_cmd_name(km_admin_cmd c)
 const char *km_worker_state_name(km_worker_state s)
 {
     return (unsigned)s < KM_STATE_COUNT ? km_proto_state_names[s] : "?";
+}
+
+const char *const km_proto_role_names[KM_WROLE_COUNT] = {"both", "prefill", "decode"};
+
+const char *km_worker_role_name(km_worker_role r)
+{
+    return (unsigned)r < KM_WROLE_COUNT ? km_proto_role_names[r] : "?";
+}
+
+int km_worker_role_parse(const char *s, km_worker_role *out)
+{
+    for (int i = 0; s && i < KM_WROLE_COUNT; i++)
+        if (!strcmp(s, km_proto_role_names[i])) {
+            *out = (km_worker_role)i;
+            return 0;
+        }
+    return KM_EINVAL;
 }
 
 const char *km_member_state_name(km_member_state s)

@@ -160,6 +160,7 @@ typedef enum km_admin_cmd {
     KM_ADMIN_PRESSURE,      /* "pressure": chaos/test only: the worker pins `fraction` of its
                              * hot-tier budget in ballast pages (0 releases them); refused unless
                              * the worker runs with --chaos */
+    KM_ADMIN_SET_ROLE, /* "set_role": operator -> worker: take `role` (docs/disaggregation.md) */
     KM_ADMIN_CMD_COUNT
 } km_admin_cmd;
 
@@ -174,6 +175,19 @@ typedef enum km_worker_state {
 } km_worker_state;
 
 const char *km_worker_state_name(km_worker_state s);
+
+/* What a worker computes (docs/disaggregation.md): both (default), prefill (prompts for decode
+ * workers to pull) or decode (requests whose prompts a prefill worker computes when long). */
+typedef enum km_worker_role {
+    KM_WROLE_BOTH = 0, /* "both" */
+    KM_WROLE_PREFILL,  /* "prefill" */
+    KM_WROLE_DECODE,   /* "decode" */
+    KM_WROLE_COUNT
+} km_worker_role;
+
+const char *km_worker_role_name(km_worker_role r);
+/* 0 and *out set when s names a role, else KM_EINVAL. */
+int km_worker_role_parse(const char *s, km_worker_role *out);
 
 /* A worker as the controller sees it (cluster view). */
 typedef enum km_member_state {
@@ -246,6 +260,11 @@ typedef struct km_msg_request {
     uint32_t pull_addr_len;
     uint32_t pull_pages; /* 1..KM_PROTO_MAX_PULL_PAGES with pull_from */
     uint32_t pull_ms;    /* budget; 0 = the worker's default */
+    /* Disaggregation (docs/disaggregation.md; optional, added within version 1; only with
+     * pull_from): pull_from is a prefill worker that has not computed the prompt yet. The
+     * receiver asks it to (a req of max_tokens 1 it sends itself) and pulls the pages again and
+     * again as they are sealed, until pull_pages are here, the prefill is done, or pull_ms. */
+    bool pd;
 } km_msg_request;
 
 typedef struct km_msg_token {
@@ -302,6 +321,7 @@ typedef struct km_msg_admin {
     bool restart;        /* shutdown: exit with the restart code */
     const char *worker;  /* recover: target worker id (required); optional otherwise */
     uint32_t level;      /* recover: 1..3 */
+    const char *role;    /* set_role: "both", "prefill" or "decode" (required) */
     /* status: KV event replay (docs/protocol.md section 9; optional, added within version 1).
      * A replay is asked for when has_events_since or events_snapshot is set. */
     bool has_events_since;
@@ -318,6 +338,7 @@ typedef struct km_msg_admin_reply {
     /* results; zero when not applicable */
     km_worker_state state;
     const char *kv_format; /* optional */
+    km_worker_role role;   /* optional, added within version 1; absent = both */
     uint32_t inflight, queued;
     uint64_t kv_pages, kv_bytes;
     uint64_t evicted_pages, freed_bytes, converted_pages;
@@ -402,6 +423,7 @@ typedef struct km_msg_heartbeat {
     uint32_t peer_addr_len;
     bool has_xfer; /* the statistics below are present */
     km_xfer_stats xfer;
+    km_worker_role role; /* optional, added within version 1; absent = both */
 } km_msg_heartbeat;
 
 typedef struct km_msg_kv_event {
@@ -443,6 +465,7 @@ typedef struct km_view_worker {
     uint64_t xfer_bytes_in, xfer_bytes_out; /* KV payload pulled into it / read from it, bytes */
     const km_xfer_pair *xfer_pairs;         /* its hb.xfer.pairs; up to KM_PROTO_MAX_XFER_PAIRS */
     uint32_t n_xfer_pairs;
+    km_worker_role role; /* its hb.role (optional, added within version 1; absent = both) */
 } km_view_worker;
 
 typedef struct km_msg_view {

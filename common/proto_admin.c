@@ -21,6 +21,9 @@ static int admin_validate(const km_msg *m, const km_proto_limits *lim, km_errbuf
         VFAIL("admin.format: '%s' is not one of f16, bf16, fp8, int8, int4",
               a->format ? a->format : "");
     if (a->cmd == KM_ADMIN_PRESSURE) CK(km_val_range("admin.fraction", a->fraction, 0, 1, err));
+    km_worker_role role;
+    if (a->cmd == KM_ADMIN_SET_ROLE && km_worker_role_parse(a->role, &role))
+        VFAIL("admin.role: '%s' is not one of both, prefill, decode", a->role ? a->role : "");
     CK(km_val_name("admin.worker", a->worker, a->cmd == KM_ADMIN_RECOVER, 1, KM_PROTO_MAX_NAME,
                    err));
     /* recover.level's range (1-3) is the controller's to check: it answers a bad one with
@@ -40,6 +43,7 @@ static void admin_encode(km_enc *e, const km_msg *m)
     if (a->cmd == KM_ADMIN_SHUTDOWN) km_enc_bool(e, "restart", a->restart);
     km_enc_str(e, "worker", a->worker);
     if (a->cmd == KM_ADMIN_RECOVER) km_enc_u64(e, "level", a->level);
+    if (a->cmd == KM_ADMIN_SET_ROLE) km_enc_str(e, "role", a->role);
     if (a->has_events_since) km_enc_u64(e, "events_since", a->events_since);
     if (a->events_snapshot) km_enc_bool(e, "events_snapshot", true);
 }
@@ -59,6 +63,8 @@ static int admin_decode(km_dec *d, const msgpack_object_map *mp)
     CK(km_dec_str(d, mp, "worker", a->cmd == KM_ADMIN_RECOVER, KM_PROTO_MAX_NAME, false, &a->worker,
                   NULL));
     if (a->cmd == KM_ADMIN_RECOVER) CK(km_dec_u32(d, mp, "level", true, &a->level));
+    CK(km_dec_str(d, mp, "role", a->cmd == KM_ADMIN_SET_ROLE, KM_PROTO_MAX_NAME, false, &a->role,
+                  NULL));
     a->has_events_since = km_dec_find(mp, "events_since") != NULL;
     CK(km_dec_uint(d, mp, "events_since", false, UINT64_MAX, &a->events_since));
     CK(km_dec_flag(d, mp, "events_snapshot", &a->events_snapshot));
@@ -78,6 +84,8 @@ static int reply_validate(const km_msg *m, const km_proto_limits *lim, km_errbuf
     CK(km_val_name("admin_reply.message", a->message, false, 0, KM_PROTO_MAX_MESSAGE, err));
     if ((unsigned)a->state >= KM_STATE_COUNT)
         VFAIL("admin_reply.state: unknown state %d", (int)a->state);
+    if ((unsigned)a->role >= KM_WROLE_COUNT)
+        VFAIL("admin_reply.role: unknown role %d", (int)a->role);
     if (a->kv_format && !km_proto_is_format(a->kv_format))
         VFAIL("admin_reply.kv_format: unknown KV format '%s'", a->kv_format);
     return 0;
@@ -93,6 +101,7 @@ static void reply_encode(km_enc *e, const km_msg *m)
     km_enc_str(e, "message", a->message);
     km_enc_str(e, "state", km_proto_state_names[a->state]);
     km_enc_str(e, "kv_format", a->kv_format);
+    if (a->role != KM_WROLE_BOTH) km_enc_str(e, "role", km_proto_role_names[a->role]);
     km_enc_u64(e, "inflight", a->inflight);
     km_enc_u64(e, "queued", a->queued);
     km_enc_u64(e, "kv_pages", a->kv_pages);
@@ -119,6 +128,9 @@ static int reply_decode(km_dec *d, const msgpack_object_map *mp)
     CK(km_dec_enum(d, mp, "state", false, km_proto_state_names, KM_STATE_COUNT, &st));
     a->state = (km_worker_state)st;
     CK(km_dec_str(d, mp, "kv_format", false, KM_PROTO_MAX_NAME, false, &a->kv_format, NULL));
+    int role = KM_WROLE_BOTH;
+    CK(km_dec_enum(d, mp, "role", false, km_proto_role_names, KM_WROLE_COUNT, &role));
+    a->role = (km_worker_role)role;
     CK(km_dec_u32(d, mp, "inflight", false, &a->inflight));
     CK(km_dec_u32(d, mp, "queued", false, &a->queued));
     CK(km_dec_uint(d, mp, "kv_pages", false, UINT64_MAX, &a->kv_pages));

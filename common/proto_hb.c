@@ -82,6 +82,7 @@ static int hb_validate(const km_msg *m, const km_proto_limits *lim, km_errbuf *e
     const km_msg_heartbeat *h = &m->hb;
     CK(km_val_name("hb.worker", h->worker, true, 1, KM_PROTO_MAX_NAME, err));
     if ((unsigned)h->state >= KM_STATE_COUNT) VFAIL("hb.state: unknown state %d", (int)h->state);
+    if ((unsigned)h->role >= KM_WROLE_COUNT) VFAIL("hb.role: unknown role %d", (int)h->role);
     CK(km_val_name("hb.model", h->model, false, 0, KM_PROTO_MAX_NAME, err));
     if (h->kv_format_base && !km_proto_is_format(h->kv_format_base))
         VFAIL("hb.kv_format_base: unknown KV format '%s'", h->kv_format_base);
@@ -224,6 +225,7 @@ static void hb_encode(km_enc *e, const km_msg *m)
     km_enc_u64(e, "tokens_total", h->tokens_total);
     km_enc_str(e, "kv_format_base", h->kv_format_base);
     km_enc_bin(e, "peer_addr", h->peer_addr, h->peer_addr_len);
+    if (h->role != KM_WROLE_BOTH) km_enc_str(e, "role", km_proto_role_names[h->role]);
     if (h->has_xfer && km_enc_begin(e, "xfer")) km_enc_map(e, hb_xfer, &h->xfer);
     if (km_enc_begin(e, "latency")) {
         e->rc |= msgpack_pack_array(&e->pk, h->n_latency);
@@ -387,6 +389,9 @@ static int hb_decode(km_dec *d, const msgpack_object_map *mp)
                   NULL));
     CK(km_dec_bin(d, mp, "peer_addr", false, KM_PROTO_MAX_PEER_ADDR, &h->peer_addr,
                   &h->peer_addr_len));
+    int role = KM_WROLE_BOTH;
+    CK(km_dec_enum(d, mp, "role", false, km_proto_role_names, KM_WROLE_COUNT, &role));
+    h->role = (km_worker_role)role;
     CK(hb_decode_xfer(d, mp, n0));
     CK(hb_decode_latency(d, mp, n0));
     return hb_decode_errors(d, mp, n0);

@@ -32,6 +32,7 @@ extern const char *const km_proto_speculate_names[KM_SPECULATE_COUNT];
 extern const char *const km_proto_admin_names[KM_ADMIN_CMD_COUNT];
 extern const char *const km_proto_state_names[KM_STATE_COUNT];
 extern const char *const km_proto_member_names[KM_MEMBER_STATE_COUNT];
+extern const char *const km_proto_role_names[KM_WROLE_COUNT];
 extern const char *const km_proto_kind_names[KM_KV_KIND_COUNT];
 #define KM_PROTO_N_FORMATS 5 /* the KV formats, in kv_format order */
 extern const char *const km_proto_format_names[KM_PROTO_N_FORMATS];

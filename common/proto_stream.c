@@ -180,6 +180,7 @@ static void req_encode(km_enc *e, const km_msg *m)
         km_enc_bin(e, "pull_addr", r->pull_addr, r->pull_addr_len);
         km_enc_u64(e, "pull_pages", r->pull_pages);
         km_enc_u64(e, "pull_ms", r->pull_ms);
+        if (r->pd) km_enc_bool(e, "pd", true);
     }
 }
 
@@ -273,6 +274,7 @@ static int req_decode(km_dec *d, const msgpack_object_map *mp)
     CK(km_dec_bin(d, mp, "pull_addr", true, KM_PROTO_MAX_PEER_ADDR, &r->pull_addr,
                   &r->pull_addr_len));
     CK(km_dec_u32(d, mp, "pull_pages", true, &r->pull_pages));
+    CK(km_dec_bool(d, mp, "pd", false, &r->pd));
     return km_dec_u32(d, mp, "pull_ms", false, &r->pull_ms);
 }
 

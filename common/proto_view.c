@@ -42,6 +42,8 @@ static int view_validate_worker(const km_msg_view *v, uint32_t i, km_errbuf *err
     if (w->peer_addr && (w->peer_addr_len < 1 || w->peer_addr_len > KM_PROTO_MAX_PEER_ADDR))
         VFAIL("view.workers[%u].peer_addr: %u bytes outside [1, %d]", i, w->peer_addr_len,
               KM_PROTO_MAX_PEER_ADDR);
+    if ((unsigned)w->role >= KM_WROLE_COUNT)
+        VFAIL("view.workers[%u].role: unknown role %d", i, (int)w->role);
     const struct {
         const char *field;
         double value;
@@ -115,6 +117,7 @@ static void view_worker(km_enc *e, const void *arg)
     if (w->xfer_bytes_in) km_enc_u64(e, "xfer_bytes_in", w->xfer_bytes_in);
     if (w->xfer_bytes_out) km_enc_u64(e, "xfer_bytes_out", w->xfer_bytes_out);
     if (w->n_xfer_pairs) km_enc_xfer_pairs(e, "xfer_pairs", w->xfer_pairs, w->n_xfer_pairs);
+    if (w->role != KM_WROLE_BOTH) km_enc_str(e, "role", km_proto_role_names[w->role]);
     if (km_enc_begin(e, "history")) {
         e->rc |= msgpack_pack_array(&e->pk, w->n_history);
         for (uint32_t i = 0; i < w->n_history; i++) km_enc_map(e, view_action, &w->history[i]);
@@ -156,6 +159,9 @@ static int view_decode_worker(km_dec *d, const msgpack_object_map *mp, km_view_w
     CK(km_dec_bin(d, mp, "peer_addr", false, KM_PROTO_MAX_PEER_ADDR, &w->peer_addr,
                   &w->peer_addr_len));
     CK(km_dec_num(d, mp, "prefill_tps", false, &w->prefill_tps));
+    int role = KM_WROLE_BOTH;
+    CK(km_dec_enum(d, mp, "role", false, km_proto_role_names, KM_WROLE_COUNT, &role));
+    w->role = (km_worker_role)role;
     CK(km_dec_num(d, mp, "xfer_rate_bps", false, &w->xfer_rate_bps));
     CK(km_dec_num(d, mp, "xfer_lat_ms", false, &w->xfer_lat_ms));
     CK(km_dec_uint(d, mp, "page_bytes", false, UINT64_MAX, &w->page_bytes));

@@ -57,6 +57,7 @@ typedef struct ctl_member {
     uint8_t peer_addr[KM_PROTO_MAX_PEER_ADDR];
     uint32_t peer_addr_len;
     double prefill_tps, xfer_rate_bps, xfer_lat_ms;
+    km_worker_role role; /* hb.role: carried into the view */
     uint64_t page_bytes, xfer_bytes_in, xfer_bytes_out;
     /* hb.xfer.pairs: .from points into pair_from (ctl_member_pairs_point after a move) */
     km_xfer_pair pairs[KM_PROTO_MAX_XFER_PAIRS];
@@ -223,6 +224,8 @@ static void ctl_member_transfer(ctl_policy *p, ctl_member *m, const km_msg_heart
         p->version++;
     }
     m->prefill_tps = hb->prefill_tps;
+    if (m->role != hb->role) p->version++; /* a new role changes the view at once */
+    m->role = hb->role;
     m->xfer_rate_bps = hb->has_xfer ? hb->xfer.rate_bps : 0;
     m->xfer_lat_ms = hb->has_xfer ? hb->xfer.latency_ms : 0;
     m->page_bytes = hb->has_xfer ? hb->xfer.page_bytes : 0;
@@ -632,6 +635,7 @@ int ctl_policy_view_worker(const ctl_policy *p, int i, uint64_t now_ms, uint64_t
     out->peer_addr = m->peer_addr_len ? m->peer_addr : NULL;
     out->peer_addr_len = m->peer_addr_len;
     out->prefill_tps = m->prefill_tps;
+    out->role = m->role;
     out->xfer_rate_bps = m->xfer_rate_bps;
     out->xfer_lat_ms = m->xfer_lat_ms;
     out->page_bytes = m->page_bytes;

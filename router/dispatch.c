@@ -86,6 +86,8 @@ static int send_to(rt_router *r, rt_rq *q, int pick, int n_ctx, uint32_t remaini
     msg.req.logit_bias = q->bias;
     msg.req.grammar = q->grammar;
     rt_pull_hint(r, q, &msg.req); /* pull.c: pull the prefix another worker holds */
+    /* pd.c: a prefill worker computes it now */
+    msg.req.pd = q->pd && msg.req.pull_from;
     if (q->deadline_ns) {
         uint64_t left = (q->deadline_ns - km_now_ns()) / 1000000ull;
         msg.req.deadline_ms = left ? (uint32_t)(left > UINT32_MAX ? UINT32_MAX : left) : 1;
@@ -157,6 +159,7 @@ int rt_dispatch(rt_router *r, rt_rq *q, bool from_queue)
         if (usable) mask |= 1ull << i;
         if (r->c.policy.mode == RT_MODE_KV && rt_wk_serves_pages(r, w)) holders |= 1ull << i;
     }
+    rt_pd_mask(r, cand, mask);
     /* The chain covers the prompt; after a migration the worker also gets the generated tokens
      * (uncached anywhere but on the dead worker), which costs the same everywhere. */
     rt_match m;
@@ -210,6 +213,7 @@ int rt_dispatch(rt_router *r, rt_rq *q, bool from_queue)
     }
     q->predicted = m.credit[pick];
     rt_pull_advise(r, q, pick, &m);
+    rt_pd_advise(r, q, pick, &m, n_ctx, mask);
     return send_to(r, q, pick, n_ctx, remaining, from_queue, now);
 }
 

@@ -121,6 +121,7 @@ struct rt_rq {
     /* pull hint (pull.c): holder index + 1 (0: none), its pages and the pull's budget */
     int pull_w;
     uint32_t pull_pages, pull_ms;
+    bool pd; /* the hint names a prefill worker computing the prompt now (pd.c) */
     /* prefix gating: a request whose prefix is being computed right now by an earlier request
      * on the chosen worker waits for that request's first token (its pages are then cached) */
     rt_rq *owner, *waiters, *wnext;
@@ -218,6 +219,7 @@ struct rt_wk {
     uint64_t view_migrated;              /* requests migrated away because the view said dead */
     km_series *s_member, *s_level;
     rt_wk_xfer xfer;
+    km_worker_role role; /* from the view (pd.c) */
 };
 
 struct rt_router {
@@ -287,6 +289,7 @@ struct rt_router {
     km_series *s_views, *s_bad_views, *s_view_age;
     km_series *s_pulls[RT_PULL_DECISIONS]; /* kvmesh_router_pulls_total{decision} */
     km_series *s_hints[2];                 /* kvmesh_router_pull_hints_total{outcome} */
+    km_series *s_pd[2];                    /* kvmesh_router_pd_total{decision} */
 };
 
 /* ---------------------------------------------------------------- state.c: clock, loop hooks */
@@ -517,6 +520,17 @@ void rt_pull_hint(rt_router *r, const rt_rq *q, km_msg_request *out);
  * pages of the requests migrated off it. */
 bool rt_wk_serves_pages(const rt_router *r, const rt_wk *w);
 int rt_pull_metrics(rt_router *r, km_errbuf *err);
+
+/* ---------------------------------------------------------------- pd.c: disaggregation */
+
+/* With prefill and decode workers, prefill workers take no whole request (cand[i].usable);
+ * routable: bit i when worker i may take requests (rt_wk_routable). */
+void rt_pd_mask(rt_router *r, rt_candidate *cand, uint64_t routable);
+/* After the pull advice: is q disaggregated (pick computes it from a prefill worker's pages as
+ * they are sealed)? Sets q's hint (replacing a pull's) and q->pd, counts the decision. */
+void rt_pd_advise(rt_router *r, rt_rq *q, int pick, const rt_match *m, int n_ctx,
+                  uint64_t routable);
+int rt_pd_metrics(rt_router *r, km_errbuf *err);
 
 /* ---------------------------------------------------------------- front.c: HTTP */
 

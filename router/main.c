@@ -154,6 +154,12 @@ static const km_opt g_opts[] = {
      "pull rate in bytes/s assumed until workers have measured one (a pull between workers "
      "of one host, end to end; measured rates replace it); 0 = none (recompute until measured)",
      &g_args.c.policy.pull_default_bps, 0, 1e12},
+    {"pd-min-tokens", NULL, KM_OPT_INT, "512",
+     "prefill/decode disaggregation (docs/disaggregation.md): with a prefill and a decode worker "
+     "in the controller's view, a prompt with at least this many tokens uncached on the decode "
+     "worker chosen is computed by a prefill worker and its pages pulled as they are sealed; "
+     "0 = never",
+     &g_args.c.policy.pd_min_tokens, 0, 1 << 24},
     {"credit-disk", NULL, KM_OPT_FLOAT, "0.5", "fraction of a disk page counted cached",
      &g_args.c.policy.tier_credit[KM_TIER_DISK], 0, 1},
     {"worker-slots", NULL, KM_OPT_INT, "8", "requests a worker runs at once (cost model)",

@@ -104,6 +104,7 @@ int rt_register_metrics(rt_router *r, km_errbuf *err)
         NULL, r->s_view_age);
     km_gauge_set(r->s_view_age, -1);
     int prc = rt_pull_metrics(r, err); /* kvmesh_router_pulls_total (pull.c) */
+    if (!prc) prc = rt_pd_metrics(r, err);
     if (prc) return prc;
     for (int i = 0; i < r->n_w; i++) {
         int rc = rt_register_worker_metrics(r, &r->w[i], err);

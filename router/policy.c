@@ -55,6 +55,7 @@ void rt_policy_default(rt_policy *p)
     p->tie_band = 16.0;
     p->pull_margin = 0.8;
     p->pull_default_bps = RT_PULL_DEFAULT_BPS;
+    p->pd_min_tokens = RT_PD_MIN_TOKENS;
 }
 
 static uint64_t mix64(uint64_t z)

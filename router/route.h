@@ -180,4 +180,21 @@ uint64_t rt_pull_backoff_ms(uint32_t fails);
 int rt_pull_decide(const rt_policy *pol, const rt_pull_in *c, int n, int pick, int page_tokens,
                    rt_pull_choice *out);
 
+/* Disaggregation (router/pd.c, docs/disaggregation.md): one worker's part in the decision. */
+typedef struct rt_pd_in {
+    km_worker_role role;
+    bool usable; /* may take requests (the decode side) or compute for a decode worker (the
+                  * prefill side: routable, a transfer node, no backoff from the pick) */
+    int pages;   /* leading pages of the chain it holds (rt_match.pages) */
+    int inflight;
+} rt_pd_in;
+
+/* Whether the cluster disaggregates at all: a usable prefill and a usable decode worker. */
+bool rt_pd_cluster(const rt_pd_in *c, int n);
+/* The prefill worker for a prompt of n_prompt tokens picked for decode worker pick (the one
+ * holding the longest prefix, then the least loaded), or -1 (served as today): pick is no decode
+ * worker, the cluster has no prefill worker, or fewer than min_tokens of the prompt are
+ * uncached on pick (min_tokens <= 0: never). */
+int rt_pd_decide(const rt_pd_in *c, int n, int pick, int n_prompt, int page_tokens, int min_tokens);
+
 #endif /* RT_ROUTE_H */

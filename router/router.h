@@ -66,7 +66,14 @@ typedef struct rt_policy {
     double pull_margin;      /* pull when its cost < recompute's x this (0.8) */
     double pull_default_bps; /* pull rate assumed before any is measured (RT_PULL_DEFAULT_BPS);
                               * 0: none (recompute until measured) */
+    /* disaggregation (router/pd.c): uncached prompt tokens on the decode worker from which a
+     * prefill worker computes the prompt (RT_PD_MIN_TOKENS); 0: never */
+    int pd_min_tokens;
 } rt_policy;
+
+/* The default --pd-min-tokens: docs/disaggregation.md says why (the workers' default
+ * --max-batch-tokens: a shorter prompt is computed in one engine step). */
+#define RT_PD_MIN_TOKENS 512
 
 /* The starting pull rate, bytes/s: the order of a pull's rate between two workers on one host
  * or a 10 GbE link, measured end to end (request, offer, reads, import) by `make bench-pull`

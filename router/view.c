@@ -224,6 +224,7 @@ static void apply_view(rt_router *r, const km_msg_view *v)
         }
         set_member(r, w, true, vw->state, vw->level);
         rt_pull_view(w, vw);
+        w->role = vw->role;
     }
     for (int k = 0; k < r->n_w; k++) {
         rt_wk *w = &r->w[k];

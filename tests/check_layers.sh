@@ -33,6 +33,7 @@ worker)
         "service_admin"     # admin commands; the gate's answers during a step
         "service_heartbeat" # gauges, the heartbeat snapshot, the pulse thread
         "service_peer"      # the transfer node, requests held for a pull
+        "service_pd"        # disaggregated requests: a prefill worker's pages pulled as sealed
         "service_serve"     # kv_pull served as a holder
         "service_handoff"   # the controller's view, drain handoff, warm-up
         "links"             # links to holders, pulls started over them
@@ -54,7 +55,7 @@ router)
         "dispatch" # choosing a worker, the router queue's pump, parking
         "requests" # the request table and queue, the end of a request, replies
         "metrics"  # the Prometheus series
-        "pull"     # pull or recompute
+        "pull pd"  # pull or recompute; disaggregation
         "evstream index policy openai fair tenants" # leaves
         "openai_tools" # structured outputs (response_format), under openai
         "state"    # the clock and the loop's hooks

@@ -16,7 +16,38 @@ void wk_held_free(wk_held *h)
     km_buf_free(&h->frame);
     free(h->hs);
     free(h->tokens);
+    if (h->pd) free(h->pd->hs);
+    free(h->pd);
     free(h);
+}
+
+void wk_peer_admit_held(wk_service *s, wk_held *h)
+{
+    km_msg q;
+    km_zframe env[WK_ENV_MAX];
+    int ne = wk_env_view(h->env, h->env_len, h->n_env, env);
+    km_proto_limits big = s->lim;
+    big.max_frame = (size_t)-1;
+    big.max_prompt_tok = UINT32_MAX;
+    if (km_msg_decode(h->frame.data, h->frame.len, &big, &q, NULL) == 0) {
+        wk_svc_admit(s, env, ne, &q.req, h->tokens, h->n_tokens, h->arrival_ns);
+        km_msg_clear(&q);
+    } else {
+        wk_svc_send_error(s, s->router, env, ne, h->id, KM_CODE_INTERNAL, 0, "held request lost");
+    }
+    wk_held_free(h);
+}
+
+bool wk_held_env_is(const wk_held *h, const km_zframe *env, int n_env)
+{
+    if (h->n_env != n_env) return false;
+    size_t off = 0;
+    for (int j = 0; j < n_env; j++) {
+        if (h->env_len[j] != env[j].len || memcmp(h->env + off, env[j].data, env[j].len))
+            return false;
+        off += h->env_len[j];
+    }
+    return true;
 }
 
 void wk_link_close(wk_peer *p, wk_link *l)

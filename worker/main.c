@@ -25,7 +25,7 @@ static void wk_on_signal(int signo)
 typedef struct wk_args {
     const char *model, *listen, *events, *controller, *admin_host, *worker_id, *kv_format;
     const char *alias, *ports_file, *log_level, *log_format, *kv_disk_dir, *cluster_secret;
-    const char *speculate;
+    const char *speculate, *role;
     const char *peer_listen, *peer_advertise, *peer_mode, *peer_view, *peer_encrypt;
     int64_t peer_lease_ms, peer_pull_ms, peer_warm_pages, old_lease_ms, old_pull_ms;
     int64_t threads, admin_port, page_tokens, max_batch, prefill_chunk, max_running, max_queue;
@@ -146,6 +146,11 @@ static const km_opt g_opts[] = {
     {"cluster-seed", NULL, KM_OPT_INT, "0", "page-hash seed shared by the cluster",
      &g_args.cluster_seed, 0, 0},
     {"max-frame", NULL, KM_OPT_SIZE, "1M", "largest frame accepted", &g_args.max_frame, 0, 0},
+    {"role", NULL, KM_OPT_STR, "both",
+     "what this worker computes (docs/disaggregation.md): both; prefill (long prompts, whose "
+     "pages decode workers pull as they are sealed); decode (a long prompt's pages come from a "
+     "prefill worker); a router disaggregates only when it has both a prefill and a decode worker",
+     &g_args.role, 0, 0},
     {"chaos", NULL, KM_OPT_BOOL, "false",
      "accept the fault-injection admin command `pressure` (tests, `kvmesh chaos`)", &g_args.chaos,
      0, 0},
@@ -294,6 +299,12 @@ int main(int argc, char **argv)
         return 2;
     }
 
+    km_worker_role role;
+    if (km_worker_role_parse(a->role, &role)) {
+        fprintf(stderr, "kvmesh-worker: --role is both, prefill or decode, not '%s'\n", a->role);
+        km_config_destroy(cfg);
+        return 2;
+    }
     int status = 1;
     en_model *m = NULL;
     en_engine *e = NULL, *draft = NULL;
@@ -370,6 +381,7 @@ int main(int argc, char **argv)
         .event_replay = (int)a->event_replay,
         .max_frame = (int)(a->max_frame > (1u << 30) ? (1u << 30) : a->max_frame),
         .chaos = a->chaos,
+        .role = role,
         .sec = sec,
         .peer_listen = a->peer_listen,
         .peer_advertise = a->peer_advertise,
@@ -401,9 +413,10 @@ int main(int argc, char **argv)
         goto out;
     }
     KM_INFO("worker_start",
-            "model=%s threads=%d isa=%s kv_format=%s kv_pages=%d speculate=%s chaos=%d", path,
-            en_engine_threads(e), en_engine_isa(e), kv_format_name(fmt),
-            kv_store_pages_total(en_engine_kv(e)), a->speculate, (int)a->chaos);
+            "model=%s threads=%d isa=%s kv_format=%s kv_pages=%d speculate=%s chaos=%d role=%s",
+            path, en_engine_threads(e), en_engine_isa(e), kv_format_name(fmt),
+            kv_store_pages_total(en_engine_kv(e)), a->speculate, (int)a->chaos,
+            km_worker_role_name(role));
     km_daemon_signals(wk_on_signal);
     status = wk_service_run(g_svc);
     KM_INFO("worker_exit", "status=%d", status);

@@ -294,10 +294,30 @@ static void admin_reply_figures(wk_service *s, km_msg_admin_reply *rp, const wk_
     }
     rp->state = q->state_after >= 0 ? (km_worker_state)q->state_after : wk_svc_state(s);
     rp->kv_format = kv_format_name(q->format);
+    rp->role = s->o.role;
     rp->inflight = q->running;
     rp->queued = q->queued;
     rp->kv_pages = q->kv_pages;
     rp->kv_bytes = q->kv_bytes;
+}
+
+/* set_role: what the worker's heartbeats say it computes from now on (docs/disaggregation.md).
+ * Only the routers act on a role, so requests running here finish here, and those a router sends
+ * follow the new role once the controller's view carries it. */
+static void admin_set_role(admin_ctx *c)
+{
+    wk_service *s = c->s;
+    km_worker_role role, was = s->o.role;
+    if (km_worker_role_parse(c->a->role, &role)) {
+        admin_fail(c, KM_CODE_BAD_REQUEST, "role is both, prefill or decode");
+        return;
+    }
+    s->o.role = role;
+    wk_svc_snapshot(s); /* the next heartbeat says so */
+    KM_INFO("role_changed", "worker=%s from=%s to=%s", s->worker_id, km_worker_role_name(was),
+            km_worker_role_name(role));
+    snprintf(c->msg, sizeof c->msg, "role %s (was %s)", km_worker_role_name(role),
+             km_worker_role_name(was));
 }
 
 /* drain or shutdown during a step: what it will do, said now (wk_svc_admin_quick). */
@@ -373,6 +393,9 @@ void wk_svc_handle_admin(wk_service *s, void *sock, const km_zframe *env, int n_
             break;
         case KM_ADMIN_PRESSURE:
             admin_pressure(&c);
+            break;
+        case KM_ADMIN_SET_ROLE:
+            admin_set_role(&c);
             break;
         default:
             admin_fail(&c, KM_CODE_BAD_REQUEST, "unknown admin command");

@@ -185,6 +185,7 @@ void wk_svc_snapshot(wk_service *s)
     n.decode_tps = s->decode_tps;
     n.prefill_tps = s->prefill_tps;
     n.tokens_total = ss.prefill_tokens + ss.decode_tokens;
+    n.role = s->o.role;
     /* the quantiles sort up to WK_LAT_RING values: once per heartbeat interval is enough */
     uint64_t now = km_now_ns();
     if (now >= s->next_quant_ns) {
@@ -232,6 +233,7 @@ static void wk_pulse_send(wk_service *s, wk_hb_snap *snap, km_buf *out)
     hb->uptime_ms = (km_now_ns() - s->start_ns) / 1000000ull;
     hb->kv_format_base = kv_format_name(s->kv_base);
     hb->state = wk_svc_state(s);
+    hb->role = snap->role;
     km_endpoint eps[3];
     int ne = 0;
     eps[ne++] = (km_endpoint){"requests", s->ep_requests};

@@ -15,6 +15,7 @@
  *   service_handoff.c    the controller's view, drain handoff and warm-up over that node
  *   links.c              links to holders, pulls started over them (the peer files share
  *                        service_peer_internal.h)
+ *   service_pd.c         disaggregated requests: a prefill worker's pages pulled as sealed
  *   service_requests.c   requests in flight: `req` to the scheduler, tokens and ends back out
  *   events.c             KV events, their replay and snapshots
  *   frames.c, metrics.c, state.c   frames out, the series, the state and shared KV facts
@@ -95,6 +96,7 @@ typedef struct wk_hb_snap {
     uint32_t queue_depth, running, page_tokens;
     double decode_tps, prefill_tps;
     uint64_t tokens_total;
+    km_worker_role role;   /* o.role, which set_role changes on the loop's thread */
     km_msg_heartbeat peer; /* only its peer_addr, peer_addr_len, has_xfer, xfer (service_peer.c) */
     /* peer.xfer.pairs, copied: the links they come from are the loop's; the pulse points
      * peer.xfer.pairs (and each .from) at its own copy of the snapshot */

@@ -180,7 +180,7 @@ int wk_peer_create(wk_service *s, km_errbuf *err)
         km_errf(err, rc, "peer: no node address");
         return rc;
     }
-    if ((rc = wk_peer_metrics(s, p, err))) return rc;
+    if ((rc = wk_peer_metrics(s, p, err)) || (rc = wk_pd_metrics(s, p, err))) return rc;
     p->warm_pages = o->peer_warm_pages < 0 ? kv_store_pages_total(s->kv) / 4 : o->peer_warm_pages;
     p->warm_left = p->warm_pages;
     if (o->peer_view && o->peer_view[0]) {
@@ -299,6 +299,7 @@ int wk_peer_park(wk_service *s, const km_zframe *env, int n_env, const km_msg_re
     h->arrival_ns = now;
     int held = wk_peer_start(s, l, h, hs, toks, n_pages);
     if (held < 0) goto admit_now; /* a failure, or every page already here */
+    if (q->pd) wk_pd_begin(s, l, h, q, hs);
     KM_DEBUG("pull_start", "id=%llu from=%s pages=%d held_here=%d budget_ms=%llu",
              (unsigned long long)q->id, q->pull_from, n_pages, held, (unsigned long long)budget_ms);
     free(hs);
@@ -371,18 +372,22 @@ static void wk_peer_release(wk_service *s, int i)
                   : res.pages_imported                               ? WK_PULL_PARTIAL
                   : !res.status && res.pages_offered                 ? WK_PULL_PRESENT
                                                                      : WK_PULL_FAILED;
-    if (outcome != WK_PULL_FAILED)
-        p->pulls_ok++;
-    else
-        p->pulls_failed++;
-    km_counter_inc(p->s_pulls[outcome]);
+    /* a disaggregated request's round that found no page sealed yet is no failed pull */
+    bool counted = !h->pd || res.pages_offered;
+    if (counted) {
+        if (outcome != WK_PULL_FAILED)
+            p->pulls_ok++;
+        else
+            p->pulls_failed++;
+        km_counter_inc(p->s_pulls[outcome]);
+    }
     km_counter_add(p->s_bytes_in, res.bytes);
     km_hist_observe(p->s_seconds, (double)(now - h->start_ns) / 1e9);
     for (int d = 0; d < PR_DROP_COUNT; d++)
         if (res.dropped[d]) km_counter_add(p->s_fail[d], (uint64_t)res.dropped[d]);
-    if (!h->offer_ns)
+    if (counted && !h->offer_ns)
         km_counter_inc(p->s_fail[h->end_now ? PR_DROP_COUNT : PR_DROP_COUNT + 1]);
-    else if (!res.pages_offered)
+    else if (counted && !res.pages_offered)
         km_counter_inc(p->s_fail[PR_DROP_COUNT]);
     wk_peer_measure(p, h, &res, now);
     KM_INFO("pull_done",
@@ -401,19 +406,8 @@ static void wk_peer_release(wk_service *s, int i)
         wk_peer_bg_end(s, h, &res);
         return;
     }
-    km_msg q;
-    km_zframe env[WK_ENV_MAX];
-    int ne = wk_env_view(h->env, h->env_len, h->n_env, env);
-    km_proto_limits big = s->lim;
-    big.max_frame = (size_t)-1;
-    big.max_prompt_tok = UINT32_MAX;
-    if (km_msg_decode(h->frame.data, h->frame.len, &big, &q, NULL) == 0) {
-        wk_svc_admit(s, env, ne, &q.req, h->tokens, h->n_tokens, h->arrival_ns);
-        km_msg_clear(&q);
-    } else {
-        wk_svc_send_error(s, s->router, env, ne, h->id, KM_CODE_INTERNAL, 0, "held request lost");
-    }
-    wk_held_free(h);
+    if (h->pd && wk_pd_round_end(s, h, &res)) return; /* the prefill goes on: another round */
+    wk_peer_admit_held(s, h);
 }
 
 static wk_held *wk_peer_find(wk_peer *p, const wk_link *l, uint64_t pull_id)
@@ -435,6 +429,10 @@ static void wk_peer_answer(wk_service *s, wk_link *l, const km_zmsg *zm)
         wk_held *h = wk_peer_find(p, l, m.rejected_id);
         if (h) h->end_now = true;
         KM_WARN("peer_bad_answer", "endpoint=%s msg=\"%s\"", l->endpoint, err.msg);
+        return;
+    }
+    if (wk_pd_answer(s, l, &m)) { /* the prefill this worker asked for (service_pd.c) */
+        km_msg_clear(&m);
         return;
     }
     if (m.type == KM_MSG_KV_OFFER) {
@@ -536,6 +534,7 @@ void wk_peer_poll(wk_service *s)
         else
             i++;
     }
+    wk_pd_poll(s);
     wk_peer_bg_start(s);
 }
 
@@ -544,26 +543,22 @@ int wk_peer_cancel(wk_service *s, const km_zframe *env, int n_env, uint64_t id)
     wk_peer *p = s->peer;
     for (int i = 0; p && i < p->n_held; i++) {
         wk_held *h = p->held[i];
-        if (h->id != id || h->n_env != n_env) continue;
-        size_t off = 0;
-        int same = 1;
-        for (int j = 0; j < n_env && same; j++) {
-            same = h->env_len[j] == env[j].len && !memcmp(h->env + off, env[j].data, env[j].len);
-            off += h->env_len[j];
-        }
-        if (!same) continue;
+        if (h->id != id || !wk_held_env_is(h, env, n_env)) continue;
+        wk_pd_stop(h);
         wk_peer_release(s, i);
         wk_sreq *r = wk_svc_live_find(s, env, n_env, id);
         if (r) en_sched_cancel(s->sched, r->rid);
         return 1;
     }
-    return 0;
+    return p ? wk_pd_cancel(s, env, n_env, id) : 0;
 }
 
 void wk_peer_admit_all(wk_service *s)
 {
     if (s->peer) wk_peer_bg_drop(s->peer);
+    for (int i = 0; s->peer && i < s->peer->n_held; i++) wk_pd_stop(s->peer->held[i]);
     while (s->peer && s->peer->n_held) wk_peer_release(s, s->peer->n_held - 1);
+    if (s->peer) wk_pd_admit_all(s);
 }
 
 void wk_peer_heartbeat(wk_service *s, km_msg_heartbeat *hb)

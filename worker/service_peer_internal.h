@@ -49,6 +49,19 @@ typedef struct wk_link {
     int pulls; /* held requests pulling through it */
 } wk_link;
 
+/* A disaggregated request's prefill and rounds (service_pd.c; freed with its wk_held). */
+struct wk_pd {
+    uint64_t prefill_id;  /* the req this worker sent the prefill worker; 0: not sent */
+    km_pagehash *hs;      /* the chain [0, n_pages) */
+    int imported, during; /* pages pulled in all rounds; of them while the prefill ran */
+    int have;             /* leading pages here after the last round */
+    int rounds, empty_after;
+    uint64_t next_ns;  /* between rounds: when the next one starts */
+    uint64_t begin_ns; /* the first round's start */
+    bool done, failed; /* the prefill's done, or its error (or no link to send it) */
+    bool stop;         /* no more rounds */
+};
+
 /* A request held while its pull runs. */
 typedef struct wk_held {
     uint64_t id, pull_id;
@@ -67,6 +80,8 @@ typedef struct wk_held {
     int first;       /* background, pulling: the pages already here when it started */
     int reserved;    /* background, pulling: warm-up pages reserved for it */
     km_pagehash *hs; /* background: the chain's hashes */
+    /* disaggregated (service_pd.c): the prefill it pulls from; NULL: none */
+    struct wk_pd *pd;
 } wk_held;
 
 /* A chain this worker's drain pushed: its first and last page, the peer it went to (an index into
@@ -131,10 +146,20 @@ struct wk_peer {
     int n_pushed, n_push_to;
     wk_link *push_to[WK_PEER_VIEW];
     bool pushed_again; /* once per drain */
+    /* disaggregation (service_pd.c): requests between two pull rounds, their prefill ids */
+    wk_held *pd_wait[WK_PEER_HELD];
+    int n_pd_wait;
+    uint64_t pd_next_id;
+    km_series *s_pd_pages[2]; /* kvmesh_worker_pd_pages_imported_total{when} */
+    km_series *s_pd_reqs[3];  /* kvmesh_worker_pd_requests_total{outcome} */
 };
 
 /* links.c */
 void wk_held_free(wk_held *h);
+/* Whether h came in this routing envelope. */
+bool wk_held_env_is(const wk_held *h, const km_zframe *env, int n_env);
+/* h's request is admitted (its pull over), h freed. */
+void wk_peer_admit_held(wk_service *s, wk_held *h);
 void wk_link_close(wk_peer *p, wk_link *l);
 /* The link to a holder (its DEALER and node peer), made or reused; NULL when none can be. */
 wk_link *wk_peer_link(wk_service *s, const char *holder, const char *endpoint, const uint8_t *addr,
@@ -145,6 +170,24 @@ int wk_peer_not_started(wk_peer *p, const wk_link *l);
 /* Starts h's pull of the chain through l (kv_pull out); the pages already here, or < 0. */
 int wk_peer_start(wk_service *s, wk_link *l, wk_held *h, const km_pagehash *hs, const int32_t *toks,
                   int n_pages);
+
+/* service_pd.c: requests whose prompt a prefill worker computes (docs/disaggregation.md) */
+int wk_pd_metrics(wk_service *s, wk_peer *p, km_errbuf *err);
+/* h's first round has started: asks l's worker to compute the prompt (a req of max_tokens 1). */
+void wk_pd_begin(wk_service *s, wk_link *l, wk_held *h, const km_msg_request *q,
+                 const km_pagehash *hs);
+/* h's round ended with res: true when h waits for another round (not admitted). */
+bool wk_pd_round_end(wk_service *s, wk_held *h, const pr_pull_result *res);
+/* A done or error on link l answering a prefill this worker asked for: true when it was one. */
+bool wk_pd_answer(wk_service *s, wk_link *l, const km_msg *m);
+/* Starts the rounds that are due. */
+void wk_pd_poll(wk_service *s);
+/* Ends h's rounds at its current one (a cancel, a drain). */
+void wk_pd_stop(wk_held *h);
+/* A cancel of a request between two rounds: 1 when it was one (then admitted and canceled). */
+int wk_pd_cancel(wk_service *s, const km_zframe *env, int n_env, uint64_t id);
+/* Admits every request between rounds. */
+void wk_pd_admit_all(wk_service *s);
 
 /* service_serve.c */
 /* Offers the node has ready go back to their pullers. */

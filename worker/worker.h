@@ -33,6 +33,7 @@ typedef struct wk_service_opts {
     int event_replay;        /* KV events kept for replay; 0: 65536 */
     int max_frame;           /* bytes; 0: KM_PROTO_MAX_FRAME */
     bool chaos;              /* take the `pressure` admin command (fault injection; tests only) */
+    km_worker_role role;     /* what it computes (docs/disaggregation.md); 0: both */
     /* CURVE (docs/security.md): the requests ROUTER admits members and operators, the events PUB
      * members, the controller DEALER pins the key "controller"; NULL or insecure: none. Owned by
      * the caller, outlives the service. */

@@ -2145,3 +2145,93 @@ Test(proto, logprobs_and_logit_bias_are_validated)
     in.tok.n_top = 1;
     expect_encode_fail(&in, "tok.top: needs logprob");
 }
+
+Test(proto, worker_roles_roundtrip_and_both_is_the_default)
+{
+    for (int r = 0; r < KM_WROLE_COUNT; r++) {
+        km_msg in, out;
+        km_msg_init(&in, KM_MSG_HEARTBEAT);
+        in.hb.worker = "w";
+        in.hb.role = (km_worker_role)r;
+        roundtrip(&in, &out);
+        cr_assert_eq(out.hb.role, (km_worker_role)r);
+        km_msg_clear(&out);
+        km_view_worker one = {.id = "w", .role = (km_worker_role)r};
+        km_msg_init(&in, KM_MSG_VIEW);
+        in.view.controller = "c";
+        in.view.workers = &one;
+        in.view.n_workers = 1;
+        roundtrip(&in, &out);
+        cr_assert_eq(out.view.workers[0].role, (km_worker_role)r);
+        km_msg_clear(&out);
+        km_msg_init(&in, KM_MSG_ADMIN_REPLY);
+        in.admin_reply.cmd = KM_ADMIN_STATUS;
+        in.admin_reply.ok = true;
+        in.admin_reply.role = (km_worker_role)r;
+        roundtrip(&in, &out);
+        cr_assert_eq(out.admin_reply.role, (km_worker_role)r);
+        km_msg_clear(&out);
+        km_worker_role back;
+        cr_assert_eq(km_worker_role_parse(km_worker_role_name((km_worker_role)r), &back), 0);
+        cr_assert_eq(back, (km_worker_role)r);
+    }
+    km_worker_role back;
+    cr_assert_eq(km_worker_role_parse("mixed", &back), KM_EINVAL);
+    km_msg in;
+    km_msg_init(&in, KM_MSG_HEARTBEAT);
+    in.hb.worker = "w";
+    in.hb.role = KM_WROLE_COUNT;
+    km_buf b = {0};
+    cr_assert_neq(km_msg_encode(&in, NULL, &b, NULL), 0, "an unknown role is refused");
+    km_buf_free(&b);
+}
+
+Test(proto, the_pd_mark_travels_with_a_pull_hint_and_means_nothing_without_one)
+{
+    static const uint8_t addr[4] = {1, 2, 3, 4};
+    static const int32_t toks[3] = {1, 2, 3};
+    km_msg in, out;
+    km_msg_init(&in, KM_MSG_REQUEST);
+    in.req.id = 9;
+    in.req.model = "m";
+    in.req.tokens = toks;
+    in.req.n_tokens = 3;
+    in.req.pull_from = "w0";
+    in.req.pull_endpoint = "tcp://127.0.0.1:1";
+    in.req.pull_addr = addr;
+    in.req.pull_addr_len = 4;
+    in.req.pull_pages = 1;
+    in.req.pd = true;
+    roundtrip(&in, &out);
+    cr_assert(out.req.pd);
+    cr_assert_str_eq(out.req.pull_from, "w0");
+    km_msg_clear(&out);
+    in.req.pd = false;
+    roundtrip(&in, &out);
+    cr_assert_not(out.req.pd);
+    km_msg_clear(&out);
+    in.req.pull_from = NULL;
+    in.req.pd = true;
+    roundtrip(&in, &out);
+    cr_assert_not(out.req.pd, "no hint, no pd");
+    km_msg_clear(&out);
+}
+
+Test(proto, set_role_carries_a_known_role)
+{
+    km_msg in, out;
+    km_msg_init(&in, KM_MSG_ADMIN);
+    in.admin.id = 5;
+    in.admin.cmd = KM_ADMIN_SET_ROLE;
+    in.admin.role = "prefill";
+    roundtrip(&in, &out);
+    cr_assert_eq(out.admin.cmd, KM_ADMIN_SET_ROLE);
+    cr_assert_str_eq(out.admin.role, "prefill");
+    km_msg_clear(&out);
+    km_buf b = {0};
+    in.admin.role = "mixed";
+    cr_assert_neq(km_msg_encode(&in, NULL, &b, NULL), 0, "an unknown role is refused");
+    in.admin.role = NULL;
+    cr_assert_neq(km_msg_encode(&in, NULL, &b, NULL), 0, "set_role needs a role");
+    km_buf_free(&b);
+}
