@@ -297,9 +297,10 @@ moe-model: ## the MoE test models (models/*MoE*.gguf: llama, qwen2moe, granitemo
 # The transfer tests (test_xfer_peer, test_xfer_proc) run one test at a time: they fork and
 # start UCX threads, and with two at once Criterion's own runner leaks 48 bytes that
 # LeakSanitizer reports under SAN=1 (the tests themselves are clean).
-unit-tests: $(UNIT_BIN) ## every Criterion unit test (tests/unit)
+unit-tests: $(UNIT_BIN) $(if $(filter 1,$(CUDA)),$(if $(filter 00,$(SAN)$(TSAN)),$(GPU_TESTS))) ## every Criterion unit test (tests/unit), and the GPU tests where nvcc built them (they skip, saying why, without a GPU)
 	@set -e; echo "== UCX: $(UCX_DESC)"; for t in $(UNIT_BIN); do echo "== $$t"; \
 	  case $$t in */test_xfer_pe*|*/test_xfer_pr*) $$t --jobs 1;; *) $$t --jobs 2;; esac; done
+	@set -e; for t in $(if $(filter 1,$(CUDA)),$(if $(filter 00,$(SAN)$(TSAN)),$(GPU_TESTS))); do echo "== $$t"; $$t; done
 
 unit-tests-san: ## the unit tests under AddressSanitizer and UBSan (build/san)
 	@$(MAKE) --no-print-directory SAN=1 unit-tests
