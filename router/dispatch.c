@@ -163,6 +163,7 @@ int rt_dispatch(rt_router *r, rt_rq *q, bool from_queue)
     rt_index_match(r->index, q->chain, q->n_chain, mask | holders, r->c.policy.tier_credit,
                    r->c.page_tokens, now, &m);
     for (int i = 0; i < r->n_w; i++) cand[i].cached_tokens = cand[i].usable ? m.credit[i] : 0;
+    rt_pull_price(r, &m, cand); /* pull.c: a prefix another worker holds, priced as a pull */
     int n_ctx = q->replay ? q->n_prompt : q->n_prompt + q->n_gen;
     /* a tenant at --max-inflight-per-key waits in the queue even when a worker is free */
     int pick = rt_fair_held(r, q)
