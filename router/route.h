@@ -100,6 +100,7 @@ typedef struct rt_candidate {
     int slots;            /* requests the worker runs at once; beyond that they queue */
     int max_inflight;     /* the router sends no more than this; 0 = no limit */
     double cached_tokens; /* rt_match credit for this request */
+    double backlog;       /* prompt tokens the worker has yet to compute for others (cold only) */
 } rt_candidate;
 
 /* The rendezvous weight of (key, worker): the highest weight wins ties and cold prefixes. */
