@@ -7,7 +7,7 @@
 #     another holds), routed as by default and weighted for load: hit ratio and TTFT p50/p90;
 #  2. a level-3 restart (SIGTERM: the drain; `kvmesh up` restarts it) of the worker holding the
 #     most pages, under the skewed workload of phase 4 run without a pause: the cluster's hit
-#     ratio in the RESTART_WINDOW seconds after it against the RESTART_WINDOW seconds before;
+#     ratio in the RESTART_WINDOW seconds (60) after it against as many before;
 #  3. scale-out: a cluster of WORKERS/2 workers under the skewed workload, then `kvmesh scale
 #     --workers WORKERS`: the time from each new worker's readiness to its first prefix hit;
 #  4. the skewed workload: tenant t of SKEW_TENANTS gets a share of SKEW_REQUESTS proportional to
@@ -36,7 +36,7 @@ SKEW_TENANTS=${SKEW_TENANTS:-8}
 SKEW_REQUESTS=${SKEW_REQUESTS:-192}
 SKEW_PREFIX_TOKENS=${SKEW_PREFIX_TOKENS:-875}
 SKEW_CONCURRENCY=${SKEW_CONCURRENCY:-8}
-RESTART_WINDOW=${RESTART_WINDOW:-30}
+RESTART_WINDOW=${RESTART_WINDOW:-60}
 # P1_CONFIGS: phase 1's clusters, among "off on balanced-off balanced-on" (all by default)
 LOGS=build/bench-cluster-logs
 PEER="" # transfer nodes are on by default
