@@ -90,10 +90,11 @@ workload() { # LABEL
         --label "$1" | tee -a "$LOGS/results.txt"
 }
 
+# SKEW_EXEC=exec in a background call: the job's pid ($!) is then bench_router's own
 skewed() { # LABEL REQUESTS [ARGS...]: the skewed workload of phase 4
     local label=$1 n=$2
     shift 2
-    "$BENCH" workload --router "$RQ" --tenants "$SKEW_TENANTS" --skew "$SKEW" \
+    ${SKEW_EXEC:-} "$BENCH" workload --router "$RQ" --tenants "$SKEW_TENANTS" --skew "$SKEW" \
         --requests "$n" --prefix-tokens "$SKEW_PREFIX_TOKENS" \
         --concurrency "$SKEW_CONCURRENCY" --max-tokens "$MAX_TOKENS" --label "$label" "$@"
 }
@@ -190,7 +191,7 @@ if [[ " $PHASES " == *" 2 "* ]]; then
     start_up p2 "$WORKERS" "$PEER"
     run="$LOGS/p2/run"
     skewed warm $((SKEW_REQUESTS / 4)) >/dev/null # every tenant's text computed once
-    skewed bg 20000 --trace "$LOGS/p2/trace" >/dev/null 2>"$LOGS/p2/load.err" &
+    SKEW_EXEC='exec' skewed bg 20000 --trace "$LOGS/p2/trace" >/dev/null 2>"$LOGS/p2/load.err" &
     LOAD=$!
     EXTRA+=("$LOAD")
     sleep "$RESTART_WINDOW" # the window before
@@ -237,7 +238,7 @@ if [[ " $PHASES " == *" 3 "* ]]; then
     start_up p3 "$half" "$PEER"
     run="$LOGS/p3/run"
     skewed base $((SKEW_REQUESTS / 4)) >/dev/null
-    skewed bg 20000 >/dev/null 2>&1 &
+    SKEW_EXEC='exec' skewed bg 20000 >/dev/null 2>&1 &
     EXTRA+=("$!")
     t0=$(date +%s.%N)
     "$BIN/kvmesh" scale --workers "$WORKERS" --run-dir "$run" >"$LOGS/p3/scale.log" 2>&1 &
