@@ -18,14 +18,21 @@
  *                                           a shared-prefix workload: every tenant has a long
  *                                           system prompt (its own cache_salt) and asks short
  *                                           questions; prints the prefix hit ratio (cached over
- *                                           prompt tokens, as the workers report) and TTFT
- *                                           p50/p90 as the client sees it
+ *                                           prompt tokens, as the workers report), its ceiling
+ *                                           (each tenant's prefix computed once), TTFT p50/p90
+ *                                           as the client sees it and requests per worker.
+ *                                           --skew S --requests N: tenant t gets a share of the
+ *                                           N requests proportional to 1/(t+1)^S; --trace FILE:
+ *                                           a line per finished request (wall-clock ms, prompt
+ *                                           and cached tokens, worker, TTFT ms, tenant)
  * bench/bench_router.sh runs all three against `kvmesh up` clusters, one per routing mode.
  * A benchmark prints figures; it asserts nothing about time.
  */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "bench/bench_util.h"
 #include "client/kvmesh.h"
@@ -334,6 +341,44 @@ static char *system_prompt(int tenant, int approx_tokens)
     return (char *)b.data;
 }
 
+/* The ceiling of the hit ratio (each tenant's shared prefix computed once in the cluster: the
+ * longest cached count any of its requests saw, in every other request of it) and the requests
+ * each worker served, the most over the mean. */
+static void workload_shares(const job *jobs, int n, int tenants, uint64_t pt, uint64_t ct,
+                            int workers, const char *label)
+{
+    double can = 0;
+    for (int t = 0; t < tenants; t++) {
+        uint32_t shared = 0;
+        int nt = 0;
+        for (int i = 0; i < n; i++)
+            if (jobs[i].tenant == t && jobs[i].prompt_tokens) {
+                nt++;
+                if (jobs[i].cached > shared) shared = jobs[i].cached;
+            }
+        if (nt > 1) can += (double)(nt - 1) * shared;
+    }
+    char names[RT_MAX_WORKERS][64];
+    int served[RT_MAX_WORKERS] = {0}, nw = 0, most = 0, done = 0;
+    for (int i = 0; i < n; i++) {
+        if (!jobs[i].worker[0]) continue;
+        int w = 0;
+        while (w < nw && strcmp(names[w], jobs[i].worker)) w++;
+        if (w == nw && nw < RT_MAX_WORKERS)
+            snprintf(names[nw++], sizeof names[0], "%s", jobs[i].worker);
+        if (w < nw) served[w]++;
+        done++;
+    }
+    printf("%-12s ceiling %5.1f%%  hit/ceiling %5.1f%%  requests per worker", label,
+           pt ? 100.0 * can / pt : 0, can > 0 ? 100.0 * (double)ct / can : 0);
+    for (int w = 0; w < nw; w++) {
+        printf(" %s:%d", names[w], served[w]);
+        if (served[w] > most) most = served[w];
+    }
+    if (workers < nw) workers = nw; /* a worker that served nothing still counts in the mean */
+    printf("  most/mean %.2f\n", workers && done ? most * (double)workers / done : 0);
+}
+
 static int workload(int argc, char **argv)
 {
     const char *ep = bench_arg(argc, argv, "--router", "tcp://127.0.0.1:7000");
@@ -343,12 +388,34 @@ static int workload(int argc, char **argv)
     int conc = atoi(bench_arg(argc, argv, "--concurrency", "8"));
     int max_tokens = atoi(bench_arg(argc, argv, "--max-tokens", "8"));
     const char *label = bench_arg(argc, argv, "--label", "");
-    int n = tenants * per;
+    double skew = atof(bench_arg(argc, argv, "--skew", "0"));
+    int n = atoi(bench_arg(argc, argv, "--requests", "0"));
+    const char *trace_path = bench_arg(argc, argv, "--trace", "");
+    if (tenants < 1 || tenants > 64) tenants = tenants < 1 ? 1 : 64;
+    if (n <= 0) n = tenants * per;
     job *jobs = calloc((size_t)n, sizeof *jobs);
     char **sys = calloc((size_t)tenants, sizeof *sys);
     for (int t = 0; t < tenants; t++) sys[t] = system_prompt(t, ptok);
+    /* each tenant's count: n x its share (1/(t+1)^skew over the sum), by largest remainder */
+    int count[64] = {0}, k0 = 0;
+    double wsum = 0, rem[64];
+    for (int t = 0; t < tenants; t++) wsum += pow(t + 1, -skew);
+    for (int t = 0; t < tenants; t++) {
+        double want = n * pow(t + 1, -skew) / wsum;
+        count[t] = (int)want;
+        rem[t] = want - count[t];
+        k0 += count[t];
+    }
+    for (; k0 < n; k0++) {
+        int b = 0;
+        for (int t = 1; t < tenants; t++)
+            if (rem[t] > rem[b]) b = t;
+        count[b]++;
+        rem[b] = -1;
+    }
+    for (int t = 0, i = 0; t < tenants; t++)
+        for (int c = 0; c < count[t]; c++) jobs[i++].tenant = t;
     /* a fixed, shuffled order: every routing mode sees the same sequence */
-    for (int i = 0; i < n; i++) jobs[i].tenant = i % tenants;
     uint64_t s = 42;
     for (int i = n - 1; i > 0; i--) {
         s = s * 6364136223846793005ull + 1442695040888963407ull;
@@ -356,13 +423,6 @@ static int workload(int argc, char **argv)
         int t = jobs[i].tenant;
         jobs[i].tenant = jobs[j].tenant;
         jobs[j].tenant = t;
-    }
-    for (int i = 0; i < n; i++) {
-        km_buf b = {0};
-        km_buf_printf(&b, "%s\nQuestion %d: what does word %d of the handbook mean?\nAnswer:",
-                      sys[jobs[i].tenant], i, i % 97);
-        km_buf_append(&b, "", 1);
-        jobs[i].prompt = (char *)b.data;
     }
     kvm_client *c = NULL;
     km_errbuf err = {{0}};
@@ -372,12 +432,18 @@ static int workload(int argc, char **argv)
     }
     char salts[64][32];
     for (int t = 0; t < tenants && t < 64; t++) snprintf(salts[t], sizeof salts[t], "tenant-%d", t);
+    FILE *trace = trace_path[0] ? fopen(trace_path, "w") : NULL;
     int next = 0, inflight = 0, finished = 0, failed = 0;
     double t_start = now_ms();
     while (finished < n) {
         while (inflight < conc && next < n) {
             km_msg_request q;
             kvm_request_init(&q);
+            km_buf b = {0}; /* built as it is sent: a long run holds only those in flight */
+            km_buf_printf(&b, "%s\nQuestion %d: what does word %d of the handbook mean?\nAnswer:",
+                          sys[jobs[next].tenant], next, next % 97);
+            km_buf_append(&b, "", 1);
+            jobs[next].prompt = (char *)b.data;
             q.id = (uint64_t)next + 1;
             q.prompt = jobs[next].prompt;
             q.temperature = 0;
@@ -409,12 +475,22 @@ static int workload(int argc, char **argv)
                     j->cached = m.done.cached_tokens;
                     snprintf(j->worker, sizeof j->worker, "%s", m.done.worker ? m.done.worker : "");
                     if (j->ttft == 0) j->ttft = now_ms() - j->t0;
+                    if (trace) {
+                        struct timespec ts;
+                        clock_gettime(CLOCK_REALTIME, &ts);
+                        fprintf(trace, "%.0f %u %u %s %.1f %d\n",
+                                ts.tv_sec * 1e3 + ts.tv_nsec / 1e6, j->prompt_tokens, j->cached,
+                                j->worker, j->ttft, j->tenant);
+                        fflush(trace);
+                    }
                 } else {
                     failed++;
                     fprintf(stderr, "bench_router: request %llu: %d %s\n", (unsigned long long)id,
                             m.error.code, m.error.message);
                 }
                 j->done = true;
+                free(j->prompt);
+                j->prompt = NULL;
                 finished++;
                 inflight--;
             }
@@ -448,6 +524,8 @@ static int workload(int argc, char **argv)
            "ms  p90 %8.1f ms  tenants on one worker %d/%d  wall %.1f s\n",
            label, n, failed, (unsigned long long)pt, pt ? 100.0 * ct / pt : 0,
            bench_pct(tt, k, 0.5), bench_pct(tt, k, 0.9), sticky, tenants, wall / 1e3);
+    workload_shares(jobs, n, tenants, pt, ct, atoi(bench_arg(argc, argv, "--workers", "0")), label);
+    if (trace) fclose(trace);
     for (int i = 0; i < n; i++) free(jobs[i].prompt);
     for (int t = 0; t < tenants; t++) free(sys[t]);
     free(sys);

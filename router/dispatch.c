@@ -55,6 +55,20 @@ static rt_rq *prefilling_owner(rt_router *r, const rt_rq *q, int w)
     return NULL;
 }
 
+/* A prefix no worker holds: each candidate's prefill backlog, the prompt tokens of its requests
+ * that have no first token yet less what was predicted cached, so that first prefills spread
+ * over the workers instead of stacking on the one rendezvous prefers (a worker computing two
+ * prefixes is busier than one serving two hits, which requests in flight do not tell). */
+static void cold_backlog(rt_router *r, const rt_rq *q, rt_candidate *cand)
+{
+    for (int i = 0; i < r->n_w; i++)
+        if (cand[i].cached_tokens > 0) return;
+    for (int b = 0; b < RT_RQ_BUCKETS; b++)
+        for (const rt_rq *o = r->buckets[b]; o; o = o->hnext)
+            if (o != q && o->worker >= 0 && !o->t_first && o->n_prompt > o->predicted)
+                cand[o->worker].backlog += o->n_prompt - o->predicted;
+}
+
 /* The request frame to worker pick (tokens = prompt + generated so far, or the prompt alone for
  * a replay), and q's accounting. Returns 0, or a negative km_err when q was failed and freed. */
 static int send_to(rt_router *r, rt_rq *q, int pick, int n_ctx, uint32_t remaining, bool from_queue,
@@ -166,6 +180,8 @@ int rt_dispatch(rt_router *r, rt_rq *q, bool from_queue)
     rt_index_match(r->index, q->chain, q->n_chain, mask | holders, r->c.policy.tier_credit,
                    r->c.page_tokens, now, &m);
     for (int i = 0; i < r->n_w; i++) cand[i].cached_tokens = cand[i].usable ? m.credit[i] : 0;
+    rt_pull_price(r, &m, cand); /* pull.c: a prefix another worker holds, priced as a pull */
+    if (r->c.policy.mode == RT_MODE_KV) cold_backlog(r, q, cand);
     int n_ctx = q->replay ? q->n_prompt : q->n_prompt + q->n_gen;
     /* a tenant at --max-inflight-per-key waits in the queue even when a worker is free */
     int pick = rt_fair_held(r, q)

@@ -508,6 +508,10 @@ void rt_update_page_gauges(rt_router *r);
 
 /* A view's figures for w (its transfer address, measured rates, page size). */
 void rt_pull_view(rt_wk *w, const km_view_worker *vw);
+/* Before the pick: each usable candidate that could pull a longer prefix than it holds, more
+ * cheaply than computing it, gets the saved prefill in its cached credit (rt_pull_credit), so a
+ * loaded holder loses to a less loaded worker that pulls (docs/router.md, "Hot prefixes"). */
+void rt_pull_price(const rt_router *r, const rt_match *m, rt_candidate *cand);
 /* After the pick: does another worker hold more of q's chain, and is pulling it cheaper? Sets
  * q's hint (or clears it) and counts the decision. */
 void rt_pull_advise(rt_router *r, rt_rq *q, int pick, const rt_match *m);

@@ -3,9 +3,13 @@
  * "Routing" and rendezvous hashing for ties and cold prefixes, plus round-robin and random
  * placement, which exist as baselines for bench/bench_router.sh.
  *
- * cost(w) = w_prefill * (prompt tokens - cached credit on w)
+ * cost(w) = w_prefill * (prompt tokens - cached credit on w + prefill backlog of w)
  *         + w_decode  * requests running on w (up to its slots)
  *         + w_queue   * requests waiting on w (beyond its slots)
+ *
+ * The backlog (prompt tokens w has yet to compute for others) is filled in by the caller for a
+ * prefix no worker holds only, so that first prefills spread instead of stacking on one worker;
+ * for a held prefix affinity and in-flight load decide, as before.
  *
  * Why it is built this way: the cost is in units of "prompt tokens to compute", so one running
  * decode is worth w_decode tokens of prefill and a queued request w_queue; a worker holding a
@@ -81,7 +85,7 @@ double rt_cost(const rt_policy *p, const rt_candidate *c, int n_prompt)
     int slots = c->slots > 0 ? c->slots : 1;
     int running = c->inflight < slots ? c->inflight : slots;
     int waiting = c->inflight - running;
-    return p->w_prefill * uncached + p->w_decode * running + p->w_queue * waiting;
+    return p->w_prefill * (uncached + c->backlog) + p->w_decode * running + p->w_queue * waiting;
 }
 
 static bool eligible(const rt_candidate *c)

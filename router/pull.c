@@ -17,8 +17,16 @@
  * router recomputes (`unmeasured`). The hint
  * carries recompute_ms as the pull's budget, so a pull slower than computing is abandoned.
  *
- * rt_pull_decide is plain data in, decision out (tests/unit/test_router_pull.c); the rest reads
- * the router's workers and writes the request's hint.
+ * The same rule prices pulls for the pick (rt_pull_price, before rt_pick): a worker that would
+ * pull a prefix is credited with the prefill the pull saves, so its cost carries the pull's time
+ * instead of the whole recompute. Without it a hot tenant's holder wins until it runs ~30 more
+ * requests than an idle worker (recomputing the prefix elsewhere costs that much); with it a
+ * holder one or two requests busier than another worker loses to it, which pulls the prefix:
+ * a hot prefix is replicated to a second (third...) worker exactly when its holder's queue costs
+ * more than a pull (docs/router.md, "Hot prefixes").
+ *
+ * rt_pull_decide and rt_pull_credit are plain data in, decision out
+ * (tests/unit/test_router_pull.c); the rest reads the router's workers and writes the hint.
  */
 #include <stdio.h>
 #include <string.h>
@@ -128,30 +136,69 @@ void rt_pull_view(rt_wk *w, const km_view_worker *vw)
             x->prefill_tps > 0 ? 0.7 * x->prefill_tps + 0.3 * vw->prefill_tps : vw->prefill_tps;
 }
 
+/* The figures of every worker as seen by `to`, the would-be puller: a holder's pages must be
+ * stored, not pending (still being computed: nothing to hand over yet), while the puller's own
+ * pending pages count, they will be there; a holder whose last hints to `to` failed is passed
+ * over for a while; a puller that has not measured its prefill rate yet (it computed nothing
+ * while busy) is taken at the cluster's mean, every worker running the same model. */
+static void pull_inputs(const rt_router *r, int to, const rt_match *m, uint64_t now, rt_pull_in *in)
+{
+    const rt_wk *tw = &r->w[to];
+    double sum = 0;
+    int k = 0;
+    for (int i = 0; i < r->n_w; i++) {
+        const rt_wk *w = &r->w[i];
+        in[i] = (rt_pull_in){.pages = i == to ? m->pages[i] : m->stored[i],
+                             .serves = rt_wk_serves_pages(r, w) && now >= tw->pull_cool_until_ms[i],
+                             .rate_bps = w->xfer.rate_bps,
+                             .lat_ms = w->xfer.lat_ms,
+                             .prefill_tps = w->xfer.prefill_tps,
+                             .page_bytes = w->xfer.page_bytes};
+        for (uint32_t j = 0; j < tw->xfer.n_pairs; j++)
+            if (!strcmp(tw->xfer.pairs[j].from, w->id)) {
+                in[i].pair_rate_bps = tw->xfer.pairs[j].rate_bps;
+                in[i].pair_lat_ms = tw->xfer.pairs[j].lat_ms;
+            }
+        if (w->xfer.prefill_tps > 0) {
+            sum += w->xfer.prefill_tps;
+            k++;
+        }
+    }
+    if (in[to].prefill_tps <= 0 && k) in[to].prefill_tps = sum / k;
+}
+
+double rt_pull_credit(const rt_policy *pol, const rt_pull_in *c, int n, int i, int page_tokens)
+{
+    rt_pull_choice ch;
+    if (rt_pull_decide(pol, c, n, i, page_tokens, &ch) != RT_PULL_PULL) return 0;
+    /* a pull is never priced below the tie band: a holder and a puller equally loaded are no
+     * tie (a rendezvous draw would move pages for nothing), the holder wins */
+    double saved =
+        (ch.pages - c[i].pages) * (double)page_tokens * (1.0 - ch.pull_ms / ch.recompute_ms);
+    return saved > pol->tie_band ? saved - pol->tie_band : 0;
+}
+
+void rt_pull_price(const rt_router *r, const rt_match *m, rt_candidate *cand)
+{
+    if (r->c.policy.mode != RT_MODE_KV) return;
+    int most = 0; /* the longest stored prefix: nobody holding less than it, nothing to pull */
+    for (int i = 0; i < r->n_w; i++)
+        if (m->stored[i] > most && rt_wk_serves_pages(r, &r->w[i])) most = m->stored[i];
+    rt_pull_in in[RT_MAX_WORKERS];
+    uint64_t now = rt_now_ms();
+    for (int i = 0; i < r->n_w; i++) {
+        if (!cand[i].usable || m->pages[i] >= most || !r->w[i].xfer.addr_len) continue;
+        pull_inputs(r, i, m, now, in);
+        cand[i].cached_tokens += rt_pull_credit(&r->c.policy, in, r->n_w, i, r->c.page_tokens);
+    }
+}
+
 void rt_pull_advise(rt_router *r, rt_rq *q, int pick, const rt_match *m)
 {
     q->pull_w = 0;
     if (r->c.policy.mode != RT_MODE_KV || pick < 0 || !r->w[pick].xfer.addr_len) return;
     rt_pull_in in[RT_MAX_WORKERS];
-    const rt_wk *to = &r->w[pick];
-    uint64_t now = rt_now_ms();
-    for (int i = 0; i < r->n_w; i++) {
-        rt_wk *w = &r->w[i];
-        /* a holder whose last hints to this worker failed is passed over for a while */
-        /* a holder's pages must be stored, not pending (still being computed: nothing to hand
-         * over yet); the chosen worker's own pending pages count, they will be there */
-        in[i] = (rt_pull_in){.pages = i == pick ? m->pages[i] : m->stored[i],
-                             .serves = rt_wk_serves_pages(r, w) && now >= to->pull_cool_until_ms[i],
-                             .rate_bps = w->xfer.rate_bps,
-                             .lat_ms = w->xfer.lat_ms,
-                             .prefill_tps = w->xfer.prefill_tps,
-                             .page_bytes = w->xfer.page_bytes};
-        for (uint32_t k = 0; k < to->xfer.n_pairs; k++)
-            if (!strcmp(to->xfer.pairs[k].from, w->id)) {
-                in[i].pair_rate_bps = to->xfer.pairs[k].rate_bps;
-                in[i].pair_lat_ms = to->xfer.pairs[k].lat_ms;
-            }
-    }
+    pull_inputs(r, pick, m, rt_now_ms(), in);
     rt_pull_choice ch;
     int d = rt_pull_decide(&r->c.policy, in, r->n_w, pick, r->c.page_tokens, &ch);
     if (d == RT_PULL_NONE) return;

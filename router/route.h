@@ -100,6 +100,7 @@ typedef struct rt_candidate {
     int slots;            /* requests the worker runs at once; beyond that they queue */
     int max_inflight;     /* the router sends no more than this; 0 = no limit */
     double cached_tokens; /* rt_match credit for this request */
+    double backlog;       /* prompt tokens the worker has yet to compute for others (cold only) */
 } rt_candidate;
 
 /* The rendezvous weight of (key, worker): the highest weight wins ties and cold prefixes. */
@@ -179,6 +180,11 @@ bool rt_pull_hint_ok(uint32_t cached_tokens, uint32_t pull_pages, int page_token
 uint64_t rt_pull_backoff_ms(uint32_t fails);
 int rt_pull_decide(const rt_policy *pol, const rt_pull_in *c, int n, int pick, int page_tokens,
                    rt_pull_choice *out);
+/* What pulling saves candidate i, in prompt tokens for the cost model: when rt_pull_decide says
+ * pull, the pulled pages' tokens x (1 - pull_ms / recompute_ms) less the tie band, so that a pull
+ * is priced at the prefill time it takes and never ties with a holder as loaded; else 0. Added
+ * to i's cached credit before rt_pick. */
+double rt_pull_credit(const rt_policy *pol, const rt_pull_in *c, int n, int i, int page_tokens);
 
 /* Disaggregation (router/pd.c, docs/disaggregation.md): one worker's part in the decision. */
 typedef struct rt_pd_in {

@@ -347,6 +347,25 @@ Test(router_policy, cold_prefixes_spread_by_rendezvous_and_stick)
     for (int i = 0; i < 4; i++) cr_assert(hits[i] > 60 && hits[i] < 140, "w%d got %d", i, hits[i]);
 }
 
+/* A cold prefix (held nowhere) goes past a worker with first prefills still to compute, whatever
+ * rendezvous prefers: in flight alone, a worker computing two prefixes looks as busy as one
+ * serving two hits. */
+Test(router_policy, a_cold_prefix_avoids_a_worker_with_a_prefill_backlog)
+{
+    rt_policy p;
+    rt_policy_default(&p);
+    const char *ids[4] = {"w0", "w1", "w2", "w3"};
+    km_pagehash k = {5, 6};
+    rt_candidate c[4];
+    for (int i = 0; i < 4; i++) c[i] = cand(ids[i], 1, 0);
+    uint64_t st = 0;
+    int first = rt_pick(&p, c, 4, 900, k, &st);
+    c[first].backlog = 1800; /* two first prefills of ~900 tokens ahead */
+    int next = rt_pick(&p, c, 4, 900, k, &st);
+    cr_assert_neq(next, first);
+    cr_assert_float_eq(rt_cost(&p, &c[first], 900), 900 + 1800 + 32, 1e-9);
+}
+
 Test(router_policy, unusable_and_full_workers_are_skipped)
 {
     rt_policy p;

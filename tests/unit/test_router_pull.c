@@ -147,3 +147,60 @@ Test(router_pull, failed_hints_back_a_pair_off_doubling_up_to_a_minute)
     cr_assert_eq(rt_pull_backoff_ms(7), 60000);
     cr_assert_eq(rt_pull_backoff_ms(1000), 60000);
 }
+
+/* What a pull saves is priced for the cost model: the pulled pages' tokens less the prefill time
+ * the pull takes and the tie band; nothing when it would not be pulled (no cheaper pull, nobody
+ * to pull from). */
+Test(router_pull, a_pull_is_credited_with_the_prefill_it_saves)
+{
+    rt_pull_in c[3] = {measured(0), measured(50), measured(10)};
+    double pull = 2 + 50 * PB / 1e9 * 1000, recompute = 50 * PT / 1000.0 * 1000;
+    double band = pol.tie_band; /* a pull never ties with a holder as loaded */
+    cr_assert_float_eq(rt_pull_credit(&pol, c, 3, 0, PT), 50 * PT * (1 - pull / recompute) - band,
+                       1e-9);
+    cr_assert_float_eq(rt_pull_credit(&pol, c, 3, 2, PT),
+                       40 * PT * (1 - (2 + 40 * PB / 1e6) / (40 * PT)) - band, 1e-9,
+                       "only the pages it lacks");
+    c[2].pages = 49; /* one page to pull: it saves less than the band */
+    cr_assert_eq(rt_pull_credit(&pol, c, 3, 2, PT), 0);
+    c[2].pages = 10;
+    cr_assert_eq(rt_pull_credit(&pol, c, 3, 1, PT), 0, "the holder itself");
+    c[0].rate_bps = 1e6; /* a slow link: pulling dearer than computing */
+    cr_assert_eq(rt_pull_credit(&pol, c, 3, 0, PT), 0);
+    c[0].rate_bps = 1e9;
+    c[1].serves = c[2].serves = false; /* draining without a node, or backed off */
+    cr_assert_eq(rt_pull_credit(&pol, c, 3, 0, PT), 0);
+}
+
+/* A skewed workload's hot tenant: its holder keeps it while it is no busier than the others;
+ * once its queue costs more than a pull, a less loaded worker that can pull wins (and gets the
+ * hint), while without a pull to price it the holder keeps every request however busy. */
+Test(router_pull, a_hot_prefix_goes_to_a_less_loaded_worker_once_its_holder_is_busy)
+{
+    enum { W = 4, PAGES = 55 };
+    rt_pull_in in[W];
+    for (int i = 0; i < W; i++) in[i] = measured(i == 2 ? PAGES : 0);
+    const char *ids[W] = {"w0", "w1", "w2", "w3"};
+    rt_candidate c[W];
+    int n_prompt = PAGES * PT + 12;
+    km_pagehash key = {.lo = 7, .hi = 9};
+    uint64_t st = 0;
+    for (int busy = 0; busy <= 4; busy++) {
+        for (int i = 0; i < W; i++) {
+            c[i] = (rt_candidate){.id = ids[i], .usable = true, .slots = 8, .max_inflight = 64};
+            c[i].inflight = i == 2 ? busy : 1;
+            c[i].cached_tokens = i == 2 ? PAGES * PT : 0;
+        }
+        cr_assert_eq(rt_pick(&pol, c, W, n_prompt, key, &st), 2, "no pull priced: sticky");
+        for (int i = 0; i < W; i++) c[i].cached_tokens += rt_pull_credit(&pol, in, W, i, PT);
+        int pick = rt_pick(&pol, c, W, n_prompt, key, &st);
+        if (busy == 2) continue; /* within the tie band of a pull: rendezvous decides */
+        if (busy <= 1)
+            cr_assert_eq(pick, 2, "holder as idle as the rest (busy %d)", busy);
+        else
+            cr_assert_neq(pick, 2, "holder %d busy, the others 1: pulling is cheaper", busy);
+        rt_pull_choice ch;
+        cr_assert_eq(rt_pull_decide(&pol, in, W, pick, PT, &ch),
+                     pick == 2 ? RT_PULL_NONE : RT_PULL_PULL);
+    }
+}
