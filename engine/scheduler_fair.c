@@ -46,9 +46,8 @@ static int en_fair_others(const en_sched *s, uint64_t id, uint64_t now)
 {
     if (s->n_tn > 1) return 1; /* every counted tenant has a request here */
     int o = s->ended[0].id == id;
-    uint64_t linger = (uint64_t)(s->o.tenant_linger_ms > 0 ? s->o.tenant_linger_ms
-                                                           : EN_FAIR_LINGER_MS) *
-                      1000000;
+    uint64_t linger =
+        (uint64_t)(s->o.tenant_linger_ms > 0 ? s->o.tenant_linger_ms : EN_FAIR_LINGER_MS) * 1000000;
     return s->ended[o].end_ns && s->ended[o].id != id && now - s->ended[o].end_ns < linger;
 }
 

@@ -1404,6 +1404,43 @@ Test(security, a_key_alone_is_not_held_to_its_inflight_share)
     stop_proc(&g_ctl);
 }
 
+/* Issue 41, 4: a key alone filled the worker's batch (the router never holds a key alone); when
+ * another key asks, the worker sends the first key's newest sequences back to its queue
+ * (--max-running-per-tenant, 4 by default) and runs the newcomer's. Judged by the worker's
+ * counter of sequences sent back, not by time. */
+Test(security, a_worker_full_of_one_keys_sequences_makes_room_for_another_key)
+{
+    if (!have_model()) return;
+    start_cluster();
+    enum { FLOOD = 12 };
+    void *a = flood_n("client", FLOOD, 1024); /* runs through the whole test */
+    uint64_t until = km_now_ns() + 120000000000ull;
+    /* running there, not only sent: requests still in its queue would just wait (no yield) */
+    while (metric(g_w0.admin, "kvmesh_worker_running ") < FLOOD) {
+        cr_assert_lt(km_now_ns(), until, "client's flood never all ran at the worker");
+        usleep(20000);
+    }
+    cr_assert_eq(metric(g_w0.admin, "kvmesh_worker_tenant_yields_total"), 0, "client is alone");
+    km_msg m;
+    void *bk = peer(KM_ZDEALER, g_rt.a, KEY_NAMED, "client2", "router");
+    msg_request(&m, 1);
+    m.req.max_tokens = 2;
+    send_msg(bk, &m);
+    cr_assert_eq(recv_type(bk, KM_MSG_DONE, &m, 120000), 0, "client2's request got no done");
+    km_msg_clear(&m);
+    /* heartbeats carry the scheduler's counters to the metric */
+    until = km_now_ns() + 30000000000ull;
+    while (metric(g_w0.admin, "kvmesh_worker_tenant_yields_total") < 1) {
+        cr_assert_lt(km_now_ns(), until, "the worker sent none of client's sequences back");
+        usleep(50000);
+    }
+    km_zsock_close(a);
+    km_zsock_close(bk);
+    stop_proc(&g_rt);
+    stop_proc(&g_w0);
+    stop_proc(&g_ctl);
+}
+
 /* Issue 41, 4: --max-tokens-per-sec-per-key is a token bucket per key over prompt and generated
  * tokens: at one token per 100 s one request is admitted (the bucket is not in debt) and pays
  * its prompt and completion, the next one gets 429 with the time until the debt is paid, and
