@@ -1246,6 +1246,19 @@ static int fence(void *a)
     return done;
 }
 
+/* A 2-token request of `key` on a new socket (returned), once its done has come. */
+static void *short_request(const char *key)
+{
+    km_msg m;
+    void *s = peer(KM_ZDEALER, g_rt.a, KEY_NAMED, key, "router");
+    msg_request(&m, 1);
+    m.req.max_tokens = 2;
+    send_msg(s, &m);
+    cr_assert_eq(recv_type(s, KM_MSG_DONE, &m, 120000), 0, "%s's request got no done", key);
+    km_msg_clear(&m);
+    return s;
+}
+
 /* Issue 41, 4: a key that floods the router's queue does not hold back another key's request:
  * the queue serves the tenant with the fewest requests at workers first, so client2's one
  * request goes out at the next free slot instead of behind every queued request of client's.
@@ -1259,12 +1272,7 @@ Test(security, a_flooding_key_does_not_hold_back_another_keys_request)
     void *a = flood("client", FLOOD);
     int a_done = fence(a);
     int before = a_done;
-    void *bk = peer(KM_ZDEALER, g_rt.a, KEY_NAMED, "client2", "router");
-    msg_request(&m, 1);
-    m.req.max_tokens = 2;
-    send_msg(bk, &m);
-    cr_assert_eq(recv_type(bk, KM_MSG_DONE, &m, 120000), 0, "client2's request got no done");
-    km_msg_clear(&m);
+    void *bk = short_request("client2");
     while (next_frame(a, 0, &m)) {
         a_done += m.type == KM_MSG_DONE;
         km_msg_clear(&m);
@@ -1421,13 +1429,7 @@ Test(security, a_worker_full_of_one_keys_sequences_makes_room_for_another_key)
         usleep(20000);
     }
     cr_assert_eq(metric(g_w0.admin, "kvmesh_worker_tenant_yields_total"), 0, "client is alone");
-    km_msg m;
-    void *bk = peer(KM_ZDEALER, g_rt.a, KEY_NAMED, "client2", "router");
-    msg_request(&m, 1);
-    m.req.max_tokens = 2;
-    send_msg(bk, &m);
-    cr_assert_eq(recv_type(bk, KM_MSG_DONE, &m, 120000), 0, "client2's request got no done");
-    km_msg_clear(&m);
+    void *bk = short_request("client2");
     /* heartbeats carry the scheduler's counters to the metric */
     until = km_now_ns() + 30000000000ull;
     while (metric(g_w0.admin, "kvmesh_worker_tenant_yields_total") < 1) {
