@@ -8,9 +8,15 @@
 #    abuser would); counts its 200s and 429s;
 #  - the victim: VICTIM_N streamed completions of key "victim" one after another, each with a
 #    prompt of its own (no cache hit), TTFT = the first content chunk.
-# CONFIGS: the router's extra flags per run, runs separated by ';' (each on a fresh cluster): by
-# default without the in-flight limit and with the limits as shipped (a smaller queue share in
-# both, so the flood meets it). Prints figures, asserts nothing about time.
+# Each run: the victim alone (idle TTFT); the flood starts and 3 s later the victim again (TTFT
+# under the flood); then the victim stops and, 2 s later (past the 1 s both the router and the
+# worker count a tenant active after its last request), the flood's tokens/s alone over ALONE_S
+# seconds (the router's kvmesh_router_tenant_tokens_total: prompt and generated tokens as they
+# come), what a tenant alone on the cluster gets.
+# CONFIGS: runs separated by ';' (each on a fresh cluster), each "ROUTER FLAGS|WORKER FLAGS": by
+# default the worker's tenant share off and as shipped (the router's limits as shipped, a smaller
+# queue share so the flood meets it), REPEAT times in turn, so the two are compared under the
+# same machine load. Prints figures, asserts nothing about time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=build/bin
@@ -20,7 +26,9 @@ FLOOD_TOKENS=${FLOOD_TOKENS:-32}
 VICTIM_N=${VICTIM_N:-20}
 VICTIM_TOKENS=${VICTIM_TOKENS:-4}
 THREADS=${THREADS:-$(nproc)}
-CONFIGS=${CONFIGS:-"--max-queue-per-key=16 --max-inflight-per-key=0;--max-queue-per-key=16"}
+ALONE_S=${ALONE_S:-10}
+REPEAT=${REPEAT:-2}
+CONFIGS=${CONFIGS:-"--max-queue-per-key=16|--max-running-per-tenant=0;--max-queue-per-key=16|"}
 PORT=${BENCH_PORT:-7600}
 LOGS=build/bench-fair-logs
 BENCH_NAME=bench_fair.sh
@@ -30,17 +38,18 @@ rm -rf "$LOGS"
 mkdir -p "$LOGS"
 "$BIN/kvmesh" keys api-add "$LOGS/api_keys" flood | tail -1 >"$LOGS/flood.key"
 "$BIN/kvmesh" keys api-add "$LOGS/api_keys" victim | tail -1 >"$LOGS/victim.key"
+"$BIN/kvmesh" keys api-add --role operator "$LOGS/api_keys" ops | tail -1 >"$LOGS/ops.key"
 
 UP=
 stop_up() { [ -n "$UP" ] && { kill -INT "$UP" 2>/dev/null || true; wait "$UP" 2>/dev/null || true; }; UP=; }
 trap stop_up EXIT
 
-# start_up FLAGS: a 1-worker cluster whose router has FLAGS too; waits until it is ready
+# start_up ROUTER_FLAGS WORKER_FLAGS: a 1-worker cluster with those flags too; waits until ready
 start_up() {
     # insecure ZeroMQ on purpose: the tenants here are the HTTP API keys
     "$BIN/kvmesh" up --insecure --workers 1 --threads "$THREADS" --base-port $((PORT + 100)) \
         --front-port "$PORT" --http-port $((PORT + 1)) --log-dir "$LOGS/up-$RUN" \
-        --router-args "--api-keys=$LOGS/api_keys $1" 2>>"$LOGS/up.log" &
+        --router-args "--api-keys=$LOGS/api_keys $1" ${2:+--worker-args "$2"} 2>>"$LOGS/up.log" &
     UP=$!
     for _ in $(seq 1 600); do
         curl -sf "http://127.0.0.1:$((PORT + 1))/readyz" >/dev/null 2>&1 && break
@@ -54,18 +63,24 @@ echo "   CPU: $(bench_cpu); load before: $(bench_load)"
 echo "   1 worker, $THREADS threads; flood: $FLOOD_CONC connections x $FLOOD_TOKENS tokens; victim:"
 echo "   $VICTIM_N x $VICTIM_TOKENS tokens"
 RUN=0
-IFS=';' read -r -a RUNS <<<"$CONFIGS"
-for flags in "${RUNS[@]}"; do
+IFS=';' read -r -a ONE <<<"$CONFIGS"
+RUNS=()
+for _ in $(seq 1 "$REPEAT"); do RUNS+=("${ONE[@]}"); done
+for config in "${RUNS[@]}"; do
 RUN=$((RUN + 1))
-start_up "$flags"
+rflags=${config%%|*}
+wflags=
+[[ $config == *"|"* ]] && wflags=${config#*|}
+start_up "$rflags" "$wflags"
 echo
-echo "-- router flags: $flags"
+echo "-- run $RUN: router flags: $rflags; worker flags: ${wflags:-(defaults)}"
 python3 - "$((PORT + 1))" "$(cat "$LOGS/flood.key")" "$(cat "$LOGS/victim.key")" \
-    "$FLOOD_CONC" "$FLOOD_TOKENS" "$VICTIM_N" "$VICTIM_TOKENS" <<'PY'
+    "$FLOOD_CONC" "$FLOOD_TOKENS" "$VICTIM_N" "$VICTIM_TOKENS" "$ALONE_S" "$(cat "$LOGS/ops.key")" <<'PY'
 import http.client, json, sys, threading, time
 
 port, fkey, vkey = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-conc, ftok, vn, vtok = (int(a) for a in sys.argv[4:8])
+conc, ftok, vn, vtok, alone_s = (int(a) for a in sys.argv[4:9])
+okey = sys.argv[9]
 
 def post(key, body, stream):
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
@@ -123,11 +138,26 @@ for t in ts:
     t.start()
 time.sleep(3)  # the flood fills the worker and its queue share first
 loaded = [victim_ttft(i) for i in range(vn)]
+time.sleep(2)  # the victim no longer counts as active anywhere
+
+def flood_tokens():
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    c.request("GET", "/metrics", headers={"Authorization": "Bearer " + okey})
+    for line in c.getresponse().read().decode().splitlines():
+        if line.startswith('kvmesh_router_tenant_tokens_total{tenant="h:flood"}'):
+            return float(line.split()[-1])
+    raise SystemExit("no kvmesh_router_tenant_tokens_total for h:flood in /metrics")
+
+t0, tok0 = time.monotonic(), flood_tokens()
+time.sleep(alone_s)
+alone_tps = (flood_tokens() - tok0) / (time.monotonic() - t0)
 stop.set()
 i50, i90, l50, l90 = pct(idle, .5), pct(idle, .9), pct(loaded, .5), pct(loaded, .9)
 print("  victim TTFT idle:  p50 %7.1f ms  p90 %7.1f ms" % (i50 * 1e3, i90 * 1e3))
 print("  victim TTFT flood: p50 %7.1f ms  p90 %7.1f ms" % (l50 * 1e3, l90 * 1e3))
+print("  under the flood, in order (ms): " + " ".join("%.0f" % (x * 1e3) for x in loaded))
 print("  ratio flood/idle:  p50 %5.2fx    p90 %5.2fx   (target <= 2x)" % (l50 / i50, l90 / i90))
+print("  flood alone: %.1f tokens/s (prompt and generated, over %d s)" % (alone_tps, alone_s))
 print("  flood answers during the run: %d ok, %d 429, %d other" %
       (counts["ok"], counts["429"], counts["other"]))
 PY

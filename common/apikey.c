@@ -427,3 +427,11 @@ int km_cache_salt_compose(const km_apikey_match *m, const char *req_salt, char *
     if (n < 0 || (size_t)n >= cap) return KM_ENOSPC;
     return n;
 }
+
+uint64_t km_cache_salt_tenant(const char *salt)
+{
+    if (!salt || strncmp(salt, "kvmesh:t:", 9)) return 0;
+    uint64_t h = 14695981039346656037ull; /* FNV-1a over the tenant's part */
+    for (const char *c = salt + 9; *c && *c != '/'; c++) h = (h ^ (uint8_t)*c) * 1099511628211ull;
+    return h ? h : 1;
+}

@@ -299,6 +299,10 @@ int km_apikeys_remove(const char *path, const char *tenant, km_errbuf *err);
  * "kvmesh:u:" in front, so no unkeyed request can name a keyed tenant's cache. m NULL: unkeyed.
  * Returns the length, KM_ENOSPC when cap is too small. */
 int km_cache_salt_compose(const km_apikey_match *m, const char *req_salt, char *out, size_t cap);
+/* The tenant a composed cache salt belongs to, as a number for the worker's fair share: a keyed
+ * salt's "kvmesh:t:" and tenant salt, without the request's own part; 0 for an unkeyed salt or
+ * none (everyone unkeyed is one tenant, as at the router). Never 0 for a keyed one. */
+uint64_t km_cache_salt_tenant(const char *salt);
 
 /* ---------------------------------------------------------------- cluster secret and MACs
  * (secret.c) */

@@ -297,8 +297,14 @@ typedef struct en_sched_opts {
     int max_ctx;            /* prompt + completion per sequence; 0: 4096 */
     int default_max_tokens; /* when a request says 0; 0: 256 */
     double aging_per_s;     /* priority points a waiting request gains per second; 0: 20 */
-    uint64_t cluster_seed;  /* page-hash chain seed (with the model fingerprint and cache_salt) */
-    en_spec_opts spec;      /* speculative decoding */
+    /* While another tenant is active (en_sched_req.tenant; has requests here, or had one end
+     * within tenant_linger_ms), a tenant runs at most tenant_share sequences: the rest of its
+     * requests wait in the queue, its newest running ones going back there first (their pages
+     * stay cached). 0: no share; a tenant alone is never held. */
+    int tenant_share;
+    int tenant_linger_ms;  /* 0: 1000 */
+    uint64_t cluster_seed; /* page-hash chain seed (with the model fingerprint and cache_salt) */
+    en_spec_opts spec;     /* speculative decoding */
 } en_sched_opts;
 
 /* ---------------------------------------------------------------- scheduler
@@ -309,8 +315,9 @@ typedef struct en_sched_opts {
  * most recently admitted sequence (its full pages published, so they stay cached) and requeues
  * it; a lone sequence that cannot fit fails with an error. With a step budget, no step is
  * planned to take longer than it (chunks sized from the measured cost of earlier steps).
- * Requests are admitted by priority plus an aging credit for time waited, can carry a deadline,
- * and can be canceled. engine/scheduler.c's opening comment says why.
+ * Requests are admitted by priority plus an aging credit for time waited (with a tenant share,
+ * the tenant with the fewest running first), can carry a deadline, and can be canceled.
+ * engine/scheduler.c's opening comment says why.
  */
 
 typedef struct en_sched en_sched;
@@ -320,7 +327,9 @@ typedef struct en_sched_req {
     int n_tokens;
     en_sample_params sample;
     int max_tokens;         /* 0: default_max_tokens; clipped to max_ctx */
-    int priority;           /* higher first */
+    int priority;           /* higher first, among the tenants with the fewest running */
+    uint64_t tenant;        /* whose request this is (fairness, en_sched_opts.tenant_share);
+                             * requests without a tenant share one, 0 */
     uint64_t deadline_ns;   /* absolute km_now_ns(); 0: none */
     uint64_t arrival_ns;    /* when the request arrived; 0: now */
     const char *cache_salt; /* NULL: none */
@@ -370,6 +379,7 @@ typedef struct en_sched_stats {
     uint64_t steps, prefill_tokens, decode_tokens, prompt_tokens, cached_tokens, preemptions,
         recomputed_tokens, completed, canceled, deadline, failed, engine_errors,
         kv_full; /* requests handed back (503) because pinned pages left no room: transient */
+    uint64_t tenant_yields; /* running sequences sent back to the queue for another tenant */
     /* Speculative decoding: draft tokens verified, kept and thrown away; verification steps of
      * a request (mean accepted length = spec_accepted / spec_verifies); back-offs. */
     uint64_t spec_drafted, spec_accepted, spec_rejected, spec_verifies, spec_backoffs;

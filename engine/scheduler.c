@@ -17,7 +17,10 @@
  *    recomputing. Until a sequence finishes, no new request is admitted after a preemption, so
  *    the scheduler does not thrash. A sequence that cannot fit even alone fails with 413.
  *  - Waiting requests are ordered by priority plus an aging credit per second waited, so a low
- *    priority request is eventually admitted however many high priority ones arrive.
+ *    priority request is eventually admitted however many high priority ones arrive. With a
+ *    tenant share (scheduler_fair.c) the tenant with the fewest running sequences goes first,
+ *    and while another tenant is active none runs more than its share, so one tenant's full
+ *    batch does not make every step of another's prefill and decode long.
  *  - A step budget (opts.step_budget_ms) bounds each step's time: the work of a step is counted in
  *    units from the model's shapes (per token: the weight matmuls; per token and attended
  *    position: QK and PV; per logits row: the output projection), every step's time over its
@@ -177,6 +180,7 @@ int en_sched_create_on(const en_sched_engine *eng, const en_sched_opts *o, const
     }
     s->b_spec = calloc(s->o.max_running, sizeof *s->b_spec);
     s->order = calloc(s->o.max_running, sizeof *s->order);
+    s->tn = calloc(s->queue_cap, sizeof *s->tn);
     const size_t R = (size_t)s->o.max_running;
     s->d_rq = calloc(R, sizeof *s->d_rq);
     s->d_tok = calloc(R, sizeof *s->d_tok);
@@ -187,9 +191,9 @@ int en_sched_create_on(const en_sched_engine *eng, const en_sched_opts *o, const
     s->d_cap = calloc(R, sizeof *s->d_cap);
     s->d_want = malloc(R);
     if (s->d_want) memset(s->d_want, 1, R);
-    if (!s->order || !s->run || !s->queue || !s->b_tok || !s->b_pos || !s->b_seq || !s->b_want ||
-        !s->parts || !s->b_spec || !s->d_rq || !s->d_tok || !s->d_pos || !s->d_out || !s->d_seq ||
-        !s->d_cap || !s->d_want || !s->d_kv ||
+    if (!s->order || !s->tn || !s->run || !s->queue || !s->b_tok || !s->b_pos || !s->b_seq ||
+        !s->b_want || !s->parts || !s->b_spec || !s->d_rq || !s->d_tok || !s->d_pos || !s->d_out ||
+        !s->d_seq || !s->d_cap || !s->d_want || !s->d_kv ||
         en_spec_create(&s->o.spec, s->o.max_running, &s->spec)) {
         en_sched_destroy(s);
         return km_errf(err, KM_ENOMEM, "sched: out of memory");
@@ -239,6 +243,7 @@ void en_sched_destroy(en_sched *s)
     free(s->d_kv);
     en_spec_destroy(s->spec);
     free(s->order);
+    free(s->tn);
     free(s);
 }
 
@@ -345,6 +350,7 @@ int en_sched_submit(en_sched *s, const en_sched_req *q, uint64_t *rid)
     r->rid = s->next_rid++;
     r->user = q->user;
     r->priority = q->priority;
+    r->tenant = q->tenant;
     r->ignore_eos = q->ignore_eos;
     r->plp_end = q->prompt_logprobs ? q->n_tokens - q->n_generated : 0;
     r->plp_top = q->sample.top_logprobs < EN_MAX_TOP ? q->sample.top_logprobs : EN_MAX_TOP;
@@ -429,6 +435,7 @@ static void en_rq_end(en_sched *s, en_rq *r, km_finish finish, int code, const c
         r->seq = NULL;
     }
     s->admit_blocked = 0;
+    en_fair_ended(s, r->tenant, now);
     if (code) {
         s->st.failed++;
         if (s->cb.on_error) s->cb.on_error(s->cb.ctx, r->user, code, msg, &u);
@@ -510,8 +517,7 @@ static int en_rq_admit(en_sched *s, en_rq *r, uint64_t now)
     return 0;
 }
 
-/* Sends a running sequence back to the queue; its published pages stay cached. */
-static void en_rq_preempt(en_sched *s, int i)
+void en_rq_requeue(en_sched *s, int i)
 {
     en_rq *r = s->run[i];
     en_rq_publish(s, r);
@@ -519,11 +525,19 @@ static void en_rq_preempt(en_sched *s, int i)
     kv_seq_destroy(s->kv, r->seq);
     r->seq = NULL;
     r->n_done = 0;
-    r->preemptions++;
-    s->st.preemptions++;
     en_remove_at(s->run, &s->n_run, i);
     assert(s->n_queue + s->n_run < s->queue_cap);
     s->queue[s->n_queue++] = r;
+}
+
+/* Out of pages: a running sequence goes back to the queue, and nothing is admitted until a
+ * sequence ends. */
+static void en_rq_preempt(en_sched *s, int i)
+{
+    en_rq *r = s->run[i];
+    r->preemptions++;
+    s->st.preemptions++;
+    en_rq_requeue(s, i);
     s->admit_blocked = 1;
     KM_INFO("sched_preempt", "rid=%llu tokens=%d priority=%d running=%d",
             (unsigned long long)r->rid, r->n_tok, r->priority, s->n_run);
@@ -562,19 +576,30 @@ static int en_sched_pages_held(const en_sched *s)
 
 static void en_sched_admit(en_sched *s, uint64_t now)
 {
+    int fair = s->o.tenant_share > 0;
     while (s->n_queue && s->n_run < s->o.max_running && (!s->admit_blocked || !s->n_run)) {
-        int best = 0;
+        int best = -1, best_mine = 0;
         double best_score = 0;
+        en_tenant *bt = NULL;
         for (int i = 0; i < s->n_queue; i++) {
             const en_rq *r = s->queue[i];
+            /* with a tenant share: the tenants at it wait, the fewest running go first */
+            en_tenant *t = fair ? en_fair_of(s, r->tenant) : NULL;
+            if (t && en_fair_held(s, t, now)) continue;
+            int mine = t ? t->running : 0;
             double waited = now > r->arrival_ns ? (now - r->arrival_ns) / 1e9 : 0;
             double score = r->priority + s->o.aging_per_s * waited;
-            if (i == 0 || score > best_score ||
-                (score == best_score && r->arrival_ns < s->queue[best]->arrival_ns)) {
+            if (best < 0 || mine < best_mine ||
+                (mine == best_mine &&
+                 (score > best_score ||
+                  (score == best_score && r->arrival_ns < s->queue[best]->arrival_ns)))) {
                 best = i;
+                best_mine = mine;
                 best_score = score;
+                bt = t;
             }
         }
+        if (best < 0) return;
         en_rq *r = s->queue[best];
         /* Admit only what the hot tier can hold next to the running sequences' pages (cached
          * pages nobody uses do not count: the store evicts them on demand). Decode growth can
@@ -584,6 +609,7 @@ static void en_sched_admit(en_sched *s, uint64_t now)
         int rc = en_rq_admit(s, r, now);
         if (rc == KM_ENOSPC && s->n_run) return; /* room comes back as sequences end */
         en_remove_at(s->queue, &s->n_queue, best);
+        if (bt) bt->queued--, bt->running += !rc;
         if (rc) {
             en_rq_end_nospace(s, r, rc, "prompt", "cannot admit the request");
             continue;
@@ -740,6 +766,8 @@ void en_sched_prepare(en_sched *s)
 {
     uint64_t now = km_now_ns();
     en_sched_expire(s, now);
+    en_fair_count(s);
+    en_fair_yield(s, now);
     en_sched_admit(s, now);
 }
 

@@ -2,7 +2,8 @@
  * scheduler_internal.h — what the scheduler's two files share: scheduler.c (requests, admission,
  * preemption, the step budget, building and running a step) and scheduler_spec.c (speculative
  * decoding's side of a step: drafts planned under the budget, verified against the step's
- * logits). Private to worker/; scheduler.h is the contract.
+ * logits), scheduler_self.c (self-speculation's draft steps) and scheduler_fair.c (the running
+ * set shared between tenants). Private to worker/; scheduler.h is the contract.
  */
 #ifndef EN_SCHEDULER_INTERNAL_H
 #define EN_SCHEDULER_INTERNAL_H
@@ -31,6 +32,7 @@ typedef struct en_rq {
     kv_seq *shadow;         /* its 4-bit copy of seq in the draft store; NULL: none yet */
     int n_shadow;           /* positions of seq copied into shadow */
     int priority, ignore_eos, canceled, admitted, preemptions, cached_tokens;
+    uint64_t tenant;
     uint64_t arrival_ns, deadline_ns, admit_ns, first_ns;
 } en_rq;
 
@@ -42,6 +44,12 @@ typedef struct en_part {
     int draft; /* of n, draft tokens after the sequence's token (all n produce logits) */
     int plp;   /* of n, the first tokens whose logits give prompt logprobs (rows before want's) */
 } en_part;
+
+/* One tenant's requests here (scheduler_fair.c): counted afresh at each step's admission. */
+typedef struct en_tenant {
+    uint64_t id;
+    int running, queued;
+} en_tenant;
 
 /* The real engine behind en_sched_engine (en_sched_create). */
 typedef struct en_real_engine {
@@ -86,6 +94,13 @@ struct en_sched {
     double step_units; /* the units of the step being built */
     int step_prefill;  /* its prompt tokens */
     en_sched_stats st;
+    /* tenants (scheduler_fair.c): those with requests here, [queue_cap]; and the last two
+     * distinct tenants whose requests ended, newest first (end_ns 0: none) */
+    en_tenant *tn;
+    int n_tn;
+    struct {
+        uint64_t id, end_ns;
+    } ended[2];
 };
 
 /* scheduler.c */
@@ -97,6 +112,21 @@ int en_rq_push(en_sched *s, en_rq *r, int32_t t, uint64_t now, km_finish *fin);
 void en_rq_finish(en_sched *s, en_rq *r, km_finish fin);
 /* r's next token from a row of logits, among those its grammar allows. */
 int32_t en_rq_sample(en_sched *s, en_rq *r, const float *row);
+
+/* Sends running sequence i back to the queue; its published pages stay cached. */
+void en_rq_requeue(en_sched *s, int i);
+
+/* scheduler_fair.c */
+/* Counts each tenant's running and queued requests (s->tn) for this step's admission. */
+void en_fair_count(en_sched *s);
+/* The entry of tenant id in s->tn (counted by en_fair_count: present for every request here). */
+en_tenant *en_fair_of(en_sched *s, uint64_t id);
+/* Is t at its share while another tenant is active: admit none of its requests. */
+int en_fair_held(const en_sched *s, const en_tenant *t, uint64_t now);
+/* Sends the newest running sequences of each tenant over its share back to the queue. */
+void en_fair_yield(en_sched *s, uint64_t now);
+/* A request of tenant id ended at now: its tenant stays active for the linger. */
+void en_fair_ended(en_sched *s, uint64_t id, uint64_t now);
 
 /* scheduler_spec.c */
 /* Proposes drafts for the decoding sequences and lets the budget grant them room. */

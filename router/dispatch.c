@@ -162,14 +162,16 @@ int rt_dispatch(rt_router *r, rt_rq *q, bool from_queue)
     rt_candidate cand[RT_MAX_WORKERS];
     uint64_t mask = 0, holders = 0; /* may take it; may only hand over pages of it */
     uint64_t now = rt_now_ms();
+    int room = rt_fair_room(r, q); /* past --max-inflight: router/fair.c */
     for (int i = 0; i < r->n_w; i++) {
         rt_wk *w = &r->w[i];
         bool usable = rt_wk_routable(r, w, now);
-        cand[i] = (rt_candidate){.id = w->id,
-                                 .usable = usable,
-                                 .inflight = w->inflight,
-                                 .slots = r->c.worker_slots,
-                                 .max_inflight = r->c.max_inflight};
+        cand[i] =
+            (rt_candidate){.id = w->id,
+                           .usable = usable,
+                           .inflight = w->inflight,
+                           .slots = r->c.worker_slots,
+                           .max_inflight = r->c.max_inflight > 0 ? r->c.max_inflight + room : 0};
         if (usable) mask |= 1ull << i;
         if (r->c.policy.mode == RT_MODE_KV && rt_wk_serves_pages(r, w)) holders |= 1ull << i;
     }

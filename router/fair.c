@@ -18,6 +18,11 @@
  *    deep: a request is admitted while the bucket is not in debt, its prompt is charged when it
  *    is admitted and each generated token as it arrives; in debt: 429, retry when it is paid.
  * Migrated requests still go first and are never held: they were admitted already.
+ * A tenant under its in-flight limit while another is active may also go past --max-inflight at
+ * a worker, by what it has left of that limit: a flooding key that filled every worker's
+ * --max-inflight before anyone else asked would otherwise make another key's first request wait
+ * for one of its own to end; the worker runs it first (its tenant share, --max-running-per-tenant
+ * at the worker, engine/scheduler_fair.c).
  *
  * Tenants are few (one per key or key group, which the operator's key files bound), so the
  * table is a plain array searched by name; past RT_TENANTS_MAX the rest share one entry
@@ -167,6 +172,14 @@ bool rt_fair_held(rt_router *r, const rt_rq *q)
 {
     int memo = -1;
     return q->attempts == 0 && held(r, load_of(r, q), &memo);
+}
+
+int rt_fair_room(rt_router *r, const rt_rq *q)
+{
+    const rt_tenant_load *t = load_of(r, q);
+    int per_key = r->c.max_inflight_per_key;
+    if (q->attempts > 0 || !limited(t) || per_key <= 0 || t->inflight >= per_key) return 0;
+    return contended(r, t, km_now_ns()) ? per_key - t->inflight : 0;
 }
 
 /* The bucket filled up to now (at most one second's worth). */

@@ -417,6 +417,9 @@ bool rt_fair_refuse(rt_router *r, const rt_rq *q);
 /* Must q (never sent yet) wait in the queue: its keyed tenant has --max-inflight-per-key
  * requests at workers already while another tenant is active. */
 bool rt_fair_held(rt_router *r, const rt_rq *q);
+/* How many requests beyond --max-inflight a worker may still take for q (never sent yet): its
+ * keyed tenant's room under --max-inflight-per-key while another tenant is active, else 0. */
+int rt_fair_room(rt_router *r, const rt_rq *q);
 /* q arrives (its prompt tokenized): 0 when admitted (its prompt charged to its tenant's token
  * bucket), else the milliseconds until that bucket is out of debt (refusal counted). */
 uint32_t rt_fair_admit(rt_router *r, const rt_rq *q);

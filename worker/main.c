@@ -29,7 +29,7 @@ typedef struct wk_args {
     const char *peer_listen, *peer_advertise, *peer_mode, *peer_view, *peer_encrypt;
     int64_t peer_lease_ms, peer_pull_ms, peer_warm_pages, old_lease_ms, old_pull_ms;
     int64_t threads, admin_port, page_tokens, max_batch, prefill_chunk, max_running, max_queue;
-    int64_t decode_prefill, spec_max_draft, step_budget_ms, self_draft, self_seqs;
+    int64_t decode_prefill, spec_max_draft, tenant_share, step_budget_ms, self_draft, self_seqs;
     int64_t kv_shards, kv_tok_groups, kv_expert_groups;
     int64_t sparse_attn, sparse_dense_layers;
     const char *kv_shard_key;
@@ -112,6 +112,11 @@ static const km_opt g_opts[] = {
      &g_args.step_budget_ms, 0, 3600000},
     {"max-running", NULL, KM_OPT_INT, "64", "sequences decoded together", &g_args.max_running, 1,
      4096},
+    {"max-running-per-tenant", NULL, KM_OPT_INT, "4",
+     "sequences of one tenant (API key or client key group) decoded together while another "
+     "tenant has requests here or had one end within the last second; the rest wait in the "
+     "queue, newest running first; a tenant alone is never held; 0 = no limit",
+     &g_args.tenant_share, 0, 4096},
     {"max-queue", NULL, KM_OPT_INT, "1024", "requests waiting for a slot", &g_args.max_queue, 1,
      1 << 20},
     {"max-ctx", NULL, KM_OPT_INT, "4096", "prompt + completion tokens per request", &g_args.max_ctx,
@@ -398,6 +403,7 @@ int main(int argc, char **argv)
                   .max_batch_tokens = (int)a->max_batch,
                   .prefill_chunk = (int)a->prefill_chunk,
                   .decode_prefill = (int)a->decode_prefill,
+                  .tenant_share = (int)a->tenant_share,
                   .step_budget_ms = (int)a->step_budget_ms,
                   .max_ctx = (int)a->max_ctx,
                   .default_max_tokens = (int)a->default_max_tokens,

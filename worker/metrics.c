@@ -83,6 +83,11 @@ int wk_svc_metrics_init(wk_service *s, km_errbuf *err)
     REG(KM_COUNTER, "kvmesh_worker_preemptions_total",
         "Sequences preempted because KV pages ran out.", NULL, NULL, 0);
     s->s_preempt = km_metric_series(m, NULL);
+    REG(KM_COUNTER, "kvmesh_worker_tenant_yields_total",
+        "Running sequences sent back to the queue so another tenant's requests run "
+        "(--max-running-per-tenant).",
+        NULL, NULL, 0);
+    s->s_yield = km_metric_series(m, NULL);
     REG(KM_COUNTER, "kvmesh_worker_recovery_actions_total",
         "Recovery actions taken, by action (evict, set_kv_format, drain, shutdown).", "action",
         NULL, 0);

@@ -109,6 +109,9 @@ void wk_svc_update_gauges(wk_service *s)
     if (ss.preemptions > s->last_preempt)
         km_counter_add(s->s_preempt, ss.preemptions - s->last_preempt);
     s->last_preempt = ss.preemptions;
+    if (ss.tenant_yields > s->last_yield)
+        km_counter_add(s->s_yield, ss.tenant_yields - s->last_yield);
+    s->last_yield = ss.tenant_yields;
     const uint64_t spec[5] = {ss.spec_drafted, ss.spec_accepted, ss.spec_rejected, ss.spec_verifies,
                               ss.spec_backoffs};
     for (int i = 0; i < 5; i++) {

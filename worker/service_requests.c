@@ -414,6 +414,7 @@ void wk_svc_admit(wk_service *s, const km_zframe *env, int n_env, const km_msg_r
         .n_tokens = n_tok,
         .max_tokens = (int)q->max_tokens,
         .priority = q->priority,
+        .tenant = km_cache_salt_tenant(q->cache_salt),
         .deadline_ns = q->deadline_ms ? now + wk_ms_ns(q->deadline_ms) : 0,
         .arrival_ns = now,
         .cache_salt = q->cache_salt,

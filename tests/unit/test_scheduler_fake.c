@@ -455,3 +455,124 @@ Test(sched_fake, prompt_logprobs_cover_the_whole_prompt_once_cached_or_not)
     cr_assert_arr_eq(b.tok, a.tok, sizeof(int32_t) * (size_t)a.n);
     fake_close(s);
 }
+
+/* ---------------------------------------------------------------- tenants (scheduler_fair.c) */
+
+enum { FT_A = 6 }; /* requests of the busy tenant */
+
+/* Submits a request of tenant `tenant` for max tokens (ignoring end of generation, so each runs
+ * its length). */
+static void fair_submit(en_sched *s, int32_t *p, int salt, uint64_t tenant, int max, out *o)
+{
+    fake_prompt(p, 10, salt);
+    en_sched_req r = greedy_req(p, 10, max, o);
+    r.ignore_eos = 1;
+    r.tenant = tenant;
+    cr_assert_eq(en_sched_submit(s, &r, NULL), 0);
+}
+
+static void fair_check(const int32_t *p, int max, const out *o, int i)
+{
+    int32_t want[MAXG];
+    int k = fake_generate(p, 10, max, 1, want);
+    cr_assert(o->ended && !o->code, "request %d failed (%d)", i, o->code);
+    cr_assert_eq(o->n, k, "request %d: %d tokens, alone %d", i, o->n, k);
+    cr_assert_arr_eq(o->tok, want, sizeof(int32_t) * k, "request %d differs from it alone", i);
+}
+
+static en_sched_stats fair_stats(const en_sched *s)
+{
+    en_sched_stats st;
+    en_sched_stats_get(s, &st);
+    return st;
+}
+
+Test(sched_fake, a_tenant_alone_runs_all_it_asks_whatever_its_share)
+{
+    en_sched *s = fake_open(
+        0, 64, (en_sched_opts){.max_batch_tokens = 64, .max_running = 8, .tenant_share = 2});
+    int32_t p[FT_A][10];
+    out o[FT_A];
+    memset(o, 0, sizeof o);
+    for (int i = 0; i < FT_A; i++) fair_submit(s, p[i], 60 + i, 7, 20, &o[i]);
+    en_sched_prepare(s);
+    cr_assert_eq(fair_stats(s).running, FT_A, "nobody else is here: not held");
+    run_all(s);
+    cr_assert_eq(fair_stats(s).tenant_yields, 0);
+    fake_close(s);
+    for (int i = 0; i < FT_A; i++) fair_check(p[i], 20, &o[i], i);
+}
+
+Test(sched_fake, a_tenant_over_its_share_yields_its_newest_when_another_arrives)
+{
+    en_sched *s = fake_open(0, 64,
+                            (en_sched_opts){.max_batch_tokens = 64,
+                                            .max_running = 8,
+                                            .tenant_share = 2,
+                                            .tenant_linger_ms = 3600000});
+    int32_t p[FT_A + 1][10];
+    out o[FT_A + 1];
+    memset(o, 0, sizeof o);
+    for (int i = 0; i < FT_A; i++) fair_submit(s, p[i], 70 + i, 7, 20, &o[i]);
+    cr_assert_gt(en_sched_step(s), 0); /* all six prefilled: each has its first token */
+    cr_assert_eq(fair_stats(s).running, FT_A);
+    fair_submit(s, p[FT_A], 80, 9, 20, &o[FT_A]);
+    en_sched_prepare(s);
+    en_sched_stats st = fair_stats(s);
+    cr_assert_eq(st.running, 3, "the share of 7 and the newcomer of 9");
+    cr_assert_eq(st.tenant_yields, FT_A - 2);
+    cr_assert_gt(en_sched_step(s), 0);
+    cr_assert_eq(o[FT_A].n, 1, "the newcomer's first token in the next step");
+    for (int i = 0; i < FT_A; i++) /* the two oldest go on, the newest wait */
+        cr_assert_eq(o[i].n, i < 2 ? 2 : 1, "request %d has %d tokens", i, o[i].n);
+    /* while the other tenant lingers (its request ended: an hour here), 7 stays at its share */
+    while (en_sched_pending(s)) {
+        cr_assert_geq(en_sched_step(s), 0);
+        cr_assert_leq(fair_stats(s).running, 2 + !o[FT_A].ended);
+    }
+    fake_close(s);
+    for (int i = 0; i <= FT_A; i++) /* requeued: tokens unchanged */
+        fair_check(p[i], 20, &o[i], i);
+}
+
+Test(sched_fake, admission_takes_the_tenant_with_the_fewest_running_first)
+{
+    en_sched *s = fake_open(
+        0, 64, (en_sched_opts){.max_batch_tokens = 64, .max_running = 3, .tenant_share = 8});
+    int32_t p[5][10];
+    out o[5];
+    memset(o, 0, sizeof o);
+    for (int i = 0; i < 4; i++) fair_submit(s, p[i], 90 + i, 7, 20, &o[i]);
+    fair_submit(s, p[4], 95, 9, 20, &o[4]); /* last in, but its tenant runs nothing yet */
+    cr_assert_gt(en_sched_step(s), 0);
+    cr_assert(o[0].n == 1 && o[4].n == 1 && o[1].n == 1, "7's oldest, 9's, then 7's next");
+    cr_assert(o[2].n == 0 && o[3].n == 0);
+    run_all(s);
+    fake_close(s);
+    for (int i = 0; i < 5; i++) fair_check(p[i], 20, &o[i], i);
+}
+
+Test(sched_fake, a_tenant_gets_its_batch_back_once_the_other_stopped_lingering)
+{
+    en_sched *s = fake_open(
+        0, 64,
+        (en_sched_opts){
+            .max_batch_tokens = 64, .max_running = 8, .tenant_share = 2, .tenant_linger_ms = 1});
+    int32_t p[FT_A + 1][10];
+    out o[FT_A + 1];
+    memset(o, 0, sizeof o);
+    fair_submit(s, p[FT_A], 100, 9, 3, &o[FT_A]);
+    for (int i = 0; i < FT_A; i++) fair_submit(s, p[i], 101 + i, 7, 20, &o[i]);
+    en_sched_prepare(s);
+    cr_assert_eq(fair_stats(s).running, 3, "9's one and 7's share");
+    while (!o[FT_A].ended) cr_assert_gt(en_sched_step(s), 0);
+    /* 9 is gone; once its linger (1 ms) is over, 7 runs everything it has */
+    for (int i = 0; i < 10000 && fair_stats(s).running < FT_A; i++) {
+        usleep(2000);
+        en_sched_prepare(s);
+    }
+    cr_assert_eq(fair_stats(s).running, FT_A);
+    run_all(s);
+    fake_close(s);
+    for (int i = 0; i <= FT_A; i++) fair_check(p[i], i < FT_A ? 20 : 3, &o[i], i);
+}

@@ -501,6 +501,26 @@ Test(keys, no_unkeyed_request_can_name_a_keyed_tenants_cache)
     cr_assert_eq(km_cache_salt_compose(&m, NULL, tiny, sizeof tiny), KM_ENOSPC);
 }
 
+/* The worker's fair share counts a keyed salt's tenant whatever the request added to it. */
+Test(keys, a_salts_tenant_is_its_keys_namespace_not_the_requests_own_part)
+{
+    km_apikey_match m = {.tenant = "acme", .role = KM_ROLE_CLIENT, .salt = "k:0123abcd"};
+    km_apikey_match o = {.tenant = "other", .role = KM_ROLE_CLIENT, .salt = "k:4567ef01"};
+    char plain[128], narrowed[128], other[128], unkeyed[128];
+    cr_assert_gt(km_cache_salt_compose(&m, NULL, plain, sizeof plain), 0);
+    cr_assert_gt(km_cache_salt_compose(&m, "conv-7", narrowed, sizeof narrowed), 0);
+    cr_assert_gt(km_cache_salt_compose(&o, NULL, other, sizeof other), 0);
+    cr_assert_gt(km_cache_salt_compose(NULL, plain, unkeyed, sizeof unkeyed), 0);
+    uint64_t t = km_cache_salt_tenant(plain);
+    cr_assert_neq(t, 0);
+    cr_assert_eq(km_cache_salt_tenant(narrowed), t, "the request's own salt is not a tenant");
+    cr_assert_neq(km_cache_salt_tenant(other), t);
+    /* everyone unkeyed is one tenant, whatever salt it names */
+    cr_assert_eq(km_cache_salt_tenant(unkeyed), 0);
+    cr_assert_eq(km_cache_salt_tenant("abc"), 0);
+    cr_assert_eq(km_cache_salt_tenant(NULL), 0);
+}
+
 /* ---------------------------------------------------------------- cluster secret and MAC */
 
 Test(keys, the_cluster_secret_is_0600_and_a_readable_one_is_refused)
