@@ -82,12 +82,8 @@ static int bl_run(en_engine *e, kv_seq *q, const int32_t *tokens, int n_tokens, 
             pos[i] = t[s + i].pos, ids[i] = tokens[pos[i]], depth[i] = t[s + i].depth;
             want[i] = logits && pos[i] == n_tokens - 1, seqs[i] = q;
         }
-        en_batch b = {.n_tokens = m,
-                      .tokens = ids,
-                      .pos = pos,
-                      .seqs = seqs,
-                      .logits = want,
-                      .depth = depth};
+        en_batch b = {
+            .n_tokens = m, .tokens = ids, .pos = pos, .seqs = seqs, .logits = want, .depth = depth};
         const float *lg = NULL;
         rc = en_engine_step(e, &b, &lg);
         if (logits && lg && rc > 0) *logits = lg;
@@ -220,44 +216,64 @@ km_pagehash en_blend_chunk_seed(km_pagehash tenant_seed)
     return km_pagehash_next(tenant_seed, &mark, 1);
 }
 
-int en_blend_chunk_attach(en_engine *e, km_pagehash chunk_seed, const int32_t *tokens, int n,
+/* The preamble and the chunk's whole pages in one buffer, and their chain: page count. */
+static int bl_chain(const en_engine *e, const en_blend_key *k, const int32_t *tokens, int n,
+                    int32_t **ids, km_pagehash **h)
+{
+    const int pt = e->page_tokens, n_pre = k->pre ? k->n_pre : 0;
+    const int np = (n_pre + n / pt * pt) / pt;
+    *ids = NULL, *h = NULL;
+    if (n_pre % pt || n < pt) return n_pre % pt ? KM_EINVAL : 0;
+    *ids = malloc(sizeof(int32_t) * (size_t)np * pt);
+    *h = malloc(sizeof(km_pagehash) * (size_t)np);
+    if (!*ids || !*h) return KM_ENOMEM;
+    if (n_pre) memcpy(*ids, k->pre, sizeof(int32_t) * n_pre);
+    memcpy(*ids + n_pre, tokens, sizeof(int32_t) * (size_t)(np * pt - n_pre));
+    km_pagehash_chain(k->seed, *ids, np * pt, pt, *h, np);
+    return np;
+}
+
+int en_blend_chunk_attach(en_engine *e, const en_blend_key *k, const int32_t *tokens, int n,
                           kv_seq **out)
 {
-    const int pt = e->page_tokens, np = n / pt;
-    *out = NULL;
-    if (np < 1) return 0;
-    km_pagehash *h = malloc(sizeof *h * (size_t)np);
-    if (!h) return KM_ENOMEM;
-    km_pagehash_chain(chunk_seed, tokens, n, pt, h, np);
+    const int pt = e->page_tokens, n_pre = k->pre ? k->n_pre : 0;
+    int32_t *ids;
+    km_pagehash *h;
     kv_seq *q = NULL;
-    int rc = kv_seq_create(e->kv, &q);
-    if (!rc) rc = kv_seq_attach(e->kv, q, h, tokens, np);
+    *out = NULL;
+    int np = bl_chain(e, k, tokens, n, &ids, &h), rc = np;
+    if (np > 0) rc = kv_seq_create(e->kv, &q);
+    if (np > 0 && !rc) rc = kv_seq_attach(e->kv, q, h, ids, np);
+    free(ids);
     free(h);
-    if (rc <= 0) {
+    if (rc * pt <= n_pre) { /* a miss, or the preamble alone */
         if (q) kv_seq_destroy(e->kv, q);
-        return rc;
+        return rc < 0 ? rc : 0;
     }
     kv_seq_wait_ready(e->kv, q);
     *out = q;
-    return rc * pt;
+    return rc * pt - n_pre;
 }
 
-int en_blend_chunk_store(en_engine *e, km_pagehash chunk_seed, const int32_t *tokens, int n)
+int en_blend_chunk_store(en_engine *e, const en_blend_key *k, const int32_t *tokens, int n)
 {
-    const int pt = e->page_tokens, np = n / pt;
-    if (np < 1) return 0;
-    const int nt = np * pt;
-    km_pagehash *h = malloc(sizeof *h * (size_t)np);
-    bl_tok *t = malloc(sizeof *t * (size_t)nt);
+    const int pt = e->page_tokens;
+    int32_t *ids;
+    km_pagehash *h;
     kv_seq *q = NULL;
-    int rc = h && t ? kv_seq_create(e->kv, &q) : KM_ENOMEM;
-    for (int i = 0; i < nt && !rc; i++) t[i] = (bl_tok){.pos = i, .depth = (int16_t)e->m->hp.n_layers};
-    if (!rc) rc = bl_run(e, q, tokens, nt, t, nt, NULL);
-    if (!rc) {
-        km_pagehash_chain(chunk_seed, tokens, nt, pt, h, np);
-        rc = kv_seq_publish(e->kv, q, h, tokens, nt);
+    bl_tok *t = NULL;
+    const int np = bl_chain(e, k, tokens, n, &ids, &h), nt = np * pt;
+    int rc = np > 0 ? 0 : np;
+    if (np > 0) {
+        t = malloc(sizeof *t * (size_t)nt);
+        rc = t ? kv_seq_create(e->kv, &q) : KM_ENOMEM;
     }
+    for (int i = 0; i < nt && !rc; i++)
+        t[i] = (bl_tok){.pos = i, .depth = (int16_t)e->m->hp.n_layers};
+    if (np > 0 && !rc) rc = bl_run(e, q, ids, nt, t, nt, NULL);
+    if (np > 0 && !rc) rc = kv_seq_publish(e->kv, q, h, ids, nt);
     if (q) kv_seq_destroy(e->kv, q);
+    free(ids);
     free(h);
     free(t);
     return rc < 0 ? rc : 0;

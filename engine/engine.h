@@ -199,12 +199,22 @@ int en_blend_prefill(en_engine *e, kv_seq *q, const int32_t *tokens, int n_token
 
 /* The seed of a tenant's chunk chains from its prefix seed (km_pagehash_seed). */
 km_pagehash en_blend_chunk_seed(km_pagehash tenant_seed);
-/* The chunk's cached pages: a new sequence (*out) with the longest verified run of its full
- * pages attached at positions [0, returned). 0 (and *out NULL) on a miss. */
-int en_blend_chunk_attach(en_engine *e, km_pagehash chunk_seed, const int32_t *tokens, int n,
+/* Where a chunk's pages are cached: the chain seed, and the tokens every chunk is computed after
+ * (a whole number of pages; NULL, 0: none). A chunk computed at position 0 makes an attention
+ * sink of its first token, which misleads every token after it once reused mid-prompt; computed
+ * after a fixed preamble, the sink is the preamble's (docs/blend.md). */
+typedef struct en_blend_key {
+    km_pagehash seed;
+    const int32_t *pre;
+    int n_pre;
+} en_blend_key;
+/* The chunk's cached pages: a new sequence (*out) with the preamble and the longest verified
+ * run of the chunk's full pages attached; returns the chunk tokens held, at positions
+ * [n_pre, n_pre + returned) of *out. 0 (and *out NULL) on a miss. */
+int en_blend_chunk_attach(en_engine *e, const en_blend_key *k, const int32_t *tokens, int n,
                           kv_seq **out);
-/* Computes the chunk alone at positions [0, n) and publishes its full pages under its chain. */
-int en_blend_chunk_store(en_engine *e, km_pagehash chunk_seed, const int32_t *tokens, int n);
+/* Computes the preamble and the chunk and publishes their full pages under the chunk chain. */
+int en_blend_chunk_store(en_engine *e, const en_blend_key *k, const int32_t *tokens, int n);
 
 /* ---------------------------------------------------------------- sampler */
 

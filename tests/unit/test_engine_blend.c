@@ -134,8 +134,8 @@ static void layer0_equal(kv_format f, double k_tol, double v_tol)
                 verr = fmax(verr, fabs(v0[d] - v1[d]) / vm);
             }
         }
-    cr_log_info("%s: re-rotated K within %.2e, V within %.2e of the row's largest", kv_format_name(f),
-                kerr, verr);
+    cr_log_info("%s: re-rotated K within %.2e, V within %.2e of the row's largest",
+                kv_format_name(f), kerr, verr);
     cr_expect_leq(kerr, k_tol, "%s K", kv_format_name(f));
     cr_expect_leq(verr, v_tol, "%s V", kv_format_name(f));
     kv_seq_destroy(kv, alone);
@@ -148,8 +148,8 @@ Test(engine_blend, copied_keys_equal_recomputed_per_format, .init = setup, .fini
      .timeout = 300)
 {
     if (!g_model) cr_skip_test("model %s absent: run `make deps`", MODEL);
-    layer0_equal(KN_KV_F16, 2e-3, 0);  /* f16: 2^-11 relative, once more on the rotated K */
-    layer0_equal(KN_KV_BF16, 2e-2, 0); /* bf16: 2^-8 */
+    layer0_equal(KN_KV_F16, 2e-3, 0);     /* f16: 2^-11 relative, once more on the rotated K */
+    layer0_equal(KN_KV_BF16, 2e-2, 0);    /* bf16: 2^-8 */
     layer0_equal(KN_KV_INT8, 2e-2, 1e-2); /* int8: 1/127 of the row scale, twice */
 }
 
@@ -180,9 +180,9 @@ Test(engine_blend, chunk_at_the_start_is_full_recomputation, .init = setup, .fin
     prefill(e, q, ids, n, full);
     kv_seq_destroy(kv, q);
 
-    const km_pagehash seed = en_blend_chunk_seed(km_pagehash_seed(NULL, 0, 7, "t", 1));
-    cr_assert_eq(en_blend_chunk_store(e, seed, ids, nd), 0);
-    const int held = en_blend_chunk_attach(e, seed, ids, nd, &c);
+    const en_blend_key key = {.seed = en_blend_chunk_seed(km_pagehash_seed(NULL, 0, 7, "t", 1))};
+    cr_assert_eq(en_blend_chunk_store(e, &key, ids, nd), 0);
+    const int held = en_blend_chunk_attach(e, &key, ids, nd, &c);
     cr_assert_eq(held, nd / 16 * 16, "held %d of %d", held, nd);
     cr_assert_eq(kv_seq_create(kv, &q), 0);
     cr_assert_eq(en_blend_copy(e, c, 0, q, 0, held), 0);
@@ -229,12 +229,12 @@ Test(engine_blend, recompute_moves_toward_full_recomputation, .init = setup, .fi
     prefill(e, q, ids, n, full);
     kv_seq_destroy(kv, q);
     /* the documents cached alone (doc1 first: both at positions other than here) */
-    const km_pagehash seed = en_blend_chunk_seed(km_pagehash_seed(NULL, 0, 7, NULL, 0));
+    const en_blend_key key = {.seed = en_blend_chunk_seed(km_pagehash_seed(NULL, 0, 7, NULL, 0))};
     const int at[2] = {ns, ns + n2}, len[2] = {n2, n1};
     en_blend_seg seg[2];
     for (int d = 0; d < 2; d++) {
-        cr_assert_eq(en_blend_chunk_store(e, seed, ids + at[d], len[d]), 0);
-        seg[d] = (en_blend_seg){at[d], en_blend_chunk_attach(e, seed, ids + at[d], len[d], &c[d])};
+        cr_assert_eq(en_blend_chunk_store(e, &key, ids + at[d], len[d]), 0);
+        seg[d] = (en_blend_seg){at[d], en_blend_chunk_attach(e, &key, ids + at[d], len[d], &c[d])};
         cr_assert_gt(seg[d].n, 0);
     }
     const float fr[] = {0, 0.15f, 1};
@@ -283,9 +283,11 @@ Test(engine_blend, chunks_stay_with_their_tenant_and_apart_from_prefixes, .init 
     const int nd = encode(k_doc1, ids, 128);
     const km_pagehash ta = km_pagehash_seed(NULL, 0, 7, "a", 1),
                       tb = km_pagehash_seed(NULL, 0, 7, "b", 1);
-    cr_assert_eq(en_blend_chunk_store(e, en_blend_chunk_seed(ta), ids, nd), 0);
+    const en_blend_key ka = {.seed = en_blend_chunk_seed(ta)},
+                       kb = {.seed = en_blend_chunk_seed(tb)};
+    cr_assert_eq(en_blend_chunk_store(e, &ka, ids, nd), 0);
     kv_seq *c;
-    cr_assert_eq(en_blend_chunk_attach(e, en_blend_chunk_seed(tb), ids, nd, &c), 0);
+    cr_assert_eq(en_blend_chunk_attach(e, &kb, ids, nd, &c), 0);
     cr_assert_null(c);
     km_pagehash h[8];
     const int np = km_pagehash_chain(ta, ids, nd, 16, h, 8);
@@ -294,10 +296,26 @@ Test(engine_blend, chunks_stay_with_their_tenant_and_apart_from_prefixes, .init 
     int32_t other[128];
     memcpy(other, ids, sizeof(int32_t) * nd);
     other[20] ^= 1;
-    cr_assert_eq(en_blend_chunk_attach(e, en_blend_chunk_seed(ta), other, nd, &c), 16);
+    cr_assert_eq(en_blend_chunk_attach(e, &ka, other, nd, &c), 16);
     kv_seq_destroy(kv, c);
-    cr_assert_eq(en_blend_chunk_attach(e, en_blend_chunk_seed(ta), ids, nd, &c), nd / 16 * 16);
+    cr_assert_eq(en_blend_chunk_attach(e, &ka, ids, nd, &c), nd / 16 * 16);
     kv_seq_destroy(kv, c);
+    /* after a preamble: another chain; the chunk's tokens held past the preamble */
+    int32_t pre[16];
+    for (int i = 0; i < 16; i++) pre[i] = 198;
+    const en_blend_key kp = {ka.seed, pre, 16}, bad = {ka.seed, pre, 5};
+    cr_assert_eq(en_blend_chunk_attach(e, &kp, ids, nd, &c), 0);
+    cr_assert_eq(en_blend_chunk_store(e, &kp, ids, nd), 0);
+    cr_assert_eq(en_blend_chunk_attach(e, &kp, ids, nd, &c), nd / 16 * 16);
+    float k0[64], v0[64], k1[64], v1[64];
+    kv_seq *plain;
+    cr_assert_eq(en_blend_chunk_attach(e, &ka, ids, nd, &plain), nd / 16 * 16);
+    cr_assert_eq(kv_seq_read(kv, c, 0, 0, 16, k0, v0), 0);
+    cr_assert_eq(kv_seq_read(kv, plain, 0, 0, 0, k1, v1), 0);
+    cr_assert_arr_eq(v0, v1, sizeof v0, "the chunk's first token sits past the preamble");
+    kv_seq_destroy(kv, c);
+    kv_seq_destroy(kv, plain);
+    cr_assert_eq(en_blend_chunk_store(e, &bad, ids, nd), KM_EINVAL, "not a whole page");
     en_engine_destroy(e);
 }
 
