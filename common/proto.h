@@ -45,6 +45,7 @@ extern "C" {
 #define KM_PROTO_MAX_DRAFT        256         /* req.max_draft_tokens */
 #define KM_PROTO_MAX_BIAS         1024        /* req.logit_bias entries */
 #define KM_PROTO_MAX_TOP          20          /* req.top_logprobs, tok.top entries */
+#define KM_PROTO_MAX_CHUNKS       64          /* req.chunks segments */
 #define KM_PROTO_MAX_GRAMMAR      (64u << 10) /* req.grammar bytes */
 #define KM_PROTO_MAX_PROMPT_TOK   (1u << 18)  /* default max prompt token ids */
 #define KM_PROTO_MAX_EVENT_HASHES 8192        /* default max page hashes per KV event */
@@ -138,6 +139,12 @@ typedef struct km_token_value {
     int32_t token;
     float value;
 } km_token_value;
+
+/* A segment of a request's token prompt marked as a reusable chunk (req.chunks): ids
+ * [start, start + n). */
+typedef struct km_chunk_seg {
+    uint32_t start, n;
+} km_chunk_seg;
 
 const char *km_speculate_name(km_speculate s);
 
@@ -243,6 +250,11 @@ typedef struct km_msg_request {
     uint32_t pull_addr_len;
     uint32_t pull_pages; /* 1..KM_PROTO_MAX_PULL_PAGES with pull_from */
     uint32_t pull_ms;    /* budget; 0 = the worker's default */
+    /* Chunks (optional, added within version 1; docs/blend.md): segments of `tokens` whose KV
+     * may be cached and reused by their content wherever they appear (a retrieved document);
+     * up to KM_PROTO_MAX_CHUNKS, in order, disjoint, non-empty, inside the prompt. */
+    const km_chunk_seg *chunks;
+    uint32_t n_chunks;
 } km_msg_request;
 
 typedef struct km_msg_token {
