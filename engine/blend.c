@@ -263,14 +263,21 @@ int en_blend_chunk_store(en_engine *e, const en_blend_key *k, const int32_t *tok
     kv_seq *q = NULL;
     bl_tok *t = NULL;
     const int np = bl_chain(e, k, tokens, n, &ids, &h), nt = np * pt;
-    int rc = np > 0 ? 0 : np;
+    int rc = np > 0 ? 0 : np, held = 0;
     if (np > 0) {
         t = malloc(sizeof *t * (size_t)nt);
         rc = t ? kv_seq_create(e->kv, &q) : KM_ENOMEM;
     }
-    for (int i = 0; i < nt && !rc; i++)
-        t[i] = (bl_tok){.pos = i, .depth = (int16_t)e->m->hp.n_layers};
-    if (np > 0 && !rc) rc = bl_run(e, q, ids, nt, t, nt, NULL);
+    /* what the store holds of the chain already (the preamble, shared by every chunk: a page
+     * published twice under one hash would end the second chain there) */
+    if (np > 0 && !rc) held = kv_seq_attach(e->kv, q, h, ids, np);
+    if (held < 0) rc = held;
+    for (int i = held * pt; i < nt && !rc; i++)
+        t[i - held * pt] = (bl_tok){.pos = i, .depth = (int16_t)e->m->hp.n_layers};
+    if (np > 0 && !rc && held < np) {
+        kv_seq_wait_ready(e->kv, q);
+        rc = bl_run(e, q, ids, nt, t, nt - held * pt, NULL);
+    }
     if (np > 0 && !rc) rc = kv_seq_publish(e->kv, q, h, ids, nt);
     if (q) kv_seq_destroy(e->kv, q);
     free(ids);

@@ -307,6 +307,12 @@ Test(engine_blend, chunks_stay_with_their_tenant_and_apart_from_prefixes, .init 
     cr_assert_eq(en_blend_chunk_attach(e, &kp, ids, nd, &c), 0);
     cr_assert_eq(en_blend_chunk_store(e, &kp, ids, nd), 0);
     cr_assert_eq(en_blend_chunk_attach(e, &kp, ids, nd, &c), nd / 16 * 16);
+    kv_seq_destroy(kv, c);
+    /* a second chunk after the same preamble: cached in full too (the preamble page is shared) */
+    cr_assert_eq(en_blend_chunk_store(e, &kp, other, nd), 0);
+    cr_assert_eq(en_blend_chunk_attach(e, &kp, other, nd, &c), nd / 16 * 16);
+    kv_seq_destroy(kv, c);
+    cr_assert_eq(en_blend_chunk_attach(e, &kp, ids, nd, &c), nd / 16 * 16);
     float k0[64], v0[64], k1[64], v1[64];
     kv_seq *plain;
     cr_assert_eq(en_blend_chunk_attach(e, &ka, ids, nd, &plain), nd / 16 * 16);
