@@ -25,25 +25,54 @@ void en_blend_rerotate(const en_engine *e, float *k, int from, int to)
     e->ops->rope(k, hp->n_head_kv, hp->head_dim, hp->n_rot, cs, hp->rope_neox);
 }
 
+/* en_blend_copy's job: each thread moves its share of the positions, every layer. */
+typedef struct bl_copy {
+    en_engine *e;
+    const kv_seq *src;
+    kv_seq *dst;
+    int src_pos, dst_pos, n;
+    float *scratch; /* [threads][2][kvd] */
+    int rc;         /* the first failure (a position the source does not hold) */
+} bl_copy;
+
+static void bl_copy_job(void *ctx, int ith, int nth)
+{
+    bl_copy *c = ctx;
+    const en_hparams *hp = &c->e->m->hp;
+    const int hd = hp->head_dim, kvd = hp->n_head_kv * hd;
+    float *k = c->scratch + (size_t)ith * 2 * kvd, *v = k + kvd;
+    int64_t i0, i1;
+    kn_split(c->n, ith, nth, &i0, &i1);
+    for (int64_t i = i0; i < i1; i++)
+        for (int l = 0; l < hp->n_layers; l++) {
+            int rc = 0;
+            for (int h = 0; h < hp->n_head_kv && !rc; h++)
+                rc = kv_seq_read(c->e->kv, c->src, l, h, c->src_pos + (int)i, k + h * hd,
+                                 v + h * hd);
+            if (rc) {
+                c->rc = rc; /* any thread's failure fails the copy */
+                return;
+            }
+            en_blend_rerotate(c->e, k, c->src_pos + (int)i, c->dst_pos + (int)i);
+            kv_seq_write(c->e->kv, c->dst, l, c->dst_pos + (int)i, k, v);
+        }
+}
+
 int en_blend_copy(en_engine *e, const kv_seq *src, int src_pos, kv_seq *dst, int dst_pos, int n)
 {
     const en_hparams *hp = &e->m->hp;
-    const int hd = hp->head_dim, kvd = hp->n_head_kv * hd;
-    if (n <= 0 || src_pos < 0 || dst_pos < 0) return KM_EINVAL;
+    if (n <= 0 || src_pos < 0 || dst_pos < 0 || src_pos + n > kv_seq_capacity(src) * e->page_tokens)
+        return KM_EINVAL;
     int rc = kv_seq_reserve(e->kv, dst, dst_pos + n);
     if (rc) return rc;
-    float *k = malloc(sizeof(float) * 2 * kvd), *v = k ? k + kvd : NULL;
-    if (!k) return KM_ENOMEM;
-    for (int l = 0; l < hp->n_layers && !rc; l++)
-        for (int i = 0; i < n && !rc; i++) {
-            for (int h = 0; h < hp->n_head_kv && !rc; h++)
-                rc = kv_seq_read(e->kv, src, l, h, src_pos + i, k + h * hd, v + h * hd);
-            if (rc) break;
-            en_blend_rerotate(e, k, src_pos + i, dst_pos + i);
-            kv_seq_write(e->kv, dst, l, dst_pos + i, k, v);
-        }
-    free(k);
-    return rc;
+    kv_seq_wait_ready(e->kv, src);
+    const size_t kvd = (size_t)hp->n_head_kv * hp->head_dim;
+    bl_copy c = {e, src, dst, src_pos, dst_pos, n, NULL, 0};
+    c.scratch = malloc(sizeof(float) * 2 * kvd * (size_t)kn_pool_size(e->pool));
+    if (!c.scratch) return KM_ENOMEM;
+    kn_pool_run(e->pool, bl_copy_job, &c);
+    free(c.scratch);
+    return c.rc;
 }
 
 /* The tokens one prefill pass computes, in position order, and the layers each goes through. */
