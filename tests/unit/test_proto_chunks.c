@@ -102,8 +102,8 @@ Test(proto_chunks, bad_boundaries_are_refused_by_sender_and_receiver)
             msgpack_pack_uint32(&pk, k_bad[i].c[s].start);
             msgpack_pack_uint32(&pk, k_bad[i].c[s].n);
         }
-        cr_assert_eq(km_msg_decode((const uint8_t *)sb.data, sb.size, NULL, &out, &err),
-                     KM_EFORMAT, "case %zu: %s", i, err.msg);
+        cr_assert_eq(km_msg_decode((const uint8_t *)sb.data, sb.size, NULL, &out, &err), KM_EFORMAT,
+                     "case %zu: %s", i, err.msg);
         cr_assert(strstr(err.msg, k_bad[i].why), "'%s' lacks '%s'", err.msg, k_bad[i].why);
         km_msg_clear(&out);
         msgpack_sbuffer_destroy(&sb);
