@@ -61,18 +61,23 @@ static int encode(const md_tokenizer *t, const char *s, int32_t *out, int max)
     return n < 0 ? 0 : n < max ? n : max;
 }
 
+static int by_name(const void *a, const void *b)
+{
+    return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
 static int load_docs(const md_tokenizer *t, int want, doc *d)
 {
     const char *dir = "/usr/share/common-licenses";
     DIR *dp = opendir(dir);
     if (!dp) return 0;
-    char *names[64];
+    char *names[64] = {0};
     int nn = 0;
     struct dirent *de;
     while ((de = readdir(dp)) && nn < 64)
         if (de->d_name[0] != '.') names[nn++] = strdup(de->d_name);
     closedir(dp);
-    qsort(names, (size_t)nn, sizeof *names, (int (*)(const void *, const void *))strcmp);
+    qsort(names, (size_t)nn, sizeof *names, by_name);
     int nd = 0;
     static int32_t buf[1 << 17];
     for (int f = 0; f < nn && nd < want; f++) {
@@ -109,22 +114,23 @@ static void build_prompt(const md_tokenizer *t, const doc *d, int nd, prompt *p)
             for (int j = 0; j < i; j++) again |= pick[j] == pick[i];
         } while (again);
     }
-    p->n = encode(t, "<|im_start|>system\nAnswer from the documents below.<|im_end|>\n", p->ids,
-                  64);
+    p->n =
+        encode(t, "<|im_start|>system\nAnswer from the documents below.<|im_end|>\n", p->ids, 64);
     p->n_seg = 0;
     for (int i = 0; i < k; i++) {
-        if (p->n + d[pick[i]].n + 200 > MAX_PROMPT) break;
+        if (p->n_seg && p->n + d[pick[i]].n + 200 > MAX_PROMPT) break;
         memcpy(p->ids + p->n, d[pick[i]].ids, sizeof(int32_t) * d[pick[i]].n);
         p->seg[p->n_seg] = (en_blend_seg){p->n, d[pick[i]].n};
         p->doc[p->n_seg++] = pick[i];
         p->n += d[pick[i]].n;
     }
     /* the passage: somewhere in one of the documents */
-    const int s = (int)(rnd() % p->n_seg);
+    const int s = p->n_seg > 1 ? (int)(rnd() % (uint32_t)p->n_seg) : 0;
     const doc *src = &d[p->doc[s]];
     const int at = (int)(rnd() % (src->n - N_CUE - N_REF));
-    p->n += encode(t, "\nQuestion: repeat, word for word, the passage that starts as follows. "
-                      "Answer:",
+    p->n += encode(t,
+                   "\nQuestion: repeat, word for word, the passage that starts as follows. "
+                   "Answer:",
                    p->ids + p->n, 64);
     memcpy(p->ids + p->n, src->ids + at, sizeof(int32_t) * N_CUE);
     p->n += N_CUE;
@@ -138,8 +144,8 @@ typedef struct result {
 } result;
 
 /* The reference's NLL after the prompt, then N_GREEDY greedy tokens, from the prompt's logits. */
-static int continue_prompt(en_engine *e, kv_seq *q, prompt *p, const float *last, int nv,
-                           result *r, int32_t *greedy)
+static int continue_prompt(en_engine *e, kv_seq *q, prompt *p, const float *last, int nv, result *r,
+                           int32_t *greedy)
 {
     float *row = malloc(sizeof(float) * nv);
     memcpy(row, last, sizeof(float) * nv);
@@ -177,9 +183,8 @@ static int run_mode(const en_model *m, int threads, const doc *d, int nd, prompt
                     float fraction, const int32_t *pre, result *r, int32_t (*greedy)[N_GREEDY])
 {
     const int nv = en_model_hparams(m)->n_vocab;
-    en_engine_opts o = {.n_threads = threads,
-                        .max_batch_tokens = 512,
-                        .kv_bytes = (size_t)256 << 20};
+    en_engine_opts o = {
+        .n_threads = threads, .max_batch_tokens = 512, .kv_bytes = (size_t)256 << 20};
     en_engine *e;
     km_errbuf err = {{0}};
     if (en_engine_create(m, &o, &e, &err)) {
@@ -211,8 +216,8 @@ static int run_mode(const en_model *m, int threads, const doc *d, int nd, prompt
         int ns = 0;
         for (int s = 0; fraction >= 0 && s < p->n_seg && !rc; s++) {
             if (p->seg[s].start < done) continue;
-            const int held = en_blend_chunk_attach(e, &key, p->ids + p->seg[s].start,
-                                                   p->seg[s].n, &c[s]);
+            const int held =
+                en_blend_chunk_attach(e, &key, p->ids + p->seg[s].start, p->seg[s].n, &c[s]);
             if (held <= 0) continue;
             seg[ns++] = (en_blend_seg){p->seg[s].start, held};
             rc = en_blend_copy(e, c[s], key.n_pre, q, p->seg[s].start, held);
@@ -262,8 +267,9 @@ int main(int argc, char **argv)
     }
     /* the preamble chunks are computed after: one page of a neutral line */
     int32_t pre[64];
-    const int n_pre = encode(t, "The text below is one of several documents retrieved for the "
-                                "question that follows them all.",
+    const int n_pre = encode(t,
+                             "The text below is one of several documents retrieved for the "
+                             "question that follows them all.",
                              pre, 64);
     if (n_pre < 16) return 1;
     prompt *ps = calloc((size_t)np, sizeof *ps);
@@ -273,8 +279,10 @@ int main(int argc, char **argv)
     int nm = 2;
     for (const char *s = fr; *s && nm < MAX_MODES;) {
         modes[nm++] = strtof(s, (char **)&s);
-        if (*s == ',') s++;
-        else if (*s) break;
+        if (*s == ',')
+            s++;
+        else if (*s)
+            break;
     }
     printf("bench_blend: %s, %d threads, %d documents, %d prompts (%ld tokens, mean %ld), "
            "chunks computed after a preamble: %s, load %.2f\n",
@@ -300,15 +308,19 @@ int main(int argc, char **argv)
         }
         const double ppl = exp(r.nll / (double)r.n_nll);
         if (k == 0) full_ppl = ppl;
-        const double p90 = bench_pct(r.ttft, (size_t)np, 0.9), p50 = bench_pct(r.ttft, (size_t)np, 0.5);
+        const double p90 = bench_pct(r.ttft, (size_t)np, 0.9),
+                     p50 = bench_pct(r.ttft, (size_t)np, 0.5);
         if (k == 1) prefix_p50 = p50;
         char name[32];
-        if (k == 0) snprintf(name, sizeof name, "full");
-        else if (k == 1) snprintf(name, sizeof name, "prefix");
-        else snprintf(name, sizeof name, "blend %.2f", modes[k]);
+        if (k == 0)
+            snprintf(name, sizeof name, "full");
+        else if (k == 1)
+            snprintf(name, sizeof name, "prefix");
+        else
+            snprintf(name, sizeof name, "blend %.2f", modes[k]);
         printf("%-12s %7.0fms %7.0fms %7.2fx %10ld %10ld %12ld %8.3f %+8.2f%% %8.1f%% %8.1f%%\n",
-               name, p50, p90, k ? prefix_p50 / p50 : 0.0, r.reused, r.recomputed,
-               r.token_layers, ppl, 100 * (ppl / full_ppl - 1), 100.0 * lead / (np * N_GREEDY),
+               name, p50, p90, k ? prefix_p50 / p50 : 0.0, r.reused, r.recomputed, r.token_layers,
+               ppl, 100 * (ppl / full_ppl - 1), 100.0 * lead / (np * N_GREEDY),
                100.0 * pos / (np * N_GREEDY));
         if (k >= 2) printf("%-12s ingest %.0f ms for %d documents\n", "", r.ingest_ms, nd);
         fflush(stdout);
