@@ -45,6 +45,7 @@ extern "C" {
 #define KM_PROTO_MAX_DRAFT        256         /* req.max_draft_tokens */
 #define KM_PROTO_MAX_BIAS         1024        /* req.logit_bias entries */
 #define KM_PROTO_MAX_TOP          20          /* req.top_logprobs, tok.top entries */
+#define KM_PROTO_MAX_CHUNKS       64          /* req.chunks segments */
 #define KM_PROTO_MAX_GRAMMAR      (64u << 10) /* req.grammar bytes */
 #define KM_PROTO_MAX_PROMPT_TOK   (1u << 18)  /* default max prompt token ids */
 #define KM_PROTO_MAX_EVENT_HASHES 8192        /* default max page hashes per KV event */
@@ -138,6 +139,12 @@ typedef struct km_token_value {
     int32_t token;
     float value;
 } km_token_value;
+
+/* A segment of a request's token prompt marked as a reusable chunk (req.chunks): ids
+ * [start, start + n). */
+typedef struct km_chunk_seg {
+    uint32_t start, n;
+} km_chunk_seg;
 
 const char *km_speculate_name(km_speculate s);
 
@@ -265,6 +272,11 @@ typedef struct km_msg_request {
      * receiver asks it to (a req of max_tokens 1 it sends itself) and pulls the pages again and
      * again as they are sealed, until pull_pages are here, the prefill is done, or pull_ms. */
     bool pd;
+    /* Chunks (optional, added within version 1; docs/blend.md): segments of `tokens` whose KV
+     * may be cached and reused by their content wherever they appear (a retrieved document);
+     * up to KM_PROTO_MAX_CHUNKS, in order, disjoint, non-empty, inside the prompt. */
+    const km_chunk_seg *chunks;
+    uint32_t n_chunks;
 } km_msg_request;
 
 typedef struct km_msg_token {

@@ -87,6 +87,25 @@ static int req_validate_pull(const km_msg_request *r, km_errbuf *err)
     return 0;
 }
 
+/* req.chunks: in order, disjoint, non-empty, inside the token prompt (generated ids included). */
+static int req_check_chunks(const km_chunk_seg *c, uint32_t n, uint32_t n_tokens, km_errbuf *err)
+{
+    if (n > KM_PROTO_MAX_CHUNKS) VFAIL("req.chunks: %u segments, limit %d", n, KM_PROTO_MAX_CHUNKS);
+    if (n && !c) VFAIL("req.chunks: NULL with %u segments", n);
+    if (n && !n_tokens) VFAIL("req.chunks: needs tokens (segments are token positions)");
+    for (uint32_t i = 0; i < n; i++) {
+        if (!c[i].n) VFAIL("req.chunks[%u]: empty", i);
+        if ((uint64_t)c[i].start + c[i].n > n_tokens)
+            VFAIL("req.chunks[%u]: [%u, %u) past the prompt's %u tokens", i, c[i].start,
+                  c[i].start + c[i].n, n_tokens);
+        if (i && c[i].start < c[i - 1].start + c[i - 1].n)
+            VFAIL("req.chunks[%u]: starts at %u, inside or before the segment before it (ends at "
+                  "%u)",
+                  i, c[i].start, c[i - 1].start + c[i - 1].n);
+    }
+    return 0;
+}
+
 static int req_validate(const km_msg *m, const km_proto_limits *lim, km_errbuf *err)
 {
     const km_msg_request *r = &m->req;
@@ -134,6 +153,7 @@ static int req_validate(const km_msg *m, const km_proto_limits *lim, km_errbuf *
     if (r->generated && r->generated >= r->n_tokens)
         VFAIL("req.generated: %u, needs tokens with at least one more id (%u)", r->generated,
               r->n_tokens);
+    CK(req_check_chunks(r->chunks, r->n_chunks, r->n_tokens, err));
     return req_validate_pull(r, err);
 }
 
@@ -174,6 +194,14 @@ static void req_encode(km_enc *e, const km_msg *m)
     if (r->prompt_logprobs) km_enc_bool(e, "prompt_logprobs", true);
     enc_token_values(e, "logit_bias", r->logit_bias, r->n_logit_bias);
     if (r->grammar) km_enc_str(e, "grammar", r->grammar);
+    if (r->n_chunks && km_enc_begin(e, "chunks")) {
+        e->rc |= msgpack_pack_array(&e->pk, r->n_chunks);
+        for (uint32_t i = 0; i < r->n_chunks; i++) {
+            e->rc |= msgpack_pack_array(&e->pk, 2);
+            e->rc |= msgpack_pack_uint32(&e->pk, r->chunks[i].start);
+            e->rc |= msgpack_pack_uint32(&e->pk, r->chunks[i].n);
+        }
+    }
     if (r->pull_from) {
         km_enc_str(e, "pull_from", r->pull_from);
         km_enc_str(e, "pull_endpoint", r->pull_endpoint);
@@ -219,6 +247,31 @@ static int req_decode_stop(km_dec *d, const msgpack_object_array *a)
     }
     r->stop = s;
     r->n_stop = a->size;
+    return 0;
+}
+
+static int req_decode_chunks(km_dec *d, const msgpack_object_array *a)
+{
+    km_msg_request *r = &d->m->req;
+    if (a->size > KM_PROTO_MAX_CHUNKS)
+        return DFAIL(d, KM_EFORMAT, "req.chunks: %u segments, limit %d", a->size,
+                     KM_PROTO_MAX_CHUNKS);
+    km_chunk_seg *c = km_msg_alloc(d->m, (size_t)(a->size ? a->size : 1) * sizeof *c);
+    if (!c) return DFAIL(d, KM_ENOMEM, "req.chunks: out of memory");
+    for (uint32_t i = 0; i < a->size; i++) {
+        const msgpack_object *p = &a->ptr[i];
+        const msgpack_object *x =
+            p->type == MSGPACK_OBJECT_ARRAY && p->via.array.size == 2 ? p->via.array.ptr : NULL;
+        if (!x || x[0].type != MSGPACK_OBJECT_POSITIVE_INTEGER ||
+            x[1].type != MSGPACK_OBJECT_POSITIVE_INTEGER || x[0].via.u64 > UINT32_MAX ||
+            x[1].via.u64 > UINT32_MAX)
+            return DFAIL(d, KM_EFORMAT, "req.chunks[%u]: expected [start, length]", i);
+        c[i] = (km_chunk_seg){(uint32_t)x[0].via.u64, (uint32_t)x[1].via.u64};
+    }
+    r->chunks = c;
+    r->n_chunks = a->size;
+    km_errbuf err = {{0}};
+    if (req_check_chunks(c, a->size, r->n_tokens, &err)) return DFAIL(d, KM_EFORMAT, "%s", err.msg);
     return 0;
 }
 
@@ -268,6 +321,8 @@ static int req_decode(km_dec *d, const msgpack_object_map *mp)
             return DFAIL(d, KM_EFORMAT, "req.logit_bias[%u]: %g outside [-100, 100]", i,
                          r->logit_bias[i].value);
     CK(km_dec_str(d, mp, "grammar", false, KM_PROTO_MAX_GRAMMAR, false, &r->grammar, NULL));
+    CK(km_dec_obj(d, mp, "chunks", false, MSGPACK_OBJECT_ARRAY, &o));
+    if (o) CK(req_decode_chunks(d, &o->via.array));
     CK(km_dec_str(d, mp, "pull_from", false, KM_PROTO_MAX_NAME, false, &r->pull_from, NULL));
     if (!r->pull_from) return 0; /* the rest of a hint means nothing without it */
     CK(km_dec_str(d, mp, "pull_endpoint", true, KM_PROTO_MAX_NAME, false, &r->pull_endpoint, NULL));

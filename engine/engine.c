@@ -154,6 +154,8 @@ int en_engine_create(const en_model *m, const en_engine_opts *opts, en_engine **
     e->out_idx = en_alloc(T * sizeof(int32_t));
     e->run0 = en_alloc(T * sizeof(int32_t));
     e->run_n = en_alloc(T * sizeof(int32_t));
+    e->n_at = en_alloc((size_t)hp->n_layers * sizeof(int));
+    e->runs_at = en_alloc((size_t)hp->n_layers * sizeof(int));
     const size_t sh = (size_t)hp->n_ff_shexp; /* MoE: the shared expert's width */
     const int nth = kn_pool_size(e->pool);
     e->lanes = calloc((size_t)nth, sizeof *e->lanes);
@@ -191,7 +193,8 @@ int en_engine_create(const en_model *m, const en_engine_opts *opts, en_engine **
             lanes_ok = kn_sparse_scratch_init(&e->lanes[i].sparse, cap) == 0;
     }
     if (!e->x || !e->xn || !e->q || !e->k || !e->v || !e->att || !e->tmp || !e->gate || !e->up ||
-        !e->rope_cs || !e->logits || !e->xq || !e->out_idx || !e->run0 || !e->run_n || !lanes_ok) {
+        !e->rope_cs || !e->logits || !e->xq || !e->out_idx || !e->run0 || !e->run_n || !e->n_at ||
+        !e->runs_at || !lanes_ok) {
         rc =
             km_errf(err, KM_ENOMEM, "engine: cannot allocate buffers for %d tokens", e->max_tokens);
         goto fail;
@@ -228,6 +231,8 @@ void en_engine_destroy(en_engine *e)
     free(e->out_idx);
     free(e->run0);
     free(e->run_n);
+    free(e->n_at);
+    free(e->runs_at);
     free(e);
 }
 
@@ -371,7 +376,7 @@ static void en_step_job(void *ctx, int ith, int nth)
     const en_hparams *hp = &m->hp;
     const kn_ops *ops = e->ops;
     const en_batch *b = st->b;
-    int n = b->n_tokens;
+    int n = b->n_tokens, n_runs = st->n_runs;
     int embd = hp->n_embd, hd = hp->head_dim, ff = hp->n_ff;
     int qd = hp->n_head * hd, kvd = hp->n_head_kv * hd, group = hp->n_head / hp->n_head_kv;
     const float scale = e->attn_scale;
@@ -406,6 +411,12 @@ static void en_step_job(void *ctx, int ith, int nth)
 
     for (int l = 0; l < hp->n_layers; l++) {
         const en_layer *L = &m->layers[l];
+        if (st->depth && e->n_at[l] != n) { /* fewer tokens from here on (en_batch.depth) */
+            n = e->n_at[l], n_runs = e->runs_at[l];
+            kn_split(n, ith, nth, &t0, &t1);
+            kn_pool_barrier(e->pool); /* P11 of the layer before ran on the old split */
+            if (!n) break;
+        }
         /* P1 */
         for (int64_t i = t0; i < t1; i++)
             ops->rmsnorm(xn + i * embd, x + i * embd, L->attn_norm.data, embd, hp->norm_eps);
@@ -445,7 +456,7 @@ static void en_step_job(void *ctx, int ith, int nth)
             /* P4: (run, kv head) items interleaved so that early (cheap) and late (expensive)
              * prompt positions spread over the threads; a run's tokens share one walk of the
              * pages (en_att_runs). */
-            for (int64_t p = ith; p < (int64_t)st->n_runs * hp->n_head_kv; p += nth) {
+            for (int64_t p = ith; p < (int64_t)n_runs * hp->n_head_kv; p += nth) {
                 const int r = (int)(p / hp->n_head_kv), h = (int)(p % hp->n_head_kv);
                 const int i0 = e->run0[r], nr = e->run_n[r];
                 if (en_sparse_token(e, b, l, i0 + nr - 1)) { /* each token picks its pages */
@@ -533,7 +544,9 @@ static int en_att_runs(en_engine *e, const en_batch *b, int nth)
     int n_runs = 0;
     for (int i = 0; i < n;) {
         int j = i + 1;
-        while (j < n && b->seqs[j] == b->seqs[i] && b->pos[j] == b->pos[j - 1] + 1) j++;
+        while (j < n && b->seqs[j] == b->seqs[i] && b->pos[j] == b->pos[j - 1] + 1 &&
+               (!b->depth || b->depth[j] == b->depth[i]))
+            j++;
         int R = 1;
         while (R * 2 <= EN_ATT_RUN && (nth == 1 || R * 2 * 4 * nth <= (j - i) * kvh)) R *= 2;
         for (int k = i; k < j; k += R) {
@@ -553,7 +566,12 @@ int en_engine_step(en_engine *e, const en_batch *b, const float **logits)
     for (int i = 0; i < b->n_tokens; i++) {
         if (b->tokens[i] < 0 || b->tokens[i] >= hp->n_vocab || b->pos[i] < 0 || !b->seqs[i])
             return KM_EINVAL;
-        if (b->logits ? b->logits[i] : i == b->n_tokens - 1) e->out_idx[n_out++] = i;
+        const int want = b->logits ? b->logits[i] : i == b->n_tokens - 1;
+        if (want) e->out_idx[n_out++] = i;
+        if (b->depth && (b->depth[i] < 0 || b->depth[i] > hp->n_layers ||
+                         (i && b->depth[i] > b->depth[i - 1]) ||
+                         (want && b->depth[i] != hp->n_layers) || hp->n_expert))
+            return KM_EINVAL;
     }
     for (int i = 0; i < b->n_tokens; i++) {
         int rc = kv_seq_reserve(e->kv, b->seqs[i], b->pos[i] + 1);
@@ -562,7 +580,7 @@ int en_engine_step(en_engine *e, const en_batch *b, const float **logits)
     /* Lanes need one token per sequence: a token's owner writes its K/V and attends at once, so
      * another token of its sequence in the same step could not see it. */
     const int nth = kn_pool_size(e->pool);
-    int lanes = nth > 1 && b->n_tokens <= nth && b->n_tokens <= EN_LANE_TOKENS;
+    int lanes = nth > 1 && b->n_tokens <= nth && b->n_tokens <= EN_LANE_TOKENS && !b->depth;
     for (int i = 0; lanes && i < b->n_tokens; i++)
         for (int j = 0; j < i; j++)
             if (b->seqs[j] == b->seqs[i]) lanes = 0;
@@ -572,7 +590,14 @@ int en_engine_step(en_engine *e, const en_batch *b, const float **logits)
                   .n_out = n_out,
                   .lanes = lanes,
                   .n_runs = lanes ? 0 : en_att_runs(e, b, nth),
-                  .route = b->route && n_exp};
+                  .route = b->route && n_exp,
+                  .depth = b->depth != NULL};
+    for (int l = 0; b->depth && l < hp->n_layers; l++) {
+        int nt = 0, nr = 0;
+        while (nt < b->n_tokens && b->depth[nt] > l) nt++;
+        while (nr < st.n_runs && e->run0[nr] < nt) nr++;
+        e->n_at[l] = nt, e->runs_at[l] = nr;
+    }
     if (st.route) memset(e->route_w, 0, (size_t)b->n_tokens * n_exp * sizeof(float));
     kn_pool_run(e->pool, en_step_job, &st);
     if (hp->f_logit_scale != 0.0f) { /* granite: ggml_scale by the inverse */

@@ -140,6 +140,11 @@ typedef struct en_batch {
      * router weight summed over the MoE layers (its choices' renormalized weights; the lower id
      * on a tie); -1 for a dense model. What kvshard places the token's page by (kv_seq_place). */
     int16_t *route;
+    /* [n_tokens] or NULL (all): the layers each token is computed through, in non-increasing
+     * order along the batch (chunk reuse, engine/blend.c): in layers past its depth a token's
+     * K/V are not written, what its sequence holds there stays. Tokens asking for logits must
+     * go through every layer. Dense models only. */
+    const int16_t *depth;
 } en_batch;
 
 /* Runs the batch. On success *logits points to n_out rows of n_vocab floats (engine-owned,
@@ -147,6 +152,69 @@ typedef struct en_batch {
  * value is n_out. Negative km_err on failure (KM_ENOSPC: the KV store is full; nothing of the
  * batch was computed). */
 int en_engine_step(en_engine *e, const en_batch *b, const float **logits);
+
+/* ---------------------------------------------------------------- chunk reuse
+ * en_blend_*: KV of a chunk (a retrieved document, a tool output) reused wherever it appears in
+ * a prompt, not only as a prefix (engine/blend.c, docs/blend.md). A chunk's pages are cached as
+ * if the chunk were a prompt of its own, at positions [0, n), under a chain seeded by
+ * en_blend_chunk_seed (the tenant's seed, so never across tenants) and verified by token ids
+ * like prefix pages. Reused at position p its keys are rotated by p (RoPE), and en_blend_prefill
+ * recomputes the tokens whose KV drifts most from what full recomputation would give. */
+
+/* Keys k[n_head_kv][head_dim] of a token computed at position `from` rotated to position `to`. */
+void en_blend_rerotate(const en_engine *e, float *k, int from, int to);
+/* Copies positions [src_pos, src_pos + n) of src, every layer, into dst at [dst_pos, ...), keys
+ * re-rotated; reserves dst up to dst_pos + n (KM_ENOSPC). */
+int en_blend_copy(en_engine *e, const kv_seq *src, int src_pos, kv_seq *dst, int dst_pos, int n);
+
+/* A chunk of a prompt: tokens [start, start + n). */
+typedef struct en_blend_seg {
+    int start, n;
+} en_blend_seg;
+
+typedef struct en_blend_opts {
+    /* mean share of the reused tokens recomputed per layer past the probe; more in the first
+     * layers than the last (twice the mean after the probe, falling linearly to 0); 0: none
+     * (pure reuse, no probe) */
+    float fraction;
+    int probe_layer; /* the layer whose K/V drift picks the tokens; 0: 1 (CacheBlend's) */
+} en_blend_opts;
+
+typedef struct en_blend_stats {
+    int reused;        /* prompt tokens whose KV came from chunks */
+    int recomputed;    /* of those, tokens recomputed past the probe layer */
+    int computed;      /* prompt tokens computed through every layer (not in a chunk) */
+    long token_layers; /* (token, layer) pairs computed, probe included */
+} en_blend_stats;
+
+/* Prefill of tokens [n_done, n_tokens) of q, where [0, n_done) is in q already and the chunks
+ * (inside [n_done, n_tokens), ordered, disjoint) hold reused KV (en_blend_copy): every other
+ * token is computed through every layer; with a fraction, every chunk token first through the
+ * probe layer, then those whose probe-layer K/V moved most from the reused ones further, per
+ * the progressive rule. The last token always goes through every layer: *logits is its row.
+ * KM_EINVAL on bad segments (empty, overlapping, outside [n_done, n_tokens - 1)). */
+int en_blend_prefill(en_engine *e, kv_seq *q, const int32_t *tokens, int n_tokens, int n_done,
+                     const en_blend_seg *chunks, int n_chunks, const en_blend_opts *o,
+                     en_blend_stats *st, const float **logits);
+
+/* The seed of a tenant's chunk chains from its prefix seed (km_pagehash_seed). */
+km_pagehash en_blend_chunk_seed(km_pagehash tenant_seed);
+/* Where a chunk's pages are cached: the chain seed, and the tokens every chunk is computed after
+ * (a whole number of pages; NULL, 0: none). A chunk computed at position 0 makes an attention
+ * sink of its first token, which misleads every token after it once reused mid-prompt; computed
+ * after a fixed preamble, the sink is the preamble's (docs/blend.md). */
+typedef struct en_blend_key {
+    km_pagehash seed;
+    const int32_t *pre;
+    int n_pre;
+} en_blend_key;
+/* The chunk's cached pages: a new sequence (*out) with the preamble and the longest verified
+ * run of the chunk's full pages attached; returns the chunk tokens held, at positions
+ * [n_pre, n_pre + returned) of *out. 0 (and *out NULL) on a miss. */
+int en_blend_chunk_attach(en_engine *e, const en_blend_key *k, const int32_t *tokens, int n,
+                          kv_seq **out);
+/* Computes the preamble and the chunk and publishes their full pages under the chunk chain. */
+int en_blend_chunk_store(en_engine *e, const en_blend_key *k, const int32_t *tokens, int n);
 
 /* ---------------------------------------------------------------- sampler */
 

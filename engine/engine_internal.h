@@ -52,6 +52,9 @@ struct en_engine {
     /* sparse attention (en_engine_opts.sparse_attn): the page choice, from layer sparse_from */
     kn_sparse_cfg sparse;
     int sparse_on, sparse_from, page_tokens;
+    /* en_batch.depth: [n_layers] the tokens computed in each layer (a prefix of the batch) and
+     * the attention runs they make up (a prefix of run0/run_n) */
+    int *n_at, *runs_at;
 };
 
 /* What one step's job needs; lives on the caller's stack for the duration of kn_pool_run. */
@@ -62,6 +65,7 @@ typedef struct en_step {
     int lanes;  /* small batch: token phases on every thread, no barrier after them */
     int n_runs; /* attention runs in e->run0/run_n (not lanes) */
     int route;  /* sum the routing into route_w (the batch asks for en_batch.route) */
+    int depth;  /* the batch has en_batch.depth: e->n_at/runs_at hold each layer's share */
 } en_step;
 
 /* Output rows of several matrices sharing one input are split as one range across threads, in

@@ -1,0 +1,335 @@
+/*
+ * bench_blend.c — `make bench-blend`: chunk reuse (engine/blend.c, docs/blend.md) on a RAG-style
+ * set, in the engine (no sockets), one request at a time.
+ *
+ * Documents: --docs slices of 300 to 800 tokens cut from the texts of /usr/share/common-licenses.
+ * Each prompt is a system line, 4 to 6 of those documents in a shuffled order (documents come
+ * back across prompts), and a question asking to repeat a passage of one of them: its first 8
+ * tokens are given, the reference continuation is the next 32 (a copy from the context, which
+ * only attention to the reused KV can make likely). Modes, each on a fresh engine over the same
+ * prompts:
+ *   full     every prompt token computed;
+ *   prefix   prefix caching (verified page chains, as the scheduler does): only the system line
+ *            comes back at the same position;
+ *   blend f  the documents were cached alone at ingestion (timed apart); each prompt attaches
+ *            its documents' pages, re-rotates them and recomputes with fraction f.
+ * Per mode: TTFT (the prefill up to the first token's logits) p50/p90, tokens reused and
+ * recomputed, the perplexity of the reference continuations (teacher-forced after the prompt),
+ * and greedy agreement with full (of the first 32 greedy tokens: how many before the first
+ * difference, and how many equal position by position). Nothing is asserted about time.
+ */
+#include <dirent.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bench/bench_util.h"
+#include "engine/engine.h"
+
+#define MAX_DOCS    32
+#define MAX_PROMPT  6144
+#define N_REF       32
+#define N_CUE       8
+#define N_GREEDY    32
+#define MAX_MODES   8
+#define MAX_PROMPTS 64
+
+typedef struct doc {
+    int32_t *ids;
+    int n;
+} doc;
+
+typedef struct prompt {
+    int32_t ids[MAX_PROMPT + N_REF];
+    int n; /* prompt tokens; the reference follows at ids[n] */
+    en_blend_seg seg[6];
+    int doc[6], n_seg;
+    int32_t greedy[N_GREEDY];
+} prompt;
+
+static uint64_t g_rng = 0x9e3779b97f4a7c15ull;
+static uint32_t rnd(void)
+{
+    g_rng ^= g_rng << 13, g_rng ^= g_rng >> 7, g_rng ^= g_rng << 17;
+    return (uint32_t)(g_rng >> 11);
+}
+
+static int encode(const md_tokenizer *t, const char *s, int32_t *out, int max)
+{
+    int n = md_tok_encode(t, s, strlen(s), 0, 1, out, max);
+    return n < 0 ? 0 : n < max ? n : max;
+}
+
+static int by_name(const void *a, const void *b)
+{
+    return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+static int load_docs(const md_tokenizer *t, int want, doc *d)
+{
+    const char *dir = "/usr/share/common-licenses";
+    DIR *dp = opendir(dir);
+    if (!dp) return 0;
+    char *names[64] = {0};
+    int nn = 0;
+    struct dirent *de;
+    while ((de = readdir(dp)) && nn < 64)
+        if (de->d_name[0] != '.') names[nn++] = strdup(de->d_name);
+    closedir(dp);
+    qsort(names, (size_t)nn, sizeof *names, by_name);
+    int nd = 0;
+    static int32_t buf[1 << 17];
+    for (int f = 0; f < nn && nd < want; f++) {
+        char path[512];
+        snprintf(path, sizeof path, "%s/%s", dir, names[f]);
+        FILE *fp = fopen(path, "r");
+        if (!fp) continue;
+        static char text[1 << 19];
+        size_t len = fread(text, 1, sizeof text - 1, fp);
+        fclose(fp);
+        text[len] = 0;
+        int n = encode(t, text, buf, (int)(sizeof buf / sizeof buf[0]));
+        /* up to two slices per file, from its middle, so that licences differ */
+        for (int s = 0; s < 2 && nd < want; s++) {
+            const int dl = 300 + (int)(rnd() % 501);
+            const int at = n / 3 + s * (dl + 64);
+            if (at + dl + 64 > n) break;
+            d[nd].ids = malloc(sizeof(int32_t) * dl);
+            memcpy(d[nd].ids, buf + at, sizeof(int32_t) * dl);
+            d[nd++].n = dl;
+        }
+    }
+    for (int i = 0; i < nn; i++) free(names[i]);
+    return nd;
+}
+
+static void build_prompt(const md_tokenizer *t, const doc *d, int nd, prompt *p)
+{
+    int k = 4 + (int)(rnd() % 3), pick[6];
+    for (int i = 0; i < k; i++) {
+        int again;
+        do {
+            pick[i] = (int)(rnd() % nd), again = 0;
+            for (int j = 0; j < i; j++) again |= pick[j] == pick[i];
+        } while (again);
+    }
+    p->n =
+        encode(t, "<|im_start|>system\nAnswer from the documents below.<|im_end|>\n", p->ids, 64);
+    p->n_seg = 0;
+    for (int i = 0; i < k; i++) {
+        if (p->n_seg && p->n + d[pick[i]].n + 200 > MAX_PROMPT) break;
+        memcpy(p->ids + p->n, d[pick[i]].ids, sizeof(int32_t) * d[pick[i]].n);
+        p->seg[p->n_seg] = (en_blend_seg){p->n, d[pick[i]].n};
+        p->doc[p->n_seg++] = pick[i];
+        p->n += d[pick[i]].n;
+    }
+    /* the passage: somewhere in one of the documents */
+    const int s = p->n_seg > 1 ? (int)(rnd() % (uint32_t)p->n_seg) : 0;
+    const doc *src = &d[p->doc[s]];
+    const int at = (int)(rnd() % (src->n - N_CUE - N_REF));
+    p->n += encode(t,
+                   "\nQuestion: repeat, word for word, the passage that starts as follows. "
+                   "Answer:",
+                   p->ids + p->n, 64);
+    memcpy(p->ids + p->n, src->ids + at, sizeof(int32_t) * N_CUE);
+    p->n += N_CUE;
+    memcpy(p->ids + p->n, src->ids + at + N_CUE, sizeof(int32_t) * N_REF);
+}
+
+typedef struct result {
+    double ttft[MAX_PROMPTS], nll, ingest_ms;
+    long reused, recomputed, computed, token_layers, n_nll;
+    int agree_prefix, agree_pos;
+} result;
+
+/* The reference's NLL after the prompt, then N_GREEDY greedy tokens, from the prompt's logits. */
+static int continue_prompt(en_engine *e, kv_seq *q, prompt *p, const float *last, int nv, result *r,
+                           int32_t *greedy)
+{
+    float *row = malloc(sizeof(float) * nv);
+    memcpy(row, last, sizeof(float) * nv);
+    r->nll += en_token_nll(row, nv, p->ids[p->n]);
+    int32_t pos[N_REF];
+    kv_seq *seqs[N_REF];
+    uint8_t want[N_REF];
+    for (int i = 0; i < N_REF - 1; i++) pos[i] = p->n + i, seqs[i] = q, want[i] = 1;
+    en_batch b = {
+        .n_tokens = N_REF - 1, .tokens = p->ids + p->n, .pos = pos, .seqs = seqs, .logits = want};
+    const float *lg;
+    int rc = en_engine_step(e, &b, &lg);
+    if (rc < 0) {
+        free(row);
+        return rc;
+    }
+    for (int i = 0; i < N_REF - 1; i++)
+        r->nll += en_token_nll(lg + (size_t)i * nv, nv, p->ids[p->n + 1 + i]);
+    r->n_nll += N_REF;
+    kv_seq_truncate(en_engine_kv(e), q, p->n);
+    int32_t tok = en_argmax(row, nv);
+    for (int i = 0; i < N_GREEDY; i++) {
+        greedy[i] = tok;
+        const int32_t ps = p->n + i;
+        en_batch g = {.n_tokens = 1, .tokens = &tok, .pos = &ps, .seqs = &q};
+        if ((rc = en_engine_step(e, &g, &lg)) < 0) break;
+        tok = en_argmax(lg, nv);
+    }
+    free(row);
+    return rc < 0 ? rc : 0;
+}
+
+/* One mode over every prompt on a fresh engine: fraction < 0 is full (-1) or prefix (-2). */
+static int run_mode(const en_model *m, int threads, const doc *d, int nd, prompt *ps, int np,
+                    float fraction, const int32_t *pre, result *r, int32_t (*greedy)[N_GREEDY])
+{
+    const int nv = en_model_hparams(m)->n_vocab;
+    en_engine_opts o = {
+        .n_threads = threads, .max_batch_tokens = 512, .kv_bytes = (size_t)256 << 20};
+    en_engine *e;
+    km_errbuf err = {{0}};
+    if (en_engine_create(m, &o, &e, &err)) {
+        fprintf(stderr, "bench_blend: %s\n", err.msg);
+        return -1;
+    }
+    kv_store *kv = en_engine_kv(e);
+    const km_pagehash tenant = km_pagehash_seed(NULL, 0, 1, NULL, 0);
+    const int pt = kv_store_page_tokens(kv);
+    const en_blend_key key = {en_blend_chunk_seed(tenant), pre, pre ? pt : 0};
+    memset(r, 0, sizeof *r);
+    int rc = 0;
+    if (fraction >= 0) { /* ingestion: every document cached alone */
+        const uint64_t t0 = km_now_ns();
+        for (int i = 0; i < nd && !rc; i++) rc = en_blend_chunk_store(e, &key, d[i].ids, d[i].n);
+        r->ingest_ms = (double)(km_now_ns() - t0) / 1e6;
+    }
+    static km_pagehash h[MAX_PROMPT / 16 + 1];
+    for (int i = 0; i < np && !rc; i++) {
+        prompt *p = &ps[i];
+        kv_seq *q, *c[6] = {0};
+        if ((rc = kv_seq_create(kv, &q))) break;
+        const uint64_t t0 = km_now_ns();
+        int done = 0;
+        const int nh = km_pagehash_chain(tenant, p->ids, p->n - 1, pt, h, MAX_PROMPT / 16 + 1);
+        if (fraction != -1) done = kv_seq_attach(kv, q, h, p->ids, nh) * pt;
+        if (done < 0) done = 0;
+        en_blend_seg seg[6];
+        int ns = 0;
+        for (int s = 0; fraction >= 0 && s < p->n_seg && !rc; s++) {
+            if (p->seg[s].start < done) continue;
+            const int held =
+                en_blend_chunk_attach(e, &key, p->ids + p->seg[s].start, p->seg[s].n, &c[s]);
+            if (held <= 0) continue;
+            seg[ns++] = (en_blend_seg){p->seg[s].start, held};
+            rc = en_blend_copy(e, c[s], key.n_pre, q, p->seg[s].start, held);
+        }
+        const en_blend_opts bo = {.fraction = fraction > 0 ? fraction : 0};
+        en_blend_stats st;
+        const float *lg = NULL;
+        if (!rc) rc = en_blend_prefill(e, q, p->ids, p->n, done, seg, ns, &bo, &st, &lg);
+        r->ttft[i] = (double)(km_now_ns() - t0) / 1e6;
+        if (rc) break;
+        r->reused += st.reused + done, r->recomputed += st.recomputed;
+        r->computed += st.computed, r->token_layers += st.token_layers;
+        /* blended pages are not what full recomputation gives: only those before the first
+         * reused chunk are published as a prefix */
+        const int exact = fraction == -2 ? nh : ns ? seg[0].start / pt : nh;
+        if (fraction != -1) kv_seq_publish(kv, q, h, p->ids, exact * pt);
+        for (int s = 0; s < p->n_seg; s++)
+            if (c[s]) kv_seq_destroy(kv, c[s]);
+        rc = continue_prompt(e, q, p, lg, nv, r, greedy[i]);
+        kv_seq_destroy(kv, q);
+    }
+    en_engine_destroy(e);
+    return rc;
+}
+
+int main(int argc, char **argv)
+{
+    const char *model = bench_arg(argc, argv, "--model", "models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    const int threads = atoi(bench_arg(argc, argv, "--threads", "2"));
+    int np = atoi(bench_arg(argc, argv, "--prompts", "8"));
+    const int want_docs = atoi(bench_arg(argc, argv, "--docs", "12"));
+    const char *fr = bench_arg(argc, argv, "--fractions", "0,0.05,0.15,0.3");
+    const int use_pre = atoi(bench_arg(argc, argv, "--preamble", "1"));
+    if (np > MAX_PROMPTS) np = MAX_PROMPTS;
+    en_model *m;
+    km_errbuf err = {{0}};
+    if (en_model_load(model, &m, &err)) {
+        fprintf(stderr, "bench_blend: %s\n", err.msg);
+        return 1;
+    }
+    const md_tokenizer *t = en_model_tokenizer(m);
+    static doc d[MAX_DOCS];
+    const int nd = load_docs(t, want_docs < MAX_DOCS ? want_docs : MAX_DOCS, d);
+    if (nd < 6) {
+        fprintf(stderr, "bench_blend: only %d documents from /usr/share/common-licenses\n", nd);
+        return 1;
+    }
+    /* the preamble chunks are computed after: one page of a neutral line */
+    int32_t pre[64];
+    const int n_pre = encode(t,
+                             "The text below is one of several documents retrieved for the "
+                             "question that follows them all.",
+                             pre, 64);
+    if (n_pre < 16) return 1;
+    prompt *ps = calloc((size_t)np, sizeof *ps);
+    long tokens = 0;
+    for (int i = 0; i < np; i++) build_prompt(t, d, nd, &ps[i]), tokens += ps[i].n;
+    float modes[MAX_MODES] = {-1, -2};
+    int nm = 2;
+    for (const char *s = fr; *s && nm < MAX_MODES;) {
+        modes[nm++] = strtof(s, (char **)&s);
+        if (*s == ',')
+            s++;
+        else if (*s)
+            break;
+    }
+    printf("bench_blend: %s, %d threads, %d documents, %d prompts (%ld tokens, mean %ld), "
+           "chunks computed after a preamble: %s, load %.2f\n",
+           en_model_name(m), threads, nd, np, tokens, tokens / np, use_pre ? "yes" : "no",
+           bench_load1());
+    printf("%-12s %9s %9s %8s %10s %10s %12s %8s %9s %9s %9s\n", "mode", "ttft_p50", "ttft_p90",
+           "speedup", "reused", "recomputed", "token_layers", "ppl", "ppl_vs", "agree_pre",
+           "agree_pos");
+    static int32_t greedy[MAX_MODES][MAX_PROMPTS][N_GREEDY];
+    double full_ppl = 0, prefix_p50 = 0;
+    for (int k = 0; k < nm; k++) {
+        result r;
+        if (run_mode(m, threads, d, nd, ps, np, modes[k], use_pre ? pre : NULL, &r, greedy[k])) {
+            fprintf(stderr, "bench_blend: mode %d failed\n", k);
+            return 1;
+        }
+        int lead = 0, pos = 0;
+        for (int i = 0; i < np; i++) {
+            int j = 0;
+            while (j < N_GREEDY && greedy[k][i][j] == greedy[0][i][j]) j++;
+            lead += j;
+            for (j = 0; j < N_GREEDY; j++) pos += greedy[k][i][j] == greedy[0][i][j];
+        }
+        const double ppl = exp(r.nll / (double)r.n_nll);
+        if (k == 0) full_ppl = ppl;
+        const double p90 = bench_pct(r.ttft, (size_t)np, 0.9),
+                     p50 = bench_pct(r.ttft, (size_t)np, 0.5);
+        if (k == 1) prefix_p50 = p50;
+        char name[32];
+        if (k == 0)
+            snprintf(name, sizeof name, "full");
+        else if (k == 1)
+            snprintf(name, sizeof name, "prefix");
+        else
+            snprintf(name, sizeof name, "blend %.2f", modes[k]);
+        printf("%-12s %7.0fms %7.0fms %7.2fx %10ld %10ld %12ld %8.3f %+8.2f%% %8.1f%% %8.1f%%\n",
+               name, p50, p90, k ? prefix_p50 / p50 : 0.0, r.reused, r.recomputed, r.token_layers,
+               ppl, 100 * (ppl / full_ppl - 1), 100.0 * lead / (np * N_GREEDY),
+               100.0 * pos / (np * N_GREEDY));
+        if (k >= 2) printf("%-12s ingest %.0f ms for %d documents\n", "", r.ingest_ms, nd);
+        fflush(stdout);
+    }
+    printf("speedup: prefix p50 / this p50; ppl_vs: perplexity against full's; agree_pre/pos: "
+           "greedy tokens equal to full's before the first difference / by position (of %d)\n",
+           N_GREEDY);
+    for (int i = 0; i < nd; i++) free(d[i].ids);
+    free(ps);
+    en_model_free(m);
+    return 0;
+}

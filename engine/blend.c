@@ -1,0 +1,316 @@
+/*
+ * blend.c — reuse of a chunk's KV away from the position it was computed at (docs/blend.md).
+ *
+ * Keys carry their position as a rotation (RoPE: pair i of a head turned by pos * theta_i), so
+ * moving a key from position a to b is one more rotation by (b - a) * theta_i, exact up to
+ * rounding. Values carry no position. What re-rotation cannot fix is the context: a chunk
+ * computed alone never attended to what now precedes it. As CacheBlend, en_blend_prefill
+ * recomputes every chunk token through the first layers (the probe), measures how far its
+ * probe-layer K and V moved from the reused ones, and recomputes the tokens that moved most
+ * further up; as UCM's progressive rule, more of them in the layers near the input than in deep
+ * ones. A token recomputed through layer d writes fresh K/V in layers [0, d) and leaves the
+ * reused ones above (en_batch.depth); every other prompt token goes through every layer.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine/engine_internal.h"
+
+void en_blend_rerotate(const en_engine *e, float *k, int from, int to)
+{
+    const en_hparams *hp = &e->m->hp;
+    float cs[512];
+    if (from == to || hp->n_rot > (int)(sizeof cs / sizeof cs[0])) return;
+    kn_rope_cache(cs, hp->n_rot, to - from, hp->rope_base);
+    e->ops->rope(k, hp->n_head_kv, hp->head_dim, hp->n_rot, cs, hp->rope_neox);
+}
+
+/* en_blend_copy's job: each thread moves its share of the positions, every layer. */
+typedef struct bl_copy {
+    en_engine *e;
+    const kv_seq *src;
+    kv_seq *dst;
+    int src_pos, dst_pos, n;
+    float *scratch; /* [threads][2][kvd] */
+    int rc;         /* the first failure (a position the source does not hold) */
+} bl_copy;
+
+static void bl_copy_job(void *ctx, int ith, int nth)
+{
+    bl_copy *c = ctx;
+    const en_hparams *hp = &c->e->m->hp;
+    const int hd = hp->head_dim, kvd = hp->n_head_kv * hd;
+    float *k = c->scratch + (size_t)ith * 2 * kvd, *v = k + kvd;
+    int64_t i0, i1;
+    kn_split(c->n, ith, nth, &i0, &i1);
+    for (int64_t i = i0; i < i1; i++)
+        for (int l = 0; l < hp->n_layers; l++) {
+            int rc = 0;
+            for (int h = 0; h < hp->n_head_kv && !rc; h++)
+                rc = kv_seq_read(c->e->kv, c->src, l, h, c->src_pos + (int)i, k + h * hd,
+                                 v + h * hd);
+            if (rc) {
+                c->rc = rc; /* any thread's failure fails the copy */
+                return;
+            }
+            en_blend_rerotate(c->e, k, c->src_pos + (int)i, c->dst_pos + (int)i);
+            kv_seq_write(c->e->kv, c->dst, l, c->dst_pos + (int)i, k, v);
+        }
+}
+
+int en_blend_copy(en_engine *e, const kv_seq *src, int src_pos, kv_seq *dst, int dst_pos, int n)
+{
+    const en_hparams *hp = &e->m->hp;
+    if (n <= 0 || src_pos < 0 || dst_pos < 0 || src_pos + n > kv_seq_capacity(src) * e->page_tokens)
+        return KM_EINVAL;
+    int rc = kv_seq_reserve(e->kv, dst, dst_pos + n);
+    if (rc) return rc;
+    kv_seq_wait_ready(e->kv, src);
+    const size_t kvd = (size_t)hp->n_head_kv * hp->head_dim;
+    bl_copy c = {e, src, dst, src_pos, dst_pos, n, NULL, 0};
+    c.scratch = malloc(sizeof(float) * 2 * kvd * (size_t)kn_pool_size(e->pool));
+    if (!c.scratch) return KM_ENOMEM;
+    kn_pool_run(e->pool, bl_copy_job, &c);
+    free(c.scratch);
+    return c.rc;
+}
+
+/* The tokens one prefill pass computes, in position order, and the layers each goes through. */
+typedef struct bl_tok {
+    int32_t pos;
+    int16_t depth;
+} bl_tok;
+
+static int bl_by_depth(const void *a, const void *b)
+{
+    const bl_tok *x = a, *y = b;
+    if (x->depth != y->depth) return y->depth - x->depth;
+    return x->pos - y->pos;
+}
+
+static int bl_by_pos(const void *a, const void *b)
+{
+    return ((const bl_tok *)a)->pos - ((const bl_tok *)b)->pos;
+}
+
+/* Runs the tokens (in position order) in batches of at most max_tokens, each ordered deepest
+ * first; with logits, the prompt's last token asks for them (it must be among the tokens). */
+static int bl_run(en_engine *e, kv_seq *q, const int32_t *tokens, int n_tokens, bl_tok *t, int n,
+                  const float **logits)
+{
+    const int T = e->max_tokens;
+    int32_t *ids = malloc(sizeof(int32_t) * T * 2), *pos = ids ? ids + T : NULL;
+    int16_t *depth = malloc(sizeof(int16_t) * T);
+    uint8_t *want = malloc(T);
+    kv_seq **seqs = malloc(sizeof(kv_seq *) * T);
+    int rc = ids && depth && want && seqs ? 0 : KM_ENOMEM;
+    for (int s = 0; s < n && !rc; s += T) {
+        const int m = n - s < T ? n - s : T;
+        qsort(t + s, (size_t)m, sizeof *t, bl_by_depth);
+        for (int i = 0; i < m; i++) {
+            pos[i] = t[s + i].pos, ids[i] = tokens[pos[i]], depth[i] = t[s + i].depth;
+            want[i] = logits && pos[i] == n_tokens - 1, seqs[i] = q;
+        }
+        en_batch b = {
+            .n_tokens = m, .tokens = ids, .pos = pos, .seqs = seqs, .logits = want, .depth = depth};
+        const float *lg = NULL;
+        rc = en_engine_step(e, &b, &lg);
+        if (logits && lg && rc > 0) *logits = lg;
+        if (rc > 0) rc = 0;
+    }
+    free(ids);
+    free(depth);
+    free(want);
+    free(seqs);
+    return rc;
+}
+
+/* Squared distance of (k, v) at the probe layer from what was there before the probe. */
+static int bl_drift(en_engine *e, kv_seq *q, int layer, int pos, const float *k0, float *kv,
+                    float *d)
+{
+    const en_hparams *hp = &e->m->hp;
+    const int hd = hp->head_dim, kvd = hp->n_head_kv * hd;
+    double s = 0;
+    for (int h = 0; h < hp->n_head_kv; h++) {
+        int rc = kv_seq_read(e->kv, q, layer, h, pos, kv + h * hd, kv + kvd + h * hd);
+        if (rc) return rc;
+    }
+    for (int j = 0; j < 2 * kvd; j++) s += (double)(kv[j] - k0[j]) * (kv[j] - k0[j]);
+    *d = (float)s;
+    return 0;
+}
+
+typedef struct bl_rank {
+    int32_t pos;
+    float drift;
+} bl_rank;
+
+static int bl_by_drift(const void *a, const void *b)
+{
+    const bl_rank *x = a, *y = b;
+    if (x->drift != y->drift) return x->drift < y->drift ? 1 : -1;
+    return x->pos - y->pos;
+}
+
+/* The layers the token of drift rank r (0: moved most) of nc goes through: the probe's P, and
+ * one more for each layer l >= P where r < f_l * nc, f_l = min(1, 2 f (L - l) / (L - P)). */
+static int bl_depth(int r, int nc, float f, int P, int L)
+{
+    int d = P;
+    for (int l = P; l < L; l++) {
+        double fl = 2.0 * f * (L - l) / (L - P);
+        if (fl > 1) fl = 1;
+        if (r < fl * nc) d = l + 1;
+    }
+    return d;
+}
+
+int en_blend_prefill(en_engine *e, kv_seq *q, const int32_t *tokens, int n_tokens, int n_done,
+                     const en_blend_seg *chunks, int n_chunks, const en_blend_opts *o,
+                     en_blend_stats *st, const float **logits)
+{
+    const en_hparams *hp = &e->m->hp;
+    const int L = hp->n_layers, kvd = hp->n_head_kv * hp->head_dim;
+    const float f = o && o->fraction > 0 ? (o->fraction < 1 ? o->fraction : 1) : 0;
+    const int probe = o && o->probe_layer > 0 ? o->probe_layer : 1;
+    en_blend_stats z = {0};
+    if (!st) st = &z;
+    *st = z;
+    if (n_done < 0 || n_done >= n_tokens || probe >= L || hp->n_expert) return KM_EINVAL;
+    int nc = 0;
+    for (int c = 0; c < n_chunks; c++) {
+        const en_blend_seg *g = &chunks[c];
+        if (g->n <= 0 || g->start < (c ? chunks[c - 1].start + chunks[c - 1].n : n_done) ||
+            g->start + g->n > n_tokens - 1)
+            return KM_EINVAL;
+        nc += g->n;
+    }
+    const int n = n_tokens - n_done, P = probe + 1;
+    bl_tok *t = malloc(sizeof *t * (size_t)n);
+    bl_rank *rk = malloc(sizeof *rk * (size_t)(nc ? nc : 1));
+    float *old = malloc(sizeof(float) * 2 * kvd * (size_t)(nc + 1));
+    uint8_t *in_chunk = calloc((size_t)n, 1);
+    int rc = t && rk && old && in_chunk ? 0 : KM_ENOMEM;
+    for (int c = 0; c < n_chunks && !rc; c++)
+        memset(in_chunk + chunks[c].start - n_done, 1, (size_t)chunks[c].n);
+    /* The probe: every token through layers [0, P), the chunks' probe-layer K/V kept first. */
+    if (!rc && f > 0 && nc) {
+        for (int i = 0, j = 0; i < n && !rc; i++) {
+            t[i] = (bl_tok){.pos = n_done + i, .depth = (int16_t)P};
+            if (!in_chunk[i]) continue;
+            float *k0 = old + (size_t)2 * kvd * j++;
+            for (int h = 0; h < hp->n_head_kv && !rc; h++)
+                rc = kv_seq_read(e->kv, q, probe, h, n_done + i, k0 + h * hp->head_dim,
+                                 k0 + kvd + h * hp->head_dim);
+        }
+        if (!rc) rc = bl_run(e, q, tokens, n_tokens, t, n, NULL);
+        st->token_layers += (long)n * P;
+        for (int i = 0, j = 0; i < n && !rc; i++) {
+            if (!in_chunk[i]) continue;
+            rk[j].pos = n_done + i;
+            rc = bl_drift(e, q, probe, n_done + i, old + (size_t)2 * kvd * j,
+                          old + (size_t)2 * kvd * nc, &rk[j].drift);
+            j++;
+        }
+        if (!rc) qsort(rk, (size_t)nc, sizeof *rk, bl_by_drift);
+    }
+    /* Then the rest of the prompt through every layer, the drifting chunk tokens through theirs. */
+    int m = 0;
+    for (int i = 0; i < n && !rc; i++)
+        if (!in_chunk[i]) t[m++] = (bl_tok){.pos = n_done + i, .depth = (int16_t)L};
+    st->computed = m, st->reused = nc;
+    for (int r = 0; f > 0 && r < nc && !rc; r++) {
+        const int d = bl_depth(r, nc, f, P, L);
+        if (d == P) break;
+        t[m++] = (bl_tok){.pos = rk[r].pos, .depth = (int16_t)d};
+        st->recomputed++;
+    }
+    if (!rc) {
+        for (int i = 0; i < m; i++) st->token_layers += t[i].depth;
+        qsort(t, (size_t)m, sizeof *t, bl_by_pos);
+        rc = bl_run(e, q, tokens, n_tokens, t, m, logits);
+    }
+    free(t);
+    free(rk);
+    free(old);
+    free(in_chunk);
+    return rc;
+}
+
+km_pagehash en_blend_chunk_seed(km_pagehash tenant_seed)
+{
+    /* One id that no page holds: no prefix chain's page (always page_tokens ids) hashes alike. */
+    const int32_t mark = -1;
+    return km_pagehash_next(tenant_seed, &mark, 1);
+}
+
+/* The preamble and the chunk's whole pages in one buffer, and their chain: page count. */
+static int bl_chain(const en_engine *e, const en_blend_key *k, const int32_t *tokens, int n,
+                    int32_t **ids, km_pagehash **h)
+{
+    const int pt = e->page_tokens, n_pre = k->pre ? k->n_pre : 0;
+    const int np = (n_pre + n / pt * pt) / pt;
+    *ids = NULL, *h = NULL;
+    if (n_pre % pt || n < pt) return n_pre % pt ? KM_EINVAL : 0;
+    *ids = malloc(sizeof(int32_t) * (size_t)np * pt);
+    *h = malloc(sizeof(km_pagehash) * (size_t)np);
+    if (!*ids || !*h) return KM_ENOMEM;
+    if (n_pre) memcpy(*ids, k->pre, sizeof(int32_t) * n_pre);
+    memcpy(*ids + n_pre, tokens, sizeof(int32_t) * (size_t)(np * pt - n_pre));
+    km_pagehash_chain(k->seed, *ids, np * pt, pt, *h, np);
+    return np;
+}
+
+int en_blend_chunk_attach(en_engine *e, const en_blend_key *k, const int32_t *tokens, int n,
+                          kv_seq **out)
+{
+    const int pt = e->page_tokens, n_pre = k->pre ? k->n_pre : 0;
+    int32_t *ids;
+    km_pagehash *h;
+    kv_seq *q = NULL;
+    *out = NULL;
+    int np = bl_chain(e, k, tokens, n, &ids, &h), rc = np;
+    if (np > 0) rc = kv_seq_create(e->kv, &q);
+    if (np > 0 && !rc) rc = kv_seq_attach(e->kv, q, h, ids, np);
+    free(ids);
+    free(h);
+    if (rc * pt <= n_pre) { /* a miss, or the preamble alone */
+        if (q) kv_seq_destroy(e->kv, q);
+        return rc < 0 ? rc : 0;
+    }
+    kv_seq_wait_ready(e->kv, q);
+    *out = q;
+    return rc * pt - n_pre;
+}
+
+int en_blend_chunk_store(en_engine *e, const en_blend_key *k, const int32_t *tokens, int n)
+{
+    const int pt = e->page_tokens;
+    int32_t *ids;
+    km_pagehash *h;
+    kv_seq *q = NULL;
+    bl_tok *t = NULL;
+    const int np = bl_chain(e, k, tokens, n, &ids, &h), nt = np * pt;
+    int rc = np > 0 ? 0 : np, held = 0;
+    if (np > 0) {
+        t = malloc(sizeof *t * (size_t)nt);
+        rc = t ? kv_seq_create(e->kv, &q) : KM_ENOMEM;
+    }
+    /* what the store holds of the chain already (the preamble, shared by every chunk: a page
+     * published twice under one hash would end the second chain there) */
+    if (np > 0 && !rc) held = kv_seq_attach(e->kv, q, h, ids, np);
+    if (held < 0) rc = held;
+    for (int i = held * pt; i < nt && !rc; i++)
+        t[i - held * pt] = (bl_tok){.pos = i, .depth = (int16_t)e->m->hp.n_layers};
+    if (np > 0 && !rc && held < np) {
+        kv_seq_wait_ready(e->kv, q);
+        rc = bl_run(e, q, ids, nt, t, nt - held * pt, NULL);
+    }
+    if (np > 0 && !rc) rc = kv_seq_publish(e->kv, q, h, ids, nt);
+    if (q) kv_seq_destroy(e->kv, q);
+    free(ids);
+    free(h);
+    free(t);
+    return rc < 0 ? rc : 0;
+}
