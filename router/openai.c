@@ -318,7 +318,11 @@ static int parse_obj(json_t *o, bool chat, rt_oai_req *r, rt_oai_err *e)
                 return fail(e, "messages", "unsupported message role '%s'", rs);
             r->msgs[i].role = strdup(rs);
             r->n_msgs = (int)i + 1;
-            r->msgs[i].content = content_text(json_object_get(m, "content"), e);
+            /* OpenAI: an assistant turn with tool_calls may leave content out */
+            json_t *c = json_object_get(m, "content");
+            bool calls_only =
+                !c && !strcmp(rs, "assistant") && json_array_size(json_object_get(m, "tool_calls"));
+            r->msgs[i].content = calls_only ? strdup("") : content_text(c, e);
             if (!r->msgs[i].content) return e->status ? KM_EFORMAT : KM_ENOMEM;
             if (!r->msgs[i].role) return KM_ENOMEM;
         }

@@ -218,11 +218,16 @@ static int response_format(json_t *body, rt_oai_req *r, rt_oai_err *e)
 
 /* What the model is told of the functions (the fallback for templates with no tool syntax,
  * SmolLM2's among them): one system turn listing them and the form of a call. */
-static char *tools_prompt(json_t *tools)
+static char *tools_prompt(json_t *tools, bool several)
 {
     km_buf b = {0};
-    km_buf_printf(&b, "You can call functions. To call one, answer with only a JSON object "
-                      "{\"name\": <function name>, \"arguments\": <its arguments>}. Functions:");
+    km_buf_printf(&b,
+                  "You can call functions. To call one, answer with only a JSON object "
+                  "{\"name\": <function name>, \"arguments\": <its arguments>}.%s "
+                  "Functions:",
+                  several ? " To call several at once, answer with only a JSON array of such "
+                            "objects."
+                          : "");
     size_t i;
     json_t *t;
     json_array_foreach(tools, i, t)
@@ -250,8 +255,8 @@ static json_t *call_object(json_t *f)
 
 /* The schema of a call: of the one function named (only) or there is, else one of the calls of
  * each (a discriminated union the grammar engine ties together: the name read picks the
- * arguments' schema). */
-static char *call_schema(json_t *tools, const char *only)
+ * arguments' schema); with several, an array of 1 to RT_OAI_MAX_CALLS such calls. */
+static char *call_schema(json_t *tools, const char *only, bool several)
 {
     json_t *calls = json_array();
     size_t i;
@@ -265,6 +270,9 @@ static char *call_schema(json_t *tools, const char *only)
     json_t *s = json_array_size(calls) == 1 ? json_incref(json_array_get(calls, 0))
                                             : json_pack("{s:O}", "oneOf", calls);
     json_decref(calls);
+    if (s && several)
+        s = json_pack("{s:s,s:o,s:i,s:i}", "type", "array", "items", s, "minItems", 1, "maxItems",
+                      RT_OAI_MAX_CALLS);
     char *out = s ? json_dumps(s, JSON_COMPACT | JSON_PRESERVE_ORDER) : NULL;
     json_decref(s);
     return out;
@@ -310,13 +318,21 @@ static int tools_messages(json_t *body, rt_oai_req *r)
         json_t *calls = json_object_get(m, "tool_calls");
         char *text = NULL;
         if (!strcmp(r->msgs[i].role, "assistant") && json_array_size(calls)) {
-            json_t *f = json_object_get(json_array_get(calls, 0), "function");
-            json_t *args =
-                json_loads(json_string_value(json_object_get(f, "arguments")) ?: "{}", 0, NULL);
-            json_t *c = json_pack("{s:O,s:o}", "name", json_object_get(f, "name"), "arguments",
-                                  args ? args : json_object());
+            /* one call as its object, several as an array of them (the reply's own shapes) */
+            json_t *all = json_array(), *call;
+            size_t k;
+            json_array_foreach(calls, k, call)
+            {
+                json_t *f = json_object_get(call, "function");
+                json_t *args =
+                    json_loads(json_string_value(json_object_get(f, "arguments")) ?: "{}", 0, NULL);
+                json_array_append_new(all,
+                                      json_pack("{s:O,s:o}", "name", json_object_get(f, "name"),
+                                                "arguments", args ? args : json_object()));
+            }
+            json_t *c = json_array_size(all) == 1 ? json_array_get(all, 0) : all;
             text = c ? json_dumps(c, JSON_COMPACT | JSON_PRESERVE_ORDER) : NULL;
-            json_decref(c);
+            json_decref(all);
         } else if (!strcmp(r->msgs[i].role, "tool")) {
             km_buf b = {0};
             km_buf_printf(&b, "Result of the function call: %s", r->msgs[i].content);
@@ -339,9 +355,9 @@ static int tools_messages(json_t *body, rt_oai_req *r)
 }
 
 /* The system turn listing the functions, first. */
-static int tools_system(rt_oai_req *r, json_t *tools)
+static int tools_system(rt_oai_req *r, json_t *tools, bool several)
 {
-    char *sys = tools_prompt(tools);
+    char *sys = tools_prompt(tools, several);
     rt_oai_msg *m = realloc(r->msgs, sizeof *m * (size_t)(r->n_msgs + 1));
     if (!sys || !m) {
         free(sys);
@@ -363,6 +379,10 @@ int rt_oai_tools(struct json_t *body, rt_oai_req *r, rt_oai_err *e)
     if (par && !json_is_null(par) && !json_is_boolean(par))
         return tools_fail(e, "parallel_tool_calls", "'parallel_tool_calls' must be a boolean",
                           NULL);
+    /* OpenAI's default is true: a reply that is an array of calls is read as several unless
+     * parallel_tool_calls is false; the model is told of arrays, and a forced reply is held to
+     * one, only when it is true (docs/openai.md) */
+    bool several_ok = !json_is_false(par), several_asked = json_is_true(par);
     int rc = r->chat ? tools_messages(body, r) : 0;
     if (rc) return rc;
     if (!tools || json_is_null(tools) || (json_is_array(tools) && !json_array_size(tools))) {
@@ -397,6 +417,7 @@ int rt_oai_tools(struct json_t *body, rt_oai_req *r, rt_oai_err *e)
     }
     if (!strcmp(mode, "none")) return 0;
     km_buf names = {0};
+    if (several_ok) km_buf_printf(&names, "[]\n");
     size_t i;
     json_t *t;
     json_array_foreach(tools, i, t)
@@ -413,30 +434,46 @@ int rt_oai_tools(struct json_t *body, rt_oai_req *r, rt_oai_err *e)
                               "a forced tool call and 'response_format' (or a grammar "
                               "extension) together are not supported",
                               NULL);
-        if (!(r->grammar = call_schema(tools, only))) return KM_ENOMEM;
+        if (!(r->grammar = call_schema(tools, only, several_asked))) return KM_ENOMEM;
     }
-    return tools_system(r, tools);
+    return tools_system(r, tools, several_asked);
 }
 
 /* ---------------------------------------------------------------- tool calls out */
 
-json_t *rt_oai_tool_calls(const char *text, size_t len, const char *names, const char *id)
+/* The call object {"name": one of names, "arguments": {...}} as OpenAI's call k; NULL if not. */
+static json_t *one_call(json_t *v, const char *names, const char *id, size_t k)
 {
-    json_t *v = json_loadb(text, len, 0, NULL), *n = json_object_get(v, "name"),
-           *args = json_object_get(v, "arguments");
+    json_t *n = json_object_get(v, "name"), *args = json_object_get(v, "arguments");
     const char *ns = json_string_value(n);
     size_t nl = ns ? strlen(ns) : 0;
     const char *at = ns ? strstr(names, ns) : NULL;
     while (at && !((at == names || at[-1] == '\n') && at[nl] == '\n')) at = strstr(at + 1, ns);
-    json_t *calls = NULL;
-    if (at && nl && json_is_object(args)) {
-        char *a = json_dumps(args, JSON_COMPACT | JSON_PRESERVE_ORDER), cid[96];
-        snprintf(cid, sizeof cid, "call_%s_0", id);
-        calls = a ? json_pack("[{s:s,s:s,s:{s:O,s:s}}]", "id", cid, "type", "function", "function",
+    if (!at || !nl || !json_is_object(args) || !name_ok(ns)) return NULL;
+    char *a = json_dumps(args, JSON_COMPACT | JSON_PRESERVE_ORDER), cid[96];
+    snprintf(cid, sizeof cid, "call_%s_%zu", id, k);
+    json_t *c = a ? json_pack("{s:s,s:s,s:{s:O,s:s}}", "id", cid, "type", "function", "function",
                               "name", n, "arguments", a)
                   : NULL;
-        free(a);
+    free(a);
+    return c;
+}
+
+json_t *rt_oai_tool_calls(const char *text, size_t len, const char *names, const char *id)
+{
+    json_t *v = json_loadb(text, len, 0, NULL), *calls = json_array(), *c;
+    bool several = !strncmp(names, "[]\n", 3);
+    if (json_is_object(v)) {
+        json_array_append_new(calls, one_call(v, names, id, 0));
+    } else if (several && json_is_array(v) && json_array_size(v) >= 1 &&
+               json_array_size(v) <= RT_OAI_MAX_CALLS) {
+        size_t k;
+        json_array_foreach(v, k, c) json_array_append_new(calls, one_call(c, names, id, k));
     }
+    /* every element a call of one of names, or the reply is text */
+    if (!json_array_size(calls) ||
+        json_array_size(calls) != (json_is_object(v) ? 1 : json_array_size(v)))
+        json_decref(calls), calls = NULL;
     json_decref(v);
     return calls;
 }
@@ -452,8 +489,10 @@ int rt_oai_tool_patch(const km_buf *src, int sse, json_t *calls, km_buf *out)
         return KM_EINVAL;
     }
     if (sse) {
-        json_t *c = json_deep_copy(calls);
-        json_object_set_new(json_array_get(c, 0), "index", json_integer(0));
+        json_t *c = json_deep_copy(calls), *one;
+        size_t k;
+        json_array_foreach(c, k, one)
+            json_object_set_new(one, "index", json_integer((json_int_t)k));
         json_object_set_new(ch, "delta", json_pack("{s:o}", "tool_calls", c));
     } else {
         json_t *msg = json_object_get(ch, "message");

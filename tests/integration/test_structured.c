@@ -705,6 +705,63 @@ static int kill_at(void *user, uint32_t index, int32_t token, const char *text, 
     return 0;
 }
 
+/* parallel_tool_calls true with a forced call: the reply is 1 to 8 calls, each of a listed
+ * function with object arguments, ids distinct, streamed with their index. */
+Test(structured, parallel_tool_calls_give_an_array_of_calls, .timeout = 600)
+{
+    proc w, r;
+    if (!cluster(&w, &r)) return;
+    for (int stream = 0; stream < 2; stream++) {
+        char body[4096], *out;
+        snprintf(body, sizeof body,
+                 "{\"messages\":[{\"role\":\"user\",\"content\":\"What are the weather and the "
+                 "time in Lisbon and in Paris?\"}],\"max_tokens\":300,\"temperature\":0,"
+                 "\"stream\":%s,\"tools\":[" WEATHER "," TIME "],\"tool_choice\":\"required\","
+                 "\"parallel_tool_calls\":true}",
+                 stream ? "true" : "false");
+        cr_assert_eq(post(&r, "chat/completions", body, &out), 200, "%s", out);
+        json_t *calls = NULL;
+        for (char *line = out; line && *line;) {
+            char *nl = strchr(line, '\n');
+            if (nl) *nl = 0;
+            const char *js = stream ? (strncmp(line, "data: {", 7) ? NULL : line + 6) : line;
+            json_t *o = js ? json_loads(js, 0, NULL) : NULL;
+            json_t *ch = json_array_get(json_object_get(o, "choices"), 0);
+            json_t *tc =
+                json_object_get(json_object_get(ch, stream ? "delta" : "message"), "tool_calls");
+            if (tc) {
+                cr_assert_null(calls, "two tool_calls parts: %s", out);
+                calls = json_incref(tc);
+            }
+            json_decref(o);
+            line = nl ? nl + 1 : NULL;
+            if (!stream) break;
+        }
+        cr_assert_not_null(calls, "stream %d: no tool_calls", stream);
+        size_t n = json_array_size(calls);
+        cr_assert(n >= 1 && n <= 8, "%zu calls", n);
+        for (size_t k = 0; k < n; k++) {
+            json_t *c = json_array_get(calls, k), *f = json_object_get(c, "function");
+            const char *name = json_string_value(json_object_get(f, "name"));
+            cr_expect(name && (!strcmp(name, "get_weather") || !strcmp(name, "get_time")));
+            json_t *args = json_loads(json_string_value(json_object_get(f, "arguments")), 0, NULL);
+            cr_expect(json_is_object(args), "call %zu: arguments not an object", k);
+            json_decref(args);
+            if (stream)
+                cr_expect_eq(json_integer_value(json_object_get(c, "index")), (json_int_t)k);
+            for (size_t j = 0; j < k; j++)
+                cr_expect(strcmp(json_string_value(json_object_get(json_array_get(calls, j), "id")),
+                                 json_string_value(json_object_get(c, "id"))),
+                          "calls %zu and %zu share an id", j, k);
+        }
+        fprintf(stderr, "parallel_tool_calls (stream %d): %zu calls\n", stream, n);
+        json_decref(calls);
+        free(out);
+    }
+    it_stop(&r);
+    it_stop(&w);
+}
+
 Test(structured, a_constrained_stream_whose_worker_is_killed_continues_its_grammar, .timeout = 600)
 {
     if (!it_have((const char *const[]){IT_MODEL, IT_WORKER, IT_ROUTER, NULL})) return;

@@ -245,7 +245,7 @@ Test(router_openai, tools_are_told_to_the_model_and_a_forced_call_is_a_grammar)
              "\"required\"}",
              fn);
     cr_assert_eq(rt_oai_parse(body, strlen(body), true, &r, &e), 0, "%s", e.message);
-    cr_assert_str_eq(r.tool_names, "get_w\n");
+    cr_assert_str_eq(r.tool_names, "[]\nget_w\n"); /* parallel_tool_calls by default */
     cr_assert_str_eq(r.grammar, "{\"type\":\"object\",\"properties\":{\"name\":{\"enum\":"
                                 "[\"get_w\"]},\"arguments\":{\"type\":\"object\",\"properties\":"
                                 "{\"city\":{\"type\":\"string\"}}}},\"required\":[\"name\","
@@ -273,6 +273,49 @@ Test(router_openai, tools_are_told_to_the_model_and_a_forced_call_is_a_grammar)
     out = "{\"name\":\"get\",\"arguments\":{}}"; /* a prefix of a name is not the name */
     cr_assert_null(rt_oai_tool_calls(out, strlen(out), "get_w\n", "x"));
     cr_assert_null(rt_oai_tool_calls("hello", 5, "get_w\n", "x"));
+
+    /* several calls: an array, when parallel_tool_calls is not false; all calls or none */
+    out = "[{\"name\":\"get_w\",\"arguments\":{\"city\":\"L\"}},"
+          "{\"name\":\"get_w\",\"arguments\":{\"city\":\"P\"}}]";
+    calls = rt_oai_tool_calls(out, strlen(out), "[]\nget_w\n", "x2");
+    cr_assert_eq(json_array_size(calls), 2);
+    cr_assert_str_eq(json_string_value(json_object_get(json_array_get(calls, 1), "id")),
+                     "call_x2_1");
+    json_decref(calls);
+    cr_assert_null(rt_oai_tool_calls(out, strlen(out), "get_w\n", "x"), "parallel off");
+    out = "[{\"name\":\"get_w\",\"arguments\":{}},{\"name\":\"nope\",\"arguments\":{}}]";
+    cr_assert_null(rt_oai_tool_calls(out, strlen(out), "[]\nget_w\n", "x"));
+    cr_assert_null(rt_oai_tool_calls("[]", 2, "[]\nget_w\n", "x"));
+}
+
+Test(router_openai, parallel_tool_calls_true_tells_the_model_and_forces_an_array)
+{
+    rt_oai_req r;
+    rt_oai_err e;
+    const char *body =
+        "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"},{\"role\":\"assistant\","
+        "\"tool_calls\":[{\"id\":\"a\",\"type\":\"function\",\"function\":{\"name\":\"f\","
+        "\"arguments\":\"{}\"}},{\"id\":\"b\",\"type\":\"function\",\"function\":"
+        "{\"name\":\"f\",\"arguments\":\"{\\\"k\\\":1}\"}}]}],\"tools\":[{\"type\":"
+        "\"function\",\"function\":{\"name\":\"f\"}}],\"tool_choice\":\"required\","
+        "\"parallel_tool_calls\":true}";
+    cr_assert_eq(rt_oai_parse(body, strlen(body), true, &r, &e), 0, "%s", e.message);
+    cr_assert(strstr(r.msgs[0].content, "JSON array"), "%s", r.msgs[0].content);
+    const char *arr = "{\"type\":\"array\",\"items\":";
+    cr_assert(!strncmp(r.grammar, arr, strlen(arr)), "%s", r.grammar);
+    cr_assert(strstr(r.grammar, "\"minItems\":1,\"maxItems\":8"), "%s", r.grammar);
+    /* the assistant's two calls are its turn's text, as the array the model would write */
+    cr_assert_str_eq(
+        r.msgs[2].content,
+        "[{\"name\":\"f\",\"arguments\":{}},{\"name\":\"f\",\"arguments\":{\"k\":1}}]");
+    rt_oai_req_free(&r);
+    const char *off = "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":"
+                      "[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}],"
+                      "\"parallel_tool_calls\":false}";
+    cr_assert_eq(rt_oai_parse(off, strlen(off), true, &r, &e), 0, "%s", e.message);
+    cr_assert_str_eq(r.tool_names, "f\n");
+    cr_assert_null(strstr(r.msgs[0].content, "JSON array"));
+    rt_oai_req_free(&r);
 }
 
 Test(router_openai, bad_requests_name_the_field)
@@ -286,7 +329,6 @@ Test(router_openai, bad_requests_name_the_field)
         {"{\"prompt\":\"x\",\"n\":0}", "n", false},
         {"{\"prompt\":\"x\",\"logprobs\":21}", "logprobs", false},
         {"{\"prompt\":\"x\",\"logprobs\":true}", "logprobs", false},
-        {"{\"prompt\":\"x\",\"logprobs\":1,\"echo\":true}", "echo", false},
         {"{\"prompt\":\"x\",\"suffix\":\"end\"}", "suffix", false},
         {"{\"prompt\":\"x\",\"best_of\":2}", "best_of", false},
         {"{\"prompt\":\"x\",\"logit_bias\":{\"12\":101}}", "logit_bias", false},
