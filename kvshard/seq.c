@@ -108,7 +108,9 @@ void kv_seq_refresh(kv_store *s, kv_seq *q)
 {
     memset(q->fmt_count, 0, sizeof q->fmt_count);
     q->sum_from = 0; /* a page may have been re-encoded: its summary is checked again */
+    q->n_cold = 0;
     for (int i = 0; i < q->n_pages; i++) {
+        q->n_cold += q->pg[i]->tier != KV_TIER_HOT;
         q->ptrs[i] = q->pg[i]->buf;
         q->fmts[i] = (uint8_t)q->pg[i]->format;
         q->fmt_count[q->pg[i]->format]++;
@@ -542,11 +544,13 @@ void kv_seq_view(const kv_store *s, const kv_seq *q, int layer, int kv_head, int
                  kn_kv_view *out)
 {
     memset(out, 0, sizeof *out);
+    /* the promotion copies from layer ready_first up, wrapping round */
+    const int want = (layer - q->ready_first + s->n_layers) % s->n_layers;
     if (q->promo_pending &&
-        atomic_load_explicit(&((kv_seq *)q)->ready_layers, memory_order_acquire) <= layer) {
+        atomic_load_explicit(&((kv_seq *)q)->ready_layers, memory_order_acquire) <= want) {
         kv_store *ms = (kv_store *)s;
         pthread_mutex_lock(&ms->mu);
-        while (atomic_load_explicit(&((kv_seq *)q)->ready_layers, memory_order_acquire) <= layer)
+        while (atomic_load_explicit(&((kv_seq *)q)->ready_layers, memory_order_acquire) <= want)
             pthread_cond_wait(&ms->cv_done, &ms->mu);
         pthread_mutex_unlock(&ms->mu);
     }
@@ -587,6 +591,12 @@ int kv_seq_read(const kv_store *s, const kv_seq *q, int layer, int kv_head, int 
         return KM_ERANGE;
     kv_seq_wait_ready(s, q);
     const kv_page *p = q->pg[i];
+    if (!p->buf) return KM_EAGAIN; /* on disk (kv_config.promote_selected): kv_seq_fetch it */
     kv_page_read_row(s, p->buf, p->format, layer, kv_head, pos % s->pt, k, v);
     return 0;
+}
+
+int kv_seq_cold_pages(const kv_seq *q)
+{
+    return q->n_cold;
 }
