@@ -182,9 +182,11 @@ int en_engine_create(const en_model *m, const en_engine_opts *opts, en_engine **
         e->sparse_from = o.sparse_dense_layers == 0  ? 2
                          : o.sparse_dense_layers < 0 ? 0
                                                      : o.sparse_dense_layers;
-        e->sparse = (kn_sparse_cfg){
-            .budget_pages = (o.sparse_attn + pt - 1) / pt, .sink_pages = 1, .window_pages = 2};
-        if (e->sparse.budget_pages < 4) e->sparse.budget_pages = 4;
+        e->sparse = (kn_sparse_cfg){.budget_pages = (o.sparse_attn + pt - 1) / pt,
+                                    .sink_pages = 1,
+                                    .window_pages = o.sparse_window > 0 ? o.sparse_window : 2};
+        if (e->sparse.budget_pages < e->sparse.window_pages + 2)
+            e->sparse.budget_pages = e->sparse.window_pages + 2;
         /* views with more pages than this are attended densely (kn_sparse_attention) */
         int cap = kv_store_pages_total(e->kv), tr = (hp->n_ctx_train + pt - 1) / pt;
         cap = (cap > tr ? cap : tr) + 1;

@@ -121,6 +121,7 @@ typedef struct en_engine_opts {
      * reads (kv_config.promote_selected, kv_seq_fetch). */
     int sparse_attn;
     int sparse_dense_layers;
+    int sparse_window; /* recent pages always attended (the partial last one among them); 0: 2 */
 } en_engine_opts;
 
 typedef struct en_engine en_engine;
