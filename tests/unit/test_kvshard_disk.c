@@ -1007,6 +1007,11 @@ Test(kvshard_disk, a_lazy_attach_leaves_pages_on_disk_and_a_fetch_reads_only_tho
     cr_assert_eq(kv_seq_create(s, &q), 0);
     cr_assert_eq(kv_seq_attach(s, q, h, t, 2), 2);
     cr_assert_eq(kv_seq_cold_pages(q), 2);
+    kv_seq *f;
+    cr_assert_eq(kv_seq_fork(s, q, &f), 0);
+    cr_assert_eq(kv_seq_cold_pages(f), 2, "a fork shares the pages where they are");
+    cr_assert_eq(kv_store_check(s, &err), 0, "%s", err.msg);
+    kv_seq_destroy(s, f);
     float k[HD], v[HD];
     cr_assert_eq(kv_seq_read(s, q, 0, 0, 0, k, v), KM_EAGAIN, "page 0 is still on disk");
     const int want1 = 1;
