@@ -1,9 +1,12 @@
 #!/bin/sh
 # bench_long.sh — long contexts, dense vs sparse attention (docs/sparse.md): perplexity of a long
-# text at several context lengths and sparse budgets, and the decode step time at a long context.
+# text at several context lengths and sparse budgets, passkey retrieval (a number hidden at
+# PK_DEPTHS evenly spread depths of a filler text, asked for at its end, greedy), and the decode
+# step time at a long context.
 # One thread by default, so that the CPU time per step (step_cpu_ms) stays meaningful on a shared
 # machine. Knobs (environment): BIN, TEXT (default: /usr/share/common-licenses/* concatenated),
-# CTXS, BUDGETS, DEPTHS, CHUNKS (chunks scored per context), THREADS, PART (ppl|step|all).
+# CTXS, BUDGETS, DEPTHS, CHUNKS (chunks scored per context), THREADS, PK_CTXS, PK_DEPTHS,
+# PART (ppl|passkey|step|all).
 set -eu
 BIN=${BIN:-build/bin/kvmesh}
 TEXT=${TEXT:-${TMPDIR:-/tmp}/kvmesh-long.txt}
@@ -12,10 +15,27 @@ BUDGETS=${BUDGETS:-"256 512 1024"}
 DEPTHS=${DEPTHS:-8192}
 CHUNKS=${CHUNKS:-1}
 THREADS=${THREADS:-1}
+PK_CTXS=${PK_CTXS:-$CTXS}
+PK_DEPTHS=${PK_DEPTHS:-20}
 PART=${PART:-all}
+PK_FILL="The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+
+# passkey_prompt TOKENS PERMILLE KEY: the filler (about 25 tokens a sentence group) with the key
+# at PERMILLE/1000 of its length, and the question.
+passkey_prompt() {
+    reps=$(($1 / 25)) at=$(($1 / 25 * $2 / 1000)) i=0
+    printf 'There is an important info hidden inside a lot of irrelevant text. Find it and '
+    printf 'memorize it. I will quiz you about the important information there.\n'
+    while [ $i -lt $reps ]; do
+        [ $i -eq $at ] && printf 'The pass key is %s. Remember it. %s is the pass key. ' "$3" "$3"
+        printf '%s' "$PK_FILL"
+        i=$((i + 1))
+    done
+    printf '\nWhat is the pass key? The pass key is'
+}
 [ -s "$TEXT" ] || cat /usr/share/common-licenses/* >"$TEXT"
 echo "cpu: $(sed -n 's/^model name[^:]*: //p' /proc/cpuinfo | head -1), threads $THREADS"
-if [ "$PART" != step ]; then
+if [ "$PART" = all ] || [ "$PART" = ppl ]; then
     for ctx in $CTXS; do
         for b in 0 $BUDGETS; do
             ppl=$("$BIN" perplexity -f "$TEXT" -c "$ctx" -b 512 --chunks "$CHUNKS" -t "$THREADS" \
@@ -24,7 +44,26 @@ if [ "$PART" != step ]; then
         done
     done
 fi
-if [ "$PART" != ppl ]; then
+if [ "$PART" = all ] || [ "$PART" = passkey ]; then
+    pk=${TMPDIR:-/tmp}/kvmesh-passkey.$$.txt
+    for ctx in $PK_CTXS; do
+        for b in 0 $BUDGETS; do
+            ok=0 j=0
+            while [ $j -lt "$PK_DEPTHS" ]; do
+                key=$(((j * 7919 + 10007) % 90000 + 10000))
+                passkey_prompt "$ctx" $(((2 * j + 1) * 500 / PK_DEPTHS)) "$key" >"$pk"
+                if "$BIN" run -f "$pk" -n 8 --temperature 0 -t "$THREADS" --sparse-attn "$b" \
+                    2>/dev/null | grep -q "pass key? The pass key is $key"; then
+                    ok=$((ok + 1))
+                fi
+                j=$((j + 1))
+            done
+            echo "passkey ctx=$ctx sparse=$b correct=$ok/$PK_DEPTHS"
+        done
+    done
+    rm -f "$pk"
+fi
+if [ "$PART" = all ] || [ "$PART" = step ]; then
     for d in $DEPTHS; do
         for b in 0 $BUDGETS; do
             "$BIN" bench --prompt 16 --gen 32 --batch 1 --reps 1 --depth "$d" -t "$THREADS" \

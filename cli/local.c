@@ -35,9 +35,9 @@ typedef struct local_opts {
     int ignore_eos;
     int show_ids;
     int raw;
-    int sparse_attn, sparse_dense_layers; /* en_engine_opts */
-    int depth;                            /* bench: context filled before decoding */
-    int chunks;                           /* perplexity: chunks scored at most (0: all) */
+    int sparse_attn, sparse_dense_layers, sparse_window; /* en_engine_opts */
+    int depth;                                           /* bench: context filled before decoding */
+    int chunks; /* perplexity: chunks scored at most (0: all) */
     en_sample_params sp;
 } local_opts;
 
@@ -54,7 +54,8 @@ static void local_usage(const char *cmd)
             "      --sparse-attn N     attend to at most N tokens per layer and kv head, in the\n"
             "                          pages whose keys may score highest (docs/sparse.md;\n"
             "                          default 0 = off, dense)\n"
-            "      --sparse-dense-layers N  first layers kept dense (default 2, -1 = none)\n");
+            "      --sparse-dense-layers N  first layers kept dense (default 2, -1 = none)\n"
+            "      --sparse-window N   recent pages always attended (default 2)\n");
     if (!strcmp(cmd, "run") || !strcmp(cmd, "tokenize"))
         printf("  -p, --prompt TEXT       the prompt (or -f FILE)\n"
                "  -f, --file PATH         read the prompt from a file\n");
@@ -159,6 +160,8 @@ static int local_parse(const char *cmd, int argc, char **argv, local_opts *c)
             bad = local_int(v, &c->sparse_attn) || c->sparse_attn < 0;
         else if (KM_IS("--sparse-dense-layers", "--sparse-dense-layers"))
             bad = local_int(v, &c->sparse_dense_layers) || c->sparse_dense_layers < -1;
+        else if (KM_IS("--sparse-window", "--sparse-window"))
+            bad = local_int(v, &c->sparse_window) || c->sparse_window < 0;
         else if (KM_IS("--chunks", "--chunks") && !strcmp(cmd, "perplexity"))
             bad = local_int(v, &c->chunks) || c->chunks < 0;
         else if (KM_IS("--depth", "--depth") && !strcmp(cmd, "bench"))
@@ -226,7 +229,8 @@ static int local_open_engine(const local_opts *c, int max_batch, en_model **m, e
     en_engine_opts o = {.n_threads = c->threads,
                         .max_batch_tokens = max_batch,
                         .sparse_attn = c->sparse_attn,
-                        .sparse_dense_layers = c->sparse_dense_layers};
+                        .sparse_dense_layers = c->sparse_dense_layers,
+                        .sparse_window = c->sparse_window};
     if (c->kv_format && kv_format_parse(c->kv_format, &o.kv_format)) {
         fprintf(stderr, "kvmesh: unknown --kv-format %s\n", c->kv_format);
         return -1;

@@ -89,6 +89,7 @@ int en_engine_create(const en_model *m, const en_engine_opts *opts, en_engine **
         .disk_bytes = o.kv_disk_bytes,
         .arena = o.kv_arena,
         .summaries = o.sparse_attn > 0,
+        .promote_selected = o.sparse_attn > 0,
     };
     if (!kc.hot_bytes)
         kc.hot_bytes = (size_t)4 * 4096 * hp->n_layers * hp->n_head_kv * hp->head_dim * 2 * 2;
@@ -183,14 +184,19 @@ int en_engine_create(const en_model *m, const en_engine_opts *opts, en_engine **
         e->sparse_from = o.sparse_dense_layers == 0  ? 2
                          : o.sparse_dense_layers < 0 ? 0
                                                      : o.sparse_dense_layers;
-        e->sparse = (kn_sparse_cfg){
-            .budget_pages = (o.sparse_attn + pt - 1) / pt, .sink_pages = 1, .window_pages = 2};
-        if (e->sparse.budget_pages < 4) e->sparse.budget_pages = 4;
+        e->sparse = (kn_sparse_cfg){.budget_pages = (o.sparse_attn + pt - 1) / pt,
+                                    .sink_pages = 1,
+                                    .window_pages = o.sparse_window > 0 ? o.sparse_window : 2};
+        if (e->sparse.budget_pages < e->sparse.window_pages + 2)
+            e->sparse.budget_pages = e->sparse.window_pages + 2;
         /* views with more pages than this are attended densely (kn_sparse_attention) */
         int cap = kv_store_pages_total(e->kv), tr = (hp->n_ctx_train + pt - 1) / pt;
         cap = (cap > tr ? cap : tr) + 1;
         for (int i = 0; lanes_ok && i < nth; i++)
             lanes_ok = kn_sparse_scratch_init(&e->lanes[i].sparse, cap) == 0;
+        e->fetch_mark = calloc((size_t)cap, 1);
+        e->fetch_list = malloc(sizeof(int) * (size_t)cap);
+        lanes_ok = lanes_ok && e->fetch_mark && e->fetch_list;
     }
     if (!e->x || !e->xn || !e->q || !e->k || !e->v || !e->att || !e->tmp || !e->gate || !e->up ||
         !e->rope_cs || !e->logits || !e->xq || !e->out_idx || !e->run0 || !e->run_n || !e->n_at ||
@@ -221,6 +227,8 @@ void en_engine_destroy(en_engine *e)
         kn_sparse_scratch_free(&e->lanes[i].sparse);
     }
     free(e->lanes);
+    free(e->fetch_mark);
+    free(e->fetch_list);
     en_moe_free(e);
     kn_pool_destroy(e->pool);
     kv_store_destroy(e->kv);
@@ -240,6 +248,15 @@ kv_store *en_engine_kv(en_engine *e)
 {
     return e->kv;
 }
+void en_engine_sparse_stats(const en_engine *e, en_sparse_stats *out)
+{
+    *out = (en_sparse_stats){.fetches = e->fetches, .pages_fetched = e->pages_fetched};
+    for (int i = 0; e->lanes && i < kn_pool_size(e->pool); i++) {
+        out->pages_selected += e->lanes[i].sparse_sel;
+        out->pages_skipped += e->lanes[i].sparse_all - e->lanes[i].sparse_sel;
+    }
+}
+
 int en_engine_threads(const en_engine *e)
 {
     return kn_pool_size(e->pool);
@@ -348,8 +365,65 @@ static void en_attend(const en_engine *e, const en_batch *b, int l, int64_t i, i
     kn_sparse_scratch *scr = &e->lanes[ith].sparse;
     const int np = (view.n_ctx + view.page_tokens - 1) / view.page_tokens;
     if (np <= scr->cap) kv_seq_summaries(e->kv, b->seqs[i], l, h, np, scr->sums);
-    kn_sparse_attention(e->ops, &view, scr->sums, &e->sparse, scr, hd, e->q + off, group,
-                        e->attn_scale, e->att + off);
+    const int n = kn_sparse_attention(e->ops, &view, scr->sums, &e->sparse, scr, hd, e->q + off,
+                                      group, e->attn_scale, e->att + off);
+    e->lanes[ith].sparse_sel += (uint64_t)n;
+    e->lanes[ith].sparse_all += (uint64_t)np;
+}
+
+/* Marks in e->fetch_mark the pages token i reads in layer l (all of them when it attends
+ * densely); returns its view's page count. */
+static int en_fetch_mark(en_engine *e, const en_batch *b, int l, int64_t i)
+{
+    const en_hparams *hp = &e->m->hp;
+    const int hd = hp->head_dim, qd = hp->n_head * hd, group = hp->n_head / hp->n_head_kv;
+    kn_sparse_scratch *scr = &e->lanes[0].sparse;
+    const int np = (b->pos[i] + e->page_tokens) / e->page_tokens;
+    if (!en_sparse_token(e, b, l, i) || np > scr->cap) {
+        memset(e->fetch_mark, 1, (size_t)(np < scr->cap ? np : scr->cap));
+        return np;
+    }
+    for (int h = 0; h < hp->n_head_kv; h++) {
+        kn_kv_view view;
+        kv_seq_view(e->kv, b->seqs[i], l, h, b->pos[i] + 1, &view);
+        kv_seq_summaries(e->kv, b->seqs[i], l, h, np, scr->sums);
+        const int n = kn_sparse_pick(e->ops, &view, scr->sums, &e->sparse, scr, hd,
+                                     e->q + (size_t)i * qd + (size_t)h * group * hd, group);
+        for (int k = 0; k < n; k++) e->fetch_mark[scr->sel[k]] = 1;
+    }
+    return np;
+}
+
+/* Before layer l attends (thread 0, the others at a barrier, so structural calls are safe):
+ * each run's sequence brings up the pages not hot that its tokens read in this layer, chosen
+ * as en_attend will choose them. */
+static void en_fetch_layer(en_engine *e, const en_step *st, int l)
+{
+    const en_batch *b = st->b;
+    const int cap = e->lanes[0].sparse.cap;
+    for (int r = 0; r < st->n_runs; r++) {
+        const int i0 = e->run0[r], nr = e->run_n[r];
+        kv_seq *q = b->seqs[i0];
+        if (!kv_seq_cold_pages(q)) continue;
+        memset(e->fetch_mark, 0, (size_t)cap);
+        int np = 0;
+        for (int i = i0; i < i0 + nr; i++) {
+            const int n = en_fetch_mark(e, b, l, i);
+            np = n > np ? n : np;
+        }
+        int n = 0;
+        for (int k = 0; k < np && k < cap; k++)
+            if (e->fetch_mark[k]) e->fetch_list[n++] = k;
+        for (int k = cap; k < np;) { /* past the scratch: every page, a scratch at a time */
+            int m = 0;
+            for (; k < np && m < cap; k++) e->fetch_list[m++] = k;
+            const int got = kv_seq_fetch(e->kv, q, l, e->fetch_list, m);
+            e->pages_fetched += got > 0 ? (uint64_t)got : 0;
+        }
+        const int got = kv_seq_fetch(e->kv, q, l, e->fetch_list, n);
+        e->fetches++;
+        e->pages_fetched += got > 0 ? (uint64_t)got : 0;
+    }
 }
 
 /* Token i completed its page's rows of layer l: the page's key summary for that layer. */
@@ -451,6 +525,10 @@ static void en_step_job(void *ctx, int ith, int nth)
             kn_pool_barrier(e->pool);
             if (e->sparse_on) { /* pages this step filled are summarized before anyone reads */
                 for (int64_t i = t0; i < t1; i++) en_token_summarize(e, b, l, i);
+                kn_pool_barrier(e->pool);
+            }
+            if (st->fetch) { /* and the pages it reads that are not hot come up */
+                if (!ith) en_fetch_layer(e, st, l);
                 kn_pool_barrier(e->pool);
             }
             /* P4: (run, kv head) items interleaved so that early (cheap) and late (expensive)
@@ -581,6 +659,9 @@ int en_engine_step(en_engine *e, const en_batch *b, const float **logits)
      * another token of its sequence in the same step could not see it. */
     const int nth = kn_pool_size(e->pool);
     int lanes = nth > 1 && b->n_tokens <= nth && b->n_tokens <= EN_LANE_TOKENS && !b->depth;
+    int fetch = 0; /* pages not hot are fetched at a barrier of every layer: no lanes */
+    for (int i = 0; e->sparse_on && i < b->n_tokens; i++) fetch |= kv_seq_cold_pages(b->seqs[i]);
+    if (fetch) lanes = 0;
     for (int i = 0; lanes && i < b->n_tokens; i++)
         for (int j = 0; j < i; j++)
             if (b->seqs[j] == b->seqs[i]) lanes = 0;
@@ -591,7 +672,8 @@ int en_engine_step(en_engine *e, const en_batch *b, const float **logits)
                   .lanes = lanes,
                   .n_runs = lanes ? 0 : en_att_runs(e, b, nth),
                   .route = b->route && n_exp,
-                  .depth = b->depth != NULL};
+                  .depth = b->depth != NULL,
+                  .fetch = fetch != 0};
     for (int l = 0; b->depth && l < hp->n_layers; l++) {
         int nt = 0, nr = 0;
         while (nt < b->n_tokens && b->depth[nt] > l) nt++;

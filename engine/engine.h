@@ -116,9 +116,12 @@ typedef struct en_engine_opts {
     /* Sparse decode attention (docs/sparse.md): tokens each (layer, kv head) attends to at most,
      * in whole pages chosen by their key summaries' bound on q·k, the first page and the last
      * two always among them; 0: off (dense). sparse_dense_layers: the first layers attend
-     * densely all the same (0: 2; -1: none). */
+     * densely all the same (0: 2; -1: none). With sparse attention on, a cached prefix on host
+     * RAM or disk stays there when a request attaches it: a step brings up only the pages it
+     * reads (kv_config.promote_selected, kv_seq_fetch). */
     int sparse_attn;
     int sparse_dense_layers;
+    int sparse_window; /* recent pages always attended (the partial last one among them); 0: 2 */
 } en_engine_opts;
 
 typedef struct en_engine en_engine;
@@ -128,6 +131,13 @@ int en_engine_create(const en_model *m, const en_engine_opts *opts, en_engine **
 void en_engine_destroy(en_engine *e);
 kv_store *en_engine_kv(en_engine *e);
 int en_engine_threads(const en_engine *e);
+/* Sparse attention's counts since create, over every (token, layer, kv head) that attended
+ * sparsely: pages attended, pages of their views left out; and the step phases that brought
+ * up pages not hot (kv_seq_fetch calls, pages they brought up). */
+typedef struct en_sparse_stats {
+    uint64_t pages_selected, pages_skipped, fetches, pages_fetched;
+} en_sparse_stats;
+void en_engine_sparse_stats(const en_engine *e, en_sparse_stats *out);
 const char *en_engine_isa(const en_engine *e);
 
 typedef struct en_batch {

@@ -20,8 +20,9 @@ typedef struct en_lane_bufs {
     int32_t *sel; /* MoE: the routing of every token and the gathered rows, this thread's copy */
     float *rw;
     uint8_t *xqg;
-    float *shw;               /* MoE: each token's shared-expert gate */
-    kn_sparse_scratch sparse; /* sparse attention's room (opts.sparse_attn) */
+    float *shw;                      /* MoE: each token's shared-expert gate */
+    kn_sparse_scratch sparse;        /* sparse attention's room (opts.sparse_attn) */
+    uint64_t sparse_sel, sparse_all; /* pages attended, and in the views, by sparse attention */
 } en_lane_bufs;
 
 struct en_moe_scr;
@@ -55,6 +56,9 @@ struct en_engine {
     /* en_batch.depth: [n_layers] the tokens computed in each layer (a prefix of the batch) and
      * the attention runs they make up (a prefix of run0/run_n) */
     int *n_at, *runs_at;
+    uint8_t *fetch_mark; /* [sparse scratch cap]: pages a layer reads (en_fetch_layer) */
+    int *fetch_list;
+    uint64_t fetches, pages_fetched;
 };
 
 /* What one step's job needs; lives on the caller's stack for the duration of kn_pool_run. */
@@ -66,6 +70,7 @@ typedef struct en_step {
     int n_runs; /* attention runs in e->run0/run_n (not lanes) */
     int route;  /* sum the routing into route_w (the batch asks for en_batch.route) */
     int depth;  /* the batch has en_batch.depth: e->n_at/runs_at hold each layer's share */
+    int fetch;  /* a sequence of the batch has pages not hot: each layer fetches what it reads */
 } en_step;
 
 /* Output rows of several matrices sharing one input are split as one range across threads, in

@@ -188,6 +188,13 @@ void kn_sparse_scratch_free(kn_sparse_scratch *s);
  * lower index) up to budget_pages. tmp has room for n_pages floats. Returns how many. */
 int kn_sparse_select(const float *score, int n_pages, const kn_sparse_cfg *c, float *tmp, int *sel);
 
+/* The pages kn_sparse_attention would attend to, ascending into scr->sel: every page of a view
+ * that fits the budget or has more pages than the scratch, else the chosen ones. Returns how
+ * many (what a step must have readable before it attends: kvshard's kv_seq_fetch). */
+int kn_sparse_pick(const kn_ops *o, const kn_kv_view *kv, const float *const *sums,
+                   const kn_sparse_cfg *c, kn_sparse_scratch *scr, int head_dim, const float *q,
+                   int n_q);
+
 /* Attention (kn_ops.attention, table o) of n_q heads over the selected pages of kv: the pages
  * are scored from sums (one per page of the view, NULL where a page has none), chosen by
  * kn_sparse_select, and attended exactly, as a view of those pages alone (attn_mass is not

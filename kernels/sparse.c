@@ -95,6 +95,20 @@ int kn_sparse_select(const float *score, int n_pages, const kn_sparse_cfg *c, fl
     return n;
 }
 
+int kn_sparse_pick(const kn_ops *o, const kn_kv_view *kv, const float *const *sums,
+                   const kn_sparse_cfg *c, kn_sparse_scratch *scr, int head_dim, const float *q,
+                   int n_q)
+{
+    const int pt = kv->page_tokens, n_ctx = kv->n_ctx;
+    const int np = n_ctx > 0 ? (n_ctx + pt - 1) / pt : 0;
+    if (np <= c->budget_pages || np > scr->cap) {
+        for (int i = 0; i < np && i < scr->cap; i++) scr->sel[i] = i;
+        return np;
+    }
+    o->page_scores(sums, np, head_dim, q, n_q, scr->score);
+    return kn_sparse_select(scr->score, np, c, scr->tmp, scr->sel);
+}
+
 int kn_sparse_attention(const kn_ops *o, const kn_kv_view *kv, const float *const *sums,
                         const kn_sparse_cfg *c, kn_sparse_scratch *scr, int head_dim,
                         const float *q, int n_q, float scale, float *out)
@@ -105,8 +119,7 @@ int kn_sparse_attention(const kn_ops *o, const kn_kv_view *kv, const float *cons
         o->attention(kv, head_dim, q, n_q, scale, out);
         return np;
     }
-    o->page_scores(sums, np, head_dim, q, n_q, scr->score);
-    const int n = kn_sparse_select(scr->score, np, c, scr->tmp, scr->sel);
+    const int n = kn_sparse_pick(o, kv, sums, c, scr, head_dim, q, n_q);
     kn_kv_view v = *kv;
     for (int i = 0; i < n; i++) {
         scr->pages[i] = kv->pages[scr->sel[i]];

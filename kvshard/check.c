@@ -70,7 +70,7 @@ static int kv_check_page(const kv_store *s, const kv_page *p, int refs, km_errbu
         return km_errf(err, KM_ECORRUPT, "page %llu: on the disk tier without a file", id);
     if ((p->flags & KV_PAGE_ON_DISK) && !(p->flags & KV_PAGE_INDEXED))
         return km_errf(err, KM_ECORRUPT, "page %llu: a file but not indexed", id);
-    if (refs && (p->tier != KV_TIER_HOT || p->in_list))
+    if (refs && ((p->tier != KV_TIER_HOT && !s->cfg.promote_selected) || p->in_list))
         return km_errf(err, KM_ECORRUPT, "page %llu: held but on tier %s%s", id,
                        kv_tier_name(p->tier), p->in_list ? ", in a cached list" : "");
     if (!refs && (!(p->flags & KV_PAGE_INDEXED) || !p->in_list))

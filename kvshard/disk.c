@@ -212,7 +212,9 @@ static int kv_disk_authentic(kv_store *s, uint8_t *b, size_t n, const kv_disk_pa
     return KM_ECORRUPT;
 }
 
-int kv_disk_read(kv_store *s, kv_page *p, uint8_t *dst)
+/* kv_disk_read's work without counting: *unauth says a failure was the seal's. */
+static int kv_disk_read_quiet(const kv_store *s, const kv_page *p, uint8_t *dst, const char **why,
+                              int *unauth)
 {
     char path[PATH_MAX];
     kv_disk_path(s, p->hash, path, sizeof path);
@@ -220,28 +222,54 @@ int kv_disk_read(kv_store *s, kv_page *p, uint8_t *dst)
     size_t n;
     /* without a secret a page may or may not carry a MAC: the parser checks the exact size */
     size_t size = kv_disk_page_size(s->lay[p->format].page_bytes, s->pt);
-    const char *why;
+    *unauth = 0;
     int rc =
         kv_disk_load(path, s->disk_mac ? size + KV_DISK_SEAL_BYTES : size,
-                     size + (s->disk_mac ? KV_DISK_SEAL_BYTES : KV_DISK_MAC_BYTES), &b, &n, &why);
+                     size + (s->disk_mac ? KV_DISK_SEAL_BYTES : KV_DISK_MAC_BYTES), &b, &n, why);
     kv_disk_page d = {0};
     if (!rc) rc = kv_disk_page_parse(b, n, &d);
     if (!rc && (!kv_disk_matches(s, &d) || d.format != p->format ||
                 !km_pagehash_eq(d.hash, p->hash) || (d.seal && !s->disk_mac)))
         rc = KM_ECORRUPT;
-    if (!rc && kv_disk_authentic(s, b, n, &d, path, NULL)) {
-        free(b);
-        return KM_ECORRUPT;
+    if (!rc && s->disk_mac) {
+        *why = d.mac ? "not_sealed" : "no_seal";
+        if (!d.seal || kv_disk_page_unseal(b, n, &d, s->disk_seal_key)) {
+            if (d.seal) *why = "wrong_seal";
+            *unauth = 1;
+            rc = KM_ECORRUPT;
+        }
     }
     /* token ids compared once they are plaintext */
     if (!rc && memcmp(d.tokens, p->tokens, (size_t)s->pt * 4)) rc = KM_ECORRUPT;
     if (!rc) memcpy(dst, d.payload, d.payload_bytes);
     free(b);
-    if (rc && rc != KM_ENOMEM) {
-        s->st.corrupt_pages++;
-        KM_WARN("kv_disk_page_rejected", "path=%s err=%s", path,
-                rc == KM_EUNSUPPORTED ? why : km_strerror(rc));
-        return KM_ECORRUPT;
+    if (!rc || rc == KM_ENOMEM) return rc;
+    if (rc != KM_EUNSUPPORTED && !*unauth) *why = km_strerror(rc);
+    return KM_ECORRUPT;
+}
+
+int kv_disk_fetch(const kv_store *s, const kv_page *p, uint8_t *dst)
+{
+    const char *why;
+    int unauth;
+    return kv_disk_read_quiet(s, p, dst, &why, &unauth);
+}
+
+int kv_disk_read(kv_store *s, kv_page *p, uint8_t *dst)
+{
+    const char *why = "size";
+    int unauth;
+    int rc = kv_disk_read_quiet(s, p, dst, &why, &unauth);
+    if (rc == KM_ECORRUPT) {
+        char path[PATH_MAX];
+        kv_disk_path(s, p->hash, path, sizeof path);
+        if (unauth) {
+            s->st.unauthenticated_pages++;
+            KM_WARN("kv_disk_page_unauthenticated", "path=%s reason=%s", path, why);
+        } else {
+            s->st.corrupt_pages++;
+            KM_WARN("kv_disk_page_rejected", "path=%s err=%s", path, why);
+        }
     }
     return rc;
 }

@@ -134,7 +134,7 @@ void kv_index_remove(kv_store *s, kv_page *p)
 kv_page *kv_index_verified(kv_store *s, km_pagehash h, const int32_t *tokens, uint64_t parent_id)
 {
     kv_page *p = kv_index_find(s, h);
-    if (!p) return NULL;
+    if (!p || (p->flags & KV_PAGE_BAD)) return NULL;
     if (memcmp(p->tokens, tokens, sizeof(int32_t) * s->pt) || p->parent_id != parent_id) {
         s->st.collisions++;
         return NULL;

@@ -34,10 +34,11 @@
 #include "kvshard/diskfmt.h"
 #include "kvshard/kvshard.h"
 
-#define KV_PAGE_INDEXED 1u /* in the prefix index (immutable, has hash and tokens) */
-#define KV_PAGE_SHARED  2u /* has been used by two sequences at once: evicted last */
-#define KV_PAGE_ON_DISK 4u /* a verified page file exists */
-#define KV_PAGE_MARK    8u /* scratch of one call (kv_store_chains), clear outside it */
+#define KV_PAGE_INDEXED 1u  /* in the prefix index (immutable, has hash and tokens) */
+#define KV_PAGE_SHARED  2u  /* has been used by two sequences at once: evicted last */
+#define KV_PAGE_ON_DISK 4u  /* a verified page file exists */
+#define KV_PAGE_MARK    8u  /* scratch of one call (kv_store_chains), clear outside it */
+#define KV_PAGE_BAD     16u /* its disk copy failed verification while fetched: never served */
 
 typedef struct kv_page {
     uint8_t *buf;     /* the RAM copy (tier HOT or HOST); NULL when only on disk */
@@ -101,15 +102,22 @@ typedef struct kv_group {
     uint64_t placed, hits, demotions, evictions;
 } kv_group;
 
-/* A promotion: copy src -> dst (layer by layer) for a sequence's pages. */
+/* A disk page's verified payload into dst (disk.c's, given by tier.c: the promoter calls no
+ * layer above it); 0 or an error, nothing counted. */
+typedef int (*kv_page_reader)(const kv_store *s, const kv_page *p, uint8_t *dst);
+
+/* A promotion for a sequence's pages: the disk ones (src NULL) read first, then src -> dst
+ * layer by layer from layer `first` up, wrapping round to the layers below it. */
 typedef struct kv_promo {
     struct kv_promo *next;
     kv_seq *q;
-    int n;
+    int n, first;
     uint8_t **src, **dst;
     size_t *bytes; /* page bytes of each pair */
     kv_format *fmt;
     kv_page **pages;
+    int *rc; /* disk reads: their result (a failed page's dst is zeroed) */
+    kv_page_reader read;
     int done;
 } kv_promo;
 
@@ -126,8 +134,10 @@ struct kv_seq {
     int reserved;  /* positions below were reserved before (so written, by the contract) */
     int n_dropped; /* whole pages dropped by the lossy policy (all before the live tail) */
     kv_seq_policy policy;
-    _Atomic int ready_layers; /* layers of a pending promotion already copied */
+    _Atomic int ready_layers; /* layers of a pending promotion already copied, from ready_first */
+    int ready_first;
     int promo_pending;
+    int n_cold; /* table pages not on the hot tier (kv_config.promote_selected) */
     /* Its pages' buffers are lent to a transfer (xfer.c: a NIC may be reading or writing them):
      * nothing may move them, so recovery level 2 leaves this sequence's pages as they are. */
     int lent;
@@ -307,6 +317,8 @@ int kv_disk_enabled(const kv_store *s);
 int kv_disk_open(kv_store *s, km_errbuf *err);
 int kv_disk_write(kv_store *s, kv_page *p);
 int kv_disk_read(kv_store *s, kv_page *p, uint8_t *dst);
+/* The same without counting or logging a failure (any thread: the promoter's reads). */
+int kv_disk_fetch(const kv_store *s, const kv_page *p, uint8_t *dst);
 void kv_disk_unlink(kv_store *s, kv_page *p);
 
 /* ---------------------------------------------------------------- evict.c */
@@ -333,6 +345,12 @@ int kv_seq_grow(kv_seq *q, int need);
 /* Points the sequence's tables (ptrs, fmts) at its pages' current buffers and formats. */
 void kv_seq_refresh(kv_store *s, kv_seq *q);
 void kv_refresh_all(kv_store *s);
+
+/* ---------------------------------------------------------------- tier.c */
+/* kv_seq_attach, lazy or not whatever kv_config.promote_selected says (an export or an import
+ * pins its pages hot: lazy 0). */
+int kv_seq_attach_mode(kv_store *s, kv_seq *q, const km_pagehash *hashes, const int32_t *tokens,
+                       int n_pages, int lazy);
 
 /* ---------------------------------------------------------------- xfer.c */
 void kv_xfer_free(kv_store *s); /* aborts every import and ends every export */

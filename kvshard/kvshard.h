@@ -110,6 +110,9 @@ typedef struct kv_config {
     /* 1: every full page keeps a key summary for sparse attention (kv_seq_summaries), in RAM
      * beside the page whatever its tier: 2 x n_layers x n_kv_heads x head_dim floats a page. */
     int summaries;
+    /* 1: kv_seq_attach leaves a prefix's host and disk pages where they are, held by the
+     * sequence, and a step brings up only the pages it reads (kv_seq_fetch; sparse attention). */
+    int promote_selected;
 } kv_config;
 
 typedef struct kv_store kv_store;
@@ -215,6 +218,18 @@ int kv_seq_attach(kv_store *s, kv_seq *q, const km_pagehash *hashes, const int32
                   int n_pages);
 /* Blocks until the sequence's pending promotion has finished. */
 void kv_seq_wait_ready(const kv_store *s, const kv_seq *q);
+/* Pages of the sequence's table not on the hot tier (only kv_config.promote_selected leaves any:
+ * they are on host RAM, where a view may read them in place, or on disk, where it must not). */
+int kv_seq_cold_pages(const kv_seq *q);
+/* Brings up the listed pages (indexes into the sequence's table) that are not hot, because a step
+ * is about to read them from `layer` on: host pages are copied by the promoter thread starting
+ * at that layer and going up, so later layers arrive while earlier ones compute; disk pages are
+ * read and verified on the promoter thread too. The sequence's views wait for their layer. Pages
+ * not listed stay where they are. Without hot room a host page stays on host RAM (read in place)
+ * and a disk page comes up over the budget (eviction catches up at the next reserve). A disk page
+ * that fails verification reads as zeros for this sequence, is counted corrupt and is never served
+ * to another. Returns the number of pages brought up, or KM_ENOMEM. Structural. */
+int kv_seq_fetch(kv_store *s, kv_seq *q, int layer, const int *pages, int n);
 
 /* ---------------------------------------------------------------- formats, eviction, tiers */
 
@@ -241,8 +256,9 @@ int kv_store_persist(kv_store *s, uint64_t deadline_ns);
 typedef struct kv_tier_stats {
     uint64_t pages, bytes, budget;
     /* Of pages/bytes, those held by at least one live sequence (not on the tier's cached,
-     * reclaimable list): what eviction cannot free. Only hot pages can be held; always 0 on
-     * disk. Recovery measures pressure with these, since a full warm prefix cache is not. */
+     * reclaimable list): what eviction cannot free. Hot pages (and host ones under
+     * kv_config.promote_selected) can be held; always 0 on disk. Recovery measures pressure with
+     * these, since a full warm prefix cache is not. */
     uint64_t pinned_pages, pinned_bytes;
 } kv_tier_stats;
 
@@ -252,6 +268,12 @@ typedef struct kv_shard_stats {
     kv_tier_stats tier[KV_TIER_COUNT];
     uint64_t allocs, alloc_failures, evictions, demotions, promotions, hits, misses;
 } kv_shard_stats;
+
+typedef enum kv_promote_reason {
+    KV_PROMOTE_PREFIX = 0,
+    KV_PROMOTE_READ = 1,
+    KV_PROMOTE_REASONS
+} kv_promote_reason;
 
 typedef struct kv_store_stats {
     int n_shards;
@@ -263,6 +285,11 @@ typedef struct kv_store_stats {
         placed_pages,    /* pages tagged by kv_seq_place */
         place_fallbacks; /* of those, left in their shard (see kv_seq_place) */
     uint64_t arena_fallbacks; /* page buffers that did not fit the arena (taken from malloc) */
+    /* Pages brought up to the hot tier, and their bytes, by reason: KV_PROMOTE_PREFIX for a
+     * prefix hit or an export (kv_seq_attach), KV_PROMOTE_READ for pages a step reads
+     * (kv_seq_fetch); fetch_in_place: host pages a step read where they were (no hot room). */
+    uint64_t promoted_pages[KV_PROMOTE_REASONS], promoted_bytes[KV_PROMOTE_REASONS];
+    uint64_t fetch_in_place;
 } kv_store_stats;
 
 void kv_store_stats_get(const kv_store *s, kv_store_stats *out);

@@ -284,7 +284,8 @@ void kv_page_unref(kv_store *s, kv_page *p)
 
 /* ---------------------------------------------------------------- stats */
 
-/* Pinned = accounted but not in the cached list: held by a sequence (only hot pages can be).
+/* Pinned = accounted but not in the cached list: held by a sequence (hot pages, and host
+ * ones under kv_config.promote_selected).
  * Files on disk are never pinned: any of them can be dropped. */
 static void kv_tier_stats_of(const kv_tier_acct *a, kv_tier t, kv_tier_stats *out)
 {

@@ -10,6 +10,10 @@
  * structure (accounting, lists, freeing the host copies) is updated by the owner's next
  * structural call (kv_promo_reap), so the store needs no lock on its hot path.
  *
+ * A job may also hold disk pages (kv_seq_fetch: the pages a sparse step reads): the thread reads
+ * and verifies those first, through the reader tier.c hands it, then copies the host pages from
+ * the layer the step is at, upward, wrapping round to the layers below it (q->ready_first).
+ *
  * Layer: a copy engine over page memory (it calls page.c only, to free the host copies), so every
  * layer above may wait for it before it restructures a sequence.
  */
@@ -28,7 +32,8 @@ kv_promo *kv_promo_new(int n_pages)
     job->bytes = malloc(sizeof(size_t) * n_pages);
     job->fmt = malloc(sizeof(kv_format) * n_pages);
     job->pages = malloc(sizeof(kv_page *) * n_pages);
-    if (!job->src || !job->dst || !job->bytes || !job->fmt || !job->pages) {
+    job->rc = calloc((size_t)n_pages, sizeof(int));
+    if (!job->src || !job->dst || !job->bytes || !job->fmt || !job->pages || !job->rc) {
         kv_promo_free(job);
         return NULL;
     }
@@ -43,18 +48,26 @@ void kv_promo_free(kv_promo *job)
     free(job->bytes);
     free(job->fmt);
     free(job->pages);
+    free(job->rc);
     free(job);
 }
 
 static void kv_promo_copy(kv_store *s, kv_promo *job)
 {
-    for (int l = 0; l < s->n_layers; l++) {
+    for (int j = 0; j < job->n; j++) {
+        if (job->src[j]) continue;
+        job->rc[j] = job->read(s, job->pages[j], job->dst[j]);
+        if (job->rc[j]) memset(job->dst[j], 0, job->bytes[j]); /* nothing unverified is read */
+    }
+    for (int k = 0; k < s->n_layers; k++) {
+        const int l = (job->first + k) % s->n_layers;
         for (int j = 0; j < job->n; j++) {
+            if (!job->src[j]) continue;
             size_t per = s->lay[job->fmt[j]].unit * s->n_heads, off = per * l;
             memcpy(job->dst[j] + off, job->src[j] + off, per);
         }
         pthread_mutex_lock(&s->mu);
-        atomic_store_explicit(&job->q->ready_layers, l + 1, memory_order_release);
+        atomic_store_explicit(&job->q->ready_layers, k + 1, memory_order_release);
         pthread_cond_broadcast(&s->cv_done);
         pthread_mutex_unlock(&s->mu);
     }
@@ -129,9 +142,15 @@ void kv_promo_reap(kv_store *s)
     while (job) {
         kv_promo *next = job->next;
         for (int j = 0; j < job->n; j++) {
-            assert(job->pages[j]->promoting && job->pages[j]->tier == KV_TIER_HOT);
-            kv_buf_put(s, job->src[j], job->fmt[j]);
-            job->pages[j]->promoting = 0;
+            kv_page *p = job->pages[j];
+            assert(p->promoting && p->tier == KV_TIER_HOT);
+            if (job->src[j]) kv_buf_put(s, job->src[j], job->fmt[j]);
+            if (job->rc[j]) { /* reads as zeros for its sequence, and is never served again */
+                s->st.corrupt_pages++;
+                p->flags |= KV_PAGE_BAD;
+                KM_WARN("kv_disk_page_rejected", "page=%llu fetched=1", (unsigned long long)p->id);
+            }
+            p->promoting = 0;
         }
         job->q->promo_pending = 0;
         kv_promo_free(job);

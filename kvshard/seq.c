@@ -104,10 +104,18 @@ static void kv_seq_set(kv_seq *q, int i, kv_page *p, int was_set)
     if (q->sum_from > i) q->sum_from = i; /* a new or re-encoded page: summarized again */
 }
 
+/* Counts the table's pages not hot (kv_config.promote_selected leaves them where they are). */
+static void kv_seq_count_cold(kv_seq *q)
+{
+    q->n_cold = 0;
+    for (int i = 0; i < q->n_pages; i++) q->n_cold += q->pg[i]->tier != KV_TIER_HOT;
+}
+
 void kv_seq_refresh(kv_store *s, kv_seq *q)
 {
     memset(q->fmt_count, 0, sizeof q->fmt_count);
     q->sum_from = 0; /* a page may have been re-encoded: its summary is checked again */
+    kv_seq_count_cold(q);
     for (int i = 0; i < q->n_pages; i++) {
         q->ptrs[i] = q->pg[i]->buf;
         q->fmts[i] = (uint8_t)q->pg[i]->format;
@@ -149,11 +157,12 @@ int kv_seq_fork(kv_store *s, const kv_seq *src, kv_seq **out)
     }
     for (int i = 0; i < src->n_pages; i++) {
         kv_page_ref(s, src->pg[i]);
-        kv_seq_set(q, i, src->pg[i], 0);
+        q->pg[i] = src->pg[i]; /* on any tier: the source may hold pages not hot */
         q->mass[i] = src->mass[i];
         q->pidx[i] = src->pidx[i];
     }
     q->n_pages = src->n_pages;
+    kv_seq_refresh(s, q);
     q->n_dropped = src->n_dropped;
     q->seal_from = src->seal_from;
     q->policy = src->policy;
@@ -177,6 +186,7 @@ static void kv_seq_drop_page(kv_store *s, kv_seq *q, int i)
     q->n_dropped++;
     if (q->seal_from > i) q->seal_from--;
     if (q->sum_from > i) q->sum_from--;
+    q->n_cold -= p->tier != KV_TIER_HOT;
     s->st.dropped_seq_pages++;
     kv_page_unref(s, p);
 }
@@ -289,6 +299,7 @@ void kv_seq_summaries(const kv_store *s, const kv_seq *q, int layer, int kv_head
 static int kv_seq_cow(kv_store *s, kv_seq *q, int i, int row)
 {
     kv_page *p = q->pg[i];
+    if (!p->buf) return KM_EAGAIN; /* on disk (promote_selected): kv_seq_fetch it first */
     kv_format f = kv_format_row_writable(p->format) ? p->format : KN_KV_F16;
     kv_page *np = kv_page_new(s);
     if (!np) return KM_ENOMEM;
@@ -385,12 +396,14 @@ int kv_seq_reserve_expert(kv_store *s, kv_seq *q, int n_tokens, int expert)
         const int start = q->pidx[i] * pt;
         rc = kv_seq_cow(s, q, i, first > start ? first - start : 0);
     }
+    kv_seq_count_cold(q); /* a copy of a host page is hot */
     if (rc) { /* leave the sequence as it was (pages copied so far stay copied: same content) */
         while (q->n_pages > old) {
             q->n_pages--;
             q->fmt_count[q->fmts[q->n_pages]]--;
             kv_page_unref(s, q->pg[q->n_pages]);
         }
+        kv_seq_count_cold(q);
         return rc;
     }
     if (n_tokens > q->reserved) q->reserved = n_tokens;
@@ -452,6 +465,7 @@ void kv_seq_truncate(kv_store *s, kv_seq *q, int n_tokens)
     if (q->seal_from > q->n_pages) q->seal_from = q->n_pages;
     if (q->sum_from > q->n_pages) q->sum_from = q->n_pages;
     if (q->reserved > n_tokens) q->reserved = n_tokens;
+    kv_seq_count_cold(q);
     if (q->n_pages && n_tokens % pt && q->pidx[q->n_pages - 1] == keep_index - 1) {
         kv_page *p = q->pg[q->n_pages - 1];
         if (p->refs == 1 && !(p->flags & KV_PAGE_INDEXED) && kv_format_row_writable(p->format))
@@ -542,11 +556,13 @@ void kv_seq_view(const kv_store *s, const kv_seq *q, int layer, int kv_head, int
                  kn_kv_view *out)
 {
     memset(out, 0, sizeof *out);
+    /* the promotion copies from layer ready_first up, wrapping round */
+    const int want = (layer - q->ready_first + s->n_layers) % s->n_layers;
     if (q->promo_pending &&
-        atomic_load_explicit(&((kv_seq *)q)->ready_layers, memory_order_acquire) <= layer) {
+        atomic_load_explicit(&((kv_seq *)q)->ready_layers, memory_order_acquire) <= want) {
         kv_store *ms = (kv_store *)s;
         pthread_mutex_lock(&ms->mu);
-        while (atomic_load_explicit(&((kv_seq *)q)->ready_layers, memory_order_acquire) <= layer)
+        while (atomic_load_explicit(&((kv_seq *)q)->ready_layers, memory_order_acquire) <= want)
             pthread_cond_wait(&ms->cv_done, &ms->mu);
         pthread_mutex_unlock(&ms->mu);
     }
@@ -587,6 +603,12 @@ int kv_seq_read(const kv_store *s, const kv_seq *q, int layer, int kv_head, int 
         return KM_ERANGE;
     kv_seq_wait_ready(s, q);
     const kv_page *p = q->pg[i];
+    if (!p->buf) return KM_EAGAIN; /* on disk (kv_config.promote_selected): kv_seq_fetch it */
     kv_page_read_row(s, p->buf, p->format, layer, kv_head, pos % s->pt, k, v);
     return 0;
+}
+
+int kv_seq_cold_pages(const kv_seq *q)
+{
+    return q->n_cold;
 }

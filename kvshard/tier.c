@@ -2,7 +2,9 @@
  * tier.c — pages moving between tiers because a caller asked: a prefix hit brought up to the hot
  * tier (kv_seq_attach: host pages handed to the promoter thread, disk pages read and verified
  * before the sequence can see them) and RAM pages copied down to disk on a drain
- * (kv_store_persist). Moving down under pressure is eviction's (evict.c). This is the top layer
+ * (kv_store_persist), and the pages a sparse step reads brought up from host RAM or disk
+ * (kv_seq_fetch; with kv_config.promote_selected an attach leaves them where they are, held by
+ * the sequence). Moving down under pressure is eviction's (evict.c). This is the top layer
  * with convert.c and store.c: it calls sequences, eviction, the disk tier, the index, the
  * promoter and page memory, and none of them calls it (docs/kvshard.md, "Layers").
  *
@@ -33,27 +35,50 @@ static void kv_wait_promotion_of(kv_store *s, const kv_page *p)
     assert(!p->promoting); /* a page being promoted is held by the sequence promoting it */
 }
 
-/* Brings a verified page to the hot tier for sequence q; host pages join the async job. */
-static int kv_attach_one(kv_store *s, kv_page *p, kv_promo *job)
+/* p, now hot in buffer dst, leaves tier `from`: index, groups, counters and the event. */
+static void kv_page_came_up(kv_store *s, kv_page *p, uint8_t *dst, kv_tier from,
+                            kv_promote_reason why)
+{
+    p->buf = dst;
+    kv_group_move(s, p, (int)p->tier, KV_TIER_HOT);
+    p->tier = KV_TIER_HOT;
+    kv_index_retier(s, p, from);
+    s->shards[p->shard].promotions++;
+    s->st.promoted_pages[why]++;
+    s->st.promoted_bytes[why] += s->lay[p->format].page_bytes;
+    kv_event_emit(s, KV_EVENT_TIER, p, from, KV_TIER_HOT);
+}
+
+/* Host page p joins job, to be copied into dst. */
+static void kv_promo_add(kv_store *s, kv_promo *job, kv_page *p, uint8_t *src, uint8_t *dst)
+{
+    job->src[job->n] = src;
+    job->dst[job->n] = dst;
+    job->bytes[job->n] = s->lay[p->format].page_bytes;
+    job->fmt[job->n] = p->format;
+    job->pages[job->n] = p;
+    job->rc[job->n] = 0;
+    job->n++;
+    p->promoting = 1;
+}
+
+/* Brings a verified page to the hot tier for sequence q; host pages join the async job. With
+ * lazy (kv_config.promote_selected) a page stays where it is. */
+static int kv_attach_one(kv_store *s, kv_page *p, kv_promo *job, int lazy)
 {
     assert(p->refs > 0 && !p->in_list); /* held: room-making cannot take it */
     if (p->tier == KV_TIER_HOT) {
         if (p->promoting) kv_wait_promotion_of(s, p);
         return 0;
     }
+    if (lazy) return 0;
     uint8_t *dst;
     int rc = kv_hot_alloc(s, p->shard, p->format, &dst);
     if (rc) return rc;
     kv_tier from = p->tier;
     if (from == KV_TIER_HOST) {
         kv_acct_sub(s, p->shard, KV_TIER_HOST, p->format);
-        job->src[job->n] = p->buf;
-        job->dst[job->n] = dst;
-        job->bytes[job->n] = s->lay[p->format].page_bytes;
-        job->fmt[job->n] = p->format;
-        job->pages[job->n] = p;
-        job->n++;
-        p->promoting = 1;
+        kv_promo_add(s, job, p, p->buf, dst);
     } else { /* disk: read and verify now, so nothing unverified ever reaches a view */
         if ((rc = kv_disk_read(s, p, dst))) {
             kv_acct_sub(s, p->shard, KV_TIER_HOT, p->format);
@@ -61,17 +86,45 @@ static int kv_attach_one(kv_store *s, kv_page *p, kv_promo *job)
             return rc;
         }
     }
-    p->buf = dst;
-    kv_group_move(s, p, (int)p->tier, KV_TIER_HOT);
-    p->tier = KV_TIER_HOT;
-    kv_index_retier(s, p, from);
-    s->shards[p->shard].promotions++;
-    kv_event_emit(s, KV_EVENT_TIER, p, from, KV_TIER_HOT);
+    kv_page_came_up(s, p, dst, from, KV_PROMOTE_PREFIX);
     return 0;
 }
 
-int kv_seq_attach(kv_store *s, kv_seq *q, const km_pagehash *hashes, const int32_t *tokens,
-                  int n_pages)
+/* The job's promoted pages are held by other sequences too (a lazy holder reads host pages in
+ * place): it is waited for, and every table then points at the new buffers. */
+static int kv_promo_shared(const kv_promo *job)
+{
+    for (int j = 0; j < job->n; j++)
+        if (job->pages[j]->refs > 1) return 1;
+    return 0;
+}
+
+/* Submits q's job (layers from `first` on), or frees an empty one; then points the tables at
+ * the pages' buffers. */
+static void kv_promo_run(kv_store *s, kv_seq *q, kv_promo *job, int first)
+{
+    if (!job->n) {
+        kv_promo_free(job);
+        kv_seq_refresh(s, q);
+        return;
+    }
+    const int shared = kv_promo_shared(job);
+    q->promo_pending = 1;
+    q->ready_first = job->first = first;
+    atomic_store_explicit(&q->ready_layers, 0, memory_order_release);
+    job->q = q;
+    if (!job->read) job->read = kv_disk_fetch;
+    kv_promo_submit(s, job);
+    if (!shared) {
+        kv_seq_refresh(s, q);
+        return;
+    }
+    kv_seq_wait_promo(s, q);
+    kv_refresh_all(s);
+}
+
+int kv_seq_attach_mode(kv_store *s, kv_seq *q, const km_pagehash *hashes, const int32_t *tokens,
+                       int n_pages, int lazy)
 {
     if (n_pages < 0 || (n_pages && (!hashes || !tokens))) return KM_EINVAL;
     if (q->n_pages || q->n_dropped) return KM_EINVAL;
@@ -87,7 +140,7 @@ int kv_seq_attach(kv_store *s, kv_seq *q, const km_pagehash *hashes, const int32
         kv_page *p = kv_index_verified(s, hashes[i], tokens + (size_t)i * s->pt, parent_id);
         if (!p) break;
         kv_page_ref(s, p); /* out of the cached lists: room-making cannot take it now */
-        int r = kv_attach_one(s, p, job);
+        int r = kv_attach_one(s, p, job, lazy);
         if (r) {
             if (r == KM_ECORRUPT || r == KM_EIO || r == KM_EFORMAT) {
                 p->refs--; /* ours alone: the page was cached, so no sequence held it */
@@ -99,7 +152,7 @@ int kv_seq_attach(kv_store *s, kv_seq *q, const km_pagehash *hashes, const int32
             }
             break;
         }
-        assert(p->tier == KV_TIER_HOT && p->refs > 0);
+        assert((lazy || p->tier == KV_TIER_HOT) && p->refs > 0);
         atomic_store_explicit(&p->rows, s->rows_full, memory_order_relaxed);
         s->shards[p->shard].hits++;
         if (kv_group_of(s, p)) kv_group_of(s, p)->hits++;
@@ -112,21 +165,50 @@ int kv_seq_attach(kv_store *s, kv_seq *q, const km_pagehash *hashes, const int32
     }
     q->seal_from = q->n_pages;
     q->reserved = q->n_pages * s->pt;
-    kv_seq_refresh(s, q);
     if (q->n_pages)
         s->st.hits++;
     else
         s->st.misses++;
-    if (job->n) {
-        q->promo_pending = 1;
-        atomic_store_explicit(&q->ready_layers, 0, memory_order_release);
-        job->q = q;
-        kv_promo_submit(s, job);
-    } else {
-        kv_promo_free(job);
-    }
+    kv_promo_run(s, q, job, 0);
     if (rc) return rc;
     return q->n_pages;
+}
+
+int kv_seq_attach(kv_store *s, kv_seq *q, const km_pagehash *hashes, const int32_t *tokens,
+                  int n_pages)
+{
+    return kv_seq_attach_mode(s, q, hashes, tokens, n_pages, s->cfg.promote_selected);
+}
+
+int kv_seq_fetch(kv_store *s, kv_seq *q, int layer, const int *pages, int n)
+{
+    if (layer < 0 || layer >= s->n_layers || n < 0) return KM_EINVAL;
+    if (!q->n_cold || !n) return 0;
+    kv_seq_wait_promo(s, q); /* one job per sequence; usually done by the time of the next */
+    kv_promo *job = kv_promo_new(n);
+    if (!job) return KM_ENOMEM;
+    job->read = kv_disk_fetch;
+    for (int k = 0; k < n; k++) {
+        if (pages[k] < 0 || pages[k] >= q->n_pages) continue;
+        kv_page *p = q->pg[pages[k]];
+        if (p->tier == KV_TIER_HOT) continue; /* a page listed twice is hot by its second time */
+        uint8_t *dst;
+        kv_tier from = p->tier;
+        if (kv_hot_alloc(s, p->shard, p->format, &dst)) {
+            if (from == KV_TIER_HOST) { /* read where it is */
+                s->st.fetch_in_place++;
+                continue;
+            }
+            if (!(dst = kv_buf_get(s, p->format))) continue; /* stays unread: NULL in the view */
+            kv_acct_add(s, p->shard, KV_TIER_HOT, p->format, 1);
+        }
+        if (from == KV_TIER_HOST) kv_acct_sub(s, p->shard, KV_TIER_HOST, p->format);
+        kv_promo_add(s, job, p, from == KV_TIER_HOST ? p->buf : NULL, dst);
+        kv_page_came_up(s, p, dst, from, KV_PROMOTE_READ);
+    }
+    const int got = job->n;
+    kv_promo_run(s, q, job, layer);
+    return got;
 }
 
 /* ---------------------------------------------------------------- persist */

@@ -71,7 +71,7 @@ int kv_export_begin(kv_store *s, const km_pagehash *hashes, const int32_t *token
         return KM_ENOMEM;
     }
     int rc = kv_seq_create(s, &e->q);
-    if (!rc) rc = kv_seq_attach(s, e->q, hashes, tokens, n_pages);
+    if (!rc) rc = kv_seq_attach_mode(s, e->q, hashes, tokens, n_pages, 0);
     if (rc <= 0) {
         kv_seq_destroy(s, e->q);
         free(e);
@@ -185,7 +185,7 @@ int kv_import_begin(kv_store *s, const km_pagehash *hashes, const int32_t *token
      * from it. It is not a request's hit or miss, so those counters are left as they were. */
     if (!rc) {
         uint64_t hits = s->st.hits, misses = s->st.misses;
-        rc = kv_seq_attach(s, r->q, hashes, tokens, n_pages);
+        rc = kv_seq_attach_mode(s, r->q, hashes, tokens, n_pages, 0);
         s->st.hits = hits;
         s->st.misses = misses;
     }

@@ -31,7 +31,7 @@ typedef struct wk_args {
     int64_t threads, admin_port, page_tokens, max_batch, prefill_chunk, max_running, max_queue;
     int64_t decode_prefill, spec_max_draft, tenant_share, step_budget_ms, self_draft, self_seqs;
     int64_t kv_shards, kv_tok_groups, kv_expert_groups;
-    int64_t sparse_attn, sparse_dense_layers;
+    int64_t sparse_attn, sparse_dense_layers, sparse_window;
     const char *kv_shard_key;
     double spec_factor;
     int64_t max_ctx, default_max_tokens, heartbeat_ms, drain_ms, event_replay, cluster_seed;
@@ -82,6 +82,8 @@ static const km_opt g_opts[] = {
     {"sparse-dense-layers", NULL, KM_OPT_INT, "0",
      "with --sparse-attn: the first layers kept dense; 0 = 2, -1 = none",
      &g_args.sparse_dense_layers, -1, 4096},
+    {"sparse-window", NULL, KM_OPT_INT, "0",
+     "with --sparse-attn: recent pages always attended; 0 = 2", &g_args.sparse_window, 0, 4096},
     {"kv-shards", NULL, KM_OPT_INT, "1",
      "KV shards: each tier's budget split evenly between them, each with its own eviction",
      &g_args.kv_shards, 1, 1024},
@@ -350,7 +352,8 @@ int main(int argc, char **argv)
                          .kv_expert_groups = (int)a->kv_expert_groups,
                          .kv_arena = a->peer_listen && a->peer_listen[0],
                          .sparse_attn = (int)a->sparse_attn,
-                         .sparse_dense_layers = (int)a->sparse_dense_layers};
+                         .sparse_dense_layers = (int)a->sparse_dense_layers,
+                         .sparse_window = (int)a->sparse_window};
     int erc = en_engine_create(m, &eo, &e, &err);
     explicit_bzero(secret, sizeof secret); /* the store derived its page key at create */
     if (erc) {

@@ -77,6 +77,18 @@ int wk_svc_metrics_init(wk_service *s, km_errbuf *err)
         "result", NULL, 0);
     const char *pr[2] = {"moved", "stayed"};
     for (int i = 0; i < 2; i++) s->s_place[i] = km_metric_series(m, &pr[i]);
+    REG(KM_COUNTER, "kvmesh_kv_promoted_bytes_total",
+        "KV bytes brought up to the hot tier, by reason: a prefix hit or export (prefix), or "
+        "the pages a sparse step reads (read).",
+        "reason", NULL, 0);
+    const char *pw[2] = {"prefix", "read"};
+    for (int i = 0; i < 2; i++) s->s_promoted[i] = km_metric_series(m, &pw[i]);
+    REG(KM_COUNTER, "kvmesh_worker_sparse_pages_total",
+        "Pages of (token, layer, kv head) views under --sparse-attn: attended (selected) or left "
+        "out (skipped).",
+        "result", NULL, 0);
+    const char *sp[2] = {"selected", "skipped"};
+    for (int i = 0; i < 2; i++) s->s_sparse[i] = km_metric_series(m, &sp[i]);
     REG(KM_GAUGE, "kvmesh_worker_prefix_hit_ratio",
         "Prompt tokens served from cached KV over prompt tokens, since start.", NULL, NULL, 0);
     s->s_hit = km_metric_series(m, NULL);

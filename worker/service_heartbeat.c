@@ -97,6 +97,12 @@ void wk_svc_update_gauges(wk_service *s)
     kv_store_stats_get(s->kv, &ks);
     wk_counter_sync(s->s_place[0], ks.placed_pages - ks.place_fallbacks);
     wk_counter_sync(s->s_place[1], ks.place_fallbacks);
+    for (int i = 0; i < KV_PROMOTE_REASONS; i++)
+        wk_counter_sync(s->s_promoted[i], ks.promoted_bytes[i]);
+    en_sparse_stats sps;
+    en_engine_sparse_stats(s->e, &sps);
+    wk_counter_sync(s->s_sparse[0], sps.pages_selected);
+    wk_counter_sync(s->s_sparse[1], sps.pages_skipped);
     if (ks.unauthenticated_pages > s->last_unauth)
         km_counter_add(s->s_unauth, ks.unauthenticated_pages - s->last_unauth);
     s->last_unauth = ks.unauthenticated_pages;

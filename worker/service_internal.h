@@ -191,7 +191,9 @@ struct wk_service {
     /* kvshard's own counts (hits, demotions, evictions per shard; expert groups; placements),
      * brought up to the store's totals with every gauge update */
     km_metric *m_shard_ev, *m_grp_pages, *m_grp_ev;
-    km_series *s_place[2]; /* kvmesh_kv_placements_total{result="moved","stayed"} */
+    km_series *s_place[2];    /* kvmesh_kv_placements_total{result="moved","stayed"} */
+    km_series *s_promoted[2]; /* kvmesh_kv_promoted_bytes_total{reason="prefix","read"} */
+    km_series *s_sparse[2];   /* kvmesh_worker_sparse_pages_total{result="selected","skipped"} */
     km_series *s_ballast;
     /* speculative decoding: drafted, accepted, rejected tokens, verifications, back-offs (the
      * scheduler's totals, added as they grow), and the mean accepted length */

@@ -3,15 +3,20 @@
  * model: positions whose context fits the budget get the dense engine's logits bit for bit; past
  * it they stay finite (their quality is bench/bench_long.sh's business); and a token gets the same
  * logits whether it is decoded alone (lane mode) or inside a prefill chunk (every token picks its
- * own pages), as perplexity assumes.
+ * own pages), as perplexity assumes. A long prefix cached on disk or host RAM and attached again
+ * stays there but for the pages a decode step reads (kv_seq_fetch), and that step's logits are
+ * the all-hot engine's bit for bit.
  */
 #include <criterion/criterion.h>
+#include <dirent.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
 #include "engine/engine.h"
+#include "kvshard/internal.h" /* kv_store_check */
 
 #define MODEL  "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 #define N      160
@@ -86,4 +91,126 @@ Test(engine_sparse, fits_the_budget_dense_past_it_close_and_decode_equals_prefil
     free(dense);
     free(pre);
     free(dec);
+}
+
+#define LONG 512 /* tokens of the cached prefix: 32 pages of 16 */
+
+/* Removes the disk tier's directory (its page files are all at its top). */
+static void rm_dir(const char *d)
+{
+    DIR *dir = opendir(d);
+    struct dirent *de;
+    char p[512];
+    while (dir && (de = readdir(dir))) {
+        if (de->d_name[0] == '.') continue;
+        snprintf(p, sizeof p, "%s/%s", d, de->d_name);
+        unlink(p);
+    }
+    if (dir) closedir(dir);
+    rmdir(d);
+}
+
+/* Prefills ids[0, LONG) into q, 256 tokens a step. */
+static void prefill(en_engine *e, kv_seq *q, const int32_t *ids)
+{
+    int32_t pos[256];
+    kv_seq *seqs[256];
+    for (int s = 0; s < LONG; s += 256) {
+        for (int i = 0; i < 256; i++) pos[i] = s + i, seqs[i] = q;
+        en_batch b = {.n_tokens = 256, .tokens = ids + s, .pos = pos, .seqs = seqs};
+        cr_assert_eq(en_engine_step(e, &b, NULL), 1);
+    }
+}
+
+/* One decode step of q at position LONG: its logits [n_vocab], the caller's to free. */
+static float *decode(en_engine *e, kv_seq *q, const int32_t *ids)
+{
+    const int nv = en_model_hparams(g_model)->n_vocab;
+    int32_t pos = LONG;
+    en_batch b = {.n_tokens = 1, .tokens = ids + LONG, .pos = &pos, .seqs = &q};
+    const float *lg;
+    cr_assert_eq(en_engine_step(e, &b, &lg), 1);
+    float *out = malloc(sizeof(float) * nv);
+    memcpy(out, lg, sizeof(float) * nv);
+    return out;
+}
+
+/* The prefix demoted to tier `to` (disk, or host RAM), attached again and decoded one token. */
+static void cold_prefix(kv_tier to)
+{
+    const int nv = en_model_hparams(g_model)->n_vocab, np = LONG / 16;
+    int32_t ids[LONG + 1];
+    for (int i = 0; i <= LONG; i++) ids[i] = (int32_t)((i * 7919u + 13u) % 20000u) + 100;
+    km_pagehash seed = km_pagehash_seed(NULL, 0, 7, NULL, 0), h[LONG / 16];
+    cr_assert_eq(km_pagehash_chain(seed, ids, LONG, 16, h, np), np);
+
+    en_engine_opts o = {
+        .n_threads = 2, .max_batch_tokens = 256, .sparse_attn = BUDGET, .sparse_dense_layers = -1};
+    en_engine *e;
+    km_errbuf err = {{0}};
+    cr_assert_eq(en_engine_create(g_model, &o, &e, &err), 0, "%s", err.msg);
+    kv_seq *q;
+    cr_assert_eq(kv_seq_create(en_engine_kv(e), &q), 0);
+    prefill(e, q, ids);
+    float *hot = decode(e, q, ids);
+    kv_seq_destroy(en_engine_kv(e), q);
+    en_engine_destroy(e);
+
+    char dir[] = "/tmp/kvmesh_sparse_XXXXXX";
+    cr_assert_not_null(mkdtemp(dir));
+    if (to == KV_TIER_DISK)
+        o.kv_disk_dir = dir;
+    else
+        o.kv_host_bytes = (size_t)64 << 20;
+    cr_assert_eq(en_engine_create(g_model, &o, &e, &err), 0, "%s", err.msg);
+    kv_store *kv = en_engine_kv(e);
+    cr_assert_eq(kv_seq_create(kv, &q), 0);
+    prefill(e, q, ids);
+    cr_assert_eq(kv_seq_publish(kv, q, h, ids, LONG), np);
+    kv_seq_destroy(kv, q);
+    cr_assert_eq(kv_store_evict_oldest_fraction(kv, 1.0), np);
+    kv_store_stats st;
+    kv_store_stats_get(kv, &st);
+    cr_assert_eq(st.tier[to].pages, (uint64_t)np, "the prefix is on %s", kv_tier_name(to));
+    cr_assert_eq(st.tier[KV_TIER_HOT].pages, 0);
+
+    cr_assert_eq(kv_seq_create(kv, &q), 0);
+    cr_assert_eq(kv_seq_attach(kv, q, h, ids, np), np);
+    cr_assert_eq(kv_seq_cold_pages(q), np, "attached where it was: nothing came up");
+    float *cold = decode(e, q, ids);
+    en_sparse_stats ss;
+    en_engine_sparse_stats(e, &ss);
+    kv_store_stats_get(kv, &st);
+    const int up = (int)st.promoted_pages[KV_PROMOTE_READ];
+    cr_assert_gt(up, 0);
+    cr_assert_eq((uint64_t)up, ss.pages_fetched);
+    cr_assert_eq(st.promoted_pages[KV_PROMOTE_PREFIX], 0);
+    cr_assert_eq(st.promoted_bytes[KV_PROMOTE_READ], (uint64_t)up * kv_store_page_bytes(kv));
+    cr_assert_eq(kv_seq_cold_pages(q), np - up, "the pages it did not read stayed down");
+    cr_assert_lt(up, np, "a step read a selection, not the whole prefix (%d of %d pages)", up, np);
+    cr_assert_gt(ss.pages_skipped, 0);
+    cr_assert_arr_eq(cold, hot, sizeof(float) * nv, "the same pages attended as when all hot");
+    cr_log_info("%s: %d of %d pages came up", kv_tier_name(to), up, np);
+
+    km_errbuf cerr = {{0}};
+    cr_assert_eq(kv_store_check(kv, &cerr), 0, "%s", cerr.msg);
+    kv_seq_destroy(kv, q);
+    en_engine_destroy(e);
+    free(hot);
+    free(cold);
+    rm_dir(dir);
+}
+
+Test(engine_sparse, a_prefix_on_disk_comes_up_only_where_a_step_reads_it, .init = setup,
+     .fini = teardown, .timeout = 600)
+{
+    if (!g_model) cr_skip_test("model %s absent: run `make deps`", MODEL);
+    cold_prefix(KV_TIER_DISK);
+}
+
+Test(engine_sparse, a_prefix_on_host_ram_comes_up_only_where_a_step_reads_it, .init = setup,
+     .fini = teardown, .timeout = 600)
+{
+    if (!g_model) cr_skip_test("model %s absent: run `make deps`", MODEL);
+    cold_prefix(KV_TIER_HOST);
 }

@@ -8,7 +8,9 @@
  * MAC or with another cluster's. With a secret, pages are sealed (token ids and KV encrypted):
  * the files hold neither in clear, any flipped byte drops the page, and pages of the format
  * before sealing are sealed again at open. The directory is 0700 and the files 0600 whatever the
- * umask, and a directory others may write is refused.
+ * umask, and a directory others may write is refused. With kv_config.promote_selected an attached
+ * prefix stays on disk, and kv_seq_fetch brings up only the pages asked for, read on the
+ * promoter thread; one that fails verification there reads as zeros and is never served again.
  */
 #include <criterion/criterion.h>
 #include <dirent.h>
@@ -29,6 +31,7 @@
 
 #include "common/sec.h"
 #include "kvshard/diskfmt.h"
+#include "kvshard/internal.h" /* kv_store_check */
 #include "kvshard/kvshard.h"
 
 #define L  2
@@ -973,5 +976,66 @@ Test(kvshard_disk, pages_of_the_format_before_sealing_are_sealed_again_at_open)
     }
     closedir(dir);
     cr_assert_eq(sealed, 2, "the older pages were not sealed again");
+    rm_dir(d);
+}
+
+Test(kvshard_disk, a_lazy_attach_leaves_pages_on_disk_and_a_fetch_reads_only_those_asked_for)
+{
+    char *d = mk_dir();
+    kv_config c = {.n_layers = L,
+                   .n_kv_heads = H,
+                   .head_dim = HD,
+                   .page_tokens = PT,
+                   .disk_dir = d,
+                   .promote_selected = 1,
+                   .summaries = 1};
+    c.hot_bytes = 8 * (size_t)PT * HD * 2 * 2 * L * H;
+    kv_store *s;
+    km_errbuf err;
+    cr_assert_eq(kv_store_create(&c, &s, &err), 0, "%s", err.msg);
+    persist(s, 1);
+    int32_t t[2 * PT];
+    km_pagehash h[2];
+    tokens_of(1, t, 2 * PT);
+    chain(t, 2 * PT, h);
+    char hex[33], path[600];
+    km_pagehash_hex(h[1], hex);
+    snprintf(path, sizeof path, "%s/%s.kvp", d, hex);
+    flip_byte(path, 20); /* inside page 1's payload */
+
+    kv_seq *q;
+    cr_assert_eq(kv_seq_create(s, &q), 0);
+    cr_assert_eq(kv_seq_attach(s, q, h, t, 2), 2);
+    cr_assert_eq(kv_seq_cold_pages(q), 2);
+    kv_seq *f;
+    cr_assert_eq(kv_seq_fork(s, q, &f), 0);
+    cr_assert_eq(kv_seq_cold_pages(f), 2, "a fork shares the pages where they are");
+    cr_assert_eq(kv_store_check(s, &err), 0, "%s", err.msg);
+    kv_seq_destroy(s, f);
+    float k[HD], v[HD];
+    cr_assert_eq(kv_seq_read(s, q, 0, 0, 0, k, v), KM_EAGAIN, "page 0 is still on disk");
+    const int want1 = 1;
+    cr_assert_eq(kv_seq_fetch(s, q, 1, &want1, 1), 1);
+    kv_seq_wait_ready(s, q);
+    cr_assert_eq(kv_seq_cold_pages(q), 1, "page 0 was not asked for");
+    cr_assert_eq(kv_seq_read(s, q, 1, 1, PT, k, v), 0);
+    for (int i = 0; i < HD; i++) cr_assert(k[i] == 0.0f && v[i] == 0.0f, "zeros, not its bytes");
+    const int want0 = 0;
+    cr_assert_eq(kv_seq_fetch(s, q, 0, &want0, 1), 1);
+    cr_assert_eq(kv_seq_cold_pages(q), 0);
+    for (int l = 0; l < L; l++) {
+        cr_assert_eq(kv_seq_read(s, q, l, 1, 2, k, v), 0);
+        for (int i = 0; i < HD; i++) cr_assert_eq(k[i], kval(t[2], l, 1, i));
+    }
+    kv_store_stats st;
+    kv_store_stats_get(s, &st);
+    cr_assert_eq(st.corrupt_pages, 1);
+    cr_assert_eq(st.promoted_pages[KV_PROMOTE_READ], 2);
+    cr_assert_eq(st.promoted_pages[KV_PROMOTE_PREFIX], 0);
+    cr_assert_eq(kv_store_check(s, &err), 0, "%s", err.msg);
+    kv_seq_destroy(s, q);
+    cr_assert_eq(served(s, 1), 1, "the page that failed is never served");
+    cr_assert_eq(kv_store_check(s, &err), 0, "%s", err.msg);
+    kv_store_destroy(s);
     rm_dir(d);
 }
