@@ -45,16 +45,6 @@ static bool token_lp(const rt_rq *q, int32_t token, rt_oai_lp *lp)
     return true;
 }
 
-void rt_front_http_prompt_logprob(rt_rq *q, const km_msg_token *t)
-{
-    if (!t->has_logprob || t->index != q->plp.len / sizeof(rt_oai_lp) + 1) return;
-    rt_oai_lp lp = {.token = t->token, .logprob = t->logprob};
-    lp.n_top = t->n_top < q->q.top_logprobs ? t->n_top : q->q.top_logprobs;
-    if (lp.n_top > RT_OAI_MAX_TOP) lp.n_top = RT_OAI_MAX_TOP;
-    memcpy(lp.top, t->top, sizeof *lp.top * lp.n_top);
-    km_buf_append(&q->plp, &lp, sizeof lp);
-}
-
 /* echo with logprobs: the prompt's entries (the first without one: null, as OpenAI's) then
  * lp[0, n), in a new array of *n_all entries; NULL when out of memory. */
 static rt_oai_lp *echo_lps(const rt_rq *q, const rt_oai_lp *lp, int n, int *n_all)

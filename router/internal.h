@@ -547,8 +547,5 @@ int rt_pd_metrics(rt_router *r, km_errbuf *err);
 int rt_front_start(rt_router *r, km_errbuf *err);
 /* The HTTP front's replies: SSE chunks for a stream, else one JSON body (openai.h). */
 extern const rt_front_ops rt_front_http;
-/* A prompt token's logprob from its worker (req.prompt_logprobs: echo with logprobs), kept in
- * q->plp; repeats (a migrated request's prompt reported again) are dropped. */
-void rt_front_http_prompt_logprob(rt_rq *q, const km_msg_token *t);
 
 #endif /* RT_INTERNAL_H */

@@ -117,12 +117,25 @@ void rt_migrate_all(rt_router *r, rt_wk *w, const char *why, bool cancel)
 
 /* ---------------------------------------------------------------- worker frames */
 
+/* A prompt token's logprob from its worker (req.prompt_logprobs: echo with logprobs), kept in
+ * q->plp for the front's echo (front.c); repeats (a migrated request's prompt reported again)
+ * are dropped. */
+static void prompt_logprob(rt_rq *q, const km_msg_token *t)
+{
+    if (!t->has_logprob || t->index != q->plp.len / sizeof(rt_oai_lp) + 1) return;
+    rt_oai_lp lp = {.token = t->token, .logprob = t->logprob};
+    lp.n_top = t->n_top < q->q.top_logprobs ? t->n_top : q->q.top_logprobs;
+    if (lp.n_top > RT_OAI_MAX_TOP) lp.n_top = RT_OAI_MAX_TOP;
+    memcpy(lp.top, t->top, sizeof *lp.top * lp.n_top);
+    km_buf_append(&q->plp, &lp, sizeof lp);
+}
+
 void rt_relay_token(rt_router *r, rt_wk *w, const km_msg_token *t)
 {
     rt_rq *q = rt_rq_find(r, t->id);
     if (!q || q->worker != w->idx) return; /* canceled, or a frame from an earlier attempt */
     if (t->prompt) {                       /* a prompt token's logprob: echo (front.c) */
-        if (q->q.prompt_logprobs) rt_front_http_prompt_logprob(q, t);
+        if (q->q.prompt_logprobs) prompt_logprob(q, t);
         return;
     }
     if ((int)t->index != q->att_next) return; /* a repeat (never out of order from a worker) */
