@@ -107,10 +107,10 @@ static void group_done(rt_router *r, rt_rq *q, const rt_rq_done *d)
     /* a reply that may be a call was read whole (http_token): each choice its own call */
     char cid[64];
     snprintf(cid, sizeof cid, "%s_%d", q->oai_id, q->choice);
-    json_t *calls =
-        q->tool_names && q->text.len
-            ? rt_oai_tool_calls((const char *)q->text.data, q->text.len, q->tool_names, cid)
-            : NULL;
+    json_t *calls = q->tool_names && q->text.len
+                        ? rt_oai_tool_calls((const char *)q->text.data, q->text.len, q->tool_names,
+                                            q->tool_several, cid)
+                        : NULL;
     if (g->stream) {
         stream_begin(r, q);
         rt_rq_oai_meta(r, q, &m, NULL);
@@ -173,10 +173,10 @@ static void http_done(rt_router *r, rt_rq *q, const rt_rq_done *d)
                       .draft_tokens = q->draft_tokens,
                       .accepted_draft_tokens = q->accepted_draft_tokens};
     km_buf b = {0};
-    json_t *calls =
-        q->tool_names && q->text.len
-            ? rt_oai_tool_calls((const char *)q->text.data, q->text.len, q->tool_names, q->oai_id)
-            : NULL;
+    json_t *calls = q->tool_names && q->text.len
+                        ? rt_oai_tool_calls((const char *)q->text.data, q->text.len, q->tool_names,
+                                            q->tool_several, q->oai_id)
+                        : NULL;
     if (calls && q->http_stream) {
         stream_begin(r, q);
         km_buf one = {0};
@@ -754,6 +754,7 @@ static int rq_from_oai(rt_rq *q, const rt_oai_req *oq)
     q->q.prompt_logprobs = oq->echo && oq->logprobs; /* OpenAI's echo: the prompt's too */
     if (oq->grammar && !(q->grammar = strdup(oq->grammar))) return KM_ENOMEM;
     if (oq->tool_names && !(q->tool_names = strdup(oq->tool_names))) return KM_ENOMEM;
+    q->tool_several = oq->tool_several;
     q->max_tokens = oq->max_tokens;
     if (oq->n_logit_bias) {
         if (!(q->bias = malloc(sizeof *q->bias * (size_t)oq->n_logit_bias))) return KM_ENOMEM;

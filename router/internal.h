@@ -87,9 +87,10 @@ struct rt_rq {
     bool echo;  /* HTTP completions: the prompt's text goes first */
     char *echo_text;
     size_t echo_len;
-    char *grammar;    /* the JSON Schema the output is held to (response_format) */
-    char *tool_names; /* the functions the reply may call (rt_oai_req.tool_names) */
-    int32_t *tokens;  /* prompt, then every generated token */
+    char *grammar;     /* the JSON Schema the output is held to (response_format) */
+    char *tool_names;  /* the functions the reply may call (rt_oai_req.tool_names) */
+    bool tool_several; /* rt_oai_req.tool_several */
+    int32_t *tokens;   /* prompt, then every generated token */
     int n_prompt, n_gen, cap;
     uint32_t max_tokens;
     bool client_stream;

@@ -57,8 +57,8 @@ typedef struct rt_oai_req {
     km_speculate speculate;    /* extension "speculate": "auto" or "off" (docs/speculative.md) */
     uint32_t max_draft_tokens; /* extension "max_draft_tokens"; 0: the worker's */
     char *grammar; /* response_format json_object/json_schema: the JSON Schema text; NULL: free */
-    char *tool_names; /* tools the reply may call, each name then '\n', after a first line "[]"
-                       * when the reply may be several calls; NULL: no tools */
+    char *tool_names;  /* tools the reply may call, each name then '\n'; NULL: no tools */
+    bool tool_several; /* the reply may be an array of calls (parallel_tool_calls) */
 } rt_oai_req;
 
 typedef struct rt_oai_err {
@@ -173,10 +173,11 @@ void rt_oai_err_from_code(int code, const char *message, rt_oai_err *e);
 const char *rt_oai_finish(km_finish f);
 
 /* The tool_calls array (a new reference) when text is a call {"name", "arguments"} of one of
- * names, or (names starting with the line "[]") an array of 1 to RT_OAI_MAX_CALLS such calls;
- * NULL otherwise. id: the response's, which the calls' ids are made from. */
+ * names, or (several) an array of 1 to RT_OAI_MAX_CALLS such calls; NULL otherwise. id: the
+ * response's, which the calls' ids are made from. */
 #define RT_OAI_MAX_CALLS 8
-struct json_t *rt_oai_tool_calls(const char *text, size_t len, const char *names, const char *id);
+struct json_t *rt_oai_tool_calls(const char *text, size_t len, const char *names, bool several,
+                                 const char *id);
 /* A response object made by rt_oai_response (sse 0; finish_reason tool_calls) or an SSE chunk
  * made by rt_oai_sse_chunk (sse 1) with the calls put in: message.content null and
  * message.tool_calls, or delta.tool_calls; appended to out. */

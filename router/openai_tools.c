@@ -417,7 +417,7 @@ int rt_oai_tools(struct json_t *body, rt_oai_req *r, rt_oai_err *e)
     }
     if (!strcmp(mode, "none")) return 0;
     km_buf names = {0};
-    if (several_ok) km_buf_printf(&names, "[]\n");
+    r->tool_several = several_ok;
     size_t i;
     json_t *t;
     json_array_foreach(tools, i, t)
@@ -459,10 +459,10 @@ static json_t *one_call(json_t *v, const char *names, const char *id, size_t k)
     return c;
 }
 
-json_t *rt_oai_tool_calls(const char *text, size_t len, const char *names, const char *id)
+json_t *rt_oai_tool_calls(const char *text, size_t len, const char *names, bool several,
+                          const char *id)
 {
     json_t *v = json_loadb(text, len, 0, NULL), *calls = json_array(), *c;
-    bool several = !strncmp(names, "[]\n", 3);
     if (json_is_object(v)) {
         json_array_append_new(calls, one_call(v, names, id, 0));
     } else if (several && json_is_array(v) && json_array_size(v) >= 1 &&

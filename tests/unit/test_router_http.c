@@ -245,7 +245,8 @@ Test(router_openai, tools_are_told_to_the_model_and_a_forced_call_is_a_grammar)
              "\"required\"}",
              fn);
     cr_assert_eq(rt_oai_parse(body, strlen(body), true, &r, &e), 0, "%s", e.message);
-    cr_assert_str_eq(r.tool_names, "[]\nget_w\n"); /* parallel_tool_calls by default */
+    cr_assert_str_eq(r.tool_names, "get_w\n");
+    cr_assert(r.tool_several); /* parallel_tool_calls by default */
     cr_assert_str_eq(r.grammar, "{\"type\":\"object\",\"properties\":{\"name\":{\"enum\":"
                                 "[\"get_w\"]},\"arguments\":{\"type\":\"object\",\"properties\":"
                                 "{\"city\":{\"type\":\"string\"}}}},\"required\":[\"name\","
@@ -263,7 +264,7 @@ Test(router_openai, tools_are_told_to_the_model_and_a_forced_call_is_a_grammar)
     cr_assert_null(r.grammar);
     rt_oai_req_free(&r);
     const char *out = "{\"name\":\"get_w\",\"arguments\":{\"city\":\"L\"}}";
-    json_t *calls = rt_oai_tool_calls(out, strlen(out), "get_w\n", "x1");
+    json_t *calls = rt_oai_tool_calls(out, strlen(out), "get_w\n", false, "x1");
     cr_assert_not_null(calls);
     char *s = json_dumps(calls, JSON_COMPACT);
     cr_assert_str_eq(s, "[{\"id\":\"call_x1_0\",\"type\":\"function\",\"function\":{\"name\":"
@@ -271,21 +272,21 @@ Test(router_openai, tools_are_told_to_the_model_and_a_forced_call_is_a_grammar)
     free(s);
     json_decref(calls);
     out = "{\"name\":\"get\",\"arguments\":{}}"; /* a prefix of a name is not the name */
-    cr_assert_null(rt_oai_tool_calls(out, strlen(out), "get_w\n", "x"));
-    cr_assert_null(rt_oai_tool_calls("hello", 5, "get_w\n", "x"));
+    cr_assert_null(rt_oai_tool_calls(out, strlen(out), "get_w\n", false, "x"));
+    cr_assert_null(rt_oai_tool_calls("hello", 5, "get_w\n", false, "x"));
 
     /* several calls: an array, when parallel_tool_calls is not false; all calls or none */
     out = "[{\"name\":\"get_w\",\"arguments\":{\"city\":\"L\"}},"
           "{\"name\":\"get_w\",\"arguments\":{\"city\":\"P\"}}]";
-    calls = rt_oai_tool_calls(out, strlen(out), "[]\nget_w\n", "x2");
+    calls = rt_oai_tool_calls(out, strlen(out), "get_w\n", true, "x2");
     cr_assert_eq(json_array_size(calls), 2);
     cr_assert_str_eq(json_string_value(json_object_get(json_array_get(calls, 1), "id")),
                      "call_x2_1");
     json_decref(calls);
-    cr_assert_null(rt_oai_tool_calls(out, strlen(out), "get_w\n", "x"), "parallel off");
+    cr_assert_null(rt_oai_tool_calls(out, strlen(out), "get_w\n", false, "x"), "parallel off");
     out = "[{\"name\":\"get_w\",\"arguments\":{}},{\"name\":\"nope\",\"arguments\":{}}]";
-    cr_assert_null(rt_oai_tool_calls(out, strlen(out), "[]\nget_w\n", "x"));
-    cr_assert_null(rt_oai_tool_calls("[]", 2, "[]\nget_w\n", "x"));
+    cr_assert_null(rt_oai_tool_calls(out, strlen(out), "get_w\n", true, "x"));
+    cr_assert_null(rt_oai_tool_calls("[]", 2, "get_w\n", true, "x"));
 }
 
 Test(router_openai, parallel_tool_calls_true_tells_the_model_and_forces_an_array)
