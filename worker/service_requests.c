@@ -101,6 +101,33 @@ static size_t wk_stop_holdback(const wk_sreq *r)
     return best;
 }
 
+/* A tok frame to the router: a generated token (prompt false) or a prompt token's
+ * log-probability (prompt true); lp NULL when the request asked for none. */
+static void wk_send_tok(wk_service *s, wk_sreq *r, int index, int32_t token, const char *text,
+                        size_t text_len, bool prompt, const en_logprobs *lp)
+{
+    km_msg m;
+    km_msg_init(&m, KM_MSG_TOKEN);
+    m.tok.id = r->id;
+    m.tok.index = (uint32_t)index;
+    m.tok.token = token;
+    m.tok.text = text_len ? text : ""; /* the encoder reads text_len 0 as strlen(text) */
+    m.tok.text_len = text_len;
+    m.tok.prompt = prompt;
+    if (lp) { /* -9999: OpenAI's stand-in for a probability of zero (msgpack takes -inf, JSON
+               * does not) */
+        m.tok.has_logprob = true;
+        m.tok.logprob = lp->logprob > -9999.0f ? lp->logprob : -9999.0f;
+        m.tok.top = (const km_token_value *)lp->top;
+        m.tok.n_top = (uint32_t)lp->n_top;
+    }
+    if (!km_msg_encode(&m, &s->lim, &s->out, NULL)) {
+        km_zframe env[WK_ENV_MAX];
+        int n = wk_sreq_env(r, env);
+        wk_svc_send(s, s->router, env, n, &s->out);
+    }
+}
+
 static int wk_on_token(void *ctx, void *user, int index, int32_t token)
 {
     wk_service *s = ctx;
@@ -131,54 +158,16 @@ static int wk_on_token(void *ctx, void *user, int index, int32_t token)
             r->sent = safe;
         }
     }
-    if (!out_len) out = ""; /* the encoder reads text_len 0 as strlen(text); piece is no string */
-    if (r->stream) {        /* every token goes out, the one completing a stop string too */
-        km_msg m;
-        km_msg_init(&m, KM_MSG_TOKEN);
-        m.tok.id = r->id;
-        m.tok.index = (uint32_t)index;
-        m.tok.token = token;
-        m.tok.text = out;
-        m.tok.text_len = out_len;
-        const en_logprobs *lp = en_sched_logprobs(s->sched);
-        if (lp) { /* -9999: OpenAI's stand-in for a probability of zero (msgpack takes -inf,
-                   * JSON does not) */
-            m.tok.has_logprob = true;
-            m.tok.logprob = lp->logprob > -9999.0f ? lp->logprob : -9999.0f;
-            m.tok.top = (const km_token_value *)lp->top;
-            m.tok.n_top = (uint32_t)lp->n_top;
-        }
-        if (!km_msg_encode(&m, &s->lim, &s->out, NULL)) {
-            km_zframe env[WK_ENV_MAX];
-            int n = wk_sreq_env(r, env);
-            wk_svc_send(s, s->router, env, n, &s->out);
-        }
-    }
+    if (r->stream) /* every token goes out, the one completing a stop string too */
+        wk_send_tok(s, r, index, token, out, out_len, false, en_sched_logprobs(s->sched));
     return stop;
 }
 
 /* A prompt token's log-probability (req.prompt_logprobs): a tok frame with prompt set. */
 static void wk_on_prompt_logprob(void *ctx, void *user, int pos, const en_logprobs *lp)
 {
-    wk_service *s = ctx;
     wk_sreq *r = user;
-    if (!r->stream) return; /* as wk_on_token: only streams carry tok frames */
-    km_msg m;
-    km_msg_init(&m, KM_MSG_TOKEN);
-    m.tok.id = r->id;
-    m.tok.index = (uint32_t)pos;
-    m.tok.token = lp->token;
-    m.tok.text = "";
-    m.tok.prompt = true;
-    m.tok.has_logprob = true;
-    m.tok.logprob = lp->logprob > -9999.0f ? lp->logprob : -9999.0f;
-    m.tok.top = (const km_token_value *)lp->top;
-    m.tok.n_top = (uint32_t)lp->n_top;
-    if (!km_msg_encode(&m, &s->lim, &s->out, NULL)) {
-        km_zframe env[WK_ENV_MAX];
-        int n = wk_sreq_env(r, env);
-        wk_svc_send(s, s->router, env, n, &s->out);
-    }
+    if (r->stream) wk_send_tok(ctx, r, pos, lp->token, "", 0, true, lp); /* as wk_on_token */
 }
 
 static void wk_on_done(void *ctx, void *user, km_finish finish, const en_sched_usage *u)
