@@ -298,8 +298,9 @@ moe-model: ## the MoE test models (models/*MoE*.gguf: llama, qwen2moe, granitemo
 # start UCX threads, and with two at once Criterion's own runner leaks 48 bytes that
 # LeakSanitizer reports under SAN=1 (the tests themselves are clean).
 unit-tests: $(UNIT_BIN) $(if $(filter 1,$(CUDA)),$(if $(filter 00,$(SAN)$(TSAN)),$(GPU_TESTS))) ## every Criterion unit test (tests/unit), and the GPU tests where nvcc built them (they skip, saying why, without a GPU)
-	@set -e; echo "== UCX: $(UCX_DESC)"; for t in $(UNIT_BIN); do echo "== $$t"; \
-	  case $$t in */test_xfer_pe*|*/test_xfer_pr*) $$t --jobs 1;; *) $$t --jobs 2;; esac; done
+	@set -e; echo "== UCX: $(UCX_DESC)"; for t in $(UNIT_BIN); do echo "== $$t"; s=$$(date +%s); \
+	  case $$t in */test_xfer_pe*|*/test_xfer_pr*) $$t --jobs 1;; *) $$t --jobs 2;; esac; \
+	  echo "   $$t: $$(( $$(date +%s) - s )) s"; done
 	@set -e; for t in $(if $(filter 1,$(CUDA)),$(if $(filter 00,$(SAN)$(TSAN)),$(GPU_TESTS))); do echo "== $$t"; $$t; done
 
 unit-tests-san: ## the unit tests under AddressSanitizer and UBSan (build/san)
@@ -330,19 +331,21 @@ tsan-run: $(addprefix $(TESTBIN)/,$(TSAN_TESTS)) $(BIN)/kvmesh-worker ## (with T
 	@KVMESH_IT_WORKER=$(BIN)/kvmesh-worker $(TSAN_ENV) \
 	  build/tests/integration/test_worker --jobs 1 --filter '$(TSAN_HB_TEST)'
 
+# Each phase says how long it took, so that the 25-minute budget of `make test` can be kept.
+timed = s=$$(date +%s); $(MAKE) --no-print-directory $(1) && echo "== make test: $(1) took $$(( $$(date +%s) - s )) s"
 test: deps ## the gate (`bash .ci/run`): lint, check-rules, build, layers, unit tests plain/ASan/TSan, fuzz, integration (plain, and test_security on ASan daemons), chaos-short
-	@$(MAKE) --no-print-directory lint
-	@$(MAKE) --no-print-directory check-rules
-	@$(MAKE) --no-print-directory build
-	@$(MAKE) --no-print-directory check-layers
-	@$(MAKE) --no-print-directory check-prefetch
-	@$(MAKE) --no-print-directory unit-tests
-	@$(MAKE) --no-print-directory unit-tests-san
-	@$(MAKE) --no-print-directory unit-tests-tsan
-	@$(MAKE) --no-print-directory fuzz-run
-	@$(MAKE) --no-print-directory integration
-	@$(MAKE) --no-print-directory integration-san
-	@$(MAKE) --no-print-directory chaos-short
+	@$(call timed,lint)
+	@$(call timed,check-rules)
+	@$(call timed,build)
+	@$(call timed,check-layers)
+	@$(call timed,check-prefetch)
+	@$(call timed,unit-tests)
+	@$(call timed,unit-tests-san)
+	@$(call timed,unit-tests-tsan)
+	@$(call timed,fuzz-run)
+	@$(call timed,integration)
+	@$(call timed,integration-san)
+	@$(call timed,chaos-short)
 	@echo "make test: all suites passed"
 
 # kvshard's files are layers whose calls go one way (docs/kvshard.md, "Layers"): read from the
@@ -369,7 +372,8 @@ $(TESTBIN)/integration/%: $(OBJ)/tests/integration/%.o $(IT_HARNESS) $(ALL_LIBS)
 # test_pageplane attacks a worker's UCX port with a libucp client of its own.
 $(TESTBIN)/integration/test_pageplane: LDLIBS += $(UCX_LIBS)
 integration: build $(IT_BIN) ## multi-process suites: real daemons on 127.0.0.1
-	@set -e; for t in $(IT_BIN); do echo "== $$t"; $$t --jobs 1; done
+	@set -e; for t in $(IT_BIN); do echo "== $$t"; s=$$(date +%s); $$t --jobs 1; \
+	  echo "   $$t: $$(( $$(date +%s) - s )) s"; done
 
 # The official OpenAI Python SDK for tests/openai_sdk.py, which the integration suite test_openai
 # runs (unchanged SDK against a real router) when this venv or a python3 with the package exists.
