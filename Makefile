@@ -429,7 +429,7 @@ build/fuzz/fuzz_oai: tests/fuzz/fuzz_oai.c router/openai.c router/openai_tools.c
 # The grammar engine's readers and compilers (fuzz_grammar: schemas; fuzz_gbnf: GBNF grammars and
 # regexes) need engine/grammar*.c.
 GRAMMAR_SRC := $(wildcard engine/grammar*.c)
-build/fuzz/fuzz_grammar build/fuzz/fuzz_gbnf: build/fuzz/%: tests/fuzz/%.c $(GRAMMAR_SRC) $(FUZZ_LIB_SRC) engine/engine.h engine/grammar_internal.h
+build/fuzz/fuzz_grammar build/fuzz/fuzz_gbnf: build/fuzz/%: tests/fuzz/%.c $(GRAMMAR_SRC) $(FUZZ_LIB_SRC) engine/engine.h engine/grammar_internal.h tests/fuzz/grammar_feed.h
 	@mkdir -p $(dir $@)
 	clang -std=gnu11 -g -O1 -I. -fsanitize=fuzzer,address,undefined $< $(GRAMMAR_SRC) $(FUZZ_LIB_SRC) -o $@ $(LDLIBS)
 

@@ -12,7 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine/engine.h"
+#include "tests/fuzz/grammar_feed.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
@@ -25,23 +25,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (!src) return 0;
     memcpy(src, head, h);
     memcpy(src + h, data, n);
-    en_grammar *g = NULL;
-    km_errbuf err = {{0}};
-    int rc = en_grammar_compile(src, h + n, &g, &err);
+    fz_grammar_feed(src, h + n, nul ? nul + 1 : data, nul ? size - n - 1 : 0);
     free(src);
-    if (rc) {
-        if (g || !err.msg[0]) abort();
-        return 0;
-    }
-    en_grammar_matcher *m;
-    if (en_grammar_matcher_create(g, NULL, &m) == 0) {
-        for (size_t i = n + 1; nul && i < size; i++) {
-            if (en_grammar_accept_bytes(m, (const char *)data + i, 1) == 0) continue;
-            if (en_grammar_accept_bytes(m, (const char *)data + i, 1) == 0) abort();
-        }
-        if (en_grammar_done(m) && !en_grammar_complete(m)) abort();
-        en_grammar_matcher_destroy(m);
-    }
-    en_grammar_free(g);
     return 0;
 }

@@ -12,27 +12,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine/engine.h"
+#include "tests/fuzz/grammar_feed.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     const uint8_t *nul = memchr(data, 0, size);
     size_t n = nul ? (size_t)(nul - data) : size;
-    en_grammar *g = NULL;
-    km_errbuf err = {{0}};
-    if (en_grammar_compile((const char *)data, n, &g, &err)) {
-        if (g || !err.msg[0]) abort();
-        return 0;
-    }
-    en_grammar_matcher *m;
-    if (en_grammar_matcher_create(g, NULL, &m) == 0) {
-        for (size_t i = n + 1; nul && i < size; i++) {
-            if (en_grammar_accept_bytes(m, (const char *)data + i, 1) == 0) continue;
-            if (en_grammar_accept_bytes(m, (const char *)data + i, 1) == 0) abort();
-        }
-        if (en_grammar_done(m) && !en_grammar_complete(m)) abort();
-        en_grammar_matcher_destroy(m);
-    }
-    en_grammar_free(g);
+    fz_grammar_feed((const char *)data, n, nul ? nul + 1 : data, nul ? size - n - 1 : 0);
     return 0;
 }

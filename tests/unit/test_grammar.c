@@ -10,30 +10,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#define SMOLLM2 "models/SmolLM2-135M-Instruct.Q4_1.gguf"
-
-static en_grammar *compile_ok(const char *schema)
-{
-    en_grammar *g = NULL;
-    km_errbuf e = {{0}};
-    cr_assert_eq(en_grammar_compile(schema, strlen(schema), &g, &e), 0, "%s: %s", schema, e.msg);
-    return g;
-}
-
-/* A matcher without a vocabulary's trie use: only bytes are fed. */
-static en_grammar_vocab *g_vocab;
-static md_gguf *g_gguf;
-static md_tokenizer *g_tok;
-
-static void load_vocab(void)
-{
-    if (g_vocab) return;
-    if (access(SMOLLM2, R_OK) != 0) cr_skip_test("%s absent (make deps)", SMOLLM2);
-    km_errbuf e = {{0}};
-    cr_assert_eq(md_gguf_open(SMOLLM2, &g_gguf, &e), 0, "%s", e.msg);
-    cr_assert_eq(md_tok_create(g_gguf, &g_tok, &e), 0, "%s", e.msg);
-    cr_assert_eq(en_grammar_vocab_create(g_tok, &g_vocab), 0);
-}
+#include "tests/unit/grammar_fixture.h"
 
 /* Whether text is a whole value of the schema (1), a valid prefix only (0), or refused (-1). */
 static int judge(const char *schema, const char *text)
@@ -120,15 +97,6 @@ Test(grammar, schema_accepts_and_refuses)
     cr_expect_eq(judge("{\"type\":\"object\"}", many), -1);
 }
 
-static void refused(const char *schema, const char *needle)
-{
-    en_grammar *g = NULL;
-    km_errbuf e = {{0}};
-    cr_expect_lt(en_grammar_compile(schema, strlen(schema), &g, &e), 0, "%s", schema);
-    cr_expect(strstr(e.msg, needle) != NULL, "%s: '%s' lacks '%s'", schema, e.msg, needle);
-    cr_expect_null(g);
-}
-
 Test(grammar, unsupported_schemas_are_named)
 {
     refused("{\"type\":\"string\",\"pattern\":\"(?=a)b\"}", "lookarounds");
@@ -145,36 +113,6 @@ Test(grammar, unsupported_schemas_are_named)
             "\"$ref\":\"#/$defs/T\"}",
             "recursive");
     refused("{\"enum\":[{\"a\":1}]}", "enum");
-}
-
-/* The mask after prefix equals, token for token, what feeding each token's bytes allows. */
-static void mask_matches(const char *schema, const char *prefix)
-{
-    load_vocab();
-    en_grammar *g = compile_ok(schema);
-    en_grammar_matcher *m;
-    cr_assert_eq(en_grammar_matcher_create(g, g_vocab, &m), 0);
-    cr_assert_eq(en_grammar_accept_bytes(m, prefix, strlen(prefix)), 0, "%s", prefix);
-    int n = md_tok_n_vocab(g_tok), allowed = 0;
-    uint32_t *bits = calloc((size_t)(n + 31) / 32, 4);
-    for (int pass = 0; pass < 2; pass++) { /* the second from the cache */
-        en_grammar_mask(m, bits);
-        allowed = 0;
-        for (int id = 0; id < n; id++) {
-            en_grammar_matcher *t;
-            cr_assert_eq(en_grammar_matcher_create(g, g_vocab, &t), 0);
-            en_grammar_accept_bytes(t, prefix, strlen(prefix));
-            int ok = en_grammar_accept_token(t, id) == 0, got = bits[id >> 5] >> (id & 31) & 1;
-            en_grammar_matcher_destroy(t);
-            allowed += got;
-            cr_assert_eq(got, ok, "%s after '%s': token %d mask %d, bytes %d", schema, prefix, id,
-                         got, ok);
-        }
-    }
-    cr_expect_gt(allowed, 0);
-    free(bits);
-    en_grammar_matcher_destroy(m);
-    en_grammar_free(g);
 }
 
 Test(grammar, mask_is_exactly_the_valid_tokens, .timeout = 600)

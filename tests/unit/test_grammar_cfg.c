@@ -11,29 +11,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#define SMOLLM2 "models/SmolLM2-135M-Instruct.Q4_1.gguf"
-
-static en_grammar_vocab *g_vocab;
-static md_gguf *g_gguf;
-static md_tokenizer *g_tok;
-
-static void load_vocab(void)
-{
-    if (g_vocab) return;
-    if (access(SMOLLM2, R_OK) != 0) cr_skip_test("%s absent (make deps)", SMOLLM2);
-    km_errbuf e = {{0}};
-    cr_assert_eq(md_gguf_open(SMOLLM2, &g_gguf, &e), 0, "%s", e.msg);
-    cr_assert_eq(md_tok_create(g_gguf, &g_tok, &e), 0, "%s", e.msg);
-    cr_assert_eq(en_grammar_vocab_create(g_tok, &g_vocab), 0);
-}
-
-static en_grammar *compile_ok(const char *src)
-{
-    en_grammar *g = NULL;
-    km_errbuf e = {{0}};
-    cr_assert_eq(en_grammar_compile(src, strlen(src), &g, &e), 0, "%s: %s", src, e.msg);
-    return g;
-}
+#include "tests/unit/grammar_fixture.h"
 
 /* Whether text is a whole output of the grammar (1), a valid prefix only (0), or refused (-1);
  * 2: whole, and nothing may follow. Bytes only, no vocabulary. */
@@ -104,15 +82,6 @@ Test(grammar_cfg, regex_accepts_and_refuses)
     cr_expect_eq(judge("%regex\nx{0,2}y", "xxx"), -1);
 }
 
-static void refused(const char *src, const char *needle)
-{
-    en_grammar *g = NULL;
-    km_errbuf e = {{0}};
-    cr_expect_lt(en_grammar_compile(src, strlen(src), &g, &e), 0, "%s", src);
-    cr_expect(strstr(e.msg, needle) != NULL, "%s: '%s' lacks '%s'", src, e.msg, needle);
-    cr_expect_null(g);
-}
-
 Test(grammar_cfg, bad_grammars_are_explained)
 {
     refused("%gbnf\nroot ::= a\na ::= a \"x\" | \"y\"\n", "left recursion through rule 'a'");
@@ -137,39 +106,6 @@ Test(grammar_cfg, bad_grammars_are_explained)
 }
 
 /* The mask after prefix equals, token for token, what feeding each token's bytes allows. */
-static void mask_matches(const char *src, const char *prefix)
-{
-    load_vocab();
-    en_grammar *g = compile_ok(src);
-    en_grammar_matcher *m;
-    cr_assert_eq(en_grammar_matcher_create(g, g_vocab, &m), 0);
-    cr_assert_eq(en_grammar_accept_bytes(m, prefix, strlen(prefix)), 0, "%s", prefix);
-    int n = md_tok_n_vocab(g_tok), allowed = 0;
-    uint32_t *bits = calloc((size_t)(n + 31) / 32, 4);
-    en_grammar_matcher *t;
-    cr_assert_eq(en_grammar_matcher_create(g, g_vocab, &t), 0);
-    cr_assert_eq(en_grammar_accept_bytes(t, prefix, strlen(prefix)), 0);
-    for (int pass = 0; pass < 2; pass++) { /* the second from the cache */
-        en_grammar_mask(m, bits);
-        allowed = 0;
-        for (int id = 0; id < n; id++) {
-            /* t stays at the prefix: a token accepted is undone by a fresh copy */
-            en_grammar_matcher *u;
-            cr_assert_eq(en_grammar_matcher_create(g, g_vocab, &u), 0);
-            en_grammar_accept_bytes(u, prefix, strlen(prefix));
-            int ok = en_grammar_accept_token(u, id) == 0, got = bits[id >> 5] >> (id & 31) & 1;
-            en_grammar_matcher_destroy(u);
-            allowed += got;
-            cr_assert_eq(got, ok, "%s after '%s': token %d mask %d, bytes %d", src, prefix, id, got,
-                         ok);
-        }
-    }
-    cr_expect_gt(allowed, 0);
-    free(bits);
-    en_grammar_matcher_destroy(t);
-    en_grammar_matcher_destroy(m);
-    en_grammar_free(g);
-}
 
 Test(grammar_cfg, mask_is_exactly_the_valid_tokens, .timeout = 600)
 {
