@@ -2,7 +2,9 @@
  * controller.h — kvmesh-controller: membership, health and the three-level recovery of a kvmesh
  * cluster (DESIGN.md "Recovery (controller)"). Workers send it heartbeats; it publishes the
  * cluster view that routers follow and sends workers recovery commands when their memory runs
- * out, they stall or they fail in bursts. Operation and the policy in words: docs/controller.md.
+ * out, they stall or they fail in bursts, and moves workers between the prefill and decode
+ * pools as the load asks (roles.c, docs/disaggregation.md "Roles follow the load"). Operation
+ * and the policy in words: docs/controller.md.
  *
  * Contract:
  *  - The controller keeps no state that heartbeats cannot rebuild. Everything it knows about a
