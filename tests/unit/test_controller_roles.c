@@ -3,7 +3,8 @@
  * missed pool borrows a worker from one with room only after the window, never the other pool's
  * last worker nor one that changed role within the hold; the lent worker goes back when both
  * pools are calm for a window; idle members' old quantiles do not count; one change at a time;
- * an operator's role becomes the member's own; off moves nothing.
+ * an operator's role becomes the member's own; off moves nothing; the policy hands on each
+ * member's role, load and p90s from its heartbeat.
  */
 #include <criterion/criterion.h>
 #include <string.h>
@@ -181,4 +182,37 @@ Test(controller_roles, off_moves_nothing_and_missing_members_are_forgotten)
     cr_assert_eq(run(0, 20000, &ch, NULL), 0);
     cr_assert_eq(ctl_roles_step(roles, w, 0, 20250, &ch), 0, "no members: nothing to do");
     cr_assert_eq(ctl_roles_done(roles, 1ull << 62, true), KM_ENOTFOUND);
+}
+
+Test(controller_roles, the_policy_gives_each_members_role_load_and_p90s_from_its_heartbeat)
+{
+    ctl_policy_cfg pc;
+    ctl_policy_cfg_default(&pc);
+    ctl_policy *p = NULL;
+    cr_assert_eq(ctl_policy_create(&pc, 4, &p), 0);
+    const km_latency_q lat[3] = {{.q = 0.5, .ttft_ms = 100, .tpot_ms = 10},
+                                 {.q = 0.9, .ttft_ms = 900, .tpot_ms = 90},
+                                 {.q = 0.99, .ttft_ms = 2000, .tpot_ms = 200}};
+    km_msg_heartbeat hb = {.worker = "w7",
+                           .seq = 1,
+                           .uptime_ms = 10,
+                           .state = KM_STATE_READY,
+                           .running = 3,
+                           .queue_depth = 2,
+                           .latency = lat,
+                           .n_latency = 3,
+                           .role = KM_WROLE_PREFILL};
+    ctl_action act;
+    cr_assert_eq(ctl_policy_heartbeat(p, &hb, 1000, &act), 0);
+    ctl_role_load l;
+    cr_assert_eq(ctl_policy_role_load(p, 0, &l), 0);
+    cr_assert_str_eq(l.worker, "w7");
+    cr_assert(l.ready);
+    cr_assert_eq(l.role, KM_WROLE_PREFILL);
+    cr_assert_eq(l.running, 3);
+    cr_assert_eq(l.queue_depth, 2);
+    cr_assert_float_eq(l.ttft_ms, 900, 1e-9);
+    cr_assert_float_eq(l.itl_ms, 90, 1e-9);
+    cr_assert_eq(ctl_policy_role_load(p, 1, &l), KM_ENOTFOUND);
+    ctl_policy_destroy(p);
 }
