@@ -167,7 +167,7 @@ typedef enum km_admin_cmd {
     KM_ADMIN_PRESSURE,      /* "pressure": chaos/test only: the worker pins `fraction` of its
                              * hot-tier budget in ballast pages (0 releases them); refused unless
                              * the worker runs with --chaos */
-    KM_ADMIN_SET_ROLE, /* "set_role": operator -> worker: take `role` (docs/disaggregation.md) */
+    KM_ADMIN_SET_ROLE,      /* "set_role": operator or controller -> worker: take `role` */
     KM_ADMIN_CMD_COUNT
 } km_admin_cmd;
 

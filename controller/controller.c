@@ -57,6 +57,8 @@ struct ctl_controller {
     km_admin *admin;
     km_metrics *reg;
     ctl_policy *pol;
+    ctl_roles *roles;
+    ctl_role_load *loads; /* [KM_PROTO_MAX_VIEW_WORKERS]: ctl_roles_step's input */
     volatile sig_atomic_t stop;
     volatile int running;
     char ep_listen[256], ep_view[256];
@@ -75,7 +77,7 @@ struct ctl_controller {
     ctl_pending pending[CTL_PENDING];
     int n_pending;
     /* metrics */
-    km_metric *m_members, *m_actions, *m_bad;
+    km_metric *m_members, *m_actions, *m_bad, *m_role_changes;
     km_series *s_heartbeats, *s_send_errors, *s_views, *s_acks, *s_forgotten;
 };
 
@@ -94,6 +96,7 @@ void ctl_config_default(ctl_config *c)
     c->admin_host = "127.0.0.1";
     c->admin_port = 9200;
     ctl_policy_cfg_default(&c->policy);
+    ctl_roles_cfg_default(&c->roles);
 }
 
 static void count_bad(ctl_controller *c, const char *reason)
@@ -332,6 +335,45 @@ static int send_action(ctl_controller *c, const ctl_action *a)
     return 0;
 }
 
+/* Roles follow the load (roles.c): one step over every member's load; a change it decides is
+ * sent as an admin set_role, logged with the figures it was decided on and counted. */
+static void roles_step(ctl_controller *c, uint64_t now)
+{
+    int n = ctl_policy_n_members(c->pol);
+    if (n > KM_PROTO_MAX_VIEW_WORKERS) n = KM_PROTO_MAX_VIEW_WORKERS;
+    for (int i = 0; i < n; i++) ctl_policy_role_load(c->pol, i, &c->loads[i]);
+    ctl_role_change ch;
+    if (ctl_roles_step(c->roles, c->loads, n, now, &ch) != 1) return;
+    km_msg m;
+    km_msg_init(&m, KM_MSG_ADMIN);
+    m.admin.id = ch.id;
+    m.admin.cmd = KM_ADMIN_SET_ROLE;
+    m.admin.role = km_worker_role_name(ch.to);
+    km_errbuf err = {{0}};
+    int rc = km_msg_encode(&m, &c->lim, &c->out, &err);
+    const ctl_route *rt = route_of(c, ch.worker);
+    if (!rc && !rt) rc = km_errf(&err, KM_ENOTFOUND, "no connection from the worker");
+    if (!rc) {
+        km_zframe parts[2] = {{rt->rid, rt->len}, {c->out.data, c->out.len}};
+        rc = km_zsend(c->router, parts, 2, KM_ZDONTWAIT, &err);
+    }
+    const char *from = km_worker_role_name(ch.from), *to = km_worker_role_name(ch.to);
+    if (rc) {
+        km_counter_inc(c->s_send_errors);
+        ctl_roles_done(c->roles, ch.id, false);
+        KM_WARN("role_change", "worker=%s from=%s to=%s reason=%s sent=0 msg=\"%s\"", ch.worker,
+                from, to, ch.reason, err.msg);
+        return;
+    }
+    const char *lv[2] = {from, to};
+    km_counter_inc(km_metric_series(c->m_role_changes, lv));
+    KM_INFO("role_change",
+            "worker=%s from=%s to=%s reason=%s prefill_workers=%d decode_workers=%d "
+            "prefill_load=%.2f decode_load=%.2f ttft_p90_ms=%.1f itl_p90_ms=%.1f sent=1 id=%llu",
+            ch.worker, from, to, ch.reason, ch.n_prefill, ch.n_decode, ch.prefill_load,
+            ch.decode_load, ch.ttft_ms, ch.itl_ms, (unsigned long long)ch.id);
+}
+
 /* ---------------------------------------------------------------- frames */
 
 static void handle_operator(ctl_controller *c, const km_zframe *id, const km_msg_admin *a)
@@ -469,6 +511,10 @@ static void handle_message(ctl_controller *c, const km_zmsg *zm)
                     pending_answer(c, i, r);
                     break;
                 }
+        } else if (ctl_roles_done(c->roles, r->id, r->ok) == 0) {
+            km_counter_inc(c->s_acks);
+            KM_INFO("role_change_ack", "worker=%s id=%llu ok=%d msg=\"%s\"", peer,
+                    (unsigned long long)r->id, (int)r->ok, r->message ? r->message : "");
         } else {
             KM_DEBUG("stray_reply", "peer=%s id=%llu", peer, (unsigned long long)r->id);
         }
@@ -518,6 +564,10 @@ static int metrics_init(ctl_controller *c, km_errbuf *err)
     REG(KM_COUNTER, "kvmesh_recovery_actions_total",
         "Recovery actions sent (or tried), by worker, level (0 = fp8 reverted) and reason.",
         "worker,level,reason", c->m_actions = m);
+    REG(KM_COUNTER, "kvmesh_controller_role_changes_total",
+        "Workers moved between the prefill and decode pools by the controller (roles follow the "
+        "load), by role before and after.",
+        "from,to", c->m_role_changes = m);
     REG(KM_COUNTER, "kvmesh_controller_heartbeats_total", "Heartbeats received.", NULL,
         c->s_heartbeats = km_metric_series(m, NULL));
     REG(KM_COUNTER, "kvmesh_controller_bad_frames_total",
@@ -559,12 +609,17 @@ int ctl_controller_create(const ctl_config *cfg, ctl_controller **out, km_errbuf
     c->vh = calloc((size_t)KM_PROTO_MAX_VIEW_WORKERS * KM_PROTO_MAX_HISTORY, sizeof *c->vh);
     c->logged = calloc(KM_PROTO_MAX_VIEW_WORKERS, sizeof *c->logged);
     c->routes = calloc(KM_PROTO_MAX_VIEW_WORKERS, sizeof *c->routes);
-    if (!c->vw || !c->vh || !c->logged || !c->routes) {
+    c->loads = calloc(KM_PROTO_MAX_VIEW_WORKERS, sizeof *c->loads);
+    if (!c->vw || !c->vh || !c->logged || !c->routes || !c->loads) {
         rc = km_errf(err, KM_ENOMEM, "controller: out of memory");
         goto fail;
     }
     if ((rc = ctl_policy_create(&c->cfg.policy, KM_PROTO_MAX_VIEW_WORKERS, &c->pol))) {
         km_errf(err, rc, "policy: bad configuration (pressure-low must be <= pressure-high)");
+        goto fail;
+    }
+    if ((rc = ctl_roles_create(&c->cfg.roles, &c->roles))) {
+        km_errf(err, rc, "roles: bad configuration");
         goto fail;
     }
     if ((rc = metrics_init(c, err))) goto fail;
@@ -616,10 +671,15 @@ int ctl_controller_run(ctl_controller *c)
     c->running = 1;
     KM_INFO("controller_ready",
             "controller=%s listen=%s view=%s admin=%d recovery=%s pressure_high=%.2f "
-            "pressure_low=%.2f cooldown_ms=%lld heartbeat_ms=%lld dead_after=%u",
+            "pressure_low=%.2f cooldown_ms=%lld heartbeat_ms=%lld dead_after=%u "
+            "roles_follow_load=%s ttft_target_ms=%lld itl_target_ms=%lld role_queue=%.1f "
+            "role_window_ms=%lld role_hold_ms=%lld",
             c->cfg.controller_id, c->ep_listen, c->ep_view, ctl_controller_admin_port(c),
             pc->recovery ? "on" : "off", pc->pressure_high, pc->pressure_low,
-            (long long)pc->cooldown_ms, (long long)pc->heartbeat_ms, pc->dead_after);
+            (long long)pc->cooldown_ms, (long long)pc->heartbeat_ms, pc->dead_after,
+            c->cfg.roles.on ? "on" : "off", (long long)c->cfg.roles.ttft_target_ms,
+            (long long)c->cfg.roles.itl_target_ms, c->cfg.roles.queue_target,
+            (long long)c->cfg.roles.window_ms, (long long)c->cfg.roles.hold_ms);
     uint64_t now = mono_ms();
     uint64_t next_tick = now + (uint64_t)tick_ms;
     uint64_t next_view = now; /* an (empty) view at once: routers learn the controller is up */
@@ -648,6 +708,7 @@ int ctl_controller_run(ctl_controller *c)
         if (now >= next_tick) {
             ctl_policy_tick(c->pol, now);
             pending_expire(c, now);
+            roles_step(c, now);
             next_tick = now + (uint64_t)tick_ms;
         }
         uint64_t v = ctl_policy_version(c->pol);
@@ -675,6 +736,7 @@ void ctl_controller_destroy(ctl_controller *c)
     km_zap_stop(c->zap);
     km_zctx_destroy(c->zctx);
     ctl_policy_destroy(c->pol);
+    ctl_roles_destroy(c->roles);
     km_metrics_destroy(c->reg);
     km_zmsg_clear(&c->in);
     km_buf_free(&c->out);
@@ -682,6 +744,7 @@ void ctl_controller_destroy(ctl_controller *c)
     free(c->vh);
     free(c->logged);
     free(c->routes);
+    free(c->loads);
     free(c);
 }
 

@@ -2,7 +2,9 @@
  * controller.h — kvmesh-controller: membership, health and the three-level recovery of a kvmesh
  * cluster (DESIGN.md "Recovery (controller)"). Workers send it heartbeats; it publishes the
  * cluster view that routers follow and sends workers recovery commands when their memory runs
- * out, they stall or they fail in bursts. Operation and the policy in words: docs/controller.md.
+ * out, they stall or they fail in bursts, and moves workers between the prefill and decode
+ * pools as the load asks (roles.c, docs/disaggregation.md "Roles follow the load"). Operation
+ * and the policy in words: docs/controller.md.
  *
  * Contract:
  *  - The controller keeps no state that heartbeats cannot rebuild. Everything it knows about a
@@ -129,6 +131,64 @@ int ctl_policy_view_worker(const ctl_policy *p, int i, uint64_t now_ms, uint64_t
 double ctl_pressure(const km_msg_heartbeat *hb, uint64_t max_rss, uint64_t max_gpu,
                     const char **why);
 
+/* ---------------------------------------------------------------- roles (roles.c) */
+
+/* Roles follow the load (docs/disaggregation.md, "Roles follow the load"): a state machine like
+ * the policy (pure, clock injected, no allocation after create) that moves one worker at a time
+ * between the prefill and decode pools when one pool misses its targets for window_ms and the
+ * other has room; a worker keeps a role at least hold_ms and a pool never gives its last worker.
+ * Workers with role both are not in either pool and never moved. */
+typedef struct ctl_roles_cfg {
+    bool on;                   /* false: roles change only by an operator; default true */
+    int64_t ttft_target_ms;    /* a busy prefill worker's TTFT p90 above: prefill misses; 10000,
+                                * 0 = off */
+    int64_t itl_target_ms;     /* a busy decode worker's time per output token p90 above: decode
+                                * misses; 250, 0 = off */
+    double queue_target;       /* requests per worker of a pool above: it misses (prefill:
+                                * running + queued, decode: queued); default 4 */
+    int64_t window_ms;         /* a miss (or calm) lasts this long before a move; 30000 */
+    int64_t hold_ms;           /* a worker keeps a role at least this long; 120000 */
+    int64_t change_timeout_ms; /* a set_role its heartbeats do not show after this is given
+                                * up; 10000 */
+} ctl_roles_cfg;
+
+void ctl_roles_cfg_default(ctl_roles_cfg *c);
+
+/* One member as roles.c sees it (ctl_policy_role_load). */
+typedef struct ctl_role_load {
+    const char *worker;
+    bool ready;          /* state ready: only ready members count and move */
+    km_worker_role role; /* its heartbeat's */
+    uint32_t running, queue_depth;
+    double ttft_ms, itl_ms; /* p90 of its heartbeat's latency (time per output token); 0 unknown */
+} ctl_role_load;
+
+/* One role change the daemon must send (admin set_role with this id), and why. */
+typedef struct ctl_role_change {
+    char worker[KM_PROTO_MAX_NAME + 1];
+    uint64_t id; /* the admin frame's id; never one a ctl_action has */
+    km_worker_role from, to;
+    const char *reason;               /* static: "prefill_queue", "prefill_ttft", "decode_queue",
+                                       * "decode_itl", "calm" (a lent worker going back to its own role) */
+    int n_prefill, n_decode;          /* the pools it was decided on */
+    double prefill_load, decode_load; /* requests per worker, as queue_target counts */
+    double ttft_ms, itl_ms;           /* the pools' worst busy p90s */
+} ctl_role_change;
+
+typedef struct ctl_roles ctl_roles;
+
+int ctl_roles_create(const ctl_roles_cfg *cfg, ctl_roles **out);
+void ctl_roles_destroy(ctl_roles *r);
+/* Feeds every member's load at now_ms. Returns 1 and fills *out when a worker must change role
+ * (no other change is decided until its heartbeats show it, or change_timeout), else 0. */
+int ctl_roles_step(ctl_roles *r, const ctl_role_load *w, int n, uint64_t now_ms,
+                   ctl_role_change *out);
+/* The change with this id was refused or could not be sent (ok false), or acknowledged (ok
+ * true). 0, or KM_ENOTFOUND when no change with this id waits. */
+int ctl_roles_done(ctl_roles *r, uint64_t id, bool ok);
+/* Member i's load, for ctl_roles_step (strings point into the policy). */
+int ctl_policy_role_load(const ctl_policy *p, int i, ctl_role_load *out);
+
 /* ---------------------------------------------------------------- daemon (controller.c) */
 
 typedef struct ctl_config {
@@ -143,6 +203,7 @@ typedef struct ctl_config {
      * members and operators; NULL or insecure: none. Owned by the caller. */
     const km_zsec *sec;
     ctl_policy_cfg policy;
+    ctl_roles_cfg roles;
 } ctl_config;
 
 void ctl_config_default(ctl_config *c);

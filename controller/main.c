@@ -42,7 +42,9 @@ int main(int argc, char **argv)
     ctl_config c;
     ctl_config_default(&c);
     ctl_policy_cfg *pc = &c.policy;
+    ctl_roles_cfg *rc = &c.roles;
     const char *log_level = NULL, *log_format = NULL, *ports_file = NULL, *recovery = NULL;
+    const char *roles = NULL;
     int64_t admin_port, l1_repeat, dead_after;
     km_sec_args sec_args = {0};
     const km_opt opts[] = {
@@ -109,6 +111,28 @@ int main(int argc, char **argv)
          "a worker silent while it carries out a command it has not yet acknowledged (e.g. an "
          "fp8 conversion) is declared dead only after this",
          &pc->action_timeout_ms, 0, 86400000},
+        {"roles-follow-load", NULL, KM_OPT_STR, "on",
+         "on: move workers between the prefill and decode pools when one misses its targets and "
+         "the other has room (docs/disaggregation.md); off: only an operator changes roles",
+         &roles, 0, 0},
+        {"ttft-target", NULL, KM_OPT_DURATION, "10s",
+         "the prefill pool misses when a busy prefill worker's time to first token p90 is above "
+         "this; 0 = off",
+         &rc->ttft_target_ms, 0, 86400000},
+        {"itl-target", NULL, KM_OPT_DURATION, "250ms",
+         "the decode pool misses when a busy decode worker's time per output token p90 is above "
+         "this; 0 = off",
+         &rc->itl_target_ms, 0, 86400000},
+        {"role-queue", NULL, KM_OPT_FLOAT, "4",
+         "a pool misses above this many requests per worker (prefill: running + queued, decode: "
+         "queued)",
+         &rc->queue_target, 0, 1e6},
+        {"role-window", NULL, KM_OPT_DURATION, "30s",
+         "a pool misses (or both meet their targets) this long before a worker moves",
+         &rc->window_ms, 0, 86400000},
+        {"role-hold", NULL, KM_OPT_DURATION, "2m",
+         "a worker keeps a role at least this long before the controller moves it", &rc->hold_ms, 0,
+         86400000},
         {"ports-file", NULL, KM_OPT_STR, NULL, "write listen=, view=, admin=, pid= here once ready",
          &ports_file, 0, 0},
         KM_SEC_OPT_ROWS(&sec_args),
@@ -123,6 +147,11 @@ int main(int argc, char **argv)
     if (crc) return crc == 1 ? 0 : 2;
     if (km_parse_bool(recovery, &pc->recovery)) {
         fprintf(stderr, "kvmesh-controller: --recovery must be on or off\n");
+        km_config_destroy(cfg);
+        return 2;
+    }
+    if (km_parse_bool(roles, &rc->on)) {
+        fprintf(stderr, "kvmesh-controller: --roles-follow-load must be on or off\n");
         km_config_destroy(cfg);
         return 2;
     }

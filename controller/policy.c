@@ -53,6 +53,7 @@ typedef struct ctl_member {
     const char *pressure_why; /* static: what the pressure measures ("kv_pressure", "rss", "gpu") */
     uint64_t rss, gpu;
     uint32_t running, queue_depth;
+    double ttft_ms, itl_ms; /* the heartbeat's p90s (roles.c); 0 = not reported */
     /* page transfer (hb.peer_addr, hb.xfer): carried into the view for routers' cost model */
     uint8_t peer_addr[KM_PROTO_MAX_PEER_ADDR];
     uint32_t peer_addr_len;
@@ -190,6 +191,16 @@ static const char *hb_kv_format(const km_msg_heartbeat *hb)
     for (uint32_t i = 0; i < hb->n_kv; i++)
         if (hb->kv[i].tier == KM_TIER_HOT && hb->kv[i].format) return hb->kv[i].format;
     return hb->n_kv && hb->kv[0].format ? hb->kv[0].format : "";
+}
+
+/* The heartbeat's latency quantile nearest p90 (roles.c compares it with the targets). */
+static void hb_p90(const km_msg_heartbeat *hb, double *ttft_ms, double *itl_ms)
+{
+    const km_latency_q *best = NULL;
+    for (uint32_t i = 0; hb->latency && i < hb->n_latency; i++)
+        if (!best || fabs(hb->latency[i].q - 0.9) < fabs(best->q - 0.9)) best = &hb->latency[i];
+    *ttft_ms = best ? best->ttft_ms : 0;
+    *itl_ms = best ? best->tpot_ms : 0;
 }
 
 static km_member_state from_worker_state(km_worker_state s)
@@ -441,6 +452,7 @@ int ctl_policy_heartbeat(ctl_policy *p, const km_msg_heartbeat *hb, uint64_t now
     m->gpu = hb->gpu_bytes;
     m->running = hb->running;
     m->queue_depth = hb->queue_depth;
+    hb_p90(hb, &m->ttft_ms, &m->itl_ms);
     m->pressure = ctl_pressure(hb, p->cfg.max_rss, p->cfg.max_gpu, &m->pressure_why);
     for (uint32_t k = 0; k < hb->n_endpoints; k++) {
         const km_endpoint *e = &hb->endpoints[k];
@@ -655,5 +667,19 @@ int ctl_policy_view_worker(const ctl_policy *p, int i, uint64_t now_ms, uint64_t
         out->history = hist;
         out->n_history = m->n_hist;
     }
+    return 0;
+}
+
+int ctl_policy_role_load(const ctl_policy *p, int i, ctl_role_load *out)
+{
+    if (i < 0 || i >= p->n) return KM_ENOTFOUND;
+    const ctl_member *m = &p->m[i];
+    *out = (ctl_role_load){.worker = m->id,
+                           .ready = m->state == KM_MEMBER_READY,
+                           .role = m->role,
+                           .running = m->running,
+                           .queue_depth = m->queue_depth,
+                           .ttft_ms = m->ttft_ms,
+                           .itl_ms = m->itl_ms};
     return 0;
 }
