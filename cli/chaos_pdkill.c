@@ -33,6 +33,7 @@
 #define PD_RESTART_MS 60000  /* longest wait for a victim's restart */
 #define PD_BACKOFF_MS 1500   /* past the router's backoff from a prefill worker that failed */
 #define PD_ATTEMPTS   3      /* a long prompt's attempts on a retryable answer */
+#define PD_MIN_TOKENS 4      /* a reference shorter than this (an early EOS) compares too little */
 #define PD_DURING     "kvmesh_worker_pd_pages_imported_total{when=\"during_prefill\"}"
 #define PD_PARTIAL    "kvmesh_worker_pd_requests_total{outcome=\"partial\"}"
 #define PD_DISAGG     "kvmesh_router_pd_total{decision=\"disaggregated\"}"
@@ -151,7 +152,7 @@ int chaos_fault_pdkill(chaos_run *r)
     }
     for (int i = 0; i < 2; i++) pthread_join(ref[i].th, NULL);
     for (int i = 0; i < 2; i++) {
-        if (ref[i].rc || ref[i].res.n_tokens < (uint32_t)tokens / 2) {
+        if (ref[i].rc || ref[i].res.n_tokens < PD_MIN_TOKENS) {
             snprintf(r->note, sizeof r->note, "round %d's reference failed: %s (%u tokens)", i + 1,
                      ref[i].error, ref[i].res.n_tokens);
             goto out;
