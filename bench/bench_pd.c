@@ -107,8 +107,8 @@ static bool bp_send(bp_run *run, kvm_client *c, km_msg_request *m, bool is_short
         *(is_short ? &run->short_failed : &run->long_failed) += 1;
         if (!run->first_error[0])
             snprintf(run->first_error, sizeof run->first_error,
-                     "rc %d, code %d, %u tokens, finish %d: %.80s %.80s", rc, res.error_code, res.n_tokens, (int)res.finish,
-                     res.error, err.msg);
+                     "rc %d, code %d, %u tokens, finish %d: %.80s %.80s", rc, res.error_code,
+                     res.n_tokens, (int)res.finish, res.error, err.msg);
     }
     pthread_mutex_unlock(&run->mu);
     free(q.gaps.v);
@@ -134,10 +134,9 @@ static void *bp_stream_main(void *arg)
     bp_stream *s = arg;
     bp_run *run = s->run;
     kvm_client *c = bp_open(run);
-    static const char *const topics[] = {"the sea",    "a lighthouse", "winter bread",
-                                         "old maps",   "a red kite",   "the night train",
-                                         "bees",       "a quiet town", "copper pans",
-                                         "rain in May"};
+    static const char *const topics[] = {
+        "the sea",         "a lighthouse", "winter bread", "old maps",    "a red kite",
+        "the night train", "bees",         "a quiet town", "copper pans", "rain in May"};
     for (int n = 0; c && !atomic_load(&run->stop); n++) {
         char prompt[256];
         snprintf(prompt, sizeof prompt,
