@@ -550,6 +550,16 @@ $(BENCH_ROUTER): $(OBJ)/bench/bench_router.o $(ALL_LIBS)
 bench-router: build $(BENCH_ROUTER) ## routing decisions/s, added latency, kv-aware vs round-robin
 	@bash bench/bench_router.sh
 
+# Prefill/decode disaggregation (docs/disaggregation.md): streams' ITL, TTFT and tokens/s under
+# arriving long prompts, colocated workers against 1 prefill + 1 decode, clusters interleaved.
+BENCH_PD := $(BUILD)/bench/bench_pd
+$(BENCH_PD): $(OBJ)/bench/bench_pd.o $(ALL_LIBS)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+.PHONY: bench-pd
+bench-pd: build $(BENCH_PD) ## streams' ITL p99 under long prompts: colocated vs prefill+decode
+	@bash bench/bench_pd.sh
+
 .PHONY: bench-fair
 bench-fair: build ## one API key floods, another's TTFT p50/p90 idle vs under the flood
 	@bash bench/bench_fair.sh

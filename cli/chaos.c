@@ -30,6 +30,9 @@
  *                  (chaos_netfault.c): a pull and a handoff under the fault, no request fails
  *   drainkill  (l) w1 drained after taking long prefixes, SIGKILLed once its handoff to w0
  *                  has begun: no request fails, outputs equal
+ *   pdkill     (m) w0 prefill, w1 decode: long prompts disaggregated beside the load; the
+ *                  prefill worker SIGKILLed mid-prompt, then the decode worker at a stream's
+ *                  first token (chaos_pdkill.c): no request fails, outputs equal
  *
  * Why it is built this way: each scenario starts its own cluster with the same code as `kvmesh up`
  * (this very binary, `up --base-port 0` in a temporary run directory: free ports, so it never
@@ -385,7 +388,7 @@ int cli_cmd_chaos(int argc, char **argv)
         "kvmesh chaos",
         "fault injection against a local cluster it starts itself. SCENARIO: pressure (a), kill "
         "(b), stop (c), controller (d), router (e), partition (f), slowloris (g), longprompt "
-        "(h), killsoak (i), pullkill (j), netfault (k), drainkill (l) or all",
+        "(h), killsoak (i), pullkill (j), netfault (k), drainkill (l), pdkill (m) or all",
         opts, sizeof opts / sizeof *opts, argc, argv, NULL, NULL, &cfg);
     if (rc == 1)
         for (int i = 0; i < CHAOS_N_SCENARIOS; i++)
@@ -402,9 +405,10 @@ int cli_cmd_chaos(int argc, char **argv)
             !strcmp(which, chaos_scenarios[i].letter))
             pick[i] = true, n_pick++;
     if (!n_pick) {
-        fprintf(stderr, "kvmesh chaos: give a scenario: pressure, kill, stop, controller, router, "
-                        "partition, slowloris, longprompt, killsoak, pullkill, netfault, drainkill "
-                        "or all (--help)\n");
+        fprintf(stderr,
+                "kvmesh chaos: give a scenario: pressure, kill, stop, controller, router, "
+                "partition, slowloris, longprompt, killsoak, pullkill, netfault, drainkill, "
+                "pdkill or all (--help)\n");
         km_config_destroy(cfg);
         return 2;
     }

@@ -72,8 +72,9 @@ typedef struct chaos_scenario {
     int (*precheck)(chaos_run *r);
     const char *wflags; /* extra worker flags for this scenario (short run, full run) */
     const char *wflags_full;
-    const char *rflags; /* extra router flags for this scenario */
-    const char *env;    /* NAME=VALUE set while this scenario's cluster runs, or NULL */
+    const char *wflags_for; /* extra `--worker-args-for` entries (ID:ARGS;...), or NULL */
+    const char *rflags;     /* extra router flags for this scenario */
+    const char *env;        /* NAME=VALUE set while this scenario's cluster runs, or NULL */
 } chaos_scenario;
 
 typedef struct chaos_action {
@@ -225,7 +226,7 @@ void chaos_format_levels(chaos_run *r, chaos_result *res);
 /* ---------------------------------------------------------------- chaos_scenarios (chaos_faults.c)
  */
 
-#define CHAOS_N_SCENARIOS 12
+#define CHAOS_N_SCENARIOS 13
 extern const chaos_scenario chaos_scenarios[CHAOS_N_SCENARIOS];
 
 /* (g) slow HTTP clients against the router's and the workers' ports (chaos_slowloris.c). */
@@ -244,6 +245,8 @@ int chaos_fault_netfault(chaos_run *r);
 int chaos_precheck_netfault(chaos_run *r);
 /* (l) SIGKILL a worker while its drain hands its pages to its peer (chaos_netfault.c). */
 int chaos_fault_drainkill(chaos_run *r);
+/* (m) SIGKILL a prefill worker mid-prompt, then a decode worker mid-stream (chaos_pdkill.c). */
+int chaos_fault_pdkill(chaos_run *r);
 /* A process to SIGTERM when the namespace goes (the netfault's packet delayer), or 0. */
 void chaos_netns_helper(pid_t pid);
 

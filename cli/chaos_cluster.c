@@ -332,6 +332,10 @@ int chaos_cluster_start(chaos_run *r)
                  "%s:--chaos --peer-listen=%s:0 --peer-advertise=%s;w0:--peer-listen=%s:0 "
                  "--peer-advertise=%s",
                  CHAOS_TARGET, r->addr_ns, r->addr_ns, r->addr_host, r->addr_host);
+    if (r->sc->wflags_for) { /* the scenario's own, after the target's --chaos */
+        size_t n = strlen(args_for);
+        snprintf(args_for + n, sizeof args_for - n, ";%s", r->sc->wflags_for);
+    }
     snprintf(logs, sizeof logs, "%s/logs", r->dir);
     snprintf(uplog, sizeof uplog, "%s/up.log", r->dir);
     if (r->netns_made)

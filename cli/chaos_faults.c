@@ -354,4 +354,19 @@ const chaos_scenario chaos_scenarios[] = {
      .wflags_full = "--peer-listen=127.0.0.1:0 --kv-bytes=128M",
      .rflags = "--pull-default-rate=1e8",
      .env = "UCX_TLS=tcp"},
+    {.name = "pdkill",
+     .letter = "m",
+     .what = "1 prefill + 1 decode worker; long prompts disaggregated beside the streaming load: "
+             "the prefill worker SIGKILLed mid-prompt, then the decode worker mid-stream: lost 0, "
+             "failed 0, outputs equal to one worker's",
+     .fault = chaos_fault_pdkill,
+     .recover_when = RECOVER_ALL_READY,
+     .outputs_must_match = true,
+     .no_failures = true,
+     /* transfer nodes (UCX over TCP, as pullkill), room for the long prompts beside the load
+      * (the full run's two references at once on w0: f16 KV, below the pressure levels) */
+     .wflags = "--peer-listen=127.0.0.1:0 --kv-bytes=128M",
+     .wflags_full = "--peer-listen=127.0.0.1:0 --kv-bytes=256M",
+     .wflags_for = "w0:--role=prefill;w1:--role=decode",
+     .env = "UCX_TLS=tcp"},
 };
