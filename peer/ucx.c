@@ -44,6 +44,7 @@
 #include <string.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "peer/ucx_internal.h"
@@ -257,6 +258,18 @@ static void pr_conn_cb(ucp_conn_request_h req, void *arg)
  * connection it accepted is shut down, which UCX sees as the client going away and answers by
  * closing its half-made endpoint; a request already read is rejected (pr_conn_cb). */
 
+/* The worker's TCP transport listens too (the lanes' own port). Destroying it with a lane's
+ * connection in its accept queue resets that connection; a puller on the same host, whose
+ * connect() to that port completed at once, then sees its first send fail, its reconnect
+ * refused at once, and UCX 1.22.0 fails and frees that lane while its endpoint still holds it
+ * (SIGSEGV in ucp_worker_discard_uct_ep_destroy_progress; docs/transfer.md, "Which UCX"). So
+ * those sockets are quiesced with the listener: filtered, and their accept queues left to drain
+ * (UCX's async thread accepts). They are told apart from other listening sockets of the process
+ * by inode: the ones that appeared while the worker was created (pr_tl_sockets_find). */
+
+#define PR_MAX_LISTENING 256 /* a process's listening sockets that the node can tell apart */
+#define PR_SETTLE_NS     (2ull * 1000 * 1000) /* pr_listener_quiesce: filtered this long at least */
+
 static void pr_eps_service(pr_ucx *u);
 
 static int pr_sa_port(const struct sockaddr_storage *s)
@@ -290,10 +303,82 @@ static int pr_listener_socket(const pr_ucx *u, int fd, int *listening)
     return !getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, listening, &il);
 }
 
-/* One pass over this process's sockets at the listener's address: the listening socket gets
- * the drop-all filter (filter = 1) and reports its queue of accepted handshakes in *queued;
- * each accepted connection is shut down. Returns the accepted connections found, -1 when the
- * process's descriptors cannot be listed. */
+/* The descriptor an entry of /proc/self/fd (d) names, -1 for d's own and for "." and "..". */
+static int pr_dirent_fd(const struct dirent *de, DIR *d)
+{
+    char *end;
+    long fd = strtol(de->d_name, &end, 10);
+    return *end || end == de->d_name || fd == dirfd(d) ? -1 : (int)fd;
+}
+
+/* The inode of fd when it is a listening TCP socket, else 0. */
+static uint64_t pr_listening_inode(int fd)
+{
+    struct stat st;
+    struct sockaddr_storage s;
+    socklen_t sl = sizeof s, il = sizeof(int);
+    int type = 0, on = 0;
+    if (fstat(fd, &st) || !S_ISSOCK(st.st_mode) ||
+        getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &il) || type != SOCK_STREAM ||
+        getsockname(fd, (struct sockaddr *)&s, &sl) ||
+        (s.ss_family != AF_INET && s.ss_family != AF_INET6) ||
+        getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &on, &il) || !on)
+        return 0;
+    return (uint64_t)st.st_ino;
+}
+
+/* The inodes of this process's listening TCP sockets into ino (at most cap); -1 when the
+ * descriptors cannot be listed or there are more than cap. */
+static int pr_listening_inodes(uint64_t *ino, int cap)
+{
+    DIR *d = opendir("/proc/self/fd");
+    if (!d) return -1;
+    int n = 0;
+    for (struct dirent *de; (de = readdir(d));) {
+        int fd = pr_dirent_fd(de, d);
+        uint64_t i;
+        if (fd < 0 || !(i = pr_listening_inode(fd))) continue;
+        if (n == cap) {
+            n = -1;
+            break;
+        }
+        ino[n++] = i;
+    }
+    closedir(d);
+    return n;
+}
+
+static int pr_tl_socket(const pr_ucx *u, uint64_t ino)
+{
+    for (int i = 0; i < u->n_tl_ino && ino; i++)
+        if (u->tl_ino[i] == ino) return 1;
+    return 0;
+}
+
+/* After ucp_worker_create: the listening sockets that are not in before[nb] are the worker's
+ * transport's. None are kept when either list is unknown or too many appeared. */
+static void pr_tl_sockets_find(pr_ucx *u, const uint64_t *before, int nb)
+{
+    uint64_t now[PR_MAX_LISTENING];
+    int n = nb < 0 ? -1 : pr_listening_inodes(now, PR_MAX_LISTENING);
+    u->n_tl_ino = 0;
+    for (int i = 0; i < n; i++) {
+        int old = 0;
+        for (int j = 0; j < nb && !old; j++) old = before[j] == now[i];
+        if (old) continue;
+        if (u->n_tl_ino == PR_MAX_TL_SOCKS) {
+            u->n_tl_ino = 0;
+            break;
+        }
+        u->tl_ino[u->n_tl_ino++] = now[i];
+    }
+    KM_DEBUG("peer_transport_sockets", "listening=%d", u->n_tl_ino);
+}
+
+/* One pass over this process's sockets at the listener's address and the worker's transport
+ * listening sockets: each listening one gets the drop-all filter (filter = 1) and adds its
+ * queue of accepted handshakes to *queued; each connection the listener accepted is shut down.
+ * Returns the accepted connections found, -1 when the process's descriptors cannot be listed. */
 static int pr_listener_sweep(const pr_ucx *u, int filter, unsigned *queued)
 {
     static struct sock_filter drop[] = {BPF_STMT(BPF_RET | BPF_K, 0)};
@@ -303,20 +388,20 @@ static int pr_listener_sweep(const pr_ucx *u, int filter, unsigned *queued)
     int accepted = 0;
     *queued = 0;
     for (struct dirent *de; (de = readdir(d));) {
-        char *end;
-        long fd = strtol(de->d_name, &end, 10);
-        int listening = 0;
-        if (*end || end == de->d_name || fd == dirfd(d) ||
-            !pr_listener_socket(u, (int)fd, &listening))
+        int fd = pr_dirent_fd(de, d), listening = 0;
+        if (fd < 0) continue;
+        if (pr_tl_socket(u, pr_listening_inode(fd)))
+            listening = 1;
+        else if (!pr_listener_socket(u, fd, &listening))
             continue;
         if (listening) {
-            if (filter && setsockopt((int)fd, SOL_SOCKET, SO_ATTACH_FILTER, &prog, sizeof prog))
+            if (filter && setsockopt(fd, SOL_SOCKET, SO_ATTACH_FILTER, &prog, sizeof prog))
                 KM_WARN("peer_listener_filter", "error=\"%s\"", strerror(errno));
             struct tcp_info ti;
             socklen_t tl = sizeof ti;
-            if (!getsockopt((int)fd, IPPROTO_TCP, TCP_INFO, &ti, &tl)) *queued += ti.tcpi_unacked;
+            if (!getsockopt(fd, IPPROTO_TCP, TCP_INFO, &ti, &tl)) *queued += ti.tcpi_unacked;
         } else {
-            shutdown((int)fd, SHUT_RDWR);
+            shutdown(fd, SHUT_RDWR);
             accepted++;
         }
     }
@@ -325,18 +410,23 @@ static int pr_listener_sweep(const pr_ucx *u, int filter, unsigned *queued)
 }
 
 /* Progress thread, closing: afterwards no connection of the listener waits for its request
- * (bounded by PR_SILENT_NS; a UCX that never closed a shut-down connection is logged). */
+ * (bounded by PR_SILENT_NS; a UCX that never closed a shut-down connection is logged). Only a
+ * sweep that starts PR_SETTLE_NS after the filter went on may find nothing and end it: a
+ * handshake whose last ACK passed just before the filter joins the accept queue a moment after,
+ * and a listener destroyed then would be called for it. */
 static void pr_listener_quiesce(pr_ucx *u)
 {
     if (!u->listener || pr_sa_port(&u->listen_sa) <= 0) return;
     unsigned queued = 0;
     const uint64_t start = km_now_ns();
     int left = pr_listener_sweep(u, 1, &queued), found = left;
-    for (const uint64_t until = start + PR_SILENT_NS; left > 0 || queued;) {
+    for (const uint64_t until = start + PR_SILENT_NS; left >= 0;) {
         while (ucp_worker_progress(u->w)) {
         }
         pr_eps_service(u);
-        if ((left = pr_listener_sweep(u, 0, &queued)) <= 0 && !queued) break;
+        const uint64_t swept = km_now_ns();
+        left = pr_listener_sweep(u, 0, &queued);
+        if (left <= 0 && !queued && swept - start >= PR_SETTLE_NS) break;
         if (km_now_ns() > until) {
             KM_WARN("peer_listener_busy", "connections=%d queued=%u", left, queued);
             break;
@@ -577,8 +667,11 @@ static int pr_ucx_open(pr_node *n, km_errbuf *err)
     if (st != UCS_OK) return pr_ucx_fail(n, u, err, "init", st);
     ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
                               .thread_mode = UCS_THREAD_MODE_SINGLE};
+    uint64_t before[PR_MAX_LISTENING];
+    int nb = u->old_cm ? -1 : pr_listening_inodes(before, PR_MAX_LISTENING);
     if ((st = ucp_worker_create(u->ctx, &wp, &u->w)) != UCS_OK)
         return pr_ucx_fail(n, u, err, "worker", st);
+    pr_tl_sockets_find(u, before, nb);
     /* The store's page memory, once. */
     pr_addr a = {0};
     for (int i = 0; i < n->n_regions; i++) {

@@ -36,7 +36,8 @@
 /* A pull past its deadline closes its endpoint (failing every pull on it) only when the peer has
  * shown no sign of life (a connection made, a page or an answer received) for this long; a live
  * peer keeps the connection the other pulls share. */
-#define PR_SILENT_NS (1000ull * 1000 * 1000)
+#define PR_SILENT_NS    (1000ull * 1000 * 1000)
+#define PR_MAX_TL_SOCKS 8 /* transport listening sockets of one worker that are quiesced */
 
 enum { PR_CMD_CONNECT, PR_CMD_DISCONNECT, PR_CMD_FETCH };
 enum { PR_EP_CONNECTING, PR_EP_READY, PR_EP_CLOSING, PR_EP_CLOSED };
@@ -173,6 +174,8 @@ struct pr_ucx {
     int n_regions, wfd, evfd, epfd;
     int old_cm; /* UCX before 1.22: no worker is destroyed under a connecting endpoint */
     struct sockaddr_storage listen_sa; /* where the listener is bound (pr_listener_quiesce) */
+    uint64_t tl_ino[PR_MAX_TL_SOCKS];  /* the worker's transport listening sockets (inodes) */
+    int n_tl_ino;
     int closing; /* progress thread: the node is closing; connection requests are rejected */
     pthread_t thr;
     int thr_started;

@@ -824,18 +824,14 @@ Test(xfer_peer, a_holder_that_goes_away_mid_pull_costs_the_pull_only, .timeout =
 
 /* A holder destroyed while a puller's connection request to it is on its way. Rounds destroy it
  * a little later each time to cross the handshake's steps. UCX's TCP connection manager calls a
- * freed listener when a request it accepted arrives after the listener is gone; the node
- * quiesces its listener before destroying it (peer/ucx.c). Skipped unless
- * KVMESH_TEST_CONNECT_RACE is set: a holder gone while the puller wires its TCP lane still
- * crashes UCX 1.22.0 on the puller's side (a freed transport endpoint in
- * ucp_worker_discard_uct_ep_destroy_progress), about one run in ten under ASan
- * (docs/transfer.md, "Which UCX"). */
+ * freed listener when a request it accepted arrives after the listener is gone, and UCX 1.22.0
+ * frees the puller's TCP lane under its endpoint when the holder's transport socket resets the
+ * lane's fresh connection (ucp_worker_discard_uct_ep_destroy_progress); the node quiesces its
+ * listener and its transport's listening sockets before destroying them (peer/ucx.c,
+ * docs/transfer.md "Which UCX"). */
 Test(xfer_peer, a_holder_that_goes_away_while_a_puller_connects_fails_that_peer_only,
      .timeout = 300)
 {
-    if (!getenv("KVMESH_TEST_CONNECT_RACE"))
-        cr_skip_test("UCX 1.22.0 can crash the puller (docs/transfer.md); "
-                     "KVMESH_TEST_CONNECT_RACE=1 runs it");
     for (int round = 0; round < 20; round++) {
         duo *d = duo_open(SMALL, 8, 8, PR_MODE_AM);
         for (uint64_t until = km_now_ns() + (uint64_t)round * 50000; km_now_ns() < until;)
