@@ -76,3 +76,40 @@ void en_fair_ended(en_sched *s, uint64_t id, uint64_t now)
     s->ended[0].id = id;
     s->ended[0].end_ns = now;
 }
+
+/* Will this step give r its first token: a request that has none yet, whose prompt's rest fits
+ * one chunk. */
+static int en_fair_first_now(const en_sched *s, const en_rq *r)
+{
+    int left = r->n_tok - r->n_done;
+    return !r->first_ns && left > 0 && left <= s->o.prefill_chunk;
+}
+
+void en_fair_step(en_sched *s)
+{
+    s->fair_cap = 0;
+    for (int i = 0; i < s->n_run; i++) s->run[i]->sit_out = 0;
+    if (s->o.tenant_share <= 0) return;
+    en_fair_count(s);
+    for (int i = 0; i < s->n_tn; i++)
+        if (s->tn[i].running > s->o.tenant_share) s->fair_cap = s->o.tenant_prefill;
+    const en_rq *nc = NULL;
+    for (int i = 0; i < s->n_run && !nc; i++)
+        if (en_fair_first_now(s, s->run[i]) &&
+            en_fair_of(s, s->run[i]->tenant)->running < s->o.tenant_share)
+            nc = s->run[i];
+    /* never two steps in a row (steps counts those done: this one is steps + 1), so many
+     * newcomers cannot starve the tenants at their share */
+    if (!nc || s->fair_sat_out == s->st.steps) return;
+    /* A newcomer's first token comes in this step: the tenants at their share sit it out (no
+     * drafts either), so the step is as short as on an idle worker; they lose one step per
+     * request of a tenant with fewer running, which is what the share is for. */
+    s->fair_sat_out = s->st.steps + 1;
+    for (int i = 0; i < s->n_run; i++) {
+        en_rq *r = s->run[i];
+        if (r->tenant != nc->tenant && en_fair_of(s, r->tenant)->running >= s->o.tenant_share) {
+            r->sit_out = 1;
+            s->st.tenant_waits++;
+        }
+    }
+}
