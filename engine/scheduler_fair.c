@@ -12,6 +12,15 @@
  * decodes and the newcomer's prefill, and admission takes the tenant with the fewest running
  * first. A tenant alone is never held, so a lone tenant's batch is what it was.
  *
+ * A newcomer still waits for the step under way, then its own. So, with a share:
+ *  - while a tenant runs more than its share (it is alone) a step takes at most tenant_prefill
+ *    prompt tokens: the router releases a flood's requests together when the last other tenant
+ *    stops lingering, and short prompts each take their page floor, which the step budget cannot
+ *    cut, so one step could take every new prompt at once;
+ *  - the step that gives a tenant under its share its first token carries nothing of the tenants
+ *    at their share (their decodes and drafts wait a step; never two in a row, so newcomers
+ *    cannot starve them), so that step is as short as on an idle worker.
+ *
  * "Active" is what the router means: requests queued or running here, or one ended within the
  * linger, so a client sending one request after another counts between them and the flood is
  * not re-admitted (and sent back again) in every gap. Tenants are counted afresh each step from
