@@ -12,7 +12,8 @@
 # under the flood); then the victim stops and, 2 s later (past the 1 s both the router and the
 # worker count a tenant active after its last request), the flood's tokens/s alone over ALONE_S
 # seconds (the router's kvmesh_router_tenant_tokens_total: prompt and generated tokens as they
-# come), what a tenant alone on the cluster gets.
+# come), what a tenant alone on the cluster gets; the flood stops and, its last requests done and
+# 2 s later, the victim alone again (the idle TTFT after, as other load on the machine moves).
 # CONFIGS: runs separated by ';' (each on a fresh cluster), each "ROUTER FLAGS|WORKER FLAGS": by
 # default the worker's tenant share off and as shipped (the router's limits as shipped, a smaller
 # queue share so the flood meets it), REPEAT times in turn, so the two are compared under the
@@ -73,7 +74,7 @@ wflags=
 [[ $config == *"|"* ]] && wflags=${config#*|}
 start_up "$rflags" "$wflags"
 echo
-echo "-- run $RUN: router flags: $rflags; worker flags: ${wflags:-(defaults)}"
+echo "-- run $RUN: router flags: $rflags; worker flags: ${wflags:-(defaults)}; load: $(bench_load)"
 python3 - "$((PORT + 1))" "$(cat "$LOGS/flood.key")" "$(cat "$LOGS/victim.key")" \
     "$FLOOD_CONC" "$FLOOD_TOKENS" "$VICTIM_N" "$VICTIM_TOKENS" "$ALONE_S" "$(cat "$LOGS/ops.key")" <<'PY'
 import http.client, json, sys, threading, time
@@ -152,11 +153,19 @@ t0, tok0 = time.monotonic(), flood_tokens()
 time.sleep(alone_s)
 alone_tps = (flood_tokens() - tok0) / (time.monotonic() - t0)
 stop.set()
+for t in ts:  # each flooder ends with its request under way
+    t.join(120)
+time.sleep(2)
+run[0] = 2
+after = [victim_ttft(i) for i in range(vn)]  # the idle figure again: the machine's load moves
 i50, i90, l50, l90 = pct(idle, .5), pct(idle, .9), pct(loaded, .5), pct(loaded, .9)
+a50, a90 = pct(after, .5), pct(after, .9)
 print("  victim TTFT idle:  p50 %7.1f ms  p90 %7.1f ms" % (i50 * 1e3, i90 * 1e3))
 print("  victim TTFT flood: p50 %7.1f ms  p90 %7.1f ms" % (l50 * 1e3, l90 * 1e3))
 print("  under the flood, in order (ms): " + " ".join("%.0f" % (x * 1e3) for x in loaded))
 print("  ratio flood/idle:  p50 %5.2fx    p90 %5.2fx   (target <= 2x)" % (l50 / i50, l90 / i90))
+print("  victim TTFT idle again after the flood: p50 %7.1f ms  p90 %7.1f ms;"
+      " ratio flood/that: p50 %5.2fx  p90 %5.2fx" % (a50 * 1e3, a90 * 1e3, l50 / a50, l90 / a90))
 print("  flood alone: %.1f tokens/s (prompt and generated, over %d s)" % (alone_tps, alone_s))
 print("  flood answers during the run: %d ok, %d 429, %d other" %
       (counts["ok"], counts["429"], counts["other"]))

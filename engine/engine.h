@@ -380,7 +380,12 @@ typedef struct en_sched_opts {
      * requests wait in the queue, its newest running ones going back there first (their pages
      * stay cached). 0: no share; a tenant alone is never held. */
     int tenant_share;
-    int tenant_linger_ms;  /* 0: 1000 */
+    int tenant_linger_ms; /* 0: 1000 */
+    /* With a tenant share: while a tenant runs more than it (it is alone), a step carries at
+     * most this many prompt tokens, so a newcomer waits for a short step, not a burst of its
+     * prefills; and the step giving a tenant under its share its first token carries nothing
+     * of the tenants at their share. 0: no cap (the step still clears for the newcomer). */
+    int tenant_prefill;
     uint64_t cluster_seed; /* page-hash chain seed (with the model fingerprint and cache_salt) */
     en_spec_opts spec;     /* speculative decoding */
 } en_sched_opts;
@@ -458,6 +463,7 @@ typedef struct en_sched_stats {
         recomputed_tokens, completed, canceled, deadline, failed, engine_errors,
         kv_full; /* requests handed back (503) because pinned pages left no room: transient */
     uint64_t tenant_yields; /* running sequences sent back to the queue for another tenant */
+    uint64_t tenant_waits;  /* a running sequence sat out a step for another tenant's first token */
     /* Speculative decoding: draft tokens verified, kept and thrown away; verification steps of
      * a request (mean accepted length = spec_accepted / spec_verifies); back-offs. */
     uint64_t spec_drafted, spec_accepted, spec_rejected, spec_verifies, spec_backoffs;

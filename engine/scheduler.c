@@ -648,10 +648,11 @@ static int en_sched_build(en_sched *s, int *n_parts)
     for (int pass = 0; pass < 2; pass++) {
         if (pass == 1 && n > 0 && s->o.decode_prefill > 0 && n + s->o.decode_prefill < budget)
             budget = n + s->o.decode_prefill;
+        if (pass == 1 && s->fair_cap > 0 && n + s->fair_cap < budget) budget = n + s->fair_cap;
         for (int i = 0; i < s->n_run && n < budget; i++) {
             en_rq *r = s->run[s->order[i]];
             int left = r->n_tok - r->n_done, nd = 0;
-            if (left <= 0 || (pass == 0) != (left == 1)) continue;
+            if (left <= 0 || r->sit_out || (pass == 0) != (left == 1)) continue;
             const int32_t *d = r->spec && pass == 0 ? en_spec_seq_draft(r->spec, &nd) : NULL;
             if (nd > budget - n - 1) nd = 0; /* the plan left room; never overflow the batch */
             int take = left;
@@ -774,6 +775,7 @@ void en_sched_prepare(en_sched *s)
 int en_sched_step(en_sched *s)
 {
     en_sched_prepare(s);
+    en_fair_step(s);
     en_sched_plan(s);
 
     int n, np, drafts;

@@ -12,6 +12,15 @@
  * decodes and the newcomer's prefill, and admission takes the tenant with the fewest running
  * first. A tenant alone is never held, so a lone tenant's batch is what it was.
  *
+ * A newcomer still waits for the step under way, then its own. So, with a share:
+ *  - while a tenant runs more than its share (it is alone) a step takes at most tenant_prefill
+ *    prompt tokens: the router releases a flood's requests together when the last other tenant
+ *    stops lingering, and short prompts each take their page floor, which the step budget cannot
+ *    cut, so one step could take every new prompt at once;
+ *  - the step that gives a tenant under its share its first token carries nothing of the tenants
+ *    at their share (their decodes and drafts wait a step; never two in a row, so newcomers
+ *    cannot starve them), so that step is as short as on an idle worker.
+ *
  * "Active" is what the router means: requests queued or running here, or one ended within the
  * linger, so a client sending one request after another counts between them and the flood is
  * not re-admitted (and sent back again) in every gap. Tenants are counted afresh each step from
@@ -75,4 +84,41 @@ void en_fair_ended(en_sched *s, uint64_t id, uint64_t now)
     if (s->ended[0].id != id || !s->ended[0].end_ns) s->ended[1] = s->ended[0];
     s->ended[0].id = id;
     s->ended[0].end_ns = now;
+}
+
+/* Will this step give r its first token: a request that has none yet, whose prompt's rest fits
+ * one chunk. */
+static int en_fair_first_now(const en_sched *s, const en_rq *r)
+{
+    int left = r->n_tok - r->n_done;
+    return !r->first_ns && left > 0 && left <= s->o.prefill_chunk;
+}
+
+void en_fair_step(en_sched *s)
+{
+    s->fair_cap = 0;
+    for (int i = 0; i < s->n_run; i++) s->run[i]->sit_out = 0;
+    if (s->o.tenant_share <= 0) return;
+    en_fair_count(s);
+    for (int i = 0; i < s->n_tn; i++)
+        if (s->tn[i].running > s->o.tenant_share) s->fair_cap = s->o.tenant_prefill;
+    const en_rq *nc = NULL;
+    for (int i = 0; i < s->n_run && !nc; i++)
+        if (en_fair_first_now(s, s->run[i]) &&
+            en_fair_of(s, s->run[i]->tenant)->running < s->o.tenant_share)
+            nc = s->run[i];
+    /* never two steps in a row (steps counts those done: this one is steps + 1), so many
+     * newcomers cannot starve the tenants at their share */
+    if (!nc || s->fair_sat_out == s->st.steps) return;
+    /* A newcomer's first token comes in this step: the tenants at their share sit it out (no
+     * drafts either), so the step is as short as on an idle worker; they lose one step per
+     * request of a tenant with fewer running, which is what the share is for. */
+    s->fair_sat_out = s->st.steps + 1;
+    for (int i = 0; i < s->n_run; i++) {
+        en_rq *r = s->run[i];
+        if (r->tenant != nc->tenant && en_fair_of(s, r->tenant)->running >= s->o.tenant_share) {
+            r->sit_out = 1;
+            s->st.tenant_waits++;
+        }
+    }
 }

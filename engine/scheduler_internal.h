@@ -32,6 +32,7 @@ typedef struct en_rq {
     kv_seq *shadow;         /* its 4-bit copy of seq in the draft store; NULL: none yet */
     int n_shadow;           /* positions of seq copied into shadow */
     int priority, ignore_eos, canceled, admitted, preemptions, cached_tokens;
+    int sit_out; /* not in this step: another tenant's first token (scheduler_fair.c) */
     uint64_t tenant;
     uint64_t arrival_ns, deadline_ns, admit_ns, first_ns;
 } en_rq;
@@ -98,6 +99,8 @@ struct en_sched {
      * distinct tenants whose requests ended, newest first (end_ns 0: none) */
     en_tenant *tn;
     int n_tn;
+    uint64_t fair_sat_out; /* the last step (1-based) the tenants at their share sat out */
+    int fair_cap;          /* this step's most prompt tokens (0: no cap) */
     struct {
         uint64_t id, end_ns;
     } ended[2];
@@ -125,6 +128,9 @@ en_tenant *en_fair_of(en_sched *s, uint64_t id);
 int en_fair_held(const en_sched *s, const en_tenant *t, uint64_t now);
 /* Sends the newest running sequences of each tenant over its share back to the queue. */
 void en_fair_yield(en_sched *s, uint64_t now);
+/* Before a step is planned: marks the running sequences that sit it out for a newcomer's first
+ * token (en_rq.sit_out) and sets the cap on its prompt tokens (fair_cap). */
+void en_fair_step(en_sched *s);
 /* A request of tenant id ended at now: its tenant stays active for the linger. */
 void en_fair_ended(en_sched *s, uint64_t id, uint64_t now);
 

@@ -44,7 +44,7 @@ void en_sched_plan(en_sched *s)
     if (room <= 0) return;
     for (int i = 0; i < s->n_run; i++) {
         en_rq *r = s->run[i];
-        if (!r->spec || r->n_tok - r->n_done != 1) continue;
+        if (!r->spec || r->sit_out || r->n_tok - r->n_done != 1) continue;
         int cap = r->max_gen - r->n_gen - 1; /* the token after the drafts counts too */
         if (cap > 0 && int4 < 0) int4 = en_sched_int4(s);
         /* self drafts stay in one page too: the 4-bit copy's pages are int4 */

@@ -29,7 +29,8 @@ typedef struct wk_args {
     const char *peer_listen, *peer_advertise, *peer_mode, *peer_view, *peer_encrypt;
     int64_t peer_lease_ms, peer_pull_ms, peer_warm_pages, old_lease_ms, old_pull_ms;
     int64_t threads, admin_port, page_tokens, max_batch, prefill_chunk, max_running, max_queue;
-    int64_t decode_prefill, spec_max_draft, tenant_share, step_budget_ms, self_draft, self_seqs;
+    int64_t decode_prefill, spec_max_draft, tenant_share, tenant_prefill, step_budget_ms,
+        self_draft, self_seqs;
     int64_t kv_shards, kv_tok_groups, kv_expert_groups;
     int64_t sparse_attn, sparse_dense_layers, sparse_window;
     const char *kv_shard_key;
@@ -119,6 +120,11 @@ static const km_opt g_opts[] = {
      "tenant has requests here or had one end within the last second; the rest wait in the "
      "queue, newest running first; a tenant alone is never held; 0 = no limit",
      &g_args.tenant_share, 0, 4096},
+    {"tenant-prefill", NULL, KM_OPT_INT, "128",
+     "most prompt tokens in one step while a tenant runs more than --max-running-per-tenant "
+     "(alone here), so another tenant's first request waits for a short step, not a burst of "
+     "its prefills; 0 = no cap",
+     &g_args.tenant_prefill, 0, 65536},
     {"max-queue", NULL, KM_OPT_INT, "1024", "requests waiting for a slot", &g_args.max_queue, 1,
      1 << 20},
     {"max-ctx", NULL, KM_OPT_INT, "4096", "prompt + completion tokens per request", &g_args.max_ctx,
@@ -407,6 +413,7 @@ int main(int argc, char **argv)
                   .prefill_chunk = (int)a->prefill_chunk,
                   .decode_prefill = (int)a->decode_prefill,
                   .tenant_share = (int)a->tenant_share,
+                  .tenant_prefill = (int)a->tenant_prefill,
                   .step_budget_ms = (int)a->step_budget_ms,
                   .max_ctx = (int)a->max_ctx,
                   .default_max_tokens = (int)a->default_max_tokens,

@@ -100,6 +100,11 @@ int wk_svc_metrics_init(wk_service *s, km_errbuf *err)
         "(--max-running-per-tenant).",
         NULL, NULL, 0);
     s->s_yield = km_metric_series(m, NULL);
+    REG(KM_COUNTER, "kvmesh_worker_tenant_waits_total",
+        "Running sequences that sat out a step so that another tenant's request (of a tenant "
+        "under --max-running-per-tenant) got its first token in a step of its own.",
+        NULL, NULL, 0);
+    s->s_wait = km_metric_series(m, NULL);
     REG(KM_COUNTER, "kvmesh_worker_recovery_actions_total",
         "Recovery actions taken, by action (evict, set_kv_format, drain, shutdown).", "action",
         NULL, 0);

@@ -118,6 +118,8 @@ void wk_svc_update_gauges(wk_service *s)
     if (ss.tenant_yields > s->last_yield)
         km_counter_add(s->s_yield, ss.tenant_yields - s->last_yield);
     s->last_yield = ss.tenant_yields;
+    if (ss.tenant_waits > s->last_wait) km_counter_add(s->s_wait, ss.tenant_waits - s->last_wait);
+    s->last_wait = ss.tenant_waits;
     const uint64_t spec[5] = {ss.spec_drafted, ss.spec_accepted, ss.spec_rejected, ss.spec_verifies,
                               ss.spec_backoffs};
     for (int i = 0; i < 5; i++) {

@@ -172,7 +172,7 @@ struct wk_service {
     wk_hb_snap snap; /* under hb_mu */
     km_latency_q lat[3];
     uint64_t hb_seq, next_quant_ns, next_gauge_ns, last_rate_ns;
-    uint64_t last_prefill, last_decode, last_preempt, last_yield;
+    uint64_t last_prefill, last_decode, last_preempt, last_yield, last_wait;
     double decode_tps, prefill_tps;
     double ttft_ring[WK_LAT_RING], tpot_ring[WK_LAT_RING], qtmp[WK_LAT_RING];
     int n_ttft, n_tpot;
@@ -182,7 +182,7 @@ struct wk_service {
     km_metric *m_kv_bytes, *m_kv_pages, *m_kv_cap;
     km_series *s_req[WK_OUT_COUNT], *s_bad[WK_BAD_COUNT];
     km_series *s_tok_prompt, *s_tok_cached, *s_tok_gen, *s_tok_prefill;
-    km_series *s_ttft, *s_itl, *s_queue, *s_e2e, *s_hit, *s_preempt, *s_yield, *s_running,
+    km_series *s_ttft, *s_itl, *s_queue, *s_e2e, *s_hit, *s_preempt, *s_yield, *s_wait, *s_running,
         *s_queued;
     km_series *s_steps, *s_step_time, *s_events, *s_ready, *s_hb_sent, *s_hb_dropped;
     km_series *s_rec_evict, *s_rec_format, *s_rec_drain, *s_rec_shutdown;

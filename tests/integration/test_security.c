@@ -1414,8 +1414,9 @@ Test(security, a_key_alone_is_not_held_to_its_inflight_share)
 
 /* Issue 41, 4: a key alone filled the worker's batch (the router never holds a key alone); when
  * another key asks, the worker sends the first key's newest sequences back to its queue
- * (--max-running-per-tenant, 4 by default) and runs the newcomer's. Judged by the worker's
- * counter of sequences sent back, not by time. */
+ * (--max-running-per-tenant, 4 by default) and runs the newcomer's, its first token in a step
+ * the first key's sequences sit out. Judged by the worker's counters of sequences sent back and
+ * of sequences that sat out a step, not by time. */
 Test(security, a_worker_full_of_one_keys_sequences_makes_room_for_another_key)
 {
     if (!have_model()) return;
@@ -1434,6 +1435,10 @@ Test(security, a_worker_full_of_one_keys_sequences_makes_room_for_another_key)
     until = km_now_ns() + 30000000000ull;
     while (metric(g_w0.admin, "kvmesh_worker_tenant_yields_total") < 1) {
         cr_assert_lt(km_now_ns(), until, "the worker sent none of client's sequences back");
+        usleep(50000);
+    }
+    while (metric(g_w0.admin, "kvmesh_worker_tenant_waits_total") < 1) {
+        cr_assert_lt(km_now_ns(), until, "client2's first token shared its step with client");
         usleep(50000);
     }
     km_zsock_close(a);

@@ -523,7 +523,8 @@ Test(sched_fake, a_tenant_over_its_share_yields_its_newest_when_another_arrives)
     cr_assert_eq(st.tenant_yields, FT_A - 2);
     cr_assert_gt(en_sched_step(s), 0);
     cr_assert_eq(o[FT_A].n, 1, "the newcomer's first token in the next step");
-    for (int i = 0; i < FT_A; i++) /* the two oldest go on, the newest wait */
+    cr_assert_gt(en_sched_step(s), 0); /* that step was the newcomer's alone */
+    for (int i = 0; i < FT_A; i++)     /* the two oldest go on, the newest wait */
         cr_assert_eq(o[i].n, i < 2 ? 2 : 1, "request %d has %d tokens", i, o[i].n);
     /* while the other tenant lingers (its request ended: an hour here), 7 stays at its share */
     while (en_sched_pending(s)) {
@@ -533,6 +534,91 @@ Test(sched_fake, a_tenant_over_its_share_yields_its_newest_when_another_arrives)
     fake_close(s);
     for (int i = 0; i <= FT_A; i++) /* requeued: tokens unchanged */
         fair_check(p[i], 20, &o[i], i);
+}
+
+Test(sched_fake, a_newcomers_first_token_comes_ahead_of_the_tenant_at_its_share)
+{
+    en_sched *s = fake_open(0, 64,
+                            (en_sched_opts){.max_batch_tokens = 64,
+                                            .max_running = 8,
+                                            .tenant_share = 2,
+                                            .tenant_linger_ms = 3600000});
+    int32_t p[FT_A + 2][10];
+    out o[FT_A + 2];
+    memset(o, 0, sizeof o);
+    for (int i = 0; i < FT_A; i++) fair_submit(s, p[i], 110 + i, 7, 20, &o[i]);
+    cr_assert_gt(en_sched_step(s), 0); /* 7 alone: all six prefilled */
+    fair_submit(s, p[FT_A], 120, 9, 3, &o[FT_A]);
+    /* 7 is held at its share with four of its requests queued, and the newcomer's step holds
+     * its prompt alone: 7's two running ones sit it out */
+    int n = en_sched_step(s);
+    cr_assert_eq(n, 10, "the newcomer's 10 prompt tokens only, not %d", n);
+    cr_assert_eq(o[FT_A].n, 1);
+    for (int i = 0; i < FT_A; i++) cr_assert_eq(o[i].n, 1, "request %d went on", i);
+    en_sched_stats st = fair_stats(s);
+    cr_assert_eq(st.tenant_waits, 2);
+    cr_assert_eq(st.queued, FT_A - 2);
+    /* then everyone decodes: 7's share and the newcomer */
+    cr_assert_eq(en_sched_step(s), 3);
+    cr_assert(o[0].n == 2 && o[1].n == 2 && o[FT_A].n == 2);
+    /* a second newcomer arriving as the first request ends: its step is its own again */
+    while (!o[FT_A].ended) cr_assert_gt(en_sched_step(s), 0);
+    fair_submit(s, p[FT_A + 1], 121, 9, 3, &o[FT_A + 1]);
+    int before = o[0].n;
+    cr_assert_eq(en_sched_step(s), 10);
+    cr_assert_eq(o[FT_A + 1].n, 1);
+    cr_assert_eq(o[0].n, before);
+    run_all(s);
+    fake_close(s);
+    for (int i = 0; i < FT_A + 2; i++) fair_check(p[i], i < FT_A ? 20 : 3, &o[i], i);
+}
+
+Test(sched_fake, the_tenants_at_their_share_never_sit_out_two_steps_in_a_row)
+{
+    en_sched *s = fake_open(0, 64,
+                            (en_sched_opts){.max_batch_tokens = 64,
+                                            .max_running = 8,
+                                            .tenant_share = 2,
+                                            .tenant_linger_ms = 3600000});
+    int32_t p[4][10];
+    out o[4];
+    memset(o, 0, sizeof o);
+    fair_submit(s, p[0], 130, 7, 20, &o[0]);
+    fair_submit(s, p[1], 131, 7, 20, &o[1]);
+    cr_assert_gt(en_sched_step(s), 0);
+    fair_submit(s, p[2], 132, 9, 3, &o[2]);
+    cr_assert_eq(en_sched_step(s), 10, "9's first token: 7 sits out");
+    fair_submit(s, p[3], 133, 10, 3, &o[3]);
+    /* 10's first token too, but 7 sat out the step before: it decodes in this one */
+    int before = o[0].n;
+    cr_assert_eq(en_sched_step(s), 10 + 3, "10's prompt, 9's and 7's decodes");
+    cr_assert(o[0].n == before + 1 && o[3].n == 1);
+    run_all(s);
+    fake_close(s);
+    for (int i = 0; i < 4; i++) fair_check(p[i], i < 2 ? 20 : 3, &o[i], i);
+}
+
+Test(sched_fake, a_tenant_over_its_share_alone_takes_at_most_tenant_prefill_a_step)
+{
+    en_sched *s = fake_open(
+        0, 64,
+        (en_sched_opts){
+            .max_batch_tokens = 64, .max_running = 8, .tenant_share = 2, .tenant_prefill = 12});
+    int32_t p[FT_A][10];
+    out o[FT_A];
+    memset(o, 0, sizeof o);
+    for (int i = 0; i < FT_A; i++) fair_submit(s, p[i], 140 + i, 7, 20, &o[i]);
+    /* six prompts of 10 tokens admitted at once: 12 prompt tokens a step (and the decodes)
+     * instead of all 60 in one */
+    int first = g_fake->n_rec;
+    run_all(s);
+    int most = 0;
+    for (int i = first; i < g_fake->n_rec; i++)
+        if (g_fake->n[i] > most) most = g_fake->n[i];
+    cr_assert_leq(most, FT_A + 12, "a step of %d tokens", most);
+    cr_assert_eq(fair_stats(s).tenant_yields, 0, "alone: never held");
+    fake_close(s);
+    for (int i = 0; i < FT_A; i++) fair_check(p[i], 20, &o[i], i);
 }
 
 Test(sched_fake, admission_takes_the_tenant_with_the_fewest_running_first)
