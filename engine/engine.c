@@ -196,7 +196,9 @@ int en_engine_create(const en_model *m, const en_engine_opts *opts, en_engine **
             lanes_ok = kn_sparse_scratch_init(&e->lanes[i].sparse, cap) == 0;
         e->fetch_mark = calloc((size_t)cap, 1);
         e->fetch_list = malloc(sizeof(int) * (size_t)cap);
-        lanes_ok = lanes_ok && e->fetch_mark && e->fetch_list;
+        e->sparse_idle = o.sparse_idle == 0 ? 16 : o.sparse_idle < 0 ? 0 : o.sparse_idle;
+        e->idle_seqs = malloc(sizeof(kv_seq *) * (size_t)e->max_tokens);
+        lanes_ok = lanes_ok && e->fetch_mark && e->fetch_list && e->idle_seqs;
     }
     if (!e->x || !e->xn || !e->q || !e->k || !e->v || !e->att || !e->tmp || !e->gate || !e->up ||
         !e->rope_cs || !e->logits || !e->xq || !e->out_idx || !e->run0 || !e->run_n || !e->n_at ||
@@ -229,6 +231,7 @@ void en_engine_destroy(en_engine *e)
     free(e->lanes);
     free(e->fetch_mark);
     free(e->fetch_list);
+    free(e->idle_seqs);
     en_moe_free(e);
     kn_pool_destroy(e->pool);
     kv_store_destroy(e->kv);
@@ -250,7 +253,8 @@ kv_store *en_engine_kv(en_engine *e)
 }
 void en_engine_sparse_stats(const en_engine *e, en_sparse_stats *out)
 {
-    *out = (en_sparse_stats){.fetches = e->fetches, .pages_fetched = e->pages_fetched};
+    *out = (en_sparse_stats){
+        .fetches = e->fetches, .pages_fetched = e->pages_fetched, .pages_wanted = e->pages_wanted};
     for (int i = 0; e->lanes && i < kn_pool_size(e->pool); i++) {
         out->pages_selected += e->lanes[i].sparse_sel;
         out->pages_skipped += e->lanes[i].sparse_all - e->lanes[i].sparse_sel;
@@ -360,6 +364,7 @@ static void en_attend(const en_engine *e, const en_batch *b, int l, int64_t i, i
     kv_seq_view(e->kv, b->seqs[i], l, h, b->pos[i] + 1, &view);
     if (!en_sparse_token(e, b, l, i)) {
         e->ops->attention(&view, hd, e->q + off, group, e->attn_scale, e->att + off);
+        if (e->sparse_idle) kv_seq_touch(e->kv, b->seqs[i], NULL, b->pos[i] / e->page_tokens + 1);
         return;
     }
     kn_sparse_scratch *scr = &e->lanes[ith].sparse;
@@ -369,6 +374,7 @@ static void en_attend(const en_engine *e, const en_batch *b, int l, int64_t i, i
                                       group, e->attn_scale, e->att + off);
     e->lanes[ith].sparse_sel += (uint64_t)n;
     e->lanes[ith].sparse_all += (uint64_t)np;
+    if (e->sparse_idle) kv_seq_touch(e->kv, b->seqs[i], n == np ? NULL : scr->sel, n);
 }
 
 /* Marks in e->fetch_mark the pages token i reads in layer l (all of them when it attends
@@ -419,7 +425,9 @@ static void en_fetch_layer(en_engine *e, const en_step *st, int l)
             for (; k < np && m < cap; k++) e->fetch_list[m++] = k;
             const int got = kv_seq_fetch(e->kv, q, l, e->fetch_list, m);
             e->pages_fetched += got > 0 ? (uint64_t)got : 0;
+            e->pages_wanted += (uint64_t)m;
         }
+        e->pages_wanted += (uint64_t)n;
         const int got = kv_seq_fetch(e->kv, q, l, e->fetch_list, n);
         e->fetches++;
         e->pages_fetched += got > 0 ? (uint64_t)got : 0;
@@ -546,6 +554,9 @@ static void en_step_job(void *ctx, int ith, int nth)
                 size_t off = (size_t)i0 * qd + (size_t)h * group * hd;
                 ops->attention_multi(&view, hd, e->q + off, (size_t)qd, nr, group, scale,
                                      e->att + off, (size_t)qd);
+                if (e->sparse_idle)
+                    kv_seq_touch(e->kv, b->seqs[i0], NULL,
+                                 b->pos[i0 + nr - 1] / e->page_tokens + 1);
             }
         }
         kn_pool_barrier(e->pool);
@@ -636,6 +647,20 @@ static int en_att_runs(en_engine *e, const en_batch *b, int nth)
     return n_runs;
 }
 
+/* After a sparse step: each of the batch's sequences sends down the held pages its steps
+ * stopped reading (kv_seq_demote_idle), the recent window kept. */
+static void en_demote_idle(en_engine *e, const en_batch *b)
+{
+    int n = 0;
+    for (int i = 0; i < b->n_tokens; i++) {
+        int seen = 0;
+        for (int j = n - 1; j >= 0 && !seen; j--) seen = e->idle_seqs[j] == b->seqs[i];
+        if (!seen) e->idle_seqs[n++] = b->seqs[i];
+    }
+    for (int j = 0; j < n; j++)
+        kv_seq_demote_idle(e->kv, e->idle_seqs[j], e->sparse_idle, e->sparse.window_pages);
+}
+
 int en_engine_step(en_engine *e, const en_batch *b, const float **logits)
 {
     const en_hparams *hp = &e->m->hp;
@@ -682,6 +707,7 @@ int en_engine_step(en_engine *e, const en_batch *b, const float **logits)
     }
     if (st.route) memset(e->route_w, 0, (size_t)b->n_tokens * n_exp * sizeof(float));
     kn_pool_run(e->pool, en_step_job, &st);
+    if (e->sparse_idle) en_demote_idle(e, b);
     if (hp->f_logit_scale != 0.0f) { /* granite: ggml_scale by the inverse */
         const float s = 1.0f / hp->f_logit_scale;
         for (size_t j = 0; j < (size_t)n_out * hp->n_vocab; j++) e->logits[j] *= s;

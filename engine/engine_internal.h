@@ -58,7 +58,9 @@ struct en_engine {
     int *n_at, *runs_at;
     uint8_t *fetch_mark; /* [sparse scratch cap]: pages a layer reads (en_fetch_layer) */
     int *fetch_list;
-    uint64_t fetches, pages_fetched;
+    uint64_t fetches, pages_fetched, pages_wanted;
+    int sparse_idle;    /* en_engine_opts.sparse_idle resolved: 0 never */
+    kv_seq **idle_seqs; /* [max_tokens] a step's distinct sequences (en_demote_idle) */
 };
 
 /* What one step's job needs; lives on the caller's stack for the duration of kn_pool_run. */

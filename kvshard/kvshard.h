@@ -230,6 +230,16 @@ int kv_seq_cold_pages(const kv_seq *q);
  * that fails verification reads as zeros for this sequence, is counted corrupt and is never served
  * to another. Returns the number of pages brought up, or KM_ENOMEM. Structural. */
 int kv_seq_fetch(kv_store *s, kv_seq *q, int layer, const int *pages, int n);
+/* Records that a step read the listed pages of the sequence (pages NULL: pages [0, n)): what
+ * kv_seq_demote_idle measures idleness by. Hot path: any thread, between structural calls. */
+void kv_seq_touch(const kv_store *s, const kv_seq *q, const int *pages, int n);
+/* Ends one step of a sparse sequence: its held hot pages that no step touched (kv_seq_touch) in
+ * the last `idle` of these calls go down to host RAM, or to disk (where a verified copy is, or can
+ * be written), while their shard's hot tier is above its low watermark; the last keep_tail pages,
+ * pages other sequences hold and pages not indexed stay. They come up again when a step reads
+ * them (kv_seq_fetch). Counted in kv_store_stats.held_demoted_*. Returns the pages moved. With
+ * kv_config.promote_selected only; structural. */
+int kv_seq_demote_idle(kv_store *s, kv_seq *q, int idle, int keep_tail);
 
 /* ---------------------------------------------------------------- formats, eviction, tiers */
 
@@ -290,6 +300,8 @@ typedef struct kv_store_stats {
      * (kv_seq_fetch); fetch_in_place: host pages a step read where they were (no hot room). */
     uint64_t promoted_pages[KV_PROMOTE_REASONS], promoted_bytes[KV_PROMOTE_REASONS];
     uint64_t fetch_in_place;
+    /* held pages a sparse sequence stopped reading, sent down (kv_seq_demote_idle) */
+    uint64_t held_demoted_pages, held_demoted_bytes;
 } kv_store_stats;
 
 void kv_store_stats_get(const kv_store *s, kv_store_stats *out);
