@@ -189,11 +189,18 @@ int en_engine_create(const en_model *m, const en_engine_opts *opts, en_engine **
                                     .window_pages = o.sparse_window > 0 ? o.sparse_window : 2};
         if (e->sparse.budget_pages < e->sparse.window_pages + 2)
             e->sparse.budget_pages = e->sparse.window_pages + 2;
+        e->shallow_on = o.sparse_shallow_attn > 0 && e->sparse_from > 0;
+        e->shallow = e->sparse;
+        if (e->shallow_on && (o.sparse_shallow_attn + pt - 1) / pt > e->shallow.budget_pages)
+            e->shallow.budget_pages = (o.sparse_shallow_attn + pt - 1) / pt;
         /* views with more pages than this are attended densely (kn_sparse_attention) */
         int cap = kv_store_pages_total(e->kv), tr = (hp->n_ctx_train + pt - 1) / pt;
         cap = (cap > tr ? cap : tr) + 1;
-        for (int i = 0; lanes_ok && i < nth; i++)
+        for (int i = 0; lanes_ok && i < nth; i++) {
             lanes_ok = kn_sparse_scratch_init(&e->lanes[i].sparse, cap) == 0;
+            e->lanes[i].defer = malloc(sizeof(int) * (size_t)e->max_tokens * hp->n_head_kv);
+            lanes_ok = lanes_ok && e->lanes[i].defer;
+        }
         e->fetch_mark = calloc((size_t)cap, 1);
         e->fetch_list = malloc(sizeof(int) * (size_t)cap);
         e->sparse_idle = o.sparse_idle == 0 ? 16 : o.sparse_idle < 0 ? 0 : o.sparse_idle;
@@ -227,6 +234,7 @@ void en_engine_destroy(en_engine *e)
         free(e->lanes[i].xqg);
         free(e->lanes[i].shw);
         kn_sparse_scratch_free(&e->lanes[i].sparse);
+        free(e->lanes[i].defer);
     }
     free(e->lanes);
     free(e->fetch_mark);
@@ -346,11 +354,17 @@ static void en_token_qk(const en_engine *e, const en_layer *L, const en_batch *b
     kv_seq_write(e->kv, b->seqs[i], l, b->pos[i], k, e->v + i * kvd);
 }
 
-/* Whether token i's attention in layer l is sparse (its context past the budget). */
+/* The page choice of layer l: the shallow layers' budget below sparse_from. */
+static const kn_sparse_cfg *en_sparse_cfg(const en_engine *e, int l)
+{
+    return l < e->sparse_from ? &e->shallow : &e->sparse;
+}
+
+/* Whether token i's attention in layer l is sparse (its context past the layer's budget). */
 static int en_sparse_token(const en_engine *e, const en_batch *b, int l, int64_t i)
 {
-    return e->sparse_on && l >= e->sparse_from &&
-           b->pos[i] + 1 > e->sparse.budget_pages * e->page_tokens;
+    return e->sparse_on && (l >= e->sparse_from || e->shallow_on) &&
+           b->pos[i] + 1 > en_sparse_cfg(e, l)->budget_pages * e->page_tokens;
 }
 
 /* Token i's attention in layer l over kv head h (the head group's queries), dense or sparse. */
@@ -370,8 +384,8 @@ static void en_attend(const en_engine *e, const en_batch *b, int l, int64_t i, i
     kn_sparse_scratch *scr = &e->lanes[ith].sparse;
     const int np = (view.n_ctx + view.page_tokens - 1) / view.page_tokens;
     if (np <= scr->cap) kv_seq_summaries(e->kv, b->seqs[i], l, h, np, scr->sums);
-    const int n = kn_sparse_attention(e->ops, &view, scr->sums, &e->sparse, scr, hd, e->q + off,
-                                      group, e->attn_scale, e->att + off);
+    const int n = kn_sparse_attention(e->ops, &view, scr->sums, en_sparse_cfg(e, l), scr, hd,
+                                      e->q + off, group, e->attn_scale, e->att + off);
     e->lanes[ith].sparse_sel += (uint64_t)n;
     e->lanes[ith].sparse_all += (uint64_t)np;
     if (e->sparse_idle) kv_seq_touch(e->kv, b->seqs[i], n == np ? NULL : scr->sel, n);
@@ -393,7 +407,7 @@ static int en_fetch_mark(en_engine *e, const en_batch *b, int l, int64_t i)
         kn_kv_view view;
         kv_seq_view(e->kv, b->seqs[i], l, h, b->pos[i] + 1, &view);
         kv_seq_summaries(e->kv, b->seqs[i], l, h, np, scr->sums);
-        const int n = kn_sparse_pick(e->ops, &view, scr->sums, &e->sparse, scr, hd,
+        const int n = kn_sparse_pick(e->ops, &view, scr->sums, en_sparse_cfg(e, l), scr, hd,
                                      e->q + (size_t)i * qd + (size_t)h * group * hd, group);
         for (int k = 0; k < n; k++) e->fetch_mark[scr->sel[k]] = 1;
     }
@@ -434,6 +448,25 @@ static void en_fetch_layer(en_engine *e, const en_step *st, int l)
     }
 }
 
+/* Attention of run r's tokens over kv head h in layer l (P4 outside lane mode). */
+static void en_att_item(const en_engine *e, const en_batch *b, int l, int r, int h, int ith)
+{
+    const en_hparams *hp = &e->m->hp;
+    const int hd = hp->head_dim, qd = hp->n_head * hd, group = hp->n_head / hp->n_head_kv;
+    const int i0 = e->run0[r], nr = e->run_n[r];
+    if (en_sparse_token(e, b, l, i0 + nr - 1)) { /* each token picks its pages */
+        for (int i = i0; i < i0 + nr; i++) en_attend(e, b, l, i, h, ith);
+        return;
+    }
+    kn_kv_view view;
+    kv_seq_view(e->kv, b->seqs[i0], l, h, b->pos[i0 + nr - 1] + 1, &view);
+    const size_t off = (size_t)i0 * qd + (size_t)h * group * hd;
+    e->ops->attention_multi(&view, hd, e->q + off, (size_t)qd, nr, group, e->attn_scale,
+                            e->att + off, (size_t)qd);
+    if (e->sparse_idle)
+        kv_seq_touch(e->kv, b->seqs[i0], NULL, b->pos[i0 + nr - 1] / e->page_tokens + 1);
+}
+
 /* Token i completed its page's rows of layer l: the page's key summary for that layer. */
 static void en_token_summarize(const en_engine *e, const en_batch *b, int l, int64_t i)
 {
@@ -460,8 +493,7 @@ static void en_step_job(void *ctx, int ith, int nth)
     const en_batch *b = st->b;
     int n = b->n_tokens, n_runs = st->n_runs;
     int embd = hp->n_embd, hd = hp->head_dim, ff = hp->n_ff;
-    int qd = hp->n_head * hd, kvd = hp->n_head_kv * hd, group = hp->n_head / hp->n_head_kv;
-    const float scale = e->attn_scale;
+    int qd = hp->n_head * hd, kvd = hp->n_head_kv * hd;
     /* Token-wise work: this thread's share of the shared buffers, or (lanes) every token in its
      * own buffers, where nothing needs a barrier after it. */
     const int lanes = st->lanes;
@@ -541,23 +573,19 @@ static void en_step_job(void *ctx, int ith, int nth)
             }
             /* P4: (run, kv head) items interleaved so that early (cheap) and late (expensive)
              * prompt positions spread over the threads; a run's tokens share one walk of the
-             * pages (en_att_runs). */
+             * pages (en_att_runs). After a fetch, items whose pages are still on their way
+             * wait until the thread's other items are done: I/O under compute. */
+            int n_defer = 0;
+            int *defer = e->sparse_on ? e->lanes[ith].defer : NULL;
             for (int64_t p = ith; p < (int64_t)n_runs * hp->n_head_kv; p += nth) {
-                const int r = (int)(p / hp->n_head_kv), h = (int)(p % hp->n_head_kv);
-                const int i0 = e->run0[r], nr = e->run_n[r];
-                if (en_sparse_token(e, b, l, i0 + nr - 1)) { /* each token picks its pages */
-                    for (int i = i0; i < i0 + nr; i++) en_attend(e, b, l, i, h, ith);
-                    continue;
-                }
-                kn_kv_view view;
-                kv_seq_view(e->kv, b->seqs[i0], l, h, b->pos[i0 + nr - 1] + 1, &view);
-                size_t off = (size_t)i0 * qd + (size_t)h * group * hd;
-                ops->attention_multi(&view, hd, e->q + off, (size_t)qd, nr, group, scale,
-                                     e->att + off, (size_t)qd);
-                if (e->sparse_idle)
-                    kv_seq_touch(e->kv, b->seqs[i0], NULL,
-                                 b->pos[i0 + nr - 1] / e->page_tokens + 1);
+                const int r = (int)(p / hp->n_head_kv);
+                if (st->fetch && defer && !kv_seq_layer_ready(e->kv, b->seqs[e->run0[r]], l))
+                    defer[n_defer++] = (int)p;
+                else
+                    en_att_item(e, b, l, r, (int)(p % hp->n_head_kv), ith);
             }
+            for (int k = 0; k < n_defer; k++)
+                en_att_item(e, b, l, defer[k] / hp->n_head_kv, defer[k] % hp->n_head_kv, ith);
         }
         kn_pool_barrier(e->pool);
         /* P5 */

@@ -122,6 +122,9 @@ typedef struct en_engine_opts {
     int sparse_attn;
     int sparse_dense_layers;
     int sparse_window; /* recent pages always attended (the partial last one among them); 0: 2 */
+    /* Budget of the first sparse_dense_layers layers: they attend sparsely within this many
+     * tokens instead of densely (a per-layer schedule: more in the first layers); 0: dense. */
+    int sparse_shallow_attn;
     /* Steps a held hot page of a sparse sequence may go unread before it goes back down to host
      * RAM or disk while the hot tier is above its low watermark (kv_seq_demote_idle); 0: 16;
      * -1: never (pages brought up stay hot while their sequence holds them). */

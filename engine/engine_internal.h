@@ -23,6 +23,7 @@ typedef struct en_lane_bufs {
     float *shw;                      /* MoE: each token's shared-expert gate */
     kn_sparse_scratch sparse;        /* sparse attention's room (opts.sparse_attn) */
     uint64_t sparse_sel, sparse_all; /* pages attended, and in the views, by sparse attention */
+    int *defer; /* P4 items this thread put off while their pages come up (en_step_job) */
 } en_lane_bufs;
 
 struct en_moe_scr;
@@ -53,6 +54,8 @@ struct en_engine {
     /* sparse attention (en_engine_opts.sparse_attn): the page choice, from layer sparse_from */
     kn_sparse_cfg sparse;
     int sparse_on, sparse_from, page_tokens;
+    kn_sparse_cfg shallow; /* layers below sparse_from (opts.sparse_shallow_attn) */
+    int shallow_on;
     /* en_batch.depth: [n_layers] the tokens computed in each layer (a prefix of the batch) and
      * the attention runs they make up (a prefix of run0/run_n) */
     int *n_at, *runs_at;

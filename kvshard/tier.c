@@ -268,11 +268,12 @@ int kv_seq_demote_idle(kv_store *s, kv_seq *q, int idle, int keep_tail)
         kv_page *p = q->pg[i];
         uint64_t at = atomic_load_explicit(&p->sel_at, memory_order_relaxed);
         if (!at || at > now) atomic_store_explicit(&p->sel_at, at = now, memory_order_relaxed);
-        if (p->tier != KV_TIER_HOT || p->refs != 1 || !(p->flags & KV_PAGE_INDEXED) ||
-            now - at < (uint64_t)idle)
-            continue;
+        if (p->tier != KV_TIER_HOT || p->refs != 1 || !(p->flags & KV_PAGE_INDEXED)) continue;
         const kv_tier_acct *t = &s->shards[p->shard].t[KV_TIER_HOT];
-        if ((double)t->used <= s->low_wm * (double)t->budget) continue;
+        const double used = (double)t->used, budget = (double)t->budget;
+        if (used <= s->low_wm * budget) continue;
+        /* over the high watermark the step's own reads go down too: it came up over budget */
+        if (used <= s->high_wm * budget && now - at < (uint64_t)idle) continue;
         if (!kv_held_down(s, p)) continue;
         q->ptrs[i] = p->buf;
         q->n_cold++;

@@ -38,11 +38,9 @@ static void teardown(void)
 }
 
 /* Logits of every position of ids, n_chunk tokens per step: [N][n_vocab]. */
-static float *run(int sparse, int n_chunk, const int32_t *ids)
+static float *run_opts(en_engine_opts o, int n_chunk, const int32_t *ids)
 {
     const int nv = en_model_hparams(g_model)->n_vocab;
-    en_engine_opts o = {
-        .n_threads = 2, .max_batch_tokens = N, .sparse_attn = sparse, .sparse_dense_layers = -1};
     en_engine *e;
     km_errbuf err = {{0}};
     cr_assert_eq(en_engine_create(g_model, &o, &e, &err), 0, "%s", err.msg);
@@ -63,6 +61,13 @@ static float *run(int sparse, int n_chunk, const int32_t *ids)
     kv_seq_destroy(en_engine_kv(e), q);
     en_engine_destroy(e);
     return out;
+}
+
+static float *run(int sparse, int n_chunk, const int32_t *ids)
+{
+    en_engine_opts o = {
+        .n_threads = 2, .max_batch_tokens = N, .sparse_attn = sparse, .sparse_dense_layers = -1};
+    return run_opts(o, n_chunk, ids);
 }
 
 Test(engine_sparse, fits_the_budget_dense_past_it_close_and_decode_equals_prefill, .init = setup,
@@ -91,6 +96,33 @@ Test(engine_sparse, fits_the_budget_dense_past_it_close_and_decode_equals_prefil
     free(dense);
     free(pre);
     free(dec);
+}
+
+/* --sparse-shallow-attn: the first two layers attend within twice the budget instead of densely,
+ * so positions within it get the default engine's logits (those layers dense) bit for bit, and
+ * some past it do not. */
+Test(engine_sparse, shallow_layers_have_their_own_budget, .init = setup, .fini = teardown,
+     .timeout = 600)
+{
+    if (!g_model) cr_skip_test("model %s absent: run `make deps`", MODEL);
+    const int nv = en_model_hparams(g_model)->n_vocab;
+    int32_t ids[N];
+    for (int i = 0; i < N; i++) ids[i] = (int32_t)((i * 7919u + 13u) % 20000u) + 100;
+    en_engine_opts o = {.n_threads = 2, .max_batch_tokens = N, .sparse_attn = BUDGET};
+    float *dense2 = run_opts(o, N, ids);
+    o.sparse_shallow_attn = 2 * BUDGET;
+    float *shallow = run_opts(o, N, ids);
+    int changed = 0;
+    for (int t = 0; t < N; t++) {
+        const size_t at = (size_t)t * nv;
+        if (t < 2 * BUDGET)
+            cr_assert_arr_eq(shallow + at, dense2 + at, sizeof(float) * nv, "position %d", t);
+        else
+            changed += memcmp(shallow + at, dense2 + at, sizeof(float) * nv) != 0;
+    }
+    cr_assert_gt(changed, 0, "past their budget the first layers left pages out");
+    free(dense2);
+    free(shallow);
 }
 
 #define LONG 512 /* tokens of the cached prefix: 32 pages of 16 */
