@@ -3,8 +3,8 @@
  * inside a hot KV budget much smaller than their KV (issue 34 item 5, docs/sparse.md), in the
  * engine with its real kvshard store (hot, host RAM and disk tiers), no sockets.
  *
- * Text: the files of /usr/share/common-licenses in name order, tokenized; sequence k is a window of --ctx
- * tokens starting k * --ctx tokens in (wrapping round), with its own hash seed so that no two
+ * Text: the files of /usr/share/common-licenses in name order, tokenized; sequence k is a window of
+ * --ctx tokens starting k * --ctx tokens in (wrapping round), with its own hash seed so that no two
  * share pages. Ingest: each sequence is prefilled, published and released, one after the
  * other, so that eviction sends the older ones down as the hot tier fills. Serve: every
  * sequence is attached again (with sparse attention its pages stay where they are) and all of
@@ -161,21 +161,23 @@ static int run_mode(const cfg *c, en_model *m, const int32_t *text, int n_text, 
     kv_store_stats_get(kv, &s1);
     en_engine_sparse_stats(e, &e1);
     const double toks = (double)c->seqs * c->gen;
-    const double up = (double)(s1.promoted_bytes[KV_PROMOTE_READ] - s0.promoted_bytes[KV_PROMOTE_READ]);
+    const double up =
+        (double)(s1.promoted_bytes[KV_PROMOTE_READ] - s0.promoted_bytes[KV_PROMOTE_READ]);
     const double down = (double)(s1.held_demoted_bytes - s0.held_demoted_bytes);
     const double wanted = (double)(e1.pages_wanted - e0.pages_wanted);
     const double fetched = (double)(e1.pages_fetched - e0.pages_fetched);
     const double sel = (double)(e1.pages_selected - e0.pages_selected);
     const double skip = (double)(e1.pages_skipped - e0.pages_skipped);
     if (!rc)
-        printf("mem seqs=%d ctx=%d budget=%d dense_layers=%d hot=%.3f host=%.3f kv_mib=%.0f hot_mib=%.0f "
+        printf("mem seqs=%d ctx=%d budget=%d dense_layers=%d hot=%.3f host=%.3f kv_mib=%.0f "
+               "hot_mib=%.0f "
                "ingest_s=%.1f tok_s=%.2f cpu_ms_tok=%.2f up_kib_tok=%.1f down_kib_tok=%.1f "
                "hit=%.3f read_frac=%.3f cold_start=%d hot_end_mib=%.0f in_place=%llu load=%.1f\n",
-               c->seqs, c->ctx, c->budget, c->dense_layers, c->hot, limited ? c->host : 0.0, (double)all / 1048576.0,
-               (double)o.kv_bytes / 1048576.0, ingest, toks / wall, 1e3 * cpu / toks,
-               up / toks / 1024.0, down / toks / 1024.0, wanted > 0 ? 1.0 - fetched / wanted : 1.0,
-               sel + skip > 0 ? sel / (sel + skip) : 1.0, cold0,
-               (double)s1.tier[KV_TIER_HOT].bytes / 1048576.0,
+               c->seqs, c->ctx, c->budget, c->dense_layers, c->hot, limited ? c->host : 0.0,
+               (double)all / 1048576.0, (double)o.kv_bytes / 1048576.0, ingest, toks / wall,
+               1e3 * cpu / toks, up / toks / 1024.0, down / toks / 1024.0,
+               wanted > 0 ? 1.0 - fetched / wanted : 1.0, sel + skip > 0 ? sel / (sel + skip) : 1.0,
+               cold0, (double)s1.tier[KV_TIER_HOT].bytes / 1048576.0,
                (unsigned long long)(s1.fetch_in_place - s0.fetch_in_place), bench_load1());
     for (int k = 0; k < c->seqs; k++)
         if (q[k]) kv_seq_destroy(kv, q[k]);

@@ -258,27 +258,35 @@ static int kv_held_down(kv_store *s, kv_page *p)
     return 1;
 }
 
+/* Whether shard sh's hot tier is above `wm` of its budget. */
+static int kv_hot_above(const kv_store *s, int sh, float wm)
+{
+    const kv_tier_acct *t = &s->shards[sh].t[KV_TIER_HOT];
+    return (double)t->used > (double)wm * (double)t->budget;
+}
+
 int kv_seq_demote_idle(kv_store *s, kv_seq *q, int idle, int keep_tail)
 {
     if (!s->cfg.promote_selected || idle < 1 || q->lent) return 0;
     const uint64_t now = ++q->sel_clock;
     if (q->promo_pending) kv_seq_wait_promo(s, q);
     int moved = 0;
-    for (int i = 0; i < q->n_pages - keep_tail; i++) {
-        kv_page *p = q->pg[i];
-        uint64_t at = atomic_load_explicit(&p->sel_at, memory_order_relaxed);
-        if (!at || at > now) atomic_store_explicit(&p->sel_at, at = now, memory_order_relaxed);
-        if (p->tier != KV_TIER_HOT || p->refs != 1 || !(p->flags & KV_PAGE_INDEXED)) continue;
-        const kv_tier_acct *t = &s->shards[p->shard].t[KV_TIER_HOT];
-        const double used = (double)t->used, budget = (double)t->budget;
-        if (used <= s->low_wm * budget) continue;
-        /* over the high watermark the step's own reads go down too: it came up over budget */
-        if (used <= s->high_wm * budget && now - at < (uint64_t)idle) continue;
-        if (!kv_held_down(s, p)) continue;
-        q->ptrs[i] = p->buf;
-        q->n_cold++;
-        moved++;
-    }
+    /* Pages idle for `idle` steps first (above the low watermark); then, only above the high
+     * one, the least recently read first, down to this step's own reads (the sink last). */
+    for (int age = idle; age >= 0; age--)
+        for (int i = 0; i < q->n_pages - keep_tail; i++) {
+            kv_page *p = q->pg[i];
+            uint64_t at = atomic_load_explicit(&p->sel_at, memory_order_relaxed);
+            if (!at || at > now) atomic_store_explicit(&p->sel_at, at = now, memory_order_relaxed);
+            if (p->tier != KV_TIER_HOT || p->refs != 1 || !(p->flags & KV_PAGE_INDEXED) ||
+                now - at < (uint64_t)age ||
+                !kv_hot_above(s, p->shard, age == idle ? s->low_wm : s->high_wm))
+                continue;
+            if (!kv_held_down(s, p)) continue;
+            q->ptrs[i] = p->buf;
+            q->n_cold++;
+            moved++;
+        }
     return moved;
 }
 
