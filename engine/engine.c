@@ -201,11 +201,10 @@ int en_engine_create(const en_model *m, const en_engine_opts *opts, en_engine **
             e->lanes[i].defer = malloc(sizeof(int) * (size_t)e->max_tokens * hp->n_head_kv);
             lanes_ok = lanes_ok && e->lanes[i].defer;
         }
-        e->fetch_mark = calloc((size_t)cap, 1);
         e->fetch_list = malloc(sizeof(int) * (size_t)cap);
         e->sparse_idle = o.sparse_idle == 0 ? 16 : o.sparse_idle < 0 ? 0 : o.sparse_idle;
         e->idle_seqs = malloc(sizeof(kv_seq *) * (size_t)e->max_tokens);
-        lanes_ok = lanes_ok && e->fetch_mark && e->fetch_list && e->idle_seqs;
+        lanes_ok = lanes_ok && e->fetch_list && e->idle_seqs;
     }
     if (!e->x || !e->xn || !e->q || !e->k || !e->v || !e->att || !e->tmp || !e->gate || !e->up ||
         !e->rope_cs || !e->logits || !e->xq || !e->out_idx || !e->run0 || !e->run_n || !e->n_at ||
@@ -237,7 +236,7 @@ void en_engine_destroy(en_engine *e)
         free(e->lanes[i].defer);
     }
     free(e->lanes);
-    free(e->fetch_mark);
+    free((void *)e->pick_mark);
     free(e->fetch_list);
     free(e->idle_seqs);
     en_moe_free(e);
@@ -391,32 +390,45 @@ static void en_attend(const en_engine *e, const en_batch *b, int l, int64_t i, i
     if (e->sparse_idle) kv_seq_touch(e->kv, b->seqs[i], n == np ? NULL : scr->sel, n);
 }
 
-/* Marks in e->fetch_mark the pages token i reads in layer l (all of them when it attends
- * densely); returns its view's page count. */
-static int en_fetch_mark(en_engine *e, const en_batch *b, int l, int64_t i)
+/* Marks in run r's row the pages token i reads in layer l over kv head h, chosen as en_attend
+ * will choose them (all of them when it attends densely: kv head 0 marks those). */
+static void en_fetch_pick(en_engine *e, const en_batch *b, int l, int r, int64_t i, int h, int ith)
 {
     const en_hparams *hp = &e->m->hp;
     const int hd = hp->head_dim, qd = hp->n_head * hd, group = hp->n_head / hp->n_head_kv;
-    kn_sparse_scratch *scr = &e->lanes[0].sparse;
+    kn_sparse_scratch *scr = &e->lanes[ith].sparse;
+    _Atomic uint8_t *mark = e->pick_mark + (size_t)r * scr->cap;
     const int np = (b->pos[i] + e->page_tokens) / e->page_tokens;
     if (!en_sparse_token(e, b, l, i) || np > scr->cap) {
-        memset(e->fetch_mark, 1, (size_t)(np < scr->cap ? np : scr->cap));
-        return np;
+        for (int k = 0; !h && k < np && k < scr->cap; k++)
+            atomic_store_explicit(&mark[k], 1, memory_order_relaxed);
+        return;
     }
-    for (int h = 0; h < hp->n_head_kv; h++) {
-        kn_kv_view view;
-        kv_seq_view(e->kv, b->seqs[i], l, h, b->pos[i] + 1, &view);
-        kv_seq_summaries(e->kv, b->seqs[i], l, h, np, scr->sums);
-        const int n = kn_sparse_pick(e->ops, &view, scr->sums, en_sparse_cfg(e, l), scr, hd,
-                                     e->q + (size_t)i * qd + (size_t)h * group * hd, group);
-        for (int k = 0; k < n; k++) e->fetch_mark[scr->sel[k]] = 1;
-    }
-    return np;
+    kn_kv_view view;
+    kv_seq_view(e->kv, b->seqs[i], l, h, b->pos[i] + 1, &view);
+    kv_seq_summaries(e->kv, b->seqs[i], l, h, np, scr->sums);
+    const int n = kn_sparse_pick(e->ops, &view, scr->sums, en_sparse_cfg(e, l), scr, hd,
+                                 e->q + (size_t)i * qd + (size_t)h * group * hd, group);
+    for (int k = 0; k < n; k++) atomic_store_explicit(&mark[scr->sel[k]], 1, memory_order_relaxed);
 }
 
-/* Before layer l attends (thread 0, the others at a barrier, so structural calls are safe):
- * each run's sequence brings up the pages not hot that its tokens read in this layer, chosen
- * as en_attend will choose them. */
+/* Every thread's share of a layer's picks: the (token, kv head) items of the runs whose
+ * sequence has pages not hot. */
+static void en_fetch_picks(en_engine *e, const en_step *st, int l, int ith, int nth)
+{
+    const int kvh = e->m->hp.n_head_kv;
+    int64_t k = 0;
+    for (int r = 0; r < st->n_runs; r++) {
+        const int i0 = e->run0[r], nr = e->run_n[r];
+        if (!kv_seq_cold_pages(st->b->seqs[i0])) continue;
+        for (int i = i0; i < i0 + nr; i++)
+            for (int h = 0; h < kvh; h++, k++)
+                if (k % nth == ith) en_fetch_pick(e, st->b, l, r, i, h, ith);
+    }
+}
+
+/* After the picks (thread 0, the others at a barrier, so structural calls are safe): each run's
+ * sequence brings up the marked pages that are not hot; the marks are cleared. */
 static void en_fetch_layer(en_engine *e, const en_step *st, int l)
 {
     const en_batch *b = st->b;
@@ -424,23 +436,19 @@ static void en_fetch_layer(en_engine *e, const en_step *st, int l)
     for (int r = 0; r < st->n_runs; r++) {
         const int i0 = e->run0[r], nr = e->run_n[r];
         kv_seq *q = b->seqs[i0];
-        if (!kv_seq_cold_pages(q)) continue;
-        memset(e->fetch_mark, 0, (size_t)cap);
-        int np = 0;
-        for (int i = i0; i < i0 + nr; i++) {
-            const int n = en_fetch_mark(e, b, l, i);
-            np = n > np ? n : np;
-        }
-        int n = 0;
-        for (int k = 0; k < np && k < cap; k++)
-            if (e->fetch_mark[k]) e->fetch_list[n++] = k;
-        for (int k = cap; k < np;) { /* past the scratch: every page, a scratch at a time */
+        _Atomic uint8_t *mark = e->pick_mark + (size_t)r * cap;
+        const int np = (b->pos[i0 + nr - 1] + e->page_tokens) / e->page_tokens;
+        for (int k = cap; k < np && kv_seq_cold_pages(q);) { /* past the scratch: every page */
             int m = 0;
             for (; k < np && m < cap; k++) e->fetch_list[m++] = k;
             const int got = kv_seq_fetch(e->kv, q, l, e->fetch_list, m);
             e->pages_fetched += got > 0 ? (uint64_t)got : 0;
             e->pages_wanted += (uint64_t)m;
         }
+        int n = 0;
+        for (int k = 0; k < np && k < cap; k++)
+            if (atomic_exchange_explicit(&mark[k], 0, memory_order_relaxed)) e->fetch_list[n++] = k;
+        if (!kv_seq_cold_pages(q)) continue; /* an earlier run of its sequence brought them up */
         e->pages_wanted += (uint64_t)n;
         const int got = kv_seq_fetch(e->kv, q, l, e->fetch_list, n);
         e->fetches++;
@@ -568,6 +576,8 @@ static void en_step_job(void *ctx, int ith, int nth)
                 kn_pool_barrier(e->pool);
             }
             if (st->fetch) { /* and the pages it reads that are not hot come up */
+                en_fetch_picks(e, st, l, ith, nth);
+                kn_pool_barrier(e->pool);
                 if (!ith) en_fetch_layer(e, st, l);
                 kn_pool_barrier(e->pool);
             }
@@ -715,6 +725,15 @@ int en_engine_step(en_engine *e, const en_batch *b, const float **logits)
     int fetch = 0; /* pages not hot are fetched at a barrier of every layer: no lanes */
     for (int i = 0; e->sparse_on && i < b->n_tokens; i++) fetch |= kv_seq_cold_pages(b->seqs[i]);
     if (fetch) lanes = 0;
+    if (fetch) { /* a row of marks per run (en_fetch_picks) */
+        const size_t need = (size_t)b->n_tokens * (size_t)e->lanes[0].sparse.cap;
+        if (need > e->pick_cap) {
+            _Atomic uint8_t *m = calloc(need, 1);
+            if (!m) return KM_ENOMEM;
+            free((void *)e->pick_mark);
+            e->pick_mark = m, e->pick_cap = need;
+        }
+    }
     for (int i = 0; lanes && i < b->n_tokens; i++)
         for (int j = 0; j < i; j++)
             if (b->seqs[j] == b->seqs[i]) lanes = 0;

@@ -5,6 +5,8 @@
 #ifndef EN_ENGINE_INTERNAL_H
 #define EN_ENGINE_INTERNAL_H
 
+#include <stdatomic.h>
+
 #include "engine/model_internal.h"
 
 /* Batches of at most this many tokens (at most one per thread, one per sequence) run in lanes. */
@@ -59,7 +61,10 @@ struct en_engine {
     /* en_batch.depth: [n_layers] the tokens computed in each layer (a prefix of the batch) and
      * the attention runs they make up (a prefix of run0/run_n) */
     int *n_at, *runs_at;
-    uint8_t *fetch_mark; /* [sparse scratch cap]: pages a layer reads (en_fetch_layer) */
+    /* [runs][sparse scratch cap]: the pages each run reads in a layer, marked by every thread
+     * (en_fetch_picks), listed and cleared by thread 0 (en_fetch_layer); grown by the step */
+    _Atomic uint8_t *pick_mark;
+    size_t pick_cap;
     int *fetch_list;
     uint64_t fetches, pages_fetched, pages_wanted;
     int sparse_idle;    /* en_engine_opts.sparse_idle resolved: 0 never */
