@@ -484,9 +484,13 @@ bench-quality: build ## perplexity per KV format vs f16 and llama.cpp
 
 # Long contexts, dense vs sparse attention (docs/sparse.md): perplexity at 2k/4k/8k and budgets
 # 256/512/1024, decode step time at depth 8k.
+BENCH_LONG_MEM := $(BUILD)/bench/bench_long_mem
+$(BENCH_LONG_MEM): $(OBJ)/bench/bench_long_mem.o $(ALL_LIBS)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 .PHONY: bench-long
-bench-long: build ## long-context perplexity and decode step, dense vs sparse attention
-	@sh bench/bench_long.sh
+bench-long: build $(BENCH_LONG_MEM) ## long-context perplexity, decode step, memory budget: dense vs sparse
+	@BENCH_LONG_MEM=$(BENCH_LONG_MEM) sh bench/bench_long.sh
 
 # Worker serving figures side by side with llama-server (docs/benchmarks.md): tok/s, TTFT and
 # ITL at 1/8/32 concurrent clients, and TTFT with a 90%-cached prompt vs cold.

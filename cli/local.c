@@ -35,8 +35,8 @@ typedef struct local_opts {
     int ignore_eos;
     int show_ids;
     int raw;
-    int sparse_attn, sparse_dense_layers, sparse_window; /* en_engine_opts */
-    int depth;                                           /* bench: context filled before decoding */
+    int sparse_attn, sparse_dense_layers, sparse_window, sparse_shallow; /* en_engine_opts */
+    int depth;  /* bench: context filled before decoding */
     int chunks; /* perplexity: chunks scored at most (0: all) */
     en_sample_params sp;
 } local_opts;
@@ -55,7 +55,9 @@ static void local_usage(const char *cmd)
             "                          pages whose keys may score highest (docs/sparse.md;\n"
             "                          default 0 = off, dense)\n"
             "      --sparse-dense-layers N  first layers kept dense (default 2, -1 = none)\n"
-            "      --sparse-window N   recent pages always attended (default 2)\n");
+            "      --sparse-window N   recent pages always attended (default 2)\n"
+            "      --sparse-shallow-attn N  those first layers attend to N tokens instead\n"
+            "                          (more than --sparse-attn; default 0 = dense)\n");
     if (!strcmp(cmd, "run") || !strcmp(cmd, "tokenize"))
         printf("  -p, --prompt TEXT       the prompt (or -f FILE)\n"
                "  -f, --file PATH         read the prompt from a file\n");
@@ -162,6 +164,8 @@ static int local_parse(const char *cmd, int argc, char **argv, local_opts *c)
             bad = local_int(v, &c->sparse_dense_layers) || c->sparse_dense_layers < -1;
         else if (KM_IS("--sparse-window", "--sparse-window"))
             bad = local_int(v, &c->sparse_window) || c->sparse_window < 0;
+        else if (KM_IS("--sparse-shallow-attn", "--sparse-shallow-attn"))
+            bad = local_int(v, &c->sparse_shallow) || c->sparse_shallow < 0;
         else if (KM_IS("--chunks", "--chunks") && !strcmp(cmd, "perplexity"))
             bad = local_int(v, &c->chunks) || c->chunks < 0;
         else if (KM_IS("--depth", "--depth") && !strcmp(cmd, "bench"))
@@ -230,7 +234,8 @@ static int local_open_engine(const local_opts *c, int max_batch, en_model **m, e
                         .max_batch_tokens = max_batch,
                         .sparse_attn = c->sparse_attn,
                         .sparse_dense_layers = c->sparse_dense_layers,
-                        .sparse_window = c->sparse_window};
+                        .sparse_window = c->sparse_window,
+                        .sparse_shallow_attn = c->sparse_shallow};
     if (c->kv_format && kv_format_parse(c->kv_format, &o.kv_format)) {
         fprintf(stderr, "kvmesh: unknown --kv-format %s\n", c->kv_format);
         return -1;

@@ -189,14 +189,22 @@ int en_engine_create(const en_model *m, const en_engine_opts *opts, en_engine **
                                     .window_pages = o.sparse_window > 0 ? o.sparse_window : 2};
         if (e->sparse.budget_pages < e->sparse.window_pages + 2)
             e->sparse.budget_pages = e->sparse.window_pages + 2;
+        e->shallow_on = o.sparse_shallow_attn > 0 && e->sparse_from > 0;
+        e->shallow = e->sparse;
+        if (e->shallow_on && (o.sparse_shallow_attn + pt - 1) / pt > e->shallow.budget_pages)
+            e->shallow.budget_pages = (o.sparse_shallow_attn + pt - 1) / pt;
         /* views with more pages than this are attended densely (kn_sparse_attention) */
         int cap = kv_store_pages_total(e->kv), tr = (hp->n_ctx_train + pt - 1) / pt;
         cap = (cap > tr ? cap : tr) + 1;
-        for (int i = 0; lanes_ok && i < nth; i++)
+        for (int i = 0; lanes_ok && i < nth; i++) {
             lanes_ok = kn_sparse_scratch_init(&e->lanes[i].sparse, cap) == 0;
-        e->fetch_mark = calloc((size_t)cap, 1);
+            e->lanes[i].defer = malloc(sizeof(int) * (size_t)e->max_tokens * hp->n_head_kv);
+            lanes_ok = lanes_ok && e->lanes[i].defer;
+        }
         e->fetch_list = malloc(sizeof(int) * (size_t)cap);
-        lanes_ok = lanes_ok && e->fetch_mark && e->fetch_list;
+        e->sparse_idle = o.sparse_idle == 0 ? 16 : o.sparse_idle < 0 ? 0 : o.sparse_idle;
+        e->idle_seqs = malloc(sizeof(kv_seq *) * (size_t)e->max_tokens);
+        lanes_ok = lanes_ok && e->fetch_list && e->idle_seqs;
     }
     if (!e->x || !e->xn || !e->q || !e->k || !e->v || !e->att || !e->tmp || !e->gate || !e->up ||
         !e->rope_cs || !e->logits || !e->xq || !e->out_idx || !e->run0 || !e->run_n || !e->n_at ||
@@ -225,10 +233,12 @@ void en_engine_destroy(en_engine *e)
         free(e->lanes[i].xqg);
         free(e->lanes[i].shw);
         kn_sparse_scratch_free(&e->lanes[i].sparse);
+        free(e->lanes[i].defer);
     }
     free(e->lanes);
-    free(e->fetch_mark);
+    free((void *)e->pick_mark);
     free(e->fetch_list);
+    free(e->idle_seqs);
     en_moe_free(e);
     kn_pool_destroy(e->pool);
     kv_store_destroy(e->kv);
@@ -250,7 +260,8 @@ kv_store *en_engine_kv(en_engine *e)
 }
 void en_engine_sparse_stats(const en_engine *e, en_sparse_stats *out)
 {
-    *out = (en_sparse_stats){.fetches = e->fetches, .pages_fetched = e->pages_fetched};
+    *out = (en_sparse_stats){
+        .fetches = e->fetches, .pages_fetched = e->pages_fetched, .pages_wanted = e->pages_wanted};
     for (int i = 0; e->lanes && i < kn_pool_size(e->pool); i++) {
         out->pages_selected += e->lanes[i].sparse_sel;
         out->pages_skipped += e->lanes[i].sparse_all - e->lanes[i].sparse_sel;
@@ -342,11 +353,17 @@ static void en_token_qk(const en_engine *e, const en_layer *L, const en_batch *b
     kv_seq_write(e->kv, b->seqs[i], l, b->pos[i], k, e->v + i * kvd);
 }
 
-/* Whether token i's attention in layer l is sparse (its context past the budget). */
+/* The page choice of layer l: the shallow layers' budget below sparse_from. */
+static const kn_sparse_cfg *en_sparse_cfg(const en_engine *e, int l)
+{
+    return l < e->sparse_from ? &e->shallow : &e->sparse;
+}
+
+/* Whether token i's attention in layer l is sparse (its context past the layer's budget). */
 static int en_sparse_token(const en_engine *e, const en_batch *b, int l, int64_t i)
 {
-    return e->sparse_on && l >= e->sparse_from &&
-           b->pos[i] + 1 > e->sparse.budget_pages * e->page_tokens;
+    return e->sparse_on && (l >= e->sparse_from || e->shallow_on) &&
+           b->pos[i] + 1 > en_sparse_cfg(e, l)->budget_pages * e->page_tokens;
 }
 
 /* Token i's attention in layer l over kv head h (the head group's queries), dense or sparse. */
@@ -360,43 +377,58 @@ static void en_attend(const en_engine *e, const en_batch *b, int l, int64_t i, i
     kv_seq_view(e->kv, b->seqs[i], l, h, b->pos[i] + 1, &view);
     if (!en_sparse_token(e, b, l, i)) {
         e->ops->attention(&view, hd, e->q + off, group, e->attn_scale, e->att + off);
+        if (e->sparse_idle) kv_seq_touch(e->kv, b->seqs[i], NULL, b->pos[i] / e->page_tokens + 1);
         return;
     }
     kn_sparse_scratch *scr = &e->lanes[ith].sparse;
     const int np = (view.n_ctx + view.page_tokens - 1) / view.page_tokens;
     if (np <= scr->cap) kv_seq_summaries(e->kv, b->seqs[i], l, h, np, scr->sums);
-    const int n = kn_sparse_attention(e->ops, &view, scr->sums, &e->sparse, scr, hd, e->q + off,
-                                      group, e->attn_scale, e->att + off);
+    const int n = kn_sparse_attention(e->ops, &view, scr->sums, en_sparse_cfg(e, l), scr, hd,
+                                      e->q + off, group, e->attn_scale, e->att + off);
     e->lanes[ith].sparse_sel += (uint64_t)n;
     e->lanes[ith].sparse_all += (uint64_t)np;
+    if (e->sparse_idle) kv_seq_touch(e->kv, b->seqs[i], n == np ? NULL : scr->sel, n);
 }
 
-/* Marks in e->fetch_mark the pages token i reads in layer l (all of them when it attends
- * densely); returns its view's page count. */
-static int en_fetch_mark(en_engine *e, const en_batch *b, int l, int64_t i)
+/* Marks in run r's row the pages token i reads in layer l over kv head h, chosen as en_attend
+ * will choose them (all of them when it attends densely: kv head 0 marks those). */
+static void en_fetch_pick(en_engine *e, const en_batch *b, int l, int r, int64_t i, int h, int ith)
 {
     const en_hparams *hp = &e->m->hp;
     const int hd = hp->head_dim, qd = hp->n_head * hd, group = hp->n_head / hp->n_head_kv;
-    kn_sparse_scratch *scr = &e->lanes[0].sparse;
+    kn_sparse_scratch *scr = &e->lanes[ith].sparse;
+    _Atomic uint8_t *mark = e->pick_mark + (size_t)r * scr->cap;
     const int np = (b->pos[i] + e->page_tokens) / e->page_tokens;
     if (!en_sparse_token(e, b, l, i) || np > scr->cap) {
-        memset(e->fetch_mark, 1, (size_t)(np < scr->cap ? np : scr->cap));
-        return np;
+        for (int k = 0; !h && k < np && k < scr->cap; k++)
+            atomic_store_explicit(&mark[k], 1, memory_order_relaxed);
+        return;
     }
-    for (int h = 0; h < hp->n_head_kv; h++) {
-        kn_kv_view view;
-        kv_seq_view(e->kv, b->seqs[i], l, h, b->pos[i] + 1, &view);
-        kv_seq_summaries(e->kv, b->seqs[i], l, h, np, scr->sums);
-        const int n = kn_sparse_pick(e->ops, &view, scr->sums, &e->sparse, scr, hd,
-                                     e->q + (size_t)i * qd + (size_t)h * group * hd, group);
-        for (int k = 0; k < n; k++) e->fetch_mark[scr->sel[k]] = 1;
-    }
-    return np;
+    kn_kv_view view;
+    kv_seq_view(e->kv, b->seqs[i], l, h, b->pos[i] + 1, &view);
+    kv_seq_summaries(e->kv, b->seqs[i], l, h, np, scr->sums);
+    const int n = kn_sparse_pick(e->ops, &view, scr->sums, en_sparse_cfg(e, l), scr, hd,
+                                 e->q + (size_t)i * qd + (size_t)h * group * hd, group);
+    for (int k = 0; k < n; k++) atomic_store_explicit(&mark[scr->sel[k]], 1, memory_order_relaxed);
 }
 
-/* Before layer l attends (thread 0, the others at a barrier, so structural calls are safe):
- * each run's sequence brings up the pages not hot that its tokens read in this layer, chosen
- * as en_attend will choose them. */
+/* Every thread's share of a layer's picks: the (token, kv head) items of the runs whose
+ * sequence has pages not hot. */
+static void en_fetch_picks(en_engine *e, const en_step *st, int l, int ith, int nth)
+{
+    const int kvh = e->m->hp.n_head_kv;
+    int64_t k = 0;
+    for (int r = 0; r < st->n_runs; r++) {
+        const int i0 = e->run0[r], nr = e->run_n[r];
+        if (!kv_seq_cold_pages(st->b->seqs[i0])) continue;
+        for (int i = i0; i < i0 + nr; i++)
+            for (int h = 0; h < kvh; h++, k++)
+                if (k % nth == ith) en_fetch_pick(e, st->b, l, r, i, h, ith);
+    }
+}
+
+/* After the picks (thread 0, the others at a barrier, so structural calls are safe): each run's
+ * sequence brings up the marked pages that are not hot; the marks are cleared. */
 static void en_fetch_layer(en_engine *e, const en_step *st, int l)
 {
     const en_batch *b = st->b;
@@ -404,26 +436,43 @@ static void en_fetch_layer(en_engine *e, const en_step *st, int l)
     for (int r = 0; r < st->n_runs; r++) {
         const int i0 = e->run0[r], nr = e->run_n[r];
         kv_seq *q = b->seqs[i0];
-        if (!kv_seq_cold_pages(q)) continue;
-        memset(e->fetch_mark, 0, (size_t)cap);
-        int np = 0;
-        for (int i = i0; i < i0 + nr; i++) {
-            const int n = en_fetch_mark(e, b, l, i);
-            np = n > np ? n : np;
-        }
-        int n = 0;
-        for (int k = 0; k < np && k < cap; k++)
-            if (e->fetch_mark[k]) e->fetch_list[n++] = k;
-        for (int k = cap; k < np;) { /* past the scratch: every page, a scratch at a time */
+        _Atomic uint8_t *mark = e->pick_mark + (size_t)r * cap;
+        const int np = (b->pos[i0 + nr - 1] + e->page_tokens) / e->page_tokens;
+        for (int k = cap; k < np && kv_seq_cold_pages(q);) { /* past the scratch: every page */
             int m = 0;
             for (; k < np && m < cap; k++) e->fetch_list[m++] = k;
             const int got = kv_seq_fetch(e->kv, q, l, e->fetch_list, m);
             e->pages_fetched += got > 0 ? (uint64_t)got : 0;
+            e->pages_wanted += (uint64_t)m;
         }
+        int n = 0;
+        for (int k = 0; k < np && k < cap; k++)
+            if (atomic_exchange_explicit(&mark[k], 0, memory_order_relaxed)) e->fetch_list[n++] = k;
+        if (!kv_seq_cold_pages(q)) continue; /* an earlier run of its sequence brought them up */
+        e->pages_wanted += (uint64_t)n;
         const int got = kv_seq_fetch(e->kv, q, l, e->fetch_list, n);
         e->fetches++;
         e->pages_fetched += got > 0 ? (uint64_t)got : 0;
     }
+}
+
+/* Attention of run r's tokens over kv head h in layer l (P4 outside lane mode). */
+static void en_att_item(const en_engine *e, const en_batch *b, int l, int r, int h, int ith)
+{
+    const en_hparams *hp = &e->m->hp;
+    const int hd = hp->head_dim, qd = hp->n_head * hd, group = hp->n_head / hp->n_head_kv;
+    const int i0 = e->run0[r], nr = e->run_n[r];
+    if (en_sparse_token(e, b, l, i0 + nr - 1)) { /* each token picks its pages */
+        for (int i = i0; i < i0 + nr; i++) en_attend(e, b, l, i, h, ith);
+        return;
+    }
+    kn_kv_view view;
+    kv_seq_view(e->kv, b->seqs[i0], l, h, b->pos[i0 + nr - 1] + 1, &view);
+    const size_t off = (size_t)i0 * qd + (size_t)h * group * hd;
+    e->ops->attention_multi(&view, hd, e->q + off, (size_t)qd, nr, group, e->attn_scale,
+                            e->att + off, (size_t)qd);
+    if (e->sparse_idle)
+        kv_seq_touch(e->kv, b->seqs[i0], NULL, b->pos[i0 + nr - 1] / e->page_tokens + 1);
 }
 
 /* Token i completed its page's rows of layer l: the page's key summary for that layer. */
@@ -452,8 +501,7 @@ static void en_step_job(void *ctx, int ith, int nth)
     const en_batch *b = st->b;
     int n = b->n_tokens, n_runs = st->n_runs;
     int embd = hp->n_embd, hd = hp->head_dim, ff = hp->n_ff;
-    int qd = hp->n_head * hd, kvd = hp->n_head_kv * hd, group = hp->n_head / hp->n_head_kv;
-    const float scale = e->attn_scale;
+    int qd = hp->n_head * hd, kvd = hp->n_head_kv * hd;
     /* Token-wise work: this thread's share of the shared buffers, or (lanes) every token in its
      * own buffers, where nothing needs a barrier after it. */
     const int lanes = st->lanes;
@@ -528,25 +576,26 @@ static void en_step_job(void *ctx, int ith, int nth)
                 kn_pool_barrier(e->pool);
             }
             if (st->fetch) { /* and the pages it reads that are not hot come up */
+                en_fetch_picks(e, st, l, ith, nth);
+                kn_pool_barrier(e->pool);
                 if (!ith) en_fetch_layer(e, st, l);
                 kn_pool_barrier(e->pool);
             }
             /* P4: (run, kv head) items interleaved so that early (cheap) and late (expensive)
              * prompt positions spread over the threads; a run's tokens share one walk of the
-             * pages (en_att_runs). */
+             * pages (en_att_runs). After a fetch, items whose pages are still on their way
+             * wait until the thread's other items are done: I/O under compute. */
+            int n_defer = 0;
+            int *defer = e->sparse_on ? e->lanes[ith].defer : NULL;
             for (int64_t p = ith; p < (int64_t)n_runs * hp->n_head_kv; p += nth) {
-                const int r = (int)(p / hp->n_head_kv), h = (int)(p % hp->n_head_kv);
-                const int i0 = e->run0[r], nr = e->run_n[r];
-                if (en_sparse_token(e, b, l, i0 + nr - 1)) { /* each token picks its pages */
-                    for (int i = i0; i < i0 + nr; i++) en_attend(e, b, l, i, h, ith);
-                    continue;
-                }
-                kn_kv_view view;
-                kv_seq_view(e->kv, b->seqs[i0], l, h, b->pos[i0 + nr - 1] + 1, &view);
-                size_t off = (size_t)i0 * qd + (size_t)h * group * hd;
-                ops->attention_multi(&view, hd, e->q + off, (size_t)qd, nr, group, scale,
-                                     e->att + off, (size_t)qd);
+                const int r = (int)(p / hp->n_head_kv);
+                if (st->fetch && defer && !kv_seq_layer_ready(e->kv, b->seqs[e->run0[r]], l))
+                    defer[n_defer++] = (int)p;
+                else
+                    en_att_item(e, b, l, r, (int)(p % hp->n_head_kv), ith);
             }
+            for (int k = 0; k < n_defer; k++)
+                en_att_item(e, b, l, defer[k] / hp->n_head_kv, defer[k] % hp->n_head_kv, ith);
         }
         kn_pool_barrier(e->pool);
         /* P5 */
@@ -636,6 +685,20 @@ static int en_att_runs(en_engine *e, const en_batch *b, int nth)
     return n_runs;
 }
 
+/* After a sparse step: each of the batch's sequences sends down the held pages its steps
+ * stopped reading (kv_seq_demote_idle), the recent window kept. */
+static void en_demote_idle(en_engine *e, const en_batch *b)
+{
+    int n = 0;
+    for (int i = 0; i < b->n_tokens; i++) {
+        int seen = 0;
+        for (int j = n - 1; j >= 0 && !seen; j--) seen = e->idle_seqs[j] == b->seqs[i];
+        if (!seen) e->idle_seqs[n++] = b->seqs[i];
+    }
+    for (int j = 0; j < n; j++)
+        kv_seq_demote_idle(e->kv, e->idle_seqs[j], e->sparse_idle, e->sparse.window_pages);
+}
+
 int en_engine_step(en_engine *e, const en_batch *b, const float **logits)
 {
     const en_hparams *hp = &e->m->hp;
@@ -662,6 +725,15 @@ int en_engine_step(en_engine *e, const en_batch *b, const float **logits)
     int fetch = 0; /* pages not hot are fetched at a barrier of every layer: no lanes */
     for (int i = 0; e->sparse_on && i < b->n_tokens; i++) fetch |= kv_seq_cold_pages(b->seqs[i]);
     if (fetch) lanes = 0;
+    if (fetch) { /* a row of marks per run (en_fetch_picks) */
+        const size_t need = (size_t)b->n_tokens * (size_t)e->lanes[0].sparse.cap;
+        if (need > e->pick_cap) {
+            _Atomic uint8_t *m = calloc(need, 1);
+            if (!m) return KM_ENOMEM;
+            free((void *)e->pick_mark);
+            e->pick_mark = m, e->pick_cap = need;
+        }
+    }
     for (int i = 0; lanes && i < b->n_tokens; i++)
         for (int j = 0; j < i; j++)
             if (b->seqs[j] == b->seqs[i]) lanes = 0;
@@ -682,6 +754,7 @@ int en_engine_step(en_engine *e, const en_batch *b, const float **logits)
     }
     if (st.route) memset(e->route_w, 0, (size_t)b->n_tokens * n_exp * sizeof(float));
     kn_pool_run(e->pool, en_step_job, &st);
+    if (e->sparse_idle) en_demote_idle(e, b);
     if (hp->f_logit_scale != 0.0f) { /* granite: ggml_scale by the inverse */
         const float s = 1.0f / hp->f_logit_scale;
         for (size_t j = 0; j < (size_t)n_out * hp->n_vocab; j++) e->logits[j] *= s;

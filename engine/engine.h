@@ -122,6 +122,13 @@ typedef struct en_engine_opts {
     int sparse_attn;
     int sparse_dense_layers;
     int sparse_window; /* recent pages always attended (the partial last one among them); 0: 2 */
+    /* Budget of the first sparse_dense_layers layers: they attend sparsely within this many
+     * tokens instead of densely (a per-layer schedule: more in the first layers); 0: dense. */
+    int sparse_shallow_attn;
+    /* Steps a held hot page of a sparse sequence may go unread before it goes back down to host
+     * RAM or disk while the hot tier is above its low watermark (kv_seq_demote_idle); 0: 16;
+     * -1: never (pages brought up stay hot while their sequence holds them). */
+    int sparse_idle;
 } en_engine_opts;
 
 typedef struct en_engine en_engine;
@@ -136,6 +143,8 @@ int en_engine_threads(const en_engine *e);
  * up pages not hot (kv_seq_fetch calls, pages they brought up). */
 typedef struct en_sparse_stats {
     uint64_t pages_selected, pages_skipped, fetches, pages_fetched;
+    uint64_t
+        pages_wanted; /* pages the fetch phases asked for: pages_fetched of them were not hot */
 } en_sparse_stats;
 void en_engine_sparse_stats(const en_engine *e, en_sparse_stats *out);
 const char *en_engine_isa(const en_engine *e);

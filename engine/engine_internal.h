@@ -5,6 +5,8 @@
 #ifndef EN_ENGINE_INTERNAL_H
 #define EN_ENGINE_INTERNAL_H
 
+#include <stdatomic.h>
+
 #include "engine/model_internal.h"
 
 /* Batches of at most this many tokens (at most one per thread, one per sequence) run in lanes. */
@@ -23,6 +25,7 @@ typedef struct en_lane_bufs {
     float *shw;                      /* MoE: each token's shared-expert gate */
     kn_sparse_scratch sparse;        /* sparse attention's room (opts.sparse_attn) */
     uint64_t sparse_sel, sparse_all; /* pages attended, and in the views, by sparse attention */
+    int *defer; /* P4 items this thread put off while their pages come up (en_step_job) */
 } en_lane_bufs;
 
 struct en_moe_scr;
@@ -53,12 +56,19 @@ struct en_engine {
     /* sparse attention (en_engine_opts.sparse_attn): the page choice, from layer sparse_from */
     kn_sparse_cfg sparse;
     int sparse_on, sparse_from, page_tokens;
+    kn_sparse_cfg shallow; /* layers below sparse_from (opts.sparse_shallow_attn) */
+    int shallow_on;
     /* en_batch.depth: [n_layers] the tokens computed in each layer (a prefix of the batch) and
      * the attention runs they make up (a prefix of run0/run_n) */
     int *n_at, *runs_at;
-    uint8_t *fetch_mark; /* [sparse scratch cap]: pages a layer reads (en_fetch_layer) */
+    /* [runs][sparse scratch cap]: the pages each run reads in a layer, marked by every thread
+     * (en_fetch_picks), listed and cleared by thread 0 (en_fetch_layer); grown by the step */
+    _Atomic uint8_t *pick_mark;
+    size_t pick_cap;
     int *fetch_list;
-    uint64_t fetches, pages_fetched;
+    uint64_t fetches, pages_fetched, pages_wanted;
+    int sparse_idle;    /* en_engine_opts.sparse_idle resolved: 0 never */
+    kv_seq **idle_seqs; /* [max_tokens] a step's distinct sequences (en_demote_idle) */
 };
 
 /* What one step's job needs; lives on the caller's stack for the duration of kn_pool_run. */

@@ -78,6 +78,8 @@ typedef struct kv_page {
      * is re-encoded: sealing, conversion). */
     float *sum;
     uint8_t *sum_ok;
+    /* kv_seq_touch: the holder's step (its sel_clock + 1) that last read it; 0: not seen yet */
+    _Atomic uint64_t sel_at;
 } kv_page;
 
 typedef struct kv_tier_acct {
@@ -142,6 +144,7 @@ struct kv_seq {
      * nothing may move them, so recovery level 2 leaves this sequence's pages as they are. */
     int lent;
     int sum_from;        /* pages below have every layer's key summary (kv_config.summaries) */
+    uint64_t sel_clock;  /* kv_seq_demote_idle calls so far (the steps it ended) */
     kv_seq *prev, *next; /* the store's list of sequences */
 };
 

@@ -221,6 +221,9 @@ void kv_seq_wait_ready(const kv_store *s, const kv_seq *q);
 /* Pages of the sequence's table not on the hot tier (only kv_config.promote_selected leaves any:
  * they are on host RAM, where a view may read them in place, or on disk, where it must not). */
 int kv_seq_cold_pages(const kv_seq *q);
+/* Whether kv_seq_view of that layer would return at once (no promotion of the sequence is still
+ * copying it). Hot path. */
+int kv_seq_layer_ready(const kv_store *s, const kv_seq *q, int layer);
 /* Brings up the listed pages (indexes into the sequence's table) that are not hot, because a step
  * is about to read them from `layer` on: host pages are copied by the promoter thread starting
  * at that layer and going up, so later layers arrive while earlier ones compute; disk pages are
@@ -230,6 +233,17 @@ int kv_seq_cold_pages(const kv_seq *q);
  * that fails verification reads as zeros for this sequence, is counted corrupt and is never served
  * to another. Returns the number of pages brought up, or KM_ENOMEM. Structural. */
 int kv_seq_fetch(kv_store *s, kv_seq *q, int layer, const int *pages, int n);
+/* Records that a step read the listed pages of the sequence (pages NULL: pages [0, n)): what
+ * kv_seq_demote_idle measures idleness by. Hot path: any thread, between structural calls. */
+void kv_seq_touch(const kv_store *s, const kv_seq *q, const int *pages, int n);
+/* Ends one step of a sparse sequence: while its shard's hot tier is above the low watermark,
+ * its held hot pages that no step touched (kv_seq_touch) in the last `idle` of these calls go
+ * down to host RAM, or to disk (where a verified copy is, or can be written); above the high
+ * watermark (pages a step read came up over the budget) any of them goes. The last keep_tail
+ * pages, pages other sequences hold and pages not indexed stay. They come up again when a step
+ * reads them (kv_seq_fetch). Counted in kv_store_stats.held_demoted_*. Returns the pages moved.
+ * With kv_config.promote_selected only; structural. */
+int kv_seq_demote_idle(kv_store *s, kv_seq *q, int idle, int keep_tail);
 
 /* ---------------------------------------------------------------- formats, eviction, tiers */
 
@@ -290,6 +304,8 @@ typedef struct kv_store_stats {
      * (kv_seq_fetch); fetch_in_place: host pages a step read where they were (no hot room). */
     uint64_t promoted_pages[KV_PROMOTE_REASONS], promoted_bytes[KV_PROMOTE_REASONS];
     uint64_t fetch_in_place;
+    /* held pages a sparse sequence stopped reading, sent down (kv_seq_demote_idle) */
+    uint64_t held_demoted_pages, held_demoted_bytes;
 } kv_store_stats;
 
 void kv_store_stats_get(const kv_store *s, kv_store_stats *out);

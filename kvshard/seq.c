@@ -608,6 +608,13 @@ int kv_seq_read(const kv_store *s, const kv_seq *q, int layer, int kv_head, int 
     return 0;
 }
 
+int kv_seq_layer_ready(const kv_store *s, const kv_seq *q, int layer)
+{
+    const int want = (layer - q->ready_first + s->n_layers) % s->n_layers;
+    return !q->promo_pending ||
+           atomic_load_explicit(&((kv_seq *)q)->ready_layers, memory_order_acquire) > want;
+}
+
 int kv_seq_cold_pages(const kv_seq *q)
 {
     return q->n_cold;

@@ -4,7 +4,8 @@
  * before the sequence can see them) and RAM pages copied down to disk on a drain
  * (kv_store_persist), and the pages a sparse step reads brought up from host RAM or disk
  * (kv_seq_fetch; with kv_config.promote_selected an attach leaves them where they are, held by
- * the sequence). Moving down under pressure is eviction's (evict.c). This is the top layer
+ * the sequence), and sent back down when its steps stop reading them (kv_seq_demote_idle).
+ * Moving cached pages down under pressure is eviction's (evict.c). This is the top layer
  * with convert.c and store.c: it calls sequences, eviction, the disk tier, the index, the
  * promoter and page memory, and none of them calls it (docs/kvshard.md, "Layers").
  *
@@ -209,6 +210,84 @@ int kv_seq_fetch(kv_store *s, kv_seq *q, int layer, const int *pages, int n)
     const int got = job->n;
     kv_promo_run(s, q, job, layer);
     return got;
+}
+
+void kv_seq_touch(const kv_store *s, const kv_seq *q, const int *pages, int n)
+{
+    (void)s;
+    for (int k = 0; k < n; k++) {
+        const int i = pages ? pages[k] : k;
+        if (i >= 0 && i < q->n_pages)
+            atomic_store_explicit(&q->pg[i]->sel_at, q->sel_clock + 1, memory_order_relaxed);
+    }
+}
+
+/* Held hot page p (q's alone) down to host RAM, or to disk where it has or can get a verified
+ * copy: 1 when moved. Like kv_demote for a cached page, but p stays in q's table. */
+static int kv_held_down(kv_store *s, kv_page *p)
+{
+    const int sh = p->shard;
+    const size_t pb = s->lay[p->format].page_bytes;
+    kv_tier_acct *h = &s->shards[sh].t[KV_TIER_HOST], *d = &s->shards[sh].t[KV_TIER_DISK];
+    uint8_t *nb = NULL;
+    if (h->budget) {
+        kv_make_room(s, sh, KV_TIER_HOST, pb, h->budget);
+        if (h->used + pb <= h->budget) nb = kv_buf_get(s, p->format);
+    }
+    if (!nb && !(p->flags & KV_PAGE_ON_DISK) && kv_disk_enabled(s) && d->budget) {
+        const size_t fb = kv_disk_page_size(pb, s->pt);
+        kv_make_room(s, sh, KV_TIER_DISK, fb, d->budget);
+        if (d->used + fb <= d->budget) kv_disk_write(s, p);
+    }
+    if (!nb && !(p->flags & KV_PAGE_ON_DISK)) return 0;
+    const kv_tier to = nb ? KV_TIER_HOST : KV_TIER_DISK;
+    if (nb) {
+        memcpy(nb, p->buf, pb);
+        kv_acct_add(s, sh, KV_TIER_HOST, p->format, 1);
+    }
+    kv_acct_sub(s, sh, KV_TIER_HOT, p->format);
+    kv_buf_put(s, p->buf, p->format);
+    p->buf = nb;
+    p->tier = to;
+    kv_group_move(s, p, KV_TIER_HOT, (int)to);
+    kv_index_retier(s, p, KV_TIER_HOT);
+    s->shards[sh].demotions++;
+    s->st.held_demoted_pages++;
+    s->st.held_demoted_bytes += pb;
+    kv_event_emit(s, KV_EVENT_TIER, p, KV_TIER_HOT, to);
+    return 1;
+}
+
+/* Whether shard sh's hot tier is above `wm` of its budget. */
+static int kv_hot_above(const kv_store *s, int sh, float wm)
+{
+    const kv_tier_acct *t = &s->shards[sh].t[KV_TIER_HOT];
+    return (double)t->used > (double)wm * (double)t->budget;
+}
+
+int kv_seq_demote_idle(kv_store *s, kv_seq *q, int idle, int keep_tail)
+{
+    if (!s->cfg.promote_selected || idle < 1 || q->lent) return 0;
+    const uint64_t now = ++q->sel_clock;
+    if (q->promo_pending) kv_seq_wait_promo(s, q);
+    int moved = 0;
+    /* Pages idle for `idle` steps first (above the low watermark); then, only above the high
+     * one, the least recently read first, down to this step's own reads (the sink last). */
+    for (int age = idle; age >= 0; age--)
+        for (int i = 0; i < q->n_pages - keep_tail; i++) {
+            kv_page *p = q->pg[i];
+            uint64_t at = atomic_load_explicit(&p->sel_at, memory_order_relaxed);
+            if (!at || at > now) atomic_store_explicit(&p->sel_at, at = now, memory_order_relaxed);
+            if (p->tier != KV_TIER_HOT || p->refs != 1 || !(p->flags & KV_PAGE_INDEXED) ||
+                now - at < (uint64_t)age ||
+                !kv_hot_above(s, p->shard, age == idle ? s->low_wm : s->high_wm))
+                continue;
+            if (!kv_held_down(s, p)) continue;
+            q->ptrs[i] = p->buf;
+            q->n_cold++;
+            moved++;
+        }
+    return moved;
 }
 
 /* ---------------------------------------------------------------- persist */

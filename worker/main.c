@@ -32,7 +32,7 @@ typedef struct wk_args {
     int64_t decode_prefill, spec_max_draft, tenant_share, tenant_prefill, step_budget_ms,
         self_draft, self_seqs;
     int64_t kv_shards, kv_tok_groups, kv_expert_groups;
-    int64_t sparse_attn, sparse_dense_layers, sparse_window;
+    int64_t sparse_attn, sparse_dense_layers, sparse_window, sparse_shallow_attn, sparse_idle;
     const char *kv_shard_key;
     double spec_factor;
     int64_t max_ctx, default_max_tokens, heartbeat_ms, drain_ms, event_replay, cluster_seed;
@@ -85,6 +85,14 @@ static const km_opt g_opts[] = {
      &g_args.sparse_dense_layers, -1, 4096},
     {"sparse-window", NULL, KM_OPT_INT, "0",
      "with --sparse-attn: recent pages always attended; 0 = 2", &g_args.sparse_window, 0, 4096},
+    {"sparse-shallow-attn", NULL, KM_OPT_INT, "0",
+     "with --sparse-attn: the first (--sparse-dense-layers) layers attend to this many tokens "
+     "instead of all; 0 = dense",
+     &g_args.sparse_shallow_attn, 0, 1 << 24},
+    {"sparse-idle", NULL, KM_OPT_INT, "0",
+     "with --sparse-attn: steps a hot page a sequence holds may go unread before it goes back "
+     "down to host RAM or disk (while the hot tier is short); 0 = 16, -1 = never",
+     &g_args.sparse_idle, -1, 1 << 20},
     {"kv-shards", NULL, KM_OPT_INT, "1",
      "KV shards: each tier's budget split evenly between them, each with its own eviction",
      &g_args.kv_shards, 1, 1024},
@@ -359,7 +367,9 @@ int main(int argc, char **argv)
                          .kv_arena = a->peer_listen && a->peer_listen[0],
                          .sparse_attn = (int)a->sparse_attn,
                          .sparse_dense_layers = (int)a->sparse_dense_layers,
-                         .sparse_window = (int)a->sparse_window};
+                         .sparse_window = (int)a->sparse_window,
+                         .sparse_shallow_attn = (int)a->sparse_shallow_attn,
+                         .sparse_idle = (int)a->sparse_idle};
     int erc = en_engine_create(m, &eo, &e, &err);
     explicit_bzero(secret, sizeof secret); /* the store derived its page key at create */
     if (erc) {

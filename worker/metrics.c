@@ -89,6 +89,11 @@ int wk_svc_metrics_init(wk_service *s, km_errbuf *err)
         "result", NULL, 0);
     const char *sp[2] = {"selected", "skipped"};
     for (int i = 0; i < 2; i++) s->s_sparse[i] = km_metric_series(m, &sp[i]);
+    REG(KM_COUNTER, "kvmesh_kv_sparse_demoted_bytes_total",
+        "KV bytes of pages a sparse sequence held hot and stopped reading, sent back down to host "
+        "RAM or disk.",
+        NULL, NULL, 0);
+    s->s_demoted = km_metric_series(m, NULL);
     REG(KM_GAUGE, "kvmesh_worker_prefix_hit_ratio",
         "Prompt tokens served from cached KV over prompt tokens, since start.", NULL, NULL, 0);
     s->s_hit = km_metric_series(m, NULL);

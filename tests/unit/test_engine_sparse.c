@@ -38,11 +38,9 @@ static void teardown(void)
 }
 
 /* Logits of every position of ids, n_chunk tokens per step: [N][n_vocab]. */
-static float *run(int sparse, int n_chunk, const int32_t *ids)
+static float *run_opts(en_engine_opts o, int n_chunk, const int32_t *ids)
 {
     const int nv = en_model_hparams(g_model)->n_vocab;
-    en_engine_opts o = {
-        .n_threads = 2, .max_batch_tokens = N, .sparse_attn = sparse, .sparse_dense_layers = -1};
     en_engine *e;
     km_errbuf err = {{0}};
     cr_assert_eq(en_engine_create(g_model, &o, &e, &err), 0, "%s", err.msg);
@@ -63,6 +61,13 @@ static float *run(int sparse, int n_chunk, const int32_t *ids)
     kv_seq_destroy(en_engine_kv(e), q);
     en_engine_destroy(e);
     return out;
+}
+
+static float *run(int sparse, int n_chunk, const int32_t *ids)
+{
+    en_engine_opts o = {
+        .n_threads = 2, .max_batch_tokens = N, .sparse_attn = sparse, .sparse_dense_layers = -1};
+    return run_opts(o, n_chunk, ids);
 }
 
 Test(engine_sparse, fits_the_budget_dense_past_it_close_and_decode_equals_prefill, .init = setup,
@@ -91,6 +96,33 @@ Test(engine_sparse, fits_the_budget_dense_past_it_close_and_decode_equals_prefil
     free(dense);
     free(pre);
     free(dec);
+}
+
+/* --sparse-shallow-attn: the first two layers attend within twice the budget instead of densely,
+ * so positions within it get the default engine's logits (those layers dense) bit for bit, and
+ * some past it do not. */
+Test(engine_sparse, shallow_layers_have_their_own_budget, .init = setup, .fini = teardown,
+     .timeout = 600)
+{
+    if (!g_model) cr_skip_test("model %s absent: run `make deps`", MODEL);
+    const int nv = en_model_hparams(g_model)->n_vocab;
+    int32_t ids[N];
+    for (int i = 0; i < N; i++) ids[i] = (int32_t)((i * 7919u + 13u) % 20000u) + 100;
+    en_engine_opts o = {.n_threads = 2, .max_batch_tokens = N, .sparse_attn = BUDGET};
+    float *dense2 = run_opts(o, N, ids);
+    o.sparse_shallow_attn = 2 * BUDGET;
+    float *shallow = run_opts(o, N, ids);
+    int changed = 0;
+    for (int t = 0; t < N; t++) {
+        const size_t at = (size_t)t * nv;
+        if (t < 2 * BUDGET)
+            cr_assert_arr_eq(shallow + at, dense2 + at, sizeof(float) * nv, "position %d", t);
+        else
+            changed += memcmp(shallow + at, dense2 + at, sizeof(float) * nv) != 0;
+    }
+    cr_assert_gt(changed, 0, "past their budget the first layers left pages out");
+    free(dense2);
+    free(shallow);
 }
 
 #define LONG 512 /* tokens of the cached prefix: 32 pages of 16 */
@@ -122,17 +154,22 @@ static void prefill(en_engine *e, kv_seq *q, const int32_t *ids)
     }
 }
 
-/* One decode step of q at position LONG: its logits [n_vocab], the caller's to free. */
-static float *decode(en_engine *e, kv_seq *q, const int32_t *ids)
+/* One decode step of q at position at: its logits [n_vocab], the caller's to free. */
+static float *decode_at(en_engine *e, kv_seq *q, const int32_t *ids, int32_t at)
 {
     const int nv = en_model_hparams(g_model)->n_vocab;
-    int32_t pos = LONG;
-    en_batch b = {.n_tokens = 1, .tokens = ids + LONG, .pos = &pos, .seqs = &q};
+    int32_t pos = at;
+    en_batch b = {.n_tokens = 1, .tokens = ids + at, .pos = &pos, .seqs = &q};
     const float *lg;
     cr_assert_eq(en_engine_step(e, &b, &lg), 1);
     float *out = malloc(sizeof(float) * nv);
     memcpy(out, lg, sizeof(float) * nv);
     return out;
+}
+
+static float *decode(en_engine *e, kv_seq *q, const int32_t *ids)
+{
+    return decode_at(e, q, ids, LONG);
 }
 
 /* The prefix demoted to tier `to` (disk, or host RAM), attached again and decoded one token. */
@@ -213,4 +250,70 @@ Test(engine_sparse, a_prefix_on_host_ram_comes_up_only_where_a_step_reads_it, .i
 {
     if (!g_model) cr_skip_test("model %s absent: run `make deps`", MODEL);
     cold_prefix(KV_TIER_HOST);
+}
+
+#define STEPS 6 /* decode steps after the cold attach */
+
+/* Pages a sparse sequence brought up and then stopped reading go back down while the hot tier
+ * is short (a budget of 33 pages for a 33-page sequence), and every step's logits stay those of
+ * the all-hot engine: a page sent down comes up again when a step selects it. */
+Test(engine_sparse, held_pages_no_step_reads_go_back_down, .init = setup, .fini = teardown,
+     .timeout = 600)
+{
+    if (!g_model) cr_skip_test("model %s absent: run `make deps`", MODEL);
+    const int nv = en_model_hparams(g_model)->n_vocab, np = LONG / 16;
+    int32_t ids[LONG + STEPS];
+    for (int i = 0; i < LONG + STEPS; i++) ids[i] = (int32_t)((i * 7919u + 13u) % 20000u) + 100;
+    km_pagehash seed = km_pagehash_seed(NULL, 0, 7, NULL, 0), h[LONG / 16];
+    cr_assert_eq(km_pagehash_chain(seed, ids, LONG, 16, h, np), np);
+
+    en_engine_opts o = {
+        .n_threads = 2, .max_batch_tokens = 256, .sparse_attn = BUDGET, .sparse_dense_layers = -1};
+    en_engine *e;
+    km_errbuf err = {{0}};
+    cr_assert_eq(en_engine_create(g_model, &o, &e, &err), 0, "%s", err.msg);
+    kv_seq *q;
+    cr_assert_eq(kv_seq_create(en_engine_kv(e), &q), 0);
+    prefill(e, q, ids);
+    float *hot[STEPS];
+    for (int t = 0; t < STEPS; t++) hot[t] = decode_at(e, q, ids, LONG + t);
+    const size_t pb = kv_store_page_bytes(en_engine_kv(e));
+    kv_seq_destroy(en_engine_kv(e), q);
+    en_engine_destroy(e);
+
+    o.kv_bytes = (size_t)(np + 1) * pb;
+    o.kv_host_bytes = (size_t)64 << 20;
+    o.sparse_idle = 1;
+    cr_assert_eq(en_engine_create(g_model, &o, &e, &err), 0, "%s", err.msg);
+    kv_store *kv = en_engine_kv(e);
+    cr_assert_eq(kv_seq_create(kv, &q), 0);
+    prefill(e, q, ids);
+    cr_assert_eq(kv_seq_publish(kv, q, h, ids, LONG), np);
+    kv_seq_destroy(kv, q);
+    kv_store_evict_oldest_fraction(kv, 1.0); /* some went down already: the budget is short */
+    kv_store_stats st;
+    kv_store_stats_get(kv, &st);
+    cr_assert_eq(st.tier[KV_TIER_HOST].pages, (uint64_t)np, "the prefix is on host RAM");
+    cr_assert_eq(kv_seq_create(kv, &q), 0);
+    cr_assert_eq(kv_seq_attach(kv, q, h, ids, np), np);
+    for (int t = 0; t < STEPS; t++) {
+        float *cold = decode_at(e, q, ids, LONG + t);
+        cr_assert_arr_eq(cold, hot[t], sizeof(float) * nv, "step %d: the all-hot logits", t);
+        free(cold);
+        free(hot[t]);
+        km_errbuf cerr = {{0}};
+        cr_assert_eq(kv_store_check(kv, &cerr), 0, "step %d: %s", t, cerr.msg);
+    }
+    kv_store_stats_get(kv, &st);
+    en_sparse_stats ss;
+    en_engine_sparse_stats(e, &ss);
+    cr_assert_gt(st.held_demoted_pages, 0, "pages no step read went back down");
+    cr_assert_eq(st.held_demoted_bytes, st.held_demoted_pages * pb);
+    cr_assert_gt(kv_seq_cold_pages(q), 0);
+    cr_assert_geq(ss.pages_wanted, ss.pages_fetched);
+    cr_log_info("%llu pages up, %llu sent back down, %llu asked for",
+                (unsigned long long)st.promoted_pages[KV_PROMOTE_READ],
+                (unsigned long long)st.held_demoted_pages, (unsigned long long)ss.pages_wanted);
+    kv_seq_destroy(kv, q);
+    en_engine_destroy(e);
 }
