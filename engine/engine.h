@@ -394,9 +394,9 @@ typedef struct en_sched_opts {
 /* Most chunks a request may mark (KM_PROTO_MAX_CHUNKS on the wire). */
 #define EN_SCHED_MAX_CHUNKS 64
 /* The text every chunk is computed after (its first page of tokens is the preamble,
- * en_blend_key.pre): the same on every worker of a model, so chunk pages hash alike there. */
-#define EN_SCHED_BLEND_PREAMBLE                                                                    \
-    "The text below is one of several documents retrieved for the question that follows them all."
+ * en_blend_key.pre): the same on every worker and router of a model, so chunk pages hash alike
+ * everywhere (km_pagehash_chunk_seed). */
+#define EN_SCHED_BLEND_PREAMBLE KM_CHUNK_PREAMBLE
 
 /* ---------------------------------------------------------------- scheduler
  * en_sched_*: iteration-level continuous batching over one engine. Every step mixes the decode

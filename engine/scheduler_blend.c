@@ -105,7 +105,7 @@ void en_rq_blend_attach(en_sched *s, en_rq *r)
         if (held < 0) continue;
         if (held >= g->n / s->pt * s->pt) r->chunk_missed &= ~(1ull << c);
         if (held > r->n_tok - 1 - g->start) held = r->n_tok - 1 - g->start;
-        int rc = held > 0 ? en_blend_copy(e, cq, s->n_pre, r->seq, g->start, held) : 0;
+        int rc = held > 0 && cq ? en_blend_copy(e, cq, s->n_pre, r->seq, g->start, held) : 0;
         if (cq) kv_seq_destroy(s->kv, cq);
         if (rc) { /* what was copied is overwritten by a full prefill */
             r->n_reused = 0;

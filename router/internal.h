@@ -78,7 +78,11 @@ struct rt_rq {
     char model[KM_PROTO_MAX_NAME + 1];
     char *salt;
     char *stop[KM_PROTO_MAX_STOP];
-    km_token_value *bias;        /* req.logit_bias (q.n_logit_bias entries), owned */
+    km_token_value *bias;     /* req.logit_bias (q.n_logit_bias entries), owned */
+    km_chunk_seg *chunks;     /* req.chunks (q.n_chunks segments of the prompt), owned */
+    km_pagehash *chunk_chain; /* each chunk's chain (chunks.c): preamble page, whole pages */
+    int n_chunk_chain;
+    bool chunk_bytes;            /* HTTP text prompt: chunks count bytes until tokenized */
     const km_msg_token *cur_tok; /* the worker's frame of the token being delivered (its
                                   * logprobs), NULL outside rt_relay_token */
     km_buf lp;                   /* HTTP: logprobs gathered (openai.c's rt_oai_lp entries) */
@@ -116,6 +120,7 @@ struct rt_rq {
     uint32_t first_cached;
     bool first_cached_set;
     uint32_t draft_tokens, accepted_draft_tokens; /* the finishing worker's done.usage */
+    uint32_t chunk_tokens;                        /* its prompt tokens reused from chunks */
     uint64_t t_arrive, t_sent, t_first;
     double worker_queue_ms;
     /* pull hint (pull.c): holder index + 1 (0: none), its pages and the pull's budget */
@@ -137,6 +142,8 @@ struct rt_tokjob {
     char *text;
     size_t len;
     int add_special;
+    km_chunk_seg *chunks; /* byte spans in, token spans out (the job's own copy) */
+    uint32_t n_chunks;
     int32_t *tokens;
     int cap, n; /* n: the token count, or a negative km_err */
 };
@@ -228,6 +235,7 @@ struct rt_router {
     char fp[65];
     md_model_info *model; /* tokenizer, chat format, name, fingerprint: no weights */
     const md_tokenizer *tok;
+    int32_t *chunk_pre; /* the chunk preamble's first page of tokens (chunks.c); NULL: none */
     md_chat_kind chat;
     km_proto_limits lim;
     uv_loop_t loop;
@@ -506,6 +514,17 @@ int rt_register_metrics(rt_router *r, km_errbuf *err);
 int rt_register_worker_metrics(rt_router *r, rt_wk *w, km_errbuf *err);
 /* The per-worker page gauges and the index size, from the prefix index. */
 void rt_update_page_gauges(rt_router *r);
+
+/* ---------------------------------------------------------------- chunks.c: chunk credit */
+
+/* The chunk preamble's first page of tokens (r->chunk_pre; left NULL when it is shorter). */
+void rt_chunk_setup(rt_router *r);
+/* q's chunk chains (q->chunk_chain), from its tokens and its tenant's prefix seed. */
+int rt_chunk_chains(rt_router *r, rt_rq *q, km_pagehash tenant_seed);
+/* Adds to each usable candidate's cached tokens the chunk pages of q it holds, at the policy's
+ * chunk_credit, but for chunks inside the prefix it holds (prefix: the prompt chain's match). */
+void rt_chunk_credit(rt_router *r, const rt_rq *q, uint64_t workers, const rt_match *prefix,
+                     uint64_t now_ms, rt_candidate *cand);
 
 /* ---------------------------------------------------------------- pull.c: pull or recompute */
 

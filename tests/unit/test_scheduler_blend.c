@@ -207,6 +207,15 @@ Test(sched_blend, a_stale_chunk_page_is_caught_by_token_ids)
     en_engine_destroy(e);
 }
 
+Test(sched_blend, routers_and_workers_hash_chunks_alike)
+{
+    /* the router's chunk credit (router/chunks.c) builds the chains with common/'s seed */
+    const km_pagehash t = km_pagehash_seed("fp", 2, 7, "salt", 4);
+    const km_pagehash a = en_blend_chunk_seed(t), b = km_pagehash_chunk_seed(t);
+    cr_assert(a.lo == b.lo && a.hi == b.hi);
+    cr_assert_str_eq(EN_SCHED_BLEND_PREAMBLE, KM_CHUNK_PREAMBLE);
+}
+
 Test(sched_blend, bad_segments_are_refused_at_submit)
 {
     if (!g_model) cr_skip_test("model %s absent: run `make deps`", MODEL);
