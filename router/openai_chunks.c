@@ -48,9 +48,10 @@ int rt_oai_chunks_check(const km_chunk_seg *c, int n, size_t size, const char *t
             snprintf(m, sizeof m, "chunk %d ([%u, %llu)) is past the prompt's %zu %s", i,
                      c[i].start, (unsigned long long)end, size, unit);
         else if (i && c[i].start < c[i - 1].start + c[i - 1].n)
-            snprintf(m, sizeof m, "chunk %d starts at %u, before chunk %d ends (%u): chunks are "
-                     "in order and do not overlap", i, c[i].start, i - 1,
-                     c[i - 1].start + c[i - 1].n);
+            snprintf(m, sizeof m,
+                     "chunk %d starts at %u, before chunk %d ends (%u): chunks are "
+                     "in order and do not overlap",
+                     i, c[i].start, i - 1, c[i - 1].start + c[i - 1].n);
         else if (text && (((unsigned char)text[c[i].start] & 0xC0) == 0x80 ||
                           (end < size && ((unsigned char)text[end] & 0xC0) == 0x80)))
             snprintf(m, sizeof m, "chunk %d cuts a UTF-8 character", i);
@@ -68,7 +69,8 @@ int rt_oai_chunks(json_t *body, rt_oai_req *r, rt_oai_err *e)
     if (k && !json_is_object(k) && !json_is_null(k))
         return bad(e, "kvmesh", "'kvmesh' must be an object");
     if (r->chat) {
-        if (v) return bad(e, param, "chat requests mark chunks per message: \"kvmesh_chunk\": true");
+        if (v)
+            return bad(e, param, "chat requests mark chunks per message: \"kvmesh_chunk\": true");
         return 0;
     }
     if (!v || json_is_null(v)) return 0;
@@ -90,13 +92,12 @@ int rt_oai_chunks(json_t *body, rt_oai_req *r, rt_oai_err *e)
             !json_is_integer(b) || json_integer_value(a) < 0 || json_integer_value(b) < 0 ||
             json_integer_value(a) > UINT32_MAX || json_integer_value(b) > UINT32_MAX)
             return bad(e, param, "every chunk is a [start, length] pair of integers >= 0");
-        r->chunks[i] = (km_chunk_seg){(uint32_t)json_integer_value(a),
-                                      (uint32_t)json_integer_value(b)};
+        r->chunks[i] =
+            (km_chunk_seg){(uint32_t)json_integer_value(a), (uint32_t)json_integer_value(b)};
     }
     const rt_oai_prompt *p = &r->prompts[0];
     return p->ids ? rt_oai_chunks_check(r->chunks, r->n_chunks, (size_t)p->n_ids, NULL, param, e)
-                  : rt_oai_chunks_check(r->chunks, r->n_chunks, strlen(p->text), p->text, param,
-                                        e);
+                  : rt_oai_chunks_check(r->chunks, r->n_chunks, strlen(p->text), p->text, param, e);
 }
 
 int rt_oai_chat_chunks(const rt_oai_req *r, const char *text, size_t len, km_chunk_seg **out,

@@ -188,7 +188,8 @@ Test(blend, zeromq_chunks_reach_the_worker, .timeout = 600)
         for (;;) {
             km_msg a;
             cr_assert(it_recv_msg(s, &a, 120000), "no answer");
-            cr_assert_neq(a.type, KM_MSG_ERROR, "%s", a.type == KM_MSG_ERROR ? a.error.message : "");
+            cr_assert_neq(a.type, KM_MSG_ERROR, "%s",
+                          a.type == KM_MSG_ERROR ? a.error.message : "");
             bool done = a.type == KM_MSG_DONE;
             if (done) got = a.done.chunk_tokens;
             km_msg_clear(&a);
