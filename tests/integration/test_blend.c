@@ -90,9 +90,13 @@ static json_t *post(const char *path, json_t *body, int *status)
 
 static const char *k_doc[2] = {
     "The quick brown fox jumps over the lazy dog near the river bank, where the old miller keeps "
-    "his wheel turning through the long summer days and the children watch the water run.",
+    "his wheel turning through the long summer days and the children watch the water run. In the "
+    "evening the fox comes back along the same path, past the mill and the sleeping dog, and "
+    "nobody in the village has ever seen where it goes after that.",
     "Permission is hereby granted, free of charge, to any person obtaining a copy of this software "
-    "and associated documentation files, to deal in the software without restriction at all."};
+    "and associated documentation files, to deal in the software without restriction at all, "
+    "including the rights to use, copy, modify, merge, publish, distribute, sublicense, and sell "
+    "copies of the software, subject to the conditions that follow this paragraph."};
 
 /* A completions body: lead, the documents in this order (each a chunk by its bytes), question. */
 static json_t *completion(const char *lead, int first, const char *question)
@@ -117,20 +121,40 @@ static long long chunk_tokens(json_t *o)
     return json_integer_value(json_object_get(d, "chunk_tokens"));
 }
 
-/* Posts body until its answer reports reused chunk tokens (the worker stores a chunk after the
- * request that brought it, between requests): their count. */
-static long long until_reused(const char *path, json_t *body)
+/* Posts make(1), make(2) ... until an answer reports reused chunk tokens (the worker stores a
+ * chunk after the request that brought it, between requests): their count. Each attempt differs
+ * before its chunks: one computed in full publishes all its pages, and the same prompt again
+ * would find its chunks inside a cached prefix (the prefix wins) and never reuse them. */
+static long long until_reused(const char *path, json_t *(*make)(int k))
 {
     long long got = 0;
     uint64_t end = it_deadline(120000);
-    while (!got && it_poll(end)) {
+    for (int k = 1; !got && it_poll(end); k++) {
         int st;
-        json_t *o = post(path, body, &st);
+        json_t *body = make(k), *o = post(path, body, &st);
         cr_assert_eq(st, 200, "%s", json_dumps(o, 0));
         got = chunk_tokens(o);
         json_decref(o);
+        json_decref(body);
     }
     return got;
+}
+
+static json_t *completion_k(int k)
+{
+    char lead[128];
+    snprintf(lead, sizeof lead, "Two documents follow (attempt %d); answer after them.\n", k);
+    return completion(lead, 1, "What is granted?");
+}
+
+static json_t *chat_k(int k)
+{
+    char sys[128];
+    snprintf(sys, sizeof sys, "Be brief (attempt %d). You answer about the document below.", k);
+    return json_pack("{s:[{s:s,s:s},{s:s,s:s,s:b},{s:s,s:s}],s:i,s:f}", "messages", "role",
+                     "system", "content", k ? sys : "You answer questions about a document.",
+                     "role", "user", "content", k_doc[1], "kvmesh_chunk", 1, "role", "user",
+                     "content", "Is it free?", "max_tokens", 2, "temperature", 0.0);
 }
 
 Test(blend, a_document_in_one_completion_is_reused_by_the_next, .timeout = 600)
@@ -142,23 +166,17 @@ Test(blend, a_document_in_one_completion_is_reused_by_the_next, .timeout = 600)
     cr_assert_eq(st, 200, "%s", json_dumps(o, 0));
     cr_assert_eq(chunk_tokens(o), 0, "nothing cached yet");
     json_decref(o);
-    json_t *b = completion("Two documents follow; answer after them.\n", 1, "What is granted?");
-    cr_assert_gt(until_reused("/v1/completions", b), 16, "the documents were reused elsewhere");
+    cr_assert_gt(until_reused("/v1/completions", completion_k), 16,
+                 "the documents were reused elsewhere");
     json_decref(a);
-    json_decref(b);
 
     /* chat: the flagged message's content is the chunk; another system turn moves it */
-    json_t *c = json_pack("{s:[{s:s,s:s},{s:s,s:s,s:b},{s:s,s:s}],s:i,s:f}", "messages", "role",
-                          "system", "content", "You answer questions about a document.", "role",
-                          "user", "content", k_doc[1], "kvmesh_chunk", 1, "role", "user", "content",
-                          "Is it free?", "max_tokens", 2, "temperature", 0.0);
+    json_t *c = chat_k(0);
     o = post("/v1/chat/completions", c, &st);
     cr_assert_eq(st, 200, "%s", json_dumps(o, 0));
     json_decref(o);
-    json_object_set_new(json_array_get(json_object_get(c, "messages"), 0), "content",
-                        json_string("Be brief. You answer questions about the document below."));
-    cr_assert_gt(until_reused("/v1/chat/completions", c), 16, "the chat message was reused");
     json_decref(c);
+    cr_assert_gt(until_reused("/v1/chat/completions", chat_k), 16, "the chat message was reused");
     stop_cluster();
 }
 
@@ -175,6 +193,7 @@ Test(blend, zeromq_chunks_reach_the_worker, .timeout = 600)
         int32_t prompt[200];
         memcpy(prompt, ids, sizeof prompt);
         memcpy(prompt + seg.start, ids + 100, sizeof(int32_t) * 64);
+        prompt[20] = 500 + (int32_t)id; /* no attempt's prefix covers the next one's chunk */
         km_msg m;
         km_msg_init(&m, KM_MSG_REQUEST);
         m.req.id = id;
@@ -230,10 +249,13 @@ Test(blend, the_router_sends_a_document_where_its_chunk_is_cached, .timeout = 90
     /* once the chunks are stored and their events indexed, every prompt carrying them goes home */
     long long got = 0;
     uint64_t end = it_deadline(180000);
-    for (int k = 1; !got && it_poll(end); k++) {
-        char q[64];
-        snprintf(q, sizeof q, "Question %d: what is granted?", k);
-        json_t *b = completion(lead0, 1, q);
+    /* both chunks whole (each over 4 pages): a hit on one alone may be within the tie band */
+    for (int k = 1; got < 128 && it_poll(end); k++) {
+        /* a line of its own after the lead: a full prefix hit on an earlier attempt would
+         * cover the chunks (the prefix wins), and no chunk would be reused */
+        char lead[512];
+        snprintf(lead, sizeof lead, "%sAttempt %d.\n", lead0, k);
+        json_t *b = completion(lead, 1, "What is granted?");
         o = post("/v1/completions", b, &st);
         cr_assert_eq(st, 200);
         served_by(o, w, sizeof w);
@@ -242,7 +264,7 @@ Test(blend, the_router_sends_a_document_where_its_chunk_is_cached, .timeout = 90
         json_decref(o);
         json_decref(b);
     }
-    cr_assert_gt(got, 0, "the chunks were never reused");
+    cr_assert_geq(got, 128, "the chunks were never both reused");
     for (int k = 1; k <= 6; k++) {
         char lead[64];
         snprintf(lead, sizeof lead, "Lead %d: here are two documents.\n", k);

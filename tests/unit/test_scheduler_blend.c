@@ -95,9 +95,10 @@ static void build(prompt *p, const char *lead, const int *order, int nd, const c
     p->n += encode(question, p->ids + p->n, 512 - p->n);
 }
 
-static en_sched *sched(en_engine **e)
+/* kv_bytes 0: the engine's default store. */
+static en_sched *sched_kv(en_engine **e, size_t kv_bytes)
 {
-    en_engine_opts eo = {.n_threads = 2, .max_batch_tokens = 256};
+    en_engine_opts eo = {.n_threads = 2, .max_batch_tokens = 256, .kv_bytes = kv_bytes};
     km_errbuf err = {{0}};
     cr_assert_eq(en_engine_create(g_model, &eo, e, &err), 0, "%s", err.msg);
     en_sched_opts so = {.max_batch_tokens = 256, .cluster_seed = 7};
@@ -105,6 +106,11 @@ static en_sched *sched(en_engine **e)
     en_sched *s;
     cr_assert_eq(en_sched_create(*e, g_model, &so, &cb, &s, &err), 0, "%s", err.msg);
     return s;
+}
+
+static en_sched *sched(en_engine **e)
+{
+    return sched_kv(e, 0);
 }
 
 /* Runs one greedy request of 4 tokens to its end, then the chunk stores it queued. */
@@ -203,6 +209,50 @@ Test(sched_blend, a_stale_chunk_page_is_caught_by_token_ids)
     cr_assert_eq(g.u.chunk_tokens, 0, "the stale page is refused: the chunk computed in full");
     got ref = run(s, &p, 0, NULL);
     cr_assert_arr_eq(g.tok, ref.tok, sizeof(int32_t) * 4);
+    en_sched_destroy(s);
+    en_engine_destroy(e);
+}
+
+Test(sched_blend, preempted_requests_with_reused_chunks_still_finish)
+{
+    if (!g_model) cr_skip_test("model %s absent: run `make deps`", MODEL);
+    en_engine *e;
+    /* 40 f16 pages of 16 tokens: far less than 4 sequences of ~100 + 120 tokens want */
+    en_sched *s = sched_kv(&e, (size_t)40 * 16 * 23040);
+    prompt a, p[4];
+    const int ab[2] = {0, 1}, ba[2] = {1, 0};
+    build(&a, "Read the two texts below.", ab, 2, " Which animal jumps?");
+    run(s, &a, 1, NULL);
+    static const char *lead[4] = {"First.", "Second prompt here.", "A third one, longer.",
+                                  "And the fourth of them all."};
+    got g[4];
+    memset(g, 0, sizeof g);
+    for (int i = 0; i < 4; i++) {
+        build(&p[i], lead[i], ba, 2, " Go on.");
+        en_sched_req q = {.tokens = p[i].ids,
+                          .n_tokens = p[i].n,
+                          .max_tokens = 120,
+                          .ignore_eos = 1,
+                          .chunks = p[i].seg,
+                          .n_chunks = p[i].n_seg,
+                          .user = &g[i]};
+        en_sample_params_default(&q.sample);
+        q.sample.temperature = 0;
+        cr_assert_eq(en_sched_submit(s, &q, NULL), 0);
+    }
+    for (int i = 0; i < 100000 && (en_sched_pending(s) || en_sched_chunks_waiting(s)); i++)
+        cr_assert_geq(en_sched_step(s), 0);
+    en_sched_stats st;
+    en_sched_stats_get(s, &st);
+    cr_assert_gt(st.preemptions, 0, "the small store forced preemption");
+    cr_assert_gt(st.chunk_tokens, 0, "chunks were reused before");
+    int both = 0; /* a request that reused chunks, then was preempted and recomputed */
+    for (int i = 0; i < 4; i++) {
+        cr_assert(g[i].done && !g[i].error, "request %d ended (error %d)", i, g[i].error);
+        cr_assert_eq(g[i].u.completion_tokens, 120, "request %d finished", i);
+        both += g[i].u.chunk_tokens > 0 && g[i].u.preemptions > 0;
+    }
+    cr_assert_gt(both, 0, "no request both reused chunks and was preempted");
     en_sched_destroy(s);
     en_engine_destroy(e);
 }
