@@ -2,8 +2,9 @@
  * scheduler_internal.h — what the scheduler's two files share: scheduler.c (requests, admission,
  * preemption, the step budget, building and running a step) and scheduler_spec.c (speculative
  * decoding's side of a step: drafts planned under the budget, verified against the step's
- * logits), scheduler_self.c (self-speculation's draft steps) and scheduler_fair.c (the running
- * set shared between tenants). Private to worker/; scheduler.h is the contract.
+ * logits), scheduler_self.c (self-speculation's draft steps), scheduler_fair.c (the running
+ * set shared between tenants) and scheduler_blend.c (chunks reused and stored). Private to worker/;
+ * scheduler.h is the contract.
  */
 #ifndef EN_SCHEDULER_INTERNAL_H
 #define EN_SCHEDULER_INTERNAL_H

@@ -18,7 +18,9 @@
  *               its front's rt_front_ops (clients.c: ZeroMQ frames; front.c: SSE or JSON)
  *   metrics.c   the Prometheus series
  *   pull.c      pull or recompute: a pull hint when another worker holds more of the prefix
- *   evstream.c index.c policy.c openai.c fair.c tenants.c   leaves
+ *   chunks.c    the credit of a worker for the request's chunk pages it holds (docs/blend.md)
+ *   evstream.c index.c policy.c openai.c fair.c tenants.c   leaves (openai.c over
+ *               openai_tools.c and openai_chunks.c)
  *   state.c     the clock; rt_pump and the socket watch, which call up through r->pump
  * Two calls go back up through hooks router.c sets: r->pump (drain every socket) and
  * r->redispatch (rt_dispatch, for the waiters a request releases as it ends); a request's replies
