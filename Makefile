@@ -534,6 +534,9 @@ bench-blend: $(BENCH_BLEND) ## chunk reuse vs full and prefix caching: TTFT, per
 	@grep -m1 'model name' /proc/cpuinfo; nproc
 	@$(BENCH_BLEND) --threads $${THREADS:-2} --prompts $${PROMPTS:-8} --docs $${DOCS:-12} \
 		--fractions $${FRACTIONS:-0,0.05,0.15,0.3}
+.PHONY: bench-blend-route
+bench-blend-route: build ## 4 workers: chunk tokens reused with and without chunk-aware routing
+	@bash bench/bench_blend_route.sh
 
 # KV store figures (docs/kvshard.md): lookup/insert ops/s, tier bandwidth, attention per format.
 BENCH_KV := $(BUILD)/bench/bench_kv

@@ -128,6 +128,14 @@ km_pagehash km_pagehash_seed(const void *model_fp, size_t fp_len, uint64_t clust
                              const char *salt, size_t salt_len);
 /* h[i] from h[i-1] and the n tokens of page i. */
 km_pagehash km_pagehash_next(km_pagehash prev, const int32_t *tokens, int n);
+/* The seed of a tenant's chunk chains (reusable chunks, docs/blend.md) from its prefix seed:
+ * the seed hashed with one id no page holds, so no prefix chain reaches it. Workers
+ * (en_blend_chunk_seed) and routers (their chunk credit) must agree on it, and on the text each
+ * chunk is computed after, whose first page of tokens starts every chunk chain. */
+km_pagehash km_pagehash_chunk_seed(km_pagehash tenant_seed);
+#define KM_CHUNK_PREAMBLE                                                                          \
+    "The text below is one of several documents retrieved for the question that follows them all."
+
 /* Hashes of the full pages of tokens[0, n_tokens): writes min(n_tokens / page_tokens, max_out)
  * hashes and returns that count (KM_EINVAL on bad arguments). */
 int km_pagehash_chain(km_pagehash seed, const int32_t *tokens, int n_tokens, int page_tokens,

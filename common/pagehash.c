@@ -43,6 +43,12 @@ km_pagehash km_pagehash_seed(const void *model_fp, size_t fp_len, uint64_t clust
     return km_pagehash_of(XXH3_128bits_digest(&st));
 }
 
+km_pagehash km_pagehash_chunk_seed(km_pagehash tenant_seed)
+{
+    const int32_t mark = -1;
+    return km_pagehash_next(tenant_seed, &mark, 1);
+}
+
 km_pagehash km_pagehash_next(km_pagehash prev, const int32_t *tokens, int n)
 {
     XXH3_state_t st;

@@ -307,6 +307,9 @@ typedef struct km_msg_done {
     /* usage: draft tokens verified, and of them accepted (part of completion_tokens); optional,
      * added within version 1, absent = 0 */
     uint32_t draft_tokens, accepted_draft_tokens;
+    /* usage: prompt tokens whose KV came from cached chunks (req.chunks), not counted in
+     * cached_tokens; optional, added within version 1, absent = 0 */
+    uint32_t chunk_tokens;
     double queue_ms, ttft_ms, total_ms; /* timings, >= 0 */
     /* set by routers (optional, added within version 1) */
     const char *worker;  /* the worker that finished the request; NULL = absent */

@@ -388,6 +388,9 @@ static int done_validate(const km_msg *m, const km_proto_limits *lim, km_errbuf 
     if (d->cached_tokens > d->prompt_tokens)
         VFAIL("done.usage: cached_tokens %u > prompt_tokens %u", d->cached_tokens,
               d->prompt_tokens);
+    if ((uint64_t)d->cached_tokens + d->chunk_tokens > d->prompt_tokens)
+        VFAIL("done.usage: cached_tokens %u + chunk_tokens %u > prompt_tokens %u", d->cached_tokens,
+              d->chunk_tokens, d->prompt_tokens);
     if (d->accepted_draft_tokens > d->draft_tokens)
         VFAIL("done.usage: accepted_draft_tokens %u > draft_tokens %u", d->accepted_draft_tokens,
               d->draft_tokens);
@@ -405,6 +408,7 @@ static void done_usage(km_enc *e, const void *arg)
     km_enc_u64(e, "completion_tokens", d->completion_tokens);
     if (d->draft_tokens) km_enc_u64(e, "draft_tokens", d->draft_tokens);
     if (d->accepted_draft_tokens) km_enc_u64(e, "accepted_draft_tokens", d->accepted_draft_tokens);
+    if (d->chunk_tokens) km_enc_u64(e, "chunk_tokens", d->chunk_tokens);
 }
 
 static void done_timings(km_enc *e, const void *arg)
@@ -445,6 +449,7 @@ static int done_decode(km_dec *d, const msgpack_object_map *mp)
     CK(km_dec_u32(d, &o->via.map, "completion_tokens", true, &dn->completion_tokens));
     CK(km_dec_u32(d, &o->via.map, "draft_tokens", false, &dn->draft_tokens));
     CK(km_dec_u32(d, &o->via.map, "accepted_draft_tokens", false, &dn->accepted_draft_tokens));
+    CK(km_dec_u32(d, &o->via.map, "chunk_tokens", false, &dn->chunk_tokens));
     km_dec_path_set(d, n);
     CK(km_dec_obj(d, mp, "timings", false, MSGPACK_OBJECT_MAP, &o));
     if (o) {

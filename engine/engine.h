@@ -397,7 +397,20 @@ typedef struct en_sched_opts {
     int tenant_prefill;
     uint64_t cluster_seed; /* page-hash chain seed (with the model fingerprint and cache_salt) */
     en_spec_opts spec;     /* speculative decoding */
+    /* Chunk reuse (en_sched_req.chunks): the recompute fraction of en_blend_opts; 0:
+     * EN_SCHED_BLEND_FRACTION; negative: chunks are never reused (computed in full, still
+     * stored). */
+    float blend_fraction;
 } en_sched_opts;
+
+/* The default recompute fraction of reused chunks (docs/blend.md, "Serving" says why). */
+#define EN_SCHED_BLEND_FRACTION 0.3f
+/* Most chunks a request may mark (KM_PROTO_MAX_CHUNKS on the wire). */
+#define EN_SCHED_MAX_CHUNKS 64
+/* The text every chunk is computed after (its first page of tokens is the preamble,
+ * en_blend_key.pre): the same on every worker and router of a model, so chunk pages hash alike
+ * everywhere (km_pagehash_chunk_seed). */
+#define EN_SCHED_BLEND_PREAMBLE KM_CHUNK_PREAMBLE
 
 /* ---------------------------------------------------------------- scheduler
  * en_sched_*: iteration-level continuous batching over one engine. Every step mixes the decode
@@ -440,11 +453,22 @@ typedef struct en_sched_req {
      * n_generated none) to on_prompt_logprob, with sample.top_logprobs alternatives, before the
      * first generated token. The prompt is then computed whole: no cached prefix is attached. */
     int prompt_logprobs;
+    /* Segments of the prompt whose KV may be cached and reused by content wherever they appear
+     * (en_blend_*; copied; ordered, disjoint, non-empty, inside the prompt, at most
+     * EN_SCHED_MAX_CHUNKS, else KM_EINVAL). At admission each chunk past the cached prefix whose
+     * pages the store holds is copied in and repaired by selective recompute; the pages from the
+     * first reused chunk on are approximate and never published as prefix pages. A chunk not
+     * held is computed in full with the prompt, and stored after the request ends. Only over a
+     * scheduler made by en_sched_create, a dense model and a first admission: a preempted
+     * request is recomputed in full. */
+    const en_blend_seg *chunks;
+    int n_chunks;
     void *user; /* handed back to every callback */
 } en_sched_req;
 
 typedef struct en_sched_usage {
     int prompt_tokens, cached_tokens, completion_tokens, preemptions;
+    int chunk_tokens; /* prompt tokens whose KV came from cached chunks (not in cached_tokens) */
     int draft_tokens, accepted_draft_tokens; /* drafted and verified / kept (of completion) */
     double queue_ms, ttft_ms, total_ms;
 } en_sched_usage;
@@ -473,6 +497,9 @@ typedef struct en_sched_stats {
         kv_full; /* requests handed back (503) because pinned pages left no room: transient */
     uint64_t tenant_yields; /* running sequences sent back to the queue for another tenant */
     uint64_t tenant_waits;  /* a running sequence sat out a step for another tenant's first token */
+    /* Chunk reuse: prompt tokens reused from cached chunks, of those recomputed past the probe,
+     * chunks stored after their request, chunks that found nothing cached. */
+    uint64_t chunk_tokens, chunk_recomputed, chunks_stored, chunk_misses;
     /* Speculative decoding: draft tokens verified, kept and thrown away; verification steps of
      * a request (mean accepted length = spec_accepted / spec_verifies); back-offs. */
     uint64_t spec_drafted, spec_accepted, spec_rejected, spec_verifies, spec_backoffs;
@@ -532,6 +559,9 @@ int en_sched_pending(const en_sched *s);
  * whoever retries it elsewhere or later finds them cached (drain, shutdown). */
 void en_sched_abort_all(en_sched *s, int code, const char *message);
 void en_sched_stats_get(const en_sched *s, en_sched_stats *out);
+/* Chunks of ended requests waiting to be computed and stored (en_sched_req.chunks): while
+ * non-zero, en_sched_step stores one per call when no request is held (or too many wait). */
+int en_sched_chunks_waiting(const en_sched *s);
 
 #ifdef __cplusplus
 }

@@ -109,6 +109,11 @@ int en_sched_create(en_engine *e, const en_model *m, const en_sched_opts *o, con
     if (rc) return rc;
     (*out)->real = (en_real_engine){e, en_model_tokenizer(m), NULL};
     (*out)->eng.ctx = &(*out)->real;
+    if (en_blend_setup(*out, en_model_hparams(m))) {
+        en_sched_destroy(*out);
+        *out = NULL;
+        return km_errf(err, KM_ENOMEM, "sched: out of memory");
+    }
     return 0;
 }
 
@@ -214,6 +219,8 @@ static void en_rq_free(en_sched *s, en_rq *r)
     free(r->tokens);
     free(r->hashes);
     free(r->route);
+    free(r->chunks);
+    free(r->reused);
     free(r);
 }
 
@@ -244,6 +251,7 @@ void en_sched_destroy(en_sched *s)
     en_spec_destroy(s->spec);
     free(s->order);
     free(s->tn);
+    en_blend_teardown(s);
     free(s);
 }
 
@@ -264,6 +272,8 @@ void en_rq_publish(en_sched *s, en_rq *r)
     if (!r->seq || r->n_done < s->pt) return;
     int n = r->n_done;
     if (n / s->pt > r->n_hashed) n = r->n_hashed * s->pt;
+    if (n > r->publish_end) n = r->publish_end; /* blended KV is never a prefix */
+    if (n < s->pt) return;
     /* Each new full page goes to the shard of its tokens' most frequent dominant expert (the
      * lower id on a tie) before it is indexed. */
     for (; r->route && r->n_placed < n / s->pt; r->n_placed++) {
@@ -323,7 +333,8 @@ int en_sched_submit(en_sched *s, const en_sched_req *q, uint64_t *rid)
         en_rq_free(s, r);
         return rc;
     }
-    if (q->grammar) rc = en_rq_grammar(s, r, q);
+    rc = en_rq_chunks(s, r, q);
+    if (!rc && q->grammar) rc = en_rq_grammar(s, r, q);
     if (rc) {
         en_rq_free(s, r);
         return rc;
@@ -405,6 +416,7 @@ static void en_rq_usage(const en_rq *r, uint64_t now, en_sched_usage *u)
         .accepted_draft_tokens = accepted,
         .prompt_tokens = r->n_prompt,
         .cached_tokens = r->cached_tokens,
+        .chunk_tokens = r->chunk_tokens,
         .completion_tokens = r->n_gen,
         .preemptions = r->preemptions,
         .queue_ms = r->admitted ? en_ms(r->arrival_ns, r->admit_ns) : en_ms(r->arrival_ns, now),
@@ -429,6 +441,7 @@ static void en_rq_end(en_sched *s, en_rq *r, km_finish finish, int code, const c
     en_rq_publish(s, r);
     /* What it wrote becomes draft material for the same tenant's later requests. */
     if (!code && r->n_gen > 0) en_spec_learn(s->spec, r->seed, r->tokens, r->n_prompt, r->n_tok);
+    if (!code) en_rq_blend_ended(s, r);
     if (r->seq) {
         en_rq_drop_shadow(s, r);
         kv_seq_destroy(s->kv, r->seq);
@@ -505,6 +518,7 @@ static int en_rq_admit(en_sched *s, en_rq *r, uint64_t now)
     }
     r->n_done = got * s->pt;
     r->n_placed = got; /* attached pages are where their first owner placed them */
+    en_rq_blend_attach(s, r);
     if (!r->admitted) {
         r->admitted = 1;
         r->admit_ns = now;
@@ -652,7 +666,7 @@ static int en_sched_build(en_sched *s, int *n_parts)
         for (int i = 0; i < s->n_run && n < budget; i++) {
             en_rq *r = s->run[s->order[i]];
             int left = r->n_tok - r->n_done, nd = 0;
-            if (left <= 0 || r->sit_out || (pass == 0) != (left == 1)) continue;
+            if (left <= 0 || r->sit_out || r->blend || (pass == 0) != (left == 1)) continue;
             const int32_t *d = r->spec && pass == 0 ? en_spec_seq_draft(r->spec, &nd) : NULL;
             if (nd > budget - n - 1) nd = 0; /* the plan left room; never overflow the batch */
             int take = left;
@@ -774,8 +788,12 @@ void en_sched_prepare(en_sched *s)
 
 int en_sched_step(en_sched *s)
 {
+    int stored = en_sched_blend_store(s);
     en_sched_prepare(s);
     en_fair_step(s);
+    int blended = s->st.chunk_tokens;
+    en_sched_blend(s, km_now_ns());
+    blended = (int)s->st.chunk_tokens - blended + stored;
     en_sched_plan(s);
 
     int n, np, drafts;
@@ -783,7 +801,7 @@ int en_sched_step(en_sched *s)
     uint64_t t0 = 0;
     for (;;) {
         n = en_sched_build(s, &np);
-        if (!n) return 0;
+        if (!n) return blended;
         drafts = 0;
         for (int i = 0; i < np; i++) drafts += s->parts[i].draft;
         en_batch b = {.n_tokens = n,

@@ -2,8 +2,9 @@
  * scheduler_internal.h — what the scheduler's two files share: scheduler.c (requests, admission,
  * preemption, the step budget, building and running a step) and scheduler_spec.c (speculative
  * decoding's side of a step: drafts planned under the budget, verified against the step's
- * logits), scheduler_self.c (self-speculation's draft steps) and scheduler_fair.c (the running
- * set shared between tenants). Private to worker/; scheduler.h is the contract.
+ * logits), scheduler_self.c (self-speculation's draft steps), scheduler_fair.c (the running
+ * set shared between tenants) and scheduler_blend.c (chunks reused and stored). Private to worker/;
+ * scheduler.h is the contract.
  */
 #ifndef EN_SCHEDULER_INTERNAL_H
 #define EN_SCHEDULER_INTERNAL_H
@@ -33,6 +34,12 @@ typedef struct en_rq {
     int n_shadow;           /* positions of seq copied into shadow */
     int priority, ignore_eos, canceled, admitted, preemptions, cached_tokens;
     int sit_out; /* not in this step: another tenant's first token (scheduler_fair.c) */
+    /* chunk reuse (scheduler_blend.c): the request's chunks; of them, those reused in this
+     * attempt (blend set until en_sched_blend has run their prefill); pages from publish_end
+     * on are never published (approximate KV); chunks to store once the request ends */
+    en_blend_seg *chunks, *reused;
+    int n_chunks, n_reused, blend, publish_end, chunk_tokens;
+    uint64_t chunk_missed; /* bit c: chunk c was not held whole */
     uint64_t tenant;
     uint64_t arrival_ns, deadline_ns, admit_ns, first_ns;
 } en_rq;
@@ -104,6 +111,12 @@ struct en_sched {
     struct {
         uint64_t id, end_ns;
     } ended[2];
+    /* chunk reuse (scheduler_blend.c): the preamble (one page; n_pre 0: no reuse), and the
+     * chunks of ended requests still to compute and store, oldest first */
+    int32_t *pre;
+    int n_pre;
+    struct en_chunk_job *jobs;
+    int n_jobs, cap_jobs;
 };
 
 /* scheduler.c */
@@ -139,6 +152,23 @@ void en_fair_ended(en_sched *s, uint64_t id, uint64_t now);
 void en_sched_plan(en_sched *s);
 /* A sequence's token and drafts came back with logits at every position: keep what matches. */
 void en_sched_verify(en_sched *s, const en_part *p, const float *rows, uint64_t now);
+
+/* scheduler_blend.c */
+/* The preamble from the model's tokenizer (en_sched_create): 0, or KM_ENOMEM. */
+int en_blend_setup(en_sched *s, const en_hparams *hp);
+/* Frees the preamble and the store jobs. */
+void en_blend_teardown(en_sched *s);
+/* A submitted request's chunks, checked and copied: 0 or KM_EINVAL / KM_ENOMEM. */
+int en_rq_chunks(en_sched *s, en_rq *r, const en_sched_req *q);
+/* At a first admission, after the prefix attach: the chunks the store holds, copied into r's
+ * sequence (r->blend set when any was). */
+void en_rq_blend_attach(en_sched *s, en_rq *r);
+/* Runs the pending chunk prefills of running sequences: their first token sampled. */
+void en_sched_blend(en_sched *s, uint64_t now);
+/* A request ended: its missing chunks are queued to be stored. */
+void en_rq_blend_ended(en_sched *s, const en_rq *r);
+/* Stores one queued chunk (between steps): 1 when one was, else 0. */
+int en_sched_blend_store(en_sched *s);
 
 /* scheduler_self.c */
 /* Drafts for the n self-speculating decoders s->d_rq, at most s->d_cap[i] tokens each: their

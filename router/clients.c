@@ -91,6 +91,7 @@ static void zmq_done(rt_router *r, rt_rq *q, const rt_rq_done *d)
     m.done.completion_tokens = (uint32_t)q->n_gen;
     m.done.draft_tokens = q->draft_tokens;
     m.done.accepted_draft_tokens = q->accepted_draft_tokens;
+    m.done.chunk_tokens = q->chunk_tokens;
     m.done.queue_ms = d->queue_ms;
     m.done.ttft_ms = d->ttft_ms;
     m.done.total_ms = d->total_ms;
@@ -145,7 +146,8 @@ int rt_rq_compose_salt(rt_rq *q, const km_apikey_match *key)
 }
 
 /* A client's request into q, field by field from a whitelist: the sampling parameters, and
- * copies of the strings and arrays q keeps (stop strings, salt, logit bias). Nothing else a client
+ * copies of the strings and arrays q keeps (stop strings, salt, logit bias, chunks: checked
+ * against the token prompt by the frame's decoding). Nothing else a client
  * sent reaches a worker: the pull hint, `generated`, `stream` and ids are the router's to set
  * (docs/security.md), and q->q holds no pointer into the decoded frame, which is freed when this
  * returns. peer: who sent it (its key names the cache namespace, tenants.c). */
@@ -173,6 +175,11 @@ static int rq_copy_params(rt_router *r, rt_rq *q, const km_msg_request *src, con
         if (!(q->bias = malloc(sizeof *q->bias * src->n_logit_bias))) return KM_ENOMEM;
         memcpy(q->bias, src->logit_bias, sizeof *q->bias * src->n_logit_bias);
         q->q.n_logit_bias = src->n_logit_bias;
+    }
+    if (src->n_chunks) {
+        if (!(q->chunks = malloc(sizeof *q->chunks * src->n_chunks))) return KM_ENOMEM;
+        memcpy(q->chunks, src->chunks, sizeof *q->chunks * src->n_chunks);
+        q->q.n_chunks = src->n_chunks;
     }
     q->q.n_stop = src->n_stop;
     for (uint32_t i = 0; i < src->n_stop && i < KM_PROTO_MAX_STOP; i++)

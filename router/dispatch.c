@@ -98,6 +98,7 @@ static int send_to(rt_router *r, rt_rq *q, int pick, int n_ctx, uint32_t remaini
     msg.req.cache_salt = q->salt;
     msg.req.stop = (const char *const *)q->stop;
     msg.req.logit_bias = q->bias;
+    msg.req.chunks = q->chunks;
     msg.req.grammar = q->grammar;
     rt_pull_hint(r, q, &msg.req); /* pull.c: pull the prefix another worker holds */
     /* pd.c: a prefill worker computes it now */
@@ -182,6 +183,7 @@ int rt_dispatch(rt_router *r, rt_rq *q, bool from_queue)
     rt_index_match(r->index, q->chain, q->n_chain, mask | holders, r->c.policy.tier_credit,
                    r->c.page_tokens, now, &m);
     for (int i = 0; i < r->n_w; i++) cand[i].cached_tokens = cand[i].usable ? m.credit[i] : 0;
+    if (q->n_chunk_chain) rt_chunk_credit(r, q, mask | holders, &m, now, cand);
     rt_pull_price(r, &m, cand); /* pull.c: a prefix another worker holds, priced as a pull */
     if (r->c.policy.mode == RT_MODE_KV) cold_backlog(r, q, cand);
     int n_ctx = q->replay ? q->n_prompt : q->n_prompt + q->n_gen;

@@ -96,6 +96,7 @@ static void group_done(rt_router *r, rt_rq *q, const rt_rq_done *d)
     if (q->choice % g->per == 0) { /* the prompt's tokens count once per prompt */
         g->u.prompt_tokens += (uint32_t)q->n_prompt;
         g->u.cached_tokens += d->cached;
+        g->u.chunk_tokens += q->chunk_tokens;
     }
     g->u.completion_tokens += (uint32_t)q->n_gen;
     g->u.draft_tokens += q->draft_tokens;
@@ -171,7 +172,8 @@ static void http_done(rt_router *r, rt_rq *q, const rt_rq_done *d)
                       .completion_tokens = (uint32_t)q->n_gen,
                       .cached_tokens = d->cached,
                       .draft_tokens = q->draft_tokens,
-                      .accepted_draft_tokens = q->accepted_draft_tokens};
+                      .accepted_draft_tokens = q->accepted_draft_tokens,
+                      .chunk_tokens = q->chunk_tokens};
     km_buf b = {0};
     json_t *calls = q->tool_names && q->text.len
                         ? rt_oai_tool_calls((const char *)q->text.data, q->text.len, q->tool_names,
@@ -871,10 +873,16 @@ static rt_rq *member_new(rt_router *r, km_http_req *h, const rt_oai_req *oq, con
 }
 
 /* q's prompt (p, or a chat's rendered text) is tokenized and q starts: it is in the router's
- * table from here, and answers for itself. */
+ * table from here, and answers for itself. ck: its chunks (token spans over ids, byte spans over
+ * text: prompt.c turns those into token spans). */
 static void member_start(rt_router *r, rt_rq *q, const rt_oai_prompt *p, const char *chat_text,
-                         size_t chat_len)
+                         size_t chat_len, const km_chunk_seg *ck, int n_ck)
 {
+    if (n_ck && (q->chunks = malloc(sizeof *q->chunks * (size_t)n_ck))) {
+        memcpy(q->chunks, ck, sizeof *q->chunks * (size_t)n_ck);
+        q->q.n_chunks = (uint32_t)n_ck;
+        q->chunk_bytes = !(p && p->ids);
+    }
     if (p && p->ids) { /* token ids: no tokenizing */
         if (rq_take_ids(r, q, p)) {
             rt_rq_fail(r, q, KM_CODE_INTERNAL, 0, "out of memory");
@@ -976,8 +984,17 @@ static void on_completion(rt_router *r, km_http_req *h, bool chat)
         http_error(h, 500, "server_error", NULL, "cannot render the prompt");
         bad = true;
     }
+    km_chunk_seg *chat_ck = NULL;
+    int n_chat_ck = 0;
+    if (!bad && chat && rt_oai_chat_chunks(&oq, chat_text, chat_len, &chat_ck, &n_chat_ck)) {
+        http_error(h, 400, "invalid_request_error", "messages",
+                   "too many messages marked kvmesh_chunk (limit 64)");
+        bad = true;
+    }
     rt_hgroup *g = !bad && choices > 1 ? group_new(r, h, &oq, choices) : NULL;
     if (bad || (choices > 1 && !g)) {
+        free(chat_ck);
+        free(chat_text);
         rt_oai_req_free(&oq);
         return;
     }
@@ -996,6 +1013,7 @@ static void on_completion(rt_router *r, km_http_req *h, bool chat)
                 group_unref(g);
             }
             free(chat_text);
+            free(chat_ck);
             rt_oai_req_free(&oq);
             return;
         }
@@ -1013,8 +1031,10 @@ static void on_completion(rt_router *r, km_http_req *h, bool chat)
     for (int i = 0; i < choices; i++) {
         rt_rq *q = g ? g->m[i] : one;
         if (!q) continue; /* ended with the group (another choice failed) */
-        member_start(r, q, chat ? NULL : &oq.prompts[i / oq.n], chat_text, chat_len);
+        member_start(r, q, chat ? NULL : &oq.prompts[i / oq.n], chat_text, chat_len,
+                     chat ? chat_ck : oq.chunks, chat ? n_chat_ck : oq.n_chunks);
     }
+    free(chat_ck);
     free(chat_text);
     rt_oai_req_free(&oq);
     if (g) group_unref(g);

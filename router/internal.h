@@ -18,7 +18,9 @@
  *               its front's rt_front_ops (clients.c: ZeroMQ frames; front.c: SSE or JSON)
  *   metrics.c   the Prometheus series
  *   pull.c      pull or recompute: a pull hint when another worker holds more of the prefix
- *   evstream.c index.c policy.c openai.c fair.c tenants.c   leaves
+ *   chunks.c    the credit of a worker for the request's chunk pages it holds (docs/blend.md)
+ *   evstream.c index.c policy.c openai.c fair.c tenants.c   leaves (openai.c over
+ *               openai_tools.c and openai_chunks.c)
  *   state.c     the clock; rt_pump and the socket watch, which call up through r->pump
  * Two calls go back up through hooks router.c sets: r->pump (drain every socket) and
  * r->redispatch (rt_dispatch, for the waiters a request releases as it ends); a request's replies
@@ -78,7 +80,11 @@ struct rt_rq {
     char model[KM_PROTO_MAX_NAME + 1];
     char *salt;
     char *stop[KM_PROTO_MAX_STOP];
-    km_token_value *bias;        /* req.logit_bias (q.n_logit_bias entries), owned */
+    km_token_value *bias;     /* req.logit_bias (q.n_logit_bias entries), owned */
+    km_chunk_seg *chunks;     /* req.chunks (q.n_chunks segments of the prompt), owned */
+    km_pagehash *chunk_chain; /* each chunk's chain (chunks.c): preamble page, whole pages */
+    int n_chunk_chain;
+    bool chunk_bytes;            /* HTTP text prompt: chunks count bytes until tokenized */
     const km_msg_token *cur_tok; /* the worker's frame of the token being delivered (its
                                   * logprobs), NULL outside rt_relay_token */
     km_buf lp;                   /* HTTP: logprobs gathered (openai.c's rt_oai_lp entries) */
@@ -117,6 +123,7 @@ struct rt_rq {
     uint32_t first_cached;
     bool first_cached_set;
     uint32_t draft_tokens, accepted_draft_tokens; /* the finishing worker's done.usage */
+    uint32_t chunk_tokens;                        /* its prompt tokens reused from chunks */
     uint64_t t_arrive, t_sent, t_first;
     double worker_queue_ms;
     /* pull hint (pull.c): holder index + 1 (0: none), its pages and the pull's budget */
@@ -138,6 +145,8 @@ struct rt_tokjob {
     char *text;
     size_t len;
     int add_special;
+    km_chunk_seg *chunks; /* byte spans in, token spans out (the job's own copy) */
+    uint32_t n_chunks;
     int32_t *tokens;
     int cap, n; /* n: the token count, or a negative km_err */
 };
@@ -229,6 +238,7 @@ struct rt_router {
     char fp[65];
     md_model_info *model; /* tokenizer, chat format, name, fingerprint: no weights */
     const md_tokenizer *tok;
+    int32_t *chunk_pre; /* the chunk preamble's first page of tokens (chunks.c); NULL: none */
     md_chat_kind chat;
     km_proto_limits lim;
     uv_loop_t loop;
@@ -507,6 +517,17 @@ int rt_register_metrics(rt_router *r, km_errbuf *err);
 int rt_register_worker_metrics(rt_router *r, rt_wk *w, km_errbuf *err);
 /* The per-worker page gauges and the index size, from the prefix index. */
 void rt_update_page_gauges(rt_router *r);
+
+/* ---------------------------------------------------------------- chunks.c: chunk credit */
+
+/* The chunk preamble's first page of tokens (r->chunk_pre; left NULL when it is shorter). */
+void rt_chunk_setup(rt_router *r);
+/* q's chunk chains (q->chunk_chain), from its tokens and its tenant's prefix seed. */
+int rt_chunk_chains(rt_router *r, rt_rq *q, km_pagehash tenant_seed);
+/* Adds to each usable candidate's cached tokens the chunk pages of q it holds, at the policy's
+ * chunk_credit, but for chunks inside the prefix it holds (prefix: the prompt chain's match). */
+void rt_chunk_credit(rt_router *r, const rt_rq *q, uint64_t workers, const rt_match *prefix,
+                     uint64_t now_ms, rt_candidate *cand);
 
 /* ---------------------------------------------------------------- pull.c: pull or recompute */
 

@@ -160,6 +160,10 @@ static const km_opt g_opts[] = {
      "worker chosen is computed by a prefill worker and its pages pulled as they are sealed; "
      "0 = never",
      &g_args.c.policy.pd_min_tokens, 0, 1 << 24},
+    {"chunk-credit", NULL, KM_OPT_FLOAT, "0.5",
+     "share of the tokens of a request's chunks (docs/blend.md) a worker holding their pages is "
+     "credited as cached (the rest is the recompute that repairs them); 0 = chunks not credited",
+     &g_args.c.policy.chunk_credit, 0, 1},
     {"credit-disk", NULL, KM_OPT_FLOAT, "0.5", "fraction of a disk page counted cached",
      &g_args.c.policy.tier_credit[KM_TIER_DISK], 0, 1},
     {"worker-slots", NULL, KM_OPT_INT, "8", "requests a worker runs at once (cost model)",

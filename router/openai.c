@@ -285,6 +285,7 @@ void rt_oai_req_free(rt_oai_req *r)
     free(r->cache_salt);
     free(r->grammar);
     free(r->tool_names);
+    free(r->chunks);
     memset(r, 0, sizeof *r);
 }
 
@@ -323,6 +324,10 @@ static int parse_obj(json_t *o, bool chat, rt_oai_req *r, rt_oai_err *e)
             bool calls_only =
                 !c && !strcmp(rs, "assistant") && json_array_size(json_object_get(m, "tool_calls"));
             r->msgs[i].content = calls_only ? strdup("") : content_text(c, e);
+            json_t *ck = json_object_get(m, "kvmesh_chunk");
+            if (ck && !json_is_boolean(ck) && !json_is_null(ck))
+                return fail(e, "messages", "'kvmesh_chunk' must be true or false", NULL);
+            r->msgs[i].chunk = json_is_true(ck);
             if (!r->msgs[i].content) return e->status ? KM_EFORMAT : KM_ENOMEM;
             if (!r->msgs[i].role) return KM_ENOMEM;
         }
@@ -336,6 +341,7 @@ static int parse_obj(json_t *o, bool chat, rt_oai_req *r, rt_oai_err *e)
     /* structured outputs (openai_tools.c) */
     if ((rc = rt_oai_response_format(o, r, e))) return rc;
     if ((rc = rt_oai_tools(o, r, e))) return rc;
+    if ((rc = rt_oai_chunks(o, r, e))) return rc;
     /* OpenAI refuses 0 (integer_below_min_value); absent is the router's default */
     static const char *const max_keys[] = {"max_tokens", "max_completion_tokens"};
     for (int i = 0; i < 2; i++) {
@@ -597,6 +603,10 @@ static json_t *usage_obj(const rt_oai_usage *u)
                                       (json_int_t)u->accepted_draft_tokens,
                                       "rejected_prediction_tokens",
                                       (json_int_t)(u->draft_tokens - u->accepted_draft_tokens)));
+    /* chunk reuse is not a prefix hit (its KV is repaired, not exact): a field of its own */
+    json_t *pd = o ? json_object_get(o, "prompt_tokens_details") : NULL;
+    if (pd && u->chunk_tokens)
+        json_object_set_new(pd, "chunk_tokens", json_integer((json_int_t)u->chunk_tokens));
     return o;
 }
 

@@ -17,6 +17,7 @@
 
 typedef struct rt_oai_msg {
     char *role, *content;
+    bool chunk; /* extension "kvmesh_chunk": the content is a chunk (openai_chunks.c) */
 } rt_oai_msg;
 
 /* One prompt of a completions request: text, or token ids (text NULL). */
@@ -59,6 +60,10 @@ typedef struct rt_oai_req {
     char *grammar; /* response_format json_object/json_schema: the JSON Schema text; NULL: free */
     char *tool_names;  /* tools the reply may call, each name then '\n'; NULL: no tools */
     bool tool_several; /* the reply may be an array of calls (parallel_tool_calls) */
+    /* completions, extension "kvmesh": {"chunks": [[start, length], ...]}: spans of the one
+     * prompt, in tokens (ids) or bytes (text); NULL: none (openai_chunks.c) */
+    km_chunk_seg *chunks;
+    int n_chunks;
 } rt_oai_req;
 
 typedef struct rt_oai_err {
@@ -81,6 +86,18 @@ int rt_oai_response_format(struct json_t *body, rt_oai_req *r, rt_oai_err *e);
  * for tool_choice required or a named function r->grammar holding the output to a call; the
  * messages' tool turns and assistant tool_calls rendered as text. 0 or KM_EINVAL (e, 400). */
 int rt_oai_tools(struct json_t *body, rt_oai_req *r, rt_oai_err *e);
+/* "kvmesh": {"chunks": ...} of a completions request into r->chunks, checked against its prompt
+ * (chat: refused; messages carry "kvmesh_chunk"). 0 or KM_EINVAL (e, 400), KM_ENOMEM. */
+int rt_oai_chunks(struct json_t *body, rt_oai_req *r, rt_oai_err *e);
+/* n segments against a prompt of `size` tokens (text NULL) or bytes of text: 0 or KM_EINVAL
+ * with e filled (400, param named), saying which segment and why. */
+int rt_oai_chunks_check(const km_chunk_seg *c, int n, size_t size, const char *text,
+                        const char *param, rt_oai_err *e);
+/* The byte spans of a chat's chunk messages in its rendered text (each content where the
+ * template wrote it; one not found verbatim is left out): *out malloc'd, NULL when none. 0,
+ * KM_ERANGE (too many) or KM_ENOMEM. */
+int rt_oai_chat_chunks(const rt_oai_req *r, const char *text, size_t len, km_chunk_seg **out,
+                       int *n_out);
 
 /* One generated token's log-probabilities, as its worker computed them. */
 typedef struct rt_oai_lp {
@@ -124,6 +141,7 @@ typedef struct rt_oai_choice {
 typedef struct rt_oai_usage {
     uint32_t prompt_tokens, completion_tokens, cached_tokens;
     uint32_t draft_tokens, accepted_draft_tokens; /* speculative decoding; 0: none drafted */
+    uint32_t chunk_tokens; /* prompt tokens reused from cached chunks (docs/blend.md) */
 } rt_oai_usage;
 
 /* One SSE event "data: {chunk}\n\n" with a text delta (finish NULL) or a finish reason. */

@@ -60,6 +60,7 @@ void rt_policy_default(rt_policy *p)
     p->pull_margin = 0.8;
     p->pull_default_bps = RT_PULL_DEFAULT_BPS;
     p->pd_min_tokens = RT_PD_MIN_TOKENS;
+    p->chunk_credit = 0.5;
 }
 
 static uint64_t mix64(uint64_t z)

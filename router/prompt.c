@@ -40,10 +40,41 @@ static int encode(const md_tokenizer *tok, const char *text, size_t len, int add
     return n;
 }
 
+/* As encode, piece by piece: the text is cut at the edges of the chunks (byte spans, turned into
+ * token spans here), so a chunk's ids are those of its text alone wherever it appears
+ * (openai_chunks.c says why). */
+static int encode_pieces(const md_tokenizer *tok, const char *text, size_t len, int add_special,
+                         km_chunk_seg *c, uint32_t n_c, int32_t **out, int *cap)
+{
+    if (!n_c) return encode(tok, text, len, add_special, out, cap);
+    if (len > (size_t)(INT32_MAX / 2)) return KM_ERANGE;
+    *cap = (int)len + 72;
+    if (!(*out = malloc(sizeof **out * (size_t)*cap))) return KM_ENOMEM;
+    int n = 0;
+    if (add_special && md_tok_adds_bos(tok) && md_tok_bos(tok) >= 0) (*out)[n++] = md_tok_bos(tok);
+    size_t at = 0;
+    for (uint32_t i = 0; i <= n_c; i++) {
+        size_t to = i < n_c ? c[i].start : len; /* the text before chunk i, then chunk i */
+        for (int half = 0; half < 2; half++) {
+            if (to > at) {
+                int m = md_tok_encode(tok, text + at, to - at, 0, 1, *out + n, *cap - n);
+                if (m < 0 || m > *cap - n) return m < 0 ? m : KM_EINVAL;
+                if (half) c[i].start = (uint32_t)n, c[i].n = (uint32_t)m;
+                n += m;
+            }
+            at = to;
+            if (i == n_c) break;
+            to = c[i].start + (size_t)c[i].n;
+        }
+    }
+    return n;
+}
+
 static void tok_work(uv_work_t *w)
 {
     rt_tokjob *j = w->data;
-    j->n = encode(j->r->tok, j->text, j->len, j->add_special, &j->tokens, &j->cap);
+    j->n = encode_pieces(j->r->tok, j->text, j->len, j->add_special, j->chunks, j->n_chunks,
+                         &j->tokens, &j->cap);
 }
 
 /* Everything after the prompt is in q->tokens: the chain, the key, then dispatch. */
@@ -70,6 +101,10 @@ int rt_rq_start(rt_router *r, rt_rq *q)
     }
     q->n_chain =
         np ? km_pagehash_chain(seed, q->tokens, q->n_prompt, r->c.page_tokens, q->chain, np) : 0;
+    if (rt_chunk_chains(r, q, seed)) {
+        rt_rq_fail(r, q, KM_CODE_INTERNAL, 0, "out of memory");
+        return KM_ENOMEM;
+    }
     /* the rendezvous key: the first page, or (a prompt shorter than a page) its tokens */
     q->key = q->n_chain > 0 ? q->chain[0] : km_pagehash_next(seed, q->tokens, q->n_prompt);
     if (!q->max_tokens) q->max_tokens = r->c.default_max_tokens;
@@ -133,6 +168,9 @@ static void tok_after(uv_work_t *w, int status)
     rt_router *r = j->r;
     free(j->text);
     if (q) q->tokjob = NULL;
+    if (q && j->chunks) memcpy(q->chunks, j->chunks, sizeof *q->chunks * j->n_chunks);
+    if (q) q->chunk_bytes = false;
+    free(j->chunks);
     if (!q || status || r->stopping) { /* the request ended meanwhile, or the router stops */
         free(j->tokens);
         free(j);
@@ -156,10 +194,12 @@ void rt_rq_prepare(rt_router *r, rt_rq *q, char *text, size_t len, int add_speci
         rt_rq_fail(r, q, KM_CODE_TOO_LARGE, 0, m);
         return;
     }
+    const uint32_t n_c = q->chunk_bytes ? q->q.n_chunks : 0;
     if (len <= RT_TOK_LOOP_BYTES) {
         int32_t *tokens = NULL;
         int cap = 0;
-        int n = encode(r->tok, text, len, add_special, &tokens, &cap);
+        int n = encode_pieces(r->tok, text, len, add_special, q->chunks, n_c, &tokens, &cap);
+        q->chunk_bytes = false;
         free(text);
         km_counter_inc(r->s_tok_loop);
         start_with(r, q, n, tokens, cap);
@@ -172,6 +212,13 @@ void rt_rq_prepare(rt_router *r, rt_rq *q, char *text, size_t len, int add_speci
         return;
     }
     *j = (rt_tokjob){.r = r, .q = q, .text = text, .len = len, .add_special = add_special};
+    if (n_c && !(j->chunks = malloc(sizeof *j->chunks * n_c))) {
+        free(text);
+        free(j);
+        rt_rq_fail(r, q, KM_CODE_INTERNAL, 0, "out of memory");
+        return;
+    }
+    if (n_c) memcpy(j->chunks, q->chunks, sizeof *j->chunks * n_c), j->n_chunks = n_c;
     j->work.data = j;
     /* in the table meanwhile, so that a cancel or a disconnect finds it */
     q->rid = ++r->next_rid;
@@ -180,6 +227,7 @@ void rt_rq_prepare(rt_router *r, rt_rq *q, char *text, size_t len, int add_speci
     if (uv_queue_work(&r->loop, &j->work, tok_work, tok_after)) {
         q->tokjob = NULL;
         free(j->text);
+        free(j->chunks);
         free(j);
         rt_rq_fail(r, q, KM_CODE_INTERNAL, 0, "cannot queue the prompt's tokenization");
         return;

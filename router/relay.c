@@ -191,6 +191,7 @@ void rt_relay_done(rt_router *r, rt_wk *w, const km_msg_done *d)
     q->worker_queue_ms += d->queue_ms;
     q->draft_tokens = d->draft_tokens;
     q->accepted_draft_tokens = d->accepted_draft_tokens;
+    q->chunk_tokens = d->chunk_tokens;
     /* The worker streams every token; its done.text is the tail no token frame carried. When
      * the router detokenizes itself (a continuation after migration) its own flush has it. */
     if (d->text && d->text_len && !q->router_detok) km_buf_append(&q->text, d->text, d->text_len);

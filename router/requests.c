@@ -53,6 +53,8 @@ void rt_rq_free(rt_rq *q)
     free(q->salt);
     for (int i = 0; i < KM_PROTO_MAX_STOP; i++) free(q->stop[i]);
     free(q->bias);
+    free(q->chunks);
+    free(q->chunk_chain);
     km_buf_free(&q->lp);
     km_buf_free(&q->plp);
     free(q->echo_text);

@@ -168,6 +168,7 @@ static int open_state(rt_router *r, const rt_config *c, km_errbuf *err)
     snprintf(r->model_name, sizeof r->model_name, "%s", md_model_info_name(r->model));
     snprintf(r->fp, sizeof r->fp, "%s",
              c->fingerprint ? c->fingerprint : md_model_info_fingerprint(r->model));
+    rt_chunk_setup(r);
     if ((rc = rt_index_create(c->index_pages ? c->index_pages : (1u << 18),
                               c->pending_ttl_ms ? c->pending_ttl_ms : 30000, &r->index)))
         return km_errf(err, rc, "router: prefix index of %zu pages", c->index_pages);
@@ -351,6 +352,7 @@ void rt_router_destroy(rt_router *r)
     km_zmsg_clear(&r->zm);
     free(r->w);
     md_model_info_close(r->model);
+    free(r->chunk_pre);
     km_apikeys_close(r->apikeys);
     rt_tenants_close(r->tenants);
     rt_fair_free(r);

@@ -69,6 +69,9 @@ typedef struct rt_policy {
     /* disaggregation (router/pd.c): uncached prompt tokens on the decode worker from which a
      * prefill worker computes the prompt (RT_PD_MIN_TOKENS); 0: never */
     int pd_min_tokens;
+    /* chunk credit (chunks.c): a worker holding a request's chunk pages is credited this share
+     * of their tokens (the rest is the recompute that repairs them); 0: chunks not credited */
+    double chunk_credit;
 } rt_policy;
 
 /* The default --pd-min-tokens: docs/disaggregation.md says why (the workers' default

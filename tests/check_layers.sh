@@ -55,9 +55,9 @@ router)
         "dispatch" # choosing a worker, the router queue's pump, parking
         "requests" # the request table and queue, the end of a request, replies
         "metrics"  # the Prometheus series
-        "pull pd"  # pull or recompute; disaggregation
+        "pull pd chunks" # pull or recompute; disaggregation; chunk credit
         "evstream index policy openai fair tenants" # leaves
-        "openai_tools" # structured outputs (response_format), under openai
+        "openai_tools openai_chunks" # structured outputs (response_format), chunks; under openai
         "state"    # the clock and the loop's hooks
     )
     ;;

@@ -25,13 +25,15 @@ int wk_svc_metrics_init(wk_service *s, km_errbuf *err)
     for (int i = 0; i < WK_OUT_COUNT; i++) s->s_req[i] = km_metric_series(m, &wk_out_names[i]);
     REG(KM_COUNTER, "kvmesh_worker_tokens_total",
         "Tokens by kind: prompt (received), cached (prompt tokens served from cached KV), "
-        "prefill (computed prompt tokens), generated.",
+        "prefill (computed prompt tokens), generated, chunk (prompt tokens reused from cached "
+        "chunks, repaired; not in cached).",
         "kind", NULL, 0);
-    const char *k[4] = {"prompt", "cached", "prefill", "generated"};
+    const char *k[5] = {"prompt", "cached", "prefill", "generated", "chunk"};
     s->s_tok_prompt = km_metric_series(m, &k[0]);
     s->s_tok_cached = km_metric_series(m, &k[1]);
     s->s_tok_prefill = km_metric_series(m, &k[2]);
     s->s_tok_gen = km_metric_series(m, &k[3]);
+    s->s_tok_chunk = km_metric_series(m, &k[4]);
     REG(KM_HISTOGRAM, "kvmesh_worker_ttft_seconds", "Time from arrival to the first token.", NULL,
         lat_b, nlat);
     s->s_ttft = km_metric_series(m, NULL);
@@ -182,6 +184,7 @@ void wk_svc_observe_end(wk_service *s, const en_sched_usage *u)
 {
     km_counter_add(s->s_tok_prompt, (uint64_t)u->prompt_tokens);
     km_counter_add(s->s_tok_cached, (uint64_t)u->cached_tokens);
+    km_counter_add(s->s_tok_chunk, (uint64_t)u->chunk_tokens);
     km_hist_observe(s->s_queue, u->queue_ms / 1e3);
     km_hist_observe(s->s_e2e, u->total_ms / 1e3);
     if (u->completion_tokens > 0) {

@@ -390,6 +390,12 @@ static void wk_end_drain(wk_service *s)
     s->exit_code = WK_EXIT_RESTART;
 }
 
+/* Requests held, or chunks of ended ones waiting to be stored (done between requests, as steps). */
+static int wk_has_work(wk_service *s)
+{
+    return en_sched_pending(s->sched) || en_sched_chunks_waiting(s->sched);
+}
+
 /* One scheduler step, the engine inline. Before it, the scheduler admits what it will run and
  * the figures a `status` during the step reports are handed to the gate; frames that came
  * meanwhile are handled first (a few rounds at most), so that none waits for the step. */
@@ -401,7 +407,7 @@ static void wk_step(wk_service *s)
         wk_svc_quick_take(s, &q);
         if (wk_gate_step_begin(s->gate, &q, round >= 3)) break;
         wk_take_frames(s, WK_GATE_QUEUE);
-        if (s->stop_now || !en_sched_pending(s->sched)) return;
+        if (s->stop_now || !wk_has_work(s)) return;
     }
     uint64_t t0 = km_now_ns();
     int rc = en_sched_step(s->sched);
@@ -442,7 +448,7 @@ int wk_service_run(wk_service *s)
             wk_svc_start_drain(s, 0, "signal");
         }
         uint64_t now = km_now_ns();
-        int pending = en_sched_pending(s->sched);
+        int pending = wk_has_work(s);
         int timeout = 0;
         if (!pending) {
             int64_t to_gauge = (int64_t)(s->next_gauge_ns - now) / 1000000;
@@ -463,7 +469,7 @@ int wk_service_run(wk_service *s)
         }
         if (s->stop_now) break;
         wk_peer_poll(s);
-        if (en_sched_pending(s->sched)) wk_step(s);
+        if (wk_has_work(s)) wk_step(s);
         if (s->stop_now) break;
         int frames = wk_events_pump(s->ev);
         if (frames) km_counter_add(s->s_events, (uint64_t)frames);

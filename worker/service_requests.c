@@ -197,6 +197,7 @@ static void wk_on_done(void *ctx, void *user, km_finish finish, const en_sched_u
     m.done.completion_tokens = (uint32_t)u->completion_tokens;
     m.done.draft_tokens = (uint32_t)u->draft_tokens;
     m.done.accepted_draft_tokens = (uint32_t)u->accepted_draft_tokens;
+    m.done.chunk_tokens = (uint32_t)u->chunk_tokens;
     m.done.queue_ms = u->queue_ms;
     m.done.ttft_ms = u->ttft_ms;
     m.done.total_ms = u->total_ms;
@@ -417,6 +418,12 @@ void wk_svc_admit(wk_service *s, const km_zframe *env, int n_env, const km_msg_r
         .grammar = grammar,
         .user = r,
     };
+    /* the two segment layouts are one: the scheduler copies the chunks at submit */
+    _Static_assert(sizeof(km_chunk_seg) == sizeof(en_blend_seg) &&
+                       offsetof(km_chunk_seg, n) == offsetof(en_blend_seg, n),
+                   "km_chunk_seg and en_blend_seg differ");
+    sq.chunks = (const en_blend_seg *)q->chunks;
+    sq.n_chunks = (int)q->n_chunks;
     en_sample_params_default(&sq.sample);
     sq.sample.temperature = q->temperature;
     sq.sample.top_k = q->top_k;
