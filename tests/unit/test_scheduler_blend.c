@@ -102,6 +102,7 @@ static en_sched *sched_kv(en_engine **e, size_t kv_bytes)
     km_errbuf err = {{0}};
     cr_assert_eq(en_engine_create(g_model, &eo, e, &err), 0, "%s", err.msg);
     en_sched_opts so = {.max_batch_tokens = 256, .cluster_seed = 7};
+    so.spec.cost_fixed = true; /* drafts (so pages and preemptions) not priced by timed steps */
     en_sched_cb cb = {.on_token = on_token, .on_done = on_done, .on_error = on_error};
     en_sched *s;
     cr_assert_eq(en_sched_create(*e, g_model, &so, &cb, &s, &err), 0, "%s", err.msg);
@@ -217,8 +218,8 @@ Test(sched_blend, preempted_requests_with_reused_chunks_still_finish)
 {
     if (!g_model) cr_skip_test("model %s absent: run `make deps`", MODEL);
     en_engine *e;
-    /* 40 f16 pages of 16 tokens: far less than 4 sequences of ~100 + 120 tokens want */
-    en_sched *s = sched_kv(&e, (size_t)40 * 16 * 23040);
+    /* 24 f16 pages of 16 tokens: far less than 4 sequences of ~100 + 120 tokens want */
+    en_sched *s = sched_kv(&e, (size_t)24 * 16 * 23040);
     prompt a, p[4];
     const int ab[2] = {0, 1}, ba[2] = {1, 0};
     build(&a, "Read the two texts below.", ab, 2, " Which animal jumps?");
