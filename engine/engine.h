@@ -188,6 +188,10 @@ typedef struct en_blend_opts {
      * (pure reuse, no probe) */
     float fraction;
     int probe_layer; /* the layer whose K/V drift picks the tokens; 0: 1 (CacheBlend's) */
+    /* 0 (default): the last chunk, the one nearest the question, is computed in full like the
+     * rest of the prompt, which at equal work gives a lower perplexity than a larger fraction
+     * (docs/blend.md, Quality); 1: it is reused like the others */
+    int reuse_last;
 } en_blend_opts;
 
 typedef struct en_blend_stats {
@@ -199,10 +203,11 @@ typedef struct en_blend_stats {
 
 /* Prefill of tokens [n_done, n_tokens) of q, where [0, n_done) is in q already and the chunks
  * (inside [n_done, n_tokens), ordered, disjoint) hold reused KV (en_blend_copy): every other
- * token is computed through every layer; with a fraction, every chunk token first through the
- * probe layer, then those whose probe-layer K/V moved most from the reused ones further, per
- * the progressive rule. The last token always goes through every layer: *logits is its row.
- * KM_EINVAL on bad segments (empty, overlapping, outside [n_done, n_tokens - 1)). */
+ * token, and the last chunk's unless o->reuse_last, is computed through every layer; with a
+ * fraction, every chunk token first through the probe layer, then those whose probe-layer K/V moved
+ * most from the reused ones further, per the progressive rule. The last token always goes through
+ * every layer: *logits is its row. KM_EINVAL on bad segments (empty, overlapping, outside [n_done,
+ * n_tokens - 1)). */
 int en_blend_prefill(en_engine *e, kv_seq *q, const int32_t *tokens, int n_tokens, int n_done,
                      const en_blend_seg *chunks, int n_chunks, const en_blend_opts *o,
                      en_blend_stats *st, const float **logits);
