@@ -182,6 +182,10 @@ typedef struct en_blend_seg {
     int start, n;
 } en_blend_seg;
 
+/* The recompute fraction to use when the caller has no reason to pick another: chosen from
+ * bench-blend's quality/speed curve (docs/blend.md, Quality). */
+#define EN_BLEND_FRACTION 0.15f
+
 typedef struct en_blend_opts {
     /* mean share of the reused tokens recomputed per layer past the probe; more in the first
      * layers than the last (twice the mean after the probe, falling linearly to 0); 0: none
