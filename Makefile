@@ -524,7 +524,8 @@ bench-structured: $(BENCH_STRUCTURED) ## constrained vs free decode tok/s at bat
 	@$(BENCH_STRUCTURED) --threads $${THREADS:-2} --batch $${BATCH:-32}
 
 # Chunk reuse (docs/blend.md): full recompute, prefix caching and blend at several recompute
-# fractions on a RAG-style set from /usr/share/common-licenses: TTFT, perplexity, agreement.
+# fractions on a RAG-style set from /usr/share/common-licenses and /usr/share/doc: TTFT,
+# perplexity, agreement. QUICK=1: a smoke run (2 prompts of at most 4 documents, two fractions).
 BENCH_BLEND := $(BUILD)/bench/bench_blend
 $(BENCH_BLEND): $(OBJ)/bench/bench_blend.o $(ALL_LIBS)
 	@mkdir -p $(dir $@)
@@ -532,8 +533,8 @@ $(BENCH_BLEND): $(OBJ)/bench/bench_blend.o $(ALL_LIBS)
 .PHONY: bench-blend
 bench-blend: $(BENCH_BLEND) ## chunk reuse vs full and prefix caching: TTFT, perplexity, agreement
 	@grep -m1 'model name' /proc/cpuinfo; nproc
-	@$(BENCH_BLEND) --threads $${THREADS:-2} --prompts $${PROMPTS:-8} --docs $${DOCS:-12} \
-		--fractions $${FRACTIONS:-0,0.05,0.15,0.3}
+	@$(BENCH_BLEND) --threads $${THREADS:-2} --prompts $${PROMPTS:-8} --docs $${DOCS:-16} \
+		--quick $${QUICK:-0} $${FRACTIONS:+--fractions $$FRACTIONS}
 .PHONY: bench-blend-route
 bench-blend-route: build ## 4 workers: chunk tokens reused with and without chunk-aware routing
 	@bash bench/bench_blend_route.sh

@@ -2,17 +2,18 @@
  * bench_blend.c — `make bench-blend`: chunk reuse (engine/blend.c, docs/blend.md) on a RAG-style
  * set, in the engine (no sockets), one request at a time.
  *
- * Documents: --docs slices of 300 to 800 tokens cut from the texts of /usr/share/common-licenses.
- * Each prompt is a system line, 4 to 6 of those documents in a shuffled order (documents come
- * back across prompts), and a question asking to repeat a passage of one of them: its first 8
- * tokens are given, the reference continuation is the next 32 (a copy from the context, which
- * only attention to the reused KV can make likely). Modes, each on a fresh engine over the same
- * prompts:
+ * Documents: --docs slices of 300 to 1,000 tokens, one from the middle of each text of
+ * /usr/share/common-licenses and of a few of /usr/share/doc, in turn. Each prompt is a system line
+ * (one page), 4 to 8 of those documents in a shuffled order (documents come back across prompts),
+ * and a question asking to repeat a passage of one of them: its first 8 tokens are given, the
+ * reference continuation is the next 32 (a copy from the context, which only attention to the
+ * reused KV can make likely). Modes, each on a fresh engine over the same prompts:
  *   full     every prompt token computed;
  *   prefix   prefix caching (verified page chains, as the scheduler does): only the system line
  *            comes back at the same position;
- *   blend f  the documents were cached alone at ingestion (timed apart); each prompt attaches
- *            its documents' pages, re-rotates them and recomputes with fraction f.
+ *   blend f  the documents were cached at ingestion (timed apart), each after the system line
+ *            (--preamble); each prompt attaches its documents' pages, re-rotates them and
+ *            recomputes with fraction f, the last document in full ("f r": reused too).
  * Per mode: TTFT (the prefill up to the first token's logits) p50/p90, tokens reused and
  * recomputed, the perplexity of the reference continuations (teacher-forced after the prompt),
  * and greedy agreement with full (of the first 32 greedy tokens: how many before the first
@@ -28,11 +29,12 @@
 #include "engine/engine.h"
 
 #define MAX_DOCS    32
-#define MAX_PROMPT  6144
+#define MAX_PROMPT  8448
+#define MAX_SEG     8
 #define N_REF       32
 #define N_CUE       8
 #define N_GREEDY    32
-#define MAX_MODES   8
+#define MAX_MODES   10
 #define MAX_PROMPTS 64
 
 typedef struct doc {
@@ -43,17 +45,23 @@ typedef struct doc {
 typedef struct prompt {
     int32_t ids[MAX_PROMPT + N_REF];
     int n; /* prompt tokens; the reference follows at ids[n] */
-    en_blend_seg seg[6];
-    int doc[6], n_seg;
+    en_blend_seg seg[MAX_SEG];
+    int doc[MAX_SEG], n_seg;
     int32_t greedy[N_GREEDY];
 } prompt;
 
+#define SYS_LINE                                                                                   \
+    "<|im_start|>system\nAnswer the question from the documents below, quoting them.<|im_end|>\n"
+static int g_probe, g_max_docs = MAX_SEG;
 static uint64_t g_rng = 0x9e3779b97f4a7c15ull;
 static uint32_t rnd(void)
 {
     g_rng ^= g_rng << 13, g_rng ^= g_rng >> 7, g_rng ^= g_rng << 17;
     return (uint32_t)(g_rng >> 11);
 }
+
+static int32_t g_sys[64];
+static int g_nsys;
 
 static int encode(const md_tokenizer *t, const char *s, int32_t *out, int max)
 {
@@ -66,47 +74,64 @@ static int by_name(const void *a, const void *b)
     return strcmp(*(char *const *)a, *(char *const *)b);
 }
 
+/* Prose from /usr/share/doc (skipped where absent), taken in turn with the licences. */
+static const char *const k_doc_files[] = {
+    "/usr/share/doc/dpkg/spec/triggers.txt",
+    "/usr/share/doc/git/contrib/subtree/git-subtree.txt",
+    "/usr/share/doc/dpkg/spec/rootless-builds.txt",
+    "/usr/share/doc/gcc-12-base/README.Bugs",
+    "/usr/share/doc/git/RelNotes/2.28.0.txt",
+    "/usr/share/doc/git/RelNotes/2.33.0.txt",
+    "/usr/share/doc/git/RelNotes/2.36.0.txt",
+    "/usr/share/doc/git/RelNotes/2.0.0.txt",
+};
+
+/* One slice of 300 to 1,000 tokens from the middle of each file, licences and /usr/share/doc
+ * files alternating, in a fixed order. */
 static int load_docs(const md_tokenizer *t, int want, doc *d)
 {
     const char *dir = "/usr/share/common-licenses";
+    char *lic[64] = {0}, *paths[96];
+    int nl = 0, np = 0;
     DIR *dp = opendir(dir);
-    if (!dp) return 0;
-    char *names[64] = {0};
-    int nn = 0;
     struct dirent *de;
-    while ((de = readdir(dp)) && nn < 64)
-        if (de->d_name[0] != '.') names[nn++] = strdup(de->d_name);
-    closedir(dp);
-    qsort(names, (size_t)nn, sizeof *names, by_name);
+    while (dp && (de = readdir(dp)) && nl < 64)
+        if (de->d_name[0] != '.') {
+            char path[512];
+            snprintf(path, sizeof path, "%s/%s", dir, de->d_name);
+            lic[nl++] = strdup(path);
+        }
+    if (dp) closedir(dp);
+    qsort(lic, (size_t)nl, sizeof *lic, by_name);
+    const int nf = (int)(sizeof k_doc_files / sizeof k_doc_files[0]);
+    for (int i = 0; i < nl || i < nf; i++) {
+        if (i < nl) paths[np++] = lic[i];
+        if (i < nf) paths[np++] = (char *)k_doc_files[i];
+    }
     int nd = 0;
     static int32_t buf[1 << 17];
-    for (int f = 0; f < nn && nd < want; f++) {
-        char path[512];
-        snprintf(path, sizeof path, "%s/%s", dir, names[f]);
-        FILE *fp = fopen(path, "r");
+    static char text[1 << 19];
+    for (int f = 0; f < np && nd < want; f++) {
+        FILE *fp = fopen(paths[f], "r");
         if (!fp) continue;
-        static char text[1 << 19];
         size_t len = fread(text, 1, sizeof text - 1, fp);
         fclose(fp);
         text[len] = 0;
-        int n = encode(t, text, buf, (int)(sizeof buf / sizeof buf[0]));
-        /* up to two slices per file, from its middle, so that licences differ */
-        for (int s = 0; s < 2 && nd < want; s++) {
-            const int dl = 300 + (int)(rnd() % 501);
-            const int at = n / 3 + s * (dl + 64);
-            if (at + dl + 64 > n) break;
-            d[nd].ids = malloc(sizeof(int32_t) * dl);
-            memcpy(d[nd].ids, buf + at, sizeof(int32_t) * dl);
-            d[nd++].n = dl;
-        }
+        const int n = encode(t, text, buf, (int)(sizeof buf / sizeof buf[0]));
+        const int dl = 300 + (int)(rnd() % 701), at = n / 3;
+        if (at + dl > n) continue;
+        d[nd].ids = malloc(sizeof(int32_t) * dl);
+        memcpy(d[nd].ids, buf + at, sizeof(int32_t) * dl);
+        d[nd++].n = dl;
     }
-    for (int i = 0; i < nn; i++) free(names[i]);
+    for (int i = 0; i < nl; i++) free(lic[i]);
     return nd;
 }
 
 static void build_prompt(const md_tokenizer *t, const doc *d, int nd, prompt *p)
 {
-    int k = 4 + (int)(rnd() % 3), pick[6];
+    int k = 4 + (int)(rnd() % 5), pick[MAX_SEG];
+    if (k > g_max_docs) k = g_max_docs;
     for (int i = 0; i < k; i++) {
         int again;
         do {
@@ -114,8 +139,8 @@ static void build_prompt(const md_tokenizer *t, const doc *d, int nd, prompt *p)
             for (int j = 0; j < i; j++) again |= pick[j] == pick[i];
         } while (again);
     }
-    p->n =
-        encode(t, "<|im_start|>system\nAnswer from the documents below.<|im_end|>\n", p->ids, 64);
+    memcpy(p->ids, g_sys, sizeof(int32_t) * g_nsys);
+    p->n = g_nsys;
     p->n_seg = 0;
     for (int i = 0; i < k; i++) {
         if (p->n_seg && p->n + d[pick[i]].n + 200 > MAX_PROMPT) break;
@@ -180,11 +205,11 @@ static int continue_prompt(en_engine *e, kv_seq *q, prompt *p, const float *last
 
 /* One mode over every prompt on a fresh engine: fraction < 0 is full (-1) or prefix (-2). */
 static int run_mode(const en_model *m, int threads, const doc *d, int nd, prompt *ps, int np,
-                    float fraction, const int32_t *pre, result *r, int32_t (*greedy)[N_GREEDY])
+                    float fraction, int reuse_last, const int32_t *pre, result *r,
+                    int32_t (*greedy)[N_GREEDY])
 {
     const int nv = en_model_hparams(m)->n_vocab;
-    en_engine_opts o = {
-        .n_threads = threads, .max_batch_tokens = 512, .kv_bytes = (size_t)256 << 20};
+    en_engine_opts o = {.n_threads = threads, .max_batch_tokens = 512, .kv_bytes = (size_t)1 << 30};
     en_engine *e;
     km_errbuf err = {{0}};
     if (en_engine_create(m, &o, &e, &err)) {
@@ -194,7 +219,8 @@ static int run_mode(const en_model *m, int threads, const doc *d, int nd, prompt
     kv_store *kv = en_engine_kv(e);
     const km_pagehash tenant = km_pagehash_seed(NULL, 0, 1, NULL, 0);
     const int pt = kv_store_page_tokens(kv);
-    const en_blend_key key = {en_blend_chunk_seed(tenant), pre, pre ? pt : 0};
+    const en_blend_key key = {en_blend_chunk_seed(tenant), pre,
+                              pre ? (pre == g_sys ? g_nsys : pt) : 0};
     memset(r, 0, sizeof *r);
     int rc = 0;
     if (fraction >= 0) { /* ingestion: every document cached alone */
@@ -205,14 +231,14 @@ static int run_mode(const en_model *m, int threads, const doc *d, int nd, prompt
     static km_pagehash h[MAX_PROMPT / 16 + 1];
     for (int i = 0; i < np && !rc; i++) {
         prompt *p = &ps[i];
-        kv_seq *q, *c[6] = {0};
+        kv_seq *q, *c[MAX_SEG] = {0};
         if ((rc = kv_seq_create(kv, &q))) break;
         const uint64_t t0 = km_now_ns();
         int done = 0;
         const int nh = km_pagehash_chain(tenant, p->ids, p->n - 1, pt, h, MAX_PROMPT / 16 + 1);
         if (fraction != -1) done = kv_seq_attach(kv, q, h, p->ids, nh) * pt;
         if (done < 0) done = 0;
-        en_blend_seg seg[6];
+        en_blend_seg seg[MAX_SEG];
         int ns = 0;
         for (int s = 0; fraction >= 0 && s < p->n_seg && !rc; s++) {
             if (p->seg[s].start < done) continue;
@@ -222,7 +248,9 @@ static int run_mode(const en_model *m, int threads, const doc *d, int nd, prompt
             seg[ns++] = (en_blend_seg){p->seg[s].start, held};
             rc = en_blend_copy(e, c[s], key.n_pre, q, p->seg[s].start, held);
         }
-        const en_blend_opts bo = {.fraction = fraction > 0 ? fraction : 0};
+        const en_blend_opts bo = {.fraction = fraction > 0 ? fraction : 0,
+                                  .probe_layer = g_probe,
+                                  .reuse_last = reuse_last};
         en_blend_stats st;
         const float *lg = NULL;
         if (!rc) rc = en_blend_prefill(e, q, p->ids, p->n, done, seg, ns, &bo, &st, &lg);
@@ -247,10 +275,16 @@ int main(int argc, char **argv)
 {
     const char *model = bench_arg(argc, argv, "--model", "models/SmolLM2-135M-Instruct.Q4_1.gguf");
     const int threads = atoi(bench_arg(argc, argv, "--threads", "2"));
+    const int quick = atoi(bench_arg(argc, argv, "--quick", "0"));
     int np = atoi(bench_arg(argc, argv, "--prompts", "8"));
-    const int want_docs = atoi(bench_arg(argc, argv, "--docs", "12"));
-    const char *fr = bench_arg(argc, argv, "--fractions", "0,0.05,0.15,0.3");
-    const int use_pre = atoi(bench_arg(argc, argv, "--preamble", "1"));
+    const int want_docs = atoi(bench_arg(argc, argv, "--docs", "16"));
+    const char *fr =
+        bench_arg(argc, argv, "--fractions", quick ? "0r,0.15" : "0r,0,0.15,0.3,0.5,0.15r");
+    if (quick && np > 2) np = 2;
+    g_max_docs = quick ? 4 : MAX_SEG;
+    const int use_pre = atoi(bench_arg(argc, argv, "--preamble", "2"));
+    const int probe = atoi(bench_arg(argc, argv, "--probe", "0"));
+    g_probe = probe;
     if (np > MAX_PROMPTS) np = MAX_PROMPTS;
     en_model *m;
     km_errbuf err = {{0}};
@@ -262,31 +296,42 @@ int main(int argc, char **argv)
     static doc d[MAX_DOCS];
     const int nd = load_docs(t, want_docs < MAX_DOCS ? want_docs : MAX_DOCS, d);
     if (nd < 6) {
-        fprintf(stderr, "bench_blend: only %d documents from /usr/share/common-licenses\n", nd);
+        fprintf(stderr, "bench_blend: only %d documents from /usr/share\n", nd);
         return 1;
     }
-    /* the preamble chunks are computed after: one page of a neutral line */
+    /* what chunks are computed after: the prompts' system line (--preamble 2), a page of a
+     * neutral line (1) or nothing (0) */
     int32_t pre[64];
     const int n_pre = encode(t,
                              "The text below is one of several documents retrieved for the "
                              "question that follows them all.",
                              pre, 64);
     if (n_pre < 16) return 1;
+    g_nsys = encode(t, SYS_LINE, g_sys, 64);
+    const int32_t *pre_ids = pre;
+    if (use_pre == 2) {
+        if (g_nsys % 16) return 1;
+        pre_ids = g_sys;
+    }
     prompt *ps = calloc((size_t)np, sizeof *ps);
     long tokens = 0;
     for (int i = 0; i < np; i++) build_prompt(t, d, nd, &ps[i]), tokens += ps[i].n;
     float modes[MAX_MODES] = {-1, -2};
-    int nm = 2;
+    int nm = 2, last[MAX_MODES] = {0};
     for (const char *s = fr; *s && nm < MAX_MODES;) {
         modes[nm++] = strtof(s, (char **)&s);
+        if (*s == 'r') last[nm - 1] = 1, s++;
         if (*s == ',')
             s++;
         else if (*s)
             break;
     }
     printf("bench_blend: %s, %d threads, %d documents, %d prompts (%ld tokens, mean %ld), "
-           "chunks computed after a preamble: %s, load %.2f\n",
-           en_model_name(m), threads, nd, np, tokens, tokens / np, use_pre ? "yes" : "no",
+           "chunks computed after: %s, load %.2f\n",
+           en_model_name(m), threads, nd, np, tokens, tokens / np,
+           use_pre == 2 ? "the system line"
+           : use_pre    ? "a neutral page"
+                        : "nothing",
            bench_load1());
     printf("%-12s %9s %9s %8s %10s %10s %12s %8s %9s %9s %9s\n", "mode", "ttft_p50", "ttft_p90",
            "speedup", "reused", "recomputed", "token_layers", "ppl", "ppl_vs", "agree_pre",
@@ -295,7 +340,8 @@ int main(int argc, char **argv)
     double full_ppl = 0, prefix_p50 = 0;
     for (int k = 0; k < nm; k++) {
         result r;
-        if (run_mode(m, threads, d, nd, ps, np, modes[k], use_pre ? pre : NULL, &r, greedy[k])) {
+        if (run_mode(m, threads, d, nd, ps, np, modes[k], last[k], use_pre ? pre_ids : NULL, &r,
+                     greedy[k])) {
             fprintf(stderr, "bench_blend: mode %d failed\n", k);
             return 1;
         }
@@ -317,7 +363,7 @@ int main(int argc, char **argv)
         else if (k == 1)
             snprintf(name, sizeof name, "prefix");
         else
-            snprintf(name, sizeof name, "blend %.2f", modes[k]);
+            snprintf(name, sizeof name, "blend %.2f%s", modes[k], last[k] ? "r" : "");
         printf("%-12s %7.0fms %7.0fms %7.2fx %10ld %10ld %12ld %8.3f %+8.2f%% %8.1f%% %8.1f%%\n",
                name, p50, p90, k ? prefix_p50 / p50 : 0.0, r.reused, r.recomputed, r.token_layers,
                ppl, 100 * (ppl / full_ppl - 1), 100.0 * lead / (np * N_GREEDY),
@@ -326,7 +372,8 @@ int main(int argc, char **argv)
         fflush(stdout);
     }
     printf("speedup: prefix p50 / this p50; ppl_vs: perplexity against full's; agree_pre/pos: "
-           "greedy tokens equal to full's before the first difference / by position (of %d)\n",
+           "greedy tokens equal to full's before the first difference / by position (of %d); "
+           "r: the last chunk reused too (en_blend_opts.reuse_last), else computed in full\n",
            N_GREEDY);
     for (int i = 0; i < nd; i++) free(d[i].ids);
     free(ps);

@@ -178,14 +178,18 @@ int en_blend_prefill(en_engine *e, kv_seq *q, const int32_t *tokens, int n_token
     if (!st) st = &z;
     *st = z;
     if (n_done < 0 || n_done >= n_tokens || probe >= L || hp->n_expert) return KM_EINVAL;
+    /* the last chunk is computed in full unless asked (en_blend_opts.reuse_last), after the
+     * checks of every segment below */
+    const int n_reused = n_chunks && !(o && o->reuse_last) ? n_chunks - 1 : n_chunks;
     int nc = 0;
     for (int c = 0; c < n_chunks; c++) {
         const en_blend_seg *g = &chunks[c];
         if (g->n <= 0 || g->start < (c ? chunks[c - 1].start + chunks[c - 1].n : n_done) ||
             g->start + g->n > n_tokens - 1)
             return KM_EINVAL;
-        nc += g->n;
+        if (c < n_reused) nc += g->n;
     }
+    n_chunks = n_reused;
     const int n = n_tokens - n_done, P = probe + 1;
     bl_tok *t = malloc(sizeof *t * (size_t)n);
     bl_rank *rk = malloc(sizeof *rk * (size_t)(nc ? nc : 1));

@@ -191,12 +191,20 @@ typedef struct en_blend_seg {
     int start, n;
 } en_blend_seg;
 
+/* The recompute fraction to use when the caller has no reason to pick another: chosen from
+ * bench-blend's quality/speed curve (docs/blend.md, Quality). */
+#define EN_BLEND_FRACTION 0.15f
+
 typedef struct en_blend_opts {
     /* mean share of the reused tokens recomputed per layer past the probe; more in the first
      * layers than the last (twice the mean after the probe, falling linearly to 0); 0: none
      * (pure reuse, no probe) */
     float fraction;
     int probe_layer; /* the layer whose K/V drift picks the tokens; 0: 1 (CacheBlend's) */
+    /* 0 (default): the last chunk, the one nearest the question, is computed in full like the
+     * rest of the prompt, which at equal work gives a lower perplexity than a larger fraction
+     * (docs/blend.md, Quality); 1: it is reused like the others */
+    int reuse_last;
 } en_blend_opts;
 
 typedef struct en_blend_stats {
@@ -208,10 +216,11 @@ typedef struct en_blend_stats {
 
 /* Prefill of tokens [n_done, n_tokens) of q, where [0, n_done) is in q already and the chunks
  * (inside [n_done, n_tokens), ordered, disjoint) hold reused KV (en_blend_copy): every other
- * token is computed through every layer; with a fraction, every chunk token first through the
- * probe layer, then those whose probe-layer K/V moved most from the reused ones further, per
- * the progressive rule. The last token always goes through every layer: *logits is its row.
- * KM_EINVAL on bad segments (empty, overlapping, outside [n_done, n_tokens - 1)). */
+ * token, and the last chunk's unless o->reuse_last, is computed through every layer; with a
+ * fraction, every chunk token first through the probe layer, then those whose probe-layer K/V moved
+ * most from the reused ones further, per the progressive rule. The last token always goes through
+ * every layer: *logits is its row. KM_EINVAL on bad segments (empty, overlapping, outside [n_done,
+ * n_tokens - 1)). */
 int en_blend_prefill(en_engine *e, kv_seq *q, const int32_t *tokens, int n_tokens, int n_done,
                      const en_blend_seg *chunks, int n_chunks, const en_blend_opts *o,
                      en_blend_stats *st, const float **logits);
@@ -398,13 +407,10 @@ typedef struct en_sched_opts {
     uint64_t cluster_seed; /* page-hash chain seed (with the model fingerprint and cache_salt) */
     en_spec_opts spec;     /* speculative decoding */
     /* Chunk reuse (en_sched_req.chunks): the recompute fraction of en_blend_opts; 0:
-     * EN_SCHED_BLEND_FRACTION; negative: chunks are never reused (computed in full, still
-     * stored). */
+     * EN_BLEND_FRACTION; negative: chunks are never reused (computed in full, still stored). */
     float blend_fraction;
 } en_sched_opts;
 
-/* The default recompute fraction of reused chunks (docs/blend.md, "Serving" says why). */
-#define EN_SCHED_BLEND_FRACTION 0.3f
 /* Most chunks a request may mark (KM_PROTO_MAX_CHUNKS on the wire). */
 #define EN_SCHED_MAX_CHUNKS 64
 /* The text every chunk is computed after (its first page of tokens is the preamble,

@@ -9,7 +9,7 @@
  * leading chunk pages it holds, past the preamble, as cached tokens at a discount
  * (policy.chunk_credit): a reused chunk is repaired by recomputing part of it, so it saves less
  * than a prefix page. A chunk inside the prefix the worker holds is not counted twice (the
- * worker would not reuse it either).
+ * worker would not reuse it either), nor the last chunk (the worker computes it in full).
  *
  * Not done: pulls move prefix pages only (pull.c); a chunk held on another worker is recomputed,
  * not pulled.
@@ -68,6 +68,7 @@ void rt_chunk_credit(rt_router *r, const rt_rq *q, uint64_t workers, const rt_ma
         rt_index_match(r->index, q->chunk_chain + at, np, workers, r->c.policy.tier_credit, pt,
                        now_ms, &m);
         at += np;
+        if (c + 1 == q->q.n_chunks) continue; /* the last chunk is computed in full (blend.md) */
         for (int i = 0; i < r->n_w; i++) {
             if (!cand[i].usable || m.pages[i] < 2) continue; /* the preamble alone is no hit */
             if ((uint64_t)prefix->pages[i] * pt > g->start) continue; /* inside its prefix */

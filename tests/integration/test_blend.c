@@ -98,7 +98,8 @@ static const char *k_doc[2] = {
     "including the rights to use, copy, modify, merge, publish, distribute, sublicense, and sell "
     "copies of the software, subject to the conditions that follow this paragraph."};
 
-/* A completions body: lead, the documents in this order (each a chunk by its bytes), question. */
+/* A completions body: lead, the documents in this order (each a chunk by its bytes), question
+ * (a chunk too: the last chunk is computed in full, docs/blend.md "Quality"). */
 static json_t *completion(const char *lead, int first, const char *question)
 {
     char text[2048];
@@ -109,6 +110,7 @@ static json_t *completion(const char *lead, int first, const char *question)
         json_array_append_new(chunks, json_pack("[i,i]", n, (int)strlen(d)));
         n += snprintf(text + n, sizeof text - n, "%s\n", d);
     }
+    json_array_append_new(chunks, json_pack("[i,i]", n, (int)strlen(question)));
     snprintf(text + n, sizeof text - n, "%s", question);
     return json_pack("{s:s,s:i,s:f,s:{s:o}}", "prompt", text, "max_tokens", 2, "temperature", 0.0,
                      "kvmesh", "chunks", chunks);
@@ -151,10 +153,11 @@ static json_t *chat_k(int k)
 {
     char sys[128];
     snprintf(sys, sizeof sys, "Be brief (attempt %d). You answer about the document below.", k);
-    return json_pack("{s:[{s:s,s:s},{s:s,s:s,s:b},{s:s,s:s}],s:i,s:f}", "messages", "role",
+    return json_pack("{s:[{s:s,s:s},{s:s,s:s,s:b},{s:s,s:s,s:b}],s:i,s:f}", "messages", "role",
                      "system", "content", k ? sys : "You answer questions about a document.",
                      "role", "user", "content", k_doc[1], "kvmesh_chunk", 1, "role", "user",
-                     "content", "Is it free?", "max_tokens", 2, "temperature", 0.0);
+                     "content", "Is it free?", "kvmesh_chunk", 1, "max_tokens", 2, "temperature",
+                     0.0);
 }
 
 Test(blend, a_document_in_one_completion_is_reused_by_the_next, .timeout = 600)
@@ -189,10 +192,13 @@ Test(blend, zeromq_chunks_reach_the_worker, .timeout = 600)
     long long got = 0;
     uint64_t end = it_deadline(120000);
     for (uint64_t id = 1; !got && it_poll(end); id++) {
-        km_chunk_seg seg = {id == 1 ? 40u : 72u, 64}; /* the same ids, first at 40, then at 72 */
+        /* the same ids, first at 40, then at 72; then the rest, the last chunk (computed in
+         * full, docs/blend.md "Quality") */
+        km_chunk_seg seg[2] = {{id == 1 ? 40u : 72u, 64}, {id == 1 ? 104u : 136u, 0}};
+        seg[1].n = 180 - seg[1].start;
         int32_t prompt[200];
         memcpy(prompt, ids, sizeof prompt);
-        memcpy(prompt + seg.start, ids + 100, sizeof(int32_t) * 64);
+        memcpy(prompt + seg[0].start, ids + 100, sizeof(int32_t) * 64);
         prompt[20] = 500 + (int32_t)id; /* no attempt's prefix covers the next one's chunk */
         km_msg m;
         km_msg_init(&m, KM_MSG_REQUEST);
@@ -201,8 +207,8 @@ Test(blend, zeromq_chunks_reach_the_worker, .timeout = 600)
         m.req.tokens = prompt;
         m.req.n_tokens = 180;
         m.req.max_tokens = 1;
-        m.req.chunks = &seg;
-        m.req.n_chunks = 1;
+        m.req.chunks = seg;
+        m.req.n_chunks = 2;
         it_send_msg(s, &m);
         for (;;) {
             km_msg a;

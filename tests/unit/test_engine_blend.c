@@ -13,23 +13,7 @@
 #include <unistd.h>
 
 #include "engine/engine.h"
-
-#define MODEL "models/SmolLM2-135M-Instruct.Q4_1.gguf"
-
-static en_model *g_model;
-
-static void setup(void)
-{
-    if (access(MODEL, R_OK)) return;
-    km_errbuf err = {{0}};
-    cr_assert_eq(en_model_load(MODEL, &g_model, &err), 0, "%s", err.msg);
-}
-
-static void teardown(void)
-{
-    en_model_free(g_model);
-    g_model = NULL;
-}
+#include "tests/unit/model_fixture.h"
 
 static en_engine *engine(kv_format f)
 {
@@ -190,7 +174,7 @@ Test(engine_blend, chunk_at_the_start_is_full_recomputation, .init = setup, .fin
     en_blend_stats st;
     const float *lg;
     for (int f = 0; f < 2; f++) { /* fraction 0 and 0.5: the same, nothing drifted */
-        const en_blend_opts o = {.fraction = f ? 0.5f : 0};
+        const en_blend_opts o = {.fraction = f ? 0.5f : 0, .reuse_last = 1};
         if (f) {
             kv_seq_destroy(kv, q);
             cr_assert_eq(kv_seq_create(kv, &q), 0);
@@ -243,7 +227,7 @@ Test(engine_blend, recompute_moves_toward_full_recomputation, .init = setup, .fi
     for (int f = 0; f < 3; f++) {
         cr_assert_eq(kv_seq_create(kv, &q), 0);
         for (int s = 0; s < 2; s++) cr_assert_eq(en_blend_copy(e, c[s], 0, q, at[s], seg[s].n), 0);
-        const en_blend_opts o = {.fraction = fr[f]};
+        const en_blend_opts o = {.fraction = fr[f], .reuse_last = 1};
         en_blend_stats st;
         const float *lg;
         /* the system line is a prefix computed earlier */
@@ -267,6 +251,20 @@ Test(engine_blend, recompute_moves_toward_full_recomputation, .init = setup, .fi
     cr_expect_eq(recomputed[2], reused);
     cr_expect_lt(d[2], d[0], "recomputing everything past half the layers beats reuse alone");
     cr_expect_lt(d[1], d[0], "recomputing 15%% beats reuse alone");
+    /* by default the last chunk, the one the question follows, is computed in full */
+    cr_assert_eq(kv_seq_create(kv, &q), 0);
+    for (int s = 0; s < 2; s++) cr_assert_eq(en_blend_copy(e, c[s], 0, q, at[s], seg[s].n), 0);
+    prefill(e, q, ids, ns, NULL);
+    en_blend_stats st;
+    const float *lg;
+    const en_blend_opts o = {.fraction = 0};
+    cr_assert_eq(en_blend_prefill(e, q, ids, n, ns, seg, 2, &o, &st, &lg), 0);
+    const double d_last = kl(full, lg, nv);
+    cr_log_info("fraction 0, last chunk computed: %d reused, KL to full %.4f", st.reused, d_last);
+    cr_expect_eq(st.reused, seg[0].n);
+    cr_expect_eq(st.computed, n - ns - seg[0].n);
+    cr_expect_lt(d_last, d[0], "computing the last chunk beats reusing it");
+    kv_seq_destroy(kv, q);
     for (int s = 0; s < 2; s++) kv_seq_destroy(kv, c[s]);
     free(full);
     free(blend);

@@ -16,26 +16,11 @@
 #include <unistd.h>
 
 #include "engine/engine.h"
+#include "tests/unit/model_fixture.h"
 #include "kvshard/internal.h" /* kv_store_check */
 
-#define MODEL  "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 #define N      160
 #define BUDGET 64
-
-static en_model *g_model;
-
-static void setup(void)
-{
-    if (access(MODEL, R_OK)) return;
-    km_errbuf err = {{0}};
-    cr_assert_eq(en_model_load(MODEL, &g_model, &err), 0, "%s", err.msg);
-}
-
-static void teardown(void)
-{
-    en_model_free(g_model);
-    g_model = NULL;
-}
 
 /* Logits of every position of ids, n_chunk tokens per step: [N][n_vocab]. */
 static float *run_opts(en_engine_opts o, int n_chunk, const int32_t *ids)
