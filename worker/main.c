@@ -34,7 +34,7 @@ typedef struct wk_args {
     int64_t kv_shards, kv_tok_groups, kv_expert_groups;
     int64_t sparse_attn, sparse_dense_layers, sparse_window, sparse_shallow_attn, sparse_idle;
     const char *kv_shard_key;
-    double spec_factor;
+    double spec_factor, blend_fraction;
     int64_t max_ctx, default_max_tokens, heartbeat_ms, drain_ms, event_replay, cluster_seed;
     uint64_t kv_bytes, max_frame, kv_host_bytes, kv_disk_bytes, spec_index_bytes;
     bool chaos, peer, peer_prefault;
@@ -133,6 +133,11 @@ static const km_opt g_opts[] = {
      "(alone here), so another tenant's first request waits for a short step, not a burst of "
      "its prefills; 0 = no cap",
      &g_args.tenant_prefill, 0, 65536},
+    {"blend-fraction", NULL, KM_OPT_FLOAT, "0.15",
+     "share of a reused chunk's tokens recomputed (req.chunks, docs/blend.md): more in the first "
+     "layers than the last; the chunk nearest the question is always computed in full; "
+     "negative = never reuse chunks",
+     &g_args.blend_fraction, 0, 0},
     {"max-queue", NULL, KM_OPT_INT, "1024", "requests waiting for a slot", &g_args.max_queue, 1,
      1 << 20},
     {"max-ctx", NULL, KM_OPT_INT, "4096", "prompt + completion tokens per request", &g_args.max_ctx,
@@ -313,6 +318,11 @@ int main(int argc, char **argv)
                     : !strcmp(a->speculate, "off")  ? EN_SPEC_OFF
                     : !strcmp(a->speculate, "self") ? EN_SPEC_SELF
                                                     : 0;
+    if (!(a->blend_fraction <= 1)) {
+        fprintf(stderr, "kvmesh-worker: --blend-fraction is at most 1 (negative: never reuse)\n");
+        km_config_destroy(cfg);
+        return 2;
+    }
     if (!spec_mode || !(a->spec_factor > 0) || a->spec_index_bytes < 4096) {
         fprintf(stderr, "kvmesh-worker: --speculate is auto, off or self, --spec-factor > 0, "
                         "--spec-index-bytes >= 4K\n");
@@ -424,6 +434,9 @@ int main(int argc, char **argv)
                   .decode_prefill = (int)a->decode_prefill,
                   .tenant_share = (int)a->tenant_share,
                   .tenant_prefill = (int)a->tenant_prefill,
+                  /* 0 would mean the engine's default: a fraction of 0 is asked as the
+                   * smallest positive one (pure reuse but for the probe layer) */
+                  .blend_fraction = a->blend_fraction == 0 ? 1e-6f : (float)a->blend_fraction,
                   .step_budget_ms = (int)a->step_budget_ms,
                   .max_ctx = (int)a->max_ctx,
                   .default_max_tokens = (int)a->default_max_tokens,
