@@ -40,6 +40,7 @@
 #include <netdb.h>
 #include <pthread.h>
 #include <sched.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
@@ -311,20 +312,27 @@ static int pr_dirent_fd(const struct dirent *de, DIR *d)
     return *end || end == de->d_name || fd == dirfd(d) ? -1 : (int)fd;
 }
 
-/* The inode of fd when it is a listening TCP socket, else 0. */
-static uint64_t pr_listening_inode(int fd)
+/* The inode of fd (the entry de of /proc/self/fd, d) when it is a listening TCP socket, else 0.
+ * The inode comes from the entry's link ("socket:[N]"), not from fstat: the descriptors belong
+ * to other threads too, which may close one while this reads it (ThreadSanitizer reports an
+ * fstat racing a close; the link of a closed one is simply gone). */
+static uint64_t pr_listening_inode(int fd, const struct dirent *de, DIR *d)
 {
-    struct stat st;
+    char link[64];
+    unsigned long long ino = 0;
+    ssize_t n = readlinkat(dirfd(d), de->d_name, link, sizeof link - 1);
+    if (n <= 0) return 0;
+    link[n] = 0;
+    if (sscanf(link, "socket:[%llu]", &ino) != 1 || !ino) return 0;
     struct sockaddr_storage s;
     socklen_t sl = sizeof s, il = sizeof(int);
     int type = 0, on = 0;
-    if (fstat(fd, &st) || !S_ISSOCK(st.st_mode) ||
-        getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &il) || type != SOCK_STREAM ||
+    if (getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &il) || type != SOCK_STREAM ||
         getsockname(fd, (struct sockaddr *)&s, &sl) ||
         (s.ss_family != AF_INET && s.ss_family != AF_INET6) ||
         getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &on, &il) || !on)
         return 0;
-    return (uint64_t)st.st_ino;
+    return (uint64_t)ino;
 }
 
 /* The inodes of this process's listening TCP sockets into ino (at most cap); -1 when the
@@ -337,7 +345,7 @@ static int pr_listening_inodes(uint64_t *ino, int cap)
     for (struct dirent *de; (de = readdir(d));) {
         int fd = pr_dirent_fd(de, d);
         uint64_t i;
-        if (fd < 0 || !(i = pr_listening_inode(fd))) continue;
+        if (fd < 0 || !(i = pr_listening_inode(fd, de, d))) continue;
         if (n == cap) {
             n = -1;
             break;
@@ -390,7 +398,7 @@ static int pr_listener_sweep(const pr_ucx *u, int filter, unsigned *queued)
     for (struct dirent *de; (de = readdir(d));) {
         int fd = pr_dirent_fd(de, d), listening = 0;
         if (fd < 0) continue;
-        if (pr_tl_socket(u, pr_listening_inode(fd)))
+        if (pr_tl_socket(u, pr_listening_inode(fd, de, d)))
             listening = 1;
         else if (!pr_listener_socket(u, fd, &listening))
             continue;
