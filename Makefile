@@ -421,10 +421,11 @@ build/fuzz/fuzz_kvpage: tests/fuzz/fuzz_kvpage.c kvshard/diskfmt.c $(FUZZ_LIB_SR
 	@mkdir -p $(dir $@)
 	clang -std=gnu11 -g -O1 -I. -fsanitize=fuzzer,address,undefined $< kvshard/diskfmt.c $(FUZZ_LIB_SRC) -o $@ $(LDLIBS)
 
-# The router's OpenAI request parser (fuzz_oai) also needs router/openai.c and openai_tools.c.
-build/fuzz/fuzz_oai: tests/fuzz/fuzz_oai.c router/openai.c router/openai_tools.c $(FUZZ_LIB_SRC) $(wildcard common/*.h) router/openai.h
+# The router's OpenAI request parser (fuzz_oai) also needs router/openai*.c.
+FUZZ_OAI_SRC := router/openai.c router/openai_tools.c router/openai_chunks.c
+build/fuzz/fuzz_oai: tests/fuzz/fuzz_oai.c $(FUZZ_OAI_SRC) $(FUZZ_LIB_SRC) $(wildcard common/*.h) router/openai.h
 	@mkdir -p $(dir $@)
-	clang -std=gnu11 -g -O1 -I. -fsanitize=fuzzer,address,undefined $< router/openai.c router/openai_tools.c $(FUZZ_LIB_SRC) -o $@ $(LDLIBS)
+	clang -std=gnu11 -g -O1 -I. -fsanitize=fuzzer,address,undefined $< $(FUZZ_OAI_SRC) $(FUZZ_LIB_SRC) -o $@ $(LDLIBS)
 
 # The grammar engine's readers and compilers (fuzz_grammar: schemas; fuzz_gbnf: GBNF grammars and
 # regexes) need engine/grammar*.c.
