@@ -112,6 +112,17 @@ int rt_pull_decide(const rt_policy *pol, const rt_pull_in *c, int n, int pick, i
                out->pull_ms < out->recompute_ms * margin ? RT_PULL_PULL : RT_PULL_RECOMPUTE;
 }
 
+int rt_chunk_pull_decide(const rt_policy *pol, const rt_pull_in *c, int n, int pick,
+                         int page_tokens, rt_pull_choice *out)
+{
+    int d = rt_pull_decide(pol, c, n, pick, page_tokens, out);
+    if (d != RT_PULL_PULL && d != RT_PULL_RECOMPUTE) return d;
+    out->recompute_ms *= pol->chunk_credit; /* what reusing the chunk saves of computing it */
+    double margin = pol->pull_margin > 0 ? pol->pull_margin : 0.8;
+    return out->decision =
+               out->pull_ms < out->recompute_ms * margin ? RT_PULL_PULL : RT_PULL_RECOMPUTE;
+}
+
 /* ---------------------------------------------------------------- the daemon's side */
 
 void rt_pull_view(rt_wk *w, const km_view_worker *vw)
@@ -193,14 +204,22 @@ void rt_pull_price(const rt_router *r, const rt_match *m, rt_candidate *cand)
     }
 }
 
+int rt_pull_choose(const rt_router *r, int pick, const rt_match *m, bool chunk, rt_pull_choice *ch)
+{
+    rt_pull_in in[RT_MAX_WORKERS];
+    pull_inputs(r, pick, m, rt_now_ms(), in);
+    return (chunk ? rt_chunk_pull_decide : rt_pull_decide)(&r->c.policy, in, r->n_w, pick,
+                                                           r->c.page_tokens, ch);
+}
+
 void rt_pull_advise(rt_router *r, rt_rq *q, int pick, const rt_match *m)
 {
     q->pull_w = 0;
+    q->pull_pages = 0;
+    q->pull_chunks = 0;
     if (r->c.policy.mode != RT_MODE_KV || pick < 0 || !r->w[pick].xfer.addr_len) return;
-    rt_pull_in in[RT_MAX_WORKERS];
-    pull_inputs(r, pick, m, rt_now_ms(), in);
     rt_pull_choice ch;
-    int d = rt_pull_decide(&r->c.policy, in, r->n_w, pick, r->c.page_tokens, &ch);
+    int d = rt_pull_choose(r, pick, m, false, &ch);
     if (d == RT_PULL_NONE) return;
     km_counter_inc(r->s_pulls[d]);
     KM_DEBUG("pull_choice",
@@ -245,6 +264,7 @@ void rt_pull_hint(rt_router *r, const rt_rq *q, km_msg_request *out)
     out->pull_addr = h->xfer.addr;
     out->pull_addr_len = h->xfer.addr_len;
     out->pull_pages = q->pull_pages;
+    out->pull_chunks = q->pull_chunks;
     out->pull_ms = q->pull_ms;
 }
 
@@ -268,6 +288,14 @@ int rt_pull_metrics(rt_router *r, km_errbuf *err)
                         "it), recompute (pulling measured slower), unmeasured (no measured "
                         "rates yet: recompute).",
                         "decision", rt_pull_decision_names, RT_PULL_DECISIONS, r->s_pulls, err);
+    if (!rc)
+        rc = rt_pull_counter(r, "kvmesh_router_chunk_pulls_total",
+                             "Chunks of requests (docs/blend.md) that another worker held more "
+                             "pages of than the chosen one, by decision: pull (the hint names the "
+                             "chunk), recompute (pulling measured slower than the share of its "
+                             "computation reuse saves), unmeasured (no measured rates yet).",
+                             "decision", rt_pull_decision_names, RT_PULL_DECISIONS,
+                             r->s_chunk_pulls, err);
     if (rc) return rc;
     return rt_pull_counter(r, "kvmesh_router_pull_hints_total",
                            "Pull hints by outcome, judged by the request's cached tokens: ok (the "
