@@ -28,7 +28,7 @@ REQUESTS=${REQUESTS:-24}
 PAUSE_S=${PAUSE_S:-1}
 THREADS=${THREADS:-1}
 REPEAT=${REPEAT:-1}
-CONFIGS=${CONFIGS:-"--chunk-credit=0;--chunk-credit=0.5|--no-peer;--chunk-credit=0.5"}
+CONFIGS=${CONFIGS:-"--chunk-credit=0;--chunk-credit=0.05|--no-peer;--chunk-credit=0.05;--chunk-credit=0.5|--no-peer;--chunk-credit=0.5"}
 PORT=${BENCH_PORT:-7700}
 LOGS=build/bench-blend-route-logs
 BENCH_NAME=bench_blend_route.sh

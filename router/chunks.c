@@ -92,8 +92,9 @@ void rt_chunk_pull_advise(rt_router *r, rt_rq *q, int pick, const rt_match *pref
                           uint64_t workers)
 {
     const int pt = r->c.page_tokens;
+    /* a request with prompt_logprobs reuses no chunk (every prompt position's logits) */
     if (r->c.policy.mode != RT_MODE_KV || pick < 0 || q->pd || !q->n_chunk_chain ||
-        !r->w[pick].xfer.addr_len)
+        q->q.prompt_logprobs || !r->w[pick].xfer.addr_len)
         return;
     int holder = q->pull_w - 1; /* -1: no prefix pull, the first chunk pulled names it */
     /* the prompt's pages the chosen worker will have before reuse: its own and the pulled ones */

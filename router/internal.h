@@ -550,9 +550,10 @@ void rt_pull_advise(rt_router *r, rt_rq *q, int pick, const rt_match *m);
 /* The rule's decision for pick over the chain matched in m (its inputs as rt_pull_advise's);
  * chunk: a chunk's chain (rt_chunk_pull_decide). */
 int rt_pull_choose(const rt_router *r, int pick, const rt_match *m, bool chunk, rt_pull_choice *ch);
-/* q ended on w with cached prompt tokens: whether its hint worked, which sets that pair's
- * backoff (a failed hint keeps the pair from the next ones for a while). */
-void rt_pull_outcome(rt_router *r, rt_rq *q, rt_wk *w, uint32_t cached);
+/* q ended on w with cached prompt tokens (and chunk_tokens reused from chunks): whether its hint
+ * worked, which sets that pair's backoff (a failed hint keeps the pair from the next ones for a
+ * while). */
+void rt_pull_outcome(rt_router *r, rt_rq *q, rt_wk *w, uint32_t cached, uint32_t chunk_tokens);
 /* q's hint, if any, into the request frame to the chosen worker. */
 void rt_pull_hint(rt_router *r, const rt_rq *q, km_msg_request *out);
 /* May w be the source of a pull: it need not take requests; a draining worker still serves the

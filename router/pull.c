@@ -234,12 +234,14 @@ void rt_pull_advise(rt_router *r, rt_rq *q, int pick, const rt_match *m)
     q->pull_ms = (uint32_t)budget;
 }
 
-void rt_pull_outcome(rt_router *r, rt_rq *q, rt_wk *w, uint32_t cached)
+void rt_pull_outcome(rt_router *r, rt_rq *q, rt_wk *w, uint32_t cached, uint32_t chunk_tokens)
 {
     if (q->pull_w < 1 || q->pull_w > r->n_w) return;
     int h = q->pull_w - 1;
     q->pull_w = 0; /* counted once */
-    bool ok = rt_pull_hint_ok(cached, q->pull_pages, r->c.page_tokens);
+    /* a hint with chunks worked when the worker reused chunk tokens too (chunks.c) */
+    bool ok = rt_pull_hint_ok(cached, q->pull_pages, r->c.page_tokens) &&
+              (!q->pull_chunks || chunk_tokens > 0);
     km_counter_inc(r->s_hints[ok ? 0 : 1]);
     if (ok) {
         w->pull_fails[h] = 0;
