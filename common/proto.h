@@ -454,6 +454,9 @@ typedef struct km_msg_kv_event {
     km_tier from_tier;     /* tier: source */
     const uint8_t *hashes; /* n_hashes * 16 bytes, each an XXH128 canonical (big-endian) hash */
     uint32_t n_hashes;
+    /* The pages are a chunk's, position-free (docs/blend.md; optional, added within version 1,
+     * absent = false): a frame carries pages of one kind only. */
+    bool position_free;
 } km_msg_kv_event;
 
 /* One recovery action in a worker's history (newest last). */

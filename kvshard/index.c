@@ -126,7 +126,7 @@ void kv_index_remove(kv_store *s, kv_page *p)
         *pp = p->hnext;
         s->n_indexed--;
     }
-    p->flags &= ~KV_PAGE_INDEXED;
+    p->flags &= ~(KV_PAGE_INDEXED | KV_PAGE_POSFREE);
     p->hnext = NULL;
 }
 

@@ -300,6 +300,7 @@ static int wk_peer_next_chunk(wk_service *s, wk_link *l, wk_held *h)
             km_pagehash_chain(h->chunk_seed, tk, n_pages * pt, pt, hs, n_pages);
             h->pull = NULL, h->offer_ns = 0, h->end_now = false, h->chunk_pull = true;
             held = wk_peer_start(s, l, h, hs, tk, n_pages);
+            if (held >= 0) pr_pull_position_free(p->node, h->pull); /* kvshard's chunk flag */
         }
         free(tk);
         free(hs);

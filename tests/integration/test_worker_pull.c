@@ -677,7 +677,7 @@ static void chunk_prompt(int32_t *p, uint64_t seed, const int32_t *doc, uint32_t
  * its pages), and a prompt with the document at another position goes to wb, which the router
  * tells to pull the chunk's pages from wa (pull_chunks: priced by the measured rule, the saving
  * discounted by --chunk-credit). wb reuses them as its own: chunk_tokens > 0, its chunk pull
- * counters grow. */
+ * counters grow, and both count the chunk's pages as position-free (kvshard's flag). */
 Test(worker_pull, the_router_tells_the_chosen_worker_to_pull_a_chunk_another_holds)
 {
     if (!have_model()) return;
@@ -709,6 +709,10 @@ Test(worker_pull, the_router_tells_the_chosen_worker_to_pull_a_chunk_another_hol
         here = run_chunks(a->req, id, p, 200, seg, 2);
     }
     cr_assert_gt(here, 0, "wa never cached the document");
+    /* kvshard flags the chunk's pages position-free: the preamble page and the 4 of the document */
+    const char *chunk_hot = "kvmesh_worker_kv_chunk_pages{tier=\"hot\"}";
+    IT_WAIT(it_metric(a->admin_port, chunk_hot) >= 5, 30000, "wa counts %g chunk pages",
+            it_metric(a->admin_port, chunk_hot));
     /* the router's index has every page of wa's (its KV events), the chunk's among them */
     char hot[160];
     snprintf(hot, sizeof hot, "kvmesh_worker_kv_pages{tier=\"hot\",shard=\"0\",format=\"f16\"}");
@@ -729,6 +733,9 @@ Test(worker_pull, the_router_tells_the_chosen_worker_to_pull_a_chunk_another_hol
                   "wb pulled no chunk page");
     cr_assert_gt(it_metric(b->admin_port, "kvmesh_kv_transfer_chunk_bytes_total"), 0);
     cr_assert_eq(got, 64, "wb reused %u of the document's 64 tokens", got);
+    /* the pulled pages are flagged position-free on wb too (the import of a chunk pull) */
+    IT_WAIT(it_metric(b->admin_port, chunk_hot) >= 5, 30000, "wb counts %g chunk pages",
+            it_metric(b->admin_port, chunk_hot));
     km_zsock_close(pub);
     pair_stop(w);
 }
