@@ -549,6 +549,9 @@ typedef struct km_msg_kv_push {
     const char *endpoint; /* the pusher's requests endpoint */
     const uint8_t *addr;  /* the pusher's transfer node address */
     uint32_t addr_len;    /* 1..KM_PROTO_MAX_PEER_ADDR */
+    /* a chunk's chain (position-free pages, docs/blend.md; optional, added within version 1,
+     * absent = false): the taker indexes what it pulls position-free too */
+    bool position_free;
 } km_msg_kv_push;
 
 /* kv_warm (a new worker -> a peer, on the peer's requests endpoint): "push me your most

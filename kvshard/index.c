@@ -130,6 +130,12 @@ void kv_index_remove(kv_store *s, kv_page *p)
     p->hnext = NULL;
 }
 
+int kv_store_position_free(const kv_store *s, km_pagehash h)
+{
+    const kv_page *p = kv_index_find(s, h);
+    return p && (p->flags & KV_PAGE_POSFREE) ? 1 : 0;
+}
+
 /* The page that may serve chain link i, or NULL: hash, tokens and parent all agree. */
 kv_page *kv_index_verified(kv_store *s, km_pagehash h, const int32_t *tokens, uint64_t parent_id)
 {

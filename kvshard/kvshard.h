@@ -211,6 +211,8 @@ int kv_seq_publish(kv_store *s, kv_seq *q, const km_pagehash *hashes, const int3
  * against its token ids; tiers[i] (may be NULL) receives each page's tier. */
 int kv_store_lookup(kv_store *s, const km_pagehash *hashes, const int32_t *tokens, int n_pages,
                     kv_tier *tiers);
+/* 1 when the indexed page h is position-free (kv_seq_set_position_free: a chunk's), else 0. */
+int kv_store_position_free(const kv_store *s, km_pagehash h);
 /* The same answer without counting a hit or a miss: what a transfer asks before it pulls. */
 int kv_store_held(kv_store *s, const km_pagehash *hashes, const int32_t *tokens, int n_pages,
                   kv_tier *tiers);

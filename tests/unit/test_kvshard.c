@@ -376,6 +376,7 @@ Test(kvshard, position_free_pages_are_flagged_in_events_and_counted_per_tier)
     kv_store_stats st;
     kv_store_stats_get(s, &st);
     cr_assert_eq(st.position_free_pages[KV_TIER_HOT], 2);
+    cr_assert(kv_store_position_free(s, h[1]) && !kv_store_position_free(s, hu[0]));
     kv_event ev[16];
     cr_assert_eq(kv_store_events_drain(s, ev, 16), 4);
     for (int i = 0; i < 4; i++)

@@ -172,6 +172,11 @@ Test(proto_pull, kv_push_roundtrips_and_refuses_what_it_cannot_be)
     cr_assert_str_eq(p->endpoint, "tcp://127.0.0.1:7100");
     cr_assert_eq(p->addr_len, sizeof g_addr);
     cr_assert_eq(memcmp(p->addr, g_addr, sizeof g_addr), 0);
+    cr_assert_not(p->position_free, "absent: a prefix chain");
+    km_msg_clear(&out);
+    in.kv_push.position_free = true; /* a chunk's chain (docs/blend.md) */
+    roundtrip(&in, &out);
+    cr_assert(out.kv_push.position_free);
     km_msg_clear(&out);
     push_init(&in, c, 5);
     in.kv_push.chain.first = 1;
