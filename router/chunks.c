@@ -12,10 +12,8 @@
  * worker would not reuse it either), nor the last chunk (the worker computes it in full): its
  * chain is not even built.
  *
- * With the mesh on (rt_chunk_pull_advise, after the pick), a chunk the chosen worker lacks and
- * another holds is pulled, as a prefix is (pull.c): the same measured rule, with the computation
- * saved discounted by chunk_credit (a reused chunk is still partly recomputed), and the hint
- * naming one holder: the prefix pull's, or else the one of the first chunk worth pulling.
+ * With the mesh on, a chunk the chosen worker lacks and another holds is pulled (pull.c,
+ * rt_chunk_pull_advise, over the chains built here).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -32,9 +30,7 @@ void rt_chunk_setup(rt_router *r)
     memcpy(r->chunk_pre, ids, sizeof *r->chunk_pre * pt);
 }
 
-/* Whether chunk g of q has a chain: a whole page at least, inside the prompt (the last chunk,
- * computed in full, has none either: callers stop before it). */
-static bool chunk_has_chain(const rt_router *r, const rt_rq *q, const km_chunk_seg *g)
+bool rt_chunk_has_chain(const rt_router *r, const rt_rq *q, const km_chunk_seg *g)
 {
     return g->n >= (uint32_t)r->c.page_tokens && g->start + g->n <= (uint32_t)q->n_prompt;
 }
@@ -50,13 +46,13 @@ int rt_chunk_chains(rt_router *r, rt_rq *q, km_pagehash tenant_seed)
     const uint32_t reused = q->q.n_chunks - 1;
     int n = 0;
     for (uint32_t c = 0; c < reused; c++)
-        if (chunk_has_chain(r, q, &q->chunks[c])) n += 1 + (int)(q->chunks[c].n / pt);
+        if (rt_chunk_has_chain(r, q, &q->chunks[c])) n += 1 + (int)(q->chunks[c].n / pt);
     if (!n) return 0;
     if (!(q->chunk_chain = malloc(sizeof *q->chunk_chain * n))) return KM_ENOMEM;
     const km_pagehash pre = km_pagehash_next(km_pagehash_chunk_seed(tenant_seed), r->chunk_pre, pt);
     for (uint32_t c = 0; c < reused; c++) {
         const km_chunk_seg *g = &q->chunks[c];
-        if (!chunk_has_chain(r, q, g)) continue;
+        if (!rt_chunk_has_chain(r, q, g)) continue;
         km_pagehash *h = q->chunk_chain + q->n_chunk_chain;
         h[0] = pre;
         for (uint32_t p = 1; p <= g->n / pt; p++)
@@ -73,7 +69,7 @@ void rt_chunk_credit(rt_router *r, const rt_rq *q, uint64_t workers, const rt_ma
     const double share = r->c.policy.chunk_credit;
     for (uint32_t c = 0, at = 0; c + 1 < q->q.n_chunks; c++) {
         const km_chunk_seg *g = &q->chunks[c];
-        if (!chunk_has_chain(r, q, g)) continue;
+        if (!rt_chunk_has_chain(r, q, g)) continue;
         const int np = 1 + (int)(g->n / pt);
         rt_match m;
         rt_index_match(r->index, q->chunk_chain + at, np, workers, r->c.policy.tier_credit, pt,
@@ -86,46 +82,4 @@ void rt_chunk_credit(rt_router *r, const rt_rq *q, uint64_t workers, const rt_ma
             cand[i].cached_tokens += share * m.credit[i] * (m.pages[i] - 1) / m.pages[i];
         }
     }
-}
-
-void rt_chunk_pull_advise(rt_router *r, rt_rq *q, int pick, const rt_match *prefix,
-                          uint64_t workers)
-{
-    const int pt = r->c.page_tokens;
-    /* a request with prompt_logprobs reuses no chunk (every prompt position's logits) */
-    if (r->c.policy.mode != RT_MODE_KV || pick < 0 || q->pd || !q->n_chunk_chain ||
-        q->q.prompt_logprobs || !r->w[pick].xfer.addr_len)
-        return;
-    int holder = q->pull_w - 1; /* -1: no prefix pull, the first chunk pulled names it */
-    /* the prompt's pages the chosen worker will have before reuse: its own and the pulled ones */
-    const uint64_t covered =
-        (uint64_t)(q->pull_w ? (int)q->pull_pages : prefix->pages[pick]) * (uint64_t)pt;
-    double budget = q->pull_w ? q->pull_ms : 0;
-    const uint64_t now = rt_now_ms();
-    for (uint32_t c = 0, at = 0; c + 1 < q->q.n_chunks; c++) {
-        const km_chunk_seg *g = &q->chunks[c];
-        if (!chunk_has_chain(r, q, g)) continue;
-        const int np = 1 + (int)(g->n / pt);
-        const km_pagehash *chain = q->chunk_chain + at;
-        at += (uint32_t)np;
-        if (g->start < covered) continue; /* inside the prefix: not reused */
-        rt_match m;
-        rt_index_match(r->index, chain, np, workers, r->c.policy.tier_credit, pt, now, &m);
-        rt_pull_choice ch;
-        int d = rt_pull_choose(r, pick, &m, true, &ch);
-        if (d == RT_PULL_NONE || ch.pages < 2) continue; /* nobody has more than a preamble */
-        km_counter_inc(r->s_chunk_pulls[d]);
-        KM_DEBUG("chunk_pull_choice",
-                 "rid=%llu chunk=%u worker=%s holder=%s pages=%d/%d decision=%s pull_ms=%.1f "
-                 "saved_ms=%.1f",
-                 (unsigned long long)q->rid, c, r->w[pick].id, r->w[ch.holder].id, m.pages[pick],
-                 ch.pages, rt_pull_decision_names[d], ch.pull_ms, ch.recompute_ms);
-        if (d != RT_PULL_PULL || (holder >= 0 && ch.holder != holder)) continue;
-        holder = ch.holder;
-        q->pull_chunks |= 1ull << c;
-        budget += ch.recompute_ms;
-    }
-    if (!q->pull_chunks) return;
-    q->pull_w = holder + 1;
-    q->pull_ms = (uint32_t)(budget < 1 ? 1 : budget > 60000 ? 60000 : budget);
 }

@@ -18,6 +18,7 @@
  *               its front's rt_front_ops (clients.c: ZeroMQ frames; front.c: SSE or JSON)
  *   metrics.c   the Prometheus series
  *   pull.c      pull or recompute: a pull hint when another worker holds more of the prefix
+ *               (or of a chunk)
  *   chunks.c    the credit of a worker for the request's chunk pages it holds (docs/blend.md)
  *   evstream.c index.c policy.c openai.c fair.c tenants.c   leaves (openai.c over
  *               openai_tools.c and openai_chunks.c)
@@ -526,16 +527,13 @@ void rt_update_page_gauges(rt_router *r);
 void rt_chunk_setup(rt_router *r);
 /* q's chunk chains (q->chunk_chain), from its tokens and its tenant's prefix seed. */
 int rt_chunk_chains(rt_router *r, rt_rq *q, km_pagehash tenant_seed);
+/* Whether chunk g of q has a chain: a whole page at least, inside the prompt (the last chunk,
+ * computed in full, has none either: callers stop before it). */
+bool rt_chunk_has_chain(const rt_router *r, const rt_rq *q, const km_chunk_seg *g);
 /* Adds to each usable candidate's cached tokens the chunk pages of q it holds, at the policy's
  * chunk_credit, but for chunks inside the prefix it holds (prefix: the prompt chain's match). */
 void rt_chunk_credit(rt_router *r, const rt_rq *q, uint64_t workers, const rt_match *prefix,
                      uint64_t now_ms, rt_candidate *cand);
-/* With the mesh on: the chunks of q that another worker holds more of than pick, where pulling
- * them measures cheaper than the computation their reuse saves, join q's pull hint (its holder,
- * or the first such chunk's when there is no prefix pull): q->pull_chunks, q->pull_ms. */
-void rt_chunk_pull_advise(rt_router *r, rt_rq *q, int pick, const rt_match *prefix,
-                          uint64_t workers);
-
 /* ---------------------------------------------------------------- pull.c: pull or recompute */
 
 /* A view's figures for w (its transfer address, measured rates, page size). */
@@ -550,6 +548,11 @@ void rt_pull_advise(rt_router *r, rt_rq *q, int pick, const rt_match *m);
 /* The rule's decision for pick over the chain matched in m (its inputs as rt_pull_advise's);
  * chunk: a chunk's chain (rt_chunk_pull_decide). */
 int rt_pull_choose(const rt_router *r, int pick, const rt_match *m, bool chunk, rt_pull_choice *ch);
+/* With the mesh on: the chunks of q that another worker holds more of than pick, where pulling
+ * them measures cheaper than the computation their reuse saves, join q's pull hint (its holder,
+ * or the first such chunk's when there is no prefix pull): q->pull_chunks, q->pull_ms. */
+void rt_chunk_pull_advise(rt_router *r, rt_rq *q, int pick, const rt_match *prefix,
+                          uint64_t workers);
 /* q ended on w with cached prompt tokens (and chunk_tokens reused from chunks): whether its hint
  * worked, which sets that pair's backoff (a failed hint keeps the pair from the next ones for a
  * while). */

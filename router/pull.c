@@ -25,6 +25,11 @@
  * a hot prefix is replicated to a second (third...) worker exactly when its holder's queue costs
  * more than a pull (docs/router.md, "Hot prefixes").
  *
+ * Chunks (docs/blend.md) are pulled by the same rule (rt_chunk_pull_advise, after the pick):
+ * a chunk the chosen worker lacks and another holds, its saving discounted by chunk_credit (a
+ * reused chunk is still partly recomputed), all from one holder: the prefix pull's, or else the
+ * one of the first chunk worth pulling.
+ *
  * rt_pull_decide and rt_pull_credit are plain data in, decision out
  * (tests/unit/test_router_pull.c); the rest reads the router's workers and writes the hint.
  */
@@ -232,6 +237,48 @@ void rt_pull_advise(rt_router *r, rt_rq *q, int pick, const rt_match *m)
     q->pull_pages = (uint32_t)ch.pages;
     double budget = ch.recompute_ms < 1 ? 1 : ch.recompute_ms > 60000 ? 60000 : ch.recompute_ms;
     q->pull_ms = (uint32_t)budget;
+}
+
+void rt_chunk_pull_advise(rt_router *r, rt_rq *q, int pick, const rt_match *prefix,
+                          uint64_t workers)
+{
+    const int pt = r->c.page_tokens;
+    /* a request with prompt_logprobs reuses no chunk (every prompt position's logits) */
+    if (r->c.policy.mode != RT_MODE_KV || pick < 0 || q->pd || !q->n_chunk_chain ||
+        q->q.prompt_logprobs || !r->w[pick].xfer.addr_len)
+        return;
+    int holder = q->pull_w - 1; /* -1: no prefix pull, the first chunk pulled names it */
+    /* the prompt's pages the chosen worker will have before reuse: its own and the pulled ones */
+    const uint64_t covered =
+        (uint64_t)(q->pull_w ? (int)q->pull_pages : prefix->pages[pick]) * (uint64_t)pt;
+    double budget = q->pull_w ? q->pull_ms : 0;
+    const uint64_t now = rt_now_ms();
+    for (uint32_t c = 0, at = 0; c + 1 < q->q.n_chunks; c++) {
+        const km_chunk_seg *g = &q->chunks[c];
+        if (!rt_chunk_has_chain(r, q, g)) continue;
+        const int np = 1 + (int)(g->n / pt);
+        const km_pagehash *chain = q->chunk_chain + at;
+        at += (uint32_t)np;
+        if (g->start < covered) continue; /* inside the prefix: not reused */
+        rt_match m;
+        rt_index_match(r->index, chain, np, workers, r->c.policy.tier_credit, pt, now, &m);
+        rt_pull_choice ch;
+        int d = rt_pull_choose(r, pick, &m, true, &ch);
+        if (d == RT_PULL_NONE || ch.pages < 2) continue; /* nobody has more than a preamble */
+        km_counter_inc(r->s_chunk_pulls[d]);
+        KM_DEBUG("chunk_pull_choice",
+                 "rid=%llu chunk=%u worker=%s holder=%s pages=%d/%d decision=%s pull_ms=%.1f "
+                 "saved_ms=%.1f",
+                 (unsigned long long)q->rid, c, r->w[pick].id, r->w[ch.holder].id, m.pages[pick],
+                 ch.pages, rt_pull_decision_names[d], ch.pull_ms, ch.recompute_ms);
+        if (d != RT_PULL_PULL || (holder >= 0 && ch.holder != holder)) continue;
+        holder = ch.holder;
+        q->pull_chunks |= 1ull << c;
+        budget += ch.recompute_ms;
+    }
+    if (!q->pull_chunks) return;
+    q->pull_w = holder + 1;
+    q->pull_ms = (uint32_t)(budget < 1 ? 1 : budget > 60000 ? 60000 : budget);
 }
 
 void rt_pull_outcome(rt_router *r, rt_rq *q, rt_wk *w, uint32_t cached, uint32_t chunk_tokens)
