@@ -12,8 +12,10 @@
 # workers reused (usage.prompt_tokens_details.chunk_tokens) over those they could have (each
 # document's whole pages, /tokenize), over all chunks and over chunks of documents seen before
 # (the first sight of a document can never be a hit); the requests each worker served; TTFT
-# p50/p90 of the whole requests. CONFIGS: router flags per run, ';'-separated, REPEAT times in
-# turn. Prints figures, asserts nothing about time.
+# p50/p90 of the whole requests; the router's chunk pull decisions (mesh on: a worker pulls the
+# chunk pages another holds, router/chunks.c). CONFIGS: per run, router flags, optionally then
+# '|' and worker flags (--no-peer: mesh off), ';'-separated, REPEAT times in turn. Prints
+# figures, asserts nothing about time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=build/bin
@@ -26,7 +28,7 @@ REQUESTS=${REQUESTS:-24}
 PAUSE_S=${PAUSE_S:-1}
 THREADS=${THREADS:-1}
 REPEAT=${REPEAT:-1}
-CONFIGS=${CONFIGS:-"--chunk-credit=0;--chunk-credit=0.5"}
+CONFIGS=${CONFIGS:-"--chunk-credit=0;--chunk-credit=0.05|--no-peer;--chunk-credit=0.05;--chunk-credit=0.5|--no-peer;--chunk-credit=0.5"}
 PORT=${BENCH_PORT:-7700}
 LOGS=build/bench-blend-route-logs
 BENCH_NAME=bench_blend_route.sh
@@ -39,11 +41,14 @@ UP=
 stop_up() { [ -n "$UP" ] && { kill -INT "$UP" 2>/dev/null || true; wait "$UP" 2>/dev/null || true; }; UP=; }
 trap stop_up EXIT
 
-# start_up ROUTER_FLAGS: the cluster with those router flags; waits until every worker is ready
+# start_up ROUTER_FLAGS [WORKER_FLAGS]: the cluster with those flags; waits until every worker is
+# ready
 start_up() {
+    local wargs=()
+    [ -n "${2:-}" ] && wargs=(--worker-args "$2")
     "$BIN/kvmesh" up --insecure --workers "$WORKERS" --threads "$THREADS" \
         --base-port $((PORT + 100)) --front-port "$PORT" --http-port $((PORT + 1)) \
-        --log-dir "$LOGS/up-$RUN" --router-args "$1" 2>>"$LOGS/up.log" &
+        --log-dir "$LOGS/up-$RUN" --router-args "$1" "${wargs[@]}" 2>>"$LOGS/up.log" &
     UP=$!
     for _ in $(seq 1 900); do
         curl -sf "http://127.0.0.1:$((PORT + 1))/readyz" >/dev/null 2>&1 && break
@@ -63,9 +68,12 @@ RUNS=()
 for _ in $(seq 1 "$REPEAT"); do RUNS+=("${ONE[@]}"); done
 for config in "${RUNS[@]}"; do
 RUN=$((RUN + 1))
-start_up "$config"
+rflags=${config%%|*}
+wflags=
+[[ "$config" == *"|"* ]] && wflags=${config#*|}
+start_up "$rflags" "$wflags"
 echo
-echo "-- run $RUN: router flags: $config"
+echo "-- run $RUN: router flags: $rflags; worker flags: ${wflags:-none}"
 python3 - "$((PORT + 1))" "$DOCS" "$DOC_BYTES" "$PER" "$REQUESTS" "$PAUSE_S" <<'PY'
 import http.client, json, os, random, sys, time
 
@@ -141,6 +149,14 @@ print("  chunk tokens reused: %d of %d (%.1f%%); of documents seen before: %d of
        100.0 * reused_seen / max(possible_seen, 1)))
 print("  requests per worker: " + ", ".join("%s %d" % kv for kv in sorted(by_worker.items())))
 print("  request time p50 %.2f s, p90 %.2f s" % (pct(ttft, .5), pct(ttft, .9)))
+c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+c.request("GET", "/metrics")
+pulls = {}
+for line in c.getresponse().read().decode().splitlines():
+    if line.startswith("kvmesh_router_chunk_pulls_total{"):
+        pulls[line.split('"')[1]] = int(float(line.split()[-1]))
+print("  chunk pulls (router decisions): " +
+      ", ".join("%s %d" % kv for kv in sorted(pulls.items())))
 PY
 stop_up
 done

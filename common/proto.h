@@ -265,13 +265,18 @@ typedef struct km_msg_request {
     const char *pull_endpoint; /* required with pull_from */
     const uint8_t *pull_addr;  /* required with pull_from: 1..KM_PROTO_MAX_PEER_ADDR bytes */
     uint32_t pull_addr_len;
-    uint32_t pull_pages; /* 1..KM_PROTO_MAX_PULL_PAGES with pull_from */
+    uint32_t pull_pages; /* 1..KM_PROTO_MAX_PULL_PAGES with pull_from (0 with pull_chunks) */
     uint32_t pull_ms;    /* budget; 0 = the worker's default */
     /* Disaggregation (docs/disaggregation.md; optional, added within version 1; only with
      * pull_from): pull_from is a prefill worker that has not computed the prompt yet. The
      * receiver asks it to (a req of max_tokens 1 it sends itself) and pulls the pages again and
      * again as they are sealed, until pull_pages are here, the prefill is done, or pull_ms. */
     bool pd;
+    /* Chunk pulls (optional, added within version 1; only with pull_from; docs/blend.md
+     * "Routing"): bit c set asks the receiver to pull chunk c's pages (its chunk chain: the
+     * preamble page, then the chunk's whole pages) from pull_from too, within the same pull_ms.
+     * With it pull_pages may be 0 (no prefix pull). Bits past n_chunks are refused. */
+    uint64_t pull_chunks;
     /* Chunks (optional, added within version 1; docs/blend.md): segments of `tokens` whose KV
      * may be cached and reused by their content wherever they appear (a retrieved document);
      * up to KM_PROTO_MAX_CHUNKS, in order, disjoint, non-empty, inside the prompt. */
@@ -449,6 +454,9 @@ typedef struct km_msg_kv_event {
     km_tier from_tier;     /* tier: source */
     const uint8_t *hashes; /* n_hashes * 16 bytes, each an XXH128 canonical (big-endian) hash */
     uint32_t n_hashes;
+    /* The pages are a chunk's, position-free (docs/blend.md; optional, added within version 1,
+     * absent = false): a frame carries pages of one kind only. */
+    bool position_free;
 } km_msg_kv_event;
 
 /* One recovery action in a worker's history (newest last). */
@@ -541,6 +549,9 @@ typedef struct km_msg_kv_push {
     const char *endpoint; /* the pusher's requests endpoint */
     const uint8_t *addr;  /* the pusher's transfer node address */
     uint32_t addr_len;    /* 1..KM_PROTO_MAX_PEER_ADDR */
+    /* a chunk's chain (position-free pages, docs/blend.md; optional, added within version 1,
+     * absent = false): the taker indexes what it pulls position-free too */
+    bool position_free;
 } km_msg_kv_push;
 
 /* kv_warm (a new worker -> a peer, on the peer's requests endpoint): "push me your most

@@ -35,6 +35,7 @@ static void kv_encode(km_enc *e, const km_msg *m)
     km_enc_str(e, "kind", km_proto_kind_names[k->kind]);
     if (k->kind != KM_KV_REMOVED) km_enc_u64(e, "tier", (uint64_t)k->tier);
     if (k->kind == KM_KV_TIER) km_enc_u64(e, "from_tier", (uint64_t)k->from_tier);
+    if (k->position_free) km_enc_bool(e, "position_free", true);
     if (km_enc_begin(e, "hashes")) {
         e->rc |= msgpack_pack_bin(&e->pk, (size_t)k->n_hashes * 16);
         e->rc |= msgpack_pack_bin_body(&e->pk, k->hashes, (size_t)k->n_hashes * 16);
@@ -52,6 +53,7 @@ static int kv_decode(km_dec *d, const msgpack_object_map *mp)
     k->kind = (km_kv_event_kind)kind;
     CK(km_dec_tier(d, mp, "tier", k->kind != KM_KV_REMOVED, &k->tier));
     CK(km_dec_tier(d, mp, "from_tier", k->kind == KM_KV_TIER, &k->from_tier));
+    CK(km_dec_bool(d, mp, "position_free", false, &k->position_free));
     o = km_dec_find(mp, "hashes");
     if (!o) return km_dec_absent(d, "hashes", true);
     if (o->type != MSGPACK_OBJECT_BIN) return km_dec_wrong_type(d, "hashes", "binary", o);

@@ -291,6 +291,7 @@ static void push_encode(km_enc *e, const km_msg *m)
     km_enc_str(e, "from", p->from);
     km_enc_str(e, "endpoint", p->endpoint);
     km_enc_bin(e, "addr", p->addr, p->addr_len);
+    if (p->position_free) km_enc_bool(e, "position_free", true);
 }
 
 static int push_decode(km_dec *d, const msgpack_object_map *mp)
@@ -300,6 +301,7 @@ static int push_decode(km_dec *d, const msgpack_object_map *mp)
     CK(km_dec_str(d, mp, "endpoint", true, KM_PROTO_MAX_NAME, false, &p->endpoint, NULL));
     CK(km_dec_bin(d, mp, "addr", true, KM_PROTO_MAX_PEER_ADDR, &p->addr, &p->addr_len));
     if (!p->addr_len) return DFAIL(d, KM_EFORMAT, "kv_push.addr: empty");
+    CK(km_dec_bool(d, mp, "position_free", false, &p->position_free));
     CK(chain_decode(d, mp, "kv_push", &p->chain));
     if (p->chain.first)
         return DFAIL(d, KM_EFORMAT, "kv_push.first: %u, a pushed chain starts at 0",

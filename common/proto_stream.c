@@ -82,8 +82,11 @@ static int req_validate_pull(const km_msg_request *r, km_errbuf *err)
     if (!r->pull_addr || r->pull_addr_len < 1 || r->pull_addr_len > KM_PROTO_MAX_PEER_ADDR)
         VFAIL("req.pull_addr: %u bytes outside [1, %d]", r->pull_addr ? r->pull_addr_len : 0,
               KM_PROTO_MAX_PEER_ADDR);
-    if (r->pull_pages < 1 || r->pull_pages > KM_PROTO_MAX_PULL_PAGES)
-        VFAIL("req.pull_pages: %u outside [1, %d]", r->pull_pages, KM_PROTO_MAX_PULL_PAGES);
+    if (r->pull_pages < (r->pull_chunks ? 0u : 1u) || r->pull_pages > KM_PROTO_MAX_PULL_PAGES)
+        VFAIL("req.pull_pages: %u outside [%d, %d]", r->pull_pages, r->pull_chunks ? 0 : 1,
+              KM_PROTO_MAX_PULL_PAGES);
+    if (r->n_chunks < 64 && r->pull_chunks >> r->n_chunks)
+        VFAIL("req.pull_chunks: names a chunk past the request's %u", r->n_chunks);
     return 0;
 }
 
@@ -209,6 +212,7 @@ static void req_encode(km_enc *e, const km_msg *m)
         km_enc_u64(e, "pull_pages", r->pull_pages);
         km_enc_u64(e, "pull_ms", r->pull_ms);
         if (r->pd) km_enc_bool(e, "pd", true);
+        if (r->pull_chunks) km_enc_u64(e, "pull_chunks", r->pull_chunks);
     }
 }
 
@@ -330,6 +334,7 @@ static int req_decode(km_dec *d, const msgpack_object_map *mp)
                   &r->pull_addr_len));
     CK(km_dec_u32(d, mp, "pull_pages", true, &r->pull_pages));
     CK(km_dec_bool(d, mp, "pd", false, &r->pd));
+    CK(km_dec_uint(d, mp, "pull_chunks", false, UINT64_MAX, &r->pull_chunks));
     return km_dec_u32(d, mp, "pull_ms", false, &r->pull_ms);
 }
 

@@ -311,6 +311,7 @@ int en_blend_chunk_store(en_engine *e, const en_blend_key *k, const int32_t *tok
         kv_seq_wait_ready(e->kv, q);
         rc = bl_run(e, q, ids, nt, t, nt - held * pt, NULL);
     }
+    if (np > 0 && !rc) kv_seq_set_position_free(q, 1); /* kvshard's chunk flag */
     if (np > 0 && !rc) rc = kv_seq_publish(e->kv, q, h, ids, nt);
     if (q) kv_seq_destroy(e->kv, q);
     free(ids);

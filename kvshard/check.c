@@ -15,7 +15,8 @@
  *    only indexed pages have files;
  *  - each (shard, tier) accounts exactly the bytes and pages of the buffers and files it holds;
  *  - each cached list is ordered by last use, its count and bytes are its members';
- *  - the index holds n_indexed pages, all flagged indexed;
+ *  - the index holds n_indexed pages, all flagged indexed, and on each tier as many
+ *    position-free ones as the events counted;
  *  - every indexed page is reachable: a chain's first page has no parent, any other hangs
  *    (up) from the indexed page a lookup reaches it through (parent hash, parent_id, index),
  *    and each page's per-tier counts of the pages hanging from it are exact;
@@ -189,15 +190,22 @@ static int kv_check_links(const kv_store *s, kv_page *const *all, size_t n, km_e
 int kv_store_check(const kv_store *s, km_errbuf *err)
 {
     size_t n_idx = 0;
+    uint64_t posfree[KV_TIER_COUNT] = {0};
     for (size_t b = 0; b < s->n_buckets; b++)
         for (const kv_page *p = s->buckets[b]; p; p = p->hnext) {
             if (!(p->flags & KV_PAGE_INDEXED))
                 return km_errf(err, KM_ECORRUPT, "page %llu in the index is not flagged indexed",
                                (unsigned long long)p->id);
             n_idx++;
+            if (p->flags & KV_PAGE_POSFREE) posfree[p->tier]++;
         }
     if (n_idx != s->n_indexed)
         return km_errf(err, KM_ECORRUPT, "index holds %zu pages, counted %zu", n_idx, s->n_indexed);
+    for (int t = 0; t < KV_TIER_COUNT; t++)
+        if (posfree[t] != s->posfree[t])
+            return km_errf(err, KM_ECORRUPT, "tier %s: %llu position-free pages, counted %llu",
+                           kv_tier_name((kv_tier)t), (unsigned long long)posfree[t],
+                           (unsigned long long)s->posfree[t]);
     int rc;
     for (const kv_seq *q = s->seqs; q; q = q->next)
         if ((rc = kv_check_seq(s, q, err))) return rc;

@@ -134,6 +134,7 @@ int kv_disk_write(kv_store *s, kv_page *p)
         .tokens = (const uint8_t *)p->tokens,
         .payload = p->buf,
         .payload_bytes = pb,
+        .position_free = (p->flags & KV_PAGE_POSFREE) != 0,
     };
     int rc = kv_disk_put(s, &d);
     if (rc) return rc;
@@ -439,7 +440,7 @@ int kv_disk_open(kv_store *s, km_errbuf *err)
         p->index = d.index;
         p->format = d.format;
         p->tier = KV_TIER_DISK;
-        p->flags = KV_PAGE_ON_DISK;
+        p->flags = KV_PAGE_ON_DISK | (d.position_free ? KV_PAGE_POSFREE : 0);
         p->shard = (int)(d.hash.lo % (uint64_t)s->n_shards);
         atomic_store_explicit(&p->rows, s->rows_full, memory_order_relaxed);
         free(b);

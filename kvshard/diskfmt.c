@@ -9,7 +9,7 @@
  *   24  u32 n_kv_heads             28  u32 head_dim
  *   32  u64 hash.lo, hash.hi       48  u64 parent.lo, parent.hi
  *   64  u32 index in the chain     68  u32 flags (bit 0: a MAC follows the payload; bit 1:
- *                                              sealed; not both)
+ *                                              sealed; not both; bit 2: position-free)
  *   72  u64 payload_bytes
  *   80  i32 tokens[page_tokens]    then the payload (the page as it sits in RAM)
  *   [32 bytes: keyed BLAKE2b-256 of every byte before it, when flags bit 0 is set]
@@ -30,6 +30,8 @@
  * Versions: 2 gave fp8 pages one scale per 16 channels of a row (version 1: one per row). The
  * other formats' layouts are the same in both, so version 1 files of those are still read;
  * a version 1 fp8 file is refused (KM_EFORMAT) even where its size would match (head_dim 16).
+ * Flags bit 2 (a chunk's page) came within version 2: files without it read as before, and a
+ * reader that predates it refuses a file with it (KM_EFORMAT: dropped like a corrupt page).
  */
 #include <string.h>
 
@@ -44,6 +46,7 @@
 #define KV_DISK_VERSION   2
 #define KV_DISK_FLAG_MAC  1u
 #define KV_DISK_FLAG_SEAL 2u
+#define KV_DISK_FLAG_FREE 4u /* a chunk's page: position-free (docs/blend.md) */
 
 static size_t kv_round16(size_t n)
 {
@@ -129,7 +132,10 @@ size_t kv_disk_page_encode(const kv_disk_page *p, void *buf, size_t cap)
     kv_set64(b + 48, p->parent.lo);
     kv_set64(b + 56, p->parent.hi);
     kv_set32(b + 64, (uint32_t)p->index);
-    kv_set32(b + 68, p->seal ? KV_DISK_FLAG_SEAL : p->mac ? KV_DISK_FLAG_MAC : 0);
+    kv_set32(b + 68, (p->seal  ? KV_DISK_FLAG_SEAL
+                      : p->mac ? KV_DISK_FLAG_MAC
+                               : 0) |
+                         (p->position_free ? KV_DISK_FLAG_FREE : 0));
     kv_set64(b + 72, p->payload_bytes);
     memcpy(b + KV_DISK_HDR, p->tokens, (size_t)p->page_tokens * 4);
     memcpy(b + KV_DISK_HDR + (size_t)p->page_tokens * 4, p->payload, p->payload_bytes);
@@ -206,8 +212,10 @@ int kv_disk_page_parse(const void *buf, size_t len, kv_disk_page *out)
     uint64_t payload = kv_get64(b + 72);
     if (f >= KV_FORMAT_COUNT || pt < 1 || pt > 4096 || (pt & (pt - 1)) || nl < 1 || nl > 4096 ||
         nh < 1 || nh > 4096 || hd < 1 || hd > 1024 || idx > INT32_MAX ||
-        (flags & ~(KV_DISK_FLAG_MAC | KV_DISK_FLAG_SEAL)) ||
-        flags == (KV_DISK_FLAG_MAC | KV_DISK_FLAG_SEAL) || (flags && version < 2))
+        (flags & ~(KV_DISK_FLAG_MAC | KV_DISK_FLAG_SEAL | KV_DISK_FLAG_FREE)) ||
+        (flags & (KV_DISK_FLAG_MAC | KV_DISK_FLAG_SEAL)) ==
+            (KV_DISK_FLAG_MAC | KV_DISK_FLAG_SEAL) ||
+        (flags && version < 2))
         return KM_EFORMAT;
     const size_t trailer = (flags & KV_DISK_FLAG_MAC)    ? KV_DISK_MAC_BYTES
                            : (flags & KV_DISK_FLAG_SEAL) ? KV_DISK_SEAL_BYTES
@@ -231,5 +239,6 @@ int kv_disk_page_parse(const void *buf, size_t len, kv_disk_page *out)
     out->payload_bytes = payload;
     out->mac = (flags & KV_DISK_FLAG_MAC) ? b + len - 8 - trailer : NULL;
     out->seal = (flags & KV_DISK_FLAG_SEAL) ? b + len - 8 - trailer : NULL;
+    out->position_free = (flags & KV_DISK_FLAG_FREE) != 0;
     return 0;
 }

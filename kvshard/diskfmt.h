@@ -37,6 +37,7 @@ typedef struct kv_disk_page {
     size_t payload_bytes;
     const uint8_t *mac; /* KV_DISK_MAC_BYTES into the buffer when the page carries a MAC, or NULL */
     const uint8_t *seal; /* nonce then tag (KV_DISK_SEAL_BYTES) into the buffer when sealed */
+    int position_free;   /* a chunk's page (kvshard's KV_PAGE_POSFREE): flags bit 2 */
 } kv_disk_page;
 
 /* Validates a whole page file held in memory (header fields, sizes, checksum, that the hash

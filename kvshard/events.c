@@ -3,7 +3,8 @@
  * (removed) or moves between tiers (tier) becomes one kv_event with a per-store sequence
  * number, kept until the worker drains and publishes them. The ring is bounded; when it is full
  * the oldest event is dropped and counted, and the gap in sequence numbers tells the router to
- * ask for a snapshot instead of trusting an incomplete stream.
+ * ask for a snapshot instead of trusting an incomplete stream. The same events keep the count
+ * of position-free (chunk) pages per tier.
  */
 #include <stdlib.h>
 
@@ -11,6 +12,9 @@
 
 void kv_event_emit(kv_store *s, kv_event_kind kind, const kv_page *p, kv_tier from, kv_tier to)
 {
+    const int pf = (p->flags & KV_PAGE_POSFREE) != 0;
+    if (pf && kind != KV_EVENT_STORED && s->posfree[from]) s->posfree[from]--;
+    if (pf && kind != KV_EVENT_REMOVED) s->posfree[to]++;
     if (!s->ev_cap) return;
     if (s->ev_len == s->ev_cap) {
         s->ev_head = (s->ev_head + 1) % s->ev_cap;
@@ -24,6 +28,7 @@ void kv_event_emit(kv_store *s, kv_event_kind kind, const kv_page *p, kv_tier fr
     e->from_tier = from;
     e->shard = p->shard;
     e->hash = p->hash;
+    e->position_free = pf;
     s->ev_len++;
 }
 

@@ -126,8 +126,14 @@ void kv_index_remove(kv_store *s, kv_page *p)
         *pp = p->hnext;
         s->n_indexed--;
     }
-    p->flags &= ~KV_PAGE_INDEXED;
+    p->flags &= ~(KV_PAGE_INDEXED | KV_PAGE_POSFREE);
     p->hnext = NULL;
+}
+
+int kv_store_position_free(const kv_store *s, km_pagehash h)
+{
+    const kv_page *p = kv_index_find(s, h);
+    return p && (p->flags & KV_PAGE_POSFREE) ? 1 : 0;
 }
 
 /* The page that may serve chain link i, or NULL: hash, tokens and parent all agree. */

@@ -39,6 +39,9 @@
 #define KV_PAGE_ON_DISK 4u  /* a verified page file exists */
 #define KV_PAGE_MARK    8u  /* scratch of one call (kv_store_chains), clear outside it */
 #define KV_PAGE_BAD     16u /* its disk copy failed verification while fetched: never served */
+/* A chunk's page (docs/blend.md): KV cached by its own tokens, reused at any position after its
+ * keys are re-rotated; set when indexed by a position-free sequence, cleared when unindexed. */
+#define KV_PAGE_POSFREE 32u
 
 typedef struct kv_page {
     uint8_t *buf;     /* the RAM copy (tier HOT or HOST); NULL when only on disk */
@@ -145,6 +148,7 @@ struct kv_seq {
     int lent;
     int sum_from;        /* pages below have every layer's key summary (kv_config.summaries) */
     uint64_t sel_clock;  /* kv_seq_demote_idle calls so far (the steps it ended) */
+    int position_free;   /* the pages it publishes are KV_PAGE_POSFREE (kv_seq_set_position_free) */
     kv_seq *prev, *next; /* the store's list of sequences */
 };
 
@@ -172,6 +176,7 @@ struct kv_store {
     kv_event *ev;
     int ev_cap, ev_head, ev_len;
     uint64_t ev_next;
+    uint64_t posfree[KV_TIER_COUNT]; /* indexed KV_PAGE_POSFREE pages per tier (events.c) */
     /* disk */
     char *disk_dir;
     uint64_t tmp_ctr;

@@ -167,6 +167,11 @@ void kv_seq_truncate(kv_store *s, kv_seq *q, int n_tokens);
 int kv_seq_set_policy(kv_store *s, kv_seq *q, const kv_seq_policy *p);
 /* Pages dropped by the lossy policy so far. */
 int kv_seq_dropped_pages(const kv_seq *q);
+/* on != 0: the pages q publishes from now are position-free, a chunk's (docs/blend.md): their
+ * KV was computed apart from any prompt and is reused at other positions. The flag stays with
+ * the indexed page on every tier, is counted (kv_store_stats.position_free_pages) and is carried
+ * by its events (kv_event.position_free). */
+void kv_seq_set_position_free(kv_seq *q, int on);
 
 /* Stores token `pos`'s K and V of one layer ([n_kv_heads][head_dim] each) into its page,
  * quantizing to the page's format. */
@@ -206,6 +211,8 @@ int kv_seq_publish(kv_store *s, kv_seq *q, const km_pagehash *hashes, const int3
  * against its token ids; tiers[i] (may be NULL) receives each page's tier. */
 int kv_store_lookup(kv_store *s, const km_pagehash *hashes, const int32_t *tokens, int n_pages,
                     kv_tier *tiers);
+/* 1 when the indexed page h is position-free (kv_seq_set_position_free: a chunk's), else 0. */
+int kv_store_position_free(const kv_store *s, km_pagehash h);
 /* The same answer without counting a hit or a miss: what a transfer asks before it pulls. */
 int kv_store_held(kv_store *s, const km_pagehash *hashes, const int32_t *tokens, int n_pages,
                   kv_tier *tiers);
@@ -306,6 +313,8 @@ typedef struct kv_store_stats {
     uint64_t fetch_in_place;
     /* held pages a sparse sequence stopped reading, sent down (kv_seq_demote_idle) */
     uint64_t held_demoted_pages, held_demoted_bytes;
+    /* indexed position-free pages (chunks: kv_seq_set_position_free), by tier */
+    uint64_t position_free_pages[KV_TIER_COUNT];
 } kv_store_stats;
 
 void kv_store_stats_get(const kv_store *s, kv_store_stats *out);
@@ -337,6 +346,7 @@ typedef struct kv_event {
     kv_tier tier, from_tier;
     int shard;
     km_pagehash hash;
+    int position_free; /* a chunk's page (kv_seq_set_position_free) */
 } kv_event;
 
 /* Moves up to max pending events, oldest first, into out; returns how many. */
@@ -438,6 +448,8 @@ int kv_import_commit(kv_store *s, uint64_t id, int n_ok);
 int kv_page_finite(const kv_store *s, const uint8_t *buf, kv_format f);
 /* Releases everything of the import. */
 void kv_import_abort(kv_store *s, uint64_t id);
+/* The import's pages are a chunk's: indexed position-free (kv_seq_set_position_free). */
+int kv_import_set_position_free(kv_store *s, uint64_t id);
 
 #ifdef __cplusplus
 }

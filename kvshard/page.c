@@ -300,6 +300,7 @@ void kv_store_stats_get(const kv_store *s, kv_store_stats *out)
     *out = s->st;
     out->n_shards = s->n_shards;
     out->pages_indexed = s->n_indexed;
+    memcpy(out->position_free_pages, s->posfree, sizeof out->position_free_pages);
     for (int t = 0; t < KV_TIER_COUNT; t++) {
         out->tier[t] = (kv_tier_stats){0};
         for (int i = 0; i < s->n_shards; i++) {

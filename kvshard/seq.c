@@ -61,6 +61,10 @@ int kv_seq_dropped_pages(const kv_seq *q)
 {
     return q->n_dropped;
 }
+void kv_seq_set_position_free(kv_seq *q, int on)
+{
+    q->position_free = on != 0;
+}
 uint64_t kv_seq_uid(const kv_seq *q)
 {
     return q->uid;
@@ -522,6 +526,7 @@ int kv_seq_publish_sum(kv_store *s, kv_seq *q, const km_pagehash *hashes, const 
         p->parent = i ? hashes[i - 1] : (km_pagehash){0, 0};
         p->parent_id = parent_id;
         p->index = i;
+        if (q->position_free) p->flags |= KV_PAGE_POSFREE;
         kv_index_insert(s, p);
         /* a store a transfer node serves from: the page's checksum now, while it is fresh, not
          * on the owner thread when a peer first asks */

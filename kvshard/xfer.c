@@ -295,6 +295,14 @@ int kv_import_commit(kv_store *s, uint64_t id, int n_ok)
     return added < 0 ? 0 : added;
 }
 
+int kv_import_set_position_free(kv_store *s, uint64_t id)
+{
+    kv_import_rec **pp = kv_import_find(s, id);
+    if (!pp) return KM_ENOTFOUND;
+    kv_seq_set_position_free((*pp)->q, 1);
+    return 0;
+}
+
 void kv_import_abort(kv_store *s, uint64_t id)
 {
     kv_import_rec **rp = kv_import_find(s, id);

@@ -211,6 +211,9 @@ typedef struct pr_pull_result {
  * (valid while the pull lives). deadline_ns (km_now_ns clock) bounds the whole pull. */
 int pr_pull_start(pr_node *n, pr_peer *from, const km_pagehash *hashes, const int32_t *tokens,
                   int n_pages, uint64_t deadline_ns, pr_pull **out, pr_pull_req *req);
+/* The pull's chain is a chunk's (docs/blend.md): its pages are indexed position-free
+ * (kv_import_set_position_free); call before the pull ends. */
+int pr_pull_position_free(pr_node *n, pr_pull *p);
 /* The holder's answer: checks every page's identity, reserves destination pages and starts
  * reading. Pages after the first one that fails are not read. */
 int pr_pull_offer(pr_node *n, pr_pull *p, const pr_offer *offer);

@@ -76,6 +76,11 @@ int pr_pull_start(pr_node *n, pr_peer *from, const km_pagehash *hashes, const in
     return k;
 }
 
+int pr_pull_position_free(pr_node *n, pr_pull *p)
+{
+    return p ? kv_import_set_position_free(n->store, p->import_id) : KM_EINVAL;
+}
+
 /* -1 when offered page `d` (tokens tk) may be chain page idx of ours, else why not. */
 static int pr_check_page(const pr_node *n, const pr_pull *p, const pr_page_desc *d,
                          const int32_t *tk, int idx)

@@ -9,10 +9,11 @@
  * leading chunk pages it holds, past the preamble, as cached tokens at a discount
  * (policy.chunk_credit): a reused chunk is repaired by recomputing part of it, so it saves less
  * than a prefix page. A chunk inside the prefix the worker holds is not counted twice (the
- * worker would not reuse it either), nor the last chunk (the worker computes it in full).
+ * worker would not reuse it either), nor the last chunk (the worker computes it in full): its
+ * chain is not even built.
  *
- * Not done: pulls move prefix pages only (pull.c); a chunk held on another worker is recomputed,
- * not pulled.
+ * With the mesh on, a chunk the chosen worker lacks and another holds is pulled (pull.c,
+ * rt_chunk_pull_advise, over the chains built here).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -29,6 +30,11 @@ void rt_chunk_setup(rt_router *r)
     memcpy(r->chunk_pre, ids, sizeof *r->chunk_pre * pt);
 }
 
+bool rt_chunk_has_chain(const rt_router *r, const rt_rq *q, const km_chunk_seg *g)
+{
+    return g->n >= (uint32_t)r->c.page_tokens && g->start + g->n <= (uint32_t)q->n_prompt;
+}
+
 int rt_chunk_chains(rt_router *r, rt_rq *q, km_pagehash tenant_seed)
 {
     const int pt = r->c.page_tokens;
@@ -36,15 +42,17 @@ int rt_chunk_chains(rt_router *r, rt_rq *q, km_pagehash tenant_seed)
     q->chunk_chain = NULL;
     q->n_chunk_chain = 0;
     if (!q->q.n_chunks || !r->chunk_pre || r->c.policy.chunk_credit <= 0) return 0;
+    /* the last chunk is computed in full (blend.md): no chain, no credit, no pull */
+    const uint32_t reused = q->q.n_chunks - 1;
     int n = 0;
-    for (uint32_t c = 0; c < q->q.n_chunks; c++)
-        if (q->chunks[c].n >= (uint32_t)pt) n += 1 + (int)(q->chunks[c].n / pt);
+    for (uint32_t c = 0; c < reused; c++)
+        if (rt_chunk_has_chain(r, q, &q->chunks[c])) n += 1 + (int)(q->chunks[c].n / pt);
     if (!n) return 0;
     if (!(q->chunk_chain = malloc(sizeof *q->chunk_chain * n))) return KM_ENOMEM;
     const km_pagehash pre = km_pagehash_next(km_pagehash_chunk_seed(tenant_seed), r->chunk_pre, pt);
-    for (uint32_t c = 0; c < q->q.n_chunks; c++) {
+    for (uint32_t c = 0; c < reused; c++) {
         const km_chunk_seg *g = &q->chunks[c];
-        if (g->n < (uint32_t)pt || g->start + g->n > (uint32_t)q->n_prompt) continue;
+        if (!rt_chunk_has_chain(r, q, g)) continue;
         km_pagehash *h = q->chunk_chain + q->n_chunk_chain;
         h[0] = pre;
         for (uint32_t p = 1; p <= g->n / pt; p++)
@@ -59,16 +67,14 @@ void rt_chunk_credit(rt_router *r, const rt_rq *q, uint64_t workers, const rt_ma
 {
     const int pt = r->c.page_tokens;
     const double share = r->c.policy.chunk_credit;
-    int at = 0;
-    for (uint32_t c = 0; c < q->q.n_chunks && at < q->n_chunk_chain; c++) {
+    for (uint32_t c = 0, at = 0; c + 1 < q->q.n_chunks; c++) {
         const km_chunk_seg *g = &q->chunks[c];
-        if (g->n < (uint32_t)pt || g->start + g->n > (uint32_t)q->n_prompt) continue;
+        if (!rt_chunk_has_chain(r, q, g)) continue;
         const int np = 1 + (int)(g->n / pt);
         rt_match m;
         rt_index_match(r->index, q->chunk_chain + at, np, workers, r->c.policy.tier_credit, pt,
                        now_ms, &m);
-        at += np;
-        if (c + 1 == q->q.n_chunks) continue; /* the last chunk is computed in full (blend.md) */
+        at += (uint32_t)np;
         for (int i = 0; i < r->n_w; i++) {
             if (!cand[i].usable || m.pages[i] < 2) continue; /* the preamble alone is no hit */
             if ((uint64_t)prefix->pages[i] * pt > g->start) continue; /* inside its prefix */

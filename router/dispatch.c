@@ -234,6 +234,7 @@ int rt_dispatch(rt_router *r, rt_rq *q, bool from_queue)
     q->predicted = m.credit[pick];
     rt_pull_advise(r, q, pick, &m);
     rt_pd_advise(r, q, pick, &m, n_ctx, mask);
+    rt_chunk_pull_advise(r, q, pick, &m, mask | holders); /* pull.c: chunks held elsewhere */
     return send_to(r, q, pick, n_ctx, remaining, from_queue, now);
 }
 

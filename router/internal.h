@@ -18,6 +18,7 @@
  *               its front's rt_front_ops (clients.c: ZeroMQ frames; front.c: SSE or JSON)
  *   metrics.c   the Prometheus series
  *   pull.c      pull or recompute: a pull hint when another worker holds more of the prefix
+ *               (or of a chunk)
  *   chunks.c    the credit of a worker for the request's chunk pages it holds (docs/blend.md)
  *   evstream.c index.c policy.c openai.c fair.c tenants.c   leaves (openai.c over
  *               openai_tools.c and openai_chunks.c)
@@ -129,7 +130,8 @@ struct rt_rq {
     /* pull hint (pull.c): holder index + 1 (0: none), its pages and the pull's budget */
     int pull_w;
     uint32_t pull_pages, pull_ms;
-    bool pd; /* the hint names a prefill worker computing the prompt now (pd.c) */
+    uint64_t pull_chunks; /* chunks to pull from the same holder (chunks.c), a bit each */
+    bool pd;              /* the hint names a prefill worker computing the prompt now (pd.c) */
     /* prefix gating: a request whose prefix is being computed right now by an earlier request
      * on the chosen worker waits for that request's first token (its pages are then cached) */
     rt_rq *owner, *waiters, *wnext;
@@ -298,9 +300,10 @@ struct rt_router {
     char ctl_url[256], ctl_id[KM_PROTO_MAX_NAME + 1];
     uint64_t view_epoch, view_seq, view_at_ms, n_views, n_bad_views;
     km_series *s_views, *s_bad_views, *s_view_age;
-    km_series *s_pulls[RT_PULL_DECISIONS]; /* kvmesh_router_pulls_total{decision} */
-    km_series *s_hints[2];                 /* kvmesh_router_pull_hints_total{outcome} */
-    km_series *s_pd[2];                    /* kvmesh_router_pd_total{decision} */
+    km_series *s_pulls[RT_PULL_DECISIONS];       /* kvmesh_router_pulls_total{decision} */
+    km_series *s_chunk_pulls[RT_PULL_DECISIONS]; /* kvmesh_router_chunk_pulls_total{decision} */
+    km_series *s_hints[2];                       /* kvmesh_router_pull_hints_total{outcome} */
+    km_series *s_pd[2];                          /* kvmesh_router_pd_total{decision} */
 };
 
 /* ---------------------------------------------------------------- state.c: clock, loop hooks */
@@ -524,11 +527,13 @@ void rt_update_page_gauges(rt_router *r);
 void rt_chunk_setup(rt_router *r);
 /* q's chunk chains (q->chunk_chain), from its tokens and its tenant's prefix seed. */
 int rt_chunk_chains(rt_router *r, rt_rq *q, km_pagehash tenant_seed);
+/* Whether chunk g of q has a chain: a whole page at least, inside the prompt (the last chunk,
+ * computed in full, has none either: callers stop before it). */
+bool rt_chunk_has_chain(const rt_router *r, const rt_rq *q, const km_chunk_seg *g);
 /* Adds to each usable candidate's cached tokens the chunk pages of q it holds, at the policy's
  * chunk_credit, but for chunks inside the prefix it holds (prefix: the prompt chain's match). */
 void rt_chunk_credit(rt_router *r, const rt_rq *q, uint64_t workers, const rt_match *prefix,
                      uint64_t now_ms, rt_candidate *cand);
-
 /* ---------------------------------------------------------------- pull.c: pull or recompute */
 
 /* A view's figures for w (its transfer address, measured rates, page size). */
@@ -540,9 +545,18 @@ void rt_pull_price(const rt_router *r, const rt_match *m, rt_candidate *cand);
 /* After the pick: does another worker hold more of q's chain, and is pulling it cheaper? Sets
  * q's hint (or clears it) and counts the decision. */
 void rt_pull_advise(rt_router *r, rt_rq *q, int pick, const rt_match *m);
-/* q ended on w with cached prompt tokens: whether its hint worked, which sets that pair's
- * backoff (a failed hint keeps the pair from the next ones for a while). */
-void rt_pull_outcome(rt_router *r, rt_rq *q, rt_wk *w, uint32_t cached);
+/* The rule's decision for pick over the chain matched in m (its inputs as rt_pull_advise's);
+ * chunk: a chunk's chain (rt_chunk_pull_decide). */
+int rt_pull_choose(const rt_router *r, int pick, const rt_match *m, bool chunk, rt_pull_choice *ch);
+/* With the mesh on: the chunks of q that another worker holds more of than pick, where pulling
+ * them measures cheaper than the computation their reuse saves, join q's pull hint (its holder,
+ * or the first such chunk's when there is no prefix pull): q->pull_chunks, q->pull_ms. */
+void rt_chunk_pull_advise(rt_router *r, rt_rq *q, int pick, const rt_match *prefix,
+                          uint64_t workers);
+/* q ended on w with cached prompt tokens (and chunk_tokens reused from chunks): whether its hint
+ * worked, which sets that pair's backoff (a failed hint keeps the pair from the next ones for a
+ * while). */
+void rt_pull_outcome(rt_router *r, rt_rq *q, rt_wk *w, uint32_t cached, uint32_t chunk_tokens);
 /* q's hint, if any, into the request frame to the chosen worker. */
 void rt_pull_hint(rt_router *r, const rt_rq *q, km_msg_request *out);
 /* May w be the source of a pull: it need not take requests; a draining worker still serves the

@@ -25,6 +25,11 @@
  * a hot prefix is replicated to a second (third...) worker exactly when its holder's queue costs
  * more than a pull (docs/router.md, "Hot prefixes").
  *
+ * Chunks (docs/blend.md) are pulled by the same rule (rt_chunk_pull_advise, after the pick):
+ * a chunk the chosen worker lacks and another holds, its saving discounted by chunk_credit (a
+ * reused chunk is still partly recomputed), all from one holder: the prefix pull's, or else the
+ * one of the first chunk worth pulling.
+ *
  * rt_pull_decide and rt_pull_credit are plain data in, decision out
  * (tests/unit/test_router_pull.c); the rest reads the router's workers and writes the hint.
  */
@@ -112,6 +117,17 @@ int rt_pull_decide(const rt_policy *pol, const rt_pull_in *c, int n, int pick, i
                out->pull_ms < out->recompute_ms * margin ? RT_PULL_PULL : RT_PULL_RECOMPUTE;
 }
 
+int rt_chunk_pull_decide(const rt_policy *pol, const rt_pull_in *c, int n, int pick,
+                         int page_tokens, rt_pull_choice *out)
+{
+    int d = rt_pull_decide(pol, c, n, pick, page_tokens, out);
+    if (d != RT_PULL_PULL && d != RT_PULL_RECOMPUTE) return d;
+    out->recompute_ms *= pol->chunk_credit; /* what reusing the chunk saves of computing it */
+    double margin = pol->pull_margin > 0 ? pol->pull_margin : 0.8;
+    return out->decision =
+               out->pull_ms < out->recompute_ms * margin ? RT_PULL_PULL : RT_PULL_RECOMPUTE;
+}
+
 /* ---------------------------------------------------------------- the daemon's side */
 
 void rt_pull_view(rt_wk *w, const km_view_worker *vw)
@@ -193,14 +209,22 @@ void rt_pull_price(const rt_router *r, const rt_match *m, rt_candidate *cand)
     }
 }
 
+int rt_pull_choose(const rt_router *r, int pick, const rt_match *m, bool chunk, rt_pull_choice *ch)
+{
+    rt_pull_in in[RT_MAX_WORKERS];
+    pull_inputs(r, pick, m, rt_now_ms(), in);
+    return (chunk ? rt_chunk_pull_decide : rt_pull_decide)(&r->c.policy, in, r->n_w, pick,
+                                                           r->c.page_tokens, ch);
+}
+
 void rt_pull_advise(rt_router *r, rt_rq *q, int pick, const rt_match *m)
 {
     q->pull_w = 0;
+    q->pull_pages = 0;
+    q->pull_chunks = 0;
     if (r->c.policy.mode != RT_MODE_KV || pick < 0 || !r->w[pick].xfer.addr_len) return;
-    rt_pull_in in[RT_MAX_WORKERS];
-    pull_inputs(r, pick, m, rt_now_ms(), in);
     rt_pull_choice ch;
-    int d = rt_pull_decide(&r->c.policy, in, r->n_w, pick, r->c.page_tokens, &ch);
+    int d = rt_pull_choose(r, pick, m, false, &ch);
     if (d == RT_PULL_NONE) return;
     km_counter_inc(r->s_pulls[d]);
     KM_DEBUG("pull_choice",
@@ -215,12 +239,56 @@ void rt_pull_advise(rt_router *r, rt_rq *q, int pick, const rt_match *m)
     q->pull_ms = (uint32_t)budget;
 }
 
-void rt_pull_outcome(rt_router *r, rt_rq *q, rt_wk *w, uint32_t cached)
+void rt_chunk_pull_advise(rt_router *r, rt_rq *q, int pick, const rt_match *prefix,
+                          uint64_t workers)
+{
+    const int pt = r->c.page_tokens;
+    /* a request with prompt_logprobs reuses no chunk (every prompt position's logits) */
+    if (r->c.policy.mode != RT_MODE_KV || pick < 0 || q->pd || !q->n_chunk_chain ||
+        q->q.prompt_logprobs || !r->w[pick].xfer.addr_len)
+        return;
+    int holder = q->pull_w - 1; /* -1: no prefix pull, the first chunk pulled names it */
+    /* the prompt's pages the chosen worker will have before reuse: its own and the pulled ones */
+    const uint64_t covered =
+        (uint64_t)(q->pull_w ? (int)q->pull_pages : prefix->pages[pick]) * (uint64_t)pt;
+    double budget = q->pull_w ? q->pull_ms : 0;
+    const uint64_t now = rt_now_ms();
+    for (uint32_t c = 0, at = 0; c + 1 < q->q.n_chunks; c++) {
+        const km_chunk_seg *g = &q->chunks[c];
+        if (!rt_chunk_has_chain(r, q, g)) continue;
+        const int np = 1 + (int)(g->n / pt);
+        const km_pagehash *chain = q->chunk_chain + at;
+        at += (uint32_t)np;
+        if (g->start < covered) continue; /* inside the prefix: not reused */
+        rt_match m;
+        rt_index_match(r->index, chain, np, workers, r->c.policy.tier_credit, pt, now, &m);
+        rt_pull_choice ch;
+        int d = rt_pull_choose(r, pick, &m, true, &ch);
+        if (d == RT_PULL_NONE || ch.pages < 2) continue; /* nobody has more than a preamble */
+        km_counter_inc(r->s_chunk_pulls[d]);
+        KM_DEBUG("chunk_pull_choice",
+                 "rid=%llu chunk=%u worker=%s holder=%s pages=%d/%d decision=%s pull_ms=%.1f "
+                 "saved_ms=%.1f",
+                 (unsigned long long)q->rid, c, r->w[pick].id, r->w[ch.holder].id, m.pages[pick],
+                 ch.pages, rt_pull_decision_names[d], ch.pull_ms, ch.recompute_ms);
+        if (d != RT_PULL_PULL || (holder >= 0 && ch.holder != holder)) continue;
+        holder = ch.holder;
+        q->pull_chunks |= 1ull << c;
+        budget += ch.recompute_ms;
+    }
+    if (!q->pull_chunks) return;
+    q->pull_w = holder + 1;
+    q->pull_ms = (uint32_t)(budget < 1 ? 1 : budget > 60000 ? 60000 : budget);
+}
+
+void rt_pull_outcome(rt_router *r, rt_rq *q, rt_wk *w, uint32_t cached, uint32_t chunk_tokens)
 {
     if (q->pull_w < 1 || q->pull_w > r->n_w) return;
     int h = q->pull_w - 1;
     q->pull_w = 0; /* counted once */
-    bool ok = rt_pull_hint_ok(cached, q->pull_pages, r->c.page_tokens);
+    /* a hint with chunks worked when the worker reused chunk tokens too (chunks.c) */
+    bool ok = rt_pull_hint_ok(cached, q->pull_pages, r->c.page_tokens) &&
+              (!q->pull_chunks || chunk_tokens > 0);
     km_counter_inc(r->s_hints[ok ? 0 : 1]);
     if (ok) {
         w->pull_fails[h] = 0;
@@ -245,6 +313,7 @@ void rt_pull_hint(rt_router *r, const rt_rq *q, km_msg_request *out)
     out->pull_addr = h->xfer.addr;
     out->pull_addr_len = h->xfer.addr_len;
     out->pull_pages = q->pull_pages;
+    out->pull_chunks = q->pull_chunks;
     out->pull_ms = q->pull_ms;
 }
 
@@ -268,6 +337,14 @@ int rt_pull_metrics(rt_router *r, km_errbuf *err)
                         "it), recompute (pulling measured slower), unmeasured (no measured "
                         "rates yet: recompute).",
                         "decision", rt_pull_decision_names, RT_PULL_DECISIONS, r->s_pulls, err);
+    if (!rc)
+        rc = rt_pull_counter(r, "kvmesh_router_chunk_pulls_total",
+                             "Chunks of requests (docs/blend.md) that another worker held more "
+                             "pages of than the chosen one, by decision: pull (the hint names the "
+                             "chunk), recompute (pulling measured slower than the share of its "
+                             "computation reuse saves), unmeasured (no measured rates yet).",
+                             "decision", rt_pull_decision_names, RT_PULL_DECISIONS,
+                             r->s_chunk_pulls, err);
     if (rc) return rc;
     return rt_pull_counter(r, "kvmesh_router_pull_hints_total",
                            "Pull hints by outcome, judged by the request's cached tokens: ok (the "

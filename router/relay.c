@@ -187,7 +187,7 @@ void rt_relay_done(rt_router *r, rt_wk *w, const km_msg_done *d)
         q->first_cached_set = true;
     }
     w->cached_tokens += cached < (uint32_t)q->n_prompt ? cached : (uint32_t)q->n_prompt;
-    rt_pull_outcome(r, q, w, cached); /* pull.c: did its hint work */
+    rt_pull_outcome(r, q, w, cached, d->chunk_tokens); /* pull.c: did its hint work */
     q->worker_queue_ms += d->queue_ms;
     q->draft_tokens = d->draft_tokens;
     q->accepted_draft_tokens = d->accepted_draft_tokens;

@@ -185,6 +185,11 @@ int rt_pull_decide(const rt_policy *pol, const rt_pull_in *c, int n, int pick, i
  * is priced at the prefill time it takes and never ties with a holder as loaded; else 0. Added
  * to i's cached credit before rt_pick. */
 double rt_pull_credit(const rt_policy *pol, const rt_pull_in *c, int n, int i, int page_tokens);
+/* The same rule for a chunk's chain (its preamble page, then its whole pages; docs/blend.md): a
+ * reused chunk is still partly recomputed, so pulling saves only chunk_credit of computing it,
+ * and recompute_ms (in out) is that share. */
+int rt_chunk_pull_decide(const rt_policy *pol, const rt_pull_in *c, int n, int pick,
+                         int page_tokens, rt_pull_choice *out);
 
 /* Disaggregation (router/pd.c, docs/disaggregation.md): one worker's part in the decision. */
 typedef struct rt_pd_in {

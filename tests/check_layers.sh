@@ -55,7 +55,8 @@ router)
         "dispatch" # choosing a worker, the router queue's pump, parking
         "requests" # the request table and queue, the end of a request, replies
         "metrics"  # the Prometheus series
-        "pull pd chunks" # pull or recompute; disaggregation; chunk credit
+        "pull pd"  # pull or recompute (prefixes and chunks); disaggregation
+        "chunks"   # chunk chains and credit
         "evstream index policy openai fair tenants" # leaves
         "openai_tools openai_chunks" # structured outputs (response_format), chunks; under openai
         "state"    # the clock and the loop's hooks

@@ -10,7 +10,8 @@
  * gets the missing frames again from a bounded ring of recent events, or, when they are older
  * than the ring, a snapshot: the whole index as `stored` frames built from a mirror of the
  * store's index (page hash -> tier) that the same events keep up to date. The mirror exists
- * because kvshard's index is not enumerable, and it costs 24 bytes a page.
+ * because kvshard's index is not enumerable, and it costs 24 bytes a page. A frame holds pages
+ * of one kind: prefix pages, or position-free chunk pages (`position_free`, docs/blend.md).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -21,13 +22,13 @@
 typedef struct wk_evrec {
     uint64_t fseq; /* the frame it went out in */
     km_pagehash hash;
-    uint8_t kind, tier, from;
+    uint8_t kind, tier, from, pf; /* pf: position-free (a chunk's page) */
 } wk_evrec;
 
 typedef struct wk_slot {
     km_pagehash hash;
     uint8_t state; /* 0 empty, 1 used, 2 deleted */
-    uint8_t tier;
+    uint8_t tier, pf;
 } wk_slot;
 
 struct wk_events {
@@ -121,7 +122,7 @@ static int wk_map_grow(wk_events *ev)
     return 0;
 }
 
-static void wk_map_set(wk_events *ev, km_pagehash h, int tier)
+static void wk_map_set(wk_events *ev, km_pagehash h, int tier, int pf)
 {
     if ((ev->map_used + 1) * 2 > ev->map_cap && wk_map_grow(ev)) return;
     size_t j = wk_slot_of(ev, h), tomb = (size_t)-1;
@@ -132,6 +133,7 @@ static void wk_map_set(wk_events *ev, km_pagehash h, int tier)
                 ev->map_live--;
             } else {
                 ev->map[j].tier = (uint8_t)tier;
+                ev->map[j].pf = (uint8_t)pf;
             }
             return;
         }
@@ -144,14 +146,14 @@ static void wk_map_set(wk_events *ev, km_pagehash h, int tier)
     } else {
         ev->map_used++;
     }
-    ev->map[j] = (wk_slot){.hash = h, .state = 1, .tier = (uint8_t)tier};
+    ev->map[j] = (wk_slot){.hash = h, .state = 1, .tier = (uint8_t)tier, .pf = (uint8_t)pf};
     ev->map_live++;
 }
 
 /* ---------------------------------------------------------------- frames */
 
 static int wk_send_frame(wk_events *ev, void *sock, const km_zframe *env, int n_env, uint64_t seq,
-                         int kind, int tier, int from, int n_hashes)
+                         int kind, int tier, int from, int pf, int n_hashes)
 {
     km_msg m;
     km_msg_init(&m, KM_MSG_KV_EVENT);
@@ -162,6 +164,7 @@ static int wk_send_frame(wk_events *ev, void *sock, const km_zframe *env, int n_
     m.kv.from_tier = (km_tier)(kind == KM_KV_TIER ? from : 0);
     m.kv.hashes = ev->hbuf;
     m.kv.n_hashes = (uint32_t)n_hashes;
+    m.kv.position_free = pf != 0;
     int rc = km_msg_encode(&m, NULL, &ev->out, NULL);
     if (rc) return rc;
     km_zframe parts[KM_ZMSG_MAX_PARTS];
@@ -196,6 +199,7 @@ int wk_events_pump(wk_events *ev)
             int j = i;
             while (j < n && j - i < KM_PROTO_MAX_EVENT_HASHES && ev->drain[j].kind == e0->kind &&
                    ev->drain[j].tier == e0->tier &&
+                   ev->drain[j].position_free == e0->position_free &&
                    (e0->kind != KV_EVENT_TIER || ev->drain[j].from_tier == e0->from_tier))
                 j++;
             uint64_t seq = ev->next_seq++;
@@ -206,12 +210,15 @@ int wk_events_pump(wk_events *ev)
                               .hash = e->hash,
                               .kind = (uint8_t)e->kind,
                               .tier = (uint8_t)e->tier,
-                              .from = (uint8_t)e->from_tier};
+                              .from = (uint8_t)e->from_tier,
+                              .pf = (uint8_t)e->position_free};
                 wk_ring_push(ev, &r);
-                wk_map_set(ev, e->hash, e->kind == KV_EVENT_REMOVED ? -1 : (int)e->tier);
+                wk_map_set(ev, e->hash, e->kind == KV_EVENT_REMOVED ? -1 : (int)e->tier,
+                           e->position_free);
             }
             if (ev->pub)
-                wk_send_frame(ev, ev->pub, NULL, 0, seq, e0->kind, e0->tier, e0->from_tier, j - i);
+                wk_send_frame(ev, ev->pub, NULL, 0, seq, e0->kind, e0->tier, e0->from_tier,
+                              e0->position_free, j - i);
             ev->frames++;
             frames++;
             i = j;
@@ -225,19 +232,20 @@ static int wk_events_snapshot(wk_events *ev, void *sock, const km_zframe *env, i
 {
     uint64_t seq = ev->next_seq - 1;
     int frames = 0;
-    for (int tier = 0; tier < KV_TIER_COUNT; tier++) {
+    for (int tp = 0; tp < 2 * KV_TIER_COUNT; tp++) { /* each tier's pages, then its chunks' */
+        const int tier = tp / 2, pf = tp % 2;
         int n = 0;
         for (size_t i = 0; i < ev->map_cap; i++) {
-            if (ev->map[i].state != 1 || ev->map[i].tier != tier) continue;
+            if (ev->map[i].state != 1 || ev->map[i].tier != tier || ev->map[i].pf != pf) continue;
             km_pagehash_canonical(ev->map[i].hash, ev->hbuf + (size_t)n * 16);
             if (++n == KM_PROTO_MAX_EVENT_HASHES) {
-                wk_send_frame(ev, sock, env, n_env, seq, KM_KV_STORED, tier, 0, n);
+                wk_send_frame(ev, sock, env, n_env, seq, KM_KV_STORED, tier, 0, pf, n);
                 frames++;
                 n = 0;
             }
         }
         if (n) {
-            wk_send_frame(ev, sock, env, n_env, seq, KM_KV_STORED, tier, 0, n);
+            wk_send_frame(ev, sock, env, n_env, seq, KM_KV_STORED, tier, 0, pf, n);
             frames++;
         }
     }
@@ -264,7 +272,7 @@ int wk_events_replay(wk_events *ev, void *sock, const km_zframe *env, int n_env,
             j++;
         }
         if (r0->fseq >= since) {
-            wk_send_frame(ev, sock, env, n_env, r0->fseq, r0->kind, r0->tier, r0->from, n);
+            wk_send_frame(ev, sock, env, n_env, r0->fseq, r0->kind, r0->tier, r0->from, r0->pf, n);
             frames++;
         }
         i = j;

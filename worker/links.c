@@ -16,6 +16,7 @@ void wk_held_free(wk_held *h)
     km_buf_free(&h->frame);
     free(h->hs);
     free(h->tokens);
+    free(h->chunks);
     if (h->pd) free(h->pd->hs);
     free(h->pd);
     free(h);

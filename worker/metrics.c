@@ -52,6 +52,11 @@ int wk_svc_metrics_init(wk_service *s, km_errbuf *err)
     REG(KM_GAUGE, "kvmesh_worker_kv_pages", "KV pages held, per tier, shard and format.",
         "tier,shard,format", NULL, 0);
     s->m_kv_pages = m;
+    REG(KM_GAUGE, "kvmesh_worker_kv_chunk_pages",
+        "Of the KV pages held, those of chunks (position-free: cached by their own tokens and "
+        "reused at any position, docs/blend.md), per tier.",
+        "tier", NULL, 0);
+    s->m_kv_chunk_pages = m;
     REG(KM_GAUGE, "kvmesh_worker_kv_capacity_bytes", "KV byte budget, per tier, shard and format.",
         "tier,shard,format", NULL, 0);
     s->m_kv_cap = m;

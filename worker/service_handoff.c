@@ -100,7 +100,8 @@ static int wk_peer_encode_push(wk_service *s, const km_pagehash *hs, const int32
                                  .from = s->worker_id,
                                  .endpoint = s->ep_requests,
                                  .addr = p->addr,
-                                 .addr_len = (uint32_t)p->addr_len};
+                                 .addr_len = (uint32_t)p->addr_len,
+                                 .position_free = kv_store_position_free(s->kv, hs[0]) != 0};
     int rc = km_msg_encode(&m, &s->lim, &p->out, NULL);
     free(canon);
     return rc;
@@ -240,6 +241,7 @@ void wk_peer_take(wk_service *s, const km_msg_kv_push *q, bool warm)
         h->hs[i] = km_pagehash_from_canonical(q->chain.hashes + 16 * i);
     memcpy(h->tokens, q->chain.tokens, sizeof *h->tokens * n * (size_t)pt);
     h->background = true;
+    h->chunk_pull = q->position_free; /* a chunk's chain: flagged here too */
     h->warm = warm;
     h->link = l;
     h->n_pages = (int)n;
@@ -278,6 +280,7 @@ static int wk_bg_pull(wk_service *s, wk_held *h)
     h->deadline_ns = km_now_ns() + wk_ms_ns(WK_BG_PULL_MS);
     int first = wk_peer_start(s, l, h, h->hs, h->tokens, n);
     if (first < 0) return WK_HO_DROPPED; /* its pages were all checked not here */
+    if (h->chunk_pull) pr_pull_position_free(p->node, h->pull);
     h->first = first;
     if (h->warm) p->warm_left -= h->reserved = n - first;
     p->n_bg++;

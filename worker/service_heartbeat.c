@@ -95,6 +95,11 @@ void wk_svc_update_gauges(wk_service *s)
     wk_svc_update_shard_counts(s);
     kv_store_stats ks;
     kv_store_stats_get(s->kv, &ks);
+    for (int t = 0; t < KV_TIER_COUNT; t++) {
+        const char *tier = kv_tier_name((kv_tier)t);
+        km_gauge_set(km_metric_series(s->m_kv_chunk_pages, &tier),
+                     (double)ks.position_free_pages[t]);
+    }
     wk_counter_sync(s->s_place[0], ks.placed_pages - ks.place_fallbacks);
     wk_counter_sync(s->s_place[1], ks.place_fallbacks);
     for (int i = 0; i < KV_PROMOTE_REASONS; i++)

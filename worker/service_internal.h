@@ -180,6 +180,7 @@ struct wk_service {
     atomic_uint_fast64_t gate_send_errors; /* frames the ROUTER refused (the gate counts them) */
     /* metrics */
     km_metric *m_kv_bytes, *m_kv_pages, *m_kv_cap;
+    km_metric *m_kv_chunk_pages; /* kvmesh_worker_kv_chunk_pages{tier} */
     km_series *s_req[WK_OUT_COUNT], *s_bad[WK_BAD_COUNT];
     km_series *s_tok_prompt, *s_tok_cached, *s_tok_gen, *s_tok_prefill, *s_tok_chunk;
     km_series *s_ttft, *s_itl, *s_queue, *s_e2e, *s_hit, *s_preempt, *s_yield, *s_wait, *s_running,

@@ -119,8 +119,31 @@ static int wk_peer_metrics(wk_service *s, wk_peer *p, km_errbuf *err)
          "outcome", NULL, 0);
     for (int i = 0; i < WK_HO_OUTCOMES; i++)
         p->s_handoff[i] = km_metric_series(m, &wk_handoff_outcomes[i]);
+    PREG(KM_COUNTER, "kvmesh_kv_transfer_chunk_pages_total",
+         "Pages of chunks (position-free KV of documents, docs/blend.md) pulled here from other "
+         "workers, each chunk's preamble page included; also counted in the pull totals.",
+         NULL, NULL, 0);
+    p->s_chunk_pages = km_metric_series(m, NULL);
+    PREG(KM_COUNTER, "kvmesh_kv_transfer_chunk_bytes_total",
+         "Payload bytes of the chunk pages pulled here (part of "
+         "kvmesh_kv_transfer_bytes_total{direction=\"in\"}).",
+         NULL, NULL, 0);
+    p->s_chunk_bytes = km_metric_series(m, NULL);
 #undef PREG
     return 0;
+}
+
+/* The chunk preamble's first page, as the scheduler and the routers make it (KM_CHUNK_PREAMBLE):
+ * a chunk's chain starts with it. Without a tokenizer or a whole page, no chunk is pulled. */
+static void wk_peer_chunk_setup(wk_service *s, wk_peer *p)
+{
+    const int pt = kv_store_page_tokens(s->kv);
+    int32_t ids[256];
+    int n =
+        s->tok ? md_tok_encode(s->tok, KM_CHUNK_PREAMBLE, strlen(KM_CHUNK_PREAMBLE), 0, 1, ids, 256)
+               : 0;
+    if (pt < 1 || pt > 256 || n < pt || !(p->chunk_pre = malloc(sizeof *p->chunk_pre * pt))) return;
+    memcpy(p->chunk_pre, ids, sizeof *p->chunk_pre * pt);
 }
 
 /* "HOST:PORT", "HOST" or ":PORT" into the node's listening host and port. */
@@ -181,6 +204,7 @@ int wk_peer_create(wk_service *s, km_errbuf *err)
         return rc;
     }
     if ((rc = wk_peer_metrics(s, p, err)) || (rc = wk_pd_metrics(s, p, err))) return rc;
+    wk_peer_chunk_setup(s, p);
     p->warm_pages = o->peer_warm_pages < 0 ? kv_store_pages_total(s->kv) / 4 : o->peer_warm_pages;
     p->warm_left = p->warm_pages;
     if (o->peer_view && o->peer_view[0]) {
@@ -215,6 +239,7 @@ void wk_peer_destroy(wk_service *s)
     km_zmsg_clear(&p->in);
     km_buf_free(&p->out);
     free(p->pushed);
+    free(p->chunk_pre);
     free(p);
     s->peer = NULL;
 }
@@ -251,6 +276,39 @@ static bool wk_hint_sender_ok(const wk_service *s, const km_zpeer *peer)
     return peer && peer->role == KM_ROLE_MEMBER && !peer->worker[0];
 }
 
+/* Starts the pull of h's next chunk still to pull through l (its chain: the preamble page, then
+ * the chunk's whole pages, as the scheduler caches it); 1 when one runs, 0 when none is left
+ * (every other one already here, or not startable). */
+static int wk_peer_next_chunk(wk_service *s, wk_link *l, wk_held *h)
+{
+    const wk_peer *p = s->peer;
+    const int pt = kv_store_page_tokens(s->kv);
+    if (!l->peer || pr_peer_failed(l->peer)) h->chunks_left = 0; /* the holder is gone */
+    while (h->chunks_left) {
+        const km_chunk_seg *g = &h->chunks[__builtin_ctzll(h->chunks_left)];
+        h->chunks_left &= h->chunks_left - 1;
+        const int n_pages = 1 + (int)(g->n / (uint32_t)pt);
+        if (g->n < (uint32_t)pt || n_pages > PR_MAX_PAGES ||
+            (uint64_t)g->start + g->n > (uint64_t)h->n_tokens)
+            continue;
+        int32_t *tk = malloc(sizeof *tk * (size_t)n_pages * pt);
+        km_pagehash *hs = malloc(sizeof *hs * (size_t)n_pages);
+        int held = -1;
+        if (tk && hs) {
+            memcpy(tk, p->chunk_pre, sizeof *tk * pt);
+            memcpy(tk + pt, h->tokens + g->start, sizeof *tk * (size_t)(n_pages - 1) * pt);
+            km_pagehash_chain(h->chunk_seed, tk, n_pages * pt, pt, hs, n_pages);
+            h->pull = NULL, h->offer_ns = 0, h->end_now = false, h->chunk_pull = true;
+            held = wk_peer_start(s, l, h, hs, tk, n_pages);
+            if (held >= 0) pr_pull_position_free(p->node, h->pull); /* kvshard's chunk flag */
+        }
+        free(tk);
+        free(hs);
+        if (held >= 0) return 1;
+    }
+    return 0;
+}
+
 int wk_peer_park(wk_service *s, const km_zframe *env, int n_env, const km_msg_request *q,
                  const km_zpeer *peer, const int32_t *toks, int n_tok, uint64_t now)
 {
@@ -268,7 +326,11 @@ int wk_peer_park(wk_service *s, const km_zframe *env, int n_env, const km_msg_re
     int n_pages = (int)q->pull_pages;
     if (n_pages > n_tok / pt) n_pages = n_tok / pt;
     if (n_pages > PR_MAX_PAGES) n_pages = PR_MAX_PAGES;
-    if (n_pages < 1) return 0;
+    /* the chunks to pull: never the last one (computed in full, docs/blend.md) */
+    const uint64_t chunks = p->chunk_pre && q->n_chunks > 1 && !q->pd
+                                ? q->pull_chunks & ((1ull << (q->n_chunks - 1)) - 1)
+                                : 0;
+    if (n_pages < 1 && !chunks) return 0;
     if (!wk_peer_member(s, q->pull_from)) {
         km_counter_inc(p->s_hints_refused[1]);
         KM_WARN("pull_hint_refused", "id=%llu reason=holder holder=%.64s",
@@ -281,14 +343,20 @@ int wk_peer_park(wk_service *s, const km_zframe *env, int n_env, const km_msg_re
         return 0;
     }
     wk_held *h = calloc(1, sizeof *h);
-    km_pagehash *hs = malloc(sizeof *hs * (size_t)n_pages);
+    km_pagehash *hs = malloc(sizeof *hs * (size_t)(n_pages > 0 ? n_pages : 1));
     if (!h || !hs || wk_env_copy(h->env, h->env_len, env, n_env) ||
         wk_held_keep(s, h, q, toks, n_tok))
         goto admit_now;
     h->n_env = n_env;
     km_pagehash seed = km_pagehash_seed(s->fp, strlen(s->fp), s->o.sched.cluster_seed,
                                         q->cache_salt, q->cache_salt ? strlen(q->cache_salt) : 0);
-    km_pagehash_chain(seed, toks, n_pages * pt, pt, hs, n_pages);
+    if (n_pages > 0) km_pagehash_chain(seed, toks, n_pages * pt, pt, hs, n_pages);
+    if (chunks && (h->chunks = malloc(sizeof *h->chunks * q->n_chunks))) {
+        memcpy(h->chunks, q->chunks, sizeof *h->chunks * q->n_chunks);
+        h->n_chunks = (int)q->n_chunks;
+        h->chunks_left = chunks;
+        h->chunk_seed = km_pagehash_chunk_seed(seed);
+    }
     /* the budget: the hint's, else the worker's default, and never more than half of what is
      * left of the request's own deadline (the rest is for computing what the pull missed) */
     uint64_t budget_ms = q->pull_ms ? q->pull_ms : (uint64_t)s->o.peer_pull_ms;
@@ -297,11 +365,13 @@ int wk_peer_park(wk_service *s, const km_zframe *env, int n_env, const km_msg_re
     h->deadline_ns = now + wk_ms_ns((int64_t)budget_ms);
     h->id = q->id;
     h->arrival_ns = now;
-    int held = wk_peer_start(s, l, h, hs, toks, n_pages);
-    if (held < 0) goto admit_now; /* a failure, or every page already here */
-    if (q->pd) wk_pd_begin(s, l, h, q, hs);
-    KM_DEBUG("pull_start", "id=%llu from=%s pages=%d held_here=%d budget_ms=%llu",
-             (unsigned long long)q->id, q->pull_from, n_pages, held, (unsigned long long)budget_ms);
+    int held = n_pages > 0 ? wk_peer_start(s, l, h, hs, toks, n_pages) : -1;
+    if (held >= 0 && q->pd) wk_pd_begin(s, l, h, q, hs);
+    /* a failure, or every page already here: the chunks, if any, else the request runs now */
+    if (held < 0 && !wk_peer_next_chunk(s, l, h)) goto admit_now;
+    KM_DEBUG("pull_start", "id=%llu from=%s pages=%d held_here=%d chunks=%#llx budget_ms=%llu",
+             (unsigned long long)q->id, q->pull_from, n_pages, held, (unsigned long long)chunks,
+             (unsigned long long)budget_ms);
     free(hs);
     return 1;
 admit_now:
@@ -382,6 +452,10 @@ static void wk_peer_release(wk_service *s, int i)
         km_counter_inc(p->s_pulls[outcome]);
     }
     km_counter_add(p->s_bytes_in, res.bytes);
+    if (h->chunk_pull) {
+        km_counter_add(p->s_chunk_pages, (uint64_t)res.pages_imported);
+        km_counter_add(p->s_chunk_bytes, res.bytes);
+    }
     km_hist_observe(p->s_seconds, (double)(now - h->start_ns) / 1e9);
     for (int d = 0; d < PR_DROP_COUNT; d++)
         if (res.dropped[d]) km_counter_add(p->s_fail[d], (uint64_t)res.dropped[d]);
@@ -392,12 +466,13 @@ static void wk_peer_release(wk_service *s, int i)
     wk_peer_measure(p, h, &res, now);
     KM_INFO("pull_done",
             "id=%llu pull=%llu pages=%d local=%d wanted=%d offered=%d imported=%d bytes=%llu "
-            "ms=%.1f offer_ms=%.1f status=%s outcome=%s handoff=%d",
+            "ms=%.1f offer_ms=%.1f status=%s outcome=%s handoff=%d chunk=%d",
             (unsigned long long)h->id, (unsigned long long)h->pull_id, h->n_pages, res.pages_local,
             wanted, res.pages_offered, res.pages_imported, (unsigned long long)res.bytes,
             (double)(now - h->start_ns) / 1e6,
             h->offer_ns ? (double)(h->offer_ns - h->start_ns) / 1e6 : -1.0,
-            res.status ? km_strerror(res.status) : "ok", wk_pull_outcomes[outcome], h->background);
+            res.status ? km_strerror(res.status) : "ok", wk_pull_outcomes[outcome], h->background,
+            h->chunk_pull);
     if (l->peer && pr_peer_failed(l->peer) && !l->pulls) {
         pr_peer_release(p->node, l->peer); /* the next pull connects again */
         l->peer = NULL;
@@ -407,6 +482,8 @@ static void wk_peer_release(wk_service *s, int i)
         return;
     }
     if (h->pd && wk_pd_round_end(s, h, &res)) return; /* the prefill goes on: another round */
+    /* the next chunk, while the budget lasts (a request canceled or handed back runs now) */
+    if (h->chunks_left && now < h->deadline_ns && wk_peer_next_chunk(s, l, h)) return;
     wk_peer_admit_held(s, h);
 }
 
@@ -545,6 +622,7 @@ int wk_peer_cancel(wk_service *s, const km_zframe *env, int n_env, uint64_t id)
         wk_held *h = p->held[i];
         if (h->id != id || !wk_held_env_is(h, env, n_env)) continue;
         wk_pd_stop(h);
+        h->chunks_left = 0;
         wk_peer_release(s, i);
         wk_sreq *r = wk_svc_live_find(s, env, n_env, id);
         if (r) en_sched_cancel(s->sched, r->rid);
@@ -556,7 +634,10 @@ int wk_peer_cancel(wk_service *s, const km_zframe *env, int n_env, uint64_t id)
 void wk_peer_admit_all(wk_service *s)
 {
     if (s->peer) wk_peer_bg_drop(s->peer);
-    for (int i = 0; s->peer && i < s->peer->n_held; i++) wk_pd_stop(s->peer->held[i]);
+    for (int i = 0; s->peer && i < s->peer->n_held; i++) {
+        wk_pd_stop(s->peer->held[i]);
+        s->peer->held[i]->chunks_left = 0;
+    }
     while (s->peer && s->peer->n_held) wk_peer_release(s, s->peer->n_held - 1);
     if (s->peer) wk_pd_admit_all(s);
 }

@@ -82,6 +82,13 @@ typedef struct wk_held {
     km_pagehash *hs; /* background: the chain's hashes */
     /* disaggregated (service_pd.c): the prefill it pulls from; NULL: none */
     struct wk_pd *pd;
+    /* chunk pulls (the hint's pull_chunks, docs/blend.md "Routing"): pulled one after another
+     * through the same link, after the prefix, within the same deadline */
+    km_chunk_seg *chunks; /* the request's chunks */
+    int n_chunks;
+    uint64_t chunks_left;   /* a bit per chunk still to pull */
+    km_pagehash chunk_seed; /* the tenant's chunk seed */
+    bool chunk_pull;        /* the pull running is a chunk's */
 } wk_held;
 
 /* A chain this worker's drain pushed: its first and last page, the peer it went to (an index into
@@ -124,6 +131,9 @@ struct wk_peer {
     km_series *s_refused, *s_dones_ignored;
     km_series *s_hints_refused[2]; /* kvmesh_kv_pull_hints_refused_total{reason}: sender, holder */
     km_series *s_view_peers;       /* kvmesh_kv_peer_view_workers */
+    /* kvmesh_kv_transfer_chunk_{pages,bytes}_total: what chunk pulls imported */
+    km_series *s_chunk_pages, *s_chunk_bytes;
+    int32_t *chunk_pre; /* the chunk preamble's first page of tokens; NULL: no chunk pulls */
     uint64_t seen_out, seen_refused; /* bytes_out, fetches_refused already counted */
     /* kvmesh_kv_page_plane_rejected_total{reason}: unkeyed, over_bound, forged, unknown_am */
     km_series *s_plane[4];

@@ -277,17 +277,20 @@ static void pair_stop(pair *p)
 /* The view a controller would publish for wa (holder) and wb (puller), with wb's measured
  * figures making a pull of 12 pages far cheaper than computing them; and wc like wb when c is
  * not NULL. */
+static km_member_state g_a_state = KM_MEMBER_READY; /* wa's state in the views published */
+static double g_tps = 100; /* the workers' prefill rate in the views published (tokens/s) */
+
 static void publish_view3(void *pub, uint64_t seq, const it_proc *a, const it_proc *b,
                           const it_proc *c, const uint8_t *addr_a, uint32_t la,
                           const uint8_t *addr_b, uint32_t lb, const uint8_t *addr_c, uint32_t lc)
 {
     km_view_worker vw[3] = {{.id = "wa",
-                             .state = KM_MEMBER_READY,
+                             .state = g_a_state,
                              .requests = a->req,
                              .events = a->ev,
                              .peer_addr = addr_a,
                              .peer_addr_len = la,
-                             .prefill_tps = 100,
+                             .prefill_tps = g_tps,
                              .fingerprint = g_fp,
                              .page_bytes = 368640},
                             {.id = "wb",
@@ -296,7 +299,7 @@ static void publish_view3(void *pub, uint64_t seq, const it_proc *a, const it_pr
                              .events = b->ev,
                              .peer_addr = addr_b,
                              .peer_addr_len = lb,
-                             .prefill_tps = 100,   /* 16 prompt pages: 2.6 s to compute */
+                             .prefill_tps = g_tps, /* 16 prompt pages: 2.6 s to compute */
                              .xfer_rate_bps = 1e9, /* and 6 ms to pull */
                              .xfer_lat_ms = 1,
                              .fingerprint = g_fp,
@@ -625,6 +628,119 @@ Test(worker_pull, the_router_tells_the_chosen_worker_to_pull_a_prefix_another_ho
         if (wb_pages < PAGES) usleep(100000);
     }
     cr_assert_geq(wb_pages, PAGES, "the router's index has %g of wb's pages", wb_pages);
+    km_zsock_close(pub);
+    pair_stop(w);
+}
+
+/* A request with chunks (docs/blend.md) through the router's ZeroMQ front: its usage's
+ * chunk_tokens (answers until done, 120 s). */
+static uint32_t run_chunks(const char *ep, uint64_t id, const int32_t *prompt, int n,
+                           const km_chunk_seg *seg, int n_seg)
+{
+    void *s = it_dealer(ep);
+    km_msg m;
+    km_msg_init(&m, KM_MSG_REQUEST);
+    m.req.id = id;
+    m.req.model = "SmolLM2-135M-Instruct";
+    m.req.tokens = prompt;
+    m.req.n_tokens = (uint32_t)n;
+    m.req.max_tokens = 1;
+    m.req.chunks = seg;
+    m.req.n_chunks = (uint32_t)n_seg;
+    it_send_msg(s, &m);
+    uint32_t got = 0;
+    for (bool done = false; !done;) {
+        km_msg a;
+        cr_assert(it_recv_msg(s, &a, 120000), "request %llu: no answer", (unsigned long long)id);
+        cr_assert_neq(a.type, KM_MSG_ERROR, "%s", a.type == KM_MSG_ERROR ? a.error.message : "");
+        done = a.type == KM_MSG_DONE;
+        if (done) got = a.done.chunk_tokens;
+        km_msg_clear(&a);
+    }
+    km_zsock_close(s);
+    return got;
+}
+
+/* A prompt of 200 ids: its own lead line (from seed) up to `at`, the document doc[64] there (a
+ * chunk of 4 pages), then a last chunk of 40 ids and a question (the rest of the lead's ids);
+ * seg gets the two chunks. */
+static void chunk_prompt(int32_t *p, uint64_t seed, const int32_t *doc, uint32_t at,
+                         km_chunk_seg seg[2])
+{
+    make_prompt(p, 200, seed);
+    memcpy(p + at, doc, sizeof *doc * 64);
+    seg[0] = (km_chunk_seg){at, 64};
+    seg[1] = (km_chunk_seg){at + 64, 40};
+}
+
+/* Issue 33, item 4: with the mesh on, pulls move chunks too. wa computes a document (a chunk)
+ * and caches it; then wa drains (the test's view says so: it takes no request but still serves
+ * its pages), and a prompt with the document at another position goes to wb, which the router
+ * tells to pull the chunk's pages from wa (pull_chunks: priced by the measured rule, the saving
+ * discounted by --chunk-credit). wb reuses them as its own: chunk_tokens > 0, its chunk pull
+ * counters grow, and both count the chunk's pages as position-free (kvshard's flag). */
+Test(worker_pull, the_router_tells_the_chosen_worker_to_pull_a_chunk_another_holds)
+{
+    if (!have_model()) return;
+    pair *w = pair_start(NULL, viewpub_open());
+    const it_proc *a = &w->a, *b = &w->b;
+    viewpub_until_known(w, a);
+    viewpub_until_known(w, b);
+    void *pub = g_vp.pub;
+    it_proc r = {0};
+    start_router(&r, w, g_vp.ep, "--chunk-credit=0.5");
+    it_wait_subscribed(pub, 1, 30000);
+    uint64_t seq = g_vp.seq;
+    g_a_state = KM_MEMBER_READY;
+    /* the pull's budget is the computation it saves: a slow prefill rate in the view gives it
+     * room for a first connection on a loaded machine or under a sanitizer */
+    g_tps = 10;
+    publish_view(pub, ++seq, a, b, w->addr, w->addr_len, g_vp.addr_b, g_vp.lb);
+    IT_WAIT(it_metric(r.http_port, "kvmesh_router_views_total") >= 1, 30000,
+            "the router applied no view");
+
+    int32_t doc[64], p[200];
+    make_prompt(doc, 64, 777);
+    km_chunk_seg seg[2];
+    /* wa computes the document, then caches it alone (between requests): until a prompt with it
+     * elsewhere reuses it there, sent to wa itself (nothing reaches wb) */
+    chunk_prompt(p, 1, doc, 40, seg);
+    run_chunks(a->req, 1, p, 200, seg, 2);
+    uint32_t here = 0;
+    uint64_t until = it_deadline(120000);
+    for (uint64_t id = 2; !here && it_poll(until); id++) {
+        chunk_prompt(p, id, doc, 56, seg);
+        here = run_chunks(a->req, id, p, 200, seg, 2);
+    }
+    cr_assert_gt(here, 0, "wa never cached the document");
+    /* kvshard flags the chunk's pages position-free: the preamble page and the 4 of the document */
+    const char *chunk_hot = "kvmesh_worker_kv_chunk_pages{tier=\"hot\"}";
+    IT_WAIT(it_metric(a->admin_port, chunk_hot) >= 5, 30000, "wa counts %g chunk pages",
+            it_metric(a->admin_port, chunk_hot));
+    /* the router's index has every page of wa's (its KV events), the chunk's among them */
+    char hot[160];
+    snprintf(hot, sizeof hot, "kvmesh_worker_kv_pages{tier=\"hot\",shard=\"0\",format=\"f16\"}");
+    IT_WAIT(router_pages(r.http_port, "wa") >= it_metric(a->admin_port, hot), 30000,
+            "the router's index has %g of wa's %g pages", router_pages(r.http_port, "wa"),
+            it_metric(a->admin_port, hot));
+
+    g_a_state = KM_MEMBER_DRAINING; /* wa takes no request, serves its pages */
+    publish_view(pub, ++seq, a, b, w->addr, w->addr_len, g_vp.addr_b, g_vp.lb);
+    IT_WAIT(it_metric(r.http_port, "kvmesh_router_views_total") >= 2, 30000,
+            "the router applied no second view");
+    chunk_prompt(p, 99, doc, 88, seg);
+    uint32_t got = run_chunks(r.front, 100, p, 200, seg, 2);
+    g_a_state = KM_MEMBER_READY;
+    g_tps = 100;
+    cr_assert_eq(it_metric(r.http_port, "kvmesh_router_chunk_pulls_total{decision=\"pull\"}"), 1,
+                 "the router did not tell wb to pull the chunk");
+    cr_assert_geq(it_metric(b->admin_port, "kvmesh_kv_transfer_chunk_pages_total"), 4,
+                  "wb pulled no chunk page");
+    cr_assert_gt(it_metric(b->admin_port, "kvmesh_kv_transfer_chunk_bytes_total"), 0);
+    cr_assert_eq(got, 64, "wb reused %u of the document's 64 tokens", got);
+    /* the pulled pages are flagged position-free on wb too (the import of a chunk pull) */
+    IT_WAIT(it_metric(b->admin_port, chunk_hot) >= 5, 30000, "wb counts %g chunk pages",
+            it_metric(b->admin_port, chunk_hot));
     km_zsock_close(pub);
     pair_stop(w);
 }

@@ -349,6 +349,65 @@ Test(kvshard, events_carry_consecutive_sequence_numbers)
     kv_store_destroy(s);
 }
 
+/* A chunk's pages (docs/blend.md) carry kvshard's position-free flag from the sequence that
+ * publishes them: in their events, counted per tier as they move down and are evicted, and only
+ * theirs (a prefix published beside them is not). */
+Test(kvshard, position_free_pages_are_flagged_in_events_and_counted_per_tier)
+{
+    kv_config c = base_cfg(8);
+    c.host_bytes = c.hot_bytes;
+    kv_store *s = mk(&c);
+    int32_t t[8], u[8];
+    seq_tokens(t, 8, 8);
+    seq_tokens(u, 8, 9);
+    km_pagehash h[2], hu[2];
+    km_pagehash_chain(km_pagehash_chunk_seed(g_seed), t, 8, PT, h, 2);
+    chain(u, 8, hu);
+    kv_seq *a, *b;
+    kv_seq_create(s, &a);
+    kv_seq_create(s, &b);
+    kv_seq_set_position_free(a, 1);
+    fill(s, a, t, 0, 8);
+    fill(s, b, u, 0, 8);
+    cr_assert_eq(kv_seq_publish(s, a, h, t, 8), 2);
+    cr_assert_eq(kv_seq_publish(s, b, hu, u, 8), 2);
+    kv_seq_destroy(s, a);
+    kv_seq_destroy(s, b);
+    kv_store_stats st;
+    kv_store_stats_get(s, &st);
+    cr_assert_eq(st.position_free_pages[KV_TIER_HOT], 2);
+    cr_assert(kv_store_position_free(s, h[1]) && !kv_store_position_free(s, hu[0]));
+    kv_event ev[16];
+    cr_assert_eq(kv_store_events_drain(s, ev, 16), 4);
+    for (int i = 0; i < 4; i++)
+        cr_assert_eq(ev[i].position_free, i < 2, "event %d: the chunk's pages only", i);
+    km_errbuf err;
+    cr_assert_eq(kv_store_check(s, &err), 0, "%s", err.msg);
+    /* down to the host tier, then gone */
+    cr_assert_eq(kv_store_evict_oldest_fraction(s, 1.0), 4);
+    kv_store_stats_get(s, &st);
+    cr_assert_eq(st.position_free_pages[KV_TIER_HOT], 0);
+    cr_assert_eq(st.position_free_pages[KV_TIER_HOST], 2);
+    int n = kv_store_events_drain(s, ev, 16), flagged = 0;
+    for (int i = 0; i < n; i++) flagged += ev[i].position_free;
+    cr_assert_eq(flagged, 2, "the tier events of the chunk's pages are flagged");
+    cr_assert_eq(kv_store_check(s, &err), 0, "%s", err.msg);
+    kv_store_destroy(s);
+    /* without a host tier they are evicted: removed, and no longer counted */
+    c.host_bytes = 0;
+    s = mk(&c);
+    kv_seq_create(s, &a);
+    kv_seq_set_position_free(a, 1);
+    fill(s, a, t, 0, 8);
+    cr_assert_eq(kv_seq_publish(s, a, h, t, 8), 2);
+    kv_seq_destroy(s, a);
+    cr_assert_eq(kv_store_evict_oldest_fraction(s, 1.0), 2);
+    kv_store_stats_get(s, &st);
+    cr_assert_eq(st.position_free_pages[KV_TIER_HOT], 0);
+    cr_assert_eq(kv_store_check(s, &err), 0, "%s", err.msg);
+    kv_store_destroy(s);
+}
+
 Test(kvshard, hash_shards_stay_balanced_on_a_uniform_workload)
 {
     kv_config c = base_cfg(4096);

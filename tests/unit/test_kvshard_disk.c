@@ -219,6 +219,49 @@ Test(kvshard_disk, pages_survive_a_restart_and_are_reused)
     rm_dir(d);
 }
 
+/* A chunk's pages (kvshard's position-free flag, docs/blend.md) keep the flag in their page
+ * files: a store reopened over the directory counts them again and says so in their events. */
+Test(kvshard_disk, position_free_pages_keep_their_flag_across_a_restart)
+{
+    char *d = mk_dir();
+    kv_store *s = open_store(d, 4);
+    int32_t t[2 * PT];
+    km_pagehash h[2];
+    tokens_of(40, t, 2 * PT);
+    chain(t, 2 * PT, h);
+    kv_seq *q;
+    kv_seq_create(s, &q);
+    kv_seq_set_position_free(q, 1);
+    cr_assert_eq(kv_seq_reserve(s, q, 2 * PT), 0);
+    float k[H * HD];
+    for (int p = 0; p < 2 * PT; p++)
+        for (int l = 0; l < L; l++) {
+            for (int i = 0; i < H * HD; i++) k[i] = kval(t[p], l, i / HD, i % HD);
+            kv_seq_write(s, q, l, p, k, k);
+        }
+    cr_assert_eq(kv_seq_publish(s, q, h, t, 2 * PT), 2);
+    kv_seq_destroy(s, q);
+    kv_store_evict_oldest_fraction(s, 1.0);
+    persist(s, 41); /* and a plain chain beside it */
+    kv_store_stats st;
+    kv_store_stats_get(s, &st);
+    cr_assert_eq(st.position_free_pages[KV_TIER_DISK], 2);
+    kv_store_destroy(s);
+    s = open_store(d, 4);
+    kv_store_stats_get(s, &st);
+    cr_assert_eq(st.pages_indexed, 4);
+    cr_assert_eq(st.position_free_pages[KV_TIER_DISK], 2, "the flag came back from the files");
+    kv_event ev[8];
+    int n = kv_store_events_drain(s, ev, 8), flagged = 0;
+    for (int i = 0; i < n; i++) flagged += ev[i].position_free;
+    cr_assert_eq(flagged, 2);
+    cr_assert_eq(served(s, 41), 2);
+    km_errbuf err;
+    cr_assert_eq(kv_store_check(s, &err), 0, "%s", err.msg);
+    kv_store_destroy(s);
+    rm_dir(d);
+}
+
 /* Writes, publishes and releases a 2-page sequence, leaving it cached in RAM. */
 static void cache_in_ram(kv_store *s, int seed)
 {

@@ -477,7 +477,9 @@ Test(proto, kv_events_roundtrip_for_each_kind)
         in.kv.from_tier = KM_TIER_HOT;
         in.kv.hashes = hashes;
         in.kv.n_hashes = 3;
+        in.kv.position_free = k == 1; /* chunk pages (docs/blend.md); absent = false */
         roundtrip(&in, &out);
+        cr_assert_eq(out.kv.position_free, k == 1);
         cr_assert_str_eq(out.kv.worker, "w-2");
         cr_assert_eq(out.kv.seq, 1000 + (uint64_t)k);
         cr_assert_eq(out.kv.kind, kinds[k]);

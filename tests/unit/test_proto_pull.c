@@ -172,6 +172,11 @@ Test(proto_pull, kv_push_roundtrips_and_refuses_what_it_cannot_be)
     cr_assert_str_eq(p->endpoint, "tcp://127.0.0.1:7100");
     cr_assert_eq(p->addr_len, sizeof g_addr);
     cr_assert_eq(memcmp(p->addr, g_addr, sizeof g_addr), 0);
+    cr_assert_not(p->position_free, "absent: a prefix chain");
+    km_msg_clear(&out);
+    in.kv_push.position_free = true; /* a chunk's chain (docs/blend.md) */
+    roundtrip(&in, &out);
+    cr_assert(out.kv_push.position_free);
     km_msg_clear(&out);
     push_init(&in, c, 5);
     in.kv_push.chain.first = 1;
@@ -325,6 +330,34 @@ Test(proto_pull, request_pull_hint_roundtrips_and_is_all_or_nothing)
     in.req.pull_endpoint = "tcp://127.0.0.1:7100";
     in.req.pull_pages = 0;
     expect_encode_fail(&in, "req.pull_pages");
+}
+
+/* Chunk pulls (docs/blend.md, "Routing"): a bit per chunk, pull_pages 0 allowed with them, no
+ * bit past the request's chunks. */
+Test(proto_pull, request_pull_chunks_roundtrip_and_name_only_its_chunks)
+{
+    static const uint8_t addr[] = {'K', 'V', 'M', 'P', 'E', 'E', 'R', '1', 1, 0, 0, 0};
+    static const int32_t toks[64] = {1, 2, 3};
+    static const km_chunk_seg segs[3] = {{0, 20}, {20, 20}, {40, 20}};
+    km_msg in, out;
+    km_msg_init(&in, KM_MSG_REQUEST);
+    in.req.id = 6;
+    in.req.model = "m";
+    in.req.tokens = toks;
+    in.req.n_tokens = 64;
+    in.req.chunks = segs;
+    in.req.n_chunks = 3;
+    in.req.pull_from = "w-a";
+    in.req.pull_endpoint = "tcp://127.0.0.1:7100";
+    in.req.pull_addr = addr;
+    in.req.pull_addr_len = sizeof addr;
+    in.req.pull_chunks = 0x3;
+    roundtrip(&in, &out);
+    cr_assert_eq(out.req.pull_pages, 0);
+    cr_assert_eq(out.req.pull_chunks, 0x3);
+    km_msg_clear(&out);
+    in.req.pull_chunks = 0x8;
+    expect_encode_fail(&in, "req.pull_chunks");
 }
 
 Test(proto_pull, heartbeat_and_view_carry_the_peer_address_and_rates)

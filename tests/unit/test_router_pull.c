@@ -59,6 +59,31 @@ Test(router_pull, recomputes_when_the_transfer_is_slower_than_the_margin_allows)
     cr_assert_eq(rt_pull_decide(&pol, c, 2, 0, PT, &ch), RT_PULL_RECOMPUTE, "margin 0.5");
 }
 
+/* A chunk's pages (docs/blend.md) are pulled by the same rule, but reusing a chunk saves only
+ * chunk_credit of computing it (it is still partly recomputed): a pull at 0.7 of computing is
+ * worth it for a prefix, not for a chunk at credit 0.5; at 0.3 it is. */
+Test(router_pull, a_chunk_is_pulled_when_pulling_beats_the_share_of_computing_reuse_saves)
+{
+    rt_pull_in c[2] = {measured(0), measured(5)};
+    double recompute = 5 * 16 / 1000.0 * 1000; /* 80 ms */
+    c[0].lat_ms = 0;
+    c[0].rate_bps = 5 * PB / (0.7 * recompute / 1000);
+    rt_pull_choice ch;
+    pol.chunk_credit = 0.5;
+    cr_assert_eq(rt_pull_decide(&pol, c, 2, 0, PT, &ch), RT_PULL_PULL, "a prefix: pulled");
+    cr_assert_eq(rt_chunk_pull_decide(&pol, c, 2, 0, PT, &ch), RT_PULL_RECOMPUTE,
+                 "0.7 > 0.5 x margin 0.8");
+    cr_assert_float_eq(ch.recompute_ms, 0.5 * recompute, 1e-9, "the saving is the credit's share");
+    c[0].rate_bps = 5 * PB / (0.3 * recompute / 1000);
+    cr_assert_eq(rt_chunk_pull_decide(&pol, c, 2, 0, PT, &ch), RT_PULL_PULL, "0.3 < 0.4");
+    cr_assert_eq(ch.holder, 1);
+    c[0].pages = 5; /* the chosen worker holds the chunk: nothing to pull */
+    cr_assert_eq(rt_chunk_pull_decide(&pol, c, 2, 0, PT, &ch), RT_PULL_NONE);
+    c[0].pages = 0;
+    c[0].rate_bps = 0, c[1].rate_bps = 0, pol.pull_default_bps = 0;
+    cr_assert_eq(rt_chunk_pull_decide(&pol, c, 2, 0, PT, &ch), RT_PULL_UNMEASURED);
+}
+
 /* The chosen worker's pulls from this very holder (the view's xfer_pairs) price the pull, not
  * its rate over every holder: a holder behind a slow hop is recomputed from even though the
  * worker pulls fast from the others, and a fast pair pulls where the average would not. */

@@ -433,6 +433,29 @@ Test(xfer_peer, wrong_tokens_are_dropped_and_counted, .timeout = 120)
     bad_page(PR_MODE_GET, tamper_tokens, PR_DROP_TOKENS);
 }
 
+/* Chunk pages (docs/blend.md) travel as any chain: a preamble page, then the chunk's whole pages,
+ * seeded by the tenant's chunk seed (km_pagehash_chunk_seed). One whose ids are not the chunk's
+ * (a stale page: another document's KV under this one's hashes) is dropped by its token ids, and
+ * the chunk's pages before it are kept. */
+Test(xfer_peer, a_stale_chunk_page_is_dropped_by_its_token_ids, .timeout = 120)
+{
+    const int n = 8;
+    duo *d = duo_open(SMALL, 16, 0, PR_MODE_AM);
+    const km_pagehash tenant = km_pagehash_seed("m", 1, 9, NULL, 0);
+    km_pagehash_chain(km_pagehash_chunk_seed(tenant), d->toks, n * PT, PT, d->hs, n);
+    compute(d->a, SMALL, d->toks, d->hs, n);
+    pr_pull_result r;
+    int got = pull(d->na, d->nb, d->peer, d->toks, d->hs, n, secs(60), tamper_tokens, &r);
+    cr_assert_eq(got, g_bad, "%d chunk pages imported", got);
+    cr_assert_eq(r.dropped[PR_DROP_TOKENS], 1);
+    cr_assert_eq(kv_store_lookup(d->b, d->hs, d->toks, n, NULL), g_bad);
+    /* the rest of the chunk, honest this time, arrives */
+    cr_assert_eq(pull(d->na, d->nb, d->peer, d->toks, d->hs, n, secs(60), NULL, &r), n - g_bad);
+    same_bytes(d->a, d->b, d->toks, d->hs, n);
+    release_and_check(d->nb, d->peer, d->na, d->b, d->a);
+    duo_close(d);
+}
+
 Test(xfer_peer, a_broken_chain_link_is_dropped_and_counted, .timeout = 120)
 {
     bad_page(PR_MODE_GET, tamper_parent, PR_DROP_CHAIN);
