@@ -90,6 +90,10 @@ int en_engine_create(const en_model *m, const en_engine_opts *opts, en_engine **
         .arena = o.kv_arena,
         .summaries = o.sparse_attn > 0,
         .promote_selected = o.sparse_attn > 0,
+        .fetch_slices = o.sparse_attn <= 0    ? 0
+                        : !o.sparse_slices    ? hp->n_layers
+                        : o.sparse_slices < 0 ? 0
+                                              : o.sparse_slices,
     };
     if (!kc.hot_bytes)
         kc.hot_bytes = (size_t)4 * 4096 * hp->n_layers * hp->n_head_kv * hp->head_dim * 2 * 2;
@@ -716,9 +720,10 @@ static int en_att_runs(en_engine *e, const en_batch *b, int nth)
     return n_runs;
 }
 
-/* After a sparse step: each of the batch's sequences sends down the held pages its steps
- * stopped reading (kv_seq_demote_idle), the recent window kept. */
-static void en_demote_idle(en_engine *e, const en_batch *b)
+/* After a sparse step: each of the batch's sequences drops the layer slices it read
+ * (kv_seq_fetch_end) and sends down the held pages its steps stopped reading
+ * (kv_seq_demote_idle), the recent window kept. */
+static void en_demote_idle(en_engine *e, const en_batch *b, int fetched)
 {
     int n = 0;
     for (int i = 0; i < b->n_tokens; i++) {
@@ -726,8 +731,11 @@ static void en_demote_idle(en_engine *e, const en_batch *b)
         for (int j = n - 1; j >= 0 && !seen; j--) seen = e->idle_seqs[j] == b->seqs[i];
         if (!seen) e->idle_seqs[n++] = b->seqs[i];
     }
-    for (int j = 0; j < n; j++)
-        kv_seq_demote_idle(e->kv, e->idle_seqs[j], e->sparse_idle, e->sparse.window_pages);
+    for (int j = 0; j < n; j++) {
+        if (fetched) kv_seq_fetch_end(e->kv, e->idle_seqs[j]);
+        if (e->sparse_idle)
+            kv_seq_demote_idle(e->kv, e->idle_seqs[j], e->sparse_idle, e->sparse.window_pages);
+    }
 }
 
 int en_engine_step(en_engine *e, const en_batch *b, const float **logits)
@@ -786,7 +794,7 @@ int en_engine_step(en_engine *e, const en_batch *b, const float **logits)
     if (st.route) memset(e->route_w, 0, (size_t)b->n_tokens * n_exp * sizeof(float));
     kn_pool_run(e->pool, en_step_job, &st);
     e->steps++;
-    if (e->sparse_idle) en_demote_idle(e, b);
+    if (e->sparse_idle || st.fetch) en_demote_idle(e, b, st.fetch);
     if (hp->f_logit_scale != 0.0f) { /* granite: ggml_scale by the inverse */
         const float s = 1.0f / hp->f_logit_scale;
         for (size_t j = 0; j < (size_t)n_out * hp->n_vocab; j++) e->logits[j] *= s;
