@@ -238,7 +238,8 @@ int kv_seq_layer_ready(const kv_store *s, const kv_seq *q, int layer);
  * to another. Returns the number of pages brought up, or KM_ENOMEM. Structural. */
 int kv_seq_fetch(kv_store *s, kv_seq *q, int layer, const int *pages, int n);
 /* With kv_config.fetch_slices, kv_seq_fetch reads a listed page that has been read fewer times
- * than that since it last came up as a layer slice instead: a host page in place, a disk page's
+ * than that since it last came up (or any, while the hot tier has no room for it) as a layer
+ * slice instead of bringing it up: a host page in place, a disk page's
  * layer `layer` alone into the sequence's slice buffer (on the promoter thread, verified against
  * the checksums kept when its file was written), which the sequence's views of that layer read
  * until its next kv_seq_fetch of another layer or kv_seq_fetch_end. Counted in

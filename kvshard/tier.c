@@ -200,11 +200,12 @@ static int kv_slices_room(kv_store *s, kv_seq *q)
 }
 
 /* Whether page i of q is read as a layer slice at `layer` (kv_config.fetch_slices) rather than
- * brought up: a host page in place, a disk page's layer into q's slice buffer (joins job). */
-static int kv_fetch_slice(kv_store *s, kv_seq *q, kv_promo *job, int i, int layer)
+ * brought up: a host page in place, a disk page's layer into q's slice buffer (joins job). A
+ * page read often comes up whole, unless (no_room) the hot tier has no room for it. */
+static int kv_fetch_slice(kv_store *s, kv_seq *q, kv_promo *job, int i, int layer, int no_room)
 {
     kv_page *p = q->pg[i];
-    if (p->slice_reads >= s->cfg.fetch_slices) return 0; /* read often: it comes up whole */
+    if (!s->cfg.fetch_slices || (p->slice_reads >= s->cfg.fetch_slices && !no_room)) return 0;
     if (p->tier == KV_TIER_HOST) {
         p->slice_reads++;
         s->st.slice_host_reads++;
@@ -255,11 +256,12 @@ int kv_seq_fetch(kv_store *s, kv_seq *q, int layer, const int *pages, int n)
         if (pages[k] < 0 || pages[k] >= q->n_pages) continue;
         kv_page *p = q->pg[pages[k]];
         if (p->tier == KV_TIER_HOT) continue; /* a page listed twice is hot by its second time */
-        if (kv_fetch_slice(s, q, job, pages[k], layer)) continue;
+        if (kv_fetch_slice(s, q, job, pages[k], layer, 0)) continue;
         uint8_t *dst;
         kv_tier from = p->tier;
         if (kv_hot_alloc(s, p->shard, p->format, &dst)) {
-            if (from == KV_TIER_HOST) { /* read where it is */
+            if (kv_fetch_slice(s, q, job, pages[k], layer, 1)) continue; /* no room: a slice */
+            if (from == KV_TIER_HOST) {                                  /* read where it is */
                 s->st.fetch_in_place++;
                 continue;
             }
