@@ -87,9 +87,10 @@ fi
 if [ "$PART" = all ] || [ "$PART" = mem ]; then
     r=0
     while [ $r -lt "$MEM_ROUNDS" ]; do
-        # hot a quarter (host a quarter, disk the rest); hot a quarter, host the rest; all hot;
-        # all hot and dense (the first of a repeated flag counts)
-        for mode in "--hot 0.25 --host 0.25" "--hot 0.25 --host 1" "--hot 1" "--hot 1 --budget 0"; do
+        # hot a quarter (host a quarter, disk the rest), layer slices then whole pages; hot a
+        # quarter, host the rest; all hot; all hot and dense (the first of a repeated flag counts)
+        for mode in "--hot 0.25 --host 0.25" "--hot 0.25 --host 0.25 --slices -1" \
+            "--hot 0.25 --host 1" "--hot 1" "--hot 1 --budget 0"; do
             # shellcheck disable=SC2086
             "$BENCH_LONG_MEM" $mode --seqs "$MEM_SEQS" --ctx "$MEM_CTX" --gen "$MEM_GEN" \
                 --budget "$MEM_BUDGET" --threads "$MEM_THREADS" 2>/dev/null

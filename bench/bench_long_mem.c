@@ -10,10 +10,12 @@
  * sequence is attached again (with sparse attention its pages stay where they are) and all of
  * them decode --gen steps together, one token each a step (the text's next tokens, teacher
  * forced, so every mode computes the same thing). Per mode: decode tokens/s (wall and CPU), KV
- * bytes brought up and sent back down per decoded token, the hit rate of the selection (of the
- * pages the steps asked for, the share already hot) and the hot tier at the end. Modes: --hot F
- * gives the hot tier F x the sequences' KV (host RAM --host F of it, disk the rest); --budget 0
- * is dense attention. Nothing is asserted about time.
+ * bytes brought up whole and sent back down per decoded token, bytes read from disk as layer
+ * slices per token (--slices N: en_engine_opts.sparse_slices; -1 whole pages only), the hit rate
+ * of the selection (of the (layer, page) reads the steps asked for, the share that needed no
+ * I/O: hot, or host RAM read in place) and the hot tier at the end. Modes: --hot F gives the hot
+ * tier F x the sequences' KV (host RAM --host F of it, disk the rest); --budget 0 is dense
+ * attention. Nothing is asserted about time.
  */
 #include <dirent.h>
 #include <stdio.h>
@@ -70,7 +72,7 @@ static int32_t *load_text(const md_tokenizer *t, int *n)
 
 typedef struct cfg {
     const char *model;
-    int seqs, ctx, gen, budget, threads, dense_layers, idle, chunk;
+    int seqs, ctx, gen, budget, threads, dense_layers, idle, chunk, slices;
     double hot, host;
 } cfg;
 
@@ -84,7 +86,8 @@ static int run_mode(const cfg *c, en_model *m, const int32_t *text, int n_text, 
                         .max_batch_tokens = c->chunk > c->seqs ? c->chunk : c->seqs,
                         .sparse_attn = c->budget,
                         .sparse_dense_layers = c->dense_layers,
-                        .sparse_idle = c->idle};
+                        .sparse_idle = c->idle,
+                        .sparse_slices = c->slices};
     const int limited = c->hot < 1.0;
     if (limited) {
         if (!mkdtemp(dir)) return 1;
@@ -165,20 +168,26 @@ static int run_mode(const cfg *c, en_model *m, const int32_t *text, int n_text, 
         (double)(s1.promoted_bytes[KV_PROMOTE_READ] - s0.promoted_bytes[KV_PROMOTE_READ]);
     const double down = (double)(s1.held_demoted_bytes - s0.held_demoted_bytes);
     const double wanted = (double)(e1.pages_wanted - e0.pages_wanted);
-    const double fetched = (double)(e1.pages_fetched - e0.pages_fetched);
+    const double fetched = (double)(e1.pages_fetched - e0.pages_fetched) +
+                           (double)(s1.slice_disk_reads - s0.slice_disk_reads);
+    const double sliced = (double)(s1.slice_disk_bytes - s0.slice_disk_bytes);
     const double sel = (double)(e1.pages_selected - e0.pages_selected);
     const double skip = (double)(e1.pages_skipped - e0.pages_skipped);
     if (!rc)
         printf("mem seqs=%d ctx=%d budget=%d dense_layers=%d hot=%.3f host=%.3f kv_mib=%.0f "
                "hot_mib=%.0f "
-               "ingest_s=%.1f tok_s=%.2f cpu_ms_tok=%.2f up_kib_tok=%.1f down_kib_tok=%.1f "
+               "slices=%d ingest_s=%.1f tok_s=%.2f cpu_ms_tok=%.2f up_kib_tok=%.1f "
+               "slice_kib_tok=%.1f down_kib_tok=%.1f "
                "hit=%.3f read_frac=%.3f cold_start=%d hot_end_mib=%.0f in_place=%llu load=%.1f\n",
                c->seqs, c->ctx, c->budget, c->dense_layers, c->hot, limited ? c->host : 0.0,
-               (double)all / 1048576.0, (double)o.kv_bytes / 1048576.0, ingest, toks / wall,
-               1e3 * cpu / toks, up / toks / 1024.0, down / toks / 1024.0,
-               wanted > 0 ? 1.0 - fetched / wanted : 1.0, sel + skip > 0 ? sel / (sel + skip) : 1.0,
-               cold0, (double)s1.tier[KV_TIER_HOT].bytes / 1048576.0,
-               (unsigned long long)(s1.fetch_in_place - s0.fetch_in_place), bench_load1());
+               (double)all / 1048576.0, (double)o.kv_bytes / 1048576.0, c->slices, ingest,
+               toks / wall, 1e3 * cpu / toks, up / toks / 1024.0, sliced / toks / 1024.0,
+               down / toks / 1024.0, wanted > 0 ? 1.0 - fetched / wanted : 1.0,
+               sel + skip > 0 ? sel / (sel + skip) : 1.0, cold0,
+               (double)s1.tier[KV_TIER_HOT].bytes / 1048576.0,
+               (unsigned long long)(s1.fetch_in_place - s0.fetch_in_place + s1.slice_host_reads -
+                                    s0.slice_host_reads),
+               bench_load1());
     for (int k = 0; k < c->seqs; k++)
         if (q[k]) kv_seq_destroy(kv, q[k]);
     en_engine_destroy(e);
@@ -214,6 +223,7 @@ int main(int argc, char **argv)
              .threads = atoi(bench_arg(argc, argv, "--threads", "2")),
              .dense_layers = atoi(bench_arg(argc, argv, "--dense-layers", "-1")),
              .idle = atoi(bench_arg(argc, argv, "--idle", "0")),
+             .slices = atoi(bench_arg(argc, argv, "--slices", "0")),
              .chunk = 256,
              .hot = atof(bench_arg(argc, argv, "--hot", "0.25")),
              .host = atof(bench_arg(argc, argv, "--host", "0.25"))};

@@ -90,6 +90,10 @@ int en_engine_create(const en_model *m, const en_engine_opts *opts, en_engine **
         .arena = o.kv_arena,
         .summaries = o.sparse_attn > 0,
         .promote_selected = o.sparse_attn > 0,
+        .fetch_slices = o.sparse_attn <= 0    ? 0
+                        : !o.sparse_slices    ? hp->n_layers
+                        : o.sparse_slices < 0 ? 0
+                                              : o.sparse_slices,
     };
     if (!kc.hot_bytes)
         kc.hot_bytes = (size_t)4 * 4096 * hp->n_layers * hp->n_head_kv * hp->head_dim * 2 * 2;
@@ -202,6 +206,13 @@ int en_engine_create(const en_model *m, const en_engine_opts *opts, en_engine **
             lanes_ok = lanes_ok && e->lanes[i].defer;
         }
         e->fetch_list = malloc(sizeof(int) * (size_t)cap);
+        const size_t items = (size_t)e->max_tokens * hp->n_head_kv;
+        e->pick_stride = e->shallow.budget_pages > e->sparse.budget_pages ? e->shallow.budget_pages
+                                                                          : e->sparse.budget_pages;
+        e->pick_sel = malloc(sizeof(int) * items * (size_t)e->pick_stride);
+        e->pick_n = malloc(sizeof(int) * items);
+        e->pick_at = calloc(items, sizeof(uint64_t));
+        lanes_ok = lanes_ok && e->pick_sel && e->pick_n && e->pick_at;
         e->sparse_idle = o.sparse_idle == 0 ? 16 : o.sparse_idle < 0 ? 0 : o.sparse_idle;
         e->idle_seqs = malloc(sizeof(kv_seq *) * (size_t)e->max_tokens);
         lanes_ok = lanes_ok && e->fetch_list && e->idle_seqs;
@@ -238,6 +249,9 @@ void en_engine_destroy(en_engine *e)
     free(e->lanes);
     free((void *)e->pick_mark);
     free(e->fetch_list);
+    free(e->pick_sel);
+    free(e->pick_n);
+    free(e->pick_at);
     free(e->idle_seqs);
     en_moe_free(e);
     kn_pool_destroy(e->pool);
@@ -366,7 +380,14 @@ static int en_sparse_token(const en_engine *e, const en_batch *b, int l, int64_t
            b->pos[i] + 1 > en_sparse_cfg(e, l)->budget_pages * e->page_tokens;
 }
 
-/* Token i's attention in layer l over kv head h (the head group's queries), dense or sparse. */
+/* The stamp of layer l of the current step in pick_at (never 0). */
+static uint64_t en_pick_stamp(const en_engine *e, int l)
+{
+    return e->steps * (uint64_t)e->m->hp.n_layers + (uint64_t)l + 1;
+}
+
+/* Token i's attention in layer l over kv head h (the head group's queries), dense or sparse:
+ * over the pages the layer's fetch picked for it when there was one (the same pick). */
 static void en_attend(const en_engine *e, const en_batch *b, int l, int64_t i, int h, int ith)
 {
     const en_hparams *hp = &e->m->hp;
@@ -382,12 +403,21 @@ static void en_attend(const en_engine *e, const en_batch *b, int l, int64_t i, i
     }
     kn_sparse_scratch *scr = &e->lanes[ith].sparse;
     const int np = (view.n_ctx + view.page_tokens - 1) / view.page_tokens;
-    if (np <= scr->cap) kv_seq_summaries(e->kv, b->seqs[i], l, h, np, scr->sums);
-    const int n = kn_sparse_attention(e->ops, &view, scr->sums, en_sparse_cfg(e, l), scr, hd,
-                                      e->q + off, group, e->attn_scale, e->att + off);
+    const size_t it = (size_t)i * hp->n_head_kv + h;
+    const int *sel = scr->sel;
+    int n;
+    if (e->pick_at && e->pick_at[it] == en_pick_stamp(e, l)) { /* the fetch's pick, kept */
+        sel = e->pick_sel + it * e->pick_stride;
+        n = kn_sparse_attend(e->ops, &view, sel, e->pick_n[it], scr, hd, e->q + off, group,
+                             e->attn_scale, e->att + off);
+    } else {
+        if (np <= scr->cap) kv_seq_summaries(e->kv, b->seqs[i], l, h, np, scr->sums);
+        n = kn_sparse_attention(e->ops, &view, scr->sums, en_sparse_cfg(e, l), scr, hd, e->q + off,
+                                group, e->attn_scale, e->att + off);
+    }
     e->lanes[ith].sparse_sel += (uint64_t)n;
     e->lanes[ith].sparse_all += (uint64_t)np;
-    if (e->sparse_idle) kv_seq_touch(e->kv, b->seqs[i], n == np ? NULL : scr->sel, n);
+    if (e->sparse_idle) kv_seq_touch(e->kv, b->seqs[i], n == np ? NULL : sel, n);
 }
 
 /* Marks in run r's row the pages token i reads in layer l over kv head h, chosen as en_attend
@@ -410,6 +440,11 @@ static void en_fetch_pick(en_engine *e, const en_batch *b, int l, int r, int64_t
     const int n = kn_sparse_pick(e->ops, &view, scr->sums, en_sparse_cfg(e, l), scr, hd,
                                  e->q + (size_t)i * qd + (size_t)h * group * hd, group);
     for (int k = 0; k < n; k++) atomic_store_explicit(&mark[scr->sel[k]], 1, memory_order_relaxed);
+    const size_t it = (size_t)i * hp->n_head_kv + h;
+    if (n > e->pick_stride) return; /* not a sparse pick: attention picks again (never here) */
+    memcpy(e->pick_sel + it * e->pick_stride, scr->sel, sizeof(int) * (size_t)n);
+    e->pick_n[it] = n;
+    e->pick_at[it] = en_pick_stamp(e, l); /* read by its attention, after the layer's barrier */
 }
 
 /* Every thread's share of a layer's picks: the (token, kv head) items of the runs whose
@@ -685,9 +720,10 @@ static int en_att_runs(en_engine *e, const en_batch *b, int nth)
     return n_runs;
 }
 
-/* After a sparse step: each of the batch's sequences sends down the held pages its steps
- * stopped reading (kv_seq_demote_idle), the recent window kept. */
-static void en_demote_idle(en_engine *e, const en_batch *b)
+/* After a sparse step: each of the batch's sequences drops the layer slices it read
+ * (kv_seq_fetch_end) and sends down the held pages its steps stopped reading
+ * (kv_seq_demote_idle), the recent window kept. */
+static void en_demote_idle(en_engine *e, const en_batch *b, int fetched)
 {
     int n = 0;
     for (int i = 0; i < b->n_tokens; i++) {
@@ -695,8 +731,11 @@ static void en_demote_idle(en_engine *e, const en_batch *b)
         for (int j = n - 1; j >= 0 && !seen; j--) seen = e->idle_seqs[j] == b->seqs[i];
         if (!seen) e->idle_seqs[n++] = b->seqs[i];
     }
-    for (int j = 0; j < n; j++)
-        kv_seq_demote_idle(e->kv, e->idle_seqs[j], e->sparse_idle, e->sparse.window_pages);
+    for (int j = 0; j < n; j++) {
+        if (fetched) kv_seq_fetch_end(e->kv, e->idle_seqs[j]);
+        if (e->sparse_idle)
+            kv_seq_demote_idle(e->kv, e->idle_seqs[j], e->sparse_idle, e->sparse.window_pages);
+    }
 }
 
 int en_engine_step(en_engine *e, const en_batch *b, const float **logits)
@@ -754,7 +793,8 @@ int en_engine_step(en_engine *e, const en_batch *b, const float **logits)
     }
     if (st.route) memset(e->route_w, 0, (size_t)b->n_tokens * n_exp * sizeof(float));
     kn_pool_run(e->pool, en_step_job, &st);
-    if (e->sparse_idle) en_demote_idle(e, b);
+    e->steps++;
+    if (e->sparse_idle || st.fetch) en_demote_idle(e, b, st.fetch);
     if (hp->f_logit_scale != 0.0f) { /* granite: ggml_scale by the inverse */
         const float s = 1.0f / hp->f_logit_scale;
         for (size_t j = 0; j < (size_t)n_out * hp->n_vocab; j++) e->logits[j] *= s;

@@ -129,6 +129,10 @@ typedef struct en_engine_opts {
      * RAM or disk while the hot tier is above its low watermark (kv_seq_demote_idle); 0: 16;
      * -1: never (pages brought up stay hot while their sequence holds them). */
     int sparse_idle;
+    /* Layer slices a step may read of a held page on host RAM (in place) or disk (that layer
+     * alone, kv_config.fetch_slices) before the page comes up whole: 0: n_layers (a page comes
+     * up once its slices have cost a page); -1: whole at its first read. */
+    int sparse_slices;
 } en_engine_opts;
 
 typedef struct en_engine en_engine;

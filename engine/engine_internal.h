@@ -65,6 +65,11 @@ struct en_engine {
      * (en_fetch_picks), listed and cleared by thread 0 (en_fetch_layer); grown by the step */
     _Atomic uint8_t *pick_mark;
     size_t pick_cap;
+    /* [max_tokens * n_kv_heads]: the pages a fetch's pick chose for (token, kv head), kept for
+     * that layer's attention (pick_sel, pick_stride ints each; pick_n of them), valid while
+     * pick_at equals the step's and layer's stamp (steps * n_layers + layer + 1) */
+    int *pick_sel, *pick_n, pick_stride;
+    uint64_t *pick_at, steps;
     int *fetch_list;
     uint64_t fetches, pages_fetched, pages_wanted;
     int sparse_idle;    /* en_engine_opts.sparse_idle resolved: 0 never */

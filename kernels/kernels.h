@@ -204,6 +204,13 @@ int kn_sparse_attention(const kn_ops *o, const kn_kv_view *kv, const float *cons
                         const kn_sparse_cfg *c, kn_sparse_scratch *scr, int head_dim,
                         const float *q, int n_q, float scale, float *out);
 
+/* Attention over the pages sel[0..n) of kv (ascending, the view's last page among them, as
+ * kn_sparse_pick returns them: a pick kept from earlier, e.g. the one a fetch was made for),
+ * exactly as kn_sparse_attention attends its own pick; n <= scr->cap. Returns n. */
+int kn_sparse_attend(const kn_ops *o, const kn_kv_view *kv, const int *sel, int n,
+                     kn_sparse_scratch *scr, int head_dim, const float *q, int n_q, float scale,
+                     float *out);
+
 /* ---------------------------------------------------------------- thread pool */
 
 /* A fixed set of threads that spin briefly, then sleep, between jobs. The calling thread is

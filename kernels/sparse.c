@@ -109,6 +109,27 @@ int kn_sparse_pick(const kn_ops *o, const kn_kv_view *kv, const float *const *su
     return kn_sparse_select(scr->score, np, c, scr->tmp, scr->sel);
 }
 
+int kn_sparse_attend(const kn_ops *o, const kn_kv_view *kv, const int *sel, int n,
+                     kn_sparse_scratch *scr, int head_dim, const float *q, int n_q, float scale,
+                     float *out)
+{
+    const int pt = kv->page_tokens, n_ctx = kv->n_ctx;
+    const int np = n_ctx > 0 ? (n_ctx + pt - 1) / pt : 0;
+    kn_kv_view v = *kv;
+    for (int i = 0; i < n; i++) {
+        scr->pages[i] = kv->pages[sel[i]];
+        if (kv->page_formats) scr->fmts[i] = kv->page_formats[sel[i]];
+    }
+    v.pages = scr->pages;
+    v.page_formats = kv->page_formats ? scr->fmts : NULL;
+    v.attn_mass = NULL;
+    /* the last page is always selected (window_pages >= 1) or the context is cut short */
+    const int last = sel[n - 1];
+    v.n_ctx = (n - 1) * pt + (last == np - 1 ? n_ctx - (np - 1) * pt : pt);
+    o->attention(&v, head_dim, q, n_q, scale, out);
+    return n;
+}
+
 int kn_sparse_attention(const kn_ops *o, const kn_kv_view *kv, const float *const *sums,
                         const kn_sparse_cfg *c, kn_sparse_scratch *scr, int head_dim,
                         const float *q, int n_q, float scale, float *out)
@@ -120,17 +141,5 @@ int kn_sparse_attention(const kn_ops *o, const kn_kv_view *kv, const float *cons
         return np;
     }
     const int n = kn_sparse_pick(o, kv, sums, c, scr, head_dim, q, n_q);
-    kn_kv_view v = *kv;
-    for (int i = 0; i < n; i++) {
-        scr->pages[i] = kv->pages[scr->sel[i]];
-        if (kv->page_formats) scr->fmts[i] = kv->page_formats[scr->sel[i]];
-    }
-    v.pages = scr->pages;
-    v.page_formats = kv->page_formats ? scr->fmts : NULL;
-    v.attn_mass = NULL;
-    /* the last page is always selected (window_pages >= 1) or the context is cut short */
-    const int last = scr->sel[n - 1];
-    v.n_ctx = (n - 1) * pt + (last == np - 1 ? n_ctx - (np - 1) * pt : pt);
-    o->attention(&v, head_dim, q, n_q, scale, out);
-    return n;
+    return kn_sparse_attend(o, kv, scr->sel, n, scr, head_dim, q, n_q, scale, out);
 }

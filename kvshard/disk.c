@@ -39,6 +39,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
 #include "common/sec.h"
 #include "kvshard/diskfmt.h"
 #include "kvshard/internal.h"
@@ -139,6 +142,7 @@ int kv_disk_write(kv_store *s, kv_page *p)
     int rc = kv_disk_put(s, &d);
     if (rc) return rc;
     p->flags |= KV_PAGE_ON_DISK;
+    kv_disk_slice_sums(s, p, p->buf);
     kv_acct_add(s, p->shard, KV_TIER_DISK, p->format, 1);
     return 0;
 }
@@ -249,8 +253,49 @@ static int kv_disk_read_quiet(const kv_store *s, const kv_page *p, uint8_t *dst,
     return KM_ECORRUPT;
 }
 
-int kv_disk_fetch(const kv_store *s, const kv_page *p, uint8_t *dst)
+void kv_disk_slice_sums(kv_store *s, kv_page *p, const uint8_t *payload)
 {
+    p->flags &= ~KV_PAGE_SLICES;
+    if (s->disk_mac) return; /* sealed: a layer's bytes on disk are ciphertext under one tag */
+    if (!p->slice_sum && !(p->slice_sum = malloc(sizeof(uint64_t) * (size_t)s->n_layers))) return;
+    const size_t per = kv_layer_bytes(s, p->format);
+    for (int l = 0; l < s->n_layers; l++)
+        p->slice_sum[l] = XXH3_64bits_withSeed(payload + per * l, per, (uint64_t)l);
+    p->flags |= KV_PAGE_SLICES;
+}
+
+/* Layer `layer` of p's page file into dst: one read at its offset, verified against the
+ * checksum kept when the file was written (the rest of the file is not read, so not checked). */
+static int kv_disk_read_slice(const kv_store *s, const kv_page *p, int layer, uint8_t *dst)
+{
+    /* the promoter's: p->flags is the owner's to change, checked when the read was asked for */
+    if (!p->slice_sum || layer < 0 || layer >= s->n_layers) return KM_EINVAL;
+    char path[PATH_MAX];
+    kv_disk_path(s, p->hash, path, sizeof path);
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOFOLLOW);
+    if (fd < 0) return KM_ECORRUPT;
+    const size_t per = kv_layer_bytes(s, p->format);
+    const off_t at = (off_t)(kv_disk_page_payload_offset(s->pt) + per * (size_t)layer);
+    struct stat st;
+    int rc = fstat(fd, &st) || !S_ISREG(st.st_mode) ||
+                     (size_t)st.st_size != kv_disk_page_size(s->lay[p->format].page_bytes, s->pt)
+                 ? KM_ECORRUPT
+                 : 0;
+    for (size_t got = 0; !rc && got < per;) {
+        ssize_t r = pread(fd, dst + got, per - got, at + (off_t)got);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) rc = KM_ECORRUPT;
+        got += r > 0 ? (size_t)r : 0;
+    }
+    close(fd);
+    if (!rc && XXH3_64bits_withSeed(dst, per, (uint64_t)layer) != p->slice_sum[layer])
+        rc = KM_ECORRUPT;
+    return rc;
+}
+
+int kv_disk_fetch(const kv_store *s, const kv_page *p, int layer, uint8_t *dst)
+{
+    if (layer >= 0) return kv_disk_read_slice(s, p, layer, dst);
     const char *why;
     int unauth;
     return kv_disk_read_quiet(s, p, dst, &why, &unauth);
@@ -294,7 +339,7 @@ void kv_disk_unlink(kv_store *s, kv_page *p)
     kv_disk_path(s, p->hash, path, sizeof path);
     unlink(path);
     kv_acct_sub(s, p->shard, KV_TIER_DISK, p->format);
-    p->flags &= ~KV_PAGE_ON_DISK;
+    p->flags &= ~(KV_PAGE_ON_DISK | KV_PAGE_SLICES);
 }
 
 static int kv_by_index(const void *a, const void *b)
@@ -424,6 +469,7 @@ int kv_disk_open(kv_store *s, km_errbuf *err)
                 for (size_t i = 0; i < n_found; i++) { /* forget them; the files stay */
                     kv_index_remove(s, found[i]);
                     free(found[i]->tokens);
+                    free(found[i]->slice_sum);
                     free(found[i]);
                 }
                 free(found);
@@ -443,6 +489,7 @@ int kv_disk_open(kv_store *s, km_errbuf *err)
         p->flags = KV_PAGE_ON_DISK | (d.position_free ? KV_PAGE_POSFREE : 0);
         p->shard = (int)(d.hash.lo % (uint64_t)s->n_shards);
         atomic_store_explicit(&p->rows, s->rows_full, memory_order_relaxed);
+        if (!d.seal && !older) kv_disk_slice_sums(s, p, d.payload);
         free(b);
         kv_index_insert(s, p);
         kv_acct_add(s, p->shard, KV_TIER_DISK, p->format, 1);

@@ -108,6 +108,11 @@ size_t kv_disk_page_size(size_t payload_bytes, int page_tokens)
     return KV_DISK_HDR + (size_t)page_tokens * 4 + payload_bytes + 8;
 }
 
+size_t kv_disk_page_payload_offset(int page_tokens)
+{
+    return KV_DISK_HDR + (size_t)page_tokens * 4;
+}
+
 /* Bytes after the payload, before the checksum. */
 static size_t kv_disk_trailer(const kv_disk_page *p)
 {

@@ -48,6 +48,8 @@ int kv_disk_page_parse(const void *buf, size_t len, kv_disk_page *out);
  * set, + KV_DISK_SEAL_BYTES when p->seal is: those bytes, and tokens and payload, are copied as
  * they are); returns bytes written, 0 when cap is too small. */
 size_t kv_disk_page_size(size_t payload_bytes, int page_tokens);
+/* Where the payload starts in a page file (every version, sealed or not). */
+size_t kv_disk_page_payload_offset(int page_tokens);
 size_t kv_disk_page_encode(const kv_disk_page *p, void *buf, size_t cap);
 /* The same with a MAC computed under key (a key derived from the cluster secret): keyed
  * BLAKE2b-256 of every byte before it; cap >= kv_disk_page_size + KV_DISK_MAC_BYTES. */

@@ -42,6 +42,7 @@
 /* A chunk's page (docs/blend.md): KV cached by its own tokens, reused at any position after its
  * keys are re-rotated; set when indexed by a position-free sequence, cleared when unindexed. */
 #define KV_PAGE_POSFREE 32u
+#define KV_PAGE_SLICES  64u /* slice_sum holds its page file's layer checksums (kv_seq_fetch) */
 
 typedef struct kv_page {
     uint8_t *buf;     /* the RAM copy (tier HOT or HOST); NULL when only on disk */
@@ -83,6 +84,10 @@ typedef struct kv_page {
     uint8_t *sum_ok;
     /* kv_seq_touch: the holder's step (its sel_clock + 1) that last read it; 0: not seen yet */
     _Atomic uint64_t sel_at;
+    /* [n_layers] XXH3 of each layer's bytes in its (unsealed) page file, set when the file is
+     * written or re-indexed (valid while KV_PAGE_SLICES): a layer read alone is verified by it */
+    uint64_t *slice_sum;
+    int slice_reads; /* layer slices read while not hot, since it last came up (fetch_slices) */
 } kv_page;
 
 typedef struct kv_tier_acct {
@@ -107,9 +112,9 @@ typedef struct kv_group {
     uint64_t placed, hits, demotions, evictions;
 } kv_group;
 
-/* A disk page's verified payload into dst (disk.c's, given by tier.c: the promoter calls no
- * layer above it); 0 or an error, nothing counted. */
-typedef int (*kv_page_reader)(const kv_store *s, const kv_page *p, uint8_t *dst);
+/* A disk page's verified payload into dst, or (layer >= 0) that layer's slice of it (disk.c's,
+ * given by tier.c: the promoter calls no layer above it); 0 or an error, nothing counted. */
+typedef int (*kv_page_reader)(const kv_store *s, const kv_page *p, int layer, uint8_t *dst);
 
 /* A promotion for a sequence's pages: the disk ones (src NULL) read first, then src -> dst
  * layer by layer from layer `first` up, wrapping round to the layers below it. */
@@ -121,7 +126,8 @@ typedef struct kv_promo {
     size_t *bytes; /* page bytes of each pair */
     kv_format *fmt;
     kv_page **pages;
-    int *rc; /* disk reads: their result (a failed page's dst is zeroed) */
+    int *rc;    /* disk reads: their result (a failed page's dst is zeroed) */
+    int *layer; /* disk reads: -1 the whole page (it comes up), else that layer's slice alone */
     kv_page_reader read;
     int done;
 } kv_promo;
@@ -146,7 +152,12 @@ struct kv_seq {
     /* Its pages' buffers are lent to a transfer (xfer.c: a NIC may be reading or writing them):
      * nothing may move them, so recovery level 2 leaves this sequence's pages as they are. */
     int lent;
-    int sum_from;        /* pages below have every layer's key summary (kv_config.summaries) */
+    int sum_from; /* pages below have every layer's key summary (kv_config.summaries) */
+    /* Layer slices of disk pages a step reads (kv_config.fetch_slices): slot j of slice_buf
+     * (slice_slot bytes each) holds layer slice_layer of page slice_page[j], and ptrs[that
+     * page] points slice_layer's offset before it, so views of that layer read it as a page. */
+    uint8_t *slice_buf;
+    int *slice_page, n_slices, slice_cap, slice_layer;
     uint64_t sel_clock;  /* kv_seq_demote_idle calls so far (the steps it ended) */
     int position_free;   /* the pages it publishes are KV_PAGE_POSFREE (kv_seq_set_position_free) */
     kv_seq *prev, *next; /* the store's list of sequences */
@@ -201,6 +212,21 @@ struct kv_store {
 static inline int kv_format_valid(kv_format f)
 {
     return (unsigned)f < KV_FORMAT_COUNT;
+}
+
+/* Bytes of one layer of a page of format f: [l * this, (l + 1) * this) of its buffer. */
+static inline size_t kv_layer_bytes(const kv_store *s, kv_format f)
+{
+    return s->lay[f].unit * (size_t)s->n_heads;
+}
+
+/* Bytes of a slot of a sequence's slice buffer: a layer of any format, 64-byte aligned. */
+static inline size_t kv_slice_slot(const kv_store *s)
+{
+    size_t m = 0;
+    for (int f = 0; f < KV_FORMAT_COUNT; f++)
+        if (kv_layer_bytes(s, (kv_format)f) > m) m = kv_layer_bytes(s, (kv_format)f);
+    return (m + 63) & ~(size_t)63;
 }
 
 /* ---------------------------------------------------------------- events.c (leaf) */
@@ -326,7 +352,10 @@ int kv_disk_open(kv_store *s, km_errbuf *err);
 int kv_disk_write(kv_store *s, kv_page *p);
 int kv_disk_read(kv_store *s, kv_page *p, uint8_t *dst);
 /* The same without counting or logging a failure (any thread: the promoter's reads). */
-int kv_disk_fetch(const kv_store *s, const kv_page *p, uint8_t *dst);
+int kv_disk_fetch(const kv_store *s, const kv_page *p, int layer, uint8_t *dst);
+/* Keeps the layer checksums of p's page file, written (or re-indexed) from payload; a sealed
+ * file's slices cannot be read alone (KV_PAGE_SLICES stays clear). */
+void kv_disk_slice_sums(kv_store *s, kv_page *p, const uint8_t *payload);
 void kv_disk_unlink(kv_store *s, kv_page *p);
 
 /* ---------------------------------------------------------------- evict.c */
@@ -350,8 +379,11 @@ void kv_disk_trim(kv_store *s);
 
 /* ---------------------------------------------------------------- seq.c */
 int kv_seq_grow(kv_seq *q, int need);
-/* Points the sequence's tables (ptrs, fmts) at its pages' current buffers and formats. */
+/* Points the sequence's tables (ptrs, fmts) at its pages' current buffers and formats (and its
+ * disk pages read as layer slices at their slice). */
 void kv_seq_refresh(kv_store *s, kv_seq *q);
+/* Points each live layer slice's page at it (ptrs), the layer's offset before its slot. */
+void kv_seq_slices_point(const kv_store *s, kv_seq *q);
 void kv_refresh_all(kv_store *s);
 
 /* ---------------------------------------------------------------- tier.c */

@@ -113,6 +113,10 @@ typedef struct kv_config {
     /* 1: kv_seq_attach leaves a prefix's host and disk pages where they are, held by the
      * sequence, and a step brings up only the pages it reads (kv_seq_fetch; sparse attention). */
     int promote_selected;
+    /* With promote_selected: layer slices a step may read of a page on host RAM (in place) or
+     * on disk (one layer of its file, verified against a checksum kept in RAM) before the page
+     * comes up whole; 0: it comes up whole at its first read (kv_seq_fetch). */
+    int fetch_slices;
 } kv_config;
 
 typedef struct kv_store kv_store;
@@ -240,6 +244,15 @@ int kv_seq_layer_ready(const kv_store *s, const kv_seq *q, int layer);
  * that fails verification reads as zeros for this sequence, is counted corrupt and is never served
  * to another. Returns the number of pages brought up, or KM_ENOMEM. Structural. */
 int kv_seq_fetch(kv_store *s, kv_seq *q, int layer, const int *pages, int n);
+/* With kv_config.fetch_slices, kv_seq_fetch reads a listed page that has been read fewer times
+ * than that since it last came up (or any, while the hot tier has no room for it) as a layer
+ * slice instead of bringing it up: a host page in place, a disk page's
+ * layer `layer` alone into the sequence's slice buffer (on the promoter thread, verified against
+ * the checksums kept when its file was written), which the sequence's views of that layer read
+ * until its next kv_seq_fetch of another layer or kv_seq_fetch_end. Counted in
+ * kv_store_stats.slice_*. kv_seq_fetch_end waits for the sequence's reads and drops its slices
+ * (a step's end; structural). */
+void kv_seq_fetch_end(kv_store *s, kv_seq *q);
 /* Records that a step read the listed pages of the sequence (pages NULL: pages [0, n)): what
  * kv_seq_demote_idle measures idleness by. Hot path: any thread, between structural calls. */
 void kv_seq_touch(const kv_store *s, const kv_seq *q, const int *pages, int n);
@@ -311,6 +324,9 @@ typedef struct kv_store_stats {
      * (kv_seq_fetch); fetch_in_place: host pages a step read where they were (no hot room). */
     uint64_t promoted_pages[KV_PROMOTE_REASONS], promoted_bytes[KV_PROMOTE_REASONS];
     uint64_t fetch_in_place;
+    /* kv_config.fetch_slices: layer slices of disk pages read (and their bytes), and of host
+     * pages read in place, instead of bringing those pages up whole */
+    uint64_t slice_disk_reads, slice_disk_bytes, slice_host_reads;
     /* held pages a sparse sequence stopped reading, sent down (kv_seq_demote_idle) */
     uint64_t held_demoted_pages, held_demoted_bytes;
     /* indexed position-free pages (chunks: kv_seq_set_position_free), by tier */

@@ -196,6 +196,7 @@ void kv_page_release(kv_store *s, kv_page *p)
     }
     free(p->tokens);
     free(p->sum);
+    free(p->slice_sum);
     free(p);
 }
 

@@ -13,6 +13,8 @@
  * A job may also hold disk pages (kv_seq_fetch: the pages a sparse step reads): the thread reads
  * and verifies those first, through the reader tier.c hands it, then copies the host pages from
  * the layer the step is at, upward, wrapping round to the layers below it (q->ready_first).
+ * A disk entry with a layer (kv_config.fetch_slices) is that layer's slice alone, read into the
+ * sequence's slice buffer: its page stays on disk and is not the job's to mark or free.
  *
  * Layer: a copy engine over page memory (it calls page.c only, to free the host copies), so every
  * layer above may wait for it before it restructures a sequence.
@@ -33,7 +35,9 @@ kv_promo *kv_promo_new(int n_pages)
     job->fmt = malloc(sizeof(kv_format) * n_pages);
     job->pages = malloc(sizeof(kv_page *) * n_pages);
     job->rc = calloc((size_t)n_pages, sizeof(int));
-    if (!job->src || !job->dst || !job->bytes || !job->fmt || !job->pages || !job->rc) {
+    job->layer = malloc(sizeof(int) * n_pages);
+    if (!job->src || !job->dst || !job->bytes || !job->fmt || !job->pages || !job->rc ||
+        !job->layer) {
         kv_promo_free(job);
         return NULL;
     }
@@ -49,6 +53,7 @@ void kv_promo_free(kv_promo *job)
     free(job->fmt);
     free(job->pages);
     free(job->rc);
+    free(job->layer);
     free(job);
 }
 
@@ -56,7 +61,7 @@ static void kv_promo_copy(kv_store *s, kv_promo *job)
 {
     for (int j = 0; j < job->n; j++) {
         if (job->src[j]) continue;
-        job->rc[j] = job->read(s, job->pages[j], job->dst[j]);
+        job->rc[j] = job->read(s, job->pages[j], job->layer[j], job->dst[j]);
         if (job->rc[j]) memset(job->dst[j], 0, job->bytes[j]); /* nothing unverified is read */
     }
     for (int k = 0; k < s->n_layers; k++) {
@@ -143,14 +148,17 @@ void kv_promo_reap(kv_store *s)
         kv_promo *next = job->next;
         for (int j = 0; j < job->n; j++) {
             kv_page *p = job->pages[j];
-            assert(p->promoting && p->tier == KV_TIER_HOT);
+            const int slice = job->layer[j] >= 0;
+            assert(slice ? p->tier == KV_TIER_DISK : p->promoting && p->tier == KV_TIER_HOT);
             if (job->src[j]) kv_buf_put(s, job->src[j], job->fmt[j]);
             if (job->rc[j]) { /* reads as zeros for its sequence, and is never served again */
                 s->st.corrupt_pages++;
                 p->flags |= KV_PAGE_BAD;
-                KM_WARN("kv_disk_page_rejected", "page=%llu fetched=1", (unsigned long long)p->id);
+                p->flags &= ~KV_PAGE_SLICES;
+                KM_WARN("kv_disk_page_rejected", "page=%llu fetched=1 layer=%d",
+                        (unsigned long long)p->id, job->layer[j]);
             }
-            p->promoting = 0;
+            if (!slice) p->promoting = 0;
         }
         job->q->promo_pending = 0;
         kv_promo_free(job);

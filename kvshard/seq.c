@@ -48,6 +48,8 @@ void kv_seq_destroy(kv_store *s, kv_seq *q)
     free(q->fmts);
     free(q->mass);
     free(q->pidx);
+    free(q->slice_buf);
+    free(q->slice_page);
     free(q);
     kv_promo_reap(s);
     for (int i = 0; i < s->n_shards; i++) kv_enforce_watermarks(s, i);
@@ -124,6 +126,20 @@ void kv_seq_refresh(kv_store *s, kv_seq *q)
         q->ptrs[i] = q->pg[i]->buf;
         q->fmts[i] = (uint8_t)q->pg[i]->format;
         q->fmt_count[q->pg[i]->format]++;
+    }
+    kv_seq_slices_point(s, q);
+}
+
+void kv_seq_slices_point(const kv_store *s, kv_seq *q)
+{
+    const size_t slot = kv_slice_slot(s);
+    for (int j = 0; j < q->n_slices; j++) {
+        const kv_page *p = q->pg[q->slice_page[j]];
+        if (p->tier != KV_TIER_DISK) continue;
+        /* the address layer slice_layer would have in a whole page (never read below the slot) */
+        const uintptr_t at = (uintptr_t)(q->slice_buf + slot * (size_t)j) -
+                             kv_layer_bytes(s, p->format) * (size_t)q->slice_layer;
+        q->ptrs[q->slice_page[j]] = (const uint8_t *)at;
     }
 }
 

@@ -153,6 +153,7 @@ void kv_store_destroy(kv_store *s)
             if (p->buf) kv_buf_put(s, p->buf, p->format);
             free(p->tokens);
             free(p->sum);
+            free(p->slice_sum);
             free(p);
             p = n;
         }

@@ -59,6 +59,7 @@ static void kv_promo_add(kv_store *s, kv_promo *job, kv_page *p, uint8_t *src, u
     job->fmt[job->n] = p->format;
     job->pages[job->n] = p;
     job->rc[job->n] = 0;
+    job->layer[job->n] = -1;
     job->n++;
     p->promoting = 1;
 }
@@ -95,8 +96,8 @@ static int kv_attach_one(kv_store *s, kv_page *p, kv_promo *job, int lazy)
  * place): it is waited for, and every table then points at the new buffers. */
 static int kv_promo_shared(const kv_promo *job)
 {
-    for (int j = 0; j < job->n; j++)
-        if (job->pages[j]->refs > 1) return 1;
+    for (int j = 0; j < job->n; j++) /* a layer slice is read into the sequence's own buffer */
+        if (job->layer[j] < 0 && job->pages[j]->refs > 1) return 1;
     return 0;
 }
 
@@ -181,22 +182,86 @@ int kv_seq_attach(kv_store *s, kv_seq *q, const km_pagehash *hashes, const int32
     return kv_seq_attach_mode(s, q, hashes, tokens, n_pages, s->cfg.promote_selected);
 }
 
+/* Room in q's slice buffer for a slice of each page of its table (the most one layer reads);
+ * asked with no slice live. 0 or KM_ENOMEM. */
+static int kv_slices_room(kv_store *s, kv_seq *q)
+{
+    if (q->slice_buf && q->slice_cap >= q->n_pages) return 0;
+    void *b = NULL;
+    int *pg = malloc(sizeof(int) * (size_t)q->n_pages);
+    if (!pg || posix_memalign(&b, 64, kv_slice_slot(s) * (size_t)q->n_pages)) {
+        free(pg);
+        return KM_ENOMEM;
+    }
+    free(q->slice_buf);
+    free(q->slice_page);
+    q->slice_buf = b, q->slice_page = pg, q->slice_cap = q->n_pages;
+    return 0;
+}
+
+/* Whether page i of q is read as a layer slice at `layer` (kv_config.fetch_slices) rather than
+ * brought up: a host page in place, a disk page's layer into q's slice buffer (joins job). A
+ * page read often comes up whole, unless (no_room) the hot tier has no room for it. */
+static int kv_fetch_slice(kv_store *s, kv_seq *q, kv_promo *job, int i, int layer, int no_room)
+{
+    kv_page *p = q->pg[i];
+    if (!s->cfg.fetch_slices || (p->slice_reads >= s->cfg.fetch_slices && !no_room)) return 0;
+    if (p->tier == KV_TIER_HOST) {
+        p->slice_reads++;
+        s->st.slice_host_reads++;
+        return 1;
+    }
+    if (!(p->flags & KV_PAGE_SLICES) || (p->flags & KV_PAGE_BAD)) return 0;
+    if (q->n_slices && q->ptrs[i]) return 1; /* another run of q read it for this layer */
+    if (!q->n_slices && kv_slices_room(s, q)) return 0;
+    const size_t per = kv_layer_bytes(s, p->format);
+    job->src[job->n] = NULL;
+    job->dst[job->n] = q->slice_buf + kv_slice_slot(s) * (size_t)q->n_slices;
+    job->bytes[job->n] = per;
+    job->fmt[job->n] = p->format;
+    job->pages[job->n] = p;
+    job->rc[job->n] = 0;
+    job->layer[job->n] = layer;
+    job->n++;
+    q->slice_page[q->n_slices++] = i;
+    q->slice_layer = layer;
+    p->slice_reads++;
+    s->st.slice_disk_reads++;
+    s->st.slice_disk_bytes += per;
+    return 1;
+}
+
+void kv_seq_fetch_end(kv_store *s, kv_seq *q)
+{
+    if (!q->n_slices) return;
+    kv_seq_wait_promo(s, q); /* the promoter may still be reading into the slots */
+    for (int j = 0; j < q->n_slices; j++) {
+        const int i = q->slice_page[j];
+        if (i < q->n_pages) q->ptrs[i] = q->pg[i]->buf;
+    }
+    q->n_slices = 0;
+}
+
 int kv_seq_fetch(kv_store *s, kv_seq *q, int layer, const int *pages, int n)
 {
     if (layer < 0 || layer >= s->n_layers || n < 0) return KM_EINVAL;
+    if (q->slice_layer != layer) kv_seq_fetch_end(s, q); /* the last layer's slices are done */
     if (!q->n_cold || !n) return 0;
     kv_seq_wait_promo(s, q); /* one job per sequence; usually done by the time of the next */
     kv_promo *job = kv_promo_new(n);
     if (!job) return KM_ENOMEM;
     job->read = kv_disk_fetch;
+    int got = 0;
     for (int k = 0; k < n; k++) {
         if (pages[k] < 0 || pages[k] >= q->n_pages) continue;
         kv_page *p = q->pg[pages[k]];
         if (p->tier == KV_TIER_HOT) continue; /* a page listed twice is hot by its second time */
+        if (kv_fetch_slice(s, q, job, pages[k], layer, 0)) continue;
         uint8_t *dst;
         kv_tier from = p->tier;
         if (kv_hot_alloc(s, p->shard, p->format, &dst)) {
-            if (from == KV_TIER_HOST) { /* read where it is */
+            if (kv_fetch_slice(s, q, job, pages[k], layer, 1)) continue; /* no room: a slice */
+            if (from == KV_TIER_HOST) {                                  /* read where it is */
                 s->st.fetch_in_place++;
                 continue;
             }
@@ -206,8 +271,9 @@ int kv_seq_fetch(kv_store *s, kv_seq *q, int layer, const int *pages, int n)
         if (from == KV_TIER_HOST) kv_acct_sub(s, p->shard, KV_TIER_HOST, p->format);
         kv_promo_add(s, job, p, from == KV_TIER_HOST ? p->buf : NULL, dst);
         kv_page_came_up(s, p, dst, from, KV_PROMOTE_READ);
+        p->slice_reads = 0;
+        got++;
     }
-    const int got = job->n;
     kv_promo_run(s, q, job, layer);
     return got;
 }
@@ -269,6 +335,7 @@ int kv_seq_demote_idle(kv_store *s, kv_seq *q, int idle, int keep_tail)
 {
     if (!s->cfg.promote_selected || idle < 1 || q->lent) return 0;
     const uint64_t now = ++q->sel_clock;
+    kv_seq_fetch_end(s, q);
     if (q->promo_pending) kv_seq_wait_promo(s, q);
     int moved = 0;
     /* Pages idle for `idle` steps first (above the low watermark); then, only above the high

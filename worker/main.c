@@ -33,6 +33,7 @@ typedef struct wk_args {
         self_draft, self_seqs;
     int64_t kv_shards, kv_tok_groups, kv_expert_groups;
     int64_t sparse_attn, sparse_dense_layers, sparse_window, sparse_shallow_attn, sparse_idle;
+    int64_t sparse_slices;
     const char *kv_shard_key;
     double spec_factor, blend_fraction;
     int64_t max_ctx, default_max_tokens, heartbeat_ms, drain_ms, event_replay, cluster_seed;
@@ -93,6 +94,10 @@ static const km_opt g_opts[] = {
      "with --sparse-attn: steps a hot page a sequence holds may go unread before it goes back "
      "down to host RAM or disk (while the hot tier is short); 0 = 16, -1 = never",
      &g_args.sparse_idle, -1, 1 << 20},
+    {"sparse-slices", NULL, KM_OPT_INT, "0",
+     "with --sparse-attn: layer slices a step may read of a page on host RAM or disk before it "
+     "comes up whole; 0 = the model's layer count, -1 = whole at its first read",
+     &g_args.sparse_slices, -1, 1 << 20},
     {"kv-shards", NULL, KM_OPT_INT, "1",
      "KV shards: each tier's budget split evenly between them, each with its own eviction",
      &g_args.kv_shards, 1, 1024},
@@ -379,7 +384,8 @@ int main(int argc, char **argv)
                          .sparse_dense_layers = (int)a->sparse_dense_layers,
                          .sparse_window = (int)a->sparse_window,
                          .sparse_shallow_attn = (int)a->sparse_shallow_attn,
-                         .sparse_idle = (int)a->sparse_idle};
+                         .sparse_idle = (int)a->sparse_idle,
+                         .sparse_slices = (int)a->sparse_slices};
     int erc = en_engine_create(m, &eo, &e, &err);
     explicit_bzero(secret, sizeof secret); /* the store derived its page key at create */
     if (erc) {

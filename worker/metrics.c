@@ -101,6 +101,11 @@ int wk_svc_metrics_init(wk_service *s, km_errbuf *err)
         "RAM or disk.",
         NULL, NULL, 0);
     s->s_demoted = km_metric_series(m, NULL);
+    REG(KM_COUNTER, "kvmesh_kv_slice_read_bytes_total",
+        "KV bytes a sparse step read from disk as the layer slices it selected, instead of "
+        "bringing the pages up whole.",
+        NULL, NULL, 0);
+    s->s_slice_read = km_metric_series(m, NULL);
     REG(KM_GAUGE, "kvmesh_worker_prefix_hit_ratio",
         "Prompt tokens served from cached KV over prompt tokens, since start.", NULL, NULL, 0);
     s->s_hit = km_metric_series(m, NULL);

@@ -109,6 +109,7 @@ void wk_svc_update_gauges(wk_service *s)
     wk_counter_sync(s->s_sparse[0], sps.pages_selected);
     wk_counter_sync(s->s_sparse[1], sps.pages_skipped);
     wk_counter_sync(s->s_demoted, ks.held_demoted_bytes);
+    wk_counter_sync(s->s_slice_read, ks.slice_disk_bytes);
     if (ks.unauthenticated_pages > s->last_unauth)
         km_counter_add(s->s_unauth, ks.unauthenticated_pages - s->last_unauth);
     s->last_unauth = ks.unauthenticated_pages;

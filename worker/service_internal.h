@@ -196,6 +196,7 @@ struct wk_service {
     km_series *s_promoted[2]; /* kvmesh_kv_promoted_bytes_total{reason="prefix","read"} */
     km_series *s_sparse[2];   /* kvmesh_worker_sparse_pages_total{result="selected","skipped"} */
     km_series *s_demoted;     /* kvmesh_kv_sparse_demoted_bytes_total */
+    km_series *s_slice_read;  /* kvmesh_kv_slice_read_bytes_total */
     km_series *s_ballast;
     /* speculative decoding: drafted, accepted, rejected tokens, verifications, back-offs (the
      * scheduler's totals, added as they grow), and the mean accepted length */

@@ -157,8 +157,10 @@ static float *decode(en_engine *e, kv_seq *q, const int32_t *ids)
     return decode_at(e, q, ids, LONG);
 }
 
-/* The prefix demoted to tier `to` (disk, or host RAM), attached again and decoded one token. */
-static void cold_prefix(kv_tier to)
+/* The prefix demoted to tier `to` (disk, or host RAM), attached again and decoded one token:
+ * with slices, the step reads the layer slices it selects and brings up nothing; without, a
+ * selected page comes up whole. Returns the bytes the step read from the cold tier. */
+static uint64_t cold_prefix(kv_tier to, int slices)
 {
     const int nv = en_model_hparams(g_model)->n_vocab, np = LONG / 16;
     int32_t ids[LONG + 1];
@@ -178,6 +180,7 @@ static void cold_prefix(kv_tier to)
     kv_seq_destroy(en_engine_kv(e), q);
     en_engine_destroy(e);
 
+    o.sparse_slices = slices ? 0 : -1;
     char dir[] = "/tmp/kvmesh_sparse_XXXXXX";
     cr_assert_not_null(mkdtemp(dir));
     if (to == KV_TIER_DISK)
@@ -203,6 +206,31 @@ static void cold_prefix(kv_tier to)
     en_sparse_stats ss;
     en_engine_sparse_stats(e, &ss);
     kv_store_stats_get(kv, &st);
+    cr_assert_arr_eq(cold, hot, sizeof(float) * nv, "the same pages attended as when all hot");
+    cr_assert_gt(ss.pages_skipped, 0);
+    const uint64_t layer_bytes =
+        kv_store_page_bytes(kv) / (uint64_t)en_model_hparams(g_model)->n_layers;
+    if (slices) {
+        cr_assert_eq(st.promoted_pages[KV_PROMOTE_READ], 0, "nothing came up whole");
+        cr_assert_eq(kv_seq_cold_pages(q), np, "every page is where it was");
+        cr_assert_eq(st.tier[to].pages, (uint64_t)np);
+        const uint64_t n = to == KV_TIER_DISK ? st.slice_disk_reads : st.slice_host_reads;
+        cr_assert_gt(n, 0);
+        cr_assert_lt(n, (uint64_t)np * en_model_hparams(g_model)->n_layers,
+                     "a step read its selection's slices, not every layer of every page");
+        cr_assert_eq(st.slice_disk_bytes, to == KV_TIER_DISK ? n * layer_bytes : 0);
+        km_errbuf cerr = {{0}};
+        cr_assert_eq(kv_store_check(kv, &cerr), 0, "%s", cerr.msg);
+        cr_log_info("%s: %llu of %d layer slices read, nothing came up", kv_tier_name(to),
+                    (unsigned long long)n, np * en_model_hparams(g_model)->n_layers);
+        kv_seq_destroy(kv, q);
+        en_engine_destroy(e);
+        free(hot);
+        free(cold);
+        rm_dir(dir);
+        return st.slice_disk_bytes;
+    }
+    cr_assert_eq(st.slice_disk_reads + st.slice_host_reads, 0);
     const int up = (int)st.promoted_pages[KV_PROMOTE_READ];
     cr_assert_gt(up, 0);
     cr_assert_eq((uint64_t)up, ss.pages_fetched);
@@ -210,10 +238,9 @@ static void cold_prefix(kv_tier to)
     cr_assert_eq(st.promoted_bytes[KV_PROMOTE_READ], (uint64_t)up * kv_store_page_bytes(kv));
     cr_assert_eq(kv_seq_cold_pages(q), np - up, "the pages it did not read stayed down");
     cr_assert_lt(up, np, "a step read a selection, not the whole prefix (%d of %d pages)", up, np);
-    cr_assert_gt(ss.pages_skipped, 0);
-    cr_assert_arr_eq(cold, hot, sizeof(float) * nv, "the same pages attended as when all hot");
     cr_log_info("%s: %d of %d pages came up", kv_tier_name(to), up, np);
 
+    const uint64_t read = to == KV_TIER_DISK ? (uint64_t)up * kv_store_page_bytes(kv) : 0;
     km_errbuf cerr = {{0}};
     cr_assert_eq(kv_store_check(kv, &cerr), 0, "%s", cerr.msg);
     kv_seq_destroy(kv, q);
@@ -221,20 +248,43 @@ static void cold_prefix(kv_tier to)
     free(hot);
     free(cold);
     rm_dir(dir);
+    return read;
 }
 
 Test(engine_sparse, a_prefix_on_disk_comes_up_only_where_a_step_reads_it, .init = setup,
      .fini = teardown, .timeout = 600)
 {
     if (!g_model) cr_skip_test("model %s absent: run `make deps`", MODEL);
-    cold_prefix(KV_TIER_DISK);
+    cold_prefix(KV_TIER_DISK, 0);
 }
 
 Test(engine_sparse, a_prefix_on_host_ram_comes_up_only_where_a_step_reads_it, .init = setup,
      .fini = teardown, .timeout = 600)
 {
     if (!g_model) cr_skip_test("model %s absent: run `make deps`", MODEL);
-    cold_prefix(KV_TIER_HOST);
+    cold_prefix(KV_TIER_HOST, 0);
+}
+
+/* Layer slices (kv_config.fetch_slices, the engine's default): a long prefix on disk, a step
+ * reads from disk only the layers of the pages it selects, fewer bytes than the pages whole, and
+ * its logits equal the all-hot engine's. */
+Test(engine_sparse, a_prefix_on_disk_is_read_only_in_the_layer_slices_a_step_selects, .init = setup,
+     .fini = teardown, .timeout = 600)
+{
+    if (!g_model) cr_skip_test("model %s absent: run `make deps`", MODEL);
+    const uint64_t sliced = cold_prefix(KV_TIER_DISK, 1);
+    const uint64_t whole = cold_prefix(KV_TIER_DISK, 0);
+    cr_assert_lt(sliced, whole, "slices %llu bytes, whole pages %llu", (unsigned long long)sliced,
+                 (unsigned long long)whole);
+    cr_log_info("disk bytes read by one step: slices %llu, whole pages %llu",
+                (unsigned long long)sliced, (unsigned long long)whole);
+}
+
+Test(engine_sparse, a_prefix_on_host_ram_is_read_in_place_by_layer, .init = setup, .fini = teardown,
+     .timeout = 600)
+{
+    if (!g_model) cr_skip_test("model %s absent: run `make deps`", MODEL);
+    cold_prefix(KV_TIER_HOST, 1);
 }
 
 #define STEPS 6 /* decode steps after the cold attach */
@@ -268,6 +318,7 @@ Test(engine_sparse, held_pages_no_step_reads_go_back_down, .init = setup, .fini 
 
     o.kv_bytes = (size_t)(np + 1) * pb;
     o.kv_host_bytes = (size_t)64 << 20;
+    o.sparse_slices = 2; /* a page comes up whole at its third layer read, as held pages do */
     o.sparse_idle = 1;
     cr_assert_eq(en_engine_create(g_model, &o, &e, &err), 0, "%s", err.msg);
     kv_store *kv = en_engine_kv(e);

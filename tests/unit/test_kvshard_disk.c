@@ -1082,3 +1082,81 @@ Test(kvshard_disk, a_lazy_attach_leaves_pages_on_disk_and_a_fetch_reads_only_tho
     kv_store_destroy(s);
     rm_dir(d);
 }
+
+/* K of (layer, head), row `row` of page i as a view of the sequence reads it (f16 pages). */
+static float view_k(kv_store *s, kv_seq *q, int layer, int head, int i, int row, int c)
+{
+    kn_kv_view v;
+    kv_seq_view(s, q, layer, head, 2 * PT, &v);
+    cr_assert_not_null(v.pages[i], "page %d has nothing a view can read", i);
+    const kn_f16 *k = (const kn_f16 *)(v.pages[i] + v.k_off);
+    return kn_f16_to_f32(k[row * HD + c]);
+}
+
+/* kv_config.fetch_slices: a fetch reads one layer of a disk page (after a restart too: the layer
+ * checksums are taken again at re-index), verified alone; a flipped byte in another layer's
+ * slice costs only that slice (zeros, the page never served again); a page read that often comes
+ * up whole; nothing is left pointing at a slice after kv_seq_fetch_end. */
+Test(kvshard_disk, a_fetch_reads_only_the_layer_slice_asked_for_verified_alone)
+{
+    char *d = mk_dir();
+    kv_config c = {.n_layers = L,
+                   .n_kv_heads = H,
+                   .head_dim = HD,
+                   .page_tokens = PT,
+                   .disk_dir = d,
+                   .promote_selected = 1,
+                   .fetch_slices = 2};
+    c.hot_bytes = 8 * (size_t)PT * HD * 2 * 2 * L * H;
+    kv_store *s;
+    km_errbuf err;
+    cr_assert_eq(kv_store_create(&c, &s, &err), 0, "%s", err.msg);
+    persist(s, 1);
+    kv_store_destroy(s);
+    cr_assert_eq(kv_store_create(&c, &s, &err), 0, "%s", err.msg); /* re-indexed */
+    int32_t t[2 * PT];
+    km_pagehash h[2];
+    tokens_of(1, t, 2 * PT);
+    chain(t, 2 * PT, h);
+    const size_t page = kv_store_page_bytes(s), per = page / L;
+    char hex[33], path[600];
+    km_pagehash_hex(h[1], hex);
+    snprintf(path, sizeof path, "%s/%s.kvp", d, hex);
+    /* a byte of page 1's layer 1, counted from the file's end */
+    const size_t at = kv_disk_page_payload_offset(PT) + per + 10;
+    flip_byte(path, (long)(kv_disk_page_size(page, PT) - at));
+
+    kv_seq *q;
+    cr_assert_eq(kv_seq_create(s, &q), 0);
+    cr_assert_eq(kv_seq_attach(s, q, h, t, 2), 2);
+    const int both[2] = {0, 1};
+    cr_assert_eq(kv_seq_fetch(s, q, 0, both, 2), 0, "read as slices: nothing comes up");
+    cr_assert_eq(kv_seq_cold_pages(q), 2);
+    for (int i = 0; i < 2; i++)
+        for (int hh = 0; hh < H; hh++)
+            cr_assert_eq(view_k(s, q, 0, hh, i, 3, 5), kval(t[i * PT + 3], 0, hh, 5));
+    kv_store_stats st;
+    kv_store_stats_get(s, &st);
+    cr_assert_eq(st.slice_disk_reads, 2);
+    cr_assert_eq(st.slice_disk_bytes, 2 * per);
+    cr_assert_eq(st.promoted_pages[KV_PROMOTE_READ], 0);
+
+    cr_assert_eq(kv_seq_fetch(s, q, 1, both, 2), 0);
+    cr_assert_eq(view_k(s, q, 1, 1, 0, 2, 7), kval(t[2], 1, 1, 7));
+    cr_assert_eq(view_k(s, q, 1, 1, 1, 2, 7), 0.0f, "the slice that failed reads as zeros");
+    kv_seq_fetch_end(s, q);
+    cr_assert_eq(kv_store_check(s, &err), 0, "%s", err.msg);
+    kv_store_stats_get(s, &st);
+    cr_assert_eq(st.corrupt_pages, 1);
+    cr_assert_eq(st.slice_disk_reads, 4);
+
+    cr_assert_eq(kv_seq_fetch(s, q, 0, both, 1), 1, "read twice: page 0 comes up whole");
+    cr_assert_eq(kv_seq_cold_pages(q), 1);
+    for (int l = 0; l < L; l++) cr_assert_eq(view_k(s, q, l, 0, 0, 1, 2), kval(t[1], l, 0, 2));
+    kv_seq_fetch_end(s, q);
+    cr_assert_eq(kv_store_check(s, &err), 0, "%s", err.msg);
+    kv_seq_destroy(s, q);
+    cr_assert_eq(served(s, 1), 1, "the page whose slice failed is never served");
+    kv_store_destroy(s);
+    rm_dir(d);
+}
