@@ -37,6 +37,7 @@ static double now_s(clockid_t c)
 typedef struct cfg {
     const char *model, *text, *part;
     int depth, gen, rounds, threads, ctx, depths, dense_layers, shallow;
+    float radius;
     int budget[MAX_MODES], n_modes, batch[MAX_MODES], n_batches, max_batch;
 } cfg;
 
@@ -268,6 +269,8 @@ int main(int argc, char **argv)
             c.dense_layers = atoi(v);
         else if (!strcmp(k, "--shallow"))
             c.shallow = atoi(v);
+        else if (!strcmp(k, "--radius"))
+            c.radius = (float)atof(v);
         else {
             fprintf(stderr, "bench_long_dec: unknown option %s (see the file's head)\n", k);
             return 2;
@@ -303,6 +306,7 @@ int main(int argc, char **argv)
                         .sparse_attn = top,
                         .sparse_dense_layers = c.dense_layers,
                         .sparse_shallow_attn = c.shallow,
+                        .sparse_radius = c.radius,
                         .attn_timer = 1};
     en_engine *e;
     if (en_engine_create(m, &o, &e, &err)) {

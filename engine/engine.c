@@ -53,6 +53,9 @@ static size_t en_dot_row_bytes(const en_weight *w)
     return md_type_row_bytes(kn_dot_type(w->type), w->k);
 }
 
+/* en_engine_opts.sparse_radius by default (docs/sparse.md "Measurements"). */
+#define EN_SPARSE_RADIUS 0.5f
+
 /* The budgets in pages of sparse attention within this many tokens (the shallow layers' at
  * least as large), at least the sink and window pages and two more. */
 static void en_sparse_budgets(en_engine *e, int tokens)
@@ -199,8 +202,10 @@ int en_engine_create(const en_model *m, const en_engine_opts *opts, en_engine **
         e->sparse_from = o.sparse_dense_layers == 0  ? 2
                          : o.sparse_dense_layers < 0 ? 0
                                                      : o.sparse_dense_layers;
-        e->sparse = (kn_sparse_cfg){.sink_pages = 1,
-                                    .window_pages = o.sparse_window > 0 ? o.sparse_window : 2};
+        e->sparse =
+            (kn_sparse_cfg){.sink_pages = 1,
+                            .window_pages = o.sparse_window > 0 ? o.sparse_window : 2,
+                            .radius = o.sparse_radius > 0 ? o.sparse_radius : EN_SPARSE_RADIUS};
         e->shallow_on = o.sparse_shallow_attn > 0 && e->sparse_from > 0;
         e->shallow_tokens = o.sparse_shallow_attn;
         en_sparse_budgets(e, o.sparse_attn);

@@ -129,6 +129,9 @@ typedef struct en_engine_opts {
      * RAM or disk while the hot tier is above its low watermark (kv_seq_demote_idle); 0: 16;
      * -1: never (pages brought up stay hot while their sequence holds them). */
     int sparse_idle;
+    /* How pages are ranked: q·centre + sparse_radius * |q|·spread of their key summaries
+     * (kn_ops.page_scores); 1 is Quest's upper bound of q·k; 0: the measured default. */
+    float sparse_radius;
     /* Thread 0 measures its CPU time in each layer's attention phases (rope, K/V writes,
      * summaries, fetches, attention: en_sparse_stats.attn_ns), for benchmarks. */
     int attn_timer;
