@@ -489,9 +489,13 @@ BENCH_LONG_MEM := $(BUILD)/bench/bench_long_mem
 $(BENCH_LONG_MEM): $(OBJ)/bench/bench_long_mem.o $(ALL_LIBS)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+BENCH_LONG_DEC := $(BUILD)/bench/bench_long_dec
+$(BENCH_LONG_DEC): $(OBJ)/bench/bench_long_dec.o $(ALL_LIBS)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 .PHONY: bench-long
-bench-long: build $(BENCH_LONG_MEM) ## long-context perplexity, decode step, memory budget: dense vs sparse
-	@BENCH_LONG_MEM=$(BENCH_LONG_MEM) sh bench/bench_long.sh
+bench-long: build $(BENCH_LONG_MEM) $(BENCH_LONG_DEC) ## long-context perplexity, decode step, memory budget: dense vs sparse
+	@BENCH_LONG_MEM=$(BENCH_LONG_MEM) BENCH_LONG_DEC=$(BENCH_LONG_DEC) sh bench/bench_long.sh
 
 # Worker serving figures side by side with llama-server (docs/benchmarks.md): tok/s, TTFT and
 # ITL at 1/8/32 concurrent clients, and TTFT with a 90%-cached prompt vs cold.

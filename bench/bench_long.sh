@@ -1,14 +1,17 @@
 #!/bin/sh
 # bench_long.sh — long contexts, dense vs sparse attention (docs/sparse.md): perplexity of a long
-# text at several context lengths and sparse budgets, passkey retrieval (a number hidden at
-# PK_DEPTHS evenly spread depths of a filler text, asked for at its end, greedy), and the decode
-# step time at a long context, and (PART=mem, bench/bench_long_mem.c) many long sequences served
+# text at several context lengths and sparse budgets; passkey retrieval (a number hidden at
+# PK_DEPTHS evenly spread depths of a filler text, asked for at its end, greedy) and the decode
+# step time at a long context, split into attention and the rest, at batch 1 and a serving batch
+# (bench/bench_long_dec.c); and (PART=mem, bench/bench_long_mem.c) many long sequences served
 # inside a hot KV budget a quarter of their KV, against the same run all hot.
 # One thread by default, so that the CPU time per step (step_cpu_ms) stays meaningful on a shared
 # machine. Knobs (environment): BIN, TEXT (default: /usr/share/common-licenses/* concatenated),
 # CTXS, BUDGETS, DEPTHS, CHUNKS (chunks scored per context), THREADS, PK_CTXS, PK_DEPTHS,
-# PART (ppl|passkey|step|mem|all), SPARSE_FLAGS (more flags for the sparse runs, e.g.
-# "--sparse-dense-layers 8 --sparse-shallow-attn 2048"), DENSE (empty: no dense runs);
+# PART (ppl|passkey|step|mem|all), SPARSE_FLAGS (more flags for the perplexity's sparse runs,
+# e.g. "--sparse-dense-layers 8 --sparse-shallow-attn 2048"), DENSE (empty: no dense runs);
+# step: STEP_BATCH (batch sizes, comma-separated), STEP_GEN, STEP_ROUNDS; passkey and step:
+# DEC_FLAGS (bench_long_dec's, e.g. "--dense-layers 8 --shallow 2048");
 # mem: MEM_SEQS, MEM_CTX, MEM_GEN, MEM_BUDGET, MEM_ROUNDS, MEM_THREADS (its runs are
 # interleaved, MEM_ROUNDS times each).
 set -eu
@@ -30,21 +33,11 @@ MEM_GEN=${MEM_GEN:-32}
 MEM_BUDGET=${MEM_BUDGET:-256}
 MEM_ROUNDS=${MEM_ROUNDS:-2}
 MEM_THREADS=${MEM_THREADS:-2}
-PK_FILL="The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-
-# passkey_prompt TOKENS PERMILLE KEY: the filler (about 25 tokens a sentence group) with the key
-# at PERMILLE/1000 of its length, and the question.
-passkey_prompt() {
-    reps=$(($1 / 25)) at=$(($1 / 25 * $2 / 1000)) i=0
-    printf 'There is an important info hidden inside a lot of irrelevant text. Find it and '
-    printf 'memorize it. I will quiz you about the important information there.\n'
-    while [ $i -lt $reps ]; do
-        [ $i -eq $at ] && printf 'The pass key is %s. Remember it. %s is the pass key. ' "$3" "$3"
-        printf '%s' "$PK_FILL"
-        i=$((i + 1))
-    done
-    printf '\nWhat is the pass key? The pass key is'
-}
+BENCH_LONG_DEC=${BENCH_LONG_DEC:-build/bench/bench_long_dec}
+STEP_BATCH=${STEP_BATCH:-1,8}
+STEP_GEN=${STEP_GEN:-16}
+STEP_ROUNDS=${STEP_ROUNDS:-2}
+DEC_FLAGS=${DEC_FLAGS:-}
 [ -s "$TEXT" ] || cat /usr/share/common-licenses/* >"$TEXT"
 echo "cpu: $(sed -n 's/^model name[^:]*: //p' /proc/cpuinfo | head -1), threads $THREADS"
 if [ "$PART" = all ] || [ "$PART" = ppl ]; then
@@ -57,31 +50,23 @@ if [ "$PART" = all ] || [ "$PART" = ppl ]; then
         done
     done
 fi
+# passkey and step: bench/bench_long_dec.c, the prompt prefilled once (densely), then every mode
+# decodes from the same KV.
+# shellcheck disable=SC2086
+modes=$(echo ${DENSE-0} $BUDGETS | tr " " ",")
 if [ "$PART" = all ] || [ "$PART" = passkey ]; then
-    pk=${TMPDIR:-/tmp}/kvmesh-passkey.$$.txt
     for ctx in $PK_CTXS; do
-        for b in ${DENSE-0} $BUDGETS; do
-            ok=0 j=0
-            while [ $j -lt "$PK_DEPTHS" ]; do
-                key=$(((j * 7919 + 10007) % 90000 + 10000))
-                passkey_prompt "$ctx" $(((2 * j + 1) * 500 / PK_DEPTHS)) "$key" >"$pk"
-                if "$BIN" run -f "$pk" -n 8 --temperature 0 -t "$THREADS" --sparse-attn "$b" \
-                    2>/dev/null | grep -q "pass key? The pass key is $key"; then
-                    ok=$((ok + 1))
-                fi
-                j=$((j + 1))
-            done
-            echo "passkey ctx=$ctx sparse=$b correct=$ok/$PK_DEPTHS"
-        done
+        # shellcheck disable=SC2086
+        "$BENCH_LONG_DEC" --part passkey --ctx "$ctx" --depths "$PK_DEPTHS" --budgets "$modes" \
+            --threads "$THREADS" $DEC_FLAGS 2>/dev/null | grep '^passkey ctx=[0-9]* sparse='
     done
-    rm -f "$pk"
 fi
 if [ "$PART" = all ] || [ "$PART" = step ]; then
     for d in $DEPTHS; do
-        for b in ${DENSE-0} $BUDGETS; do
-            "$BIN" bench --prompt 16 --gen 32 --batch 1 --reps 1 --depth "$d" -t "$THREADS" \
-                --sparse-attn "$b" 2>/dev/null | sed -n "s/^bench decode /step sparse=$b /p"
-        done
+        # shellcheck disable=SC2086
+        "$BENCH_LONG_DEC" --part step --text "$TEXT" --depth "$d" --batch "$STEP_BATCH" \
+            --gen "$STEP_GEN" --rounds "$STEP_ROUNDS" --budgets "$modes" --threads "$THREADS" \
+            $DEC_FLAGS 2>/dev/null | grep '^step depth='
     done
 fi
 if [ "$PART" = all ] || [ "$PART" = mem ]; then

@@ -53,7 +53,7 @@ static void local_usage(const char *cmd)
         printf(
             "      --sparse-attn N     attend to at most N tokens per layer and kv head, in the\n"
             "                          pages whose keys may score highest (docs/sparse.md;\n"
-            "                          default 0 = off, dense)\n"
+            "                          default 0 = off, dense; 1024 recommended at 8k)\n"
             "      --sparse-dense-layers N  first layers kept dense (default 2, -1 = none)\n"
             "      --sparse-window N   recent pages always attended (default 2)\n"
             "      --sparse-shallow-attn N  those first layers attend to N tokens instead\n"

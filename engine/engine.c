@@ -36,6 +36,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "engine/engine_internal.h"
@@ -50,6 +51,22 @@ void *en_alloc(size_t n)
 static size_t en_dot_row_bytes(const en_weight *w)
 {
     return md_type_row_bytes(kn_dot_type(w->type), w->k);
+}
+
+/* en_engine_opts.sparse_radius by default (docs/sparse.md "Measurements"). */
+#define EN_SPARSE_RADIUS 0.5f
+
+/* The budgets in pages of sparse attention within this many tokens (the shallow layers' at
+ * least as large), at least the sink and window pages and two more. */
+static void en_sparse_budgets(en_engine *e, int tokens)
+{
+    const int pt = e->page_tokens;
+    e->sparse.budget_pages = (tokens + pt - 1) / pt;
+    if (e->sparse.budget_pages < e->sparse.window_pages + 2)
+        e->sparse.budget_pages = e->sparse.window_pages + 2;
+    e->shallow = e->sparse;
+    if (e->shallow_on && (e->shallow_tokens + pt - 1) / pt > e->shallow.budget_pages)
+        e->shallow.budget_pages = (e->shallow_tokens + pt - 1) / pt;
 }
 
 int en_engine_create(const en_model *m, const en_engine_opts *opts, en_engine **out, km_errbuf *err)
@@ -182,21 +199,20 @@ int en_engine_create(const en_model *m, const en_engine_opts *opts, en_engine **
     }
     if (lanes_ok && hp->n_expert) lanes_ok = en_moe_alloc(e, nth) == 0;
     e->page_tokens = kv_store_page_tokens(e->kv);
+    e->attn_timer = o.attn_timer;
     if (o.sparse_attn > 0) {
         const int pt = e->page_tokens;
         e->sparse_on = 1;
         e->sparse_from = o.sparse_dense_layers == 0  ? 2
                          : o.sparse_dense_layers < 0 ? 0
                                                      : o.sparse_dense_layers;
-        e->sparse = (kn_sparse_cfg){.budget_pages = (o.sparse_attn + pt - 1) / pt,
-                                    .sink_pages = 1,
-                                    .window_pages = o.sparse_window > 0 ? o.sparse_window : 2};
-        if (e->sparse.budget_pages < e->sparse.window_pages + 2)
-            e->sparse.budget_pages = e->sparse.window_pages + 2;
+        e->sparse =
+            (kn_sparse_cfg){.sink_pages = 1,
+                            .window_pages = o.sparse_window > 0 ? o.sparse_window : 2,
+                            .radius = o.sparse_radius > 0 ? o.sparse_radius : EN_SPARSE_RADIUS};
         e->shallow_on = o.sparse_shallow_attn > 0 && e->sparse_from > 0;
-        e->shallow = e->sparse;
-        if (e->shallow_on && (o.sparse_shallow_attn + pt - 1) / pt > e->shallow.budget_pages)
-            e->shallow.budget_pages = (o.sparse_shallow_attn + pt - 1) / pt;
+        e->shallow_tokens = o.sparse_shallow_attn;
+        en_sparse_budgets(e, o.sparse_attn);
         /* views with more pages than this are attended densely (kn_sparse_attention) */
         int cap = kv_store_pages_total(e->kv), tr = (hp->n_ctx_train + pt - 1) / pt;
         cap = (cap > tr ? cap : tr) + 1;
@@ -274,12 +290,22 @@ kv_store *en_engine_kv(en_engine *e)
 }
 void en_engine_sparse_stats(const en_engine *e, en_sparse_stats *out)
 {
-    *out = (en_sparse_stats){
-        .fetches = e->fetches, .pages_fetched = e->pages_fetched, .pages_wanted = e->pages_wanted};
+    *out = (en_sparse_stats){.fetches = e->fetches,
+                             .pages_fetched = e->pages_fetched,
+                             .pages_wanted = e->pages_wanted,
+                             .attn_ns = e->attn_ns};
     for (int i = 0; e->lanes && i < kn_pool_size(e->pool); i++) {
         out->pages_selected += e->lanes[i].sparse_sel;
         out->pages_skipped += e->lanes[i].sparse_all - e->lanes[i].sparse_sel;
     }
+}
+
+int en_engine_set_sparse(en_engine *e, int tokens)
+{
+    if (!e->sparse_on || tokens < 0) return KM_EINVAL;
+    e->sparse_dense = tokens == 0;
+    if (tokens) en_sparse_budgets(e, tokens);
+    return 0;
 }
 
 int en_engine_threads(const en_engine *e)
@@ -376,7 +402,7 @@ static const kn_sparse_cfg *en_sparse_cfg(const en_engine *e, int l)
 /* Whether token i's attention in layer l is sparse (its context past the layer's budget). */
 static int en_sparse_token(const en_engine *e, const en_batch *b, int l, int64_t i)
 {
-    return e->sparse_on && (l >= e->sparse_from || e->shallow_on) &&
+    return e->sparse_on && !e->sparse_dense && (l >= e->sparse_from || e->shallow_on) &&
            b->pos[i] + 1 > en_sparse_cfg(e, l)->budget_pages * e->page_tokens;
 }
 
@@ -526,6 +552,14 @@ static void en_token_attention(const en_engine *e, const en_layer *L, const en_b
     for (int h = 0; h < e->m->hp.n_head_kv; h++) en_attend(e, b, l, i, h, ith);
 }
 
+/* The calling thread's CPU time. */
+static uint64_t en_thread_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
 static void en_step_job(void *ctx, int ith, int nth)
 {
     en_step *st = ctx;
@@ -599,6 +633,7 @@ static void en_step_job(void *ctx, int ith, int nth)
             }
         }
         kn_pool_barrier(e->pool);
+        const uint64_t a0 = e->attn_timer && !ith ? en_thread_ns() : 0;
         if (lanes) {
             /* P3 + P4 of each token by its owner */
             for (int64_t i = ith; i < n; i += nth) en_token_attention(e, L, b, l, i, ith);
@@ -633,6 +668,7 @@ static void en_step_job(void *ctx, int ith, int nth)
                 en_att_item(e, b, l, defer[k] / hp->n_head_kv, defer[k] % hp->n_head_kv, ith);
         }
         kn_pool_barrier(e->pool);
+        if (e->attn_timer && !ith) e->attn_ns += en_thread_ns() - a0;
         /* P5 */
         en_quantize_rows(e, &L->wo, e->att, xq, t0, t1);
         EN_AFTER_TOKENS();

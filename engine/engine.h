@@ -133,6 +133,12 @@ typedef struct en_engine_opts {
      * alone, kv_config.fetch_slices) before the page comes up whole: 0: n_layers (a page comes
      * up once its slices have cost a page); -1: whole at its first read. */
     int sparse_slices;
+    /* How pages are ranked: q·centre + sparse_radius * |q|·spread of their key summaries
+     * (kn_ops.page_scores); 1 is Quest's upper bound of q·k; 0: the measured default. */
+    float sparse_radius;
+    /* Thread 0 measures its CPU time in each layer's attention phases (rope, K/V writes,
+     * summaries, fetches, attention: en_sparse_stats.attn_ns), for benchmarks. */
+    int attn_timer;
 } en_engine_opts;
 
 typedef struct en_engine en_engine;
@@ -149,8 +155,14 @@ typedef struct en_sparse_stats {
     uint64_t pages_selected, pages_skipped, fetches, pages_fetched;
     uint64_t
         pages_wanted; /* pages the fetch phases asked for: pages_fetched of them were not hot */
+    uint64_t attn_ns; /* en_engine_opts.attn_timer: thread 0's CPU time in attention phases */
 } en_sparse_stats;
 void en_engine_sparse_stats(const en_engine *e, en_sparse_stats *out);
+/* Sets the sparse budget (tokens, as en_engine_opts.sparse_attn) of an engine created with
+ * sparse attention on; 0 attends densely while its pages keep their summaries (so a bench can
+ * prefill once and decode from the same KV in several modes). Between steps only. KM_EINVAL
+ * on an engine created dense. */
+int en_engine_set_sparse(en_engine *e, int tokens);
 const char *en_engine_isa(const en_engine *e);
 
 typedef struct en_batch {

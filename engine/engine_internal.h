@@ -57,7 +57,10 @@ struct en_engine {
     kn_sparse_cfg sparse;
     int sparse_on, sparse_from, page_tokens;
     kn_sparse_cfg shallow; /* layers below sparse_from (opts.sparse_shallow_attn) */
-    int shallow_on;
+    int shallow_on, shallow_tokens;
+    int sparse_dense; /* en_engine_set_sparse(e, 0): summaries kept, attention dense */
+    int attn_timer;   /* opts.attn_timer: thread 0 adds its attention phases' CPU time here */
+    uint64_t attn_ns;
     /* en_batch.depth: [n_layers] the tokens computed in each layer (a prefix of the batch) and
      * the attention runs they make up (a prefix of run0/run_n) */
     int *n_at, *runs_at;

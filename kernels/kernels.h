@@ -129,12 +129,15 @@ typedef struct kn_ops {
      * on every page that lands (docs/transfer.md). */
     void (*xxh3_update)(void *state, const void *p, size_t n);
 
-    /* Sparse attention's page scores (Quest): sums[i] is page i's key summary for one (layer, kv
-     * head), min[head_dim] then max[head_dim] of every channel over the page's tokens, and
-     * score[i] = max over the n_q heads of sum_c max(q[h][c] * min[c], q[h][c] * max[c]), an
-     * upper bound of q·k over the page. A NULL summary scores +inf (always selected). */
+    /* Sparse attention's page scores: sums[i] is page i's key summary for one (layer, kv head),
+     * min[head_dim] then max[head_dim] of every channel over the page's tokens. For each of
+     * the n_q query heads, with m = (min + max) / 2 and r = (max - min) / 2 per channel, the
+     * page scores q·m + radius * |q|·r; score[i] is the largest over the heads. radius 1 is
+     * Quest's upper bound of q·k over the page (sum_c max(q[c] * min[c], q[c] * max[c]));
+     * smaller ones rank pages by their centre more than by their spread (docs/sparse.md). A
+     * NULL summary scores +inf (always selected). */
     void (*page_scores)(const float *const *sums, int n_pages, int head_dim, const float *q,
-                        int n_q, float *score);
+                        int n_q, float radius, float *score);
 } kn_ops;
 
 /* The table for an instruction set, or NULL when this CPU (or build) lacks it. */
@@ -165,9 +168,11 @@ kn_bf16 kn_f32_to_bf16(float f);
 /* ---------------------------------------------------------------- sparse attention */
 
 /* How a decode step picks the pages it attends to (docs/sparse.md): at most budget_pages pages,
- * always the first sink_pages and the last window_pages, the rest by score. */
+ * always the first sink_pages and the last window_pages, the rest by score (page_scores with
+ * this radius; 0 is taken as 1, the upper bound). */
 typedef struct kn_sparse_cfg {
     int budget_pages, sink_pages, window_pages;
+    float radius;
 } kn_sparse_cfg;
 
 /* One thread's room for kn_sparse_attention over views of at most cap pages. */

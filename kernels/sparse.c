@@ -105,7 +105,7 @@ int kn_sparse_pick(const kn_ops *o, const kn_kv_view *kv, const float *const *su
         for (int i = 0; i < np && i < scr->cap; i++) scr->sel[i] = i;
         return np;
     }
-    o->page_scores(sums, np, head_dim, q, n_q, scr->score);
+    o->page_scores(sums, np, head_dim, q, n_q, c->radius > 0 ? c->radius : 1.0f, scr->score);
     return kn_sparse_select(scr->score, np, c, scr->tmp, scr->sel);
 }
 

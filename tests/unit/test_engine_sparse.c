@@ -22,13 +22,15 @@
 #define N      160
 #define BUDGET 64
 
-/* Logits of every position of ids, n_chunk tokens per step: [N][n_vocab]. */
-static float *run_opts(en_engine_opts o, int n_chunk, const int32_t *ids)
+/* Logits of every position of ids, n_chunk tokens per step: [N][n_vocab]; set >= 0: the
+ * engine's budget is set to it (en_engine_set_sparse) before the first step. */
+static float *run_set(en_engine_opts o, int set, int n_chunk, const int32_t *ids)
 {
     const int nv = en_model_hparams(g_model)->n_vocab;
     en_engine *e;
     km_errbuf err = {{0}};
     cr_assert_eq(en_engine_create(g_model, &o, &e, &err), 0, "%s", err.msg);
+    if (set >= 0) cr_assert_eq(en_engine_set_sparse(e, set), 0);
     kv_seq *q;
     cr_assert_eq(kv_seq_create(en_engine_kv(e), &q), 0);
     float *out = malloc(sizeof(float) * N * nv);
@@ -46,6 +48,11 @@ static float *run_opts(en_engine_opts o, int n_chunk, const int32_t *ids)
     kv_seq_destroy(en_engine_kv(e), q);
     en_engine_destroy(e);
     return out;
+}
+
+static float *run_opts(en_engine_opts o, int n_chunk, const int32_t *ids)
+{
+    return run_set(o, -1, n_chunk, ids);
 }
 
 static float *run(int sparse, int n_chunk, const int32_t *ids)
@@ -81,6 +88,36 @@ Test(engine_sparse, fits_the_budget_dense_past_it_close_and_decode_equals_prefil
     free(dense);
     free(pre);
     free(dec);
+}
+
+/* en_engine_set_sparse (bench_long_dec's modes over one KV): an engine created with one budget
+ * and set to 0 computes the dense engine's logits, and set to another budget that budget's
+ * engine's, bit for bit; an engine created dense refuses it. */
+Test(engine_sparse, the_budget_set_on_a_running_engine_is_the_budget_created_with, .init = setup,
+     .fini = teardown, .timeout = 600)
+{
+    if (!g_model) cr_skip_test("model %s absent: run `make deps`", MODEL);
+    const int nv = en_model_hparams(g_model)->n_vocab;
+    int32_t ids[N];
+    for (int i = 0; i < N; i++) ids[i] = (int32_t)((i * 7919u + 13u) % 20000u) + 100;
+    en_engine_opts o = {.n_threads = 2,
+                        .max_batch_tokens = N,
+                        .sparse_attn = 2 * BUDGET,
+                        .sparse_dense_layers = -1};
+    float *dense = run(0, N, ids), *set0 = run_set(o, 0, N, ids);
+    cr_assert_arr_eq(set0, dense, sizeof(float) * N * nv);
+    float *sparse = run(BUDGET, N, ids), *set = run_set(o, BUDGET, N, ids);
+    cr_assert_arr_eq(set, sparse, sizeof(float) * N * nv);
+    en_engine *e;
+    km_errbuf err = {{0}};
+    o.sparse_attn = 0;
+    cr_assert_eq(en_engine_create(g_model, &o, &e, &err), 0, "%s", err.msg);
+    cr_assert_eq(en_engine_set_sparse(e, BUDGET), KM_EINVAL);
+    en_engine_destroy(e);
+    free(dense);
+    free(set0);
+    free(sparse);
+    free(set);
 }
 
 /* --sparse-shallow-attn: the first two layers attend within twice the budget instead of densely,
