@@ -409,53 +409,54 @@ chaos-short: build ## the same, a few seconds of load each
 	@build/bin/kvmesh chaos all --short
 
 # ------------------------------------------------------------------ fuzzing (clang libFuzzer)
+# Every source is compiled once into build/fuzz/obj (coverage, ASan, UBSan) and each target links
+# the objects it needs, so common/ and model/ are not compiled again per target.
 FUZZ_SRC := $(wildcard tests/fuzz/fuzz_*.c)
 FUZZ_BIN := $(patsubst tests/fuzz/%.c,build/fuzz/%,$(FUZZ_SRC))
-FUZZ_LIB_SRC := $(COMMON_SRC) $(MODEL_SRC)
-build/fuzz/%: tests/fuzz/%.c $(FUZZ_LIB_SRC) $(wildcard common/*.h model/*.h)
+FUZZ_OBJ := build/fuzz/obj
+FUZZ_SANFLAGS := -fsanitize=address,undefined
+fuzz_objs = $(patsubst %.c,$(FUZZ_OBJ)/%.o,$(1))
+$(FUZZ_OBJ)/%.o: %.c
 	@mkdir -p $(dir $@)
-	clang -std=gnu11 -g -O1 -I. -fsanitize=fuzzer,address,undefined $< $(FUZZ_LIB_SRC) -o $@ $(LDLIBS)
+	clang -std=gnu11 -g -O1 -I. -MMD -MP -fsanitize=fuzzer-no-link $(FUZZ_SANFLAGS) -c $< -o $@
+-include $(shell find $(FUZZ_OBJ) -name '*.d' 2>/dev/null)
+.PRECIOUS: $(FUZZ_OBJ)/%.o
+
+build/fuzz/fuzz_%: $(FUZZ_OBJ)/tests/fuzz/fuzz_%.o $(call fuzz_objs,$(COMMON_SRC) $(MODEL_SRC))
+	clang -fsanitize=fuzzer $(FUZZ_SANFLAGS) $^ -o $@ $(LDLIBS)
 
 # kvshard's disk page reader (fuzz_kvpage) also needs kvshard/diskfmt.c.
-build/fuzz/fuzz_kvpage: tests/fuzz/fuzz_kvpage.c kvshard/diskfmt.c $(FUZZ_LIB_SRC) common/km.h common/sec.h kvshard/kvshard.h kvshard/diskfmt.h
-	@mkdir -p $(dir $@)
-	clang -std=gnu11 -g -O1 -I. -fsanitize=fuzzer,address,undefined $< kvshard/diskfmt.c $(FUZZ_LIB_SRC) -o $@ $(LDLIBS)
-
+build/fuzz/fuzz_kvpage: $(call fuzz_objs,kvshard/diskfmt.c)
 # The router's OpenAI request parser (fuzz_oai) also needs router/openai*.c.
-FUZZ_OAI_SRC := router/openai.c router/openai_tools.c router/openai_chunks.c
-build/fuzz/fuzz_oai: tests/fuzz/fuzz_oai.c $(FUZZ_OAI_SRC) $(FUZZ_LIB_SRC) $(wildcard common/*.h) router/openai.h
-	@mkdir -p $(dir $@)
-	clang -std=gnu11 -g -O1 -I. -fsanitize=fuzzer,address,undefined $< $(FUZZ_OAI_SRC) $(FUZZ_LIB_SRC) -o $@ $(LDLIBS)
-
+build/fuzz/fuzz_oai: $(call fuzz_objs,router/openai.c router/openai_tools.c router/openai_chunks.c)
 # The grammar engine's readers and compilers (fuzz_grammar: schemas; fuzz_gbnf: GBNF grammars and
 # regexes) need engine/grammar*.c.
-GRAMMAR_SRC := $(wildcard engine/grammar*.c)
-build/fuzz/fuzz_grammar build/fuzz/fuzz_gbnf: build/fuzz/%: tests/fuzz/%.c $(GRAMMAR_SRC) $(FUZZ_LIB_SRC) engine/engine.h engine/grammar_internal.h tests/fuzz/grammar_feed.h
-	@mkdir -p $(dir $@)
-	clang -std=gnu11 -g -O1 -I. -fsanitize=fuzzer,address,undefined $< $(GRAMMAR_SRC) $(FUZZ_LIB_SRC) -o $@ $(LDLIBS)
-
+build/fuzz/fuzz_grammar build/fuzz/fuzz_gbnf: $(call fuzz_objs,$(wildcard engine/grammar*.c))
 # The peer node address (fuzz_peeraddr) needs peer/addr.c.
-build/fuzz/fuzz_peeraddr: tests/fuzz/fuzz_peeraddr.c peer/addr.c $(FUZZ_LIB_SRC) common/km.h peer/peer.h peer/internal.h
-	@mkdir -p $(dir $@)
-	clang -std=gnu11 -g -O1 -I. -fsanitize=fuzzer,address,undefined $< peer/addr.c $(FUZZ_LIB_SRC) -o $@ $(LDLIBS)
-
+build/fuzz/fuzz_peeraddr: $(call fuzz_objs,peer/addr.c)
 # A router's whole request path (fuzz_router_dispatch): every router source but main.c.
-build/fuzz/fuzz_router_dispatch: tests/fuzz/fuzz_router_dispatch.c $(ROUTER_SRC) $(FUZZ_LIB_SRC) $(wildcard common/*.h model/*.h router/*.h)
-	@mkdir -p $(dir $@)
-	clang -std=gnu11 -g -O1 -I. -fsanitize=fuzzer,address,undefined $< $(ROUTER_SRC) $(FUZZ_LIB_SRC) -o $@ $(LDLIBS)
+build/fuzz/fuzz_router_dispatch: $(call fuzz_objs,$(ROUTER_SRC))
 
 fuzz: $(FUZZ_BIN) ## builds the libFuzzer targets (tests/fuzz)
 
 # Replays the committed corpus, then fuzzes each target briefly. A target without its seed corpus
-# fails the run: fuzzing from nothing would pass while testing little.
+# fails the run: fuzzing from nothing would pass while testing little. Each target is a job of its
+# own (fuzz-run-NAME) whose output is printed whole when it ends, so `make -j2 fuzz-run` (as make
+# test runs it) fuzzes two at a time: a libFuzzer process is single-threaded.
 FUZZ_SECONDS ?= 20
-fuzz-run: $(FUZZ_BIN) ## replays the corpus, then fuzzes each target for FUZZ_SECONDS
-	@set -eo pipefail; for f in $(FUZZ_BIN); do n=$$(basename $$f); \
+fuzz-run: $(addprefix fuzz-run-,$(notdir $(FUZZ_BIN))) ## replays the corpus, then fuzzes each target for FUZZ_SECONDS
+fuzz-run-%: build/fuzz/%
+	@n=$*; \
 	  if [ -z "$$(ls -A tests/fuzz/corpus/$$n 2>/dev/null)" ]; then \
 	    echo "fuzz-run: tests/fuzz/corpus/$$n is missing or empty" >&2; exit 1; fi; \
 	  mkdir -p build/fuzz/corpus/$$n; cp -n tests/fuzz/corpus/$$n/* build/fuzz/corpus/$$n/ 2>/dev/null || true; \
-	  echo "== $$n ($(FUZZ_SECONDS)s)"; \
-	  $$f -max_total_time=$(FUZZ_SECONDS) -max_len=65536 -print_final_stats=0 -artifact_prefix=build/fuzz/$$n- build/fuzz/corpus/$$n 2>&1 | tail -4; done
+	  build/fuzz/$$n -max_total_time=$(FUZZ_SECONDS) -max_len=65536 -print_final_stats=0 \
+	    -artifact_prefix=build/fuzz/$$n- build/fuzz/corpus/$$n >build/fuzz/$$n.log 2>&1; rc=$$?; \
+	  echo "== $$n ($(FUZZ_SECONDS)s)"; tail -4 build/fuzz/$$n.log; exit $$rc
+
+# The fuzzers that the jobs fuzz-run-NAME run are reached through patterns only: kept, not deleted
+# as intermediate files after a run.
+.SECONDARY: $(FUZZ_BIN)
 
 # ------------------------------------------------------------------ demo and benchmarks
 demo: deps build ## the default model answering prompts
