@@ -293,15 +293,24 @@ moe-model: ## the MoE test models (models/*MoE*.gguf: llama, qwen2moe, granitemo
 	@bash scripts/moe_model.sh
 
 # ------------------------------------------------------------------ tests
-# Unit tests run from the repository root (fixtures are found by relative path).
+# $(call run_logged,TITLE,COMMAND,LOG): COMMAND with its output into LOG, then TITLE, the log and
+# the seconds it took, printed at once; fails as COMMAND did. The suites of a phase are jobs of
+# their own that run it, so that under -j (make test's) their outputs do not interleave.
+run_logged = s=$$(date +%s); $(2) >$(3) 2>&1 && rc=0 || rc=$$?; \
+  echo "== $(1)"; cat $(3); echo "   $(1): $$(( $$(date +%s) - s )) s"; exit $$rc
+
+# Unit tests run from the repository root (fixtures are found by relative path). Each suite is a
+# job of its own (unit-run-NAME) whose output is printed whole when it ends, so `make -j2
+# unit-tests` (as make test runs it) runs two suites at a time.
+GPU_RUN := $(if $(filter 1,$(CUDA)),$(if $(filter 00,$(SAN)$(TSAN)),$(GPU_TESTS)))
+unit-tests: $(patsubst $(TESTBIN)/%,unit-run-%,$(UNIT_BIN)) $(GPU_RUN) ## every Criterion unit test (tests/unit), and the GPU tests where nvcc built them (they skip, saying why, without a GPU)
+	@echo "== UCX: $(UCX_DESC)"
+	@set -e; for t in $(GPU_RUN); do echo "== $$t"; $$t; done
 # The transfer tests (test_xfer_peer, test_xfer_proc) run one test at a time: they fork and
 # start UCX threads, and with two at once Criterion's own runner leaks 48 bytes that
 # LeakSanitizer reports under SAN=1 (the tests themselves are clean).
-unit-tests: $(UNIT_BIN) $(if $(filter 1,$(CUDA)),$(if $(filter 00,$(SAN)$(TSAN)),$(GPU_TESTS))) ## every Criterion unit test (tests/unit), and the GPU tests where nvcc built them (they skip, saying why, without a GPU)
-	@set -e; echo "== UCX: $(UCX_DESC)"; for t in $(UNIT_BIN); do echo "== $$t"; s=$$(date +%s); \
-	  case $$t in */test_xfer_pe*|*/test_xfer_pr*) $$t --jobs 1;; *) $$t --jobs 2;; esac; \
-	  echo "   $$t: $$(( $$(date +%s) - s )) s"; done
-	@set -e; for t in $(if $(filter 1,$(CUDA)),$(if $(filter 00,$(SAN)$(TSAN)),$(GPU_TESTS))); do echo "== $$t"; $$t; done
+unit-run-%: $(TESTBIN)/%
+	@$(call run_logged,$<,$< --jobs $(if $(filter test_xfer_pe% test_xfer_pr%,$*),1,2),$<.log)
 
 unit-tests-san: ## the unit tests under AddressSanitizer and UBSan (build/san)
 	@$(MAKE) --no-print-directory SAN=1 unit-tests
@@ -332,7 +341,9 @@ tsan-run: $(addprefix $(TESTBIN)/,$(TSAN_TESTS)) $(BIN)/kvmesh-worker ## (with T
 	  build/tests/integration/test_worker --jobs 1 --filter '$(TSAN_HB_TEST)'
 
 # Each phase says how long it took, so that the 25-minute budget of `make test` can be kept.
-timed = s=$$(date +%s); $(MAKE) --no-print-directory $(1) && echo "== make test: $(1) took $$(( $$(date +%s) - s )) s"
+# Phases run with TEST_JOBS jobs (the CPU's cores) unless make test was given -j itself.
+TEST_JOBS ?= $(shell nproc)
+timed = s=$$(date +%s); $(MAKE) --no-print-directory $(if $(filter -j%,$(MAKEFLAGS)),,-j$(TEST_JOBS)) $(1) && echo "== make test: $(1) took $$(( $$(date +%s) - s )) s"
 test: deps ## the gate (`bash .ci/run`): lint, check-rules, build, layers, unit tests plain/ASan/TSan, fuzz, integration (plain, and test_security on ASan daemons), chaos-short
 	@$(call timed,lint)
 	@$(call timed,check-rules)
@@ -371,9 +382,11 @@ $(TESTBIN)/integration/%: $(OBJ)/tests/integration/%.o $(IT_HARNESS) $(ALL_LIBS)
 	$(CC) $(LDFLAGS) -o $@ $^ -lcriterion $(LDLIBS)
 # test_pageplane attacks a worker's UCX port with a libucp client of its own.
 $(TESTBIN)/integration/test_pageplane: LDLIBS += $(UCX_LIBS)
-integration: build $(IT_BIN) ## multi-process suites: real daemons on 127.0.0.1
-	@set -e; for t in $(IT_BIN); do echo "== $$t"; s=$$(date +%s); $$t --jobs 1; \
-	  echo "   $$t: $$(( $$(date +%s) - s )) s"; done
+# Suites run as jobs of their own (it-run-NAME), printed whole when each ends: every daemon takes
+# ephemeral ports and its own temporary directory, so `make -j2 integration` runs two at a time.
+integration: $(patsubst $(TESTBIN)/integration/%,it-run-%,$(IT_BIN)) ## multi-process suites: real daemons on 127.0.0.1
+it-run-%: $(TESTBIN)/integration/% build
+	@$(call run_logged,$<,$< --jobs 1,$<.log)
 
 # The official OpenAI Python SDK for tests/openai_sdk.py, which the integration suite test_openai
 # runs (unchanged SDK against a real router) when this venv or a python3 with the package exists.
@@ -394,10 +407,11 @@ SAN_IT_ENV := KVMESH_IT_BIN=build/san/bin \
 integration-san: $(addprefix $(TESTBIN)/integration/,$(SAN_IT_SUITES)) ## SAN_IT_SUITES (test_security, test_pageplane) against ASan/UBSan daemons
 	@$(MAKE) --no-print-directory SAN=1 build/san/bin/kvmesh-worker build/san/bin/kvmesh-router build/san/bin/kvmesh-controller
 	@rm -rf build/san/it-reports; mkdir -p build/san/it-reports
-	@set -e; for t in $(SAN_IT_SUITES); do echo "== $$t (ASan/UBSan daemons)"; \
-	  $(SAN_IT_ENV) $(TESTBIN)/integration/$$t --jobs 1; done
+	@$(MAKE) --no-print-directory $(addprefix it-san-run-,$(SAN_IT_SUITES))
 	@if [ -n "$$(ls -A build/san/it-reports)" ]; then cat build/san/it-reports/*; \
 	  echo "integration-san: sanitizer reports above (build/san/it-reports)" >&2; exit 1; fi
+it-san-run-%: $(TESTBIN)/integration/%
+	@$(call run_logged,$* (ASan/UBSan daemons),$(SAN_IT_ENV) $< --jobs 1,$<.san.log)
 
 # Fault injection against whole local clusters (docs/chaos.md): every scenario starts its own
 # `kvmesh up` on free ports. chaos-short (a few seconds of load each) is part of `make test`.
@@ -454,9 +468,9 @@ fuzz-run-%: build/fuzz/%
 	    -artifact_prefix=build/fuzz/$$n- build/fuzz/corpus/$$n >build/fuzz/$$n.log 2>&1; rc=$$?; \
 	  echo "== $$n ($(FUZZ_SECONDS)s)"; tail -4 build/fuzz/$$n.log; exit $$rc
 
-# The fuzzers that the jobs fuzz-run-NAME run are reached through patterns only: kept, not deleted
-# as intermediate files after a run.
-.SECONDARY: $(FUZZ_BIN)
+# The binaries the suites' and fuzzers' jobs (unit-run-, it-run-, it-san-run-, fuzz-run-NAME)
+# run are reached through patterns only: kept, not deleted as intermediate files after a run.
+.SECONDARY: $(UNIT_BIN) $(IT_BIN) $(FUZZ_BIN)
 
 # ------------------------------------------------------------------ demo and benchmarks
 demo: deps build ## the default model answering prompts
