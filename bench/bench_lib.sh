@@ -69,14 +69,19 @@ bench_start_worker() {
     bench_die "kvmesh-worker did not come up (see $log)"
 }
 
-# Stops the worker bench_start_worker started (its own pid only).
-bench_stop_worker() {
-    if [ -n "${WORKER_PID:-}" ]; then
-        kill "$WORKER_PID" 2>/dev/null || true
-        wait "$WORKER_PID" 2>/dev/null || true
+# Stops the background process whose pid the variable named $1 holds (signal $2, TERM by default;
+# its own pid only), waits for it and empties the variable; nothing when it is empty.
+bench_stop_pid() {
+    local pid=${!1:-}
+    if [ -n "$pid" ]; then
+        kill -"${2:-TERM}" "$pid" 2>/dev/null || true
+        wait "$pid" 2>/dev/null || true
     fi
-    WORKER_PID=
+    printf -v "$1" '%s' ''
 }
+
+# Stops the worker bench_start_worker started.
+bench_stop_worker() { bench_stop_pid WORKER_PID; }
 
 # The first line of a bench's output: "== kvmesh TITLE (the CPU, cores, date, load average)".
 bench_header() {
@@ -132,7 +137,4 @@ bench_up_start() {
 }
 
 # Stops the cluster bench_up_start started: SIGINT to kvmesh up (it stops its daemons), waited for.
-bench_up_stop() {
-    [ -n "${UP:-}" ] && { kill -INT "$UP" 2>/dev/null || true; wait "$UP" 2>/dev/null || true; }
-    UP=
-}
+bench_up_stop() { bench_stop_pid UP INT; }
