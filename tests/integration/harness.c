@@ -621,6 +621,21 @@ char *it_stdout(const char *cmd)
     return (char *)b.data;
 }
 
+char *it_curl_post(const char *url, const char *body_path, int max_s, int *status)
+{
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd,
+             "curl -sN --max-time %d -w '\\n%%{http_code}' -H 'Content-Type: application/json' "
+             "--data-binary @%s %s",
+             max_s, body_path, url);
+    char *out = it_stdout(cmd);
+    char *nl = strrchr(out, '\n');
+    cr_assert_not_null(nl, "no answer from %s", url);
+    *status = atoi(nl + 1);
+    *nl = 0;
+    return out;
+}
+
 int it_shell(const char *cmd, char **out)
 {
     char full[4096];

@@ -189,6 +189,10 @@ void it_up_start(it_up *u, const char *tag, const char *const *args);
 int it_shell(const char *cmd, char **out);
 /* What a shell command printed on its stdout (malloc'd, NUL-terminated; the caller frees). */
 char *it_stdout(const char *cmd);
+/* POSTs the file body_path as JSON to url with curl (-N: a stream is read to its end), giving up
+ * after max_s seconds: the answer's body (malloc'd, NUL-terminated; the caller frees), *status
+ * its HTTP status (0 when nothing answered). */
+char *it_curl_post(const char *url, const char *body_path, int max_s, int *status);
 /* it_shell, and fails the test unless it exits with `status` and its output contains `says`. */
 void it_shell_expect(const char *cmd, int status, const char *says);
 

@@ -47,16 +47,9 @@ static void stop_cluster(void)
 static json_t *post(const char *path, json_t *body, int *status)
 {
     cr_assert_eq(json_dump_file(body, g_body, 0), 0);
-    char cmd[512];
-    snprintf(cmd, sizeof cmd,
-             "curl -sN --max-time 300 -w '\\n%%{http_code}' -H 'Content-Type: application/json' "
-             "--data-binary @%s %s%s",
-             g_body, g_base, path);
-    char *out = it_stdout(cmd);
-    char *nl = strrchr(out, '\n');
-    cr_assert_not_null(nl, "no answer from %s", path);
-    *status = atoi(nl + 1);
-    *nl = 0;
+    char url[256];
+    snprintf(url, sizeof url, "%s%s", g_base, path);
+    char *out = it_curl_post(url, g_body, 300, status);
     json_t *o = json_loads(out, 0, NULL);
     cr_assert_not_null(o, "%s", out);
     free(out);

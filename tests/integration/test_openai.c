@@ -52,17 +52,9 @@ static char *post(const char *path, const char *body, int *status)
     cr_assert_not_null(f);
     fputs(body, f);
     fclose(f);
-    char cmd[512];
-    snprintf(cmd, sizeof cmd,
-             "curl -sN --max-time 120 -w '\\n%%{http_code}' -H 'Content-Type: application/json' "
-             "--data-binary @%s %s%s",
-             g_body, g_base, path);
-    char *out = it_stdout(cmd);
-    char *nl = strrchr(out, '\n');
-    cr_assert_not_null(nl, "no answer from %s", path);
-    *status = atoi(nl + 1);
-    *nl = 0;
-    return out;
+    char url[256];
+    snprintf(url, sizeof url, "%s%s", g_base, path);
+    return it_curl_post(url, g_body, 120, status);
 }
 
 /* POSTs body and parses the 200 JSON answer. */
