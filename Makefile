@@ -476,14 +476,18 @@ fuzz-run-%: build/fuzz/%
 demo: deps build ## the default model answering prompts
 	@bash deploy/demo.sh
 
+# A benchmark is bench/NAME.c linked with every library; bench_transfer and bench_pull, below,
+# say what they link instead.
+$(BUILD)/bench/%: $(OBJ)/bench/%.o $(ALL_LIBS)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+.SECONDARY: $(patsubst %.c,$(OBJ)/%.o,$(wildcard bench/*.c))
+
 bench: bench-engine ## = bench-engine
 
 # Kernel figures (docs/kernels.md, docs/kernels_ops.md): matmul GFLOP/s per instruction set,
 # attention GB/s, pool barrier latency; also the memory bandwidth bench-engine reports.
 BENCH_KERNELS := $(BUILD)/bench/bench_kernels
-$(BENCH_KERNELS): $(OBJ)/bench/bench_kernels.o $(ALL_LIBS)
-	@mkdir -p $(dir $@)
-	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 .PHONY: bench-kernels
 bench-kernels: $(BENCH_KERNELS) ## matmul, attention and thread-pool figures (docs/kernels*.md)
 	@$(BENCH_KERNELS)
@@ -501,9 +505,6 @@ bench-quality: build ## perplexity per KV format vs f16 and llama.cpp
 # Long contexts, dense vs sparse attention (docs/sparse.md): perplexity at 2k/4k/8k and budgets
 # 256/512/1024, decode step time at depth 8k.
 BENCH_LONG_MEM := $(BUILD)/bench/bench_long_mem
-$(BENCH_LONG_MEM): $(OBJ)/bench/bench_long_mem.o $(ALL_LIBS)
-	@mkdir -p $(dir $@)
-	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 .PHONY: bench-long
 bench-long: build $(BENCH_LONG_MEM) ## long-context perplexity, decode step, memory budget: dense vs sparse
 	@BENCH_LONG_MEM=$(BENCH_LONG_MEM) sh bench/bench_long.sh
@@ -511,9 +512,6 @@ bench-long: build $(BENCH_LONG_MEM) ## long-context perplexity, decode step, mem
 # Worker serving figures side by side with llama-server (docs/benchmarks.md): tok/s, TTFT and
 # ITL at 1/8/32 concurrent clients, and TTFT with a 90%-cached prompt vs cold.
 BENCH_WORKER := $(BUILD)/bench/bench_worker
-$(BENCH_WORKER): $(OBJ)/bench/bench_worker.o $(ALL_LIBS)
-	@mkdir -p $(dir $@)
-	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 .PHONY: bench-worker
 bench-worker: build $(BENCH_WORKER) ## serving tok/s, TTFT, ITL at 1/8/32 clients next to llama-server
 	@BENCH_WORKER=$(BENCH_WORKER) bash bench/bench_worker.sh
@@ -521,9 +519,6 @@ bench-worker: build $(BENCH_WORKER) ## serving tok/s, TTFT, ITL at 1/8/32 client
 # Speculative decoding off vs auto on one worker (docs/speculative.md): tokens/s, drafts
 # accepted, and outputs identical in both modes, on a repetitive and an open-ended workload.
 BENCH_SPEC := $(BUILD)/bench/bench_spec
-$(BENCH_SPEC): $(OBJ)/bench/bench_spec.o $(ALL_LIBS)
-	@mkdir -p $(dir $@)
-	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 .PHONY: bench-spec
 bench-spec: build $(BENCH_SPEC) ## speculative decoding off vs auto on one worker, outputs compared
 	@BENCH_SPEC=$(BENCH_SPEC) bash bench/bench_spec.sh
@@ -531,9 +526,6 @@ bench-spec: build $(BENCH_SPEC) ## speculative decoding off vs auto on one worke
 # Constrained decoding's cost (docs/structured.md): decode tok/s of a batch of 32 requests held
 # to a schema, and to json_object, against the same batch free; the time of one mask, cold and warm.
 BENCH_STRUCTURED := $(BUILD)/bench/bench_structured
-$(BENCH_STRUCTURED): $(OBJ)/bench/bench_structured.o $(ALL_LIBS)
-	@mkdir -p $(dir $@)
-	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 .PHONY: bench-structured
 bench-structured: $(BENCH_STRUCTURED) ## constrained vs free decode tok/s at batch 32, mask times
 	@grep -m1 'model name' /proc/cpuinfo; nproc
@@ -543,9 +535,6 @@ bench-structured: $(BENCH_STRUCTURED) ## constrained vs free decode tok/s at bat
 # fractions on a RAG-style set from /usr/share/common-licenses and /usr/share/doc: TTFT,
 # perplexity, agreement. QUICK=1: a smoke run (2 prompts of at most 4 documents, two fractions).
 BENCH_BLEND := $(BUILD)/bench/bench_blend
-$(BENCH_BLEND): $(OBJ)/bench/bench_blend.o $(ALL_LIBS)
-	@mkdir -p $(dir $@)
-	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 .PHONY: bench-blend
 bench-blend: $(BENCH_BLEND) ## chunk reuse vs full and prefix caching: TTFT, perplexity, agreement
 	@grep -m1 'model name' /proc/cpuinfo; nproc
@@ -557,9 +546,6 @@ bench-blend-route: build ## 4 workers: chunk tokens reused with and without chun
 
 # KV store figures (docs/kvshard.md): lookup/insert ops/s, tier bandwidth, attention per format.
 BENCH_KV := $(BUILD)/bench/bench_kv
-$(BENCH_KV): $(OBJ)/bench/bench_kv.o $(ALL_LIBS)
-	@mkdir -p $(dir $@)
-	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 .PHONY: bench-kv
 bench-kv: $(BENCH_KV) ## KV store: lookup/insert, tier bandwidth, attention per format
 	@$(BENCH_KV)
@@ -567,9 +553,6 @@ bench-kv: $(BENCH_KV) ## KV store: lookup/insert, tier bandwidth, attention per 
 # Router figures (docs/router.md): decisions/s, latency the router adds, and kv-aware vs
 # round-robin vs random on a shared-prefix workload over `kvmesh up` clusters.
 BENCH_ROUTER := $(BUILD)/bench/bench_router
-$(BENCH_ROUTER): $(OBJ)/bench/bench_router.o $(ALL_LIBS)
-	@mkdir -p $(dir $@)
-	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 .PHONY: bench-router
 bench-router: build $(BENCH_ROUTER) ## routing decisions/s, added latency, kv-aware vs round-robin
 	@bash bench/bench_router.sh
@@ -577,9 +560,6 @@ bench-router: build $(BENCH_ROUTER) ## routing decisions/s, added latency, kv-aw
 # Prefill/decode disaggregation (docs/disaggregation.md): streams' ITL, TTFT and tokens/s under
 # arriving long prompts, colocated workers against 1 prefill + 1 decode, clusters interleaved.
 BENCH_PD := $(BUILD)/bench/bench_pd
-$(BENCH_PD): $(OBJ)/bench/bench_pd.o $(ALL_LIBS)
-	@mkdir -p $(dir $@)
-	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 .PHONY: bench-pd
 bench-pd: build $(BENCH_PD) ## streams' ITL p99 under long prompts: colocated vs prefill+decode
 	@bash bench/bench_pd.sh
