@@ -293,15 +293,24 @@ moe-model: ## the MoE test models (models/*MoE*.gguf: llama, qwen2moe, granitemo
 	@bash scripts/moe_model.sh
 
 # ------------------------------------------------------------------ tests
-# Unit tests run from the repository root (fixtures are found by relative path).
+# $(call run_logged,TITLE,COMMAND,LOG): COMMAND with its output into LOG, then TITLE, the log and
+# the seconds it took, printed at once; fails as COMMAND did. The suites of a phase are jobs of
+# their own that run it, so that under -j (make test's) their outputs do not interleave.
+run_logged = s=$$(date +%s); $(2) >$(3) 2>&1 && rc=0 || rc=$$?; \
+  echo "== $(1)"; cat $(3); echo "   $(1): $$(( $$(date +%s) - s )) s"; exit $$rc
+
+# Unit tests run from the repository root (fixtures are found by relative path). Each suite is a
+# job of its own (unit-run-NAME) whose output is printed whole when it ends, so `make -j2
+# unit-tests` (as make test runs it) runs two suites at a time.
+GPU_RUN := $(if $(filter 1,$(CUDA)),$(if $(filter 00,$(SAN)$(TSAN)),$(GPU_TESTS)))
+unit-tests: $(patsubst $(TESTBIN)/%,unit-run-%,$(UNIT_BIN)) $(GPU_RUN) ## every Criterion unit test (tests/unit), and the GPU tests where nvcc built them (they skip, saying why, without a GPU)
+	@echo "== UCX: $(UCX_DESC)"
+	@set -e; for t in $(GPU_RUN); do echo "== $$t"; $$t; done
 # The transfer tests (test_xfer_peer, test_xfer_proc) run one test at a time: they fork and
 # start UCX threads, and with two at once Criterion's own runner leaks 48 bytes that
 # LeakSanitizer reports under SAN=1 (the tests themselves are clean).
-unit-tests: $(UNIT_BIN) $(if $(filter 1,$(CUDA)),$(if $(filter 00,$(SAN)$(TSAN)),$(GPU_TESTS))) ## every Criterion unit test (tests/unit), and the GPU tests where nvcc built them (they skip, saying why, without a GPU)
-	@set -e; echo "== UCX: $(UCX_DESC)"; for t in $(UNIT_BIN); do echo "== $$t"; s=$$(date +%s); \
-	  case $$t in */test_xfer_pe*|*/test_xfer_pr*) $$t --jobs 1;; *) $$t --jobs 2;; esac; \
-	  echo "   $$t: $$(( $$(date +%s) - s )) s"; done
-	@set -e; for t in $(if $(filter 1,$(CUDA)),$(if $(filter 00,$(SAN)$(TSAN)),$(GPU_TESTS))); do echo "== $$t"; $$t; done
+unit-run-%: $(TESTBIN)/%
+	@$(call run_logged,$<,$< --jobs $(if $(filter test_xfer_pe% test_xfer_pr%,$*),1,2),$<.log)
 
 unit-tests-san: ## the unit tests under AddressSanitizer and UBSan (build/san)
 	@$(MAKE) --no-print-directory SAN=1 unit-tests
@@ -332,7 +341,9 @@ tsan-run: $(addprefix $(TESTBIN)/,$(TSAN_TESTS)) $(BIN)/kvmesh-worker ## (with T
 	  build/tests/integration/test_worker --jobs 1 --filter '$(TSAN_HB_TEST)'
 
 # Each phase says how long it took, so that the 25-minute budget of `make test` can be kept.
-timed = s=$$(date +%s); $(MAKE) --no-print-directory $(1) && echo "== make test: $(1) took $$(( $$(date +%s) - s )) s"
+# Phases run with TEST_JOBS jobs (the CPU's cores) unless make test was given -j itself.
+TEST_JOBS ?= $(shell nproc)
+timed = s=$$(date +%s); $(MAKE) --no-print-directory $(if $(filter -j%,$(MAKEFLAGS)),,-j$(TEST_JOBS)) $(1) && echo "== make test: $(1) took $$(( $$(date +%s) - s )) s"
 test: deps ## the gate (`bash .ci/run`): lint, check-rules, build, layers, unit tests plain/ASan/TSan, fuzz, integration (plain, and test_security on ASan daemons), chaos-short
 	@$(call timed,lint)
 	@$(call timed,check-rules)
@@ -371,9 +382,11 @@ $(TESTBIN)/integration/%: $(OBJ)/tests/integration/%.o $(IT_HARNESS) $(ALL_LIBS)
 	$(CC) $(LDFLAGS) -o $@ $^ -lcriterion $(LDLIBS)
 # test_pageplane attacks a worker's UCX port with a libucp client of its own.
 $(TESTBIN)/integration/test_pageplane: LDLIBS += $(UCX_LIBS)
-integration: build $(IT_BIN) ## multi-process suites: real daemons on 127.0.0.1
-	@set -e; for t in $(IT_BIN); do echo "== $$t"; s=$$(date +%s); $$t --jobs 1; \
-	  echo "   $$t: $$(( $$(date +%s) - s )) s"; done
+# Suites run as jobs of their own (it-run-NAME), printed whole when each ends: every daemon takes
+# ephemeral ports and its own temporary directory, so `make -j2 integration` runs two at a time.
+integration: $(patsubst $(TESTBIN)/integration/%,it-run-%,$(IT_BIN)) ## multi-process suites: real daemons on 127.0.0.1
+it-run-%: $(TESTBIN)/integration/% build
+	@$(call run_logged,$<,$< --jobs 1,$<.log)
 
 # The official OpenAI Python SDK for tests/openai_sdk.py, which the integration suite test_openai
 # runs (unchanged SDK against a real router) when this venv or a python3 with the package exists.
@@ -394,10 +407,11 @@ SAN_IT_ENV := KVMESH_IT_BIN=build/san/bin \
 integration-san: $(addprefix $(TESTBIN)/integration/,$(SAN_IT_SUITES)) ## SAN_IT_SUITES (test_security, test_pageplane) against ASan/UBSan daemons
 	@$(MAKE) --no-print-directory SAN=1 build/san/bin/kvmesh-worker build/san/bin/kvmesh-router build/san/bin/kvmesh-controller
 	@rm -rf build/san/it-reports; mkdir -p build/san/it-reports
-	@set -e; for t in $(SAN_IT_SUITES); do echo "== $$t (ASan/UBSan daemons)"; \
-	  $(SAN_IT_ENV) $(TESTBIN)/integration/$$t --jobs 1; done
+	@$(MAKE) --no-print-directory $(addprefix it-san-run-,$(SAN_IT_SUITES))
 	@if [ -n "$$(ls -A build/san/it-reports)" ]; then cat build/san/it-reports/*; \
 	  echo "integration-san: sanitizer reports above (build/san/it-reports)" >&2; exit 1; fi
+it-san-run-%: $(TESTBIN)/integration/%
+	@$(call run_logged,$* (ASan/UBSan daemons),$(SAN_IT_ENV) $< --jobs 1,$<.san.log)
 
 # Fault injection against whole local clusters (docs/chaos.md): every scenario starts its own
 # `kvmesh up` on free ports. chaos-short (a few seconds of load each) is part of `make test`.
@@ -409,66 +423,71 @@ chaos-short: build ## the same, a few seconds of load each
 	@build/bin/kvmesh chaos all --short
 
 # ------------------------------------------------------------------ fuzzing (clang libFuzzer)
+# Every source is compiled once into build/fuzz/obj (coverage, ASan, UBSan) and each target links
+# the objects it needs, so common/ and model/ are not compiled again per target.
 FUZZ_SRC := $(wildcard tests/fuzz/fuzz_*.c)
 FUZZ_BIN := $(patsubst tests/fuzz/%.c,build/fuzz/%,$(FUZZ_SRC))
-FUZZ_LIB_SRC := $(COMMON_SRC) $(MODEL_SRC)
-build/fuzz/%: tests/fuzz/%.c $(FUZZ_LIB_SRC) $(wildcard common/*.h model/*.h)
+FUZZ_OBJ := build/fuzz/obj
+FUZZ_SANFLAGS := -fsanitize=address,undefined
+fuzz_objs = $(patsubst %.c,$(FUZZ_OBJ)/%.o,$(1))
+$(FUZZ_OBJ)/%.o: %.c
 	@mkdir -p $(dir $@)
-	clang -std=gnu11 -g -O1 -I. -fsanitize=fuzzer,address,undefined $< $(FUZZ_LIB_SRC) -o $@ $(LDLIBS)
+	clang -std=gnu11 -g -O1 -I. -MMD -MP -fsanitize=fuzzer-no-link $(FUZZ_SANFLAGS) -c $< -o $@
+-include $(shell find $(FUZZ_OBJ) -name '*.d' 2>/dev/null)
+.PRECIOUS: $(FUZZ_OBJ)/%.o
+
+build/fuzz/fuzz_%: $(FUZZ_OBJ)/tests/fuzz/fuzz_%.o $(call fuzz_objs,$(COMMON_SRC) $(MODEL_SRC))
+	clang -fsanitize=fuzzer $(FUZZ_SANFLAGS) $^ -o $@ $(LDLIBS)
 
 # kvshard's disk page reader (fuzz_kvpage) also needs kvshard/diskfmt.c.
-build/fuzz/fuzz_kvpage: tests/fuzz/fuzz_kvpage.c kvshard/diskfmt.c $(FUZZ_LIB_SRC) common/km.h common/sec.h kvshard/kvshard.h kvshard/diskfmt.h
-	@mkdir -p $(dir $@)
-	clang -std=gnu11 -g -O1 -I. -fsanitize=fuzzer,address,undefined $< kvshard/diskfmt.c $(FUZZ_LIB_SRC) -o $@ $(LDLIBS)
-
+build/fuzz/fuzz_kvpage: $(call fuzz_objs,kvshard/diskfmt.c)
 # The router's OpenAI request parser (fuzz_oai) also needs router/openai*.c.
-FUZZ_OAI_SRC := router/openai.c router/openai_tools.c router/openai_chunks.c
-build/fuzz/fuzz_oai: tests/fuzz/fuzz_oai.c $(FUZZ_OAI_SRC) $(FUZZ_LIB_SRC) $(wildcard common/*.h) router/openai.h
-	@mkdir -p $(dir $@)
-	clang -std=gnu11 -g -O1 -I. -fsanitize=fuzzer,address,undefined $< $(FUZZ_OAI_SRC) $(FUZZ_LIB_SRC) -o $@ $(LDLIBS)
-
+build/fuzz/fuzz_oai: $(call fuzz_objs,router/openai.c router/openai_tools.c router/openai_chunks.c)
 # The grammar engine's readers and compilers (fuzz_grammar: schemas; fuzz_gbnf: GBNF grammars and
 # regexes) need engine/grammar*.c.
-GRAMMAR_SRC := $(wildcard engine/grammar*.c)
-build/fuzz/fuzz_grammar build/fuzz/fuzz_gbnf: build/fuzz/%: tests/fuzz/%.c $(GRAMMAR_SRC) $(FUZZ_LIB_SRC) engine/engine.h engine/grammar_internal.h tests/fuzz/grammar_feed.h
-	@mkdir -p $(dir $@)
-	clang -std=gnu11 -g -O1 -I. -fsanitize=fuzzer,address,undefined $< $(GRAMMAR_SRC) $(FUZZ_LIB_SRC) -o $@ $(LDLIBS)
-
+build/fuzz/fuzz_grammar build/fuzz/fuzz_gbnf: $(call fuzz_objs,$(wildcard engine/grammar*.c))
 # The peer node address (fuzz_peeraddr) needs peer/addr.c.
-build/fuzz/fuzz_peeraddr: tests/fuzz/fuzz_peeraddr.c peer/addr.c $(FUZZ_LIB_SRC) common/km.h peer/peer.h peer/internal.h
-	@mkdir -p $(dir $@)
-	clang -std=gnu11 -g -O1 -I. -fsanitize=fuzzer,address,undefined $< peer/addr.c $(FUZZ_LIB_SRC) -o $@ $(LDLIBS)
-
+build/fuzz/fuzz_peeraddr: $(call fuzz_objs,peer/addr.c)
 # A router's whole request path (fuzz_router_dispatch): every router source but main.c.
-build/fuzz/fuzz_router_dispatch: tests/fuzz/fuzz_router_dispatch.c $(ROUTER_SRC) $(FUZZ_LIB_SRC) $(wildcard common/*.h model/*.h router/*.h)
-	@mkdir -p $(dir $@)
-	clang -std=gnu11 -g -O1 -I. -fsanitize=fuzzer,address,undefined $< $(ROUTER_SRC) $(FUZZ_LIB_SRC) -o $@ $(LDLIBS)
+build/fuzz/fuzz_router_dispatch: $(call fuzz_objs,$(ROUTER_SRC))
 
 fuzz: $(FUZZ_BIN) ## builds the libFuzzer targets (tests/fuzz)
 
 # Replays the committed corpus, then fuzzes each target briefly. A target without its seed corpus
-# fails the run: fuzzing from nothing would pass while testing little.
+# fails the run: fuzzing from nothing would pass while testing little. Each target is a job of its
+# own (fuzz-run-NAME) whose output is printed whole when it ends, so `make -j2 fuzz-run` (as make
+# test runs it) fuzzes two at a time: a libFuzzer process is single-threaded.
 FUZZ_SECONDS ?= 20
-fuzz-run: $(FUZZ_BIN) ## replays the corpus, then fuzzes each target for FUZZ_SECONDS
-	@set -eo pipefail; for f in $(FUZZ_BIN); do n=$$(basename $$f); \
+fuzz-run: $(addprefix fuzz-run-,$(notdir $(FUZZ_BIN))) ## replays the corpus, then fuzzes each target for FUZZ_SECONDS
+fuzz-run-%: build/fuzz/%
+	@n=$*; \
 	  if [ -z "$$(ls -A tests/fuzz/corpus/$$n 2>/dev/null)" ]; then \
 	    echo "fuzz-run: tests/fuzz/corpus/$$n is missing or empty" >&2; exit 1; fi; \
 	  mkdir -p build/fuzz/corpus/$$n; cp -n tests/fuzz/corpus/$$n/* build/fuzz/corpus/$$n/ 2>/dev/null || true; \
-	  echo "== $$n ($(FUZZ_SECONDS)s)"; \
-	  $$f -max_total_time=$(FUZZ_SECONDS) -max_len=65536 -print_final_stats=0 -artifact_prefix=build/fuzz/$$n- build/fuzz/corpus/$$n 2>&1 | tail -4; done
+	  build/fuzz/$$n -max_total_time=$(FUZZ_SECONDS) -max_len=65536 -print_final_stats=0 \
+	    -artifact_prefix=build/fuzz/$$n- build/fuzz/corpus/$$n >build/fuzz/$$n.log 2>&1; rc=$$?; \
+	  echo "== $$n ($(FUZZ_SECONDS)s)"; tail -4 build/fuzz/$$n.log; exit $$rc
+
+# The binaries the suites' and fuzzers' jobs (unit-run-, it-run-, it-san-run-, fuzz-run-NAME)
+# run are reached through patterns only: kept, not deleted as intermediate files after a run.
+.SECONDARY: $(UNIT_BIN) $(IT_BIN) $(FUZZ_BIN)
 
 # ------------------------------------------------------------------ demo and benchmarks
 demo: deps build ## the default model answering prompts
 	@bash deploy/demo.sh
+
+# A benchmark is bench/NAME.c linked with every library; bench_transfer and bench_pull, below,
+# say what they link instead.
+$(BUILD)/bench/%: $(OBJ)/bench/%.o $(ALL_LIBS)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+.SECONDARY: $(patsubst %.c,$(OBJ)/%.o,$(wildcard bench/*.c))
 
 bench: bench-engine ## = bench-engine
 
 # Kernel figures (docs/kernels.md, docs/kernels_ops.md): matmul GFLOP/s per instruction set,
 # attention GB/s, pool barrier latency; also the memory bandwidth bench-engine reports.
 BENCH_KERNELS := $(BUILD)/bench/bench_kernels
-$(BENCH_KERNELS): $(OBJ)/bench/bench_kernels.o $(ALL_LIBS)
-	@mkdir -p $(dir $@)
-	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 .PHONY: bench-kernels
 bench-kernels: $(BENCH_KERNELS) ## matmul, attention and thread-pool figures (docs/kernels*.md)
 	@$(BENCH_KERNELS)
@@ -486,13 +505,7 @@ bench-quality: build ## perplexity per KV format vs f16 and llama.cpp
 # Long contexts, dense vs sparse attention (docs/sparse.md): perplexity at 2k/4k/8k and budgets
 # 256/512/1024, decode step time at depth 8k.
 BENCH_LONG_MEM := $(BUILD)/bench/bench_long_mem
-$(BENCH_LONG_MEM): $(OBJ)/bench/bench_long_mem.o $(ALL_LIBS)
-	@mkdir -p $(dir $@)
-	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 BENCH_LONG_DEC := $(BUILD)/bench/bench_long_dec
-$(BENCH_LONG_DEC): $(OBJ)/bench/bench_long_dec.o $(ALL_LIBS)
-	@mkdir -p $(dir $@)
-	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 .PHONY: bench-long
 bench-long: build $(BENCH_LONG_MEM) $(BENCH_LONG_DEC) ## long-context perplexity, decode step, memory budget: dense vs sparse
 	@BENCH_LONG_MEM=$(BENCH_LONG_MEM) BENCH_LONG_DEC=$(BENCH_LONG_DEC) sh bench/bench_long.sh
@@ -500,9 +513,6 @@ bench-long: build $(BENCH_LONG_MEM) $(BENCH_LONG_DEC) ## long-context perplexity
 # Worker serving figures side by side with llama-server (docs/benchmarks.md): tok/s, TTFT and
 # ITL at 1/8/32 concurrent clients, and TTFT with a 90%-cached prompt vs cold.
 BENCH_WORKER := $(BUILD)/bench/bench_worker
-$(BENCH_WORKER): $(OBJ)/bench/bench_worker.o $(ALL_LIBS)
-	@mkdir -p $(dir $@)
-	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 .PHONY: bench-worker
 bench-worker: build $(BENCH_WORKER) ## serving tok/s, TTFT, ITL at 1/8/32 clients next to llama-server
 	@BENCH_WORKER=$(BENCH_WORKER) bash bench/bench_worker.sh
@@ -510,9 +520,6 @@ bench-worker: build $(BENCH_WORKER) ## serving tok/s, TTFT, ITL at 1/8/32 client
 # Speculative decoding off vs auto on one worker (docs/speculative.md): tokens/s, drafts
 # accepted, and outputs identical in both modes, on a repetitive and an open-ended workload.
 BENCH_SPEC := $(BUILD)/bench/bench_spec
-$(BENCH_SPEC): $(OBJ)/bench/bench_spec.o $(ALL_LIBS)
-	@mkdir -p $(dir $@)
-	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 .PHONY: bench-spec
 bench-spec: build $(BENCH_SPEC) ## speculative decoding off vs auto on one worker, outputs compared
 	@BENCH_SPEC=$(BENCH_SPEC) bash bench/bench_spec.sh
@@ -520,9 +527,6 @@ bench-spec: build $(BENCH_SPEC) ## speculative decoding off vs auto on one worke
 # Constrained decoding's cost (docs/structured.md): decode tok/s of a batch of 32 requests held
 # to a schema, and to json_object, against the same batch free; the time of one mask, cold and warm.
 BENCH_STRUCTURED := $(BUILD)/bench/bench_structured
-$(BENCH_STRUCTURED): $(OBJ)/bench/bench_structured.o $(ALL_LIBS)
-	@mkdir -p $(dir $@)
-	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 .PHONY: bench-structured
 bench-structured: $(BENCH_STRUCTURED) ## constrained vs free decode tok/s at batch 32, mask times
 	@grep -m1 'model name' /proc/cpuinfo; nproc
@@ -532,9 +536,6 @@ bench-structured: $(BENCH_STRUCTURED) ## constrained vs free decode tok/s at bat
 # fractions on a RAG-style set from /usr/share/common-licenses and /usr/share/doc: TTFT,
 # perplexity, agreement. QUICK=1: a smoke run (2 prompts of at most 4 documents, two fractions).
 BENCH_BLEND := $(BUILD)/bench/bench_blend
-$(BENCH_BLEND): $(OBJ)/bench/bench_blend.o $(ALL_LIBS)
-	@mkdir -p $(dir $@)
-	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 .PHONY: bench-blend
 bench-blend: $(BENCH_BLEND) ## chunk reuse vs full and prefix caching: TTFT, perplexity, agreement
 	@grep -m1 'model name' /proc/cpuinfo; nproc
@@ -546,9 +547,6 @@ bench-blend-route: build ## 4 workers: chunk tokens reused with and without chun
 
 # KV store figures (docs/kvshard.md): lookup/insert ops/s, tier bandwidth, attention per format.
 BENCH_KV := $(BUILD)/bench/bench_kv
-$(BENCH_KV): $(OBJ)/bench/bench_kv.o $(ALL_LIBS)
-	@mkdir -p $(dir $@)
-	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 .PHONY: bench-kv
 bench-kv: $(BENCH_KV) ## KV store: lookup/insert, tier bandwidth, attention per format
 	@$(BENCH_KV)
@@ -556,9 +554,6 @@ bench-kv: $(BENCH_KV) ## KV store: lookup/insert, tier bandwidth, attention per 
 # Router figures (docs/router.md): decisions/s, latency the router adds, and kv-aware vs
 # round-robin vs random on a shared-prefix workload over `kvmesh up` clusters.
 BENCH_ROUTER := $(BUILD)/bench/bench_router
-$(BENCH_ROUTER): $(OBJ)/bench/bench_router.o $(ALL_LIBS)
-	@mkdir -p $(dir $@)
-	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 .PHONY: bench-router
 bench-router: build $(BENCH_ROUTER) ## routing decisions/s, added latency, kv-aware vs round-robin
 	@bash bench/bench_router.sh
@@ -566,9 +561,6 @@ bench-router: build $(BENCH_ROUTER) ## routing decisions/s, added latency, kv-aw
 # Prefill/decode disaggregation (docs/disaggregation.md): streams' ITL, TTFT and tokens/s under
 # arriving long prompts, colocated workers against 1 prefill + 1 decode, clusters interleaved.
 BENCH_PD := $(BUILD)/bench/bench_pd
-$(BENCH_PD): $(OBJ)/bench/bench_pd.o $(ALL_LIBS)
-	@mkdir -p $(dir $@)
-	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 .PHONY: bench-pd
 bench-pd: build $(BENCH_PD) ## streams' ITL p99 under long prompts: colocated vs prefill+decode
 	@bash bench/bench_pd.sh

@@ -42,46 +42,36 @@ LOGS=build/bench-cluster-logs
 PEER="" # transfer nodes are on by default
 NOPEER="--no-peer"
 mkdir -p "$LOGS"
+BENCH_NAME=bench-cluster
+# shellcheck source=bench/bench_lib.sh
+. bench/bench_lib.sh
 
-UP=
 EXTRA=()
 stop_up() {
     for p in "${EXTRA[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
     for p in "${EXTRA[@]}"; do wait "$p" 2>/dev/null || true; done
     EXTRA=()
-    [ -n "$UP" ] && { kill -INT "$UP" 2>/dev/null || true; wait "$UP" 2>/dev/null || true; }
-    UP=
+    bench_up_stop
 }
 trap stop_up EXIT
 
-RQ= HTTP= # the router's endpoints in the current cluster (its cluster.env)
+RQ='' HTTP='' # the router's endpoints in the current cluster (its cluster.env)
 status() { [ -n "$HTTP" ] && "$BIN/kvmesh" status --http "$HTTP" --json 2>/dev/null; }
 ups() { status | grep -o '"up":true' | wc -l || true; }
 
-field() { # RUN ID KEY: a field of cluster.env
-    grep "id=$2 " "$1/cluster.env" | tr ' ' '\n' | awk -F= -v k="$3" '$1 == k {print substr($0, length(k) + 2)}'
-}
-
-# start_up NAME N WORKER_ARGS: a kv-aware cluster of N workers; waits until every one is up
+# start_up NAME N WORKER_ARGS: a kv-aware cluster of N workers; waits until the router sees every
+# one up
 start_up() {
-    rm -rf "$LOGS/$1"
-    mkdir -p "$LOGS/$1"
-    "$BIN/kvmesh" up --insecure --workers "$2" --threads "$THREADS" --mode kv \
-        --base-port 0 --log-dir "$LOGS/$1" \
-        --run-dir "$LOGS/$1/run" --worker-args "$3" \
-        --router-args "--max-queue=100000 ${RARGS:-}" 2>>"$LOGS/up.log" &
-    UP=$!
-    RQ= HTTP=
+    rm -rf "${LOGS:?}/$1"
+    RQ='' HTTP=''
+    bench_up_start "$LOGS/$1" --workers "$2" --threads "$THREADS" --mode kv --worker-args "$3" \
+        --router-args "--max-queue=100000 ${RARGS:-}"
+    RQ=$BENCH_RQ HTTP=$BENCH_HTTP
     for _ in $(seq 1 600); do
-        if [ -z "$HTTP" ] && [ -s "$LOGS/$1/run/cluster.env" ]; then
-            RQ=$(field "$LOGS/$1/run" router requests)
-            HTTP=$(field "$LOGS/$1/run" router http)
-        fi
         [ "$(ups)" -ge "$2" ] && return 0
         sleep 0.2
     done
-    echo "bench-cluster: the cluster did not come up (see $LOGS/$1)" >&2
-    exit 1
+    bench_die "the router did not see $2 workers up (see $LOGS/$1)"
 }
 
 workload() { # LABEL
@@ -100,9 +90,7 @@ skewed() { # LABEL REQUESTS [ARGS...]: the skewed workload of phase 4
 }
 
 # the router's counter (name and labels exactly), 0 when absent
-router_metric() {
-    curl -s "$HTTP/metrics" | awk -v s="$1" '$1 == s {print $2; f=1} END {if (!f) print 0}'
-}
+router_metric() { bench_metric "$HTTP" "$1"; }
 
 # "UP MEMBER_STATE" of worker ID in the router's status
 member() {
@@ -115,8 +103,7 @@ fullest() {
 }
 
 
-CPU=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //')
-echo "== kvmesh cluster benchmark ($CPU, $(nproc) cores, $(date -u +%Y-%m-%dT%H:%MZ), load $(cut -d' ' -f1-3 /proc/loadavg))"
+bench_header "cluster benchmark"
 echo "   $MAX_TOKENS tokens a request, $THREADS thread(s) per worker"
 : >"$LOGS/results.txt"
 
@@ -196,13 +183,13 @@ if [[ " $PHASES " == *" 2 "* ]]; then
     EXTRA+=("$LOAD")
     sleep "$RESTART_WINDOW" # the window before
     victim=$(fullest)
-    pid=$(field "$run" "$victim" pid)
+    pid=$(bench_field "$run" "$victim" pid)
     t0=$(date +%s.%N)
     kill -TERM "$pid"
     back=""
     while [ "$(echo "$(date +%s.%N) - $t0 < $RESTART_WINDOW" | bc)" = 1 ]; do
         if [ -z "$back" ]; then
-            npid=$(field "$run" "$victim" pid || true)
+            npid=$(bench_field "$run" "$victim" pid || true)
             [ "$npid" != "$pid" ] && [ "$(member "$victim")" = "True ready" ] &&
                 back=$(echo "$(date +%s.%N) - $t0" | bc | cut -c1-5)
         fi
@@ -249,7 +236,7 @@ if [[ " $PHASES " == *" 3 "* ]]; then
     while :; do
         for i in $(seq "$half" $((WORKERS - 1))); do
             [ -n "${hit[$i]:-}" ] && continue
-            a=$(field "$run" "w$i" admin 2>/dev/null || true)
+            a=$(bench_field "$run" "w$i" admin 2>/dev/null || true)
             [ -z "$a" ] && continue
             now=$(echo "$(date +%s.%N) - $t0" | bc)
             if [ -z "${ready[$i]:-}" ]; then

@@ -30,7 +30,6 @@ THREADS=${THREADS:-$(nproc)}
 ALONE_S=${ALONE_S:-10}
 REPEAT=${REPEAT:-2}
 CONFIGS=${CONFIGS:-"--max-queue-per-key=16|--max-running-per-tenant=0;--max-queue-per-key=16|"}
-PORT=${BENCH_PORT:-7600}
 LOGS=build/bench-fair-logs
 BENCH_NAME=bench_fair.sh
 # shellcheck source=bench/bench_lib.sh
@@ -41,41 +40,24 @@ mkdir -p "$LOGS"
 "$BIN/kvmesh" keys api-add "$LOGS/api_keys" victim | tail -1 >"$LOGS/victim.key"
 "$BIN/kvmesh" keys api-add --role operator "$LOGS/api_keys" ops | tail -1 >"$LOGS/ops.key"
 
-UP=
-stop_up() { [ -n "$UP" ] && { kill -INT "$UP" 2>/dev/null || true; wait "$UP" 2>/dev/null || true; }; UP=; }
-trap stop_up EXIT
+trap bench_up_stop EXIT
 
-# start_up ROUTER_FLAGS WORKER_FLAGS: a 1-worker cluster with those flags too; waits until ready
-start_up() {
-    # insecure ZeroMQ on purpose: the tenants here are the HTTP API keys
-    "$BIN/kvmesh" up --insecure --workers 1 --threads "$THREADS" --base-port $((PORT + 100)) \
-        --front-port "$PORT" --http-port $((PORT + 1)) --log-dir "$LOGS/up-$RUN" \
-        --router-args "--api-keys=$LOGS/api_keys $1" ${2:+--worker-args "$2"} 2>>"$LOGS/up.log" &
-    UP=$!
-    for _ in $(seq 1 600); do
-        curl -sf "http://127.0.0.1:$((PORT + 1))/readyz" >/dev/null 2>&1 && break
-        sleep 0.2
-    done
-    curl -sf "http://127.0.0.1:$((PORT + 1))/readyz" >/dev/null || bench_die "the cluster did not come up (see $LOGS/)"
-}
-
-echo "== kvmesh per-key fairness benchmark ($(date -u +%Y-%m-%dT%H:%MZ))"
-echo "   CPU: $(bench_cpu); load before: $(bench_load)"
+bench_header "per-key fairness benchmark"
 echo "   1 worker, $THREADS threads; flood: $FLOOD_CONC connections x $FLOOD_TOKENS tokens; victim:"
 echo "   $VICTIM_N x $VICTIM_TOKENS tokens"
+bench_runs "$CONFIGS" "$REPEAT"
 RUN=0
-IFS=';' read -r -a ONE <<<"$CONFIGS"
-RUNS=()
-for _ in $(seq 1 "$REPEAT"); do RUNS+=("${ONE[@]}"); done
-for config in "${RUNS[@]}"; do
+for config in "${BENCH_RUNS[@]}"; do
 RUN=$((RUN + 1))
 rflags=${config%%|*}
 wflags=
 [[ $config == *"|"* ]] && wflags=${config#*|}
-start_up "$rflags" "$wflags"
+# a 1-worker cluster with those flags too, the tenants its HTTP API keys
+bench_up_start "$LOGS/run-$RUN" --workers 1 --threads "$THREADS" \
+    --router-args "--api-keys=$LOGS/api_keys $rflags" ${wflags:+--worker-args "$wflags"}
 echo
 echo "-- run $RUN: router flags: $rflags; worker flags: ${wflags:-(defaults)}; load: $(bench_load)"
-python3 - "$((PORT + 1))" "$(cat "$LOGS/flood.key")" "$(cat "$LOGS/victim.key")" \
+python3 - "${BENCH_HTTP##*:}" "$(cat "$LOGS/flood.key")" "$(cat "$LOGS/victim.key")" \
     "$FLOOD_CONC" "$FLOOD_TOKENS" "$VICTIM_N" "$VICTIM_TOKENS" "$ALONE_S" "$(cat "$LOGS/ops.key")" <<'PY'
 import http.client, json, sys, threading, time
 
@@ -170,5 +152,5 @@ print("  flood alone: %.1f tokens/s (prompt and generated, over %d s)" % (alone_
 print("  flood answers during the run: %d ok, %d 429, %d other" %
       (counts["ok"], counts["429"], counts["other"]))
 PY
-stop_up
+bench_up_stop
 done

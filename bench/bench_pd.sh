@@ -29,77 +29,48 @@ REPEAT=${REPEAT:-2}
 WORKER_ARGS=${WORKER_ARGS:-"--max-ctx=4608 --kv-bytes=256M"}
 CONFIGS=${CONFIGS:-"colocated:--workers=2;pd-1+1:--prefill-workers=1 --decode-workers=1"}
 LOGS=build/bench-pd-logs
+BENCH_NAME=bench-pd
+# shellcheck source=bench/bench_lib.sh
+. bench/bench_lib.sh
 rm -rf "$LOGS"
 mkdir -p "$LOGS"
+trap bench_up_stop EXIT
 
-UP=
-stop_up() {
-    [ -n "$UP" ] && { kill -INT "$UP" 2>/dev/null || true; wait "$UP" 2>/dev/null || true; }
-    UP=
-}
-trap stop_up EXIT
-
-field() { # RUN_DIR ID KEY: a field of cluster.env
-    grep "id=$2 " "$1/cluster.env" | tr ' ' '\n' | awk -F= -v k="$3" '$1 == k {print substr($0, length(k) + 2)}'
-}
-metric() { # URL SERIES: the value of one series of URL/metrics, 0 when absent
-    curl -s "$1/metrics" | awk -v s="$2" '$1 == s {print $2; f=1} END {if (!f) print 0}'
-}
-
-# start_up DIR FLAGS...: a cluster of single-threaded workers; waits for "cluster ready:"
-start_up() {
-    local dir=$1
-    shift
-    mkdir -p "$dir"
-    # shellcheck disable=SC2086 # WORKER_ARGS is one flag string for up
-    "$BIN/kvmesh" up --insecure --threads 1 --base-port 0 --log-dir "$dir/logs" --run-dir "$dir/run" \
-        --worker-args "$WORKER_ARGS" "$@" >"$dir/up.log" 2>&1 &
-    UP=$!
-    for _ in $(seq 1 900); do
-        grep -q "cluster ready:" "$dir/up.log" 2>/dev/null && return 0
-        kill -0 "$UP" 2>/dev/null || break
-        sleep 0.2
-    done
-    echo "bench-pd: the cluster did not come up (see $dir)" >&2
-    exit 1
-}
-
-CPU=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //')
-echo "== kvmesh prefill/decode benchmark ($CPU, $(nproc) cores, $(date -u +%Y-%m-%dT%H:%MZ), load $(cut -d' ' -f1-3 /proc/loadavg))"
+bench_header "prefill/decode benchmark"
 echo "   $STREAMS streams of $STREAM_TOKENS tokens (short prompts), a $LONG_MIN..$LONG_MAX-token prompt every $LONG_EVERY_MS ms ($LONG_TOKENS tokens), ${SECONDS_RUN} s a run, 1 thread per worker"
-IFS=';' read -r -a CFG <<<"$CONFIGS"
 RES="$LOGS/results.txt"
 : >"$RES"
-for rep in $(seq 1 "$REPEAT"); do
-    for c in "${CFG[@]}"; do
-        name=${c%%:*}
-        flags=${c#*:}
-        dir="$LOGS/$name-$rep"
-        # shellcheck disable=SC2086 # flags are up's arguments
-        start_up "$dir" $flags
-        rq=$(field "$dir/run" router requests)
-        http=$(field "$dir/run" router http)
-        sleep 2 # the router's view: roles and transfer addresses (one heartbeat)
-        line=$("$BENCH" --router "$rq" --seconds "$SECONDS_RUN" --streams "$STREAMS" \
-            --stream-tokens "$STREAM_TOKENS" --long-every-ms "$LONG_EVERY_MS" --long-min "$LONG_MIN" \
-            --long-max "$LONG_MAX" --long-tokens "$LONG_TOKENS" --seed "$rep" --label "$name" | tr '\n' ' ' || true)
-        dis=$(metric "$http" 'kvmesh_router_pd_total{decision="disaggregated"}')
-        during=0 after=0 rounds=""
-        for w in $(grep -o 'id=w[0-9]*' "$dir/run/cluster.env" | cut -d= -f2); do
-            adm=$(field "$dir/run" "$w" admin)
-            d=$(metric "$adm" 'kvmesh_worker_pd_pages_imported_total{when="during_prefill"}')
-            a=$(metric "$adm" 'kvmesh_worker_pd_pages_imported_total{when="after_prefill"}')
-            during=$(awk -v x="$during" -v y="$d" 'BEGIN {print x + y}')
-            after=$(awk -v x="$after" -v y="$a" 'BEGIN {print x + y}')
-        done
-        # per prompt: the decode worker's pd_done lines (pages imported during the prefill / the
-        # prompt's full pages, and the outcome: partial when the rest was computed there)
-        rounds=$(cat "$dir"/logs/w*.log 2>/dev/null | grep -o 'event=pd_done.*' |
-            sed -n 's/.* pages=\([0-9]*\).* during_prefill=\([0-9]*\).* outcome=\([a-z]*\).*/\2\/\1:\3/p' | tr '\n' ' ' || true)
-        total=$(echo "$rounds" | tr ' ' '\n' | awk -F'[/:]' 'NF >= 2 {t += $2} END {print t + 0}')
-        echo "$line disaggregated=$dis pages_during=$during pages_after=$after pages_total=$total per_prompt=[${rounds% }]" | tee -a "$RES"
-        stop_up
+bench_runs "$CONFIGS" "$REPEAT"
+for i in "${!BENCH_RUNS[@]}"; do
+    c=${BENCH_RUNS[$i]}
+    rep=$((i / BENCH_CONFIGS + 1))
+    name=${c%%:*}
+    flags=${c#*:}
+    dir="$LOGS/$name-$rep"
+    # shellcheck disable=SC2086 # flags are up's arguments
+    bench_up_start "$dir" --threads 1 --worker-args "$WORKER_ARGS" $flags
+    rq=$BENCH_RQ
+    http=$BENCH_HTTP
+    sleep 2 # the router's view: roles and transfer addresses (one heartbeat)
+    line=$("$BENCH" --router "$rq" --seconds "$SECONDS_RUN" --streams "$STREAMS" \
+        --stream-tokens "$STREAM_TOKENS" --long-every-ms "$LONG_EVERY_MS" --long-min "$LONG_MIN" \
+        --long-max "$LONG_MAX" --long-tokens "$LONG_TOKENS" --seed "$rep" --label "$name" | tr '\n' ' ' || true)
+    dis=$(bench_metric "$http" 'kvmesh_router_pd_total{decision="disaggregated"}')
+    during=0 after=0 rounds=""
+    for w in $(grep -o 'id=w[0-9]*' "$dir/run/cluster.env" | cut -d= -f2); do
+        adm=$(bench_field "$dir/run" "$w" admin)
+        d=$(bench_metric "$adm" 'kvmesh_worker_pd_pages_imported_total{when="during_prefill"}')
+        a=$(bench_metric "$adm" 'kvmesh_worker_pd_pages_imported_total{when="after_prefill"}')
+        during=$(awk -v x="$during" -v y="$d" 'BEGIN {print x + y}')
+        after=$(awk -v x="$after" -v y="$a" 'BEGIN {print x + y}')
     done
+    # per prompt: the decode worker's pd_done lines (pages imported during the prefill / the
+    # prompt's full pages, and the outcome: partial when the rest was computed there)
+    rounds=$(cat "$dir"/logs/w*.log 2>/dev/null | grep -o 'event=pd_done.*' |
+        sed -n 's/.* pages=\([0-9]*\).* during_prefill=\([0-9]*\).* outcome=\([a-z]*\).*/\2\/\1:\3/p' | tr '\n' ' ' || true)
+    total=$(echo "$rounds" | tr ' ' '\n' | awk -F'[/:]' 'NF >= 2 {t += $2} END {print t + 0}')
+    echo "$line disaggregated=$dis pages_during=$during pages_after=$after pages_total=$total per_prompt=[${rounds% }]" | tee -a "$RES"
+    bench_up_stop
 done
 
 echo

@@ -54,13 +54,7 @@ die() {
 mkdir -p "$OUT"
 
 PID=
-stop() {
-    if [ -n "$PID" ]; then
-        kill "$PID" 2>/dev/null || true
-        wait "$PID" 2>/dev/null || true
-    fi
-    PID=
-}
+stop() { bench_stop_pid PID; }
 trap stop EXIT
 
 BENCH_NAME=bench_spec.sh

@@ -81,13 +81,7 @@ if [ "$LLAMA_REPACK" != 1 ] && [[ " $SERVERS " == *" llama-server "* ]]; then
 fi
 
 SERVER_PID=
-stop_server() {
-    if [ -n "$SERVER_PID" ]; then
-        kill "$SERVER_PID" 2>/dev/null || true
-        wait "$SERVER_PID" 2>/dev/null || true
-    fi
-    SERVER_PID=
-}
+stop_server() { bench_stop_pid SERVER_PID; }
 trap stop_server EXIT
 
 start_kvmesh() { # log

@@ -17,6 +17,9 @@
 
 static ctl_controller *g_ctl;
 
+/* The longest duration most flags accept: a day, in ms. */
+#define DAY_MS 86400000LL
+
 static void on_signal(int signo)
 {
     (void)signo;
@@ -34,6 +37,29 @@ static int write_ports(const char *path, ctl_controller *c)
     fprintf(f, "listen=%s\nview=%s\nadmin=%d\npid=%d\n", listen, view, ctl_controller_admin_port(c),
             (int)getpid());
     if (fclose(f) || rename(tmp, path)) return KM_EIO;
+    return 0;
+}
+
+/* What the option table cannot say: the on/off flags read into c, and that --pressure-low does
+ * not exceed --pressure-high. 0, or -1 with the message on stderr. */
+static int check_flags(ctl_config *c, const char *recovery, const char *roles)
+{
+    const struct {
+        const char *flag, *word;
+        bool *on;
+    } words[] = {
+        {"recovery", recovery, &c->policy.recovery},
+        {"roles-follow-load", roles, &c->roles.on},
+    };
+    for (size_t i = 0; i < sizeof words / sizeof words[0]; i++)
+        if (km_parse_bool(words[i].word, words[i].on)) {
+            fprintf(stderr, "kvmesh-controller: --%s must be on or off\n", words[i].flag);
+            return -1;
+        }
+    if (c->policy.pressure_low > c->policy.pressure_high) {
+        fprintf(stderr, "kvmesh-controller: --pressure-low must not exceed --pressure-high\n");
+        return -1;
+    }
     return 0;
 }
 
@@ -73,17 +99,17 @@ int main(int argc, char **argv)
          "calm at or below this pressure (level 2 reverts after --revert-after)", &pc->pressure_low,
          0, 100},
         {"cooldown", NULL, KM_OPT_DURATION, "5s", "wait between levels 1 -> 2 -> 3",
-         &pc->cooldown_ms, 0, 86400000},
+         &pc->cooldown_ms, 0, DAY_MS},
         {"l1-repeat", NULL, KM_OPT_INT, "3",
          "level 1 fired this often within --l1-window: level 2 next; 0 = off", &l1_repeat, 0, 64},
         {"l1-window", NULL, KM_OPT_DURATION, "60s", "window of --l1-repeat", &pc->l1_window_ms, 1,
-         86400000},
+         DAY_MS},
         {"revert-after", NULL, KM_OPT_DURATION, "30s",
          "level 2 (fp8) reverted to f16 after pressure stayed low this long", &pc->revert_after_ms,
-         0, 86400000},
+         0, DAY_MS},
         {"stall-timeout", NULL, KM_OPT_DURATION, "15s",
          "busy with no token computed this long: level 3; 0 = off", &pc->stall_timeout_ms, 0,
-         86400000},
+         DAY_MS},
         {"error-storm", NULL, KM_OPT_FLOAT, "50",
          "errors rising faster than this per second: level 3; 0 = off", &pc->error_storm, 0, 1e12},
         {"max-gpu", NULL, KM_OPT_SIZE, "0",
@@ -101,16 +127,15 @@ int main(int argc, char **argv)
         {"restart-timeout", NULL, KM_OPT_DURATION, "2m",
          "a worker drained by level 3 and silent this long (no supervisor restarted it) is dead; "
          "0 = wait forever",
-         &pc->restart_timeout_ms, 0, 86400000},
+         &pc->restart_timeout_ms, 0, DAY_MS},
         {"forget-after", NULL, KM_OPT_DURATION, "10m",
          "a member silent this long (dead or left) is forgotten: removed from the view (routers "
-         "free "
-         "its slot); 0 = never",
-         &pc->forget_after_ms, 0, 86400000 * 30LL},
+         "free its slot); 0 = never",
+         &pc->forget_after_ms, 0, 30LL * DAY_MS},
         {"action-timeout", NULL, KM_OPT_DURATION, "30s",
          "a worker silent while it carries out a command it has not yet acknowledged (e.g. an "
          "fp8 conversion) is declared dead only after this",
-         &pc->action_timeout_ms, 0, 86400000},
+         &pc->action_timeout_ms, 0, DAY_MS},
         {"roles-follow-load", NULL, KM_OPT_STR, "on",
          "on: move workers between the prefill and decode pools when one misses its targets and "
          "the other has room (docs/disaggregation.md); off: only an operator changes roles",
@@ -118,21 +143,21 @@ int main(int argc, char **argv)
         {"ttft-target", NULL, KM_OPT_DURATION, "10s",
          "the prefill pool misses when a busy prefill worker's time to first token p90 is above "
          "this; 0 = off",
-         &rc->ttft_target_ms, 0, 86400000},
+         &rc->ttft_target_ms, 0, DAY_MS},
         {"itl-target", NULL, KM_OPT_DURATION, "250ms",
          "the decode pool misses when a busy decode worker's time per output token p90 is above "
          "this; 0 = off",
-         &rc->itl_target_ms, 0, 86400000},
+         &rc->itl_target_ms, 0, DAY_MS},
         {"role-queue", NULL, KM_OPT_FLOAT, "4",
          "a pool misses above this many requests per worker (prefill: running + queued, decode: "
          "queued)",
          &rc->queue_target, 0, 1e6},
         {"role-window", NULL, KM_OPT_DURATION, "30s",
          "a pool misses (or both meet their targets) this long before a worker moves",
-         &rc->window_ms, 0, 86400000},
+         &rc->window_ms, 0, DAY_MS},
         {"role-hold", NULL, KM_OPT_DURATION, "2m",
          "a worker keeps a role at least this long before the controller moves it", &rc->hold_ms, 0,
-         86400000},
+         DAY_MS},
         {"ports-file", NULL, KM_OPT_STR, NULL, "write listen=, view=, admin=, pid= here once ready",
          &ports_file, 0, 0},
         KM_SEC_OPT_ROWS(&sec_args),
@@ -145,18 +170,7 @@ int main(int argc, char **argv)
         "kvmesh-controller", "membership, health and three-level recovery of a kvmesh cluster",
         opts, sizeof opts / sizeof opts[0], argc, argv, &log_level, &log_format, &cfg);
     if (crc) return crc == 1 ? 0 : 2;
-    if (km_parse_bool(recovery, &pc->recovery)) {
-        fprintf(stderr, "kvmesh-controller: --recovery must be on or off\n");
-        km_config_destroy(cfg);
-        return 2;
-    }
-    if (km_parse_bool(roles, &rc->on)) {
-        fprintf(stderr, "kvmesh-controller: --roles-follow-load must be on or off\n");
-        km_config_destroy(cfg);
-        return 2;
-    }
-    if (pc->pressure_low > pc->pressure_high) {
-        fprintf(stderr, "kvmesh-controller: --pressure-low must not exceed --pressure-high\n");
+    if (check_flags(&c, recovery, roles)) {
         km_config_destroy(cfg);
         return 2;
     }

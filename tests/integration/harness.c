@@ -73,6 +73,13 @@ bool it_have(const char *const *paths)
     return true;
 }
 
+bool it_have_curl(void)
+{
+    if (!system("command -v curl >/dev/null 2>&1")) return true;
+    cr_skip_test("curl is not installed");
+    return false;
+}
+
 void it_proc_dir(it_proc *p, const char *tag)
 {
     if (p->dir[0]) return;
@@ -179,6 +186,36 @@ void it_start_worker(it_proc *p, const char *tag, const char *const *flags,
     for (int i = 0; flags && flags[i] && n < 47; i++) argv[n++] = flags[i];
     argv[n] = NULL;
     it_spawn(p, argv, extra, "worker.log");
+}
+
+bool it_router_http_start(it_proc *r, it_proc *w, int nw, int threads, const char *tag,
+                          const char *const *extra)
+{
+    if (!it_have((const char *const[]){IT_MODEL, IT_WORKER, IT_ROUTER, NULL})) return false;
+    char workers[4096] = "--workers=", nthreads[32];
+    snprintf(nthreads, sizeof nthreads, "--threads=%d", threads);
+    for (int i = 0; i < nw; i++) {
+        char id[32];
+        snprintf(id, sizeof id, "--worker-id=w%d", i);
+        const char *flags[] = {"--admin-port=-1", nthreads, "--log-level=warn", id, NULL};
+        memset(&w[i], 0, sizeof w[i]);
+        it_start_worker(&w[i], tag, flags, NULL);
+        snprintf(workers + strlen(workers), sizeof workers - strlen(workers), "%sw%d=%s+%s",
+                 i ? "," : "", i, w[i].req, w[i].ev);
+    }
+    memset(r, 0, sizeof *r);
+    it_proc_dir(r, tag);
+    char ports[128];
+    snprintf(ports, sizeof ports, "%s/ports", r->dir);
+    const char *argv[] = {IT_ROUTER,       "--front=tcp://127.0.0.1:*",
+                          "--http-port=0", "--log-level=warn",
+                          workers,         "--ports-file",
+                          ports,           NULL};
+    it_spawn(r, argv, extra, "log");
+    char out[64];
+    IT_WAIT(it_http_get(r->http_port, "/readyz", out, sizeof out) == 200, 30000,
+            "no worker came up at the router (logs in %s)", r->dir);
+    return true;
 }
 
 int it_wait_exit(it_proc *p, int timeout_ms)
@@ -582,6 +619,21 @@ char *it_stdout(const char *cmd)
     pclose(f);
     km_buf_append(&b, "", 1);
     return (char *)b.data;
+}
+
+char *it_curl_post(const char *url, const char *body_path, int max_s, int *status)
+{
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd,
+             "curl -sN --max-time %d -w '\\n%%{http_code}' -H 'Content-Type: application/json' "
+             "--data-binary @%s %s",
+             max_s, body_path, url);
+    char *out = it_stdout(cmd);
+    char *nl = strrchr(out, '\n');
+    cr_assert_not_null(nl, "no answer from %s", url);
+    *status = atoi(nl + 1);
+    *nl = 0;
+    return out;
 }
 
 int it_shell(const char *cmd, char **out)

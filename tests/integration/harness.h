@@ -47,6 +47,9 @@ typedef struct it_proc {
 /* True when every path in the NULL-terminated list exists; otherwise the test is skipped with a
  * message naming what to run (make deps, make build) and false is returned. */
 bool it_have(const char *const *paths);
+/* True when curl is on the PATH; otherwise the test is skipped with a message and false is
+ * returned. */
+bool it_have_curl(void);
 /* Creates p->dir (/tmp/kvmesh-<tag>-XXXXXX) unless it is set already. */
 void it_proc_dir(it_proc *p, const char *tag);
 /* Starts argv[0] (looked up in PATH when it has no slash) with argv (NULL-terminated) then extra
@@ -64,6 +67,14 @@ void it_spawn_wait(it_proc *p);
  * <dir>/worker.log. */
 void it_start_worker(it_proc *p, const char *tag, const char *const *flags,
                      const char *const *extra);
+/* A router in front of nw kvmesh-workers of the default model, for the suites that drive it over
+ * HTTP: w[0..nw) with worker ids w0, w1, ..., `threads` threads each, no admin port; r with its
+ * ZeroMQ front and HTTP port ephemeral, then extra router flags (NULL-terminated, may be NULL);
+ * both log at warn, in dirs named after tag. Returns once the router's /readyz answers 200 (a
+ * worker is routable), failing the test after 30 s; false (skipped) without the model or the
+ * daemons. */
+bool it_router_http_start(it_proc *r, it_proc *w, int nw, int threads, const char *tag,
+                          const char *const *extra);
 /* The worker binary it_start_worker runs: $KVMESH_IT_WORKER when set (make unit-tests-tsan runs
  * the heartbeat test against a ThreadSanitizer build so), IT_WORKER otherwise. */
 const char *it_worker_bin(void);
@@ -178,6 +189,10 @@ void it_up_start(it_up *u, const char *tag, const char *const *args);
 int it_shell(const char *cmd, char **out);
 /* What a shell command printed on its stdout (malloc'd, NUL-terminated; the caller frees). */
 char *it_stdout(const char *cmd);
+/* POSTs the file body_path as JSON to url with curl (-N: a stream is read to its end), giving up
+ * after max_s seconds: the answer's body (malloc'd, NUL-terminated; the caller frees), *status
+ * its HTTP status (0 when nothing answered). */
+char *it_curl_post(const char *url, const char *body_path, int max_s, int *status);
 /* it_shell, and fails the test unless it exits with `status` and its output contains `says`. */
 void it_shell_expect(const char *cmd, int status, const char *says);
 

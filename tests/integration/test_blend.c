@@ -25,35 +25,10 @@ static char g_base[64], g_body[128];
 /* nw workers (w0, w1) and a router in front of them (extra router flags NULL-terminated). */
 static bool cluster_of(int nw, const char *const *extra)
 {
-    if (!it_have((const char *const[]){IT_MODEL, IT_WORKER, IT_ROUTER, NULL})) return false;
-    if (system("command -v curl >/dev/null 2>&1")) {
-        cr_skip_test("curl is not installed");
-        return false;
-    }
-    char workers[2400] = "--workers=";
+    if (!it_have_curl() || !it_router_http_start(&g_r, g_w, nw, 1, "blend", extra)) return false;
     g_nw = nw;
-    for (int i = 0; i < nw; i++) {
-        char id[32];
-        snprintf(id, sizeof id, "--worker-id=w%d", i);
-        const char *wflags[] = {"--admin-port=-1", "--threads=1", "--log-level=warn", id, NULL};
-        it_start_worker(&g_w[i], "blend", wflags, NULL);
-        snprintf(workers + strlen(workers), sizeof workers - strlen(workers), "%sw%d=%s+%s",
-                 i ? "," : "", i, g_w[i].req, g_w[i].ev);
-    }
-    memset(&g_r, 0, sizeof g_r);
-    it_proc_dir(&g_r, "blend");
-    char ports[128];
-    snprintf(ports, sizeof ports, "%s/ports", g_r.dir);
-    const char *argv[] = {IT_ROUTER,       "--front=tcp://127.0.0.1:*",
-                          "--http-port=0", "--log-level=warn",
-                          workers,         "--ports-file",
-                          ports,           NULL};
-    it_spawn(&g_r, argv, extra, "log");
     snprintf(g_base, sizeof g_base, "http://127.0.0.1:%d", g_r.http_port);
     snprintf(g_body, sizeof g_body, "%s/body.json", g_r.dir);
-    char out[64];
-    IT_WAIT(it_http_get(g_r.http_port, "/readyz", out, sizeof out) == 200, 30000,
-            "the worker did not come up at the router");
     return true;
 }
 
@@ -72,16 +47,9 @@ static void stop_cluster(void)
 static json_t *post(const char *path, json_t *body, int *status)
 {
     cr_assert_eq(json_dump_file(body, g_body, 0), 0);
-    char cmd[512];
-    snprintf(cmd, sizeof cmd,
-             "curl -sN --max-time 300 -w '\\n%%{http_code}' -H 'Content-Type: application/json' "
-             "--data-binary @%s %s%s",
-             g_body, g_base, path);
-    char *out = it_stdout(cmd);
-    char *nl = strrchr(out, '\n');
-    cr_assert_not_null(nl, "no answer from %s", path);
-    *status = atoi(nl + 1);
-    *nl = 0;
+    char url[256];
+    snprintf(url, sizeof url, "%s%s", g_base, path);
+    char *out = it_curl_post(url, g_body, 300, status);
     json_t *o = json_loads(out, 0, NULL);
     cr_assert_not_null(o, "%s", out);
     free(out);

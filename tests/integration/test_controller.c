@@ -480,3 +480,21 @@ Test(controller, a_drain_that_loses_the_cache_says_how_many_pages)
     cr_assert_geq(atoi(line + strlen("pages_dropped=")), 6, "%s", line);
     it_stop(&ctl);
 }
+
+Test(controller, flags_the_option_table_cannot_check_are_refused_with_exit_2)
+{
+    if (!it_have((const char *const[]){IT_CONTROLLER, NULL})) return;
+    const struct {
+        const char *flags, *says;
+    } bad[] = {
+        {"--recovery=maybe", "--recovery must be on or off"},
+        {"--roles-follow-load=sometimes", "--roles-follow-load must be on or off"},
+        {"--pressure-low=0.95 --pressure-high=0.9", "--pressure-low must not exceed"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char cmd[512];
+        snprintf(cmd, sizeof cmd, "%s --admin-port=-1 --listen=tcp://127.0.0.1:0 %s", IT_CONTROLLER,
+                 bad[i].flags);
+        it_shell_expect(cmd, 2, bad[i].says);
+    }
+}

@@ -33,29 +33,9 @@ static char g_base[64], g_body[128];
  * (skipped) without the model, the binaries or curl. */
 static bool cluster(const char **extra)
 {
-    if (!it_have((const char *const[]){IT_MODEL, IT_WORKER, IT_ROUTER, NULL})) return false;
-    if (system("command -v curl >/dev/null 2>&1")) {
-        cr_skip_test("curl is not installed");
-        return false;
-    }
-    const char *wflags[] = {"--admin-port=-1", "--threads=1", "--log-level=warn", "--worker-id=w0",
-                            NULL};
-    it_start_worker(&g_w, "oai", wflags, NULL);
-    memset(&g_r, 0, sizeof g_r);
-    it_proc_dir(&g_r, "oai");
-    char ports[128], workers[1200];
-    snprintf(ports, sizeof ports, "%s/ports", g_r.dir);
-    snprintf(workers, sizeof workers, "--workers=w0=%s+%s", g_w.req, g_w.ev);
-    const char *argv[] = {IT_ROUTER,       "--front=tcp://127.0.0.1:*",
-                          "--http-port=0", "--log-level=warn",
-                          workers,         "--ports-file",
-                          ports,           NULL};
-    it_spawn(&g_r, argv, extra, "log");
+    if (!it_have_curl() || !it_router_http_start(&g_r, &g_w, 1, 1, "oai", extra)) return false;
     snprintf(g_base, sizeof g_base, "http://127.0.0.1:%d", g_r.http_port);
     snprintf(g_body, sizeof g_body, "%s/body.json", g_r.dir);
-    char out[64];
-    IT_WAIT(it_http_get(g_r.http_port, "/readyz", out, sizeof out) == 200, 30000,
-            "the worker did not come up at the router");
     return true;
 }
 
@@ -72,17 +52,9 @@ static char *post(const char *path, const char *body, int *status)
     cr_assert_not_null(f);
     fputs(body, f);
     fclose(f);
-    char cmd[512];
-    snprintf(cmd, sizeof cmd,
-             "curl -sN --max-time 120 -w '\\n%%{http_code}' -H 'Content-Type: application/json' "
-             "--data-binary @%s %s%s",
-             g_body, g_base, path);
-    char *out = it_stdout(cmd);
-    char *nl = strrchr(out, '\n');
-    cr_assert_not_null(nl, "no answer from %s", path);
-    *status = atoi(nl + 1);
-    *nl = 0;
-    return out;
+    char url[256];
+    snprintf(url, sizeof url, "%s%s", g_base, path);
+    return it_curl_post(url, g_body, 120, status);
 }
 
 /* POSTs body and parses the 200 JSON answer. */

@@ -543,10 +543,7 @@ Test(router, a_late_router_catches_up_and_replicas_route_alike)
 static bool curl_and_a_router(proc *w, proc *r)
 {
     if (!have_binaries()) return false;
-    if (system("command -v curl >/dev/null 2>&1")) {
-        cr_skip_test("curl is not installed");
-        return false;
-    }
+    if (!it_have_curl()) return false;
     const char *ids[1] = {"w0"};
     start_worker(&w[0], ids[0]);
     start_router(r, w, ids, 1, NULL);
@@ -1259,10 +1256,7 @@ static void one_worker_cluster(proc *w, proc *r, const char **extra)
 Test(router, a_small_request_is_answered_while_4_MB_prompts_are_tokenized)
 {
     if (!have_binaries()) return;
-    if (system("command -v curl >/dev/null 2>&1")) {
-        cr_skip_test("curl is not installed");
-        return;
-    }
+    if (!it_have_curl()) return;
     proc w[1], r;
     const char *extra[] = {"--max-prompt-bytes=8M", "--max-body=8M", NULL};
     one_worker_cluster(&w[0], &r, extra);

@@ -795,10 +795,7 @@ static const char *completion_body(void)
 Test(security, every_http_endpoint_needs_the_right_api_key)
 {
     if (!have_model()) return;
-    if (system("command -v curl >/dev/null 2>&1")) {
-        cr_skip_test("curl is not installed");
-        return;
-    }
+    if (!it_have_curl()) return;
     start_cluster();
     char unknown[KM_APIKEY_TOKEN_MAX];
     cr_assert_eq(km_apikey_generate(unknown, sizeof unknown), 0);
@@ -858,10 +855,7 @@ static long cached_tokens(const char *body)
 Test(security, two_api_keys_never_share_cached_prefixes)
 {
     if (!have_model()) return;
-    if (system("command -v curl >/dev/null 2>&1")) {
-        cr_skip_test("curl is not installed");
-        return;
-    }
+    if (!it_have_curl()) return;
     start_cluster();
     char out[1 << 16];
     cr_assert_eq(http("POST", "/v1/completions", g_acme, completion_body(), out, sizeof out), 200,

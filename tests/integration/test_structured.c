@@ -149,37 +149,7 @@ static bool valid(json_t *v, json_t *s)
 
 static bool cluster(proc *w, proc *r)
 {
-    if (!it_have((const char *const[]){IT_MODEL, IT_WORKER, IT_ROUTER, NULL})) return false;
-    if (system("command -v curl >/dev/null 2>&1")) {
-        cr_skip_test("curl is not installed");
-        return false;
-    }
-    memset(w, 0, sizeof *w);
-    const char *flags[] = {"--admin-port=-1", "--threads=2", "--log-level=warn", "--worker-id=w0",
-                           NULL};
-    it_start_worker(w, "st", flags, NULL);
-    memset(r, 0, sizeof *r);
-    it_proc_dir(r, "st");
-    char ports[128], workers[1200];
-    snprintf(ports, sizeof ports, "%s/ports", r->dir);
-    snprintf(workers, sizeof workers, "--workers=w0=%s+%s", w->req, w->ev);
-    const char *argv[] = {IT_ROUTER,       "--front=tcp://127.0.0.1:*",
-                          "--http-port=0", "--log-level=warn",
-                          workers,         "--ports-file",
-                          ports,           NULL};
-    it_spawn(r, argv, NULL, "log");
-    char url[128];
-    snprintf(url, sizeof url, "http://127.0.0.1:%d/v1/status", r->http_port);
-    for (uint64_t dl = it_deadline(30000);;) {
-        km_buf b = {0};
-        int st = 0;
-        km_errbuf err = {{0}};
-        bool up = !kvm_http_get(url, 5000, &b, &st, &err) && st == 200 && b.len &&
-                  strstr((const char *)b.data, "\"up\":true");
-        km_buf_free(&b);
-        if (up) return true;
-        cr_assert(it_poll(dl), "the worker did not come up at the router");
-    }
+    return it_have_curl() && it_router_http_start(r, w, 1, 2, "st", NULL);
 }
 
 typedef struct call {
@@ -764,27 +734,8 @@ Test(structured, parallel_tool_calls_give_an_array_of_calls, .timeout = 600)
 
 Test(structured, a_constrained_stream_whose_worker_is_killed_continues_its_grammar, .timeout = 600)
 {
-    if (!it_have((const char *const[]){IT_MODEL, IT_WORKER, IT_ROUTER, NULL})) return;
     proc w[2], r;
-    char workers[2400] = "--workers=";
-    for (int i = 0; i < 2; i++) {
-        memset(&w[i], 0, sizeof w[i]);
-        char wid[32];
-        snprintf(wid, sizeof wid, "--worker-id=w%d", i);
-        const char *flags[] = {"--admin-port=-1", "--threads=1", "--log-level=warn", wid, NULL};
-        it_start_worker(&w[i], "st", flags, NULL);
-        snprintf(workers + strlen(workers), sizeof workers - strlen(workers), "%sw%d=%s+%s",
-                 i ? "," : "", i, w[i].req, w[i].ev);
-    }
-    memset(&r, 0, sizeof r);
-    it_proc_dir(&r, "st");
-    char ports[128];
-    snprintf(ports, sizeof ports, "%s/ports", r.dir);
-    const char *argv[] = {IT_ROUTER,       "--front=tcp://127.0.0.1:*",
-                          "--http-port=0", "--log-level=warn",
-                          workers,         "--ports-file",
-                          ports,           NULL};
-    it_spawn(&r, argv, NULL, "log");
+    if (!it_router_http_start(&r, w, 2, 1, "st", NULL)) return;
     kvm_client *c = NULL;
     km_errbuf err = {{0}};
     kvm_opts o = {.timeout_ms = 120000};
