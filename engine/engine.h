@@ -164,6 +164,9 @@ typedef struct en_batch {
      * K/V are not written, what its sequence holds there stays. Tokens asking for logits must
      * go through every layer. Dense models only. */
     const int16_t *depth;
+    /* With depth: 1 if a token of depth d < n_layers also writes its K/V of layer d (that layer's
+     * projections only, no attention or feed-forward): what chunk reuse's probe reads. */
+    int depth_kv;
 } en_batch;
 
 /* Runs the batch. On success *logits points to n_out rows of n_vocab floats (engine-owned,
