@@ -297,6 +297,18 @@ int en_blend_chunk_attach(en_engine *e, const en_blend_key *k, const int32_t *to
     return rc * pt - n_pre;
 }
 
+int en_blend_chunk_held(en_engine *e, const en_blend_key *k, const int32_t *tokens, int n)
+{
+    const int pt = e->page_tokens, n_pre = k->pre ? k->n_pre : 0;
+    int32_t *ids;
+    km_pagehash *h;
+    int np = bl_chain(e, k, tokens, n, &ids, &h), rc = np;
+    if (np > 0) rc = kv_store_held(e->kv, h, ids, np, NULL);
+    free(ids);
+    free(h);
+    return rc < 0 ? rc : rc * pt > n_pre ? rc * pt - n_pre : 0;
+}
+
 int en_blend_chunk_store(en_engine *e, const en_blend_key *k, const int32_t *tokens, int n)
 {
     const int pt = e->page_tokens;
