@@ -20,8 +20,9 @@
  * Per mode: TTFT (the prefill up to the first token's logits) p50/p90, tokens reused and
  * recomputed, the perplexity of the reference continuations (teacher-forced after the prompt),
  * and greedy agreement with full (of the first 32 greedy tokens: how many before the first
- * difference, and how many equal position by position); --verbose 1: per prompt too. Nothing
- * is asserted about time.
+ * difference, and how many equal position by position); --verbose 1: per prompt too.
+ * --interleave 1 runs each prompt through every mode in turn (every mode's engine open), so that
+ * on a shared machine the modes' times see the same load. Nothing is asserted about time.
  */
 #include <dirent.h>
 #include <math.h>
@@ -210,36 +211,56 @@ static int continue_prompt(en_engine *e, kv_seq *q, prompt *p, int ip, const flo
     return rc < 0 ? rc : 0;
 }
 
-/* One mode over every prompt on a fresh engine: fraction < 0 is full (-1) or prefix (-2). */
-static int run_mode(const en_model *m, int threads, const doc *d, int nd, prompt *ps, int np,
-                    float fraction, int reuse_last, const int32_t *pre, result *r,
-                    int32_t (*greedy)[N_GREEDY])
-{
-    const int nv = en_model_hparams(m)->n_vocab;
-    en_engine_opts o = {.n_threads = threads, .max_batch_tokens = 512, .kv_bytes = (size_t)1 << 30};
+/* One mode on its own engine: fraction < 0 is full (-1) or prefix (-2). */
+typedef struct mode_run {
     en_engine *e;
+    km_pagehash tenant;
+    en_blend_key key;
+    float fraction;
+    int reuse_last, nv;
+} mode_run;
+
+static int mode_open(const en_model *m, int threads, const doc *d, int nd, float fraction,
+                     int reuse_last, const int32_t *pre, mode_run *mr, result *r)
+{
+    en_engine_opts o = {.n_threads = threads, .max_batch_tokens = 512, .kv_bytes = (size_t)1 << 30};
     km_errbuf err = {{0}};
-    if (en_engine_create(m, &o, &e, &err)) {
+    memset(mr, 0, sizeof *mr);
+    if (en_engine_create(m, &o, &mr->e, &err)) {
         fprintf(stderr, "bench_blend: %s\n", err.msg);
         return -1;
     }
-    kv_store *kv = en_engine_kv(e);
-    const km_pagehash tenant = km_pagehash_seed(NULL, 0, 1, NULL, 0);
-    const int pt = kv_store_page_tokens(kv);
-    const en_blend_key key = {en_blend_chunk_seed(tenant), pre,
-                              pre ? (pre == g_sys ? g_nsys : pt) : 0};
+    const int pt = kv_store_page_tokens(en_engine_kv(mr->e));
+    mr->tenant = km_pagehash_seed(NULL, 0, 1, NULL, 0);
+    mr->key = (en_blend_key){en_blend_chunk_seed(mr->tenant), pre,
+                             pre ? (pre == g_sys ? g_nsys : pt) : 0};
+    mr->fraction = fraction, mr->reuse_last = reuse_last;
+    mr->nv = en_model_hparams(m)->n_vocab;
     memset(r, 0, sizeof *r);
     int rc = 0;
     if (fraction >= 0) { /* ingestion: every document cached alone */
         const uint64_t t0 = km_now_ns();
-        for (int i = 0; i < nd && !rc; i++) rc = en_blend_chunk_store(e, &key, d[i].ids, d[i].n);
+        for (int i = 0; i < nd && !rc; i++)
+            rc = en_blend_chunk_store(mr->e, &mr->key, d[i].ids, d[i].n);
         r->ingest_ms = (double)(km_now_ns() - t0) / 1e6;
     }
+    return rc;
+}
+
+/* Prompt i of the mode: TTFT, then the reference's NLL and the greedy tokens. */
+static int mode_prompt(mode_run *mr, prompt *p, int i, result *r, int32_t *greedy)
+{
+    en_engine *e = mr->e;
+    kv_store *kv = en_engine_kv(e);
+    const km_pagehash tenant = mr->tenant;
+    const en_blend_key key = mr->key;
+    const float fraction = mr->fraction;
+    const int reuse_last = mr->reuse_last, nv = mr->nv, pt = kv_store_page_tokens(kv);
+    int rc = 0;
     static km_pagehash h[MAX_PROMPT / 16 + 1];
-    for (int i = 0; i < np && !rc; i++) {
-        prompt *p = &ps[i];
+    {
         kv_seq *q, *c[MAX_SEG] = {0};
-        if ((rc = kv_seq_create(kv, &q))) break;
+        if ((rc = kv_seq_create(kv, &q))) return rc;
         const uint64_t t0 = km_now_ns();
         int done = 0;
         const int nh = km_pagehash_chain(tenant, p->ids, p->n - 1, pt, h, MAX_PROMPT / 16 + 1);
@@ -268,7 +289,7 @@ static int run_mode(const en_model *m, int threads, const doc *d, int nd, prompt
         const float *lg = NULL;
         if (!rc) rc = en_blend_prefill(e, q, p->ids, p->n, done, seg, ns, &bo, &st, &lg);
         r->ttft[i] = (double)(km_now_ns() - t0) / 1e6;
-        if (rc) break;
+        if (rc) return rc;
         r->reused += st.reused + done, r->recomputed += st.recomputed;
         r->computed += st.computed, r->token_layers += st.token_layers;
         /* blended pages are not what full recomputation gives: only those before the first
@@ -277,10 +298,9 @@ static int run_mode(const en_model *m, int threads, const doc *d, int nd, prompt
         if (fraction != -1) kv_seq_publish(kv, q, h, p->ids, exact * pt);
         for (int s = 0; s < p->n_seg; s++)
             if (c[s]) kv_seq_destroy(kv, c[s]);
-        rc = continue_prompt(e, q, p, i, lg, nv, r, greedy[i]);
+        rc = continue_prompt(e, q, p, i, lg, nv, r, greedy);
         kv_seq_destroy(kv, q);
     }
-    en_engine_destroy(e);
     return rc;
 }
 
@@ -353,13 +373,29 @@ int main(int argc, char **argv)
            "agree_pos");
     static int32_t greedy[MAX_MODES][MAX_PROMPTS][N_GREEDY];
     double full_ppl = 0, prefix_p50 = 0;
-    for (int k = 0; k < nm; k++) {
-        result r;
-        if (run_mode(m, threads, d, nd, ps, np, modes[k], last[k], use_pre ? pre_ids : NULL, &r,
-                     greedy[k])) {
-            fprintf(stderr, "bench_blend: mode %d failed\n", k);
+    /* --interleave 1: every mode's engine open at once, each prompt through every mode in turn,
+     * so that the modes share the machine's state (its load) prompt by prompt */
+    static result res[MAX_MODES];
+    static mode_run mr[MAX_MODES];
+    const int inter = atoi(bench_arg(argc, argv, "--interleave", "0"));
+    for (int k0 = 0; k0 < nm; k0 = inter ? nm : k0 + 1) {
+        const int k1 = inter ? nm : k0 + 1;
+        int rc = 0;
+        for (int k = k0; k < k1 && !rc; k++)
+            rc = mode_open(m, threads, d, nd, modes[k], last[k], use_pre ? pre_ids : NULL, &mr[k],
+                           &res[k]);
+        for (int i = 0; i < np && !rc; i++)
+            for (int k = k0; k < k1 && !rc; k++)
+                rc = mode_prompt(&mr[k], &ps[i], i, &res[k], greedy[k][i]);
+        for (int k = k0; k < k1; k++)
+            if (mr[k].e) en_engine_destroy(mr[k].e);
+        if (rc) {
+            fprintf(stderr, "bench_blend: a mode failed\n");
             return 1;
         }
+    }
+    for (int k = 0; k < nm; k++) {
+        result r = res[k];
         int lead = 0, pos = 0;
         for (int i = 0; i < np; i++) {
             int j = 0;
