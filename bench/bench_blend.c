@@ -13,11 +13,16 @@
  *            comes back at the same position;
  *   blend f  the documents were cached at ingestion (timed apart), each after the system line
  *            (--preamble); each prompt attaches its documents' pages, re-rotates them and
- *            recomputes with fraction f, the last document in full ("f r": reused too).
+ *            recomputes with fraction f, the last document in full ("f r": reused too), as
+ *            the scheduler does: the last document is then not attached; the first, right
+ *            after the system line it was computed after, is exact and taken as a prefix
+ *            (--exact-first 0: repaired like the others).
  * Per mode: TTFT (the prefill up to the first token's logits) p50/p90, tokens reused and
  * recomputed, the perplexity of the reference continuations (teacher-forced after the prompt),
  * and greedy agreement with full (of the first 32 greedy tokens: how many before the first
- * difference, and how many equal position by position). Nothing is asserted about time.
+ * difference, and how many equal position by position); --verbose 1: per prompt too.
+ * --interleave 1 runs each prompt through every mode in turn (every mode's engine open), so that
+ * on a shared machine the modes' times see the same load. Nothing is asserted about time.
  */
 #include <dirent.h>
 #include <math.h>
@@ -46,13 +51,13 @@ typedef struct prompt {
     int32_t ids[MAX_PROMPT + N_REF];
     int n; /* prompt tokens; the reference follows at ids[n] */
     en_blend_seg seg[MAX_SEG];
-    int doc[MAX_SEG], n_seg;
+    int doc[MAX_SEG], n_seg, src_seg;
     int32_t greedy[N_GREEDY];
 } prompt;
 
 #define SYS_LINE                                                                                   \
     "<|im_start|>system\nAnswer the question from the documents below, quoting them.<|im_end|>\n"
-static int g_probe, g_max_docs = MAX_SEG;
+static int g_probe, g_max_docs = MAX_SEG, g_verbose, g_exact;
 static uint64_t g_rng = 0x9e3779b97f4a7c15ull;
 static uint32_t rnd(void)
 {
@@ -152,6 +157,7 @@ static void build_prompt(const md_tokenizer *t, const doc *d, int nd, prompt *p)
     /* the passage: somewhere in one of the documents */
     const int s = p->n_seg > 1 ? (int)(rnd() % (uint32_t)p->n_seg) : 0;
     const doc *src = &d[p->doc[s]];
+    p->src_seg = s;
     const int at = (int)(rnd() % (src->n - N_CUE - N_REF));
     p->n += encode(t,
                    "\nQuestion: repeat, word for word, the passage that starts as follows. "
@@ -163,17 +169,18 @@ static void build_prompt(const md_tokenizer *t, const doc *d, int nd, prompt *p)
 }
 
 typedef struct result {
-    double ttft[MAX_PROMPTS], nll, ingest_ms;
+    double ttft[MAX_PROMPTS], nll, ingest_ms, nll_p[MAX_PROMPTS];
     long reused, recomputed, computed, token_layers, n_nll;
     int agree_prefix, agree_pos;
 } result;
 
 /* The reference's NLL after the prompt, then N_GREEDY greedy tokens, from the prompt's logits. */
-static int continue_prompt(en_engine *e, kv_seq *q, prompt *p, const float *last, int nv, result *r,
-                           int32_t *greedy)
+static int continue_prompt(en_engine *e, kv_seq *q, prompt *p, int ip, const float *last, int nv,
+                           result *r, int32_t *greedy)
 {
     float *row = malloc(sizeof(float) * nv);
     memcpy(row, last, sizeof(float) * nv);
+    const double nll0 = r->nll;
     r->nll += en_token_nll(row, nv, p->ids[p->n]);
     int32_t pos[N_REF];
     kv_seq *seqs[N_REF];
@@ -190,6 +197,7 @@ static int continue_prompt(en_engine *e, kv_seq *q, prompt *p, const float *last
     for (int i = 0; i < N_REF - 1; i++)
         r->nll += en_token_nll(lg + (size_t)i * nv, nv, p->ids[p->n + 1 + i]);
     r->n_nll += N_REF;
+    r->nll_p[ip] = r->nll - nll0;
     kv_seq_truncate(en_engine_kv(e), q, p->n);
     int32_t tok = en_argmax(row, nv);
     for (int i = 0; i < N_GREEDY; i++) {
@@ -203,36 +211,56 @@ static int continue_prompt(en_engine *e, kv_seq *q, prompt *p, const float *last
     return rc < 0 ? rc : 0;
 }
 
-/* One mode over every prompt on a fresh engine: fraction < 0 is full (-1) or prefix (-2). */
-static int run_mode(const en_model *m, int threads, const doc *d, int nd, prompt *ps, int np,
-                    float fraction, int reuse_last, const int32_t *pre, result *r,
-                    int32_t (*greedy)[N_GREEDY])
-{
-    const int nv = en_model_hparams(m)->n_vocab;
-    en_engine_opts o = {.n_threads = threads, .max_batch_tokens = 512, .kv_bytes = (size_t)1 << 30};
+/* One mode on its own engine: fraction < 0 is full (-1) or prefix (-2). */
+typedef struct mode_run {
     en_engine *e;
+    km_pagehash tenant;
+    en_blend_key key;
+    float fraction;
+    int reuse_last, nv;
+} mode_run;
+
+static int mode_open(const en_model *m, int threads, const doc *d, int nd, float fraction,
+                     int reuse_last, const int32_t *pre, mode_run *mr, result *r)
+{
+    en_engine_opts o = {.n_threads = threads, .max_batch_tokens = 512, .kv_bytes = (size_t)1 << 30};
     km_errbuf err = {{0}};
-    if (en_engine_create(m, &o, &e, &err)) {
+    memset(mr, 0, sizeof *mr);
+    if (en_engine_create(m, &o, &mr->e, &err)) {
         fprintf(stderr, "bench_blend: %s\n", err.msg);
         return -1;
     }
-    kv_store *kv = en_engine_kv(e);
-    const km_pagehash tenant = km_pagehash_seed(NULL, 0, 1, NULL, 0);
-    const int pt = kv_store_page_tokens(kv);
-    const en_blend_key key = {en_blend_chunk_seed(tenant), pre,
-                              pre ? (pre == g_sys ? g_nsys : pt) : 0};
+    const int pt = kv_store_page_tokens(en_engine_kv(mr->e));
+    mr->tenant = km_pagehash_seed(NULL, 0, 1, NULL, 0);
+    mr->key = (en_blend_key){en_blend_chunk_seed(mr->tenant), pre,
+                             pre ? (pre == g_sys ? g_nsys : pt) : 0};
+    mr->fraction = fraction, mr->reuse_last = reuse_last;
+    mr->nv = en_model_hparams(m)->n_vocab;
     memset(r, 0, sizeof *r);
     int rc = 0;
     if (fraction >= 0) { /* ingestion: every document cached alone */
         const uint64_t t0 = km_now_ns();
-        for (int i = 0; i < nd && !rc; i++) rc = en_blend_chunk_store(e, &key, d[i].ids, d[i].n);
+        for (int i = 0; i < nd && !rc; i++)
+            rc = en_blend_chunk_store(mr->e, &mr->key, d[i].ids, d[i].n);
         r->ingest_ms = (double)(km_now_ns() - t0) / 1e6;
     }
+    return rc;
+}
+
+/* Prompt i of the mode: TTFT, then the reference's NLL and the greedy tokens. */
+static int mode_prompt(mode_run *mr, prompt *p, int i, result *r, int32_t *greedy)
+{
+    en_engine *e = mr->e;
+    kv_store *kv = en_engine_kv(e);
+    const km_pagehash tenant = mr->tenant;
+    const en_blend_key key = mr->key;
+    const float fraction = mr->fraction;
+    const int reuse_last = mr->reuse_last, nv = mr->nv, pt = kv_store_page_tokens(kv);
+    int rc = 0;
     static km_pagehash h[MAX_PROMPT / 16 + 1];
-    for (int i = 0; i < np && !rc; i++) {
-        prompt *p = &ps[i];
+    {
         kv_seq *q, *c[MAX_SEG] = {0};
-        if ((rc = kv_seq_create(kv, &q))) break;
+        if ((rc = kv_seq_create(kv, &q))) return rc;
         const uint64_t t0 = km_now_ns();
         int done = 0;
         const int nh = km_pagehash_chain(tenant, p->ids, p->n - 1, pt, h, MAX_PROMPT / 16 + 1);
@@ -240,22 +268,28 @@ static int run_mode(const en_model *m, int threads, const doc *d, int nd, prompt
         if (done < 0) done = 0;
         en_blend_seg seg[MAX_SEG];
         int ns = 0;
-        for (int s = 0; fraction >= 0 && s < p->n_seg && !rc; s++) {
+        /* as the scheduler: the last document, computed in full unless reuse_last, is not
+         * attached; a document right after the preamble it was computed after, at the position
+         * it was computed at, is exact, as a prefix */
+        const int n_seg = reuse_last ? p->n_seg : p->n_seg - 1;
+        for (int s = 0; fraction >= 0 && s < n_seg && !rc; s++) {
             if (p->seg[s].start < done) continue;
             const int held =
                 en_blend_chunk_attach(e, &key, p->ids + p->seg[s].start, p->seg[s].n, &c[s]);
             if (held <= 0) continue;
-            seg[ns++] = (en_blend_seg){p->seg[s].start, held};
             rc = en_blend_copy(e, c[s], key.n_pre, q, p->seg[s].start, held);
+            if (g_exact && p->seg[s].start == done && done == key.n_pre && key.pre == g_sys)
+                done += held;
+            else
+                seg[ns++] = (en_blend_seg){p->seg[s].start, held};
         }
-        const en_blend_opts bo = {.fraction = fraction > 0 ? fraction : 0,
-                                  .probe_layer = g_probe,
-                                  .reuse_last = reuse_last};
+        const en_blend_opts bo = {
+            .fraction = fraction > 0 ? fraction : 0, .probe_layer = g_probe, .reuse_last = 1};
         en_blend_stats st;
         const float *lg = NULL;
         if (!rc) rc = en_blend_prefill(e, q, p->ids, p->n, done, seg, ns, &bo, &st, &lg);
         r->ttft[i] = (double)(km_now_ns() - t0) / 1e6;
-        if (rc) break;
+        if (rc) return rc;
         r->reused += st.reused + done, r->recomputed += st.recomputed;
         r->computed += st.computed, r->token_layers += st.token_layers;
         /* blended pages are not what full recomputation gives: only those before the first
@@ -264,10 +298,9 @@ static int run_mode(const en_model *m, int threads, const doc *d, int nd, prompt
         if (fraction != -1) kv_seq_publish(kv, q, h, p->ids, exact * pt);
         for (int s = 0; s < p->n_seg; s++)
             if (c[s]) kv_seq_destroy(kv, c[s]);
-        rc = continue_prompt(e, q, p, lg, nv, r, greedy[i]);
+        rc = continue_prompt(e, q, p, i, lg, nv, r, greedy);
         kv_seq_destroy(kv, q);
     }
-    en_engine_destroy(e);
     return rc;
 }
 
@@ -285,6 +318,8 @@ int main(int argc, char **argv)
     const int use_pre = atoi(bench_arg(argc, argv, "--preamble", "2"));
     const int probe = atoi(bench_arg(argc, argv, "--probe", "0"));
     g_probe = probe;
+    g_verbose = atoi(bench_arg(argc, argv, "--verbose", "0"));
+    g_exact = atoi(bench_arg(argc, argv, "--exact-first", "1"));
     if (np > MAX_PROMPTS) np = MAX_PROMPTS;
     en_model *m;
     km_errbuf err = {{0}};
@@ -338,13 +373,29 @@ int main(int argc, char **argv)
            "agree_pos");
     static int32_t greedy[MAX_MODES][MAX_PROMPTS][N_GREEDY];
     double full_ppl = 0, prefix_p50 = 0;
-    for (int k = 0; k < nm; k++) {
-        result r;
-        if (run_mode(m, threads, d, nd, ps, np, modes[k], last[k], use_pre ? pre_ids : NULL, &r,
-                     greedy[k])) {
-            fprintf(stderr, "bench_blend: mode %d failed\n", k);
+    /* --interleave 1: every mode's engine open at once, each prompt through every mode in turn,
+     * so that the modes share the machine's state (its load) prompt by prompt */
+    static result res[MAX_MODES];
+    static mode_run mr[MAX_MODES];
+    const int inter = atoi(bench_arg(argc, argv, "--interleave", "0"));
+    for (int k0 = 0; k0 < nm; k0 = inter ? nm : k0 + 1) {
+        const int k1 = inter ? nm : k0 + 1;
+        int rc = 0;
+        for (int k = k0; k < k1 && !rc; k++)
+            rc = mode_open(m, threads, d, nd, modes[k], last[k], use_pre ? pre_ids : NULL, &mr[k],
+                           &res[k]);
+        for (int i = 0; i < np && !rc; i++)
+            for (int k = k0; k < k1 && !rc; k++)
+                rc = mode_prompt(&mr[k], &ps[i], i, &res[k], greedy[k][i]);
+        for (int k = k0; k < k1; k++)
+            if (mr[k].e) en_engine_destroy(mr[k].e);
+        if (rc) {
+            fprintf(stderr, "bench_blend: a mode failed\n");
             return 1;
         }
+    }
+    for (int k = 0; k < nm; k++) {
+        result r = res[k];
         int lead = 0, pos = 0;
         for (int i = 0; i < np; i++) {
             int j = 0;
@@ -354,8 +405,10 @@ int main(int argc, char **argv)
         }
         const double ppl = exp(r.nll / (double)r.n_nll);
         if (k == 0) full_ppl = ppl;
-        const double p90 = bench_pct(r.ttft, (size_t)np, 0.9),
-                     p50 = bench_pct(r.ttft, (size_t)np, 0.5);
+        double sorted[MAX_PROMPTS]; /* bench_pct sorts: the per-prompt times stay in order */
+        memcpy(sorted, r.ttft, sizeof(double) * (size_t)np);
+        const double p90 = bench_pct(sorted, (size_t)np, 0.9),
+                     p50 = bench_pct(sorted, (size_t)np, 0.5);
         if (k == 1) prefix_p50 = p50;
         char name[32];
         if (k == 0)
@@ -369,6 +422,13 @@ int main(int argc, char **argv)
                ppl, 100 * (ppl / full_ppl - 1), 100.0 * lead / (np * N_GREEDY),
                100.0 * pos / (np * N_GREEDY));
         if (k >= 2) printf("%-12s ingest %.0f ms for %d documents\n", "", r.ingest_ms, nd);
+        if (g_verbose) {
+            printf("%-12s per prompt (tokens, documents, passage in, ttft ms, mean nll):", "");
+            for (int i = 0; i < np; i++)
+                printf(" [%d %d %d/%d %.0f %.3f]", ps[i].n, ps[i].n_seg, ps[i].src_seg + 1,
+                       ps[i].n_seg, r.ttft[i], r.nll_p[i] / N_REF);
+            printf("\n");
+        }
         fflush(stdout);
     }
     printf("speedup: prefix p50 / this p50; ppl_vs: perplexity against full's; agree_pre/pos: "

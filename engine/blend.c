@@ -94,9 +94,10 @@ static int bl_by_pos(const void *a, const void *b)
 }
 
 /* Runs the tokens (in position order) in batches of at most max_tokens, each ordered deepest
- * first; with logits, the prompt's last token asks for them (it must be among the tokens). */
+ * first; with logits, the prompt's last token asks for them (it must be among the tokens); kv:
+ * en_batch.depth_kv. */
 static int bl_run(en_engine *e, kv_seq *q, const int32_t *tokens, int n_tokens, bl_tok *t, int n,
-                  const float **logits)
+                  int kv, const float **logits)
 {
     const int T = e->max_tokens;
     int32_t *ids = malloc(sizeof(int32_t) * T * 2), *pos = ids ? ids + T : NULL;
@@ -111,8 +112,13 @@ static int bl_run(en_engine *e, kv_seq *q, const int32_t *tokens, int n_tokens, 
             pos[i] = t[s + i].pos, ids[i] = tokens[pos[i]], depth[i] = t[s + i].depth;
             want[i] = logits && pos[i] == n_tokens - 1, seqs[i] = q;
         }
-        en_batch b = {
-            .n_tokens = m, .tokens = ids, .pos = pos, .seqs = seqs, .logits = want, .depth = depth};
+        en_batch b = {.n_tokens = m,
+                      .tokens = ids,
+                      .pos = pos,
+                      .seqs = seqs,
+                      .logits = want,
+                      .depth = depth,
+                      .depth_kv = kv};
         const float *lg = NULL;
         rc = en_engine_step(e, &b, &lg);
         if (logits && lg && rc > 0) *logits = lg;
@@ -198,19 +204,22 @@ int en_blend_prefill(en_engine *e, kv_seq *q, const int32_t *tokens, int n_token
     int rc = t && rk && old && in_chunk ? 0 : KM_ENOMEM;
     for (int c = 0; c < n_chunks && !rc; c++)
         memset(in_chunk + chunks[c].start - n_done, 1, (size_t)chunks[c].n);
-    /* The probe: every token through layers [0, P), the chunks' probe-layer K/V kept first. */
+    /* The probe: every token up to the last chunk's end (none after it is read there) through
+     * layers [0, probe) and the K/V of the probe layer (no more is read of it), the chunks'
+     * probe-layer K/V kept first. */
+    const int n_probe = n_chunks ? chunks[n_chunks - 1].start + chunks[n_chunks - 1].n - n_done : 0;
     if (!rc && f > 0 && nc) {
-        for (int i = 0, j = 0; i < n && !rc; i++) {
-            t[i] = (bl_tok){.pos = n_done + i, .depth = (int16_t)P};
+        for (int i = 0, j = 0; i < n_probe && !rc; i++) {
+            t[i] = (bl_tok){.pos = n_done + i, .depth = (int16_t)probe};
             if (!in_chunk[i]) continue;
             float *k0 = old + (size_t)2 * kvd * j++;
             for (int h = 0; h < hp->n_head_kv && !rc; h++)
                 rc = kv_seq_read(e->kv, q, probe, h, n_done + i, k0 + h * hp->head_dim,
                                  k0 + kvd + h * hp->head_dim);
         }
-        if (!rc) rc = bl_run(e, q, tokens, n_tokens, t, n, NULL);
-        st->token_layers += (long)n * P;
-        for (int i = 0, j = 0; i < n && !rc; i++) {
+        if (!rc) rc = bl_run(e, q, tokens, n_tokens, t, n_probe, 1, NULL);
+        st->token_layers += (long)n_probe * P;
+        for (int i = 0, j = 0; i < n_probe && !rc; i++) {
             if (!in_chunk[i]) continue;
             rk[j].pos = n_done + i;
             rc = bl_drift(e, q, probe, n_done + i, old + (size_t)2 * kvd * j,
@@ -233,7 +242,7 @@ int en_blend_prefill(en_engine *e, kv_seq *q, const int32_t *tokens, int n_token
     if (!rc) {
         for (int i = 0; i < m; i++) st->token_layers += t[i].depth;
         qsort(t, (size_t)m, sizeof *t, bl_by_pos);
-        rc = bl_run(e, q, tokens, n_tokens, t, m, logits);
+        rc = bl_run(e, q, tokens, n_tokens, t, m, 0, logits);
     }
     free(t);
     free(rk);
@@ -288,6 +297,18 @@ int en_blend_chunk_attach(en_engine *e, const en_blend_key *k, const int32_t *to
     return rc * pt - n_pre;
 }
 
+int en_blend_chunk_held(en_engine *e, const en_blend_key *k, const int32_t *tokens, int n)
+{
+    const int pt = e->page_tokens, n_pre = k->pre ? k->n_pre : 0;
+    int32_t *ids;
+    km_pagehash *h;
+    int np = bl_chain(e, k, tokens, n, &ids, &h), rc = np;
+    if (np > 0) rc = kv_store_held(e->kv, h, ids, np, NULL);
+    free(ids);
+    free(h);
+    return rc < 0 ? rc : rc * pt > n_pre ? rc * pt - n_pre : 0;
+}
+
 int en_blend_chunk_store(en_engine *e, const en_blend_key *k, const int32_t *tokens, int n)
 {
     const int pt = e->page_tokens;
@@ -309,7 +330,7 @@ int en_blend_chunk_store(en_engine *e, const en_blend_key *k, const int32_t *tok
         t[i - held * pt] = (bl_tok){.pos = i, .depth = (int16_t)e->m->hp.n_layers};
     if (np > 0 && !rc && held < np) {
         kv_seq_wait_ready(e->kv, q);
-        rc = bl_run(e, q, ids, nt, t, nt - held * pt, NULL);
+        rc = bl_run(e, q, ids, nt, t, nt - held * pt, 0, NULL);
     }
     if (np > 0 && !rc) kv_seq_set_position_free(q, 1); /* kvshard's chunk flag */
     if (np > 0 && !rc) rc = kv_seq_publish(e->kv, q, h, ids, nt);

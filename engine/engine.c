@@ -176,7 +176,7 @@ int en_engine_create(const en_model *m, const en_engine_opts *opts, en_engine **
     e->out_idx = en_alloc(T * sizeof(int32_t));
     e->run0 = en_alloc(T * sizeof(int32_t));
     e->run_n = en_alloc(T * sizeof(int32_t));
-    e->n_at = en_alloc((size_t)hp->n_layers * sizeof(int));
+    e->n_at = en_alloc((size_t)hp->n_layers * 2 * sizeof(int));
     e->runs_at = en_alloc((size_t)hp->n_layers * sizeof(int));
     const size_t sh = (size_t)hp->n_ff_shexp; /* MoE: the shared expert's width */
     const int nth = kn_pool_size(e->pool);
@@ -602,8 +602,8 @@ static void en_step_job(void *ctx, int ith, int nth)
 
     for (int l = 0; l < hp->n_layers; l++) {
         const en_layer *L = &m->layers[l];
-        if (st->depth && e->n_at[l] != n) { /* fewer tokens from here on (en_batch.depth) */
-            n = e->n_at[l], n_runs = e->runs_at[l];
+        if (st->depth && e->n_at[hp->n_layers + l] != n) { /* fewer tokens (en_batch.depth) */
+            n = e->n_at[hp->n_layers + l], n_runs = e->runs_at[l];
             kn_split(n, ith, nth, &t0, &t1);
             kn_pool_barrier(e->pool); /* P11 of the layer before ran on the old split */
             if (!n) break;
@@ -650,6 +650,11 @@ static void en_step_job(void *ctx, int ith, int nth)
                 kn_pool_barrier(e->pool);
                 if (!ith) en_fetch_layer(e, st, l);
                 kn_pool_barrier(e->pool);
+            }
+            if (st->depth && e->n_at[l] != n) { /* those past depth wrote K/V only */
+                n = e->n_at[l], n_runs = e->runs_at[l];
+                kn_split(n, ith, nth, &t0, &t1);
+                if (!n) break; /* every thread alike, after the barriers above */
             }
             /* P4: (run, kv head) items interleaved so that early (cheap) and late (expensive)
              * prompt positions spread over the threads; a run's tokens share one walk of the
@@ -822,10 +827,11 @@ int en_engine_step(en_engine *e, const en_batch *b, const float **logits)
                   .depth = b->depth != NULL,
                   .fetch = fetch != 0};
     for (int l = 0; b->depth && l < hp->n_layers; l++) {
-        int nt = 0, nr = 0;
+        int nt = 0, nr = 0, nk = 0;
         while (nt < b->n_tokens && b->depth[nt] > l) nt++;
+        while (nk < b->n_tokens && b->depth[nk] + (b->depth_kv != 0) > l) nk++;
         while (nr < st.n_runs && e->run0[nr] < nt) nr++;
-        e->n_at[l] = nt, e->runs_at[l] = nr;
+        e->n_at[l] = nt, e->runs_at[l] = nr, e->n_at[hp->n_layers + l] = nk;
     }
     if (st.route) memset(e->route_w, 0, (size_t)b->n_tokens * n_exp * sizeof(float));
     kn_pool_run(e->pool, en_step_job, &st);

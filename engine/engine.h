@@ -180,6 +180,9 @@ typedef struct en_batch {
      * K/V are not written, what its sequence holds there stays. Tokens asking for logits must
      * go through every layer. Dense models only. */
     const int16_t *depth;
+    /* With depth: 1 if a token of depth d < n_layers also writes its K/V of layer d (that layer's
+     * projections only, no attention or feed-forward): what chunk reuse's probe reads. */
+    int depth_kv;
 } en_batch;
 
 /* Runs the batch. On success *logits points to n_out rows of n_vocab floats (engine-owned,
@@ -257,6 +260,9 @@ typedef struct en_blend_key {
  * [n_pre, n_pre + returned) of *out. 0 (and *out NULL) on a miss. */
 int en_blend_chunk_attach(en_engine *e, const en_blend_key *k, const int32_t *tokens, int n,
                           kv_seq **out);
+/* The chunk tokens whose pages the store holds, as en_blend_chunk_attach would attach them,
+ * without attaching (nor counting a hit or a miss). */
+int en_blend_chunk_held(en_engine *e, const en_blend_key *k, const int32_t *tokens, int n);
 /* Computes the preamble and the chunk and publishes their full pages under the chunk chain. */
 int en_blend_chunk_store(en_engine *e, const en_blend_key *k, const int32_t *tokens, int n);
 
@@ -422,9 +428,11 @@ typedef struct en_sched_opts {
     int tenant_prefill;
     uint64_t cluster_seed; /* page-hash chain seed (with the model fingerprint and cache_salt) */
     en_spec_opts spec;     /* speculative decoding */
-    /* Chunk reuse (en_sched_req.chunks): the recompute fraction of en_blend_opts; 0:
-     * EN_BLEND_FRACTION; negative: chunks are never reused (computed in full, still stored). */
+    /* Chunk reuse (en_sched_req.chunks): the recompute fraction of en_blend_opts, when
+     * blend_fraction_set (0 then is pure reuse); unset: EN_BLEND_FRACTION. Negative: chunks are
+     * never reused (computed in full, still stored). */
     float blend_fraction;
+    int blend_fraction_set;
 } en_sched_opts;
 
 /* Most chunks a request may mark (KM_PROTO_MAX_CHUNKS on the wire). */

@@ -62,7 +62,8 @@ struct en_engine {
     int attn_timer;   /* opts.attn_timer: thread 0 adds its attention phases' CPU time here */
     uint64_t attn_ns;
     /* en_batch.depth: [n_layers] the tokens computed in each layer (a prefix of the batch) and
-     * the attention runs they make up (a prefix of run0/run_n) */
+     * the attention runs they make up (a prefix of run0/run_n); n_at[n_layers + l]: the tokens
+     * that write layer l's K/V (more than n_at[l] with en_batch.depth_kv) */
     int *n_at, *runs_at;
     /* [runs][sparse scratch cap]: the pages each run reads in a layer, marked by every thread
      * (en_fetch_picks), listed and cleared by thread 0 (en_fetch_layer); grown by the step */

@@ -100,14 +100,18 @@ void en_rq_blend_attach(en_sched *s, en_rq *r)
         const en_blend_seg *g = &r->chunks[c];
         /* inside the cached prefix, or reaching the last token (always computed: its logits) */
         if (g->start < r->n_done || g->start >= r->n_tok - 1) continue;
+        /* the last chunk, nearest the question, is computed in full (en_blend_opts.reuse_last:
+         * docs/blend.md, Quality): only whether it is stored is asked, nothing attached */
+        if (c == r->n_chunks - 1) {
+            if (en_blend_chunk_held(e, &key, r->tokens + g->start, g->n) >= g->n / s->pt * s->pt)
+                r->chunk_missed &= ~(1ull << c);
+            continue;
+        }
         kv_seq *cq = NULL;
         int held = en_blend_chunk_attach(e, &key, r->tokens + g->start, g->n, &cq);
         if (held < 0) continue;
         if (held >= g->n / s->pt * s->pt) r->chunk_missed &= ~(1ull << c);
         if (held > r->n_tok - 1 - g->start) held = r->n_tok - 1 - g->start;
-        /* the last chunk, nearest the question, is computed in full (en_blend_opts.reuse_last:
-         * docs/blend.md, Quality) */
-        if (c == r->n_chunks - 1) held = 0;
         int rc = held > 0 && cq ? en_blend_copy(e, cq, s->n_pre, r->seq, g->start, held) : 0;
         if (cq) kv_seq_destroy(s->kv, cq);
         if (rc) { /* what was copied is overwritten by a full prefill */
@@ -125,7 +129,7 @@ void en_rq_blend_attach(en_sched *s, en_rq *r)
 
 void en_sched_blend(en_sched *s, uint64_t now)
 {
-    const float f = s->o.blend_fraction > 0 ? s->o.blend_fraction : EN_BLEND_FRACTION;
+    const float f = s->o.blend_fraction_set ? s->o.blend_fraction : EN_BLEND_FRACTION;
     const en_blend_opts o = {.fraction = f, .reuse_last = 1}; /* the last chunk is not in reused */
     for (int i = 0; i < s->n_run;) {
         en_rq *r = s->run[i];

@@ -141,7 +141,7 @@ static const km_opt g_opts[] = {
     {"blend-fraction", NULL, KM_OPT_FLOAT, "0.15",
      "share of a reused chunk's tokens recomputed (req.chunks, docs/blend.md): more in the first "
      "layers than the last; the chunk nearest the question is always computed in full; "
-     "negative = never reuse chunks",
+     "0 = pure reuse of the others, negative = never reuse chunks",
      &g_args.blend_fraction, 0, 0},
     {"max-queue", NULL, KM_OPT_INT, "1024", "requests waiting for a slot", &g_args.max_queue, 1,
      1 << 20},
@@ -440,9 +440,8 @@ int main(int argc, char **argv)
                   .decode_prefill = (int)a->decode_prefill,
                   .tenant_share = (int)a->tenant_share,
                   .tenant_prefill = (int)a->tenant_prefill,
-                  /* 0 would mean the engine's default: a fraction of 0 is asked as the
-                   * smallest positive one (pure reuse but for the probe layer) */
-                  .blend_fraction = a->blend_fraction == 0 ? 1e-6f : (float)a->blend_fraction,
+                  .blend_fraction = (float)a->blend_fraction,
+                  .blend_fraction_set = 1,
                   .step_budget_ms = (int)a->step_budget_ms,
                   .max_ctx = (int)a->max_ctx,
                   .default_max_tokens = (int)a->default_max_tokens,

@@ -194,6 +194,59 @@ Test(engine_blend, chunk_at_the_start_is_full_recomputation, .init = setup, .fin
     en_engine_destroy(e);
 }
 
+/* Largest difference between two sequences' K/V of layer l over positions [0, n). */
+static float kv_diff(kv_store *kv, const kv_seq *a, const kv_seq *b, int l, int n)
+{
+    const en_hparams *hp = en_model_hparams(g_model);
+    float ka[64], va[64], kb[64], vb[64], d = 0;
+    cr_assert_leq(hp->head_dim, 64);
+    for (int i = 0; i < n; i++)
+        for (int h = 0; h < hp->n_head_kv; h++) {
+            cr_assert_eq(kv_seq_read(kv, a, l, h, i, ka, va), 0);
+            cr_assert_eq(kv_seq_read(kv, b, l, h, i, kb, vb), 0);
+            for (int j = 0; j < hp->head_dim; j++)
+                d = fmaxf(d, fmaxf(fabsf(ka[j] - kb[j]), fabsf(va[j] - vb[j])));
+        }
+    return d;
+}
+
+/* en_batch.depth_kv (the probe): tokens of depth d also write layer d's K/V, those a full
+ * computation writes there; without it, layer d is not written. */
+Test(engine_blend, depth_kv_writes_the_next_layers_kv_and_no_more, .init = setup, .fini = teardown,
+     .timeout = 300)
+{
+    if (!g_model) cr_skip_test("model %s absent: run `make deps`", MODEL);
+    en_engine *e = engine(KN_KV_F16);
+    kv_store *kv = en_engine_kv(e);
+    int32_t ids[128], pos[128];
+    int16_t depth[128];
+    uint8_t want[128] = {0};
+    kv_seq *a, *b[2], *sb[2][128];
+    const int n = encode(k_doc1, ids, 128);
+    cr_assert_eq(kv_seq_create(kv, &a), 0);
+    prefill(e, a, ids, n, NULL);
+    for (int k = 0; k < 2; k++) {
+        cr_assert_eq(kv_seq_create(kv, &b[k]), 0);
+        for (int i = 0; i < n; i++) pos[i] = i, depth[i] = 1, sb[k][i] = b[k];
+        const en_batch bt = {.n_tokens = n,
+                             .tokens = ids,
+                             .pos = pos,
+                             .seqs = sb[k],
+                             .logits = want,
+                             .depth = depth,
+                             .depth_kv = k};
+        cr_assert_geq(en_engine_step(e, &bt, NULL), 0);
+        cr_assert_float_eq(kv_diff(kv, a, b[k], 0, n), 0, 1e-3f, "layer 0 computed");
+    }
+    cr_assert_float_eq(kv_diff(kv, a, b[1], 1, n), 0, 1e-3f, "depth_kv: layer 1's K/V written");
+    cr_assert_gt(kv_diff(kv, a, b[0], 1, n), 0.1f, "without it, layer 1 not written");
+    cr_assert_gt(kv_diff(kv, a, b[1], 2, n), 0.1f, "nor layer 2 with it");
+    kv_seq_destroy(kv, a);
+    kv_seq_destroy(kv, b[0]);
+    kv_seq_destroy(kv, b[1]);
+    en_engine_destroy(e);
+}
+
 Test(engine_blend, recompute_moves_toward_full_recomputation, .init = setup, .fini = teardown,
      .timeout = 600)
 {

@@ -82,18 +82,24 @@ static void build(prompt *p, const char *lead, const int *order, int nd, const c
     p->n += n;
 }
 
-/* kv_bytes 0: the engine's default store. */
-static en_sched *sched_kv(en_engine **e, size_t kv_bytes)
+/* kv_bytes 0: the engine's default store; fraction < -1: the default recompute fraction. */
+static en_sched *sched_opts(en_engine **e, size_t kv_bytes, float fraction)
 {
     en_engine_opts eo = {.n_threads = 2, .max_batch_tokens = 256, .kv_bytes = kv_bytes};
     km_errbuf err = {{0}};
     cr_assert_eq(en_engine_create(g_model, &eo, e, &err), 0, "%s", err.msg);
     en_sched_opts so = {.max_batch_tokens = 256, .cluster_seed = 7};
+    if (fraction >= -1) so.blend_fraction = fraction, so.blend_fraction_set = 1;
     so.spec.cost_fixed = true; /* drafts (so pages and preemptions) not priced by timed steps */
     en_sched_cb cb = {.on_token = on_token, .on_done = on_done, .on_error = on_error};
     en_sched *s;
     cr_assert_eq(en_sched_create(*e, g_model, &so, &cb, &s, &err), 0, "%s", err.msg);
     return s;
+}
+
+static en_sched *sched_kv(en_engine **e, size_t kv_bytes)
+{
+    return sched_opts(e, kv_bytes, -2);
 }
 
 static en_sched *sched(en_engine **e)
@@ -158,6 +164,38 @@ Test(sched_blend, a_chunk_seen_once_is_reused_elsewhere_and_never_a_prefix)
     cr_assert_arr_eq(gd.tok, gc.tok, sizeof(int32_t) * 4, "computed in full: the same tokens");
     en_sched_destroy(s);
     en_engine_destroy(e);
+}
+
+/* The last chunk is computed in full: looked up (stored already, so not queued again), never
+ * attached; and a fraction of 0 set explicitly is pure reuse, not the default. */
+Test(sched_blend, the_last_chunk_is_only_looked_up_and_a_zero_fraction_is_zero)
+{
+    if (!g_model) cr_skip_test("model %s absent: run `make deps`", MODEL);
+    for (int k = 0; k < 2; k++) {
+        en_engine *e;
+        en_sched *s = sched_opts(&e, 0, k ? 0.0f : -2);
+        prompt a, b;
+        const int abc[3] = {0, 1, 2}, cab[3] = {2, 0, 1};
+        build(&a, "Read the texts below.", abc, 3, " Which animal jumps?");
+        build(&b, "Here are documents, answer after them.", cab, 3, " What is granted?");
+        b.n_seg--; /* the question is no chunk: the last chunk is a document */
+        run(s, &a, 1, NULL);
+        en_sched_stats st0, st;
+        en_sched_stats_get(s, &st0);
+        cr_assert_eq(st0.chunks_stored, 3);
+        got gb = run(s, &b, 1, NULL);
+        en_sched_stats_get(s, &st);
+        const int want = b.seg[0].n / 16 * 16 + b.seg[1].n / 16 * 16;
+        cr_assert_eq(gb.u.chunk_tokens, want, "the first two documents reused (%d)", want);
+        cr_assert_eq(st.chunks_stored, st0.chunks_stored, "the last one held: not stored again");
+        cr_assert_eq(st.chunk_misses, st0.chunk_misses, "and not counted a miss");
+        if (k)
+            cr_assert_eq(st.chunk_recomputed, 0, "fraction 0: pure reuse");
+        else
+            cr_assert_gt(st.chunk_recomputed, 0, "the default fraction recomputes some");
+        en_sched_destroy(s);
+        en_engine_destroy(e);
+    }
 }
 
 Test(sched_blend, a_stale_chunk_page_is_caught_by_token_ids)
