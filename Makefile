@@ -534,13 +534,15 @@ bench-structured: $(BENCH_STRUCTURED) ## constrained vs free decode tok/s at bat
 
 # Chunk reuse (docs/blend.md): full recompute, prefix caching and blend at several recompute
 # fractions on a RAG-style set from /usr/share/common-licenses and /usr/share/doc: TTFT,
-# perplexity, agreement. QUICK=1: a smoke run (2 prompts of at most 4 documents, two fractions).
+# perplexity, agreement. QUICK=1: a smoke run (2 prompts of at most 4 documents, two fractions);
+# INTERLEAVE=0 runs the modes one after another; VERBOSE=1 prints each prompt's figures.
 BENCH_BLEND := $(BUILD)/bench/bench_blend
 .PHONY: bench-blend
 bench-blend: $(BENCH_BLEND) ## chunk reuse vs full and prefix caching: TTFT, perplexity, agreement
 	@grep -m1 'model name' /proc/cpuinfo; nproc
 	@$(BENCH_BLEND) --threads $${THREADS:-2} --prompts $${PROMPTS:-8} --docs $${DOCS:-16} \
-		--quick $${QUICK:-0} $${FRACTIONS:+--fractions $$FRACTIONS}
+		--quick $${QUICK:-0} $${FRACTIONS:+--fractions $$FRACTIONS} \
+		--interleave $${INTERLEAVE:-1} --verbose $${VERBOSE:-0}
 .PHONY: bench-blend-route
 bench-blend-route: build ## 4 workers: chunk tokens reused with and without chunk-aware routing
 	@bash bench/bench_blend_route.sh
