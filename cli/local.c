@@ -36,6 +36,7 @@ typedef struct local_opts {
     int show_ids;
     int raw;
     int sparse_attn, sparse_dense_layers, sparse_window, sparse_shallow; /* en_engine_opts */
+    float sparse_radius;
     int depth;  /* bench: context filled before decoding */
     int chunks; /* perplexity: chunks scored at most (0: all) */
     en_sample_params sp;
@@ -57,7 +58,9 @@ static void local_usage(const char *cmd)
             "      --sparse-dense-layers N  first layers kept dense (default 2, -1 = none)\n"
             "      --sparse-window N   recent pages always attended (default 2)\n"
             "      --sparse-shallow-attn N  those first layers attend to N tokens instead\n"
-            "                          (more than --sparse-attn; default 0 = dense)\n");
+            "                          (more than --sparse-attn; default 0 = dense)\n"
+            "      --sparse-radius R   weight of the key spread in a page's score (1 = Quest's\n"
+            "                          upper bound; default 0 = 0.5, measured)\n");
     if (!strcmp(cmd, "run") || !strcmp(cmd, "tokenize"))
         printf("  -p, --prompt TEXT       the prompt (or -f FILE)\n"
                "  -f, --file PATH         read the prompt from a file\n");
@@ -166,6 +169,9 @@ static int local_parse(const char *cmd, int argc, char **argv, local_opts *c)
             bad = local_int(v, &c->sparse_window) || c->sparse_window < 0;
         else if (KM_IS("--sparse-shallow-attn", "--sparse-shallow-attn"))
             bad = local_int(v, &c->sparse_shallow) || c->sparse_shallow < 0;
+        else if (KM_IS("--sparse-radius", "--sparse-radius"))
+            bad = local_float(v, &c->sparse_radius) || !(c->sparse_radius >= 0) ||
+                  c->sparse_radius > 16;
         else if (KM_IS("--chunks", "--chunks") && !strcmp(cmd, "perplexity"))
             bad = local_int(v, &c->chunks) || c->chunks < 0;
         else if (KM_IS("--depth", "--depth") && !strcmp(cmd, "bench"))
@@ -235,7 +241,8 @@ static int local_open_engine(const local_opts *c, int max_batch, en_model **m, e
                         .sparse_attn = c->sparse_attn,
                         .sparse_dense_layers = c->sparse_dense_layers,
                         .sparse_window = c->sparse_window,
-                        .sparse_shallow_attn = c->sparse_shallow};
+                        .sparse_shallow_attn = c->sparse_shallow,
+                        .sparse_radius = c->sparse_radius};
     if (c->kv_format && kv_format_parse(c->kv_format, &o.kv_format)) {
         fprintf(stderr, "kvmesh: unknown --kv-format %s\n", c->kv_format);
         return -1;

@@ -34,6 +34,7 @@ typedef struct wk_args {
     int64_t kv_shards, kv_tok_groups, kv_expert_groups;
     int64_t sparse_attn, sparse_dense_layers, sparse_window, sparse_shallow_attn, sparse_idle;
     int64_t sparse_slices;
+    double sparse_radius;
     const char *kv_shard_key;
     double spec_factor, blend_fraction;
     int64_t max_ctx, default_max_tokens, heartbeat_ms, drain_ms, event_replay, cluster_seed;
@@ -98,6 +99,10 @@ static const km_opt g_opts[] = {
      "with --sparse-attn: layer slices a step may read of a page on host RAM or disk before it "
      "comes up whole; 0 = the model's layer count, -1 = whole at its first read",
      &g_args.sparse_slices, -1, 1 << 20},
+    {"sparse-radius", NULL, KM_OPT_FLOAT, "0",
+     "with --sparse-attn: weight of the key spread in a page's score (1 = Quest's upper bound); "
+     "0 = 0.5, measured (docs/sparse.md)",
+     &g_args.sparse_radius, 0, 0},
     {"kv-shards", NULL, KM_OPT_INT, "1",
      "KV shards: each tier's budget split evenly between them, each with its own eviction",
      &g_args.kv_shards, 1, 1024},
@@ -323,6 +328,11 @@ int main(int argc, char **argv)
                     : !strcmp(a->speculate, "off")  ? EN_SPEC_OFF
                     : !strcmp(a->speculate, "self") ? EN_SPEC_SELF
                                                     : 0;
+    if (!(a->sparse_radius >= 0 && a->sparse_radius <= 16)) {
+        fprintf(stderr, "kvmesh-worker: --sparse-radius is between 0 and 16\n");
+        km_config_destroy(cfg);
+        return 2;
+    }
     if (!(a->blend_fraction <= 1)) {
         fprintf(stderr, "kvmesh-worker: --blend-fraction is at most 1 (negative: never reuse)\n");
         km_config_destroy(cfg);
@@ -385,7 +395,8 @@ int main(int argc, char **argv)
                          .sparse_window = (int)a->sparse_window,
                          .sparse_shallow_attn = (int)a->sparse_shallow_attn,
                          .sparse_idle = (int)a->sparse_idle,
-                         .sparse_slices = (int)a->sparse_slices};
+                         .sparse_slices = (int)a->sparse_slices,
+                         .sparse_radius = (float)a->sparse_radius};
     int erc = en_engine_create(m, &eo, &e, &err);
     explicit_bzero(secret, sizeof secret); /* the store derived its page key at create */
     if (erc) {
