@@ -1022,28 +1022,43 @@ Test(kvshard_disk, pages_of_the_format_before_sealing_are_sealed_again_at_open)
     rm_dir(d);
 }
 
-Test(kvshard_disk, a_lazy_attach_leaves_pages_on_disk_and_a_fetch_reads_only_those_asked_for)
+/* A store (c: the test's options) over a fresh directory holding the first two pages of seed
+ * 1, persisted, and re-indexed from their files when `reopen`: their tokens and hashes, the path
+ * of page 1's file, the directory. */
+static kv_store *two_pages_on_disk(kv_config c, int reopen, int32_t t[2 * PT], km_pagehash h[2],
+                                   char path[600], char **dir)
 {
-    char *d = mk_dir();
-    kv_config c = {.n_layers = L,
-                   .n_kv_heads = H,
-                   .head_dim = HD,
-                   .page_tokens = PT,
-                   .disk_dir = d,
-                   .promote_selected = 1,
-                   .summaries = 1};
+    *dir = mk_dir();
+    c.n_layers = L;
+    c.n_kv_heads = H;
+    c.head_dim = HD;
+    c.page_tokens = PT;
+    c.disk_dir = *dir;
     c.hot_bytes = 8 * (size_t)PT * HD * 2 * 2 * L * H;
     kv_store *s;
     km_errbuf err;
     cr_assert_eq(kv_store_create(&c, &s, &err), 0, "%s", err.msg);
     persist(s, 1);
-    int32_t t[2 * PT];
-    km_pagehash h[2];
+    if (reopen) {
+        kv_store_destroy(s);
+        cr_assert_eq(kv_store_create(&c, &s, &err), 0, "%s", err.msg);
+    }
     tokens_of(1, t, 2 * PT);
     chain(t, 2 * PT, h);
-    char hex[33], path[600];
+    char hex[33];
     km_pagehash_hex(h[1], hex);
-    snprintf(path, sizeof path, "%s/%s.kvp", d, hex);
+    snprintf(path, 600, "%s/%s.kvp", *dir, hex);
+    return s;
+}
+
+Test(kvshard_disk, a_lazy_attach_leaves_pages_on_disk_and_a_fetch_reads_only_those_asked_for)
+{
+    char *d, path[600];
+    int32_t t[2 * PT];
+    km_pagehash h[2];
+    kv_store *s =
+        two_pages_on_disk((kv_config){.promote_selected = 1, .summaries = 1}, 0, t, h, path, &d);
+    km_errbuf err;
     flip_byte(path, 20); /* inside page 1's payload */
 
     kv_seq *q;
@@ -1099,29 +1114,13 @@ static float view_k(kv_store *s, kv_seq *q, int layer, int head, int i, int row,
  * up whole; nothing is left pointing at a slice after kv_seq_fetch_end. */
 Test(kvshard_disk, a_fetch_reads_only_the_layer_slice_asked_for_verified_alone)
 {
-    char *d = mk_dir();
-    kv_config c = {.n_layers = L,
-                   .n_kv_heads = H,
-                   .head_dim = HD,
-                   .page_tokens = PT,
-                   .disk_dir = d,
-                   .promote_selected = 1,
-                   .fetch_slices = 2};
-    c.hot_bytes = 8 * (size_t)PT * HD * 2 * 2 * L * H;
-    kv_store *s;
-    km_errbuf err;
-    cr_assert_eq(kv_store_create(&c, &s, &err), 0, "%s", err.msg);
-    persist(s, 1);
-    kv_store_destroy(s);
-    cr_assert_eq(kv_store_create(&c, &s, &err), 0, "%s", err.msg); /* re-indexed */
+    char *d, path[600];
     int32_t t[2 * PT];
     km_pagehash h[2];
-    tokens_of(1, t, 2 * PT);
-    chain(t, 2 * PT, h);
+    kv_store *s = two_pages_on_disk((kv_config){.promote_selected = 1, .fetch_slices = 2}, 1, t, h,
+                                    path, &d); /* re-indexed */
+    km_errbuf err;
     const size_t page = kv_store_page_bytes(s), per = page / L;
-    char hex[33], path[600];
-    km_pagehash_hex(h[1], hex);
-    snprintf(path, sizeof path, "%s/%s.kvp", d, hex);
     /* a byte of page 1's layer 1, counted from the file's end */
     const size_t at = kv_disk_page_payload_offset(PT) + per + 10;
     flip_byte(path, (long)(kv_disk_page_size(page, PT) - at));
