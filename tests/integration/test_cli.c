@@ -61,6 +61,8 @@ Test(cli, flags_parse_as_documented_or_say_what_is_wrong)
            "no answer from the server for 0.5 s");
     expect(KVMESH " generate -p x -r tcp://127.0.0.1 --timeout 1", 1, "needs a port");
     expect(KVMESH " generate -p x --max-tokens 99999999", 2, "outside [0, 1048576]");
+    expect(KVMESH " perplexity --sparse-radius 20", 2, "bad value for --sparse-radius: 20");
+    expect(WORKER " --sparse-radius -1", 2, "--sparse-radius is between 0 and 16");
     expect(KVMESH " up --model /missing.gguf --run-dir /tmp/kvmesh-cli-test-up", 2,
            "model /missing.gguf: No such file or directory");
     rmdir("/tmp/kvmesh-cli-test-up");
