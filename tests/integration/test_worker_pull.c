@@ -150,19 +150,25 @@ typedef struct result {
     double total_ms;
 } result;
 
+/* A request of the default model for prompt (n ids), up to max_tokens answered. */
+static void request_of(km_msg *m, uint64_t id, const int32_t *prompt, int n, int max_tokens)
+{
+    km_msg_init(m, KM_MSG_REQUEST);
+    m->req.id = id;
+    m->req.model = "SmolLM2-135M-Instruct";
+    m->req.tokens = prompt;
+    m->req.n_tokens = (uint32_t)n;
+    m->req.max_tokens = (uint32_t)max_tokens;
+}
+
 /* Sends one greedy request on a fresh DEALER to ep; returns the socket its answers come on. */
 static void *submit(const char *ep, uint64_t id, const int32_t *prompt, int n, int max_tokens,
                     const hint *h)
 {
     void *s = it_dealer(ep);
     km_msg m;
-    km_msg_init(&m, KM_MSG_REQUEST);
-    m.req.id = id;
-    m.req.model = "SmolLM2-135M-Instruct";
-    m.req.tokens = prompt;
-    m.req.n_tokens = (uint32_t)n;
+    request_of(&m, id, prompt, n, max_tokens);
     m.req.temperature = 0;
-    m.req.max_tokens = (uint32_t)max_tokens;
     m.req.stream = true;
     m.req.deadline_ms = 120000;
     if (h) {
@@ -173,12 +179,7 @@ static void *submit(const char *ep, uint64_t id, const int32_t *prompt, int n, i
         m.req.pull_pages = h->pages;
         m.req.pull_ms = h->ms;
     }
-    km_buf b = {0};
-    km_errbuf err = {{0}};
-    cr_assert_eq(km_msg_encode(&m, NULL, &b, &err), 0, "%s", err.msg);
-    km_zframe f = {b.data, b.len};
-    cr_assert_eq(km_zsend(s, &f, 1, 0, NULL), 0);
-    km_buf_free(&b);
+    it_send_msg(s, &m);
     return s;
 }
 
@@ -639,12 +640,7 @@ static uint32_t run_chunks(const char *ep, uint64_t id, const int32_t *prompt, i
 {
     void *s = it_dealer(ep);
     km_msg m;
-    km_msg_init(&m, KM_MSG_REQUEST);
-    m.req.id = id;
-    m.req.model = "SmolLM2-135M-Instruct";
-    m.req.tokens = prompt;
-    m.req.n_tokens = (uint32_t)n;
-    m.req.max_tokens = 1;
+    request_of(&m, id, prompt, n, 1);
     m.req.chunks = seg;
     m.req.n_chunks = (uint32_t)n_seg;
     it_send_msg(s, &m);
