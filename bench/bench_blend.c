@@ -320,6 +320,8 @@ int main(int argc, char **argv)
     g_probe = probe;
     g_verbose = atoi(bench_arg(argc, argv, "--verbose", "0"));
     g_exact = atoi(bench_arg(argc, argv, "--exact-first", "1"));
+    const int inter = atoi(bench_arg(argc, argv, "--interleave", "0"));
+    bench_args_end(argc, argv, "bench_blend", 1);
     if (np > MAX_PROMPTS) np = MAX_PROMPTS;
     en_model *m;
     km_errbuf err = {{0}};
@@ -377,7 +379,6 @@ int main(int argc, char **argv)
      * so that the modes share the machine's state (its load) prompt by prompt */
     static result res[MAX_MODES];
     static mode_run mr[MAX_MODES];
-    const int inter = atoi(bench_arg(argc, argv, "--interleave", "0"));
     for (int k0 = 0; k0 < nm; k0 = inter ? nm : k0 + 1) {
         const int k1 = inter ? nm : k0 + 1;
         int rc = 0;

@@ -241,8 +241,16 @@ int main(int argc, char **argv)
              .ctx = 8192,
              .depths = 20};
     const char *budgets = "0,512,1024,2048", *batches = "1";
-    for (int i = 1; i + 1 < argc; i += 2) {
-        const char *k = argv[i], *v = argv[i + 1];
+    for (int i = 1; i < argc; i += 2) {
+        const char *k = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(k, "-h") || !strcmp(k, "--help")) {
+            printf("usage: bench_long_dec [option value]... (options: the file's head)\n");
+            return 0;
+        }
+        if (!v) {
+            fprintf(stderr, "bench_long_dec: no value for %s\n", k);
+            return 2;
+        }
         if (!strcmp(k, "--model"))
             c.model = v;
         else if (!strcmp(k, "--text"))

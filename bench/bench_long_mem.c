@@ -227,6 +227,7 @@ int main(int argc, char **argv)
              .chunk = 256,
              .hot = atof(bench_arg(argc, argv, "--hot", "0.25")),
              .host = atof(bench_arg(argc, argv, "--host", "0.25"))};
+    bench_args_end(argc, argv, "bench_long_mem", 1);
     if (c.seqs < 1 || c.ctx < 64 || c.ctx % 16 || c.gen < 1) {
         fprintf(stderr, "bench_long_mem: --seqs >= 1, --ctx a multiple of 16, --gen >= 1\n");
         return 2;

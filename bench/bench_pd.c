@@ -197,10 +197,6 @@ int main(int argc, char **argv)
 {
     static bp_run run;
     run.router = bench_arg(argc, argv, "--router", NULL);
-    if (!run.router) {
-        fprintf(stderr, "bench_pd: --router tcp://HOST:PORT is required\n");
-        return 2;
-    }
     run.seconds = atoi(bench_arg(argc, argv, "--seconds", "40"));
     run.streams = atoi(bench_arg(argc, argv, "--streams", "4"));
     run.stream_tokens = atoi(bench_arg(argc, argv, "--stream-tokens", "48"));
@@ -210,6 +206,11 @@ int main(int argc, char **argv)
     run.long_tokens = atoi(bench_arg(argc, argv, "--long-tokens", "8"));
     run.seed = atoi(bench_arg(argc, argv, "--seed", "1"));
     const char *label = bench_arg(argc, argv, "--label", "run");
+    bench_args_end(argc, argv, "bench_pd", 1);
+    if (!run.router) {
+        fprintf(stderr, "bench_pd: --router tcp://HOST:PORT is required\n");
+        return 2;
+    }
     if (run.streams < 0 || run.streams > 64 || run.long_every_ms <= 0 || run.seconds <= 0 ||
         run.long_min < 1 || run.long_max < run.long_min) {
         fprintf(stderr, "bench_pd: bad arguments\n");
