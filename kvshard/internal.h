@@ -77,10 +77,10 @@ typedef struct kv_page {
     uint64_t xsum, xsum_epoch;
     int xsum_fmt;
     /* Key summary for sparse attention (kv_config.summaries; NULL until its sequence reserves
-     * it): per (layer, head) min[head_dim] then max[head_dim] of the keys over its tokens, in
-     * RAM whatever the tier; sum_ok[layer] says a layer's is current (cleared when the content
-     * is re-encoded: sealing, conversion). */
-    float *sum;
+     * it): per (layer, head) min[head_dim] then max[head_dim] of the keys over its tokens, f16
+     * rounded outward, from a cache-line boundary, in RAM whatever the tier; sum_ok[layer] says a
+     * layer's is current (cleared when the content is re-encoded: sealing, conversion). */
+    kn_f16 *sum;
     uint8_t *sum_ok;
     /* kv_seq_touch: the holder's step (its sel_clock + 1) that last read it; 0: not seen yet */
     _Atomic uint64_t sel_at;
@@ -152,7 +152,10 @@ struct kv_seq {
     /* Its pages' buffers are lent to a transfer (xfer.c: a NIC may be reading or writing them):
      * nothing may move them, so recovery level 2 leaves this sequence's pages as they are. */
     int lent;
-    int sum_from; /* pages below have every layer's key summary (kv_config.summaries) */
+    /* Pages below sum_from have every layer's key summary (kv_config.summaries); sum_at[i]
+     * is page i's summary buffer for those, so that a step's scores read no page object. */
+    int sum_from;
+    const kn_f16 **sum_at;
     /* Layer slices of disk pages a step reads (kv_config.fetch_slices): slot j of slice_buf
      * (slice_slot bytes each) holds layer slice_layer of page slice_page[j], and ptrs[that
      * page] points slice_layer's offset before it, so views of that layer read it as a page. */

@@ -203,8 +203,9 @@ void kv_page_release(kv_store *s, kv_page *p)
 int kv_page_sum_alloc(kv_store *s, kv_page *p)
 {
     if (p->sum) return 0;
-    const size_t nf = (size_t)s->n_layers * s->n_heads * s->hd * 2;
-    p->sum = malloc(nf * sizeof(float) + (size_t)s->n_layers);
+    const size_t nf = (size_t)s->n_layers * s->n_heads * s->hd * 2, line = 64;
+    const size_t bytes = (nf * sizeof(kn_f16) + (size_t)s->n_layers + line - 1) / line * line;
+    p->sum = aligned_alloc(line, bytes);
     if (!p->sum) return KM_ENOMEM;
     p->sum_ok = (uint8_t *)(p->sum + nf);
     memset(p->sum_ok, 0, (size_t)s->n_layers);
