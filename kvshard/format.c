@@ -407,7 +407,7 @@ void kv_page_summarize(const kv_store *s, kv_page *p, int layer)
                 mx[c] = r && mx[c] > k[c] ? mx[c] : k[c];
             }
         }
-        kn_f16 *out = p->sum + ((size_t)layer * s->n_heads + h) * 2 * hd;
+        kn_f16 *out = p->sum + kv_sum_off(s->n_heads, hd, layer, h);
         for (int c = 0; c < hd; c++) {
             out[c] = kv_f16_outward(mn[c], 0);
             out[hd + c] = kv_f16_outward(mx[c], 1);

@@ -313,7 +313,7 @@ void kv_seq_summarize(const kv_store *s, kv_seq *q, int layer, int pos)
 void kv_seq_summaries(const kv_store *s, const kv_seq *q, int layer, int kv_head, int n_pages,
                       const kn_f16 **out)
 {
-    const size_t off = ((size_t)layer * s->n_heads + kv_head) * 2 * s->hd;
+    const size_t off = kv_sum_off(s->n_heads, s->hd, layer, kv_head);
     const int done = q->sum_from < n_pages ? q->sum_from : n_pages;
     for (int i = 0; i < done; i++) out[i] = q->sum_at[i] + off;
     for (int i = done; i < n_pages; i++) {

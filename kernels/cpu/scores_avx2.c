@@ -2,8 +2,9 @@
  * scores_avx2.c — the page scores of sparse attention (kn_ops.page_scores) with AVX2 and F16C: 8
  * channels per instruction, the f16 minimum and maximum widened once per (page, head) and the
  * centre and spread summed in one vector; the leftover channels as scores_ref.c does them. The
- * summaries of the pages ahead are prefetched: each page's lie in its own allocation. Held to the
- * reference by tests/unit/test_sparse.c (the same pages selected; sums differ only in rounding).
+ * summaries of the pages ahead are prefetched: they lie side by side only for pages reserved in
+ * turn (kvshard's summary slabs). Held to the reference by tests/unit/test_sparse.c (the same
+ * pages selected; sums differ only in rounding).
  */
 #include <immintrin.h>
 #include <math.h>

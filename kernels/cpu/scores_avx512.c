@@ -2,8 +2,8 @@
  * scores_avx512.c — the page scores of sparse attention (kn_ops.page_scores) with AVX-512: 16
  * channels per instruction, the f16 minimum and maximum widened once per (page, head) and the
  * centre and spread summed in one vector; the leftover channels as scores_ref.c does them. The
- * summaries of the pages ahead are prefetched: each page's lie in its own allocation. Held to the
- * reference by tests/unit/test_sparse.c.
+ * summaries of the pages ahead are prefetched: they lie side by side only for pages reserved in
+ * turn (kvshard's summary slabs). Held to the reference by tests/unit/test_sparse.c.
  */
 #include <immintrin.h>
 #include <math.h>

@@ -26,8 +26,27 @@ static float frand(void)
     return ((g_rng >> 8) / 16777216.0f) * 2.0f - 1.0f;
 }
 
-/* A store of NL layers and NH kv heads in format fmt with n tokens of random K/V written the
- * way the engine writes them (reserve, then write). */
+/* n tokens of random K/V written into a new sequence of store s the way the engine writes them
+ * (reserve, then write). */
+static void fill_seq(kv_store *s, int n, kv_seq **q)
+{
+    cr_assert_eq(kv_seq_create(s, q), 0);
+    float k[NH * HD], v[NH * HD];
+    for (int t = 0; t < n; t++) {
+        cr_assert_eq(kv_seq_reserve(s, *q, t + 1), 0);
+        for (int l = 0; l < NL; l++) {
+            /* a few loud channels, and pages that differ in level, as real keys do */
+            for (int i = 0; i < NH * HD; i++) {
+                k[i] = frand() * (i % 16 == 3 ? 6.0f : 1.0f) + 0.5f * sinf((float)(t / PT + i));
+                v[i] = frand();
+            }
+            kv_seq_write(s, *q, l, t, k, v);
+        }
+    }
+    cr_assert_eq(kv_seq_reserve(s, *q, n), 0); /* the catch-up: full pages summarized */
+}
+
+/* A store of NL layers and NH kv heads in format fmt with n tokens in one sequence. */
 static void make_seq(kv_format fmt, int n, size_t host, kv_store **s, kv_seq **q)
 {
     kv_config c = {.n_layers = NL,
@@ -41,20 +60,36 @@ static void make_seq(kv_format fmt, int n, size_t host, kv_store **s, kv_seq **q
                    .summaries = 1};
     km_errbuf err;
     cr_assert_eq(kv_store_create(&c, s, &err), 0, "%s", err.msg);
-    cr_assert_eq(kv_seq_create(*s, q), 0);
-    float k[NH * HD], v[NH * HD];
-    for (int t = 0; t < n; t++) {
-        cr_assert_eq(kv_seq_reserve(*s, *q, t + 1), 0);
-        for (int l = 0; l < NL; l++) {
-            /* a few loud channels, and pages that differ in level, as real keys do */
-            for (int i = 0; i < NH * HD; i++) {
-                k[i] = frand() * (i % 16 == 3 ? 6.0f : 1.0f) + 0.5f * sinf((float)(t / PT + i));
-                v[i] = frand();
+    fill_seq(*s, n, q);
+}
+
+/* Every (layer, kv head) summary of q's first n_pages full pages bounds the keys attention reads,
+ * within one f16 step, and the page after them has none. */
+static void check_summaries(kv_store *s, kv_seq *q, int n_pages, const char *what)
+{
+    const kn_f16 *sums[128];
+    for (int l = 0; l < NL; l++)
+        for (int h = 0; h < NH; h++) {
+            kv_seq_summaries(s, q, l, h, n_pages + 1, sums);
+            cr_assert_null(sums[n_pages], "the partial last page has no summary");
+            for (int p = 0; p < n_pages; p++) {
+                cr_assert_not_null(sums[p], "%s page %d", what, p);
+                for (int c = 0; c < HD; c++) {
+                    float mn = INFINITY, mx = -INFINITY, k[HD], v[HD];
+                    for (int t = p * PT; t < (p + 1) * PT; t++) {
+                        cr_assert_eq(kv_seq_read(s, q, l, h, t, k, v), 0);
+                        mn = fminf(mn, k[c]);
+                        mx = fmaxf(mx, k[c]);
+                    }
+                    /* f16 rounded outward: a bound, at most one f16 step away */
+                    const float lo = kn_f16_to_f32(sums[p][c]), hi = kn_f16_to_f32(sums[p][HD + c]);
+                    cr_assert(lo <= mn && mn - lo <= fabsf(mn) / 1024 + 6e-8f, "%s min %g of %g",
+                              what, lo, mn);
+                    cr_assert(hi >= mx && hi - mx <= fabsf(mx) / 1024 + 6e-8f, "%s max %g of %g",
+                              what, hi, mx);
+                }
             }
-            kv_seq_write(*s, *q, l, t, k, v);
         }
-    }
-    cr_assert_eq(kv_seq_reserve(*s, *q, n), 0); /* the catch-up: full pages summarized */
 }
 
 Test(sparse, summaries_bound_the_keys_attention_reads_in_every_format_in_f16)
@@ -62,35 +97,31 @@ Test(sparse, summaries_bound_the_keys_attention_reads_in_every_format_in_f16)
     for (int f = 0; f < KV_FORMAT_COUNT; f++) {
         kv_store *s;
         kv_seq *q;
-        const int n = 5 * PT + 7;
-        make_seq((kv_format)f, n, 0, &s, &q);
-        const kn_f16 *sums[8];
-        for (int l = 0; l < NL; l++)
-            for (int h = 0; h < NH; h++) {
-                kv_seq_summaries(s, q, l, h, 6, sums);
-                cr_assert_null(sums[5], "the partial last page has no summary");
-                for (int p = 0; p < 5; p++) {
-                    cr_assert_not_null(sums[p], "%s page %d", kv_format_name((kv_format)f), p);
-                    for (int c = 0; c < HD; c++) {
-                        float mn = INFINITY, mx = -INFINITY, k[HD], v[HD];
-                        for (int t = p * PT; t < (p + 1) * PT; t++) {
-                            cr_assert_eq(kv_seq_read(s, q, l, h, t, k, v), 0);
-                            mn = fminf(mn, k[c]);
-                            mx = fmaxf(mx, k[c]);
-                        }
-                        /* f16 rounded outward: a bound, at most one f16 step away */
-                        const float lo = kn_f16_to_f32(sums[p][c]),
-                                    hi = kn_f16_to_f32(sums[p][HD + c]);
-                        cr_assert(lo <= mn && mn - lo <= fabsf(mn) / 1024 + 6e-8f,
-                                  "%s min %g of %g", kv_format_name((kv_format)f), lo, mn);
-                        cr_assert(hi >= mx && hi - mx <= fabsf(mx) / 1024 + 6e-8f,
-                                  "%s max %g of %g", kv_format_name((kv_format)f), hi, mx);
-                    }
-                }
-            }
+        make_seq((kv_format)f, 5 * PT + 7, 0, &s, &q);
+        check_summaries(s, q, 5, kv_format_name((kv_format)f));
         kv_seq_destroy(s, q);
         kv_store_destroy(s);
     }
+}
+
+Test(sparse, pages_reserved_in_turn_have_adjacent_summaries_and_freed_slots_serve_again)
+{
+    kv_store *s;
+    kv_seq *q;
+    make_seq(KN_KV_F16, KV_SUM_SLAB * PT + 3, 0, &s, &q); /* a slab full and one page more */
+    const kn_f16 *sums[KV_SUM_SLAB + 2];
+    kv_seq_summaries(s, q, 1, 1, KV_SUM_SLAB, sums);
+    for (int p = 1; p < KV_SUM_SLAB; p++)
+        cr_assert_eq(sums[p], sums[p - 1] + 2 * HD, "page %d streams after page %d", p, p - 1);
+    kv_seq_destroy(s, q); /* not published: the pages and their summary slots are freed */
+    kv_seq *a, *b;
+    fill_seq(s, 3 * PT + 1, &a);                 /* the second slab's next slots */
+    fill_seq(s, (KV_SUM_SLAB - 2) * PT + 5, &b); /* the rest of it, then freed slots */
+    check_summaries(s, a, 3, "after the first slab was freed");
+    check_summaries(s, b, KV_SUM_SLAB - 2, "in freed slots");
+    kv_seq_destroy(s, a);
+    kv_seq_destroy(s, b);
+    kv_store_destroy(s);
 }
 
 Test(sparse, a_page_keeps_its_summary_on_the_host_tier_and_a_new_format_recomputes_it)
