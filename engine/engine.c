@@ -230,6 +230,8 @@ int en_engine_create(const en_model *m, const en_engine_opts *opts, en_engine **
         e->pick_at = calloc(items, sizeof(uint64_t));
         lanes_ok = lanes_ok && e->pick_sel && e->pick_n && e->pick_at;
         e->sparse_idle = o.sparse_idle == 0 ? 16 : o.sparse_idle < 0 ? 0 : o.sparse_idle;
+        /* no tier below hot: nothing can go down, so reads need not be recorded either */
+        if (!o.kv_host_bytes && !o.kv_disk_dir) e->sparse_idle = 0;
         e->idle_seqs = malloc(sizeof(kv_seq *) * (size_t)e->max_tokens);
         lanes_ok = lanes_ok && e->fetch_list && e->idle_seqs;
     }

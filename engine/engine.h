@@ -127,7 +127,8 @@ typedef struct en_engine_opts {
     int sparse_shallow_attn;
     /* Steps a held hot page of a sparse sequence may go unread before it goes back down to host
      * RAM or disk while the hot tier is above its low watermark (kv_seq_demote_idle); 0: 16;
-     * -1: never (pages brought up stay hot while their sequence holds them). */
+     * -1: never (pages brought up stay hot while their sequence holds them); never either
+     * without a host or disk tier (nothing could go down). */
     int sparse_idle;
     /* Layer slices a step may read of a held page on host RAM (in place) or disk (that layer
      * alone, kv_config.fetch_slices) before the page comes up whole: 0: n_layers (a page comes

@@ -130,13 +130,13 @@ typedef struct kn_ops {
     void (*xxh3_update)(void *state, const void *p, size_t n);
 
     /* Sparse attention's page scores: sums[i] is page i's key summary for one (layer, kv head),
-     * min[head_dim] then max[head_dim] of every channel over the page's tokens. For each of
-     * the n_q query heads, with m = (min + max) / 2 and r = (max - min) / 2 per channel, the
-     * page scores q·m + radius * |q|·r; score[i] is the largest over the heads. radius 1 is
-     * Quest's upper bound of q·k over the page (sum_c max(q[c] * min[c], q[c] * max[c]));
-     * smaller ones rank pages by their centre more than by their spread (docs/sparse.md). A
-     * NULL summary scores +inf (always selected). */
-    void (*page_scores)(const float *const *sums, int n_pages, int head_dim, const float *q,
+     * min[head_dim] then max[head_dim] of every channel over the page's tokens, as f16 rounded
+     * outward (min down, max up: still a bound). For each of the n_q query heads, with m = (min +
+     * max) / 2 and r = (max - min) / 2 per channel, the page scores q·m + radius * |q|·r;
+     * score[i] is the largest over the heads. radius 1 is Quest's upper bound of q·k over the
+     * page (sum_c max(q[c] * min[c], q[c] * max[c])); smaller ones rank pages by their centre
+     * more than by their spread (docs/sparse.md). A NULL summary scores +inf (always selected). */
+    void (*page_scores)(const kn_f16 *const *sums, int n_pages, int head_dim, const float *q,
                         int n_q, float radius, float *score);
 } kn_ops;
 
@@ -178,7 +178,7 @@ typedef struct kn_sparse_cfg {
 /* One thread's room for kn_sparse_attention over views of at most cap pages. */
 typedef struct kn_sparse_scratch {
     int cap;
-    const float **sums;
+    const kn_f16 **sums;
     float *score, *tmp;
     int *sel;
     const uint8_t **pages;
@@ -196,7 +196,7 @@ int kn_sparse_select(const float *score, int n_pages, const kn_sparse_cfg *c, fl
 /* The pages kn_sparse_attention would attend to, ascending into scr->sel: every page of a view
  * that fits the budget or has more pages than the scratch, else the chosen ones. Returns how
  * many (what a step must have readable before it attends: kvshard's kv_seq_fetch). */
-int kn_sparse_pick(const kn_ops *o, const kn_kv_view *kv, const float *const *sums,
+int kn_sparse_pick(const kn_ops *o, const kn_kv_view *kv, const kn_f16 *const *sums,
                    const kn_sparse_cfg *c, kn_sparse_scratch *scr, int head_dim, const float *q,
                    int n_q);
 
@@ -205,7 +205,7 @@ int kn_sparse_pick(const kn_ops *o, const kn_kv_view *kv, const float *const *su
  * kn_sparse_select, and attended exactly, as a view of those pages alone (attn_mass is not
  * kept). A view that fits the budget, or has more pages than the scratch, is attended whole.
  * Returns the pages attended. */
-int kn_sparse_attention(const kn_ops *o, const kn_kv_view *kv, const float *const *sums,
+int kn_sparse_attention(const kn_ops *o, const kn_kv_view *kv, const kn_f16 *const *sums,
                         const kn_sparse_cfg *c, kn_sparse_scratch *scr, int head_dim,
                         const float *q, int n_q, float scale, float *out);
 

@@ -95,7 +95,7 @@ int kn_sparse_select(const float *score, int n_pages, const kn_sparse_cfg *c, fl
     return n;
 }
 
-int kn_sparse_pick(const kn_ops *o, const kn_kv_view *kv, const float *const *sums,
+int kn_sparse_pick(const kn_ops *o, const kn_kv_view *kv, const kn_f16 *const *sums,
                    const kn_sparse_cfg *c, kn_sparse_scratch *scr, int head_dim, const float *q,
                    int n_q)
 {
@@ -130,7 +130,7 @@ int kn_sparse_attend(const kn_ops *o, const kn_kv_view *kv, const int *sel, int 
     return n;
 }
 
-int kn_sparse_attention(const kn_ops *o, const kn_kv_view *kv, const float *const *sums,
+int kn_sparse_attention(const kn_ops *o, const kn_kv_view *kv, const kn_f16 *const *sums,
                         const kn_sparse_cfg *c, kn_sparse_scratch *scr, int head_dim,
                         const float *q, int n_q, float scale, float *out)
 {

@@ -382,19 +382,35 @@ void kv_page_convert(kv_store *s, const uint8_t *src, kv_format a, uint8_t *dst,
  * the budget for the moment it takes. The caller refreshes the tables that point at it. */
 #define KV_SUM_MAX_HD 1024 /* the largest head_dim a store takes (store.c) */
 
+/* x as f16 rounded toward -inf (down) or +inf (up): a bound in f32 stays one in f16. */
+static kn_f16 kv_f16_outward(float x, int up)
+{
+    kn_f16 h = kn_f32_to_f16(x);
+    const float y = kn_f16_to_f32(h);
+    if (y != y || (up ? y >= x : y <= x)) return h;
+    /* one step further out: magnitude up on the side moved to, down on the other */
+    const int neg = (h & 0x8000) != 0;
+    if ((h & 0x7fff) == 0) return up ? 0x0001 : 0x8001; /* +-0: the smallest subnormal */
+    return (kn_f16)(neg == !up ? h + 1 : h - 1);
+}
+
 void kv_page_summarize(const kv_store *s, kv_page *p, int layer)
 {
-    float k[KV_SUM_MAX_HD], v[KV_SUM_MAX_HD];
+    float k[KV_SUM_MAX_HD], v[KV_SUM_MAX_HD], mn[KV_SUM_MAX_HD], mx[KV_SUM_MAX_HD];
     const int hd = s->hd;
     if (!p->sum || !p->buf || hd > KV_SUM_MAX_HD) return;
     for (int h = 0; h < s->n_heads; h++) {
-        float *mn = p->sum + ((size_t)layer * s->n_heads + h) * 2 * hd, *mx = mn + hd;
         for (int r = 0; r < s->pt; r++) {
             kv_page_read_row(s, p->buf, p->format, layer, h, r, k, v);
             for (int c = 0; c < hd; c++) {
                 mn[c] = r && mn[c] < k[c] ? mn[c] : k[c];
                 mx[c] = r && mx[c] > k[c] ? mx[c] : k[c];
             }
+        }
+        kn_f16 *out = p->sum + kv_sum_off(s->n_heads, hd, layer, h);
+        for (int c = 0; c < hd; c++) {
+            out[c] = kv_f16_outward(mn[c], 0);
+            out[hd + c] = kv_f16_outward(mx[c], 1);
         }
     }
     p->sum_ok[layer] = 1;

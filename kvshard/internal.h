@@ -77,11 +77,13 @@ typedef struct kv_page {
     uint64_t xsum, xsum_epoch;
     int xsum_fmt;
     /* Key summary for sparse attention (kv_config.summaries; NULL until its sequence reserves
-     * it): per (layer, head) min[head_dim] then max[head_dim] of the keys over its tokens, in
-     * RAM whatever the tier; sum_ok[layer] says a layer's is current (cleared when the content
+     * it): per (layer, head) min[head_dim] then max[head_dim] of the keys over its tokens, f16
+     * rounded outward, in RAM whatever the tier, at sum + kv_sum_off(layer, head): a slot of a
+     * summary slab (page.c); sum_ok[layer] says a layer's is current (cleared when the content
      * is re-encoded: sealing, conversion). */
-    float *sum;
+    kn_f16 *sum;
     uint8_t *sum_ok;
+    int32_t sum_slot; /* its slot among the store's slabs (slab * KV_SUM_SLAB + index) */
     /* kv_seq_touch: the holder's step (its sel_clock + 1) that last read it; 0: not seen yet */
     _Atomic uint64_t sel_at;
     /* [n_layers] XXH3 of each layer's bytes in its (unsealed) page file, set when the file is
@@ -89,6 +91,17 @@ typedef struct kv_page {
     uint64_t *slice_sum;
     int slice_reads; /* layer slices read while not hot, since it last came up (fetch_slices) */
 } kv_page;
+
+/* Key summaries are cut from slabs of KV_SUM_SLAB pages' summaries laid out [layer][kv head]
+ * [slot][2 x head_dim] (f16), so that scoring for one (layer, kv head) the pages a sequence
+ * reserved one after another reads adjacent memory, which the hardware prefetches. A freed slot
+ * is reused by a later page; slabs go back only with the store. */
+#define KV_SUM_SLAB 64
+typedef struct kv_sum_slab {
+    kn_f16 *base;
+    uint8_t *ok; /* [KV_SUM_SLAB][n_layers]: sum_ok of each slot */
+    int used;    /* slots handed out from the slab's start (later ones only from the free list) */
+} kv_sum_slab;
 
 typedef struct kv_tier_acct {
     size_t used, budget;
@@ -152,7 +165,10 @@ struct kv_seq {
     /* Its pages' buffers are lent to a transfer (xfer.c: a NIC may be reading or writing them):
      * nothing may move them, so recovery level 2 leaves this sequence's pages as they are. */
     int lent;
-    int sum_from; /* pages below have every layer's key summary (kv_config.summaries) */
+    /* Pages below sum_from have every layer's key summary (kv_config.summaries); sum_at[i]
+     * is page i's summary buffer for those, so that a step's scores read no page object. */
+    int sum_from;
+    const kn_f16 **sum_at;
     /* Layer slices of disk pages a step reads (kv_config.fetch_slices): slot j of slice_buf
      * (slice_slot bytes each) holds layer slice_layer of page slice_page[j], and ptrs[that
      * page] points slice_layer's offset before it, so views of that layer read it as a page. */
@@ -176,6 +192,10 @@ struct kv_store {
     const kn_ops *ops;
     uint64_t clock, next_uid, next_page_id, walks;
     kv_seq *seqs;
+    /* Key summaries (page.c): slabs of KV_SUM_SLAB pages' and the slots freed in them */
+    kv_sum_slab *sum_slabs;
+    int n_sum_slabs, cap_sum_slabs, n_sum_free;
+    int32_t *sum_free;
     /* free page buffers per format, reused before asking malloc (they count in no budget) */
     uint8_t **free_bufs[KV_FORMAT_COUNT];
     int n_free_bufs[KV_FORMAT_COUNT];
@@ -275,6 +295,13 @@ void kv_page_unref(kv_store *s, kv_page *p);
 int kv_page_sum_alloc(kv_store *s, kv_page *p);
 /* Marks every layer's key summary of p stale (its content was re-encoded). */
 void kv_page_sum_clear(const kv_store *s, kv_page *p);
+/* Gives p's summary slot back (the page goes away). */
+void kv_page_sum_free(kv_store *s, kv_page *p);
+/* Offset of (layer, head)'s summary from kv_page.sum (slab layout). */
+static inline size_t kv_sum_off(int n_heads, int head_dim, int layer, int head)
+{
+    return ((size_t)layer * n_heads + head) * KV_SUM_SLAB * 2 * (size_t)head_dim;
+}
 void kv_list_push(kv_store *s, kv_page *p); /* into its shard/tier cached list by last_use */
 /* A page tagged with an expert moves from tier `from` to tier `to` (-1: nowhere, it appears or
  * goes): its group's occupancy follows. Nothing for an untagged page. */

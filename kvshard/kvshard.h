@@ -108,7 +108,7 @@ typedef struct kv_config {
     int arena;
     size_t arena_bytes; /* region size; 0: 1.25 x (hot + host budgets) + a few slabs */
     /* 1: every full page keeps a key summary for sparse attention (kv_seq_summaries), in RAM
-     * beside the page whatever its tier: 2 x n_layers x n_kv_heads x head_dim floats a page. */
+     * beside the page whatever its tier: 2 x n_layers x n_kv_heads x head_dim f16 a page. */
     int summaries;
     /* 1: kv_seq_attach leaves a prefix's host and disk pages where they are, held by the
      * sequence, and a step brings up only the pages it reads (kv_seq_fetch; sparse attention). */
@@ -186,8 +186,9 @@ void kv_seq_view(const kv_store *s, const kv_seq *q, int layer, int kv_head, int
                  kn_kv_view *out);
 /* Key summaries (kv_config.summaries; docs/sparse.md): for each (layer, kv head) of a page, the
  * minimum and maximum of every key channel over the page's tokens, as attention reads them (after
- * quantization). kv_seq_reserve gives the sequence's pages their summary buffers and computes
- * the summaries of full pages that lack one (pages attached, imported, re-encoded); the engine
+ * quantization), in f16 rounded outward (the minimum down, the maximum up, so they still bound
+ * the keys). kv_seq_reserve gives the sequence's pages their summary buffers and computes the
+ * summaries of full pages that lack one (pages attached, imported, re-encoded); the engine
  * computes a page's summary for a layer as soon as its last row of that layer is written:
  * kv_seq_summarize, for the page holding pos, once every row of it is (any thread, distinct
  * pages; it allocates nothing). kv_seq_summaries points out[i] at page i's block of (layer,
@@ -195,7 +196,7 @@ void kv_seq_view(const kv_store *s, const kv_seq *q, int layer, int kv_head, int
  * page, a page not yet summarized): first n_pages pages of the view. */
 void kv_seq_summarize(const kv_store *s, kv_seq *q, int layer, int pos);
 void kv_seq_summaries(const kv_store *s, const kv_seq *q, int layer, int kv_head, int n_pages,
-                      const float **out);
+                      const kn_f16 **out);
 /* Reads back token pos of (layer, kv_head) as floats (dequantized): k and v of head_dim. */
 int kv_seq_read(const kv_store *s, const kv_seq *q, int layer, int kv_head, int pos, float *k,
                 float *v);

@@ -195,20 +195,65 @@ void kv_page_release(kv_store *s, kv_page *p)
         kv_buf_put(s, p->buf, p->format);
     }
     free(p->tokens);
-    free(p->sum);
+    kv_page_sum_free(s, p);
     free(p->slice_sum);
     free(p);
+}
+
+/* A new slab at the end of the store's list, its first slot handed out; KM_ENOMEM. */
+static int kv_sum_slab_add(kv_store *s, int32_t *slot)
+{
+    if (s->n_sum_slabs == s->cap_sum_slabs) {
+        const int cap = s->cap_sum_slabs ? 2 * s->cap_sum_slabs : 4;
+        kv_sum_slab *a = realloc(s->sum_slabs, sizeof(*a) * (size_t)cap);
+        if (!a) return KM_ENOMEM;
+        s->sum_slabs = a;
+        int32_t *f = realloc(s->sum_free, sizeof(*f) * (size_t)cap * KV_SUM_SLAB);
+        if (!f) return KM_ENOMEM;
+        s->sum_free = f;
+        s->cap_sum_slabs = cap;
+    }
+    const size_t bytes = (size_t)s->n_layers * s->n_heads * KV_SUM_SLAB * 2 * s->hd * 2;
+    kv_sum_slab b = {.base = aligned_alloc(64, (bytes + 63) & ~(size_t)63),
+                     .ok = malloc((size_t)KV_SUM_SLAB * s->n_layers),
+                     .used = 1};
+    if (!b.base || !b.ok) {
+        free(b.base);
+        free(b.ok);
+        return KM_ENOMEM;
+    }
+    s->sum_slabs[s->n_sum_slabs] = b;
+    *slot = s->n_sum_slabs++ * KV_SUM_SLAB;
+    return 0;
 }
 
 int kv_page_sum_alloc(kv_store *s, kv_page *p)
 {
     if (p->sum) return 0;
-    const size_t nf = (size_t)s->n_layers * s->n_heads * s->hd * 2;
-    p->sum = malloc(nf * sizeof(float) + (size_t)s->n_layers);
-    if (!p->sum) return KM_ENOMEM;
-    p->sum_ok = (uint8_t *)(p->sum + nf);
+    /* the last slab's next slot, so that pages reserved in turn sit side by side */
+    kv_sum_slab *last = s->n_sum_slabs ? &s->sum_slabs[s->n_sum_slabs - 1] : NULL;
+    int32_t g;
+    if (last && last->used < KV_SUM_SLAB)
+        g = (s->n_sum_slabs - 1) * KV_SUM_SLAB + last->used++;
+    else if (s->n_sum_free)
+        g = s->sum_free[--s->n_sum_free];
+    else if (kv_sum_slab_add(s, &g))
+        return KM_ENOMEM;
+    const kv_sum_slab *b = &s->sum_slabs[g / KV_SUM_SLAB];
+    p->sum_slot = g;
+    p->sum = b->base + (size_t)(g % KV_SUM_SLAB) * 2 * s->hd;
+    p->sum_ok = b->ok + (size_t)(g % KV_SUM_SLAB) * s->n_layers;
     memset(p->sum_ok, 0, (size_t)s->n_layers);
     return 0;
+}
+
+void kv_page_sum_free(kv_store *s, kv_page *p)
+{
+    if (!p->sum) return;
+    assert(s->n_sum_free < s->n_sum_slabs * KV_SUM_SLAB);
+    s->sum_free[s->n_sum_free++] = p->sum_slot;
+    p->sum = NULL;
+    p->sum_ok = NULL;
 }
 
 void kv_page_sum_clear(const kv_store *s, kv_page *p)

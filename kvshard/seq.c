@@ -48,6 +48,7 @@ void kv_seq_destroy(kv_store *s, kv_seq *q)
     free(q->fmts);
     free(q->mass);
     free(q->pidx);
+    free(q->sum_at);
     free(q->slice_buf);
     free(q->slice_page);
     free(q);
@@ -94,6 +95,9 @@ int kv_seq_grow(kv_seq *q, int need)
     int32_t *pidx = realloc(q->pidx, sizeof(int32_t) * cap);
     if (!pidx) return KM_ENOMEM;
     q->pidx = pidx;
+    const kn_f16 **sum_at = realloc(q->sum_at, sizeof(*q->sum_at) * cap);
+    if (!sum_at) return KM_ENOMEM;
+    q->sum_at = sum_at;
     q->cap = cap;
     return 0;
 }
@@ -202,6 +206,7 @@ static void kv_seq_drop_page(kv_store *s, kv_seq *q, int i)
     memmove(q->fmts + i, q->fmts + i + 1, sizeof(*q->fmts) * n);
     memmove(q->mass + i, q->mass + i + 1, sizeof(*q->mass) * n);
     memmove(q->pidx + i, q->pidx + i + 1, sizeof(*q->pidx) * n);
+    memmove(q->sum_at + i, q->sum_at + i + 1, sizeof(*q->sum_at) * n);
     q->n_pages--;
     q->n_dropped++;
     if (q->seal_from > i) q->seal_from--;
@@ -294,7 +299,7 @@ static void kv_seq_sum_catchup(kv_store *s, kv_seq *q)
         int all = full && !p->promoting;
         for (int l = 0; all && l < s->n_layers; l++)
             if (!p->sum_ok[l]) kv_page_summarize(s, p, l);
-        if (all && i == q->sum_from) q->sum_from++;
+        if (all && i == q->sum_from) q->sum_at[q->sum_from++] = p->sum;
     }
 }
 
@@ -306,10 +311,12 @@ void kv_seq_summarize(const kv_store *s, kv_seq *q, int layer, int pos)
 }
 
 void kv_seq_summaries(const kv_store *s, const kv_seq *q, int layer, int kv_head, int n_pages,
-                      const float **out)
+                      const kn_f16 **out)
 {
-    const size_t off = ((size_t)layer * s->n_heads + kv_head) * 2 * s->hd;
-    for (int i = 0; i < n_pages; i++) {
+    const size_t off = kv_sum_off(s->n_heads, s->hd, layer, kv_head);
+    const int done = q->sum_from < n_pages ? q->sum_from : n_pages;
+    for (int i = 0; i < done; i++) out[i] = q->sum_at[i] + off;
+    for (int i = done; i < n_pages; i++) {
         const kv_page *p = i < q->n_pages ? q->pg[i] : NULL;
         out[i] = p && p->sum && p->sum_ok[layer] ? p->sum + off : NULL;
     }

@@ -152,7 +152,6 @@ void kv_store_destroy(kv_store *s)
             kv_page *n = p->hnext;
             if (p->buf) kv_buf_put(s, p->buf, p->format);
             free(p->tokens);
-            free(p->sum);
             free(p->slice_sum);
             free(p);
             p = n;
@@ -162,6 +161,12 @@ void kv_store_destroy(kv_store *s)
         for (int i = 0; i < s->n_free_bufs[f]; i++) free(s->free_bufs[f][i]);
         free(s->free_bufs[f]);
     }
+    for (int i = 0; i < s->n_sum_slabs; i++) {
+        free(s->sum_slabs[i].base);
+        free(s->sum_slabs[i].ok);
+    }
+    free(s->sum_slabs);
+    free(s->sum_free);
     free(s->buckets);
     free(s->fscratch);
     free(s->view_offs);

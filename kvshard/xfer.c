@@ -289,6 +289,7 @@ int kv_import_commit(kv_store *s, uint64_t id, int n_ok)
             kv_page_convert(s, r->wire[i], r->wire_fmt[i], p->buf, p->format);
         }
     for (int i = 0; i < n_ok; i++) kv_page_sum_clear(s, r->q->pg[r->k + i]); /* recomputed */
+    if (r->q->sum_from > r->k) r->q->sum_from = r->k;
     kv_seq_truncate(s, r->q, (r->k + n_ok) * s->pt);
     int added = kv_seq_publish_sum(s, r->q, r->hashes, r->tokens, (r->k + n_ok) * s->pt, 0);
     kv_import_release(s, rp);

@@ -71,8 +71,8 @@ typedef struct {
                                   size_t q_stride, int n_tok, int n_q, float scale, float *out,    \
                                   size_t out_stride);                                              \
     void kn_xxh3_update_##sfx(void *state, const void *p, size_t n);                               \
-    void kn_page_scores_##sfx(const float *const *sums, int n_pages, int head_dim, const float *q, \
-                              int n_q, float radius, float *score);
+    void kn_page_scores_##sfx(const kn_f16 *const *sums, int n_pages, int head_dim,                \
+                              const float *q, int n_q, float radius, float *score);
 
 KN_DECLARE_ISA(ref)
 KN_DECLARE_ISA(avx2)

@@ -1,10 +1,11 @@
 /*
  * test_sparse.c — query-aware sparse attention (docs/sparse.md): kvshard's key summaries (min and
- * max of every key channel over a page, for every format, computed as attention reads the keys,
- * kept in RAM when a page leaves the hot tier), the page scores of every instruction set against
- * the scalar reference (the same pages selected), the selection's rules (sink, window, budget),
- * and the attention over the selected pages against a double-precision softmax over exactly those
- * tokens, and against dense attention when the budget covers the whole context.
+ * max of every key channel over a page, in f16 rounded outward, for every format, computed as
+ * attention reads the keys, kept in RAM when a page leaves the hot tier), the page scores of every
+ * instruction set against the scalar reference (the same pages selected), the selection's rules
+ * (sink, window, budget), and the attention over the selected pages against a double-precision
+ * softmax over exactly those tokens, and against dense attention when the budget covers the whole
+ * context.
  */
 #include <criterion/criterion.h>
 #include <math.h>
@@ -25,8 +26,27 @@ static float frand(void)
     return ((g_rng >> 8) / 16777216.0f) * 2.0f - 1.0f;
 }
 
-/* A store of NL layers and NH kv heads in format fmt with n tokens of random K/V written the
- * way the engine writes them (reserve, then write). */
+/* n tokens of random K/V written into a new sequence of store s the way the engine writes them
+ * (reserve, then write). */
+static void fill_seq(kv_store *s, int n, kv_seq **q)
+{
+    cr_assert_eq(kv_seq_create(s, q), 0);
+    float k[NH * HD], v[NH * HD];
+    for (int t = 0; t < n; t++) {
+        cr_assert_eq(kv_seq_reserve(s, *q, t + 1), 0);
+        for (int l = 0; l < NL; l++) {
+            /* a few loud channels, and pages that differ in level, as real keys do */
+            for (int i = 0; i < NH * HD; i++) {
+                k[i] = frand() * (i % 16 == 3 ? 6.0f : 1.0f) + 0.5f * sinf((float)(t / PT + i));
+                v[i] = frand();
+            }
+            kv_seq_write(s, *q, l, t, k, v);
+        }
+    }
+    cr_assert_eq(kv_seq_reserve(s, *q, n), 0); /* the catch-up: full pages summarized */
+}
+
+/* A store of NL layers and NH kv heads in format fmt with n tokens in one sequence. */
 static void make_seq(kv_format fmt, int n, size_t host, kv_store **s, kv_seq **q)
 {
     kv_config c = {.n_layers = NL,
@@ -40,51 +60,68 @@ static void make_seq(kv_format fmt, int n, size_t host, kv_store **s, kv_seq **q
                    .summaries = 1};
     km_errbuf err;
     cr_assert_eq(kv_store_create(&c, s, &err), 0, "%s", err.msg);
-    cr_assert_eq(kv_seq_create(*s, q), 0);
-    float k[NH * HD], v[NH * HD];
-    for (int t = 0; t < n; t++) {
-        cr_assert_eq(kv_seq_reserve(*s, *q, t + 1), 0);
-        for (int l = 0; l < NL; l++) {
-            /* a few loud channels, and pages that differ in level, as real keys do */
-            for (int i = 0; i < NH * HD; i++) {
-                k[i] = frand() * (i % 16 == 3 ? 6.0f : 1.0f) + 0.5f * sinf((float)(t / PT + i));
-                v[i] = frand();
-            }
-            kv_seq_write(*s, *q, l, t, k, v);
-        }
-    }
-    cr_assert_eq(kv_seq_reserve(*s, *q, n), 0); /* the catch-up: full pages summarized */
+    fill_seq(*s, n, q);
 }
 
-Test(sparse, summaries_are_the_min_and_max_of_the_keys_attention_reads_in_every_format)
+/* Every (layer, kv head) summary of q's first n_pages full pages bounds the keys attention reads,
+ * within one f16 step, and the page after them has none. */
+static void check_summaries(kv_store *s, kv_seq *q, int n_pages, const char *what)
+{
+    const kn_f16 *sums[128];
+    for (int l = 0; l < NL; l++)
+        for (int h = 0; h < NH; h++) {
+            kv_seq_summaries(s, q, l, h, n_pages + 1, sums);
+            cr_assert_null(sums[n_pages], "the partial last page has no summary");
+            for (int p = 0; p < n_pages; p++) {
+                cr_assert_not_null(sums[p], "%s page %d", what, p);
+                for (int c = 0; c < HD; c++) {
+                    float mn = INFINITY, mx = -INFINITY, k[HD], v[HD];
+                    for (int t = p * PT; t < (p + 1) * PT; t++) {
+                        cr_assert_eq(kv_seq_read(s, q, l, h, t, k, v), 0);
+                        mn = fminf(mn, k[c]);
+                        mx = fmaxf(mx, k[c]);
+                    }
+                    /* f16 rounded outward: a bound, at most one f16 step away */
+                    const float lo = kn_f16_to_f32(sums[p][c]), hi = kn_f16_to_f32(sums[p][HD + c]);
+                    cr_assert(lo <= mn && mn - lo <= fabsf(mn) / 1024 + 6e-8f, "%s min %g of %g",
+                              what, lo, mn);
+                    cr_assert(hi >= mx && hi - mx <= fabsf(mx) / 1024 + 6e-8f, "%s max %g of %g",
+                              what, hi, mx);
+                }
+            }
+        }
+}
+
+Test(sparse, summaries_bound_the_keys_attention_reads_in_every_format_in_f16)
 {
     for (int f = 0; f < KV_FORMAT_COUNT; f++) {
         kv_store *s;
         kv_seq *q;
-        const int n = 5 * PT + 7;
-        make_seq((kv_format)f, n, 0, &s, &q);
-        const float *sums[8];
-        for (int l = 0; l < NL; l++)
-            for (int h = 0; h < NH; h++) {
-                kv_seq_summaries(s, q, l, h, 6, sums);
-                cr_assert_null(sums[5], "the partial last page has no summary");
-                for (int p = 0; p < 5; p++) {
-                    cr_assert_not_null(sums[p], "%s page %d", kv_format_name((kv_format)f), p);
-                    for (int c = 0; c < HD; c++) {
-                        float mn = INFINITY, mx = -INFINITY, k[HD], v[HD];
-                        for (int t = p * PT; t < (p + 1) * PT; t++) {
-                            cr_assert_eq(kv_seq_read(s, q, l, h, t, k, v), 0);
-                            mn = fminf(mn, k[c]);
-                            mx = fmaxf(mx, k[c]);
-                        }
-                        cr_assert_eq(sums[p][c], mn, "%s min", kv_format_name((kv_format)f));
-                        cr_assert_eq(sums[p][HD + c], mx, "%s max", kv_format_name((kv_format)f));
-                    }
-                }
-            }
+        make_seq((kv_format)f, 5 * PT + 7, 0, &s, &q);
+        check_summaries(s, q, 5, kv_format_name((kv_format)f));
         kv_seq_destroy(s, q);
         kv_store_destroy(s);
     }
+}
+
+Test(sparse, pages_reserved_in_turn_have_adjacent_summaries_and_freed_slots_serve_again)
+{
+    kv_store *s;
+    kv_seq *q;
+    make_seq(KN_KV_F16, KV_SUM_SLAB * PT + 3, 0, &s, &q); /* a slab full and one page more */
+    const kn_f16 *sums[KV_SUM_SLAB + 2];
+    kv_seq_summaries(s, q, 1, 1, KV_SUM_SLAB, sums);
+    for (int p = 1; p < KV_SUM_SLAB; p++)
+        cr_assert_eq(sums[p], sums[p - 1] + 2 * HD, "page %d streams after page %d", p, p - 1);
+    kv_seq_destroy(s, q); /* not published: the pages and their summary slots are freed */
+    kv_seq *a, *b;
+    fill_seq(s, 3 * PT + 1, &a);                 /* the second slab's next slots */
+    fill_seq(s, (KV_SUM_SLAB - 2) * PT + 5, &b); /* the rest of it, then freed slots */
+    check_summaries(s, a, 3, "after the first slab was freed");
+    check_summaries(s, b, KV_SUM_SLAB - 2, "in freed slots");
+    kv_seq_destroy(s, a);
+    kv_seq_destroy(s, b);
+    kv_store_destroy(s);
 }
 
 Test(sparse, a_page_keeps_its_summary_on_the_host_tier_and_a_new_format_recomputes_it)
@@ -111,7 +148,7 @@ Test(sparse, a_page_keeps_its_summary_on_the_host_tier_and_a_new_format_recomput
     cr_assert_eq(kv_seq_create(s, &q), 0);
     cr_assert_eq(kv_seq_attach(s, q, hashes, tokens, 4), 4);
     kv_seq_wait_ready(s, q);
-    const float *sums[4];
+    const kn_f16 *sums[4];
     kv_seq_summaries(s, q, 1, 1, 4, sums);
     for (int i = 0; i < 4; i++) cr_assert_not_null(sums[i]);
     /* recovery level 2 re-encodes every page: summaries are stale until the next reserve */
@@ -183,7 +220,7 @@ Test(sparse, every_isa_selects_the_reference_pages_and_attends_exactly_over_them
         make_seq(fmts[fi], n, 0, &s, &q);
         kn_sparse_scratch scr;
         cr_assert_eq(kn_sparse_scratch_init(&scr, 64), 0);
-        const float *sums[64];
+        const kn_f16 *sums[64];
         float qv[3 * HD], sref[64], sisa[64], tmp[64], out[3 * HD], want[3 * HD];
         int selr[64], seli[64];
         for (int trial = 0; trial < 20; trial++) {
