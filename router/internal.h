@@ -545,9 +545,13 @@ void rt_pull_price(const rt_router *r, const rt_match *m, rt_candidate *cand);
 /* After the pick: does another worker hold more of q's chain, and is pulling it cheaper? Sets
  * q's hint (or clears it) and counts the decision. */
 void rt_pull_advise(rt_router *r, rt_rq *q, int pick, const rt_match *m);
-/* The rule's decision for pick over the chain matched in m (its inputs as rt_pull_advise's);
- * chunk: a chunk's chain (rt_chunk_pull_decide). */
-int rt_pull_choose(const rt_router *r, int pick, const rt_match *m, bool chunk, rt_pull_choice *ch);
+/* The rule's decision for pick over the chain matched in m (its inputs as rt_pull_advise's). */
+int rt_pull_choose(const rt_router *r, int pick, const rt_match *m, rt_pull_choice *ch);
+/* Before the pick, with the mesh on: each usable candidate gets the credit of the chunk pulls
+ * rt_chunk_pull_advise would give it (past the prefix it holds or would pull, from one
+ * holder), rt_chunk_pull_credit each; prefix: the prompt chain's match. */
+void rt_chunk_pull_price(const rt_router *r, const rt_rq *q, const rt_match *prefix,
+                         uint64_t workers, rt_candidate *cand);
 /* With the mesh on: the chunks of q that another worker holds more of than pick, where pulling
  * them measures cheaper than the computation their reuse saves, join q's pull hint (its holder,
  * or the first such chunk's when there is no prefix pull): q->pull_chunks, q->pull_ms. */
