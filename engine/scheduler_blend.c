@@ -19,9 +19,10 @@
  *  - The blend part runs outside the batch because its tokens go through different numbers of
  *    layers (en_batch.depth) and its probe must finish before the recompute is chosen. A piece
  *    per step is what a prefill chunk of the request could be there (prefill_chunk, and
- *    decode_prefill while others decode, cut by the step budget, its units counted against the
- *    batch's), in (token, layer) pairs: so the running sequences' next token waits for a piece,
- *    never for the whole part. The engine is batch-invariant: pieces change no logit.
+ *    decode_prefill while others decode, the tenants' fair_cap, cut by the step budget, its
+ *    units counted against the batch's), in (token, layer) pairs: so the running sequences'
+ *    next token waits for a piece, never for the whole part. The engine is batch-invariant:
+ *    pieces change no logit.
  *  - A chunk the store does not hold is computed with the rest of the prompt (exact), and its own
  *    copy, computed alone after the preamble, is stored after the request ends, between steps
  *    when nothing else waits (or one per step when many are queued): the request that brings a
@@ -168,6 +169,7 @@ int en_sched_blend(en_sched *s)
      * caps and the budget, its units counted against the batch's), in (token, layer) pairs */
     int cap = s->o.prefill_chunk;
     if (decoding && s->o.decode_prefill > 0 && cap > s->o.decode_prefill) cap = s->o.decode_prefill;
+    if (s->fair_cap > 0 && cap > s->fair_cap) cap = s->fair_cap; /* scheduler_fair.c */
     for (int i = 0; i < s->n_run; i++) {
         en_rq *r = s->run[i];
         if (!r->bl || r->sit_out) continue;
