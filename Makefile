@@ -546,6 +546,14 @@ bench-blend: $(BENCH_BLEND) ## chunk reuse vs full and prefix caching: TTFT, per
 .PHONY: bench-blend-route
 bench-blend-route: build ## 4 workers: chunk tokens reused with and without chunk-aware routing
 	@bash bench/bench_blend_route.sh
+# What a prompt with reused chunks costs a sequence already decoding (docs/blend.md "Serving"):
+# its longest wait and the steps' CPU time, per prefill chunk (CHUNKS, REPEAT, THREADS).
+BENCH_BLEND_STEP := $(BUILD)/bench/bench_blend_step
+.PHONY: bench-blend-step
+bench-blend-step: $(BENCH_BLEND_STEP) ## a decoder's longest wait while a blended prompt prefills
+	@grep -m1 'model name' /proc/cpuinfo; nproc
+	@$(BENCH_BLEND_STEP) --threads $${THREADS:-1} --chunks $${CHUNKS:-256,64,32} \
+		--repeat $${REPEAT:-2}
 
 # KV store figures (docs/kvshard.md): lookup/insert ops/s, tier bandwidth, attention per format.
 BENCH_KV := $(BUILD)/bench/bench_kv

@@ -46,6 +46,7 @@ extern "C" {
 #define KM_PROTO_MAX_BIAS         1024        /* req.logit_bias entries */
 #define KM_PROTO_MAX_TOP          20          /* req.top_logprobs, tok.top entries */
 #define KM_PROTO_MAX_CHUNKS       64          /* req.chunks segments */
+#define KM_PROTO_MAX_PULL_MORE    3           /* req.pull_more: chunk holders past pull_from */
 #define KM_PROTO_MAX_GRAMMAR      (64u << 10) /* req.grammar bytes */
 #define KM_PROTO_MAX_PROMPT_TOK   (1u << 18)  /* default max prompt token ids */
 #define KM_PROTO_MAX_EVENT_HASHES 8192        /* default max page hashes per KV event */
@@ -145,6 +146,12 @@ typedef struct km_token_value {
 typedef struct km_chunk_seg {
     uint32_t start, n;
 } km_chunk_seg;
+
+/* Another holder of a request's chunks (req.pull_more): a worker id and its chunks, a bit each. */
+typedef struct km_pull_more {
+    const char *from;
+    uint64_t chunks;
+} km_pull_more;
 
 const char *km_speculate_name(km_speculate s);
 
@@ -277,6 +284,12 @@ typedef struct km_msg_request {
      * preamble page, then the chunk's whole pages) from pull_from too, within the same pull_ms.
      * With it pull_pages may be 0 (no prefix pull). Bits past n_chunks are refused. */
     uint64_t pull_chunks;
+    /* More chunk holders (optional, added within version 1; only with pull_from): each a worker
+     * (found in the receiver's view, as pull_from) and the chunks to pull from it, pulled after
+     * pull_from's within the same pull_ms. Up to KM_PROTO_MAX_PULL_MORE; no chunk named twice in
+     * the hint, none past n_chunks. A receiver that does not read it pulls from pull_from only. */
+    const km_pull_more *pull_more;
+    uint32_t n_pull_more;
     /* Chunks (optional, added within version 1; docs/blend.md): segments of `tokens` whose KV
      * may be cached and reused by their content wherever they appear (a retrieved document);
      * up to KM_PROTO_MAX_CHUNKS, in order, disjoint, non-empty, inside the prompt. */

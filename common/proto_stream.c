@@ -82,11 +82,23 @@ static int req_validate_pull(const km_msg_request *r, km_errbuf *err)
     if (!r->pull_addr || r->pull_addr_len < 1 || r->pull_addr_len > KM_PROTO_MAX_PEER_ADDR)
         VFAIL("req.pull_addr: %u bytes outside [1, %d]", r->pull_addr ? r->pull_addr_len : 0,
               KM_PROTO_MAX_PEER_ADDR);
-    if (r->pull_pages < (r->pull_chunks ? 0u : 1u) || r->pull_pages > KM_PROTO_MAX_PULL_PAGES)
-        VFAIL("req.pull_pages: %u outside [%d, %d]", r->pull_pages, r->pull_chunks ? 0 : 1,
+    const bool chunks = r->pull_chunks || r->n_pull_more;
+    if (r->pull_pages < (chunks ? 0u : 1u) || r->pull_pages > KM_PROTO_MAX_PULL_PAGES)
+        VFAIL("req.pull_pages: %u outside [%d, %d]", r->pull_pages, chunks ? 0 : 1,
               KM_PROTO_MAX_PULL_PAGES);
     if (r->n_chunks < 64 && r->pull_chunks >> r->n_chunks)
         VFAIL("req.pull_chunks: names a chunk past the request's %u", r->n_chunks);
+    if (r->n_pull_more > KM_PROTO_MAX_PULL_MORE || (r->n_pull_more && !r->pull_more))
+        VFAIL("req.pull_more: %u holders, limit %d", r->n_pull_more, KM_PROTO_MAX_PULL_MORE);
+    uint64_t named = r->pull_chunks;
+    for (uint32_t i = 0; i < r->n_pull_more; i++) {
+        const km_pull_more *m = &r->pull_more[i];
+        CK(km_val_name("req.pull_more.from", m->from, true, 1, KM_PROTO_MAX_NAME, err));
+        if (!m->chunks || (r->n_chunks < 64 && m->chunks >> r->n_chunks) || (m->chunks & named))
+            VFAIL("req.pull_more[%u]: chunks %#llx: none, past the request's %u or named twice", i,
+                  (unsigned long long)m->chunks, r->n_chunks);
+        named |= m->chunks;
+    }
     return 0;
 }
 
@@ -213,6 +225,16 @@ static void req_encode(km_enc *e, const km_msg *m)
         km_enc_u64(e, "pull_ms", r->pull_ms);
         if (r->pd) km_enc_bool(e, "pd", true);
         if (r->pull_chunks) km_enc_u64(e, "pull_chunks", r->pull_chunks);
+        if (r->n_pull_more && km_enc_begin(e, "pull_more")) {
+            e->rc |= msgpack_pack_array(&e->pk, r->n_pull_more);
+            for (uint32_t i = 0; i < r->n_pull_more; i++) {
+                const size_t n = strlen(r->pull_more[i].from);
+                e->rc |= msgpack_pack_array(&e->pk, 2);
+                e->rc |= msgpack_pack_str(&e->pk, n);
+                e->rc |= msgpack_pack_str_body(&e->pk, r->pull_more[i].from, n);
+                e->rc |= msgpack_pack_uint64(&e->pk, r->pull_more[i].chunks);
+            }
+        }
     }
 }
 
@@ -279,6 +301,30 @@ static int req_decode_chunks(km_dec *d, const msgpack_object_array *a)
     return 0;
 }
 
+/* req.pull_more: [[worker id, chunk bits], ...]; validated with the rest of the request. */
+static int req_decode_pull_more(km_dec *d, const msgpack_object_array *a)
+{
+    km_msg_request *r = &d->m->req;
+    if (a->size > KM_PROTO_MAX_PULL_MORE)
+        return DFAIL(d, KM_EFORMAT, "req.pull_more: %u holders, limit %d", a->size,
+                     KM_PROTO_MAX_PULL_MORE);
+    km_pull_more *m = km_msg_alloc(d->m, (size_t)(a->size ? a->size : 1) * sizeof *m);
+    if (!m) return DFAIL(d, KM_ENOMEM, "req.pull_more: out of memory");
+    for (uint32_t i = 0; i < a->size; i++) {
+        const msgpack_object *p = &a->ptr[i];
+        const msgpack_object *x =
+            p->type == MSGPACK_OBJECT_ARRAY && p->via.array.size == 2 ? p->via.array.ptr : NULL;
+        if (!x || x[1].type != MSGPACK_OBJECT_POSITIVE_INTEGER)
+            return DFAIL(d, KM_EFORMAT, "req.pull_more[%u]: expected [worker, chunks]", i);
+        CK(km_dec_copy_str(d, "req.pull_more.from", &x[0], KM_PROTO_MAX_NAME, false, &m[i].from,
+                           NULL));
+        m[i].chunks = x[1].via.u64;
+    }
+    r->pull_more = m;
+    r->n_pull_more = a->size;
+    return 0;
+}
+
 static int req_decode(km_dec *d, const msgpack_object_map *mp)
 {
     km_msg_request *r = &d->m->req;
@@ -335,6 +381,8 @@ static int req_decode(km_dec *d, const msgpack_object_map *mp)
     CK(km_dec_u32(d, mp, "pull_pages", true, &r->pull_pages));
     CK(km_dec_bool(d, mp, "pd", false, &r->pd));
     CK(km_dec_uint(d, mp, "pull_chunks", false, UINT64_MAX, &r->pull_chunks));
+    CK(km_dec_obj(d, mp, "pull_more", false, MSGPACK_OBJECT_ARRAY, &o));
+    if (o) CK(req_decode_pull_more(d, &o->via.array));
     return km_dec_u32(d, mp, "pull_ms", false, &r->pull_ms);
 }
 

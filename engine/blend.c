@@ -11,6 +11,7 @@
  * ones. A token recomputed through layer d writes fresh K/V in layers [0, d) and leaves the
  * reused ones above (en_batch.depth); every other prompt token goes through every layer.
  */
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -93,41 +94,64 @@ static int bl_by_pos(const void *a, const void *b)
     return ((const bl_tok *)a)->pos - ((const bl_tok *)b)->pos;
 }
 
-/* Runs the tokens (in position order) in batches of at most max_tokens, each ordered deepest
- * first; with logits, the prompt's last token asks for them (it must be among the tokens); kv:
- * en_batch.depth_kv. */
+/* One engine batch's buffers, e->max_tokens each. */
+typedef struct bl_bufs {
+    int32_t *ids, *pos;
+    int16_t *depth;
+    uint8_t *want;
+    kv_seq **seqs;
+} bl_bufs;
+
+static int bl_bufs_init(bl_bufs *b, int T)
+{
+    b->ids = malloc(sizeof(int32_t) * T * 2), b->pos = b->ids ? b->ids + T : NULL;
+    b->depth = malloc(sizeof(int16_t) * T);
+    b->want = malloc(T);
+    b->seqs = malloc(sizeof(kv_seq *) * T);
+    return b->ids && b->depth && b->want && b->seqs ? 0 : KM_ENOMEM;
+}
+
+static void bl_bufs_free(bl_bufs *b)
+{
+    free(b->ids);
+    free(b->depth);
+    free(b->want);
+    free(b->seqs);
+}
+
+/* Runs m <= max_tokens tokens (the next of a pass in position order) as one batch ordered
+ * deepest first; with logits, the prompt's last token asks for them; kv: en_batch.depth_kv. */
+static int bl_batch(en_engine *e, bl_bufs *bb, kv_seq *q, const int32_t *tokens, int n_tokens,
+                    bl_tok *t, int m, int kv, const float **logits)
+{
+    qsort(t, (size_t)m, sizeof *t, bl_by_depth);
+    for (int i = 0; i < m; i++) {
+        bb->pos[i] = t[i].pos, bb->ids[i] = tokens[t[i].pos], bb->depth[i] = t[i].depth;
+        bb->want[i] = logits && t[i].pos == n_tokens - 1, bb->seqs[i] = q;
+    }
+    en_batch b = {.n_tokens = m,
+                  .tokens = bb->ids,
+                  .pos = bb->pos,
+                  .seqs = bb->seqs,
+                  .logits = bb->want,
+                  .depth = bb->depth,
+                  .depth_kv = kv};
+    const float *lg = NULL;
+    int rc = en_engine_step(e, &b, &lg);
+    if (logits && lg && rc > 0) *logits = lg;
+    return rc > 0 ? 0 : rc;
+}
+
+/* Runs the tokens (in position order) in batches of at most max_tokens. */
 static int bl_run(en_engine *e, kv_seq *q, const int32_t *tokens, int n_tokens, bl_tok *t, int n,
                   int kv, const float **logits)
 {
     const int T = e->max_tokens;
-    int32_t *ids = malloc(sizeof(int32_t) * T * 2), *pos = ids ? ids + T : NULL;
-    int16_t *depth = malloc(sizeof(int16_t) * T);
-    uint8_t *want = malloc(T);
-    kv_seq **seqs = malloc(sizeof(kv_seq *) * T);
-    int rc = ids && depth && want && seqs ? 0 : KM_ENOMEM;
-    for (int s = 0; s < n && !rc; s += T) {
-        const int m = n - s < T ? n - s : T;
-        qsort(t + s, (size_t)m, sizeof *t, bl_by_depth);
-        for (int i = 0; i < m; i++) {
-            pos[i] = t[s + i].pos, ids[i] = tokens[pos[i]], depth[i] = t[s + i].depth;
-            want[i] = logits && pos[i] == n_tokens - 1, seqs[i] = q;
-        }
-        en_batch b = {.n_tokens = m,
-                      .tokens = ids,
-                      .pos = pos,
-                      .seqs = seqs,
-                      .logits = want,
-                      .depth = depth,
-                      .depth_kv = kv};
-        const float *lg = NULL;
-        rc = en_engine_step(e, &b, &lg);
-        if (logits && lg && rc > 0) *logits = lg;
-        if (rc > 0) rc = 0;
-    }
-    free(ids);
-    free(depth);
-    free(want);
-    free(seqs);
+    bl_bufs bb;
+    int rc = bl_bufs_init(&bb, T);
+    for (int s = 0; s < n && !rc; s += T)
+        rc = bl_batch(e, &bb, q, tokens, n_tokens, t + s, n - s < T ? n - s : T, kv, logits);
+    bl_bufs_free(&bb);
     return rc;
 }
 
@@ -172,18 +196,79 @@ static int bl_depth(int r, int nc, float f, int P, int L)
     return d;
 }
 
-int en_blend_prefill(en_engine *e, kv_seq *q, const int32_t *tokens, int n_tokens, int n_done,
-                     const en_blend_seg *chunks, int n_chunks, const en_blend_opts *o,
-                     en_blend_stats *st, const float **logits)
+/* A blend prefill under way: the pass being run (the probe, then the recompute), its tokens in
+ * position order, and how many of them have run. */
+struct en_blend_run {
+    en_engine *e;
+    kv_seq *q;
+    const int32_t *tokens;
+    int n_tokens, n_done, end, probe, nc;
+    float f;
+    bl_tok *t;
+    int n_t, at, probing;
+    bl_rank *rk;
+    float *old; /* [nc + 1][2][kvd]: the chunks' probe-layer K/V before the probe; a row to read */
+    uint8_t *in_chunk;
+    bl_bufs bb;
+    en_blend_stats st;
+};
+
+/* After the probe: the chunk tokens ranked by drift, and the recompute pass planned. */
+static int bl_plan(en_blend_run *b)
+{
+    const en_hparams *hp = &b->e->m->hp;
+    const int L = hp->n_layers, P = b->probe + 1, kvd = hp->n_head_kv * hp->head_dim;
+    int rc = 0;
+    if (b->probing) {
+        for (int i = 0, j = 0; i < b->n_t && !rc; i++) {
+            if (!b->in_chunk[i]) continue;
+            b->rk[j].pos = b->n_done + i;
+            rc = bl_drift(b->e, b->q, b->probe, b->n_done + i, b->old + (size_t)2 * kvd * j,
+                          b->old + (size_t)2 * kvd * b->nc, &b->rk[j].drift);
+            j++;
+        }
+        if (rc) return rc;
+        qsort(b->rk, (size_t)b->nc, sizeof *b->rk, bl_by_drift);
+    }
+    /* the rest of [n_done, end) through every layer, the drifting chunk tokens through theirs */
+    int m = 0;
+    for (int i = 0; i < b->end - b->n_done; i++)
+        if (!b->in_chunk[i]) b->t[m++] = (bl_tok){.pos = b->n_done + i, .depth = (int16_t)L};
+    b->st.computed = m, b->st.reused = b->nc;
+    for (int r = 0; b->probing && r < b->nc; r++) {
+        const int d = bl_depth(r, b->nc, b->f, P, L);
+        if (d == P) break;
+        b->t[m++] = (bl_tok){.pos = b->rk[r].pos, .depth = (int16_t)d};
+        b->st.recomputed++;
+    }
+    for (int i = 0; i < m; i++) b->st.token_layers += b->t[i].depth;
+    qsort(b->t, (size_t)m, sizeof *b->t, bl_by_pos);
+    b->n_t = m, b->at = 0, b->probing = 0;
+    return 0;
+}
+
+void en_blend_run_end(en_blend_run *b, en_blend_stats *st)
+{
+    if (!b) return;
+    if (st) *st = b->st;
+    free(b->t);
+    free(b->rk);
+    free(b->old);
+    free(b->in_chunk);
+    bl_bufs_free(&b->bb);
+    free(b);
+}
+
+int en_blend_run_begin(en_engine *e, kv_seq *q, const int32_t *tokens, int n_tokens, int n_done,
+                       int end, const en_blend_seg *chunks, int n_chunks, const en_blend_opts *o,
+                       en_blend_run **out)
 {
     const en_hparams *hp = &e->m->hp;
     const int L = hp->n_layers, kvd = hp->n_head_kv * hp->head_dim;
-    const float f = o && o->fraction > 0 ? (o->fraction < 1 ? o->fraction : 1) : 0;
     const int probe = o && o->probe_layer > 0 ? o->probe_layer : 1;
-    en_blend_stats z = {0};
-    if (!st) st = &z;
-    *st = z;
-    if (n_done < 0 || n_done >= n_tokens || probe >= L || hp->n_expert) return KM_EINVAL;
+    *out = NULL;
+    if (n_done < 0 || n_done >= end || end > n_tokens || probe >= L || hp->n_expert)
+        return KM_EINVAL;
     /* the last chunk is computed in full unless asked (en_blend_opts.reuse_last), after the
      * checks of every segment below */
     const int n_reused = n_chunks && !(o && o->reuse_last) ? n_chunks - 1 : n_chunks;
@@ -191,64 +276,94 @@ int en_blend_prefill(en_engine *e, kv_seq *q, const int32_t *tokens, int n_token
     for (int c = 0; c < n_chunks; c++) {
         const en_blend_seg *g = &chunks[c];
         if (g->n <= 0 || g->start < (c ? chunks[c - 1].start + chunks[c - 1].n : n_done) ||
-            g->start + g->n > n_tokens - 1)
+            g->start + g->n > n_tokens - 1 || g->start + g->n > end)
             return KM_EINVAL;
         if (c < n_reused) nc += g->n;
     }
     n_chunks = n_reused;
-    const int n = n_tokens - n_done, P = probe + 1;
-    bl_tok *t = malloc(sizeof *t * (size_t)n);
-    bl_rank *rk = malloc(sizeof *rk * (size_t)(nc ? nc : 1));
-    float *old = malloc(sizeof(float) * 2 * kvd * (size_t)(nc + 1));
-    uint8_t *in_chunk = calloc((size_t)n, 1);
-    int rc = t && rk && old && in_chunk ? 0 : KM_ENOMEM;
+    en_blend_run *b = calloc(1, sizeof *b);
+    if (!b) return KM_ENOMEM;
+    const int n = end - n_done;
+    *b = (en_blend_run){.e = e,
+                        .q = q,
+                        .tokens = tokens,
+                        .n_tokens = n_tokens,
+                        .n_done = n_done,
+                        .end = end,
+                        .probe = probe,
+                        .nc = nc};
+    b->f = o && o->fraction > 0 ? (o->fraction < 1 ? o->fraction : 1) : 0;
+    b->t = malloc(sizeof *b->t * (size_t)n);
+    b->rk = malloc(sizeof *b->rk * (size_t)(nc ? nc : 1));
+    b->old = malloc(sizeof(float) * 2 * kvd * (size_t)(nc + 1));
+    b->in_chunk = calloc((size_t)n, 1);
+    int rc =
+        b->t && b->rk && b->old && b->in_chunk ? bl_bufs_init(&b->bb, e->max_tokens) : KM_ENOMEM;
     for (int c = 0; c < n_chunks && !rc; c++)
-        memset(in_chunk + chunks[c].start - n_done, 1, (size_t)chunks[c].n);
+        memset(b->in_chunk + chunks[c].start - n_done, 1, (size_t)chunks[c].n);
     /* The probe: every token up to the last chunk's end (none after it is read there) through
      * layers [0, probe) and the K/V of the probe layer (no more is read of it), the chunks'
      * probe-layer K/V kept first. */
     const int n_probe = n_chunks ? chunks[n_chunks - 1].start + chunks[n_chunks - 1].n - n_done : 0;
-    if (!rc && f > 0 && nc) {
+    if (!rc && b->f > 0 && nc) {
         for (int i = 0, j = 0; i < n_probe && !rc; i++) {
-            t[i] = (bl_tok){.pos = n_done + i, .depth = (int16_t)probe};
-            if (!in_chunk[i]) continue;
-            float *k0 = old + (size_t)2 * kvd * j++;
+            b->t[i] = (bl_tok){.pos = n_done + i, .depth = (int16_t)probe};
+            if (!b->in_chunk[i]) continue;
+            float *k0 = b->old + (size_t)2 * kvd * j++;
             for (int h = 0; h < hp->n_head_kv && !rc; h++)
                 rc = kv_seq_read(e->kv, q, probe, h, n_done + i, k0 + h * hp->head_dim,
                                  k0 + kvd + h * hp->head_dim);
         }
-        if (!rc) rc = bl_run(e, q, tokens, n_tokens, t, n_probe, 1, NULL);
-        st->token_layers += (long)n_probe * P;
-        for (int i = 0, j = 0; i < n_probe && !rc; i++) {
-            if (!in_chunk[i]) continue;
-            rk[j].pos = n_done + i;
-            rc = bl_drift(e, q, probe, n_done + i, old + (size_t)2 * kvd * j,
-                          old + (size_t)2 * kvd * nc, &rk[j].drift);
-            j++;
-        }
-        if (!rc) qsort(rk, (size_t)nc, sizeof *rk, bl_by_drift);
+        b->n_t = n_probe, b->probing = 1;
+        b->st.token_layers += (long)n_probe * (probe + 1);
+    } else if (!rc) {
+        rc = bl_plan(b);
     }
-    /* Then the rest of the prompt through every layer, the drifting chunk tokens through theirs. */
+    if (rc) {
+        en_blend_run_end(b, NULL);
+        return rc;
+    }
+    *out = b;
+    return 0;
+}
+
+long en_blend_run_step(en_blend_run *b, long max_token_layers, const float **logits)
+{
+    if (en_blend_run_done(b)) return 0;
+    /* the next tokens of the pass in position order: what the cap allows, at least one (a probe
+     * token counts the probe layer's K/V as a layer, as en_blend_stats.token_layers does) */
     int m = 0;
-    for (int i = 0; i < n && !rc; i++)
-        if (!in_chunk[i]) t[m++] = (bl_tok){.pos = n_done + i, .depth = (int16_t)L};
-    st->computed = m, st->reused = nc;
-    for (int r = 0; f > 0 && r < nc && !rc; r++) {
-        const int d = bl_depth(r, nc, f, P, L);
-        if (d == P) break;
-        t[m++] = (bl_tok){.pos = rk[r].pos, .depth = (int16_t)d};
-        st->recomputed++;
+    long tl = 0;
+    for (; b->at + m < b->n_t && m < b->e->max_tokens; m++) {
+        const long d = b->t[b->at + m].depth + b->probing;
+        if (m && tl + d > max_token_layers) break;
+        tl += d;
     }
-    if (!rc) {
-        for (int i = 0; i < m; i++) st->token_layers += t[i].depth;
-        qsort(t, (size_t)m, sizeof *t, bl_by_pos);
-        rc = bl_run(e, q, tokens, n_tokens, t, m, 0, logits);
-    }
-    free(t);
-    free(rk);
-    free(old);
-    free(in_chunk);
-    return rc;
+    int rc = bl_batch(b->e, &b->bb, b->q, b->tokens, b->n_tokens, b->t + b->at, m, b->probing,
+                      b->probing || b->end < b->n_tokens ? NULL : logits);
+    if (rc) return rc;
+    b->at += m;
+    if (b->probing && b->at == b->n_t) rc = bl_plan(b);
+    return rc ? rc : tl;
+}
+
+int en_blend_run_done(const en_blend_run *b)
+{
+    return !b->probing && b->at == b->n_t;
+}
+
+int en_blend_prefill(en_engine *e, kv_seq *q, const int32_t *tokens, int n_tokens, int n_done,
+                     const en_blend_seg *chunks, int n_chunks, const en_blend_opts *o,
+                     en_blend_stats *st, const float **logits)
+{
+    en_blend_stats z = {0};
+    if (!st) st = &z;
+    *st = z;
+    en_blend_run *b;
+    int rc = en_blend_run_begin(e, q, tokens, n_tokens, n_done, n_tokens, chunks, n_chunks, o, &b);
+    while (rc >= 0 && !en_blend_run_done(b)) rc = en_blend_run_step(b, LONG_MAX, logits);
+    if (b) en_blend_run_end(b, rc < 0 ? NULL : st);
+    return rc < 0 ? rc : 0;
 }
 
 km_pagehash en_blend_chunk_seed(km_pagehash tenant_seed)

@@ -245,6 +245,24 @@ int en_blend_prefill(en_engine *e, kv_seq *q, const int32_t *tokens, int n_token
                      const en_blend_seg *chunks, int n_chunks, const en_blend_opts *o,
                      en_blend_stats *st, const float **logits);
 
+/* en_blend_prefill in pieces, so that a scheduler can cut it as it cuts an ordinary prefill (a
+ * step budget, other sequences decoding in between): the prefill of [n_done, end) only, where
+ * end <= n_tokens holds every chunk; the tokens after end are the caller's to compute (an
+ * ordinary prefill: the result is the same as one en_blend_prefill, the engine's forward being
+ * batch-invariant). Each en_blend_run_step runs the next tokens of the pass under way (the
+ * probe, then the recompute, each in position order) as one engine batch of at most
+ * max_token_layers (token, layer) pairs (at least one token); it returns the pairs run (0 once
+ * done) or a negative km_err, after which the run can only be ended. *logits is set by the step
+ * that runs the last token when end == n_tokens. tokens and q must outlive the run. */
+typedef struct en_blend_run en_blend_run;
+int en_blend_run_begin(en_engine *e, kv_seq *q, const int32_t *tokens, int n_tokens, int n_done,
+                       int end, const en_blend_seg *chunks, int n_chunks, const en_blend_opts *o,
+                       en_blend_run **out);
+long en_blend_run_step(en_blend_run *b, long max_token_layers, const float **logits);
+int en_blend_run_done(const en_blend_run *b);
+/* Frees the run; st (may be NULL): its counts (complete once done). */
+void en_blend_run_end(en_blend_run *b, en_blend_stats *st);
+
 /* The seed of a tenant's chunk chains from its prefix seed (km_pagehash_seed). */
 km_pagehash en_blend_chunk_seed(km_pagehash tenant_seed);
 /* Where a chunk's pages are cached: the chain seed, and the tokens every chunk is computed after

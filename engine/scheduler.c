@@ -53,19 +53,19 @@
 
 #include "engine/scheduler_internal.h"
 
-/* Work units of n prompt tokens at positions [pos, pos + n), with one logits row when want. */
-static double en_units(const en_sched *s, int pos, int n, int want)
+double en_units(const en_sched *s, int pos, int n, int want)
 {
     double attended = (double)n * (pos + 1) + (double)n * (n - 1) / 2;
     return n * s->u_tok + attended * s->u_att + (want ? s->u_row : 0);
 }
 
 /* The most tokens of r's prompt this step can still take within its budget: what the budget
- * leaves, but at least a page (or what is left of the prompt). */
-static int en_budget_take(en_sched *s, const en_rq *r, int take)
+ * leaves after the step's blend pieces and its batch so far, but at least a page (or what is
+ * left of the prompt). */
+int en_budget_take(en_sched *s, const en_rq *r, int take)
 {
     if (s->o.step_budget_ms <= 0 || s->st.ns_per_unit <= 0) return take;
-    double cap = s->o.step_budget_ms * 1e6 / s->st.ns_per_unit - s->step_units;
+    double cap = s->o.step_budget_ms * 1e6 / s->st.ns_per_unit - s->step_units - s->blend_units;
     int lo = 0, hi = take;
     while (lo < hi) { /* the largest n with en_units(n) <= cap */
         int mid = lo + (hi - lo + 1) / 2;
@@ -221,6 +221,7 @@ static void en_rq_free(en_sched *s, en_rq *r)
     free(r->route);
     free(r->chunks);
     free(r->reused);
+    en_blend_run_end(r->bl, NULL);
     free(r);
 }
 
@@ -536,6 +537,8 @@ void en_rq_requeue(en_sched *s, int i)
     en_rq *r = s->run[i];
     en_rq_publish(s, r);
     en_rq_drop_shadow(s, r);
+    en_blend_run_end(r->bl, NULL); /* a blend prefill under way: re-admitted, it computes */
+    r->bl = NULL;
     kv_seq_destroy(s->kv, r->seq);
     r->seq = NULL;
     r->n_done = 0;
@@ -666,7 +669,7 @@ static int en_sched_build(en_sched *s, int *n_parts)
         for (int i = 0; i < s->n_run && n < budget; i++) {
             en_rq *r = s->run[s->order[i]];
             int left = r->n_tok - r->n_done, nd = 0;
-            if (left <= 0 || r->sit_out || r->blend || (pass == 0) != (left == 1)) continue;
+            if (left <= 0 || r->sit_out || r->bl || (pass == 0) != (left == 1)) continue;
             const int32_t *d = r->spec && pass == 0 ? en_spec_seq_draft(r->spec, &nd) : NULL;
             if (nd > budget - n - 1) nd = 0; /* the plan left room; never overflow the batch */
             int take = left;
@@ -791,9 +794,7 @@ int en_sched_step(en_sched *s)
     int stored = en_sched_blend_store(s);
     en_sched_prepare(s);
     en_fair_step(s);
-    int blended = s->st.chunk_tokens;
-    en_sched_blend(s, km_now_ns());
-    blended = (int)s->st.chunk_tokens - blended + stored;
+    int blended = en_sched_blend(s) + stored;
     en_sched_plan(s);
 
     int n, np, drafts;

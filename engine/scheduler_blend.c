@@ -6,18 +6,23 @@
  * admission, after the longest cached prefix is attached, every chunk past that prefix whose
  * pages the store holds (chain seeded by the tenant's chunk seed, computed after the preamble)
  * is copied into the request's sequence at its position, keys re-rotated (en_blend_copy). The
- * request's prompt is then computed in one synchronous pass before the next batch is built
- * (en_blend_prefill: every other token through every layer, the chunk tokens that drift most
- * recomputed, progressively), and its first token sampled; from there it decodes like any other.
+ * prompt up to the end of the last reused chunk (the blend part: the probe, then every other
+ * token through every layer and the chunk tokens that drift most recomputed, progressively) is
+ * run in pieces before each step's batch (en_blend_run_*), the rest of the prompt then
+ * prefilled by the batch like any prompt; from there it decodes like any other.
  *
  * Why these choices:
  *  - Blended KV is not what full recomputation gives, and every token after a reused chunk
  *    attended to it: the request's pages from the page of its first reused chunk on are never
  *    published (r->publish_end), so no later prefix lookup finds approximate KV. The pages before
  *    it are exact and are published as usual.
- *  - The blend prefill runs outside the batch because its tokens go through different numbers of
- *    layers (en_batch.depth) and its probe must finish before the recompute is chosen; it is one
- *    request's prompt, as a long prefill chunk would be, and usually far less work.
+ *  - The blend part runs outside the batch because its tokens go through different numbers of
+ *    layers (en_batch.depth) and its probe must finish before the recompute is chosen. A piece
+ *    per step is what a prefill chunk of the request could be there (prefill_chunk, and
+ *    decode_prefill while others decode, the tenants' fair_cap, cut by the step budget, its
+ *    units counted against the batch's), in (token, layer) pairs: so the running sequences'
+ *    next token waits for a piece, never for the whole part. The engine is batch-invariant:
+ *    pieces change no logit.
  *  - A chunk the store does not hold is computed with the rest of the prompt (exact), and its own
  *    copy, computed alone after the preamble, is stored after the request ends, between steps
  *    when nothing else waits (or one per step when many are queued): the request that brings a
@@ -90,9 +95,15 @@ static en_blend_key en_chunk_key(const en_sched *s, km_pagehash tenant_seed)
     return (en_blend_key){en_blend_chunk_seed(tenant_seed), s->pre, s->n_pre};
 }
 
+static en_blend_opts en_blend_sched_opts(const en_sched *s)
+{
+    const float f = s->o.blend_fraction_set ? s->o.blend_fraction : EN_BLEND_FRACTION;
+    return (en_blend_opts){.fraction = f, .reuse_last = 1}; /* the last chunk is not in reused */
+}
+
 void en_rq_blend_attach(en_sched *s, en_rq *r)
 {
-    r->n_reused = 0, r->blend = 0, r->publish_end = INT_MAX; /* a re-admission computes in full */
+    r->n_reused = 0, r->publish_end = INT_MAX; /* a re-admission computes in full */
     if (!s->n_pre || !r->n_chunks || r->admitted || r->plp_end) return;
     en_engine *e = s->real.e;
     const en_blend_key key = en_chunk_key(s, r->seed);
@@ -121,48 +132,71 @@ void en_rq_blend_attach(en_sched *s, en_rq *r)
         if (held > 0) r->reused[r->n_reused++] = (en_blend_seg){g->start, held};
     }
     if (r->n_reused) {
-        r->blend = 1;
-        r->publish_end = r->reused[0].start / s->pt * s->pt;
+        /* the blend part ends with the last reused chunk; the batch prefills the rest */
+        const en_blend_seg *g = &r->reused[r->n_reused - 1];
+        const en_blend_opts o = en_blend_sched_opts(s);
+        int rc = en_blend_run_begin(e, r->seq, r->tokens, r->n_tok, r->n_done, g->start + g->n,
+                                    r->reused, r->n_reused, &o, &r->bl);
+        if (rc) { /* the batch computes the prompt in full from n_done instead */
+            KM_WARN("sched_blend", "rid=%llu err=%s: computed in full", (unsigned long long)r->rid,
+                    km_strerror(rc));
+            r->n_reused = 0;
+        } else {
+            r->publish_end = r->reused[0].start / s->pt * s->pt;
+        }
     }
     s->st.chunk_misses += (uint64_t)__builtin_popcountll(r->chunk_missed);
 }
 
-void en_sched_blend(en_sched *s, uint64_t now)
+/* A blend prefill that failed: the batch computes the prompt in full from n_done instead. */
+static void en_rq_blend_fail(en_rq *r, int rc)
 {
-    const float f = s->o.blend_fraction_set ? s->o.blend_fraction : EN_BLEND_FRACTION;
-    const en_blend_opts o = {.fraction = f, .reuse_last = 1}; /* the last chunk is not in reused */
-    for (int i = 0; i < s->n_run;) {
+    KM_WARN("sched_blend", "rid=%llu err=%s: computed in full", (unsigned long long)r->rid,
+            km_strerror(rc));
+    en_blend_run_end(r->bl, NULL);
+    r->bl = NULL;
+    r->n_reused = 0;
+    r->publish_end = INT_MAX;
+}
+
+int en_sched_blend(en_sched *s)
+{
+    s->blend_units = 0, s->step_units = 0;
+    int decoding = 0, ran = 0;
+    for (int i = 0; i < s->n_run; i++)
+        decoding += !s->run[i]->bl && s->run[i]->n_tok - s->run[i]->n_done == 1;
+    /* a piece is what a prefill chunk of the request could be in this step (en_sched_build's
+     * caps and the budget, its units counted against the batch's), in (token, layer) pairs */
+    int cap = s->o.prefill_chunk;
+    if (decoding && s->o.decode_prefill > 0 && cap > s->o.decode_prefill) cap = s->o.decode_prefill;
+    if (s->fair_cap > 0 && cap > s->fair_cap) cap = s->fair_cap; /* scheduler_fair.c */
+    for (int i = 0; i < s->n_run; i++) {
         en_rq *r = s->run[i];
-        if (!r->blend) {
-            i++;
+        if (!r->bl || r->sit_out) continue;
+        const int take = en_budget_take(s, r, cap);
+        s->blend_units += en_units(s, r->n_done, take, 0);
+        long left = (long)take * s->n_layers, tl = 0;
+        while (left > 0 && tl >= 0 && !en_blend_run_done(r->bl)) {
+            tl = en_blend_run_step(r->bl, left, NULL);
+            if (tl > 0) left -= tl, ran += (int)((tl + s->n_layers - 1) / s->n_layers);
+        }
+        if (tl < 0) {
+            en_rq_blend_fail(r, (int)tl);
             continue;
         }
-        r->blend = 0;
+        if (!en_blend_run_done(r->bl)) continue;
         en_blend_stats st;
-        const float *logits = NULL;
-        const int from = r->n_done;
-        int rc = en_blend_prefill(s->real.e, r->seq, r->tokens, r->n_tok, r->n_done, r->reused,
-                                  r->n_reused, &o, &st, &logits);
-        if (rc || !logits) { /* the batch computes the prompt in full from n_done instead */
-            KM_WARN("sched_blend", "rid=%llu err=%s: computed in full", (unsigned long long)r->rid,
-                    km_strerror(rc));
-            r->n_reused = 0;
-            r->publish_end = INT_MAX;
-            i++;
-            continue;
-        }
+        en_blend_run_end(r->bl, &st);
+        r->bl = NULL;
+        const en_blend_seg *g = &r->reused[r->n_reused - 1];
         r->chunk_tokens = st.reused;
         s->st.chunk_tokens += (uint64_t)st.reused;
         s->st.chunk_recomputed += (uint64_t)st.recomputed;
-        s->st.prefill_tokens += (uint64_t)(r->n_tok - from - st.reused);
-        r->n_done = r->n_tok;
+        s->st.prefill_tokens += (uint64_t)(g->start + g->n - r->n_done - st.reused);
+        r->n_done = g->start + g->n; /* the rest is an ordinary prefill, in the batch */
         en_rq_publish(s, r);
-        km_finish fin;
-        if (en_rq_push(s, r, en_rq_sample(s, r, logits), now, &fin))
-            en_rq_finish(s, r, fin); /* removed: run[i] is the next one */
-        else
-            i++;
     }
+    return ran;
 }
 
 void en_rq_blend_ended(en_sched *s, const en_rq *r)

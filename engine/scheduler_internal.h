@@ -35,10 +35,12 @@ typedef struct en_rq {
     int priority, ignore_eos, canceled, admitted, preemptions, cached_tokens;
     int sit_out; /* not in this step: another tenant's first token (scheduler_fair.c) */
     /* chunk reuse (scheduler_blend.c): the request's chunks; of them, those reused in this
-     * attempt (blend set until en_sched_blend has run their prefill); pages from publish_end
-     * on are never published (approximate KV); chunks to store once the request ends */
+     * attempt, and their prefill while it runs (bl: in pieces, en_sched_blend; NULL once done,
+     * the rest of the prompt then prefilled by the batch); pages from publish_end on are never
+     * published (approximate KV); chunks to store once the request ends */
     en_blend_seg *chunks, *reused;
-    int n_chunks, n_reused, blend, publish_end, chunk_tokens;
+    en_blend_run *bl;
+    int n_chunks, n_reused, publish_end, chunk_tokens;
     uint64_t chunk_missed; /* bit c: chunk c was not held whole */
     uint64_t tenant;
     uint64_t arrival_ns, deadline_ns, admit_ns, first_ns;
@@ -99,8 +101,9 @@ struct en_sched {
     int *order; /* [max_running]: the order prefill chunks are taken in this step */
     /* step budget: work units per token, per attended position, per logits row */
     double u_tok, u_att, u_row;
-    double step_units; /* the units of the step being built */
-    int step_prefill;  /* its prompt tokens */
+    double step_units;  /* the units of the step being built */
+    double blend_units; /* the units of this step's blend pieces, run before the batch */
+    int step_prefill;   /* its prompt tokens */
     en_sched_stats st;
     /* tenants (scheduler_fair.c): those with requests here, [queue_cap]; and the last two
      * distinct tenants whose requests ended, newest first (end_ns 0: none) */
@@ -128,6 +131,12 @@ int en_rq_push(en_sched *s, en_rq *r, int32_t t, uint64_t now, km_finish *fin);
 void en_rq_finish(en_sched *s, en_rq *r, km_finish fin);
 /* r's next token from a row of logits, among those its grammar allows. */
 int32_t en_rq_sample(en_sched *s, en_rq *r, const float *row);
+
+/* The most prompt tokens of r this step may still take within the step budget (at least a
+ * page, or what is left), take at most. */
+int en_budget_take(en_sched *s, const en_rq *r, int take);
+/* Work units of n prompt tokens at positions [pos, pos + n), with one logits row when want. */
+double en_units(const en_sched *s, int pos, int n, int want);
 
 /* Sends running sequence i back to the queue; its published pages stay cached. */
 void en_rq_requeue(en_sched *s, int i);
@@ -163,8 +172,10 @@ int en_rq_chunks(en_sched *s, en_rq *r, const en_sched_req *q);
 /* At a first admission, after the prefix attach: the chunks the store holds, copied into r's
  * sequence (r->blend set when any was). */
 void en_rq_blend_attach(en_sched *s, en_rq *r);
-/* Runs the pending chunk prefills of running sequences: their first token sampled. */
-void en_sched_blend(en_sched *s, uint64_t now);
+/* Runs the next piece of each running sequence's blend prefill, each as much as a prefill
+ * chunk of its own could take in this step; returns the work run in tokens through every
+ * layer (token-layers over layers, rounded up). */
+int en_sched_blend(en_sched *s);
 /* A request ended: its missing chunks are queued to be stored. */
 void en_rq_blend_ended(en_sched *s, const en_rq *r);
 /* Stores one queued chunk (between steps): 1 when one was, else 0. */

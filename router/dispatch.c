@@ -185,6 +185,7 @@ int rt_dispatch(rt_router *r, rt_rq *q, bool from_queue)
     for (int i = 0; i < r->n_w; i++) cand[i].cached_tokens = cand[i].usable ? m.credit[i] : 0;
     if (q->n_chunk_chain) rt_chunk_credit(r, q, mask | holders, &m, now, cand);
     rt_pull_price(r, &m, cand); /* pull.c: a prefix another worker holds, priced as a pull */
+    rt_chunk_pull_price(r, q, &m, mask | holders, cand); /* pull.c: chunks held elsewhere */
     if (r->c.policy.mode == RT_MODE_KV) cold_backlog(r, q, cand);
     int n_ctx = q->replay ? q->n_prompt : q->n_prompt + q->n_gen;
     /* a tenant at --max-inflight-per-key waits in the queue even when a worker is free */

@@ -131,7 +131,11 @@ struct rt_rq {
     int pull_w;
     uint32_t pull_pages, pull_ms;
     uint64_t pull_chunks; /* chunks to pull from the same holder (chunks.c), a bit each */
-    bool pd;              /* the hint names a prefill worker computing the prompt now (pd.c) */
+    /* chunks to pull from other holders (their index + 1, their chunks), and the hint's copy */
+    int pull_more_w[KM_PROTO_MAX_PULL_MORE], n_pull_more;
+    uint64_t pull_more_chunks[KM_PROTO_MAX_PULL_MORE];
+    km_pull_more pull_more[KM_PROTO_MAX_PULL_MORE];
+    bool pd; /* the hint names a prefill worker computing the prompt now (pd.c) */
     /* prefix gating: a request whose prefix is being computed right now by an earlier request
      * on the chosen worker waits for that request's first token (its pages are then cached) */
     rt_rq *owner, *waiters, *wnext;
@@ -545,12 +549,19 @@ void rt_pull_price(const rt_router *r, const rt_match *m, rt_candidate *cand);
 /* After the pick: does another worker hold more of q's chain, and is pulling it cheaper? Sets
  * q's hint (or clears it) and counts the decision. */
 void rt_pull_advise(rt_router *r, rt_rq *q, int pick, const rt_match *m);
-/* The rule's decision for pick over the chain matched in m (its inputs as rt_pull_advise's);
- * chunk: a chunk's chain (rt_chunk_pull_decide). */
-int rt_pull_choose(const rt_router *r, int pick, const rt_match *m, bool chunk, rt_pull_choice *ch);
+/* The rule's decision for pick over the chain matched in m (its inputs as rt_pull_advise's). */
+int rt_pull_choose(const rt_router *r, int pick, const rt_match *m, rt_pull_choice *ch);
+/* Holders one request's chunk pulls may name: the hint's pull_from and its pull_more. */
+#define RT_PULL_HOLDERS (1 + KM_PROTO_MAX_PULL_MORE)
+/* Before the pick, with the mesh on: each usable candidate gets the credit of the chunk pulls
+ * rt_chunk_pull_advise would give it (past the prefix it holds or would pull),
+ * rt_chunk_pull_credit each; prefix: the prompt chain's match. */
+void rt_chunk_pull_price(const rt_router *r, const rt_rq *q, const rt_match *prefix,
+                         uint64_t workers, rt_candidate *cand);
 /* With the mesh on: the chunks of q that another worker holds more of than pick, where pulling
- * them measures cheaper than the computation their reuse saves, join q's pull hint (its holder,
- * or the first such chunk's when there is no prefix pull): q->pull_chunks, q->pull_ms. */
+ * them measures cheaper than the computation their reuse saves, join q's pull hint, each from
+ * the holder the rule picks (at most RT_PULL_HOLDERS, the prefix pull's first):
+ * q->pull_chunks for pull_w's, q->pull_more_* for the others, q->pull_ms their budget. */
 void rt_chunk_pull_advise(rt_router *r, rt_rq *q, int pick, const rt_match *prefix,
                           uint64_t workers);
 /* q ended on w with cached prompt tokens (and chunk_tokens reused from chunks): whether its hint
@@ -558,7 +569,7 @@ void rt_chunk_pull_advise(rt_router *r, rt_rq *q, int pick, const rt_match *pref
  * while). */
 void rt_pull_outcome(rt_router *r, rt_rq *q, rt_wk *w, uint32_t cached, uint32_t chunk_tokens);
 /* q's hint, if any, into the request frame to the chosen worker. */
-void rt_pull_hint(rt_router *r, const rt_rq *q, km_msg_request *out);
+void rt_pull_hint(rt_router *r, rt_rq *q, km_msg_request *out);
 /* May w be the source of a pull: it need not take requests; a draining worker still serves the
  * pages of the requests migrated off it. */
 bool rt_wk_serves_pages(const rt_router *r, const rt_wk *w);

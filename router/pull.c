@@ -27,8 +27,10 @@
  *
  * Chunks (docs/blend.md) are pulled by the same rule (rt_chunk_pull_advise, after the pick):
  * a chunk the chosen worker lacks and another holds, its saving discounted by chunk_credit (a
- * reused chunk is still partly recomputed), all from one holder: the prefix pull's, or else the
- * one of the first chunk worth pulling.
+ * reused chunk is still partly recomputed), each from the holder the rule picks, at most
+ * RT_PULL_HOLDERS holders a request (the prefix pull's first; the hint's pull_from, then its
+ * pull_more). They are priced before the pick as prefix pulls are (rt_chunk_pull_price: the same
+ * walk for every candidate, rt_chunk_pull_credit each).
  *
  * rt_pull_decide and rt_pull_credit are plain data in, decision out
  * (tests/unit/test_router_pull.c); the rest reads the router's workers and writes the hint.
@@ -209,12 +211,11 @@ void rt_pull_price(const rt_router *r, const rt_match *m, rt_candidate *cand)
     }
 }
 
-int rt_pull_choose(const rt_router *r, int pick, const rt_match *m, bool chunk, rt_pull_choice *ch)
+int rt_pull_choose(const rt_router *r, int pick, const rt_match *m, rt_pull_choice *ch)
 {
     rt_pull_in in[RT_MAX_WORKERS];
     pull_inputs(r, pick, m, rt_now_ms(), in);
-    return (chunk ? rt_chunk_pull_decide : rt_pull_decide)(&r->c.policy, in, r->n_w, pick,
-                                                           r->c.page_tokens, ch);
+    return rt_pull_decide(&r->c.policy, in, r->n_w, pick, r->c.page_tokens, ch);
 }
 
 void rt_pull_advise(rt_router *r, rt_rq *q, int pick, const rt_match *m)
@@ -222,9 +223,10 @@ void rt_pull_advise(rt_router *r, rt_rq *q, int pick, const rt_match *m)
     q->pull_w = 0;
     q->pull_pages = 0;
     q->pull_chunks = 0;
+    q->n_pull_more = 0;
     if (r->c.policy.mode != RT_MODE_KV || pick < 0 || !r->w[pick].xfer.addr_len) return;
     rt_pull_choice ch;
-    int d = rt_pull_choose(r, pick, m, false, &ch);
+    int d = rt_pull_choose(r, pick, m, &ch);
     if (d == RT_PULL_NONE) return;
     km_counter_inc(r->s_pulls[d]);
     KM_DEBUG("pull_choice",
@@ -239,20 +241,49 @@ void rt_pull_advise(rt_router *r, rt_rq *q, int pick, const rt_match *m)
     q->pull_ms = (uint32_t)budget;
 }
 
-void rt_chunk_pull_advise(rt_router *r, rt_rq *q, int pick, const rt_match *prefix,
-                          uint64_t workers)
+double rt_chunk_pull_credit(const rt_policy *pol, const rt_pull_in *c, int n, int i,
+                            int page_tokens)
+{
+    rt_pull_choice ch;
+    if (rt_chunk_pull_decide(pol, c, n, i, page_tokens, &ch) != RT_PULL_PULL) return 0;
+    /* the chunk's pages i lacks past the preamble (shared by every chunk: no saving of this
+     * one), at the credit's share, less the pull's time (recompute_ms is that share already) */
+    const int mine = c[i].pages > 1 ? c[i].pages : 1;
+    double saved = pol->chunk_credit * (ch.pages - mine) * (double)page_tokens *
+                   (1.0 - ch.pull_ms / ch.recompute_ms);
+    return saved > pol->tie_band ? saved - pol->tie_band : 0;
+}
+
+/* The chunks of q worth pulling to worker i: past the prefix it will hold (covered tokens), each
+ * from the holder the rule picks, at most RT_PULL_HOLDERS of them: the first is the hint's
+ * pull_from (the prefix pull's holder when there is one), the others its pull_more. */
+typedef struct chunk_plan {
+    int holder[RT_PULL_HOLDERS];
+    uint64_t bits[RT_PULL_HOLDERS];
+    int n;            /* holders named */
+    double budget_ms; /* what their reuse saves of computing them: the pull's budget */
+    double saved;     /* their credit for the cost model (rt_chunk_pull_credit) */
+} chunk_plan;
+
+/* The plan's slot for holder h (a new one while there is room); -1 when there is none. */
+static int chunk_plan_slot(chunk_plan *p, int h)
+{
+    for (int k = 0; k < p->n; k++)
+        if (p->holder[k] == h) return k;
+    if (p->n == RT_PULL_HOLDERS) return -1;
+    p->holder[p->n] = h, p->bits[p->n] = 0;
+    return p->n++;
+}
+
+/* count: the decisions are counted and logged (the advice after the pick, not the pricing). */
+static void chunk_pull_plan(const rt_router *r, const rt_rq *q, int i, uint64_t covered, int holder,
+                            uint64_t workers, bool count, chunk_plan *out)
 {
     const int pt = r->c.page_tokens;
-    /* a request with prompt_logprobs reuses no chunk (every prompt position's logits) */
-    if (r->c.policy.mode != RT_MODE_KV || pick < 0 || q->pd || !q->n_chunk_chain ||
-        q->q.prompt_logprobs || !r->w[pick].xfer.addr_len)
-        return;
-    int holder = q->pull_w - 1; /* -1: no prefix pull, the first chunk pulled names it */
-    /* the prompt's pages the chosen worker will have before reuse: its own and the pulled ones */
-    const uint64_t covered =
-        (uint64_t)(q->pull_w ? (int)q->pull_pages : prefix->pages[pick]) * (uint64_t)pt;
-    double budget = q->pull_w ? q->pull_ms : 0;
     const uint64_t now = rt_now_ms();
+    rt_pull_in in[RT_MAX_WORKERS];
+    *out = (chunk_plan){.n = 0};
+    if (holder >= 0) chunk_plan_slot(out, holder);
     for (uint32_t c = 0, at = 0; c + 1 < q->q.n_chunks; c++) {
         const km_chunk_seg *g = &q->chunks[c];
         if (!rt_chunk_has_chain(r, q, g)) continue;
@@ -262,22 +293,74 @@ void rt_chunk_pull_advise(rt_router *r, rt_rq *q, int pick, const rt_match *pref
         if (g->start < covered) continue; /* inside the prefix: not reused */
         rt_match m;
         rt_index_match(r->index, chain, np, workers, r->c.policy.tier_credit, pt, now, &m);
+        pull_inputs(r, i, &m, now, in);
         rt_pull_choice ch;
-        int d = rt_pull_choose(r, pick, &m, true, &ch);
+        int d = rt_chunk_pull_decide(&r->c.policy, in, r->n_w, i, pt, &ch);
         if (d == RT_PULL_NONE || ch.pages < 2) continue; /* nobody has more than a preamble */
-        km_counter_inc(r->s_chunk_pulls[d]);
-        KM_DEBUG("chunk_pull_choice",
-                 "rid=%llu chunk=%u worker=%s holder=%s pages=%d/%d decision=%s pull_ms=%.1f "
-                 "saved_ms=%.1f",
-                 (unsigned long long)q->rid, c, r->w[pick].id, r->w[ch.holder].id, m.pages[pick],
-                 ch.pages, rt_pull_decision_names[d], ch.pull_ms, ch.recompute_ms);
-        if (d != RT_PULL_PULL || (holder >= 0 && ch.holder != holder)) continue;
-        holder = ch.holder;
-        q->pull_chunks |= 1ull << c;
-        budget += ch.recompute_ms;
+        if (count) {
+            km_counter_inc(r->s_chunk_pulls[d]);
+            KM_DEBUG("chunk_pull_choice",
+                     "rid=%llu chunk=%u worker=%s holder=%s pages=%d/%d decision=%s "
+                     "pull_ms=%.1f saved_ms=%.1f",
+                     (unsigned long long)q->rid, c, r->w[i].id, r->w[ch.holder].id, m.pages[i],
+                     ch.pages, rt_pull_decision_names[d], ch.pull_ms, ch.recompute_ms);
+        }
+        const int k = d == RT_PULL_PULL ? chunk_plan_slot(out, ch.holder) : -1;
+        if (k < 0) continue;
+        out->bits[k] |= 1ull << c;
+        out->budget_ms += ch.recompute_ms;
+        out->saved += rt_chunk_pull_credit(&r->c.policy, in, r->n_w, i, pt);
     }
-    if (!q->pull_chunks) return;
-    q->pull_w = holder + 1;
+}
+
+/* May q's chunks be pulled at all (a request with prompt_logprobs reuses no chunk: every prompt
+ * position's logits are wanted). */
+static bool chunk_pulls_apply(const rt_router *r, const rt_rq *q)
+{
+    return r->c.policy.mode == RT_MODE_KV && q->n_chunk_chain && !q->q.prompt_logprobs;
+}
+
+void rt_chunk_pull_price(const rt_router *r, const rt_rq *q, const rt_match *prefix,
+                         uint64_t workers, rt_candidate *cand)
+{
+    if (!chunk_pulls_apply(r, q)) return;
+    const int pt = r->c.page_tokens;
+    const uint64_t now = rt_now_ms();
+    rt_pull_in in[RT_MAX_WORKERS];
+    for (int i = 0; i < r->n_w; i++) {
+        if (!cand[i].usable || !r->w[i].xfer.addr_len) continue;
+        /* the prefix it will hold, as the advice would see it: its own, or the one it pulls */
+        pull_inputs(r, i, prefix, now, in);
+        rt_pull_choice ch;
+        int holder = -1;
+        uint64_t covered = (uint64_t)prefix->pages[i] * (uint64_t)pt;
+        if (rt_pull_decide(&r->c.policy, in, r->n_w, i, pt, &ch) == RT_PULL_PULL)
+            holder = ch.holder, covered = (uint64_t)ch.pages * (uint64_t)pt;
+        chunk_plan p;
+        chunk_pull_plan(r, q, i, covered, holder, workers, false, &p);
+        cand[i].cached_tokens += p.saved;
+    }
+}
+
+void rt_chunk_pull_advise(rt_router *r, rt_rq *q, int pick, const rt_match *prefix,
+                          uint64_t workers)
+{
+    const int pt = r->c.page_tokens;
+    if (!chunk_pulls_apply(r, q) || pick < 0 || q->pd || !r->w[pick].xfer.addr_len) return;
+    /* the prompt's pages the chosen worker will have before reuse: its own and the pulled ones */
+    const uint64_t covered =
+        (uint64_t)(q->pull_w ? (int)q->pull_pages : prefix->pages[pick]) * (uint64_t)pt;
+    chunk_plan p;
+    chunk_pull_plan(r, q, pick, covered, q->pull_w - 1, workers, true, &p);
+    if (p.budget_ms <= 0) return; /* no chunk worth pulling */
+    const double budget = (q->pull_w ? q->pull_ms : 0) + p.budget_ms;
+    q->pull_w = p.holder[0] + 1;
+    q->pull_chunks = p.bits[0];
+    for (int k = 1; k < p.n; k++) {
+        q->pull_more_w[k - 1] = p.holder[k] + 1;
+        q->pull_more_chunks[k - 1] = p.bits[k];
+    }
+    q->n_pull_more = p.n - 1;
     q->pull_ms = (uint32_t)(budget < 1 ? 1 : budget > 60000 ? 60000 : budget);
 }
 
@@ -288,7 +371,7 @@ void rt_pull_outcome(rt_router *r, rt_rq *q, rt_wk *w, uint32_t cached, uint32_t
     q->pull_w = 0; /* counted once */
     /* a hint with chunks worked when the worker reused chunk tokens too (chunks.c) */
     bool ok = rt_pull_hint_ok(cached, q->pull_pages, r->c.page_tokens) &&
-              (!q->pull_chunks || chunk_tokens > 0);
+              (!(q->pull_chunks || q->n_pull_more) || chunk_tokens > 0);
     km_counter_inc(r->s_hints[ok ? 0 : 1]);
     if (ok) {
         w->pull_fails[h] = 0;
@@ -303,7 +386,7 @@ void rt_pull_outcome(rt_router *r, rt_rq *q, rt_wk *w, uint32_t cached, uint32_t
             (unsigned long long)back);
 }
 
-void rt_pull_hint(rt_router *r, const rt_rq *q, km_msg_request *out)
+void rt_pull_hint(rt_router *r, rt_rq *q, km_msg_request *out)
 {
     if (q->pull_w < 1 || q->pull_w > r->n_w) return;
     const rt_wk *h = &r->w[q->pull_w - 1];
@@ -315,6 +398,15 @@ void rt_pull_hint(rt_router *r, const rt_rq *q, km_msg_request *out)
     out->pull_pages = q->pull_pages;
     out->pull_chunks = q->pull_chunks;
     out->pull_ms = q->pull_ms;
+    uint32_t n = 0;
+    for (int k = 0; k < q->n_pull_more; k++) {
+        const int w = q->pull_more_w[k] - 1;
+        if (w < 0 || w >= r->n_w || !r->w[w].xfer.addr_len) continue; /* its chunks computed */
+        q->pull_more[n++] = (km_pull_more){r->w[w].view_id[0] ? r->w[w].view_id : r->w[w].id,
+                                           q->pull_more_chunks[k]};
+    }
+    out->pull_more = n ? q->pull_more : NULL;
+    out->n_pull_more = n;
 }
 
 /* A counter with one label and a series per value. */

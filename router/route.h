@@ -190,6 +190,11 @@ double rt_pull_credit(const rt_policy *pol, const rt_pull_in *c, int n, int i, i
  * and recompute_ms (in out) is that share. */
 int rt_chunk_pull_decide(const rt_policy *pol, const rt_pull_in *c, int n, int pick,
                          int page_tokens, rt_pull_choice *out);
+/* What pulling a chunk's chain saves candidate i, as rt_pull_credit for a prefix: when
+ * rt_chunk_pull_decide says pull, the chunk tokens it lacks (past the preamble page) x
+ * chunk_credit x (1 - pull_ms / recompute_ms) less the tie band; else 0. */
+double rt_chunk_pull_credit(const rt_policy *pol, const rt_pull_in *c, int n, int i,
+                            int page_tokens);
 
 /* Disaggregation (router/pd.c, docs/disaggregation.md): one worker's part in the decision. */
 typedef struct rt_pd_in {

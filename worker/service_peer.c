@@ -284,6 +284,14 @@ static int wk_peer_next_chunk(wk_service *s, wk_link *l, wk_held *h)
     const wk_peer *p = s->peer;
     const int pt = kv_store_page_tokens(s->kv);
     if (!l->peer || pr_peer_failed(l->peer)) h->chunks_left = 0; /* the holder is gone */
+    /* this holder's chunks done: the next holder's (pull_more), through its own link */
+    while (!h->chunks_left && h->n_more) {
+        l = h->more_link[0];
+        h->chunks_left = l->peer && !pr_peer_failed(l->peer) ? h->more_chunks[0] : 0;
+        h->n_more--;
+        memmove(h->more_link, h->more_link + 1, sizeof *h->more_link * (size_t)h->n_more);
+        memmove(h->more_chunks, h->more_chunks + 1, sizeof *h->more_chunks * (size_t)h->n_more);
+    }
     while (h->chunks_left) {
         const km_chunk_seg *g = &h->chunks[__builtin_ctzll(h->chunks_left)];
         h->chunks_left &= h->chunks_left - 1;
@@ -305,6 +313,7 @@ static int wk_peer_next_chunk(wk_service *s, wk_link *l, wk_held *h)
         free(tk);
         free(hs);
         if (held >= 0) return 1;
+        if (!h->chunks_left && h->n_more) return wk_peer_next_chunk(s, l, h);
     }
     return 0;
 }
@@ -327,10 +336,12 @@ int wk_peer_park(wk_service *s, const km_zframe *env, int n_env, const km_msg_re
     if (n_pages > n_tok / pt) n_pages = n_tok / pt;
     if (n_pages > PR_MAX_PAGES) n_pages = PR_MAX_PAGES;
     /* the chunks to pull: never the last one (computed in full, docs/blend.md) */
-    const uint64_t chunks = p->chunk_pre && q->n_chunks > 1 && !q->pd
-                                ? q->pull_chunks & ((1ull << (q->n_chunks - 1)) - 1)
-                                : 0;
-    if (n_pages < 1 && !chunks) return 0;
+    const uint64_t reusable =
+        p->chunk_pre && q->n_chunks > 1 && !q->pd ? (1ull << (q->n_chunks - 1)) - 1 : 0;
+    const uint64_t chunks = q->pull_chunks & reusable;
+    uint64_t more = 0;
+    for (uint32_t k = 0; k < q->n_pull_more; k++) more |= q->pull_more[k].chunks & reusable;
+    if (n_pages < 1 && !chunks && !more) return 0;
     if (!wk_peer_member(s, q->pull_from)) {
         km_counter_inc(p->s_hints_refused[1]);
         KM_WARN("pull_hint_refused", "id=%llu reason=holder holder=%.64s",
@@ -351,11 +362,21 @@ int wk_peer_park(wk_service *s, const km_zframe *env, int n_env, const km_msg_re
     km_pagehash seed = km_pagehash_seed(s->fp, strlen(s->fp), s->o.sched.cluster_seed,
                                         q->cache_salt, q->cache_salt ? strlen(q->cache_salt) : 0);
     if (n_pages > 0) km_pagehash_chain(seed, toks, n_pages * pt, pt, hs, n_pages);
-    if (chunks && (h->chunks = malloc(sizeof *h->chunks * q->n_chunks))) {
+    if ((chunks || more) && (h->chunks = malloc(sizeof *h->chunks * q->n_chunks))) {
         memcpy(h->chunks, q->chunks, sizeof *h->chunks * q->n_chunks);
         h->n_chunks = (int)q->n_chunks;
         h->chunks_left = chunks;
         h->chunk_seed = km_pagehash_chunk_seed(seed);
+        /* the other holders: each in the view, with a link, or its chunks computed */
+        for (uint32_t k = 0; k < q->n_pull_more; k++) {
+            const km_pull_more *m = &q->pull_more[k];
+            wk_link *ml = m->chunks & reusable && wk_peer_member(s, m->from)
+                              ? wk_peer_link_member(s, m->from)
+                              : NULL;
+            if (!ml) continue;
+            h->more_link[h->n_more] = ml;
+            h->more_chunks[h->n_more++] = m->chunks & reusable;
+        }
     }
     /* the budget: the hint's, else the worker's default, and never more than half of what is
      * left of the request's own deadline (the rest is for computing what the pull missed) */
@@ -369,9 +390,10 @@ int wk_peer_park(wk_service *s, const km_zframe *env, int n_env, const km_msg_re
     if (held >= 0 && q->pd) wk_pd_begin(s, l, h, q, hs);
     /* a failure, or every page already here: the chunks, if any, else the request runs now */
     if (held < 0 && !wk_peer_next_chunk(s, l, h)) goto admit_now;
-    KM_DEBUG("pull_start", "id=%llu from=%s pages=%d held_here=%d chunks=%#llx budget_ms=%llu",
+    KM_DEBUG("pull_start",
+             "id=%llu from=%s pages=%d held_here=%d chunks=%#llx more=%#llx budget_ms=%llu",
              (unsigned long long)q->id, q->pull_from, n_pages, held, (unsigned long long)chunks,
-             (unsigned long long)budget_ms);
+             (unsigned long long)more, (unsigned long long)budget_ms);
     free(hs);
     return 1;
 admit_now:
@@ -483,7 +505,8 @@ static void wk_peer_release(wk_service *s, int i)
     }
     if (h->pd && wk_pd_round_end(s, h, &res)) return; /* the prefill goes on: another round */
     /* the next chunk, while the budget lasts (a request canceled or handed back runs now) */
-    if (h->chunks_left && now < h->deadline_ns && wk_peer_next_chunk(s, l, h)) return;
+    if ((h->chunks_left || h->n_more) && now < h->deadline_ns && wk_peer_next_chunk(s, l, h))
+        return;
     wk_peer_admit_held(s, h);
 }
 
@@ -622,7 +645,7 @@ int wk_peer_cancel(wk_service *s, const km_zframe *env, int n_env, uint64_t id)
         wk_held *h = p->held[i];
         if (h->id != id || !wk_held_env_is(h, env, n_env)) continue;
         wk_pd_stop(h);
-        h->chunks_left = 0;
+        h->chunks_left = 0, h->n_more = 0;
         wk_peer_release(s, i);
         wk_sreq *r = wk_svc_live_find(s, env, n_env, id);
         if (r) en_sched_cancel(s->sched, r->rid);
@@ -636,7 +659,7 @@ void wk_peer_admit_all(wk_service *s)
     if (s->peer) wk_peer_bg_drop(s->peer);
     for (int i = 0; s->peer && i < s->peer->n_held; i++) {
         wk_pd_stop(s->peer->held[i]);
-        s->peer->held[i]->chunks_left = 0;
+        s->peer->held[i]->chunks_left = 0, s->peer->held[i]->n_more = 0;
     }
     while (s->peer && s->peer->n_held) wk_peer_release(s, s->peer->n_held - 1);
     if (s->peer) wk_pd_admit_all(s);

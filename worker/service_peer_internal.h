@@ -83,12 +83,17 @@ typedef struct wk_held {
     /* disaggregated (service_pd.c): the prefill it pulls from; NULL: none */
     struct wk_pd *pd;
     /* chunk pulls (the hint's pull_chunks, docs/blend.md "Routing"): pulled one after another
-     * through the same link, after the prefix, within the same deadline */
+     * through the same link, after the prefix, within the same deadline (then pull_more's) */
     km_chunk_seg *chunks; /* the request's chunks */
     int n_chunks;
     uint64_t chunks_left;   /* a bit per chunk still to pull */
     km_pagehash chunk_seed; /* the tenant's chunk seed */
     bool chunk_pull;        /* the pull running is a chunk's */
+    /* the hint's other chunk holders (pull_more): each one's chunks pulled through its link
+     * once the link before it has none left, in the hint's order */
+    wk_link *more_link[KM_PROTO_MAX_PULL_MORE];
+    uint64_t more_chunks[KM_PROTO_MAX_PULL_MORE];
+    int n_more;
 } wk_held;
 
 /* A chain this worker's drain pushed: its first and last page, the peer it went to (an index into

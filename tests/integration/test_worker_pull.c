@@ -279,6 +279,7 @@ static void pair_stop(pair *p)
  * figures making a pull of 12 pages far cheaper than computing them; and wc like wb when c is
  * not NULL. */
 static km_member_state g_a_state = KM_MEMBER_READY; /* wa's state in the views published */
+static km_member_state g_c_state = KM_MEMBER_READY; /* wc's */
 static double g_tps = 100; /* the workers' prefill rate in the views published (tokens/s) */
 
 static void publish_view3(void *pub, uint64_t seq, const it_proc *a, const it_proc *b,
@@ -308,6 +309,7 @@ static void publish_view3(void *pub, uint64_t seq, const it_proc *a, const it_pr
     if (c) {
         vw[2] = vw[1];
         vw[2].id = "wc";
+        vw[2].state = g_c_state;
         vw[2].requests = c->req;
         vw[2].events = c->ev;
         vw[2].peer_addr = addr_c;
@@ -549,13 +551,15 @@ static double router_pages(int http_port, const char *id)
 
 /* A kvmesh-router for the pair's workers, its view from the test's PUB at pub_ep (the test
  * stands in for the controller), with one more flag (or NULL). */
-static void start_router(it_proc *r, const pair *w, const char *pub_ep, const char *flag)
+static void start_router3(it_proc *r, const pair *w, const it_proc *c, const char *pub_ep,
+                          const char *flag)
 {
     it_proc_dir(r, "pull");
     char ports[128], workers[4200], ctl_flag[300];
     snprintf(ports, sizeof ports, "%s/ports", r->dir);
-    snprintf(workers, sizeof workers, "--workers=wa=%s+%s,wb=%s+%s", w->a.req, w->a.ev, w->b.req,
-             w->b.ev);
+    int n = snprintf(workers, sizeof workers, "--workers=wa=%s+%s,wb=%s+%s", w->a.req, w->a.ev,
+                     w->b.req, w->b.ev);
+    if (c) snprintf(workers + n, sizeof workers - (size_t)n, ",wc=%s+%s", c->req, c->ev);
     snprintf(ctl_flag, sizeof ctl_flag, "--controller=%s", pub_ep);
     const char *argv[] = {IT_ROUTER,
                           "--front=tcp://127.0.0.1:*",
@@ -570,6 +574,11 @@ static void start_router(it_proc *r, const pair *w, const char *pub_ep, const ch
                           NULL};
     it_spawn(r, argv, NULL, "router.log");
     cr_assert(r->front[0], "the router's ports file names no front endpoint");
+}
+
+static void start_router(it_proc *r, const pair *w, const char *pub_ep, const char *flag)
+{
+    start_router3(r, w, NULL, pub_ep, flag);
 }
 
 /* The router (kvmesh-router, the test standing in for the controller's view with measured
@@ -736,6 +745,92 @@ Test(worker_pull, the_router_tells_the_chosen_worker_to_pull_a_chunk_another_hol
     cr_assert_eq(got, 64, "wb reused %u of the document's 64 tokens", got);
     /* the pulled pages are flagged position-free on wb too (the import of a chunk pull) */
     IT_WAIT(it_metric(b->admin_port, chunk_hot) >= 5, 30000, "wb counts %g chunk pages",
+            it_metric(b->admin_port, chunk_hot));
+    km_zsock_close(pub);
+    pair_stop(w);
+}
+
+/* Until worker w (its requests endpoint) reuses a document (a chunk) it has computed: the first
+ * prompt carries it at 40, then prompts with it at 56 until one reuses it (120 s). */
+static void cache_document(const char *ep, const int32_t *doc, uint64_t seed)
+{
+    int32_t p[200];
+    km_chunk_seg seg[2];
+    chunk_prompt(p, seed, doc, 40, seg);
+    run_chunks(ep, seed, p, 200, seg, 2);
+    uint32_t here = 0;
+    uint64_t until = it_deadline(120000);
+    for (uint64_t id = seed + 1; !here && it_poll(until); id++) {
+        chunk_prompt(p, id, doc, 56, seg);
+        here = run_chunks(ep, id, p, 200, seg, 2);
+    }
+    cr_assert_gt(here, 0, "the worker at %s never cached the document", ep);
+}
+
+/* Issue 33: chunk pulls from more than one holder. wa caches one document, wc another; both
+ * drain (they take no request, serve their pages); a prompt carrying both documents elsewhere
+ * goes to wb, which the router tells to pull one document from each (the hint's pull_from and
+ * pull_more): wb reuses both, 64 tokens each, its chunk pages pulled through two links. */
+Test(worker_pull, the_router_tells_the_chosen_worker_to_pull_chunks_from_two_holders)
+{
+    if (!have_model()) return;
+    pair *w = pair_start(NULL, viewpub_open());
+    const it_proc *a = &w->a, *b = &w->b;
+    static it_proc c;
+    start_worker_on(&c, "wc", w->ctl_ep, NULL, "127.0.0.1", g_vp.flags);
+    static uint8_t addr_c[KM_PROTO_MAX_PEER_ADDR];
+    const uint32_t lc = peer_addr_of(w->ctl, "wc", addr_c, sizeof addr_c);
+    viewpub_until_known(w, a);
+    viewpub_until_known(w, b);
+    void *pub = g_vp.pub;
+    uint64_t seq = g_vp.seq;
+    g_a_state = g_c_state = KM_MEMBER_READY;
+    g_tps = 10; /* room in the pull's budget for first connections on a loaded machine */
+    uint64_t until = it_deadline(30000);
+    const char *peers = "kvmesh_kv_peer_view_workers"; /* the others in its view */
+    while (it_metric(c.admin_port, peers) < 2 || it_metric(b->admin_port, peers) < 2) {
+        cr_assert(it_poll(until), "the view of three workers never reached wb and wc");
+        publish_view3(pub, ++seq, a, b, &c, w->addr, w->addr_len, g_vp.addr_b, g_vp.lb, addr_c, lc);
+        usleep(100000);
+    }
+    it_proc r = {0};
+    start_router3(&r, w, &c, g_vp.ep, "--chunk-credit=0.5");
+    it_wait_subscribed(pub, 1, 30000);
+    publish_view3(pub, ++seq, a, b, &c, w->addr, w->addr_len, g_vp.addr_b, g_vp.lb, addr_c, lc);
+    IT_WAIT(it_metric(r.http_port, "kvmesh_router_views_total") >= 1, 30000,
+            "the router applied no view");
+
+    int32_t doc[2][64], p[264];
+    make_prompt(doc[0], 64, 777);
+    make_prompt(doc[1], 64, 888);
+    cache_document(a->req, doc[0], 1);
+    cache_document(c.req, doc[1], 1001);
+    const char *chunk_hot = "kvmesh_worker_kv_chunk_pages{tier=\"hot\"}";
+    char hot[160];
+    snprintf(hot, sizeof hot, "kvmesh_worker_kv_pages{tier=\"hot\",shard=\"0\",format=\"f16\"}");
+    IT_WAIT(router_pages(r.http_port, "wa") >= it_metric(a->admin_port, hot) &&
+                router_pages(r.http_port, "wc") >= it_metric(c.admin_port, hot),
+            30000, "the router's index lacks pages of wa's or wc's");
+
+    g_a_state = g_c_state = KM_MEMBER_DRAINING; /* they take no request, serve their pages */
+    publish_view3(pub, ++seq, a, b, &c, w->addr, w->addr_len, g_vp.addr_b, g_vp.lb, addr_c, lc);
+    IT_WAIT(it_metric(r.http_port, "kvmesh_router_views_total") >= 2, 30000,
+            "the router applied no second view");
+    /* a lead line, doc[1], doc[0], then a last chunk (computed in full) and the question */
+    make_prompt(p, 264, 99);
+    memcpy(p + 30, doc[1], sizeof doc[1]);
+    memcpy(p + 100, doc[0], sizeof doc[0]);
+    const km_chunk_seg seg[3] = {{30, 64}, {100, 64}, {170, 40}};
+    const uint32_t got = run_chunks(r.front, 5000, p, 264, seg, 3);
+    g_a_state = g_c_state = KM_MEMBER_READY;
+    g_tps = 100;
+    cr_assert_eq(it_metric(r.http_port, "kvmesh_router_chunk_pulls_total{decision=\"pull\"}"), 2,
+                 "the router did not tell wb to pull both documents");
+    cr_assert_geq(it_metric(b->admin_port, "kvmesh_kv_transfer_chunk_pages_total"), 8,
+                  "wb pulled %g chunk pages of the 8 documents' pages",
+                  it_metric(b->admin_port, "kvmesh_kv_transfer_chunk_pages_total"));
+    cr_assert_eq(got, 128, "wb reused %u of the two documents' 128 tokens", got);
+    IT_WAIT(it_metric(b->admin_port, chunk_hot) >= 9, 30000, "wb counts %g chunk pages",
             it_metric(b->admin_port, chunk_hot));
     km_zsock_close(pub);
     pair_stop(w);

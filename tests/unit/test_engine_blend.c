@@ -3,8 +3,8 @@
  * re-rotated to a new position is the key computed there (up to rounding: float, then each KV
  * format's own quantization); a chunk reused at the start of a prompt gives full recomputation's
  * logits; elsewhere, recomputing tokens brings the logits closer to full recomputation than
- * reusing alone; chunk pages are cached per tenant, apart from prefix chains; bad segments are
- * refused.
+ * reusing alone; a blend prefill run in pieces gives one pass's logits bit for bit; chunk pages
+ * are cached per tenant, apart from prefix chains; bad segments are refused.
  */
 #include <criterion/criterion.h>
 #include <math.h>
@@ -321,6 +321,66 @@ Test(engine_blend, recompute_moves_toward_full_recomputation, .init = setup, .fi
     for (int s = 0; s < 2; s++) kv_seq_destroy(kv, c[s]);
     free(full);
     free(blend);
+    en_engine_destroy(e);
+}
+
+/* en_blend_run in small pieces, the prompt after the last chunk then prefilled apart: the logits
+ * of one en_blend_prefill, bit for bit (what lets the scheduler cut a blend prefill). */
+Test(engine_blend, a_prefill_in_pieces_is_the_prefill_in_one_pass, .init = setup, .fini = teardown,
+     .timeout = 600)
+{
+    if (!g_model) cr_skip_test("model %s absent: run `make deps`", MODEL);
+    const int nv = en_model_hparams(g_model)->n_vocab;
+    en_engine *e = engine(KN_KV_F16);
+    kv_store *kv = en_engine_kv(e);
+    int32_t ids[512];
+    const int ns = encode(k_sys, ids, 64);
+    const int n2 = encode(k_doc2, ids + ns, 128);
+    const int n1 = encode(k_doc1, ids + ns + n2, 128);
+    const int n = ns + n2 + n1 + encode(k_q, ids + ns + n2 + n1, 64);
+    const en_blend_key key = {.seed = en_blend_chunk_seed(km_pagehash_seed(NULL, 0, 7, NULL, 0))};
+    const int at[2] = {ns, ns + n2}, len[2] = {n2, n1};
+    en_blend_seg seg[2];
+    kv_seq *c[2], *q[2];
+    for (int d = 0; d < 2; d++) {
+        cr_assert_eq(en_blend_chunk_store(e, &key, ids + at[d], len[d]), 0);
+        seg[d] = (en_blend_seg){at[d], en_blend_chunk_attach(e, &key, ids + at[d], len[d], &c[d])};
+        cr_assert_gt(seg[d].n, 0);
+    }
+    const en_blend_opts o = {.fraction = 0.15f, .reuse_last = 1};
+    const int end = seg[1].start + seg[1].n;
+    float *one = malloc(sizeof(float) * nv);
+    en_blend_stats st[2];
+    const float *lg = NULL;
+    for (int k = 0; k < 2; k++) {
+        cr_assert_eq(kv_seq_create(kv, &q[k]), 0);
+        for (int s = 0; s < 2; s++)
+            cr_assert_eq(en_blend_copy(e, c[s], 0, q[k], at[s], seg[s].n), 0);
+        prefill(e, q[k], ids, ns, NULL);
+    }
+    cr_assert_eq(en_blend_prefill(e, q[0], ids, n, ns, seg, 2, &o, &st[0], &lg), 0);
+    memcpy(one, lg, sizeof(float) * nv);
+    en_blend_run *b;
+    cr_assert_eq(en_blend_run_begin(e, q[1], ids, n, ns, end, seg, 2, &o, &b), 0);
+    int pieces = 0;
+    while (!en_blend_run_done(b)) {
+        const long tl = en_blend_run_step(b, 40, NULL);
+        cr_assert_gt(tl, 0, "a piece runs at least a token");
+        cr_assert_leq(tl, 40, "of at most 40 token-layers (a token has at most 30)");
+        pieces++;
+    }
+    cr_assert_eq(en_blend_run_step(b, 40, NULL), 0, "nothing after the end");
+    en_blend_run_end(b, &st[1]);
+    cr_assert_gt(pieces, 8, "in many pieces (%d)", pieces);
+    cr_assert_eq(st[1].reused, st[0].reused);
+    cr_assert_eq(st[1].recomputed, st[0].recomputed);
+    cr_assert_eq(st[1].computed, st[0].computed - (n - end));
+    lg = NULL;
+    cr_assert_eq(en_blend_prefill(e, q[1], ids, n, end, NULL, 0, NULL, NULL, &lg), 0);
+    cr_assert_arr_eq(lg, one, sizeof(float) * nv, "the same logits, bit for bit");
+    for (int k = 0; k < 2; k++) kv_seq_destroy(kv, q[k]);
+    for (int s = 0; s < 2; s++) kv_seq_destroy(kv, c[s]);
+    free(one);
     en_engine_destroy(e);
 }
 

@@ -333,7 +333,7 @@ Test(proto_pull, request_pull_hint_roundtrips_and_is_all_or_nothing)
 }
 
 /* Chunk pulls (docs/blend.md, "Routing"): a bit per chunk, pull_pages 0 allowed with them, no
- * bit past the request's chunks. */
+ * bit past the request's chunks; more holders (pull_more) each with chunks of their own. */
 Test(proto_pull, request_pull_chunks_roundtrip_and_name_only_its_chunks)
 {
     static const uint8_t addr[] = {'K', 'V', 'M', 'P', 'E', 'E', 'R', '1', 1, 0, 0, 0};
@@ -358,6 +358,30 @@ Test(proto_pull, request_pull_chunks_roundtrip_and_name_only_its_chunks)
     km_msg_clear(&out);
     in.req.pull_chunks = 0x8;
     expect_encode_fail(&in, "req.pull_chunks");
+    /* more holders: each its own chunks, none twice, none past the request's */
+    const km_pull_more more[2] = {{"w-b", 0x2}, {"w-c", 0x4}};
+    in.req.pull_chunks = 0x1;
+    in.req.pull_more = more;
+    in.req.n_pull_more = 2;
+    roundtrip(&in, &out);
+    cr_assert_eq(out.req.n_pull_more, 2);
+    cr_assert_str_eq(out.req.pull_more[0].from, "w-b");
+    cr_assert_eq(out.req.pull_more[0].chunks, 0x2);
+    cr_assert_str_eq(out.req.pull_more[1].from, "w-c");
+    cr_assert_eq(out.req.pull_more[1].chunks, 0x4);
+    km_msg_clear(&out);
+    in.req.pull_chunks = 0x2; /* chunk 1 named twice */
+    expect_encode_fail(&in, "req.pull_more[0]");
+    in.req.pull_chunks = 0x1;
+    const km_pull_more past[1] = {{"w-b", 0x8}}, none[1] = {{"w-b", 0}};
+    in.req.pull_more = past;
+    in.req.n_pull_more = 1;
+    expect_encode_fail(&in, "req.pull_more[0]");
+    in.req.pull_more = none;
+    expect_encode_fail(&in, "req.pull_more[0]");
+    in.req.pull_more = more;
+    in.req.n_pull_more = KM_PROTO_MAX_PULL_MORE + 1;
+    expect_encode_fail(&in, "req.pull_more");
 }
 
 Test(proto_pull, heartbeat_and_view_carry_the_peer_address_and_rates)

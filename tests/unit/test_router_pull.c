@@ -3,7 +3,8 @@
  * with every figure measured it pulls exactly when pull_ms < recompute_ms x margin, the holder
  * is the one with the longest prefix that can serve, a worker without measured figures is never
  * told to pull unless the default rate stands in for the transfer rate (it does by default; 0
- * turns it off), and a chosen worker that holds the most already gets no hint.
+ * turns it off), and a chosen worker that holds the most already gets no hint. Chunk pulls are
+ * decided and priced before the pick by the same rule at the chunk credit's share.
  */
 #include <criterion/criterion.h>
 #include <string.h>
@@ -82,6 +83,63 @@ Test(router_pull, a_chunk_is_pulled_when_pulling_beats_the_share_of_computing_re
     c[0].pages = 0;
     c[0].rate_bps = 0, c[1].rate_bps = 0, pol.pull_default_bps = 0;
     cr_assert_eq(rt_chunk_pull_decide(&pol, c, 2, 0, PT, &ch), RT_PULL_UNMEASURED);
+}
+
+/* A chunk pull is priced before the pick as a prefix pull is, at the chunk credit's share: the
+ * chunk tokens the candidate lacks past the preamble page, less the pull's time and the tie
+ * band; nothing for the holder, or where the pull is not worth it. Equally loaded, the puller's
+ * credit stays below the holder's own for the chunk (chunks.c: chunk_credit of its tokens). */
+Test(router_pull, a_chunk_pull_is_credited_with_the_share_of_prefill_it_saves)
+{
+    /* the holder: the preamble page and 20 chunk pages; another holds the preamble only */
+    rt_pull_in c[3] = {measured(0), measured(21), measured(1)};
+    pol.chunk_credit = 0.5;
+    const double band = pol.tie_band;
+    const double pull0 = 2 + 21 * PB / 1e9 * 1000, rec0 = 0.5 * 21 * PT / 1000.0 * 1000;
+    cr_assert_float_eq(rt_chunk_pull_credit(&pol, c, 3, 0, PT),
+                       0.5 * 20 * PT * (1 - pull0 / rec0) - band, 1e-9,
+                       "the chunk's 20 pages, not the preamble's");
+    const double pull2 = 2 + 20 * PB / 1e9 * 1000, rec2 = 0.5 * 20 * PT / 1000.0 * 1000;
+    cr_assert_float_eq(rt_chunk_pull_credit(&pol, c, 3, 2, PT),
+                       0.5 * 20 * PT * (1 - pull2 / rec2) - band, 1e-9);
+    cr_assert_lt(rt_chunk_pull_credit(&pol, c, 3, 0, PT), 0.5 * 20 * PT,
+                 "below the holder's credit for the chunk");
+    cr_assert_eq(rt_chunk_pull_credit(&pol, c, 3, 1, PT), 0, "the holder itself");
+    c[0].rate_bps = 21 * PB / (0.9 * rec0 / 1000); /* a pull at 0.9 of what reuse saves */
+    c[0].lat_ms = 0;
+    cr_assert_eq(rt_chunk_pull_credit(&pol, c, 3, 0, PT), 0, "0.9 > margin 0.8: not pulled");
+    pol.chunk_credit = 0; /* no chunk credit: no chunk is worth pulling */
+    cr_assert_eq(rt_chunk_pull_credit(&pol, c, 3, 2, PT), 0);
+}
+
+/* A document (a chunk of 40 pages) cached on one worker: credited alone (chunk_credit of its
+ * tokens), its holder keeps the requests that carry it however busy it gets past the others;
+ * with the chunk pull priced, a less loaded worker that would pull it wins sooner. */
+Test(router_pull, a_chunk_on_a_busy_holder_goes_to_a_worker_that_pulls_it_sooner)
+{
+    enum { W = 3, PAGES = 40 };
+    rt_pull_in in[W];
+    for (int i = 0; i < W; i++) in[i] = measured(i == 1 ? 1 + PAGES : 0);
+    pol.chunk_credit = 0.5;
+    const char *ids[W] = {"w0", "w1", "w2"};
+    km_pagehash key = {.lo = 3, .hi = 5};
+    int flip[2] = {99, 99}; /* the first busy level at which w1 loses: without, with pricing */
+    for (int priced = 0; priced < 2; priced++)
+        for (int busy = 0; busy <= 12 && flip[priced] == 99; busy++) {
+            rt_candidate c[W];
+            uint64_t st = 0;
+            for (int i = 0; i < W; i++) {
+                c[i] = (rt_candidate){.id = ids[i], .usable = true, .slots = 8, .max_inflight = 64};
+                c[i].inflight = i == 1 ? busy : 1;
+                c[i].cached_tokens = i == 1 ? 0.5 * PAGES * PT : 0;
+                if (priced) c[i].cached_tokens += rt_chunk_pull_credit(&pol, in, W, i, PT);
+            }
+            if (rt_pick(&pol, c, W, PAGES * PT + 300, key, &st) != 1) flip[priced] = busy;
+        }
+    cr_log_info("the holder loses at %d busy without chunk pull pricing, %d with", flip[0],
+                flip[1]);
+    cr_assert_gt(flip[1], 1, "as idle as the others, the holder keeps it");
+    cr_assert_lt(flip[1], flip[0], "priced, the pull wins sooner");
 }
 
 /* The chosen worker's pulls from this very holder (the view's xfer_pairs) price the pull, not

@@ -82,13 +82,14 @@ static void build(prompt *p, const char *lead, const int *order, int nd, const c
     p->n += n;
 }
 
-/* kv_bytes 0: the engine's default store; fraction < -1: the default recompute fraction. */
-static en_sched *sched_opts(en_engine **e, size_t kv_bytes, float fraction)
+/* kv_bytes 0: the engine's default store; fraction < -1: the default recompute fraction;
+ * prefill_chunk 0: max_batch_tokens. */
+static en_sched *sched_opts(en_engine **e, size_t kv_bytes, float fraction, int prefill_chunk)
 {
     en_engine_opts eo = {.n_threads = 2, .max_batch_tokens = 256, .kv_bytes = kv_bytes};
     km_errbuf err = {{0}};
     cr_assert_eq(en_engine_create(g_model, &eo, e, &err), 0, "%s", err.msg);
-    en_sched_opts so = {.max_batch_tokens = 256, .cluster_seed = 7};
+    en_sched_opts so = {.max_batch_tokens = 256, .prefill_chunk = prefill_chunk, .cluster_seed = 7};
     if (fraction >= -1) so.blend_fraction = fraction, so.blend_fraction_set = 1;
     so.spec.cost_fixed = true; /* drafts (so pages and preemptions) not priced by timed steps */
     en_sched_cb cb = {.on_token = on_token, .on_done = on_done, .on_error = on_error};
@@ -99,7 +100,7 @@ static en_sched *sched_opts(en_engine **e, size_t kv_bytes, float fraction)
 
 static en_sched *sched_kv(en_engine **e, size_t kv_bytes)
 {
-    return sched_opts(e, kv_bytes, -2);
+    return sched_opts(e, kv_bytes, -2, 0);
 }
 
 static en_sched *sched(en_engine **e)
@@ -173,7 +174,7 @@ Test(sched_blend, the_last_chunk_is_only_looked_up_and_a_zero_fraction_is_zero)
     if (!g_model) cr_skip_test("model %s absent: run `make deps`", MODEL);
     for (int k = 0; k < 2; k++) {
         en_engine *e;
-        en_sched *s = sched_opts(&e, 0, k ? 0.0f : -2);
+        en_sched *s = sched_opts(&e, 0, k ? 0.0f : -2, 0);
         prompt a, b;
         const int abc[3] = {0, 1, 2}, cab[3] = {2, 0, 1};
         build(&a, "Read the texts below.", abc, 3, " Which animal jumps?");
@@ -196,6 +197,70 @@ Test(sched_blend, the_last_chunk_is_only_looked_up_and_a_zero_fraction_is_zero)
         en_sched_destroy(s);
         en_engine_destroy(e);
     }
+}
+
+/* A blend prefill is cut like an ordinary one: with prefill chunks of 16 tokens, a sequence
+ * already decoding gets a token at every step while a prompt with three reused documents is
+ * prefilled over several (the blend part in pieces, then the question as a prefill), and the
+ * blended prompt's tokens are those of a scheduler that runs its blend part in one piece. */
+Test(sched_blend, a_blend_prefill_is_cut_into_steps_and_changes_no_token)
+{
+    if (!g_model) cr_skip_test("model %s absent: run `make deps`", MODEL);
+    got one = {0}, cut = {0}, d = {0};
+    int steps = 0;
+    for (int k = 0; k < 2; k++) {
+        en_engine *e;
+        en_sched *s = sched_opts(&e, 0, -2, k ? 16 : 0);
+        prompt a, b;
+        const int abc[3] = {0, 1, 2}, cab[3] = {2, 0, 1};
+        build(&a, "Read the texts below.", abc, 3, " Which animal jumps?");
+        build(&b, "Here are documents, answer after them.", cab, 3, " What is granted?");
+        run(s, &a, 1, NULL);
+        if (!k) {
+            one = run(s, &b, 1, NULL);
+            en_sched_destroy(s);
+            en_engine_destroy(e);
+            continue;
+        }
+        /* a sequence decoding (no drafts: one token a step) */
+        int32_t ids[8];
+        const int n = encode("Count from one to a hundred:", ids, 8);
+        en_sched_req qd = {.tokens = ids,
+                           .n_tokens = n,
+                           .max_tokens = 200,
+                           .ignore_eos = 1,
+                           .speculate = EN_SPEC_OFF,
+                           .user = &d};
+        en_sample_params_default(&qd.sample);
+        qd.sample.temperature = 0;
+        cr_assert_eq(en_sched_submit(s, &qd, NULL), 0);
+        while (d.n < 2) cr_assert_gt(en_sched_step(s), 0);
+        en_sched_req qb = {.tokens = b.ids,
+                           .n_tokens = b.n,
+                           .max_tokens = 4,
+                           .chunks = b.seg,
+                           .n_chunks = b.n_seg,
+                           .user = &cut};
+        en_sample_params_default(&qb.sample);
+        qb.sample.temperature = 0;
+        cr_assert_eq(en_sched_submit(s, &qb, NULL), 0);
+        for (int before = d.n; !cut.n; before = d.n) {
+            cr_assert_gt(en_sched_step(s), 0);
+            steps++;
+            cr_assert_eq(d.n, before + 1, "the running sequence got a token in step %d", steps);
+        }
+        for (int i = 0; i < 100000 && en_sched_pending(s); i++) cr_assert_geq(en_sched_step(s), 0);
+        cr_assert(cut.done && d.done);
+        const int want = b.seg[0].n / 16 * 16 + b.seg[1].n / 16 * 16 + b.seg[2].n / 16 * 16;
+        cr_assert_eq(cut.u.chunk_tokens, want, "the three documents reused (%d)", want);
+        en_sched_destroy(s);
+        en_engine_destroy(e);
+    }
+    cr_log_info("the blended prompt's first token came after %d steps", steps);
+    cr_assert_geq(steps, 3, "the blended prompt is prefilled over several steps (%d)", steps);
+    cr_assert_eq(one.u.chunk_tokens, cut.u.chunk_tokens);
+    cr_assert_eq(cut.n, 4);
+    cr_assert_arr_eq(cut.tok, one.tok, sizeof(int32_t) * 4, "the same greedy tokens");
 }
 
 Test(sched_blend, a_stale_chunk_page_is_caught_by_token_ids)
