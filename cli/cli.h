@@ -102,6 +102,7 @@ int cli_cmd_run(int argc, char **argv);
 int cli_cmd_perplexity(int argc, char **argv);
 int cli_cmd_bench(int argc, char **argv);
 int cli_cmd_tokenize(int argc, char **argv);
+int cli_cmd_sparse_calibrate(int argc, char **argv);
 int cli_cmd_generate(int argc, char **argv);
 int cli_cmd_chat(int argc, char **argv);
 int cli_cmd_status(int argc, char **argv);
