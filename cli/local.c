@@ -691,13 +691,14 @@ int cli_cmd_sparse_calibrate(int argc, char **argv)
     size_t len;
     char *text = cli_read_file(c.file, &len);
     if (!text) return 1;
-    c.sparse_attn = 0;
+    c.sparse_attn = budget; /* the pages keep summaries: the probe ranks pages as a step would */
     c.sparse_budgets = NULL;
     c.head_probe_from = ctx - probe;
     const int n_batch = 512;
     en_model *m = NULL;
     en_engine *e = NULL;
     if (local_open_engine(&c, n_batch, &m, &e)) return 1;
+    en_engine_set_sparse(e, 0); /* attention dense, measured */
     int n_tok = 0;
     int32_t *ids = local_tokenize(en_model_tokenizer(m), text, len, 1, 0, &n_tok);
     if (n_tok < ctx) {
@@ -727,24 +728,32 @@ int cli_cmd_sparse_calibrate(int argc, char **argv)
     }
     double *local = malloc(sizeof(double) * heads);
     double *rank = malloc(sizeof(double) * heads * (size_t)max_pages);
+    double *found = malloc(sizeof(double) * heads * (size_t)max_pages);
     float *shares = malloc(sizeof(float) * heads);
-    en_engine_head_probe(e, max_pages, local, rank);
-    en_sparse_shares_from_probe(local, rank, heads, max_pages, (budget + pt - 1) / pt, shares);
+    en_engine_head_probe(e, max_pages, local, rank, found);
+    en_sparse_shares_from_probe(local, found, heads, max_pages, (budget + pt - 1) / pt, shares);
     char note[256];
     snprintf(note, sizeof note, "calibrated on %d tokens of %s (the last %d measured), mean %d",
              ctx, c.file, probe, budget);
     FILE *f = fopen(c.out, "w");
     int rc = !f || en_sparse_shares_write(f, m, shares, note) || fclose(f) ? 1 : 0;
     if (rc) fprintf(stderr, "kvmesh sparse-calibrate: cannot write %s\n", c.out);
-    printf("layer head  local  pages90  pages95  share\n");
+    /* local: mass on sink and window; pagesNN: pages that hold NN% of it at best; uniform and
+     * share: the mass the summaries' ranking finds within the mean budget and the share */
+    printf("layer head  local  pages90  pages95  uniform  share  found\n");
     for (int i = 0; i < heads; i++) {
-        const double *r = rank + (size_t)i * max_pages;
-        printf("%5d %4d  %5.3f  %7d  %7d  %5.0f\n", i / hp->n_head_kv, i % hp->n_head_kv, local[i],
-               local_pages_for(local[i], r, max_pages, 0.90),
-               local_pages_for(local[i], r, max_pages, 0.95), shares[i]);
+        const double *r = rank + (size_t)i * max_pages, *fd = found + (size_t)i * max_pages;
+        double fu = local[i], fs = local[i];
+        for (int k = 0; k < max_pages; k++) {
+            fu += k + EN_PROBE_SINK + EN_PROBE_WINDOW < (budget + pt - 1) / pt ? fd[k] : 0;
+            fs += k + EN_PROBE_SINK + EN_PROBE_WINDOW < shares[i] ? fd[k] : 0;
+        }
+        printf("%5d %4d  %5.3f  %7d  %7d  %7.3f  %5.0f  %5.3f\n", i / hp->n_head_kv,
+               i % hp->n_head_kv, local[i], local_pages_for(local[i], r, max_pages, 0.90),
+               local_pages_for(local[i], r, max_pages, 0.95), fu, shares[i], fs);
     }
     kv_seq_destroy(en_engine_kv(e), seq);
-    free(local), free(rank), free(shares), free(ids), free(text);
+    free(local), free(rank), free(found), free(shares), free(ids), free(text);
     en_engine_destroy(e);
     en_model_free(m);
     return rc;

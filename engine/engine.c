@@ -453,7 +453,7 @@ static void en_attend(const en_engine *e, const en_batch *b, int l, int64_t i, i
     kv_seq_view(e->kv, b->seqs[i], l, h, b->pos[i] + 1, &view);
     if (!en_sparse_token(e, b, l, i, h)) {
         if (e->probe && b->pos[i] >= e->probe_from)
-            en_probe_attention(e, &view, l, h, e->q + off, ith);
+            en_probe_attention(e, &view, b->seqs[i], l, h, e->q + off, ith);
         e->ops->attention(&view, hd, e->q + off, group, e->attn_scale, e->att + off);
         if (e->sparse_idle) kv_seq_touch(e->kv, b->seqs[i], NULL, b->pos[i] / e->page_tokens + 1);
         return;

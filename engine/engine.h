@@ -178,15 +178,19 @@ int en_engine_sparse_budget(const en_engine *e, int layer, int kv_head);
 
 /* What the head probe (en_engine_opts.head_probe_from) measured over its tokens, per (layer, kv
  * head), layer-major: the mean share of the attention (averaged over the head's query heads) on
- * the sink page and the recent window (EN_PROBE_SINK, EN_PROBE_WINDOW pages), and in rank[lh *
- * max_pages + k] the mean share on the k-th heaviest of the other pages (k < max_pages).
- * Returns the tokens measured, or KM_EINVAL without a probe. */
+ * the sink page and the recent window (EN_PROBE_SINK, EN_PROBE_WINDOW pages); in rank[lh *
+ * max_pages + k] the mean share on the k-th heaviest of the other pages (k < max_pages); in
+ * found[lh * max_pages + k] (may be NULL; zeros unless the engine was created sparse, its
+ * summaries kept, and set dense: en_engine_set_sparse(e, 0)) the mean share on the page its
+ * summaries rank k-th, as a sparse step would pick. Returns the tokens measured, or KM_EINVAL
+ * without a probe. */
 #define EN_PROBE_SINK   1
 #define EN_PROBE_WINDOW 2
-int64_t en_engine_head_probe(const en_engine *e, int max_pages, double *local, double *rank);
-/* Budget shares from a head probe: the total budget (budget_pages per (layer, kv head) on
- * average) goes page by page to where the probe saw the most attention mass not yet covered
- * (greedy on the mean rank curves: local heads keep their sink and window pages only). Writes
+int64_t en_engine_head_probe(const en_engine *e, int max_pages, double *local, double *rank,
+                             double *found);
+/* Budget shares from a head probe's curves (rank, or found; n_heads x max_pages): the total
+ * budget (budget_pages per (layer, kv head) on average) goes page by page to the head whose next
+ * page holds the most mass (greedy: local heads keep their sink and window pages only). Writes
  * each (layer, kv head)'s pages into shares. */
 void en_sparse_shares_from_probe(const double *local, const double *rank, int n_heads,
                                  int max_pages, int budget_pages, float *shares);

@@ -92,8 +92,8 @@ struct en_engine {
 int en_sparse_head_budgets(en_engine *e);
 int en_probe_alloc(en_engine *e, int threads, int cap);
 void en_probe_free(en_engine *e, int threads);
-void en_probe_attention(const en_engine *e, const kn_kv_view *view, int l, int h, const float *q,
-                        int ith);
+void en_probe_attention(const en_engine *e, const kn_kv_view *view, const kv_seq *seq, int l, int h,
+                        const float *q, int ith);
 
 /* What one step's job needs; lives on the caller's stack for the duration of kn_pool_run. */
 typedef struct en_step {

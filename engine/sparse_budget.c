@@ -79,9 +79,16 @@ void en_sparse_shares_from_probe(const double *local, const double *rank, int n_
 
 /* ------------------------------------------------------------------ the head probe */
 
+typedef struct en_page_rank {
+    float score, mass;
+} en_page_rank;
+
 typedef struct en_probe_lane {
     float *mass, *rest, *out; /* [cap] page masses, the other pages', the attention's output */
+    float *score;             /* [cap] the pages' scores from their summaries */
+    en_page_rank *by;         /* [cap] the other pages' (score, mass), ordered by score */
     double *local, *rank;     /* [L * kvh], [L * kvh][cap] sums over the tokens */
+    double *found;            /* [L * kvh][cap] mass of the k-th page by score (sparse engine) */
     int64_t *n;               /* [L * kvh] tokens measured */
 } en_probe_lane;
 
@@ -96,10 +103,15 @@ int en_probe_alloc(en_engine *e, int threads, int cap)
         p->mass = malloc(sizeof(float) * (size_t)cap);
         p->rest = malloc(sizeof(float) * (size_t)cap);
         p->out = malloc(sizeof(float) * (size_t)e->m->hp.n_head * e->m->hp.head_dim);
+        p->score = malloc(sizeof(float) * (size_t)cap);
+        p->by = malloc(sizeof(en_page_rank) * (size_t)cap);
         p->local = calloc(heads, sizeof(double));
         p->rank = calloc(heads * (size_t)cap, sizeof(double));
+        p->found = calloc(heads * (size_t)cap, sizeof(double));
         p->n = calloc(heads, sizeof(int64_t));
-        if (!p->mass || !p->rest || !p->out || !p->local || !p->rank || !p->n) return KM_ENOMEM;
+        if (!p->mass || !p->rest || !p->out || !p->score || !p->by || !p->local || !p->rank ||
+            !p->found || !p->n)
+            return KM_ENOMEM;
     }
     return 0;
 }
@@ -108,7 +120,8 @@ void en_probe_free(en_engine *e, int threads)
 {
     for (int i = 0; e->probe && i < threads; i++) {
         en_probe_lane *p = &e->probe[i];
-        free(p->mass), free(p->rest), free(p->out), free(p->local), free(p->rank), free(p->n);
+        free(p->mass), free(p->rest), free(p->out), free(p->score), free(p->by);
+        free(p->local), free(p->rank), free(p->found), free(p->n);
     }
     free(e->probe);
     e->probe = NULL;
@@ -120,8 +133,14 @@ static int en_desc(const void *a, const void *b)
     return (x < y) - (x > y);
 }
 
-void en_probe_attention(const en_engine *e, const kn_kv_view *view, int l, int h, const float *q,
-                        int ith)
+static int en_by_score(const void *a, const void *b)
+{
+    const float x = ((const en_page_rank *)a)->score, y = ((const en_page_rank *)b)->score;
+    return (x < y) - (x > y);
+}
+
+void en_probe_attention(const en_engine *e, const kn_kv_view *view, const kv_seq *seq, int l, int h,
+                        const float *q, int ith)
 {
     const en_hparams *hp = &e->m->hp;
     const int group = hp->n_head / hp->n_head_kv;
@@ -133,21 +152,35 @@ void en_probe_attention(const en_engine *e, const kn_kv_view *view, int l, int h
     v.attn_mass = p->mass;
     e->ops->attention(&v, hp->head_dim, q, group, e->attn_scale, p->out);
     const int w0 = np - EN_PROBE_WINDOW > EN_PROBE_SINK ? np - EN_PROBE_WINDOW : EN_PROBE_SINK;
+    /* the pages as a sparse step would rank them, when the engine keeps summaries */
+    const int scored = e->sparse_on && np <= e->lanes[ith].sparse.cap;
+    if (scored) {
+        const float **sums = e->lanes[ith].sparse.sums;
+        kv_seq_summaries(e->kv, seq, l, h, np, sums);
+        e->ops->page_scores(sums, np, hp->head_dim, q, group, e->sparse.radius, p->score);
+    }
     double local = 0;
     int nr = 0;
     for (int k = 0; k < np; k++)
-        if (k < EN_PROBE_SINK || k >= w0)
+        if (k < EN_PROBE_SINK || k >= w0) {
             local += p->mass[k];
-        else
+        } else {
+            p->by[nr] = (en_page_rank){scored ? p->score[k] : 0, p->mass[k]};
             p->rest[nr++] = p->mass[k];
+        }
     qsort(p->rest, (size_t)nr, sizeof(float), en_desc);
+    if (scored) qsort(p->by, (size_t)nr, sizeof(en_page_rank), en_by_score);
     const size_t lh = (size_t)l * hp->n_head_kv + h;
     p->local[lh] += local / group;
-    for (int k = 0; k < nr; k++) p->rank[lh * e->probe_cap + k] += p->rest[k] / group;
+    for (int k = 0; k < nr; k++) {
+        p->rank[lh * e->probe_cap + k] += p->rest[k] / group;
+        p->found[lh * e->probe_cap + k] += scored ? p->by[k].mass / group : 0;
+    }
     p->n[lh]++;
 }
 
-int64_t en_engine_head_probe(const en_engine *e, int max_pages, double *local, double *rank)
+int64_t en_engine_head_probe(const en_engine *e, int max_pages, double *local, double *rank,
+                             double *found)
 {
     if (!e->probe) return KM_EINVAL;
     const size_t heads = (size_t)e->m->hp.n_layers * e->m->hp.n_head_kv;
@@ -159,9 +192,13 @@ int64_t en_engine_head_probe(const en_engine *e, int max_pages, double *local, d
         for (int t = 0; t < nth; t++) n += e->probe[t].n[lh], s += e->probe[t].local[lh];
         local[lh] = n ? s / (double)n : 0;
         for (int k = 0; k < max_pages; k++) {
-            double r = 0;
-            for (int t = 0; k < kk && t < nth; t++) r += e->probe[t].rank[lh * e->probe_cap + k];
+            double r = 0, f = 0;
+            for (int t = 0; k < kk && t < nth; t++) {
+                r += e->probe[t].rank[lh * e->probe_cap + k];
+                f += e->probe[t].found[lh * e->probe_cap + k];
+            }
             rank[lh * max_pages + k] = n ? r / (double)n : 0;
+            if (found) found[lh * max_pages + k] = n ? f / (double)n : 0;
         }
         most = n > most ? n : most;
     }

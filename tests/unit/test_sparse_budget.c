@@ -120,24 +120,33 @@ Test(sparse_budget, the_probe_measures_shares_of_the_attention_and_they_fit_the_
     if (!g_model) cr_skip_test("model %s absent: run `make deps`", MODEL);
     const en_hparams *hp = en_model_hparams(g_model);
     const int heads = hp->n_layers * hp->n_head_kv, np = (CTX + 16) / 16;
-    en_engine_opts o = {.n_threads = 2, .max_batch_tokens = CTX, .head_probe_from = CTX - 40};
+    /* sparse, so that the pages keep summaries, and set dense */
+    en_engine_opts o = {
+        .n_threads = 2, .max_batch_tokens = CTX, .sparse_attn = MEAN, .head_probe_from = CTX - 40};
     en_engine *e;
     km_errbuf err = {{0}};
     cr_assert_eq(en_engine_create(g_model, &o, &e, &err), 0, "%s", err.msg);
+    cr_assert_eq(en_engine_set_sparse(e, 0), 0);
     en_sparse_stats st;
     prefill_and_decode(e, &st);
+    cr_assert_eq(st.pages_selected, 0, "the probe's attention is dense");
     double *local = malloc(sizeof(double) * heads), *rank = malloc(sizeof(double) * heads * np);
-    cr_assert_eq(en_engine_head_probe(e, np, local, rank), 41, "the last 41 positions measured");
-    int sharp = 0;
+    double *found = malloc(sizeof(double) * heads * np);
+    cr_assert_eq(en_engine_head_probe(e, np, local, rank, found), 41, "the last 41 positions");
+    int sharp = 0, misranked = 0;
     for (int i = 0; i < heads; i++) {
-        double sum = local[i];
+        double sum = local[i], by_score = local[i];
         for (int k = 0; k < np; k++) {
             sum += rank[i * np + k];
+            by_score += found[i * np + k];
             if (k) cr_assert_leq(rank[i * np + k], rank[i * np + k - 1] + 1e-9, "head %d", i);
+            misranked += found[i * np + k] < rank[i * np + k] - 1e-9;
         }
         cr_assert_float_eq(sum, 1.0, 1e-3, "head %d: the softmax adds up to one (%f)", i, sum);
+        cr_assert_float_eq(by_score, 1.0, 1e-3, "head %d: the same pages by score", i);
         sharp += local[i] > 0.9;
     }
+    cr_assert_gt(misranked, 0, "the summaries' ranking is not the attention's");
     cr_assert_gt(sharp, 0, "some heads keep nearly all their attention on sink and window");
     float *shares = malloc(sizeof(float) * heads);
     en_sparse_shares_from_probe(local, rank, heads, np, 6, shares);
@@ -150,9 +159,9 @@ Test(sparse_budget, the_probe_measures_shares_of_the_attention_and_they_fit_the_
     en_engine_destroy(e);
     o.head_probe_from = 0;
     cr_assert_eq(en_engine_create(g_model, &o, &e, &err), 0, "%s", err.msg);
-    cr_assert_eq(en_engine_head_probe(e, np, local, rank), KM_EINVAL, "no probe asked for");
+    cr_assert_eq(en_engine_head_probe(e, np, local, rank, NULL), KM_EINVAL, "no probe");
     en_engine_destroy(e);
-    free(local), free(rank), free(shares);
+    free(local), free(rank), free(found), free(shares);
 }
 
 /* ------------------------------------------------------------------ the file */
