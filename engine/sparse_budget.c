@@ -32,9 +32,14 @@ int en_sparse_head_budgets(en_engine *e)
         return KM_ENOMEM;
     kn_sparse_cfg *cfg = e->head_cfg + (size_t)from * kvh;
     const float *sh = e->shares + (size_t)from * kvh;
-    /* heads whose proportional part falls under minp get minp; the rest share what is left */
-    double total = (double)e->sparse.budget_pages * n;
-    for (int i = 0; i < n; i++) cfg[i] = e->sparse, cfg[i].budget_pages = 0;
+    /* heads whose proportional part falls under minp get minp; the rest share what is left
+     * (every sparse layer's share 0: the uniform budget) */
+    double total = (double)e->sparse.budget_pages * n, all = 0;
+    for (int i = 0; i < n; i++) cfg[i] = e->sparse, cfg[i].budget_pages = 0, all += sh[i];
+    if (!(all > 0)) {
+        for (int i = 0; i < n; i++) cfg[i] = e->sparse;
+        return 0;
+    }
     for (int changed = 1; changed;) {
         double sum = 0, left = total;
         for (int i = 0; i < n; i++)

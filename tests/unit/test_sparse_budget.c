@@ -111,6 +111,11 @@ Test(sparse_budget, the_dense_layers_keep_their_attention_under_a_table, .init =
     cr_assert_eq(en_engine_set_sparse(e, 2 * MEAN), 0);
     cr_assert_gt(en_engine_sparse_budget(e, 5, 0), MEAN / 16 / 2);
     en_engine_destroy(e);
+    /* shares only for the dense layers: the sparse ones keep the uniform budget */
+    for (int i = 0; i < nl * kvh; i++) shares[i] = i < 2 * kvh ? 1.0f : 0.0f;
+    cr_assert_eq(en_engine_create(g_model, &o, &e, &err), 0, "%s", err.msg);
+    cr_assert_eq(en_engine_sparse_budget(e, 7, 2), MEAN / 16);
+    en_engine_destroy(e);
     free(shares);
 }
 
