@@ -448,6 +448,8 @@ build/fuzz/fuzz_oai: $(call fuzz_objs,router/openai.c router/openai_tools.c rout
 build/fuzz/fuzz_grammar build/fuzz/fuzz_gbnf: $(call fuzz_objs,$(wildcard engine/grammar*.c))
 # The peer node address (fuzz_peeraddr) needs peer/addr.c.
 build/fuzz/fuzz_peeraddr: $(call fuzz_objs,peer/addr.c)
+# The sparse budget-shares reader (fuzz_sparse_shares) needs engine/sparse_shares.c.
+build/fuzz/fuzz_sparse_shares: $(call fuzz_objs,engine/sparse_shares.c)
 # A router's whole request path (fuzz_router_dispatch): every router source but main.c.
 build/fuzz/fuzz_router_dispatch: $(call fuzz_objs,$(ROUTER_SRC))
 

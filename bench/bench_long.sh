@@ -11,7 +11,8 @@
 # PART (ppl|passkey|step|mem|all), SPARSE_FLAGS (more flags for the perplexity's sparse runs,
 # e.g. "--sparse-dense-layers 8 --sparse-shallow-attn 2048"), DENSE (empty: no dense runs);
 # step: STEP_BATCH (batch sizes, comma-separated), STEP_GEN, STEP_ROUNDS; passkey and step:
-# DEC_FLAGS (bench_long_dec's, e.g. "--dense-layers 8 --shallow 2048");
+# DEC_FLAGS (bench_long_dec's, e.g. "--dense-layers 8 --shallow 2048"); SHARES (a budget-shares
+# file from `kvmesh sparse-calibrate`: every sparse run's budgets per (layer, kv head));
 # mem: MEM_SEQS, MEM_CTX, MEM_GEN, MEM_BUDGET, MEM_ROUNDS, MEM_THREADS (its runs are
 # interleaved, MEM_ROUNDS times each).
 set -eu
@@ -38,6 +39,11 @@ STEP_BATCH=${STEP_BATCH:-1,8}
 STEP_GEN=${STEP_GEN:-16}
 STEP_ROUNDS=${STEP_ROUNDS:-2}
 DEC_FLAGS=${DEC_FLAGS:-}
+SHARES=${SHARES:-}
+if [ -n "$SHARES" ]; then
+    SPARSE_FLAGS="$SPARSE_FLAGS --sparse-budgets $SHARES"
+    DEC_FLAGS="$DEC_FLAGS --shares $SHARES"
+fi
 [ -s "$TEXT" ] || cat /usr/share/common-licenses/* >"$TEXT"
 echo "cpu: $(sed -n 's/^model name[^:]*: //p' /proc/cpuinfo | head -1), threads $THREADS"
 if [ "$PART" = all ] || [ "$PART" = ppl ]; then

@@ -16,6 +16,9 @@
  * (the key at the middle of one of --depths equal slices), its tokens but the last prefilled
  * densely once, then each mode forks the sequence, steps the last prompt token and decodes 7
  * more greedily; correct when the answer starts with the key. Nothing is asserted about time.
+ *
+ * --shares FILE: every sparse mode spreads its budget over the (layer, kv head)s by the shares
+ * of a `kvmesh sparse-calibrate` file (docs/sparse.md "Per-head budgets"), its mean the mode's.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -35,7 +38,7 @@ static double now_s(clockid_t c)
 }
 
 typedef struct cfg {
-    const char *model, *text, *part;
+    const char *model, *text, *part, *shares;
     int depth, gen, rounds, threads, ctx, depths, dense_layers, shallow;
     float radius;
     int budget[MAX_MODES], n_modes, batch[MAX_MODES], n_batches, max_batch;
@@ -279,6 +282,8 @@ int main(int argc, char **argv)
             c.shallow = atoi(v);
         else if (!strcmp(k, "--radius"))
             c.radius = (float)atof(v);
+        else if (!strcmp(k, "--shares"))
+            c.shares = v;
         else {
             fprintf(stderr, "bench_long_dec: unknown option %s (see the file's head)\n", k);
             return 2;
@@ -309,21 +314,30 @@ int main(int argc, char **argv)
     const int ctx = (!strcmp(c.part, "step") ? c.depth + c.gen : c.ctx + 64) + 16;
     const size_t tok_bytes = (size_t)hp->n_layers * hp->n_head_kv * hp->head_dim * 2 * 2;
     const int seqs = !strcmp(c.part, "step") ? c.max_batch : 2;
+    float *shares = NULL;
+    if (c.shares && en_sparse_shares_load(c.shares, m, &shares, &err)) {
+        fprintf(stderr, "bench_long_dec: %s\n", err.msg);
+        en_model_free(m);
+        return 1;
+    }
     en_engine_opts o = {.n_threads = c.threads,
                         .kv_bytes = tok_bytes * (size_t)ctx * (size_t)seqs * 5 / 4,
                         .sparse_attn = top,
                         .sparse_dense_layers = c.dense_layers,
                         .sparse_shallow_attn = c.shallow,
                         .sparse_radius = c.radius,
+                        .sparse_shares = shares,
                         .attn_timer = 1};
     en_engine *e;
-    if (en_engine_create(m, &o, &e, &err)) {
+    const int crc = en_engine_create(m, &o, &e, &err);
+    free(shares);
+    if (crc) {
         fprintf(stderr, "bench_long_dec: %s\n", err.msg);
         en_model_free(m);
         return 1;
     }
-    printf("cpu threads=%d isa=%s model=%s load=%.1f\n", c.threads, en_engine_isa(e),
-           en_model_name(m), bench_load1());
+    printf("cpu threads=%d isa=%s model=%s load=%.1f shares=%s\n", c.threads, en_engine_isa(e),
+           en_model_name(m), bench_load1(), c.shares ? c.shares : "uniform");
     const md_tokenizer *tk = en_model_tokenizer(m);
     const int rc = !strcmp(c.part, "step") ? part_step(&c, e, tk, hp) : part_passkey(&c, e, tk, hp);
     en_engine_destroy(e);

@@ -1,11 +1,12 @@
 /*
  * cli.h — private to the `kvmesh` command (cli/): the subcommands, each in a file of its own, and
  * the option plumbing they share. The command is built on libkvmesh (client/kvmesh.h) and, for
- * the local engine commands only (run, perplexity, bench, tokenize: cli/local.c), on the engine.
+ * the local engine commands only (run, perplexity, bench, tokenize, sparse-calibrate: cli/local.c),
+ * on the engine.
  *
  *   cli/main.c      dispatch and the command list
  *   cli/opts.c      options (common/svc.h's table, with -p/-n/-m/-r short forms), reading a file
- *   cli/local.c     run, perplexity, bench, tokenize: the engine in-process, no cluster
+ *   cli/local.c     run, perplexity, bench, tokenize, sparse-calibrate: the engine in-process
  *   cli/generate.c  generate, chat: through a router with libkvmesh
  *   cli/status.c    status (router or controller), recover
  *   cli/role.c      role (a worker's, at run time)
@@ -102,6 +103,7 @@ int cli_cmd_run(int argc, char **argv);
 int cli_cmd_perplexity(int argc, char **argv);
 int cli_cmd_bench(int argc, char **argv);
 int cli_cmd_tokenize(int argc, char **argv);
+int cli_cmd_sparse_calibrate(int argc, char **argv);
 int cli_cmd_generate(int argc, char **argv);
 int cli_cmd_chat(int argc, char **argv);
 int cli_cmd_status(int argc, char **argv);

@@ -4,6 +4,7 @@
  *   kvmesh perplexity -m MODEL -f FILE --ctx 512  llama.cpp-compatible perplexity
  *   kvmesh bench      -m MODEL --prompt 512 ...   engine speed (make bench-engine)
  *   kvmesh tokenize   -m MODEL -p TEXT            token ids
+ *   kvmesh sparse-calibrate -m MODEL -f TEXT -o FILE  sparse budget shares per (layer, kv head)
  * Every option has an environment twin (KVMESH_MODEL, KVMESH_THREADS, ...); `kvmesh CMD --help`
  * lists them with defaults. These are the only commands that link the engine (worker/worker.h).
  */
@@ -37,8 +38,12 @@ typedef struct local_opts {
     int raw;
     int sparse_attn, sparse_dense_layers, sparse_window, sparse_shallow; /* en_engine_opts */
     float sparse_radius;
-    int depth;  /* bench: context filled before decoding */
-    int chunks; /* perplexity: chunks scored at most (0: all) */
+    const char *sparse_budgets; /* --sparse-budgets FILE: en_engine_opts.sparse_shares */
+    const char *out;            /* sparse-calibrate: the shares file written */
+    int probe;                  /* sparse-calibrate: tokens at the end of the text measured */
+    int head_probe_from;        /* en_engine_opts.head_probe_from */
+    int depth;                  /* bench: context filled before decoding */
+    int chunks;                 /* perplexity: chunks scored at most (0: all) */
     en_sample_params sp;
 } local_opts;
 
@@ -60,7 +65,9 @@ static void local_usage(const char *cmd)
             "      --sparse-shallow-attn N  those first layers attend to N tokens instead\n"
             "                          (more than --sparse-attn; default 0 = dense)\n"
             "      --sparse-radius R   weight of the key spread in a page's score (1 = Quest's\n"
-            "                          upper bound; default 0 = 0.5, measured)\n");
+            "                          upper bound; default 0 = 0.5, measured)\n"
+            "      --sparse-budgets FILE  budgets per (layer, kv head) around the mean\n"
+            "                          --sparse-attn, from `kvmesh sparse-calibrate`\n");
     if (!strcmp(cmd, "run") || !strcmp(cmd, "tokenize"))
         printf("  -p, --prompt TEXT       the prompt (or -f FILE)\n"
                "  -f, --file PATH         read the prompt from a file\n");
@@ -90,6 +97,12 @@ static void local_usage(const char *cmd)
                "      --reps N            repetitions, median reported (default 3)\n"
                "      --depth N           context each sequence holds before decoding (default: 0\n"
                "                          at batch 1, 128 above)\n");
+    if (!strcmp(cmd, "sparse-calibrate"))
+        printf("  -f, --file PATH         calibration text (not the text you evaluate on)\n"
+               "  -o, --out PATH          the budget-shares file written (--sparse-budgets)\n"
+               "  -c, --ctx N             tokens of the text prefilled (default 4096, <= 8192)\n"
+               "      --probe N           tokens at its end whose attention is measured (512)\n"
+               "      --sparse-attn N     the mean budget the shares are fitted to (1024)\n");
     if (!strcmp(cmd, "tokenize"))
         printf("      --raw               do not parse special-token texts\n");
 }
@@ -172,6 +185,12 @@ static int local_parse(const char *cmd, int argc, char **argv, local_opts *c)
         else if (KM_IS("--sparse-radius", "--sparse-radius"))
             bad = local_float(v, &c->sparse_radius) || !(c->sparse_radius >= 0) ||
                   c->sparse_radius > 16;
+        else if (KM_IS("--sparse-budgets", "--sparse-budgets"))
+            c->sparse_budgets = v;
+        else if (KM_IS("-o", "--out") && !strcmp(cmd, "sparse-calibrate"))
+            c->out = v;
+        else if (KM_IS("--probe", "--probe") && !strcmp(cmd, "sparse-calibrate"))
+            bad = local_int(v, &c->probe) || c->probe < 1;
         else if (KM_IS("--chunks", "--chunks") && !strcmp(cmd, "perplexity"))
             bad = local_int(v, &c->chunks) || c->chunks < 0;
         else if (KM_IS("--depth", "--depth") && !strcmp(cmd, "bench"))
@@ -242,12 +261,24 @@ static int local_open_engine(const local_opts *c, int max_batch, en_model **m, e
                         .sparse_dense_layers = c->sparse_dense_layers,
                         .sparse_window = c->sparse_window,
                         .sparse_shallow_attn = c->sparse_shallow,
-                        .sparse_radius = c->sparse_radius};
-    if (c->kv_format && kv_format_parse(c->kv_format, &o.kv_format)) {
-        fprintf(stderr, "kvmesh: unknown --kv-format %s\n", c->kv_format);
+                        .sparse_radius = c->sparse_radius,
+                        .head_probe_from = c->head_probe_from};
+    float *shares = NULL;
+    if (c->sparse_budgets && (rc = en_sparse_shares_load(c->sparse_budgets, *m, &shares, &err))) {
+        fprintf(stderr, "kvmesh: %s\n", err.msg);
         return -1;
     }
-    if ((rc = en_engine_create(*m, &o, e, &err))) {
+    if (shares && !c->sparse_attn)
+        fprintf(stderr, "kvmesh: --sparse-budgets without --sparse-attn: attention stays dense\n");
+    o.sparse_shares = shares;
+    if (c->kv_format && kv_format_parse(c->kv_format, &o.kv_format)) {
+        fprintf(stderr, "kvmesh: unknown --kv-format %s\n", c->kv_format);
+        free(shares);
+        return -1;
+    }
+    rc = en_engine_create(*m, &o, e, &err);
+    free(shares);
+    if (rc) {
         fprintf(stderr, "kvmesh: %s\n", err.msg);
         return -1;
     }
@@ -630,4 +661,100 @@ int cli_cmd_tokenize(int argc, char **argv)
     md_tok_destroy(tok);
     md_gguf_close(g);
     return 0;
+}
+
+/* Pages of a mean rank curve that hold `cover` of the attention with the sink and window. */
+static int local_pages_for(double local, const double *rank, int max_pages, double cover)
+{
+    int k = 0;
+    for (double got = local; got < cover && k < max_pages; k++) got += rank[k];
+    return EN_PROBE_SINK + EN_PROBE_WINDOW + k;
+}
+
+/* Measures where each (layer, kv head)'s dense attention lies over the last --probe tokens of a
+ * --ctx prefix of the text, and writes the budget shares fitted to the mean --sparse-attn
+ * (docs/sparse.md "Per-head budgets"). */
+int cli_cmd_sparse_calibrate(int argc, char **argv)
+{
+    local_opts c;
+    if (local_parse("sparse-calibrate", argc - 1, argv + 1, &c)) return 2;
+    if (!c.file || !c.out) {
+        fprintf(stderr, "kvmesh sparse-calibrate: give the text with -f FILE and -o OUT\n");
+        return 2;
+    }
+    int ctx = c.ctx == 512 ? 4096 : c.ctx, probe = c.probe ? c.probe : 512;
+    const int budget = c.sparse_attn ? c.sparse_attn : 1024;
+    if (ctx < 64 || ctx > 8192 || probe >= ctx) {
+        fprintf(stderr, "kvmesh sparse-calibrate: --ctx in [64, 8192], --probe below it\n");
+        return 2;
+    }
+    size_t len;
+    char *text = cli_read_file(c.file, &len);
+    if (!text) return 1;
+    c.sparse_attn = budget; /* the pages keep summaries: the probe ranks pages as a step would */
+    c.sparse_budgets = NULL;
+    c.head_probe_from = ctx - probe;
+    const int n_batch = 512;
+    en_model *m = NULL;
+    en_engine *e = NULL;
+    if (local_open_engine(&c, n_batch, &m, &e)) return 1;
+    en_engine_set_sparse(e, 0); /* attention dense, measured */
+    int n_tok = 0;
+    int32_t *ids = local_tokenize(en_model_tokenizer(m), text, len, 1, 0, &n_tok);
+    if (n_tok < ctx) {
+        fprintf(stderr, "kvmesh sparse-calibrate: %s has %d tokens, fewer than --ctx %d\n", c.file,
+                n_tok, ctx);
+        return 1;
+    }
+    const en_hparams *hp = en_model_hparams(m);
+    const int heads = hp->n_layers * hp->n_head_kv, pt = kv_store_page_tokens(en_engine_kv(e));
+    const int max_pages = (ctx + pt - 1) / pt;
+    fprintf(stderr, "kvmesh sparse-calibrate: %d tokens prefilled, the last %d measured\n", ctx,
+            probe);
+    int32_t pos[512];
+    kv_seq *seqs[512], *seq;
+    uint8_t want[512] = {0};
+    kv_seq_create(en_engine_kv(e), &seq);
+    for (int s = 0; s < ctx; s += n_batch) {
+        const int nb = ctx - s < n_batch ? ctx - s : n_batch;
+        for (int i = 0; i < nb; i++) pos[i] = s + i, seqs[i] = seq;
+        en_batch b = {.n_tokens = nb, .tokens = ids + s, .pos = pos, .seqs = seqs, .logits = want};
+        const float *lg;
+        const int rc = en_engine_step(e, &b, &lg);
+        if (rc < 0) {
+            fprintf(stderr, "kvmesh sparse-calibrate: forward failed: %s\n", km_strerror(rc));
+            return 1;
+        }
+    }
+    double *local = malloc(sizeof(double) * heads);
+    double *rank = malloc(sizeof(double) * heads * (size_t)max_pages);
+    double *found = malloc(sizeof(double) * heads * (size_t)max_pages);
+    float *shares = malloc(sizeof(float) * heads);
+    en_engine_head_probe(e, max_pages, local, rank, found);
+    en_sparse_shares_from_probe(local, found, heads, max_pages, (budget + pt - 1) / pt, shares);
+    char note[256];
+    snprintf(note, sizeof note, "calibrated on %d tokens of %s (the last %d measured), mean %d",
+             ctx, c.file, probe, budget);
+    FILE *f = fopen(c.out, "w");
+    int rc = !f || en_sparse_shares_write(f, m, shares, note) || fclose(f) ? 1 : 0;
+    if (rc) fprintf(stderr, "kvmesh sparse-calibrate: cannot write %s\n", c.out);
+    /* local: mass on sink and window; pagesNN: pages that hold NN% of it at best; uniform and
+     * share: the mass the summaries' ranking finds within the mean budget and the share */
+    printf("layer head  local  pages90  pages95  uniform  share  found\n");
+    for (int i = 0; i < heads; i++) {
+        const double *r = rank + (size_t)i * max_pages, *fd = found + (size_t)i * max_pages;
+        double fu = local[i], fs = local[i];
+        for (int k = 0; k < max_pages; k++) {
+            fu += k + EN_PROBE_SINK + EN_PROBE_WINDOW < (budget + pt - 1) / pt ? fd[k] : 0;
+            fs += k + EN_PROBE_SINK + EN_PROBE_WINDOW < shares[i] ? fd[k] : 0;
+        }
+        printf("%5d %4d  %5.3f  %7d  %7d  %7.3f  %5.0f  %5.3f\n", i / hp->n_head_kv,
+               i % hp->n_head_kv, local[i], local_pages_for(local[i], r, max_pages, 0.90),
+               local_pages_for(local[i], r, max_pages, 0.95), fu, shares[i], fs);
+    }
+    kv_seq_destroy(en_engine_kv(e), seq);
+    free(local), free(rank), free(found), free(shares), free(ids), free(text);
+    en_engine_destroy(e);
+    en_model_free(m);
+    return rc;
 }

@@ -17,6 +17,8 @@ static const struct {
     {"perplexity", cli_cmd_perplexity, "perplexity of a text file (llama.cpp's method)"},
     {"bench", cli_cmd_bench, "engine speed: prefill and decode at several batch sizes"},
     {"tokenize", cli_cmd_tokenize, "print the token ids of a text"},
+    {"sparse-calibrate", cli_cmd_sparse_calibrate,
+     "sparse attention budgets per (layer, kv head) from a text"},
     {"generate", cli_cmd_generate, "stream a completion from the cluster"},
     {"chat", cli_cmd_chat, "interactive chat through the cluster"},
     {"status", cli_cmd_status,
@@ -35,7 +37,7 @@ static void usage(void)
 {
     printf("usage: kvmesh COMMAND [options]\n\ncommands:\n");
     for (size_t i = 0; i < N_COMMANDS; i++) {
-        if (i == 4) printf("cluster commands (through a router):\n");
+        if (i == 5) printf("cluster commands (through a router):\n");
         printf("  %-11s %s\n", commands[i].name, commands[i].what);
     }
     printf("\n`kvmesh COMMAND --help` lists the command's options.\n");

@@ -58,7 +58,7 @@ static size_t en_dot_row_bytes(const en_weight *w)
 
 /* The budgets in pages of sparse attention within this many tokens (the shallow layers' at
  * least as large), at least the sink and window pages and two more. */
-static void en_sparse_budgets(en_engine *e, int tokens)
+static int en_sparse_budgets(en_engine *e, int tokens)
 {
     const int pt = e->page_tokens;
     e->sparse.budget_pages = (tokens + pt - 1) / pt;
@@ -67,6 +67,7 @@ static void en_sparse_budgets(en_engine *e, int tokens)
     e->shallow = e->sparse;
     if (e->shallow_on && (e->shallow_tokens + pt - 1) / pt > e->shallow.budget_pages)
         e->shallow.budget_pages = (e->shallow_tokens + pt - 1) / pt;
+    return en_sparse_head_budgets(e);
 }
 
 int en_engine_create(const en_model *m, const en_engine_opts *opts, en_engine **out, km_errbuf *err)
@@ -212,7 +213,11 @@ int en_engine_create(const en_model *m, const en_engine_opts *opts, en_engine **
                             .radius = o.sparse_radius > 0 ? o.sparse_radius : EN_SPARSE_RADIUS};
         e->shallow_on = o.sparse_shallow_attn > 0 && e->sparse_from > 0;
         e->shallow_tokens = o.sparse_shallow_attn;
-        en_sparse_budgets(e, o.sparse_attn);
+        const size_t heads = (size_t)hp->n_layers * hp->n_head_kv;
+        if (o.sparse_shares && (e->shares = malloc(sizeof(float) * heads)))
+            memcpy(e->shares, o.sparse_shares, sizeof(float) * heads);
+        lanes_ok =
+            lanes_ok && (!o.sparse_shares || e->shares) && en_sparse_budgets(e, o.sparse_attn) == 0;
         /* views with more pages than this are attended densely (kn_sparse_attention) */
         int cap = kv_store_pages_total(e->kv), tr = (hp->n_ctx_train + pt - 1) / pt;
         cap = (cap > tr ? cap : tr) + 1;
@@ -225,6 +230,10 @@ int en_engine_create(const en_model *m, const en_engine_opts *opts, en_engine **
         const size_t items = (size_t)e->max_tokens * hp->n_head_kv;
         e->pick_stride = e->shallow.budget_pages > e->sparse.budget_pages ? e->shallow.budget_pages
                                                                           : e->sparse.budget_pages;
+        for (size_t i = 0; e->head_cfg && i < heads; i++)
+            if ((int)i >= e->sparse_from * hp->n_head_kv &&
+                e->head_cfg[i].budget_pages > e->pick_stride)
+                e->pick_stride = e->head_cfg[i].budget_pages;
         e->pick_sel = malloc(sizeof(int) * items * (size_t)e->pick_stride);
         e->pick_n = malloc(sizeof(int) * items);
         e->pick_at = calloc(items, sizeof(uint64_t));
@@ -234,6 +243,11 @@ int en_engine_create(const en_model *m, const en_engine_opts *opts, en_engine **
         if (!o.kv_host_bytes && !o.kv_disk_dir) e->sparse_idle = 0;
         e->idle_seqs = malloc(sizeof(kv_seq *) * (size_t)e->max_tokens);
         lanes_ok = lanes_ok && e->fetch_list && e->idle_seqs;
+    }
+    if (o.head_probe_from > 0 && lanes_ok) {
+        const int pt = e->page_tokens;
+        e->probe_from = o.head_probe_from;
+        lanes_ok = en_probe_alloc(e, nth, (hp->n_ctx_train + pt - 1) / pt + 1) == 0;
     }
     if (!e->x || !e->xn || !e->q || !e->k || !e->v || !e->att || !e->tmp || !e->gate || !e->up ||
         !e->rope_cs || !e->logits || !e->xq || !e->out_idx || !e->run0 || !e->run_n || !e->n_at ||
@@ -264,7 +278,10 @@ void en_engine_destroy(en_engine *e)
         kn_sparse_scratch_free(&e->lanes[i].sparse);
         free(e->lanes[i].defer);
     }
+    if (e->pool) en_probe_free(e, kn_pool_size(e->pool));
     free(e->lanes);
+    free(e->shares);
+    free(e->head_cfg);
     free((void *)e->pick_mark);
     free(e->fetch_list);
     free(e->pick_sel);
@@ -306,8 +323,17 @@ int en_engine_set_sparse(en_engine *e, int tokens)
 {
     if (!e->sparse_on || tokens < 0) return KM_EINVAL;
     e->sparse_dense = tokens == 0;
-    if (tokens) en_sparse_budgets(e, tokens);
-    return 0;
+    return tokens ? en_sparse_budgets(e, tokens) : 0;
+}
+
+int en_engine_sparse_budget(const en_engine *e, int layer, int kv_head)
+{
+    const int kvh = e->m->hp.n_head_kv;
+    if (!e->sparse_on || e->sparse_dense || layer < 0 || layer >= e->m->hp.n_layers ||
+        kv_head < 0 || kv_head >= kvh || (layer < e->sparse_from && !e->shallow_on))
+        return 0;
+    if (layer < e->sparse_from) return e->shallow.budget_pages;
+    return e->head_cfg ? e->head_cfg[layer * kvh + kv_head].budget_pages : e->sparse.budget_pages;
 }
 
 int en_engine_threads(const en_engine *e)
@@ -395,17 +421,20 @@ static void en_token_qk(const en_engine *e, const en_layer *L, const en_batch *b
     kv_seq_write(e->kv, b->seqs[i], l, b->pos[i], k, e->v + i * kvd);
 }
 
-/* The page choice of layer l: the shallow layers' budget below sparse_from. */
-static const kn_sparse_cfg *en_sparse_cfg(const en_engine *e, int l)
+/* The page choice of layer l's kv head h: the shallow layers' budget below sparse_from, the
+ * head's own with per-head budgets (en_engine_opts.sparse_shares). */
+static const kn_sparse_cfg *en_sparse_cfg(const en_engine *e, int l, int h)
 {
-    return l < e->sparse_from ? &e->shallow : &e->sparse;
+    if (l < e->sparse_from) return &e->shallow;
+    return e->head_cfg ? &e->head_cfg[l * e->m->hp.n_head_kv + h] : &e->sparse;
 }
 
-/* Whether token i's attention in layer l is sparse (its context past the layer's budget). */
-static int en_sparse_token(const en_engine *e, const en_batch *b, int l, int64_t i)
+/* Whether token i's attention in layer l over kv head h is sparse (its context past the
+ * budget). */
+static int en_sparse_token(const en_engine *e, const en_batch *b, int l, int64_t i, int h)
 {
     return e->sparse_on && !e->sparse_dense && (l >= e->sparse_from || e->shallow_on) &&
-           b->pos[i] + 1 > en_sparse_cfg(e, l)->budget_pages * e->page_tokens;
+           b->pos[i] + 1 > en_sparse_cfg(e, l, h)->budget_pages * e->page_tokens;
 }
 
 /* The stamp of layer l of the current step in pick_at (never 0). */
@@ -424,7 +453,9 @@ static void en_attend(const en_engine *e, const en_batch *b, int l, int64_t i, i
     const size_t off = (size_t)i * qd + (size_t)h * group * hd;
     kn_kv_view view;
     kv_seq_view(e->kv, b->seqs[i], l, h, b->pos[i] + 1, &view);
-    if (!en_sparse_token(e, b, l, i)) {
+    if (!en_sparse_token(e, b, l, i, h)) {
+        if (e->probe && b->pos[i] >= e->probe_from)
+            en_probe_attention(e, &view, b->seqs[i], l, h, e->q + off, ith);
         e->ops->attention(&view, hd, e->q + off, group, e->attn_scale, e->att + off);
         if (e->sparse_idle) kv_seq_touch(e->kv, b->seqs[i], NULL, b->pos[i] / e->page_tokens + 1);
         return;
@@ -440,8 +471,8 @@ static void en_attend(const en_engine *e, const en_batch *b, int l, int64_t i, i
                              e->attn_scale, e->att + off);
     } else {
         if (np <= scr->cap) kv_seq_summaries(e->kv, b->seqs[i], l, h, np, scr->sums);
-        n = kn_sparse_attention(e->ops, &view, scr->sums, en_sparse_cfg(e, l), scr, hd, e->q + off,
-                                group, e->attn_scale, e->att + off);
+        n = kn_sparse_attention(e->ops, &view, scr->sums, en_sparse_cfg(e, l, h), scr, hd,
+                                e->q + off, group, e->attn_scale, e->att + off);
     }
     e->lanes[ith].sparse_sel += (uint64_t)n;
     e->lanes[ith].sparse_all += (uint64_t)np;
@@ -457,7 +488,7 @@ static void en_fetch_pick(en_engine *e, const en_batch *b, int l, int r, int64_t
     kn_sparse_scratch *scr = &e->lanes[ith].sparse;
     _Atomic uint8_t *mark = e->pick_mark + (size_t)r * scr->cap;
     const int np = (b->pos[i] + e->page_tokens) / e->page_tokens;
-    if (!en_sparse_token(e, b, l, i) || np > scr->cap) {
+    if (!en_sparse_token(e, b, l, i, h) || np > scr->cap) {
         for (int k = 0; !h && k < np && k < scr->cap; k++)
             atomic_store_explicit(&mark[k], 1, memory_order_relaxed);
         return;
@@ -465,7 +496,7 @@ static void en_fetch_pick(en_engine *e, const en_batch *b, int l, int r, int64_t
     kn_kv_view view;
     kv_seq_view(e->kv, b->seqs[i], l, h, b->pos[i] + 1, &view);
     kv_seq_summaries(e->kv, b->seqs[i], l, h, np, scr->sums);
-    const int n = kn_sparse_pick(e->ops, &view, scr->sums, en_sparse_cfg(e, l), scr, hd,
+    const int n = kn_sparse_pick(e->ops, &view, scr->sums, en_sparse_cfg(e, l, h), scr, hd,
                                  e->q + (size_t)i * qd + (size_t)h * group * hd, group);
     for (int k = 0; k < n; k++) atomic_store_explicit(&mark[scr->sel[k]], 1, memory_order_relaxed);
     const size_t it = (size_t)i * hp->n_head_kv + h;
@@ -525,7 +556,8 @@ static void en_att_item(const en_engine *e, const en_batch *b, int l, int r, int
     const en_hparams *hp = &e->m->hp;
     const int hd = hp->head_dim, qd = hp->n_head * hd, group = hp->n_head / hp->n_head_kv;
     const int i0 = e->run0[r], nr = e->run_n[r];
-    if (en_sparse_token(e, b, l, i0 + nr - 1)) { /* each token picks its pages */
+    if (en_sparse_token(e, b, l, i0 + nr - 1, h) || /* each token picks its pages */
+        (e->probe && b->pos[i0 + nr - 1] >= e->probe_from)) {
         for (int i = i0; i < i0 + nr; i++) en_attend(e, b, l, i, h, ith);
         return;
     }

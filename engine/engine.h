@@ -27,6 +27,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include "common/km.h"
 #include "common/proto.h"
@@ -137,6 +138,15 @@ typedef struct en_engine_opts {
     /* How pages are ranked: q·centre + sparse_radius * |q|·spread of their key summaries
      * (kn_ops.page_scores); 1 is Quest's upper bound of q·k; 0: the measured default. */
     float sparse_radius;
+    /* Budget shares per (layer, kv head), [n_layers * n_head_kv] layer-major, >= 0, copied
+     * (docs/sparse.md "Per-head budgets"; en_sparse_shares_load reads them from a file). The
+     * sparse layers' (layer, kv head) budgets are spread in proportion to their shares, their
+     * mean still sparse_attn tokens; a head's budget is at least its sink and window pages.
+     * NULL: every (layer, kv head) within sparse_attn. */
+    const float *sparse_shares;
+    /* > 0: every token at a position >= this attends densely and measures, per (layer, kv head),
+     * where its attention mass lies (en_engine_head_probe): for `kvmesh sparse-calibrate`. */
+    int head_probe_from;
     /* Thread 0 measures its CPU time in each layer's attention phases (rope, K/V writes,
      * summaries, fetches, attention: en_sparse_stats.attn_ns), for benchmarks. */
     int attn_timer;
@@ -164,6 +174,37 @@ void en_engine_sparse_stats(const en_engine *e, en_sparse_stats *out);
  * prefill once and decode from the same KV in several modes). Between steps only. KM_EINVAL
  * on an engine created dense. */
 int en_engine_set_sparse(en_engine *e, int tokens);
+/* The sparse budget in pages of (layer, kv head) now; 0 for a layer that attends densely. */
+int en_engine_sparse_budget(const en_engine *e, int layer, int kv_head);
+
+/* What the head probe (en_engine_opts.head_probe_from) measured over its tokens, per (layer, kv
+ * head), layer-major: the mean share of the attention (averaged over the head's query heads) on
+ * the sink page and the recent window (EN_PROBE_SINK, EN_PROBE_WINDOW pages); in rank[lh *
+ * max_pages + k] the mean share on the k-th heaviest of the other pages (k < max_pages); in
+ * found[lh * max_pages + k] (may be NULL; zeros unless the engine was created sparse, its
+ * summaries kept, and set dense: en_engine_set_sparse(e, 0)) the mean share on the page its
+ * summaries rank k-th, as a sparse step would pick. Returns the tokens measured, or KM_EINVAL
+ * without a probe. */
+#define EN_PROBE_SINK   1
+#define EN_PROBE_WINDOW 2
+int64_t en_engine_head_probe(const en_engine *e, int max_pages, double *local, double *rank,
+                             double *found);
+/* Budget shares from a head probe's curves (rank, or found; n_heads x max_pages): the total
+ * budget (budget_pages per (layer, kv head) on average) goes page by page to the head whose next
+ * page holds the most mass (greedy: local heads keep their sink and window pages only). Writes
+ * each (layer, kv head)'s pages into shares. */
+void en_sparse_shares_from_probe(const double *local, const double *rank, int n_heads,
+                                 int max_pages, int budget_pages, float *shares);
+/* Reads a budget-shares file (format: docs/sparse.md "Per-head budgets") for a model of
+ * n_layers x n_head_kv: 0, or KM_EINVAL with the line and the reason in err. */
+int en_sparse_shares_parse(const char *text, size_t len, int n_layers, int n_head_kv, float *shares,
+                           km_errbuf *err);
+/* en_sparse_shares_parse of the file at path for model m; *out (malloc'd, the caller frees)
+ * holds n_layers * n_head_kv shares. KM_EIO when the file cannot be read. */
+int en_sparse_shares_load(const char *path, const en_model *m, float **out, km_errbuf *err);
+/* Writes shares for model m in the file format, comment (may be NULL, may hold newlines) as
+ * '#' lines at its top. Returns 0 or KM_EIO. */
+int en_sparse_shares_write(FILE *f, const en_model *m, const float *shares, const char *comment);
 const char *en_engine_isa(const en_engine *e);
 
 typedef struct en_batch {

@@ -58,6 +58,13 @@ struct en_engine {
     int sparse_on, sparse_from, page_tokens;
     kn_sparse_cfg shallow; /* layers below sparse_from (opts.sparse_shallow_attn) */
     int shallow_on, shallow_tokens;
+    /* per-(layer, kv head) budgets (opts.sparse_shares, engine/sparse_budget.c): the shares and
+     * the page choice of each head of the sparse layers, [n_layers * n_head_kv]; NULL: uniform */
+    float *shares;
+    kn_sparse_cfg *head_cfg;
+    /* the head probe (opts.head_probe_from): each thread's room and sums */
+    int probe_from, probe_cap;
+    struct en_probe_lane *probe;
     int sparse_dense; /* en_engine_set_sparse(e, 0): summaries kept, attention dense */
     int attn_timer;   /* opts.attn_timer: thread 0 adds its attention phases' CPU time here */
     uint64_t attn_ns;
@@ -79,6 +86,14 @@ struct en_engine {
     int sparse_idle;    /* en_engine_opts.sparse_idle resolved: 0 never */
     kv_seq **idle_seqs; /* [max_tokens] a step's distinct sequences (en_demote_idle) */
 };
+
+/* engine/sparse_budget.c: the heads' budgets from e->shares around the mean e->sparse (0 or
+ * KM_ENOMEM); the head probe's room (cap pages a view) and its measure of one dense attention. */
+int en_sparse_head_budgets(en_engine *e);
+int en_probe_alloc(en_engine *e, int threads, int cap);
+void en_probe_free(en_engine *e, int threads);
+void en_probe_attention(const en_engine *e, const kn_kv_view *view, const kv_seq *seq, int l, int h,
+                        const float *q, int ith);
 
 /* What one step's job needs; lives on the caller's stack for the duration of kn_pool_run. */
 typedef struct en_step {

@@ -35,6 +35,7 @@ typedef struct wk_args {
     int64_t sparse_attn, sparse_dense_layers, sparse_window, sparse_shallow_attn, sparse_idle;
     int64_t sparse_slices;
     double sparse_radius;
+    const char *sparse_budgets;
     const char *kv_shard_key;
     double spec_factor, blend_fraction;
     int64_t max_ctx, default_max_tokens, heartbeat_ms, drain_ms, event_replay, cluster_seed;
@@ -103,6 +104,10 @@ static const km_opt g_opts[] = {
      "with --sparse-attn: weight of the key spread in a page's score (1 = Quest's upper bound); "
      "0 = 0.5, measured (docs/sparse.md)",
      &g_args.sparse_radius, 0, 0},
+    {"sparse-budgets", NULL, KM_OPT_STR, NULL,
+     "with --sparse-attn: budget shares per (layer, kv head) from `kvmesh sparse-calibrate` "
+     "(docs/sparse.md \"Per-head budgets\"); --sparse-attn stays the mean",
+     &g_args.sparse_budgets, 0, 0},
     {"kv-shards", NULL, KM_OPT_INT, "1",
      "KV shards: each tier's budget split evenly between them, each with its own eviction",
      &g_args.kv_shards, 1, 1024},
@@ -376,6 +381,12 @@ int main(int argc, char **argv)
         KM_ERROR("model_load", "path=%s msg=\"%s\"", path, err.msg);
         goto out;
     }
+    float *shares = NULL;
+    if (a->sparse_budgets && *a->sparse_budgets &&
+        en_sparse_shares_load(a->sparse_budgets, m, &shares, &err)) {
+        KM_ERROR("sparse_budgets", "msg=\"%s\"", err.msg);
+        goto out;
+    }
     en_engine_opts eo = {.n_threads = (int)a->threads,
                          .max_batch_tokens = (int)a->max_batch,
                          .kv_bytes = (size_t)a->kv_bytes,
@@ -396,8 +407,10 @@ int main(int argc, char **argv)
                          .sparse_shallow_attn = (int)a->sparse_shallow_attn,
                          .sparse_idle = (int)a->sparse_idle,
                          .sparse_slices = (int)a->sparse_slices,
-                         .sparse_radius = (float)a->sparse_radius};
+                         .sparse_radius = (float)a->sparse_radius,
+                         .sparse_shares = shares};
     int erc = en_engine_create(m, &eo, &e, &err);
+    free(shares);
     explicit_bzero(secret, sizeof secret); /* the store derived its page key at create */
     if (erc) {
         KM_ERROR("engine_create", "msg=\"%s\"", err.msg);

@@ -63,6 +63,11 @@ Test(cli, flags_parse_as_documented_or_say_what_is_wrong)
     expect(KVMESH " generate -p x --max-tokens 99999999", 2, "outside [0, 1048576]");
     expect(KVMESH " perplexity --sparse-radius 20", 2, "bad value for --sparse-radius: 20");
     expect(WORKER " --sparse-radius -1", 2, "--sparse-radius is between 0 and 16");
+    expect(KVMESH " run -p x -n 1 --sparse-attn 64 --sparse-budgets /missing-shares", 1,
+           "sparse budgets /missing-shares: No such file or directory");
+    expect(WORKER " --insecure --listen='tcp://127.0.0.1:*' --events='tcp://127.0.0.1:*' "
+                  "--admin-port=0 --sparse-attn 64 --sparse-budgets /missing-shares",
+           1, "sparse budgets /missing-shares: No such file or directory");
     expect(KVMESH " up --model /missing.gguf --run-dir /tmp/kvmesh-cli-test-up", 2,
            "model /missing.gguf: No such file or directory");
     rmdir("/tmp/kvmesh-cli-test-up");
