@@ -59,7 +59,7 @@ static void local_usage(const char *cmd)
         printf(
             "      --sparse-attn N     attend to at most N tokens per layer and kv head, in the\n"
             "                          pages whose keys may score highest (docs/sparse.md;\n"
-            "                          default 0 = off, dense; 1024 recommended at 8k)\n"
+            "                          default 0 = off, dense; 1536 recommended at 8k)\n"
             "      --sparse-dense-layers N  first layers kept dense (default 2, -1 = none)\n"
             "      --sparse-window N   recent pages always attended (default 2)\n"
             "      --sparse-shallow-attn N  those first layers attend to N tokens instead\n"
@@ -67,7 +67,8 @@ static void local_usage(const char *cmd)
             "      --sparse-radius R   weight of the key spread in a page's score (1 = Quest's\n"
             "                          upper bound; default 0 = 0.5, measured)\n"
             "      --sparse-budgets FILE  budgets per (layer, kv head) around the mean\n"
-            "                          --sparse-attn, from `kvmesh sparse-calibrate`\n");
+            "                          --sparse-attn, from `kvmesh sparse-calibrate` (the\n"
+            "                          default model's: bench/sparse_shares_smollm2_135m.txt)\n");
     if (!strcmp(cmd, "run") || !strcmp(cmd, "tokenize"))
         printf("  -p, --prompt TEXT       the prompt (or -f FILE)\n"
                "  -f, --file PATH         read the prompt from a file\n");

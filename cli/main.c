@@ -23,7 +23,7 @@ static const struct {
     {"chat", cli_cmd_chat, "interactive chat through the cluster"},
     {"status", cli_cmd_status,
      "workers, KV usage per tier, hit ratio (--controller: member\n"
-     "              states, recovery levels, pressure, recovery history)"},
+     "                   states, recovery levels, pressure, recovery history)"},
     {"recover", cli_cmd_recover, "force a recovery level on a worker, through the controller"},
     {"role", cli_cmd_role, "change a running worker's role: both, prefill or decode"},
     {"up", cli_cmd_up, "start a controller, N workers and a router on loopback"},
@@ -38,7 +38,7 @@ static void usage(void)
     printf("usage: kvmesh COMMAND [options]\n\ncommands:\n");
     for (size_t i = 0; i < N_COMMANDS; i++) {
         if (i == 5) printf("cluster commands (through a router):\n");
-        printf("  %-11s %s\n", commands[i].name, commands[i].what);
+        printf("  %-16s %s\n", commands[i].name, commands[i].what);
     }
     printf("\n`kvmesh COMMAND --help` lists the command's options.\n");
 }

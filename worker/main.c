@@ -81,7 +81,7 @@ static const km_opt g_opts[] = {
      &g_args.kv_format, 0, 0},
     {"sparse-attn", NULL, KM_OPT_INT, "0",
      "sparse decode attention: tokens per layer and kv head, in the pages whose keys may score "
-     "highest (docs/sparse.md); 0 = off, dense; 1024 recommended at 8k contexts",
+     "highest (docs/sparse.md); 0 = off, dense; 1536 recommended at 8k contexts",
      &g_args.sparse_attn, 0, 1 << 24},
     {"sparse-dense-layers", NULL, KM_OPT_INT, "0",
      "with --sparse-attn: the first layers kept dense; 0 = 2, -1 = none",
