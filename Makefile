@@ -306,11 +306,12 @@ GPU_RUN := $(if $(filter 1,$(CUDA)),$(if $(filter 00,$(SAN)$(TSAN)),$(GPU_TESTS)
 unit-tests: $(patsubst $(TESTBIN)/%,unit-run-%,$(UNIT_BIN)) $(GPU_RUN) ## every Criterion unit test (tests/unit), and the GPU tests where nvcc built them (they skip, saying why, without a GPU)
 	@echo "== UCX: $(UCX_DESC)"
 	@set -e; for t in $(GPU_RUN); do echo "== $$t"; $$t; done
-# The transfer tests (test_xfer_peer, test_xfer_proc) run one test at a time: they fork and
-# start UCX threads, and with two at once Criterion's own runner leaks 48 bytes that
-# LeakSanitizer reports under SAN=1 (the tests themselves are clean).
+# The transfer tests (test_xfer_peer, test_xfer_proc) and test_engine_blend run one test at a
+# time: with two at once (forks, UCX or engine pool threads, long tests) Criterion's own runner
+# leaks 48 bytes that LeakSanitizer reports under SAN=1 (the tests themselves are clean).
+UNIT_ONE_AT_A_TIME := test_xfer_pe% test_xfer_pr% test_engine_blend
 unit-run-%: $(TESTBIN)/%
-	@$(call run_logged,$<,$< --jobs $(if $(filter test_xfer_pe% test_xfer_pr%,$*),1,2),$<.log)
+	@$(call run_logged,$<,$< --jobs $(if $(filter $(UNIT_ONE_AT_A_TIME),$*),1,2),$<.log)
 
 unit-tests-san: ## the unit tests under AddressSanitizer and UBSan (build/san)
 	@$(MAKE) --no-print-directory SAN=1 unit-tests
