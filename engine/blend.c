@@ -26,14 +26,16 @@ void en_blend_rerotate(const en_engine *e, float *k, int from, int to)
     e->ops->rope(k, hp->n_head_kv, hp->head_dim, hp->n_rot, cs, hp->rope_neox);
 }
 
-/* en_blend_copy's job: each thread moves its share of the positions, every layer. */
+/* en_blend_copy's job: each thread moves its share of the positions, every layer. Every key
+ * moves by the same distance, so the rotation's cos/sin table is built once (cs). */
 typedef struct bl_copy {
     en_engine *e;
     const kv_seq *src;
     kv_seq *dst;
     int src_pos, dst_pos, n;
-    float *scratch; /* [threads][2][kvd] */
-    int rc;         /* the first failure (a position the source does not hold) */
+    float *scratch;  /* [threads][2][kvd] */
+    const float *cs; /* kn_rope_cache of dst_pos - src_pos; NULL: no rotation */
+    int rc;          /* the first failure (a position the source does not hold) */
 } bl_copy;
 
 static void bl_copy_job(void *ctx, int ith, int nth)
@@ -54,7 +56,7 @@ static void bl_copy_job(void *ctx, int ith, int nth)
                 c->rc = rc; /* any thread's failure fails the copy */
                 return;
             }
-            en_blend_rerotate(c->e, k, c->src_pos + (int)i, c->dst_pos + (int)i);
+            if (c->cs) c->e->ops->rope(k, hp->n_head_kv, hd, hp->n_rot, c->cs, hp->rope_neox);
             kv_seq_write(c->e->kv, c->dst, l, c->dst_pos + (int)i, k, v);
         }
 }
@@ -68,7 +70,10 @@ int en_blend_copy(en_engine *e, const kv_seq *src, int src_pos, kv_seq *dst, int
     if (rc) return rc;
     kv_seq_wait_ready(e->kv, src);
     const size_t kvd = (size_t)hp->n_head_kv * hp->head_dim;
-    bl_copy c = {e, src, dst, src_pos, dst_pos, n, NULL, 0};
+    float cs[512];
+    const int rotate = src_pos != dst_pos && hp->n_rot <= (int)(sizeof cs / sizeof cs[0]);
+    if (rotate) kn_rope_cache(cs, hp->n_rot, dst_pos - src_pos, hp->rope_base);
+    bl_copy c = {e, src, dst, src_pos, dst_pos, n, NULL, rotate ? cs : NULL, 0};
     c.scratch = malloc(sizeof(float) * 2 * kvd * (size_t)kn_pool_size(e->pool));
     if (!c.scratch) return KM_ENOMEM;
     kn_pool_run(e->pool, bl_copy_job, &c);
