@@ -9,7 +9,8 @@
  * token: the steps taken, its TTFT, the decoder's tokens meanwhile and its longest wait between
  * two of them (wall), and the process CPU time of those steps and of the longest one (CPU time
  * is what the load of a shared machine moves least). Per --chunks value (the scheduler's
- * prefill_chunk, which sizes each blend piece), --repeat times. Nothing is asserted about time.
+ * prefill_chunk, which sizes each blend piece), --repeat times; --budget-ms sets the scheduler's
+ * step_budget_ms, which cuts the pieces further by their price. Nothing is asserted about time.
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -81,14 +82,17 @@ static void submit(en_sched *s, const int32_t *ids, int n, int max_tokens, const
 }
 
 /* One run at prefill_chunk `chunk`: the figures of the second prompt. */
-static void run(const en_model *m, int threads, int chunk, int32_t (*p)[MAX_IDS], const int *n,
-                en_blend_seg (*seg)[N_DOCS + 1])
+static void run(const en_model *m, int threads, int chunk, int budget_ms, int32_t (*p)[MAX_IDS],
+                const int *n, en_blend_seg (*seg)[N_DOCS + 1])
 {
     km_errbuf err = {{0}};
     en_engine *e;
     en_engine_opts eo = {.n_threads = threads, .max_batch_tokens = 256};
     en_sched *s;
-    en_sched_opts so = {.max_batch_tokens = 256, .prefill_chunk = chunk, .cluster_seed = 7};
+    en_sched_opts so = {.max_batch_tokens = 256,
+                        .prefill_chunk = chunk,
+                        .step_budget_ms = budget_ms,
+                        .cluster_seed = 7};
     so.spec.cost_fixed = true;
     en_sched_cb cb = {.on_token = on_token, .on_done = on_done, .on_error = on_error};
     if (en_engine_create(m, &eo, &e, &err) || en_sched_create(e, m, &so, &cb, &s, &err))
@@ -131,6 +135,8 @@ int main(int argc, char **argv)
     const int repeat = atoi(bench_arg(argc, argv, "--repeat", "2"));
     char chunks[128];
     snprintf(chunks, sizeof chunks, "%s", bench_arg(argc, argv, "--chunks", "256,64,32"));
+    const int budget_ms = atoi(bench_arg(argc, argv, "--budget-ms", "0"));
+    bench_args_end(argc, argv, "bench_blend_step", 1);
     en_model *m;
     km_errbuf err = {{0}};
     if (en_model_load(model, &m, &err)) return fprintf(stderr, "%s\n", err.msg), 1;
@@ -162,15 +168,16 @@ int main(int argc, char **argv)
         seg[k][N_DOCS] = (en_blend_seg){n[k], nq};
         n[k] += nq;
     }
-    printf("a prompt of %d tokens, %d documents reused, while a sequence decodes; %d thread(s)\n",
-           n[1], N_DOCS, threads);
+    printf("a prompt of %d tokens, %d documents reused, while a sequence decodes; %d thread(s), "
+           "step budget %d ms\n",
+           n[1], N_DOCS, threads, budget_ms);
     printf(
         "chunk    reused  steps   TTFT_ms  decoded  max_gap_ms  cpu_ms_sum  cpu_ms_step  load1\n");
     for (int r = 0; r < repeat; r++)
         for (char *c = chunks, *next; c && *c; c = next) {
             next = strchr(c, ',');
             if (next) *next++ = 0;
-            run(m, threads, atoi(c), p, n, seg);
+            run(m, threads, atoi(c), budget_ms, p, n, seg);
             if (next) next[-1] = ',';
         }
     en_model_free(m);

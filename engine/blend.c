@@ -332,18 +332,41 @@ int en_blend_run_begin(en_engine *e, kv_seq *q, const int32_t *tokens, int n_tok
     return 0;
 }
 
+/* The next tokens of the pass in position order that one step may run: what max_token_layers
+ * and cap (in units, see en_blend_run_price) allow, at least one token (a probe token counts the
+ * probe layer's K/V as a layer, as en_blend_stats.token_layers does). Returns the count; *tl and
+ * *cost: their (token, layer) pairs and units. */
+static int bl_next(const en_blend_run *b, long max_token_layers, double u_tok, double u_att,
+                   double cap, long *tl, double *cost)
+{
+    const double L = b->e->m->hp.n_layers;
+    int m = 0;
+    *tl = 0, *cost = 0;
+    for (; b->at + m < b->n_t && m < b->e->max_tokens; m++) {
+        const bl_tok *t = &b->t[b->at + m];
+        const long d = t->depth + b->probing;
+        const double c = d / L * (u_tok + (t->pos + 1.0) * u_att);
+        if (m && (*tl + d > max_token_layers || *cost + c > cap)) break;
+        *tl += d, *cost += c;
+    }
+    return m;
+}
+
+long en_blend_run_price(const en_blend_run *b, long max_token_layers, double u_tok, double u_att,
+                        double cap, double *cost)
+{
+    long tl = 0;
+    *cost = 0;
+    if (!en_blend_run_done(b)) bl_next(b, max_token_layers, u_tok, u_att, cap, &tl, cost);
+    return tl;
+}
+
 long en_blend_run_step(en_blend_run *b, long max_token_layers, const float **logits)
 {
     if (en_blend_run_done(b)) return 0;
-    /* the next tokens of the pass in position order: what the cap allows, at least one (a probe
-     * token counts the probe layer's K/V as a layer, as en_blend_stats.token_layers does) */
-    int m = 0;
-    long tl = 0;
-    for (; b->at + m < b->n_t && m < b->e->max_tokens; m++) {
-        const long d = b->t[b->at + m].depth + b->probing;
-        if (m && tl + d > max_token_layers) break;
-        tl += d;
-    }
+    long tl;
+    double cost;
+    const int m = bl_next(b, max_token_layers, 0, 0, 0, &tl, &cost);
     int rc = bl_batch(b->e, &b->bb, b->q, b->tokens, b->n_tokens, b->t + b->at, m, b->probing,
                       b->probing || b->end < b->n_tokens ? NULL : logits);
     if (rc) return rc;

@@ -300,6 +300,14 @@ int en_blend_run_begin(en_engine *e, kv_seq *q, const int32_t *tokens, int n_tok
                        int end, const en_blend_seg *chunks, int n_chunks, const en_blend_opts *o,
                        en_blend_run **out);
 long en_blend_run_step(en_blend_run *b, long max_token_layers, const float **logits);
+/* What the next en_blend_run_step(b, max_token_layers) would run, priced: the (token, layer)
+ * pairs of the longest run of the pass's next tokens (one engine batch at most) whose cost stays
+ * within cap, at least one token; *cost is theirs. A token at position p through d layers (the
+ * probe's K/V-only layer counted whole) costs d / n_layers * (u_tok + (p + 1) * u_att): a
+ * scheduler's per-token and per-attended-position units (docs/blend.md, "Serving"). 0 once
+ * done. */
+long en_blend_run_price(const en_blend_run *b, long max_token_layers, double u_tok, double u_att,
+                        double cap, double *cost);
 int en_blend_run_done(const en_blend_run *b);
 /* Frees the run; st (may be NULL): its counts (complete once done). */
 void en_blend_run_end(en_blend_run *b, en_blend_stats *st);

@@ -47,6 +47,7 @@
  *    step that finds the KV store full drops its drafts before anything is preempted.
  */
 #include <assert.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -62,10 +63,22 @@ double en_units(const en_sched *s, int pos, int n, int want)
 /* The most tokens of r's prompt this step can still take within its budget: what the budget
  * leaves after the step's blend pieces and its batch so far, but at least a page (or what is
  * left of the prompt). */
+void en_sched_learn_cost(en_sched *s, double per)
+{
+    double *est = &s->st.ns_per_unit;
+    *est = *est <= 0 ? per : per > *est ? 0.5 * *est + 0.5 * per : 0.9 * *est + 0.1 * per;
+}
+
+double en_budget_room(const en_sched *s)
+{
+    if (s->o.step_budget_ms <= 0 || s->st.ns_per_unit <= 0) return INFINITY;
+    return s->o.step_budget_ms * 1e6 / s->st.ns_per_unit - s->step_units - s->blend_units;
+}
+
 int en_budget_take(en_sched *s, const en_rq *r, int take)
 {
-    if (s->o.step_budget_ms <= 0 || s->st.ns_per_unit <= 0) return take;
-    double cap = s->o.step_budget_ms * 1e6 / s->st.ns_per_unit - s->step_units - s->blend_units;
+    const double cap = en_budget_room(s);
+    if (cap == INFINITY) return take;
     int lo = 0, hi = take;
     while (lo < hi) { /* the largest n with en_units(n) <= cap */
         int mid = lo + (hi - lo + 1) / 2;
@@ -848,8 +861,7 @@ int en_sched_step(en_sched *s)
     /* Only steps with a page or more of prompt teach the cost: decode-only steps are slower per
      * unit (one token per weight read), and they are not what the budget cuts. */
     if (s->step_units > 0 && s->step_prefill >= s->pt) {
-        double per = (now - t0) / s->step_units, *est = &s->st.ns_per_unit;
-        *est = *est <= 0 ? per : per > *est ? 0.5 * *est + 0.5 * per : 0.9 * *est + 0.1 * per;
+        en_sched_learn_cost(s, (now - t0) / s->step_units);
     }
     int row = 0;
     for (int i = 0, off = 0; i < np; off += s->parts[i++].n) {

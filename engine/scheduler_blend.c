@@ -19,8 +19,8 @@
  *  - The blend part runs outside the batch because its tokens go through different numbers of
  *    layers (en_batch.depth) and its probe must finish before the recompute is chosen. A piece
  *    per step is what a prefill chunk of the request could be there (prefill_chunk, and
- *    decode_prefill while others decode, the tenants' fair_cap, cut by the step budget, its
- *    units counted against the batch's), in (token, layer) pairs: so the running sequences'
+ *    decode_prefill while others decode, the tenants' fair_cap), in (token, layer) pairs, cut
+ *    by the step budget at its own tokens' price (en_blend_run_price): so the running sequences'
  *    next token waits for a piece, never for the whole part. The engine is batch-invariant:
  *    pieces change no logit.
  *  - A chunk the store does not hold is computed with the rest of the prompt (exact), and its own
@@ -34,6 +34,7 @@
  *    dense model; otherwise chunks are computed in full and nothing is stored.
  */
 #include <limits.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -166,20 +167,38 @@ int en_sched_blend(en_sched *s)
     for (int i = 0; i < s->n_run; i++)
         decoding += !s->run[i]->bl && s->run[i]->n_tok - s->run[i]->n_done == 1;
     /* a piece is what a prefill chunk of the request could be in this step (en_sched_build's
-     * caps and the budget, its units counted against the batch's), in (token, layer) pairs */
+     * caps, in (token, layer) pairs), priced at its tokens' own positions and depths against
+     * what the step budget leaves (its units counted before the batch's), a page's worth at
+     * least; a piece of a page's worth or more teaches the cost per unit as a batch does */
     int cap = s->o.prefill_chunk;
     if (decoding && s->o.decode_prefill > 0 && cap > s->o.decode_prefill) cap = s->o.decode_prefill;
     if (s->fair_cap > 0 && cap > s->fair_cap) cap = s->fair_cap; /* scheduler_fair.c */
+    const long floor = (long)s->pt * s->n_layers;
     for (int i = 0; i < s->n_run; i++) {
         en_rq *r = s->run[i];
         if (!r->bl || r->sit_out) continue;
-        const int take = en_budget_take(s, r, cap);
-        s->blend_units += en_units(s, r->n_done, take, 0);
-        long left = (long)take * s->n_layers, tl = 0;
+        const double room = en_budget_room(s);
+        const uint64_t t0 = km_now_ns();
+        long left = (long)cap * s->n_layers, tl = 0, done = 0;
+        double units = 0;
         while (left > 0 && tl >= 0 && !en_blend_run_done(r->bl)) {
-            tl = en_blend_run_step(r->bl, left, NULL);
-            if (tl > 0) left -= tl, ran += (int)((tl + s->n_layers - 1) / s->n_layers);
+            double cost;
+            long want = en_blend_run_price(r->bl, left, s->u_tok, s->u_att, room - units, &cost);
+            if (done < floor && want < floor - done)
+                want = en_blend_run_price(r->bl, floor - done < left ? floor - done : left,
+                                          s->u_tok, s->u_att, INFINITY, &cost);
+            else if (cost > room - units) {
+                s->st.budget_cut++;
+                break;
+            }
+            tl = en_blend_run_step(r->bl, want, NULL);
+            if (tl > 0)
+                left -= tl, done += tl, units += cost,
+                    ran += (int)((tl + s->n_layers - 1) / s->n_layers);
         }
+        s->blend_units += units;
+        if (tl >= 0 && done >= floor && units > 0)
+            en_sched_learn_cost(s, (double)(km_now_ns() - t0) / units);
         if (tl < 0) {
             en_rq_blend_fail(r, (int)tl);
             continue;

@@ -137,6 +137,11 @@ int32_t en_rq_sample(en_sched *s, en_rq *r, const float *row);
 int en_budget_take(en_sched *s, const en_rq *r, int take);
 /* Work units of n prompt tokens at positions [pos, pos + n), with one logits row when want. */
 double en_units(const en_sched *s, int pos, int n, int want);
+/* The units the step budget leaves after the step's blend pieces and its batch so far; INFINITY
+ * without a budget or before the cost per unit is learned. */
+double en_budget_room(const en_sched *s);
+/* Folds one measured cost per unit (ns) into the estimate the budget uses: up fast, down slowly. */
+void en_sched_learn_cost(en_sched *s, double per);
 
 /* Sends running sequence i back to the queue; its published pages stay cached. */
 void en_rq_requeue(en_sched *s, int i);

@@ -362,14 +362,28 @@ Test(engine_blend, a_prefill_in_pieces_is_the_prefill_in_one_pass, .init = setup
     memcpy(one, lg, sizeof(float) * nv);
     en_blend_run *b;
     cr_assert_eq(en_blend_run_begin(e, q[1], ids, n, ns, end, seg, 2, &o, &b), 0);
+    /* priced: a probe token counts 2 layers (layer 0 and the probe layer's K/V) */
+    const double L = en_model_hparams(g_model)->n_layers;
+    double cost;
+    cr_assert_eq(en_blend_run_price(b, 1000, 1, 0, 14 / L, &cost), 14, "7 probe tokens fit");
+    cr_assert_float_eq(cost, 14 / L, 1e-9);
+    cr_assert_eq(en_blend_run_price(b, 1000, 1, 0, 0, &cost), 2, "one token at least");
     int pieces = 0;
     while (!en_blend_run_done(b)) {
+        double per_token, per_pos;
+        const long p1 = en_blend_run_price(b, 40, 1, 0, INFINITY, &per_token);
+        const long p2 = en_blend_run_price(b, 40, 0, 1, INFINITY, &per_pos);
         const long tl = en_blend_run_step(b, 40, NULL);
+        cr_assert_eq(p1, tl, "the price is of what the step runs");
+        cr_assert_eq(p2, tl);
+        cr_assert_float_eq(per_token, tl / L, 1e-9);
+        cr_assert_geq(per_pos, (ns + 1) * per_token - 1e-6, "at the tokens' own positions");
         cr_assert_gt(tl, 0, "a piece runs at least a token");
         cr_assert_leq(tl, 40, "of at most 40 token-layers (a token has at most 30)");
         pieces++;
     }
     cr_assert_eq(en_blend_run_step(b, 40, NULL), 0, "nothing after the end");
+    cr_assert_eq(en_blend_run_price(b, 40, 1, 1, INFINITY, &cost), 0);
     en_blend_run_end(b, &st[1]);
     cr_assert_gt(pieces, 8, "in many pieces (%d)", pieces);
     cr_assert_eq(st[1].reused, st[0].reused);
