@@ -272,8 +272,7 @@ int en_blend_run_begin(en_engine *e, kv_seq *q, const int32_t *tokens, int n_tok
     const int L = hp->n_layers, kvd = hp->n_head_kv * hp->head_dim;
     const int probe = o && o->probe_layer > 0 ? o->probe_layer : 1;
     *out = NULL;
-    if (n_done < 0 || n_done >= end || end > n_tokens || probe >= L || hp->n_expert)
-        return KM_EINVAL;
+    if (n_done < 0 || n_done >= end || end > n_tokens || probe >= L) return KM_EINVAL;
     /* the last chunk is computed in full unless asked (en_blend_opts.reuse_last), after the
      * checks of every segment below */
     const int n_reused = n_chunks && !(o && o->reuse_last) ? n_chunks - 1 : n_chunks;

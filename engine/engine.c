@@ -723,7 +723,7 @@ static void en_step_job(void *ctx, int ith, int nth)
         const en_weight *ffn_in = hp->n_expert ? &L->exp_gate[0] : &L->w_gate;
         en_quantize_rows(e, ffn_in, xn, xq, t0, t1);
         if (hp->n_expert) {
-            en_moe_ffn(st, L, ith, nth, t0, t1, x, xn, act, xq);
+            en_moe_ffn(st, L, n, ith, nth, t0, t1, x, xn, act, xq);
             continue;
         }
         EN_AFTER_TOKENS();
@@ -823,9 +823,9 @@ int en_engine_step(en_engine *e, const en_batch *b, const float **logits)
             return KM_EINVAL;
         const int want = b->logits ? b->logits[i] : i == b->n_tokens - 1;
         if (want) e->out_idx[n_out++] = i;
-        if (b->depth && (b->depth[i] < 0 || b->depth[i] > hp->n_layers ||
-                         (i && b->depth[i] > b->depth[i - 1]) ||
-                         (want && b->depth[i] != hp->n_layers) || hp->n_expert))
+        if (b->depth &&
+            (b->depth[i] < 0 || b->depth[i] > hp->n_layers ||
+             (i && b->depth[i] > b->depth[i - 1]) || (want && b->depth[i] != hp->n_layers)))
             return KM_EINVAL;
     }
     for (int i = 0; i < b->n_tokens; i++) {

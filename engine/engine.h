@@ -220,7 +220,7 @@ typedef struct en_batch {
     /* [n_tokens] or NULL (all): the layers each token is computed through, in non-increasing
      * order along the batch (chunk reuse, engine/blend.c): in layers past its depth a token's
      * K/V are not written, what its sequence holds there stays. Tokens asking for logits must
-     * go through every layer. Dense models only. */
+     * go through every layer. MoE layers run their experts for the tokens still active. */
     const int16_t *depth;
     /* With depth: 1 if a token of depth d < n_layers also writes its K/V of layer d (that layer's
      * projections only, no attention or feed-forward): what chunk reuse's probe reads. */

@@ -131,10 +131,11 @@ void en_matmul_group(const en_engine *e, const uint8_t *xq, const en_mm *mm, int
 void en_residual_add(const en_engine *e, float *x, const float *y);
 
 /* engine_moe.c: the MoE buffers of an engine (per-thread scratch for nth threads), and the
- * FFN of MoE layer L for this thread (see engine_moe.c). */
+ * FFN of MoE layer L for this thread over the layer's first n tokens (fewer than the batch's
+ * past a token's en_batch.depth; see engine_moe.c). */
 int en_moe_alloc(en_engine *e, int nth);
 void en_moe_free(en_engine *e);
-void en_moe_ffn(const en_step *st, const en_layer *L, int ith, int nth, int64_t t0, int64_t t1,
-                float *x, float *xn, float *act, uint8_t *xq);
+void en_moe_ffn(const en_step *st, const en_layer *L, int n, int ith, int nth, int64_t t0,
+                int64_t t1, float *x, float *xn, float *act, uint8_t *xq);
 
 #endif

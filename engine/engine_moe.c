@@ -157,13 +157,13 @@ static void en_moe_group(const int32_t *sel, int n, int k, int n_exp, en_moe_scr
 /* The MoE FFN of layer L (P8-P11 of a MoE layer, see the top of the file); xn holds the normed
  * tokens and xq their quantized rows for the experts' gate/up. Lanes: every thread routes and
  * gathers every token itself. */
-void en_moe_ffn(const en_step *st, const en_layer *L, int ith, int nth, int64_t t0, int64_t t1,
-                float *x, float *xn, float *act, uint8_t *xq)
+void en_moe_ffn(const en_step *st, const en_layer *L, int n, int ith, int nth, int64_t t0,
+                int64_t t1, float *x, float *xn, float *act, uint8_t *xq)
 {
     en_engine *e = st->e;
     const en_hparams *hp = &e->m->hp;
     const kn_ops *ops = e->ops;
-    const int n = st->b->n_tokens, embd = hp->n_embd, ff = hp->n_ff, lanes = st->lanes;
+    const int embd = hp->n_embd, ff = hp->n_ff, lanes = st->lanes;
     const int n_exp = hp->n_expert, k = hp->n_expert_used;
     const size_t xrb = e->xq_row_bytes;
     int32_t *sel = lanes ? e->lanes[ith].sel : e->sel;

@@ -52,7 +52,7 @@ enum { EN_CHUNK_JOBS_MAX = 64, EN_CHUNK_JOBS_BUSY = 16 };
 
 int en_blend_setup(en_sched *s, const en_hparams *hp)
 {
-    if (!s->real.e || !s->real.tok || hp->n_expert > 0 || s->o.blend_fraction < 0) return 0;
+    if (!s->real.e || !s->real.tok || s->o.blend_fraction < 0) return 0;
     const char *text = EN_SCHED_BLEND_PREAMBLE;
     int32_t ids[256];
     int n = md_tok_encode(s->real.tok, text, strlen(text), 0, 1, ids, 256);

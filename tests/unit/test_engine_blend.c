@@ -3,8 +3,8 @@
  * re-rotated to a new position is the key computed there (up to rounding: float, then each KV
  * format's own quantization); a chunk reused at the start of a prompt gives full recomputation's
  * logits; elsewhere, recomputing tokens brings the logits closer to full recomputation than
- * reusing alone; a blend prefill run in pieces gives one pass's logits bit for bit; chunk pages
- * are cached per tenant, apart from prefix chains; bad segments are refused.
+ * reusing alone (MoE layers too); a blend prefill run in pieces gives one pass's logits bit for
+ * bit; chunk pages are cached per tenant, apart from prefix chains; bad segments are refused.
  */
 #include <criterion/criterion.h>
 #include <math.h>
@@ -396,6 +396,89 @@ Test(engine_blend, a_prefill_in_pieces_is_the_prefill_in_one_pass, .init = setup
     for (int s = 0; s < 2; s++) kv_seq_destroy(kv, c[s]);
     free(one);
     en_engine_destroy(e);
+}
+
+/* A blend prefill of an MoE model: the prompt ids, the chunks stored and
+ * copied in as in the tests above, then en_blend_prefill with o; the last token's logits. */
+static void moe_blend(en_engine *e, const int32_t *ids, int n, int ns, const en_blend_seg *seg,
+                      kv_seq *const *c, const en_blend_opts *o, int piece, float *out)
+{
+    kv_store *kv = en_engine_kv(e);
+    kv_seq *q;
+    cr_assert_eq(kv_seq_create(kv, &q), 0);
+    for (int s = 0; s < 2; s++)
+        cr_assert_eq(en_blend_copy(e, c[s], 0, q, seg[s].start, seg[s].n), 0);
+    prefill(e, q, ids, ns, NULL);
+    const float *lg = NULL;
+    if (!piece) {
+        cr_assert_eq(en_blend_prefill(e, q, ids, n, ns, seg, 2, o, NULL, &lg), 0);
+    } else { /* in pieces of `piece` (token, layer) pairs, then the question apart */
+        en_blend_run *b;
+        const int end = seg[1].start + seg[1].n;
+        cr_assert_eq(en_blend_run_begin(e, q, ids, n, ns, end, seg, 2, o, &b), 0);
+        while (!en_blend_run_done(b)) cr_assert_gt(en_blend_run_step(b, piece, NULL), 0);
+        en_blend_run_end(b, NULL);
+        cr_assert_eq(en_blend_prefill(e, q, ids, n, end, NULL, 0, NULL, NULL, &lg), 0);
+    }
+    memcpy(out, lg, sizeof(float) * en_model_hparams(g_model)->n_vocab);
+    kv_seq_destroy(kv, q);
+}
+
+/* MoE layers take the blend path (en_batch.depth: each layer's experts run for the tokens still
+ * active there), on the mirror model (top 4 of 8, sparse routing that rounding cannot flip
+ * into another output): everything recomputed through it (the probe at the last layer) is full
+ * recomputation; mixed depths give one pass's logits in pieces, and move toward full. */
+Test(engine_blend, moe_layers_take_the_blend_path, .init = setup, .fini = teardown, .timeout = 600)
+{
+    const char *path = "models/SmolLM2-135M-Instruct-MoE8-top4-mirror.Q4_1.gguf";
+    if (!g_model || access(path, R_OK)) cr_skip_test("%s absent: run `make deps`", path);
+    en_model *dense = g_model;
+    km_errbuf err = {{0}};
+    cr_assert_eq(en_model_load(path, &g_model, &err), 0, "%s", err.msg); /* the helpers' model */
+    const en_hparams *hp = en_model_hparams(g_model);
+    const int nv = hp->n_vocab;
+    cr_assert_gt(hp->n_expert, 0);
+    en_engine *e = engine(KN_KV_F16);
+    kv_store *kv = en_engine_kv(e);
+    int32_t ids[512];
+    const int ns = encode(k_sys, ids, 64);
+    const int n2 = encode(k_doc2, ids + ns, 128);
+    const int n1 = encode(k_doc1, ids + ns + n2, 128);
+    const int n = ns + n2 + n1 + encode(k_q, ids + ns + n2 + n1, 64);
+    float *full = malloc(sizeof(float) * nv), *lg[4];
+    for (int k = 0; k < 4; k++) lg[k] = malloc(sizeof(float) * nv);
+    kv_seq *q, *c[2];
+    cr_assert_eq(kv_seq_create(kv, &q), 0);
+    prefill(e, q, ids, n, full);
+    kv_seq_destroy(kv, q);
+    const en_blend_key key = {.seed = en_blend_chunk_seed(km_pagehash_seed(NULL, 0, 7, NULL, 0))};
+    const int at[2] = {ns, ns + n2}, len[2] = {n2, n1};
+    en_blend_seg seg[2];
+    for (int d = 0; d < 2; d++) {
+        cr_assert_eq(en_blend_chunk_store(e, &key, ids + at[d], len[d]), 0);
+        seg[d] = (en_blend_seg){at[d], en_blend_chunk_attach(e, &key, ids + at[d], len[d], &c[d])};
+        cr_assert_gt(seg[d].n, 0);
+    }
+    const en_blend_opts all = {.fraction = 1, .probe_layer = hp->n_layers - 1, .reuse_last = 1},
+                        none = {.reuse_last = 1}, half = {.fraction = 0.5f, .reuse_last = 1};
+    moe_blend(e, ids, n, ns, seg, c, &all, 0, lg[0]);
+    moe_blend(e, ids, n, ns, seg, c, &none, 0, lg[1]);
+    moe_blend(e, ids, n, ns, seg, c, &half, 0, lg[2]);
+    moe_blend(e, ids, n, ns, seg, c, &half, 40, lg[3]);
+    float worst = 0;
+    for (int v = 0; v < nv; v++) worst = fmaxf(worst, fabsf(lg[0][v] - full[v]));
+    const double d0 = kl(full, lg[1], nv), d5 = kl(full, lg[2], nv);
+    cr_log_info("MoE: all recomputed within %.2e of full; KL to full: reuse %.4f, half %.4f", worst,
+                d0, d5);
+    cr_expect_leq(worst, 1e-3f, "everything recomputed is full recomputation");
+    cr_expect_arr_eq(lg[3], lg[2], sizeof(float) * nv, "in pieces: one pass's logits, bit for bit");
+    cr_expect_lt(d5, d0, "recomputing half beats reuse alone");
+    for (int s = 0; s < 2; s++) kv_seq_destroy(kv, c[s]);
+    for (int k = 0; k < 4; k++) free(lg[k]);
+    free(full);
+    en_engine_destroy(e);
+    en_model_free(g_model);
+    g_model = dense;
 }
 
 Test(engine_blend, chunks_stay_with_their_tenant_and_apart_from_prefixes, .init = setup,

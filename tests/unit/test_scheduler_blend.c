@@ -4,7 +4,8 @@
  * and stored after the request, so the next prompt that carries it elsewhere reuses it; the pages
  * from the first reused chunk on are never published as prefix pages; chunks never cross
  * tenants; a stale chunk page (its hash, another chunk's tokens) is caught by token-id
- * verification and the chunk computed in full; bad segments are refused at submit.
+ * verification and the chunk computed in full; an MoE model reuses chunks as the dense one does;
+ * bad segments are refused at submit.
  */
 #include <criterion/criterion.h>
 #include <stdlib.h>
@@ -165,6 +166,32 @@ Test(sched_blend, a_chunk_seen_once_is_reused_elsewhere_and_never_a_prefix)
     cr_assert_arr_eq(gd.tok, gc.tok, sizeof(int32_t) * 4, "computed in full: the same tokens");
     en_sched_destroy(s);
     en_engine_destroy(e);
+}
+
+/* An MoE model serves chunks too (its experts run for the tokens each layer still computes). */
+Test(sched_blend, an_moe_model_reuses_chunks)
+{
+    const char *path = "models/SmolLM2-135M-Instruct-MoE8-top4-mirror.Q4_1.gguf";
+    if (!g_model || access(path, R_OK)) cr_skip_test("%s absent: run `make deps`", path);
+    en_model *dense = g_model;
+    km_errbuf err = {{0}};
+    cr_assert_eq(en_model_load(path, &g_model, &err), 0, "%s", err.msg); /* what sched() runs */
+    cr_assert_gt(en_model_hparams(g_model)->n_expert, 0);
+    en_engine *e;
+    en_sched *s = sched(&e);
+    prompt a, b;
+    const int ab[2] = {0, 1}, ba[2] = {1, 0};
+    build(&a, "Read the two texts below.", ab, 2, " Which animal jumps?");
+    build(&b, "Here are two documents, answer after them.", ba, 2, " What is granted?");
+    cr_assert_eq(run(s, &a, 1, NULL).u.chunk_tokens, 0);
+    got gb = run(s, &b, 1, NULL);
+    const int want = b.seg[0].n / 16 * 16 + b.seg[1].n / 16 * 16;
+    cr_assert_eq(gb.u.chunk_tokens, want, "whole pages of both chunks reused (%d)", want);
+    cr_assert_eq(gb.n, 4);
+    en_sched_destroy(s);
+    en_engine_destroy(e);
+    en_model_free(g_model);
+    g_model = dense;
 }
 
 /* The last chunk is computed in full: looked up (stored already, so not queued again), never
