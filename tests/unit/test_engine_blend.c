@@ -212,6 +212,39 @@ static float kv_diff(kv_store *kv, const kv_seq *a, const kv_seq *b, int l, int 
 
 /* en_batch.depth_kv (the probe): tokens of depth d also write layer d's K/V, those a full
  * computation writes there; without it, layer d is not written. */
+/* The logits of ids' last token, every token computed (in a sequence of its own). */
+static void full_logits(en_engine *e, const int32_t *ids, int n, float *out)
+{
+    kv_seq *q;
+    cr_assert_eq(kv_seq_create(en_engine_kv(e), &q), 0);
+    prefill(e, q, ids, n, out);
+    kv_seq_destroy(en_engine_kv(e), q);
+}
+
+/* The two-document prompt of the tests below: the system line, doc2, doc1, the question; *ns is
+ * the system line's length, len the documents'. Returns the prompt's. */
+static int two_docs(int32_t *ids, int *ns, int *len)
+{
+    *ns = encode(k_sys, ids, 64);
+    len[0] = encode(k_doc2, ids + *ns, 128);
+    len[1] = encode(k_doc1, ids + *ns + len[0], 128);
+    return *ns + len[0] + len[1] + encode(k_q, ids + *ns + len[0] + len[1], 64);
+}
+
+/* Its documents cached alone (each at a position other than its place) and attached: c[d] holds
+ * document d's pages, seg[d] its place in the prompt and the tokens held. */
+static void store_docs(en_engine *e, const int32_t *ids, int ns, const int *len, en_blend_seg *seg,
+                       kv_seq **c)
+{
+    const en_blend_key key = {.seed = en_blend_chunk_seed(km_pagehash_seed(NULL, 0, 7, NULL, 0))};
+    const int at[2] = {ns, ns + len[0]};
+    for (int d = 0; d < 2; d++) {
+        cr_assert_eq(en_blend_chunk_store(e, &key, ids + at[d], len[d]), 0);
+        seg[d] = (en_blend_seg){at[d], en_blend_chunk_attach(e, &key, ids + at[d], len[d], &c[d])};
+        cr_assert_gt(seg[d].n, 0);
+    }
+}
+
 Test(engine_blend, depth_kv_writes_the_next_layers_kv_and_no_more, .init = setup, .fini = teardown,
      .timeout = 300)
 {
@@ -256,30 +289,21 @@ Test(engine_blend, recompute_moves_toward_full_recomputation, .init = setup, .fi
     en_engine *e = engine(KN_KV_F16);
     kv_store *kv = en_engine_kv(e);
     int32_t ids[512];
-    const int ns = encode(k_sys, ids, 64);
-    const int n2 = encode(k_doc2, ids + ns, 128);
-    const int n1 = encode(k_doc1, ids + ns + n2, 128);
-    const int n = ns + n2 + n1 + encode(k_q, ids + ns + n2 + n1, 64);
+    int ns, len[2];
+    const int n = two_docs(ids, &ns, len);
     float *full = malloc(sizeof(float) * nv), *blend = malloc(sizeof(float) * nv);
     kv_seq *q, *c[2];
-    cr_assert_eq(kv_seq_create(kv, &q), 0);
-    prefill(e, q, ids, n, full);
-    kv_seq_destroy(kv, q);
+    full_logits(e, ids, n, full);
     /* the documents cached alone (doc1 first: both at positions other than here) */
-    const en_blend_key key = {.seed = en_blend_chunk_seed(km_pagehash_seed(NULL, 0, 7, NULL, 0))};
-    const int at[2] = {ns, ns + n2}, len[2] = {n2, n1};
     en_blend_seg seg[2];
-    for (int d = 0; d < 2; d++) {
-        cr_assert_eq(en_blend_chunk_store(e, &key, ids + at[d], len[d]), 0);
-        seg[d] = (en_blend_seg){at[d], en_blend_chunk_attach(e, &key, ids + at[d], len[d], &c[d])};
-        cr_assert_gt(seg[d].n, 0);
-    }
+    store_docs(e, ids, ns, len, seg, c);
     const float fr[] = {0, 0.15f, 1};
     double d[3];
     int recomputed[3];
     for (int f = 0; f < 3; f++) {
         cr_assert_eq(kv_seq_create(kv, &q), 0);
-        for (int s = 0; s < 2; s++) cr_assert_eq(en_blend_copy(e, c[s], 0, q, at[s], seg[s].n), 0);
+        for (int s = 0; s < 2; s++)
+            cr_assert_eq(en_blend_copy(e, c[s], 0, q, seg[s].start, seg[s].n), 0);
         const en_blend_opts o = {.fraction = fr[f], .reuse_last = 1};
         en_blend_stats st;
         const float *lg;
@@ -306,7 +330,8 @@ Test(engine_blend, recompute_moves_toward_full_recomputation, .init = setup, .fi
     cr_expect_lt(d[1], d[0], "recomputing 15%% beats reuse alone");
     /* by default the last chunk, the one the question follows, is computed in full */
     cr_assert_eq(kv_seq_create(kv, &q), 0);
-    for (int s = 0; s < 2; s++) cr_assert_eq(en_blend_copy(e, c[s], 0, q, at[s], seg[s].n), 0);
+    for (int s = 0; s < 2; s++)
+        cr_assert_eq(en_blend_copy(e, c[s], 0, q, seg[s].start, seg[s].n), 0);
     prefill(e, q, ids, ns, NULL);
     en_blend_stats st;
     const float *lg;
@@ -334,19 +359,11 @@ Test(engine_blend, a_prefill_in_pieces_is_the_prefill_in_one_pass, .init = setup
     en_engine *e = engine(KN_KV_F16);
     kv_store *kv = en_engine_kv(e);
     int32_t ids[512];
-    const int ns = encode(k_sys, ids, 64);
-    const int n2 = encode(k_doc2, ids + ns, 128);
-    const int n1 = encode(k_doc1, ids + ns + n2, 128);
-    const int n = ns + n2 + n1 + encode(k_q, ids + ns + n2 + n1, 64);
-    const en_blend_key key = {.seed = en_blend_chunk_seed(km_pagehash_seed(NULL, 0, 7, NULL, 0))};
-    const int at[2] = {ns, ns + n2}, len[2] = {n2, n1};
+    int ns, len[2];
+    const int n = two_docs(ids, &ns, len);
     en_blend_seg seg[2];
     kv_seq *c[2], *q[2];
-    for (int d = 0; d < 2; d++) {
-        cr_assert_eq(en_blend_chunk_store(e, &key, ids + at[d], len[d]), 0);
-        seg[d] = (en_blend_seg){at[d], en_blend_chunk_attach(e, &key, ids + at[d], len[d], &c[d])};
-        cr_assert_gt(seg[d].n, 0);
-    }
+    store_docs(e, ids, ns, len, seg, c);
     const en_blend_opts o = {.fraction = 0.15f, .reuse_last = 1};
     const int end = seg[1].start + seg[1].n;
     float *one = malloc(sizeof(float) * nv);
@@ -355,7 +372,7 @@ Test(engine_blend, a_prefill_in_pieces_is_the_prefill_in_one_pass, .init = setup
     for (int k = 0; k < 2; k++) {
         cr_assert_eq(kv_seq_create(kv, &q[k]), 0);
         for (int s = 0; s < 2; s++)
-            cr_assert_eq(en_blend_copy(e, c[s], 0, q[k], at[s], seg[s].n), 0);
+            cr_assert_eq(en_blend_copy(e, c[s], 0, q[k], seg[s].start, seg[s].n), 0);
         prefill(e, q[k], ids, ns, NULL);
     }
     cr_assert_eq(en_blend_prefill(e, q[0], ids, n, ns, seg, 2, &o, &st[0], &lg), 0);
@@ -441,24 +458,14 @@ Test(engine_blend, moe_layers_take_the_blend_path, .init = setup, .fini = teardo
     en_engine *e = engine(KN_KV_F16);
     kv_store *kv = en_engine_kv(e);
     int32_t ids[512];
-    const int ns = encode(k_sys, ids, 64);
-    const int n2 = encode(k_doc2, ids + ns, 128);
-    const int n1 = encode(k_doc1, ids + ns + n2, 128);
-    const int n = ns + n2 + n1 + encode(k_q, ids + ns + n2 + n1, 64);
+    int ns, len[2];
+    const int n = two_docs(ids, &ns, len);
     float *full = malloc(sizeof(float) * nv), *lg[4];
     for (int k = 0; k < 4; k++) lg[k] = malloc(sizeof(float) * nv);
-    kv_seq *q, *c[2];
-    cr_assert_eq(kv_seq_create(kv, &q), 0);
-    prefill(e, q, ids, n, full);
-    kv_seq_destroy(kv, q);
-    const en_blend_key key = {.seed = en_blend_chunk_seed(km_pagehash_seed(NULL, 0, 7, NULL, 0))};
-    const int at[2] = {ns, ns + n2}, len[2] = {n2, n1};
+    kv_seq *c[2];
+    full_logits(e, ids, n, full);
     en_blend_seg seg[2];
-    for (int d = 0; d < 2; d++) {
-        cr_assert_eq(en_blend_chunk_store(e, &key, ids + at[d], len[d]), 0);
-        seg[d] = (en_blend_seg){at[d], en_blend_chunk_attach(e, &key, ids + at[d], len[d], &c[d])};
-        cr_assert_gt(seg[d].n, 0);
-    }
+    store_docs(e, ids, ns, len, seg, c);
     const en_blend_opts all = {.fraction = 1, .probe_layer = hp->n_layers - 1, .reuse_last = 1},
                         none = {.reuse_last = 1}, half = {.fraction = 0.5f, .reuse_last = 1};
     moe_blend(e, ids, n, ns, seg, c, &all, 0, lg[0]);

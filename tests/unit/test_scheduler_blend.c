@@ -83,6 +83,14 @@ static void build(prompt *p, const char *lead, const int *order, int nd, const c
     p->n += n;
 }
 
+/* Two prompts with the first two documents in opposite orders after different lead lines. */
+static void two_prompts(prompt *a, prompt *b)
+{
+    const int ab[2] = {0, 1}, ba[2] = {1, 0};
+    build(a, "Read the two texts below.", ab, 2, " Which animal jumps?");
+    build(b, "Here are two documents, answer after them.", ba, 2, " What is granted?");
+}
+
 /* kv_bytes 0: the engine's default store; fraction < -1: the default recompute fraction;
  * prefill_chunk 0: max_batch_tokens. */
 static en_sched *sched_opts(en_engine **e, size_t kv_bytes, float fraction, int prefill_chunk)
@@ -137,9 +145,7 @@ Test(sched_blend, a_chunk_seen_once_is_reused_elsewhere_and_never_a_prefix)
     en_engine *e;
     en_sched *s = sched(&e);
     prompt a, b;
-    const int ab[2] = {0, 1}, ba[2] = {1, 0};
-    build(&a, "Read the two texts below.", ab, 2, " Which animal jumps?");
-    build(&b, "Here are two documents, answer after them.", ba, 2, " What is granted?");
+    two_prompts(&a, &b);
     got ga = run(s, &a, 1, NULL);
     cr_assert_eq(ga.u.chunk_tokens, 0, "nothing cached yet: computed in full");
     en_sched_stats st;
@@ -180,9 +186,7 @@ Test(sched_blend, an_moe_model_reuses_chunks)
     en_engine *e;
     en_sched *s = sched(&e);
     prompt a, b;
-    const int ab[2] = {0, 1}, ba[2] = {1, 0};
-    build(&a, "Read the two texts below.", ab, 2, " Which animal jumps?");
-    build(&b, "Here are two documents, answer after them.", ba, 2, " What is granted?");
+    two_prompts(&a, &b);
     cr_assert_eq(run(s, &a, 1, NULL).u.chunk_tokens, 0);
     got gb = run(s, &b, 1, NULL);
     const int want = b.seg[0].n / 16 * 16 + b.seg[1].n / 16 * 16;
