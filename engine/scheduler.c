@@ -60,9 +60,6 @@ double en_units(const en_sched *s, int pos, int n, int want)
     return n * s->u_tok + attended * s->u_att + (want ? s->u_row : 0);
 }
 
-/* The most tokens of r's prompt this step can still take within its budget: what the budget
- * leaves after the step's blend pieces and its batch so far, but at least a page (or what is
- * left of the prompt). */
 void en_sched_learn_cost(en_sched *s, double per)
 {
     double *est = &s->st.ns_per_unit;
@@ -75,6 +72,9 @@ double en_budget_room(const en_sched *s)
     return s->o.step_budget_ms * 1e6 / s->st.ns_per_unit - s->step_units - s->blend_units;
 }
 
+/* The most tokens of r's prompt this step can still take within its budget: what the budget
+ * leaves after the step's blend pieces and its batch so far, but at least a page (or what is
+ * left of the prompt). */
 int en_budget_take(en_sched *s, const en_rq *r, int take)
 {
     const double cap = en_budget_room(s);

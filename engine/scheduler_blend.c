@@ -30,8 +30,8 @@
  *  - A preempted request is re-admitted without reuse (its pages past publish_end were never
  *    published, so it recomputes them in full): correct, only slower. A migrated request is a
  *    new submission on another worker and may reuse chunks there.
- *  - Only over en_sched_create (the real engine and the tokenizer that makes the preamble) and a
- *    dense model; otherwise chunks are computed in full and nothing is stored.
+ *  - Only over en_sched_create (the real engine and the tokenizer that makes the preamble),
+ *    dense or MoE; otherwise chunks are computed in full and nothing is stored.
  */
 #include <limits.h>
 #include <math.h>
