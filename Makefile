@@ -148,6 +148,34 @@ $(OBJ)/%.o: %.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) -c $< -o $@
 
+# Under SAN=1 the SIMD arithmetic (matmul, quantization, attention: KERNELS_HOT_SRC) is built at
+# -O2 with UBSan and without ASan into the library everything links, and a second time with
+# both into libkmkernels_asan.a, which the suites that hold those kernels to their references
+# (KERNEL_SUITES) link instead. Instrumented, their vector loads made the model-running suites
+# spend most of their time in ASan's shadow checks (tests/README.md, "The ASan build").
+KERNELS_HOT_SRC := $(wildcard $(addprefix kernels/cpu/,quant_avx*.c ops_avx*.c attn_kv_avx*.c))
+KERNEL_SUITES := test_kernels_quant test_kernels_ops test_kvshard_format test_sparse
+ifeq ($(SAN),1)
+KERNELS_HOT_FLAGS := $(filter-out -fsanitize=% $(OPT),$(CFLAGS_BASE)) -O2 -g -fsanitize=undefined
+$(call objs,$(KERNELS_HOT_SRC)): CFLAGS_BASE := $(KERNELS_HOT_FLAGS)
+LIB_KERNELS_ASAN := $(BUILD)/lib/libkmkernels_asan.a
+$(OBJ)/asan/%_avx2.o: %_avx2.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_BASE) $(AVX2_FLAGS) -c $< -o $@
+$(OBJ)/asan/%_avx512.o: %_avx512.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_BASE) $(AVX512_FLAGS) -c $< -o $@
+$(LIB_KERNELS_ASAN): $(call objs,$(filter-out $(KERNELS_HOT_SRC),$(KERNELS_SRC))) \
+  $(patsubst %.c,$(OBJ)/asan/%.o,$(KERNELS_HOT_SRC))
+# Every link wraps the SIMD tables' entry points in tests/san/kernel_bounds.c's checks of the
+# caller's buffers (its opening comment says why).
+KERNELS_WRAP := $(foreach isa,avx2 avx512,$(foreach f,quantize_row dequantize_row matmul \
+  matmul_packed rmsnorm rope silu_mul add f32_to_f16 f16_to_f32 attention attention_multi, \
+  -Wl,--wrap=kn_$(f)_$(isa)))
+LDFLAGS += $(KERNELS_WRAP)
+$(LIB_KERNELS) $(LIB_KERNELS_ASAN): $(OBJ)/tests/san/kernel_bounds.o
+endif
+
 $(LIB_COMMON): $(call objs,$(COMMON_SRC))
 $(LIB_MODEL): $(call objs,$(MODEL_SRC))
 $(LIB_KERNELS): $(call objs,$(KERNELS_SRC))
@@ -278,6 +306,12 @@ endif
 $(TESTBIN)/%: $(OBJ)/tests/unit/%.o $(TEST_RUNNER) $(TEST_ARCHIVES)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS) -o $@ $^ $(TEST_LIBS) $(LDLIBS)
+ifeq ($(SAN),1)
+$(addprefix $(TESTBIN)/,$(KERNEL_SUITES)): $(TESTBIN)/%: $(OBJ)/tests/unit/%.o \
+  $(subst $(LIB_KERNELS),$(LIB_KERNELS_ASAN),$(TEST_ARCHIVES))
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $^ $(TEST_LIBS) $(LDLIBS)
+endif
 
 $(TESTBIN)/test_xfer_peer $(TESTBIN)/test_xfer_proc: $(OBJ)/tests/xfer_harness.o
 $(TESTBIN)/test_xfer_peer $(TESTBIN)/test_xfer_proc: LDLIBS += $(UCX_LIBS)
