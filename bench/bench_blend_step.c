@@ -45,13 +45,6 @@ static void on_error(void *ctx, void *user, int code, const char *msg, const en_
     fprintf(stderr, "request failed: %d %s\n", code, msg);
 }
 
-static double cpu_ms(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
-    return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
-}
-
 /* A slice from the middle of a text file, tokenized; 0 when it cannot be read. */
 static int read_doc(const md_tokenizer *tok, const char *path, int32_t *out, int max)
 {
@@ -113,9 +106,9 @@ static void run(const en_model *m, int threads, int chunk, int budget_ms, int32_
     int steps = 0;
     double sum = 0, longest = 0;
     while (g_tok[1] == before) {
-        const double c0 = cpu_ms();
+        const double c0 = bench_cpu_ms();
         en_sched_step(s);
-        const double c = cpu_ms() - c0;
+        const double c = bench_cpu_ms() - c0;
         sum += c, longest = c > longest ? c : longest, steps++;
     }
     const double ttft = (km_now_ns() - t0) / 1e6;

@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 /* The 1-minute load average, -1 when /proc/loadavg cannot be read. */
 static inline double bench_load1(void)
@@ -37,6 +38,14 @@ static inline int bench_cmp_u64(const void *a, const void *b)
 }
 
 /* p-quantile of v[0..n) by nearest rank; sorts v. 0 for no samples. */
+/* The process's CPU time so far, in ms (every thread's). */
+static inline double bench_cpu_ms(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+    return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
+}
+
 static inline double bench_pct(double *v, size_t n, double p)
 {
     if (!n) return 0;

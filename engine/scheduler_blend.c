@@ -102,6 +102,17 @@ static en_blend_opts en_blend_sched_opts(const en_sched *s)
     return (en_blend_opts){.fraction = f, .reuse_last = 1}; /* the last chunk is not in reused */
 }
 
+/* A blend prefill that failed: the batch computes the prompt in full from n_done instead. */
+static void en_rq_blend_fail(en_rq *r, int rc)
+{
+    KM_WARN("sched_blend", "rid=%llu err=%s: computed in full", (unsigned long long)r->rid,
+            km_strerror(rc));
+    en_blend_run_end(r->bl, NULL);
+    r->bl = NULL;
+    r->n_reused = 0;
+    r->publish_end = INT_MAX;
+}
+
 void en_rq_blend_attach(en_sched *s, en_rq *r)
 {
     r->n_reused = 0, r->publish_end = INT_MAX; /* a re-admission computes in full */
@@ -138,26 +149,12 @@ void en_rq_blend_attach(en_sched *s, en_rq *r)
         const en_blend_opts o = en_blend_sched_opts(s);
         int rc = en_blend_run_begin(e, r->seq, r->tokens, r->n_tok, r->n_done, g->start + g->n,
                                     r->reused, r->n_reused, &o, &r->bl);
-        if (rc) { /* the batch computes the prompt in full from n_done instead */
-            KM_WARN("sched_blend", "rid=%llu err=%s: computed in full", (unsigned long long)r->rid,
-                    km_strerror(rc));
-            r->n_reused = 0;
-        } else {
+        if (rc)
+            en_rq_blend_fail(r, rc);
+        else
             r->publish_end = r->reused[0].start / s->pt * s->pt;
-        }
     }
     s->st.chunk_misses += (uint64_t)__builtin_popcountll(r->chunk_missed);
-}
-
-/* A blend prefill that failed: the batch computes the prompt in full from n_done instead. */
-static void en_rq_blend_fail(en_rq *r, int rc)
-{
-    KM_WARN("sched_blend", "rid=%llu err=%s: computed in full", (unsigned long long)r->rid,
-            km_strerror(rc));
-    en_blend_run_end(r->bl, NULL);
-    r->bl = NULL;
-    r->n_reused = 0;
-    r->publish_end = INT_MAX;
 }
 
 int en_sched_blend(en_sched *s)
